@@ -1,1 +1,39 @@
-pub fn x(){}
+//! `cuda-core`: the safe foundation of `cuda-async` over [`cudarc`].
+//!
+//! Device inventory, host callbacks on streams, module loading (PTX text, or
+//! CUDA C through NVRTC with a per-device cache), typed device buffers,
+//! self-protecting pinned host buffers, and one error type that names the
+//! failing driver call. Nothing here is async.
+//!
+//! Without an NVIDIA driver every entry point returns [`Error::NoDriver`]
+//! (cudarc would panic; we check first).
+//!
+//! # Examples
+//!
+//! ```no_run
+//! use cuda_core::{Device, Module};
+//! let dev = Device::new(0)?;
+//! println!("{:?}", dev.info()?);
+//! let m = Module::from_cuda(&dev, r#"extern "C" __global__ void k(int* p) { *p = 7; }"#, &[])?;
+//! let _k = m.kernel("k")?;
+//! # Ok::<(), cuda_core::Error>(())
+//! ```
+
+pub mod buffer;
+pub mod callback;
+pub mod device;
+pub mod error;
+pub mod module;
+pub mod pinned;
+pub mod reclaim;
+
+pub use buffer::DeviceBuffer;
+pub use callback::launch_host_callback;
+pub use device::{device_count, devices, driver_present, nvrtc_present, Device, DeviceInfo};
+pub use error::{is_sticky, panic_message, Error, Result};
+pub use module::{fnv1a64, parse_ptx_entries, Kernel, Module, ParamClass, ParamSpec};
+pub use pinned::PinnedBuffer;
+
+/// The cudarc crate this is built on, for interop.
+pub use cudarc;
+pub use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, ValidAsZeroBits};

@@ -1,0 +1,307 @@
+//! The completion handoff between the GPU and a [`DeviceFuture`]:
+//! a flag, an error slot and a waker, shared by the future and the one host
+//! callback enqueued after its work.
+//!
+//! The host callback (on the driver's callback thread) only stores the flag
+//! and wakes: no CUDA call, no allocation, no lock. Because the driver never
+//! runs host functions after a sticky fault, a watchdog thread fails futures
+//! whose stream reports such an error, so nothing hangs.
+//!
+//! [`DeviceFuture`]: crate::DeviceFuture
+
+use std::sync::OnceLock;
+use std::task::Waker;
+
+use cuda_core::Error;
+
+use crate::sync::{AtomicU8, Ordering};
+use crate::waker::AtomicWaker;
+
+const PENDING: u8 = 0;
+const DONE: u8 = 1;
+const FAILED: u8 = 2;
+
+/// What a future checks when polled.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Status {
+    Pending,
+    Done,
+    Failed,
+}
+
+/// Shared completion state of one submission.
+#[derive(Debug)]
+pub(crate) struct Completion {
+    state: AtomicU8,
+    error: OnceLock<Error>,
+    waker: AtomicWaker,
+}
+
+impl Completion {
+    pub(crate) fn new() -> Self {
+        Completion { state: AtomicU8::new(PENDING), error: OnceLock::new(), waker: AtomicWaker::new() }
+    }
+
+    /// Producer: the GPU passed the submission. Sets the flag, then wakes.
+    pub(crate) fn complete(&self) {
+        if self
+            .state
+            .compare_exchange(PENDING, DONE, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            self.waker.wake();
+        }
+    }
+
+    /// Producer: the submission can never complete (sticky fault).
+    pub(crate) fn fail(&self, error: Error) {
+        let _ = self.error.set(error);
+        if self
+            .state
+            .compare_exchange(PENDING, FAILED, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            self.waker.wake();
+        }
+    }
+
+    /// Consumer: registers `waker`, then re-checks the flag.
+    pub(crate) fn poll_status(&self, waker: &Waker) -> Status {
+        let s = self.status();
+        if s != Status::Pending {
+            return s;
+        }
+        self.waker.register(waker);
+        self.status()
+    }
+
+    pub(crate) fn status(&self) -> Status {
+        match self.state.load(Ordering::Acquire) {
+            PENDING => Status::Pending,
+            DONE => Status::Done,
+            _ => Status::Failed,
+        }
+    }
+
+    pub(crate) fn is_finished(&self) -> bool {
+        self.state.load(Ordering::Acquire) != PENDING
+    }
+
+    /// The error of a failed submission.
+    pub(crate) fn error(&self) -> Error {
+        self.error.get().cloned().unwrap_or_else(|| {
+            Error::InvalidArgument("submission failed without an error".into())
+        })
+    }
+}
+
+#[cfg(not(loom))]
+pub(crate) mod watchdog {
+    //! Fails futures whose stream hit a sticky error (the driver never runs
+    //! their host callbacks), and remembers that the process is poisoned.
+    //!
+    //! Submissions register `(completion, stream)`; the watchdog thread wakes
+    //! every `TICK` while any is registered, forgets finished ones, and asks
+    //! each stream with pending work for its status (`cuStreamQuery`). It
+    //! sleeps (parked, no CPU) while nothing is registered.
+
+    use std::sync::{Arc, Mutex, OnceLock};
+    use std::thread::Thread;
+    use std::time::Duration;
+
+    use cuda_core::cudarc::driver::{sys, CudaStream};
+    use cuda_core::Error;
+
+    use super::Completion;
+    use crate::sync::{AtomicUsize, Ordering};
+
+    const TICK: Duration = Duration::from_millis(20);
+    const SHARDS: usize = 16;
+
+    type Entry = (Arc<Completion>, Arc<CudaStream>);
+
+    struct Registry {
+        shards: Vec<Mutex<Vec<Entry>>>,
+        count: AtomicUsize,
+        thread: Thread,
+    }
+
+    static POISON: OnceLock<Error> = OnceLock::new();
+
+    /// The sticky error, once any stream of the process reported one.
+    pub(crate) fn poisoned() -> Option<Error> {
+        POISON.get().cloned()
+    }
+
+    /// Records a sticky error seen anywhere (a failed sync, say).
+    pub(crate) fn note_error(e: &Error) {
+        if e.is_sticky() {
+            let _ = POISON.set(e.clone());
+        }
+    }
+
+    fn registry() -> &'static Registry {
+        static REG: OnceLock<Registry> = OnceLock::new();
+        REG.get_or_init(|| {
+            let thread = std::thread::Builder::new()
+                .name("cuda-async-watchdog".into())
+                .spawn(run)
+                .expect("failed to spawn the cuda-async watchdog thread")
+                .thread()
+                .clone();
+            Registry {
+                shards: (0..SHARDS).map(|_| Mutex::new(Vec::new())).collect(),
+                count: AtomicUsize::new(0),
+                thread,
+            }
+        })
+    }
+
+    fn shard_index() -> usize {
+        use std::cell::Cell;
+        thread_local!(static IDX: Cell<usize> = const { Cell::new(usize::MAX) });
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        IDX.with(|i| {
+            if i.get() == usize::MAX {
+                i.set(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % SHARDS);
+            }
+            i.get()
+        })
+    }
+
+    /// Watches `completion` until it finishes.
+    pub(crate) fn watch(completion: &Arc<Completion>, stream: &Arc<CudaStream>) {
+        let reg = registry();
+        reg.shards[shard_index()]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((completion.clone(), stream.clone()));
+        if reg.count.fetch_add(1, Ordering::AcqRel) == 0 {
+            reg.thread.unpark();
+        }
+    }
+
+    fn run() {
+        // Blocks until `registry()`'s initialiser (which spawned us) is done.
+        let reg = registry();
+        loop {
+            if reg.count.load(Ordering::Acquire) == 0 {
+                // `watch` unparks us when the count leaves zero; an unpark
+                // that comes first makes this park return at once.
+                std::thread::park();
+                continue;
+            }
+            std::thread::sleep(TICK);
+            tick(reg);
+        }
+    }
+
+    fn tick(reg: &Registry) {
+        let mut pending: Vec<Entry> = Vec::new();
+        let mut removed = 0usize;
+        for shard in &reg.shards {
+            let mut v = shard.lock().unwrap_or_else(|e| e.into_inner());
+            let before = v.len();
+            v.retain(|(c, _)| !c.is_finished());
+            removed += before - v.len();
+            pending.extend(v.iter().cloned());
+        }
+        if removed > 0 {
+            reg.count.fetch_sub(removed, Ordering::AcqRel);
+        }
+        if pending.is_empty() {
+            return;
+        }
+        // One query per distinct stream.
+        let mut checked: Vec<(sys::CUstream, Option<Error>)> = Vec::new();
+        for (c, s) in &pending {
+            let raw = s.cu_stream();
+            let err = match checked.iter().find(|(r, _)| *r == raw) {
+                Some((_, e)) => e.clone(),
+                None => {
+                    let e = query(s);
+                    checked.push((raw, e.clone()));
+                    e
+                }
+            };
+            if let Some(e) = err.or_else(poisoned) {
+                c.fail(e);
+            }
+        }
+    }
+
+    fn query(s: &CudaStream) -> Option<Error> {
+        if s.context().bind_to_thread().is_err() {
+            return None;
+        }
+        // SAFETY: `s` is a live stream (we hold its Arc); cuStreamQuery has
+        // no other precondition.
+        let rc = unsafe { sys::cuStreamQuery(s.cu_stream()) };
+        match rc {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_NOT_READY => None,
+            code if cuda_core::is_sticky(code) => {
+                let e = Error::driver("cuStreamQuery", cuda_core::cudarc::driver::DriverError(code));
+                note_error(&e);
+                Some(e)
+            }
+            _ => None,
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Arc;
+    use std::task::Wake;
+
+    struct Counter(AtomicUsize);
+    impl Wake for Counter {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn pending_until_completed_then_woken_once() {
+        let c = Completion::new();
+        let count = Arc::new(Counter(AtomicUsize::new(0)));
+        let w = Waker::from(count.clone());
+        assert_eq!(c.poll_status(&w), Status::Pending);
+        c.complete();
+        c.complete();
+        assert_eq!(count.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(c.poll_status(&w), Status::Done);
+    }
+
+    #[test]
+    fn fail_carries_the_error_and_first_outcome_wins() {
+        let c = Completion::new();
+        c.fail(Error::InvalidArgument("x".into()));
+        c.complete();
+        assert_eq!(c.status(), Status::Failed);
+        assert!(c.error().to_string().contains("x"));
+        let d = Completion::new();
+        d.complete();
+        d.fail(Error::InvalidArgument("late".into()));
+        assert_eq!(d.status(), Status::Done);
+    }
+
+    #[test]
+    fn completion_from_another_thread_wakes_the_registered_waker() {
+        for _ in 0..1000 {
+            let c = Arc::new(Completion::new());
+            let count = Arc::new(Counter(AtomicUsize::new(0)));
+            let w = Waker::from(count.clone());
+            let c2 = c.clone();
+            let t = std::thread::spawn(move || c2.complete());
+            let first = c.poll_status(&w);
+            t.join().unwrap();
+            // Either the poll saw completion, or the producer woke us.
+            let woken = count.0.load(std::sync::atomic::Ordering::SeqCst);
+            assert!(first == Status::Done || woken == 1, "lost wake-up");
+            assert_eq!(c.status(), Status::Done);
+        }
+    }
+}

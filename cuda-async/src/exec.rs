@@ -1,0 +1,84 @@
+//! Blocking and detached execution.
+
+use cuda_core::cudarc::driver::CudaStream;
+use cuda_core::{Error, Result};
+
+use crate::completion::watchdog;
+use crate::context::{ExecutionContext, Retained};
+use crate::op::DeviceOp;
+
+/// Fails fast once the process's CUDA state is poisoned.
+pub(crate) fn check_poison() -> Result<()> {
+    match watchdog::poisoned() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// Records sticky errors so every later op fails fast.
+pub(crate) fn note(e: Error) -> Error {
+    watchdog::note_error(&e);
+    e
+}
+
+pub(crate) fn run_blocking<O: DeviceOp>(op: O, mut ctx: ExecutionContext) -> Result<O::Output> {
+    check_poison()?;
+    // SAFETY: we synchronize the stream below before returning the output or
+    // dropping the retained values, on success and on error alike.
+    let out = unsafe { op.execute(&mut ctx) };
+    let retained = ctx.take_retained();
+    let synced = ctx
+        .stream()
+        .synchronize()
+        .map_err(|e| note(Error::driver("cuStreamSynchronize", e)));
+    match synced {
+        Ok(()) => {
+            drop(retained);
+            out.map_err(note)
+        }
+        Err(e) => {
+            // The GPU may never finish what it was doing: keep, never free.
+            std::mem::forget(retained);
+            drop(out);
+            Err(e)
+        }
+    }
+}
+
+/// # Safety
+/// See `DeviceOpExt::async_on`.
+pub(crate) unsafe fn run_detached<O: DeviceOp>(
+    op: O,
+    mut ctx: ExecutionContext,
+) -> Result<O::Output> {
+    check_poison()?;
+    // SAFETY: retained values are released only after the stream passes the
+    // work (below); output access is the caller's contract.
+    let out = unsafe { op.execute(&mut ctx) };
+    let retained = ctx.take_retained();
+    release_after(ctx.stream(), retained);
+    out.map_err(note)
+}
+
+/// Drops `retained` on the reclaimer thread once `stream` has passed the
+/// work enqueued so far; never blocks the caller.
+pub(crate) fn release_after(stream: &CudaStream, retained: Retained) {
+    if retained.is_empty() {
+        return;
+    }
+    let ev = match stream.record_event(None) {
+        Ok(ev) => ev,
+        Err(_) => {
+            // Cannot tell when the GPU is done: leak rather than free early.
+            std::mem::forget(retained);
+            return;
+        }
+    };
+    cuda_core::reclaim::defer(move || {
+        if ev.synchronize().is_ok() {
+            drop(retained);
+        } else {
+            std::mem::forget(retained);
+        }
+    });
+}

@@ -1,0 +1,200 @@
+//! [`DeviceFuture`]: an op in flight, completed by a host callback.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread::Thread;
+
+use cuda_core::{Error, Result};
+
+use crate::completion::{watchdog, Completion, Status};
+use crate::context::{ExecutionContext, Retained};
+use crate::exec::{check_poison, note, release_after};
+use crate::op::DeviceOp;
+use crate::policy::{default_policy, SchedulingPolicy};
+
+/// A [`DeviceOp`] being executed: Idle -> Executing -> Complete.
+///
+/// The first poll enqueues the op's work on its stream, then one host
+/// callback (`cuLaunchHostFunc`) after it, and returns `Pending`; the
+/// callback flips a flag and wakes the task. No thread blocks or spins while
+/// the GPU works, and the future runs on any executor.
+///
+/// # Cancel safety
+///
+/// Dropping the future before its first poll enqueues nothing. Dropping it
+/// (or `mem::forget`ting it) after the first poll does not cancel GPU work
+/// already enqueued: that work runs to completion. Nothing it uses is freed
+/// or reused before the GPU has passed it: device buffers are freed
+/// stream-ordered after their last use, pinned host buffers wait for their
+/// copies on a background thread, and other retained values (kernel modules)
+/// are handed to that thread until the host callback reports completion.
+/// Dropping never blocks the dropping thread. `mem::forget` leaks them.
+#[must_use = "futures do nothing unless polled; a DeviceFuture enqueues its work on first poll"]
+pub struct DeviceFuture<O: DeviceOp> {
+    state: State<O>,
+}
+
+enum State<O: DeviceOp> {
+    /// Not yet submitted; the default policy picks the stream on first poll.
+    Lazy(O),
+    /// Not yet submitted; the stream is chosen.
+    Ready(O, ExecutionContext),
+    /// Submitted; waiting for the host callback.
+    Executing { output: Option<O::Output>, completion: Arc<Completion>, retained: Retained },
+    /// Output handed out.
+    Complete,
+}
+
+// The future never pins its fields (nothing is polled in place), so it can
+// be moved freely between polls.
+impl<O: DeviceOp> Unpin for DeviceFuture<O> {}
+
+impl<O: DeviceOp> fmt::Debug for DeviceFuture<O> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match &self.state {
+            State::Lazy(_) | State::Ready(..) => "Idle",
+            State::Executing { .. } => "Executing",
+            State::Complete => "Complete",
+        };
+        f.debug_struct("DeviceFuture").field("state", &s).finish()
+    }
+}
+
+impl<O: DeviceOp> DeviceFuture<O> {
+    pub(crate) fn lazy(op: O) -> Self {
+        DeviceFuture { state: State::Lazy(op) }
+    }
+
+    pub(crate) fn ready(op: O, ctx: ExecutionContext) -> Self {
+        DeviceFuture { state: State::Ready(op, ctx) }
+    }
+
+    /// Whether the work has been enqueued.
+    pub fn is_submitted(&self) -> bool {
+        matches!(self.state, State::Executing { .. } | State::Complete)
+    }
+
+    fn submit(op: O, mut ctx: ExecutionContext) -> Result<State<O>> {
+        check_poison()?;
+        // SAFETY: retained values stay in the `Executing` state until the
+        // host callback reports completion (or go to the reclaimer on drop,
+        // which waits for the same callback); the output is only handed out
+        // once the callback has run.
+        let out = unsafe { op.execute(&mut ctx) };
+        let mut retained = ctx.take_retained();
+        let output = match out {
+            Ok(o) => o,
+            Err(e) => {
+                release_after(ctx.stream(), retained);
+                return Err(note(e));
+            }
+        };
+        let completion = Arc::new(Completion::new());
+        let c = completion.clone();
+        if let Err(e) = cuda_core::launch_host_callback(ctx.stream(), move || c.complete()) {
+            release_after(ctx.stream(), std::mem::take(&mut retained));
+            drop(output);
+            return Err(note(e));
+        }
+        watchdog::watch(&completion, ctx.stream());
+        Ok(State::Executing { output: Some(output), completion, retained })
+    }
+}
+
+impl<O: DeviceOp> Future for DeviceFuture<O> {
+    type Output = Result<O::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        loop {
+            match std::mem::replace(&mut this.state, State::Complete) {
+                State::Lazy(op) => {
+                    let ctx = match default_policy().and_then(|p| p.select()) {
+                        Ok(ctx) => ctx,
+                        Err(e) => return Poll::Ready(Err(e)),
+                    };
+                    this.state = State::Ready(op, ctx);
+                }
+                State::Ready(op, ctx) => match Self::submit(op, ctx) {
+                    Ok(s) => this.state = s,
+                    Err(e) => return Poll::Ready(Err(e)),
+                },
+                State::Executing { output, completion, retained } => {
+                    match completion.poll_status(cx.waker()) {
+                        Status::Pending => {
+                            this.state = State::Executing { output, completion, retained };
+                            return Poll::Pending;
+                        }
+                        Status::Done => {
+                            drop(retained);
+                            return Poll::Ready(output.ok_or_else(polled_after_completion));
+                        }
+                        Status::Failed => {
+                            // The GPU faulted: it may never release what it used.
+                            std::mem::forget(retained);
+                            return Poll::Ready(Err(completion.error()));
+                        }
+                    }
+                }
+                State::Complete => return Poll::Ready(Err(polled_after_completion())),
+            }
+        }
+    }
+}
+
+fn polled_after_completion() -> Error {
+    Error::InvalidArgument("DeviceFuture polled after it completed".into())
+}
+
+impl<O: DeviceOp> Drop for DeviceFuture<O> {
+    fn drop(&mut self) {
+        if let State::Executing { output, completion, retained } =
+            std::mem::replace(&mut self.state, State::Complete)
+        {
+            // The output's buffers order their own release after the GPU.
+            drop(output);
+            if retained.is_empty() || completion.is_finished() {
+                if completion.status() == Status::Failed {
+                    std::mem::forget(retained);
+                }
+                return;
+            }
+            cuda_core::reclaim::defer(move || {
+                let waker = Waker::from(Arc::new(Unparker(std::thread::current())));
+                loop {
+                    match completion.poll_status(&waker) {
+                        Status::Pending => std::thread::park(),
+                        Status::Done => return drop(retained),
+                        Status::Failed => return std::mem::forget(retained),
+                    }
+                }
+            });
+        }
+    }
+}
+
+struct Unparker(Thread);
+
+impl Wake for Unparker {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Executes `op` under `policy` and awaits it: `op.schedule(policy)?.await`
+/// as one call.
+///
+/// # Errors
+/// As [`crate::DeviceOpExt::schedule`] and the op.
+///
+/// # Cancel safety
+/// As [`DeviceFuture`].
+pub async fn run_on<O: DeviceOp, P: SchedulingPolicy + ?Sized>(op: O, policy: &P) -> Result<O::Output> {
+    DeviceFuture::ready(op, policy.select()?).await
+}

@@ -1,0 +1,258 @@
+//! The lazy kernel-launch op and typed kernel arguments.
+
+use std::fmt;
+use std::sync::Arc;
+
+use cuda_core::cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg};
+use cuda_core::{DeviceBuffer, DeviceRepr, Error, Kernel, ParamClass, Result};
+
+use crate::context::ExecutionContext;
+use crate::op::{impl_into_future, DeviceOp};
+
+/// One kernel argument: how it is passed and what it looks like to the
+/// parameter check.
+///
+/// Implemented for scalars (by value), and for device buffers owned
+/// (`DeviceBuffer<T>`, written and returned), borrowed (`&DeviceBuffer<T>`
+/// read, `&mut DeviceBuffer<T>` written) or shared (`Arc<DeviceBuffer<T>>`,
+/// read). Buffers are passed as device pointers; cudarc's per-buffer events
+/// order the launch after earlier writes (and reads, for writers) on any
+/// stream.
+pub trait KernelArg: Send {
+    /// `(bytes, class, rust type name)` for the parameter check.
+    fn spec(&self) -> (usize, ParamClass, &'static str);
+
+    /// Pushes the argument onto a cudarc launch builder.
+    fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>);
+}
+
+macro_rules! scalar_arg {
+    ($($t:ty => $class:ident),* $(,)?) => {$(
+        impl KernelArg for $t {
+            fn spec(&self) -> (usize, ParamClass, &'static str) {
+                (std::mem::size_of::<$t>(), ParamClass::$class, stringify!($t))
+            }
+            fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
+                args.arg(&*self);
+            }
+        }
+    )*};
+}
+scalar_arg!(
+    u8 => Int, i8 => Int, u16 => Int, i16 => Int, u32 => Int, i32 => Int,
+    u64 => Int, i64 => Int, usize => Int, isize => Int, f32 => Float, f64 => Float,
+);
+
+const PTR: (usize, ParamClass) = (8, ParamClass::Int);
+
+impl<T: DeviceRepr + Send> KernelArg for DeviceBuffer<T> {
+    fn spec(&self) -> (usize, ParamClass, &'static str) {
+        (PTR.0, PTR.1, "DeviceBuffer<T>")
+    }
+    fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
+        args.arg(self.as_cuda_slice_mut());
+    }
+}
+
+impl<T: DeviceRepr + Sync> KernelArg for &DeviceBuffer<T> {
+    fn spec(&self) -> (usize, ParamClass, &'static str) {
+        (PTR.0, PTR.1, "&DeviceBuffer<T>")
+    }
+    fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
+        args.arg(self.as_cuda_slice());
+    }
+}
+
+impl<T: DeviceRepr + Send> KernelArg for &mut DeviceBuffer<T> {
+    fn spec(&self) -> (usize, ParamClass, &'static str) {
+        (PTR.0, PTR.1, "&mut DeviceBuffer<T>")
+    }
+    fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
+        args.arg((**self).as_cuda_slice_mut());
+    }
+}
+
+impl<T: DeviceRepr + Send + Sync> KernelArg for Arc<DeviceBuffer<T>> {
+    fn spec(&self) -> (usize, ParamClass, &'static str) {
+        (PTR.0, PTR.1, "Arc<DeviceBuffer<T>>")
+    }
+    fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
+        args.arg((**self).as_cuda_slice());
+    }
+}
+
+/// A tuple of [`KernelArg`]s (0 to 12 of them).
+pub trait KernelArgs: Send {
+    /// Checks the arguments against the kernel's PTX parameter list.
+    ///
+    /// # Errors
+    /// [`Error::ArgumentMismatch`] naming the first mismatch.
+    fn check(&self, kernel: &Kernel) -> Result<()>;
+
+    /// Pushes every argument, in order.
+    fn push_all<'a>(&'a mut self, args: &mut LaunchArgs<'a>);
+}
+
+macro_rules! kernel_args {
+    ($($name:ident $idx:tt),*) => {
+        impl<$($name: KernelArg),*> KernelArgs for ($($name,)*) {
+            fn check(&self, kernel: &Kernel) -> Result<()> {
+                kernel.check_args(&[$(self.$idx.spec()),*])
+            }
+            #[allow(unused_variables)]
+            fn push_all<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
+                $( self.$idx.push(args); )*
+            }
+        }
+    };
+}
+kernel_args!();
+kernel_args!(A 0);
+kernel_args!(A 0, B 1);
+kernel_args!(A 0, B 1, C 2);
+kernel_args!(A 0, B 1, C 2, D 3);
+kernel_args!(A 0, B 1, C 2, D 3, E 4);
+kernel_args!(A 0, B 1, C 2, D 3, E 4, F 5);
+kernel_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6);
+kernel_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7);
+kernel_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8);
+kernel_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9);
+kernel_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10);
+kernel_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11);
+
+/// The lazy kernel launch ([`launch`]); yields its arguments back (so owned
+/// buffers flow on to the next op).
+#[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
+pub struct Launch<A> {
+    kernel: Kernel,
+    config: LaunchConfig,
+    args: A,
+}
+
+impl<A> fmt::Debug for Launch<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Launch")
+            .field("kernel", &self.kernel.name())
+            .field("grid", &self.config.grid_dim)
+            .field("block", &self.config.block_dim)
+            .field("shared_mem_bytes", &self.config.shared_mem_bytes)
+            .finish()
+    }
+}
+
+/// A lazy launch of `kernel` with `config` and a tuple of `args`.
+///
+/// At execution the arguments are checked against the parameter list in
+/// the kernel's PTX (count, sizes, integer vs float) and the launch
+/// configuration against the hardware limits: mismatches are
+/// [`Error::ArgumentMismatch`] / [`Error::InvalidArgument`], never a launch.
+///
+/// # Safety
+/// The kernel is arbitrary device code: the caller guarantees that, given
+/// these arguments, it accesses only memory inside the buffers passed
+/// (e.g. that a length argument matches the buffers' lengths) and does not
+/// race with itself. Out-of-bounds device accesses corrupt device memory or
+/// fault the context (a sticky error: every later op fails).
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_async::prelude::*;
+/// use cuda_async::{Device, LaunchConfig, Module};
+/// let dev = Device::new(0)?;
+/// let m = Module::from_cuda(&dev, r#"extern "C" __global__ void add1(float* x, unsigned n) {
+///     unsigned i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] += 1.0f; }"#, &[])?;
+/// let k = m.kernel("add1")?;
+/// let n = 1000u32;
+/// let out = h2d(vec![1.0f32; n as usize])
+///     // SAFETY: `add1` touches x[0..n), and x has n elements.
+///     .then(move |x| unsafe { launch(&k, LaunchConfig::for_num_elems(n), (x, n)) })
+///     .then(|(x, _)| d2h(x))
+///     .sync()?;
+/// assert!(out.as_slice()?.iter().all(|&v| v == 2.0));
+/// # Ok::<(), cuda_async::Error>(())
+/// ```
+pub unsafe fn launch<A: KernelArgs>(kernel: &Kernel, config: LaunchConfig, args: A) -> Launch<A> {
+    Launch { kernel: kernel.clone(), config, args }
+}
+
+fn check_config(c: &LaunchConfig) -> Result<()> {
+    let (gx, gy, gz) = c.grid_dim;
+    let (bx, by, bz) = c.block_dim;
+    let threads = bx as u64 * by as u64 * bz as u64;
+    if gx == 0 || gy == 0 || gz == 0 || threads == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "launch config has an empty grid {:?} or block {:?}",
+            c.grid_dim, c.block_dim
+        )));
+    }
+    if threads > 1024 || bz > 64 || gy > 65535 || gz > 65535 {
+        return Err(Error::InvalidArgument(format!(
+            "launch config exceeds CUDA limits: block {:?} ({threads} threads, max 1024, z max 64), \
+             grid {:?} (y, z max 65535)",
+            c.block_dim, c.grid_dim
+        )));
+    }
+    Ok(())
+}
+
+impl<A: KernelArgs> DeviceOp for Launch<A> {
+    type Output = A;
+
+    unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<A> {
+        check_config(&self.config)?;
+        self.args.check(&self.kernel)?;
+        if self.kernel.device() != ctx.device() {
+            return Err(Error::InvalidArgument(format!(
+                "kernel `{}` is loaded on device {}, the op runs on device {}",
+                self.kernel.name(),
+                self.kernel.device().ordinal(),
+                ctx.device().ordinal()
+            )));
+        }
+        let stream = ctx.cuda_stream()?.clone();
+        {
+            let mut b = stream.launch_builder(self.kernel.function());
+            self.args.push_all(&mut b);
+            // SAFETY: argument count and sizes match the kernel's PTX
+            // parameters (checked above), so the driver reads valid argument
+            // memory; buffers stay alive until the GPU is done (owned ones in
+            // the output, borrowed ones for the op's lifetime, and every free
+            // is stream-ordered after the launch by cudarc's events); the
+            // kernel's own memory safety is the `launch` caller's contract.
+            unsafe { b.launch(self.config) }.map_err(|e| Error::driver("cuLaunchKernel", e))?;
+        }
+        // The module must stay loaded while the kernel runs.
+        ctx.retain(self.kernel.clone());
+        Ok(self.args)
+    }
+}
+impl_into_future!(impl[A: KernelArgs] for Launch<A>);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configs_outside_cuda_limits_are_rejected() {
+        let ok = LaunchConfig { grid_dim: (10, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        assert!(check_config(&ok).is_ok());
+        for bad in [
+            LaunchConfig { grid_dim: (0, 1, 1), ..ok },
+            LaunchConfig { block_dim: (0, 1, 1), ..ok },
+            LaunchConfig { block_dim: (2048, 1, 1), ..ok },
+            LaunchConfig { block_dim: (1, 1, 128), ..ok },
+            LaunchConfig { grid_dim: (1, 70000, 1), ..ok },
+        ] {
+            let e = check_config(&bad).unwrap_err().to_string();
+            assert!(e.contains("launch config"), "{e}");
+        }
+    }
+
+    #[test]
+    fn scalar_specs_match_their_ptx_types() {
+        assert_eq!(1.0f32.spec(), (4, ParamClass::Float, "f32"));
+        assert_eq!(7u64.spec(), (8, ParamClass::Int, "u64"));
+        assert_eq!((-1i8).spec().0, 1);
+    }
+}

@@ -1,0 +1,394 @@
+//! Memory ops: allocation, copies in every direction, memset.
+//!
+//! Downloads land in [`PinnedBuffer`]s (page-locked, not write-combined):
+//! the copy is truly asynchronous, and the buffer's contents can only be
+//! reached after the copy is done (invariant 3), whatever the caller does.
+
+use std::borrow::Borrow;
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cuda_core::cudarc::driver::{result, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+use cuda_core::{DeviceBuffer, Error, PinnedBuffer, Result};
+
+use crate::context::ExecutionContext;
+use crate::op::{impl_into_future, DeviceOp};
+
+fn bind(ctx: &ExecutionContext) -> Result<()> {
+    ctx.device().context().bind_to_thread().map_err(|e| Error::driver("cuCtxSetCurrent", e))
+}
+
+fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!("{what}: source has {a} elements, destination {b}")))
+    }
+}
+
+/// Op for [`zeros`].
+#[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
+pub struct Zeros<T> {
+    len: usize,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T> fmt::Debug for Zeros<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Zeros").field("len", &self.len).finish()
+    }
+}
+
+/// Allocates `len` zeroed elements on the device (stream-ordered).
+///
+/// # Errors
+/// At execution: out of memory and other driver errors, named.
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_async::prelude::*;
+/// let buf = zeros::<f64>(1000).sync()?;
+/// assert_eq!(buf.len(), 1000);
+/// # Ok::<(), cuda_async::Error>(())
+/// ```
+pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(len: usize) -> Zeros<T> {
+    Zeros { len, _t: PhantomData }
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits + Send> DeviceOp for Zeros<T> {
+    type Output = DeviceBuffer<T>;
+
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
+        DeviceBuffer::zeros(ctx.cuda_stream()?, self.len)
+    }
+}
+impl_into_future!(impl[T: DeviceRepr + ValidAsZeroBits + Send] for Zeros<T>);
+
+/// Host data that can be uploaded: `Vec<T>`, `Box<[T]>`, `Arc<[T]>`, `&[T]`.
+pub trait HostSource<T>: Send {
+    /// The elements.
+    fn host_slice(&self) -> &[T];
+}
+impl<T: Send> HostSource<T> for Vec<T> {
+    fn host_slice(&self) -> &[T] {
+        self
+    }
+}
+impl<T: Send> HostSource<T> for Box<[T]> {
+    fn host_slice(&self) -> &[T] {
+        self
+    }
+}
+impl<T: Send + Sync> HostSource<T> for Arc<[T]> {
+    fn host_slice(&self) -> &[T] {
+        self
+    }
+}
+impl<T: Sync> HostSource<T> for &[T] {
+    fn host_slice(&self) -> &[T] {
+        self
+    }
+}
+
+/// Op for [`h2d`].
+#[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
+pub struct H2D<T, S> {
+    src: S,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T, S> fmt::Debug for H2D<T, S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("H2D").finish_non_exhaustive()
+    }
+}
+
+/// Uploads host data into a new device buffer.
+///
+/// Pageable host memory is staged by the driver during the call, so `src`
+/// is free to go as soon as the op is enqueued. For large or repeated
+/// uploads, [`copy_h2d`] from a [`PinnedBuffer`] is faster.
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_async::prelude::*;
+/// let buf = h2d(vec![1u16, 2, 3]).sync()?;
+/// assert_eq!(buf.len(), 3);
+/// # Ok::<(), cuda_async::Error>(())
+/// ```
+pub fn h2d<T: DeviceRepr, S: HostSource<T>>(src: S) -> H2D<T, S> {
+    H2D { src, _t: PhantomData }
+}
+
+impl<T: DeviceRepr + Send, S: HostSource<T>> DeviceOp for H2D<T, S> {
+    type Output = DeviceBuffer<T>;
+
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
+        let stream = ctx.cuda_stream()?;
+        let src = self.src.host_slice();
+        // SAFETY: every element is written by the copy enqueued next, before
+        // any later work on the buffer (stream order and its events).
+        let mut dst = unsafe { DeviceBuffer::<T>::uninit(stream, src.len()) }?;
+        if !src.is_empty() {
+            stream
+                .memcpy_htod(src, dst.as_cuda_slice_mut())
+                .map_err(|e| Error::driver("cuMemcpyHtoDAsync", e))?;
+        }
+        Ok(dst)
+    }
+}
+impl_into_future!(impl[T: DeviceRepr + Send, S: HostSource<T>] for H2D<T, S>);
+
+/// Op for [`d2h`].
+#[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
+pub struct D2H<T, B> {
+    src: B,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T, B> fmt::Debug for D2H<T, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("D2H").finish_non_exhaustive()
+    }
+}
+
+/// Downloads a device buffer (owned, borrowed or `Arc`ed) into a new
+/// pinned host buffer. The result's contents are reachable only once the
+/// copy is done (`as_slice` waits if needed; after `.sync()` or `.await`
+/// it never does).
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_async::prelude::*;
+/// let v = h2d(vec![3i64; 5]).then(d2h).sync()?.to_vec()?;
+/// assert_eq!(v, vec![3; 5]);
+/// # Ok::<(), cuda_async::Error>(())
+/// ```
+pub fn d2h<T: DeviceRepr, B: Borrow<DeviceBuffer<T>> + Send>(src: B) -> D2H<T, B> {
+    D2H { src, _t: PhantomData }
+}
+
+impl<T, B> DeviceOp for D2H<T, B>
+where
+    T: DeviceRepr + Copy + Send,
+    B: Borrow<DeviceBuffer<T>> + Send,
+{
+    type Output = PinnedBuffer<T>;
+
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<PinnedBuffer<T>> {
+        let src = self.src.borrow();
+        // SAFETY: the copy enqueued next overwrites every element, and host
+        // access to the buffer waits for that copy (its recorded use).
+        let mut dst = unsafe { PinnedBuffer::uninit(ctx.device(), src.len()) }?;
+        enqueue_d2h(ctx, src, &mut dst)?;
+        Ok(dst)
+    }
+}
+impl_into_future!(impl[T: DeviceRepr + Copy + Send, B: Borrow<DeviceBuffer<T>> + Send] for D2H<T, B>);
+
+fn enqueue_d2h<T: DeviceRepr>(
+    ctx: &ExecutionContext,
+    src: &DeviceBuffer<T>,
+    dst: &mut PinnedBuffer<T>,
+) -> Result<()> {
+    same_len("device-to-host copy", src.len(), dst.len())?;
+    if src.is_empty() {
+        return Ok(());
+    }
+    let stream = ctx.cuda_stream()?;
+    bind(ctx)?;
+    // SAFETY: the copy below writes exactly `dst.len()` elements on `stream`,
+    // and `record_use` follows it.
+    let host = unsafe { dst.begin_use(stream) }?;
+    {
+        // Waits for the buffer's last write; records a read when dropped.
+        let (dptr, _read) = src.as_cuda_slice().device_ptr(stream);
+        // SAFETY: `host` points to `dst.len()` pinned elements that nothing
+        // else touches until the recorded use completes; `dptr` holds as many.
+        let dst_slice = unsafe { std::slice::from_raw_parts_mut(host, src.len()) };
+        // SAFETY: valid pointers and lengths (above), enqueued on a live stream.
+        unsafe { result::memcpy_dtoh_async(dst_slice, dptr, stream.cu_stream()) }
+            .map_err(|e| Error::driver("cuMemcpyDtoHAsync", e))?;
+    }
+    dst.record_use(stream)
+}
+
+/// Op for [`copy_d2h`].
+#[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
+pub struct CopyD2H<T, B> {
+    src: B,
+    dst: PinnedBuffer<T>,
+}
+
+impl<T, B> fmt::Debug for CopyD2H<T, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CopyD2H").field("len", &self.dst.len()).finish()
+    }
+}
+
+/// Downloads into an existing pinned buffer (no allocation); yields the
+/// source and the destination back.
+///
+/// # Errors
+/// At execution: [`Error::InvalidArgument`] if the lengths differ.
+pub fn copy_d2h<T: DeviceRepr, B: Borrow<DeviceBuffer<T>> + Send>(
+    src: B,
+    dst: PinnedBuffer<T>,
+) -> CopyD2H<T, B> {
+    CopyD2H { src, dst }
+}
+
+impl<T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send> DeviceOp for CopyD2H<T, B> {
+    type Output = (B, PinnedBuffer<T>);
+
+    unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<Self::Output> {
+        enqueue_d2h(ctx, self.src.borrow(), &mut self.dst)?;
+        Ok((self.src, self.dst))
+    }
+}
+impl_into_future!(impl[T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send] for CopyD2H<T, B>);
+
+/// Op for [`copy_h2d`].
+#[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
+pub struct CopyH2D<T> {
+    src: PinnedBuffer<T>,
+    dst: DeviceBuffer<T>,
+}
+
+impl<T> fmt::Debug for CopyH2D<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CopyH2D").field("len", &self.dst.len()).finish()
+    }
+}
+
+/// Uploads a pinned buffer into an existing device buffer (truly
+/// asynchronous, no staging); yields both back. Host writes to `src` wait
+/// until the copy has read it.
+///
+/// # Errors
+/// At execution: [`Error::InvalidArgument`] if the lengths differ.
+pub fn copy_h2d<T: DeviceRepr>(src: PinnedBuffer<T>, dst: DeviceBuffer<T>) -> CopyH2D<T> {
+    CopyH2D { src, dst }
+}
+
+impl<T: DeviceRepr + Send> DeviceOp for CopyH2D<T> {
+    type Output = (PinnedBuffer<T>, DeviceBuffer<T>);
+
+    unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<Self::Output> {
+        same_len("host-to-device copy", self.src.len(), self.dst.len())?;
+        if !self.src.is_empty() {
+            let stream = ctx.cuda_stream()?;
+            bind(ctx)?;
+            // SAFETY: the copy reads `len` elements on `stream`; `record_use`
+            // follows.
+            let host = unsafe { self.src.begin_use(stream) }?;
+            {
+                let (dptr, _write) = self.dst.as_cuda_slice_mut().device_ptr_mut(stream);
+                // SAFETY: `host` holds `len` initialised pinned elements that
+                // host code cannot mutate until the recorded use completes.
+                let src = unsafe { std::slice::from_raw_parts(host as *const T, self.src.len()) };
+                // SAFETY: valid pointers and lengths, live stream.
+                unsafe { result::memcpy_htod_async(dptr, src, stream.cu_stream()) }
+                    .map_err(|e| Error::driver("cuMemcpyHtoDAsync", e))?;
+            }
+            self.src.record_use(stream)?;
+        }
+        Ok((self.src, self.dst))
+    }
+}
+impl_into_future!(impl[T: DeviceRepr + Send] for CopyH2D<T>);
+
+/// Op for [`d2d`].
+#[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
+pub struct D2D<T, B> {
+    src: B,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T, B> fmt::Debug for D2D<T, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("D2D").finish_non_exhaustive()
+    }
+}
+
+/// Copies a device buffer into a new one on the same device.
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_async::prelude::*;
+/// let a = h2d(vec![1u8, 2]).sync()?;
+/// let b = d2d(&a).then(d2h).sync()?;
+/// assert_eq!(b.as_slice()?, &[1, 2]);
+/// # Ok::<(), cuda_async::Error>(())
+/// ```
+pub fn d2d<T: DeviceRepr, B: Borrow<DeviceBuffer<T>> + Send>(src: B) -> D2D<T, B> {
+    D2D { src, _t: PhantomData }
+}
+
+impl<T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send> DeviceOp for D2D<T, B> {
+    type Output = DeviceBuffer<T>;
+
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
+        let stream = ctx.cuda_stream()?;
+        let src = self.src.borrow();
+        // SAFETY: fully written by the copy enqueued next.
+        let mut dst = unsafe { DeviceBuffer::<T>::uninit(stream, src.len()) }?;
+        if !src.is_empty() {
+            stream
+                .memcpy_dtod(src.as_cuda_slice(), dst.as_cuda_slice_mut())
+                .map_err(|e| Error::driver("cuMemcpyDtoDAsync", e))?;
+        }
+        Ok(dst)
+    }
+}
+impl_into_future!(impl[T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send] for D2D<T, B>);
+
+/// Op for [`memset`].
+#[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
+pub struct Memset<T> {
+    buf: DeviceBuffer<T>,
+    byte: u8,
+}
+
+impl<T> fmt::Debug for Memset<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Memset").field("len", &self.buf.len()).field("byte", &self.byte).finish()
+    }
+}
+
+/// Sets every byte of `buf` to `byte`; yields the buffer back.
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_async::prelude::*;
+/// let v = zeros::<u32>(4).then(|b| memset(b, 0xff)).then(d2h).sync()?.to_vec()?;
+/// assert_eq!(v, vec![u32::MAX; 4]);
+/// # Ok::<(), cuda_async::Error>(())
+/// ```
+pub fn memset<T: DeviceRepr>(buf: DeviceBuffer<T>, byte: u8) -> Memset<T> {
+    Memset { buf, byte }
+}
+
+impl<T: DeviceRepr + Send> DeviceOp for Memset<T> {
+    type Output = DeviceBuffer<T>;
+
+    unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
+        let stream = ctx.cuda_stream()?;
+        bind(ctx)?;
+        let bytes = self.buf.num_bytes();
+        if bytes > 0 {
+            let (dptr, _write) = self.buf.as_cuda_slice_mut().device_ptr_mut(stream);
+            // SAFETY: `dptr` addresses `bytes` bytes of a live allocation.
+            unsafe { result::memset_d8_async(dptr, self.byte, bytes, stream.cu_stream()) }
+                .map_err(|e| Error::driver("cuMemsetD8Async", e))?;
+        }
+        Ok(self.buf)
+    }
+}
+impl_into_future!(impl[T: DeviceRepr + Send] for Memset<T>);

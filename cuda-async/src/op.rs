@@ -1,0 +1,245 @@
+//! The [`DeviceOp`] trait and its extension trait [`DeviceOpExt`].
+
+use std::sync::Arc;
+
+use cuda_core::cudarc::driver::CudaStream;
+use cuda_core::Result;
+
+use crate::combinators::{Boxed, Map, Shared, Then, Zip};
+use crate::context::ExecutionContext;
+use crate::future::DeviceFuture;
+use crate::policy::{default_policy, SchedulingPolicy};
+
+/// A lazy description of GPU work (allocations, copies, kernel launches).
+///
+/// Building an op touches no stream; the work is enqueued only when the op
+/// is executed: by `.sync()`, `.sync_on(&stream)`, `.await`,
+/// `.schedule(&policy)` or `unsafe async_on(&stream)` (see
+/// [`DeviceOpExt`]). Ops are `Send`: they cross threads, live in
+/// collections, and can be spawned on an executor.
+///
+/// Implementing `DeviceOp` by hand is for new primitive ops; composing the
+/// existing ones with [`DeviceOpExt`] covers most needs.
+pub trait DeviceOp: Send + Sized {
+    /// What the op produces. Buffers in it may still be being written by the
+    /// GPU when `execute` returns; this crate's buffer types order every later
+    /// use after that work themselves.
+    type Output: Send;
+
+    /// Enqueues the op's work on `ctx`'s stream and returns its output.
+    ///
+    /// # Errors
+    /// Whatever stopped the op from being enqueued. Work enqueued before the
+    /// error stays enqueued; the caller keeps `ctx`'s retained values alive
+    /// until the stream has passed it.
+    ///
+    /// # Safety
+    /// The caller must (1) keep everything handed to
+    /// [`ExecutionContext::retain`] alive until the stream has passed the work
+    /// enqueued here, and (2) not let host code read memory that the output
+    /// refers to before that point, except through types that wait for the
+    /// GPU themselves ([`cuda_core::PinnedBuffer`], [`cuda_core::DeviceBuffer`]).
+    /// The executors in this crate (`sync`, `DeviceFuture`) do both.
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<Self::Output>;
+}
+
+/// Combinators and executors for every [`DeviceOp`].
+pub trait DeviceOpExt: DeviceOp {
+    /// Feeds this op's output to `f`, which returns the next op; both run in
+    /// order on the same stream.
+    ///
+    /// `f` runs on the host when the chain is *enqueued*, before the GPU has
+    /// done the work: the values it gets are handles to in-flight results.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_async::prelude::*;
+    /// let host = h2d(vec![1.0f32, 2.0, 3.0]).then(d2h).sync()?;
+    /// assert_eq!(host.as_slice()?, &[1.0, 2.0, 3.0]);
+    /// # Ok::<(), cuda_async::Error>(())
+    /// ```
+    fn then<B, F>(self, f: F) -> Then<Self, F>
+    where
+        B: DeviceOp,
+        F: FnOnce(Self::Output) -> B + Send,
+    {
+        Then::new(self, f)
+    }
+
+    /// Transforms the output on the host (when enqueued, like `then`).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_async::prelude::*;
+    /// assert_eq!(value(20).map(|x| x * 2 + 2).sync()?, 42);
+    /// # Ok::<(), cuda_async::Error>(())
+    /// ```
+    fn map<U, F>(self, f: F) -> Map<Self, F>
+    where
+        U: Send,
+        F: FnOnce(Self::Output) -> U + Send,
+    {
+        Map::new(self, f)
+    }
+
+    /// Runs this op and `other` concurrently, on different streams of the
+    /// pool (forked from the parent stream and joined back with events).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_async::prelude::*;
+    /// let (a, b) = h2d(vec![1u32; 4]).zip(h2d(vec![2u32; 4])).sync()?;
+    /// assert_eq!((a.len(), b.len()), (4, 4));
+    /// # Ok::<(), cuda_async::Error>(())
+    /// ```
+    fn zip<B: DeviceOp>(self, other: B) -> Zip<(Self, B)> {
+        Zip::new((self, other))
+    }
+
+    /// Makes the op cloneable: it runs once, the first time any clone is
+    /// executed; later executions wait for that work (on their own streams,
+    /// by event) and get a clone of the output.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use cuda_async::prelude::*;
+    /// let x = h2d(vec![1.0f32; 1024]).map(Arc::new).shared();
+    /// let (a, b) = x.clone().zip(x).sync()?;
+    /// assert!(Arc::ptr_eq(&a, &b));
+    /// # Ok::<(), cuda_async::Error>(())
+    /// ```
+    fn shared(self) -> Shared<Self>
+    where
+        Self::Output: Clone,
+    {
+        Shared::new(self)
+    }
+
+    /// Erases the op's type (for collections of different ops).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_async::prelude::*;
+    /// let ops: Vec<BoxedOp<'static, i32>> = vec![value(1).boxed(), value(2).map(|x| x * 10).boxed()];
+    /// assert_eq!(join_all(ops).sync()?, vec![1, 20]);
+    /// # Ok::<(), cuda_async::Error>(())
+    /// ```
+    fn boxed<'a>(self) -> Boxed<'a, Self::Output>
+    where
+        Self: 'a,
+    {
+        Boxed::new(self)
+    }
+
+    /// Runs the op on the default device's default policy and blocks the
+    /// calling thread until the GPU is done. For scripts and tests; inside
+    /// an async runtime use `.await`.
+    ///
+    /// # Errors
+    /// Any error of the op; the sticky error if the GPU faulted.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_async::prelude::*;
+    /// let v = h2d(vec![7u8; 3]).then(d2h).sync()?.to_vec()?;
+    /// assert_eq!(v, vec![7, 7, 7]);
+    /// # Ok::<(), cuda_async::Error>(())
+    /// ```
+    fn sync(self) -> Result<Self::Output> {
+        let ctx = default_policy()?.select()?;
+        crate::exec::run_blocking(self, ctx)
+    }
+
+    /// Runs the op on `stream` (which other code may have created: interop
+    /// with other CUDA libraries) and blocks until the stream is done.
+    /// Concurrent combinators fork onto the device's pool and join back to
+    /// `stream`.
+    ///
+    /// # Errors
+    /// As [`DeviceOpExt::sync`].
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_async::prelude::*;
+    /// let ctx = cuda_async::Device::new(0)?.context().clone();
+    /// let theirs = ctx.new_stream().unwrap();
+    /// let host = h2d(vec![1i32, 2]).then(d2h).sync_on(&theirs)?;
+    /// assert_eq!(host.as_slice()?, &[1, 2]);
+    /// # Ok::<(), cuda_async::Error>(())
+    /// ```
+    fn sync_on(self, stream: &Arc<CudaStream>) -> Result<Self::Output> {
+        let ctx = ExecutionContext::on_stream(stream)?;
+        crate::exec::run_blocking(self, ctx)
+    }
+
+    /// Enqueues the op on `stream` and returns at once, without waiting.
+    /// Values the op retains are released on a background thread after the
+    /// stream passes the work.
+    ///
+    /// # Errors
+    /// Any error raised while enqueuing.
+    ///
+    /// # Safety
+    /// The output may refer to work still running on `stream`. This crate's
+    /// buffers wait for it themselves; for anything else in the output the
+    /// caller must order host access after the stream's work (e.g.
+    /// `stream.synchronize()`).
+    unsafe fn async_on(self, stream: &Arc<CudaStream>) -> Result<Self::Output> {
+        let ctx = ExecutionContext::on_stream(stream)?;
+        // SAFETY: forwarded to our caller (see `# Safety`).
+        unsafe { crate::exec::run_detached(self, ctx) }
+    }
+
+    /// Picks the execution context now (with `policy`) and returns a future
+    /// that enqueues the work when first polled.
+    ///
+    /// # Errors
+    /// Whatever the policy fails with.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn f() -> Result<(), cuda_async::Error> {
+    /// use cuda_async::prelude::*;
+    /// let policy = StreamPoolRoundRobin::default_for(&cuda_async::Device::new(0)?)?;
+    /// let buf = zeros::<f32>(1 << 20).schedule(&policy)?.await?;
+    /// # Ok(()) }
+    /// ```
+    fn schedule<P: SchedulingPolicy + ?Sized>(self, policy: &P) -> Result<DeviceFuture<Self>> {
+        Ok(DeviceFuture::ready(self, policy.select()?))
+    }
+
+    /// A future that runs the op on the default policy (what `.await` does
+    /// for this crate's ops; use this for your own `DeviceOp` types).
+    fn into_device_future(self) -> DeviceFuture<Self> {
+        DeviceFuture::lazy(self)
+    }
+}
+
+impl<T: DeviceOp> DeviceOpExt for T {}
+
+/// Implements `IntoFuture` (so `.await` works) for an op type.
+macro_rules! impl_into_future {
+    (impl[$($g:tt)*] for $ty:ty $(where $($w:tt)*)?) => {
+        impl<$($g)*> ::core::future::IntoFuture for $ty
+        where
+            $ty: $crate::op::DeviceOp,
+            $($($w)*)?
+        {
+            type Output = ::cuda_core::Result<<$ty as $crate::op::DeviceOp>::Output>;
+            type IntoFuture = $crate::future::DeviceFuture<$ty>;
+            fn into_future(self) -> Self::IntoFuture {
+                $crate::future::DeviceFuture::lazy(self)
+            }
+        }
+    };
+}
+pub(crate) use impl_into_future;

@@ -1,0 +1,278 @@
+//! Scheduling policies: which stream an op runs on.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cuda_core::cudarc::driver::CudaStream;
+use cuda_core::{Device, Error, Result};
+
+use crate::context::ExecutionContext;
+
+/// Picks the execution context (the "kitchen") for the next submission.
+///
+/// Object safe: policies are passed as `&dyn SchedulingPolicy` or
+/// `Arc<dyn SchedulingPolicy>`.
+pub trait SchedulingPolicy: Send + Sync + fmt::Debug {
+    /// The context the next submission should run on.
+    ///
+    /// # Errors
+    /// Whatever stops the policy from providing a context (no driver, a
+    /// lost remote session...).
+    fn select(&self) -> Result<ExecutionContext>;
+}
+
+/// The default number of streams in a device's pool.
+pub const DEFAULT_POOL_STREAMS: usize = 4;
+
+/// A fixed set of streams on one device, handed out round-robin.
+pub struct StreamPool {
+    device: Device,
+    streams: Vec<Arc<CudaStream>>,
+    next: AtomicUsize,
+}
+
+impl fmt::Debug for StreamPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamPool")
+            .field("device", &self.device.ordinal())
+            .field("streams", &self.streams.len())
+            .finish()
+    }
+}
+
+impl StreamPool {
+    /// A new pool of `n` fresh non-blocking streams.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `n == 0`; a driver error if a stream
+    /// cannot be created.
+    pub fn new(device: &Device, n: usize) -> Result<Arc<Self>> {
+        if n == 0 {
+            return Err(Error::InvalidArgument("a stream pool needs at least one stream".into()));
+        }
+        let streams = (0..n).map(|_| device.new_stream()).collect::<Result<Vec<_>>>()?;
+        Ok(Arc::new(StreamPool { device: device.clone(), streams, next: AtomicUsize::new(0) }))
+    }
+
+    /// The process-wide pool of `device` ([`DEFAULT_POOL_STREAMS`] streams),
+    /// created on first use. Every thread shares it.
+    ///
+    /// # Errors
+    /// As [`StreamPool::new`].
+    pub fn default_for(device: &Device) -> Result<Arc<Self>> {
+        static POOLS: OnceLock<Mutex<HashMap<usize, Arc<StreamPool>>>> = OnceLock::new();
+        let mut pools = POOLS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = pools.get(&device.ordinal()) {
+            return Ok(p.clone());
+        }
+        let p = StreamPool::new(device, DEFAULT_POOL_STREAMS)?;
+        pools.insert(device.ordinal(), p.clone());
+        Ok(p)
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The streams, in round-robin order.
+    pub fn streams(&self) -> &[Arc<CudaStream>] {
+        &self.streams
+    }
+
+    /// Number of streams.
+    pub fn len(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// Always false: a pool has at least one stream.
+    pub fn is_empty(&self) -> bool {
+        self.streams.is_empty()
+    }
+
+    /// The next index in round-robin order.
+    pub fn next_index(&self) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed) % self.streams.len()
+    }
+
+    /// The stream for concurrent arm `arm` (1-based) of work forked from
+    /// `parent`: the pool streams after `parent`'s, wrapping, skipping
+    /// `parent` itself. Returns `None` when the arm must share `parent`
+    /// (a pool of one stream).
+    pub fn fork_stream(&self, parent: &CudaStream, arm: usize) -> Option<&Arc<CudaStream>> {
+        let parent_pos = self.streams.iter().position(|s| s.cu_stream() == parent.cu_stream());
+        fork_index(self.streams.len(), parent_pos, arm).map(|i| &self.streams[i])
+    }
+}
+
+/// Which pool stream arm `arm` (1-based) of a fork runs on: the streams
+/// after the parent's, wrapping, never the parent's own (`None`: share the
+/// parent, for a pool of one). A parent outside the pool (interop) forks
+/// onto streams 0, 1, 2...
+pub(crate) fn fork_index(n: usize, parent_pos: Option<usize>, arm: usize) -> Option<usize> {
+    debug_assert!(arm >= 1 && n >= 1);
+    match parent_pos {
+        Some(_) if n == 1 => None,
+        Some(p) => Some((p + 1 + (arm - 1) % (n - 1)) % n),
+        None => Some((arm - 1) % n),
+    }
+}
+
+/// Round-robin over a [`StreamPool`]: consecutive submissions go to
+/// consecutive streams, so independent work overlaps.
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_async::prelude::*;
+/// let policy = StreamPoolRoundRobin::default_for(&cuda_async::Device::new(0)?)?;
+/// let v = value(41).map(|x| x + 1).schedule(&policy)?;
+/// # Ok::<(), cuda_async::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct StreamPoolRoundRobin {
+    pool: Arc<StreamPool>,
+}
+
+impl StreamPoolRoundRobin {
+    /// Round-robin over the process-wide pool of `device`.
+    ///
+    /// # Errors
+    /// As [`StreamPool::default_for`].
+    pub fn default_for(device: &Device) -> Result<Self> {
+        Ok(StreamPoolRoundRobin { pool: StreamPool::default_for(device)? })
+    }
+
+    /// Round-robin over a new private pool of `n` streams.
+    ///
+    /// # Errors
+    /// As [`StreamPool::new`].
+    pub fn new(device: &Device, n: usize) -> Result<Self> {
+        Ok(StreamPoolRoundRobin { pool: StreamPool::new(device, n)? })
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &Arc<StreamPool> {
+        &self.pool
+    }
+}
+
+impl SchedulingPolicy for StreamPoolRoundRobin {
+    fn select(&self) -> Result<ExecutionContext> {
+        let s = self.pool.streams[self.pool.next_index()].clone();
+        Ok(ExecutionContext::new(self.pool.device.clone(), s, self.pool.clone()))
+    }
+}
+
+/// Every submission on one stream (serialised; concurrent combinators still
+/// fork onto the device's default pool).
+#[derive(Debug, Clone)]
+pub struct SingleStream {
+    stream: Arc<CudaStream>,
+    pool: Arc<StreamPool>,
+}
+
+impl SingleStream {
+    /// Uses `stream`, which may come from other code (interop).
+    ///
+    /// # Errors
+    /// As [`StreamPool::default_for`].
+    pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
+        let pool = StreamPool::default_for(&Device::of_stream(&stream))?;
+        Ok(SingleStream { stream, pool })
+    }
+
+    /// The stream.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl SchedulingPolicy for SingleStream {
+    fn select(&self) -> Result<ExecutionContext> {
+        Ok(ExecutionContext::new(self.pool.device().clone(), self.stream.clone(), self.pool.clone()))
+    }
+}
+
+static DEFAULT_DEVICE: AtomicUsize = AtomicUsize::new(0);
+
+/// Sets the device that `.sync()` and `.await` use (process-wide; default 0).
+///
+/// # Errors
+/// [`Error::NoSuchDevice`] for an ordinal past the last device;
+/// [`Error::NoDriver`] without a driver.
+pub fn set_default_device(ordinal: usize) -> Result<()> {
+    Device::new(ordinal)?;
+    DEFAULT_DEVICE.store(ordinal, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The ordinal `.sync()` and `.await` use.
+pub fn default_device() -> usize {
+    DEFAULT_DEVICE.load(Ordering::Relaxed)
+}
+
+/// The default policy of the default device: round-robin over its
+/// process-wide pool.
+///
+/// # Errors
+/// As [`StreamPool::default_for`] and [`Device::new`].
+pub fn default_policy() -> Result<Arc<StreamPoolRoundRobin>> {
+    const FAST: usize = 16;
+    static FAST_POLICIES: [OnceLock<Arc<StreamPoolRoundRobin>>; FAST] =
+        [const { OnceLock::new() }; FAST];
+    static POLICIES: OnceLock<Mutex<HashMap<usize, Arc<StreamPoolRoundRobin>>>> = OnceLock::new();
+    let ordinal = default_device();
+    if let Some(p) = FAST_POLICIES.get(ordinal).and_then(OnceLock::get) {
+        return Ok(p.clone());
+    }
+    let mut map = POLICIES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let p = match map.get(&ordinal) {
+        Some(p) => p.clone(),
+        None => {
+            let p = Arc::new(StreamPoolRoundRobin::default_for(&Device::new(ordinal)?)?);
+            map.insert(ordinal, p.clone());
+            p
+        }
+    };
+    if let Some(slot) = FAST_POLICIES.get(ordinal) {
+        let _ = slot.set(p.clone());
+    }
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fork_index;
+
+    #[test]
+    fn forks_never_land_on_the_parent_and_spread_evenly() {
+        for n in 2..=8 {
+            for p in 0..n {
+                let mut hits = vec![0usize; n];
+                for arm in 1..=(n - 1) * 10 {
+                    let i = fork_index(n, Some(p), arm).unwrap();
+                    assert_ne!(i, p, "arm {arm} of parent {p} in a pool of {n}");
+                    hits[i] += 1;
+                }
+                for (i, h) in hits.iter().enumerate() {
+                    assert_eq!(*h, if i == p { 0 } else { 10 }, "pool {n}, parent {p}: {hits:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_pool_of_one_shares_the_parent() {
+        assert_eq!(fork_index(1, Some(0), 1), None);
+        assert_eq!(fork_index(1, None, 3), Some(0));
+    }
+
+    #[test]
+    fn foreign_parents_fork_onto_the_pool_in_order() {
+        let got: Vec<_> = (1..=6).map(|a| fork_index(4, None, a).unwrap()).collect();
+        assert_eq!(got, vec![0, 1, 2, 3, 0, 1]);
+    }
+}

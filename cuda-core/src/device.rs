@@ -1,0 +1,213 @@
+//! Device inventory and the process-wide context per device.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaStream};
+
+use crate::error::{DriverResultExt, Error, Result};
+
+/// Whether `libcuda` can be loaded. Cached after the first call.
+///
+/// cudarc panics when a driver function is called and `libcuda` is missing;
+/// every entry point of this crate checks this first and returns
+/// [`Error::NoDriver`] instead.
+pub fn driver_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: `is_culib_present` only tries to dlopen the library by name and
+    // drops the handle; it has no preconditions.
+    *PRESENT.get_or_init(|| unsafe { cudarc::driver::sys::is_culib_present() })
+}
+
+/// Whether `libnvrtc` can be loaded. Cached after the first call.
+pub fn nvrtc_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: as for `driver_present`: a dlopen probe with no preconditions.
+    *PRESENT.get_or_init(|| unsafe { cudarc::nvrtc::sys::is_culib_present() })
+}
+
+/// Returns `Err(Error::NoDriver)` unless the driver library is loadable.
+pub fn require_driver() -> Result<()> {
+    if driver_present() {
+        Ok(())
+    } else {
+        Err(Error::NoDriver)
+    }
+}
+
+/// How many CUDA devices the driver reports.
+///
+/// # Errors
+/// [`Error::NoDriver`] without a driver; a driver error if `cuInit` fails.
+pub fn device_count() -> Result<usize> {
+    require_driver()?;
+    let n = CudaContext::device_count().call("cuDeviceGetCount")?;
+    Ok(n.max(0) as usize)
+}
+
+/// One GPU, through its primary context; cheap to clone.
+///
+/// `Device::new(n)` returns the same context for the same ordinal
+/// everywhere in the process.
+#[derive(Clone)]
+pub struct Device {
+    ctx: Arc<CudaContext>,
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Device").field("ordinal", &self.ordinal()).finish()
+    }
+}
+
+impl PartialEq for Device {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.ctx, &other.ctx) || self.ctx.cu_ctx() == other.ctx.cu_ctx()
+    }
+}
+impl Eq for Device {}
+
+/// A snapshot of one device's properties.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// The driver's ordinal.
+    pub ordinal: usize,
+    /// The marketing name (e.g. `NVIDIA H100 80GB HBM3`).
+    pub name: String,
+    /// Compute capability, (major, minor).
+    pub compute_capability: (u32, u32),
+    /// Total device memory in bytes.
+    pub total_memory: usize,
+    /// Free device memory in bytes at the time of the query.
+    pub free_memory: usize,
+}
+
+fn contexts() -> &'static Mutex<Vec<Option<Device>>> {
+    static CONTEXTS: OnceLock<Mutex<Vec<Option<Device>>>> = OnceLock::new();
+    CONTEXTS.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+impl Device {
+    /// The device with this ordinal (its primary context, retained once per
+    /// process).
+    ///
+    /// # Errors
+    /// [`Error::NoDriver`] without a driver, [`Error::NoSuchDevice`] for an
+    /// ordinal past the last device, a driver error if the context cannot be
+    /// created.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// let dev = cuda_core::Device::new(0)?;
+    /// println!("{}", dev.info()?.name);
+    /// # Ok::<(), cuda_core::Error>(())
+    /// ```
+    pub fn new(ordinal: usize) -> Result<Self> {
+        require_driver()?;
+        let mut slots = contexts().lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(Some(dev)) = slots.get(ordinal) {
+            return Ok(dev.clone());
+        }
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(Error::NoSuchDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal).call("cuDevicePrimaryCtxRetain")?;
+        let dev = Device { ctx };
+        if slots.len() <= ordinal {
+            slots.resize(ordinal + 1, None);
+        }
+        slots[ordinal] = Some(dev.clone());
+        Ok(dev)
+    }
+
+    /// The device that owns `stream` (for streams created by other code).
+    pub fn of_stream(stream: &CudaStream) -> Self {
+        Device { ctx: stream.context().clone() }
+    }
+
+    /// The driver ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// The cudarc context (for interop with code that uses cudarc directly).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Creates a new non-blocking stream on this device.
+    ///
+    /// # Errors
+    /// A driver error if `cuStreamCreate` fails.
+    pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
+        self.ctx.new_stream().call("cuStreamCreate")
+    }
+
+    /// Name, compute capability and memory of this device.
+    ///
+    /// # Errors
+    /// A driver error if a query fails.
+    pub fn info(&self) -> Result<DeviceInfo> {
+        let name = self.ctx.name().call("cuDeviceGetName")?;
+        let (major, minor) = self.ctx.compute_capability().call("cuDeviceGetAttribute")?;
+        let (free_memory, total_memory) = self.ctx.mem_get_info().call("cuMemGetInfo")?;
+        Ok(DeviceInfo {
+            ordinal: self.ordinal(),
+            name,
+            compute_capability: (major as u32, minor as u32),
+            total_memory,
+            free_memory,
+        })
+    }
+
+    /// `(major, minor)` compute capability.
+    ///
+    /// # Errors
+    /// A driver error if the query fails.
+    pub fn compute_capability(&self) -> Result<(u32, u32)> {
+        let (major, minor) = self.ctx.compute_capability().call("cuDeviceGetAttribute")?;
+        Ok((major as u32, minor as u32))
+    }
+
+    /// `(free, total)` device memory in bytes.
+    ///
+    /// # Errors
+    /// A driver error if the query fails.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().call("cuMemGetInfo")
+    }
+}
+
+/// The properties of every device the driver reports.
+///
+/// # Errors
+/// [`Error::NoDriver`] without a driver; a driver error if a query fails.
+///
+/// # Examples
+///
+/// ```no_run
+/// for d in cuda_core::devices()? {
+///     println!("{}: {} sm_{}{}", d.ordinal, d.name, d.compute_capability.0, d.compute_capability.1);
+/// }
+/// # Ok::<(), cuda_core::Error>(())
+/// ```
+pub fn devices() -> Result<Vec<DeviceInfo>> {
+    (0..device_count()?).map(|i| Device::new(i)?.info()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_driver_is_an_error_not_a_panic() {
+        if driver_present() {
+            return; // this check is about machines without a driver
+        }
+        assert!(matches!(Device::new(0), Err(Error::NoDriver)));
+        assert!(matches!(devices(), Err(Error::NoDriver)));
+        assert!(matches!(device_count(), Err(Error::NoDriver)));
+    }
+}

@@ -1,0 +1,235 @@
+//! The one error type of `cuda-core` (and of `cuda-async`, which re-exports it).
+
+use std::fmt;
+use std::sync::Arc;
+
+use cudarc::driver::{sys::CUresult, DriverError};
+
+/// A `Result` whose error is [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in `cuda-core` and `cuda-async`.
+///
+/// Driver failures name the call that failed, so a message reads
+/// `cuMemAllocAsync failed: CUDA_ERROR_OUT_OF_MEMORY (out of memory)`.
+/// The type is `Clone` (a shared op hands the same error to every consumer).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Error {
+    /// `libcuda` could not be loaded: no NVIDIA driver on this machine.
+    NoDriver,
+    /// `libnvrtc` could not be loaded: CUDA C cannot be compiled at run time.
+    NoNvrtc,
+    /// The driver reports fewer devices than the ordinal asked for.
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices the driver reports.
+        count: usize,
+    },
+    /// A CUDA driver call failed.
+    Driver {
+        /// The driver entry point that failed (e.g. `cuLaunchKernel`).
+        call: &'static str,
+        /// The driver's status code.
+        code: DriverError,
+    },
+    /// A CUDA context hit a sticky error earlier (an illegal address, say):
+    /// CUDA state of the whole process is unusable from then on.
+    Poisoned {
+        /// The sticky error first seen.
+        code: DriverError,
+    },
+    /// NVRTC rejected a CUDA C source; `log` is the compiler's log.
+    Compile {
+        /// The program name given to NVRTC.
+        program: String,
+        /// NVRTC's log, verbatim.
+        log: String,
+    },
+    /// A module does not contain the named kernel.
+    KernelNotFound {
+        /// The kernel name asked for.
+        name: String,
+    },
+    /// Kernel arguments do not match the kernel's parameter list.
+    ArgumentMismatch {
+        /// The kernel launched.
+        kernel: String,
+        /// What does not match.
+        detail: String,
+    },
+    /// A caller-supplied value is out of range (lengths, sizes, strings).
+    InvalidArgument(String),
+    /// A shared op panicked while it was first executed; its result is gone.
+    SharedPoisoned,
+    /// User code run by the framework (a `map`/`then` closure) panicked.
+    Panicked(String),
+    /// Any other error, boxed (e.g. from a remote backend).
+    Other(Arc<dyn std::error::Error + Send + Sync>),
+}
+
+impl Error {
+    /// Wraps a driver error with the name of the call that produced it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use cuda_core::Error;
+    /// use cudarc::driver::{sys::CUresult, DriverError};
+    /// let e = Error::driver("cuMemAlloc", DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+    /// assert!(e.to_string().starts_with("cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY"));
+    /// ```
+    pub fn driver(call: &'static str, code: DriverError) -> Self {
+        if is_sticky(code.0) {
+            Error::Poisoned { code }
+        } else {
+            Error::Driver { call, code }
+        }
+    }
+
+    /// Whether this error leaves the process's CUDA state unusable.
+    pub fn is_sticky(&self) -> bool {
+        matches!(self, Error::Poisoned { .. })
+    }
+
+    /// The driver status code, if this is a driver error.
+    pub fn driver_code(&self) -> Option<CUresult> {
+        match self {
+            Error::Driver { code, .. } | Error::Poisoned { code } => Some(code.0),
+            _ => None,
+        }
+    }
+}
+
+/// Whether a driver status is one of the sticky errors that corrupt the
+/// context (and, measured on H100/H200 with driver 580, the whole process).
+pub fn is_sticky(code: CUresult) -> bool {
+    use CUresult::*;
+    matches!(
+        code,
+        CUDA_ERROR_ILLEGAL_ADDRESS
+            | CUDA_ERROR_LAUNCH_FAILED
+            | CUDA_ERROR_MISALIGNED_ADDRESS
+            | CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | CUDA_ERROR_INVALID_PC
+            | CUDA_ERROR_HARDWARE_STACK_ERROR
+            | CUDA_ERROR_ASSERT
+            | CUDA_ERROR_ECC_UNCORRECTABLE
+            | CUDA_ERROR_CONTEXT_IS_DESTROYED
+    )
+}
+
+/// `CUDA_ERROR_ILLEGAL_ADDRESS (an illegal memory access was encountered)`.
+fn describe(code: &DriverError) -> String {
+    let name = format!("{:?}", code.0);
+    // `error_string` calls into the driver, which cudarc would panic to load
+    // on a machine without one (errors are also built in CPU-only tests).
+    if !crate::device::driver_present() {
+        return name;
+    }
+    match code.error_string() {
+        Ok(s) => format!("{name} ({})", s.to_string_lossy()),
+        Err(_) => name,
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::NoDriver => write!(
+                f,
+                "no NVIDIA driver found: libcuda could not be loaded (install the NVIDIA driver, \
+                 or run on a machine with an NVIDIA GPU)"
+            ),
+            Error::NoNvrtc => write!(
+                f,
+                "NVRTC not found: libnvrtc could not be loaded (install the CUDA toolkit's NVRTC \
+                 library, or load PTX instead of CUDA C)"
+            ),
+            Error::NoSuchDevice { ordinal, count } => {
+                write!(f, "no CUDA device {ordinal}: the driver reports {count} device(s)")
+            }
+            Error::Driver { call, code } => write!(f, "{call} failed: {}", describe(code)),
+            Error::Poisoned { code } => write!(
+                f,
+                "CUDA state is poisoned by a sticky error ({}); every later CUDA call in this \
+                 process fails, restart the process",
+                describe(code)
+            ),
+            Error::Compile { program, log } => {
+                write!(f, "NVRTC failed to compile `{program}`:\n{log}")
+            }
+            Error::KernelNotFound { name } => write!(f, "kernel `{name}` is not in the module"),
+            Error::ArgumentMismatch { kernel, detail } => {
+                write!(f, "arguments do not match kernel `{kernel}`: {detail}")
+            }
+            Error::InvalidArgument(what) => write!(f, "invalid argument: {what}"),
+            Error::SharedPoisoned => {
+                write!(f, "a shared op panicked when it first ran; its result is unavailable")
+            }
+            Error::Panicked(msg) => write!(f, "user code panicked: {msg}"),
+            Error::Other(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Driver { code, .. } | Error::Poisoned { code } => Some(code),
+            Error::Other(e) => Some(&**e),
+            _ => None,
+        }
+    }
+}
+
+/// Adds `.call("cuFoo")` to driver results: names the failing call.
+pub(crate) trait DriverResultExt<T> {
+    fn call(self, call: &'static str) -> Result<T>;
+}
+
+impl<T> DriverResultExt<T> for std::result::Result<T, DriverError> {
+    #[inline]
+    fn call(self, call: &'static str) -> Result<T> {
+        self.map_err(|code| Error::driver(call, code))
+    }
+}
+
+/// Turns a panic payload into a message.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_errors_name_the_call() {
+        let e = Error::driver("cuMemcpyHtoDAsync", DriverError(CUresult::CUDA_ERROR_INVALID_VALUE));
+        let s = e.to_string();
+        assert!(s.starts_with("cuMemcpyHtoDAsync failed: CUDA_ERROR_INVALID_VALUE"), "{s}");
+        assert!(!e.is_sticky());
+    }
+
+    #[test]
+    fn sticky_codes_become_poisoned() {
+        let e = Error::driver("cuStreamSynchronize", DriverError(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert!(e.is_sticky());
+        assert!(e.to_string().contains("poisoned"), "{e}");
+        assert_eq!(e.driver_code(), Some(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS));
+    }
+
+    #[test]
+    fn no_driver_message_is_clear() {
+        assert!(Error::NoDriver.to_string().starts_with("no NVIDIA driver found"));
+    }
+}

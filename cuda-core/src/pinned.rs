@@ -1,0 +1,287 @@
+//! Pinned (page-locked) host buffers that protect themselves while the GPU
+//! uses them.
+//!
+//! A `PinnedBuffer` remembers the last stream work that reads or writes it
+//! (an event). Host access waits for that work first, so a device-to-host
+//! copy's destination is never visible before the DMA is done (invariant 3),
+//! and dropping the buffer while a copy is in flight hands the free to the
+//! reclaimer thread instead of freeing early or blocking the caller
+//! (invariant 1).
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DeviceRepr};
+
+use crate::buffer::check_len;
+use crate::device::Device;
+use crate::error::{DriverResultExt, Error, Result};
+
+/// A typed, page-locked, non-write-combined host buffer (fast to read back
+/// from, usable by asynchronous copies in both directions).
+pub struct PinnedBuffer<T> {
+    ptr: NonNull<T>,
+    len: usize,
+    ctx: Arc<CudaContext>,
+    /// Recorded after the last stream work that touches the memory.
+    last_use: Option<CudaEvent>,
+    /// Set once `last_use` is known to be complete.
+    idle: AtomicBool,
+    _marker: PhantomData<T>,
+}
+
+// SAFETY: a `PinnedBuffer<T>` owns its allocation like a `Box<[T]>` does;
+// moving it to another thread moves `T`s, so it is `Send` when `T` is. The
+// context handle and event are `Send + Sync` in cudarc.
+unsafe impl<T: Send> Send for PinnedBuffer<T> {}
+// SAFETY: `&PinnedBuffer<T>` only gives out `&[T]` (after waiting for the
+// GPU) and touches `idle` atomically, so sharing it is sharing `&[T]`.
+unsafe impl<T: Sync> Sync for PinnedBuffer<T> {}
+
+impl<T> fmt::Debug for PinnedBuffer<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PinnedBuffer")
+            .field("type", &std::any::type_name::<T>())
+            .field("len", &self.len)
+            .field("idle", &self.idle.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl<T: DeviceRepr + Copy> PinnedBuffer<T> {
+    /// Allocates `len` elements of pinned memory, filled with `value`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the size overflows; a driver error
+    /// naming `cuMemHostAlloc` if the allocation fails.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// let dev = cuda_core::Device::new(0)?;
+    /// let mut b = cuda_core::PinnedBuffer::filled(&dev, 4, 1.5f32)?;
+    /// b.as_mut_slice()?[0] = 2.0;
+    /// assert_eq!(b.as_slice()?, &[2.0, 1.5, 1.5, 1.5]);
+    /// # Ok::<(), cuda_core::Error>(())
+    /// ```
+    pub fn filled(device: &Device, len: usize, value: T) -> Result<Self> {
+        let mut b = Self::alloc(device, len)?;
+        let p = b.ptr.as_ptr();
+        for i in 0..len {
+            // SAFETY: `i < len` and the allocation holds `len` `T`s; writing
+            // (not assigning) never reads or drops the uninitialised old value.
+            unsafe { p.add(i).write(value) };
+        }
+        b.idle = AtomicBool::new(true);
+        Ok(b)
+    }
+
+    /// Copies `data` into a new pinned buffer.
+    ///
+    /// # Errors
+    /// As [`PinnedBuffer::filled`].
+    pub fn from_slice(device: &Device, data: &[T]) -> Result<Self> {
+        let b = Self::alloc(device, data.len())?;
+        // SAFETY: the new allocation holds `data.len()` `T`s and cannot
+        // overlap `data`; `T: Copy`.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), b.ptr.as_ptr(), data.len()) };
+        Ok(b)
+    }
+
+    /// Allocates `len` elements without initialising them.
+    ///
+    /// # Errors
+    /// As [`PinnedBuffer::filled`].
+    ///
+    /// # Safety
+    /// The contents are uninitialised: before any host access, the caller
+    /// fully overwrites the buffer (e.g. with a device-to-host copy whose use
+    /// it records with [`PinnedBuffer::record_use`], which host access then
+    /// waits for).
+    pub unsafe fn uninit(device: &Device, len: usize) -> Result<Self> {
+        Self::alloc(device, len)
+    }
+
+    fn alloc(device: &Device, len: usize) -> Result<Self> {
+        crate::device::require_driver()?;
+        let bytes = check_len::<T>(len)?;
+        let ctx = device.context().clone();
+        ctx.bind_to_thread().call("cuCtxSetCurrent")?;
+        let ptr = if bytes == 0 {
+            NonNull::dangling()
+        } else {
+            // SAFETY: plain allocation call; flags 0 = portable-less,
+            // non-write-combined page-locked memory, readable at full speed.
+            let raw = unsafe { result::malloc_host(bytes, 0) }.call("cuMemHostAlloc")?;
+            NonNull::new(raw as *mut T)
+                .ok_or_else(|| Error::InvalidArgument("cuMemHostAlloc returned null".into()))?
+        };
+        Ok(PinnedBuffer {
+            ptr,
+            len,
+            ctx,
+            last_use: None,
+            idle: AtomicBool::new(true),
+            _marker: PhantomData,
+        })
+    }
+}
+
+impl<T> PinnedBuffer<T> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether no GPU work on this buffer is pending (queries the driver at
+    /// most until it first says so).
+    ///
+    /// # Errors
+    /// The sticky error, if the GPU faulted before finishing the work.
+    pub fn is_idle(&self) -> Result<bool> {
+        if self.idle.load(Ordering::Acquire) {
+            return Ok(true);
+        }
+        let Some(ev) = &self.last_use else { return Ok(true) };
+        // SAFETY: `ev` is a live event owned by this buffer.
+        match unsafe { result::event::query(ev.cu_event()) } {
+            Ok(()) => {
+                self.idle.store(true, Ordering::Release);
+                Ok(true)
+            }
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            Err(e) => Err(Error::driver("cuEventQuery", e)),
+        }
+    }
+
+    /// Blocks the calling thread until GPU work on this buffer is done.
+    ///
+    /// # Errors
+    /// The sticky error, if the GPU faulted before finishing the work.
+    pub fn wait_idle(&self) -> Result<()> {
+        if self.is_idle()? {
+            return Ok(());
+        }
+        if let Some(ev) = &self.last_use {
+            ev.synchronize().call("cuEventSynchronize")?;
+        }
+        self.idle.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// The contents, once pending GPU work on them is done (waits for it if
+    /// needed; after a completed future that is one cheap query, then none).
+    ///
+    /// # Errors
+    /// The sticky error, if the copy into this buffer faulted.
+    pub fn as_slice(&self) -> Result<&[T]> {
+        self.wait_idle()?;
+        // SAFETY: the GPU no longer touches the memory (waited above); it
+        // holds `len` initialised `T`s (filled at construction or written by
+        // completed copies of `T`s).
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) })
+    }
+
+    /// The contents, mutably; waits as [`PinnedBuffer::as_slice`] does.
+    ///
+    /// # Errors
+    /// As [`PinnedBuffer::as_slice`].
+    pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
+        self.wait_idle()?;
+        // SAFETY: as in `as_slice`, and `&mut self` makes the access unique.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) })
+    }
+
+    /// Copies the contents into a `Vec` (waiting as `as_slice` does).
+    ///
+    /// # Errors
+    /// As [`PinnedBuffer::as_slice`].
+    pub fn to_vec(&self) -> Result<Vec<T>>
+    where
+        T: Clone,
+    {
+        Ok(self.as_slice()?.to_vec())
+    }
+
+    /// Prepares the buffer for an asynchronous copy on `stream`: returns the
+    /// raw pointer, after making `stream` wait for earlier GPU work on it.
+    /// Call [`PinnedBuffer::record_use`] right after enqueuing the copy.
+    ///
+    /// # Errors
+    /// A driver error from `cuStreamWaitEvent`.
+    ///
+    /// # Safety
+    /// The caller enqueues work that accesses at most `len` elements through
+    /// the pointer, only on `stream`, and calls `record_use(stream)` after it
+    /// before any other use of the buffer.
+    pub unsafe fn begin_use(&mut self, stream: &CudaStream) -> Result<*mut T> {
+        if let Some(ev) = &self.last_use {
+            if !self.idle.load(Ordering::Acquire) {
+                stream.wait(ev).call("cuStreamWaitEvent")?;
+            }
+        }
+        Ok(self.ptr.as_ptr())
+    }
+
+    /// Records that work enqueued on `stream` uses the buffer; host access
+    /// and drop will wait for it.
+    ///
+    /// # Errors
+    /// A driver error from `cuEventCreate` or `cuEventRecord`. On error the
+    /// buffer treats itself as busy forever (it will leak rather than free
+    /// memory the GPU might still use).
+    pub fn record_use(&mut self, stream: &CudaStream) -> Result<()> {
+        self.idle.store(false, Ordering::Release);
+        if self.last_use.is_none() {
+            let ev = self
+                .ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .call("cuEventCreate")?;
+            self.last_use = Some(ev);
+        }
+        let ev = self.last_use.as_ref().expect("event just created");
+        ev.record(stream).call("cuEventRecord")
+    }
+}
+
+impl<T> Drop for PinnedBuffer<T> {
+    fn drop(&mut self) {
+        if self.len == 0 || std::mem::size_of::<T>() == 0 {
+            return;
+        }
+        let ptr = self.ptr.as_ptr() as usize;
+        let ctx = self.ctx.clone();
+        let free = move || {
+            let _ = ctx.bind_to_thread();
+            // SAFETY: `ptr` came from `cuMemHostAlloc` and no GPU work uses it
+            // any more (the caller checked); freed exactly once.
+            let _ = unsafe { result::free_host(ptr as *mut std::ffi::c_void) };
+        };
+        // Frees always happen on the reclaimer thread: `cuMemFreeHost` may
+        // synchronize the device, which must never stall the dropping thread
+        // (an async executor's worker, say).
+        match self.is_idle() {
+            Ok(true) => crate::reclaim::defer(free),
+            // In flight: free once the GPU is done with it.
+            Ok(false) => {
+                let ev = self.last_use.take().expect("busy implies an event");
+                crate::reclaim::defer(move || {
+                    if ev.synchronize().is_ok() {
+                        free();
+                    }
+                    // else: the context faulted; leak rather than guess.
+                });
+            }
+            // The GPU faulted while it might have been using the memory: leak.
+            Err(_) => {}
+        }
+    }
+}
