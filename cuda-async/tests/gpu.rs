@@ -1,0 +1,649 @@
+//! GPU tests: every op and combinator against a CPU reference on fresh
+//! random inputs, concurrency of `zip`, the cancellation invariants, a
+//! sticky fault, and interop. Run on a GPU host with
+//! `cargo test -p cuda-async --test gpu -- --include-ignored`
+//! (or from the bundle: `scripts/gpu-bundle`).
+
+use std::future::{Future, IntoFuture};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cuda_async::cudarc::driver::{sys, CudaStream, LaunchConfig};
+use cuda_async::prelude::*;
+use cuda_async::{Device, DeviceBuffer, Error, Kernel, Module, PinnedBuffer};
+
+const KERNELS: &str = r#"
+extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+extern "C" __global__ void add_u32(unsigned* x, unsigned v, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += v;
+}
+extern "C" __global__ void copy_add(const float* src, float* dst, float v, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i] + v;
+}
+extern "C" __global__ void spin(unsigned long long ns, unsigned long long* stamps) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    t = t0;
+    while (t - t0 < ns) { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); }
+    if (threadIdx.x == 0 && blockIdx.x == 0) { stamps[0] = t0; stamps[1] = t; }
+}
+extern "C" __global__ void fault(int* p) {
+    volatile int* bad = (volatile int*)(0x10ull);
+    *bad = *p;
+}
+"#;
+
+struct Kernels {
+    axpy: Kernel,
+    add_u32: Kernel,
+    copy_add: Kernel,
+    spin: Kernel,
+    fault: Kernel,
+}
+
+fn dev() -> Device {
+    Device::new(0).expect("a CUDA device")
+}
+
+fn kernels() -> Kernels {
+    let m = Module::from_cuda(&dev(), KERNELS, &[]).expect("kernels compile");
+    Kernels {
+        axpy: m.kernel("axpy").unwrap(),
+        add_u32: m.kernel("add_u32").unwrap(),
+        copy_add: m.kernel("copy_add").unwrap(),
+        spin: m.kernel("spin").unwrap(),
+        fault: m.kernel("fault").unwrap(),
+    }
+}
+
+/// xorshift64*, seeded from the clock (the seed is printed for replay).
+struct Rng(u64);
+impl Rng {
+    fn new() -> Self {
+        let seed = std::env::var("GPU_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
+        });
+        eprintln!("GPU_TEST_SEED={seed}");
+        Rng(seed)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn f32s(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 200.0 - 100.0).collect()
+    }
+    fn u32s(&mut self, n: usize) -> Vec<u32> {
+        (0..n).map(|_| (self.next() >> 32) as u32).collect()
+    }
+}
+
+fn cfg(n: u32) -> LaunchConfig {
+    LaunchConfig::for_num_elems(n.max(1))
+}
+
+const GPU: &str = "needs an NVIDIA GPU";
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn inventory_reports_the_device() {
+    let _ = GPU;
+    let all = cuda_async::devices().unwrap();
+    assert!(!all.is_empty());
+    let d = &all[0];
+    assert!(!d.name.is_empty() && d.total_memory > 0 && d.free_memory <= d.total_memory);
+    assert!(d.compute_capability.0 >= 5, "{d:?}");
+    eprintln!("{d:?}");
+    assert!(matches!(Device::new(all.len()), Err(Error::NoSuchDevice { .. })));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn h2d_d2h_round_trips_random_data_of_many_sizes() {
+    let mut rng = Rng::new();
+    for n in [0usize, 1, 7, 4096, 1_000_003] {
+        let x = rng.f32s(n);
+        let back = h2d(x.clone()).then(d2h).sync().unwrap();
+        assert_eq!(back.as_slice().unwrap(), &x[..], "f32 n={n}");
+        let u: Vec<u8> = rng.u32s(n).into_iter().map(|v| v as u8).collect();
+        let back = h2d(u.as_slice()).then(d2h).sync().unwrap().to_vec().unwrap();
+        assert_eq!(back, u, "u8 n={n}");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn zeros_memset_and_d2d_match_the_cpu() {
+    let mut rng = Rng::new();
+    let n = 10_001;
+    // Poison first so unwritten elements would show.
+    let z = h2d(vec![0xDEAD_BEEFu32; n])
+        .then(|b| memset(b, 0))
+        .then(d2h)
+        .sync()
+        .unwrap();
+    assert!(z.as_slice().unwrap().iter().all(|&v| v == 0));
+    let z = zeros::<u64>(n).then(d2h).sync().unwrap();
+    assert!(z.as_slice().unwrap().iter().all(|&v| v == 0));
+    let m = zeros::<u32>(n).then(|b| memset(b, 0xAB)).then(d2h).sync().unwrap();
+    assert!(m.as_slice().unwrap().iter().all(|&v| v == 0xABAB_ABAB));
+    let x = rng.u32s(n);
+    let src = h2d(x.clone()).sync().unwrap();
+    let copy = d2d(&src).then(d2h).sync().unwrap();
+    assert_eq!(copy.as_slice().unwrap(), &x[..]);
+    let copy2 = d2d(Arc::new(src)).then(d2h).sync().unwrap();
+    assert_eq!(copy2.to_vec().unwrap(), x);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn pinned_copies_fill_poisoned_buffers_and_check_lengths() {
+    let mut rng = Rng::new();
+    let d = dev();
+    let n = 65_537;
+    let x = rng.f32s(n);
+    let src = PinnedBuffer::from_slice(&d, &x).unwrap();
+    let dst = zeros::<f32>(n).sync().unwrap();
+    let poisoned = PinnedBuffer::filled(&d, n, f32::NAN).unwrap();
+    let (_src, dev_buf) = copy_h2d(src, dst).sync().unwrap();
+    let (_dev_buf, back) = copy_d2h(dev_buf, poisoned).sync().unwrap();
+    assert_eq!(back.as_slice().unwrap(), &x[..]);
+
+    let short = PinnedBuffer::filled(&d, n - 1, 0.0f32).unwrap();
+    let buf = zeros::<f32>(n).sync().unwrap();
+    let e = copy_d2h(buf, short).sync().unwrap_err();
+    assert!(e.to_string().contains("source has 65537 elements, destination 65536"), "{e}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn launch_axpy_matches_the_cpu() {
+    let k = kernels();
+    let mut rng = Rng::new();
+    let n = 1 << 20;
+    let (x, y) = (rng.f32s(n), rng.f32s(n));
+    let a = 2.5f32;
+    let axpy = k.axpy.clone();
+    let out = h2d(x.clone())
+        .zip(h2d(y.clone()))
+        // SAFETY: axpy touches x[0..n) and y[0..n); both have n elements.
+        .then(move |(x, y)| unsafe { launch(&axpy, cfg(n as u32), (a, x, y, n as u32)) })
+        .then(|(_, _, y, _)| d2h(y))
+        .sync()
+        .unwrap();
+    let want: Vec<f32> = x.iter().zip(&y).map(|(x, y)| a.mul_add(*x, *y)).collect();
+    assert_eq!(out.as_slice().unwrap(), &want[..]);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn then_and_map_chain_ten_launches_in_order() {
+    let k = kernels();
+    let mut rng = Rng::new();
+    let n = 4099u32;
+    let x = rng.u32s(n as usize);
+    let mut op: BoxedOp<'static, DeviceBuffer<u32>> = h2d(x.clone()).boxed();
+    for step in 1..=10u32 {
+        let add = k.add_u32.clone();
+        // SAFETY: add_u32 touches x[0..n); the buffer has n elements.
+        op = op.then(move |b| unsafe { launch(&add, cfg(n), (b, step, n)) }).map(|(b, _, _)| b).boxed();
+    }
+    let out = op.then(d2h).sync().unwrap();
+    let want: Vec<u32> = x.iter().map(|v| v.wrapping_add(55)).collect();
+    assert_eq!(out.as_slice().unwrap(), &want[..]);
+}
+
+fn spin_op(k: &Kernel, ns: u64) -> impl DeviceOp<Output = DeviceBuffer<u64>> {
+    let spin = k.clone();
+    // SAFETY: spin writes stamps[0..2); the buffer has 2 elements.
+    zeros::<u64>(2).then(move |s| unsafe { launch(&spin, cfg(1), (ns, s)) }).map(|(_, s)| s)
+}
+
+fn stamps(b: DeviceBuffer<u64>) -> (u64, u64) {
+    let v = d2h(b).sync().unwrap().to_vec().unwrap();
+    (v[0], v[1])
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn zip_arms_run_concurrently_on_different_streams() {
+    let k = kernels();
+    // Warm up (module load, pool creation).
+    let _ = spin_op(&k.spin, 1000).zip(spin_op(&k.spin, 1000)).sync().unwrap();
+    let ms = 1_000_000;
+    let t = Instant::now();
+    let (a, b) = spin_op(&k.spin, ms).zip(spin_op(&k.spin, ms)).sync().unwrap();
+    let wall = t.elapsed();
+    let ((a0, a1), (b0, b1)) = (stamps(a), stamps(b));
+    eprintln!("zip of two 1 ms spins: {wall:?}; arm intervals overlap by {} us", (a1.min(b1) as i64 - a0.max(b0) as i64) / 1000);
+    // The GPU's own clock shows the two kernels running at the same time.
+    assert!(a0 < b1 && b0 < a1, "arms did not overlap: a=[{a0},{a1}] b=[{b0},{b1}]");
+    assert!(a1 - a0 >= ms && b1 - b0 >= ms);
+
+    // Eight arms of zip_all, all overlapping with the first.
+    let s = || spin_op(&k.spin, ms);
+    let (r0, r1, r2, r3) = zip_all((s(), s(), s(), s())).sync().unwrap();
+    let iv: Vec<(u64, u64)> = [r0, r1, r2, r3].into_iter().map(stamps).collect();
+    for (i, w) in iv.iter().enumerate().skip(1) {
+        assert!(w.0 < iv[0].1 && iv[0].0 < w.1, "arm {i} did not overlap arm 0: {iv:?}");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn join_all_is_concurrent_and_ordered() {
+    let k = kernels();
+    let mut rng = Rng::new();
+    let inputs: Vec<Vec<u32>> = (0..16).map(|i| rng.u32s(1000 + i)).collect();
+    let ops: Vec<_> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, x)| {
+            let add = k.add_u32.clone();
+            let n = x.len() as u32;
+            h2d(x.clone())
+                // SAFETY: add_u32 touches x[0..n); the buffer has n elements.
+                .then(move |b| unsafe { launch(&add, cfg(n), (b, i as u32, n)) })
+                .then(|(b, _, _)| d2h(b))
+        })
+        .collect();
+    let outs = join_all(ops).sync().unwrap();
+    for (i, (x, o)) in inputs.iter().zip(&outs).enumerate() {
+        let want: Vec<u32> = x.iter().map(|v| v.wrapping_add(i as u32)).collect();
+        assert_eq!(o.as_slice().unwrap(), &want[..], "arm {i}");
+    }
+    let s = || spin_op(&k.spin, 1_000_000);
+    let iv: Vec<(u64, u64)> = join_all(vec![s(), s(), s()]).sync().unwrap().into_iter().map(stamps).collect();
+    assert!(iv[1].0 < iv[0].1 && iv[2].0 < iv[0].1, "join_all arms did not overlap: {iv:?}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn shared_runs_once_and_consumers_on_other_streams_see_its_result() {
+    let k = kernels();
+    let mut rng = Rng::new();
+    let n = 1 << 18;
+    let x = rng.f32s(n);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let spin = k.spin.clone();
+    let ca = k.copy_add.clone();
+    // The producer spins 2 ms before writing, so a consumer that did not wait
+    // for it would read the zeros.
+    let producer = zeros::<u64>(2)
+        // SAFETY: spin writes stamps[0..2) of a 2-element buffer.
+        .then(move |s| unsafe { launch(&spin, cfg(1), (2_000_000u64, s)) })
+        .then(move |_| h2d(x.clone()).map(move |b| (b, x)))
+        .map(move |(b, x)| {
+            r.fetch_add(1, Ordering::SeqCst);
+            (Arc::new(b), Arc::new(x))
+        })
+        .shared();
+    let consumer = |v: f32| {
+        let ca = ca.clone();
+        producer.clone().then(move |(src, x)| {
+            // SAFETY: copy_add reads src[0..n) and writes dst[0..n); both have n elements.
+            zeros::<f32>(n).then(move |dst| unsafe { launch(&ca, cfg(n as u32), (src, dst, v, n as u32)) })
+                .then(|(_, dst, _, _)| d2h(dst))
+                .map(move |h| (h, x))
+        })
+    };
+    let ((h1, x1), (h2, x2)) = consumer(1.0).zip(consumer(2.0)).sync().unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the shared op ran more than once");
+    let w1: Vec<f32> = x1.iter().map(|v| v + 1.0).collect();
+    let w2: Vec<f32> = x2.iter().map(|v| v + 2.0).collect();
+    assert_eq!(h1.as_slice().unwrap(), &w1[..]);
+    assert_eq!(h2.as_slice().unwrap(), &w2[..]);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn value_with_context_and_boxed_compose() {
+    assert_eq!(value(20).map(|x| x * 2 + 2).sync().unwrap(), 42);
+    let ord = with_context(|ctx| value(ctx.device().ordinal())).sync().unwrap();
+    assert_eq!(ord, 0);
+    let ops: Vec<BoxedOp<'static, u32>> = (0..5u32).map(|i| value(i).map(move |v| v * v).boxed()).collect();
+    assert_eq!(join_all(ops).sync().unwrap(), vec![0, 1, 4, 9, 16]);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn bad_arguments_and_sources_give_clear_errors() {
+    let k = kernels();
+    let buf = zeros::<u32>(8).sync().unwrap();
+    // Wrong count.
+    // SAFETY: never launched: the argument check rejects it.
+    let e = unsafe { launch(&k.add_u32, cfg(8), (buf,)) }.sync().unwrap_err();
+    assert!(matches!(e, Error::ArgumentMismatch { .. }), "{e}");
+    assert!(e.to_string().contains("takes 3 argument(s), 1 given"), "{e}");
+    // Float where the kernel takes an unsigned int.
+    let buf = zeros::<u32>(8).sync().unwrap();
+    // SAFETY: never launched: the argument check rejects it.
+    let e = unsafe { launch(&k.add_u32, cfg(8), (buf, 1.0f32, 8u32)) }.sync().unwrap_err();
+    assert!(e.to_string().contains("argument 1 is `f32`"), "{e}");
+    // 64-bit scalar for a 32-bit parameter.
+    let buf = zeros::<u32>(8).sync().unwrap();
+    // SAFETY: never launched: the argument check rejects it.
+    let e = unsafe { launch(&k.add_u32, cfg(8), (buf, 1u32, 8u64)) }.sync().unwrap_err();
+    assert!(e.to_string().contains("argument 2 is `u64`"), "{e}");
+    // Bad launch config.
+    let buf = zeros::<u32>(8).sync().unwrap();
+    let bad = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (4096, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: never launched: the config check rejects it.
+    let e = unsafe { launch(&k.add_u32, bad, (buf, 1u32, 8u32)) }.sync().unwrap_err();
+    assert!(e.to_string().contains("exceeds CUDA limits"), "{e}");
+    // Unknown kernel, broken source, broken PTX.
+    let m = Module::from_cuda(&dev(), KERNELS, &[]).unwrap();
+    assert!(matches!(m.kernel("nope"), Err(Error::KernelNotFound { .. })));
+    let e = Module::from_cuda(&dev(), "extern \"C\" __global__ void f() { undeclared(); }", &[]).unwrap_err();
+    assert!(matches!(&e, Error::Compile { log, .. } if log.contains("undeclared")), "{e}");
+    let e = Module::from_ptx(&dev(), ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry f() { bogus; }").unwrap_err();
+    eprintln!("bad PTX error: {e}");
+    // The same compile twice is served from the cache (same module).
+    let a = Module::from_cuda(&dev(), KERNELS, &[]).unwrap();
+    let b = Module::from_cuda(&dev(), KERNELS, &[]).unwrap();
+    assert_eq!(format!("{:?}", a.kernel("axpy").unwrap().function()), format!("{:?}", b.kernel("axpy").unwrap().function()));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn sync_on_and_async_on_a_stream_made_by_cudarc_directly() {
+    let k = kernels();
+    let mut rng = Rng::new();
+    // Another library's stream: created with cudarc, not through this crate.
+    let ctx = cuda_async::cudarc::driver::CudaContext::new(0).unwrap();
+    let theirs: Arc<CudaStream> = ctx.new_stream().unwrap();
+    let x = rng.u32s(5000);
+    let add = k.add_u32.clone();
+    let out = h2d(x.clone())
+        // SAFETY: add_u32 touches x[0..5000) of a 5000-element buffer.
+        .then(move |b| unsafe { launch(&add, cfg(5000), (b, 3u32, 5000u32)) })
+        .then(|(b, _, _)| d2h(b))
+        .sync_on(&theirs)
+        .unwrap();
+    let want: Vec<u32> = x.iter().map(|v| v.wrapping_add(3)).collect();
+    assert_eq!(out.as_slice().unwrap(), &want[..]);
+    // async_on: enqueue and return; the pinned result waits for itself.
+    // SAFETY: the output is a PinnedBuffer, which waits for its copy.
+    let host = unsafe { h2d(x.clone()).then(d2h).async_on(&theirs) }.unwrap();
+    assert_eq!(host.as_slice().unwrap(), &x[..]);
+    // A zip on their stream forks onto the pool and joins back to it.
+    let (a, b) = h2d(vec![1u8; 10]).zip(h2d(vec![2u8; 10])).then(|(a, b)| d2h(a).zip(d2h(b))).sync_on(&theirs).unwrap();
+    assert_eq!((a.to_vec().unwrap(), b.to_vec().unwrap()), (vec![1; 10], vec![2; 10]));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn tokio_64_tasks_x_1000_awaited_ops_are_all_correct() {
+    let k = kernels();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
+    let t = Instant::now();
+    rt.block_on(async {
+        let mut tasks = Vec::new();
+        for task in 0..64u32 {
+            let add = k.add_u32.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut counter = h2d(vec![task * 1_000_000]).await?;
+                for i in 0..1000u32 {
+                    // SAFETY: add_u32 touches counter[0..1) of a 1-element buffer.
+                    let (c, _, _) = unsafe { launch(&add, cfg(1), (counter, 1u32, 1u32)) }.await?;
+                    counter = c;
+                    if i % 250 == 249 {
+                        let v = d2h(&counter).await?.to_vec()?;
+                        assert_eq!(v[0], task * 1_000_000 + i + 1, "task {task} op {i}");
+                    }
+                }
+                let v = d2h(counter).await?.to_vec()?;
+                Ok::<u32, Error>(v[0])
+            }));
+        }
+        for (task, h) in tasks.into_iter().enumerate() {
+            assert_eq!(h.await.unwrap().unwrap(), task as u32 * 1_000_000 + 1000);
+        }
+    });
+    let dt = t.elapsed();
+    eprintln!("64 tasks x 1000 awaited launches (+ checks): {dt:?}, {:.0} ops/s", 64_000.0 / dt.as_secs_f64());
+}
+
+/// A pinned, device-mapped word that a stream can be made to wait on
+/// (`cuStreamWaitValue32`): the stream stops until the host opens it.
+struct Gate {
+    host: *mut u32,
+    dptr: sys::CUdeviceptr,
+}
+// SAFETY: the gate word is only written with volatile stores and read by the
+// GPU; the pointer stays valid until `Drop`.
+unsafe impl Send for Gate {}
+unsafe impl Sync for Gate {}
+
+impl Gate {
+    fn new() -> Self {
+        dev().context().bind_to_thread().unwrap();
+        let mut p = std::ptr::null_mut();
+        // SAFETY: plain allocation of 4 bytes of mapped pinned memory.
+        unsafe { sys::cuMemHostAlloc(&mut p, 4, 0x02 /* DEVICEMAP */).result().unwrap() };
+        let host = p as *mut u32;
+        // SAFETY: `host` points to 4 writable bytes.
+        unsafe { host.write_volatile(0) };
+        let mut dptr = 0;
+        // SAFETY: `p` is mapped pinned memory of this context.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, p, 0).result().unwrap() };
+        Gate { host, dptr }
+    }
+    fn close_on(&self, s: &CudaStream) {
+        // SAFETY: `dptr` is a live mapped word; GEQ (0) waits until it is >= 1.
+        unsafe { sys::cuStreamWaitValue32_v2(s.cu_stream(), self.dptr, 1, 0).result().unwrap() };
+    }
+    fn open(&self) {
+        // SAFETY: `host` is valid for the gate's life.
+        unsafe { self.host.write_volatile(1) };
+    }
+}
+
+/// Opens the gate after `secs` if the test has not, so a bug fails the test
+/// instead of hanging it.
+fn failsafe(g: &Arc<Gate>, secs: u64) -> Arc<std::sync::atomic::AtomicBool> {
+    let fired = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (g, f) = (g.clone(), fired.clone());
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(secs));
+        f.store(true, Ordering::SeqCst);
+        g.open();
+    });
+    fired
+}
+
+fn drop_or_forget_in_flight(forget: bool) {
+    let k = kernels();
+    let d = dev();
+    let mut rng = Rng::new();
+    let n = 1 << 20;
+    let gate = Arc::new(Gate::new());
+    let fired = failsafe(&gate, 20);
+    let gated: Arc<CudaStream> = d.new_stream().unwrap();
+    gate.close_on(&gated);
+    let policy = SingleStream::new(gated.clone()).unwrap();
+
+    // A submission that reads a pinned source, a device input, writes a
+    // device output and downloads it into pinned staging: all queued behind
+    // the gate.
+    let x = rng.f32s(n);
+    let src = PinnedBuffer::from_slice(&d, &x).unwrap();
+    let ca = k.copy_add.clone();
+    let op = zeros::<f32>(n)
+        .then(move |dst| copy_h2d(src, dst))
+        .then(move |(_src, input)| zeros::<f32>(n).map(move |out| (input, out)))
+        // SAFETY: copy_add reads input[0..n) and writes out[0..n); both have n elements.
+        .then(move |(input, out)| unsafe { launch(&ca, cfg(n as u32), (input, out, 1.0f32, n as u32)) })
+        .then(|(_, out, _, _)| d2h(out));
+    let mut fut = Box::pin(op.schedule(&policy).unwrap());
+    let waker = futures_test::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    assert!(fut.as_mut().poll(&mut cx).is_pending(), "behind a closed gate");
+    let t = Instant::now();
+    if forget {
+        std::mem::forget(fut);
+    } else {
+        drop(fut);
+    }
+    let drop_time = t.elapsed();
+    assert!(!fired.load(Ordering::SeqCst), "dropping blocked until the failsafe opened the gate");
+
+    // Try hard to get the dropped submission's memory reused while the gate
+    // is still closed: allocate and fill device and pinned buffers of the same
+    // sizes on other streams, and keep them.
+    let mut device_probes = Vec::new();
+    let mut pinned_probes = Vec::new();
+    for i in 0..8u8 {
+        let b = zeros::<u8>(n * 4).then(move |b| memset(b, 0xA0 + i)).sync().unwrap();
+        device_probes.push((b, 0xA0 + i));
+        pinned_probes.push((PinnedBuffer::filled(&d, n, f32::from(i) + 0.5).unwrap(), f32::from(i) + 0.5));
+    }
+    assert!(!fired.load(Ordering::SeqCst), "allocations blocked on the gated stream");
+    gate.open();
+    gated.synchronize().unwrap();
+    // Let the reclaimer run, then check nothing the GPU wrote landed in the probes.
+    std::thread::sleep(Duration::from_millis(50));
+    for (b, byte) in device_probes {
+        let v = d2h(b).sync().unwrap().to_vec().unwrap();
+        assert!(v.iter().all(|&x| x == byte), "a device probe was overwritten: memory was reused early");
+    }
+    for (p, val) in pinned_probes {
+        assert!(p.as_slice().unwrap().iter().all(|&x| x == val), "a pinned probe was overwritten");
+    }
+    eprintln!("drop/forget of an in-flight future returned in {drop_time:?} with the stream gated");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn dropping_a_polled_future_never_frees_in_flight_memory_or_blocks() {
+    drop_or_forget_in_flight(false);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn forgetting_a_polled_future_never_frees_in_flight_memory_or_blocks() {
+    drop_or_forget_in_flight(true);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn host_reads_of_a_download_wait_for_the_dma() {
+    let d = dev();
+    let mut rng = Rng::new();
+    let gate = Arc::new(Gate::new());
+    let _fired = failsafe(&gate, 20);
+    let gated = d.new_stream().unwrap();
+    let x = rng.u32s(1 << 16);
+    let buf = h2d(x.clone()).sync().unwrap();
+    gate.close_on(&gated);
+    // SAFETY: the output is a PinnedBuffer, which waits for its own copy.
+    let host = unsafe { d2h(buf).async_on(&gated) }.unwrap();
+    assert!(!host.is_idle().unwrap(), "the download cannot be done behind a closed gate");
+    let g = gate.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        g.open();
+    });
+    // Blocks until the DMA is done, then sees the data, never the garbage.
+    assert_eq!(host.as_slice().unwrap(), &x[..]);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_buffer_dropped_while_another_stream_uses_it_is_freed_after_that_use() {
+    let k = kernels();
+    let d = dev();
+    let mut rng = Rng::new();
+    let n = 1 << 20;
+    let x = rng.f32s(n);
+    // Allocated (home stream) on the pool; used on a gated stream.
+    let input = h2d(x.clone()).sync().unwrap();
+    let gate = Arc::new(Gate::new());
+    let fired = failsafe(&gate, 20);
+    let gated = d.new_stream().unwrap();
+    gate.close_on(&gated);
+    let ca = k.copy_add.clone();
+    let out = zeros::<f32>(n).sync().unwrap();
+    // SAFETY: copy_add reads input[0..n), writes out[0..n); both have n elements.
+    let (input, out, _, _) = unsafe { launch(&ca, cfg(n as u32), (input, out, 3.0f32, n as u32)).async_on(&gated) }.unwrap();
+    // Freed on its home stream (a pool stream), which first waits for the
+    // gated kernel's read (cudarc's events): so that home stream now waits
+    // behind the gate too, and the probes use a stream of their own.
+    drop(input);
+    let probe_stream = d.new_stream().unwrap();
+    let mut probes = Vec::new();
+    for i in 0..8u8 {
+        let b = zeros::<u8>(n * 4).then(move |b| memset(b, 0x10 + i)).sync_on(&probe_stream).unwrap();
+        probes.push((b, 0x10 + i));
+    }
+    assert!(!fired.load(Ordering::SeqCst));
+    gate.open();
+    let got = d2h(out).sync_on(&gated).unwrap();
+    let want: Vec<f32> = x.iter().map(|v| v + 3.0).collect();
+    assert_eq!(got.as_slice().unwrap(), &want[..], "the kernel read freed (reused) memory");
+    for (b, byte) in probes {
+        let v = d2h(b).sync_on(&probe_stream).unwrap();
+        assert!(v.as_slice().unwrap().iter().all(|&v| v == byte), "a probe was overwritten");
+    }
+}
+
+/// The child half of the sticky-fault test (runs only when asked to, in its
+/// own process, because a fault poisons every CUDA context of the process).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fault_child() {
+    if std::env::var("CUDA_ASYNC_FAULT_CHILD").is_err() {
+        return;
+    }
+    let k = kernels();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let fault = k.fault.clone();
+    let r = rt.block_on(async move {
+        let p = zeros::<i32>(1).await?;
+        // SAFETY: deliberately unsound kernel: this test checks the fault is reported.
+        let r = tokio::time::timeout(Duration::from_secs(10), unsafe { launch(&fault, cfg(1), (p,)) }.into_future()).await;
+        Ok::<_, Error>(r)
+    });
+    let r = r.expect("setup");
+    let e = match r {
+        Err(_) => panic!("CHILD: the faulting op hung"),
+        Ok(Ok(_)) => panic!("CHILD: the faulting op succeeded"),
+        Ok(Err(e)) => e,
+    };
+    println!("CHILD: awaited fault -> {e}");
+    assert!(e.is_sticky(), "{e}");
+    let later = zeros::<u8>(16).sync().unwrap_err();
+    println!("CHILD: later sync -> {later}");
+    assert!(later.is_sticky());
+    let later_async = rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), value(1).into_future()).await });
+    let later_async = later_async.expect("later await hung");
+    println!("CHILD: later await -> {:?}", later_async.as_ref().map_err(|e| e.to_string()));
+    assert!(later_async.is_err());
+    println!("CHILD: FAULT-HANDLED");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_sticky_fault_fails_that_op_and_later_ones_instead_of_hanging() {
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(exe)
+        .args(["--exact", "fault_child", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env("CUDA_ASYNC_FAULT_CHILD", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("child stdout:\n{stdout}\nchild stderr:\n{stderr}");
+    assert!(out.status.success(), "child failed");
+    assert!(stdout.contains("CHILD: FAULT-HANDLED"), "child did not finish its checks");
+    assert!(stdout.contains("ILLEGAL_ADDRESS"), "the error should name the fault");
+}

@@ -1,0 +1,45 @@
+//! Vector add, the script way: build a recipe, then `.sync()` it.
+//!
+//! `cargo run --release --example vecadd`
+
+use cuda_async::prelude::*;
+use cuda_async::{Device, LaunchConfig, Module};
+
+// ANCHOR: kernel
+const VECADD: &str = r#"
+extern "C" __global__ void vecadd(const float* a, const float* b, float* c, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) c[i] = a[i] + b[i];
+}
+"#;
+// ANCHOR_END: kernel
+
+fn main() -> Result<(), cuda_async::Error> {
+    let n: u32 = 1 << 20;
+    // Inputs that differ per element, so a wrong index would show.
+    let a: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 0.5).collect();
+    let b: Vec<f32> = (0..n).map(|i| (i % 777) as f32 - 100.0).collect();
+
+    // ANCHOR: recipe
+    let dev = Device::new(0)?;
+    let vecadd = Module::from_cuda(&dev, VECADD, &[])?.kernel("vecadd")?;
+    let c = h2d(a.clone())
+        .zip(h2d(b.clone())) // the two uploads run concurrently
+        .then(move |(a, b)| zeros::<f32>(n as usize).map(move |c| (a, b, c)))
+        // SAFETY: vecadd reads a[0..n), b[0..n) and writes c[0..n); all have n elements.
+        .then(move |(a, b, c)| unsafe {
+            launch(&vecadd, LaunchConfig::for_num_elems(n), (a, b, c, n))
+        })
+        .then(|(_, _, c, _)| d2h(c))
+        .sync()?; // nothing ran until here
+    // ANCHOR_END: recipe
+
+    let c = c.as_slice()?;
+    let bad = (0..n as usize).filter(|&i| c[i] != a[i] + b[i]).count();
+    if bad > 0 {
+        eprintln!("vecadd: {bad} of {n} elements wrong");
+        std::process::exit(1);
+    }
+    println!("vecadd: {n} elements on {} correct", dev.info()?.name);
+    Ok(())
+}
