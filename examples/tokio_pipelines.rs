@@ -55,7 +55,10 @@ async fn main() -> Result<(), cuda_async::Error> {
     }
     let dt = t.elapsed();
     if correct != pipelines {
-        eprintln!("tokio_pipelines: {} of {pipelines} pipelines wrong", pipelines - correct);
+        eprintln!(
+            "tokio_pipelines: {} of {pipelines} pipelines wrong",
+            pipelines - correct
+        );
         std::process::exit(1);
     }
     println!("tokio_pipelines: {pipelines} concurrent pipelines correct in {dt:?}");

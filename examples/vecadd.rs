@@ -32,7 +32,7 @@ fn main() -> Result<(), cuda_async::Error> {
         })
         .then(|(_, _, c, _)| d2h(c))
         .sync()?; // nothing ran until here
-    // ANCHOR_END: recipe
+                  // ANCHOR_END: recipe
 
     let c = c.as_slice()?;
     let bad = (0..n as usize).filter(|&i| c[i] != a[i] + b[i]).count();

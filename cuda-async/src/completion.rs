@@ -39,7 +39,11 @@ pub(crate) struct Completion {
 
 impl Completion {
     pub(crate) fn new() -> Self {
-        Completion { state: AtomicU8::new(PENDING), error: OnceLock::new(), waker: AtomicWaker::new() }
+        Completion {
+            state: AtomicU8::new(PENDING),
+            error: OnceLock::new(),
+            waker: AtomicWaker::new(),
+        }
     }
 
     /// Producer: the GPU passed the submission. Sets the flag, then wakes.
@@ -89,13 +93,14 @@ impl Completion {
 
     /// The error of a failed submission.
     pub(crate) fn error(&self) -> Error {
-        self.error.get().cloned().unwrap_or_else(|| {
-            Error::InvalidArgument("submission failed without an error".into())
-        })
+        self.error
+            .get()
+            .cloned()
+            .unwrap_or_else(|| Error::InvalidArgument("submission failed without an error".into()))
     }
 }
 
-#[cfg(not(loom))]
+#[cfg(not(all(cuda_async_loom, test)))]
 pub(crate) mod watchdog {
     //! Fails futures whose stream hit a sticky error (the driver never runs
     //! their host callbacks), and remembers that the process is poisoned.
@@ -240,7 +245,10 @@ pub(crate) mod watchdog {
         match rc {
             sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_NOT_READY => None,
             code if cuda_core::is_sticky(code) => {
-                let e = Error::driver("cuStreamQuery", cuda_core::cudarc::driver::DriverError(code));
+                let e = Error::driver(
+                    "cuStreamQuery",
+                    cuda_core::cudarc::driver::DriverError(code),
+                );
                 note_error(&e);
                 Some(e)
             }
@@ -249,7 +257,7 @@ pub(crate) mod watchdog {
     }
 }
 
-#[cfg(all(test, not(loom)))]
+#[cfg(all(test, not(cuda_async_loom)))]
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;

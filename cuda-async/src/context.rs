@@ -36,7 +36,12 @@ impl fmt::Debug for ExecutionContext {
 
 impl ExecutionContext {
     pub(crate) fn new(device: Device, stream: Arc<CudaStream>, pool: Arc<StreamPool>) -> Self {
-        ExecutionContext { device, stream, pool, retained: Vec::new() }
+        ExecutionContext {
+            device,
+            stream,
+            pool,
+            retained: Vec::new(),
+        }
     }
 
     /// A context on a stream that other code created (interop), forking

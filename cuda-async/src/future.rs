@@ -43,7 +43,11 @@ enum State<O: DeviceOp> {
     /// Not yet submitted; the stream is chosen.
     Ready(O, ExecutionContext),
     /// Submitted; waiting for the host callback.
-    Executing { output: Option<O::Output>, completion: Arc<Completion>, retained: Retained },
+    Executing {
+        output: Option<O::Output>,
+        completion: Arc<Completion>,
+        retained: Retained,
+    },
     /// Output handed out.
     Complete,
 }
@@ -65,11 +69,15 @@ impl<O: DeviceOp> fmt::Debug for DeviceFuture<O> {
 
 impl<O: DeviceOp> DeviceFuture<O> {
     pub(crate) fn lazy(op: O) -> Self {
-        DeviceFuture { state: State::Lazy(op) }
+        DeviceFuture {
+            state: State::Lazy(op),
+        }
     }
 
     pub(crate) fn ready(op: O, ctx: ExecutionContext) -> Self {
-        DeviceFuture { state: State::Ready(op, ctx) }
+        DeviceFuture {
+            state: State::Ready(op, ctx),
+        }
     }
 
     /// Whether the work has been enqueued.
@@ -100,7 +108,11 @@ impl<O: DeviceOp> DeviceFuture<O> {
             return Err(note(e));
         }
         watchdog::watch(&completion, ctx.stream());
-        Ok(State::Executing { output: Some(output), completion, retained })
+        Ok(State::Executing {
+            output: Some(output),
+            completion,
+            retained,
+        })
     }
 }
 
@@ -122,10 +134,18 @@ impl<O: DeviceOp> Future for DeviceFuture<O> {
                     Ok(s) => this.state = s,
                     Err(e) => return Poll::Ready(Err(e)),
                 },
-                State::Executing { output, completion, retained } => {
+                State::Executing {
+                    output,
+                    completion,
+                    retained,
+                } => {
                     match completion.poll_status(cx.waker()) {
                         Status::Pending => {
-                            this.state = State::Executing { output, completion, retained };
+                            this.state = State::Executing {
+                                output,
+                                completion,
+                                retained,
+                            };
                             return Poll::Pending;
                         }
                         Status::Done => {
@@ -151,8 +171,11 @@ fn polled_after_completion() -> Error {
 
 impl<O: DeviceOp> Drop for DeviceFuture<O> {
     fn drop(&mut self) {
-        if let State::Executing { output, completion, retained } =
-            std::mem::replace(&mut self.state, State::Complete)
+        if let State::Executing {
+            output,
+            completion,
+            retained,
+        } = std::mem::replace(&mut self.state, State::Complete)
         {
             // The output's buffers order their own release after the GPU.
             drop(output);
@@ -195,6 +218,9 @@ impl Wake for Unparker {
 ///
 /// # Cancel safety
 /// As [`DeviceFuture`].
-pub async fn run_on<O: DeviceOp, P: SchedulingPolicy + ?Sized>(op: O, policy: &P) -> Result<O::Output> {
+pub async fn run_on<O: DeviceOp, P: SchedulingPolicy + ?Sized>(
+    op: O,
+    policy: &P,
+) -> Result<O::Output> {
     DeviceFuture::ready(op, policy.select()?).await
 }

@@ -173,7 +173,11 @@ impl<A> fmt::Debug for Launch<A> {
 /// # Ok::<(), cuda_async::Error>(())
 /// ```
 pub unsafe fn launch<A: KernelArgs>(kernel: &Kernel, config: LaunchConfig, args: A) -> Launch<A> {
-    Launch { kernel: kernel.clone(), config, args }
+    Launch {
+        kernel: kernel.clone(),
+        config,
+        args,
+    }
 }
 
 fn check_config(c: &LaunchConfig) -> Result<()> {
@@ -235,14 +239,33 @@ mod tests {
 
     #[test]
     fn configs_outside_cuda_limits_are_rejected() {
-        let ok = LaunchConfig { grid_dim: (10, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let ok = LaunchConfig {
+            grid_dim: (10, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         assert!(check_config(&ok).is_ok());
         for bad in [
-            LaunchConfig { grid_dim: (0, 1, 1), ..ok },
-            LaunchConfig { block_dim: (0, 1, 1), ..ok },
-            LaunchConfig { block_dim: (2048, 1, 1), ..ok },
-            LaunchConfig { block_dim: (1, 1, 128), ..ok },
-            LaunchConfig { grid_dim: (1, 70000, 1), ..ok },
+            LaunchConfig {
+                grid_dim: (0, 1, 1),
+                ..ok
+            },
+            LaunchConfig {
+                block_dim: (0, 1, 1),
+                ..ok
+            },
+            LaunchConfig {
+                block_dim: (2048, 1, 1),
+                ..ok
+            },
+            LaunchConfig {
+                block_dim: (1, 1, 128),
+                ..ok
+            },
+            LaunchConfig {
+                grid_dim: (1, 70000, 1),
+                ..ok
+            },
         ] {
             let e = check_config(&bad).unwrap_err().to_string();
             assert!(e.contains("launch config"), "{e}");

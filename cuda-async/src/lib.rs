@@ -34,6 +34,8 @@
 #![warn(missing_docs)]
 
 pub mod combinators;
+#[cfg(doctest)]
+mod compile_fail;
 mod completion;
 mod context;
 mod exec;
@@ -48,16 +50,16 @@ mod waker;
 pub use combinators::{join_all, value, with_context, zip_all, BoxedOp, Shared};
 pub use context::ExecutionContext;
 pub use cuda_core::{
-    cudarc, device_count, devices, CudaStream, Device, DeviceBuffer, DeviceInfo, DeviceRepr,
-    Error, Kernel, LaunchConfig, Module, PinnedBuffer, Result, ValidAsZeroBits,
+    cudarc, device_count, devices, driver_present, CudaStream, Device, DeviceBuffer, DeviceInfo,
+    DeviceRepr, Error, Kernel, LaunchConfig, Module, PinnedBuffer, Result, ValidAsZeroBits,
 };
 pub use future::{run_on, DeviceFuture};
 pub use launch::{launch, KernelArg, KernelArgs};
 pub use memory::{copy_d2h, copy_h2d, d2d, d2h, h2d, memset, zeros};
 pub use op::{DeviceOp, DeviceOpExt};
 pub use policy::{
-    default_device, default_policy, set_default_device, SchedulingPolicy, SingleStream,
-    StreamPool, StreamPoolRoundRobin,
+    default_device, default_policy, set_default_device, SchedulingPolicy, SingleStream, StreamPool,
+    StreamPoolRoundRobin,
 };
 
 /// Everything needed to build and run ops: `use cuda_async::prelude::*;`.

@@ -16,14 +16,19 @@ use crate::context::ExecutionContext;
 use crate::op::{impl_into_future, DeviceOp};
 
 fn bind(ctx: &ExecutionContext) -> Result<()> {
-    ctx.device().context().bind_to_thread().map_err(|e| Error::driver("cuCtxSetCurrent", e))
+    ctx.device()
+        .context()
+        .bind_to_thread()
+        .map_err(|e| Error::driver("cuCtxSetCurrent", e))
 }
 
 fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
     if a == b {
         Ok(())
     } else {
-        Err(Error::InvalidArgument(format!("{what}: source has {a} elements, destination {b}")))
+        Err(Error::InvalidArgument(format!(
+            "{what}: source has {a} elements, destination {b}"
+        )))
     }
 }
 
@@ -54,7 +59,10 @@ impl<T> fmt::Debug for Zeros<T> {
 /// # Ok::<(), cuda_async::Error>(())
 /// ```
 pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(len: usize) -> Zeros<T> {
-    Zeros { len, _t: PhantomData }
+    Zeros {
+        len,
+        _t: PhantomData,
+    }
 }
 
 impl<T: DeviceRepr + ValidAsZeroBits + Send> DeviceOp for Zeros<T> {
@@ -120,7 +128,10 @@ impl<T, S> fmt::Debug for H2D<T, S> {
 /// # Ok::<(), cuda_async::Error>(())
 /// ```
 pub fn h2d<T: DeviceRepr, S: HostSource<T>>(src: S) -> H2D<T, S> {
-    H2D { src, _t: PhantomData }
+    H2D {
+        src,
+        _t: PhantomData,
+    }
 }
 
 impl<T: DeviceRepr + Send, S: HostSource<T>> DeviceOp for H2D<T, S> {
@@ -169,7 +180,10 @@ impl<T, B> fmt::Debug for D2H<T, B> {
 /// # Ok::<(), cuda_async::Error>(())
 /// ```
 pub fn d2h<T: DeviceRepr, B: Borrow<DeviceBuffer<T>> + Send>(src: B) -> D2H<T, B> {
-    D2H { src, _t: PhantomData }
+    D2H {
+        src,
+        _t: PhantomData,
+    }
 }
 
 impl<T, B> DeviceOp for D2H<T, B>
@@ -226,7 +240,9 @@ pub struct CopyD2H<T, B> {
 
 impl<T, B> fmt::Debug for CopyD2H<T, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CopyD2H").field("len", &self.dst.len()).finish()
+        f.debug_struct("CopyD2H")
+            .field("len", &self.dst.len())
+            .finish()
     }
 }
 
@@ -261,7 +277,9 @@ pub struct CopyH2D<T> {
 
 impl<T> fmt::Debug for CopyH2D<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CopyH2D").field("len", &self.dst.len()).finish()
+        f.debug_struct("CopyH2D")
+            .field("len", &self.dst.len())
+            .finish()
     }
 }
 
@@ -327,7 +345,10 @@ impl<T, B> fmt::Debug for D2D<T, B> {
 /// # Ok::<(), cuda_async::Error>(())
 /// ```
 pub fn d2d<T: DeviceRepr, B: Borrow<DeviceBuffer<T>> + Send>(src: B) -> D2D<T, B> {
-    D2D { src, _t: PhantomData }
+    D2D {
+        src,
+        _t: PhantomData,
+    }
 }
 
 impl<T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send> DeviceOp for D2D<T, B> {
@@ -357,7 +378,10 @@ pub struct Memset<T> {
 
 impl<T> fmt::Debug for Memset<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Memset").field("len", &self.buf.len()).field("byte", &self.byte).finish()
+        f.debug_struct("Memset")
+            .field("len", &self.buf.len())
+            .field("byte", &self.byte)
+            .finish()
     }
 }
 

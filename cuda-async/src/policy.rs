@@ -50,10 +50,18 @@ impl StreamPool {
     /// cannot be created.
     pub fn new(device: &Device, n: usize) -> Result<Arc<Self>> {
         if n == 0 {
-            return Err(Error::InvalidArgument("a stream pool needs at least one stream".into()));
+            return Err(Error::InvalidArgument(
+                "a stream pool needs at least one stream".into(),
+            ));
         }
-        let streams = (0..n).map(|_| device.new_stream()).collect::<Result<Vec<_>>>()?;
-        Ok(Arc::new(StreamPool { device: device.clone(), streams, next: AtomicUsize::new(0) }))
+        let streams = (0..n)
+            .map(|_| device.new_stream())
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Arc::new(StreamPool {
+            device: device.clone(),
+            streams,
+            next: AtomicUsize::new(0),
+        }))
     }
 
     /// The process-wide pool of `device` ([`DEFAULT_POOL_STREAMS`] streams),
@@ -63,7 +71,10 @@ impl StreamPool {
     /// As [`StreamPool::new`].
     pub fn default_for(device: &Device) -> Result<Arc<Self>> {
         static POOLS: OnceLock<Mutex<HashMap<usize, Arc<StreamPool>>>> = OnceLock::new();
-        let mut pools = POOLS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+        let mut pools = POOLS
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         if let Some(p) = pools.get(&device.ordinal()) {
             return Ok(p.clone());
         }
@@ -102,7 +113,10 @@ impl StreamPool {
     /// `parent` itself. Returns `None` when the arm must share `parent`
     /// (a pool of one stream).
     pub fn fork_stream(&self, parent: &CudaStream, arm: usize) -> Option<&Arc<CudaStream>> {
-        let parent_pos = self.streams.iter().position(|s| s.cu_stream() == parent.cu_stream());
+        let parent_pos = self
+            .streams
+            .iter()
+            .position(|s| s.cu_stream() == parent.cu_stream());
         fork_index(self.streams.len(), parent_pos, arm).map(|i| &self.streams[i])
     }
 }
@@ -142,7 +156,9 @@ impl StreamPoolRoundRobin {
     /// # Errors
     /// As [`StreamPool::default_for`].
     pub fn default_for(device: &Device) -> Result<Self> {
-        Ok(StreamPoolRoundRobin { pool: StreamPool::default_for(device)? })
+        Ok(StreamPoolRoundRobin {
+            pool: StreamPool::default_for(device)?,
+        })
     }
 
     /// Round-robin over a new private pool of `n` streams.
@@ -150,7 +166,9 @@ impl StreamPoolRoundRobin {
     /// # Errors
     /// As [`StreamPool::new`].
     pub fn new(device: &Device, n: usize) -> Result<Self> {
-        Ok(StreamPoolRoundRobin { pool: StreamPool::new(device, n)? })
+        Ok(StreamPoolRoundRobin {
+            pool: StreamPool::new(device, n)?,
+        })
     }
 
     /// The pool.
@@ -162,7 +180,11 @@ impl StreamPoolRoundRobin {
 impl SchedulingPolicy for StreamPoolRoundRobin {
     fn select(&self) -> Result<ExecutionContext> {
         let s = self.pool.streams[self.pool.next_index()].clone();
-        Ok(ExecutionContext::new(self.pool.device.clone(), s, self.pool.clone()))
+        Ok(ExecutionContext::new(
+            self.pool.device.clone(),
+            s,
+            self.pool.clone(),
+        ))
     }
 }
 
@@ -192,7 +214,11 @@ impl SingleStream {
 
 impl SchedulingPolicy for SingleStream {
     fn select(&self) -> Result<ExecutionContext> {
-        Ok(ExecutionContext::new(self.pool.device().clone(), self.stream.clone(), self.pool.clone()))
+        Ok(ExecutionContext::new(
+            self.pool.device().clone(),
+            self.stream.clone(),
+            self.pool.clone(),
+        ))
     }
 }
 
@@ -228,7 +254,10 @@ pub fn default_policy() -> Result<Arc<StreamPoolRoundRobin>> {
     if let Some(p) = FAST_POLICIES.get(ordinal).and_then(OnceLock::get) {
         return Ok(p.clone());
     }
-    let mut map = POLICIES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let mut map = POLICIES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     let p = match map.get(&ordinal) {
         Some(p) => p.clone(),
         None => {
@@ -258,7 +287,11 @@ mod tests {
                     hits[i] += 1;
                 }
                 for (i, h) in hits.iter().enumerate() {
-                    assert_eq!(*h, if i == p { 0 } else { 10 }, "pool {n}, parent {p}: {hits:?}");
+                    assert_eq!(
+                        *h,
+                        if i == p { 0 } else { 10 },
+                        "pool {n}, parent {p}: {hits:?}"
+                    );
                 }
             }
         }

@@ -38,13 +38,18 @@ unsafe impl Sync for AtomicWaker {}
 
 impl fmt::Debug for AtomicWaker {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("AtomicWaker").field("state", &self.state.load(Ordering::Relaxed)).finish()
+        f.debug_struct("AtomicWaker")
+            .field("state", &self.state.load(Ordering::Relaxed))
+            .finish()
     }
 }
 
 impl AtomicWaker {
     pub(crate) fn new() -> Self {
-        AtomicWaker { state: AtomicUsize::new(IDLE), slot: UnsafeCell::new(None) }
+        AtomicWaker {
+            state: AtomicUsize::new(IDLE),
+            slot: UnsafeCell::new(None),
+        }
     }
 
     /// Stores `waker` (consumer side; one consumer at a time).
@@ -117,7 +122,7 @@ impl AtomicWaker {
     }
 }
 
-#[cfg(all(test, not(loom)))]
+#[cfg(all(test, not(cuda_async_loom)))]
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize as StdAtomicUsize;

@@ -66,9 +66,16 @@ fn kernels() -> Kernels {
 struct Rng(u64);
 impl Rng {
     fn new() -> Self {
-        let seed = std::env::var("GPU_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
-        });
+        let seed = std::env::var("GPU_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+                    | 1
+            });
         eprintln!("GPU_TEST_SEED={seed}");
         Rng(seed)
     }
@@ -79,7 +86,9 @@ impl Rng {
         self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
     fn f32s(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 200.0 - 100.0).collect()
+        (0..n)
+            .map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 200.0 - 100.0)
+            .collect()
     }
     fn u32s(&mut self, n: usize) -> Vec<u32> {
         (0..n).map(|_| (self.next() >> 32) as u32).collect()
@@ -102,7 +111,10 @@ fn inventory_reports_the_device() {
     assert!(!d.name.is_empty() && d.total_memory > 0 && d.free_memory <= d.total_memory);
     assert!(d.compute_capability.0 >= 5, "{d:?}");
     eprintln!("{d:?}");
-    assert!(matches!(Device::new(all.len()), Err(Error::NoSuchDevice { .. })));
+    assert!(matches!(
+        Device::new(all.len()),
+        Err(Error::NoSuchDevice { .. })
+    ));
 }
 
 #[test]
@@ -114,7 +126,12 @@ fn h2d_d2h_round_trips_random_data_of_many_sizes() {
         let back = h2d(x.clone()).then(d2h).sync().unwrap();
         assert_eq!(back.as_slice().unwrap(), &x[..], "f32 n={n}");
         let u: Vec<u8> = rng.u32s(n).into_iter().map(|v| v as u8).collect();
-        let back = h2d(u.as_slice()).then(d2h).sync().unwrap().to_vec().unwrap();
+        let back = h2d(u.as_slice())
+            .then(d2h)
+            .sync()
+            .unwrap()
+            .to_vec()
+            .unwrap();
         assert_eq!(back, u, "u8 n={n}");
     }
 }
@@ -133,7 +150,11 @@ fn zeros_memset_and_d2d_match_the_cpu() {
     assert!(z.as_slice().unwrap().iter().all(|&v| v == 0));
     let z = zeros::<u64>(n).then(d2h).sync().unwrap();
     assert!(z.as_slice().unwrap().iter().all(|&v| v == 0));
-    let m = zeros::<u32>(n).then(|b| memset(b, 0xAB)).then(d2h).sync().unwrap();
+    let m = zeros::<u32>(n)
+        .then(|b| memset(b, 0xAB))
+        .then(d2h)
+        .sync()
+        .unwrap();
     assert!(m.as_slice().unwrap().iter().all(|&v| v == 0xABAB_ABAB));
     let x = rng.u32s(n);
     let src = h2d(x.clone()).sync().unwrap();
@@ -160,7 +181,11 @@ fn pinned_copies_fill_poisoned_buffers_and_check_lengths() {
     let short = PinnedBuffer::filled(&d, n - 1, 0.0f32).unwrap();
     let buf = zeros::<f32>(n).sync().unwrap();
     let e = copy_d2h(buf, short).sync().unwrap_err();
-    assert!(e.to_string().contains("source has 65537 elements, destination 65536"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("source has 65537 elements, destination 65536"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -194,7 +219,10 @@ fn then_and_map_chain_ten_launches_in_order() {
     for step in 1..=10u32 {
         let add = k.add_u32.clone();
         // SAFETY: add_u32 touches x[0..n); the buffer has n elements.
-        op = op.then(move |b| unsafe { launch(&add, cfg(n), (b, step, n)) }).map(|(b, _, _)| b).boxed();
+        op = op
+            .then(move |b| unsafe { launch(&add, cfg(n), (b, step, n)) })
+            .map(|(b, _, _)| b)
+            .boxed();
     }
     let out = op.then(d2h).sync().unwrap();
     let want: Vec<u32> = x.iter().map(|v| v.wrapping_add(55)).collect();
@@ -204,7 +232,9 @@ fn then_and_map_chain_ten_launches_in_order() {
 fn spin_op(k: &Kernel, ns: u64) -> impl DeviceOp<Output = DeviceBuffer<u64>> {
     let spin = k.clone();
     // SAFETY: spin writes stamps[0..2); the buffer has 2 elements.
-    zeros::<u64>(2).then(move |s| unsafe { launch(&spin, cfg(1), (ns, s)) }).map(|(_, s)| s)
+    zeros::<u64>(2)
+        .then(move |s| unsafe { launch(&spin, cfg(1), (ns, s)) })
+        .map(|(_, s)| s)
 }
 
 fn stamps(b: DeviceBuffer<u64>) -> (u64, u64) {
@@ -217,15 +247,27 @@ fn stamps(b: DeviceBuffer<u64>) -> (u64, u64) {
 fn zip_arms_run_concurrently_on_different_streams() {
     let k = kernels();
     // Warm up (module load, pool creation).
-    let _ = spin_op(&k.spin, 1000).zip(spin_op(&k.spin, 1000)).sync().unwrap();
+    let _ = spin_op(&k.spin, 1000)
+        .zip(spin_op(&k.spin, 1000))
+        .sync()
+        .unwrap();
     let ms = 1_000_000;
     let t = Instant::now();
-    let (a, b) = spin_op(&k.spin, ms).zip(spin_op(&k.spin, ms)).sync().unwrap();
+    let (a, b) = spin_op(&k.spin, ms)
+        .zip(spin_op(&k.spin, ms))
+        .sync()
+        .unwrap();
     let wall = t.elapsed();
     let ((a0, a1), (b0, b1)) = (stamps(a), stamps(b));
-    eprintln!("zip of two 1 ms spins: {wall:?}; arm intervals overlap by {} us", (a1.min(b1) as i64 - a0.max(b0) as i64) / 1000);
+    eprintln!(
+        "zip of two 1 ms spins: {wall:?}; arm intervals overlap by {} us",
+        (a1.min(b1) as i64 - a0.max(b0) as i64) / 1000
+    );
     // The GPU's own clock shows the two kernels running at the same time.
-    assert!(a0 < b1 && b0 < a1, "arms did not overlap: a=[{a0},{a1}] b=[{b0},{b1}]");
+    assert!(
+        a0 < b1 && b0 < a1,
+        "arms did not overlap: a=[{a0},{a1}] b=[{b0},{b1}]"
+    );
     assert!(a1 - a0 >= ms && b1 - b0 >= ms);
 
     // Eight arms of zip_all, all overlapping with the first.
@@ -233,7 +275,10 @@ fn zip_arms_run_concurrently_on_different_streams() {
     let (r0, r1, r2, r3) = zip_all((s(), s(), s(), s())).sync().unwrap();
     let iv: Vec<(u64, u64)> = [r0, r1, r2, r3].into_iter().map(stamps).collect();
     for (i, w) in iv.iter().enumerate().skip(1) {
-        assert!(w.0 < iv[0].1 && iv[0].0 < w.1, "arm {i} did not overlap arm 0: {iv:?}");
+        assert!(
+            w.0 < iv[0].1 && iv[0].0 < w.1,
+            "arm {i} did not overlap arm 0: {iv:?}"
+        );
     }
 }
 
@@ -261,8 +306,16 @@ fn join_all_is_concurrent_and_ordered() {
         assert_eq!(o.as_slice().unwrap(), &want[..], "arm {i}");
     }
     let s = || spin_op(&k.spin, 1_000_000);
-    let iv: Vec<(u64, u64)> = join_all(vec![s(), s(), s()]).sync().unwrap().into_iter().map(stamps).collect();
-    assert!(iv[1].0 < iv[0].1 && iv[2].0 < iv[0].1, "join_all arms did not overlap: {iv:?}");
+    let iv: Vec<(u64, u64)> = join_all(vec![s(), s(), s()])
+        .sync()
+        .unwrap()
+        .into_iter()
+        .map(stamps)
+        .collect();
+    assert!(
+        iv[1].0 < iv[0].1 && iv[2].0 < iv[0].1,
+        "join_all arms did not overlap: {iv:?}"
+    );
 }
 
 #[test]
@@ -291,13 +344,18 @@ fn shared_runs_once_and_consumers_on_other_streams_see_its_result() {
         let ca = ca.clone();
         producer.clone().then(move |(src, x)| {
             // SAFETY: copy_add reads src[0..n) and writes dst[0..n); both have n elements.
-            zeros::<f32>(n).then(move |dst| unsafe { launch(&ca, cfg(n as u32), (src, dst, v, n as u32)) })
+            zeros::<f32>(n)
+                .then(move |dst| unsafe { launch(&ca, cfg(n as u32), (src, dst, v, n as u32)) })
                 .then(|(_, dst, _, _)| d2h(dst))
                 .map(move |h| (h, x))
         })
     };
     let ((h1, x1), (h2, x2)) = consumer(1.0).zip(consumer(2.0)).sync().unwrap();
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "the shared op ran more than once");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the shared op ran more than once"
+    );
     let w1: Vec<f32> = x1.iter().map(|v| v + 1.0).collect();
     let w2: Vec<f32> = x2.iter().map(|v| v + 2.0).collect();
     assert_eq!(h1.as_slice().unwrap(), &w1[..]);
@@ -308,9 +366,13 @@ fn shared_runs_once_and_consumers_on_other_streams_see_its_result() {
 #[ignore = "needs an NVIDIA GPU"]
 fn value_with_context_and_boxed_compose() {
     assert_eq!(value(20).map(|x| x * 2 + 2).sync().unwrap(), 42);
-    let ord = with_context(|ctx| value(ctx.device().ordinal())).sync().unwrap();
+    let ord = with_context(|ctx| value(ctx.device().ordinal()))
+        .sync()
+        .unwrap();
     assert_eq!(ord, 0);
-    let ops: Vec<BoxedOp<'static, u32>> = (0..5u32).map(|i| value(i).map(move |v| v * v).boxed()).collect();
+    let ops: Vec<BoxedOp<'static, u32>> = (0..5u32)
+        .map(|i| value(i).map(move |v| v * v).boxed())
+        .collect();
     assert_eq!(join_all(ops).sync().unwrap(), vec![0, 1, 4, 9, 16]);
 }
 
@@ -321,36 +383,69 @@ fn bad_arguments_and_sources_give_clear_errors() {
     let buf = zeros::<u32>(8).sync().unwrap();
     // Wrong count.
     // SAFETY: never launched: the argument check rejects it.
-    let e = unsafe { launch(&k.add_u32, cfg(8), (buf,)) }.sync().unwrap_err();
+    let e = unsafe { launch(&k.add_u32, cfg(8), (buf,)) }
+        .sync()
+        .unwrap_err();
     assert!(matches!(e, Error::ArgumentMismatch { .. }), "{e}");
-    assert!(e.to_string().contains("takes 3 argument(s), 1 given"), "{e}");
+    assert!(
+        e.to_string().contains("takes 3 argument(s), 1 given"),
+        "{e}"
+    );
     // Float where the kernel takes an unsigned int.
     let buf = zeros::<u32>(8).sync().unwrap();
     // SAFETY: never launched: the argument check rejects it.
-    let e = unsafe { launch(&k.add_u32, cfg(8), (buf, 1.0f32, 8u32)) }.sync().unwrap_err();
+    let e = unsafe { launch(&k.add_u32, cfg(8), (buf, 1.0f32, 8u32)) }
+        .sync()
+        .unwrap_err();
     assert!(e.to_string().contains("argument 1 is `f32`"), "{e}");
     // 64-bit scalar for a 32-bit parameter.
     let buf = zeros::<u32>(8).sync().unwrap();
     // SAFETY: never launched: the argument check rejects it.
-    let e = unsafe { launch(&k.add_u32, cfg(8), (buf, 1u32, 8u64)) }.sync().unwrap_err();
+    let e = unsafe { launch(&k.add_u32, cfg(8), (buf, 1u32, 8u64)) }
+        .sync()
+        .unwrap_err();
     assert!(e.to_string().contains("argument 2 is `u64`"), "{e}");
     // Bad launch config.
     let buf = zeros::<u32>(8).sync().unwrap();
-    let bad = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (4096, 1, 1), shared_mem_bytes: 0 };
+    let bad = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (4096, 1, 1),
+        shared_mem_bytes: 0,
+    };
     // SAFETY: never launched: the config check rejects it.
-    let e = unsafe { launch(&k.add_u32, bad, (buf, 1u32, 8u32)) }.sync().unwrap_err();
+    let e = unsafe { launch(&k.add_u32, bad, (buf, 1u32, 8u32)) }
+        .sync()
+        .unwrap_err();
     assert!(e.to_string().contains("exceeds CUDA limits"), "{e}");
     // Unknown kernel, broken source, broken PTX.
     let m = Module::from_cuda(&dev(), KERNELS, &[]).unwrap();
-    assert!(matches!(m.kernel("nope"), Err(Error::KernelNotFound { .. })));
-    let e = Module::from_cuda(&dev(), "extern \"C\" __global__ void f() { undeclared(); }", &[]).unwrap_err();
-    assert!(matches!(&e, Error::Compile { log, .. } if log.contains("undeclared")), "{e}");
-    let e = Module::from_ptx(&dev(), ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry f() { bogus; }").unwrap_err();
+    assert!(matches!(
+        m.kernel("nope"),
+        Err(Error::KernelNotFound { .. })
+    ));
+    let e = Module::from_cuda(
+        &dev(),
+        "extern \"C\" __global__ void f() { undeclared(); }",
+        &[],
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&e, Error::Compile { log, .. } if log.contains("undeclared")),
+        "{e}"
+    );
+    let e = Module::from_ptx(
+        &dev(),
+        ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry f() { bogus; }",
+    )
+    .unwrap_err();
     eprintln!("bad PTX error: {e}");
     // The same compile twice is served from the cache (same module).
     let a = Module::from_cuda(&dev(), KERNELS, &[]).unwrap();
     let b = Module::from_cuda(&dev(), KERNELS, &[]).unwrap();
-    assert_eq!(format!("{:?}", a.kernel("axpy").unwrap().function()), format!("{:?}", b.kernel("axpy").unwrap().function()));
+    assert_eq!(
+        format!("{:?}", a.kernel("axpy").unwrap().function()),
+        format!("{:?}", b.kernel("axpy").unwrap().function())
+    );
 }
 
 #[test]
@@ -376,15 +471,26 @@ fn sync_on_and_async_on_a_stream_made_by_cudarc_directly() {
     let host = unsafe { h2d(x.clone()).then(d2h).async_on(&theirs) }.unwrap();
     assert_eq!(host.as_slice().unwrap(), &x[..]);
     // A zip on their stream forks onto the pool and joins back to it.
-    let (a, b) = h2d(vec![1u8; 10]).zip(h2d(vec![2u8; 10])).then(|(a, b)| d2h(a).zip(d2h(b))).sync_on(&theirs).unwrap();
-    assert_eq!((a.to_vec().unwrap(), b.to_vec().unwrap()), (vec![1; 10], vec![2; 10]));
+    let (a, b) = h2d(vec![1u8; 10])
+        .zip(h2d(vec![2u8; 10]))
+        .then(|(a, b)| d2h(a).zip(d2h(b)))
+        .sync_on(&theirs)
+        .unwrap();
+    assert_eq!(
+        (a.to_vec().unwrap(), b.to_vec().unwrap()),
+        (vec![1; 10], vec![2; 10])
+    );
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn tokio_64_tasks_x_1000_awaited_ops_are_all_correct() {
     let k = kernels();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .unwrap();
     let t = Instant::now();
     rt.block_on(async {
         let mut tasks = Vec::new();
@@ -410,7 +516,10 @@ fn tokio_64_tasks_x_1000_awaited_ops_are_all_correct() {
         }
     });
     let dt = t.elapsed();
-    eprintln!("64 tasks x 1000 awaited launches (+ checks): {dt:?}, {:.0} ops/s", 64_000.0 / dt.as_secs_f64());
+    eprintln!(
+        "64 tasks x 1000 awaited launches (+ checks): {dt:?}, {:.0} ops/s",
+        64_000.0 / dt.as_secs_f64()
+    );
 }
 
 /// A pinned, device-mapped word that a stream can be made to wait on
@@ -429,18 +538,30 @@ impl Gate {
         dev().context().bind_to_thread().unwrap();
         let mut p = std::ptr::null_mut();
         // SAFETY: plain allocation of 4 bytes of mapped pinned memory.
-        unsafe { sys::cuMemHostAlloc(&mut p, 4, 0x02 /* DEVICEMAP */).result().unwrap() };
+        unsafe {
+            sys::cuMemHostAlloc(&mut p, 4, 0x02 /* DEVICEMAP */)
+                .result()
+                .unwrap()
+        };
         let host = p as *mut u32;
         // SAFETY: `host` points to 4 writable bytes.
         unsafe { host.write_volatile(0) };
         let mut dptr = 0;
         // SAFETY: `p` is mapped pinned memory of this context.
-        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, p, 0).result().unwrap() };
+        unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut dptr, p, 0)
+                .result()
+                .unwrap()
+        };
         Gate { host, dptr }
     }
     fn close_on(&self, s: &CudaStream) {
         // SAFETY: `dptr` is a live mapped word; GEQ (0) waits until it is >= 1.
-        unsafe { sys::cuStreamWaitValue32_v2(s.cu_stream(), self.dptr, 1, 0).result().unwrap() };
+        unsafe {
+            sys::cuStreamWaitValue32_v2(s.cu_stream(), self.dptr, 1, 0)
+                .result()
+                .unwrap()
+        };
     }
     fn open(&self) {
         // SAFETY: `host` is valid for the gate's life.
@@ -482,12 +603,17 @@ fn drop_or_forget_in_flight(forget: bool) {
         .then(move |dst| copy_h2d(src, dst))
         .then(move |(_src, input)| zeros::<f32>(n).map(move |out| (input, out)))
         // SAFETY: copy_add reads input[0..n) and writes out[0..n); both have n elements.
-        .then(move |(input, out)| unsafe { launch(&ca, cfg(n as u32), (input, out, 1.0f32, n as u32)) })
+        .then(move |(input, out)| unsafe {
+            launch(&ca, cfg(n as u32), (input, out, 1.0f32, n as u32))
+        })
         .then(|(_, out, _, _)| d2h(out));
     let mut fut = Box::pin(op.schedule(&policy).unwrap());
     let waker = futures_test::task::noop_waker();
     let mut cx = std::task::Context::from_waker(&waker);
-    assert!(fut.as_mut().poll(&mut cx).is_pending(), "behind a closed gate");
+    assert!(
+        fut.as_mut().poll(&mut cx).is_pending(),
+        "behind a closed gate"
+    );
     let t = Instant::now();
     if forget {
         std::mem::forget(fut);
@@ -495,7 +621,10 @@ fn drop_or_forget_in_flight(forget: bool) {
         drop(fut);
     }
     let drop_time = t.elapsed();
-    assert!(!fired.load(Ordering::SeqCst), "dropping blocked until the failsafe opened the gate");
+    assert!(
+        !fired.load(Ordering::SeqCst),
+        "dropping blocked until the failsafe opened the gate"
+    );
 
     // Try hard to get the dropped submission's memory reused while the gate
     // is still closed: allocate and fill device and pinned buffers of the same
@@ -503,21 +632,36 @@ fn drop_or_forget_in_flight(forget: bool) {
     let mut device_probes = Vec::new();
     let mut pinned_probes = Vec::new();
     for i in 0..8u8 {
-        let b = zeros::<u8>(n * 4).then(move |b| memset(b, 0xA0 + i)).sync().unwrap();
+        let b = zeros::<u8>(n * 4)
+            .then(move |b| memset(b, 0xA0 + i))
+            .sync()
+            .unwrap();
         device_probes.push((b, 0xA0 + i));
-        pinned_probes.push((PinnedBuffer::filled(&d, n, f32::from(i) + 0.5).unwrap(), f32::from(i) + 0.5));
+        pinned_probes.push((
+            PinnedBuffer::filled(&d, n, f32::from(i) + 0.5).unwrap(),
+            f32::from(i) + 0.5,
+        ));
     }
-    assert!(!fired.load(Ordering::SeqCst), "allocations blocked on the gated stream");
+    assert!(
+        !fired.load(Ordering::SeqCst),
+        "allocations blocked on the gated stream"
+    );
     gate.open();
     gated.synchronize().unwrap();
     // Let the reclaimer run, then check nothing the GPU wrote landed in the probes.
     std::thread::sleep(Duration::from_millis(50));
     for (b, byte) in device_probes {
         let v = d2h(b).sync().unwrap().to_vec().unwrap();
-        assert!(v.iter().all(|&x| x == byte), "a device probe was overwritten: memory was reused early");
+        assert!(
+            v.iter().all(|&x| x == byte),
+            "a device probe was overwritten: memory was reused early"
+        );
     }
     for (p, val) in pinned_probes {
-        assert!(p.as_slice().unwrap().iter().all(|&x| x == val), "a pinned probe was overwritten");
+        assert!(
+            p.as_slice().unwrap().iter().all(|&x| x == val),
+            "a pinned probe was overwritten"
+        );
     }
     eprintln!("drop/forget of an in-flight future returned in {drop_time:?} with the stream gated");
 }
@@ -547,7 +691,10 @@ fn host_reads_of_a_download_wait_for_the_dma() {
     gate.close_on(&gated);
     // SAFETY: the output is a PinnedBuffer, which waits for its own copy.
     let host = unsafe { d2h(buf).async_on(&gated) }.unwrap();
-    assert!(!host.is_idle().unwrap(), "the download cannot be done behind a closed gate");
+    assert!(
+        !host.is_idle().unwrap(),
+        "the download cannot be done behind a closed gate"
+    );
     let g = gate.clone();
     std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(100));
@@ -574,7 +721,9 @@ fn a_buffer_dropped_while_another_stream_uses_it_is_freed_after_that_use() {
     let ca = k.copy_add.clone();
     let out = zeros::<f32>(n).sync().unwrap();
     // SAFETY: copy_add reads input[0..n), writes out[0..n); both have n elements.
-    let (input, out, _, _) = unsafe { launch(&ca, cfg(n as u32), (input, out, 3.0f32, n as u32)).async_on(&gated) }.unwrap();
+    let (input, out, _, _) =
+        unsafe { launch(&ca, cfg(n as u32), (input, out, 3.0f32, n as u32)).async_on(&gated) }
+            .unwrap();
     // Freed on its home stream (a pool stream), which first waits for the
     // gated kernel's read (cudarc's events): so that home stream now waits
     // behind the gate too, and the probes use a stream of their own.
@@ -582,17 +731,27 @@ fn a_buffer_dropped_while_another_stream_uses_it_is_freed_after_that_use() {
     let probe_stream = d.new_stream().unwrap();
     let mut probes = Vec::new();
     for i in 0..8u8 {
-        let b = zeros::<u8>(n * 4).then(move |b| memset(b, 0x10 + i)).sync_on(&probe_stream).unwrap();
+        let b = zeros::<u8>(n * 4)
+            .then(move |b| memset(b, 0x10 + i))
+            .sync_on(&probe_stream)
+            .unwrap();
         probes.push((b, 0x10 + i));
     }
     assert!(!fired.load(Ordering::SeqCst));
     gate.open();
     let got = d2h(out).sync_on(&gated).unwrap();
     let want: Vec<f32> = x.iter().map(|v| v + 3.0).collect();
-    assert_eq!(got.as_slice().unwrap(), &want[..], "the kernel read freed (reused) memory");
+    assert_eq!(
+        got.as_slice().unwrap(),
+        &want[..],
+        "the kernel read freed (reused) memory"
+    );
     for (b, byte) in probes {
         let v = d2h(b).sync_on(&probe_stream).unwrap();
-        assert!(v.as_slice().unwrap().iter().all(|&v| v == byte), "a probe was overwritten");
+        assert!(
+            v.as_slice().unwrap().iter().all(|&v| v == byte),
+            "a probe was overwritten"
+        );
     }
 }
 
@@ -605,12 +764,19 @@ fn fault_child() {
         return;
     }
     let k = kernels();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let fault = k.fault.clone();
     let r = rt.block_on(async move {
         let p = zeros::<i32>(1).await?;
         // SAFETY: deliberately unsound kernel: this test checks the fault is reported.
-        let r = tokio::time::timeout(Duration::from_secs(10), unsafe { launch(&fault, cfg(1), (p,)) }.into_future()).await;
+        let r = tokio::time::timeout(
+            Duration::from_secs(10),
+            unsafe { launch(&fault, cfg(1), (p,)) }.into_future(),
+        )
+        .await;
         Ok::<_, Error>(r)
     });
     let r = r.expect("setup");
@@ -624,9 +790,14 @@ fn fault_child() {
     let later = zeros::<u8>(16).sync().unwrap_err();
     println!("CHILD: later sync -> {later}");
     assert!(later.is_sticky());
-    let later_async = rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), value(1).into_future()).await });
+    let later_async = rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(10), value(1).into_future()).await
+    });
     let later_async = later_async.expect("later await hung");
-    println!("CHILD: later await -> {:?}", later_async.as_ref().map_err(|e| e.to_string()));
+    println!(
+        "CHILD: later await -> {:?}",
+        later_async.as_ref().map_err(|e| e.to_string())
+    );
     assert!(later_async.is_err());
     println!("CHILD: FAULT-HANDLED");
 }
@@ -636,7 +807,13 @@ fn fault_child() {
 fn a_sticky_fault_fails_that_op_and_later_ones_instead_of_hanging() {
     let exe = std::env::current_exe().unwrap();
     let out = std::process::Command::new(exe)
-        .args(["--exact", "fault_child", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "fault_child",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("CUDA_ASYNC_FAULT_CHILD", "1")
         .output()
         .unwrap();
@@ -644,6 +821,12 @@ fn a_sticky_fault_fails_that_op_and_later_ones_instead_of_hanging() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("child stdout:\n{stdout}\nchild stderr:\n{stderr}");
     assert!(out.status.success(), "child failed");
-    assert!(stdout.contains("CHILD: FAULT-HANDLED"), "child did not finish its checks");
-    assert!(stdout.contains("ILLEGAL_ADDRESS"), "the error should name the fault");
+    assert!(
+        stdout.contains("CHILD: FAULT-HANDLED"),
+        "child did not finish its checks"
+    );
+    assert!(
+        stdout.contains("ILLEGAL_ADDRESS"),
+        "the error should name the fault"
+    );
 }

@@ -41,7 +41,10 @@ impl<T> fmt::Debug for DeviceBuffer<T> {
 impl<T: DeviceRepr> DeviceBuffer<T> {
     /// Takes ownership of a cudarc slice.
     pub fn from_cuda_slice(slice: CudaSlice<T>) -> Self {
-        DeviceBuffer { slice, _marker: PhantomData }
+        DeviceBuffer {
+            slice,
+            _marker: PhantomData,
+        }
     }
 
     /// Allocates `len` zeroed elements, stream-ordered on `stream`.

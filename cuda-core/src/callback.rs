@@ -67,5 +67,5 @@ unsafe extern "C" fn trampoline<F: FnOnce() + Send + 'static>(data: *mut c_void)
     // to us once by the driver.
     let f = unsafe { Box::from_raw(data as *mut F) };
     // Never unwind into the driver; the payload is dropped inside the guard too.
-    let _ = catch_unwind(AssertUnwindSafe(move || f()));
+    let _ = catch_unwind(AssertUnwindSafe(f));
 }

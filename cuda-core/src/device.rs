@@ -56,7 +56,9 @@ pub struct Device {
 
 impl fmt::Debug for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Device").field("ordinal", &self.ordinal()).finish()
+        f.debug_struct("Device")
+            .field("ordinal", &self.ordinal())
+            .finish()
     }
 }
 
@@ -124,7 +126,9 @@ impl Device {
 
     /// The device that owns `stream` (for streams created by other code).
     pub fn of_stream(stream: &CudaStream) -> Self {
-        Device { ctx: stream.context().clone() }
+        Device {
+            ctx: stream.context().clone(),
+        }
     }
 
     /// The driver ordinal.
@@ -194,7 +198,9 @@ impl Device {
 /// # Ok::<(), cuda_core::Error>(())
 /// ```
 pub fn devices() -> Result<Vec<DeviceInfo>> {
-    (0..device_count()?).map(|i| Device::new(i)?.info()).collect()
+    (0..device_count()?)
+        .map(|i| Device::new(i)?.info())
+        .collect()
 }
 
 #[cfg(test)]

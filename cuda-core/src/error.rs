@@ -149,7 +149,10 @@ impl fmt::Display for Error {
                  library, or load PTX instead of CUDA C)"
             ),
             Error::NoSuchDevice { ordinal, count } => {
-                write!(f, "no CUDA device {ordinal}: the driver reports {count} device(s)")
+                write!(
+                    f,
+                    "no CUDA device {ordinal}: the driver reports {count} device(s)"
+                )
             }
             Error::Driver { call, code } => write!(f, "{call} failed: {}", describe(code)),
             Error::Poisoned { code } => write!(
@@ -167,7 +170,10 @@ impl fmt::Display for Error {
             }
             Error::InvalidArgument(what) => write!(f, "invalid argument: {what}"),
             Error::SharedPoisoned => {
-                write!(f, "a shared op panicked when it first ran; its result is unavailable")
+                write!(
+                    f,
+                    "a shared op panicked when it first ran; its result is unavailable"
+                )
             }
             Error::Panicked(msg) => write!(f, "user code panicked: {msg}"),
             Error::Other(e) => write!(f, "{e}"),
@@ -214,15 +220,24 @@ mod tests {
 
     #[test]
     fn driver_errors_name_the_call() {
-        let e = Error::driver("cuMemcpyHtoDAsync", DriverError(CUresult::CUDA_ERROR_INVALID_VALUE));
+        let e = Error::driver(
+            "cuMemcpyHtoDAsync",
+            DriverError(CUresult::CUDA_ERROR_INVALID_VALUE),
+        );
         let s = e.to_string();
-        assert!(s.starts_with("cuMemcpyHtoDAsync failed: CUDA_ERROR_INVALID_VALUE"), "{s}");
+        assert!(
+            s.starts_with("cuMemcpyHtoDAsync failed: CUDA_ERROR_INVALID_VALUE"),
+            "{s}"
+        );
         assert!(!e.is_sticky());
     }
 
     #[test]
     fn sticky_codes_become_poisoned() {
-        let e = Error::driver("cuStreamSynchronize", DriverError(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS));
+        let e = Error::driver(
+            "cuStreamSynchronize",
+            DriverError(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS),
+        );
         assert!(e.is_sticky());
         assert!(e.to_string().contains("poisoned"), "{e}");
         assert_eq!(e.driver_code(), Some(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS));
@@ -230,6 +245,8 @@ mod tests {
 
     #[test]
     fn no_driver_message_is_clear() {
-        assert!(Error::NoDriver.to_string().starts_with("no NVIDIA driver found"));
+        assert!(Error::NoDriver
+            .to_string()
+            .starts_with("no NVIDIA driver found"));
     }
 }

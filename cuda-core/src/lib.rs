@@ -36,4 +36,6 @@ pub use pinned::PinnedBuffer;
 
 /// The cudarc crate this is built on, for interop.
 pub use cudarc;
-pub use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, ValidAsZeroBits};
+pub use cudarc::driver::{
+    CudaEvent, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, ValidAsZeroBits,
+};

@@ -87,7 +87,9 @@ pub fn parse_ptx_entries(ptx: &str) -> HashMap<String, Vec<ParamSpec>> {
                 continue;
             }
         }
-        let Some(close) = rest[body_start..].find(')') else { break };
+        let Some(close) = rest[body_start..].find(')') else {
+            break;
+        };
         let list = &rest[body_start..body_start + close];
         rest = &rest[body_start + close..];
         if name.is_empty() || name.contains(char::is_whitespace) {
@@ -128,7 +130,10 @@ fn parse_param(decl: &str) -> Option<ParamSpec> {
         }
     }
     let (class, size) = class_size?;
-    Some(ParamSpec { size: size.checked_mul(count)?, class })
+    Some(ParamSpec {
+        size: size.checked_mul(count)?,
+        class,
+    })
 }
 
 /// A loaded module: its kernels and their PTX parameter lists.
@@ -171,7 +176,9 @@ impl Module {
     pub fn from_ptx(device: &Device, ptx: &str) -> Result<Self> {
         crate::device::require_driver()?;
         if ptx.as_bytes().contains(&0) {
-            return Err(Error::InvalidArgument("PTX text contains a NUL byte".into()));
+            return Err(Error::InvalidArgument(
+                "PTX text contains a NUL byte".into(),
+            ));
         }
         let entries = parse_ptx_entries(ptx);
         let inner = match device.context().load_module(Ptx::from_src(ptx)) {
@@ -188,7 +195,11 @@ impl Module {
                 });
             }
         };
-        Ok(Module { inner, device: device.clone(), entries: Arc::new(entries) })
+        Ok(Module {
+            inner,
+            device: device.clone(),
+            entries: Arc::new(entries),
+        })
     }
 
     /// Compiles CUDA C with NVRTC for `device`'s architecture and loads it;
@@ -220,11 +231,16 @@ impl Module {
             return Err(Error::NoNvrtc);
         }
         if source.as_bytes().contains(&0) || options.iter().any(|o| o.as_bytes().contains(&0)) {
-            return Err(Error::InvalidArgument("CUDA source or option contains a NUL byte".into()));
+            return Err(Error::InvalidArgument(
+                "CUDA source or option contains a NUL byte".into(),
+            ));
         }
         let (major, minor) = device.compute_capability()?;
         let mut opts: Vec<String> = options.iter().map(|s| s.to_string()).collect();
-        if !opts.iter().any(|o| o.starts_with("--gpu-architecture") || o.starts_with("-arch")) {
+        if !opts
+            .iter()
+            .any(|o| o.starts_with("--gpu-architecture") || o.starts_with("-arch"))
+        {
             opts.push(format!("--gpu-architecture=compute_{major}{minor}"));
         }
         let key = CacheKey::new(device.ordinal(), source, &opts);
@@ -234,7 +250,11 @@ impl Module {
         }
         let compiled = cudarc::nvrtc::compile_ptx_with_opts(
             source,
-            CompileOptions { options: opts, name: Some("cuda_async_module.cu".into()), ..Default::default() },
+            CompileOptions {
+                options: opts,
+                name: Some("cuda_async_module.cu".into()),
+                ..Default::default()
+            },
         );
         let ptx = match compiled {
             Ok(ptx) => ptx,
@@ -252,7 +272,10 @@ impl Module {
             }
         };
         let module = Module::from_ptx(device, &ptx.to_src())?;
-        cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, module.clone());
+        cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, module.clone());
         Ok(module)
     }
 
@@ -343,11 +366,17 @@ impl Kernel {
     /// [`Error::ArgumentMismatch`] naming the first mismatch. A kernel whose
     /// PTX parameter list could not be parsed is checked by nothing.
     pub fn check_args(&self, args: &[(usize, ParamClass, &'static str)]) -> Result<()> {
-        let Some(params) = self.params() else { return Ok(()) };
+        let Some(params) = self.params() else {
+            return Ok(());
+        };
         if params.len() != args.len() {
             return Err(Error::ArgumentMismatch {
                 kernel: self.name().into(),
-                detail: format!("kernel takes {} argument(s), {} given", params.len(), args.len()),
+                detail: format!(
+                    "kernel takes {} argument(s), {} given",
+                    params.len(),
+                    args.len()
+                ),
             });
         }
         for (i, (p, (size, class, rust))) in params.iter().zip(args).enumerate() {
@@ -381,7 +410,11 @@ impl CacheKey {
             text.push('\0');
         }
         text.push_str(source);
-        CacheKey { hash: fnv1a64(text.as_bytes()), ordinal, text }
+        CacheKey {
+            hash: fnv1a64(text.as_bytes()),
+            ordinal,
+            text,
+        }
     }
 }
 
@@ -417,8 +450,10 @@ fn jit_error_log(device: &Device, ptx: &str) -> Option<String> {
         sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
         sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
     ];
-    let mut vals: [*mut std::ffi::c_void; 2] =
-        [log.as_mut_ptr() as *mut _, log.len() as *mut std::ffi::c_void];
+    let mut vals: [*mut std::ffi::c_void; 2] = [
+        log.as_mut_ptr() as *mut _,
+        log.len() as *mut std::ffi::c_void,
+    ];
     let mut module: sys::CUmodule = std::ptr::null_mut();
     // SAFETY: `src` is NUL-terminated PTX; `opts`/`vals` are two matching
     // option/value pairs; the log buffer outlives the call and its size is
@@ -477,38 +512,71 @@ mod tests {
         assert_eq!(
             e["axpy"],
             vec![
-                ParamSpec { size: 4, class: ParamClass::Float },
-                ParamSpec { size: 8, class: ParamClass::Int },
-                ParamSpec { size: 8, class: ParamClass::Int },
-                ParamSpec { size: 4, class: ParamClass::Int },
+                ParamSpec {
+                    size: 4,
+                    class: ParamClass::Float
+                },
+                ParamSpec {
+                    size: 8,
+                    class: ParamClass::Int
+                },
+                ParamSpec {
+                    size: 8,
+                    class: ParamClass::Int
+                },
+                ParamSpec {
+                    size: 4,
+                    class: ParamClass::Int
+                },
             ]
         );
         assert_eq!(e["noargs"], vec![]);
         assert_eq!(
             e["bystruct"],
             vec![
-                ParamSpec { size: 24, class: ParamClass::Bits },
-                ParamSpec { size: 4, class: ParamClass::Int },
+                ParamSpec {
+                    size: 24,
+                    class: ParamClass::Bits
+                },
+                ParamSpec {
+                    size: 4,
+                    class: ParamClass::Int
+                },
             ]
         );
     }
 
     #[test]
     fn param_acceptance() {
-        let f32p = ParamSpec { size: 4, class: ParamClass::Float };
+        let f32p = ParamSpec {
+            size: 4,
+            class: ParamClass::Float,
+        };
         assert!(f32p.accepts(4, ParamClass::Float));
         assert!(!f32p.accepts(4, ParamClass::Int));
         assert!(!f32p.accepts(8, ParamClass::Float));
-        let b = ParamSpec { size: 8, class: ParamClass::Bits };
+        let b = ParamSpec {
+            size: 8,
+            class: ParamClass::Bits,
+        };
         assert!(b.accepts(8, ParamClass::Int) && b.accepts(8, ParamClass::Float));
     }
 
     #[test]
     fn garbage_ptx_does_not_panic() {
-        for s in ["", ".entry", ".entry (", ".entry x(.param .u64", ".entry x(.param .q7 a)", ".entry x(.param .b8 a[zz])"] {
+        for s in [
+            "",
+            ".entry",
+            ".entry (",
+            ".entry x(.param .u64",
+            ".entry x(.param .q7 a)",
+            ".entry x(.param .b8 a[zz])",
+        ] {
             let _ = parse_ptx_entries(s);
         }
-        assert!(parse_ptx_entries(".entry x(.param .b8 a[zz])").get("x").is_none());
+        assert!(parse_ptx_entries(".entry x(.param .b8 a[zz])")
+            .get("x")
+            .is_none());
     }
 
     #[test]

@@ -150,7 +150,9 @@ impl<T> PinnedBuffer<T> {
         if self.idle.load(Ordering::Acquire) {
             return Ok(true);
         }
-        let Some(ev) = &self.last_use else { return Ok(true) };
+        let Some(ev) = &self.last_use else {
+            return Ok(true);
+        };
         // SAFETY: `ev` is a live event owned by this buffer.
         match unsafe { result::event::query(ev.cu_event()) } {
             Ok(()) => {

@@ -25,11 +25,18 @@ fn record(stream: &CudaStream) -> Result<CudaEvent> {
 
 impl Fork {
     pub(crate) fn new() -> Self {
-        Fork { fork_event: None, joins: Vec::new() }
+        Fork {
+            fork_event: None,
+            joins: Vec::new(),
+        }
     }
 
     /// The context for arm `arm` (>= 1).
-    pub(crate) fn arm(&mut self, parent: &ExecutionContext, arm: usize) -> Result<ExecutionContext> {
+    pub(crate) fn arm(
+        &mut self,
+        parent: &ExecutionContext,
+        arm: usize,
+    ) -> Result<ExecutionContext> {
         let pstream = parent.stream();
         let stream: Arc<CudaStream> = match parent.pool().fork_stream(pstream, arm) {
             Some(s) if s.cu_stream() != pstream.cu_stream() => s.clone(),
@@ -39,14 +46,24 @@ impl Fork {
             self.fork_event = Some(record(pstream)?);
         }
         let ev = self.fork_event.as_ref().expect("recorded above");
-        stream.wait(ev).map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
+        stream
+            .wait(ev)
+            .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
         Ok(parent.fork(stream))
     }
 
     /// Ends arm `child`: its retained values join the parent's.
-    pub(crate) fn end(&mut self, parent: &mut ExecutionContext, child: ExecutionContext) -> Result<()> {
+    pub(crate) fn end(
+        &mut self,
+        parent: &mut ExecutionContext,
+        child: ExecutionContext,
+    ) -> Result<()> {
         let same = child.stream().cu_stream() == parent.stream().cu_stream();
-        let r = if same { Ok(()) } else { record(child.stream()).map(|ev| self.joins.push(ev)) };
+        let r = if same {
+            Ok(())
+        } else {
+            record(child.stream()).map(|ev| self.joins.push(ev))
+        };
         parent.absorb(child);
         r
     }
@@ -54,7 +71,10 @@ impl Fork {
     /// Makes the parent stream wait for every arm.
     pub(crate) fn join(self, parent: &ExecutionContext) -> Result<()> {
         for ev in &self.joins {
-            parent.stream().wait(ev).map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
+            parent
+                .stream()
+                .wait(ev)
+                .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
         }
         Ok(())
     }

@@ -12,7 +12,9 @@ pub struct JoinAll<O>(Vec<O>);
 
 impl<O> fmt::Debug for JoinAll<O> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("JoinAll").field("len", &self.0.len()).finish()
+        f.debug_struct("JoinAll")
+            .field("len", &self.0.len())
+            .finish()
     }
 }
 
@@ -37,7 +39,9 @@ impl<O: DeviceOp> DeviceOp for JoinAll<O> {
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<Vec<O::Output>> {
         let n = self.0.len();
         let mut fork = Fork::new();
-        let contexts = (1..n).map(|i| fork.arm(ctx, i)).collect::<Result<Vec<_>>>()?;
+        let contexts = (1..n)
+            .map(|i| fork.arm(ctx, i))
+            .collect::<Result<Vec<_>>>()?;
         let mut ops = self.0.into_iter();
         let mut out = Vec::with_capacity(n);
         if let Some(first) = ops.next() {

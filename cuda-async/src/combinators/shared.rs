@@ -43,7 +43,9 @@ impl<I, T> fmt::Debug for SharedCell<I, T> {
 impl<I, T: Clone> SharedCell<I, T> {
     /// A cell holding the initialiser's input.
     pub fn new(input: I) -> Self {
-        SharedCell { state: Mutex::new(CellState::Pending(input)) }
+        SharedCell {
+            state: Mutex::new(CellState::Pending(input)),
+        }
     }
 
     /// Runs `init` on the input if nobody has yet (holding the cell's lock,
@@ -101,7 +103,9 @@ pub struct Shared<O: DeviceOp> {
 
 impl<O: DeviceOp> Clone for Shared<O> {
     fn clone(&self) -> Self {
-        Shared { cell: self.cell.clone() }
+        Shared {
+            cell: self.cell.clone(),
+        }
     }
 }
 
@@ -116,7 +120,9 @@ where
     O::Output: Clone,
 {
     pub(crate) fn new(op: O) -> Self {
-        Shared { cell: Arc::new(SharedCell::new(op)) }
+        Shared {
+            cell: Arc::new(SharedCell::new(op)),
+        }
     }
 }
 
@@ -141,7 +147,9 @@ where
             Ok((out, Arc::new(ev)))
         })?;
         if !first {
-            ctx.stream().wait(&ev).map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
+            ctx.stream()
+                .wait(&ev)
+                .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
         }
         Ok(out)
     }
@@ -204,7 +212,9 @@ mod tests {
     #[test]
     fn errors_reach_every_caller() {
         let cell: SharedCell<(), u8> = SharedCell::new(());
-        let e1 = cell.get_or_init(|_| Err(Error::InvalidArgument("bad".into()))).unwrap_err();
+        let e1 = cell
+            .get_or_init(|_| Err(Error::InvalidArgument("bad".into())))
+            .unwrap_err();
         let e2 = cell.get_or_init(|_| Ok(1)).unwrap_err();
         assert!(e1.to_string().contains("bad") && e2.to_string().contains("bad"));
     }
@@ -215,6 +225,9 @@ mod tests {
         let c = cell.clone();
         let r = std::thread::spawn(move || c.get_or_init(|_| panic!("init failed"))).join();
         assert!(r.is_err(), "the panic propagates to the caller that ran it");
-        assert!(matches!(cell.get_or_init(|_| Ok(1)), Err(Error::SharedPoisoned)));
+        assert!(matches!(
+            cell.get_or_init(|_| Ok(1)),
+            Err(Error::SharedPoisoned)
+        ));
     }
 }

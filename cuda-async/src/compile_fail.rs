@@ -1,0 +1,74 @@
+//! Compile-fail checks, run by `cargo test --doc`. Each failing snippet has
+//! a compiling twin that differs only in the offending part, and names the
+//! error code it must fail with, so it cannot fail for an unrelated reason.
+//!
+//! A non-`Send` value cannot go into an op (ops cross threads):
+//!
+//! ```compile_fail,E0277
+//! use cuda_async::prelude::*;
+//! let _op = value(std::rc::Rc::new(1));
+//! ```
+//! ```
+//! use cuda_async::prelude::*;
+//! let _op = value(std::sync::Arc::new(1));
+//! ```
+//!
+//! nor be captured by a combinator's closure:
+//!
+//! ```compile_fail,E0277
+//! use cuda_async::prelude::*;
+//! let rc = std::rc::Rc::new(1);
+//! let _op = value(1).map(move |x| x + *rc);
+//! ```
+//! ```
+//! use cuda_async::prelude::*;
+//! let arc = std::sync::Arc::new(1);
+//! let _op = value(1).map(move |x| x + *arc);
+//! ```
+//!
+//! A borrowed buffer cannot outlive a spawned future (spawning needs
+//! `'static`, and the op borrows the buffer):
+//!
+//! ```compile_fail,E0597
+//! use cuda_async::prelude::*;
+//! fn spawn<F: std::future::IntoFuture + Send + 'static>(_f: F) {}
+//! fn f(_b: cuda_async::DeviceBuffer<f32>) {
+//!     let buf = _b;
+//!     spawn(d2h(&buf));
+//! }
+//! ```
+//! ```
+//! use cuda_async::prelude::*;
+//! fn spawn<F: std::future::IntoFuture + Send + 'static>(_f: F) {}
+//! fn f(_b: cuda_async::DeviceBuffer<f32>) {
+//!     let buf = _b;
+//!     spawn(d2h(buf));
+//! }
+//! ```
+//!
+//! Launching a kernel is `unsafe` (the kernel is arbitrary device code):
+//!
+//! ```compile_fail,E0133
+//! use cuda_async::prelude::*;
+//! fn f(k: &cuda_async::Kernel, cfg: cuda_async::LaunchConfig) {
+//!     let _op = launch(k, cfg, (1u32,));
+//! }
+//! ```
+//! ```
+//! use cuda_async::prelude::*;
+//! fn f(k: &cuda_async::Kernel, cfg: cuda_async::LaunchConfig) {
+//!     // SAFETY: a doc example that is never run.
+//!     let _op = unsafe { launch(k, cfg, (1u32,)) };
+//! }
+//! ```
+//!
+//! A device buffer of a non-`Send` element type is not `Send`:
+//!
+//! ```compile_fail,E0277
+//! fn send<T: Send>(_t: T) {}
+//! fn f(b: cuda_async::DeviceBuffer<std::rc::Rc<u8>>) { send(b) }
+//! ```
+//! ```
+//! fn send<T: Send>(_t: T) {}
+//! fn f(b: cuda_async::DeviceBuffer<u8>) { send(b) }
+//! ```

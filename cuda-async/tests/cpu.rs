@@ -1,0 +1,73 @@
+//! CPU tests: what must hold with or without a GPU.
+
+use std::future::IntoFuture;
+use std::task::Poll;
+
+use cuda_async::prelude::*;
+use cuda_async::{DeviceBuffer, DeviceFuture, Error, PinnedBuffer};
+use static_assertions::{assert_impl_all, assert_not_impl_any};
+
+// Send/Sync are earned: buffers are Send/Sync exactly when their elements are.
+assert_impl_all!(DeviceBuffer<f32>: Send, Sync);
+assert_impl_all!(PinnedBuffer<f32>: Send, Sync);
+assert_not_impl_any!(DeviceBuffer<std::rc::Rc<u8>>: Send, Sync);
+assert_not_impl_any!(PinnedBuffer<std::rc::Rc<u8>>: Send, Sync);
+assert_not_impl_any!(PinnedBuffer<std::cell::Cell<u8>>: Sync);
+// Futures and ops can be spawned on multi-threaded executors.
+assert_impl_all!(DeviceFuture<cuda_async::combinators::Value<i32>>: Send, Unpin);
+assert_impl_all!(cuda_async::combinators::Value<i32>: Send);
+assert_impl_all!(cuda_async::combinators::Shared<cuda_async::combinators::Value<i32>>: Send, Sync, Clone);
+assert_impl_all!(BoxedOp<'static, i32>: Send);
+assert_impl_all!(dyn cuda_async::SchedulingPolicy: Send, Sync);
+assert_impl_all!(Error: Send, Sync, Clone, std::error::Error);
+
+fn poll_once<F: std::future::Future + Unpin>(mut f: F) -> Poll<F::Output> {
+    let mut cx = futures_test::task::noop_context();
+    std::pin::Pin::new(&mut f).poll(&mut cx)
+}
+
+/// With a driver, these succeed; without one (CI), each returns
+/// `Error::NoDriver` instead of panicking. Both branches assert.
+#[test]
+fn without_a_driver_every_entry_point_is_an_error_not_a_panic() {
+    let present = cuda_async::driver_present();
+    let check = |what: &str, r: Result<(), Error>| match (present, r) {
+        (true, Ok(())) => {}
+        (false, Err(Error::NoDriver)) => {}
+        (p, r) => panic!("{what}: driver present={p}, got {r:?}"),
+    };
+    check("devices", cuda_async::devices().map(|_| ()));
+    check("device_count", cuda_async::device_count().map(|_| ()));
+    check("Device::new", cuda_async::Device::new(0).map(|_| ()));
+    check("default_policy", cuda_async::default_policy().map(|_| ()));
+    check("sync", value(1).sync().map(|_| ()));
+    check(
+        "await",
+        match poll_once(value(1).into_future()) {
+            Poll::Ready(r) => r.map(|_| ()),
+            Poll::Pending => panic!("a value op with no GPU work must not stay pending"),
+        },
+    );
+    if !present {
+        let e = value(1).sync().unwrap_err().to_string();
+        assert!(e.starts_with("no NVIDIA driver found"), "{e}");
+    }
+}
+
+#[test]
+fn a_future_dropped_before_its_first_poll_enqueues_nothing() {
+    // Building and dropping ops and futures never touches the driver.
+    let op = h2d(vec![1.0f32; 16]).then(d2h).map(|h| h.len());
+    let fut = op.into_device_future();
+    assert!(!fut.is_submitted());
+    drop(fut);
+}
+
+#[test]
+fn ops_are_lazy_values_that_live_in_collections_and_cross_threads() {
+    let ops: Vec<BoxedOp<'static, usize>> = (0..4)
+        .map(|i| value(i).map(move |v| v * 2).boxed())
+        .collect();
+    let moved = std::thread::spawn(move || ops.len()).join().unwrap();
+    assert_eq!(moved, 4);
+}
