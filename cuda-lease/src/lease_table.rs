@@ -338,9 +338,22 @@ impl<W: Clone> LeaseTable<W> {
         )
     }
 
-    /// Forgets a tombstone (LEASE_FREE of a poisoned lease). True if there was one.
-    pub fn forget(&mut self, id: &LeaseId) -> bool {
-        self.dead.remove(id).is_some()
+    /// LEASE_FREE of a lease that is no longer live: a poisoned lease's
+    /// tombstone is forgotten (`Ok(true)`); an expired or freed one is
+    /// reported as such; an unknown id gives `Ok(false)`.
+    ///
+    /// # Errors
+    ///
+    /// LEASE_EXPIRED or NOT_FOUND from the tombstone.
+    pub fn forget(&mut self, id: &LeaseId) -> Result<bool, TableError> {
+        match self.dead.get(id) {
+            None => Ok(false),
+            Some(t) if t.status == Status::LeasePoisoned => {
+                self.dead.remove(id);
+                Ok(true)
+            }
+            Some(t) => Err(TableError::new(t.status, t.reason.clone())),
+        }
     }
 
     /// Removes every lease whose deadline is at or before `now`, returning

@@ -854,8 +854,10 @@ async fn lease_free(shared: &Arc<Shared>, id: &LeaseId) -> Result<Reply, Reply> 
             info!(lease = %id, "lease freed");
             Ok(Reply::empty())
         }
-        None if shared.table().forget(id) => Ok(Reply::empty()),
-        None => Err(Reply::err(Status::NotFound, format!("no lease {id}"))),
+        None => match shared.table().forget(id)? {
+            true => Ok(Reply::empty()),
+            false => Err(Reply::err(Status::NotFound, format!("no lease {id}"))),
+        },
     }
 }
 
