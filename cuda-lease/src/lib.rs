@@ -12,6 +12,7 @@
 //!   test double [`device::MemoryDevice`]).
 //! - [`client`]: [`client::Lease`], [`client::Session`], batches and the
 //!   one-shot [`client::Client::gpu_call`].
+//! - [`ptx`]: hand-written test kernels (iota, vector add, a faulting kernel).
 //! - [`lease_table`] and [`clock`]: lease bookkeeping on an injectable
 //!   monotonic clock.
 //!
@@ -43,6 +44,7 @@ pub mod lease_table;
 pub mod metrics;
 pub mod node;
 pub mod proto;
+pub mod ptx;
 pub mod tls;
 pub mod worker;
 
