@@ -892,6 +892,9 @@ fn resolve(
     }
 }
 
+/// A planned worker op, its result, and the handle it makes.
+type PlannedOp = (WorkerOp, OpResult, Option<(Handle, HandleKind)>);
+
 struct Plan {
     ops: Vec<WorkerOp>,
     results: Vec<OpResult>,
@@ -931,7 +934,7 @@ fn plan(
             message,
         };
         let mem = Some(HandleKind::Mem(0));
-        let step: Result<(WorkerOp, OpResult, Option<(Handle, HandleKind)>), OpError> =
+        let step: Result<PlannedOp, OpError> =
             (|| match op {
                 BatchOp::MemAlloc { size } => {
                     shared
