@@ -934,131 +934,130 @@ fn plan(
             message,
         };
         let mem = Some(HandleKind::Mem(0));
-        let step: Result<PlannedOp, OpError> =
-            (|| match op {
-                BatchOp::MemAlloc { size } => {
-                    shared
-                        .table()
-                        .charge(lease, *size, now)
-                        .map_err(|e| fail(e.status, e.message))?;
-                    let h = Handle::random();
-                    p.charged.push((i, h, *size));
-                    Ok((
-                        WorkerOp::Alloc {
-                            handle: h,
-                            size: *size,
-                        },
-                        OpResult::Handle(h),
-                        Some((h, HandleKind::Mem(*size))),
-                    ))
+        let step: Result<PlannedOp, OpError> = (|| match op {
+            BatchOp::MemAlloc { size } => {
+                shared
+                    .table()
+                    .charge(lease, *size, now)
+                    .map_err(|e| fail(e.status, e.message))?;
+                let h = Handle::random();
+                p.charged.push((i, h, *size));
+                Ok((
+                    WorkerOp::Alloc {
+                        handle: h,
+                        size: *size,
+                    },
+                    OpResult::Handle(h),
+                    Some((h, HandleKind::Mem(*size))),
+                ))
+            }
+            BatchOp::MemWrite {
+                target,
+                offset,
+                len,
+            } => {
+                let (h, _) = resolve(&handles, &made, &freed, target, mem, i)?;
+                p.data_used += *len as usize;
+                Ok((
+                    WorkerOp::Write {
+                        handle: h,
+                        offset: *offset,
+                        len: *len,
+                    },
+                    OpResult::Done,
+                    None,
+                ))
+            }
+            BatchOp::MemRead {
+                source,
+                offset,
+                len,
+            } => {
+                let (h, _) = resolve(&handles, &made, &freed, source, mem, i)?;
+                read_total += u64::from(*len);
+                if read_total > u64::from(shared.cfg.limits.max_data) {
+                    return Err(fail(
+                        Status::BadRequest,
+                        "reads exceed the reply data limit".into(),
+                    ));
                 }
-                BatchOp::MemWrite {
-                    target,
-                    offset,
-                    len,
-                } => {
-                    let (h, _) = resolve(&handles, &made, &freed, target, mem, i)?;
-                    p.data_used += *len as usize;
-                    Ok((
-                        WorkerOp::Write {
-                            handle: h,
-                            offset: *offset,
-                            len: *len,
-                        },
-                        OpResult::Done,
-                        None,
-                    ))
-                }
-                BatchOp::MemRead {
-                    source,
-                    offset,
-                    len,
-                } => {
-                    let (h, _) = resolve(&handles, &made, &freed, source, mem, i)?;
-                    read_total += u64::from(*len);
-                    if read_total > u64::from(shared.cfg.limits.max_data) {
-                        return Err(fail(
-                            Status::BadRequest,
-                            "reads exceed the reply data limit".into(),
-                        ));
-                    }
-                    Ok((
-                        WorkerOp::Read {
-                            handle: h,
-                            offset: *offset,
-                            len: *len,
-                        },
-                        OpResult::Read(*len),
-                        None,
-                    ))
-                }
-                BatchOp::MemFree { target } => {
-                    let (h, _) = resolve(&handles, &made, &freed, target, None, i)?;
-                    freed.insert(h);
-                    Ok((WorkerOp::Free { handle: h }, OpResult::Done, None))
-                }
-                BatchOp::ModuleLoad { len } => {
-                    let h = Handle::random();
-                    p.data_used += *len as usize;
-                    Ok((
-                        WorkerOp::LoadModule {
-                            handle: h,
-                            len: *len,
-                        },
-                        OpResult::Handle(h),
-                        Some((h, HandleKind::Module)),
-                    ))
-                }
-                BatchOp::Launch(spec) => {
-                    let (module, _) = resolve(
-                        &handles,
-                        &made,
-                        &freed,
-                        &spec.module,
-                        Some(HandleKind::Module),
-                        i,
-                    )?;
-                    let mut args = Vec::with_capacity(spec.args.len());
-                    for a in &spec.args {
-                        args.push(match a {
-                            KernelArg::Scalar(b) => WorkerArg::Scalar(b.clone()),
-                            KernelArg::Mem { handle, offset } => {
-                                let (h, _) = resolve(&handles, &made, &freed, handle, mem, i)?;
-                                WorkerArg::Mem {
-                                    handle: h,
-                                    offset: *offset,
-                                }
+                Ok((
+                    WorkerOp::Read {
+                        handle: h,
+                        offset: *offset,
+                        len: *len,
+                    },
+                    OpResult::Read(*len),
+                    None,
+                ))
+            }
+            BatchOp::MemFree { target } => {
+                let (h, _) = resolve(&handles, &made, &freed, target, None, i)?;
+                freed.insert(h);
+                Ok((WorkerOp::Free { handle: h }, OpResult::Done, None))
+            }
+            BatchOp::ModuleLoad { len } => {
+                let h = Handle::random();
+                p.data_used += *len as usize;
+                Ok((
+                    WorkerOp::LoadModule {
+                        handle: h,
+                        len: *len,
+                    },
+                    OpResult::Handle(h),
+                    Some((h, HandleKind::Module)),
+                ))
+            }
+            BatchOp::Launch(spec) => {
+                let (module, _) = resolve(
+                    &handles,
+                    &made,
+                    &freed,
+                    &spec.module,
+                    Some(HandleKind::Module),
+                    i,
+                )?;
+                let mut args = Vec::with_capacity(spec.args.len());
+                for a in &spec.args {
+                    args.push(match a {
+                        KernelArg::Scalar(b) => WorkerArg::Scalar(b.clone()),
+                        KernelArg::Mem { handle, offset } => {
+                            let (h, _) = resolve(&handles, &made, &freed, handle, mem, i)?;
+                            WorkerArg::Mem {
+                                handle: h,
+                                offset: *offset,
                             }
-                            KernelArg::Input(_) | KernelArg::Output => {
-                                return Err(fail(
-                                    Status::BadRequest,
-                                    "Input/Output are for GPU_SUBMIT".into(),
-                                ))
-                            }
-                        });
-                    }
-                    let d = [
-                        spec.grid[0],
-                        spec.grid[1],
-                        spec.grid[2],
-                        spec.block[0],
-                        spec.block[1],
-                        spec.block[2],
-                        spec.shared_mem,
-                    ];
-                    Ok((
-                        WorkerOp::Launch {
-                            module,
-                            kernel: spec.kernel.clone(),
-                            dims: d,
-                            args,
-                        },
-                        OpResult::Done,
-                        None,
-                    ))
+                        }
+                        KernelArg::Input(_) | KernelArg::Output => {
+                            return Err(fail(
+                                Status::BadRequest,
+                                "Input/Output are for GPU_SUBMIT".into(),
+                            ))
+                        }
+                    });
                 }
-                BatchOp::Sync => Ok((WorkerOp::Sync, OpResult::Done, None)),
-            })();
+                let d = [
+                    spec.grid[0],
+                    spec.grid[1],
+                    spec.grid[2],
+                    spec.block[0],
+                    spec.block[1],
+                    spec.block[2],
+                    spec.shared_mem,
+                ];
+                Ok((
+                    WorkerOp::Launch {
+                        module,
+                        kernel: spec.kernel.clone(),
+                        dims: d,
+                        args,
+                    },
+                    OpResult::Done,
+                    None,
+                ))
+            }
+            BatchOp::Sync => Ok((WorkerOp::Sync, OpResult::Done, None)),
+        })();
         match step {
             Ok((wop, res, new)) => {
                 p.ops.push(wop);
