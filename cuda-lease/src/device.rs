@@ -395,6 +395,10 @@ mod cuda {
             }
             let ctx = CudaContext::new(ordinal)
                 .map_err(|e| map(Status::Internal, &format!("opening device {ordinal}"), e))?;
+            // SAFETY: this context is used by one thread through one stream
+            // (`stream` below), so stream order alone keeps every buffer's uses
+            // ordered; cudarc's cross-stream event tracking is not needed.
+            unsafe { ctx.disable_event_tracking() };
             let stream = ctx
                 .new_stream()
                 .map_err(|e| map(Status::Internal, "creating a stream", e))?;

@@ -51,3 +51,8 @@ pub mod worker;
 pub use client::{Client, ClientConfig, Error, GpuCall, Lease, Session};
 pub use node::{Node, NodeConfig};
 pub use worker::{main_if_worker, DeviceSpec, WorkerSpec};
+
+/// Compiles the README's Rust snippets as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

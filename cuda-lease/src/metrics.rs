@@ -90,6 +90,7 @@ where
     let render = std::sync::Arc::new(render);
     loop {
         let Ok((mut sock, _)) = listener.accept().await else {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             continue;
         };
         let render = render.clone();

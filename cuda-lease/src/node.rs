@@ -1122,6 +1122,10 @@ async fn run_batch(
                     WorkerError::Hung(_) => Status::LaunchFailed,
                     _ => Status::LeasePoisoned,
                 };
+                // Expired or freed meanwhile (the reaper ended the worker)?
+                if let Err(te) = shared.table().get(lease, shared.now()) {
+                    return Err(te.into());
+                }
                 fail_lease(shared, lease, &e.to_string());
                 return Err(Reply::err(status, format!("lease poisoned: {e}")));
             }
