@@ -533,5 +533,50 @@ async fn gpu_submit_on_test_double() {
     assert_eq!(metric(&m, "gpu_submit_total"), Some(3), "{m}");
     assert_eq!(metric(&m, "gpu_submit_errors"), Some(2), "{m}");
     assert_eq!(metric(&m, "gpu_submit_output_bytes"), Some(16), "{m}");
+    // A faulting submit fails alone; its worker is replaced and the next submit works.
+    let fault = GpuCall::new(PTX, "__fault", 1, 1, 4);
+    assert!(matches!(
+        client.gpu_call(&fault).await,
+        Err(Error::LaunchFailed(_))
+    ));
+    assert_eq!(client.gpu_call(&call).await.unwrap(), vec![0xAB; 16]);
     node.shutdown().await;
+}
+
+#[tokio::test]
+async fn mutual_tls_needs_no_token() {
+    use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+    use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let client_key = KeyPair::generate().unwrap();
+    let mut client_params = CertificateParams::new(vec!["client.example".to_string()]).unwrap();
+    client_params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let client_cert = client_params.signed_by(&client_key, &ca, &ca_key).unwrap();
+
+    let dir = std::env::temp_dir().join(format!("cuda-lease-mtls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca_file = dir.join("ca.pem");
+    std::fs::write(&ca_file, ca.pem()).unwrap();
+    let mut cfg = memory_config(1 << 20);
+    cfg.client_ca = Some(ca_file);
+    let node = Node::spawn_local(cfg).await.unwrap();
+
+    let mut with_cert = ClientConfig::pinned(node.cert_der().clone());
+    with_cert.identity = Some(cuda_lease::tls::Identity {
+        chain: vec![client_cert.der().clone()],
+        key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(client_key.serialize_der())),
+    });
+    let client = Client::connect(node.addr(), &with_cert).await.unwrap();
+    assert_eq!(client.inventory().await.unwrap().active_leases, 0);
+    // Without a certificate or token: refused.
+    let plain = ClientConfig::pinned(node.cert_der().clone());
+    assert!(matches!(
+        Client::connect(node.addr(), &plain).await,
+        Err(Error::Unauthorized(_))
+    ));
+    node.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
 }

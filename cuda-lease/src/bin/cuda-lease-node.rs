@@ -102,6 +102,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     cfg.allow_anonymous = args.allow_anonymous;
     cfg.client_ca = args.client_ca;
     cfg.capacity = args.capacity;
+    if args.memory_device.is_some() {
+        // No worker contexts to keep memory back for on the test double.
+        cfg.headroom = 0;
+    }
     cfg.max_ttl = Duration::from_secs(args.max_ttl);
     cfg.submit_workers = args.submit_workers;
     cfg.prestart_workers = args.prestart;
