@@ -292,10 +292,18 @@ impl Node {
             .capacity
             .unwrap_or(info.free_bytes.saturating_sub(cfg.headroom));
         info!(device = %info.name, total = info.total_bytes, free = info.free_bytes, capacity, "device probed");
+        // Start every submit worker now, so that their contexts are already
+        // counted in the device's free memory when leases are measured.
         let mut submit = Vec::new();
         let mut probe = Some(probe);
         for _ in 0..cfg.submit_workers {
-            submit.push(tokio::sync::Mutex::new(probe.take()));
+            let w = match probe.take() {
+                Some(p) => p,
+                None => WorkerProcess::spawn(&cfg.worker, cfg.worker_start_timeout)
+                    .await
+                    .map_err(|e| NodeError::Device(e.to_string()))?,
+            };
+            submit.push(tokio::sync::Mutex::new(Some(w)));
         }
         if let Some(p) = probe {
             p.kill_and_wait().await;
