@@ -1,0 +1,175 @@
+//! `cuda-lease-node`: the GPU node daemon. Also the default worker executable
+//! (it runs the worker loop when `CUDA_LEASE_WORKER` is set).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use cuda_lease::node::{Node, NodeConfig, TlsSource};
+use cuda_lease::worker::{main_if_worker, DeviceSpec, WorkerSpec};
+
+/// Leases slices of a GPU's memory to remote clients over QUIC.
+#[derive(Debug, Parser)]
+#[command(name = "cuda-lease-node", version)]
+struct Args {
+    /// QUIC listen address.
+    #[arg(long, default_value = "0.0.0.0:7070")]
+    listen: SocketAddr,
+    /// Prometheus metrics HTTP address (omit for none).
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
+    /// Development mode: generate a self-signed certificate and write it to `--dev-cert-out`.
+    #[arg(long)]
+    dev: bool,
+    /// Where `--dev` writes the certificate clients pin.
+    #[arg(long, default_value = "cuda-lease-node-cert.pem")]
+    dev_cert_out: PathBuf,
+    /// Extra names (DNS or IP) for the `--dev` certificate, besides localhost and 127.0.0.1.
+    #[arg(long = "dev-san")]
+    dev_san: Vec<String>,
+    /// PEM certificate chain (production).
+    #[arg(long, requires = "key")]
+    cert: Option<PathBuf>,
+    /// PEM private key (production).
+    #[arg(long, requires = "cert")]
+    key: Option<PathBuf>,
+    /// PEM CA certificates for mutual TLS clients.
+    #[arg(long)]
+    client_ca: Option<PathBuf>,
+    /// File with one bearer token per line.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// Comma-separated bearer tokens (prefer the environment variable or a file).
+    #[arg(long, env = "CUDA_LEASE_TOKENS", hide_env_values = true)]
+    tokens: Option<String>,
+    /// Accept clients without credentials (development only).
+    #[arg(long)]
+    allow_anonymous: bool,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Use the in-memory test double with this many bytes instead of a GPU (kernels are not run).
+    #[arg(long)]
+    memory_device: Option<u64>,
+    /// Bytes leases may reserve in total (default: free memory at start minus headroom).
+    #[arg(long)]
+    capacity: Option<u64>,
+    /// Longest TTL granted, in seconds.
+    #[arg(long, default_value_t = 3600)]
+    max_ttl: u64,
+    /// Worker processes for GPU_SUBMIT.
+    #[arg(long, default_value_t = 2)]
+    submit_workers: usize,
+    /// Workers started ahead of LEASE_ALLOC.
+    #[arg(long, default_value_t = 1)]
+    prestart: usize,
+    /// Seconds a worker may take for one request before it is deemed hung.
+    #[arg(long, default_value_t = 60)]
+    op_timeout: u64,
+    /// Node name reported to clients.
+    #[arg(long, default_value = "cuda-lease-node")]
+    name: String,
+}
+
+fn main() {
+    main_if_worker();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    if let Err(e) = run(args) {
+        eprintln!("cuda-lease-node: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let device = match args.memory_device {
+        Some(capacity) => DeviceSpec::Memory { capacity },
+        None => DeviceSpec::Cuda {
+            ordinal: args.device,
+        },
+    };
+    let mut cfg = NodeConfig::new(WorkerSpec::current_exe(device)?);
+    cfg.listen = args.listen;
+    cfg.metrics_listen = args.metrics_listen;
+    cfg.name = args.name;
+    cfg.allow_anonymous = args.allow_anonymous;
+    cfg.client_ca = args.client_ca;
+    cfg.capacity = args.capacity;
+    if args.memory_device.is_some() {
+        // No worker contexts to keep memory back for on the test double.
+        cfg.headroom = 0;
+    }
+    cfg.max_ttl = Duration::from_secs(args.max_ttl);
+    cfg.submit_workers = args.submit_workers;
+    cfg.prestart_workers = args.prestart;
+    cfg.op_timeout = Duration::from_secs(args.op_timeout);
+    if let Some(t) = args.tokens {
+        cfg.tokens.extend(
+            t.split(',')
+                .map(str::trim)
+                .filter(|t| !t.is_empty())
+                .map(String::from),
+        );
+    }
+    if let Some(f) = args.token_file {
+        let text = std::fs::read_to_string(&f).map_err(|e| format!("{}: {e}", f.display()))?;
+        cfg.tokens.extend(
+            text.lines()
+                .map(str::trim)
+                .filter(|t| !t.is_empty() && !t.starts_with('#'))
+                .map(String::from),
+        );
+    }
+    cfg.tls = match (args.cert, args.key, args.dev) {
+        (Some(cert), Some(key), _) => TlsSource::Files { cert, key },
+        (_, _, true) => {
+            let mut names = vec!["localhost".to_string(), "127.0.0.1".to_string()];
+            names.extend(args.dev_san);
+            TlsSource::SelfSigned {
+                names,
+                write_pem: Some(args.dev_cert_out),
+            }
+        }
+        _ => return Err("give --cert and --key, or --dev for a self-signed certificate".into()),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let node = Node::start(cfg).await?;
+        eprintln!("cuda-lease-node listening on {}", node.addr());
+        wait_for_signal().await;
+        tracing::info!("shutting down");
+        node.shutdown().await;
+        Ok(())
+    })
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

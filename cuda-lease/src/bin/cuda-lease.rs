@@ -1,0 +1,190 @@
+//! `cuda-lease`: command-line client (inventory, alloc, submit).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use cuda_lease::client::{Client, ClientConfig, GpuCall, Lease};
+use cuda_lease::proto::KernelArg;
+
+/// Talk to a cuda-lease node.
+#[derive(Debug, Parser)]
+#[command(name = "cuda-lease", version)]
+struct Args {
+    /// Node address.
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    addr: SocketAddr,
+    /// PEM certificate to trust (the node's `--dev` certificate, or its CA).
+    #[arg(long, default_value = "cuda-lease-node-cert.pem")]
+    cert: PathBuf,
+    /// Name checked against the node's certificate.
+    #[arg(long, default_value = "localhost")]
+    server_name: String,
+    /// Bearer token.
+    #[arg(long, env = "CUDA_LEASE_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Show the node's devices and capacity.
+    Inventory,
+    /// Lease VRAM, print the lease, hold it, then free it.
+    Alloc {
+        /// Bytes to reserve.
+        #[arg(long)]
+        min_vram: u64,
+        /// TTL in seconds.
+        #[arg(long, default_value_t = 60)]
+        ttl: u64,
+        /// Seconds to hold the lease before freeing it.
+        #[arg(long, default_value_t = 0)]
+        hold: u64,
+    },
+    /// Run a kernel once (GPU_SUBMIT) and write its output to stdout as hex or to a file.
+    Submit {
+        /// PTX file.
+        #[arg(long)]
+        ptx: PathBuf,
+        /// Kernel name.
+        #[arg(long)]
+        kernel: String,
+        /// Grid, `x[,y[,z]]`.
+        #[arg(long, default_value = "1")]
+        grid: String,
+        /// Block, `x[,y[,z]]`.
+        #[arg(long, default_value = "1")]
+        block: String,
+        /// Output size in bytes.
+        #[arg(long)]
+        output_size: u32,
+        /// Arguments in order: `out`, `in:FILE`, `u32:N`, `i32:N`, `u64:N`, `f32:X`.
+        #[arg(long = "arg")]
+        args: Vec<String>,
+        /// Write the output here instead of printing hex.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+fn dims(s: &str) -> Result<[u32; 3], String> {
+    let mut d = [1u32; 3];
+    for (i, p) in s.split(',').enumerate() {
+        if i >= 3 {
+            return Err(format!("too many dimensions in {s:?}"));
+        }
+        d[i] = p.trim().parse().map_err(|e| format!("{s:?}: {e}"))?;
+    }
+    Ok(d)
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cuda-lease: {e}");
+            std::process::exit(1);
+        }
+    };
+    if let Err(e) = rt.block_on(run(args)) {
+        eprintln!("cuda-lease: {e}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let mut config = ClientConfig::from_pem_file(&args.cert)?.server_name(args.server_name);
+    config.token = args.token;
+    let client = std::sync::Arc::new(Client::connect(args.addr, &config).await?);
+    match args.cmd {
+        Cmd::Inventory => {
+            let inv = client.inventory().await?;
+            println!(
+                "node {} ({} active leases, {} bytes reservable)",
+                inv.node, inv.active_leases, inv.reservable_bytes
+            );
+            for d in inv.devices {
+                println!(
+                    "  device {}: {} sm_{}{} total {} free {}",
+                    d.ordinal,
+                    d.name,
+                    d.compute_capability.0,
+                    d.compute_capability.1,
+                    d.total_bytes,
+                    d.free_bytes
+                );
+            }
+        }
+        Cmd::Alloc {
+            min_vram,
+            ttl,
+            hold,
+        } => {
+            let lease = Lease::builder()
+                .min_vram(min_vram)
+                .ttl(Duration::from_secs(ttl))
+                .on(client.clone())
+                .await?;
+            println!(
+                "lease {} reserved {} bytes (generation {})",
+                lease.id(),
+                lease.reserved(),
+                lease.generation()
+            );
+            tokio::time::sleep(Duration::from_secs(hold)).await;
+            lease.free().await?;
+            println!("freed");
+        }
+        Cmd::Submit {
+            ptx,
+            kernel,
+            grid,
+            block,
+            output_size,
+            args: kargs,
+            out,
+        } => {
+            let text =
+                std::fs::read_to_string(&ptx).map_err(|e| format!("{}: {e}", ptx.display()))?;
+            let mut call = GpuCall::new(text, kernel, 1, 1, output_size);
+            call.grid = dims(&grid)?;
+            call.block = dims(&block)?;
+            for a in kargs {
+                let (kind, v) = a.split_once(':').unwrap_or((a.as_str(), ""));
+                call = match kind {
+                    "out" => call.arg(KernelArg::Output),
+                    "in" => call.input(std::fs::read(v).map_err(|e| format!("{v}: {e}"))?),
+                    "u32" => call.arg(KernelArg::u32(v.parse()?)),
+                    "i32" => call.arg(KernelArg::Scalar(v.parse::<i32>()?.to_le_bytes().to_vec())),
+                    "u64" => call.arg(KernelArg::u64(v.parse()?)),
+                    "f32" => call.arg(KernelArg::f32(v.parse()?)),
+                    _ => return Err(format!("unknown argument {a:?}").into()),
+                };
+            }
+            let bytes = client.gpu_call(&call).await?;
+            match out {
+                Some(p) => std::fs::write(p, &bytes)?,
+                None => {
+                    for chunk in bytes.chunks(32) {
+                        println!(
+                            "{}",
+                            chunk.iter().map(|b| format!("{b:02x}")).collect::<String>()
+                        );
+                    }
+                }
+            }
+        }
+    }
+    client.close();
+    Ok(())
+}

@@ -1,0 +1,1015 @@
+//! The client: a QUIC connection to a node, leases with background renewal,
+//! sessions with RAII memory and module handles, batches, and the stateless
+//! [`Client::gpu_call`].
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use rustls::pki_types::CertificateDer;
+use serde::{de::DeserializeOwned, Serialize};
+use tokio::task::JoinHandle;
+
+use crate::proto::{
+    self, from_body, to_body, Batch, BatchOp, BatchReply, ErrorBody, GpuSubmit, Handle, HandleOp,
+    HandleRef, HandleReply, Header, Hello, HelloOk, Inventory, KernelArg, LaunchSpec, LeaseAlloc,
+    LeaseGrant, LeaseId, LeaseRef, LeaseRenew, LeaseStatus, Limits, MemAlloc, MemRead, MemWrite,
+    OpResult, Opcode, Status,
+};
+use crate::tls::{self, Identity};
+
+/// Client-side errors.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    /// Credentials were rejected.
+    #[error("unauthorized: {0}")]
+    Unauthorized(String),
+    /// The lease's TTL ran out.
+    #[error("lease expired: {0}")]
+    LeaseExpired(String),
+    /// A kernel fault or dead worker poisoned the lease; free it and lease again.
+    #[error("{0}")]
+    LeasePoisoned(String),
+    /// The request exceeds the reservation or the node's capacity.
+    #[error("capacity exceeded: {0}")]
+    CapacityExceeded(String),
+    /// The PTX did not load; holds the JIT log.
+    #[error("module load failed: {0}")]
+    LoadFailed(String),
+    /// A launch or kernel failed.
+    #[error("launch failed: {0}")]
+    LaunchFailed(String),
+    /// Reading device memory failed.
+    #[error("read failed: {0}")]
+    ReadFailed(String),
+    /// No such lease, handle or kernel.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// The node rejected the request as malformed.
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    /// The connection is gone or could not be made.
+    #[error("disconnected: {0}")]
+    Disconnected(String),
+    /// The node replied with something this client does not understand.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// TLS or local configuration problem.
+    #[error("config: {0}")]
+    Config(String),
+    /// A node-side failure.
+    #[error("node error: {0}")]
+    Internal(String),
+}
+
+impl Error {
+    /// Maps a reply status and message to an error.
+    pub fn from_status(status: Status, message: String) -> Self {
+        match status {
+            Status::Unauthorized => Error::Unauthorized(message),
+            Status::LoadFailed => Error::LoadFailed(message),
+            Status::LaunchFailed => Error::LaunchFailed(message),
+            Status::ReadFailed => Error::ReadFailed(message),
+            Status::LeaseExpired => Error::LeaseExpired(message),
+            Status::CapacityExceeded => Error::CapacityExceeded(message),
+            Status::BadRequest => Error::BadRequest(message),
+            Status::NotFound => Error::NotFound(message),
+            Status::LeasePoisoned => Error::LeasePoisoned(message),
+            Status::Ok | Status::Internal => Error::Internal(message),
+        }
+    }
+}
+
+fn disconnected(e: impl std::fmt::Display) -> Error {
+    Error::Disconnected(e.to_string())
+}
+
+/// How to reach and trust a node.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Certificates trusted for the node (pin the node's own certificate).
+    pub roots: Vec<CertificateDer<'static>>,
+    /// Name the node's certificate is checked against.
+    pub server_name: String,
+    /// Bearer token sent in HELLO.
+    pub token: Option<String>,
+    /// Client certificate for mutual TLS.
+    pub identity: Option<Identity>,
+    /// Frame limits for replies.
+    pub limits: Limits,
+    /// Name sent in HELLO (for the node's logs).
+    pub client_name: String,
+}
+
+impl ClientConfig {
+    /// Trusts exactly `cert` (the node's certificate), checked as `localhost`.
+    pub fn pinned(cert: CertificateDer<'static>) -> Self {
+        Self {
+            roots: vec![cert],
+            server_name: "localhost".into(),
+            token: None,
+            identity: None,
+            limits: Limits {
+                max_body: 16 << 20,
+                max_data: u32::MAX,
+            },
+            client_name: "cuda-lease-client".into(),
+        }
+    }
+
+    /// Trusts the certificates of a PEM file (the file `cuda-lease-node --dev` writes, or a CA).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] when the file cannot be read.
+    pub fn from_pem_file(path: &Path) -> Result<Self, Error> {
+        let mut certs = tls::load_certs(path).map_err(|e| Error::Config(e.to_string()))?;
+        let mut c = Self::pinned(certs.remove(0));
+        c.roots.extend(certs);
+        Ok(c)
+    }
+
+    /// Sets the bearer token.
+    pub fn token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into());
+        self
+    }
+
+    /// Sets the name checked against the node's certificate.
+    pub fn server_name(mut self, name: impl Into<String>) -> Self {
+        self.server_name = name.into();
+        self
+    }
+}
+
+/// A connection to a node. Requests may run concurrently (one QUIC stream each).
+#[derive(Debug)]
+pub struct Client {
+    endpoint: quinn::Endpoint,
+    conn: quinn::Connection,
+    next_id: AtomicU64,
+    limits: Limits,
+    node: String,
+}
+
+impl Client {
+    /// Connects and authenticates (HELLO).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Disconnected`] when the node cannot be reached or the TLS
+    /// handshake fails, [`Error::Unauthorized`] for bad credentials.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelling drops the half-made connection; nothing is leased.
+    pub async fn connect(addr: SocketAddr, config: &ClientConfig) -> Result<Client, Error> {
+        let qcfg = tls::client_config(&config.roots, config.identity.as_ref())
+            .map_err(|e| Error::Config(e.to_string()))?;
+        let bind: SocketAddr = if addr.is_ipv6() {
+            "[::]:0".parse()
+        } else {
+            "0.0.0.0:0".parse()
+        }
+        .map_err(|e: std::net::AddrParseError| Error::Config(e.to_string()))?;
+        let mut endpoint = quinn::Endpoint::client(bind).map_err(disconnected)?;
+        endpoint.set_default_client_config(qcfg);
+        let conn = endpoint
+            .connect(addr, &config.server_name)
+            .map_err(disconnected)?
+            .await
+            .map_err(disconnected)?;
+        let mut client = Client {
+            endpoint,
+            conn,
+            next_id: AtomicU64::new(1),
+            limits: config.limits,
+            node: String::new(),
+        };
+        let hello = Hello {
+            token: config.token.clone().unwrap_or_default(),
+            client: config.client_name.clone(),
+        };
+        let ok: HelloOk = client.call(Opcode::Hello, &hello).await?;
+        client.node = ok.node;
+        Ok(client)
+    }
+
+    /// The node's name.
+    pub fn node_name(&self) -> &str {
+        &self.node
+    }
+
+    /// Sends one raw frame and returns the reply's body and data; a non-OK
+    /// status becomes an [`Error`].
+    ///
+    /// # Errors
+    ///
+    /// As described by the reply status, or [`Error::Disconnected`].
+    pub async fn request(
+        &self,
+        opcode: Opcode,
+        body: &[u8],
+        data: &[u8],
+    ) -> Result<(Vec<u8>, Vec<u8>), Error> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (mut send, mut recv) = self.conn.open_bi().await.map_err(disconnected)?;
+        let h = Header::request(opcode, id, body.len() as u32, data.len() as u32);
+        proto::write_frame(&mut send, &h, body, data)
+            .await
+            .map_err(disconnected)?;
+        send.finish().map_err(disconnected)?;
+        let f = proto::read_frame(&mut recv, &self.limits)
+            .await
+            .map_err(|e| match proto::proto_error(&e) {
+                Some(p) => Error::Protocol(p.to_string()),
+                None => disconnected(e),
+            })?;
+        if f.header.status != Status::Ok {
+            let msg = from_body::<ErrorBody>(&f.body)
+                .map(|b| b.message)
+                .unwrap_or_default();
+            return Err(Error::from_status(f.header.status, msg));
+        }
+        if f.header.request_id != id || !f.header.is_reply() {
+            return Err(Error::Protocol("reply does not match the request".into()));
+        }
+        Ok((f.body, f.data))
+    }
+
+    async fn call<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        op: Opcode,
+        req: &Req,
+    ) -> Result<Rep, Error> {
+        let (body, _) = self.request(op, &to_body(req), &[]).await?;
+        from_body(&body).map_err(|e| Error::Protocol(e.to_string()))
+    }
+
+    /// The node's devices and free capacity.
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::request`].
+    pub async fn inventory(&self) -> Result<Inventory, Error> {
+        self.call(Opcode::GetInventory, &()).await
+    }
+
+    /// Frees a lease by id alone (always allowed, even unauthenticated).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotFound`] for an unknown lease.
+    pub async fn free_lease(&self, lease: LeaseId) -> Result<(), Error> {
+        self.request(Opcode::LeaseFree, &to_body(&LeaseRef { lease }), &[])
+            .await
+            .map(drop)
+    }
+
+    /// Runs a kernel as a pure function: inputs in, output bytes out, nothing
+    /// left on the node (GPU_SUBMIT).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LoadFailed`], [`Error::LaunchFailed`], [`Error::BadRequest`], ...
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future abandons the reply; the node still runs the call
+    /// to completion and frees its buffers.
+    pub async fn gpu_call(&self, call: &GpuCall) -> Result<Vec<u8>, Error> {
+        let req = GpuSubmit {
+            kernel: call.kernel.clone(),
+            grid: call.grid,
+            block: call.block,
+            shared_mem: call.shared_mem,
+            args: call.args.clone(),
+            ptx_len: call.ptx.len() as u32,
+            input_lens: call.inputs.iter().map(|i| i.len() as u32).collect(),
+            output_size: call.output_size,
+            output_fill: call.output_fill,
+        };
+        let mut data =
+            Vec::with_capacity(call.ptx.len() + call.inputs.iter().map(Vec::len).sum::<usize>());
+        data.extend_from_slice(call.ptx.as_bytes());
+        for i in &call.inputs {
+            data.extend_from_slice(i);
+        }
+        let (_, out) = self
+            .request(Opcode::GpuSubmit, &to_body(&req), &data)
+            .await?;
+        Ok(out)
+    }
+
+    /// Closes the connection (leases are not freed: their TTL runs out).
+    pub fn close(&self) {
+        self.conn.close(0u32.into(), b"bye");
+    }
+
+    /// Waits until the connection's packets are flushed after [`Client::close`].
+    pub async fn wait_idle(&self) {
+        self.endpoint.wait_idle().await;
+    }
+}
+
+/// A stateless kernel call for [`Client::gpu_call`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuCall {
+    /// PTX text.
+    pub ptx: String,
+    /// Kernel name.
+    pub kernel: String,
+    /// Grid dimensions.
+    pub grid: [u32; 3],
+    /// Block dimensions.
+    pub block: [u32; 3],
+    /// Dynamic shared memory.
+    pub shared_mem: u32,
+    /// Arguments; use [`KernelArg::Input`] and [`KernelArg::Output`] for buffers.
+    pub args: Vec<KernelArg>,
+    /// Input buffers.
+    pub inputs: Vec<Vec<u8>>,
+    /// Output size in bytes.
+    pub output_size: u32,
+    /// Byte the output is filled with before the launch.
+    pub output_fill: u8,
+}
+
+impl GpuCall {
+    /// A call of `kernel` in `ptx` with a 1-D launch and no arguments yet.
+    pub fn new(
+        ptx: impl Into<String>,
+        kernel: impl Into<String>,
+        grid: u32,
+        block: u32,
+        output_size: u32,
+    ) -> Self {
+        Self {
+            ptx: ptx.into(),
+            kernel: kernel.into(),
+            grid: [grid, 1, 1],
+            block: [block, 1, 1],
+            shared_mem: 0,
+            args: Vec::new(),
+            inputs: Vec::new(),
+            output_size,
+            output_fill: 0,
+        }
+    }
+
+    /// Appends an argument.
+    pub fn arg(mut self, a: KernelArg) -> Self {
+        self.args.push(a);
+        self
+    }
+
+    /// Appends an input buffer and returns its argument.
+    pub fn input(mut self, bytes: Vec<u8>) -> Self {
+        let n = self.inputs.len() as u32;
+        self.inputs.push(bytes);
+        self.args.push(KernelArg::Input(n));
+        self
+    }
+}
+
+/// Builds a [`Lease`].
+#[derive(Debug, Clone)]
+pub struct LeaseBuilder {
+    min_vram: u64,
+    ttl: Duration,
+    auto_renew: bool,
+    config: Option<ClientConfig>,
+}
+
+struct LeaseInner {
+    client: Arc<Client>,
+    id: LeaseId,
+    reserved: u64,
+    ttl: Duration,
+    generation: AtomicU64,
+    expired: AtomicBool,
+    freed: AtomicBool,
+}
+
+impl std::fmt::Debug for LeaseInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseInner")
+            .field("id", &self.id)
+            .field("reserved", &self.reserved)
+            .finish()
+    }
+}
+
+impl LeaseInner {
+    async fn req(&self, op: Opcode, body: &[u8], data: &[u8]) -> Result<(Vec<u8>, Vec<u8>), Error> {
+        if self.freed.load(Ordering::SeqCst) {
+            return Err(Error::NotFound("lease was freed".into()));
+        }
+        let r = self.client.request(op, body, data).await;
+        if let Err(Error::LeaseExpired(_)) = &r {
+            self.expired.store(true, Ordering::SeqCst);
+        }
+        r
+    }
+
+    fn free_in_background(self: &Arc<Self>, handle: Handle) {
+        if self.freed.load(Ordering::SeqCst) || self.expired.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let inner = self.clone();
+        rt.spawn(async move {
+            let body = to_body(&HandleOp {
+                lease: inner.id,
+                handle,
+            });
+            let _ = inner.req(Opcode::MemFree, &body, &[]).await;
+        });
+    }
+}
+
+/// A lease on a node: reserved VRAM with a TTL, renewed in the background at
+/// about 75 % of the TTL. Dropping it frees the lease in the background (if a
+/// tokio runtime is running); [`Lease::free`] frees it and waits. If the
+/// client crashes, the TTL frees everything.
+#[derive(Debug)]
+pub struct Lease {
+    inner: Arc<LeaseInner>,
+    renew: Option<JoinHandle<()>>,
+}
+
+impl Lease {
+    /// A builder: 256 MiB, 60 s TTL, auto-renew on.
+    pub fn builder() -> LeaseBuilder {
+        LeaseBuilder {
+            min_vram: 256 << 20,
+            ttl: Duration::from_secs(60),
+            auto_renew: true,
+            config: None,
+        }
+    }
+
+    /// The lease id (the capability to use and free it).
+    pub fn id(&self) -> LeaseId {
+        self.inner.id
+    }
+
+    /// Reserved bytes.
+    pub fn reserved(&self) -> u64 {
+        self.inner.reserved
+    }
+
+    /// The generation of the last grant or renewal.
+    pub fn generation(&self) -> u64 {
+        self.inner.generation.load(Ordering::SeqCst)
+    }
+
+    /// True once the node reported the lease expired.
+    pub fn is_expired(&self) -> bool {
+        self.inner.expired.load(Ordering::SeqCst)
+    }
+
+    /// The connection this lease uses.
+    pub fn client(&self) -> &Arc<Client> {
+        &self.inner.client
+    }
+
+    /// Renews now for the lease's TTL.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseExpired`] when too late.
+    pub async fn renew(&self) -> Result<LeaseGrant, Error> {
+        renew(&self.inner).await
+    }
+
+    /// Asks the node about this lease.
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::request`].
+    pub async fn query(&self) -> Result<LeaseStatus, Error> {
+        let (b, _) = self
+            .inner
+            .req(
+                Opcode::LeaseQuery,
+                &to_body(&LeaseRef {
+                    lease: self.inner.id,
+                }),
+                &[],
+            )
+            .await?;
+        from_body(&b).map_err(|e| Error::Protocol(e.to_string()))
+    }
+
+    /// A session on this lease's stream.
+    pub fn session(&self) -> Session {
+        Session {
+            inner: self.inner.clone(),
+        }
+    }
+
+    /// Stops renewing without freeing (for tests of TTL expiry).
+    pub fn stop_renewing(&mut self) {
+        if let Some(t) = self.renew.take() {
+            t.abort();
+        }
+    }
+
+    /// Frees the lease now; the node ends its worker and returns its memory
+    /// before replying.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotFound`] / [`Error::LeaseExpired`] when it is already gone.
+    pub async fn free(mut self) -> Result<(), Error> {
+        self.stop_renewing();
+        self.inner.freed.store(true, Ordering::SeqCst);
+        self.inner.client.free_lease(self.inner.id).await
+    }
+
+    /// Forgets the lease without freeing it (as if the client crashed).
+    pub fn leak(mut self) {
+        self.stop_renewing();
+        self.inner.freed.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.stop_renewing();
+        if self.inner.freed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let client = self.inner.client.clone();
+            let id = self.inner.id;
+            rt.spawn(async move {
+                let _ = client.free_lease(id).await;
+            });
+        }
+    }
+}
+
+async fn renew(inner: &LeaseInner) -> Result<LeaseGrant, Error> {
+    let ttl_secs = inner.ttl.as_secs().max(1) as u32;
+    let body = to_body(&LeaseRenew {
+        lease: inner.id,
+        ttl_secs,
+    });
+    let (b, _) = inner.req(Opcode::LeaseRenew, &body, &[]).await?;
+    let g: LeaseGrant = from_body(&b).map_err(|e| Error::Protocol(e.to_string()))?;
+    inner.generation.store(g.generation, Ordering::SeqCst);
+    Ok(g)
+}
+
+impl LeaseBuilder {
+    /// VRAM to reserve in bytes.
+    pub fn min_vram(mut self, bytes: u64) -> Self {
+        self.min_vram = bytes;
+        self
+    }
+
+    /// TTL (whole seconds, at least 1).
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl.max(Duration::from_secs(1));
+        self
+    }
+
+    /// Renew in the background at ~75 % of the TTL (default on).
+    pub fn auto_renew(mut self, on: bool) -> Self {
+        self.auto_renew = on;
+        self
+    }
+
+    /// How to trust and authenticate to the node (required by [`LeaseBuilder::connect`]).
+    pub fn config(mut self, config: ClientConfig) -> Self {
+        self.config = Some(config);
+        self
+    }
+
+    /// Connects to `addr` and leases.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] without a config, connection errors, or the lease's:
+    /// [`Error::CapacityExceeded`], [`Error::Unauthorized`].
+    pub async fn connect(self, addr: SocketAddr) -> Result<Lease, Error> {
+        let config = self
+            .config
+            .clone()
+            .ok_or_else(|| Error::Config("LeaseBuilder needs a ClientConfig".into()))?;
+        let client = Arc::new(Client::connect(addr, &config).await?);
+        self.on(client).await
+    }
+
+    /// Leases over an existing connection.
+    ///
+    /// # Errors
+    ///
+    /// As [`LeaseBuilder::connect`].
+    pub async fn on(self, client: Arc<Client>) -> Result<Lease, Error> {
+        let req = LeaseAlloc {
+            min_vram: self.min_vram,
+            ttl_secs: self.ttl.as_secs().max(1) as u32,
+        };
+        let g: LeaseGrant = client.call(Opcode::LeaseAlloc, &req).await?;
+        let inner = Arc::new(LeaseInner {
+            client,
+            id: g.lease,
+            reserved: g.reserved,
+            ttl: self.ttl,
+            generation: AtomicU64::new(g.generation),
+            expired: AtomicBool::new(false),
+            freed: AtomicBool::new(false),
+        });
+        let renew_task = self.auto_renew.then(|| {
+            let weak: Weak<LeaseInner> = Arc::downgrade(&inner);
+            let period = Duration::from_millis(g.ttl_ms.max(1000) * 3 / 4);
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(period).await;
+                    let Some(inner) = weak.upgrade() else { return };
+                    if inner.freed.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    match renew(&inner).await {
+                        Ok(_) => {}
+                        Err(Error::Disconnected(_)) => {}
+                        Err(e) => {
+                            tracing::warn!(lease = %inner.id, error = %e, "renewal stopped");
+                            return;
+                        }
+                    }
+                }
+            })
+        });
+        Ok(Lease {
+            inner,
+            renew: renew_task,
+        })
+    }
+}
+
+/// Session ops on a lease's stream, in order. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Session {
+    inner: Arc<LeaseInner>,
+}
+
+/// Device memory in a lease; freed (in the background) when dropped.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    inner: Arc<LeaseInner>,
+    handle: Handle,
+    size: u64,
+}
+
+impl DeviceBuffer {
+    /// The handle (for kernel arguments and batches).
+    pub fn handle(&self) -> Handle {
+        self.handle
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// This buffer as a kernel argument.
+    pub fn arg(&self) -> KernelArg {
+        KernelArg::mem(self.handle)
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        self.inner.free_in_background(self.handle);
+    }
+}
+
+/// A loaded module in a lease; unloaded (in the background) when dropped.
+#[derive(Debug)]
+pub struct Module {
+    inner: Arc<LeaseInner>,
+    handle: Handle,
+}
+
+impl Module {
+    /// The handle.
+    pub fn handle(&self) -> Handle {
+        self.handle
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        self.inner.free_in_background(self.handle);
+    }
+}
+
+/// A list of session ops sent as one BATCH.
+#[derive(Debug, Clone, Default)]
+pub struct BatchBuilder {
+    ops: Vec<BatchOp>,
+    data: Vec<u8>,
+}
+
+impl BatchBuilder {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn push(&mut self, op: BatchOp) -> HandleRef {
+        self.ops.push(op);
+        HandleRef::Op(self.ops.len() as u32 - 1)
+    }
+
+    /// Allocates memory; the result refers to it within this batch.
+    pub fn alloc(&mut self, size: u64) -> HandleRef {
+        self.push(BatchOp::MemAlloc { size })
+    }
+
+    /// Writes `bytes` at `offset`.
+    pub fn write(&mut self, target: HandleRef, offset: u64, bytes: &[u8]) -> &mut Self {
+        self.data.extend_from_slice(bytes);
+        self.push(BatchOp::MemWrite {
+            target,
+            offset,
+            len: bytes.len() as u32,
+        });
+        self
+    }
+
+    /// Reads `len` bytes; returns the op index for [`BatchOutput::read`].
+    pub fn read(&mut self, source: HandleRef, offset: u64, len: u32) -> usize {
+        self.push(BatchOp::MemRead {
+            source,
+            offset,
+            len,
+        });
+        self.ops.len() - 1
+    }
+
+    /// Frees memory or a module.
+    pub fn free(&mut self, target: HandleRef) -> &mut Self {
+        self.push(BatchOp::MemFree { target });
+        self
+    }
+
+    /// Loads a PTX module.
+    pub fn load_module(&mut self, ptx: &str) -> HandleRef {
+        self.data.extend_from_slice(ptx.as_bytes());
+        self.push(BatchOp::ModuleLoad {
+            len: ptx.len() as u32,
+        })
+    }
+
+    /// Launches a kernel.
+    pub fn launch(&mut self, spec: LaunchSpec) -> &mut Self {
+        self.push(BatchOp::Launch(spec));
+        self
+    }
+
+    /// Waits for the stream.
+    pub fn sync(&mut self) -> &mut Self {
+        self.push(BatchOp::Sync);
+        self
+    }
+
+    /// Number of ops.
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+}
+
+/// What a batch returned.
+#[derive(Debug, Clone)]
+pub struct BatchOutput {
+    results: Vec<OpResult>,
+    data: Vec<u8>,
+}
+
+impl BatchOutput {
+    /// Per-op results.
+    pub fn results(&self) -> &[OpResult] {
+        &self.results
+    }
+
+    /// The handle made by op `i` (MEM_ALLOC or MODULE_LOAD).
+    pub fn handle(&self, i: usize) -> Option<Handle> {
+        match self.results.get(i) {
+            Some(OpResult::Handle(h)) => Some(*h),
+            _ => None,
+        }
+    }
+
+    /// The bytes read by op `i` (a MEM_READ).
+    pub fn read(&self, i: usize) -> Option<&[u8]> {
+        let mut start = 0usize;
+        for (j, r) in self.results.iter().enumerate() {
+            if let OpResult::Read(len) = r {
+                let end = start + *len as usize;
+                if j == i {
+                    return self.data.get(start..end);
+                }
+                start = end;
+            }
+        }
+        None
+    }
+}
+
+impl Session {
+    /// The lease id.
+    pub fn lease_id(&self) -> LeaseId {
+        self.inner.id
+    }
+
+    /// Allocates `size` zeroed bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::CapacityExceeded`] beyond the reservation.
+    pub async fn alloc(&self, size: u64) -> Result<DeviceBuffer, Error> {
+        let (b, _) = self
+            .inner
+            .req(
+                Opcode::MemAlloc,
+                &to_body(&MemAlloc {
+                    lease: self.inner.id,
+                    size,
+                }),
+                &[],
+            )
+            .await?;
+        let h: HandleReply = from_body(&b).map_err(|e| Error::Protocol(e.to_string()))?;
+        Ok(DeviceBuffer {
+            inner: self.inner.clone(),
+            handle: h.handle,
+            size,
+        })
+    }
+
+    /// Copies `bytes` into `buf` at `offset`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadRequest`] out of bounds.
+    pub async fn write(&self, buf: &DeviceBuffer, offset: u64, bytes: &[u8]) -> Result<(), Error> {
+        self.write_handle(buf.handle, offset, bytes).await
+    }
+
+    /// Copies `bytes` into memory `handle` at `offset`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Session::write`].
+    pub async fn write_handle(
+        &self,
+        handle: Handle,
+        offset: u64,
+        bytes: &[u8],
+    ) -> Result<(), Error> {
+        let body = to_body(&MemWrite {
+            lease: self.inner.id,
+            handle,
+            offset,
+        });
+        self.inner
+            .req(Opcode::MemWrite, &body, bytes)
+            .await
+            .map(drop)
+    }
+
+    /// Reads `len` bytes of `buf` at `offset`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ReadFailed`], [`Error::BadRequest`].
+    pub async fn read(&self, buf: &DeviceBuffer, offset: u64, len: u32) -> Result<Vec<u8>, Error> {
+        self.read_handle(buf.handle, offset, len).await
+    }
+
+    /// Reads `len` bytes of memory `handle` at `offset`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Session::read`].
+    pub async fn read_handle(
+        &self,
+        handle: Handle,
+        offset: u64,
+        len: u32,
+    ) -> Result<Vec<u8>, Error> {
+        let body = to_body(&MemRead {
+            lease: self.inner.id,
+            handle,
+            offset,
+            len,
+        });
+        self.inner
+            .req(Opcode::MemRead, &body, &[])
+            .await
+            .map(|(_, d)| d)
+    }
+
+    /// Loads PTX.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LoadFailed`] with the JIT log.
+    pub async fn load_module(&self, ptx: &str) -> Result<Module, Error> {
+        let body = to_body(&LeaseRef {
+            lease: self.inner.id,
+        });
+        let (b, _) = self
+            .inner
+            .req(Opcode::ModuleLoad, &body, ptx.as_bytes())
+            .await?;
+        let h: HandleReply = from_body(&b).map_err(|e| Error::Protocol(e.to_string()))?;
+        Ok(Module {
+            inner: self.inner.clone(),
+            handle: h.handle,
+        })
+    }
+
+    /// Enqueues a kernel launch.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LaunchFailed`], [`Error::NotFound`] for an unknown kernel.
+    pub async fn launch(
+        &self,
+        module: &Module,
+        kernel: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: Vec<KernelArg>,
+    ) -> Result<(), Error> {
+        let spec = LaunchSpec {
+            module: HandleRef::Id(module.handle),
+            kernel: kernel.into(),
+            grid,
+            block,
+            shared_mem: 0,
+            args,
+        };
+        let body = to_body(&proto::Launch {
+            lease: self.inner.id,
+            spec,
+        });
+        self.inner.req(Opcode::Launch, &body, &[]).await.map(drop)
+    }
+
+    /// Waits for all enqueued work.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LaunchFailed`] when a kernel faulted (the lease is then poisoned).
+    pub async fn sync(&self) -> Result<(), Error> {
+        let body = to_body(&LeaseRef {
+            lease: self.inner.id,
+        });
+        self.inner.req(Opcode::Sync, &body, &[]).await.map(drop)
+    }
+
+    /// Runs a batch in one round trip. Handles it allocates are not RAII:
+    /// free them in a later batch, or let the lease's end free them.
+    ///
+    /// # Errors
+    ///
+    /// The error of the op that stopped the batch, or of the request.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future abandons the reply; the node runs the batch anyway.
+    pub async fn batch(&self, batch: &BatchBuilder) -> Result<BatchOutput, Error> {
+        let body = to_body(&Batch {
+            lease: self.inner.id,
+            ops: batch.ops.clone(),
+        });
+        let (b, data) = self.inner.req(Opcode::Batch, &body, &batch.data).await?;
+        let reply: BatchReply = from_body(&b).map_err(|e| Error::Protocol(e.to_string()))?;
+        if let Some(e) = reply.error {
+            return Err(Error::from_status(
+                e.status,
+                format!("batch op {}: {}", e.index, e.message),
+            ));
+        }
+        Ok(BatchOutput {
+            results: reply.results,
+            data,
+        })
+    }
+}

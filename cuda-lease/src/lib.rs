@@ -1,0 +1,58 @@
+//! Remote lease execution: a GPU node that leases VRAM slices over QUIC, and
+//! the client that uses them.
+//!
+//! - [`proto`]: the versioned wire format (fixed header, postcard bodies,
+//!   raw byte payloads, typed status codes).
+//! - [`node`]: the node (QUIC + TLS 1.3, bearer tokens or mutual TLS, lease
+//!   table with TTL reaper, one worker process per lease, Prometheus
+//!   metrics). Also embeddable: [`node::Node::spawn_local`].
+//! - [`worker`]: the worker processes that own CUDA contexts, and the
+//!   [`worker::main_if_worker`] hook every worker executable calls first.
+//! - [`device`]: the device layer ([`device::CudaDevice`] and the in-memory
+//!   test double [`device::MemoryDevice`]).
+//! - [`client`]: [`client::Lease`], [`client::Session`], batches and the
+//!   one-shot [`client::Client::gpu_call`].
+//! - [`ptx`]: hand-written test kernels (iota, vector add, a faulting kernel).
+//! - [`lease_table`] and [`clock`]: lease bookkeeping on an injectable
+//!   monotonic clock.
+//!
+//! # Examples
+//!
+//! ```no_run
+//! use cuda_lease::client::{ClientConfig, Lease};
+//! use std::time::Duration;
+//! # async fn demo(addr: std::net::SocketAddr) -> Result<(), cuda_lease::client::Error> {
+//! let config = ClientConfig::from_pem_file("node-cert.pem".as_ref())?.token("secret");
+//! let lease = Lease::builder()
+//!     .min_vram(64 << 20)
+//!     .ttl(Duration::from_secs(30))
+//!     .config(config)
+//!     .connect(addr)
+//!     .await?;
+//! let session = lease.session();
+//! let buf = session.alloc(1024).await?;
+//! session.write(&buf, 0, &[1u8; 1024]).await?;
+//! assert_eq!(session.read(&buf, 0, 4).await?, vec![1, 1, 1, 1]);
+//! lease.free().await?;
+//! # Ok(()) }
+//! ```
+
+pub mod client;
+pub mod clock;
+pub mod device;
+pub mod lease_table;
+pub mod metrics;
+pub mod node;
+pub mod proto;
+pub mod ptx;
+pub mod tls;
+pub mod worker;
+
+pub use client::{Client, ClientConfig, Error, GpuCall, Lease, Session};
+pub use node::{Node, NodeConfig};
+pub use worker::{main_if_worker, DeviceSpec, WorkerSpec};
+
+/// Compiles the README's Rust snippets as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

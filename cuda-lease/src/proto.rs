@@ -1,0 +1,1071 @@
+//! The wire protocol: a fixed, versioned header, a `postcard` body and raw bytes.
+//!
+//! Every message (request or reply) is one frame:
+//!
+//! | offset | size | field |
+//! | --- | --- | --- |
+//! | 0 | 4 | magic `b"CULS"` |
+//! | 4 | 1 | version ([`VERSION`]) |
+//! | 5 | 1 | opcode ([`Opcode`]) |
+//! | 6 | 2 | flags ([`FLAG_REPLY`] on replies) |
+//! | 8 | 2 | status ([`Status`], zero on requests) |
+//! | 10 | 2 | reserved, must be zero |
+//! | 12 | 8 | request id |
+//! | 20 | 4 | body length (postcard bytes) |
+//! | 24 | 4 | data length (raw bytes: PTX, buffers) |
+//!
+//! All integers are little-endian. The body and data lengths are checked
+//! against [`Limits`] *before* anything is allocated, so a hostile length can
+//! never make the reader allocate more than the limits allow. Raw payloads
+//! (PTX text, buffer contents) travel after the body as-is, never through
+//! serde. Unknown versions and opcodes are rejected with
+//! [`Status::BadRequest`].
+//!
+//! Over QUIC, each request uses its own bidirectional stream: the client
+//! writes one frame and finishes, the node answers with one frame. The node
+//! and its worker processes speak the same framing over pipes.
+
+use std::fmt;
+
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+/// The four magic bytes that open every frame.
+pub const MAGIC: [u8; 4] = *b"CULS";
+/// The protocol version this crate speaks.
+pub const VERSION: u8 = 1;
+/// Size of the fixed header in bytes.
+pub const HEADER_LEN: usize = 28;
+/// Header flag set on replies.
+pub const FLAG_REPLY: u16 = 1;
+/// ALPN protocol id used on the QUIC connection.
+pub const ALPN: &[u8] = b"cuda-lease/1";
+
+/// Most kernel arguments a launch may carry.
+pub const MAX_KERNEL_ARGS: usize = 64;
+/// Largest by-value kernel argument in bytes.
+pub const MAX_SCALAR_ARG: usize = 4096;
+/// Most operations one batch may carry.
+pub const MAX_BATCH_OPS: usize = 4096;
+/// Longest kernel name.
+pub const MAX_KERNEL_NAME: usize = 1024;
+
+/// Size limits enforced by frame readers before they allocate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest postcard body accepted.
+    pub max_body: u32,
+    /// Largest raw data section accepted.
+    pub max_data: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_body: 1 << 20,
+            max_data: 512 << 20,
+        }
+    }
+}
+
+/// Operation codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Opcode {
+    /// Authenticate the connection with a bearer token ([`Hello`]).
+    Hello = 1,
+    /// Describe the node's devices ([`Inventory`]).
+    GetInventory = 2,
+    /// Reserve VRAM for a TTL ([`LeaseAlloc`] -> [`LeaseGrant`]).
+    LeaseAlloc = 3,
+    /// Extend a lease ([`LeaseRenew`] -> [`LeaseGrant`]).
+    LeaseRenew = 4,
+    /// Free a lease and everything in it ([`LeaseRef`]); allowed without auth.
+    LeaseFree = 5,
+    /// Describe a lease ([`LeaseRef`] -> [`LeaseStatus`]).
+    LeaseQuery = 6,
+    /// Allocate device memory in a lease ([`MemAlloc`] -> [`HandleReply`]).
+    MemAlloc = 16,
+    /// Copy data bytes into device memory ([`MemWrite`]).
+    MemWrite = 17,
+    /// Copy device memory back; the reply's data holds it ([`MemRead`]).
+    MemRead = 18,
+    /// Free device memory ([`HandleOp`]).
+    MemFree = 19,
+    /// Load a PTX module from the data bytes ([`LeaseRef`] -> [`HandleReply`]).
+    ModuleLoad = 20,
+    /// Launch a kernel ([`Launch`]).
+    Launch = 21,
+    /// Wait for the lease's stream ([`LeaseRef`]).
+    Sync = 22,
+    /// Run session ops in order with one reply ([`Batch`] -> [`BatchReply`]).
+    Batch = 23,
+    /// Stateless one-shot kernel call ([`GpuSubmit`]); the reply's data is the output.
+    GpuSubmit = 32,
+}
+
+impl Opcode {
+    /// Every opcode, for tests and tables.
+    pub const ALL: [Opcode; 15] = [
+        Opcode::Hello,
+        Opcode::GetInventory,
+        Opcode::LeaseAlloc,
+        Opcode::LeaseRenew,
+        Opcode::LeaseFree,
+        Opcode::LeaseQuery,
+        Opcode::MemAlloc,
+        Opcode::MemWrite,
+        Opcode::MemRead,
+        Opcode::MemFree,
+        Opcode::ModuleLoad,
+        Opcode::Launch,
+        Opcode::Sync,
+        Opcode::Batch,
+        Opcode::GpuSubmit,
+    ];
+
+    /// Decodes an opcode byte.
+    pub fn from_u8(v: u8) -> Option<Self> {
+        Self::ALL.iter().copied().find(|op| *op as u8 == v)
+    }
+}
+
+/// Typed status codes carried in reply headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[repr(u16)]
+pub enum Status {
+    /// Success.
+    Ok = 0,
+    /// Missing or wrong credentials.
+    Unauthorized = 1,
+    /// The PTX did not load; the message holds the JIT log.
+    LoadFailed = 2,
+    /// A launch or the kernel itself failed (e.g. an illegal address).
+    LaunchFailed = 3,
+    /// Copying device memory back failed.
+    ReadFailed = 4,
+    /// The lease's TTL ran out.
+    LeaseExpired = 5,
+    /// The request would exceed the lease's reservation or the device.
+    CapacityExceeded = 6,
+    /// Malformed frame, unknown version or opcode, or invalid arguments.
+    BadRequest = 7,
+    /// No such lease, handle or kernel.
+    NotFound = 8,
+    /// An earlier kernel fault (or a dead worker) poisoned the lease.
+    LeasePoisoned = 9,
+    /// A node-side failure not caused by the request.
+    Internal = 10,
+}
+
+impl Status {
+    /// Decodes a status; unknown values become [`Status::Internal`].
+    pub fn from_u16(v: u16) -> Self {
+        match v {
+            0 => Status::Ok,
+            1 => Status::Unauthorized,
+            2 => Status::LoadFailed,
+            3 => Status::LaunchFailed,
+            4 => Status::ReadFailed,
+            5 => Status::LeaseExpired,
+            6 => Status::CapacityExceeded,
+            7 => Status::BadRequest,
+            8 => Status::NotFound,
+            9 => Status::LeasePoisoned,
+            _ => Status::Internal,
+        }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            Status::Ok => "OK",
+            Status::Unauthorized => "UNAUTHORIZED",
+            Status::LoadFailed => "LOAD_FAILED",
+            Status::LaunchFailed => "LAUNCH_FAILED",
+            Status::ReadFailed => "READ_FAILED",
+            Status::LeaseExpired => "LEASE_EXPIRED",
+            Status::CapacityExceeded => "CAPACITY_EXCEEDED",
+            Status::BadRequest => "BAD_REQUEST",
+            Status::NotFound => "NOT_FOUND",
+            Status::LeasePoisoned => "LEASE_POISONED",
+            Status::Internal => "INTERNAL",
+        };
+        f.write_str(s)
+    }
+}
+
+/// Why a frame or body was rejected. Every variant maps to [`Status::BadRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtoError {
+    /// The frame ended early.
+    #[error("truncated frame")]
+    Truncated,
+    /// The magic bytes are wrong.
+    #[error("bad magic")]
+    BadMagic,
+    /// The version is not [`VERSION`].
+    #[error("unsupported protocol version {0}")]
+    UnsupportedVersion(u8),
+    /// The opcode is unknown.
+    #[error("unknown opcode {0}")]
+    UnknownOpcode(u8),
+    /// The reserved field is not zero.
+    #[error("reserved header bits set")]
+    Reserved,
+    /// The body is larger than [`Limits::max_body`].
+    #[error("body of {len} bytes exceeds the limit of {max}")]
+    BodyTooLarge {
+        /// Announced length.
+        len: u32,
+        /// Limit.
+        max: u32,
+    },
+    /// The data is larger than [`Limits::max_data`].
+    #[error("data of {len} bytes exceeds the limit of {max}")]
+    DataTooLarge {
+        /// Announced length.
+        len: u32,
+        /// Limit.
+        max: u32,
+    },
+    /// The postcard body did not decode, or has trailing bytes.
+    #[error("malformed body: {0}")]
+    Body(String),
+    /// A decoded message breaks a rule (too many args, zero grid, ...).
+    #[error("invalid message: {0}")]
+    Invalid(String),
+}
+
+/// The fixed frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// Operation.
+    pub opcode: Opcode,
+    /// Flags ([`FLAG_REPLY`]).
+    pub flags: u16,
+    /// Reply status ([`Status::Ok`] on requests).
+    pub status: Status,
+    /// Request id, echoed in the reply.
+    pub request_id: u64,
+    /// Length of the postcard body.
+    pub body_len: u32,
+    /// Length of the raw data.
+    pub data_len: u32,
+}
+
+impl Header {
+    /// A request header.
+    pub fn request(opcode: Opcode, request_id: u64, body_len: u32, data_len: u32) -> Self {
+        Self {
+            opcode,
+            flags: 0,
+            status: Status::Ok,
+            request_id,
+            body_len,
+            data_len,
+        }
+    }
+
+    /// A reply header to `req`.
+    pub fn reply(req: &Header, status: Status, body_len: u32, data_len: u32) -> Self {
+        Self {
+            opcode: req.opcode,
+            flags: FLAG_REPLY,
+            status,
+            request_id: req.request_id,
+            body_len,
+            data_len,
+        }
+    }
+
+    /// Encodes to the fixed 28 bytes.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4] = VERSION;
+        b[5] = self.opcode as u8;
+        b[6..8].copy_from_slice(&self.flags.to_le_bytes());
+        b[8..10].copy_from_slice(&(self.status as u16).to_le_bytes());
+        b[12..20].copy_from_slice(&self.request_id.to_le_bytes());
+        b[20..24].copy_from_slice(&self.body_len.to_le_bytes());
+        b[24..28].copy_from_slice(&self.data_len.to_le_bytes());
+        b
+    }
+
+    /// Decodes and checks a header: magic, version, opcode, reserved bits and
+    /// both lengths against `limits`.
+    ///
+    /// # Errors
+    ///
+    /// A [`ProtoError`] naming the first rule broken.
+    pub fn decode(b: &[u8], limits: &Limits) -> Result<Self, ProtoError> {
+        if b.len() < HEADER_LEN {
+            return Err(ProtoError::Truncated);
+        }
+        if b[0..4] != MAGIC {
+            return Err(ProtoError::BadMagic);
+        }
+        if b[4] != VERSION {
+            return Err(ProtoError::UnsupportedVersion(b[4]));
+        }
+        let opcode = Opcode::from_u8(b[5]).ok_or(ProtoError::UnknownOpcode(b[5]))?;
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        if u16_at(10) != 0 {
+            return Err(ProtoError::Reserved);
+        }
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&b[12..20]);
+        let body_len = u32_at(20);
+        let data_len = u32_at(24);
+        if body_len > limits.max_body {
+            return Err(ProtoError::BodyTooLarge {
+                len: body_len,
+                max: limits.max_body,
+            });
+        }
+        if data_len > limits.max_data {
+            return Err(ProtoError::DataTooLarge {
+                len: data_len,
+                max: limits.max_data,
+            });
+        }
+        Ok(Self {
+            opcode,
+            flags: u16_at(6),
+            status: Status::from_u16(u16_at(8)),
+            request_id: u64::from_le_bytes(id),
+            body_len,
+            data_len,
+        })
+    }
+
+    /// True on replies.
+    pub fn is_reply(&self) -> bool {
+        self.flags & FLAG_REPLY != 0
+    }
+}
+
+/// A whole frame: header, postcard body and raw data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// The header (lengths match `body` and `data`).
+    pub header: Header,
+    /// Postcard bytes.
+    pub body: Vec<u8>,
+    /// Raw bytes.
+    pub data: Vec<u8>,
+}
+
+impl Frame {
+    /// Decodes a frame held entirely in `bytes` (used by tests and fuzzing;
+    /// streams use [`read_frame`]). Trailing bytes are an error.
+    ///
+    /// # Errors
+    ///
+    /// A [`ProtoError`]; never panics and never allocates more than the input.
+    pub fn decode(bytes: &[u8], limits: &Limits) -> Result<Self, ProtoError> {
+        let header = Header::decode(bytes, limits)?;
+        let rest = &bytes[HEADER_LEN..];
+        let body_len = header.body_len as usize;
+        let data_len = header.data_len as usize;
+        if rest.len() < body_len.saturating_add(data_len) {
+            return Err(ProtoError::Truncated);
+        }
+        if rest.len() > body_len + data_len {
+            return Err(ProtoError::Invalid("trailing bytes after frame".into()));
+        }
+        Ok(Self {
+            header,
+            body: rest[..body_len].to_vec(),
+            data: rest[body_len..body_len + data_len].to_vec(),
+        })
+    }
+
+    /// Encodes to one contiguous buffer.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HEADER_LEN + self.body.len() + self.data.len());
+        out.extend_from_slice(&self.header.encode());
+        out.extend_from_slice(&self.body);
+        out.extend_from_slice(&self.data);
+        out
+    }
+}
+
+/// Serializes a message body with postcard.
+pub fn to_body<T: Serialize>(msg: &T) -> Vec<u8> {
+    // Serializing our own plain-data types into a Vec cannot fail.
+    postcard::to_allocvec(msg).unwrap_or_default()
+}
+
+/// Deserializes a body, rejecting trailing bytes.
+///
+/// # Errors
+///
+/// [`ProtoError::Body`] when the bytes are not exactly one `T`.
+pub fn from_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ProtoError> {
+    let (msg, rest) =
+        postcard::take_from_bytes::<T>(body).map_err(|e| ProtoError::Body(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(ProtoError::Body(format!("{} trailing bytes", rest.len())));
+    }
+    Ok(msg)
+}
+
+/// Reads one frame from an async stream, checking limits before allocating.
+///
+/// # Errors
+///
+/// `io::ErrorKind::InvalidData` wrapping a [`ProtoError`] for bad frames;
+/// other I/O errors as they come.
+///
+/// # Cancel safety
+///
+/// Not cancel safe: a dropped read leaves the stream mid-frame.
+pub async fn read_frame<R>(r: &mut R, limits: &Limits) -> std::io::Result<Frame>
+where
+    R: tokio::io::AsyncRead + Unpin + ?Sized,
+{
+    use tokio::io::AsyncReadExt;
+    let mut hb = [0u8; HEADER_LEN];
+    r.read_exact(&mut hb).await?;
+    let header = Header::decode(&hb, limits).map_err(invalid_data)?;
+    let mut body = vec![0u8; header.body_len as usize];
+    r.read_exact(&mut body).await?;
+    let mut data = vec![0u8; header.data_len as usize];
+    r.read_exact(&mut data).await?;
+    Ok(Frame { header, body, data })
+}
+
+/// Writes one frame to an async stream without joining its parts.
+///
+/// # Errors
+///
+/// I/O errors of the stream.
+///
+/// # Cancel safety
+///
+/// Not cancel safe: a dropped write leaves a partial frame.
+pub async fn write_frame<W>(
+    w: &mut W,
+    header: &Header,
+    body: &[u8],
+    data: &[u8],
+) -> std::io::Result<()>
+where
+    W: tokio::io::AsyncWrite + Unpin + ?Sized,
+{
+    use tokio::io::AsyncWriteExt;
+    w.write_all(&header.encode()).await?;
+    w.write_all(body).await?;
+    w.write_all(data).await?;
+    w.flush().await
+}
+
+/// Blocking [`read_frame`] for the worker process.
+///
+/// # Errors
+///
+/// As [`read_frame`].
+pub fn read_frame_blocking<R: std::io::Read + ?Sized>(
+    r: &mut R,
+    limits: &Limits,
+) -> std::io::Result<Frame> {
+    let mut hb = [0u8; HEADER_LEN];
+    r.read_exact(&mut hb)?;
+    let header = Header::decode(&hb, limits).map_err(invalid_data)?;
+    let mut body = vec![0u8; header.body_len as usize];
+    r.read_exact(&mut body)?;
+    let mut data = vec![0u8; header.data_len as usize];
+    r.read_exact(&mut data)?;
+    Ok(Frame { header, body, data })
+}
+
+/// Blocking [`write_frame`] for the worker process.
+///
+/// # Errors
+///
+/// I/O errors of the writer.
+pub fn write_frame_blocking<W: std::io::Write + ?Sized>(
+    w: &mut W,
+    header: &Header,
+    body: &[u8],
+    data: &[u8],
+) -> std::io::Result<()> {
+    w.write_all(&header.encode())?;
+    w.write_all(body)?;
+    w.write_all(data)?;
+    w.flush()
+}
+
+fn invalid_data(e: ProtoError) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, e)
+}
+
+/// Extracts a [`ProtoError`] from an I/O error made by the frame readers.
+pub fn proto_error(e: &std::io::Error) -> Option<&ProtoError> {
+    e.get_ref()
+        .and_then(|inner| inner.downcast_ref::<ProtoError>())
+}
+
+macro_rules! id_type {
+    ($(#[$m:meta])* $name:ident) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        pub struct $name(pub [u8; 16]);
+
+        impl $name {
+            /// A fresh 128-bit id from the operating system's random source.
+            ///
+            /// # Panics
+            ///
+            /// If the operating system has no random source.
+            pub fn random() -> Self {
+                let mut b = [0u8; 16];
+                getrandom::fill(&mut b).expect("operating system random source");
+                Self(b)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}({self})", stringify!($name))
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                for b in self.0 {
+                    write!(f, "{b:02x}")?;
+                }
+                Ok(())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = ProtoError;
+            fn from_str(s: &str) -> Result<Self, ProtoError> {
+                let s = s.trim();
+                if s.len() != 32 || !s.is_ascii() {
+                    return Err(ProtoError::Invalid("expected 32 hex digits".into()));
+                }
+                let mut b = [0u8; 16];
+                for (i, byte) in b.iter_mut().enumerate() {
+                    *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16)
+                        .map_err(|e| ProtoError::Invalid(e.to_string()))?;
+                }
+                Ok(Self(b))
+            }
+        }
+    };
+}
+
+id_type!(
+    /// A 128-bit random, unguessable lease id. Knowing it is the capability
+    /// to use (and always to free) the lease.
+    LeaseId
+);
+id_type!(
+    /// A 128-bit random handle to memory or a module inside one lease.
+    Handle
+);
+
+/// Error reply body (every non-OK status).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// Human-readable reason; for LOAD_FAILED, the JIT log.
+    pub message: String,
+}
+
+/// HELLO request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Bearer token (empty when relying on mutual TLS).
+    pub token: String,
+    /// Free-form client name for logs.
+    pub client: String,
+}
+
+/// HELLO reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HelloOk {
+    /// The node's name.
+    pub node: String,
+}
+
+/// One device as reported by GET_INVENTORY.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    /// CUDA ordinal.
+    pub ordinal: u32,
+    /// Marketing name.
+    pub name: String,
+    /// Total memory in bytes.
+    pub total_bytes: u64,
+    /// Free memory in bytes as the driver reports it now.
+    pub free_bytes: u64,
+    /// Compute capability (major, minor).
+    pub compute_capability: (u32, u32),
+}
+
+/// GET_INVENTORY reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Inventory {
+    /// The node's name.
+    pub node: String,
+    /// Devices served.
+    pub devices: Vec<DeviceInfo>,
+    /// Bytes that new leases may still reserve.
+    pub reservable_bytes: u64,
+    /// Leases alive now.
+    pub active_leases: u32,
+}
+
+/// LEASE_ALLOC request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseAlloc {
+    /// VRAM to reserve, in bytes.
+    pub min_vram: u64,
+    /// Requested TTL in seconds (the node may cap it).
+    pub ttl_secs: u32,
+}
+
+/// LEASE_ALLOC and LEASE_RENEW reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseGrant {
+    /// The lease.
+    pub lease: LeaseId,
+    /// Bumped by every renew.
+    pub generation: u64,
+    /// Reserved bytes.
+    pub reserved: u64,
+    /// Granted TTL in milliseconds from now.
+    pub ttl_ms: u64,
+}
+
+/// LEASE_RENEW request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRenew {
+    /// The lease.
+    pub lease: LeaseId,
+    /// New TTL in seconds from now.
+    pub ttl_secs: u32,
+}
+
+/// Body of LEASE_FREE, LEASE_QUERY, MODULE_LOAD and SYNC.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRef {
+    /// The lease.
+    pub lease: LeaseId,
+}
+
+/// State of a lease in [`LeaseStatus`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LeaseState {
+    /// Usable.
+    Active,
+    /// Failed by a kernel fault or a dead worker; only LEASE_FREE works.
+    Poisoned,
+}
+
+/// LEASE_QUERY reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseStatus {
+    /// The lease.
+    pub lease: LeaseId,
+    /// Current generation.
+    pub generation: u64,
+    /// Reserved bytes.
+    pub reserved: u64,
+    /// Bytes allocated now.
+    pub allocated: u64,
+    /// Milliseconds left before expiry.
+    pub remaining_ms: u64,
+    /// State.
+    pub state: LeaseState,
+}
+
+/// MEM_ALLOC request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemAlloc {
+    /// The lease.
+    pub lease: LeaseId,
+    /// Bytes (non-zero).
+    pub size: u64,
+}
+
+/// Reply carrying a new handle (MEM_ALLOC, MODULE_LOAD).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandleReply {
+    /// The new handle.
+    pub handle: Handle,
+}
+
+/// MEM_WRITE request; the frame's data is written.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemWrite {
+    /// The lease.
+    pub lease: LeaseId,
+    /// Target memory.
+    pub handle: Handle,
+    /// Byte offset into it.
+    pub offset: u64,
+}
+
+/// MEM_READ request; the reply's data holds the bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemRead {
+    /// The lease.
+    pub lease: LeaseId,
+    /// Source memory.
+    pub handle: Handle,
+    /// Byte offset into it.
+    pub offset: u64,
+    /// Bytes to read.
+    pub len: u32,
+}
+
+/// MEM_FREE request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandleOp {
+    /// The lease.
+    pub lease: LeaseId,
+    /// Memory to free.
+    pub handle: Handle,
+}
+
+/// A handle, either known or produced by an earlier op of the same batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HandleRef {
+    /// An existing handle.
+    Id(Handle),
+    /// The handle made by batch op number `n` (a MEM_ALLOC or MODULE_LOAD).
+    Op(u32),
+}
+
+/// One kernel argument.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum KernelArg {
+    /// Bytes passed by value (an `int`, a `float`, a small struct).
+    Scalar(Vec<u8>),
+    /// The device address of lease memory plus a byte offset.
+    Mem {
+        /// The memory.
+        handle: HandleRef,
+        /// Byte offset added to its address.
+        offset: u64,
+    },
+    /// GPU_SUBMIT only: the address of input number `n`.
+    Input(u32),
+    /// GPU_SUBMIT only: the address of the output buffer.
+    Output,
+}
+
+impl KernelArg {
+    /// A 32-bit scalar.
+    pub fn u32(v: u32) -> Self {
+        KernelArg::Scalar(v.to_le_bytes().to_vec())
+    }
+    /// A 64-bit scalar.
+    pub fn u64(v: u64) -> Self {
+        KernelArg::Scalar(v.to_le_bytes().to_vec())
+    }
+    /// A 32-bit float scalar.
+    pub fn f32(v: f32) -> Self {
+        KernelArg::Scalar(v.to_le_bytes().to_vec())
+    }
+    /// The address of existing memory.
+    pub fn mem(handle: Handle) -> Self {
+        KernelArg::Mem {
+            handle: HandleRef::Id(handle),
+            offset: 0,
+        }
+    }
+}
+
+/// Launch geometry and arguments.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LaunchSpec {
+    /// Module holding the kernel.
+    pub module: HandleRef,
+    /// Kernel (entry) name.
+    pub kernel: String,
+    /// Grid dimensions (each non-zero).
+    pub grid: [u32; 3],
+    /// Block dimensions (each non-zero).
+    pub block: [u32; 3],
+    /// Dynamic shared memory bytes.
+    pub shared_mem: u32,
+    /// Arguments in order.
+    pub args: Vec<KernelArg>,
+}
+
+impl LaunchSpec {
+    /// Checks names, geometry and arguments.
+    ///
+    /// # Errors
+    ///
+    /// [`ProtoError::Invalid`] naming the broken rule.
+    pub fn validate(&self, submit: bool) -> Result<(), ProtoError> {
+        validate_launch(&self.kernel, self.grid, self.block, &self.args, submit)
+    }
+}
+
+fn validate_launch(
+    kernel: &str,
+    grid: [u32; 3],
+    block: [u32; 3],
+    args: &[KernelArg],
+    submit: bool,
+) -> Result<(), ProtoError> {
+    let bad = |m: &str| Err(ProtoError::Invalid(m.into()));
+    if kernel.is_empty() || kernel.len() > MAX_KERNEL_NAME || kernel.contains('\0') {
+        return bad("kernel name must be 1..=1024 bytes without NUL");
+    }
+    if grid.contains(&0) || block.contains(&0) {
+        return bad("grid and block dimensions must be non-zero");
+    }
+    if args.len() > MAX_KERNEL_ARGS {
+        return bad("too many kernel arguments");
+    }
+    for a in args {
+        match a {
+            KernelArg::Scalar(b) if b.is_empty() || b.len() > MAX_SCALAR_ARG => {
+                return bad("scalar arguments must be 1..=4096 bytes")
+            }
+            KernelArg::Input(_) | KernelArg::Output if !submit => {
+                return bad("Input/Output arguments are for GPU_SUBMIT only")
+            }
+            KernelArg::Mem { .. } if submit => return bad("GPU_SUBMIT has no lease memory"),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// LAUNCH request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Launch {
+    /// The lease.
+    pub lease: LeaseId,
+    /// What to launch.
+    pub spec: LaunchSpec,
+}
+
+/// One operation inside a [`Batch`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BatchOp {
+    /// Allocate `size` bytes; produces a handle.
+    MemAlloc {
+        /// Bytes (non-zero).
+        size: u64,
+    },
+    /// Write the next `len` bytes of the batch data.
+    MemWrite {
+        /// Target.
+        target: HandleRef,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes taken from the batch data.
+        len: u32,
+    },
+    /// Read `len` bytes; they are appended to the reply data.
+    MemRead {
+        /// Source.
+        source: HandleRef,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes.
+        len: u32,
+    },
+    /// Free memory.
+    MemFree {
+        /// Memory to free.
+        target: HandleRef,
+    },
+    /// Load the next `len` bytes of the batch data as PTX; produces a handle.
+    ModuleLoad {
+        /// PTX bytes taken from the batch data.
+        len: u32,
+    },
+    /// Launch a kernel.
+    Launch(LaunchSpec),
+    /// Wait for the stream.
+    Sync,
+}
+
+/// BATCH request: ops run in order on the lease's stream; the frame's data
+/// holds the MEM_WRITE and MODULE_LOAD payloads back to back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Batch {
+    /// The lease.
+    pub lease: LeaseId,
+    /// Operations.
+    pub ops: Vec<BatchOp>,
+}
+
+impl Batch {
+    /// Checks op count, launches and that the data length matches.
+    ///
+    /// # Errors
+    ///
+    /// [`ProtoError::Invalid`].
+    pub fn validate(&self, data_len: usize) -> Result<(), ProtoError> {
+        if self.ops.len() > MAX_BATCH_OPS {
+            return Err(ProtoError::Invalid("too many batch ops".into()));
+        }
+        let mut need: u64 = 0;
+        for (i, op) in self.ops.iter().enumerate() {
+            let check_ref = |r: &HandleRef| match r {
+                HandleRef::Op(n) if *n as usize >= i => Err(ProtoError::Invalid(format!(
+                    "op {i} refers to later op {n}"
+                ))),
+                _ => Ok(()),
+            };
+            match op {
+                BatchOp::MemAlloc { size: 0 } => {
+                    return Err(ProtoError::Invalid("zero-sized allocation".into()))
+                }
+                BatchOp::MemAlloc { .. } | BatchOp::Sync => {}
+                BatchOp::MemWrite { target, len, .. } => {
+                    check_ref(target)?;
+                    need += u64::from(*len);
+                }
+                BatchOp::MemRead { source, .. } => check_ref(source)?,
+                BatchOp::MemFree { target } => check_ref(target)?,
+                BatchOp::ModuleLoad { len } => need += u64::from(*len),
+                BatchOp::Launch(spec) => {
+                    spec.validate(false)?;
+                    check_ref(&spec.module)?;
+                    for a in &spec.args {
+                        if let KernelArg::Mem { handle, .. } = a {
+                            check_ref(handle)?;
+                        }
+                    }
+                }
+            }
+        }
+        if need != data_len as u64 {
+            return Err(ProtoError::Invalid(format!(
+                "batch data is {data_len} bytes but its ops take {need}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Result of one completed batch op.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OpResult {
+    /// Done, nothing to return.
+    Done,
+    /// A new handle (MEM_ALLOC, MODULE_LOAD).
+    Handle(Handle),
+    /// `len` bytes were appended to the reply data (MEM_READ).
+    Read(u32),
+}
+
+/// The failure that stopped a batch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpError {
+    /// Index of the failed op.
+    pub index: u32,
+    /// Why.
+    pub status: Status,
+    /// Details (the JIT log for LOAD_FAILED).
+    pub message: String,
+}
+
+/// BATCH reply (status OK whenever the batch was accepted; op failures are in `error`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchReply {
+    /// One result per completed op, in order.
+    pub results: Vec<OpResult>,
+    /// The op that stopped the batch, if any.
+    pub error: Option<OpError>,
+}
+
+/// GPU_SUBMIT request: a stateless kernel call. The frame's data holds the
+/// PTX (`ptx_len` bytes) followed by each input (`input_lens`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuSubmit {
+    /// Kernel name.
+    pub kernel: String,
+    /// Grid dimensions.
+    pub grid: [u32; 3],
+    /// Block dimensions.
+    pub block: [u32; 3],
+    /// Dynamic shared memory bytes.
+    pub shared_mem: u32,
+    /// Arguments; [`KernelArg::Input`] and [`KernelArg::Output`] name buffers.
+    pub args: Vec<KernelArg>,
+    /// PTX length at the start of the data.
+    pub ptx_len: u32,
+    /// Input lengths, in order, after the PTX.
+    pub input_lens: Vec<u32>,
+    /// Output buffer size; the reply's data.
+    pub output_size: u32,
+    /// Byte the output buffer is filled with before the launch.
+    pub output_fill: u8,
+}
+
+impl GpuSubmit {
+    /// Checks geometry, arguments and the data length.
+    ///
+    /// # Errors
+    ///
+    /// [`ProtoError::Invalid`].
+    pub fn validate(&self, data_len: usize, limits: &Limits) -> Result<(), ProtoError> {
+        validate_launch(&self.kernel, self.grid, self.block, &self.args, true)?;
+        if self.input_lens.len() > MAX_KERNEL_ARGS {
+            return Err(ProtoError::Invalid("too many inputs".into()));
+        }
+        if self.output_size == 0 || self.output_size > limits.max_data {
+            return Err(ProtoError::Invalid(
+                "output size must be 1..=max_data".into(),
+            ));
+        }
+        for a in &self.args {
+            if let KernelArg::Input(n) = a {
+                if *n as usize >= self.input_lens.len() {
+                    return Err(ProtoError::Invalid(format!("no input {n}")));
+                }
+            }
+        }
+        let need: u64 =
+            u64::from(self.ptx_len) + self.input_lens.iter().map(|l| u64::from(*l)).sum::<u64>();
+        if need != data_len as u64 {
+            return Err(ProtoError::Invalid(
+                "data length does not match ptx + inputs".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trip() {
+        let h = Header::request(Opcode::Batch, 7, 3, 4);
+        let back = Header::decode(&h.encode(), &Limits::default()).unwrap();
+        assert_eq!(h, back);
+    }
+
+    #[test]
+    fn limits_checked_in_header() {
+        let h = Header::request(Opcode::MemWrite, 1, 0, u32::MAX);
+        let err = Header::decode(&h.encode(), &Limits::default()).unwrap_err();
+        assert!(matches!(err, ProtoError::DataTooLarge { .. }));
+    }
+
+    #[test]
+    fn ids_parse_and_print() {
+        let id = LeaseId::random();
+        assert_eq!(id.to_string().parse::<LeaseId>().unwrap(), id);
+        assert_ne!(LeaseId::random(), LeaseId::random());
+    }
+}

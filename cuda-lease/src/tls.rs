@@ -1,0 +1,212 @@
+//! TLS 1.3 set-up for both ends (rustls with the `ring` provider), self-signed
+//! development certificates (rcgen) and PEM files.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+
+use crate::proto::ALPN;
+
+/// A TLS set-up failure.
+#[derive(Debug, thiserror::Error)]
+#[error("tls: {0}")]
+pub struct TlsError(pub String);
+
+fn err(e: impl std::fmt::Display) -> TlsError {
+    TlsError(e.to_string())
+}
+
+/// A certificate chain and its private key.
+#[derive(Debug)]
+pub struct Identity {
+    /// Certificate chain, leaf first.
+    pub chain: Vec<CertificateDer<'static>>,
+    /// Private key.
+    pub key: PrivateKeyDer<'static>,
+}
+
+impl Clone for Identity {
+    fn clone(&self) -> Self {
+        Self {
+            chain: self.chain.clone(),
+            key: self.key.clone_key(),
+        }
+    }
+}
+
+impl Identity {
+    /// A fresh self-signed certificate for `names` (DNS names or IP addresses).
+    ///
+    /// # Errors
+    ///
+    /// When rcgen rejects a name.
+    pub fn self_signed(names: &[String]) -> Result<Self, TlsError> {
+        let ck = rcgen::generate_simple_self_signed(names.to_vec()).map_err(err)?;
+        Ok(Self {
+            chain: vec![ck.cert.der().clone()],
+            key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(ck.key_pair.serialize_der())),
+        })
+    }
+
+    /// Loads a PEM certificate chain and a PEM private key.
+    ///
+    /// # Errors
+    ///
+    /// When a file cannot be read or holds no certificate or key.
+    pub fn from_pem_files(cert: &Path, key: &Path) -> Result<Self, TlsError> {
+        let chain = load_certs(cert)?;
+        let key = PrivateKeyDer::from_pem_file(key)
+            .map_err(|e| err(format!("{}: {e}", key.display())))?;
+        Ok(Self { chain, key })
+    }
+
+    /// The leaf certificate.
+    pub fn leaf(&self) -> &CertificateDer<'static> {
+        &self.chain[0]
+    }
+}
+
+/// Loads every certificate of a PEM file.
+///
+/// # Errors
+///
+/// When the file cannot be read or holds no certificate.
+pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| err(format!("{}: {e}", path.display())))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| err(format!("{}: {e}", path.display())))?;
+    if certs.is_empty() {
+        return Err(err(format!("{}: no certificate", path.display())));
+    }
+    Ok(certs)
+}
+
+/// Writes a certificate as PEM (what clients pin).
+///
+/// # Errors
+///
+/// I/O errors.
+pub fn write_cert_pem(path: &Path, cert: &CertificateDer<'_>) -> std::io::Result<()> {
+    std::fs::write(path, cert_pem(cert))
+}
+
+/// Encodes a certificate as PEM text.
+pub fn cert_pem(cert: &CertificateDer<'_>) -> String {
+    const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut b64 = String::new();
+    for chunk in cert.as_ref().chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |acc, (i, b)| acc | (u32::from(*b) << (16 - 8 * i)));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                b64.push(B64[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            } else {
+                b64.push('=');
+            }
+        }
+    }
+    let mut out = String::from("-----BEGIN CERTIFICATE-----\n");
+    for line in b64.as_bytes().chunks(64) {
+        out.push_str(std::str::from_utf8(line).unwrap_or_default());
+        out.push('\n');
+    }
+    out.push_str("-----END CERTIFICATE-----\n");
+    out
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The QUIC server configuration: TLS 1.3 only, our ALPN, and client
+/// certificates verified against `client_ca` when given (optional, so bearer
+/// tokens keep working).
+pub(crate) fn server_config(
+    identity: &Identity,
+    client_ca: Option<&[CertificateDer<'static>]>,
+) -> Result<quinn::ServerConfig, TlsError> {
+    let builder = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(err)?;
+    let builder = match client_ca {
+        Some(cas) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for c in cas {
+                roots.add(c.clone()).map_err(err)?;
+            }
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider(),
+            )
+            .allow_unauthenticated()
+            .build()
+            .map_err(err)?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut tls = builder
+        .with_single_cert(identity.chain.clone(), identity.key.clone_key())
+        .map_err(err)?;
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    tls.max_early_data_size = 0;
+    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(err)?;
+    let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    let mut transport = quinn::TransportConfig::default();
+    transport
+        .max_concurrent_bidi_streams(256u32.into())
+        .max_concurrent_uni_streams(0u32.into())
+        .max_idle_timeout(Some(Duration::from_secs(60).try_into().map_err(err)?));
+    cfg.transport_config(Arc::new(transport));
+    Ok(cfg)
+}
+
+/// The QUIC client configuration: trusts only `roots` (pin the node's
+/// certificate by passing just it) and presents `identity` for mutual TLS.
+pub(crate) fn client_config(
+    roots: &[CertificateDer<'static>],
+    identity: Option<&Identity>,
+) -> Result<quinn::ClientConfig, TlsError> {
+    let mut store = rustls::RootCertStore::empty();
+    for c in roots {
+        store.add(c.clone()).map_err(err)?;
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(err)?
+        .with_root_certificates(store);
+    let mut tls = match identity {
+        Some(id) => builder
+            .with_client_auth_cert(id.chain.clone(), id.key.clone_key())
+            .map_err(err)?,
+        None => builder.with_no_client_auth(),
+    };
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(err)?;
+    let mut cfg = quinn::ClientConfig::new(Arc::new(crypto));
+    let mut transport = quinn::TransportConfig::default();
+    transport
+        .keep_alive_interval(Some(Duration::from_secs(5)))
+        .max_idle_timeout(Some(Duration::from_secs(60).try_into().map_err(err)?));
+    cfg.transport_config(Arc::new(transport));
+    Ok(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pem_round_trip() {
+        let id = Identity::self_signed(&["localhost".into()]).unwrap();
+        let pem = cert_pem(id.leaf());
+        let back = CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
+        assert_eq!(&back, id.leaf());
+    }
+}

@@ -1,0 +1,597 @@
+//! Worker processes: one per lease (plus a small pool for GPU_SUBMIT), each
+//! owning one CUDA context and stream.
+//!
+//! A kernel fault poisons every CUDA context of the process that made it, so
+//! the node never touches CUDA itself: it starts a worker by re-executing a
+//! program (by default its own executable) with the environment variable
+//! [`WORKER_ENV`] set, and talks to it over the child's stdin/stdout with the
+//! same framing as the wire ([`crate::proto`]). The program must call
+//! [`main_if_worker`] first thing in `main`; the `cuda-lease-node` binary
+//! does, so any process may point [`WorkerSpec::program`] at it.
+//!
+//! When the node goes away the worker reads end-of-file and exits; when the
+//! lease ends the node kills it. Either way the driver frees everything the
+//! worker held.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Mutex as StdMutex;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::BufReader;
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+
+use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice};
+use crate::proto::{
+    self, from_body, to_body, DeviceInfo, Frame, GpuSubmit, Handle, Header, KernelArg, Limits,
+    Opcode, Status,
+};
+
+/// Environment variable that turns a process into a worker. Its value names
+/// the device: `cuda:<ordinal>` or `memory:<capacity bytes>`.
+pub const WORKER_ENV: &str = "CUDA_LEASE_WORKER";
+
+/// Which device a worker drives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// A real GPU.
+    Cuda {
+        /// CUDA ordinal.
+        ordinal: usize,
+    },
+    /// The in-memory test double ([`MemoryDevice`]); kernels are not run.
+    Memory {
+        /// Bytes of "device" memory per worker.
+        capacity: u64,
+    },
+}
+
+impl DeviceSpec {
+    fn to_env(&self) -> String {
+        match self {
+            DeviceSpec::Cuda { ordinal } => format!("cuda:{ordinal}"),
+            DeviceSpec::Memory { capacity } => format!("memory:{capacity}"),
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        let (kind, n) = s.split_once(':')?;
+        match kind {
+            "cuda" => Some(DeviceSpec::Cuda {
+                ordinal: n.parse().ok()?,
+            }),
+            "memory" => Some(DeviceSpec::Memory {
+                capacity: n.parse().ok()?,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// How to start a worker process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSpec {
+    /// Executable that calls [`main_if_worker`] at start-up (for example the
+    /// `cuda-lease-node` binary, or the current executable).
+    pub program: PathBuf,
+    /// Extra arguments.
+    pub args: Vec<OsString>,
+    /// Device to drive.
+    pub device: DeviceSpec,
+}
+
+impl WorkerSpec {
+    /// Workers run the current executable, which must call [`main_if_worker`].
+    ///
+    /// # Errors
+    ///
+    /// When the current executable's path is unknown.
+    pub fn current_exe(device: DeviceSpec) -> std::io::Result<Self> {
+        Ok(Self {
+            program: std::env::current_exe()?,
+            args: Vec::new(),
+            device,
+        })
+    }
+}
+
+/// One op a worker runs; handles were made (and checked) by the node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum WorkerOp {
+    Alloc {
+        handle: Handle,
+        size: u64,
+    },
+    Write {
+        handle: Handle,
+        offset: u64,
+        len: u32,
+    },
+    Read {
+        handle: Handle,
+        offset: u64,
+        len: u32,
+    },
+    Free {
+        handle: Handle,
+    },
+    LoadModule {
+        handle: Handle,
+        len: u32,
+    },
+    Launch {
+        module: Handle,
+        kernel: String,
+        dims: [u32; 7],
+        args: Vec<WorkerArg>,
+    },
+    Sync,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum WorkerArg {
+    Scalar(Vec<u8>),
+    Mem { handle: Handle, offset: u64 },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct WorkerBatch {
+    pub(crate) ops: Vec<WorkerOp>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct WorkerFailure {
+    pub(crate) status: Status,
+    pub(crate) message: String,
+    pub(crate) sticky: bool,
+}
+
+impl From<DeviceError> for WorkerFailure {
+    fn from(e: DeviceError) -> Self {
+        Self {
+            status: e.status,
+            message: e.message,
+            sticky: e.sticky,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct WorkerBatchReply {
+    pub(crate) completed: u32,
+    pub(crate) error: Option<WorkerFailure>,
+}
+
+/// Worker-side limits: the parent already enforced the wire limits.
+const WORKER_LIMITS: Limits = Limits {
+    max_body: 64 << 20,
+    max_data: u32::MAX,
+};
+
+/// Runs the worker loop and exits the process if [`WORKER_ENV`] is set;
+/// returns at once otherwise. Call it first thing in `main` of any program
+/// that serves as a worker executable.
+pub fn main_if_worker() {
+    if let Some(spec) = std::env::var_os(WORKER_ENV) {
+        let code = run_worker(&spec.to_string_lossy());
+        std::process::exit(code);
+    }
+}
+
+fn run_worker(spec: &str) -> i32 {
+    let stdin = std::io::stdin();
+    let stdout = std::io::stdout();
+    let mut input = std::io::BufReader::with_capacity(1 << 20, stdin.lock());
+    let mut output = std::io::BufWriter::with_capacity(1 << 20, stdout.lock());
+    let ready = Header::request(Opcode::GetInventory, 0, 0, 0);
+    let device: Result<Box<dyn Device>, DeviceError> = match DeviceSpec::parse(spec) {
+        Some(DeviceSpec::Cuda { ordinal }) => {
+            CudaDevice::open(ordinal).map(|d| Box::new(d) as Box<dyn Device>)
+        }
+        Some(DeviceSpec::Memory { capacity }) => Ok(Box::new(MemoryDevice::new(capacity))),
+        None => Err(DeviceError::new(
+            Status::Internal,
+            format!("bad {WORKER_ENV} value {spec:?}"),
+        )),
+    };
+    let mut device = match device.and_then(|mut d| d.info().map(|i| (d, i))) {
+        Ok((d, info)) => {
+            let body = to_body(&info);
+            let h = Header::reply(&ready, Status::Ok, body.len() as u32, 0);
+            if proto::write_frame_blocking(&mut output, &h, &body, &[]).is_err() {
+                return 1;
+            }
+            d
+        }
+        Err(e) => {
+            let body = to_body(&WorkerFailure::from(e));
+            let h = Header::reply(&ready, Status::Internal, body.len() as u32, 0);
+            let _ = proto::write_frame_blocking(&mut output, &h, &body, &[]);
+            return 1;
+        }
+    };
+    let mut submit_modules: HashMap<u64, Handle> = HashMap::new();
+    loop {
+        let frame = match proto::read_frame_blocking(&mut input, &WORKER_LIMITS) {
+            Ok(f) => f,
+            // End of file: the node is gone or done with us.
+            Err(_) => return 0,
+        };
+        let (status, body, data) = serve(device.as_mut(), &mut submit_modules, &frame);
+        let h = Header::reply(&frame.header, status, body.len() as u32, data.len() as u32);
+        if proto::write_frame_blocking(&mut output, &h, &body, &data).is_err() {
+            return 1;
+        }
+    }
+}
+
+fn serve(
+    dev: &mut dyn Device,
+    cache: &mut HashMap<u64, Handle>,
+    f: &Frame,
+) -> (Status, Vec<u8>, Vec<u8>) {
+    let fail = |e: WorkerFailure| (e.status, to_body(&e), Vec::new());
+    match f.header.opcode {
+        Opcode::GetInventory => match dev.info() {
+            Ok(info) => (Status::Ok, to_body(&info), Vec::new()),
+            Err(e) => fail(e.into()),
+        },
+        Opcode::Batch => match from_body::<WorkerBatch>(&f.body) {
+            Ok(b) => {
+                let mut out = Vec::new();
+                let reply = run_batch(dev, &b.ops, &f.data, &mut out);
+                (Status::Ok, to_body(&reply), out)
+            }
+            Err(e) => fail(WorkerFailure {
+                status: Status::BadRequest,
+                message: e.to_string(),
+                sticky: false,
+            }),
+        },
+        Opcode::GpuSubmit => match from_body::<GpuSubmit>(&f.body) {
+            Ok(s) => match submit(dev, cache, &s, &f.data) {
+                Ok(out) => (Status::Ok, Vec::new(), out),
+                Err(e) => fail(e.into()),
+            },
+            Err(e) => fail(WorkerFailure {
+                status: Status::BadRequest,
+                message: e.to_string(),
+                sticky: false,
+            }),
+        },
+        op => fail(WorkerFailure {
+            status: Status::BadRequest,
+            message: format!("worker does not serve {op:?}"),
+            sticky: false,
+        }),
+    }
+}
+
+fn dims(d: &[u32; 7]) -> LaunchDims {
+    LaunchDims {
+        grid: [d[0], d[1], d[2]],
+        block: [d[3], d[4], d[5]],
+        shared_mem: d[6],
+    }
+}
+
+fn run_batch(
+    dev: &mut dyn Device,
+    ops: &[WorkerOp],
+    data: &[u8],
+    out: &mut Vec<u8>,
+) -> WorkerBatchReply {
+    let mut cursor = 0usize;
+    let mut take = |len: u32| -> Result<&[u8], DeviceError> {
+        let end = cursor + len as usize;
+        let s = data
+            .get(cursor..end)
+            .ok_or_else(|| DeviceError::new(Status::BadRequest, "batch data too short"))?;
+        cursor = end;
+        Ok(s)
+    };
+    for (i, op) in ops.iter().enumerate() {
+        let r = match op {
+            WorkerOp::Alloc { handle, size } => dev.alloc(*handle, *size),
+            WorkerOp::Write {
+                handle,
+                offset,
+                len,
+            } => take(*len).and_then(|d| dev.write(*handle, *offset, d)),
+            WorkerOp::Read {
+                handle,
+                offset,
+                len,
+            } => dev.read(*handle, *offset, u64::from(*len), out),
+            WorkerOp::Free { handle } => dev.free(*handle).or_else(|_| dev.unload_module(*handle)),
+            WorkerOp::LoadModule { handle, len } => {
+                take(*len).and_then(|d| dev.load_module(*handle, d))
+            }
+            WorkerOp::Launch {
+                module,
+                kernel,
+                dims: d,
+                args,
+            } => {
+                let args: Vec<DeviceArg<'_>> = args
+                    .iter()
+                    .map(|a| match a {
+                        WorkerArg::Scalar(b) => DeviceArg::Scalar(b),
+                        WorkerArg::Mem { handle, offset } => DeviceArg::Mem {
+                            handle: *handle,
+                            offset: *offset,
+                        },
+                    })
+                    .collect();
+                dev.launch(*module, kernel, dims(d), &args)
+            }
+            WorkerOp::Sync => dev.sync(),
+        };
+        if let Err(e) = r {
+            return WorkerBatchReply {
+                completed: i as u32,
+                error: Some(e.into()),
+            };
+        }
+    }
+    WorkerBatchReply {
+        completed: ops.len() as u32,
+        error: None,
+    }
+}
+
+fn submit(
+    dev: &mut dyn Device,
+    cache: &mut HashMap<u64, Handle>,
+    s: &GpuSubmit,
+    data: &[u8],
+) -> Result<Vec<u8>, DeviceError> {
+    use std::hash::{Hash, Hasher};
+    let bad = |m: &str| DeviceError::new(Status::BadRequest, m);
+    let ptx = data
+        .get(..s.ptx_len as usize)
+        .ok_or_else(|| bad("data too short"))?;
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    ptx.hash(&mut hasher);
+    let key = hasher.finish();
+    let module = match cache.get(&key) {
+        Some(m) => *m,
+        None => {
+            if cache.len() >= 32 {
+                for (_, m) in cache.drain() {
+                    let _ = dev.unload_module(m);
+                }
+            }
+            let m = Handle::random();
+            dev.load_module(m, ptx)?;
+            cache.insert(key, m);
+            m
+        }
+    };
+    let mut owned: Vec<Handle> = Vec::new();
+    let result = (|| {
+        let mut cursor = s.ptx_len as usize;
+        let mut inputs = Vec::with_capacity(s.input_lens.len());
+        for len in &s.input_lens {
+            let bytes = data
+                .get(cursor..cursor + *len as usize)
+                .ok_or_else(|| bad("data too short"))?;
+            cursor += *len as usize;
+            let h = Handle::random();
+            dev.alloc(h, u64::from((*len).max(1)))?;
+            owned.push(h);
+            dev.write(h, 0, bytes)?;
+            inputs.push(h);
+        }
+        let output = Handle::random();
+        dev.alloc(output, u64::from(s.output_size))?;
+        owned.push(output);
+        if s.output_fill != 0 {
+            dev.write(output, 0, &vec![s.output_fill; s.output_size as usize])?;
+        }
+        let args: Vec<DeviceArg<'_>> = s
+            .args
+            .iter()
+            .map(|a| match a {
+                KernelArg::Scalar(b) => Ok(DeviceArg::Scalar(b)),
+                KernelArg::Input(n) => inputs
+                    .get(*n as usize)
+                    .map(|h| DeviceArg::Mem {
+                        handle: *h,
+                        offset: 0,
+                    })
+                    .ok_or_else(|| bad("no such input")),
+                KernelArg::Output => Ok(DeviceArg::Mem {
+                    handle: output,
+                    offset: 0,
+                }),
+                KernelArg::Mem { .. } => Err(bad("GPU_SUBMIT has no lease memory")),
+            })
+            .collect::<Result<_, _>>()?;
+        let d = LaunchDims {
+            grid: s.grid,
+            block: s.block,
+            shared_mem: s.shared_mem,
+        };
+        dev.launch(module, &s.kernel, d, &args)?;
+        dev.sync()?;
+        let mut out = Vec::with_capacity(s.output_size as usize);
+        dev.read(output, 0, u64::from(s.output_size), &mut out)?;
+        Ok(out)
+    })();
+    for h in owned {
+        let _ = dev.free(h);
+    }
+    result
+}
+
+/// Why talking to a worker failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum WorkerError {
+    /// It could not start (the message says why, e.g. "no NVIDIA driver found").
+    #[error("worker failed to start: {0}")]
+    Start(String),
+    /// It exited or its pipe broke.
+    #[error("worker died: {0}")]
+    Dead(String),
+    /// It did not answer in time and was killed.
+    #[error("worker hung for {0:?} and was killed")]
+    Hung(Duration),
+}
+
+struct WorkerIo {
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    next_id: u64,
+}
+
+/// The node's side of one worker process.
+pub(crate) struct WorkerProcess {
+    io: tokio::sync::Mutex<WorkerIo>,
+    child: StdMutex<Option<Child>>,
+    info: DeviceInfo,
+    pid: Option<u32>,
+}
+
+impl std::fmt::Debug for WorkerProcess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerProcess")
+            .field("pid", &self.pid)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WorkerProcess {
+    /// Starts a worker and waits (up to `timeout`) for it to report its device.
+    pub(crate) async fn spawn(spec: &WorkerSpec, timeout: Duration) -> Result<Self, WorkerError> {
+        let mut cmd = Command::new(&spec.program);
+        cmd.args(&spec.args)
+            .env(WORKER_ENV, spec.device.to_env())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| WorkerError::Start(format!("{}: {e}", spec.program.display())))?;
+        let pid = child.id();
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            return Err(WorkerError::Start("no pipes".into()));
+        };
+        let mut stdout = BufReader::with_capacity(1 << 20, stdout);
+        let ready =
+            tokio::time::timeout(timeout, proto::read_frame(&mut stdout, &WORKER_LIMITS)).await;
+        let frame = match ready {
+            Err(_) => {
+                let _ = child.start_kill();
+                return Err(WorkerError::Start(format!("no answer within {timeout:?}")));
+            }
+            Ok(Err(e)) => {
+                let _ = child.start_kill();
+                return Err(WorkerError::Start(format!(
+                    "{e} (does {} call cuda_lease::worker::main_if_worker()?)",
+                    spec.program.display()
+                )));
+            }
+            Ok(Ok(f)) => f,
+        };
+        if frame.header.status != Status::Ok {
+            let msg = from_body::<WorkerFailure>(&frame.body)
+                .map(|f| f.message)
+                .unwrap_or_default();
+            let _ = child.start_kill();
+            return Err(WorkerError::Start(msg));
+        }
+        let info: DeviceInfo = from_body(&frame.body)
+            .map_err(|e| WorkerError::Start(format!("bad ready frame: {e}")))?;
+        Ok(Self {
+            io: tokio::sync::Mutex::new(WorkerIo {
+                stdin,
+                stdout,
+                next_id: 1,
+            }),
+            child: StdMutex::new(Some(child)),
+            info,
+            pid,
+        })
+    }
+
+    /// The device as reported at start-up.
+    pub(crate) fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Sends one request and waits up to `timeout` for the reply; on timeout
+    /// the worker is killed. Calls on one worker run one at a time, in order.
+    pub(crate) async fn call(
+        &self,
+        opcode: Opcode,
+        body: &[u8],
+        data: &[u8],
+        timeout: Duration,
+    ) -> Result<Frame, WorkerError> {
+        let mut io = self.io.lock().await;
+        let io = &mut *io;
+        io.next_id += 1;
+        let h = Header::request(opcode, io.next_id, body.len() as u32, data.len() as u32);
+        let exchange = async {
+            proto::write_frame(&mut io.stdin, &h, body, data).await?;
+            proto::read_frame(&mut io.stdout, &WORKER_LIMITS).await
+        };
+        match tokio::time::timeout(timeout, exchange).await {
+            Ok(Ok(f)) => Ok(f),
+            Ok(Err(e)) => {
+                self.kill();
+                Err(WorkerError::Dead(e.to_string()))
+            }
+            Err(_) => {
+                self.kill();
+                Err(WorkerError::Hung(timeout))
+            }
+        }
+    }
+
+    /// Kills the process (idempotent); the exit is reaped in the background.
+    pub(crate) fn kill(&self) {
+        let child = self.child.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(mut child) = child {
+            let _ = child.start_kill();
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let _ = child.wait().await;
+                });
+            }
+        }
+    }
+
+    /// Kills the process and waits until it has exited (so its GPU memory is back).
+    pub(crate) async fn kill_and_wait(&self) {
+        let child = self.child.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(mut child) = child {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+        }
+    }
+
+    /// `Some(reason)` when the process has exited or was killed.
+    pub(crate) fn exited(&self) -> Option<String> {
+        let mut guard = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        match guard.as_mut() {
+            None => Some("killed".into()),
+            Some(c) => match c.try_wait() {
+                Ok(Some(status)) => Some(format!("exited with {status}")),
+                Ok(None) => None,
+                Err(e) => Some(e.to_string()),
+            },
+        }
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,0 +1,94 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cuda_lease::client::{Client, ClientConfig};
+use cuda_lease::node::{Node, NodeConfig};
+use cuda_lease::worker::{DeviceSpec, WorkerSpec};
+
+pub const TOKEN: &str = "test-token";
+
+/// The worker executable: `$CUDA_LEASE_WORKER_EXE`, else `cuda-lease-node`
+/// next to this test binary or one folder up (cargo's layout, or a bundle
+/// folder holding both), else the path cargo built it at.
+pub fn worker_exe() -> PathBuf {
+    if let Some(p) = std::env::var_os("CUDA_LEASE_WORKER_EXE") {
+        return p.into();
+    }
+    let name = format!("cuda-lease-node{}", std::env::consts::EXE_SUFFIX);
+    if let Ok(exe) = std::env::current_exe() {
+        if let Some(dir) = exe.parent() {
+            for cand in [dir.join(&name), dir.join("..").join(&name)] {
+                if cand.is_file() {
+                    return cand;
+                }
+            }
+        }
+    }
+    PathBuf::from(env!("CARGO_BIN_EXE_cuda-lease-node"))
+}
+
+/// A node config with the in-memory test double device.
+pub fn memory_config(capacity: u64) -> NodeConfig {
+    let mut cfg = NodeConfig::new(WorkerSpec {
+        program: worker_exe(),
+        args: Vec::new(),
+        device: DeviceSpec::Memory { capacity },
+    });
+    cfg.tokens = vec![TOKEN.into()];
+    cfg.capacity = Some(capacity);
+    cfg.submit_workers = 1;
+    cfg.prestart_workers = 0;
+    cfg
+}
+
+pub fn client_config(node: &Node) -> ClientConfig {
+    ClientConfig::pinned(node.cert_der().clone()).token(TOKEN)
+}
+
+pub async fn connect(node: &Node) -> Arc<Client> {
+    Arc::new(
+        Client::connect(node.addr(), &client_config(node))
+            .await
+            .expect("connect"),
+    )
+}
+
+/// Polls `f` every 20 ms for up to `limit`.
+pub async fn eventually<F, Fut>(limit: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    while tokio::time::Instant::now() < deadline {
+        if f().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+pub async fn metrics_http(node: &Node) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = node.metrics_addr().expect("metrics endpoint");
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("metrics connect");
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+pub fn metric(text: &str, name: &str) -> Option<u64> {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l[name.len() + 1..].trim().parse().ok())
+}

@@ -1,0 +1,582 @@
+//! QUIC loopback tests of the node with the in-memory test double device
+//! ([`cuda_lease::device::MemoryDevice`]): kernels are not run here, but every
+//! lease still gets its own worker process.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use cuda_lease::client::{BatchBuilder, Client, ClientConfig, Error, GpuCall, Lease};
+use cuda_lease::clock::ManualClock;
+use cuda_lease::node::Node;
+use cuda_lease::proto::{
+    self, HandleRef, Header, KernelArg, LaunchSpec, LeaseState, Opcode, Status,
+};
+
+const PTX: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry iota(.param .u64 out, .param .u32 n)\n{\n ret;\n}\n.visible .entry __fault()\n{\n ret;\n}\n.visible .entry __exit()\n{\n ret;\n}\n.visible .entry __hang()\n{\n ret;\n}\n";
+
+fn launch(module: HandleRef, kernel: &str, args: Vec<KernelArg>) -> LaunchSpec {
+    LaunchSpec {
+        module,
+        kernel: kernel.into(),
+        grid: [1, 1, 1],
+        block: [32, 1, 1],
+        shared_mem: 0,
+        args,
+    }
+}
+
+#[tokio::test]
+async fn auth_rejection() {
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let bad = ClientConfig::pinned(node.cert_der().clone()).token("wrong");
+    let err = Client::connect(node.addr(), &bad).await.unwrap_err();
+    assert!(matches!(err, Error::Unauthorized(_)), "{err:?}");
+    let none = ClientConfig::pinned(node.cert_der().clone());
+    assert!(matches!(
+        Client::connect(node.addr(), &none).await,
+        Err(Error::Unauthorized(_))
+    ));
+    // A client that trusts a different certificate cannot connect at all.
+    let other = cuda_lease::tls::Identity::self_signed(&["localhost".into()]).unwrap();
+    let wrong_pin = ClientConfig::pinned(other.leaf().clone()).token(TOKEN);
+    assert!(matches!(
+        Client::connect(node.addr(), &wrong_pin).await,
+        Err(Error::Disconnected(_))
+    ));
+    let ok = connect(&node).await;
+    assert_eq!(ok.inventory().await.unwrap().devices.len(), 1);
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn lease_alloc_renew_free() {
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(4096)
+        .ttl(Duration::from_secs(30))
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    assert_eq!(lease.generation(), 1);
+    assert_eq!(lease.reserved(), 4096);
+    let g = lease.renew().await.unwrap();
+    assert_eq!(g.generation, 2);
+    let st = lease.query().await.unwrap();
+    assert_eq!(st.generation, 2);
+    assert_eq!(st.state, LeaseState::Active);
+    let inv = client.inventory().await.unwrap();
+    assert_eq!(inv.active_leases, 1);
+    assert_eq!(inv.reservable_bytes, (1 << 20) - 4096);
+    let id = lease.id();
+    lease.free().await.unwrap();
+    let inv = client.inventory().await.unwrap();
+    assert_eq!(inv.active_leases, 0);
+    assert_eq!(inv.reservable_bytes, 1 << 20);
+    assert!(matches!(
+        client.free_lease(id).await,
+        Err(Error::NotFound(_))
+    ));
+    let m = metrics_http(&node).await;
+    assert_eq!(metric(&m, "gpu_lease_acquired"), Some(1), "{m}");
+    assert_eq!(metric(&m, "gpu_lease_dropped"), Some(1), "{m}");
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn auto_renew_keeps_lease_alive() {
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(1024)
+        .ttl(Duration::from_secs(1))
+        .on(client)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    assert!(lease.generation() >= 2, "renewed {}", lease.generation());
+    assert_eq!(lease.query().await.unwrap().state, LeaseState::Active);
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn capacity_accounting() {
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let client = connect(&node).await;
+    let a = Lease::builder()
+        .min_vram(768 << 10)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let err = Lease::builder()
+        .min_vram(512 << 10)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::CapacityExceeded(_)), "{err:?}");
+    let s = a.session();
+    let b1 = s.alloc(512 << 10).await.unwrap();
+    let err = s.alloc(300 << 10).await.unwrap_err();
+    assert!(matches!(err, Error::CapacityExceeded(_)), "{err:?}");
+    assert_eq!(a.query().await.unwrap().allocated, 512 << 10);
+    let m = metrics_http(&node).await;
+    assert_eq!(metric(&m, "gpu_vram_allocated_bytes"), Some(512 << 10));
+    drop(b1); // RAII free in the background
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            a.query().await.unwrap().allocated == 0
+        })
+        .await
+    );
+    let _b2 = s.alloc(768 << 10).await.unwrap();
+    // In a batch: the second allocation exceeds the reservation and stops the batch.
+    let mut b = BatchBuilder::new();
+    b.alloc(1);
+    let err = s.batch(&b).await.unwrap_err();
+    assert!(matches!(err, Error::CapacityExceeded(_)), "{err:?}");
+    assert_eq!(a.query().await.unwrap().allocated, 768 << 10);
+    a.free().await.unwrap();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn expiry_tears_down_with_injected_clock() {
+    let clock = ManualClock::new();
+    let mut cfg = memory_config(1 << 20);
+    cfg.clock = Arc::new(clock.clone());
+    cfg.reaper_interval = Duration::from_millis(20);
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(4096)
+        .ttl(Duration::from_secs(10))
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let s = lease.session();
+    let buf = s.alloc(1000).await.unwrap();
+    clock.advance(Duration::from_secs(9));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(lease.query().await.unwrap().state, LeaseState::Active);
+    clock.advance(Duration::from_secs(1));
+    // Dead at once for requests, and torn down by the reaper within a second.
+    assert!(matches!(
+        s.read(&buf, 0, 4).await,
+        Err(Error::LeaseExpired(_))
+    ));
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            let m = node.metrics_text();
+            metric(&m, "gpu_lease_dropped") == Some(1)
+                && metric(&m, "gpu_vram_allocated_bytes") == Some(0)
+        })
+        .await
+    );
+    let inv = client.inventory().await.unwrap();
+    assert_eq!(inv.active_leases, 0);
+    assert_eq!(inv.reservable_bytes, 1 << 20);
+    assert!(matches!(lease.renew().await, Err(Error::LeaseExpired(_))));
+    drop(buf);
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn disconnect_does_not_free() {
+    let clock = ManualClock::new();
+    let mut cfg = memory_config(1 << 20);
+    cfg.clock = Arc::new(clock.clone());
+    cfg.reaper_interval = Duration::from_millis(20);
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let a = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(4096)
+        .ttl(Duration::from_secs(5))
+        .auto_renew(false)
+        .on(a.clone())
+        .await
+        .unwrap();
+    let id = lease.id();
+    lease.leak();
+    a.close();
+    drop(a);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let b = connect(&node).await;
+    assert_eq!(b.inventory().await.unwrap().active_leases, 1);
+    clock.advance(Duration::from_secs(6));
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            b.inventory().await.unwrap().active_leases == 0
+        })
+        .await
+    );
+    assert!(matches!(
+        b.free_lease(id).await,
+        Err(Error::LeaseExpired(_))
+    ));
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn cross_lease_access_denied() {
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let client = connect(&node).await;
+    let a = Lease::builder()
+        .min_vram(4096)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let b = Lease::builder()
+        .min_vram(4096)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let secret = a.session().alloc(16).await.unwrap();
+    a.session()
+        .write(&secret, 0, b"sixteen byte key")
+        .await
+        .unwrap();
+    let sb = b.session();
+    assert!(matches!(
+        sb.read_handle(secret.handle(), 0, 16).await,
+        Err(Error::NotFound(_))
+    ));
+    assert!(matches!(
+        sb.write_handle(secret.handle(), 0, b"x").await,
+        Err(Error::NotFound(_))
+    ));
+    let mut batch = BatchBuilder::new();
+    batch.read(HandleRef::Id(secret.handle()), 0, 16);
+    assert!(matches!(sb.batch(&batch).await, Err(Error::NotFound(_))));
+    assert_eq!(
+        a.session().read(&secret, 0, 16).await.unwrap(),
+        b"sixteen byte key"
+    );
+    // Out-of-bounds access inside one's own lease is refused too.
+    assert!(matches!(
+        a.session().read(&secret, 8, 16).await,
+        Err(Error::BadRequest(_))
+    ));
+    drop(secret);
+    a.free().await.unwrap();
+    b.free().await.unwrap();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn batch_runs_in_order_with_one_reply() {
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(1 << 16)
+        .auto_renew(false)
+        .on(client)
+        .await
+        .unwrap();
+    let s = lease.session();
+    let mut b = BatchBuilder::new();
+    let m = b.load_module(PTX);
+    let x = b.alloc(64);
+    b.write(x, 0, &[7u8; 64]);
+    b.launch(launch(
+        m,
+        "iota",
+        vec![
+            KernelArg::Mem {
+                handle: x,
+                offset: 0,
+            },
+            KernelArg::u32(16),
+        ],
+    ));
+    b.sync();
+    let r = b.read(x, 8, 8);
+    let out = s.batch(&b).await.unwrap();
+    assert_eq!(out.read(r).unwrap(), &[7u8; 8]);
+    let handle = out.handle(1).unwrap();
+    assert_eq!(s.read_handle(handle, 0, 2).await.unwrap(), vec![7, 7]);
+    // Unknown kernel and a bad module.
+    let module = out.handle(0).unwrap();
+    let mut b = BatchBuilder::new();
+    b.launch(launch(HandleRef::Id(module), "nope", vec![]));
+    assert!(matches!(s.batch(&b).await, Err(Error::NotFound(_))));
+    let err = s.load_module("garbage").await.unwrap_err();
+    assert!(
+        matches!(err, Error::LoadFailed(ref log) if log.contains("ptxas")),
+        "{err:?}"
+    );
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn kernel_fault_poisons_only_that_lease() {
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let client = connect(&node).await;
+    let a = Lease::builder()
+        .min_vram(4096)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let b = Lease::builder()
+        .min_vram(4096)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let sa = a.session();
+    let ma = sa.load_module(PTX).await.unwrap();
+    sa.launch(&ma, "__fault", [1, 1, 1], [1, 1, 1], vec![])
+        .await
+        .unwrap();
+    let err = sa.sync().await.unwrap_err();
+    assert!(matches!(err, Error::LaunchFailed(_)), "{err:?}");
+    let err = sa.alloc(16).await.unwrap_err();
+    assert!(
+        matches!(err, Error::LeasePoisoned(ref m) if m.contains("lease poisoned")),
+        "{err:?}"
+    );
+    assert_eq!(a.query().await.unwrap().state, LeaseState::Poisoned);
+    // B keeps working.
+    let sb = b.session();
+    let buf = sb.alloc(4).await.unwrap();
+    sb.write(&buf, 0, &[1, 2, 3, 4]).await.unwrap();
+    assert_eq!(sb.read(&buf, 0, 4).await.unwrap(), vec![1, 2, 3, 4]);
+    // The poisoned lease's reservation is back; freeing it still works.
+    assert_eq!(
+        client.inventory().await.unwrap().reservable_bytes,
+        (1 << 20) - 4096
+    );
+    drop(ma);
+    a.free().await.unwrap();
+    drop(buf);
+    b.free().await.unwrap();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn dead_and_hung_workers_fail_their_lease() {
+    let mut cfg = memory_config(1 << 20);
+    cfg.op_timeout = Duration::from_millis(800);
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let client = connect(&node).await;
+    let a = Lease::builder()
+        .min_vram(4096)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let sa = a.session();
+    let m = sa.load_module(PTX).await.unwrap();
+    let err = sa
+        .launch(&m, "__exit", [1, 1, 1], [1, 1, 1], vec![])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::LeasePoisoned(_)), "{err:?}");
+    assert!(matches!(sa.sync().await, Err(Error::LeasePoisoned(_))));
+
+    let b = Lease::builder()
+        .min_vram(4096)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let sb = b.session();
+    let m = sb.load_module(PTX).await.unwrap();
+    let err = sb
+        .launch(&m, "__hang", [1, 1, 1], [1, 1, 1], vec![])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::LaunchFailed(ref s) if s.contains("hung")),
+        "{err:?}"
+    );
+    assert!(matches!(sb.sync().await, Err(Error::LeasePoisoned(_))));
+    assert_eq!(client.inventory().await.unwrap().active_leases, 0);
+    drop(m);
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn garbage_on_the_wire_leaves_node_serving() {
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let victim = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(4096)
+        .auto_renew(false)
+        .on(victim.clone())
+        .await
+        .unwrap();
+    let attacker = connect(&node).await;
+    let limits = proto::Limits {
+        max_body: 1 << 20,
+        max_data: u32::MAX,
+    };
+    let mut bad_version = Header::request(Opcode::Hello, 1, 0, 0).encode();
+    bad_version[4] = 9;
+    let mut bad_opcode = Header::request(Opcode::Hello, 1, 0, 0).encode();
+    bad_opcode[5] = 200;
+    let huge = Header::request(Opcode::MemWrite, 1, 0, u32::MAX).encode();
+    let bad_body = {
+        let mut f = Header::request(Opcode::Hello, 1, 3, 0).encode().to_vec();
+        f.extend_from_slice(&[0xff, 0xff, 0xff]);
+        f
+    };
+    let cases: Vec<Vec<u8>> = vec![
+        b"hello there, this is not a frame at all!".to_vec(),
+        bad_version.to_vec(),
+        bad_opcode.to_vec(),
+        huge.to_vec(),
+        bad_body,
+        vec![0u8; 5],
+    ];
+    for junk in cases {
+        let (mut send, mut recv) = attacker_conn(&node).await;
+        send.write_all(&junk).await.unwrap();
+        send.finish().unwrap();
+        let f = proto::read_frame(&mut recv, &limits).await.unwrap();
+        assert_eq!(f.header.status, Status::BadRequest, "{junk:?}");
+    }
+    // The attacker's own authenticated connection and the victim still work.
+    assert!(attacker.inventory().await.is_ok());
+    let s = lease.session();
+    let buf = s.alloc(8).await.unwrap();
+    s.write(&buf, 0, b"survived").await.unwrap();
+    assert_eq!(s.read(&buf, 0, 8).await.unwrap(), b"survived");
+    drop(buf);
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+async fn attacker_conn(node: &Node) -> (quinn::SendStream, quinn::RecvStream) {
+    // A raw QUIC connection that never authenticates.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(node.cert_der().clone()).unwrap();
+    let mut tls = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![proto::ALPN.to_vec()];
+    let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(qc)));
+    let conn = ep.connect(node.addr(), "localhost").unwrap().await.unwrap();
+    let s = conn.open_bi().await.unwrap();
+    std::mem::forget(ep);
+    std::mem::forget(conn);
+    s
+}
+
+#[tokio::test]
+async fn unauthenticated_requests_are_refused_but_free_is_allowed() {
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(4096)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let id = lease.id();
+    lease.leak();
+    let limits = proto::Limits::default();
+    let (mut send, mut recv) = attacker_conn(&node).await;
+    let h = Header::request(Opcode::GetInventory, 5, 0, 0);
+    proto::write_frame(&mut send, &h, &[], &[]).await.unwrap();
+    send.finish().unwrap();
+    let f = proto::read_frame(&mut recv, &limits).await.unwrap();
+    assert_eq!(f.header.status, Status::Unauthorized);
+    assert_eq!(f.header.request_id, 5);
+    let (mut send, mut recv) = attacker_conn(&node).await;
+    let body = proto::to_body(&proto::LeaseRef { lease: id });
+    let h = Header::request(Opcode::LeaseFree, 6, body.len() as u32, 0);
+    proto::write_frame(&mut send, &h, &body, &[]).await.unwrap();
+    send.finish().unwrap();
+    let f = proto::read_frame(&mut recv, &limits).await.unwrap();
+    assert_eq!(f.header.status, Status::Ok);
+    assert_eq!(client.inventory().await.unwrap().active_leases, 0);
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn gpu_submit_on_test_double() {
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let client = connect(&node).await;
+    let call = GpuCall::new(PTX, "iota", 1, 32, 16)
+        .arg(KernelArg::Output)
+        .arg(KernelArg::u32(4));
+    let mut call = call;
+    call.output_fill = 0xAB;
+    // Kernels do not run on the test double: the output is the fill.
+    assert_eq!(client.gpu_call(&call).await.unwrap(), vec![0xAB; 16]);
+    let bad = GpuCall::new("not ptx", "iota", 1, 1, 4);
+    assert!(matches!(
+        client.gpu_call(&bad).await,
+        Err(Error::LoadFailed(_))
+    ));
+    let bad_input = GpuCall::new(PTX, "iota", 1, 1, 4).arg(KernelArg::Input(3));
+    assert!(matches!(
+        client.gpu_call(&bad_input).await,
+        Err(Error::BadRequest(_))
+    ));
+    let m = metrics_http(&node).await;
+    assert_eq!(metric(&m, "gpu_submit_total"), Some(3), "{m}");
+    assert_eq!(metric(&m, "gpu_submit_errors"), Some(2), "{m}");
+    assert_eq!(metric(&m, "gpu_submit_output_bytes"), Some(16), "{m}");
+    // A faulting submit fails alone; its worker is replaced and the next submit works.
+    let fault = GpuCall::new(PTX, "__fault", 1, 1, 4);
+    assert!(matches!(
+        client.gpu_call(&fault).await,
+        Err(Error::LaunchFailed(_))
+    ));
+    assert_eq!(client.gpu_call(&call).await.unwrap(), vec![0xAB; 16]);
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn mutual_tls_needs_no_token() {
+    use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+    use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let client_key = KeyPair::generate().unwrap();
+    let mut client_params = CertificateParams::new(vec!["client.example".to_string()]).unwrap();
+    client_params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let client_cert = client_params.signed_by(&client_key, &ca, &ca_key).unwrap();
+
+    let dir = std::env::temp_dir().join(format!("cuda-lease-mtls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca_file = dir.join("ca.pem");
+    std::fs::write(&ca_file, ca.pem()).unwrap();
+    let mut cfg = memory_config(1 << 20);
+    cfg.client_ca = Some(ca_file);
+    let node = Node::spawn_local(cfg).await.unwrap();
+
+    let mut with_cert = ClientConfig::pinned(node.cert_der().clone());
+    with_cert.identity = Some(cuda_lease::tls::Identity {
+        chain: vec![client_cert.der().clone()],
+        key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(client_key.serialize_der())),
+    });
+    let client = Client::connect(node.addr(), &with_cert).await.unwrap();
+    assert_eq!(client.inventory().await.unwrap().active_leases, 0);
+    // Without a certificate or token: refused.
+    let plain = ClientConfig::pinned(node.cert_der().clone());
+    assert!(matches!(
+        Client::connect(node.addr(), &plain).await,
+        Err(Error::Unauthorized(_))
+    ));
+    node.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}

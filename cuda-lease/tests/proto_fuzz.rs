@@ -1,0 +1,131 @@
+//! Property tests: the decoders never panic and never allocate much more than
+//! the input they are given, whatever the bytes (random, truncated, oversized).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+use cuda_lease::proto::*;
+use proptest::prelude::*;
+
+/// Tracks the largest single allocation made on this thread while armed.
+struct Tracking;
+
+thread_local! {
+    static ARMED: Cell<bool> = const { Cell::new(false) };
+    static LARGEST: Cell<usize> = const { Cell::new(0) };
+}
+
+// SAFETY: forwards to the system allocator unchanged; only records sizes in
+// thread-locals (const-initialized, so no allocation happens while recording).
+unsafe impl GlobalAlloc for Tracking {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let _ = ARMED.try_with(|a| {
+            if a.get() {
+                let _ = LARGEST.try_with(|l| l.set(l.get().max(layout.size())));
+            }
+        });
+        // SAFETY: same contract as ours.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as ours.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Tracking = Tracking;
+
+/// Runs `f` and returns the largest allocation it made.
+fn largest_alloc(f: impl FnOnce()) -> usize {
+    LARGEST.with(|l| l.set(0));
+    ARMED.with(|a| a.set(true));
+    f();
+    ARMED.with(|a| a.set(false));
+    LARGEST.with(|l| l.get())
+}
+
+/// serde caps pre-allocation of sequences at 1 MiB; everything else is bounded by the input.
+const SLACK: usize = (1 << 20) + 4096;
+
+fn decode_all(bytes: &[u8]) {
+    let limits = Limits::default();
+    let _ = Header::decode(bytes, &limits);
+    let _ = Frame::decode(bytes, &limits);
+    let _ = from_body::<Hello>(bytes);
+    let _ = from_body::<Inventory>(bytes);
+    let _ = from_body::<LeaseAlloc>(bytes);
+    let _ = from_body::<LeaseGrant>(bytes);
+    let _ = from_body::<LeaseStatus>(bytes);
+    let _ = from_body::<MemWrite>(bytes);
+    let _ = from_body::<MemRead>(bytes);
+    let _ = from_body::<Launch>(bytes).map(|l| l.spec.validate(false));
+    let _ = from_body::<Batch>(bytes).map(|b| b.validate(bytes.len()));
+    let _ = from_body::<BatchReply>(bytes);
+    let _ = from_body::<GpuSubmit>(bytes).map(|s| s.validate(bytes.len(), &limits));
+    let _ = from_body::<ErrorBody>(bytes);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_bytes_never_panic_or_overallocate(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let n = largest_alloc(|| decode_all(&bytes));
+        prop_assert!(n <= bytes.len() + SLACK, "allocated {n} for {} input bytes", bytes.len());
+    }
+
+    #[test]
+    fn valid_header_random_tail(op in 0usize..15, body in proptest::collection::vec(any::<u8>(), 0..256), cut in 0usize..300) {
+        let h = Header::request(Opcode::ALL[op], 1, body.len() as u32, 0);
+        let mut bytes = h.encode().to_vec();
+        bytes.extend_from_slice(&body);
+        let cut = cut.min(bytes.len());
+        let n = largest_alloc(|| decode_all(&bytes[..cut]));
+        prop_assert!(n <= cut + SLACK);
+        let n = largest_alloc(|| decode_all(&bytes[HEADER_LEN..]));
+        prop_assert!(n <= body.len() + SLACK);
+    }
+
+    #[test]
+    fn oversized_lengths_rejected_before_allocation(body_len in any::<u32>(), data_len in any::<u32>()) {
+        let limits = Limits::default();
+        let bytes = Header::request(Opcode::MemWrite, 1, body_len, data_len).encode();
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let mut reader: &[u8] = &bytes;
+        let n = largest_alloc(|| {
+            let r = rt.block_on(read_frame(&mut reader, &limits));
+            let over = body_len > limits.max_body || data_len > limits.max_data;
+            assert_eq!(over, matches!(&r, Err(e) if proto_error(e).is_some()));
+            assert!(r.is_err(), "no body/data bytes follow, so reading must fail");
+        });
+        // Within the limits the reader may allocate what the header announces, never more.
+        let allowed = if body_len <= limits.max_body && data_len <= limits.max_data {
+            body_len.max(data_len) as usize
+        } else {
+            0
+        };
+        prop_assert!(n <= allowed + 4096, "allocated {n}");
+    }
+
+    #[test]
+    fn body_round_trips(min_vram in any::<u64>(), ttl in any::<u32>(), id in any::<[u8; 16]>()) {
+        let a = LeaseAlloc { min_vram, ttl_secs: ttl };
+        prop_assert_eq!(from_body::<LeaseAlloc>(&to_body(&a)).unwrap(), a);
+        let g = LeaseGrant { lease: LeaseId(id), generation: ttl.into(), reserved: min_vram, ttl_ms: 1 };
+        prop_assert_eq!(from_body::<LeaseGrant>(&to_body(&g)).unwrap(), g);
+    }
+}
+
+#[test]
+fn huge_sequence_length_prefix_is_cheap() {
+    // A Batch claiming 2^32-1 ops in a few bytes.
+    let mut b = vec![0x11; 16];
+    b.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f]);
+    let n = largest_alloc(|| assert!(from_body::<Batch>(&b).is_err()));
+    assert!(n <= SLACK, "allocated {n}");
+    // A string claiming 4 GiB.
+    let s = [0xff, 0xff, 0xff, 0xff, 0x0f, b'a'];
+    let n = largest_alloc(|| assert!(from_body::<ErrorBody>(&s).is_err()));
+    assert!(n <= SLACK, "allocated {n}");
+}

@@ -1,0 +1,307 @@
+//! Golden byte vectors: the wire format of every message is pinned here.
+//! A change that breaks one of these breaks compatibility: bump `VERSION`.
+
+use cuda_lease::proto::*;
+use serde::{de::DeserializeOwned, Serialize};
+use std::fmt::Debug;
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+fn golden<T: Serialize + DeserializeOwned + PartialEq + Debug>(msg: T, hex: &str) {
+    let bytes = unhex(hex);
+    assert_eq!(to_body(&msg), bytes, "encoding of {msg:?}");
+    assert_eq!(from_body::<T>(&bytes).unwrap(), msg);
+    // Trailing bytes and truncation are rejected.
+    let mut longer = bytes.clone();
+    longer.push(0);
+    assert!(from_body::<T>(&longer).is_err());
+    if !bytes.is_empty() {
+        assert!(from_body::<T>(&bytes[..bytes.len() - 1]).is_err());
+    }
+}
+
+const L: LeaseId = LeaseId([0x11; 16]);
+const H: Handle = Handle([0x22; 16]);
+
+#[test]
+fn header_golden() {
+    let h = Header::request(Opcode::Batch, 0x0102030405060708, 9, 10);
+    assert_eq!(
+        h.encode().to_vec(),
+        unhex("43554c5301170000000000000807060504030201090000000a000000")
+    );
+    let r = Header::reply(
+        &Header::request(Opcode::MemRead, 7, 0, 0),
+        Status::NotFound,
+        5,
+        0,
+    );
+    let bytes = unhex("43554c53011201000800000007000000000000000500000000000000");
+    assert_eq!(r.encode().to_vec(), bytes);
+    assert_eq!(Header::decode(&bytes, &Limits::default()).unwrap(), r);
+    assert!(r.is_reply());
+}
+
+#[test]
+fn opcode_and_status_values_are_stable() {
+    let ops: Vec<u8> = Opcode::ALL.iter().map(|o| *o as u8).collect();
+    assert_eq!(
+        ops,
+        vec![1, 2, 3, 4, 5, 6, 16, 17, 18, 19, 20, 21, 22, 23, 32]
+    );
+    for (i, name) in [
+        "OK",
+        "UNAUTHORIZED",
+        "LOAD_FAILED",
+        "LAUNCH_FAILED",
+        "READ_FAILED",
+        "LEASE_EXPIRED",
+        "CAPACITY_EXCEEDED",
+        "BAD_REQUEST",
+        "NOT_FOUND",
+        "LEASE_POISONED",
+        "INTERNAL",
+    ]
+    .iter()
+    .enumerate()
+    {
+        assert_eq!(Status::from_u16(i as u16).to_string(), *name);
+        assert_eq!(Status::from_u16(i as u16) as u16, i as u16);
+    }
+    assert_eq!(Status::from_u16(999), Status::Internal);
+}
+
+#[test]
+fn unknown_version_and_opcode_rejected() {
+    let mut b = Header::request(Opcode::Hello, 1, 0, 0).encode();
+    b[4] = 2;
+    assert_eq!(
+        Header::decode(&b, &Limits::default()),
+        Err(ProtoError::UnsupportedVersion(2))
+    );
+    let mut b = Header::request(Opcode::Hello, 1, 0, 0).encode();
+    b[5] = 99;
+    assert_eq!(
+        Header::decode(&b, &Limits::default()),
+        Err(ProtoError::UnknownOpcode(99))
+    );
+    let mut b = Header::request(Opcode::Hello, 1, 0, 0).encode();
+    b[0] = b'X';
+    assert_eq!(
+        Header::decode(&b, &Limits::default()),
+        Err(ProtoError::BadMagic)
+    );
+    let mut b = Header::request(Opcode::Hello, 1, 0, 0).encode();
+    b[10] = 1;
+    assert_eq!(
+        Header::decode(&b, &Limits::default()),
+        Err(ProtoError::Reserved)
+    );
+}
+
+#[test]
+fn bodies_golden() {
+    golden(
+        ErrorBody {
+            message: "no".into(),
+        },
+        "026e6f",
+    );
+    golden(
+        Hello {
+            token: "tok".into(),
+            client: "c".into(),
+        },
+        "03746f6b0163",
+    );
+    golden(HelloOk { node: "n".into() }, "016e");
+    golden(
+        Inventory {
+            node: "n".into(),
+            devices: vec![DeviceInfo {
+                ordinal: 0,
+                name: "H".into(),
+                total_bytes: 1000,
+                free_bytes: 300,
+                compute_capability: (9, 0),
+            }],
+            reservable_bytes: 200,
+            active_leases: 2,
+        },
+        "016e01000148e807ac020900c80102",
+    );
+    golden(
+        LeaseAlloc {
+            min_vram: 1 << 20,
+            ttl_secs: 30,
+        },
+        "8080401e",
+    );
+    golden(
+        LeaseGrant {
+            lease: L,
+            generation: 1,
+            reserved: 1 << 20,
+            ttl_ms: 30000,
+        },
+        "1111111111111111111111111111111101808040b0ea01",
+    );
+    golden(
+        LeaseRenew {
+            lease: L,
+            ttl_secs: 60,
+        },
+        "111111111111111111111111111111113c",
+    );
+    golden(LeaseRef { lease: L }, "11111111111111111111111111111111");
+    golden(
+        LeaseStatus {
+            lease: L,
+            generation: 2,
+            reserved: 4096,
+            allocated: 1024,
+            remaining_ms: 500,
+            state: LeaseState::Poisoned,
+        },
+        "111111111111111111111111111111110280208008f40301",
+    );
+    golden(
+        MemAlloc {
+            lease: L,
+            size: 256,
+        },
+        "111111111111111111111111111111118002",
+    );
+    golden(
+        HandleReply { handle: H },
+        "22222222222222222222222222222222",
+    );
+    golden(
+        MemWrite {
+            lease: L,
+            handle: H,
+            offset: 4,
+        },
+        "111111111111111111111111111111112222222222222222222222222222222204",
+    );
+    golden(
+        MemRead {
+            lease: L,
+            handle: H,
+            offset: 4,
+            len: 8,
+        },
+        "11111111111111111111111111111111222222222222222222222222222222220408",
+    );
+    golden(
+        HandleOp {
+            lease: L,
+            handle: H,
+        },
+        "1111111111111111111111111111111122222222222222222222222222222222",
+    );
+    golden(
+        Launch {
+            lease: L,
+            spec: LaunchSpec {
+                module: HandleRef::Id(H),
+                kernel: "k".into(),
+                grid: [2, 1, 1],
+                block: [128, 1, 1],
+                shared_mem: 0,
+                args: vec![KernelArg::u32(5), KernelArg::Mem { handle: HandleRef::Op(1), offset: 8 }],
+            },
+        },
+        "111111111111111111111111111111110022222222222222222222222222222222016b02010180010101000200040500000001010108",
+    );
+    golden(
+        Batch {
+            lease: L,
+            ops: vec![
+                BatchOp::MemAlloc { size: 64 },
+                BatchOp::MemWrite { target: HandleRef::Op(0), offset: 0, len: 4 },
+                BatchOp::ModuleLoad { len: 3 },
+                BatchOp::Sync,
+                BatchOp::MemRead { source: HandleRef::Op(0), offset: 0, len: 4 },
+                BatchOp::MemFree { target: HandleRef::Id(H) },
+            ],
+        },
+        "1111111111111111111111111111111106004001010000040403060201000004030022222222222222222222222222222222",
+    );
+    golden(
+        BatchReply {
+            results: vec![OpResult::Handle(H), OpResult::Done, OpResult::Read(4)],
+            error: Some(OpError {
+                index: 3,
+                status: Status::LaunchFailed,
+                message: "x".into(),
+            }),
+        },
+        "0301222222222222222222222222222222220002040103030178",
+    );
+    golden(
+        GpuSubmit {
+            kernel: "iota".into(),
+            grid: [1, 1, 1],
+            block: [256, 1, 1],
+            shared_mem: 0,
+            args: vec![KernelArg::Output, KernelArg::Input(0), KernelArg::f32(1.5)],
+            ptx_len: 10,
+            input_lens: vec![16],
+            output_size: 1024,
+            output_fill: 255,
+        },
+        "04696f746101010180020101000303020000040000c03f0a01108008ff",
+    );
+}
+
+#[test]
+fn whole_frame_round_trip() {
+    let body = to_body(&LeaseRef { lease: L });
+    let f = Frame {
+        header: Header::request(Opcode::ModuleLoad, 3, body.len() as u32, 4),
+        body,
+        data: b"ptx!".to_vec(),
+    };
+    let bytes = f.encode();
+    assert_eq!(Frame::decode(&bytes, &Limits::default()).unwrap(), f);
+    assert_eq!(
+        Frame::decode(&bytes[..bytes.len() - 1], &Limits::default()),
+        Err(ProtoError::Truncated)
+    );
+}
+
+#[test]
+fn batch_and_submit_validation() {
+    let mut b = Batch {
+        lease: L,
+        ops: vec![BatchOp::MemWrite {
+            target: HandleRef::Op(0),
+            offset: 0,
+            len: 1,
+        }],
+    };
+    assert!(b.validate(1).is_err(), "refers to itself");
+    b.ops.insert(0, BatchOp::MemAlloc { size: 8 });
+    assert!(b.validate(1).is_ok());
+    assert!(b.validate(2).is_err(), "data length mismatch");
+    b.ops.push(BatchOp::MemAlloc { size: 0 });
+    assert!(b.validate(1).is_err(), "zero alloc");
+    let s = GpuSubmit {
+        kernel: "k".into(),
+        grid: [1, 1, 1],
+        block: [0, 1, 1],
+        shared_mem: 0,
+        args: vec![],
+        ptx_len: 1,
+        input_lens: vec![],
+        output_size: 4,
+        output_fill: 0,
+    };
+    assert!(s.validate(1, &Limits::default()).is_err(), "zero block");
+}
