@@ -1,0 +1,644 @@
+//! Timing: interleaved per-rep latencies, throughput drivers, and the
+//! report's comparisons, one function per topic.
+//!
+//! Method: every path of a comparison is warmed up first, then the paths
+//! run in rounds, each round visiting every path once in a rotated order
+//! (so drift, clock boosts and background noise hit all paths alike).
+//! Latencies are timed rep by rep; rates run whole batches per round. The
+//! report compares medians.
+
+use std::cell::RefCell;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use tokio::runtime::Runtime;
+
+use crate::fixture::{AwaitPath, Fixture, SyncPath};
+use crate::report::{Goal, Row, Unit};
+use crate::stats::Summary;
+use crate::{BenchError, Result};
+
+/// Worker threads of the tokio runtime.
+pub const TOKIO_WORKERS: usize = 4;
+/// Task counts of the await-throughput comparison.
+pub const THROUGHPUT_TASKS: [usize; 3] = [4, 64, 256];
+/// Awaits per task in the throughput comparison (at scale 1).
+pub const AWAITS_PER_TASK: usize = 400;
+/// Threads of the blocking-throughput comparison.
+pub const SYNC_THREADS: usize = 4;
+/// Kernels in the graph comparison's chain.
+pub const GRAPH_NODES: usize = 100;
+/// Bytes per copy in the copy comparison.
+pub const COPY_BYTES: usize = 256 << 20;
+
+/// The report's topics, in the order they run.
+pub const GROUPS: [&str; 6] = [
+    "overhead",
+    "await_latency",
+    "throughput",
+    "zip",
+    "graph",
+    "copies",
+];
+
+/// Run-size settings, from the environment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Multiplies every rep and batch count (`REPORT_SCALE`, default 1;
+    /// 0.1 for a quick look). Counts never drop below a small floor.
+    pub scale: f64,
+    /// Only these topics (`REPORT_ONLY=overhead,zip`); all when `None`.
+    pub only: Option<Vec<String>>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            scale: 1.0,
+            only: None,
+        }
+    }
+}
+
+impl Config {
+    /// Reads `REPORT_SCALE` and `REPORT_ONLY`.
+    ///
+    /// # Errors
+    /// If `REPORT_SCALE` is not a positive number or `REPORT_ONLY` names an
+    /// unknown topic.
+    pub fn from_env() -> Result<Self> {
+        Self::parse(
+            std::env::var("REPORT_SCALE").ok().as_deref(),
+            std::env::var("REPORT_ONLY").ok().as_deref(),
+        )
+    }
+
+    /// As [`Config::from_env`], from the variables' values.
+    ///
+    /// # Errors
+    /// As [`Config::from_env`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let c = benches::Config::parse(Some("0.5"), Some("zip, copies")).unwrap();
+    /// assert_eq!(c.reps(1000, 10), 500);
+    /// assert!(c.wants("zip") && !c.wants("graph"));
+    /// assert!(benches::Config::parse(Some("-1"), None).is_err());
+    /// ```
+    pub fn parse(scale: Option<&str>, only: Option<&str>) -> Result<Self> {
+        let scale = match scale.map(str::trim).filter(|s| !s.is_empty()) {
+            None => 1.0,
+            Some(s) => match s.parse::<f64>() {
+                Ok(x) if x.is_finite() && x > 0.0 => x,
+                _ => {
+                    return Err(format!("REPORT_SCALE must be a positive number, got `{s}`").into())
+                }
+            },
+        };
+        let only = match only.map(str::trim).filter(|s| !s.is_empty()) {
+            None => None,
+            Some(list) => {
+                let names: Vec<String> = list.split(',').map(|g| g.trim().to_string()).collect();
+                if let Some(bad) = names.iter().find(|g| !GROUPS.contains(&g.as_str())) {
+                    return Err(format!(
+                        "REPORT_ONLY: unknown topic `{bad}` (topics: {})",
+                        GROUPS.join(", ")
+                    )
+                    .into());
+                }
+                Some(names)
+            }
+        };
+        Ok(Config { scale, only })
+    }
+
+    /// `base` scaled, at least `min`.
+    pub fn reps(&self, base: usize, min: usize) -> usize {
+        ((base as f64 * self.scale).round() as usize).max(min)
+    }
+
+    /// Whether topic `group` is to run.
+    pub fn wants(&self, group: &str) -> bool {
+        self.only
+            .as_ref()
+            .map_or(true, |o| o.iter().any(|g| g == group))
+    }
+}
+
+/// One measured path of a latency comparison.
+pub type Path<'a> = &'a mut dyn FnMut() -> Result<()>;
+
+/// Runs every path `warmup` times, then `reps` rounds of every path once
+/// (rotating which goes first); returns each path's per-rep times in
+/// microseconds.
+///
+/// # Errors
+/// The first error of any path.
+pub fn interleaved(warmup: usize, reps: usize, paths: &mut [Path<'_>]) -> Result<Vec<Vec<f64>>> {
+    for _ in 0..warmup {
+        for p in paths.iter_mut() {
+            p()?;
+        }
+    }
+    let k = paths.len();
+    let mut out = vec![Vec::with_capacity(reps); k];
+    for rep in 0..reps {
+        for j in 0..k {
+            let i = (rep + j) % k;
+            let t = Instant::now();
+            (paths[i])()?;
+            out[i].push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    Ok(out)
+}
+
+/// Per-await latencies (microseconds) of `paths`, interleaved as in
+/// [`interleaved`], inside one task spawned on `rt` (so wake-ups go through
+/// the runtime's scheduler like any task's).
+///
+/// # Errors
+/// The first error of any path.
+pub fn await_latencies(
+    rt: &Runtime,
+    fx: &Arc<Fixture>,
+    warmup: usize,
+    reps: usize,
+    paths: &[AwaitPath],
+) -> Result<Vec<Vec<f64>>> {
+    let fx = fx.clone();
+    let paths = paths.to_vec();
+    let task = rt.spawn(async move {
+        for _ in 0..warmup {
+            for &p in &paths {
+                fx.await_empty(p).await?;
+            }
+        }
+        let k = paths.len();
+        let mut out = vec![Vec::with_capacity(reps); k];
+        for rep in 0..reps {
+            for j in 0..k {
+                let i = (rep + j) % k;
+                let t = Instant::now();
+                fx.await_empty(paths[i]).await?;
+                out[i].push(t.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        Ok::<_, BenchError>(out)
+    });
+    rt.block_on(task)?
+}
+
+/// Wall time of `tasks` tokio tasks each awaiting `per_task` empty kernels
+/// one after another, the `path` way.
+///
+/// # Errors
+/// The first error of any task; a panicking task.
+pub fn await_throughput(
+    rt: &Runtime,
+    fx: &Arc<Fixture>,
+    tasks: usize,
+    per_task: usize,
+    path: AwaitPath,
+) -> Result<Duration> {
+    let fx = fx.clone();
+    rt.block_on(async move {
+        let start = Instant::now();
+        let handles: Vec<_> = (0..tasks)
+            .map(|_| {
+                let fx = fx.clone();
+                tokio::spawn(async move {
+                    for _ in 0..per_task {
+                        fx.await_empty(path).await?;
+                    }
+                    Ok::<(), BenchError>(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.await??;
+        }
+        Ok(start.elapsed())
+    })
+}
+
+/// Wall time of `threads` threads each waiting for `per_thread` empty
+/// kernels one after another, the `path` way (timed from a common start).
+///
+/// # Errors
+/// The first error of any thread; a panicking thread.
+pub fn sync_throughput(
+    fx: &Fixture,
+    threads: usize,
+    per_thread: usize,
+    path: SyncPath,
+) -> Result<Duration> {
+    let barrier = Barrier::new(threads + 1);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|i| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    barrier.wait();
+                    for _ in 0..per_thread {
+                        fx.sync_empty(path, i)?;
+                    }
+                    Ok::<(), BenchError>(())
+                })
+            })
+            .collect();
+        barrier.wait();
+        let t = Instant::now();
+        for h in handles {
+            h.join()
+                .map_err(|_| BenchError::from("a bench thread panicked"))??;
+        }
+        Ok(t.elapsed())
+    })
+}
+
+/// Runs each batch once to warm up, then `rounds` rounds of every batch
+/// (rotating which goes first); returns each batch's rates in `ops` per
+/// second.
+///
+/// # Errors
+/// The first error of any batch.
+pub fn interleaved_rates(
+    rounds: usize,
+    ops: f64,
+    batches: &mut [&mut dyn FnMut() -> Result<Duration>],
+) -> Result<Vec<Vec<f64>>> {
+    for b in batches.iter_mut() {
+        b()?;
+    }
+    let k = batches.len();
+    let mut out = vec![Vec::with_capacity(rounds); k];
+    for round in 0..rounds {
+        for j in 0..k {
+            let i = (round + j) % k;
+            let d = (batches[i])()?;
+            out[i].push(ops / d.as_secs_f64().max(1e-12));
+        }
+    }
+    Ok(out)
+}
+
+fn sum(v: &[f64]) -> Option<Summary> {
+    Summary::of(v)
+}
+
+/// `overhead`: one empty kernel blocking (`sync_on`, `sync`) vs raw launch
+/// and synchronize; `value(..).sync()` vs an idle synchronize; a 10-op
+/// `then` chain vs 10 raw launches and one synchronize.
+///
+/// # Errors
+/// The first error of any path.
+pub fn overhead(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
+    let reps = cfg.reps(5_000, 50);
+    let t = interleaved(
+        cfg.reps(200, 10),
+        reps,
+        &mut [
+            &mut || fx.raw_launch_sync(),
+            &mut || fx.lib_sync_on(),
+            &mut || fx.lib_sync(),
+            &mut || fx.raw_idle_sync(),
+            &mut || fx.lib_value_sync(7).map(drop),
+            &mut || fx.raw_chain10(),
+            &mut || fx.lib_chain10(),
+        ],
+    )?;
+    let g = "overhead";
+    Ok(vec![
+        Row::new(
+            g,
+            "sync overhead, 1 empty kernel: `sync_on(&s)` vs raw launch + sync",
+            Unit::Micros,
+        )
+        .raw(sum(&t[0]))
+        .lib(sum(&t[1]))
+        .goal(Goal::AtMost(1.05)),
+        Row::new(
+            g,
+            "sync overhead, 1 empty kernel: `.sync()` (pool) vs raw launch + sync",
+            Unit::Micros,
+        )
+        .raw(sum(&t[0]))
+        .lib(sum(&t[2]))
+        .goal(Goal::AtMost(1.05)),
+        Row::new(
+            g,
+            "`value(x).sync()` vs raw sync of an idle stream",
+            Unit::Micros,
+        )
+        .raw(sum(&t[3]))
+        .lib(sum(&t[4])),
+        Row::new(
+            g,
+            "10-op `then` chain + sync vs raw 10 launches + 1 sync",
+            Unit::Micros,
+        )
+        .raw(sum(&t[5]))
+        .lib(sum(&t[6]))
+        .goal(Goal::AtMost(1.05)),
+    ])
+}
+
+/// `await_latency`: one empty kernel awaited from a task on a 4-worker
+/// tokio runtime: `DeviceFuture` vs the raw host-callback future, and vs
+/// raw launch + synchronize (issue 5's denominator).
+///
+/// # Errors
+/// The first error of any path.
+pub fn await_latency(fx: &Arc<Fixture>, rt: &Runtime, cfg: &Config) -> Result<Vec<Row>> {
+    let paths = [AwaitPath::RawSync, AwaitPath::RawHostFn, AwaitPath::Lib];
+    let t = await_latencies(rt, fx, cfg.reps(200, 10), cfg.reps(3_000, 50), &paths)?;
+    let g = "await_latency";
+    Ok(vec![
+        Row::new(
+            g,
+            "await latency, 1 empty kernel: `DeviceFuture` vs raw host-callback future",
+            Unit::Micros,
+        )
+        .raw(sum(&t[1]))
+        .lib(sum(&t[2]))
+        .goal(Goal::AtMost(1.05)),
+        Row::new(
+            g,
+            "await latency, 1 empty kernel: `DeviceFuture` vs raw launch + stream sync",
+            Unit::Micros,
+        )
+        .raw(sum(&t[0]))
+        .lib(sum(&t[2]))
+        .goal(Goal::AtMost(1.6))
+        .goal_from("issue 5"),
+        Row::new(
+            g,
+            "await latency: raw host-callback future vs raw launch + stream sync",
+            Unit::Micros,
+        )
+        .raw(sum(&t[0]))
+        .lib(sum(&t[1]))
+        .note("both sides raw: what the host callback itself costs"),
+    ])
+}
+
+/// `throughput`: 4, 64 and 256 tasks x N awaits (`DeviceFuture` on the
+/// default pool vs the raw future round-robin over 4 raw streams); 4
+/// threads x N blocking waits (`.sync()` vs raw launch + synchronize).
+///
+/// # Errors
+/// The first error of any path.
+pub fn throughput(fx: &Arc<Fixture>, rt: &Runtime, cfg: &Config) -> Result<Vec<Row>> {
+    let g = "throughput";
+    let per_task = cfg.reps(AWAITS_PER_TASK, 20);
+    let rounds = cfg.reps(7, 3);
+    let mut rows = Vec::new();
+    let mut lib_256 = None;
+    for tasks in THROUGHPUT_TASKS {
+        let ops = (tasks * per_task) as f64;
+        let r = interleaved_rates(
+            rounds,
+            ops,
+            &mut [
+                &mut || await_throughput(rt, fx, tasks, per_task, AwaitPath::RawHostFn),
+                &mut || await_throughput(rt, fx, tasks, per_task, AwaitPath::Lib),
+            ],
+        )?;
+        let mut row = Row::new(
+            g,
+            format!("await throughput, {tasks} tasks x {per_task} awaits: `DeviceFuture` vs raw host-callback future"),
+            Unit::OpsPerSec,
+        )
+        .raw(sum(&r[0]))
+        .lib(sum(&r[1]));
+        if tasks == 256 {
+            row = row.goal(Goal::AtLeast(0.95));
+            lib_256 = sum(&r[1]);
+        }
+        rows.push(row);
+    }
+    let per_thread = cfg.reps(2_000, 100);
+    let ops = (SYNC_THREADS * per_thread) as f64;
+    let r = interleaved_rates(
+        rounds,
+        ops,
+        &mut [
+            &mut || sync_throughput(fx, SYNC_THREADS, per_thread, SyncPath::Raw),
+            &mut || sync_throughput(fx, SYNC_THREADS, per_thread, SyncPath::Lib),
+        ],
+    )?;
+    rows.push(
+        Row::new(
+            g,
+            format!("{SYNC_THREADS} threads x {per_thread} blocking waits: `.sync()` vs raw launch + sync"),
+            Unit::OpsPerSec,
+        )
+        .raw(sum(&r[0]))
+        .lib(sum(&r[1]))
+        .note("raw: one stream per thread; `.sync()`: the shared 4-stream pool, round-robin"),
+    );
+    rows.push(
+        Row::new(
+            g,
+            format!("256 tasks x {per_task} awaits (`DeviceFuture`) vs {SYNC_THREADS} threads raw launch + sync"),
+            Unit::OpsPerSec,
+        )
+        .raw(sum(&r[0]))
+        .lib(lib_256)
+        .goal(Goal::AtLeast(0.65))
+        .goal_from("issue 5"),
+    );
+    Ok(rows)
+}
+
+/// `zip`: two ~1 ms spin kernels zipped vs one, vs the same two in
+/// sequence, vs a raw two-stream fork/join.
+///
+/// # Errors
+/// The first error of any path.
+pub fn zip(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
+    let t = interleaved(
+        cfg.reps(5, 2),
+        cfg.reps(200, 20),
+        &mut [
+            &mut || fx.raw_spin(),
+            &mut || fx.lib_spin(),
+            &mut || fx.lib_zip2(),
+            &mut || fx.lib_seq2(),
+            &mut || fx.raw_fork_join2(),
+        ],
+    )?;
+    let ms = |v: &Vec<f64>| sum(v).map(|s| s.scaled(1e-3));
+    let g = "zip";
+    Ok(vec![
+        Row::new(
+            g,
+            "`zip` of two 1 ms spins vs one spin (raw launch + sync)",
+            Unit::Millis,
+        )
+        .raw(ms(&t[0]))
+        .lib(ms(&t[2]))
+        .goal(Goal::AtMost(1.15)),
+        Row::new(
+            g,
+            "`zip` of two 1 ms spins vs raw two-stream fork/join",
+            Unit::Millis,
+        )
+        .raw(ms(&t[4]))
+        .lib(ms(&t[2])),
+        Row::new(
+            g,
+            "two 1 ms spins in sequence (`then`) vs one spin (raw)",
+            Unit::Millis,
+        )
+        .raw(ms(&t[0]))
+        .lib(ms(&t[3]))
+        .note("expected ~2: the serial reference for `zip`"),
+        Row::new(
+            g,
+            "one 1 ms spin: `.sync()` vs raw launch + sync",
+            Unit::Millis,
+        )
+        .raw(ms(&t[0]))
+        .lib(ms(&t[1])),
+    ])
+}
+
+/// `graph`: a chain of 100 empty kernels: eager through ops vs raw eager
+/// launches; raw cudarc graph replay per node (the library has no graph
+/// API yet, so its replay row is marked n/a).
+///
+/// # Errors
+/// The first error of any path.
+pub fn graph(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
+    let graph = fx.raw_graph(GRAPH_NODES)?;
+    let t = interleaved(
+        cfg.reps(20, 3),
+        cfg.reps(500, 20),
+        &mut [
+            &mut || Ok(graph.replay_sync()?),
+            &mut || fx.raw_eager(GRAPH_NODES),
+            &mut || fx.lib_eager(GRAPH_NODES),
+        ],
+    )?;
+    let per_node = |v: &Vec<f64>| sum(v).map(|s| s.scaled(1.0 / GRAPH_NODES as f64));
+    let g = "graph";
+    Ok(vec![
+        Row::new(
+            g,
+            "100-kernel chain, eager, per node: ops (`then` + `boxed`) vs raw launches",
+            Unit::Micros,
+        )
+        .raw(per_node(&t[1]))
+        .lib(per_node(&t[2])),
+        Row::new(
+            g,
+            "graph replay of 100 kernels, per node: ops vs raw cudarc graph",
+            Unit::Micros,
+        )
+        .raw(per_node(&t[0]))
+        .goal(Goal::AtMost(1.10))
+        .note("n/a: no graph API yet"),
+    ])
+}
+
+/// `copies`: 256 MiB pinned host-to-device and device-to-host, through
+/// `copy_h2d`/`copy_d2h` vs raw `cuMemcpy*Async`, in GB/s.
+///
+/// # Errors
+/// The first error of any path (out of memory included).
+pub fn copies(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
+    let cp = RefCell::new(fx.copies(COPY_BYTES)?);
+    let bytes = cp.borrow().bytes() as f64;
+    let t = interleaved(
+        cfg.reps(3, 1),
+        cfg.reps(30, 5),
+        &mut [
+            &mut || cp.borrow_mut().raw_h2d(),
+            &mut || cp.borrow_mut().lib_h2d(),
+            &mut || cp.borrow_mut().raw_d2h(),
+            &mut || cp.borrow_mut().lib_d2h(),
+        ],
+    )?;
+    let gbps = |v: &Vec<f64>| {
+        let rates: Vec<f64> = v.iter().map(|us| bytes / 1e9 / (us * 1e-6)).collect();
+        sum(&rates)
+    };
+    let g = "copies";
+    Ok(vec![
+        Row::new(
+            g,
+            "pinned copy 256 MiB host-to-device: `copy_h2d` vs raw",
+            Unit::GBps,
+        )
+        .raw(gbps(&t[0]))
+        .lib(gbps(&t[1]))
+        .goal(Goal::AtLeast(0.95)),
+        Row::new(
+            g,
+            "pinned copy 256 MiB device-to-host: `copy_d2h` vs raw",
+            Unit::GBps,
+        )
+        .raw(gbps(&t[2]))
+        .lib(gbps(&t[3]))
+        .goal(Goal::AtLeast(0.95)),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_defaults_and_floors() {
+        let c = Config::parse(None, None).unwrap();
+        assert_eq!(c, Config::default());
+        assert_eq!(c.reps(400, 20), 400);
+        let q = Config::parse(Some("0.01"), Some("")).unwrap();
+        assert_eq!(q.reps(400, 20), 20);
+        assert!(q.wants("copies"));
+        assert!(Config::parse(Some("abc"), None).is_err());
+        assert!(Config::parse(Some("0"), None).is_err());
+        assert!(Config::parse(None, Some("overhead,nope")).is_err());
+    }
+
+    #[test]
+    fn interleaving_rotates_and_times_every_path() {
+        let order = RefCell::new(Vec::new());
+        let t = interleaved(
+            1,
+            3,
+            &mut [
+                &mut || {
+                    order.borrow_mut().push('a');
+                    Ok(())
+                },
+                &mut || {
+                    order.borrow_mut().push('b');
+                    Ok(())
+                },
+            ],
+        )
+        .unwrap();
+        assert_eq!(t.len(), 2);
+        assert!(t
+            .iter()
+            .all(|v| v.len() == 3 && v.iter().all(|x| *x >= 0.0)));
+        assert_eq!(order.into_inner().iter().collect::<String>(), "ababbaab");
+    }
+
+    #[test]
+    fn rates_are_ops_over_seconds() {
+        let r = interleaved_rates(2, 1000.0, &mut [&mut || Ok(Duration::from_millis(10))]).unwrap();
+        assert_eq!(r[0].len(), 2);
+        assert!((r[0][0] - 100_000.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn errors_stop_the_measurement() {
+        let e = interleaved(0, 5, &mut [&mut || Err("broken".into())]).unwrap_err();
+        assert_eq!(e.to_string(), "broken");
+    }
+}
