@@ -263,14 +263,17 @@ impl Report {
         if !notes.is_empty() {
             let _ = writeln!(s);
             for (r, n) in notes {
-                let _ = writeln!(s, "- {}: {n}", r.metric);
+                let one_line = n.split_whitespace().collect::<Vec<_>>().join(" ");
+                let _ = writeln!(s, "- {}: {one_line}", r.metric);
             }
         }
         s
     }
 
     /// The report as JSON: device, driver, timestamp, and every row with
-    /// its medians, spread, ratio, goal and verdict.
+    /// its medians (`raw`, `lib`; `null` when a side is missing), their
+    /// spread (`raw_stats`, `lib_stats`: median, p10, p90, n), ratio, goal
+    /// and verdict (`pass`: `null` without a goal or a ratio).
     pub fn json(&self) -> String {
         let mut s = String::from("{\n");
         let cc = format!(
@@ -316,11 +319,14 @@ impl Report {
             let _ = write!(
                 s,
                 "    {{\"group\": {}, \"metric\": {}, \"unit\": {}, \"raw\": {}, \"lib\": {}, \
+                 \"raw_stats\": {}, \"lib_stats\": {}, \
                  \"ratio\": {}, \"goal\": {}, \"goal_op\": {}, \"goal_value\": {}, \
                  \"goal_from\": {}, \"pass\": {}, \"note\": {}}}",
                 json_str(r.group),
                 json_str(&r.metric),
                 json_str(r.unit.name()),
+                json_num(r.raw.map(|x| x.median)),
+                json_num(r.lib.map(|x| x.median)),
                 side(r.raw),
                 side(r.lib),
                 json_num(r.ratio()),
@@ -451,7 +457,7 @@ mod tests {
                     .raw(s(0.6))
                     .goal(Goal::AtMost(1.1))
                     .note("n/a: no graph API yet"),
-                Row::error("zip", "boom"),
+                Row::error("zip", "boom\nsecond line\n"),
             ],
         };
         let md = rep.markdown();
@@ -465,11 +471,15 @@ mod tests {
             "{md}"
         );
         assert!(md.contains("| zip | error | error | - | - | - |"), "{md}");
-        assert!(md.contains("- zip: error: boom"), "{md}");
+        assert!(md.contains("- zip: error: boom second line\n"), "{md}");
         let js = rep.json();
         assert!(js.contains("\"device\": \"Test GPU\""));
         assert!(js.contains("\"pass\": false"));
-        assert!(js.contains("\"lib\": null"));
+        assert!(
+            js.contains("\"lib\": null, \"raw_stats\": {\"median\": 0.6"),
+            "{js}"
+        );
+        assert!(js.contains("\"raw\": 7, \"lib\": 8,"), "{js}");
         assert!(js.contains("\"timestamp\": \"1970-01-01T00:00:00Z\""));
         assert_eq!(js.matches("\"metric\"").count(), 3);
     }
