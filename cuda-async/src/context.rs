@@ -8,6 +8,7 @@ use cuda_core::cudarc::driver::CudaStream;
 use cuda_core::{Device, Error, Result};
 
 use crate::policy::StreamPool;
+use crate::reactor::{CompletionMode, StreamSlot};
 
 /// What an op executes against: a device, a stream on it, and the pool that
 /// concurrent combinators fork onto. Ops enqueue their work on the stream;
@@ -22,6 +23,8 @@ pub struct ExecutionContext {
     stream: Arc<CudaStream>,
     pool: Arc<StreamPool>,
     retained: Vec<Box<dyn Any + Send>>,
+    completion: CompletionMode,
+    slot: Option<Arc<StreamSlot>>,
 }
 
 impl fmt::Debug for ExecutionContext {
@@ -41,7 +44,38 @@ impl ExecutionContext {
             stream,
             pool,
             retained: Vec::new(),
+            completion: CompletionMode::HostCallback,
+            slot: None,
         }
+    }
+
+    /// Sets how a future on this context learns of completion (the reactor
+    /// needs the stream's slot; without one, the host callback is used).
+    pub(crate) fn with_completion(
+        mut self,
+        mode: CompletionMode,
+        slot: Option<Arc<StreamSlot>>,
+    ) -> Self {
+        match (mode.uses_reactor(), slot) {
+            (true, Some(slot)) => {
+                self.completion = mode;
+                self.slot = Some(slot);
+            }
+            _ => {
+                self.completion = CompletionMode::HostCallback;
+                self.slot = None;
+            }
+        }
+        self
+    }
+
+    /// How a future on this context learns that its work is done.
+    pub fn completion_mode(&self) -> CompletionMode {
+        self.completion
+    }
+
+    pub(crate) fn slot(&self) -> Option<&Arc<StreamSlot>> {
+        self.slot.as_ref()
     }
 
     /// A context on a stream that other code created (interop), forking

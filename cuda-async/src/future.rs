@@ -6,6 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::Thread;
+use std::time::{Duration, Instant};
 
 use cuda_core::{Error, Result};
 
@@ -14,13 +15,17 @@ use crate::context::{ExecutionContext, Retained};
 use crate::exec::{check_poison, note, release_after};
 use crate::op::DeviceOp;
 use crate::policy::{default_policy, SchedulingPolicy};
+use crate::reactor::{CompletionMode, StreamSlot};
 
 /// A [`DeviceOp`] being executed: Idle -> Executing -> Complete.
 ///
-/// The first poll enqueues the op's work on its stream, then one host
-/// callback (`cuLaunchHostFunc`) after it, and returns `Pending`; the
-/// callback flips a flag and wakes the task. No thread blocks or spins while
-/// the GPU works, and the future runs on any executor.
+/// The first poll enqueues the op's work on its stream, then one completion
+/// signal after it, and returns `Pending`. The policy picks the signal
+/// ([`CompletionMode`]): a host callback (`cuLaunchHostFunc`) that flips a
+/// flag and wakes the task, or a sequence number the stream writes into
+/// pinned memory, watched by the reactor thread and checked by every poll.
+/// No executor thread blocks while the GPU works (an inline spin, if
+/// configured, is bounded), and the future runs on any executor.
 ///
 /// # Cancel safety
 ///
@@ -42,11 +47,12 @@ enum State<O: DeviceOp> {
     Lazy(O),
     /// Not yet submitted; the stream is chosen.
     Ready(O, ExecutionContext),
-    /// Submitted; waiting for the host callback.
+    /// Submitted; waiting for the host callback or the stream's word.
     Executing {
         output: Option<O::Output>,
         completion: Arc<Completion>,
         retained: Retained,
+        signal: Signal,
     },
     /// Output handed out.
     Complete,
@@ -101,18 +107,37 @@ impl<O: DeviceOp> DeviceFuture<O> {
             }
         };
         let completion = Arc::new(Completion::new());
-        let c = completion.clone();
-        if let Err(e) = cuda_core::launch_host_callback(ctx.stream(), move || c.complete()) {
-            release_after(ctx.stream(), std::mem::take(&mut retained));
-            drop(output);
-            return Err(note(e));
-        }
-        watchdog::watch(&completion, ctx.stream());
-        Ok(State::Executing {
-            output: Some(output),
-            completion,
-            retained,
-        })
+        let signal = match (ctx.completion_mode(), ctx.slot()) {
+            (mode, Some(slot)) if mode.uses_reactor() => match slot.signal(&completion) {
+                Ok(seq) => {
+                    let spin = match mode {
+                        CompletionMode::ReactorInlineSpin(d) => Some(d),
+                        _ => None,
+                    };
+                    Signal::Reactor { slot: slot.clone(), seq, spin }
+                }
+                Err(e) => {
+                    release_after(ctx.stream(), std::mem::take(&mut retained));
+                    drop(output);
+                    return Err(note(e));
+                }
+            },
+            _ => {
+                let c = completion.clone();
+                if let Err(e) =
+                    cuda_core::launch_host_callback(ctx.stream(), move || c.complete())
+                {
+                    release_after(ctx.stream(), std::mem::take(&mut retained));
+                    drop(output);
+                    return Err(note(e));
+                }
+                // Host callbacks never run after a sticky fault: the watchdog
+                // notices. (The reactor checks its own streams.)
+                watchdog::watch(&completion, ctx.stream());
+                Signal::Callback
+            }
+        };
+        Ok(State::Executing { output: Some(output), completion, retained, signal })
     }
 }
 
@@ -134,18 +159,11 @@ impl<O: DeviceOp> Future for DeviceFuture<O> {
                     Ok(s) => this.state = s,
                     Err(e) => return Poll::Ready(Err(e)),
                 },
-                State::Executing {
-                    output,
-                    completion,
-                    retained,
-                } => {
+                State::Executing { output, completion, retained, mut signal } => {
+                    signal.check(&completion);
                     match completion.poll_status(cx.waker()) {
                         Status::Pending => {
-                            this.state = State::Executing {
-                                output,
-                                completion,
-                                retained,
-                            };
+                            this.state = State::Executing { output, completion, retained, signal };
                             return Poll::Pending;
                         }
                         Status::Done => {
@@ -171,11 +189,7 @@ fn polled_after_completion() -> Error {
 
 impl<O: DeviceOp> Drop for DeviceFuture<O> {
     fn drop(&mut self) {
-        if let State::Executing {
-            output,
-            completion,
-            retained,
-        } = std::mem::replace(&mut self.state, State::Complete)
+        if let State::Executing { output, completion, retained, .. } = std::mem::replace(&mut self.state, State::Complete)
         {
             // The output's buffers order their own release after the GPU.
             drop(output);
@@ -195,6 +209,39 @@ impl<O: DeviceOp> Drop for DeviceFuture<O> {
                     }
                 }
             });
+        }
+    }
+}
+
+/// How the submission reports completion.
+enum Signal {
+    /// The host callback completes `completion`.
+    Callback,
+    /// The stream writes `seq` into the slot's word; the reactor (or a poll
+    /// that sees the word) completes `completion`.
+    Reactor { slot: Arc<StreamSlot>, seq: u64, spin: Option<Duration> },
+}
+
+impl Signal {
+    /// Completes `c` if the stream's word shows the work is done; with an
+    /// inline spin budget, waits that long for it (first poll only).
+    #[inline]
+    fn check(&mut self, c: &Completion) {
+        if let Signal::Reactor { slot, seq, spin } = self {
+            if slot.reached() >= *seq {
+                c.complete();
+                return;
+            }
+            if let Some(budget) = spin.take() {
+                let start = Instant::now();
+                while start.elapsed() < budget {
+                    std::hint::spin_loop();
+                    if slot.reached() >= *seq {
+                        c.complete();
+                        return;
+                    }
+                }
+            }
         }
     }
 }

@@ -44,6 +44,7 @@ pub mod launch;
 pub mod memory;
 mod op;
 pub mod policy;
+mod reactor;
 mod sync;
 mod waker;
 
@@ -57,6 +58,7 @@ pub use future::{run_on, DeviceFuture};
 pub use launch::{launch, KernelArg, KernelArgs};
 pub use memory::{copy_d2h, copy_h2d, d2d, d2h, h2d, memset, zeros};
 pub use op::{DeviceOp, DeviceOpExt};
+pub use reactor::CompletionMode;
 pub use policy::{
     default_device, default_policy, set_default_device, SchedulingPolicy, SingleStream, StreamPool,
     StreamPoolRoundRobin,

@@ -9,6 +9,7 @@ use cuda_core::cudarc::driver::CudaStream;
 use cuda_core::{Device, Error, Result};
 
 use crate::context::ExecutionContext;
+use crate::reactor::{slot_for, CompletionMode, StreamSlot};
 
 /// Picks the execution context (the "kitchen") for the next submission.
 ///
@@ -30,6 +31,7 @@ pub const DEFAULT_POOL_STREAMS: usize = 4;
 pub struct StreamPool {
     device: Device,
     streams: Vec<Arc<CudaStream>>,
+    slots: OnceLock<Vec<Option<Arc<StreamSlot>>>>,
     next: AtomicUsize,
 }
 
@@ -60,6 +62,7 @@ impl StreamPool {
         Ok(Arc::new(StreamPool {
             device: device.clone(),
             streams,
+            slots: OnceLock::new(),
             next: AtomicUsize::new(0),
         }))
     }
@@ -101,6 +104,15 @@ impl StreamPool {
     /// Always false: a pool has at least one stream.
     pub fn is_empty(&self) -> bool {
         self.streams.is_empty()
+    }
+
+    /// The reactor slots of the streams (created on first use).
+    pub(crate) fn slot(&self, i: usize) -> Option<Arc<StreamSlot>> {
+        self.slots
+            .get_or_init(|| self.streams.iter().map(|s| StreamSlot::new(&self.device, s)).collect())
+            .get(i)
+            .cloned()
+            .flatten()
     }
 
     /// The next index in round-robin order.
@@ -148,6 +160,7 @@ pub(crate) fn fork_index(n: usize, parent_pos: Option<usize>, arm: usize) -> Opt
 #[derive(Debug, Clone)]
 pub struct StreamPoolRoundRobin {
     pool: Arc<StreamPool>,
+    completion: CompletionMode,
 }
 
 impl StreamPoolRoundRobin {
@@ -158,6 +171,7 @@ impl StreamPoolRoundRobin {
     pub fn default_for(device: &Device) -> Result<Self> {
         Ok(StreamPoolRoundRobin {
             pool: StreamPool::default_for(device)?,
+            completion: CompletionMode::from_env(),
         })
     }
 
@@ -168,6 +182,7 @@ impl StreamPoolRoundRobin {
     pub fn new(device: &Device, n: usize) -> Result<Self> {
         Ok(StreamPoolRoundRobin {
             pool: StreamPool::new(device, n)?,
+            completion: CompletionMode::from_env(),
         })
     }
 
@@ -175,16 +190,38 @@ impl StreamPoolRoundRobin {
     pub fn pool(&self) -> &Arc<StreamPool> {
         &self.pool
     }
+
+    /// The same pool, with futures completed by `mode`.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_async::{CompletionMode, Device, StreamPoolRoundRobin};
+    /// let p = StreamPoolRoundRobin::default_for(&Device::new(0)?)?
+    ///     .with_completion(CompletionMode::HostCallback);
+    /// # Ok::<(), cuda_async::Error>(())
+    /// ```
+    pub fn with_completion(mut self, mode: CompletionMode) -> Self {
+        self.completion = mode;
+        self
+    }
+
+    /// How futures scheduled by this policy complete.
+    pub fn completion(&self) -> CompletionMode {
+        self.completion
+    }
 }
 
 impl SchedulingPolicy for StreamPoolRoundRobin {
     fn select(&self) -> Result<ExecutionContext> {
-        let s = self.pool.streams[self.pool.next_index()].clone();
-        Ok(ExecutionContext::new(
-            self.pool.device.clone(),
-            s,
-            self.pool.clone(),
-        ))
+        let i = self.pool.next_index();
+        let s = self.pool.streams[i].clone();
+        let ctx = ExecutionContext::new(self.pool.device.clone(), s, self.pool.clone());
+        Ok(if self.completion.uses_reactor() {
+            ctx.with_completion(self.completion, self.pool.slot(i))
+        } else {
+            ctx
+        })
     }
 }
 
@@ -194,6 +231,8 @@ impl SchedulingPolicy for StreamPoolRoundRobin {
 pub struct SingleStream {
     stream: Arc<CudaStream>,
     pool: Arc<StreamPool>,
+    completion: CompletionMode,
+    slot: Option<Arc<StreamSlot>>,
 }
 
 impl SingleStream {
@@ -203,7 +242,16 @@ impl SingleStream {
     /// As [`StreamPool::default_for`].
     pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
         let pool = StreamPool::default_for(&Device::of_stream(&stream))?;
-        Ok(SingleStream { stream, pool })
+        Ok(SingleStream { stream, pool, completion: CompletionMode::HostCallback, slot: None }
+            .with_completion(CompletionMode::from_env()))
+    }
+
+    /// The same stream, with futures completed by `mode`.
+    pub fn with_completion(mut self, mode: CompletionMode) -> Self {
+        self.completion = mode;
+        self.slot =
+            if mode.uses_reactor() { slot_for(self.pool.device(), &self.stream) } else { None };
+        self
     }
 
     /// The stream.
@@ -214,11 +262,9 @@ impl SingleStream {
 
 impl SchedulingPolicy for SingleStream {
     fn select(&self) -> Result<ExecutionContext> {
-        Ok(ExecutionContext::new(
-            self.pool.device().clone(),
-            self.stream.clone(),
-            self.pool.clone(),
-        ))
+        let ctx =
+            ExecutionContext::new(self.pool.device().clone(), self.stream.clone(), self.pool.clone());
+        Ok(ctx.with_completion(self.completion, self.slot.clone()))
     }
 }
 

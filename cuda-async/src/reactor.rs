@@ -1,0 +1,422 @@
+//! The completion reactor: futures complete when a per-stream sequence word,
+//! written by the stream itself (`cuStreamWriteValue64` into pinned,
+//! device-mapped host memory), reaches their number.
+//!
+//! Submissions on one stream complete in order, so one word per stream
+//! serves them all: a submission takes the stream's next sequence number
+//! and enqueues the write of that number after its work, under one lock, so
+//! numbers reach the word in increasing order. `word >= n` then means the
+//! stream passed submission `n`'s work (the write carries a system-scope
+//! memory fence, so everything the work wrote is visible first).
+//!
+//! One reactor thread watches the words of all streams with pending
+//! submissions. It spins briefly while work is in flight, then backs off to
+//! short sleeps, and parks (no CPU) when nothing is in flight. A future also
+//! checks its word itself when polled, so work that is already done
+//! completes without a hop through the reactor. While parked in back-off,
+//! the reactor asks pending streams for sticky errors (the word never moves
+//! after a fault) and fails their futures.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
+
+use cuda_core::cudarc::driver::{sys, CudaStream};
+use cuda_core::{Device, Error, Result};
+
+use crate::completion::Completion;
+
+/// How a [`DeviceFuture`](crate::DeviceFuture) learns that its work is done.
+///
+/// Chosen per policy ([`StreamPoolRoundRobin::with_completion`]
+/// (crate::StreamPoolRoundRobin::with_completion)); the process default comes
+/// from the `CUDA_ASYNC_COMPLETION` environment variable (`callback`,
+/// `reactor`, or `reactor-spin:MICROS`), else [`CompletionMode::DEFAULT`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompletionMode {
+    /// One `cuLaunchHostFunc` callback per submission flips the flag and
+    /// wakes the task. Always available. Throughput is capped by the
+    /// driver's single callback thread per context.
+    HostCallback,
+    /// The stream writes a sequence number into pinned memory; the reactor
+    /// thread (or the future's own poll) sees it.
+    Reactor,
+    /// As `Reactor`, and the first poll after submitting spins on the word
+    /// for up to this long before returning `Pending` (trades executor-thread
+    /// time for latency on short ops).
+    ReactorInlineSpin(Duration),
+}
+
+impl CompletionMode {
+    /// The default when nothing is configured: see the book's performance
+    /// chapter for the measurements behind it.
+    pub const DEFAULT: CompletionMode = CompletionMode::Reactor;
+
+    /// Parses `callback`, `reactor`, `reactor-spin:MICROS`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for anything else.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use cuda_async::CompletionMode;
+    /// use std::time::Duration;
+    /// assert_eq!(CompletionMode::parse("callback")?, CompletionMode::HostCallback);
+    /// assert_eq!(CompletionMode::parse("reactor-spin:20")?,
+    ///            CompletionMode::ReactorInlineSpin(Duration::from_micros(20)));
+    /// assert!(CompletionMode::parse("nope").is_err());
+    /// # Ok::<(), cuda_async::Error>(())
+    /// ```
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.trim() {
+            "callback" | "host-callback" => Ok(CompletionMode::HostCallback),
+            "reactor" => Ok(CompletionMode::Reactor),
+            other => match other.strip_prefix("reactor-spin:").map(str::parse::<u64>) {
+                Some(Ok(us)) => Ok(CompletionMode::ReactorInlineSpin(Duration::from_micros(us))),
+                _ => Err(Error::InvalidArgument(format!(
+                    "unknown completion mode `{other}` (expected callback, reactor or \
+                     reactor-spin:MICROS)"
+                ))),
+            },
+        }
+    }
+
+    /// The process default: `CUDA_ASYNC_COMPLETION` if set and valid, else
+    /// [`CompletionMode::DEFAULT`].
+    pub fn from_env() -> Self {
+        static MODE: OnceLock<CompletionMode> = OnceLock::new();
+        *MODE.get_or_init(|| match std::env::var("CUDA_ASYNC_COMPLETION") {
+            Ok(s) => CompletionMode::parse(&s).unwrap_or_else(|e| {
+                eprintln!("cuda-async: {e}; using {:?}", CompletionMode::DEFAULT);
+                CompletionMode::DEFAULT
+            }),
+            Err(_) => CompletionMode::DEFAULT,
+        })
+    }
+
+    pub(crate) fn uses_reactor(self) -> bool {
+        !matches!(self, CompletionMode::HostCallback)
+    }
+}
+
+/// One stream's sequence word and its pending submissions.
+pub(crate) struct StreamSlot {
+    /// Host view of the pinned, device-mapped word.
+    word: &'static AtomicU64,
+    dptr: sys::CUdeviceptr,
+    stream: Arc<CudaStream>,
+    inner: Mutex<SlotQueue>,
+    pending: AtomicUsize,
+}
+
+struct SlotQueue {
+    next: u64,
+    waiting: VecDeque<(u64, Arc<Completion>)>,
+}
+
+impl fmt::Debug for StreamSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamSlot")
+            .field("word", &self.word.load(Ordering::Relaxed))
+            .field("pending", &self.pending.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl StreamSlot {
+    /// A slot for `stream`, or `None` if the device cannot write 64-bit
+    /// values from a stream or mapped memory cannot be had (then the
+    /// callback is used).
+    pub(crate) fn new(device: &Device, stream: &Arc<CudaStream>) -> Option<Arc<StreamSlot>> {
+        let ok = device
+            .context()
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)
+            .map(|v| v != 0)
+            .unwrap_or(false);
+        if !ok {
+            return None;
+        }
+        let (word, dptr) = words::take(device).ok()?;
+        let slot = Arc::new(StreamSlot {
+            word,
+            dptr,
+            stream: stream.clone(),
+            inner: Mutex::new(SlotQueue { next: 0, waiting: VecDeque::new() }),
+            pending: AtomicUsize::new(0),
+        });
+        reactor().add(slot.clone());
+        Some(slot)
+    }
+
+    /// The last sequence number the stream has passed.
+    #[inline]
+    pub(crate) fn reached(&self) -> u64 {
+        self.word.load(Ordering::Acquire)
+    }
+
+    /// Enqueues the write of the next sequence number after the work already
+    /// on the stream, and registers `completion` to be completed when the
+    /// word reaches it. Returns the number.
+    pub(crate) fn signal(&self, completion: &Arc<Completion>) -> Result<u64> {
+        let mut q = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let seq = q.next + 1;
+        // SAFETY: `dptr` is the device address of a live mapped pinned word
+        // (never freed); the stream is live (we hold its Arc).
+        let rc = unsafe {
+            sys::cuStreamWriteValue64_v2(self.stream.cu_stream(), self.dptr, seq, 0)
+        };
+        rc.result().map_err(|e| Error::driver("cuStreamWriteValue64", e))?;
+        q.next = seq;
+        q.waiting.push_back((seq, completion.clone()));
+        drop(q);
+        self.pending.fetch_add(1, Ordering::AcqRel);
+        reactor().notify();
+        Ok(seq)
+    }
+
+    /// Completes every waiter whose number the word has reached; returns
+    /// how many.
+    fn drain(&self) -> usize {
+        if self.pending.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
+        let reached = self.reached();
+        let mut q = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut n = 0;
+        while let Some((seq, _)) = q.waiting.front() {
+            if *seq > reached {
+                break;
+            }
+            let (_, c) = q.waiting.pop_front().expect("front exists");
+            c.complete();
+            n += 1;
+        }
+        drop(q);
+        if n > 0 {
+            self.pending.fetch_sub(n, Ordering::AcqRel);
+        }
+        n
+    }
+
+    /// Fails every waiter (the stream hit a sticky error).
+    fn fail_all(&self, e: &Error) -> usize {
+        let mut q = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let n = q.waiting.len();
+        for (_, c) in q.waiting.drain(..) {
+            c.fail(e.clone());
+        }
+        drop(q);
+        self.pending.fetch_sub(n, Ordering::AcqRel);
+        n
+    }
+}
+
+/// Pinned, device-mapped words, carved 64 bytes apart (one cache line each)
+/// from 4 KiB pages that live for the rest of the process.
+mod words {
+    use super::*;
+
+    struct Page {
+        host: usize,
+        dptr: sys::CUdeviceptr,
+        used: usize,
+        ordinal: usize,
+    }
+
+    const PAGE: usize = 4096;
+    const STRIDE: usize = 64;
+
+    pub(super) fn take(device: &Device) -> Result<(&'static AtomicU64, sys::CUdeviceptr)> {
+        static PAGES: Mutex<Vec<Page>> = Mutex::new(Vec::new());
+        let mut pages = PAGES.lock().unwrap_or_else(|e| e.into_inner());
+        let idx = match pages.iter().position(|p| p.ordinal == device.ordinal() && p.used < PAGE) {
+            Some(i) => i,
+            None => {
+                device.context().bind_to_thread().map_err(|e| Error::driver("cuCtxSetCurrent", e))?;
+                let mut host = std::ptr::null_mut();
+                // SAFETY: plain allocation of one page of pinned memory,
+                // mapped into the device's address space.
+                unsafe {
+                    sys::cuMemHostAlloc(
+                        &mut host,
+                        PAGE,
+                        sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+                    )
+                }
+                .result()
+                .map_err(|e| Error::driver("cuMemHostAlloc", e))?;
+                // SAFETY: `host` is a fresh allocation of PAGE bytes.
+                unsafe { std::ptr::write_bytes(host as *mut u8, 0, PAGE) };
+                let mut dptr = 0;
+                // SAFETY: `host` is mapped pinned memory of this context.
+                unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, host, 0) }
+                    .result()
+                    .map_err(|e| Error::driver("cuMemHostGetDevicePointer", e))?;
+                pages.push(Page { host: host as usize, dptr, used: 0, ordinal: device.ordinal() });
+                pages.len() - 1
+            }
+        };
+        let p = &mut pages[idx];
+        let off = p.used;
+        p.used += STRIDE;
+        // SAFETY: the page is never freed, `off` is 64-byte aligned inside
+        // it, and the word is only accessed atomically by the host (the GPU
+        // writes it whole, 8-byte aligned).
+        let word = unsafe { &*((p.host + off) as *const AtomicU64) };
+        Ok((word, p.dptr + off as u64))
+    }
+}
+
+struct Reactor {
+    slots: Mutex<Vec<Arc<StreamSlot>>>,
+    generation: AtomicUsize,
+    in_flight: AtomicUsize,
+    sleeping: AtomicBool,
+    thread: Thread,
+}
+
+fn reactor() -> &'static Reactor {
+    static R: OnceLock<Reactor> = OnceLock::new();
+    R.get_or_init(|| {
+        let thread = std::thread::Builder::new()
+            .name("cuda-async-reactor".into())
+            .spawn(run)
+            .expect("failed to spawn the cuda-async reactor thread")
+            .thread()
+            .clone();
+        Reactor {
+            slots: Mutex::new(Vec::new()),
+            generation: AtomicUsize::new(0),
+            in_flight: AtomicUsize::new(0),
+            sleeping: AtomicBool::new(false),
+            thread,
+        }
+    })
+}
+
+impl Reactor {
+    fn add(&self, slot: Arc<StreamSlot>) {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner()).push(slot);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn notify(&self) {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) {
+            self.thread.unpark();
+        }
+    }
+}
+
+/// Spins (PAUSE) this many rounds with nothing completing before backing off.
+const SPIN_ROUNDS: u32 = 4_000;
+/// Then yields this many rounds.
+const YIELD_ROUNDS: u32 = 200;
+/// Then sleeps this long per round.
+const BACKOFF_SLEEP: Duration = Duration::from_micros(200);
+/// How often pending streams are asked for sticky errors while backing off.
+const FAULT_CHECK: Duration = Duration::from_millis(20);
+
+fn run() {
+    // Blocks until `reactor()`'s initialiser (which spawned us) is done.
+    let r = reactor();
+    let mut slots: Vec<Arc<StreamSlot>> = Vec::new();
+    let mut seen_generation = usize::MAX;
+    let mut idle: u32 = 0;
+    let mut last_fault_check = Instant::now();
+    loop {
+        if r.in_flight.load(Ordering::SeqCst) == 0 {
+            r.sleeping.store(true, Ordering::SeqCst);
+            if r.in_flight.load(Ordering::SeqCst) == 0 {
+                std::thread::park();
+            }
+            r.sleeping.store(false, Ordering::SeqCst);
+            idle = 0;
+            continue;
+        }
+        let g = r.generation.load(Ordering::Acquire);
+        if g != seen_generation {
+            slots = r.slots.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            seen_generation = g;
+        }
+        let done: usize = slots.iter().map(|s| s.drain()).sum();
+        if done > 0 {
+            r.in_flight.fetch_sub(done, Ordering::SeqCst);
+            idle = 0;
+            continue;
+        }
+        idle = idle.saturating_add(1);
+        if idle < SPIN_ROUNDS {
+            std::hint::spin_loop();
+        } else if idle < SPIN_ROUNDS + YIELD_ROUNDS {
+            std::thread::yield_now();
+        } else {
+            if last_fault_check.elapsed() >= FAULT_CHECK {
+                last_fault_check = Instant::now();
+                let failed: usize = slots.iter().map(check_fault).sum();
+                if failed > 0 {
+                    r.in_flight.fetch_sub(failed, Ordering::SeqCst);
+                    continue;
+                }
+            }
+            r.sleeping.store(true, Ordering::SeqCst);
+            std::thread::park_timeout(BACKOFF_SLEEP);
+            r.sleeping.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
+fn check_fault(s: &Arc<StreamSlot>) -> usize {
+    if s.pending.load(Ordering::Acquire) == 0 {
+        return 0;
+    }
+    let err = crate::completion::watchdog::poisoned().or_else(|| {
+        if s.stream.context().bind_to_thread().is_err() {
+            return None;
+        }
+        // SAFETY: the stream is live (the slot holds its Arc).
+        let rc = unsafe { sys::cuStreamQuery(s.stream.cu_stream()) };
+        if cuda_core::is_sticky(rc) {
+            let e = Error::driver("cuStreamQuery", cuda_core::cudarc::driver::DriverError(rc));
+            crate::completion::watchdog::note_error(&e);
+            Some(e)
+        } else {
+            None
+        }
+    });
+    match err {
+        Some(e) => s.fail_all(&e),
+        None => 0,
+    }
+}
+
+/// Slots of streams that other code made, cached by handle.
+pub(crate) fn slot_for(device: &Device, stream: &Arc<CudaStream>) -> Option<Arc<StreamSlot>> {
+    static FOREIGN: Mutex<Vec<(usize, Arc<StreamSlot>)>> = Mutex::new(Vec::new());
+    let key = stream.cu_stream() as usize;
+    let mut v = FOREIGN.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, s)) = v.iter().find(|(k, s)| *k == key && Arc::ptr_eq(&s.stream, stream)) {
+        return Some(s.clone());
+    }
+    let s = StreamSlot::new(device, stream)?;
+    v.push((key, s.clone()));
+    Some(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_parse() {
+        assert_eq!(CompletionMode::parse("reactor").unwrap(), CompletionMode::Reactor);
+        assert_eq!(CompletionMode::parse(" callback ").unwrap(), CompletionMode::HostCallback);
+        assert!(CompletionMode::parse("reactor-spin:x").is_err());
+        assert!(CompletionMode::Reactor.uses_reactor());
+        assert!(!CompletionMode::HostCallback.uses_reactor());
+    }
+}
