@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use cuda_async::cudarc::driver::{sys, CudaStream};
 use cuda_async::prelude::*;
-use cuda_async::{Device, DeviceBuffer, DeviceInfo, PinnedBuffer, StreamPoolRoundRobin};
+use cuda_async::{
+    CompletionMode, Device, DeviceBuffer, DeviceInfo, PinnedBuffer, StreamPoolRoundRobin,
+};
 
 use crate::kernels::{Kernels, ONE_THREAD, SPIN_NS};
 use crate::raw::{
@@ -20,6 +22,13 @@ use crate::Result;
 /// library's default pool (`cuda_async::policy::DEFAULT_POOL_STREAMS`).
 pub const RAW_STREAMS: usize = 4;
 
+/// The completion modes compared side by side.
+pub const COMPLETION_MODES: [CompletionMode; 3] = [
+    CompletionMode::HostCallback,
+    CompletionMode::Reactor,
+    CompletionMode::ReactorInlineSpin(std::time::Duration::from_micros(20)),
+];
+
 /// Which way one empty kernel is awaited (or waited for).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AwaitPath {
@@ -30,6 +39,8 @@ pub enum AwaitPath {
     RawHostFn,
     /// `launch(&empty, ..).await` on the default policy (`DeviceFuture`).
     Lib,
+    /// The same, scheduled on the default pool with this completion mode.
+    Mode(CompletionMode),
 }
 
 /// Which way each thread of the multi-threaded blocking comparison runs one
@@ -59,6 +70,8 @@ pub struct Fixture {
     pub raw_streams: RawStreams,
     /// The library's default policy (round-robin over the process pool).
     pub policy: Arc<StreamPoolRoundRobin>,
+    /// The default pool with each completion mode, for side-by-side rows.
+    pub mode_policies: Vec<(CompletionMode, StreamPoolRoundRobin)>,
     fork_join: RawForkJoin,
 }
 
@@ -95,7 +108,12 @@ impl Fixture {
         let raw_streams = RawStreams::new(ctx, RAW_STREAMS)?;
         let fork_join = RawForkJoin::new(ctx)?;
         let policy = cuda_async::default_policy()?;
+        let mode_policies = COMPLETION_MODES
+            .iter()
+            .map(|&m| (m, (*policy).clone().with_completion(m)))
+            .collect();
         let fx = Fixture {
+            mode_policies,
             driver_version: driver_version(),
             device,
             info,
@@ -209,8 +227,26 @@ impl Fixture {
                 let op = unsafe { launch(&self.kernels.empty, ONE_THREAD, ()) };
                 op.into_future().await?
             }
+            AwaitPath::Mode(m) => {
+                let policy = self.policy_for(m)?;
+                // SAFETY: `empty` takes no parameters and touches no memory.
+                let op = unsafe { launch(&self.kernels.empty, ONE_THREAD, ()) };
+                op.schedule(policy)?.await?
+            }
         }
         Ok(())
+    }
+
+    /// The default pool with completion mode `m`.
+    ///
+    /// # Errors
+    /// If `m` is not one of [`COMPLETION_MODES`].
+    pub fn policy_for(&self, m: CompletionMode) -> Result<&StreamPoolRoundRobin> {
+        self.mode_policies
+            .iter()
+            .find(|(k, _)| *k == m)
+            .map(|(_, p)| p)
+            .ok_or_else(|| format!("no policy for completion mode {m:?}").into())
     }
 
     /// One empty kernel, waited for the `path` way on this thread.

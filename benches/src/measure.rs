@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use tokio::runtime::Runtime;
 
-use crate::fixture::{AwaitPath, Fixture, SyncPath};
+use cuda_async::CompletionMode;
+
+use crate::fixture::{AwaitPath, Fixture, SyncPath, COMPLETION_MODES};
 use crate::report::{Goal, Row, Unit};
 use crate::stats::Summary;
 use crate::{BenchError, Result};
@@ -32,10 +34,11 @@ pub const GRAPH_NODES: usize = 100;
 pub const COPY_BYTES: usize = 256 << 20;
 
 /// The report's topics, in the order they run.
-pub const GROUPS: [&str; 6] = [
+pub const GROUPS: [&str; 7] = [
     "overhead",
     "await_latency",
     "throughput",
+    "completion",
     "zip",
     "graph",
     "copies",
@@ -437,7 +440,7 @@ pub fn throughput(fx: &Arc<Fixture>, rt: &Runtime, cfg: &Config) -> Result<Vec<R
         )
         .raw(sum(&r[0]))
         .lib(sum(&r[1]))
-        .note("raw: one stream per thread; `.sync()`: the shared 4-stream pool, round-robin"),
+        .note("raw: one stream per thread; `.sync()`: the shared 4-stream pool, one stream per thread (affinity)"),
     );
     rows.push(
         Row::new(
@@ -451,6 +454,200 @@ pub fn throughput(fx: &Arc<Fixture>, rt: &Runtime, cfg: &Config) -> Result<Vec<R
         .goal_from("issue 5"),
     );
     Ok(rows)
+}
+
+fn mode_name(m: CompletionMode) -> String {
+    match m {
+        CompletionMode::HostCallback => "host callback".into(),
+        CompletionMode::Reactor => "reactor".into(),
+        CompletionMode::ReactorInlineSpin(d) => {
+            format!("reactor + {} us inline spin", d.as_micros())
+        }
+    }
+}
+
+fn mode_label(m: CompletionMode) -> String {
+    if m == CompletionMode::DEFAULT {
+        format!("{} (default)", mode_name(m))
+    } else {
+        mode_name(m)
+    }
+}
+
+/// `completion`: every completion mode side by side (issue 5): await
+/// latency of one empty kernel vs raw launch + sync and vs the raw
+/// host-callback future; 256 tasks x N awaits vs the raw future and vs 4
+/// threads of raw launch + sync; the reactor thread's CPU while idle.
+///
+/// # Errors
+/// The first error of any path.
+pub fn completion(fx: &Arc<Fixture>, rt: &Runtime, cfg: &Config) -> Result<Vec<Row>> {
+    let g = "completion";
+    let mut rows = Vec::new();
+    let mut paths = vec![AwaitPath::RawSync, AwaitPath::RawHostFn];
+    paths.extend(COMPLETION_MODES.iter().map(|&m| AwaitPath::Mode(m)));
+    let t = await_latencies(rt, fx, cfg.reps(200, 10), cfg.reps(3_000, 50), &paths)?;
+    for (i, &m) in COMPLETION_MODES.iter().enumerate() {
+        let lib = sum(&t[2 + i]);
+        let mut vs_sync = Row::new(
+            g,
+            format!(
+                "await latency, 1 empty kernel, {}: vs raw launch + sync",
+                mode_label(m)
+            ),
+            Unit::Micros,
+        )
+        .raw(sum(&t[0]))
+        .lib(lib);
+        if m == CompletionMode::DEFAULT {
+            vs_sync = vs_sync.goal(Goal::AtMost(1.6)).goal_from("issue 5");
+        }
+        rows.push(vs_sync);
+        let mut vs_cb = Row::new(
+            g,
+            format!(
+                "await latency, 1 empty kernel, {}: vs raw host-callback future",
+                mode_label(m)
+            ),
+            Unit::Micros,
+        )
+        .raw(sum(&t[1]))
+        .lib(lib);
+        if m == CompletionMode::HostCallback {
+            vs_cb = vs_cb.goal(Goal::AtMost(1.05)).goal_from("issue 5");
+        }
+        rows.push(vs_cb);
+    }
+
+    let tasks = 256;
+    let per_task = cfg.reps(AWAITS_PER_TASK, 20);
+    let per_thread = cfg.reps(2_000, 100);
+    let rounds = cfg.reps(5, 3);
+    let task_ops = (tasks * per_task) as f64;
+    let thread_ops = (SYNC_THREADS * per_thread) as f64;
+    let mut raw_fut = Vec::new();
+    let mut raw_sync = Vec::new();
+    let mut lib: Vec<Vec<f64>> = vec![Vec::new(); COMPLETION_MODES.len()];
+    for round in 0..rounds {
+        let k = COMPLETION_MODES.len() + 2;
+        for j in 0..k {
+            match (round + j) % k {
+                0 => raw_fut.push(
+                    task_ops
+                        / await_throughput(rt, fx, tasks, per_task, AwaitPath::RawHostFn)?
+                            .as_secs_f64(),
+                ),
+                1 => raw_sync.push(
+                    thread_ops
+                        / sync_throughput(fx, SYNC_THREADS, per_thread, SyncPath::Raw)?
+                            .as_secs_f64(),
+                ),
+                i => {
+                    let m = COMPLETION_MODES[i - 2];
+                    let d = await_throughput(rt, fx, tasks, per_task, AwaitPath::Mode(m))?;
+                    lib[i - 2].push(task_ops / d.as_secs_f64());
+                }
+            }
+        }
+    }
+    for (i, &m) in COMPLETION_MODES.iter().enumerate() {
+        let mut vs_cb = Row::new(
+            g,
+            format!(
+                "{tasks} tasks x {per_task} awaits, {}: vs raw host-callback future",
+                mode_label(m)
+            ),
+            Unit::OpsPerSec,
+        )
+        .raw(sum(&raw_fut))
+        .lib(sum(&lib[i]));
+        if m == CompletionMode::HostCallback {
+            vs_cb = vs_cb.goal(Goal::AtLeast(0.95)).goal_from("issue 5");
+        }
+        rows.push(vs_cb);
+        let mut vs_sync = Row::new(
+            g,
+            format!(
+                "{tasks} tasks x {per_task} awaits, {}: vs {SYNC_THREADS} threads raw launch + sync",
+                mode_label(m)
+            ),
+            Unit::OpsPerSec,
+        )
+        .raw(sum(&raw_sync))
+        .lib(sum(&lib[i]));
+        if m == CompletionMode::DEFAULT {
+            vs_sync = vs_sync.goal(Goal::AtLeast(0.65)).goal_from("issue 5");
+        }
+        rows.push(vs_sync);
+        if m == CompletionMode::DEFAULT {
+            rows.push(
+                Row::new(
+                    g,
+                    format!(
+                        "{tasks} tasks x {per_task} awaits, {}: vs the 250k ops/s goal",
+                        mode_label(m)
+                    ),
+                    Unit::OpsPerSec,
+                )
+                .raw(Summary::of(&[250_000.0]))
+                .lib(sum(&lib[i]))
+                .goal(Goal::AtLeast(1.0))
+                .goal_from("issue 5")
+                .note("raw column: the goal (250k ops/s on an H200), not a measurement"),
+            );
+        }
+    }
+
+    // The reactor thread while nothing is in flight.
+    let secs = (10.0 * cfg.scale).clamp(2.0, 10.0);
+    match reactor_idle_cpu(Duration::from_secs_f64(secs)) {
+        Some(pct) => rows.push(
+            Row::new(
+                g,
+                format!("reactor thread CPU with nothing in flight, over {secs:.0} s"),
+                Unit::PercentCore,
+            )
+            .raw(Summary::of(&[1.0]))
+            .lib(Summary::of(&[pct]))
+            .goal(Goal::AtMost(1.0))
+            .goal_from("issue 5")
+            .note("raw column: the 1% budget, not a measurement; from /proc/self/task/*/stat"),
+        ),
+        None => rows.push(Row::error(g, "reactor thread not found in /proc/self/task")),
+    }
+    Ok(rows)
+}
+
+/// CPU time of the reactor thread over `window`, in percent of one core.
+/// `None` if the thread is not found (no reactor started, or no /proc).
+pub fn reactor_idle_cpu(window: Duration) -> Option<f64> {
+    fn find() -> Option<std::path::PathBuf> {
+        for e in std::fs::read_dir("/proc/self/task").ok()? {
+            let p = e.ok()?.path();
+            let comm = std::fs::read_to_string(p.join("comm")).unwrap_or_default();
+            if comm.trim_end().starts_with("cuda-async-reac") {
+                return Some(p);
+            }
+        }
+        None
+    }
+    fn ticks(p: &std::path::Path) -> Option<u64> {
+        let stat = std::fs::read_to_string(p.join("stat")).ok()?;
+        // Fields after the `(comm)`: state is field 3; utime 14, stime 15.
+        let rest = &stat[stat.rfind(')')? + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+    }
+    let p = find()?;
+    // Let in-flight work drain and the reactor reach its parked state.
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = ticks(&p)?;
+    let start = Instant::now();
+    std::thread::sleep(window);
+    let t1 = ticks(&p)?;
+    let hz = 100.0; // USER_HZ is 100 on Linux (x86-64).
+    let cpu_s = (t1 - t0) as f64 / hz;
+    Some(cpu_s / start.elapsed().as_secs_f64() * 100.0)
 }
 
 /// `zip`: two ~1 ms spin kernels zipped vs one, vs the same two in

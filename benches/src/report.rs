@@ -21,6 +21,8 @@ pub enum Unit {
     OpsPerSec,
     /// Gigabytes (1e9 bytes) per second (higher is better).
     GBps,
+    /// Percent of one CPU core (lower is better).
+    PercentCore,
 }
 
 impl Unit {
@@ -36,6 +38,7 @@ impl Unit {
             Unit::Millis => "ms",
             Unit::OpsPerSec => "ops/s",
             Unit::GBps => "GB/s",
+            Unit::PercentCore => "% of a core",
         }
     }
 
@@ -54,6 +57,7 @@ impl Unit {
             Unit::OpsPerSec if v >= 1e3 => format!("{:.1}k ops/s", v / 1e3),
             Unit::OpsPerSec => format!("{v:.0} ops/s"),
             Unit::GBps => format!("{v:.2} GB/s"),
+            Unit::PercentCore => format!("{v:.3} % of a core"),
             Unit::Micros | Unit::Millis if v >= 100.0 => format!("{v:.1} {}", self.name()),
             Unit::Micros | Unit::Millis => format!("{v:.2} {}", self.name()),
         }

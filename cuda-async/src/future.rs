@@ -114,7 +114,11 @@ impl<O: DeviceOp> DeviceFuture<O> {
                         CompletionMode::ReactorInlineSpin(d) => Some(d),
                         _ => None,
                     };
-                    Signal::Reactor { slot: slot.clone(), seq, spin }
+                    Signal::Reactor {
+                        slot: slot.clone(),
+                        seq,
+                        spin,
+                    }
                 }
                 Err(e) => {
                     release_after(ctx.stream(), std::mem::take(&mut retained));
@@ -124,8 +128,7 @@ impl<O: DeviceOp> DeviceFuture<O> {
             },
             _ => {
                 let c = completion.clone();
-                if let Err(e) =
-                    cuda_core::launch_host_callback(ctx.stream(), move || c.complete())
+                if let Err(e) = cuda_core::launch_host_callback(ctx.stream(), move || c.complete())
                 {
                     release_after(ctx.stream(), std::mem::take(&mut retained));
                     drop(output);
@@ -137,7 +140,12 @@ impl<O: DeviceOp> DeviceFuture<O> {
                 Signal::Callback
             }
         };
-        Ok(State::Executing { output: Some(output), completion, retained, signal })
+        Ok(State::Executing {
+            output: Some(output),
+            completion,
+            retained,
+            signal,
+        })
     }
 }
 
@@ -159,11 +167,21 @@ impl<O: DeviceOp> Future for DeviceFuture<O> {
                     Ok(s) => this.state = s,
                     Err(e) => return Poll::Ready(Err(e)),
                 },
-                State::Executing { output, completion, retained, mut signal } => {
+                State::Executing {
+                    output,
+                    completion,
+                    retained,
+                    mut signal,
+                } => {
                     signal.check(&completion);
                     match completion.poll_status(cx.waker()) {
                         Status::Pending => {
-                            this.state = State::Executing { output, completion, retained, signal };
+                            this.state = State::Executing {
+                                output,
+                                completion,
+                                retained,
+                                signal,
+                            };
                             return Poll::Pending;
                         }
                         Status::Done => {
@@ -189,7 +207,12 @@ fn polled_after_completion() -> Error {
 
 impl<O: DeviceOp> Drop for DeviceFuture<O> {
     fn drop(&mut self) {
-        if let State::Executing { output, completion, retained, .. } = std::mem::replace(&mut self.state, State::Complete)
+        if let State::Executing {
+            output,
+            completion,
+            retained,
+            ..
+        } = std::mem::replace(&mut self.state, State::Complete)
         {
             // The output's buffers order their own release after the GPU.
             drop(output);
@@ -219,7 +242,11 @@ enum Signal {
     Callback,
     /// The stream writes `seq` into the slot's word; the reactor (or a poll
     /// that sees the word) completes `completion`.
-    Reactor { slot: Arc<StreamSlot>, seq: u64, spin: Option<Duration> },
+    Reactor {
+        slot: Arc<StreamSlot>,
+        seq: u64,
+        spin: Option<Duration>,
+    },
 }
 
 impl Signal {
@@ -232,7 +259,10 @@ impl Signal {
                 c.complete();
                 return;
             }
-            if let Some(budget) = spin.take() {
+            // Spin only when nothing else is ahead of us on the stream: then
+            // the wait is about one op long. Behind a queue, spinning would
+            // burn the executor thread for nothing.
+            if let Some(budget) = spin.take().filter(|_| slot.reached() + 1 >= *seq) {
                 let start = Instant::now();
                 while start.elapsed() < budget {
                     std::hint::spin_loop();

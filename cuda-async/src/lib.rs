@@ -58,11 +58,11 @@ pub use future::{run_on, DeviceFuture};
 pub use launch::{launch, KernelArg, KernelArgs};
 pub use memory::{copy_d2h, copy_h2d, d2d, d2h, h2d, memset, zeros};
 pub use op::{DeviceOp, DeviceOpExt};
-pub use reactor::CompletionMode;
 pub use policy::{
     default_device, default_policy, set_default_device, SchedulingPolicy, SingleStream, StreamPool,
     StreamPoolRoundRobin,
 };
+pub use reactor::CompletionMode;
 
 /// Everything needed to build and run ops: `use cuda_async::prelude::*;`.
 pub mod prelude {

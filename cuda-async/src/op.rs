@@ -137,8 +137,10 @@ pub trait DeviceOpExt: DeviceOp {
         Boxed::new(self)
     }
 
-    /// Runs the op on the default device's default policy and blocks the
-    /// calling thread until the GPU is done. For scripts and tests; inside
+    /// Runs the op on the default device's pool and blocks the calling
+    /// thread until the GPU is done. Each thread keeps to one stream of the
+    /// pool (given round-robin on its first call), so threads that each
+    /// launch and wait do not queue behind each other. For scripts and tests; inside
     /// an async runtime use `.await`.
     ///
     /// # Errors
@@ -153,7 +155,7 @@ pub trait DeviceOpExt: DeviceOp {
     /// # Ok::<(), cuda_async::Error>(())
     /// ```
     fn sync(self) -> Result<Self::Output> {
-        let ctx = default_policy()?.select()?;
+        let ctx = default_policy()?.select_for_thread();
         crate::exec::run_blocking(self, ctx)
     }
 

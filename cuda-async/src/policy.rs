@@ -73,6 +73,19 @@ impl StreamPool {
     /// # Errors
     /// As [`StreamPool::new`].
     pub fn default_for(device: &Device) -> Result<Arc<Self>> {
+        const FAST: usize = 16;
+        static FAST_POOLS: [OnceLock<Arc<StreamPool>>; FAST] = [const { OnceLock::new() }; FAST];
+        if let Some(p) = FAST_POOLS.get(device.ordinal()).and_then(OnceLock::get) {
+            return Ok(p.clone());
+        }
+        let p = Self::default_for_slow(device)?;
+        if let Some(slot) = FAST_POOLS.get(device.ordinal()) {
+            let _ = slot.set(p.clone());
+        }
+        Ok(p)
+    }
+
+    fn default_for_slow(device: &Device) -> Result<Arc<Self>> {
         static POOLS: OnceLock<Mutex<HashMap<usize, Arc<StreamPool>>>> = OnceLock::new();
         let mut pools = POOLS
             .get_or_init(Default::default)
@@ -109,7 +122,12 @@ impl StreamPool {
     /// The reactor slots of the streams (created on first use).
     pub(crate) fn slot(&self, i: usize) -> Option<Arc<StreamSlot>> {
         self.slots
-            .get_or_init(|| self.streams.iter().map(|s| StreamSlot::new(&self.device, s)).collect())
+            .get_or_init(|| {
+                self.streams
+                    .iter()
+                    .map(|s| StreamSlot::new(&self.device, s))
+                    .collect()
+            })
             .get(i)
             .cloned()
             .flatten()
@@ -212,6 +230,26 @@ impl StreamPoolRoundRobin {
     }
 }
 
+impl StreamPoolRoundRobin {
+    /// A context on this thread's stream of the pool: each thread is given
+    /// one pool stream (round-robin, on its first call) and keeps it. Used
+    /// by blocking `.sync()`, so that threads that each launch and wait do
+    /// not queue behind each other's work, and a thread's consecutive ops
+    /// stay on one stream.
+    pub(crate) fn select_for_thread(&self) -> ExecutionContext {
+        use std::cell::Cell;
+        thread_local!(static AFFINITY: Cell<usize> = const { Cell::new(usize::MAX) });
+        let i = AFFINITY.with(|a| {
+            if a.get() == usize::MAX {
+                a.set(self.pool.next_index());
+            }
+            a.get()
+        }) % self.pool.streams.len();
+        let s = self.pool.streams[i].clone();
+        ExecutionContext::new(self.pool.device.clone(), s, self.pool.clone())
+    }
+}
+
 impl SchedulingPolicy for StreamPoolRoundRobin {
     fn select(&self) -> Result<ExecutionContext> {
         let i = self.pool.next_index();
@@ -242,15 +280,23 @@ impl SingleStream {
     /// As [`StreamPool::default_for`].
     pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
         let pool = StreamPool::default_for(&Device::of_stream(&stream))?;
-        Ok(SingleStream { stream, pool, completion: CompletionMode::HostCallback, slot: None }
-            .with_completion(CompletionMode::from_env()))
+        Ok(SingleStream {
+            stream,
+            pool,
+            completion: CompletionMode::HostCallback,
+            slot: None,
+        }
+        .with_completion(CompletionMode::from_env()))
     }
 
     /// The same stream, with futures completed by `mode`.
     pub fn with_completion(mut self, mode: CompletionMode) -> Self {
         self.completion = mode;
-        self.slot =
-            if mode.uses_reactor() { slot_for(self.pool.device(), &self.stream) } else { None };
+        self.slot = if mode.uses_reactor() {
+            slot_for(self.pool.device(), &self.stream)
+        } else {
+            None
+        };
         self
     }
 
@@ -262,8 +308,11 @@ impl SingleStream {
 
 impl SchedulingPolicy for SingleStream {
     fn select(&self) -> Result<ExecutionContext> {
-        let ctx =
-            ExecutionContext::new(self.pool.device().clone(), self.stream.clone(), self.pool.clone());
+        let ctx = ExecutionContext::new(
+            self.pool.device().clone(),
+            self.stream.clone(),
+            self.pool.clone(),
+        );
         Ok(ctx.with_completion(self.completion, self.slot.clone()))
     }
 }

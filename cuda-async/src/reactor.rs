@@ -31,8 +31,8 @@ use crate::completion::Completion;
 
 /// How a [`DeviceFuture`](crate::DeviceFuture) learns that its work is done.
 ///
-/// Chosen per policy ([`StreamPoolRoundRobin::with_completion`]
-/// (crate::StreamPoolRoundRobin::with_completion)); the process default comes
+/// Chosen per policy ([`crate::StreamPoolRoundRobin::with_completion`],
+/// [`crate::SingleStream::with_completion`]); the process default comes
 /// from the `CUDA_ASYNC_COMPLETION` environment variable (`callback`,
 /// `reactor`, or `reactor-spin:MICROS`), else [`CompletionMode::DEFAULT`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,8 +45,10 @@ pub enum CompletionMode {
     /// thread (or the future's own poll) sees it.
     Reactor,
     /// As `Reactor`, and the first poll after submitting spins on the word
-    /// for up to this long before returning `Pending` (trades executor-thread
-    /// time for latency on short ops).
+    /// for up to this long before returning `Pending`, but only when nothing
+    /// else was in flight on the stream (trades up to this much
+    /// executor-thread time for latency on short ops; never spins behind a
+    /// queue).
     ReactorInlineSpin(Duration),
 }
 
@@ -145,7 +147,10 @@ impl StreamSlot {
             word,
             dptr,
             stream: stream.clone(),
-            inner: Mutex::new(SlotQueue { next: 0, waiting: VecDeque::new() }),
+            inner: Mutex::new(SlotQueue {
+                next: 0,
+                waiting: VecDeque::new(),
+            }),
             pending: AtomicUsize::new(0),
         });
         reactor().add(slot.clone());
@@ -166,10 +171,10 @@ impl StreamSlot {
         let seq = q.next + 1;
         // SAFETY: `dptr` is the device address of a live mapped pinned word
         // (never freed); the stream is live (we hold its Arc).
-        let rc = unsafe {
-            sys::cuStreamWriteValue64_v2(self.stream.cu_stream(), self.dptr, seq, 0)
-        };
-        rc.result().map_err(|e| Error::driver("cuStreamWriteValue64", e))?;
+        let rc =
+            unsafe { sys::cuStreamWriteValue64_v2(self.stream.cu_stream(), self.dptr, seq, 0) };
+        rc.result()
+            .map_err(|e| Error::driver("cuStreamWriteValue64", e))?;
         q.next = seq;
         q.waiting.push_back((seq, completion.clone()));
         drop(q);
@@ -233,10 +238,16 @@ mod words {
     pub(super) fn take(device: &Device) -> Result<(&'static AtomicU64, sys::CUdeviceptr)> {
         static PAGES: Mutex<Vec<Page>> = Mutex::new(Vec::new());
         let mut pages = PAGES.lock().unwrap_or_else(|e| e.into_inner());
-        let idx = match pages.iter().position(|p| p.ordinal == device.ordinal() && p.used < PAGE) {
+        let idx = match pages
+            .iter()
+            .position(|p| p.ordinal == device.ordinal() && p.used < PAGE)
+        {
             Some(i) => i,
             None => {
-                device.context().bind_to_thread().map_err(|e| Error::driver("cuCtxSetCurrent", e))?;
+                device
+                    .context()
+                    .bind_to_thread()
+                    .map_err(|e| Error::driver("cuCtxSetCurrent", e))?;
                 let mut host = std::ptr::null_mut();
                 // SAFETY: plain allocation of one page of pinned memory,
                 // mapped into the device's address space.
@@ -256,7 +267,12 @@ mod words {
                 unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, host, 0) }
                     .result()
                     .map_err(|e| Error::driver("cuMemHostGetDevicePointer", e))?;
-                pages.push(Page { host: host as usize, dptr, used: 0, ordinal: device.ordinal() });
+                pages.push(Page {
+                    host: host as usize,
+                    dptr,
+                    used: 0,
+                    ordinal: device.ordinal(),
+                });
                 pages.len() - 1
             }
         };
@@ -300,7 +316,10 @@ fn reactor() -> &'static Reactor {
 
 impl Reactor {
     fn add(&self, slot: Arc<StreamSlot>) {
-        self.slots.lock().unwrap_or_else(|e| e.into_inner()).push(slot);
+        self.slots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(slot);
         self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
@@ -399,7 +418,10 @@ pub(crate) fn slot_for(device: &Device, stream: &Arc<CudaStream>) -> Option<Arc<
     static FOREIGN: Mutex<Vec<(usize, Arc<StreamSlot>)>> = Mutex::new(Vec::new());
     let key = stream.cu_stream() as usize;
     let mut v = FOREIGN.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, s)) = v.iter().find(|(k, s)| *k == key && Arc::ptr_eq(&s.stream, stream)) {
+    if let Some((_, s)) = v
+        .iter()
+        .find(|(k, s)| *k == key && Arc::ptr_eq(&s.stream, stream))
+    {
         return Some(s.clone());
     }
     let s = StreamSlot::new(device, stream)?;
@@ -413,8 +435,14 @@ mod tests {
 
     #[test]
     fn modes_parse() {
-        assert_eq!(CompletionMode::parse("reactor").unwrap(), CompletionMode::Reactor);
-        assert_eq!(CompletionMode::parse(" callback ").unwrap(), CompletionMode::HostCallback);
+        assert_eq!(
+            CompletionMode::parse("reactor").unwrap(),
+            CompletionMode::Reactor
+        );
+        assert_eq!(
+            CompletionMode::parse(" callback ").unwrap(),
+            CompletionMode::HostCallback
+        );
         assert!(CompletionMode::parse("reactor-spin:x").is_err());
         assert!(CompletionMode::Reactor.uses_reactor());
         assert!(!CompletionMode::HostCallback.uses_reactor());

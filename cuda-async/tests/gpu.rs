@@ -531,6 +531,7 @@ struct Gate {
 // SAFETY: the gate word is only written with volatile stores and read by the
 // GPU; the pointer stays valid until `Drop`.
 unsafe impl Send for Gate {}
+// SAFETY: as for Send: shared access is volatile stores to one word.
 unsafe impl Sync for Gate {}
 
 impl Gate {

@@ -90,6 +90,9 @@ impl<I, T: Clone> SharedCell<I, T> {
     }
 }
 
+/// The producer's output and the event recorded after its work.
+type Produced<T> = (T, Arc<CudaEvent>);
+
 /// Op for [`DeviceOpExt::shared`](crate::DeviceOpExt::shared): cloneable,
 /// runs once.
 ///
@@ -98,7 +101,7 @@ impl<I, T: Clone> SharedCell<I, T> {
 /// stream wait on that event and returns a clone of the output.
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
 pub struct Shared<O: DeviceOp> {
-    cell: Arc<SharedCell<O, (O::Output, Arc<CudaEvent>)>>,
+    cell: Arc<SharedCell<O, Produced<O::Output>>>,
 }
 
 impl<O: DeviceOp> Clone for Shared<O> {
