@@ -23,9 +23,10 @@ use crate::Result;
 pub const RAW_STREAMS: usize = 4;
 
 /// The completion modes compared side by side.
-pub const COMPLETION_MODES: [CompletionMode; 3] = [
+pub const COMPLETION_MODES: [CompletionMode; 4] = [
     CompletionMode::HostCallback,
     CompletionMode::Reactor,
+    CompletionMode::ReactorInlineSpin(std::time::Duration::from_micros(10)),
     CompletionMode::ReactorInlineSpin(std::time::Duration::from_micros(20)),
 ];
 

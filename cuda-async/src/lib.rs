@@ -40,6 +40,7 @@ mod completion;
 mod context;
 mod exec;
 mod future;
+mod handoff;
 pub mod launch;
 pub mod memory;
 mod op;

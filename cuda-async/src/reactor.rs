@@ -17,9 +17,8 @@
 //! the reactor asks pending streams for sticky errors (the word never moves
 //! after a fault) and fails their futures.
 
-use std::collections::VecDeque;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
@@ -28,6 +27,7 @@ use cuda_core::cudarc::driver::{sys, CudaStream};
 use cuda_core::{Device, Error, Result};
 
 use crate::completion::Completion;
+use crate::handoff::{IdleGate, SeqQueue};
 
 /// How a [`DeviceFuture`](crate::DeviceFuture) learns that its work is done.
 ///
@@ -55,7 +55,8 @@ pub enum CompletionMode {
 impl CompletionMode {
     /// The default when nothing is configured: see the book's performance
     /// chapter for the measurements behind it.
-    pub const DEFAULT: CompletionMode = CompletionMode::Reactor;
+    pub const DEFAULT: CompletionMode =
+        CompletionMode::ReactorInlineSpin(Duration::from_micros(20));
 
     /// Parses `callback`, `reactor`, `reactor-spin:MICROS`.
     ///
@@ -111,13 +112,8 @@ pub(crate) struct StreamSlot {
     word: &'static AtomicU64,
     dptr: sys::CUdeviceptr,
     stream: Arc<CudaStream>,
-    inner: Mutex<SlotQueue>,
+    inner: Mutex<SeqQueue>,
     pending: AtomicUsize,
-}
-
-struct SlotQueue {
-    next: u64,
-    waiting: VecDeque<(u64, Arc<Completion>)>,
 }
 
 impl fmt::Debug for StreamSlot {
@@ -147,10 +143,7 @@ impl StreamSlot {
             word,
             dptr,
             stream: stream.clone(),
-            inner: Mutex::new(SlotQueue {
-                next: 0,
-                waiting: VecDeque::new(),
-            }),
+            inner: Mutex::new(SeqQueue::default()),
             pending: AtomicUsize::new(0),
         });
         reactor().add(slot.clone());
@@ -168,18 +161,20 @@ impl StreamSlot {
     /// word reaches it. Returns the number.
     pub(crate) fn signal(&self, completion: &Arc<Completion>) -> Result<u64> {
         let mut q = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let seq = q.next + 1;
+        let seq = q.next_seq();
         // SAFETY: `dptr` is the device address of a live mapped pinned word
         // (never freed); the stream is live (we hold its Arc).
         let rc =
             unsafe { sys::cuStreamWriteValue64_v2(self.stream.cu_stream(), self.dptr, seq, 0) };
         rc.result()
             .map_err(|e| Error::driver("cuStreamWriteValue64", e))?;
-        q.next = seq;
-        q.waiting.push_back((seq, completion.clone()));
+        q.push(seq, completion.clone());
         drop(q);
         self.pending.fetch_add(1, Ordering::AcqRel);
-        reactor().notify();
+        let r = reactor();
+        if r.gate.add() {
+            r.thread.unpark();
+        }
         Ok(seq)
     }
 
@@ -190,17 +185,11 @@ impl StreamSlot {
             return 0;
         }
         let reached = self.reached();
-        let mut q = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let mut n = 0;
-        while let Some((seq, _)) = q.waiting.front() {
-            if *seq > reached {
-                break;
-            }
-            let (_, c) = q.waiting.pop_front().expect("front exists");
-            c.complete();
-            n += 1;
-        }
-        drop(q);
+        let n = self
+            .inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .complete_upto(reached);
         if n > 0 {
             self.pending.fetch_sub(n, Ordering::AcqRel);
         }
@@ -209,12 +198,11 @@ impl StreamSlot {
 
     /// Fails every waiter (the stream hit a sticky error).
     fn fail_all(&self, e: &Error) -> usize {
-        let mut q = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let n = q.waiting.len();
-        for (_, c) in q.waiting.drain(..) {
-            c.fail(e.clone());
-        }
-        drop(q);
+        let n = self
+            .inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .fail_all(e);
         self.pending.fetch_sub(n, Ordering::AcqRel);
         n
     }
@@ -290,8 +278,7 @@ mod words {
 struct Reactor {
     slots: Mutex<Vec<Arc<StreamSlot>>>,
     generation: AtomicUsize,
-    in_flight: AtomicUsize,
-    sleeping: AtomicBool,
+    gate: IdleGate,
     thread: Thread,
 }
 
@@ -307,8 +294,7 @@ fn reactor() -> &'static Reactor {
         Reactor {
             slots: Mutex::new(Vec::new()),
             generation: AtomicUsize::new(0),
-            in_flight: AtomicUsize::new(0),
-            sleeping: AtomicBool::new(false),
+            gate: IdleGate::new(),
             thread,
         }
     })
@@ -321,13 +307,6 @@ impl Reactor {
             .unwrap_or_else(|e| e.into_inner())
             .push(slot);
         self.generation.fetch_add(1, Ordering::AcqRel);
-    }
-
-    fn notify(&self) {
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
-        if self.sleeping.load(Ordering::SeqCst) {
-            self.thread.unpark();
-        }
     }
 }
 
@@ -348,12 +327,12 @@ fn run() {
     let mut idle: u32 = 0;
     let mut last_fault_check = Instant::now();
     loop {
-        if r.in_flight.load(Ordering::SeqCst) == 0 {
-            r.sleeping.store(true, Ordering::SeqCst);
-            if r.in_flight.load(Ordering::SeqCst) == 0 {
+        if !r.gate.busy() {
+            // Nothing in flight: sleep until a submission unparks us.
+            if r.gate.prepare_sleep() {
                 std::thread::park();
             }
-            r.sleeping.store(false, Ordering::SeqCst);
+            r.gate.awake();
             idle = 0;
             continue;
         }
@@ -364,7 +343,7 @@ fn run() {
         }
         let done: usize = slots.iter().map(|s| s.drain()).sum();
         if done > 0 {
-            r.in_flight.fetch_sub(done, Ordering::SeqCst);
+            r.gate.finished(done);
             idle = 0;
             continue;
         }
@@ -378,13 +357,15 @@ fn run() {
                 last_fault_check = Instant::now();
                 let failed: usize = slots.iter().map(check_fault).sum();
                 if failed > 0 {
-                    r.in_flight.fetch_sub(failed, Ordering::SeqCst);
+                    r.gate.finished(failed);
                     continue;
                 }
             }
-            r.sleeping.store(true, Ordering::SeqCst);
+            // Work is in flight but slow: nap, or until a new submission
+            // unparks us.
+            r.gate.prepare_nap();
             std::thread::park_timeout(BACKOFF_SLEEP);
-            r.sleeping.store(false, Ordering::SeqCst);
+            r.gate.awake();
         }
     }
 }

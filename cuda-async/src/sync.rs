@@ -3,9 +3,13 @@
 
 #[cfg(all(cuda_async_loom, test))]
 pub(crate) use loom::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+#[cfg(all(cuda_async_loom, test))]
+pub(crate) use loom::sync::Arc;
 
 #[cfg(not(all(cuda_async_loom, test)))]
 pub(crate) use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+#[cfg(not(all(cuda_async_loom, test)))]
+pub(crate) use std::sync::Arc;
 
 #[cfg(all(cuda_async_loom, test))]
 pub(crate) use loom::cell::UnsafeCell;

@@ -1,6 +1,7 @@
-//! loom model of the callback-vs-poll handoff: the host callback sets the
-//! flag and wakes; the future registers its waker and re-checks. No
-//! interleaving may lose the wake-up.
+//! loom models of the completion handoffs: the host callback (or the
+//! reactor) sets the flag and wakes while the future registers its waker
+//! and re-checks; and the reactor's sleep handoff with submitters. No
+//! interleaving may lose a wake-up.
 //!
 //! `RUSTFLAGS="--cfg cuda_async_loom" cargo test -p cuda-async --test loom_completion --release`
 #![cfg(cuda_async_loom)]
@@ -8,6 +9,9 @@
 #[path = "../src/completion.rs"]
 #[allow(dead_code, unreachable_pub)]
 mod completion;
+#[path = "../src/handoff.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod handoff;
 #[path = "../src/sync.rs"]
 #[allow(dead_code, unreachable_pub)]
 mod sync;
@@ -100,5 +104,68 @@ fn failure_from_the_watchdog_races_the_callback_and_one_outcome_wins() {
             1,
             "exactly one wake for one outcome"
         );
+    });
+}
+
+/// The reactor parks only when nothing is in flight, and a submission that
+/// races with it going to sleep always wakes it: the reactor ends up having
+/// seen the work (a lost wake-up would leave it parked forever, which loom
+/// reports as a deadlock).
+#[test]
+fn the_reactor_never_sleeps_through_a_submission() {
+    loom::model(|| {
+        let gate = Arc::new(handoff::IdleGate::new());
+        let g = gate.clone();
+        let reactor = loom::thread::spawn(move || {
+            let mut seen = 0;
+            while seen == 0 {
+                if !g.busy() {
+                    if g.prepare_sleep() {
+                        loom::thread::park();
+                    }
+                    g.awake();
+                    continue;
+                }
+                g.finished(1);
+                seen += 1;
+            }
+        });
+        if gate.add() {
+            reactor.thread().unpark();
+        }
+        reactor.join().unwrap();
+        assert!(!gate.busy());
+    });
+}
+
+/// The reactor completing a stream's queue up to the word races with a new
+/// submission being queued: every completion is completed exactly once, and
+/// only once its number is reached.
+#[test]
+fn queue_drain_and_push_race_without_losing_completions() {
+    loom::model(|| {
+        let q = Arc::new(loom::sync::Mutex::new(handoff::SeqQueue::default()));
+        let a = Arc::new(Completion::new());
+        let b = Arc::new(Completion::new());
+        {
+            let mut g = q.lock().unwrap();
+            let s = g.next_seq();
+            g.push(s, a.clone());
+        }
+        let q2 = q.clone();
+        let b2 = b.clone();
+        let submitter = loom::thread::spawn(move || {
+            let mut g = q2.lock().unwrap();
+            let s = g.next_seq();
+            g.push(s, b2);
+        });
+        // The word says 1: only `a` may complete.
+        let n = q.lock().unwrap().complete_upto(1);
+        submitter.join().unwrap();
+        assert_eq!(n, 1);
+        assert_eq!(a.status(), Status::Done);
+        assert_eq!(b.status(), Status::Pending);
+        assert_eq!(q.lock().unwrap().complete_upto(2), 1);
+        assert_eq!(b.status(), Status::Done);
     });
 }
