@@ -36,6 +36,16 @@
 pub mod combinators;
 #[cfg(doctest)]
 mod compile_fail;
+
+/// The book's chapters whose Rust blocks stand alone: `cargo test --doc`
+/// compiles them (GPU snippets are `no_run`).
+#[cfg(doctest)]
+mod book {
+    #[doc = include_str!("../../book/src/ops.md")]
+    struct Ops;
+    #[doc = include_str!("../../book/src/async.md")]
+    struct Async;
+}
 mod completion;
 mod context;
 mod exec;
