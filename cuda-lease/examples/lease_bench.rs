@@ -6,6 +6,18 @@
 //! ```text
 //! cargo run --release -p cuda-lease --example lease_bench
 //! ```
+//!
+//! With `--memory-device` (or `LEASE_BENCH_DEVICE=memory`) the workers drive
+//! the in-memory test double instead of a GPU, so the node, QUIC and pipe
+//! path can be measured on a machine without one; kernels are not run there.
+//! `--transfers-only` skips the lease-allocation measurements (they sleep to
+//! let the worker pool refill). `LEASE_BENCH_ITERS` sets the BATCH
+//! iterations (default 2000), `LEASE_BENCH_XFER_ITERS` the MEM_WRITE /
+//! MEM_READ iterations (default 5).
+//!
+//! ```text
+//! cargo run --release -p cuda-lease --example lease_bench -- --memory-device --transfers-only
+//! ```
 
 use std::time::{Duration, Instant};
 
@@ -49,7 +61,22 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(2000);
-    let mut cfg = NodeConfig::new(WorkerSpec::current_exe(DeviceSpec::Cuda { ordinal: 0 })?);
+    let xfer_iters: usize = std::env::var("LEASE_BENCH_XFER_ITERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5)
+        .max(1);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let memory = args.iter().any(|a| a == "--memory-device")
+        || std::env::var("LEASE_BENCH_DEVICE").is_ok_and(|v| v == "memory");
+    let transfers_only = args.iter().any(|a| a == "--transfers-only");
+    let device = if memory {
+        // Room for the 256 MiB buffer plus the node's default headroom.
+        DeviceSpec::Memory { capacity: 2 << 30 }
+    } else {
+        DeviceSpec::Cuda { ordinal: 0 }
+    };
+    let mut cfg = NodeConfig::new(WorkerSpec::current_exe(device)?);
     cfg.tokens = vec!["bench".into()];
     cfg.submit_workers = 1;
     cfg.prestart_workers = 1;
@@ -62,7 +89,19 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         inv.devices[0].name, inv.devices[0].free_bytes
     );
 
-    // Lease allocation: with a pre-started worker, then cold (worker start + context creation).
+    if !transfers_only {
+        lease_alloc_bench(&client).await?;
+    }
+    transfer_bench(&client, iters, xfer_iters).await?;
+    node.shutdown().await;
+    Ok(())
+}
+
+/// Lease allocation: with a pre-started worker, then cold (worker start +
+/// context creation).
+async fn lease_alloc_bench(
+    client: &std::sync::Arc<Client>,
+) -> Result<(), Box<dyn std::error::Error>> {
     tokio::time::sleep(Duration::from_secs(2)).await; // let the pre-started worker come up
     let mut warm = Vec::new();
     let mut cold = Vec::new();
@@ -96,7 +135,15 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         "two LEASE_ALLOCs, the second cold (worker start + context)",
         cold,
     );
+    Ok(())
+}
 
+/// One-kernel BATCH round trip, then MEM_WRITE / MEM_READ of 256 MiB.
+async fn transfer_bench(
+    client: &std::sync::Arc<Client>,
+    iters: usize,
+    xfer_iters: usize,
+) -> Result<(), Box<dyn std::error::Error>> {
     let size: u64 = 256 << 20;
     let lease = Lease::builder()
         .min_vram(size + (16 << 20))
@@ -134,7 +181,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let data = vec![0x5Au8; size as usize];
     s.write(&big, 0, &data).await?; // warm-up
     let mut w = Vec::new();
-    for _ in 0..5 {
+    for _ in 0..xfer_iters {
         let t = Instant::now();
         s.write(&big, 0, &data).await?;
         w.push(t.elapsed());
@@ -147,21 +194,24 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         w[0]
     );
     let mut r = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..xfer_iters {
         let t = Instant::now();
         let back = s.read(&big, 0, size as u32).await?;
         r.push(t.elapsed());
-        assert_eq!(back.len(), size as usize);
+        assert!(
+            back == data,
+            "MEM_READ returned other bytes than MEM_WRITE wrote"
+        );
     }
     r.sort();
     let med = r[r.len() / 2];
     println!(
-        "MEM_READ 256 MiB: median {med:?} = {:.2} GiB/s",
-        size as f64 / med.as_secs_f64() / (1u64 << 30) as f64
+        "MEM_READ 256 MiB: median {med:?} = {:.2} GiB/s (best {:?})",
+        size as f64 / med.as_secs_f64() / (1u64 << 30) as f64,
+        r[0]
     );
 
     drop((big, out, module));
     lease.free().await?;
-    node.shutdown().await;
     Ok(())
 }
