@@ -174,18 +174,36 @@ pub(crate) struct WorkerBatchReply {
 /// for by default (`/proc/sys/fs/pipe-max-size`).
 pub const PIPE_BUFFER_BYTES: usize = 1 << 20;
 
+/// The two Linux-only `fcntl` commands for pipe buffers, declared here
+/// rather than pulling in a crate for them (`F_LINUX_SPECIFIC_BASE` + 7 and
+/// + 8 in `<linux/fcntl.h>`, the same on every architecture).
+#[cfg(target_os = "linux")]
+mod pipe_fcntl {
+    use std::ffi::c_int;
+
+    pub(super) const F_SETPIPE_SZ: c_int = 1031;
+    #[cfg(test)]
+    pub(super) const F_GETPIPE_SZ: c_int = 1032;
+
+    unsafe extern "C" {
+        /// `fcntl(2)` from the C library std already links.
+        pub(super) fn fcntl(fd: c_int, cmd: c_int, ...) -> c_int;
+    }
+}
+
 /// Grows the kernel buffer of the pipe behind `fd` to [`PIPE_BUFFER_BYTES`]
 /// (best effort: a smaller system limit only costs throughput).
 #[cfg(target_os = "linux")]
 fn grow_pipe(fd: std::os::fd::BorrowedFd<'_>) {
     use std::os::fd::AsRawFd;
     // SAFETY: `fd` is borrowed, so it is open for the whole call;
-    // F_SETPIPE_SZ takes an integer argument and touches no memory of ours.
+    // F_SETPIPE_SZ takes one `int` argument, which we pass, and touches no
+    // memory of ours.
     let r = unsafe {
-        libc::fcntl(
+        pipe_fcntl::fcntl(
             fd.as_raw_fd(),
-            libc::F_SETPIPE_SZ,
-            PIPE_BUFFER_BYTES as libc::c_int,
+            pipe_fcntl::F_SETPIPE_SZ,
+            PIPE_BUFFER_BYTES as std::ffi::c_int,
         )
     };
     if r < 0 {
@@ -638,10 +656,10 @@ mod tests {
     use super::*;
     use std::os::fd::{AsFd, AsRawFd};
 
-    fn pipe_size(fd: std::os::fd::BorrowedFd<'_>) -> libc::c_int {
+    fn pipe_size(fd: std::os::fd::BorrowedFd<'_>) -> std::ffi::c_int {
         // SAFETY: `fd` is borrowed and open for the call; F_GETPIPE_SZ
         // takes no argument and touches no memory of ours.
-        unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETPIPE_SZ) }
+        unsafe { pipe_fcntl::fcntl(fd.as_raw_fd(), pipe_fcntl::F_GETPIPE_SZ) }
     }
 
     #[test]
