@@ -125,7 +125,7 @@ impl Config {
     pub fn wants(&self, group: &str) -> bool {
         self.only
             .as_ref()
-            .map_or(true, |o| o.iter().any(|g| g == group))
+            .is_none_or(|o| o.iter().any(|g| g == group))
     }
 }
 

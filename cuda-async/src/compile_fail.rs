@@ -72,3 +72,15 @@
 //! fn send<T: Send>(_t: T) {}
 //! fn f(b: cuda_async::DeviceBuffer<u8>) { send(b) }
 //! ```
+//!
+//! Host reads of GPU-written data need a type where every bit pattern is
+//! valid: no `bool` that a memset or a kernel set to 2.
+//!
+//! ```compile_fail,E0277
+//! use cuda_async::prelude::*;
+//! let _op = zeros::<bool>(4).then(|b| memset(b, 2)).then(d2h);
+//! ```
+//! ```
+//! use cuda_async::prelude::*;
+//! let _op = zeros::<u8>(4).then(|b| memset(b, 2)).then(d2h);
+//! ```

@@ -244,7 +244,10 @@ pub(crate) mod watchdog {
         let rc = unsafe { sys::cuStreamQuery(s.cu_stream()) };
         match rc {
             sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_NOT_READY => None,
-            code if cuda_core::is_sticky(code) => {
+            // Any other status means the stream will not complete this work
+            // normally (a fault, a lost device, a destroyed stream): fail
+            // its futures; sticky codes also poison the process.
+            code => {
                 let e = Error::driver(
                     "cuStreamQuery",
                     cuda_core::cudarc::driver::DriverError(code),
@@ -252,7 +255,6 @@ pub(crate) mod watchdog {
                 note_error(&e);
                 Some(e)
             }
-            _ => None,
         }
     }
 }

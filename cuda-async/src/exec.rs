@@ -1,11 +1,35 @@
 //! Blocking and detached execution.
 
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+
 use cuda_core::cudarc::driver::CudaStream;
 use cuda_core::{Error, Result};
 
 use crate::completion::watchdog;
 use crate::context::{ExecutionContext, Retained};
 use crate::op::DeviceOp;
+
+/// Runs `op.execute(ctx)`. If user code inside it (a `then`/`map` closure)
+/// panics, the work enqueued so far may still be running: what it retained
+/// is handed to the reclaimer to be released after the stream passes it,
+/// and the panic continues.
+///
+/// # Safety
+/// As [`DeviceOp::execute`].
+pub(crate) unsafe fn execute_guarded<O: DeviceOp>(
+    op: O,
+    ctx: &mut ExecutionContext,
+) -> Result<O::Output> {
+    // SAFETY: forwarded to our caller.
+    match catch_unwind(AssertUnwindSafe(|| unsafe { op.execute(ctx) })) {
+        Ok(r) => r,
+        Err(panic) => {
+            let retained = ctx.take_retained();
+            release_after(ctx.stream(), retained);
+            resume_unwind(panic)
+        }
+    }
+}
 
 /// Fails fast once the process's CUDA state is poisoned.
 pub(crate) fn check_poison() -> Result<()> {
@@ -25,7 +49,7 @@ pub(crate) fn run_blocking<O: DeviceOp>(op: O, mut ctx: ExecutionContext) -> Res
     check_poison()?;
     // SAFETY: we synchronize the stream below before returning the output or
     // dropping the retained values, on success and on error alike.
-    let out = unsafe { op.execute(&mut ctx) };
+    let out = unsafe { execute_guarded(op, &mut ctx) };
     let retained = ctx.take_retained();
     let synced = ctx
         .stream()
@@ -54,7 +78,7 @@ pub(crate) unsafe fn run_detached<O: DeviceOp>(
     check_poison()?;
     // SAFETY: retained values are released only after the stream passes the
     // work (below); output access is the caller's contract.
-    let out = unsafe { op.execute(&mut ctx) };
+    let out = unsafe { execute_guarded(op, &mut ctx) };
     let retained = ctx.take_retained();
     release_after(ctx.stream(), retained);
     out.map_err(note)
@@ -74,11 +98,8 @@ pub(crate) fn release_after(stream: &CudaStream, retained: Retained) {
             return;
         }
     };
-    cuda_core::reclaim::defer(move || {
-        if ev.synchronize().is_ok() {
-            drop(retained);
-        } else {
-            std::mem::forget(retained);
-        }
-    });
+    cuda_core::reclaim::defer_until(
+        move || cuda_core::reclaim::event_readiness(&ev),
+        move || drop(retained),
+    );
 }

@@ -4,15 +4,15 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
-use std::thread::Thread;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use cuda_core::reclaim::Readiness;
 use cuda_core::{Error, Result};
 
 use crate::completion::{watchdog, Completion, Status};
 use crate::context::{ExecutionContext, Retained};
-use crate::exec::{check_poison, note, release_after};
+use crate::exec::{check_poison, execute_guarded, note, release_after};
 use crate::op::DeviceOp;
 use crate::policy::{default_policy, SchedulingPolicy};
 use crate::reactor::{CompletionMode, StreamSlot};
@@ -97,7 +97,7 @@ impl<O: DeviceOp> DeviceFuture<O> {
         // host callback reports completion (or go to the reclaimer on drop,
         // which waits for the same callback); the output is only handed out
         // once the callback has run.
-        let out = unsafe { op.execute(&mut ctx) };
+        let out = unsafe { execute_guarded(op, &mut ctx) };
         let mut retained = ctx.take_retained();
         let output = match out {
             Ok(o) => o,
@@ -222,16 +222,15 @@ impl<O: DeviceOp> Drop for DeviceFuture<O> {
                 }
                 return;
             }
-            cuda_core::reclaim::defer(move || {
-                let waker = Waker::from(Arc::new(Unparker(std::thread::current())));
-                loop {
-                    match completion.poll_status(&waker) {
-                        Status::Pending => std::thread::park(),
-                        Status::Done => return drop(retained),
-                        Status::Failed => return std::mem::forget(retained),
-                    }
-                }
-            });
+            cuda_core::reclaim::defer_until(
+                move || match completion.status() {
+                    Status::Pending => Readiness::Pending,
+                    Status::Done => Readiness::Ready,
+                    // The GPU faulted: it may never release what it used.
+                    Status::Failed => Readiness::Failed,
+                },
+                move || drop(retained),
+            );
         }
     }
 }
@@ -273,17 +272,6 @@ impl Signal {
                 }
             }
         }
-    }
-}
-
-struct Unparker(Thread);
-
-impl Wake for Unparker {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.0.unpark();
     }
 }
 

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use cuda_core::cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg};
+use cuda_core::cudarc::driver::{CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
 use cuda_core::{DeviceBuffer, DeviceRepr, Error, Kernel, ParamClass, Result};
 
 use crate::context::ExecutionContext;
@@ -15,15 +15,34 @@ use crate::op::{impl_into_future, DeviceOp};
 /// Implemented for scalars (by value), and for device buffers owned
 /// (`DeviceBuffer<T>`, written and returned), borrowed (`&DeviceBuffer<T>`
 /// read, `&mut DeviceBuffer<T>` written) or shared (`Arc<DeviceBuffer<T>>`,
-/// read). Buffers are passed as device pointers; cudarc's per-buffer events
-/// order the launch after earlier writes (and reads, for writers) on any
-/// stream.
+/// read). Buffers are passed as device pointers, and the launch is ordered
+/// after the buffer's earlier writes (and reads, for writers) on any stream,
+/// then recorded as a read or a write. A kernel must not write through a
+/// read-only argument (`&DeviceBuffer`, `Arc<DeviceBuffer>`): later readers
+/// would not wait for that write.
 pub trait KernelArg: Send {
     /// `(bytes, class, rust type name)` for the parameter check.
     fn spec(&self) -> (usize, ParamClass, &'static str);
 
     /// Pushes the argument onto a cudarc launch builder.
     fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>);
+
+    /// Orders the launch on `stream` after the uses it conflicts with
+    /// (buffers); called before the launch is enqueued.
+    ///
+    /// # Errors
+    /// A buffer of another device; a driver error.
+    fn before(&self, _stream: &CudaStream) -> Result<()> {
+        Ok(())
+    }
+
+    /// Records the launch as a use (buffers); called after it is enqueued.
+    ///
+    /// # Errors
+    /// A driver error (the buffer then leaks rather than free early).
+    fn after(&self, _stream: &CudaStream) -> Result<()> {
+        Ok(())
+    }
 }
 
 macro_rules! scalar_arg {
@@ -52,6 +71,12 @@ impl<T: DeviceRepr + Send> KernelArg for DeviceBuffer<T> {
     fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
         args.arg(self.as_cuda_slice_mut());
     }
+    fn before(&self, stream: &CudaStream) -> Result<()> {
+        self.before_write(stream)
+    }
+    fn after(&self, stream: &CudaStream) -> Result<()> {
+        self.after_write(stream)
+    }
 }
 
 impl<T: DeviceRepr + Sync> KernelArg for &DeviceBuffer<T> {
@@ -60,6 +85,12 @@ impl<T: DeviceRepr + Sync> KernelArg for &DeviceBuffer<T> {
     }
     fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
         args.arg(self.as_cuda_slice());
+    }
+    fn before(&self, stream: &CudaStream) -> Result<()> {
+        self.before_read(stream)
+    }
+    fn after(&self, stream: &CudaStream) -> Result<()> {
+        self.after_read(stream)
     }
 }
 
@@ -70,6 +101,12 @@ impl<T: DeviceRepr + Send> KernelArg for &mut DeviceBuffer<T> {
     fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
         args.arg((**self).as_cuda_slice_mut());
     }
+    fn before(&self, stream: &CudaStream) -> Result<()> {
+        self.before_write(stream)
+    }
+    fn after(&self, stream: &CudaStream) -> Result<()> {
+        self.after_write(stream)
+    }
 }
 
 impl<T: DeviceRepr + Send + Sync> KernelArg for Arc<DeviceBuffer<T>> {
@@ -78,6 +115,12 @@ impl<T: DeviceRepr + Send + Sync> KernelArg for Arc<DeviceBuffer<T>> {
     }
     fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
         args.arg((**self).as_cuda_slice());
+    }
+    fn before(&self, stream: &CudaStream) -> Result<()> {
+        self.before_read(stream)
+    }
+    fn after(&self, stream: &CudaStream) -> Result<()> {
+        self.after_read(stream)
     }
 }
 
@@ -91,6 +134,19 @@ pub trait KernelArgs: Send {
 
     /// Pushes every argument, in order.
     fn push_all<'a>(&'a mut self, args: &mut LaunchArgs<'a>);
+
+    /// [`KernelArg::before`] for every argument.
+    ///
+    /// # Errors
+    /// The first argument's error.
+    fn before_all(&self, stream: &CudaStream) -> Result<()>;
+
+    /// [`KernelArg::after`] for every argument (all of them, even after an
+    /// error).
+    ///
+    /// # Errors
+    /// The first argument's error.
+    fn after_all(&self, stream: &CudaStream) -> Result<()>;
 }
 
 macro_rules! kernel_args {
@@ -102,6 +158,17 @@ macro_rules! kernel_args {
             #[allow(unused_variables)]
             fn push_all<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
                 $( self.$idx.push(args); )*
+            }
+            #[allow(unused_variables)]
+            fn before_all(&self, stream: &CudaStream) -> Result<()> {
+                $( self.$idx.before(stream)?; )*
+                Ok(())
+            }
+            #[allow(unused_variables, unused_mut)]
+            fn after_all(&self, stream: &CudaStream) -> Result<()> {
+                let mut first = Ok(());
+                $( if let Err(e) = self.$idx.after(stream) { if first.is_ok() { first = Err(e); } } )*
+                first
             }
         }
     };
@@ -215,19 +282,26 @@ impl<A: KernelArgs> DeviceOp for Launch<A> {
             )));
         }
         let stream = ctx.cuda_stream()?.clone();
-        {
+        self.args.before_all(&stream)?;
+        // The module must stay loaded while the kernel runs.
+        ctx.retain(self.kernel.clone());
+        let launched = {
             let mut b = stream.launch_builder(self.kernel.function());
             self.args.push_all(&mut b);
             // SAFETY: argument count and sizes match the kernel's PTX
             // parameters (checked above), so the driver reads valid argument
             // memory; buffers stay alive until the GPU is done (owned ones in
             // the output, borrowed ones for the op's lifetime, and every free
-            // is stream-ordered after the launch by cudarc's events); the
-            // kernel's own memory safety is the `launch` caller's contract.
-            unsafe { b.launch(self.config) }.map_err(|e| Error::driver("cuLaunchKernel", e))?;
-        }
-        // The module must stay loaded while the kernel runs.
-        ctx.retain(self.kernel.clone());
+            // is ordered after the uses recorded below); the kernel's own
+            // memory safety is the `launch` caller's contract.
+            unsafe { b.launch(self.config) }.map_err(|e| Error::driver("cuLaunchKernel", e))
+        };
+        // cudarc can fail after `cuLaunchKernel` enqueued the kernel (its
+        // event records come after), so record the uses either way; a
+        // buffer whose use cannot be recorded leaks instead of freeing early.
+        let recorded = self.args.after_all(&stream);
+        launched?;
+        recorded?;
         Ok(self.args)
     }
 }

@@ -10,7 +10,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cuda_core::cudarc::driver::{result, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
-use cuda_core::{DeviceBuffer, Error, PinnedBuffer, Result};
+use cuda_core::{is_page_locked, AnyBitPattern, DeviceBuffer, Error, PinnedBuffer, Result};
 
 use crate::context::ExecutionContext;
 use crate::op::{impl_into_future, DeviceOp};
@@ -116,8 +116,11 @@ impl<T, S> fmt::Debug for H2D<T, S> {
 /// Uploads host data into a new device buffer.
 ///
 /// Pageable host memory is staged by the driver during the call, so `src`
-/// is free to go as soon as the op is enqueued. For large or repeated
-/// uploads, [`copy_h2d`] from a [`PinnedBuffer`] is faster.
+/// is free to go as soon as the op is enqueued (a borrowed slice of
+/// page-locked memory is first copied to pageable memory, since the driver
+/// would read it asynchronously). The call may block the enqueuing thread
+/// while the driver stages large sources. For large or repeated uploads,
+/// [`copy_h2d`] from a [`PinnedBuffer`] is faster and never blocks.
 ///
 /// # Examples
 ///
@@ -127,31 +130,41 @@ impl<T, S> fmt::Debug for H2D<T, S> {
 /// assert_eq!(buf.len(), 3);
 /// # Ok::<(), cuda_async::Error>(())
 /// ```
-pub fn h2d<T: DeviceRepr, S: HostSource<T>>(src: S) -> H2D<T, S> {
+pub fn h2d<T: DeviceRepr + Copy, S: HostSource<T>>(src: S) -> H2D<T, S> {
     H2D {
         src,
         _t: PhantomData,
     }
 }
 
-impl<T: DeviceRepr + Send, S: HostSource<T>> DeviceOp for H2D<T, S> {
+impl<T: DeviceRepr + Copy + Send, S: HostSource<T>> DeviceOp for H2D<T, S> {
     type Output = DeviceBuffer<T>;
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
         let stream = ctx.cuda_stream()?;
         let src = self.src.host_slice();
         // SAFETY: every element is written by the copy enqueued next, before
-        // any later work on the buffer (stream order and its events).
+        // any later work on the buffer (its recorded write orders them).
         let mut dst = unsafe { DeviceBuffer::<T>::uninit(stream, src.len()) }?;
         if !src.is_empty() {
+            // A copy from page-locked memory (a borrowed pinned buffer) is
+            // truly asynchronous and would outlive the borrow: stage it.
+            let staged;
+            let src = if is_page_locked(src) {
+                staged = src.to_vec();
+                &staged[..]
+            } else {
+                src
+            };
             stream
                 .memcpy_htod(src, dst.as_cuda_slice_mut())
                 .map_err(|e| Error::driver("cuMemcpyHtoDAsync", e))?;
+            dst.after_write(stream)?;
         }
         Ok(dst)
     }
 }
-impl_into_future!(impl[T: DeviceRepr + Send, S: HostSource<T>] for H2D<T, S>);
+impl_into_future!(impl[T: DeviceRepr + Copy + Send, S: HostSource<T>] for H2D<T, S>);
 
 /// Op for [`d2h`].
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
@@ -167,7 +180,8 @@ impl<T, B> fmt::Debug for D2H<T, B> {
 }
 
 /// Downloads a device buffer (owned, borrowed or `Arc`ed) into a new
-/// pinned host buffer. The result's contents are reachable only once the
+/// pinned host buffer. The element type must accept any bit pattern
+/// ([`AnyBitPattern`]): the GPU may have written anything. The result's contents are reachable only once the
 /// copy is done (`as_slice` waits if needed; after `.sync()` or `.await`
 /// it never does).
 ///
@@ -179,7 +193,7 @@ impl<T, B> fmt::Debug for D2H<T, B> {
 /// assert_eq!(v, vec![3; 5]);
 /// # Ok::<(), cuda_async::Error>(())
 /// ```
-pub fn d2h<T: DeviceRepr, B: Borrow<DeviceBuffer<T>> + Send>(src: B) -> D2H<T, B> {
+pub fn d2h<T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send>(src: B) -> D2H<T, B> {
     D2H {
         src,
         _t: PhantomData,
@@ -188,7 +202,7 @@ pub fn d2h<T: DeviceRepr, B: Borrow<DeviceBuffer<T>> + Send>(src: B) -> D2H<T, B
 
 impl<T, B> DeviceOp for D2H<T, B>
 where
-    T: DeviceRepr + Copy + Send,
+    T: AnyBitPattern,
     B: Borrow<DeviceBuffer<T>> + Send,
 {
     type Output = PinnedBuffer<T>;
@@ -202,7 +216,7 @@ where
         Ok(dst)
     }
 }
-impl_into_future!(impl[T: DeviceRepr + Copy + Send, B: Borrow<DeviceBuffer<T>> + Send] for D2H<T, B>);
+impl_into_future!(impl[T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send] for D2H<T, B>);
 
 fn enqueue_d2h<T: DeviceRepr>(
     ctx: &ExecutionContext,
@@ -215,11 +229,13 @@ fn enqueue_d2h<T: DeviceRepr>(
     }
     let stream = ctx.cuda_stream()?;
     bind(ctx)?;
+    src.before_read(stream)?;
     // SAFETY: the copy below writes exactly `dst.len()` elements on `stream`,
     // and `record_use` follows it.
     let host = unsafe { dst.begin_use(stream) }?;
     {
-        // Waits for the buffer's last write; records a read when dropped.
+        // (cudarc's own tracking too: waits for its last write, records a
+        // read when dropped.)
         let (dptr, _read) = src.as_cuda_slice().device_ptr(stream);
         // SAFETY: `host` points to `dst.len()` pinned elements that nothing
         // else touches until the recorded use completes; `dptr` holds as many.
@@ -228,7 +244,9 @@ fn enqueue_d2h<T: DeviceRepr>(
         unsafe { result::memcpy_dtoh_async(dst_slice, dptr, stream.cu_stream()) }
             .map_err(|e| Error::driver("cuMemcpyDtoHAsync", e))?;
     }
-    dst.record_use(stream)
+    let read = src.after_read(stream);
+    dst.record_use(stream)?;
+    read
 }
 
 /// Op for [`copy_d2h`].
@@ -251,14 +269,14 @@ impl<T, B> fmt::Debug for CopyD2H<T, B> {
 ///
 /// # Errors
 /// At execution: [`Error::InvalidArgument`] if the lengths differ.
-pub fn copy_d2h<T: DeviceRepr, B: Borrow<DeviceBuffer<T>> + Send>(
+pub fn copy_d2h<T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send>(
     src: B,
     dst: PinnedBuffer<T>,
 ) -> CopyD2H<T, B> {
     CopyD2H { src, dst }
 }
 
-impl<T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send> DeviceOp for CopyD2H<T, B> {
+impl<T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send> DeviceOp for CopyD2H<T, B> {
     type Output = (B, PinnedBuffer<T>);
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<Self::Output> {
@@ -266,7 +284,7 @@ impl<T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send> DeviceOp for CopyD
         Ok((self.src, self.dst))
     }
 }
-impl_into_future!(impl[T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send] for CopyD2H<T, B>);
+impl_into_future!(impl[T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send] for CopyD2H<T, B>);
 
 /// Op for [`copy_h2d`].
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
@@ -301,6 +319,7 @@ impl<T: DeviceRepr + Send> DeviceOp for CopyH2D<T> {
         if !self.src.is_empty() {
             let stream = ctx.cuda_stream()?;
             bind(ctx)?;
+            self.dst.before_write(stream)?;
             // SAFETY: the copy reads `len` elements on `stream`; `record_use`
             // follows.
             let host = unsafe { self.src.begin_use(stream) }?;
@@ -313,7 +332,9 @@ impl<T: DeviceRepr + Send> DeviceOp for CopyH2D<T> {
                 unsafe { result::memcpy_htod_async(dptr, src, stream.cu_stream()) }
                     .map_err(|e| Error::driver("cuMemcpyHtoDAsync", e))?;
             }
+            let written = self.dst.after_write(stream);
             self.src.record_use(stream)?;
+            written?;
         }
         Ok((self.src, self.dst))
     }
@@ -360,9 +381,13 @@ impl<T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send> DeviceOp for D2D<T
         // SAFETY: fully written by the copy enqueued next.
         let mut dst = unsafe { DeviceBuffer::<T>::uninit(stream, src.len()) }?;
         if !src.is_empty() {
+            src.before_read(stream)?;
             stream
                 .memcpy_dtod(src.as_cuda_slice(), dst.as_cuda_slice_mut())
                 .map_err(|e| Error::driver("cuMemcpyDtoDAsync", e))?;
+            let read = src.after_read(stream);
+            dst.after_write(stream)?;
+            read?;
         }
         Ok(dst)
     }
@@ -385,7 +410,8 @@ impl<T> fmt::Debug for Memset<T> {
     }
 }
 
-/// Sets every byte of `buf` to `byte`; yields the buffer back.
+/// Sets every byte of `buf` to `byte`; yields the buffer back. Only for
+/// element types where every bit pattern is valid ([`AnyBitPattern`]).
 ///
 /// # Examples
 ///
@@ -395,11 +421,11 @@ impl<T> fmt::Debug for Memset<T> {
 /// assert_eq!(v, vec![u32::MAX; 4]);
 /// # Ok::<(), cuda_async::Error>(())
 /// ```
-pub fn memset<T: DeviceRepr>(buf: DeviceBuffer<T>, byte: u8) -> Memset<T> {
+pub fn memset<T: AnyBitPattern>(buf: DeviceBuffer<T>, byte: u8) -> Memset<T> {
     Memset { buf, byte }
 }
 
-impl<T: DeviceRepr + Send> DeviceOp for Memset<T> {
+impl<T: AnyBitPattern> DeviceOp for Memset<T> {
     type Output = DeviceBuffer<T>;
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
@@ -407,12 +433,16 @@ impl<T: DeviceRepr + Send> DeviceOp for Memset<T> {
         bind(ctx)?;
         let bytes = self.buf.num_bytes();
         if bytes > 0 {
-            let (dptr, _write) = self.buf.as_cuda_slice_mut().device_ptr_mut(stream);
-            // SAFETY: `dptr` addresses `bytes` bytes of a live allocation.
-            unsafe { result::memset_d8_async(dptr, self.byte, bytes, stream.cu_stream()) }
-                .map_err(|e| Error::driver("cuMemsetD8Async", e))?;
+            self.buf.before_write(stream)?;
+            {
+                let (dptr, _write) = self.buf.as_cuda_slice_mut().device_ptr_mut(stream);
+                // SAFETY: `dptr` addresses `bytes` bytes of a live allocation.
+                unsafe { result::memset_d8_async(dptr, self.byte, bytes, stream.cu_stream()) }
+                    .map_err(|e| Error::driver("cuMemsetD8Async", e))?;
+            }
+            self.buf.after_write(stream)?;
         }
         Ok(self.buf)
     }
 }
-impl_into_future!(impl[T: DeviceRepr + Send] for Memset<T>);
+impl_into_future!(impl[T: AnyBitPattern] for Memset<T>);

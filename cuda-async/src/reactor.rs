@@ -380,7 +380,12 @@ fn check_fault(s: &Arc<StreamSlot>) -> usize {
         }
         // SAFETY: the stream is live (the slot holds its Arc).
         let rc = unsafe { sys::cuStreamQuery(s.stream.cu_stream()) };
-        if cuda_core::is_sticky(rc) {
+        // Anything but done/not-ready: this stream's work will not finish
+        // normally; sticky codes also poison the process (`note_error`).
+        if !matches!(
+            rc,
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_NOT_READY
+        ) {
             let e = Error::driver("cuStreamQuery", cuda_core::cudarc::driver::DriverError(rc));
             crate::completion::watchdog::note_error(&e);
             Some(e)

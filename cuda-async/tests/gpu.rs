@@ -763,6 +763,92 @@ fn a_buffer_dropped_while_another_stream_uses_it_is_freed_after_that_use() {
     }
 }
 
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_buffer_read_on_two_streams_is_freed_after_both_reads() {
+    let k = kernels();
+    let d = dev();
+    let mut rng = Rng::new();
+    let n = 1 << 20;
+    let x = rng.f32s(n);
+    let input = Arc::new(h2d(x.clone()).sync().unwrap());
+    let (g1, g2) = (Arc::new(Gate::new()), Arc::new(Gate::new()));
+    let _f1 = failsafe(&g1, 5);
+    let _f2 = failsafe(&g2, 20);
+    let (s1, s2) = (d.new_stream().unwrap(), d.new_stream().unwrap());
+    g1.close_on(&s1);
+    g2.close_on(&s2);
+    let read_on = |s: &Arc<CudaStream>, v: f32| {
+        let ca = k.copy_add.clone();
+        let out = zeros::<f32>(n).sync_on(s).unwrap();
+        // SAFETY: copy_add reads input[0..n), writes out[0..n); both have n elements.
+        let (_, out, _, _) =
+            unsafe { launch(&ca, cfg(n as u32), (input.clone(), out, v, n as u32)).async_on(s) }
+                .unwrap();
+        out
+    };
+    let out1 = read_on(&s1, 1.0);
+    let out2 = read_on(&s2, 2.0);
+    // The last reference goes: the free must wait for BOTH readers.
+    drop(input);
+    // The second reader finishes; the first is still gated.
+    g2.open();
+    s2.synchronize().unwrap();
+    // Allocate and fill probes: if the block had been freed after the second
+    // reader only, they could take it and the first reader would read them.
+    let probe_stream = d.new_stream().unwrap();
+    let mut probes = Vec::new();
+    for i in 0..8u8 {
+        let b = zeros::<u8>(n * 4)
+            .then(move |b| memset(b, 0x30 + i))
+            .sync_on(&probe_stream)
+            .unwrap();
+        probes.push((b, 0x30 + i));
+    }
+    g1.open();
+    let got1 = d2h(out1).sync_on(&s1).unwrap();
+    let got2 = d2h(out2).sync_on(&s2).unwrap();
+    let w1: Vec<f32> = x.iter().map(|v| v + 1.0).collect();
+    let w2: Vec<f32> = x.iter().map(|v| v + 2.0).collect();
+    assert_eq!(
+        got1.as_slice().unwrap(),
+        &w1[..],
+        "the first reader read freed memory"
+    );
+    assert_eq!(got2.as_slice().unwrap(), &w2[..]);
+    for (b, byte) in probes {
+        let v = d2h(b).sync_on(&probe_stream).unwrap();
+        assert!(v.as_slice().unwrap().iter().all(|&v| v == byte));
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn an_upload_from_a_borrowed_pinned_slice_is_staged() {
+    let d = dev();
+    let mut rng = Rng::new();
+    let x = rng.u32s(1 << 16);
+    let mut pinned = PinnedBuffer::from_slice(&d, &x).unwrap();
+    let gate = Arc::new(Gate::new());
+    let _f = failsafe(&gate, 20);
+    let gated = d.new_stream().unwrap();
+    gate.close_on(&gated);
+    // SAFETY: the output is a DeviceBuffer, which orders its own uses.
+    let buf = unsafe { h2d(pinned.as_slice().unwrap()).async_on(&gated) }.unwrap();
+    // The borrow has ended; the host may now change the pinned memory while
+    // the upload is still queued behind the gate.
+    for v in pinned.as_mut_slice().unwrap() {
+        *v = 0xDEAD_BEEF;
+    }
+    gate.open();
+    let back = d2h(buf).sync_on(&gated).unwrap();
+    assert_eq!(
+        back.as_slice().unwrap(),
+        &x[..],
+        "the upload read the pinned memory late"
+    );
+}
+
 /// The child half of the sticky-fault test (runs only when asked to, in its
 /// own process, because a fault poisons every CUDA context of the process).
 #[test]

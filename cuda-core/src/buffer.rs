@@ -1,31 +1,55 @@
-//! Typed device buffers.
+//! Typed device buffers that order every use across streams themselves.
 //!
-//! `DeviceBuffer<T>` wraps cudarc's `CudaSlice<T>` rather than replacing it,
-//! for two reasons: its destructor frees with `cuMemFreeAsync` on its
-//! stream after waiting on the events of its last read and write on any
-//! stream (so a buffer dropped while a kernel on another stream still uses
-//! it is freed only after that kernel: invariant 2), and interop code that
-//! holds `CudaSlice`s can pass them in and out for free. The wrapper adds
-//! what `CudaSlice` lacks: `Send`/`Sync` only when `T` is, a `DeviceRepr`
-//! bound at construction, and room for the remote backend's buffers.
+//! `DeviceBuffer<T>` wraps cudarc's `CudaSlice<T>` (so interop code can pass
+//! slices in and out) but does not rely on cudarc's use tracking for
+//! safety: cudarc keeps one read event per slice (a second reader stream
+//! overwrites the first, so a free waits only for the last reader), and its
+//! waits go through a context-binding call that silently skips them when an
+//! earlier error is pending. So the buffer keeps its own events, through raw
+//! driver calls: one per stream that read it since the last write, and one
+//! for the last write. Every use through this crate waits for what it must
+//! (a read for the last write; a write for the last write and every read)
+//! and records itself; the destructor makes the buffer's home stream wait
+//! for all of them before the stream-ordered free (`cuMemFreeAsync`), and
+//! leaks the memory rather than free it if it cannot order the free.
+//!
+//! Uses made directly through the cudarc slice (`as_cuda_slice`) are
+//! ordered by cudarc's own, weaker tracking only.
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::mem::ManuallyDrop;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 
 use crate::device::Device;
 use crate::error::{DriverResultExt, Error, Result};
+use crate::raw::{set_current, RawEvent};
 
 /// A typed buffer in device memory.
 ///
 /// Its contents are only reachable through work on a stream (copies,
-/// kernels); all such work is ordered by cudarc's per-buffer events, so a
-/// buffer can be handed out while the GPU still writes it.
+/// kernels). Every use through this crate is ordered after the uses it
+/// conflicts with, on any stream, and the buffer's free after all of them;
+/// so a buffer can be handed out, used and dropped while the GPU still works
+/// on it.
 pub struct DeviceBuffer<T> {
-    slice: CudaSlice<T>,
+    slice: ManuallyDrop<CudaSlice<T>>,
+    uses: Mutex<Uses>,
     _marker: PhantomData<T>,
+}
+
+/// Events of the uses since the last write (reads, per stream) and of the
+/// last write.
+#[derive(Default)]
+struct Uses {
+    /// Keyed by the stream handle's address (identity only).
+    reads: Vec<(usize, RawEvent)>,
+    write: Option<(usize, RawEvent)>,
+    /// Set when a use could not be recorded: the buffer can no longer tell
+    /// when the GPU is done with it, so it is never freed.
+    broken: bool,
 }
 
 impl<T> fmt::Debug for DeviceBuffer<T> {
@@ -42,7 +66,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// Takes ownership of a cudarc slice.
     pub fn from_cuda_slice(slice: CudaSlice<T>) -> Self {
         DeviceBuffer {
-            slice,
+            slice: ManuallyDrop::new(slice),
+            uses: Mutex::default(),
             _marker: PhantomData,
         }
     }
@@ -58,7 +83,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     {
         check_len::<T>(len)?;
         let slice = stream.alloc_zeros::<T>(len).call("cuMemAllocAsync")?;
-        Ok(Self::from_cuda_slice(slice))
+        let b = Self::from_cuda_slice(slice);
+        b.after_write(stream)?;
+        Ok(b)
     }
 
     /// Allocates `len` elements with unspecified contents.
@@ -67,9 +94,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// As [`DeviceBuffer::zeros`].
     ///
     /// # Safety
-    /// The contents are uninitialised device memory: a kernel that reads
-    /// them before writing reads garbage (not host UB, but wrong results).
-    /// Callers make sure every element is written before it is read.
+    /// The contents are uninitialised device memory: the caller makes sure
+    /// every element is written before it is read (by the GPU or, after a
+    /// download, by the host).
     pub unsafe fn uninit(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
         check_len::<T>(len)?;
         // SAFETY: forwarded to the caller (see `# Safety`).
@@ -104,19 +131,173 @@ impl<T> DeviceBuffer<T> {
         self.slice.stream()
     }
 
-    /// The cudarc slice, for interop and kernel arguments.
+    /// The cudarc slice, for interop and kernel arguments. Uses made through
+    /// it directly are ordered by cudarc's tracking only (see the module
+    /// docs).
     pub fn as_cuda_slice(&self) -> &CudaSlice<T> {
         &self.slice
     }
 
-    /// The cudarc slice, mutably (kernel arguments that write).
+    /// The cudarc slice, mutably (see [`DeviceBuffer::as_cuda_slice`]).
     pub fn as_cuda_slice_mut(&mut self) -> &mut CudaSlice<T> {
         &mut self.slice
     }
 
-    /// Gives the cudarc slice back.
-    pub fn into_cuda_slice(self) -> CudaSlice<T> {
-        self.slice
+    /// Gives the cudarc slice back, after making its home stream wait for
+    /// every use recorded here (so cudarc's own tracking suffices after).
+    ///
+    /// # Errors
+    /// A driver error if the wait cannot be enqueued; the memory is then
+    /// leaked, never freed.
+    pub fn into_cuda_slice(self) -> Result<CudaSlice<T>> {
+        let mut this = ManuallyDrop::new(self);
+        let ordered = this.order_home_stream();
+        // SAFETY: `this` is never used or dropped again; each field is moved
+        // out (or dropped) exactly once.
+        let uses = unsafe { std::ptr::read(&this.uses) };
+        drop(uses);
+        match ordered {
+            // SAFETY: as above: the slice is taken exactly once.
+            Ok(()) => Ok(unsafe { ManuallyDrop::take(&mut this.slice) }),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn same_context(&self, stream: &CudaStream) -> Result<()> {
+        if stream.context().cu_ctx() == self.slice.stream().context().cu_ctx() {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "a buffer of device {} used on a stream of device {}",
+                self.slice.ordinal(),
+                stream.context().ordinal()
+            )))
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Uses> {
+        self.uses.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Orders a read on `stream` after the last write. Call before
+    /// enqueuing the read, and [`DeviceBuffer::after_read`] after.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a stream of another device; a driver
+    /// error if the wait cannot be enqueued.
+    pub fn before_read(&self, stream: &CudaStream) -> Result<()> {
+        self.same_context(stream)?;
+        let u = self.lock();
+        if let Some((s, ev)) = &u.write {
+            if *s != stream.cu_stream() as usize {
+                ev.wait_on(stream)
+                    .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a read enqueued on `stream` (later writes and the free wait
+    /// for it).
+    ///
+    /// # Errors
+    /// A driver error if the event cannot be created or recorded; the
+    /// buffer is then never freed (it cannot know when the read ends).
+    pub fn after_read(&self, stream: &CudaStream) -> Result<()> {
+        let mut u = self.lock();
+        let r = (|| {
+            let raw = stream.cu_stream() as usize;
+            if let Some((_, ev)) = u.reads.iter().find(|(s, _)| *s == raw) {
+                return ev.record(stream);
+            }
+            let ev = RawEvent::new(stream.context())?;
+            ev.record(stream)?;
+            u.reads.push((raw, ev));
+            Ok(())
+        })();
+        if r.is_err() {
+            u.broken = true;
+        }
+        r
+    }
+
+    /// Orders a write on `stream` after the last write and every read since.
+    /// Call before enqueuing the write, and [`DeviceBuffer::after_write`]
+    /// after.
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::before_read`].
+    pub fn before_write(&self, stream: &CudaStream) -> Result<()> {
+        self.same_context(stream)?;
+        let u = self.lock();
+        let raw = stream.cu_stream() as usize;
+        for (s, ev) in u.reads.iter().chain(u.write.iter()) {
+            if *s != raw {
+                ev.wait_on(stream)
+                    .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a write enqueued on `stream`. Earlier reads are ordered
+    /// before it (by [`DeviceBuffer::before_write`]), so they are forgotten.
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::after_read`].
+    pub fn after_write(&self, stream: &CudaStream) -> Result<()> {
+        let mut u = self.lock();
+        let r = (|| {
+            let raw = stream.cu_stream() as usize;
+            let ev = match u.write.take() {
+                Some((_, ev)) => ev,
+                None => match u.reads.iter().position(|(s, _)| *s == raw) {
+                    Some(i) => u.reads.swap_remove(i).1,
+                    None => RawEvent::new(stream.context())?,
+                },
+            };
+            let rec = ev.record(stream);
+            u.write = Some((raw, ev));
+            rec?;
+            u.reads.clear();
+            Ok(())
+        })();
+        if r.is_err() {
+            u.broken = true;
+        }
+        r
+    }
+
+    /// Makes the home stream wait for every recorded use (raw calls).
+    fn order_home_stream(&self) -> Result<()> {
+        let u = self.lock();
+        if u.broken {
+            return Err(Error::InvalidArgument(
+                "a use of this buffer could not be recorded; it is leaked".into(),
+            ));
+        }
+        let home = self.slice.stream();
+        if u.reads.is_empty() && u.write.is_none() {
+            return Ok(());
+        }
+        set_current(home.context())?;
+        for (_, ev) in u.reads.iter().chain(u.write.iter()) {
+            ev.wait_on(home)
+                .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
+        }
+        Ok(())
+    }
+}
+
+impl<T> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        if self.order_home_stream().is_ok() {
+            // SAFETY: dropped exactly once, here; the home stream now waits
+            // for every use recorded by this crate, so cudarc's
+            // stream-ordered free comes after them.
+            unsafe { ManuallyDrop::drop(&mut self.slice) };
+        }
+        // else: the free cannot be ordered after the GPU's uses: leak.
     }
 }
 
@@ -130,3 +311,23 @@ pub(crate) fn check_len<T>(len: usize) -> Result<usize> {
             ))
         })
 }
+
+/// Types for which every bit pattern is a valid value (integers, floats,
+/// arrays of them). Bytes written by the GPU (a memset, a kernel, a copy)
+/// can only be read on the host as such types: a `bool` holding `2` would
+/// be undefined behaviour.
+///
+/// # Safety
+/// Implement only for types with no padding, no invalid bit patterns and no
+/// pointers or references (plain old data).
+pub unsafe trait AnyBitPattern: DeviceRepr + Copy + Send + Sync + 'static {}
+
+macro_rules! any_bit_pattern {
+    ($($t:ty),*) => {$(
+        // SAFETY: every bit pattern of this primitive is a valid value.
+        unsafe impl AnyBitPattern for $t {}
+    )*};
+}
+any_bit_pattern!(u8, i8, u16, i16, u32, i32, u64, i64, u128, i128, usize, isize, f32, f64);
+// SAFETY: an array of values with any bit pattern has any bit pattern.
+unsafe impl<T: AnyBitPattern, const N: usize> AnyBitPattern for [T; N] {}

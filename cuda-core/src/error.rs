@@ -63,8 +63,6 @@ pub enum Error {
     InvalidArgument(String),
     /// A shared op panicked while it was first executed; its result is gone.
     SharedPoisoned,
-    /// User code run by the framework (a `map`/`then` closure) panicked.
-    Panicked(String),
     /// Any other error, boxed (e.g. from a remote backend).
     Other(Arc<dyn std::error::Error + Send + Sync>),
 }
@@ -118,6 +116,7 @@ pub fn is_sticky(code: CUresult) -> bool {
             | CUDA_ERROR_ASSERT
             | CUDA_ERROR_ECC_UNCORRECTABLE
             | CUDA_ERROR_CONTEXT_IS_DESTROYED
+            | CUDA_ERROR_LAUNCH_TIMEOUT
     )
 }
 
@@ -175,7 +174,6 @@ impl fmt::Display for Error {
                     "a shared op panicked when it first ran; its result is unavailable"
                 )
             }
-            Error::Panicked(msg) => write!(f, "user code panicked: {msg}"),
             Error::Other(e) => write!(f, "{e}"),
         }
     }

@@ -30,6 +30,10 @@ pub struct PinnedBuffer<T> {
     last_use: Option<CudaEvent>,
     /// Set once `last_use` is known to be complete.
     idle: AtomicBool,
+    /// Set when a GPU use could not be recorded: the buffer can no longer
+    /// tell when the GPU is done with it, so host access fails and the
+    /// memory is leaked, never freed.
+    broken: AtomicBool,
     _marker: PhantomData<T>,
 }
 
@@ -125,6 +129,7 @@ impl<T: DeviceRepr + Copy> PinnedBuffer<T> {
             ctx,
             last_use: None,
             idle: AtomicBool::new(true),
+            broken: AtomicBool::new(false),
             _marker: PhantomData,
         })
     }
@@ -147,6 +152,13 @@ impl<T> PinnedBuffer<T> {
     /// # Errors
     /// The sticky error, if the GPU faulted before finishing the work.
     pub fn is_idle(&self) -> Result<bool> {
+        if self.broken.load(Ordering::Acquire) {
+            return Err(Error::InvalidArgument(
+                "a GPU use of this pinned buffer could not be recorded; its contents are \
+                 unavailable"
+                    .into(),
+            ));
+        }
         if self.idle.load(Ordering::Acquire) {
             return Ok(true);
         }
@@ -225,6 +237,18 @@ impl<T> PinnedBuffer<T> {
     /// the pointer, only on `stream`, and calls `record_use(stream)` after it
     /// before any other use of the buffer.
     pub unsafe fn begin_use(&mut self, stream: &CudaStream) -> Result<*mut T> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(Error::InvalidArgument(format!(
+                "a pinned buffer of device {} used on a stream of device {}",
+                self.ctx.ordinal(),
+                stream.context().ordinal()
+            )));
+        }
+        if self.broken.load(Ordering::Acquire) {
+            return Err(Error::InvalidArgument(
+                "a GPU use of this pinned buffer could not be recorded earlier".into(),
+            ));
+        }
         if let Some(ev) = &self.last_use {
             if !self.idle.load(Ordering::Acquire) {
                 stream.wait(ev).call("cuStreamWaitEvent")?;
@@ -238,19 +262,27 @@ impl<T> PinnedBuffer<T> {
     ///
     /// # Errors
     /// A driver error from `cuEventCreate` or `cuEventRecord`. On error the
-    /// buffer treats itself as busy forever (it will leak rather than free
-    /// memory the GPU might still use).
+    /// buffer marks itself broken: host access fails from then on and the
+    /// memory is leaked rather than freed while the GPU might still use it.
     pub fn record_use(&mut self, stream: &CudaStream) -> Result<()> {
         self.idle.store(false, Ordering::Release);
-        if self.last_use.is_none() {
-            let ev = self
-                .ctx
-                .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                .call("cuEventCreate")?;
-            self.last_use = Some(ev);
+        let r = (|| {
+            if self.last_use.is_none() {
+                let ev = self
+                    .ctx
+                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                    .call("cuEventCreate")?;
+                self.last_use = Some(ev);
+            }
+            match &self.last_use {
+                Some(ev) => ev.record(stream).call("cuEventRecord"),
+                None => Ok(()),
+            }
+        })();
+        if r.is_err() {
+            self.broken.store(true, Ordering::Release);
         }
-        let ev = self.last_use.as_ref().expect("event just created");
-        ev.record(stream).call("cuEventRecord")
+        r
     }
 }
 
@@ -275,15 +307,21 @@ impl<T> Drop for PinnedBuffer<T> {
             // In flight: free once the GPU is done with it.
             Ok(false) => {
                 let ev = self.last_use.take().expect("busy implies an event");
-                crate::reclaim::defer(move || {
-                    if ev.synchronize().is_ok() {
-                        free();
-                    }
-                    // else: the context faulted; leak rather than guess.
-                });
+                // Freed once the copy is done; leaked if the context faulted.
+                crate::reclaim::defer_until(move || crate::reclaim::event_readiness(&ev), free);
             }
             // The GPU faulted while it might have been using the memory: leak.
             Err(_) => {}
         }
     }
+}
+
+/// Whether `data` lies in page-locked host memory known to the driver (a
+/// [`PinnedBuffer`], or memory registered by other code). Copies from such
+/// memory are truly asynchronous, so it must outlive the copy: borrowed
+/// uploads use this to decide whether to stage the data first.
+pub fn is_page_locked<T>(data: &[T]) -> bool {
+    !data.is_empty()
+        && crate::device::driver_present()
+        && crate::raw::is_page_locked(data.as_ptr() as *const u8)
 }

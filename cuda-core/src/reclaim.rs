@@ -2,13 +2,48 @@
 //! work may still be running, so that no caller (an async executor's
 //! thread, above all) ever blocks on the GPU in a destructor.
 //!
-//! A job may block (it waits for the GPU before freeing); jobs run in the
-//! order they were deferred.
+//! A job comes with a readiness check (an event query, a completion flag).
+//! The thread polls pending jobs without blocking, with a back-off from
+//! 50 us to 5 ms while any are pending, and sleeps on its queue when none
+//! are; so one job waiting on a slow stream never holds up the others. A job
+//! whose GPU work can never complete (a fault) is leaked, never run: leaking
+//! is always safe, freeing early never is.
 
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::{channel, RecvTimeoutError, Sender};
 use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
 
-type Job = Box<dyn FnOnce() + Send + 'static>;
+use cudarc::driver::{result, sys, CudaEvent};
+
+/// Whether the GPU work a deferred job waits for is done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Readiness {
+    /// Done: release now.
+    Ready,
+    /// Still running: ask again later.
+    Pending,
+    /// It will never complete normally (the GPU faulted): leak.
+    Failed,
+}
+
+/// The readiness of the work before `ev`'s last record (a raw
+/// `cuEventQuery`, which needs no context binding).
+pub fn event_readiness(ev: &CudaEvent) -> Readiness {
+    // SAFETY: `ev` is a live event; the query only reads its state.
+    match unsafe { result::event::query(ev.cu_event()) } {
+        Ok(()) => Readiness::Ready,
+        Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Readiness::Pending,
+        Err(_) => Readiness::Failed,
+    }
+}
+
+struct Job {
+    check: Box<dyn FnMut() -> Readiness + Send>,
+    release: Box<dyn FnOnce() + Send>,
+}
+
+const MIN_BACKOFF: Duration = Duration::from_micros(50);
+const MAX_BACKOFF: Duration = Duration::from_millis(5);
 
 fn sender() -> &'static Mutex<Sender<Job>> {
     static TX: OnceLock<Mutex<Sender<Job>>> = OnceLock::new();
@@ -17,9 +52,50 @@ fn sender() -> &'static Mutex<Sender<Job>> {
         std::thread::Builder::new()
             .name("cuda-reclaim".into())
             .spawn(move || {
-                for job in rx {
-                    // A panicking job must not take the reclaimer down.
-                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                let mut pending: Vec<Job> = Vec::new();
+                let mut backoff = MIN_BACKOFF;
+                loop {
+                    // Take new jobs: wait for one if nothing is pending,
+                    // else at most one back-off period.
+                    let first = if pending.is_empty() {
+                        match rx.recv() {
+                            Ok(j) => Some(j),
+                            Err(_) => return,
+                        }
+                    } else {
+                        match rx.recv_timeout(backoff) {
+                            Ok(j) => Some(j),
+                            Err(RecvTimeoutError::Timeout) => None,
+                            Err(RecvTimeoutError::Disconnected) => return,
+                        }
+                    };
+                    pending.extend(first);
+                    pending.extend(rx.try_iter());
+                    let before = pending.len();
+                    let mut i = 0;
+                    while i < pending.len() {
+                        // A panicking check or release must not take the
+                        // reclaimer down; such a job is dropped (leaked).
+                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            (pending[i].check)()
+                        }))
+                        .unwrap_or(Readiness::Failed);
+                        match r {
+                            Readiness::Pending => i += 1,
+                            Readiness::Ready => {
+                                let job = pending.swap_remove(i);
+                                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+                                    job.release,
+                                ));
+                            }
+                            Readiness::Failed => std::mem::forget(pending.swap_remove(i)),
+                        }
+                    }
+                    backoff = if pending.len() < before {
+                        MIN_BACKOFF
+                    } else {
+                        (backoff * 2).min(MAX_BACKOFF)
+                    };
                 }
             })
             .expect("failed to spawn the cuda-reclaim thread");
@@ -27,36 +103,90 @@ fn sender() -> &'static Mutex<Sender<Job>> {
     })
 }
 
-/// Runs `job` on the reclaimer thread. `job` may block until the GPU is done
-/// with what it releases; it must not wait on anything that needs the caller.
-///
-/// If the reclaimer thread cannot be reached, the job is leaked (never run):
-/// leaking is always safe, freeing early never is.
-pub fn defer(job: impl FnOnce() + Send + 'static) {
+/// Runs `release` on the reclaimer thread once `check` says the GPU work
+/// it waits for is done; leaks it if `check` says that work failed.
+/// Never blocks the caller.
+pub fn defer_until(
+    check: impl FnMut() -> Readiness + Send + 'static,
+    release: impl FnOnce() + Send + 'static,
+) {
+    let job = Job {
+        check: Box::new(check),
+        release: Box::new(release),
+    };
     let tx = sender().lock().unwrap_or_else(|e| e.into_inner());
-    if let Err(e) = tx.send(Box::new(job)) {
+    if let Err(e) = tx.send(job) {
+        // The reclaimer is gone: leak rather than release early.
         std::mem::forget(e.0);
     }
 }
 
+/// Runs `release` on the reclaimer thread as soon as possible (for frees
+/// that may block, such as `cuMemFreeHost`, but wait for no GPU work).
+pub fn defer(release: impl FnOnce() + Send + 'static) {
+    defer_until(|| Readiness::Ready, release);
+}
+
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
     #[test]
-    fn jobs_run_in_order() {
+    fn ready_jobs_run() {
         let (tx, rx) = std::sync::mpsc::channel();
         for i in 0..100 {
             let tx = tx.clone();
-            super::defer(move || tx.send(i).unwrap());
+            defer(move || tx.send(i).unwrap());
         }
-        let got: Vec<i32> = (0..100).map(|_| rx.recv().unwrap()).collect();
+        let mut got: Vec<i32> = (0..100).map(|_| rx.recv().unwrap()).collect();
+        got.sort();
         assert_eq!(got, (0..100).collect::<Vec<_>>());
     }
 
     #[test]
-    fn a_panicking_job_does_not_stop_the_thread() {
-        super::defer(|| panic!("boom"));
+    fn a_pending_job_does_not_hold_up_later_ones() {
+        let gate = Arc::new(AtomicBool::new(false));
+        let g = gate.clone();
         let (tx, rx) = std::sync::mpsc::channel();
-        super::defer(move || tx.send(7).unwrap());
+        let tx1 = tx.clone();
+        defer_until(
+            move || {
+                if g.load(Ordering::SeqCst) {
+                    Readiness::Ready
+                } else {
+                    Readiness::Pending
+                }
+            },
+            move || tx1.send("slow").unwrap(),
+        );
+        defer(move || tx.send("fast").unwrap());
+        assert_eq!(rx.recv().unwrap(), "fast");
+        gate.store(true, Ordering::SeqCst);
+        assert_eq!(rx.recv().unwrap(), "slow");
+    }
+
+    #[test]
+    fn failed_jobs_are_leaked_not_run() {
+        let ran = Arc::new(AtomicBool::new(false));
+        let r = ran.clone();
+        defer_until(
+            || Readiness::Failed,
+            move || r.store(true, Ordering::SeqCst),
+        );
+        let (tx, rx) = std::sync::mpsc::channel();
+        defer(move || tx.send(()).unwrap());
+        rx.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!ran.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn a_panicking_job_does_not_stop_the_thread() {
+        defer(|| panic!("boom"));
+        let (tx, rx) = std::sync::mpsc::channel();
+        defer(move || tx.send(7).unwrap());
         assert_eq!(rx.recv().unwrap(), 7);
     }
 }

@@ -15,6 +15,9 @@ use crate::context::ExecutionContext;
 pub(crate) struct Fork {
     fork_event: Option<CudaEvent>,
     joins: Vec<CudaEvent>,
+    /// The first failure to record an arm's end (that arm's retained values
+    /// were leaked, since the parent cannot be ordered after it).
+    error: Option<Error>,
 }
 
 fn record(stream: &CudaStream) -> Result<CudaEvent> {
@@ -28,6 +31,7 @@ impl Fork {
         Fork {
             fork_event: None,
             joins: Vec::new(),
+            error: None,
         }
     }
 
@@ -52,30 +56,40 @@ impl Fork {
         Ok(parent.fork(stream))
     }
 
-    /// Ends arm `child`: its retained values join the parent's.
-    pub(crate) fn end(
-        &mut self,
-        parent: &mut ExecutionContext,
-        child: ExecutionContext,
-    ) -> Result<()> {
-        let same = child.stream().cu_stream() == parent.stream().cu_stream();
-        let r = if same {
-            Ok(())
-        } else {
-            record(child.stream()).map(|ev| self.joins.push(ev))
-        };
-        parent.absorb(child);
-        r
+    /// Ends arm `child`: its retained values join the parent's, once its
+    /// stream's end is recorded for the join. If that record fails, the
+    /// arm's retained values are leaked (nothing can order their release
+    /// after the arm's work) and [`Fork::join`] reports the error.
+    pub(crate) fn end(&mut self, parent: &mut ExecutionContext, mut child: ExecutionContext) {
+        if child.stream().cu_stream() == parent.stream().cu_stream() {
+            parent.absorb(child);
+            return;
+        }
+        match record(child.stream()) {
+            Ok(ev) => {
+                self.joins.push(ev);
+                parent.absorb(child);
+            }
+            Err(e) => {
+                std::mem::forget(child.take_retained());
+                self.error.get_or_insert(e);
+            }
+        }
     }
 
-    /// Makes the parent stream wait for every arm.
-    pub(crate) fn join(self, parent: &ExecutionContext) -> Result<()> {
+    /// Makes the parent stream wait for every arm. On failure the parent's
+    /// retained values are leaked (they may include arms' values that the
+    /// parent stream is not ordered after).
+    pub(crate) fn join(self, parent: &mut ExecutionContext) -> Result<()> {
         for ev in &self.joins {
-            parent
-                .stream()
-                .wait(ev)
-                .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
+            if let Err(e) = parent.stream().wait(ev) {
+                std::mem::forget(parent.take_retained());
+                return Err(Error::driver("cuStreamWaitEvent", e));
+            }
         }
-        Ok(())
+        match self.error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 }

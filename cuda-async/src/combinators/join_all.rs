@@ -51,7 +51,7 @@ impl<O: DeviceOp> DeviceOp for JoinAll<O> {
         for (op, mut c) in ops.zip(contexts) {
             // SAFETY: each arm on its own forked context; contract forwarded.
             out.push(unsafe { op.execute(&mut c) });
-            fork.end(ctx, c)?;
+            fork.end(ctx, c);
         }
         fork.join(ctx)?;
         out.into_iter().collect()

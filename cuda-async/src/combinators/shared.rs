@@ -1,6 +1,6 @@
 use std::fmt;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use cuda_core::cudarc::driver::{sys, CudaEvent};
 use cuda_core::{Error, Result};
@@ -12,16 +12,21 @@ use crate::op::{impl_into_future, DeviceOp};
 /// time it is asked, and hands clones of the result to everyone after.
 ///
 /// The state machine behind [`Shared`], separate from any GPU work so it can
-/// be tested on its own: `Pending(input)` -> `Ready(value)` or
+/// be tested on its own: `Pending(input)` -> `Running` -> `Ready(value)` or
 /// `Failed(error)`; a panicking initialiser leaves it `Poisoned` (and the
-/// panic continues in the caller that ran it).
+/// panic continues in the caller that ran it). The initialiser runs without
+/// the cell's lock held: concurrent callers wait for it on a condition
+/// variable (for as long as it takes to *enqueue* the shared op, not to run
+/// it on the GPU), and a call from inside the initialiser (a shared op that
+/// contains itself) gets an error instead of a deadlock.
 pub struct SharedCell<I, T> {
     state: Mutex<CellState<I, T>>,
+    done: Condvar,
 }
 
 enum CellState<I, T> {
     Pending(I),
-    Running,
+    Running(std::thread::ThreadId),
     Ready(T),
     Failed(Error),
     Poisoned,
@@ -31,7 +36,7 @@ impl<I, T> fmt::Debug for SharedCell<I, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = match &*self.state.lock().unwrap_or_else(|e| e.into_inner()) {
             CellState::Pending(_) => "Pending",
-            CellState::Running => "Running",
+            CellState::Running(_) => "Running",
             CellState::Ready(_) => "Ready",
             CellState::Failed(_) => "Failed",
             CellState::Poisoned => "Poisoned",
@@ -45,48 +50,61 @@ impl<I, T: Clone> SharedCell<I, T> {
     pub fn new(input: I) -> Self {
         SharedCell {
             state: Mutex::new(CellState::Pending(input)),
+            done: Condvar::new(),
         }
     }
 
-    /// Runs `init` on the input if nobody has yet (holding the cell's lock,
-    /// so concurrent callers wait for it), then returns a clone of the value.
+    /// Runs `init` on the input if nobody has yet, then returns a clone of
+    /// the value; callers that arrive while another runs `init` wait for it.
     ///
     /// # Errors
-    /// The initialiser's error (to every caller), or
-    /// [`Error::SharedPoisoned`] if it panicked.
+    /// The initialiser's error (to every caller); [`Error::SharedPoisoned`]
+    /// if it panicked; [`Error::InvalidArgument`] if called from inside its
+    /// own initialiser.
     pub fn get_or_init(&self, init: impl FnOnce(I) -> Result<T>) -> Result<T> {
+        let me = std::thread::current().id();
         let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        match std::mem::replace(&mut *g, CellState::Running) {
-            CellState::Pending(input) => match catch_unwind(AssertUnwindSafe(|| init(input))) {
-                Ok(Ok(v)) => {
-                    *g = CellState::Ready(v.clone());
-                    Ok(v)
+        loop {
+            match &*g {
+                CellState::Ready(v) => return Ok(v.clone()),
+                CellState::Failed(e) => return Err(e.clone()),
+                CellState::Poisoned => return Err(Error::SharedPoisoned),
+                CellState::Running(t) if *t == me => {
+                    return Err(Error::InvalidArgument(
+                        "a shared op was executed from inside its own execution".into(),
+                    ))
                 }
-                Ok(Err(e)) => {
-                    *g = CellState::Failed(e.clone());
-                    Err(e)
+                CellState::Running(_) => {
+                    g = self.done.wait(g).unwrap_or_else(|e| e.into_inner());
                 }
-                Err(panic) => {
-                    *g = CellState::Poisoned;
-                    drop(g);
-                    resume_unwind(panic)
-                }
-            },
-            CellState::Ready(v) => {
-                let out = v.clone();
-                *g = CellState::Ready(v);
-                Ok(out)
+                CellState::Pending(_) => break,
             }
-            CellState::Failed(e) => {
+        }
+        let CellState::Pending(input) = std::mem::replace(&mut *g, CellState::Running(me)) else {
+            unreachable!("checked above")
+        };
+        drop(g);
+        let outcome = catch_unwind(AssertUnwindSafe(|| init(input)));
+        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let result = match outcome {
+            Ok(Ok(v)) => {
+                *g = CellState::Ready(v.clone());
+                Ok(v)
+            }
+            Ok(Err(e)) => {
                 *g = CellState::Failed(e.clone());
                 Err(e)
             }
-            // `Running` can only be seen by a re-entrant call from `init`.
-            CellState::Poisoned | CellState::Running => {
+            Err(panic) => {
                 *g = CellState::Poisoned;
-                Err(Error::SharedPoisoned)
+                drop(g);
+                self.done.notify_all();
+                resume_unwind(panic)
             }
-        }
+        };
+        drop(g);
+        self.done.notify_all();
+        result
     }
 }
 
@@ -220,6 +238,39 @@ mod tests {
             .unwrap_err();
         let e2 = cell.get_or_init(|_| Ok(1)).unwrap_err();
         assert!(e1.to_string().contains("bad") && e2.to_string().contains("bad"));
+    }
+
+    #[test]
+    fn a_re_entrant_call_is_an_error_not_a_deadlock() {
+        let cell: Arc<SharedCell<(), u8>> = Arc::new(SharedCell::new(()));
+        let c = cell.clone();
+        let inner = cell.get_or_init(move |_| {
+            let e = c.get_or_init(|_| Ok(2)).unwrap_err();
+            assert!(e.to_string().contains("inside its own execution"), "{e}");
+            Ok(1)
+        });
+        assert_eq!(inner.unwrap(), 1);
+    }
+
+    #[test]
+    fn waiters_see_the_value_of_a_slow_initialiser() {
+        let cell: Arc<SharedCell<(), u8>> = Arc::new(SharedCell::new(()));
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let c = cell.clone();
+        let runner = std::thread::spawn(move || {
+            c.get_or_init(|_| {
+                started_tx.send(()).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                Ok(9)
+            })
+        });
+        started_rx.recv().unwrap();
+        assert_eq!(
+            cell.get_or_init(|_| Ok(0)).unwrap(),
+            9,
+            "the waiter must not run init"
+        );
+        assert_eq!(runner.join().unwrap().unwrap(), 9);
     }
 
     #[test]

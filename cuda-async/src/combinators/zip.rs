@@ -60,7 +60,7 @@ macro_rules! impl_zip {
                     // SAFETY: each arm runs on its own forked context; its
                     // retained values move into the parent's when it ends.
                     let $v = unsafe { $v.execute(&mut c) };
-                    fork.end(ctx, c)?;
+                    fork.end(ctx, c);
                 )+
                 fork.join(ctx)?;
                 Ok(($fv?, $($v?),+))

@@ -1,0 +1,77 @@
+//! The few raw driver calls this crate makes itself, bypassing cudarc's
+//! safe wrappers where those would skip work: cudarc's `bind_to_thread`
+//! first returns (and clears) any error a destructor deferred in the
+//! context, so a wait issued through it can silently not happen. Ordering
+//! that memory safety depends on goes through here instead.
+
+use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
+
+use crate::error::{Error, Result};
+
+/// Makes `ctx` current on this thread (raw `cuCtxSetCurrent`).
+pub(crate) fn set_current(ctx: &CudaContext) -> Result<()> {
+    // SAFETY: `cu_ctx` is a live context handle (we hold its Arc owner).
+    unsafe { sys::cuCtxSetCurrent(ctx.cu_ctx()) }
+        .result()
+        .map_err(|e| Error::driver("cuCtxSetCurrent", e))
+}
+
+/// An event without timing, owned; destroyed on drop (the driver releases
+/// it once pending work that records or waits on it is done).
+#[derive(Debug)]
+pub(crate) struct RawEvent(sys::CUevent);
+
+// SAFETY: a CUevent handle may be used from any thread (the driver API is
+// thread-safe); we own it exclusively and destroy it once.
+unsafe impl Send for RawEvent {}
+// SAFETY: as above; shared references only pass the handle to thread-safe
+// driver calls.
+unsafe impl Sync for RawEvent {}
+
+impl RawEvent {
+    /// Creates an event in `ctx`.
+    pub(crate) fn new(ctx: &CudaContext) -> Result<Self> {
+        set_current(ctx)?;
+        let mut ev = std::ptr::null_mut();
+        // SAFETY: writes one handle through a valid pointer.
+        unsafe { sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }
+            .result()
+            .map_err(|e| Error::driver("cuEventCreate", e))?;
+        Ok(RawEvent(ev))
+    }
+
+    /// Records the event after the work enqueued so far on `stream`.
+    pub(crate) fn record(&self, stream: &CudaStream) -> Result<()> {
+        // SAFETY: both handles are live (we own the event; the caller's Arc
+        // keeps the stream).
+        unsafe { sys::cuEventRecord(self.0, stream.cu_stream()) }
+            .result()
+            .map_err(|e| Error::driver("cuEventRecord", e))
+    }
+
+    /// Makes `stream` wait for the event's last record.
+    pub(crate) fn wait_on(&self, stream: &CudaStream) -> std::result::Result<(), DriverError> {
+        // SAFETY: both handles are live; flags 0 is the only defined value.
+        unsafe { sys::cuStreamWaitEvent(stream.cu_stream(), self.0, 0) }.result()
+    }
+}
+
+impl Drop for RawEvent {
+    fn drop(&mut self) {
+        // SAFETY: we own the handle and destroy it once; destroying an
+        // event with pending records or waits is allowed (released later).
+        unsafe { sys::cuEventDestroy_v2(self.0) };
+    }
+}
+
+/// Whether `ptr` points into page-locked host memory that the driver knows
+/// (`cuMemHostAlloc` or `cuMemHostRegister`): copies from it are truly
+/// asynchronous, so it must outlive the copy.
+pub(crate) fn is_page_locked(ptr: *const u8) -> bool {
+    let mut flags = 0u32;
+    // SAFETY: a query; it only reads the driver's own tables and writes one
+    // integer through a valid pointer. It fails for pageable memory.
+    unsafe { sys::cuMemHostGetFlags(&mut flags, ptr as *mut std::ffi::c_void) }
+        .result()
+        .is_ok()
+}
