@@ -217,8 +217,9 @@ impl<A> fmt::Debug for Launch<A> {
 /// # Safety
 /// The kernel is arbitrary device code: the caller guarantees that, given
 /// these arguments, it accesses only memory inside the buffers passed
-/// (e.g. that a length argument matches the buffers' lengths) and does not
-/// race with itself. Out-of-bounds device accesses corrupt device memory or
+/// (e.g. that a length argument matches the buffers' lengths), does not
+/// write through read-only arguments (`&DeviceBuffer`, `Arc<DeviceBuffer>`:
+/// they are recorded as reads), and does not race with itself. Out-of-bounds device accesses corrupt device memory or
 /// fault the context (a sticky error: every later op fails).
 ///
 /// # Examples
