@@ -10,7 +10,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cuda_core::cudarc::driver::{result, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
-use cuda_core::{is_page_locked, AnyBitPattern, DeviceBuffer, Error, PinnedBuffer, Result};
+use cuda_core::{AnyBitPattern, DeviceBuffer, Error, PinnedBuffer, Result};
 
 use crate::context::ExecutionContext;
 use crate::op::{impl_into_future, DeviceOp};
@@ -115,12 +115,11 @@ impl<T, S> fmt::Debug for H2D<T, S> {
 
 /// Uploads host data into a new device buffer.
 ///
-/// Pageable host memory is staged by the driver during the call, so `src`
-/// is free to go as soon as the op is enqueued (a borrowed slice of
-/// page-locked memory is first copied to pageable memory, since the driver
-/// would read it asynchronously). The call may block the enqueuing thread
-/// while the driver stages large sources. For large or repeated uploads,
-/// [`copy_h2d`] from a [`PinnedBuffer`] is faster and never blocks.
+/// The data is copied on the host into pinned staging memory (pooled per
+/// device) and uploaded from there asynchronously, so enqueuing never waits
+/// for the stream, and `src` is free to go as soon as the op is enqueued.
+/// For large or repeated uploads, [`copy_h2d`] from a [`PinnedBuffer`] you
+/// keep saves the host copy.
 ///
 /// # Examples
 ///
@@ -146,21 +145,9 @@ impl<T: DeviceRepr + Copy + Send, S: HostSource<T>> DeviceOp for H2D<T, S> {
         // SAFETY: every element is written by the copy enqueued next, before
         // any later work on the buffer (its recorded write orders them).
         let mut dst = unsafe { DeviceBuffer::<T>::uninit(stream, src.len()) }?;
-        if !src.is_empty() {
-            // A copy from page-locked memory (a borrowed pinned buffer) is
-            // truly asynchronous and would outlive the borrow: stage it.
-            let staged;
-            let src = if is_page_locked(src) {
-                staged = src.to_vec();
-                &staged[..]
-            } else {
-                src
-            };
-            stream
-                .memcpy_htod(src, dst.as_cuda_slice_mut())
-                .map_err(|e| Error::driver("cuMemcpyHtoDAsync", e))?;
-            dst.after_write(stream)?;
-        }
+        // Through pinned staging: never blocks on the stream, and `src`
+        // (even a borrowed slice of pinned memory) is free once this returns.
+        cuda_core::staging::upload(src, &mut dst, stream)?;
         Ok(dst)
     }
 }

@@ -27,6 +27,7 @@ pub mod module;
 pub mod pinned;
 mod raw;
 pub mod reclaim;
+pub mod staging;
 
 pub use buffer::{AnyBitPattern, DeviceBuffer};
 pub use callback::launch_host_callback;

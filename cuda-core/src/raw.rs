@@ -49,6 +49,17 @@ impl RawEvent {
             .map_err(|e| Error::driver("cuEventRecord", e))
     }
 
+    /// Whether the work before the event's last record is done.
+    pub(crate) fn readiness(&self) -> crate::reclaim::Readiness {
+        use crate::reclaim::Readiness;
+        // SAFETY: a query of a live event we own.
+        match unsafe { sys::cuEventQuery(self.0) } {
+            sys::CUresult::CUDA_SUCCESS => Readiness::Ready,
+            sys::CUresult::CUDA_ERROR_NOT_READY => Readiness::Pending,
+            _ => Readiness::Failed,
+        }
+    }
+
     /// Makes `stream` wait for the event's last record.
     pub(crate) fn wait_on(&self, stream: &CudaStream) -> std::result::Result<(), DriverError> {
         // SAFETY: both handles are live; flags 0 is the only defined value.

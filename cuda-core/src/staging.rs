@@ -1,0 +1,158 @@
+//! Uploads from ordinary (pageable) host memory without blocking.
+//!
+//! `cuMemcpyHtoDAsync` from pageable memory is not asynchronous: the driver
+//! may make the calling thread wait for earlier work on the stream before it
+//! stages the data (measured: such a call blocked behind a gated stream).
+//! On an async executor that is a blocked worker thread. So uploads copy
+//! the data into pinned staging memory on the host (a memcpy), enqueue a
+//! truly asynchronous copy from there, and hand the staging block back to a
+//! per-device pool once the copy is done (via the reclaimer, never waiting
+//! on the caller's thread). Blocks come in power-of-two size classes from
+//! 64 KiB; the pool keeps at most [`POOL_LIMIT_BYTES`] in all.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, sys, CudaStream, DevicePtrMut, DeviceRepr};
+
+use crate::buffer::DeviceBuffer;
+use crate::error::{Error, Result};
+use crate::raw::{set_current, RawEvent};
+use crate::reclaim::{defer, defer_until};
+
+/// The most pinned memory the staging pool keeps for reuse.
+pub const POOL_LIMIT_BYTES: usize = 512 << 20;
+const MIN_BLOCK: usize = 64 << 10;
+
+struct Block {
+    /// Host address of the pinned allocation.
+    addr: usize,
+    bytes: usize,
+    /// The context (address of its handle) the block was allocated in.
+    ctx: usize,
+}
+
+struct Pool {
+    free: Vec<Block>,
+    cached: usize,
+}
+
+static POOL: Mutex<Pool> = Mutex::new(Pool {
+    free: Vec::new(),
+    cached: 0,
+});
+
+fn class(bytes: usize) -> usize {
+    bytes.max(MIN_BLOCK).next_power_of_two()
+}
+
+fn take(stream: &CudaStream, bytes: usize) -> Result<Block> {
+    let ctx = stream.context().cu_ctx() as usize;
+    let want = class(bytes);
+    {
+        let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = p.free.iter().position(|b| b.ctx == ctx && b.bytes == want) {
+            let b = p.free.swap_remove(i);
+            p.cached -= b.bytes;
+            return Ok(b);
+        }
+    }
+    set_current(stream.context())?;
+    // SAFETY: plain allocation of `want` bytes of pinned host memory.
+    let addr = unsafe { result::malloc_host(want, 0) }
+        .map_err(|e| Error::driver("cuMemHostAlloc", e))? as usize;
+    Ok(Block {
+        addr,
+        bytes: want,
+        ctx,
+    })
+}
+
+/// Returns an idle block to the pool, or frees it past the pool's limit.
+/// Runs on the reclaimer thread.
+fn give_back(b: Block) {
+    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    if p.cached + b.bytes <= POOL_LIMIT_BYTES {
+        p.cached += b.bytes;
+        p.free.push(b);
+    } else {
+        drop(p);
+        // SAFETY: the block came from `cuMemHostAlloc` and no GPU work uses
+        // it any more (its copy completed); freed once.
+        let _ = unsafe { result::free_host(b.addr as *mut std::ffi::c_void) };
+    }
+}
+
+/// Copies `src` into `dst` on `stream` through pinned staging memory: the
+/// calling thread only does a host memcpy and enqueues; `src` may go as soon
+/// as this returns. The copy is ordered after `dst`'s earlier uses and
+/// recorded as a write.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] if the lengths differ or `dst` is on another
+/// device; driver errors (allocation, copy), named.
+pub fn upload<T: DeviceRepr + Copy>(
+    src: &[T],
+    dst: &mut DeviceBuffer<T>,
+    stream: &Arc<CudaStream>,
+) -> Result<()> {
+    if src.len() != dst.len() {
+        return Err(Error::InvalidArgument(format!(
+            "host-to-device copy: source has {} elements, destination {}",
+            src.len(),
+            dst.len()
+        )));
+    }
+    let bytes = std::mem::size_of_val(src);
+    if bytes == 0 {
+        return Ok(());
+    }
+    dst.before_write(stream)?;
+    let block = take(stream, bytes)?;
+    // SAFETY: the block holds at least `bytes` bytes and is not shared (it
+    // left the pool); `src` is valid for `bytes` bytes; they cannot overlap.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src.as_ptr() as *const u8, block.addr as *mut u8, bytes)
+    };
+    let enqueued = {
+        let (dptr, _record) = dst.as_cuda_slice_mut().device_ptr_mut(stream);
+        // SAFETY: `dptr` addresses `bytes` bytes of a live allocation; the
+        // pinned source stays allocated until the copy is done (below).
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dptr,
+                block.addr as *const std::ffi::c_void,
+                bytes,
+                stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(|e| Error::driver("cuMemcpyHtoDAsync", e))
+    };
+    if let Err(e) = enqueued {
+        // Nothing was enqueued: the block is idle.
+        defer(move || give_back(block));
+        return Err(e);
+    }
+    let written = dst.after_write(stream);
+    match RawEvent::new(stream.context()).and_then(|ev| ev.record(stream).map(|()| ev)) {
+        Ok(ev) => defer_until(move || ev.readiness(), move || give_back(block)),
+        // Cannot tell when the copy ends: leak the block (it is plain
+        // addresses, never freed unless given back).
+        Err(e) => {
+            let _leaked = block;
+            return Err(e);
+        }
+    }
+    written
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn size_classes_are_powers_of_two_from_64k() {
+        assert_eq!(super::class(1), 64 << 10);
+        assert_eq!(super::class(64 << 10), 64 << 10);
+        assert_eq!(super::class((64 << 10) + 1), 128 << 10);
+        assert_eq!(super::class(3 << 20), 4 << 20);
+    }
+}
