@@ -824,13 +824,13 @@ fn a_buffer_read_on_two_streams_is_freed_after_both_reads() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
-fn an_upload_from_a_borrowed_pinned_slice_is_staged() {
+fn an_upload_is_staged_and_never_blocks_on_the_stream() {
     let d = dev();
     let mut rng = Rng::new();
     let x = rng.u32s(1 << 16);
     let mut pinned = PinnedBuffer::from_slice(&d, &x).unwrap();
     let gate = Arc::new(Gate::new());
-    let _f = failsafe(&gate, 20);
+    let fired = failsafe(&gate, 20);
     let gated = d.new_stream().unwrap();
     gate.close_on(&gated);
     // SAFETY: the output is a DeviceBuffer, which orders its own uses.
