@@ -835,6 +835,10 @@ fn an_upload_is_staged_and_never_blocks_on_the_stream() {
     gate.close_on(&gated);
     // SAFETY: the output is a DeviceBuffer, which orders its own uses.
     let buf = unsafe { h2d(pinned.as_slice().unwrap()).async_on(&gated) }.unwrap();
+    assert!(
+        !fired.load(Ordering::SeqCst),
+        "enqueuing the upload waited for the gated stream"
+    );
     // The borrow has ended; the host may now change the pinned memory while
     // the upload is still queued behind the gate.
     for v in pinned.as_mut_slice().unwrap() {
