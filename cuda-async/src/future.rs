@@ -136,8 +136,7 @@ impl<O: DeviceOp> DeviceFuture<O> {
                 }
                 // Host callbacks never run after a sticky fault: the watchdog
                 // notices. (The reactor checks its own streams.)
-                watchdog::watch(&completion, ctx.stream());
-                Signal::Callback
+                Signal::Callback(watchdog::watch(&completion, ctx.stream()))
             }
         };
         Ok(State::Executing {
@@ -185,10 +184,12 @@ impl<O: DeviceOp> Future for DeviceFuture<O> {
                             return Poll::Pending;
                         }
                         Status::Done => {
+                            signal.finish();
                             drop(retained);
                             return Poll::Ready(output.ok_or_else(polled_after_completion));
                         }
                         Status::Failed => {
+                            signal.finish();
                             // The GPU faulted: it may never release what it used.
                             std::mem::forget(retained);
                             return Poll::Ready(Err(completion.error()));
@@ -211,11 +212,16 @@ impl<O: DeviceOp> Drop for DeviceFuture<O> {
             output,
             completion,
             retained,
-            ..
+            signal,
         } = std::mem::replace(&mut self.state, State::Complete)
         {
             // The output's buffers order their own release after the GPU.
             drop(output);
+            // Still in flight: the watchdog keeps watching it (and forgets it
+            // once it finishes), so a fault still completes it.
+            if completion.is_finished() {
+                signal.finish();
+            }
             if retained.is_empty() || completion.is_finished() {
                 if completion.status() == Status::Failed {
                     std::mem::forget(retained);
@@ -237,8 +243,9 @@ impl<O: DeviceOp> Drop for DeviceFuture<O> {
 
 /// How the submission reports completion.
 enum Signal {
-    /// The host callback completes `completion`.
-    Callback,
+    /// The host callback completes `completion`; the watchdog watches it
+    /// under this key until the future finishes.
+    Callback(watchdog::WatchKey),
     /// The stream writes `seq` into the slot's word; the reactor (or a poll
     /// that sees the word) completes `completion`.
     Reactor {
@@ -249,6 +256,13 @@ enum Signal {
 }
 
 impl Signal {
+    /// The future is done with its completion: stop watching it.
+    fn finish(&self) {
+        if let Signal::Callback(key) = self {
+            watchdog::unwatch(*key);
+        }
+    }
+
     /// Completes `c` if the stream's word shows the work is done; with an
     /// inline spin budget, waits that long for it (first poll only).
     #[inline]
