@@ -252,11 +252,24 @@ fn zip_arms_run_concurrently_on_different_streams() {
         .sync()
         .unwrap();
     let ms = 1_000_000;
+    // The stamp buffers are allocated (and every stream drained) before the
+    // zips, so the arms only launch: an allocation inside an arm can be made
+    // to wait on another stream by the memory pool when it reuses a block
+    // freed there (its internal dependencies), which is not what this tests.
+    let spin_on = |b: DeviceBuffer<u64>| {
+        let spin = k.spin.clone();
+        // SAFETY: spin writes stamps[0..2); the buffer has 2 elements.
+        unsafe { launch(&spin, cfg(1), (ms, b)) }.map(|(_, b)| b)
+    };
+    let fresh = |n: usize| -> Vec<DeviceBuffer<u64>> {
+        let v: Vec<_> = (0..n).map(|_| zeros::<u64>(2).sync().unwrap()).collect();
+        dev().context().synchronize().unwrap();
+        v
+    };
+    let mut bufs = fresh(2).into_iter();
+    let (a, b) = (bufs.next().unwrap(), bufs.next().unwrap());
     let t = Instant::now();
-    let (a, b) = spin_op(&k.spin, ms)
-        .zip(spin_op(&k.spin, ms))
-        .sync()
-        .unwrap();
+    let (a, b) = spin_on(a).zip(spin_on(b)).sync().unwrap();
     let wall = t.elapsed();
     let ((a0, a1), (b0, b1)) = (stamps(a), stamps(b));
     eprintln!(
@@ -270,9 +283,10 @@ fn zip_arms_run_concurrently_on_different_streams() {
     );
     assert!(a1 - a0 >= ms && b1 - b0 >= ms);
 
-    // Eight arms of zip_all, all overlapping with the first.
-    let s = || spin_op(&k.spin, ms);
-    let (r0, r1, r2, r3) = zip_all((s(), s(), s(), s())).sync().unwrap();
+    // Four arms of zip_all, all overlapping with the first.
+    let mut bufs = fresh(4).into_iter();
+    let mut next = || spin_on(bufs.next().unwrap());
+    let (r0, r1, r2, r3) = zip_all((next(), next(), next(), next())).sync().unwrap();
     let iv: Vec<(u64, u64)> = [r0, r1, r2, r3].into_iter().map(stamps).collect();
     for (i, w) in iv.iter().enumerate().skip(1) {
         assert!(
@@ -305,8 +319,18 @@ fn join_all_is_concurrent_and_ordered() {
         let want: Vec<u32> = x.iter().map(|v| v.wrapping_add(i as u32)).collect();
         assert_eq!(o.as_slice().unwrap(), &want[..], "arm {i}");
     }
-    let s = || spin_op(&k.spin, 1_000_000);
-    let iv: Vec<(u64, u64)> = join_all(vec![s(), s(), s()])
+    // Buffers first, streams drained: arms that only launch (see the zip test).
+    let bufs: Vec<_> = (0..3).map(|_| zeros::<u64>(2).sync().unwrap()).collect();
+    dev().context().synchronize().unwrap();
+    let arms = bufs
+        .into_iter()
+        .map(|b| {
+            let spin = k.spin.clone();
+            // SAFETY: spin writes stamps[0..2); the buffer has 2 elements.
+            unsafe { launch(&spin, cfg(1), (1_000_000u64, b)) }.map(|(_, b)| b)
+        })
+        .collect();
+    let iv: Vec<(u64, u64)> = join_all(arms)
         .sync()
         .unwrap()
         .into_iter()
