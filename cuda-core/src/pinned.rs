@@ -34,6 +34,8 @@ pub struct PinnedBuffer<T> {
     /// tell when the GPU is done with it, so host access fails and the
     /// memory is leaked, never freed.
     broken: AtomicBool,
+    /// Capacity of the pooled pinned block behind `ptr` (0 for none).
+    block_bytes: usize,
     _marker: PhantomData<T>,
 }
 
@@ -113,15 +115,16 @@ impl<T: DeviceRepr + Copy> PinnedBuffer<T> {
         crate::device::require_driver()?;
         let bytes = check_len::<T>(len)?;
         let ctx = device.context().clone();
-        ctx.bind_to_thread().call("cuCtxSetCurrent")?;
-        let ptr = if bytes == 0 {
-            NonNull::dangling()
+        // Page-locked, not write-combined (flags 0), from the per-device pool
+        // of pinned blocks (allocating page-locked memory is slow; blocks are
+        // page-aligned, so any `T` fits).
+        let (ptr, block_bytes) = if bytes == 0 {
+            (NonNull::dangling(), 0)
         } else {
-            // SAFETY: plain allocation call; flags 0 = portable-less,
-            // non-write-combined page-locked memory, readable at full speed.
-            let raw = unsafe { result::malloc_host(bytes, 0) }.call("cuMemHostAlloc")?;
-            NonNull::new(raw as *mut T)
-                .ok_or_else(|| Error::InvalidArgument("cuMemHostAlloc returned null".into()))?
+            let (addr, cap) = crate::staging::take_block(&ctx, bytes)?;
+            let p = NonNull::new(addr as *mut T)
+                .ok_or_else(|| Error::InvalidArgument("cuMemHostAlloc returned null".into()))?;
+            (p, cap)
         };
         Ok(PinnedBuffer {
             ptr,
@@ -130,6 +133,7 @@ impl<T: DeviceRepr + Copy> PinnedBuffer<T> {
             last_use: None,
             idle: AtomicBool::new(true),
             broken: AtomicBool::new(false),
+            block_bytes,
             _marker: PhantomData,
         })
     }
@@ -288,18 +292,15 @@ impl<T> PinnedBuffer<T> {
 
 impl<T> Drop for PinnedBuffer<T> {
     fn drop(&mut self) {
-        if self.len == 0 || std::mem::size_of::<T>() == 0 {
+        if self.block_bytes == 0 {
             return;
         }
         let ptr = self.ptr.as_ptr() as usize;
+        let bytes = self.block_bytes;
         let ctx = self.ctx.clone();
-        let free = move || {
-            let _ = ctx.bind_to_thread();
-            // SAFETY: `ptr` came from `cuMemHostAlloc` and no GPU work uses it
-            // any more (the caller checked); freed exactly once.
-            let _ = unsafe { result::free_host(ptr as *mut std::ffi::c_void) };
-        };
-        // Frees always happen on the reclaimer thread: `cuMemFreeHost` may
+        // Back to the pool (or freed past its limit) once no GPU work uses it.
+        let free = move || crate::staging::give_back_block(&ctx, ptr, bytes);
+        // This always happens on the reclaimer thread: `cuMemFreeHost` may
         // synchronize the device, which must never stall the dropping thread
         // (an async executor's worker, say).
         match self.is_idle() {

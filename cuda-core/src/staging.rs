@@ -8,11 +8,13 @@
 //! truly asynchronous copy from there, and hand the staging block back to a
 //! per-device pool once the copy is done (via the reclaimer, never waiting
 //! on the caller's thread). Blocks come in power-of-two size classes from
-//! 64 KiB; the pool keeps at most [`POOL_LIMIT_BYTES`] in all.
+//! 64 KiB; the pool keeps at most [`POOL_LIMIT_BYTES`] in all. The same
+//! pool backs [`crate::PinnedBuffer`]s (downloads allocate one per call), so
+//! repeated transfers stop paying for `cuMemHostAlloc`.
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{result, sys, CudaStream, DevicePtrMut, DeviceRepr};
+use cudarc::driver::{result, sys, CudaContext, CudaStream, DevicePtrMut, DeviceRepr};
 
 use crate::buffer::DeviceBuffer;
 use crate::error::{Error, Result};
@@ -46,7 +48,28 @@ fn class(bytes: usize) -> usize {
 }
 
 fn take(stream: &CudaStream, bytes: usize) -> Result<Block> {
-    let ctx = stream.context().cu_ctx() as usize;
+    take_in(stream.context(), bytes)
+}
+
+/// A pinned block of at least `bytes` bytes in `ctx`: `(address, capacity)`.
+/// Give it back with [`give_back_block`] once no GPU work uses it.
+pub(crate) fn take_block(ctx: &CudaContext, bytes: usize) -> Result<(usize, usize)> {
+    let b = take_in(ctx, bytes)?;
+    Ok((b.addr, b.bytes))
+}
+
+/// Returns a block from [`take_block`] to the pool (or frees it past the
+/// pool's limit). May call `cuMemFreeHost`: call it on the reclaimer thread.
+pub(crate) fn give_back_block(ctx: &CudaContext, addr: usize, bytes: usize) {
+    give_back(Block {
+        addr,
+        bytes,
+        ctx: ctx.cu_ctx() as usize,
+    });
+}
+
+fn take_in(cx: &CudaContext, bytes: usize) -> Result<Block> {
+    let ctx = cx.cu_ctx() as usize;
     let want = class(bytes);
     {
         let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
@@ -56,7 +79,7 @@ fn take(stream: &CudaStream, bytes: usize) -> Result<Block> {
             return Ok(b);
         }
     }
-    set_current(stream.context())?;
+    set_current(cx)?;
     // SAFETY: plain allocation of `want` bytes of pinned host memory.
     let addr = unsafe { result::malloc_host(want, 0) }
         .map_err(|e| Error::driver("cuMemHostAlloc", e))? as usize;
