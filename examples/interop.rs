@@ -6,7 +6,14 @@
 use cuda_async::cudarc::driver::CudaContext;
 use cuda_async::prelude::*;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("interop: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     // Fails with a clear error (not a panic) on a machine without a driver.
     cuda_async::Device::new(0)?;
     // ANCHOR: interop

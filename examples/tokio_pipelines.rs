@@ -16,7 +16,14 @@ extern "C" __global__ void saxpy(float a, const float* x, float* y, unsigned n) 
 "#;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 4)]
-async fn main() -> Result<(), cuda_async::Error> {
+async fn main() {
+    if let Err(e) = run().await {
+        eprintln!("tokio_pipelines: {e}");
+        std::process::exit(1);
+    }
+}
+
+async fn run() -> Result<(), cuda_async::Error> {
     let dev = Device::new(0)?;
     let saxpy = Module::from_cuda(&dev, SAXPY, &[])?.kernel("saxpy")?;
     let pipelines = 256usize;

@@ -14,7 +14,14 @@ extern "C" __global__ void vecadd(const float* a, const float* b, float* c, unsi
 "#;
 // ANCHOR_END: kernel
 
-fn main() -> Result<(), cuda_async::Error> {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("vecadd: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), cuda_async::Error> {
     let n: u32 = 1 << 20;
     // Inputs that differ per element, so a wrong index would show.
     let a: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 0.5).collect();
