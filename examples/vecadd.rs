@@ -38,8 +38,9 @@ fn run() -> Result<(), cuda_async::Error> {
             launch(&vecadd, LaunchConfig::for_num_elems(n), (a, b, c, n))
         })
         .then(|(_, _, c, _)| d2h(c))
-        .sync()?; // nothing ran until here
-                  // ANCHOR_END: recipe
+        // Nothing ran until here:
+        .sync()?;
+    // ANCHOR_END: recipe
 
     let c = c.as_slice()?;
     let bad = (0..n as usize).filter(|&i| c[i] != a[i] + b[i]).count();
