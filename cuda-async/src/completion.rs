@@ -303,7 +303,11 @@ pub(crate) mod watchdog {
         }
         let failed: Vec<(sys::CUstream, Error)> = streams
             .iter()
-            .filter_map(|s| query(s).or_else(poisoned).map(|e| (s.cu_stream(), e)))
+            .filter_map(|s| {
+                stream_fault(s)
+                    .or_else(poisoned)
+                    .map(|e| (s.cu_stream(), e))
+            })
             .collect();
         if failed.is_empty() {
             return;
@@ -318,27 +322,12 @@ pub(crate) mod watchdog {
         }
     }
 
-    fn query(s: &CudaStream) -> Option<Error> {
-        if s.context().bind_to_thread().is_err() {
-            return None;
-        }
-        // SAFETY: `s` is a live stream (we hold its Arc); cuStreamQuery has
-        // no other precondition.
-        let rc = unsafe { sys::cuStreamQuery(s.cu_stream()) };
-        match rc {
-            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_NOT_READY => None,
-            // Any other status means the stream will not complete this work
-            // normally (a fault, a lost device, a destroyed stream): fail
-            // its futures; sticky codes also poison the process.
-            code => {
-                let e = Error::driver(
-                    "cuStreamQuery",
-                    cuda_core::cudarc::driver::DriverError(code),
-                );
-                note_error(&e);
-                Some(e)
-            }
-        }
+    /// The error of a stream whose work will not complete normally, noted
+    /// (sticky codes poison the process). Shared with the reactor.
+    pub(crate) fn stream_fault(s: &CudaStream) -> Option<Error> {
+        let e = cuda_core::stream_error(s)?;
+        note_error(&e);
+        Some(e)
     }
 
     #[cfg(test)]

@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use cuda_core::cudarc::driver::CudaStream;
-use cuda_core::{Device, Error, Result};
+use cuda_core::{Device, Result};
 
 use crate::policy::StreamPool;
 use crate::reactor::{CompletionMode, StreamSlot};
@@ -147,11 +147,4 @@ impl Retained {
     pub(crate) fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
-}
-
-/// Converts a context-level failure into an error for ops that need a
-/// feature the context lacks.
-#[allow(dead_code)]
-pub(crate) fn unsupported(what: &str) -> Error {
-    Error::InvalidArgument(format!("{what} is not supported by this execution context"))
 }

@@ -90,16 +90,6 @@ pub(crate) fn release_after(stream: &CudaStream, retained: Retained) {
     if retained.is_empty() {
         return;
     }
-    let ev = match stream.record_event(None) {
-        Ok(ev) => ev,
-        Err(_) => {
-            // Cannot tell when the GPU is done: leak rather than free early.
-            std::mem::forget(retained);
-            return;
-        }
-    };
-    cuda_core::reclaim::defer_until(
-        move || cuda_core::reclaim::event_readiness(&ev),
-        move || drop(retained),
-    );
+    // On error the values are leaked: nothing can tell when the GPU is done.
+    let _ = cuda_core::reclaim::release_after(stream, retained);
 }

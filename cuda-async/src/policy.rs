@@ -73,30 +73,10 @@ impl StreamPool {
     /// # Errors
     /// As [`StreamPool::new`].
     pub fn default_for(device: &Device) -> Result<Arc<Self>> {
-        const FAST: usize = 16;
-        static FAST_POOLS: [OnceLock<Arc<StreamPool>>; FAST] = [const { OnceLock::new() }; FAST];
-        if let Some(p) = FAST_POOLS.get(device.ordinal()).and_then(OnceLock::get) {
-            return Ok(p.clone());
-        }
-        let p = Self::default_for_slow(device)?;
-        if let Some(slot) = FAST_POOLS.get(device.ordinal()) {
-            let _ = slot.set(p.clone());
-        }
-        Ok(p)
-    }
-
-    fn default_for_slow(device: &Device) -> Result<Arc<Self>> {
-        static POOLS: OnceLock<Mutex<HashMap<usize, Arc<StreamPool>>>> = OnceLock::new();
-        let mut pools = POOLS
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = pools.get(&device.ordinal()) {
-            return Ok(p.clone());
-        }
-        let p = StreamPool::new(device, DEFAULT_POOL_STREAMS)?;
-        pools.insert(device.ordinal(), p.clone());
-        Ok(p)
+        static POOLS: PerDevice<Arc<StreamPool>> = PerDevice::new();
+        POOLS.get_or_try_init(device.ordinal(), || {
+            StreamPool::new(device, DEFAULT_POOL_STREAMS)
+        })
     }
 
     /// The device.
@@ -341,30 +321,55 @@ pub fn default_device() -> usize {
 /// # Errors
 /// As [`StreamPool::default_for`] and [`Device::new`].
 pub fn default_policy() -> Result<Arc<StreamPoolRoundRobin>> {
-    const FAST: usize = 16;
-    static FAST_POLICIES: [OnceLock<Arc<StreamPoolRoundRobin>>; FAST] =
-        [const { OnceLock::new() }; FAST];
-    static POLICIES: OnceLock<Mutex<HashMap<usize, Arc<StreamPoolRoundRobin>>>> = OnceLock::new();
+    static POLICIES: PerDevice<Arc<StreamPoolRoundRobin>> = PerDevice::new();
     let ordinal = default_device();
-    if let Some(p) = FAST_POLICIES.get(ordinal).and_then(OnceLock::get) {
-        return Ok(p.clone());
-    }
-    let mut map = POLICIES
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    let p = match map.get(&ordinal) {
-        Some(p) => p.clone(),
-        None => {
-            let p = Arc::new(StreamPoolRoundRobin::default_for(&Device::new(ordinal)?)?);
-            map.insert(ordinal, p.clone());
-            p
+    POLICIES.get_or_try_init(ordinal, || {
+        Ok(Arc::new(StreamPoolRoundRobin::default_for(&Device::new(
+            ordinal,
+        )?)?))
+    })
+}
+
+/// One value per device ordinal, created once and then read without a lock
+/// (for the first [`PerDevice::FAST`] ordinals; a locked map beyond).
+struct PerDevice<T> {
+    fast: [OnceLock<T>; PerDevice::<()>::FAST],
+    rest: Mutex<Option<HashMap<usize, T>>>,
+}
+
+impl<T> PerDevice<T> {
+    const FAST: usize = 16;
+
+    const fn new() -> Self {
+        PerDevice {
+            fast: [const { OnceLock::new() }; PerDevice::<()>::FAST],
+            rest: Mutex::new(None),
         }
-    };
-    if let Some(slot) = FAST_POLICIES.get(ordinal) {
-        let _ = slot.set(p.clone());
     }
-    Ok(p)
+}
+
+impl<T: Clone> PerDevice<T> {
+    /// The value for `ordinal`, created by `init` the first time (under the
+    /// lock, so once even when threads race).
+    fn get_or_try_init(&self, ordinal: usize, init: impl FnOnce() -> Result<T>) -> Result<T> {
+        if let Some(v) = self.fast.get(ordinal).and_then(OnceLock::get) {
+            return Ok(v.clone());
+        }
+        let mut rest = self.rest.lock().unwrap_or_else(|e| e.into_inner());
+        let map = rest.get_or_insert_with(HashMap::new);
+        let v = match map.get(&ordinal) {
+            Some(v) => v.clone(),
+            None => {
+                let v = init()?;
+                map.insert(ordinal, v.clone());
+                v
+            }
+        };
+        if let Some(slot) = self.fast.get(ordinal) {
+            let _ = slot.set(v.clone());
+        }
+        Ok(v)
+    }
 }
 
 #[cfg(test)]
@@ -390,6 +395,27 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn per_device_values_are_made_once_and_errors_are_not_kept() {
+        use super::PerDevice;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static CACHE: PerDevice<usize> = PerDevice::new();
+        let made = AtomicUsize::new(0);
+        for ordinal in [0usize, 3, 40, 0, 3, 40] {
+            let v = CACHE
+                .get_or_try_init(ordinal, || {
+                    made.fetch_add(1, Ordering::SeqCst);
+                    Ok(ordinal * 10)
+                })
+                .unwrap();
+            assert_eq!(v, ordinal * 10);
+        }
+        assert_eq!(made.load(Ordering::SeqCst), 3);
+        let e = CACHE.get_or_try_init(7, || Err(cuda_core::Error::NoDriver));
+        assert!(e.is_err());
+        assert_eq!(CACHE.get_or_try_init(7, || Ok(70)).unwrap(), 70);
     }
 
     #[test]

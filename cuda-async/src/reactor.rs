@@ -374,25 +374,8 @@ fn check_fault(s: &Arc<StreamSlot>) -> usize {
     if s.pending.load(Ordering::Acquire) == 0 {
         return 0;
     }
-    let err = crate::completion::watchdog::poisoned().or_else(|| {
-        if s.stream.context().bind_to_thread().is_err() {
-            return None;
-        }
-        // SAFETY: the stream is live (the slot holds its Arc).
-        let rc = unsafe { sys::cuStreamQuery(s.stream.cu_stream()) };
-        // Anything but done/not-ready: this stream's work will not finish
-        // normally; sticky codes also poison the process (`note_error`).
-        if !matches!(
-            rc,
-            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_NOT_READY
-        ) {
-            let e = Error::driver("cuStreamQuery", cuda_core::cudarc::driver::DriverError(rc));
-            crate::completion::watchdog::note_error(&e);
-            Some(e)
-        } else {
-            None
-        }
-    });
+    let err = crate::completion::watchdog::poisoned()
+        .or_else(|| crate::completion::watchdog::stream_fault(&s.stream));
     match err {
         Some(e) => s.fail_all(&e),
         None => 0,

@@ -34,7 +34,8 @@ pub use callback::launch_host_callback;
 pub use device::{device_count, devices, driver_present, nvrtc_present, Device, DeviceInfo};
 pub use error::{is_sticky, panic_message, Error, Result};
 pub use module::{fnv1a64, parse_ptx_entries, Kernel, Module, ParamClass, ParamSpec};
-pub use pinned::{is_page_locked, PinnedBuffer};
+pub use pinned::PinnedBuffer;
+pub use raw::stream_error;
 
 /// The cudarc crate this is built on, for interop.
 pub use cudarc;

@@ -14,11 +14,12 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DeviceRepr};
+use cudarc::driver::{CudaContext, CudaStream, DeviceRepr};
 
 use crate::buffer::check_len;
 use crate::device::Device;
 use crate::error::{DriverResultExt, Error, Result};
+use crate::raw::RawEvent;
 
 /// A typed, page-locked, non-write-combined host buffer (fast to read back
 /// from, usable by asynchronous copies in both directions).
@@ -27,7 +28,7 @@ pub struct PinnedBuffer<T> {
     len: usize,
     ctx: Arc<CudaContext>,
     /// Recorded after the last stream work that touches the memory.
-    last_use: Option<CudaEvent>,
+    last_use: Option<RawEvent>,
     /// Set once `last_use` is known to be complete.
     idle: AtomicBool,
     /// Set when a GPU use could not be recorded: the buffer can no longer
@@ -169,13 +170,12 @@ impl<T> PinnedBuffer<T> {
         let Some(ev) = &self.last_use else {
             return Ok(true);
         };
-        // SAFETY: `ev` is a live event owned by this buffer.
-        match unsafe { result::event::query(ev.cu_event()) } {
-            Ok(()) => {
+        match ev.query() {
+            Ok(true) => {
                 self.idle.store(true, Ordering::Release);
                 Ok(true)
             }
-            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            Ok(false) => Ok(false),
             Err(e) => Err(Error::driver("cuEventQuery", e)),
         }
     }
@@ -255,7 +255,7 @@ impl<T> PinnedBuffer<T> {
         }
         if let Some(ev) = &self.last_use {
             if !self.idle.load(Ordering::Acquire) {
-                stream.wait(ev).call("cuStreamWaitEvent")?;
+                ev.wait_on(stream).call("cuStreamWaitEvent")?;
             }
         }
         Ok(self.ptr.as_ptr())
@@ -272,14 +272,10 @@ impl<T> PinnedBuffer<T> {
         self.idle.store(false, Ordering::Release);
         let r = (|| {
             if self.last_use.is_none() {
-                let ev = self
-                    .ctx
-                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                    .call("cuEventCreate")?;
-                self.last_use = Some(ev);
+                self.last_use = Some(RawEvent::new(&self.ctx)?);
             }
             match &self.last_use {
-                Some(ev) => ev.record(stream).call("cuEventRecord"),
+                Some(ev) => ev.record(stream),
                 None => Ok(()),
             }
         })();
@@ -309,20 +305,10 @@ impl<T> Drop for PinnedBuffer<T> {
             Ok(false) => {
                 let ev = self.last_use.take().expect("busy implies an event");
                 // Freed once the copy is done; leaked if the context faulted.
-                crate::reclaim::defer_until(move || crate::reclaim::event_readiness(&ev), free);
+                crate::reclaim::defer_until(move || ev.readiness(), free);
             }
             // The GPU faulted while it might have been using the memory: leak.
             Err(_) => {}
         }
     }
-}
-
-/// Whether `data` lies in page-locked host memory known to the driver (a
-/// [`PinnedBuffer`], or memory registered by other code). Copies from such
-/// memory are truly asynchronous, so it must outlive the copy: borrowed
-/// uploads use this to decide whether to stage the data first.
-pub fn is_page_locked<T>(data: &[T]) -> bool {
-    !data.is_empty()
-        && crate::device::driver_present()
-        && crate::raw::is_page_locked(data.as_ptr() as *const u8)
 }

@@ -49,15 +49,31 @@ impl RawEvent {
             .map_err(|e| Error::driver("cuEventRecord", e))
     }
 
-    /// Whether the work before the event's last record is done.
-    pub(crate) fn readiness(&self) -> crate::reclaim::Readiness {
-        use crate::reclaim::Readiness;
+    /// Whether the work before the event's last record is done (`Ok(false)`:
+    /// still running; `Err`: it will not complete normally).
+    pub(crate) fn query(&self) -> std::result::Result<bool, DriverError> {
         // SAFETY: a query of a live event we own.
         match unsafe { sys::cuEventQuery(self.0) } {
-            sys::CUresult::CUDA_SUCCESS => Readiness::Ready,
-            sys::CUresult::CUDA_ERROR_NOT_READY => Readiness::Pending,
-            _ => Readiness::Failed,
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            code => Err(DriverError(code)),
         }
+    }
+
+    /// [`RawEvent::query`] as the reclaimer's readiness.
+    pub(crate) fn readiness(&self) -> crate::reclaim::Readiness {
+        use crate::reclaim::Readiness;
+        match self.query() {
+            Ok(true) => Readiness::Ready,
+            Ok(false) => Readiness::Pending,
+            Err(_) => Readiness::Failed,
+        }
+    }
+
+    /// Blocks the calling thread until the work before the last record is done.
+    pub(crate) fn synchronize(&self) -> std::result::Result<(), DriverError> {
+        // SAFETY: a wait on a live event we own.
+        unsafe { sys::cuEventSynchronize(self.0) }.result()
     }
 
     /// Makes `stream` wait for the event's last record.
@@ -75,14 +91,18 @@ impl Drop for RawEvent {
     }
 }
 
-/// Whether `ptr` points into page-locked host memory that the driver knows
-/// (`cuMemHostAlloc` or `cuMemHostRegister`): copies from it are truly
-/// asynchronous, so it must outlive the copy.
-pub(crate) fn is_page_locked(ptr: *const u8) -> bool {
-    let mut flags = 0u32;
-    // SAFETY: a query; it only reads the driver's own tables and writes one
-    // integer through a valid pointer. It fails for pageable memory.
-    unsafe { sys::cuMemHostGetFlags(&mut flags, ptr as *mut std::ffi::c_void) }
-        .result()
-        .is_ok()
+/// The error of a stream whose work will not complete normally (a sticky
+/// fault, a lost device, a destroyed stream); `None` while it is running or
+/// done. A raw `cuStreamQuery`, so an error another call deferred in the
+/// context cannot hide the answer.
+pub fn stream_error(stream: &CudaStream) -> Option<Error> {
+    if !crate::device::driver_present() || set_current(stream.context()).is_err() {
+        return None;
+    }
+    // SAFETY: the caller's reference keeps the stream alive; the query has
+    // no other precondition.
+    match unsafe { sys::cuStreamQuery(stream.cu_stream()) } {
+        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_NOT_READY => None,
+        code => Some(Error::driver("cuStreamQuery", DriverError(code))),
+    }
 }

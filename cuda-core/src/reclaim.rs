@@ -13,7 +13,10 @@ use std::sync::mpsc::{channel, RecvTimeoutError, Sender};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use cudarc::driver::{result, sys, CudaEvent};
+use cudarc::driver::CudaStream;
+
+use crate::error::Result;
+use crate::raw::RawEvent;
 
 /// Whether the GPU work a deferred job waits for is done.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,17 +27,6 @@ pub enum Readiness {
     Pending,
     /// It will never complete normally (the GPU faulted): leak.
     Failed,
-}
-
-/// The readiness of the work before `ev`'s last record (a raw
-/// `cuEventQuery`, which needs no context binding).
-pub fn event_readiness(ev: &CudaEvent) -> Readiness {
-    // SAFETY: `ev` is a live event; the query only reads its state.
-    match unsafe { result::event::query(ev.cu_event()) } {
-        Ok(()) => Readiness::Ready,
-        Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Readiness::Pending,
-        Err(_) => Readiness::Failed,
-    }
 }
 
 struct Job {
@@ -118,6 +110,26 @@ pub fn defer_until(
     if let Err(e) = tx.send(job) {
         // The reclaimer is gone: leak rather than release early.
         std::mem::forget(e.0);
+    }
+}
+
+/// Drops `value` on the reclaimer thread once `stream` has passed the work
+/// enqueued on it so far (an event recorded now); never blocks the caller.
+///
+/// # Errors
+/// A driver error if the event cannot be created or recorded; `value` is
+/// then leaked (never dropped), since nothing can tell when the GPU is done
+/// with it.
+pub fn release_after(stream: &CudaStream, value: impl Send + 'static) -> Result<()> {
+    match RawEvent::new(stream.context()).and_then(|ev| ev.record(stream).map(|()| ev)) {
+        Ok(ev) => {
+            defer_until(move || ev.readiness(), move || drop(value));
+            Ok(())
+        }
+        Err(e) => {
+            std::mem::forget(value);
+            Err(e)
+        }
     }
 }
 

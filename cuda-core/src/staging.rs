@@ -18,8 +18,8 @@ use cudarc::driver::{result, sys, CudaContext, CudaStream, DevicePtrMut, DeviceR
 
 use crate::buffer::DeviceBuffer;
 use crate::error::{Error, Result};
-use crate::raw::{set_current, RawEvent};
-use crate::reclaim::{defer, defer_until};
+use crate::raw::set_current;
+use crate::reclaim::{defer, release_after};
 
 /// The most pinned memory the staging pool keeps for reuse.
 pub const POOL_LIMIT_BYTES: usize = 512 << 20;
@@ -90,6 +90,20 @@ fn take_in(cx: &CudaContext, bytes: usize) -> Result<Block> {
     })
 }
 
+/// A block that goes back to the pool when dropped (on the reclaimer
+/// thread, once its copy is done).
+struct ReturnToPool(Block);
+
+impl Drop for ReturnToPool {
+    fn drop(&mut self) {
+        give_back(Block {
+            addr: self.0.addr,
+            bytes: self.0.bytes,
+            ctx: self.0.ctx,
+        });
+    }
+}
+
 /// Returns an idle block to the pool, or frees it past the pool's limit.
 /// Runs on the reclaimer thread.
 fn give_back(b: Block) {
@@ -157,15 +171,8 @@ pub fn upload<T: DeviceRepr + Copy>(
         return Err(e);
     }
     let written = dst.after_write(stream);
-    match RawEvent::new(stream.context()).and_then(|ev| ev.record(stream).map(|()| ev)) {
-        Ok(ev) => defer_until(move || ev.readiness(), move || give_back(block)),
-        // Cannot tell when the copy ends: leak the block (it is plain
-        // addresses, never freed unless given back).
-        Err(e) => {
-            let _leaked = block;
-            return Err(e);
-        }
-    }
+    // Back to the pool once the copy is done (leaked if that cannot be known).
+    release_after(stream, ReturnToPool(block))?;
     written
 }
 
