@@ -151,6 +151,26 @@ fn not_found(what: &str, h: Handle) -> DeviceError {
     DeviceError::new(Status::NotFound, format!("no {what} {h}"))
 }
 
+/// The buffer a memory kernel argument names, with its offset checked
+/// against the buffer's length (shared by every device implementation).
+fn mem_arg<B>(
+    buffers: &HashMap<Handle, B>,
+    handle: Handle,
+    offset: u64,
+    len: impl Fn(&B) -> usize,
+) -> Result<&B, DeviceError> {
+    let b = buffers
+        .get(&handle)
+        .ok_or_else(|| not_found("memory", handle))?;
+    if offset > len(b) as u64 {
+        return Err(DeviceError::new(
+            Status::BadRequest,
+            "argument offset past buffer end",
+        ));
+    }
+    Ok(b)
+}
+
 /// In-memory test double of a device: memory is host `Vec`s, modules are kept
 /// as text and kernels are **not run**. A launch checks that the module holds
 /// `.entry <kernel>` and that memory arguments exist.
@@ -294,16 +314,7 @@ impl Device for MemoryDevice {
         }
         for a in args {
             if let DeviceArg::Mem { handle, offset } = a {
-                let b = self
-                    .buffers
-                    .get(handle)
-                    .ok_or_else(|| not_found("memory", *handle))?;
-                if *offset > b.len() as u64 {
-                    return Err(DeviceError::new(
-                        Status::BadRequest,
-                        "argument offset past buffer end",
-                    ));
-                }
+                mem_arg(&self.buffers, *handle, *offset, Vec::len)?;
             }
         }
         match kernel {
@@ -334,7 +345,7 @@ mod cuda {
         CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError,
     };
 
-    use super::{not_found, range, Device, DeviceArg, DeviceError, LaunchDims};
+    use super::{mem_arg, not_found, range, Device, DeviceArg, DeviceError, LaunchDims};
     use crate::proto::{DeviceInfo, Handle, Status};
 
     /// Zero padding after the packed kernel arguments, so that a kernel
@@ -589,16 +600,7 @@ mod cuda {
                 let src: Vec<u8> = match a {
                     DeviceArg::Scalar(b) => b.to_vec(),
                     DeviceArg::Mem { handle, offset } => {
-                        let buf = self
-                            .buffers
-                            .get(handle)
-                            .ok_or_else(|| not_found("memory", *handle))?;
-                        if *offset > buf.len() as u64 {
-                            return Err(DeviceError::new(
-                                Status::BadRequest,
-                                "argument offset past buffer end",
-                            ));
-                        }
+                        let buf = mem_arg(&self.buffers, *handle, *offset, CudaSlice::len)?;
                         let (ptr, _sync) = buf.device_ptr(&self.stream);
                         (ptr + *offset).to_le_bytes().to_vec()
                     }
