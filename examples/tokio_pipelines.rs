@@ -25,7 +25,12 @@ async fn main() {
 
 async fn run() -> Result<(), cuda_async::Error> {
     let dev = Device::new(0)?;
-    let saxpy = Module::from_cuda(&dev, SAXPY, &[])?.kernel("saxpy")?;
+    let saxpy = Module::cuda(SAXPY, &[])?
+        .named("saxpy.cu")
+        .kernel("saxpy")?;
+    // Compile before spawning: a first launch inside a task would block
+    // its executor thread for the whole NVRTC compile.
+    saxpy.load_on(&dev)?;
     let pipelines = 256usize;
     let n = 4096u32;
     let t = Instant::now();

@@ -29,7 +29,10 @@ fn run() -> Result<(), cuda_async::Error> {
 
     // ANCHOR: recipe
     let dev = Device::new(0)?;
-    let vecadd = Module::from_cuda(&dev, VECADD, &[])?.kernel("vecadd")?;
+    let vecadd = Module::cuda(VECADD, &[])?
+        .named("vecadd.cu")
+        .kernel("vecadd")?;
+    vecadd.load_on(&dev)?; // compile now (NVRTC), not inside the first launch
     let c = h2d(a.clone())
         .zip(h2d(b.clone())) // the two uploads run concurrently
         .then(move |(a, b)| zeros::<f32>(n as usize).map(move |c| (a, b, c)))

@@ -137,10 +137,7 @@ impl Fixture {
     /// # Errors
     /// The driver's error.
     pub fn raw_launch_sync(&self) -> Result<()> {
-        Ok(raw::launch_sync(
-            &self.stream,
-            self.kernels.empty.function(),
-        )?)
+        Ok(raw::launch_sync(&self.stream, &self.kernels.empty_fn)?)
     }
 
     /// Library: `launch(&empty, ..).sync_on(&stream)` on [`Fixture::stream`].
@@ -217,7 +214,7 @@ impl Fixture {
     /// # Errors
     /// The driver's or the op's error.
     pub async fn await_empty(&self, path: AwaitPath) -> Result<()> {
-        let f = self.kernels.empty.function();
+        let f = &self.kernels.empty_fn;
         match path {
             AwaitPath::RawSync => raw::launch_sync(self.raw_streams.next(), f)?,
             AwaitPath::RawHostFn => {
@@ -259,7 +256,7 @@ impl Fixture {
         match path {
             SyncPath::Raw => {
                 let s = self.raw_streams.get(stream_index);
-                Ok(raw::launch_sync(s, self.kernels.empty.function())?)
+                Ok(raw::launch_sync(s, &self.kernels.empty_fn)?)
             }
             SyncPath::Lib => self.lib_sync(),
         }
@@ -272,7 +269,7 @@ impl Fixture {
     /// # Errors
     /// The driver's error.
     pub fn raw_spin(&self) -> Result<()> {
-        raw::launch_spin(&self.stream, self.kernels.spin.function(), SPIN_NS)?;
+        raw::launch_spin(&self.stream, &self.kernels.spin_fn, SPIN_NS)?;
         Ok(self.stream.synchronize()?)
     }
 
@@ -318,7 +315,7 @@ impl Fixture {
         let other = self.raw_streams.get(0);
         Ok(self
             .fork_join
-            .two_spins(&self.stream, other, self.kernels.spin.function(), SPIN_NS)?)
+            .two_spins(&self.stream, other, &self.kernels.spin_fn, SPIN_NS)?)
     }
 
     // ---- graph ----------------------------------------------------------
@@ -328,7 +325,7 @@ impl Fixture {
     /// # Errors
     /// The driver's error.
     pub fn raw_eager(&self, n: usize) -> Result<()> {
-        let f = self.kernels.empty.function();
+        let f = &self.kernels.empty_fn;
         for _ in 0..n {
             raw::launch_empty(&self.stream, f)?;
         }
@@ -362,7 +359,7 @@ impl Fixture {
         let s = self.device.new_stream()?;
         Ok(RawGraph::capture_empty_chain(
             &s,
-            self.kernels.empty.function(),
+            &self.kernels.empty_fn,
             nodes,
         )?)
     }

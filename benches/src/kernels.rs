@@ -6,6 +6,7 @@
 //! the GPU host; if the driver rejects the PTX, the same kernels are
 //! compiled from CUDA C with NVRTC instead.
 
+use cuda_async::cudarc::driver::CudaFunction;
 use cuda_async::{Device, Kernel, LaunchConfig, Module, Result};
 
 /// PTX of `empty()` and `spin(u64 ns)`. ISA 7.0 / sm_70: any driver of the
@@ -65,6 +66,10 @@ pub struct Kernels {
     pub empty: Kernel,
     /// `spin(ns)`: busy-waits `ns` nanoseconds of the GPU's global timer.
     pub spin: Kernel,
+    /// `empty` on the fixture's device, for the raw cudarc baselines.
+    pub empty_fn: CudaFunction,
+    /// `spin` on the fixture's device, for the raw cudarc baselines.
+    pub spin_fn: CudaFunction,
     /// Where they came from: `"ptx"` or `"nvrtc"`.
     pub source: &'static str,
 }
@@ -76,16 +81,23 @@ impl Kernels {
     /// The NVRTC error if both ways fail (the PTX error is printed to
     /// stderr).
     pub fn load(device: &Device) -> Result<Self> {
-        let (module, source) = match Module::from_ptx(device, PTX) {
-            Ok(m) => (m, "ptx"),
+        // Load eagerly: a report must not time the first compile.
+        let ptx = Module::ptx(PTX)?.named("benches.ptx");
+        let (module, source) = match ptx.load_on(device) {
+            Ok(m) => (m.clone(), "ptx"),
             Err(ptx_err) => {
                 eprintln!("benches: the PTX kernels did not load ({ptx_err}); trying NVRTC");
-                (Module::from_cuda(device, CUDA_SOURCE, &[])?, "nvrtc")
+                let cuda = Module::cuda(CUDA_SOURCE, &[])?.named("benches.cu");
+                cuda.load_on(device)?;
+                (cuda, "nvrtc")
             }
         };
+        let (empty, spin) = (module.kernel("empty")?, module.kernel("spin")?);
         Ok(Kernels {
-            empty: module.kernel("empty")?,
-            spin: module.kernel("spin")?,
+            empty_fn: empty.function_on(device)?.clone(),
+            spin_fn: spin.function_on(device)?.clone(),
+            empty,
+            spin,
             source,
         })
     }

@@ -213,6 +213,16 @@ impl<A> fmt::Debug for Launch<A> {
 /// the kernel's PTX (count, sizes, integer vs float) and the launch
 /// configuration against the hardware limits: mismatches are
 /// [`Error::ArgumentMismatch`] / [`Error::InvalidArgument`], never a launch.
+/// The kernel is resolved on the device the op runs on (the same `Kernel`
+/// runs on any device a policy picks).
+///
+/// # Performance
+/// The first launch of a kernel's module on a device compiles it there
+/// (NVRTC, about 50 ms on an H100 host) inside the executing call: inside
+/// `.await` that blocks the executor thread. Call
+/// [`Kernel::load_on`](crate::Kernel::load_on) or
+/// [`Module::load_on`](crate::Module::load_on) at start-up. Later launches
+/// find the function without a lock.
 ///
 /// # Safety
 /// The kernel is arbitrary device code: the caller guarantees that, given
@@ -227,10 +237,10 @@ impl<A> fmt::Debug for Launch<A> {
 /// ```no_run
 /// use cuda_async::prelude::*;
 /// use cuda_async::{Device, LaunchConfig, Module};
-/// let dev = Device::new(0)?;
-/// let m = Module::from_cuda(&dev, r#"extern "C" __global__ void add1(float* x, unsigned n) {
+/// let m = Module::cuda(r#"extern "C" __global__ void add1(float* x, unsigned n) {
 ///     unsigned i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] += 1.0f; }"#, &[])?;
 /// let k = m.kernel("add1")?;
+/// k.load_on(&Device::new(0)?)?; // compile now, not inside the first launch
 /// let n = 1000u32;
 /// let out = h2d(vec![1.0f32; n as usize])
 ///     // SAFETY: `add1` touches x[0..n), and x has n elements.
@@ -273,21 +283,15 @@ impl<A: KernelArgs> DeviceOp for Launch<A> {
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<A> {
         check_config(&self.config)?;
+        // Resolved for the context's device: compiled or loaded there on
+        // first use (process-wide cache), two atomic loads afterwards. Its
+        // module stays loaded for the life of the process.
+        let func = self.kernel.function_on(ctx.device())?;
         self.args.check(&self.kernel)?;
-        if self.kernel.device() != ctx.device() {
-            return Err(Error::InvalidArgument(format!(
-                "kernel `{}` is loaded on device {}, the op runs on device {}",
-                self.kernel.name(),
-                self.kernel.device().ordinal(),
-                ctx.device().ordinal()
-            )));
-        }
         let stream = ctx.cuda_stream()?.clone();
         self.args.before_all(&stream)?;
-        // The module must stay loaded while the kernel runs.
-        ctx.retain(self.kernel.clone());
         let launched = {
-            let mut b = stream.launch_builder(self.kernel.function());
+            let mut b = stream.launch_builder(func);
             self.args.push_all(&mut b);
             // SAFETY: argument count and sizes match the kernel's PTX
             // parameters (checked above), so the driver reads valid argument

@@ -62,8 +62,9 @@ mod waker;
 pub use combinators::{join_all, value, with_context, zip_all, BoxedOp, Shared};
 pub use context::ExecutionContext;
 pub use cuda_core::{
-    cudarc, device_count, devices, driver_present, CudaStream, Device, DeviceBuffer, DeviceInfo,
-    DeviceRepr, Error, Kernel, LaunchConfig, Module, PinnedBuffer, Result, ValidAsZeroBits,
+    cudarc, device_count, devices, driver_present, nvrtc_compilations, CudaStream, Device,
+    DeviceBuffer, DeviceInfo, DeviceRepr, Error, Kernel, LaunchConfig, Module, ModuleSource,
+    PinnedBuffer, Result, ValidAsZeroBits,
 };
 pub use future::{run_on, DeviceFuture};
 pub use launch::{launch, KernelArg, KernelArgs};

@@ -20,6 +20,9 @@ assert_impl_all!(cuda_async::combinators::Shared<cuda_async::combinators::Value<
 assert_impl_all!(BoxedOp<'static, i32>: Send);
 assert_impl_all!(dyn cuda_async::SchedulingPolicy: Send, Sync);
 assert_impl_all!(Error: Send, Sync, Clone, std::error::Error);
+// Kernels are descriptions: shared across threads, cloned into closures.
+assert_impl_all!(cuda_async::Kernel: Send, Sync, Clone);
+assert_impl_all!(cuda_async::Module: Send, Sync, Clone, Eq);
 
 fn poll_once<F: std::future::Future + Unpin>(mut f: F) -> Poll<F::Output> {
     let mut cx = futures_test::task::noop_context();
@@ -70,4 +73,35 @@ fn ops_are_lazy_values_that_live_in_collections_and_cross_threads() {
         .collect();
     let moved = std::thread::spawn(move || ops.len()).join().unwrap();
     assert_eq!(moved, 4);
+}
+
+/// Kernel values are made with no driver and no GPU (a GPU-less client can
+/// build them); nothing compiles until a device runs them.
+#[test]
+fn modules_and_kernels_are_made_without_a_driver() {
+    let src = r#"extern "C" __global__ void scale(float* x, float a) { x[threadIdx.x] *= a; }"#;
+    let m = cuda_async::Module::cuda(src, &[])
+        .unwrap()
+        .named("scale.cu");
+    let k = m.kernel("scale").unwrap();
+    let k2 = k.clone();
+    std::thread::spawn(move || assert_eq!(k2.name(), "scale"))
+        .join()
+        .unwrap();
+    assert_eq!(k.module().name(), "scale.cu");
+    // Hashes differ when source or options differ, not when only the name does.
+    let other_opts = cuda_async::Module::cuda(src, &["-lineinfo"]).unwrap();
+    let other_src = cuda_async::Module::cuda(format!("{src}\n"), &[]).unwrap();
+    assert_ne!(m.hash(), other_opts.hash());
+    assert_ne!(m.hash(), other_src.hash());
+    assert_eq!(m.hash(), cuda_async::Module::cuda(src, &[]).unwrap().hash());
+    // Building an op with it needs no driver either; running one does.
+    // SAFETY: never launched on a GPU here (no driver: an error; with one,
+    // `scale` touches x[0..1) of a 1-element buffer).
+    let op = zeros::<f32>(1).then(move |x| unsafe {
+        launch(&k, cuda_async::LaunchConfig::for_num_elems(1), (x, 2.0f32))
+    });
+    if !cuda_async::driver_present() {
+        assert!(matches!(op.sync(), Err(Error::NoDriver)));
+    }
 }

@@ -52,7 +52,8 @@ fn dev() -> Device {
 }
 
 fn kernels() -> Kernels {
-    let m = Module::from_cuda(&dev(), KERNELS, &[]).expect("kernels compile");
+    let m = Module::cuda(KERNELS, &[]).unwrap().named("gpu-tests.cu");
+    m.load_on(&dev()).expect("kernels compile");
     Kernels {
         axpy: m.kernel("axpy").unwrap(),
         add_u32: m.kernel("add_u32").unwrap(),
@@ -441,35 +442,121 @@ fn bad_arguments_and_sources_give_clear_errors() {
         .sync()
         .unwrap_err();
     assert!(e.to_string().contains("exceeds CUDA limits"), "{e}");
-    // Unknown kernel, broken source, broken PTX.
-    let m = Module::from_cuda(&dev(), KERNELS, &[]).unwrap();
-    assert!(matches!(
-        m.kernel("nope"),
-        Err(Error::KernelNotFound { .. })
-    ));
-    let e = Module::from_cuda(
-        &dev(),
-        "extern \"C\" __global__ void f() { undeclared(); }",
-        &[],
-    )
-    .unwrap_err();
+    // Unknown kernel (CUDA C: known once compiled), broken source, broken PTX.
+    let m = Module::cuda(KERNELS, &[]).unwrap().named("gpu-tests.cu");
+    let nope = m.kernel("nope").unwrap();
+    let e = nope.load_on(&dev()).unwrap_err();
+    match &e {
+        Error::KernelNotFound {
+            name,
+            module,
+            entries,
+        } => {
+            assert_eq!((name.as_str(), module.as_str()), ("nope", "gpu-tests.cu"));
+            assert!(entries.iter().any(|n| n == "axpy"), "{entries:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(e.to_string().contains("axpy"), "{e}");
+    // A launch of it fails the same way, never launches.
+    // SAFETY: never launched: the kernel does not resolve.
+    let e = unsafe { launch(&nope, LaunchConfig::for_num_elems(1), ()) }
+        .sync()
+        .unwrap_err();
+    assert!(matches!(e, Error::KernelNotFound { .. }), "{e}");
+    let broken = Module::cuda("extern \"C\" __global__ void f() { undeclared(); }", &[])
+        .unwrap()
+        .named("broken.cu");
+    let e = broken.load_on(&dev()).unwrap_err();
     assert!(
-        matches!(&e, Error::Compile { log, .. } if log.contains("undeclared")),
+        matches!(&e, Error::Compile { program, log } if program == "broken.cu" && log.contains("undeclared")),
         "{e}"
     );
-    let e = Module::from_ptx(
-        &dev(),
+    assert!(e.to_string().contains("broken.cu"), "{e}");
+    // A compile error is cached: asking again does not recompile.
+    let before = cuda_async::nvrtc_compilations();
+    let e2 = broken.kernel("f").unwrap().load_on(&dev()).unwrap_err();
+    assert!(matches!(e2, Error::Compile { .. }), "{e2}");
+    assert_eq!(cuda_async::nvrtc_compilations(), before);
+    let e = Module::ptx(
         ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry f() { bogus; }",
     )
+    .unwrap()
+    .load_on(&dev())
     .unwrap_err();
     eprintln!("bad PTX error: {e}");
-    // The same compile twice is served from the cache (same module).
-    let a = Module::from_cuda(&dev(), KERNELS, &[]).unwrap();
-    let b = Module::from_cuda(&dev(), KERNELS, &[]).unwrap();
+    // The same source in two values is compiled once: same function.
+    let a = Module::cuda(KERNELS, &[]).unwrap().kernel("axpy").unwrap();
+    let b = Module::cuda(KERNELS, &[]).unwrap().kernel("axpy").unwrap();
     assert_eq!(
-        format!("{:?}", a.kernel("axpy").unwrap().function()),
-        format!("{:?}", b.kernel("axpy").unwrap().function())
+        format!("{:?}", a.function_on(&dev()).unwrap()),
+        format!("{:?}", b.function_on(&dev()).unwrap())
     );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn one_kernel_value_launched_from_many_threads_and_tasks_compiles_once() {
+    // A source no other test compiles, so the count is this test's.
+    let src = format!(
+        "// unique {:?}\nextern \"C\" __global__ void inc(unsigned* x) {{ atomicAdd(x, 1u); }}",
+        std::time::SystemTime::now()
+    );
+    let k = Module::cuda(src, &[])
+        .unwrap()
+        .named("inc.cu")
+        .kernel("inc")
+        .unwrap();
+    let before = cuda_async::nvrtc_compilations();
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(8));
+    let threads: Vec<_> = (0..8)
+        .map(|_| {
+            let (k, barrier) = (k.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                // SAFETY: `inc` adds 1 to x[0]; x has one element.
+                let out = zeros::<u32>(1)
+                    .then(move |x| unsafe { launch(&k, LaunchConfig::for_num_elems(1), (x,)) })
+                    .then(|(x,)| d2h(x))
+                    .sync()
+                    .unwrap();
+                assert_eq!(out.as_slice().unwrap(), &[1]);
+            })
+        })
+        .collect();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .build()
+        .unwrap();
+    let sums = rt.block_on(async {
+        let tasks: Vec<_> = (0..16)
+            .map(|_| {
+                let k = k.clone();
+                tokio::spawn(async move {
+                    // SAFETY: as above.
+                    let out = zeros::<u32>(1)
+                        .then(move |x| unsafe { launch(&k, LaunchConfig::for_num_elems(1), (x,)) })
+                        .then(|(x,)| d2h(x))
+                        .into_device_future()
+                        .await
+                        .unwrap();
+                    out.as_slice().unwrap()[0]
+                })
+            })
+            .collect();
+        let mut sums = Vec::new();
+        for t in tasks {
+            sums.push(t.await.unwrap());
+        }
+        sums
+    });
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert!(sums.iter().all(|&s| s == 1), "{sums:?}");
+    assert_eq!(cuda_async::nvrtc_compilations() - before, 1);
+    // The parameter list is known once it was loaded.
+    assert_eq!(k.params().map(|p| p.len()), Some(1));
 }
 
 #[test]

@@ -40,9 +40,11 @@ pub enum Error {
         /// The sticky error first seen.
         code: DriverError,
     },
-    /// NVRTC rejected a CUDA C source; `log` is the compiler's log.
+    /// NVRTC rejected a CUDA C source (or the driver's JIT rejected PTX);
+    /// `log` is the compiler's log.
     Compile {
-        /// The program name given to NVRTC.
+        /// The module's name ([`Module::name`](crate::Module::name)), also
+        /// the program name given to NVRTC, so the log's lines name it.
         program: String,
         /// NVRTC's log, verbatim.
         log: String,
@@ -51,6 +53,11 @@ pub enum Error {
     KernelNotFound {
         /// The kernel name asked for.
         name: String,
+        /// The module's name ([`Module::name`](crate::Module::name)).
+        module: String,
+        /// The kernels the module does have (sorted; empty if not known
+        /// without compiling it).
+        entries: Vec<String>,
     },
     /// Kernel arguments do not match the kernel's parameter list.
     ArgumentMismatch {
@@ -161,9 +168,20 @@ impl fmt::Display for Error {
                 describe(code)
             ),
             Error::Compile { program, log } => {
-                write!(f, "NVRTC failed to compile `{program}`:\n{log}")
+                write!(f, "module `{program}` failed to compile:\n{log}")
             }
-            Error::KernelNotFound { name } => write!(f, "kernel `{name}` is not in the module"),
+            Error::KernelNotFound {
+                name,
+                module,
+                entries,
+            } => {
+                write!(f, "kernel `{name}` is not in module `{module}`")?;
+                if entries.is_empty() {
+                    Ok(())
+                } else {
+                    write!(f, "; its kernels are: {}", entries.join(", "))
+                }
+            }
             Error::ArgumentMismatch { kernel, detail } => {
                 write!(f, "arguments do not match kernel `{kernel}`: {detail}")
             }

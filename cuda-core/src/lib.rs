@@ -1,7 +1,7 @@
 //! `cuda-core`: the safe foundation of `cuda-async` over [`cudarc`].
 //!
-//! Device inventory, host callbacks on streams, module loading (PTX text, or
-//! CUDA C through NVRTC with a per-device cache), typed device buffers,
+//! Device inventory, host callbacks on streams, modules as descriptions
+//! (PTX text, or CUDA C compiled by NVRTC per device on first use, cached), typed device buffers,
 //! self-protecting pinned host buffers, and one error type that names the
 //! failing driver call. Nothing here is async.
 //!
@@ -14,8 +14,9 @@
 //! use cuda_core::{Device, Module};
 //! let dev = Device::new(0)?;
 //! println!("{:?}", dev.info()?);
-//! let m = Module::from_cuda(&dev, r#"extern "C" __global__ void k(int* p) { *p = 7; }"#, &[])?;
-//! let _k = m.kernel("k")?;
+//! let m = Module::cuda(r#"extern "C" __global__ void k(int* p) { *p = 7; }"#, &[])?;
+//! let k = m.kernel("k")?; // no driver needed up to here
+//! k.load_on(&dev)?; // compiles for this device now (else: at first launch)
 //! # Ok::<(), cuda_core::Error>(())
 //! ```
 
@@ -33,7 +34,10 @@ pub use buffer::{AnyBitPattern, DeviceBuffer};
 pub use callback::launch_host_callback;
 pub use device::{device_count, devices, driver_present, nvrtc_present, Device, DeviceInfo};
 pub use error::{is_sticky, panic_message, Error, Result};
-pub use module::{fnv1a64, parse_ptx_entries, Kernel, Module, ParamClass, ParamSpec};
+pub use module::{
+    fnv1a64, nvrtc_compilations, parse_ptx_entries, Kernel, Module, ModuleSource, ParamClass,
+    ParamSpec,
+};
 pub use pinned::PinnedBuffer;
 pub use raw::stream_error;
 

@@ -1,8 +1,11 @@
-//! Modules (PTX text, or CUDA C compiled by NVRTC and cached) and kernels
-//! with the parameter list read from the PTX, so launches can be checked.
+//! Modules as descriptions (PTX text, or CUDA C with NVRTC options, and a
+//! content hash; no device), kernels (a module and a name) resolved per
+//! device on first use through a process-wide cache, and the parameter
+//! lists read from the PTX so launches can be checked.
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{sys, CudaFunction, CudaModule};
@@ -136,204 +139,478 @@ fn parse_param(decl: &str) -> Option<ParamSpec> {
     })
 }
 
-/// A loaded module: its kernels and their PTX parameter lists.
+/// What a [`Module`] is made of: PTX text, or CUDA C with NVRTC options.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ModuleSource {
+    /// PTX text, JIT-compiled by the driver of each device that loads it.
+    Ptx(String),
+    /// CUDA C, compiled by NVRTC for each device's architecture.
+    Cuda {
+        /// The CUDA C source.
+        source: String,
+        /// NVRTC options as given (the architecture flag is added per
+        /// device unless one is given here).
+        options: Vec<String>,
+    },
+}
+
+impl ModuleSource {
+    /// The PTX text or the CUDA C source.
+    pub fn text(&self) -> &str {
+        match self {
+            ModuleSource::Ptx(t) => t,
+            ModuleSource::Cuda { source, .. } => source,
+        }
+    }
+
+    /// The stable content hash: FNV-1a over the kind, the options and the
+    /// text, the same in every process and on every machine.
+    fn content_hash(&self) -> u64 {
+        let mut h = Fnv1a::new();
+        match self {
+            ModuleSource::Ptx(t) => {
+                h.write(b"ptx\0");
+                h.write(t.as_bytes());
+            }
+            ModuleSource::Cuda { source, options } => {
+                h.write(b"cuda\0");
+                for o in options {
+                    h.write(o.as_bytes());
+                    h.write(b"\0");
+                }
+                h.write(b"\0");
+                h.write(source.as_bytes());
+            }
+        }
+        h.finish()
+    }
+}
+
+/// A GPU module as a description: its source (CUDA C with options, or PTX)
+/// and the content hash, bound to no device. Cheap to clone.
+///
+/// Making a module needs no driver and no NVRTC, so a machine without a GPU
+/// can build kernel values (to send to a leased GPU, say). The module is
+/// compiled and loaded per device when a kernel of it first runs there, or
+/// when [`Module::load_on`] asks for it.
+///
+/// # Performance
+///
+/// Compilation happens on first use per device: NVRTC took about 50 ms for
+/// a small module on an H100 host (PTX JIT is faster, but not free). The
+/// result is cached process-wide by source, options and device, so each
+/// distinct module compiles once per device, however many `Module` values
+/// or threads ask for it. A first launch inside an async task would block
+/// that executor thread for the compile: call [`Module::load_on`] (or
+/// [`Kernel::load_on`]) at start-up to compile early and see compile
+/// errors there. After the first use a launch finds its function with two
+/// atomic loads, without a lock.
+///
+/// # Examples
+///
+/// ```
+/// use cuda_core::Module;
+/// // No driver needed: nothing is compiled yet.
+/// let m = Module::cuda(r#"extern "C" __global__ void k(int* p) { *p = 7; }"#, &[])?
+///     .named("seven.cu");
+/// let k = m.kernel("k")?;
+/// assert_eq!((k.name(), m.name()), ("k", "seven.cu"));
+/// let m2 = Module::cuda(r#"extern "C" __global__ void k(int* p) { *p = 7; }"#, &["-lineinfo"])?;
+/// assert_ne!(m.hash(), m2.hash()); // options are part of the content
+/// # Ok::<(), cuda_core::Error>(())
+/// ```
+///
+/// Compiling eagerly for one device, in one line:
+///
+/// ```no_run
+/// use cuda_core::{Device, Module};
+/// let dev = Device::new(0)?;
+/// let k = Module::cuda(r#"extern "C" __global__ void k(int* p) { *p = 7; }"#, &[])?
+///     .load_on(&dev)?
+///     .kernel("k")?;
+/// # Ok::<(), cuda_core::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct Module {
-    inner: Arc<CudaModule>,
-    device: Device,
-    entries: Arc<HashMap<String, Vec<ParamSpec>>>,
+    inner: Arc<ModuleInner>,
+}
+
+#[derive(Clone)]
+struct ModuleInner {
+    source: ModuleSource,
+    hash: u64,
+    name: String,
+    /// PTX modules: the `.entry` parameter lists, parsed once from the text.
+    ptx_entries: Option<Arc<HashMap<String, Vec<ParamSpec>>>>,
 }
 
 impl fmt::Debug for Module {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut names: Vec<_> = self.entries.keys().collect();
-        names.sort();
         f.debug_struct("Module")
-            .field("device", &self.device.ordinal())
-            .field("kernels", &names)
+            .field("name", &self.inner.name)
+            .field("hash", &format_args!("{:016x}", self.inner.hash))
+            .field("bytes", &self.inner.source.text().len())
             .finish()
     }
 }
 
+impl PartialEq for Module {
+    /// Same content (kind, options and text); the name is not compared.
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+            || (self.inner.hash == other.inner.hash && self.inner.source == other.inner.source)
+    }
+}
+impl Eq for Module {}
+
+fn reject_nul(what: &str, s: &str) -> Result<()> {
+    if s.as_bytes().contains(&0) {
+        Err(Error::InvalidArgument(format!(
+            "{what} contains a NUL byte"
+        )))
+    } else {
+        Ok(())
+    }
+}
+
 impl Module {
-    /// Loads PTX text on `device`.
+    /// A CUDA C module, compiled by NVRTC with `options` (e.g.
+    /// `"-default-device"`, `"-lineinfo"`) for each device that runs it.
+    /// Needs no driver.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if the text contains a NUL byte; a driver
-    /// error naming `cuModuleLoadData` with the JIT's error log if the driver
-    /// rejects the PTX.
+    /// [`Error::InvalidArgument`] if the source or an option contains a NUL
+    /// byte. Compile errors show when the module is first loaded.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let m = cuda_core::Module::cuda(r#"
+    ///     extern "C" __global__ void scale(float* x, float a, unsigned n) {
+    ///         unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    ///         if (i < n) x[i] *= a;
+    ///     }"#, &[])?;
+    /// let scale = m.kernel("scale")?;
+    /// # Ok::<(), cuda_core::Error>(())
+    /// ```
+    pub fn cuda(source: impl Into<String>, options: &[&str]) -> Result<Self> {
+        let source = source.into();
+        reject_nul("CUDA C source", &source)?;
+        for o in options {
+            reject_nul("NVRTC option", o)?;
+        }
+        let options = options.iter().map(|o| o.to_string()).collect();
+        Ok(Self::new(ModuleSource::Cuda { source, options }, None))
+    }
+
+    /// A PTX module, JIT-compiled by the driver of each device that runs
+    /// it. The `.entry` parameter lists are parsed now, so an unknown
+    /// kernel name is an error at [`Module::kernel`]. Needs no driver.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the text contains a NUL byte.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let m = cuda_core::Module::ptx(".version 7.0\n.target sm_70\n.address_size 64\n\
+    ///     .visible .entry noop() { ret; }")?;
+    /// assert_eq!(m.kernel("noop")?.params().map(|p| p.len()), Some(0));
+    /// assert!(m.kernel("nope").is_err());
+    /// # Ok::<(), cuda_core::Error>(())
+    /// ```
+    pub fn ptx(text: impl Into<String>) -> Result<Self> {
+        let text = text.into();
+        reject_nul("PTX text", &text)?;
+        let entries = Arc::new(parse_ptx_entries(&text));
+        Ok(Self::new(ModuleSource::Ptx(text), Some(entries)))
+    }
+
+    fn new(
+        source: ModuleSource,
+        ptx_entries: Option<Arc<HashMap<String, Vec<ParamSpec>>>>,
+    ) -> Self {
+        let hash = source.content_hash();
+        let kind = match source {
+            ModuleSource::Ptx(_) => "ptx",
+            ModuleSource::Cuda { .. } => "cuda",
+        };
+        Module {
+            inner: Arc::new(ModuleInner {
+                source,
+                hash,
+                name: format!("{kind}-{hash:016x}"),
+                ptx_entries,
+            }),
+        }
+    }
+
+    /// Gives the module a name for error messages and NVRTC logs (e.g. the
+    /// file it came from). The default is its kind and content hash
+    /// (`cuda-1a2b...`). The name is not part of the content.
+    pub fn named(mut self, name: impl Into<String>) -> Self {
+        let name: String = name.into();
+        Arc::make_mut(&mut self.inner).name = name.replace('\0', "");
+        self
+    }
+
+    /// The module's name (see [`Module::named`]).
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The content hash: FNV-1a over kind, options and text; stable across
+    /// processes and machines (a remote node caches compiled modules by it).
+    pub fn hash(&self) -> u64 {
+        self.inner.hash
+    }
+
+    /// What the module is made of.
+    pub fn source(&self) -> &ModuleSource {
+        &self.inner.source
+    }
+
+    /// Compiles (CUDA C, through the per-device NVRTC cache) or JIT-loads
+    /// (PTX) the module on `device` now, so the first launch there does
+    /// not, and compile errors show here. Returns `self` for chaining.
+    ///
+    /// # Errors
+    /// [`Error::NoDriver`], [`Error::NoNvrtc`] (CUDA C without NVRTC),
+    /// [`Error::Compile`] naming the module with NVRTC's (or the JIT's) log,
+    /// or the failing driver call.
     ///
     /// # Examples
     ///
     /// ```no_run
     /// let dev = cuda_core::Device::new(0)?;
-    /// let m = cuda_core::Module::from_ptx(&dev, ".version 7.0\n.target sm_70\n.address_size 64\n\
-    ///     .visible .entry noop() { ret; }")?;
-    /// let k = m.kernel("noop")?;
-    /// assert_eq!(k.params().map(|p| p.len()), Some(0));
+    /// let m = cuda_core::Module::cuda(r#"extern "C" __global__ void k() {}"#, &[])?;
+    /// m.load_on(&dev)?; // compiles now; launches of `k` on `dev` will not
     /// # Ok::<(), cuda_core::Error>(())
     /// ```
-    pub fn from_ptx(device: &Device, ptx: &str) -> Result<Self> {
-        crate::device::require_driver()?;
-        if ptx.as_bytes().contains(&0) {
-            return Err(Error::InvalidArgument(
-                "PTX text contains a NUL byte".into(),
-            ));
+    pub fn load_on(&self, device: &Device) -> Result<&Self> {
+        self.loaded_on(device)?;
+        Ok(self)
+    }
+
+    /// The names of the module's kernels, compiling it on `device` first
+    /// if it is CUDA C. Sorted.
+    ///
+    /// # Errors
+    /// As [`Module::load_on`].
+    pub fn kernel_names_on(&self, device: &Device) -> Result<Vec<String>> {
+        Ok(sorted_names(&self.loaded_on(device)?.entries))
+    }
+
+    /// The kernel `name` of this module (an `extern "C"` name, or the
+    /// mangled one). Resolved on each device when it first runs there.
+    ///
+    /// # Errors
+    /// [`Error::KernelNotFound`] (naming the module and listing its
+    /// kernels) if this is PTX without such an entry, or the name is empty
+    /// or contains a NUL byte. CUDA C is only compiled when loaded, so a
+    /// wrong name there shows at [`Kernel::load_on`] or the first launch.
+    pub fn kernel(&self, name: &str) -> Result<Kernel> {
+        let params = OnceLock::new();
+        let known = match &self.inner.ptx_entries {
+            Some(entries) => match entries.get(name) {
+                Some(p) => {
+                    let _ = params.set(Some(p.clone()));
+                    true
+                }
+                // A `.entry` whose parameter list the parser could not read
+                // is missing from the map: only an absent name is an error.
+                None => !name.is_empty() && self.inner.source.text().contains(name),
+            },
+            None => !name.is_empty(),
+        };
+        if !known || name.as_bytes().contains(&0) {
+            let entries = self
+                .inner
+                .ptx_entries
+                .as_ref()
+                .map(|e| sorted_names(e))
+                .unwrap_or_default();
+            return Err(self.not_found(name, entries));
         }
-        let entries = parse_ptx_entries(ptx);
-        let inner = match device.context().load_module(Ptx::from_src(ptx)) {
+        Ok(Kernel {
+            inner: Arc::new(KernelInner {
+                module: self.clone(),
+                name: name.to_string(),
+                params,
+                functions: OnceLock::new(),
+            }),
+        })
+    }
+
+    fn not_found(&self, name: &str, entries: Vec<String>) -> Error {
+        Error::KernelNotFound {
+            name: name.into(),
+            module: self.inner.name.clone(),
+            entries,
+        }
+    }
+
+    /// The module loaded on `device`, from the process-wide cache (compiled
+    /// or JIT-loaded once per content and device).
+    fn loaded_on(&self, device: &Device) -> Result<Arc<LoadedModule>> {
+        crate::device::require_driver()?;
+        let entry = cache_entry(device.ordinal(), &self.inner);
+        // One compile per content and device: threads that ask at once wait
+        // here for the first one's result.
+        let mut slot = entry.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(done) = &*slot {
+            return done.clone();
+        }
+        let loaded = self.load_uncached(device);
+        // Compile errors are deterministic: cache them so a bad module does
+        // not recompile on every launch. Anything else may be retried.
+        if matches!(loaded, Ok(_) | Err(Error::Compile { .. })) {
+            *slot = Some(loaded.clone());
+        }
+        loaded
+    }
+
+    fn load_uncached(&self, device: &Device) -> Result<Arc<LoadedModule>> {
+        let ptx_owned;
+        let (ptx, entries) = match &self.inner.source {
+            ModuleSource::Ptx(text) => (
+                text.as_str(),
+                self.inner.ptx_entries.clone().unwrap_or_default(),
+            ),
+            ModuleSource::Cuda { source, options } => {
+                ptx_owned = self.compile(device, source, options)?;
+                let entries = Arc::new(parse_ptx_entries(&ptx_owned));
+                (ptx_owned.as_str(), entries)
+            }
+        };
+        let module = match device.context().load_module(Ptx::from_src(ptx)) {
             Ok(m) => m,
             Err(code) => {
-                let log = jit_error_log(device, ptx);
                 let err = Error::driver("cuModuleLoadData", code);
-                return Err(match (err, log) {
+                return Err(match (err, jit_error_log(device, ptx)) {
                     (Error::Driver { .. }, Some(log)) if !log.is_empty() => Error::Compile {
-                        program: "PTX module".into(),
+                        program: self.inner.name.clone(),
                         log: format!("cuModuleLoadData failed: {code:?}\n{log}"),
                     },
                     (err, _) => err,
                 });
             }
         };
-        Ok(Module {
-            inner,
-            device: device.clone(),
-            entries: Arc::new(entries),
-        })
+        Ok(Arc::new(LoadedModule { module, entries }))
     }
 
-    /// Compiles CUDA C with NVRTC for `device`'s architecture and loads it;
-    /// cached per device by a stable hash of source and options, so the same
-    /// source is compiled once per process.
-    ///
-    /// `options` are NVRTC flags (e.g. `"-default-device"`); the
-    /// architecture flag is added from the device's compute capability.
-    ///
-    /// # Errors
-    /// [`Error::NoNvrtc`] if NVRTC is missing; [`Error::Compile`] with
-    /// NVRTC's log if the source does not compile; as [`Module::from_ptx`].
-    ///
-    /// # Examples
-    ///
-    /// ```no_run
-    /// let dev = cuda_core::Device::new(0)?;
-    /// let m = cuda_core::Module::from_cuda(&dev, r#"
-    ///     extern "C" __global__ void scale(float* x, float a, unsigned n) {
-    ///         unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    ///         if (i < n) x[i] *= a;
-    ///     }"#, &[])?;
-    /// assert_eq!(m.kernel("scale")?.params().unwrap().len(), 3);
-    /// # Ok::<(), cuda_core::Error>(())
-    /// ```
-    pub fn from_cuda(device: &Device, source: &str, options: &[&str]) -> Result<Self> {
-        crate::device::require_driver()?;
+    fn compile(&self, device: &Device, source: &str, options: &[String]) -> Result<String> {
         if !crate::device::nvrtc_present() {
             return Err(Error::NoNvrtc);
         }
-        if source.as_bytes().contains(&0) || options.iter().any(|o| o.as_bytes().contains(&0)) {
-            return Err(Error::InvalidArgument(
-                "CUDA source or option contains a NUL byte".into(),
-            ));
-        }
         let (major, minor) = device.compute_capability()?;
-        let mut opts: Vec<String> = options.iter().map(|s| s.to_string()).collect();
+        let mut opts: Vec<String> = options.to_vec();
         if !opts
             .iter()
             .any(|o| o.starts_with("--gpu-architecture") || o.starts_with("-arch"))
         {
             opts.push(format!("--gpu-architecture=compute_{major}{minor}"));
         }
-        let key = CacheKey::new(device.ordinal(), source, &opts);
-        let cache = module_cache();
-        if let Some(m) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-            return Ok(m.clone());
-        }
+        NVRTC_COMPILATIONS.fetch_add(1, Ordering::Relaxed);
         let compiled = cudarc::nvrtc::compile_ptx_with_opts(
             source,
             CompileOptions {
                 options: opts,
-                name: Some("cuda_async_module.cu".into()),
+                name: Some(self.inner.name.clone()),
                 ..Default::default()
             },
         );
-        let ptx = match compiled {
-            Ok(ptx) => ptx,
-            Err(CompileError::CompileError { log, .. }) => {
-                return Err(Error::Compile {
-                    program: "cuda_async_module.cu".into(),
-                    log: log.to_string_lossy().into_owned(),
-                })
-            }
-            Err(e) => {
-                return Err(Error::Compile {
-                    program: "cuda_async_module.cu".into(),
-                    log: format!("{e:?}"),
-                })
-            }
-        };
-        let module = Module::from_ptx(device, &ptx.to_src())?;
-        cache
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key, module.clone());
-        Ok(module)
-    }
-
-    /// The kernel `name` (an `extern "C"` name, or the mangled one).
-    ///
-    /// # Errors
-    /// [`Error::KernelNotFound`] if the module has no such kernel.
-    pub fn kernel(&self, name: &str) -> Result<Kernel> {
-        if name.as_bytes().contains(&0) {
-            return Err(Error::KernelNotFound { name: name.into() });
-        }
-        let func = match self.inner.load_function(name) {
-            Ok(f) => f,
-            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_FOUND => {
-                return Err(Error::KernelNotFound { name: name.into() })
-            }
-            Err(e) => return Err(Error::driver("cuModuleGetFunction", e)),
-        };
-        Ok(Kernel {
-            inner: Arc::new(KernelInner {
-                func,
-                name: name.to_string(),
-                params: self.entries.get(name).cloned(),
-                device: self.device.clone(),
+        match compiled {
+            Ok(ptx) => Ok(ptx.to_src()),
+            Err(CompileError::CompileError { log, .. }) => Err(Error::Compile {
+                program: self.inner.name.clone(),
+                log: log.to_string_lossy().into_owned(),
             }),
-        })
-    }
-
-    /// The device this module is loaded on.
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
-
-    /// Kernel names found in the PTX.
-    pub fn kernel_names(&self) -> impl Iterator<Item = &str> {
-        self.entries.keys().map(String::as_str)
+            Err(e) => Err(Error::Compile {
+                program: self.inner.name.clone(),
+                log: format!("{e:?}"),
+            }),
+        }
     }
 }
 
-/// A kernel of a loaded module; cheap to clone, keeps its module loaded.
+fn sorted_names(entries: &HashMap<String, Vec<ParamSpec>>) -> Vec<String> {
+    let mut names: Vec<String> = entries.keys().cloned().collect();
+    names.sort();
+    names
+}
+
+static NVRTC_COMPILATIONS: AtomicU64 = AtomicU64::new(0);
+
+/// How many NVRTC compilations this process has run (a diagnostic: each
+/// distinct CUDA C module compiles once per device).
+pub fn nvrtc_compilations() -> u64 {
+    NVRTC_COMPILATIONS.load(Ordering::Relaxed)
+}
+
+/// A module loaded in one device's context, with its PTX parameter lists.
+struct LoadedModule {
+    module: Arc<CudaModule>,
+    entries: Arc<HashMap<String, Vec<ParamSpec>>>,
+}
+
+type CacheSlot = Arc<Mutex<Option<Result<Arc<LoadedModule>>>>>;
+
+/// The process-wide module cache: (device, content hash) picks a bucket;
+/// within it the content (kind, options, text) is compared in full. Loaded
+/// modules stay for the life of the process, so a launched kernel's module
+/// never unloads under it.
+fn cache_entry(ordinal: usize, module: &Arc<ModuleInner>) -> CacheSlot {
+    type Buckets = HashMap<(usize, u64), Vec<(Arc<ModuleInner>, CacheSlot)>>;
+    static CACHE: OnceLock<Mutex<Buckets>> = OnceLock::new();
+    let mut cache = CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let bucket = cache.entry((ordinal, module.hash)).or_default();
+    if let Some((_, slot)) = bucket.iter().find(|(m, _)| m.source == module.source) {
+        return slot.clone();
+    }
+    let slot = CacheSlot::default();
+    bucket.push((module.clone(), slot.clone()));
+    slot
+}
+
+/// A kernel: a [`Module`] and an entry name. Cheap to clone, `Send +
+/// Sync`, and not bound to a device: each device it runs on resolves it
+/// once (compiling the module there if needed), then finds it lock-free.
+///
+/// # Examples
+///
+/// ```
+/// let m = cuda_core::Module::cuda(r#"extern "C" __global__ void k(int* p) { *p = 7; }"#, &[])?;
+/// let k = m.kernel("k")?;
+/// let k2 = k.clone(); // shares the per-device functions
+/// std::thread::spawn(move || assert_eq!(k2.name(), "k")).join().unwrap();
+/// # Ok::<(), cuda_core::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct Kernel {
     inner: Arc<KernelInner>,
 }
 
 struct KernelInner {
-    func: CudaFunction,
+    module: Module,
     name: String,
-    params: Option<Vec<ParamSpec>>,
-    device: Device,
+    /// The PTX parameter list: known at construction for PTX, after the
+    /// first load for CUDA C; `Some(None)` if it could not be parsed.
+    params: OnceLock<Option<Vec<ParamSpec>>>,
+    /// One slot per device ordinal, made on first use.
+    functions: OnceLock<Box<[OnceLock<CudaFunction>]>>,
 }
 
 impl fmt::Debug for Kernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Kernel")
             .field("name", &self.inner.name)
-            .field("params", &self.inner.params)
-            .field("device", &self.inner.device.ordinal())
+            .field("module", &self.inner.module.name())
+            .field("params", &self.params())
             .finish()
     }
 }
@@ -344,19 +621,84 @@ impl Kernel {
         &self.inner.name
     }
 
-    /// The parameter list read from the PTX, if it could be parsed.
+    /// The module it belongs to.
+    pub fn module(&self) -> &Module {
+        &self.inner.module
+    }
+
+    /// The parameter list read from the PTX: known from the start for a
+    /// PTX module, after the first load for CUDA C; `None` before that or
+    /// if it could not be parsed.
     pub fn params(&self) -> Option<&[ParamSpec]> {
-        self.inner.params.as_deref()
+        self.inner.params.get().and_then(|p| p.as_deref())
     }
 
-    /// The device the kernel's module is loaded on.
-    pub fn device(&self) -> &Device {
-        &self.inner.device
+    /// Loads the kernel on `device` now (compiling its module there if
+    /// needed), so a wrong name or a compile error shows here and the first
+    /// launch does not compile. See [`Module`]'s `# Performance`.
+    ///
+    /// # Errors
+    /// As [`Module::load_on`]; [`Error::KernelNotFound`] naming the module
+    /// and listing its kernels.
+    pub fn load_on(&self, device: &Device) -> Result<()> {
+        self.function_on(device).map(|_| ())
     }
 
-    /// The cudarc function handle.
-    pub fn function(&self) -> &CudaFunction {
-        &self.inner.func
+    /// The cudarc function of this kernel on `device`, resolving it the
+    /// first time (for interop with code that launches through cudarc).
+    ///
+    /// # Errors
+    /// As [`Kernel::load_on`].
+    #[inline]
+    pub fn function_on(&self, device: &Device) -> Result<&CudaFunction> {
+        let found = self
+            .inner
+            .functions
+            .get()
+            .and_then(|slots| slots.get(device.ordinal()))
+            .and_then(OnceLock::get);
+        match found {
+            Some(f) => Ok(f),
+            None => self.resolve(device),
+        }
+    }
+
+    #[cold]
+    fn resolve(&self, device: &Device) -> Result<&CudaFunction> {
+        let module = &self.inner.module;
+        let loaded = module.loaded_on(device)?;
+        let func = match loaded.module.load_function(&self.inner.name) {
+            Ok(f) => f,
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_FOUND => {
+                return Err(module.not_found(&self.inner.name, sorted_names(&loaded.entries)))
+            }
+            Err(e) => return Err(Error::driver("cuModuleGetFunction", e)),
+        };
+        let _ = self
+            .inner
+            .params
+            .set(loaded.entries.get(&self.inner.name).cloned());
+        if self.inner.functions.get().is_none() {
+            let n = crate::device::device_count()?.max(device.ordinal() + 1);
+            let _ = self
+                .inner
+                .functions
+                .set((0..n).map(|_| OnceLock::new()).collect());
+        }
+        let slot = self
+            .inner
+            .functions
+            .get()
+            .and_then(|s| s.get(device.ordinal()))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "device ordinal {} is past the devices counted when kernel `{}` was first \
+                     loaded",
+                    device.ordinal(),
+                    self.inner.name
+                ))
+            })?;
+        Ok(slot.get_or_init(|| func))
     }
 
     /// Checks arguments given as `(size, class)` pairs against the PTX
@@ -364,7 +706,8 @@ impl Kernel {
     ///
     /// # Errors
     /// [`Error::ArgumentMismatch`] naming the first mismatch. A kernel whose
-    /// PTX parameter list could not be parsed is checked by nothing.
+    /// PTX parameter list could not be parsed (or, for CUDA C, was not
+    /// loaded yet) is checked by nothing: launches load it before checking.
     pub fn check_args(&self, args: &[(usize, ParamClass, &'static str)]) -> Result<()> {
         let Some(params) = self.params() else {
             return Ok(());
@@ -393,33 +736,8 @@ impl Kernel {
     }
 }
 
-/// The NVRTC cache key: device, source and options, compared in full;
-/// the stable FNV-1a hash only picks the bucket.
-#[derive(PartialEq, Eq, Hash)]
-struct CacheKey {
-    hash: u64,
-    ordinal: usize,
-    text: String,
-}
-
-impl CacheKey {
-    fn new(ordinal: usize, source: &str, options: &[String]) -> Self {
-        let mut text = String::with_capacity(source.len() + 64);
-        for o in options {
-            text.push_str(o);
-            text.push('\0');
-        }
-        text.push_str(source);
-        CacheKey {
-            hash: fnv1a64(text.as_bytes()),
-            ordinal,
-            text,
-        }
-    }
-}
-
 /// FNV-1a, 64 bit: a hash that is the same in every process and release
-/// (unlike `DefaultHasher`), so it can also name on-disk caches.
+/// (unlike `DefaultHasher`), so it can name cached modules anywhere.
 ///
 /// # Examples
 ///
@@ -428,17 +746,26 @@ impl CacheKey {
 /// assert_eq!(cuda_core::fnv1a64(b"a"), 0xaf63dc4c8601ec8c);
 /// ```
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
+    let mut h = Fnv1a::new();
+    h.write(bytes);
+    h.finish()
 }
 
-fn module_cache() -> &'static Mutex<HashMap<CacheKey, Module>> {
-    static CACHE: OnceLock<Mutex<HashMap<CacheKey, Module>>> = OnceLock::new();
-    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+struct Fnv1a(u64);
+
+impl Fnv1a {
+    fn new() -> Self {
+        Fnv1a(0xcbf2_9ce4_8422_2325)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= b as u64;
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
 /// Re-runs the failed PTX load with the JIT's error log enabled.
@@ -578,11 +905,76 @@ mod tests {
     }
 
     #[test]
-    fn cache_key_separates_options_and_devices() {
-        let a = CacheKey::new(0, "src", &["-O3".into()]);
-        let b = CacheKey::new(0, "src", &["-O2".into()]);
-        let c = CacheKey::new(1, "src", &["-O3".into()]);
-        assert!(a != b && a != c);
-        assert!(a == CacheKey::new(0, "src", &["-O3".into()]));
+    fn modules_and_kernels_are_made_without_a_driver() {
+        let m = Module::cuda("extern \"C\" __global__ void k(int* p) { *p = 1; }", &[]).unwrap();
+        let k = m.kernel("k").unwrap();
+        assert_eq!(k.name(), "k");
+        assert_eq!(k.module(), &m);
+        assert!(
+            k.params().is_none(),
+            "CUDA C params are known after loading"
+        );
+        let p = Module::ptx(NVRTC_LIKE).unwrap();
+        assert_eq!(p.kernel("axpy").unwrap().params().unwrap().len(), 4);
+    }
+
+    #[test]
+    fn hashes_cover_kind_options_and_text_but_not_the_name() {
+        let a = Module::cuda("src", &["-O3"]).unwrap();
+        let b = Module::cuda("src", &["-O2"]).unwrap();
+        let c = Module::cuda("src2", &["-O3"]).unwrap();
+        let d = Module::ptx("src").unwrap();
+        let e = Module::cuda("src", &[]).unwrap();
+        let hashes = [a.hash(), b.hash(), c.hash(), d.hash(), e.hash()];
+        for i in 0..hashes.len() {
+            for j in i + 1..hashes.len() {
+                assert_ne!(hashes[i], hashes[j], "{i} vs {j}");
+            }
+        }
+        // Option boundaries are part of the content.
+        assert_ne!(
+            Module::cuda("s", &["ab", "c"]).unwrap().hash(),
+            Module::cuda("s", &["a", "bc"]).unwrap().hash()
+        );
+        let named = a.clone().named("kernels.cu");
+        assert_eq!(named.hash(), a.hash());
+        assert_eq!(named, a);
+        assert_eq!(named.name(), "kernels.cu");
+        assert!(a.name().starts_with("cuda-"), "{}", a.name());
+        // Stable across processes: a fixed value.
+        assert_eq!(Module::ptx("").unwrap().hash(), fnv1a64(b"ptx\0"));
+    }
+
+    #[test]
+    fn unknown_ptx_kernels_name_the_module_and_list_its_entries() {
+        let m = Module::ptx(NVRTC_LIKE).unwrap().named("test.ptx");
+        let e = m.kernel("axpz").unwrap_err();
+        match &e {
+            Error::KernelNotFound {
+                name,
+                module,
+                entries,
+            } => {
+                assert_eq!((name.as_str(), module.as_str()), ("axpz", "test.ptx"));
+                assert_eq!(entries, &["axpy", "bystruct", "noargs"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        let msg = e.to_string();
+        assert!(
+            msg.contains("`axpz`")
+                && msg.contains("test.ptx")
+                && msg.contains("axpy, bystruct, noargs"),
+            "{msg}"
+        );
+        assert!(Module::cuda("x", &[]).unwrap().kernel("").is_err());
+        assert!(Module::cuda("x", &[]).unwrap().kernel("a\0b").is_err());
+    }
+
+    #[test]
+    fn nul_bytes_are_rejected_when_the_module_is_made() {
+        assert!(Module::cuda("a\0b", &[]).is_err());
+        assert!(Module::cuda("ab", &["-O\0"]).is_err());
+        assert!(Module::ptx("a\0b").is_err());
     }
 }
