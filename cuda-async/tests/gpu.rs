@@ -494,6 +494,12 @@ fn bad_arguments_and_sources_give_clear_errors() {
     );
 }
 
+const ONE_THREAD: LaunchConfig = LaunchConfig {
+    grid_dim: (1, 1, 1),
+    block_dim: (1, 1, 1),
+    shared_mem_bytes: 0,
+};
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn one_kernel_value_launched_from_many_threads_and_tasks_compiles_once() {
@@ -514,9 +520,9 @@ fn one_kernel_value_launched_from_many_threads_and_tasks_compiles_once() {
             let (k, barrier) = (k.clone(), barrier.clone());
             std::thread::spawn(move || {
                 barrier.wait();
-                // SAFETY: `inc` adds 1 to x[0]; x has one element.
+                // SAFETY: one thread of `inc` adds 1 to x[0]; x has one element.
                 let out = zeros::<u32>(1)
-                    .then(move |x| unsafe { launch(&k, LaunchConfig::for_num_elems(1), (x,)) })
+                    .then(move |x| unsafe { launch(&k, ONE_THREAD, (x,)) })
                     .then(|(x,)| d2h(x))
                     .sync()
                     .unwrap();
@@ -535,7 +541,7 @@ fn one_kernel_value_launched_from_many_threads_and_tasks_compiles_once() {
                 tokio::spawn(async move {
                     // SAFETY: as above.
                     let out = zeros::<u32>(1)
-                        .then(move |x| unsafe { launch(&k, LaunchConfig::for_num_elems(1), (x,)) })
+                        .then(move |x| unsafe { launch(&k, ONE_THREAD, (x,)) })
                         .then(|(x,)| d2h(x))
                         .into_device_future()
                         .await
