@@ -9,7 +9,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use cuda_core::cudarc::driver::{result, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+use cuda_core::cudarc::driver::{result, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 use cuda_core::{AnyBitPattern, DeviceBuffer, Error, PinnedBuffer, Result};
 
 use crate::context::ExecutionContext;
@@ -205,7 +205,7 @@ where
 }
 impl_into_future!(impl[T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send] for D2H<T, B>);
 
-fn enqueue_d2h<T: DeviceRepr>(
+fn enqueue_d2h<T: AnyBitPattern>(
     ctx: &ExecutionContext,
     src: &DeviceBuffer<T>,
     dst: &mut PinnedBuffer<T>,
@@ -214,26 +214,7 @@ fn enqueue_d2h<T: DeviceRepr>(
     if src.is_empty() {
         return Ok(());
     }
-    let stream = ctx.cuda_stream()?;
-    bind(ctx)?;
-    src.before_read(stream)?;
-    // SAFETY: the copy below writes exactly `dst.len()` elements on `stream`,
-    // and `record_use` follows it.
-    let host = unsafe { dst.begin_use(stream) }?;
-    {
-        // (cudarc's own tracking too: waits for its last write, records a
-        // read when dropped.)
-        let (dptr, _read) = src.as_cuda_slice().device_ptr(stream);
-        // SAFETY: `host` points to `dst.len()` pinned elements that nothing
-        // else touches until the recorded use completes; `dptr` holds as many.
-        let dst_slice = unsafe { std::slice::from_raw_parts_mut(host, src.len()) };
-        // SAFETY: valid pointers and lengths (above), enqueued on a live stream.
-        unsafe { result::memcpy_dtoh_async(dst_slice, dptr, stream.cu_stream()) }
-            .map_err(|e| Error::driver("cuMemcpyDtoHAsync", e))?;
-    }
-    let read = src.after_read(stream);
-    dst.record_use(stream)?;
-    read
+    dst.download_from(src, 0, ctx.cuda_stream()?)
 }
 
 /// Op for [`copy_d2h`].

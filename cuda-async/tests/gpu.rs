@@ -494,6 +494,62 @@ fn bad_arguments_and_sources_give_clear_errors() {
     );
 }
 
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn run_time_argument_lists_launch_with_offsets_and_are_checked() {
+    use cuda_async::{DynArg, DynArgs};
+    let k = kernels();
+    // add_u32(x, v, n) on bytes 16.. of a 64-byte buffer: elements 4..8 += 5.
+    let buf = zeros::<u8>(64).sync().unwrap();
+    let args = DynArgs::new(vec![
+        DynArg::Buffer {
+            buffer: &buf,
+            offset: 16,
+        },
+        DynArg::Bytes(5u32.to_le_bytes().to_vec()),
+        DynArg::Bytes(4u32.to_le_bytes().to_vec()),
+    ])
+    .unwrap();
+    // SAFETY: 4 elements of u32 at byte offset 16 of a 64-byte buffer.
+    unsafe { launch(&k.add_u32, cfg(4), args) }.sync().unwrap();
+    let out = d2h(&buf).sync().unwrap().to_vec().unwrap();
+    let words: Vec<u32> = out
+        .chunks(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(words, [0, 0, 0, 0, 5, 5, 5, 5, 0, 0, 0, 0, 0, 0, 0, 0]);
+    // A wrong size or count is refused before anything is launched.
+    let bad = DynArgs::new(vec![
+        DynArg::Buffer {
+            buffer: &buf,
+            offset: 0,
+        },
+        DynArg::Bytes(vec![5]),
+        DynArg::Bytes(4u32.to_le_bytes().to_vec()),
+    ])
+    .unwrap();
+    // SAFETY: never launched: the check rejects it.
+    let e = unsafe { launch(&k.add_u32, cfg(4), bad) }
+        .sync()
+        .unwrap_err();
+    assert!(matches!(e, Error::ArgumentMismatch { .. }), "{e}");
+    let short = DynArgs::new(vec![DynArg::Buffer {
+        buffer: &buf,
+        offset: 0,
+    }])
+    .unwrap();
+    // SAFETY: never launched: the check rejects it.
+    let e = unsafe { launch(&k.add_u32, cfg(4), short) }
+        .sync()
+        .unwrap_err();
+    assert!(e.to_string().contains("3 argument(s), 1 given"), "{e}");
+    assert!(DynArgs::new(vec![DynArg::Buffer {
+        buffer: &buf,
+        offset: 65
+    }])
+    .is_err());
+}
+
 const ONE_THREAD: LaunchConfig = LaunchConfig {
     grid_dim: (1, 1, 1),
     block_dim: (1, 1, 1),

@@ -98,6 +98,11 @@ impl Error {
         matches!(self, Error::Poisoned { .. })
     }
 
+    /// Whether this is the driver running out of device memory.
+    pub fn is_out_of_memory(&self) -> bool {
+        self.driver_code() == Some(CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+    }
+
     /// The driver status code, if this is a driver error.
     pub fn driver_code(&self) -> Option<CUresult> {
         match self {

@@ -393,6 +393,20 @@ impl Module {
         Ok(self)
     }
 
+    /// Forgets this module's load on `device` in the process-wide cache, so
+    /// the driver unloads it once no [`Kernel`] value that resolved it there
+    /// is left (each holds the loaded module), and the next use loads it
+    /// again. For long-lived processes that load many distinct modules (a
+    /// lease node's workers).
+    ///
+    /// # Safety
+    /// No kernel of this module may still be running or queued on `device`
+    /// when the last such [`Kernel`] is dropped (synchronize its streams
+    /// first): unloading a module under a running kernel is undefined.
+    pub unsafe fn evict_on(&self, device: &Device) {
+        evict(device.ordinal(), &self.inner);
+    }
+
     /// The names of the module's kernels, compiling it on `device` first
     /// if it is CUDA C. Sorted.
     ///
@@ -557,17 +571,20 @@ struct LoadedModule {
 
 type CacheSlot = Arc<Mutex<Option<Result<Arc<LoadedModule>>>>>;
 
+type Buckets = HashMap<(usize, u64), Vec<(Arc<ModuleInner>, CacheSlot)>>;
+
+fn module_cache() -> &'static Mutex<Buckets> {
+    static CACHE: OnceLock<Mutex<Buckets>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
 /// The process-wide module cache: (device, content hash) picks a bucket;
 /// within it the content (kind, options, text) is compared in full. Loaded
-/// modules stay for the life of the process, so a launched kernel's module
-/// never unloads under it.
+/// modules stay for the life of the process (unless evicted with
+/// [`Module::evict_on`]), so a launched kernel's module never unloads under
+/// it.
 fn cache_entry(ordinal: usize, module: &Arc<ModuleInner>) -> CacheSlot {
-    type Buckets = HashMap<(usize, u64), Vec<(Arc<ModuleInner>, CacheSlot)>>;
-    static CACHE: OnceLock<Mutex<Buckets>> = OnceLock::new();
-    let mut cache = CACHE
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
+    let mut cache = module_cache().lock().unwrap_or_else(|e| e.into_inner());
     let bucket = cache.entry((ordinal, module.hash)).or_default();
     if let Some((_, slot)) = bucket.iter().find(|(m, _)| m.source == module.source) {
         return slot.clone();
@@ -575,6 +592,16 @@ fn cache_entry(ordinal: usize, module: &Arc<ModuleInner>) -> CacheSlot {
     let slot = CacheSlot::default();
     bucket.push((module.clone(), slot.clone()));
     slot
+}
+
+fn evict(ordinal: usize, module: &ModuleInner) {
+    let mut cache = module_cache().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(bucket) = cache.get_mut(&(ordinal, module.hash)) {
+        bucket.retain(|(m, _)| m.source != module.source);
+        if bucket.is_empty() {
+            cache.remove(&(ordinal, module.hash));
+        }
+    }
 }
 
 /// A kernel: a [`Module`] and an entry name. Cheap to clone, `Send +

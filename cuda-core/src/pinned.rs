@@ -14,12 +14,12 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaStream, DeviceRepr};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DeviceRepr};
 
-use crate::buffer::check_len;
+use crate::buffer::{check_len, AnyBitPattern, DeviceBuffer};
 use crate::device::Device;
 use crate::error::{DriverResultExt, Error, Result};
-use crate::raw::RawEvent;
+use crate::raw::{set_current, RawEvent};
 
 /// A typed, page-locked, non-write-combined host buffer (fast to read back
 /// from, usable by asynchronous copies in both directions).
@@ -283,6 +283,67 @@ impl<T> PinnedBuffer<T> {
             self.broken.store(true, Ordering::Release);
         }
         r
+    }
+}
+
+impl<T: AnyBitPattern> PinnedBuffer<T> {
+    /// Enqueues on `stream` a copy of `src[offset..offset + self.len()]`
+    /// (in elements) into this buffer: ordered after `src`'s last write and
+    /// this buffer's earlier GPU uses, recorded as a read of `src` and a use
+    /// of this buffer, so host access waits for it. Does not wait itself.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the range is outside `src`, or either
+    /// buffer is on another device than `stream`; a driver error, named.
+    pub fn download_from(
+        &mut self,
+        src: &DeviceBuffer<T>,
+        offset: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        let in_range = offset
+            .checked_add(self.len)
+            .is_some_and(|end| end <= src.len());
+        if !in_range {
+            return Err(Error::InvalidArgument(format!(
+                "device-to-host copy: {} elements at offset {offset} are outside a buffer of {}",
+                self.len,
+                src.len()
+            )));
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        set_current(stream.context())?;
+        src.before_read(stream)?;
+        // SAFETY: the copy below writes exactly `self.len` elements on
+        // `stream`, and `record_use` follows it.
+        let host = unsafe { self.begin_use(stream) }?;
+        let copied = {
+            // (cudarc's own tracking too: waits for its last write, records
+            // a read when dropped.)
+            let (dptr, _read) = src.as_cuda_slice().device_ptr(stream);
+            let dptr = dptr + (offset * std::mem::size_of::<T>()) as u64;
+            let bytes = self.len * std::mem::size_of::<T>();
+            // SAFETY: `host` points to `self.len` pinned elements that
+            // nothing else touches until the recorded use completes; `dptr`
+            // addresses as many inside `src` (range checked above); `T`
+            // accepts any bit pattern, so whatever the GPU wrote is a valid
+            // `T`.
+            unsafe {
+                cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                    host as *mut std::ffi::c_void,
+                    dptr,
+                    bytes,
+                    stream.cu_stream(),
+                )
+            }
+            .result()
+            .call("cuMemcpyDtoHAsync")
+        };
+        let read = src.after_read(stream);
+        self.record_use(stream)?;
+        copied.and(read)
     }
 }
 

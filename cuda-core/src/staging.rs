@@ -139,6 +139,32 @@ pub fn upload<T: DeviceRepr + Copy>(
             dst.len()
         )));
     }
+    upload_at(src, dst, 0, stream)
+}
+
+/// Copies `src` into `dst[offset..offset + src.len()]` (in elements) on
+/// `stream`, through pinned staging memory, as [`upload`] does for a whole
+/// buffer.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] if the range is outside `dst` or `dst` is on
+/// another device; driver errors (allocation, copy), named.
+pub fn upload_at<T: DeviceRepr + Copy>(
+    src: &[T],
+    dst: &mut DeviceBuffer<T>,
+    offset: usize,
+    stream: &Arc<CudaStream>,
+) -> Result<()> {
+    let in_range = offset
+        .checked_add(src.len())
+        .is_some_and(|end| end <= dst.len());
+    if !in_range {
+        return Err(Error::InvalidArgument(format!(
+            "host-to-device copy: {} elements at offset {offset} do not fit a buffer of {}",
+            src.len(),
+            dst.len()
+        )));
+    }
     let bytes = std::mem::size_of_val(src);
     if bytes == 0 {
         return Ok(());
@@ -152,8 +178,10 @@ pub fn upload<T: DeviceRepr + Copy>(
     };
     let enqueued = {
         let (dptr, _record) = dst.as_cuda_slice_mut().device_ptr_mut(stream);
-        // SAFETY: `dptr` addresses `bytes` bytes of a live allocation; the
-        // pinned source stays allocated until the copy is done (below).
+        let dptr = dptr + (offset * std::mem::size_of::<T>()) as u64;
+        // SAFETY: `dptr` addresses `bytes` bytes inside a live allocation
+        // (range checked above); the pinned source stays allocated until the
+        // copy is done (below).
         unsafe {
             sys::cuMemcpyHtoDAsync_v2(
                 dptr,

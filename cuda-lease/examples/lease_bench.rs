@@ -1,7 +1,9 @@
 //! Loopback measurements against the real device through an embedded node:
 //! lease-allocation latency (cold and with a pre-started worker), the round
 //! trip of a one-kernel BATCH (launch + sync), and MEM_WRITE / MEM_READ
-//! throughput for 256 MiB.
+//! throughput for 256 MiB; each beside the raw transport measured in the
+//! same run (quinn with the node's TLS and transport settings, no protocol:
+//! [`cuda_lease::baseline`]), ending with a table of ratios to it.
 //!
 //! ```text
 //! cargo run --release -p cuda-lease --example lease_bench
@@ -21,6 +23,7 @@
 
 use std::time::{Duration, Instant};
 
+use cuda_lease::baseline::RawQuinn;
 use cuda_lease::client::{BatchBuilder, Client, ClientConfig, Lease};
 use cuda_lease::node::{Node, NodeConfig};
 use cuda_lease::proto::{HandleRef, KernelArg, LaunchSpec};
@@ -42,6 +45,69 @@ fn main() {
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i.min(sorted.len() - 1)]
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn gib_s(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / (1u64 << 30) as f64
+}
+
+/// The raw transport, measured in this run: 64 B request/reply on a new
+/// stream; 256 MiB each way on one connection and striped over four.
+struct Raw {
+    rtt: Duration,
+    up1: f64,
+    down1: f64,
+    up4: f64,
+    down4: f64,
+}
+
+async fn raw_baseline(iters: usize, xfer_iters: usize) -> Result<Raw, Box<dyn std::error::Error>> {
+    let raw = RawQuinn::start(4).await.map_err(|e| e.to_string())?;
+    let size: u64 = 256 << 20;
+    for _ in 0..100 {
+        raw.round_trip(64).await.map_err(|e| e.to_string())?;
+    }
+    let mut rtt = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        rtt.push(raw.round_trip(64).await.map_err(|e| e.to_string())?);
+    }
+    report("raw quinn 64 B request/reply, new stream", rtt.clone());
+    let mut rates = Vec::new();
+    for (up, stripes) in [(true, 1), (false, 1), (true, 4), (false, 4)] {
+        let mut v = Vec::new();
+        for _ in 0..=xfer_iters {
+            let d = if up {
+                raw.send(size, stripes).await
+            } else {
+                raw.receive(size, stripes).await
+            };
+            v.push(d.map_err(|e| e.to_string())?);
+        }
+        v.remove(0); // warm-up
+        let rate = gib_s(size, median(v));
+        println!(
+            "raw quinn 256 MiB {} over {stripes} connection(s): median {rate:.2} GiB/s",
+            if up {
+                "client -> server"
+            } else {
+                "server -> client"
+            }
+        );
+        rates.push(rate);
+    }
+    raw.close().await;
+    Ok(Raw {
+        rtt: median(rtt),
+        up1: rates[0],
+        down1: rates[1],
+        up4: rates[2],
+        down4: rates[3],
+    })
 }
 
 fn report(name: &str, mut v: Vec<Duration>) {
@@ -92,7 +158,36 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     if !transfers_only {
         lease_alloc_bench(&client).await?;
     }
-    transfer_bench(&client, iters, xfer_iters).await?;
+    let raw = raw_baseline(iters, xfer_iters).await?;
+    let lease = transfer_bench(&client, iters, xfer_iters).await?;
+    println!();
+    println!("| loopback, same run | raw quinn | lease node | ratio | goal (issue 19) |");
+    println!("| --- | --- | --- | --- | --- |");
+    println!(
+        "| one-kernel BATCH p50 vs 64 B request/reply | {:.1} us | {:.1} us | {:.2} | <= 1.2 |",
+        raw.rtt.as_secs_f64() * 1e6,
+        lease.batch.as_secs_f64() * 1e6,
+        lease.batch.as_secs_f64() / raw.rtt.as_secs_f64()
+    );
+    println!(
+        "| MEM_WRITE 256 MiB vs raw one connection up | {:.2} GiB/s | {:.2} GiB/s | {:.2} | >= 0.9 |",
+        raw.up1,
+        lease.write,
+        lease.write / raw.up1
+    );
+    println!(
+        "| MEM_READ 256 MiB vs raw one connection down | {:.2} GiB/s | {:.2} GiB/s | {:.2} | >= 0.9 |",
+        raw.down1,
+        lease.read,
+        lease.read / raw.down1
+    );
+    println!(
+        "| raw 4 connections vs 1 (up / down) | {:.2} / {:.2} GiB/s | - | {:.2} / {:.2} | (striping: >= 2x one connection) |",
+        raw.up4,
+        raw.down4,
+        raw.up4 / raw.up1,
+        raw.down4 / raw.down1
+    );
     node.shutdown().await;
     Ok(())
 }
@@ -138,12 +233,19 @@ async fn lease_alloc_bench(
     Ok(())
 }
 
+/// Medians of the lease path: BATCH round trip, MEM_WRITE and MEM_READ rates.
+struct LeaseRows {
+    batch: Duration,
+    write: f64,
+    read: f64,
+}
+
 /// One-kernel BATCH round trip, then MEM_WRITE / MEM_READ of 256 MiB.
 async fn transfer_bench(
     client: &std::sync::Arc<Client>,
     iters: usize,
     xfer_iters: usize,
-) -> Result<(), Box<dyn std::error::Error>> {
+) -> Result<LeaseRows, Box<dyn std::error::Error>> {
     let size: u64 = 256 << 20;
     let lease = Lease::builder()
         .min_vram(size + (16 << 20))
@@ -174,7 +276,8 @@ async fn transfer_bench(
         s.batch(&batch).await?;
         rtt.push(t.elapsed());
     }
-    report("one-kernel BATCH (launch + sync) round trip", rtt);
+    report("one-kernel BATCH (launch + sync) round trip", rtt.clone());
+    let batch_p50 = median(rtt);
 
     // MEM_WRITE / MEM_READ of 256 MiB.
     let big = s.alloc(size).await?;
@@ -188,6 +291,7 @@ async fn transfer_bench(
     }
     w.sort();
     let med = w[w.len() / 2];
+    let write_rate = gib_s(size, med);
     println!(
         "MEM_WRITE 256 MiB: median {med:?} = {:.2} GiB/s (best {:?})",
         size as f64 / med.as_secs_f64() / (1u64 << 30) as f64,
@@ -205,6 +309,7 @@ async fn transfer_bench(
     }
     r.sort();
     let med = r[r.len() / 2];
+    let read_rate = gib_s(size, med);
     println!(
         "MEM_READ 256 MiB: median {med:?} = {:.2} GiB/s (best {:?})",
         size as f64 / med.as_secs_f64() / (1u64 << 30) as f64,
@@ -213,5 +318,9 @@ async fn transfer_bench(
 
     drop((big, out, module));
     lease.free().await?;
-    Ok(())
+    Ok(LeaseRows {
+        batch: batch_p50,
+        write: write_rate,
+        read: read_rate,
+    })
 }

@@ -12,6 +12,7 @@ use rustls::pki_types::CertificateDer;
 use serde::{de::DeserializeOwned, Serialize};
 use tokio::task::JoinHandle;
 
+use crate::hops::{self, HopTimer};
 use crate::proto::{
     self, from_body, to_body, Batch, BatchOp, BatchReply, ErrorBody, GpuSubmit, Handle, HandleOp,
     HandleRef, HandleReply, Header, Hello, HelloOk, Inventory, KernelArg, LaunchSpec, LeaseAlloc,
@@ -215,18 +216,24 @@ impl Client {
         data: &[u8],
     ) -> Result<(Vec<u8>, Vec<u8>), Error> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut hop = HopTimer::start("client", opcode, data.len() as u64);
         let (mut send, mut recv) = self.conn.open_bi().await.map_err(disconnected)?;
         let h = Header::request(opcode, id, body.len() as u32, data.len() as u32);
         proto::write_frame(&mut send, &h, body, data)
             .await
             .map_err(disconnected)?;
         send.finish().map_err(disconnected)?;
+        hops::mark(&mut hop, "send");
         let f = proto::read_frame(&mut recv, &self.limits)
             .await
             .map_err(|e| match proto::proto_error(&e) {
                 Some(p) => Error::Protocol(p.to_string()),
                 None => disconnected(e),
             })?;
+        if let Some(t) = &mut hop {
+            t.mark("reply");
+            t.set_op(opcode, (data.len() + f.data.len()) as u64);
+        }
         if f.header.status != Status::Ok {
             let msg = from_body::<ErrorBody>(&f.body)
                 .map(|b| b.message)

@@ -337,153 +337,115 @@ pub use cuda::CudaDevice;
 
 mod cuda {
     use std::collections::HashMap;
-    use std::ffi::c_void;
     use std::sync::Arc;
 
-    use cudarc::driver::sys;
-    use cudarc::driver::{
-        CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError,
+    use cuda_async::{
+        launch, CudaStream, DeviceBuffer, DeviceOpExt, DynArg, DynArgs, Error, Kernel,
+        LaunchConfig, Module, PinnedBuffer,
     };
 
     use super::{mem_arg, not_found, range, Device, DeviceArg, DeviceError, LaunchDims};
     use crate::proto::{DeviceInfo, Handle, Status};
 
-    /// Zero padding after the packed kernel arguments, so that a kernel
-    /// declaring larger parameters than the client sent reads zeros from
-    /// this buffer, never foreign memory (CUDA allows 32 KiB of parameters).
-    const PARAM_PAD: usize = 32 * 1024;
-
-    /// A real device: one CUDA context and one stream on one GPU.
+    /// A real device, driven through `cuda-core` and `cuda-async`: the
+    /// device's primary context (the worker process owns it alone) and one
+    /// stream. Memory is `cuda-core` device buffers (frees are stream-ordered
+    /// after their uses); copies go through pinned staging memory, never a
+    /// pageable copy; kernels are `cuda-core` modules (PTX, JIT-loaded once
+    /// per content), launched with run-time argument lists checked against
+    /// their PTX parameters.
     #[derive(Debug)]
     pub struct CudaDevice {
-        ordinal: usize,
-        ctx: Arc<CudaContext>,
+        device: cuda_async::Device,
         stream: Arc<CudaStream>,
-        buffers: HashMap<Handle, CudaSlice<u8>>,
-        modules: HashMap<Handle, (Arc<CudaModule>, HashMap<String, CudaFunction>)>,
+        buffers: HashMap<Handle, DeviceBuffer<u8>>,
+        modules: HashMap<Handle, Module>,
+        kernels: HashMap<(Handle, String), Kernel>,
     }
 
-    fn is_sticky(e: &DriverError) -> bool {
-        use sys::cudaError_enum as E;
-        matches!(
-            e.0,
-            E::CUDA_ERROR_ILLEGAL_ADDRESS
-                | E::CUDA_ERROR_LAUNCH_FAILED
-                | E::CUDA_ERROR_MISALIGNED_ADDRESS
-                | E::CUDA_ERROR_ILLEGAL_INSTRUCTION
-                | E::CUDA_ERROR_INVALID_PC
-                | E::CUDA_ERROR_HARDWARE_STACK_ERROR
-                | E::CUDA_ERROR_INVALID_ADDRESS_SPACE
-                | E::CUDA_ERROR_ASSERT
-                | E::CUDA_ERROR_LAUNCH_TIMEOUT
-                | E::CUDA_ERROR_ECC_UNCORRECTABLE
-                | E::CUDA_ERROR_CONTEXT_IS_DESTROYED
-        )
-    }
-
-    /// Maps a driver error: sticky ones (kernel faults) become sticky
-    /// LAUNCH_FAILED whatever the op, others get `status`.
-    fn map(status: Status, what: &str, e: DriverError) -> DeviceError {
-        if is_sticky(&e) {
-            DeviceError::sticky(Status::LaunchFailed, format!("{what}: {e}"))
-        } else if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
-            DeviceError::new(Status::CapacityExceeded, format!("{what}: {e}"))
-        } else {
-            DeviceError::new(status, format!("{what}: {e}"))
-        }
+    /// Maps a `cuda-core` error: sticky ones (kernel faults) become sticky
+    /// LAUNCH_FAILED whatever the op; the rest get a status by kind, or
+    /// `status`.
+    fn map(status: Status, what: &str, e: Error) -> DeviceError {
+        let status = match &e {
+            e if e.is_sticky() => {
+                return DeviceError::sticky(Status::LaunchFailed, format!("{what}: {e}"))
+            }
+            e if e.is_out_of_memory() => Status::CapacityExceeded,
+            Error::Compile { .. } | Error::NoNvrtc => Status::LoadFailed,
+            Error::KernelNotFound { .. } => Status::NotFound,
+            Error::ArgumentMismatch { .. } | Error::InvalidArgument(_) => Status::BadRequest,
+            _ => status,
+        };
+        DeviceError::new(status, format!("{what}: {e}"))
     }
 
     impl CudaDevice {
-        /// Opens device `ordinal`: a new context and stream.
+        /// Opens device `ordinal`: its primary context and a new stream.
         ///
         /// # Errors
         ///
-        /// "no NVIDIA driver found" when libcuda cannot be loaded, or the driver's error.
+        /// "no NVIDIA driver found" when libcuda cannot be loaded, or the
+        /// driver's error.
         pub fn open(ordinal: usize) -> Result<Self, DeviceError> {
-            // SAFETY: only tries to dlopen libcuda; no other CUDA state is touched.
-            if !unsafe { sys::is_culib_present() } {
-                return Err(DeviceError::new(Status::Internal, "no NVIDIA driver found"));
-            }
-            let ctx = CudaContext::new(ordinal)
-                .map_err(|e| map(Status::Internal, &format!("opening device {ordinal}"), e))?;
-            // SAFETY: this context is used by one thread through one stream
-            // (`stream` below), so stream order alone keeps every buffer's uses
-            // ordered; cudarc's cross-stream event tracking is not needed.
-            unsafe { ctx.disable_event_tracking() };
-            let stream = ctx
+            let st = Status::Internal;
+            let device = cuda_async::Device::new(ordinal)
+                .map_err(|e| map(st, &format!("opening device {ordinal}"), e))?;
+            // The worker's one thread drives this context from now on.
+            device.context().bind_to_thread().map_err(|e| {
+                map(
+                    st,
+                    "binding the context",
+                    Error::driver("cuCtxSetCurrent", e),
+                )
+            })?;
+            let stream = device
                 .new_stream()
-                .map_err(|e| map(Status::Internal, "creating a stream", e))?;
+                .map_err(|e| map(st, "creating a stream", e))?;
             Ok(Self {
-                ordinal,
-                ctx,
+                device,
                 stream,
                 buffers: HashMap::new(),
                 modules: HashMap::new(),
+                kernels: HashMap::new(),
             })
         }
 
-        fn jit_log(ptx: &std::ffi::CStr) -> String {
-            const LOG: usize = 16 * 1024;
-            let mut log = vec![0u8; LOG];
-            let mut opts = [
-                sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
-                sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
-            ];
-            let mut vals: [*mut c_void; 2] = [log.as_mut_ptr().cast(), LOG as *mut c_void];
-            let mut module: sys::CUmodule = std::ptr::null_mut();
-            // SAFETY: `ptx` is NUL-terminated; the option arrays have 2 entries each and the
-            // log buffer is LOG bytes long and outlives the call; the context is bound.
-            let r = unsafe {
-                sys::cuModuleLoadDataEx(
-                    &mut module,
-                    ptx.as_ptr().cast(),
-                    2,
-                    opts.as_mut_ptr(),
-                    vals.as_mut_ptr(),
-                )
-            };
-            if r == sys::cudaError_enum::CUDA_SUCCESS && !module.is_null() {
-                // SAFETY: `module` was just loaded by us and is not used elsewhere.
-                unsafe { sys::cuModuleUnload(module) };
-            }
-            let end = log.iter().position(|b| *b == 0).unwrap_or(log.len());
-            String::from_utf8_lossy(&log[..end]).into_owned()
+        fn buffer(&self, handle: Handle) -> Result<&DeviceBuffer<u8>, DeviceError> {
+            self.buffers
+                .get(&handle)
+                .ok_or_else(|| not_found("memory", handle))
         }
     }
 
     impl Device for CudaDevice {
         fn info(&mut self) -> Result<DeviceInfo, DeviceError> {
             let st = Status::Internal;
-            let name = self.ctx.name().map_err(|e| map(st, "device name", e))?;
+            let info = self.device.info().map_err(|e| map(st, "device info", e))?;
             let (free, total) = self
-                .ctx
-                .mem_get_info()
-                .map_err(|e| map(st, "mem_get_info", e))?;
-            let (maj, min) = self
-                .ctx
-                .compute_capability()
-                .map_err(|e| map(st, "compute capability", e))?;
+                .device
+                .memory()
+                .map_err(|e| map(st, "memory info", e))?;
             Ok(DeviceInfo {
-                ordinal: self.ordinal as u32,
-                name,
+                ordinal: info.ordinal as u32,
+                name: info.name,
                 total_bytes: total as u64,
                 free_bytes: free as u64,
-                compute_capability: (maj as u32, min as u32),
+                compute_capability: info.compute_capability,
             })
         }
 
         fn alloc(&mut self, handle: Handle, size: u64) -> Result<(), DeviceError> {
             let n = usize::try_from(size)
                 .map_err(|_| DeviceError::new(Status::CapacityExceeded, "size too large"))?;
-            let buf = self
-                .stream
-                .alloc_zeros::<u8>(n)
-                .map_err(|e| map(Status::CapacityExceeded, "cuMemAlloc", e))?;
+            let buf = DeviceBuffer::<u8>::zeros(&self.stream, n)
+                .map_err(|e| map(Status::CapacityExceeded, "cuMemAllocAsync", e))?;
             self.buffers.insert(handle, buf);
             Ok(())
         }
 
         fn free(&mut self, handle: Handle) -> Result<(), DeviceError> {
+            // Stream-ordered after every use of the buffer.
             self.buffers
                 .remove(&handle)
                 .map(drop)
@@ -496,13 +458,10 @@ mod cuda {
                 .get_mut(&handle)
                 .ok_or_else(|| not_found("memory", handle))?;
             let r = range(buf.len(), offset, data.len() as u64)?;
-            if r.is_empty() {
-                return Ok(());
-            }
-            let mut view = buf.slice_mut(r);
-            self.stream
-                .memcpy_htod(data, &mut view)
-                .map_err(|e| map(Status::BadRequest, "memcpy_htod", e))
+            // Staged through pooled pinned memory: a host memcpy, then an
+            // asynchronous copy; `data` is free once this returns.
+            cuda_core::staging::upload_at(data, buf, r.start, &self.stream)
+                .map_err(|e| map(Status::BadRequest, "host-to-device copy", e))
         }
 
         fn read(
@@ -512,53 +471,56 @@ mod cuda {
             len: u64,
             out: &mut Vec<u8>,
         ) -> Result<(), DeviceError> {
-            let buf = self
-                .buffers
-                .get(&handle)
-                .ok_or_else(|| not_found("memory", handle))?;
+            let buf = self.buffer(handle)?;
             let r = range(buf.len(), offset, len)?;
             if r.is_empty() {
                 return Ok(());
             }
-            let start = out.len();
-            out.resize(start + r.len(), 0);
-            let view = buf.slice(r);
-            self.stream
-                .memcpy_dtoh(&view, &mut out[start..])
-                .map_err(|e| map(Status::ReadFailed, "memcpy_dtoh", e))?;
-            // A pageable device-to-host copy returns when done, but a sync
-            // makes the bytes certain and surfaces kernel faults here.
-            self.stream
-                .synchronize()
-                .map_err(|e| map(Status::ReadFailed, "synchronize", e))
+            let st = Status::ReadFailed;
+            // SAFETY: the download below overwrites every byte before any
+            // host access, which waits for it.
+            let mut host = unsafe { PinnedBuffer::<u8>::uninit(&self.device, r.len()) }
+                .map_err(|e| map(st, "pinned allocation", e))?;
+            host.download_from(buf, r.start, &self.stream)
+                .map_err(|e| map(st, "device-to-host copy", e))?;
+            // Waits for the copy (and surfaces kernel faults here).
+            self.sync()?;
+            let bytes = host
+                .as_slice()
+                .map_err(|e| map(st, "device-to-host copy", e))?;
+            out.extend_from_slice(bytes);
+            Ok(())
         }
 
         fn load_module(&mut self, handle: Handle, ptx: &[u8]) -> Result<(), DeviceError> {
-            let text = std::str::from_utf8(ptx)
-                .map_err(|_| DeviceError::new(Status::LoadFailed, "ptx is not UTF-8"))?;
-            let c = std::ffi::CString::new(text)
-                .map_err(|_| DeviceError::new(Status::LoadFailed, "ptx contains a NUL byte"))?;
-            match self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(text)) {
-                Ok(m) => {
-                    self.modules.insert(handle, (m, HashMap::new()));
-                    Ok(())
-                }
-                Err(e) if is_sticky(&e) => Err(map(Status::LoadFailed, "cuModuleLoadData", e)),
-                Err(e) => {
-                    let log = Self::jit_log(&c);
-                    Err(DeviceError::new(
-                        Status::LoadFailed,
-                        format!("cuModuleLoadData: {e}\n{log}"),
-                    ))
-                }
-            }
+            let st = Status::LoadFailed;
+            let text =
+                std::str::from_utf8(ptx).map_err(|_| DeviceError::new(st, "ptx is not UTF-8"))?;
+            let module = Module::ptx(text)
+                .map_err(|e| map(st, "PTX", e))?
+                .named(format!("module {handle}"));
+            // JIT-loaded now (once per content in this process), so the log
+            // of a bad module comes back with this request.
+            module
+                .load_on(&self.device)
+                .map_err(|e| map(st, "cuModuleLoadData", e))?;
+            self.modules.insert(handle, module);
+            Ok(())
         }
 
         fn unload_module(&mut self, handle: Handle) -> Result<(), DeviceError> {
-            self.modules
+            let module = self
+                .modules
                 .remove(&handle)
-                .map(drop)
-                .ok_or_else(|| not_found("module", handle))
+                .ok_or_else(|| not_found("module", handle))?;
+            // Nothing of it may run when it unloads: wait for the stream,
+            // then let go of its kernels and its cache entry.
+            self.sync()?;
+            self.kernels.retain(|(m, _), _| *m != handle);
+            // SAFETY: the stream (the only one of this context) is idle, and
+            // the kernels resolved from this module are dropped.
+            unsafe { module.evict_on(&self.device) };
+            Ok(())
         }
 
         fn launch(
@@ -568,86 +530,56 @@ mod cuda {
             dims: LaunchDims,
             args: &[DeviceArg<'_>],
         ) -> Result<(), DeviceError> {
-            let (m, funcs) = self
-                .modules
-                .get_mut(&module)
-                .ok_or_else(|| not_found("module", module))?;
-            if !funcs.contains_key(kernel) {
-                let f = m.load_function(kernel).map_err(|e| {
-                    DeviceError::new(Status::NotFound, format!("kernel {kernel}: {e}"))
-                })?;
-                funcs.insert(kernel.to_owned(), f);
+            let key = (module, kernel.to_owned());
+            if !self.kernels.contains_key(&key) {
+                let m = self
+                    .modules
+                    .get(&module)
+                    .ok_or_else(|| not_found("module", module))?;
+                let k = m
+                    .kernel(kernel)
+                    .map_err(|e| map(Status::NotFound, "kernel", e))?;
+                self.kernels.insert(key.clone(), k);
             }
-            let func = funcs
-                .get(kernel)
-                .map(|f| f.cu_function())
-                .ok_or_else(|| DeviceError::new(Status::NotFound, format!("kernel {kernel}")))?;
-
-            // Pack the arguments into one zeroed, 16-byte aligned buffer.
-            let mut offsets = Vec::with_capacity(args.len());
-            let mut bytes = 0usize;
-            for a in args {
-                let len = match a {
-                    DeviceArg::Scalar(b) => b.len(),
-                    DeviceArg::Mem { .. } => 8,
-                };
-                offsets.push(bytes);
-                bytes += len.div_ceil(16) * 16;
-            }
-            let mut storage = vec![0u128; (bytes + PARAM_PAD) / 16];
-            let base = storage.as_mut_ptr().cast::<u8>();
-            for (a, off) in args.iter().zip(&offsets) {
-                let src: Vec<u8> = match a {
-                    DeviceArg::Scalar(b) => b.to_vec(),
-                    DeviceArg::Mem { handle, offset } => {
-                        let buf = mem_arg(&self.buffers, *handle, *offset, CudaSlice::len)?;
-                        let (ptr, _sync) = buf.device_ptr(&self.stream);
-                        (ptr + *offset).to_le_bytes().to_vec()
-                    }
-                };
-                // SAFETY: `off + src.len()` is within `bytes`, which is within `storage`.
-                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), base.add(*off), src.len()) };
-            }
-            let mut params: Vec<*mut c_void> = offsets
+            let k = &self.kernels[&key];
+            let args = args
                 .iter()
-                .map(|off| {
-                    // SAFETY: `off` is within `storage` (see above).
-                    unsafe { base.add(*off) }.cast::<c_void>()
+                .map(|a| match a {
+                    DeviceArg::Scalar(b) => Ok(DynArg::Bytes(b.to_vec())),
+                    DeviceArg::Mem { handle, offset } => {
+                        let buffer = mem_arg(&self.buffers, *handle, *offset, DeviceBuffer::len)?;
+                        Ok(DynArg::Buffer {
+                            buffer,
+                            offset: *offset as usize,
+                        })
+                    }
                 })
-                .collect();
-            self.ctx
-                .bind_to_thread()
-                .map_err(|e| map(Status::LaunchFailed, "bind context", e))?;
-            // SAFETY: `func` belongs to a module loaded in this context, which is bound to this
-            // thread; `params` holds one pointer per argument into `storage`, which stays alive
-            // until the call returns (the driver copies parameters at launch) and is padded so
-            // that any parameter size the kernel declares reads inside it; the memory addresses
-            // passed come from live allocations of this context, ordered on this stream.
-            let r = unsafe {
-                sys::cuLaunchKernel(
-                    func,
-                    dims.grid[0],
-                    dims.grid[1],
-                    dims.grid[2],
-                    dims.block[0],
-                    dims.block[1],
-                    dims.block[2],
-                    dims.shared_mem,
-                    self.stream.cu_stream(),
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
+                .collect::<Result<Vec<_>, DeviceError>>()?;
+            let args =
+                DynArgs::new(args).map_err(|e| map(Status::BadRequest, "kernel arguments", e))?;
+            let config = LaunchConfig {
+                grid_dim: (dims.grid[0], dims.grid[1], dims.grid[2]),
+                block_dim: (dims.block[0], dims.block[1], dims.block[2]),
+                shared_mem_bytes: dims.shared_mem,
             };
-            drop(storage);
-            if r != sys::cudaError_enum::CUDA_SUCCESS {
-                return Err(map(Status::LaunchFailed, "cuLaunchKernel", DriverError(r)));
-            }
-            Ok(())
+            // SAFETY: the kernel is the lease holder's code; the arguments
+            // are checked against its PTX parameter list, buffer addresses
+            // come from this context's live buffers (which order their frees
+            // after this launch), and the output (the argument list) is
+            // dropped unread. What the kernel does with memory is the
+            // client's business: a fault poisons only this worker process.
+            unsafe { launch(k, config, args).async_on(&self.stream) }
+                .map(drop)
+                .map_err(|e| map(Status::LaunchFailed, "launch", e))
         }
 
         fn sync(&mut self) -> Result<(), DeviceError> {
             self.stream.synchronize().map_err(|e| {
-                let mut d = map(Status::LaunchFailed, "synchronize", e);
+                let mut d = map(
+                    Status::LaunchFailed,
+                    "synchronize",
+                    Error::driver("cuStreamSynchronize", e),
+                );
                 d.sticky = true;
                 d
             })

@@ -13,6 +13,8 @@
 //! - [`client`]: [`client::Lease`], [`client::Session`], batches and the
 //!   one-shot [`client::Client::gpu_call`].
 //! - [`ptx`]: hand-written test kernels (iota, vector add, a faulting kernel).
+//! - [`baseline`]: raw quinn with the node's settings, the ceiling every
+//!   remote measurement is a ratio to.
 //! - [`lease_table`] and [`clock`]: lease bookkeeping on an injectable
 //!   monotonic clock.
 //!
@@ -37,9 +39,11 @@
 //! # Ok(()) }
 //! ```
 
+pub mod baseline;
 pub mod client;
 pub mod clock;
 pub mod device;
+mod hops;
 pub mod lease_table;
 pub mod metrics;
 pub mod node;

@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use crate::clock::{Clock, MonotonicClock};
+use crate::hops::{self, HopTimer};
 use crate::lease_table::{LeaseTable, TableError};
 use crate::metrics::Metrics;
 use crate::proto::{
@@ -550,6 +551,7 @@ async fn serve_stream(
     mut recv: quinn::RecvStream,
 ) {
     let limits = shared.cfg.limits;
+    let mut hop = HopTimer::start("node", Opcode::Hello, 0);
     let read = tokio::time::timeout(
         Duration::from_secs(60),
         proto::read_frame(&mut recv, &limits),
@@ -557,7 +559,16 @@ async fn serve_stream(
     .await;
     let (req, reply) = match read {
         Ok(Ok(frame)) => {
+            if let Some(t) = &mut hop {
+                t.mark("read");
+                t.set_op(frame.header.opcode, frame.data.len() as u64);
+            }
             let reply = dispatch(&shared, &authed, &frame).await;
+            if let Some(t) = &mut hop {
+                t.mark("dispatch");
+                let bytes = frame.data.len().max(reply.data.len()) as u64;
+                t.set_op(frame.header.opcode, bytes);
+            }
             (frame.header, reply)
         }
         Ok(Err(e)) => {
@@ -587,6 +598,8 @@ async fn serve_stream(
         .is_ok()
     {
         let _ = send.finish();
+        hops::mark(&mut hop, "reply");
+        drop(hop);
         let _ = send.stopped().await;
     }
 }

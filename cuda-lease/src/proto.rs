@@ -472,9 +472,34 @@ pub fn read_frame_blocking<R: std::io::Read + ?Sized>(
     r: &mut R,
     limits: &Limits,
 ) -> std::io::Result<Frame> {
+    let header = read_header_blocking(r, limits)?;
+    read_rest_blocking(r, header)
+}
+
+/// Blocking read of a frame's header alone, checked against `limits`.
+///
+/// # Errors
+///
+/// As [`read_frame`].
+pub fn read_header_blocking<R: std::io::Read + ?Sized>(
+    r: &mut R,
+    limits: &Limits,
+) -> std::io::Result<Header> {
     let mut hb = [0u8; HEADER_LEN];
     r.read_exact(&mut hb)?;
-    let header = Header::decode(&hb, limits).map_err(invalid_data)?;
+    Header::decode(&hb, limits).map_err(invalid_data)
+}
+
+/// Blocking read of the body and data that follow `header` (read by
+/// [`read_header_blocking`], whose limits bound the lengths).
+///
+/// # Errors
+///
+/// I/O errors of the reader.
+pub fn read_rest_blocking<R: std::io::Read + ?Sized>(
+    r: &mut R,
+    header: Header,
+) -> std::io::Result<Frame> {
     let mut body = vec![0u8; header.body_len as usize];
     r.read_exact(&mut body)?;
     let mut data = vec![0u8; header.data_len as usize];

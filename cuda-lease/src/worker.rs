@@ -25,6 +25,7 @@ use tokio::io::BufReader;
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
 use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice};
+use crate::hops::{self, HopTimer};
 use crate::proto::{
     self, from_body, to_body, DeviceInfo, Frame, GpuSubmit, Handle, Header, KernelArg, Limits,
     Opcode, Status,
@@ -264,16 +265,27 @@ fn run_worker(spec: &str) -> i32 {
     };
     let mut submit_modules: HashMap<u64, Handle> = HashMap::new();
     loop {
-        let frame = match proto::read_frame_blocking(&mut input, &WORKER_LIMITS) {
-            Ok(f) => f,
+        let header = match proto::read_header_blocking(&mut input, &WORKER_LIMITS) {
+            Ok(h) => h,
             // End of file: the node is gone or done with us.
             Err(_) => return 0,
         };
+        let mut hop = HopTimer::start("worker", header.opcode, u64::from(header.data_len));
+        let frame = match proto::read_rest_blocking(&mut input, header) {
+            Ok(f) => f,
+            Err(_) => return 0,
+        };
+        hops::mark(&mut hop, "pipe_read");
         let (status, body, data) = serve(device.as_mut(), &mut submit_modules, &frame);
+        if let Some(t) = &mut hop {
+            t.mark("device");
+            t.set_op(frame.header.opcode, frame.data.len().max(data.len()) as u64);
+        }
         let h = Header::reply(&frame.header, status, body.len() as u32, data.len() as u32);
         if proto::write_frame_blocking(&mut output, &h, &body, &data).is_err() {
             return 1;
         }
+        hops::mark(&mut hop, "pipe_write");
     }
 }
 
@@ -593,8 +605,15 @@ impl WorkerProcess {
         io.next_id += 1;
         let h = Header::request(opcode, io.next_id, body.len() as u32, data.len() as u32);
         let exchange = async {
+            let mut hop = HopTimer::start("node-worker", opcode, data.len() as u64);
             proto::write_frame(&mut io.stdin, &h, body, data).await?;
-            proto::read_frame(&mut io.stdout, &WORKER_LIMITS).await
+            hops::mark(&mut hop, "pipe_send");
+            let f = proto::read_frame(&mut io.stdout, &WORKER_LIMITS).await;
+            if let (Some(t), Ok(f)) = (&mut hop, &f) {
+                t.mark("pipe_reply");
+                t.set_op(opcode, data.len().max(f.data.len()) as u64);
+            }
+            f
         };
         match tokio::time::timeout(timeout, exchange).await {
             Ok(Ok(f)) => Ok(f),

@@ -1,0 +1,188 @@
+//! The transport's own ceiling: raw quinn with exactly the node's TLS and
+//! transport settings, and no protocol on top, so every remote measurement
+//! can be stated as a ratio to what one QUIC connection does on the same
+//! host in the same run.
+//!
+//! A [`RawQuinn`] pair is an echo-style server on 127.0.0.1:0 and `n`
+//! client connections to it. Requests are a bidirectional stream each (as
+//! the node's are): an 8-byte little-endian count of bytes wanted back,
+//! then any payload; the server reads the stream to its end, then writes the
+//! wanted number of bytes and finishes.
+//!
+//! # Examples
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), cuda_lease::baseline::BoxError> {
+//! let raw = cuda_lease::baseline::RawQuinn::start(1).await?;
+//! let rtt = raw.round_trip(64).await?; // 64 B out, 64 B back, a new stream
+//! let up = raw.send(256 << 20, 1).await?; // 256 MiB client -> server
+//! println!("{rtt:?}, {:.2} GiB/s", (256u64 << 20) as f64 / up.as_secs_f64() / (1u64 << 30) as f64);
+//! # Ok(()) }
+//! ```
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use crate::tls::{client_config, server_config, Identity};
+
+/// A chunk of bulk data written or read per call.
+const CHUNK: usize = 1 << 20;
+
+/// A raw quinn server and `n` connections to it (see the module docs).
+#[derive(Debug)]
+pub struct RawQuinn {
+    server: quinn::Endpoint,
+    client: quinn::Endpoint,
+    conns: Vec<quinn::Connection>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// The error of the baseline's calls (TLS, socket and connection errors).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl RawQuinn {
+    /// Starts the server on 127.0.0.1:0 and opens `connections` (at least
+    /// one) client connections to it. Needs a tokio runtime.
+    ///
+    /// # Errors
+    /// TLS or socket errors.
+    pub async fn start(connections: usize) -> Result<Self, BoxError> {
+        let id = Identity::self_signed(&["localhost".into()])?;
+        let server = quinn::Endpoint::server(
+            server_config(&id, None)?,
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+        )?;
+        let addr = server.local_addr()?;
+        let accept = server.clone();
+        let task = tokio::spawn(async move {
+            while let Some(incoming) = accept.accept().await {
+                tokio::spawn(async move {
+                    let Ok(conn) = incoming.await else { return };
+                    while let Ok((send, recv)) = conn.accept_bi().await {
+                        tokio::spawn(serve(send, recv));
+                    }
+                });
+            }
+        });
+        let mut client = quinn::Endpoint::client(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+        client.set_default_client_config(client_config(&[id.leaf().clone()], None)?);
+        let mut conns = Vec::new();
+        for _ in 0..connections.max(1) {
+            conns.push(client.connect(addr, "localhost")?.await?);
+        }
+        Ok(RawQuinn {
+            server,
+            client,
+            conns,
+            task,
+        })
+    }
+
+    /// One request/reply on a new stream of the first connection: `bytes`
+    /// out, `bytes` back. Returns the round trip.
+    ///
+    /// # Errors
+    /// Connection errors.
+    pub async fn round_trip(&self, bytes: usize) -> Result<Duration, BoxError> {
+        let t = Instant::now();
+        request(&self.conns[0], bytes as u64, bytes as u64).await?;
+        Ok(t.elapsed())
+    }
+
+    /// Sends `total` bytes to the server, split evenly over the first
+    /// `stripes` connections (one stream each, in parallel), and waits for
+    /// each stream's (empty) reply. Returns the elapsed time.
+    ///
+    /// # Errors
+    /// Connection errors.
+    pub async fn send(&self, total: u64, stripes: usize) -> Result<Duration, BoxError> {
+        self.striped(total, stripes, true).await
+    }
+
+    /// Receives `total` bytes from the server, as [`RawQuinn::send`] sends.
+    ///
+    /// # Errors
+    /// Connection errors.
+    pub async fn receive(&self, total: u64, stripes: usize) -> Result<Duration, BoxError> {
+        self.striped(total, stripes, false).await
+    }
+
+    async fn striped(&self, total: u64, stripes: usize, up: bool) -> Result<Duration, BoxError> {
+        let n = stripes.clamp(1, self.conns.len());
+        let t = Instant::now();
+        let mut tasks = Vec::new();
+        for (i, conn) in self.conns[..n].iter().enumerate() {
+            let part = total / n as u64 + u64::from((i as u64) < total % n as u64);
+            let conn = conn.clone();
+            tasks.push(tokio::spawn(async move {
+                if up {
+                    request(&conn, part, 0).await
+                } else {
+                    request(&conn, 0, part).await
+                }
+            }));
+        }
+        for task in tasks {
+            task.await??;
+        }
+        Ok(t.elapsed())
+    }
+
+    /// Closes the connections and the server.
+    pub async fn close(self) {
+        for c in &self.conns {
+            c.close(0u32.into(), b"done");
+        }
+        self.client.wait_idle().await;
+        self.server.close(0u32.into(), b"done");
+        self.task.abort();
+    }
+}
+
+/// Sends `out` payload bytes and asks for `back` bytes; reads them all.
+async fn request(conn: &quinn::Connection, out: u64, back: u64) -> Result<(), BoxError> {
+    let (mut send, mut recv) = conn.open_bi().await?;
+    send.write_all(&back.to_le_bytes()).await?;
+    let chunk = vec![0x5Au8; CHUNK.min(out as usize).max(1)];
+    let mut left = out;
+    while left > 0 {
+        let n = (left as usize).min(chunk.len());
+        send.write_all(&chunk[..n]).await?;
+        left -= n as u64;
+    }
+    send.finish()?;
+    let got = drain(&mut recv).await?;
+    if got != back {
+        return Err(format!("asked for {back} bytes, got {got}").into());
+    }
+    Ok(())
+}
+
+/// Reads a stream to its end, counting (and dropping) the bytes.
+async fn drain(recv: &mut quinn::RecvStream) -> Result<u64, BoxError> {
+    let mut n = 0u64;
+    while let Some(c) = recv.read_chunk(CHUNK, true).await? {
+        n += c.bytes.len() as u64;
+    }
+    Ok(n)
+}
+
+async fn serve(mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
+    let result: Result<(), BoxError> = async {
+        let mut want = [0u8; 8];
+        recv.read_exact(&mut want).await?;
+        drain(&mut recv).await?;
+        let chunk = vec![0xA5u8; CHUNK];
+        let mut left = u64::from_le_bytes(want);
+        while left > 0 {
+            let n = (left as usize).min(CHUNK);
+            send.write_all(&chunk[..n]).await?;
+            left -= n as u64;
+        }
+        send.finish()?;
+        let _ = send.stopped().await;
+        Ok(())
+    }
+    .await;
+    drop(result);
+}

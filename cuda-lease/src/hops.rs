@@ -1,0 +1,79 @@
+//! Per-hop timings of the data path, for measuring where a request's time
+//! goes: client, QUIC, node, node-to-worker pipe, worker, device.
+//!
+//! Off unless the environment variable `CUDA_LEASE_HOP_TIMES` is set (to
+//! anything) in the node's, the worker's and the client's process; then each
+//! hop prints one line per request to stderr:
+//!
+//! ```text
+//! hop=node op=MemWrite bytes=268435456 read_us=612003 dispatch_us=201122 reply_us=35
+//! ```
+//!
+//! `cuda-lease/scripts/hop-summary LOG` turns such a log into a table of
+//! medians per hop, operation and field. When off, the cost is one relaxed
+//! load of a cached flag per request.
+
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use crate::proto::Opcode;
+
+/// Whether `CUDA_LEASE_HOP_TIMES` is set (read once per process).
+pub(crate) fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("CUDA_LEASE_HOP_TIMES").is_some())
+}
+
+/// Times the phases of one request at one hop; printed when dropped.
+pub(crate) struct HopTimer {
+    hop: &'static str,
+    op: Opcode,
+    bytes: u64,
+    last: Instant,
+    fields: Vec<(&'static str, u128)>,
+}
+
+impl HopTimer {
+    /// A timer if timings are on, else `None` (so the hot path pays a
+    /// branch).
+    pub(crate) fn start(hop: &'static str, op: Opcode, bytes: u64) -> Option<Self> {
+        enabled().then(|| HopTimer {
+            hop,
+            op,
+            bytes,
+            last: Instant::now(),
+            fields: Vec::with_capacity(4),
+        })
+    }
+
+    /// Ends the phase `field` (the time since the last mark or the start).
+    pub(crate) fn mark(&mut self, field: &'static str) {
+        let now = Instant::now();
+        self.fields
+            .push((field, now.duration_since(self.last).as_micros()));
+        self.last = now;
+    }
+
+    /// Sets the operation and size once they are known.
+    pub(crate) fn set_op(&mut self, op: Opcode, bytes: u64) {
+        self.op = op;
+        self.bytes = bytes;
+    }
+}
+
+impl Drop for HopTimer {
+    fn drop(&mut self) {
+        let mut line = format!("hop={} op={:?} bytes={}", self.hop, self.op, self.bytes);
+        for (f, us) in &self.fields {
+            line.push_str(&format!(" {f}_us={us}"));
+        }
+        eprintln!("{line}");
+    }
+}
+
+/// Marks `field` on an optional timer.
+pub(crate) fn mark(t: &mut Option<HopTimer>, field: &'static str) {
+    if let Some(t) = t {
+        t.mark(field);
+    }
+}
