@@ -18,6 +18,15 @@
 //! - [`lease_table`] and [`clock`]: lease bookkeeping on an injectable
 //!   monotonic clock.
 //!
+//! # Features
+//!
+//! `node` (default): the node, its workers and device layer (on `cuda-core`
+//! and `cuda-async`), the lease table, metrics and the transport baseline.
+//! `cli` (default): the `cuda-lease-node` and `cuda-lease` programs (clap,
+//! tracing-subscriber). A client-only user sets `default-features = false`
+//! and keeps [`client`], [`proto`] and [`tls`]: no CUDA layer, no process
+//! supervision, no certificate generation.
+//!
 //! # Examples
 //!
 //! ```no_run
@@ -39,21 +48,29 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "node")]
 pub mod baseline;
 pub mod client;
 pub mod clock;
+#[cfg(feature = "node")]
 pub mod device;
 mod hops;
+#[cfg(feature = "node")]
 pub mod lease_table;
+#[cfg(feature = "node")]
 pub mod metrics;
+#[cfg(feature = "node")]
 pub mod node;
 pub mod proto;
 pub mod ptx;
 pub mod tls;
+#[cfg(feature = "node")]
 pub mod worker;
 
 pub use client::{Client, ClientConfig, Error, GpuCall, Lease, Session};
+#[cfg(feature = "node")]
 pub use node::{Node, NodeConfig};
+#[cfg(feature = "node")]
 pub use worker::{main_if_worker, DeviceSpec, WorkerSpec};
 
 /// Compiles the README's Rust snippets as doctests.

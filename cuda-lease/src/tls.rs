@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use crate::proto::ALPN;
 
@@ -43,11 +43,14 @@ impl Identity {
     /// # Errors
     ///
     /// When rcgen rejects a name.
+    #[cfg(feature = "node")]
     pub fn self_signed(names: &[String]) -> Result<Self, TlsError> {
         let ck = rcgen::generate_simple_self_signed(names.to_vec()).map_err(err)?;
         Ok(Self {
             chain: vec![ck.cert.der().clone()],
-            key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(ck.key_pair.serialize_der())),
+            key: PrivateKeyDer::Pkcs8(rustls::pki_types::PrivatePkcs8KeyDer::from(
+                ck.key_pair.serialize_der(),
+            )),
         })
     }
 
@@ -127,6 +130,7 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 /// The QUIC server configuration: TLS 1.3 only, our ALPN, and client
 /// certificates verified against `client_ca` when given (optional, so bearer
 /// tokens keep working).
+#[cfg(feature = "node")]
 pub(crate) fn server_config(
     identity: &Identity,
     client_ca: Option<&[CertificateDer<'static>]>,
@@ -198,7 +202,7 @@ pub(crate) fn client_config(
     Ok(cfg)
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "node"))]
 mod tests {
     use super::*;
 
