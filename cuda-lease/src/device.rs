@@ -90,18 +90,12 @@ pub trait Device {
     ///
     /// NOT_FOUND, BAD_REQUEST when out of bounds, or a driver error.
     fn write(&mut self, handle: Handle, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
-    /// Appends `len` bytes of memory at `offset` to `out`.
+    /// Fills `out` with the memory at `offset` (`out.len()` bytes).
     ///
     /// # Errors
     ///
     /// NOT_FOUND, BAD_REQUEST when out of bounds, READ_FAILED.
-    fn read(
-        &mut self,
-        handle: Handle,
-        offset: u64,
-        len: u64,
-        out: &mut Vec<u8>,
-    ) -> Result<(), DeviceError>;
+    fn read(&mut self, handle: Handle, offset: u64, out: &mut [u8]) -> Result<(), DeviceError>;
     /// Loads PTX text as module `handle`.
     ///
     /// # Errors
@@ -251,20 +245,14 @@ impl Device for MemoryDevice {
         Ok(())
     }
 
-    fn read(
-        &mut self,
-        handle: Handle,
-        offset: u64,
-        len: u64,
-        out: &mut Vec<u8>,
-    ) -> Result<(), DeviceError> {
+    fn read(&mut self, handle: Handle, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
         self.check_fault()?;
         let b = self
             .buffers
             .get(&handle)
             .ok_or_else(|| not_found("memory", handle))?;
-        let r = range(b.len(), offset, len)?;
-        out.extend_from_slice(&b[r]);
+        let r = range(b.len(), offset, out.len() as u64)?;
+        out.copy_from_slice(&b[r]);
         Ok(())
     }
 
@@ -464,15 +452,9 @@ mod cuda {
                 .map_err(|e| map(Status::BadRequest, "host-to-device copy", e))
         }
 
-        fn read(
-            &mut self,
-            handle: Handle,
-            offset: u64,
-            len: u64,
-            out: &mut Vec<u8>,
-        ) -> Result<(), DeviceError> {
+        fn read(&mut self, handle: Handle, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
             let buf = self.buffer(handle)?;
-            let r = range(buf.len(), offset, len)?;
+            let r = range(buf.len(), offset, out.len() as u64)?;
             if r.is_empty() {
                 return Ok(());
             }
@@ -488,7 +470,7 @@ mod cuda {
             let bytes = host
                 .as_slice()
                 .map_err(|e| map(st, "device-to-host copy", e))?;
-            out.extend_from_slice(bytes);
+            out.copy_from_slice(bytes);
             Ok(())
         }
 

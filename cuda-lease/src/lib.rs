@@ -63,6 +63,8 @@ pub mod metrics;
 pub mod node;
 pub mod proto;
 pub mod ptx;
+#[cfg(feature = "node")]
+mod shm;
 pub mod tls;
 #[cfg(feature = "node")]
 pub mod worker;

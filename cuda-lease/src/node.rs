@@ -13,6 +13,8 @@ use rustls::pki_types::CertificateDer;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
+mod stream;
+
 use crate::clock::{Clock, MonotonicClock};
 use crate::hops::{self, HopTimer};
 use crate::lease_table::{LeaseTable, TableError};
@@ -552,11 +554,34 @@ async fn serve_stream(
 ) {
     let limits = shared.cfg.limits;
     let mut hop = HopTimer::start("node", Opcode::Hello, 0);
-    let read = tokio::time::timeout(
+    let head = tokio::time::timeout(
         Duration::from_secs(60),
-        proto::read_frame(&mut recv, &limits),
+        proto::read_head(&mut recv, &limits),
     )
     .await;
+    let read = match head {
+        // Bulk transfers stream through the worker's shared ring.
+        Ok(Ok((header, body)))
+            if !header.is_reply()
+                && matches!(header.opcode, Opcode::MemWrite | Opcode::MemRead) =>
+        {
+            stream::serve(&shared, &authed, header, body, send, recv, hop).await;
+            return;
+        }
+        Ok(Ok((header, body))) => {
+            let rest = async {
+                let mut data = vec![0u8; header.data_len as usize];
+                tokio::io::AsyncReadExt::read_exact(&mut recv, &mut data)
+                    .await
+                    .map(|_| data)
+            };
+            tokio::time::timeout(Duration::from_secs(60), rest)
+                .await
+                .map(|r| r.map(|data| Frame { header, body, data }))
+        }
+        Ok(Err(e)) => Ok(Err(e)),
+        Err(elapsed) => Err(elapsed),
+    };
     let (req, reply) = match read {
         Ok(Ok(frame)) => {
             if let Some(t) = &mut hop {
@@ -1095,6 +1120,22 @@ fn plan(
     Ok(p)
 }
 
+/// The reply for a lease whose worker died or hung during a request: the
+/// lease's own error if it expired or was freed meanwhile, else the lease is
+/// failed.
+fn worker_lost(shared: &Shared, lease: &LeaseId, e: &WorkerError) -> Reply {
+    let status = match e {
+        WorkerError::Hung(_) => Status::LaunchFailed,
+        _ => Status::LeasePoisoned,
+    };
+    // Expired or freed meanwhile (the reaper ended the worker)?
+    if let Err(te) = shared.table().get(lease, shared.now()) {
+        return te.into();
+    }
+    fail_lease(shared, lease, &e.to_string());
+    Reply::err(status, format!("lease poisoned: {e}"))
+}
+
 async fn run_batch(
     shared: &Arc<Shared>,
     lease: &LeaseId,
@@ -1138,18 +1179,7 @@ async fn run_batch(
                     });
                 }
             }
-            Err(e) => {
-                let status = match e {
-                    WorkerError::Hung(_) => Status::LaunchFailed,
-                    _ => Status::LeasePoisoned,
-                };
-                // Expired or freed meanwhile (the reaper ended the worker)?
-                if let Err(te) = shared.table().get(lease, shared.now()) {
-                    return Err(te.into());
-                }
-                fail_lease(shared, lease, &e.to_string());
-                return Err(Reply::err(status, format!("lease poisoned: {e}")));
-            }
+            Err(e) => return Err(worker_lost(shared, lease, &e)),
         }
     }
     // Commit what ran; return charges of allocations that did not.

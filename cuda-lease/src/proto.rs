@@ -428,14 +428,34 @@ where
     R: tokio::io::AsyncRead + Unpin + ?Sized,
 {
     use tokio::io::AsyncReadExt;
+    let (header, body) = read_head(r, limits).await?;
+    let mut data = vec![0u8; header.data_len as usize];
+    r.read_exact(&mut data).await?;
+    Ok(Frame { header, body, data })
+}
+
+/// Reads a frame's header and body, leaving its data in the stream (for
+/// readers that stream the data on); the lengths are checked against
+/// `limits` before anything is allocated.
+///
+/// # Errors
+///
+/// As [`read_frame`].
+///
+/// # Cancel safety
+///
+/// Not cancel safe: a dropped read loses the bytes read so far.
+pub async fn read_head<R>(r: &mut R, limits: &Limits) -> std::io::Result<(Header, Vec<u8>)>
+where
+    R: tokio::io::AsyncRead + Unpin + ?Sized,
+{
+    use tokio::io::AsyncReadExt;
     let mut hb = [0u8; HEADER_LEN];
     r.read_exact(&mut hb).await?;
     let header = Header::decode(&hb, limits).map_err(invalid_data)?;
     let mut body = vec![0u8; header.body_len as usize];
     r.read_exact(&mut body).await?;
-    let mut data = vec![0u8; header.data_len as usize];
-    r.read_exact(&mut data).await?;
-    Ok(Frame { header, body, data })
+    Ok((header, body))
 }
 
 /// Writes one frame to an async stream without joining its parts.

@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::Arc;
 use std::sync::Mutex as StdMutex;
 use std::time::Duration;
 
@@ -30,6 +31,7 @@ use crate::proto::{
     self, from_body, to_body, DeviceInfo, Frame, GpuSubmit, Handle, Header, KernelArg, Limits,
     Opcode, Status,
 };
+use crate::shm::{ShmRing, WorkerRing, SHM_ENV};
 
 /// Environment variable that turns a process into a worker. Its value names
 /// the device: `cuda:<ordinal>` or `memory:<capacity bytes>`.
@@ -132,6 +134,17 @@ pub(crate) enum WorkerOp {
     Sync,
 }
 
+/// One chunk of a streamed MEM_WRITE (node -> worker: copy slot `slot` to
+/// the memory) or MEM_READ (worker fills the slot), sent with the opcode
+/// of the request; the data is in the shared ring, not the pipe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct ChunkOp {
+    pub(crate) handle: Handle,
+    pub(crate) offset: u64,
+    pub(crate) slot: u32,
+    pub(crate) len: u32,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum WorkerArg {
     Scalar(Vec<u8>),
@@ -232,6 +245,9 @@ pub fn main_if_worker() {
 }
 
 fn run_worker(spec: &str) -> i32 {
+    // The node's shared ring for streamed transfers (absent: they fail),
+    // mapped before we report ready: the node removes its file then.
+    let mut ring = std::env::var_os(SHM_ENV).map(|p| WorkerRing::open(std::path::Path::new(&p)));
     let stdin = std::io::stdin();
     let stdout = std::io::stdout();
     let mut input = std::io::BufReader::with_capacity(1 << 20, stdin.lock());
@@ -276,7 +292,10 @@ fn run_worker(spec: &str) -> i32 {
             Err(_) => return 0,
         };
         hops::mark(&mut hop, "pipe_read");
-        let (status, body, data) = serve(device.as_mut(), &mut submit_modules, &frame);
+        let (status, body, data) = match frame.header.opcode {
+            Opcode::MemWrite | Opcode::MemRead => serve_chunk(device.as_mut(), &mut ring, &frame),
+            _ => serve(device.as_mut(), &mut submit_modules, &frame),
+        };
         if let Some(t) = &mut hop {
             t.mark("device");
             t.set_op(frame.header.opcode, frame.data.len().max(data.len()) as u64);
@@ -286,6 +305,47 @@ fn run_worker(spec: &str) -> i32 {
             return 1;
         }
         hops::mark(&mut hop, "pipe_write");
+    }
+}
+
+/// A chunk of a streamed transfer, through the shared ring.
+fn serve_chunk(
+    dev: &mut dyn Device,
+    ring: &mut Option<std::io::Result<WorkerRing>>,
+    f: &Frame,
+) -> (Status, Vec<u8>, Vec<u8>) {
+    let fail = |status: Status, message: String| {
+        let e = WorkerFailure {
+            status,
+            message,
+            sticky: false,
+        };
+        (e.status, to_body(&e), Vec::new())
+    };
+    let ring = match ring {
+        Some(Ok(r)) => r,
+        Some(Err(e)) => return fail(Status::Internal, format!("shared ring: {e}")),
+        None => return fail(Status::Internal, "no shared ring".into()),
+    };
+    let op: ChunkOp = match from_body(&f.body) {
+        Ok(op) => op,
+        Err(e) => return fail(Status::BadRequest, e.to_string()),
+    };
+    let slot = match ring.slot(op.slot, op.len) {
+        Ok(s) => s,
+        Err(e) => return fail(Status::BadRequest, e),
+    };
+    let r = if f.header.opcode == Opcode::MemWrite {
+        dev.write(op.handle, op.offset, slot)
+    } else {
+        dev.read(op.handle, op.offset, slot)
+    };
+    match r {
+        Ok(()) => (Status::Ok, Vec::new(), Vec::new()),
+        Err(e) => {
+            let e = WorkerFailure::from(e);
+            (e.status, to_body(&e), Vec::new())
+        }
     }
 }
 
@@ -366,7 +426,15 @@ fn run_batch(
                 handle,
                 offset,
                 len,
-            } => dev.read(*handle, *offset, u64::from(*len), out),
+            } => {
+                let start = out.len();
+                out.resize(start + *len as usize, 0);
+                let r = dev.read(*handle, *offset, &mut out[start..]);
+                if r.is_err() {
+                    out.truncate(start);
+                }
+                r
+            }
             WorkerOp::Free { handle } => dev.free(*handle).or_else(|_| dev.unload_module(*handle)),
             WorkerOp::LoadModule { handle, len } => {
                 take(*len).and_then(|d| dev.load_module(*handle, d))
@@ -479,8 +547,8 @@ fn submit(
         };
         dev.launch(module, &s.kernel, d, &args)?;
         dev.sync()?;
-        let mut out = Vec::with_capacity(s.output_size as usize);
-        dev.read(output, 0, u64::from(s.output_size), &mut out)?;
+        let mut out = vec![0u8; s.output_size as usize];
+        dev.read(output, 0, &mut out)?;
         Ok(out)
     })();
     for h in owned {
@@ -515,6 +583,8 @@ pub(crate) struct WorkerProcess {
     child: StdMutex<Option<Child>>,
     info: DeviceInfo,
     pid: Option<u32>,
+    /// The bulk-data ring shared with the process.
+    ring: Arc<ShmRing>,
 }
 
 impl std::fmt::Debug for WorkerProcess {
@@ -528,9 +598,12 @@ impl std::fmt::Debug for WorkerProcess {
 impl WorkerProcess {
     /// Starts a worker and waits (up to `timeout`) for it to report its device.
     pub(crate) async fn spawn(spec: &WorkerSpec, timeout: Duration) -> Result<Self, WorkerError> {
+        let ring = ShmRing::create()
+            .map_err(|e| WorkerError::Start(format!("creating the shared ring: {e}")))?;
         let mut cmd = Command::new(&spec.program);
         cmd.args(&spec.args)
             .env(WORKER_ENV, spec.device.to_env())
+            .env(SHM_ENV, ring.path())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -574,7 +647,10 @@ impl WorkerProcess {
         }
         let info: DeviceInfo = from_body(&frame.body)
             .map_err(|e| WorkerError::Start(format!("bad ready frame: {e}")))?;
+        // The worker mapped the ring before it said it was ready.
+        ring.unlink();
         Ok(Self {
+            ring: Arc::new(ring),
             io: tokio::sync::Mutex::new(WorkerIo {
                 stdin,
                 stdout,
@@ -584,6 +660,34 @@ impl WorkerProcess {
             info,
             pid,
         })
+    }
+
+    /// The bulk-data ring shared with this worker.
+    pub(crate) fn ring(&self) -> &Arc<ShmRing> {
+        &self.ring
+    }
+
+    /// Sends one chunk of a streamed transfer (`opcode` MEM_WRITE or
+    /// MEM_READ, the data in slot `op.slot` of [`WorkerProcess::ring`]);
+    /// the outer error is the worker's death or hang, the inner one the
+    /// chunk's failure.
+    pub(crate) async fn chunk(
+        &self,
+        opcode: Opcode,
+        op: ChunkOp,
+        timeout: Duration,
+    ) -> Result<Result<(), WorkerFailure>, WorkerError> {
+        let f = self.call(opcode, &to_body(&op), &[], timeout).await?;
+        if f.header.status == Status::Ok {
+            return Ok(Ok(()));
+        }
+        Ok(Err(from_body::<WorkerFailure>(&f.body).unwrap_or_else(
+            |e| WorkerFailure {
+                status: Status::Internal,
+                message: format!("bad worker reply: {e}"),
+                sticky: false,
+            },
+        )))
     }
 
     /// The device as reported at start-up.

@@ -607,3 +607,140 @@ async fn mutual_tls_needs_no_token() {
     node.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// The chunk size of streamed transfers (the node's ring slot).
+const CHUNK: usize = 2 << 20;
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i.wrapping_mul(151) >> 5) as u8 ^ seed)
+        .collect()
+}
+
+#[tokio::test]
+async fn streamed_transfers_of_every_shape_round_trip() {
+    const SIZE: usize = 6 * CHUNK + 4096;
+    let node = Node::spawn_local(memory_config(64 << 20)).await.unwrap();
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(SIZE as u64)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let s = lease.session();
+    let buf = s.alloc(SIZE as u64).await.unwrap();
+    let mut model = vec![0u8; SIZE];
+    for (i, (offset, len)) in [
+        (0, 0),
+        (7, 1),
+        (100, CHUNK - 1),
+        (CHUNK, CHUNK),
+        (3, CHUNK + 1),
+        (4096 - 5, 5 * CHUNK + 123),
+        (0, SIZE),
+        (SIZE, 0),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let data = pattern(len, i as u8);
+        s.write(&buf, offset as u64, &data).await.unwrap();
+        model[offset..offset + len].copy_from_slice(&data);
+        let back = s.read(&buf, offset as u64, len as u32).await.unwrap();
+        assert!(back == data, "case {i}: {len} bytes at {offset} differ");
+    }
+    let all = s.read(&buf, 0, SIZE as u32).await.unwrap();
+    assert!(all == model, "whole buffer differs from the model");
+    // Out of range: refused before any data moves, the lease stays usable.
+    let e = s
+        .write(&buf, SIZE as u64 - 3, &[1, 2, 3, 4])
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("outside"), "{e}");
+    let e = s.read(&buf, SIZE as u64 - 3, 4).await.unwrap_err();
+    assert!(e.to_string().contains("outside"), "{e}");
+    assert_eq!(s.read(&buf, 7, 1).await.unwrap(), model[7..8].to_vec());
+    drop(buf);
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+/// An authenticated raw QUIC connection (HELLO sent on its first stream).
+async fn raw_authed_conn(node: &Node) -> quinn::Connection {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(node.cert_der().clone()).unwrap();
+    let mut tls = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![proto::ALPN.to_vec()];
+    let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(qc)));
+    let conn = ep.connect(node.addr(), "localhost").unwrap().await.unwrap();
+    std::mem::forget(ep);
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let body = proto::to_body(&proto::Hello {
+        token: TOKEN.into(),
+        client: "cut-off test".into(),
+    });
+    let h = Header::request(Opcode::Hello, 1, body.len() as u32, 0);
+    proto::write_frame(&mut send, &h, &body, &[]).await.unwrap();
+    send.finish().unwrap();
+    let f = proto::read_frame(&mut recv, &proto::Limits::default())
+        .await
+        .unwrap();
+    assert_eq!(f.header.status, Status::Ok);
+    conn
+}
+
+#[tokio::test]
+async fn a_transfer_cut_off_midway_frees_what_it_held_and_the_lease_stays_usable() {
+    const SIZE: usize = 8 * CHUNK;
+    let node = Node::spawn_local(memory_config(64 << 20)).await.unwrap();
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(SIZE as u64)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let s = lease.session();
+    let buf = s.alloc(SIZE as u64).await.unwrap();
+    // Several cut-off writes in a row: had any of them kept its ring slots,
+    // the ring (16 slots) would run dry and the writes below would hang.
+    for cut in [CHUNK / 2, 3 * CHUNK + 5, 7 * CHUNK + 1, 5 * CHUNK] {
+        let conn = raw_authed_conn(&node).await;
+        let (mut send, _recv) = conn.open_bi().await.unwrap();
+        let body = proto::to_body(&proto::MemWrite {
+            lease: lease.id(),
+            handle: buf.handle(),
+            offset: 0,
+        });
+        let h = Header::request(Opcode::MemWrite, 2, body.len() as u32, SIZE as u32);
+        let part = pattern(cut, 0xEE);
+        proto::write_frame(&mut send, &h, &body, &part)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        conn.close(0u32.into(), b"gone");
+    }
+    let data = pattern(SIZE, 3);
+    let done = tokio::time::timeout(Duration::from_secs(20), async {
+        for _ in 0..3 {
+            s.write(&buf, 0, &data).await.unwrap();
+            let back = s.read(&buf, 0, SIZE as u32).await.unwrap();
+            assert!(back == data, "read-back differs after cut-off transfers");
+        }
+    })
+    .await;
+    assert!(
+        done.is_ok(),
+        "the lease stopped serving after cut-off transfers"
+    );
+    assert_eq!(lease.query().await.unwrap().state, LeaseState::Active);
+    drop(buf);
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}

@@ -1,0 +1,317 @@
+//! MEM_WRITE and MEM_READ as streams: the data moves in chunks of one ring
+//! slot ([`SLOT_BYTES`]) between QUIC and the lease's worker, so receiving
+//! chunk k+1 overlaps the worker's copy of chunk k (and, reading, the
+//! worker fills chunk k+1 while chunk k goes out on QUIC). The node holds at
+//! most the worker's ring, whatever the size. Header and body are checked
+//! (authentication, lease, handle, range) before any data is read.
+//!
+//! Each chunk is one short worker call under the lease's exec lock, so
+//! concurrent transfers on one lease (stripes over several connections)
+//! interleave chunk by chunk instead of waiting for each other.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+
+use super::{fail_lease, worker_lost, HandleKind, Reply, Shared, Slot as LeaseRef};
+use crate::hops::{self, HopTimer};
+use crate::proto::{self, from_body, Handle, Header, LeaseId, MemRead, MemWrite, Opcode, Status};
+use crate::shm::{Slot, SLOTS, SLOT_BYTES};
+use crate::worker::ChunkOp;
+
+/// Serves one MEM_WRITE or MEM_READ whose header and body have been read;
+/// `recv` holds the data that follows (MEM_WRITE).
+pub(super) async fn serve(
+    shared: &Arc<Shared>,
+    authed: &AtomicBool,
+    header: Header,
+    body: Vec<u8>,
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    mut hop: Option<HopTimer>,
+) {
+    if let Some(t) = &mut hop {
+        t.mark("read");
+        t.set_op(header.opcode, u64::from(header.data_len));
+    }
+    let done = if header.opcode == Opcode::MemWrite {
+        let reply = match write(shared, authed, &header, &body, &mut recv).await {
+            Ok(r) | Err(r) => r,
+        };
+        hops::mark(&mut hop, "dispatch");
+        send_reply(&mut send, &header, &reply).await
+    } else {
+        // Nothing follows a MEM_READ request.
+        if header.data_len != 0 {
+            let reply = Reply::err(Status::BadRequest, "MemRead takes no data");
+            send_reply(&mut send, &header, &reply).await
+        } else {
+            if let Some(t) = &mut hop {
+                let len = from_body::<MemRead>(&body).map(|m| m.len).unwrap_or(0);
+                t.set_op(header.opcode, u64::from(len));
+            }
+            read(shared, authed, &header, &body, &mut send).await
+        }
+    };
+    if done {
+        let _ = send.finish();
+        hops::mark(&mut hop, "reply");
+        drop(hop);
+        let _ = send.stopped().await;
+    }
+}
+
+/// Writes a whole reply frame; false if the stream broke.
+async fn send_reply(send: &mut quinn::SendStream, req: &Header, reply: &Reply) -> bool {
+    let h = Header::reply(
+        req,
+        reply.status,
+        reply.body.len() as u32,
+        reply.data.len() as u32,
+    );
+    proto::write_frame(send, &h, &reply.body, &reply.data)
+        .await
+        .is_ok()
+}
+
+/// Checks authentication, the lease and the handle, and that
+/// `offset + len` lies inside the memory.
+fn check(
+    shared: &Shared,
+    authed: &AtomicBool,
+    lease: &LeaseId,
+    handle: Handle,
+    offset: u64,
+    len: u64,
+) -> Result<LeaseRef, Reply> {
+    if !authed.load(Ordering::SeqCst) {
+        return Err(Reply::err(
+            Status::Unauthorized,
+            "send HELLO with a valid token first",
+        ));
+    }
+    let slot = shared.table().get(lease, shared.now())?;
+    let size = match slot
+        .handles
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&handle)
+    {
+        Some(HandleKind::Mem(size)) => *size,
+        Some(HandleKind::Module) => {
+            return Err(Reply::err(
+                Status::BadRequest,
+                format!("{handle} is a module, not memory"),
+            ))
+        }
+        None => return Err(Reply::err(Status::NotFound, format!("no memory {handle}"))),
+    };
+    if offset.checked_add(len).is_none_or(|end| end > size) {
+        return Err(Reply::err(
+            Status::BadRequest,
+            format!("range {offset}+{len} is outside a buffer of {size} bytes"),
+        ));
+    }
+    Ok(slot)
+}
+
+/// One chunk on the worker, under the lease's exec lock.
+async fn chunk(
+    shared: &Shared,
+    lease: &LeaseId,
+    slot: &LeaseRef,
+    opcode: Opcode,
+    op: ChunkOp,
+) -> Result<(), Reply> {
+    let _exec = slot.exec.lock().await;
+    // The lease may have died while we waited.
+    shared.table().get(lease, shared.now())?;
+    match slot.worker.chunk(opcode, op, shared.cfg.op_timeout).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => {
+            if e.sticky {
+                fail_lease(shared, lease, &e.message);
+            }
+            Err(Reply::err(e.status, e.message))
+        }
+        Err(e) => Err(worker_lost(shared, lease, &e)),
+    }
+}
+
+async fn write(
+    shared: &Arc<Shared>,
+    authed: &AtomicBool,
+    header: &Header,
+    body: &[u8],
+    recv: &mut quinn::RecvStream,
+) -> Result<Reply, Reply> {
+    let len = u64::from(header.data_len);
+    let checked = from_body::<MemWrite>(body)
+        .map_err(Reply::from)
+        .and_then(|m| check(shared, authed, &m.lease, m.handle, m.offset, len).map(|s| (m, s)));
+    let (m, slot) = match checked {
+        Ok(x) => x,
+        Err(r) => {
+            // Refuse the data instead of reading it.
+            let _ = recv.stop(0u32.into());
+            return Err(r);
+        }
+    };
+    let ring = slot.worker.ring().clone();
+    let failed = AtomicBool::new(false);
+    let (tx, mut rx) = mpsc::channel::<(Slot, u64, u32)>(SLOTS);
+    let reader = async {
+        let tx = tx;
+        let mut at = 0u64;
+        while at < len {
+            if failed.load(Ordering::Relaxed) {
+                let _ = recv.stop(0u32.into());
+                return Ok(());
+            }
+            let mut s = ring.acquire().await;
+            let n = (len - at).min(SLOT_BYTES as u64) as usize;
+            if let Err(e) = recv.read_exact(&mut s.bytes_mut()[..n]).await {
+                return Err(format!(
+                    "the transfer was cut off after {at} of {len} bytes: {e}"
+                ));
+            }
+            if tx.send((s, at, n as u32)).await.is_err() {
+                return Ok(());
+            }
+            at += n as u64;
+        }
+        Ok(())
+    };
+    let forwarder = async {
+        let mut result = Ok(());
+        while let Some((s, at, n)) = rx.recv().await {
+            if result.is_ok() {
+                let op = ChunkOp {
+                    handle: m.handle,
+                    offset: m.offset + at,
+                    slot: s.index(),
+                    len: n,
+                };
+                result = chunk(shared, &m.lease, &slot, Opcode::MemWrite, op).await;
+                if result.is_err() {
+                    failed.store(true, Ordering::Relaxed);
+                }
+            }
+            // The slot goes back to the ring once the worker has copied it.
+            drop(s);
+        }
+        result
+    };
+    let (received, forwarded) = tokio::join!(reader, forwarder);
+    forwarded?;
+    received.map_err(|e| Reply::err(Status::BadRequest, e))?;
+    Ok(Reply::empty())
+}
+
+/// Streams a MEM_READ; returns whether the reply went out whole.
+async fn read(
+    shared: &Arc<Shared>,
+    authed: &AtomicBool,
+    header: &Header,
+    body: &[u8],
+    send: &mut quinn::SendStream,
+) -> bool {
+    let checked = from_body::<MemRead>(body)
+        .map_err(Reply::from)
+        .and_then(|m| {
+            if m.len > shared.cfg.limits.max_data {
+                return Err(Reply::err(
+                    Status::BadRequest,
+                    format!(
+                        "MEM_READ of {} bytes is over the {} byte limit",
+                        m.len, shared.cfg.limits.max_data
+                    ),
+                ));
+            }
+            check(
+                shared,
+                authed,
+                &m.lease,
+                m.handle,
+                m.offset,
+                u64::from(m.len),
+            )
+            .map(|s| (m, s))
+        });
+    let (m, slot) = match checked {
+        Ok(x) => x,
+        Err(r) => return send_reply(send, header, &r).await,
+    };
+    let len = u64::from(m.len);
+    let ring = slot.worker.ring().clone();
+    let fill = |at: u64| {
+        let (ring, slot, m) = (&ring, &slot, &m);
+        async move {
+            let s = ring.acquire().await;
+            let n = (len - at).min(SLOT_BYTES as u64) as u32;
+            let op = ChunkOp {
+                handle: m.handle,
+                offset: m.offset + at,
+                slot: s.index(),
+                len: n,
+            };
+            chunk(shared, &m.lease, slot, Opcode::MemRead, op)
+                .await
+                .map(|()| (s, n))
+        }
+    };
+    // The first chunk before the header, so an early failure is a reply.
+    let first = if len == 0 {
+        None
+    } else {
+        match fill(0).await {
+            Ok(c) => Some(c),
+            Err(r) => return send_reply(send, header, &r).await,
+        }
+    };
+    let h = Header::reply(header, Status::Ok, 0, m.len);
+    if proto::write_frame(send, &h, &[], &[]).await.is_err() {
+        return false;
+    }
+    let Some(first) = first else {
+        return true;
+    };
+    let (tx, mut rx) = mpsc::channel::<(Slot, u32)>(SLOTS);
+    let stop = AtomicBool::new(false);
+    let producer = async {
+        let tx = tx;
+        if tx.send(first).await.is_err() {
+            return Ok(());
+        }
+        let mut at = u64::from(SLOT_BYTES as u32).min(len);
+        while at < len && !stop.load(Ordering::Relaxed) {
+            let c = fill(at).await?;
+            at += u64::from(c.1);
+            if tx.send(c).await.is_err() {
+                break;
+            }
+        }
+        Ok::<(), Reply>(())
+    };
+    let consumer = async {
+        while let Some((s, n)) = rx.recv().await {
+            if send.write_all(&s.bytes()[..n as usize]).await.is_err() {
+                stop.store(true, Ordering::Relaxed);
+                return false;
+            }
+        }
+        true
+    };
+    let (produced, sent) = tokio::join!(producer, consumer);
+    match produced {
+        Ok(()) => sent,
+        Err(r) => {
+            // The header promised the data: end the stream with an error
+            // the client sees as a reset.
+            tracing::debug!(status = ?r.status, "MEM_READ failed mid-stream");
+            let _ = send.reset(1u32.into());
+            false
+        }
+    }
+}
