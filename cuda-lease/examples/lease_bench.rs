@@ -148,7 +148,11 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     cfg.prestart_workers = 1;
     let node = Node::spawn_local(cfg).await?;
     let config = ClientConfig::pinned(node.cert_der().clone()).token("bench");
-    let client = std::sync::Arc::new(Client::connect(node.addr(), &config).await?);
+    // One connection for the BATCH and unstriped rows; the default stripes
+    // for the striped rows.
+    let single = config.clone().stripes(1, 0);
+    let client = std::sync::Arc::new(Client::connect(node.addr(), &single).await?);
+    let striped_client = std::sync::Arc::new(Client::connect(node.addr(), &config).await?);
     let inv = client.inventory().await?;
     println!(
         "device: {} ({} bytes free)",
@@ -160,6 +164,14 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let raw = raw_baseline(iters, xfer_iters).await?;
     let lease = transfer_bench(&client, iters, xfer_iters).await?;
+    let striped_lease = Lease::builder()
+        .min_vram((256 << 20) + (16 << 20))
+        .ttl(Duration::from_secs(120))
+        .on(striped_client.clone())
+        .await?;
+    let label = format!(" striped over {}", config.stripes);
+    let (sw, sr) = transfer_rates(&striped_lease.session(), &label, xfer_iters).await?;
+    striped_lease.free().await?;
     println!();
     println!("| loopback, same run | raw quinn | lease node | ratio | goal (issue 19) |");
     println!("| --- | --- | --- | --- | --- |");
@@ -180,6 +192,20 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         raw.down1,
         lease.read,
         lease.read / raw.down1
+    );
+    println!(
+        "| MEM_WRITE 256 MiB striped over {} vs raw one connection up | {:.2} GiB/s | {:.2} GiB/s | {:.2} | >= 2 |",
+        config.stripes,
+        raw.up1,
+        sw,
+        sw / raw.up1
+    );
+    println!(
+        "| MEM_READ 256 MiB striped over {} vs raw one connection down | {:.2} GiB/s | {:.2} GiB/s | {:.2} | >= 2 |",
+        config.stripes,
+        raw.down1,
+        sr,
+        sr / raw.down1
     );
     println!(
         "| raw 4 connections vs 1 (up / down) | {:.2} / {:.2} GiB/s | - | {:.2} / {:.2} | (striping: >= 2x one connection) |",
@@ -279,6 +305,23 @@ async fn transfer_bench(
     report("one-kernel BATCH (launch + sync) round trip", rtt.clone());
     let batch_p50 = median(rtt);
 
+    let (write_rate, read_rate) = transfer_rates(&s, "", xfer_iters).await?;
+    drop((out, module));
+    lease.free().await?;
+    Ok(LeaseRows {
+        batch: batch_p50,
+        write: write_rate,
+        read: read_rate,
+    })
+}
+
+/// MEM_WRITE then MEM_READ of 256 MiB on `s`: median rates in GiB/s.
+async fn transfer_rates(
+    s: &cuda_lease::Session,
+    label: &str,
+    xfer_iters: usize,
+) -> Result<(f64, f64), Box<dyn std::error::Error>> {
+    let size: u64 = 256 << 20;
     // MEM_WRITE / MEM_READ of 256 MiB.
     let big = s.alloc(size).await?;
     let data = vec![0x5Au8; size as usize];
@@ -293,7 +336,7 @@ async fn transfer_bench(
     let med = w[w.len() / 2];
     let write_rate = gib_s(size, med);
     println!(
-        "MEM_WRITE 256 MiB: median {med:?} = {:.2} GiB/s (best {:?})",
+        "MEM_WRITE 256 MiB{label}: median {med:?} = {:.2} GiB/s (best {:?})",
         size as f64 / med.as_secs_f64() / (1u64 << 30) as f64,
         w[0]
     );
@@ -311,16 +354,11 @@ async fn transfer_bench(
     let med = r[r.len() / 2];
     let read_rate = gib_s(size, med);
     println!(
-        "MEM_READ 256 MiB: median {med:?} = {:.2} GiB/s (best {:?})",
+        "MEM_READ 256 MiB{label}: median {med:?} = {:.2} GiB/s (best {:?})",
         size as f64 / med.as_secs_f64() / (1u64 << 30) as f64,
         r[0]
     );
 
-    drop((big, out, module));
-    lease.free().await?;
-    Ok(LeaseRows {
-        batch: batch_p50,
-        write: write_rate,
-        read: read_rate,
-    })
+    drop(big);
+    Ok((write_rate, read_rate))
 }

@@ -357,7 +357,19 @@ fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
 #[ignore = "needs an NVIDIA GPU"]
 async fn large_and_odd_transfers_round_trip_byte_exact() {
     let node = gpu_node(gpu_config()).await;
-    let client = connect(&node).await;
+    // Striped over 4 connections (the default from 8 MiB) and not at all.
+    for config in [client_config(&node), client_config(&node).stripes(1, 0)] {
+        let client = Arc::new(
+            cuda_lease::Client::connect(node.addr(), &config)
+                .await
+                .unwrap(),
+        );
+        large_and_odd_transfers(client).await;
+    }
+    node.shutdown().await;
+}
+
+async fn large_and_odd_transfers(client: Arc<cuda_lease::Client>) {
     let size: u64 = 256 << 20;
     let lease = Lease::builder()
         .min_vram(size + (1 << 20))
@@ -388,5 +400,4 @@ async fn large_and_odd_transfers_round_trip_byte_exact() {
     assert_eq!(s.read(&small, 12_345, 4).await.unwrap(), odd[..4].to_vec());
     drop((buf, small));
     lease.free().await.unwrap();
-    node.shutdown().await;
 }

@@ -619,9 +619,20 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 
 #[tokio::test]
 async fn streamed_transfers_of_every_shape_round_trip() {
-    const SIZE: usize = 6 * CHUNK + 4096;
     let node = Node::spawn_local(memory_config(64 << 20)).await.unwrap();
-    let client = connect(&node).await;
+    // Striped over 3 connections from 1 byte up, and never striped.
+    for config in [
+        client_config(&node).stripes(3, 1),
+        client_config(&node).stripes(1, 0),
+    ] {
+        let client = Arc::new(Client::connect(node.addr(), &config).await.unwrap());
+        transfers_of_every_shape(client).await;
+    }
+    node.shutdown().await;
+}
+
+async fn transfers_of_every_shape(client: Arc<Client>) {
+    const SIZE: usize = 6 * CHUNK + 4096;
     let lease = Lease::builder()
         .min_vram(SIZE as u64)
         .auto_renew(false)
@@ -663,7 +674,6 @@ async fn streamed_transfers_of_every_shape_round_trip() {
     assert_eq!(s.read(&buf, 7, 1).await.unwrap(), model[7..8].to_vec());
     drop(buf);
     lease.free().await.unwrap();
-    node.shutdown().await;
 }
 
 /// An authenticated raw QUIC connection (HELLO sent on its first stream).
