@@ -310,53 +310,7 @@ impl Client {
         into: Option<&mut [u8]>,
     ) -> Result<(Vec<u8>, Vec<u8>), Error> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let mut hop = HopTimer::start("client", opcode, data.len() as u64);
-        let (mut send, mut recv) = conn.open_bi().await.map_err(disconnected)?;
-        let h = Header::request(opcode, id, body.len() as u32, data.len() as u32);
-        proto::write_frame(&mut send, &h, body, data)
-            .await
-            .map_err(disconnected)?;
-        send.finish().map_err(disconnected)?;
-        hops::mark(&mut hop, "send");
-        let read_err = |e: std::io::Error| match proto::proto_error(&e) {
-            Some(p) => Error::Protocol(p.to_string()),
-            None => disconnected(e),
-        };
-        let (header, reply_body) = proto::read_head(&mut recv, &self.limits)
-            .await
-            .map_err(read_err)?;
-        if header.status != Status::Ok {
-            let msg = from_body::<ErrorBody>(&reply_body)
-                .map(|b| b.message)
-                .unwrap_or_default();
-            return Err(Error::from_status(header.status, msg));
-        }
-        if header.request_id != id || !header.is_reply() {
-            return Err(Error::Protocol("reply does not match the request".into()));
-        }
-        let mut owned = Vec::new();
-        let out: &mut [u8] = match into {
-            Some(out) if out.len() == header.data_len as usize => out,
-            Some(out) => {
-                return Err(Error::Protocol(format!(
-                    "reply has {} bytes of data, {} expected",
-                    header.data_len,
-                    out.len()
-                )))
-            }
-            None => {
-                owned = vec![0u8; header.data_len as usize];
-                &mut owned
-            }
-        };
-        tokio::io::AsyncReadExt::read_exact(&mut recv, out)
-            .await
-            .map_err(read_err)?;
-        if let Some(t) = &mut hop {
-            t.mark("reply");
-            t.set_op(opcode, (data.len() + header.data_len as usize) as u64);
-        }
-        Ok((reply_body, owned))
+        exchange(conn, &self.limits, id, opcode, body, data, into).await
     }
 
     /// Writes `bytes` to memory at `offset`, striped over the connections
@@ -397,35 +351,65 @@ impl Client {
         len: u32,
     ) -> Result<Vec<u8>, Error> {
         let conns = self.stripe_set(len as usize).await?;
-        let mut out = vec![0u8; len as usize];
-        let parts = stripe_bounds(out.len(), conns.len());
-        let mut rest: &mut [u8] = &mut out;
-        let mut slices = Vec::with_capacity(parts.len());
-        for r in &parts {
-            let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
-            slices.push(part);
-            rest = tail;
+        let parts = stripe_bounds(len as usize, conns.len());
+        if parts.len() == 1 {
+            let mut out = vec![0u8; len as usize];
+            let body = to_body(&MemRead {
+                lease,
+                handle,
+                offset,
+                len,
+            });
+            self.request_on(conns[0], Opcode::MemRead, &body, &[], Some(&mut out))
+                .await?;
+            return Ok(out);
         }
-        let futs = conns
+        // One task per stripe, so the connections' reads (and copies, and
+        // the page faults of a fresh buffer) run on several threads, all
+        // into one buffer. Measured on an H100 host: one task reading all
+        // four stripes got 1.7x one connection; a task per stripe reading
+        // into its own buffer and a concatenation, 1.6 to 1.8x.
+        let out = Arc::new(StripeBuffer::new(len as usize));
+        let tasks: Vec<_> = conns
             .iter()
             .zip(&parts)
-            .zip(slices)
-            .map(|((conn, r), part)| {
+            .map(|(conn, r)| {
+                let conn = (*conn).clone();
+                let limits = self.limits;
+                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                 let body = to_body(&MemRead {
                     lease,
                     handle,
                     offset: offset + r.start as u64,
                     len: r.len() as u32,
                 });
-                async move {
-                    self.request_on(conn, Opcode::MemRead, &body, &[], Some(part))
+                let (out, r) = (out.clone(), r.clone());
+                tokio::spawn(async move {
+                    // SAFETY: the stripes' ranges are disjoint (from
+                    // `stripe_bounds`), and this task is the only one
+                    // that touches this range.
+                    let part = unsafe { out.range_mut(r) };
+                    exchange(&conn, &limits, id, Opcode::MemRead, &body, &[], Some(part))
                         .await
-                }
-            });
-        for r in join_all(futs.collect()).await {
-            r?;
+                        .map(drop)
+                })
+            })
+            .collect();
+        let mut first_err = None;
+        for t in tasks {
+            let r = t
+                .await
+                .unwrap_or_else(|e| Err(Error::Disconnected(format!("stripe task: {e}"))));
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
+            }
         }
-        Ok(out)
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        Arc::try_unwrap(out)
+            .map(StripeBuffer::into_inner)
+            .map_err(|_| Error::Protocol("a stripe task outlived its transfer".into()))
     }
 
     async fn call<Req: Serialize, Rep: DeserializeOwned>(
@@ -1205,6 +1189,111 @@ impl Session {
             data,
         })
     }
+}
+
+/// One allocation that several stripe tasks fill, each in its own range.
+struct StripeBuffer {
+    ptr: *mut u8,
+    len: usize,
+    buf: std::cell::UnsafeCell<Vec<u8>>,
+}
+
+// SAFETY: the buffer owns a `Vec<u8>` (which is `Send`); it is reached from
+// several threads only through `range_mut`, whose contract makes the ranges
+// disjoint, so sharing it is sharing disjoint `&mut [u8]`s (which are
+// `Send`), and `into_inner` needs sole ownership.
+unsafe impl Send for StripeBuffer {}
+// SAFETY: as above.
+unsafe impl Sync for StripeBuffer {}
+
+impl StripeBuffer {
+    fn new(len: usize) -> Self {
+        let mut v = vec![0u8; len];
+        StripeBuffer {
+            ptr: v.as_mut_ptr(),
+            len,
+            buf: std::cell::UnsafeCell::new(v),
+        }
+    }
+
+    /// # Safety
+    /// No two slices returned for overlapping ranges may be alive at once,
+    /// and `r` lies inside the buffer.
+    #[allow(clippy::mut_from_ref)] // disjoint ranges, by the contract above
+    unsafe fn range_mut(&self, r: std::ops::Range<usize>) -> &mut [u8] {
+        assert!(
+            r.start <= r.end && r.end <= self.len,
+            "range outside the buffer"
+        );
+        // SAFETY: inside the allocation (checked), which lives as long as
+        // `self` and is never moved (the `Vec` is not touched until
+        // `into_inner`); disjointness is the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len()) }
+    }
+
+    fn into_inner(self) -> Vec<u8> {
+        self.buf.into_inner()
+    }
+}
+
+/// One request on a new stream of `conn` and its reply (see
+/// [`Client::request`]); with `into`, the reply's data lands there.
+async fn exchange(
+    conn: &quinn::Connection,
+    limits: &Limits,
+    id: u64,
+    opcode: Opcode,
+    body: &[u8],
+    data: &[u8],
+    into: Option<&mut [u8]>,
+) -> Result<(Vec<u8>, Vec<u8>), Error> {
+    let mut hop = HopTimer::start("client", opcode, data.len() as u64);
+    let (mut send, mut recv) = conn.open_bi().await.map_err(disconnected)?;
+    let h = Header::request(opcode, id, body.len() as u32, data.len() as u32);
+    proto::write_frame(&mut send, &h, body, data)
+        .await
+        .map_err(disconnected)?;
+    send.finish().map_err(disconnected)?;
+    hops::mark(&mut hop, "send");
+    let read_err = |e: std::io::Error| match proto::proto_error(&e) {
+        Some(p) => Error::Protocol(p.to_string()),
+        None => disconnected(e),
+    };
+    let (header, reply_body) = proto::read_head(&mut recv, limits)
+        .await
+        .map_err(read_err)?;
+    if header.status != Status::Ok {
+        let msg = from_body::<ErrorBody>(&reply_body)
+            .map(|b| b.message)
+            .unwrap_or_default();
+        return Err(Error::from_status(header.status, msg));
+    }
+    if header.request_id != id || !header.is_reply() {
+        return Err(Error::Protocol("reply does not match the request".into()));
+    }
+    let mut owned = Vec::new();
+    let out: &mut [u8] = match into {
+        Some(out) if out.len() == header.data_len as usize => out,
+        Some(out) => {
+            return Err(Error::Protocol(format!(
+                "reply has {} bytes of data, {} expected",
+                header.data_len,
+                out.len()
+            )))
+        }
+        None => {
+            owned = vec![0u8; header.data_len as usize];
+            &mut owned
+        }
+    };
+    tokio::io::AsyncReadExt::read_exact(&mut recv, out)
+        .await
+        .map_err(read_err)?;
+    if let Some(t) = &mut hop {
+        t.mark("reply");
+        t.set_op(opcode, (data.len() + header.data_len as usize) as u64);
+    }
+    Ok((reply_body, owned))
 }
 
 /// Splits `len` bytes into at most `n` contiguous ranges whose inner

@@ -296,10 +296,12 @@ async fn read(
     };
     let consumer = async {
         while let Some((s, n)) = rx.recv().await {
+            let mut hop = HopTimer::start("node-send", Opcode::MemRead, u64::from(n));
             if send.write_all(&s.bytes()[..n as usize]).await.is_err() {
                 stop.store(true, Ordering::Relaxed);
                 return false;
             }
+            hops::mark(&mut hop, "quic");
         }
         true
     };
