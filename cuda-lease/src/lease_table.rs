@@ -42,8 +42,13 @@ pub struct Grant {
     pub reserved: u64,
 }
 
+/// Who a lease belongs to: a token's name, or a client certificate's
+/// fingerprint (see the node's trust model).
+pub type Principal = std::sync::Arc<str>;
+
 #[derive(Debug)]
 struct Entry<W> {
+    owner: Option<Principal>,
     generation: u64,
     deadline: Duration,
     reserved: u64,
@@ -53,6 +58,7 @@ struct Entry<W> {
 
 #[derive(Debug, Clone)]
 struct Tombstone {
+    owner: Option<Principal>,
     status: Status,
     reason: String,
     until: Duration,
@@ -148,6 +154,7 @@ impl<W: Clone> LeaseTable<W> {
     /// # Errors
     ///
     /// CAPACITY_EXCEEDED or BAD_REQUEST.
+    #[allow(clippy::too_many_arguments)] // each is one fact of the grant
     pub fn grant(
         &mut self,
         id: LeaseId,
@@ -155,6 +162,7 @@ impl<W: Clone> LeaseTable<W> {
         ttl: Duration,
         now: Duration,
         device_free: Option<u64>,
+        owner: Option<Principal>,
         payload: W,
     ) -> Result<Grant, TableError> {
         self.check_fits(min_vram)?;
@@ -176,6 +184,7 @@ impl<W: Clone> LeaseTable<W> {
         self.live.insert(
             id,
             Entry {
+                owner,
                 generation: 1,
                 deadline,
                 reserved: min_vram,
@@ -201,6 +210,28 @@ impl<W: Clone> LeaseTable<W> {
                 format!("lease {id} expired"),
             )),
             Some(e) => Ok(e),
+        }
+    }
+
+    /// Checks that lease `id` (live or recently dead) is `who`'s: a lease of
+    /// another principal is reported exactly as an unknown one. `who` of
+    /// `None` (the node itself, an admin) may see every lease, and so may
+    /// anyone a lease granted without an owner.
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND, as for an id that does not exist.
+    pub fn check_owner(&self, id: &LeaseId, who: Option<&str>) -> Result<(), TableError> {
+        let owner = match (self.live.get(id), self.dead.get(id)) {
+            (Some(e), _) => e.owner.as_deref(),
+            (None, Some(t)) => t.owner.as_deref(),
+            (None, None) => None,
+        };
+        match (owner, who) {
+            (Some(o), Some(w)) if o != w => {
+                Err(TableError::new(Status::NotFound, format!("no lease {id}")))
+            }
+            _ => Ok(()),
         }
     }
 
@@ -306,6 +337,7 @@ impl<W: Clone> LeaseTable<W> {
     fn bury(&mut self, id: LeaseId, status: Status, reason: String, now: Duration) -> Option<W> {
         let e = self.live.remove(&id)?;
         self.reserved_total -= e.reserved;
+        let owner = e.owner.clone();
         if self.dead.len() >= MAX_TOMBSTONES {
             self.dead.retain(|_, t| t.until > now);
         }
@@ -313,6 +345,7 @@ impl<W: Clone> LeaseTable<W> {
             self.dead.insert(
                 id,
                 Tombstone {
+                    owner,
                     status,
                     reason,
                     until: now + TOMBSTONE_TTL,

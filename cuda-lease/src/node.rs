@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex as StdMutex};
+use std::sync::{Arc, Mutex as StdMutex, OnceLock};
 use std::time::Duration;
 
 use rustls::pki_types::CertificateDer;
@@ -17,7 +17,7 @@ mod stream;
 
 use crate::clock::{Clock, MonotonicClock};
 use crate::hops::{self, HopTimer};
-use crate::lease_table::{LeaseTable, TableError};
+use crate::lease_table::{LeaseTable, Principal, TableError};
 use crate::metrics::Metrics;
 use crate::proto::{
     self, from_body, to_body, Batch, BatchOp, BatchReply, DeviceInfo, ErrorBody, Frame, GpuSubmit,
@@ -63,8 +63,15 @@ pub struct NodeConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// Name reported to clients.
     pub name: String,
-    /// Accepted bearer tokens.
+    /// Accepted bearer tokens, each its own principal, named `token-1`,
+    /// `token-2`, ... in order (names are what logs show; never secrets).
     pub tokens: Vec<String>,
+    /// Accepted bearer tokens with the names of their principals
+    /// `(name, secret)`.
+    pub named_tokens: Vec<(String, String)>,
+    /// Principals that may free any lease (operators); everyone else may
+    /// free and use only the leases they made.
+    pub admins: Vec<String>,
     /// Accept clients without credentials (development only).
     pub allow_anonymous: bool,
     /// TLS certificate.
@@ -108,6 +115,8 @@ impl NodeConfig {
             metrics_listen: None,
             name: "cuda-lease-node".into(),
             tokens: Vec::new(),
+            named_tokens: Vec::new(),
+            admins: Vec::new(),
             allow_anonymous: false,
             tls: TlsSource::SelfSigned {
                 names: vec!["localhost".into(), "127.0.0.1".into()],
@@ -171,7 +180,8 @@ type Slot = Arc<LeaseSlot>;
 
 struct Shared {
     cfg: NodeConfig,
-    tokens: HashSet<Vec<u8>>,
+    /// Secret and principal of every accepted token.
+    tokens: Vec<(Vec<u8>, Principal)>,
     table: StdMutex<LeaseTable<Slot>>,
     submit: Vec<tokio::sync::Mutex<Option<WorkerProcess>>>,
     submit_next: AtomicUsize,
@@ -279,7 +289,11 @@ impl Node {
             TlsSource::Identity(id) => id.clone(),
         };
         let client_ca = cfg.client_ca.as_deref().map(tls::load_certs).transpose()?;
-        if cfg.tokens.is_empty() && client_ca.is_none() && !cfg.allow_anonymous {
+        if cfg.tokens.is_empty()
+            && cfg.named_tokens.is_empty()
+            && client_ca.is_none()
+            && !cfg.allow_anonymous
+        {
             return Err(NodeError::Config(
                 "no credentials: configure tokens, a client CA, or allow anonymous access".into(),
             ));
@@ -315,7 +329,22 @@ impl Node {
         let endpoint = quinn::Endpoint::server(server_cfg, cfg.listen)?;
         let addr = endpoint.local_addr()?;
         let shared = Arc::new(Shared {
-            tokens: cfg.tokens.iter().map(|t| t.as_bytes().to_vec()).collect(),
+            tokens: cfg
+                .tokens
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    (
+                        t.as_bytes().to_vec(),
+                        Principal::from(format!("token-{}", i + 1)),
+                    )
+                })
+                .chain(
+                    cfg.named_tokens
+                        .iter()
+                        .map(|(n, t)| (t.as_bytes().to_vec(), Principal::from(n.as_str()))),
+                )
+                .collect(),
             table: StdMutex::new(LeaseTable::new(capacity, cfg.max_ttl)),
             submit,
             submit_next: AtomicUsize::new(0),
@@ -530,42 +559,82 @@ async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) {
                     return;
                 }
             };
-            let mtls = conn.peer_identity().is_some();
-            let authed = Arc::new(AtomicBool::new(mtls));
-            debug!(remote = %conn.remote_address(), mtls, "connection");
+            let peer: Arc<Peer> = Arc::default();
+            if let Some(p) = cert_principal(&conn) {
+                let _ = peer.set(p);
+            }
+            debug!(remote = %conn.remote_address(), principal = ?peer.get(), "connection");
             loop {
                 let (send, recv) = match conn.accept_bi().await {
                     Ok(s) => s,
                     Err(_) => break,
                 };
                 let shared = shared.clone();
-                let authed = authed.clone();
-                tokio::spawn(async move { serve_stream(shared, authed, send, recv).await });
+                let peer = peer.clone();
+                tokio::spawn(async move { serve_stream(shared, peer, send, recv).await });
             }
         });
     }
 }
 
+/// The largest HELLO body the node reads from a connection that has not
+/// authenticated; such a connection may send nothing else, and nothing it
+/// declares beyond this is allocated or read.
+pub const PREAUTH_MAX_BODY: u32 = 4096;
+
 async fn serve_stream(
     shared: Arc<Shared>,
-    authed: Arc<AtomicBool>,
+    peer: Arc<Peer>,
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
 ) {
     let limits = shared.cfg.limits;
     let mut hop = HopTimer::start("node", Opcode::Hello, 0);
-    let head = tokio::time::timeout(
-        Duration::from_secs(60),
-        proto::read_head(&mut recv, &limits),
-    )
+    let head = tokio::time::timeout(Duration::from_secs(60), async {
+        let header = proto::read_header(&mut recv, &limits).await?;
+        if peer.get().is_none()
+            && !(header.opcode == Opcode::Hello
+                && !header.is_reply()
+                && header.body_len <= PREAUTH_MAX_BODY
+                && header.data_len == 0)
+        {
+            // Refused on the header alone: nothing declared is read.
+            return Ok(Err(header));
+        }
+        let mut body = vec![0u8; header.body_len as usize];
+        tokio::io::AsyncReadExt::read_exact(&mut recv, &mut body).await?;
+        Ok(Ok((header, body)))
+    })
     .await;
+    let head = match head {
+        Ok(Ok(Err(header))) => {
+            let _ = recv.stop(0u32.into());
+            let msg = if header.opcode == Opcode::Hello {
+                format!("HELLO over {PREAUTH_MAX_BODY} bytes, or with data")
+            } else {
+                "send HELLO with a valid token first".to_string()
+            };
+            let reply = Reply::err(Status::Unauthorized, msg);
+            let h = Header::reply(&header, reply.status, reply.body.len() as u32, 0);
+            if proto::write_frame(&mut send, &h, &reply.body, &[])
+                .await
+                .is_ok()
+            {
+                let _ = send.finish();
+            }
+            return;
+        }
+        Ok(Ok(Ok(x))) => Ok(Ok(x)),
+        Ok(Err(e)) => Ok(Err(e)),
+        Err(elapsed) => Err(elapsed),
+    };
     let read = match head {
         // Bulk transfers stream through the worker's shared ring.
         Ok(Ok((header, body)))
             if !header.is_reply()
                 && matches!(header.opcode, Opcode::MemWrite | Opcode::MemRead) =>
         {
-            stream::serve(&shared, &authed, header, body, send, recv, hop).await;
+            stream::serve(&shared, &peer, header, body, send, recv, hop).await;
             return;
         }
         Ok(Ok((header, body))) => {
@@ -588,7 +657,7 @@ async fn serve_stream(
                 t.mark("read");
                 t.set_op(frame.header.opcode, frame.data.len() as u64);
             }
-            let reply = dispatch(&shared, &authed, &frame).await;
+            let reply = dispatch(&shared, &peer, &frame).await;
             if let Some(t) = &mut hop {
                 t.mark("dispatch");
                 let bytes = frame.data.len().max(reply.data.len()) as u64;
@@ -629,31 +698,72 @@ async fn serve_stream(
     }
 }
 
-fn token_ok(shared: &Shared, token: &str) -> bool {
-    // Compare against every token without early exit on content.
+/// The principal of `token`, comparing against every token without early
+/// exit on content.
+fn token_principal(shared: &Shared, token: &str) -> Option<Principal> {
     let t = token.as_bytes();
-    let mut ok = false;
-    for known in &shared.tokens {
+    let mut found = None;
+    for (known, principal) in &shared.tokens {
         let mut diff = (known.len() != t.len()) as u8;
         for (i, b) in known.iter().enumerate() {
             diff |= b ^ t.get(i).copied().unwrap_or(0);
         }
-        ok |= diff == 0;
+        if diff == 0 {
+            found = Some(principal.clone());
+        }
     }
-    ok
+    found
 }
 
-async fn dispatch(shared: &Arc<Shared>, authed: &AtomicBool, f: &Frame) -> Reply {
-    match dispatch_inner(shared, authed, f).await {
+/// The principal of a client certificate: `cert-` and the first 16 hex
+/// digits of its SHA-256.
+fn cert_principal(conn: &quinn::Connection) -> Option<Principal> {
+    let certs = conn
+        .peer_identity()?
+        .downcast::<Vec<CertificateDer<'static>>>()
+        .ok()?;
+    let leaf = certs.first()?;
+    let digest = ring::digest::digest(&ring::digest::SHA256, leaf.as_ref());
+    let hex: String = digest.as_ref()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    Some(Principal::from(format!("cert-{hex}")))
+}
+
+/// Who is on a connection: set once, by a client certificate or HELLO.
+type Peer = OnceLock<Principal>;
+
+/// The connection's principal, or UNAUTHORIZED.
+fn principal(peer: &Peer) -> Result<&Principal, Reply> {
+    peer.get()
+        .ok_or_else(|| Reply::err(Status::Unauthorized, "send HELLO with a valid token first"))
+}
+
+/// What the owner check is asked with: admins see every lease.
+fn owner_filter<'a>(shared: &Shared, who: &'a Principal) -> Option<&'a str> {
+    if shared.cfg.admins.iter().any(|a| **a == **who) {
+        None
+    } else {
+        Some(who)
+    }
+}
+
+/// The slot of lease `id` if it is `who`'s (else NOT_FOUND, as for an
+/// unknown id) and usable.
+fn lease_of(shared: &Shared, who: &Principal, id: &LeaseId) -> Result<Slot, Reply> {
+    let mut t = shared.table();
+    t.check_owner(id, Some(who))?;
+    Ok(t.get(id, shared.now())?)
+}
+
+async fn dispatch(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Reply {
+    match dispatch_inner(shared, peer, f).await {
         Ok(r) | Err(r) => r,
     }
 }
 
-async fn dispatch_inner(
-    shared: &Arc<Shared>,
-    authed: &AtomicBool,
-    f: &Frame,
-) -> Result<Reply, Reply> {
+async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<Reply, Reply> {
     let op = f.header.opcode;
     if f.header.is_reply() {
         return Err(Reply::err(Status::BadRequest, "a reply is not a request"));
@@ -668,48 +778,51 @@ async fn dispatch_inner(
             format!("{op:?} takes no data"),
         ));
     }
-    match op {
-        Opcode::Hello => {
-            let h: Hello = from_body(&f.body)?;
-            if shared.cfg.allow_anonymous
-                || authed.load(Ordering::SeqCst)
-                || token_ok(shared, &h.token)
-            {
-                authed.store(true, Ordering::SeqCst);
-                debug!(client = %h.client, "authenticated");
-                return Ok(Reply::ok(&HelloOk {
-                    node: shared.cfg.name.clone(),
-                }));
-            }
-            warn!(client = %h.client, "rejected credentials");
-            return Err(Reply::err(Status::Unauthorized, "invalid token"));
+    if op == Opcode::Hello {
+        let h: Hello = from_body(&f.body)?;
+        // Client-supplied: escaped before it reaches a log line.
+        let client = h.client.escape_debug().to_string();
+        let who = peer.get().cloned().or_else(|| {
+            token_principal(shared, &h.token).or_else(|| {
+                shared
+                    .cfg
+                    .allow_anonymous
+                    .then(|| Principal::from("anonymous"))
+            })
+        });
+        if let Some(who) = who {
+            let who = peer.get_or_init(|| who);
+            debug!(%client, principal = %who, "authenticated");
+            return Ok(Reply::ok(&HelloOk {
+                node: shared.cfg.name.clone(),
+            }));
         }
-        Opcode::LeaseFree => {
-            let r: LeaseRef = from_body(&f.body)?;
-            return lease_free(shared, &r.lease).await;
-        }
-        _ => {}
+        warn!(%client, "rejected credentials");
+        return Err(Reply::err(Status::Unauthorized, "invalid token"));
     }
-    if !authed.load(Ordering::SeqCst) {
-        return Err(Reply::err(
-            Status::Unauthorized,
-            "send HELLO with a valid token first",
-        ));
-    }
+    let who = principal(peer)?.clone();
     let now = shared.now();
     match op {
-        Opcode::Hello | Opcode::LeaseFree => unreachable!("handled above"),
+        Opcode::Hello => unreachable!("handled above"),
+        Opcode::LeaseFree => {
+            let r: LeaseRef = from_body(&f.body)?;
+            shared
+                .table()
+                .check_owner(&r.lease, owner_filter(shared, &who))?;
+            lease_free(shared, &r.lease).await
+        }
         Opcode::GetInventory => inventory(shared).await,
-        Opcode::LeaseAlloc => lease_alloc(shared, from_body(&f.body)?).await,
+        Opcode::LeaseAlloc => lease_alloc(shared, &who, from_body(&f.body)?).await,
         Opcode::LeaseRenew => {
             let r: LeaseRenew = from_body(&f.body)?;
             if r.ttl_secs == 0 {
                 return Err(Reply::err(Status::BadRequest, "ttl must be at least 1 s"));
             }
-            let g =
-                shared
-                    .table()
-                    .renew(&r.lease, Duration::from_secs(u64::from(r.ttl_secs)), now)?;
+            let g = {
+                let mut t = shared.table();
+                t.check_owner(&r.lease, Some(&who))?;
+                t.renew(&r.lease, Duration::from_secs(u64::from(r.ttl_secs)), now)?
+            };
             Ok(Reply::ok(&LeaseGrant {
                 lease: r.lease,
                 generation: g.generation,
@@ -719,17 +832,27 @@ async fn dispatch_inner(
         }
         Opcode::LeaseQuery => {
             let r: LeaseRef = from_body(&f.body)?;
-            Ok(Reply::ok(&shared.table().status(&r.lease, now)?))
+            let t = shared.table();
+            t.check_owner(&r.lease, Some(&who))?;
+            Ok(Reply::ok(&t.status(&r.lease, now)?))
         }
         Opcode::MemAlloc => {
             let m: MemAlloc = from_body(&f.body)?;
-            single(shared, m.lease, BatchOp::MemAlloc { size: m.size }, &[]).await
+            single(
+                shared,
+                &who,
+                m.lease,
+                BatchOp::MemAlloc { size: m.size },
+                &[],
+            )
+            .await
         }
         Opcode::MemWrite => {
             let m: MemWrite = from_body(&f.body)?;
             let len = f.data.len() as u32;
             single(
                 shared,
+                &who,
                 m.lease,
                 BatchOp::MemWrite {
                     target: HandleRef::Id(m.handle),
@@ -747,12 +870,13 @@ async fn dispatch_inner(
                 offset: m.offset,
                 len: m.len,
             };
-            single(shared, m.lease, op, &[]).await
+            single(shared, &who, m.lease, op, &[]).await
         }
         Opcode::MemFree => {
             let m: HandleOp = from_body(&f.body)?;
             single(
                 shared,
+                &who,
                 m.lease,
                 BatchOp::MemFree {
                     target: HandleRef::Id(m.handle),
@@ -765,6 +889,7 @@ async fn dispatch_inner(
             let m: LeaseRef = from_body(&f.body)?;
             single(
                 shared,
+                &who,
                 m.lease,
                 BatchOp::ModuleLoad {
                     len: f.data.len() as u32,
@@ -775,16 +900,16 @@ async fn dispatch_inner(
         }
         Opcode::Launch => {
             let m: proto::Launch = from_body(&f.body)?;
-            single(shared, m.lease, BatchOp::Launch(m.spec), &[]).await
+            single(shared, &who, m.lease, BatchOp::Launch(m.spec), &[]).await
         }
         Opcode::Sync => {
             let m: LeaseRef = from_body(&f.body)?;
-            single(shared, m.lease, BatchOp::Sync, &[]).await
+            single(shared, &who, m.lease, BatchOp::Sync, &[]).await
         }
         Opcode::Batch => {
             let b: Batch = from_body(&f.body)?;
             b.validate(f.data.len())?;
-            let (reply, data) = run_batch(shared, &b.lease, &b.ops, &f.data).await?;
+            let (reply, data) = run_batch(shared, &who, &b.lease, &b.ops, &f.data).await?;
             Ok(Reply {
                 status: Status::Ok,
                 body: to_body(&reply),
@@ -802,6 +927,7 @@ fn ms(d: Duration) -> u64 {
 /// A single session op: a one-op batch whose failure becomes the reply status.
 async fn single(
     shared: &Arc<Shared>,
+    who: &Principal,
     lease: LeaseId,
     op: BatchOp,
     data: &[u8],
@@ -811,7 +937,7 @@ async fn single(
         ops: vec![op],
     };
     batch.validate(data.len())?;
-    let (reply, out) = run_batch(shared, &lease, &batch.ops, data).await?;
+    let (reply, out) = run_batch(shared, who, &lease, &batch.ops, data).await?;
     if let Some(e) = reply.error {
         return Err(Reply::err(e.status, e.message));
     }
@@ -851,7 +977,11 @@ async fn inventory(shared: &Arc<Shared>) -> Result<Reply, Reply> {
     }))
 }
 
-async fn lease_alloc(shared: &Arc<Shared>, req: LeaseAlloc) -> Result<Reply, Reply> {
+async fn lease_alloc(
+    shared: &Arc<Shared>,
+    who: &Principal,
+    req: LeaseAlloc,
+) -> Result<Reply, Reply> {
     if req.ttl_secs == 0 {
         return Err(Reply::err(Status::BadRequest, "ttl must be at least 1 s"));
     }
@@ -868,13 +998,19 @@ async fn lease_alloc(shared: &Arc<Shared>, req: LeaseAlloc) -> Result<Reply, Rep
     });
     let now = shared.now();
     let ttl = Duration::from_secs(u64::from(req.ttl_secs));
-    let granted = shared
-        .table()
-        .grant(id, req.min_vram, ttl, now, Some(free), slot.clone());
+    let granted = shared.table().grant(
+        id,
+        req.min_vram,
+        ttl,
+        now,
+        Some(free),
+        Some(who.clone()),
+        slot.clone(),
+    );
     match granted {
         Ok(g) => {
             Metrics::inc(&shared.metrics.lease_acquired);
-            info!(lease = %id, reserved = g.reserved, ttl = ?ttl, "lease granted");
+            info!(lease = %id, principal = %who, reserved = g.reserved, ttl = ?ttl, "lease granted");
             Ok(Reply::ok(&LeaseGrant {
                 lease: id,
                 generation: g.generation,
@@ -1138,11 +1274,12 @@ fn worker_lost(shared: &Shared, lease: &LeaseId, e: &WorkerError) -> Reply {
 
 async fn run_batch(
     shared: &Arc<Shared>,
+    who: &Principal,
     lease: &LeaseId,
     ops: &[BatchOp],
     data: &[u8],
 ) -> Result<(BatchReply, Vec<u8>), Reply> {
-    let slot = shared.table().get(lease, shared.now())?;
+    let slot = lease_of(shared, who, lease)?;
     let _exec = slot.exec.lock().await;
     // Re-check: the lease may have died while we waited.
     shared.table().get(lease, shared.now())?;

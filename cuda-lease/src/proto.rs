@@ -450,12 +450,29 @@ where
     R: tokio::io::AsyncRead + Unpin + ?Sized,
 {
     use tokio::io::AsyncReadExt;
-    let mut hb = [0u8; HEADER_LEN];
-    r.read_exact(&mut hb).await?;
-    let header = Header::decode(&hb, limits).map_err(invalid_data)?;
+    let header = read_header(r, limits).await?;
     let mut body = vec![0u8; header.body_len as usize];
     r.read_exact(&mut body).await?;
     Ok((header, body))
+}
+
+/// Reads a frame's fixed header alone, checked against `limits`.
+///
+/// # Errors
+///
+/// As [`read_frame`].
+///
+/// # Cancel safety
+///
+/// Not cancel safe: a dropped read loses the bytes read so far.
+pub async fn read_header<R>(r: &mut R, limits: &Limits) -> std::io::Result<Header>
+where
+    R: tokio::io::AsyncRead + Unpin + ?Sized,
+{
+    use tokio::io::AsyncReadExt;
+    let mut hb = [0u8; HEADER_LEN];
+    r.read_exact(&mut hb).await?;
+    Header::decode(&hb, limits).map_err(invalid_data)
 }
 
 /// Writes one frame to an async stream without joining its parts.

@@ -19,7 +19,9 @@ fn table() -> (LeaseTable<u32>, ManualClock) {
 fn grant_renew_generation_and_expiry() {
     let (mut t, clock) = table();
     let id = LeaseId::random();
-    let g = t.grant(id, 100, 10 * S, clock.now(), None, 7).unwrap();
+    let g = t
+        .grant(id, 100, 10 * S, clock.now(), None, None, 7)
+        .unwrap();
     assert_eq!((g.generation, g.reserved, g.deadline), (1, 100, 10 * S));
     clock.advance(5 * S);
     let g = t.renew(&id, 10 * S, clock.now()).unwrap();
@@ -53,7 +55,15 @@ fn grant_renew_generation_and_expiry() {
 fn ttl_is_capped() {
     let mut t: LeaseTable<()> = LeaseTable::new(10, Duration::from_secs(60));
     let g = t
-        .grant(LeaseId::random(), 1, 1000 * S, Duration::ZERO, None, ())
+        .grant(
+            LeaseId::random(),
+            1,
+            1000 * S,
+            Duration::ZERO,
+            None,
+            None,
+            (),
+        )
         .unwrap();
     assert_eq!(g.deadline, 60 * S);
 }
@@ -62,9 +72,9 @@ fn ttl_is_capped() {
 fn capacity_of_table_and_lease() {
     let (mut t, clock) = table();
     let a = LeaseId::random();
-    t.grant(a, 600, 10 * S, clock.now(), None, 1).unwrap();
+    t.grant(a, 600, 10 * S, clock.now(), None, None, 1).unwrap();
     let err = t
-        .grant(LeaseId::random(), 500, 10 * S, clock.now(), None, 2)
+        .grant(LeaseId::random(), 500, 10 * S, clock.now(), None, None, 2)
         .unwrap_err();
     assert_eq!(err.status, Status::CapacityExceeded);
     assert_eq!(t.reservable(), 400);
@@ -77,7 +87,7 @@ fn capacity_of_table_and_lease() {
     t.charge(&a, 100, clock.now()).unwrap();
     assert_eq!(t.allocated_total(), 600);
     assert_eq!(
-        t.grant(LeaseId::random(), 0, S, clock.now(), None, 3)
+        t.grant(LeaseId::random(), 0, S, clock.now(), None, None, 3)
             .unwrap_err()
             .status,
         Status::BadRequest
@@ -88,14 +98,31 @@ fn capacity_of_table_and_lease() {
 fn reservations_never_exceed_device_free_memory() {
     let (mut t, clock) = table();
     let a = LeaseId::random();
-    t.grant(a, 300, 10 * S, clock.now(), Some(900), 1).unwrap();
+    t.grant(a, 300, 10 * S, clock.now(), Some(900), None, 1)
+        .unwrap();
     // The device has 500 free, of which 300 are promised to A (unallocated).
     let err = t
-        .grant(LeaseId::random(), 300, 10 * S, clock.now(), Some(500), 2)
+        .grant(
+            LeaseId::random(),
+            300,
+            10 * S,
+            clock.now(),
+            Some(500),
+            None,
+            2,
+        )
         .unwrap_err();
     assert_eq!(err.status, Status::CapacityExceeded);
-    t.grant(LeaseId::random(), 200, 10 * S, clock.now(), Some(500), 3)
-        .unwrap();
+    t.grant(
+        LeaseId::random(),
+        200,
+        10 * S,
+        clock.now(),
+        Some(500),
+        None,
+        3,
+    )
+    .unwrap();
     // Once A allocates, its memory is no longer free on the device nor outstanding.
     t.charge(&a, 300, clock.now()).unwrap();
     assert_eq!(t.outstanding(), 200);
@@ -106,8 +133,8 @@ fn poison_remove_and_tombstones() {
     let (mut t, clock) = table();
     let a = LeaseId::random();
     let b = LeaseId::random();
-    t.grant(a, 100, 10 * S, clock.now(), None, 1).unwrap();
-    t.grant(b, 100, 10 * S, clock.now(), None, 2).unwrap();
+    t.grant(a, 100, 10 * S, clock.now(), None, None, 1).unwrap();
+    t.grant(b, 100, 10 * S, clock.now(), None, None, 2).unwrap();
     assert_eq!(t.poison(&a, "illegal address", clock.now()), Some(1));
     assert_eq!(t.reserved_total(), 100);
     let err = t.get(&a, clock.now()).unwrap_err();

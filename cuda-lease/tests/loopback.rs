@@ -505,7 +505,7 @@ async fn attacker_conn(node: &Node) -> (quinn::SendStream, quinn::RecvStream) {
 }
 
 #[tokio::test]
-async fn unauthenticated_requests_are_refused_but_free_is_allowed() {
+async fn unauthenticated_connections_can_do_nothing_but_hello() {
     let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
     let client = connect(&node).await;
     let lease = Lease::builder()
@@ -530,8 +530,8 @@ async fn unauthenticated_requests_are_refused_but_free_is_allowed() {
     proto::write_frame(&mut send, &h, &body, &[]).await.unwrap();
     send.finish().unwrap();
     let f = proto::read_frame(&mut recv, &limits).await.unwrap();
-    assert_eq!(f.header.status, Status::Ok);
-    assert_eq!(client.inventory().await.unwrap().active_leases, 0);
+    assert_eq!(f.header.status, Status::Unauthorized);
+    assert_eq!(client.inventory().await.unwrap().active_leases, 1);
     node.shutdown().await;
 }
 
@@ -752,5 +752,194 @@ async fn a_transfer_cut_off_midway_frees_what_it_held_and_the_lease_stays_usable
     assert_eq!(lease.query().await.unwrap().state, LeaseState::Active);
     drop(buf);
     lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+/// VmRSS of this process (the node runs in it), in bytes.
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or(0)
+        * 1024
+}
+
+#[tokio::test]
+async fn unauthenticated_payloads_are_never_read_or_allocated() {
+    // Attack 1 of the hardening issue: 8 streams of a connection that never
+    // authenticated, each declaring a 512 MiB payload and sending 64 MiB.
+    // Before: the node allocated and read all of it (RSS +524 MB). Now it
+    // refuses on the header and reads nothing declared.
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let before = rss_bytes();
+    let chunk = vec![0x41u8; 1 << 20];
+    let mut tasks = Vec::new();
+    for i in 0..8u64 {
+        let (mut send, mut recv) = attacker_conn(&node).await;
+        let chunk = chunk.clone();
+        tasks.push(tokio::spawn(async move {
+            let op = if i % 2 == 0 {
+                Opcode::Batch
+            } else {
+                Opcode::Hello
+            };
+            let h = Header::request(op, i, 16, 512 << 20);
+            let mut sent = 0usize;
+            let write = async {
+                proto::write_frame(&mut send, &h, &[0u8; 16], &[]).await?;
+                while sent < 64 << 20 {
+                    tokio::io::AsyncWriteExt::write_all(&mut send, &chunk).await?;
+                    sent += chunk.len();
+                }
+                Ok::<(), std::io::Error>(())
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(10), write).await;
+            let reply = tokio::time::timeout(
+                Duration::from_secs(10),
+                proto::read_frame(&mut recv, &proto::Limits::default()),
+            )
+            .await;
+            (
+                sent,
+                reply.ok().and_then(|r| r.ok()).map(|f| f.header.status),
+            )
+        }));
+    }
+    for t in tasks {
+        let (sent, status) = t.await.unwrap();
+        assert_eq!(status, Some(Status::Unauthorized), "sent {sent} bytes");
+        assert!(sent < 64 << 20, "the node read a whole refused payload");
+    }
+    let grown = rss_bytes().saturating_sub(before);
+    eprintln!("RSS grew by {} KiB", grown / 1024);
+    assert!(grown < 48 << 20, "RSS grew by {grown} bytes");
+    // The node still serves a well-behaved client.
+    let client = connect(&node).await;
+    assert_eq!(client.inventory().await.unwrap().active_leases, 0);
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_principal_cannot_see_use_renew_or_free_another_principals_lease() {
+    // Attack 2: token B read, overwrote and renewed A's lease given its id,
+    // and a connection with no token freed it.
+    let mut cfg = memory_config(1 << 20);
+    cfg.tokens.clear();
+    cfg.named_tokens = vec![
+        ("alice".into(), "secret-a".into()),
+        ("bob".into(), "secret-b".into()),
+        ("ops".into(), "secret-ops".into()),
+    ];
+    cfg.admins = vec!["ops".into()];
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let as_ = |token: &str| ClientConfig::pinned(node.cert_der().clone()).token(token.to_string());
+    let alice = Arc::new(
+        Client::connect(node.addr(), &as_("secret-a"))
+            .await
+            .unwrap(),
+    );
+    let bob = Arc::new(
+        Client::connect(node.addr(), &as_("secret-b"))
+            .await
+            .unwrap(),
+    );
+    let lease = Lease::builder()
+        .min_vram(4096)
+        .auto_renew(false)
+        .on(alice.clone())
+        .await
+        .unwrap();
+    let s = lease.session();
+    let buf = s.alloc(64).await.unwrap();
+    s.write(&buf, 0, b"SECRET-OF-TENANT-A").await.unwrap();
+    let id = lease.id();
+    let handle = buf.handle();
+    let unknown = |r: Result<(Vec<u8>, Vec<u8>), Error>| match r {
+        Err(Error::NotFound(m)) => assert!(m.contains("no lease"), "{m}"),
+        other => panic!("expected NOT_FOUND as for an unknown lease, got {other:?}"),
+    };
+    unknown(
+        bob.request(
+            Opcode::MemRead,
+            &proto::to_body(&proto::MemRead {
+                lease: id,
+                handle,
+                offset: 0,
+                len: 18,
+            }),
+            &[],
+        )
+        .await,
+    );
+    unknown(
+        bob.request(
+            Opcode::MemWrite,
+            &proto::to_body(&proto::MemWrite {
+                lease: id,
+                handle,
+                offset: 0,
+            }),
+            b"pwned",
+        )
+        .await,
+    );
+    unknown(
+        bob.request(
+            Opcode::LeaseRenew,
+            &proto::to_body(&proto::LeaseRenew {
+                lease: id,
+                ttl_secs: 3600,
+            }),
+            &[],
+        )
+        .await,
+    );
+    unknown(
+        bob.request(
+            Opcode::LeaseQuery,
+            &proto::to_body(&proto::LeaseRef { lease: id }),
+            &[],
+        )
+        .await,
+    );
+    unknown(
+        bob.request(
+            Opcode::LeaseFree,
+            &proto::to_body(&proto::LeaseRef { lease: id }),
+            &[],
+        )
+        .await,
+    );
+    let read = proto::BatchOp::MemRead {
+        source: HandleRef::Id(handle),
+        offset: 0,
+        len: 18,
+    };
+    unknown(
+        bob.request(
+            Opcode::Batch,
+            &proto::to_body(&proto::Batch {
+                lease: id,
+                ops: vec![read],
+            }),
+            &[],
+        )
+        .await,
+    );
+    // Alice's data is untouched and her lease alive.
+    assert_eq!(s.read(&buf, 0, 18).await.unwrap(), b"SECRET-OF-TENANT-A");
+    assert_eq!(lease.query().await.unwrap().state, LeaseState::Active);
+    // An operator may free it.
+    let ops = Arc::new(
+        Client::connect(node.addr(), &as_("secret-ops"))
+            .await
+            .unwrap(),
+    );
+    ops.free_lease(id).await.unwrap();
+    assert!(s.read(&buf, 0, 18).await.is_err());
+    drop(buf);
+    lease.leak();
     node.shutdown().await;
 }

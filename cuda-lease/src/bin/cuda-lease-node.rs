@@ -37,12 +37,16 @@ struct Args {
     /// PEM CA certificates for mutual TLS clients.
     #[arg(long)]
     client_ca: Option<PathBuf>,
-    /// File with one bearer token per line.
+    /// File with one bearer token per line: `SECRET`, or `NAME SECRET` to
+    /// name its principal (what logs show and leases belong to).
     #[arg(long)]
     token_file: Option<PathBuf>,
     /// Comma-separated bearer tokens (prefer the environment variable or a file).
     #[arg(long, env = "CUDA_LEASE_TOKENS", hide_env_values = true)]
     tokens: Option<String>,
+    /// A principal that may free any lease (repeat for several).
+    #[arg(long)]
+    admin: Vec<String>,
     /// Accept clients without credentials (development only).
     #[arg(long)]
     allow_anonymous: bool,
@@ -120,13 +124,20 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(f) = args.token_file {
         let text = std::fs::read_to_string(&f).map_err(|e| format!("{}: {e}", f.display()))?;
-        cfg.tokens.extend(
-            text.lines()
-                .map(str::trim)
-                .filter(|t| !t.is_empty() && !t.starts_with('#'))
-                .map(String::from),
-        );
+        // `SECRET` (a principal named token-N) or `NAME SECRET`.
+        for line in text.lines().map(str::trim) {
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            match line.split_once(char::is_whitespace) {
+                Some((name, secret)) => cfg
+                    .named_tokens
+                    .push((name.to_string(), secret.trim().to_string())),
+                None => cfg.tokens.push(line.to_string()),
+            }
+        }
     }
+    cfg.admins.extend(args.admin);
     cfg.tls = match (args.cert, args.key, args.dev) {
         (Some(cert), Some(key), _) => TlsSource::Files { cert, key },
         (_, _, true) => {

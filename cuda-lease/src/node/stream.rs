@@ -14,7 +14,9 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
-use super::{fail_lease, worker_lost, HandleKind, Reply, Shared, Slot as LeaseRef};
+use super::{
+    fail_lease, lease_of, principal, worker_lost, HandleKind, Peer, Reply, Shared, Slot as LeaseRef,
+};
 use crate::hops::{self, HopTimer};
 use crate::proto::{self, from_body, Handle, Header, LeaseId, MemRead, MemWrite, Opcode, Status};
 use crate::shm::{Slot, SLOTS, SLOT_BYTES};
@@ -24,7 +26,7 @@ use crate::worker::ChunkOp;
 /// `recv` holds the data that follows (MEM_WRITE).
 pub(super) async fn serve(
     shared: &Arc<Shared>,
-    authed: &AtomicBool,
+    peer: &Peer,
     header: Header,
     body: Vec<u8>,
     mut send: quinn::SendStream,
@@ -36,7 +38,7 @@ pub(super) async fn serve(
         t.set_op(header.opcode, u64::from(header.data_len));
     }
     let done = if header.opcode == Opcode::MemWrite {
-        let reply = match write(shared, authed, &header, &body, &mut recv).await {
+        let reply = match write(shared, peer, &header, &body, &mut recv).await {
             Ok(r) | Err(r) => r,
         };
         hops::mark(&mut hop, "dispatch");
@@ -51,7 +53,7 @@ pub(super) async fn serve(
                 let len = from_body::<MemRead>(&body).map(|m| m.len).unwrap_or(0);
                 t.set_op(header.opcode, u64::from(len));
             }
-            read(shared, authed, &header, &body, &mut send).await
+            read(shared, peer, &header, &body, &mut send).await
         }
     };
     if done {
@@ -79,19 +81,13 @@ async fn send_reply(send: &mut quinn::SendStream, req: &Header, reply: &Reply) -
 /// `offset + len` lies inside the memory.
 fn check(
     shared: &Shared,
-    authed: &AtomicBool,
+    peer: &Peer,
     lease: &LeaseId,
     handle: Handle,
     offset: u64,
     len: u64,
 ) -> Result<LeaseRef, Reply> {
-    if !authed.load(Ordering::SeqCst) {
-        return Err(Reply::err(
-            Status::Unauthorized,
-            "send HELLO with a valid token first",
-        ));
-    }
-    let slot = shared.table().get(lease, shared.now())?;
+    let slot = lease_of(shared, principal(peer)?, lease)?;
     let size = match slot
         .handles
         .lock()
@@ -141,7 +137,7 @@ async fn chunk(
 
 async fn write(
     shared: &Arc<Shared>,
-    authed: &AtomicBool,
+    peer: &Peer,
     header: &Header,
     body: &[u8],
     recv: &mut quinn::RecvStream,
@@ -149,7 +145,7 @@ async fn write(
     let len = u64::from(header.data_len);
     let checked = from_body::<MemWrite>(body)
         .map_err(Reply::from)
-        .and_then(|m| check(shared, authed, &m.lease, m.handle, m.offset, len).map(|s| (m, s)));
+        .and_then(|m| check(shared, peer, &m.lease, m.handle, m.offset, len).map(|s| (m, s)));
     let (m, slot) = match checked {
         Ok(x) => x,
         Err(r) => {
@@ -212,7 +208,7 @@ async fn write(
 /// Streams a MEM_READ; returns whether the reply went out whole.
 async fn read(
     shared: &Arc<Shared>,
-    authed: &AtomicBool,
+    peer: &Peer,
     header: &Header,
     body: &[u8],
     send: &mut quinn::SendStream,
@@ -229,15 +225,7 @@ async fn read(
                     ),
                 ));
             }
-            check(
-                shared,
-                authed,
-                &m.lease,
-                m.handle,
-                m.offset,
-                u64::from(m.len),
-            )
-            .map(|s| (m, s))
+            check(shared, peer, &m.lease, m.handle, m.offset, u64::from(m.len)).map(|s| (m, s))
         });
     let (m, slot) = match checked {
         Ok(x) => x,
