@@ -809,8 +809,9 @@ pub enum HandleRef {
 /// One kernel argument.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum KernelArg {
-    /// Bytes passed by value (an `int`, a `float`, a small struct).
-    Scalar(Vec<u8>),
+    /// Bytes passed by value (an `int`, a `float`, a small struct; at most
+    /// [`MAX_SCALAR_ARG`], refused on the length prefix).
+    Scalar(#[serde(deserialize_with = "bounded::scalar")] Vec<u8>),
     /// The device address of lease memory plus a byte offset.
     Mem {
         /// The memory.
@@ -859,7 +860,9 @@ pub struct LaunchSpec {
     pub block: [u32; 3],
     /// Dynamic shared memory bytes.
     pub shared_mem: u32,
-    /// Arguments in order.
+    /// Arguments in order (at most [`MAX_KERNEL_ARGS`], refused on the
+    /// length prefix).
+    #[serde(deserialize_with = "bounded::kernel_args")]
     pub args: Vec<KernelArg>,
 }
 
@@ -963,7 +966,9 @@ pub enum BatchOp {
 pub struct Batch {
     /// The lease.
     pub lease: LeaseId,
-    /// Operations.
+    /// Operations (at most [`MAX_BATCH_OPS`]: a longer list is refused on
+    /// its length prefix, before any op is decoded).
+    #[serde(deserialize_with = "bounded::batch_ops")]
     pub ops: Vec<BatchOp>,
 }
 
@@ -1061,10 +1066,12 @@ pub struct GpuSubmit {
     /// Dynamic shared memory bytes.
     pub shared_mem: u32,
     /// Arguments; [`KernelArg::Input`] and [`KernelArg::Output`] name buffers.
+    #[serde(deserialize_with = "bounded::kernel_args")]
     pub args: Vec<KernelArg>,
     /// PTX length at the start of the data.
     pub ptx_len: u32,
     /// Input lengths, in order, after the PTX.
+    #[serde(deserialize_with = "bounded::input_lens")]
     pub input_lens: Vec<u32>,
     /// Output buffer size; the reply's data.
     pub output_size: u32,
@@ -1103,6 +1110,65 @@ impl GpuSubmit {
             ));
         }
         Ok(())
+    }
+}
+
+/// Deserializers that check a sequence's length prefix against its limit
+/// before decoding (or allocating for) any element: a 1 MiB body of
+/// one-byte entries cannot make the node decode a million of them.
+mod bounded {
+    use std::marker::PhantomData;
+
+    use serde::de::{Deserialize, Deserializer, Error, SeqAccess, Visitor};
+
+    use super::{BatchOp, KernelArg, MAX_BATCH_OPS, MAX_KERNEL_ARGS, MAX_SCALAR_ARG};
+
+    struct Bounded<T>(usize, PhantomData<T>);
+
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for Bounded<T> {
+        type Value = Vec<T>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "a sequence of at most {} elements", self.0)
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            let hint = seq.size_hint().unwrap_or(0);
+            if hint > self.0 {
+                return Err(A::Error::invalid_length(hint, &self));
+            }
+            let mut v = Vec::with_capacity(hint);
+            while let Some(x) = seq.next_element()? {
+                if v.len() == self.0 {
+                    return Err(A::Error::invalid_length(self.0 + 1, &self));
+                }
+                v.push(x);
+            }
+            Ok(v)
+        }
+    }
+
+    fn at_most<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+        d: D,
+        max: usize,
+    ) -> Result<Vec<T>, D::Error> {
+        d.deserialize_seq(Bounded(max, PhantomData))
+    }
+
+    pub(super) fn batch_ops<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<BatchOp>, D::Error> {
+        at_most(d, MAX_BATCH_OPS)
+    }
+
+    pub(super) fn kernel_args<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<KernelArg>, D::Error> {
+        at_most(d, MAX_KERNEL_ARGS)
+    }
+
+    pub(super) fn input_lens<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
+        at_most(d, MAX_KERNEL_ARGS)
+    }
+
+    pub(super) fn scalar<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        at_most(d, MAX_SCALAR_ARG)
     }
 }
 

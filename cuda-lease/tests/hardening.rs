@@ -1,0 +1,203 @@
+//! Attacks on the node from the hardening issue, one test each, against a
+//! real node on loopback with the in-memory device. Memory is the node's
+//! (it runs in this process): peak VmRSS sampled every millisecond while
+//! the attack runs. The tests take turns so that one's allocations do not
+//! show in another's figure.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use cuda_lease::client::{Error, Lease};
+use cuda_lease::node::Node;
+use cuda_lease::proto::{self, Header, Opcode, Status};
+
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// VmRSS of this process, in bytes (0 where /proc is missing).
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or(0)
+        * 1024
+}
+
+/// Samples VmRSS every millisecond on a thread; `stop` gives the peak
+/// growth over the value at `start`.
+struct PeakRss {
+    base: u64,
+    peak: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl PeakRss {
+    fn start() -> Self {
+        let base = rss_bytes();
+        let peak = Arc::new(AtomicU64::new(base));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (p, s) = (peak.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                p.fetch_max(rss_bytes(), Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        PeakRss {
+            base,
+            peak,
+            stop,
+            thread,
+        }
+    }
+
+    fn stop(self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = self.thread.join();
+        self.peak
+            .load(Ordering::Relaxed)
+            .max(rss_bytes())
+            .saturating_sub(self.base)
+    }
+}
+
+async fn attacker_conn(node: &Node) -> (quinn::SendStream, quinn::RecvStream) {
+    // A raw QUIC connection that never authenticates.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(node.cert_der().clone()).unwrap();
+    let mut tls = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![proto::ALPN.to_vec()];
+    let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(qc)));
+    let conn = ep.connect(node.addr(), "localhost").unwrap().await.unwrap();
+    let s = conn.open_bi().await.unwrap();
+    std::mem::forget(ep);
+    std::mem::forget(conn);
+    s
+}
+
+#[tokio::test]
+async fn unauthenticated_payloads_are_never_read_or_allocated() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // Attack 1 of the hardening issue: 8 streams of a connection that never
+    // authenticated, each declaring a 512 MiB payload and sending 64 MiB.
+    // Before: the node allocated and read all of it (RSS +524 MB). Now it
+    // refuses on the header and reads nothing declared.
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let peak = PeakRss::start();
+    let chunk = vec![0x41u8; 1 << 20];
+    let mut tasks = Vec::new();
+    for i in 0..8u64 {
+        let (mut send, mut recv) = attacker_conn(&node).await;
+        let chunk = chunk.clone();
+        tasks.push(tokio::spawn(async move {
+            let op = if i % 2 == 0 {
+                Opcode::Batch
+            } else {
+                Opcode::Hello
+            };
+            let h = Header::request(op, i, 16, 512 << 20);
+            let mut sent = 0usize;
+            let write = async {
+                proto::write_frame(&mut send, &h, &[0u8; 16], &[]).await?;
+                while sent < 64 << 20 {
+                    tokio::io::AsyncWriteExt::write_all(&mut send, &chunk).await?;
+                    sent += chunk.len();
+                }
+                Ok::<(), std::io::Error>(())
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(10), write).await;
+            let reply = tokio::time::timeout(
+                Duration::from_secs(10),
+                proto::read_frame(&mut recv, &proto::Limits::default()),
+            )
+            .await;
+            (
+                sent,
+                reply.ok().and_then(|r| r.ok()).map(|f| f.header.status),
+            )
+        }));
+    }
+    for t in tasks {
+        let (sent, status) = t.await.unwrap();
+        assert_eq!(status, Some(Status::Unauthorized), "sent {sent} bytes");
+        assert!(sent < 64 << 20, "the node read a whole refused payload");
+    }
+    let grown = peak.stop();
+    eprintln!("RSS peak growth {} KiB", grown / 1024);
+    assert!(grown < 48 << 20, "RSS grew by {grown} bytes");
+    // The node still serves a well-behaved client.
+    let client = connect(&node).await;
+    assert_eq!(client.inventory().await.unwrap().active_leases, 0);
+    node.shutdown().await;
+}
+
+/// A BATCH body of `n` one-byte ops (`Sync`, variant 6) for `lease`.
+fn huge_batch_body(lease: proto::LeaseId, n: u32) -> Vec<u8> {
+    let mut body = proto::to_body(&proto::Batch { lease, ops: vec![] });
+    body.pop(); // the empty list's length prefix
+    let mut len = n;
+    loop {
+        let b = (len & 0x7f) as u8;
+        len >>= 7;
+        if len == 0 {
+            body.push(b);
+            break;
+        }
+        body.push(b | 0x80);
+    }
+    body.extend(std::iter::repeat_n(6u8, n as usize));
+    body
+}
+
+#[tokio::test]
+async fn batches_are_refused_on_their_op_count_before_decoding() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // Attack 3: a BATCH of 1,000,000 one-byte ops was decoded in full (96
+    // bytes each, 104 MB) before the 4,096-op limit refused it.
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(4096)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let body = Arc::new(huge_batch_body(lease.id(), 1_000_000));
+    assert!(body.len() < 1 << 20, "fits the node's body limit");
+    let decoded = proto::from_body::<proto::Batch>(&body);
+    assert!(decoded.is_err(), "a million ops must not decode");
+    let peak = PeakRss::start();
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (client, body) = (client.clone(), body.clone());
+        // (the body is shared: what grows is the node's memory and quinn's)
+        tasks.push(tokio::spawn(async move {
+            client.request(Opcode::Batch, &body, &[]).await
+        }));
+    }
+    for t in tasks {
+        match t.await.unwrap() {
+            Err(Error::BadRequest(_)) => {}
+            other => panic!("expected BAD_REQUEST, got {other:?}"),
+        }
+    }
+    let grown = peak.stop();
+    eprintln!("RSS peak growth {} KiB", grown / 1024);
+    assert!(grown < 64 << 20, "RSS grew by {grown} bytes");
+    // 4096 ops still decode and run.
+    let ok = huge_batch_body(lease.id(), 4096);
+    client.request(Opcode::Batch, &ok, &[]).await.unwrap();
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
