@@ -235,6 +235,14 @@ impl<W: Clone> LeaseTable<W> {
         }
     }
 
+    /// Live leases owned by `who`.
+    pub fn owned_count(&self, who: &str) -> usize {
+        self.live
+            .values()
+            .filter(|e| e.owner.as_deref() == Some(who))
+            .count()
+    }
+
     /// The payload of a usable lease.
     ///
     /// # Errors

@@ -72,6 +72,10 @@ pub struct NodeConfig {
     /// Principals that may free any lease (operators); everyone else may
     /// free and use only the leases they made.
     pub admins: Vec<String>,
+    /// Most live leases (and so lease worker processes) on the node.
+    pub max_leases: usize,
+    /// Most live leases one principal may hold.
+    pub max_leases_per_principal: usize,
     /// Accept clients without credentials (development only).
     pub allow_anonymous: bool,
     /// TLS certificate.
@@ -117,6 +121,8 @@ impl NodeConfig {
             tokens: Vec::new(),
             named_tokens: Vec::new(),
             admins: Vec::new(),
+            max_leases: 256,
+            max_leases_per_principal: 16,
             allow_anonymous: false,
             tls: TlsSource::SelfSigned {
                 names: vec!["localhost".into(), "127.0.0.1".into()],
@@ -157,8 +163,20 @@ pub enum NodeError {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum HandleKind {
+    /// Memory of this many bytes.
     Mem(u64),
-    Module,
+    /// A module of this many bytes of PTX (charged to the lease like
+    /// memory: a loaded module costs device memory too).
+    Module(u64),
+}
+
+impl HandleKind {
+    /// The bytes charged to the lease for it.
+    fn bytes(self) -> u64 {
+        match self {
+            HandleKind::Mem(b) | HandleKind::Module(b) => b,
+        }
+    }
 }
 
 struct LeaseSlot {
@@ -977,6 +995,27 @@ async fn inventory(shared: &Arc<Shared>) -> Result<Reply, Reply> {
     }))
 }
 
+/// The node's and the principal's lease-count limits.
+fn lease_limits(shared: &Shared, t: &LeaseTable<Slot>, who: &Principal) -> Result<(), Reply> {
+    if t.len() >= shared.cfg.max_leases {
+        return Err(Reply::err(
+            Status::CapacityExceeded,
+            format!(
+                "the node holds its limit of {} leases",
+                shared.cfg.max_leases
+            ),
+        ));
+    }
+    let held = t.owned_count(who);
+    if held >= shared.cfg.max_leases_per_principal {
+        return Err(Reply::err(
+            Status::CapacityExceeded,
+            format!("principal {who} holds {held} leases, its limit (max_leases_per_principal)"),
+        ));
+    }
+    Ok(())
+}
+
 async fn lease_alloc(
     shared: &Arc<Shared>,
     who: &Principal,
@@ -985,7 +1024,11 @@ async fn lease_alloc(
     if req.ttl_secs == 0 {
         return Err(Reply::err(Status::BadRequest, "ttl must be at least 1 s"));
     }
-    shared.table().check_fits(req.min_vram)?;
+    {
+        let t = shared.table();
+        t.check_fits(req.min_vram)?;
+        lease_limits(shared, &t, who)?;
+    }
     let worker = take_worker(shared)
         .await
         .map_err(|e| Reply::err(Status::Internal, e.to_string()))?;
@@ -998,15 +1041,23 @@ async fn lease_alloc(
     });
     let now = shared.now();
     let ttl = Duration::from_secs(u64::from(req.ttl_secs));
-    let granted = shared.table().grant(
-        id,
-        req.min_vram,
-        ttl,
-        now,
-        Some(free),
-        Some(who.clone()),
-        slot.clone(),
-    );
+    let granted = {
+        // Checked again under the lock that grants: concurrent requests
+        // cannot pass the limits together.
+        let mut t = shared.table();
+        lease_limits(shared, &t, who).and_then(|()| {
+            t.grant(
+                id,
+                req.min_vram,
+                ttl,
+                now,
+                Some(free),
+                Some(who.clone()),
+                slot.clone(),
+            )
+            .map_err(Reply::from)
+        })
+    };
     match granted {
         Ok(g) => {
             Metrics::inc(&shared.metrics.lease_acquired);
@@ -1020,7 +1071,7 @@ async fn lease_alloc(
         }
         Err(e) => {
             slot.worker.kill();
-            Err(e.into())
+            Err(e)
         }
     }
 }
@@ -1066,7 +1117,7 @@ fn resolve(
     match found {
         Some((h, k)) if !freed.contains(&h) => match (want, k) {
             (None, _)
-            | (Some(HandleKind::Module), HandleKind::Module)
+            | (Some(HandleKind::Module(_)), HandleKind::Module(_))
             | (Some(HandleKind::Mem(_)), HandleKind::Mem(_)) => Ok((h, k)),
             _ => Err(fail(Status::BadRequest, "handle is of the wrong kind")),
         },
@@ -1081,7 +1132,7 @@ struct Plan {
     ops: Vec<WorkerOp>,
     results: Vec<OpResult>,
     /// Allocations charged to the lease, by op index.
-    charged: Vec<(usize, Handle, u64)>,
+    charged: Vec<(usize, Handle, HandleKind)>,
     data_used: usize,
     error: Option<OpError>,
 }
@@ -1123,7 +1174,7 @@ fn plan(
                     .charge(lease, *size, now)
                     .map_err(|e| fail(e.status, e.message))?;
                 let h = Handle::random();
-                p.charged.push((i, h, *size));
+                p.charged.push((i, h, HandleKind::Mem(*size)));
                 Ok((
                     WorkerOp::Alloc {
                         handle: h,
@@ -1179,7 +1230,14 @@ fn plan(
                 Ok((WorkerOp::Free { handle: h }, OpResult::Done, None))
             }
             BatchOp::ModuleLoad { len } => {
+                // Module bytes count against the reservation.
+                shared
+                    .table()
+                    .charge(lease, u64::from(*len), now)
+                    .map_err(|e| fail(e.status, e.message))?;
                 let h = Handle::random();
+                let kind = HandleKind::Module(u64::from(*len));
+                p.charged.push((i, h, kind));
                 p.data_used += *len as usize;
                 Ok((
                     WorkerOp::LoadModule {
@@ -1187,7 +1245,7 @@ fn plan(
                         len: *len,
                     },
                     OpResult::Handle(h),
-                    Some((h, HandleKind::Module)),
+                    Some((h, kind)),
                 ))
             }
             BatchOp::Launch(spec) => {
@@ -1196,7 +1254,7 @@ fn plan(
                     &made,
                     &freed,
                     &spec.module,
-                    Some(HandleKind::Module),
+                    Some(HandleKind::Module(0)),
                     i,
                 )?;
                 let mut args = Vec::with_capacity(spec.args.len());
@@ -1322,33 +1380,25 @@ async fn run_batch(
     // Commit what ran; return charges of allocations that did not.
     let mut table = shared.table();
     let mut handles = slot.handles.lock().unwrap_or_else(|e| e.into_inner());
-    for (i, h, size) in &p.charged {
+    for (i, h, kind) in &p.charged {
         if *i >= completed {
-            table.credit(lease, *size);
+            table.credit(lease, kind.bytes());
         } else {
-            handles.insert(*h, HandleKind::Mem(*size));
+            handles.insert(*h, *kind);
         }
     }
-    for (i, op) in ops.iter().enumerate().take(completed) {
-        match op {
-            BatchOp::ModuleLoad { .. } => {
-                if let Some(OpResult::Handle(h)) = p.results.get(i) {
-                    handles.insert(*h, HandleKind::Module);
-                }
+    for op in ops.iter().take(completed) {
+        if let BatchOp::MemFree { target } = op {
+            let h = match target {
+                HandleRef::Id(h) => Some(*h),
+                HandleRef::Op(n) => match p.results.get(*n as usize) {
+                    Some(OpResult::Handle(h)) => Some(*h),
+                    _ => None,
+                },
+            };
+            if let Some(kind) = h.and_then(|h| handles.remove(&h)) {
+                table.credit(lease, kind.bytes());
             }
-            BatchOp::MemFree { target } => {
-                let h = match target {
-                    HandleRef::Id(h) => Some(*h),
-                    HandleRef::Op(n) => match p.results.get(*n as usize) {
-                        Some(OpResult::Handle(h)) => Some(*h),
-                        _ => None,
-                    },
-                };
-                if let Some(HandleKind::Mem(size)) = h.and_then(|h| handles.remove(&h)) {
-                    table.credit(lease, size);
-                }
-            }
-            _ => {}
         }
     }
     p.results.truncate(completed);

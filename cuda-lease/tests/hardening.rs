@@ -201,3 +201,111 @@ async fn batches_are_refused_on_their_op_count_before_decoding() {
     lease.free().await.unwrap();
     node.shutdown().await;
 }
+
+#[tokio::test]
+async fn leases_per_principal_and_per_node_are_limited() {
+    // Attack 4: 100 one-byte leases were granted in 120 ms, each with its
+    // own worker process (3 -> 103 processes).
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(1 << 20);
+    cfg.max_leases_per_principal = 4;
+    cfg.max_leases = 6;
+    cfg.tokens = vec!["t1".into(), "t2".into()];
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let as_ = |t: &str| cuda_lease::ClientConfig::pinned(node.cert_der().clone()).token(t);
+    let a = Arc::new(
+        cuda_lease::Client::connect(node.addr(), &as_("t1"))
+            .await
+            .unwrap(),
+    );
+    let b = Arc::new(
+        cuda_lease::Client::connect(node.addr(), &as_("t2"))
+            .await
+            .unwrap(),
+    );
+    let lease =
+        |c: &Arc<cuda_lease::Client>| Lease::builder().min_vram(1).auto_renew(false).on(c.clone());
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for _ in 0..100 {
+        match lease(&a).await {
+            Ok(l) => held.push(l),
+            Err(Error::CapacityExceeded(m)) => {
+                assert!(m.contains("token-1") && m.contains("limit"), "{m}");
+                refused += 1;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!((held.len(), refused), (4, 96));
+    // The other principal gets the node's remaining two, then the node's limit.
+    held.push(lease(&b).await.unwrap());
+    held.push(lease(&b).await.unwrap());
+    match lease(&b).await {
+        Err(Error::CapacityExceeded(m)) => assert!(m.contains("node"), "{m}"),
+        other => panic!("expected the node's limit, got {other:?}"),
+    }
+    // Freeing one makes room again.
+    held.pop().unwrap().free().await.unwrap();
+    held.push(lease(&b).await.unwrap());
+    for l in held {
+        l.free().await.unwrap();
+    }
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn module_bytes_count_against_the_reservation() {
+    // Attack 5: 64 modules of 1 MiB loaded into a 1-byte lease, which still
+    // reported 0 bytes allocated.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let node = Node::spawn_local(memory_config(16 << 20)).await.unwrap();
+    let client = connect(&node).await;
+    let mut ptx = String::from(
+        ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry k()\n{\n ret;\n}\n",
+    );
+    while ptx.len() < 1 << 20 {
+        ptx.push_str("// padding padding padding padding padding padding padding\n");
+    }
+    let tiny = Lease::builder()
+        .min_vram(1)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    match tiny.session().load_module(&ptx).await {
+        Err(Error::CapacityExceeded(_)) => {}
+        other => panic!("a 1 MiB module fit a 1-byte lease: {other:?}"),
+    }
+    let lease = Lease::builder()
+        .min_vram(3 << 20)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let s = lease.session();
+    let m1 = s.load_module(&ptx).await.unwrap();
+    let m2 = s.load_module(&ptx).await.unwrap();
+    assert!(matches!(
+        s.load_module(&ptx).await,
+        Err(Error::CapacityExceeded(_))
+    ));
+    assert!(lease.query().await.unwrap().allocated >= 2 << 20);
+    // Unloading gives the bytes back.
+    drop(m1);
+    let freed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if lease.query().await.unwrap().allocated < 2 << 20 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(freed.is_ok(), "the module's bytes were not credited back");
+    let _m3 = s.load_module(&ptx).await.unwrap();
+    drop(m2);
+    tiny.free().await.unwrap();
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}

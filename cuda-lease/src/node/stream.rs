@@ -95,7 +95,7 @@ fn check(
         .get(&handle)
     {
         Some(HandleKind::Mem(size)) => *size,
-        Some(HandleKind::Module) => {
+        Some(HandleKind::Module(_)) => {
             return Err(Reply::err(
                 Status::BadRequest,
                 format!("{handle} is a module, not memory"),
