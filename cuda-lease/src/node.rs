@@ -76,6 +76,13 @@ pub struct NodeConfig {
     pub max_leases: usize,
     /// Most live leases one principal may hold.
     pub max_leases_per_principal: usize,
+    /// Most GPU_SUBMITs one principal may have in flight at once (more are
+    /// refused), so one tenant cannot occupy every submit worker.
+    pub max_submits_per_principal: usize,
+    /// Longest the node waits for a client to take a reply (or a chunk of
+    /// a streamed one); after that the reply is dropped and its stream
+    /// reset, so unread replies never hold the node's memory.
+    pub reply_timeout: Duration,
     /// Accept clients without credentials (development only).
     pub allow_anonymous: bool,
     /// TLS certificate.
@@ -123,6 +130,8 @@ impl NodeConfig {
             admins: Vec::new(),
             max_leases: 256,
             max_leases_per_principal: 16,
+            reply_timeout: Duration::from_secs(30),
+            max_submits_per_principal: 1,
             allow_anonymous: false,
             tls: TlsSource::SelfSigned {
                 names: vec!["localhost".into(), "127.0.0.1".into()],
@@ -205,7 +214,10 @@ struct Shared {
     submit_next: AtomicUsize,
     prestarted: tokio::sync::Mutex<Vec<WorkerProcess>>,
     refilling: AtomicBool,
-    probe: DeviceInfo,
+    /// The latest device figures (from the probe, then from idle workers).
+    device: StdMutex<DeviceInfo>,
+    /// GPU_SUBMITs in flight per principal.
+    submits: StdMutex<HashMap<Principal, usize>>,
     metrics: Metrics,
 }
 
@@ -368,7 +380,8 @@ impl Node {
             submit_next: AtomicUsize::new(0),
             prestarted: tokio::sync::Mutex::new(Vec::new()),
             refilling: AtomicBool::new(false),
-            probe: info,
+            device: StdMutex::new(info.clone()),
+            submits: StdMutex::default(),
             metrics: Metrics::default(),
             cfg,
         });
@@ -705,14 +718,21 @@ async fn serve_stream(
         reply.body.len() as u32,
         reply.data.len() as u32,
     );
-    if proto::write_frame(&mut send, &h, &reply.body, &reply.data)
-        .await
-        .is_ok()
-    {
-        let _ = send.finish();
-        hops::mark(&mut hop, "reply");
-        drop(hop);
-        let _ = send.stopped().await;
+    let sent = tokio::time::timeout(shared.cfg.reply_timeout, async {
+        if proto::write_frame(&mut send, &h, &reply.body, &reply.data)
+            .await
+            .is_ok()
+        {
+            let _ = send.finish();
+            hops::mark(&mut hop, "reply");
+            let _ = send.stopped().await;
+        }
+    })
+    .await;
+    if sent.is_err() {
+        // A reply nobody reads is the client's loss, not the node's memory.
+        debug!("reply not read within the reply timeout: dropped");
+        let _ = send.reset(0u32.into());
     }
 }
 
@@ -934,7 +954,10 @@ async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<
                 data,
             })
         }
-        Opcode::GpuSubmit => submit(shared, f).await,
+        Opcode::GpuSubmit => {
+            let _turn = SubmitTurn::take(shared, &who)?;
+            submit(shared, f).await
+        }
     }
 }
 
@@ -971,21 +994,27 @@ async fn single(
 }
 
 async fn inventory(shared: &Arc<Shared>) -> Result<Reply, Reply> {
-    let mut device = shared.probe.clone();
-    if !shared.submit.is_empty() {
-        let i = shared.submit_next.fetch_add(1, Ordering::Relaxed) % shared.submit.len();
-        let mut slot = shared.submit[i].lock().await;
+    // Fresh figures from an idle submit worker; never wait for a busy one
+    // (a tenant's slow GPU_SUBMIT must not delay anyone else's inventory):
+    // then the last figures seen are served.
+    let idle = shared.submit.iter().find_map(|m| m.try_lock().ok());
+    if let Some(mut slot) = idle {
         if let Ok(w) = ensure_worker(shared, &mut slot).await {
             if let Ok(f) = w
                 .call(Opcode::GetInventory, &[], &[], shared.cfg.op_timeout)
                 .await
             {
                 if let Ok(info) = from_body::<DeviceInfo>(&f.body) {
-                    device = info;
+                    *shared.device.lock().unwrap_or_else(|e| e.into_inner()) = info;
                 }
             }
         }
     }
+    let device = shared
+        .device
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
     let t = shared.table();
     Ok(Reply::ok(&Inventory {
         node: shared.cfg.name.clone(),
@@ -1424,6 +1453,49 @@ async fn ensure_worker<'a>(
     }
     slot.as_ref()
         .ok_or_else(|| WorkerError::Start("no worker".into()))
+}
+
+/// One of a principal's GPU_SUBMITs in flight; given back when dropped.
+struct SubmitTurn<'a> {
+    shared: &'a Shared,
+    who: Principal,
+}
+
+impl<'a> SubmitTurn<'a> {
+    fn take(shared: &'a Shared, who: &Principal) -> Result<Self, Reply> {
+        let mut m = shared.submits.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(who.clone()).or_insert(0);
+        if *n >= shared.cfg.max_submits_per_principal {
+            return Err(Reply::err(
+                Status::CapacityExceeded,
+                format!(
+                    "principal {who} has {n} GPU_SUBMIT(s) in flight, its limit \
+                     (max_submits_per_principal)"
+                ),
+            ));
+        }
+        *n += 1;
+        Ok(SubmitTurn {
+            shared,
+            who: who.clone(),
+        })
+    }
+}
+
+impl Drop for SubmitTurn<'_> {
+    fn drop(&mut self) {
+        let mut m = self
+            .shared
+            .submits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&self.who) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.who);
+            }
+        }
+    }
 }
 
 async fn submit(shared: &Arc<Shared>, f: &Frame) -> Result<Reply, Reply> {

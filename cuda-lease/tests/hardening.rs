@@ -309,3 +309,171 @@ async fn module_bytes_count_against_the_reservation() {
     lease.free().await.unwrap();
     node.shutdown().await;
 }
+
+#[tokio::test]
+async fn replies_nobody_reads_are_dropped_after_the_reply_timeout() {
+    // Attack 6: a GPU_SUBMIT with a 64 MiB output whose reply was never
+    // read held 262 MB of the node for 80 s, past the idle timeout.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(256 << 20);
+    cfg.reply_timeout = Duration::from_secs(1);
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let conn = raw_authed_conn(&node).await;
+    let before = rss_bytes();
+    let ptx = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry k()\n{\n ret;\n}\n";
+    let mut unread = Vec::new();
+    for i in 0..4u64 {
+        let req = proto::GpuSubmit {
+            kernel: "k".into(),
+            grid: [1, 1, 1],
+            block: [1, 1, 1],
+            shared_mem: 0,
+            args: vec![],
+            ptx_len: ptx.len() as u32,
+            input_lens: vec![],
+            output_size: 64 << 20,
+            output_fill: 0x55,
+        };
+        let body = proto::to_body(&req);
+        let (mut send, recv) = conn.open_bi().await.unwrap();
+        let h = Header::request(
+            Opcode::GpuSubmit,
+            10 + i,
+            body.len() as u32,
+            ptx.len() as u32,
+        );
+        proto::write_frame(&mut send, &h, &body, ptx.as_bytes())
+            .await
+            .unwrap();
+        send.finish().unwrap();
+        unread.push(recv); // never read
+    }
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    let held = rss_bytes().saturating_sub(before);
+    eprintln!(
+        "RSS 3 s after 4 unread 64 MiB replies: +{} KiB",
+        held / 1024
+    );
+    assert!(held < 48 << 20, "unread replies still hold {held} bytes");
+    // The replies are gone: reading now ends in a reset, not 64 MiB.
+    let mut first = unread.remove(0);
+    let got = proto::read_frame(&mut first, &proto::Limits::default()).await;
+    assert!(got.is_err(), "an unread reply survived the reply timeout");
+    // The node still serves.
+    let client = connect(&node).await;
+    client.inventory().await.unwrap();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn one_tenants_hanging_submits_do_not_delay_another_tenant() {
+    // Attack 7: two GPU_SUBMITs that never finish delayed another tenant's
+    // GET_INVENTORY and GPU_SUBMIT by 9.5 s (the op timeout): the two
+    // shared submit workers also served the inventory.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(1 << 20);
+    cfg.submit_workers = 2;
+    cfg.op_timeout = Duration::from_secs(3);
+    cfg.tokens = vec!["ta".into(), "tb".into()];
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let as_ = |t: &str| cuda_lease::ClientConfig::pinned(node.cert_der().clone()).token(t);
+    let a = Arc::new(
+        cuda_lease::Client::connect(node.addr(), &as_("ta"))
+            .await
+            .unwrap(),
+    );
+    let b = Arc::new(
+        cuda_lease::Client::connect(node.addr(), &as_("tb"))
+            .await
+            .unwrap(),
+    );
+    let ptx = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry __hang()\n{\n ret;\n}\n.visible .entry k()\n{\n ret;\n}\n";
+    let hang = cuda_lease::GpuCall::new(ptx, "__hang", 1, 1, 4);
+    let mut hung = Vec::new();
+    for _ in 0..2 {
+        let (a, hang) = (a.clone(), hang.clone());
+        hung.push(tokio::spawn(async move { a.gpu_call(&hang).await }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t = std::time::Instant::now();
+    b.inventory().await.unwrap();
+    let inventory = t.elapsed();
+    let t = std::time::Instant::now();
+    let out = b
+        .gpu_call(&cuda_lease::GpuCall::new(ptx, "k", 1, 1, 4))
+        .await
+        .unwrap();
+    let submit = t.elapsed();
+    eprintln!("other tenant: inventory {inventory:?}, submit {submit:?}");
+    assert_eq!(out.len(), 4);
+    assert!(inventory < Duration::from_secs(1), "{inventory:?}");
+    assert!(submit < Duration::from_secs(1), "{submit:?}");
+    // The hanging tenant's second submit was refused, not queued.
+    let mut refused = 0;
+    for h in hung {
+        if let Err(Error::CapacityExceeded(_)) = h.await.unwrap() {
+            refused += 1;
+        }
+    }
+    assert_eq!(refused, 1);
+    node.shutdown().await;
+}
+
+/// Log lines the node writes, captured (the first test that asks installs
+/// the subscriber for this test binary).
+fn captured_log() -> Arc<std::sync::Mutex<Vec<u8>>> {
+    static LOG: std::sync::OnceLock<Arc<std::sync::Mutex<Vec<u8>>>> = std::sync::OnceLock::new();
+    LOG.get_or_init(|| {
+        let buf: Arc<std::sync::Mutex<Vec<u8>>> = Arc::default();
+        let sink = buf.clone();
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_writer(move || LogSink(sink.clone()))
+            .try_init();
+        buf
+    })
+    .clone()
+}
+
+struct LogSink(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogSink {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn client_strings_cannot_forge_log_lines() {
+    // Attack 8: a client name with a newline and an ANSI escape wrote a
+    // forged line into the node's log.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let log = captured_log();
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let evil = "x\n2026-01-01T00:00:00Z  INFO cuda_lease::node: FORGED lease granted\x1b[31m";
+    for token in ["wrong", TOKEN] {
+        let mut cfg = client_config(&node).token(token);
+        cfg.client_name = evil.into();
+        let _ = cuda_lease::Client::connect(node.addr(), &cfg).await;
+    }
+    node.shutdown().await;
+    let text = String::from_utf8_lossy(&log.lock().unwrap()).into_owned();
+    assert!(text.contains("rejected credentials"), "{text}");
+    assert!(
+        text.contains("FORGED"),
+        "the client name is logged (escaped): {text}"
+    );
+    for line in text.lines() {
+        // The name stays inside its own line, escaped.
+        assert!(
+            !line.starts_with("2026-01-01T00:00:00Z"),
+            "forged line: {line:?}"
+        );
+    }
+    assert!(!text.contains('\x1b'), "a raw escape reached the log");
+}

@@ -676,35 +676,6 @@ async fn transfers_of_every_shape(client: Arc<Client>) {
     lease.free().await.unwrap();
 }
 
-/// An authenticated raw QUIC connection (HELLO sent on its first stream).
-async fn raw_authed_conn(node: &Node) -> quinn::Connection {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(node.cert_der().clone()).unwrap();
-    let mut tls = rustls::ClientConfig::builder()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    tls.alpn_protocols = vec![proto::ALPN.to_vec()];
-    let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
-    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(qc)));
-    let conn = ep.connect(node.addr(), "localhost").unwrap().await.unwrap();
-    std::mem::forget(ep);
-    let (mut send, mut recv) = conn.open_bi().await.unwrap();
-    let body = proto::to_body(&proto::Hello {
-        token: TOKEN.into(),
-        client: "cut-off test".into(),
-    });
-    let h = Header::request(Opcode::Hello, 1, body.len() as u32, 0);
-    proto::write_frame(&mut send, &h, &body, &[]).await.unwrap();
-    send.finish().unwrap();
-    let f = proto::read_frame(&mut recv, &proto::Limits::default())
-        .await
-        .unwrap();
-    assert_eq!(f.header.status, Status::Ok);
-    conn
-}
-
 #[tokio::test]
 async fn a_transfer_cut_off_midway_frees_what_it_held_and_the_lease_stays_usable() {
     const SIZE: usize = 8 * CHUNK;

@@ -60,7 +60,12 @@ pub(super) async fn serve(
         let _ = send.finish();
         hops::mark(&mut hop, "reply");
         drop(hop);
-        let _ = send.stopped().await;
+        if tokio::time::timeout(shared.cfg.reply_timeout, send.stopped())
+            .await
+            .is_err()
+        {
+            let _ = send.reset(0u32.into());
+        }
     }
 }
 
@@ -285,8 +290,16 @@ async fn read(
     let consumer = async {
         while let Some((s, n)) = rx.recv().await {
             let mut hop = HopTimer::start("node-send", Opcode::MemRead, u64::from(n));
-            if send.write_all(&s.bytes()[..n as usize]).await.is_err() {
+            // A client that stops reading loses the reply after the reply
+            // timeout, instead of holding the lease's ring slots.
+            let wrote = tokio::time::timeout(
+                shared.cfg.reply_timeout,
+                send.write_all(&s.bytes()[..n as usize]),
+            )
+            .await;
+            if !matches!(wrote, Ok(Ok(()))) {
                 stop.store(true, Ordering::Relaxed);
+                let _ = send.reset(0u32.into());
                 return false;
             }
             hops::mark(&mut hop, "quic");

@@ -92,3 +92,39 @@ pub fn metric(text: &str, name: &str) -> Option<u64> {
         .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
         .and_then(|l| l[name.len() + 1..].trim().parse().ok())
 }
+
+/// An authenticated raw QUIC connection (HELLO sent on its first stream).
+pub async fn raw_authed_conn(node: &Node) -> quinn::Connection {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(node.cert_der().clone()).unwrap();
+    let mut tls = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![cuda_lease::proto::ALPN.to_vec()];
+    let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(qc)));
+    let conn = ep.connect(node.addr(), "localhost").unwrap().await.unwrap();
+    std::mem::forget(ep);
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let body = cuda_lease::proto::to_body(&cuda_lease::proto::Hello {
+        token: TOKEN.into(),
+        client: "cut-off test".into(),
+    });
+    let h = cuda_lease::proto::Header::request(
+        cuda_lease::proto::Opcode::Hello,
+        1,
+        body.len() as u32,
+        0,
+    );
+    cuda_lease::proto::write_frame(&mut send, &h, &body, &[])
+        .await
+        .unwrap();
+    send.finish().unwrap();
+    let f = cuda_lease::proto::read_frame(&mut recv, &cuda_lease::proto::Limits::default())
+        .await
+        .unwrap();
+    assert_eq!(f.header.status, cuda_lease::proto::Status::Ok);
+    conn
+}
