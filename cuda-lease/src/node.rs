@@ -79,6 +79,13 @@ pub struct NodeConfig {
     /// Most GPU_SUBMITs one principal may have in flight at once (more are
     /// refused), so one tenant cannot occupy every submit worker.
     pub max_submits_per_principal: usize,
+    /// Most requests one principal may have in flight at once, over all
+    /// its connections (more are refused).
+    pub max_requests_per_principal: usize,
+    /// Most request bytes (bodies and unstreamed data) one principal may
+    /// have in the node at once; a request that would pass it is refused on
+    /// its header, before anything it declares is allocated.
+    pub max_bytes_per_principal: u64,
     /// Longest the node waits for a client to take a reply (or a chunk of
     /// a streamed one); after that the reply is dropped and its stream
     /// reset, so unread replies never hold the node's memory.
@@ -132,6 +139,8 @@ impl NodeConfig {
             max_leases_per_principal: 16,
             reply_timeout: Duration::from_secs(30),
             max_submits_per_principal: 1,
+            max_requests_per_principal: 512,
+            max_bytes_per_principal: 1 << 30,
             allow_anonymous: false,
             tls: TlsSource::SelfSigned {
                 names: vec!["localhost".into(), "127.0.0.1".into()],
@@ -218,6 +227,8 @@ struct Shared {
     device: StdMutex<DeviceInfo>,
     /// GPU_SUBMITs in flight per principal.
     submits: StdMutex<HashMap<Principal, usize>>,
+    /// Requests and bytes in flight per principal.
+    budgets: StdMutex<HashMap<Principal, (usize, u64)>>,
     metrics: Metrics,
 }
 
@@ -382,6 +393,7 @@ impl Node {
             refilling: AtomicBool::new(false),
             device: StdMutex::new(info.clone()),
             submits: StdMutex::default(),
+            budgets: StdMutex::default(),
             metrics: Metrics::default(),
             cfg,
         });
@@ -621,16 +633,39 @@ async fn serve_stream(
 ) {
     let limits = shared.cfg.limits;
     let mut hop = HopTimer::start("node", Opcode::Hello, 0);
+    let mut turn = None;
     let head = tokio::time::timeout(Duration::from_secs(60), async {
         let header = proto::read_header(&mut recv, &limits).await?;
-        if peer.get().is_none()
-            && !(header.opcode == Opcode::Hello
+        let Some(who) = peer.get() else {
+            if header.opcode == Opcode::Hello
                 && !header.is_reply()
                 && header.body_len <= PREAUTH_MAX_BODY
-                && header.data_len == 0)
-        {
+                && header.data_len == 0
+            {
+                let mut body = vec![0u8; header.body_len as usize];
+                tokio::io::AsyncReadExt::read_exact(&mut recv, &mut body).await?;
+                return Ok(Ok((header, body)));
+            }
             // Refused on the header alone: nothing declared is read.
-            return Ok(Err(header));
+            let msg = if header.opcode == Opcode::Hello {
+                format!("HELLO over {PREAUTH_MAX_BODY} bytes, or with data")
+            } else {
+                "send HELLO with a valid token first".to_string()
+            };
+            return Ok(Err((header, Reply::err(Status::Unauthorized, msg))));
+        };
+        // The principal's budget, before anything declared is allocated
+        // (streamed transfers hold only the worker's ring).
+        let streamed = matches!(header.opcode, Opcode::MemWrite | Opcode::MemRead);
+        let bytes = u64::from(header.body_len)
+            + if streamed {
+                0
+            } else {
+                u64::from(header.data_len)
+            };
+        match BudgetTurn::take(&shared, who, bytes) {
+            Ok(t) => turn = Some(t),
+            Err(r) => return Ok(Err((header, r))),
         }
         let mut body = vec![0u8; header.body_len as usize];
         tokio::io::AsyncReadExt::read_exact(&mut recv, &mut body).await?;
@@ -638,14 +673,8 @@ async fn serve_stream(
     })
     .await;
     let head = match head {
-        Ok(Ok(Err(header))) => {
+        Ok(Ok(Err((header, reply)))) => {
             let _ = recv.stop(0u32.into());
-            let msg = if header.opcode == Opcode::Hello {
-                format!("HELLO over {PREAUTH_MAX_BODY} bytes, or with data")
-            } else {
-                "send HELLO with a valid token first".to_string()
-            };
-            let reply = Reply::err(Status::Unauthorized, msg);
             let h = Header::reply(&header, reply.status, reply.body.len() as u32, 0);
             if proto::write_frame(&mut send, &h, &reply.body, &[])
                 .await
@@ -659,6 +688,7 @@ async fn serve_stream(
         Ok(Err(e)) => Ok(Err(e)),
         Err(elapsed) => Err(elapsed),
     };
+    let _turn = turn;
     let read = match head {
         // Bulk transfers stream through the worker's shared ring.
         Ok(Ok((header, body)))
@@ -1453,6 +1483,64 @@ async fn ensure_worker<'a>(
     }
     slot.as_ref()
         .ok_or_else(|| WorkerError::Start("no worker".into()))
+}
+
+/// One request of a principal in flight, with the bytes it holds in the
+/// node (body and unstreamed data); given back when dropped.
+struct BudgetTurn {
+    shared: Arc<Shared>,
+    who: Principal,
+    bytes: u64,
+}
+
+impl BudgetTurn {
+    fn take(shared: &Arc<Shared>, who: &Principal, bytes: u64) -> Result<Self, Reply> {
+        let mut m = shared.budgets.lock().unwrap_or_else(|e| e.into_inner());
+        let (requests, held) = m.entry(who.clone()).or_insert((0, 0));
+        if *requests >= shared.cfg.max_requests_per_principal {
+            return Err(Reply::err(
+                Status::CapacityExceeded,
+                format!(
+                    "principal {who} has {requests} requests in flight, its limit \
+                     (max_requests_per_principal)"
+                ),
+            ));
+        }
+        if held.saturating_add(bytes) > shared.cfg.max_bytes_per_principal {
+            return Err(Reply::err(
+                Status::CapacityExceeded,
+                format!(
+                    "principal {who} has {held} bytes in flight; {bytes} more would pass its \
+                     limit of {} (max_bytes_per_principal)",
+                    shared.cfg.max_bytes_per_principal
+                ),
+            ));
+        }
+        *requests += 1;
+        *held += bytes;
+        Ok(BudgetTurn {
+            shared: shared.clone(),
+            who: who.clone(),
+            bytes,
+        })
+    }
+}
+
+impl Drop for BudgetTurn {
+    fn drop(&mut self) {
+        let mut m = self
+            .shared
+            .budgets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some((requests, held)) = m.get_mut(&self.who) {
+            *requests -= 1;
+            *held -= self.bytes;
+            if *requests == 0 {
+                m.remove(&self.who);
+            }
+        }
+    }
 }
 
 /// One of a principal's GPU_SUBMITs in flight; given back when dropped.

@@ -67,25 +67,6 @@ impl PeakRss {
     }
 }
 
-async fn attacker_conn(node: &Node) -> (quinn::SendStream, quinn::RecvStream) {
-    // A raw QUIC connection that never authenticates.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(node.cert_der().clone()).unwrap();
-    let mut tls = rustls::ClientConfig::builder()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    tls.alpn_protocols = vec![proto::ALPN.to_vec()];
-    let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
-    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(qc)));
-    let conn = ep.connect(node.addr(), "localhost").unwrap().await.unwrap();
-    let s = conn.open_bi().await.unwrap();
-    std::mem::forget(ep);
-    std::mem::forget(conn);
-    s
-}
-
 #[tokio::test]
 async fn unauthenticated_payloads_are_never_read_or_allocated() {
     let _one = ONE_AT_A_TIME.lock().await;
@@ -476,4 +457,193 @@ async fn client_strings_cannot_forge_log_lines() {
         );
     }
     assert!(!text.contains('\x1b'), "a raw escape reached the log");
+}
+
+#[tokio::test]
+async fn requests_and_bytes_in_flight_are_limited_per_principal() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(1 << 20);
+    cfg.max_requests_per_principal = 64;
+    cfg.max_bytes_per_principal = 100 << 20;
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let conn = raw_authed_conn(&node).await;
+    // A request declaring more than the principal's byte budget is refused
+    // on its header.
+    let peak = PeakRss::start();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let h = Header::request(Opcode::Batch, 1, 16, 128 << 20);
+    proto::write_frame(&mut send, &h, &[0u8; 16], &[])
+        .await
+        .unwrap();
+    let f = proto::read_frame(&mut recv, &proto::Limits::default())
+        .await
+        .unwrap();
+    assert_eq!(f.header.status, Status::CapacityExceeded);
+    // Stalled requests (a header declaring 1 MiB, then nothing) hold the
+    // principal's turns: the 65th is refused at once.
+    let mut stalled = Vec::new();
+    let mut refused = 0;
+    for i in 0..80u64 {
+        let (mut send, mut recv) = conn.open_bi().await.unwrap();
+        let h = Header::request(Opcode::Batch, 100 + i, 16, 1 << 20);
+        proto::write_frame(&mut send, &h, &[0u8; 16], &[])
+            .await
+            .unwrap();
+        let quick = tokio::time::timeout(
+            Duration::from_millis(50),
+            proto::read_frame(&mut recv, &proto::Limits::default()),
+        )
+        .await;
+        match quick {
+            Ok(Ok(f)) if f.header.status == Status::CapacityExceeded => refused += 1,
+            Ok(other) => panic!("unexpected reply {other:?}"),
+            Err(_) => stalled.push((send, recv)),
+        }
+    }
+    eprintln!(
+        "stalled {}, refused {refused}, RSS +{} KiB",
+        stalled.len(),
+        peak.stop() / 1024
+    );
+    assert_eq!((stalled.len(), refused), (64, 16));
+    drop(stalled);
+    conn.close(0u32.into(), b"done");
+    // Turns come back with the streams; a well-behaved client is served.
+    let client = connect(&node).await;
+    let ok = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if client.inventory().await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(ok.is_ok());
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn five_hundred_connections_and_32_clients_times_1000_requests_lose_nothing() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(64 << 20);
+    cfg.max_leases_per_principal = 32;
+    let node = Node::spawn_local(cfg).await.unwrap();
+    // 500 connections at once, each authenticated and served.
+    let mut tasks = Vec::new();
+    for _ in 0..500 {
+        let cfg = client_config(&node);
+        let addr = node.addr();
+        tasks.push(tokio::spawn(async move {
+            let c = cuda_lease::Client::connect(addr, &cfg).await?;
+            c.inventory().await.map(|_| c)
+        }));
+    }
+    let mut conns = Vec::new();
+    for t in tasks {
+        conns.push(t.await.unwrap().expect("a connection was refused or lost"));
+    }
+    assert_eq!(conns.len(), 500);
+    drop(conns);
+    // 32 clients x 1000 requests, each answered with the right lease.
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let client = connect(&node).await;
+        tasks.push(tokio::spawn(async move {
+            let lease = Lease::builder()
+                .min_vram(4096)
+                .auto_renew(false)
+                .on(client.clone())
+                .await
+                .unwrap();
+            for _ in 0..1000 {
+                let st = lease.query().await.unwrap();
+                assert_eq!(st.lease, lease.id());
+            }
+            lease.free().await.unwrap();
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn twenty_thousand_fuzzed_frames_then_a_good_client_is_served() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let authed = raw_authed_conn(&node).await;
+    let next = Arc::new(AtomicU64::new(0));
+    let undecodable = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for w in 0..32u64 {
+        let (next, undecodable) = (next.clone(), undecodable.clone());
+        // Half the workers share an authenticated connection, half have
+        // their own unauthenticated one.
+        let conn = if w % 2 == 0 {
+            authed.clone()
+        } else {
+            raw_unauthed_conn(&node).await
+        };
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= 20_000 {
+                    break;
+                }
+                // xorshift from the frame number: reproducible.
+                let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+                let mut rnd = move || {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x
+                };
+                let body: Vec<u8> = (0..rnd() % 200).map(|_| rnd() as u8).collect();
+                let data: Vec<u8> = (0..rnd() % 3000).map(|_| rnd() as u8).collect();
+                let mut h = Header::request(Opcode::Hello, i, body.len() as u32, data.len() as u32)
+                    .encode();
+                h[5] = (rnd() % 20) as u8; // any opcode byte, valid or not
+                let Ok((mut send, mut recv)) = conn.open_bi().await else {
+                    break;
+                };
+                let _ = send.write_all(&h).await;
+                let _ = send.write_all(&body).await;
+                let _ = send.write_all(&data).await;
+                let _ = send.finish();
+                let reply = tokio::time::timeout(
+                    Duration::from_secs(20),
+                    proto::read_frame(&mut recv, &proto::Limits::default()),
+                )
+                .await;
+                if !matches!(reply, Ok(Ok(_))) {
+                    undecodable.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    eprintln!(
+        "20000 fuzzed frames, {} without a decodable reply",
+        undecodable.load(Ordering::Relaxed)
+    );
+    assert_eq!(undecodable.load(Ordering::Relaxed), 0);
+    // A well-behaved client is served.
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(4096)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let s = lease.session();
+    let buf = s.alloc(8).await.unwrap();
+    s.write(&buf, 0, b"survived").await.unwrap();
+    assert_eq!(s.read(&buf, 0, 8).await.unwrap(), b"survived");
+    drop(buf);
+    lease.free().await.unwrap();
+    node.shutdown().await;
 }

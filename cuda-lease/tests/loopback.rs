@@ -485,25 +485,6 @@ async fn garbage_on_the_wire_leaves_node_serving() {
     node.shutdown().await;
 }
 
-async fn attacker_conn(node: &Node) -> (quinn::SendStream, quinn::RecvStream) {
-    // A raw QUIC connection that never authenticates.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(node.cert_der().clone()).unwrap();
-    let mut tls = rustls::ClientConfig::builder()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    tls.alpn_protocols = vec![proto::ALPN.to_vec()];
-    let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
-    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(qc)));
-    let conn = ep.connect(node.addr(), "localhost").unwrap().await.unwrap();
-    let s = conn.open_bi().await.unwrap();
-    std::mem::forget(ep);
-    std::mem::forget(conn);
-    s
-}
-
 #[tokio::test]
 async fn unauthenticated_connections_can_do_nothing_but_hello() {
     let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();

@@ -95,18 +95,7 @@ pub fn metric(text: &str, name: &str) -> Option<u64> {
 
 /// An authenticated raw QUIC connection (HELLO sent on its first stream).
 pub async fn raw_authed_conn(node: &Node) -> quinn::Connection {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(node.cert_der().clone()).unwrap();
-    let mut tls = rustls::ClientConfig::builder()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    tls.alpn_protocols = vec![cuda_lease::proto::ALPN.to_vec()];
-    let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
-    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(qc)));
-    let conn = ep.connect(node.addr(), "localhost").unwrap().await.unwrap();
-    std::mem::forget(ep);
+    let conn = raw_unauthed_conn(node).await;
     let (mut send, mut recv) = conn.open_bi().await.unwrap();
     let body = cuda_lease::proto::to_body(&cuda_lease::proto::Hello {
         token: TOKEN.into(),
@@ -127,4 +116,29 @@ pub async fn raw_authed_conn(node: &Node) -> quinn::Connection {
         .unwrap();
     assert_eq!(f.header.status, cuda_lease::proto::Status::Ok);
     conn
+}
+
+/// A raw QUIC connection that never authenticates.
+pub async fn raw_unauthed_conn(node: &Node) -> quinn::Connection {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(node.cert_der().clone()).unwrap();
+    let mut tls = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![cuda_lease::proto::ALPN.to_vec()];
+    let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(qc)));
+    let conn = ep.connect(node.addr(), "localhost").unwrap().await.unwrap();
+    std::mem::forget(ep);
+    conn
+}
+
+/// A stream on a new connection that never authenticates.
+pub async fn attacker_conn(node: &Node) -> (quinn::SendStream, quinn::RecvStream) {
+    let conn = raw_unauthed_conn(node).await;
+    let s = conn.open_bi().await.unwrap();
+    std::mem::forget(conn);
+    s
 }
