@@ -76,8 +76,8 @@ pub struct NodeConfig {
     pub max_leases: usize,
     /// Most live leases one principal may hold.
     pub max_leases_per_principal: usize,
-    /// Most GPU_SUBMITs one principal may have in flight at once (more are
-    /// refused), so one tenant cannot occupy every submit worker.
+    /// Most GPU_SUBMITs one principal may have in flight at once (more wait
+    /// for their turn), so one tenant cannot occupy every submit worker.
     pub max_submits_per_principal: usize,
     /// Most requests one principal may have in flight at once, over all
     /// its connections (more are refused).
@@ -225,8 +225,8 @@ struct Shared {
     refilling: AtomicBool,
     /// The latest device figures (from the probe, then from idle workers).
     device: StdMutex<DeviceInfo>,
-    /// GPU_SUBMITs in flight per principal.
-    submits: StdMutex<HashMap<Principal, usize>>,
+    /// GPU_SUBMIT turns per principal.
+    submits: StdMutex<HashMap<Principal, Arc<tokio::sync::Semaphore>>>,
     /// Requests and bytes in flight per principal.
     budgets: StdMutex<HashMap<Principal, (usize, u64)>>,
     metrics: Metrics,
@@ -985,7 +985,7 @@ async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<
             })
         }
         Opcode::GpuSubmit => {
-            let _turn = SubmitTurn::take(shared, &who)?;
+            let _turn = submit_turn(shared, &who).await;
             submit(shared, f).await
         }
     }
@@ -1543,47 +1543,24 @@ impl Drop for BudgetTurn {
     }
 }
 
-/// One of a principal's GPU_SUBMITs in flight; given back when dropped.
-struct SubmitTurn<'a> {
-    shared: &'a Shared,
-    who: Principal,
-}
-
-impl<'a> SubmitTurn<'a> {
-    fn take(shared: &'a Shared, who: &Principal) -> Result<Self, Reply> {
-        let mut m = shared.submits.lock().unwrap_or_else(|e| e.into_inner());
-        let n = m.entry(who.clone()).or_insert(0);
-        if *n >= shared.cfg.max_submits_per_principal {
-            return Err(Reply::err(
-                Status::CapacityExceeded,
-                format!(
-                    "principal {who} has {n} GPU_SUBMIT(s) in flight, its limit \
-                     (max_submits_per_principal)"
-                ),
-            ));
-        }
-        *n += 1;
-        Ok(SubmitTurn {
-            shared,
-            who: who.clone(),
+/// Waits for one of the principal's GPU_SUBMIT turns (at most
+/// `max_submits_per_principal` in flight): a tenant's extra submits queue
+/// behind its own, never taking every submit worker from other tenants.
+async fn submit_turn(shared: &Shared, who: &Principal) -> tokio::sync::OwnedSemaphorePermit {
+    let sem = shared
+        .submits
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(who.clone())
+        .or_insert_with(|| {
+            Arc::new(tokio::sync::Semaphore::new(
+                shared.cfg.max_submits_per_principal.max(1),
+            ))
         })
-    }
-}
-
-impl Drop for SubmitTurn<'_> {
-    fn drop(&mut self) {
-        let mut m = self
-            .shared
-            .submits
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = m.get_mut(&self.who) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&self.who);
-            }
-        }
-    }
+        .clone();
+    sem.acquire_owned()
+        .await
+        .expect("the per-principal semaphore is never closed")
 }
 
 async fn submit(shared: &Arc<Shared>, f: &Frame) -> Result<Reply, Reply> {

@@ -318,6 +318,8 @@ async fn fault_in_one_lease_leaves_others_correct() {
 async fn many_clients_submit_concurrently() {
     let mut cfg = gpu_config();
     cfg.submit_workers = 4;
+    // One token for all 32 clients: let its submits use every worker.
+    cfg.max_submits_per_principal = 4;
     let node = Arc::new(gpu_node(cfg).await);
     let mut tasks = Vec::new();
     for c in 0..32u32 {

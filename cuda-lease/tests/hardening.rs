@@ -389,14 +389,11 @@ async fn one_tenants_hanging_submits_do_not_delay_another_tenant() {
     assert_eq!(out.len(), 4);
     assert!(inventory < Duration::from_secs(1), "{inventory:?}");
     assert!(submit < Duration::from_secs(1), "{submit:?}");
-    // The hanging tenant's second submit was refused, not queued.
-    let mut refused = 0;
+    // The hanging tenant's submits fail after the op timeout, one after the
+    // other (the second waited for the first's turn).
     for h in hung {
-        if let Err(Error::CapacityExceeded(_)) = h.await.unwrap() {
-            refused += 1;
-        }
+        assert!(h.await.unwrap().is_err());
     }
-    assert_eq!(refused, 1);
     node.shutdown().await;
 }
 
