@@ -699,11 +699,44 @@ async fn serve_stream(
             return;
         }
         Ok(Ok((header, body))) => {
+            // A module must fit its lease's reservation before its bytes
+            // are read.
+            if header.opcode == Opcode::ModuleLoad && peer.get().is_some() {
+                let room = from_body::<LeaseRef>(&body)
+                    .map_err(Reply::from)
+                    .and_then(|r| {
+                        let who = principal(&peer)?;
+                        let mut t = shared.table();
+                        t.check_owner(&r.lease, Some(who))?;
+                        Ok(t.check_room(&r.lease, u64::from(header.data_len), shared.now())?)
+                    });
+                if let Err(reply) = room {
+                    let _ = recv.stop(0u32.into());
+                    let h = Header::reply(&header, reply.status, reply.body.len() as u32, 0);
+                    if proto::write_frame(&mut send, &h, &reply.body, &[])
+                        .await
+                        .is_ok()
+                    {
+                        let _ = send.finish();
+                    }
+                    return;
+                }
+            }
             let rest = async {
-                let mut data = vec![0u8; header.data_len as usize];
-                tokio::io::AsyncReadExt::read_exact(&mut recv, &mut data)
-                    .await
-                    .map(|_| data)
+                // Grown as the bytes arrive, never allocated whole up front.
+                let want = header.data_len as usize;
+                let mut data = Vec::with_capacity(want.min(1 << 20));
+                while data.len() < want {
+                    let Some(chunk) = recv
+                        .read_chunk(want - data.len(), true)
+                        .await
+                        .map_err(std::io::Error::other)?
+                    else {
+                        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+                    };
+                    data.extend_from_slice(&chunk.bytes);
+                }
+                Ok(data)
             };
             tokio::time::timeout(Duration::from_secs(60), rest)
                 .await

@@ -258,6 +258,21 @@ async fn module_bytes_count_against_the_reservation() {
         Err(Error::CapacityExceeded(_)) => {}
         other => panic!("a 1 MiB module fit a 1-byte lease: {other:?}"),
     }
+    // Refused on the header: a module declared larger than the lease's room
+    // gets its answer before (and without) sending any of its bytes.
+    let raw = raw_authed_conn(&node).await;
+    let (mut send, mut recv) = raw.open_bi().await.unwrap();
+    let body = proto::to_body(&proto::LeaseRef { lease: tiny.id() });
+    let h = Header::request(Opcode::ModuleLoad, 7, body.len() as u32, 100 << 20);
+    proto::write_frame(&mut send, &h, &body, &[]).await.unwrap();
+    let f = tokio::time::timeout(
+        Duration::from_secs(2),
+        proto::read_frame(&mut recv, &proto::Limits::default()),
+    )
+    .await
+    .expect("answered before any payload")
+    .unwrap();
+    assert_eq!(f.header.status, Status::CapacityExceeded);
     let lease = Lease::builder()
         .min_vram(3 << 20)
         .auto_renew(false)
