@@ -165,9 +165,11 @@ fn mem_arg<B>(
     Ok(b)
 }
 
-/// In-memory test double of a device: memory is host `Vec`s, modules are kept
-/// as text and kernels are **not run**. A launch checks that the module holds
-/// `.entry <kernel>` and that memory arguments exist.
+/// In-memory test double of a device: memory is host `Vec`s and modules are
+/// kept as text. A launch checks that the module holds `.entry <kernel>` and
+/// that memory arguments exist; the test kernels `iota` and `vadd` of
+/// [`crate::ptx::TEST_KERNELS`] run on the host (so data flow is testable
+/// without a GPU), other kernels are not run.
 ///
 /// For tests of the supervisor it understands three magic kernel names:
 /// `__fault` fails like an illegal address (sticky LAUNCH_FAILED at the next
@@ -191,6 +193,84 @@ impl MemoryDevice {
             modules: HashMap::new(),
             faulted: false,
         }
+    }
+
+    /// Runs the test kernels of [`crate::ptx::TEST_KERNELS`] on the host,
+    /// as the GPU would (one element per thread, `i < n`): `iota(out, n)`
+    /// writes `out[i] = i` (u32), `vadd(a, b, c, n)` writes
+    /// `c[i] = a[i] + b[i]` (f32). An access outside a buffer faults the
+    /// "device" like an illegal address (sticky, at the next sync).
+    fn run_host_kernel(
+        &mut self,
+        kernel: &str,
+        dims: LaunchDims,
+        args: &[DeviceArg<'_>],
+    ) -> Result<(), DeviceError> {
+        let threads = dims
+            .grid
+            .iter()
+            .chain(&dims.block)
+            .map(|&d| u64::from(d))
+            .product::<u64>();
+        let bad = || {
+            DeviceError::new(
+                Status::LaunchFailed,
+                format!("test double: wrong arguments for {kernel}"),
+            )
+        };
+        let mem = |a: &DeviceArg<'_>| match a {
+            DeviceArg::Mem { handle, offset } => Ok((*handle, *offset as usize)),
+            DeviceArg::Scalar(_) => Err(bad()),
+        };
+        let u32_arg = |a: &DeviceArg<'_>| match a {
+            DeviceArg::Scalar(b) if b.len() == 4 => {
+                Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            }
+            _ => Err(bad()),
+        };
+        // Element `i` of (handle, byte offset), if inside its buffer.
+        let word = |bufs: &HashMap<Handle, Vec<u8>>, (h, off): (Handle, usize), i: u64| {
+            let start = off.checked_add(usize::try_from(i).ok()?.checked_mul(4)?)?;
+            let b = bufs.get(&h)?;
+            b.get(start..start + 4).map(|_| start)
+        };
+        match (kernel, args) {
+            ("iota", [out, n]) => {
+                let (out, n) = (mem(out)?, u32_arg(n)?);
+                for i in 0..u64::from(n).min(threads) {
+                    let Some(at) = word(&self.buffers, out, i) else {
+                        self.faulted = true;
+                        return Ok(());
+                    };
+                    if let Some(b) = self.buffers.get_mut(&out.0) {
+                        b[at..at + 4].copy_from_slice(&(i as u32).to_le_bytes());
+                    }
+                }
+            }
+            ("vadd", [a, b, c, n]) => {
+                let (a, b, c, n) = (mem(a)?, mem(b)?, mem(c)?, u32_arg(n)?);
+                for i in 0..u64::from(n).min(threads) {
+                    let (Some(ia), Some(ib), Some(ic)) = (
+                        word(&self.buffers, a, i),
+                        word(&self.buffers, b, i),
+                        word(&self.buffers, c, i),
+                    ) else {
+                        self.faulted = true;
+                        return Ok(());
+                    };
+                    let f = |h: Handle, at: usize| {
+                        let v = &self.buffers[&h][at..at + 4];
+                        f32::from_le_bytes([v[0], v[1], v[2], v[3]])
+                    };
+                    let sum = f(a.0, ia) + f(b.0, ib);
+                    if let Some(buf) = self.buffers.get_mut(&c.0) {
+                        buf[ic..ic + 4].copy_from_slice(&sum.to_le_bytes());
+                    }
+                }
+            }
+            _ => return Err(bad()),
+        }
+        Ok(())
     }
 
     fn check_fault(&self) -> Result<(), DeviceError> {
@@ -280,7 +360,7 @@ impl Device for MemoryDevice {
         &mut self,
         module: Handle,
         kernel: &str,
-        _dims: LaunchDims,
+        dims: LaunchDims,
         args: &[DeviceArg<'_>],
     ) -> Result<(), DeviceError> {
         self.check_fault()?;
@@ -311,6 +391,7 @@ impl Device for MemoryDevice {
                 std::thread::sleep(std::time::Duration::from_secs(3600));
             },
             "__exit" => std::process::exit(3),
+            "iota" | "vadd" => self.run_host_kernel(kernel, dims, args)?,
             _ => {}
         }
         Ok(())

@@ -301,9 +301,10 @@ async fn batch_runs_in_order_with_one_reply() {
     b.sync();
     let r = b.read(x, 8, 8);
     let out = s.batch(&b).await.unwrap();
-    assert_eq!(out.read(r).unwrap(), &[7u8; 8]);
+    // The test double runs `iota` on the host: x[i] = i over the 7s.
+    assert_eq!(out.read(r).unwrap(), &[2, 0, 0, 0, 3, 0, 0, 0]);
     let handle = out.handle(1).unwrap();
-    assert_eq!(s.read_handle(handle, 0, 2).await.unwrap(), vec![7, 7]);
+    assert_eq!(s.read_handle(handle, 4, 2).await.unwrap(), vec![1, 0]);
     // Unknown kernel and a bad module.
     let module = out.handle(0).unwrap();
     let mut b = BatchBuilder::new();
@@ -520,13 +521,15 @@ async fn unauthenticated_connections_can_do_nothing_but_hello() {
 async fn gpu_submit_on_test_double() {
     let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
     let client = connect(&node).await;
-    let call = GpuCall::new(PTX, "iota", 1, 32, 16)
+    let call = GpuCall::new(PTX, "iota", 1, 32, 20)
         .arg(KernelArg::Output)
         .arg(KernelArg::u32(4));
     let mut call = call;
     call.output_fill = 0xAB;
-    // Kernels do not run on the test double: the output is the fill.
-    assert_eq!(client.gpu_call(&call).await.unwrap(), vec![0xAB; 16]);
+    // The test double runs `iota` on the host: 4 words, then the fill.
+    let mut want: Vec<u8> = (0..4u32).flat_map(u32::to_le_bytes).collect();
+    want.extend([0xAB; 4]);
+    assert_eq!(client.gpu_call(&call).await.unwrap(), want);
     let bad = GpuCall::new("not ptx", "iota", 1, 1, 4);
     assert!(matches!(
         client.gpu_call(&bad).await,
@@ -540,14 +543,14 @@ async fn gpu_submit_on_test_double() {
     let m = metrics_http(&node).await;
     assert_eq!(metric(&m, "gpu_submit_total"), Some(3), "{m}");
     assert_eq!(metric(&m, "gpu_submit_errors"), Some(2), "{m}");
-    assert_eq!(metric(&m, "gpu_submit_output_bytes"), Some(16), "{m}");
+    assert_eq!(metric(&m, "gpu_submit_output_bytes"), Some(20), "{m}");
     // A faulting submit fails alone; its worker is replaced and the next submit works.
     let fault = GpuCall::new(PTX, "__fault", 1, 1, 4);
     assert!(matches!(
         client.gpu_call(&fault).await,
         Err(Error::LaunchFailed(_))
     ));
-    assert_eq!(client.gpu_call(&call).await.unwrap(), vec![0xAB; 16]);
+    assert_eq!(client.gpu_call(&call).await.unwrap(), want);
     node.shutdown().await;
 }
 
@@ -827,5 +830,77 @@ async fn a_principal_cannot_see_use_renew_or_free_another_principals_lease() {
     assert!(s.read(&buf, 0, 18).await.is_err());
     drop(buf);
     lease.leak();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_test_double_runs_the_test_kernels_so_data_flow_is_checked_without_a_gpu() {
+    // `iota` and `vadd` of `cuda_lease::ptx::TEST_KERNELS` run on the host
+    // in the in-memory device: the same batch gives the same bytes as on a
+    // GPU, and an out-of-range access faults the lease like one.
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(1 << 16)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let s = lease.session();
+    let n = 1000u32;
+    let a: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let mut b = BatchBuilder::new();
+    let m = b.load_module(cuda_lease::ptx::TEST_KERNELS);
+    let x = b.alloc(u64::from(n) * 4);
+    let y = b.alloc(u64::from(n) * 4);
+    let z = b.alloc(u64::from(n) * 4);
+    b.write(x, 0, &bytes(&a));
+    let mem = |h| KernelArg::Mem {
+        handle: h,
+        offset: 0,
+    };
+    let grid = cuda_lease::ptx::grid_for(n);
+    let spec = |module, kernel: &str, args| LaunchSpec {
+        module,
+        kernel: kernel.into(),
+        grid: [grid, 1, 1],
+        block: [cuda_lease::ptx::BLOCK, 1, 1],
+        shared_mem: 0,
+        args,
+    };
+    b.launch(spec(m, "iota", vec![mem(y), KernelArg::u32(n)]));
+    b.launch(spec(
+        m,
+        "vadd",
+        vec![mem(x), mem(x), mem(z), KernelArg::u32(n)],
+    ));
+    b.sync();
+    let ry = b.read(y, 0, n * 4);
+    let rz = b.read(z, 0, n * 4);
+    let out = s.batch(&b).await.unwrap();
+    let iota: Vec<u32> = out
+        .read(ry)
+        .unwrap()
+        .chunks(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(iota, (0..n).collect::<Vec<_>>());
+    let sum: Vec<f32> = out
+        .read(rz)
+        .unwrap()
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(sum, a.iter().map(|v| v + v).collect::<Vec<_>>());
+    // Writing past a buffer faults the lease, as on a GPU.
+    let module = HandleRef::Id(out.handle(0).unwrap());
+    let mut bad = BatchBuilder::new();
+    let small = bad.alloc(8);
+    bad.launch(spec(module, "iota", vec![mem(small), KernelArg::u32(64)]));
+    bad.sync();
+    assert!(s.batch(&bad).await.is_err());
+    assert_eq!(lease.query().await.unwrap().state, LeaseState::Poisoned);
+    lease.free().await.unwrap();
     node.shutdown().await;
 }
