@@ -620,6 +620,21 @@ async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) {
     }
 }
 
+/// Answers a request refused on its header (and body), telling the peer to
+/// stop sending the rest: nothing more of it is read.
+async fn refuse(
+    send: &mut quinn::SendStream,
+    recv: &mut quinn::RecvStream,
+    req: &Header,
+    reply: &Reply,
+) {
+    let _ = recv.stop(0u32.into());
+    let h = Header::reply(req, reply.status, reply.body.len() as u32, 0);
+    if proto::write_frame(send, &h, &reply.body, &[]).await.is_ok() {
+        let _ = send.finish();
+    }
+}
+
 /// The largest HELLO body the node reads from a connection that has not
 /// authenticated; such a connection may send nothing else, and nothing it
 /// declares beyond this is allocated or read.
@@ -674,14 +689,7 @@ async fn serve_stream(
     .await;
     let head = match head {
         Ok(Ok(Err((header, reply)))) => {
-            let _ = recv.stop(0u32.into());
-            let h = Header::reply(&header, reply.status, reply.body.len() as u32, 0);
-            if proto::write_frame(&mut send, &h, &reply.body, &[])
-                .await
-                .is_ok()
-            {
-                let _ = send.finish();
-            }
+            refuse(&mut send, &mut recv, &header, &reply).await;
             return;
         }
         Ok(Ok(Ok(x))) => Ok(Ok(x)),
@@ -711,14 +719,7 @@ async fn serve_stream(
                         Ok(t.check_room(&r.lease, u64::from(header.data_len), shared.now())?)
                     });
                 if let Err(reply) = room {
-                    let _ = recv.stop(0u32.into());
-                    let h = Header::reply(&header, reply.status, reply.body.len() as u32, 0);
-                    if proto::write_frame(&mut send, &h, &reply.body, &[])
-                        .await
-                        .is_ok()
-                    {
-                        let _ = send.finish();
-                    }
+                    refuse(&mut send, &mut recv, &header, &reply).await;
                     return;
                 }
             }
