@@ -22,8 +22,8 @@ use crate::metrics::Metrics;
 use crate::proto::{
     self, from_body, to_body, Batch, BatchOp, BatchReply, DeviceInfo, ErrorBody, Frame, GpuSubmit,
     Handle, HandleOp, HandleRef, HandleReply, Header, Hello, HelloOk, Inventory, KernelArg,
-    LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, Limits, MemAlloc, MemRead, MemWrite,
-    OpError, OpResult, Opcode, Status,
+    LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, Limits, MemAlloc, OpError, OpResult,
+    Opcode, Status,
 };
 use crate::tls::{self, Identity, TlsError};
 use crate::worker::{
@@ -949,31 +949,11 @@ async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<
             )
             .await
         }
-        Opcode::MemWrite => {
-            let m: MemWrite = from_body(&f.body)?;
-            let len = f.data.len() as u32;
-            single(
-                shared,
-                &who,
-                m.lease,
-                BatchOp::MemWrite {
-                    target: HandleRef::Id(m.handle),
-                    offset: m.offset,
-                    len,
-                },
-                &f.data,
-            )
-            .await
-        }
-        Opcode::MemRead => {
-            let m: MemRead = from_body(&f.body)?;
-            let op = BatchOp::MemRead {
-                source: HandleRef::Id(m.handle),
-                offset: m.offset,
-                len: m.len,
-            };
-            single(shared, &who, m.lease, op, &[]).await
-        }
+        // Served as streams by `stream::serve`, never dispatched whole.
+        Opcode::MemWrite | Opcode::MemRead => Err(Reply::err(
+            Status::Internal,
+            format!("{op:?} is served as a stream"),
+        )),
         Opcode::MemFree => {
             let m: HandleOp = from_body(&f.body)?;
             single(
@@ -1042,17 +1022,12 @@ async fn single(
         ops: vec![op],
     };
     batch.validate(data.len())?;
-    let (reply, out) = run_batch(shared, who, &lease, &batch.ops, data).await?;
+    let (reply, _) = run_batch(shared, who, &lease, &batch.ops, data).await?;
     if let Some(e) = reply.error {
         return Err(Reply::err(e.status, e.message));
     }
     Ok(match reply.results.first() {
         Some(OpResult::Handle(h)) => Reply::ok(&HandleReply { handle: *h }),
-        Some(OpResult::Read(_)) => Reply {
-            status: Status::Ok,
-            body: Vec::new(),
-            data: out,
-        },
         _ => Reply::empty(),
     })
 }

@@ -193,17 +193,8 @@ async fn leases_per_principal_and_per_node_are_limited() {
     cfg.max_leases = 6;
     cfg.tokens = vec!["t1".into(), "t2".into()];
     let node = Node::spawn_local(cfg).await.unwrap();
-    let as_ = |t: &str| cuda_lease::ClientConfig::pinned(node.cert_der().clone()).token(t);
-    let a = Arc::new(
-        cuda_lease::Client::connect(node.addr(), &as_("t1"))
-            .await
-            .unwrap(),
-    );
-    let b = Arc::new(
-        cuda_lease::Client::connect(node.addr(), &as_("t2"))
-            .await
-            .unwrap(),
-    );
+    let a = connect_as(&node, "t1").await;
+    let b = connect_as(&node, "t2").await;
     let lease =
         |c: &Arc<cuda_lease::Client>| Lease::builder().min_vram(1).auto_renew(false).on(c.clone());
     let mut held = Vec::new();
@@ -372,17 +363,8 @@ async fn one_tenants_hanging_submits_do_not_delay_another_tenant() {
     cfg.op_timeout = Duration::from_secs(3);
     cfg.tokens = vec!["ta".into(), "tb".into()];
     let node = Node::spawn_local(cfg).await.unwrap();
-    let as_ = |t: &str| cuda_lease::ClientConfig::pinned(node.cert_der().clone()).token(t);
-    let a = Arc::new(
-        cuda_lease::Client::connect(node.addr(), &as_("ta"))
-            .await
-            .unwrap(),
-    );
-    let b = Arc::new(
-        cuda_lease::Client::connect(node.addr(), &as_("tb"))
-            .await
-            .unwrap(),
-    );
+    let a = connect_as(&node, "ta").await;
+    let b = connect_as(&node, "tb").await;
     let ptx = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry __hang()\n{\n ret;\n}\n.visible .entry k()\n{\n ret;\n}\n";
     let hang = cuda_lease::GpuCall::new(ptx, "__hang", 1, 1, 4);
     let mut hung = Vec::new();

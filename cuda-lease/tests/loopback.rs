@@ -723,17 +723,8 @@ async fn a_principal_cannot_see_use_renew_or_free_another_principals_lease() {
     ];
     cfg.admins = vec!["ops".into()];
     let node = Node::spawn_local(cfg).await.unwrap();
-    let as_ = |token: &str| ClientConfig::pinned(node.cert_der().clone()).token(token.to_string());
-    let alice = Arc::new(
-        Client::connect(node.addr(), &as_("secret-a"))
-            .await
-            .unwrap(),
-    );
-    let bob = Arc::new(
-        Client::connect(node.addr(), &as_("secret-b"))
-            .await
-            .unwrap(),
-    );
+    let alice = connect_as(&node, "secret-a").await;
+    let bob = connect_as(&node, "secret-b").await;
     let lease = Lease::builder()
         .min_vram(4096)
         .auto_renew(false)
@@ -821,11 +812,7 @@ async fn a_principal_cannot_see_use_renew_or_free_another_principals_lease() {
     assert_eq!(s.read(&buf, 0, 18).await.unwrap(), b"SECRET-OF-TENANT-A");
     assert_eq!(lease.query().await.unwrap().state, LeaseState::Active);
     // An operator may free it.
-    let ops = Arc::new(
-        Client::connect(node.addr(), &as_("secret-ops"))
-            .await
-            .unwrap(),
-    );
+    let ops = connect_as(&node, "secret-ops").await;
     ops.free_lease(id).await.unwrap();
     assert!(s.read(&buf, 0, 18).await.is_err());
     drop(buf);

@@ -49,6 +49,12 @@ pub fn client_config(node: &Node) -> ClientConfig {
     ClientConfig::pinned(node.cert_der().clone()).token(TOKEN)
 }
 
+/// A client authenticated with `token` (not the default test token).
+pub async fn connect_as(node: &Node, token: &str) -> Arc<Client> {
+    let cfg = ClientConfig::pinned(node.cert_der().clone()).token(token);
+    Arc::new(Client::connect(node.addr(), &cfg).await.expect("connect"))
+}
+
 pub async fn connect(node: &Node) -> Arc<Client> {
     Arc::new(
         Client::connect(node.addr(), &client_config(node))
