@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use crate::proto::{DeviceInfo, Handle, Status};
+use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
 
 /// A failed device operation.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -49,22 +49,34 @@ pub struct LaunchDims {
     pub shared_mem: u32,
 }
 
-/// A kernel argument with handles resolved by the worker.
+/// A kernel argument with ids resolved by the worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceArg<'a> {
     /// Bytes passed by value.
     Scalar(&'a [u8]),
-    /// The address of memory `handle` plus `offset`.
+    /// The address of buffer `id` plus `offset`.
     Mem {
-        /// Memory.
-        handle: Handle,
+        /// The buffer.
+        id: Id,
         /// Byte offset.
         offset: u64,
     },
 }
 
-/// One device context with one stream, owned by one worker process.
-/// Operations are stream-ordered; [`Device::sync`] waits for all of them.
+/// Most streams one device context makes (the node's per-lease limit is
+/// lower; this bounds a worker whatever it is sent).
+pub const MAX_DEVICE_STREAMS: usize = 64;
+
+/// One device context owned by one worker process, with streams made on
+/// demand and named by the lease's client.
+///
+/// Commands are enqueued: each runs after the earlier commands of its
+/// stream, after the event record a [`Device::wait`] names, and after the
+/// earlier commands on any stream that used the same buffer in a
+/// conflicting way (a write against any use), as `cuda-core` buffers order
+/// themselves; otherwise streams run concurrently. Errors returned at
+/// enqueue (unknown ids, bounds, arguments) leave nothing enqueued; a kernel
+/// fault is sticky and surfaces at [`Device::finish`].
 pub trait Device {
     /// Describes the device, with free memory measured now.
     ///
@@ -72,60 +84,103 @@ pub trait Device {
     ///
     /// A driver error.
     fn info(&mut self) -> Result<DeviceInfo, DeviceError>;
-    /// Allocates `size` zeroed bytes under `handle`.
+    /// Allocates `size` zeroed bytes as buffer `id`, ordered on `stream`.
     ///
     /// # Errors
     ///
-    /// CAPACITY_EXCEEDED when the device is out of memory.
-    fn alloc(&mut self, handle: Handle, size: u64) -> Result<(), DeviceError>;
-    /// Frees memory.
+    /// CAPACITY_EXCEEDED when the device is out of memory; BAD_REQUEST for
+    /// an id in use.
+    fn alloc(&mut self, stream: StreamId, id: Id, size: u64) -> Result<(), DeviceError>;
+    /// Frees buffer or event `id` after every enqueued use of it.
     ///
     /// # Errors
     ///
-    /// NOT_FOUND for an unknown handle.
-    fn free(&mut self, handle: Handle) -> Result<(), DeviceError>;
-    /// Copies `data` into memory at `offset`.
+    /// NOT_FOUND for an unknown id.
+    fn free(&mut self, stream: StreamId, id: Id) -> Result<(), DeviceError>;
+    /// Enqueues a copy of `data` into buffer `id` at `offset`; `data` is
+    /// not needed once this returns.
     ///
     /// # Errors
     ///
     /// NOT_FOUND, BAD_REQUEST when out of bounds, or a driver error.
-    fn write(&mut self, handle: Handle, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
-    /// Fills `out` with the memory at `offset` (`out.len()` bytes).
+    fn write(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), DeviceError>;
+    /// Enqueues a read of `len` bytes of buffer `id` at `offset`; they land
+    /// in `out[at..at + len]` of the next [`Device::finish`].
     ///
     /// # Errors
     ///
     /// NOT_FOUND, BAD_REQUEST when out of bounds, READ_FAILED.
-    fn read(&mut self, handle: Handle, offset: u64, out: &mut [u8]) -> Result<(), DeviceError>;
-    /// Loads PTX text as module `handle`.
+    fn read(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        len: u32,
+        at: usize,
+    ) -> Result<(), DeviceError>;
+    /// Reads `out.len()` bytes of buffer `id` at `offset` now, after every
+    /// enqueued write of it (the streamed MEM_READ path).
     ///
     /// # Errors
     ///
-    /// LOAD_FAILED with the JIT log.
-    fn load_module(&mut self, handle: Handle, ptx: &[u8]) -> Result<(), DeviceError>;
-    /// Unloads a module.
+    /// As [`Device::read`], and a sticky fault of earlier work.
+    fn read_now(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError>;
+    /// Loads a module (PTX: JIT; CUDA C: compiled by NVRTC for this device)
+    /// under its content hash. Loading a hash already loaded is a no-op.
+    ///
+    /// # Errors
+    ///
+    /// LOAD_FAILED with the JIT or compile log.
+    fn load_module(
+        &mut self,
+        hash: ModuleHash,
+        kind: &SourceKind,
+        text: &[u8],
+    ) -> Result<(), DeviceError>;
+    /// Unloads a module after everything enqueued.
     ///
     /// # Errors
     ///
     /// NOT_FOUND.
-    fn unload_module(&mut self, handle: Handle) -> Result<(), DeviceError>;
+    fn unload_module(&mut self, hash: ModuleHash) -> Result<(), DeviceError>;
     /// Enqueues a kernel launch.
     ///
     /// # Errors
     ///
-    /// NOT_FOUND (module, kernel or memory), LAUNCH_FAILED.
+    /// NOT_FOUND (module, kernel or memory), BAD_REQUEST, LAUNCH_FAILED.
     fn launch(
         &mut self,
-        module: Handle,
+        stream: StreamId,
+        module: ModuleHash,
         kernel: &str,
         dims: LaunchDims,
         args: &[DeviceArg<'_>],
     ) -> Result<(), DeviceError>;
-    /// Waits for everything enqueued.
+    /// Records event `event` on `stream` (made on first use).
+    ///
+    /// # Errors
+    ///
+    /// BAD_REQUEST when `event` names a buffer.
+    fn record(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError>;
+    /// Makes `stream` wait for the last record of `event`.
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND for an event never recorded.
+    fn wait(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError>;
+    /// Waits for everything enqueued on every stream and delivers the
+    /// enqueued reads into `out`.
     ///
     /// # Errors
     ///
     /// LAUNCH_FAILED (sticky) when a kernel faulted.
-    fn sync(&mut self) -> Result<(), DeviceError>;
+    fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError>;
 }
 
 fn range(len: usize, offset: u64, n: u64) -> Result<std::ops::Range<usize>, DeviceError> {
@@ -141,21 +196,26 @@ fn range(len: usize, offset: u64, n: u64) -> Result<std::ops::Range<usize>, Devi
     Ok(offset as usize..end as usize)
 }
 
-fn not_found(what: &str, h: Handle) -> DeviceError {
-    DeviceError::new(Status::NotFound, format!("no {what} {h}"))
+fn not_found(what: &str, id: impl std::fmt::Display) -> DeviceError {
+    DeviceError::new(Status::NotFound, format!("no {what} {id}"))
+}
+
+fn too_many_streams() -> DeviceError {
+    DeviceError::new(
+        Status::CapacityExceeded,
+        format!("more than {MAX_DEVICE_STREAMS} streams"),
+    )
 }
 
 /// The buffer a memory kernel argument names, with its offset checked
 /// against the buffer's length (shared by every device implementation).
 fn mem_arg<B>(
-    buffers: &HashMap<Handle, B>,
-    handle: Handle,
+    buffers: &HashMap<Id, B>,
+    id: Id,
     offset: u64,
     len: impl Fn(&B) -> usize,
 ) -> Result<&B, DeviceError> {
-    let b = buffers
-        .get(&handle)
-        .ok_or_else(|| not_found("memory", handle))?;
+    let b = buffers.get(&id).ok_or_else(|| not_found("buffer", id))?;
     if offset > len(b) as u64 {
         return Err(DeviceError::new(
             Status::BadRequest,
@@ -165,22 +225,111 @@ fn mem_arg<B>(
     Ok(b)
 }
 
-/// In-memory test double of a device: memory is host `Vec`s and modules are
-/// kept as text. A launch checks that the module holds `.entry <kernel>` and
-/// that memory arguments exist; the test kernels `iota` and `vadd` of
-/// [`crate::ptx::TEST_KERNELS`] run on the host (so data flow is testable
-/// without a GPU), other kernels are not run.
+/// The entry names of a module's text: `.entry NAME` in PTX,
+/// `__global__ ... NAME(` in CUDA C (for the in-memory device, which runs
+/// no compiler).
+fn entry_names(kind: &SourceKind, text: &str) -> Vec<String> {
+    let ident = |rest: &str| -> Option<String> {
+        let name: String = rest
+            .trim_start()
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        (!name.is_empty()).then_some(name)
+    };
+    match kind {
+        SourceKind::Ptx => text.split(".entry").skip(1).filter_map(ident).collect(),
+        SourceKind::Cuda { .. } => text
+            .split("__global__")
+            .skip(1)
+            .filter_map(|rest| {
+                let head = rest.split('(').next()?;
+                ident(head.split_whitespace().last()?)
+            })
+            .collect(),
+    }
+}
+
+/// The in-memory test double of a device: memory is host `Vec`s, streams
+/// and events are real (a deterministic scheduler, see below), and a few
+/// named test kernels run on the host, so data flow, ordering and failures
+/// are testable without a GPU.
+///
+/// Enqueued commands wait in a queue with their dependencies (the earlier
+/// command of their stream, the record a wait names, conflicting earlier
+/// uses of their buffers); [`Device::finish`] runs them, each time picking a
+/// ready command of the stream with the highest id, so independent streams
+/// do not simply run in submission order, and a missing dependency shows up
+/// as wrong data.
+///
+/// Modules: PTX must hold `.entry`; CUDA C must hold `__global__` (else a
+/// fake compile log comes back in LOAD_FAILED; `#error` in the text also
+/// fails). Host kernels, one element per thread (`i < n`):
+/// `iota(u32* out, u32 n)`: `out[i] = i`; `vadd(f32* a, f32* b, f32* c,
+/// u32 n)`: `c = a + b`; `fill(f32* out, f32 v, u32 n)`; `axpy(f32 a,
+/// f32* x, f32* y, u32 n)`: `y = a * x + y`; `copy(f32* src, f32* dst,
+/// u32 n)`. `spin` does nothing. An access outside a buffer faults the
+/// "device" like an illegal address (sticky, at the next finish).
 ///
 /// For tests of the supervisor it understands three magic kernel names:
 /// `__fault` fails like an illegal address (sticky LAUNCH_FAILED at the next
-/// sync), `__hang` never returns and `__exit` ends the worker process.
+/// finish), `__hang` never returns and `__exit` ends the worker process.
 #[derive(Debug)]
 pub struct MemoryDevice {
     capacity: u64,
     used: u64,
-    buffers: HashMap<Handle, Vec<u8>>,
-    modules: HashMap<Handle, String>,
+    /// Live buffer ids -> storage slots (a freed id may be named again
+    /// while its old storage waits for its queued free).
+    buffers: HashMap<Id, (usize, usize)>,
+    store: HashMap<usize, Vec<u8>>,
+    next_slot: usize,
+    /// Live event ids -> the queue index of their last record (None: done
+    /// before this queue).
+    events: HashMap<Id, Option<usize>>,
+    modules: HashMap<ModuleHash, Vec<String>>,
+    queue: Vec<Queued>,
+    /// Per stream: index of its last queued command.
+    tails: HashMap<StreamId, usize>,
+    /// Per storage slot: the last queued write and the reads since.
+    hazards: HashMap<usize, (Option<usize>, Vec<usize>)>,
     faulted: bool,
+}
+
+#[derive(Debug)]
+struct Queued {
+    stream: StreamId,
+    deps: Vec<usize>,
+    work: Work,
+    done: bool,
+}
+
+#[derive(Debug)]
+enum Work {
+    Write {
+        slot: usize,
+        at: usize,
+        data: Vec<u8>,
+    },
+    Read {
+        slot: usize,
+        range: std::ops::Range<usize>,
+        at: usize,
+    },
+    Free {
+        slot: usize,
+    },
+    Launch {
+        kernel: String,
+        threads: u64,
+        args: Vec<HostArg>,
+    },
+    Nothing,
+}
+
+#[derive(Debug, Clone)]
+enum HostArg {
+    Scalar(Vec<u8>),
+    Mem { slot: usize, offset: usize },
 }
 
 impl MemoryDevice {
@@ -190,87 +339,15 @@ impl MemoryDevice {
             capacity,
             used: 0,
             buffers: HashMap::new(),
+            store: HashMap::new(),
+            next_slot: 0,
+            events: HashMap::new(),
             modules: HashMap::new(),
+            queue: Vec::new(),
+            tails: HashMap::new(),
+            hazards: HashMap::new(),
             faulted: false,
         }
-    }
-
-    /// Runs the test kernels of [`crate::ptx::TEST_KERNELS`] on the host,
-    /// as the GPU would (one element per thread, `i < n`): `iota(out, n)`
-    /// writes `out[i] = i` (u32), `vadd(a, b, c, n)` writes
-    /// `c[i] = a[i] + b[i]` (f32). An access outside a buffer faults the
-    /// "device" like an illegal address (sticky, at the next sync).
-    fn run_host_kernel(
-        &mut self,
-        kernel: &str,
-        dims: LaunchDims,
-        args: &[DeviceArg<'_>],
-    ) -> Result<(), DeviceError> {
-        let threads = dims
-            .grid
-            .iter()
-            .chain(&dims.block)
-            .map(|&d| u64::from(d))
-            .product::<u64>();
-        let bad = || {
-            DeviceError::new(
-                Status::LaunchFailed,
-                format!("test double: wrong arguments for {kernel}"),
-            )
-        };
-        let mem = |a: &DeviceArg<'_>| match a {
-            DeviceArg::Mem { handle, offset } => Ok((*handle, *offset as usize)),
-            DeviceArg::Scalar(_) => Err(bad()),
-        };
-        let u32_arg = |a: &DeviceArg<'_>| match a {
-            DeviceArg::Scalar(b) if b.len() == 4 => {
-                Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            }
-            _ => Err(bad()),
-        };
-        // Element `i` of (handle, byte offset), if inside its buffer.
-        let word = |bufs: &HashMap<Handle, Vec<u8>>, (h, off): (Handle, usize), i: u64| {
-            let start = off.checked_add(usize::try_from(i).ok()?.checked_mul(4)?)?;
-            let b = bufs.get(&h)?;
-            b.get(start..start + 4).map(|_| start)
-        };
-        match (kernel, args) {
-            ("iota", [out, n]) => {
-                let (out, n) = (mem(out)?, u32_arg(n)?);
-                for i in 0..u64::from(n).min(threads) {
-                    let Some(at) = word(&self.buffers, out, i) else {
-                        self.faulted = true;
-                        return Ok(());
-                    };
-                    if let Some(b) = self.buffers.get_mut(&out.0) {
-                        b[at..at + 4].copy_from_slice(&(i as u32).to_le_bytes());
-                    }
-                }
-            }
-            ("vadd", [a, b, c, n]) => {
-                let (a, b, c, n) = (mem(a)?, mem(b)?, mem(c)?, u32_arg(n)?);
-                for i in 0..u64::from(n).min(threads) {
-                    let (Some(ia), Some(ib), Some(ic)) = (
-                        word(&self.buffers, a, i),
-                        word(&self.buffers, b, i),
-                        word(&self.buffers, c, i),
-                    ) else {
-                        self.faulted = true;
-                        return Ok(());
-                    };
-                    let f = |h: Handle, at: usize| {
-                        let v = &self.buffers[&h][at..at + 4];
-                        f32::from_le_bytes([v[0], v[1], v[2], v[3]])
-                    };
-                    let sum = f(a.0, ia) + f(b.0, ib);
-                    if let Some(buf) = self.buffers.get_mut(&c.0) {
-                        buf[ic..ic + 4].copy_from_slice(&sum.to_le_bytes());
-                    }
-                }
-            }
-            _ => return Err(bad()),
-        }
-        Ok(())
     }
 
     fn check_fault(&self) -> Result<(), DeviceError> {
@@ -282,6 +359,219 @@ impl MemoryDevice {
         }
         Ok(())
     }
+
+    fn check_stream(&self, stream: StreamId) -> Result<(), DeviceError> {
+        if !self.tails.contains_key(&stream) && self.tails.len() >= MAX_DEVICE_STREAMS {
+            return Err(too_many_streams());
+        }
+        Ok(())
+    }
+
+    fn slot(&self, id: Id) -> Result<(usize, usize), DeviceError> {
+        self.buffers
+            .get(&id)
+            .copied()
+            .ok_or_else(|| not_found("buffer", id))
+    }
+
+    /// Queues `work` on `stream` after `extra` and the conflicting uses of
+    /// the slots it reads and writes.
+    fn enqueue(
+        &mut self,
+        stream: StreamId,
+        work: Work,
+        reads: &[usize],
+        writes: &[usize],
+        extra: Option<usize>,
+    ) -> usize {
+        let i = self.queue.len();
+        let mut deps: Vec<usize> = self.tails.get(&stream).copied().into_iter().collect();
+        deps.extend(extra);
+        for s in reads {
+            let h = self.hazards.entry(*s).or_default();
+            deps.extend(h.0);
+            h.1.push(i);
+        }
+        for s in writes {
+            let h = self.hazards.entry(*s).or_default();
+            deps.extend(h.0);
+            deps.append(&mut h.1);
+            h.0 = Some(i);
+        }
+        // A buffer named twice would otherwise depend on itself.
+        deps.retain(|&d| d < i);
+        self.tails.insert(stream, i);
+        self.queue.push(Queued {
+            stream,
+            deps,
+            work,
+            done: false,
+        });
+        i
+    }
+
+    /// Runs every queued command, honouring its dependencies; among ready
+    /// commands, the one of the highest stream id goes first.
+    fn drain(&mut self, out: &mut [u8]) {
+        let queue = std::mem::take(&mut self.queue);
+        let mut queue = queue;
+        let mut left = queue.len();
+        while left > 0 {
+            let next = (0..queue.len())
+                .filter(|&i| !queue[i].done && queue[i].deps.iter().all(|&d| queue[d].done))
+                .max_by_key(|&i| (queue[i].stream, std::cmp::Reverse(i)));
+            // Dependencies always point at earlier commands, so the oldest
+            // unfinished command is ready: there is always a next one.
+            let Some(i) = next else {
+                debug_assert!(false, "no ready command");
+                break;
+            };
+            let work = std::mem::replace(&mut queue[i].work, Work::Nothing);
+            self.run(work, out);
+            queue[i].done = true;
+            left -= 1;
+        }
+        self.tails.clear();
+        self.hazards.clear();
+        for last in self.events.values_mut() {
+            *last = None;
+        }
+    }
+
+    fn run(&mut self, work: Work, out: &mut [u8]) {
+        match work {
+            Work::Write { slot, at, data } => {
+                if let Some(b) = self.store.get_mut(&slot) {
+                    b[at..at + data.len()].copy_from_slice(&data);
+                }
+            }
+            Work::Read { slot, range, at } => {
+                if let (Some(b), Some(dst)) =
+                    (self.store.get(&slot), out.get_mut(at..at + range.len()))
+                {
+                    dst.copy_from_slice(&b[range]);
+                }
+            }
+            Work::Free { slot } => {
+                self.store.remove(&slot);
+            }
+            Work::Launch {
+                kernel,
+                threads,
+                args,
+            } => match kernel.as_str() {
+                "__fault" => self.faulted = true,
+                "__hang" => loop {
+                    std::thread::sleep(std::time::Duration::from_secs(3600));
+                },
+                "__exit" => std::process::exit(3),
+                _ => {
+                    if !self.faulted && host_kernel(&mut self.store, &kernel, threads, &args) {
+                        self.faulted = true;
+                    }
+                }
+            },
+            Work::Nothing => {}
+        }
+    }
+}
+
+/// Runs a test kernel on the host; true when it touched memory outside a
+/// buffer (an illegal address). Arguments were checked at enqueue.
+fn host_kernel(
+    store: &mut HashMap<usize, Vec<u8>>,
+    kernel: &str,
+    threads: u64,
+    args: &[HostArg],
+) -> bool {
+    let scalar = |a: &HostArg| match a {
+        HostArg::Scalar(b) if b.len() == 4 => [b[0], b[1], b[2], b[3]],
+        _ => [0; 4],
+    };
+    let n = |a: &HostArg| u64::from(u32::from_le_bytes(scalar(a))).min(threads);
+    let f = |a: &HostArg| f32::from_le_bytes(scalar(a));
+    // Byte position of element `i` of a memory argument, if in bounds.
+    let at = |store: &HashMap<usize, Vec<u8>>, a: &HostArg, i: u64| -> Option<(usize, usize)> {
+        let HostArg::Mem { slot, offset } = a else {
+            return None;
+        };
+        let start = offset.checked_add(usize::try_from(i).ok()?.checked_mul(4)?)?;
+        let b = store.get(slot)?;
+        (start + 4 <= b.len()).then_some((*slot, start))
+    };
+    let get = |store: &HashMap<usize, Vec<u8>>, (s, p): (usize, usize)| {
+        let b = &store[&s][p..p + 4];
+        [b[0], b[1], b[2], b[3]]
+    };
+    let put = |store: &mut HashMap<usize, Vec<u8>>, (s, p): (usize, usize), v: [u8; 4]| {
+        if let Some(b) = store.get_mut(&s) {
+            b[p..p + 4].copy_from_slice(&v);
+        }
+    };
+    match (kernel, args) {
+        ("iota", [out, count]) => {
+            for i in 0..n(count) {
+                let Some(o) = at(store, out, i) else {
+                    return true;
+                };
+                put(store, o, (i as u32).to_le_bytes());
+            }
+        }
+        ("vadd", [a, b, c, count]) => {
+            for i in 0..n(count) {
+                let (Some(ia), Some(ib), Some(ic)) =
+                    (at(store, a, i), at(store, b, i), at(store, c, i))
+                else {
+                    return true;
+                };
+                let v = f32::from_le_bytes(get(store, ia)) + f32::from_le_bytes(get(store, ib));
+                put(store, ic, v.to_le_bytes());
+            }
+        }
+        ("fill", [out, v, count]) => {
+            for i in 0..n(count) {
+                let Some(o) = at(store, out, i) else {
+                    return true;
+                };
+                put(store, o, f(v).to_le_bytes());
+            }
+        }
+        ("axpy", [a, x, y, count]) => {
+            for i in 0..n(count) {
+                let (Some(ix), Some(iy)) = (at(store, x, i), at(store, y, i)) else {
+                    return true;
+                };
+                let v =
+                    f(a) * f32::from_le_bytes(get(store, ix)) + f32::from_le_bytes(get(store, iy));
+                put(store, iy, v.to_le_bytes());
+            }
+        }
+        ("copy", [src, dst, count]) => {
+            for i in 0..n(count) {
+                let (Some(is), Some(id)) = (at(store, src, i), at(store, dst, i)) else {
+                    return true;
+                };
+                let v = get(store, is);
+                put(store, id, v);
+            }
+        }
+        _ => {}
+    }
+    false
+}
+
+/// The argument shapes of the host test kernels: `m` memory, `s` a 4-byte
+/// scalar.
+fn host_kernel_shape(kernel: &str) -> Option<&'static str> {
+    Some(match kernel {
+        "iota" => "ms",
+        "vadd" => "mmms",
+        "fill" => "mss",
+        "axpy" => "smms",
+        "copy" => "mms",
+        "spin" | "__fault" | "__hang" | "__exit" => "",
+        _ => return None,
+    })
 }
 
 impl Device for MemoryDevice {
@@ -295,109 +585,217 @@ impl Device for MemoryDevice {
         })
     }
 
-    fn alloc(&mut self, handle: Handle, size: u64) -> Result<(), DeviceError> {
+    fn alloc(&mut self, stream: StreamId, id: Id, size: u64) -> Result<(), DeviceError> {
         self.check_fault()?;
+        self.check_stream(stream)?;
+        if self.buffers.contains_key(&id) || self.events.contains_key(&id) {
+            return Err(DeviceError::new(
+                Status::BadRequest,
+                format!("id {id} is in use"),
+            ));
+        }
         if size > self.capacity - self.used {
             return Err(DeviceError::new(Status::CapacityExceeded, "out of memory"));
         }
         self.used += size;
-        self.buffers.insert(handle, vec![0; size as usize]);
+        let slot = self.next_slot;
+        self.next_slot += 1;
+        // A fresh slot has no earlier uses: zeroed now, in order for all.
+        self.store.insert(slot, vec![0; size as usize]);
+        self.buffers.insert(id, (slot, size as usize));
         Ok(())
     }
 
-    fn free(&mut self, handle: Handle) -> Result<(), DeviceError> {
-        let b = self
-            .buffers
-            .remove(&handle)
-            .ok_or_else(|| not_found("memory", handle))?;
-        self.used -= b.len() as u64;
-        Ok(())
-    }
-
-    fn write(&mut self, handle: Handle, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
-        self.check_fault()?;
-        let b = self
-            .buffers
-            .get_mut(&handle)
-            .ok_or_else(|| not_found("memory", handle))?;
-        let r = range(b.len(), offset, data.len() as u64)?;
-        b[r].copy_from_slice(data);
-        Ok(())
-    }
-
-    fn read(&mut self, handle: Handle, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
-        self.check_fault()?;
-        let b = self
-            .buffers
-            .get(&handle)
-            .ok_or_else(|| not_found("memory", handle))?;
-        let r = range(b.len(), offset, out.len() as u64)?;
-        out.copy_from_slice(&b[r]);
-        Ok(())
-    }
-
-    fn load_module(&mut self, handle: Handle, ptx: &[u8]) -> Result<(), DeviceError> {
-        let text = std::str::from_utf8(ptx)
-            .map_err(|_| DeviceError::new(Status::LoadFailed, "ptx is not UTF-8"))?;
-        if !text.contains(".entry") {
-            return Err(DeviceError::new(
-                Status::LoadFailed,
-                "ptxas fatal: no .entry in module (test double JIT log)",
-            ));
+    fn free(&mut self, stream: StreamId, id: Id) -> Result<(), DeviceError> {
+        self.check_stream(stream)?;
+        if self.events.remove(&id).is_some() {
+            return Ok(());
         }
-        self.modules.insert(handle, text.to_owned());
+        let (slot, len) = self
+            .buffers
+            .remove(&id)
+            .ok_or_else(|| not_found("buffer", id))?;
+        self.used -= len as u64;
+        self.enqueue(stream, Work::Free { slot }, &[], &[slot], None);
         Ok(())
     }
 
-    fn unload_module(&mut self, handle: Handle) -> Result<(), DeviceError> {
+    fn write(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), DeviceError> {
+        self.check_fault()?;
+        self.check_stream(stream)?;
+        let (slot, len) = self.slot(id)?;
+        let r = range(len, offset, data.len() as u64)?;
+        let work = Work::Write {
+            slot,
+            at: r.start,
+            data: data.to_vec(),
+        };
+        self.enqueue(stream, work, &[], &[slot], None);
+        Ok(())
+    }
+
+    fn read(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        len: u32,
+        at: usize,
+    ) -> Result<(), DeviceError> {
+        self.check_fault()?;
+        self.check_stream(stream)?;
+        let (slot, size) = self.slot(id)?;
+        let range = range(size, offset, u64::from(len))?;
+        self.enqueue(stream, Work::Read { slot, range, at }, &[slot], &[], None);
+        Ok(())
+    }
+
+    fn read_now(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+        let (slot, size) = self.slot(id)?;
+        let r = range(size, offset, out.len() as u64)?;
+        self.finish(&mut [])?;
+        out.copy_from_slice(&self.store[&slot][r]);
+        Ok(())
+    }
+
+    fn load_module(
+        &mut self,
+        hash: ModuleHash,
+        kind: &SourceKind,
+        text: &[u8],
+    ) -> Result<(), DeviceError> {
+        if self.modules.contains_key(&hash) {
+            return Ok(());
+        }
+        let text = std::str::from_utf8(text)
+            .map_err(|_| DeviceError::new(Status::LoadFailed, "module text is not UTF-8"))?;
+        let log = match kind {
+            SourceKind::Ptx if !text.contains(".entry") => {
+                Some("ptxas fatal: no .entry in module (test double JIT log)".to_owned())
+            }
+            SourceKind::Cuda { .. } if text.contains("#error") || !text.contains("__global__") => {
+                Some(format!(
+                "module {hash}(1): error: no __global__ function or #error (test double NVRTC log)"
+            ))
+            }
+            _ => None,
+        };
+        if let Some(log) = log {
+            return Err(DeviceError::new(Status::LoadFailed, log));
+        }
+        self.modules.insert(hash, entry_names(kind, text));
+        Ok(())
+    }
+
+    fn unload_module(&mut self, hash: ModuleHash) -> Result<(), DeviceError> {
         self.modules
-            .remove(&handle)
+            .remove(&hash)
             .map(|_| ())
-            .ok_or_else(|| not_found("module", handle))
+            .ok_or_else(|| not_found("module", hash))
     }
 
     fn launch(
         &mut self,
-        module: Handle,
+        stream: StreamId,
+        module: ModuleHash,
         kernel: &str,
         dims: LaunchDims,
         args: &[DeviceArg<'_>],
     ) -> Result<(), DeviceError> {
         self.check_fault()?;
-        let text = self
+        self.check_stream(stream)?;
+        let entries = self
             .modules
             .get(&module)
             .ok_or_else(|| not_found("module", module))?;
-        let has_entry = text.split(".entry").skip(1).any(|rest| {
-            rest.trim_start()
-                .split(|c: char| c == '(' || c.is_whitespace())
-                .next()
-                == Some(kernel)
-        });
-        if !has_entry {
+        if !entries.iter().any(|e| e == kernel) {
             return Err(DeviceError::new(
                 Status::NotFound,
-                format!("no kernel {kernel} in module"),
+                format!("no kernel {kernel} in module {module}"),
             ));
         }
+        let mut host = Vec::with_capacity(args.len());
+        let mut touched = Vec::new();
         for a in args {
-            if let DeviceArg::Mem { handle, offset } = a {
-                mem_arg(&self.buffers, *handle, *offset, Vec::len)?;
+            host.push(match a {
+                DeviceArg::Scalar(b) => HostArg::Scalar(b.to_vec()),
+                DeviceArg::Mem { id, offset } => {
+                    let (slot, len) = self.slot(*id)?;
+                    if *offset > len as u64 {
+                        return Err(DeviceError::new(
+                            Status::BadRequest,
+                            "argument offset past buffer end",
+                        ));
+                    }
+                    touched.push(slot);
+                    HostArg::Mem {
+                        slot,
+                        offset: *offset as usize,
+                    }
+                }
+            });
+        }
+        if let Some(shape) = host_kernel_shape(kernel) {
+            let ok = shape.len() == host.len()
+                && shape.chars().zip(&host).all(|(c, a)| match (c, a) {
+                    ('m', HostArg::Mem { .. }) => true,
+                    ('s', HostArg::Scalar(b)) => b.len() == 4,
+                    _ => false,
+                });
+            if !ok {
+                return Err(DeviceError::new(
+                    Status::BadRequest,
+                    format!("test double: wrong arguments for {kernel}"),
+                ));
             }
         }
-        match kernel {
-            "__fault" => self.faulted = true,
-            "__hang" => loop {
-                std::thread::sleep(std::time::Duration::from_secs(3600));
-            },
-            "__exit" => std::process::exit(3),
-            "iota" | "vadd" => self.run_host_kernel(kernel, dims, args)?,
-            _ => {}
-        }
+        let threads = dims
+            .grid
+            .iter()
+            .chain(&dims.block)
+            .map(|&d| u64::from(d))
+            .product::<u64>();
+        let work = Work::Launch {
+            kernel: kernel.to_owned(),
+            threads,
+            args: host,
+        };
+        // Every memory argument may be written.
+        self.enqueue(stream, work, &[], &touched, None);
         Ok(())
     }
 
-    fn sync(&mut self) -> Result<(), DeviceError> {
+    fn record(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError> {
+        self.check_stream(stream)?;
+        if self.buffers.contains_key(&event) {
+            return Err(DeviceError::new(
+                Status::BadRequest,
+                format!("{event} is a buffer, not an event"),
+            ));
+        }
+        let i = self.enqueue(stream, Work::Nothing, &[], &[], None);
+        self.events.insert(event, Some(i));
+        Ok(())
+    }
+
+    fn wait(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError> {
+        self.check_stream(stream)?;
+        let last = *self
+            .events
+            .get(&event)
+            .ok_or_else(|| not_found("event", event))?;
+        self.enqueue(stream, Work::Nothing, &[], &[], last);
+        Ok(())
+    }
+
+    fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError> {
+        self.drain(out);
         self.check_fault()
     }
 }
@@ -412,24 +810,33 @@ mod cuda {
         launch, CudaStream, DeviceBuffer, DeviceOpExt, DynArg, DynArgs, Error, Kernel,
         LaunchConfig, Module, PinnedBuffer,
     };
+    use cuda_core::CudaEvent;
 
-    use super::{mem_arg, not_found, range, Device, DeviceArg, DeviceError, LaunchDims};
-    use crate::proto::{DeviceInfo, Handle, Status};
+    use super::{
+        mem_arg, not_found, range, too_many_streams, Device, DeviceArg, DeviceError, LaunchDims,
+        MAX_DEVICE_STREAMS,
+    };
+    use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
 
     /// A real device, driven through `cuda-core` and `cuda-async`: the
-    /// device's primary context (the worker process owns it alone) and one
-    /// stream. Memory is `cuda-core` device buffers (frees are stream-ordered
-    /// after their uses); copies go through pinned staging memory, never a
-    /// pageable copy; kernels are `cuda-core` modules (PTX, JIT-loaded once
-    /// per content), launched with run-time argument lists checked against
+    /// device's primary context (the worker process owns it alone) and
+    /// streams made on demand, named by the lease's client. Memory is
+    /// `cuda-core` device buffers, which order their uses across streams
+    /// and their frees after every use; copies go through pinned staging
+    /// memory, never a pageable copy; kernels are `cuda-core` modules (PTX
+    /// JIT-loaded, CUDA C compiled by NVRTC for this device, once per
+    /// content), launched with run-time argument lists checked against
     /// their PTX parameters.
     #[derive(Debug)]
     pub struct CudaDevice {
         device: cuda_async::Device,
-        stream: Arc<CudaStream>,
-        buffers: HashMap<Handle, DeviceBuffer<u8>>,
-        modules: HashMap<Handle, Module>,
-        kernels: HashMap<(Handle, String), Kernel>,
+        streams: HashMap<StreamId, Arc<CudaStream>>,
+        buffers: HashMap<Id, DeviceBuffer<u8>>,
+        events: HashMap<Id, CudaEvent>,
+        modules: HashMap<ModuleHash, Module>,
+        kernels: HashMap<(ModuleHash, String), Kernel>,
+        /// Reads enqueued since the last finish: where they land.
+        reads: Vec<(PinnedBuffer<u8>, usize)>,
     }
 
     /// Maps a `cuda-core` error: sticky ones (kernel faults) become sticky
@@ -449,8 +856,17 @@ mod cuda {
         DeviceError::new(status, format!("{what}: {e}"))
     }
 
+    fn driver(
+        status: Status,
+        call: &'static str,
+        e: cuda_core::cudarc::driver::DriverError,
+    ) -> DeviceError {
+        map(status, call, Error::driver(call, e))
+    }
+
     impl CudaDevice {
-        /// Opens device `ordinal`: its primary context and a new stream.
+        /// Opens device `ordinal`: its primary context, bound to this
+        /// thread. Streams are made on first use.
         ///
         /// # Errors
         ///
@@ -461,29 +877,50 @@ mod cuda {
             let device = cuda_async::Device::new(ordinal)
                 .map_err(|e| map(st, &format!("opening device {ordinal}"), e))?;
             // The worker's one thread drives this context from now on.
-            device.context().bind_to_thread().map_err(|e| {
-                map(
-                    st,
-                    "binding the context",
-                    Error::driver("cuCtxSetCurrent", e),
-                )
-            })?;
-            let stream = device
-                .new_stream()
-                .map_err(|e| map(st, "creating a stream", e))?;
+            device
+                .context()
+                .bind_to_thread()
+                .map_err(|e| driver(st, "cuCtxSetCurrent", e))?;
             Ok(Self {
                 device,
-                stream,
+                streams: HashMap::new(),
                 buffers: HashMap::new(),
+                events: HashMap::new(),
                 modules: HashMap::new(),
                 kernels: HashMap::new(),
+                reads: Vec::new(),
             })
         }
 
-        fn buffer(&self, handle: Handle) -> Result<&DeviceBuffer<u8>, DeviceError> {
-            self.buffers
-                .get(&handle)
-                .ok_or_else(|| not_found("memory", handle))
+        fn stream(&mut self, id: StreamId) -> Result<Arc<CudaStream>, DeviceError> {
+            if let Some(s) = self.streams.get(&id) {
+                return Ok(s.clone());
+            }
+            if self.streams.len() >= MAX_DEVICE_STREAMS {
+                return Err(too_many_streams());
+            }
+            let s = self
+                .device
+                .new_stream()
+                .map_err(|e| map(Status::Internal, "creating a stream", e))?;
+            self.streams.insert(id, s.clone());
+            Ok(s)
+        }
+
+        fn buffer(&self, id: Id) -> Result<&DeviceBuffer<u8>, DeviceError> {
+            self.buffers.get(&id).ok_or_else(|| not_found("buffer", id))
+        }
+
+        /// Waits for every stream; a failure is sticky (a kernel fault).
+        fn sync_all(&mut self) -> Result<(), DeviceError> {
+            for s in self.streams.values() {
+                s.synchronize().map_err(|e| {
+                    let mut d = driver(Status::LaunchFailed, "cuStreamSynchronize", e);
+                    d.sticky = true;
+                    d
+                })?;
+            }
+            Ok(())
         }
     }
 
@@ -504,38 +941,64 @@ mod cuda {
             })
         }
 
-        fn alloc(&mut self, handle: Handle, size: u64) -> Result<(), DeviceError> {
+        fn alloc(&mut self, stream: StreamId, id: Id, size: u64) -> Result<(), DeviceError> {
+            if self.buffers.contains_key(&id) || self.events.contains_key(&id) {
+                return Err(DeviceError::new(
+                    Status::BadRequest,
+                    format!("id {id} is in use"),
+                ));
+            }
+            let stream = self.stream(stream)?;
             let n = usize::try_from(size)
                 .map_err(|_| DeviceError::new(Status::CapacityExceeded, "size too large"))?;
-            let buf = DeviceBuffer::<u8>::zeros(&self.stream, n)
+            let buf = DeviceBuffer::<u8>::zeros(&stream, n)
                 .map_err(|e| map(Status::CapacityExceeded, "cuMemAllocAsync", e))?;
-            self.buffers.insert(handle, buf);
+            self.buffers.insert(id, buf);
             Ok(())
         }
 
-        fn free(&mut self, handle: Handle) -> Result<(), DeviceError> {
-            // Stream-ordered after every use of the buffer.
+        fn free(&mut self, _stream: StreamId, id: Id) -> Result<(), DeviceError> {
+            if self.events.remove(&id).is_some() {
+                // The driver releases a pending event when it completes.
+                return Ok(());
+            }
+            // Stream-ordered after every use of the buffer, on any stream.
             self.buffers
-                .remove(&handle)
+                .remove(&id)
                 .map(drop)
-                .ok_or_else(|| not_found("memory", handle))
+                .ok_or_else(|| not_found("buffer", id))
         }
 
-        fn write(&mut self, handle: Handle, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        fn write(
+            &mut self,
+            stream: StreamId,
+            id: Id,
+            offset: u64,
+            data: &[u8],
+        ) -> Result<(), DeviceError> {
+            let stream = self.stream(stream)?;
             let buf = self
                 .buffers
-                .get_mut(&handle)
-                .ok_or_else(|| not_found("memory", handle))?;
+                .get_mut(&id)
+                .ok_or_else(|| not_found("buffer", id))?;
             let r = range(buf.len(), offset, data.len() as u64)?;
             // Staged through pooled pinned memory: a host memcpy, then an
             // asynchronous copy; `data` is free once this returns.
-            cuda_core::staging::upload_at(data, buf, r.start, &self.stream)
+            cuda_core::staging::upload_at(data, buf, r.start, &stream)
                 .map_err(|e| map(Status::BadRequest, "host-to-device copy", e))
         }
 
-        fn read(&mut self, handle: Handle, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
-            let buf = self.buffer(handle)?;
-            let r = range(buf.len(), offset, out.len() as u64)?;
+        fn read(
+            &mut self,
+            stream: StreamId,
+            id: Id,
+            offset: u64,
+            len: u32,
+            at: usize,
+        ) -> Result<(), DeviceError> {
+            let stream = self.stream(stream)?;
+            let buf = self.buffer(id)?;
+            let r = range(buf.len(), offset, u64::from(len))?;
             if r.is_empty() {
                 return Ok(());
             }
@@ -544,55 +1007,74 @@ mod cuda {
             // host access, which waits for it.
             let mut host = unsafe { PinnedBuffer::<u8>::uninit(&self.device, r.len()) }
                 .map_err(|e| map(st, "pinned allocation", e))?;
-            host.download_from(buf, r.start, &self.stream)
+            host.download_from(buf, r.start, &stream)
                 .map_err(|e| map(st, "device-to-host copy", e))?;
-            // Waits for the copy (and surfaces kernel faults here).
-            self.sync()?;
-            let bytes = host
-                .as_slice()
-                .map_err(|e| map(st, "device-to-host copy", e))?;
-            out.copy_from_slice(bytes);
+            self.reads.push((host, at));
             Ok(())
         }
 
-        fn load_module(&mut self, handle: Handle, ptx: &[u8]) -> Result<(), DeviceError> {
+        fn read_now(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+            let len = u32::try_from(out.len())
+                .map_err(|_| DeviceError::new(Status::BadRequest, "read too large"))?;
+            // On a stream of its own (the buffer orders it after its writes).
+            self.read(StreamId::MAX, id, offset, len, 0)?;
+            self.finish(out)
+        }
+
+        fn load_module(
+            &mut self,
+            hash: ModuleHash,
+            kind: &SourceKind,
+            text: &[u8],
+        ) -> Result<(), DeviceError> {
+            if self.modules.contains_key(&hash) {
+                return Ok(());
+            }
             let st = Status::LoadFailed;
-            let text =
-                std::str::from_utf8(ptx).map_err(|_| DeviceError::new(st, "ptx is not UTF-8"))?;
-            let module = Module::ptx(text)
-                .map_err(|e| map(st, "PTX", e))?
-                .named(format!("module {handle}"));
-            // JIT-loaded now (once per content in this process), so the log
-            // of a bad module comes back with this request.
+            let text = std::str::from_utf8(text)
+                .map_err(|_| DeviceError::new(st, "module text is not UTF-8"))?;
+            let module = match kind {
+                SourceKind::Ptx => Module::ptx(text).map_err(|e| map(st, "PTX", e))?,
+                SourceKind::Cuda { options } => {
+                    let opts: Vec<&str> = options.iter().map(String::as_str).collect();
+                    Module::cuda(text, &opts).map_err(|e| map(st, "CUDA C", e))?
+                }
+            }
+            .named(format!("module {hash}"));
+            // Compiled (CUDA C, by this node's NVRTC for this GPU) and
+            // loaded now, once per content in this process, so the log of a
+            // bad module comes back with this request.
             module
                 .load_on(&self.device)
-                .map_err(|e| map(st, "cuModuleLoadData", e))?;
-            self.modules.insert(handle, module);
+                .map_err(|e| map(st, "load", e))?;
+            self.modules.insert(hash, module);
             Ok(())
         }
 
-        fn unload_module(&mut self, handle: Handle) -> Result<(), DeviceError> {
+        fn unload_module(&mut self, hash: ModuleHash) -> Result<(), DeviceError> {
             let module = self
                 .modules
-                .remove(&handle)
-                .ok_or_else(|| not_found("module", handle))?;
-            // Nothing of it may run when it unloads: wait for the stream,
+                .remove(&hash)
+                .ok_or_else(|| not_found("module", hash))?;
+            // Nothing of it may run when it unloads: wait for every stream,
             // then let go of its kernels and its cache entry.
-            self.sync()?;
-            self.kernels.retain(|(m, _), _| *m != handle);
-            // SAFETY: the stream (the only one of this context) is idle, and
-            // the kernels resolved from this module are dropped.
+            self.sync_all()?;
+            self.kernels.retain(|(m, _), _| *m != hash);
+            // SAFETY: every stream of this context is idle, and the kernels
+            // resolved from this module are dropped.
             unsafe { module.evict_on(&self.device) };
             Ok(())
         }
 
         fn launch(
             &mut self,
-            module: Handle,
+            stream: StreamId,
+            module: ModuleHash,
             kernel: &str,
             dims: LaunchDims,
             args: &[DeviceArg<'_>],
         ) -> Result<(), DeviceError> {
+            let stream = self.stream(stream)?;
             let key = (module, kernel.to_owned());
             if !self.kernels.contains_key(&key) {
                 let m = self
@@ -602,6 +1084,8 @@ mod cuda {
                 let k = m
                     .kernel(kernel)
                     .map_err(|e| map(Status::NotFound, "kernel", e))?;
+                k.load_on(&self.device)
+                    .map_err(|e| map(Status::NotFound, "kernel", e))?;
                 self.kernels.insert(key.clone(), k);
             }
             let k = &self.kernels[&key];
@@ -609,8 +1093,8 @@ mod cuda {
                 .iter()
                 .map(|a| match a {
                     DeviceArg::Scalar(b) => Ok(DynArg::Bytes(b.to_vec())),
-                    DeviceArg::Mem { handle, offset } => {
-                        let buffer = mem_arg(&self.buffers, *handle, *offset, DeviceBuffer::len)?;
+                    DeviceArg::Mem { id, offset } => {
+                        let buffer = mem_arg(&self.buffers, *id, *offset, DeviceBuffer::len)?;
                         Ok(DynArg::Buffer {
                             buffer,
                             offset: *offset as usize,
@@ -627,25 +1111,288 @@ mod cuda {
             };
             // SAFETY: the kernel is the lease holder's code; the arguments
             // are checked against its PTX parameter list, buffer addresses
-            // come from this context's live buffers (which order their frees
-            // after this launch), and the output (the argument list) is
-            // dropped unread. What the kernel does with memory is the
-            // client's business: a fault poisons only this worker process.
-            unsafe { launch(k, config, args).async_on(&self.stream) }
+            // come from this context's live buffers (which order this launch
+            // after their other uses and their frees after it, on any
+            // stream), and the output (the argument list) is dropped unread.
+            // What the kernel does with memory is the client's business: a
+            // fault poisons only this worker process.
+            unsafe { launch(k, config, args).async_on(&stream) }
                 .map(drop)
                 .map_err(|e| map(Status::LaunchFailed, "launch", e))
         }
 
-        fn sync(&mut self) -> Result<(), DeviceError> {
-            self.stream.synchronize().map_err(|e| {
-                let mut d = map(
-                    Status::LaunchFailed,
-                    "synchronize",
-                    Error::driver("cuStreamSynchronize", e),
-                );
-                d.sticky = true;
-                d
-            })
+        fn record(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError> {
+            if self.buffers.contains_key(&event) {
+                return Err(DeviceError::new(
+                    Status::BadRequest,
+                    format!("{event} is a buffer, not an event"),
+                ));
+            }
+            let stream = self.stream(stream)?;
+            let st = Status::Internal;
+            match self.events.get(&event) {
+                Some(ev) => ev
+                    .record(&stream)
+                    .map_err(|e| driver(st, "cuEventRecord", e)),
+                None => {
+                    let ev = stream
+                        .record_event(None)
+                        .map_err(|e| driver(st, "cuEventRecord", e))?;
+                    self.events.insert(event, ev);
+                    Ok(())
+                }
+            }
         }
+
+        fn wait(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError> {
+            let stream = self.stream(stream)?;
+            let ev = self
+                .events
+                .get(&event)
+                .ok_or_else(|| not_found("event", event))?;
+            stream
+                .wait(ev)
+                .map_err(|e| driver(Status::Internal, "cuStreamWaitEvent", e))
+        }
+
+        fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError> {
+            // Waits for the copies (and surfaces kernel faults here).
+            let synced = self.sync_all();
+            let reads = std::mem::take(&mut self.reads);
+            synced?;
+            for (host, at) in reads {
+                let bytes = host
+                    .as_slice()
+                    .map_err(|e| map(Status::ReadFailed, "device-to-host copy", e))?;
+                if let Some(dst) = out.get_mut(at..at + bytes.len()) {
+                    dst.copy_from_slice(bytes);
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f32s(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    fn to_f32(b: &[u8]) -> Vec<f32> {
+        b.chunks(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+
+    const CU: &str = "extern \"C\" __global__ void fill(float* out, float v, unsigned n) {}\n\
+                      extern \"C\" __global__ void axpy(float a, const float* x, float* y, unsigned n) {}\n\
+                      extern \"C\" __global__ void copy(const float* s, float* d, unsigned n) {}\n";
+
+    fn dims(n: u32) -> LaunchDims {
+        LaunchDims {
+            grid: [n.div_ceil(32), 1, 1],
+            block: [32, 1, 1],
+            shared_mem: 0,
+        }
+    }
+
+    fn device() -> (MemoryDevice, ModuleHash) {
+        let mut d = MemoryDevice::new(1 << 20);
+        let kind = SourceKind::Cuda { options: vec![] };
+        let h = ModuleHash::of(&kind, CU);
+        d.load_module(h, &kind, CU.as_bytes()).unwrap();
+        (d, h)
+    }
+
+    #[test]
+    fn cuda_c_entries_are_found_and_bad_sources_fail_with_a_log() {
+        let kind = SourceKind::Cuda { options: vec![] };
+        assert_eq!(entry_names(&kind, CU), ["fill", "axpy", "copy"]);
+        let mut d = MemoryDevice::new(1 << 10);
+        let bad = "#error nope\n__global__ void k() {}";
+        let e = d
+            .load_module(ModuleHash::of(&kind, bad), &kind, bad.as_bytes())
+            .unwrap_err();
+        assert_eq!(e.status, Status::LoadFailed);
+        assert!(e.message.contains("NVRTC log"), "{e}");
+    }
+
+    #[test]
+    fn two_streams_ordered_by_an_event_give_the_right_data() {
+        let (mut d, m) = device();
+        let n = 100u32;
+        let (x, y) = (Id(1), Id(2));
+        d.alloc(0, x, 400).unwrap();
+        d.alloc(1, y, 400).unwrap();
+        let mem = |id| DeviceArg::Mem { id, offset: 0 };
+        let two = 2f32.to_le_bytes();
+        let n_b = n.to_le_bytes();
+        // stream 0: x = 3; record e. stream 1: y = 1; wait e; y = 2x + y.
+        d.launch(
+            0,
+            m,
+            "fill",
+            dims(n),
+            &[
+                mem(x),
+                DeviceArg::Scalar(&3f32.to_le_bytes()),
+                DeviceArg::Scalar(&n_b),
+            ],
+        )
+        .unwrap();
+        d.record(0, Id(9)).unwrap();
+        d.launch(
+            1,
+            m,
+            "fill",
+            dims(n),
+            &[
+                mem(y),
+                DeviceArg::Scalar(&1f32.to_le_bytes()),
+                DeviceArg::Scalar(&n_b),
+            ],
+        )
+        .unwrap();
+        d.wait(1, Id(9)).unwrap();
+        d.launch(
+            1,
+            m,
+            "axpy",
+            dims(n),
+            &[
+                DeviceArg::Scalar(&two),
+                mem(x),
+                mem(y),
+                DeviceArg::Scalar(&n_b),
+            ],
+        )
+        .unwrap();
+        d.read(1, y, 0, 400, 0).unwrap();
+        let mut out = vec![0u8; 400];
+        d.finish(&mut out).unwrap();
+        assert_eq!(to_f32(&out), vec![7.0; 100]);
+    }
+
+    #[test]
+    fn the_scheduler_runs_a_higher_stream_first_when_nothing_orders_them() {
+        // Independent streams do not run in submission order: stream 1's
+        // read of `x` goes before stream 0's write of another buffer, and
+        // a read on stream 1 that conflicts with a write on stream 0 still
+        // waits for it (buffers order themselves, as on the GPU).
+        let (mut d, _) = device();
+        d.alloc(0, Id(1), 4).unwrap();
+        d.write(0, Id(1), 0, &f32s(&[5.0])).unwrap();
+        d.read(1, Id(1), 0, 4, 0).unwrap();
+        let mut out = vec![0u8; 4];
+        d.finish(&mut out).unwrap();
+        assert_eq!(to_f32(&out), [5.0]);
+    }
+
+    #[test]
+    fn a_free_waits_for_queued_uses_and_the_id_can_be_named_again() {
+        let (mut d, m) = device();
+        d.alloc(0, Id(1), 8).unwrap();
+        d.write(0, Id(1), 0, &f32s(&[1.0, 2.0])).unwrap();
+        d.read(1, Id(1), 0, 8, 0).unwrap();
+        d.free(2, Id(1)).unwrap();
+        d.alloc(2, Id(1), 8).unwrap();
+        let n = 2u32.to_le_bytes();
+        d.launch(
+            2,
+            m,
+            "fill",
+            dims(2),
+            &[
+                DeviceArg::Mem {
+                    id: Id(1),
+                    offset: 0,
+                },
+                DeviceArg::Scalar(&9f32.to_le_bytes()),
+                DeviceArg::Scalar(&n),
+            ],
+        )
+        .unwrap();
+        d.read(2, Id(1), 0, 8, 8).unwrap();
+        let mut out = vec![0u8; 16];
+        d.finish(&mut out).unwrap();
+        assert_eq!(to_f32(&out), [1.0, 2.0, 9.0, 9.0]);
+        assert_eq!(d.store.len(), 1, "the first storage is freed");
+    }
+
+    #[test]
+    fn a_buffer_named_twice_in_one_launch_does_not_wait_for_itself() {
+        let (mut d, m) = device();
+        d.alloc(0, Id(1), 8).unwrap();
+        d.write(0, Id(1), 0, &f32s(&[1.0, 2.0])).unwrap();
+        let x = DeviceArg::Mem {
+            id: Id(1),
+            offset: 0,
+        };
+        let n = 2u32.to_le_bytes();
+        d.launch(
+            0,
+            m,
+            "axpy",
+            dims(2),
+            &[
+                DeviceArg::Scalar(&1f32.to_le_bytes()),
+                x,
+                x,
+                DeviceArg::Scalar(&n),
+            ],
+        )
+        .unwrap();
+        d.read(0, Id(1), 0, 8, 0).unwrap();
+        let mut out = vec![0u8; 8];
+        d.finish(&mut out).unwrap();
+        assert_eq!(to_f32(&out), [2.0, 4.0]);
+    }
+
+    #[test]
+    fn unknown_ids_wrong_arguments_and_faults_are_errors() {
+        let (mut d, m) = device();
+        assert_eq!(
+            d.read(0, Id(3), 0, 4, 0).unwrap_err().status,
+            Status::NotFound
+        );
+        assert_eq!(d.wait(0, Id(4)).unwrap_err().status, Status::NotFound);
+        d.alloc(0, Id(1), 4).unwrap();
+        assert_eq!(d.alloc(0, Id(1), 4).unwrap_err().status, Status::BadRequest);
+        assert_eq!(d.record(0, Id(1)).unwrap_err().status, Status::BadRequest);
+        let e = d
+            .launch(
+                0,
+                m,
+                "fill",
+                dims(1),
+                &[DeviceArg::Mem {
+                    id: Id(1),
+                    offset: 0,
+                }],
+            )
+            .unwrap_err();
+        assert_eq!(e.status, Status::BadRequest);
+        // Writing 8 floats into a 1-float buffer faults at finish, sticky.
+        let n = 8u32.to_le_bytes();
+        d.launch(
+            0,
+            m,
+            "fill",
+            dims(8),
+            &[
+                DeviceArg::Mem {
+                    id: Id(1),
+                    offset: 0,
+                },
+                DeviceArg::Scalar(&[0; 4]),
+                DeviceArg::Scalar(&n),
+            ],
+        )
+        .unwrap();
+        let e = d.finish(&mut []).unwrap_err();
+        assert!(e.sticky && e.status == Status::LaunchFailed, "{e}");
     }
 }

@@ -1162,6 +1162,23 @@ async fn lease_free(shared: &Arc<Shared>, id: &LeaseId) -> Result<Reply, Reply> 
     }
 }
 
+/// The worker's id of a v1 handle (its first 8 bytes).
+pub(crate) fn worker_id(h: Handle) -> proto::Id {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&h.0[..8]);
+    proto::Id(u64::from_le_bytes(b))
+}
+
+/// The worker's name of a v1 module handle.
+fn worker_module(h: Handle) -> proto::ModuleHash {
+    let mut b = [0u8; 32];
+    b[..16].copy_from_slice(&h.0);
+    proto::ModuleHash(b)
+}
+
+/// The event a v1 SYNC records (the batch's end waits for every stream).
+const SYNC_EVENT: proto::Id = proto::Id(u64::MAX);
+
 fn resolve(
     handles: &HashMap<Handle, HandleKind>,
     made: &[Option<(Handle, HandleKind)>],
@@ -1245,7 +1262,8 @@ fn plan(
                 p.charged.push((i, h, HandleKind::Mem(*size)));
                 Ok((
                     WorkerOp::Alloc {
-                        handle: h,
+                        stream: 0,
+                        id: worker_id(h),
                         size: *size,
                     },
                     OpResult::Handle(h),
@@ -1261,7 +1279,8 @@ fn plan(
                 p.data_used += *len as usize;
                 Ok((
                     WorkerOp::Write {
-                        handle: h,
+                        stream: 0,
+                        id: worker_id(h),
                         offset: *offset,
                         len: *len,
                     },
@@ -1284,7 +1303,8 @@ fn plan(
                 }
                 Ok((
                     WorkerOp::Read {
-                        handle: h,
+                        stream: 0,
+                        id: worker_id(h),
                         offset: *offset,
                         len: *len,
                     },
@@ -1293,9 +1313,18 @@ fn plan(
                 ))
             }
             BatchOp::MemFree { target } => {
-                let (h, _) = resolve(&handles, &made, &freed, target, None, i)?;
+                let (h, kind) = resolve(&handles, &made, &freed, target, None, i)?;
                 freed.insert(h);
-                Ok((WorkerOp::Free { handle: h }, OpResult::Done, None))
+                let op = match kind {
+                    HandleKind::Mem(_) => WorkerOp::Free {
+                        stream: 0,
+                        id: worker_id(h),
+                    },
+                    HandleKind::Module(_) => WorkerOp::UnloadModule {
+                        hash: worker_module(h),
+                    },
+                };
+                Ok((op, OpResult::Done, None))
             }
             BatchOp::ModuleLoad { len } => {
                 // Module bytes count against the reservation.
@@ -1309,7 +1338,8 @@ fn plan(
                 p.data_used += *len as usize;
                 Ok((
                     WorkerOp::LoadModule {
-                        handle: h,
+                        hash: worker_module(h),
+                        kind: proto::SourceKind::Ptx,
                         len: *len,
                     },
                     OpResult::Handle(h),
@@ -1332,7 +1362,7 @@ fn plan(
                         KernelArg::Mem { handle, offset } => {
                             let (h, _) = resolve(&handles, &made, &freed, handle, mem, i)?;
                             WorkerArg::Mem {
-                                handle: h,
+                                id: worker_id(h),
                                 offset: *offset,
                             }
                         }
@@ -1355,7 +1385,8 @@ fn plan(
                 ];
                 Ok((
                     WorkerOp::Launch {
-                        module,
+                        stream: 0,
+                        module: worker_module(module),
                         kernel: spec.kernel.clone(),
                         dims: d,
                         args,
@@ -1364,7 +1395,14 @@ fn plan(
                     None,
                 ))
             }
-            BatchOp::Sync => Ok((WorkerOp::Sync, OpResult::Done, None)),
+            BatchOp::Sync => Ok((
+                WorkerOp::Record {
+                    stream: 0,
+                    event: SYNC_EVENT,
+                },
+                OpResult::Done,
+                None,
+            )),
         })();
         match step {
             Ok((wop, res, new)) => {

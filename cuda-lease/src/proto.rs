@@ -633,6 +633,93 @@ id_type!(
     Handle
 );
 
+/// A client-named id of a buffer or an event in a lease. The client picks
+/// it (a per-lease counter); ids are names, not secrets: a lease is usable
+/// only by the principal that made it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Id(pub u64);
+
+impl fmt::Debug for Id {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Id({})", self.0)
+    }
+}
+
+impl fmt::Display for Id {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// A client-named stream of a lease; the node makes streams on demand, up
+/// to its per-lease limit.
+pub type StreamId = u32;
+
+/// Most options one CUDA C module may carry.
+pub const MAX_MODULE_OPTIONS: usize = 64;
+/// Longest NVRTC option.
+pub const MAX_OPTION_LEN: usize = 1024;
+
+/// What a module's source text is.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum SourceKind {
+    /// PTX, JIT-loaded by the node's driver.
+    Ptx,
+    /// CUDA C, compiled by the node's NVRTC for the node's own GPU.
+    Cuda {
+        /// NVRTC options (at most [`MAX_MODULE_OPTIONS`], each at most
+        /// [`MAX_OPTION_LEN`] bytes).
+        #[serde(deserialize_with = "bounded::options")]
+        options: Vec<String>,
+    },
+}
+
+/// A module's name on the wire: the SHA-256 of its kind, options and text
+/// ([`ModuleHash::of`]). A collision-resistant hash, because the node caches
+/// modules node-wide by it: naming a hash is only useful to a client that
+/// knows the source.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ModuleHash(pub [u8; 32]);
+
+impl ModuleHash {
+    /// The hash of a module: SHA-256 over a tag for the kind, each option
+    /// followed by a NUL, a NUL, then the text.
+    pub fn of(kind: &SourceKind, text: &str) -> Self {
+        let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+        match kind {
+            SourceKind::Ptx => ctx.update(b"ptx\0"),
+            SourceKind::Cuda { options } => {
+                ctx.update(b"cuda\0");
+                for o in options {
+                    ctx.update(o.as_bytes());
+                    ctx.update(b"\0");
+                }
+                ctx.update(b"\0");
+            }
+        }
+        ctx.update(text.as_bytes());
+        let mut out = [0u8; 32];
+        out.copy_from_slice(ctx.finish().as_ref());
+        Self(out)
+    }
+}
+
+impl fmt::Debug for ModuleHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ModuleHash({self})")
+    }
+}
+
+impl fmt::Display for ModuleHash {
+    /// The first 16 hex digits (enough to tell modules apart in messages).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in &self.0[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
 /// Error reply body (every non-OK status).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorBody {
@@ -1165,6 +1252,14 @@ mod bounded {
 
     pub(super) fn input_lens<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
         at_most(d, MAX_KERNEL_ARGS)
+    }
+
+    pub(super) fn options<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+        let v: Vec<String> = at_most(d, super::MAX_MODULE_OPTIONS)?;
+        if v.iter().any(|o| o.len() > super::MAX_OPTION_LEN) {
+            return Err(D::Error::custom("NVRTC option too long"));
+        }
+        Ok(v)
     }
 
     pub(super) fn scalar<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {

@@ -13,7 +13,7 @@
 //! lease ends the node kills it. Either way the driver frees everything the
 //! worker held.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -28,8 +28,8 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice};
 use crate::hops::{self, HopTimer};
 use crate::proto::{
-    self, from_body, to_body, DeviceInfo, Frame, GpuSubmit, Handle, Header, KernelArg, Limits,
-    Opcode, Status,
+    self, from_body, to_body, DeviceInfo, Frame, GpuSubmit, Header, Id, KernelArg, Limits,
+    ModuleHash, Opcode, SourceKind, Status, StreamId,
 };
 use crate::shm::{ShmRing, WorkerRing, SHM_ENV};
 
@@ -45,7 +45,8 @@ pub enum DeviceSpec {
         /// CUDA ordinal.
         ordinal: usize,
     },
-    /// The in-memory test double ([`MemoryDevice`]); kernels are not run.
+    /// The in-memory test double ([`MemoryDevice`]): host memory, real
+    /// streams and events, a few test kernels run on the host.
     Memory {
         /// Bytes of "device" memory per worker.
         capacity: u64,
@@ -101,37 +102,53 @@ impl WorkerSpec {
     }
 }
 
-/// One op a worker runs; handles were made (and checked) by the node.
+/// One command a worker enqueues; ids were checked by the node.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum WorkerOp {
     Alloc {
-        handle: Handle,
+        stream: StreamId,
+        id: Id,
         size: u64,
     },
     Write {
-        handle: Handle,
+        stream: StreamId,
+        id: Id,
         offset: u64,
         len: u32,
     },
     Read {
-        handle: Handle,
+        stream: StreamId,
+        id: Id,
         offset: u64,
         len: u32,
     },
     Free {
-        handle: Handle,
+        stream: StreamId,
+        id: Id,
     },
     LoadModule {
-        handle: Handle,
+        hash: ModuleHash,
+        kind: SourceKind,
         len: u32,
     },
+    UnloadModule {
+        hash: ModuleHash,
+    },
     Launch {
-        module: Handle,
+        stream: StreamId,
+        module: ModuleHash,
         kernel: String,
         dims: [u32; 7],
         args: Vec<WorkerArg>,
     },
-    Sync,
+    Record {
+        stream: StreamId,
+        event: Id,
+    },
+    Wait {
+        stream: StreamId,
+        event: Id,
+    },
 }
 
 /// One chunk of a streamed MEM_WRITE (node -> worker: copy slot `slot` to
@@ -139,7 +156,7 @@ pub(crate) enum WorkerOp {
 /// of the request; the data is in the shared ring, not the pipe.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct ChunkOp {
-    pub(crate) handle: Handle,
+    pub(crate) id: Id,
     pub(crate) offset: u64,
     pub(crate) slot: u32,
     pub(crate) len: u32,
@@ -148,7 +165,7 @@ pub(crate) struct ChunkOp {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum WorkerArg {
     Scalar(Vec<u8>),
-    Mem { handle: Handle, offset: u64 },
+    Mem { id: Id, offset: u64 },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -175,6 +192,8 @@ impl From<DeviceError> for WorkerFailure {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct WorkerBatchReply {
+    /// Commands enqueued; with `error` and `completed == ops.len()`, the
+    /// failure came when waiting for them (a kernel fault).
     pub(crate) completed: u32,
     pub(crate) error: Option<WorkerFailure>,
 }
@@ -279,7 +298,7 @@ fn run_worker(spec: &str) -> i32 {
             return 1;
         }
     };
-    let mut submit_modules: HashMap<u64, Handle> = HashMap::new();
+    let mut submit_modules: HashSet<ModuleHash> = HashSet::new();
     loop {
         let header = match proto::read_header_blocking(&mut input, &WORKER_LIMITS) {
             Ok(h) => h,
@@ -336,9 +355,10 @@ fn serve_chunk(
         Err(e) => return fail(Status::BadRequest, e),
     };
     let r = if f.header.opcode == Opcode::MemWrite {
-        dev.write(op.handle, op.offset, slot)
+        // Stream 0; the buffer orders later uses on any stream after it.
+        dev.write(0, op.id, op.offset, slot)
     } else {
-        dev.read(op.handle, op.offset, slot)
+        dev.read_now(op.id, op.offset, slot)
     };
     match r {
         Ok(()) => (Status::Ok, Vec::new(), Vec::new()),
@@ -351,7 +371,7 @@ fn serve_chunk(
 
 fn serve(
     dev: &mut dyn Device,
-    cache: &mut HashMap<u64, Handle>,
+    cache: &mut HashSet<ModuleHash>,
     f: &Frame,
 ) -> (Status, Vec<u8>, Vec<u8>) {
     let fail = |e: WorkerFailure| (e.status, to_body(&e), Vec::new());
@@ -414,32 +434,32 @@ fn run_batch(
         cursor = end;
         Ok(s)
     };
+    let mut read_at = 0usize;
+    let mut failed = None;
     for (i, op) in ops.iter().enumerate() {
         let r = match op {
-            WorkerOp::Alloc { handle, size } => dev.alloc(*handle, *size),
+            WorkerOp::Alloc { stream, id, size } => dev.alloc(*stream, *id, *size),
             WorkerOp::Write {
-                handle,
+                stream,
+                id,
                 offset,
                 len,
-            } => take(*len).and_then(|d| dev.write(*handle, *offset, d)),
+            } => take(*len).and_then(|d| dev.write(*stream, *id, *offset, d)),
             WorkerOp::Read {
-                handle,
+                stream,
+                id,
                 offset,
                 len,
-            } => {
-                let start = out.len();
-                out.resize(start + *len as usize, 0);
-                let r = dev.read(*handle, *offset, &mut out[start..]);
-                if r.is_err() {
-                    out.truncate(start);
-                }
-                r
+            } => dev.read(*stream, *id, *offset, *len, read_at).map(|()| {
+                read_at += *len as usize;
+            }),
+            WorkerOp::Free { stream, id } => dev.free(*stream, *id),
+            WorkerOp::LoadModule { hash, kind, len } => {
+                take(*len).and_then(|d| dev.load_module(*hash, kind, d))
             }
-            WorkerOp::Free { handle } => dev.free(*handle).or_else(|_| dev.unload_module(*handle)),
-            WorkerOp::LoadModule { handle, len } => {
-                take(*len).and_then(|d| dev.load_module(*handle, d))
-            }
+            WorkerOp::UnloadModule { hash } => dev.unload_module(*hash),
             WorkerOp::Launch {
+                stream,
                 module,
                 kernel,
                 dims: d,
@@ -449,59 +469,71 @@ fn run_batch(
                     .iter()
                     .map(|a| match a {
                         WorkerArg::Scalar(b) => DeviceArg::Scalar(b),
-                        WorkerArg::Mem { handle, offset } => DeviceArg::Mem {
-                            handle: *handle,
+                        WorkerArg::Mem { id, offset } => DeviceArg::Mem {
+                            id: *id,
                             offset: *offset,
                         },
                     })
                     .collect();
-                dev.launch(*module, kernel, dims(d), &args)
+                dev.launch(*stream, *module, kernel, dims(d), &args)
             }
-            WorkerOp::Sync => dev.sync(),
+            WorkerOp::Record { stream, event } => dev.record(*stream, *event),
+            WorkerOp::Wait { stream, event } => dev.wait(*stream, *event),
         };
         if let Err(e) = r {
-            return WorkerBatchReply {
-                completed: i as u32,
-                error: Some(e.into()),
-            };
+            failed = Some((i, e));
+            break;
         }
     }
+    // What was enqueued runs to its end (a failure stops only what comes
+    // after it), and the reads of it land.
+    out.resize(read_at, 0);
+    let finished = dev.finish(out);
+    let (completed, error) = match (failed, finished) {
+        // A fault while waiting outranks an enqueue error: it is sticky.
+        (Some((i, _)), Err(e)) if e.sticky => (i, Some(e)),
+        (Some((i, e)), _) => (i, Some(e)),
+        (None, Err(e)) => (ops.len(), Some(e)),
+        (None, Ok(())) => (ops.len(), None),
+    };
     WorkerBatchReply {
-        completed: ops.len() as u32,
-        error: None,
+        completed: completed as u32,
+        error: error.map(Into::into),
     }
 }
 
 fn submit(
     dev: &mut dyn Device,
-    cache: &mut HashMap<u64, Handle>,
+    cache: &mut HashSet<ModuleHash>,
     s: &GpuSubmit,
     data: &[u8],
 ) -> Result<Vec<u8>, DeviceError> {
-    use std::hash::{Hash, Hasher};
     let bad = |m: &str| DeviceError::new(Status::BadRequest, m);
     let ptx = data
         .get(..s.ptx_len as usize)
         .ok_or_else(|| bad("data too short"))?;
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    ptx.hash(&mut hasher);
-    let key = hasher.finish();
-    let module = match cache.get(&key) {
-        Some(m) => *m,
-        None => {
-            if cache.len() >= 32 {
-                for (_, m) in cache.drain() {
-                    let _ = dev.unload_module(m);
-                }
+    let text = std::str::from_utf8(ptx)
+        .map_err(|_| DeviceError::new(Status::LoadFailed, "module text is not UTF-8"))?;
+    let module = ModuleHash::of(&SourceKind::Ptx, text);
+    if !cache.contains(&module) {
+        if cache.len() >= 32 {
+            for m in cache.drain() {
+                let _ = dev.unload_module(m);
             }
-            let m = Handle::random();
-            dev.load_module(m, ptx)?;
-            cache.insert(key, m);
-            m
         }
-    };
-    let mut owned: Vec<Handle> = Vec::new();
+        dev.load_module(module, &SourceKind::Ptx, ptx)?;
+        cache.insert(module);
+    }
+    // Buffer ids of this call alone (a submit worker serves no lease).
+    let mut owned: Vec<Id> = Vec::new();
     let result = (|| {
+        let mut next = 0u64;
+        let mut fresh = |dev: &mut dyn Device, size: u64| -> Result<Id, DeviceError> {
+            let id = Id(next);
+            next += 1;
+            dev.alloc(0, id, size)?;
+            Ok(id)
+        };
         let mut cursor = s.ptx_len as usize;
         let mut inputs = Vec::with_capacity(s.input_lens.len());
         for len in &s.input_lens {
@@ -509,18 +541,17 @@ fn submit(
                 .get(cursor..cursor + *len as usize)
                 .ok_or_else(|| bad("data too short"))?;
             cursor += *len as usize;
-            let h = Handle::random();
-            dev.alloc(h, u64::from((*len).max(1)))?;
-            owned.push(h);
-            dev.write(h, 0, bytes)?;
-            inputs.push(h);
+            let id = fresh(dev, u64::from((*len).max(1)))?;
+            owned.push(id);
+            dev.write(0, id, 0, bytes)?;
+            inputs.push(id);
         }
-        let output = Handle::random();
-        dev.alloc(output, u64::from(s.output_size))?;
+        let output = fresh(dev, u64::from(s.output_size))?;
         owned.push(output);
         if s.output_fill != 0 {
-            dev.write(output, 0, &vec![s.output_fill; s.output_size as usize])?;
+            dev.write(0, output, 0, &vec![s.output_fill; s.output_size as usize])?;
         }
+        let mem = |id: Id| DeviceArg::Mem { id, offset: 0 };
         let args: Vec<DeviceArg<'_>> = s
             .args
             .iter()
@@ -528,15 +559,9 @@ fn submit(
                 KernelArg::Scalar(b) => Ok(DeviceArg::Scalar(b)),
                 KernelArg::Input(n) => inputs
                     .get(*n as usize)
-                    .map(|h| DeviceArg::Mem {
-                        handle: *h,
-                        offset: 0,
-                    })
+                    .map(|id| mem(*id))
                     .ok_or_else(|| bad("no such input")),
-                KernelArg::Output => Ok(DeviceArg::Mem {
-                    handle: output,
-                    offset: 0,
-                }),
+                KernelArg::Output => Ok(mem(output)),
                 KernelArg::Mem { .. } => Err(bad("GPU_SUBMIT has no lease memory")),
             })
             .collect::<Result<_, _>>()?;
@@ -545,15 +570,16 @@ fn submit(
             block: s.block,
             shared_mem: s.shared_mem,
         };
-        dev.launch(module, &s.kernel, d, &args)?;
-        dev.sync()?;
+        dev.launch(0, module, &s.kernel, d, &args)?;
         let mut out = vec![0u8; s.output_size as usize];
-        dev.read(output, 0, &mut out)?;
+        dev.read(0, output, 0, s.output_size, 0)?;
+        dev.finish(&mut out)?;
         Ok(out)
     })();
-    for h in owned {
-        let _ = dev.free(h);
+    for id in owned {
+        let _ = dev.free(0, id);
     }
+    // The frees run before the next call's work (same stream).
     result
 }
 

@@ -189,7 +189,7 @@ async fn write(
         while let Some((s, at, n)) = rx.recv().await {
             if result.is_ok() {
                 let op = ChunkOp {
-                    handle: m.handle,
+                    id: crate::node::worker_id(m.handle),
                     offset: m.offset + at,
                     slot: s.index(),
                     len: n,
@@ -244,7 +244,7 @@ async fn read(
             let s = ring.acquire().await;
             let n = (len - at).min(SLOT_BYTES as u64) as u32;
             let op = ChunkOp {
-                handle: m.handle,
+                id: crate::node::worker_id(m.handle),
                 offset: m.offset + at,
                 slot: s.index(),
                 len: n,
