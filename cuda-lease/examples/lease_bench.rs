@@ -1,6 +1,6 @@
 //! Loopback measurements against the real device through an embedded node:
 //! lease-allocation latency (cold and with a pre-started worker), the round
-//! trip of a one-kernel BATCH (launch + sync), and MEM_WRITE / MEM_READ
+//! trip of a one-kernel BATCH (launch, reply when done), and MEM_WRITE / MEM_READ
 //! throughput for 256 MiB; each beside the raw transport measured in the
 //! same run (quinn with the node's TLS and transport settings, no protocol:
 //! [`cuda_lease::baseline`]), ending with a table of ratios to it.
@@ -24,9 +24,9 @@
 use std::time::{Duration, Instant};
 
 use cuda_lease::baseline::RawQuinn;
-use cuda_lease::client::{BatchBuilder, Client, ClientConfig, Lease};
+use cuda_lease::client::{Client, ClientConfig, Lease};
 use cuda_lease::node::{Node, NodeConfig};
-use cuda_lease::proto::{HandleRef, KernelArg, LaunchSpec};
+use cuda_lease::proto::KernelArg;
 use cuda_lease::ptx::TEST_KERNELS;
 use cuda_lease::worker::{main_if_worker, DeviceSpec, WorkerSpec};
 
@@ -282,27 +282,29 @@ async fn transfer_bench(
     let module = s.load_module(TEST_KERNELS).await?;
     let out = s.alloc(4096).await?;
 
-    // One-kernel BATCH: launch + sync.
-    let mut batch = BatchBuilder::new();
-    batch.launch(LaunchSpec {
-        module: HandleRef::Id(module.handle()),
-        kernel: "iota".into(),
-        grid: [1, 1, 1],
-        block: [256, 1, 1],
-        shared_mem: 0,
-        args: vec![out.arg(), KernelArg::u32(256)],
-    });
-    batch.sync();
+    // One-kernel BATCH: a launch, replied to when it is done.
+    let mut batch = s.recorder();
+    batch.launch(
+        0,
+        &module,
+        "iota",
+        [1, 1, 1],
+        [256, 1, 1],
+        vec![out.arg(), KernelArg::u32(256)],
+    );
     for _ in 0..100 {
-        s.batch(&batch).await?;
+        batch.submit().await?.ok()?;
     }
     let mut rtt = Vec::with_capacity(iters);
     for _ in 0..iters {
         let t = Instant::now();
-        s.batch(&batch).await?;
+        batch.submit().await?.ok()?;
         rtt.push(t.elapsed());
     }
-    report("one-kernel BATCH (launch + sync) round trip", rtt.clone());
+    report(
+        "one-kernel BATCH (launch, reply when done) round trip",
+        rtt.clone(),
+    );
     let batch_p50 = median(rtt);
 
     let (write_rate, read_rate) = transfer_rates(&s, "", xfer_iters).await?;

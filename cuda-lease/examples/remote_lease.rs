@@ -10,9 +10,9 @@
 
 use std::time::Duration;
 
-use cuda_lease::client::{BatchBuilder, ClientConfig, Lease};
+use cuda_lease::client::{ClientConfig, Lease, Module};
 use cuda_lease::node::{Node, NodeConfig};
-use cuda_lease::proto::{KernelArg, LaunchSpec};
+use cuda_lease::proto::KernelArg;
 use cuda_lease::ptx::{grid_for, BLOCK, TEST_KERNELS};
 use cuda_lease::worker::{main_if_worker, DeviceSpec, WorkerSpec};
 
@@ -55,38 +55,33 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let b: Vec<f32> = (0..n).map(|i| 1000.0 - i as f32).collect();
     let to_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
 
-    // One round trip: load, allocate, upload, launch, sync, download.
-    let mut batch = BatchBuilder::new();
-    let module = batch.load_module(TEST_KERNELS);
-    let (da, db, dc) = (batch.alloc(bytes), batch.alloc(bytes), batch.alloc(bytes));
-    batch.write(da, 0, &to_bytes(&a));
-    batch.write(db, 0, &to_bytes(&b));
-    batch.launch(LaunchSpec {
-        module,
-        kernel: "vadd".into(),
-        grid: [grid_for(n), 1, 1],
-        block: [BLOCK, 1, 1],
-        shared_mem: 0,
-        args: vec![
-            KernelArg::Mem {
-                handle: da,
-                offset: 0,
-            },
-            KernelArg::Mem {
-                handle: db,
-                offset: 0,
-            },
-            KernelArg::Mem {
-                handle: dc,
-                offset: 0,
-            },
+    // One round trip: the module (by content; its PTX goes along the first
+    // time), allocations, uploads, the launch and the download.
+    let module = Module::ptx(TEST_KERNELS);
+    let mut rec = lease.session().recorder();
+    let (da, db, dc) = (
+        rec.alloc(0, bytes),
+        rec.alloc(0, bytes),
+        rec.alloc(0, bytes),
+    );
+    rec.write(0, da, 0, &to_bytes(&a));
+    rec.write(0, db, 0, &to_bytes(&b));
+    rec.launch(
+        0,
+        &module,
+        "vadd",
+        [grid_for(n), 1, 1],
+        [BLOCK, 1, 1],
+        vec![
+            KernelArg::mem(da),
+            KernelArg::mem(db),
+            KernelArg::mem(dc),
             KernelArg::u32(n),
         ],
-    });
-    batch.sync();
-    let read = batch.read(dc, 0, bytes as u32);
+    );
+    let read = rec.read(0, dc, 0, bytes as u32);
     let t = std::time::Instant::now();
-    let out = lease.session().batch(&batch).await?;
+    let out = rec.submit().await?.ok()?;
     let elapsed = t.elapsed();
     let c = out.read(read).ok_or("no output")?;
     let wrong = c

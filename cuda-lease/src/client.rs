@@ -14,10 +14,10 @@ use tokio::task::JoinHandle;
 
 use crate::hops::{self, HopTimer};
 use crate::proto::{
-    self, from_body, to_body, Batch, BatchOp, BatchReply, ErrorBody, GpuSubmit, Handle, HandleOp,
-    HandleRef, HandleReply, Header, Hello, HelloOk, Inventory, KernelArg, LaunchSpec, LeaseAlloc,
-    LeaseGrant, LeaseId, LeaseRef, LeaseRenew, LeaseStatus, Limits, MemAlloc, MemRead, MemWrite,
-    OpResult, Opcode, Status,
+    self, from_body, to_body, Batch, BatchReply, Command, ErrorBody, GpuSubmit, Header, Hello,
+    HelloOk, Id, IdOp, Inventory, KernelArg, LaunchSpec, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef,
+    LeaseRenew, LeaseStatus, Limits, MemAlloc, MemRead, MemWrite, ModuleHash, ModuleText,
+    ModuleUse, Op, OpError, Opcode, SourceKind, Status, StreamId,
 };
 use crate::tls::{self, Identity};
 
@@ -36,9 +36,13 @@ pub enum Error {
     /// The request exceeds the reservation or the node's capacity.
     #[error("capacity exceeded: {0}")]
     CapacityExceeded(String),
-    /// The PTX did not load; holds the JIT log.
+    /// A module did not load; holds the compile or JIT log.
     #[error("module load failed: {0}")]
     LoadFailed(String),
+    /// The node does not have a module and was not sent its source
+    /// ([`Recorder::submit`] resends with it by itself).
+    #[error("unknown module: {0}")]
+    UnknownModule(String),
     /// A launch or kernel failed.
     #[error("launch failed: {0}")]
     LaunchFailed(String),
@@ -78,6 +82,7 @@ impl Error {
             Status::BadRequest => Error::BadRequest(message),
             Status::NotFound => Error::NotFound(message),
             Status::LeasePoisoned => Error::LeasePoisoned(message),
+            Status::UnknownModule => Error::UnknownModule(message),
             Status::Ok | Status::Internal => Error::Internal(message),
         }
     }
@@ -195,6 +200,9 @@ pub struct Client {
     config: ClientConfig,
     /// The extra connections of striped transfers, opened on first use.
     stripe_conns: tokio::sync::OnceCell<Vec<quinn::Connection>>,
+    /// Modules this node was sent (or had) in a batch that it accepted:
+    /// later batches name them by hash alone.
+    known_modules: std::sync::Mutex<std::collections::HashSet<ModuleHash>>,
 }
 
 impl Client {
@@ -233,6 +241,7 @@ impl Client {
             addr,
             config: config.clone(),
             stripe_conns: tokio::sync::OnceCell::new(),
+            known_modules: std::sync::Mutex::default(),
         };
         let ok = client.hello(&client.conn).await?;
         client.node = ok.node;
@@ -318,7 +327,7 @@ impl Client {
     async fn striped_write(
         &self,
         lease: LeaseId,
-        handle: Handle,
+        buf: Id,
         offset: u64,
         bytes: &[u8],
     ) -> Result<(), Error> {
@@ -327,7 +336,7 @@ impl Client {
         let futs = conns.iter().zip(&parts).map(|(conn, r)| {
             let body = to_body(&MemWrite {
                 lease,
-                handle,
+                buf,
                 offset: offset + r.start as u64,
             });
             async move {
@@ -346,7 +355,7 @@ impl Client {
     async fn striped_read(
         &self,
         lease: LeaseId,
-        handle: Handle,
+        buf: Id,
         offset: u64,
         len: u32,
     ) -> Result<Vec<u8>, Error> {
@@ -356,7 +365,7 @@ impl Client {
             let mut out = vec![0u8; len as usize];
             let body = to_body(&MemRead {
                 lease,
-                handle,
+                buf,
                 offset,
                 len,
             });
@@ -379,7 +388,7 @@ impl Client {
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                 let body = to_body(&MemRead {
                     lease,
-                    handle,
+                    buf,
                     offset: offset + r.start as u64,
                     len: r.len() as u32,
                 });
@@ -419,6 +428,20 @@ impl Client {
     ) -> Result<Rep, Error> {
         let (body, _) = self.request(op, &to_body(req), &[]).await?;
         from_body(&body).map_err(|e| Error::Protocol(e.to_string()))
+    }
+
+    fn known_modules(&self) -> std::collections::HashSet<ModuleHash> {
+        self.known_modules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn learn_modules(&self, hashes: impl IntoIterator<Item = ModuleHash>) {
+        self.known_modules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(hashes);
     }
 
     /// The node's devices and free capacity.
@@ -564,6 +587,10 @@ struct LeaseInner {
     generation: AtomicU64,
     expired: AtomicBool,
     freed: AtomicBool,
+    /// The next id this client picks for the lease.
+    next_id: AtomicU64,
+    /// The next batch number (see [`Batch::seq`]).
+    next_seq: AtomicU64,
 }
 
 impl std::fmt::Debug for LeaseInner {
@@ -596,7 +623,12 @@ impl LeaseInner {
         r
     }
 
-    fn free_in_background(self: &Arc<Self>, handle: Handle) {
+    /// A fresh id of this lease (the client names everything).
+    fn fresh_id(&self) -> Id {
+        Id(self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn free_in_background(self: &Arc<Self>, id: Id) {
         if self.freed.load(Ordering::SeqCst) || self.expired.load(Ordering::SeqCst) {
             return;
         }
@@ -605,9 +637,9 @@ impl LeaseInner {
         };
         let inner = self.clone();
         rt.spawn(async move {
-            let body = to_body(&HandleOp {
+            let body = to_body(&IdOp {
                 lease: inner.id,
-                handle,
+                id,
             });
             let _ = inner.req(Opcode::MemFree, &body, &[]).await;
         });
@@ -808,6 +840,8 @@ impl LeaseBuilder {
             generation: AtomicU64::new(g.generation),
             expired: AtomicBool::new(false),
             freed: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+            next_seq: AtomicU64::new(1),
         });
         let renew_task = self.auto_renew.then(|| {
             let weak: Weak<LeaseInner> = Arc::downgrade(&inner);
@@ -837,24 +871,26 @@ impl LeaseBuilder {
     }
 }
 
-/// Session ops on a lease's stream, in order. Cheap to clone.
+/// Work on a lease: RAII buffers, single requests, and the [`Recorder`]
+/// for whole pipelines in one message. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Session {
     inner: Arc<LeaseInner>,
 }
 
-/// Device memory in a lease; freed (in the background) when dropped.
+/// A buffer in a lease, named by a client-picked id; freed (in the
+/// background, after every queued use) when dropped.
 #[derive(Debug)]
 pub struct DeviceBuffer {
     inner: Arc<LeaseInner>,
-    handle: Handle,
+    id: Id,
     size: u64,
 }
 
 impl DeviceBuffer {
-    /// The handle (for kernel arguments and batches).
-    pub fn handle(&self) -> Handle {
-        self.handle
+    /// The buffer's id (for kernel arguments and recorded commands).
+    pub fn id(&self) -> Id {
+        self.id
     }
 
     /// Size in bytes.
@@ -864,149 +900,407 @@ impl DeviceBuffer {
 
     /// This buffer as a kernel argument.
     pub fn arg(&self) -> KernelArg {
-        KernelArg::mem(self.handle)
+        KernelArg::mem(self.id)
     }
 }
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        self.inner.free_in_background(self.handle);
+        self.inner.free_in_background(self.id);
     }
 }
 
-/// A loaded module in a lease; unloaded (in the background) when dropped.
-#[derive(Debug)]
+/// A module as a description: its source (PTX, or CUDA C with NVRTC
+/// options) and its content hash. It belongs to no node: a batch that
+/// uses it carries the source the first time a node needs it, and the node
+/// compiles CUDA C with its own NVRTC for its own GPU. Cheap to clone.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Module {
-    inner: Arc<LeaseInner>,
-    handle: Handle,
+    hash: ModuleHash,
+    kind: SourceKind,
+    text: Arc<str>,
 }
 
 impl Module {
-    /// The handle.
-    pub fn handle(&self) -> Handle {
-        self.handle
-    }
-}
-
-impl Drop for Module {
-    fn drop(&mut self) {
-        self.inner.free_in_background(self.handle);
-    }
-}
-
-/// A list of session ops sent as one BATCH.
-#[derive(Debug, Clone, Default)]
-pub struct BatchBuilder {
-    ops: Vec<BatchOp>,
-    data: Vec<u8>,
-}
-
-impl BatchBuilder {
-    /// An empty batch.
-    pub fn new() -> Self {
-        Self::default()
+    /// A PTX module.
+    pub fn ptx(text: impl Into<Arc<str>>) -> Self {
+        Self::new(SourceKind::Ptx, text.into())
     }
 
-    fn push(&mut self, op: BatchOp) -> HandleRef {
-        self.ops.push(op);
-        HandleRef::Op(self.ops.len() as u32 - 1)
+    /// A CUDA C module with NVRTC options (the node adds its GPU's
+    /// architecture unless an option names one).
+    pub fn cuda(source: impl Into<Arc<str>>, options: &[&str]) -> Self {
+        let options = options.iter().map(|o| (*o).to_owned()).collect();
+        Self::new(SourceKind::Cuda { options }, source.into())
     }
 
-    /// Allocates memory; the result refers to it within this batch.
-    pub fn alloc(&mut self, size: u64) -> HandleRef {
-        self.push(BatchOp::MemAlloc { size })
-    }
-
-    /// Writes `bytes` at `offset`.
-    pub fn write(&mut self, target: HandleRef, offset: u64, bytes: &[u8]) -> &mut Self {
-        self.data.extend_from_slice(bytes);
-        self.push(BatchOp::MemWrite {
-            target,
-            offset,
-            len: bytes.len() as u32,
-        });
-        self
-    }
-
-    /// Reads `len` bytes; returns the op index for [`BatchOutput::read`].
-    pub fn read(&mut self, source: HandleRef, offset: u64, len: u32) -> usize {
-        self.push(BatchOp::MemRead {
-            source,
-            offset,
-            len,
-        });
-        self.ops.len() - 1
-    }
-
-    /// Frees memory or a module.
-    pub fn free(&mut self, target: HandleRef) -> &mut Self {
-        self.push(BatchOp::MemFree { target });
-        self
-    }
-
-    /// Loads a PTX module.
-    pub fn load_module(&mut self, ptx: &str) -> HandleRef {
-        self.data.extend_from_slice(ptx.as_bytes());
-        self.push(BatchOp::ModuleLoad {
-            len: ptx.len() as u32,
-        })
-    }
-
-    /// Launches a kernel.
-    pub fn launch(&mut self, spec: LaunchSpec) -> &mut Self {
-        self.push(BatchOp::Launch(spec));
-        self
-    }
-
-    /// Waits for the stream.
-    pub fn sync(&mut self) -> &mut Self {
-        self.push(BatchOp::Sync);
-        self
-    }
-
-    /// Number of ops.
-    pub fn len(&self) -> usize {
-        self.ops.len()
-    }
-
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.ops.is_empty()
-    }
-}
-
-/// What a batch returned.
-#[derive(Debug, Clone)]
-pub struct BatchOutput {
-    results: Vec<OpResult>,
-    data: Vec<u8>,
-}
-
-impl BatchOutput {
-    /// Per-op results.
-    pub fn results(&self) -> &[OpResult] {
-        &self.results
-    }
-
-    /// The handle made by op `i` (MEM_ALLOC or MODULE_LOAD).
-    pub fn handle(&self, i: usize) -> Option<Handle> {
-        match self.results.get(i) {
-            Some(OpResult::Handle(h)) => Some(*h),
-            _ => None,
+    fn new(kind: SourceKind, text: Arc<str>) -> Self {
+        Self {
+            hash: ModuleHash::of(&kind, &text),
+            kind,
+            text,
         }
     }
 
-    /// The bytes read by op `i` (a MEM_READ).
-    pub fn read(&self, i: usize) -> Option<&[u8]> {
-        let mut start = 0usize;
-        for (j, r) in self.results.iter().enumerate() {
-            if let OpResult::Read(len) = r {
-                let end = start + *len as usize;
-                if j == i {
-                    return self.data.get(start..end);
+    /// The content hash that names it on the wire.
+    pub fn hash(&self) -> ModuleHash {
+        self.hash
+    }
+
+    /// What its text is.
+    pub fn kind(&self) -> &SourceKind {
+        &self.kind
+    }
+
+    /// Its source text.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+}
+
+/// A read recorded in a [`Recorder`]: where its bytes are in the reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadSlot {
+    command: usize,
+    len: u32,
+}
+
+/// Records commands on client-named streams of a lease and sends them as
+/// one BATCH: one round trip for the whole pipeline. Ids are picked here
+/// (the lease's counter), so a command can name what an earlier command of
+/// this or an earlier submission made without waiting for a reply, and a
+/// second recording can be sent before the first one's reply is back.
+///
+/// ```no_run
+/// # async fn demo(session: cuda_lease::Session) -> Result<(), cuda_lease::Error> {
+/// use cuda_lease::client::Module;
+/// use cuda_lease::proto::KernelArg;
+/// let module = Module::cuda(
+///     r#"extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {
+///         unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+///         if (i < n) y[i] = a * x[i] + y[i];
+///     }"#,
+///     &[],
+/// );
+/// let x: Vec<u8> = [1.0f32; 256].iter().flat_map(|v| v.to_le_bytes()).collect();
+/// let mut rec = session.recorder();
+/// let (bx, by) = (rec.alloc(0, 1024), rec.alloc(1, 1024));
+/// rec.write(0, bx, 0, &x);
+/// let ready = rec.record(0); // stream 1 waits for stream 0's upload
+/// rec.wait(1, ready);
+/// rec.launch(1, &module, "axpy", [1, 1, 1], [256, 1, 1], vec![
+///     KernelArg::f32(2.0), KernelArg::mem(bx), KernelArg::mem(by), KernelArg::u32(256),
+/// ]);
+/// let y = rec.read(1, by, 0, 1024);
+/// let reply = rec.submit().await?.ok()?;
+/// assert_eq!(reply.read(y).unwrap()[..4], 2.0f32.to_le_bytes());
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Recorder {
+    inner: Arc<LeaseInner>,
+    modules: Vec<Module>,
+    commands: Vec<Command>,
+    writes: Vec<u8>,
+}
+
+impl Recorder {
+    fn push(&mut self, stream: StreamId, op: Op) {
+        self.commands.push(Command { stream, op });
+    }
+
+    /// A fresh id of this lease (for [`Op::Alloc`] or a first
+    /// [`Op::Record`] pushed by hand).
+    pub fn fresh_id(&self) -> Id {
+        self.inner.fresh_id()
+    }
+
+    /// Allocates `size` zeroed bytes; the id names the buffer from now on
+    /// (it is not freed by itself: record [`Recorder::free`]).
+    pub fn alloc(&mut self, stream: StreamId, size: u64) -> Id {
+        let buf = self.fresh_id();
+        self.push(stream, Op::Alloc { buf, size });
+        buf
+    }
+
+    /// Writes `bytes` into `buf` at `offset` (copied into the message now).
+    pub fn write(&mut self, stream: StreamId, buf: Id, offset: u64, bytes: &[u8]) -> &mut Self {
+        self.writes.extend_from_slice(bytes);
+        let len = bytes.len() as u32;
+        self.push(stream, Op::Write { buf, offset, len });
+        self
+    }
+
+    /// Reads `len` bytes of `buf` at `offset`; the bytes are in the reply
+    /// ([`Submitted::read`]).
+    pub fn read(&mut self, stream: StreamId, buf: Id, offset: u64, len: u32) -> ReadSlot {
+        self.push(stream, Op::Read { buf, offset, len });
+        ReadSlot {
+            command: self.commands.len() - 1,
+            len,
+        }
+    }
+
+    /// Frees a buffer (after every queued use of it) or an event.
+    pub fn free(&mut self, stream: StreamId, id: Id) -> &mut Self {
+        self.push(stream, Op::Free { id });
+        self
+    }
+
+    /// Launches `kernel` of `module`; the module's source goes with this
+    /// message if the node may not have it.
+    pub fn launch(
+        &mut self,
+        stream: StreamId,
+        module: &Module,
+        kernel: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: Vec<KernelArg>,
+    ) -> &mut Self {
+        self.launch_spec(
+            stream,
+            module,
+            LaunchSpec {
+                module: module.hash,
+                kernel: kernel.into(),
+                grid,
+                block,
+                shared_mem: 0,
+                args,
+            },
+        )
+    }
+
+    /// Launches with a full [`LaunchSpec`] (its `module` is set from
+    /// `module`).
+    pub fn launch_spec(
+        &mut self,
+        stream: StreamId,
+        module: &Module,
+        mut spec: LaunchSpec,
+    ) -> &mut Self {
+        spec.module = module.hash;
+        self.use_module(module);
+        self.push(stream, Op::Launch(spec));
+        self
+    }
+
+    /// Lists `module` in the message (a launch does this itself; alone, it
+    /// loads the module, so a bad one fails now with its log).
+    pub fn use_module(&mut self, module: &Module) -> &mut Self {
+        if !self.modules.iter().any(|m| m.hash == module.hash) {
+            self.modules.push(module.clone());
+        }
+        self
+    }
+
+    /// Records a new event on `stream` and returns it.
+    pub fn record(&mut self, stream: StreamId) -> Id {
+        let event = self.fresh_id();
+        self.push(stream, Op::Record { event });
+        event
+    }
+
+    /// Records `event` again on `stream` (waits name the latest record).
+    pub fn record_again(&mut self, stream: StreamId, event: Id) -> &mut Self {
+        self.push(stream, Op::Record { event });
+        self
+    }
+
+    /// Makes `stream` wait for the last record of `event`.
+    pub fn wait(&mut self, stream: StreamId, event: Id) -> &mut Self {
+        self.push(stream, Op::Wait { event });
+        self
+    }
+
+    /// Appends a command built by hand.
+    pub fn command(&mut self, stream: StreamId, op: Op) -> &mut Self {
+        self.push(stream, op);
+        self
+    }
+
+    /// Commands recorded so far.
+    pub fn len(&self) -> usize {
+        self.commands.len()
+    }
+
+    /// True when nothing is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.commands.is_empty() && self.modules.is_empty()
+    }
+
+    /// The message: the batch and its data (the sources of modules the
+    /// node may not have, then the writes).
+    fn message(&self) -> (Batch, Vec<u8>) {
+        let known = self.inner.client.known_modules();
+        let mut data = Vec::new();
+        let modules = self
+            .modules
+            .iter()
+            .map(|m| {
+                let send = !known.contains(&m.hash);
+                let source = send.then(|| {
+                    data.extend_from_slice(m.text.as_bytes());
+                    ModuleText {
+                        kind: m.kind.clone(),
+                        len: m.text.len() as u32,
+                    }
+                });
+                ModuleUse {
+                    hash: m.hash,
+                    source,
                 }
-                start = end;
+            })
+            .collect();
+        let batch = Batch {
+            lease: self.inner.id,
+            seq: 0,
+            modules,
+            commands: self.commands.clone(),
+        };
+        data.extend_from_slice(&self.writes);
+        (batch, data)
+    }
+
+    /// Sends everything recorded as one message; the future resolves with
+    /// the node's reply once every command ran (or one failed). The
+    /// message is built and numbered when this is called (the recorder may
+    /// be changed or submitted again afterwards): the node runs a lease's
+    /// submissions in the order of these calls, so a second recording may
+    /// be sent before this one's reply arrives and name what it creates.
+    /// A submission dropped before its first poll is never sent; the
+    /// node then waits its reorder window (2 s by default) before running
+    /// the lease's later ones.
+    ///
+    /// A module the client believes the node has travels without its
+    /// source; if the node answers UNKNOWN_MODULE (nothing ran), the
+    /// message is sent once more with every source.
+    ///
+    /// # Errors
+    ///
+    /// Errors of the request itself (lease gone, disconnected, malformed).
+    /// A failing command is not an error here: see [`Submitted::ok`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future after its first poll abandons the reply; the
+    /// node runs the batch anyway.
+    pub fn submit(
+        &self,
+    ) -> impl std::future::Future<Output = Result<Submitted, Error>> + Send + 'static {
+        let (mut batch, data) = self.message();
+        let reads: Vec<ReadSlot> = self
+            .commands
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| match c.op {
+                Op::Read { len, .. } => Some(ReadSlot { command: i, len }),
+                _ => None,
+            })
+            .collect();
+        let inner = self.inner.clone();
+        let modules = self.modules.clone();
+        let writes = self.writes.len();
+        // Numbered now: the node runs the lease's batches in the order of
+        // these calls, whatever order they are polled or arrive in.
+        batch.seq = inner.next_seq.fetch_add(1, Ordering::Relaxed);
+        async move {
+            let body = to_body(&batch);
+            let r = inner.req(Opcode::Batch, &body, &data).await;
+            let (reply, data) = match r {
+                Err(Error::UnknownModule(_)) => {
+                    // The node lost (or never had) a module: send the same
+                    // message again with every source.
+                    let (body, all) =
+                        with_every_source(&body, &modules, &data[data.len() - writes..])?;
+                    inner.req(Opcode::Batch, &body, &all).await?
+                }
+                r => r?,
+            };
+            let reply: BatchReply =
+                from_body(&reply).map_err(|e| Error::Protocol(e.to_string()))?;
+            inner.client.learn_modules(modules.iter().map(|m| m.hash));
+            Ok(Submitted {
+                completed: reply.completed as usize,
+                error: reply.error,
+                reads,
+                data,
+            })
+        }
+    }
+}
+
+/// A batch message (`body`, its data ending in `writes`) again, with the
+/// source of every module.
+fn with_every_source(
+    body: &[u8],
+    modules: &[Module],
+    writes: &[u8],
+) -> Result<(Vec<u8>, Vec<u8>), Error> {
+    let mut batch: Batch = from_body(body).map_err(|e| Error::Protocol(e.to_string()))?;
+    let mut data = Vec::with_capacity(writes.len());
+    for (u, m) in batch.modules.iter_mut().zip(modules) {
+        data.extend_from_slice(m.text.as_bytes());
+        u.source = Some(ModuleText {
+            kind: m.kind.clone(),
+            len: m.text.len() as u32,
+        });
+    }
+    data.extend_from_slice(writes);
+    Ok((to_body(&batch), data))
+}
+
+/// The reply to a [`Recorder::submit`].
+#[derive(Debug, Clone)]
+pub struct Submitted {
+    completed: usize,
+    error: Option<OpError>,
+    reads: Vec<ReadSlot>,
+    data: Vec<u8>,
+}
+
+impl Submitted {
+    /// Commands that ran, in order (`0..completed`): what they created
+    /// stays valid even when a later command failed.
+    pub fn completed(&self) -> usize {
+        self.completed
+    }
+
+    /// The command that stopped the batch: its index, status and message.
+    pub fn error(&self) -> Option<&OpError> {
+        self.error.as_ref()
+    }
+
+    /// `Ok(self)` when every command ran, else the failing command's error
+    /// (its message names its index).
+    ///
+    /// # Errors
+    ///
+    /// The error of the command that stopped the batch.
+    pub fn ok(self) -> Result<Self, Error> {
+        match &self.error {
+            Some(e) => Err(Error::from_status(e.status, e.message.clone())),
+            None => Ok(self),
+        }
+    }
+
+    /// The bytes of a read, if its command ran (they were received
+    /// straight into the reply's one buffer: no copy here).
+    pub fn read(&self, slot: ReadSlot) -> Option<&[u8]> {
+        if slot.command >= self.completed {
+            return None;
+        }
+        let mut start = 0usize;
+        for r in &self.reads {
+            if r.command >= self.completed {
+                return None;
             }
+            let end = start + r.len as usize;
+            if *r == slot {
+                return self.data.get(start..end);
+            }
+            start = end;
         }
         None
     }
@@ -1018,114 +1312,114 @@ impl Session {
         self.inner.id
     }
 
-    /// Allocates `size` zeroed bytes.
+    /// A recorder for a pipeline sent as one message.
+    pub fn recorder(&self) -> Recorder {
+        Recorder {
+            inner: self.inner.clone(),
+            modules: Vec::new(),
+            commands: Vec::new(),
+            writes: Vec::new(),
+        }
+    }
+
+    /// Allocates `size` zeroed bytes (one request).
     ///
     /// # Errors
     ///
     /// [`Error::CapacityExceeded`] beyond the reservation.
     pub async fn alloc(&self, size: u64) -> Result<DeviceBuffer, Error> {
-        let (b, _) = self
-            .inner
-            .req(
-                Opcode::MemAlloc,
-                &to_body(&MemAlloc {
-                    lease: self.inner.id,
-                    size,
-                }),
-                &[],
-            )
-            .await?;
-        let h: HandleReply = from_body(&b).map_err(|e| Error::Protocol(e.to_string()))?;
+        let buf = self.inner.fresh_id();
+        let body = to_body(&MemAlloc {
+            lease: self.inner.id,
+            buf,
+            size,
+        });
+        self.inner.req(Opcode::MemAlloc, &body, &[]).await?;
         Ok(DeviceBuffer {
             inner: self.inner.clone(),
-            handle: h.handle,
+            id: buf,
             size,
         })
     }
 
-    /// Copies `bytes` into `buf` at `offset`.
+    /// Copies `bytes` into `buf` at `offset` (streamed, striped when large).
     ///
     /// # Errors
     ///
     /// [`Error::BadRequest`] out of bounds.
     pub async fn write(&self, buf: &DeviceBuffer, offset: u64, bytes: &[u8]) -> Result<(), Error> {
-        self.write_handle(buf.handle, offset, bytes).await
+        self.write_id(buf.id, offset, bytes).await
     }
 
-    /// Copies `bytes` into memory `handle` at `offset`.
+    /// Copies `bytes` into buffer `buf` at `offset`.
     ///
     /// # Errors
     ///
     /// As [`Session::write`].
-    pub async fn write_handle(
-        &self,
-        handle: Handle,
-        offset: u64,
-        bytes: &[u8],
-    ) -> Result<(), Error> {
+    pub async fn write_id(&self, buf: Id, offset: u64, bytes: &[u8]) -> Result<(), Error> {
         self.inner
             .guard(
                 self.inner
                     .client
-                    .striped_write(self.inner.id, handle, offset, bytes),
+                    .striped_write(self.inner.id, buf, offset, bytes),
             )
             .await
     }
 
-    /// Reads `len` bytes of `buf` at `offset`.
+    /// Reads `len` bytes of `buf` at `offset` (streamed, striped when large).
     ///
     /// # Errors
     ///
     /// [`Error::ReadFailed`], [`Error::BadRequest`].
     pub async fn read(&self, buf: &DeviceBuffer, offset: u64, len: u32) -> Result<Vec<u8>, Error> {
-        self.read_handle(buf.handle, offset, len).await
+        self.read_id(buf.id, offset, len).await
     }
 
-    /// Reads `len` bytes of memory `handle` at `offset`.
+    /// Reads `len` bytes of buffer `buf` at `offset`.
     ///
     /// # Errors
     ///
     /// As [`Session::read`].
-    pub async fn read_handle(
-        &self,
-        handle: Handle,
-        offset: u64,
-        len: u32,
-    ) -> Result<Vec<u8>, Error> {
+    pub async fn read_id(&self, buf: Id, offset: u64, len: u32) -> Result<Vec<u8>, Error> {
         self.inner
             .guard(
                 self.inner
                     .client
-                    .striped_read(self.inner.id, handle, offset, len),
+                    .striped_read(self.inner.id, buf, offset, len),
             )
             .await
     }
 
-    /// Loads PTX.
+    /// Loads a PTX module now (one request), so a bad one fails here with
+    /// its JIT log. Launches carry modules themselves: this is only a
+    /// warm-up.
     ///
     /// # Errors
     ///
     /// [`Error::LoadFailed`] with the JIT log.
     pub async fn load_module(&self, ptx: &str) -> Result<Module, Error> {
-        let body = to_body(&LeaseRef {
-            lease: self.inner.id,
-        });
-        let (b, _) = self
-            .inner
-            .req(Opcode::ModuleLoad, &body, ptx.as_bytes())
-            .await?;
-        let h: HandleReply = from_body(&b).map_err(|e| Error::Protocol(e.to_string()))?;
-        Ok(Module {
-            inner: self.inner.clone(),
-            handle: h.handle,
-        })
+        let module = Module::ptx(ptx);
+        self.load(&module).await?;
+        Ok(module)
     }
 
-    /// Enqueues a kernel launch.
+    /// Loads (CUDA C: compiles on the node) `module` now.
     ///
     /// # Errors
     ///
-    /// [`Error::LaunchFailed`], [`Error::NotFound`] for an unknown kernel.
+    /// [`Error::LoadFailed`] with the compile or JIT log.
+    pub async fn load(&self, module: &Module) -> Result<(), Error> {
+        let mut rec = self.recorder();
+        rec.use_module(module);
+        rec.submit().await?.ok().map(drop)
+    }
+
+    /// Launches a kernel on stream 0 and waits for it (one request).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LaunchFailed`] (a fault: the lease is then poisoned),
+    /// [`Error::NotFound`] for an unknown kernel.
     pub async fn launch(
         &self,
         module: &Module,
@@ -1134,60 +1428,9 @@ impl Session {
         block: [u32; 3],
         args: Vec<KernelArg>,
     ) -> Result<(), Error> {
-        let spec = LaunchSpec {
-            module: HandleRef::Id(module.handle),
-            kernel: kernel.into(),
-            grid,
-            block,
-            shared_mem: 0,
-            args,
-        };
-        let body = to_body(&proto::Launch {
-            lease: self.inner.id,
-            spec,
-        });
-        self.inner.req(Opcode::Launch, &body, &[]).await.map(drop)
-    }
-
-    /// Waits for all enqueued work.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::LaunchFailed`] when a kernel faulted (the lease is then poisoned).
-    pub async fn sync(&self) -> Result<(), Error> {
-        let body = to_body(&LeaseRef {
-            lease: self.inner.id,
-        });
-        self.inner.req(Opcode::Sync, &body, &[]).await.map(drop)
-    }
-
-    /// Runs a batch in one round trip. Handles it allocates are not RAII:
-    /// free them in a later batch, or let the lease's end free them.
-    ///
-    /// # Errors
-    ///
-    /// The error of the op that stopped the batch, or of the request.
-    ///
-    /// # Cancel safety
-    ///
-    /// Dropping the future abandons the reply; the node runs the batch anyway.
-    pub async fn batch(&self, batch: &BatchBuilder) -> Result<BatchOutput, Error> {
-        let body = to_body(&Batch {
-            lease: self.inner.id,
-            ops: batch.ops.clone(),
-        });
-        let (b, data) = self.inner.req(Opcode::Batch, &body, &batch.data).await?;
-        let reply: BatchReply = from_body(&b).map_err(|e| Error::Protocol(e.to_string()))?;
-        if let Some(e) = reply.error {
-            return Err(Error::from_status(
-                e.status,
-                format!("batch op {}: {}", e.index, e.message),
-            ));
-        }
-        Ok(BatchOutput {
-            results: reply.results,
-            data,
-        })
+        let mut rec = self.recorder();
+        rec.launch(0, module, kernel, grid, block, args);
+        rec.submit().await?.ok().map(drop)
     }
 }
 

@@ -20,6 +20,10 @@ pub struct Metrics {
     pub submit_errors: AtomicU64,
     /// Output bytes returned by GPU_SUBMIT.
     pub submit_output_bytes: AtomicU64,
+    /// BATCH requests (one per round trip of a pipeline).
+    pub batch_total: AtomicU64,
+    /// Commands carried by BATCH requests.
+    pub batch_commands: AtomicU64,
 }
 
 impl Metrics {
@@ -64,6 +68,18 @@ impl Metrics {
             "counter",
             "Output bytes returned by GPU_SUBMIT.",
             get(&self.submit_output_bytes),
+        );
+        put(
+            "gpu_batch_total",
+            "counter",
+            "BATCH requests (round trips of pipelines).",
+            get(&self.batch_total),
+        );
+        put(
+            "gpu_batch_commands_total",
+            "counter",
+            "Commands carried by BATCH requests.",
+            get(&self.batch_commands),
         );
         put(
             "gpu_vram_allocated_bytes",

@@ -20,10 +20,10 @@ use crate::hops::{self, HopTimer};
 use crate::lease_table::{LeaseTable, Principal, TableError};
 use crate::metrics::Metrics;
 use crate::proto::{
-    self, from_body, to_body, Batch, BatchOp, BatchReply, DeviceInfo, ErrorBody, Frame, GpuSubmit,
-    Handle, HandleOp, HandleRef, HandleReply, Header, Hello, HelloOk, Inventory, KernelArg,
-    LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, Limits, MemAlloc, OpError, OpResult,
-    Opcode, Status,
+    self, from_body, to_body, Batch, BatchReply, Command, DeviceInfo, ErrorBody, Frame, GpuSubmit,
+    Header, Hello, HelloOk, Id, IdOp, Inventory, KernelArg, LeaseAlloc, LeaseGrant, LeaseId,
+    LeaseRef, LeaseRenew, Limits, MemAlloc, ModuleHash, Op, OpError, Opcode, SourceKind, Status,
+    StreamId,
 };
 use crate::tls::{self, Identity, TlsError};
 use crate::worker::{
@@ -90,6 +90,16 @@ pub struct NodeConfig {
     /// a streamed one); after that the reply is dropped and its stream
     /// reset, so unread replies never hold the node's memory.
     pub reply_timeout: Duration,
+    /// Longest a numbered batch waits for its lease's earlier numbers to
+    /// arrive before it runs anyway (a client that dropped a batch before
+    /// sending it leaves a gap).
+    pub reorder_window: Duration,
+    /// Most streams one lease may use (made on demand).
+    pub max_streams_per_lease: usize,
+    /// Most live ids (buffers and events) one lease may hold.
+    pub max_ids_per_lease: usize,
+    /// Bytes of module source the node keeps, node-wide, by content hash.
+    pub module_cache_bytes: u64,
     /// Accept clients without credentials (development only).
     pub allow_anonymous: bool,
     /// TLS certificate.
@@ -141,6 +151,10 @@ impl NodeConfig {
             max_submits_per_principal: 1,
             max_requests_per_principal: 512,
             max_bytes_per_principal: 1 << 30,
+            reorder_window: Duration::from_secs(2),
+            max_streams_per_lease: 8,
+            max_ids_per_lease: 1 << 16,
+            module_cache_bytes: 64 << 20,
             allow_anonymous: false,
             tls: TlsSource::SelfSigned {
                 names: vec!["localhost".into(), "127.0.0.1".into()],
@@ -179,29 +193,69 @@ pub enum NodeError {
     Config(String),
 }
 
+/// What a client-named id of a lease is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum HandleKind {
-    /// Memory of this many bytes.
-    Mem(u64),
-    /// A module of this many bytes of PTX (charged to the lease like
-    /// memory: a loaded module costs device memory too).
-    Module(u64),
+enum IdKind {
+    /// A buffer of this many bytes (charged to the lease).
+    Buffer(u64),
+    /// An event.
+    Event,
 }
 
-impl HandleKind {
-    /// The bytes charged to the lease for it.
-    fn bytes(self) -> u64 {
-        match self {
-            HandleKind::Mem(b) | HandleKind::Module(b) => b,
-        }
-    }
+/// A lease's client-named objects, as the node tracks them.
+#[derive(Debug, Default)]
+struct LeaseState {
+    ids: HashMap<Id, IdKind>,
+    /// Modules loaded in the lease's worker, with the source bytes charged
+    /// to the lease for each (a loaded module costs device memory too).
+    modules: HashMap<ModuleHash, u64>,
+    /// Streams the lease has used.
+    streams: HashSet<StreamId>,
 }
 
 struct LeaseSlot {
     worker: WorkerProcess,
     /// Serializes a lease's requests: plan, run on the worker, commit.
     exec: tokio::sync::Mutex<()>,
-    handles: StdMutex<HashMap<Handle, HandleKind>>,
+    state: StdMutex<LeaseState>,
+    /// The next batch number to run (see [`Batch::seq`]).
+    next_seq: tokio::sync::watch::Sender<u64>,
+}
+
+impl LeaseSlot {
+    fn state(&self) -> std::sync::MutexGuard<'_, LeaseState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Module sources seen by the node, by content hash, so a lease need not
+/// resend what another lease (or an earlier one) sent. Bounded in bytes;
+/// the oldest entries go first.
+#[derive(Debug, Default)]
+struct ModuleCache {
+    map: HashMap<ModuleHash, Arc<(SourceKind, Vec<u8>)>>,
+    order: std::collections::VecDeque<ModuleHash>,
+    bytes: u64,
+}
+
+impl ModuleCache {
+    fn insert(&mut self, hash: ModuleHash, entry: Arc<(SourceKind, Vec<u8>)>, cap: u64) {
+        let len = entry.1.len() as u64;
+        if len > cap || self.map.contains_key(&hash) {
+            return;
+        }
+        while self.bytes + len > cap {
+            let Some(old) = self.order.pop_front() else {
+                break;
+            };
+            if let Some(e) = self.map.remove(&old) {
+                self.bytes -= e.1.len() as u64;
+            }
+        }
+        self.bytes += len;
+        self.order.push_back(hash);
+        self.map.insert(hash, entry);
+    }
 }
 
 impl std::fmt::Debug for LeaseSlot {
@@ -229,6 +283,7 @@ struct Shared {
     submits: StdMutex<HashMap<Principal, Arc<tokio::sync::Semaphore>>>,
     /// Requests and bytes in flight per principal.
     budgets: StdMutex<HashMap<Principal, (usize, u64)>>,
+    modules: StdMutex<ModuleCache>,
     metrics: Metrics,
 }
 
@@ -394,6 +449,7 @@ impl Node {
             device: StdMutex::new(info.clone()),
             submits: StdMutex::default(),
             budgets: StdMutex::default(),
+            modules: StdMutex::default(),
             metrics: Metrics::default(),
             cfg,
         });
@@ -707,22 +763,6 @@ async fn serve_stream(
             return;
         }
         Ok(Ok((header, body))) => {
-            // A module must fit its lease's reservation before its bytes
-            // are read.
-            if header.opcode == Opcode::ModuleLoad && peer.get().is_some() {
-                let room = from_body::<LeaseRef>(&body)
-                    .map_err(Reply::from)
-                    .and_then(|r| {
-                        let who = principal(&peer)?;
-                        let mut t = shared.table();
-                        t.check_owner(&r.lease, Some(who))?;
-                        Ok(t.check_room(&r.lease, u64::from(header.data_len), shared.now())?)
-                    });
-                if let Err(reply) = room {
-                    refuse(&mut send, &mut recv, &header, &reply).await;
-                    return;
-                }
-            }
             let rest = async {
                 // Grown as the bytes arrive, never allocated whole up front.
                 let want = header.data_len as usize;
@@ -746,6 +786,9 @@ async fn serve_stream(
         Ok(Err(e)) => Ok(Err(e)),
         Err(elapsed) => Err(elapsed),
     };
+    // A peer of another protocol version gets its answer in its own
+    // version's header (the layout is the same), so it can read the reason.
+    let mut reply_version = None;
     let (req, reply) = match read {
         Ok(Ok(frame)) => {
             if let Some(t) = &mut hop {
@@ -762,7 +805,13 @@ async fn serve_stream(
         }
         Ok(Err(e)) => {
             let msg = match proto::proto_error(&e) {
-                Some(p) => p.to_string(),
+                Some(p) => {
+                    // Version 1 had this header layout; later ones may not.
+                    if let proto::ProtoError::UnsupportedVersion(1) = p {
+                        reply_version = Some(1);
+                    }
+                    p.to_string()
+                }
                 None => format!("bad frame: {e}"),
             };
             debug!(error = %msg, "rejected frame");
@@ -783,10 +832,16 @@ async fn serve_stream(
         reply.data.len() as u32,
     );
     let sent = tokio::time::timeout(shared.cfg.reply_timeout, async {
-        if proto::write_frame(&mut send, &h, &reply.body, &reply.data)
-            .await
-            .is_ok()
-        {
+        let written = match reply_version {
+            Some(v) => {
+                let mut frame = h.encode().to_vec();
+                frame[4] = v;
+                frame.extend_from_slice(&reply.body);
+                tokio::io::AsyncWriteExt::write_all(&mut send, &frame).await
+            }
+            None => proto::write_frame(&mut send, &h, &reply.body, &reply.data).await,
+        };
+        if written.is_ok() {
             let _ = send.finish();
             hops::mark(&mut hop, "reply");
             let _ = send.stopped().await;
@@ -870,11 +925,7 @@ async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<
     if f.header.is_reply() {
         return Err(Reply::err(Status::BadRequest, "a reply is not a request"));
     }
-    if !matches!(
-        op,
-        Opcode::MemWrite | Opcode::ModuleLoad | Opcode::Batch | Opcode::GpuSubmit
-    ) && !f.data.is_empty()
-    {
+    if !matches!(op, Opcode::MemWrite | Opcode::Batch | Opcode::GpuSubmit) && !f.data.is_empty() {
         return Err(Reply::err(
             Status::BadRequest,
             format!("{op:?} takes no data"),
@@ -940,14 +991,11 @@ async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<
         }
         Opcode::MemAlloc => {
             let m: MemAlloc = from_body(&f.body)?;
-            single(
-                shared,
-                &who,
-                m.lease,
-                BatchOp::MemAlloc { size: m.size },
-                &[],
-            )
-            .await
+            let op = Op::Alloc {
+                buf: m.buf,
+                size: m.size,
+            };
+            single(shared, &who, m.lease, op).await
         }
         // Served as streams by `stream::serve`, never dispatched whole.
         Opcode::MemWrite | Opcode::MemRead => Err(Reply::err(
@@ -955,43 +1003,18 @@ async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<
             format!("{op:?} is served as a stream"),
         )),
         Opcode::MemFree => {
-            let m: HandleOp = from_body(&f.body)?;
-            single(
-                shared,
-                &who,
-                m.lease,
-                BatchOp::MemFree {
-                    target: HandleRef::Id(m.handle),
-                },
-                &[],
-            )
-            .await
-        }
-        Opcode::ModuleLoad => {
-            let m: LeaseRef = from_body(&f.body)?;
-            single(
-                shared,
-                &who,
-                m.lease,
-                BatchOp::ModuleLoad {
-                    len: f.data.len() as u32,
-                },
-                &f.data,
-            )
-            .await
-        }
-        Opcode::Launch => {
-            let m: proto::Launch = from_body(&f.body)?;
-            single(shared, &who, m.lease, BatchOp::Launch(m.spec), &[]).await
-        }
-        Opcode::Sync => {
-            let m: LeaseRef = from_body(&f.body)?;
-            single(shared, &who, m.lease, BatchOp::Sync, &[]).await
+            let m: IdOp = from_body(&f.body)?;
+            single(shared, &who, m.lease, Op::Free { id: m.id }).await
         }
         Opcode::Batch => {
             let b: Batch = from_body(&f.body)?;
             b.validate(f.data.len())?;
-            let (reply, data) = run_batch(shared, &who, &b.lease, &b.ops, &f.data).await?;
+            Metrics::inc(&shared.metrics.batch_total);
+            shared
+                .metrics
+                .batch_commands
+                .fetch_add(b.commands.len() as u64, Ordering::Relaxed);
+            let (reply, data) = run_in_order(shared, &who, &b, &f.data).await?;
             Ok(Reply {
                 status: Status::Ok,
                 body: to_body(&reply),
@@ -1009,27 +1032,26 @@ fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// A single session op: a one-op batch whose failure becomes the reply status.
+/// A single session op: a one-command batch on stream 0 whose failure
+/// becomes the reply status.
 async fn single(
     shared: &Arc<Shared>,
     who: &Principal,
     lease: LeaseId,
-    op: BatchOp,
-    data: &[u8],
+    op: Op,
 ) -> Result<Reply, Reply> {
     let batch = Batch {
         lease,
-        ops: vec![op],
+        seq: 0,
+        modules: Vec::new(),
+        commands: vec![Command { stream: 0, op }],
     };
-    batch.validate(data.len())?;
-    let (reply, _) = run_batch(shared, who, &lease, &batch.ops, data).await?;
-    if let Some(e) = reply.error {
-        return Err(Reply::err(e.status, e.message));
+    batch.validate(0)?;
+    let (reply, _) = run_batch(shared, who, &batch, &[]).await?;
+    match reply.error {
+        Some(e) => Err(Reply::err(e.status, e.message)),
+        None => Ok(Reply::empty()),
     }
-    Ok(match reply.results.first() {
-        Some(OpResult::Handle(h)) => Reply::ok(&HandleReply { handle: *h }),
-        _ => Reply::empty(),
-    })
 }
 
 async fn inventory(shared: &Arc<Shared>) -> Result<Reply, Reply> {
@@ -1105,7 +1127,8 @@ async fn lease_alloc(
     let slot = Arc::new(LeaseSlot {
         worker,
         exec: tokio::sync::Mutex::new(()),
-        handles: StdMutex::new(HashMap::new()),
+        state: StdMutex::new(LeaseState::default()),
+        next_seq: tokio::sync::watch::Sender::new(1),
     });
     let now = shared.now();
     let ttl = Duration::from_secs(u64::from(req.ttl_secs));
@@ -1162,253 +1185,241 @@ async fn lease_free(shared: &Arc<Shared>, id: &LeaseId) -> Result<Reply, Reply> 
     }
 }
 
-/// The worker's id of a v1 handle (its first 8 bytes).
-pub(crate) fn worker_id(h: Handle) -> proto::Id {
-    let mut b = [0u8; 8];
-    b.copy_from_slice(&h.0[..8]);
-    proto::Id(u64::from_le_bytes(b))
+/// A command's effect on the lease's ids, applied when it ran.
+#[derive(Debug, Clone, Copy)]
+enum Effect {
+    None,
+    Create(Id, IdKind),
+    Free(Id),
 }
 
-/// The worker's name of a v1 module handle.
-fn worker_module(h: Handle) -> proto::ModuleHash {
-    let mut b = [0u8; 32];
-    b[..16].copy_from_slice(&h.0);
-    proto::ModuleHash(b)
-}
-
-/// The event a v1 SYNC records (the batch's end waits for every stream).
-const SYNC_EVENT: proto::Id = proto::Id(u64::MAX);
-
-fn resolve(
-    handles: &HashMap<Handle, HandleKind>,
-    made: &[Option<(Handle, HandleKind)>],
-    freed: &HashSet<Handle>,
-    r: &HandleRef,
-    want: Option<HandleKind>,
-    i: usize,
-) -> Result<(Handle, HandleKind), OpError> {
-    let fail = |status: Status, message: &str| OpError {
-        index: i as u32,
-        status,
-        message: message.into(),
-    };
-    let found = match r {
-        HandleRef::Id(h) => handles
-            .get(h)
-            .map(|k| (*h, *k))
-            .or_else(|| made.iter().flatten().find(|(m, _)| m == h).copied()),
-        HandleRef::Op(n) => made.get(*n as usize).copied().flatten(),
-    };
-    match found {
-        Some((h, k)) if !freed.contains(&h) => match (want, k) {
-            (None, _)
-            | (Some(HandleKind::Module(_)), HandleKind::Module(_))
-            | (Some(HandleKind::Mem(_)), HandleKind::Mem(_)) => Ok((h, k)),
-            _ => Err(fail(Status::BadRequest, "handle is of the wrong kind")),
-        },
-        _ => Err(fail(Status::NotFound, "no such handle in this lease")),
-    }
-}
-
-/// A planned worker op, its result, and the handle it makes.
-type PlannedOp = (WorkerOp, OpResult, Option<(Handle, HandleKind)>);
-
+/// The worker ops of a batch's commands, up to the first command the node
+/// refuses.
 struct Plan {
     ops: Vec<WorkerOp>,
-    results: Vec<OpResult>,
-    /// Allocations charged to the lease, by op index.
-    charged: Vec<(usize, Handle, HandleKind)>,
-    data_used: usize,
+    effects: Vec<Effect>,
+    /// Bytes of the batch's write payloads the planned commands take.
+    write_bytes: usize,
+    /// Allocations charged to the lease, by command index.
+    charged: Vec<(usize, u64)>,
     error: Option<OpError>,
 }
 
-fn plan(
-    shared: &Shared,
-    lease: &LeaseId,
-    slot: &LeaseSlot,
-    ops: &[BatchOp],
-    data_len: usize,
-) -> Result<Plan, Reply> {
-    let handles = slot
-        .handles
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone();
-    let mut made: Vec<Option<(Handle, HandleKind)>> = Vec::with_capacity(ops.len());
-    let mut freed: HashSet<Handle> = HashSet::new();
+/// What `id` is after the commands planned so far: the batch's own
+/// creations and frees over the lease's state.
+fn kind_of(overlay: &HashMap<Id, Option<IdKind>>, state: &LeaseState, id: Id) -> Option<IdKind> {
+    match overlay.get(&id) {
+        Some(k) => *k,
+        None => state.ids.get(&id).copied(),
+    }
+}
+
+fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Command]) -> Plan {
+    let mut overlay: HashMap<Id, Option<IdKind>> = HashMap::new();
+    let mut live = state.ids.len();
+    let mut streams = state.streams.clone();
     let mut p = Plan {
-        ops: Vec::new(),
-        results: Vec::new(),
+        ops: Vec::with_capacity(commands.len()),
+        effects: Vec::with_capacity(commands.len()),
+        write_bytes: 0,
         charged: Vec::new(),
-        data_used: 0,
         error: None,
     };
     let mut read_total: u64 = 0;
     let now = shared.now();
-    for (i, op) in ops.iter().enumerate() {
+    let cfg = &shared.cfg;
+    for (i, c) in commands.iter().enumerate() {
         let fail = |status: Status, message: String| OpError {
             index: i as u32,
             status,
-            message,
+            message: format!("command {i}: {message}"),
         };
-        let mem = Some(HandleKind::Mem(0));
-        let step: Result<PlannedOp, OpError> = (|| match op {
-            BatchOp::MemAlloc { size } => {
-                shared
-                    .table()
-                    .charge(lease, *size, now)
-                    .map_err(|e| fail(e.status, e.message))?;
-                let h = Handle::random();
-                p.charged.push((i, h, HandleKind::Mem(*size)));
-                Ok((
-                    WorkerOp::Alloc {
-                        stream: 0,
-                        id: worker_id(h),
+        let kind = |id: Id| kind_of(&overlay, state, id);
+        let buffer = |id: Id| match kind(id) {
+            Some(IdKind::Buffer(n)) => Ok(n),
+            Some(IdKind::Event) => Err(fail(
+                Status::BadRequest,
+                format!("{id} is an event, not a buffer"),
+            )),
+            None => Err(fail(Status::NotFound, format!("unknown id {id}"))),
+        };
+        let in_range = |size: u64, offset: u64, len: u64| {
+            if offset.checked_add(len).is_none_or(|end| end > size) {
+                return Err(fail(
+                    Status::BadRequest,
+                    format!("range {offset}+{len} is outside a buffer of {size} bytes"),
+                ));
+            }
+            Ok(())
+        };
+        let fresh = |id: Id| {
+            if kind(id).is_some() {
+                return Err(fail(
+                    Status::BadRequest,
+                    format!("id {id} is already in use"),
+                ));
+            }
+            if live >= cfg.max_ids_per_lease {
+                return Err(fail(
+                    Status::CapacityExceeded,
+                    format!("more than {} live ids in one lease", cfg.max_ids_per_lease),
+                ));
+            }
+            Ok(())
+        };
+        let stream = c.stream;
+        let step = (|| -> Result<(WorkerOp, Effect), OpError> {
+            if !streams.contains(&stream) && streams.len() >= cfg.max_streams_per_lease {
+                return Err(fail(
+                    Status::CapacityExceeded,
+                    format!(
+                        "stream {stream} would be more than the lease's limit of {} streams",
+                        cfg.max_streams_per_lease
+                    ),
+                ));
+            }
+            Ok(match &c.op {
+                Op::Alloc { buf, size } => {
+                    fresh(*buf)?;
+                    shared
+                        .table()
+                        .charge(lease, *size, now)
+                        .map_err(|e| fail(e.status, e.message))?;
+                    p.charged.push((i, *size));
+                    let op = WorkerOp::Alloc {
+                        stream,
+                        id: *buf,
                         size: *size,
-                    },
-                    OpResult::Handle(h),
-                    Some((h, HandleKind::Mem(*size))),
-                ))
-            }
-            BatchOp::MemWrite {
-                target,
-                offset,
-                len,
-            } => {
-                let (h, _) = resolve(&handles, &made, &freed, target, mem, i)?;
-                p.data_used += *len as usize;
-                Ok((
-                    WorkerOp::Write {
-                        stream: 0,
-                        id: worker_id(h),
-                        offset: *offset,
-                        len: *len,
-                    },
-                    OpResult::Done,
-                    None,
-                ))
-            }
-            BatchOp::MemRead {
-                source,
-                offset,
-                len,
-            } => {
-                let (h, _) = resolve(&handles, &made, &freed, source, mem, i)?;
-                read_total += u64::from(*len);
-                if read_total > u64::from(shared.cfg.limits.max_data) {
-                    return Err(fail(
-                        Status::BadRequest,
-                        "reads exceed the reply data limit".into(),
-                    ));
+                    };
+                    (op, Effect::Create(*buf, IdKind::Buffer(*size)))
                 }
-                Ok((
-                    WorkerOp::Read {
-                        stream: 0,
-                        id: worker_id(h),
+                Op::Write { buf, offset, len } => {
+                    in_range(buffer(*buf)?, *offset, u64::from(*len))?;
+                    p.write_bytes += *len as usize;
+                    let op = WorkerOp::Write {
+                        stream,
+                        id: *buf,
                         offset: *offset,
                         len: *len,
-                    },
-                    OpResult::Read(*len),
-                    None,
-                ))
-            }
-            BatchOp::MemFree { target } => {
-                let (h, kind) = resolve(&handles, &made, &freed, target, None, i)?;
-                freed.insert(h);
-                let op = match kind {
-                    HandleKind::Mem(_) => WorkerOp::Free {
-                        stream: 0,
-                        id: worker_id(h),
-                    },
-                    HandleKind::Module(_) => WorkerOp::UnloadModule {
-                        hash: worker_module(h),
-                    },
-                };
-                Ok((op, OpResult::Done, None))
-            }
-            BatchOp::ModuleLoad { len } => {
-                // Module bytes count against the reservation.
-                shared
-                    .table()
-                    .charge(lease, u64::from(*len), now)
-                    .map_err(|e| fail(e.status, e.message))?;
-                let h = Handle::random();
-                let kind = HandleKind::Module(u64::from(*len));
-                p.charged.push((i, h, kind));
-                p.data_used += *len as usize;
-                Ok((
-                    WorkerOp::LoadModule {
-                        hash: worker_module(h),
-                        kind: proto::SourceKind::Ptx,
+                    };
+                    (op, Effect::None)
+                }
+                Op::Read { buf, offset, len } => {
+                    in_range(buffer(*buf)?, *offset, u64::from(*len))?;
+                    read_total += u64::from(*len);
+                    if read_total > u64::from(cfg.limits.max_data) {
+                        return Err(fail(
+                            Status::BadRequest,
+                            "reads exceed the reply data limit".into(),
+                        ));
+                    }
+                    let op = WorkerOp::Read {
+                        stream,
+                        id: *buf,
+                        offset: *offset,
                         len: *len,
-                    },
-                    OpResult::Handle(h),
-                    Some((h, kind)),
-                ))
-            }
-            BatchOp::Launch(spec) => {
-                let (module, _) = resolve(
-                    &handles,
-                    &made,
-                    &freed,
-                    &spec.module,
-                    Some(HandleKind::Module(0)),
-                    i,
-                )?;
-                let mut args = Vec::with_capacity(spec.args.len());
-                for a in &spec.args {
-                    args.push(match a {
-                        KernelArg::Scalar(b) => WorkerArg::Scalar(b.clone()),
-                        KernelArg::Mem { handle, offset } => {
-                            let (h, _) = resolve(&handles, &made, &freed, handle, mem, i)?;
-                            WorkerArg::Mem {
-                                id: worker_id(h),
-                                offset: *offset,
+                    };
+                    (op, Effect::None)
+                }
+                Op::Free { id } => {
+                    if kind(*id).is_none() {
+                        return Err(fail(Status::NotFound, format!("unknown id {id}")));
+                    }
+                    (WorkerOp::Free { stream, id: *id }, Effect::Free(*id))
+                }
+                Op::Launch(spec) => {
+                    let mut args = Vec::with_capacity(spec.args.len());
+                    for a in &spec.args {
+                        args.push(match a {
+                            KernelArg::Scalar(b) => WorkerArg::Scalar(b.clone()),
+                            KernelArg::Mem { buf, offset } => {
+                                in_range(buffer(*buf)?, *offset, 0)?;
+                                WorkerArg::Mem {
+                                    id: *buf,
+                                    offset: *offset,
+                                }
                             }
-                        }
-                        KernelArg::Input(_) | KernelArg::Output => {
-                            return Err(fail(
-                                Status::BadRequest,
-                                "Input/Output are for GPU_SUBMIT".into(),
-                            ))
-                        }
-                    });
-                }
-                let d = [
-                    spec.grid[0],
-                    spec.grid[1],
-                    spec.grid[2],
-                    spec.block[0],
-                    spec.block[1],
-                    spec.block[2],
-                    spec.shared_mem,
-                ];
-                Ok((
-                    WorkerOp::Launch {
-                        stream: 0,
-                        module: worker_module(module),
+                            KernelArg::Input(_) | KernelArg::Output => {
+                                return Err(fail(
+                                    Status::BadRequest,
+                                    "Input/Output are for GPU_SUBMIT".into(),
+                                ))
+                            }
+                        });
+                    }
+                    let d = [
+                        spec.grid[0],
+                        spec.grid[1],
+                        spec.grid[2],
+                        spec.block[0],
+                        spec.block[1],
+                        spec.block[2],
+                        spec.shared_mem,
+                    ];
+                    let op = WorkerOp::Launch {
+                        stream,
+                        module: spec.module,
                         kernel: spec.kernel.clone(),
                         dims: d,
                         args,
-                    },
-                    OpResult::Done,
-                    None,
-                ))
-            }
-            BatchOp::Sync => Ok((
-                WorkerOp::Record {
-                    stream: 0,
-                    event: SYNC_EVENT,
-                },
-                OpResult::Done,
-                None,
-            )),
+                    };
+                    (op, Effect::None)
+                }
+                Op::Record { event } => {
+                    let effect = match kind(*event) {
+                        Some(IdKind::Event) => Effect::None,
+                        Some(IdKind::Buffer(_)) => {
+                            return Err(fail(
+                                Status::BadRequest,
+                                format!("{event} is a buffer, not an event"),
+                            ))
+                        }
+                        None => {
+                            fresh(*event)?;
+                            Effect::Create(*event, IdKind::Event)
+                        }
+                    };
+                    let op = WorkerOp::Record {
+                        stream,
+                        event: *event,
+                    };
+                    (op, effect)
+                }
+                Op::Wait { event } => {
+                    match kind(*event) {
+                        Some(IdKind::Event) => {}
+                        Some(IdKind::Buffer(_)) => {
+                            return Err(fail(
+                                Status::BadRequest,
+                                format!("{event} is a buffer, not an event"),
+                            ))
+                        }
+                        None => return Err(fail(Status::NotFound, format!("unknown id {event}"))),
+                    }
+                    let op = WorkerOp::Wait {
+                        stream,
+                        event: *event,
+                    };
+                    (op, Effect::None)
+                }
+            })
         })();
         match step {
-            Ok((wop, res, new)) => {
-                p.ops.push(wop);
-                p.results.push(res);
-                made.push(new);
+            Ok((op, effect)) => {
+                match effect {
+                    Effect::Create(id, k) => {
+                        overlay.insert(id, Some(k));
+                        live += 1;
+                    }
+                    Effect::Free(id) => {
+                        overlay.insert(id, None);
+                        live -= 1;
+                    }
+                    Effect::None => {}
+                }
+                streams.insert(stream);
+                p.ops.push(op);
+                p.effects.push(effect);
             }
             Err(e) => {
                 p.error = Some(e);
@@ -1416,8 +1427,7 @@ fn plan(
             }
         }
     }
-    debug_assert!(p.data_used <= data_len);
-    Ok(p)
+    p
 }
 
 /// The reply for a lease whose worker died or hung during a request: the
@@ -1436,82 +1446,231 @@ fn worker_lost(shared: &Shared, lease: &LeaseId, e: &WorkerError) -> Reply {
     Reply::err(status, format!("lease poisoned: {e}"))
 }
 
+/// A module the lease's worker must load before the batch's commands.
+struct Load {
+    hash: ModuleHash,
+    source: Arc<(SourceKind, Vec<u8>)>,
+}
+
+/// The modules of `b` the lease has not loaded, with their sources (from
+/// the batch, checked against their hashes, or the node's cache); the
+/// batch's data after its module sources is returned too.
+fn modules_to_load<'d>(
+    shared: &Shared,
+    state: &LeaseState,
+    b: &Batch,
+    data: &'d [u8],
+) -> Result<(Vec<Load>, &'d [u8]), Reply> {
+    let mut rest = data;
+    let mut loads = Vec::new();
+    for m in &b.modules {
+        let given = match &m.source {
+            Some(t) => {
+                let (text, tail) = rest.split_at(t.len as usize);
+                rest = tail;
+                let text_str = std::str::from_utf8(text).map_err(|_| {
+                    Reply::err(Status::BadRequest, format!("module {}: not UTF-8", m.hash))
+                })?;
+                let actual = ModuleHash::of(&t.kind, text_str);
+                if actual != m.hash {
+                    return Err(Reply::err(
+                        Status::BadRequest,
+                        format!("module {}: its source hashes to {actual}", m.hash),
+                    ));
+                }
+                let entry = Arc::new((t.kind.clone(), text.to_vec()));
+                let mut cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
+                cache.insert(m.hash, entry.clone(), shared.cfg.module_cache_bytes);
+                Some(entry)
+            }
+            None => None,
+        };
+        if state.modules.contains_key(&m.hash) {
+            continue;
+        }
+        let source = given.or_else(|| {
+            let cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
+            cache.map.get(&m.hash).cloned()
+        });
+        let Some(source) = source else {
+            return Err(Reply::err(
+                Status::UnknownModule,
+                format!(
+                    "module {} is not on this node: send the batch again with its source",
+                    m.hash
+                ),
+            ));
+        };
+        loads.push(Load {
+            hash: m.hash,
+            source,
+        });
+    }
+    Ok((loads, rest))
+}
+
+/// Index of the first command of `b` that launches `hash` (0 if none).
+fn first_use(b: &Batch, hash: ModuleHash) -> u32 {
+    b.commands
+        .iter()
+        .position(|c| matches!(&c.op, Op::Launch(s) if s.module == hash))
+        .unwrap_or(0) as u32
+}
+
+/// Runs a batch after its lease's earlier numbered batches (see
+/// [`Batch::seq`]), waiting at most the reorder window for them.
+async fn run_in_order(
+    shared: &Arc<Shared>,
+    who: &Principal,
+    b: &Batch,
+    data: &[u8],
+) -> Result<(BatchReply, Vec<u8>), Reply> {
+    if b.seq == 0 {
+        return run_batch(shared, who, b, data).await;
+    }
+    let slot = lease_of(shared, who, &b.lease)?;
+    let mut next = slot.next_seq.subscribe();
+    let window = shared.cfg.reorder_window;
+    if tokio::time::timeout(window, next.wait_for(|n| *n >= b.seq))
+        .await
+        .is_err()
+    {
+        debug!(lease = %b.lease, seq = b.seq, "earlier batches missing: running anyway");
+    }
+    let r = run_batch(shared, who, b, data).await;
+    // Sent again with its sources, the batch keeps its place.
+    if !matches!(&r, Err(reply) if reply.status == Status::UnknownModule) {
+        slot.next_seq.send_if_modified(|n| {
+            let advance = *n <= b.seq;
+            if advance {
+                *n = b.seq + 1;
+            }
+            advance
+        });
+    }
+    r
+}
+
 async fn run_batch(
     shared: &Arc<Shared>,
     who: &Principal,
-    lease: &LeaseId,
-    ops: &[BatchOp],
+    b: &Batch,
     data: &[u8],
 ) -> Result<(BatchReply, Vec<u8>), Reply> {
+    let lease = &b.lease;
     let slot = lease_of(shared, who, lease)?;
     let _exec = slot.exec.lock().await;
     // Re-check: the lease may have died while we waited.
     shared.table().get(lease, shared.now())?;
-    let mut p = plan(shared, lease, &slot, ops, data.len())?;
-    let mut out = Vec::new();
-    let mut completed = 0usize;
-    if !p.ops.is_empty() {
-        let body = to_body(&WorkerBatch {
-            ops: std::mem::take(&mut p.ops),
+    let (loads, writes, p) = {
+        let state = slot.state();
+        let (loads, writes) = modules_to_load(shared, &state, b, data)?;
+        // Module bytes count against the reservation, before anything runs.
+        let mut charged = 0u64;
+        for l in &loads {
+            let len = l.source.1.len() as u64;
+            let r = shared.table().charge(lease, len, shared.now());
+            if let Err(e) = r {
+                shared.table().credit(lease, charged);
+                return Err(Reply::err(
+                    e.status,
+                    format!("module {}: {}", l.hash, e.message),
+                ));
+            }
+            charged += len;
+        }
+        let p = plan(shared, lease, &state, &b.commands);
+        (loads, writes, p)
+    };
+    let n_loads = loads.len();
+    let mut ops = Vec::with_capacity(n_loads + p.ops.len());
+    let mut parts: Vec<&[u8]> = Vec::with_capacity(n_loads + 1);
+    for l in &loads {
+        ops.push(WorkerOp::LoadModule {
+            hash: l.hash,
+            kind: l.source.0.clone(),
+            len: l.source.1.len() as u32,
         });
+        parts.push(&l.source.1);
+    }
+    parts.push(&writes[..p.write_bytes]);
+    let planned = p.ops.len();
+    ops.extend(p.ops);
+    let mut error = p.error;
+    let mut completed = 0usize;
+    let mut loaded = 0usize;
+    let mut out = Vec::new();
+    if !ops.is_empty() {
+        let body = to_body(&WorkerBatch { ops });
         let res = slot
             .worker
-            .call(
-                Opcode::Batch,
-                &body,
-                &data[..p.data_used],
-                shared.cfg.op_timeout,
-            )
+            .call_parts(Opcode::Batch, &body, &parts, shared.cfg.op_timeout)
             .await;
-        match res {
-            Ok(frame) => {
-                let reply: WorkerBatchReply = from_body(&frame.body)
-                    .map_err(|e| Reply::err(Status::Internal, format!("worker reply: {e}")))?;
-                completed = reply.completed as usize;
-                out = frame.data;
-                if let Some(e) = reply.error {
-                    if e.sticky {
-                        fail_lease(shared, lease, &e.message);
-                    }
-                    p.error = Some(OpError {
-                        index: completed as u32,
-                        status: e.status,
-                        message: e.message,
-                    });
+        let frame = match res {
+            Ok(frame) => frame,
+            Err(e) => return Err(worker_lost(shared, lease, &e)),
+        };
+        let reply: WorkerBatchReply = from_body(&frame.body)
+            .map_err(|e| Reply::err(Status::Internal, format!("worker reply: {e}")))?;
+        let done = reply.completed as usize;
+        loaded = done.min(n_loads);
+        completed = done.saturating_sub(n_loads).min(planned);
+        out = frame.data;
+        if let Some(e) = reply.error {
+            if e.sticky {
+                fail_lease(shared, lease, &e.message);
+            }
+            error = Some(if done < n_loads {
+                // A module failed to load: nothing of the batch ran.
+                let hash = loads[done].hash;
+                OpError {
+                    index: first_use(b, hash),
+                    status: e.status,
+                    message: format!("module {hash}: {}", e.message),
+                }
+            } else {
+                OpError {
+                    index: completed as u32,
+                    status: e.status,
+                    message: format!("command {completed}: {}", e.message),
+                }
+            });
+        }
+    }
+    // Commit what ran; give back the charges of what did not.
+    let mut table = shared.table();
+    let mut state = slot.state();
+    for (i, l) in loads.iter().enumerate() {
+        let len = l.source.1.len() as u64;
+        if i < loaded {
+            state.modules.insert(l.hash, len);
+        } else {
+            table.credit(lease, len);
+        }
+    }
+    for (i, size) in &p.charged {
+        if *i >= completed {
+            table.credit(lease, *size);
+        }
+    }
+    for (c, effect) in b.commands.iter().zip(&p.effects).take(completed) {
+        state.streams.insert(c.stream);
+        match *effect {
+            Effect::Create(id, k) => {
+                state.ids.insert(id, k);
+            }
+            Effect::Free(id) => {
+                if let Some(IdKind::Buffer(n)) = state.ids.remove(&id) {
+                    table.credit(lease, n);
                 }
             }
-            Err(e) => return Err(worker_lost(shared, lease, &e)),
+            Effect::None => {}
         }
     }
-    // Commit what ran; return charges of allocations that did not.
-    let mut table = shared.table();
-    let mut handles = slot.handles.lock().unwrap_or_else(|e| e.into_inner());
-    for (i, h, kind) in &p.charged {
-        if *i >= completed {
-            table.credit(lease, kind.bytes());
-        } else {
-            handles.insert(*h, *kind);
-        }
-    }
-    for op in ops.iter().take(completed) {
-        if let BatchOp::MemFree { target } = op {
-            let h = match target {
-                HandleRef::Id(h) => Some(*h),
-                HandleRef::Op(n) => match p.results.get(*n as usize) {
-                    Some(OpResult::Handle(h)) => Some(*h),
-                    _ => None,
-                },
-            };
-            if let Some(kind) = h.and_then(|h| handles.remove(&h)) {
-                table.credit(lease, kind.bytes());
-            }
-        }
-    }
-    p.results.truncate(completed);
     Ok((
         BatchReply {
-            results: p.results,
-            error: p.error,
+            completed: completed as u32,
+            error,
         },
         out,
     ))

@@ -32,12 +32,15 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 /// The four magic bytes that open every frame.
 pub const MAGIC: [u8; 4] = *b"CULS";
 /// The protocol version this crate speaks.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Size of the fixed header in bytes.
 pub const HEADER_LEN: usize = 28;
 /// Header flag set on replies.
 pub const FLAG_REPLY: u16 = 1;
-/// ALPN protocol id used on the QUIC connection.
+/// ALPN protocol id used on the QUIC connection. It names the framing (the
+/// fixed header's layout, unchanged since version 1), not the protocol
+/// version: a peer of another version still connects and gets a clear
+/// error from the header's version byte.
 pub const ALPN: &[u8] = b"cuda-lease/1";
 
 /// Most kernel arguments a launch may carry.
@@ -83,21 +86,16 @@ pub enum Opcode {
     LeaseFree = 5,
     /// Describe a lease ([`LeaseRef`] -> [`LeaseStatus`]).
     LeaseQuery = 6,
-    /// Allocate device memory in a lease ([`MemAlloc`] -> [`HandleReply`]).
+    /// Allocate device memory under a client-named id ([`MemAlloc`]).
     MemAlloc = 16,
-    /// Copy data bytes into device memory ([`MemWrite`]).
+    /// Copy data bytes into device memory, streamed ([`MemWrite`]).
     MemWrite = 17,
-    /// Copy device memory back; the reply's data holds it ([`MemRead`]).
+    /// Copy device memory back, streamed; the reply's data holds it ([`MemRead`]).
     MemRead = 18,
-    /// Free device memory ([`HandleOp`]).
+    /// Free a buffer or an event ([`IdOp`]).
     MemFree = 19,
-    /// Load a PTX module from the data bytes ([`LeaseRef`] -> [`HandleReply`]).
-    ModuleLoad = 20,
-    /// Launch a kernel ([`Launch`]).
-    Launch = 21,
-    /// Wait for the lease's stream ([`LeaseRef`]).
-    Sync = 22,
-    /// Run session ops in order with one reply ([`Batch`] -> [`BatchReply`]).
+    /// Run a pipeline: commands on several streams, one reply when they
+    /// are done ([`Batch`] -> [`BatchReply`]).
     Batch = 23,
     /// Stateless one-shot kernel call ([`GpuSubmit`]); the reply's data is the output.
     GpuSubmit = 32,
@@ -105,7 +103,7 @@ pub enum Opcode {
 
 impl Opcode {
     /// Every opcode, for tests and tables.
-    pub const ALL: [Opcode; 15] = [
+    pub const ALL: [Opcode; 12] = [
         Opcode::Hello,
         Opcode::GetInventory,
         Opcode::LeaseAlloc,
@@ -116,9 +114,6 @@ impl Opcode {
         Opcode::MemWrite,
         Opcode::MemRead,
         Opcode::MemFree,
-        Opcode::ModuleLoad,
-        Opcode::Launch,
-        Opcode::Sync,
         Opcode::Batch,
         Opcode::GpuSubmit,
     ];
@@ -155,6 +150,9 @@ pub enum Status {
     LeasePoisoned = 9,
     /// A node-side failure not caused by the request.
     Internal = 10,
+    /// A batch names a module the node does not have and carries no
+    /// source for it: nothing ran; send it again with the source.
+    UnknownModule = 11,
 }
 
 impl Status {
@@ -171,6 +169,7 @@ impl Status {
             7 => Status::BadRequest,
             8 => Status::NotFound,
             9 => Status::LeasePoisoned,
+            11 => Status::UnknownModule,
             _ => Status::Internal,
         }
     }
@@ -190,6 +189,7 @@ impl fmt::Display for Status {
             Status::NotFound => "NOT_FOUND",
             Status::LeasePoisoned => "LEASE_POISONED",
             Status::Internal => "INTERNAL",
+            Status::UnknownModule => "UNKNOWN_MODULE",
         };
         f.write_str(s)
     }
@@ -205,7 +205,7 @@ pub enum ProtoError {
     #[error("bad magic")]
     BadMagic,
     /// The version is not [`VERSION`].
-    #[error("unsupported protocol version {0}")]
+    #[error("unsupported protocol version {0}: this node speaks {VERSION}")]
     UnsupportedVersion(u8),
     /// The opcode is unknown.
     #[error("unknown opcode {0}")]
@@ -628,10 +628,6 @@ id_type!(
     /// to use (and always to free) the lease.
     LeaseId
 );
-id_type!(
-    /// A 128-bit random handle to memory or a module inside one lease.
-    Handle
-);
 
 /// A client-named id of a buffer or an event in a lease. The client picks
 /// it (a per-lease counter); ids are names, not secrets: a lease is usable
@@ -802,7 +798,7 @@ pub struct LeaseRenew {
     pub ttl_secs: u32,
 }
 
-/// Body of LEASE_FREE, LEASE_QUERY, MODULE_LOAD and SYNC.
+/// Body of LEASE_FREE and LEASE_QUERY.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeaseRef {
     /// The lease.
@@ -840,15 +836,10 @@ pub struct LeaseStatus {
 pub struct MemAlloc {
     /// The lease.
     pub lease: LeaseId,
+    /// The new buffer's id (not in use in the lease).
+    pub buf: Id,
     /// Bytes (non-zero).
     pub size: u64,
-}
-
-/// Reply carrying a new handle (MEM_ALLOC, MODULE_LOAD).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct HandleReply {
-    /// The new handle.
-    pub handle: Handle,
 }
 
 /// MEM_WRITE request; the frame's data is written.
@@ -856,8 +847,8 @@ pub struct HandleReply {
 pub struct MemWrite {
     /// The lease.
     pub lease: LeaseId,
-    /// Target memory.
-    pub handle: Handle,
+    /// Target buffer.
+    pub buf: Id,
     /// Byte offset into it.
     pub offset: u64,
 }
@@ -867,8 +858,8 @@ pub struct MemWrite {
 pub struct MemRead {
     /// The lease.
     pub lease: LeaseId,
-    /// Source memory.
-    pub handle: Handle,
+    /// Source buffer.
+    pub buf: Id,
     /// Byte offset into it.
     pub offset: u64,
     /// Bytes to read.
@@ -877,20 +868,11 @@ pub struct MemRead {
 
 /// MEM_FREE request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct HandleOp {
+pub struct IdOp {
     /// The lease.
     pub lease: LeaseId,
-    /// Memory to free.
-    pub handle: Handle,
-}
-
-/// A handle, either known or produced by an earlier op of the same batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum HandleRef {
-    /// An existing handle.
-    Id(Handle),
-    /// The handle made by batch op number `n` (a MEM_ALLOC or MODULE_LOAD).
-    Op(u32),
+    /// The buffer or event to free.
+    pub id: Id,
 }
 
 /// One kernel argument.
@@ -899,10 +881,10 @@ pub enum KernelArg {
     /// Bytes passed by value (an `int`, a `float`, a small struct; at most
     /// [`MAX_SCALAR_ARG`], refused on the length prefix).
     Scalar(#[serde(deserialize_with = "bounded::scalar")] Vec<u8>),
-    /// The device address of lease memory plus a byte offset.
+    /// The device address of a buffer of the lease plus a byte offset.
     Mem {
-        /// The memory.
-        handle: HandleRef,
+        /// The buffer.
+        buf: Id,
         /// Byte offset added to its address.
         offset: u64,
     },
@@ -925,20 +907,18 @@ impl KernelArg {
     pub fn f32(v: f32) -> Self {
         KernelArg::Scalar(v.to_le_bytes().to_vec())
     }
-    /// The address of existing memory.
-    pub fn mem(handle: Handle) -> Self {
-        KernelArg::Mem {
-            handle: HandleRef::Id(handle),
-            offset: 0,
-        }
+    /// The address of a buffer.
+    pub fn mem(buf: Id) -> Self {
+        KernelArg::Mem { buf, offset: 0 }
     }
 }
 
 /// Launch geometry and arguments.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LaunchSpec {
-    /// Module holding the kernel.
-    pub module: HandleRef,
+    /// Module holding the kernel, by content (listed in the batch's
+    /// `modules`).
+    pub module: ModuleHash,
     /// Kernel (entry) name.
     pub kernel: String,
     /// Grid dimensions (each non-zero).
@@ -996,147 +976,195 @@ fn validate_launch(
     Ok(())
 }
 
-/// LAUNCH request.
+/// Most modules one batch may name.
+pub const MAX_BATCH_MODULES: usize = 64;
+
+/// A module's source carried in a batch's data.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Launch {
-    /// The lease.
-    pub lease: LeaseId,
-    /// What to launch.
-    pub spec: LaunchSpec,
+pub struct ModuleText {
+    /// PTX or CUDA C (with its options).
+    pub kind: SourceKind,
+    /// Bytes of text taken from the batch data.
+    pub len: u32,
 }
 
-/// One operation inside a [`Batch`].
+/// A module a batch uses.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum BatchOp {
-    /// Allocate `size` bytes; produces a handle.
-    MemAlloc {
+pub struct ModuleUse {
+    /// Its content hash ([`ModuleHash::of`] the source).
+    pub hash: ModuleHash,
+    /// The source, the first time this node sees the module (the node
+    /// checks that it hashes to `hash`); `None` when the client believes
+    /// the node has it, which the node answers with
+    /// [`Status::UnknownModule`] if it does not.
+    pub source: Option<ModuleText>,
+}
+
+/// What one command does. Ids are client-named: a command that creates
+/// (`Alloc`, the first `Record` of an event) names an id not in use in the
+/// lease; the others name one created by an earlier command of this or an
+/// earlier batch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Op {
+    /// Allocate `size` zeroed bytes as buffer `buf`.
+    Alloc {
+        /// New buffer id.
+        buf: Id,
         /// Bytes (non-zero).
         size: u64,
     },
-    /// Write the next `len` bytes of the batch data.
-    MemWrite {
+    /// Write the next `len` bytes of the batch data into `buf` at `offset`.
+    Write {
         /// Target.
-        target: HandleRef,
+        buf: Id,
         /// Byte offset.
         offset: u64,
         /// Bytes taken from the batch data.
         len: u32,
     },
-    /// Read `len` bytes; they are appended to the reply data.
-    MemRead {
+    /// Read `len` bytes of `buf` at `offset`; they are appended to the
+    /// reply data, in command order.
+    Read {
         /// Source.
-        source: HandleRef,
+        buf: Id,
         /// Byte offset.
         offset: u64,
         /// Bytes.
         len: u32,
     },
-    /// Free memory.
-    MemFree {
-        /// Memory to free.
-        target: HandleRef,
-    },
-    /// Load the next `len` bytes of the batch data as PTX; produces a handle.
-    ModuleLoad {
-        /// PTX bytes taken from the batch data.
-        len: u32,
+    /// Free a buffer (after every use of it queued on any stream) or an
+    /// event.
+    Free {
+        /// The buffer or event.
+        id: Id,
     },
     /// Launch a kernel.
     Launch(LaunchSpec),
-    /// Wait for the stream.
-    Sync,
+    /// Record event `event` on the command's stream (made on first use).
+    Record {
+        /// The event.
+        event: Id,
+    },
+    /// Make the command's stream wait for the last record of `event`.
+    Wait {
+        /// The event.
+        event: Id,
+    },
 }
 
-/// BATCH request: ops run in order on the lease's stream; the frame's data
-/// holds the MEM_WRITE and MODULE_LOAD payloads back to back.
+/// One command of a batch: an op on a client-named stream of the lease.
+/// Each stream runs its commands in order; different streams run
+/// concurrently, ordered by events and by the buffers they share (a use
+/// that conflicts with an earlier one, a write against any use, runs after
+/// it, whatever the streams).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Command {
+    /// The stream (made on first use, up to the node's per-lease limit).
+    pub stream: StreamId,
+    /// What to do.
+    pub op: Op,
+}
+
+/// BATCH request: a pipeline in one message. The frame's data holds the
+/// module sources (in `modules` order) and then the `Write` payloads (in
+/// command order), back to back. The reply comes when every command ran.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Batch {
     /// The lease.
     pub lease: LeaseId,
-    /// Operations (at most [`MAX_BATCH_OPS`]: a longer list is refused on
-    /// its length prefix, before any op is decoded).
-    #[serde(deserialize_with = "bounded::batch_ops")]
-    pub ops: Vec<BatchOp>,
+    /// The batch's place in its lease's order (1, 2, 3, ...; 0: none). The
+    /// node runs a lease's numbered batches in this order, whatever order
+    /// they arrive in over QUIC's independent streams (it waits a bounded
+    /// time for a missing one), so a batch sent before the reply to its
+    /// predecessor can name what the predecessor creates.
+    pub seq: u64,
+    /// Modules the launches name (at most [`MAX_BATCH_MODULES`]).
+    #[serde(deserialize_with = "bounded::modules")]
+    pub modules: Vec<ModuleUse>,
+    /// Commands (at most [`MAX_BATCH_OPS`]: a longer list is refused on
+    /// its length prefix, before any command is decoded).
+    #[serde(deserialize_with = "bounded::commands")]
+    pub commands: Vec<Command>,
 }
 
 impl Batch {
-    /// Checks op count, launches and that the data length matches.
+    /// Checks counts, launches, module names and that the data length
+    /// matches.
     ///
     /// # Errors
     ///
     /// [`ProtoError::Invalid`].
     pub fn validate(&self, data_len: usize) -> Result<(), ProtoError> {
-        if self.ops.len() > MAX_BATCH_OPS {
-            return Err(ProtoError::Invalid("too many batch ops".into()));
+        if self.commands.len() > MAX_BATCH_OPS {
+            return Err(ProtoError::Invalid("too many commands".into()));
+        }
+        if self.modules.len() > MAX_BATCH_MODULES {
+            return Err(ProtoError::Invalid("too many modules".into()));
         }
         let mut need: u64 = 0;
-        for (i, op) in self.ops.iter().enumerate() {
-            let check_ref = |r: &HandleRef| match r {
-                HandleRef::Op(n) if *n as usize >= i => Err(ProtoError::Invalid(format!(
-                    "op {i} refers to later op {n}"
-                ))),
-                _ => Ok(()),
-            };
-            match op {
-                BatchOp::MemAlloc { size: 0 } => {
-                    return Err(ProtoError::Invalid("zero-sized allocation".into()))
+        for (i, m) in self.modules.iter().enumerate() {
+            if self.modules[..i].iter().any(|o| o.hash == m.hash) {
+                return Err(ProtoError::Invalid(format!(
+                    "module {} listed twice",
+                    m.hash
+                )));
+            }
+            if let Some(t) = &m.source {
+                need += u64::from(t.len);
+            }
+        }
+        for (i, c) in self.commands.iter().enumerate() {
+            match &c.op {
+                Op::Alloc { size: 0, .. } => {
+                    return Err(ProtoError::Invalid(format!(
+                        "command {i}: zero-sized allocation"
+                    )))
                 }
-                BatchOp::MemAlloc { .. } | BatchOp::Sync => {}
-                BatchOp::MemWrite { target, len, .. } => {
-                    check_ref(target)?;
-                    need += u64::from(*len);
-                }
-                BatchOp::MemRead { source, .. } => check_ref(source)?,
-                BatchOp::MemFree { target } => check_ref(target)?,
-                BatchOp::ModuleLoad { len } => need += u64::from(*len),
-                BatchOp::Launch(spec) => {
-                    spec.validate(false)?;
-                    check_ref(&spec.module)?;
-                    for a in &spec.args {
-                        if let KernelArg::Mem { handle, .. } = a {
-                            check_ref(handle)?;
-                        }
+                Op::Write { len, .. } => need += u64::from(*len),
+                Op::Launch(spec) => {
+                    spec.validate(false)
+                        .map_err(|e| ProtoError::Invalid(format!("command {i}: {e}")))?;
+                    if !self.modules.iter().any(|m| m.hash == spec.module) {
+                        return Err(ProtoError::Invalid(format!(
+                            "command {i}: module {} is not in the batch's modules",
+                            spec.module
+                        )));
                     }
                 }
+                _ => {}
             }
         }
         if need != data_len as u64 {
             return Err(ProtoError::Invalid(format!(
-                "batch data is {data_len} bytes but its ops take {need}"
+                "batch data is {data_len} bytes but its modules and writes take {need}"
             )));
         }
         Ok(())
     }
 }
 
-/// Result of one completed batch op.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum OpResult {
-    /// Done, nothing to return.
-    Done,
-    /// A new handle (MEM_ALLOC, MODULE_LOAD).
-    Handle(Handle),
-    /// `len` bytes were appended to the reply data (MEM_READ).
-    Read(u32),
-}
-
 /// The failure that stopped a batch.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OpError {
-    /// Index of the failed op.
+    /// Index of the failed command.
     pub index: u32,
     /// Why.
     pub status: Status,
-    /// Details (the JIT log for LOAD_FAILED).
+    /// Details (the compile or JIT log for LOAD_FAILED).
     pub message: String,
 }
 
-/// BATCH reply (status OK whenever the batch was accepted; op failures are in `error`).
+/// BATCH reply (status OK whenever the batch was accepted; a command's
+/// failure is in `error`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BatchReply {
-    /// One result per completed op, in order.
-    pub results: Vec<OpResult>,
-    /// The op that stopped the batch, if any.
+    /// Commands that ran (`0..completed`); what they created stays valid.
+    /// The reply data holds the reads among them, in order.
+    pub completed: u32,
+    /// The command that stopped the batch, if any: commands after it did
+    /// not run. `index == completed`, except for a kernel fault found when
+    /// waiting for the batch (`completed` is then every command enqueued,
+    /// and the lease is poisoned).
     pub error: Option<OpError>,
 }
 
@@ -1208,7 +1236,10 @@ mod bounded {
 
     use serde::de::{Deserialize, Deserializer, Error, SeqAccess, Visitor};
 
-    use super::{BatchOp, KernelArg, MAX_BATCH_OPS, MAX_KERNEL_ARGS, MAX_SCALAR_ARG};
+    use super::{
+        Command, KernelArg, ModuleUse, MAX_BATCH_MODULES, MAX_BATCH_OPS, MAX_KERNEL_ARGS,
+        MAX_SCALAR_ARG,
+    };
 
     struct Bounded<T>(usize, PhantomData<T>);
 
@@ -1242,8 +1273,12 @@ mod bounded {
         d.deserialize_seq(Bounded(max, PhantomData))
     }
 
-    pub(super) fn batch_ops<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<BatchOp>, D::Error> {
+    pub(super) fn commands<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Command>, D::Error> {
         at_most(d, MAX_BATCH_OPS)
+    }
+
+    pub(super) fn modules<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<ModuleUse>, D::Error> {
+        at_most(d, MAX_BATCH_MODULES)
     }
 
     pub(super) fn kernel_args<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<KernelArg>, D::Error> {

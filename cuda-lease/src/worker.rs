@@ -730,13 +730,33 @@ impl WorkerProcess {
         data: &[u8],
         timeout: Duration,
     ) -> Result<Frame, WorkerError> {
+        self.call_parts(opcode, body, &[data], timeout).await
+    }
+
+    /// [`WorkerProcess::call`] with the data in parts, written back to
+    /// back (never joined in memory).
+    pub(crate) async fn call_parts(
+        &self,
+        opcode: Opcode,
+        body: &[u8],
+        parts: &[&[u8]],
+        timeout: Duration,
+    ) -> Result<Frame, WorkerError> {
         let mut io = self.io.lock().await;
         let io = &mut *io;
         io.next_id += 1;
-        let h = Header::request(opcode, io.next_id, body.len() as u32, data.len() as u32);
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let data = &parts;
+        let h = Header::request(opcode, io.next_id, body.len() as u32, len as u32);
         let exchange = async {
-            let mut hop = HopTimer::start("node-worker", opcode, data.len() as u64);
-            proto::write_frame(&mut io.stdin, &h, body, data).await?;
+            use tokio::io::AsyncWriteExt;
+            let mut hop = HopTimer::start("node-worker", opcode, len as u64);
+            io.stdin.write_all(&h.encode()).await?;
+            io.stdin.write_all(body).await?;
+            for p in data.iter() {
+                io.stdin.write_all(p).await?;
+            }
+            io.stdin.flush().await?;
             hops::mark(&mut hop, "pipe_send");
             let f = proto::read_frame(&mut io.stdout, &WORKER_LIMITS).await;
             if let (Some(t), Ok(f)) = (&mut hop, &f) {

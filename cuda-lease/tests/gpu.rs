@@ -15,9 +15,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use cuda_lease::client::{BatchBuilder, Error, GpuCall, Lease};
+use cuda_lease::client::{Error, GpuCall, Lease, Module};
 use cuda_lease::node::{Node, NodeConfig};
-use cuda_lease::proto::{HandleRef, KernelArg, LaunchSpec, LeaseState};
+use cuda_lease::proto::{KernelArg, LeaseState};
 use cuda_lease::ptx::{grid_for, BLOCK, TEST_KERNELS};
 use cuda_lease::worker::{DeviceSpec, WorkerSpec};
 
@@ -135,37 +135,30 @@ async fn session_batch_iota_and_vadd() {
     let s = lease.session();
     let a = random_f32(n as usize, 3);
     let b = random_f32(n as usize, 4);
-    let mut batch = BatchBuilder::new();
-    let m = batch.load_module(TEST_KERNELS);
-    let da = batch.alloc(bytes);
-    let db = batch.alloc(bytes);
-    let dc = batch.alloc(bytes);
-    let di = batch.alloc(bytes);
-    batch.write(da, 0, &f32_bytes(&a));
-    batch.write(db, 0, &f32_bytes(&b));
-    batch.write(dc, 0, &vec![0xFF; bytes as usize]);
-    batch.write(di, 0, &vec![0xFF; bytes as usize]);
-    let mem = |h: HandleRef| KernelArg::Mem {
-        handle: h,
-        offset: 0,
-    };
-    let spec = |kernel: &str, args| LaunchSpec {
-        module: m,
-        kernel: kernel.into(),
-        grid: [grid_for(n), 1, 1],
-        block: [BLOCK, 1, 1],
-        shared_mem: 0,
-        args,
-    };
-    batch.launch(spec(
+    let m = Module::ptx(TEST_KERNELS);
+    let mut batch = s.recorder();
+    let da = batch.alloc(0, bytes);
+    let db = batch.alloc(0, bytes);
+    let dc = batch.alloc(0, bytes);
+    let di = batch.alloc(0, bytes);
+    batch.write(0, da, 0, &f32_bytes(&a));
+    batch.write(0, db, 0, &f32_bytes(&b));
+    batch.write(0, dc, 0, &vec![0xFF; bytes as usize]);
+    batch.write(0, di, 0, &vec![0xFF; bytes as usize]);
+    let mem = KernelArg::mem;
+    let (grid, block) = ([grid_for(n), 1, 1], [BLOCK, 1, 1]);
+    batch.launch(
+        0,
+        &m,
         "vadd",
+        grid,
+        block,
         vec![mem(da), mem(db), mem(dc), KernelArg::u32(n)],
-    ));
-    batch.launch(spec("iota", vec![mem(di), KernelArg::u32(n)]));
-    batch.sync();
-    let rc = batch.read(dc, 0, bytes as u32);
-    let ri = batch.read(di, 0, bytes as u32);
-    let out = s.batch(&batch).await.unwrap();
+    );
+    batch.launch(0, &m, "iota", grid, block, vec![mem(di), KernelArg::u32(n)]);
+    let rc = batch.read(0, dc, 0, bytes as u32);
+    let ri = batch.read(0, di, 0, bytes as u32);
+    let out = batch.submit().await.unwrap().ok().unwrap();
     let c = bytes_f32(out.read(rc).unwrap());
     for i in 0..n as usize {
         assert_eq!(c[i], a[i] + b[i], "vadd[{i}]");
@@ -185,7 +178,6 @@ async fn session_batch_iota_and_vadd() {
     )
     .await
     .unwrap();
-    s.sync().await.unwrap();
     check_iota(&s.read(&buf, 0, bytes as u32).await.unwrap(), n);
     drop((module, buf));
     lease.free().await.unwrap();
@@ -270,19 +262,18 @@ async fn fault_in_one_lease_leaves_others_correct() {
         sb.write(&dx, 0, &f32_bytes(&x)).await.unwrap();
         sb.write(&dy, 0, &f32_bytes(&y)).await.unwrap();
         for round in 0..50 {
-            let mut batch = BatchBuilder::new();
-            batch.write(HandleRef::Id(dz.handle()), 0, &vec![0xFF; bytes as usize]);
-            batch.launch(LaunchSpec {
-                module: HandleRef::Id(module.handle()),
-                kernel: "vadd".into(),
-                grid: [grid_for(n), 1, 1],
-                block: [BLOCK, 1, 1],
-                shared_mem: 0,
-                args: vec![dx.arg(), dy.arg(), dz.arg(), KernelArg::u32(n)],
-            });
-            batch.sync();
-            let r = batch.read(HandleRef::Id(dz.handle()), 0, bytes as u32);
-            let out = sb.batch(&batch).await.unwrap();
+            let mut batch = sb.recorder();
+            batch.write(0, dz.id(), 0, &vec![0xFF; bytes as usize]);
+            batch.launch(
+                0,
+                &module,
+                "vadd",
+                [grid_for(n), 1, 1],
+                [BLOCK, 1, 1],
+                vec![dx.arg(), dy.arg(), dz.arg(), KernelArg::u32(n)],
+            );
+            let r = batch.read(0, dz.id(), 0, bytes as u32);
+            let out = batch.submit().await.unwrap().ok().unwrap();
             let z = bytes_f32(out.read(r).unwrap());
             for i in 0..n as usize {
                 assert_eq!(z[i], x[i] + y[i], "round {round} element {i}");
@@ -403,4 +394,173 @@ async fn large_and_odd_transfers(client: Arc<cuda_lease::Client>) {
     assert_eq!(s.read(&small, 12_345, 4).await.unwrap(), odd[..4].to_vec());
     drop((buf, small));
     lease.free().await.unwrap();
+}
+
+/// CUDA C the client sends as source only: the node compiles it with its
+/// own NVRTC for its own GPU.
+const CUDA_KERNELS: &str = r#"
+extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+extern "C" __global__ void spin(unsigned long long ns, unsigned long long* out) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+    out[0] = start;
+    out[1] = now;
+}
+"#;
+
+#[tokio::test]
+#[ignore = "needs an NVIDIA GPU"]
+async fn v2_cuda_c_compiled_on_the_node_and_random_data_round_trips() {
+    let node = gpu_node(gpu_config()).await;
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(64 << 20)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let s = lease.session();
+    let m = Module::cuda(CUDA_KERNELS, &[]);
+    let n: u32 = 1_000_003;
+    let bytes = u64::from(n) * 4;
+    let x = random_f32(n as usize, 11);
+    let y = random_f32(n as usize, 12);
+    let raw = random_bytes(5_000_001, 13);
+    let mut rec = s.recorder();
+    let (dx, dy, dr) = (
+        rec.alloc(0, bytes),
+        rec.alloc(1, bytes),
+        rec.alloc(2, raw.len() as u64),
+    );
+    rec.write(0, dx, 0, &f32_bytes(&x));
+    rec.write(1, dy, 0, &f32_bytes(&y));
+    rec.write(2, dr, 0, &raw);
+    let x_ready = rec.record(0);
+    rec.wait(1, x_ready);
+    rec.launch(
+        1,
+        &m,
+        "axpy",
+        [n.div_ceil(256), 1, 1],
+        [256, 1, 1],
+        vec![
+            KernelArg::f32(2.5),
+            KernelArg::mem(dx),
+            KernelArg::mem(dy),
+            KernelArg::u32(n),
+        ],
+    );
+    let ry = rec.read(1, dy, 0, bytes as u32);
+    let rr = rec.read(2, dr, 0, raw.len() as u32);
+    let t = std::time::Instant::now();
+    let out = rec.submit().await.unwrap().ok().unwrap();
+    eprintln!(
+        "CUDA C compiled on the node + 9 commands on 3 streams: {:?}",
+        t.elapsed()
+    );
+    assert!(out.read(rr).unwrap() == &raw[..], "random bytes differ");
+    let got = bytes_f32(out.read(ry).unwrap());
+    for i in 0..n as usize {
+        // NVRTC may fuse the multiply-add: one rounding instead of two.
+        let want = 2.5 * x[i] + y[i];
+        assert!(
+            (got[i] - want).abs() <= 1e-5 * (1.0 + want.abs()),
+            "axpy[{i}]: {} vs {want}",
+            got[i]
+        );
+    }
+    // And through the streamed path, striped.
+    let big = random_bytes(48 << 20, 14);
+    let b = s.alloc(big.len() as u64).await.unwrap();
+    s.write(&b, 0, &big).await.unwrap();
+    assert!(s.read(&b, 0, big.len() as u32).await.unwrap() == big);
+    drop(b);
+    // A compile error comes back with NVRTC's log, naming the launch.
+    let bad = Module::cuda(
+        "extern \"C\" __global__ void k(float* p) { p[0] = undeclared_thing; }",
+        &[],
+    );
+    let mut rec = s.recorder();
+    rec.launch(0, &bad, "k", [1, 1, 1], [1, 1, 1], vec![KernelArg::mem(dx)]);
+    let reply = rec.submit().await.unwrap();
+    let e = reply.error().unwrap();
+    eprintln!("compile error: {}", e.message);
+    assert_eq!(
+        (e.index, e.status),
+        (0, cuda_lease::proto::Status::LoadFailed)
+    );
+    assert!(e.message.contains("undeclared_thing"), "{}", e.message);
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+#[ignore = "needs an NVIDIA GPU"]
+async fn v2_three_streams_of_a_lease_overlap_on_the_gpu() {
+    let node = gpu_node(gpu_config()).await;
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(16 << 20)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let s = lease.session();
+    let m = Module::cuda(CUDA_KERNELS, &[]);
+    s.load(&m).await.unwrap(); // compile outside the measurement
+    const SPIN_NS: u64 = 1_000_000;
+    let mut best = None;
+    for round in 0..3 {
+        let mut rec = s.recorder();
+        let mut reads = Vec::new();
+        for stream in 0..3u32 {
+            let out = rec.alloc(stream, 16);
+            rec.launch(
+                stream,
+                &m,
+                "spin",
+                [1, 1, 1],
+                [1, 1, 1],
+                vec![KernelArg::u64(SPIN_NS), KernelArg::mem(out)],
+            );
+            reads.push(rec.read(stream, out, 0, 16));
+            rec.free(stream, out);
+        }
+        let t = std::time::Instant::now();
+        let reply = rec.submit().await.unwrap().ok().unwrap();
+        let wall = t.elapsed();
+        let spans: Vec<(u64, u64)> = reads
+            .iter()
+            .map(|r| {
+                let b = reply.read(*r).unwrap();
+                let w = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
+                (w(0), w(1))
+            })
+            .collect();
+        let first = spans.iter().map(|s| s.0).min().unwrap();
+        let last = spans.iter().map(|s| s.1).max().unwrap();
+        let latest_start = spans.iter().map(|s| s.0).max().unwrap();
+        let earliest_end = spans.iter().map(|s| s.1).min().unwrap();
+        let span_ns = last - first;
+        eprintln!(
+            "round {round}: 3 x {SPIN_NS} ns spins on 3 streams took {span_ns} ns of GPU time \
+             ({:.2}x one spin); all three running together for {} ns; batch wall {wall:?}",
+            span_ns as f64 / SPIN_NS as f64,
+            earliest_end.saturating_sub(latest_start),
+        );
+        if latest_start < earliest_end {
+            best = Some(span_ns);
+        }
+    }
+    let span = best.expect("the three streams' spins never overlapped");
+    assert!(
+        span < 2 * SPIN_NS,
+        "three 1 ms spins took {span} ns: not concurrent"
+    );
+    lease.free().await.unwrap();
+    node.shutdown().await;
 }

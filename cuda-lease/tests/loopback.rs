@@ -8,25 +8,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use cuda_lease::client::{BatchBuilder, Client, ClientConfig, Error, GpuCall, Lease};
+use cuda_lease::client::{Client, ClientConfig, Error, GpuCall, Lease, Module};
 use cuda_lease::clock::ManualClock;
 use cuda_lease::node::Node;
-use cuda_lease::proto::{
-    self, HandleRef, Header, KernelArg, LaunchSpec, LeaseState, Opcode, Status,
-};
+use cuda_lease::proto::{self, Header, KernelArg, LeaseState, Opcode, Status};
 
 const PTX: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry iota(.param .u64 out, .param .u32 n)\n{\n ret;\n}\n.visible .entry __fault()\n{\n ret;\n}\n.visible .entry __exit()\n{\n ret;\n}\n.visible .entry __hang()\n{\n ret;\n}\n";
-
-fn launch(module: HandleRef, kernel: &str, args: Vec<KernelArg>) -> LaunchSpec {
-    LaunchSpec {
-        module,
-        kernel: kernel.into(),
-        grid: [1, 1, 1],
-        block: [32, 1, 1],
-        shared_mem: 0,
-        args,
-    }
-}
 
 #[tokio::test]
 async fn auth_rejection() {
@@ -136,10 +123,10 @@ async fn capacity_accounting() {
         .await
     );
     let _b2 = s.alloc(768 << 10).await.unwrap();
-    // In a batch: the second allocation exceeds the reservation and stops the batch.
-    let mut b = BatchBuilder::new();
-    b.alloc(1);
-    let err = s.batch(&b).await.unwrap_err();
+    // In a batch: the allocation exceeds the reservation and stops the batch.
+    let mut b = s.recorder();
+    b.alloc(0, 1);
+    let err = b.submit().await.unwrap().ok().unwrap_err();
     assert!(matches!(err, Error::CapacityExceeded(_)), "{err:?}");
     assert_eq!(a.query().await.unwrap().allocated, 768 << 10);
     a.free().await.unwrap();
@@ -247,16 +234,18 @@ async fn cross_lease_access_denied() {
         .unwrap();
     let sb = b.session();
     assert!(matches!(
-        sb.read_handle(secret.handle(), 0, 16).await,
+        sb.read_id(secret.id(), 0, 16).await,
         Err(Error::NotFound(_))
     ));
     assert!(matches!(
-        sb.write_handle(secret.handle(), 0, b"x").await,
+        sb.write_id(secret.id(), 0, b"x").await,
         Err(Error::NotFound(_))
     ));
-    let mut batch = BatchBuilder::new();
-    batch.read(HandleRef::Id(secret.handle()), 0, 16);
-    assert!(matches!(sb.batch(&batch).await, Err(Error::NotFound(_))));
+    // Ids are per lease: B's id of the same number names nothing of A's.
+    let mut batch = sb.recorder();
+    batch.read(0, secret.id(), 0, 16);
+    let reply = batch.submit().await.unwrap();
+    assert!(matches!(reply.ok(), Err(Error::NotFound(_))));
     assert_eq!(
         a.session().read(&secret, 0, 16).await.unwrap(),
         b"sixteen byte key"
@@ -283,33 +272,31 @@ async fn batch_runs_in_order_with_one_reply() {
         .await
         .unwrap();
     let s = lease.session();
-    let mut b = BatchBuilder::new();
-    let m = b.load_module(PTX);
-    let x = b.alloc(64);
-    b.write(x, 0, &[7u8; 64]);
-    b.launch(launch(
-        m,
+    let m = Module::ptx(PTX);
+    let mut b = s.recorder();
+    let x = b.alloc(0, 64);
+    b.write(0, x, 0, &[7u8; 64]);
+    b.launch(
+        0,
+        &m,
         "iota",
-        vec![
-            KernelArg::Mem {
-                handle: x,
-                offset: 0,
-            },
-            KernelArg::u32(16),
-        ],
-    ));
-    b.sync();
-    let r = b.read(x, 8, 8);
-    let out = s.batch(&b).await.unwrap();
+        [1, 1, 1],
+        [32, 1, 1],
+        vec![KernelArg::mem(x), KernelArg::u32(16)],
+    );
+    let r = b.read(0, x, 8, 8);
+    let out = b.submit().await.unwrap().ok().unwrap();
     // The test double runs `iota` on the host: x[i] = i over the 7s.
     assert_eq!(out.read(r).unwrap(), &[2, 0, 0, 0, 3, 0, 0, 0]);
-    let handle = out.handle(1).unwrap();
-    assert_eq!(s.read_handle(handle, 4, 2).await.unwrap(), vec![1, 0]);
+    // The client named the buffer: later requests use that name.
+    assert_eq!(s.read_id(x, 4, 2).await.unwrap(), vec![1, 0]);
     // Unknown kernel and a bad module.
-    let module = out.handle(0).unwrap();
-    let mut b = BatchBuilder::new();
-    b.launch(launch(HandleRef::Id(module), "nope", vec![]));
-    assert!(matches!(s.batch(&b).await, Err(Error::NotFound(_))));
+    let mut b = s.recorder();
+    b.launch(0, &m, "nope", [1, 1, 1], [32, 1, 1], vec![]);
+    assert!(matches!(
+        b.submit().await.unwrap().ok(),
+        Err(Error::NotFound(_))
+    ));
     let err = s.load_module("garbage").await.unwrap_err();
     assert!(
         matches!(err, Error::LoadFailed(ref log) if log.contains("ptxas")),
@@ -412,7 +399,7 @@ async fn dead_and_hung_workers_fail_their_lease() {
         .await
         .unwrap_err();
     assert!(matches!(err, Error::LeasePoisoned(_)), "{err:?}");
-    assert!(matches!(sa.sync().await, Err(Error::LeasePoisoned(_))));
+    assert!(matches!(sa.alloc(4).await, Err(Error::LeasePoisoned(_))));
 
     let b = Lease::builder()
         .min_vram(4096)
@@ -430,7 +417,7 @@ async fn dead_and_hung_workers_fail_their_lease() {
         matches!(err, Error::LaunchFailed(ref s) if s.contains("hung")),
         "{err:?}"
     );
-    assert!(matches!(sb.sync().await, Err(Error::LeasePoisoned(_))));
+    assert!(matches!(sb.alloc(4).await, Err(Error::LeasePoisoned(_))));
     assert_eq!(client.inventory().await.unwrap().active_leases, 0);
     drop(m);
     node.shutdown().await;
@@ -476,6 +463,22 @@ async fn garbage_on_the_wire_leaves_node_serving() {
         let f = proto::read_frame(&mut recv, &limits).await.unwrap();
         assert_eq!(f.header.status, Status::BadRequest, "{junk:?}");
     }
+    // A version 1 peer is told why, in a header it can read.
+    let (mut send, mut recv) = attacker_conn(&node).await;
+    let mut v1 = Header::request(Opcode::GetInventory, 5, 0, 0).encode();
+    v1[4] = 1;
+    send.write_all(&v1).await.unwrap();
+    send.finish().unwrap();
+    let mut head = [0u8; proto::HEADER_LEN];
+    recv.read_exact(&mut head).await.unwrap();
+    assert_eq!(head[4], 1, "the reply speaks version 1");
+    head[4] = proto::VERSION;
+    let h = Header::decode(&head, &limits).unwrap();
+    assert_eq!(h.status, Status::BadRequest);
+    let mut body = vec![0u8; h.body_len as usize];
+    recv.read_exact(&mut body).await.unwrap();
+    let msg = proto::from_body::<proto::ErrorBody>(&body).unwrap().message;
+    assert_eq!(msg, "unsupported protocol version 1: this node speaks 2");
     // The attacker's own authenticated connection and the victim still work.
     assert!(attacker.inventory().await.is_ok());
     let s = lease.session();
@@ -681,7 +684,7 @@ async fn a_transfer_cut_off_midway_frees_what_it_held_and_the_lease_stays_usable
         let (mut send, _recv) = conn.open_bi().await.unwrap();
         let body = proto::to_body(&proto::MemWrite {
             lease: lease.id(),
-            handle: buf.handle(),
+            buf: buf.id(),
             offset: 0,
         });
         let h = Header::request(Opcode::MemWrite, 2, body.len() as u32, SIZE as u32);
@@ -736,7 +739,7 @@ async fn a_principal_cannot_see_use_renew_or_free_another_principals_lease() {
     let buf = s.alloc(64).await.unwrap();
     s.write(&buf, 0, b"SECRET-OF-TENANT-A").await.unwrap();
     let id = lease.id();
-    let handle = buf.handle();
+    let handle = buf.id();
     let unknown = |r: Result<(Vec<u8>, Vec<u8>), Error>| match r {
         Err(Error::NotFound(m)) => assert!(m.contains("no lease"), "{m}"),
         other => panic!("expected NOT_FOUND as for an unknown lease, got {other:?}"),
@@ -746,7 +749,7 @@ async fn a_principal_cannot_see_use_renew_or_free_another_principals_lease() {
             Opcode::MemRead,
             &proto::to_body(&proto::MemRead {
                 lease: id,
-                handle,
+                buf: handle,
                 offset: 0,
                 len: 18,
             }),
@@ -759,7 +762,7 @@ async fn a_principal_cannot_see_use_renew_or_free_another_principals_lease() {
             Opcode::MemWrite,
             &proto::to_body(&proto::MemWrite {
                 lease: id,
-                handle,
+                buf: handle,
                 offset: 0,
             }),
             b"pwned",
@@ -793,17 +796,22 @@ async fn a_principal_cannot_see_use_renew_or_free_another_principals_lease() {
         )
         .await,
     );
-    let read = proto::BatchOp::MemRead {
-        source: HandleRef::Id(handle),
-        offset: 0,
-        len: 18,
+    let read = proto::Command {
+        stream: 0,
+        op: proto::Op::Read {
+            buf: handle,
+            offset: 0,
+            len: 18,
+        },
     };
     unknown(
         bob.request(
             Opcode::Batch,
             &proto::to_body(&proto::Batch {
                 lease: id,
-                ops: vec![read],
+                seq: 0,
+                modules: vec![],
+                commands: vec![read],
             }),
             &[],
         )
@@ -838,35 +846,27 @@ async fn the_test_double_runs_the_test_kernels_so_data_flow_is_checked_without_a
     let n = 1000u32;
     let a: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
     let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    let mut b = BatchBuilder::new();
-    let m = b.load_module(cuda_lease::ptx::TEST_KERNELS);
-    let x = b.alloc(u64::from(n) * 4);
-    let y = b.alloc(u64::from(n) * 4);
-    let z = b.alloc(u64::from(n) * 4);
-    b.write(x, 0, &bytes(&a));
-    let mem = |h| KernelArg::Mem {
-        handle: h,
-        offset: 0,
-    };
-    let grid = cuda_lease::ptx::grid_for(n);
-    let spec = |module, kernel: &str, args| LaunchSpec {
-        module,
-        kernel: kernel.into(),
-        grid: [grid, 1, 1],
-        block: [cuda_lease::ptx::BLOCK, 1, 1],
-        shared_mem: 0,
-        args,
-    };
-    b.launch(spec(m, "iota", vec![mem(y), KernelArg::u32(n)]));
-    b.launch(spec(
-        m,
+    let m = Module::ptx(cuda_lease::ptx::TEST_KERNELS);
+    let mut b = s.recorder();
+    let x = b.alloc(0, u64::from(n) * 4);
+    let y = b.alloc(0, u64::from(n) * 4);
+    let z = b.alloc(0, u64::from(n) * 4);
+    b.write(0, x, 0, &bytes(&a));
+    let grid = [cuda_lease::ptx::grid_for(n), 1, 1];
+    let block = [cuda_lease::ptx::BLOCK, 1, 1];
+    let mem = KernelArg::mem;
+    b.launch(0, &m, "iota", grid, block, vec![mem(y), KernelArg::u32(n)]);
+    b.launch(
+        0,
+        &m,
         "vadd",
+        grid,
+        block,
         vec![mem(x), mem(x), mem(z), KernelArg::u32(n)],
-    ));
-    b.sync();
-    let ry = b.read(y, 0, n * 4);
-    let rz = b.read(z, 0, n * 4);
-    let out = s.batch(&b).await.unwrap();
+    );
+    let ry = b.read(0, y, 0, n * 4);
+    let rz = b.read(0, z, 0, n * 4);
+    let out = b.submit().await.unwrap().ok().unwrap();
     let iota: Vec<u32> = out
         .read(ry)
         .unwrap()
@@ -882,12 +882,17 @@ async fn the_test_double_runs_the_test_kernels_so_data_flow_is_checked_without_a
         .collect();
     assert_eq!(sum, a.iter().map(|v| v + v).collect::<Vec<_>>());
     // Writing past a buffer faults the lease, as on a GPU.
-    let module = HandleRef::Id(out.handle(0).unwrap());
-    let mut bad = BatchBuilder::new();
-    let small = bad.alloc(8);
-    bad.launch(spec(module, "iota", vec![mem(small), KernelArg::u32(64)]));
-    bad.sync();
-    assert!(s.batch(&bad).await.is_err());
+    let mut bad = s.recorder();
+    let small = bad.alloc(0, 8);
+    bad.launch(
+        0,
+        &m,
+        "iota",
+        grid,
+        block,
+        vec![mem(small), KernelArg::u32(64)],
+    );
+    assert!(bad.submit().await.unwrap().ok().is_err());
     assert_eq!(lease.query().await.unwrap().state, LeaseState::Poisoned);
     lease.free().await.unwrap();
     node.shutdown().await;

@@ -59,7 +59,9 @@ fn decode_all(bytes: &[u8]) {
     let _ = from_body::<LeaseStatus>(bytes);
     let _ = from_body::<MemWrite>(bytes);
     let _ = from_body::<MemRead>(bytes);
-    let _ = from_body::<Launch>(bytes).map(|l| l.spec.validate(false));
+    let _ = from_body::<MemAlloc>(bytes);
+    let _ = from_body::<IdOp>(bytes);
+    let _ = from_body::<LaunchSpec>(bytes).map(|l| l.validate(false));
     let _ = from_body::<Batch>(bytes).map(|b| b.validate(bytes.len()));
     let _ = from_body::<BatchReply>(bytes);
     let _ = from_body::<GpuSubmit>(bytes).map(|s| s.validate(bytes.len(), &limits));
@@ -76,7 +78,7 @@ proptest! {
     }
 
     #[test]
-    fn valid_header_random_tail(op in 0usize..15, body in proptest::collection::vec(any::<u8>(), 0..256), cut in 0usize..300) {
+    fn valid_header_random_tail(op in 0usize..Opcode::ALL.len(), body in proptest::collection::vec(any::<u8>(), 0..256), cut in 0usize..300) {
         let h = Header::request(Opcode::ALL[op], 1, body.len() as u32, 0);
         let mut bytes = h.encode().to_vec();
         bytes.extend_from_slice(&body);
@@ -109,6 +111,62 @@ proptest! {
     }
 
     #[test]
+    fn v2_batches_round_trip_and_validate(
+        cmds in proptest::collection::vec((0u32..4, 0u8..7, 1u64..64, any::<u32>()), 0..40),
+        cuda in any::<bool>(),
+    ) {
+        let kind = if cuda {
+            SourceKind::Cuda { options: vec!["-default-device".into()] }
+        } else {
+            SourceKind::Ptx
+        };
+        let text = "extern \"C\" __global__ void k() {}";
+        let hash = ModuleHash::of(&kind, text);
+        let mut need = text.len();
+        let commands: Vec<Command> = cmds
+            .iter()
+            .map(|&(stream, op, id, n)| {
+                let (buf, len) = (Id(id), n % 64);
+                let op = match op {
+                    0 => Op::Alloc { buf, size: u64::from(len) + 1 },
+                    1 => {
+                        need += len as usize;
+                        Op::Write { buf, offset: 0, len }
+                    }
+                    2 => Op::Read { buf, offset: u64::from(n), len },
+                    3 => Op::Free { id: buf },
+                    4 => Op::Record { event: buf },
+                    5 => Op::Wait { event: buf },
+                    _ => Op::Launch(LaunchSpec {
+                        module: hash,
+                        kernel: "k".into(),
+                        grid: [1, 1, 1],
+                        block: [32, 1, 1],
+                        shared_mem: 0,
+                        args: vec![KernelArg::mem(buf), KernelArg::u32(n)],
+                    }),
+                };
+                Command { stream, op }
+            })
+            .collect();
+        let batch = Batch {
+            lease: LeaseId([7; 16]),
+            seq: 1,
+            modules: vec![ModuleUse { hash, source: Some(ModuleText { kind, len: text.len() as u32 }) }],
+            commands,
+        };
+        let body = to_body(&batch);
+        let back = from_body::<Batch>(&body).unwrap();
+        prop_assert_eq!(&back, &batch);
+        prop_assert!(back.validate(need).is_ok());
+        prop_assert!(back.validate(need + 1).is_err());
+        // Any cut of a valid body fails cleanly.
+        for cut in 0..body.len() {
+            prop_assert!(from_body::<Batch>(&body[..cut]).is_err());
+        }
+    }
+
+    #[test]
     fn body_round_trips(min_vram in any::<u64>(), ttl in any::<u32>(), id in any::<[u8; 16]>()) {
         let a = LeaseAlloc { min_vram, ttl_secs: ttl };
         prop_assert_eq!(from_body::<LeaseAlloc>(&to_body(&a)).unwrap(), a);
@@ -119,9 +177,14 @@ proptest! {
 
 #[test]
 fn huge_sequence_length_prefix_is_cheap() {
-    // A Batch claiming 2^32-1 ops in a few bytes.
+    // A Batch claiming 2^32-1 modules, then one claiming 2^32-1 commands,
+    // in a few bytes.
     let mut b = vec![0x11; 16];
     b.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f]);
+    let n = largest_alloc(|| assert!(from_body::<Batch>(&b).is_err()));
+    assert!(n <= SLACK, "allocated {n}");
+    let mut b = vec![0x11; 16];
+    b.extend_from_slice(&[0x00, 0xff, 0xff, 0xff, 0xff, 0x0f]);
     let n = largest_alloc(|| assert!(from_body::<Batch>(&b).is_err()));
     assert!(n <= SLACK, "allocated {n}");
     // A string claiming 4 GiB.

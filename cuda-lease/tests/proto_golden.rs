@@ -26,14 +26,16 @@ fn golden<T: Serialize + DeserializeOwned + PartialEq + Debug>(msg: T, hex: &str
 }
 
 const L: LeaseId = LeaseId([0x11; 16]);
-const H: Handle = Handle([0x22; 16]);
+const B: Id = Id(0x22);
+const E: Id = Id(3);
+const M: ModuleHash = ModuleHash([0x33; 32]);
 
 #[test]
 fn header_golden() {
     let h = Header::request(Opcode::Batch, 0x0102030405060708, 9, 10);
     assert_eq!(
         h.encode().to_vec(),
-        unhex("43554c5301170000000000000807060504030201090000000a000000")
+        unhex("43554c5302170000000000000807060504030201090000000a000000")
     );
     let r = Header::reply(
         &Header::request(Opcode::MemRead, 7, 0, 0),
@@ -41,7 +43,7 @@ fn header_golden() {
         5,
         0,
     );
-    let bytes = unhex("43554c53011201000800000007000000000000000500000000000000");
+    let bytes = unhex("43554c53021201000800000007000000000000000500000000000000");
     assert_eq!(r.encode().to_vec(), bytes);
     assert_eq!(Header::decode(&bytes, &Limits::default()).unwrap(), r);
     assert!(r.is_reply());
@@ -50,10 +52,7 @@ fn header_golden() {
 #[test]
 fn opcode_and_status_values_are_stable() {
     let ops: Vec<u8> = Opcode::ALL.iter().map(|o| *o as u8).collect();
-    assert_eq!(
-        ops,
-        vec![1, 2, 3, 4, 5, 6, 16, 17, 18, 19, 20, 21, 22, 23, 32]
-    );
+    assert_eq!(ops, vec![1, 2, 3, 4, 5, 6, 16, 17, 18, 19, 23, 32]);
     for (i, name) in [
         "OK",
         "UNAUTHORIZED",
@@ -66,6 +65,7 @@ fn opcode_and_status_values_are_stable() {
         "NOT_FOUND",
         "LEASE_POISONED",
         "INTERNAL",
+        "UNKNOWN_MODULE",
     ]
     .iter()
     .enumerate()
@@ -79,10 +79,12 @@ fn opcode_and_status_values_are_stable() {
 #[test]
 fn unknown_version_and_opcode_rejected() {
     let mut b = Header::request(Opcode::Hello, 1, 0, 0).encode();
-    b[4] = 2;
+    b[4] = 1;
+    let e = Header::decode(&b, &Limits::default()).unwrap_err();
+    assert_eq!(e, ProtoError::UnsupportedVersion(1));
     assert_eq!(
-        Header::decode(&b, &Limits::default()),
-        Err(ProtoError::UnsupportedVersion(2))
+        e.to_string(),
+        "unsupported protocol version 1: this node speaks 2"
     );
     let mut b = Header::request(Opcode::Hello, 1, 0, 0).encode();
     b[5] = 99;
@@ -173,76 +175,123 @@ fn bodies_golden() {
     golden(
         MemAlloc {
             lease: L,
+            buf: B,
             size: 256,
         },
-        "111111111111111111111111111111118002",
-    );
-    golden(
-        HandleReply { handle: H },
-        "22222222222222222222222222222222",
+        "11111111111111111111111111111111228002",
     );
     golden(
         MemWrite {
             lease: L,
-            handle: H,
+            buf: B,
             offset: 4,
         },
-        "111111111111111111111111111111112222222222222222222222222222222204",
+        "111111111111111111111111111111112204",
     );
     golden(
         MemRead {
             lease: L,
-            handle: H,
+            buf: B,
             offset: 4,
             len: 8,
         },
-        "11111111111111111111111111111111222222222222222222222222222222220408",
+        "11111111111111111111111111111111220408",
     );
     golden(
-        HandleOp {
-            lease: L,
-            handle: H,
-        },
-        "1111111111111111111111111111111122222222222222222222222222222222",
-    );
-    golden(
-        Launch {
-            lease: L,
-            spec: LaunchSpec {
-                module: HandleRef::Id(H),
-                kernel: "k".into(),
-                grid: [2, 1, 1],
-                block: [128, 1, 1],
-                shared_mem: 0,
-                args: vec![KernelArg::u32(5), KernelArg::Mem { handle: HandleRef::Op(1), offset: 8 }],
-            },
-        },
-        "111111111111111111111111111111110022222222222222222222222222222222016b02010180010101000200040500000001010108",
+        IdOp { lease: L, id: B },
+        "1111111111111111111111111111111122",
     );
     golden(
         Batch {
             lease: L,
-            ops: vec![
-                BatchOp::MemAlloc { size: 64 },
-                BatchOp::MemWrite { target: HandleRef::Op(0), offset: 0, len: 4 },
-                BatchOp::ModuleLoad { len: 3 },
-                BatchOp::Sync,
-                BatchOp::MemRead { source: HandleRef::Op(0), offset: 0, len: 4 },
-                BatchOp::MemFree { target: HandleRef::Id(H) },
+            seq: 5,
+            modules: vec![
+                ModuleUse {
+                    hash: M,
+                    source: Some(ModuleText {
+                        kind: SourceKind::Cuda {
+                            options: vec!["-G".into()],
+                        },
+                        len: 5,
+                    }),
+                },
+                ModuleUse {
+                    hash: M,
+                    source: None,
+                },
+            ],
+            commands: vec![
+                Command {
+                    stream: 0,
+                    op: Op::Alloc { buf: B, size: 64 },
+                },
+                Command {
+                    stream: 0,
+                    op: Op::Write {
+                        buf: B,
+                        offset: 0,
+                        len: 4,
+                    },
+                },
+                Command {
+                    stream: 0,
+                    op: Op::Record { event: E },
+                },
+                Command {
+                    stream: 1,
+                    op: Op::Wait { event: E },
+                },
+                Command {
+                    stream: 1,
+                    op: Op::Launch(LaunchSpec {
+                        module: M,
+                        kernel: "k".into(),
+                        grid: [2, 1, 1],
+                        block: [128, 1, 1],
+                        shared_mem: 0,
+                        args: vec![KernelArg::u32(5), KernelArg::Mem { buf: B, offset: 8 }],
+                    }),
+                },
+                Command {
+                    stream: 1,
+                    op: Op::Read {
+                        buf: B,
+                        offset: 0,
+                        len: 4,
+                    },
+                },
+                Command {
+                    stream: 2,
+                    op: Op::Free { id: B },
+                },
             ],
         },
-        "1111111111111111111111111111111106004001010000040403060201000004030022222222222222222222222222222222",
+        concat!(
+            "111111111111111111111111111111110502333333333333333333333333333333",
+            "3333333333333333333333333333333333010101022d47053333333333333333",
+            "3333333333333333333333333333333333333333333333330007000022400001",
+            "2200040005030106030104333333333333333333333333333333333333333333",
+            "3333333333333333333333016b02010180010101000200040500000001220801",
+            "02220004020322"
+        ),
     );
     golden(
         BatchReply {
-            results: vec![OpResult::Handle(H), OpResult::Done, OpResult::Read(4)],
+            completed: 3,
             error: Some(OpError {
                 index: 3,
                 status: Status::LaunchFailed,
                 message: "x".into(),
             }),
         },
-        "0301222222222222222222222222222222220002040103030178",
+        "030103030178",
+    );
+    golden(
+        BatchReply {
+            completed: 7,
+            error: None,
+        },
+        "0700",
     );
     golden(
         GpuSubmit {
@@ -264,7 +313,7 @@ fn bodies_golden() {
 fn whole_frame_round_trip() {
     let body = to_body(&LeaseRef { lease: L });
     let f = Frame {
-        header: Header::request(Opcode::ModuleLoad, 3, body.len() as u32, 4),
+        header: Header::request(Opcode::Batch, 3, body.len() as u32, 4),
         body,
         data: b"ptx!".to_vec(),
     };
@@ -278,20 +327,44 @@ fn whole_frame_round_trip() {
 
 #[test]
 fn batch_and_submit_validation() {
+    let cmd = |op| Command { stream: 0, op };
+    let launch = |module| {
+        Op::Launch(LaunchSpec {
+            module,
+            kernel: "k".into(),
+            grid: [1, 1, 1],
+            block: [1, 1, 1],
+            shared_mem: 0,
+            args: vec![],
+        })
+    };
     let mut b = Batch {
         lease: L,
-        ops: vec![BatchOp::MemWrite {
-            target: HandleRef::Op(0),
+        seq: 1,
+        modules: vec![],
+        commands: vec![cmd(Op::Write {
+            buf: B,
             offset: 0,
             len: 1,
-        }],
+        })],
     };
-    assert!(b.validate(1).is_err(), "refers to itself");
-    b.ops.insert(0, BatchOp::MemAlloc { size: 8 });
     assert!(b.validate(1).is_ok());
     assert!(b.validate(2).is_err(), "data length mismatch");
-    b.ops.push(BatchOp::MemAlloc { size: 0 });
-    assert!(b.validate(1).is_err(), "zero alloc");
+    b.commands.push(cmd(launch(M)));
+    assert!(b.validate(1).is_err(), "module not listed");
+    b.modules.push(ModuleUse {
+        hash: M,
+        source: Some(ModuleText {
+            kind: SourceKind::Ptx,
+            len: 3,
+        }),
+    });
+    assert!(b.validate(4).is_ok(), "module text counts in the data");
+    b.modules.push(b.modules[0].clone());
+    assert!(b.validate(7).is_err(), "module listed twice");
+    b.modules.pop();
+    b.commands.push(cmd(Op::Alloc { buf: E, size: 0 }));
+    assert!(b.validate(4).is_err(), "zero alloc");
     let s = GpuSubmit {
         kernel: "k".into(),
         grid: [1, 1, 1],

@@ -15,8 +15,11 @@ fuzz_target!(|data: &[u8]| {
             Opcode::GpuSubmit => {
                 let _ = from_body::<GpuSubmit>(&f.body).map(|s| s.validate(f.data.len(), &limits));
             }
-            Opcode::Launch => {
-                let _ = from_body::<Launch>(&f.body).map(|l| l.spec.validate(false));
+            Opcode::MemAlloc => {
+                let _ = from_body::<MemAlloc>(&f.body);
+            }
+            Opcode::MemFree => {
+                let _ = from_body::<IdOp>(&f.body);
             }
             _ => {}
         }
@@ -26,6 +29,7 @@ fuzz_target!(|data: &[u8]| {
     let _ = from_body::<LeaseAlloc>(data);
     let _ = from_body::<LeaseStatus>(data);
     let _ = from_body::<MemRead>(data);
+    let _ = from_body::<LaunchSpec>(data).map(|l| l.validate(false));
     let _ = from_body::<Batch>(data);
     let _ = from_body::<BatchReply>(data);
     let _ = from_body::<GpuSubmit>(data);

@@ -15,10 +15,10 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 
 use super::{
-    fail_lease, lease_of, principal, worker_lost, HandleKind, Peer, Reply, Shared, Slot as LeaseRef,
+    fail_lease, lease_of, principal, worker_lost, IdKind, Peer, Reply, Shared, Slot as LeaseRef,
 };
 use crate::hops::{self, HopTimer};
-use crate::proto::{self, from_body, Handle, Header, LeaseId, MemRead, MemWrite, Opcode, Status};
+use crate::proto::{self, from_body, Header, Id, LeaseId, MemRead, MemWrite, Opcode, Status};
 use crate::shm::{Slot, SLOTS, SLOT_BYTES};
 use crate::worker::ChunkOp;
 
@@ -82,31 +82,26 @@ async fn send_reply(send: &mut quinn::SendStream, req: &Header, reply: &Reply) -
         .is_ok()
 }
 
-/// Checks authentication, the lease and the handle, and that
-/// `offset + len` lies inside the memory.
+/// Checks authentication, the lease and the buffer, and that
+/// `offset + len` lies inside it.
 fn check(
     shared: &Shared,
     peer: &Peer,
     lease: &LeaseId,
-    handle: Handle,
+    buf: Id,
     offset: u64,
     len: u64,
 ) -> Result<LeaseRef, Reply> {
     let slot = lease_of(shared, principal(peer)?, lease)?;
-    let size = match slot
-        .handles
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&handle)
-    {
-        Some(HandleKind::Mem(size)) => *size,
-        Some(HandleKind::Module(_)) => {
+    let size = match slot.state().ids.get(&buf) {
+        Some(IdKind::Buffer(size)) => *size,
+        Some(IdKind::Event) => {
             return Err(Reply::err(
                 Status::BadRequest,
-                format!("{handle} is a module, not memory"),
+                format!("{buf} is an event, not a buffer"),
             ))
         }
-        None => return Err(Reply::err(Status::NotFound, format!("no memory {handle}"))),
+        None => return Err(Reply::err(Status::NotFound, format!("no buffer {buf}"))),
     };
     if offset.checked_add(len).is_none_or(|end| end > size) {
         return Err(Reply::err(
@@ -150,7 +145,7 @@ async fn write(
     let len = u64::from(header.data_len);
     let checked = from_body::<MemWrite>(body)
         .map_err(Reply::from)
-        .and_then(|m| check(shared, peer, &m.lease, m.handle, m.offset, len).map(|s| (m, s)));
+        .and_then(|m| check(shared, peer, &m.lease, m.buf, m.offset, len).map(|s| (m, s)));
     let (m, slot) = match checked {
         Ok(x) => x,
         Err(r) => {
@@ -189,7 +184,7 @@ async fn write(
         while let Some((s, at, n)) = rx.recv().await {
             if result.is_ok() {
                 let op = ChunkOp {
-                    id: crate::node::worker_id(m.handle),
+                    id: m.buf,
                     offset: m.offset + at,
                     slot: s.index(),
                     len: n,
@@ -230,7 +225,7 @@ async fn read(
                     ),
                 ));
             }
-            check(shared, peer, &m.lease, m.handle, m.offset, u64::from(m.len)).map(|s| (m, s))
+            check(shared, peer, &m.lease, m.buf, m.offset, u64::from(m.len)).map(|s| (m, s))
         });
     let (m, slot) = match checked {
         Ok(x) => x,
@@ -244,7 +239,7 @@ async fn read(
             let s = ring.acquire().await;
             let n = (len - at).min(SLOT_BYTES as u64) as u32;
             let op = ChunkOp {
-                id: crate::node::worker_id(m.handle),
+                id: m.buf,
                 offset: m.offset + at,
                 slot: s.index(),
                 len: n,
