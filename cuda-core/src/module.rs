@@ -465,6 +465,22 @@ impl Module {
         }
     }
 
+    /// The module's PTX for `device`: its text for a PTX module; for CUDA C,
+    /// NVRTC's output for the device's architecture (compiled now, outside
+    /// the cache: a caller that keeps PTX for later processes, such as a
+    /// lease node, loads it with [`Module::ptx`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Compile`] with NVRTC's log, [`Error::NoNvrtc`], or a driver
+    /// error reading the architecture.
+    pub fn ptx_for(&self, device: &Device) -> Result<String> {
+        match &self.inner.source {
+            ModuleSource::Ptx(text) => Ok(text.clone()),
+            ModuleSource::Cuda { source, options } => self.compile(device, source, options),
+        }
+    }
+
     /// The module loaded on `device`, from the process-wide cache (compiled
     /// or JIT-loaded once per content and device).
     fn loaded_on(&self, device: &Device) -> Result<Arc<LoadedModule>> {

@@ -132,7 +132,9 @@ pub trait Device {
     /// As [`Device::read`], and a sticky fault of earlier work.
     fn read_now(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError>;
     /// Loads a module (PTX: JIT; CUDA C: compiled by NVRTC for this device)
-    /// under its content hash. Loading a hash already loaded is a no-op.
+    /// under its content hash, and returns the PTX it compiled CUDA C to
+    /// (so the node can keep it and spare other workers the compile).
+    /// Loading a hash already loaded is a no-op.
     ///
     /// # Errors
     ///
@@ -142,7 +144,7 @@ pub trait Device {
         hash: ModuleHash,
         kind: &SourceKind,
         text: &[u8],
-    ) -> Result<(), DeviceError>;
+    ) -> Result<Option<String>, DeviceError>;
     /// Unloads a module after everything enqueued.
     ///
     /// # Errors
@@ -669,9 +671,9 @@ impl Device for MemoryDevice {
         hash: ModuleHash,
         kind: &SourceKind,
         text: &[u8],
-    ) -> Result<(), DeviceError> {
+    ) -> Result<Option<String>, DeviceError> {
         if self.modules.contains_key(&hash) {
-            return Ok(());
+            return Ok(None);
         }
         let text = std::str::from_utf8(text)
             .map_err(|_| DeviceError::new(Status::LoadFailed, "module text is not UTF-8"))?;
@@ -690,7 +692,8 @@ impl Device for MemoryDevice {
             return Err(DeviceError::new(Status::LoadFailed, log));
         }
         self.modules.insert(hash, entry_names(kind, text));
-        Ok(())
+        // Nothing is compiled here.
+        Ok(None)
     }
 
     fn unload_module(&mut self, hash: ModuleHash) -> Result<(), DeviceError> {
@@ -1026,29 +1029,39 @@ mod cuda {
             hash: ModuleHash,
             kind: &SourceKind,
             text: &[u8],
-        ) -> Result<(), DeviceError> {
+        ) -> Result<Option<String>, DeviceError> {
             if self.modules.contains_key(&hash) {
-                return Ok(());
+                return Ok(None);
             }
             let st = Status::LoadFailed;
             let text = std::str::from_utf8(text)
                 .map_err(|_| DeviceError::new(st, "module text is not UTF-8"))?;
-            let module = match kind {
-                SourceKind::Ptx => Module::ptx(text).map_err(|e| map(st, "PTX", e))?,
+            let name = format!("module {hash}");
+            // CUDA C is compiled by this node's NVRTC for this GPU, and the
+            // PTX goes back to the node for other workers.
+            let (ptx, compiled) = match kind {
+                SourceKind::Ptx => (text.to_owned(), false),
                 SourceKind::Cuda { options } => {
                     let opts: Vec<&str> = options.iter().map(String::as_str).collect();
-                    Module::cuda(text, &opts).map_err(|e| map(st, "CUDA C", e))?
+                    let source = Module::cuda(text, &opts)
+                        .map_err(|e| map(st, "CUDA C", e))?
+                        .named(name.clone());
+                    let ptx = source
+                        .ptx_for(&self.device)
+                        .map_err(|e| map(st, "compile", e))?;
+                    (ptx, true)
                 }
-            }
-            .named(format!("module {hash}"));
-            // Compiled (CUDA C, by this node's NVRTC for this GPU) and
-            // loaded now, once per content in this process, so the log of a
-            // bad module comes back with this request.
+            };
+            let module = Module::ptx(ptx.as_str())
+                .map_err(|e| map(st, "PTX", e))?
+                .named(name);
+            // JIT-loaded now (once per content in this process), so the
+            // log of a bad module comes back with this request.
             module
                 .load_on(&self.device)
                 .map_err(|e| map(st, "load", e))?;
             self.modules.insert(hash, module);
-            Ok(())
+            Ok(compiled.then_some(ptx))
         }
 
         fn unload_module(&mut self, hash: ModuleHash) -> Result<(), DeviceError> {
@@ -1203,7 +1216,7 @@ mod tests {
         let mut d = MemoryDevice::new(1 << 20);
         let kind = SourceKind::Cuda { options: vec![] };
         let h = ModuleHash::of(&kind, CU);
-        d.load_module(h, &kind, CU.as_bytes()).unwrap();
+        assert_eq!(d.load_module(h, &kind, CU.as_bytes()).unwrap(), None);
         (d, h)
     }
 

@@ -24,6 +24,8 @@ pub struct Metrics {
     pub batch_total: AtomicU64,
     /// Commands carried by BATCH requests.
     pub batch_commands: AtomicU64,
+    /// CUDA C modules compiled by workers (each kept node-wide as PTX).
+    pub modules_compiled: AtomicU64,
 }
 
 impl Metrics {
@@ -80,6 +82,12 @@ impl Metrics {
             "counter",
             "Commands carried by BATCH requests.",
             get(&self.batch_commands),
+        );
+        put(
+            "gpu_modules_compiled_total",
+            "counter",
+            "CUDA C modules compiled by NVRTC (kept node-wide as PTX).",
+            get(&self.modules_compiled),
         );
         put(
             "gpu_vram_allocated_bytes",

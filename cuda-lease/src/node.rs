@@ -239,10 +239,16 @@ struct ModuleCache {
 }
 
 impl ModuleCache {
+    /// Keeps `entry` for `hash` (replacing what was kept: compiled PTX
+    /// replaces the CUDA C it came from).
     fn insert(&mut self, hash: ModuleHash, entry: Arc<(SourceKind, Vec<u8>)>, cap: u64) {
         let len = entry.1.len() as u64;
-        if len > cap || self.map.contains_key(&hash) {
+        if len > cap {
             return;
+        }
+        if let Some(old) = self.map.remove(&hash) {
+            self.bytes -= old.1.len() as u64;
+            self.order.retain(|h| *h != hash);
         }
         while self.bytes + len > cap {
             let Some(old) = self.order.pop_front() else {
@@ -1480,8 +1486,14 @@ fn modules_to_load<'d>(
                 }
                 let entry = Arc::new((t.kind.clone(), text.to_vec()));
                 let mut cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
-                cache.insert(m.hash, entry.clone(), shared.cfg.module_cache_bytes);
-                Some(entry)
+                // What the node keeps (perhaps already compiled) wins.
+                match cache.map.get(&m.hash) {
+                    Some(kept) => Some(kept.clone()),
+                    None => {
+                        cache.insert(m.hash, entry.clone(), shared.cfg.module_cache_bytes);
+                        Some(entry)
+                    }
+                }
             }
             None => None,
         };
@@ -1613,6 +1625,14 @@ async fn run_batch(
         let reply: WorkerBatchReply = from_body(&frame.body)
             .map_err(|e| Reply::err(Status::Internal, format!("worker reply: {e}")))?;
         let done = reply.completed as usize;
+        if !reply.compiled.is_empty() {
+            let mut cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
+            for (hash, ptx) in reply.compiled {
+                Metrics::inc(&shared.metrics.modules_compiled);
+                let entry = Arc::new((SourceKind::Ptx, ptx.into_bytes()));
+                cache.insert(hash, entry, shared.cfg.module_cache_bytes);
+            }
+        }
         loaded = done.min(n_loads);
         completed = done.saturating_sub(n_loads).min(planned);
         out = frame.data;

@@ -195,6 +195,9 @@ pub(crate) struct WorkerBatchReply {
     /// Commands enqueued; with `error` and `completed == ops.len()`, the
     /// failure came when waiting for them (a kernel fault).
     pub(crate) completed: u32,
+    /// PTX that CUDA C modules of the batch compiled to, for the node's
+    /// cache.
+    pub(crate) compiled: Vec<(ModuleHash, String)>,
     pub(crate) error: Option<WorkerFailure>,
 }
 
@@ -436,6 +439,7 @@ fn run_batch(
     };
     let mut read_at = 0usize;
     let mut failed = None;
+    let mut compiled = Vec::new();
     for (i, op) in ops.iter().enumerate() {
         let r = match op {
             WorkerOp::Alloc { stream, id, size } => dev.alloc(*stream, *id, *size),
@@ -454,9 +458,9 @@ fn run_batch(
                 read_at += *len as usize;
             }),
             WorkerOp::Free { stream, id } => dev.free(*stream, *id),
-            WorkerOp::LoadModule { hash, kind, len } => {
-                take(*len).and_then(|d| dev.load_module(*hash, kind, d))
-            }
+            WorkerOp::LoadModule { hash, kind, len } => take(*len)
+                .and_then(|d| dev.load_module(*hash, kind, d))
+                .map(|ptx| compiled.extend(ptx.map(|p| (*hash, p)))),
             WorkerOp::UnloadModule { hash } => dev.unload_module(*hash),
             WorkerOp::Launch {
                 stream,
@@ -498,6 +502,7 @@ fn run_batch(
     };
     WorkerBatchReply {
         completed: completed as u32,
+        compiled,
         error: error.map(Into::into),
     }
 }

@@ -474,6 +474,23 @@ async fn v2_cuda_c_compiled_on_the_node_and_random_data_round_trips() {
             got[i]
         );
     }
+    // Another lease names the module by hash alone: the node loads the
+    // PTX it kept from the first compile, and NVRTC does not run again.
+    let compiled = |node: &Node| metric(&node.metrics_text(), "gpu_modules_compiled_total");
+    assert_eq!(compiled(&node), Some(1));
+    let other = Lease::builder()
+        .min_vram(1 << 20)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let t = std::time::Instant::now();
+    other.session().load(&m).await.unwrap();
+    eprintln!(
+        "the same CUDA C in a second lease (node-wide PTX): {:?}",
+        t.elapsed()
+    );
+    assert_eq!(compiled(&node), Some(1), "compiled again");
+    other.free().await.unwrap();
     // And through the streamed path, striped.
     let big = random_bytes(48 << 20, 14);
     let b = s.alloc(big.len() as u64).await.unwrap();
