@@ -1095,6 +1095,49 @@ impl Recorder {
         self
     }
 
+    /// Sets `len` bytes of `buf` at `offset` to `value`.
+    pub fn fill(
+        &mut self,
+        stream: StreamId,
+        buf: Id,
+        offset: u64,
+        len: u64,
+        value: u8,
+    ) -> &mut Self {
+        self.push(
+            stream,
+            Op::Fill {
+                buf,
+                offset,
+                len,
+                value,
+            },
+        );
+        self
+    }
+
+    /// Copies `len` bytes from `src` at `src_offset` to another buffer
+    /// `dst` at `dst_offset`.
+    pub fn copy(
+        &mut self,
+        stream: StreamId,
+        (src, src_offset): (Id, u64),
+        (dst, dst_offset): (Id, u64),
+        len: u64,
+    ) -> &mut Self {
+        self.push(
+            stream,
+            Op::Copy {
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                len,
+            },
+        );
+        self
+    }
+
     /// Records a new event on `stream` and returns it.
     pub fn record(&mut self, stream: StreamId) -> Id {
         let event = self.fresh_id();

@@ -176,6 +176,33 @@ pub trait Device {
     ///
     /// NOT_FOUND for an event never recorded.
     fn wait(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError>;
+    /// Enqueues setting `len` bytes of buffer `id` at `offset` to `value`.
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND, BAD_REQUEST when out of bounds, or a driver error.
+    fn fill(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        len: u64,
+        value: u8,
+    ) -> Result<(), DeviceError>;
+    /// Enqueues a copy of `len` bytes from `(buffer, offset)` `src` to
+    /// another buffer's `dst`.
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND, BAD_REQUEST when out of bounds or both are one buffer,
+    /// or a driver error.
+    fn copy(
+        &mut self,
+        stream: StreamId,
+        src: (Id, u64),
+        dst: (Id, u64),
+        len: u64,
+    ) -> Result<(), DeviceError>;
     /// Waits for everything enqueued on every stream and delivers the
     /// enqueued reads into `out`.
     ///
@@ -200,6 +227,13 @@ fn range(len: usize, offset: u64, n: u64) -> Result<std::ops::Range<usize>, Devi
 
 fn not_found(what: &str, id: impl std::fmt::Display) -> DeviceError {
     DeviceError::new(Status::NotFound, format!("no {what} {id}"))
+}
+
+fn same_buffer() -> DeviceError {
+    DeviceError::new(
+        Status::BadRequest,
+        "a copy's source and destination are one buffer",
+    )
 }
 
 fn too_many_streams() -> DeviceError {
@@ -311,6 +345,16 @@ enum Work {
         slot: usize,
         at: usize,
         data: Vec<u8>,
+    },
+    Fill {
+        slot: usize,
+        range: std::ops::Range<usize>,
+        value: u8,
+    },
+    Copy {
+        src: (usize, usize),
+        dst: (usize, usize),
+        len: usize,
     },
     Read {
         slot: usize,
@@ -445,6 +489,20 @@ impl MemoryDevice {
             Work::Write { slot, at, data } => {
                 if let Some(b) = self.store.get_mut(&slot) {
                     b[at..at + data.len()].copy_from_slice(&data);
+                }
+            }
+            Work::Fill { slot, range, value } => {
+                if let Some(b) = self.store.get_mut(&slot) {
+                    b[range].fill(value);
+                }
+            }
+            Work::Copy { src, dst, len } => {
+                let bytes = self
+                    .store
+                    .get(&src.0)
+                    .map(|b| b[src.1..src.1 + len].to_vec());
+                if let (Some(bytes), Some(d)) = (bytes, self.store.get_mut(&dst.0)) {
+                    d[dst.1..dst.1 + len].copy_from_slice(&bytes);
                 }
             }
             Work::Read { slot, range, at } => {
@@ -658,6 +716,53 @@ impl Device for MemoryDevice {
         Ok(())
     }
 
+    fn fill(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        len: u64,
+        value: u8,
+    ) -> Result<(), DeviceError> {
+        self.check_fault()?;
+        self.check_stream(stream)?;
+        let (slot, size) = self.slot(id)?;
+        let range = range(size, offset, len)?;
+        self.enqueue(
+            stream,
+            Work::Fill { slot, range, value },
+            &[],
+            &[slot],
+            None,
+        );
+        Ok(())
+    }
+
+    fn copy(
+        &mut self,
+        stream: StreamId,
+        src: (Id, u64),
+        dst: (Id, u64),
+        len: u64,
+    ) -> Result<(), DeviceError> {
+        self.check_fault()?;
+        self.check_stream(stream)?;
+        if src.0 == dst.0 {
+            return Err(same_buffer());
+        }
+        let (s, s_size) = self.slot(src.0)?;
+        let (d, d_size) = self.slot(dst.0)?;
+        let rs = range(s_size, src.1, len)?;
+        let rd = range(d_size, dst.1, len)?;
+        let work = Work::Copy {
+            src: (s, rs.start),
+            dst: (d, rd.start),
+            len: rs.len(),
+        };
+        self.enqueue(stream, work, &[s], &[d], None);
+        Ok(())
+    }
+
     fn read_now(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
         let (slot, size) = self.slot(id)?;
         let r = range(size, offset, out.len() as u64)?;
@@ -813,11 +918,12 @@ mod cuda {
         launch, CudaStream, DeviceBuffer, DeviceOpExt, DynArg, DynArgs, Error, Kernel,
         LaunchConfig, Module, PinnedBuffer,
     };
+    use cuda_core::cudarc::driver::{result, DevicePtrMut};
     use cuda_core::CudaEvent;
 
     use super::{
-        mem_arg, not_found, range, too_many_streams, Device, DeviceArg, DeviceError, LaunchDims,
-        MAX_DEVICE_STREAMS,
+        mem_arg, not_found, range, same_buffer, too_many_streams, Device, DeviceArg, DeviceError,
+        LaunchDims, MAX_DEVICE_STREAMS,
     };
     use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
 
@@ -1014,6 +1120,84 @@ mod cuda {
                 .map_err(|e| map(st, "device-to-host copy", e))?;
             self.reads.push((host, at));
             Ok(())
+        }
+
+        fn fill(
+            &mut self,
+            stream: StreamId,
+            id: Id,
+            offset: u64,
+            len: u64,
+            value: u8,
+        ) -> Result<(), DeviceError> {
+            let stream = self.stream(stream)?;
+            let buf = self
+                .buffers
+                .get_mut(&id)
+                .ok_or_else(|| not_found("buffer", id))?;
+            let r = range(buf.len(), offset, len)?;
+            if r.is_empty() {
+                return Ok(());
+            }
+            let st = Status::Internal;
+            buf.before_write(&stream).map_err(|e| map(st, "fill", e))?;
+            let filled = {
+                let (ptr, _write) = buf.as_cuda_slice_mut().device_ptr_mut(&stream);
+                // SAFETY: `ptr + r.start` addresses `r.len()` bytes inside
+                // a live allocation (checked above); the buffer orders the
+                // write against its other uses.
+                unsafe {
+                    result::memset_d8_async(
+                        ptr + r.start as u64,
+                        value,
+                        r.len(),
+                        stream.cu_stream(),
+                    )
+                }
+            };
+            let after = buf.after_write(&stream);
+            filled.map_err(|e| driver(st, "cuMemsetD8Async", e))?;
+            after.map_err(|e| map(st, "fill", e))
+        }
+
+        fn copy(
+            &mut self,
+            stream: StreamId,
+            src: (Id, u64),
+            dst: (Id, u64),
+            len: u64,
+        ) -> Result<(), DeviceError> {
+            if src.0 == dst.0 {
+                return Err(same_buffer());
+            }
+            let stream = self.stream(stream)?;
+            let rs = range(self.buffer(src.0)?.len(), src.1, len)?;
+            let rd = range(self.buffer(dst.0)?.len(), dst.1, len)?;
+            if rs.is_empty() {
+                return Ok(());
+            }
+            // Out of the map while borrowed mutably next to the source.
+            let mut to = self
+                .buffers
+                .remove(&dst.0)
+                .ok_or_else(|| not_found("buffer", dst.0))?;
+            let from = &self.buffers[&src.0];
+            let st = Status::Internal;
+            let r = (|| {
+                from.before_read(&stream).map_err(|e| map(st, "copy", e))?;
+                to.before_write(&stream).map_err(|e| map(st, "copy", e))?;
+                let copied = stream.memcpy_dtod(
+                    &from.as_cuda_slice().slice(rs.clone()),
+                    &mut to.as_cuda_slice_mut().slice_mut(rd.clone()),
+                );
+                let read = from.after_read(&stream);
+                let wrote = to.after_write(&stream);
+                copied.map_err(|e| driver(st, "cuMemcpyDtoDAsync", e))?;
+                read.map_err(|e| map(st, "copy", e))?;
+                wrote.map_err(|e| map(st, "copy", e))
+            })();
+            self.buffers.insert(dst.0, to);
+            r
         }
 
         fn read_now(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
@@ -1362,6 +1546,33 @@ mod tests {
         let mut out = vec![0u8; 8];
         d.finish(&mut out).unwrap();
         assert_eq!(to_f32(&out), [2.0, 4.0]);
+    }
+
+    #[test]
+    fn fill_and_copy_are_ordered_like_every_other_use() {
+        let (mut d, _) = device();
+        d.alloc(0, Id(1), 8).unwrap();
+        d.alloc(1, Id(2), 8).unwrap();
+        d.fill(0, Id(1), 2, 4, 0xAB).unwrap();
+        // Stream 1 (which runs first when nothing orders it) reads Id(1):
+        // the buffer orders the copy after stream 0's fill.
+        d.copy(1, (Id(1), 0), (Id(2), 2), 6).unwrap();
+        d.read(1, Id(2), 0, 8, 0).unwrap();
+        let mut out = vec![0u8; 8];
+        d.finish(&mut out).unwrap();
+        assert_eq!(out, [0, 0, 0, 0, 0xAB, 0xAB, 0xAB, 0xAB]);
+        assert_eq!(
+            d.copy(0, (Id(1), 0), (Id(1), 4), 4).unwrap_err().status,
+            Status::BadRequest
+        );
+        assert_eq!(
+            d.fill(0, Id(1), 4, 5, 0).unwrap_err().status,
+            Status::BadRequest
+        );
+        assert_eq!(
+            d.copy(0, (Id(1), 0), (Id(2), 4), 5).unwrap_err().status,
+            Status::BadRequest
+        );
     }
 
     #[test]

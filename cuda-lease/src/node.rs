@@ -1371,6 +1371,47 @@ fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Comman
                     };
                     (op, Effect::None)
                 }
+                Op::Fill {
+                    buf,
+                    offset,
+                    len,
+                    value,
+                } => {
+                    in_range(buffer(*buf)?, *offset, *len)?;
+                    let op = WorkerOp::Fill {
+                        stream,
+                        id: *buf,
+                        offset: *offset,
+                        len: *len,
+                        value: *value,
+                    };
+                    (op, Effect::None)
+                }
+                Op::Copy {
+                    src,
+                    src_offset,
+                    dst,
+                    dst_offset,
+                    len,
+                } => {
+                    in_range(buffer(*src)?, *src_offset, *len)?;
+                    in_range(buffer(*dst)?, *dst_offset, *len)?;
+                    if src == dst {
+                        return Err(fail(
+                            Status::BadRequest,
+                            format!("a copy from {src} to itself"),
+                        ));
+                    }
+                    let op = WorkerOp::Copy {
+                        stream,
+                        src: *src,
+                        src_offset: *src_offset,
+                        dst: *dst,
+                        dst_offset: *dst_offset,
+                        len: *len,
+                    };
+                    (op, Effect::None)
+                }
                 Op::Record { event } => {
                     let effect = match kind(*event) {
                         Some(IdKind::Event) => Effect::None,

@@ -1050,6 +1050,31 @@ pub enum Op {
         /// The event.
         event: Id,
     },
+    /// Set `len` bytes of `buf` at `offset` to `value`.
+    Fill {
+        /// Target.
+        buf: Id,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+        /// The byte.
+        value: u8,
+    },
+    /// Copy `len` bytes from `src` at `src_offset` to another buffer `dst`
+    /// at `dst_offset`.
+    Copy {
+        /// Source.
+        src: Id,
+        /// Byte offset in the source.
+        src_offset: u64,
+        /// Destination (not `src`).
+        dst: Id,
+        /// Byte offset in the destination.
+        dst_offset: u64,
+        /// Bytes.
+        len: u64,
+    },
 }
 
 /// One command of a batch: an op on a client-named stream of the lease.

@@ -149,6 +149,21 @@ pub(crate) enum WorkerOp {
         stream: StreamId,
         event: Id,
     },
+    Fill {
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        len: u64,
+        value: u8,
+    },
+    Copy {
+        stream: StreamId,
+        src: Id,
+        src_offset: u64,
+        dst: Id,
+        dst_offset: u64,
+        len: u64,
+    },
 }
 
 /// One chunk of a streamed MEM_WRITE (node -> worker: copy slot `slot` to
@@ -483,6 +498,21 @@ fn run_batch(
             }
             WorkerOp::Record { stream, event } => dev.record(*stream, *event),
             WorkerOp::Wait { stream, event } => dev.wait(*stream, *event),
+            WorkerOp::Fill {
+                stream,
+                id,
+                offset,
+                len,
+                value,
+            } => dev.fill(*stream, *id, *offset, *len, *value),
+            WorkerOp::Copy {
+                stream,
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                len,
+            } => dev.copy(*stream, (*src, *src_offset), (*dst, *dst_offset), *len),
         };
         if let Err(e) = r {
             failed = Some((i, e));

@@ -491,6 +491,18 @@ async fn v2_cuda_c_compiled_on_the_node_and_random_data_round_trips() {
     );
     assert_eq!(compiled(&node), Some(1), "compiled again");
     other.free().await.unwrap();
+    // Fill and copy between buffers, across streams, on the GPU.
+    let mut rec = s.recorder();
+    let (fa, fb) = (rec.alloc(0, 1 << 20), rec.alloc(1, 1 << 20));
+    rec.write(0, fa, 0, &raw[..1 << 20]);
+    rec.fill(0, fa, 100, 1000, 0x5A);
+    rec.copy(1, (fa, 0), (fb, 8), (1 << 20) - 8);
+    let rb = rec.read(1, fb, 0, 1 << 20);
+    let out = rec.submit().await.unwrap().ok().unwrap();
+    let mut want = vec![0u8; 8];
+    want.extend_from_slice(&raw[..(1 << 20) - 8]);
+    want[108..1108].fill(0x5A);
+    assert!(out.read(rb).unwrap() == &want[..], "fill + copy differ");
     // And through the streamed path, striped.
     let big = random_bytes(48 << 20, 14);
     let b = s.alloc(big.len() as u64).await.unwrap();

@@ -6,6 +6,7 @@ use serde::{de::DeserializeOwned, Serialize};
 use std::fmt::Debug;
 
 fn unhex(s: &str) -> Vec<u8> {
+    let s: String = s.chars().filter(|c| !c.is_whitespace()).collect();
     (0..s.len())
         .step_by(2)
         .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
@@ -274,6 +275,31 @@ fn bodies_golden() {
             "3333333333333333333333016b02010180010101000200040500000001220801",
             "02220004020322"
         ),
+    );
+    golden(
+        Command {
+            stream: 4,
+            op: Op::Fill {
+                buf: B,
+                offset: 1,
+                len: 2,
+                value: 0xAB,
+            },
+        },
+        "04072201 02ab",
+    );
+    golden(
+        Command {
+            stream: 0,
+            op: Op::Copy {
+                src: B,
+                src_offset: 1,
+                dst: E,
+                dst_offset: 2,
+                len: 300,
+            },
+        },
+        "0008220103 02ac02",
     );
     golden(
         BatchReply {

@@ -393,3 +393,38 @@ async fn modules_travel_by_content_and_bad_sources_come_back_with_their_log() {
     lease_b.free().await.unwrap();
     node.shutdown().await;
 }
+
+#[tokio::test]
+async fn fill_and_copy_run_in_a_batch_and_check_their_ranges() {
+    let (node, lease, s) = lease_on(memory_config(1 << 20)).await;
+    let mut rec = s.recorder();
+    let a = rec.alloc(0, 16);
+    let b = rec.alloc(1, 16);
+    rec.write(0, a, 0, &(0u8..16).collect::<Vec<_>>());
+    rec.fill(0, a, 4, 4, 0xEE);
+    let done = rec.record(0);
+    rec.wait(1, done);
+    rec.copy(1, (a, 2), (b, 8), 8);
+    let r = rec.read(1, b, 0, 16);
+    let out = rec.submit().await.unwrap().ok().unwrap();
+    assert_eq!(
+        out.read(r).unwrap(),
+        &[0, 0, 0, 0, 0, 0, 0, 0, 2, 3, 0xEE, 0xEE, 0xEE, 0xEE, 8, 9]
+    );
+    let mut rec = s.recorder();
+    rec.fill(0, a, 10, 7, 0);
+    rec.copy(0, (a, 0), (a, 8), 8);
+    let e = rec.submit().await.unwrap().error().unwrap().clone();
+    assert_eq!((e.index, e.status), (0, Status::BadRequest));
+    assert!(
+        e.message.contains("outside a buffer of 16 bytes"),
+        "{}",
+        e.message
+    );
+    let mut rec = s.recorder();
+    rec.copy(0, (a, 0), (a, 8), 8);
+    let e = rec.submit().await.unwrap().error().unwrap().clone();
+    assert_eq!(e.message, format!("command 0: a copy from {a} to itself"));
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
