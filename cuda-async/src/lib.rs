@@ -56,6 +56,7 @@ pub mod memory;
 mod op;
 pub mod policy;
 mod reactor;
+pub mod remote;
 mod sync;
 mod waker;
 
@@ -75,6 +76,7 @@ pub use policy::{
     StreamPoolRoundRobin,
 };
 pub use reactor::CompletionMode;
+pub use remote::{HostBuffer, RemoteSession};
 
 /// Everything needed to build and run ops: `use cuda_async::prelude::*;`.
 pub mod prelude {

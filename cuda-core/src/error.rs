@@ -70,8 +70,41 @@ pub enum Error {
     InvalidArgument(String),
     /// A shared op panicked while it was first executed; its result is gone.
     SharedPoisoned,
-    /// Any other error, boxed (e.g. from a remote backend).
+    /// Any other error, boxed.
     Other(Arc<dyn std::error::Error + Send + Sync>),
+    /// Remote backend: the lease's TTL ran out; everything in it is gone.
+    LeaseExpired(String),
+    /// Remote backend: the request exceeds the lease's reservation or the
+    /// node's capacity or limits.
+    CapacityExceeded(String),
+    /// Remote backend: the connection to the node is lost (or could not be
+    /// made).
+    Disconnected(String),
+    /// Remote backend: the node refused the credentials, or the lease
+    /// belongs to another principal.
+    Unauthorized(String),
+    /// Remote backend: a module did not compile or load on the node; holds
+    /// the node's compile or JIT log.
+    LoadFailed(String),
+    /// Remote backend: a launch failed on the node, or a kernel faulted
+    /// (the lease is then poisoned).
+    LaunchFailed(String),
+    /// An op needs a local CUDA stream (a hand-written op calling
+    /// `cuda_stream()`, interop) but runs on a remote context.
+    NeedsLocalStream {
+        /// What needed the stream.
+        op: String,
+        /// Where the op runs (the remote context).
+        context: String,
+    },
+    /// A buffer is used where it does not live: a local buffer in a remote
+    /// op, a remote buffer in a local op, or another lease's buffer.
+    WrongHome {
+        /// Where the buffer lives.
+        buffer: String,
+        /// Where the op runs.
+        context: String,
+    },
 }
 
 impl Error {
@@ -191,6 +224,19 @@ impl fmt::Display for Error {
                 write!(f, "arguments do not match kernel `{kernel}`: {detail}")
             }
             Error::InvalidArgument(what) => write!(f, "invalid argument: {what}"),
+            Error::LeaseExpired(m) => write!(f, "lease expired: {m}"),
+            Error::CapacityExceeded(m) => write!(f, "capacity exceeded: {m}"),
+            Error::Disconnected(m) => write!(f, "disconnected: {m}"),
+            Error::Unauthorized(m) => write!(f, "unauthorized: {m}"),
+            Error::LoadFailed(m) => write!(f, "module load failed: {m}"),
+            Error::LaunchFailed(m) => write!(f, "launch failed: {m}"),
+            Error::NeedsLocalStream { op, context } => {
+                write!(f, "{op} needs a local CUDA stream, but runs on {context}")
+            }
+            Error::WrongHome { buffer, context } => write!(
+                f,
+                "a buffer of {buffer} is used by an op that runs on {context}"
+            ),
             Error::SharedPoisoned => {
                 write!(
                     f,

@@ -1,0 +1,520 @@
+//! The remote backend's seam: what a remote execution context records and
+//! the trait of the session that sends it.
+//!
+//! A remote context does not enqueue work on a CUDA stream: it records
+//! [`RemoteCommand`]s into a [`Recording`], naming buffers and events with
+//! ids the client picks ([`RemoteSession::fresh_id`]), so a whole chain is
+//! recorded without waiting for any reply. When the submission's future is
+//! first polled (or its blocking call is made), the recording goes to the
+//! [`RemoteSession`] as one message; the session delivers the reads of the
+//! reply into their [`ReadSlot`]s and then completes the submission's
+//! [`RemoteCompletion`] (the same completion state the local modes
+//! complete), or fails it with one of the remote [`Error`] variants.
+//!
+//! `cuda-async` defines this seam and nothing of the transport: it has no
+//! QUIC, TLS or async-runtime dependency. `cuda-lease` implements
+//! [`RemoteSession`] for a leased GPU.
+//!
+//! This module is the seam alone: the ops of this crate record onto it from
+//! the remote backend's next stage on (see `ARCHITECTURE.md`).
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::mem::{align_of, size_of};
+use std::sync::{Arc, OnceLock};
+
+use cuda_core::{AnyBitPattern, Error, Kernel, LaunchConfig, PinnedBuffer, Result};
+
+use crate::completion::Completion;
+
+/// A client-named stream of a remote session.
+pub type RemoteStream = u32;
+
+/// A session with a remote GPU: the transport behind remote contexts.
+///
+/// Implementations must not block in any method: [`RemoteSession::submit`]
+/// hands the recording to the session's own I/O (a thread or a runtime
+/// task) and returns at once.
+pub trait RemoteSession: Send + Sync + fmt::Debug {
+    /// Names the session for errors, e.g. `lease 1a2b... on node gpu-7`.
+    fn describe(&self) -> String;
+
+    /// A fresh id for a buffer or an event (never handed out twice).
+    fn fresh_id(&self) -> u64;
+
+    /// Sends `recording` as one message. When the reply arrives, the reads
+    /// are delivered into their slots ([`ReadSlot::receive`]), then `done`
+    /// is completed; any failure (a command's, the connection's, the
+    /// lease's) fails `done` with the matching [`Error`] variant instead.
+    /// Submissions run on the remote GPU in the order of these calls.
+    fn submit(&self, recording: Recording, done: RemoteCompletion);
+
+    /// Queues the free of buffer `id`: it reaches the node with the next
+    /// message (or a background flush) and runs after every use of the
+    /// buffer submitted before it.
+    fn free(&self, id: u64);
+}
+
+/// One recorded command.
+#[derive(Debug, Clone)]
+pub enum RemoteCommand {
+    /// Allocate `bytes` zeroed bytes as buffer `id`.
+    Alloc {
+        /// Stream.
+        stream: RemoteStream,
+        /// New buffer id.
+        id: u64,
+        /// Size in bytes.
+        bytes: u64,
+    },
+    /// Write the next `len` bytes of the recording's data at `offset`.
+    Write {
+        /// Stream.
+        stream: RemoteStream,
+        /// Target buffer.
+        id: u64,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes taken from [`Recording::data`].
+        len: u64,
+    },
+    /// Read `len` bytes at `offset` into the next [`ReadSlot`].
+    Read {
+        /// Stream.
+        stream: RemoteStream,
+        /// Source buffer.
+        id: u64,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+    },
+    /// Set `len` bytes at `offset` to `value`.
+    Fill {
+        /// Stream.
+        stream: RemoteStream,
+        /// Target buffer.
+        id: u64,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+        /// The byte.
+        value: u8,
+    },
+    /// Copy `len` bytes between two buffers.
+    Copy {
+        /// Stream.
+        stream: RemoteStream,
+        /// Source buffer and byte offset.
+        src: (u64, u64),
+        /// Destination buffer and byte offset.
+        dst: (u64, u64),
+        /// Bytes.
+        len: u64,
+    },
+    /// Free a buffer or an event after its queued uses.
+    Free {
+        /// Stream.
+        stream: RemoteStream,
+        /// The buffer or event.
+        id: u64,
+    },
+    /// Launch a kernel (a description: its module's source travels).
+    Launch {
+        /// Stream.
+        stream: RemoteStream,
+        /// The kernel.
+        kernel: Kernel,
+        /// Grid, block and shared memory.
+        config: LaunchConfig,
+        /// Arguments in order.
+        args: Vec<RemoteArg>,
+    },
+    /// Record event `event` on the stream.
+    Record {
+        /// Stream.
+        stream: RemoteStream,
+        /// The event.
+        event: u64,
+    },
+    /// Make the stream wait for the last record of `event`.
+    Wait {
+        /// Stream.
+        stream: RemoteStream,
+        /// The event.
+        event: u64,
+    },
+}
+
+/// A kernel argument of a remote launch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RemoteArg {
+    /// Bytes passed by value.
+    Bytes(Vec<u8>),
+    /// The address of a remote buffer plus a byte offset.
+    Buffer {
+        /// The buffer.
+        id: u64,
+        /// Byte offset.
+        offset: u64,
+    },
+}
+
+/// Commands of one submission, their write payloads and their read slots.
+#[derive(Debug, Default)]
+pub struct Recording {
+    commands: Vec<RemoteCommand>,
+    data: Vec<u8>,
+    reads: Vec<Arc<ReadSlot>>,
+}
+
+impl Recording {
+    /// An empty recording.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends a command that carries no data.
+    ///
+    /// # Panics
+    ///
+    /// For [`RemoteCommand::Write`] and [`RemoteCommand::Read`]: use
+    /// [`Recording::write`] and [`Recording::read`], which keep the data
+    /// and the slots in step.
+    pub fn push(&mut self, command: RemoteCommand) {
+        assert!(
+            !matches!(
+                command,
+                RemoteCommand::Write { .. } | RemoteCommand::Read { .. }
+            ),
+            "use Recording::write / Recording::read"
+        );
+        self.commands.push(command);
+    }
+
+    /// Appends a write of `bytes` (copied into the message now).
+    pub fn write(&mut self, stream: RemoteStream, id: u64, offset: u64, bytes: &[u8]) {
+        self.data.extend_from_slice(bytes);
+        self.commands.push(RemoteCommand::Write {
+            stream,
+            id,
+            offset,
+            len: bytes.len() as u64,
+        });
+    }
+
+    /// Appends a read of `len` bytes; the returned slot receives them.
+    pub fn read(&mut self, stream: RemoteStream, id: u64, offset: u64, len: u64) -> Arc<ReadSlot> {
+        let slot = Arc::new(ReadSlot::new(len as usize));
+        self.reads.push(slot.clone());
+        self.commands.push(RemoteCommand::Read {
+            stream,
+            id,
+            offset,
+            len,
+        });
+        slot
+    }
+
+    /// The commands, in order.
+    pub fn commands(&self) -> &[RemoteCommand] {
+        &self.commands
+    }
+
+    /// The write payloads, back to back in command order.
+    pub fn data(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// The read slots, in command order.
+    pub fn reads(&self) -> &[Arc<ReadSlot>] {
+        &self.reads
+    }
+
+    /// True when nothing is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.commands.is_empty()
+    }
+}
+
+/// Where the bytes of one remote read land: storage aligned for any
+/// element type, filled once by the session when the reply arrives.
+pub struct ReadSlot {
+    len: usize,
+    bytes: OnceLock<Box<[u128]>>,
+}
+
+impl fmt::Debug for ReadSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReadSlot")
+            .field("len", &self.len)
+            .field("received", &self.bytes.get().is_some())
+            .finish()
+    }
+}
+
+impl ReadSlot {
+    fn new(len: usize) -> Self {
+        ReadSlot {
+            len,
+            bytes: OnceLock::new(),
+        }
+    }
+
+    /// Bytes the read returns.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for an empty read.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Receives the read's bytes: `fill` writes all `len()` of them
+    /// straight into the slot's storage (from the network, say), which
+    /// becomes visible once it returns `Ok`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] if the slot was filled already; `fill`'s
+    /// error otherwise.
+    pub fn receive(&self, fill: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<()> {
+        let mut words = vec![0u128; self.len.div_ceil(16)].into_boxed_slice();
+        // SAFETY: `words` is `len.div_ceil(16) * 16 >= len` bytes, any byte
+        // value is a valid `u128` byte, and the borrow ends below.
+        let bytes =
+            unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), self.len) };
+        fill(bytes)?;
+        self.bytes
+            .set(words)
+            .map_err(|_| Error::InvalidArgument("a read slot was filled twice".into()))
+    }
+
+    /// The bytes, once received.
+    pub fn bytes(&self) -> Option<&[u8]> {
+        let words = self.bytes.get()?;
+        // SAFETY: the storage holds at least `len` initialised bytes and
+        // lives as long as `self`.
+        Some(unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), self.len) })
+    }
+}
+
+/// The completion of one remote submission, handed to
+/// [`RemoteSession::submit`]: complete it (after delivering the reads) or
+/// fail it, exactly once; the first outcome wins.
+#[derive(Debug, Clone)]
+pub struct RemoteCompletion(Arc<Completion>);
+
+impl Default for RemoteCompletion {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RemoteCompletion {
+    /// A pending completion (a remote future makes one per submission;
+    /// tests of a session make their own).
+    pub fn new() -> Self {
+        RemoteCompletion(Arc::new(Completion::new()))
+    }
+
+    /// The reply arrived and every command ran: wakes the future.
+    pub fn complete(&self) {
+        self.0.complete();
+    }
+
+    /// The submission failed: the future resolves to `error`.
+    pub fn fail(&self, error: Error) {
+        self.0.fail(error);
+    }
+
+    /// True once completed or failed.
+    pub fn is_finished(&self) -> bool {
+        self.0.is_finished()
+    }
+
+    /// `None` while pending; then `Ok` or the error it failed with.
+    pub fn outcome(&self) -> Option<Result<()>> {
+        match self.0.status() {
+            crate::completion::Status::Pending => None,
+            crate::completion::Status::Done => Some(Ok(())),
+            crate::completion::Status::Failed => Some(Err(self.0.error())),
+        }
+    }
+}
+
+/// A download's host result: pinned memory filled by a local DMA, or plain
+/// memory filled from a remote reply. Needs no driver to exist.
+///
+/// Reading it before its op completed waits for the DMA locally and is an
+/// error remotely (the batch may not even have been sent).
+pub struct HostBuffer<T> {
+    inner: HostInner<T>,
+}
+
+enum HostInner<T> {
+    Pinned(PinnedBuffer<T>),
+    Remote {
+        slot: Arc<ReadSlot>,
+        _t: PhantomData<fn() -> T>,
+    },
+}
+
+impl<T: AnyBitPattern> fmt::Debug for HostBuffer<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let home = match &self.inner {
+            HostInner::Pinned(_) => "pinned",
+            HostInner::Remote { .. } => "remote reply",
+        };
+        f.debug_struct("HostBuffer")
+            .field("len", &self.len())
+            .field("home", &home)
+            .finish()
+    }
+}
+
+impl<T: AnyBitPattern> From<PinnedBuffer<T>> for HostBuffer<T> {
+    fn from(p: PinnedBuffer<T>) -> Self {
+        HostBuffer {
+            inner: HostInner::Pinned(p),
+        }
+    }
+}
+
+impl<T: AnyBitPattern> HostBuffer<T> {
+    /// The host result of a remote read of `slot.len()` bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the slot's length is not a whole
+    /// number of `T`s, or `T` needs more than 16-byte alignment.
+    pub fn remote(slot: Arc<ReadSlot>) -> Result<Self> {
+        if size_of::<T>() == 0 || !slot.len().is_multiple_of(size_of::<T>()) || align_of::<T>() > 16
+        {
+            return Err(Error::InvalidArgument(format!(
+                "a read of {} bytes is not a whole number of {}",
+                slot.len(),
+                std::any::type_name::<T>()
+            )));
+        }
+        Ok(HostBuffer {
+            inner: HostInner::Remote {
+                slot,
+                _t: PhantomData,
+            },
+        })
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match &self.inner {
+            HostInner::Pinned(p) => p.len(),
+            HostInner::Remote { slot, .. } => slot.len() / size_of::<T>(),
+        }
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The elements: locally after waiting for the DMA; remotely once the
+    /// reply arrived.
+    ///
+    /// # Errors
+    ///
+    /// Locally, an error of the copy; remotely,
+    /// [`Error::InvalidArgument`] when read before its submission
+    /// completed.
+    pub fn as_slice(&self) -> Result<&[T]> {
+        match &self.inner {
+            HostInner::Pinned(p) => p.as_slice(),
+            HostInner::Remote { slot, .. } => {
+                let bytes = slot.bytes().ok_or_else(|| {
+                    Error::InvalidArgument(
+                        "a remote download was read before its submission completed".into(),
+                    )
+                })?;
+                // SAFETY: the storage is 16-byte aligned (checked against
+                // T's alignment in `remote`), holds `len * size_of::<T>()`
+                // initialised bytes, and any bit pattern is a valid `T`.
+                Ok(unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), self.len()) })
+            }
+        }
+    }
+
+    /// The elements, copied out.
+    ///
+    /// # Errors
+    ///
+    /// As [`HostBuffer::as_slice`].
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        self.as_slice().map(<[T]>::to_vec)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_remote_host_buffer_is_an_error_until_its_bytes_arrive() {
+        let mut rec = Recording::new();
+        rec.push(RemoteCommand::Alloc {
+            stream: 0,
+            id: 1,
+            bytes: 12,
+        });
+        rec.write(0, 1, 0, &[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]);
+        let slot = rec.read(0, 1, 0, 12);
+        assert_eq!(rec.commands().len(), 3);
+        assert_eq!(rec.data().len(), 12);
+        let host = HostBuffer::<u32>::remote(slot.clone()).unwrap();
+        assert_eq!(host.len(), 3);
+        let err = host.as_slice().unwrap_err();
+        assert!(err.to_string().contains("before its submission completed"));
+        slot.receive(|b| {
+            b.copy_from_slice(&[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(host.to_vec().unwrap(), [1, 2, 3]);
+        assert!(slot.receive(|_| Ok(())).is_err(), "filled once");
+        assert!(HostBuffer::<u64>::remote(Arc::new(ReadSlot::new(12))).is_err());
+    }
+
+    #[test]
+    fn read_slots_are_aligned_for_any_element_type() {
+        let slot = ReadSlot::new(40);
+        slot.receive(|b| {
+            b.fill(0);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(slot.bytes().unwrap().as_ptr() as usize % 16, 0);
+    }
+
+    #[test]
+    fn a_remote_completion_completes_once_and_the_first_outcome_wins() {
+        let done = RemoteCompletion::new();
+        assert!(!done.is_finished());
+        assert!(done.outcome().is_none());
+        done.clone().fail(Error::Disconnected("node gone".into()));
+        done.complete();
+        assert!(done.is_finished());
+        assert!(matches!(done.outcome(), Some(Err(Error::Disconnected(_)))));
+    }
+
+    #[test]
+    #[should_panic(expected = "use Recording::write")]
+    fn writes_go_through_write() {
+        Recording::new().push(RemoteCommand::Write {
+            stream: 0,
+            id: 1,
+            offset: 0,
+            len: 4,
+        });
+    }
+}
