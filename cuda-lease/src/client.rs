@@ -1163,6 +1163,18 @@ impl Recorder {
         self
     }
 
+    /// The slots of the reads recorded so far, in order.
+    pub fn read_slots(&self) -> Vec<ReadSlot> {
+        self.commands
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| match c.op {
+                Op::Read { len, .. } => Some(ReadSlot { command: i, len }),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Commands recorded so far.
     pub fn len(&self) -> usize {
         self.commands.len()
@@ -1233,15 +1245,7 @@ impl Recorder {
         &self,
     ) -> impl std::future::Future<Output = Result<Submitted, Error>> + Send + 'static {
         let (mut batch, data) = self.message();
-        let reads: Vec<ReadSlot> = self
-            .commands
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| match c.op {
-                Op::Read { len, .. } => Some(ReadSlot { command: i, len }),
-                _ => None,
-            })
-            .collect();
+        let reads = self.read_slots();
         let inner = self.inner.clone();
         let modules = self.modules.clone();
         let writes = self.writes.len();
@@ -1353,6 +1357,16 @@ impl Session {
     /// The lease id.
     pub fn lease_id(&self) -> LeaseId {
         self.inner.id
+    }
+
+    /// A fresh id of this lease (for commands recorded by hand).
+    pub fn fresh_id(&self) -> Id {
+        self.inner.fresh_id()
+    }
+
+    /// The client this session's lease lives on.
+    pub fn client(&self) -> &Arc<Client> {
+        &self.inner.client
     }
 
     /// A recorder for a pipeline sent as one message.

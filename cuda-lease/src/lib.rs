@@ -63,6 +63,8 @@ pub mod metrics;
 pub mod node;
 pub mod proto;
 pub mod ptx;
+#[cfg(feature = "backend")]
+pub mod remote;
 #[cfg(feature = "node")]
 mod shm;
 pub mod tls;

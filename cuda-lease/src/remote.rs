@@ -1,0 +1,266 @@
+//! A leased GPU as a backend of `cuda-async`: [`LeaseSession`] implements
+//! [`cuda_async::RemoteSession`] on the [`Recorder`]
+//! of protocol 2.
+//!
+//! A [`Recording`] of `cuda-async` becomes one BATCH: its client-named ids
+//! and streams map one to one, kernels travel as descriptions (the
+//! `cuda-core` module's source, named by its SHA-256; the node compiles
+//! CUDA C), and the frees of dropped buffers queued since the last message
+//! go first. The reply's reads land in the recording's
+//! [`ReadSlot`](cuda_async::remote::ReadSlot)s, then the submission's
+//! [`RemoteCompletion`] completes; a failure fails it with the matching
+//! `cuda-async` error.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use cuda_async::remote::{Recording, RemoteArg, RemoteCommand, RemoteCompletion};
+use cuda_async::{ModuleSource, RemoteSession};
+
+use crate::client::{Error, Module, Recorder, Session};
+use crate::proto::{Id, KernelArg, LaunchSpec, ModuleHash};
+
+/// How long a queued free waits for a message to ride on before it is
+/// sent alone.
+const FREE_FLUSH_DELAY: Duration = Duration::from_millis(2);
+
+/// A lease as a remote session of `cuda-async`. Cheap to share
+/// (`Arc<LeaseSession>`); its I/O runs on the tokio runtime it was made on.
+#[derive(Debug)]
+pub struct LeaseSession {
+    me: Weak<LeaseSession>,
+    session: Session,
+    runtime: tokio::runtime::Handle,
+    name: String,
+    frees: Mutex<Vec<u64>>,
+    flush_scheduled: AtomicBool,
+    /// Modules seen, by the address of their `cuda-core` description, so a
+    /// module's source is hashed once.
+    modules: Mutex<Vec<(cuda_async::Module, Module)>>,
+}
+
+impl LeaseSession {
+    /// A session on `session`'s lease whose I/O runs on `runtime`.
+    pub fn new(session: Session, runtime: tokio::runtime::Handle) -> Arc<Self> {
+        let id = session.lease_id().to_string();
+        let name = format!(
+            "lease {}... on node {}",
+            &id[..8],
+            session.client().node_name()
+        );
+        Arc::new_cyclic(|me| LeaseSession {
+            me: me.clone(),
+            session,
+            runtime,
+            name,
+            frees: Mutex::new(Vec::new()),
+            flush_scheduled: AtomicBool::new(false),
+            modules: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// A session on `session`'s lease on the current tokio runtime.
+    ///
+    /// # Panics
+    ///
+    /// Outside a tokio runtime.
+    pub fn current(session: Session) -> Arc<Self> {
+        Self::new(session, tokio::runtime::Handle::current())
+    }
+
+    /// The wire form of a `cuda-core` module (hashed once per module).
+    fn module(&self, m: &cuda_async::Module) -> Module {
+        let mut seen = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, w)) = seen
+            .iter()
+            .find(|(k, _)| k.hash() == m.hash() && k.source() == m.source())
+        {
+            return w.clone();
+        }
+        let wire = match m.source() {
+            ModuleSource::Cuda { source, options } => {
+                let opts: Vec<&str> = options.iter().map(String::as_str).collect();
+                Module::cuda(source.as_str(), &opts)
+            }
+            other => Module::ptx(other.text()),
+        };
+        seen.push((m.clone(), wire.clone()));
+        wire
+    }
+
+    /// The BATCH of `recording`, after the queued frees.
+    fn translate(&self, recording: &Recording) -> Recorder {
+        let mut rec = self.session.recorder();
+        for id in std::mem::take(&mut *self.frees.lock().unwrap_or_else(|e| e.into_inner())) {
+            rec.free(0, Id(id));
+        }
+        let mut data = recording.data();
+        for c in recording.commands() {
+            match c {
+                RemoteCommand::Alloc { stream, id, bytes } => {
+                    rec.command(
+                        *stream,
+                        crate::proto::Op::Alloc {
+                            buf: Id(*id),
+                            size: *bytes,
+                        },
+                    );
+                }
+                RemoteCommand::Write {
+                    stream,
+                    id,
+                    offset,
+                    len,
+                } => {
+                    let (now, rest) = data.split_at(*len as usize);
+                    data = rest;
+                    rec.write(*stream, Id(*id), *offset, now);
+                }
+                RemoteCommand::Read {
+                    stream,
+                    id,
+                    offset,
+                    len,
+                } => {
+                    rec.read(*stream, Id(*id), *offset, *len as u32);
+                }
+                RemoteCommand::Fill {
+                    stream,
+                    id,
+                    offset,
+                    len,
+                    value,
+                } => {
+                    rec.fill(*stream, Id(*id), *offset, *len, *value);
+                }
+                RemoteCommand::Copy {
+                    stream,
+                    src,
+                    dst,
+                    len,
+                } => {
+                    rec.copy(*stream, (Id(src.0), src.1), (Id(dst.0), dst.1), *len);
+                }
+                RemoteCommand::Free { stream, id } => {
+                    rec.free(*stream, Id(*id));
+                }
+                RemoteCommand::Launch {
+                    stream,
+                    kernel,
+                    config,
+                    args,
+                } => {
+                    let module = self.module(kernel.module());
+                    let c = config;
+                    let spec = LaunchSpec {
+                        module: ModuleHash([0; 32]),
+                        kernel: kernel.name().to_owned(),
+                        grid: [c.grid_dim.0, c.grid_dim.1, c.grid_dim.2],
+                        block: [c.block_dim.0, c.block_dim.1, c.block_dim.2],
+                        shared_mem: c.shared_mem_bytes,
+                        args: args
+                            .iter()
+                            .map(|a| match a {
+                                RemoteArg::Bytes(b) => KernelArg::Scalar(b.clone()),
+                                RemoteArg::Buffer { id, offset } => KernelArg::Mem {
+                                    buf: Id(*id),
+                                    offset: *offset,
+                                },
+                            })
+                            .collect(),
+                    };
+                    rec.launch_spec(*stream, &module, spec);
+                }
+                RemoteCommand::Record { stream, event } => {
+                    rec.record_again(*stream, Id(*event));
+                }
+                RemoteCommand::Wait { stream, event } => {
+                    rec.wait(*stream, Id(*event));
+                }
+            }
+        }
+        rec
+    }
+
+    /// Sends the queued frees alone, soon, unless a message takes them
+    /// first.
+    fn schedule_flush(&self) {
+        if self.flush_scheduled.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Some(this) = self.me.upgrade() else {
+            return;
+        };
+        self.runtime.spawn(async move {
+            tokio::time::sleep(FREE_FLUSH_DELAY).await;
+            this.flush_scheduled.store(false, Ordering::Release);
+            let rec = this.translate(&Recording::new());
+            if !rec.is_empty() {
+                // A free that fails (the lease is gone) has nothing to free.
+                let _ = rec.submit().await;
+            }
+        });
+    }
+}
+
+/// The `cuda-async` error of a failed request or command.
+pub fn to_cuda_error(e: Error) -> cuda_async::Error {
+    use cuda_async::Error as E;
+    match e {
+        Error::LeaseExpired(m) => E::LeaseExpired(m),
+        Error::CapacityExceeded(m) => E::CapacityExceeded(m),
+        Error::Disconnected(m) => E::Disconnected(m),
+        Error::Unauthorized(m) => E::Unauthorized(m),
+        Error::LoadFailed(m) | Error::UnknownModule(m) => E::LoadFailed(m),
+        Error::LaunchFailed(m) | Error::LeasePoisoned(m) => E::LaunchFailed(m),
+        Error::NotFound(m) | Error::BadRequest(m) | Error::ReadFailed(m) => E::InvalidArgument(m),
+        other => E::Other(Arc::new(other)),
+    }
+}
+
+impl RemoteSession for LeaseSession {
+    fn describe(&self) -> String {
+        self.name.clone()
+    }
+
+    fn fresh_id(&self) -> u64 {
+        self.session.fresh_id().0
+    }
+
+    fn submit(&self, recording: Recording, done: RemoteCompletion) {
+        let rec = self.translate(&recording);
+        let reads: Vec<_> = rec.read_slots();
+        // Numbered now, in the order of these calls.
+        let reply = rec.submit();
+        self.runtime.spawn(async move {
+            let outcome = async {
+                let reply = reply.await?.ok()?;
+                for (slot, wire) in recording.reads().iter().zip(&reads) {
+                    let bytes = reply.read(*wire).ok_or_else(|| {
+                        Error::Protocol("a read is missing from the reply".into())
+                    })?;
+                    slot.receive(|dst| {
+                        dst.copy_from_slice(bytes);
+                        Ok(())
+                    })
+                    .map_err(|e| Error::Protocol(e.to_string()))?;
+                }
+                Ok::<(), Error>(())
+            };
+            match outcome.await {
+                Ok(()) => done.complete(),
+                Err(e) => done.fail(to_cuda_error(e)),
+            }
+        });
+    }
+
+    fn free(&self, id: u64) {
+        self.frees
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(id);
+        // Rides on the next submission, or goes alone shortly.
+        self.schedule_flush();
+    }
+}

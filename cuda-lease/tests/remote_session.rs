@@ -1,0 +1,208 @@
+//! The lease as a `cuda-async` remote session ([`LeaseSession`]), against an
+//! embedded node with the in-memory device: a `cuda-async` recording goes
+//! out as one BATCH, its reads land in host buffers that need no driver,
+//! queued frees reach the node, and failures come back as `cuda-async`'s
+//! remote error variants.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use cuda_async::remote::{Recording, RemoteArg, RemoteCommand, RemoteCompletion};
+use cuda_async::{HostBuffer, LaunchConfig, RemoteSession};
+use cuda_lease::client::Lease;
+use cuda_lease::clock::ManualClock;
+use cuda_lease::node::Node;
+use cuda_lease::remote::LeaseSession;
+
+const KERNELS: &str = r#"
+extern "C" __global__ void fill(float* out, float v, unsigned n) {}
+extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {}
+extern "C" __global__ void __fault() {}
+"#;
+
+fn config(n: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(64), 1, 1),
+        block_dim: (64, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+async fn outcome(done: &RemoteCompletion) -> cuda_async::Result<()> {
+    for _ in 0..10_000 {
+        if let Some(r) = done.outcome() {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    panic!("the submission never completed");
+}
+
+fn bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+#[tokio::test]
+async fn a_recording_is_one_batch_and_its_reads_land_in_host_buffers() {
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(1 << 16)
+        .auto_renew(false)
+        .on(client)
+        .await
+        .unwrap();
+    let session = LeaseSession::current(lease.session());
+    assert!(
+        session.describe().starts_with("lease "),
+        "{}",
+        session.describe()
+    );
+    let kernels = cuda_async::Module::cuda(KERNELS, &[]).unwrap();
+    let axpy = kernels.kernel("axpy").unwrap();
+    let fill = kernels.kernel("fill").unwrap();
+    let n = 300u32;
+    let x: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
+    let before = metric(&node.metrics_text(), "gpu_batch_total").unwrap();
+
+    let mut rec = Recording::new();
+    let (bx, by) = (session.fresh_id(), session.fresh_id());
+    let size = u64::from(n) * 4;
+    for id in [bx, by] {
+        rec.push(RemoteCommand::Alloc {
+            stream: 0,
+            id,
+            bytes: size,
+        });
+    }
+    rec.write(0, bx, 0, &bytes(&x));
+    let buf = |id| RemoteArg::Buffer { id, offset: 0 };
+    let scalar = |b: [u8; 4]| RemoteArg::Bytes(b.to_vec());
+    rec.push(RemoteCommand::Launch {
+        stream: 0,
+        kernel: fill,
+        config: config(n),
+        args: vec![buf(by), scalar(1f32.to_le_bytes()), scalar(n.to_le_bytes())],
+    });
+    rec.push(RemoteCommand::Launch {
+        stream: 0,
+        kernel: axpy,
+        config: config(n),
+        args: vec![
+            scalar(4f32.to_le_bytes()),
+            buf(bx),
+            buf(by),
+            scalar(n.to_le_bytes()),
+        ],
+    });
+    let slot = rec.read(0, by, 0, size);
+    let y = HostBuffer::<f32>::remote(slot).unwrap();
+    assert!(y.as_slice().is_err(), "no data before the reply");
+    let done = RemoteCompletion::new();
+    session.submit(rec, done.clone());
+    outcome(&done).await.unwrap();
+    let want: Vec<f32> = x.iter().map(|v| 4.0 * v + 1.0).collect();
+    assert_eq!(y.to_vec().unwrap(), want);
+    let after = metric(&node.metrics_text(), "gpu_batch_total").unwrap();
+    assert_eq!(after - before, 1, "one message for the whole recording");
+
+    // Dropped buffers: their frees reach the node (alone, shortly).
+    // (The lease also holds the module's source bytes.)
+    let held = lease.query().await.unwrap().allocated;
+    assert_eq!(held, 2 * size + KERNELS.len() as u64);
+    session.free(bx);
+    session.free(by);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            lease.query().await.unwrap().allocated == held - 2 * size
+        })
+        .await,
+        "the queued frees did not reach the node"
+    );
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn failures_come_back_as_cuda_async_remote_errors() {
+    let clock = ManualClock::new();
+    let mut cfg = memory_config(1 << 20);
+    cfg.clock = Arc::new(clock.clone());
+    cfg.reaper_interval = Duration::from_millis(20);
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(4096)
+        .ttl(Duration::from_secs(30))
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let session = LeaseSession::current(lease.session());
+    let run = |rec: Recording| {
+        let session = session.clone();
+        async move {
+            let done = RemoteCompletion::new();
+            session.submit(rec, done.clone());
+            outcome(&done).await
+        }
+    };
+    // Beyond the reservation.
+    let mut rec = Recording::new();
+    rec.push(RemoteCommand::Alloc {
+        stream: 0,
+        id: session.fresh_id(),
+        bytes: 1 << 20,
+    });
+    let e = run(rec).await.unwrap_err();
+    assert!(matches!(e, cuda_async::Error::CapacityExceeded(_)), "{e}");
+    // A module that does not compile: the node's log.
+    let bad = cuda_async::Module::cuda("#error no\n__global__ void k() {}", &[]).unwrap();
+    let mut rec = Recording::new();
+    rec.push(RemoteCommand::Launch {
+        stream: 0,
+        kernel: bad.kernel("k").unwrap(),
+        config: config(1),
+        args: vec![],
+    });
+    let e = run(rec).await.unwrap_err();
+    assert!(
+        matches!(e, cuda_async::Error::LoadFailed(ref log) if log.contains("NVRTC log")),
+        "{e}"
+    );
+    // A kernel fault.
+    let kernels = cuda_async::Module::cuda(KERNELS, &[]).unwrap();
+    let mut rec = Recording::new();
+    rec.push(RemoteCommand::Launch {
+        stream: 0,
+        kernel: kernels.kernel("__fault").unwrap(),
+        config: config(1),
+        args: vec![],
+    });
+    let e = run(rec).await.unwrap_err();
+    assert!(matches!(e, cuda_async::Error::LaunchFailed(_)), "{e}");
+    // Expiry, on a fresh lease.
+    let lease = Lease::builder()
+        .min_vram(4096)
+        .ttl(Duration::from_secs(5))
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let session = LeaseSession::current(lease.session());
+    clock.advance(Duration::from_secs(6));
+    let mut rec = Recording::new();
+    rec.push(RemoteCommand::Alloc {
+        stream: 0,
+        id: session.fresh_id(),
+        bytes: 4,
+    });
+    let done = RemoteCompletion::new();
+    session.submit(rec, done.clone());
+    let e = outcome(&done).await.unwrap_err();
+    assert!(matches!(e, cuda_async::Error::LeaseExpired(_)), "{e}");
+    node.shutdown().await;
+}
