@@ -14,6 +14,7 @@ use cuda_core::{AnyBitPattern, DeviceBuffer, Error, PinnedBuffer, Result};
 
 use crate::context::ExecutionContext;
 use crate::op::{impl_into_future, DeviceOp};
+use crate::remote::HostBuffer;
 
 fn bind(ctx: &ExecutionContext) -> Result<()> {
     ctx.device()
@@ -167,7 +168,8 @@ impl<T, B> fmt::Debug for D2H<T, B> {
 }
 
 /// Downloads a device buffer (owned, borrowed or `Arc`ed) into a new
-/// pinned host buffer. The element type must accept any bit pattern
+/// [`HostBuffer`] (pinned memory locally; a remote reply's bytes on a
+/// leased GPU). The element type must accept any bit pattern
 /// ([`AnyBitPattern`]): the GPU may have written anything. The result's contents are reachable only once the
 /// copy is done (`as_slice` waits if needed; after `.sync()` or `.await`
 /// it never does).
@@ -192,15 +194,15 @@ where
     T: AnyBitPattern,
     B: Borrow<DeviceBuffer<T>> + Send,
 {
-    type Output = PinnedBuffer<T>;
+    type Output = HostBuffer<T>;
 
-    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<PinnedBuffer<T>> {
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<HostBuffer<T>> {
         let src = self.src.borrow();
         // SAFETY: the copy enqueued next overwrites every element, and host
         // access to the buffer waits for that copy (its recorded use).
         let mut dst = unsafe { PinnedBuffer::uninit(ctx.device(), src.len()) }?;
         enqueue_d2h(ctx, src, &mut dst)?;
-        Ok(dst)
+        Ok(dst.into())
     }
 }
 impl_into_future!(impl[T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send] for D2H<T, B>);

@@ -453,6 +453,42 @@ impl<T: AnyBitPattern> HostBuffer<T> {
     pub fn to_vec(&self) -> Result<Vec<T>> {
         self.as_slice().map(<[T]>::to_vec)
     }
+
+    /// The pinned buffer of a local download (for [`copy_h2d`] and
+    /// interop).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a remote download, whose bytes are
+    /// plain memory.
+    ///
+    /// [`copy_h2d`]: crate::copy_h2d
+    pub fn into_pinned(self) -> Result<PinnedBuffer<T>> {
+        match self.inner {
+            HostInner::Pinned(p) => Ok(p),
+            HostInner::Remote { .. } => Err(Error::InvalidArgument(
+                "a remote download has no pinned buffer".into(),
+            )),
+        }
+    }
+
+    /// Whether the data is there: locally, no DMA into it is pending;
+    /// remotely, the reply arrived.
+    ///
+    /// # Errors
+    ///
+    /// Locally, the sticky error if the GPU faulted before the copy ended.
+    pub fn is_idle(&self) -> Result<bool> {
+        match &self.inner {
+            HostInner::Pinned(p) => p.is_idle(),
+            HostInner::Remote { slot, .. } => Ok(slot.bytes().is_some()),
+        }
+    }
+
+    /// True when the data came from a remote reply.
+    pub fn is_remote(&self) -> bool {
+        matches!(self.inner, HostInner::Remote { .. })
+    }
 }
 
 #[cfg(test)]

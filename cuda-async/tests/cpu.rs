@@ -10,6 +10,7 @@ use static_assertions::{assert_impl_all, assert_not_impl_any};
 // Send/Sync are earned: buffers are Send/Sync exactly when their elements are.
 assert_impl_all!(DeviceBuffer<f32>: Send, Sync);
 assert_impl_all!(PinnedBuffer<f32>: Send, Sync);
+assert_impl_all!(cuda_async::HostBuffer<f32>: Send, Sync);
 assert_not_impl_any!(DeviceBuffer<std::rc::Rc<u8>>: Send, Sync);
 assert_not_impl_any!(PinnedBuffer<std::rc::Rc<u8>>: Send, Sync);
 assert_not_impl_any!(PinnedBuffer<std::cell::Cell<u8>>: Sync);

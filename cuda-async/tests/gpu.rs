@@ -640,7 +640,7 @@ fn sync_on_and_async_on_a_stream_made_by_cudarc_directly() {
     let want: Vec<u32> = x.iter().map(|v| v.wrapping_add(3)).collect();
     assert_eq!(out.as_slice().unwrap(), &want[..]);
     // async_on: enqueue and return; the pinned result waits for itself.
-    // SAFETY: the output is a PinnedBuffer, which waits for its copy.
+    // SAFETY: the output is a HostBuffer (pinned), which waits for its copy.
     let host = unsafe { h2d(x.clone()).then(d2h).async_on(&theirs) }.unwrap();
     assert_eq!(host.as_slice().unwrap(), &x[..]);
     // A zip on their stream forks onto the pool and joins back to it.
@@ -863,7 +863,7 @@ fn host_reads_of_a_download_wait_for_the_dma() {
     let x = rng.u32s(1 << 16);
     let buf = h2d(x.clone()).sync().unwrap();
     gate.close_on(&gated);
-    // SAFETY: the output is a PinnedBuffer, which waits for its own copy.
+    // SAFETY: the output is a HostBuffer (pinned), which waits for its own copy.
     let host = unsafe { d2h(buf).async_on(&gated) }.unwrap();
     assert!(
         !host.is_idle().unwrap(),
