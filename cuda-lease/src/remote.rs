@@ -18,7 +18,7 @@ use std::time::Duration;
 use cuda_async::remote::{Recording, RemoteArg, RemoteCommand, RemoteCompletion};
 use cuda_async::{ModuleSource, RemoteSession};
 
-use crate::client::{Error, Module, Recorder, Session};
+use crate::client::{Error, Lease, Module, Recorder, Session};
 use crate::proto::{Id, KernelArg, LaunchSpec, ModuleHash};
 
 /// How long a queued free waits for a message to ride on before it is
@@ -262,5 +262,110 @@ impl RemoteSession for LeaseSession {
             .push(id);
         // Rides on the next submission, or goes alone shortly.
         self.schedule_flush();
+    }
+}
+
+/// A lease with its own I/O thread, for programs with no async runtime: a
+/// plain `fn main` leases, records and waits without tokio in sight.
+///
+/// The lease is renewed in the background (as [`Lease`] does) and freed
+/// when this is dropped or [`RemoteLease::free`]d.
+///
+/// ```no_run
+/// # fn main() -> Result<(), cuda_lease::Error> {
+/// use cuda_lease::client::{ClientConfig, Lease};
+/// use cuda_lease::remote::RemoteLease;
+/// let config = ClientConfig::from_pem_file("node-cert.pem".as_ref())?.token("...");
+/// let builder = Lease::builder().min_vram(64 << 20).config(config);
+/// let remote = RemoteLease::connect_blocking(builder, "10.0.0.5:7070".parse().unwrap())?;
+/// let session = remote.session(); // a cuda_async::RemoteSession
+/// # let _ = session;
+/// remote.free()?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct RemoteLease {
+    session: Arc<LeaseSession>,
+    lease: Option<Lease>,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl RemoteLease {
+    /// Connects and leases as `builder` says, on a new I/O thread owned by
+    /// the returned value.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] when called inside an async runtime (use
+    /// [`LeaseBuilder::connect`](crate::client::LeaseBuilder::connect) and
+    /// [`LeaseSession::current`] there), or when the I/O thread cannot
+    /// start; otherwise as [`LeaseBuilder::connect`](crate::client::LeaseBuilder::connect).
+    pub fn connect_blocking(
+        builder: crate::client::LeaseBuilder,
+        addr: std::net::SocketAddr,
+    ) -> Result<Self, Error> {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return Err(Error::Config(
+                "connect_blocking inside an async runtime: use LeaseBuilder::connect and \
+                 LeaseSession::current"
+                    .into(),
+            ));
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("cuda-lease-io")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::Config(format!("starting the I/O thread: {e}")))?;
+        let lease = runtime.block_on(builder.connect(addr))?;
+        let session = LeaseSession::new(lease.session(), runtime.handle().clone());
+        Ok(RemoteLease {
+            session,
+            lease: Some(lease),
+            runtime: Some(runtime),
+        })
+    }
+
+    /// The remote session of `cuda-async` on this lease.
+    pub fn session(&self) -> Arc<LeaseSession> {
+        self.session.clone()
+    }
+
+    /// The lease.
+    pub fn lease(&self) -> &Lease {
+        self.lease.as_ref().expect("present until dropped")
+    }
+
+    /// Frees the lease and waits for the node's answer.
+    ///
+    /// # Errors
+    ///
+    /// As [`Lease::free`].
+    pub fn free(mut self) -> Result<(), Error> {
+        let (Some(lease), Some(rt)) = (self.lease.take(), self.runtime.as_ref()) else {
+            return Ok(());
+        };
+        rt.block_on(lease.free())
+    }
+}
+
+impl Drop for RemoteLease {
+    fn drop(&mut self) {
+        let Some(rt) = self.runtime.take() else {
+            return;
+        };
+        let lease = self.lease.take();
+        let end = move || {
+            if let Some(lease) = lease {
+                // Best effort: the TTL frees it anyway.
+                let _ = rt.block_on(lease.free());
+            }
+        };
+        if tokio::runtime::Handle::try_current().is_ok() {
+            // Never block an async caller's thread.
+            std::thread::spawn(end);
+        } else {
+            end();
+        }
     }
 }

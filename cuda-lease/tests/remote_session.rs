@@ -206,3 +206,52 @@ async fn failures_come_back_as_cuda_async_remote_errors() {
     assert!(matches!(e, cuda_async::Error::LeaseExpired(_)), "{e}");
     node.shutdown().await;
 }
+
+#[test]
+fn a_plain_fn_main_leases_records_and_waits_with_no_runtime_of_its_own() {
+    // The node needs a runtime; the client side below has none.
+    let node_rt = tokio::runtime::Runtime::new().unwrap();
+    let node = node_rt
+        .block_on(Node::spawn_local(memory_config(1 << 20)))
+        .unwrap();
+    let builder = Lease::builder()
+        .min_vram(1 << 16)
+        .config(client_config(&node));
+    let remote = cuda_lease::remote::RemoteLease::connect_blocking(builder, node.addr()).unwrap();
+    let session = remote.session();
+    let mut rec = Recording::new();
+    let id = session.fresh_id();
+    rec.push(RemoteCommand::Alloc {
+        stream: 0,
+        id,
+        bytes: 16,
+    });
+    rec.push(RemoteCommand::Fill {
+        stream: 0,
+        id,
+        offset: 4,
+        len: 8,
+        value: 7,
+    });
+    let host = HostBuffer::<u32>::remote(rec.read(0, id, 0, 16)).unwrap();
+    let done = RemoteCompletion::new();
+    session.submit(rec, done.clone());
+    let mut waited = 0;
+    while done.outcome().is_none() {
+        assert!(waited < 10_000, "never completed");
+        std::thread::sleep(Duration::from_millis(1));
+        waited += 1;
+    }
+    done.outcome().unwrap().unwrap();
+    assert_eq!(host.to_vec().unwrap(), [0, 0x0707_0707, 0x0707_0707, 0]);
+    remote.free().unwrap();
+    // Inside a runtime the blocking form says what to use instead.
+    let err = node_rt
+        .block_on(async {
+            let b = Lease::builder().config(client_config(&node));
+            cuda_lease::remote::RemoteLease::connect_blocking(b, node.addr())
+        })
+        .unwrap_err();
+    assert!(matches!(err, cuda_lease::Error::Config(ref m) if m.contains("LeaseSession::current")));
+    node_rt.block_on(node.shutdown());
+}
