@@ -281,14 +281,34 @@ impl ReadSlot {
     /// [`Error::InvalidArgument`] if the slot was filled already; `fill`'s
     /// error otherwise.
     pub fn receive(&self, fill: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<()> {
-        let mut words = vec![0u128; self.len.div_ceil(16)].into_boxed_slice();
-        // SAFETY: `words` is `len.div_ceil(16) * 16 >= len` bytes, any byte
-        // value is a valid `u128` byte, and the borrow ends below.
-        let bytes =
-            unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), self.len) };
-        fill(bytes)?;
+        let mut buf = self.buffer();
+        fill(buf.as_mut())?;
+        self.commit(buf)
+    }
+
+    /// Storage for this read's bytes, to be filled (by an asynchronous
+    /// receive, say) and then handed back with [`ReadSlot::commit`].
+    pub fn buffer(&self) -> ReadBuf {
+        ReadBuf {
+            words: vec![0u128; self.len.div_ceil(16)].into_boxed_slice(),
+            len: self.len,
+        }
+    }
+
+    /// Makes a filled [`ReadSlot::buffer`] the slot's bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] if the slot was filled already or `buf`
+    /// is not of its length.
+    pub fn commit(&self, buf: ReadBuf) -> Result<()> {
+        if buf.len != self.len {
+            return Err(Error::InvalidArgument(
+                "a read buffer of another length".into(),
+            ));
+        }
         self.bytes
-            .set(words)
+            .set(buf.words)
             .map_err(|_| Error::InvalidArgument("a read slot was filled twice".into()))
     }
 
@@ -298,6 +318,27 @@ impl ReadSlot {
         // SAFETY: the storage holds at least `len` initialised bytes and
         // lives as long as `self`.
         Some(unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), self.len) })
+    }
+}
+
+/// Storage for one read's bytes, aligned for any element type (see
+/// [`ReadSlot::buffer`]).
+pub struct ReadBuf {
+    words: Box<[u128]>,
+    len: usize,
+}
+
+impl fmt::Debug for ReadBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReadBuf").field("len", &self.len).finish()
+    }
+}
+
+impl AsMut<[u8]> for ReadBuf {
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `words` is `len.div_ceil(16) * 16 >= len` bytes, any byte
+        // value is a valid `u128` byte, and the borrow is tied to `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast::<u8>(), self.len) }
     }
 }
 

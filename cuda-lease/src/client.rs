@@ -607,6 +607,22 @@ impl LeaseInner {
         self.guard(self.client.request(op, body, data)).await
     }
 
+    /// [`LeaseInner::req`] with the reply's data read straight into
+    /// `parts`, in turn.
+    async fn req_into(
+        &self,
+        op: Opcode,
+        body: &[u8],
+        data: &[u8],
+        parts: &mut [&mut [u8]],
+    ) -> Result<Vec<u8>, Error> {
+        let client = &self.client;
+        let id = client.next_id.fetch_add(1, Ordering::Relaxed);
+        let into = ReplyInto::Parts(parts);
+        let r = exchange_into(&client.conn, &client.limits, id, op, body, data, into);
+        self.guard(r).await.map(|(body, _)| body)
+    }
+
     /// Runs a request of this lease: refused once the lease was freed, and
     /// an expiry it reports is remembered.
     async fn guard<T>(
@@ -1278,6 +1294,71 @@ impl Recorder {
     }
 }
 
+impl Recorder {
+    /// [`Recorder::submit`], with the reads received straight into `dests`
+    /// (one per read, in order, each exactly its read's length) instead of
+    /// the reply's own buffer: no copy on the client. The destinations come
+    /// back with the reply; those of reads that did not run are untouched.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadRequest`] when `dests` do not match the reads; the rest
+    /// as [`Recorder::submit`].
+    pub fn submit_into<D>(
+        &self,
+        mut dests: Vec<D>,
+    ) -> impl std::future::Future<Output = Result<(Submitted, Vec<D>), Error>> + Send + 'static
+    where
+        D: AsMut<[u8]> + Send + 'static,
+    {
+        let reads = self.read_slots();
+        let shape_ok = reads.len() == dests.len()
+            && reads
+                .iter()
+                .zip(dests.iter_mut())
+                .all(|(r, d)| d.as_mut().len() == r.len as usize);
+        let (mut batch, data) = self.message();
+        batch.seq = self.inner.next_seq.fetch_add(1, Ordering::Relaxed);
+        let inner = self.inner.clone();
+        let modules = self.modules.clone();
+        let writes = self.writes.len();
+        async move {
+            if !shape_ok {
+                return Err(Error::BadRequest(
+                    "the destinations do not match the recorded reads".into(),
+                ));
+            }
+            let body = to_body(&batch);
+            let reply = {
+                let mut parts: Vec<&mut [u8]> = dests.iter_mut().map(|d| d.as_mut()).collect();
+                match inner
+                    .req_into(Opcode::Batch, &body, &data, &mut parts)
+                    .await
+                {
+                    Err(Error::UnknownModule(_)) => {
+                        let (body, all) =
+                            with_every_source(&body, &modules, &data[data.len() - writes..])?;
+                        inner
+                            .req_into(Opcode::Batch, &body, &all, &mut parts)
+                            .await?
+                    }
+                    r => r?,
+                }
+            };
+            let reply: BatchReply =
+                from_body(&reply).map_err(|e| Error::Protocol(e.to_string()))?;
+            inner.client.learn_modules(modules.iter().map(|m| m.hash));
+            let submitted = Submitted {
+                completed: reply.completed as usize,
+                error: reply.error,
+                reads,
+                data: Vec::new(),
+            };
+            Ok((submitted, dests))
+        }
+    }
+}
+
 /// A batch message (`body`, its data ending in `writes`) again, with the
 /// source of every module.
 fn with_every_source(
@@ -1536,6 +1617,17 @@ impl StripeBuffer {
     }
 }
 
+/// Where a reply's data goes.
+enum ReplyInto<'a, 'b> {
+    /// A new `Vec`, returned.
+    Owned,
+    /// This slice, whose length must be the data's.
+    Exact(&'a mut [u8]),
+    /// These slices in turn, up to the data's length (the reads of a
+    /// batch that stopped early fill only the first ones).
+    Parts(&'a mut [&'b mut [u8]]),
+}
+
 /// One request on a new stream of `conn` and its reply (see
 /// [`Client::request`]); with `into`, the reply's data lands there.
 async fn exchange(
@@ -1546,6 +1638,22 @@ async fn exchange(
     body: &[u8],
     data: &[u8],
     into: Option<&mut [u8]>,
+) -> Result<(Vec<u8>, Vec<u8>), Error> {
+    let into = match into {
+        Some(out) => ReplyInto::Exact(out),
+        None => ReplyInto::Owned,
+    };
+    exchange_into(conn, limits, id, opcode, body, data, into).await
+}
+
+async fn exchange_into(
+    conn: &quinn::Connection,
+    limits: &Limits,
+    id: u64,
+    opcode: Opcode,
+    body: &[u8],
+    data: &[u8],
+    into: ReplyInto<'_, '_>,
 ) -> Result<(Vec<u8>, Vec<u8>), Error> {
     let mut hop = HopTimer::start("client", opcode, data.len() as u64);
     let (mut send, mut recv) = conn.open_bi().await.map_err(disconnected)?;
@@ -1572,23 +1680,42 @@ async fn exchange(
         return Err(Error::Protocol("reply does not match the request".into()));
     }
     let mut owned = Vec::new();
-    let out: &mut [u8] = match into {
-        Some(out) if out.len() == header.data_len as usize => out,
-        Some(out) => {
-            return Err(Error::Protocol(format!(
-                "reply has {} bytes of data, {} expected",
-                header.data_len,
-                out.len()
-            )))
+    let want = header.data_len as usize;
+    let mismatch =
+        |have: usize| Error::Protocol(format!("reply has {want} bytes of data, {have} expected"));
+    match into {
+        ReplyInto::Exact(out) if out.len() == want => {
+            tokio::io::AsyncReadExt::read_exact(&mut recv, out)
+                .await
+                .map_err(read_err)?;
         }
-        None => {
-            owned = vec![0u8; header.data_len as usize];
-            &mut owned
+        ReplyInto::Exact(out) => return Err(mismatch(out.len())),
+        ReplyInto::Owned => {
+            owned = vec![0u8; want];
+            tokio::io::AsyncReadExt::read_exact(&mut recv, &mut owned)
+                .await
+                .map_err(read_err)?;
         }
-    };
-    tokio::io::AsyncReadExt::read_exact(&mut recv, out)
-        .await
-        .map_err(read_err)?;
+        ReplyInto::Parts(parts) => {
+            let room: usize = parts.iter().map(|p| p.len()).sum();
+            if want > room {
+                return Err(mismatch(room));
+            }
+            let mut left = want;
+            for part in parts.iter_mut() {
+                if left == 0 {
+                    break;
+                }
+                if part.len() > left {
+                    return Err(Error::Protocol("a read was cut in the reply".into()));
+                }
+                tokio::io::AsyncReadExt::read_exact(&mut recv, part)
+                    .await
+                    .map_err(read_err)?;
+                left -= part.len();
+            }
+        }
+    }
     if let Some(t) = &mut hop {
         t.mark("reply");
         t.set_op(opcode, (data.len() + header.data_len as usize) as u64);

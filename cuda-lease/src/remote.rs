@@ -230,21 +230,17 @@ impl RemoteSession for LeaseSession {
 
     fn submit(&self, recording: Recording, done: RemoteCompletion) {
         let rec = self.translate(&recording);
-        let reads: Vec<_> = rec.read_slots();
+        // The reads are received straight into their slots' storage.
+        let bufs: Vec<_> = recording.reads().iter().map(|s| s.buffer()).collect();
         // Numbered now, in the order of these calls.
-        let reply = rec.submit();
+        let reply = rec.submit_into(bufs);
         self.runtime.spawn(async move {
             let outcome = async {
-                let reply = reply.await?.ok()?;
-                for (slot, wire) in recording.reads().iter().zip(&reads) {
-                    let bytes = reply.read(*wire).ok_or_else(|| {
-                        Error::Protocol("a read is missing from the reply".into())
-                    })?;
-                    slot.receive(|dst| {
-                        dst.copy_from_slice(bytes);
-                        Ok(())
-                    })
-                    .map_err(|e| Error::Protocol(e.to_string()))?;
+                let (reply, bufs) = reply.await?;
+                reply.ok()?;
+                for (slot, buf) in recording.reads().iter().zip(bufs) {
+                    slot.commit(buf)
+                        .map_err(|e| Error::Protocol(e.to_string()))?;
                 }
                 Ok::<(), Error>(())
             };

@@ -428,3 +428,28 @@ async fn fill_and_copy_run_in_a_batch_and_check_their_ranges() {
     lease.free().await.unwrap();
     node.shutdown().await;
 }
+
+#[tokio::test]
+async fn reads_can_land_straight_in_the_callers_buffers() {
+    let (node, lease, s) = lease_on(memory_config(1 << 20)).await;
+    let mut rec = s.recorder();
+    let a = rec.alloc(0, 8);
+    rec.write(0, a, 0, &[1, 2, 3, 4, 5, 6, 7, 8]);
+    rec.read(0, a, 0, 8);
+    rec.read(0, a, 2, 3);
+    rec.launch(0, &Module::cuda(KERNELS, &[]), "nope", GRID, BLOCK, vec![]);
+    rec.read(0, a, 0, 1);
+    let dests = vec![vec![0u8; 8], vec![0u8; 3], vec![0xEEu8; 1]];
+    let (reply, dests) = rec.submit_into(dests).await.unwrap();
+    assert_eq!(reply.completed(), 4);
+    assert_eq!(dests[0], [1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(dests[1], [3, 4, 5]);
+    assert_eq!(dests[2], [0xEE], "the read after the failure did not run");
+    // Destinations that do not match the reads are refused before sending.
+    let mut rec = s.recorder();
+    rec.read(0, a, 0, 8);
+    let err = rec.submit_into(vec![vec![0u8; 4]]).await.unwrap_err();
+    assert!(matches!(err, Error::BadRequest(_)), "{err:?}");
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
