@@ -607,20 +607,18 @@ impl LeaseInner {
         self.guard(self.client.request(op, body, data)).await
     }
 
-    /// [`LeaseInner::req`] with the reply's data read straight into
-    /// `parts`, in turn.
-    async fn req_into(
+    /// [`LeaseInner::req`] with the reply's data going where `into` says.
+    async fn req_with(
         &self,
         op: Opcode,
         body: &[u8],
         data: &[u8],
-        parts: &mut [&mut [u8]],
-    ) -> Result<Vec<u8>, Error> {
+        into: ReplyInto<'_, '_>,
+    ) -> Result<(Vec<u8>, Vec<u8>), Error> {
         let client = &self.client;
         let id = client.next_id.fetch_add(1, Ordering::Relaxed);
-        let into = ReplyInto::Parts(parts);
         let r = exchange_into(&client.conn, &client.limits, id, op, body, data, into);
-        self.guard(r).await.map(|(body, _)| body)
+        self.guard(r).await
     }
 
     /// Runs a request of this lease: refused once the lease was freed, and
@@ -1260,30 +1258,10 @@ impl Recorder {
     pub fn submit(
         &self,
     ) -> impl std::future::Future<Output = Result<Submitted, Error>> + Send + 'static {
-        let (mut batch, data) = self.message();
+        let message = self.numbered();
         let reads = self.read_slots();
-        let inner = self.inner.clone();
-        let modules = self.modules.clone();
-        let writes = self.writes.len();
-        // Numbered now: the node runs the lease's batches in the order of
-        // these calls, whatever order they are polled or arrive in.
-        batch.seq = inner.next_seq.fetch_add(1, Ordering::Relaxed);
         async move {
-            let body = to_body(&batch);
-            let r = inner.req(Opcode::Batch, &body, &data).await;
-            let (reply, data) = match r {
-                Err(Error::UnknownModule(_)) => {
-                    // The node lost (or never had) a module: send the same
-                    // message again with every source.
-                    let (body, all) =
-                        with_every_source(&body, &modules, &data[data.len() - writes..])?;
-                    inner.req(Opcode::Batch, &body, &all).await?
-                }
-                r => r?,
-            };
-            let reply: BatchReply =
-                from_body(&reply).map_err(|e| Error::Protocol(e.to_string()))?;
-            inner.client.learn_modules(modules.iter().map(|m| m.hash));
+            let (reply, data) = message.send(None).await?;
             Ok(Submitted {
                 completed: reply.completed as usize,
                 error: reply.error,
@@ -1292,9 +1270,7 @@ impl Recorder {
             })
         }
     }
-}
 
-impl Recorder {
     /// [`Recorder::submit`], with the reads received straight into `dests`
     /// (one per read, in order, each exactly its read's length) instead of
     /// the reply's own buffer: no copy on the client. The destinations come
@@ -1317,37 +1293,17 @@ impl Recorder {
                 .iter()
                 .zip(dests.iter_mut())
                 .all(|(r, d)| d.as_mut().len() == r.len as usize);
-        let (mut batch, data) = self.message();
-        batch.seq = self.inner.next_seq.fetch_add(1, Ordering::Relaxed);
-        let inner = self.inner.clone();
-        let modules = self.modules.clone();
-        let writes = self.writes.len();
+        let message = self.numbered();
         async move {
             if !shape_ok {
                 return Err(Error::BadRequest(
                     "the destinations do not match the recorded reads".into(),
                 ));
             }
-            let body = to_body(&batch);
             let reply = {
                 let mut parts: Vec<&mut [u8]> = dests.iter_mut().map(|d| d.as_mut()).collect();
-                match inner
-                    .req_into(Opcode::Batch, &body, &data, &mut parts)
-                    .await
-                {
-                    Err(Error::UnknownModule(_)) => {
-                        let (body, all) =
-                            with_every_source(&body, &modules, &data[data.len() - writes..])?;
-                        inner
-                            .req_into(Opcode::Batch, &body, &all, &mut parts)
-                            .await?
-                    }
-                    r => r?,
-                }
+                message.send(Some(&mut parts)).await?.0
             };
-            let reply: BatchReply =
-                from_body(&reply).map_err(|e| Error::Protocol(e.to_string()))?;
-            inner.client.learn_modules(modules.iter().map(|m| m.hash));
             let submitted = Submitted {
                 completed: reply.completed as usize,
                 error: reply.error,
@@ -1356,6 +1312,67 @@ impl Recorder {
             };
             Ok((submitted, dests))
         }
+    }
+
+    /// The message, numbered now: the node runs the lease's batches in the
+    /// order of these calls, whatever order they are polled or arrive in.
+    fn numbered(&self) -> Message {
+        let (mut batch, data) = self.message();
+        batch.seq = self.inner.next_seq.fetch_add(1, Ordering::Relaxed);
+        Message {
+            inner: self.inner.clone(),
+            body: to_body(&batch),
+            data,
+            modules: self.modules.clone(),
+            writes: self.writes.len(),
+        }
+    }
+}
+
+fn into<'a, 'b>(parts: Option<&'a mut [&'b mut [u8]]>) -> ReplyInto<'a, 'b> {
+    match parts {
+        Some(p) => ReplyInto::Parts(p),
+        None => ReplyInto::Owned,
+    }
+}
+
+/// One numbered BATCH, with what a resend with every source needs.
+struct Message {
+    inner: Arc<LeaseInner>,
+    body: Vec<u8>,
+    data: Vec<u8>,
+    modules: Vec<Module>,
+    writes: usize,
+}
+
+impl Message {
+    /// Sends it (again with every source if the node answers
+    /// UNKNOWN_MODULE); the reply's data goes into `parts` when given.
+    async fn send(
+        &self,
+        mut parts: Option<&mut [&mut [u8]]>,
+    ) -> Result<(BatchReply, Vec<u8>), Error> {
+        let (body, data) = (&self.body, &self.data);
+        let r = self
+            .inner
+            .req_with(Opcode::Batch, body, data, into(parts.as_deref_mut()))
+            .await;
+        let (reply, data) = match r {
+            Err(Error::UnknownModule(_)) => {
+                // The node lost (or never had) a module: send the same
+                // message again with every source.
+                let writes = &data[data.len() - self.writes..];
+                let (body, all) = with_every_source(body, &self.modules, writes)?;
+                self.inner
+                    .req_with(Opcode::Batch, &body, &all, into(parts))
+                    .await?
+            }
+            r => r?,
+        };
+        let reply: BatchReply = from_body(&reply).map_err(|e| Error::Protocol(e.to_string()))?;
+        let learned = self.modules.iter().map(|m| m.hash);
+        self.inner.client.learn_modules(learned);
+        Ok((reply, data))
     }
 }
 
