@@ -33,7 +33,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         std::process::exit(1);
     }
     // And back: hand our buffer to their API.
-    let back = theirs.clone_dtoh(ours.as_cuda_slice())?;
+    let back = theirs.clone_dtoh(ours.local()?.as_cuda_slice())?;
     assert_eq!(back, got);
     println!("interop: ops ran on a cudarc stream and its data round-tripped");
     Ok(())

@@ -463,6 +463,7 @@ fn mode_name(m: CompletionMode) -> String {
         CompletionMode::ReactorInlineSpin(d) => {
             format!("reactor + {} us inline spin", d.as_micros())
         }
+        CompletionMode::Reply => "remote reply".into(),
     }
 }
 

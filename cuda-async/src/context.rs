@@ -5,47 +5,77 @@ use std::fmt;
 use std::sync::Arc;
 
 use cuda_core::cudarc::driver::CudaStream;
-use cuda_core::{Device, Result};
+use cuda_core::{Device, Error, Result};
 
 use crate::policy::StreamPool;
 use crate::reactor::{CompletionMode, StreamSlot};
+use crate::remote::RemoteContext;
 
-/// What an op executes against: a device, a stream on it, and the pool that
-/// concurrent combinators fork onto. Ops enqueue their work on the stream;
-/// whatever must outlive that work is handed to [`ExecutionContext::retain`].
+/// What an op executes against: a stream of a local GPU (a device, a CUDA
+/// stream on it, and the pool that concurrent combinators fork onto), or a
+/// stream of a remote session, where ops record commands instead of
+/// enqueueing them (see [`RemoteContext`]). Whatever must outlive the
+/// work is handed to [`ExecutionContext::retain`].
 ///
-/// Today every context is a local CUDA stream. The type is built so that a
-/// stream of a remote leased GPU can become a second backend: ops reach the
-/// CUDA stream only through [`ExecutionContext::cuda_stream`], which will
-/// return an error for a remote context, so local-only ops fail cleanly.
+/// The ops of this crate run on both. A hand-written op that needs a local
+/// CUDA stream gets it from [`ExecutionContext::cuda_stream`], which is
+/// [`Error::NeedsLocalStream`] on a remote context, so such an op fails
+/// cleanly there; one that supports both matches on
+/// [`ExecutionContext::as_remote`].
 pub struct ExecutionContext {
+    backend: Backend,
+    retained: Vec<Box<dyn Any + Send>>,
+}
+
+enum Backend {
+    Local(Local),
+    Remote(RemoteContext),
+}
+
+struct Local {
     device: Device,
     stream: Arc<CudaStream>,
     pool: Arc<StreamPool>,
-    retained: Vec<Box<dyn Any + Send>>,
     completion: CompletionMode,
     slot: Option<Arc<StreamSlot>>,
 }
 
 impl fmt::Debug for ExecutionContext {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ExecutionContext")
-            .field("device", &self.device.ordinal())
-            .field("stream", &self.stream.cu_stream())
-            .field("retained", &self.retained.len())
-            .finish()
+        match &self.backend {
+            Backend::Local(l) => f
+                .debug_struct("ExecutionContext")
+                .field("device", &l.device.ordinal())
+                .field("stream", &l.stream.cu_stream())
+                .field("retained", &self.retained.len())
+                .finish(),
+            Backend::Remote(r) => f
+                .debug_struct("ExecutionContext")
+                .field("remote", r)
+                .field("retained", &self.retained.len())
+                .finish(),
+        }
     }
 }
 
 impl ExecutionContext {
     pub(crate) fn new(device: Device, stream: Arc<CudaStream>, pool: Arc<StreamPool>) -> Self {
         ExecutionContext {
-            device,
-            stream,
-            pool,
+            backend: Backend::Local(Local {
+                device,
+                stream,
+                pool,
+                completion: CompletionMode::HostCallback,
+                slot: None,
+            }),
             retained: Vec::new(),
-            completion: CompletionMode::HostCallback,
-            slot: None,
+        }
+    }
+
+    pub(crate) fn new_remote(remote: RemoteContext) -> Self {
+        ExecutionContext {
+            backend: Backend::Remote(remote),
+            retained: Vec::new(),
         }
     }
 
@@ -56,26 +86,35 @@ impl ExecutionContext {
         mode: CompletionMode,
         slot: Option<Arc<StreamSlot>>,
     ) -> Self {
-        match (mode.uses_reactor(), slot) {
-            (true, Some(slot)) => {
-                self.completion = mode;
-                self.slot = Some(slot);
-            }
-            _ => {
-                self.completion = CompletionMode::HostCallback;
-                self.slot = None;
+        if let Backend::Local(l) = &mut self.backend {
+            match (mode.uses_reactor(), slot) {
+                (true, Some(slot)) => {
+                    l.completion = mode;
+                    l.slot = Some(slot);
+                }
+                _ => {
+                    l.completion = CompletionMode::HostCallback;
+                    l.slot = None;
+                }
             }
         }
         self
     }
 
-    /// How a future on this context learns that its work is done.
+    /// How a future on this context learns that its work is done
+    /// ([`CompletionMode::Reply`] on a remote context).
     pub fn completion_mode(&self) -> CompletionMode {
-        self.completion
+        match &self.backend {
+            Backend::Local(l) => l.completion,
+            Backend::Remote(_) => CompletionMode::Reply,
+        }
     }
 
     pub(crate) fn slot(&self) -> Option<&Arc<StreamSlot>> {
-        self.slot.as_ref()
+        match &self.backend {
+            Backend::Local(l) => l.slot.as_ref(),
+            Backend::Remote(_) => None,
+        }
     }
 
     /// A context on a stream that other code created (interop), forking
@@ -89,23 +128,69 @@ impl ExecutionContext {
         Ok(Self::new(device, stream.clone(), pool))
     }
 
-    /// The device.
-    pub fn device(&self) -> &Device {
-        &self.device
+    /// Where ops on this context run, e.g. `local GPU 0` or
+    /// `stream 2 of lease 1a2b3c4d... on node gpu-7`.
+    pub fn describe(&self) -> String {
+        match &self.backend {
+            Backend::Local(l) => crate::buffer::local_home(l.device.ordinal()),
+            Backend::Remote(r) => r.describe(),
+        }
+    }
+
+    fn needs_local(&self, what: &str) -> Error {
+        Error::NeedsLocalStream {
+            op: what.into(),
+            context: self.describe(),
+        }
+    }
+
+    /// The local device.
+    ///
+    /// # Errors
+    /// [`Error::NeedsLocalStream`] on a remote context.
+    pub fn device(&self) -> Result<&Device> {
+        match &self.backend {
+            Backend::Local(l) => Ok(&l.device),
+            Backend::Remote(_) => Err(self.needs_local("an op that asks for the local device")),
+        }
     }
 
     /// The local CUDA stream work is enqueued on.
     ///
     /// # Errors
-    /// Never for a local context; a remote context (a later backend) will
-    /// return an error here, so ops that need a CUDA stream fail cleanly.
+    /// [`Error::NeedsLocalStream`] on a remote context: an op that enqueues
+    /// on a CUDA stream itself cannot run there.
     pub fn cuda_stream(&self) -> Result<&Arc<CudaStream>> {
-        Ok(&self.stream)
+        match &self.backend {
+            Backend::Local(l) => Ok(&l.stream),
+            Backend::Remote(_) => Err(self.needs_local("an op that enqueues on a CUDA stream")),
+        }
     }
 
     /// The pool concurrent combinators fork onto.
-    pub fn pool(&self) -> &Arc<StreamPool> {
-        &self.pool
+    ///
+    /// # Errors
+    /// [`Error::NeedsLocalStream`] on a remote context.
+    pub fn pool(&self) -> Result<&Arc<StreamPool>> {
+        match &self.backend {
+            Backend::Local(l) => Ok(&l.pool),
+            Backend::Remote(_) => {
+                Err(self.needs_local("an op that forks onto a local stream pool"))
+            }
+        }
+    }
+
+    /// The remote context, where ops record commands; `None` locally.
+    pub fn as_remote(&mut self) -> Option<&mut RemoteContext> {
+        match &mut self.backend {
+            Backend::Local(_) => None,
+            Backend::Remote(r) => Some(r),
+        }
+    }
+
+    /// True on a remote context.
+    pub fn is_remote(&self) -> bool {
+        matches!(self.backend, Backend::Remote(_))
     }
 
     /// Keeps `value` alive until the GPU has passed everything enqueued in
@@ -114,22 +199,45 @@ impl ExecutionContext {
         self.retained.push(Box::new(value));
     }
 
-    /// A context on another stream of the same pool, for a concurrent arm.
-    pub(crate) fn fork(&self, stream: Arc<CudaStream>) -> Self {
-        Self::new(self.device.clone(), stream, self.pool.clone())
+    /// A context for a concurrent arm: on a local context, one on `stream`
+    /// of the same pool; on a remote one, a fresh recording on the same
+    /// stream (arms run in order there).
+    pub(crate) fn fork(&self, stream: Option<Arc<CudaStream>>) -> Self {
+        match (&self.backend, stream) {
+            (Backend::Local(l), Some(s)) => Self::new(l.device.clone(), s, l.pool.clone()),
+            (Backend::Local(l), None) => {
+                Self::new(l.device.clone(), l.stream.clone(), l.pool.clone())
+            }
+            (Backend::Remote(r), _) => Self::new_remote(r.fork()),
+        }
     }
 
-    /// Moves a finished arm's retained values into this context.
+    /// Moves a finished arm's retained values (and, remotely, its recorded
+    /// commands) into this context.
     pub(crate) fn absorb(&mut self, mut other: ExecutionContext) {
         self.retained.append(&mut other.retained);
+        if let (Backend::Remote(me), Backend::Remote(arm)) = (&mut self.backend, other.backend) {
+            me.absorb(arm);
+        }
     }
 
     pub(crate) fn take_retained(&mut self) -> Retained {
         Retained(std::mem::take(&mut self.retained))
     }
 
-    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+    /// The local stream; `None` on a remote context.
+    pub(crate) fn stream(&self) -> Option<&Arc<CudaStream>> {
+        match &self.backend {
+            Backend::Local(l) => Some(&l.stream),
+            Backend::Remote(_) => None,
+        }
+    }
+
+    pub(crate) fn remote_ref(&self) -> Option<&RemoteContext> {
+        match &self.backend {
+            Backend::Local(_) => None,
+            Backend::Remote(r) => Some(r),
+        }
     }
 }
 

@@ -1,13 +1,16 @@
 //! Blocking and detached execution.
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::task::{Wake, Waker};
+use std::thread::{self, Thread};
 
-use cuda_core::cudarc::driver::CudaStream;
 use cuda_core::{Error, Result};
 
-use crate::completion::watchdog;
+use crate::completion::{watchdog, Completion, Status};
 use crate::context::{ExecutionContext, Retained};
 use crate::op::DeviceOp;
+use crate::remote::{self, RecordingFrame};
 
 /// Runs `op.execute(ctx)`. If user code inside it (a `then`/`map` closure)
 /// panics, the work enqueued so far may still be running: what it retained
@@ -20,12 +23,22 @@ pub(crate) unsafe fn execute_guarded<O: DeviceOp>(
     op: O,
     ctx: &mut ExecutionContext,
 ) -> Result<O::Output> {
+    // Remotely, buffers dropped while recording are freed at the end of
+    // this submission.
+    let frame = ctx.remote_ref().map(|r| RecordingFrame::push(r.session()));
     // SAFETY: forwarded to our caller.
-    match catch_unwind(AssertUnwindSafe(|| unsafe { op.execute(ctx) })) {
+    let result = catch_unwind(AssertUnwindSafe(|| unsafe { op.execute(ctx) }));
+    if let (Some(frame), Some(r)) = (frame, ctx.as_remote()) {
+        frame.finish(r);
+    }
+    match result {
         Ok(r) => r,
         Err(panic) => {
+            // What was recorded before the panic is sent as enqueued work is
+            // left enqueued locally: the ids it names stay consistent.
+            let _ = remote::send(ctx);
             let retained = ctx.take_retained();
-            release_after(ctx.stream(), retained);
+            release_after(ctx, retained);
             resume_unwind(panic)
         }
     }
@@ -46,6 +59,9 @@ pub(crate) fn note(e: Error) -> Error {
 }
 
 pub(crate) fn run_blocking<O: DeviceOp>(op: O, mut ctx: ExecutionContext) -> Result<O::Output> {
+    if ctx.is_remote() {
+        return run_blocking_remote(op, ctx);
+    }
     check_poison()?;
     // SAFETY: we synchronize the stream below before returning the output or
     // dropping the retained values, on success and on error alike.
@@ -53,6 +69,7 @@ pub(crate) fn run_blocking<O: DeviceOp>(op: O, mut ctx: ExecutionContext) -> Res
     let retained = ctx.take_retained();
     let synced = ctx
         .stream()
+        .expect("a local context")
         .synchronize()
         .map_err(|e| note(Error::driver("cuStreamSynchronize", e)));
     match synced {
@@ -80,16 +97,62 @@ pub(crate) unsafe fn run_detached<O: DeviceOp>(
     // work (below); output access is the caller's contract.
     let out = unsafe { execute_guarded(op, &mut ctx) };
     let retained = ctx.take_retained();
-    release_after(ctx.stream(), retained);
+    release_after(&ctx, retained);
     out.map_err(note)
 }
 
-/// Drops `retained` on the reclaimer thread once `stream` has passed the
-/// work enqueued so far; never blocks the caller.
-pub(crate) fn release_after(stream: &CudaStream, retained: Retained) {
+/// Records `op` on a remote context, sends it as one message and blocks the
+/// calling thread until the reply (no async runtime needed: the session
+/// does its own I/O).
+fn run_blocking_remote<O: DeviceOp>(op: O, mut ctx: ExecutionContext) -> Result<O::Output> {
+    // SAFETY: remotely, retained values are kept until the reply below; the
+    // output's host data is reachable only once its reply has arrived.
+    let out = unsafe { execute_guarded(op, &mut ctx) };
+    // Sent even after an error: what was recorded before it names ids that
+    // later frees refer to.
+    let done = remote::send(&mut ctx);
+    let retained = ctx.take_retained();
+    let out = out?;
+    if let Some((done, on_reply)) = done {
+        wait_blocking(done.completion())?;
+        on_reply.run();
+    }
+    drop(retained);
+    Ok(out)
+}
+
+/// Parks the calling thread until `c` finishes.
+pub(crate) fn wait_blocking(c: &Arc<Completion>) -> Result<()> {
+    struct Unpark(Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(thread::current())));
+    loop {
+        match c.poll_status(&waker) {
+            Status::Pending => thread::park(),
+            Status::Done => return Ok(()),
+            Status::Failed => return Err(c.error()),
+        }
+    }
+}
+
+/// Drops `retained` on the reclaimer thread once `ctx`'s stream has passed
+/// the work enqueued so far; never blocks the caller. Remotely nothing of
+/// the client's memory is read by the GPU: dropped now.
+pub(crate) fn release_after(ctx: &ExecutionContext, retained: Retained) {
     if retained.is_empty() {
         return;
     }
+    let Some(stream) = ctx.stream() else {
+        drop(retained);
+        return;
+    };
     // On error the values are leaked: nothing can tell when the GPU is done.
     let _ = cuda_core::reclaim::release_after(stream, retained);
 }

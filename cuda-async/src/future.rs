@@ -16,6 +16,7 @@ use crate::exec::{check_poison, execute_guarded, note, release_after};
 use crate::op::DeviceOp;
 use crate::policy::{default_policy, SchedulingPolicy};
 use crate::reactor::{CompletionMode, StreamSlot};
+use crate::remote::OnReply;
 
 /// A [`DeviceOp`] being executed: Idle -> Executing -> Complete.
 ///
@@ -91,7 +92,38 @@ impl<O: DeviceOp> DeviceFuture<O> {
         matches!(self.state, State::Executing { .. } | State::Complete)
     }
 
+    /// Records the op on a remote context and sends it as one message; the
+    /// reply completes the same `Completion` the local modes complete.
+    fn submit_remote(op: O, mut ctx: ExecutionContext) -> Result<State<O>> {
+        // SAFETY: retained values stay in the `Executing` state until the
+        // reply (nothing of them is read remotely anyway); the output's host
+        // data is reachable only once the reply has filled it.
+        let out = unsafe { execute_guarded(op, &mut ctx) };
+        // Sent even after an error: later frees name the ids it creates.
+        let done = crate::remote::send(&mut ctx);
+        let retained = ctx.take_retained();
+        let output = out?;
+        let (completion, on_reply) = match done {
+            Some((done, on_reply)) => (done.completion().clone(), on_reply),
+            None => {
+                // Nothing recorded: no message, done now.
+                let c = Arc::new(Completion::new());
+                c.complete();
+                (c, OnReply::default())
+            }
+        };
+        Ok(State::Executing {
+            output: Some(output),
+            completion,
+            retained,
+            signal: Signal::Reply(Some(on_reply)),
+        })
+    }
+
     fn submit(op: O, mut ctx: ExecutionContext) -> Result<State<O>> {
+        if ctx.is_remote() {
+            return Self::submit_remote(op, ctx);
+        }
         check_poison()?;
         // SAFETY: retained values stay in the `Executing` state until the
         // host callback reports completion (or go to the reclaimer on drop,
@@ -102,7 +134,7 @@ impl<O: DeviceOp> DeviceFuture<O> {
         let output = match out {
             Ok(o) => o,
             Err(e) => {
-                release_after(ctx.stream(), retained);
+                release_after(&ctx, retained);
                 return Err(note(e));
             }
         };
@@ -121,22 +153,22 @@ impl<O: DeviceOp> DeviceFuture<O> {
                     }
                 }
                 Err(e) => {
-                    release_after(ctx.stream(), std::mem::take(&mut retained));
+                    release_after(&ctx, std::mem::take(&mut retained));
                     drop(output);
                     return Err(note(e));
                 }
             },
             _ => {
+                let stream = ctx.stream().expect("a local context");
                 let c = completion.clone();
-                if let Err(e) = cuda_core::launch_host_callback(ctx.stream(), move || c.complete())
-                {
-                    release_after(ctx.stream(), std::mem::take(&mut retained));
+                if let Err(e) = cuda_core::launch_host_callback(stream, move || c.complete()) {
+                    release_after(&ctx, std::mem::take(&mut retained));
                     drop(output);
                     return Err(note(e));
                 }
                 // Host callbacks never run after a sticky fault: the watchdog
                 // notices. (The reactor checks its own streams.)
-                Signal::Callback(watchdog::watch(&completion, ctx.stream()))
+                Signal::Callback(watchdog::watch(&completion, stream))
             }
         };
         Ok(State::Executing {
@@ -185,13 +217,23 @@ impl<O: DeviceOp> Future for DeviceFuture<O> {
                         }
                         Status::Done => {
                             signal.finish();
+                            if let Signal::Reply(on_reply) = &mut signal {
+                                if let Some(steps) = on_reply.take() {
+                                    steps.run();
+                                }
+                            }
                             drop(retained);
                             return Poll::Ready(output.ok_or_else(polled_after_completion));
                         }
                         Status::Failed => {
                             signal.finish();
-                            // The GPU faulted: it may never release what it used.
-                            std::mem::forget(retained);
+                            if signal.is_reply() {
+                                // A remote failure: nothing local is in use.
+                                drop(retained);
+                            } else {
+                                // The GPU faulted: it may never release what it used.
+                                std::mem::forget(retained);
+                            }
                             return Poll::Ready(Err(completion.error()));
                         }
                     }
@@ -221,6 +263,12 @@ impl<O: DeviceOp> Drop for DeviceFuture<O> {
             // once it finishes), so a fault still completes it.
             if completion.is_finished() {
                 signal.finish();
+            }
+            if signal.is_reply() {
+                // The remote GPU reads nothing of the client's memory: the
+                // node's own buffers order their frees after their uses.
+                drop(retained);
+                return;
             }
             if retained.is_empty() || completion.is_finished() {
                 if completion.status() == Status::Failed {
@@ -253,9 +301,16 @@ enum Signal {
         seq: u64,
         spin: Option<Duration>,
     },
+    /// A remote session's reply completes `completion`; the steps run on
+    /// the host after it, before the output is handed out.
+    Reply(Option<OnReply>),
 }
 
 impl Signal {
+    fn is_reply(&self) -> bool {
+        matches!(self, Signal::Reply(_))
+    }
+
     /// The future is done with its completion: stop watching it.
     fn finish(&self) {
         if let Signal::Callback(key) = self {

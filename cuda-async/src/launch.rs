@@ -4,10 +4,12 @@ use std::fmt;
 use std::sync::Arc;
 
 use cuda_core::cudarc::driver::{CudaStream, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
-use cuda_core::{DeviceBuffer, DeviceRepr, Error, Kernel, ParamClass, Result};
+use cuda_core::{DeviceRepr, Error, Kernel, ParamClass, Result};
 
+use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
 use crate::op::{impl_into_future, DeviceOp};
+use crate::remote::{RemoteArg, RemoteCommand, RemoteContext};
 
 /// One kernel argument: how it is passed and what it looks like to the
 /// parameter check.
@@ -43,6 +45,20 @@ pub trait KernelArg: Send {
     fn after(&self, _stream: &CudaStream) -> Result<()> {
         Ok(())
     }
+
+    /// The argument of a launch recorded on a remote context: its bytes,
+    /// or the remote buffer it names.
+    ///
+    /// # Errors
+    /// A buffer that does not live on `ctx`'s session
+    /// ([`Error::WrongHome`]); by default, [`Error::InvalidArgument`]: the
+    /// argument type does not say how it travels.
+    fn remote(&self, _ctx: &RemoteContext) -> Result<RemoteArg> {
+        Err(Error::InvalidArgument(format!(
+            "a kernel argument of type `{}` cannot be passed to a remote GPU",
+            self.spec().2
+        )))
+    }
 }
 
 macro_rules! scalar_arg {
@@ -53,6 +69,9 @@ macro_rules! scalar_arg {
             }
             fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
                 args.arg(&*self);
+            }
+            fn remote(&self, _ctx: &RemoteContext) -> Result<RemoteArg> {
+                Ok(RemoteArg::Bytes(self.to_le_bytes().to_vec()))
             }
         }
     )*};
@@ -69,13 +88,16 @@ impl<T: DeviceRepr + Send> KernelArg for DeviceBuffer<T> {
         (PTR.0, PTR.1, "DeviceBuffer<T>")
     }
     fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
-        args.arg(self.as_cuda_slice_mut());
+        args.arg(self.expect_local_mut().as_cuda_slice_mut());
     }
     fn before(&self, stream: &CudaStream) -> Result<()> {
-        self.before_write(stream)
+        self.local_on(stream)?.before_write(stream)
     }
     fn after(&self, stream: &CudaStream) -> Result<()> {
-        self.after_write(stream)
+        self.expect_local().after_write(stream)
+    }
+    fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
+        buffer_arg(self, ctx)
     }
 }
 
@@ -84,13 +106,16 @@ impl<T: DeviceRepr + Sync> KernelArg for &DeviceBuffer<T> {
         (PTR.0, PTR.1, "&DeviceBuffer<T>")
     }
     fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
-        args.arg(self.as_cuda_slice());
+        args.arg(self.expect_local().as_cuda_slice());
     }
     fn before(&self, stream: &CudaStream) -> Result<()> {
-        self.before_read(stream)
+        self.local_on(stream)?.before_read(stream)
     }
     fn after(&self, stream: &CudaStream) -> Result<()> {
-        self.after_read(stream)
+        self.expect_local().after_read(stream)
+    }
+    fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
+        buffer_arg(self, ctx)
     }
 }
 
@@ -99,13 +124,16 @@ impl<T: DeviceRepr + Send> KernelArg for &mut DeviceBuffer<T> {
         (PTR.0, PTR.1, "&mut DeviceBuffer<T>")
     }
     fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
-        args.arg((**self).as_cuda_slice_mut());
+        args.arg((**self).expect_local_mut().as_cuda_slice_mut());
     }
     fn before(&self, stream: &CudaStream) -> Result<()> {
-        self.before_write(stream)
+        self.local_on(stream)?.before_write(stream)
     }
     fn after(&self, stream: &CudaStream) -> Result<()> {
-        self.after_write(stream)
+        self.expect_local().after_write(stream)
+    }
+    fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
+        buffer_arg(self, ctx)
     }
 }
 
@@ -114,14 +142,24 @@ impl<T: DeviceRepr + Send + Sync> KernelArg for Arc<DeviceBuffer<T>> {
         (PTR.0, PTR.1, "Arc<DeviceBuffer<T>>")
     }
     fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
-        args.arg((**self).as_cuda_slice());
+        args.arg((**self).expect_local().as_cuda_slice());
     }
     fn before(&self, stream: &CudaStream) -> Result<()> {
-        self.before_read(stream)
+        self.local_on(stream)?.before_read(stream)
     }
     fn after(&self, stream: &CudaStream) -> Result<()> {
-        self.after_read(stream)
+        self.expect_local().after_read(stream)
     }
+    fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
+        buffer_arg(self, ctx)
+    }
+}
+
+fn buffer_arg<T>(b: &DeviceBuffer<T>, ctx: &RemoteContext) -> Result<RemoteArg> {
+    Ok(RemoteArg::Buffer {
+        id: ctx.id_of(b)?,
+        offset: 0,
+    })
 }
 
 /// A tuple of [`KernelArg`]s (0 to 12 of them).
@@ -147,6 +185,17 @@ pub trait KernelArgs: Send {
     /// # Errors
     /// The first argument's error.
     fn after_all(&self, stream: &CudaStream) -> Result<()>;
+
+    /// [`KernelArg::remote`] for every argument, in order.
+    ///
+    /// # Errors
+    /// The first argument's error; by default, [`Error::InvalidArgument`]
+    /// (an argument list that does not say how it travels).
+    fn remote_all(&self, _ctx: &RemoteContext) -> Result<Vec<RemoteArg>> {
+        Err(Error::InvalidArgument(
+            "these kernel arguments cannot be passed to a remote GPU".into(),
+        ))
+    }
 }
 
 macro_rules! kernel_args {
@@ -169,6 +218,10 @@ macro_rules! kernel_args {
                 let mut first = Ok(());
                 $( if let Err(e) = self.$idx.after(stream) { if first.is_ok() { first = Err(e); } } )*
                 first
+            }
+            #[allow(unused_variables)]
+            fn remote_all(&self, ctx: &RemoteContext) -> Result<Vec<RemoteArg>> {
+                Ok(vec![$(self.$idx.remote(ctx)?),*])
             }
         }
     };
@@ -220,7 +273,9 @@ enum DynSlot<'a> {
     Bytes { words: Box<[u64]>, len: usize },
     Buffer {
         buffer: &'a DeviceBuffer<u8>,
-        view: CudaView<'a, u8>,
+        offset: usize,
+        /// The local address (`None` for a remote buffer).
+        view: Option<CudaView<'a, u8>>,
     },
 }
 
@@ -285,14 +340,22 @@ impl<'a> DynArgs<'a> {
                     })
                 }
                 DynArg::Buffer { buffer, offset } => {
-                    let view = buffer.as_cuda_slice().try_slice(offset..).ok_or_else(|| {
-                        Error::InvalidArgument(format!(
+                    if offset > buffer.len() {
+                        return Err(Error::InvalidArgument(format!(
                             "kernel argument {i}: offset {offset} is past the end of a buffer of \
                              {} bytes",
                             buffer.len()
-                        ))
-                    })?;
-                    Ok(DynSlot::Buffer { buffer, view })
+                        )));
+                    }
+                    let view = match buffer.local() {
+                        Ok(b) => b.as_cuda_slice().try_slice(offset..),
+                        Err(_) => None,
+                    };
+                    Ok(DynSlot::Buffer {
+                        buffer,
+                        offset,
+                        view,
+                    })
                 }
             })
             .collect::<Result<_>>()?;
@@ -334,24 +397,43 @@ impl KernelArgs for DynArgs<'_> {
                     args.arg(&words[0]);
                 }
                 DynSlot::Buffer { view, .. } => {
-                    args.arg(view);
+                    args.arg(
+                        view.as_ref()
+                            .expect("a local buffer (checked by before_all)"),
+                    );
                 }
             }
         }
     }
     fn before_all(&self, stream: &CudaStream) -> Result<()> {
-        self.buffers().try_for_each(|b| b.before_write(stream))
+        self.buffers()
+            .try_for_each(|b| b.local_on(stream)?.before_write(stream))
     }
     fn after_all(&self, stream: &CudaStream) -> Result<()> {
         let mut first = Ok(());
         for b in self.buffers() {
-            if let Err(e) = b.after_write(stream) {
+            if let Err(e) = b.expect_local().after_write(stream) {
                 if first.is_ok() {
                     first = Err(e);
                 }
             }
         }
         first
+    }
+    fn remote_all(&self, ctx: &RemoteContext) -> Result<Vec<RemoteArg>> {
+        self.slots
+            .iter()
+            .map(|s| match s {
+                DynSlot::Bytes { words, len } => {
+                    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+                    Ok(RemoteArg::Bytes(bytes[..*len].to_vec()))
+                }
+                DynSlot::Buffer { buffer, offset, .. } => Ok(RemoteArg::Buffer {
+                    id: ctx.id_of(buffer)?,
+                    offset: *offset as u64,
+                }),
+            })
+            .collect()
     }
 }
 
@@ -451,10 +533,24 @@ impl<A: KernelArgs> DeviceOp for Launch<A> {
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<A> {
         check_config(&self.config)?;
+        if let Some(r) = ctx.as_remote() {
+            // Checked here when the parameter list is known (PTX); the node
+            // checks again against what it compiled.
+            self.args.check(&self.kernel)?;
+            let args = self.args.remote_all(r)?;
+            let stream = r.stream();
+            r.recording().push(RemoteCommand::Launch {
+                stream,
+                kernel: self.kernel,
+                config: self.config,
+                args,
+            });
+            return Ok(self.args);
+        }
         // Resolved for the context's device: compiled or loaded there on
         // first use (process-wide cache), two atomic loads afterwards. Its
         // module stays loaded for the life of the process.
-        let func = self.kernel.function_on(ctx.device())?;
+        let func = self.kernel.function_on(ctx.device()?)?;
         self.args.check(&self.kernel)?;
         let stream = ctx.cuda_stream()?.clone();
         self.args.before_all(&stream)?;

@@ -46,6 +46,7 @@ mod book {
     #[doc = include_str!("../../book/src/async.md")]
     struct Async;
 }
+mod buffer;
 mod completion;
 mod context;
 mod exec;
@@ -60,12 +61,13 @@ pub mod remote;
 mod sync;
 mod waker;
 
+pub use buffer::DeviceBuffer;
 pub use combinators::{join_all, value, with_context, zip_all, BoxedOp, Shared};
 pub use context::ExecutionContext;
 pub use cuda_core::{
     cudarc, device_count, devices, driver_present, nvrtc_compilations, CudaStream, Device,
-    DeviceBuffer, DeviceInfo, DeviceRepr, Error, Kernel, LaunchConfig, Module, ModuleSource,
-    PinnedBuffer, Result, ValidAsZeroBits,
+    DeviceInfo, DeviceRepr, Error, Kernel, LaunchConfig, Module, ModuleSource, PinnedBuffer,
+    Result, ValidAsZeroBits,
 };
 pub use future::{run_on, DeviceFuture};
 pub use launch::{launch, DynArg, DynArgs, KernelArg, KernelArgs};
@@ -76,7 +78,7 @@ pub use policy::{
     StreamPoolRoundRobin,
 };
 pub use reactor::CompletionMode;
-pub use remote::{HostBuffer, RemoteSession};
+pub use remote::{HostBuffer, RemotePolicy, RemoteSession};
 
 /// Everything needed to build and run ops: `use cuda_async::prelude::*;`.
 pub mod prelude {
@@ -85,4 +87,5 @@ pub mod prelude {
     pub use crate::memory::{copy_d2h, copy_h2d, d2d, d2h, h2d, memset, zeros};
     pub use crate::op::{DeviceOp, DeviceOpExt};
     pub use crate::policy::{SchedulingPolicy, SingleStream, StreamPoolRoundRobin};
+    pub use crate::remote::RemotePolicy;
 }

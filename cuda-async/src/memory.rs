@@ -10,14 +10,22 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cuda_core::cudarc::driver::{result, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
-use cuda_core::{AnyBitPattern, DeviceBuffer, Error, PinnedBuffer, Result};
+use cuda_core::{AnyBitPattern, Error, PinnedBuffer, Result};
 
+use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
 use crate::op::{impl_into_future, DeviceOp};
-use crate::remote::HostBuffer;
+use crate::remote::{HostBuffer, RemoteCommand};
+
+/// The bytes of `v` (what a copy to the device transfers).
+pub(crate) fn as_bytes<T: DeviceRepr>(v: &[T]) -> &[u8] {
+    // SAFETY: `DeviceRepr` types are plain data copied to the device byte
+    // for byte; the slice covers exactly `v`'s memory, borrowed as long.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
 
 fn bind(ctx: &ExecutionContext) -> Result<()> {
-    ctx.device()
+    ctx.device()?
         .context()
         .bind_to_thread()
         .map_err(|e| Error::driver("cuCtxSetCurrent", e))
@@ -70,7 +78,10 @@ impl<T: DeviceRepr + ValidAsZeroBits + Send> DeviceOp for Zeros<T> {
     type Output = DeviceBuffer<T>;
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
-        DeviceBuffer::zeros(ctx.cuda_stream()?, self.len)
+        if let Some(r) = ctx.as_remote() {
+            return r.alloc(self.len);
+        }
+        DeviceBuffer::zeros_local(ctx.cuda_stream()?, self.len)
     }
 }
 impl_into_future!(impl[T: DeviceRepr + ValidAsZeroBits + Send] for Zeros<T>);
@@ -141,15 +152,24 @@ impl<T: DeviceRepr + Copy + Send, S: HostSource<T>> DeviceOp for H2D<T, S> {
     type Output = DeviceBuffer<T>;
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
-        let stream = ctx.cuda_stream()?;
         let src = self.src.host_slice();
+        if let Some(r) = ctx.as_remote() {
+            // The bytes travel in the submission's message.
+            let dst = r.alloc::<T>(src.len())?;
+            let (stream, id) = (r.stream(), r.id_of(&dst)?);
+            if !src.is_empty() {
+                r.recording().write(stream, id, 0, as_bytes(src));
+            }
+            return Ok(dst);
+        }
+        let stream = ctx.cuda_stream()?;
         // SAFETY: every element is written by the copy enqueued next, before
         // any later work on the buffer (its recorded write orders them).
-        let mut dst = unsafe { DeviceBuffer::<T>::uninit(stream, src.len()) }?;
+        let mut dst = unsafe { cuda_core::DeviceBuffer::<T>::uninit(stream, src.len()) }?;
         // Through pinned staging: never blocks on the stream, and `src`
         // (even a borrowed slice of pinned memory) is free once this returns.
         cuda_core::staging::upload(src, &mut dst, stream)?;
-        Ok(dst)
+        Ok(dst.into())
     }
 }
 impl_into_future!(impl[T: DeviceRepr + Copy + Send, S: HostSource<T>] for H2D<T, S>);
@@ -198,9 +218,15 @@ where
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<HostBuffer<T>> {
         let src = self.src.borrow();
+        if let Some(r) = ctx.as_remote() {
+            // Received straight into the result's storage from the reply.
+            let (stream, id) = (r.stream(), r.id_of(src)?);
+            let slot = r.recording().read(stream, id, 0, src.num_bytes() as u64);
+            return HostBuffer::remote(slot);
+        }
         // SAFETY: the copy enqueued next overwrites every element, and host
         // access to the buffer waits for that copy (its recorded use).
-        let mut dst = unsafe { PinnedBuffer::uninit(ctx.device(), src.len()) }?;
+        let mut dst = unsafe { PinnedBuffer::uninit(ctx.device()?, src.len()) }?;
         enqueue_d2h(ctx, src, &mut dst)?;
         Ok(dst.into())
     }
@@ -216,7 +242,8 @@ fn enqueue_d2h<T: AnyBitPattern>(
     if src.is_empty() {
         return Ok(());
     }
-    dst.download_from(src, 0, ctx.cuda_stream()?)
+    let stream = ctx.cuda_stream()?;
+    dst.download_from(src.local_on(stream)?, 0, stream)
 }
 
 /// Op for [`copy_d2h`].
@@ -250,6 +277,18 @@ impl<T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send> DeviceOp for CopyD2H<T
     type Output = (B, PinnedBuffer<T>);
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<Self::Output> {
+        if let Some(r) = ctx.as_remote() {
+            let src = self.src.borrow();
+            same_len("device-to-host copy", src.len(), self.dst.len())?;
+            let (stream, id) = (r.stream(), r.id_of(src)?);
+            let slot = r.recording().read(stream, id, 0, src.num_bytes() as u64);
+            // Waits for earlier local copies of the pinned buffer; it is then
+            // the op's own until the output is handed out, after the reply.
+            let dst = self.dst.as_mut_slice()?;
+            let into = crate::remote::HostPtr(dst.as_mut_ptr().cast::<u8>(), slot.len());
+            r.on_reply(move || into.fill_from(&slot));
+            return Ok((self.src, self.dst));
+        }
         enqueue_d2h(ctx, self.src.borrow(), &mut self.dst)?;
         Ok((self.src, self.dst))
     }
@@ -286,15 +325,24 @@ impl<T: DeviceRepr + Send> DeviceOp for CopyH2D<T> {
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<Self::Output> {
         same_len("host-to-device copy", self.src.len(), self.dst.len())?;
+        if let Some(r) = ctx.as_remote() {
+            let (stream, id) = (r.stream(), r.id_of(&self.dst)?);
+            if !self.src.is_empty() {
+                r.recording()
+                    .write(stream, id, 0, as_bytes(self.src.as_slice()?));
+            }
+            return Ok((self.src, self.dst));
+        }
         if !self.src.is_empty() {
             let stream = ctx.cuda_stream()?;
             bind(ctx)?;
-            self.dst.before_write(stream)?;
+            let dst = self.dst.local_mut_on(stream)?;
+            dst.before_write(stream)?;
             // SAFETY: the copy reads `len` elements on `stream`; `record_use`
             // follows.
             let host = unsafe { self.src.begin_use(stream) }?;
             {
-                let (dptr, _write) = self.dst.as_cuda_slice_mut().device_ptr_mut(stream);
+                let (dptr, _write) = dst.as_cuda_slice_mut().device_ptr_mut(stream);
                 // SAFETY: `host` holds `len` initialised pinned elements that
                 // host code cannot mutate until the recorded use completes.
                 let src = unsafe { std::slice::from_raw_parts(host as *const T, self.src.len()) };
@@ -302,7 +350,7 @@ impl<T: DeviceRepr + Send> DeviceOp for CopyH2D<T> {
                 unsafe { result::memcpy_htod_async(dptr, src, stream.cu_stream()) }
                     .map_err(|e| Error::driver("cuMemcpyHtoDAsync", e))?;
             }
-            let written = self.dst.after_write(stream);
+            let written = dst.after_write(stream);
             self.src.record_use(stream)?;
             written?;
         }
@@ -346,10 +394,25 @@ impl<T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send> DeviceOp for D2D<T
     type Output = DeviceBuffer<T>;
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
-        let stream = ctx.cuda_stream()?;
         let src = self.src.borrow();
+        if let Some(r) = ctx.as_remote() {
+            let (stream, sid) = (r.stream(), r.id_of(src)?);
+            let dst = r.alloc::<T>(src.len())?;
+            if !src.is_empty() {
+                let did = r.id_of(&dst)?;
+                r.recording().push(RemoteCommand::Copy {
+                    stream,
+                    src: (sid, 0),
+                    dst: (did, 0),
+                    len: src.num_bytes() as u64,
+                });
+            }
+            return Ok(dst);
+        }
+        let stream = ctx.cuda_stream()?;
+        let src = src.local_on(stream)?;
         // SAFETY: fully written by the copy enqueued next.
-        let mut dst = unsafe { DeviceBuffer::<T>::uninit(stream, src.len()) }?;
+        let mut dst = unsafe { cuda_core::DeviceBuffer::<T>::uninit(stream, src.len()) }?;
         if !src.is_empty() {
             src.before_read(stream)?;
             stream
@@ -359,7 +422,7 @@ impl<T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send> DeviceOp for D2D<T
             dst.after_write(stream)?;
             read?;
         }
-        Ok(dst)
+        Ok(dst.into())
     }
 }
 impl_into_future!(impl[T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send] for D2D<T, B>);
@@ -399,18 +462,32 @@ impl<T: AnyBitPattern> DeviceOp for Memset<T> {
     type Output = DeviceBuffer<T>;
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
+        let bytes = self.buf.num_bytes();
+        if let Some(r) = ctx.as_remote() {
+            let (stream, id) = (r.stream(), r.id_of(&self.buf)?);
+            if bytes > 0 {
+                r.recording().push(RemoteCommand::Fill {
+                    stream,
+                    id,
+                    offset: 0,
+                    len: bytes as u64,
+                    value: self.byte,
+                });
+            }
+            return Ok(self.buf);
+        }
         let stream = ctx.cuda_stream()?;
         bind(ctx)?;
-        let bytes = self.buf.num_bytes();
         if bytes > 0 {
-            self.buf.before_write(stream)?;
+            let buf = self.buf.local_mut_on(stream)?;
+            buf.before_write(stream)?;
             {
-                let (dptr, _write) = self.buf.as_cuda_slice_mut().device_ptr_mut(stream);
+                let (dptr, _write) = buf.as_cuda_slice_mut().device_ptr_mut(stream);
                 // SAFETY: `dptr` addresses `bytes` bytes of a live allocation.
                 unsafe { result::memset_d8_async(dptr, self.byte, bytes, stream.cu_stream()) }
                     .map_err(|e| Error::driver("cuMemsetD8Async", e))?;
             }
-            self.buf.after_write(stream)?;
+            buf.after_write(stream)?;
         }
         Ok(self.buf)
     }

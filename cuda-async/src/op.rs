@@ -182,6 +182,28 @@ pub trait DeviceOpExt: DeviceOp {
         crate::exec::run_blocking(self, ctx)
     }
 
+    /// Runs the op on a context `policy` picks and blocks the calling
+    /// thread until it is done: a local GPU's policy or a remote session's
+    /// ([`RemotePolicy`](crate::RemotePolicy)), with no async runtime
+    /// needed for either. Inside an async runtime use
+    /// `.schedule(&policy)?.await`.
+    ///
+    /// # Errors
+    /// Whatever the policy fails with; any error of the op.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_async::prelude::*;
+    /// let local = StreamPoolRoundRobin::default_for(&cuda_async::Device::new(0)?)?;
+    /// let v = h2d(vec![1u32, 2]).then(d2h).sync_with(&local)?.to_vec()?;
+    /// assert_eq!(v, vec![1, 2]);
+    /// # Ok::<(), cuda_async::Error>(())
+    /// ```
+    fn sync_with<P: SchedulingPolicy + ?Sized>(self, policy: &P) -> Result<Self::Output> {
+        crate::exec::run_blocking(self, policy.select()?)
+    }
+
     /// Enqueues the op on `stream` and returns at once, without waiting.
     /// Values the op retains are released on a background thread after the
     /// stream passes the work.

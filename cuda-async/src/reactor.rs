@@ -50,6 +50,10 @@ pub enum CompletionMode {
     /// executor-thread time for latency on short ops; never spins behind a
     /// queue).
     ReactorInlineSpin(Duration),
+    /// A remote session's reply completes the future (the mode of every
+    /// remote context; not a choice of local policies, which treat it as
+    /// `HostCallback`).
+    Reply,
 }
 
 impl CompletionMode {
@@ -102,7 +106,7 @@ impl CompletionMode {
     }
 
     pub(crate) fn uses_reactor(self) -> bool {
-        !matches!(self, CompletionMode::HostCallback)
+        !matches!(self, CompletionMode::HostCallback | CompletionMode::Reply)
     }
 }
 

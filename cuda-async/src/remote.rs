@@ -15,17 +15,35 @@
 //! QUIC, TLS or async-runtime dependency. `cuda-lease` implements
 //! [`RemoteSession`] for a leased GPU.
 //!
-//! This module is the seam alone: the ops of this crate record onto it from
-//! the remote backend's next stage on (see `ARCHITECTURE.md`).
+//! Every op of this crate records onto a remote context
+//! ([`ExecutionContext::as_remote`]); [`RemotePolicy`] hands out such
+//! contexts, round-robin over k streams of a session:
+//!
+//! ```no_run
+//! # fn f(session: std::sync::Arc<dyn cuda_async::RemoteSession>) -> cuda_async::Result<()> {
+//! use cuda_async::prelude::*;
+//! use cuda_async::remote::RemotePolicy;
+//! let remote = RemotePolicy::new(&session);
+//! // blocking, no async runtime needed:
+//! let y = h2d(vec![1.0f32; 4]).then(d2h).sync_with(&remote)?;
+//! assert_eq!(y.to_vec()?, vec![1.0; 4]);
+//! // or, in an async fn: h2d(..).then(d2h).schedule(&remote)?.await?
+//! # Ok(()) }
+//! ```
 
+use std::cell::RefCell;
 use std::fmt;
 use std::marker::PhantomData;
 use std::mem::{align_of, size_of};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cuda_core::{AnyBitPattern, Error, Kernel, LaunchConfig, PinnedBuffer, Result};
 
+use crate::buffer::DeviceBuffer;
 use crate::completion::Completion;
+use crate::context::ExecutionContext;
+use crate::policy::SchedulingPolicy;
 
 /// A client-named stream of a remote session.
 pub type RemoteStream = u32;
@@ -529,6 +547,351 @@ impl<T: AnyBitPattern> HostBuffer<T> {
     /// True when the data came from a remote reply.
     pub fn is_remote(&self) -> bool {
         matches!(self.inner, HostInner::Remote { .. })
+    }
+}
+
+impl Recording {
+    /// Appends `other`'s commands, data and read slots after this one's.
+    pub fn append(&mut self, other: Recording) {
+        self.commands.extend(other.commands);
+        self.data.extend_from_slice(&other.data);
+        self.reads.extend(other.reads);
+    }
+}
+
+/// A stream of a remote session being recorded onto: what an op sees
+/// through [`ExecutionContext::as_remote`].
+///
+/// The ops of this crate record through it; a hand-written op can too:
+///
+/// ```
+/// use cuda_async::remote::{RemoteCommand, RemoteContext};
+/// use cuda_async::{DeviceBuffer, Result};
+/// // A remote "fill with 0xff" of a buffer, as `memset` records it.
+/// fn record_ones(r: &mut RemoteContext, buf: &DeviceBuffer<u8>) -> Result<()> {
+///     let id = r.id_of(buf)?;
+///     let stream = r.stream();
+///     r.recording().push(RemoteCommand::Fill { stream, id, offset: 0, len: buf.len() as u64, value: 0xff });
+///     Ok(())
+/// }
+/// ```
+pub struct RemoteContext {
+    session: Arc<dyn RemoteSession>,
+    stream: RemoteStream,
+    recording: Recording,
+    on_reply: OnReply,
+}
+
+/// Host-side steps run once a submission's reply has arrived, before its
+/// output is handed out (e.g. copying a read into a caller's pinned
+/// buffer).
+#[derive(Default)]
+pub(crate) struct OnReply(Vec<Box<dyn FnOnce() + Send>>);
+
+impl OnReply {
+    pub(crate) fn run(self) {
+        for f in self.0 {
+            f();
+        }
+    }
+}
+
+/// Where a remote read is copied on reply: `len` bytes of host memory that
+/// the submission's output owns and nothing else touches until the output
+/// is handed out (which happens after the copy).
+pub(crate) struct HostPtr(pub(crate) *mut u8, pub(crate) usize);
+
+// SAFETY: the memory is owned by the submission's output, which nothing
+// accesses until the reply steps have run; the pointer only moves to the
+// thread that runs them.
+unsafe impl Send for HostPtr {}
+
+impl HostPtr {
+    pub(crate) fn fill_from(self, slot: &ReadSlot) {
+        if let Some(bytes) = slot.bytes() {
+            let n = bytes.len().min(self.1);
+            // SAFETY: `self.0` addresses `self.1` writable bytes (see the
+            // type's contract); `bytes` is another allocation.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.0, n) };
+        }
+    }
+}
+
+impl fmt::Debug for RemoteContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteContext")
+            .field("session", &self.session.describe())
+            .field("stream", &self.stream)
+            .field("commands", &self.recording.commands.len())
+            .finish()
+    }
+}
+
+impl RemoteContext {
+    pub(crate) fn new(session: Arc<dyn RemoteSession>, stream: RemoteStream) -> Self {
+        RemoteContext {
+            session,
+            stream,
+            recording: Recording::new(),
+            on_reply: OnReply::default(),
+        }
+    }
+
+    /// Runs `f` on the host once the reply has arrived, before the output
+    /// is handed out.
+    pub(crate) fn on_reply(&mut self, f: impl FnOnce() + Send + 'static) {
+        self.on_reply.0.push(Box::new(f));
+    }
+
+    /// The session.
+    pub fn session(&self) -> &Arc<dyn RemoteSession> {
+        &self.session
+    }
+
+    /// The session's stream commands are recorded on.
+    pub fn stream(&self) -> RemoteStream {
+        self.stream
+    }
+
+    /// The submission's recording so far.
+    pub fn recording(&mut self) -> &mut Recording {
+        &mut self.recording
+    }
+
+    /// `stream N of <session>`.
+    pub fn describe(&self) -> String {
+        format!("stream {} of {}", self.stream, self.session.describe())
+    }
+
+    /// The id of `buf` on this session.
+    ///
+    /// # Errors
+    /// [`Error::WrongHome`] for a local buffer or one of another session,
+    /// naming both homes.
+    pub fn id_of<T>(&self, buf: &DeviceBuffer<T>) -> Result<u64> {
+        buf.remote_id(&self.session)
+    }
+
+    /// Records the allocation of `len` zeroed elements and returns the
+    /// buffer (its free is queued when it is dropped).
+    pub fn alloc<T>(&mut self, len: usize) -> Result<DeviceBuffer<T>> {
+        let bytes = len.checked_mul(size_of::<T>()).ok_or_else(|| {
+            Error::InvalidArgument(format!("{len} elements overflow a buffer size"))
+        })?;
+        let id = self.session.fresh_id();
+        self.recording.push(RemoteCommand::Alloc {
+            stream: self.stream,
+            id,
+            bytes: bytes as u64,
+        });
+        Ok(DeviceBuffer::remote(self.session.clone(), id, len))
+    }
+
+    pub(crate) fn fork(&self) -> Self {
+        Self::new(self.session.clone(), self.stream)
+    }
+
+    pub(crate) fn absorb(&mut self, arm: RemoteContext) {
+        self.recording.append(arm.recording);
+        self.on_reply.0.extend(arm.on_reply.0);
+    }
+
+    pub(crate) fn take_recording(&mut self) -> Recording {
+        std::mem::take(&mut self.recording)
+    }
+}
+
+/// Frees of remote buffers dropped while a submission of their session is
+/// being recorded on this thread: they join the end of that submission,
+/// after every use it records, instead of racing it to the node.
+struct Frame {
+    session: *const (),
+    frees: Vec<u64>,
+}
+
+thread_local! {
+    static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
+}
+
+fn session_addr(s: &Arc<dyn RemoteSession>) -> *const () {
+    Arc::as_ptr(s).cast::<()>()
+}
+
+/// Frees remote buffer `id` of `session` after every use recorded so far.
+pub(crate) fn free_remote(session: &Arc<dyn RemoteSession>, id: u64) {
+    let addr = session_addr(session);
+    let taken = FRAMES
+        .try_with(|f| {
+            let mut frames = f.borrow_mut();
+            match frames.iter_mut().rev().find(|fr| fr.session == addr) {
+                Some(fr) => {
+                    fr.frees.push(id);
+                    true
+                }
+                None => false,
+            }
+        })
+        .unwrap_or(false);
+    if !taken {
+        session.free(id);
+    }
+}
+
+/// While alive, frees of `session`'s buffers dropped on this thread are
+/// collected for the submission being recorded.
+pub(crate) struct RecordingFrame {
+    session: Arc<dyn RemoteSession>,
+    depth: usize,
+}
+
+impl RecordingFrame {
+    pub(crate) fn push(session: &Arc<dyn RemoteSession>) -> Self {
+        let depth = FRAMES.with(|f| {
+            let mut frames = f.borrow_mut();
+            frames.push(Frame {
+                session: session_addr(session),
+                frees: Vec::new(),
+            });
+            frames.len()
+        });
+        RecordingFrame {
+            session: session.clone(),
+            depth,
+        }
+    }
+
+    /// Ends the frame: its frees are recorded at the end of `ctx`.
+    pub(crate) fn finish(self, ctx: &mut RemoteContext) {
+        for id in self.pop() {
+            ctx.recording.push(RemoteCommand::Free {
+                stream: ctx.stream,
+                id,
+            });
+        }
+        std::mem::forget(self);
+    }
+
+    fn pop(&self) -> Vec<u64> {
+        FRAMES
+            .try_with(|f| {
+                let mut frames = f.borrow_mut();
+                if frames.len() >= self.depth {
+                    frames.remove(self.depth - 1).frees
+                } else {
+                    Vec::new()
+                }
+            })
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for RecordingFrame {
+    fn drop(&mut self) {
+        // Not finished (a panic): the frees go out through the session.
+        for id in self.pop() {
+            self.session.free(id);
+        }
+    }
+}
+
+/// Something that provides a remote session (a lease, or the session
+/// itself): what [`RemotePolicy::new`] takes.
+pub trait AsRemoteSession {
+    /// The session.
+    fn remote_session(&self) -> Arc<dyn RemoteSession>;
+}
+
+impl<S: RemoteSession + 'static> AsRemoteSession for Arc<S> {
+    fn remote_session(&self) -> Arc<dyn RemoteSession> {
+        self.clone()
+    }
+}
+
+impl AsRemoteSession for Arc<dyn RemoteSession> {
+    fn remote_session(&self) -> Arc<dyn RemoteSession> {
+        self.clone()
+    }
+}
+
+/// The default number of streams a [`RemotePolicy`] spreads submissions
+/// over.
+pub const DEFAULT_REMOTE_STREAMS: u32 = 4;
+
+/// Submissions on a remote session's GPU, round-robin over k of its
+/// streams (4 by default).
+///
+/// The same op runs locally or remotely; only the policy changes:
+///
+/// | | local GPU | remote session |
+/// |---|---|---|
+/// | policy | [`StreamPoolRoundRobin`](crate::StreamPoolRoundRobin) | `RemotePolicy::new(&lease)` |
+/// | async | `op.schedule(&local)?.await` | `op.schedule(&remote)?.await` |
+/// | blocking, no runtime | `op.sync_with(&local)` (or `op.sync()`) | `op.sync_with(&remote)` |
+/// | one call | [`run_on(op, &local).await`](crate::run_on) | `run_on(op, &remote).await` |
+///
+/// A submission (everything one executor call runs) is recorded without
+/// waiting for anything and sent as one message when its future is first
+/// polled (or the blocking call is made); the node's reply completes it.
+/// Submissions run on the remote GPU in the order they are sent; buffers
+/// carry their ordering across streams on the node as they do locally.
+#[derive(Debug)]
+pub struct RemotePolicy {
+    session: Arc<dyn RemoteSession>,
+    streams: u32,
+    next: AtomicUsize,
+}
+
+impl RemotePolicy {
+    /// A policy over [`DEFAULT_REMOTE_STREAMS`] streams of `target`'s
+    /// session.
+    pub fn new(target: &impl AsRemoteSession) -> Self {
+        RemotePolicy {
+            session: target.remote_session(),
+            streams: DEFAULT_REMOTE_STREAMS,
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// The same session over `k` streams (at least 1; a node allows at most
+    /// 8 per lease by default).
+    pub fn with_streams(mut self, k: u32) -> Self {
+        self.streams = k.max(1);
+        self
+    }
+
+    /// The session.
+    pub fn session(&self) -> &Arc<dyn RemoteSession> {
+        &self.session
+    }
+}
+
+impl SchedulingPolicy for RemotePolicy {
+    fn select(&self) -> Result<ExecutionContext> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.streams as usize;
+        Ok(ExecutionContext::new_remote(RemoteContext::new(
+            self.session.clone(),
+            i as RemoteStream,
+        )))
+    }
+}
+
+/// Sends what `ctx` recorded, returning its completion and the steps to run
+/// on reply. An empty recording is complete at once (no message): `None`.
+pub(crate) fn send(ctx: &mut ExecutionContext) -> Option<(RemoteCompletion, OnReply)> {
+    let remote = ctx.as_remote()?;
+    let recording = remote.take_recording();
+    let on_reply = std::mem::take(&mut remote.on_reply);
+    if recording.is_empty() {
+        return None;
+    }
+    let done = RemoteCompletion::new();
+    remote.session.submit(recording, done.clone());
+    Some((done, on_reply))
+}
+
+impl RemoteCompletion {
+    pub(crate) fn completion(&self) -> &Arc<Completion> {
+        &self.0
     }
 }
 

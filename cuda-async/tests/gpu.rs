@@ -391,8 +391,9 @@ fn shared_runs_once_and_consumers_on_other_streams_see_its_result() {
 #[ignore = "needs an NVIDIA GPU"]
 fn value_with_context_and_boxed_compose() {
     assert_eq!(value(20).map(|x| x * 2 + 2).sync().unwrap(), 42);
-    let ord = with_context(|ctx| value(ctx.device().ordinal()))
+    let ord = with_context(|ctx| value(ctx.device().map(|d| d.ordinal())))
         .sync()
+        .unwrap()
         .unwrap();
     assert_eq!(ord, 0);
     let ops: Vec<BoxedOp<'static, u32>> = (0..5u32)

@@ -1016,6 +1016,15 @@ mod cuda {
             Ok(s)
         }
 
+        /// A node's buffers are all local: the `cuda-core` buffer under one.
+        fn raw(b: &DeviceBuffer<u8>) -> &cuda_core::DeviceBuffer<u8> {
+            b.local().expect("a node's buffers are local")
+        }
+
+        fn raw_mut(b: &mut DeviceBuffer<u8>) -> &mut cuda_core::DeviceBuffer<u8> {
+            b.local_mut().expect("a node's buffers are local")
+        }
+
         fn buffer(&self, id: Id) -> Result<&DeviceBuffer<u8>, DeviceError> {
             self.buffers.get(&id).ok_or_else(|| not_found("buffer", id))
         }
@@ -1060,9 +1069,9 @@ mod cuda {
             let stream = self.stream(stream)?;
             let n = usize::try_from(size)
                 .map_err(|_| DeviceError::new(Status::CapacityExceeded, "size too large"))?;
-            let buf = DeviceBuffer::<u8>::zeros(&stream, n)
+            let buf = cuda_core::DeviceBuffer::<u8>::zeros(&stream, n)
                 .map_err(|e| map(Status::CapacityExceeded, "cuMemAllocAsync", e))?;
-            self.buffers.insert(id, buf);
+            self.buffers.insert(id, buf.into());
             Ok(())
         }
 
@@ -1093,7 +1102,7 @@ mod cuda {
             let r = range(buf.len(), offset, data.len() as u64)?;
             // Staged through pooled pinned memory: a host memcpy, then an
             // asynchronous copy; `data` is free once this returns.
-            cuda_core::staging::upload_at(data, buf, r.start, &stream)
+            cuda_core::staging::upload_at(data, Self::raw_mut(buf), r.start, &stream)
                 .map_err(|e| map(Status::BadRequest, "host-to-device copy", e))
         }
 
@@ -1116,7 +1125,7 @@ mod cuda {
             // host access, which waits for it.
             let mut host = unsafe { PinnedBuffer::<u8>::uninit(&self.device, r.len()) }
                 .map_err(|e| map(st, "pinned allocation", e))?;
-            host.download_from(buf, r.start, &stream)
+            host.download_from(Self::raw(buf), r.start, &stream)
                 .map_err(|e| map(st, "device-to-host copy", e))?;
             self.reads.push((host, at));
             Ok(())
@@ -1140,6 +1149,7 @@ mod cuda {
                 return Ok(());
             }
             let st = Status::Internal;
+            let buf = Self::raw_mut(buf);
             buf.before_write(&stream).map_err(|e| map(st, "fill", e))?;
             let filled = {
                 let (ptr, _write) = buf.as_cuda_slice_mut().device_ptr_mut(&stream);
@@ -1181,9 +1191,10 @@ mod cuda {
                 .buffers
                 .remove(&dst.0)
                 .ok_or_else(|| not_found("buffer", dst.0))?;
-            let from = &self.buffers[&src.0];
+            let from = Self::raw(&self.buffers[&src.0]);
             let st = Status::Internal;
             let r = (|| {
+                let to = Self::raw_mut(&mut to);
                 from.before_read(&stream).map_err(|e| map(st, "copy", e))?;
                 to.before_write(&stream).map_err(|e| map(st, "copy", e))?;
                 let copied = stream.memcpy_dtod(

@@ -234,7 +234,11 @@ impl RemoteSession for LeaseSession {
         let bufs: Vec<_> = recording.reads().iter().map(|s| s.buffer()).collect();
         // Numbered now, in the order of these calls.
         let reply = rec.submit_into(bufs);
+        // A task dropped unrun (its runtime shut down with the lease) fails
+        // the submission instead of leaving it pending forever.
+        let done = FailOnDrop(Some(done));
         self.runtime.spawn(async move {
+            let done = done;
             let outcome = async {
                 let (reply, bufs) = reply.await?;
                 reply.ok()?;
@@ -244,10 +248,8 @@ impl RemoteSession for LeaseSession {
                 }
                 Ok::<(), Error>(())
             };
-            match outcome.await {
-                Ok(()) => done.complete(),
-                Err(e) => done.fail(to_cuda_error(e)),
-            }
+            let r = outcome.await;
+            done.finish(r.map_err(to_cuda_error));
         });
     }
 
@@ -258,6 +260,37 @@ impl RemoteSession for LeaseSession {
             .push(id);
         // Rides on the next submission, or goes alone shortly.
         self.schedule_flush();
+    }
+}
+
+/// A submission's completion, failed with `Disconnected` if dropped before
+/// it was finished.
+struct FailOnDrop(Option<RemoteCompletion>);
+
+impl FailOnDrop {
+    fn finish(mut self, r: cuda_async::Result<()>) {
+        if let Some(done) = self.0.take() {
+            match r {
+                Ok(()) => done.complete(),
+                Err(e) => done.fail(e),
+            }
+        }
+    }
+}
+
+impl Drop for FailOnDrop {
+    fn drop(&mut self) {
+        if let Some(done) = self.0.take() {
+            done.fail(cuda_async::Error::Disconnected(
+                "the session's I/O stopped (its lease was dropped) before the reply".into(),
+            ));
+        }
+    }
+}
+
+impl cuda_async::remote::AsRemoteSession for RemoteLease {
+    fn remote_session(&self) -> Arc<dyn RemoteSession> {
+        self.session.clone()
     }
 }
 

@@ -41,10 +41,13 @@ impl Fork {
         parent: &ExecutionContext,
         arm: usize,
     ) -> Result<ExecutionContext> {
-        let pstream = parent.stream();
-        let stream: Arc<CudaStream> = match parent.pool().fork_stream(pstream, arm) {
+        // Remotely (this stage), arms record in order on the parent's stream.
+        let (Some(pstream), Ok(pool)) = (parent.stream(), parent.pool()) else {
+            return Ok(parent.fork(None));
+        };
+        let stream: Arc<CudaStream> = match pool.fork_stream(pstream, arm) {
             Some(s) if s.cu_stream() != pstream.cu_stream() => s.clone(),
-            _ => return Ok(parent.fork(pstream.clone())),
+            _ => return Ok(parent.fork(None)),
         };
         if self.fork_event.is_none() {
             self.fork_event = Some(record(pstream)?);
@@ -53,7 +56,7 @@ impl Fork {
         stream
             .wait(ev)
             .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
-        Ok(parent.fork(stream))
+        Ok(parent.fork(Some(stream)))
     }
 
     /// Ends arm `child`: its retained values join the parent's, once its
@@ -61,11 +64,15 @@ impl Fork {
     /// arm's retained values are leaked (nothing can order their release
     /// after the arm's work) and [`Fork::join`] reports the error.
     pub(crate) fn end(&mut self, parent: &mut ExecutionContext, mut child: ExecutionContext) {
-        if child.stream().cu_stream() == parent.stream().cu_stream() {
+        let (Some(cs), Some(ps)) = (child.stream(), parent.stream()) else {
+            parent.absorb(child);
+            return;
+        };
+        if cs.cu_stream() == ps.cu_stream() {
             parent.absorb(child);
             return;
         }
-        match record(child.stream()) {
+        match record(cs) {
             Ok(ev) => {
                 self.joins.push(ev);
                 parent.absorb(child);
@@ -82,7 +89,10 @@ impl Fork {
     /// parent stream is not ordered after).
     pub(crate) fn join(self, parent: &mut ExecutionContext) -> Result<()> {
         for ev in &self.joins {
-            if let Err(e) = parent.stream().wait(ev) {
+            let Some(stream) = parent.stream() else {
+                break;
+            };
+            if let Err(e) = stream.wait(ev) {
                 std::mem::forget(parent.take_retained());
                 return Err(Error::driver("cuStreamWaitEvent", e));
             }

@@ -109,7 +109,7 @@ impl<I, T: Clone> SharedCell<I, T> {
 }
 
 /// The producer's output and the event recorded after its work.
-type Produced<T> = (T, Arc<CudaEvent>);
+type Produced<T> = (T, Option<Arc<CudaEvent>>);
 
 /// Op for [`DeviceOpExt::shared`](crate::DeviceOpExt::shared): cloneable,
 /// runs once.
@@ -161,15 +161,21 @@ where
             // whose executor keeps them until its stream passes the work;
             // consumers wait on the event recorded after it.
             let out = unsafe { op.execute(ctx) }?;
-            let ev = ctx
-                .stream()
-                .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                .map_err(|e| Error::driver("cuEventRecord", e))?;
-            Ok((out, Arc::new(ev)))
+            // Remotely (this stage) there is no event: the node orders every
+            // later use of the producer's buffers after it.
+            let ev = match ctx.stream() {
+                Some(stream) => Some(Arc::new(
+                    stream
+                        .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                        .map_err(|e| Error::driver("cuEventRecord", e))?,
+                )),
+                None => None,
+            };
+            Ok((out, ev))
         })?;
-        if !first {
-            ctx.stream()
-                .wait(&ev)
+        if let (false, Some(ev), Some(stream)) = (first, &ev, ctx.stream()) {
+            stream
+                .wait(ev)
                 .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
         }
         Ok(out)

@@ -22,7 +22,8 @@ impl<F> fmt::Debug for WithContext<F> {
 ///
 /// ```no_run
 /// use cuda_async::prelude::*;
-/// let ordinal = with_context(|ctx| value(ctx.device().ordinal())).sync()?;
+/// let place = with_context(|ctx| value(ctx.describe())).sync()?;
+/// assert!(place.starts_with("local GPU"));
 /// # Ok::<(), cuda_async::Error>(())
 /// ```
 pub fn with_context<B, F>(f: F) -> WithContext<F>

@@ -1,0 +1,375 @@
+//! `cuda-async` ops on a leased GPU: the same `DeviceOp` pipeline, written
+//! once, runs through a `RemotePolicy` against an embedded node with the
+//! in-memory device and its host test kernels, one message per submission.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use cuda_async::prelude::*;
+use cuda_async::{DeviceBuffer, Error, ExecutionContext, HostBuffer, Kernel, LaunchConfig, Module};
+use cuda_lease::client::Lease;
+use cuda_lease::clock::ManualClock;
+use cuda_lease::node::Node;
+use cuda_lease::remote::{LeaseSession, RemoteLease};
+
+const KERNELS: &str = r#"
+extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {}
+extern "C" __global__ void vadd(const float* a, const float* b, float* c, unsigned n) {}
+extern "C" __global__ void __fault() {}
+"#;
+
+#[derive(Clone)]
+struct Kernels {
+    axpy: Kernel,
+    vadd: Kernel,
+    fault: Kernel,
+}
+
+fn kernels() -> Kernels {
+    let m = Module::cuda(KERNELS, &[]).unwrap();
+    Kernels {
+        axpy: m.kernel("axpy").unwrap(),
+        vadd: m.kernel("vadd").unwrap(),
+        fault: m.kernel("__fault").unwrap(),
+    }
+}
+
+fn cfg(n: u32) -> LaunchConfig {
+    LaunchConfig::for_num_elems(n)
+}
+
+/// `n` pseudo-random floats (xorshift; the same on every run).
+fn random(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % 10_000) as f32 / 100.0 - 50.0
+        })
+        .collect()
+}
+
+/// The pipeline, written once for any backend: `c = x + (a*x + y)`, with
+/// uploads, a zip, two launches, a device copy, an allocation and a
+/// download.
+fn pipeline(
+    x: Vec<f32>,
+    y: Vec<f32>,
+    a: f32,
+    k: &Kernels,
+) -> impl DeviceOp<Output = HostBuffer<f32>> {
+    let n = x.len() as u32;
+    let (axpy, vadd) = (k.axpy.clone(), k.vadd.clone());
+    h2d(x)
+        .zip(h2d(y))
+        .then(move |(x, y)| {
+            let x = Arc::new(x);
+            // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
+            unsafe { launch(&axpy, cfg(n), (a, x.clone(), y, n)) }.map(move |(_, _, y, _)| (x, y))
+        })
+        .then(move |(x, y)| {
+            d2d(y)
+                .zip(zeros::<f32>(n as usize))
+                .map(move |(y2, c)| (x, y2, c))
+        })
+        // SAFETY: vadd touches a, b, c [0..n); all hold n floats.
+        .then(move |(x, y2, c)| unsafe { launch(&vadd, cfg(n), (x, Arc::new(y2), c, n)) })
+        .then(|(_, _, c, _)| d2h(c))
+}
+
+fn reference(x: &[f32], y: &[f32], a: f32) -> Vec<f32> {
+    x.iter().zip(y).map(|(x, y)| x + (a * x + y)).collect()
+}
+
+async fn lease_on(node: &Node, vram: u64) -> Lease {
+    Lease::builder()
+        .min_vram(vram)
+        .auto_renew(false)
+        .on(connect(node).await)
+        .await
+        .unwrap()
+}
+
+fn batches(node: &Node) -> (u64, u64) {
+    let t = node.metrics_text();
+    (
+        metric(&t, "gpu_batch_total").unwrap_or(0),
+        metric(&t, "gpu_batch_commands_total").unwrap_or(0),
+    )
+}
+
+#[tokio::test]
+async fn a_pipeline_written_once_runs_on_a_leased_gpu_in_one_message() {
+    let node = Node::spawn_local(memory_config(1 << 22)).await.unwrap();
+    let lease = lease_on(&node, 1 << 20).await;
+    let session = LeaseSession::current(lease.session());
+    let remote = RemotePolicy::new(&session);
+    let k = kernels();
+    for (n, seed) in [(1000usize, 7u64), (4097, 11), (1, 3)] {
+        let (x, y) = (random(n, seed), random(n, seed * 31));
+        let before = batches(&node);
+        let out = pipeline(x.clone(), y.clone(), 1.5, &k)
+            .schedule(&remote)
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(out.is_remote());
+        assert_eq!(out.to_vec().unwrap(), reference(&x, &y, 1.5), "n = {n}");
+        // Eleven ops and their frees: one message.
+        assert_eq!(batches(&node).0 - before.0, 1, "n = {n}");
+    }
+    // `run_on` is the same, as one call.
+    let (x, y) = (random(64, 5), random(64, 6));
+    let out = cuda_async::run_on(pipeline(x.clone(), y.clone(), -2.0, &k), &remote)
+        .await
+        .unwrap();
+    assert_eq!(out.to_vec().unwrap(), reference(&x, &y, -2.0));
+    // Every buffer of the pipelines was freed on the node: the ones dropped
+    // while recording within their own message, none left behind. What
+    // stays charged is the module's source, once per lease.
+    let module = KERNELS.len() as u64;
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            lease.query().await.unwrap().allocated == module
+        })
+        .await,
+        "node memory left allocated: {:?}",
+        lease.query().await.unwrap()
+    );
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_chain_of_twenty_ops_is_one_message() {
+    let node = Node::spawn_local(memory_config(1 << 22)).await.unwrap();
+    let lease = lease_on(&node, 1 << 20).await;
+    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let k = kernels();
+    let n = 512u32;
+    let x = random(n as usize, 99);
+    // h2d, zeros, 17 launches, d2h: 20 ops.
+    let mut chain = h2d(x.clone())
+        .map(Arc::new)
+        .zip(zeros::<f32>(n as usize))
+        .boxed();
+    for _ in 0..17 {
+        let axpy = k.axpy.clone();
+        chain = chain
+            // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
+            .then(move |(x, y)| unsafe { launch(&axpy, cfg(n), (0.5f32, x, y, n)) })
+            .map(|(_, x, y, _)| (x, y))
+            .boxed();
+    }
+    let chain = chain.then(|(_, y)| d2h(y));
+    let before = batches(&node);
+    let out = chain.schedule(&remote).unwrap().await.unwrap();
+    let after = batches(&node);
+    assert_eq!(after.0 - before.0, 1, "one message");
+    assert!(after.1 - before.1 >= 20, "{} commands", after.1 - before.1);
+    let want: Vec<f32> = x
+        .iter()
+        .map(|v| (0..17).fold(0.0f32, |acc, _| 0.5 * v + acc))
+        .collect();
+    assert_eq!(out.to_vec().unwrap(), want);
+    node.shutdown().await;
+}
+
+/// A hand-written op that enqueues on a local CUDA stream itself.
+struct LocalOnly;
+
+impl DeviceOp for LocalOnly {
+    type Output = ();
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> cuda_async::Result<()> {
+        ctx.cuda_stream()?;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn every_remote_failure_is_a_matchable_error() {
+    let clock = ManualClock::new();
+    let mut config = memory_config(1 << 22);
+    config.clock = Arc::new(clock.clone());
+    config.reaper_interval = Duration::from_millis(20);
+    let node = Node::spawn_local(config).await.unwrap();
+    let lease = lease_on(&node, 1 << 16).await;
+    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let k = kernels();
+
+    // Beyond the lease's reservation.
+    let e = zeros::<u8>(1 << 20)
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::CapacityExceeded(_)), "{e}");
+
+    // A module that does not compile: the node's compile log comes back.
+    let bad = Module::cuda("#error no\n__global__ void k() {}", &[])
+        .unwrap()
+        .kernel("k")
+        .unwrap();
+    // SAFETY: never runs (does not compile).
+    let e = unsafe { launch(&bad, cfg(1), ()) }
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::LoadFailed(ref log) if log.contains("NVRTC log")),
+        "{e}"
+    );
+
+    // A kernel fault on the node.
+    // SAFETY: the host double's fault kernel touches nothing.
+    let e = unsafe { launch(&k.fault, cfg(1), ()) }
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::LaunchFailed(_)), "{e}");
+
+    // An op that needs a local CUDA stream names itself and the lease.
+    let e = LocalOnly.schedule(&remote).unwrap().await.unwrap_err();
+    match &e {
+        Error::NeedsLocalStream { op, context } => {
+            assert!(op.contains("CUDA stream"), "{e}");
+            assert!(context.contains("lease"), "{e}");
+        }
+        other => panic!("{other}"),
+    }
+
+    // Expiry, on a fresh lease.
+    let short = Lease::builder()
+        .min_vram(4096)
+        .ttl(Duration::from_secs(5))
+        .auto_renew(false)
+        .on(connect(&node).await)
+        .await
+        .unwrap();
+    let expiring = RemotePolicy::new(&LeaseSession::current(short.session()));
+    clock.advance(Duration::from_secs(6));
+    let e = h2d(vec![1u32; 4])
+        .then(d2h)
+        .schedule(&expiring)
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::LeaseExpired(_)), "{e}");
+
+    // A token the node does not know.
+    let bad = cuda_lease::client::ClientConfig::pinned(node.cert_der().clone()).token("wrong");
+    let e = cuda_lease::client::Client::connect(node.addr(), &bad)
+        .await
+        .map(|_| ())
+        .map_err(cuda_lease::remote::to_cuda_error)
+        .unwrap_err();
+    assert!(matches!(e, Error::Unauthorized(_)), "{e}");
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_buffer_of_another_lease_is_an_error_naming_both() {
+    let node = Node::spawn_local(memory_config(1 << 22)).await.unwrap();
+    let (a, b) = (
+        lease_on(&node, 1 << 16).await,
+        lease_on(&node, 1 << 16).await,
+    );
+    let (sa, sb) = (
+        LeaseSession::current(a.session()),
+        LeaseSession::current(b.session()),
+    );
+    let on_a = RemotePolicy::new(&sa);
+    let on_b = RemotePolicy::new(&sb);
+    let buf: DeviceBuffer<u32> = h2d(vec![7u32; 8]).schedule(&on_a).unwrap().await.unwrap();
+    assert!(buf.is_remote());
+    assert_eq!(buf.home(), cuda_async::RemoteSession::describe(&*sa));
+    let e = d2h(&buf).schedule(&on_b).unwrap().await.unwrap_err();
+    match &e {
+        Error::WrongHome { buffer, context } => {
+            assert_eq!(buffer, &cuda_async::RemoteSession::describe(&*sa), "{e}");
+            assert!(
+                context.contains(&cuda_async::RemoteSession::describe(&*sb)),
+                "{e}"
+            );
+        }
+        other => panic!("{other}"),
+    }
+    // On its own lease it is fine.
+    let host = d2h(&buf).schedule(&on_a).unwrap().await.unwrap();
+    assert_eq!(host.to_vec().unwrap(), vec![7; 8]);
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_buffer_dropped_while_its_op_is_queued_is_freed_after_it() {
+    let node = Node::spawn_local(memory_config(1 << 22)).await.unwrap();
+    let lease = lease_on(&node, 1 << 20).await;
+    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    // The buffer is dropped while the submission is recorded (d2h takes it
+    // by value): its free joins the end of the same message, after the
+    // read, so the read sees the data and the node ends with nothing.
+    let (bytes, host) = (1usize << 16, 0xabu8);
+    let before = batches(&node);
+    let out = zeros::<u8>(bytes)
+        .then(move |b| memset(b, host))
+        .then(d2h)
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(batches(&node).0 - before.0, 1);
+    assert!(out.to_vec().unwrap().iter().all(|&v| v == host));
+    assert_eq!(lease.query().await.unwrap().allocated, 0);
+    // A buffer the caller keeps is allocated until dropped; then its free
+    // reaches the node (with the next message or a flush).
+    let kept = zeros::<u8>(bytes).schedule(&remote).unwrap().await.unwrap();
+    assert_eq!(lease.query().await.unwrap().allocated, bytes as u64);
+    drop(kept);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            lease.query().await.unwrap().allocated == 0
+        })
+        .await
+    );
+    node.shutdown().await;
+}
+
+#[test]
+fn a_plain_fn_main_runs_the_pipeline_blocking_and_sees_the_node_go() {
+    let node_rt = tokio::runtime::Runtime::new().unwrap();
+    let node = node_rt
+        .block_on(Node::spawn_local(memory_config(1 << 22)))
+        .unwrap();
+    let builder = Lease::builder()
+        .min_vram(1 << 20)
+        .config(client_config(&node));
+    let lease = RemoteLease::connect_blocking(builder, node.addr()).unwrap();
+    let remote = RemotePolicy::new(&lease).with_streams(2);
+    let k = kernels();
+    let (x, y) = (random(300, 1), random(300, 2));
+    let out = pipeline(x.clone(), y.clone(), 3.0, &k)
+        .sync_with(&remote)
+        .unwrap();
+    assert_eq!(out.to_vec().unwrap(), reference(&x, &y, 3.0));
+    // value, map, with_context and boxed record nothing: no message.
+    let before = batches(&node);
+    let v = value(20)
+        .map(|v| v * 2)
+        .then(|v| with_context(move |ctx| value((v + 2, ctx.is_remote(), ctx.describe()))))
+        .boxed()
+        .sync_with(&remote)
+        .unwrap();
+    assert_eq!((v.0, v.1), (42, true));
+    assert!(v.2.starts_with("stream "), "{}", v.2);
+    assert_eq!(batches(&node).0, before.0);
+    // The node goes away: the next submission fails, it does not hang.
+    node_rt.block_on(node.shutdown());
+    let e = h2d(vec![1u8; 4]).then(d2h).sync_with(&remote).unwrap_err();
+    assert!(matches!(e, Error::Disconnected(_)), "{e}");
+}
