@@ -186,7 +186,9 @@ pub trait DeviceOpExt: DeviceOp {
     /// thread until it is done: a local GPU's policy or a remote session's
     /// ([`RemotePolicy`](crate::RemotePolicy)), with no async runtime
     /// needed for either. Inside an async runtime use
-    /// `.schedule(&policy)?.await`.
+    /// `.schedule(&policy)?.await`: blocking a runtime thread that also
+    /// drives a remote session's I/O would wait forever (a `RemoteLease`
+    /// of `cuda-lease` owns its own I/O thread and is safe here).
     ///
     /// # Errors
     /// Whatever the policy fails with; any error of the op.

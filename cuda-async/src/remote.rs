@@ -222,8 +222,14 @@ impl Recording {
         });
     }
 
-    /// Appends a read of `len` bytes; the returned slot receives them.
+    /// Appends a read of `len` bytes; the returned slot receives them. An
+    /// empty read records nothing: its slot is filled already.
     pub fn read(&mut self, stream: RemoteStream, id: u64, offset: u64, len: u64) -> Arc<ReadSlot> {
+        if len == 0 {
+            let slot = Arc::new(ReadSlot::new(0));
+            let _ = slot.receive(|_| Ok(()));
+            return slot;
+        }
         let slot = Arc::new(ReadSlot::new(len as usize));
         self.reads.push(slot.clone());
         self.commands.push(RemoteCommand::Read {
@@ -679,10 +685,12 @@ impl RemoteContext {
             Error::InvalidArgument(format!("{len} elements overflow a buffer size"))
         })?;
         let id = self.session.fresh_id();
+        // A node refuses empty allocations; an empty buffer still needs an
+        // id (later ops may name it), so it holds one byte there.
         self.recording.push(RemoteCommand::Alloc {
             stream: self.stream,
             id,
-            bytes: bytes as u64,
+            bytes: bytes.max(1) as u64,
         });
         Ok(DeviceBuffer::remote(self.session.clone(), id, len))
     }

@@ -13,91 +13,18 @@ use cuda_async::cudarc::driver::{sys, CudaStream, LaunchConfig};
 use cuda_async::prelude::*;
 use cuda_async::{Device, DeviceBuffer, Error, Kernel, Module, PinnedBuffer};
 
-const KERNELS: &str = r#"
-extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {
-    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + y[i];
-}
-extern "C" __global__ void add_u32(unsigned* x, unsigned v, unsigned n) {
-    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] += v;
-}
-extern "C" __global__ void copy_add(const float* src, float* dst, float v, unsigned n) {
-    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) dst[i] = src[i] + v;
-}
-extern "C" __global__ void spin(unsigned long long ns, unsigned long long* stamps) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    t = t0;
-    while (t - t0 < ns) { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); }
-    if (threadIdx.x == 0 && blockIdx.x == 0) { stamps[0] = t0; stamps[1] = t; }
-}
-extern "C" __global__ void fault(int* p) {
-    volatile int* bad = (volatile int*)(0x10ull);
-    *bad = *p;
-}
-"#;
+mod suite;
+use suite::{cfg, dev, Kernels, Rng, KERNELS};
 
-struct Kernels {
-    axpy: Kernel,
-    add_u32: Kernel,
-    copy_add: Kernel,
-    spin: Kernel,
-    fault: Kernel,
-}
-
-fn dev() -> Device {
-    Device::new(0).expect("a CUDA device")
+/// The local backend: the default device's round-robin policy.
+fn local() -> Arc<StreamPoolRoundRobin> {
+    cuda_async::default_policy().expect("a CUDA device")
 }
 
 fn kernels() -> Kernels {
-    let m = Module::cuda(KERNELS, &[]).unwrap().named("gpu-tests.cu");
-    m.load_on(&dev()).expect("kernels compile");
-    Kernels {
-        axpy: m.kernel("axpy").unwrap(),
-        add_u32: m.kernel("add_u32").unwrap(),
-        copy_add: m.kernel("copy_add").unwrap(),
-        spin: m.kernel("spin").unwrap(),
-        fault: m.kernel("fault").unwrap(),
-    }
-}
-
-/// xorshift64*, seeded from the clock (the seed is printed for replay).
-struct Rng(u64);
-impl Rng {
-    fn new() -> Self {
-        let seed = std::env::var("GPU_TEST_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_nanos() as u64
-                    | 1
-            });
-        eprintln!("GPU_TEST_SEED={seed}");
-        Rng(seed)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn f32s(&mut self, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 200.0 - 100.0)
-            .collect()
-    }
-    fn u32s(&mut self, n: usize) -> Vec<u32> {
-        (0..n).map(|_| (self.next() >> 32) as u32).collect()
-    }
-}
-
-fn cfg(n: u32) -> LaunchConfig {
-    LaunchConfig::for_num_elems(n.max(1))
+    let k = suite::kernels();
+    k.axpy.module().load_on(&dev()).expect("kernels compile");
+    k
 }
 
 const GPU: &str = "needs an NVIDIA GPU";
@@ -121,113 +48,31 @@ fn inventory_reports_the_device() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn h2d_d2h_round_trips_random_data_of_many_sizes() {
-    let mut rng = Rng::new();
-    for n in [0usize, 1, 7, 4096, 1_000_003] {
-        let x = rng.f32s(n);
-        let back = h2d(x.clone()).then(d2h).sync().unwrap();
-        assert_eq!(back.as_slice().unwrap(), &x[..], "f32 n={n}");
-        let u: Vec<u8> = rng.u32s(n).into_iter().map(|v| v as u8).collect();
-        let back = h2d(u.as_slice())
-            .then(d2h)
-            .sync()
-            .unwrap()
-            .to_vec()
-            .unwrap();
-        assert_eq!(back, u, "u8 n={n}");
-    }
+    suite::h2d_d2h_round_trips_random_data_of_many_sizes(&*local());
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn zeros_memset_and_d2d_match_the_cpu() {
-    let mut rng = Rng::new();
-    let n = 10_001;
-    // Poison first so unwritten elements would show.
-    let z = h2d(vec![0xDEAD_BEEFu32; n])
-        .then(|b| memset(b, 0))
-        .then(d2h)
-        .sync()
-        .unwrap();
-    assert!(z.as_slice().unwrap().iter().all(|&v| v == 0));
-    let z = zeros::<u64>(n).then(d2h).sync().unwrap();
-    assert!(z.as_slice().unwrap().iter().all(|&v| v == 0));
-    let m = zeros::<u32>(n)
-        .then(|b| memset(b, 0xAB))
-        .then(d2h)
-        .sync()
-        .unwrap();
-    assert!(m.as_slice().unwrap().iter().all(|&v| v == 0xABAB_ABAB));
-    let x = rng.u32s(n);
-    let src = h2d(x.clone()).sync().unwrap();
-    let copy = d2d(&src).then(d2h).sync().unwrap();
-    assert_eq!(copy.as_slice().unwrap(), &x[..]);
-    let copy2 = d2d(Arc::new(src)).then(d2h).sync().unwrap();
-    assert_eq!(copy2.to_vec().unwrap(), x);
+    suite::zeros_memset_and_d2d_match_the_cpu(&*local());
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn pinned_copies_fill_poisoned_buffers_and_check_lengths() {
-    let mut rng = Rng::new();
-    let d = dev();
-    let n = 65_537;
-    let x = rng.f32s(n);
-    let src = PinnedBuffer::from_slice(&d, &x).unwrap();
-    let dst = zeros::<f32>(n).sync().unwrap();
-    let poisoned = PinnedBuffer::filled(&d, n, f32::NAN).unwrap();
-    let (_src, dev_buf) = copy_h2d(src, dst).sync().unwrap();
-    let (_dev_buf, back) = copy_d2h(dev_buf, poisoned).sync().unwrap();
-    assert_eq!(back.as_slice().unwrap(), &x[..]);
-
-    let short = PinnedBuffer::filled(&d, n - 1, 0.0f32).unwrap();
-    let buf = zeros::<f32>(n).sync().unwrap();
-    let e = copy_d2h(buf, short).sync().unwrap_err();
-    assert!(
-        e.to_string()
-            .contains("source has 65537 elements, destination 65536"),
-        "{e}"
-    );
+    suite::pinned_copies_fill_poisoned_buffers_and_check_lengths(&*local());
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn launch_axpy_matches_the_cpu() {
-    let k = kernels();
-    let mut rng = Rng::new();
-    let n = 1 << 20;
-    let (x, y) = (rng.f32s(n), rng.f32s(n));
-    let a = 2.5f32;
-    let axpy = k.axpy.clone();
-    let out = h2d(x.clone())
-        .zip(h2d(y.clone()))
-        // SAFETY: axpy touches x[0..n) and y[0..n); both have n elements.
-        .then(move |(x, y)| unsafe { launch(&axpy, cfg(n as u32), (a, x, y, n as u32)) })
-        .then(|(_, _, y, _)| d2h(y))
-        .sync()
-        .unwrap();
-    let want: Vec<f32> = x.iter().zip(&y).map(|(x, y)| a.mul_add(*x, *y)).collect();
-    assert_eq!(out.as_slice().unwrap(), &want[..]);
+    suite::launch_axpy_matches_the_cpu(&*local());
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn then_and_map_chain_ten_launches_in_order() {
-    let k = kernels();
-    let mut rng = Rng::new();
-    let n = 4099u32;
-    let x = rng.u32s(n as usize);
-    let mut op: BoxedOp<'static, DeviceBuffer<u32>> = h2d(x.clone()).boxed();
-    for step in 1..=10u32 {
-        let add = k.add_u32.clone();
-        // SAFETY: add_u32 touches x[0..n); the buffer has n elements.
-        op = op
-            .then(move |b| unsafe { launch(&add, cfg(n), (b, step, n)) })
-            .map(|(b, _, _)| b)
-            .boxed();
-    }
-    let out = op.then(d2h).sync().unwrap();
-    let want: Vec<u32> = x.iter().map(|v| v.wrapping_add(55)).collect();
-    assert_eq!(out.as_slice().unwrap(), &want[..]);
+    suite::then_and_map_chain_ten_launches_in_order(&*local());
 }
 
 fn spin_op(k: &Kernel, ns: u64) -> impl DeviceOp<Output = DeviceBuffer<u64>> {
@@ -390,16 +235,7 @@ fn shared_runs_once_and_consumers_on_other_streams_see_its_result() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn value_with_context_and_boxed_compose() {
-    assert_eq!(value(20).map(|x| x * 2 + 2).sync().unwrap(), 42);
-    let ord = with_context(|ctx| value(ctx.device().map(|d| d.ordinal())))
-        .sync()
-        .unwrap()
-        .unwrap();
-    assert_eq!(ord, 0);
-    let ops: Vec<BoxedOp<'static, u32>> = (0..5u32)
-        .map(|i| value(i).map(move |v| v * v).boxed())
-        .collect();
-    assert_eq!(join_all(ops).sync().unwrap(), vec![0, 1, 4, 9, 16]);
+    suite::value_with_context_and_boxed_compose(&*local());
 }
 
 #[test]

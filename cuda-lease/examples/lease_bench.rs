@@ -21,7 +21,11 @@
 //! cargo run --release -p cuda-lease --example lease_bench -- --memory-device --transfers-only
 //! ```
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use cuda_async::prelude::*;
+use cuda_async::{HostBuffer, Kernel, Module, RemotePolicy};
 
 use cuda_lease::baseline::RawQuinn;
 use cuda_lease::client::{Client, ClientConfig, Lease};
@@ -172,6 +176,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let label = format!(" striped over {}", config.stripes);
     let (sw, sr) = transfer_rates(&striped_lease.session(), &label, xfer_iters).await?;
     striped_lease.free().await?;
+    let chain = chain_bench(&client, iters.min(500), memory).await?;
     println!();
     println!("| loopback, same run | raw quinn | lease node | ratio | goal (issue 19) |");
     println!("| --- | --- | --- | --- | --- |");
@@ -207,6 +212,21 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         sr,
         sr / raw.down1
     );
+    match chain.local {
+        Some(local) => println!(
+            "| 20-op chain (h2d, zeros, 17 launches, d2h) awaited: remote - local vs 64 B request/reply | {:.1} us | {:.1} us remote, {:.1} us local | {:.2} | <= 1.2 (issue 22) |",
+            raw.rtt.as_secs_f64() * 1e6,
+            chain.remote.as_secs_f64() * 1e6,
+            local.as_secs_f64() * 1e6,
+            (chain.remote.as_secs_f64() - local.as_secs_f64()) / raw.rtt.as_secs_f64()
+        ),
+        None => println!(
+            "| 20-op chain awaited remotely vs 64 B request/reply (no local GPU: remote alone) | {:.1} us | {:.1} us | {:.2} | - |",
+            raw.rtt.as_secs_f64() * 1e6,
+            chain.remote.as_secs_f64() * 1e6,
+            chain.remote.as_secs_f64() / raw.rtt.as_secs_f64()
+        ),
+    }
     println!(
         "| raw 4 connections vs 1 (up / down) | {:.2} / {:.2} GiB/s | - | {:.2} / {:.2} | (striping: >= 2x one connection) |",
         raw.up4,
@@ -363,4 +383,94 @@ async fn transfer_rates(
 
     drop(big);
     Ok((write_rate, read_rate))
+}
+
+/// The 20-op chain of the remote backend's report row.
+const AXPY: &str = r#"
+extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+"#;
+
+/// h2d, zeros, 17 launches, d2h: 20 ops, one submission.
+fn chain(axpy: &Kernel, x: Arc<Vec<f32>>) -> impl DeviceOp<Output = HostBuffer<f32>> {
+    let n = x.len() as u32;
+    let mut op = h2d(x.to_vec())
+        .map(Arc::new)
+        .zip(zeros::<f32>(n as usize))
+        .boxed();
+    for _ in 0..17 {
+        let k = axpy.clone();
+        op = op
+            // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
+            .then(move |(x, y)| unsafe {
+                launch(
+                    &k,
+                    cuda_async::LaunchConfig::for_num_elems(n),
+                    (0.5f32, x, y, n),
+                )
+            })
+            .map(|(_, x, y, _)| (x, y))
+            .boxed();
+    }
+    op.then(|(_, y)| d2h(y))
+}
+
+/// Medians of the awaited 20-op chain, remote and (with a GPU) local.
+struct ChainRows {
+    remote: Duration,
+    local: Option<Duration>,
+}
+
+async fn time_chain<P: SchedulingPolicy>(
+    policy: &P,
+    axpy: &Kernel,
+    x: &Arc<Vec<f32>>,
+    iters: usize,
+) -> Result<Duration, Box<dyn std::error::Error>> {
+    let want = 17.0 * 0.5 * x[1];
+    for _ in 0..50 {
+        let out = chain(axpy, x.clone()).schedule(policy)?.await?;
+        assert_eq!(out.as_slice()?[1], want, "the chain's result");
+    }
+    let mut v = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        let out = chain(axpy, x.clone()).schedule(policy)?.await?;
+        v.push(t.elapsed());
+        drop(out);
+    }
+    Ok(median(v))
+}
+
+async fn chain_bench(
+    client: &Arc<Client>,
+    iters: usize,
+    memory: bool,
+) -> Result<ChainRows, Box<dyn std::error::Error>> {
+    let axpy = Module::cuda(AXPY, &[])?.kernel("axpy")?;
+    let x = Arc::new(vec![2.0f32; 256]);
+    let lease = Lease::builder()
+        .min_vram(64 << 20)
+        .ttl(Duration::from_secs(120))
+        .on(client.clone())
+        .await?;
+    let remote = RemotePolicy::new(&cuda_lease::remote::LeaseSession::current(lease.session()));
+    let remote_t = time_chain(&remote, &axpy, &x, iters).await?;
+    println!("20-op chain awaited on the lease: median {remote_t:?}");
+    let local = if memory {
+        None
+    } else {
+        let policy = cuda_async::default_policy()?;
+        axpy.load_on(&cuda_async::Device::new(0)?)?;
+        let t = time_chain(&*policy, &axpy, &x, iters).await?;
+        println!("20-op chain awaited on the local GPU: median {t:?}");
+        Some(t)
+    };
+    lease.free().await?;
+    Ok(ChainRows {
+        remote: remote_t,
+        local,
+    })
 }

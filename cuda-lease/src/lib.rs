@@ -81,3 +81,8 @@ pub use worker::{main_if_worker, DeviceSpec, WorkerSpec};
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// Compiles the book's remote chapter as doctests (it uses both crates).
+#[cfg(all(doctest, feature = "backend"))]
+#[doc = include_str!("../../book/src/remote.md")]
+pub struct BookRemoteDoctests;

@@ -1611,8 +1611,10 @@ async fn run_batch(
     data: &[u8],
 ) -> Result<(BatchReply, Vec<u8>), Reply> {
     let lease = &b.lease;
+    let t0 = std::time::Instant::now();
     let slot = lease_of(shared, who, lease)?;
     let _exec = slot.exec.lock().await;
+    let t_locked = t0.elapsed();
     // Re-check: the lease may have died while we waited.
     shared.table().get(lease, shared.now())?;
     let (loads, writes, p) = {
@@ -1653,12 +1655,20 @@ async fn run_batch(
     let mut completed = 0usize;
     let mut loaded = 0usize;
     let mut out = Vec::new();
+    let t_planned = t0.elapsed();
     if !ops.is_empty() {
         let body = to_body(&WorkerBatch { ops });
         let res = slot
             .worker
             .call_parts(Opcode::Batch, &body, &parts, shared.cfg.op_timeout)
             .await;
+        if crate::worker::trace_enabled() {
+            eprintln!(
+                "cuda-lease node batch: {} commands, lock {t_locked:?}, planned {t_planned:?}, worker replied {:?}",
+                b.commands.len(),
+                t0.elapsed()
+            );
+        }
         let frame = match res {
             Ok(frame) => frame,
             Err(e) => return Err(worker_lost(shared, lease, &e)),

@@ -437,6 +437,30 @@ fn dims(d: &[u32; 7]) -> LaunchDims {
     }
 }
 
+/// `CUDA_LEASE_TRACE=1`: workers print each batch's per-command enqueue
+/// times and its finish time to stderr (for finding where a batch's time
+/// goes; off by default).
+pub(crate) fn trace_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("CUDA_LEASE_TRACE").is_some_and(|v| v == "1"))
+}
+
+fn op_name(op: &WorkerOp) -> &'static str {
+    match op {
+        WorkerOp::Alloc { .. } => "alloc",
+        WorkerOp::Write { .. } => "write",
+        WorkerOp::Read { .. } => "read",
+        WorkerOp::Free { .. } => "free",
+        WorkerOp::LoadModule { .. } => "load",
+        WorkerOp::UnloadModule { .. } => "unload",
+        WorkerOp::Launch { .. } => "launch",
+        WorkerOp::Record { .. } => "record",
+        WorkerOp::Wait { .. } => "wait",
+        WorkerOp::Fill { .. } => "fill",
+        WorkerOp::Copy { .. } => "copy",
+    }
+}
+
 fn run_batch(
     dev: &mut dyn Device,
     ops: &[WorkerOp],
@@ -455,7 +479,11 @@ fn run_batch(
     let mut read_at = 0usize;
     let mut failed = None;
     let mut compiled = Vec::new();
+    let trace = trace_enabled();
+    let t0 = std::time::Instant::now();
+    let mut spans: Vec<(&'static str, std::time::Duration)> = Vec::new();
     for (i, op) in ops.iter().enumerate() {
+        let ts = std::time::Instant::now();
         let r = match op {
             WorkerOp::Alloc { stream, id, size } => dev.alloc(*stream, *id, *size),
             WorkerOp::Write {
@@ -514,6 +542,9 @@ fn run_batch(
                 len,
             } => dev.copy(*stream, (*src, *src_offset), (*dst, *dst_offset), *len),
         };
+        if trace {
+            spans.push((op_name(op), ts.elapsed()));
+        }
         if let Err(e) = r {
             failed = Some((i, e));
             break;
@@ -522,7 +553,21 @@ fn run_batch(
     // What was enqueued runs to its end (a failure stops only what comes
     // after it), and the reads of it land.
     out.resize(read_at, 0);
+    let tf = std::time::Instant::now();
     let finished = dev.finish(out);
+    if trace {
+        let mut line = format!(
+            "cuda-lease worker batch: {} ops enqueued in {:?}, finish {:?}, total {:?};",
+            ops.len(),
+            tf - t0,
+            tf.elapsed(),
+            t0.elapsed()
+        );
+        for (name, d) in &spans {
+            line.push_str(&format!(" {name} {d:?}"));
+        }
+        eprintln!("{line}");
+    }
     let (completed, error) = match (failed, finished) {
         // A fault while waiting outranks an enqueue error: it is sticky.
         (Some((i, _)), Err(e)) if e.sticky => (i, Some(e)),

@@ -21,6 +21,102 @@ use cuda_lease::proto::{KernelArg, LeaseState};
 use cuda_lease::ptx::{grid_for, BLOCK, TEST_KERNELS};
 use cuda_lease::worker::{DeviceSpec, WorkerSpec};
 
+/// The `cuda-async` op suite, run here over the remote backend (and by
+/// `cuda-async/tests/gpu.rs` over the local one) with the same inputs and
+/// checks.
+#[path = "../../cuda-async/tests/suite/mod.rs"]
+mod suite;
+
+/// The remote backend on this GPU: an embedded node, a lease with its own
+/// I/O thread and a `RemotePolicy`, driven from a plain thread with
+/// blocking calls.
+struct RemoteBackend {
+    policy: cuda_async::RemotePolicy,
+    lease: Option<cuda_lease::remote::RemoteLease>,
+    node: Option<Node>,
+    rt: tokio::runtime::Runtime,
+}
+
+impl RemoteBackend {
+    fn start() -> Self {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let node = rt.block_on(gpu_node(gpu_config()));
+        let builder = Lease::builder()
+            .min_vram(256 << 20)
+            .config(client_config(&node));
+        let lease =
+            cuda_lease::remote::RemoteLease::connect_blocking(builder, node.addr()).unwrap();
+        RemoteBackend {
+            policy: cuda_async::RemotePolicy::new(&lease),
+            lease: Some(lease),
+            node: Some(node),
+            rt,
+        }
+    }
+}
+
+impl Drop for RemoteBackend {
+    fn drop(&mut self) {
+        drop(self.lease.take());
+        if let Some(node) = self.node.take() {
+            self.rt.block_on(node.shutdown());
+        }
+    }
+}
+
+mod over_a_lease {
+    use super::*;
+
+    macro_rules! remote_suite {
+        ($($name:ident),* $(,)?) => {$(
+            #[test]
+            #[ignore = "needs an NVIDIA GPU"]
+            fn $name() {
+                let backend = RemoteBackend::start();
+                suite::$name(&backend.policy);
+            }
+        )*};
+    }
+
+    remote_suite!(
+        h2d_d2h_round_trips_random_data_of_many_sizes,
+        zeros_memset_and_d2d_match_the_cpu,
+        pinned_copies_fill_poisoned_buffers_and_check_lengths,
+        launch_axpy_matches_the_cpu,
+        then_and_map_chain_ten_launches_in_order,
+        value_with_context_and_boxed_compose,
+    );
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn a_buffer_used_where_it_does_not_live_is_an_error_naming_both_homes() {
+        use cuda_async::prelude::*;
+        let backend = RemoteBackend::start();
+        let local = zeros::<u32>(64).sync().unwrap();
+        let remote = zeros::<u32>(64).sync_with(&backend.policy).unwrap();
+        // A local buffer in a remote op.
+        let e = d2h(&local).sync_with(&backend.policy).unwrap_err();
+        assert!(
+            matches!(&e, cuda_async::Error::WrongHome { buffer, context }
+                if buffer == "local GPU 0" && context.contains("lease")),
+            "{e}"
+        );
+        // A remote buffer in local ops: a copy and a launch.
+        let e = d2h(&remote).sync().unwrap_err();
+        assert!(
+            matches!(&e, cuda_async::Error::WrongHome { buffer, context }
+                if buffer.contains("lease") && context == "local GPU 0"),
+            "{e}"
+        );
+        let k = suite::kernels();
+        // SAFETY: never launched (the home check fails first).
+        let e = unsafe { launch(&k.add_u32, suite::cfg(64), (remote, 1u32, 64u32)) }
+            .sync()
+            .unwrap_err();
+        assert!(matches!(e, cuda_async::Error::WrongHome { .. }), "{e}");
+    }
+}
+
 fn gpu_config() -> NodeConfig {
     let mut cfg = NodeConfig::new(WorkerSpec {
         program: worker_exe(),
@@ -42,19 +138,6 @@ async fn gpu_node(cfg: NodeConfig) -> Node {
             worker_exe().display()
         ),
     }
-}
-
-/// Deterministic pseudo-random f32s (xorshift), no extra dependencies.
-fn random_f32(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 200.0 - 100.0
-        })
-        .collect()
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {

@@ -41,19 +41,6 @@ fn cfg(n: u32) -> LaunchConfig {
     LaunchConfig::for_num_elems(n)
 }
 
-/// `n` pseudo-random floats (xorshift; the same on every run).
-fn random(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % 10_000) as f32 / 100.0 - 50.0
-        })
-        .collect()
-}
-
 /// The pipeline, written once for any backend: `c = x + (a*x + y)`, with
 /// uploads, a zip, two launches, a device copy, an allocation and a
 /// download.
@@ -111,7 +98,7 @@ async fn a_pipeline_written_once_runs_on_a_leased_gpu_in_one_message() {
     let remote = RemotePolicy::new(&session);
     let k = kernels();
     for (n, seed) in [(1000usize, 7u64), (4097, 11), (1, 3)] {
-        let (x, y) = (random(n, seed), random(n, seed * 31));
+        let (x, y) = (random_f32(n, seed), random_f32(n, seed * 31));
         let before = batches(&node);
         let out = pipeline(x.clone(), y.clone(), 1.5, &k)
             .schedule(&remote)
@@ -123,8 +110,25 @@ async fn a_pipeline_written_once_runs_on_a_leased_gpu_in_one_message() {
         // Eleven ops and their frees: one message.
         assert_eq!(batches(&node).0 - before.0, 1, "n = {n}");
     }
+    // Empty buffers work as they do locally.
+    let empty = h2d(Vec::<f32>::new())
+        .then(d2h)
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(empty.is_empty() && empty.to_vec().unwrap().is_empty());
+    let z: HostBuffer<u64> = zeros::<u64>(0)
+        .then(|b| memset(b, 1))
+        .then(d2d)
+        .then(d2h)
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(z.is_empty());
     // `run_on` is the same, as one call.
-    let (x, y) = (random(64, 5), random(64, 6));
+    let (x, y) = (random_f32(64, 5), random_f32(64, 6));
     let out = cuda_async::run_on(pipeline(x.clone(), y.clone(), -2.0, &k), &remote)
         .await
         .unwrap();
@@ -151,7 +155,7 @@ async fn a_chain_of_twenty_ops_is_one_message() {
     let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
     let k = kernels();
     let n = 512u32;
-    let x = random(n as usize, 99);
+    let x = random_f32(n as usize, 99);
     // h2d, zeros, 17 launches, d2h: 20 ops.
     let mut chain = h2d(x.clone())
         .map(Arc::new)
@@ -352,7 +356,7 @@ fn a_plain_fn_main_runs_the_pipeline_blocking_and_sees_the_node_go() {
     let lease = RemoteLease::connect_blocking(builder, node.addr()).unwrap();
     let remote = RemotePolicy::new(&lease).with_streams(2);
     let k = kernels();
-    let (x, y) = (random(300, 1), random(300, 2));
+    let (x, y) = (random_f32(300, 1), random_f32(300, 2));
     let out = pipeline(x.clone(), y.clone(), 3.0, &k)
         .sync_with(&remote)
         .unwrap();

@@ -148,3 +148,16 @@ pub async fn attacker_conn(node: &Node) -> (quinn::SendStream, quinn::RecvStream
     std::mem::forget(conn);
     s
 }
+
+/// Deterministic pseudo-random f32s (xorshift), no extra dependencies.
+pub fn random_f32(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 200.0 - 100.0
+        })
+        .collect()
+}
