@@ -141,6 +141,43 @@ impl Device {
         &self.ctx
     }
 
+    /// Keeps up to `bytes` of freed stream-ordered memory reserved in the
+    /// device's default memory pool across synchronizations.
+    ///
+    /// The driver's default (0) hands freed memory back to the system at
+    /// every synchronization, so the first allocation after one maps memory
+    /// again (about 140 us for a small buffer on an H100, against 20 us
+    /// from a warm pool). A long-lived process that allocates and
+    /// synchronizes in a loop (a lease node's worker) keeps it instead; the
+    /// memory stays reserved to this process until it exits or the
+    /// threshold is lowered.
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn set_mem_pool_release_threshold(&self, bytes: u64) -> Result<()> {
+        use cudarc::driver::sys;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::driver("cuCtxSetCurrent", e))?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `pool` is a valid out-pointer; the device handle is live
+        // with its context.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }
+            .result()
+            .map_err(|e| Error::driver("cuDeviceGetDefaultMemPool", e))?;
+        let mut value = bytes;
+        // SAFETY: the attribute takes a pointer to a u64 (cuuint64_t).
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut value as *mut u64).cast(),
+            )
+        }
+        .result()
+        .map_err(|e| Error::driver("cuMemPoolSetAttribute", e))
+    }
+
     /// Creates a new non-blocking stream on this device.
     ///
     /// # Errors

@@ -990,6 +990,14 @@ mod cuda {
                 .context()
                 .bind_to_thread()
                 .map_err(|e| driver(st, "cuCtxSetCurrent", e))?;
+            // A batch allocates, synchronizes and frees: keep a little freed
+            // memory in the pool, or every batch's first allocation maps it
+            // again. Bounded (32 MiB per worker), so a lease's freed memory
+            // goes back for other leases' workers; the node's headroom
+            // covers it.
+            device
+                .set_mem_pool_release_threshold(32 << 20)
+                .map_err(|e| map(st, "memory pool", e))?;
             Ok(Self {
                 device,
                 streams: HashMap::new(),

@@ -437,12 +437,11 @@ fn dims(d: &[u32; 7]) -> LaunchDims {
     }
 }
 
-/// `CUDA_LEASE_TRACE=1`: workers print each batch's per-command enqueue
-/// times and its finish time to stderr (for finding where a batch's time
-/// goes; off by default).
+/// With the hop timings on (`CUDA_LEASE_HOP_TIMES`, see `hops`), workers
+/// also print each batch's per-command enqueue times and its finish time,
+/// and the node each batch's planning and worker times, to stderr.
 pub(crate) fn trace_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("CUDA_LEASE_TRACE").is_some_and(|v| v == "1"))
+    crate::hops::enabled()
 }
 
 fn op_name(op: &WorkerOp) -> &'static str {

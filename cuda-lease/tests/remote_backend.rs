@@ -377,3 +377,47 @@ fn a_plain_fn_main_runs_the_pipeline_blocking_and_sees_the_node_go() {
     let e = h2d(vec![1u8; 4]).then(d2h).sync_with(&remote).unwrap_err();
     assert!(matches!(e, Error::Disconnected(_)), "{e}");
 }
+
+#[tokio::test]
+async fn zip_join_all_and_shared_give_the_right_results_on_a_lease() {
+    let node = Node::spawn_local(memory_config(1 << 22)).await.unwrap();
+    let lease = lease_on(&node, 1 << 20).await;
+    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let k = kernels();
+    let (x, y) = (random_f32(777, 41), random_f32(777, 43));
+    // zip: two pipelines, one message.
+    let before = batches(&node);
+    let (a, b) = pipeline(x.clone(), y.clone(), 2.0, &k)
+        .zip(pipeline(y.clone(), x.clone(), -1.0, &k))
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(batches(&node).0 - before.0, 1);
+    assert_eq!(a.to_vec().unwrap(), reference(&x, &y, 2.0));
+    assert_eq!(b.to_vec().unwrap(), reference(&y, &x, -1.0));
+    // join_all of boxed pipelines.
+    let ops: Vec<BoxedOp<'static, HostBuffer<f32>>> = (0..5)
+        .map(|i| pipeline(x.clone(), y.clone(), i as f32, &k).boxed())
+        .collect();
+    let outs = join_all(ops).schedule(&remote).unwrap().await.unwrap();
+    for (i, o) in outs.iter().enumerate() {
+        assert_eq!(o.to_vec().unwrap(), reference(&x, &y, i as f32), "arm {i}");
+    }
+    // shared: the producer runs once; both consumers read its buffer.
+    let shared = h2d(x.clone()).map(Arc::new).shared();
+    let (p, q) = shared
+        .clone()
+        .then(d2h)
+        .zip(shared.clone().then(|b| d2d(b).then(d2h)))
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(p.to_vec().unwrap(), x);
+    assert_eq!(q.to_vec().unwrap(), x);
+    // A later submission consumes the shared output again (no new upload).
+    let again = shared.then(d2h).schedule(&remote).unwrap().await.unwrap();
+    assert_eq!(again.to_vec().unwrap(), x);
+    node.shutdown().await;
+}
