@@ -584,6 +584,8 @@ impl Recording {
 pub struct RemoteContext {
     session: Arc<dyn RemoteSession>,
     stream: RemoteStream,
+    /// The policy's streams (`0..streams`), which concurrent arms fork onto.
+    streams: u32,
     recording: Recording,
     on_reply: OnReply,
 }
@@ -634,10 +636,11 @@ impl fmt::Debug for RemoteContext {
 }
 
 impl RemoteContext {
-    pub(crate) fn new(session: Arc<dyn RemoteSession>, stream: RemoteStream) -> Self {
+    pub(crate) fn new(session: Arc<dyn RemoteSession>, stream: RemoteStream, streams: u32) -> Self {
         RemoteContext {
             session,
             stream,
+            streams: streams.max(1),
             recording: Recording::new(),
             on_reply: OnReply::default(),
         }
@@ -696,7 +699,57 @@ impl RemoteContext {
     }
 
     pub(crate) fn fork(&self) -> Self {
-        Self::new(self.session.clone(), self.stream)
+        Self::new(self.session.clone(), self.stream, self.streams)
+    }
+
+    /// The context of concurrent arm `arm` (>= 1): a fresh recording on
+    /// another stream of the policy that starts by waiting for the fork
+    /// event (recorded here once, in `fork_event`). With one stream, the
+    /// arm records on this stream, in order.
+    pub(crate) fn fork_arm(&mut self, arm: usize, fork_event: &mut Option<u64>) -> Self {
+        let stream = (self.stream + (arm % self.streams as usize) as u32) % self.streams;
+        let mut child = Self::new(self.session.clone(), stream, self.streams);
+        if stream == self.stream {
+            return child;
+        }
+        let ev = *fork_event.get_or_insert_with(|| {
+            let ev = self.session.fresh_id();
+            self.recording.push(RemoteCommand::Record {
+                stream: self.stream,
+                event: ev,
+            });
+            ev
+        });
+        child
+            .recording
+            .push(RemoteCommand::Wait { stream, event: ev });
+        child
+    }
+
+    /// Ends an arm forked from a context on `parent_stream`: records its
+    /// join event (returned) when it ran on another stream.
+    pub(crate) fn end_arm(&mut self, parent_stream: RemoteStream) -> Option<u64> {
+        if self.stream == parent_stream {
+            return None;
+        }
+        let ev = self.session.fresh_id();
+        self.recording.push(RemoteCommand::Record {
+            stream: self.stream,
+            event: ev,
+        });
+        Some(ev)
+    }
+
+    /// Joins the arms back: this stream waits for each join event, then
+    /// every event of the fork is freed.
+    pub(crate) fn join_arms(&mut self, fork_event: Option<u64>, joins: &[u64]) {
+        let stream = self.stream;
+        for &event in joins {
+            self.recording.push(RemoteCommand::Wait { stream, event });
+        }
+        for id in fork_event.into_iter().chain(joins.iter().copied()) {
+            self.recording.push(RemoteCommand::Free { stream, id });
+        }
     }
 
     pub(crate) fn absorb(&mut self, arm: RemoteContext) {
@@ -879,6 +932,7 @@ impl SchedulingPolicy for RemotePolicy {
         Ok(ExecutionContext::new_remote(RemoteContext::new(
             self.session.clone(),
             i as RemoteStream,
+            self.streams,
         )))
     }
 }
@@ -953,6 +1007,94 @@ mod tests {
         done.complete();
         assert!(done.is_finished());
         assert!(matches!(done.outcome(), Some(Err(Error::Disconnected(_)))));
+    }
+
+    /// A session that keeps what it is sent and answers at once.
+    #[derive(Debug, Default)]
+    struct Capture {
+        next: std::sync::atomic::AtomicU64,
+        sent: std::sync::Mutex<Vec<Vec<RemoteCommand>>>,
+        freed: std::sync::Mutex<Vec<u64>>,
+    }
+
+    impl RemoteSession for Capture {
+        fn describe(&self) -> String {
+            "capture".into()
+        }
+        fn fresh_id(&self) -> u64 {
+            self.next.fetch_add(1, Ordering::Relaxed) + 1
+        }
+        fn submit(&self, r: Recording, done: RemoteCompletion) {
+            for s in r.reads() {
+                s.receive(|b| {
+                    b.fill(0);
+                    Ok(())
+                })
+                .unwrap();
+            }
+            self.sent.lock().unwrap().push(r.commands().to_vec());
+            done.complete();
+        }
+        fn free(&self, id: u64) {
+            self.freed.lock().unwrap().push(id);
+        }
+    }
+
+    fn streams_and_kinds(cmds: &[RemoteCommand]) -> Vec<(RemoteStream, &'static str)> {
+        cmds.iter()
+            .map(|c| match c {
+                RemoteCommand::Alloc { stream, .. } => (*stream, "alloc"),
+                RemoteCommand::Write { stream, .. } => (*stream, "write"),
+                RemoteCommand::Read { stream, .. } => (*stream, "read"),
+                RemoteCommand::Fill { stream, .. } => (*stream, "fill"),
+                RemoteCommand::Copy { stream, .. } => (*stream, "copy"),
+                RemoteCommand::Free { stream, .. } => (*stream, "free"),
+                RemoteCommand::Launch { stream, .. } => (*stream, "launch"),
+                RemoteCommand::Record { stream, .. } => (*stream, "record"),
+                RemoteCommand::Wait { stream, .. } => (*stream, "wait"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_remote_zip_forks_its_arms_onto_other_streams_with_events() {
+        use crate::prelude::*;
+        let capture = Arc::new(Capture::default());
+        let remote = RemotePolicy::new(&capture).with_streams(2);
+        let (a, b) = zeros::<u8>(4)
+            .then(d2h)
+            .zip(zeros::<u8>(8).then(d2h))
+            .sync_with(&remote)
+            .unwrap();
+        assert_eq!((a.len(), b.len()), (4, 8));
+        let sent = capture.sent.lock().unwrap();
+        assert_eq!(sent.len(), 1, "one message");
+        assert_eq!(
+            streams_and_kinds(&sent[0]),
+            [
+                (0, "record"), // the fork, before arm 0
+                (0, "alloc"),
+                (0, "read"),
+                (1, "wait"), // arm 1 starts after the fork
+                (1, "alloc"),
+                (1, "read"),
+                (1, "record"), // arm 1's end
+                (0, "wait"),   // the join
+                (0, "free"),   // the fork and join events
+                (0, "free"),
+                (0, "free"), // the two buffers, dropped while recording
+                (0, "free"),
+            ]
+        );
+        drop(sent);
+        // With one stream the arms record in order, with no events.
+        let one = RemotePolicy::new(&capture).with_streams(1);
+        zeros::<u8>(4).zip(zeros::<u8>(4)).sync_with(&one).unwrap();
+        let sent = capture.sent.lock().unwrap();
+        assert_eq!(streams_and_kinds(&sent[1]), [(0, "alloc"), (0, "alloc")]);
+        // Buffers dropped after their submission are freed through the
+        // session.
+        assert_eq!(capture.freed.lock().unwrap().len(), 2);
     }
 
     #[test]

@@ -85,6 +85,9 @@ mod over_a_lease {
         launch_axpy_matches_the_cpu,
         then_and_map_chain_ten_launches_in_order,
         value_with_context_and_boxed_compose,
+        zip_arms_run_concurrently_on_different_streams,
+        join_all_is_concurrent_and_ordered,
+        shared_runs_once_and_consumers_on_other_streams_see_its_result,
     );
 
     #[test]

@@ -4,6 +4,13 @@
 //! stream that first waits on an event recorded on the parent (so it sees
 //! everything enqueued before the fork); at the end the parent waits on an
 //! event recorded on each arm's stream.
+//!
+//! On a remote context the same shape is recorded as commands: a `Record`
+//! of a client-named event on the parent's stream, a `Wait` for it at the
+//! start of each arm's recording on another stream of the policy, a
+//! `Record` at each arm's end and a `Wait` for each of those on the parent,
+//! then the events' frees. The arms' recordings are appended in order; the
+//! node runs them on its streams concurrently.
 
 use std::sync::Arc;
 
@@ -15,6 +22,9 @@ use crate::context::ExecutionContext;
 pub(crate) struct Fork {
     fork_event: Option<CudaEvent>,
     joins: Vec<CudaEvent>,
+    /// Remote: the fork event's id and the arms' join events.
+    remote_fork: Option<u64>,
+    remote_joins: Vec<u64>,
     /// The first failure to record an arm's end (that arm's retained values
     /// were leaked, since the parent cannot be ordered after it).
     error: Option<Error>,
@@ -31,6 +41,8 @@ impl Fork {
         Fork {
             fork_event: None,
             joins: Vec::new(),
+            remote_fork: None,
+            remote_joins: Vec::new(),
             error: None,
         }
     }
@@ -38,9 +50,14 @@ impl Fork {
     /// The context for arm `arm` (>= 1).
     pub(crate) fn arm(
         &mut self,
-        parent: &ExecutionContext,
+        parent: &mut ExecutionContext,
         arm: usize,
     ) -> Result<ExecutionContext> {
+        if let Some(r) = parent.as_remote() {
+            return Ok(ExecutionContext::new_remote(
+                r.fork_arm(arm, &mut self.remote_fork),
+            ));
+        }
         // Remotely (this stage), arms record in order on the parent's stream.
         let (Some(pstream), Ok(pool)) = (parent.stream(), parent.pool()) else {
             return Ok(parent.fork(None));
@@ -64,6 +81,13 @@ impl Fork {
     /// arm's retained values are leaked (nothing can order their release
     /// after the arm's work) and [`Fork::join`] reports the error.
     pub(crate) fn end(&mut self, parent: &mut ExecutionContext, mut child: ExecutionContext) {
+        if let Some(arm) = child.as_remote() {
+            if let Some(ev) = parent.remote_ref().and_then(|p| arm.end_arm(p.stream())) {
+                self.remote_joins.push(ev);
+            }
+            parent.absorb(child);
+            return;
+        }
         let (Some(cs), Some(ps)) = (child.stream(), parent.stream()) else {
             parent.absorb(child);
             return;
@@ -88,6 +112,10 @@ impl Fork {
     /// retained values are leaked (they may include arms' values that the
     /// parent stream is not ordered after).
     pub(crate) fn join(self, parent: &mut ExecutionContext) -> Result<()> {
+        if let Some(r) = parent.as_remote() {
+            r.join_arms(self.remote_fork, &self.remote_joins);
+            return Ok(());
+        }
         for ev in &self.joins {
             let Some(stream) = parent.stream() else {
                 break;

@@ -5,7 +5,9 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use cuda_async::cudarc::driver::LaunchConfig;
 use cuda_async::prelude::*;
@@ -217,4 +219,174 @@ pub fn value_with_context_and_boxed_compose(p: &dyn SchedulingPolicy) {
         .map(|i| value(i).map(move |v| v * v).boxed())
         .collect();
     assert_eq!(join_all(ops).sync_with(p).unwrap(), vec![0, 1, 4, 9, 16]);
+}
+
+pub fn spin_op(k: &Kernel, ns: u64) -> impl DeviceOp<Output = DeviceBuffer<u64>> {
+    let spin = k.clone();
+    // SAFETY: spin writes stamps[0..2); the buffer has 2 elements.
+    zeros::<u64>(2)
+        .then(move |s| unsafe { launch(&spin, cfg(1), (ns, s)) })
+        .map(|(_, s)| s)
+}
+
+/// The two `%globaltimer` stamps a spin wrote.
+pub fn stamps(p: &dyn SchedulingPolicy, b: DeviceBuffer<u64>) -> (u64, u64) {
+    let v = d2h(b).sync_with(p).unwrap().to_vec().unwrap();
+    (v[0], v[1])
+}
+
+/// Drains the local device (allocations made before a concurrency test
+/// must not be waited on by its arms); a remote policy's blocking calls
+/// return after the node drained its streams.
+fn settle() {
+    if let Ok(d) = Device::new(0) {
+        d.context().synchronize().unwrap();
+    }
+}
+
+/// Run by both backends' GPU tests.
+pub fn zip_arms_run_concurrently_on_different_streams(p: &dyn SchedulingPolicy) {
+    let k = kernels();
+    // Warm up (module load, pool creation).
+    let _ = spin_op(&k.spin, 1000)
+        .zip(spin_op(&k.spin, 1000))
+        .sync_with(p)
+        .unwrap();
+    let ms = 1_000_000;
+    // The stamp buffers are allocated (and every stream drained) before the
+    // zips, so the arms only launch: an allocation inside an arm can be made
+    // to wait on another stream by the memory pool when it reuses a block
+    // freed there (its internal dependencies), which is not what this tests.
+    let spin_on = |b: DeviceBuffer<u64>| {
+        let spin = k.spin.clone();
+        // SAFETY: spin writes stamps[0..2); the buffer has 2 elements.
+        unsafe { launch(&spin, cfg(1), (ms, b)) }.map(|(_, b)| b)
+    };
+    let fresh = |n: usize| -> Vec<DeviceBuffer<u64>> {
+        let v: Vec<_> = (0..n)
+            .map(|_| zeros::<u64>(2).sync_with(p).unwrap())
+            .collect();
+        settle();
+        v
+    };
+    let mut bufs = fresh(2).into_iter();
+    let (a, b) = (bufs.next().unwrap(), bufs.next().unwrap());
+    let t = Instant::now();
+    let (a, b) = spin_on(a).zip(spin_on(b)).sync_with(p).unwrap();
+    let wall = t.elapsed();
+    let ((a0, a1), (b0, b1)) = (stamps(p, a), stamps(p, b));
+    eprintln!(
+        "zip of two 1 ms spins: {wall:?}; arm intervals overlap by {} us",
+        (a1.min(b1) as i64 - a0.max(b0) as i64) / 1000
+    );
+    // The GPU's own clock shows the two kernels running at the same time.
+    assert!(
+        a0 < b1 && b0 < a1,
+        "arms did not overlap: a=[{a0},{a1}] b=[{b0},{b1}]"
+    );
+    assert!(a1 - a0 >= ms && b1 - b0 >= ms);
+
+    // Four arms of zip_all, all overlapping with the first.
+    let mut bufs = fresh(4).into_iter();
+    let mut next = || spin_on(bufs.next().unwrap());
+    let (r0, r1, r2, r3) = zip_all((next(), next(), next(), next()))
+        .sync_with(p)
+        .unwrap();
+    let iv: Vec<(u64, u64)> = [r0, r1, r2, r3].into_iter().map(|b| stamps(p, b)).collect();
+    for (i, w) in iv.iter().enumerate().skip(1) {
+        assert!(
+            w.0 < iv[0].1 && iv[0].0 < w.1,
+            "arm {i} did not overlap arm 0: {iv:?}"
+        );
+    }
+}
+
+/// Run by both backends' GPU tests.
+pub fn join_all_is_concurrent_and_ordered(p: &dyn SchedulingPolicy) {
+    let k = kernels();
+    let mut rng = Rng::new();
+    let inputs: Vec<Vec<u32>> = (0..16).map(|i| rng.u32s(1000 + i)).collect();
+    let ops: Vec<_> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, x)| {
+            let add = k.add_u32.clone();
+            let n = x.len() as u32;
+            h2d(x.clone())
+                // SAFETY: add_u32 touches x[0..n); the buffer has n elements.
+                .then(move |b| unsafe { launch(&add, cfg(n), (b, i as u32, n)) })
+                .then(|(b, _, _)| d2h(b))
+        })
+        .collect();
+    let outs = join_all(ops).sync_with(p).unwrap();
+    for (i, (x, o)) in inputs.iter().zip(&outs).enumerate() {
+        let want: Vec<u32> = x.iter().map(|v| v.wrapping_add(i as u32)).collect();
+        assert_eq!(o.as_slice().unwrap(), &want[..], "arm {i}");
+    }
+    // Buffers first, streams drained: arms that only launch (see the zip test).
+    let bufs: Vec<_> = (0..3)
+        .map(|_| zeros::<u64>(2).sync_with(p).unwrap())
+        .collect();
+    settle();
+    let arms = bufs
+        .into_iter()
+        .map(|b| {
+            let spin = k.spin.clone();
+            // SAFETY: spin writes stamps[0..2); the buffer has 2 elements.
+            unsafe { launch(&spin, cfg(1), (1_000_000u64, b)) }.map(|(_, b)| b)
+        })
+        .collect();
+    let iv: Vec<(u64, u64)> = join_all(arms)
+        .sync_with(p)
+        .unwrap()
+        .into_iter()
+        .map(|b| stamps(p, b))
+        .collect();
+    assert!(
+        iv[1].0 < iv[0].1 && iv[2].0 < iv[0].1,
+        "join_all arms did not overlap: {iv:?}"
+    );
+}
+
+/// Run by both backends' GPU tests.
+pub fn shared_runs_once_and_consumers_on_other_streams_see_its_result(p: &dyn SchedulingPolicy) {
+    let k = kernels();
+    let mut rng = Rng::new();
+    let n = 1 << 18;
+    let x = rng.f32s(n);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let spin = k.spin.clone();
+    let ca = k.copy_add.clone();
+    // The producer spins 2 ms before writing, so a consumer that did not wait
+    // for it would read the zeros.
+    let producer = zeros::<u64>(2)
+        // SAFETY: spin writes stamps[0..2) of a 2-element buffer.
+        .then(move |s| unsafe { launch(&spin, cfg(1), (2_000_000u64, s)) })
+        .then(move |_| h2d(x.clone()).map(move |b| (b, x)))
+        .map(move |(b, x)| {
+            r.fetch_add(1, Ordering::SeqCst);
+            (Arc::new(b), Arc::new(x))
+        })
+        .shared();
+    let consumer = |v: f32| {
+        let ca = ca.clone();
+        producer.clone().then(move |(src, x)| {
+            // SAFETY: copy_add reads src[0..n) and writes dst[0..n); both have n elements.
+            zeros::<f32>(n)
+                .then(move |dst| unsafe { launch(&ca, cfg(n as u32), (src, dst, v, n as u32)) })
+                .then(|(_, dst, _, _)| d2h(dst))
+                .map(move |h| (h, x))
+        })
+    };
+    let ((h1, x1), (h2, x2)) = consumer(1.0).zip(consumer(2.0)).sync_with(p).unwrap();
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the shared op ran more than once"
+    );
+    let w1: Vec<f32> = x1.iter().map(|v| v + 1.0).collect();
+    let w2: Vec<f32> = x2.iter().map(|v| v + 2.0).collect();
+    assert_eq!(h1.as_slice().unwrap(), &w1[..]);
+    assert_eq!(h2.as_slice().unwrap(), &w2[..]);
 }
