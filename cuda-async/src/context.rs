@@ -233,6 +233,15 @@ impl ExecutionContext {
         }
     }
 
+    /// Which backend this is: every local context is one (events order
+    /// work across local devices), each remote session another.
+    pub(crate) fn backend_key(&self) -> usize {
+        match &self.backend {
+            Backend::Local(_) => 0,
+            Backend::Remote(r) => Arc::as_ptr(r.session()).cast::<()>() as usize,
+        }
+    }
+
     pub(crate) fn remote_ref(&self) -> Option<&RemoteContext> {
         match &self.backend {
             Backend::Local(_) => None,

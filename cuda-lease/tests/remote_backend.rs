@@ -307,6 +307,29 @@ async fn a_buffer_of_another_lease_is_an_error_naming_both() {
     // On its own lease it is fine.
     let host = d2h(&buf).schedule(&on_a).unwrap().await.unwrap();
     assert_eq!(host.to_vec().unwrap(), vec![7; 8]);
+    // A shared op ran on lease A; consuming it on lease B is an error.
+    let shared = h2d(vec![1u8; 4]).map(Arc::new).shared();
+    let ran = shared.clone().schedule(&on_a).unwrap().await.unwrap();
+    assert_eq!(ran.len(), 4);
+    let e = shared
+        .clone()
+        .then(d2h)
+        .schedule(&on_b)
+        .unwrap()
+        .await
+        .unwrap_err();
+    match &e {
+        Error::WrongHome { buffer, context } => {
+            assert!(buffer.contains("where the shared op ran"), "{e}");
+            assert!(
+                context.contains(&cuda_async::RemoteSession::describe(&*sb)),
+                "{e}"
+            );
+        }
+        other => panic!("{other}"),
+    }
+    let again = shared.then(d2h).schedule(&on_a).unwrap().await.unwrap();
+    assert_eq!(again.to_vec().unwrap(), vec![1; 4]);
     node.shutdown().await;
 }
 
@@ -419,5 +442,138 @@ async fn zip_join_all_and_shared_give_the_right_results_on_a_lease() {
     // A later submission consumes the shared output again (no new upload).
     let again = shared.then(d2h).schedule(&remote).unwrap().await.unwrap();
     assert_eq!(again.to_vec().unwrap(), x);
+    node.shutdown().await;
+}
+
+const HANG: &str = r#"extern "C" __global__ void __hang() {}"#;
+
+/// A submission that never finishes on the in-memory device (its worker
+/// sleeps), polled once on its own task.
+fn hanging(remote: &RemotePolicy) -> tokio::task::JoinHandle<cuda_async::Result<()>> {
+    let hang = Module::cuda(HANG, &[]).unwrap().kernel("__hang").unwrap();
+    // SAFETY: the host double's hang kernel touches nothing.
+    let fut = unsafe { launch(&hang, cfg(1), ()) }
+        .schedule(remote)
+        .unwrap();
+    tokio::spawn(async move { fut.await.map(drop) })
+}
+
+#[tokio::test]
+async fn a_pending_submission_fails_when_its_lease_expires_or_its_node_goes() {
+    let clock = ManualClock::new();
+    let mut config = memory_config(1 << 22);
+    config.clock = Arc::new(clock.clone());
+    config.reaper_interval = Duration::from_millis(20);
+    let node = Node::spawn_local(config).await.unwrap();
+    let short = Lease::builder()
+        .min_vram(1 << 16)
+        .ttl(Duration::from_secs(5))
+        .auto_renew(false)
+        .on(connect(&node).await)
+        .await
+        .unwrap();
+    let remote = RemotePolicy::new(&LeaseSession::current(short.session()));
+    let pending = hanging(&remote);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!pending.is_finished(), "the hang returned");
+    clock.advance(Duration::from_secs(6));
+    let e = tokio::time::timeout(Duration::from_secs(10), pending)
+        .await
+        .expect("a pending submission hung past its lease's expiry")
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(e, Error::LeaseExpired(_)), "{e}");
+
+    // The node goes away under a pending submission.
+    let lease = lease_on(&node, 1 << 16).await;
+    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let pending = hanging(&remote);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    node.shutdown().await;
+    let e = tokio::time::timeout(Duration::from_secs(10), pending)
+        .await
+        .expect("a pending submission hung past its node's end")
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(e, Error::Disconnected(_)), "{e}");
+}
+
+#[tokio::test]
+async fn a_remote_future_dropped_in_flight_frees_only_after_the_node_s_work() {
+    let mut config = memory_config(1 << 22);
+    config.op_timeout = Duration::from_secs(2);
+    let node = Node::spawn_local(config).await.unwrap();
+    let lease = lease_on(&node, 1 << 21).await;
+    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let hang = Module::cuda(HANG, &[]).unwrap().kernel("__hang").unwrap();
+    let bytes = 1usize << 20;
+    // The buffer is the output: in use by the queued (here: endless) work.
+    let mut fut = zeros::<u8>(bytes)
+        // SAFETY: the host double's hang kernel touches nothing.
+        .then(move |b| unsafe { launch(&hang, cfg(1), ()) }.map(move |()| b))
+        .schedule(&remote)
+        .unwrap();
+    tokio::select! {
+        _ = &mut fut => panic!("the hang returned"),
+        _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+    }
+    assert!(fut.is_submitted());
+    let t = std::time::Instant::now();
+    drop(fut);
+    assert!(t.elapsed() < Duration::from_millis(50), "drop blocked");
+    // The free is queued behind the work: the node has not run it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let allocated = lease.query().await.unwrap().allocated;
+    assert!(
+        allocated >= bytes as u64,
+        "freed early: {allocated} bytes left"
+    );
+
+    // mem::forget: the buffer leaks (never freed early, never freed).
+    let node2 = Node::spawn_local(memory_config(1 << 22)).await.unwrap();
+    let lease2 = lease_on(&node2, 1 << 21).await;
+    let remote2 = RemotePolicy::new(&LeaseSession::current(lease2.session()));
+    let mut fut = zeros::<u8>(bytes).schedule(&remote2).unwrap();
+    // Exactly one poll: it sends the submission.
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    assert!(std::future::Future::poll(std::pin::Pin::new(&mut fut), &mut cx).is_pending());
+    std::mem::forget(fut);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(lease2.query().await.unwrap().allocated, bytes as u64);
+    node2.shutdown().await;
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_tasks_sharing_one_lease_all_get_their_own_results() {
+    let node = Node::spawn_local(memory_config(1 << 24)).await.unwrap();
+    let lease = lease_on(&node, 1 << 23).await;
+    let remote = Arc::new(RemotePolicy::new(&LeaseSession::current(lease.session())));
+    let k = Arc::new(kernels());
+    let tasks: Vec<_> = (0..64u64)
+        .map(|t| {
+            let (remote, k) = (remote.clone(), k.clone());
+            tokio::spawn(async move {
+                for round in 0..5 {
+                    let n = 100 + (t as usize * 7 + round) % 300;
+                    let (x, y) = (random_f32(n, t * 1000 + round as u64), random_f32(n, t + 1));
+                    let a = t as f32 - round as f32;
+                    let out = pipeline(x.clone(), y.clone(), a, &k)
+                        .schedule(&*remote)
+                        .unwrap()
+                        .await
+                        .unwrap();
+                    assert_eq!(
+                        out.to_vec().unwrap(),
+                        reference(&x, &y, a),
+                        "task {t} round {round}"
+                    );
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
     node.shutdown().await;
 }

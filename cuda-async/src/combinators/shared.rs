@@ -108,8 +108,9 @@ impl<I, T: Clone> SharedCell<I, T> {
     }
 }
 
-/// The producer's output and the event recorded after its work.
-type Produced<T> = (T, Option<Arc<CudaEvent>>);
+/// The producer's output, the event recorded after its work (local), and
+/// the backend it ran on (its key and name).
+type Produced<T> = (T, Option<Arc<CudaEvent>>, (usize, String));
 
 /// Op for [`DeviceOpExt::shared`](crate::DeviceOpExt::shared): cloneable,
 /// runs once.
@@ -155,7 +156,7 @@ where
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<O::Output> {
         let mut first = false;
-        let (out, ev) = self.cell.get_or_init(|op| {
+        let (out, ev, home) = self.cell.get_or_init(|op| {
             first = true;
             // SAFETY: the producer's retained values go into this context,
             // whose executor keeps them until its stream passes the work;
@@ -171,8 +172,16 @@ where
                 )),
                 None => None,
             };
-            Ok((out, ev))
+            Ok((out, ev, (ctx.backend_key(), ctx.describe())))
         })?;
+        if home.0 != ctx.backend_key() {
+            // Its buffers live on the producer's backend, and nothing can
+            // order this backend's work after it.
+            return Err(Error::WrongHome {
+                buffer: format!("{} (where the shared op ran)", home.1),
+                context: ctx.describe(),
+            });
+        }
         if let (false, Some(ev), Some(stream)) = (first, &ev, ctx.stream()) {
             stream
                 .wait(ev)
