@@ -534,9 +534,12 @@ impl<A: KernelArgs> DeviceOp for Launch<A> {
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<A> {
         check_config(&self.config)?;
         if let Some(r) = ctx.as_remote() {
-            // Checked here when the parameter list is known (PTX); the node
-            // checks again against what it compiled.
-            self.args.check(&self.kernel)?;
+            // Checked here when the parameter list is known (PTX, or a
+            // module this process loaded); the node checks again against
+            // what it compiled.
+            if self.kernel.params().is_some() {
+                self.args.check(&self.kernel)?;
+            }
             let args = self.args.remote_all(r)?;
             let stream = r.stream();
             r.recording().push(RemoteCommand::Launch {

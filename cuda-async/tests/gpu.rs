@@ -3,6 +3,16 @@
 //! sticky fault, and interop. Run on a GPU host with
 //! `cargo test -p cuda-async --test gpu -- --include-ignored`
 //! (or from the bundle: `scripts/gpu-bundle`).
+//!
+//! The ops and combinators tests live in `suite/mod.rs`, parameterised by
+//! the policy: this file runs them on the local GPU and
+//! `cuda-lease/tests/gpu.rs` runs the same functions on a leased GPU. The
+//! tests kept here are local by nature: device inventory, NVRTC compiles and
+//! their cache in this process, interop with a cudarc stream, the stream
+//! gate used to hold local work in flight while a future is dropped or
+//! forgotten, DMA into pinned memory, cross-stream frees of a local buffer,
+//! upload staging, and a sticky fault of this process's context (the remote
+//! counterparts are in `cuda-lease/tests`: drops in flight, expiry, faults).
 
 use std::future::{Future, IntoFuture};
 use std::sync::atomic::Ordering;
@@ -198,57 +208,8 @@ fn bad_arguments_and_sources_give_clear_errors() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn run_time_argument_lists_launch_with_offsets_and_are_checked() {
-    use cuda_async::{DynArg, DynArgs};
-    let k = kernels();
-    // add_u32(x, v, n) on bytes 16.. of a 64-byte buffer: elements 4..8 += 5.
-    let buf = zeros::<u8>(64).sync().unwrap();
-    let args = DynArgs::new(vec![
-        DynArg::Buffer {
-            buffer: &buf,
-            offset: 16,
-        },
-        DynArg::Bytes(5u32.to_le_bytes().to_vec()),
-        DynArg::Bytes(4u32.to_le_bytes().to_vec()),
-    ])
-    .unwrap();
-    // SAFETY: 4 elements of u32 at byte offset 16 of a 64-byte buffer.
-    unsafe { launch(&k.add_u32, cfg(4), args) }.sync().unwrap();
-    let out = d2h(&buf).sync().unwrap().to_vec().unwrap();
-    let words: Vec<u32> = out
-        .chunks(4)
-        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    assert_eq!(words, [0, 0, 0, 0, 5, 5, 5, 5, 0, 0, 0, 0, 0, 0, 0, 0]);
-    // A wrong size or count is refused before anything is launched.
-    let bad = DynArgs::new(vec![
-        DynArg::Buffer {
-            buffer: &buf,
-            offset: 0,
-        },
-        DynArg::Bytes(vec![5]),
-        DynArg::Bytes(4u32.to_le_bytes().to_vec()),
-    ])
-    .unwrap();
-    // SAFETY: never launched: the check rejects it.
-    let e = unsafe { launch(&k.add_u32, cfg(4), bad) }
-        .sync()
-        .unwrap_err();
-    assert!(matches!(e, Error::ArgumentMismatch { .. }), "{e}");
-    let short = DynArgs::new(vec![DynArg::Buffer {
-        buffer: &buf,
-        offset: 0,
-    }])
-    .unwrap();
-    // SAFETY: never launched: the check rejects it.
-    let e = unsafe { launch(&k.add_u32, cfg(4), short) }
-        .sync()
-        .unwrap_err();
-    assert!(e.to_string().contains("3 argument(s), 1 given"), "{e}");
-    assert!(DynArgs::new(vec![DynArg::Buffer {
-        buffer: &buf,
-        offset: 65
-    }])
-    .is_err());
+    let _ = kernels();
+    suite::run_time_argument_lists_launch_with_offsets_and_are_checked(&*local());
 }
 
 const ONE_THREAD: LaunchConfig = LaunchConfig {
@@ -359,41 +320,8 @@ fn sync_on_and_async_on_a_stream_made_by_cudarc_directly() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn tokio_64_tasks_x_1000_awaited_ops_are_all_correct() {
-    let k = kernels();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(4)
-        .enable_all()
-        .build()
-        .unwrap();
-    let t = Instant::now();
-    rt.block_on(async {
-        let mut tasks = Vec::new();
-        for task in 0..64u32 {
-            let add = k.add_u32.clone();
-            tasks.push(tokio::spawn(async move {
-                let mut counter = h2d(vec![task * 1_000_000]).await?;
-                for i in 0..1000u32 {
-                    // SAFETY: add_u32 touches counter[0..1) of a 1-element buffer.
-                    let (c, _, _) = unsafe { launch(&add, cfg(1), (counter, 1u32, 1u32)) }.await?;
-                    counter = c;
-                    if i % 250 == 249 {
-                        let v = d2h(&counter).await?.to_vec()?;
-                        assert_eq!(v[0], task * 1_000_000 + i + 1, "task {task} op {i}");
-                    }
-                }
-                let v = d2h(counter).await?.to_vec()?;
-                Ok::<u32, Error>(v[0])
-            }));
-        }
-        for (task, h) in tasks.into_iter().enumerate() {
-            assert_eq!(h.await.unwrap().unwrap(), task as u32 * 1_000_000 + 1000);
-        }
-    });
-    let dt = t.elapsed();
-    eprintln!(
-        "64 tasks x 1000 awaited launches (+ checks): {dt:?}, {:.0} ops/s",
-        64_000.0 / dt.as_secs_f64()
-    );
+    let _ = kernels();
+    suite::tokio_64_tasks_x_1000_awaited_ops_are_all_correct(local());
 }
 
 /// A pinned, device-mapped word that a stream can be made to wait on

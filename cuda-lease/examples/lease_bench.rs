@@ -227,6 +227,40 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
             chain.remote.as_secs_f64() / raw.rtt.as_secs_f64()
         ),
     }
+    let rtt_us = raw.rtt.as_secs_f64() * 1e6;
+    match chain.op_local {
+        Some(local) => println!(
+            "| one awaited launch: remote - local vs 64 B request/reply | {rtt_us:.1} us | {:.1} us remote, {:.1} us local | {:.2} | - |",
+            chain.op_remote.as_secs_f64() * 1e6,
+            local.as_secs_f64() * 1e6,
+            (chain.op_remote.as_secs_f64() - local.as_secs_f64()) / raw.rtt.as_secs_f64()
+        ),
+        None => println!(
+            "| one awaited launch on the lease vs 64 B request/reply | {rtt_us:.1} us | {:.1} us | {:.2} | - |",
+            chain.op_remote.as_secs_f64() * 1e6,
+            chain.op_remote.as_secs_f64() / raw.rtt.as_secs_f64()
+        ),
+    }
+    println!(
+        "| `h2d` 256 MiB awaited on the lease (one message) vs raw one connection up | {:.2} GiB/s | {:.2} GiB/s | {:.2} | - |",
+        raw.up1,
+        chain.up,
+        chain.up / raw.up1
+    );
+    println!(
+        "| `d2h` 256 MiB awaited on the lease (one message) vs raw one connection down | {:.2} GiB/s | {:.2} GiB/s | {:.2} | - |",
+        raw.down1,
+        chain.down,
+        chain.down / raw.down1
+    );
+    if let Some((one, two)) = chain.spins {
+        println!(
+            "| remote `zip` of two 1 ms spins vs one remote 1 ms spin (each awaited) | {:.3} ms | {:.3} ms | {:.2} | <= 1.15 (issue 23) |",
+            one.as_secs_f64() * 1e3,
+            two.as_secs_f64() * 1e3,
+            two.as_secs_f64() / one.as_secs_f64()
+        );
+    }
     println!(
         "| raw 4 connections vs 1 (up / down) | {:.2} / {:.2} GiB/s | - | {:.2} / {:.2} | (striping: >= 2x one connection) |",
         raw.up4,
@@ -417,10 +451,117 @@ fn chain(axpy: &Kernel, x: Arc<Vec<f32>>) -> impl DeviceOp<Output = HostBuffer<f
     op.then(|(_, y)| d2h(y))
 }
 
-/// Medians of the awaited 20-op chain, remote and (with a GPU) local.
+/// Medians of the awaited 20-op chain, remote and (with a GPU) local, and
+/// (with a GPU) of one remote 1 ms spin and a remote zip of two.
 struct ChainRows {
     remote: Duration,
     local: Option<Duration>,
+    spins: Option<(Duration, Duration)>,
+    /// GiB/s of an awaited `h2d` and `d2h` of 256 MiB on the lease.
+    up: f64,
+    down: f64,
+    /// One awaited launch on kept buffers: remote, and local with a GPU.
+    op_remote: Duration,
+    op_local: Option<Duration>,
+}
+
+/// Median of one awaited `axpy` launch on buffers made beforehand.
+async fn time_one_op<P: SchedulingPolicy>(
+    policy: &P,
+    axpy: &Kernel,
+    iters: usize,
+) -> Result<Duration, Box<dyn std::error::Error>> {
+    let n = 256u32;
+    let x = Arc::new(h2d(vec![1.0f32; n as usize]).schedule(policy)?.await?);
+    let mut y = Some(zeros::<f32>(n as usize).schedule(policy)?.await?);
+    let mut v = Vec::with_capacity(iters);
+    for i in 0..iters + 50 {
+        let t = Instant::now();
+        // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
+        let (_, _, back, _) = unsafe {
+            launch(
+                axpy,
+                cuda_async::LaunchConfig::for_num_elems(n),
+                (0.5f32, x.clone(), y.take().expect("y"), n),
+            )
+        }
+        .schedule(policy)?
+        .await?;
+        if i >= 50 {
+            v.push(t.elapsed());
+        }
+        y = Some(back);
+    }
+    Ok(median(v))
+}
+
+/// Medians of an awaited 256 MiB `h2d` and `d2h` on `remote`, in GiB/s.
+async fn transfer_ops(
+    remote: &RemotePolicy,
+    iters: usize,
+) -> Result<(f64, f64), Box<dyn std::error::Error>> {
+    let size: u64 = 256 << 20;
+    let data = vec![7u8; size as usize];
+    let (mut up, mut down) = (Vec::new(), Vec::new());
+    for i in 0..=iters {
+        let t = Instant::now();
+        let buf = h2d(data.as_slice()).schedule(remote)?.await?;
+        let u = t.elapsed();
+        let t = Instant::now();
+        let back = d2h(&buf).schedule(remote)?.await?;
+        let d = t.elapsed();
+        assert_eq!(back.as_slice()?[size as usize - 1], 7);
+        if i > 0 {
+            up.push(u);
+            down.push(d);
+        }
+    }
+    Ok((gib_s(size, median(up)), gib_s(size, median(down))))
+}
+
+const SPIN: &str = r#"
+extern "C" __global__ void spin(unsigned long long ns, unsigned long long* stamps) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    t = t0;
+    while (t - t0 < ns) { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); }
+    if (threadIdx.x == 0 && blockIdx.x == 0) { stamps[0] = t0; stamps[1] = t; }
+}
+"#;
+
+fn spin_op(k: &Kernel) -> impl DeviceOp<Output = HostBuffer<u64>> {
+    let k = k.clone();
+    zeros::<u64>(2)
+        // SAFETY: spin writes stamps[0..2) of a 2-element buffer.
+        .then(move |s| unsafe {
+            launch(
+                &k,
+                cuda_async::LaunchConfig::for_num_elems(1),
+                (1_000_000u64, s),
+            )
+        })
+        .then(|(_, s)| d2h(s))
+}
+
+/// Medians of one remote 1 ms spin and of a remote zip of two.
+async fn spin_rows(
+    remote: &RemotePolicy,
+) -> Result<(Duration, Duration), Box<dyn std::error::Error>> {
+    let k = Module::cuda(SPIN, &[])?.kernel("spin")?;
+    let (mut one, mut two) = (Vec::new(), Vec::new());
+    for i in 0..60 {
+        let t = Instant::now();
+        spin_op(&k).schedule(remote)?.await?;
+        let a = t.elapsed();
+        let t = Instant::now();
+        spin_op(&k).zip(spin_op(&k)).schedule(remote)?.await?;
+        let b = t.elapsed();
+        if i >= 10 {
+            one.push(a);
+            two.push(b);
+        }
+    }
+    Ok((median(one), median(two)))
 }
 
 async fn time_chain<P: SchedulingPolicy>(
@@ -452,13 +593,20 @@ async fn chain_bench(
     let axpy = Module::cuda(AXPY, &[])?.kernel("axpy")?;
     let x = Arc::new(vec![2.0f32; 256]);
     let lease = Lease::builder()
-        .min_vram(64 << 20)
+        .min_vram(576 << 20)
         .ttl(Duration::from_secs(120))
         .on(client.clone())
         .await?;
     let remote = RemotePolicy::new(&cuda_lease::remote::LeaseSession::current(lease.session()));
     let remote_t = time_chain(&remote, &axpy, &x, iters).await?;
+    let (up, down) = transfer_ops(&remote, 3).await?;
+    let op_remote = time_one_op(&remote, &axpy, iters).await?;
     println!("20-op chain awaited on the lease: median {remote_t:?}");
+    let spins = if memory {
+        None
+    } else {
+        Some(spin_rows(&remote).await?)
+    };
     let local = if memory {
         None
     } else {
@@ -468,9 +616,19 @@ async fn chain_bench(
         println!("20-op chain awaited on the local GPU: median {t:?}");
         Some(t)
     };
+    let op_local = if memory {
+        None
+    } else {
+        Some(time_one_op(&*cuda_async::default_policy()?, &axpy, iters).await?)
+    };
     lease.free().await?;
     Ok(ChainRows {
         remote: remote_t,
         local,
+        spins,
+        up,
+        down,
+        op_remote,
+        op_local,
     })
 }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use cuda_lease::client::{Error, GpuCall, Lease, Module};
+use cuda_lease::client::{Error, GpuCall, Lease, LeaseBuilder, Module};
 use cuda_lease::node::{Node, NodeConfig};
 use cuda_lease::proto::{KernelArg, LeaseState};
 use cuda_lease::ptx::{grid_for, BLOCK, TEST_KERNELS};
@@ -39,11 +39,18 @@ struct RemoteBackend {
 
 impl RemoteBackend {
     fn start() -> Self {
+        Self::start_with(|b| b)
+    }
+
+    /// With the lease builder adjusted (a TTL, no renewal...).
+    fn start_with(adjust: impl FnOnce(LeaseBuilder) -> LeaseBuilder) -> Self {
         let rt = tokio::runtime::Runtime::new().unwrap();
         let node = rt.block_on(gpu_node(gpu_config()));
-        let builder = Lease::builder()
-            .min_vram(256 << 20)
-            .config(client_config(&node));
+        let builder = adjust(
+            Lease::builder()
+                .min_vram(256 << 20)
+                .config(client_config(&node)),
+        );
         let lease =
             cuda_lease::remote::RemoteLease::connect_blocking(builder, node.addr()).unwrap();
         RemoteBackend {
@@ -85,10 +92,95 @@ mod over_a_lease {
         launch_axpy_matches_the_cpu,
         then_and_map_chain_ten_launches_in_order,
         value_with_context_and_boxed_compose,
+        run_time_argument_lists_launch_with_offsets_and_are_checked,
         zip_arms_run_concurrently_on_different_streams,
         join_all_is_concurrent_and_ordered,
         shared_runs_once_and_consumers_on_other_streams_see_its_result,
     );
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn tokio_64_tasks_x_1000_awaited_ops_are_all_correct() {
+        let backend = RemoteBackend::start();
+        let lease = backend.lease.as_ref().unwrap();
+        suite::tokio_64_tasks_x_1000_awaited_ops_are_all_correct(Arc::new(
+            cuda_async::RemotePolicy::new(lease),
+        ));
+    }
+
+    /// Bytes the lease has allocated on the node now.
+    fn allocated(backend: &RemoteBackend) -> u64 {
+        let lease = backend.lease.as_ref().unwrap().lease();
+        backend.rt.block_on(lease.query()).unwrap().allocated
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn a_remote_future_dropped_in_flight_frees_its_memory_after_the_gpu_work() {
+        use cuda_async::prelude::*;
+        use std::future::Future;
+        let backend = RemoteBackend::start();
+        let k = suite::kernels();
+        // Warm up: the module is compiled and charged once.
+        let _ = suite::spin_op(&k.spin, 1000)
+            .sync_with(&backend.policy)
+            .unwrap();
+        let base = allocated(&backend);
+        let bytes = 64usize << 20;
+        let spin = k.spin.clone();
+        // A 64 MiB buffer written by nothing, kept by a 300 ms spin's output.
+        let mut fut = zeros::<u8>(bytes)
+            .zip(zeros::<u64>(2))
+            .then(move |(big, s)| {
+                // SAFETY: spin writes stamps[0..2) of a 2-element buffer.
+                unsafe { launch(&spin, suite::cfg(1), (300_000_000u64, s)) }.map(move |_| big)
+            })
+            .schedule(&backend.policy)
+            .unwrap();
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(std::pin::Pin::new(&mut fut).poll(&mut cx).is_pending());
+        let t = std::time::Instant::now();
+        drop(fut);
+        assert!(
+            t.elapsed() < std::time::Duration::from_millis(20),
+            "drop blocked"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let during = allocated(&backend);
+        assert!(
+            during >= base + bytes as u64,
+            "freed while the GPU work was queued: {during} bytes, base {base}"
+        );
+        // After the spin, the queued frees run.
+        let t = std::time::Instant::now();
+        while allocated(&backend) > base {
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(10),
+                "never freed"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn a_lease_expiring_mid_pipeline_fails_it_with_lease_expired() {
+        use cuda_async::prelude::*;
+        let backend = RemoteBackend::start_with(|b| {
+            b.ttl(std::time::Duration::from_secs(1)).auto_renew(false)
+        });
+        let k = suite::kernels();
+        let spin = k.spin.clone();
+        let t = std::time::Instant::now();
+        // Four seconds of spinning on a lease that ends after one.
+        let e = zeros::<u64>(2)
+            // SAFETY: spin writes stamps[0..2) of a 2-element buffer.
+            .then(move |s| unsafe { launch(&spin, suite::cfg(1), (4_000_000_000u64, s)) })
+            .sync_with(&backend.policy)
+            .unwrap_err();
+        assert!(matches!(e, cuda_async::Error::LeaseExpired(_)), "{e}");
+        eprintln!("lease expired mid-pipeline: failed after {:?}", t.elapsed());
+    }
 
     #[test]
     #[ignore = "needs an NVIDIA GPU"]

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use cuda_async::cudarc::driver::LaunchConfig;
 use cuda_async::prelude::*;
-use cuda_async::{Device, DeviceBuffer, Kernel, Module, PinnedBuffer};
+use cuda_async::{Device, DeviceBuffer, Error, Kernel, Module, PinnedBuffer};
 
 pub const KERNELS: &str = r#"
 extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {
@@ -389,4 +389,111 @@ pub fn shared_runs_once_and_consumers_on_other_streams_see_its_result(p: &dyn Sc
     let w2: Vec<f32> = x2.iter().map(|v| v + 2.0).collect();
     assert_eq!(h1.as_slice().unwrap(), &w1[..]);
     assert_eq!(h2.as_slice().unwrap(), &w2[..]);
+}
+
+/// Run by both backends' GPU tests. Remotely the node checks the argument
+/// list (against the PTX it compiled) and answers with the same detail.
+pub fn run_time_argument_lists_launch_with_offsets_and_are_checked(p: &dyn SchedulingPolicy) {
+    use cuda_async::{DynArg, DynArgs};
+    let k = kernels();
+    // add_u32(x, v, n) on bytes 16.. of a 64-byte buffer: elements 4..8 += 5.
+    let buf = zeros::<u8>(64).sync_with(p).unwrap();
+    let args = DynArgs::new(vec![
+        DynArg::Buffer {
+            buffer: &buf,
+            offset: 16,
+        },
+        DynArg::Bytes(5u32.to_le_bytes().to_vec()),
+        DynArg::Bytes(4u32.to_le_bytes().to_vec()),
+    ])
+    .unwrap();
+    // SAFETY: 4 elements of u32 at byte offset 16 of a 64-byte buffer.
+    unsafe { launch(&k.add_u32, cfg(4), args) }
+        .sync_with(p)
+        .unwrap();
+    let out = d2h(&buf).sync_with(p).unwrap().to_vec().unwrap();
+    let words: Vec<u32> = out
+        .chunks(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(words, [0, 0, 0, 0, 5, 5, 5, 5, 0, 0, 0, 0, 0, 0, 0, 0]);
+    // A wrong size or count is refused before anything is launched.
+    let bad = DynArgs::new(vec![
+        DynArg::Buffer {
+            buffer: &buf,
+            offset: 0,
+        },
+        DynArg::Bytes(vec![5]),
+        DynArg::Bytes(4u32.to_le_bytes().to_vec()),
+    ])
+    .unwrap();
+    // SAFETY: never launched: the check rejects it.
+    let e = unsafe { launch(&k.add_u32, cfg(4), bad) }
+        .sync_with(p)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::ArgumentMismatch { .. } | Error::InvalidArgument(_)
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("argument 1"), "{e}");
+    let short = DynArgs::new(vec![DynArg::Buffer {
+        buffer: &buf,
+        offset: 0,
+    }])
+    .unwrap();
+    // SAFETY: never launched: the check rejects it.
+    let e = unsafe { launch(&k.add_u32, cfg(4), short) }
+        .sync_with(p)
+        .unwrap_err();
+    assert!(e.to_string().contains("3 argument(s), 1 given"), "{e}");
+    assert!(DynArgs::new(vec![DynArg::Buffer {
+        buffer: &buf,
+        offset: 65
+    }])
+    .is_err());
+}
+
+/// Run by both backends' GPU tests: 64 tokio tasks share `p`.
+pub fn tokio_64_tasks_x_1000_awaited_ops_are_all_correct(p: Arc<dyn SchedulingPolicy>) {
+    let k = kernels();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .unwrap();
+    let t = Instant::now();
+    rt.block_on(async {
+        let mut tasks = Vec::new();
+        for task in 0..64u32 {
+            let add = k.add_u32.clone();
+            let p = p.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut counter = h2d(vec![task * 1_000_000]).schedule(&*p)?.await?;
+                for i in 0..1000u32 {
+                    // SAFETY: add_u32 touches counter[0..1) of a 1-element buffer.
+                    let (c, _, _) = unsafe { launch(&add, cfg(1), (counter, 1u32, 1u32)) }
+                        .schedule(&*p)?
+                        .await?;
+                    counter = c;
+                    if i % 250 == 249 {
+                        let v = d2h(&counter).schedule(&*p)?.await?.to_vec()?;
+                        assert_eq!(v[0], task * 1_000_000 + i + 1, "task {task} op {i}");
+                    }
+                }
+                let v = d2h(counter).schedule(&*p)?.await?.to_vec()?;
+                Ok::<u32, Error>(v[0])
+            }));
+        }
+        for (task, h) in tasks.into_iter().enumerate() {
+            assert_eq!(h.await.unwrap().unwrap(), task as u32 * 1_000_000 + 1000);
+        }
+    });
+    let dt = t.elapsed();
+    eprintln!(
+        "64 tasks x 1000 awaited launches (+ checks): {dt:?}, {:.0} ops/s",
+        64_000.0 / dt.as_secs_f64()
+    );
 }
