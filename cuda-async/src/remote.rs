@@ -702,6 +702,32 @@ impl RemoteContext {
         Self::new(self.session.clone(), self.stream, self.streams)
     }
 
+    /// Records a fresh event on this stream; the returned handle frees it
+    /// (through the session) when dropped.
+    pub(crate) fn record_event(&mut self) -> RemoteEvent {
+        let id = self.session.fresh_id();
+        self.recording.push(RemoteCommand::Record {
+            stream: self.stream,
+            event: id,
+        });
+        RemoteEvent {
+            id,
+            stream: self.stream,
+            session: self.session.clone(),
+        }
+    }
+
+    /// Makes this stream wait for `ev` (nothing when `ev` was recorded on
+    /// this stream: stream order covers it).
+    pub(crate) fn wait_event(&mut self, ev: &RemoteEvent) {
+        if ev.stream != self.stream {
+            self.recording.push(RemoteCommand::Wait {
+                stream: self.stream,
+                event: ev.id,
+            });
+        }
+    }
+
     /// The context of concurrent arm `arm` (>= 1): a fresh recording on
     /// another stream of the policy that starts by waiting for the fork
     /// event (recorded here once, in `fork_event`). With one stream, the
@@ -759,6 +785,19 @@ impl RemoteContext {
 
     pub(crate) fn take_recording(&mut self) -> Recording {
         std::mem::take(&mut self.recording)
+    }
+}
+
+/// An event of a remote session, freed (like a buffer) when dropped.
+pub(crate) struct RemoteEvent {
+    id: u64,
+    stream: RemoteStream,
+    session: Arc<dyn RemoteSession>,
+}
+
+impl Drop for RemoteEvent {
+    fn drop(&mut self) {
+        free_remote(&self.session, self.id);
     }
 }
 
@@ -1095,6 +1134,31 @@ mod tests {
         // Buffers dropped after their submission are freed through the
         // session.
         assert_eq!(capture.freed.lock().unwrap().len(), 2);
+        drop(sent);
+        // A shared op: its consumer on another stream waits on the event
+        // recorded after the producer; the event is freed with the op.
+        let shared = zeros::<u8>(4).map(Arc::new).shared();
+        let (x, y) = shared.clone().zip(shared).sync_with(&remote).unwrap();
+        assert!(Arc::ptr_eq(&x, &y));
+        let sent = capture.sent.lock().unwrap();
+        let kinds = streams_and_kinds(&sent[2]);
+        // The policy's second submission: stream 1; arm 1 forks onto 0.
+        assert_eq!(
+            kinds[..6],
+            [
+                (1, "record"), // fork
+                (1, "alloc"),  // the producer, in arm 0
+                (1, "record"), // the shared op's event
+                (0, "wait"),   // arm 1 after the fork
+                (0, "wait"),   // and after the producer
+                (0, "record"), // arm 1's end
+            ]
+        );
+        assert_eq!(
+            kinds.iter().filter(|k| k.1 == "free").count(),
+            3,
+            "the fork, join and shared events: {kinds:?}"
+        );
     }
 
     #[test]

@@ -577,3 +577,42 @@ async fn sixty_four_tasks_sharing_one_lease_all_get_their_own_results() {
     }
     node.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_kernel_fault_fails_its_lease_and_leaves_other_leases_working() {
+    let node = Node::spawn_local(memory_config(1 << 22)).await.unwrap();
+    let (a, b) = (
+        lease_on(&node, 1 << 20).await,
+        lease_on(&node, 1 << 20).await,
+    );
+    let on_a = RemotePolicy::new(&LeaseSession::current(a.session()));
+    let on_b = RemotePolicy::new(&LeaseSession::current(b.session()));
+    let k = kernels();
+    // A pipeline on A is in flight with the fault behind it in one message.
+    let (x, y) = (random_f32(500, 1), random_f32(500, 2));
+    let fault = k.fault.clone();
+    let e = pipeline(x.clone(), y.clone(), 1.0, &k)
+        // SAFETY: the host double's fault kernel touches nothing.
+        .then(move |h| unsafe { launch(&fault, cfg(1), ()) }.map(move |()| h))
+        .schedule(&on_a)
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::LaunchFailed(_)), "{e}");
+    // A's later submissions fail too: its context is gone.
+    let e = h2d(vec![1u8; 4])
+        .then(d2h)
+        .schedule(&on_a)
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::LaunchFailed(_)), "{e}");
+    // B, on the same node, is unaffected.
+    let out = pipeline(x.clone(), y.clone(), 3.0, &k)
+        .schedule(&on_b)
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(out.to_vec().unwrap(), reference(&x, &y, 3.0));
+    node.shutdown().await;
+}

@@ -108,9 +108,17 @@ impl<I, T: Clone> SharedCell<I, T> {
     }
 }
 
-/// The producer's output, the event recorded after its work (local), and
-/// the backend it ran on (its key and name).
-type Produced<T> = (T, Option<Arc<CudaEvent>>, (usize, String));
+/// The event recorded after the producer's work: a local CUDA event, or a
+/// remote one (an id of the session, recorded on `stream`).
+#[derive(Clone)]
+enum Done {
+    Local(Arc<CudaEvent>),
+    Remote(Arc<crate::remote::RemoteEvent>),
+}
+
+/// The producer's output, the event recorded after its work, and the
+/// backend it ran on (its key and name).
+type Produced<T> = (T, Done, (usize, String));
 
 /// Op for [`DeviceOpExt::shared`](crate::DeviceOpExt::shared): cloneable,
 /// runs once.
@@ -162,17 +170,17 @@ where
             // whose executor keeps them until its stream passes the work;
             // consumers wait on the event recorded after it.
             let out = unsafe { op.execute(ctx) }?;
-            // Remotely (this stage) there is no event: the node orders every
-            // later use of the producer's buffers after it.
-            let ev = match ctx.stream() {
-                Some(stream) => Some(Arc::new(
-                    stream
+            let home = (ctx.backend_key(), ctx.describe());
+            let ev = match ctx.as_remote() {
+                // An event command; freed when the last clone goes.
+                Some(r) => Done::Remote(Arc::new(r.record_event())),
+                None => Done::Local(Arc::new(
+                    ctx.cuda_stream()?
                         .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
                         .map_err(|e| Error::driver("cuEventRecord", e))?,
                 )),
-                None => None,
             };
-            Ok((out, ev, (ctx.backend_key(), ctx.describe())))
+            Ok((out, ev, home))
         })?;
         if home.0 != ctx.backend_key() {
             // Its buffers live on the producer's backend, and nothing can
@@ -182,10 +190,16 @@ where
                 context: ctx.describe(),
             });
         }
-        if let (false, Some(ev), Some(stream)) = (first, &ev, ctx.stream()) {
-            stream
-                .wait(ev)
-                .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
+        if !first {
+            match (&ev, ctx.as_remote()) {
+                (Done::Remote(ev), Some(r)) => r.wait_event(ev),
+                (Done::Local(ev), None) => ctx
+                    .cuda_stream()?
+                    .wait(ev)
+                    .map_err(|e| Error::driver("cuStreamWaitEvent", e))?,
+                // Another backend: refused above.
+                _ => {}
+            }
         }
         Ok(out)
     }
