@@ -823,7 +823,10 @@ pub(crate) fn free_remote(session: &Arc<dyn RemoteSession>, id: u64) {
     let taken = FRAMES
         .try_with(|f| {
             let mut frames = f.borrow_mut();
-            match frames.iter_mut().rev().find(|fr| fr.session == addr) {
+            // The outermost frame of the session: its submission is sent
+            // last (a nested blocking call sends its own first), so the
+            // free follows every use recorded on this thread.
+            match frames.iter_mut().find(|fr| fr.session == addr) {
                 Some(fr) => {
                     fr.frees.push(id);
                     true
@@ -1158,6 +1161,37 @@ mod tests {
             kinds.iter().filter(|k| k.1 == "free").count(),
             3,
             "the fork, join and shared events: {kinds:?}"
+        );
+    }
+
+    #[test]
+    fn a_buffer_dropped_inside_a_nested_submission_is_freed_by_the_outer_one() {
+        use crate::prelude::*;
+        let capture = Arc::new(Capture::default());
+        let remote = Arc::new(RemotePolicy::new(&capture).with_streams(1));
+        let inner = remote.clone();
+        // The outer submission allocates `b`; a closure of it runs an inner
+        // blocking submission, which drops `b` while it records. The inner
+        // message is sent first: `b`'s free must ride the outer one.
+        zeros::<u8>(4)
+            .then(move |b| {
+                let r = zeros::<u8>(2)
+                    .then(move |c| {
+                        drop(b);
+                        d2h(c)
+                    })
+                    .sync_with(&*inner)
+                    .unwrap();
+                value(r.len())
+            })
+            .sync_with(&*remote)
+            .unwrap();
+        let sent = capture.sent.lock().unwrap();
+        assert_eq!(sent.len(), 2);
+        assert_eq!(streams_and_kinds(&sent[0]), [(0, "alloc"), (0, "read")]);
+        assert_eq!(
+            streams_and_kinds(&sent[1]),
+            [(0, "alloc"), (0, "free"), (0, "free")]
         );
     }
 
