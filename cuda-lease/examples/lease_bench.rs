@@ -15,7 +15,8 @@
 //! `--transfers-only` skips the lease-allocation measurements (they sleep to
 //! let the worker pool refill). `LEASE_BENCH_ITERS` sets the BATCH
 //! iterations (default 2000), `LEASE_BENCH_XFER_ITERS` the MEM_WRITE /
-//! MEM_READ iterations (default 5).
+//! MEM_READ iterations (default 5), `LEASE_BENCH_SPIN_US` the workers' pipe
+//! spin budget ([`WorkerSpec::spin`]; default: `cuda_lease::spin::default_spin`).
 //!
 //! ```text
 //! cargo run --release -p cuda-lease --example lease_bench -- --memory-device --transfers-only
@@ -146,7 +147,15 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     } else {
         DeviceSpec::Cuda { ordinal: 0 }
     };
-    let mut cfg = NodeConfig::new(WorkerSpec::current_exe(device)?);
+    let mut worker = WorkerSpec::current_exe(device)?;
+    if let Some(us) = std::env::var("LEASE_BENCH_SPIN_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        worker.spin = Duration::from_micros(us);
+    }
+    println!("worker pipe spin: {:?}", worker.spin);
+    let mut cfg = NodeConfig::new(worker);
     cfg.tokens = vec!["bench".into()];
     cfg.submit_workers = 1;
     cfg.prestart_workers = 1;

@@ -8,6 +8,7 @@
 //!   metrics). Also embeddable: [`node::Node::spawn_local`].
 //! - [`worker`]: the worker processes that own CUDA contexts, and the
 //!   [`worker::main_if_worker`] hook every worker executable calls first.
+//! - [`spin`]: bounded busy-polling of the worker pipes (latency).
 //! - [`device`]: the device layer ([`device::CudaDevice`] and the in-memory
 //!   test double [`device::MemoryDevice`]).
 //! - [`client`]: [`client::Lease`], [`client::Session`], batches and the
@@ -67,6 +68,8 @@ pub mod ptx;
 pub mod remote;
 #[cfg(feature = "node")]
 mod shm;
+#[cfg(feature = "node")]
+pub mod spin;
 pub mod tls;
 #[cfg(feature = "node")]
 pub mod worker;

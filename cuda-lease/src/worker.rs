@@ -37,6 +37,10 @@ use crate::shm::{ShmRing, WorkerRing, SHM_ENV};
 /// the device: `cuda:<ordinal>` or `memory:<capacity bytes>`.
 pub const WORKER_ENV: &str = "CUDA_LEASE_WORKER";
 
+/// Environment variable with a worker's spin budget in microseconds
+/// ([`WorkerSpec::spin`]).
+const SPIN_ENV: &str = "CUDA_LEASE_WORKER_SPIN_US";
+
 /// Which device a worker drives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeviceSpec {
@@ -85,6 +89,10 @@ pub struct WorkerSpec {
     pub args: Vec<OsString>,
     /// Device to drive.
     pub device: DeviceSpec,
+    /// How long the worker, after each reply, and the node, after each
+    /// request, poll the pipe without sleeping before they block (see
+    /// [`crate::spin`]); zero blocks at once.
+    pub spin: Duration,
 }
 
 impl WorkerSpec {
@@ -98,6 +106,7 @@ impl WorkerSpec {
             program: std::env::current_exe()?,
             args: Vec::new(),
             device,
+            spin: crate::spin::default_spin(),
         })
     }
 }
@@ -317,7 +326,17 @@ fn run_worker(spec: &str) -> i32 {
         }
     };
     let mut submit_modules: HashSet<ModuleHash> = HashSet::new();
+    // How long to poll for the next request before blocking (the node
+    // passes its budget; absent: block at once).
+    let spin = std::env::var(SPIN_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(Duration::ZERO, Duration::from_micros);
     loop {
+        if input.buffer().is_empty() {
+            use std::os::fd::AsRawFd;
+            crate::spin::readable_within(std::io::stdin().as_raw_fd(), spin);
+        }
         let header = match proto::read_header_blocking(&mut input, &WORKER_LIMITS) {
             Ok(h) => h,
             // End of file: the node is gone or done with us.
@@ -690,6 +709,8 @@ pub(crate) struct WorkerProcess {
     pid: Option<u32>,
     /// The bulk-data ring shared with the process.
     ring: Arc<ShmRing>,
+    /// How long to poll for a reply before awaiting it ([`crate::spin`]).
+    spin: Duration,
 }
 
 impl std::fmt::Debug for WorkerProcess {
@@ -709,6 +730,7 @@ impl WorkerProcess {
         cmd.args(&spec.args)
             .env(WORKER_ENV, spec.device.to_env())
             .env(SHM_ENV, ring.path())
+            .env(SPIN_ENV, spec.spin.as_micros().to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -764,6 +786,7 @@ impl WorkerProcess {
             child: StdMutex::new(Some(child)),
             info,
             pid,
+            spin: spec.spin,
         })
     }
 
@@ -837,6 +860,11 @@ impl WorkerProcess {
             }
             io.stdin.flush().await?;
             hops::mark(&mut hop, "pipe_send");
+            if io.stdout.buffer().is_empty() {
+                use std::os::fd::AsRawFd;
+                let fd = io.stdout.get_ref().as_raw_fd();
+                crate::spin::readable_within_async(fd, self.spin).await;
+            }
             let f = proto::read_frame(&mut io.stdout, &WORKER_LIMITS).await;
             if let (Some(t), Ok(f)) = (&mut hop, &f) {
                 t.mark("pipe_reply");

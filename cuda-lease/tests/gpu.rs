@@ -217,6 +217,7 @@ fn gpu_config() -> NodeConfig {
         program: worker_exe(),
         args: Vec::new(),
         device: DeviceSpec::Cuda { ordinal: 0 },
+        spin: cuda_lease::spin::default_spin(),
     });
     cfg.tokens = vec![TOKEN.into()];
     cfg.submit_workers = 2;

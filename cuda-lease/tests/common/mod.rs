@@ -37,6 +37,7 @@ pub fn memory_config(capacity: u64) -> NodeConfig {
         program: worker_exe(),
         args: Vec::new(),
         device: DeviceSpec::Memory { capacity },
+        spin: cuda_lease::spin::default_spin(),
     });
     cfg.tokens = vec![TOKEN.into()];
     cfg.capacity = Some(capacity);
