@@ -914,12 +914,9 @@ mod cuda {
     use std::collections::HashMap;
     use std::sync::Arc;
 
-    use cuda_async::{
-        launch, CudaStream, DeviceBuffer, DeviceOpExt, DynArg, DynArgs, Error, Kernel,
-        LaunchConfig, Module, PinnedBuffer,
-    };
-    use cuda_core::cudarc::driver::{result, DevicePtrMut};
-    use cuda_core::CudaEvent;
+    use cuda_async::{CudaStream, DeviceBuffer, Error, Kernel, LaunchConfig, Module, PinnedBuffer};
+    use cuda_core::cudarc::driver::{result, DevicePtr, DevicePtrMut, PushKernelArg};
+    use cuda_core::{CudaEvent, ParamClass};
 
     use super::{
         mem_arg, not_found, range, same_buffer, too_many_streams, Device, DeviceArg, DeviceError,
@@ -936,6 +933,11 @@ mod cuda {
     /// JIT-loaded, CUDA C compiled by NVRTC for this device, once per
     /// content), launched with run-time argument lists checked against
     /// their PTX parameters.
+    ///
+    /// A batch's launches cost one driver call each: a buffer's uses on one
+    /// stream are recorded in its use events once, when something could
+    /// depend on them (a use on another stream, a copy, the free, the end
+    /// of the batch), not after every launch; see `flush_use`.
     #[derive(Debug)]
     pub struct CudaDevice {
         device: cuda_async::Device,
@@ -943,9 +945,14 @@ mod cuda {
         buffers: HashMap<Id, DeviceBuffer<u8>>,
         events: HashMap<Id, CudaEvent>,
         modules: HashMap<ModuleHash, Module>,
-        kernels: HashMap<(ModuleHash, String), Kernel>,
+        /// Kernels resolved so far, by module and name.
+        kernels: HashMap<ModuleHash, HashMap<String, Kernel>>,
         /// Reads enqueued since the last finish: where they land.
         reads: Vec<(PinnedBuffer<u8>, usize)>,
+        /// Buffers whose latest uses, on the stream named here, are not
+        /// recorded in the buffer's own use events yet (see
+        /// [`CudaDevice::flush_use`]).
+        pending: HashMap<Id, StreamId>,
     }
 
     /// Maps a `cuda-core` error: sticky ones (kernel faults) become sticky
@@ -1017,6 +1024,7 @@ mod cuda {
                 modules: HashMap::new(),
                 kernels: HashMap::new(),
                 reads: Vec::new(),
+                pending: HashMap::new(),
             })
         }
 
@@ -1048,6 +1056,65 @@ mod cuda {
             self.buffers.get(&id).ok_or_else(|| not_found("buffer", id))
         }
 
+        /// Records the deferred uses of buffer `id` (if any) in its use
+        /// events, on the stream they were enqueued on.
+        ///
+        /// Allocations and launches do not record an event per buffer per
+        /// command: a buffer's uses on one stream are ordered by the stream
+        /// itself, so they are marked pending and recorded once, before
+        /// anything could depend on the events: a use on another stream, a
+        /// copy, read, write or fill (which order themselves by those
+        /// events), the free, or the end of the batch. Recording later on
+        /// the same stream covers every earlier use; a wait on it may wait
+        /// for more of that stream than needed, never less.
+        fn flush_use(&mut self, id: Id) -> Result<(), DeviceError> {
+            let Some(s) = self.pending.remove(&id) else {
+                return Ok(());
+            };
+            let (Some(stream), Some(buf)) = (self.streams.get(&s), self.buffers.get(&id)) else {
+                return Ok(());
+            };
+            Self::raw(buf)
+                .after_write(stream)
+                .map_err(|e| map(Status::Internal, "recording a buffer's use", e))
+        }
+
+        /// Orders a use of buffer `id` on `stream` after its uses elsewhere,
+        /// and marks it pending there (see [`CudaDevice::flush_use`]).
+        fn use_on(&mut self, id: Id, stream: StreamId, s: &CudaStream) -> Result<(), DeviceError> {
+            if self.pending.get(&id) == Some(&stream) {
+                // Same stream: ordered by the stream.
+                return Ok(());
+            }
+            self.flush_use(id)?;
+            Self::raw(self.buffer(id)?)
+                .before_write(s)
+                .map_err(|e| map(Status::Internal, "ordering a buffer's use", e))?;
+            self.pending.insert(id, stream);
+            Ok(())
+        }
+
+        /// The kernel `name` of a loaded module, resolved on first use.
+        fn kernel(&mut self, module: ModuleHash, name: &str) -> Result<Kernel, DeviceError> {
+            if let Some(k) = self.kernels.get(&module).and_then(|m| m.get(name)) {
+                return Ok(k.clone());
+            }
+            let m = self
+                .modules
+                .get(&module)
+                .ok_or_else(|| not_found("module", module))?;
+            let k = m
+                .kernel(name)
+                .map_err(|e| map(Status::NotFound, "kernel", e))?;
+            k.load_on(&self.device)
+                .map_err(|e| map(Status::NotFound, "kernel", e))?;
+            self.kernels
+                .entry(module)
+                .or_default()
+                .insert(name.to_owned(), k.clone());
+            Ok(k)
+        }
+
         /// Waits for every stream; a failure is sticky (a kernel fault).
         fn sync_all(&mut self) -> Result<(), DeviceError> {
             for s in self.streams.values() {
@@ -1059,6 +1126,29 @@ mod cuda {
             }
             Ok(())
         }
+    }
+
+    /// The launch configuration's limits (as `cuda-async` checks them):
+    /// a non-empty grid and block, at most 1024 threads per block, block z
+    /// at most 64, grid y and z at most 65535.
+    fn check_config(c: &LaunchConfig) -> Result<(), String> {
+        let (gx, gy, gz) = c.grid_dim;
+        let (bx, by, bz) = c.block_dim;
+        let threads = u64::from(bx) * u64::from(by) * u64::from(bz);
+        if gx == 0 || gy == 0 || gz == 0 || threads == 0 {
+            return Err(format!(
+                "launch config has an empty grid {:?} or block {:?}",
+                c.grid_dim, c.block_dim
+            ));
+        }
+        if threads > 1024 || bz > 64 || gy > 65535 || gz > 65535 {
+            return Err(format!(
+                "launch config exceeds CUDA limits: block {:?} ({threads} threads, max 1024, \
+                 z max 64), grid {:?} (y, z max 65535)",
+                c.block_dim, c.grid_dim
+            ));
+        }
+        Ok(())
     }
 
     impl Device for CudaDevice {
@@ -1085,13 +1175,33 @@ mod cuda {
                     format!("id {id} is in use"),
                 ));
             }
+            let sid = stream;
             let stream = self.stream(stream)?;
             let n = usize::try_from(size)
                 .map_err(|_| DeviceError::new(Status::CapacityExceeded, "size too large"))?;
-            let buf = cuda_core::DeviceBuffer::<u8>::zeros(&stream, n)
+            if n == 0 {
+                let buf = cuda_core::DeviceBuffer::<u8>::zeros(&stream, n)
+                    .map_err(|e| map(Status::CapacityExceeded, "cuMemAllocAsync", e))?;
+                self.buffers.insert(id, buf.into());
+                return Ok(());
+            }
+            // SAFETY: the memset below, on the allocating stream, writes
+            // every byte before anything else can use the buffer (later
+            // commands on this stream follow it; other streams wait for the
+            // use recorded by `flush_use`).
+            let mut buf = unsafe { cuda_core::DeviceBuffer::<u8>::uninit(&stream, n) }
                 .map_err(|e| map(Status::CapacityExceeded, "cuMemAllocAsync", e))?;
+            let zeroed = {
+                let (ptr, _write) = buf.as_cuda_slice_mut().device_ptr_mut(&stream);
+                // SAFETY: `ptr` addresses the `n` bytes just allocated on
+                // this stream.
+                unsafe { result::memset_d8_async(ptr, 0, n, stream.cu_stream()) }
+            };
             self.buffers.insert(id, buf.into());
-            Ok(())
+            // Pending even if the memset failed: recorded (or the buffer
+            // leaked) like any other use before it is freed.
+            self.pending.insert(id, sid);
+            zeroed.map_err(|e| driver(Status::Internal, "cuMemsetD8Async", e))
         }
 
         fn free(&mut self, _stream: StreamId, id: Id) -> Result<(), DeviceError> {
@@ -1100,6 +1210,7 @@ mod cuda {
                 return Ok(());
             }
             // Stream-ordered after every use of the buffer, on any stream.
+            self.flush_use(id)?;
             self.buffers
                 .remove(&id)
                 .map(drop)
@@ -1114,6 +1225,7 @@ mod cuda {
             data: &[u8],
         ) -> Result<(), DeviceError> {
             let stream = self.stream(stream)?;
+            self.flush_use(id)?;
             let buf = self
                 .buffers
                 .get_mut(&id)
@@ -1134,6 +1246,7 @@ mod cuda {
             at: usize,
         ) -> Result<(), DeviceError> {
             let stream = self.stream(stream)?;
+            self.flush_use(id)?;
             let buf = self.buffer(id)?;
             let r = range(buf.len(), offset, u64::from(len))?;
             if r.is_empty() {
@@ -1159,6 +1272,7 @@ mod cuda {
             value: u8,
         ) -> Result<(), DeviceError> {
             let stream = self.stream(stream)?;
+            self.flush_use(id)?;
             let buf = self
                 .buffers
                 .get_mut(&id)
@@ -1200,6 +1314,8 @@ mod cuda {
                 return Err(same_buffer());
             }
             let stream = self.stream(stream)?;
+            self.flush_use(src.0)?;
+            self.flush_use(dst.0)?;
             let rs = range(self.buffer(src.0)?.len(), src.1, len)?;
             let rd = range(self.buffer(dst.0)?.len(), dst.1, len)?;
             if rs.is_empty() {
@@ -1286,7 +1402,7 @@ mod cuda {
             // Nothing of it may run when it unloads: wait for every stream,
             // then let go of its kernels and its cache entry.
             self.sync_all()?;
-            self.kernels.retain(|(m, _), _| *m != hash);
+            self.kernels.remove(&hash);
             // SAFETY: every stream of this context is idle, and the kernels
             // resolved from this module are dropped.
             unsafe { module.evict_on(&self.device) };
@@ -1301,51 +1417,81 @@ mod cuda {
             dims: LaunchDims,
             args: &[DeviceArg<'_>],
         ) -> Result<(), DeviceError> {
+            let sid = stream;
             let stream = self.stream(stream)?;
-            let key = (module, kernel.to_owned());
-            if !self.kernels.contains_key(&key) {
-                let m = self
-                    .modules
-                    .get(&module)
-                    .ok_or_else(|| not_found("module", module))?;
-                let k = m
-                    .kernel(kernel)
-                    .map_err(|e| map(Status::NotFound, "kernel", e))?;
-                k.load_on(&self.device)
-                    .map_err(|e| map(Status::NotFound, "kernel", e))?;
-                self.kernels.insert(key.clone(), k);
-            }
-            let k = &self.kernels[&key];
-            let args = args
-                .iter()
-                .map(|a| match a {
-                    DeviceArg::Scalar(b) => Ok(DynArg::Bytes(b.to_vec())),
-                    DeviceArg::Mem { id, offset } => {
-                        let buffer = mem_arg(&self.buffers, *id, *offset, DeviceBuffer::len)?;
-                        Ok(DynArg::Buffer {
-                            buffer,
-                            offset: *offset as usize,
-                        })
-                    }
-                })
-                .collect::<Result<Vec<_>, DeviceError>>()?;
-            let args =
-                DynArgs::new(args).map_err(|e| map(Status::BadRequest, "kernel arguments", e))?;
+            let k = self.kernel(module, kernel)?;
+            let bad = |m: String| DeviceError::new(Status::BadRequest, format!("launch: {m}"));
             let config = LaunchConfig {
                 grid_dim: (dims.grid[0], dims.grid[1], dims.grid[2]),
                 block_dim: (dims.block[0], dims.block[1], dims.block[2]),
                 shared_mem_bytes: dims.shared_mem,
             };
-            // SAFETY: the kernel is the lease holder's code; the arguments
-            // are checked against its PTX parameter list, buffer addresses
-            // come from this context's live buffers (which order this launch
-            // after their other uses and their frees after it, on any
-            // stream), and the output (the argument list) is dropped unread.
-            // What the kernel does with memory is the client's business: a
-            // fault poisons only this worker process.
-            unsafe { launch(k, config, args).async_on(&stream) }
+            check_config(&config).map_err(bad)?;
+            // Checked against the PTX parameter list, as `cuda-async`'s
+            // run-time argument lists are: count, sizes, pointer width.
+            if k.params().is_none() {
+                return Err(map(
+                    Status::BadRequest,
+                    "kernel arguments",
+                    Error::ArgumentMismatch {
+                        kernel: k.name().into(),
+                        detail: "the kernel's parameter list could not be read from its PTX, \
+                                 and run-time arguments are only launched against a known list"
+                            .into(),
+                    },
+                ));
+            }
+            let mut specs = Vec::with_capacity(args.len());
+            // One slot of words per argument: a scalar's bytes, or a buffer's
+            // address; the driver reads each parameter's size from its slot.
+            let mut slots: Vec<Box<[u64]>> = Vec::with_capacity(args.len());
+            for (i, a) in args.iter().enumerate() {
+                match a {
+                    DeviceArg::Scalar(b) => {
+                        if b.is_empty() {
+                            return Err(bad(format!("kernel argument {i} is empty")));
+                        }
+                        let mut words = vec![0u64; b.len().div_ceil(8)].into_boxed_slice();
+                        for (j, byte) in b.iter().enumerate() {
+                            words[j / 8] |= u64::from(*byte) << (8 * (j % 8));
+                        }
+                        specs.push((b.len(), ParamClass::Bits, "bytes"));
+                        slots.push(words);
+                    }
+                    DeviceArg::Mem { id, offset } => {
+                        let buf = mem_arg(&self.buffers, *id, *offset, DeviceBuffer::len)?;
+                        let (ptr, _) = Self::raw(buf).as_cuda_slice().device_ptr(&stream);
+                        specs.push((8, ParamClass::Int, "device address"));
+                        slots.push(Box::new([ptr + *offset]));
+                    }
+                }
+            }
+            k.check_args(&specs)
+                .map_err(|e| map(Status::BadRequest, "kernel arguments", e))?;
+            let func = k
+                .function_on(&self.device)
+                .map_err(|e| map(Status::NotFound, "kernel", e))?;
+            for a in args {
+                if let DeviceArg::Mem { id, .. } = a {
+                    self.use_on(*id, sid, &stream)?;
+                }
+            }
+            let mut b = stream.launch_builder(func);
+            for slot in &slots {
+                b.arg(&slot[0]);
+            }
+            // SAFETY: the kernel is the lease holder's code; the argument
+            // count and sizes match its PTX parameter list (checked above),
+            // so the driver reads valid argument memory (`slots` outlives
+            // the call); buffer addresses come from this context's live
+            // buffers, whose uses on other streams this launch waits for and
+            // whose frees come after it (`use_on` marks it pending, recorded
+            // before anything could depend on it). What the kernel does with
+            // memory is the client's business: a fault poisons only this
+            // worker process.
+            unsafe { b.launch(config) }
                 .map(drop)
-                .map_err(|e| map(Status::LaunchFailed, "launch", e))
+                .map_err(|e| driver(Status::LaunchFailed, "cuLaunchKernel", e))
         }
 
         fn record(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError> {
@@ -1385,6 +1531,17 @@ mod cuda {
         fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError> {
             // Waits for the copies (and surfaces kernel faults here).
             let synced = self.sync_all();
+            if synced.is_ok() {
+                // Every use is done: nothing needs their events.
+                self.pending.clear();
+            } else {
+                // Recorded (or, on a dead context, the buffers marked broken
+                // and leaked when freed), never freed before their uses.
+                let ids: Vec<Id> = self.pending.keys().copied().collect();
+                for id in ids {
+                    let _ = self.flush_use(id);
+                }
+            }
             let reads = std::mem::take(&mut self.reads);
             synced?;
             for (host, at) in reads {

@@ -772,3 +772,107 @@ async fn v2_three_streams_of_a_lease_overlap_on_the_gpu() {
     lease.free().await.unwrap();
     node.shutdown().await;
 }
+
+/// A slow writer for the ordering test: every thread waits `ns` of GPU
+/// time, then writes `y[i] = i + 1`.
+const SLOW_IOTA: &str = r#"
+extern "C" __global__ void slow_iota(unsigned long long ns, float* y, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+    if (i < n) y[i] = (float)(i + 1);
+}
+extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+"#;
+
+/// Buffers order their uses across streams with no event commands: the
+/// worker records a buffer's uses once per stream change (not per
+/// launch), and a reader on another stream, then a writer on a third,
+/// must still see the slow writer's data and not clobber it early.
+#[tokio::test]
+#[ignore = "needs an NVIDIA GPU"]
+async fn v2_buffers_order_their_uses_across_streams_without_events() {
+    let node = gpu_node(gpu_config()).await;
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(16 << 20)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let s = lease.session();
+    let m = Module::cuda(SLOW_IOTA, &[]);
+    s.load(&m).await.unwrap();
+    let n: u32 = 65_536;
+    let bytes = u64::from(n) * 4;
+    let grid = [n.div_ceil(256), 1, 1];
+    for round in 0..3 {
+        let mut rec = s.recorder();
+        let y = rec.alloc(0, bytes);
+        let z = rec.alloc(1, bytes);
+        // 2 ms on stream 0, then y = 1..=n.
+        rec.launch(
+            0,
+            &m,
+            "slow_iota",
+            grid,
+            [256, 1, 1],
+            vec![
+                KernelArg::u64(2_000_000),
+                KernelArg::mem(y),
+                KernelArg::u32(n),
+            ],
+        );
+        // Stream 1 reads y: z = 2 y + 0.
+        for _ in 0..3 {
+            rec.launch(
+                1,
+                &m,
+                "axpy",
+                grid,
+                [256, 1, 1],
+                vec![
+                    KernelArg::f32(0.0),
+                    KernelArg::mem(z),
+                    KernelArg::mem(z),
+                    KernelArg::u32(n),
+                ],
+            );
+        }
+        rec.launch(
+            1,
+            &m,
+            "axpy",
+            grid,
+            [256, 1, 1],
+            vec![
+                KernelArg::f32(2.0),
+                KernelArg::mem(y),
+                KernelArg::mem(z),
+                KernelArg::u32(n),
+            ],
+        );
+        // Stream 2 overwrites y only after stream 1 has read it.
+        rec.fill(2, y, 0, bytes, 0);
+        let rz = rec.read(1, z, 0, bytes as u32);
+        let ry = rec.read(2, y, 0, bytes as u32);
+        rec.free(0, y);
+        rec.free(0, z);
+        let out = rec.submit().await.unwrap().ok().unwrap();
+        let got = bytes_f32(out.read(rz).unwrap());
+        for (i, v) in got.iter().enumerate() {
+            assert_eq!(*v, 2.0 * (i as f32 + 1.0), "round {round}: z[{i}]");
+        }
+        assert!(
+            out.read(ry).unwrap().iter().all(|&b| b == 0),
+            "round {round}: y was not overwritten after its reader"
+        );
+    }
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
