@@ -953,6 +953,64 @@ mod cuda {
         /// recorded in the buffer's own use events yet (see
         /// [`CudaDevice::flush_use`]).
         pending: HashMap<Id, StreamId>,
+        /// Small freed buffers kept for the next allocation of their size.
+        spare: SpareBuffers,
+    }
+
+    /// Most bytes of freed buffers a worker keeps for reuse, and the largest
+    /// buffer it keeps: like the memory pool's release threshold, outside
+    /// any lease's reservation and covered by the node's headroom.
+    const SPARE_BYTES: usize = 8 << 20;
+    const SPARE_BUFFER_MAX: usize = 1 << 20;
+
+    /// Freed buffers of up to [`SPARE_BUFFER_MAX`] bytes, [`SPARE_BYTES`]
+    /// in all, by size. A chain allocates and frees the same small sizes
+    /// batch after batch; handing a freed buffer out again skips
+    /// `cuMemAllocAsync` and `cuMemFreeAsync` (together about 10 us of a
+    /// batch's allocation on an H100).
+    ///
+    /// A buffer freed in a batch is handed out only from the next batch on,
+    /// once the batch's end has waited for every use of it: reused in the
+    /// same batch, its new owner on another stream would wait for its old
+    /// uses, and streams that ran concurrently would run one after another.
+    #[derive(Debug, Default)]
+    struct SpareBuffers {
+        by_len: HashMap<usize, Vec<DeviceBuffer<u8>>>,
+        /// Freed in this batch; their uses may still be running.
+        freed: Vec<DeviceBuffer<u8>>,
+        bytes: usize,
+    }
+
+    impl SpareBuffers {
+        fn take(&mut self, len: usize) -> Option<DeviceBuffer<u8>> {
+            let b = self.by_len.get_mut(&len)?.pop()?;
+            self.bytes -= len;
+            Some(b)
+        }
+
+        /// Keeps `buf` if there is room; else drops it (a stream-ordered
+        /// free after its uses).
+        fn keep(&mut self, buf: DeviceBuffer<u8>) {
+            let len = buf.len();
+            if len == 0 || len > SPARE_BUFFER_MAX || self.bytes + len > SPARE_BYTES {
+                return;
+            }
+            self.bytes += len;
+            self.freed.push(buf);
+        }
+
+        /// At the end of a batch: with every use done (`done`), this
+        /// batch's frees can be handed out; else they are dropped (each a
+        /// free ordered after its recorded uses, or leaked).
+        fn settle(&mut self, done: bool) {
+            for b in std::mem::take(&mut self.freed) {
+                if done {
+                    self.by_len.entry(b.len()).or_default().push(b);
+                } else {
+                    self.bytes -= b.len();
+                }
+            }
+        }
     }
 
     /// Maps a `cuda-core` error: sticky ones (kernel faults) become sticky
@@ -1025,6 +1083,7 @@ mod cuda {
                 kernels: HashMap::new(),
                 reads: Vec::new(),
                 pending: HashMap::new(),
+                spare: SpareBuffers::default(),
             })
         }
 
@@ -1185,23 +1244,33 @@ mod cuda {
                 self.buffers.insert(id, buf.into());
                 return Ok(());
             }
-            // SAFETY: the memset below, on the allocating stream, writes
-            // every byte before anything else can use the buffer (later
-            // commands on this stream follow it; other streams wait for the
-            // use recorded by `flush_use`).
-            let mut buf = unsafe { cuda_core::DeviceBuffer::<u8>::uninit(&stream, n) }
-                .map_err(|e| map(Status::CapacityExceeded, "cuMemAllocAsync", e))?;
-            let zeroed = {
-                let (ptr, _write) = buf.as_cuda_slice_mut().device_ptr_mut(&stream);
-                // SAFETY: `ptr` addresses the `n` bytes just allocated on
-                // this stream.
-                unsafe { result::memset_d8_async(ptr, 0, n, stream.cu_stream()) }
-            };
-            self.buffers.insert(id, buf.into());
-            // Pending even if the memset failed: recorded (or the buffer
-            // leaked) like any other use before it is freed.
-            self.pending.insert(id, sid);
-            zeroed.map_err(|e| driver(Status::Internal, "cuMemsetD8Async", e))
+            match self.spare.take(n) {
+                // A freed buffer of this size: its memset waits for its
+                // earlier uses like any other use (`use_on`).
+                Some(buf) => {
+                    self.buffers.insert(id, buf);
+                    self.use_on(id, sid, &stream)?;
+                }
+                None => {
+                    // SAFETY: the memset below, on the allocating stream,
+                    // writes every byte before anything else can use the
+                    // buffer (later commands on this stream follow it;
+                    // other streams wait for the use `flush_use` records).
+                    let buf = unsafe { cuda_core::DeviceBuffer::<u8>::uninit(&stream, n) }
+                        .map_err(|e| map(Status::CapacityExceeded, "cuMemAllocAsync", e))?;
+                    self.buffers.insert(id, buf.into());
+                    // Pending even if the memset fails: recorded (or the
+                    // buffer leaked) like any other use before it is freed.
+                    self.pending.insert(id, sid);
+                }
+            }
+            let buf = Self::raw_mut(self.buffers.get_mut(&id).expect("inserted above"));
+            let (ptr, _write) = buf.as_cuda_slice_mut().device_ptr_mut(&stream);
+            // SAFETY: `ptr` addresses the `n` bytes of a live allocation,
+            // ordered after its earlier uses (a recycled buffer) or its
+            // allocation on this stream.
+            unsafe { result::memset_d8_async(ptr, 0, n, stream.cu_stream()) }
+                .map_err(|e| driver(Status::Internal, "cuMemsetD8Async", e))
         }
 
         fn free(&mut self, _stream: StreamId, id: Id) -> Result<(), DeviceError> {
@@ -1209,12 +1278,16 @@ mod cuda {
                 // The driver releases a pending event when it completes.
                 return Ok(());
             }
-            // Stream-ordered after every use of the buffer, on any stream.
+            // Stream-ordered after every use of the buffer, on any stream
+            // (its events are complete or recorded before it is dropped or
+            // handed out again).
             self.flush_use(id)?;
-            self.buffers
+            let buf = self
+                .buffers
                 .remove(&id)
-                .map(drop)
-                .ok_or_else(|| not_found("buffer", id))
+                .ok_or_else(|| not_found("buffer", id))?;
+            self.spare.keep(buf);
+            Ok(())
         }
 
         fn write(
@@ -1531,6 +1604,7 @@ mod cuda {
         fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError> {
             // Waits for the copies (and surfaces kernel faults here).
             let synced = self.sync_all();
+            self.spare.settle(synced.is_ok());
             if synced.is_ok() {
                 // Every use is done: nothing needs their events.
                 self.pending.clear();

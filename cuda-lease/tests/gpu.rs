@@ -873,6 +873,48 @@ async fn v2_buffers_order_their_uses_across_streams_without_events() {
             "round {round}: y was not overwritten after its reader"
         );
     }
+    // A freed small buffer is handed out again by a later allocation of
+    // its size (from the next batch on, sent here before the first one's
+    // reply): zeroed, after its last writer, on another stream.
+    for round in 0..3 {
+        let mut first = s.recorder();
+        let a = first.alloc(0, 1024);
+        first.launch(
+            0,
+            &m,
+            "slow_iota",
+            [1, 1, 1],
+            [256, 1, 1],
+            vec![
+                KernelArg::u64(2_000_000),
+                KernelArg::mem(a),
+                KernelArg::u32(256),
+            ],
+        );
+        let ra = first.read(0, a, 0, 1024);
+        first.free(0, a);
+        let first = first.submit();
+        let mut second = s.recorder();
+        let b = second.alloc(1, 1024);
+        let rb = second.read(1, b, 0, 1024);
+        second.free(1, b);
+        let second = second.submit();
+        let (first, second) = tokio::join!(first, second);
+        let first = first.unwrap().ok().unwrap();
+        let want: Vec<f32> = (1..=256).map(|i| i as f32).collect();
+        assert_eq!(bytes_f32(first.read(ra).unwrap()), want, "round {round}");
+        assert!(
+            second
+                .unwrap()
+                .ok()
+                .unwrap()
+                .read(rb)
+                .unwrap()
+                .iter()
+                .all(|&x| x == 0),
+            "round {round}: a reused buffer was not zero"
+        );
+    }
     lease.free().await.unwrap();
     node.shutdown().await;
 }
