@@ -915,7 +915,11 @@ mod cuda {
     use std::sync::Arc;
 
     use cuda_async::{CudaStream, DeviceBuffer, Error, Kernel, LaunchConfig, Module, PinnedBuffer};
-    use cuda_core::cudarc::driver::{result, DevicePtr, DevicePtrMut, PushKernelArg};
+    use std::ptr::NonNull;
+
+    use cuda_core::cudarc::driver::{
+        result, sys, CudaContext, DevicePtr, DevicePtrMut, PushKernelArg,
+    };
     use cuda_core::{CudaEvent, ParamClass};
 
     use super::{
@@ -955,6 +959,88 @@ mod cuda {
         pending: HashMap<Id, StreamId>,
         /// Small freed buffers kept for the next allocation of their size.
         spare: SpareBuffers,
+        /// Where small writes are staged and small reads land (made on
+        /// first use).
+        arena: Option<BatchArena>,
+        /// Reads into the arena since the last finish: (where in the
+        /// reply, where in the arena, length).
+        arena_reads: Vec<(usize, usize, usize)>,
+    }
+
+    /// Bytes of page-locked memory a worker stages a batch's small writes
+    /// and reads in.
+    const ARENA_BYTES: usize = 1 << 20;
+
+    /// Page-locked host memory that a batch's small writes are staged in and
+    /// its small reads land in, handed out front to back and reused after
+    /// each batch's end, which waits for every copy. A write or read that
+    /// does not fit takes the pooled path (`cuda-core`'s staging and
+    /// `PinnedBuffer`s). Staging here skips, per copy, a pool lookup, an
+    /// event and a hand-off to `cuda-core`'s reclaimer thread.
+    #[derive(Debug)]
+    struct BatchArena {
+        ctx: Arc<CudaContext>,
+        ptr: NonNull<u8>,
+        used: usize,
+    }
+
+    // SAFETY: the arena owns its allocation alone, as a `Box<[u8]>` does:
+    // nothing else keeps the pointer, and every copy that uses the memory
+    // completes before the owner reuses or drops it (`CudaDevice::finish`
+    // waits for them; a failed wait leaks the arena). Page-locked memory
+    // has no thread affinity, and `Drop` makes the context current on the
+    // dropping thread before freeing it.
+    unsafe impl Send for BatchArena {}
+
+    impl BatchArena {
+        fn new(ctx: &Arc<CudaContext>) -> Result<Self, DeviceError> {
+            ctx.bind_to_thread()
+                .map_err(|e| driver(Status::Internal, "cuCtxSetCurrent", e))?;
+            // SAFETY: the context is current; flags 0 is plain page-locked
+            // (not write-combined) memory; the result is checked.
+            let p = unsafe { result::malloc_host(ARENA_BYTES, 0) }
+                .map_err(|e| driver(Status::Internal, "cuMemHostAlloc", e))?;
+            let ptr = NonNull::new(p.cast::<u8>())
+                .ok_or_else(|| DeviceError::new(Status::Internal, "cuMemHostAlloc: null"))?;
+            Ok(Self {
+                ctx: ctx.clone(),
+                ptr,
+                used: 0,
+            })
+        }
+
+        /// The offset and address of `len` free bytes (64-byte aligned),
+        /// or `None` if they do not fit.
+        fn take(&mut self, len: usize) -> Option<(usize, *mut u8)> {
+            let start = self.used.next_multiple_of(64);
+            if start.checked_add(len)? > ARENA_BYTES {
+                return None;
+            }
+            self.used = start + len;
+            // SAFETY: `start + len <= ARENA_BYTES`: inside the allocation.
+            Some((start, unsafe { self.ptr.as_ptr().add(start) }))
+        }
+
+        /// `len` bytes at `off`.
+        ///
+        /// # Safety
+        /// No copy into them is in flight.
+        unsafe fn bytes(&self, off: usize, len: usize) -> &[u8] {
+            assert!(off + len <= ARENA_BYTES, "inside the arena");
+            // SAFETY: in bounds (above), initialised by the copy that
+            // completed (the caller's contract), not written while borrowed
+            // (`&self`; copies are enqueued through `&mut self`).
+            unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
+        }
+    }
+
+    impl Drop for BatchArena {
+        fn drop(&mut self) {
+            let _ = self.ctx.bind_to_thread();
+            // SAFETY: allocated by `cuMemHostAlloc`; dropped only when no
+            // copy uses it (see the `Send` justification above).
+            let _ = unsafe { result::free_host(self.ptr.as_ptr().cast()) };
+        }
     }
 
     /// Most bytes of freed buffers a worker keeps for reuse, and the largest
@@ -1084,6 +1170,8 @@ mod cuda {
                 reads: Vec::new(),
                 pending: HashMap::new(),
                 spare: SpareBuffers::default(),
+                arena: None,
+                arena_reads: Vec::new(),
             })
         }
 
@@ -1151,6 +1239,18 @@ mod cuda {
                 .map_err(|e| map(Status::Internal, "ordering a buffer's use", e))?;
             self.pending.insert(id, stream);
             Ok(())
+        }
+
+        /// `len` bytes of the batch arena, or `None` when they do not fit
+        /// (the caller takes the pooled path).
+        fn arena_take(&mut self, len: usize) -> Result<Option<(usize, *mut u8)>, DeviceError> {
+            if len > ARENA_BYTES / 4 {
+                return Ok(None);
+            }
+            if self.arena.is_none() {
+                self.arena = Some(BatchArena::new(self.device.context())?);
+            }
+            Ok(self.arena.as_mut().and_then(|a| a.take(len)))
         }
 
         /// The kernel `name` of a loaded module, resolved on first use.
@@ -1297,13 +1397,40 @@ mod cuda {
             offset: u64,
             data: &[u8],
         ) -> Result<(), DeviceError> {
+            let sid = stream;
             let stream = self.stream(stream)?;
+            let r = range(self.buffer(id)?.len(), offset, data.len() as u64)?;
+            if r.is_empty() {
+                return Ok(());
+            }
+            if let Some((_, host)) = self.arena_take(r.len())? {
+                // SAFETY: `host` addresses `r.len()` free bytes of the
+                // arena (no copy uses them until the one below), and `data`
+                // has as many; they cannot overlap.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), host, r.len()) };
+                self.use_on(id, sid, &stream)?;
+                let buf = Self::raw_mut(self.buffers.get_mut(&id).expect("checked above"));
+                let (dptr, _w) = buf.as_cuda_slice_mut().device_ptr_mut(&stream);
+                // SAFETY: `dptr + r.start` addresses `r.len()` bytes of a
+                // live buffer (range checked), ordered after its other
+                // uses (`use_on`); the arena bytes stay untouched until the
+                // batch's end has waited for this copy.
+                return unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        dptr + r.start as u64,
+                        host.cast::<std::ffi::c_void>(),
+                        r.len(),
+                        stream.cu_stream(),
+                    )
+                }
+                .result()
+                .map_err(|e| driver(Status::Internal, "cuMemcpyHtoDAsync", e));
+            }
             self.flush_use(id)?;
             let buf = self
                 .buffers
                 .get_mut(&id)
                 .ok_or_else(|| not_found("buffer", id))?;
-            let r = range(buf.len(), offset, data.len() as u64)?;
             // Staged through pooled pinned memory: a host memcpy, then an
             // asynchronous copy; `data` is free once this returns.
             cuda_core::staging::upload_at(data, Self::raw_mut(buf), r.start, &stream)
@@ -1318,14 +1445,38 @@ mod cuda {
             len: u32,
             at: usize,
         ) -> Result<(), DeviceError> {
+            let sid = stream;
             let stream = self.stream(stream)?;
-            self.flush_use(id)?;
-            let buf = self.buffer(id)?;
-            let r = range(buf.len(), offset, u64::from(len))?;
+            let r = range(self.buffer(id)?.len(), offset, u64::from(len))?;
             if r.is_empty() {
                 return Ok(());
             }
             let st = Status::ReadFailed;
+            if let Some((off, host)) = self.arena_take(r.len())? {
+                self.use_on(id, sid, &stream)?;
+                let dptr = {
+                    let buf = Self::raw(self.buffer(id)?);
+                    buf.as_cuda_slice().device_ptr(&stream).0
+                };
+                // SAFETY: `host` addresses `r.len()` free bytes of the
+                // arena, read only after the batch's end waited for this
+                // copy; `dptr + r.start` addresses `r.len()` bytes of a live
+                // buffer (range checked), ordered after its writes.
+                unsafe {
+                    sys::cuMemcpyDtoHAsync_v2(
+                        host.cast::<std::ffi::c_void>(),
+                        dptr + r.start as u64,
+                        r.len(),
+                        stream.cu_stream(),
+                    )
+                }
+                .result()
+                .map_err(|e| driver(st, "cuMemcpyDtoHAsync", e))?;
+                self.arena_reads.push((at, off, r.len()));
+                return Ok(());
+            }
+            self.flush_use(id)?;
+            let buf = self.buffer(id)?;
             // SAFETY: the download below overwrites every byte before any
             // host access, which waits for it.
             let mut host = unsafe { PinnedBuffer::<u8>::uninit(&self.device, r.len()) }
@@ -1617,7 +1768,22 @@ mod cuda {
                 }
             }
             let reads = std::mem::take(&mut self.reads);
+            let arena_reads = std::mem::take(&mut self.arena_reads);
+            if synced.is_err() {
+                // Copies may still use it: never reuse or free it.
+                std::mem::forget(self.arena.take());
+            }
             synced?;
+            if let Some(arena) = &mut self.arena {
+                for (at, off, len) in arena_reads {
+                    // SAFETY: every copy of the batch is done (synced).
+                    let bytes = unsafe { arena.bytes(off, len) };
+                    if let Some(dst) = out.get_mut(at..at + len) {
+                        dst.copy_from_slice(bytes);
+                    }
+                }
+                arena.used = 0;
+            }
             for (host, at) in reads {
                 let bytes = host
                     .as_slice()
