@@ -582,6 +582,17 @@ extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {
     unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = a * x[i] + y[i];
 }
+// A slow writer (the ordering test): every thread waits `ns` of GPU time,
+// then writes `y[i] = i + 1`.
+extern "C" __global__ void slow_iota(unsigned long long ns, float* y, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+    if (i < n) y[i] = (float)(i + 1);
+}
 extern "C" __global__ void spin(unsigned long long ns, unsigned long long* out) {
     unsigned long long start, now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
@@ -773,24 +784,6 @@ async fn v2_three_streams_of_a_lease_overlap_on_the_gpu() {
     node.shutdown().await;
 }
 
-/// A slow writer for the ordering test: every thread waits `ns` of GPU
-/// time, then writes `y[i] = i + 1`.
-const SLOW_IOTA: &str = r#"
-extern "C" __global__ void slow_iota(unsigned long long ns, float* y, unsigned n) {
-    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
-    if (i < n) y[i] = (float)(i + 1);
-}
-extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {
-    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + y[i];
-}
-"#;
-
 /// Buffers order their uses across streams with no event commands: the
 /// worker records a buffer's uses once per stream change (not per
 /// launch), and a reader on another stream, then a writer on a third,
@@ -806,7 +799,7 @@ async fn v2_buffers_order_their_uses_across_streams_without_events() {
         .await
         .unwrap();
     let s = lease.session();
-    let m = Module::cuda(SLOW_IOTA, &[]);
+    let m = Module::cuda(CUDA_KERNELS, &[]);
     s.load(&m).await.unwrap();
     let n: u32 = 65_536;
     let bytes = u64::from(n) * 4;
