@@ -45,6 +45,8 @@ mod book {
     struct Ops;
     #[doc = include_str!("../../book/src/async.md")]
     struct Async;
+    #[doc = include_str!("../../book/src/errors.md")]
+    struct Errors;
 }
 mod buffer;
 mod completion;

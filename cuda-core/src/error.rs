@@ -126,9 +126,43 @@ impl Error {
         }
     }
 
-    /// Whether this error leaves the process's CUDA state unusable.
+    /// Whether this error leaves the process's CUDA state unusable: every
+    /// later CUDA call of this process fails, so a service should restart
+    /// the process (a remote lease's fault is [`Error::LaunchFailed`]
+    /// instead: it ends that lease's worker, not this process).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use cuda_core::Error;
+    /// use cudarc::driver::{sys::CUresult, DriverError};
+    /// let fault = Error::driver("cuStreamSynchronize", DriverError(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS));
+    /// assert!(fault.is_sticky() && !fault.is_retryable());
+    /// ```
     pub fn is_sticky(&self) -> bool {
         matches!(self, Error::Poisoned { .. })
+    }
+
+    /// Whether the same op may succeed if run again later, unchanged, in
+    /// this process: out of device memory (locally, or the lease's
+    /// reservation or the node's capacity), or a lost connection to a node
+    /// (reconnect, then retry). Everything else needs a change first: a
+    /// fix to the call (arguments, kernels, modules), an install (driver,
+    /// NVRTC), a new lease ([`Error::LeaseExpired`], a remote fault), or a
+    /// new process ([`Error::is_sticky`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use cuda_core::Error;
+    /// use cudarc::driver::{sys::CUresult, DriverError};
+    /// let oom = Error::driver("cuMemAllocAsync", DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+    /// assert!(oom.is_retryable() && !oom.is_sticky());
+    /// assert!(!Error::InvalidArgument("length 3, expected 4".into()).is_retryable());
+    /// ```
+    pub fn is_retryable(&self) -> bool {
+        self.is_out_of_memory()
+            || matches!(self, Error::CapacityExceeded(_) | Error::Disconnected(_))
     }
 
     /// Whether this is the driver running out of device memory.
@@ -195,10 +229,17 @@ impl fmt::Display for Error {
             Error::NoSuchDevice { ordinal, count } => {
                 write!(
                     f,
-                    "no CUDA device {ordinal}: the driver reports {count} device(s)"
+                    "no CUDA device {ordinal}: the driver reports {count} device(s) (use an \
+                     ordinal below {count}; `nvidia-smi -L` lists them)"
                 )
             }
-            Error::Driver { call, code } => write!(f, "{call} failed: {}", describe(code)),
+            Error::Driver { call, code } => {
+                write!(f, "{call} failed: {}", describe(code))?;
+                if code.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                    write!(f, " (free device buffers, or retry when other work has)")?;
+                }
+                Ok(())
+            }
             Error::Poisoned { code } => write!(
                 f,
                 "CUDA state is poisoned by a sticky error ({}); every later CUDA call in this \
@@ -220,27 +261,51 @@ impl fmt::Display for Error {
                     write!(f, "; its kernels are: {}", entries.join(", "))
                 }
             }
-            Error::ArgumentMismatch { kernel, detail } => {
-                write!(f, "arguments do not match kernel `{kernel}`: {detail}")
-            }
+            Error::ArgumentMismatch { kernel, detail } => write!(
+                f,
+                "arguments do not match kernel `{kernel}`: {detail} (pass what its PTX \
+                 parameter list declares)"
+            ),
             Error::InvalidArgument(what) => write!(f, "invalid argument: {what}"),
-            Error::LeaseExpired(m) => write!(f, "lease expired: {m}"),
-            Error::CapacityExceeded(m) => write!(f, "capacity exceeded: {m}"),
-            Error::Disconnected(m) => write!(f, "disconnected: {m}"),
-            Error::Unauthorized(m) => write!(f, "unauthorized: {m}"),
+            Error::LeaseExpired(m) => write!(
+                f,
+                "lease expired: {m} (its buffers are gone: lease again, with a longer TTL \
+                 or auto-renew)"
+            ),
+            Error::CapacityExceeded(m) => write!(
+                f,
+                "capacity exceeded: {m} (free buffers of the lease, or lease more VRAM)"
+            ),
+            Error::Disconnected(m) => write!(
+                f,
+                "disconnected: {m} (check that the node is up and reachable, then reconnect)"
+            ),
+            Error::Unauthorized(m) => write!(
+                f,
+                "unauthorized: {m} (check the token or client certificate, and that the \
+                 lease is yours)"
+            ),
             Error::LoadFailed(m) => write!(f, "module load failed: {m}"),
-            Error::LaunchFailed(m) => write!(f, "launch failed: {m}"),
-            Error::NeedsLocalStream { op, context } => {
-                write!(f, "{op} needs a local CUDA stream, but runs on {context}")
-            }
+            Error::LaunchFailed(m) => write!(
+                f,
+                "launch failed: {m} (if a kernel faulted, the lease is gone: fix the kernel \
+                 or its arguments, then lease again)"
+            ),
+            Error::NeedsLocalStream { op, context } => write!(
+                f,
+                "{op} needs a local CUDA stream, but runs on {context} (run it with a local \
+                 policy, or build it from the crate's ops)"
+            ),
             Error::WrongHome { buffer, context } => write!(
                 f,
-                "a buffer of {buffer} is used by an op that runs on {context}"
+                "a buffer of {buffer} is used by an op that runs on {context} (run the op \
+                 where the buffer lives, or move the data with d2h and h2d)"
             ),
             Error::SharedPoisoned => {
                 write!(
                     f,
-                    "a shared op panicked when it first ran; its result is unavailable"
+                    "a shared op panicked when it first ran; its result is unavailable \
+                     (build the op again)"
                 )
             }
             Error::Other(e) => write!(f, "{e}"),
@@ -297,6 +362,7 @@ mod tests {
             "{s}"
         );
         assert!(!e.is_sticky());
+        assert!(!e.is_retryable());
     }
 
     #[test]
@@ -308,6 +374,69 @@ mod tests {
         assert!(e.is_sticky());
         assert!(e.to_string().contains("poisoned"), "{e}");
         assert_eq!(e.driver_code(), Some(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS));
+    }
+
+    #[test]
+    fn every_error_says_what_to_do_and_whether_to_retry() {
+        let s = |v: &str| v.to_string();
+        let oom = Error::driver(
+            "cuMemAllocAsync",
+            DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY),
+        );
+        // (error, a phrase of its advice, retryable)
+        let cases = [
+            (Error::NoDriver, "install the NVIDIA driver", false),
+            (Error::NoNvrtc, "NVRTC", false),
+            (
+                Error::NoSuchDevice {
+                    ordinal: 3,
+                    count: 1,
+                },
+                "ordinal below 1",
+                false,
+            ),
+            (oom, "free device buffers", true),
+            (
+                Error::ArgumentMismatch {
+                    kernel: s("axpy"),
+                    detail: s("argument 2 is 4 bytes, the kernel's is 8"),
+                },
+                "argument 2",
+                false,
+            ),
+            (Error::LeaseExpired(s("lease 1")), "lease again", false),
+            (Error::CapacityExceeded(s("1 GiB")), "lease more VRAM", true),
+            (Error::Disconnected(s("timed out")), "reconnect", true),
+            (
+                Error::Unauthorized(s("bad token")),
+                "check the token",
+                false,
+            ),
+            (Error::LaunchFailed(s("fault")), "lease again", false),
+            (
+                Error::NeedsLocalStream {
+                    op: s("interop"),
+                    context: s("stream 0 of lease 1"),
+                },
+                "local policy",
+                false,
+            ),
+            (
+                Error::WrongHome {
+                    buffer: s("local GPU 0"),
+                    context: s("stream 0 of lease 1"),
+                },
+                "move the data",
+                false,
+            ),
+            (Error::SharedPoisoned, "build the op again", false),
+        ];
+        for (e, advice, retry) in cases {
+            let m = e.to_string();
+            assert!(m.contains(advice), "{m:?} lacks {advice:?}");
+            assert_eq!(e.is_retryable(), retry, "{m}");
+            assert!(!e.is_sticky(), "{m}");
+        }
     }
 
     #[test]
