@@ -47,6 +47,8 @@ mod book {
     struct Async;
     #[doc = include_str!("../../book/src/errors.md")]
     struct Errors;
+    #[doc = include_str!("../../book/src/scheduling.md")]
+    struct Scheduling;
 }
 mod buffer;
 mod completion;
