@@ -616,3 +616,56 @@ async fn a_kernel_fault_fails_its_lease_and_leaves_other_leases_working() {
     assert_eq!(out.to_vec().unwrap(), reference(&x, &y, 3.0));
     node.shutdown().await;
 }
+
+/// `DeviceFuture`s are plain futures: `futures`' combinators drive them on
+/// any executor, here a `FuturesUnordered` (results as they complete) and
+/// `join_all` (results in order), and a `Stream` of a batch's results.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_futures_compose_with_the_futures_crate() {
+    use futures::stream::{FuturesUnordered, StreamExt};
+
+    let node = Node::spawn_local(memory_config(1 << 24)).await.unwrap();
+    let lease = lease_on(&node, 1 << 23).await;
+    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let k = kernels();
+    let inputs: Vec<(Vec<f32>, Vec<f32>, f32)> = (0..16u64)
+        .map(|i| {
+            let n = 50 + i as usize * 13;
+            (random_f32(n, i), random_f32(n, i + 100), i as f32 * 0.5)
+        })
+        .collect();
+    let run = |i: usize| {
+        let (x, y, a) = inputs[i].clone();
+        pipeline(x, y, a, &k).schedule(&remote).unwrap()
+    };
+    // As they complete: each result still matches its own input.
+    let mut unordered: FuturesUnordered<_> = (0..inputs.len())
+        .map(|i| {
+            let f = run(i);
+            async move { (i, f.await) }
+        })
+        .collect();
+    let mut seen = vec![false; inputs.len()];
+    while let Some((i, out)) = unordered.next().await {
+        let (x, y, a) = &inputs[i];
+        assert_eq!(out.unwrap().to_vec().unwrap(), reference(x, y, *a), "{i}");
+        seen[i] = true;
+    }
+    assert!(seen.iter().all(|&s| s));
+    // In order.
+    let outs = futures::future::join_all((0..inputs.len()).map(run)).await;
+    for (i, out) in outs.into_iter().enumerate() {
+        let (x, y, a) = &inputs[i];
+        assert_eq!(out.unwrap().to_vec().unwrap(), reference(x, y, *a), "{i}");
+    }
+    // A stream of results, at most 4 submissions in flight.
+    let total: usize = futures::stream::iter(0..inputs.len())
+        .map(run)
+        .buffered(4)
+        .map(|out| out.unwrap().to_vec().unwrap().len())
+        .fold(0, |acc, n| async move { acc + n })
+        .await;
+    assert_eq!(total, inputs.iter().map(|(x, _, _)| x.len()).sum::<usize>());
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
