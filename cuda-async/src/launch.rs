@@ -508,7 +508,25 @@ pub unsafe fn launch<A: KernelArgs>(kernel: &Kernel, config: LaunchConfig, args:
     }
 }
 
-fn check_config(c: &LaunchConfig) -> Result<()> {
+/// Checks a launch configuration against CUDA's limits: a non-empty grid
+/// and block, at most 1024 threads per block, block z at most 64, grid y
+/// and z at most 65535. [`launch`] checks every configuration this way
+/// before enqueuing; code that launches through the driver itself (the
+/// lease node's workers) uses it to fail the same way.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming the configuration and the limit.
+///
+/// # Examples
+///
+/// ```
+/// use cuda_async::{check_launch_config, LaunchConfig};
+/// let mut c = LaunchConfig::for_num_elems(1000);
+/// assert!(check_launch_config(&c).is_ok());
+/// c.block_dim = (2048, 1, 1);
+/// assert!(check_launch_config(&c).is_err());
+/// ```
+pub fn check_launch_config(c: &LaunchConfig) -> Result<()> {
     let (gx, gy, gz) = c.grid_dim;
     let (bx, by, bz) = c.block_dim;
     let threads = bx as u64 * by as u64 * bz as u64;
@@ -532,7 +550,7 @@ impl<A: KernelArgs> DeviceOp for Launch<A> {
     type Output = A;
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<A> {
-        check_config(&self.config)?;
+        check_launch_config(&self.config)?;
         if let Some(r) = ctx.as_remote() {
             // Checked here when the parameter list is known (PTX, or a
             // module this process loaded); the node checks again against
@@ -590,7 +608,7 @@ mod tests {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        assert!(check_config(&ok).is_ok());
+        assert!(check_launch_config(&ok).is_ok());
         for bad in [
             LaunchConfig {
                 grid_dim: (0, 1, 1),
@@ -613,7 +631,7 @@ mod tests {
                 ..ok
             },
         ] {
-            let e = check_config(&bad).unwrap_err().to_string();
+            let e = check_launch_config(&bad).unwrap_err().to_string();
             assert!(e.contains("launch config"), "{e}");
         }
     }

@@ -914,13 +914,12 @@ mod cuda {
     use std::collections::HashMap;
     use std::sync::Arc;
 
-    use cuda_async::{CudaStream, DeviceBuffer, Error, Kernel, LaunchConfig, Module, PinnedBuffer};
-    use std::ptr::NonNull;
-
-    use cuda_core::cudarc::driver::{
-        result, sys, CudaContext, DevicePtr, DevicePtrMut, PushKernelArg,
+    use cuda_async::{
+        check_launch_config, CudaStream, DeviceBuffer, DynArg, DynArgs, Error, Kernel, KernelArgs,
+        LaunchConfig, Module, PinnedBuffer,
     };
-    use cuda_core::{CudaEvent, ParamClass};
+    use cuda_core::cudarc::driver::{result, sys, DevicePtr, DevicePtrMut};
+    use cuda_core::CudaEvent;
 
     use super::{
         mem_arg, not_found, range, same_buffer, too_many_streams, Device, DeviceArg, DeviceError,
@@ -977,36 +976,25 @@ mod cuda {
     /// does not fit takes the pooled path (`cuda-core`'s staging and
     /// `PinnedBuffer`s). Staging here skips, per copy, a pool lookup, an
     /// event and a hand-off to `cuda-core`'s reclaimer thread.
+    ///
+    /// The memory is a `PinnedBuffer` from `cuda-core`'s pool whose copies
+    /// are not recorded in it (that is the per-copy event this avoids):
+    /// instead the arena is reused only after a finish that waited for
+    /// every stream, and leaked when that wait fails.
     #[derive(Debug)]
     struct BatchArena {
-        ctx: Arc<CudaContext>,
-        ptr: NonNull<u8>,
+        buf: PinnedBuffer<u8>,
         used: usize,
     }
 
-    // SAFETY: the arena owns its allocation alone, as a `Box<[u8]>` does:
-    // nothing else keeps the pointer, and every copy that uses the memory
-    // completes before the owner reuses or drops it (`CudaDevice::finish`
-    // waits for them; a failed wait leaks the arena). Page-locked memory
-    // has no thread affinity, and `Drop` makes the context current on the
-    // dropping thread before freeing it.
-    unsafe impl Send for BatchArena {}
-
     impl BatchArena {
-        fn new(ctx: &Arc<CudaContext>) -> Result<Self, DeviceError> {
-            ctx.bind_to_thread()
-                .map_err(|e| driver(Status::Internal, "cuCtxSetCurrent", e))?;
-            // SAFETY: the context is current; flags 0 is plain page-locked
-            // (not write-combined) memory; the result is checked.
-            let p = unsafe { result::malloc_host(ARENA_BYTES, 0) }
-                .map_err(|e| driver(Status::Internal, "cuMemHostAlloc", e))?;
-            let ptr = NonNull::new(p.cast::<u8>())
-                .ok_or_else(|| DeviceError::new(Status::Internal, "cuMemHostAlloc: null"))?;
-            Ok(Self {
-                ctx: ctx.clone(),
-                ptr,
-                used: 0,
-            })
+        fn new(device: &cuda_async::Device) -> Result<Self, DeviceError> {
+            // SAFETY: every byte is written (by a host copy or a download)
+            // before it is read: reads of the arena are the downloads'
+            // ranges, read after the batch's end waited for them.
+            let buf = unsafe { PinnedBuffer::<u8>::uninit(device, ARENA_BYTES) }
+                .map_err(|e| map(Status::Internal, "pinned allocation", e))?;
+            Ok(Self { buf, used: 0 })
         }
 
         /// The offset and address of `len` free bytes (64-byte aligned),
@@ -1016,30 +1004,19 @@ mod cuda {
             if start.checked_add(len)? > ARENA_BYTES {
                 return None;
             }
+            // Never waits: no use of the buffer is ever recorded.
+            let all = self.buf.as_mut_slice().ok()?;
             self.used = start + len;
-            // SAFETY: `start + len <= ARENA_BYTES`: inside the allocation.
-            Some((start, unsafe { self.ptr.as_ptr().add(start) }))
+            Some((start, all[start..start + len].as_mut_ptr()))
         }
 
-        /// `len` bytes at `off`.
-        ///
-        /// # Safety
-        /// No copy into them is in flight.
-        unsafe fn bytes(&self, off: usize, len: usize) -> &[u8] {
-            assert!(off + len <= ARENA_BYTES, "inside the arena");
-            // SAFETY: in bounds (above), initialised by the copy that
-            // completed (the caller's contract), not written while borrowed
-            // (`&self`; copies are enqueued through `&mut self`).
-            unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
-        }
-    }
-
-    impl Drop for BatchArena {
-        fn drop(&mut self) {
-            let _ = self.ctx.bind_to_thread();
-            // SAFETY: allocated by `cuMemHostAlloc`; dropped only when no
-            // copy uses it (see the `Send` justification above).
-            let _ = unsafe { result::free_host(self.ptr.as_ptr().cast()) };
+        /// `len` bytes at `off`, once the copies into them are done.
+        fn bytes(&self, off: usize, len: usize) -> Result<&[u8], DeviceError> {
+            let all = self
+                .buf
+                .as_slice()
+                .map_err(|e| map(Status::ReadFailed, "device-to-host copy", e))?;
+            Ok(&all[off..off + len])
         }
     }
 
@@ -1248,7 +1225,7 @@ mod cuda {
                 return Ok(None);
             }
             if self.arena.is_none() {
-                self.arena = Some(BatchArena::new(self.device.context())?);
+                self.arena = Some(BatchArena::new(&self.device)?);
             }
             Ok(self.arena.as_mut().and_then(|a| a.take(len)))
         }
@@ -1285,29 +1262,6 @@ mod cuda {
             }
             Ok(())
         }
-    }
-
-    /// The launch configuration's limits (as `cuda-async` checks them):
-    /// a non-empty grid and block, at most 1024 threads per block, block z
-    /// at most 64, grid y and z at most 65535.
-    fn check_config(c: &LaunchConfig) -> Result<(), String> {
-        let (gx, gy, gz) = c.grid_dim;
-        let (bx, by, bz) = c.block_dim;
-        let threads = u64::from(bx) * u64::from(by) * u64::from(bz);
-        if gx == 0 || gy == 0 || gz == 0 || threads == 0 {
-            return Err(format!(
-                "launch config has an empty grid {:?} or block {:?}",
-                c.grid_dim, c.block_dim
-            ));
-        }
-        if threads > 1024 || bz > 64 || gy > 65535 || gz > 65535 {
-            return Err(format!(
-                "launch config exceeds CUDA limits: block {:?} ({threads} threads, max 1024, \
-                 z max 64), grid {:?} (y, z max 65535)",
-                c.block_dim, c.grid_dim
-            ));
-        }
-        Ok(())
     }
 
     impl Device for CudaDevice {
@@ -1644,75 +1598,51 @@ mod cuda {
             let sid = stream;
             let stream = self.stream(stream)?;
             let k = self.kernel(module, kernel)?;
-            let bad = |m: String| DeviceError::new(Status::BadRequest, format!("launch: {m}"));
             let config = LaunchConfig {
                 grid_dim: (dims.grid[0], dims.grid[1], dims.grid[2]),
                 block_dim: (dims.block[0], dims.block[1], dims.block[2]),
                 shared_mem_bytes: dims.shared_mem,
             };
-            check_config(&config).map_err(bad)?;
-            // Checked against the PTX parameter list, as `cuda-async`'s
-            // run-time argument lists are: count, sizes, pointer width.
-            if k.params().is_none() {
-                return Err(map(
-                    Status::BadRequest,
-                    "kernel arguments",
-                    Error::ArgumentMismatch {
-                        kernel: k.name().into(),
-                        detail: "the kernel's parameter list could not be read from its PTX, \
-                                 and run-time arguments are only launched against a known list"
-                            .into(),
-                    },
-                ));
-            }
-            let mut specs = Vec::with_capacity(args.len());
-            // One slot of words per argument: a scalar's bytes, or a buffer's
-            // address; the driver reads each parameter's size from its slot.
-            let mut slots: Vec<Box<[u64]>> = Vec::with_capacity(args.len());
-            for (i, a) in args.iter().enumerate() {
-                match a {
-                    DeviceArg::Scalar(b) => {
-                        if b.is_empty() {
-                            return Err(bad(format!("kernel argument {i} is empty")));
-                        }
-                        let mut words = vec![0u64; b.len().div_ceil(8)].into_boxed_slice();
-                        for (j, byte) in b.iter().enumerate() {
-                            words[j / 8] |= u64::from(*byte) << (8 * (j % 8));
-                        }
-                        specs.push((b.len(), ParamClass::Bits, "bytes"));
-                        slots.push(words);
-                    }
-                    DeviceArg::Mem { id, offset } => {
-                        let buf = mem_arg(&self.buffers, *id, *offset, DeviceBuffer::len)?;
-                        let (ptr, _) = Self::raw(buf).as_cuda_slice().device_ptr(&stream);
-                        specs.push((8, ParamClass::Int, "device address"));
-                        slots.push(Box::new([ptr + *offset]));
-                    }
-                }
-            }
-            k.check_args(&specs)
-                .map_err(|e| map(Status::BadRequest, "kernel arguments", e))?;
+            check_launch_config(&config).map_err(|e| map(Status::BadRequest, "launch", e))?;
             let func = k
                 .function_on(&self.device)
                 .map_err(|e| map(Status::NotFound, "kernel", e))?;
+            // Ordered here, buffer by buffer, instead of by the argument
+            // list's own `before_all`/`after_all` (see `flush_use`).
             for a in args {
                 if let DeviceArg::Mem { id, .. } = a {
                     self.use_on(*id, sid, &stream)?;
                 }
             }
+            let args = args
+                .iter()
+                .map(|a| match a {
+                    DeviceArg::Scalar(b) => Ok(DynArg::Bytes(b.to_vec())),
+                    DeviceArg::Mem { id, offset } => {
+                        let buffer = mem_arg(&self.buffers, *id, *offset, DeviceBuffer::len)?;
+                        Ok(DynArg::Buffer {
+                            buffer,
+                            offset: *offset as usize,
+                        })
+                    }
+                })
+                .collect::<Result<Vec<_>, DeviceError>>()?;
+            let mut args =
+                DynArgs::new(args).map_err(|e| map(Status::BadRequest, "kernel arguments", e))?;
+            // Count, sizes and pointer width against the PTX parameter list.
+            args.check(&k)
+                .map_err(|e| map(Status::BadRequest, "kernel arguments", e))?;
             let mut b = stream.launch_builder(func);
-            for slot in &slots {
-                b.arg(&slot[0]);
-            }
+            args.push_all(&mut b);
             // SAFETY: the kernel is the lease holder's code; the argument
             // count and sizes match its PTX parameter list (checked above),
-            // so the driver reads valid argument memory (`slots` outlives
-            // the call); buffer addresses come from this context's live
+            // so the driver reads valid argument memory (`args` outlives the
+            // call); buffer addresses come from this context's live
             // buffers, whose uses on other streams this launch waits for and
             // whose frees come after it (`use_on` marks it pending, recorded
-            // before anything could depend on it). What the kernel does with
-            // memory is the client's business: a fault poisons only this
-            // worker process.
+            // before anything could depend on it; cudarc's own tracking is
+            // off here). What the kernel does with memory is the client's
+            // business: a fault poisons only this worker process.
             unsafe { b.launch(config) }
                 .map(drop)
                 .map_err(|e| driver(Status::LaunchFailed, "cuLaunchKernel", e))
@@ -1775,9 +1705,9 @@ mod cuda {
             }
             synced?;
             if let Some(arena) = &mut self.arena {
+                // Every copy of the batch is done (synced above).
                 for (at, off, len) in arena_reads {
-                    // SAFETY: every copy of the batch is done (synced).
-                    let bytes = unsafe { arena.bytes(off, len) };
+                    let bytes = arena.bytes(off, len)?;
                     if let Some(dst) = out.get_mut(at..at + len) {
                         dst.copy_from_slice(bytes);
                     }
