@@ -74,19 +74,27 @@ fn ready_now(_fd: std::os::fd::RawFd) -> bool {
     true
 }
 
+/// One poll of a spin that started at `start`: `Some(readable)` when it
+/// ends (data, or the budget is spent), `None` to poll again.
+fn spin_step(fd: std::os::fd::RawFd, start: Instant, budget: Duration) -> Option<bool> {
+    if budget.is_zero() {
+        Some(false)
+    } else if ready_now(fd) {
+        Some(true)
+    } else if start.elapsed() >= budget {
+        Some(false)
+    } else {
+        None
+    }
+}
+
 /// Polls `fd` without sleeping until it is readable or `budget` has passed;
 /// returns whether it became readable. A zero budget returns at once.
 pub(crate) fn readable_within(fd: std::os::fd::RawFd, budget: Duration) -> bool {
-    if budget.is_zero() {
-        return false;
-    }
     let start = Instant::now();
     loop {
-        if ready_now(fd) {
-            return true;
-        }
-        if start.elapsed() >= budget {
-            return false;
+        if let Some(readable) = spin_step(fd, start, budget) {
+            return readable;
         }
         std::hint::spin_loop();
     }
@@ -95,16 +103,10 @@ pub(crate) fn readable_within(fd: std::os::fd::RawFd, budget: Duration) -> bool 
 /// [`readable_within`] for a tokio task: it yields between polls, so the
 /// runtime's other tasks (and its I/O driver) keep running on this thread.
 pub(crate) async fn readable_within_async(fd: std::os::fd::RawFd, budget: Duration) -> bool {
-    if budget.is_zero() {
-        return false;
-    }
     let start = Instant::now();
     loop {
-        if ready_now(fd) {
-            return true;
-        }
-        if start.elapsed() >= budget {
-            return false;
+        if let Some(readable) = spin_step(fd, start, budget) {
+            return readable;
         }
         tokio::task::yield_now().await;
     }
