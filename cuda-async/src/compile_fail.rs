@@ -84,3 +84,38 @@
 //! use cuda_async::prelude::*;
 //! let _op = zeros::<u8>(4).then(|b| memset(b, 2)).then(d2h);
 //! ```
+//!
+//! A hand-written op is awaitable only with its `IntoFuture` half (one
+//! line of [`awaitable!`](crate::awaitable)): without it, the `DeviceOp`
+//! impl itself does not compile, rather than `.await` failing somewhere
+//! later.
+//!
+//! ```compile_fail,E0277
+//! use cuda_async::{DeviceOp, ExecutionContext, Result};
+//! struct Answer;
+//! impl DeviceOp for Answer {
+//!     type Output = u32;
+//!     unsafe fn execute(self, _ctx: &mut ExecutionContext) -> Result<u32> { Ok(42) }
+//! }
+//! ```
+//! ```
+//! use cuda_async::{DeviceOp, ExecutionContext, Result};
+//! struct Answer;
+//! impl DeviceOp for Answer {
+//!     type Output = u32;
+//!     unsafe fn execute(self, _ctx: &mut ExecutionContext) -> Result<u32> { Ok(42) }
+//! }
+//! cuda_async::awaitable!(Answer);
+//! ```
+//!
+//! In generic code, `O::Output` is ambiguous (`IntoFuture` has an `Output`
+//! too); [`OutputOf`](crate::OutputOf) names the op's:
+//!
+//! ```compile_fail,E0221
+//! use cuda_async::DeviceOp;
+//! async fn run<O: DeviceOp>(op: O) -> cuda_async::Result<O::Output> { op.await }
+//! ```
+//! ```
+//! use cuda_async::DeviceOp;
+//! async fn run<O: DeviceOp>(op: O) -> cuda_async::Result<cuda_async::OutputOf<O>> { op.await }
+//! ```

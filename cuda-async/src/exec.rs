@@ -22,7 +22,7 @@ use crate::remote::{self, RecordingFrame};
 pub(crate) unsafe fn execute_guarded<O: DeviceOp>(
     op: O,
     ctx: &mut ExecutionContext,
-) -> Result<O::Output> {
+) -> Result<<O as DeviceOp>::Output> {
     // Remotely, buffers dropped while recording are freed at the end of
     // this submission.
     let frame = ctx.remote_ref().map(|r| RecordingFrame::push(r.session()));
@@ -58,7 +58,10 @@ pub(crate) fn note(e: Error) -> Error {
     e
 }
 
-pub(crate) fn run_blocking<O: DeviceOp>(op: O, mut ctx: ExecutionContext) -> Result<O::Output> {
+pub(crate) fn run_blocking<O: DeviceOp>(
+    op: O,
+    mut ctx: ExecutionContext,
+) -> Result<<O as DeviceOp>::Output> {
     if ctx.is_remote() {
         return run_blocking_remote(op, ctx);
     }
@@ -91,7 +94,7 @@ pub(crate) fn run_blocking<O: DeviceOp>(op: O, mut ctx: ExecutionContext) -> Res
 pub(crate) unsafe fn run_detached<O: DeviceOp>(
     op: O,
     mut ctx: ExecutionContext,
-) -> Result<O::Output> {
+) -> Result<<O as DeviceOp>::Output> {
     check_poison()?;
     // SAFETY: retained values are released only after the stream passes the
     // work (below); output access is the caller's contract.
@@ -104,7 +107,10 @@ pub(crate) unsafe fn run_detached<O: DeviceOp>(
 /// Records `op` on a remote context, sends it as one message and blocks the
 /// calling thread until the reply (no async runtime needed: the session
 /// does its own I/O).
-fn run_blocking_remote<O: DeviceOp>(op: O, mut ctx: ExecutionContext) -> Result<O::Output> {
+fn run_blocking_remote<O: DeviceOp>(
+    op: O,
+    mut ctx: ExecutionContext,
+) -> Result<<O as DeviceOp>::Output> {
     // SAFETY: remotely, retained values are kept until the reply below; the
     // output's host data is reachable only once its reply has arrived.
     let out = unsafe { execute_guarded(op, &mut ctx) };

@@ -50,7 +50,7 @@ enum State<O: DeviceOp> {
     Ready(O, ExecutionContext),
     /// Submitted; waiting for the host callback or the stream's word.
     Executing {
-        output: Option<O::Output>,
+        output: Option<<O as DeviceOp>::Output>,
         completion: Arc<Completion>,
         retained: Retained,
         signal: Signal,
@@ -181,7 +181,7 @@ impl<O: DeviceOp> DeviceFuture<O> {
 }
 
 impl<O: DeviceOp> Future for DeviceFuture<O> {
-    type Output = Result<O::Output>;
+    type Output = Result<<O as DeviceOp>::Output>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
@@ -355,6 +355,6 @@ impl Signal {
 pub async fn run_on<O: DeviceOp, P: SchedulingPolicy + ?Sized>(
     op: O,
     policy: &P,
-) -> Result<O::Output> {
+) -> Result<<O as DeviceOp>::Output> {
     DeviceFuture::ready(op, policy.select()?).await
 }

@@ -76,7 +76,7 @@ pub use cuda_core::{
 pub use future::{run_on, DeviceFuture};
 pub use launch::{check_launch_config, launch, DynArg, DynArgs, KernelArg, KernelArgs};
 pub use memory::{copy_d2h, copy_h2d, d2d, d2h, h2d, memset, zeros};
-pub use op::{DeviceOp, DeviceOpExt};
+pub use op::{DeviceOp, DeviceOpExt, OutputOf};
 pub use policy::{
     default_device, default_policy, set_default_device, SchedulingPolicy, SingleStream, StreamPool,
     StreamPoolRoundRobin,

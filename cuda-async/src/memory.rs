@@ -276,7 +276,7 @@ pub fn copy_d2h<T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send>(
 impl<T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send> DeviceOp for CopyD2H<T, B> {
     type Output = (B, PinnedBuffer<T>);
 
-    unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<Self::Output> {
+    unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<<Self as DeviceOp>::Output> {
         if let Some(r) = ctx.as_remote() {
             let src = self.src.borrow();
             same_len("device-to-host copy", src.len(), self.dst.len())?;
@@ -323,7 +323,7 @@ pub fn copy_h2d<T: DeviceRepr>(src: PinnedBuffer<T>, dst: DeviceBuffer<T>) -> Co
 impl<T: DeviceRepr + Send> DeviceOp for CopyH2D<T> {
     type Output = (PinnedBuffer<T>, DeviceBuffer<T>);
 
-    unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<Self::Output> {
+    unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<<Self as DeviceOp>::Output> {
         same_len("host-to-device copy", self.src.len(), self.dst.len())?;
         if let Some(r) = ctx.as_remote() {
             let (stream, id) = (r.stream(), r.id_of(&self.dst)?);

@@ -1,5 +1,6 @@
 //! The [`DeviceOp`] trait and its extension trait [`DeviceOpExt`].
 
+use std::future::IntoFuture;
 use std::sync::Arc;
 
 use cuda_core::cudarc::driver::CudaStream;
@@ -18,9 +19,79 @@ use crate::policy::{default_policy, SchedulingPolicy};
 /// [`DeviceOpExt`]). Ops are `Send`: they cross threads, live in
 /// collections, and can be spawned on an executor.
 ///
+/// # Every op can be awaited
+///
+/// `IntoFuture` is part of the trait's contract (a supertrait), so `.await`
+/// works wherever an op is named: a concrete op, an `impl DeviceOp<Output =
+/// T>` a function returns, a generic `O: DeviceOp`, a [`BoxedOp`](crate::BoxedOp).
+/// `.await` runs the op on the default policy, as
+/// [`into_device_future`](DeviceOpExt::into_device_future) does; use
+/// [`schedule`](DeviceOpExt::schedule) to pick the policy.
+///
+/// ```no_run
+/// use cuda_async::prelude::*;
+/// use cuda_async::HostBuffer;
+///
+/// fn pipeline(x: Vec<f32>) -> impl DeviceOp<Output = HostBuffer<f32>> { h2d(x).then(d2h) }
+///
+/// async fn service(x: Vec<f32>) -> Result<(), cuda_async::Error> {
+///     let y = pipeline(x).await?;
+///     assert_eq!(y.len(), 3);
+///     Ok(())
+/// }
+///
+/// // Generic code and boxed ops too.
+/// async fn run_any<O: DeviceOp>(op: O) -> cuda_async::Result<cuda_async::OutputOf<O>> {
+///     op.await
+/// }
+/// async fn run_boxed(op: BoxedOp<'static, u32>) -> cuda_async::Result<u32> {
+///     op.await
+/// }
+/// ```
+///
+/// # Naming the output in generic code
+///
+/// `IntoFuture` has an associated type called `Output` too (the op's
+/// `Result`), so for a type parameter `O: DeviceOp` the compiler cannot tell
+/// which one `O::Output` means (error E0221). Write
+/// [`OutputOf<O>`](crate::OutputOf) or `<O as DeviceOp>::Output`. Bindings
+/// such as `impl DeviceOp<Output = T>` and `O: DeviceOp<Output = T>` are
+/// unaffected: they name this trait's `Output`. This is the price of
+/// `.await` on every op; a blanket `IntoFuture` impl, which would avoid it,
+/// is not allowed for a trait of another crate (the orphan rule).
+///
+/// # Implementing it
+///
 /// Implementing `DeviceOp` by hand is for new primitive ops; composing the
-/// existing ones with [`DeviceOpExt`] covers most needs.
-pub trait DeviceOp: Send + Sized {
+/// existing ones with [`DeviceOpExt`] covers most needs. A hand-written op
+/// adds one line, [`awaitable!`](crate::awaitable), which provides the
+/// `IntoFuture` half:
+///
+/// ```no_run
+/// use cuda_async::prelude::*;
+/// use cuda_async::{ExecutionContext, Result};
+///
+/// /// Produces its value after checking that it runs on a local GPU.
+/// struct OnLocalGpu<T>(T);
+///
+/// impl<T: Send> DeviceOp for OnLocalGpu<T> {
+///     type Output = T;
+///     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<T> {
+///         ctx.cuda_stream()?; // an error on a remote context
+///         Ok(self.0)
+///     }
+/// }
+/// cuda_async::awaitable!(impl[T: Send] for OnLocalGpu<T>);
+///
+/// # async fn f() -> Result<()> {
+/// let v = OnLocalGpu(7u8).await?;
+/// # Ok(()) }
+/// ```
+pub trait DeviceOp:
+    Send
+    + Sized
+    + IntoFuture<Output = Result<<Self as DeviceOp>::Output>, IntoFuture = DeviceFuture<Self>>
+{
     /// What the op produces. Buffers in it may still be being written by the
     /// GPU when `execute` returns; this crate's buffer types order every later
     /// use after that work themselves.
@@ -40,7 +111,7 @@ pub trait DeviceOp: Send + Sized {
     /// refers to before that point, except through types that wait for the
     /// GPU themselves ([`cuda_core::PinnedBuffer`], [`cuda_core::DeviceBuffer`]).
     /// The executors in this crate (`sync`, `DeviceFuture`) do both.
-    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<Self::Output>;
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<<Self as DeviceOp>::Output>;
 }
 
 /// Combinators and executors for every [`DeviceOp`].
@@ -62,7 +133,7 @@ pub trait DeviceOpExt: DeviceOp {
     fn then<B, F>(self, f: F) -> Then<Self, F>
     where
         B: DeviceOp,
-        F: FnOnce(Self::Output) -> B + Send,
+        F: FnOnce(<Self as DeviceOp>::Output) -> B + Send,
     {
         Then::new(self, f)
     }
@@ -79,7 +150,7 @@ pub trait DeviceOpExt: DeviceOp {
     fn map<U, F>(self, f: F) -> Map<Self, F>
     where
         U: Send,
-        F: FnOnce(Self::Output) -> U + Send,
+        F: FnOnce(<Self as DeviceOp>::Output) -> U + Send,
     {
         Map::new(self, f)
     }
@@ -115,7 +186,7 @@ pub trait DeviceOpExt: DeviceOp {
     /// ```
     fn shared(self) -> Shared<Self>
     where
-        Self::Output: Clone,
+        <Self as DeviceOp>::Output: Clone,
     {
         Shared::new(self)
     }
@@ -130,7 +201,7 @@ pub trait DeviceOpExt: DeviceOp {
     /// assert_eq!(join_all(ops).sync()?, vec![1, 20]);
     /// # Ok::<(), cuda_async::Error>(())
     /// ```
-    fn boxed<'a>(self) -> Boxed<'a, Self::Output>
+    fn boxed<'a>(self) -> Boxed<'a, <Self as DeviceOp>::Output>
     where
         Self: 'a,
     {
@@ -154,7 +225,7 @@ pub trait DeviceOpExt: DeviceOp {
     /// assert_eq!(v, vec![7, 7, 7]);
     /// # Ok::<(), cuda_async::Error>(())
     /// ```
-    fn sync(self) -> Result<Self::Output> {
+    fn sync(self) -> Result<<Self as DeviceOp>::Output> {
         let ctx = default_policy()?.select_for_thread();
         crate::exec::run_blocking(self, ctx)
     }
@@ -177,7 +248,7 @@ pub trait DeviceOpExt: DeviceOp {
     /// assert_eq!(host.as_slice()?, &[1, 2]);
     /// # Ok::<(), cuda_async::Error>(())
     /// ```
-    fn sync_on(self, stream: &Arc<CudaStream>) -> Result<Self::Output> {
+    fn sync_on(self, stream: &Arc<CudaStream>) -> Result<<Self as DeviceOp>::Output> {
         let ctx = ExecutionContext::on_stream(stream)?;
         crate::exec::run_blocking(self, ctx)
     }
@@ -202,7 +273,10 @@ pub trait DeviceOpExt: DeviceOp {
     /// assert_eq!(v, vec![1, 2]);
     /// # Ok::<(), cuda_async::Error>(())
     /// ```
-    fn sync_with<P: SchedulingPolicy + ?Sized>(self, policy: &P) -> Result<Self::Output> {
+    fn sync_with<P: SchedulingPolicy + ?Sized>(
+        self,
+        policy: &P,
+    ) -> Result<<Self as DeviceOp>::Output> {
         crate::exec::run_blocking(self, policy.select()?)
     }
 
@@ -218,7 +292,7 @@ pub trait DeviceOpExt: DeviceOp {
     /// buffers wait for it themselves; for anything else in the output the
     /// caller must order host access after the stream's work (e.g.
     /// `stream.synchronize()`).
-    unsafe fn async_on(self, stream: &Arc<CudaStream>) -> Result<Self::Output> {
+    unsafe fn async_on(self, stream: &Arc<CudaStream>) -> Result<<Self as DeviceOp>::Output> {
         let ctx = ExecutionContext::on_stream(stream)?;
         // SAFETY: forwarded to our caller (see `# Safety`).
         unsafe { crate::exec::run_detached(self, ctx) }
@@ -243,8 +317,8 @@ pub trait DeviceOpExt: DeviceOp {
         Ok(DeviceFuture::ready(self, policy.select()?))
     }
 
-    /// A future that runs the op on the default policy (what `.await` does
-    /// for this crate's ops; use this for your own `DeviceOp` types).
+    /// A future that runs the op on the default policy: what `.await` does
+    /// (an explicit name for it, e.g. to store the future in a field).
     fn into_device_future(self) -> DeviceFuture<Self> {
         DeviceFuture::lazy(self)
     }
@@ -252,20 +326,50 @@ pub trait DeviceOpExt: DeviceOp {
 
 impl<T: DeviceOp> DeviceOpExt for T {}
 
-/// Implements `IntoFuture` (so `.await` works) for an op type.
-macro_rules! impl_into_future {
+/// The output type of op `O`: `<O as DeviceOp>::Output`, for generic code
+/// (see [`DeviceOp`]'s "Naming the output in generic code").
+pub type OutputOf<O> = <O as DeviceOp>::Output;
+
+/// Makes a hand-written [`DeviceOp`] awaitable: implements `IntoFuture`
+/// for it, running it on the default policy when awaited (the half of the
+/// `DeviceOp` contract that the trait cannot provide itself).
+///
+/// Forms: `awaitable!(MyOp);` for a type without generic parameters, and
+/// `awaitable!(impl[T: Send, ...] for MyOp<T, ...> where ...);` with the
+/// same generics and bounds as its `DeviceOp` impl.
+///
+/// ```no_run
+/// use cuda_async::prelude::*;
+/// use cuda_async::{ExecutionContext, Result};
+///
+/// struct Answer;
+/// impl DeviceOp for Answer {
+///     type Output = u32;
+///     unsafe fn execute(self, _ctx: &mut ExecutionContext) -> Result<u32> {
+///         Ok(42)
+///     }
+/// }
+/// cuda_async::awaitable!(Answer);
+///
+/// # async fn f() -> Result<()> {
+/// assert_eq!(Answer.await?, 42);
+/// # Ok(()) }
+/// ```
+#[macro_export]
+macro_rules! awaitable {
     (impl[$($g:tt)*] for $ty:ty $(where $($w:tt)*)?) => {
         impl<$($g)*> ::core::future::IntoFuture for $ty
-        where
-            $ty: $crate::op::DeviceOp,
-            $($($w)*)?
+        $(where $($w)*)?
         {
-            type Output = ::cuda_core::Result<<$ty as $crate::op::DeviceOp>::Output>;
-            type IntoFuture = $crate::future::DeviceFuture<$ty>;
+            type Output = $crate::Result<<$ty as $crate::DeviceOp>::Output>;
+            type IntoFuture = $crate::DeviceFuture<$ty>;
             fn into_future(self) -> Self::IntoFuture {
-                $crate::future::DeviceFuture::lazy(self)
+                $crate::DeviceOpExt::into_device_future(self)
             }
         }
     };
+    ($ty:ty) => {
+        $crate::awaitable!(impl[] for $ty);
+    };
 }
-pub(crate) use impl_into_future;
+pub(crate) use crate::awaitable as impl_into_future;

@@ -193,6 +193,7 @@ impl DeviceOp for LocalOnly {
         Ok(())
     }
 }
+cuda_async::awaitable!(LocalOnly);
 
 #[tokio::test]
 async fn every_remote_failure_is_a_matchable_error() {

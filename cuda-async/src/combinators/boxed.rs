@@ -12,8 +12,11 @@ trait DynOp<T>: Send {
     unsafe fn execute_boxed(self: Box<Self>, ctx: &mut ExecutionContext) -> Result<T>;
 }
 
-impl<O: DeviceOp> DynOp<O::Output> for O {
-    unsafe fn execute_boxed(self: Box<Self>, ctx: &mut ExecutionContext) -> Result<O::Output> {
+impl<O: DeviceOp> DynOp<<O as DeviceOp>::Output> for O {
+    unsafe fn execute_boxed(
+        self: Box<Self>,
+        ctx: &mut ExecutionContext,
+    ) -> Result<<O as DeviceOp>::Output> {
         // SAFETY: forwarded.
         unsafe { (*self).execute(ctx) }
     }

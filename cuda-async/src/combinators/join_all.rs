@@ -34,9 +34,9 @@ pub fn join_all<O: DeviceOp>(ops: Vec<O>) -> JoinAll<O> {
 }
 
 impl<O: DeviceOp> DeviceOp for JoinAll<O> {
-    type Output = Vec<O::Output>;
+    type Output = Vec<<O as DeviceOp>::Output>;
 
-    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<Vec<O::Output>> {
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<Vec<<O as DeviceOp>::Output>> {
         let n = self.0.len();
         let mut fork = Fork::new();
         let contexts = (1..n)

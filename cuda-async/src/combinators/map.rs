@@ -28,7 +28,7 @@ impl<A, U, F> DeviceOp for Map<A, F>
 where
     A: DeviceOp,
     U: Send,
-    F: FnOnce(A::Output) -> U + Send,
+    F: FnOnce(<A as DeviceOp>::Output) -> U + Send,
 {
     type Output = U;
 
@@ -39,4 +39,4 @@ where
     }
 }
 
-impl_into_future!(impl[A, U, F] for Map<A, F> where A: DeviceOp, U: Send, F: FnOnce(A::Output) -> U + Send);
+impl_into_future!(impl[A, U, F] for Map<A, F> where A: DeviceOp, U: Send, F: FnOnce(<A as DeviceOp>::Output) -> U + Send);

@@ -128,7 +128,7 @@ type Produced<T> = (T, Done, (usize, String));
 /// stream wait on that event and returns a clone of the output.
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
 pub struct Shared<O: DeviceOp> {
-    cell: Arc<SharedCell<O, Produced<O::Output>>>,
+    cell: Arc<SharedCell<O, Produced<<O as DeviceOp>::Output>>>,
 }
 
 impl<O: DeviceOp> Clone for Shared<O> {
@@ -147,7 +147,7 @@ impl<O: DeviceOp> fmt::Debug for Shared<O> {
 
 impl<O: DeviceOp> Shared<O>
 where
-    O::Output: Clone,
+    <O as DeviceOp>::Output: Clone,
 {
     pub(crate) fn new(op: O) -> Self {
         Shared {
@@ -158,11 +158,11 @@ where
 
 impl<O: DeviceOp> DeviceOp for Shared<O>
 where
-    O::Output: Clone,
+    <O as DeviceOp>::Output: Clone,
 {
-    type Output = O::Output;
+    type Output = <O as DeviceOp>::Output;
 
-    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<O::Output> {
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<<O as DeviceOp>::Output> {
         let mut first = false;
         let (out, ev, home) = self.cell.get_or_init(|op| {
             first = true;
@@ -205,7 +205,7 @@ where
     }
 }
 
-impl_into_future!(impl[O: DeviceOp] for Shared<O> where O::Output: Clone);
+impl_into_future!(impl[O: DeviceOp] for Shared<O> where <O as DeviceOp>::Output: Clone);
 
 #[cfg(test)]
 mod tests {

@@ -28,11 +28,11 @@ impl<A, B, F> DeviceOp for Then<A, F>
 where
     A: DeviceOp,
     B: DeviceOp,
-    F: FnOnce(A::Output) -> B + Send,
+    F: FnOnce(<A as DeviceOp>::Output) -> B + Send,
 {
-    type Output = B::Output;
+    type Output = <B as DeviceOp>::Output;
 
-    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<B::Output> {
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<<B as DeviceOp>::Output> {
         // SAFETY: same context and caller contract, forwarded.
         let a = unsafe { self.first.execute(ctx) }?;
         let next = (self.f)(a);
@@ -41,4 +41,4 @@ where
     }
 }
 
-impl_into_future!(impl[A, B, F] for Then<A, F> where A: DeviceOp, B: DeviceOp, F: FnOnce(A::Output) -> B + Send);
+impl_into_future!(impl[A, B, F] for Then<A, F> where A: DeviceOp, B: DeviceOp, F: FnOnce(<A as DeviceOp>::Output) -> B + Send);

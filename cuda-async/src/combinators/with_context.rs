@@ -39,9 +39,9 @@ where
     B: DeviceOp,
     F: FnOnce(&ExecutionContext) -> B + Send,
 {
-    type Output = B::Output;
+    type Output = <B as DeviceOp>::Output;
 
-    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<B::Output> {
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<<B as DeviceOp>::Output> {
         let op = (self.0)(ctx);
         // SAFETY: same context and caller contract, forwarded.
         unsafe { op.execute(ctx) }

@@ -44,9 +44,9 @@ where
 macro_rules! impl_zip {
     ($first:ident $fv:ident, $($name:ident $v:ident $idx:literal),+) => {
         impl<$first: DeviceOp, $($name: DeviceOp),+> DeviceOp for Zip<($first, $($name),+)> {
-            type Output = ($first::Output, $($name::Output),+);
+            type Output = (<$first as DeviceOp>::Output, $(<$name as DeviceOp>::Output),+);
 
-            unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<Self::Output> {
+            unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<<Self as DeviceOp>::Output> {
                 let ($fv, $($v),+) = self.0;
                 let mut fork = Fork::new();
                 // Fork before arm 0 so the other arms do not wait for it.
