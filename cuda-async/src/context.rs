@@ -2,6 +2,7 @@
 
 use std::any::Any;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cuda_core::cudarc::driver::CudaStream;
@@ -25,6 +26,9 @@ use crate::remote::RemoteContext;
 pub struct ExecutionContext {
     backend: Backend,
     retained: Vec<Box<dyn Any + Send>>,
+    /// Whether an op asked for the local stream (to enqueue on it): if none
+    /// did, the executors return without synchronizing or signalling.
+    touched: AtomicBool,
 }
 
 enum Backend {
@@ -69,6 +73,7 @@ impl ExecutionContext {
                 slot: None,
             }),
             retained: Vec::new(),
+            touched: AtomicBool::new(false),
         }
     }
 
@@ -76,7 +81,25 @@ impl ExecutionContext {
         ExecutionContext {
             backend: Backend::Remote(remote),
             retained: Vec::new(),
+            touched: AtomicBool::new(false),
         }
+    }
+
+    /// Whether any op has asked for the local stream (through
+    /// [`cuda_stream`](Self::cuda_stream) or a concurrent combinator's fork)
+    /// since the context was made: an execution where none did enqueued
+    /// nothing, and needs no synchronize or completion signal.
+    pub(crate) fn touched(&self) -> bool {
+        self.touched.load(Ordering::Relaxed)
+    }
+
+    /// The local stream, for an op about to enqueue on it.
+    pub(crate) fn work_stream(&self) -> Option<&Arc<CudaStream>> {
+        let s = self.stream();
+        if s.is_some() {
+            self.touched.store(true, Ordering::Relaxed);
+        }
+        s
     }
 
     /// Sets how a future on this context learns of completion (the reactor
@@ -157,12 +180,20 @@ impl ExecutionContext {
 
     /// The local CUDA stream work is enqueued on.
     ///
+    /// Asking for it marks the execution as one that enqueued work: the
+    /// executors (`sync`, `.await`, ...) skip their synchronize or
+    /// completion signal only for executions where no op did. An op that
+    /// enqueues on the stream must get it here.
+    ///
     /// # Errors
     /// [`Error::NeedsLocalStream`] on a remote context: an op that enqueues
     /// on a CUDA stream itself cannot run there.
     pub fn cuda_stream(&self) -> Result<&Arc<CudaStream>> {
         match &self.backend {
-            Backend::Local(l) => Ok(&l.stream),
+            Backend::Local(l) => {
+                self.touched.store(true, Ordering::Relaxed);
+                Ok(&l.stream)
+            }
             Backend::Remote(_) => Err(self.needs_local("an op that enqueues on a CUDA stream")),
         }
     }
@@ -216,6 +247,9 @@ impl ExecutionContext {
     /// commands) into this context.
     pub(crate) fn absorb(&mut self, mut other: ExecutionContext) {
         self.retained.append(&mut other.retained);
+        if other.touched() {
+            self.touched.store(true, Ordering::Relaxed);
+        }
         if let (Backend::Remote(me), Backend::Remote(arm)) = (&mut self.backend, other.backend) {
             me.absorb(arm);
         }
@@ -225,7 +259,9 @@ impl ExecutionContext {
         Retained(std::mem::take(&mut self.retained))
     }
 
-    /// The local stream; `None` on a remote context.
+    /// The local stream, for the executors (it does not count as enqueuing
+    /// work: see [`work_stream`](Self::work_stream)); `None` on a remote
+    /// context.
     pub(crate) fn stream(&self) -> Option<&Arc<CudaStream>> {
         match &self.backend {
             Backend::Local(l) => Some(&l.stream),

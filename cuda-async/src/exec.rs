@@ -58,18 +58,37 @@ pub(crate) fn note(e: Error) -> Error {
     e
 }
 
+/// Whether a blocking execution synchronizes its stream when no op
+/// enqueued anything on it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum IdleSync {
+    /// Return at once: nothing of this execution is on the stream (a pool's
+    /// stream; `sync`, `sync_with`).
+    Skip,
+    /// Synchronize anyway: the caller's stream, whose documented contract is
+    /// "done when this returns" (`sync_on`).
+    Always,
+}
+
 pub(crate) fn run_blocking<O: DeviceOp>(
     op: O,
     mut ctx: ExecutionContext,
+    idle: IdleSync,
 ) -> Result<<O as DeviceOp>::Output> {
     if ctx.is_remote() {
         return run_blocking_remote(op, ctx);
     }
     check_poison()?;
     // SAFETY: we synchronize the stream below before returning the output or
-    // dropping the retained values, on success and on error alike.
+    // dropping the retained values, on success and on error alike; or no op
+    // enqueued anything, so the GPU uses nothing of this execution.
     let out = unsafe { execute_guarded(op, &mut ctx) };
     let retained = ctx.take_retained();
+    if idle == IdleSync::Skip && !ctx.touched() {
+        // Buffers in the output order their own uses after earlier work.
+        drop(retained);
+        return out.map_err(note);
+    }
     let synced = ctx
         .stream()
         .expect("a local context")

@@ -26,7 +26,9 @@ use crate::remote::OnReply;
 /// flag and wakes the task, or a sequence number the stream writes into
 /// pinned memory, watched by the reactor thread and checked by every poll.
 /// No executor thread blocks while the GPU works (an inline spin, if
-/// configured, is bounded), and the future runs on any executor.
+/// configured, is bounded), and the future runs on any executor. If the op
+/// enqueued nothing (`value`, a `then` returning only `value`s, a `shared`
+/// op that already finished), the first poll returns `Ready` with no signal.
 ///
 /// # Cancel safety
 ///
@@ -55,6 +57,8 @@ enum State<O: DeviceOp> {
         retained: Retained,
         signal: Signal,
     },
+    /// Submitted, and nothing was enqueued: the output is ready now.
+    Done(<O as DeviceOp>::Output),
     /// Output handed out.
     Complete,
 }
@@ -68,7 +72,7 @@ impl<O: DeviceOp> fmt::Debug for DeviceFuture<O> {
         let s = match &self.state {
             State::Lazy(_) | State::Ready(..) => "Idle",
             State::Executing { .. } => "Executing",
-            State::Complete => "Complete",
+            State::Done(_) | State::Complete => "Complete",
         };
         f.debug_struct("DeviceFuture").field("state", &s).finish()
     }
@@ -89,7 +93,10 @@ impl<O: DeviceOp> DeviceFuture<O> {
 
     /// Whether the work has been enqueued.
     pub fn is_submitted(&self) -> bool {
-        matches!(self.state, State::Executing { .. } | State::Complete)
+        matches!(
+            self.state,
+            State::Executing { .. } | State::Done(_) | State::Complete
+        )
     }
 
     /// Records the op on a remote context and sends it as one message; the
@@ -138,6 +145,13 @@ impl<O: DeviceOp> DeviceFuture<O> {
                 return Err(note(e));
             }
         };
+        if !ctx.touched() {
+            // No op enqueued anything: no completion signal to wait for, and
+            // the GPU uses nothing retained (buffers in the output order
+            // their own later uses).
+            drop(retained);
+            return Ok(State::Done(output));
+        }
         let completion = Arc::new(Completion::new());
         let signal = match (ctx.completion_mode(), ctx.slot()) {
             (mode, Some(slot)) if mode.uses_reactor() => match slot.signal(&completion) {
@@ -238,6 +252,7 @@ impl<O: DeviceOp> Future for DeviceFuture<O> {
                         }
                     }
                 }
+                State::Done(output) => return Poll::Ready(Ok(output)),
                 State::Complete => return Poll::Ready(Err(polled_after_completion())),
             }
         }

@@ -8,6 +8,7 @@ use cuda_core::Result;
 
 use crate::combinators::{Boxed, Map, Shared, Then, Zip};
 use crate::context::ExecutionContext;
+use crate::exec::IdleSync;
 use crate::future::DeviceFuture;
 use crate::policy::{default_policy, SchedulingPolicy};
 
@@ -214,6 +215,11 @@ pub trait DeviceOpExt: DeviceOp {
     /// launch and wait do not queue behind each other. For scripts and tests; inside
     /// an async runtime use `.await`.
     ///
+    /// An op that enqueues no GPU work (`value`, a `then` whose closure only
+    /// returns `value`s, a `shared` op that has already run and finished)
+    /// returns without synchronizing; buffers in its output still order
+    /// their own later uses after the work that wrote them.
+    ///
     /// # Errors
     /// Any error of the op; the sticky error if the GPU faulted.
     ///
@@ -227,13 +233,14 @@ pub trait DeviceOpExt: DeviceOp {
     /// ```
     fn sync(self) -> Result<<Self as DeviceOp>::Output> {
         let ctx = default_policy()?.select_for_thread();
-        crate::exec::run_blocking(self, ctx)
+        crate::exec::run_blocking(self, ctx, IdleSync::Skip)
     }
 
     /// Runs the op on `stream` (which other code may have created: interop
-    /// with other CUDA libraries) and blocks until the stream is done.
-    /// Concurrent combinators fork onto the device's pool and join back to
-    /// `stream`.
+    /// with other CUDA libraries) and blocks until the stream is done:
+    /// it synchronizes `stream` even when the op enqueued nothing, so work
+    /// other code put on it earlier is done too. Concurrent combinators fork
+    /// onto the device's pool and join back to `stream`.
     ///
     /// # Errors
     /// As [`DeviceOpExt::sync`].
@@ -250,7 +257,7 @@ pub trait DeviceOpExt: DeviceOp {
     /// ```
     fn sync_on(self, stream: &Arc<CudaStream>) -> Result<<Self as DeviceOp>::Output> {
         let ctx = ExecutionContext::on_stream(stream)?;
-        crate::exec::run_blocking(self, ctx)
+        crate::exec::run_blocking(self, ctx, IdleSync::Always)
     }
 
     /// Runs the op on a context `policy` picks and blocks the calling
@@ -277,7 +284,7 @@ pub trait DeviceOpExt: DeviceOp {
         self,
         policy: &P,
     ) -> Result<<Self as DeviceOp>::Output> {
-        crate::exec::run_blocking(self, policy.select()?)
+        crate::exec::run_blocking(self, policy.select()?, IdleSync::Skip)
     }
 
     /// Enqueues the op on `stream` and returns at once, without waiting.

@@ -481,6 +481,87 @@ fn forgetting_a_polled_future_never_frees_in_flight_memory_or_blocks() {
     drop_or_forget_in_flight(true);
 }
 
+/// Ops that enqueue nothing return while their stream is still held by a
+/// gate (no synchronize, no completion signal); ops that enqueue work, and
+/// `sync_on` of a caller's stream, still wait for the stream.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn ops_that_enqueue_nothing_return_without_waiting_for_their_stream() {
+    let d = dev();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    // A shared op that has run and finished, on another stream.
+    let done = h2d(vec![5u32; 4]).map(Arc::new).shared();
+    done.clone().sync().unwrap();
+    d.context().synchronize().unwrap();
+
+    let gate = Arc::new(Gate::new());
+    let fired = failsafe(&gate, 20);
+    let held: Arc<CudaStream> = d.new_stream().unwrap();
+    gate.close_on(&held);
+    let policy = SingleStream::new(held.clone()).unwrap();
+    let t = Instant::now();
+    assert_eq!(value(42).sync_with(&policy).unwrap(), 42);
+    let chain = value(1)
+        .then(|x| value(x + 1))
+        .map(|x| x * 2)
+        .then(|x| value(x + 1));
+    assert_eq!(chain.sync_with(&policy).unwrap(), 5);
+    let buf = done.clone().sync_with(&policy).unwrap();
+    assert_eq!(buf.len(), 4);
+    let awaited = rt.block_on(async {
+        let a = value(7u8).schedule(&policy).unwrap().await.unwrap();
+        let b = done.clone().schedule(&policy).unwrap().await.unwrap();
+        (a, b.len())
+    });
+    assert_eq!(awaited, (7, 4));
+    assert!(
+        !fired.load(Ordering::SeqCst),
+        "an op with no GPU work waited for the held stream"
+    );
+    let quick = t.elapsed();
+
+    // Work on the held stream waits for it: open the gate after 300 ms.
+    let opener = {
+        let gate = gate.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            gate.open();
+        })
+    };
+    let t = Instant::now();
+    let host = d2h(buf.clone()).sync_with(&policy).unwrap();
+    let waited = t.elapsed();
+    opener.join().unwrap();
+    assert_eq!(host.to_vec().unwrap(), vec![5; 4]);
+    assert!(
+        waited >= Duration::from_millis(250),
+        "a download on the held stream returned after {waited:?}"
+    );
+    println!("no-work ops: {quick:?} in all; a download behind the gate: {waited:?}");
+
+    // `sync_on` of a caller's stream synchronizes it even with no op work.
+    let gate2 = Arc::new(Gate::new());
+    let _fired2 = failsafe(&gate2, 20);
+    gate2.close_on(&held);
+    let opener = {
+        let gate = gate2.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            gate.open();
+        })
+    };
+    let t = Instant::now();
+    assert_eq!(value(3).sync_on(&held).unwrap(), 3);
+    let waited = t.elapsed();
+    opener.join().unwrap();
+    assert!(
+        waited >= Duration::from_millis(250),
+        "sync_on returned after {waited:?} with its stream held"
+    );
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn host_reads_of_a_download_wait_for_the_dma() {

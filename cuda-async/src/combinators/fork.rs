@@ -59,7 +59,7 @@ impl Fork {
             ));
         }
         // Remotely (this stage), arms record in order on the parent's stream.
-        let (Some(pstream), Ok(pool)) = (parent.stream(), parent.pool()) else {
+        let (Some(pstream), Ok(pool)) = (parent.work_stream(), parent.pool()) else {
             return Ok(parent.fork(None));
         };
         let stream: Arc<CudaStream> = match pool.fork_stream(pstream, arm) {
@@ -88,7 +88,7 @@ impl Fork {
             parent.absorb(child);
             return;
         }
-        let (Some(cs), Some(ps)) = (child.stream(), parent.stream()) else {
+        let (Some(cs), Some(ps)) = (child.work_stream(), parent.work_stream()) else {
             parent.absorb(child);
             return;
         };
@@ -117,7 +117,7 @@ impl Fork {
             return Ok(());
         }
         for ev in &self.joins {
-            let Some(stream) = parent.stream() else {
+            let Some(stream) = parent.work_stream() else {
                 break;
             };
             if let Err(e) = stream.wait(ev) {

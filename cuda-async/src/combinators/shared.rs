@@ -193,6 +193,9 @@ where
         if !first {
             match (&ev, ctx.as_remote()) {
                 (Done::Remote(ev), Some(r)) => r.wait_event(ev),
+                // Already finished: nothing to order after (and the
+                // execution may enqueue nothing at all).
+                (Done::Local(ev), None) if ev.is_complete() => {}
                 (Done::Local(ev), None) => ctx
                     .cuda_stream()?
                     .wait(ev)
