@@ -155,6 +155,33 @@ impl<T: DeviceRepr + Send + Sync> KernelArg for Arc<DeviceBuffer<T>> {
     }
 }
 
+/// A buffer argument a kernel only reads (`const T*` in CUDA C): any
+/// handle to a [`DeviceBuffer<T>`]. The typed launchers of
+/// [`kernels!`](crate::kernels) take these for `const T*` parameters.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be passed where the kernel reads a buffer of `{T}`",
+    label = "expected a `DeviceBuffer<{T}>`, `&DeviceBuffer<{T}>`, `&mut DeviceBuffer<{T}>` or `Arc<DeviceBuffer<{T}>>`"
+)]
+pub trait BufferIn<T>: KernelArg {}
+impl<T: DeviceRepr + Sync> BufferIn<T> for &DeviceBuffer<T> {}
+impl<T: DeviceRepr + Send + Sync> BufferIn<T> for Arc<DeviceBuffer<T>> {}
+impl<T: DeviceRepr + Send> BufferIn<T> for DeviceBuffer<T> {}
+impl<T: DeviceRepr + Send> BufferIn<T> for &mut DeviceBuffer<T> {}
+
+/// A buffer argument a kernel may write (`T*` in CUDA C): an owned or
+/// exclusively borrowed [`DeviceBuffer<T>`], never a shared one (`&` or
+/// `Arc`), whose other users would not be ordered after the write. The
+/// typed launchers of [`kernels!`](crate::kernels) take these for `T*`
+/// parameters.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be passed where the kernel writes a buffer of `{T}`",
+    label = "expected a `DeviceBuffer<{T}>` or `&mut DeviceBuffer<{T}>`",
+    note = "a `T*` parameter may be written by the kernel: pass the buffer by value or by `&mut`, not through `&` or `Arc`"
+)]
+pub trait BufferOut<T>: KernelArg {}
+impl<T: DeviceRepr + Send> BufferOut<T> for DeviceBuffer<T> {}
+impl<T: DeviceRepr + Send> BufferOut<T> for &mut DeviceBuffer<T> {}
+
 fn buffer_arg<T>(b: &DeviceBuffer<T>, ctx: &RemoteContext) -> Result<RemoteArg> {
     Ok(RemoteArg::Buffer {
         id: ctx.id_of(b)?,

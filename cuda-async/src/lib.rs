@@ -57,6 +57,7 @@ mod exec;
 mod future;
 mod handoff;
 pub mod launch;
+mod macros;
 pub mod memory;
 mod op;
 pub mod policy;
@@ -68,13 +69,88 @@ mod waker;
 pub use buffer::DeviceBuffer;
 pub use combinators::{join_all, value, with_context, zip_all, BoxedOp, Shared};
 pub use context::ExecutionContext;
+/// Typed launchers for the kernels of a CUDA C file, generated at compile
+/// time.
+///
+/// `kernels!("kernels/saxpy.cu")` reads the file (the path is relative to
+/// the calling crate's directory; the crate rebuilds when the file
+/// changes), parses every `extern "C" __global__` signature and generates,
+/// in the scope of the call:
+/// - per kernel, an `unsafe fn` of the same name taking a
+///   [`LaunchConfig`] and the kernel's parameters, typed, and returning the
+///   lazy launch op (the same op [`launch`](fn@launch) builds, on every backend);
+/// - `module()`, the file's [`Module`], e.g. to compile it at start-up with
+///   `module().load_on(&device)?`.
+///
+/// The source is embedded in the binary and compiled by NVRTC on each
+/// device's first launch (through `cuda-core`'s cache).
+/// `kernels!("kernels/saxpy.cu", ptx = "kernels/saxpy.ptx")` embeds a
+/// precompiled PTX instead (JIT-compiled by the driver, no NVRTC needed);
+/// the signatures still come from the `.cu`.
+///
+/// | C parameter | Rust parameter |
+/// | --- | --- |
+/// | `const T*` (a buffer the kernel reads) | anything [`BufferIn<T>`]: `DeviceBuffer<T>`, `&DeviceBuffer<T>`, `&mut DeviceBuffer<T>`, `Arc<DeviceBuffer<T>>` |
+/// | `T*` (a buffer the kernel may write) | [`BufferOut<T>`]: `DeviceBuffer<T>` or `&mut DeviceBuffer<T>` |
+/// | `T` by value | the Rust scalar |
+///
+/// `T` is `float` (`f32`), `double` (`f64`), `char`/`int8_t` (`i8`),
+/// `unsigned char`/`uint8_t` (`u8`), `short`/`int16_t`, `unsigned short`,
+/// `int`/`int32_t` (`i32`), `unsigned`/`uint32_t` (`u32`), `long long`/
+/// `int64_t` (`i64`), `unsigned long long`/`uint64_t` (`u64`) or `size_t`
+/// (`usize`). `__restrict__`, `volatile`, `const` in either position,
+/// comments and preprocessor lines are fine. Templates, structs by value,
+/// unknown types, `__half`, pointers to pointers and more than 12
+/// parameters are compile errors naming the kernel and the parameter, as is
+/// a missing file. Kernels declared without `extern "C"` (C++ names) are
+/// skipped.
+///
+/// The launchers are `unsafe`: the kernel is arbitrary device code, and
+/// only the caller knows that it stays inside its buffers. What is checked
+/// at compile time: the argument count, the scalar types, the buffer
+/// element types, and that buffers the kernel may write are not shared.
+///
+/// # Examples
+///
+/// With a `.cu` file holding
+/// `extern "C" __global__ void saxpy(float a, const float* x, float* y, int n)`
+/// (among others):
+///
+/// ```no_run
+/// mod k {
+///     // Relative to the crate's directory (this one is in cuda-async's tests).
+///     cuda_async::kernels!("tests/kernels/typed.cu");
+/// }
+/// use cuda_async::prelude::*;
+/// use cuda_async::LaunchConfig;
+///
+/// let n = 1 << 20;
+/// let (x, y) = (h2d(vec![1.0f32; n]), h2d(vec![2.0f32; n]));
+/// let out = x
+///     .zip(y)
+///     // SAFETY: saxpy touches x[0..n) and y[0..n); both hold n floats.
+///     .then(move |(x, y)| unsafe {
+///         k::saxpy(LaunchConfig::for_num_elems(n as u32), 3.0, x, y, n as i32)
+///     })
+///     .then(|(_, _, y, _)| d2h(y))
+///     .sync()?;
+/// assert!(out.as_slice()?.iter().all(|&v| v == 5.0));
+/// // k::saxpy(cfg, 3.0, &x, &y, n): error, `&DeviceBuffer<f32>` cannot be
+/// // passed where the kernel writes a buffer of `f32`.
+/// # Ok::<(), cuda_async::Error>(())
+/// ```
+pub use cuda_async_macros::kernels;
 pub use cuda_core::{
     cudarc, device_count, devices, driver_present, nvrtc_compilations, CudaStream, Device,
     DeviceInfo, DeviceRepr, Error, Kernel, LaunchConfig, Module, ModuleSource, PinnedBuffer,
     Result, ValidAsZeroBits,
 };
 pub use future::{run_on, DeviceFuture};
-pub use launch::{check_launch_config, launch, DynArg, DynArgs, KernelArg, KernelArgs};
+pub use launch::{
+    check_launch_config, launch, BufferIn, BufferOut, DynArg, DynArgs, KernelArg, KernelArgs,
+};
+#[doc(hidden)]
+pub use macros::__private;
 pub use memory::{copy_d2h, copy_h2d, d2d, d2h, h2d, memset, zeros};
 pub use op::{DeviceOp, DeviceOpExt, OutputOf};
 pub use policy::{

@@ -106,3 +106,44 @@ fn modules_and_kernels_are_made_without_a_driver() {
         assert!(matches!(op.sync(), Err(Error::NoDriver)));
     }
 }
+
+/// The typed launchers of `tests/kernels/typed.cu` (see `gpu.rs` for them
+/// running).
+mod typed {
+    cuda_async::kernels!("tests/kernels/typed.cu");
+}
+
+#[test]
+fn kernels_macro_generates_a_typed_launcher_per_kernel_of_the_file() {
+    let m = typed::module();
+    for name in ["saxpy", "block_sums", "transpose", "blend", "spin_stamp"] {
+        assert!(m.kernel(name).is_ok(), "{name}");
+    }
+    // The launchers' signatures, as a user sees them (not run: no GPU here).
+    type Saxpy<'a> = (f32, &'a DeviceBuffer<f32>, DeviceBuffer<f32>, i32);
+    fn saxpy(x: &DeviceBuffer<f32>, y: DeviceBuffer<f32>) -> impl DeviceOp<Output = Saxpy<'_>> {
+        // SAFETY: never executed.
+        unsafe { typed::saxpy(cuda_async::LaunchConfig::for_num_elems(4), 2.0, x, y, 4) }
+    }
+    fn blend<'a>(
+        a: std::sync::Arc<DeviceBuffer<f32>>,
+        b: &'a DeviceBuffer<f64>,
+        mask: &'a mut DeviceBuffer<i32>,
+        out: DeviceBuffer<f32>,
+    ) -> impl DeviceOp + 'a {
+        // SAFETY: never executed.
+        unsafe {
+            typed::blend(
+                cuda_async::LaunchConfig::for_num_elems(4),
+                a,
+                b,
+                mask,
+                out,
+                0.5,
+                0.25,
+                4,
+            )
+        }
+    }
+    let _ = (saxpy, blend);
+}

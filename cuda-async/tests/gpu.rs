@@ -75,6 +75,18 @@ fn pinned_copies_fill_poisoned_buffers_and_check_lengths() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
+fn typed_launchers_match_the_cpu_on_random_data() {
+    suite::typed_launchers_match_the_cpu_on_random_data(&*local());
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn zip_macro_of_four_typed_spins_overlaps_on_the_gpu() {
+    suite::zip_macro_of_four_typed_spins_overlaps_on_the_gpu(&*local());
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
 fn launch_axpy_matches_the_cpu() {
     suite::launch_axpy_matches_the_cpu(&*local());
 }

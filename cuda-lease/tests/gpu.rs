@@ -96,6 +96,8 @@ mod over_a_lease {
         zip_arms_run_concurrently_on_different_streams,
         join_all_is_concurrent_and_ordered,
         shared_runs_once_and_consumers_on_other_streams_see_its_result,
+        typed_launchers_match_the_cpu_on_random_data,
+        zip_macro_of_four_typed_spins_overlaps_on_the_gpu,
     );
 
     #[test]

@@ -7,7 +7,7 @@ use crate::context::ExecutionContext;
 use crate::op::{impl_into_future, DeviceOp};
 
 /// Concurrent arms ([`DeviceOpExt::zip`](crate::DeviceOpExt::zip),
-/// [`zip_all`]): a tuple of 2 to 8 ops, each on its own pool stream, joined
+/// [`zip_all`], [`zip!`](crate::zip!)): a tuple of 2 to 12 ops, each on its own pool stream, joined
 /// back to the parent stream.
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
 pub struct Zip<T>(T);
@@ -24,7 +24,7 @@ impl<T> fmt::Debug for Zip<T> {
     }
 }
 
-/// Zips a tuple of 2 to 8 ops: they run concurrently and the output is the
+/// Zips a tuple of 2 to 12 ops: they run concurrently and the output is the
 /// tuple of their outputs.
 ///
 /// # Examples
@@ -78,3 +78,7 @@ impl_zip!(A a, B b 1, C c 2, D d 3, E e 4);
 impl_zip!(A a, B b 1, C c 2, D d 3, E e 4, F f 5);
 impl_zip!(A a, B b 1, C c 2, D d 3, E e 4, F f 5, G g 6);
 impl_zip!(A a, B b 1, C c 2, D d 3, E e 4, F f 5, G g 6, H h 7);
+impl_zip!(A a, B b 1, C c 2, D d 3, E e 4, F f 5, G g 6, H h 7, I i 8);
+impl_zip!(A a, B b 1, C c 2, D d 3, E e 4, F f 5, G g 6, H h 7, I i 8, J j 9);
+impl_zip!(A a, B b 1, C c 2, D d 3, E e 4, F f 5, G g 6, H h 7, I i 8, J j 9, K k 10);
+impl_zip!(A a, B b 1, C c 2, D d 3, E e 4, F f 5, G g 6, H h 7, I i 8, J j 9, K k 10, L l 11);
