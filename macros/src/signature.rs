@@ -382,7 +382,7 @@ fn param(p: &[&str]) -> Result<Param, String> {
     };
     let ty = ctype(&words).ok_or_else(|| {
         format!(
-            "`{}` is not a supported type (integers, float, double, __half, size_t, \
+            "`{}` is not a supported type (integers, float, double, size_t, \
              int8_t..uint64_t; structs are not)",
             words.join(" ")
         )
