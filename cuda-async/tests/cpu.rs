@@ -113,6 +113,11 @@ mod typed {
     cuda_async::kernels!("tests/kernels/typed.cu");
 }
 
+/// The same signature source with a precompiled PTX embedded instead.
+mod typed_ptx {
+    cuda_async::kernels!("tests/kernels/scale.cu", ptx = "tests/kernels/scale.ptx");
+}
+
 #[test]
 fn kernels_macro_generates_a_typed_launcher_per_kernel_of_the_file() {
     let m = typed::module();
@@ -146,4 +151,8 @@ fn kernels_macro_generates_a_typed_launcher_per_kernel_of_the_file() {
         }
     }
     let _ = (saxpy, blend);
+    // The `ptx =` form embeds the PTX: its parameter list is known now.
+    let m = typed_ptx::module();
+    assert!(matches!(m.source(), cuda_async::ModuleSource::Ptx(_)));
+    assert_eq!(m.kernel("scale").unwrap().params().map(<[_]>::len), Some(4));
 }

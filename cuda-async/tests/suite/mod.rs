@@ -505,6 +505,14 @@ pub mod typed {
     cuda_async::kernels!("../cuda-async/tests/kernels/typed.cu");
 }
 
+/// `scale.cu`'s launcher over its precompiled PTX (`ptx =`: no NVRTC).
+pub mod typed_ptx {
+    cuda_async::kernels!(
+        "../cuda-async/tests/kernels/scale.cu",
+        ptx = "../cuda-async/tests/kernels/scale.ptx"
+    );
+}
+
 /// Four kernels of a `.cu` file launched through their generated typed
 /// functions (a saxpy, a block reduction with dynamic shared memory, a 2-D
 /// transpose, and one with three inputs of three types and scalars),
