@@ -11,8 +11,11 @@
 //!
 //! `cuda-lease/scripts/hop-summary LOG` turns such a log into a table of
 //! medians per hop, operation and field. When off, the cost is one relaxed
-//! load of a cached flag per request.
+//! load of a cached flag per request. When on, lines are handed to a
+//! logger thread ([`emit`]) and printed off the request's path, so the
+//! timings they report are barely disturbed by the printing itself.
 
+use std::sync::mpsc::{channel, Sender};
 use std::sync::OnceLock;
 use std::time::Instant;
 
@@ -22,6 +25,32 @@ use crate::proto::Opcode;
 pub(crate) fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("CUDA_LEASE_HOP_TIMES").is_some())
+}
+
+/// Prints `line` to stderr from a logger thread (the caller only queues
+/// it). Lines still queued when the process exits may be lost.
+pub(crate) fn emit(line: String) {
+    static LOGGER: OnceLock<Option<Sender<String>>> = OnceLock::new();
+    let tx = LOGGER.get_or_init(|| {
+        let (tx, rx) = channel::<String>();
+        std::thread::Builder::new()
+            .name("cuda-lease-hops".into())
+            .spawn(move || {
+                for line in rx {
+                    eprintln!("{line}");
+                }
+            })
+            .ok()
+            .map(|_| tx)
+    });
+    match tx {
+        Some(tx) => {
+            if let Err(e) = tx.send(line) {
+                eprintln!("{}", e.0);
+            }
+        }
+        None => eprintln!("{line}"),
+    }
 }
 
 /// Times the phases of one request at one hop; printed when dropped.
@@ -67,7 +96,7 @@ impl Drop for HopTimer {
         for (f, us) in &self.fields {
             line.push_str(&format!(" {f}_us={us}"));
         }
-        eprintln!("{line}");
+        emit(line);
     }
 }
 

@@ -1663,11 +1663,11 @@ async fn run_batch(
             .call_parts(Opcode::Batch, &body, &parts, shared.cfg.op_timeout)
             .await;
         if crate::worker::trace_enabled() {
-            eprintln!(
+            crate::hops::emit(format!(
                 "cuda-lease node batch: {} commands, lock {t_locked:?}, planned {t_planned:?}, worker replied {:?}",
                 b.commands.len(),
                 t0.elapsed()
-            );
+            ));
         }
         let frame = match res {
             Ok(frame) => frame,

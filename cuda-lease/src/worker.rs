@@ -361,6 +361,9 @@ fn run_worker(spec: &str) -> i32 {
             return 1;
         }
         hops::mark(&mut hop, "pipe_write");
+        if let Some(t) = LAST_TRACE.with(|l| l.borrow_mut().take()) {
+            hops::emit(t.line());
+        }
     }
 }
 
@@ -479,6 +482,32 @@ fn op_name(op: &WorkerOp) -> &'static str {
     }
 }
 
+/// The hop timings of the last batch, printed once its reply is written.
+struct BatchTrace {
+    ops: usize,
+    enqueued: std::time::Duration,
+    finish: std::time::Duration,
+    total: std::time::Duration,
+    spans: Vec<(&'static str, std::time::Duration)>,
+}
+
+impl BatchTrace {
+    fn line(&self) -> String {
+        let mut line = format!(
+            "cuda-lease worker batch: {} ops enqueued in {:?}, finish {:?}, total {:?};",
+            self.ops, self.enqueued, self.finish, self.total
+        );
+        for (name, d) in &self.spans {
+            line.push_str(&format!(" {name} {d:?}"));
+        }
+        line
+    }
+}
+
+thread_local! {
+    static LAST_TRACE: std::cell::RefCell<Option<BatchTrace>> = const { std::cell::RefCell::new(None) };
+}
+
 fn run_batch(
     dev: &mut dyn Device,
     ops: &[WorkerOp],
@@ -574,17 +603,15 @@ fn run_batch(
     let tf = std::time::Instant::now();
     let finished = dev.finish(out);
     if trace {
-        let mut line = format!(
-            "cuda-lease worker batch: {} ops enqueued in {:?}, finish {:?}, total {:?};",
-            ops.len(),
-            tf - t0,
-            tf.elapsed(),
-            t0.elapsed()
-        );
-        for (name, d) in &spans {
-            line.push_str(&format!(" {name} {d:?}"));
-        }
-        eprintln!("{line}");
+        // Formatted and printed after the reply is written (off its path).
+        let t = BatchTrace {
+            ops: ops.len(),
+            enqueued: tf - t0,
+            finish: tf.elapsed(),
+            total: t0.elapsed(),
+            spans,
+        };
+        LAST_TRACE.with(|l| *l.borrow_mut() = Some(t));
     }
     let (completed, error) = match (failed, finished) {
         // A fault while waiting outranks an enqueue error: it is sticky.
