@@ -1199,9 +1199,10 @@ impl Recorder {
         self.commands.is_empty() && self.modules.is_empty()
     }
 
-    /// The message: the batch and its data (the sources of modules the
-    /// node may not have, then the writes).
-    fn message(&self) -> (Batch, Vec<u8>) {
+    /// The message, numbered `seq`: the encoded batch and its data (the
+    /// sources of modules the node may not have, then the writes). The
+    /// commands are encoded where they are, not copied first.
+    fn message(&self, seq: u64) -> (Vec<u8>, Vec<u8>) {
         let known = self.inner.client.known_modules();
         let mut data = Vec::new();
         let modules = self
@@ -1222,14 +1223,14 @@ impl Recorder {
                 }
             })
             .collect();
-        let batch = Batch {
+        let body = to_body(&BatchRef {
             lease: self.inner.id,
-            seq: 0,
+            seq,
             modules,
-            commands: self.commands.clone(),
-        };
+            commands: &self.commands,
+        });
         data.extend_from_slice(&self.writes);
-        (batch, data)
+        (body, data)
     }
 
     /// Sends everything recorded as one message; the future resolves with
@@ -1317,11 +1318,11 @@ impl Recorder {
     /// The message, numbered now: the node runs the lease's batches in the
     /// order of these calls, whatever order they are polled or arrive in.
     fn numbered(&self) -> Message {
-        let (mut batch, data) = self.message();
-        batch.seq = self.inner.next_seq.fetch_add(1, Ordering::Relaxed);
+        let seq = self.inner.next_seq.fetch_add(1, Ordering::Relaxed);
+        let (body, data) = self.message(seq);
         Message {
             inner: self.inner.clone(),
-            body: to_body(&batch),
+            body,
             data,
             modules: self.modules.clone(),
             writes: self.writes.len(),
@@ -1780,6 +1781,58 @@ async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
     })
     .await;
     out.into_iter().flatten().collect()
+}
+
+/// A [`Batch`] encoded from borrowed commands: the same fields in the
+/// same order, so the same bytes (postcard encodes a slice as a `Vec`).
+#[derive(serde::Serialize)]
+struct BatchRef<'a> {
+    lease: LeaseId,
+    seq: u64,
+    modules: Vec<ModuleUse>,
+    commands: &'a [Command],
+}
+
+#[cfg(test)]
+mod batch_ref_tests {
+    use super::*;
+    use crate::proto::{Id, Op};
+
+    #[test]
+    fn a_borrowed_batch_encodes_to_the_same_bytes_as_a_batch() {
+        let commands = vec![
+            Command {
+                stream: 1,
+                op: Op::Alloc {
+                    buf: Id(7),
+                    size: 64,
+                },
+            },
+            Command {
+                stream: 2,
+                op: Op::Free { id: Id(7) },
+            },
+        ];
+        let modules = vec![ModuleUse {
+            hash: ModuleHash([3; 32]),
+            source: None,
+        }];
+        let lease = LeaseId([9; 16]);
+        let owned = Batch {
+            lease,
+            seq: 42,
+            modules: modules.clone(),
+            commands: commands.clone(),
+        };
+        let borrowed = BatchRef {
+            lease,
+            seq: 42,
+            modules,
+            commands: &commands,
+        };
+        assert_eq!(to_body(&borrowed), to_body(&owned));
+        assert_eq!(from_body::<Batch>(&to_body(&borrowed)).unwrap(), owned);
+    }
 }
 
 #[cfg(test)]
