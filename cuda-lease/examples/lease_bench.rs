@@ -17,8 +17,8 @@
 //! iterations (default 2000), `LEASE_BENCH_XFER_ITERS` the MEM_WRITE /
 //! MEM_READ iterations (default 5), `LEASE_BENCH_SPIN_US` the workers' pipe
 //! spin budget ([`WorkerSpec::spin`]; default: `cuda_lease::spin::default_spin`).
-//! Everything is measured from a task on the tokio runtime (as a service
-//! awaits ops); `LEASE_BENCH_ON_MAIN=1` measures from `block_on`'s thread.
+//! Everything is measured from `block_on`'s thread; `LEASE_BENCH_IN_TASK=1`
+//! measures from a task on the runtime instead (as a service awaits ops).
 //!
 //! ```text
 //! cargo run --release -p cuda-lease --example lease_bench -- --memory-device --transfers-only
@@ -43,19 +43,20 @@ fn main() {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    // Every row is measured from a task on the runtime, as a tokio service
-    // awaits its ops (the raw baselines too, so each ratio compares the same
-    // context). From `block_on`'s own thread instead, each submission would
-    // pay one more cross-thread wake-up (the session's I/O task runs on a
-    // worker); `LEASE_BENCH_ON_MAIN=1` measures that way.
-    let result = if std::env::var_os("LEASE_BENCH_ON_MAIN").is_some() {
-        rt.block_on(run()).map_err(|e| e.to_string())
-    } else {
+    // Measured from `block_on`'s thread. `LEASE_BENCH_IN_TASK=1` measures
+    // every row (the raw baselines too) from a task on the runtime instead,
+    // as a tokio service awaits its ops. On an H100 host (2026-11-23) that
+    // made the raw round trip faster (79-88 us against 121 us) but not the
+    // remote chain, so the chain row's ratio was higher there (2.15-2.82
+    // against 2.61 from `block_on` on the same host).
+    let result = if std::env::var_os("LEASE_BENCH_IN_TASK").is_some() {
         rt.block_on(async {
             tokio::spawn(async { run().await.map_err(|e| e.to_string()) })
                 .await
                 .unwrap_or_else(|e| Err(format!("the bench task failed: {e}")))
         })
+    } else {
+        rt.block_on(run()).map_err(|e| e.to_string())
     };
     if let Err(e) = result {
         eprintln!("lease_bench: {e}");

@@ -644,28 +644,17 @@ pub fn zip_macro_of_four_typed_spins_overlaps_on_the_gpu(p: &dyn SchedulingPolic
         settle();
         v
     };
+    let zip4 = |ns: u64| {
+        let mut bufs = fresh().into_iter();
+        let mut next = || bufs.next().expect("four buffers");
+        let (a, b, c, d) = (next(), next(), next(), next());
+        cuda_async::zip!(spin(a, ns), spin(b, ns), spin(c, ns), spin(d, ns))
+            .sync_with(p)
+            .unwrap()
+    };
     // Warm up (module load, streams).
-    let mut w = fresh().into_iter();
-    let (a, b, c, d) = (
-        w.next().unwrap(),
-        w.next().unwrap(),
-        w.next().unwrap(),
-        w.next().unwrap(),
-    );
-    let _ = cuda_async::zip!(spin(a, 1000), spin(b, 1000), spin(c, 1000), spin(d, 1000))
-        .sync_with(p)
-        .unwrap();
-    let ns = 5_000_000u64;
-    let mut w = fresh().into_iter();
-    let (a, b, c, d) = (
-        w.next().unwrap(),
-        w.next().unwrap(),
-        w.next().unwrap(),
-        w.next().unwrap(),
-    );
-    let (a, b, c, d) = cuda_async::zip!(spin(a, ns), spin(b, ns), spin(c, ns), spin(d, ns))
-        .sync_with(p)
-        .unwrap();
+    let _ = zip4(1000);
+    let (a, b, c, d) = zip4(5_000_000);
     let s: Vec<(u64, u64)> = [a, b, c, d].into_iter().map(|x| stamps(p, x)).collect();
     let last_start = s.iter().map(|x| x.0).max().unwrap();
     let first_end = s.iter().map(|x| x.1).min().unwrap();
