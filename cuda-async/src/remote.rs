@@ -251,6 +251,13 @@ impl Recording {
         &self.data
     }
 
+    /// Takes the write payloads out (back to back in command order), for a
+    /// session that sends them without copying; [`Recording::data`] is
+    /// empty afterwards.
+    pub fn take_data(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.data)
+    }
+
     /// The read slots, in command order.
     pub fn reads(&self) -> &[Arc<ReadSlot>] {
         &self.reads

@@ -1045,6 +1045,13 @@ impl Recorder {
         self
     }
 
+    /// Records writes whose payloads arrive later, all at once, with
+    /// [`Recorder::submit_into_with`] (in the order of these calls).
+    #[cfg_attr(not(feature = "backend"), allow(dead_code))]
+    pub(crate) fn write_later(&mut self, stream: StreamId, buf: Id, offset: u64, len: u32) {
+        self.push(stream, Op::Write { buf, offset, len });
+    }
+
     /// Reads `len` bytes of `buf` at `offset`; the bytes are in the reply
     /// ([`Submitted::read`]).
     pub fn read(&mut self, stream: StreamId, buf: Id, offset: u64, len: u32) -> ReadSlot {
@@ -1202,7 +1209,10 @@ impl Recorder {
     /// The message, numbered `seq`: the encoded batch and its data (the
     /// sources of modules the node may not have, then the writes). The
     /// commands are encoded where they are, not copied first.
-    fn message(&self, seq: u64) -> (Vec<u8>, Vec<u8>) {
+    /// With `writes`, those bytes are the writes (instead of this
+    /// recorder's), moved in as the data's tail when no module source goes
+    /// first.
+    fn message(&self, seq: u64, writes: Option<Vec<u8>>) -> (Vec<u8>, Vec<u8>) {
         let known = self.inner.client.known_modules();
         let mut data = Vec::new();
         let modules = self
@@ -1229,7 +1239,11 @@ impl Recorder {
             modules,
             commands: &self.commands,
         });
-        data.extend_from_slice(&self.writes);
+        match writes {
+            Some(w) if data.is_empty() => data = w,
+            Some(w) => data.extend_from_slice(&w),
+            None => data.extend_from_slice(&self.writes),
+        }
         (body, data)
     }
 
@@ -1283,7 +1297,22 @@ impl Recorder {
     /// as [`Recorder::submit`].
     pub fn submit_into<D>(
         &self,
+        dests: Vec<D>,
+    ) -> impl std::future::Future<Output = Result<(Submitted, Vec<D>), Error>> + Send + 'static
+    where
+        D: AsMut<[u8]> + Send + 'static,
+    {
+        self.submit_into_with(dests, None)
+    }
+
+    /// [`Recorder::submit_into`], with `writes` the payloads of the writes
+    /// recorded by [`Recorder::write_later`] (after any recorded with
+    /// [`Recorder::write`]), moved into the message rather than copied.
+    #[cfg_attr(not(feature = "backend"), allow(dead_code))]
+    pub(crate) fn submit_into_with<D>(
+        &self,
         mut dests: Vec<D>,
+        writes: Option<Vec<u8>>,
     ) -> impl std::future::Future<Output = Result<(Submitted, Vec<D>), Error>> + Send + 'static
     where
         D: AsMut<[u8]> + Send + 'static,
@@ -1294,7 +1323,17 @@ impl Recorder {
                 .iter()
                 .zip(dests.iter_mut())
                 .all(|(r, d)| d.as_mut().len() == r.len as usize);
-        let message = self.numbered();
+        // Writes recorded with `write` come first (copied: the recorder
+        // keeps them), then the later ones.
+        let writes = match writes {
+            Some(w) if !self.writes.is_empty() => {
+                let mut all = self.writes.clone();
+                all.extend_from_slice(&w);
+                Some(all)
+            }
+            other => other,
+        };
+        let message = self.numbered_with(writes);
         async move {
             if !shape_ok {
                 return Err(Error::BadRequest(
@@ -1318,14 +1357,21 @@ impl Recorder {
     /// The message, numbered now: the node runs the lease's batches in the
     /// order of these calls, whatever order they are polled or arrive in.
     fn numbered(&self) -> Message {
+        self.numbered_with(None)
+    }
+
+    /// [`Recorder::numbered`], moving `writes` (this recorder's writes,
+    /// taken out) into the message instead of copying them.
+    fn numbered_with(&self, writes: Option<Vec<u8>>) -> Message {
+        let len = writes.as_ref().map_or(self.writes.len(), Vec::len);
         let seq = self.inner.next_seq.fetch_add(1, Ordering::Relaxed);
-        let (body, data) = self.message(seq);
+        let (body, data) = self.message(seq, writes);
         Message {
             inner: self.inner.clone(),
             body,
             data,
             modules: self.modules.clone(),
-            writes: self.writes.len(),
+            writes: len,
         }
     }
 }

@@ -90,12 +90,15 @@ impl LeaseSession {
     }
 
     /// The BATCH of `recording`, after the queued frees.
+    ///
+    /// The writes' payloads stay in the recording's data (sent as they are,
+    /// see [`LeaseSession::submit`]); the recorder holds only their
+    /// commands.
     fn translate(&self, recording: &Recording) -> Recorder {
         let mut rec = self.session.recorder();
         for id in std::mem::take(&mut *self.frees.lock().unwrap_or_else(|e| e.into_inner())) {
             rec.free(0, Id(id));
         }
-        let mut data = recording.data();
         for c in recording.commands() {
             match c {
                 RemoteCommand::Alloc { stream, id, bytes } => {
@@ -113,9 +116,7 @@ impl LeaseSession {
                     offset,
                     len,
                 } => {
-                    let (now, rest) = data.split_at(*len as usize);
-                    data = rest;
-                    rec.write(*stream, Id(*id), *offset, now);
+                    rec.write_later(*stream, Id(*id), *offset, *len as u32);
                 }
                 RemoteCommand::Read {
                     stream,
@@ -228,12 +229,14 @@ impl RemoteSession for LeaseSession {
         self.session.fresh_id().0
     }
 
-    fn submit(&self, recording: Recording, done: RemoteCompletion) {
+    fn submit(&self, mut recording: Recording, done: RemoteCompletion) {
         let rec = self.translate(&recording);
-        // The reads are received straight into their slots' storage.
+        // The reads are received straight into their slots' storage, and
+        // the writes' payloads go out as recorded (not copied again).
         let bufs: Vec<_> = recording.reads().iter().map(|s| s.buffer()).collect();
+        let writes = recording.take_data();
         // Numbered now, in the order of these calls.
-        let reply = rec.submit_into(bufs);
+        let reply = rec.submit_into_with(bufs, Some(writes));
         // A task dropped unrun (its runtime shut down with the lease) fails
         // the submission instead of leaving it pending forever.
         let done = FailOnDrop(Some(done));
