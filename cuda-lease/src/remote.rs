@@ -11,6 +11,7 @@
 //! [`RemoteCompletion`] completes; a failure fails it with the matching
 //! `cuda-async` error.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -240,7 +241,7 @@ impl RemoteSession for LeaseSession {
         // A task dropped unrun (its runtime shut down with the lease) fails
         // the submission instead of leaving it pending forever.
         let done = FailOnDrop(Some(done));
-        self.runtime.spawn(async move {
+        let mut task = Box::pin(async move {
             let done = done;
             let outcome = async {
                 let (reply, bufs) = reply.await?;
@@ -254,6 +255,15 @@ impl RemoteSession for LeaseSession {
             let r = outcome.await;
             done.finish(r.map_err(to_cuda_error));
         });
+        // The first poll runs here, on the submitting thread: it opens the
+        // QUIC stream and writes the message, so the request leaves without
+        // first waking a runtime worker for it (a cross-thread wake-up on
+        // the round trip's path). Waiting for the reply goes on as a task of
+        // the session's runtime, which polls again with its own waker.
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        if task.as_mut().poll(&mut cx).is_pending() {
+            self.runtime.spawn(task);
+        }
     }
 
     fn free(&self, id: u64) {
