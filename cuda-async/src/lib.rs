@@ -59,6 +59,7 @@ mod handoff;
 pub mod launch;
 mod macros;
 pub mod memory;
+mod multi;
 mod op;
 pub mod policy;
 mod reactor;
@@ -152,6 +153,7 @@ pub use launch::{
 #[doc(hidden)]
 pub use macros::__private;
 pub use memory::{copy_d2h, copy_h2d, d2d, d2h, h2d, memset, zeros};
+pub use multi::{DeviceLoad, DevicePool, PlaceFn, Placement};
 pub use op::{DeviceOp, DeviceOpExt, OutputOf};
 pub use policy::{
     default_device, default_policy, set_default_device, SchedulingPolicy, SingleStream, StreamPool,

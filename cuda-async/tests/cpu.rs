@@ -44,6 +44,7 @@ fn without_a_driver_every_entry_point_is_an_error_not_a_panic() {
     check("device_count", cuda_async::device_count().map(|_| ()));
     check("Device::new", cuda_async::Device::new(0).map(|_| ()));
     check("default_policy", cuda_async::default_policy().map(|_| ()));
+    check("DevicePool::all", cuda_async::DevicePool::all().map(|_| ()));
     check("sync", value(1).sync().map(|_| ()));
     check(
         "await",

@@ -1,0 +1,292 @@
+//! [`DevicePool`]: a scheduling policy over several GPUs of the process,
+//! placing each submission on one of them.
+
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use cuda_core::{Device, Error, Result};
+
+use crate::context::ExecutionContext;
+use crate::policy::{SchedulingPolicy, StreamPoolRoundRobin};
+
+/// What a [`Placement`] sees of one device of a [`DevicePool`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceLoad {
+    /// The device's ordinal.
+    pub ordinal: usize,
+    /// Submissions placed on it whose GPU work has not finished yet.
+    pub in_flight: usize,
+}
+
+/// A user-supplied placement: given every device's load, in the pool's
+/// order, the index (into that slice) of the device for the next
+/// submission.
+pub type PlaceFn = dyn Fn(&[DeviceLoad]) -> usize + Send + Sync;
+
+/// How a [`DevicePool`] picks the device of each submission.
+#[derive(Clone)]
+pub enum Placement {
+    /// Each device in turn.
+    RoundRobin,
+    /// The device with the fewest submissions in flight (ties in turn).
+    LeastLoaded,
+    /// The escape hatch: a closure that sees every device's load.
+    Custom(Arc<PlaceFn>),
+}
+
+impl fmt::Debug for Placement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Placement::RoundRobin => f.write_str("RoundRobin"),
+            Placement::LeastLoaded => f.write_str("LeastLoaded"),
+            Placement::Custom(_) => f.write_str("Custom(..)"),
+        }
+    }
+}
+
+impl Placement {
+    /// The index of the device for the submission numbered `turn`.
+    fn pick(&self, loads: &[DeviceLoad], turn: usize) -> Result<usize> {
+        let n = loads.len();
+        if n == 0 {
+            return Err(Error::InvalidArgument(
+                "a device pool with no device".into(),
+            ));
+        }
+        let i = match self {
+            Placement::RoundRobin => turn % n,
+            Placement::LeastLoaded => {
+                let least = loads.iter().map(|l| l.in_flight).min().unwrap_or(0);
+                // Among the least loaded, the next in turn.
+                (0..n)
+                    .map(|k| (turn + k) % n)
+                    .find(|&i| loads[i].in_flight == least)
+                    .unwrap_or(turn % n)
+            }
+            Placement::Custom(f) => f(loads),
+        };
+        if i >= n {
+            return Err(Error::InvalidArgument(format!(
+                "the device pool's placement picked device index {i}, but the pool has {n} \
+                 devices (indices 0..{n})"
+            )));
+        }
+        Ok(i)
+    }
+}
+
+struct Member {
+    policy: StreamPoolRoundRobin,
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// A scheduling policy over several devices: each submission (a whole
+/// chain: every op of it runs on the device picked for it) goes to one
+/// device's stream pool, chosen by its [`Placement`] (round-robin by
+/// default).
+///
+/// A device's load is its submissions in flight: counted from placement
+/// until the GPU has finished their work (or, for a submission that
+/// enqueues nothing, until it returns). Buffers stay on the device that
+/// made them: a submission placed on another device cannot use them (there
+/// is no peer-copy op yet), so chains that share buffers belong on one
+/// device's policy.
+///
+/// On a host with one GPU, [`DevicePool::all`] is a pool of that one.
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_async::prelude::*;
+/// use cuda_async::{DevicePool, Placement};
+/// let gpus = DevicePool::all()?.with_placement(Placement::LeastLoaded);
+/// // Eight independent pipelines, each placed on one device.
+/// let outs: Vec<Vec<f32>> = (0..8)
+///     .map(|i| h2d(vec![i as f32; 1024]).then(d2h).sync_with(&gpus)?.to_vec())
+///     .collect::<Result<_, _>>()?;
+/// assert_eq!(outs[3][0], 3.0);
+/// # Ok::<(), cuda_async::Error>(())
+/// ```
+pub struct DevicePool {
+    members: Vec<Member>,
+    placement: Placement,
+    next: AtomicUsize,
+}
+
+impl fmt::Debug for DevicePool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DevicePool")
+            .field("loads", &self.loads())
+            .field("placement", &self.placement)
+            .finish()
+    }
+}
+
+impl DevicePool {
+    /// Every visible device, each with its default stream pool.
+    ///
+    /// # Errors
+    /// No driver, or no device.
+    pub fn all() -> Result<Self> {
+        let n = cuda_core::device_count()?;
+        Self::new(&(0..n).collect::<Vec<_>>())
+    }
+
+    /// The devices `ordinals` (in this order), each with its default
+    /// stream pool.
+    ///
+    /// # Errors
+    /// An empty or repeated list, no driver, or a device that does not
+    /// exist.
+    pub fn new(ordinals: &[usize]) -> Result<Self> {
+        if ordinals.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a device pool needs at least one device".into(),
+            ));
+        }
+        for (i, o) in ordinals.iter().enumerate() {
+            if ordinals[..i].contains(o) {
+                return Err(Error::InvalidArgument(format!(
+                    "device {o} is listed twice in a device pool"
+                )));
+            }
+        }
+        let members = ordinals
+            .iter()
+            .map(|&o| {
+                let device = Device::new(o)?;
+                Ok(Member {
+                    policy: StreamPoolRoundRobin::default_for(&device)?,
+                    in_flight: Arc::new(AtomicUsize::new(0)),
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(DevicePool {
+            members,
+            placement: Placement::RoundRobin,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// The same devices, placing submissions by `placement`.
+    pub fn with_placement(mut self, placement: Placement) -> Self {
+        self.placement = placement;
+        self
+    }
+
+    /// The same devices, placing each submission where `f` says: it gets
+    /// every device's load, in the pool's order, and returns an index into
+    /// that slice (an index out of range fails the submission).
+    pub fn place_with(self, f: impl Fn(&[DeviceLoad]) -> usize + Send + Sync + 'static) -> Self {
+        self.with_placement(Placement::Custom(Arc::new(f)))
+    }
+
+    /// Every device's load now, in the pool's order.
+    pub fn loads(&self) -> Vec<DeviceLoad> {
+        self.members
+            .iter()
+            .map(|m| DeviceLoad {
+                ordinal: m.policy.pool().device().ordinal(),
+                in_flight: m.in_flight.load(Ordering::Relaxed),
+            })
+            .collect()
+    }
+
+    /// How many devices the pool has.
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Never true: a pool has at least one device.
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+}
+
+/// Counts a submission in flight on its device until dropped (it is
+/// retained by the submission's context, so dropped once the GPU has
+/// passed the work).
+struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl SchedulingPolicy for DevicePool {
+    fn select(&self) -> Result<ExecutionContext> {
+        let turn = self.next.fetch_add(1, Ordering::Relaxed);
+        let i = self.placement.pick(&self.loads(), turn)?;
+        let m = &self.members[i];
+        let mut ctx = m.policy.select()?;
+        m.in_flight.fetch_add(1, Ordering::Relaxed);
+        ctx.retain(InFlight(m.in_flight.clone()));
+        Ok(ctx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loads(v: &[usize]) -> Vec<DeviceLoad> {
+        v.iter()
+            .enumerate()
+            .map(|(ordinal, &in_flight)| DeviceLoad { ordinal, in_flight })
+            .collect()
+    }
+
+    #[test]
+    fn round_robin_takes_each_device_in_turn() {
+        let l = loads(&[5, 0, 9]);
+        let picks: Vec<usize> = (0..6)
+            .map(|t| Placement::RoundRobin.pick(&l, t).unwrap())
+            .collect();
+        assert_eq!(picks, [0, 1, 2, 0, 1, 2]);
+    }
+
+    #[test]
+    fn least_loaded_picks_the_fewest_in_flight_and_spreads_ties() {
+        assert_eq!(
+            Placement::LeastLoaded.pick(&loads(&[3, 1, 2]), 0).unwrap(),
+            1
+        );
+        assert_eq!(
+            Placement::LeastLoaded.pick(&loads(&[3, 1, 2]), 7).unwrap(),
+            1
+        );
+        // Ties: the next in turn among the least loaded.
+        let l = loads(&[0, 4, 0, 0]);
+        let picks: Vec<usize> = (0..4)
+            .map(|t| Placement::LeastLoaded.pick(&l, t).unwrap())
+            .collect();
+        assert_eq!(picks, [0, 2, 2, 3]);
+    }
+
+    #[test]
+    fn a_custom_placement_is_checked() {
+        let last = Placement::Custom(Arc::new(|l: &[DeviceLoad]| l.len() - 1));
+        assert_eq!(last.pick(&loads(&[0, 0]), 0).unwrap(), 1);
+        let bad = Placement::Custom(Arc::new(|l: &[DeviceLoad]| l.len()));
+        let e = bad.pick(&loads(&[0, 0]), 0).unwrap_err().to_string();
+        assert!(e.contains("index 2") && e.contains("2 devices"), "{e}");
+        assert!(Placement::RoundRobin.pick(&[], 0).is_err());
+    }
+
+    #[test]
+    fn a_pool_lists_each_device_once() {
+        let e = DevicePool::new(&[]).unwrap_err().to_string();
+        assert!(e.contains("at least one device"), "{e}");
+        let e = DevicePool::new(&[0, 1, 0]).unwrap_err().to_string();
+        assert!(e.contains("device 0 is listed twice"), "{e}");
+    }
+
+    #[test]
+    fn in_flight_counts_drop_with_the_submission() {
+        let n = Arc::new(AtomicUsize::new(1));
+        drop(InFlight(n.clone()));
+        assert_eq!(n.load(Ordering::Relaxed), 0);
+    }
+}
