@@ -574,6 +574,44 @@ fn ops_that_enqueue_nothing_return_without_waiting_for_their_stream() {
     );
 }
 
+/// A `DevicePool` with least-loaded placement spreads submissions evenly
+/// over the visible devices and counts each one in flight from placement
+/// until its GPU work is done. (With one GPU, only the counting is checked.)
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_device_pool_places_submissions_and_counts_them_in_flight() {
+    let pool = cuda_async::DevicePool::all()
+        .unwrap()
+        .with_placement(cuda_async::Placement::LeastLoaded);
+    let n = pool.len();
+    if n < 2 {
+        eprintln!("one GPU visible: spreading over devices is not checked here (needs 2 GPUs)");
+    }
+    let k = kernels();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        // Placed (and counted) when scheduled, before any runs.
+        let futures: Vec<_> = (0..2 * n)
+            .map(|_| suite::spin_op(&k.spin, 20_000_000).schedule(&pool).unwrap())
+            .collect();
+        let loads = pool.loads();
+        assert!(
+            loads.iter().all(|l| l.in_flight == 2),
+            "least-loaded placement: {loads:?}"
+        );
+        for f in futures {
+            f.await.unwrap();
+        }
+    });
+    let loads = pool.loads();
+    assert!(
+        loads.iter().all(|l| l.in_flight == 0),
+        "after completion: {loads:?}"
+    );
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn host_reads_of_a_download_wait_for_the_dma() {
