@@ -1,5 +1,8 @@
 //! Per-hop timings of the data path, for measuring where a request's time
-//! goes: client, QUIC, node, node-to-worker pipe, worker, device.
+//! goes: client, QUIC, node, node-to-worker pipe, worker, device. A remote
+//! `DeviceOp` submission adds a `client-submit` line: translating its
+//! recording, encoding the message, waiting for the reply, and completing
+//! the future's signal.
 //!
 //! Off unless the environment variable `CUDA_LEASE_HOP_TIMES` is set (to
 //! anything) in the node's, the worker's and the client's process; then each

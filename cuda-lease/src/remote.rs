@@ -20,7 +20,8 @@ use cuda_async::remote::{Recording, RemoteArg, RemoteCommand, RemoteCompletion};
 use cuda_async::{ModuleSource, RemoteSession};
 
 use crate::client::{Error, Lease, Module, Recorder, Session};
-use crate::proto::{Id, KernelArg, LaunchSpec, ModuleHash};
+use crate::hops::{self, HopTimer};
+use crate::proto::{Id, KernelArg, LaunchSpec, ModuleHash, Opcode};
 
 /// How long a queued free waits for a message to ride on before it is
 /// sent alone.
@@ -231,20 +232,25 @@ impl RemoteSession for LeaseSession {
     }
 
     fn submit(&self, mut recording: Recording, done: RemoteCompletion) {
+        // With hop timings on: this side's share, printed when it is done.
+        let mut hop = HopTimer::start("client-submit", Opcode::Batch, 0);
         let rec = self.translate(&recording);
+        hops::mark(&mut hop, "translate");
         // The reads are received straight into their slots' storage, and
         // the writes' payloads go out as recorded (not copied again).
         let bufs: Vec<_> = recording.reads().iter().map(|s| s.buffer()).collect();
         let writes = recording.take_data();
         // Numbered now, in the order of these calls.
         let reply = rec.submit_into_with(bufs, Some(writes));
+        hops::mark(&mut hop, "encode");
         // A task dropped unrun (its runtime shut down with the lease) fails
         // the submission instead of leaving it pending forever.
         let done = FailOnDrop(Some(done));
         let mut task = Box::pin(async move {
-            let done = done;
+            let (done, mut hop) = (done, hop);
             let outcome = async {
                 let (reply, bufs) = reply.await?;
+                hops::mark(&mut hop, "reply");
                 reply.ok()?;
                 for (slot, buf) in recording.reads().iter().zip(bufs) {
                     slot.commit(buf)
@@ -254,6 +260,7 @@ impl RemoteSession for LeaseSession {
             };
             let r = outcome.await;
             done.finish(r.map_err(to_cuda_error));
+            hops::mark(&mut hop, "complete");
         });
         // The first poll runs here, on the submitting thread: it opens the
         // QUIC stream and writes the message, so the request leaves without
