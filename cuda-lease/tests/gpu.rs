@@ -238,6 +238,18 @@ async fn gpu_node(cfg: NodeConfig) -> Node {
     }
 }
 
+/// A GPU node, a client of it and a lease of `vram` bytes on it.
+async fn gpu_lease(vram: u64) -> (Node, Arc<cuda_lease::client::Client>, Lease) {
+    let node = gpu_node(gpu_config()).await;
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(vram)
+        .on(client.clone())
+        .await
+        .unwrap();
+    (node, client, lease)
+}
+
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -609,13 +621,7 @@ extern "C" __global__ void spin(unsigned long long ns, unsigned long long* out) 
 #[tokio::test]
 #[ignore = "needs an NVIDIA GPU"]
 async fn v2_cuda_c_compiled_on_the_node_and_random_data_round_trips() {
-    let node = gpu_node(gpu_config()).await;
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(64 << 20)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let (node, client, lease) = gpu_lease(64 << 20).await;
     let s = lease.session();
     let m = Module::cuda(CUDA_KERNELS, &[]);
     let n: u32 = 1_000_003;
@@ -723,13 +729,7 @@ async fn v2_cuda_c_compiled_on_the_node_and_random_data_round_trips() {
 #[tokio::test]
 #[ignore = "needs an NVIDIA GPU"]
 async fn v2_three_streams_of_a_lease_overlap_on_the_gpu() {
-    let node = gpu_node(gpu_config()).await;
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(16 << 20)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let (node, _client, lease) = gpu_lease(16 << 20).await;
     let s = lease.session();
     let m = Module::cuda(CUDA_KERNELS, &[]);
     s.load(&m).await.unwrap(); // compile outside the measurement
@@ -793,13 +793,7 @@ async fn v2_three_streams_of_a_lease_overlap_on_the_gpu() {
 #[tokio::test]
 #[ignore = "needs an NVIDIA GPU"]
 async fn v2_buffers_order_their_uses_across_streams_without_events() {
-    let node = gpu_node(gpu_config()).await;
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(16 << 20)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let (node, _client, lease) = gpu_lease(16 << 20).await;
     let s = lease.session();
     let m = Module::cuda(CUDA_KERNELS, &[]);
     s.load(&m).await.unwrap();
