@@ -70,6 +70,10 @@ pub enum Error {
     InvalidArgument(String),
     /// A shared op panicked while it was first executed; its result is gone.
     SharedPoisoned,
+    /// A CUDA graph capture failed: the work cannot be captured (a
+    /// synchronize, a pageable copy, a host read...), or the stream was
+    /// already capturing. The capture has ended; the stream is usable.
+    Capture(String),
     /// Any other error, boxed.
     Other(Arc<dyn std::error::Error + Send + Sync>),
     /// Remote backend: the lease's TTL ran out; everything in it is gone.
@@ -267,6 +271,11 @@ impl fmt::Display for Error {
                  parameter list declares)"
             ),
             Error::InvalidArgument(what) => write!(f, "invalid argument: {what}"),
+            Error::Capture(what) => write!(
+                f,
+                "graph capture failed: {what} (capture only stream-ordered work: kernels, \
+                 async copies between device and pinned memory, memsets, events)"
+            ),
             Error::LeaseExpired(m) => write!(
                 f,
                 "lease expired: {m} (its buffers are gone: lease again, with a longer TTL \
@@ -430,6 +439,11 @@ mod tests {
                 false,
             ),
             (Error::SharedPoisoned, "build the op again", false),
+            (
+                Error::Capture(s("cuStreamSynchronize")),
+                "capture only",
+                false,
+            ),
         ];
         for (e, advice, retry) in cases {
             let m = e.to_string();

@@ -24,6 +24,7 @@ pub mod buffer;
 pub mod callback;
 pub mod device;
 pub mod error;
+pub mod graph;
 pub mod module;
 pub mod pinned;
 mod raw;
@@ -34,6 +35,7 @@ pub use buffer::{AnyBitPattern, DeviceBuffer};
 pub use callback::launch_host_callback;
 pub use device::{device_count, devices, driver_present, nvrtc_present, Device, DeviceInfo};
 pub use error::{is_sticky, panic_message, Error, Result};
+pub use graph::{Graph, GraphUpdate};
 pub use module::{
     fnv1a64, nvrtc_compilations, parse_ptx_entries, Kernel, Module, ModuleSource, ParamClass,
     ParamSpec,

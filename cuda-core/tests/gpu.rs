@@ -1,0 +1,425 @@
+//! GPU tests of `cuda-core`'s graphs (ignored without a GPU; the bundle runs
+//! them: `scripts/gpu-bundle`, then `target/gpu-bundle/run`).
+//!
+//! The buffers here are plain cudarc slices and the context's cudarc event
+//! tracking is off, so what is captured is exactly the work enqueued (the
+//! capture layer knows nothing of buffers; see `cuda_core::graph`).
+
+use std::sync::Arc;
+
+use cuda_core::cudarc::driver::{sys, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cuda_core::graph::is_capturing;
+use cuda_core::{Device, Error, Graph, GraphUpdate, Kernel, Module};
+
+const SRC: &str = r#"
+extern "C" __global__ void mul2(float* x, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = x[i] * 2.0f;
+}
+extern "C" __global__ void add(float* x, float a, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = x[i] + a;
+}
+"#;
+
+const N: usize = 4096;
+
+struct Fixture {
+    dev: Device,
+    mul2: Kernel,
+    add: Kernel,
+}
+
+fn fixture() -> Fixture {
+    let dev = Device::new(0).expect("device 0");
+    // SAFETY: this binary's buffers are plain cudarc slices ordered by the
+    // tests themselves (one stream each, or explicit synchronizes).
+    unsafe { dev.context().disable_event_tracking() };
+    let m = Module::cuda(SRC, &[]).expect("module");
+    let (mul2, add) = (m.kernel("mul2").unwrap(), m.kernel("add").unwrap());
+    mul2.load_on(&dev).unwrap();
+    add.load_on(&dev).unwrap();
+    Fixture { dev, mul2, add }
+}
+
+fn drv(call: &'static str) -> impl FnOnce(cuda_core::cudarc::driver::DriverError) -> Error {
+    move |e| Error::driver(call, e)
+}
+
+impl Fixture {
+    fn upload(&self, s: &Arc<CudaStream>, v: &[f32]) -> CudaSlice<f32> {
+        let x = s.clone_htod(v).expect("htod");
+        s.synchronize().unwrap();
+        x
+    }
+
+    fn download(&self, s: &Arc<CudaStream>, x: &CudaSlice<f32>) -> Vec<f32> {
+        let v = s.clone_dtoh(x).expect("dtoh");
+        s.synchronize().unwrap();
+        v
+    }
+
+    fn mul2(&self, s: &Arc<CudaStream>, x: &mut CudaSlice<f32>) -> cuda_core::Result<()> {
+        let f = self.mul2.function_on(&self.dev)?;
+        let n = N as u32;
+        let mut b = s.launch_builder(f);
+        b.arg(x).arg(&n);
+        // SAFETY: mul2(float*, unsigned) over n = x.len() elements.
+        unsafe { b.launch(LaunchConfig::for_num_elems(n)) }
+            .map(drop)
+            .map_err(drv("cuLaunchKernel"))
+    }
+
+    fn add(&self, s: &Arc<CudaStream>, x: &mut CudaSlice<f32>, a: f32) -> cuda_core::Result<()> {
+        let f = self.add.function_on(&self.dev)?;
+        let n = N as u32;
+        let mut b = s.launch_builder(f);
+        b.arg(x).arg(&a).arg(&n);
+        // SAFETY: add(float*, float, unsigned) over n = x.len() elements.
+        unsafe { b.launch(LaunchConfig::for_num_elems(n)) }
+            .map(drop)
+            .map_err(drv("cuLaunchKernel"))
+    }
+
+    /// 50 launches: mul2, add 1, mul2, add 2, ... (order matters).
+    fn chain(&self, s: &Arc<CudaStream>, x: &mut CudaSlice<f32>) -> cuda_core::Result<()> {
+        for k in 0..25 {
+            self.mul2(s, x)?;
+            self.add(s, x, (k % 3) as f32)?;
+        }
+        Ok(())
+    }
+}
+
+fn start() -> Vec<f32> {
+    (0..N).map(|i| (i % 7) as f32 * 0.25).collect()
+}
+
+fn reference(mut v: Vec<f32>, replays: usize) -> Vec<f32> {
+    for _ in 0..replays {
+        for k in 0..25 {
+            for x in &mut v {
+                *x = *x * 2.0 + (k % 3) as f32;
+            }
+        }
+    }
+    v
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_captured_chain_replays_like_eager_launches_on_any_stream() {
+    let fx = fixture();
+    let (cap, other) = (fx.dev.new_stream().unwrap(), fx.dev.new_stream().unwrap());
+    // Eager, for the reference.
+    let mut x = fx.upload(&cap, &start());
+    fx.chain(&cap, &mut x).unwrap();
+    let eager = fx.download(&cap, &x);
+    assert_eq!(eager, reference(start(), 1), "eager launches vs the CPU");
+    // Captured: nothing runs while capturing.
+    let mut y = fx.upload(&cap, &start());
+    let graph = Graph::capture(&cap, |s| fx.chain(s, &mut y)).unwrap();
+    assert_eq!(graph.node_count(), 50);
+    assert!(!is_capturing(&cap).unwrap());
+    assert_eq!(fx.download(&cap, &y), start(), "capture ran nothing");
+    // One replay on another stream equals the eager run.
+    graph.launch_on(&other).unwrap();
+    assert_eq!(fx.download(&other, &y), eager, "replay on another stream");
+    // A second replay, on the capture stream, continues from there.
+    graph.launch_on(&cap).unwrap();
+    assert_eq!(
+        fx.download(&cap, &y),
+        reference(start(), 2),
+        "second replay"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn recapture_updates_in_place_or_reinstantiates() {
+    let fx = fixture();
+    let s = fx.dev.new_stream().unwrap();
+    let mut x = fx.upload(&s, &vec![0.0; N]);
+    let mut graph = Graph::capture(&s, |s| fx.add(s, &mut x, 1.0)).unwrap();
+    graph.launch_on(&s).unwrap();
+    assert!(fx.download(&s, &x).iter().all(|v| *v == 1.0));
+    // Same topology, another scalar: in place.
+    let how = graph.recapture(&s, |s| fx.add(s, &mut x, 2.0)).unwrap();
+    assert_eq!(how, GraphUpdate::InPlace);
+    graph.launch_on(&s).unwrap();
+    assert!(fx.download(&s, &x).iter().all(|v| *v == 3.0));
+    // Two nodes instead of one: instantiated anew.
+    let how = graph
+        .recapture(&s, |s| {
+            fx.add(s, &mut x, 10.0)?;
+            fx.mul2(s, &mut x)
+        })
+        .unwrap();
+    assert_eq!(how, GraphUpdate::Reinstantiated);
+    assert_eq!(graph.node_count(), 2);
+    graph.launch_on(&s).unwrap();
+    assert!(fx.download(&s, &x).iter().all(|v| *v == 26.0));
+    // A failed recapture leaves the graph as it was.
+    let e = graph
+        .recapture(&s, |s| {
+            s.synchronize()
+                .map_err(|e| Error::driver("cuStreamSynchronize", e))
+        })
+        .unwrap_err();
+    assert!(!is_capturing(&s).unwrap(), "{e}");
+    graph.launch_on(&s).unwrap();
+    assert!(fx.download(&s, &x).iter().all(|v| *v == 72.0));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn work_that_cannot_be_captured_is_an_error_and_the_stream_works_after() {
+    let fx = fixture();
+    let s = fx.dev.new_stream().unwrap();
+    let mut x = fx.upload(&s, &vec![0.0; N]);
+    // A synchronize inside the capture.
+    let e = Graph::capture(&s, |s| {
+        fx.add(s, &mut x, 1.0)?;
+        s.synchronize()
+            .map_err(|e| Error::driver("cuStreamSynchronize", e))
+    })
+    .unwrap_err();
+    println!("synchronize in a capture: {e}");
+    assert!(e.to_string().contains("cuStreamSynchronize"), "{e}");
+    assert!(!is_capturing(&s).unwrap());
+    // Nested captures on one stream.
+    let e = Graph::capture(&s, |s| Graph::capture(s, |_| Ok(())).map(drop)).unwrap_err();
+    assert!(
+        matches!(&e, Error::Capture(m) if m.contains("already capturing")),
+        "{e}"
+    );
+    assert!(!is_capturing(&s).unwrap());
+    // An empty capture is a graph of no nodes, or a clear error.
+    match Graph::capture(&s, |_| Ok(())) {
+        Ok(g) => assert_eq!(g.node_count(), 0),
+        Err(e) => assert!(matches!(e, Error::Capture(_)), "{e}"),
+    }
+    // The stream works, and nothing captured ran.
+    fx.add(&s, &mut x, 5.0).unwrap();
+    assert!(fx.download(&s, &x).iter().all(|v| *v == 5.0));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_panic_inside_a_capture_ends_it() {
+    let fx = fixture();
+    let s = fx.dev.new_stream().unwrap();
+    let mut x = fx.upload(&s, &vec![0.0; N]);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Graph::capture(&s, |s| {
+            fx.add(s, &mut x, 1.0)?;
+            panic!("in the middle of a capture");
+        })
+    }));
+    assert!(r.is_err(), "the panic goes on");
+    assert!(!is_capturing(&s).unwrap(), "the guard ended the capture");
+    fx.add(&s, &mut x, 2.0).unwrap();
+    assert!(fx.download(&s, &x).iter().all(|v| *v == 2.0));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn capture_mode_is_thread_local_other_threads_allocate_meanwhile() {
+    let fx = fixture();
+    let s = fx.dev.new_stream().unwrap();
+    let mut x = fx.upload(&s, &vec![0.0; N]);
+    let ctx = fx.dev.context().clone();
+    let graph = Graph::capture(&s, |s| {
+        fx.add(s, &mut x, 1.0)?;
+        // A synchronous allocation (a "potentially unsafe" call) on another
+        // thread while this one captures: allowed in thread-local mode.
+        std::thread::spawn(move || {
+            ctx.bind_to_thread()?;
+            // SAFETY: a plain allocation, freed right after, no other use.
+            unsafe {
+                let p = cuda_core::cudarc::driver::result::malloc_sync(1 << 20)?;
+                cuda_core::cudarc::driver::result::free_sync(p)
+            }
+        })
+        .join()
+        .expect("thread")
+        .map_err(|e| Error::driver("cuMemAlloc on another thread", e))
+    })
+    .unwrap();
+    graph.launch_on(&s).unwrap();
+    assert!(fx.download(&s, &x).iter().all(|v| *v == 1.0));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_graph_dropped_with_replays_in_flight_lets_them_finish() {
+    let fx = fixture();
+    let s = fx.dev.new_stream().unwrap();
+    let mut x = fx.upload(&s, &start());
+    let graph = Graph::capture(&s, |s| fx.chain(s, &mut x)).unwrap();
+    for _ in 0..3 {
+        graph.launch_on(&s).unwrap();
+    }
+    drop(graph);
+    assert_eq!(fx.download(&s, &x), reference(start(), 3));
+}
+
+/// What the driver does with events and allocations inside a capture, as
+/// input for capturing `cuda-async` ops (whose buffers order themselves with
+/// events). Prints one line per case; asserts only that every stream works
+/// afterwards.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn probe_events_and_allocations_inside_a_capture() {
+    let fx = fixture();
+    let (a, b, c) = (
+        fx.dev.new_stream().unwrap(),
+        fx.dev.new_stream().unwrap(),
+        fx.dev.new_stream().unwrap(),
+    );
+    let code = |r: sys::CUresult| format!("{r:?}");
+    let event = || {
+        let mut e = std::ptr::null_mut();
+        // SAFETY: writes one handle.
+        unsafe { sys::cuEventCreate(&mut e, 2) }.result().unwrap();
+        e
+    };
+    let begin = |s: &CudaStream| {
+        // SAFETY: a live stream of the current context.
+        unsafe {
+            sys::cuStreamBeginCapture_v2(
+                s.cu_stream(),
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+        .result()
+        .unwrap()
+    };
+    let end = |s: &CudaStream| {
+        let mut g = std::ptr::null_mut();
+        // SAFETY: ends this thread's capture on a live stream.
+        let r = unsafe { sys::cuStreamEndCapture(s.cu_stream(), &mut g) };
+        (r, g)
+    };
+    fx.dev.context().bind_to_thread().unwrap();
+    let mut x = fx.upload(&a, &vec![0.0; N]);
+
+    // 1. A wait on an event recorded outside the capture (flags 0), then
+    //    with CU_EVENT_WAIT_EXTERNAL.
+    let outside = event();
+    // SAFETY: live handles.
+    unsafe { sys::cuEventRecord(outside, a.cu_stream()) }
+        .result()
+        .unwrap();
+    for flags in [0u32, 1] {
+        begin(&b);
+        // SAFETY: live handles.
+        let w = unsafe { sys::cuStreamWaitEvent(b.cu_stream(), outside, flags) };
+        let k = fx.add(&b, &mut x, 1.0).err().map(|e| e.to_string());
+        let (r, g) = end(&b);
+        println!(
+            "probe: wait(flags {flags}) on an event recorded outside: wait {}, then launch {:?}, end capture {}",
+            code(w),
+            k,
+            code(r)
+        );
+        if !g.is_null() {
+            // SAFETY: ours.
+            unsafe { sys::cuGraphDestroy(g) };
+        }
+    }
+
+    // 2. An event recorded inside the capture, used after it ended.
+    let inside = event();
+    begin(&b);
+    fx.add(&b, &mut x, 1.0).unwrap();
+    // SAFETY: live handles.
+    let rec = unsafe { sys::cuEventRecord(inside, b.cu_stream()) };
+    let (r, g) = end(&b);
+    // SAFETY: live handles.
+    let q = unsafe { sys::cuEventQuery(inside) };
+    // SAFETY: live handles.
+    let w = unsafe { sys::cuStreamWaitEvent(c.cu_stream(), inside, 0) };
+    println!(
+        "probe: record inside a capture {}, end {}; afterwards query {}, wait on another stream {}",
+        code(rec),
+        code(r),
+        code(q),
+        code(w)
+    );
+    if !g.is_null() {
+        // SAFETY: ours.
+        unsafe { sys::cuGraphDestroy(g) };
+    }
+
+    // 3. A stream-ordered allocation inside the capture (a graph memory
+    //    node), replayed twice without a free in between.
+    begin(&b);
+    let mut p: sys::CUdeviceptr = 0;
+    // SAFETY: writes one pointer; b is capturing.
+    let al = unsafe { sys::cuMemAllocAsync(&mut p, 4096, b.cu_stream()) };
+    let (r, g) = end(&b);
+    let mut line = format!(
+        "probe: cuMemAllocAsync in a capture {}, end {}",
+        code(al),
+        code(r)
+    );
+    if !g.is_null() {
+        let mut exec = std::ptr::null_mut();
+        // SAFETY: a live graph.
+        let i = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, g, 0) };
+        line += &format!(", instantiate {}", code(i));
+        if i == sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: live handles.
+            let l1 = unsafe { sys::cuGraphLaunch(exec, c.cu_stream()) };
+            // SAFETY: live handles.
+            let l2 = unsafe { sys::cuGraphLaunch(exec, c.cu_stream()) };
+            let s = c.synchronize().err().map(|e| format!("{e:?}"));
+            line += &format!(", launch {} then {} (sync {s:?})", code(l1), code(l2));
+            // SAFETY: the allocation the graph made; freed once.
+            let f = unsafe { sys::cuMemFreeAsync(p, c.cu_stream()) };
+            line += &format!(", free {}", code(f));
+            c.synchronize().unwrap();
+            // SAFETY: ours.
+            unsafe { sys::cuGraphExecDestroy(exec) };
+        }
+        // SAFETY: ours.
+        unsafe { sys::cuGraphDestroy(g) };
+    }
+    println!("{line}");
+
+    // 4. cudarc's event tracking on: a launch through its launch builder
+    //    inside a capture, then the slice used outside it.
+    // SAFETY: re-enabled for this case only; slices made now get events.
+    unsafe { fx.dev.context().enable_event_tracking() };
+    let mut t = a.alloc_zeros::<f32>(N).unwrap();
+    a.synchronize().unwrap();
+    begin(&b);
+    let k = fx.add(&b, &mut t, 1.0).err().map(|e| e.to_string());
+    let (r, g) = end(&b);
+    let later = fx.add(&c, &mut t, 1.0).err().map(|e| e.to_string());
+    let sync = c.synchronize().err().map(|e| format!("{e:?}"));
+    println!(
+        "probe: cudarc tracking on, launch in a capture {k:?}, end {}; a later launch on another stream {later:?}, sync {sync:?}",
+        code(r)
+    );
+    if !g.is_null() {
+        // SAFETY: ours.
+        unsafe { sys::cuGraphDestroy(g) };
+    }
+    drop(t);
+    // SAFETY: back to this binary's setting.
+    unsafe { fx.dev.context().disable_event_tracking() };
+
+    for s in [&a, &b, &c] {
+        assert!(!is_capturing(s).unwrap());
+        s.synchronize().unwrap();
+    }
+    fx.add(&a, &mut x, 1.0).unwrap();
+    fx.download(&a, &x);
+    // SAFETY: ours, once.
+    unsafe {
+        sys::cuEventDestroy_v2(outside);
+        sys::cuEventDestroy_v2(inside);
+    }
+}
