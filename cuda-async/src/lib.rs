@@ -55,6 +55,7 @@ mod completion;
 mod context;
 mod exec;
 mod future;
+pub mod graph;
 mod handoff;
 pub mod launch;
 mod macros;
@@ -147,6 +148,7 @@ pub use cuda_core::{
     Result, ValidAsZeroBits,
 };
 pub use future::{run_on, DeviceFuture};
+pub use graph::{CudaGraph, GraphLaunch};
 pub use launch::{
     check_launch_config, launch, BufferIn, BufferOut, DynArg, DynArgs, KernelArg, KernelArgs,
 };

@@ -260,6 +260,42 @@ pub trait DeviceOpExt: DeviceOp {
         crate::exec::run_blocking(self, ctx, IdleSync::Always)
     }
 
+    /// Captures the op into a CUDA graph on a private stream of the default
+    /// device, without running it; [`CudaGraph::launch`](crate::CudaGraph::launch)
+    /// replays it with one driver call. See [`crate::graph`] for what is
+    /// captured and how replays are ordered.
+    ///
+    /// # Errors
+    /// [`Error::Capture`](crate::Error::Capture) naming what cannot be
+    /// captured (a download into host memory, a synchronize...); the op's
+    /// own errors; driver errors. The capture has ended in every case.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_async::prelude::*;
+    /// let graph = zeros::<f32>(1 << 20).graph()?; // nothing runs yet
+    /// graph.launch().sync()?; // zeroes the graph's buffer
+    /// let host = d2h(graph.output()).sync()?;
+    /// # Ok::<(), cuda_async::Error>(())
+    /// ```
+    fn graph(self) -> Result<crate::CudaGraph<<Self as DeviceOp>::Output>> {
+        crate::graph::capture_default(self)
+    }
+
+    /// [`DeviceOpExt::graph`] on `stream`, which no other thread may use
+    /// while the capture runs (work enqueued on a capturing stream joins the
+    /// graph); concurrent arms fork onto a private pool.
+    ///
+    /// # Errors
+    /// As [`DeviceOpExt::graph`].
+    fn graph_on(
+        self,
+        stream: &Arc<CudaStream>,
+    ) -> Result<crate::CudaGraph<<Self as DeviceOp>::Output>> {
+        crate::graph::capture_on(self, stream)
+    }
+
     /// Runs the op on a context `policy` picks and blocks the calling
     /// thread until it is done: a local GPU's policy or a remote session's
     /// ([`RemotePolicy`](crate::RemotePolicy)), with no async runtime

@@ -23,6 +23,7 @@ use cuda_async::cudarc::driver::{sys, CudaStream, LaunchConfig};
 use cuda_async::prelude::*;
 use cuda_async::{Device, Error, Module, PinnedBuffer};
 
+mod graph;
 mod suite;
 use suite::{cfg, dev, Kernels, Rng, KERNELS};
 
@@ -860,4 +861,28 @@ fn a_sticky_fault_fails_that_op_and_later_ones_instead_of_hanging() {
         stdout.contains("ILLEGAL_ADDRESS"),
         "the error should name the fault"
     );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn graph_replay_equals_eager_for_a_chain_of_55_ops_with_a_zip() {
+    graph::replay_equals_eager_for_a_chain_of_55_ops_with_a_zip();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn graph_keeps_buffers_whose_handles_were_dropped_over_1000_replays() {
+    graph::handles_dropped_after_capture_then_1000_replays();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn graph_replay_on_one_stream_is_seen_by_an_op_on_another() {
+    graph::a_replay_on_one_stream_is_seen_by_an_op_on_another();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn graph_capture_errors_leave_everything_working() {
+    graph::what_cannot_be_captured_is_an_error_and_ops_work_after();
 }

@@ -13,8 +13,15 @@
 //! for all of them before the stream-ordered free (`cuMemFreeAsync`), and
 //! leaks the memory rather than free it if it cannot order the free.
 //!
-//! Uses made directly through the cudarc slice (`as_cuda_slice`) are
-//! ordered by cudarc's own, weaker tracking only.
+//! Uses made directly through the cudarc slice (`as_cuda_slice`) are not
+//! ordered by the buffer: on the contexts this crate opens
+//! ([`Device::new`](crate::Device::new)) cudarc's own tracking is off, so
+//! such a use is ordered by its stream alone (a context made by other code
+//! keeps cudarc's tracking as that code set it).
+//!
+//! Inside a CUDA graph capture (see [`crate::graph`]), uses on the
+//! capture's streams record no events: they are logged for the graph,
+//! whose every replay is ordered and recorded as a use of the buffer.
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -33,11 +40,23 @@ use crate::raw::{set_current, RawEvent};
 /// kernels). Every use through this crate is ordered after the uses it
 /// conflicts with, on any stream, and the buffer's free after all of them;
 /// so a buffer can be handed out, used and dropped while the GPU still works
-/// on it.
+/// on it. A CUDA graph that captured a use of the buffer shares its use
+/// record and keeps its memory: dropping the handle first hands the memory
+/// to that record, freed when the graph is gone, after its replays.
 pub struct DeviceBuffer<T> {
     slice: ManuallyDrop<CudaSlice<T>>,
-    uses: Mutex<Uses>,
+    uses: Arc<UseRecord>,
     _marker: PhantomData<T>,
+}
+
+/// A buffer's uses, shared by its handle and by every graph that captured a
+/// use of it (see [`crate::graph`]). When the handle is dropped while a
+/// graph still shares this, the memory moves here (as bytes) and is freed,
+/// ordered after every recorded use, when the last graph lets go.
+#[derive(Default)]
+pub(crate) struct UseRecord {
+    uses: Mutex<Uses>,
+    orphan: Mutex<Option<CudaSlice<u8>>>,
 }
 
 /// Events of the uses since the last write (reads, per stream) and of the
@@ -67,7 +86,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     pub fn from_cuda_slice(slice: CudaSlice<T>) -> Self {
         DeviceBuffer {
             slice: ManuallyDrop::new(slice),
-            uses: Mutex::default(),
+            uses: Arc::default(),
             _marker: PhantomData,
         }
     }
@@ -82,7 +101,20 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         T: ValidAsZeroBits,
     {
         check_len::<T>(len)?;
-        let slice = stream.alloc_zeros::<T>(len).call("cuMemAllocAsync")?;
+        let slice = match crate::graph::alloc_stream_for(stream) {
+            // Inside a capture: allocated outside the graph, zeroed by a
+            // captured memset (so each replay zeroes it, as the op does).
+            Some(side) => {
+                let mut slice = crate::graph::outside_capture(|| {
+                    // SAFETY: zeroed by the memset just below, before any use.
+                    unsafe { side.alloc::<T>(len) }
+                })
+                .call("cuMemAllocAsync")?;
+                stream.memset_zeros(&mut slice).call("cuMemsetD8Async")?;
+                slice
+            }
+            None => stream.alloc_zeros::<T>(len).call("cuMemAllocAsync")?,
+        };
         let b = Self::from_cuda_slice(slice);
         b.after_write(stream)?;
         Ok(b)
@@ -99,8 +131,11 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// download, by the host).
     pub unsafe fn uninit(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
         check_len::<T>(len)?;
+        // Inside a capture: allocated outside the graph (see `zeros`).
+        let on = crate::graph::alloc_stream_for(stream).unwrap_or_else(|| stream.clone());
         // SAFETY: forwarded to the caller (see `# Safety`).
-        let slice = unsafe { stream.alloc::<T>(len) }.call("cuMemAllocAsync")?;
+        let slice = crate::graph::outside_capture(|| unsafe { on.alloc::<T>(len) })
+            .call("cuMemAllocAsync")?;
         Ok(Self::from_cuda_slice(slice))
     }
 }
@@ -132,8 +167,7 @@ impl<T> DeviceBuffer<T> {
     }
 
     /// The cudarc slice, for interop and kernel arguments. Uses made through
-    /// it directly are ordered by cudarc's tracking only (see the module
-    /// docs).
+    /// it directly are not ordered by the buffer (see the module docs).
     pub fn as_cuda_slice(&self) -> &CudaSlice<T> {
         &self.slice
     }
@@ -144,14 +178,21 @@ impl<T> DeviceBuffer<T> {
     }
 
     /// Gives the cudarc slice back, after making its home stream wait for
-    /// every use recorded here (so cudarc's own tracking suffices after).
+    /// every use recorded here (later uses on the home stream are ordered
+    /// by the stream; the caller orders any other).
     ///
     /// # Errors
-    /// A driver error if the wait cannot be enqueued; the memory is then
-    /// leaked, never freed.
+    /// [`Error::InvalidArgument`] if a CUDA graph still uses the buffer (it
+    /// is then dropped as usual); a driver error if the wait cannot be
+    /// enqueued (the memory is then leaked, never freed).
     pub fn into_cuda_slice(self) -> Result<CudaSlice<T>> {
+        if Arc::strong_count(&self.uses) > 1 {
+            return Err(Error::InvalidArgument(
+                "the buffer is used by a CUDA graph: drop the graph first".into(),
+            ));
+        }
         let mut this = ManuallyDrop::new(self);
-        let ordered = this.order_home_stream();
+        let ordered = this.uses.order_home_stream(this.slice.stream());
         // SAFETY: `this` is never used or dropped again; each field is moved
         // out (or dropped) exactly once.
         let uses = unsafe { std::ptr::read(&this.uses) };
@@ -175,10 +216,6 @@ impl<T> DeviceBuffer<T> {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Uses> {
-        self.uses.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Orders a read on `stream` after the last write. Call before
     /// enqueuing the read, and [`DeviceBuffer::after_read`] after.
     ///
@@ -187,38 +224,7 @@ impl<T> DeviceBuffer<T> {
     /// error if the wait cannot be enqueued.
     pub fn before_read(&self, stream: &CudaStream) -> Result<()> {
         self.same_context(stream)?;
-        let u = self.lock();
-        if let Some((s, ev)) = &u.write {
-            if *s != stream.cu_stream() as usize {
-                ev.wait_on(stream)
-                    .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Records a read enqueued on `stream` (later writes and the free wait
-    /// for it).
-    ///
-    /// # Errors
-    /// A driver error if the event cannot be created or recorded; the
-    /// buffer is then never freed (it cannot know when the read ends).
-    pub fn after_read(&self, stream: &CudaStream) -> Result<()> {
-        let mut u = self.lock();
-        let r = (|| {
-            let raw = stream.cu_stream() as usize;
-            if let Some((_, ev)) = u.reads.iter().find(|(s, _)| *s == raw) {
-                return ev.record(stream);
-            }
-            let ev = RawEvent::new(stream.context())?;
-            ev.record(stream)?;
-            u.reads.push((raw, ev));
-            Ok(())
-        })();
-        if r.is_err() {
-            u.broken = true;
-        }
-        r
+        self.uses.before(stream, false)
     }
 
     /// Orders a write on `stream` after the last write and every read since.
@@ -229,15 +235,17 @@ impl<T> DeviceBuffer<T> {
     /// As [`DeviceBuffer::before_read`].
     pub fn before_write(&self, stream: &CudaStream) -> Result<()> {
         self.same_context(stream)?;
-        let u = self.lock();
-        let raw = stream.cu_stream() as usize;
-        for (s, ev) in u.reads.iter().chain(u.write.iter()) {
-            if *s != raw {
-                ev.wait_on(stream)
-                    .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
-            }
-        }
-        Ok(())
+        self.uses.before(stream, true)
+    }
+
+    /// Records a read enqueued on `stream` (later writes and the free wait
+    /// for it).
+    ///
+    /// # Errors
+    /// A driver error if the event cannot be created or recorded; the
+    /// buffer is then never freed (it cannot know when the read ends).
+    pub fn after_read(&self, stream: &CudaStream) -> Result<()> {
+        self.after(stream, false)
     }
 
     /// Records a write enqueued on `stream`. Earlier reads are ordered
@@ -246,9 +254,60 @@ impl<T> DeviceBuffer<T> {
     /// # Errors
     /// As [`DeviceBuffer::after_read`].
     pub fn after_write(&self, stream: &CudaStream) -> Result<()> {
+        self.after(stream, true)
+    }
+
+    fn after(&self, stream: &CudaStream, write: bool) -> Result<()> {
+        if crate::graph::is_capture_stream(stream) {
+            // Captured: each replay records the use instead.
+            crate::graph::log_use(&self.uses, write);
+            return Ok(());
+        }
+        self.uses.record(stream, write)
+    }
+}
+
+impl UseRecord {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Uses> {
+        self.uses.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Orders a use on `stream` after the conflicting recorded uses (a read
+    /// after the last write; a write after the last write and every read).
+    pub(crate) fn before(&self, stream: &CudaStream, write: bool) -> Result<()> {
+        if crate::graph::is_capture_stream(stream) {
+            // Inside a capture only the captured work is ordered (by its
+            // streams and forks); each replay is ordered against the
+            // buffer's other uses when it is launched.
+            return Ok(());
+        }
+        let u = self.lock();
+        let raw = stream.cu_stream() as usize;
+        let reads = if write { &u.reads[..] } else { &[] };
+        for (s, ev) in reads.iter().chain(u.write.iter()) {
+            if *s != raw {
+                ev.wait_on(stream)
+                    .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a use enqueued on `stream` (a write forgets the reads before
+    /// it, which it was ordered after).
+    pub(crate) fn record(&self, stream: &CudaStream, write: bool) -> Result<()> {
         let mut u = self.lock();
         let r = (|| {
             let raw = stream.cu_stream() as usize;
+            if !write {
+                if let Some((_, ev)) = u.reads.iter().find(|(s, _)| *s == raw) {
+                    return ev.record(stream);
+                }
+                let ev = RawEvent::new(stream.context())?;
+                ev.record(stream)?;
+                u.reads.push((raw, ev));
+                return Ok(());
+            }
             let ev = match u.write.take() {
                 Some((_, ev)) => ev,
                 None => match u.reads.iter().position(|(s, _)| *s == raw) {
@@ -268,15 +327,14 @@ impl<T> DeviceBuffer<T> {
         r
     }
 
-    /// Makes the home stream wait for every recorded use (raw calls).
-    fn order_home_stream(&self) -> Result<()> {
+    /// Makes `home` wait for every recorded use (raw calls).
+    fn order_home_stream(&self, home: &CudaStream) -> Result<()> {
         let u = self.lock();
         if u.broken {
             return Err(Error::InvalidArgument(
                 "a use of this buffer could not be recorded; it is leaked".into(),
             ));
         }
-        let home = self.slice.stream();
         if u.reads.is_empty() && u.write.is_none() {
             return Ok(());
         }
@@ -289,15 +347,52 @@ impl<T> DeviceBuffer<T> {
     }
 }
 
+impl Drop for UseRecord {
+    fn drop(&mut self) {
+        let orphan = self
+            .orphan
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(slice) = orphan {
+            if self.order_home_stream(slice.stream()).is_ok() {
+                // The free (cudarc's, stream-ordered on the home stream)
+                // comes after every recorded use, graph replays included.
+                drop(slice);
+            } else {
+                // It cannot be ordered: leak rather than free early.
+                let _ = slice.leak();
+            }
+        }
+    }
+}
+
 impl<T> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
-        if self.order_home_stream().is_ok() {
-            // SAFETY: dropped exactly once, here; the home stream now waits
-            // for every use recorded by this crate, so cudarc's
-            // stream-ordered free comes after them.
-            unsafe { ManuallyDrop::drop(&mut self.slice) };
+        // SAFETY: dropped exactly once, here; the slice is not used again.
+        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+        if Arc::strong_count(&self.uses) > 1 {
+            // A graph still uses the memory: hand it over (as bytes) to the
+            // shared record, which frees it after the graph's last replay.
+            // (We hold `&mut self`, so no capture can take a new share now;
+            // whichever of us and the graphs lets go last frees it.)
+            let bytes = slice.num_bytes();
+            let home = slice.stream().clone();
+            let ptr = slice.leak();
+            // SAFETY: `ptr` is the allocation of `bytes` bytes the slice
+            // owned, on `home`'s context; nothing else owns it now.
+            let bytes = unsafe { home.upgrade_device_ptr::<u8>(ptr, bytes) };
+            *self.uses.orphan.lock().unwrap_or_else(|e| e.into_inner()) = Some(bytes);
+            return;
         }
-        // else: the free cannot be ordered after the GPU's uses: leak.
+        if self.uses.order_home_stream(slice.stream()).is_ok() {
+            // The home stream now waits for every use recorded by this
+            // crate, so cudarc's stream-ordered free comes after them.
+            drop(slice);
+        } else {
+            // The free cannot be ordered after the GPU's uses: leak.
+            let _ = slice.leak();
+        }
     }
 }
 

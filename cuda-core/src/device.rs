@@ -116,6 +116,14 @@ impl Device {
             return Err(Error::NoSuchDevice { ordinal, count });
         }
         let ctx = CudaContext::new(ordinal).call("cuDevicePrimaryCtxRetain")?;
+        // SAFETY: cudarc's per-slice event tracking is turned off for the
+        // context this crate opens: every buffer made here orders its own
+        // uses with its own events (`DeviceBuffer`, `PinnedBuffer`), so
+        // cudarc's tracking only duplicated that work; and its waits break
+        // CUDA graph captures (a wait on an event recorded outside a capture
+        // invalidates it). Contexts of streams made by other code
+        // (`Device::of_stream`) keep their own setting.
+        unsafe { ctx.disable_event_tracking() };
         let dev = Device { ctx };
         if slots.len() <= ordinal {
             slots.resize(ordinal + 1, None);

@@ -35,15 +35,18 @@
 //! # Ok::<(), cuda_core::Error>(())
 //! ```
 
-use std::cell::Cell;
+use std::any::Any;
+use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
 
+use crate::buffer::UseRecord;
 use crate::error::{Error, Result};
-use crate::raw::set_current;
+use crate::raw::{set_current, RawEvent};
 
 /// How [`Graph::recapture`] applied the new work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -218,6 +221,13 @@ fn capture_raw(
     let enqueued = f(stream);
     let _ = set_current(stream.context());
     let ended = guard.end();
+    if enqueued.is_err() || ended.is_err() {
+        // cudarc defers some errors into the context (destructors of events
+        // and streams touched by the failed capture) and hands them to the
+        // next call made through it, on any thread: they belong to this
+        // capture, which reports its own error below.
+        let _ = stream.context().check_err();
+    }
     let ctx = stream.context().clone();
     match (enqueued, ended) {
         (Err(e), Ok(g)) => {
@@ -371,6 +381,266 @@ impl Drop for Graph {
                 sys::cuGraphExecDestroy(self.exec);
                 sys::cuGraphDestroy(self.graph);
             }
+        }
+    }
+}
+
+/// What a [`TrackedGraph`] capture collects on its thread: the streams of
+/// the capture, where allocations go, the buffers used and what must live
+/// as long as the graph.
+struct CaptureLog {
+    streams: Vec<usize>,
+    alloc: Arc<CudaStream>,
+    uses: Vec<(Arc<UseRecord>, bool)>,
+    keep: Vec<Box<dyn Any + Send>>,
+}
+
+thread_local! {
+    static LOG: RefCell<Option<CaptureLog>> = const { RefCell::new(None) };
+}
+
+fn with_log<R>(stream: &CudaStream, f: impl FnOnce(&mut CaptureLog) -> R) -> Option<R> {
+    LOG.try_with(|l| {
+        let mut l = l.borrow_mut();
+        match l.as_mut() {
+            Some(log) if log.streams.contains(&(stream.cu_stream() as usize)) => Some(f(log)),
+            _ => None,
+        }
+    })
+    .ok()
+    .flatten()
+}
+
+/// Whether `stream` is capturing for a [`TrackedGraph`] on this thread:
+/// buffer uses on it are logged for the graph instead of being ordered and
+/// recorded with events (events recorded in a capture cannot be waited for
+/// outside it, and waits on events from outside break the capture).
+pub(crate) fn is_capture_stream(stream: &CudaStream) -> bool {
+    with_log(stream, |_| ()).is_some()
+}
+
+/// Where an allocation requested on `stream` goes: during a tracked
+/// capture, a stream outside it (so the graph holds no memory nodes);
+/// `None` otherwise.
+pub(crate) fn alloc_stream_for(stream: &CudaStream) -> Option<Arc<CudaStream>> {
+    with_log(stream, |l| l.alloc.clone())
+}
+
+/// Runs `f` where allocations are allowed: inline, or, while this thread
+/// captures a [`TrackedGraph`], on a helper thread (the driver refuses
+/// `cuMemAllocAsync` and `cuMemHostAlloc` from a thread with a capture
+/// open, even on a stream outside it; measured on an H100, driver 580).
+pub(crate) fn outside_capture<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let capturing = LOG.try_with(|l| l.borrow().is_some()).unwrap_or(false);
+    if !capturing {
+        return f();
+    }
+    std::thread::scope(|s| match s.spawn(f).join() {
+        Ok(r) => r,
+        Err(panic) => std::panic::resume_unwind(panic),
+    })
+}
+
+/// Logs a captured use of a buffer (once per buffer; a write wins).
+pub(crate) fn log_use(record: &Arc<UseRecord>, write: bool) {
+    let _ = LOG.try_with(|l| {
+        if let Some(log) = l.borrow_mut().as_mut() {
+            match log.uses.iter_mut().find(|(r, _)| Arc::ptr_eq(r, record)) {
+                Some((_, w)) => *w |= write,
+                None => log.uses.push((record.clone(), write)),
+            }
+        }
+    });
+}
+
+/// Keeps `value` as long as the graph being captured on `stream` (for
+/// memory its nodes read, such as a staging block); gives it back when
+/// `stream` is not capturing for a [`TrackedGraph`].
+pub(crate) fn keep_with_graph<V: Send + 'static>(
+    stream: &CudaStream,
+    value: V,
+) -> std::result::Result<(), V> {
+    let mut value = Some(value);
+    let kept = with_log(stream, |l| {
+        if let Some(v) = value.take() {
+            l.keep.push(Box::new(v));
+        }
+    });
+    match (kept, value) {
+        (Some(()), _) | (None, None) => Ok(()),
+        (None, Some(v)) => Err(v),
+    }
+}
+
+/// Removes the log when the capture ends, however it ends.
+struct LogGuard;
+
+impl LogGuard {
+    fn install(log: CaptureLog) -> Result<LogGuard> {
+        LOG.with(|l| {
+            let mut l = l.borrow_mut();
+            if l.is_some() {
+                return Err(Error::Capture(
+                    "this thread is already capturing a graph (captures do not nest)".into(),
+                ));
+            }
+            *l = Some(log);
+            Ok(LogGuard)
+        })
+    }
+
+    fn take(self) -> Option<CaptureLog> {
+        LOG.with(|l| l.borrow_mut().take())
+    }
+}
+
+impl Drop for LogGuard {
+    fn drop(&mut self) {
+        let _ = LOG.try_with(|l| l.borrow_mut().take());
+    }
+}
+
+/// A [`Graph`] captured together with the device buffers its work uses
+/// ([`DeviceBuffer`](crate::DeviceBuffer)): each replay is ordered like a
+/// use of every one of them, on the replay's stream, in both directions
+/// (it waits for their earlier conflicting uses, and later uses wait for
+/// it), and their memory lives as long as the graph (dropping a buffer's
+/// handle after the capture is safe).
+///
+/// During the capture, buffer uses on the capture's streams record no
+/// events (they are logged instead), allocations go to a stream outside the
+/// capture (the zeroing of `zeros` is captured), and staging memory that
+/// the captured copies read is kept by the graph. Downloads into pinned
+/// host memory cannot be captured ([`Error::Capture`]).
+///
+/// Replays of one graph are ordered after each other by the driver (each
+/// launch of an executable graph follows its earlier launches), and by
+/// their buffers' events. Memory the graph keeps is released after its
+/// last replay completes, on the reclaimer thread, never by blocking.
+pub struct TrackedGraph {
+    graph: Graph,
+    uses: Vec<(Arc<UseRecord>, bool)>,
+    keep: Vec<Box<dyn Any + Send>>,
+    /// Recorded after each replay (`None` only while dropping).
+    last: Option<RawEvent>,
+    replayed: AtomicBool,
+}
+
+impl fmt::Debug for TrackedGraph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TrackedGraph")
+            .field("graph", &self.graph)
+            .field("buffers", &self.uses.len())
+            .field("kept", &self.keep.len())
+            .finish()
+    }
+}
+
+impl TrackedGraph {
+    /// Captures the work `f` enqueues on `stream` and on `side` streams that
+    /// join the capture through events (fork/join), with buffer uses
+    /// logged and allocations made on `alloc` (which must not be `stream`
+    /// or a side stream; it is synchronized before this returns).
+    ///
+    /// # Errors
+    /// As [`Graph::capture`]; also [`Error::Capture`] when this thread is
+    /// already capturing. On error nothing captured ever runs.
+    pub fn capture(
+        stream: &Arc<CudaStream>,
+        side: &[Arc<CudaStream>],
+        alloc: &Arc<CudaStream>,
+        f: impl FnOnce(&Arc<CudaStream>) -> Result<()>,
+    ) -> Result<TrackedGraph> {
+        let mut streams: Vec<usize> = vec![stream.cu_stream() as usize];
+        streams.extend(side.iter().map(|s| s.cu_stream() as usize));
+        if streams.contains(&(alloc.cu_stream() as usize)) {
+            return Err(Error::InvalidArgument(
+                "the allocation stream of a capture must not be one of its streams".into(),
+            ));
+        }
+        let last = RawEvent::new(stream.context())?;
+        let guard = LogGuard::install(CaptureLog {
+            streams,
+            alloc: alloc.clone(),
+            uses: Vec::new(),
+            keep: Vec::new(),
+        })?;
+        let graph = Graph::capture(stream, f);
+        // Dropped on error: nothing captured ran, so nothing kept is in use.
+        let log = guard.take();
+        let graph = graph?;
+        let log = log.ok_or_else(|| Error::Capture("the capture log was lost".into()))?;
+        // Allocations made for the graph are complete before any replay.
+        set_current(alloc.context())?;
+        alloc
+            .synchronize()
+            .map_err(|e| Error::driver("cuStreamSynchronize", e))?;
+        Ok(TrackedGraph {
+            graph,
+            uses: log.uses,
+            keep: log.keep,
+            last: Some(last),
+            replayed: AtomicBool::new(false),
+        })
+    }
+
+    /// Enqueues one replay on `stream`, ordered after the conflicting uses
+    /// of the graph's buffers and recorded as a use of each (a write where
+    /// the captured work wrote it).
+    ///
+    /// # Errors
+    /// As [`Graph::launch_on`]; a driver error if an ordering event cannot
+    /// be waited for or recorded (a buffer that cannot record its use is
+    /// then never freed).
+    pub fn launch_on(&self, stream: &CudaStream) -> Result<()> {
+        self.graph.check_stream(stream)?;
+        set_current(self.graph.context())?;
+        for (u, write) in &self.uses {
+            u.before(stream, *write)?;
+        }
+        self.graph.launch_on(stream)?;
+        self.replayed.store(true, Ordering::Release);
+        let recorded = match &self.last {
+            Some(ev) => ev.record(stream),
+            None => Ok(()),
+        };
+        for (u, write) in &self.uses {
+            u.record(stream, *write)?;
+        }
+        recorded
+    }
+
+    /// Keeps `value` as long as the graph, and until its last replay is
+    /// done (for what the captured work reads: modules, staging memory).
+    pub fn keep(&mut self, value: impl Send + 'static) {
+        self.keep.push(Box::new(value));
+    }
+
+    /// The buffers the graph uses, and how many of them it writes.
+    pub fn buffers(&self) -> (usize, usize) {
+        let writes = self.uses.iter().filter(|(_, w)| *w).count();
+        (self.uses.len(), writes)
+    }
+
+    /// The graph itself.
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+}
+
+impl Drop for TrackedGraph {
+    fn drop(&mut self) {
+        let keep = std::mem::take(&mut self.keep);
+        if keep.is_empty() {
+            return;
+        }
+        match self.last.take() {
+            // After the last replay (launches of one executable graph run
+            // in order, so it is the last to finish).
+            Some(last) if self.replayed.load(Ordering::Acquire) => {
+                crate::reclaim::defer_until(move || last.readiness(), move || drop(keep));
+            }
+            _ => crate::reclaim::defer(move || drop(keep)),
         }
     }
 }

@@ -35,7 +35,7 @@ pub use buffer::{AnyBitPattern, DeviceBuffer};
 pub use callback::launch_host_callback;
 pub use device::{device_count, devices, driver_present, nvrtc_present, Device, DeviceInfo};
 pub use error::{is_sticky, panic_message, Error, Result};
-pub use graph::{Graph, GraphUpdate};
+pub use graph::{Graph, GraphUpdate, TrackedGraph};
 pub use module::{
     fnv1a64, nvrtc_compilations, parse_ptx_entries, Kernel, Module, ModuleSource, ParamClass,
     ParamSpec,

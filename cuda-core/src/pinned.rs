@@ -234,7 +234,9 @@ impl<T> PinnedBuffer<T> {
     /// Call [`PinnedBuffer::record_use`] right after enqueuing the copy.
     ///
     /// # Errors
-    /// A driver error from `cuStreamWaitEvent`.
+    /// A driver error from `cuStreamWaitEvent`; [`Error::Capture`] while
+    /// `stream` is capturing a graph (a pinned buffer's host access waits
+    /// for one completion, which a replayed copy does not have).
     ///
     /// # Safety
     /// The caller enqueues work that accesses at most `len` elements through
@@ -251,6 +253,13 @@ impl<T> PinnedBuffer<T> {
         if self.broken.load(Ordering::Acquire) {
             return Err(Error::InvalidArgument(
                 "a GPU use of this pinned buffer could not be recorded earlier".into(),
+            ));
+        }
+        if crate::graph::is_capture_stream(stream) {
+            return Err(Error::Capture(
+                "a copy between a device buffer and a PinnedBuffer (d2h, copy_d2h, copy_h2d) \
+                 cannot be captured: download the graph's output with an op after a replay"
+                    .into(),
             ));
         }
         if let Some(ev) = &self.last_use {

@@ -121,6 +121,12 @@ pub fn defer_until(
 /// then leaked (never dropped), since nothing can tell when the GPU is done
 /// with it.
 pub fn release_after(stream: &CudaStream, value: impl Send + 'static) -> Result<()> {
+    // Work captured into a graph runs at each replay: what it uses lives as
+    // long as the graph.
+    let value = match crate::graph::keep_with_graph(stream, value) {
+        Ok(()) => return Ok(()),
+        Err(v) => v,
+    };
     match RawEvent::new(stream.context()).and_then(|ev| ev.record(stream).map(|()| ev)) {
         Ok(ev) => {
             defer_until(move || ev.readiness(), move || drop(value));

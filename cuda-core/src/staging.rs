@@ -79,10 +79,13 @@ fn take_in(cx: &CudaContext, bytes: usize) -> Result<Block> {
             return Ok(b);
         }
     }
-    set_current(cx)?;
-    // SAFETY: plain allocation of `want` bytes of pinned host memory.
-    let addr = unsafe { result::malloc_host(want, 0) }
-        .map_err(|e| Error::driver("cuMemHostAlloc", e))? as usize;
+    let addr = crate::graph::outside_capture(|| {
+        set_current(cx)?;
+        // SAFETY: plain allocation of `want` bytes of pinned host memory.
+        unsafe { result::malloc_host(want, 0) }
+            .map(|p| p as usize)
+            .map_err(|e| Error::driver("cuMemHostAlloc", e))
+    })?;
     Ok(Block {
         addr,
         bytes: want,

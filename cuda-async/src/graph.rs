@@ -1,0 +1,255 @@
+//! CUDA graphs of ops: capture a [`DeviceOp`] once, replay it with one
+//! driver call as an op of its own.
+//!
+//! [`DeviceOpExt::graph`](crate::DeviceOpExt::graph) executes the op while
+//! a private stream of the device captures (thread-local capture mode, so
+//! other threads' CUDA work is unaffected); `zip` and `join_all` arms fork
+//! onto private streams that join the capture through their events. Nothing
+//! runs during the capture: the result is a [`CudaGraph`] that owns the
+//! op's output (device buffers, typically) and replays the work on
+//! [`CudaGraph::launch`], an op like any other (`.sync()`, `.await`,
+//! `then`, any local policy).
+//!
+//! Soundness, as for every op:
+//! - each buffer the graph uses lives as long as the graph, even if its
+//!   handle is dropped right after the capture;
+//! - each replay is ordered like a use of each of those buffers on the
+//!   replay's stream: after their earlier conflicting uses on any stream,
+//!   and before their later ones (their events record the replay);
+//! - replays of one graph run one after another (the driver orders the
+//!   launches of one executable graph);
+//! - memory the captured copies read (staging blocks, modules) is released
+//!   only after the last replay, never by blocking.
+//!
+//! What cannot be captured is an [`Error::Capture`] naming it, and the
+//! capture ends either way (also on a panic): downloads into host memory
+//! (`d2h`, `copy_d2h`, `copy_h2d`: read a graph's output with an op after a
+//! replay), a synchronize, a wait on work outside the capture (an op that
+//! orders itself after an unfinished `shared` op of another execution).
+//! Allocations inside the op (`zeros`, `h2d`) are made once, outside the
+//! graph; `zeros` is zeroed again at every replay, and `h2d` copies the same
+//! host data (staged at capture) at every replay.
+//!
+//! # Examples
+//!
+//! ```no_run
+//! use cuda_async::prelude::*;
+//! let m = cuda_async::Module::cuda(
+//!     r#"extern "C" __global__ void inc(float* x, unsigned n) {
+//!         unsigned i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] += 1.0f; }"#,
+//!     &[],
+//! )?;
+//! let inc = m.kernel("inc")?;
+//! let n = 1024u32;
+//! let cfg = cuda_async::LaunchConfig::for_num_elems(n);
+//! let mut x = Some(zeros::<f32>(n as usize).sync()?);
+//! // Capture 100 launches on x (nothing runs yet).
+//! let mut op = value(x.take().unwrap()).boxed();
+//! for _ in 0..100 {
+//!     let k = inc.clone();
+//!     // SAFETY: inc touches x[0..n) of an n-element buffer.
+//!     op = op.then(move |x| unsafe { launch(&k, cfg, (x, n)) }).map(|(x, _)| x).boxed();
+//! }
+//! let graph = op.graph()?;
+//! graph.launch().sync()?; // 100 kernels, one driver call
+//! graph.launch().sync()?;
+//! let y = d2h(graph.output()).sync()?;
+//! assert!(y.as_slice()?.iter().all(|v| *v == 200.0));
+//! # Ok::<(), cuda_async::Error>(())
+//! ```
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use cuda_core::cudarc::driver::CudaStream;
+use cuda_core::{Device, Error, Result, TrackedGraph};
+
+use crate::context::ExecutionContext;
+use crate::exec::{check_poison, execute_guarded, note};
+use crate::op::DeviceOp;
+use crate::policy::{default_device, StreamPool, DEFAULT_POOL_STREAMS};
+
+/// A captured op: an instantiated CUDA graph that owns the op's output and
+/// everything its replays use. Replay it with [`CudaGraph::launch`].
+///
+/// `Send` and `Sync`: replays from several threads are serialized on the
+/// graph (the driver requires it) and ordered on the GPU.
+pub struct CudaGraph<T> {
+    graph: Mutex<TrackedGraph>,
+    output: Option<T>,
+    device: Device,
+}
+
+impl<T> fmt::Debug for CudaGraph<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaGraph")
+            .field("device", &self.device.ordinal())
+            .field("graph", &self.graph)
+            .field("output", &std::any::type_name::<T>())
+            .finish()
+    }
+}
+
+/// Captures `op` on `stream`, forking concurrent arms onto `pool` (whose
+/// streams, like `stream`, no other thread uses during the capture).
+pub(crate) fn capture<O: DeviceOp>(
+    op: O,
+    stream: &Arc<CudaStream>,
+    pool: Arc<StreamPool>,
+) -> Result<CudaGraph<<O as DeviceOp>::Output>> {
+    check_poison()?;
+    let device = Device::of_stream(stream);
+    let alloc = device.new_stream()?;
+    let mut ctx = ExecutionContext::new(device.clone(), stream.clone(), pool.clone());
+    let mut output = None;
+    let captured = TrackedGraph::capture(stream, pool.streams(), &alloc, |_| {
+        // SAFETY: nothing runs during a capture; what the op retains is
+        // handed to the graph below and released after its last replay, and
+        // its output holds device buffers (host reads cannot be captured).
+        let out = unsafe { execute_guarded(op, &mut ctx) }?;
+        output = Some(out);
+        Ok(())
+    });
+    let retained = ctx.take_retained();
+    // On error nothing captured ever ran: the retained values and any output
+    // can go now.
+    let mut graph = captured.map_err(note)?;
+    if !retained.is_empty() {
+        graph.keep(retained);
+    }
+    Ok(CudaGraph {
+        graph: Mutex::new(graph),
+        output,
+        device,
+    })
+}
+
+/// Captures on a fresh private stream of the default device.
+pub(crate) fn capture_default<O: DeviceOp>(op: O) -> Result<CudaGraph<<O as DeviceOp>::Output>> {
+    let device = Device::new(default_device())?;
+    let pool = StreamPool::new(&device, DEFAULT_POOL_STREAMS)?;
+    let stream = pool.streams()[0].clone();
+    capture(op, &stream, pool)
+}
+
+/// Captures on `stream` (which no other thread may use during the capture),
+/// forking onto a fresh private pool.
+pub(crate) fn capture_on<O: DeviceOp>(
+    op: O,
+    stream: &Arc<CudaStream>,
+) -> Result<CudaGraph<<O as DeviceOp>::Output>> {
+    let device = Device::of_stream(stream);
+    let pool = StreamPool::new(&device, DEFAULT_POOL_STREAMS)?;
+    capture(op, stream, pool)
+}
+
+impl<T> CudaGraph<T> {
+    /// The op that replays the whole graph on the stream it is given (one
+    /// driver call), ordered against every other use of the graph's
+    /// buffers. Run it like any op: `.sync()`, `.await`, `.then(..)`,
+    /// `.schedule(&policy)` with a local policy. The same graph can be
+    /// launched any number of times, from any thread.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn f(graph: cuda_async::CudaGraph<cuda_async::DeviceBuffer<f32>>) -> cuda_async::Result<()> {
+    /// use cuda_async::prelude::*;
+    /// for _ in 0..10 {
+    ///     graph.launch().sync()?;
+    /// }
+    /// let out = graph.launch().then(|()| d2h(graph.output())).sync()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn launch(&self) -> GraphLaunch<'_, T> {
+        GraphLaunch { graph: self }
+    }
+
+    /// The captured op's output (for instance the buffers it produced):
+    /// what each replay recomputes. Ops that use it are ordered after the
+    /// replays launched before them.
+    ///
+    /// # Panics
+    /// If the output was taken ([`CudaGraph::take_output`]).
+    pub fn output(&self) -> &T {
+        self.output
+            .as_ref()
+            .expect("the graph's output was taken with take_output")
+    }
+
+    /// Takes the output out of the graph (the graph keeps replaying into
+    /// the same memory; ops on the output stay ordered after its replays).
+    pub fn take_output(&mut self) -> Option<T> {
+        self.output.take()
+    }
+
+    /// Kernels, copies, memsets and event nodes in the graph.
+    pub fn node_count(&self) -> usize {
+        self.lock().graph().node_count()
+    }
+
+    /// The device buffers the graph uses, and how many of them it writes.
+    pub fn buffers(&self) -> (usize, usize) {
+        self.lock().buffers()
+    }
+
+    /// The device the graph runs on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, TrackedGraph> {
+        self.graph.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// One replay of a [`CudaGraph`], as an op (see [`CudaGraph::launch`]).
+#[must_use = "ops do nothing until they are run (.sync(), .await, ...)"]
+pub struct GraphLaunch<'g, T> {
+    graph: &'g CudaGraph<T>,
+}
+
+impl<T> fmt::Debug for GraphLaunch<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GraphLaunch")
+            .field("graph", self.graph)
+            .finish()
+    }
+}
+
+impl<T: Send + Sync> DeviceOp for GraphLaunch<'_, T> {
+    type Output = ();
+
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<()> {
+        let stream = ctx.cuda_stream().map_err(|_| Error::NeedsLocalStream {
+            op: "a CUDA graph replay".into(),
+            context: ctx.describe(),
+        })?;
+        // Ordered against the buffers' other uses, and recorded as a use of
+        // each; what the graph keeps is released after its last replay.
+        self.graph.lock().launch_on(stream)
+    }
+}
+
+crate::op::impl_into_future!(impl['g, T: Send + Sync] for GraphLaunch<'g, T>);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn graphs_and_their_replays_cross_threads() {
+        static_assertions::assert_impl_all!(CudaGraph<crate::DeviceBuffer<f32>>: Send, Sync);
+        static_assertions::assert_impl_all!(GraphLaunch<'static, crate::DeviceBuffer<f32>>: Send);
+    }
+
+    #[test]
+    fn capture_without_a_driver_is_an_error_not_a_panic() {
+        if cuda_core::driver_present() {
+            return;
+        }
+        use crate::prelude::*;
+        let e = crate::zeros::<f32>(4).graph().unwrap_err();
+        assert!(matches!(e, Error::NoDriver), "{e}");
+    }
+}
