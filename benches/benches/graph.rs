@@ -1,6 +1,6 @@
 //! `graph`: a chain of 100 empty kernels: eager through ops vs raw eager
-//! launches vs a raw cudarc graph replay. The library has no graph capture
-//! API yet, so there is no "graph replay via ops" bench here.
+//! launches; its graph replay through ops (`op.graph()`, `graph.launch()`)
+//! vs a raw cudarc graph replay.
 //!
 //! Skips (exit 0) on a machine without a GPU.
 
@@ -12,6 +12,9 @@ fn main() {
         return;
     };
     let graph = fx.raw_graph(GRAPH_NODES).expect("graph capture");
+    let ours = fx
+        .lib_graph(GRAPH_NODES)
+        .expect("graph capture through ops");
     let mut c = Criterion::default().configure_from_args();
     let mut g = c.benchmark_group("graph");
     g.throughput(Throughput::Elements(GRAPH_NODES as u64));
@@ -24,7 +27,9 @@ fn main() {
     g.bench_function("ops_eager_100", |b| {
         b.iter(|| fx.lib_eager(GRAPH_NODES).unwrap())
     });
-    // "ops_graph_replay_100": needs a graph API in cuda-async (not there yet).
+    g.bench_function("ops_graph_replay_100", |b| {
+        b.iter(|| fx.lib_replay(&ours).unwrap())
+    });
     g.finish();
     c.final_summary();
 }

@@ -350,6 +350,32 @@ impl Fixture {
         Ok(op.sync_on(&self.stream)?)
     }
 
+    /// Ops: the chain of [`Fixture::lib_eager`] captured into a graph on a
+    /// private stream ([`DeviceOpExt::graph`]); replay it with
+    /// [`Fixture::lib_replay`].
+    ///
+    /// # Errors
+    /// The capture's error.
+    pub fn lib_graph(&self, n: usize) -> Result<cuda_async::CudaGraph<()>> {
+        let k = &self.kernels.empty;
+        let mut op: BoxedOp<'_, ()> = value(()).boxed();
+        for _ in 0..n {
+            // SAFETY: `empty` takes no parameters and touches no memory.
+            op = op
+                .then(move |()| unsafe { launch(k, ONE_THREAD, ()) })
+                .boxed();
+        }
+        Ok(op.graph()?)
+    }
+
+    /// Ops: one replay of `graph` (an op) on the fixture's stream, synced.
+    ///
+    /// # Errors
+    /// The replay's error.
+    pub fn lib_replay(&self, graph: &cuda_async::CudaGraph<()>) -> Result<()> {
+        Ok(graph.launch().sync_on(&self.stream)?)
+    }
+
     /// Raw: captures a graph of `nodes` chained `empty` launches on a new
     /// stream.
     ///

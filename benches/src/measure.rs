@@ -706,13 +706,14 @@ pub fn zip(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
 }
 
 /// `graph`: a chain of 100 empty kernels: eager through ops vs raw eager
-/// launches; raw cudarc graph replay per node (the library has no graph
-/// API yet, so its replay row is marked n/a).
+/// launches; its graph replay through ops (`op.graph()`, `graph.launch()`)
+/// vs a raw cudarc graph replay, and vs the eager ops.
 ///
 /// # Errors
 /// The first error of any path.
 pub fn graph(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
     let graph = fx.raw_graph(GRAPH_NODES)?;
+    let ours = fx.lib_graph(GRAPH_NODES)?;
     let t = interleaved(
         cfg.reps(20, 3),
         cfg.reps(500, 20),
@@ -720,6 +721,7 @@ pub fn graph(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
             &mut || Ok(graph.replay_sync()?),
             &mut || fx.raw_eager(GRAPH_NODES),
             &mut || fx.lib_eager(GRAPH_NODES),
+            &mut || fx.lib_replay(&ours),
         ],
     )?;
     let per_node = |v: &Vec<f64>| sum(v).map(|s| s.scaled(1.0 / GRAPH_NODES as f64));
@@ -734,12 +736,19 @@ pub fn graph(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
         .lib(per_node(&t[2])),
         Row::new(
             g,
-            "graph replay of 100 kernels, per node: ops vs raw cudarc graph",
+            "graph replay of 100 kernels + sync, per node: `graph.launch().sync_on(&s)` vs raw cudarc graph",
             Unit::Micros,
         )
         .raw(per_node(&t[0]))
-        .goal(Goal::AtMost(1.10))
-        .note("n/a: no graph API yet"),
+        .lib(per_node(&t[3]))
+        .goal(Goal::AtMost(1.05)),
+        Row::new(
+            g,
+            "100-kernel chain + sync, per node: graph replay (ops) vs eager ops",
+            Unit::Micros,
+        )
+        .raw(per_node(&t[2]))
+        .lib(per_node(&t[3])),
     ])
 }
 

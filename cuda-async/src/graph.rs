@@ -1,7 +1,7 @@
 //! CUDA graphs of ops: capture a [`DeviceOp`] once, replay it with one
 //! driver call as an op of its own.
 //!
-//! [`DeviceOpExt::graph`](crate::DeviceOpExt::graph) executes the op while
+//! [`DeviceOpExt::graph`] executes the op while
 //! a private stream of the device captures (thread-local capture mode, so
 //! other threads' CUDA work is unaffected); `zip` and `join_all` arms fork
 //! onto private streams that join the capture through their events. Nothing
@@ -61,12 +61,13 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use cuda_core::cudarc::driver::CudaStream;
-use cuda_core::{Device, Error, Result, TrackedGraph};
+use cuda_core::cudarc::driver::{CudaStream, DeviceRepr};
+use cuda_core::{AnyBitPattern, Device, Error, Result, TrackedGraph};
 
+use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
 use crate::exec::{check_poison, execute_guarded, note};
-use crate::op::DeviceOp;
+use crate::op::{DeviceOp, DeviceOpExt};
 use crate::policy::{default_device, StreamPool, DEFAULT_POOL_STREAMS};
 
 /// A captured op: an instantiated CUDA graph that owns the op's output and
@@ -232,6 +233,74 @@ impl<T: Send + Sync> DeviceOp for GraphLaunch<'_, T> {
 }
 
 crate::op::impl_into_future!(impl['g, T: Send + Sync] for GraphLaunch<'g, T>);
+
+/// A device-resident scalar for graphs: a captured kernel reads it through
+/// its address (pass [`DeviceScalar::buffer`] as a `const T*` argument), and
+/// [`DeviceScalar::set`] changes its value between replays with a small
+/// stream-ordered write (ordered after the replays that read it, and before
+/// the ones launched after it). A step counter of a decode loop, a time
+/// step of a solver.
+///
+/// # Examples
+///
+/// ```no_run
+/// # fn f(graph: &cuda_async::CudaGraph<()>, step: &mut cuda_async::DeviceScalar<u32>) -> cuda_async::Result<()> {
+/// use cuda_async::prelude::*;
+/// for t in 0..100u32 {
+///     step.set(t).sync()?; // captured kernels read the new value
+///     graph.launch().sync()?;
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct DeviceScalar<T> {
+    buf: DeviceBuffer<T>,
+}
+
+impl<T: DeviceRepr + AnyBitPattern> DeviceScalar<T> {
+    /// The op that allocates the scalar on the device with `value`.
+    pub fn new(value: T) -> impl DeviceOp<Output = DeviceScalar<T>> {
+        crate::memory::h2d(vec![value]).map(|buf| DeviceScalar { buf })
+    }
+
+    /// The op that writes `value` into the scalar (one element through a
+    /// pooled pinned staging block), ordered after earlier uses of the
+    /// scalar (graph replays included) and before later ones.
+    pub fn set(&mut self, value: T) -> SetScalar<'_, T> {
+        SetScalar {
+            buf: &mut self.buf,
+            value,
+        }
+    }
+
+    /// The one-element buffer, to pass to kernels (read-only: `const T*`).
+    pub fn buffer(&self) -> &DeviceBuffer<T> {
+        &self.buf
+    }
+}
+
+/// Writes a [`DeviceScalar`] (see [`DeviceScalar::set`]).
+#[derive(Debug)]
+#[must_use = "ops do nothing until they are run (.sync(), .await, ...)"]
+pub struct SetScalar<'a, T> {
+    buf: &'a mut DeviceBuffer<T>,
+    value: T,
+}
+
+impl<T: DeviceRepr + AnyBitPattern> DeviceOp for SetScalar<'_, T> {
+    type Output = ();
+
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<()> {
+        let stream = ctx.cuda_stream().map_err(|_| Error::NeedsLocalStream {
+            op: "DeviceScalar::set".into(),
+            context: ctx.describe(),
+        })?;
+        let dst = self.buf.local_mut_on(stream)?;
+        cuda_core::staging::upload_at(std::slice::from_ref(&self.value), dst, 0, stream)
+    }
+}
+
+crate::op::impl_into_future!(impl['a, T: DeviceRepr + AnyBitPattern] for SetScalar<'a, T>);
 
 #[cfg(test)]
 mod tests {

@@ -886,3 +886,9 @@ fn graph_replay_on_one_stream_is_seen_by_an_op_on_another() {
 fn graph_capture_errors_leave_everything_working() {
     graph::what_cannot_be_captured_is_an_error_and_ops_work_after();
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn graph_decode_loop_sets_a_device_scalar_before_each_of_100_replays() {
+    graph::a_decode_loop_sets_a_device_scalar_before_each_of_100_replays();
+}

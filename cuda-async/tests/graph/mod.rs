@@ -192,3 +192,71 @@ pub(crate) fn what_cannot_be_captured_is_an_error_and_ops_work_after() {
     g.launch().sync().unwrap();
     assert_eq!(download(g.output()), vec![6.0; 16]);
 }
+
+const DECODE: &str = r#"
+extern "C" __global__ void decode_step(const unsigned* step, float* state, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) state[i] = state[i] * 0.5f + (float)(*step + i % 3);
+}
+"#;
+
+pub(crate) fn a_decode_loop_sets_a_device_scalar_before_each_of_100_replays() {
+    let k = cuda_async::Module::cuda(DECODE, &[])
+        .unwrap()
+        .kernel("decode_step")
+        .unwrap();
+    let n = N as u32;
+    let mut step = cuda_async::DeviceScalar::new(7u32).sync().unwrap();
+    let start: Vec<f32> = Rng::new().f32s(N);
+    let state = upload(&start);
+    let graph = {
+        let kk = k.clone();
+        let s = step.buffer();
+        value(state)
+            // SAFETY: decode_step reads step[0] and touches state[0..n).
+            .then(move |st| unsafe { launch(&kk, cfg(n), (s, st, n)) })
+            .map(|(_, st, _)| st)
+            .then(move |st| unsafe {
+                // SAFETY: as above.
+                launch(&k, cfg(n), (s, st, n))
+            })
+            .map(|(_, st, _)| st)
+            .graph()
+            .unwrap()
+    };
+    assert_eq!(
+        graph.buffers(),
+        (2, 1),
+        "the scalar is read, the state written"
+    );
+    let mut cpu = start;
+    for t in 0..100u32 {
+        step.set(t * 3).sync().unwrap();
+        graph.launch().sync().unwrap();
+        for _ in 0..2 {
+            for (i, v) in cpu.iter_mut().enumerate() {
+                *v = v.mul_add(0.5, (t * 3 + i as u32 % 3) as f32);
+            }
+        }
+        assert_eq!(download(graph.output()), cpu, "step {t}");
+    }
+    // Set and replay without a host wait in between, awaited.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        step.set(1000).await?;
+        graph.launch().await
+    })
+    .unwrap();
+    for _ in 0..2 {
+        for (i, v) in cpu.iter_mut().enumerate() {
+            *v = v.mul_add(0.5, (1000 + i as u32 % 3) as f32);
+        }
+    }
+    assert_eq!(
+        download(graph.output()),
+        cpu,
+        "after an awaited set + replay"
+    );
+}
