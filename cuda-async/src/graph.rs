@@ -62,7 +62,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use cuda_core::cudarc::driver::{CudaStream, DeviceRepr};
-use cuda_core::{AnyBitPattern, Device, Error, Result, TrackedGraph};
+use cuda_core::{AnyBitPattern, Device, Error, GraphUpdate, Result, TrackedGraph};
 
 use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
@@ -79,6 +79,15 @@ pub struct CudaGraph<T> {
     graph: Mutex<TrackedGraph>,
     output: Option<T>,
     device: Device,
+    /// Where recaptures run: the capture stream, its fork pool and the
+    /// stream allocations go to.
+    streams: CaptureStreams,
+}
+
+struct CaptureStreams {
+    stream: Arc<CudaStream>,
+    pool: Arc<StreamPool>,
+    alloc: Arc<CudaStream>,
 }
 
 impl<T> fmt::Debug for CudaGraph<T> {
@@ -101,14 +110,18 @@ pub(crate) fn capture<O: DeviceOp>(
     check_poison()?;
     let device = Device::of_stream(stream);
     let alloc = device.new_stream()?;
-    let mut ctx = ExecutionContext::new(device.clone(), stream.clone(), pool.clone());
+    let streams = CaptureStreams {
+        stream: stream.clone(),
+        pool,
+        alloc,
+    };
     let mut output = None;
-    let captured = TrackedGraph::capture(stream, pool.streams(), &alloc, |_| {
+    let mut ctx = streams.context(&device);
+    let captured = TrackedGraph::capture(stream, streams.pool.streams(), &streams.alloc, |_| {
         // SAFETY: nothing runs during a capture; what the op retains is
         // handed to the graph below and released after its last replay, and
         // its output holds device buffers (host reads cannot be captured).
-        let out = unsafe { execute_guarded(op, &mut ctx) }?;
-        output = Some(out);
+        output = Some(unsafe { execute_guarded(op, &mut ctx) }?);
         Ok(())
     });
     let retained = ctx.take_retained();
@@ -122,7 +135,14 @@ pub(crate) fn capture<O: DeviceOp>(
         graph: Mutex::new(graph),
         output,
         device,
+        streams,
     })
+}
+
+impl CaptureStreams {
+    fn context(&self, device: &Device) -> ExecutionContext {
+        ExecutionContext::new(device.clone(), self.stream.clone(), self.pool.clone())
+    }
 }
 
 /// Captures on a fresh private stream of the default device.
@@ -182,6 +202,73 @@ impl<T> CudaGraph<T> {
     /// the same memory; ops on the output stay ordered after its replays).
     pub fn take_output(&mut self) -> Option<T> {
         self.output.take()
+    }
+
+    /// Captures the op `f` builds from the graph's output (typically the
+    /// same work with other scalars, or on other buffers) and makes it the
+    /// graph. When the topology is the same (the same kinds of nodes in the
+    /// same dependency order; only kernel arguments, copy addresses or sizes
+    /// and memset values differ), the executable graph is updated in place
+    /// with `cuGraphExecUpdate` (no re-instantiation, no re-upload: cheap
+    /// enough for every few replays); otherwise the new graph is
+    /// instantiated and replaces it. The result says which happened.
+    /// Replays launched before keep running the old work; ones launched
+    /// after run the new one.
+    ///
+    /// # Errors
+    /// As [`DeviceOpExt::graph`]; then the graph keeps its old work, but
+    /// its output was moved into `f` and is gone (the graph's replays still
+    /// write that memory).
+    ///
+    /// # Panics
+    /// If the output was taken ([`CudaGraph::take_output`]).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn f(mut graph: cuda_async::CudaGraph<cuda_async::DeviceBuffer<f32>>, k: cuda_async::Kernel) -> cuda_async::Result<()> {
+    /// use cuda_async::prelude::*;
+    /// use cuda_async::GraphUpdate;
+    /// let n = 1024u32;
+    /// let cfg = cuda_async::LaunchConfig::for_num_elems(n);
+    /// // The same launch with another scalar: updated in place.
+    /// // SAFETY: the kernel touches y[0..n) of an n-element buffer.
+    /// let how = graph.recapture(|y| unsafe { launch(&k, cfg, (y, 0.25f32, n)) }.map(|(y, _, _)| y))?;
+    /// assert_eq!(how, GraphUpdate::InPlace);
+    /// # Ok(()) }
+    /// ```
+    pub fn recapture<O, F>(&mut self, f: F) -> Result<GraphUpdate>
+    where
+        F: FnOnce(T) -> O,
+        O: DeviceOp<Output = T>,
+    {
+        check_poison()?;
+        let old = self
+            .output
+            .take()
+            .expect("the graph's output was taken with take_output");
+        let op = f(old);
+        let streams = &self.streams;
+        let mut ctx = streams.context(&self.device);
+        let mut output = None;
+        let graph = self.graph.get_mut().unwrap_or_else(|e| e.into_inner());
+        let how = graph.recapture(
+            &streams.stream,
+            streams.pool.streams(),
+            &streams.alloc,
+            |_| {
+                // SAFETY: as in the first capture.
+                output = Some(unsafe { execute_guarded(op, &mut ctx) }?);
+                Ok(())
+            },
+        );
+        let retained = ctx.take_retained();
+        let how = how.map_err(note)?;
+        if !retained.is_empty() {
+            graph.keep(retained);
+        }
+        self.output = output;
+        Ok(how)
     }
 
     /// Kernels, copies, memsets and event nodes in the graph.

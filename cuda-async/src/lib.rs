@@ -142,6 +142,7 @@ pub use context::ExecutionContext;
 /// # Ok::<(), cuda_async::Error>(())
 /// ```
 pub use cuda_async_macros::kernels;
+pub use cuda_core::GraphUpdate;
 pub use cuda_core::{
     cudarc, device_count, devices, driver_present, nvrtc_compilations, CudaStream, Device,
     DeviceInfo, DeviceRepr, Error, Kernel, LaunchConfig, Module, ModuleSource, PinnedBuffer,

@@ -892,3 +892,15 @@ fn graph_capture_errors_leave_everything_working() {
 fn graph_decode_loop_sets_a_device_scalar_before_each_of_100_replays() {
     graph::a_decode_loop_sets_a_device_scalar_before_each_of_100_replays();
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn graph_recapture_updates_in_place_or_reinstantiates() {
+    graph::recapture_updates_in_place_or_reinstantiates();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn graph_replays_from_four_threads_are_ordered() {
+    graph::replays_from_four_threads_are_ordered();
+}

@@ -610,6 +610,53 @@ impl TrackedGraph {
         recorded
     }
 
+    /// Captures new work for the same graph, as [`TrackedGraph::capture`]
+    /// does, and makes it the graph: in place (`cuGraphExecUpdate`) when
+    /// the topology is unchanged, else by instantiating it anew
+    /// ([`Graph::recapture`]). The buffers and kept values of the old work
+    /// are let go after its replays in flight.
+    ///
+    /// # Errors
+    /// As [`TrackedGraph::capture`]; on error the graph is unchanged.
+    pub fn recapture(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        side: &[Arc<CudaStream>],
+        alloc: &Arc<CudaStream>,
+        f: impl FnOnce(&Arc<CudaStream>) -> Result<()>,
+    ) -> Result<GraphUpdate> {
+        let mut streams: Vec<usize> = vec![stream.cu_stream() as usize];
+        streams.extend(side.iter().map(|s| s.cu_stream() as usize));
+        if streams.contains(&(alloc.cu_stream() as usize)) {
+            return Err(Error::InvalidArgument(
+                "the allocation stream of a capture must not be one of its streams".into(),
+            ));
+        }
+        let fresh_last = RawEvent::new(self.graph.context())?;
+        let guard = LogGuard::install(CaptureLog {
+            streams,
+            alloc: alloc.clone(),
+            uses: Vec::new(),
+            keep: Vec::new(),
+        })?;
+        let how = self.graph.recapture(stream, f);
+        let log = guard.take();
+        let how = how?;
+        let log = log.ok_or_else(|| Error::Capture("the capture log was lost".into()))?;
+        set_current(alloc.context())?;
+        alloc
+            .synchronize()
+            .map_err(|e| Error::driver("cuStreamSynchronize", e))?;
+        // The old work's buffers: each record orders its own free after the
+        // replays recorded in it. Its kept values: after its last replay.
+        self.uses = log.uses;
+        let old_keep = std::mem::replace(&mut self.keep, log.keep);
+        let old_last = self.last.replace(fresh_last);
+        let replayed = self.replayed.swap(false, Ordering::AcqRel);
+        release_after_replays(old_keep, old_last, replayed);
+        Ok(how)
+    }
+
     /// Keeps `value` as long as the graph, and until its last replay is
     /// done (for what the captured work reads: modules, staging memory).
     pub fn keep(&mut self, value: impl Send + 'static) {
@@ -628,20 +675,27 @@ impl TrackedGraph {
     }
 }
 
+/// Releases `keep` once the replays before `last`'s record are done (or at
+/// once, without blocking, if there were none).
+fn release_after_replays(keep: Vec<Box<dyn Any + Send>>, last: Option<RawEvent>, replayed: bool) {
+    if keep.is_empty() {
+        return;
+    }
+    match last {
+        // After the last replay (launches of one executable graph run in
+        // order, so it is the last to finish).
+        Some(last) if replayed => {
+            crate::reclaim::defer_until(move || last.readiness(), move || drop(keep));
+        }
+        _ => crate::reclaim::defer(move || drop(keep)),
+    }
+}
+
 impl Drop for TrackedGraph {
     fn drop(&mut self) {
         let keep = std::mem::take(&mut self.keep);
-        if keep.is_empty() {
-            return;
-        }
-        match self.last.take() {
-            // After the last replay (launches of one executable graph run
-            // in order, so it is the last to finish).
-            Some(last) if self.replayed.load(Ordering::Acquire) => {
-                crate::reclaim::defer_until(move || last.readiness(), move || drop(keep));
-            }
-            _ => crate::reclaim::defer(move || drop(keep)),
-        }
+        let replayed = self.replayed.load(Ordering::Acquire);
+        release_after_replays(keep, self.last.take(), replayed);
     }
 }
 

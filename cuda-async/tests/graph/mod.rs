@@ -260,3 +260,61 @@ pub(crate) fn a_decode_loop_sets_a_device_scalar_before_each_of_100_replays() {
         "after an awaited set + replay"
     );
 }
+
+pub(crate) fn recapture_updates_in_place_or_reinstantiates() {
+    let ks = crate::kernels();
+    let x = Arc::new(upload(&[1.0; N]));
+    let mut graph = axpy_chain(&ks.axpy, &x, upload(&[0.0; N]), 2.0, 4)
+        .graph()
+        .unwrap();
+    graph.launch().sync().unwrap();
+    assert_eq!(download(graph.output()), vec![8.0; N]);
+    // The same four launches with another scalar: in place.
+    let how = graph
+        .recapture(|y| axpy_chain(&ks.axpy, &x, y, 0.5, 4))
+        .unwrap();
+    assert_eq!(how, cuda_async::GraphUpdate::InPlace);
+    graph.launch().sync().unwrap();
+    assert_eq!(download(graph.output()), vec![10.0; N]);
+    // Two launches instead of four: a new graph.
+    let how = graph
+        .recapture(|y| axpy_chain(&ks.axpy, &x, y, 1.0, 2))
+        .unwrap();
+    assert_eq!(how, cuda_async::GraphUpdate::Reinstantiated);
+    drop(x);
+    for _ in 0..3 {
+        graph.launch().sync().unwrap();
+    }
+    assert_eq!(download(graph.output()), vec![16.0; N]);
+}
+
+pub(crate) fn replays_from_four_threads_are_ordered() {
+    let ks = crate::kernels();
+    let n = N as u32;
+    let add = ks.add_u32.clone();
+    // x += 1, non-atomically: overlapping replays would lose increments.
+    let x = zeros::<u32>(N).sync().unwrap();
+    let graph = value(x)
+        // SAFETY: add_u32 touches x[0..n) of an n-element buffer.
+        .then(move |x| unsafe { launch(&add, cfg(n), (x, 1u32, n)) })
+        .map(|(x, _, _)| x)
+        .graph()
+        .unwrap();
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                let stream = dev().new_stream().unwrap();
+                for _ in 0..50 {
+                    // SAFETY: the replay's buffers order their later uses.
+                    unsafe { graph.launch().async_on(&stream) }.unwrap();
+                }
+                stream.synchronize().unwrap();
+            });
+        }
+    });
+    let out = d2h(graph.output()).sync().unwrap();
+    assert!(
+        out.as_slice().unwrap().iter().all(|v| *v == 200),
+        "lost increments"
+    );
+}
