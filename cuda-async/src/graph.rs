@@ -271,6 +271,43 @@ impl<T> CudaGraph<T> {
         Ok(how)
     }
 
+    /// The op that changes the graph's inputs between replays: `f` gets the
+    /// output (return in it the buffers you want to change, e.g. an input
+    /// the op took by value), builds an op that writes into it (a
+    /// `copy_h2d`, a `d2d`, a kernel) and returns it; when that op runs,
+    /// its result becomes the output again. It is ordered like any op: after
+    /// the replays launched before it, before the ones launched after.
+    ///
+    /// If the returned op is dropped without running, the output is gone
+    /// with it (the graph keeps replaying into the same memory).
+    ///
+    /// # Panics
+    /// If the output was taken ([`CudaGraph::take_output`]).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn f(mut graph: cuda_async::CudaGraph<cuda_async::DeviceBuffer<f32>>, x: cuda_async::PinnedBuffer<f32>) -> cuda_async::Result<()> {
+    /// use cuda_async::prelude::*;
+    /// graph.update(|y| copy_h2d(x, y).map(|(_, y)| y)).sync()?; // new data in the captured buffer
+    /// graph.launch().sync()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn update<O, F>(&mut self, f: F) -> UpdateOutput<'_, O>
+    where
+        F: FnOnce(T) -> O,
+        O: DeviceOp<Output = T>,
+    {
+        let out = self
+            .output
+            .take()
+            .expect("the graph's output was taken with take_output");
+        UpdateOutput {
+            op: f(out),
+            slot: &mut self.output,
+        }
+    }
+
     /// Kernels, copies, memsets and event nodes in the graph.
     pub fn node_count(&self) -> usize {
         self.lock().graph().node_count()
@@ -320,6 +357,32 @@ impl<T: Send + Sync> DeviceOp for GraphLaunch<'_, T> {
 }
 
 crate::op::impl_into_future!(impl['g, T: Send + Sync] for GraphLaunch<'g, T>);
+
+/// Writes new inputs into a graph's output (see [`CudaGraph::update`]).
+#[must_use = "ops do nothing until they are run (.sync(), .await, ...)"]
+pub struct UpdateOutput<'a, O: DeviceOp> {
+    op: O,
+    slot: &'a mut Option<<O as DeviceOp>::Output>,
+}
+
+impl<O: DeviceOp> fmt::Debug for UpdateOutput<'_, O> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UpdateOutput").finish_non_exhaustive()
+    }
+}
+
+impl<O: DeviceOp> DeviceOp for UpdateOutput<'_, O> {
+    type Output = ();
+
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<()> {
+        // SAFETY: forwarded to our caller.
+        let out = unsafe { self.op.execute(ctx) }?;
+        *self.slot = Some(out);
+        Ok(())
+    }
+}
+
+crate::op::impl_into_future!(impl['a, O: DeviceOp] for UpdateOutput<'a, O>);
 
 /// A device-resident scalar for graphs: a captured kernel reads it through
 /// its address (pass [`DeviceScalar::buffer`] as a `const T*` argument), and

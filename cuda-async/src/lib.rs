@@ -149,7 +149,7 @@ pub use cuda_core::{
     Result, ValidAsZeroBits,
 };
 pub use future::{run_on, DeviceFuture};
-pub use graph::{CudaGraph, DeviceScalar, GraphLaunch, SetScalar};
+pub use graph::{CudaGraph, DeviceScalar, GraphLaunch, SetScalar, UpdateOutput};
 pub use launch::{
     check_launch_config, launch, BufferIn, BufferOut, DynArg, DynArgs, KernelArg, KernelArgs,
 };

@@ -711,6 +711,33 @@ mod tests {
     }
 
     #[test]
+    fn outside_a_capture_allocations_run_inline() {
+        let here = std::thread::current().id();
+        assert_eq!(outside_capture(|| std::thread::current().id()), here);
+    }
+
+    #[test]
+    fn values_kept_by_a_graph_never_replayed_are_released_without_a_gpu() {
+        use std::sync::atomic::AtomicBool;
+        struct Flag(Arc<AtomicBool>);
+        impl Drop for Flag {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let dropped = Arc::new(AtomicBool::new(false));
+        release_after_replays(vec![Box::new(Flag(dropped.clone()))], None, false);
+        let t = std::time::Instant::now();
+        while !dropped.load(Ordering::SeqCst) {
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(5),
+                "not released"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    #[test]
     fn update_kinds_compare() {
         assert_ne!(GraphUpdate::InPlace, GraphUpdate::Reinstantiated);
     }

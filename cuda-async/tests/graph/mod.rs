@@ -286,6 +286,14 @@ pub(crate) fn recapture_updates_in_place_or_reinstantiates() {
         graph.launch().sync().unwrap();
     }
     assert_eq!(download(graph.output()), vec![16.0; N]);
+    // New data in the captured buffer between replays.
+    let host = cuda_async::PinnedBuffer::filled(&dev(), N, 100.0f32).unwrap();
+    graph
+        .update(|y| copy_h2d(host, y).map(|(_, y)| y))
+        .sync()
+        .unwrap();
+    graph.launch().sync().unwrap();
+    assert_eq!(download(graph.output()), vec![102.0; N]);
 }
 
 pub(crate) fn replays_from_four_threads_are_ordered() {
