@@ -524,6 +524,8 @@ pub struct TrackedGraph {
     /// Recorded after each replay (`None` only while dropping).
     last: Option<RawEvent>,
     replayed: AtomicBool,
+    /// Set when a replay's end could not be recorded: kept values leak.
+    broken: AtomicBool,
 }
 
 impl fmt::Debug for TrackedGraph {
@@ -581,6 +583,7 @@ impl TrackedGraph {
             keep: log.keep,
             last: Some(last),
             replayed: AtomicBool::new(false),
+            broken: AtomicBool::new(false),
         })
     }
 
@@ -594,6 +597,13 @@ impl TrackedGraph {
     /// then never freed).
     pub fn launch_on(&self, stream: &CudaStream) -> Result<()> {
         self.graph.check_stream(stream)?;
+        if is_capture_stream(stream) {
+            // Its uses would be recorded inside the outer capture, where
+            // nothing outside it could wait for them.
+            return Err(Error::Capture(
+                "a graph replay cannot be captured into another graph".into(),
+            ));
+        }
         set_current(self.graph.context())?;
         for (u, write) in &self.uses {
             u.before(stream, *write)?;
@@ -604,6 +614,11 @@ impl TrackedGraph {
             Some(ev) => ev.record(stream),
             None => Ok(()),
         };
+        if recorded.is_err() {
+            // Nothing can tell when this replay ends: keep what it reads
+            // forever rather than release it early.
+            self.broken.store(true, Ordering::Release);
+        }
         for (u, write) in &self.uses {
             u.record(stream, *write)?;
         }
@@ -653,7 +668,11 @@ impl TrackedGraph {
         let old_keep = std::mem::replace(&mut self.keep, log.keep);
         let old_last = self.last.replace(fresh_last);
         let replayed = self.replayed.swap(false, Ordering::AcqRel);
-        release_after_replays(old_keep, old_last, replayed);
+        if self.broken.load(Ordering::Acquire) {
+            std::mem::forget(old_keep);
+        } else {
+            release_after_replays(old_keep, old_last, replayed);
+        }
         Ok(how)
     }
 
@@ -694,6 +713,10 @@ fn release_after_replays(keep: Vec<Box<dyn Any + Send>>, last: Option<RawEvent>,
 impl Drop for TrackedGraph {
     fn drop(&mut self) {
         let keep = std::mem::take(&mut self.keep);
+        if self.broken.load(Ordering::Acquire) {
+            std::mem::forget(keep);
+            return;
+        }
         let replayed = self.replayed.load(Ordering::Acquire);
         release_after_replays(keep, self.last.take(), replayed);
     }

@@ -191,6 +191,14 @@ pub(crate) fn what_cannot_be_captured_is_an_error_and_ops_work_after() {
         .unwrap();
     g.launch().sync().unwrap();
     assert_eq!(download(g.output()), vec![6.0; 16]);
+    // A replay inside another capture.
+    let e = value(()).then(|()| g.launch()).graph().unwrap_err();
+    assert!(
+        matches!(&e, Error::Capture(m) if m.contains("another graph")),
+        "{e}"
+    );
+    g.launch().sync().unwrap();
+    assert_eq!(download(g.output()), vec![12.0; 16]);
 }
 
 const DECODE: &str = r#"
