@@ -339,6 +339,11 @@ impl Fixture {
     /// # Errors
     /// The op's error.
     pub fn lib_eager(&self, n: usize) -> Result<()> {
+        Ok(self.empty_chain(n).sync_on(&self.stream)?)
+    }
+
+    /// `n` chained launches of `empty`, one op each.
+    fn empty_chain(&self, n: usize) -> BoxedOp<'_, ()> {
         let k = &self.kernels.empty;
         let mut op: BoxedOp<'_, ()> = value(()).boxed();
         for _ in 0..n {
@@ -347,7 +352,7 @@ impl Fixture {
                 .then(move |()| unsafe { launch(k, ONE_THREAD, ()) })
                 .boxed();
         }
-        Ok(op.sync_on(&self.stream)?)
+        op
     }
 
     /// Ops: the chain of [`Fixture::lib_eager`] captured into a graph on a
@@ -357,15 +362,7 @@ impl Fixture {
     /// # Errors
     /// The capture's error.
     pub fn lib_graph(&self, n: usize) -> Result<cuda_async::CudaGraph<()>> {
-        let k = &self.kernels.empty;
-        let mut op: BoxedOp<'_, ()> = value(()).boxed();
-        for _ in 0..n {
-            // SAFETY: `empty` takes no parameters and touches no memory.
-            op = op
-                .then(move |()| unsafe { launch(k, ONE_THREAD, ()) })
-                .boxed();
-        }
-        Ok(op.graph()?)
+        Ok(self.empty_chain(n).graph()?)
     }
 
     /// Ops: one replay of `graph` (an op) on the fixture's stream, synced.

@@ -500,6 +500,41 @@ impl Drop for LogGuard {
     }
 }
 
+/// Runs `capture` (which captures on `stream`, forking onto `side`) with
+/// this thread's capture log installed: buffer uses on those streams are
+/// logged, allocations go to `alloc` (synchronized after, so they are
+/// complete before any replay). On error the log is dropped: nothing
+/// captured ran, so nothing it kept is in use.
+fn with_capture_log<R>(
+    stream: &CudaStream,
+    side: &[Arc<CudaStream>],
+    alloc: &Arc<CudaStream>,
+    capture: impl FnOnce() -> Result<R>,
+) -> Result<(R, CaptureLog)> {
+    let mut streams: Vec<usize> = vec![stream.cu_stream() as usize];
+    streams.extend(side.iter().map(|s| s.cu_stream() as usize));
+    if streams.contains(&(alloc.cu_stream() as usize)) {
+        return Err(Error::InvalidArgument(
+            "the allocation stream of a capture must not be one of its streams".into(),
+        ));
+    }
+    let guard = LogGuard::install(CaptureLog {
+        streams,
+        alloc: alloc.clone(),
+        uses: Vec::new(),
+        keep: Vec::new(),
+    })?;
+    let r = capture();
+    let log = guard.take();
+    let r = r?;
+    let log = log.ok_or_else(|| Error::Capture("the capture log was lost".into()))?;
+    set_current(alloc.context())?;
+    alloc
+        .synchronize()
+        .map_err(|e| Error::driver("cuStreamSynchronize", e))?;
+    Ok((r, log))
+}
+
 /// A [`Graph`] captured together with the device buffers its work uses
 /// ([`DeviceBuffer`](crate::DeviceBuffer)): each replay is ordered like a
 /// use of every one of them, on the replay's stream, in both directions
@@ -553,30 +588,8 @@ impl TrackedGraph {
         alloc: &Arc<CudaStream>,
         f: impl FnOnce(&Arc<CudaStream>) -> Result<()>,
     ) -> Result<TrackedGraph> {
-        let mut streams: Vec<usize> = vec![stream.cu_stream() as usize];
-        streams.extend(side.iter().map(|s| s.cu_stream() as usize));
-        if streams.contains(&(alloc.cu_stream() as usize)) {
-            return Err(Error::InvalidArgument(
-                "the allocation stream of a capture must not be one of its streams".into(),
-            ));
-        }
         let last = RawEvent::new(stream.context())?;
-        let guard = LogGuard::install(CaptureLog {
-            streams,
-            alloc: alloc.clone(),
-            uses: Vec::new(),
-            keep: Vec::new(),
-        })?;
-        let graph = Graph::capture(stream, f);
-        // Dropped on error: nothing captured ran, so nothing kept is in use.
-        let log = guard.take();
-        let graph = graph?;
-        let log = log.ok_or_else(|| Error::Capture("the capture log was lost".into()))?;
-        // Allocations made for the graph are complete before any replay.
-        set_current(alloc.context())?;
-        alloc
-            .synchronize()
-            .map_err(|e| Error::driver("cuStreamSynchronize", e))?;
+        let (graph, log) = with_capture_log(stream, side, alloc, || Graph::capture(stream, f))?;
         Ok(TrackedGraph {
             graph,
             uses: log.uses,
@@ -640,28 +653,9 @@ impl TrackedGraph {
         alloc: &Arc<CudaStream>,
         f: impl FnOnce(&Arc<CudaStream>) -> Result<()>,
     ) -> Result<GraphUpdate> {
-        let mut streams: Vec<usize> = vec![stream.cu_stream() as usize];
-        streams.extend(side.iter().map(|s| s.cu_stream() as usize));
-        if streams.contains(&(alloc.cu_stream() as usize)) {
-            return Err(Error::InvalidArgument(
-                "the allocation stream of a capture must not be one of its streams".into(),
-            ));
-        }
         let fresh_last = RawEvent::new(self.graph.context())?;
-        let guard = LogGuard::install(CaptureLog {
-            streams,
-            alloc: alloc.clone(),
-            uses: Vec::new(),
-            keep: Vec::new(),
-        })?;
-        let how = self.graph.recapture(stream, f);
-        let log = guard.take();
-        let how = how?;
-        let log = log.ok_or_else(|| Error::Capture("the capture log was lost".into()))?;
-        set_current(alloc.context())?;
-        alloc
-            .synchronize()
-            .map_err(|e| Error::driver("cuStreamSynchronize", e))?;
+        let graph = &mut self.graph;
+        let (how, log) = with_capture_log(stream, side, alloc, || graph.recapture(stream, f))?;
         // The old work's buffers: each record orders its own free after the
         // replays recorded in it. Its kept values: after its last replay.
         self.uses = log.uses;
