@@ -904,3 +904,9 @@ fn graph_recapture_updates_in_place_or_reinstantiates() {
 fn graph_replays_from_four_threads_are_ordered() {
     graph::replays_from_four_threads_are_ordered();
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn graph_on_captures_on_the_callers_stream() {
+    graph::graph_on_captures_on_the_callers_stream();
+}

@@ -334,3 +334,20 @@ pub(crate) fn replays_from_four_threads_are_ordered() {
         "lost increments"
     );
 }
+
+pub(crate) fn graph_on_captures_on_the_callers_stream() {
+    let ks = crate::kernels();
+    let theirs = dev().new_stream().unwrap();
+    let x = Arc::new(upload(&[1.0; N]));
+    let graph = axpy_chain(&ks.axpy, &x, upload(&[0.0; N]), 3.0, 2)
+        .zip(axpy_chain(&ks.axpy, &x, upload(&[0.0; N]), 1.0, 1))
+        .graph_on(&theirs)
+        .unwrap();
+    // The caller's stream is not left capturing, and works.
+    let host = h2d(vec![5u8; 8]).then(d2h).sync_on(&theirs).unwrap();
+    assert_eq!(host.as_slice().unwrap(), &[5; 8]);
+    graph.launch().sync_on(&theirs).unwrap();
+    graph.launch().sync().unwrap();
+    assert_eq!(download(&graph.output().0), vec![12.0; N]);
+    assert_eq!(download(&graph.output().1), vec![2.0; N]);
+}
