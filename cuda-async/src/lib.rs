@@ -144,9 +144,9 @@ pub use context::ExecutionContext;
 pub use cuda_async_macros::kernels;
 pub use cuda_core::GraphUpdate;
 pub use cuda_core::{
-    cudarc, device_count, devices, driver_present, nvrtc_compilations, CudaStream, Device,
-    DeviceInfo, DeviceRepr, Error, Kernel, LaunchConfig, Module, ModuleSource, PinnedBuffer,
-    Result, ValidAsZeroBits,
+    can_access_peer, cudarc, device_count, devices, driver_present, nvrtc_compilations, CudaStream,
+    Device, DeviceInfo, DeviceRepr, Error, Kernel, LaunchConfig, Module, ModuleSource,
+    PinnedBuffer, Result, ValidAsZeroBits,
 };
 pub use future::{run_on, DeviceFuture};
 pub use graph::{CudaGraph, DeviceScalar, GraphLaunch, SetScalar, UpdateOutput};
@@ -156,7 +156,7 @@ pub use launch::{
 #[doc(hidden)]
 pub use macros::__private;
 pub use memory::{copy_d2h, copy_h2d, d2d, d2h, h2d, memset, zeros};
-pub use multi::{DeviceLoad, DevicePool, PlaceFn, Placement};
+pub use multi::{to_device, DeviceLoad, DevicePool, PlaceFn, Placement, ToDevice};
 pub use op::{DeviceOp, DeviceOpExt, OutputOf};
 pub use policy::{
     default_device, default_policy, set_default_device, SchedulingPolicy, SingleStream, StreamPool,

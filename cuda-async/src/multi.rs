@@ -1,14 +1,102 @@
 //! [`DevicePool`]: a scheduling policy over several GPUs of the process,
-//! placing each submission on one of them.
+//! placing each submission on one of them; [`to_device`]: moving a buffer
+//! to the device an op runs on.
 
+use std::borrow::Borrow;
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use cuda_core::cudarc::driver::DeviceRepr;
 use cuda_core::{Device, Error, Result};
 
+use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
+use crate::op::impl_into_future;
 use crate::policy::{SchedulingPolicy, StreamPoolRoundRobin};
+
+/// Copies `src` (a buffer of any local GPU) into a new buffer on `device`,
+/// which must be the device the op runs on (schedule the chain there: a
+/// policy of that device, or a [`DevicePool`] placement). Across devices it
+/// is a peer copy (`cuMemcpyPeerAsync`: direct over NVLink or PCIe where
+/// [`can_access_peer`](crate::can_access_peer) says the devices reach each
+/// other, staged by the driver where they do not), ordered by events on
+/// both devices: it waits for `src`'s last write, and `src`'s later writes
+/// and its free wait for the copy. On the same device it is a plain
+/// device-to-device copy.
+///
+/// A buffer of device A used by a kernel on device B without it stays an
+/// error naming both devices.
+///
+/// # Errors
+/// At execution: [`Error::InvalidArgument`] when the op runs on another
+/// device than `device`; [`Error::WrongHome`] for a remote buffer;
+/// [`Error::NeedsLocalStream`] on a remote context; driver errors.
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_async::prelude::*;
+/// use cuda_async::{to_device, Device, SingleStream};
+/// let (gpu0, gpu1) = (Device::new(0)?, Device::new(1)?);
+/// let a = h2d(vec![1.0f32; 1024]).sync()?; // on the default device, GPU 0
+/// let on1 = SingleStream::new(gpu1.new_stream()?)?;
+/// let back = to_device(&a, &gpu1).then(d2h).sync_with(&on1)?;
+/// # Ok::<(), cuda_async::Error>(())
+/// ```
+pub fn to_device<T: DeviceRepr, B: Borrow<DeviceBuffer<T>> + Send>(
+    src: B,
+    device: &Device,
+) -> ToDevice<T, B> {
+    ToDevice {
+        src,
+        device: device.clone(),
+        _t: PhantomData,
+    }
+}
+
+/// Op for [`to_device`].
+#[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
+pub struct ToDevice<T, B> {
+    src: B,
+    device: Device,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T, B> fmt::Debug for ToDevice<T, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ToDevice")
+            .field("device", &self.device.ordinal())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send> crate::DeviceOp for ToDevice<T, B> {
+    type Output = DeviceBuffer<T>;
+
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
+        let stream = ctx.cuda_stream().map_err(|_| Error::NeedsLocalStream {
+            op: "to_device".into(),
+            context: ctx.describe(),
+        })?;
+        let here = stream.context().ordinal();
+        let there = self.device.ordinal();
+        if here != there {
+            return Err(Error::InvalidArgument(format!(
+                "to_device(.., GPU {there}) runs on a stream of GPU {here}: it copies onto the \
+                 device it runs on, so run it with a policy of GPU {there}"
+            )));
+        }
+        let src = self.src.borrow();
+        let local = src.local().map_err(|_| Error::WrongHome {
+            buffer: src.home(),
+            context: ctx.describe(),
+        })?;
+        Ok(local.copy_to(stream)?.into())
+    }
+}
+impl_into_future!(impl[T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send] for ToDevice<T, B>);
 
 /// What a [`Placement`] sees of one device of a [`DevicePool`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

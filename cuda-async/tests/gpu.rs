@@ -910,3 +910,53 @@ fn graph_replays_from_four_threads_are_ordered() {
 fn graph_on_captures_on_the_callers_stream() {
     graph::graph_on_captures_on_the_callers_stream();
 }
+
+/// `to_device`: a same-device copy on any host; with two GPUs, a peer copy
+/// round-trips random data, runs only on the target device, and a device-0
+/// buffer in a device-1 kernel stays an error naming both devices.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn to_device_copies_to_the_device_the_op_runs_on() {
+    use cuda_async::{to_device, SingleStream};
+    let mut rng = Rng::new();
+    let data = rng.f32s(1 << 20);
+    let d0 = dev();
+    let a = h2d(data.clone())
+        .sync_on(&d0.new_stream().unwrap())
+        .unwrap();
+    let on0 = SingleStream::new(d0.new_stream().unwrap()).unwrap();
+    let same = to_device(&a, &d0).then(d2h).sync_with(&on0).unwrap();
+    assert_eq!(same.as_slice().unwrap(), &data[..], "same-device copy");
+    if cuda_async::device_count().unwrap() < 2 {
+        eprintln!("one GPU visible: the peer copy is not checked here (needs 2 GPUs)");
+        return;
+    }
+    let d1 = Device::new(1).unwrap();
+    println!(
+        "peer access 0 -> 1: {}",
+        cuda_async::can_access_peer(&d0, &d1).unwrap()
+    );
+    let on1 = SingleStream::new(d1.new_stream().unwrap()).unwrap();
+    let b = to_device(&a, &d1).sync_with(&on1).unwrap();
+    let back = d2h(&b).sync_with(&on1).unwrap();
+    assert_eq!(back.as_slice().unwrap(), &data[..], "peer copy 0 -> 1");
+    // Back to device 0, and the source is still intact.
+    let c = to_device(&b, &d0).then(d2h).sync_with(&on0).unwrap();
+    assert_eq!(c.as_slice().unwrap(), &data[..], "peer copy 1 -> 0");
+    // On the wrong device: an error, not a copy.
+    let e = to_device(&a, &d1).sync_with(&on0).unwrap_err();
+    assert!(e.to_string().contains("GPU 1"), "{e}");
+    // A device-0 buffer in a device-1 kernel.
+    let k = kernels();
+    k.axpy.load_on(&d1).unwrap();
+    let n = data.len() as u32;
+    let y = zeros::<f32>(data.len()).sync_with(&on1).unwrap();
+    // SAFETY: never launched: the buffer check fails first.
+    let e = unsafe { launch(&k.axpy, cfg(n), (1.0f32, &a, y, n)) }
+        .sync_with(&on1)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("device 0") && e.to_string().contains("device 1"),
+        "{e}"
+    );
+}

@@ -28,7 +28,7 @@ use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 
 use crate::device::Device;
 use crate::error::{DriverResultExt, Error, Result};
@@ -265,6 +265,78 @@ impl<T> DeviceBuffer<T> {
         }
         self.uses.record(stream, write)
     }
+}
+
+impl<T: DeviceRepr> DeviceBuffer<T> {
+    /// Enqueues on `stream` a copy of the whole buffer into a new buffer on
+    /// `stream`'s device, which may be another device than this buffer's
+    /// (a peer copy, `cuMemcpyPeerAsync`: direct over NVLink or PCIe where
+    /// the devices can reach each other, staged by the driver where they
+    /// cannot). Ordered by events on both devices: the copy waits for this
+    /// buffer's last write (on any stream of its device), and later writes
+    /// and the free of this buffer wait for the copy.
+    ///
+    /// # Errors
+    /// Driver errors (allocation, the copy, ordering events), named.
+    pub fn copy_to(&self, stream: &Arc<CudaStream>) -> Result<DeviceBuffer<T>> {
+        // SAFETY: fully written by the copy enqueued next.
+        let mut dst = unsafe { DeviceBuffer::<T>::uninit(stream, self.len()) }?;
+        if self.is_empty() {
+            return Ok(dst);
+        }
+        set_current(stream.context())?;
+        // A wait on an event of another device's context is allowed.
+        self.uses.before(stream, false)?;
+        dst.before_write(stream)?;
+        let src_ctx = self.slice.stream().context();
+        let copied = {
+            let (src_ptr, _r) = self.slice.device_ptr(self.slice.stream());
+            let (dst_ptr, _w) = dst.as_cuda_slice_mut().device_ptr_mut(stream);
+            // SAFETY: both pointers address `num_bytes` bytes of live
+            // allocations of their contexts (same length); the copy is
+            // ordered after the source's last write (above) and recorded
+            // below.
+            unsafe {
+                cudarc::driver::sys::cuMemcpyPeerAsync(
+                    dst_ptr,
+                    stream.context().cu_ctx(),
+                    src_ptr,
+                    src_ctx.cu_ctx(),
+                    self.num_bytes(),
+                    stream.cu_stream(),
+                )
+            }
+        };
+        copied
+            .result()
+            .map_err(|e| Error::driver("cuMemcpyPeerAsync", e))?;
+        let read = self.uses.record(stream, false);
+        dst.after_write(stream)?;
+        read?;
+        Ok(dst)
+    }
+}
+
+/// Whether device `a` can read and write device `b`'s memory directly
+/// (`cuDeviceCanAccessPeer`): peer copies between them then go over
+/// NVLink or PCIe without staging through host memory.
+///
+/// # Errors
+/// A driver error.
+pub fn can_access_peer(a: &Device, b: &Device) -> Result<bool> {
+    let mut yes = 0;
+    // SAFETY: writes one int through a valid pointer; both device handles
+    // come from live contexts.
+    unsafe {
+        cudarc::driver::sys::cuDeviceCanAccessPeer(
+            &mut yes,
+            a.context().cu_device(),
+            b.context().cu_device(),
+        )
+    }
+    .result()
+    .map_err(|e| Error::driver("cuDeviceCanAccessPeer", e))?;
+    Ok(yes != 0)
 }
 
 impl UseRecord {

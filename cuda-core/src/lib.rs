@@ -31,7 +31,7 @@ mod raw;
 pub mod reclaim;
 pub mod staging;
 
-pub use buffer::{AnyBitPattern, DeviceBuffer};
+pub use buffer::{can_access_peer, AnyBitPattern, DeviceBuffer};
 pub use callback::launch_host_callback;
 pub use device::{device_count, devices, driver_present, nvrtc_present, Device, DeviceInfo};
 pub use error::{is_sticky, panic_message, Error, Result};
