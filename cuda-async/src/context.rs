@@ -198,6 +198,18 @@ impl ExecutionContext {
         }
     }
 
+    /// [`cuda_stream`](Self::cuda_stream) for an op that names itself: on
+    /// a remote context the error says `op` needs a local CUDA stream.
+    ///
+    /// # Errors
+    /// [`Error::NeedsLocalStream`] naming `op` on a remote context.
+    pub fn cuda_stream_for(&self, op: &str) -> Result<&Arc<CudaStream>> {
+        match &self.backend {
+            Backend::Local(_) => self.cuda_stream(),
+            Backend::Remote(_) => Err(self.needs_local(op)),
+        }
+    }
+
     /// The pool concurrent combinators fork onto.
     ///
     /// # Errors

@@ -21,7 +21,7 @@
 //! - memory the captured copies read (staging blocks, modules) is released
 //!   only after the last replay, never by blocking.
 //!
-//! What cannot be captured is an [`Error::Capture`] naming it, and the
+//! What cannot be captured is an [`Error::Capture`](crate::Error::Capture) naming it, and the
 //! capture ends either way (also on a panic): downloads into host memory
 //! (`d2h`, `copy_d2h`, `copy_h2d`: read a graph's output with an op after a
 //! replay), a synchronize, a wait on work outside the capture (an op that
@@ -62,7 +62,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use cuda_core::cudarc::driver::{CudaStream, DeviceRepr};
-use cuda_core::{AnyBitPattern, Device, Error, GraphUpdate, Result, TrackedGraph};
+use cuda_core::{AnyBitPattern, Device, GraphUpdate, Result, TrackedGraph};
 
 use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
@@ -78,7 +78,6 @@ use crate::policy::{default_device, StreamPool, DEFAULT_POOL_STREAMS};
 pub struct CudaGraph<T> {
     graph: Mutex<TrackedGraph>,
     output: Option<T>,
-    device: Device,
     /// Where recaptures run: the capture stream, its fork pool and the
     /// stream allocations go to.
     streams: CaptureStreams,
@@ -93,7 +92,7 @@ struct CaptureStreams {
 impl<T> fmt::Debug for CudaGraph<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CudaGraph")
-            .field("device", &self.device.ordinal())
+            .field("device", &self.streams.stream.context().ordinal())
             .field("graph", &self.graph)
             .field("output", &std::any::type_name::<T>())
             .finish()
@@ -108,15 +107,14 @@ pub(crate) fn capture<O: DeviceOp>(
     pool: Arc<StreamPool>,
 ) -> Result<CudaGraph<<O as DeviceOp>::Output>> {
     check_poison()?;
-    let device = Device::of_stream(stream);
-    let alloc = device.new_stream()?;
+    let alloc = Device::of_stream(stream).new_stream()?;
     let streams = CaptureStreams {
         stream: stream.clone(),
         pool,
         alloc,
     };
     let mut output = None;
-    let mut ctx = streams.context(&device);
+    let mut ctx = streams.context();
     let captured = TrackedGraph::capture(stream, streams.pool.streams(), &streams.alloc, |_| {
         // SAFETY: nothing runs during a capture; what the op retains is
         // handed to the graph below and released after its last replay, and
@@ -134,14 +132,17 @@ pub(crate) fn capture<O: DeviceOp>(
     Ok(CudaGraph {
         graph: Mutex::new(graph),
         output,
-        device,
         streams,
     })
 }
 
 impl CaptureStreams {
-    fn context(&self, device: &Device) -> ExecutionContext {
-        ExecutionContext::new(device.clone(), self.stream.clone(), self.pool.clone())
+    fn context(&self) -> ExecutionContext {
+        ExecutionContext::new(
+            Device::of_stream(&self.stream),
+            self.stream.clone(),
+            self.pool.clone(),
+        )
     }
 }
 
@@ -249,7 +250,7 @@ impl<T> CudaGraph<T> {
             .expect("the graph's output was taken with take_output");
         let op = f(old);
         let streams = &self.streams;
-        let mut ctx = streams.context(&self.device);
+        let mut ctx = streams.context();
         let mut output = None;
         let graph = self.graph.get_mut().unwrap_or_else(|e| e.into_inner());
         let how = graph.recapture(
@@ -319,8 +320,8 @@ impl<T> CudaGraph<T> {
     }
 
     /// The device the graph runs on.
-    pub fn device(&self) -> &Device {
-        &self.device
+    pub fn device(&self) -> Device {
+        Device::of_stream(&self.streams.stream)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, TrackedGraph> {
@@ -346,10 +347,7 @@ impl<T: Send + Sync> DeviceOp for GraphLaunch<'_, T> {
     type Output = ();
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<()> {
-        let stream = ctx.cuda_stream().map_err(|_| Error::NeedsLocalStream {
-            op: "a CUDA graph replay".into(),
-            context: ctx.describe(),
-        })?;
+        let stream = ctx.cuda_stream_for("a CUDA graph replay")?;
         // Ordered against the buffers' other uses, and recorded as a use of
         // each; what the graph keeps is released after its last replay.
         self.graph.lock().launch_on(stream)
@@ -441,10 +439,7 @@ impl<T: DeviceRepr + AnyBitPattern> DeviceOp for SetScalar<'_, T> {
     type Output = ();
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<()> {
-        let stream = ctx.cuda_stream().map_err(|_| Error::NeedsLocalStream {
-            op: "DeviceScalar::set".into(),
-            context: ctx.describe(),
-        })?;
+        let stream = ctx.cuda_stream_for("DeviceScalar::set")?;
         let dst = self.buf.local_mut_on(stream)?;
         cuda_core::staging::upload_at(std::slice::from_ref(&self.value), dst, 0, stream)
     }
@@ -455,6 +450,7 @@ crate::op::impl_into_future!(impl['a, T: DeviceRepr + AnyBitPattern] for SetScal
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cuda_core::Error;
 
     #[test]
     fn graphs_and_their_replays_cross_threads() {

@@ -76,10 +76,7 @@ impl<T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send> crate::DeviceOp fo
     type Output = DeviceBuffer<T>;
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
-        let stream = ctx.cuda_stream().map_err(|_| Error::NeedsLocalStream {
-            op: "to_device".into(),
-            context: ctx.describe(),
-        })?;
+        let stream = ctx.cuda_stream_for("to_device")?;
         let here = stream.context().ordinal();
         let there = self.device.ordinal();
         if here != there {

@@ -32,7 +32,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
 
 use crate::device::Device;
 use crate::error::{DriverResultExt, Error, Result};
-use crate::raw::{set_current, RawEvent};
+use crate::raw::{check_same_context, set_current, RawEvent};
 
 /// A typed buffer in device memory.
 ///
@@ -205,15 +205,7 @@ impl<T> DeviceBuffer<T> {
     }
 
     fn same_context(&self, stream: &CudaStream) -> Result<()> {
-        if stream.context().cu_ctx() == self.slice.stream().context().cu_ctx() {
-            Ok(())
-        } else {
-            Err(Error::InvalidArgument(format!(
-                "a buffer of device {} used on a stream of device {}",
-                self.slice.ordinal(),
-                stream.context().ordinal()
-            )))
-        }
+        check_same_context("a buffer", self.slice.stream().context(), stream)
     }
 
     /// Orders a read on `stream` after the last write. Call before

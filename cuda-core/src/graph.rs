@@ -46,7 +46,7 @@ use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
 
 use crate::buffer::UseRecord;
 use crate::error::{Error, Result};
-use crate::raw::{set_current, RawEvent};
+use crate::raw::{check_same_context, set_current, RawEvent};
 
 /// How [`Graph::recapture`] applied the new work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -359,15 +359,7 @@ impl Graph {
     }
 
     fn check_stream(&self, stream: &CudaStream) -> Result<()> {
-        if stream.context().cu_ctx() == self.ctx.cu_ctx() {
-            Ok(())
-        } else {
-            Err(Error::InvalidArgument(format!(
-                "a graph of device {} used on a stream of device {}",
-                self.ctx.ordinal(),
-                stream.context().ordinal()
-            )))
-        }
+        check_same_context("a graph", &self.ctx, stream)
     }
 }
 

@@ -243,13 +243,7 @@ impl<T> PinnedBuffer<T> {
     /// the pointer, only on `stream`, and calls `record_use(stream)` after it
     /// before any other use of the buffer.
     pub unsafe fn begin_use(&mut self, stream: &CudaStream) -> Result<*mut T> {
-        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
-            return Err(Error::InvalidArgument(format!(
-                "a pinned buffer of device {} used on a stream of device {}",
-                self.ctx.ordinal(),
-                stream.context().ordinal()
-            )));
-        }
+        crate::raw::check_same_context("a pinned buffer", &self.ctx, stream)?;
         if self.broken.load(Ordering::Acquire) {
             return Err(Error::InvalidArgument(
                 "a GPU use of this pinned buffer could not be recorded earlier".into(),

@@ -16,6 +16,20 @@ pub(crate) fn set_current(ctx: &CudaContext) -> Result<()> {
         .map_err(|e| Error::driver("cuCtxSetCurrent", e))
 }
 
+/// Fails unless `stream` belongs to `ctx`, naming both devices: `what` is
+/// the object used on the stream ("a buffer", "a graph").
+pub(crate) fn check_same_context(what: &str, ctx: &CudaContext, stream: &CudaStream) -> Result<()> {
+    if stream.context().cu_ctx() == ctx.cu_ctx() {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{what} of device {} used on a stream of device {}",
+            ctx.ordinal(),
+            stream.context().ordinal()
+        )))
+    }
+}
+
 /// An event without timing, owned; destroyed on drop (the driver releases
 /// it once pending work that records or waits on it is done).
 #[derive(Debug)]

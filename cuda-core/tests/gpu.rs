@@ -295,6 +295,13 @@ fn probe_events_and_allocations_inside_a_capture() {
         .result()
         .unwrap()
     };
+    // A graph a probe capture returned (null when it made none).
+    let destroy = |g: sys::CUgraph| {
+        if !g.is_null() {
+            // SAFETY: ours, destroyed once.
+            unsafe { sys::cuGraphDestroy(g) };
+        }
+    };
     let end = |s: &CudaStream| {
         let mut g = std::ptr::null_mut();
         // SAFETY: ends this thread's capture on a live stream.
@@ -323,10 +330,7 @@ fn probe_events_and_allocations_inside_a_capture() {
             k,
             code(r)
         );
-        if !g.is_null() {
-            // SAFETY: ours.
-            unsafe { sys::cuGraphDestroy(g) };
-        }
+        destroy(g);
     }
 
     // 2. An event recorded inside the capture, used after it ended.
@@ -347,10 +351,7 @@ fn probe_events_and_allocations_inside_a_capture() {
         code(q),
         code(w)
     );
-    if !g.is_null() {
-        // SAFETY: ours.
-        unsafe { sys::cuGraphDestroy(g) };
-    }
+    destroy(g);
 
     // 3. A stream-ordered allocation inside the capture (a graph memory
     //    node), replayed twice without a free in between.
@@ -403,10 +404,7 @@ fn probe_events_and_allocations_inside_a_capture() {
         "probe: cudarc tracking on, launch in a capture {k:?}, end {}; a later launch on another stream {later:?}, sync {sync:?}",
         code(r)
     );
-    if !g.is_null() {
-        // SAFETY: ours.
-        unsafe { sys::cuGraphDestroy(g) };
-    }
+    destroy(g);
     drop(t);
     // SAFETY: back to this binary's setting.
     unsafe { fx.dev.context().disable_event_tracking() };
