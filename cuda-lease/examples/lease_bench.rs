@@ -32,6 +32,7 @@ use cuda_async::{HostBuffer, Kernel, Module, RemotePolicy};
 
 use cuda_lease::baseline::RawQuinn;
 use cuda_lease::client::{Client, ClientConfig, Lease};
+use cuda_lease::hops;
 use cuda_lease::node::{Node, NodeConfig};
 use cuda_lease::proto::KernelArg;
 use cuda_lease::ptx::TEST_KERNELS;
@@ -99,6 +100,13 @@ async fn raw_baseline(iters: usize, xfer_iters: usize) -> Result<Raw, Box<dyn st
         rtt.push(raw.round_trip(64).await.map_err(|e| e.to_string())?);
     }
     report("raw quinn 64 B request/reply, new stream", rtt.clone());
+    // The size of the chain row's request and reply (about 3 KiB out,
+    // 1 KiB back): what the transport alone adds for it.
+    let mut rtt3k = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        rtt3k.push(raw.round_trip(3 << 10).await.map_err(|e| e.to_string())?);
+    }
+    report("raw quinn 3 KiB request/reply, new stream", rtt3k);
     let mut rates = Vec::new();
     for (up, stripes) in [(true, 1), (false, 1), (true, 4), (false, 4)] {
         let mut v = Vec::new();
@@ -591,6 +599,7 @@ async fn spin_rows(
 }
 
 async fn time_chain<P: SchedulingPolicy>(
+    label: &str,
     policy: &P,
     axpy: &Kernel,
     x: &Arc<Vec<f32>>,
@@ -604,11 +613,38 @@ async fn time_chain<P: SchedulingPolicy>(
     let mut v = Vec::with_capacity(iters);
     for _ in 0..iters {
         let t = Instant::now();
-        let out = chain(axpy, x.clone()).schedule(policy)?.await?;
+        let out = if hops::enabled() {
+            timed(chain(axpy, x.clone()).schedule(policy)?, label).await?
+        } else {
+            chain(axpy, x.clone()).schedule(policy)?.await?
+        };
         v.push(t.elapsed());
         drop(out);
     }
     Ok(median(v))
+}
+
+/// Awaits `fut`, printing a `hop=bench-LABEL` line (with hop timings on):
+/// its start on the host's clock, then the first poll (which records and
+/// sends the op) and the wait from it to the output, so
+/// `cuda-lease/scripts/hop-timeline` can lay the other hops out around it.
+async fn timed<F: std::future::Future + Unpin>(mut fut: F, label: &str) -> F::Output {
+    let at = hops::now_us();
+    let t = Instant::now();
+    let mut first = None;
+    let out = std::future::poll_fn(|cx| {
+        let r = std::pin::Pin::new(&mut fut).poll(cx);
+        first.get_or_insert_with(|| t.elapsed());
+        r
+    })
+    .await;
+    let first = first.unwrap_or_default();
+    hops::emit(format!(
+        "hop=bench-{label} op=Chain bytes=0 at_us={at} first_poll_us={} wait_us={}",
+        first.as_micros(),
+        t.elapsed().saturating_sub(first).as_micros()
+    ));
+    out
 }
 
 async fn chain_bench(
@@ -624,7 +660,7 @@ async fn chain_bench(
         .on(client.clone())
         .await?;
     let remote = RemotePolicy::new(&cuda_lease::remote::LeaseSession::current(lease.session()));
-    let remote_t = time_chain(&remote, &axpy, &x, iters).await?;
+    let remote_t = time_chain("remote", &remote, &axpy, &x, iters).await?;
     let (up, down) = transfer_ops(&remote, 3).await?;
     let op_remote = time_one_op(&remote, &axpy, iters).await?;
     println!("20-op chain awaited on the lease: median {remote_t:?}");
@@ -638,7 +674,7 @@ async fn chain_bench(
     } else {
         let policy = cuda_async::default_policy()?;
         axpy.load_on(&cuda_async::Device::new(0)?)?;
-        let t = time_chain(&*policy, &axpy, &x, iters).await?;
+        let t = time_chain("local", &*policy, &axpy, &x, iters).await?;
         println!("20-op chain awaited on the local GPU: median {t:?}");
         Some(t)
     };

@@ -12,8 +12,14 @@
 //! hop=node op=MemWrite bytes=268435456 read_us=612003 dispatch_us=201122 reply_us=35
 //! ```
 //!
-//! `cuda-lease/scripts/hop-summary LOG` turns such a log into a table of
-//! medians per hop, operation and field. When off, the cost is one relaxed
+//! Every line also carries `at_us`, the hop's start on the host's
+//! monotonic clock (`CLOCK_MONOTONIC`, shared by the client's, the node's
+//! and the workers' processes), so the hops of one request can be laid out
+//! on one time line. `cuda-lease/scripts/hop-summary LOG` turns such a log
+//! into a table of medians per hop, operation and field;
+//! `cuda-lease/scripts/hop-timeline LOG` lays out the hops of each
+//! request a program marked with a `hop=bench` line ([`emit`], [`now_us`])
+//! on one time line and prints the median offset of every phase end. When off, the cost is one relaxed
 //! load of a cached flag per request. When on, lines are handed to a
 //! logger thread ([`emit`]) and printed off the request's path, so the
 //! timings they report are barely disturbed by the printing itself.
@@ -25,14 +31,14 @@ use std::time::Instant;
 use crate::proto::Opcode;
 
 /// Whether `CUDA_LEASE_HOP_TIMES` is set (read once per process).
-pub(crate) fn enabled() -> bool {
+pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("CUDA_LEASE_HOP_TIMES").is_some())
 }
 
 /// Prints `line` to stderr from a logger thread (the caller only queues
 /// it). Lines still queued when the process exits may be lost.
-pub(crate) fn emit(line: String) {
+pub fn emit(line: String) {
     static LOGGER: OnceLock<Option<Sender<String>>> = OnceLock::new();
     let tx = LOGGER.get_or_init(|| {
         let (tx, rx) = channel::<String>();
@@ -56,11 +62,27 @@ pub(crate) fn emit(line: String) {
     }
 }
 
+/// Microseconds on the host's monotonic clock (`CLOCK_MONOTONIC`): the same
+/// clock in every process of the host, so hops of one request in the
+/// client, the node and a worker can be compared.
+pub fn now_us() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC exists on
+    // every Linux kernel this crate runs on.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    u64::try_from(ts.tv_sec).unwrap_or(0) * 1_000_000
+        + u64::try_from(ts.tv_nsec).unwrap_or(0) / 1000
+}
+
 /// Times the phases of one request at one hop; printed when dropped.
 pub(crate) struct HopTimer {
     hop: &'static str,
     op: Opcode,
     bytes: u64,
+    at_us: u64,
     last: Instant,
     fields: Vec<(&'static str, u128)>,
 }
@@ -73,6 +95,7 @@ impl HopTimer {
             hop,
             op,
             bytes,
+            at_us: now_us(),
             last: Instant::now(),
             fields: Vec::with_capacity(4),
         })
@@ -95,7 +118,10 @@ impl HopTimer {
 
 impl Drop for HopTimer {
     fn drop(&mut self) {
-        let mut line = format!("hop={} op={:?} bytes={}", self.hop, self.op, self.bytes);
+        let mut line = format!(
+            "hop={} op={:?} bytes={} at_us={}",
+            self.hop, self.op, self.bytes, self.at_us
+        );
         for (f, us) in &self.fields {
             line.push_str(&format!(" {f}_us={us}"));
         }

@@ -55,7 +55,7 @@ pub mod client;
 pub mod clock;
 #[cfg(feature = "node")]
 pub mod device;
-mod hops;
+pub mod hops;
 #[cfg(feature = "node")]
 pub mod lease_table;
 #[cfg(feature = "node")]

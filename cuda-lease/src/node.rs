@@ -1664,7 +1664,8 @@ async fn run_batch(
             .await;
         if crate::worker::trace_enabled() {
             crate::hops::emit(format!(
-                "cuda-lease node batch: {} commands, lock {t_locked:?}, planned {t_planned:?}, worker replied {:?}",
+                "cuda-lease node batch: at_us={} {} commands, lock {t_locked:?}, planned {t_planned:?}, worker replied {:?}",
+                crate::hops::now_us().saturating_sub(t0.elapsed().as_micros() as u64),
                 b.commands.len(),
                 t0.elapsed()
             ));

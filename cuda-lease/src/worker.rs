@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tokio::io::BufReader;
-use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::process::{Child, ChildStdin, Command};
 
 use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice};
 use crate::hops::{self, HopTimer};
@@ -722,10 +722,84 @@ pub(crate) enum WorkerError {
     Hung(Duration),
 }
 
+/// A call up to this size (header, body and data) goes to the worker in
+/// one write; a larger one is written part by part, never joined in memory.
+const SMALL_CALL_BYTES: usize = 64 << 10;
+
 struct WorkerIo {
     stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
+    stdout: BufReader<PipeReader>,
     next_id: u64,
+}
+
+/// The read end of the worker's stdout, read with the `read` call first
+/// and the reactor's readiness only when that finds nothing.
+///
+/// Tokio's own pipe waits for the reactor to report the pipe readable
+/// again after every read that emptied it, even when the bytes are there
+/// by now (the node spins for the worker's reply, so they usually are):
+/// one reactor turn and one task wake-up on every reply's path, about 20 us
+/// of a chain's round trip on an H100 host (2026-11-23,
+/// `cuda-lease/scripts/hop-timeline`).
+struct PipeReader(tokio::io::unix::AsyncFd<std::fs::File>);
+
+impl PipeReader {
+    /// Takes over the read end of a pipe (made non-blocking here).
+    fn new(fd: std::os::fd::OwnedFd) -> std::io::Result<Self> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: `fd` is an open descriptor owned here; F_GETFL/F_SETFL
+        // change only its status flags.
+        unsafe {
+            let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+            if flags < 0 || libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) < 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        let file = std::fs::File::from(fd);
+        // SAFETY: a `File` owns its descriptor: it stays open, and is the
+        // same one, until the `AsyncFd` (which owns the `File`) is dropped.
+        let fd = unsafe { tokio::io::unix::AsyncFd::register(file) }?;
+        Ok(PipeReader(fd))
+    }
+}
+
+impl std::os::fd::AsRawFd for PipeReader {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+impl tokio::io::AsyncRead for PipeReader {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::io::Read;
+        use std::task::Poll;
+        loop {
+            match self.0.get_ref().read(buf.initialize_unfilled()) {
+                Ok(n) => {
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() != std::io::ErrorKind::WouldBlock => {
+                    return Poll::Ready(Err(e));
+                }
+                Err(_) => {}
+            }
+            // Empty: wait for the reactor. Readiness it reported before
+            // the read above is stale; clear it and read again (nothing is
+            // lost: a write after the clear sets it anew).
+            match self.0.poll_read_ready(cx) {
+                Poll::Ready(Ok(mut guard)) => guard.clear_ready(),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
 }
 
 /// The node's side of one worker process.
@@ -775,6 +849,10 @@ impl WorkerProcess {
             grow_pipe(stdin.as_fd());
             grow_pipe(stdout.as_fd());
         }
+        let stdout = stdout
+            .into_owned_fd()
+            .and_then(PipeReader::new)
+            .map_err(|e| WorkerError::Start(format!("the worker's stdout: {e}")))?;
         let mut stdout = BufReader::with_capacity(PIPE_BUFFER_BYTES, stdout);
         let ready =
             tokio::time::timeout(timeout, proto::read_frame(&mut stdout, &WORKER_LIMITS)).await;
@@ -880,10 +958,23 @@ impl WorkerProcess {
         let exchange = async {
             use tokio::io::AsyncWriteExt;
             let mut hop = HopTimer::start("node-worker", opcode, len as u64);
-            io.stdin.write_all(&h.encode()).await?;
-            io.stdin.write_all(body).await?;
-            for p in data.iter() {
-                io.stdin.write_all(p).await?;
+            let head = h.encode();
+            if head.len() + body.len() + len <= SMALL_CALL_BYTES {
+                // One write: the worker wakes to a whole frame, and the
+                // node makes one system call instead of one per part.
+                let mut frame = Vec::with_capacity(head.len() + body.len() + len);
+                frame.extend_from_slice(&head);
+                frame.extend_from_slice(body);
+                for p in data.iter() {
+                    frame.extend_from_slice(p);
+                }
+                io.stdin.write_all(&frame).await?;
+            } else {
+                io.stdin.write_all(&head).await?;
+                io.stdin.write_all(body).await?;
+                for p in data.iter() {
+                    io.stdin.write_all(p).await?;
+                }
             }
             io.stdin.flush().await?;
             hops::mark(&mut hop, "pipe_send");
@@ -958,6 +1049,28 @@ impl Drop for WorkerProcess {
 mod tests {
     use super::*;
     use std::os::fd::{AsFd, AsRawFd};
+
+    #[tokio::test]
+    async fn the_pipe_reader_reads_what_is_there_waits_for_the_rest_and_sees_the_end() {
+        use std::io::Write;
+        use tokio::io::AsyncReadExt;
+        let (r, mut w) = std::io::pipe().expect("pipe");
+        let mut reader = PipeReader::new(r.into()).expect("reader");
+        w.write_all(b"abc").expect("write");
+        let mut got = [0u8; 3];
+        reader.read_exact(&mut got).await.expect("there already");
+        assert_eq!(&got, b"abc");
+        // Nothing there: the read waits for the writer (a thread, later).
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            w.write_all(b"defg").expect("write");
+            // Dropped: the end of the pipe.
+        });
+        let mut rest = Vec::new();
+        reader.read_to_end(&mut rest).await.expect("to the end");
+        assert_eq!(rest, b"defg");
+        writer.join().expect("writer");
+    }
 
     fn pipe_size(fd: std::os::fd::BorrowedFd<'_>) -> std::ffi::c_int {
         // SAFETY: `fd` is borrowed and open for the call; F_GETPIPE_SZ
