@@ -8,6 +8,7 @@ use std::sync::Arc;
 use cuda_core::cudarc::driver::CudaStream;
 use cuda_core::{Device, Error, Result};
 
+use crate::multi::Spread;
 use crate::policy::StreamPool;
 use crate::reactor::{CompletionMode, StreamSlot};
 use crate::remote::RemoteContext;
@@ -42,6 +43,9 @@ struct Local {
     pool: Arc<StreamPool>,
     completion: CompletionMode,
     slot: Option<Arc<StreamSlot>>,
+    /// Set by a [`DevicePool`](crate::DevicePool) that spreads concurrent
+    /// arms over its devices.
+    spread: Option<Spread>,
 }
 
 impl fmt::Debug for ExecutionContext {
@@ -71,6 +75,7 @@ impl ExecutionContext {
                 pool,
                 completion: CompletionMode::HostCallback,
                 slot: None,
+                spread: None,
             }),
             retained: Vec::new(),
             touched: AtomicBool::new(false),
@@ -247,11 +252,33 @@ impl ExecutionContext {
     /// stream (arms run in order there).
     pub(crate) fn fork(&self, stream: Option<Arc<CudaStream>>) -> Self {
         match (&self.backend, stream) {
-            (Backend::Local(l), Some(s)) => Self::new(l.device.clone(), s, l.pool.clone()),
-            (Backend::Local(l), None) => {
-                Self::new(l.device.clone(), l.stream.clone(), l.pool.clone())
+            (Backend::Local(l), s) => {
+                let s = s.unwrap_or_else(|| l.stream.clone());
+                let arm = Self::new(l.device.clone(), s, l.pool.clone());
+                match &l.spread {
+                    Some(spread) => arm.with_spread(spread.clone()),
+                    None => arm,
+                }
             }
             (Backend::Remote(r), _) => Self::new_remote(r.fork()),
+        }
+    }
+
+    /// Lets concurrent arms of this (local) context go to the devices of
+    /// `spread` (see [`DevicePool::spread_arms`](crate::DevicePool::spread_arms)).
+    pub(crate) fn with_spread(mut self, spread: Spread) -> Self {
+        if let Backend::Local(l) = &mut self.backend {
+            l.spread = Some(spread);
+        }
+        self
+    }
+
+    /// Where concurrent arms of this context may go, if a device pool
+    /// spreads them.
+    pub(crate) fn spread(&self) -> Option<&Spread> {
+        match &self.backend {
+            Backend::Local(l) => l.spread.as_ref(),
+            Backend::Remote(_) => None,
         }
     }
 

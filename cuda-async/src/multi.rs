@@ -14,7 +14,7 @@ use cuda_core::{Device, Error, Result};
 use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
 use crate::op::impl_into_future;
-use crate::policy::{SchedulingPolicy, StreamPoolRoundRobin};
+use crate::policy::{SchedulingPolicy, StreamPool, StreamPoolRoundRobin};
 
 /// Copies `src` (a buffer of any local GPU) into a new buffer on `device`,
 /// which must be the device the op runs on (schedule the chain there: a
@@ -166,6 +166,44 @@ struct Member {
     in_flight: Arc<AtomicUsize>,
 }
 
+/// The devices a submission's concurrent arms may go to (a [`DevicePool`]
+/// with [`DevicePool::spread_arms`]), and the index of the context's own.
+#[derive(Clone)]
+pub(crate) struct Spread {
+    devices: Arc<[SpreadDevice]>,
+    home: usize,
+}
+
+struct SpreadDevice {
+    pool: Arc<StreamPool>,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl Spread {
+    /// The context of concurrent arm `arm` (>= 1) when it goes to another
+    /// device than its parent's: arm k of a submission on device i runs on
+    /// device (i + k) mod n, on that device's next pool stream, counted in
+    /// flight there until the submission is done. `None`: the arm stays on
+    /// the parent's device.
+    pub(crate) fn arm_context(&self, arm: usize) -> Option<ExecutionContext> {
+        let n = self.devices.len();
+        let target = (self.home + arm) % n;
+        if target == self.home {
+            return None;
+        }
+        let d = &self.devices[target];
+        let stream = d.pool.streams()[d.pool.next_index()].clone();
+        d.in_flight.fetch_add(1, Ordering::Relaxed);
+        let mut ctx = ExecutionContext::new(d.pool.device().clone(), stream, d.pool.clone())
+            .with_spread(Spread {
+                devices: self.devices.clone(),
+                home: target,
+            });
+        ctx.retain(InFlight(d.in_flight.clone()));
+        Some(ctx)
+    }
+}
+
 /// A scheduling policy over several devices: each submission (a whole
 /// chain: every op of it runs on the device picked for it) goes to one
 /// device's stream pool, chosen by its [`Placement`] (round-robin by
@@ -174,9 +212,13 @@ struct Member {
 /// A device's load is its submissions in flight: counted from placement
 /// until the GPU has finished their work (or, for a submission that
 /// enqueues nothing, until it returns). Buffers stay on the device that
-/// made them: a submission placed on another device cannot use them (there
-/// is no peer-copy op yet), so chains that share buffers belong on one
-/// device's policy.
+/// made them: an op on another device uses them through [`to_device`] (a
+/// peer copy); used directly, they are an error naming both devices.
+///
+/// By default the concurrent arms of a submission (`zip`, `join_all`) run
+/// on its device's other streams. With [`DevicePool::spread_arms`] they go
+/// to the pool's devices in turn, and the join waits for each device's
+/// arm.
 ///
 /// On a host with one GPU, [`DevicePool::all`] is a pool of that one.
 ///
@@ -197,6 +239,8 @@ pub struct DevicePool {
     members: Vec<Member>,
     placement: Placement,
     next: AtomicUsize,
+    /// With [`DevicePool::spread_arms`]: every device, for the arms.
+    spread: Option<Arc<[SpreadDevice]>>,
 }
 
 impl fmt::Debug for DevicePool {
@@ -204,6 +248,7 @@ impl fmt::Debug for DevicePool {
         f.debug_struct("DevicePool")
             .field("loads", &self.loads())
             .field("placement", &self.placement)
+            .field("spread_arms", &self.spread.is_some())
             .finish()
     }
 }
@@ -251,7 +296,48 @@ impl DevicePool {
             members,
             placement: Placement::RoundRobin,
             next: AtomicUsize::new(0),
+            spread: None,
         })
+    }
+
+    /// The same devices, with the concurrent arms of each submission
+    /// (`zip`, `join_all`, `zip!`) spread over them: arm 0 runs on the
+    /// submission's device, arm k on the pool's device after it k times
+    /// (wrapping), each on that device's next pool stream; the join makes
+    /// the submission's stream wait for an event of every arm, and each
+    /// arm counts in flight on its device until the submission is done.
+    ///
+    /// An arm works on its own device: it makes its own buffers (`h2d`,
+    /// `zeros`) or moves its inputs with [`to_device`]. A buffer of another
+    /// device used directly in an arm is an error naming both devices. The
+    /// arms' outputs stay on their devices. With one device, nothing
+    /// changes.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_async::prelude::*;
+    /// use cuda_async::DevicePool;
+    /// let gpus = DevicePool::all()?.spread_arms();
+    /// // Two independent halves, one per GPU (on a 2-GPU host).
+    /// let (a, b) = h2d(vec![1.0f32; 1 << 20])
+    ///     .then(d2h)
+    ///     .zip(h2d(vec![2.0f32; 1 << 20]).then(d2h))
+    ///     .sync_with(&gpus)?;
+    /// assert_eq!((a.as_slice()?[0], b.as_slice()?[0]), (1.0, 2.0));
+    /// # Ok::<(), cuda_async::Error>(())
+    /// ```
+    pub fn spread_arms(mut self) -> Self {
+        let devices: Vec<SpreadDevice> = self
+            .members
+            .iter()
+            .map(|m| SpreadDevice {
+                pool: m.policy.pool().clone(),
+                in_flight: m.in_flight.clone(),
+            })
+            .collect();
+        self.spread = Some(devices.into());
+        self
     }
 
     /// The same devices, placing submissions by `placement`.
@@ -308,7 +394,13 @@ impl SchedulingPolicy for DevicePool {
         let mut ctx = m.policy.select()?;
         m.in_flight.fetch_add(1, Ordering::Relaxed);
         ctx.retain(InFlight(m.in_flight.clone()));
-        Ok(ctx)
+        Ok(match &self.spread {
+            Some(devices) if devices.len() > 1 => ctx.with_spread(Spread {
+                devices: devices.clone(),
+                home: i,
+            }),
+            _ => ctx,
+        })
     }
 }
 

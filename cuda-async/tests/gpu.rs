@@ -960,3 +960,108 @@ fn to_device_copies_to_the_device_the_op_runs_on() {
         "{e}"
     );
 }
+
+/// A `DevicePool` that spreads arms puts a zip's arms on two devices: each
+/// arm's output lives on its own device, the two 20 ms spins overlap (the
+/// wall time is under 1.5 spins, and each GPU's `%globaltimer` intervals
+/// overlap), both devices count the submission in flight until it is
+/// done, and a future dropped with its arms in flight on both devices frees
+/// nothing early (run under memcheck). With one GPU the zip runs on it and
+/// the spreading is not checked.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_device_pool_spreads_zip_arms_over_devices() {
+    let pool = cuda_async::DevicePool::all().unwrap().spread_arms();
+    let k = kernels();
+    let ms20 = 20_000_000u64;
+    // Warm up every device (module load, pools).
+    for _ in 0..pool.len() {
+        let _ = suite::spin_op(&k.spin, 1000)
+            .zip(suite::spin_op(&k.spin, 1000))
+            .sync_with(&pool)
+            .unwrap();
+    }
+    if pool.len() < 2 {
+        eprintln!("one GPU visible: arms on two devices are not checked here (needs 2 GPUs)");
+        let (a, b) = suite::spin_op(&k.spin, 1000)
+            .zip(suite::spin_op(&k.spin, 1000))
+            .sync_with(&pool)
+            .unwrap();
+        assert_eq!(
+            a.local().unwrap().device().ordinal(),
+            b.local().unwrap().device().ordinal()
+        );
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let t = Instant::now();
+    let (a, b) = rt.block_on(async {
+        let f = suite::spin_op(&k.spin, ms20)
+            .zip(suite::spin_op(&k.spin, ms20))
+            .schedule(&pool)
+            .unwrap();
+        let mut f = std::pin::pin!(f);
+        // Submitted on the first poll: both devices count it.
+        let first = std::future::poll_fn(|cx| std::task::Poll::Ready(f.as_mut().poll(cx))).await;
+        assert!(first.is_pending(), "20 ms spins cannot be done at once");
+        let loads = pool.loads();
+        assert!(
+            loads.iter().filter(|l| l.in_flight > 0).count() >= 2,
+            "both devices count the submission: {loads:?}"
+        );
+        f.await.unwrap()
+    });
+    let wall = t.elapsed();
+    let loads = pool.loads();
+    assert!(loads.iter().all(|l| l.in_flight == 0), "after: {loads:?}");
+    let (da, db) = (
+        a.local().unwrap().device().ordinal(),
+        b.local().unwrap().device().ordinal(),
+    );
+    assert_ne!(da, db, "the arms ran on different devices");
+    let on = |d: usize| {
+        cuda_async::SingleStream::new(Device::new(d).unwrap().new_stream().unwrap()).unwrap()
+    };
+    let ((a0, a1), (b0, b1)) = (suite::stamps(&on(da), a), suite::stamps(&on(db), b));
+    eprintln!(
+        "zip of two 20 ms spins on GPUs {da} and {db}: {wall:?}; %globaltimer intervals overlap by {} us",
+        (a1.min(b1) as i64 - a0.max(b0) as i64) / 1000
+    );
+    assert!(a1 - a0 >= ms20 && b1 - b0 >= ms20);
+    assert!(
+        wall < Duration::from_millis(30),
+        "two 20 ms spins on two GPUs took {wall:?} (serial: 40 ms)"
+    );
+    assert!(
+        a0 < b1 && b0 < a1,
+        "arms did not overlap: a=[{a0},{a1}] b=[{b0},{b1}]"
+    );
+    // Dropped in flight: the arms' buffers (one per device) are freed
+    // stream-ordered after their spins; memcheck sees no early free.
+    rt.block_on(async {
+        let f = suite::spin_op(&k.spin, ms20)
+            .zip(suite::spin_op(&k.spin, ms20))
+            .then(|(a, b)| d2h(a).zip(d2h(b)))
+            .schedule(&pool)
+            .unwrap();
+        assert!(tokio::time::timeout(Duration::from_millis(1), f)
+            .await
+            .is_err());
+    });
+    for d in 0..pool.len() {
+        Device::new(d).unwrap().context().synchronize().unwrap();
+    }
+    // Released by the background reclaimer once the completion is seen.
+    let t = Instant::now();
+    while pool.loads().iter().any(|l| l.in_flight > 0) && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let loads = pool.loads();
+    assert!(
+        loads.iter().all(|l| l.in_flight == 0),
+        "after the drop: {loads:?}"
+    );
+}

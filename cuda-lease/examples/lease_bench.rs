@@ -13,7 +13,8 @@
 //! the in-memory test double instead of a GPU, so the node, QUIC and pipe
 //! path can be measured on a machine without one; kernels are not run there.
 //! `--transfers-only` skips the lease-allocation measurements (they sleep to
-//! let the worker pool refill). `LEASE_BENCH_ITERS` sets the BATCH
+//! let the worker pool refill); `--chain-only` measures the raw 64 B round
+//! trip and the 20-op chain row alone (e.g. to profile the command path). `LEASE_BENCH_ITERS` sets the BATCH
 //! iterations (default 2000), `LEASE_BENCH_XFER_ITERS` the MEM_WRITE /
 //! MEM_READ iterations (default 5), `LEASE_BENCH_SPIN_US` the workers' pipe
 //! spin budget ([`WorkerSpec::spin`]; default: `cuda_lease::spin::default_spin`).
@@ -199,6 +200,9 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
 
     if !transfers_only {
         lease_alloc_bench(&client).await?;
+    }
+    if args.iter().any(|a| a == "--chain-only") {
+        return chain_only(&client, iters, memory).await;
     }
     let raw = raw_baseline(iters, xfer_iters).await?;
     let lease = transfer_bench(&client, iters, xfer_iters).await?;
@@ -645,6 +649,59 @@ async fn timed<F: std::future::Future + Unpin>(mut fut: F, label: &str) -> F::Ou
         t.elapsed().saturating_sub(first).as_micros()
     ));
     out
+}
+
+/// `--chain-only`: the raw 64 B round trip and the chain row alone (no
+/// bulk transfers), e.g. to profile the node's command path.
+async fn chain_only(
+    client: &Arc<Client>,
+    iters: usize,
+    memory: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let raw = RawQuinn::start(1).await.map_err(|e| e.to_string())?;
+    let mut rtt = Vec::with_capacity(iters);
+    for i in 0..iters + 100 {
+        let d = raw.round_trip(64).await.map_err(|e| e.to_string())?;
+        if i >= 100 {
+            rtt.push(d);
+        }
+    }
+    raw.close().await;
+    let rtt = median(rtt);
+    let axpy = Module::cuda(AXPY, &[])?.kernel("axpy")?;
+    let x = Arc::new(vec![2.0f32; 256]);
+    let lease = Lease::builder()
+        .min_vram(64 << 20)
+        .ttl(Duration::from_secs(120))
+        .on(client.clone())
+        .await?;
+    let remote = RemotePolicy::new(&cuda_lease::remote::LeaseSession::current(lease.session()));
+    let remote_t = time_chain("remote", &remote, &axpy, &x, iters).await?;
+    lease.free().await?;
+    let local = if memory {
+        None
+    } else {
+        let policy = cuda_async::default_policy()?;
+        axpy.load_on(&cuda_async::Device::new(0)?)?;
+        Some(time_chain("local", &*policy, &axpy, &x, iters).await?)
+    };
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    match local {
+        Some(l) => println!(
+            "| 20-op chain: remote - local vs 64 B request/reply | {:.1} us | {:.1} us remote, {:.1} us local | {:.2} | <= 1.2 (issue 22) |",
+            us(rtt),
+            us(remote_t),
+            us(l),
+            (us(remote_t) - us(l)) / us(rtt)
+        ),
+        None => println!(
+            "| 20-op chain remote (no local GPU) vs 64 B request/reply | {:.1} us | {:.1} us | {:.2} | - |",
+            us(rtt),
+            us(remote_t),
+            us(remote_t) / us(rtt)
+        ),
+    }
+    Ok(())
 }
 
 async fn chain_bench(

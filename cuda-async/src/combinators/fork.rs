@@ -3,7 +3,9 @@
 //! Arm 0 runs on the parent stream. Each other arm runs on another pool
 //! stream that first waits on an event recorded on the parent (so it sees
 //! everything enqueued before the fork); at the end the parent waits on an
-//! event recorded on each arm's stream.
+//! event recorded on each arm's stream. Under a device pool that spreads
+//! arms, an arm's stream may be another device's: the same events order
+//! it, across contexts.
 //!
 //! On a remote context the same shape is recorded as commands: a `Record`
 //! of a client-named event on the parent's stream, a `Wait` for it at the
@@ -62,6 +64,20 @@ impl Fork {
         let (Some(pstream), Ok(pool)) = (parent.work_stream(), parent.pool()) else {
             return Ok(parent.fork(None));
         };
+        if let Some(ctx) = parent.spread().and_then(|s| s.arm_context(arm)) {
+            // Another device: its stream waits for the parent's fork event
+            // (an event of another context: the driver orders across
+            // devices).
+            if self.fork_event.is_none() {
+                self.fork_event = Some(record(pstream)?);
+            }
+            let ev = self.fork_event.as_ref().expect("recorded above");
+            ctx.work_stream()
+                .expect("a local context")
+                .wait(ev)
+                .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
+            return Ok(ctx);
+        }
         let stream: Arc<CudaStream> = match pool.fork_stream(pstream, arm) {
             Some(s) if s.cu_stream() != pstream.cu_stream() => s.clone(),
             _ => return Ok(parent.fork(None)),
