@@ -33,8 +33,11 @@ pub const GRAPH_NODES: usize = 100;
 /// Bytes per copy in the copy comparison.
 pub const COPY_BYTES: usize = 256 << 20;
 
+/// Independent kernels per run of the multi-GPU comparison.
+pub const MULTI_KERNELS: usize = 16;
+
 /// The report's topics, in the order they run.
-pub const GROUPS: [&str; 7] = [
+pub const GROUPS: [&str; 8] = [
     "overhead",
     "await_latency",
     "throughput",
@@ -42,6 +45,7 @@ pub const GROUPS: [&str; 7] = [
     "zip",
     "graph",
     "copies",
+    "multi_gpu",
 ];
 
 /// Run-size settings, from the environment.
@@ -793,6 +797,127 @@ pub fn copies(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
         .lib(gbps(&t[3]))
         .goal(Goal::AtLeast(0.95)),
     ])
+}
+
+/// `multi_gpu` (a host with two GPUs): [`MULTI_KERNELS`] independent
+/// ~1 ms spin kernels, each filling its GPU, awaited together through a
+/// [`cuda_async::DevicePool`] over GPUs 0 and 1 vs GPU 0's own pool; and a
+/// 256 MiB peer copy GPU 0 -> GPU 1 through `to_device` vs a raw
+/// `cuMemcpyPeerAsync`, in GB/s. With one GPU both rows say why they are
+/// empty.
+///
+/// # Errors
+/// The first error of any path.
+pub fn multi_gpu(fx: &Fixture, rt: &Runtime, cfg: &Config) -> Result<Vec<Row>> {
+    use cuda_async::cudarc::driver::{sys, DevicePtr, DevicePtrMut};
+    use cuda_async::prelude::*;
+    use cuda_async::{DeviceBuffer, DevicePool, SchedulingPolicy, StreamPoolRoundRobin};
+    let g = "multi_gpu";
+    let spread = format!(
+        "{MULTI_KERNELS} independent 1 ms kernels (each fills its GPU), awaited together: \
+         `DevicePool` over 2 GPUs vs one GPU's pool"
+    );
+    let peer = "peer copy 256 MiB GPU 0 -> GPU 1: `to_device` vs raw `cuMemcpyPeerAsync` \
+                (peer access not enabled on either side)";
+    if cuda_async::device_count()? < 2 {
+        let why = "needs 2 GPUs: this host has one";
+        return Ok(vec![
+            Row::new(g, spread, Unit::Millis)
+                .goal(Goal::AtMost(0.55))
+                .note(why),
+            Row::new(g, peer, Unit::GBps)
+                .goal(Goal::AtLeast(0.95))
+                .note(why),
+        ]);
+    }
+    let d0 = fx.device.clone();
+    let d1 = cuda_async::Device::new(1)?;
+    // Enough 128-thread blocks of `spin` to fill every SM (16 per SM is
+    // 2048 threads, an SM's limit), so two such kernels cannot share a GPU.
+    let sms = d0
+        .context()
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    let fill = cuda_async::LaunchConfig {
+        grid_dim: (sms.max(1) as u32 * 16, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let one = StreamPoolRoundRobin::default_for(&d0)?;
+    let two = DevicePool::new(&[0, 1])?;
+    let spin = &fx.kernels.spin;
+    let batch = |p: &dyn SchedulingPolicy| -> Result<()> {
+        let futures = (0..MULTI_KERNELS)
+            // SAFETY: `spin` takes one u64 and touches no memory.
+            .map(|_| unsafe { launch(spin, fill, (crate::kernels::SPIN_NS,)) }.schedule(p))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        for r in rt.block_on(futures_util::future::join_all(futures)) {
+            r?;
+        }
+        Ok(())
+    };
+    let t = interleaved(
+        cfg.reps(2, 1),
+        cfg.reps(20, 5),
+        &mut [&mut || batch(&one), &mut || batch(&two)],
+    )?;
+    let ms = |v: &Vec<f64>| sum(v).map(|s| s.scaled(1e-3));
+    let mut rows = vec![Row::new(g, spread, Unit::Millis)
+        .raw(ms(&t[0]))
+        .lib(ms(&t[1]))
+        .goal(Goal::AtMost(0.55))];
+
+    // The peer copy.
+    let s0 = d0.new_stream()?;
+    let s1 = d1.new_stream()?;
+    let src = h2d(vec![7u8; COPY_BYTES]).sync_on(&s0)?;
+    let on1 = cuda_async::SingleStream::new(s1.clone())?;
+    let mut dst = zeros::<u8>(COPY_BYTES).sync_on(&s1)?;
+    let raw_copy = |dst: &mut DeviceBuffer<u8>| -> Result<()> {
+        let src = src.local()?;
+        let dst = dst
+            .local_mut()
+            .map_err(|e| BenchError::from(e.to_string()))?;
+        let (sp, _r) = src.as_cuda_slice().device_ptr(&s1);
+        let (dp, _w) = dst.as_cuda_slice_mut().device_ptr_mut(&s1);
+        // SAFETY: both pointers address COPY_BYTES bytes of live
+        // allocations of their contexts; both devices are idle between
+        // reps (synchronized below), so nothing else touches them.
+        unsafe {
+            sys::cuMemcpyPeerAsync(
+                dp,
+                s1.context().cu_ctx(),
+                sp,
+                s0.context().cu_ctx(),
+                COPY_BYTES,
+                s1.cu_stream(),
+            )
+        }
+        .result()?;
+        s1.synchronize()?;
+        Ok(())
+    };
+    let t = interleaved(
+        cfg.reps(3, 1),
+        cfg.reps(20, 5),
+        &mut [&mut || raw_copy(&mut dst), &mut || {
+            cuda_async::to_device(&src, &d1).sync_with(&on1)?;
+            Ok(())
+        }],
+    )?;
+    let gbps = |v: &Vec<f64>| {
+        let rates: Vec<f64> = v
+            .iter()
+            .map(|us| COPY_BYTES as f64 / 1e9 / (us * 1e-6))
+            .collect();
+        sum(&rates)
+    };
+    rows.push(
+        Row::new(g, peer, Unit::GBps)
+            .raw(gbps(&t[0]))
+            .lib(gbps(&t[1]))
+            .goal(Goal::AtLeast(0.95)),
+    );
+    Ok(rows)
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 //! - `REPORT_SCALE` (default 1): multiplies every rep count (0.1 for a
 //!   quick look; counts have floors).
 //! - `REPORT_ONLY` (default all): comma-separated topics among
-//!   `overhead,await_latency,throughput,completion,zip,graph,copies`.
+//!   `overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu`.
 //! - `REPORT_TIMEOUT_S` (default 170): past this, the report prints and
 //!   writes what it has and exits with status 3.
 //!
@@ -27,7 +27,7 @@ use benches::report::Report;
 use benches::{Config, Fixture, Result, Row};
 
 const USAGE: &str = "usage: bench-report OUT.json   \
-    (env: REPORT_SCALE=1, REPORT_ONLY=overhead,await_latency,throughput,completion,zip,graph,copies, \
+    (env: REPORT_SCALE=1, REPORT_ONLY=overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu, \
     REPORT_TIMEOUT_S=170)";
 
 fn main() -> ExitCode {
@@ -145,6 +145,7 @@ fn run_group(
         "zip" => measure::zip(fx, cfg),
         "graph" => measure::graph(fx, cfg),
         "copies" => measure::copies(fx, cfg),
+        "multi_gpu" => measure::multi_gpu(fx, rt, cfg),
         other => Err(format!("unknown topic `{other}`").into()),
     }
 }
