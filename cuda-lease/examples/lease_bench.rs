@@ -84,10 +84,41 @@ fn gib_s(bytes: u64, d: Duration) -> f64 {
 /// stream; 256 MiB each way on one connection and striped over four.
 struct Raw {
     rtt: Duration,
+    /// A request/reply of the chain's own sizes ([`CHAIN_OUT`], [`CHAIN_BACK`]).
+    sized: Duration,
     up1: f64,
     down1: f64,
     up4: f64,
     down4: f64,
+}
+
+/// About the bytes the 20-op chain's message carries (29 commands, 1267 B
+/// of body, plus 1 KiB written and the header) and its reply (1 KiB read,
+/// plus the reply's header and body), measured 2026-11-23.
+const CHAIN_OUT: usize = 2320;
+const CHAIN_BACK: usize = 1060;
+
+/// Median raw round trip with the chain's request and reply sizes: the
+/// transport's own share of the chain's trip.
+async fn chain_sized_rtt(
+    raw: &RawQuinn,
+    iters: usize,
+) -> Result<Duration, Box<dyn std::error::Error>> {
+    let mut v = Vec::with_capacity(iters);
+    for i in 0..iters + 50 {
+        let d = raw
+            .request_reply(CHAIN_OUT, CHAIN_BACK)
+            .await
+            .map_err(|e| e.to_string())?;
+        if i >= 50 {
+            v.push(d);
+        }
+    }
+    report(
+        &format!("raw quinn {CHAIN_OUT} B request / {CHAIN_BACK} B reply (the chain's sizes), new stream"),
+        v.clone(),
+    );
+    Ok(median(v))
 }
 
 async fn raw_baseline(iters: usize, xfer_iters: usize) -> Result<Raw, Box<dyn std::error::Error>> {
@@ -101,13 +132,7 @@ async fn raw_baseline(iters: usize, xfer_iters: usize) -> Result<Raw, Box<dyn st
         rtt.push(raw.round_trip(64).await.map_err(|e| e.to_string())?);
     }
     report("raw quinn 64 B request/reply, new stream", rtt.clone());
-    // The size of the chain row's request and reply (about 3 KiB out,
-    // 1 KiB back): what the transport alone adds for it.
-    let mut rtt3k = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        rtt3k.push(raw.round_trip(3 << 10).await.map_err(|e| e.to_string())?);
-    }
-    report("raw quinn 3 KiB request/reply, new stream", rtt3k);
+    let sized = chain_sized_rtt(&raw, iters).await?;
     let mut rates = Vec::new();
     for (up, stripes) in [(true, 1), (false, 1), (true, 4), (false, 4)] {
         let mut v = Vec::new();
@@ -133,6 +158,7 @@ async fn raw_baseline(iters: usize, xfer_iters: usize) -> Result<Raw, Box<dyn st
     }
     raw.close().await;
     Ok(Raw {
+        sized,
         rtt: median(rtt),
         up1: rates[0],
         down1: rates[1],
@@ -264,6 +290,14 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
             chain.remote.as_secs_f64() * 1e6,
             chain.remote.as_secs_f64() / raw.rtt.as_secs_f64()
         ),
+    }
+    if let Some(local) = chain.local {
+        println!(
+            "| 20-op chain: remote - local vs a raw request/reply of the chain's own sizes ({CHAIN_OUT} B / {CHAIN_BACK} B) | {:.1} us | {:.1} us | {:.2} | - |",
+            raw.sized.as_secs_f64() * 1e6,
+            (chain.remote.as_secs_f64() - local.as_secs_f64()) * 1e6,
+            (chain.remote.as_secs_f64() - local.as_secs_f64()) / raw.sized.as_secs_f64()
+        );
     }
     let rtt_us = raw.rtt.as_secs_f64() * 1e6;
     match chain.op_local {
@@ -666,6 +700,7 @@ async fn chain_only(
             rtt.push(d);
         }
     }
+    let sized = chain_sized_rtt(&raw, iters).await?;
     raw.close().await;
     let rtt = median(rtt);
     let axpy = Module::cuda(AXPY, &[])?.kernel("axpy")?;
@@ -700,6 +735,14 @@ async fn chain_only(
             us(remote_t),
             us(remote_t) / us(rtt)
         ),
+    }
+    if let Some(l) = local {
+        println!(
+            "| 20-op chain: remote - local vs a raw request/reply of the chain's own sizes ({CHAIN_OUT} B / {CHAIN_BACK} B) | {:.1} us | {:.1} us | {:.2} | - |",
+            us(sized),
+            us(remote_t) - us(l),
+            (us(remote_t) - us(l)) / us(sized)
+        );
     }
     Ok(())
 }

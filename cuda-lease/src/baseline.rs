@@ -89,6 +89,18 @@ impl RawQuinn {
         Ok(t.elapsed())
     }
 
+    /// One request/reply on a new stream of the first connection: `out`
+    /// bytes out, `back` bytes back (e.g. the sizes of a protocol
+    /// message and its reply). Returns the round trip.
+    ///
+    /// # Errors
+    /// Connection errors.
+    pub async fn request_reply(&self, out: usize, back: usize) -> Result<Duration, BoxError> {
+        let t = Instant::now();
+        request(&self.conns[0], out as u64, back as u64).await?;
+        Ok(t.elapsed())
+    }
+
     /// Sends `total` bytes to the server, split evenly over the first
     /// `stripes` connections (one stream each, in parallel), and waits for
     /// each stream's (empty) reply. Returns the elapsed time.

@@ -1658,13 +1658,14 @@ async fn run_batch(
     let t_planned = t0.elapsed();
     if !ops.is_empty() {
         let body = to_body(&WorkerBatch { ops });
+        let t_encoded = t0.elapsed();
         let res = slot
             .worker
             .call_parts(Opcode::Batch, &body, &parts, shared.cfg.op_timeout)
             .await;
         if crate::worker::trace_enabled() {
             crate::hops::emit(format!(
-                "cuda-lease node batch: at_us={} {} commands, lock {t_locked:?}, planned {t_planned:?}, worker replied {:?}",
+                "cuda-lease node batch: at_us={} {} commands, lock {t_locked:?}, planned {t_planned:?}, encoded {t_encoded:?}, worker replied {:?}",
                 crate::hops::now_us().saturating_sub(t0.elapsed().as_micros() as u64),
                 b.commands.len(),
                 t0.elapsed()
