@@ -14,7 +14,10 @@
 //! path can be measured on a machine without one; kernels are not run there.
 //! `--transfers-only` skips the lease-allocation measurements (they sleep to
 //! let the worker pool refill); `--chain-only` measures the raw 64 B round
-//! trip and the 20-op chain row alone (e.g. to profile the command path). `LEASE_BENCH_ITERS` sets the BATCH
+//! trip and the 20-op chain row alone (e.g. to profile the command path).
+//! The chain rows measure their own raw round trips (64 B, and a
+//! request/reply of the chain's sizes) interleaved with the remote and the
+//! local chain, in blocks of each in turn, so all four see the same host. `LEASE_BENCH_ITERS` sets the BATCH
 //! iterations (default 2000), `LEASE_BENCH_XFER_ITERS` the MEM_WRITE /
 //! MEM_READ iterations (default 5), `LEASE_BENCH_SPIN_US` the workers' pipe
 //! spin budget ([`WorkerSpec::spin`]; default: `cuda_lease::spin::default_spin`).
@@ -29,7 +32,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cuda_async::prelude::*;
-use cuda_async::{HostBuffer, Kernel, Module, RemotePolicy};
+use cuda_async::{HostBuffer, Kernel, Module, RemotePolicy, StreamPoolRoundRobin};
 
 use cuda_lease::baseline::RawQuinn;
 use cuda_lease::client::{Client, ClientConfig, Lease};
@@ -84,8 +87,6 @@ fn gib_s(bytes: u64, d: Duration) -> f64 {
 /// stream; 256 MiB each way on one connection and striped over four.
 struct Raw {
     rtt: Duration,
-    /// A request/reply of the chain's own sizes ([`CHAIN_OUT`], [`CHAIN_BACK`]).
-    sized: Duration,
     up1: f64,
     down1: f64,
     up4: f64,
@@ -97,29 +98,10 @@ struct Raw {
 /// plus the reply's header and body), measured 2026-11-23.
 const CHAIN_OUT: usize = 2320;
 const CHAIN_BACK: usize = 1060;
-
-/// Median raw round trip with the chain's request and reply sizes: the
-/// transport's own share of the chain's trip.
-async fn chain_sized_rtt(
-    raw: &RawQuinn,
-    iters: usize,
-) -> Result<Duration, Box<dyn std::error::Error>> {
-    let mut v = Vec::with_capacity(iters);
-    for i in 0..iters + 50 {
-        let d = raw
-            .request_reply(CHAIN_OUT, CHAIN_BACK)
-            .await
-            .map_err(|e| e.to_string())?;
-        if i >= 50 {
-            v.push(d);
-        }
-    }
-    report(
-        &format!("raw quinn {CHAIN_OUT} B request / {CHAIN_BACK} B reply (the chain's sizes), new stream"),
-        v.clone(),
-    );
-    Ok(median(v))
-}
+/// Runs of one path in a row in the chain rows' measurement.
+const CHAIN_BLOCK: usize = 25;
+/// Runs dropped at the start of each block.
+const CHAIN_SETTLE: usize = 5;
 
 async fn raw_baseline(iters: usize, xfer_iters: usize) -> Result<Raw, Box<dyn std::error::Error>> {
     let raw = RawQuinn::start(4).await.map_err(|e| e.to_string())?;
@@ -132,7 +114,6 @@ async fn raw_baseline(iters: usize, xfer_iters: usize) -> Result<Raw, Box<dyn st
         rtt.push(raw.round_trip(64).await.map_err(|e| e.to_string())?);
     }
     report("raw quinn 64 B request/reply, new stream", rtt.clone());
-    let sized = chain_sized_rtt(&raw, iters).await?;
     let mut rates = Vec::new();
     for (up, stripes) in [(true, 1), (false, 1), (true, 4), (false, 4)] {
         let mut v = Vec::new();
@@ -158,7 +139,6 @@ async fn raw_baseline(iters: usize, xfer_iters: usize) -> Result<Raw, Box<dyn st
     }
     raw.close().await;
     Ok(Raw {
-        sized,
         rtt: median(rtt),
         up1: rates[0],
         down1: rates[1],
@@ -276,29 +256,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         sr,
         sr / raw.down1
     );
-    match chain.local {
-        Some(local) => println!(
-            "| 20-op chain (h2d, zeros, 17 launches, d2h) awaited: remote - local vs 64 B request/reply | {:.1} us | {:.1} us remote, {:.1} us local | {:.2} | <= 1.2 (issue 22) |",
-            raw.rtt.as_secs_f64() * 1e6,
-            chain.remote.as_secs_f64() * 1e6,
-            local.as_secs_f64() * 1e6,
-            (chain.remote.as_secs_f64() - local.as_secs_f64()) / raw.rtt.as_secs_f64()
-        ),
-        None => println!(
-            "| 20-op chain awaited remotely vs 64 B request/reply (no local GPU: remote alone) | {:.1} us | {:.1} us | {:.2} | - |",
-            raw.rtt.as_secs_f64() * 1e6,
-            chain.remote.as_secs_f64() * 1e6,
-            chain.remote.as_secs_f64() / raw.rtt.as_secs_f64()
-        ),
-    }
-    if let Some(local) = chain.local {
-        println!(
-            "| 20-op chain: remote - local vs a raw request/reply of the chain's own sizes ({CHAIN_OUT} B / {CHAIN_BACK} B) | {:.1} us | {:.1} us | {:.2} | - |",
-            raw.sized.as_secs_f64() * 1e6,
-            (chain.remote.as_secs_f64() - local.as_secs_f64()) * 1e6,
-            (chain.remote.as_secs_f64() - local.as_secs_f64()) / raw.sized.as_secs_f64()
-        );
-    }
+    print_chain_rows(&chain.times);
     let rtt_us = raw.rtt.as_secs_f64() * 1e6;
     match chain.op_local {
         Some(local) => println!(
@@ -526,8 +484,7 @@ fn chain(axpy: &Kernel, x: Arc<Vec<f32>>) -> impl DeviceOp<Output = HostBuffer<f
 /// Medians of the awaited 20-op chain, remote and (with a GPU) local, and
 /// (with a GPU) of one remote 1 ms spin and a remote zip of two.
 struct ChainRows {
-    remote: Duration,
-    local: Option<Duration>,
+    times: ChainTimes,
     spins: Option<(Duration, Duration)>,
     /// GiB/s of an awaited `h2d` and `d2h` of 256 MiB on the lease.
     up: f64,
@@ -636,30 +593,81 @@ async fn spin_rows(
     Ok((median(one), median(two)))
 }
 
-async fn time_chain<P: SchedulingPolicy>(
+/// One awaited chain on `policy` (checked), timed.
+async fn one_chain<P: SchedulingPolicy + ?Sized>(
     label: &str,
     policy: &P,
     axpy: &Kernel,
     x: &Arc<Vec<f32>>,
-    iters: usize,
 ) -> Result<Duration, Box<dyn std::error::Error>> {
-    let want = 17.0 * 0.5 * x[1];
-    for _ in 0..50 {
-        let out = chain(axpy, x.clone()).schedule(policy)?.await?;
-        assert_eq!(out.as_slice()?[1], want, "the chain's result");
+    let t = Instant::now();
+    let out = if hops::enabled() {
+        timed(chain(axpy, x.clone()).schedule(policy)?, label).await?
+    } else {
+        chain(axpy, x.clone()).schedule(policy)?.await?
+    };
+    let d = t.elapsed();
+    assert_eq!(out.as_slice()?[1], 17.0 * 0.5 * x[1], "the chain's result");
+    Ok(d)
+}
+
+/// Medians of the chain row's four paths, measured interleaved so they
+/// see the same host: the raw 64 B round trip, a raw request/reply of the
+/// chain's sizes, the chain on the lease and (with a GPU) on the local GPU.
+/// Each round runs a block of [`CHAIN_BLOCK`] of each path, in rotating
+/// order, and drops the first [`CHAIN_SETTLE`] of each block: one of each
+/// in turn made every path pay for the one before it (on an H100 host the
+/// local chain took 0.21 ms instead of 0.12-0.15, the raw round trip
+/// 0.15-0.18 ms instead of 0.1-0.12: the GPU switching between the
+/// worker's and this process's contexts, and the worker's pipe spin).
+struct ChainTimes {
+    rtt: Duration,
+    sized: Duration,
+    remote: Duration,
+    local: Option<Duration>,
+}
+
+async fn chain_times(
+    remote: &RemotePolicy,
+    local: Option<&StreamPoolRoundRobin>,
+    axpy: &Kernel,
+    iters: usize,
+) -> Result<ChainTimes, Box<dyn std::error::Error>> {
+    let x = Arc::new(vec![2.0f32; 256]);
+    let raw = RawQuinn::start(1).await.map_err(|e| e.to_string())?;
+    let mut v: [Vec<Duration>; 4] = Default::default();
+    let rounds = iters.div_ceil(CHAIN_BLOCK - CHAIN_SETTLE) + 1;
+    for round in 0..rounds {
+        for k in 0..4 {
+            let path = (round + k) % 4;
+            for j in 0..CHAIN_BLOCK {
+                let d = match path {
+                    0 => raw.round_trip(64).await.map_err(|e| e.to_string())?,
+                    1 => raw
+                        .request_reply(CHAIN_OUT, CHAIN_BACK)
+                        .await
+                        .map_err(|e| e.to_string())?,
+                    2 => one_chain("remote", remote, axpy, &x).await?,
+                    _ => match local {
+                        Some(l) => one_chain("local", l, axpy, &x).await?,
+                        None => break,
+                    },
+                };
+                // The first round warms everything up.
+                if round > 0 && j >= CHAIN_SETTLE {
+                    v[path].push(d);
+                }
+            }
+        }
     }
-    let mut v = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let t = Instant::now();
-        let out = if hops::enabled() {
-            timed(chain(axpy, x.clone()).schedule(policy)?, label).await?
-        } else {
-            chain(axpy, x.clone()).schedule(policy)?.await?
-        };
-        v.push(t.elapsed());
-        drop(out);
-    }
-    Ok(median(v))
+    raw.close().await;
+    let [rtt, sized, remote, local] = v;
+    Ok(ChainTimes {
+        rtt: median(rtt),
+        sized: median(sized),
+        remote: median(remote),
+        local: (!local.is_empty()).then(|| median(local)),
+    })
 }
 
 /// Awaits `fut`, printing a `hop=bench-LABEL` line (with hop timings on):
@@ -692,59 +700,62 @@ async fn chain_only(
     iters: usize,
     memory: bool,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let raw = RawQuinn::start(1).await.map_err(|e| e.to_string())?;
-    let mut rtt = Vec::with_capacity(iters);
-    for i in 0..iters + 100 {
-        let d = raw.round_trip(64).await.map_err(|e| e.to_string())?;
-        if i >= 100 {
-            rtt.push(d);
-        }
-    }
-    let sized = chain_sized_rtt(&raw, iters).await?;
-    raw.close().await;
-    let rtt = median(rtt);
     let axpy = Module::cuda(AXPY, &[])?.kernel("axpy")?;
-    let x = Arc::new(vec![2.0f32; 256]);
     let lease = Lease::builder()
         .min_vram(64 << 20)
         .ttl(Duration::from_secs(120))
         .on(client.clone())
         .await?;
     let remote = RemotePolicy::new(&cuda_lease::remote::LeaseSession::current(lease.session()));
-    let remote_t = time_chain("remote", &remote, &axpy, &x, iters).await?;
+    let local = local_policy(&axpy, memory)?;
+    let times = chain_times(&remote, local.as_deref(), &axpy, iters).await?;
     lease.free().await?;
-    let local = if memory {
-        None
-    } else {
-        let policy = cuda_async::default_policy()?;
-        axpy.load_on(&cuda_async::Device::new(0)?)?;
-        Some(time_chain("local", &*policy, &axpy, &x, iters).await?)
-    };
-    let us = |d: Duration| d.as_secs_f64() * 1e6;
-    match local {
-        Some(l) => println!(
-            "| 20-op chain: remote - local vs 64 B request/reply | {:.1} us | {:.1} us remote, {:.1} us local | {:.2} | <= 1.2 (issue 22) |",
-            us(rtt),
-            us(remote_t),
-            us(l),
-            (us(remote_t) - us(l)) / us(rtt)
-        ),
-        None => println!(
-            "| 20-op chain remote (no local GPU) vs 64 B request/reply | {:.1} us | {:.1} us | {:.2} | - |",
-            us(rtt),
-            us(remote_t),
-            us(remote_t) / us(rtt)
-        ),
-    }
-    if let Some(l) = local {
-        println!(
-            "| 20-op chain: remote - local vs a raw request/reply of the chain's own sizes ({CHAIN_OUT} B / {CHAIN_BACK} B) | {:.1} us | {:.1} us | {:.2} | - |",
-            us(sized),
-            us(remote_t) - us(l),
-            (us(remote_t) - us(l)) / us(sized)
-        );
-    }
+    print_chain_rows(&times);
     Ok(())
+}
+
+/// GPU 0's default policy with `axpy` loaded; `None` with no GPU.
+fn local_policy(
+    axpy: &Kernel,
+    memory: bool,
+) -> Result<Option<Arc<StreamPoolRoundRobin>>, Box<dyn std::error::Error>> {
+    if memory {
+        return Ok(None);
+    }
+    axpy.load_on(&cuda_async::Device::new(0)?)?;
+    Ok(Some(cuda_async::default_policy()?))
+}
+
+/// The chain rows of the table.
+fn print_chain_rows(t: &ChainTimes) {
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    println!(
+        "20-op chain awaited on the lease: median {:?}; raw 64 B request/reply {:?}, of the chain's sizes ({CHAIN_OUT} B / {CHAIN_BACK} B) {:?} (interleaved)",
+        t.remote, t.rtt, t.sized
+    );
+    match t.local {
+        Some(l) => {
+            println!(
+                "| 20-op chain (h2d, zeros, 17 launches, d2h) awaited: remote - local vs 64 B request/reply (interleaved) | {:.1} us | {:.1} us remote, {:.1} us local | {:.2} | <= 1.2 (issue 22) |",
+                us(t.rtt),
+                us(t.remote),
+                us(l),
+                (us(t.remote) - us(l)) / us(t.rtt)
+            );
+            println!(
+                "| 20-op chain: remote - local vs a raw request/reply of the chain's own sizes ({CHAIN_OUT} B / {CHAIN_BACK} B) | {:.1} us | {:.1} us | {:.2} | - |",
+                us(t.sized),
+                us(t.remote) - us(l),
+                (us(t.remote) - us(l)) / us(t.sized)
+            );
+        }
+        None => println!(
+            "| 20-op chain awaited remotely vs 64 B request/reply (no local GPU: remote alone) | {:.1} us | {:.1} us | {:.2} | - |",
+            us(t.rtt),
+            us(t.remote),
+            us(t.remote) / us(t.rtt)
+        ),
+    }
 }
 
 async fn chain_bench(
@@ -753,30 +764,20 @@ async fn chain_bench(
     memory: bool,
 ) -> Result<ChainRows, Box<dyn std::error::Error>> {
     let axpy = Module::cuda(AXPY, &[])?.kernel("axpy")?;
-    let x = Arc::new(vec![2.0f32; 256]);
     let lease = Lease::builder()
         .min_vram(576 << 20)
         .ttl(Duration::from_secs(120))
         .on(client.clone())
         .await?;
     let remote = RemotePolicy::new(&cuda_lease::remote::LeaseSession::current(lease.session()));
-    let remote_t = time_chain("remote", &remote, &axpy, &x, iters).await?;
+    let local = local_policy(&axpy, memory)?;
+    let times = chain_times(&remote, local.as_deref(), &axpy, iters).await?;
     let (up, down) = transfer_ops(&remote, 3).await?;
     let op_remote = time_one_op(&remote, &axpy, iters).await?;
-    println!("20-op chain awaited on the lease: median {remote_t:?}");
     let spins = if memory {
         None
     } else {
         Some(spin_rows(&remote).await?)
-    };
-    let local = if memory {
-        None
-    } else {
-        let policy = cuda_async::default_policy()?;
-        axpy.load_on(&cuda_async::Device::new(0)?)?;
-        let t = time_chain("local", &*policy, &axpy, &x, iters).await?;
-        println!("20-op chain awaited on the local GPU: median {t:?}");
-        Some(t)
     };
     let op_local = if memory {
         None
@@ -785,8 +786,7 @@ async fn chain_bench(
     };
     lease.free().await?;
     Ok(ChainRows {
-        remote: remote_t,
-        local,
+        times,
         spins,
         up,
         down,
