@@ -700,18 +700,44 @@ async fn chain_only(
     iters: usize,
     memory: bool,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let axpy = Module::cuda(AXPY, &[])?.kernel("axpy")?;
-    let lease = Lease::builder()
-        .min_vram(64 << 20)
-        .ttl(Duration::from_secs(120))
-        .on(client.clone())
-        .await?;
-    let remote = RemotePolicy::new(&cuda_lease::remote::LeaseSession::current(lease.session()));
-    let local = local_policy(&axpy, memory)?;
-    let times = chain_times(&remote, local.as_deref(), &axpy, iters).await?;
-    lease.free().await?;
-    print_chain_rows(&times);
+    let setup = ChainSetup::new(client, 64 << 20, iters, memory).await?;
+    setup.lease.free().await?;
+    print_chain_rows(&setup.times);
     Ok(())
+}
+
+/// A lease of `vram` bytes with its remote policy, the kernel, and the
+/// chain rows' times measured on them.
+struct ChainSetup {
+    axpy: Kernel,
+    lease: Lease,
+    remote: RemotePolicy,
+    times: ChainTimes,
+}
+
+impl ChainSetup {
+    async fn new(
+        client: &Arc<Client>,
+        vram: u64,
+        iters: usize,
+        memory: bool,
+    ) -> Result<Self, Box<dyn std::error::Error>> {
+        let axpy = Module::cuda(AXPY, &[])?.kernel("axpy")?;
+        let lease = Lease::builder()
+            .min_vram(vram)
+            .ttl(Duration::from_secs(120))
+            .on(client.clone())
+            .await?;
+        let remote = RemotePolicy::new(&cuda_lease::remote::LeaseSession::current(lease.session()));
+        let local = local_policy(&axpy, memory)?;
+        let times = chain_times(&remote, local.as_deref(), &axpy, iters).await?;
+        Ok(ChainSetup {
+            axpy,
+            lease,
+            remote,
+            times,
+        })
+    }
 }
 
 /// GPU 0's default policy with `axpy` loaded; `None` with no GPU.
@@ -763,15 +789,12 @@ async fn chain_bench(
     iters: usize,
     memory: bool,
 ) -> Result<ChainRows, Box<dyn std::error::Error>> {
-    let axpy = Module::cuda(AXPY, &[])?.kernel("axpy")?;
-    let lease = Lease::builder()
-        .min_vram(576 << 20)
-        .ttl(Duration::from_secs(120))
-        .on(client.clone())
-        .await?;
-    let remote = RemotePolicy::new(&cuda_lease::remote::LeaseSession::current(lease.session()));
-    let local = local_policy(&axpy, memory)?;
-    let times = chain_times(&remote, local.as_deref(), &axpy, iters).await?;
+    let ChainSetup {
+        axpy,
+        lease,
+        remote,
+        times,
+    } = ChainSetup::new(client, 576 << 20, iters, memory).await?;
     let (up, down) = transfer_ops(&remote, 3).await?;
     let op_remote = time_one_op(&remote, &axpy, iters).await?;
     let spins = if memory {
