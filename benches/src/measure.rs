@@ -291,6 +291,15 @@ pub fn interleaved_rates(
     Ok(out)
 }
 
+/// The statistics of `bytes` moved in each of `times_us`, in GB/s.
+fn gb_per_s(bytes: f64, times_us: &[f64]) -> Option<Summary> {
+    let rates: Vec<f64> = times_us
+        .iter()
+        .map(|us| bytes / 1e9 / (us * 1e-6))
+        .collect();
+    sum(&rates)
+}
+
 fn sum(v: &[f64]) -> Option<Summary> {
     Summary::of(v)
 }
@@ -774,10 +783,7 @@ pub fn copies(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
             &mut || cp.borrow_mut().lib_d2h(),
         ],
     )?;
-    let gbps = |v: &Vec<f64>| {
-        let rates: Vec<f64> = v.iter().map(|us| bytes / 1e9 / (us * 1e-6)).collect();
-        sum(&rates)
-    };
+    let gbps = |v: &Vec<f64>| gb_per_s(bytes, v);
     let g = "copies";
     Ok(vec![
         Row::new(
@@ -904,13 +910,7 @@ pub fn multi_gpu(fx: &Fixture, rt: &Runtime, cfg: &Config) -> Result<Vec<Row>> {
             Ok(())
         }],
     )?;
-    let gbps = |v: &Vec<f64>| {
-        let rates: Vec<f64> = v
-            .iter()
-            .map(|us| COPY_BYTES as f64 / 1e9 / (us * 1e-6))
-            .collect();
-        sum(&rates)
-    };
+    let gbps = |v: &Vec<f64>| gb_per_s(COPY_BYTES as f64, v);
     rows.push(
         Row::new(g, peer, Unit::GBps)
             .raw(gbps(&t[0]))

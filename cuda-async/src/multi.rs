@@ -14,7 +14,7 @@ use cuda_core::{Device, Error, Result};
 use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
 use crate::op::impl_into_future;
-use crate::policy::{SchedulingPolicy, StreamPool, StreamPoolRoundRobin};
+use crate::policy::{SchedulingPolicy, StreamPoolRoundRobin};
 
 /// Copies `src` (a buffer of any local GPU) into a new buffer on `device`,
 /// which must be the device the op runs on (schedule the chain there: a
@@ -166,17 +166,23 @@ struct Member {
     in_flight: Arc<AtomicUsize>,
 }
 
+impl Member {
+    /// A context on this device's pool, counted in flight here until the
+    /// submission that retains it is done.
+    fn context(&self) -> Result<ExecutionContext> {
+        let mut ctx = self.policy.select()?;
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        ctx.retain(InFlight(self.in_flight.clone()));
+        Ok(ctx)
+    }
+}
+
 /// The devices a submission's concurrent arms may go to (a [`DevicePool`]
 /// with [`DevicePool::spread_arms`]), and the index of the context's own.
 #[derive(Clone)]
 pub(crate) struct Spread {
-    devices: Arc<[SpreadDevice]>,
+    members: Arc<[Member]>,
     home: usize,
-}
-
-struct SpreadDevice {
-    pool: Arc<StreamPool>,
-    in_flight: Arc<AtomicUsize>,
 }
 
 impl Spread {
@@ -185,22 +191,17 @@ impl Spread {
     /// device (i + k) mod n, on that device's next pool stream, counted in
     /// flight there until the submission is done. `None`: the arm stays on
     /// the parent's device.
-    pub(crate) fn arm_context(&self, arm: usize) -> Option<ExecutionContext> {
-        let n = self.devices.len();
-        let target = (self.home + arm) % n;
+    pub(crate) fn arm_context(&self, arm: usize) -> Option<Result<ExecutionContext>> {
+        let target = (self.home + arm) % self.members.len();
         if target == self.home {
             return None;
         }
-        let d = &self.devices[target];
-        let stream = d.pool.streams()[d.pool.next_index()].clone();
-        d.in_flight.fetch_add(1, Ordering::Relaxed);
-        let mut ctx = ExecutionContext::new(d.pool.device().clone(), stream, d.pool.clone())
-            .with_spread(Spread {
-                devices: self.devices.clone(),
+        Some(self.members[target].context().map(|ctx| {
+            ctx.with_spread(Spread {
+                members: self.members.clone(),
                 home: target,
-            });
-        ctx.retain(InFlight(d.in_flight.clone()));
-        Some(ctx)
+            })
+        }))
     }
 }
 
@@ -236,11 +237,12 @@ impl Spread {
 /// # Ok::<(), cuda_async::Error>(())
 /// ```
 pub struct DevicePool {
-    members: Vec<Member>,
+    /// Shared with the contexts of a pool that spreads arms.
+    members: Arc<[Member]>,
     placement: Placement,
     next: AtomicUsize,
-    /// With [`DevicePool::spread_arms`]: every device, for the arms.
-    spread: Option<Arc<[SpreadDevice]>>,
+    /// Set by [`DevicePool::spread_arms`].
+    spread_arms: bool,
 }
 
 impl fmt::Debug for DevicePool {
@@ -248,7 +250,7 @@ impl fmt::Debug for DevicePool {
         f.debug_struct("DevicePool")
             .field("loads", &self.loads())
             .field("placement", &self.placement)
-            .field("spread_arms", &self.spread.is_some())
+            .field("spread_arms", &self.spread_arms)
             .finish()
     }
 }
@@ -291,12 +293,12 @@ impl DevicePool {
                     in_flight: Arc::new(AtomicUsize::new(0)),
                 })
             })
-            .collect::<Result<_>>()?;
+            .collect::<Result<Vec<_>>>()?;
         Ok(DevicePool {
-            members,
+            members: members.into(),
             placement: Placement::RoundRobin,
             next: AtomicUsize::new(0),
-            spread: None,
+            spread_arms: false,
         })
     }
 
@@ -328,15 +330,7 @@ impl DevicePool {
     /// # Ok::<(), cuda_async::Error>(())
     /// ```
     pub fn spread_arms(mut self) -> Self {
-        let devices: Vec<SpreadDevice> = self
-            .members
-            .iter()
-            .map(|m| SpreadDevice {
-                pool: m.policy.pool().clone(),
-                in_flight: m.in_flight.clone(),
-            })
-            .collect();
-        self.spread = Some(devices.into());
+        self.spread_arms = true;
         self
     }
 
@@ -390,16 +384,14 @@ impl SchedulingPolicy for DevicePool {
     fn select(&self) -> Result<ExecutionContext> {
         let turn = self.next.fetch_add(1, Ordering::Relaxed);
         let i = self.placement.pick(&self.loads(), turn)?;
-        let m = &self.members[i];
-        let mut ctx = m.policy.select()?;
-        m.in_flight.fetch_add(1, Ordering::Relaxed);
-        ctx.retain(InFlight(m.in_flight.clone()));
-        Ok(match &self.spread {
-            Some(devices) if devices.len() > 1 => ctx.with_spread(Spread {
-                devices: devices.clone(),
+        let ctx = self.members[i].context()?;
+        Ok(if self.spread_arms && self.members.len() > 1 {
+            ctx.with_spread(Spread {
+                members: self.members.clone(),
                 home: i,
-            }),
-            _ => ctx,
+            })
+        } else {
+            ctx
         })
     }
 }

@@ -14,8 +14,6 @@
 //! then the events' frees. The arms' recordings are appended in order; the
 //! node runs them on its streams concurrently.
 
-use std::sync::Arc;
-
 use cuda_core::cudarc::driver::{sys, CudaEvent, CudaStream};
 use cuda_core::{Error, Result};
 
@@ -64,32 +62,26 @@ impl Fork {
         let (Some(pstream), Ok(pool)) = (parent.work_stream(), parent.pool()) else {
             return Ok(parent.fork(None));
         };
-        if let Some(ctx) = parent.spread().and_then(|s| s.arm_context(arm)) {
-            // Another device: its stream waits for the parent's fork event
-            // (an event of another context: the driver orders across
-            // devices).
-            if self.fork_event.is_none() {
-                self.fork_event = Some(record(pstream)?);
-            }
-            let ev = self.fork_event.as_ref().expect("recorded above");
-            ctx.work_stream()
-                .expect("a local context")
-                .wait(ev)
-                .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
-            return Ok(ctx);
-        }
-        let stream: Arc<CudaStream> = match pool.fork_stream(pstream, arm) {
-            Some(s) if s.cu_stream() != pstream.cu_stream() => s.clone(),
-            _ => return Ok(parent.fork(None)),
+        // Under a pool that spreads arms, the arm may go to another device:
+        // the same events order it (the driver waits on an event of
+        // another context).
+        let arm_ctx = match parent.spread().and_then(|s| s.arm_context(arm)) {
+            Some(ctx) => ctx?,
+            None => match pool.fork_stream(pstream, arm) {
+                Some(s) if s.cu_stream() != pstream.cu_stream() => parent.fork(Some(s.clone())),
+                _ => return Ok(parent.fork(None)),
+            },
         };
         if self.fork_event.is_none() {
             self.fork_event = Some(record(pstream)?);
         }
         let ev = self.fork_event.as_ref().expect("recorded above");
-        stream
+        arm_ctx
+            .work_stream()
+            .expect("a local context")
             .wait(ev)
             .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
-        Ok(parent.fork(Some(stream)))
+        Ok(arm_ctx)
     }
 
     /// Ends arm `child`: its retained values join the parent's, once its
