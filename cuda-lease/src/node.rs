@@ -27,8 +27,7 @@ use crate::proto::{
 };
 use crate::tls::{self, Identity, TlsError};
 use crate::worker::{
-    WorkerArg, WorkerBatch, WorkerBatchReply, WorkerError, WorkerFailure, WorkerOp, WorkerProcess,
-    WorkerSpec,
+    WorkerBatchReply, WorkerError, WorkerFailure, WorkerLoad, WorkerProcess, WorkerSpec,
 };
 
 /// Where the node's TLS certificate comes from.
@@ -1013,14 +1012,14 @@ async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<
             single(shared, &who, m.lease, Op::Free { id: m.id }).await
         }
         Opcode::Batch => {
-            let b: Batch = from_body(&f.body)?;
+            let (b, wire) = Batch::decode_with_commands(&f.body)?;
             b.validate(f.data.len())?;
             Metrics::inc(&shared.metrics.batch_total);
             shared
                 .metrics
                 .batch_commands
                 .fetch_add(b.commands.len() as u64, Ordering::Relaxed);
-            let (reply, data) = run_in_order(shared, &who, &b, &f.data).await?;
+            let (reply, data) = run_in_order(shared, &who, &b, wire, &f.data).await?;
             Ok(Reply {
                 status: Status::Ok,
                 body: to_body(&reply),
@@ -1053,7 +1052,8 @@ async fn single(
         commands: vec![Command { stream: 0, op }],
     };
     batch.validate(0)?;
-    let (reply, _) = run_batch(shared, who, &batch, &[]).await?;
+    let wire = to_body(&batch.commands);
+    let (reply, _) = run_batch(shared, who, &batch, &wire, &[]).await?;
     match reply.error {
         Some(e) => Err(Reply::err(e.status, e.message)),
         None => Ok(Reply::empty()),
@@ -1199,10 +1199,9 @@ enum Effect {
     Free(Id),
 }
 
-/// The worker ops of a batch's commands, up to the first command the node
-/// refuses.
+/// What a batch's commands do to the lease, up to the first command the
+/// node refuses (the commands before it go to the worker).
 struct Plan {
-    ops: Vec<WorkerOp>,
     effects: Vec<Effect>,
     /// Bytes of the batch's write payloads the planned commands take.
     write_bytes: usize,
@@ -1225,7 +1224,6 @@ fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Comman
     let mut live = state.ids.len();
     let mut streams = state.streams.clone();
     let mut p = Plan {
-        ops: Vec::with_capacity(commands.len()),
         effects: Vec::with_capacity(commands.len()),
         write_bytes: 0,
         charged: Vec::new(),
@@ -1274,7 +1272,7 @@ fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Comman
             Ok(())
         };
         let stream = c.stream;
-        let step = (|| -> Result<(WorkerOp, Effect), OpError> {
+        let step = (|| -> Result<Effect, OpError> {
             if !streams.contains(&stream) && streams.len() >= cfg.max_streams_per_lease {
                 return Err(fail(
                     Status::CapacityExceeded,
@@ -1292,23 +1290,12 @@ fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Comman
                         .charge(lease, *size, now)
                         .map_err(|e| fail(e.status, e.message))?;
                     p.charged.push((i, *size));
-                    let op = WorkerOp::Alloc {
-                        stream,
-                        id: *buf,
-                        size: *size,
-                    };
-                    (op, Effect::Create(*buf, IdKind::Buffer(*size)))
+                    Effect::Create(*buf, IdKind::Buffer(*size))
                 }
                 Op::Write { buf, offset, len } => {
                     in_range(buffer(*buf)?, *offset, u64::from(*len))?;
                     p.write_bytes += *len as usize;
-                    let op = WorkerOp::Write {
-                        stream,
-                        id: *buf,
-                        offset: *offset,
-                        len: *len,
-                    };
-                    (op, Effect::None)
+                    Effect::None
                 }
                 Op::Read { buf, offset, len } => {
                     in_range(buffer(*buf)?, *offset, u64::from(*len))?;
@@ -1319,73 +1306,34 @@ fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Comman
                             "reads exceed the reply data limit".into(),
                         ));
                     }
-                    let op = WorkerOp::Read {
-                        stream,
-                        id: *buf,
-                        offset: *offset,
-                        len: *len,
-                    };
-                    (op, Effect::None)
+                    Effect::None
                 }
                 Op::Free { id } => {
                     if kind(*id).is_none() {
                         return Err(fail(Status::NotFound, format!("unknown id {id}")));
                     }
-                    (WorkerOp::Free { stream, id: *id }, Effect::Free(*id))
+                    Effect::Free(*id)
                 }
                 Op::Launch(spec) => {
-                    let mut args = Vec::with_capacity(spec.args.len());
                     for a in &spec.args {
-                        args.push(match a {
-                            KernelArg::Scalar(b) => WorkerArg::Scalar(b.clone()),
-                            KernelArg::Mem { buf, offset } => {
-                                in_range(buffer(*buf)?, *offset, 0)?;
-                                WorkerArg::Mem {
-                                    id: *buf,
-                                    offset: *offset,
-                                }
-                            }
+                        match a {
+                            KernelArg::Scalar(_) => {}
+                            KernelArg::Mem { buf, offset } => in_range(buffer(*buf)?, *offset, 0)?,
                             KernelArg::Input(_) | KernelArg::Output => {
                                 return Err(fail(
                                     Status::BadRequest,
                                     "Input/Output are for GPU_SUBMIT".into(),
                                 ))
                             }
-                        });
+                        }
                     }
-                    let d = [
-                        spec.grid[0],
-                        spec.grid[1],
-                        spec.grid[2],
-                        spec.block[0],
-                        spec.block[1],
-                        spec.block[2],
-                        spec.shared_mem,
-                    ];
-                    let op = WorkerOp::Launch {
-                        stream,
-                        module: spec.module,
-                        kernel: spec.kernel.clone(),
-                        dims: d,
-                        args,
-                    };
-                    (op, Effect::None)
+                    Effect::None
                 }
                 Op::Fill {
-                    buf,
-                    offset,
-                    len,
-                    value,
+                    buf, offset, len, ..
                 } => {
                     in_range(buffer(*buf)?, *offset, *len)?;
-                    let op = WorkerOp::Fill {
-                        stream,
-                        id: *buf,
-                        offset: *offset,
-                        len: *len,
-                        value: *value,
-                    };
-                    (op, Effect::None)
+                    Effect::None
                 }
                 Op::Copy {
                     src,
@@ -1402,15 +1350,7 @@ fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Comman
                             format!("a copy from {src} to itself"),
                         ));
                     }
-                    let op = WorkerOp::Copy {
-                        stream,
-                        src: *src,
-                        src_offset: *src_offset,
-                        dst: *dst,
-                        dst_offset: *dst_offset,
-                        len: *len,
-                    };
-                    (op, Effect::None)
+                    Effect::None
                 }
                 Op::Record { event } => {
                     let effect = match kind(*event) {
@@ -1426,11 +1366,7 @@ fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Comman
                             Effect::Create(*event, IdKind::Event)
                         }
                     };
-                    let op = WorkerOp::Record {
-                        stream,
-                        event: *event,
-                    };
-                    (op, effect)
+                    effect
                 }
                 Op::Wait { event } => {
                     match kind(*event) {
@@ -1443,16 +1379,12 @@ fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Comman
                         }
                         None => return Err(fail(Status::NotFound, format!("unknown id {event}"))),
                     }
-                    let op = WorkerOp::Wait {
-                        stream,
-                        event: *event,
-                    };
-                    (op, Effect::None)
+                    Effect::None
                 }
             })
         })();
         match step {
-            Ok((op, effect)) => {
+            Ok(effect) => {
                 match effect {
                     Effect::Create(id, k) => {
                         overlay.insert(id, Some(k));
@@ -1465,7 +1397,6 @@ fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Comman
                     Effect::None => {}
                 }
                 streams.insert(stream);
-                p.ops.push(op);
                 p.effects.push(effect);
             }
             Err(e) => {
@@ -1576,10 +1507,11 @@ async fn run_in_order(
     shared: &Arc<Shared>,
     who: &Principal,
     b: &Batch,
+    wire: &[u8],
     data: &[u8],
 ) -> Result<(BatchReply, Vec<u8>), Reply> {
     if b.seq == 0 {
-        return run_batch(shared, who, b, data).await;
+        return run_batch(shared, who, b, wire, data).await;
     }
     let slot = lease_of(shared, who, &b.lease)?;
     let mut next = slot.next_seq.subscribe();
@@ -1590,7 +1522,7 @@ async fn run_in_order(
     {
         debug!(lease = %b.lease, seq = b.seq, "earlier batches missing: running anyway");
     }
-    let r = run_batch(shared, who, b, data).await;
+    let r = run_batch(shared, who, b, wire, data).await;
     // Sent again with its sources, the batch keeps its place.
     if !matches!(&r, Err(reply) if reply.status == Status::UnknownModule) {
         slot.next_seq.send_if_modified(|n| {
@@ -1604,10 +1536,13 @@ async fn run_in_order(
     r
 }
 
+/// Runs `b`, whose commands encode to `wire` (forwarded to the worker as
+/// they are when the node accepts every one of them).
 async fn run_batch(
     shared: &Arc<Shared>,
     who: &Principal,
     b: &Batch,
+    wire: &[u8],
     data: &[u8],
 ) -> Result<(BatchReply, Vec<u8>), Reply> {
     let lease = &b.lease;
@@ -1638,10 +1573,10 @@ async fn run_batch(
         (loads, writes, p)
     };
     let n_loads = loads.len();
-    let mut ops = Vec::with_capacity(n_loads + p.ops.len());
     let mut parts: Vec<&[u8]> = Vec::with_capacity(n_loads + 1);
+    let mut worker_loads = Vec::with_capacity(n_loads);
     for l in &loads {
-        ops.push(WorkerOp::LoadModule {
+        worker_loads.push(WorkerLoad {
             hash: l.hash,
             kind: l.source.0.clone(),
             len: l.source.1.len() as u32,
@@ -1649,15 +1584,22 @@ async fn run_batch(
         parts.push(&l.source.1);
     }
     parts.push(&writes[..p.write_bytes]);
-    let planned = p.ops.len();
-    ops.extend(p.ops);
+    let planned = p.effects.len();
     let mut error = p.error;
     let mut completed = 0usize;
     let mut loaded = 0usize;
     let mut out = Vec::new();
     let t_planned = t0.elapsed();
-    if !ops.is_empty() {
-        let body = to_body(&WorkerBatch { ops });
+    if n_loads + planned > 0 {
+        // The worker's message is the loads, then the commands as the
+        // client encoded them (the same postcard as `WorkerBatch`); only
+        // a batch the node stops early has its accepted part encoded anew.
+        let mut body = to_body(&worker_loads);
+        if planned == b.commands.len() {
+            body.extend_from_slice(wire);
+        } else {
+            body.extend_from_slice(&to_body(&&b.commands[..planned]));
+        }
         let t_encoded = t0.elapsed();
         let res = slot
             .worker

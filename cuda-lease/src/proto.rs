@@ -494,11 +494,27 @@ where
     W: tokio::io::AsyncWrite + Unpin + ?Sized,
 {
     use tokio::io::AsyncWriteExt;
-    w.write_all(&header.encode()).await?;
-    w.write_all(body).await?;
-    w.write_all(data).await?;
+    let head = header.encode();
+    if head.len() + body.len() + data.len() <= SMALL_FRAME {
+        // One write: on a QUIC stream each write takes the connection's
+        // lock and wakes its driver, which may send what it has so far as
+        // a packet of its own (a header alone, then the body...).
+        let mut frame = Vec::with_capacity(head.len() + body.len() + data.len());
+        frame.extend_from_slice(&head);
+        frame.extend_from_slice(body);
+        frame.extend_from_slice(data);
+        w.write_all(&frame).await?;
+    } else {
+        w.write_all(&head).await?;
+        w.write_all(body).await?;
+        w.write_all(data).await?;
+    }
     w.flush().await
 }
+
+/// Frames up to this size are written by [`write_frame`] in one write
+/// (copied together first); larger ones part by part, never joined.
+pub const SMALL_FRAME: usize = 64 << 10;
 
 /// Blocking [`read_frame`] for the worker process.
 ///
@@ -1168,6 +1184,47 @@ impl Batch {
     }
 }
 
+#[cfg(feature = "node")]
+impl Batch {
+    /// Decodes a BATCH body, and returns with it the bytes of its
+    /// `commands` as they came (a postcard `Vec<Command>`): a node forwards
+    /// them to its worker without encoding them again.
+    ///
+    /// # Errors
+    ///
+    /// [`ProtoError::Body`] as [`from_body`].
+    pub(crate) fn decode_with_commands(body: &[u8]) -> Result<(Batch, &[u8]), ProtoError> {
+        let (head, wire) = postcard::take_from_bytes::<BatchHead>(body)
+            .map_err(|e| ProtoError::Body(e.to_string()))?;
+        let Commands(commands) = from_body(wire)?;
+        let batch = Batch {
+            lease: head.lease,
+            seq: head.seq,
+            modules: head.modules,
+            commands,
+        };
+        Ok((batch, wire))
+    }
+}
+
+/// The fields of [`Batch`] before its commands, in its order.
+#[cfg(feature = "node")]
+#[derive(Deserialize)]
+struct BatchHead {
+    lease: LeaseId,
+    seq: u64,
+    #[serde(deserialize_with = "bounded::modules")]
+    modules: Vec<ModuleUse>,
+}
+
+/// A batch's commands alone, encoded as in [`Batch`] (the node to worker
+/// message carries them so).
+#[cfg(feature = "node")]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Commands(
+    #[serde(deserialize_with = "bounded::commands")] pub(crate) Vec<Command>,
+);
+
 /// The failure that stopped a batch.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OpError {
@@ -1343,6 +1400,48 @@ mod tests {
         let h = Header::request(Opcode::MemWrite, 1, 0, u32::MAX);
         let err = Header::decode(&h.encode(), &Limits::default()).unwrap_err();
         assert!(matches!(err, ProtoError::DataTooLarge { .. }));
+    }
+
+    #[test]
+    #[cfg(feature = "node")]
+    fn a_batchs_commands_come_back_as_they_were_encoded() {
+        let batch = Batch {
+            lease: LeaseId::random(),
+            seq: 7,
+            modules: vec![ModuleUse {
+                hash: ModuleHash([3; 32]),
+                source: None,
+            }],
+            commands: vec![
+                Command {
+                    stream: 1,
+                    op: Op::Alloc {
+                        buf: Id(5),
+                        size: 64,
+                    },
+                },
+                Command {
+                    stream: 2,
+                    op: Op::Launch(LaunchSpec {
+                        module: ModuleHash([3; 32]),
+                        kernel: "k".into(),
+                        grid: [1, 2, 3],
+                        block: [4, 5, 6],
+                        shared_mem: 0,
+                        args: vec![KernelArg::u32(9), KernelArg::mem(Id(5))],
+                    }),
+                },
+            ],
+        };
+        let body = to_body(&batch);
+        let (back, wire) = Batch::decode_with_commands(&body).unwrap();
+        assert_eq!(back, batch);
+        assert_eq!(wire, &to_body(&Commands(batch.commands.clone()))[..]);
+        assert_eq!(from_body::<Batch>(&body).unwrap(), batch);
+        // Trailing bytes are refused as by `from_body`.
+        let mut long = body.clone();
+        long.push(0);
+        assert!(Batch::decode_with_commands(&long).is_err());
     }
 
     #[test]

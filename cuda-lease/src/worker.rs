@@ -28,8 +28,8 @@ use tokio::process::{Child, ChildStdin, Command};
 use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice};
 use crate::hops::{self, HopTimer};
 use crate::proto::{
-    self, from_body, to_body, DeviceInfo, Frame, GpuSubmit, Header, Id, KernelArg, Limits,
-    ModuleHash, Opcode, SourceKind, Status, StreamId,
+    self, from_body, to_body, Commands, DeviceInfo, Frame, GpuSubmit, Header, Id, KernelArg,
+    Limits, ModuleHash, Op, Opcode, SourceKind, Status, StreamId,
 };
 use crate::shm::{ShmRing, WorkerRing, SHM_ENV};
 
@@ -111,68 +111,13 @@ impl WorkerSpec {
     }
 }
 
-/// One command a worker enqueues; ids were checked by the node.
+/// A module a worker loads before a batch's commands; its source is the
+/// next `len` bytes of the call's data.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) enum WorkerOp {
-    Alloc {
-        stream: StreamId,
-        id: Id,
-        size: u64,
-    },
-    Write {
-        stream: StreamId,
-        id: Id,
-        offset: u64,
-        len: u32,
-    },
-    Read {
-        stream: StreamId,
-        id: Id,
-        offset: u64,
-        len: u32,
-    },
-    Free {
-        stream: StreamId,
-        id: Id,
-    },
-    LoadModule {
-        hash: ModuleHash,
-        kind: SourceKind,
-        len: u32,
-    },
-    UnloadModule {
-        hash: ModuleHash,
-    },
-    Launch {
-        stream: StreamId,
-        module: ModuleHash,
-        kernel: String,
-        dims: [u32; 7],
-        args: Vec<WorkerArg>,
-    },
-    Record {
-        stream: StreamId,
-        event: Id,
-    },
-    Wait {
-        stream: StreamId,
-        event: Id,
-    },
-    Fill {
-        stream: StreamId,
-        id: Id,
-        offset: u64,
-        len: u64,
-        value: u8,
-    },
-    Copy {
-        stream: StreamId,
-        src: Id,
-        src_offset: u64,
-        dst: Id,
-        dst_offset: u64,
-        len: u64,
-    },
+pub(crate) struct WorkerLoad {
+    pub(crate) hash: ModuleHash,
+    pub(crate) kind: SourceKind,
+    pub(crate) len: u32,
 }
 
 /// One chunk of a streamed MEM_WRITE (node -> worker: copy slot `slot` to
@@ -186,15 +131,13 @@ pub(crate) struct ChunkOp {
     pub(crate) len: u32,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) enum WorkerArg {
-    Scalar(Vec<u8>),
-    Mem { id: Id, offset: u64 },
-}
-
+/// A batch for a worker: the modules to load, then the client's commands
+/// (checked by the node, and forwarded as the client encoded them). The
+/// call's data holds the module sources, then the writes' payloads.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct WorkerBatch {
-    pub(crate) ops: Vec<WorkerOp>,
+    pub(crate) loads: Vec<WorkerLoad>,
+    pub(crate) commands: Commands,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -423,7 +366,7 @@ fn serve(
         Opcode::Batch => match from_body::<WorkerBatch>(&f.body) {
             Ok(b) => {
                 let mut out = Vec::new();
-                let reply = run_batch(dev, &b.ops, &f.data, &mut out);
+                let reply = run_batch(dev, &b, &f.data, &mut out);
                 (Status::Ok, to_body(&reply), out)
             }
             Err(e) => fail(WorkerFailure {
@@ -451,14 +394,6 @@ fn serve(
     }
 }
 
-fn dims(d: &[u32; 7]) -> LaunchDims {
-    LaunchDims {
-        grid: [d[0], d[1], d[2]],
-        block: [d[3], d[4], d[5]],
-        shared_mem: d[6],
-    }
-}
-
 /// With the hop timings on (`CUDA_LEASE_HOP_TIMES`, see `hops`), workers
 /// also print each batch's per-command enqueue times and its finish time,
 /// and the node each batch's planning and worker times, to stderr.
@@ -466,19 +401,17 @@ pub(crate) fn trace_enabled() -> bool {
     crate::hops::enabled()
 }
 
-fn op_name(op: &WorkerOp) -> &'static str {
+fn op_name(op: &Op) -> &'static str {
     match op {
-        WorkerOp::Alloc { .. } => "alloc",
-        WorkerOp::Write { .. } => "write",
-        WorkerOp::Read { .. } => "read",
-        WorkerOp::Free { .. } => "free",
-        WorkerOp::LoadModule { .. } => "load",
-        WorkerOp::UnloadModule { .. } => "unload",
-        WorkerOp::Launch { .. } => "launch",
-        WorkerOp::Record { .. } => "record",
-        WorkerOp::Wait { .. } => "wait",
-        WorkerOp::Fill { .. } => "fill",
-        WorkerOp::Copy { .. } => "copy",
+        Op::Alloc { .. } => "alloc",
+        Op::Write { .. } => "write",
+        Op::Read { .. } => "read",
+        Op::Free { .. } => "free",
+        Op::Launch(_) => "launch",
+        Op::Record { .. } => "record",
+        Op::Wait { .. } => "wait",
+        Op::Fill { .. } => "fill",
+        Op::Copy { .. } => "copy",
     }
 }
 
@@ -510,7 +443,7 @@ thread_local! {
 
 fn run_batch(
     dev: &mut dyn Device,
-    ops: &[WorkerOp],
+    batch: &WorkerBatch,
     data: &[u8],
     out: &mut Vec<u8>,
 ) -> WorkerBatchReply {
@@ -529,71 +462,83 @@ fn run_batch(
     let trace = trace_enabled();
     let t0 = std::time::Instant::now();
     let mut spans: Vec<(&'static str, std::time::Duration)> = Vec::new();
-    for (i, op) in ops.iter().enumerate() {
+    let loads = batch.loads.len();
+    let steps = loads + batch.commands.0.len();
+    for (i, l) in batch.loads.iter().enumerate() {
         let ts = std::time::Instant::now();
+        let r = take(l.len)
+            .and_then(|d| dev.load_module(l.hash, &l.kind, d))
+            .map(|ptx| compiled.extend(ptx.map(|p| (l.hash, p))));
+        if trace {
+            spans.push(("load", ts.elapsed()));
+        }
+        if let Err(e) = r {
+            failed = Some((i, e));
+            break;
+        }
+    }
+    let commands = if failed.is_none() {
+        &batch.commands.0[..]
+    } else {
+        &[]
+    };
+    for (i, c) in commands.iter().enumerate() {
+        let ts = std::time::Instant::now();
+        let stream: StreamId = c.stream;
+        let op = &c.op;
         let r = match op {
-            WorkerOp::Alloc { stream, id, size } => dev.alloc(*stream, *id, *size),
-            WorkerOp::Write {
-                stream,
-                id,
-                offset,
-                len,
-            } => take(*len).and_then(|d| dev.write(*stream, *id, *offset, d)),
-            WorkerOp::Read {
-                stream,
-                id,
-                offset,
-                len,
-            } => dev.read(*stream, *id, *offset, *len, read_at).map(|()| {
-                read_at += *len as usize;
-            }),
-            WorkerOp::Free { stream, id } => dev.free(*stream, *id),
-            WorkerOp::LoadModule { hash, kind, len } => take(*len)
-                .and_then(|d| dev.load_module(*hash, kind, d))
-                .map(|ptx| compiled.extend(ptx.map(|p| (*hash, p)))),
-            WorkerOp::UnloadModule { hash } => dev.unload_module(*hash),
-            WorkerOp::Launch {
-                stream,
-                module,
-                kernel,
-                dims: d,
-                args,
-            } => {
-                let args: Vec<DeviceArg<'_>> = args
-                    .iter()
-                    .map(|a| match a {
-                        WorkerArg::Scalar(b) => DeviceArg::Scalar(b),
-                        WorkerArg::Mem { id, offset } => DeviceArg::Mem {
-                            id: *id,
-                            offset: *offset,
-                        },
-                    })
-                    .collect();
-                dev.launch(*stream, *module, kernel, dims(d), &args)
+            Op::Alloc { buf, size } => dev.alloc(stream, *buf, *size),
+            Op::Write { buf, offset, len } => {
+                take(*len).and_then(|d| dev.write(stream, *buf, *offset, d))
             }
-            WorkerOp::Record { stream, event } => dev.record(*stream, *event),
-            WorkerOp::Wait { stream, event } => dev.wait(*stream, *event),
-            WorkerOp::Fill {
-                stream,
-                id,
+            Op::Read { buf, offset, len } => dev
+                .read(stream, *buf, *offset, *len, read_at)
+                .map(|()| read_at += *len as usize),
+            Op::Free { id } => dev.free(stream, *id),
+            Op::Launch(spec) => spec
+                .args
+                .iter()
+                .map(|a| match a {
+                    KernelArg::Scalar(b) => Ok(DeviceArg::Scalar(b)),
+                    KernelArg::Mem { buf, offset } => Ok(DeviceArg::Mem {
+                        id: *buf,
+                        offset: *offset,
+                    }),
+                    KernelArg::Input(_) | KernelArg::Output => Err(DeviceError::new(
+                        Status::BadRequest,
+                        "Input/Output are for GPU_SUBMIT",
+                    )),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .and_then(|args| {
+                    let dims = LaunchDims {
+                        grid: spec.grid,
+                        block: spec.block,
+                        shared_mem: spec.shared_mem,
+                    };
+                    dev.launch(stream, spec.module, &spec.kernel, dims, &args)
+                }),
+            Op::Record { event } => dev.record(stream, *event),
+            Op::Wait { event } => dev.wait(stream, *event),
+            Op::Fill {
+                buf,
                 offset,
                 len,
                 value,
-            } => dev.fill(*stream, *id, *offset, *len, *value),
-            WorkerOp::Copy {
-                stream,
+            } => dev.fill(stream, *buf, *offset, *len, *value),
+            Op::Copy {
                 src,
                 src_offset,
                 dst,
                 dst_offset,
                 len,
-            } => dev.copy(*stream, (*src, *src_offset), (*dst, *dst_offset), *len),
+            } => dev.copy(stream, (*src, *src_offset), (*dst, *dst_offset), *len),
         };
         if trace {
             spans.push((op_name(op), ts.elapsed()));
         }
         if let Err(e) = r {
-            failed = Some((i, e));
+            failed = Some((loads + i, e));
             break;
         }
     }
@@ -605,7 +550,7 @@ fn run_batch(
     if trace {
         // Formatted and printed after the reply is written (off its path).
         let t = BatchTrace {
-            ops: ops.len(),
+            ops: steps,
             enqueued: tf - t0,
             finish: tf.elapsed(),
             total: t0.elapsed(),
@@ -617,8 +562,8 @@ fn run_batch(
         // A fault while waiting outranks an enqueue error: it is sticky.
         (Some((i, _)), Err(e)) if e.sticky => (i, Some(e)),
         (Some((i, e)), _) => (i, Some(e)),
-        (None, Err(e)) => (ops.len(), Some(e)),
-        (None, Ok(())) => (ops.len(), None),
+        (None, Err(e)) => (steps, Some(e)),
+        (None, Ok(())) => (steps, None),
     };
     WorkerBatchReply {
         completed: completed as u32,
@@ -721,10 +666,6 @@ pub(crate) enum WorkerError {
     #[error("worker hung for {0:?} and was killed")]
     Hung(Duration),
 }
-
-/// A call up to this size (header, body and data) goes to the worker in
-/// one write; a larger one is written part by part, never joined in memory.
-const SMALL_CALL_BYTES: usize = 64 << 10;
 
 struct WorkerIo {
     stdin: ChildStdin,
@@ -959,7 +900,7 @@ impl WorkerProcess {
             use tokio::io::AsyncWriteExt;
             let mut hop = HopTimer::start("node-worker", opcode, len as u64);
             let head = h.encode();
-            if head.len() + body.len() + len <= SMALL_CALL_BYTES {
+            if head.len() + body.len() + len <= proto::SMALL_FRAME {
                 // One write: the worker wakes to a whole frame, and the
                 // node makes one system call instead of one per part.
                 let mut frame = Vec::with_capacity(head.len() + body.len() + len);
