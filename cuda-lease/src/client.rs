@@ -430,11 +430,12 @@ impl Client {
         from_body(&body).map_err(|e| Error::Protocol(e.to_string()))
     }
 
-    fn known_modules(&self) -> std::collections::HashSet<ModuleHash> {
-        self.known_modules
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+    /// `f` of the modules this client believes the node has.
+    fn with_known_modules<R>(
+        &self,
+        f: impl FnOnce(&std::collections::HashSet<ModuleHash>) -> R,
+    ) -> R {
+        f(&self.known_modules.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     fn learn_modules(&self, hashes: impl IntoIterator<Item = ModuleHash>) {
@@ -1045,13 +1046,6 @@ impl Recorder {
         self
     }
 
-    /// Records writes whose payloads arrive later, all at once, with
-    /// [`Recorder::submit_into_with`] (in the order of these calls).
-    #[cfg_attr(not(feature = "backend"), allow(dead_code))]
-    pub(crate) fn write_later(&mut self, stream: StreamId, buf: Id, offset: u64, len: u32) {
-        self.push(stream, Op::Write { buf, offset, len });
-    }
-
     /// Reads `len` bytes of `buf` at `offset`; the bytes are in the reply
     /// ([`Submitted::read`]).
     pub fn read(&mut self, stream: StreamId, buf: Id, offset: u64, len: u32) -> ReadSlot {
@@ -1206,47 +1200,6 @@ impl Recorder {
         self.commands.is_empty() && self.modules.is_empty()
     }
 
-    /// The message, numbered `seq`: the encoded batch and its data (the
-    /// sources of modules the node may not have, then the writes). The
-    /// commands are encoded where they are, not copied first.
-    /// With `writes`, those bytes are the writes (instead of this
-    /// recorder's), moved in as the data's tail when no module source goes
-    /// first.
-    fn message(&self, seq: u64, writes: Option<Vec<u8>>) -> (Vec<u8>, Vec<u8>) {
-        let known = self.inner.client.known_modules();
-        let mut data = Vec::new();
-        let modules = self
-            .modules
-            .iter()
-            .map(|m| {
-                let send = !known.contains(&m.hash);
-                let source = send.then(|| {
-                    data.extend_from_slice(m.text.as_bytes());
-                    ModuleText {
-                        kind: m.kind.clone(),
-                        len: m.text.len() as u32,
-                    }
-                });
-                ModuleUse {
-                    hash: m.hash,
-                    source,
-                }
-            })
-            .collect();
-        let body = to_body(&BatchRef {
-            lease: self.inner.id,
-            seq,
-            modules,
-            commands: &self.commands,
-        });
-        match writes {
-            Some(w) if data.is_empty() => data = w,
-            Some(w) => data.extend_from_slice(&w),
-            None => data.extend_from_slice(&self.writes),
-        }
-        (body, data)
-    }
-
     /// Sends everything recorded as one message; the future resolves with
     /// the node's reply once every command ran (or one failed). The
     /// message is built and numbered when this is called (the recorder may
@@ -1297,22 +1250,7 @@ impl Recorder {
     /// as [`Recorder::submit`].
     pub fn submit_into<D>(
         &self,
-        dests: Vec<D>,
-    ) -> impl std::future::Future<Output = Result<(Submitted, Vec<D>), Error>> + Send + 'static
-    where
-        D: AsMut<[u8]> + Send + 'static,
-    {
-        self.submit_into_with(dests, None)
-    }
-
-    /// [`Recorder::submit_into`], with `writes` the payloads of the writes
-    /// recorded by [`Recorder::write_later`] (after any recorded with
-    /// [`Recorder::write`]), moved into the message rather than copied.
-    #[cfg_attr(not(feature = "backend"), allow(dead_code))]
-    pub(crate) fn submit_into_with<D>(
-        &self,
         mut dests: Vec<D>,
-        writes: Option<Vec<u8>>,
     ) -> impl std::future::Future<Output = Result<(Submitted, Vec<D>), Error>> + Send + 'static
     where
         D: AsMut<[u8]> + Send + 'static,
@@ -1323,56 +1261,18 @@ impl Recorder {
                 .iter()
                 .zip(dests.iter_mut())
                 .all(|(r, d)| d.as_mut().len() == r.len as usize);
-        // Writes recorded with `write` come first (copied: the recorder
-        // keeps them), then the later ones.
-        let writes = match writes {
-            Some(w) if !self.writes.is_empty() => {
-                let mut all = self.writes.clone();
-                all.extend_from_slice(&w);
-                Some(all)
-            }
-            other => other,
-        };
-        let message = self.numbered_with(writes);
-        async move {
-            if !shape_ok {
-                return Err(Error::BadRequest(
-                    "the destinations do not match the recorded reads".into(),
-                ));
-            }
-            let reply = {
-                let mut parts: Vec<&mut [u8]> = dests.iter_mut().map(|d| d.as_mut()).collect();
-                message.send(Some(&mut parts)).await?.0
-            };
-            let submitted = Submitted {
-                completed: reply.completed as usize,
-                error: reply.error,
-                reads,
-                data: Vec::new(),
-            };
-            Ok((submitted, dests))
-        }
+        self.numbered().send_into(shape_ok.then_some(reads), dests)
     }
 
     /// The message, numbered now: the node runs the lease's batches in the
     /// order of these calls, whatever order they are polled or arrive in.
     fn numbered(&self) -> Message {
-        self.numbered_with(None)
-    }
-
-    /// [`Recorder::numbered`], moving `writes` (this recorder's writes,
-    /// taken out) into the message instead of copying them.
-    fn numbered_with(&self, writes: Option<Vec<u8>>) -> Message {
-        let len = writes.as_ref().map_or(self.writes.len(), Vec::len);
-        let seq = self.inner.next_seq.fetch_add(1, Ordering::Relaxed);
-        let (body, data) = self.message(seq, writes);
-        Message {
-            inner: self.inner.clone(),
-            body,
-            data,
-            modules: self.modules.clone(),
-            writes: len,
-        }
+        Message::numbered(
+            &self.inner,
+            &self.modules,
+            &self.commands,
+            self.writes.clone(),
+        )
     }
 }
 
@@ -1382,6 +1282,12 @@ fn into<'a, 'b>(parts: Option<&'a mut [&'b mut [u8]]>) -> ReplyInto<'a, 'b> {
         None => ReplyInto::Owned,
     }
 }
+
+/// The reply of [`Session::submit_encoded`], with the reads' destinations.
+#[cfg(feature = "backend")]
+pub(crate) type SubmitFuture<D> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<(Submitted, Vec<D>), Error>> + Send + 'static>,
+>;
 
 /// One numbered BATCH, with what a resend with every source needs.
 struct Message {
@@ -1393,6 +1299,87 @@ struct Message {
 }
 
 impl Message {
+    /// The BATCH of `commands` (encoded as [`Batch`] encodes its
+    /// `Vec<Command>`), launching from `modules`, with `writes` as its
+    /// payloads; numbered now: the node runs a lease's batches in the order
+    /// of these calls, whatever order they are polled or arrive in. The
+    /// sources of modules the node may lack go first in the data.
+    fn numbered<C: serde::Serialize>(
+        inner: &Arc<LeaseInner>,
+        modules: &[Module],
+        commands: C,
+        writes: Vec<u8>,
+    ) -> Message {
+        let seq = inner.next_seq.fetch_add(1, Ordering::Relaxed);
+        let mut data = Vec::new();
+        let uses = inner.client.with_known_modules(|known| {
+            modules
+                .iter()
+                .map(|m| {
+                    let send = !known.contains(&m.hash);
+                    let source = send.then(|| {
+                        data.extend_from_slice(m.text.as_bytes());
+                        ModuleText {
+                            kind: m.kind.clone(),
+                            len: m.text.len() as u32,
+                        }
+                    });
+                    ModuleUse {
+                        hash: m.hash,
+                        source,
+                    }
+                })
+                .collect()
+        });
+        let body = to_body(&BatchRef {
+            lease: inner.id,
+            seq,
+            modules: uses,
+            commands,
+        });
+        let len = writes.len();
+        if data.is_empty() {
+            data = writes;
+        } else {
+            data.extend_from_slice(&writes);
+        }
+        Message {
+            inner: inner.clone(),
+            body,
+            data,
+            modules: modules.to_vec(),
+            writes: len,
+        }
+    }
+
+    /// Sends it, the reply's reads received straight into `dests` (one
+    /// per read of `reads`, which is `None` when they do not match).
+    async fn send_into<D>(
+        self,
+        reads: Option<Vec<ReadSlot>>,
+        mut dests: Vec<D>,
+    ) -> Result<(Submitted, Vec<D>), Error>
+    where
+        D: AsMut<[u8]>,
+    {
+        let Some(reads) = reads else {
+            return Err(Error::BadRequest(
+                "the destinations do not match the recorded reads".into(),
+            ));
+        };
+        let reply = {
+            let mut parts: Vec<&mut [u8]> = dests.iter_mut().map(|d| d.as_mut()).collect();
+            self.send(Some(&mut parts)).await?.0
+        };
+        let submitted = Submitted {
+            completed: reply.completed as usize,
+            error: reply.error,
+            reads,
+            data: Vec::new(),
+        };
+        Ok((submitted, dests))
+    }
+
     /// Sends it (again with every source if the node answers
     /// UNKNOWN_MODULE); the reply's data goes into `parts` when given.
     async fn send(
@@ -1522,6 +1509,29 @@ impl Session {
             commands: Vec::new(),
             writes: Vec::new(),
         }
+    }
+
+    /// Sends `commands` as one BATCH (they serialize as the protocol's
+    /// `Vec<Command>` does), launching from `modules`, with `writes` as the
+    /// writes' payloads, numbered now (see [`Recorder::submit`]). The reads'
+    /// bytes are received straight into `dests`, one per read in order,
+    /// each exactly its read's length: the caller's to match. The
+    /// [`Submitted`] has no read slots (its reads are in `dests`).
+    #[cfg(feature = "backend")]
+    pub(crate) fn submit_encoded<C, D>(
+        &self,
+        modules: &[Module],
+        commands: C,
+        writes: Vec<u8>,
+        dests: Vec<D>,
+    ) -> SubmitFuture<D>
+    where
+        C: serde::Serialize,
+        D: AsMut<[u8]> + Send + 'static,
+    {
+        let message = Message::numbered(&self.inner, modules, commands, writes);
+        // Boxed: an opaque future would capture `C`'s borrow.
+        Box::pin(message.send_into(Some(Vec::new()), dests))
     }
 
     /// Allocates `size` zeroed bytes (one request).
@@ -1829,14 +1839,15 @@ async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
     out.into_iter().flatten().collect()
 }
 
-/// A [`Batch`] encoded from borrowed commands: the same fields in the
-/// same order, so the same bytes (postcard encodes a slice as a `Vec`).
+/// A [`Batch`] encoded from commands it does not own (a slice, or
+/// anything that serializes as `Vec<Command>` does): the same fields in
+/// the same order, so the same bytes.
 #[derive(serde::Serialize)]
-struct BatchRef<'a> {
+struct BatchRef<C> {
     lease: LeaseId,
     seq: u64,
     modules: Vec<ModuleUse>,
-    commands: &'a [Command],
+    commands: C,
 }
 
 #[cfg(test)]

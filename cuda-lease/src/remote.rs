@@ -1,9 +1,10 @@
 //! A leased GPU as a backend of `cuda-async`: [`LeaseSession`] implements
-//! [`cuda_async::RemoteSession`] on the [`Recorder`]
-//! of protocol 2.
+//! [`cuda_async::RemoteSession`] on a [`Session`] of protocol 2.
 //!
-//! A [`Recording`] of `cuda-async` becomes one BATCH: its client-named ids
-//! and streams map one to one, kernels travel as descriptions (the
+//! A [`Recording`] of `cuda-async` becomes one BATCH, encoded straight
+//! from the recording (the same bytes as the
+//! [`Recorder`](crate::client::Recorder)'s commands, without building
+//! them): its client-named ids and streams map one to one, kernels travel as descriptions (the
 //! `cuda-core` module's source, named by its SHA-256; the node compiles
 //! CUDA C), and the frees of dropped buffers queued since the last message
 //! go first. The reply's reads land in the recording's
@@ -18,10 +19,12 @@ use std::time::Duration;
 
 use cuda_async::remote::{Recording, RemoteArg, RemoteCommand, RemoteCompletion};
 use cuda_async::{ModuleSource, RemoteSession};
+use serde::ser::{SerializeSeq, Serializer};
+use serde::Serialize;
 
-use crate::client::{Error, Lease, Module, Recorder, Session};
+use crate::client::{Error, Lease, Module, Session};
 use crate::hops::{self, HopTimer};
-use crate::proto::{Id, KernelArg, LaunchSpec, ModuleHash, Opcode};
+use crate::proto::{Id, ModuleHash, Opcode, StreamId};
 
 /// How long a queued free waits for a message to ride on before it is
 /// sent alone.
@@ -74,10 +77,7 @@ impl LeaseSession {
     /// The wire form of a `cuda-core` module (hashed once per module).
     fn module(&self, m: &cuda_async::Module) -> Module {
         let mut seen = self.modules.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, w)) = seen
-            .iter()
-            .find(|(k, _)| k.hash() == m.hash() && k.source() == m.source())
-        {
+        if let Some((_, w)) = seen.iter().find(|(k, _)| k == m) {
             return w.clone();
         }
         let wire = match m.source() {
@@ -91,99 +91,55 @@ impl LeaseSession {
         wire
     }
 
-    /// The BATCH of `recording`, after the queued frees.
-    ///
-    /// The writes' payloads stay in the recording's data (sent as they are,
-    /// see [`LeaseSession::submit`]); the recorder holds only their
-    /// commands.
-    fn translate(&self, recording: &Recording) -> Recorder {
-        let mut rec = self.session.recorder();
-        for id in std::mem::take(&mut *self.frees.lock().unwrap_or_else(|e| e.into_inner())) {
-            rec.free(0, Id(id));
-        }
+    /// The modules `recording` launches from (each once, in order of first
+    /// use) and the module of each of its launches, in order.
+    fn modules_of(&self, recording: &Recording) -> (Vec<Module>, Vec<ModuleHash>) {
+        let mut modules: Vec<Module> = Vec::new();
+        let mut launches = Vec::new();
+        let mut last: Option<(&cuda_async::Module, ModuleHash)> = None;
         for c in recording.commands() {
-            match c {
-                RemoteCommand::Alloc { stream, id, bytes } => {
-                    rec.command(
-                        *stream,
-                        crate::proto::Op::Alloc {
-                            buf: Id(*id),
-                            size: *bytes,
-                        },
-                    );
+            let RemoteCommand::Launch { kernel, .. } = c else {
+                continue;
+            };
+            let m = kernel.module();
+            let hash = match last {
+                // A chain's launches mostly share one module.
+                Some((prev, hash)) if prev == m => hash,
+                _ => {
+                    let wire = self.module(m);
+                    let hash = wire.hash();
+                    if !modules.iter().any(|w| w.hash() == hash) {
+                        modules.push(wire);
+                    }
+                    last = Some((m, hash));
+                    hash
                 }
-                RemoteCommand::Write {
-                    stream,
-                    id,
-                    offset,
-                    len,
-                } => {
-                    rec.write_later(*stream, Id(*id), *offset, *len as u32);
-                }
-                RemoteCommand::Read {
-                    stream,
-                    id,
-                    offset,
-                    len,
-                } => {
-                    rec.read(*stream, Id(*id), *offset, *len as u32);
-                }
-                RemoteCommand::Fill {
-                    stream,
-                    id,
-                    offset,
-                    len,
-                    value,
-                } => {
-                    rec.fill(*stream, Id(*id), *offset, *len, *value);
-                }
-                RemoteCommand::Copy {
-                    stream,
-                    src,
-                    dst,
-                    len,
-                } => {
-                    rec.copy(*stream, (Id(src.0), src.1), (Id(dst.0), dst.1), *len);
-                }
-                RemoteCommand::Free { stream, id } => {
-                    rec.free(*stream, Id(*id));
-                }
-                RemoteCommand::Launch {
-                    stream,
-                    kernel,
-                    config,
-                    args,
-                } => {
-                    let module = self.module(kernel.module());
-                    let c = config;
-                    let spec = LaunchSpec {
-                        module: ModuleHash([0; 32]),
-                        kernel: kernel.name().to_owned(),
-                        grid: [c.grid_dim.0, c.grid_dim.1, c.grid_dim.2],
-                        block: [c.block_dim.0, c.block_dim.1, c.block_dim.2],
-                        shared_mem: c.shared_mem_bytes,
-                        args: args
-                            .iter()
-                            .map(|a| match a {
-                                RemoteArg::Bytes(b) => KernelArg::Scalar(b.clone()),
-                                RemoteArg::Buffer { id, offset } => KernelArg::Mem {
-                                    buf: Id(*id),
-                                    offset: *offset,
-                                },
-                            })
-                            .collect(),
-                    };
-                    rec.launch_spec(*stream, &module, spec);
-                }
-                RemoteCommand::Record { stream, event } => {
-                    rec.record_again(*stream, Id(*event));
-                }
-                RemoteCommand::Wait { stream, event } => {
-                    rec.wait(*stream, Id(*event));
-                }
-            }
+            };
+            launches.push(hash);
         }
-        rec
+        (modules, launches)
+    }
+
+    /// Sends the queued frees, then `recording`, as one BATCH; the reads
+    /// land in `dests` (one per read slot of the recording).
+    fn send<D>(
+        &self,
+        recording: &Recording,
+        writes: Vec<u8>,
+        dests: Vec<D>,
+    ) -> crate::client::SubmitFuture<D>
+    where
+        D: AsMut<[u8]> + Send + 'static,
+    {
+        let frees = std::mem::take(&mut *self.frees.lock().unwrap_or_else(|e| e.into_inner()));
+        let (modules, launches) = self.modules_of(recording);
+        let commands = WireCommands {
+            frees: &frees,
+            commands: recording.commands(),
+            launches: &launches,
+        };
+        self.session
+            .submit_encoded(&modules, commands, writes, dests)
     }
 
     /// Sends the queued frees alone, soon, unless a message takes them
@@ -198,12 +154,221 @@ impl LeaseSession {
         self.runtime.spawn(async move {
             tokio::time::sleep(FREE_FLUSH_DELAY).await;
             this.flush_scheduled.store(false, Ordering::Release);
-            let rec = this.translate(&Recording::new());
-            if !rec.is_empty() {
+            let empty = Recording::new();
+            let queued = !this
+                .frees
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty();
+            if queued {
                 // A free that fails (the lease is gone) has nothing to free.
-                let _ = rec.submit().await;
+                let _ = this.send(&empty, Vec::new(), Vec::<Vec<u8>>::new()).await;
             }
         });
+    }
+}
+
+/// A recording's commands, after the queued frees (on stream 0), encoded
+/// straight into the BATCH: they serialize as the protocol's
+/// `Vec<Command>` of the same commands does (the same variants in the
+/// same order: see the test `the_wire_form_is_the_protocols`), without
+/// building those commands first.
+struct WireCommands<'a> {
+    frees: &'a [u64],
+    commands: &'a [RemoteCommand],
+    /// The module of each launch, in order.
+    launches: &'a [ModuleHash],
+}
+
+/// [`crate::proto::Command`], borrowed.
+#[derive(Serialize)]
+struct CommandRef<'a> {
+    stream: StreamId,
+    op: OpRef<'a>,
+}
+
+/// [`crate::proto::Op`], borrowed: the same variants in the same order.
+#[derive(Serialize)]
+enum OpRef<'a> {
+    Alloc {
+        buf: Id,
+        size: u64,
+    },
+    Write {
+        buf: Id,
+        offset: u64,
+        len: u32,
+    },
+    Read {
+        buf: Id,
+        offset: u64,
+        len: u32,
+    },
+    Free {
+        id: Id,
+    },
+    Launch(LaunchRef<'a>),
+    Record {
+        event: Id,
+    },
+    Wait {
+        event: Id,
+    },
+    Fill {
+        buf: Id,
+        offset: u64,
+        len: u64,
+        value: u8,
+    },
+    Copy {
+        src: Id,
+        src_offset: u64,
+        dst: Id,
+        dst_offset: u64,
+        len: u64,
+    },
+}
+
+/// [`crate::proto::LaunchSpec`], borrowed.
+#[derive(Serialize)]
+struct LaunchRef<'a> {
+    module: ModuleHash,
+    kernel: &'a str,
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared_mem: u32,
+    args: ArgsRef<'a>,
+}
+
+/// A launch's arguments as a `Vec<KernelArg>`.
+struct ArgsRef<'a>(&'a [RemoteArg]);
+
+/// [`crate::proto::KernelArg`], borrowed (its first two variants).
+#[derive(Serialize)]
+enum ArgRef<'a> {
+    Scalar(&'a [u8]),
+    Mem { buf: Id, offset: u64 },
+}
+
+impl Serialize for ArgsRef<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(Some(self.0.len()))?;
+        for a in self.0 {
+            seq.serialize_element(&match a {
+                RemoteArg::Bytes(b) => ArgRef::Scalar(b),
+                RemoteArg::Buffer { id, offset } => ArgRef::Mem {
+                    buf: Id(*id),
+                    offset: *offset,
+                },
+            })?;
+        }
+        seq.end()
+    }
+}
+
+impl Serialize for WireCommands<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(Some(self.frees.len() + self.commands.len()))?;
+        for id in self.frees {
+            let op = OpRef::Free { id: Id(*id) };
+            seq.serialize_element(&CommandRef { stream: 0, op })?;
+        }
+        let mut launches = self.launches.iter();
+        for c in self.commands {
+            let (stream, op) = match c {
+                RemoteCommand::Alloc { stream, id, bytes } => (
+                    *stream,
+                    OpRef::Alloc {
+                        buf: Id(*id),
+                        size: *bytes,
+                    },
+                ),
+                RemoteCommand::Write {
+                    stream,
+                    id,
+                    offset,
+                    len,
+                } => (
+                    *stream,
+                    OpRef::Write {
+                        buf: Id(*id),
+                        offset: *offset,
+                        len: *len as u32,
+                    },
+                ),
+                RemoteCommand::Read {
+                    stream,
+                    id,
+                    offset,
+                    len,
+                } => (
+                    *stream,
+                    OpRef::Read {
+                        buf: Id(*id),
+                        offset: *offset,
+                        len: *len as u32,
+                    },
+                ),
+                RemoteCommand::Fill {
+                    stream,
+                    id,
+                    offset,
+                    len,
+                    value,
+                } => (
+                    *stream,
+                    OpRef::Fill {
+                        buf: Id(*id),
+                        offset: *offset,
+                        len: *len,
+                        value: *value,
+                    },
+                ),
+                RemoteCommand::Copy {
+                    stream,
+                    src,
+                    dst,
+                    len,
+                } => (
+                    *stream,
+                    OpRef::Copy {
+                        src: Id(src.0),
+                        src_offset: src.1,
+                        dst: Id(dst.0),
+                        dst_offset: dst.1,
+                        len: *len,
+                    },
+                ),
+                RemoteCommand::Free { stream, id } => (*stream, OpRef::Free { id: Id(*id) }),
+                RemoteCommand::Launch {
+                    stream,
+                    kernel,
+                    config: c,
+                    args,
+                } => {
+                    let module = *launches
+                        .next()
+                        .ok_or_else(|| serde::ser::Error::custom("a launch without its module"))?;
+                    let launch = LaunchRef {
+                        module,
+                        kernel: kernel.name(),
+                        grid: [c.grid_dim.0, c.grid_dim.1, c.grid_dim.2],
+                        block: [c.block_dim.0, c.block_dim.1, c.block_dim.2],
+                        shared_mem: c.shared_mem_bytes,
+                        args: ArgsRef(args),
+                    };
+                    (*stream, OpRef::Launch(launch))
+                }
+                RemoteCommand::Record { stream, event } => {
+                    (*stream, OpRef::Record { event: Id(*event) })
+                }
+                RemoteCommand::Wait { stream, event } => {
+                    (*stream, OpRef::Wait { event: Id(*event) })
+                }
+            };
+            seq.serialize_element(&CommandRef { stream, op })?;
+        }
+        seq.end()
     }
 }
 
@@ -234,14 +399,12 @@ impl RemoteSession for LeaseSession {
     fn submit(&self, mut recording: Recording, done: RemoteCompletion) {
         // With hop timings on: this side's share, printed when it is done.
         let mut hop = HopTimer::start("client-submit", Opcode::Batch, 0);
-        let rec = self.translate(&recording);
-        hops::mark(&mut hop, "translate");
         // The reads are received straight into their slots' storage, and
         // the writes' payloads go out as recorded (not copied again).
         let bufs: Vec<_> = recording.reads().iter().map(|s| s.buffer()).collect();
         let writes = recording.take_data();
-        // Numbered now, in the order of these calls.
-        let reply = rec.submit_into_with(bufs, Some(writes));
+        // Encoded and numbered now, in the order of these calls.
+        let reply = self.send(&recording, writes, bufs);
         hops::mark(&mut hop, "encode");
         // A task dropped unrun (its runtime shut down with the lease) fails
         // the submission instead of leaving it pending forever.
@@ -416,5 +579,144 @@ impl Drop for RemoteLease {
         } else {
             end();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use cuda_async::remote::{Recording, RemoteArg, RemoteCommand};
+    use cuda_async::{LaunchConfig, Module as CoreModule};
+
+    use super::WireCommands;
+    use crate::proto::{from_body, to_body, Command, Id, KernelArg, LaunchSpec, ModuleHash, Op};
+
+    /// Every kind of command, encoded by `WireCommands` and as the
+    /// protocol's own `Vec<Command>` built field by field: the same bytes.
+    #[test]
+    fn the_wire_form_is_the_protocols() {
+        let kernel = CoreModule::cuda("__global__ void k(int* p, int n) {}", &[])
+            .unwrap()
+            .kernel("k")
+            .unwrap();
+        let config = LaunchConfig {
+            grid_dim: (2, 3, 4),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 128,
+        };
+        let mut rec = Recording::new();
+        rec.push(RemoteCommand::Alloc {
+            stream: 1,
+            id: 10,
+            bytes: 64,
+        });
+        rec.write(1, 10, 8, &[1, 2, 3, 4]);
+        rec.push(RemoteCommand::Fill {
+            stream: 2,
+            id: 10,
+            offset: 4,
+            len: 12,
+            value: 7,
+        });
+        rec.push(RemoteCommand::Copy {
+            stream: 2,
+            src: (10, 0),
+            dst: (11, 16),
+            len: 8,
+        });
+        rec.push(RemoteCommand::Launch {
+            stream: 3,
+            kernel,
+            config,
+            args: vec![
+                RemoteArg::Buffer { id: 10, offset: 4 },
+                RemoteArg::Bytes(5i32.to_le_bytes().to_vec()),
+            ],
+        });
+        rec.push(RemoteCommand::Record {
+            stream: 3,
+            event: 12,
+        });
+        rec.push(RemoteCommand::Wait {
+            stream: 1,
+            event: 12,
+        });
+        let _slot = rec.read(1, 10, 0, 16);
+        rec.push(RemoteCommand::Free { stream: 1, id: 10 });
+        let hash = ModuleHash([9; 32]);
+        let wire = WireCommands {
+            frees: &[5, 6],
+            commands: rec.commands(),
+            launches: &[hash],
+        };
+        let c = |stream, op| Command { stream, op };
+        let expected = vec![
+            c(0, Op::Free { id: Id(5) }),
+            c(0, Op::Free { id: Id(6) }),
+            c(
+                1,
+                Op::Alloc {
+                    buf: Id(10),
+                    size: 64,
+                },
+            ),
+            c(
+                1,
+                Op::Write {
+                    buf: Id(10),
+                    offset: 8,
+                    len: 4,
+                },
+            ),
+            c(
+                2,
+                Op::Fill {
+                    buf: Id(10),
+                    offset: 4,
+                    len: 12,
+                    value: 7,
+                },
+            ),
+            c(
+                2,
+                Op::Copy {
+                    src: Id(10),
+                    src_offset: 0,
+                    dst: Id(11),
+                    dst_offset: 16,
+                    len: 8,
+                },
+            ),
+            c(
+                3,
+                Op::Launch(LaunchSpec {
+                    module: hash,
+                    kernel: "k".into(),
+                    grid: [2, 3, 4],
+                    block: [32, 1, 1],
+                    shared_mem: 128,
+                    args: vec![
+                        KernelArg::Mem {
+                            buf: Id(10),
+                            offset: 4,
+                        },
+                        KernelArg::Scalar(5i32.to_le_bytes().to_vec()),
+                    ],
+                }),
+            ),
+            c(3, Op::Record { event: Id(12) }),
+            c(1, Op::Wait { event: Id(12) }),
+            c(
+                1,
+                Op::Read {
+                    buf: Id(10),
+                    offset: 0,
+                    len: 16,
+                },
+            ),
+            c(1, Op::Free { id: Id(10) }),
+        ];
+        let bytes = to_body(&wire);
+        assert_eq!(bytes, to_body(&expected));
+        assert_eq!(from_body::<Vec<Command>>(&bytes).unwrap(), expected);
     }
 }
