@@ -774,6 +774,14 @@ fn print_chain_rows(t: &ChainTimes) {
                 us(t.remote) - us(l),
                 (us(t.remote) - us(l)) / us(t.sized)
             );
+            // What the first row cannot go below: moving the chain's own
+            // bytes (its upload and download) with no work at all.
+            println!(
+                "| 20-op chain floor: a raw request/reply of the chain's sizes vs 64 B (the first row with no client, node or worker work) | {:.1} us | {:.1} us | {:.2} | - |",
+                us(t.rtt),
+                us(t.sized),
+                us(t.sized) / us(t.rtt)
+            );
         }
         None => println!(
             "| 20-op chain awaited remotely vs 64 B request/reply (no local GPU: remote alone) | {:.1} us | {:.1} us | {:.2} | - |",
