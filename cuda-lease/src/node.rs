@@ -20,10 +20,10 @@ use crate::hops::{self, HopTimer};
 use crate::lease_table::{LeaseTable, Principal, TableError};
 use crate::metrics::Metrics;
 use crate::proto::{
-    self, from_body, to_body, Batch, BatchReply, Command, DeviceInfo, ErrorBody, Frame, GpuSubmit,
-    Header, Hello, HelloOk, Id, IdOp, Inventory, KernelArg, LeaseAlloc, LeaseGrant, LeaseId,
-    LeaseRef, LeaseRenew, Limits, MemAlloc, ModuleHash, Op, OpError, Opcode, SourceKind, Status,
-    StreamId,
+    self, from_body, to_body, ArgView, Batch, BatchReply, BatchView, Command, CommandView,
+    DeviceInfo, ErrorBody, Frame, GpuSubmit, Header, Hello, HelloOk, Id, IdOp, Inventory,
+    LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, Limits, MemAlloc, ModuleHash, Op,
+    OpError, OpView, Opcode, SourceKind, Status, StreamId,
 };
 use crate::tls::{self, Identity, TlsError};
 use crate::worker::{
@@ -1012,7 +1012,7 @@ async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<
             single(shared, &who, m.lease, Op::Free { id: m.id }).await
         }
         Opcode::Batch => {
-            let (b, wire) = Batch::decode_with_commands(&f.body)?;
+            let (b, wire) = BatchView::decode(&f.body)?;
             b.validate(f.data.len())?;
             Metrics::inc(&shared.metrics.batch_total);
             shared
@@ -1053,7 +1053,7 @@ async fn single(
     };
     batch.validate(0)?;
     let wire = to_body(&batch.commands);
-    let (reply, _) = run_batch(shared, who, &batch, &wire, &[]).await?;
+    let (reply, _) = run_batch(shared, who, &BatchView::of(&batch), &wire, &[]).await?;
     match reply.error {
         Some(e) => Err(Reply::err(e.status, e.message)),
         None => Ok(Reply::empty()),
@@ -1219,7 +1219,12 @@ fn kind_of(overlay: &HashMap<Id, Option<IdKind>>, state: &LeaseState, id: Id) ->
     }
 }
 
-fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Command]) -> Plan {
+fn plan(
+    shared: &Shared,
+    lease: &LeaseId,
+    state: &LeaseState,
+    commands: &[CommandView<'_>],
+) -> Plan {
     let mut overlay: HashMap<Id, Option<IdKind>> = HashMap::new();
     let mut live = state.ids.len();
     let mut streams = state.streams.clone();
@@ -1283,7 +1288,7 @@ fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Comman
                 ));
             }
             Ok(match &c.op {
-                Op::Alloc { buf, size } => {
+                OpView::Alloc { buf, size } => {
                     fresh(*buf)?;
                     shared
                         .table()
@@ -1292,12 +1297,12 @@ fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Comman
                     p.charged.push((i, *size));
                     Effect::Create(*buf, IdKind::Buffer(*size))
                 }
-                Op::Write { buf, offset, len } => {
+                OpView::Write { buf, offset, len } => {
                     in_range(buffer(*buf)?, *offset, u64::from(*len))?;
                     p.write_bytes += *len as usize;
                     Effect::None
                 }
-                Op::Read { buf, offset, len } => {
+                OpView::Read { buf, offset, len } => {
                     in_range(buffer(*buf)?, *offset, u64::from(*len))?;
                     read_total += u64::from(*len);
                     if read_total > u64::from(cfg.limits.max_data) {
@@ -1308,18 +1313,18 @@ fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Comman
                     }
                     Effect::None
                 }
-                Op::Free { id } => {
+                OpView::Free { id } => {
                     if kind(*id).is_none() {
                         return Err(fail(Status::NotFound, format!("unknown id {id}")));
                     }
                     Effect::Free(*id)
                 }
-                Op::Launch(spec) => {
+                OpView::Launch(spec) => {
                     for a in &spec.args {
                         match a {
-                            KernelArg::Scalar(_) => {}
-                            KernelArg::Mem { buf, offset } => in_range(buffer(*buf)?, *offset, 0)?,
-                            KernelArg::Input(_) | KernelArg::Output => {
+                            ArgView::Scalar(_) => {}
+                            ArgView::Mem { buf, offset } => in_range(buffer(*buf)?, *offset, 0)?,
+                            ArgView::Input(_) | ArgView::Output => {
                                 return Err(fail(
                                     Status::BadRequest,
                                     "Input/Output are for GPU_SUBMIT".into(),
@@ -1329,13 +1334,13 @@ fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Comman
                     }
                     Effect::None
                 }
-                Op::Fill {
+                OpView::Fill {
                     buf, offset, len, ..
                 } => {
                     in_range(buffer(*buf)?, *offset, *len)?;
                     Effect::None
                 }
-                Op::Copy {
+                OpView::Copy {
                     src,
                     src_offset,
                     dst,
@@ -1352,7 +1357,7 @@ fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Comman
                     }
                     Effect::None
                 }
-                Op::Record { event } => {
+                OpView::Record { event } => {
                     let effect = match kind(*event) {
                         Some(IdKind::Event) => Effect::None,
                         Some(IdKind::Buffer(_)) => {
@@ -1368,7 +1373,7 @@ fn plan(shared: &Shared, lease: &LeaseId, state: &LeaseState, commands: &[Comman
                     };
                     effect
                 }
-                Op::Wait { event } => {
+                OpView::Wait { event } => {
                     match kind(*event) {
                         Some(IdKind::Event) => {}
                         Some(IdKind::Buffer(_)) => {
@@ -1436,7 +1441,7 @@ struct Load {
 fn modules_to_load<'d>(
     shared: &Shared,
     state: &LeaseState,
-    b: &Batch,
+    b: &BatchView<'_>,
     data: &'d [u8],
 ) -> Result<(Vec<Load>, &'d [u8]), Reply> {
     let mut rest = data;
@@ -1494,10 +1499,10 @@ fn modules_to_load<'d>(
 }
 
 /// Index of the first command of `b` that launches `hash` (0 if none).
-fn first_use(b: &Batch, hash: ModuleHash) -> u32 {
+fn first_use(b: &BatchView<'_>, hash: ModuleHash) -> u32 {
     b.commands
         .iter()
-        .position(|c| matches!(&c.op, Op::Launch(s) if s.module == hash))
+        .position(|c| matches!(&c.op, OpView::Launch(s) if s.module == hash))
         .unwrap_or(0) as u32
 }
 
@@ -1506,7 +1511,7 @@ fn first_use(b: &Batch, hash: ModuleHash) -> u32 {
 async fn run_in_order(
     shared: &Arc<Shared>,
     who: &Principal,
-    b: &Batch,
+    b: &BatchView<'_>,
     wire: &[u8],
     data: &[u8],
 ) -> Result<(BatchReply, Vec<u8>), Reply> {
@@ -1541,7 +1546,7 @@ async fn run_in_order(
 async fn run_batch(
     shared: &Arc<Shared>,
     who: &Principal,
-    b: &Batch,
+    b: &BatchView<'_>,
     wire: &[u8],
     data: &[u8],
 ) -> Result<(BatchReply, Vec<u8>), Reply> {

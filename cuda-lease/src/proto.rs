@@ -27,7 +27,7 @@
 
 use std::fmt;
 
-use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use serde::{Deserialize, Serialize};
 
 /// The four magic bytes that open every frame.
 pub const MAGIC: [u8; 4] = *b"CULS";
@@ -404,7 +404,7 @@ pub fn to_body<T: Serialize>(msg: &T) -> Vec<u8> {
 /// # Errors
 ///
 /// [`ProtoError::Body`] when the bytes are not exactly one `T`.
-pub fn from_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ProtoError> {
+pub fn from_body<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ProtoError> {
     let (msg, rest) =
         postcard::take_from_bytes::<T>(body).map_err(|e| ProtoError::Body(e.to_string()))?;
     if !rest.is_empty() {
@@ -956,7 +956,7 @@ impl LaunchSpec {
     ///
     /// [`ProtoError::Invalid`] naming the broken rule.
     pub fn validate(&self, submit: bool) -> Result<(), ProtoError> {
-        validate_launch(&self.kernel, self.grid, self.block, &self.args, submit)
+        LaunchView::from(self).validate(submit)
     }
 }
 
@@ -964,7 +964,7 @@ fn validate_launch(
     kernel: &str,
     grid: [u32; 3],
     block: [u32; 3],
-    args: &[KernelArg],
+    args: &[ArgView<'_>],
     submit: bool,
 ) -> Result<(), ProtoError> {
     let bad = |m: &str| Err(ProtoError::Invalid(m.into()));
@@ -979,13 +979,13 @@ fn validate_launch(
     }
     for a in args {
         match a {
-            KernelArg::Scalar(b) if b.is_empty() || b.len() > MAX_SCALAR_ARG => {
+            ArgView::Scalar(b) if b.is_empty() || b.len() > MAX_SCALAR_ARG => {
                 return bad("scalar arguments must be 1..=4096 bytes")
             }
-            KernelArg::Input(_) | KernelArg::Output if !submit => {
+            ArgView::Input(_) | ArgView::Output if !submit => {
                 return bad("Input/Output arguments are for GPU_SUBMIT only")
             }
-            KernelArg::Mem { .. } if submit => return bad("GPU_SUBMIT has no lease memory"),
+            ArgView::Mem { .. } if submit => return bad("GPU_SUBMIT has no lease memory"),
             _ => {}
         }
     }
@@ -1136,56 +1136,237 @@ impl Batch {
     ///
     /// [`ProtoError::Invalid`].
     pub fn validate(&self, data_len: usize) -> Result<(), ProtoError> {
-        if self.commands.len() > MAX_BATCH_OPS {
-            return Err(ProtoError::Invalid("too many commands".into()));
-        }
-        if self.modules.len() > MAX_BATCH_MODULES {
-            return Err(ProtoError::Invalid("too many modules".into()));
-        }
-        let mut need: u64 = 0;
-        for (i, m) in self.modules.iter().enumerate() {
-            if self.modules[..i].iter().any(|o| o.hash == m.hash) {
-                return Err(ProtoError::Invalid(format!(
-                    "module {} listed twice",
-                    m.hash
-                )));
-            }
-            if let Some(t) = &m.source {
-                need += u64::from(t.len);
-            }
-        }
-        for (i, c) in self.commands.iter().enumerate() {
-            match &c.op {
-                Op::Alloc { size: 0, .. } => {
-                    return Err(ProtoError::Invalid(format!(
-                        "command {i}: zero-sized allocation"
-                    )))
-                }
-                Op::Write { len, .. } => need += u64::from(*len),
-                Op::Launch(spec) => {
-                    spec.validate(false)
-                        .map_err(|e| ProtoError::Invalid(format!("command {i}: {e}")))?;
-                    if !self.modules.iter().any(|m| m.hash == spec.module) {
-                        return Err(ProtoError::Invalid(format!(
-                            "command {i}: module {} is not in the batch's modules",
-                            spec.module
-                        )));
-                    }
-                }
-                _ => {}
-            }
-        }
-        if need != data_len as u64 {
-            return Err(ProtoError::Invalid(format!(
-                "batch data is {data_len} bytes but its modules and writes take {need}"
-            )));
-        }
-        Ok(())
+        let commands: Vec<CommandView<'_>> = self.commands.iter().map(CommandView::from).collect();
+        validate_batch(&self.modules, &commands, data_len)
     }
 }
 
+/// [`Batch::validate`] of a batch's modules and (borrowed) commands.
+pub(crate) fn validate_batch(
+    modules: &[ModuleUse],
+    commands: &[CommandView<'_>],
+    data_len: usize,
+) -> Result<(), ProtoError> {
+    if commands.len() > MAX_BATCH_OPS {
+        return Err(ProtoError::Invalid("too many commands".into()));
+    }
+    if modules.len() > MAX_BATCH_MODULES {
+        return Err(ProtoError::Invalid("too many modules".into()));
+    }
+    let mut need: u64 = 0;
+    for (i, m) in modules.iter().enumerate() {
+        if modules[..i].iter().any(|o| o.hash == m.hash) {
+            return Err(ProtoError::Invalid(format!(
+                "module {} listed twice",
+                m.hash
+            )));
+        }
+        if let Some(t) = &m.source {
+            need += u64::from(t.len);
+        }
+    }
+    for (i, c) in commands.iter().enumerate() {
+        match &c.op {
+            OpView::Alloc { size: 0, .. } => {
+                return Err(ProtoError::Invalid(format!(
+                    "command {i}: zero-sized allocation"
+                )))
+            }
+            OpView::Write { len, .. } => need += u64::from(*len),
+            OpView::Launch(spec) => {
+                spec.validate(false)
+                    .map_err(|e| ProtoError::Invalid(format!("command {i}: {e}")))?;
+                if !modules.iter().any(|m| m.hash == spec.module) {
+                    return Err(ProtoError::Invalid(format!(
+                        "command {i}: module {} is not in the batch's modules",
+                        spec.module
+                    )));
+                }
+            }
+            _ => {}
+        }
+    }
+    if need != data_len as u64 {
+        return Err(ProtoError::Invalid(format!(
+            "batch data is {data_len} bytes but its modules and writes take {need}"
+        )));
+    }
+    Ok(())
+}
+
+/// A [`Command`] that borrows its kernel name and scalar arguments: it
+/// encodes to the same bytes, and decodes from a message without
+/// allocating them (the node plans and the worker runs these).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct CommandView<'a> {
+    pub(crate) stream: StreamId,
+    #[serde(borrow)]
+    pub(crate) op: OpView<'a>,
+}
+
+/// [`Op`], borrowed: the same variants in the same order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[allow(missing_docs)]
+pub(crate) enum OpView<'a> {
+    Alloc {
+        buf: Id,
+        size: u64,
+    },
+    Write {
+        buf: Id,
+        offset: u64,
+        len: u32,
+    },
+    Read {
+        buf: Id,
+        offset: u64,
+        len: u32,
+    },
+    Free {
+        id: Id,
+    },
+    Launch(#[serde(borrow)] LaunchView<'a>),
+    Record {
+        event: Id,
+    },
+    Wait {
+        event: Id,
+    },
+    Fill {
+        buf: Id,
+        offset: u64,
+        len: u64,
+        value: u8,
+    },
+    Copy {
+        src: Id,
+        src_offset: u64,
+        dst: Id,
+        dst_offset: u64,
+        len: u64,
+    },
+}
+
+/// [`LaunchSpec`], borrowed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct LaunchView<'a> {
+    pub(crate) module: ModuleHash,
+    pub(crate) kernel: &'a str,
+    pub(crate) grid: [u32; 3],
+    pub(crate) block: [u32; 3],
+    pub(crate) shared_mem: u32,
+    #[serde(borrow, deserialize_with = "bounded::arg_views")]
+    pub(crate) args: Vec<ArgView<'a>>,
+}
+
+impl LaunchView<'_> {
+    /// As [`LaunchSpec::validate`].
+    pub(crate) fn validate(&self, submit: bool) -> Result<(), ProtoError> {
+        validate_launch(self.kernel, self.grid, self.block, &self.args, submit)
+    }
+}
+
+/// [`KernelArg`], borrowed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum ArgView<'a> {
+    Scalar(&'a [u8]),
+    Mem { buf: Id, offset: u64 },
+    Input(u32),
+    Output,
+}
+
+impl<'a> From<&'a KernelArg> for ArgView<'a> {
+    fn from(a: &'a KernelArg) -> Self {
+        match a {
+            KernelArg::Scalar(b) => ArgView::Scalar(b),
+            KernelArg::Mem { buf, offset } => ArgView::Mem {
+                buf: *buf,
+                offset: *offset,
+            },
+            KernelArg::Input(n) => ArgView::Input(*n),
+            KernelArg::Output => ArgView::Output,
+        }
+    }
+}
+
+impl<'a> From<&'a LaunchSpec> for LaunchView<'a> {
+    fn from(l: &'a LaunchSpec) -> Self {
+        LaunchView {
+            module: l.module,
+            kernel: &l.kernel,
+            grid: l.grid,
+            block: l.block,
+            shared_mem: l.shared_mem,
+            args: l.args.iter().map(ArgView::from).collect(),
+        }
+    }
+}
+
+impl<'a> From<&'a Command> for CommandView<'a> {
+    fn from(c: &'a Command) -> Self {
+        let op = match &c.op {
+            Op::Alloc { buf, size } => OpView::Alloc {
+                buf: *buf,
+                size: *size,
+            },
+            Op::Write { buf, offset, len } => OpView::Write {
+                buf: *buf,
+                offset: *offset,
+                len: *len,
+            },
+            Op::Read { buf, offset, len } => OpView::Read {
+                buf: *buf,
+                offset: *offset,
+                len: *len,
+            },
+            Op::Free { id } => OpView::Free { id: *id },
+            Op::Launch(l) => OpView::Launch(l.into()),
+            Op::Record { event } => OpView::Record { event: *event },
+            Op::Wait { event } => OpView::Wait { event: *event },
+            Op::Fill {
+                buf,
+                offset,
+                len,
+                value,
+            } => OpView::Fill {
+                buf: *buf,
+                offset: *offset,
+                len: *len,
+                value: *value,
+            },
+            Op::Copy {
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                len,
+            } => OpView::Copy {
+                src: *src,
+                src_offset: *src_offset,
+                dst: *dst,
+                dst_offset: *dst_offset,
+                len: *len,
+            },
+        };
+        CommandView {
+            stream: c.stream,
+            op,
+        }
+    }
+}
+
+/// A decoded BATCH whose commands borrow from the message.
 #[cfg(feature = "node")]
-impl Batch {
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct BatchView<'a> {
+    pub(crate) lease: LeaseId,
+    pub(crate) seq: u64,
+    pub(crate) modules: Vec<ModuleUse>,
+    pub(crate) commands: Vec<CommandView<'a>>,
+}
+
+#[cfg(feature = "node")]
+impl<'a> BatchView<'a> {
     /// Decodes a BATCH body, and returns with it the bytes of its
     /// `commands` as they came (a postcard `Vec<Command>`): a node forwards
     /// them to its worker without encoding them again.
@@ -1193,17 +1374,32 @@ impl Batch {
     /// # Errors
     ///
     /// [`ProtoError::Body`] as [`from_body`].
-    pub(crate) fn decode_with_commands(body: &[u8]) -> Result<(Batch, &[u8]), ProtoError> {
+    pub(crate) fn decode(body: &'a [u8]) -> Result<(Self, &'a [u8]), ProtoError> {
         let (head, wire) = postcard::take_from_bytes::<BatchHead>(body)
             .map_err(|e| ProtoError::Body(e.to_string()))?;
         let Commands(commands) = from_body(wire)?;
-        let batch = Batch {
+        let batch = BatchView {
             lease: head.lease,
             seq: head.seq,
             modules: head.modules,
             commands,
         };
         Ok((batch, wire))
+    }
+
+    /// The view of `b`.
+    pub(crate) fn of(b: &'a Batch) -> Self {
+        BatchView {
+            lease: b.lease,
+            seq: b.seq,
+            modules: b.modules.clone(),
+            commands: b.commands.iter().map(CommandView::from).collect(),
+        }
+    }
+
+    /// As [`Batch::validate`].
+    pub(crate) fn validate(&self, data_len: usize) -> Result<(), ProtoError> {
+        validate_batch(&self.modules, &self.commands, data_len)
     }
 }
 
@@ -1217,12 +1413,12 @@ struct BatchHead {
     modules: Vec<ModuleUse>,
 }
 
-/// A batch's commands alone, encoded as in [`Batch`] (the node to worker
-/// message carries them so).
+/// A batch's commands alone, borrowed, encoded as in [`Batch`] (the node
+/// to worker message carries them so).
 #[cfg(feature = "node")]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Commands(
-    #[serde(deserialize_with = "bounded::commands")] pub(crate) Vec<Command>,
+pub(crate) struct Commands<'a>(
+    #[serde(borrow, deserialize_with = "bounded::command_views")] pub(crate) Vec<CommandView<'a>>,
 );
 
 /// The failure that stopped a batch.
@@ -1283,7 +1479,8 @@ impl GpuSubmit {
     ///
     /// [`ProtoError::Invalid`].
     pub fn validate(&self, data_len: usize, limits: &Limits) -> Result<(), ProtoError> {
-        validate_launch(&self.kernel, self.grid, self.block, &self.args, true)?;
+        let args: Vec<ArgView<'_>> = self.args.iter().map(ArgView::from).collect();
+        validate_launch(&self.kernel, self.grid, self.block, &args, true)?;
         if self.input_lens.len() > MAX_KERNEL_ARGS {
             return Err(ProtoError::Invalid("too many inputs".into()));
         }
@@ -1356,6 +1553,19 @@ mod bounded {
     }
 
     pub(super) fn commands<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Command>, D::Error> {
+        at_most(d, MAX_BATCH_OPS)
+    }
+
+    pub(super) fn arg_views<'de: 'a, 'a, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Vec<super::ArgView<'a>>, D::Error> {
+        at_most(d, MAX_KERNEL_ARGS)
+    }
+
+    #[cfg(feature = "node")]
+    pub(super) fn command_views<'de: 'a, 'a, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Vec<super::CommandView<'a>>, D::Error> {
         at_most(d, MAX_BATCH_OPS)
     }
 
@@ -1434,14 +1644,15 @@ mod tests {
             ],
         };
         let body = to_body(&batch);
-        let (back, wire) = Batch::decode_with_commands(&body).unwrap();
-        assert_eq!(back, batch);
-        assert_eq!(wire, &to_body(&Commands(batch.commands.clone()))[..]);
+        let (back, wire) = BatchView::decode(&body).unwrap();
+        assert_eq!(back, BatchView::of(&batch));
+        assert_eq!(wire, &to_body(&batch.commands)[..]);
+        assert_eq!(to_body(&Commands(back.commands.clone())), wire);
         assert_eq!(from_body::<Batch>(&body).unwrap(), batch);
         // Trailing bytes are refused as by `from_body`.
         let mut long = body.clone();
         long.push(0);
-        assert!(Batch::decode_with_commands(&long).is_err());
+        assert!(BatchView::decode(&long).is_err());
     }
 
     #[test]

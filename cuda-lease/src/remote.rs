@@ -24,7 +24,7 @@ use serde::Serialize;
 
 use crate::client::{Error, Lease, Module, Session};
 use crate::hops::{self, HopTimer};
-use crate::proto::{Id, ModuleHash, Opcode, StreamId};
+use crate::proto::{ArgView, CommandView, Id, LaunchView, ModuleHash, OpView, Opcode};
 
 /// How long a queued free waits for a message to ride on before it is
 /// sent alone.
@@ -170,9 +170,9 @@ impl LeaseSession {
 
 /// A recording's commands, after the queued frees (on stream 0), encoded
 /// straight into the BATCH: they serialize as the protocol's
-/// `Vec<Command>` of the same commands does (the same variants in the
-/// same order: see the test `the_wire_form_is_the_protocols`), without
-/// building those commands first.
+/// `Vec<Command>` of the same commands does (through the borrowed
+/// [`CommandView`]; see the test `the_wire_form_is_the_protocols`),
+/// without building owned commands first.
 struct WireCommands<'a> {
     frees: &'a [u64],
     commands: &'a [RemoteCommand],
@@ -180,105 +180,19 @@ struct WireCommands<'a> {
     launches: &'a [ModuleHash],
 }
 
-/// [`crate::proto::Command`], borrowed.
-#[derive(Serialize)]
-struct CommandRef<'a> {
-    stream: StreamId,
-    op: OpRef<'a>,
-}
-
-/// [`crate::proto::Op`], borrowed: the same variants in the same order.
-#[derive(Serialize)]
-enum OpRef<'a> {
-    Alloc {
-        buf: Id,
-        size: u64,
-    },
-    Write {
-        buf: Id,
-        offset: u64,
-        len: u32,
-    },
-    Read {
-        buf: Id,
-        offset: u64,
-        len: u32,
-    },
-    Free {
-        id: Id,
-    },
-    Launch(LaunchRef<'a>),
-    Record {
-        event: Id,
-    },
-    Wait {
-        event: Id,
-    },
-    Fill {
-        buf: Id,
-        offset: u64,
-        len: u64,
-        value: u8,
-    },
-    Copy {
-        src: Id,
-        src_offset: u64,
-        dst: Id,
-        dst_offset: u64,
-        len: u64,
-    },
-}
-
-/// [`crate::proto::LaunchSpec`], borrowed.
-#[derive(Serialize)]
-struct LaunchRef<'a> {
-    module: ModuleHash,
-    kernel: &'a str,
-    grid: [u32; 3],
-    block: [u32; 3],
-    shared_mem: u32,
-    args: ArgsRef<'a>,
-}
-
-/// A launch's arguments as a `Vec<KernelArg>`.
-struct ArgsRef<'a>(&'a [RemoteArg]);
-
-/// [`crate::proto::KernelArg`], borrowed (its first two variants).
-#[derive(Serialize)]
-enum ArgRef<'a> {
-    Scalar(&'a [u8]),
-    Mem { buf: Id, offset: u64 },
-}
-
-impl Serialize for ArgsRef<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut seq = s.serialize_seq(Some(self.0.len()))?;
-        for a in self.0 {
-            seq.serialize_element(&match a {
-                RemoteArg::Bytes(b) => ArgRef::Scalar(b),
-                RemoteArg::Buffer { id, offset } => ArgRef::Mem {
-                    buf: Id(*id),
-                    offset: *offset,
-                },
-            })?;
-        }
-        seq.end()
-    }
-}
-
 impl Serialize for WireCommands<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let mut seq = s.serialize_seq(Some(self.frees.len() + self.commands.len()))?;
         for id in self.frees {
-            let op = OpRef::Free { id: Id(*id) };
-            seq.serialize_element(&CommandRef { stream: 0, op })?;
+            let op = OpView::Free { id: Id(*id) };
+            seq.serialize_element(&CommandView { stream: 0, op })?;
         }
         let mut launches = self.launches.iter();
         for c in self.commands {
             let (stream, op) = match c {
                 RemoteCommand::Alloc { stream, id, bytes } => (
                     *stream,
-                    OpRef::Alloc {
+                    OpView::Alloc {
                         buf: Id(*id),
                         size: *bytes,
                     },
@@ -290,7 +204,7 @@ impl Serialize for WireCommands<'_> {
                     len,
                 } => (
                     *stream,
-                    OpRef::Write {
+                    OpView::Write {
                         buf: Id(*id),
                         offset: *offset,
                         len: *len as u32,
@@ -303,7 +217,7 @@ impl Serialize for WireCommands<'_> {
                     len,
                 } => (
                     *stream,
-                    OpRef::Read {
+                    OpView::Read {
                         buf: Id(*id),
                         offset: *offset,
                         len: *len as u32,
@@ -317,7 +231,7 @@ impl Serialize for WireCommands<'_> {
                     value,
                 } => (
                     *stream,
-                    OpRef::Fill {
+                    OpView::Fill {
                         buf: Id(*id),
                         offset: *offset,
                         len: *len,
@@ -331,7 +245,7 @@ impl Serialize for WireCommands<'_> {
                     len,
                 } => (
                     *stream,
-                    OpRef::Copy {
+                    OpView::Copy {
                         src: Id(src.0),
                         src_offset: src.1,
                         dst: Id(dst.0),
@@ -339,7 +253,7 @@ impl Serialize for WireCommands<'_> {
                         len: *len,
                     },
                 ),
-                RemoteCommand::Free { stream, id } => (*stream, OpRef::Free { id: Id(*id) }),
+                RemoteCommand::Free { stream, id } => (*stream, OpView::Free { id: Id(*id) }),
                 RemoteCommand::Launch {
                     stream,
                     kernel,
@@ -349,24 +263,34 @@ impl Serialize for WireCommands<'_> {
                     let module = *launches
                         .next()
                         .ok_or_else(|| serde::ser::Error::custom("a launch without its module"))?;
-                    let launch = LaunchRef {
+                    let args = args
+                        .iter()
+                        .map(|a| match a {
+                            RemoteArg::Bytes(b) => ArgView::Scalar(b),
+                            RemoteArg::Buffer { id, offset } => ArgView::Mem {
+                                buf: Id(*id),
+                                offset: *offset,
+                            },
+                        })
+                        .collect();
+                    let launch = LaunchView {
                         module,
                         kernel: kernel.name(),
                         grid: [c.grid_dim.0, c.grid_dim.1, c.grid_dim.2],
                         block: [c.block_dim.0, c.block_dim.1, c.block_dim.2],
                         shared_mem: c.shared_mem_bytes,
-                        args: ArgsRef(args),
+                        args,
                     };
-                    (*stream, OpRef::Launch(launch))
+                    (*stream, OpView::Launch(launch))
                 }
                 RemoteCommand::Record { stream, event } => {
-                    (*stream, OpRef::Record { event: Id(*event) })
+                    (*stream, OpView::Record { event: Id(*event) })
                 }
                 RemoteCommand::Wait { stream, event } => {
-                    (*stream, OpRef::Wait { event: Id(*event) })
+                    (*stream, OpView::Wait { event: Id(*event) })
                 }
             };
-            seq.serialize_element(&CommandRef { stream, op })?;
+            seq.serialize_element(&CommandView { stream, op })?;
         }
         seq.end()
     }

@@ -28,8 +28,8 @@ use tokio::process::{Child, ChildStdin, Command};
 use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice};
 use crate::hops::{self, HopTimer};
 use crate::proto::{
-    self, from_body, to_body, Commands, DeviceInfo, Frame, GpuSubmit, Header, Id, KernelArg,
-    Limits, ModuleHash, Op, Opcode, SourceKind, Status, StreamId,
+    self, from_body, to_body, ArgView, Commands, DeviceInfo, Frame, GpuSubmit, Header, Id,
+    KernelArg, Limits, ModuleHash, OpView as Op, Opcode, SourceKind, Status, StreamId,
 };
 use crate::shm::{ShmRing, WorkerRing, SHM_ENV};
 
@@ -135,9 +135,10 @@ pub(crate) struct ChunkOp {
 /// (checked by the node, and forwarded as the client encoded them). The
 /// call's data holds the module sources, then the writes' payloads.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct WorkerBatch {
+pub(crate) struct WorkerBatch<'a> {
     pub(crate) loads: Vec<WorkerLoad>,
-    pub(crate) commands: Commands,
+    #[serde(borrow)]
+    pub(crate) commands: Commands<'a>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -363,7 +364,7 @@ fn serve(
             Ok(info) => (Status::Ok, to_body(&info), Vec::new()),
             Err(e) => fail(e.into()),
         },
-        Opcode::Batch => match from_body::<WorkerBatch>(&f.body) {
+        Opcode::Batch => match from_body::<WorkerBatch<'_>>(&f.body) {
             Ok(b) => {
                 let mut out = Vec::new();
                 let reply = run_batch(dev, &b, &f.data, &mut out);
@@ -401,7 +402,7 @@ pub(crate) fn trace_enabled() -> bool {
     crate::hops::enabled()
 }
 
-fn op_name(op: &Op) -> &'static str {
+fn op_name(op: &Op<'_>) -> &'static str {
     match op {
         Op::Alloc { .. } => "alloc",
         Op::Write { .. } => "write",
@@ -443,7 +444,7 @@ thread_local! {
 
 fn run_batch(
     dev: &mut dyn Device,
-    batch: &WorkerBatch,
+    batch: &WorkerBatch<'_>,
     data: &[u8],
     out: &mut Vec<u8>,
 ) -> WorkerBatchReply {
@@ -499,12 +500,12 @@ fn run_batch(
                 .args
                 .iter()
                 .map(|a| match a {
-                    KernelArg::Scalar(b) => Ok(DeviceArg::Scalar(b)),
-                    KernelArg::Mem { buf, offset } => Ok(DeviceArg::Mem {
+                    ArgView::Scalar(b) => Ok(DeviceArg::Scalar(b)),
+                    ArgView::Mem { buf, offset } => Ok(DeviceArg::Mem {
                         id: *buf,
                         offset: *offset,
                     }),
-                    KernelArg::Input(_) | KernelArg::Output => Err(DeviceError::new(
+                    ArgView::Input(_) | ArgView::Output => Err(DeviceError::new(
                         Status::BadRequest,
                         "Input/Output are for GPU_SUBMIT",
                     )),
@@ -516,7 +517,7 @@ fn run_batch(
                         block: spec.block,
                         shared_mem: spec.shared_mem,
                     };
-                    dev.launch(stream, spec.module, &spec.kernel, dims, &args)
+                    dev.launch(stream, spec.module, spec.kernel, dims, &args)
                 }),
             Op::Record { event } => dev.record(stream, *event),
             Op::Wait { event } => dev.wait(stream, *event),
