@@ -1283,14 +1283,8 @@ fn into<'a, 'b>(parts: Option<&'a mut [&'b mut [u8]]>) -> ReplyInto<'a, 'b> {
     }
 }
 
-/// The reply of [`Session::submit_encoded`], with the reads' destinations.
-#[cfg(feature = "backend")]
-pub(crate) type SubmitFuture<D> = std::pin::Pin<
-    Box<dyn std::future::Future<Output = Result<(Submitted, Vec<D>), Error>> + Send + 'static>,
->;
-
 /// One numbered BATCH, with what a resend with every source needs.
-struct Message {
+pub(crate) struct Message {
     inner: Arc<LeaseInner>,
     body: Vec<u8>,
     data: Vec<u8>,
@@ -1354,7 +1348,7 @@ impl Message {
 
     /// Sends it, the reply's reads received straight into `dests` (one
     /// per read of `reads`, which is `None` when they do not match).
-    async fn send_into<D>(
+    pub(crate) async fn send_into<D>(
         self,
         reads: Option<Vec<ReadSlot>>,
         mut dests: Vec<D>,
@@ -1511,27 +1505,18 @@ impl Session {
         }
     }
 
-    /// Sends `commands` as one BATCH (they serialize as the protocol's
+    /// The BATCH of `commands` (they serialize as the protocol's
     /// `Vec<Command>` does), launching from `modules`, with `writes` as the
-    /// writes' payloads, numbered now (see [`Recorder::submit`]). The reads'
-    /// bytes are received straight into `dests`, one per read in order,
-    /// each exactly its read's length: the caller's to match. The
-    /// [`Submitted`] has no read slots (its reads are in `dests`).
+    /// writes' payloads, numbered now (see [`Recorder::submit`]); send it
+    /// with [`Message::send_into`].
     #[cfg(feature = "backend")]
-    pub(crate) fn submit_encoded<C, D>(
+    pub(crate) fn message<C: serde::Serialize>(
         &self,
         modules: &[Module],
         commands: C,
         writes: Vec<u8>,
-        dests: Vec<D>,
-    ) -> SubmitFuture<D>
-    where
-        C: serde::Serialize,
-        D: AsMut<[u8]> + Send + 'static,
-    {
-        let message = Message::numbered(&self.inner, modules, commands, writes);
-        // Boxed: an opaque future would capture `C`'s borrow.
-        Box::pin(message.send_into(Some(Vec::new()), dests))
+    ) -> Message {
+        Message::numbered(&self.inner, modules, commands, writes)
     }
 
     /// Allocates `size` zeroed bytes (one request).

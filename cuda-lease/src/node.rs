@@ -1603,7 +1603,7 @@ async fn run_batch(
         if planned == b.commands.len() {
             body.extend_from_slice(wire);
         } else {
-            body.extend_from_slice(&to_body(&&b.commands[..planned]));
+            body.extend_from_slice(&to_body(&b.commands[..planned]));
         }
         let t_encoded = t0.elapsed();
         let res = slot

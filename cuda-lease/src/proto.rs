@@ -394,7 +394,7 @@ impl Frame {
 }
 
 /// Serializes a message body with postcard.
-pub fn to_body<T: Serialize>(msg: &T) -> Vec<u8> {
+pub fn to_body<T: Serialize + ?Sized>(msg: &T) -> Vec<u8> {
     // Serializing our own plain-data types into a Vec cannot fail.
     postcard::to_allocvec(msg).unwrap_or_default()
 }
@@ -493,26 +493,54 @@ pub async fn write_frame<W>(
 where
     W: tokio::io::AsyncWrite + Unpin + ?Sized,
 {
+    write_frame_parts(w, header, body, &[data]).await
+}
+
+/// [`write_frame`] with the data in parts, written back to back (never
+/// joined in memory unless the whole frame is small).
+///
+/// # Errors
+///
+/// I/O errors of the stream.
+///
+/// # Cancel safety
+///
+/// Not cancel safe: a dropped write leaves a partial frame.
+pub async fn write_frame_parts<W>(
+    w: &mut W,
+    header: &Header,
+    body: &[u8],
+    parts: &[&[u8]],
+) -> std::io::Result<()>
+where
+    W: tokio::io::AsyncWrite + Unpin + ?Sized,
+{
     use tokio::io::AsyncWriteExt;
     let head = header.encode();
-    if head.len() + body.len() + data.len() <= SMALL_FRAME {
+    let len = head.len() + body.len() + parts.iter().map(|p| p.len()).sum::<usize>();
+    if len <= SMALL_FRAME {
         // One write: on a QUIC stream each write takes the connection's
         // lock and wakes its driver, which may send what it has so far as
-        // a packet of its own (a header alone, then the body...).
-        let mut frame = Vec::with_capacity(head.len() + body.len() + data.len());
+        // a packet of its own (a header alone, then the body...); on a
+        // worker's pipe the reader wakes to a whole frame.
+        let mut frame = Vec::with_capacity(len);
         frame.extend_from_slice(&head);
         frame.extend_from_slice(body);
-        frame.extend_from_slice(data);
+        for p in parts {
+            frame.extend_from_slice(p);
+        }
         w.write_all(&frame).await?;
     } else {
         w.write_all(&head).await?;
         w.write_all(body).await?;
-        w.write_all(data).await?;
+        for p in parts {
+            w.write_all(p).await?;
+        }
     }
     w.flush().await
 }
 
-/// Frames up to this size are written by [`write_frame`] in one write
+/// Frames up to this size are written by [`write_frame_parts`] in one write
 /// (copied together first); larger ones part by part, never joined.
 pub const SMALL_FRAME: usize = 64 << 10;
 

@@ -127,7 +127,7 @@ impl LeaseSession {
         recording: &Recording,
         writes: Vec<u8>,
         dests: Vec<D>,
-    ) -> crate::client::SubmitFuture<D>
+    ) -> impl Future<Output = Result<(crate::client::Submitted, Vec<D>), Error>> + Send + 'static
     where
         D: AsMut<[u8]> + Send + 'static,
     {
@@ -138,8 +138,9 @@ impl LeaseSession {
             commands: recording.commands(),
             launches: &launches,
         };
-        self.session
-            .submit_encoded(&modules, commands, writes, dests)
+        // The reads' slots are not needed: their bytes land in `dests`.
+        let message = self.session.message(&modules, commands, writes);
+        message.send_into(Some(Vec::new()), dests)
     }
 
     /// Sends the queued frees alone, soon, unless a message takes them

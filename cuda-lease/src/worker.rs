@@ -895,30 +895,10 @@ impl WorkerProcess {
         let io = &mut *io;
         io.next_id += 1;
         let len: usize = parts.iter().map(|p| p.len()).sum();
-        let data = &parts;
         let h = Header::request(opcode, io.next_id, body.len() as u32, len as u32);
         let exchange = async {
-            use tokio::io::AsyncWriteExt;
             let mut hop = HopTimer::start("node-worker", opcode, len as u64);
-            let head = h.encode();
-            if head.len() + body.len() + len <= proto::SMALL_FRAME {
-                // One write: the worker wakes to a whole frame, and the
-                // node makes one system call instead of one per part.
-                let mut frame = Vec::with_capacity(head.len() + body.len() + len);
-                frame.extend_from_slice(&head);
-                frame.extend_from_slice(body);
-                for p in data.iter() {
-                    frame.extend_from_slice(p);
-                }
-                io.stdin.write_all(&frame).await?;
-            } else {
-                io.stdin.write_all(&head).await?;
-                io.stdin.write_all(body).await?;
-                for p in data.iter() {
-                    io.stdin.write_all(p).await?;
-                }
-            }
-            io.stdin.flush().await?;
+            proto::write_frame_parts(&mut io.stdin, &h, body, parts).await?;
             hops::mark(&mut hop, "pipe_send");
             if io.stdout.buffer().is_empty() {
                 use std::os::fd::AsRawFd;
@@ -928,7 +908,7 @@ impl WorkerProcess {
             let f = proto::read_frame(&mut io.stdout, &WORKER_LIMITS).await;
             if let (Some(t), Ok(f)) = (&mut hop, &f) {
                 t.mark("pipe_reply");
-                t.set_op(opcode, data.len().max(f.data.len()) as u64);
+                t.set_op(opcode, len.max(f.data.len()) as u64);
             }
             f
         };
