@@ -915,11 +915,12 @@ mod cuda {
     use std::sync::Arc;
 
     use cuda_async::{
-        check_launch_config, CudaStream, DeviceBuffer, DynArg, DynArgs, Error, Kernel, KernelArgs,
-        LaunchConfig, Module, PinnedBuffer,
+        check_launch_config, CudaStream, DeviceBuffer, Error, Kernel, LaunchConfig, Module,
+        PinnedBuffer,
     };
     use cuda_core::cudarc::driver::{result, sys, DevicePtr, DevicePtrMut};
     use cuda_core::CudaEvent;
+    use cuda_core::ParamClass;
 
     use super::{
         mem_arg, not_found, range, same_buffer, too_many_streams, Device, DeviceArg, DeviceError,
@@ -964,6 +965,25 @@ mod cuda {
         /// Reads into the arena since the last finish: (where in the
         /// reply, where in the arena, length).
         arena_reads: Vec<(usize, usize, usize)>,
+        /// The kernel of the last launch (see [`CudaDevice::launchable`]).
+        last_kernel: Option<LastKernel>,
+        /// A launch's argument values, 8-byte aligned (reused).
+        arg_words: Vec<u64>,
+        /// Where each argument starts in `arg_words` (reused).
+        arg_at: Vec<usize>,
+        /// The driver's parameter array: a pointer into `arg_words` per
+        /// argument (reused; empty between launches).
+        arg_ptrs: Vec<*mut std::ffi::c_void>,
+    }
+
+    /// A kernel and its driver function, kept while its `Kernel` (and so
+    /// its module) lives.
+    #[derive(Debug)]
+    struct LastKernel {
+        module: ModuleHash,
+        name: String,
+        kernel: Kernel,
+        func: sys::CUfunction,
     }
 
     /// Bytes of page-locked memory a worker stages a batch's small writes
@@ -1149,6 +1169,10 @@ mod cuda {
                 spare: SpareBuffers::default(),
                 arena: None,
                 arena_reads: Vec::new(),
+                last_kernel: None,
+                arg_words: Vec::new(),
+                arg_at: Vec::new(),
+                arg_ptrs: Vec::new(),
             })
         }
 
@@ -1228,6 +1252,65 @@ mod cuda {
                 self.arena = Some(BatchArena::new(&self.device)?);
             }
             Ok(self.arena.as_mut().and_then(|a| a.take(len)))
+        }
+
+        /// The driver function of kernel `name` of `module`, after checking
+        /// `args` against its PTX parameter list: their count, each
+        /// argument's size, and that buffers go where pointers do. The
+        /// last kernel launched is kept at hand, so a chain of launches of
+        /// one kernel looks nothing up in a map.
+        fn launchable(
+            &mut self,
+            module: ModuleHash,
+            name: &str,
+            args: &[DeviceArg<'_>],
+        ) -> Result<sys::CUfunction, DeviceError> {
+            let hit = matches!(&self.last_kernel, Some(l) if l.module == module && l.name == name);
+            if !hit {
+                let kernel = self.kernel(module, name)?;
+                let func = kernel
+                    .function_on(&self.device)
+                    .map_err(|e| map(Status::NotFound, "kernel", e))?
+                    .cu_function();
+                self.last_kernel = Some(LastKernel {
+                    module,
+                    name: name.to_owned(),
+                    kernel,
+                    func,
+                });
+            }
+            let last = self.last_kernel.as_ref().expect("set above");
+            let spec = |a: &DeviceArg<'_>| match a {
+                DeviceArg::Scalar(b) => (b.len(), ParamClass::Bits, "bytes"),
+                DeviceArg::Mem { .. } => (8, ParamClass::Int, "device address"),
+            };
+            let fits = last.kernel.params().is_some_and(|params| {
+                params.len() == args.len()
+                    && params.iter().zip(args).all(|(p, a)| {
+                        let (size, class, _) = spec(a);
+                        p.accepts(size, class)
+                    })
+            });
+            if fits {
+                return Ok(last.func);
+            }
+            // The reason, as `cuda-core` words it.
+            let bad = |e| map(Status::BadRequest, "kernel arguments", e);
+            if last.kernel.params().is_none() {
+                return Err(DeviceError::new(
+                    Status::BadRequest,
+                    format!(
+                        "kernel arguments: the parameter list of kernel {name} could not be read \
+                         from its PTX, and run-time arguments are only launched against a known list"
+                    ),
+                ));
+            }
+            let specs: Vec<_> = args.iter().map(spec).collect();
+            last.kernel.check_args(&specs).map_err(bad)?;
+            Err(DeviceError::new(
+                Status::BadRequest,
+                "kernel arguments do not match the kernel's parameters",
+            ))
         }
 
         /// The kernel `name` of a loaded module, resolved on first use.
@@ -1581,6 +1664,7 @@ mod cuda {
             // then let go of its kernels and its cache entry.
             self.sync_all()?;
             self.kernels.remove(&hash);
+            self.last_kernel = None;
             // SAFETY: every stream of this context is idle, and the kernels
             // resolved from this module are dropped.
             unsafe { module.evict_on(&self.device) };
@@ -1597,55 +1681,84 @@ mod cuda {
         ) -> Result<(), DeviceError> {
             let sid = stream;
             let stream = self.stream(stream)?;
-            let k = self.kernel(module, kernel)?;
             let config = LaunchConfig {
                 grid_dim: (dims.grid[0], dims.grid[1], dims.grid[2]),
                 block_dim: (dims.block[0], dims.block[1], dims.block[2]),
                 shared_mem_bytes: dims.shared_mem,
             };
             check_launch_config(&config).map_err(|e| map(Status::BadRequest, "launch", e))?;
-            let func = k
-                .function_on(&self.device)
-                .map_err(|e| map(Status::NotFound, "kernel", e))?;
-            // Ordered here, buffer by buffer, instead of by the argument
-            // list's own `before_all`/`after_all` (see `flush_use`).
+            let func = self.launchable(module, kernel, args)?;
+            // Ordered here, buffer by buffer (see `flush_use`).
             for a in args {
                 if let DeviceArg::Mem { id, .. } = a {
                     self.use_on(*id, sid, &stream)?;
                 }
             }
-            let args = args
-                .iter()
-                .map(|a| match a {
-                    DeviceArg::Scalar(b) => Ok(DynArg::Bytes(b.to_vec())),
+            // The values, each in 8-byte aligned words of storage reused by
+            // every launch (no allocation once it has grown), then a pointer
+            // to each: the driver's parameter array.
+            let words = &mut self.arg_words;
+            let at = &mut self.arg_at;
+            words.clear();
+            at.clear();
+            for a in args {
+                at.push(words.len());
+                match a {
+                    DeviceArg::Scalar(b) => {
+                        let start = words.len();
+                        words.resize(start + b.len().div_ceil(8), 0);
+                        for (j, chunk) in b.chunks(8).enumerate() {
+                            let mut w = [0u8; 8];
+                            w[..chunk.len()].copy_from_slice(chunk);
+                            words[start + j] = u64::from_ne_bytes(w);
+                        }
+                    }
                     DeviceArg::Mem { id, offset } => {
                         let buffer = mem_arg(&self.buffers, *id, *offset, DeviceBuffer::len)?;
-                        Ok(DynArg::Buffer {
-                            buffer,
-                            offset: *offset as usize,
-                        })
+                        // Event tracking is off in this context (see
+                        // `open`): the guard records nothing.
+                        let (base, _guard) = Self::raw(buffer).as_cuda_slice().device_ptr(&stream);
+                        words.push(base + *offset);
                     }
-                })
-                .collect::<Result<Vec<_>, DeviceError>>()?;
-            let mut args =
-                DynArgs::new(args).map_err(|e| map(Status::BadRequest, "kernel arguments", e))?;
-            // Count, sizes and pointer width against the PTX parameter list.
-            args.check(&k)
-                .map_err(|e| map(Status::BadRequest, "kernel arguments", e))?;
-            let mut b = stream.launch_builder(func);
-            args.push_all(&mut b);
-            // SAFETY: the kernel is the lease holder's code; the argument
-            // count and sizes match its PTX parameter list (checked above),
-            // so the driver reads valid argument memory (`args` outlives the
-            // call); buffer addresses come from this context's live
-            // buffers, whose uses on other streams this launch waits for and
-            // whose frees come after it (`use_on` marks it pending, recorded
-            // before anything could depend on it; cudarc's own tracking is
-            // off here). What the kernel does with memory is the client's
-            // business: a fault poisons only this worker process.
-            unsafe { b.launch(config) }
-                .map(drop)
-                .map_err(|e| driver(Status::LaunchFailed, "cuLaunchKernel", e))
+                }
+            }
+            let base = words.as_mut_ptr();
+            let params = &mut self.arg_ptrs;
+            params.clear();
+            // SAFETY: each index was taken from `words` before it grew past
+            // it, and `words` is not touched again until the launch is done.
+            params.extend(
+                at.iter()
+                    .map(|&i| unsafe { base.add(i) }.cast::<std::ffi::c_void>()),
+            );
+            self.device
+                .context()
+                .bind_to_thread()
+                .map_err(|e| driver(Status::Internal, "cuCtxSetCurrent", e))?;
+            // SAFETY: `func` is a kernel of a module this context has
+            // loaded (`launchable` keeps its `Kernel`, hence the module,
+            // alive); the argument count and each size match its PTX
+            // parameter list (checked by `launchable`), and each pointer in
+            // `params` points at that many bytes of `words`, which outlive
+            // the call (the driver copies the values before returning).
+            // Buffer addresses come from this context's live buffers, whose
+            // uses on other streams this launch waits for and whose frees
+            // come after it (`use_on` marks it pending, recorded before
+            // anything could depend on it). What the kernel does with
+            // memory is the client's business: a fault poisons only this
+            // worker process.
+            let launched = unsafe {
+                result::launch_kernel(
+                    func,
+                    config.grid_dim,
+                    config.block_dim,
+                    config.shared_mem_bytes,
+                    stream.cu_stream(),
+                    params,
+                )
+            };
+            params.clear();
+            launched.map_err(|e| driver(Status::LaunchFailed, "cuLaunchKernel", e))
         }
 
         fn record(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError> {

@@ -1012,17 +1012,22 @@ async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<
             single(shared, &who, m.lease, Op::Free { id: m.id }).await
         }
         Opcode::Batch => {
+            // With hop timings on: the node's phases of this batch.
+            let mut hop = HopTimer::start("node-batch", op, f.data.len() as u64);
             let (b, wire) = BatchView::decode(&f.body)?;
             b.validate(f.data.len())?;
+            hops::mark(&mut hop, "decode");
             Metrics::inc(&shared.metrics.batch_total);
             shared
                 .metrics
                 .batch_commands
                 .fetch_add(b.commands.len() as u64, Ordering::Relaxed);
-            let (reply, data) = run_in_order(shared, &who, &b, wire, &f.data).await?;
+            let (reply, data) = run_in_order(shared, &who, &b, wire, &f.data, &mut hop).await?;
+            let body = to_body(&reply);
+            hops::mark(&mut hop, "reply");
             Ok(Reply {
                 status: Status::Ok,
-                body: to_body(&reply),
+                body,
                 data,
             })
         }
@@ -1053,7 +1058,7 @@ async fn single(
     };
     batch.validate(0)?;
     let wire = to_body(&batch.commands);
-    let (reply, _) = run_batch(shared, who, &BatchView::of(&batch), &wire, &[]).await?;
+    let (reply, _) = run_batch(shared, who, &BatchView::of(&batch), &wire, &[], &mut None).await?;
     match reply.error {
         Some(e) => Err(Reply::err(e.status, e.message)),
         None => Ok(Reply::empty()),
@@ -1514,9 +1519,11 @@ async fn run_in_order(
     b: &BatchView<'_>,
     wire: &[u8],
     data: &[u8],
+    hop: &mut Option<HopTimer>,
 ) -> Result<(BatchReply, Vec<u8>), Reply> {
     if b.seq == 0 {
-        return run_batch(shared, who, b, wire, data).await;
+        hops::mark(hop, "order");
+        return run_batch(shared, who, b, wire, data, hop).await;
     }
     let slot = lease_of(shared, who, &b.lease)?;
     let mut next = slot.next_seq.subscribe();
@@ -1527,7 +1534,8 @@ async fn run_in_order(
     {
         debug!(lease = %b.lease, seq = b.seq, "earlier batches missing: running anyway");
     }
-    let r = run_batch(shared, who, b, wire, data).await;
+    hops::mark(hop, "order");
+    let r = run_batch(shared, who, b, wire, data, hop).await;
     // Sent again with its sources, the batch keeps its place.
     if !matches!(&r, Err(reply) if reply.status == Status::UnknownModule) {
         slot.next_seq.send_if_modified(|n| {
@@ -1549,12 +1557,12 @@ async fn run_batch(
     b: &BatchView<'_>,
     wire: &[u8],
     data: &[u8],
+    hop: &mut Option<HopTimer>,
 ) -> Result<(BatchReply, Vec<u8>), Reply> {
     let lease = &b.lease;
-    let t0 = std::time::Instant::now();
     let slot = lease_of(shared, who, lease)?;
     let _exec = slot.exec.lock().await;
-    let t_locked = t0.elapsed();
+    hops::mark(hop, "lock");
     // Re-check: the lease may have died while we waited.
     shared.table().get(lease, shared.now())?;
     let (loads, writes, p) = {
@@ -1594,7 +1602,7 @@ async fn run_batch(
     let mut completed = 0usize;
     let mut loaded = 0usize;
     let mut out = Vec::new();
-    let t_planned = t0.elapsed();
+    hops::mark(hop, "plan");
     if n_loads + planned > 0 {
         // The worker's message is the loads, then the commands as the
         // client encoded them (the same postcard as `WorkerBatch`); only
@@ -1605,19 +1613,12 @@ async fn run_batch(
         } else {
             body.extend_from_slice(&to_body(&b.commands[..planned]));
         }
-        let t_encoded = t0.elapsed();
+        hops::mark(hop, "encode");
         let res = slot
             .worker
             .call_parts(Opcode::Batch, &body, &parts, shared.cfg.op_timeout)
             .await;
-        if crate::worker::trace_enabled() {
-            crate::hops::emit(format!(
-                "cuda-lease node batch: at_us={} {} commands, lock {t_locked:?}, planned {t_planned:?}, encoded {t_encoded:?}, worker replied {:?}",
-                crate::hops::now_us().saturating_sub(t0.elapsed().as_micros() as u64),
-                b.commands.len(),
-                t0.elapsed()
-            ));
-        }
+        hops::mark(hop, "worker");
         let frame = match res {
             Ok(frame) => frame,
             Err(e) => return Err(worker_lost(shared, lease, &e)),
@@ -1687,6 +1688,7 @@ async fn run_batch(
             Effect::None => {}
         }
     }
+    hops::mark(hop, "commit");
     Ok((
         BatchReply {
             completed: completed as u32,
