@@ -14,10 +14,10 @@ use tokio::task::JoinHandle;
 
 use crate::hops::{self, HopTimer};
 use crate::proto::{
-    self, from_body, to_body, Batch, BatchReply, Command, ErrorBody, GpuSubmit, Header, Hello,
-    HelloOk, Id, IdOp, Inventory, KernelArg, LaunchSpec, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef,
-    LeaseRenew, LeaseStatus, Limits, MemAlloc, MemRead, MemWrite, ModuleHash, ModuleText,
-    ModuleUse, Op, OpError, Opcode, SourceKind, Status, StreamId,
+    self, from_body, to_body, Batch, BatchReply, Command, CommandView, ErrorBody, GpuSubmit,
+    Header, Hello, HelloOk, Id, IdOp, Inventory, KernelArg, LaunchSpec, LeaseAlloc, LeaseGrant,
+    LeaseId, LeaseRef, LeaseRenew, LeaseStatus, Limits, MemAlloc, MemRead, MemWrite, ModuleHash,
+    ModuleText, ModuleUse, Op, OpError, Opcode, SourceKind, Status, StreamId,
 };
 use crate::tls::{self, Identity};
 
@@ -1270,7 +1270,7 @@ impl Recorder {
         Message::numbered(
             &self.inner,
             &self.modules,
-            &self.commands,
+            &self.commands[..],
             self.writes.clone(),
         )
     }
@@ -1298,7 +1298,7 @@ impl Message {
     /// payloads; numbered now: the node runs a lease's batches in the order
     /// of these calls, whatever order they are polled or arrive in. The
     /// sources of modules the node may lack go first in the data.
-    fn numbered<C: serde::Serialize>(
+    fn numbered<C: EncodeCommands>(
         inner: &Arc<LeaseInner>,
         modules: &[Module],
         commands: C,
@@ -1325,12 +1325,12 @@ impl Message {
                 })
                 .collect()
         });
-        let body = to_body(&BatchRef {
+        let mut body = to_body(&BatchHeadRef {
             lease: inner.id,
             seq,
             modules: uses,
-            commands,
         });
+        commands.encode_into(&mut body);
         let len = writes.len();
         if data.is_empty() {
             data = writes;
@@ -1510,7 +1510,7 @@ impl Session {
     /// writes' payloads, numbered now (see [`Recorder::submit`]); send it
     /// with [`Message::send_into`].
     #[cfg(feature = "backend")]
-    pub(crate) fn message<C: serde::Serialize>(
+    pub(crate) fn message<C: EncodeCommands>(
         &self,
         modules: &[Module],
         commands: C,
@@ -1824,15 +1824,28 @@ async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
     out.into_iter().flatten().collect()
 }
 
-/// A [`Batch`] encoded from commands it does not own (a slice, or
-/// anything that serializes as `Vec<Command>` does): the same fields in
-/// the same order, so the same bytes.
+/// The fields of a [`Batch`] before its commands, in its order: a BATCH
+/// body is these, then the commands ([`EncodeCommands`]), the same bytes
+/// as the [`Batch`] of the same values.
 #[derive(serde::Serialize)]
-struct BatchRef<C> {
+struct BatchHeadRef {
     lease: LeaseId,
     seq: u64,
     modules: Vec<ModuleUse>,
-    commands: C,
+}
+
+/// Commands a BATCH carries without owning them, appended to its body in
+/// the protocol's encoding (as postcard encodes the `Vec<Command>` of the
+/// same commands).
+pub(crate) trait EncodeCommands {
+    /// Appends the commands to `out`.
+    fn encode_into(&self, out: &mut Vec<u8>);
+}
+
+impl EncodeCommands for &[Command] {
+    fn encode_into(&self, out: &mut Vec<u8>) {
+        proto::encode_commands(out, self.len(), self.iter().map(CommandView::from));
+    }
 }
 
 #[cfg(test)]
@@ -1866,14 +1879,14 @@ mod batch_ref_tests {
             modules: modules.clone(),
             commands: commands.clone(),
         };
-        let borrowed = BatchRef {
+        let mut borrowed = to_body(&BatchHeadRef {
             lease,
             seq: 42,
             modules,
-            commands: &commands,
-        };
-        assert_eq!(to_body(&borrowed), to_body(&owned));
-        assert_eq!(from_body::<Batch>(&to_body(&borrowed)).unwrap(), owned);
+        });
+        (&commands[..]).encode_into(&mut borrowed);
+        assert_eq!(borrowed, to_body(&owned));
+        assert_eq!(from_body::<Batch>(&borrowed).unwrap(), owned);
     }
 }
 

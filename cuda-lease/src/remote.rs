@@ -17,14 +17,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use crate::client::{EncodeCommands, Error, Lease, Module, Session};
+use crate::hops::{self, HopTimer};
+use crate::proto::{self, ArgView, CommandView, Id, LaunchView, ModuleHash, OpView, Opcode};
 use cuda_async::remote::{Recording, RemoteArg, RemoteCommand, RemoteCompletion};
 use cuda_async::{ModuleSource, RemoteSession};
-use serde::ser::{SerializeSeq, Serializer};
-use serde::Serialize;
-
-use crate::client::{Error, Lease, Module, Session};
-use crate::hops::{self, HopTimer};
-use crate::proto::{ArgView, CommandView, Id, LaunchView, ModuleHash, OpView, Opcode};
 
 /// How long a queued free waits for a message to ride on before it is
 /// sent alone.
@@ -181,15 +178,14 @@ struct WireCommands<'a> {
     launches: &'a [ModuleHash],
 }
 
-impl Serialize for WireCommands<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut seq = s.serialize_seq(Some(self.frees.len() + self.commands.len()))?;
-        for id in self.frees {
-            let op = OpView::Free { id: Id(*id) };
-            seq.serialize_element(&CommandView { stream: 0, op })?;
-        }
+impl EncodeCommands for WireCommands<'_> {
+    fn encode_into(&self, out: &mut Vec<u8>) {
+        let frees = self.frees.iter().map(|id| CommandView {
+            stream: 0,
+            op: OpView::Free { id: Id(*id) },
+        });
         let mut launches = self.launches.iter();
-        for c in self.commands {
+        let commands = self.commands.iter().map(|c| {
             let (stream, op) = match c {
                 RemoteCommand::Alloc { stream, id, bytes } => (
                     *stream,
@@ -261,9 +257,8 @@ impl Serialize for WireCommands<'_> {
                     config: c,
                     args,
                 } => {
-                    let module = *launches
-                        .next()
-                        .ok_or_else(|| serde::ser::Error::custom("a launch without its module"))?;
+                    // `modules_of` names the module of every launch.
+                    let module = *launches.next().expect("a launch without its module");
                     let args = args
                         .iter()
                         .map(|a| match a {
@@ -291,9 +286,10 @@ impl Serialize for WireCommands<'_> {
                     (*stream, OpView::Wait { event: Id(*event) })
                 }
             };
-            seq.serialize_element(&CommandView { stream, op })?;
-        }
-        seq.end()
+            CommandView { stream, op }
+        });
+        let n = self.frees.len() + self.commands.len();
+        proto::encode_commands(out, n, frees.chain(commands));
     }
 }
 
@@ -513,6 +509,7 @@ mod tests {
     use cuda_async::{LaunchConfig, Module as CoreModule};
 
     use super::WireCommands;
+    use crate::client::EncodeCommands;
     use crate::proto::{from_body, to_body, Command, Id, KernelArg, LaunchSpec, ModuleHash, Op};
 
     /// Every kind of command, encoded by `WireCommands` and as the
@@ -640,7 +637,8 @@ mod tests {
             ),
             c(1, Op::Free { id: Id(10) }),
         ];
-        let bytes = to_body(&wire);
+        let mut bytes = Vec::new();
+        wire.encode_into(&mut bytes);
         assert_eq!(bytes, to_body(&expected));
         assert_eq!(from_body::<Vec<Command>>(&bytes).unwrap(), expected);
     }
