@@ -154,12 +154,17 @@ impl RawQuinn {
 /// Sends `out` payload bytes and asks for `back` bytes; reads them all.
 async fn request(conn: &quinn::Connection, out: u64, back: u64) -> Result<(), BoxError> {
     let (mut send, mut recv) = conn.open_bi().await?;
-    send.write_all(&back.to_le_bytes()).await?;
-    let chunk = vec![0x5Au8; CHUNK.min(out as usize).max(1)];
-    let mut left = out;
+    // The count and the first chunk in one write (as the node's client
+    // writes a whole small frame at once), the rest chunk by chunk.
+    let first = (out as usize).min(CHUNK);
+    let mut buf = Vec::with_capacity(8 + first);
+    buf.extend_from_slice(&back.to_le_bytes());
+    buf.resize(8 + first, 0x5A);
+    send.write_all(&buf).await?;
+    let mut left = out - first as u64;
     while left > 0 {
-        let n = (left as usize).min(chunk.len());
-        send.write_all(&chunk[..n]).await?;
+        let n = (left as usize).min(first);
+        send.write_all(&buf[8..8 + n]).await?;
         left -= n as u64;
     }
     send.finish()?;
@@ -184,8 +189,11 @@ async fn serve(mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
         let mut want = [0u8; 8];
         recv.read_exact(&mut want).await?;
         drain(&mut recv).await?;
-        let chunk = vec![0xA5u8; CHUNK];
         let mut left = u64::from_le_bytes(want);
+        // No larger than the reply: a 64 B reply fills 64 bytes, not a
+        // whole chunk (filling 1 MiB per request, as this did until
+        // 2026-11-24, added its time to every raw round trip).
+        let chunk = vec![0xA5u8; (left as usize).min(CHUNK)];
         while left > 0 {
             let n = (left as usize).min(CHUNK);
             send.write_all(&chunk[..n]).await?;
