@@ -12,6 +12,11 @@
 //! hop=node op=MemWrite bytes=268435456 read_us=612003 dispatch_us=201122 reply_us=35
 //! ```
 //!
+//! A BATCH adds a `node-batch` line with the node's own phases of it:
+//! `decode` (and check), `order` (behind the lease's earlier batches),
+//! `lock` (the lease's turn), `plan`, `encode` (the worker's message),
+//! `worker` (the call, pipes included), `commit` and `reply`.
+//!
 //! Every line also carries `at_us`, the hop's start on the host's
 //! monotonic clock (`CLOCK_MONOTONIC`, shared by the client's, the node's
 //! and the workers' processes), so the hops of one request can be laid out
