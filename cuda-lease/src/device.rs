@@ -967,6 +967,9 @@ mod cuda {
         arena_reads: Vec<(usize, usize, usize)>,
         /// The kernel of the last launch (see [`CudaDevice::launchable`]).
         last_kernel: Option<LastKernel>,
+        /// The streams this batch enqueued work on (see
+        /// [`CudaDevice::sync_touched`]).
+        touched: Vec<Arc<CudaStream>>,
         /// A launch's argument values, 8-byte aligned (reused).
         arg_words: Vec<u64>,
         /// Where each argument starts in `arg_words` (reused).
@@ -1170,6 +1173,7 @@ mod cuda {
                 arena: None,
                 arena_reads: Vec::new(),
                 last_kernel: None,
+                touched: Vec::new(),
                 arg_words: Vec::new(),
                 arg_at: Vec::new(),
                 arg_ptrs: Vec::new(),
@@ -1177,18 +1181,48 @@ mod cuda {
         }
 
         fn stream(&mut self, id: StreamId) -> Result<Arc<CudaStream>, DeviceError> {
-            if let Some(s) = self.streams.get(&id) {
-                return Ok(s.clone());
-            }
-            if self.streams.len() >= MAX_DEVICE_STREAMS {
-                return Err(too_many_streams());
-            }
-            let s = self
-                .device
-                .new_stream()
-                .map_err(|e| map(Status::Internal, "creating a stream", e))?;
-            self.streams.insert(id, s.clone());
+            let s = match self.streams.get(&id) {
+                Some(s) => s.clone(),
+                None => {
+                    if self.streams.len() >= MAX_DEVICE_STREAMS {
+                        return Err(too_many_streams());
+                    }
+                    let s = self
+                        .device
+                        .new_stream()
+                        .map_err(|e| map(Status::Internal, "creating a stream", e))?;
+                    self.streams.insert(id, s.clone());
+                    s
+                }
+            };
+            self.touch(&s);
             Ok(s)
+        }
+
+        /// Notes that this batch enqueues work on `s` (see
+        /// [`CudaDevice::sync_touched`]).
+        fn touch(&mut self, s: &Arc<CudaStream>) {
+            if !self.touched.iter().any(|t| Arc::ptr_eq(t, s)) {
+                self.touched.push(s.clone());
+            }
+        }
+
+        /// Waits for the streams this batch enqueued work on (every
+        /// earlier batch's work was waited for at its own end), and
+        /// forgets them; a failure is sticky (a kernel fault). An idle
+        /// stream's synchronize costs about 1.3 us on an H100 host, and a
+        /// lease's round-robin policy keeps four streams, one busy per
+        /// submission.
+        fn sync_touched(&mut self) -> Result<(), DeviceError> {
+            let touched = std::mem::take(&mut self.touched);
+            for s in &touched {
+                s.synchronize().map_err(|e| {
+                    let mut d = driver(Status::LaunchFailed, "cuStreamSynchronize", e);
+                    d.sticky = true;
+                    d
+                })?;
+            }
+            Ok(())
         }
 
         /// A node's buffers are all local: the `cuda-core` buffer under one.
@@ -1222,9 +1256,12 @@ mod cuda {
             let (Some(stream), Some(buf)) = (self.streams.get(&s), self.buffers.get(&id)) else {
                 return Ok(());
             };
+            let stream = stream.clone();
             Self::raw(buf)
-                .after_write(stream)
-                .map_err(|e| map(Status::Internal, "recording a buffer's use", e))
+                .after_write(&stream)
+                .map_err(|e| map(Status::Internal, "recording a buffer's use", e))?;
+            self.touch(&stream);
+            Ok(())
         }
 
         /// Orders a use of buffer `id` on `stream` after its uses elsewhere,
@@ -1423,6 +1460,11 @@ mod cuda {
                 .buffers
                 .remove(&id)
                 .ok_or_else(|| not_found("buffer", id))?;
+            // A buffer not kept is freed on its home stream, which the
+            // batch's end then waits for (as for every other stream it
+            // touched), so the memory is back in the pool by the reply.
+            let home = Self::raw(&buf).home_stream().clone();
+            self.touch(&home);
             self.spare.keep(buf);
             Ok(())
         }
@@ -1797,7 +1839,7 @@ mod cuda {
 
         fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError> {
             // Waits for the copies (and surfaces kernel faults here).
-            let synced = self.sync_all();
+            let synced = self.sync_touched();
             self.spare.settle(synced.is_ok());
             if synced.is_ok() {
                 // Every use is done: nothing needs their events.
