@@ -1215,14 +1215,7 @@ mod cuda {
         /// submission.
         fn sync_touched(&mut self) -> Result<(), DeviceError> {
             let touched = std::mem::take(&mut self.touched);
-            for s in &touched {
-                s.synchronize().map_err(|e| {
-                    let mut d = driver(Status::LaunchFailed, "cuStreamSynchronize", e);
-                    d.sticky = true;
-                    d
-                })?;
-            }
-            Ok(())
+            touched.iter().try_for_each(|s| sync(s))
         }
 
         /// A node's buffers are all local: the `cuda-core` buffer under one.
@@ -1373,15 +1366,17 @@ mod cuda {
 
         /// Waits for every stream; a failure is sticky (a kernel fault).
         fn sync_all(&mut self) -> Result<(), DeviceError> {
-            for s in self.streams.values() {
-                s.synchronize().map_err(|e| {
-                    let mut d = driver(Status::LaunchFailed, "cuStreamSynchronize", e);
-                    d.sticky = true;
-                    d
-                })?;
-            }
-            Ok(())
+            self.streams.values().try_for_each(|s| sync(s))
         }
+    }
+
+    /// Waits for `s`; a failure is sticky (a kernel fault).
+    fn sync(s: &CudaStream) -> Result<(), DeviceError> {
+        s.synchronize().map_err(|e| {
+            let mut d = driver(Status::LaunchFailed, "cuStreamSynchronize", e);
+            d.sticky = true;
+            d
+        })
     }
 
     impl Device for CudaDevice {
