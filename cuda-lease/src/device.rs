@@ -974,6 +974,8 @@ mod cuda {
         arg_words: Vec<u64>,
         /// Where each argument starts in `arg_words` (reused).
         arg_at: Vec<usize>,
+        /// A launch's argument kinds, for the parameter check (reused).
+        arg_specs: Vec<(usize, ParamClass, &'static str)>,
         /// The driver's parameter array: a pointer into `arg_words` per
         /// argument (reused; empty between launches).
         arg_ptrs: Vec<*mut std::ffi::c_void>,
@@ -1176,6 +1178,7 @@ mod cuda {
                 touched: Vec::new(),
                 arg_words: Vec::new(),
                 arg_at: Vec::new(),
+                arg_specs: Vec::new(),
                 arg_ptrs: Vec::new(),
             })
         }
@@ -1310,37 +1313,24 @@ mod cuda {
                 });
             }
             let last = self.last_kernel.as_ref().expect("set above");
-            let spec = |a: &DeviceArg<'_>| match a {
-                DeviceArg::Scalar(b) => (b.len(), ParamClass::Bits, "bytes"),
-                DeviceArg::Mem { .. } => (8, ParamClass::Int, "device address"),
-            };
-            let fits = last.kernel.params().is_some_and(|params| {
-                params.len() == args.len()
-                    && params.iter().zip(args).all(|(p, a)| {
-                        let (size, class, _) = spec(a);
-                        p.accepts(size, class)
-                    })
-            });
-            if fits {
-                return Ok(last.func);
-            }
-            // The reason, as `cuda-core` words it.
             let bad = |e| map(Status::BadRequest, "kernel arguments", e);
             if last.kernel.params().is_none() {
-                return Err(DeviceError::new(
-                    Status::BadRequest,
-                    format!(
-                        "kernel arguments: the parameter list of kernel {name} could not be read \
-                         from its PTX, and run-time arguments are only launched against a known list"
-                    ),
-                ));
+                return Err(bad(Error::ArgumentMismatch {
+                    kernel: name.into(),
+                    detail: "the kernel's parameter list could not be read from its PTX, and \
+                             run-time arguments are only launched against a known list"
+                        .into(),
+                }));
             }
-            let specs: Vec<_> = args.iter().map(spec).collect();
-            last.kernel.check_args(&specs).map_err(bad)?;
-            Err(DeviceError::new(
-                Status::BadRequest,
-                "kernel arguments do not match the kernel's parameters",
-            ))
+            // `cuda-core`'s own check, on a list reused by every launch.
+            let specs = &mut self.arg_specs;
+            specs.clear();
+            specs.extend(args.iter().map(|a| match a {
+                DeviceArg::Scalar(b) => (b.len(), ParamClass::Bits, "bytes"),
+                DeviceArg::Mem { .. } => (8, ParamClass::Int, "device address"),
+            }));
+            last.kernel.check_args(specs).map_err(bad)?;
+            Ok(last.func)
         }
 
         /// The kernel `name` of a loaded module, resolved on first use.
