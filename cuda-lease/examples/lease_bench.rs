@@ -14,7 +14,10 @@
 //! path can be measured on a machine without one; kernels are not run there.
 //! `--transfers-only` skips the lease-allocation measurements (they sleep to
 //! let the worker pool refill); `--chain-only` measures the raw 64 B round
-//! trip and the 20-op chain row alone (e.g. to profile the command path).
+//! trip and the 20-op chain row alone (e.g. to profile the command path);
+//! `--launch-only` the raw 64 B round trip and one awaited launch on kept
+//! buffers, remote and local, interleaved the same way (a submission's fixed
+//! cost, with no bulk bytes: the quickest A/B of the remote path).
 //! The chain rows measure their own raw round trips (64 B, and a
 //! request/reply of the chain's sizes) interleaved with the remote and the
 //! local chain, in blocks of each in turn, so all four see the same host. `LEASE_BENCH_ITERS` sets the BATCH
@@ -32,7 +35,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cuda_async::prelude::*;
-use cuda_async::{HostBuffer, Kernel, Module, RemotePolicy, StreamPoolRoundRobin};
+use cuda_async::{DeviceBuffer, HostBuffer, Kernel, Module, RemotePolicy, StreamPoolRoundRobin};
 
 use cuda_lease::baseline::RawQuinn;
 use cuda_lease::client::{Client, ClientConfig, Lease};
@@ -209,6 +212,9 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     if args.iter().any(|a| a == "--chain-only") {
         return chain_only(&client, iters, memory).await;
+    }
+    if args.iter().any(|a| a == "--launch-only") {
+        return launch_only(&client, iters, memory).await;
     }
     let raw = raw_baseline(iters, xfer_iters).await?;
     let lease = transfer_bench(&client, iters, xfer_iters).await?;
@@ -500,28 +506,58 @@ async fn time_one_op<P: SchedulingPolicy>(
     axpy: &Kernel,
     iters: usize,
 ) -> Result<Duration, Box<dyn std::error::Error>> {
-    let n = 256u32;
-    let x = Arc::new(h2d(vec![1.0f32; n as usize]).schedule(policy)?.await?);
-    let mut y = Some(zeros::<f32>(n as usize).schedule(policy)?.await?);
+    let mut kept = KeptLaunch::new(policy, axpy).await?;
     let mut v = Vec::with_capacity(iters);
     for i in 0..iters + 50 {
+        let d = kept.time(policy).await?;
+        if i >= 50 {
+            v.push(d);
+        }
+    }
+    Ok(median(v))
+}
+
+/// One `axpy` launch on buffers made beforehand, timed awaited.
+struct KeptLaunch {
+    axpy: Kernel,
+    x: Arc<DeviceBuffer<f32>>,
+    y: Option<DeviceBuffer<f32>>,
+}
+
+impl KeptLaunch {
+    const N: u32 = 256;
+
+    async fn new<P: SchedulingPolicy + ?Sized>(
+        policy: &P,
+        axpy: &Kernel,
+    ) -> Result<Self, Box<dyn std::error::Error>> {
+        let n = Self::N as usize;
+        Ok(KeptLaunch {
+            axpy: axpy.clone(),
+            x: Arc::new(h2d(vec![1.0f32; n]).schedule(policy)?.await?),
+            y: Some(zeros::<f32>(n).schedule(policy)?.await?),
+        })
+    }
+
+    async fn time<P: SchedulingPolicy + ?Sized>(
+        &mut self,
+        policy: &P,
+    ) -> Result<Duration, Box<dyn std::error::Error>> {
         let t = Instant::now();
         // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
         let (_, _, back, _) = unsafe {
             launch(
-                axpy,
-                cuda_async::LaunchConfig::for_num_elems(n),
-                (0.5f32, x.clone(), y.take().expect("y"), n),
+                &self.axpy,
+                cuda_async::LaunchConfig::for_num_elems(Self::N),
+                (0.5f32, self.x.clone(), self.y.take().expect("y"), Self::N),
             )
         }
         .schedule(policy)?
         .await?;
-        if i >= 50 {
-            v.push(t.elapsed());
-        }
-        y = Some(back);
+        let d = t.elapsed();
+        self.y = Some(back);
+        Ok(d)
     }
-    Ok(median(v))
 }
 
 /// Medians of an awaited 256 MiB `h2d` and `d2h` on `remote`, in GiB/s.
@@ -703,6 +739,72 @@ async fn chain_only(
     let setup = ChainSetup::new(client, 64 << 20, iters, memory).await?;
     setup.lease.free().await?;
     print_chain_rows(&setup.times);
+    Ok(())
+}
+
+/// `--launch-only`: one awaited launch on kept buffers, remote and (with a
+/// GPU) local, against the raw 64 B round trip, interleaved in blocks as
+/// the chain rows are: the submission's fixed cost, with no bulk bytes.
+async fn launch_only(
+    client: &Arc<Client>,
+    iters: usize,
+    memory: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let axpy = Module::cuda(AXPY, &[])?.kernel("axpy")?;
+    let lease = Lease::builder()
+        .min_vram(64 << 20)
+        .ttl(Duration::from_secs(120))
+        .on(client.clone())
+        .await?;
+    let remote = RemotePolicy::new(&cuda_lease::remote::LeaseSession::current(lease.session()));
+    let local = local_policy(&axpy, memory)?;
+    let raw = RawQuinn::start(1).await.map_err(|e| e.to_string())?;
+    let mut on_remote = KeptLaunch::new(&remote, &axpy).await?;
+    let mut on_local = match &local {
+        Some(l) => Some(KeptLaunch::new(l.as_ref(), &axpy).await?),
+        None => None,
+    };
+    let mut v: [Vec<Duration>; 3] = Default::default();
+    let rounds = iters.div_ceil(CHAIN_BLOCK - CHAIN_SETTLE) + 1;
+    for round in 0..rounds {
+        for k in 0..3 {
+            let path = (round + k) % 3;
+            for j in 0..CHAIN_BLOCK {
+                let d = match path {
+                    0 => raw.round_trip(64).await.map_err(|e| e.to_string())?,
+                    1 => on_remote.time(&remote).await?,
+                    _ => match (&mut on_local, &local) {
+                        (Some(k), Some(l)) => k.time(l.as_ref()).await?,
+                        _ => break,
+                    },
+                };
+                // The first round warms everything up.
+                if round > 0 && j >= CHAIN_SETTLE {
+                    v[path].push(d);
+                }
+            }
+        }
+    }
+    raw.close().await;
+    lease.free().await?;
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    let [rtt, r, l] = v;
+    let (rtt, r) = (median(rtt), median(r));
+    match (!l.is_empty()).then(|| median(l)) {
+        Some(l) => println!(
+            "| one awaited launch: remote - local vs 64 B request/reply (interleaved) | {:.1} us | {:.1} us remote, {:.1} us local | {:.2} | - |",
+            us(rtt),
+            us(r),
+            us(l),
+            (us(r) - us(l)) / us(rtt)
+        ),
+        None => println!(
+            "| one awaited launch remotely vs 64 B request/reply (interleaved; no local GPU) | {:.1} us | {:.1} us | {:.2} | - |",
+            us(rtt),
+            us(r),
+            us(r) / us(rtt)
+        ),
+    }
     Ok(())
 }
 
