@@ -506,7 +506,7 @@ async fn time_one_op<P: SchedulingPolicy>(
     axpy: &Kernel,
     iters: usize,
 ) -> Result<Duration, Box<dyn std::error::Error>> {
-    let mut kept = KeptLaunch::new(policy, axpy).await?;
+    let mut kept = KeptLaunch::new("op", policy, axpy).await?;
     let mut v = Vec::with_capacity(iters);
     for i in 0..iters + 50 {
         let d = kept.time(policy).await?;
@@ -519,6 +519,8 @@ async fn time_one_op<P: SchedulingPolicy>(
 
 /// One `axpy` launch on buffers made beforehand, timed awaited.
 struct KeptLaunch {
+    /// `remote` or `local`: the hop time line's label.
+    label: &'static str,
     axpy: Kernel,
     x: Arc<DeviceBuffer<f32>>,
     y: Option<DeviceBuffer<f32>>,
@@ -528,11 +530,13 @@ impl KeptLaunch {
     const N: u32 = 256;
 
     async fn new<P: SchedulingPolicy + ?Sized>(
+        label: &'static str,
         policy: &P,
         axpy: &Kernel,
     ) -> Result<Self, Box<dyn std::error::Error>> {
         let n = Self::N as usize;
         Ok(KeptLaunch {
+            label,
             axpy: axpy.clone(),
             x: Arc::new(h2d(vec![1.0f32; n]).schedule(policy)?.await?),
             y: Some(zeros::<f32>(n).schedule(policy)?.await?),
@@ -545,15 +549,19 @@ impl KeptLaunch {
     ) -> Result<Duration, Box<dyn std::error::Error>> {
         let t = Instant::now();
         // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
-        let (_, _, back, _) = unsafe {
+        let fut = unsafe {
             launch(
                 &self.axpy,
                 cuda_async::LaunchConfig::for_num_elems(Self::N),
                 (0.5f32, self.x.clone(), self.y.take().expect("y"), Self::N),
             )
         }
-        .schedule(policy)?
-        .await?;
+        .schedule(policy)?;
+        let (_, _, back, _) = if hops::enabled() {
+            timed(fut, self.label).await?
+        } else {
+            fut.await?
+        };
         let d = t.elapsed();
         self.y = Some(back);
         Ok(d)
@@ -759,9 +767,9 @@ async fn launch_only(
     let remote = RemotePolicy::new(&cuda_lease::remote::LeaseSession::current(lease.session()));
     let local = local_policy(&axpy, memory)?;
     let raw = RawQuinn::start(1).await.map_err(|e| e.to_string())?;
-    let mut on_remote = KeptLaunch::new(&remote, &axpy).await?;
+    let mut on_remote = KeptLaunch::new("remote", &remote, &axpy).await?;
     let mut on_local = match &local {
-        Some(l) => Some(KeptLaunch::new(l.as_ref(), &axpy).await?),
+        Some(l) => Some(KeptLaunch::new("local", l.as_ref(), &axpy).await?),
         None => None,
     };
     let mut v: [Vec<Duration>; 3] = Default::default();
