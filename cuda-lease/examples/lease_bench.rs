@@ -671,6 +671,20 @@ struct ChainTimes {
     local: Option<Duration>,
 }
 
+/// The order of an interleaved measurement of `paths` paths: rounds of a
+/// block of [`CHAIN_BLOCK`] of each path, the paths in rotating order, as
+/// `(path, keep)`; enough rounds to keep `iters` of each. Not kept: the
+/// first round (it warms everything up) and the first [`CHAIN_SETTLE`] of
+/// each block.
+fn interleaved(iters: usize, paths: usize) -> impl Iterator<Item = (usize, bool)> {
+    let rounds = iters.div_ceil(CHAIN_BLOCK - CHAIN_SETTLE) + 1;
+    (0..rounds).flat_map(move |round| {
+        (0..paths).flat_map(move |k| {
+            (0..CHAIN_BLOCK).map(move |j| ((round + k) % paths, round > 0 && j >= CHAIN_SETTLE))
+        })
+    })
+}
+
 async fn chain_times(
     remote: &RemotePolicy,
     local: Option<&StreamPoolRoundRobin>,
@@ -680,28 +694,21 @@ async fn chain_times(
     let x = Arc::new(vec![2.0f32; 256]);
     let raw = RawQuinn::start(1).await.map_err(|e| e.to_string())?;
     let mut v: [Vec<Duration>; 4] = Default::default();
-    let rounds = iters.div_ceil(CHAIN_BLOCK - CHAIN_SETTLE) + 1;
-    for round in 0..rounds {
-        for k in 0..4 {
-            let path = (round + k) % 4;
-            for j in 0..CHAIN_BLOCK {
-                let d = match path {
-                    0 => raw.round_trip(64).await.map_err(|e| e.to_string())?,
-                    1 => raw
-                        .request_reply(CHAIN_OUT, CHAIN_BACK)
-                        .await
-                        .map_err(|e| e.to_string())?,
-                    2 => one_chain("remote", remote, axpy, &x).await?,
-                    _ => match local {
-                        Some(l) => one_chain("local", l, axpy, &x).await?,
-                        None => break,
-                    },
-                };
-                // The first round warms everything up.
-                if round > 0 && j >= CHAIN_SETTLE {
-                    v[path].push(d);
-                }
-            }
+    for (path, keep) in interleaved(iters, 4) {
+        let d = match path {
+            0 => raw.round_trip(64).await.map_err(|e| e.to_string())?,
+            1 => raw
+                .request_reply(CHAIN_OUT, CHAIN_BACK)
+                .await
+                .map_err(|e| e.to_string())?,
+            2 => one_chain("remote", remote, axpy, &x).await?,
+            _ => match local {
+                Some(l) => one_chain("local", l, axpy, &x).await?,
+                None => continue,
+            },
+        };
+        if keep {
+            v[path].push(d);
         }
     }
     raw.close().await;
@@ -773,24 +780,17 @@ async fn launch_only(
         None => None,
     };
     let mut v: [Vec<Duration>; 3] = Default::default();
-    let rounds = iters.div_ceil(CHAIN_BLOCK - CHAIN_SETTLE) + 1;
-    for round in 0..rounds {
-        for k in 0..3 {
-            let path = (round + k) % 3;
-            for j in 0..CHAIN_BLOCK {
-                let d = match path {
-                    0 => raw.round_trip(64).await.map_err(|e| e.to_string())?,
-                    1 => on_remote.time(&remote).await?,
-                    _ => match (&mut on_local, &local) {
-                        (Some(k), Some(l)) => k.time(l.as_ref()).await?,
-                        _ => break,
-                    },
-                };
-                // The first round warms everything up.
-                if round > 0 && j >= CHAIN_SETTLE {
-                    v[path].push(d);
-                }
-            }
+    for (path, keep) in interleaved(iters, 3) {
+        let d = match path {
+            0 => raw.round_trip(64).await.map_err(|e| e.to_string())?,
+            1 => on_remote.time(&remote).await?,
+            _ => match (&mut on_local, &local) {
+                (Some(k), Some(l)) => k.time(l.as_ref()).await?,
+                _ => continue,
+            },
+        };
+        if keep {
+            v[path].push(d);
         }
     }
     raw.close().await;
