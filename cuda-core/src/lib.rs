@@ -37,8 +37,8 @@ pub use device::{device_count, devices, driver_present, nvrtc_present, Device, D
 pub use error::{is_sticky, panic_message, Error, Result};
 pub use graph::{Graph, GraphUpdate, TrackedGraph};
 pub use module::{
-    fnv1a64, nvrtc_compilations, parse_ptx_entries, Kernel, Module, ModuleSource, ParamClass,
-    ParamSpec,
+    compile_ptx, fnv1a64, nvrtc_compilations, parse_ptx_entries, Kernel, Module, ModuleSource,
+    ParamClass, ParamSpec,
 };
 pub use pinned::PinnedBuffer;
 pub use raw::stream_error;

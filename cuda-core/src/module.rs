@@ -542,26 +542,58 @@ impl Module {
         {
             opts.push(format!("--gpu-architecture=compute_{major}{minor}"));
         }
-        NVRTC_COMPILATIONS.fetch_add(1, Ordering::Relaxed);
-        let compiled = cudarc::nvrtc::compile_ptx_with_opts(
-            source,
-            CompileOptions {
-                options: opts,
-                name: Some(self.inner.name.clone()),
-                ..Default::default()
-            },
-        );
-        match compiled {
-            Ok(ptx) => Ok(ptx.to_src()),
-            Err(CompileError::CompileError { log, .. }) => Err(Error::Compile {
-                program: self.inner.name.clone(),
-                log: log.to_string_lossy().into_owned(),
-            }),
-            Err(e) => Err(Error::Compile {
-                program: self.inner.name.clone(),
-                log: format!("{e:?}"),
-            }),
-        }
+        compile_ptx(&self.inner.name, source, &opts)
+    }
+}
+
+/// Compiles CUDA C `source` to PTX with NVRTC and exactly `options` (add
+/// `--gpu-architecture=compute_XY` for the GPU it will run on); `name` is
+/// the program name NVRTC puts in its log. Needs `libnvrtc`, not a driver or
+/// a device: a process that only compiles (a sandboxed compiler, say) never
+/// creates a CUDA context.
+///
+/// Prefer [`Module::cuda`] with [`Module::ptx_for`], which picks the
+/// architecture of the device and caches the result.
+///
+/// # Examples
+///
+/// ```no_run
+/// let ptx = cuda_core::compile_ptx(
+///     "scale.cu",
+///     r#"extern "C" __global__ void scale(float* x) { x[threadIdx.x] *= 2.0f; }"#,
+///     &["--gpu-architecture=compute_80".to_string()],
+/// )?;
+/// assert!(ptx.contains(".entry scale"));
+/// # Ok::<(), cuda_core::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// [`Error::NoNvrtc`] without `libnvrtc`; [`Error::Compile`] with NVRTC's
+/// log when the source does not compile.
+pub fn compile_ptx(name: &str, source: &str, options: &[String]) -> Result<String> {
+    if !crate::device::nvrtc_present() {
+        return Err(Error::NoNvrtc);
+    }
+    NVRTC_COMPILATIONS.fetch_add(1, Ordering::Relaxed);
+    let compiled = cudarc::nvrtc::compile_ptx_with_opts(
+        source,
+        CompileOptions {
+            options: options.to_vec(),
+            name: Some(name.to_owned()),
+            ..Default::default()
+        },
+    );
+    match compiled {
+        Ok(ptx) => Ok(ptx.to_src()),
+        Err(CompileError::CompileError { log, .. }) => Err(Error::Compile {
+            program: name.to_owned(),
+            log: log.to_string_lossy().into_owned(),
+        }),
+        Err(e) => Err(Error::Compile {
+            program: name.to_owned(),
+            log: format!("{e:?}"),
+        }),
     }
 }
 

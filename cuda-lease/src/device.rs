@@ -927,6 +927,7 @@ mod cuda {
         LaunchDims, MAX_DEVICE_STREAMS,
     };
     use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
+    use crate::sandbox::Compiler;
 
     /// A real device, driven through `cuda-core` and `cuda-async`: the
     /// device's primary context (the worker process owns it alone) and
@@ -979,6 +980,8 @@ mod cuda {
         /// The driver's parameter array: a pointer into `arg_words` per
         /// argument (reused; empty between launches).
         arg_ptrs: Vec<*mut std::ffi::c_void>,
+        /// Compiles tenants' CUDA C in a confined child process.
+        compiler: Arc<Compiler>,
     }
 
     /// A kernel and its driver function, kept while its `Kernel` (and so
@@ -1180,7 +1183,14 @@ mod cuda {
                 arg_at: Vec::new(),
                 arg_specs: Vec::new(),
                 arg_ptrs: Vec::new(),
+                compiler: Arc::default(),
             })
+        }
+
+        /// Compiles CUDA C with `compiler` (its headers, time and log
+        /// bounds) from now on; the default offers no headers.
+        pub fn set_compiler(&mut self, compiler: Arc<Compiler>) {
+            self.compiler = compiler;
         }
 
         fn stream(&mut self, id: StreamId) -> Result<Arc<CudaStream>, DeviceError> {
@@ -1660,13 +1670,23 @@ mod cuda {
             let (ptx, compiled) = match kind {
                 SourceKind::Ptx => (text.to_owned(), false),
                 SourceKind::Cuda { options } => {
-                    let opts: Vec<&str> = options.iter().map(String::as_str).collect();
-                    let source = Module::cuda(text, &opts)
-                        .map_err(|e| map(st, "CUDA C", e))?
-                        .named(name.clone());
-                    let ptx = source
-                        .ptx_for(&self.device)
-                        .map_err(|e| map(st, "compile", e))?;
+                    // In a confined child process (`crate::sandbox`): the
+                    // compiler reads no file of this machine but the
+                    // offered headers, and is killed at its time bound.
+                    let (major, minor) = self
+                        .device
+                        .compute_capability()
+                        .map_err(|e| map(st, "compute capability", e))?;
+                    let arch = format!("compute_{major}{minor}");
+                    let ptx =
+                        self.compiler
+                            .compile(&name, text, options, &arch)
+                            .map_err(|log| {
+                                DeviceError::new(
+                                    st,
+                                    format!("module `{name}` failed to compile:\n{log}"),
+                                )
+                            })?;
                     (ptx, true)
                 }
             };

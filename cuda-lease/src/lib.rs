@@ -8,6 +8,8 @@
 //!   metrics). Also embeddable: [`node::Node::spawn_local`].
 //! - [`worker`]: the worker processes that own CUDA contexts, and the
 //!   [`worker::main_if_worker`] hook every worker executable calls first.
+//! - [`sandbox`]: tenants' CUDA C checked (options, includes) and compiled
+//!   in a confined child process that cannot read the node's files.
 //! - [`spin`]: bounded busy-polling of the worker pipes (latency).
 //! - [`device`]: the device layer ([`device::CudaDevice`] and the in-memory
 //!   test double [`device::MemoryDevice`]).
@@ -66,6 +68,8 @@ pub mod proto;
 pub mod ptx;
 #[cfg(feature = "backend")]
 pub mod remote;
+#[cfg(feature = "node")]
+pub mod sandbox;
 #[cfg(feature = "node")]
 mod shm;
 #[cfg(feature = "node")]

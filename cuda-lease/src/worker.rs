@@ -31,6 +31,7 @@ use crate::proto::{
     self, from_body, to_body, ArgView, Commands, DeviceInfo, Frame, GpuSubmit, Header, Id,
     KernelArg, Limits, ModuleHash, OpView as Op, Opcode, SourceKind, Status, StreamId,
 };
+use crate::sandbox::{CompileSandbox, Compiler};
 use crate::shm::{ShmRing, WorkerRing, SHM_ENV};
 
 /// Environment variable that turns a process into a worker. Its value names
@@ -93,6 +94,9 @@ pub struct WorkerSpec {
     /// request, poll the pipe without sleeping before they block (see
     /// [`crate::spin`]); zero blocks at once.
     pub spin: Duration,
+    /// How workers compile tenants' CUDA C: the headers offered, the time
+    /// and log bounds ([`crate::sandbox`]).
+    pub compile: CompileSandbox,
 }
 
 impl WorkerSpec {
@@ -107,6 +111,7 @@ impl WorkerSpec {
             args: Vec::new(),
             device,
             spin: crate::spin::default_spin(),
+            compile: CompileSandbox::default(),
         })
     }
 }
@@ -241,6 +246,9 @@ const WORKER_LIMITS: Limits = Limits {
 /// returns at once otherwise. Call it first thing in `main` of any program
 /// that serves as a worker executable.
 pub fn main_if_worker() {
+    if std::env::var_os(crate::sandbox::COMPILER_ENV).is_some() {
+        std::process::exit(crate::sandbox::child_main());
+    }
     if let Some(spec) = std::env::var_os(WORKER_ENV) {
         let code = run_worker(&spec.to_string_lossy());
         std::process::exit(code);
@@ -256,10 +264,13 @@ fn run_worker(spec: &str) -> i32 {
     let mut input = std::io::BufReader::with_capacity(1 << 20, stdin.lock());
     let mut output = std::io::BufWriter::with_capacity(1 << 20, stdout.lock());
     let ready = Header::request(Opcode::GetInventory, 0, 0, 0);
+    // Tenants' CUDA C is checked here and compiled in a confined child.
+    let compiler = Arc::new(Compiler::new(CompileSandbox::from_env()));
     let device: Result<Box<dyn Device>, DeviceError> = match DeviceSpec::parse(spec) {
-        Some(DeviceSpec::Cuda { ordinal }) => {
-            CudaDevice::open(ordinal).map(|d| Box::new(d) as Box<dyn Device>)
-        }
+        Some(DeviceSpec::Cuda { ordinal }) => CudaDevice::open(ordinal).map(|mut d| {
+            d.set_compiler(compiler.clone());
+            Box::new(d) as Box<dyn Device>
+        }),
         Some(DeviceSpec::Memory { capacity }) => Ok(Box::new(MemoryDevice::new(capacity))),
         None => Err(DeviceError::new(
             Status::Internal,
@@ -307,7 +318,7 @@ fn run_worker(spec: &str) -> i32 {
         hops::mark(&mut hop, "pipe_read");
         let (status, body, data) = match frame.header.opcode {
             Opcode::MemWrite | Opcode::MemRead => serve_chunk(device.as_mut(), &mut ring, &frame),
-            _ => serve(device.as_mut(), &mut submit_modules, &frame),
+            _ => serve(device.as_mut(), &compiler, &mut submit_modules, &frame),
         };
         if let Some(t) = &mut hop {
             t.mark("device");
@@ -368,6 +379,7 @@ fn serve_chunk(
 
 fn serve(
     dev: &mut dyn Device,
+    compiler: &Compiler,
     cache: &mut HashSet<ModuleHash>,
     f: &Frame,
 ) -> (Status, Vec<u8>, Vec<u8>) {
@@ -380,7 +392,7 @@ fn serve(
         Opcode::Batch => match WorkerBatch::decode(&f.body) {
             Ok(b) => {
                 let mut out = Vec::new();
-                let reply = run_batch(dev, &b, &f.data, &mut out);
+                let reply = run_batch(dev, compiler, &b, &f.data, &mut out);
                 (Status::Ok, to_body(&reply), out)
             }
             Err(e) => fail(WorkerFailure {
@@ -457,6 +469,7 @@ thread_local! {
 
 fn run_batch(
     dev: &mut dyn Device,
+    compiler: &Compiler,
     batch: &WorkerBatch<'_>,
     data: &[u8],
     out: &mut Vec<u8>,
@@ -481,7 +494,10 @@ fn run_batch(
     for (i, l) in batch.loads.iter().enumerate() {
         let ts = std::time::Instant::now();
         let r = take(l.len)
-            .and_then(|d| dev.load_module(l.hash, &l.kind, d))
+            .and_then(|d| {
+                check_module(compiler, &l.kind, d)?;
+                dev.load_module(l.hash, &l.kind, d)
+            })
             .map(|ptx| compiled.extend(ptx.map(|p| (l.hash, p))));
         if trace {
             spans.push(("load", ts.elapsed()));
@@ -667,6 +683,19 @@ fn submit(
     result
 }
 
+/// Refuses a CUDA C module whose options or includes could reach the
+/// node's files ([`crate::sandbox`]), before any device sees it.
+fn check_module(compiler: &Compiler, kind: &SourceKind, text: &[u8]) -> Result<(), DeviceError> {
+    let SourceKind::Cuda { options } = kind else {
+        return Ok(());
+    };
+    let text = std::str::from_utf8(text)
+        .map_err(|_| DeviceError::new(Status::LoadFailed, "module text is not UTF-8"))?;
+    compiler
+        .check(text, options)
+        .map_err(|e| DeviceError::new(Status::LoadFailed, format!("module refused: {e}")))
+}
+
 /// Why talking to a worker failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum WorkerError {
@@ -787,6 +816,9 @@ impl WorkerProcess {
             .env(WORKER_ENV, spec.device.to_env())
             .env(SHM_ENV, ring.path())
             .env(SPIN_ENV, spec.spin.as_micros().to_string())
+            .envs(spec.compile.to_env())
+            // Workers run tenants' work: the node's tokens stay behind.
+            .env_remove("CUDA_LEASE_TOKENS")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -220,6 +220,7 @@ fn gpu_config() -> NodeConfig {
         args: Vec::new(),
         device: DeviceSpec::Cuda { ordinal: 0 },
         spin: cuda_lease::spin::default_spin(),
+        compile: Default::default(),
     });
     cfg.tokens = vec![TOKEN.into()];
     cfg.submit_workers = 2;
@@ -906,4 +907,139 @@ async fn v2_buffers_order_their_uses_across_streams_without_events() {
     }
     lease.free().await.unwrap();
     node.shutdown().await;
+}
+
+/// The CUDA toolkit's header folder on this host, if there is one.
+fn cuda_include_dir() -> Option<std::path::PathBuf> {
+    let mut cands: Vec<std::path::PathBuf> = ["CUDA_HOME", "CUDA_PATH"]
+        .iter()
+        .filter_map(std::env::var_os)
+        .map(|v| std::path::PathBuf::from(v).join("include"))
+        .collect();
+    cands.push("/usr/local/cuda/include".into());
+    cands.into_iter().find(|d| d.join("cuda_fp16.h").is_file())
+}
+
+/// Lines of a file of this machine, to look for in error texts.
+fn lines_of(path: &str) -> Vec<String> {
+    std::fs::read(path)
+        .unwrap_or_default()
+        .split(|b| *b == b'\n' || *b == 0)
+        .filter(|l| l.len() >= 8)
+        .map(|l| String::from_utf8_lossy(l).into_owned())
+        .collect()
+}
+
+/// A template instantiated 2^40 times: no compiler finishes it.
+const TEMPLATE_BOMB: &str = r#"
+template <unsigned long long N, unsigned long long M> struct B {
+    static constexpr unsigned long long v = B<N - 1, 2 * M>::v + B<N - 1, 2 * M + 1>::v;
+};
+template <unsigned long long M> struct B<0, M> { static constexpr unsigned long long v = M; };
+extern "C" __global__ void k(unsigned long long* out) { out[0] = B<40, 1>::v; }
+"#;
+
+#[tokio::test]
+#[ignore = "needs an NVIDIA GPU"]
+async fn tenant_cuda_c_cannot_read_the_nodes_files_and_compiles_are_time_bounded() {
+    let include = cuda_include_dir();
+    let mut cfg = gpu_config();
+    cfg.worker.compile.include_dirs = include.iter().cloned().collect();
+    cfg.worker.compile.timeout = Duration::from_secs(3);
+    let node = gpu_node(cfg).await;
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(16 << 20)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let s = lease.session();
+    let secrets: Vec<String> = ["/etc/passwd", "/proc/self/environ", "/proc/self/cmdline"]
+        .iter()
+        .flat_map(|p| lines_of(p))
+        .collect();
+    let kernel = "extern \"C\" __global__ void k(float* p) { p[0] = 1.0f; }\n";
+    let attacks: [(&str, &[&str]); 6] = [
+        ("#include \"/etc/passwd\"\n", &[]),
+        ("#include \"/proc/self/environ\"\n", &[]),
+        ("#include \"/proc/self/cmdline\"\n", &[]),
+        ("#include </dev/zero>\n", &[]),
+        ("#include \"etc/passwd\"\n", &["-I/"]),
+        ("#include <passwd>\n", &["-I/etc"]),
+    ];
+    for (head, options) in attacks {
+        let m = Module::cuda(format!("{head}{kernel}"), options);
+        let t = std::time::Instant::now();
+        let e = s.load(&m).await.unwrap_err();
+        let text = e.to_string();
+        eprintln!("{head:?} {options:?}: {:?}: {text}", t.elapsed());
+        assert!(matches!(e, Error::LoadFailed(_)), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(10));
+        for line in &secrets {
+            assert!(!text.contains(line.as_str()), "{head:?}: quotes {line:?}");
+        }
+    }
+    // A compile that would never end is stopped at the bound.
+    let t = std::time::Instant::now();
+    let e = s.load(&Module::cuda(TEMPLATE_BOMB, &[])).await.unwrap_err();
+    eprintln!("template bomb: {:?}: {e}", t.elapsed());
+    assert!(e.to_string().contains("did not finish within 3s"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+    // The headers the node offers still compile, and run.
+    let dir = include.expect("no CUDA include folder with cuda_fp16.h on this host");
+    let fp16 = Module::cuda(
+        "#include <cuda_fp16.h>\n\
+         extern \"C\" __global__ void k(float* p) { p[0] = __half2float(__float2half(1.5f)); }\n",
+        &["--std=c++17"],
+    );
+    let t = std::time::Instant::now();
+    s.load(&fp16).await.unwrap();
+    eprintln!(
+        "cuda_fp16.h from {}: compiled in {:?}",
+        dir.display(),
+        t.elapsed()
+    );
+    let buf = s.alloc(4).await.unwrap();
+    s.launch(&fp16, "k", [1, 1, 1], [1, 1, 1], vec![buf.arg()])
+        .await
+        .unwrap();
+    assert_eq!(s.read(&buf, 0, 4).await.unwrap(), 1.5f32.to_le_bytes());
+    drop(buf);
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn the_confined_compiler_alone_cannot_read_the_nodes_files() {
+    use cuda_lease::sandbox::{CompileSandbox, Compiler};
+    // Past the source check (called directly): the confinement alone holds.
+    let compiler = Compiler::new(CompileSandbox {
+        include_dirs: cuda_include_dir().into_iter().collect(),
+        ..CompileSandbox::default()
+    })
+    .with_program(worker_exe());
+    let secrets: Vec<String> = ["/etc/passwd", "/proc/self/environ"]
+        .iter()
+        .flat_map(|p| lines_of(p))
+        .collect();
+    for path in ["/etc/passwd", "/proc/self/environ", "/proc/self/cmdline"] {
+        let src = format!("#include \"{path}\"\nextern \"C\" __global__ void k() {{}}\n");
+        let log = compiler
+            .compile("attack", &src, &[], "compute_70")
+            .unwrap_err();
+        eprintln!("{path}: {log}");
+        for line in &secrets {
+            assert!(!log.contains(line.as_str()), "{path}: quotes {line:?}");
+        }
+    }
+    let ptx = compiler
+        .compile(
+            "fp16",
+            "#include <cuda_fp16.h>\nextern \"C\" __global__ void k(float* p) { p[0] = __half2float(__float2half(1.5f)); }\n",
+            &[],
+            "compute_70",
+        )
+        .unwrap();
+    assert!(ptx.contains(".entry k"), "{ptx}");
 }

@@ -71,6 +71,14 @@ struct Args {
     /// Seconds a worker may take for one request before it is deemed hung.
     #[arg(long, default_value_t = 60)]
     op_timeout: u64,
+    /// A folder of CUDA headers tenants' CUDA C may `#include` (repeat for
+    /// several; for example the toolkit's `include`). The compiler can read
+    /// these folders and no other file of this machine.
+    #[arg(long = "cuda-include")]
+    cuda_include: Vec<PathBuf>,
+    /// Milliseconds one CUDA C compile may take before it is killed.
+    #[arg(long, default_value_t = 5000)]
+    compile_timeout_ms: u64,
     /// Node name reported to clients.
     #[arg(long, default_value = "cuda-lease-node")]
     name: String,
@@ -108,6 +116,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(us) = args.worker_spin_us {
         worker.spin = std::time::Duration::from_micros(us);
     }
+    worker.compile.include_dirs = args.cuda_include;
+    worker.compile.timeout = Duration::from_millis(args.compile_timeout_ms);
     let mut cfg = NodeConfig::new(worker);
     cfg.listen = args.listen;
     cfg.metrics_listen = args.metrics_listen;

@@ -38,6 +38,7 @@ pub fn memory_config(capacity: u64) -> NodeConfig {
         args: Vec::new(),
         device: DeviceSpec::Memory { capacity },
         spin: cuda_lease::spin::default_spin(),
+        compile: Default::default(),
     });
     cfg.tokens = vec![TOKEN.into()];
     cfg.capacity = Some(capacity);
