@@ -1026,7 +1026,7 @@ fn the_confined_compiler_alone_cannot_read_the_nodes_files() {
     for path in ["/etc/passwd", "/proc/self/environ", "/proc/self/cmdline"] {
         let src = format!("#include \"{path}\"\nextern \"C\" __global__ void k() {{}}\n");
         let log = compiler
-            .compile("attack", &src, &[], "compute_70")
+            .compile("attack", &src, &[], "compute_80")
             .unwrap_err();
         eprintln!("{path}: {log}");
         for line in &secrets {
@@ -1038,7 +1038,7 @@ fn the_confined_compiler_alone_cannot_read_the_nodes_files() {
             "fp16",
             "#include <cuda_fp16.h>\nextern \"C\" __global__ void k(float* p) { p[0] = __half2float(__float2half(1.5f)); }\n",
             &[],
-            "compute_70",
+            "compute_80",
         )
         .unwrap();
     assert!(ptx.contains(".entry k"), "{ptx}");
