@@ -6,14 +6,17 @@ use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex as StdMutex, OnceLock};
+use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
 use rustls::pki_types::CertificateDer;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
+mod handshake;
 mod stream;
+
+pub use handshake::REJECTED_LOG_INTERVAL;
 
 use crate::clock::{Clock, MonotonicClock};
 use crate::hops::{self, HopTimer};
@@ -29,6 +32,7 @@ use crate::tls::{self, Identity, TlsError};
 use crate::worker::{
     WorkerBatchReply, WorkerError, WorkerFailure, WorkerLoad, WorkerProcess, WorkerSpec,
 };
+use handshake::{HandshakeLimits, Handshakes, Peer, Source};
 
 /// Where the node's TLS certificate comes from.
 #[derive(Debug, Clone)]
@@ -99,6 +103,21 @@ pub struct NodeConfig {
     pub max_ids_per_lease: usize,
     /// Bytes of module source the node keeps, node-wide, by content hash.
     pub module_cache_bytes: u64,
+    /// Longest a connection may go without a principal (its TLS handshake
+    /// and HELLO); then it is closed.
+    pub hello_timeout: Duration,
+    /// Most connections waiting for HELLO (no principal yet) on the node;
+    /// more are refused before their TLS handshake.
+    pub max_unauthenticated: usize,
+    /// Most connections waiting for HELLO from one source address (an IPv4
+    /// address or an IPv6 /64); more are refused before their TLS
+    /// handshake.
+    pub max_unauthenticated_per_source: usize,
+    /// Failed HELLOs (tokens checked and found wrong) allowed per second
+    /// from one source address, and at most that many at once; over it a
+    /// HELLO is answered UNAUTHORIZED without its token being checked. Each
+    /// failed HELLO closes its connection.
+    pub max_failed_hellos_per_source: u32,
     /// Accept clients without credentials (development only).
     pub allow_anonymous: bool,
     /// TLS certificate.
@@ -154,6 +173,10 @@ impl NodeConfig {
             max_streams_per_lease: 8,
             max_ids_per_lease: 1 << 16,
             module_cache_bytes: 64 << 20,
+            hello_timeout: Duration::from_secs(5),
+            max_unauthenticated: 256,
+            max_unauthenticated_per_source: 32,
+            max_failed_hellos_per_source: 5,
             allow_anonymous: false,
             tls: TlsSource::SelfSigned {
                 names: vec!["localhost".into(), "127.0.0.1".into()],
@@ -289,6 +312,8 @@ struct Shared {
     /// Requests and bytes in flight per principal.
     budgets: StdMutex<HashMap<Principal, (usize, u64)>>,
     modules: StdMutex<ModuleCache>,
+    /// Connections waiting for HELLO and failed HELLOs.
+    handshakes: Arc<Handshakes>,
     metrics: Metrics,
 }
 
@@ -455,6 +480,11 @@ impl Node {
             submits: StdMutex::default(),
             budgets: StdMutex::default(),
             modules: StdMutex::default(),
+            handshakes: Handshakes::new(HandshakeLimits {
+                max_unauthenticated: cfg.max_unauthenticated,
+                max_unauthenticated_per_source: cfg.max_unauthenticated_per_source,
+                max_failed_hellos_per_source: cfg.max_failed_hellos_per_source,
+            }),
             metrics: Metrics::default(),
             cfg,
         });
@@ -621,6 +651,7 @@ async fn reaper(shared: Arc<Shared>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        shared.handshakes.flush_log();
         let now = shared.now();
         let expired = shared.table().expire(now);
         for (id, slot) in expired {
@@ -654,29 +685,52 @@ fn fail_lease(shared: &Shared, id: &LeaseId, reason: &str) {
 
 async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) {
     while let Some(incoming) = endpoint.accept().await {
+        let remote = incoming.remote_address();
+        // A place among the connections waiting for HELLO, before the TLS
+        // handshake costs anything.
+        let Some(place) = shared.handshakes.wait(Source::of(remote.ip())) else {
+            debug!(%remote, "refused: too many connections waiting for HELLO");
+            incoming.refuse();
+            continue;
+        };
         let shared = shared.clone();
         tokio::spawn(async move {
-            let conn = match incoming.await {
-                Ok(c) => c,
-                Err(e) => {
+            let deadline = tokio::time::Instant::now() + shared.cfg.hello_timeout;
+            let conn = match tokio::time::timeout_at(deadline, incoming).await {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
                     debug!(error = %e, "handshake failed");
                     return;
                 }
+                Err(_) => {
+                    debug!(%remote, "TLS handshake not done by the HELLO deadline");
+                    return;
+                }
             };
-            let peer: Arc<Peer> = Arc::default();
+            let peer = Arc::new(Peer::new(conn.clone(), place));
             if let Some(p) = cert_principal(&conn) {
-                let _ = peer.set(p);
+                peer.authenticate(p);
             }
-            debug!(remote = %conn.remote_address(), principal = ?peer.get(), "connection");
+            debug!(%remote, principal = ?peer.get(), "connection");
+            let hello_deadline = tokio::time::sleep_until(deadline);
+            tokio::pin!(hello_deadline);
             loop {
-                let (send, recv) = match conn.accept_bi().await {
-                    Ok(s) => s,
-                    Err(_) => break,
-                };
-                let shared = shared.clone();
-                let peer = peer.clone();
-                tokio::spawn(async move { serve_stream(shared, peer, send, recv).await });
+                tokio::select! {
+                    s = conn.accept_bi() => {
+                        let Ok((send, recv)) = s else { break };
+                        let shared = shared.clone();
+                        let peer = peer.clone();
+                        tokio::spawn(async move { serve_stream(shared, peer, send, recv).await });
+                    }
+                    () = &mut hello_deadline, if peer.get().is_none() => {
+                        if peer.get().is_none() {
+                            debug!(%remote, "no HELLO by the deadline: closed");
+                            peer.close_unauthenticated("no HELLO by the deadline");
+                        }
+                    }
+                }
             }
+            peer.end();
         });
     }
 }
@@ -751,6 +805,9 @@ async fn serve_stream(
     let head = match head {
         Ok(Ok(Err((header, reply)))) => {
             refuse(&mut send, &mut recv, &header, &reply).await;
+            if header.opcode == Opcode::Hello && peer.get().is_none() {
+                close_after_failed_hello(&shared, &peer, &mut send).await;
+            }
             return;
         }
         Ok(Ok(Ok(x))) => Ok(Ok(x)),
@@ -794,6 +851,7 @@ async fn serve_stream(
     // A peer of another protocol version gets its answer in its own
     // version's header (the layout is the same), so it can read the reason.
     let mut reply_version = None;
+    let mut failed_hello = false;
     let (req, reply) = match read {
         Ok(Ok(frame)) => {
             if let Some(t) = &mut hop {
@@ -801,6 +859,9 @@ async fn serve_stream(
                 t.set_op(frame.header.opcode, frame.data.len() as u64);
             }
             let reply = dispatch(&shared, &peer, &frame).await;
+            failed_hello = frame.header.opcode == Opcode::Hello
+                && reply.status != Status::Ok
+                && peer.get().is_none();
             if let Some(t) = &mut hop {
                 t.mark("dispatch");
                 let bytes = frame.data.len().max(reply.data.len()) as u64;
@@ -858,6 +919,17 @@ async fn serve_stream(
         debug!("reply not read within the reply timeout: dropped");
         let _ = send.reset(0u32.into());
     }
+    if failed_hello {
+        close_after_failed_hello(&shared, &peer, &mut send).await;
+    }
+}
+
+/// Closes a connection whose HELLO failed, once its reply has arrived (or
+/// after a short wait): a connection gets one try.
+async fn close_after_failed_hello(shared: &Shared, peer: &Peer, send: &mut quinn::SendStream) {
+    let wait = shared.cfg.reply_timeout.min(Duration::from_secs(1));
+    let _ = tokio::time::timeout(wait, send.stopped()).await;
+    peer.close_unauthenticated("HELLO failed");
 }
 
 /// The principal of `token`, comparing against every token without early
@@ -892,9 +964,6 @@ fn cert_principal(conn: &quinn::Connection) -> Option<Principal> {
         .collect();
     Some(Principal::from(format!("cert-{hex}")))
 }
-
-/// Who is on a connection: set once, by a client certificate or HELLO.
-type Peer = OnceLock<Principal>;
 
 /// The connection's principal, or UNAUTHORIZED.
 fn principal(peer: &Peer) -> Result<&Principal, Reply> {
@@ -940,22 +1009,35 @@ async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<
         let h: Hello = from_body(&f.body)?;
         // Client-supplied: escaped before it reaches a log line.
         let client = h.client.escape_debug().to_string();
-        let who = peer.get().cloned().or_else(|| {
-            token_principal(shared, &h.token).or_else(|| {
-                shared
-                    .cfg
-                    .allow_anonymous
-                    .then(|| Principal::from("anonymous"))
-            })
+        let hello_ok = || {
+            Ok(Reply::ok(&HelloOk {
+                node: shared.cfg.name.clone(),
+            }))
+        };
+        if peer.get().is_some() {
+            return hello_ok();
+        }
+        // Token checks are rationed per source address.
+        if !shared.handshakes.take_check(peer.source) {
+            shared.handshakes.rejected(&client, peer.remote(), false);
+            return Err(Reply::err(
+                Status::Unauthorized,
+                "too many failed HELLOs from this address: try again later",
+            ));
+        }
+        let who = token_principal(shared, &h.token).or_else(|| {
+            shared
+                .cfg
+                .allow_anonymous
+                .then(|| Principal::from("anonymous"))
         });
         if let Some(who) = who {
-            let who = peer.get_or_init(|| who);
+            shared.handshakes.authenticated(peer.source);
+            let who = peer.authenticate(who);
             debug!(%client, principal = %who, "authenticated");
-            return Ok(Reply::ok(&HelloOk {
-                node: shared.cfg.name.clone(),
-            }));
+            return hello_ok();
         }
-        warn!(%client, "rejected credentials");
+        shared.handshakes.rejected(&client, peer.remote(), true);
         return Err(Reply::err(Status::Unauthorized, "invalid token"));
     }
     let who = principal(peer)?.clone();

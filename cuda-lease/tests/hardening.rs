@@ -516,7 +516,15 @@ async fn five_hundred_connections_and_32_clients_times_1000_requests_lose_nothin
     let _one = ONE_AT_A_TIME.lock().await;
     let mut cfg = memory_config(64 << 20);
     cfg.max_leases_per_principal = 32;
+    // 500 connecting at once from one address: more than the default caps
+    // on connections waiting for HELLO.
+    cfg.max_unauthenticated = 1024;
+    cfg.max_unauthenticated_per_source = 1024;
+    // 500 TLS handshakes at once take longer than the default HELLO
+    // deadline on a 2-core machine in a debug build.
+    cfg.hello_timeout = Duration::from_secs(60);
     let node = Node::spawn_local(cfg).await.unwrap();
+    let t = std::time::Instant::now();
     // 500 connections at once, each authenticated and served.
     let mut tasks = Vec::new();
     for _ in 0..500 {
@@ -532,6 +540,7 @@ async fn five_hundred_connections_and_32_clients_times_1000_requests_lose_nothin
         conns.push(t.await.unwrap().expect("a connection was refused or lost"));
     }
     assert_eq!(conns.len(), 500);
+    eprintln!("500 connections authenticated in {:?}", t.elapsed());
     drop(conns);
     // 32 clients x 1000 requests, each answered with the right lease.
     let mut tasks = Vec::new();
@@ -560,7 +569,10 @@ async fn five_hundred_connections_and_32_clients_times_1000_requests_lose_nothin
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn twenty_thousand_fuzzed_frames_then_a_good_client_is_served() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let mut cfg = memory_config(1 << 20);
+    // Garbage within the HELLO deadline (which has its own test).
+    cfg.hello_timeout = Duration::from_secs(120);
+    let node = Node::spawn_local(cfg).await.unwrap();
     let authed = raw_authed_conn(&node).await;
     let next = Arc::new(AtomicU64::new(0));
     let undecodable = Arc::new(AtomicU64::new(0));
@@ -568,12 +580,14 @@ async fn twenty_thousand_fuzzed_frames_then_a_good_client_is_served() {
     for w in 0..32u64 {
         let (next, undecodable) = (next.clone(), undecodable.clone());
         // Half the workers share an authenticated connection, half have
-        // their own unauthenticated one.
-        let conn = if w % 2 == 0 {
-            authed.clone()
-        } else {
-            raw_unauthed_conn(&node).await
+        // their own unauthenticated one (a new one after a failed HELLO,
+        // which closes it).
+        let unauthed = (w % 2 == 1).then(|| endpoint_on(&node, [127, 0, 0, 1]));
+        let mut conn = match &unauthed {
+            None => authed.clone(),
+            Some(ep) => dial(ep, &node).await.unwrap(),
         };
+        let addr = node.addr();
         tasks.push(tokio::spawn(async move {
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
@@ -608,6 +622,12 @@ async fn twenty_thousand_fuzzed_frames_then_a_good_client_is_served() {
                 if !matches!(reply, Ok(Ok(_))) {
                     undecodable.fetch_add(1, Ordering::Relaxed);
                 }
+                if let Some(ep) = &unauthed {
+                    if h[5] == Opcode::Hello as u8 {
+                        let _ = tokio::time::timeout(Duration::from_secs(5), conn.closed()).await;
+                        conn = ep.connect(addr, "localhost").unwrap().await.unwrap();
+                    }
+                }
             }
         }));
     }
@@ -633,5 +653,253 @@ async fn twenty_thousand_fuzzed_frames_then_a_good_client_is_served() {
     assert_eq!(s.read(&buf, 0, 8).await.unwrap(), b"survived");
     drop(buf);
     lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+/// A QUIC client endpoint on `ip` (all of 127.0.0.0/8 is loopback), so a
+/// test can choose the source address the node sees.
+fn endpoint_on(node: &Node, ip: [u8; 4]) -> quinn::Endpoint {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(node.cert_der().clone()).unwrap();
+    let mut tls = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![proto::ALPN.to_vec()];
+    let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut ep = quinn::Endpoint::client((ip, 0).into()).unwrap();
+    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(qc)));
+    ep
+}
+
+/// A new connection from `ep` to the node.
+async fn dial(
+    ep: &quinn::Endpoint,
+    node: &Node,
+) -> Result<quinn::Connection, quinn::ConnectionError> {
+    ep.connect(node.addr(), "localhost").unwrap().await
+}
+
+/// Sends HELLO with `token` on a new stream: the reply's status and
+/// message, or `None` when the connection ended without one.
+async fn hello(conn: &quinn::Connection, token: &str) -> Option<(Status, String)> {
+    let body = proto::to_body(&proto::Hello {
+        token: token.into(),
+        client: "hardening test".into(),
+    });
+    let (mut send, mut recv) = conn.open_bi().await.ok()?;
+    let h = Header::request(Opcode::Hello, 1, body.len() as u32, 0);
+    proto::write_frame(&mut send, &h, &body, &[]).await.ok()?;
+    let _ = send.finish();
+    let f = tokio::time::timeout(
+        Duration::from_secs(5),
+        proto::read_frame(&mut recv, &proto::Limits::default()),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    let message = proto::from_body::<proto::ErrorBody>(&f.body)
+        .map(|e| e.message)
+        .unwrap_or_default();
+    Some((f.header.status, message))
+}
+
+/// Whether `conn` was closed by the node within `limit`.
+async fn closed_within(conn: &quinn::Connection, limit: Duration) -> bool {
+    tokio::time::timeout(limit, conn.closed()).await.is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_never_send_hello_are_closed_at_the_hello_deadline() {
+    // Round 2, attack 1: 1,000 connections that never sent HELLO were all
+    // still open after 90 s (about 50 KiB of the node each).
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(1 << 20);
+    cfg.hello_timeout = Duration::from_millis(300);
+    cfg.max_unauthenticated = 1024;
+    cfg.max_unauthenticated_per_source = 1024;
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let ep = endpoint_on(&node, [127, 0, 0, 1]);
+    let mut idle = Vec::new();
+    for _ in 0..300 {
+        idle.push(dial(&ep, &node).await.unwrap());
+    }
+    let start = std::time::Instant::now();
+    let all_closed = eventually(Duration::from_secs(3), || async {
+        idle.iter().all(|c| c.close_reason().is_some())
+    })
+    .await;
+    let open = idle.iter().filter(|c| c.close_reason().is_none()).count();
+    eprintln!(
+        "300 connections without HELLO, deadline 300 ms: {open} still open {:.1} s after the last connected",
+        start.elapsed().as_secs_f64()
+    );
+    assert!(all_closed, "{open} of 300 still open");
+    for c in &idle {
+        match c.close_reason() {
+            Some(quinn::ConnectionError::ApplicationClosed(a)) => {
+                assert_eq!(&a.reason[..], b"no HELLO by the deadline")
+            }
+            other => panic!("closed for another reason: {other:?}"),
+        }
+    }
+    // A well-behaved tenant connects and is served.
+    let client = connect(&node).await;
+    client.inventory().await.unwrap();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn connections_waiting_for_hello_are_capped_per_source_and_per_node() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(1 << 20);
+    cfg.max_unauthenticated = 12;
+    cfg.max_unauthenticated_per_source = 8;
+    cfg.hello_timeout = Duration::from_secs(1);
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let tenant = connect(&node).await;
+    let mut held = Vec::new();
+    let mut refused = [0usize; 2];
+    for (k, (ip, n)) in [([127, 0, 0, 2], 20), ([127, 0, 0, 3], 10)]
+        .into_iter()
+        .enumerate()
+    {
+        let ep = endpoint_on(&node, ip);
+        for _ in 0..n {
+            match dial(&ep, &node).await {
+                Ok(c) => held.push(c),
+                Err(_) => refused[k] += 1,
+            }
+        }
+    }
+    eprintln!(
+        "waiting for HELLO: {} held; refused 127.0.0.2: {} of 20, 127.0.0.3: {} of 10",
+        held.len(),
+        refused[0],
+        refused[1]
+    );
+    // 8 from the first address (its cap), 4 from the second (the node's).
+    assert_eq!((held.len(), refused), (12, [12, 6]));
+    // The authenticated tenant is served meanwhile.
+    tenant.inventory().await.unwrap();
+    // The held connections end at the HELLO deadline; then a new tenant
+    // gets in.
+    for c in &held {
+        assert!(closed_within(c, Duration::from_secs(5)).await);
+    }
+    let late = endpoint_on(&node, [127, 0, 0, 4]);
+    let c = dial(&late, &node).await.unwrap();
+    assert_eq!(hello(&c, TOKEN).await.map(|r| r.0), Some(Status::Ok));
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_failed_hello_closes_the_connection() {
+    // Round 2, attack 2: one connection sent 770,893 wrong tokens in 10 s
+    // and was never closed.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let ep = endpoint_on(&node, [127, 0, 0, 1]);
+    let conn = dial(&ep, &node).await.unwrap();
+    let first = hello(&conn, "wrong").await;
+    assert_eq!(
+        first,
+        Some((Status::Unauthorized, "invalid token".to_string()))
+    );
+    // A second try, even with the right token, finds the connection closed.
+    let second = hello(&conn, TOKEN).await;
+    let closed = closed_within(&conn, Duration::from_secs(3)).await;
+    eprintln!("after a failed HELLO: second HELLO {second:?}, connection closed {closed}");
+    assert!(closed && second.is_none(), "{second:?}");
+    assert!(matches!(
+        conn.close_reason(),
+        Some(quinn::ConnectionError::ApplicationClosed(a)) if &a.reason[..] == b"HELLO failed"
+    ));
+    node.shutdown().await;
+}
+
+/// Sends wrong tokens from `ip` for `time`, dialling again whenever the
+/// node closed the connection: (tokens found wrong, HELLOs refused without
+/// a check, attempts).
+async fn wrong_token_flood(node: &Node, ip: [u8; 4], time: Duration) -> (u64, u64, u64) {
+    let ep = endpoint_on(node, ip);
+    let (mut checked, mut unchecked, mut tries) = (0, 0, 0);
+    let mut conn = dial(&ep, node).await.unwrap();
+    let start = std::time::Instant::now();
+    while start.elapsed() < time {
+        tries += 1;
+        match hello(&conn, "wrong").await {
+            Some((Status::Unauthorized, m)) if m == "invalid token" => checked += 1,
+            Some((Status::Unauthorized, _)) => unchecked += 1,
+            Some(other) => panic!("{other:?}"),
+            None => {
+                let _ = closed_within(&conn, Duration::from_secs(1)).await;
+            }
+        }
+        if conn.close_reason().is_some() {
+            conn = dial(&ep, node).await.unwrap();
+        }
+    }
+    (checked, unchecked, tries)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_hellos_are_rate_limited_per_source() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(1 << 20);
+    cfg.max_failed_hellos_per_source = 5;
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let attack = wrong_token_flood(&node, [127, 0, 0, 2], Duration::from_millis(1500));
+    // A well-behaved tenant from another address connects and is served
+    // while the attack goes on.
+    let tenant = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let t = std::time::Instant::now();
+        let c = connect(&node).await;
+        c.inventory().await.unwrap();
+        t.elapsed()
+    };
+    let ((checked, unchecked, tries), served) = tokio::join!(attack, tenant);
+    eprintln!(
+        "wrong tokens from one address for 1.5 s: {tries} HELLOs, {checked} checked, \
+         {unchecked} refused unchecked; another tenant connected and served in {served:?}"
+    );
+    // 5 at once, then 5 a second.
+    assert!(checked <= 5 + 8 + 1, "{checked} tokens checked");
+    assert!(unchecked > 0);
+    assert!(served < Duration::from_secs(2), "{served:?}");
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn failed_hellos_are_logged_at_most_once_per_interval() {
+    // Round 2, attack 2: one WARN line per wrong token, 112 MB of log in
+    // 10 s.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let log = captured_log();
+    let mut cfg = memory_config(1 << 20);
+    // Every token checked: the log's own limit is what is tested here.
+    cfg.max_failed_hellos_per_source = 100_000;
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let lines = || {
+        String::from_utf8_lossy(&log.lock().unwrap())
+            .lines()
+            .filter(|l| l.contains("rejected credentials"))
+            .count()
+    };
+    let before = lines();
+    let ep = endpoint_on(&node, [127, 0, 0, 5]);
+    let mut conn = dial(&ep, &node).await.unwrap();
+    let mut failed = 0;
+    while failed < 200 {
+        match hello(&conn, "wrong").await {
+            Some((Status::Unauthorized, _)) => failed += 1,
+            Some(other) => panic!("{other:?}"),
+            None => conn = dial(&ep, &node).await.unwrap(),
+        }
+    }
+    let logged = lines() - before;
+    eprintln!("200 wrong tokens: {logged} log lines");
+    assert!((1..=2).contains(&logged), "{logged} lines");
     node.shutdown().await;
 }
