@@ -1607,6 +1607,14 @@ async fn run_in_order(
         hops::mark(hop, "order");
         return run_batch(shared, who, b, wire, data, hop).await;
     }
+    // The lease's next number after this batch; the last u64 has none (it
+    // would wrap to 0 and make the owner's next batch wait the window).
+    let Some(after) = b.seq.checked_add(1) else {
+        return Err(Reply::err(
+            Status::BadRequest,
+            format!("batch number {} has no successor: numbers wrap", b.seq),
+        ));
+    };
     let slot = lease_of(shared, who, &b.lease)?;
     let mut next = slot.next_seq.subscribe();
     let window = shared.cfg.reorder_window;
@@ -1623,7 +1631,7 @@ async fn run_in_order(
         slot.next_seq.send_if_modified(|n| {
             let advance = *n <= b.seq;
             if advance {
-                *n = b.seq + 1;
+                *n = after;
             }
             advance
         });

@@ -903,3 +903,63 @@ async fn failed_hellos_are_logged_at_most_once_per_interval() {
     assert!((1..=2).contains(&logged), "{logged} lines");
     node.shutdown().await;
 }
+
+/// A BATCH of `commands` numbered `seq` in `lease`, with no data.
+fn numbered_batch(lease: proto::LeaseId, seq: u64, commands: Vec<proto::Command>) -> Vec<u8> {
+    proto::to_body(&proto::Batch {
+        lease,
+        seq,
+        modules: vec![],
+        commands,
+    })
+}
+
+#[tokio::test]
+async fn batch_numbers_that_would_wrap_are_refused() {
+    // Round 2: a batch numbered u64::MAX wrapped the lease's next number to
+    // 0, so the owner's next batch waited the whole reorder window.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(1 << 20);
+    cfg.reorder_window = Duration::from_secs(2);
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(4096)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let last = numbered_batch(lease.id(), u64::MAX, vec![]);
+    let refused = client.request(Opcode::Batch, &last, &[]).await;
+    // The owner's next batch runs at once.
+    let alloc = proto::Command {
+        stream: 0,
+        op: proto::Op::Alloc {
+            buf: proto::Id(1),
+            size: 64,
+        },
+    };
+    let t = std::time::Instant::now();
+    let next = client
+        .request(
+            Opcode::Batch,
+            &numbered_batch(lease.id(), 1, vec![alloc]),
+            &[],
+        )
+        .await;
+    let waited = t.elapsed();
+    eprintln!(
+        "batch u64::MAX: {:?}; the next batch (number 1) took {waited:?}",
+        refused.as_ref().map(|_| "ran")
+    );
+    match refused {
+        Err(Error::BadRequest(m)) => assert!(m.contains(&u64::MAX.to_string()), "{m}"),
+        other => panic!("expected BAD_REQUEST, got {other:?}"),
+    }
+    let (body, _) = next.unwrap();
+    let reply: proto::BatchReply = proto::from_body(&body).unwrap();
+    assert_eq!((reply.completed, reply.error), (1, None));
+    assert!(waited < Duration::from_secs(1), "{waited:?}");
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
