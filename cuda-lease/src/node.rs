@@ -101,8 +101,12 @@ pub struct NodeConfig {
     pub max_streams_per_lease: usize,
     /// Most live ids (buffers and events) one lease may hold.
     pub max_ids_per_lease: usize,
-    /// Bytes of module source the node keeps, node-wide, by content hash.
+    /// Bytes of module source the node keeps, node-wide, by content hash
+    /// (a module enters it once a lease was charged for it and loaded it).
     pub module_cache_bytes: u64,
+    /// Most bytes of the node's module cache one principal's modules may
+    /// hold; past it the principal's own oldest entries go.
+    pub module_cache_bytes_per_principal: u64,
     /// Longest a connection may go without a principal (its TLS handshake
     /// and HELLO); then it is closed.
     pub hello_timeout: Duration,
@@ -173,6 +177,7 @@ impl NodeConfig {
             max_streams_per_lease: 8,
             max_ids_per_lease: 1 << 16,
             module_cache_bytes: 64 << 20,
+            module_cache_bytes_per_principal: 16 << 20,
             hello_timeout: Duration::from_secs(5),
             max_unauthenticated: 256,
             max_unauthenticated_per_source: 32,
@@ -250,39 +255,97 @@ impl LeaseSlot {
     }
 }
 
-/// Module sources seen by the node, by content hash, so a lease need not
-/// resend what another lease (or an earlier one) sent. Bounded in bytes;
-/// the oldest entries go first.
+/// A module's source (or the PTX compiled from it).
+type ModuleSource = Arc<(SourceKind, Vec<u8>)>;
+
+/// Module sources loaded by leases, by content hash, so a lease need not
+/// resend what another lease (or an earlier one) sent. Each entry belongs
+/// to the principal whose lease was charged for it and loaded it. Bounded
+/// in bytes node-wide and per principal: a principal over its share
+/// evicts its own oldest entries, and when the node is full the oldest
+/// entries of the largest holder go, so one tenant's modules never evict a
+/// smaller holder's.
 #[derive(Debug, Default)]
 struct ModuleCache {
-    map: HashMap<ModuleHash, Arc<(SourceKind, Vec<u8>)>>,
-    order: std::collections::VecDeque<ModuleHash>,
+    map: HashMap<ModuleHash, (ModuleSource, Principal)>,
+    /// Each principal's entries, oldest first, and their bytes.
+    shares: HashMap<Principal, (std::collections::VecDeque<ModuleHash>, u64)>,
     bytes: u64,
 }
 
 impl ModuleCache {
-    /// Keeps `entry` for `hash` (replacing what was kept: compiled PTX
-    /// replaces the CUDA C it came from).
-    fn insert(&mut self, hash: ModuleHash, entry: Arc<(SourceKind, Vec<u8>)>, cap: u64) {
+    fn get(&self, hash: &ModuleHash) -> Option<ModuleSource> {
+        self.map.get(hash).map(|(s, _)| s.clone())
+    }
+
+    fn remove(&mut self, hash: &ModuleHash) {
+        let Some((source, owner)) = self.map.remove(hash) else {
+            return;
+        };
+        let len = source.1.len() as u64;
+        self.bytes -= len;
+        if let Some((order, bytes)) = self.shares.get_mut(&owner) {
+            order.retain(|h| h != hash);
+            *bytes -= len;
+            if order.is_empty() {
+                self.shares.remove(&owner);
+            }
+        }
+    }
+
+    /// Evicts `owner`'s oldest entry; false if it has none.
+    fn evict_oldest_of(&mut self, owner: &Principal) -> bool {
+        let oldest = self.shares.get(owner).and_then(|(o, _)| o.front().copied());
+        match oldest {
+            Some(h) => {
+                self.remove(&h);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn share(&self, owner: &Principal) -> u64 {
+        self.shares.get(owner).map_or(0, |(_, b)| *b)
+    }
+
+    /// Keeps `entry` for `hash` as `owner`'s (replacing what was kept:
+    /// compiled PTX replaces the CUDA C it came from), within `cap` bytes
+    /// node-wide and `share_cap` for `owner`.
+    fn insert(
+        &mut self,
+        hash: ModuleHash,
+        entry: ModuleSource,
+        owner: &Principal,
+        cap: u64,
+        share_cap: u64,
+    ) {
         let len = entry.1.len() as u64;
-        if len > cap {
+        let share_cap = share_cap.min(cap);
+        if len > share_cap {
             return;
         }
-        if let Some(old) = self.map.remove(&hash) {
-            self.bytes -= old.1.len() as u64;
-            self.order.retain(|h| *h != hash);
+        self.remove(&hash);
+        while self.share(owner) + len > share_cap {
+            if !self.evict_oldest_of(owner) {
+                break;
+            }
         }
         while self.bytes + len > cap {
-            let Some(old) = self.order.pop_front() else {
+            let largest = self
+                .shares
+                .iter()
+                .max_by_key(|(_, (_, b))| *b)
+                .map(|(p, _)| p.clone());
+            if !largest.is_some_and(|p| self.evict_oldest_of(&p)) {
                 break;
-            };
-            if let Some(e) = self.map.remove(&old) {
-                self.bytes -= e.1.len() as u64;
             }
         }
         self.bytes += len;
-        self.order.push_back(hash);
-        self.map.insert(hash, entry);
+        let (order, bytes) = self.shares.entry(owner.clone()).or_default();
+        order.push_back(hash);
+        *bytes += len;
+        self.map.insert(hash, (entry, owner.clone()));
     }
 }
 
@@ -1519,12 +1582,16 @@ fn worker_lost(shared: &Shared, lease: &LeaseId, e: &WorkerError) -> Reply {
 /// A module the lease's worker must load before the batch's commands.
 struct Load {
     hash: ModuleHash,
-    source: Arc<(SourceKind, Vec<u8>)>,
+    source: ModuleSource,
+    /// The source came with the batch (not from the node's cache): it is
+    /// cached once the lease was charged for it and loaded it.
+    sent: bool,
 }
 
 /// The modules of `b` the lease has not loaded, with their sources (from
 /// the batch, checked against their hashes, or the node's cache); the
-/// batch's data after its module sources is returned too.
+/// batch's data after its module sources is returned too. Nothing enters
+/// the node's cache here.
 fn modules_to_load<'d>(
     shared: &Shared,
     state: &LeaseState,
@@ -1548,26 +1615,23 @@ fn modules_to_load<'d>(
                         format!("module {}: its source hashes to {actual}", m.hash),
                     ));
                 }
-                let entry = Arc::new((t.kind.clone(), text.to_vec()));
-                let mut cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
-                // What the node keeps (perhaps already compiled) wins.
-                match cache.map.get(&m.hash) {
-                    Some(kept) => Some(kept.clone()),
-                    None => {
-                        cache.insert(m.hash, entry.clone(), shared.cfg.module_cache_bytes);
-                        Some(entry)
-                    }
-                }
+                Some(Arc::new((t.kind.clone(), text.to_vec())))
             }
             None => None,
         };
         if state.modules.contains_key(&m.hash) {
             continue;
         }
-        let source = given.or_else(|| {
-            let cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
-            cache.map.get(&m.hash).cloned()
-        });
+        // What the node keeps (perhaps already compiled) wins.
+        let kept = shared
+            .modules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&m.hash);
+        let (source, sent) = match (kept, given) {
+            (Some(k), _) => (Some(k), false),
+            (None, g) => (g, true),
+        };
         let Some(source) = source else {
             return Err(Reply::err(
                 Status::UnknownModule,
@@ -1580,6 +1644,7 @@ fn modules_to_load<'d>(
         loads.push(Load {
             hash: m.hash,
             source,
+            sent,
         });
     }
     Ok((loads, rest))
@@ -1716,15 +1781,27 @@ async fn run_batch(
         let reply: WorkerBatchReply = from_body(&frame.body)
             .map_err(|e| Reply::err(Status::Internal, format!("worker reply: {e}")))?;
         let done = reply.completed as usize;
-        if !reply.compiled.is_empty() {
-            let mut cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
-            for (hash, ptx) in reply.compiled {
-                Metrics::inc(&shared.metrics.modules_compiled);
-                let entry = Arc::new((SourceKind::Ptx, ptx.into_bytes()));
-                cache.insert(hash, entry, shared.cfg.module_cache_bytes);
+        loaded = done.min(n_loads);
+        // Loaded and charged to this lease: now the node may keep them for
+        // everyone, as this principal's (compiled PTX replaces its CUDA C).
+        let mut cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
+        let (cap, share) = (
+            shared.cfg.module_cache_bytes,
+            shared.cfg.module_cache_bytes_per_principal,
+        );
+        for l in loads[..loaded].iter().filter(|l| l.sent) {
+            if cache.get(&l.hash).is_none() {
+                cache.insert(l.hash, l.source.clone(), who, cap, share);
             }
         }
-        loaded = done.min(n_loads);
+        for (hash, ptx) in reply.compiled {
+            Metrics::inc(&shared.metrics.modules_compiled);
+            if loads[..loaded].iter().any(|l| l.hash == hash) {
+                let entry = Arc::new((SourceKind::Ptx, ptx.into_bytes()));
+                cache.insert(hash, entry, who, cap, share);
+            }
+        }
+        drop(cache);
         completed = done.saturating_sub(n_loads).min(planned);
         out = frame.data;
         if let Some(e) = reply.error {

@@ -963,3 +963,149 @@ async fn batch_numbers_that_would_wrap_are_refused() {
     lease.free().await.unwrap();
     node.shutdown().await;
 }
+
+/// A PTX module with one empty kernel `k`, padded with comments to `len`
+/// bytes; `tag` makes its text (and so its hash) its own.
+fn padded_ptx(tag: &str, len: usize) -> String {
+    let mut ptx = format!(
+        ".version 7.0\n.target sm_70\n.address_size 64\n// {tag}\n.visible .entry k()\n{{\n ret;\n}}\n"
+    );
+    while ptx.len() < len {
+        ptx.push_str("// padding padding padding padding padding padding padding\n");
+    }
+    ptx
+}
+
+/// A BATCH of `lease` that loads `modules` (with their sources when
+/// `with_source`, else by hash alone) and runs nothing: body and data.
+fn module_batch(lease: proto::LeaseId, modules: &[&str], with_source: bool) -> (Vec<u8>, Vec<u8>) {
+    let mut uses = Vec::new();
+    let mut data = Vec::new();
+    for m in modules {
+        uses.push(proto::ModuleUse {
+            hash: proto::ModuleHash::of(&proto::SourceKind::Ptx, m),
+            source: with_source.then_some(proto::ModuleText {
+                kind: proto::SourceKind::Ptx,
+                len: m.len() as u32,
+            }),
+        });
+        if with_source {
+            data.extend_from_slice(m.as_bytes());
+        }
+    }
+    let body = proto::to_body(&proto::Batch {
+        lease,
+        seq: 0,
+        modules: uses,
+        commands: vec![],
+    });
+    (body, data)
+}
+
+async fn lease_of_size(client: &Arc<cuda_lease::Client>, bytes: u64) -> Lease {
+    Lease::builder()
+        .min_vram(bytes)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn refused_modules_are_not_cached_for_other_tenants() {
+    // Round 2: a module refused with CAPACITY_EXCEEDED in a 1-byte lease
+    // still entered the node-wide cache, and another tenant could then
+    // load it by its hash alone.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(16 << 20);
+    cfg.tokens = vec!["ta".into(), "tb".into()];
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let a = connect_as(&node, "ta").await;
+    let b = connect_as(&node, "tb").await;
+    let module = padded_ptx("refused", 1 << 20);
+    let tiny = lease_of_size(&a, 1).await;
+    let (body, data) = module_batch(tiny.id(), &[&module], true);
+    match a.request(Opcode::Batch, &body, &data).await {
+        Err(Error::CapacityExceeded(_)) => {}
+        other => panic!("a 1 MiB module fit a 1-byte lease: {other:?}"),
+    }
+    let lease_b = lease_of_size(&b, 4 << 20).await;
+    let (body, _) = module_batch(lease_b.id(), &[&module], false);
+    let by_hash = b.request(Opcode::Batch, &body, &[]).await;
+    eprintln!(
+        "another tenant's batch naming the refused module by hash: {}",
+        match &by_hash {
+            Ok(_) => "loaded from the cache".to_string(),
+            Err(e) => format!("{e}"),
+        }
+    );
+    assert!(
+        matches!(by_hash, Err(Error::UnknownModule(_))),
+        "{by_hash:?}"
+    );
+    // Loaded by a lease that paid for it, the module is cached for others.
+    let big = lease_of_size(&a, 4 << 20).await;
+    let (body, data) = module_batch(big.id(), &[&module], true);
+    a.request(Opcode::Batch, &body, &data).await.unwrap();
+    b.request(
+        Opcode::Batch,
+        &module_batch(lease_b.id(), &[&module], false).0,
+        &[],
+    )
+    .await
+    .unwrap();
+    for l in [tiny, lease_b, big] {
+        l.free().await.unwrap();
+    }
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn one_tenants_modules_evict_only_its_own_cache_entries() {
+    // Round 2: 40 refused 2 MiB modules from one tenant evicted another
+    // tenant's cached module. Scaled: a 4 MiB cache, 1 MiB per principal,
+    // and 20 modules of 256 KiB that tenant A pays for and loads.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(64 << 20);
+    cfg.tokens = vec!["ta".into(), "tb".into()];
+    cfg.module_cache_bytes = 4 << 20;
+    cfg.module_cache_bytes_per_principal = 1 << 20;
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let a = connect_as(&node, "ta").await;
+    let b = connect_as(&node, "tb").await;
+    let mine = padded_ptx("tenant b", 64 << 10);
+    let lease_b = lease_of_size(&b, 1 << 20).await;
+    let (body, data) = module_batch(lease_b.id(), &[&mine], true);
+    b.request(Opcode::Batch, &body, &data).await.unwrap();
+    let lease_a = lease_of_size(&a, 8 << 20).await;
+    for i in 0..20 {
+        let m = padded_ptx(&format!("tenant a {i}"), 256 << 10);
+        let (body, data) = module_batch(lease_a.id(), &[&m], true);
+        a.request(Opcode::Batch, &body, &data).await.unwrap();
+    }
+    // B's module is still on the node: a new lease of B names it by hash.
+    let again = lease_of_size(&b, 1 << 20).await;
+    let (body, _) = module_batch(again.id(), &[&mine], false);
+    let by_hash = b.request(Opcode::Batch, &body, &[]).await;
+    // A's own most recent module is still cached too (its share is 1 MiB).
+    let last = padded_ptx("tenant a 19", 256 << 10);
+    let lease_a2 = lease_of_size(&a, 1 << 20).await;
+    let (body, _) = module_batch(lease_a2.id(), &[&last], false);
+    let a_last = a.request(Opcode::Batch, &body, &[]).await;
+    eprintln!(
+        "after tenant A loaded 5 MiB of modules into a 4 MiB cache: B's module by hash: {}; \
+         A's last: {}",
+        by_hash
+            .as_ref()
+            .map_or_else(|e| e.to_string(), |_| "cached".into()),
+        a_last
+            .as_ref()
+            .map_or_else(|e| e.to_string(), |_| "cached".into()),
+    );
+    by_hash.unwrap();
+    a_last.unwrap();
+    for l in [lease_b, lease_a, again, lease_a2] {
+        l.free().await.unwrap();
+    }
+    node.shutdown().await;
+}
