@@ -877,7 +877,9 @@ async fn serve_stream(
         Ok(Err(e)) => Ok(Err(e)),
         Err(elapsed) => Err(elapsed),
     };
-    let _turn = turn;
+    // Held until the reply has been written or dropped: it also carries
+    // the bytes of the reply (charged by `dispatch` before the work runs).
+    let mut turn = turn;
     let read = match head {
         // Bulk transfers stream through the worker's shared ring.
         Ok(Ok((header, body)))
@@ -921,7 +923,7 @@ async fn serve_stream(
                 t.mark("read");
                 t.set_op(frame.header.opcode, frame.data.len() as u64);
             }
-            let reply = dispatch(&shared, &peer, &frame).await;
+            let reply = dispatch(&shared, &peer, &frame, turn.as_mut()).await;
             failed_hello = frame.header.opcode == Opcode::Hello
                 && reply.status != Status::Ok
                 && peer.get().is_none();
@@ -1051,13 +1053,26 @@ fn lease_of(shared: &Shared, who: &Principal, id: &LeaseId) -> Result<Slot, Repl
     Ok(t.get(id, shared.now())?)
 }
 
-async fn dispatch(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Reply {
-    match dispatch_inner(shared, peer, f).await {
+/// Serves one request; `turn` (the principal's budget turn of this
+/// request) is charged the bytes of the reply before the work that makes
+/// them runs.
+async fn dispatch(
+    shared: &Arc<Shared>,
+    peer: &Peer,
+    f: &Frame,
+    turn: Option<&mut BudgetTurn>,
+) -> Reply {
+    match dispatch_inner(shared, peer, f, turn).await {
         Ok(r) | Err(r) => r,
     }
 }
 
-async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<Reply, Reply> {
+async fn dispatch_inner(
+    shared: &Arc<Shared>,
+    peer: &Peer,
+    f: &Frame,
+    turn: Option<&mut BudgetTurn>,
+) -> Result<Reply, Reply> {
     let op = f.header.opcode;
     if f.header.is_reply() {
         return Err(Reply::err(Status::BadRequest, "a reply is not a request"));
@@ -1167,7 +1182,8 @@ async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<
                 .metrics
                 .batch_commands
                 .fetch_add(b.commands.len() as u64, Ordering::Relaxed);
-            let (reply, data) = run_in_order(shared, &who, &b, wire, &f.data, &mut hop).await?;
+            let (reply, data) =
+                run_in_order(shared, &who, &b, wire, &f.data, &mut hop, turn).await?;
             let body = to_body(&reply);
             hops::mark(&mut hop, "reply");
             Ok(Reply {
@@ -1177,6 +1193,12 @@ async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<
             })
         }
         Opcode::GpuSubmit => {
+            // The output is held for the reply: charged before anything runs.
+            let s: GpuSubmit = from_body(&f.body)?;
+            if let Some(t) = turn {
+                t.grow(u64::from(s.output_size))
+                    .map_err(|m| Reply::err(Status::CapacityExceeded, format!("output: {m}")))?;
+            }
             let _turn = submit_turn(shared, &who).await;
             submit(shared, f).await
         }
@@ -1203,7 +1225,16 @@ async fn single(
     };
     batch.validate(0)?;
     let wire = to_body(&batch.commands);
-    let (reply, _) = run_batch(shared, who, &BatchView::of(&batch), &wire, &[], &mut None).await?;
+    let (reply, _) = run_batch(
+        shared,
+        who,
+        &BatchView::of(&batch),
+        &wire,
+        &[],
+        &mut None,
+        None,
+    )
+    .await?;
     match reply.error {
         Some(e) => Err(Reply::err(e.status, e.message)),
         None => Ok(Reply::empty()),
@@ -1374,6 +1405,7 @@ fn plan(
     lease: &LeaseId,
     state: &LeaseState,
     commands: &[CommandView<'_>],
+    mut turn: Option<&mut BudgetTurn>,
 ) -> Plan {
     let mut overlay: HashMap<Id, Option<IdKind>> = HashMap::new();
     let mut live = state.ids.len();
@@ -1460,6 +1492,12 @@ fn plan(
                             Status::BadRequest,
                             "reads exceed the reply data limit".into(),
                         ));
+                    }
+                    // The bytes are held for the reply until it is taken:
+                    // charged to the principal before they are read.
+                    if let Some(t) = turn.as_deref_mut() {
+                        t.grow(u64::from(*len))
+                            .map_err(|m| fail(Status::CapacityExceeded, format!("read: {m}")))?;
                     }
                     Effect::None
                 }
@@ -1667,10 +1705,11 @@ async fn run_in_order(
     wire: &[u8],
     data: &[u8],
     hop: &mut Option<HopTimer>,
+    turn: Option<&mut BudgetTurn>,
 ) -> Result<(BatchReply, Vec<u8>), Reply> {
     if b.seq == 0 {
         hops::mark(hop, "order");
-        return run_batch(shared, who, b, wire, data, hop).await;
+        return run_batch(shared, who, b, wire, data, hop, turn).await;
     }
     // The lease's next number after this batch; the last u64 has none (it
     // would wrap to 0 and make the owner's next batch wait the window).
@@ -1690,7 +1729,7 @@ async fn run_in_order(
         debug!(lease = %b.lease, seq = b.seq, "earlier batches missing: running anyway");
     }
     hops::mark(hop, "order");
-    let r = run_batch(shared, who, b, wire, data, hop).await;
+    let r = run_batch(shared, who, b, wire, data, hop, turn).await;
     // Sent again with its sources, the batch keeps its place.
     if !matches!(&r, Err(reply) if reply.status == Status::UnknownModule) {
         slot.next_seq.send_if_modified(|n| {
@@ -1705,7 +1744,8 @@ async fn run_in_order(
 }
 
 /// Runs `b`, whose commands encode to `wire` (forwarded to the worker as
-/// they are when the node accepts every one of them).
+/// they are when the node accepts every one of them). The bytes its reads
+/// return are charged to `turn` as they are planned.
 async fn run_batch(
     shared: &Arc<Shared>,
     who: &Principal,
@@ -1713,6 +1753,7 @@ async fn run_batch(
     wire: &[u8],
     data: &[u8],
     hop: &mut Option<HopTimer>,
+    turn: Option<&mut BudgetTurn>,
 ) -> Result<(BatchReply, Vec<u8>), Reply> {
     let lease = &b.lease;
     let slot = lease_of(shared, who, lease)?;
@@ -1737,7 +1778,7 @@ async fn run_batch(
             }
             charged += len;
         }
-        let p = plan(shared, lease, &state, &b.commands);
+        let p = plan(shared, lease, &state, &b.commands, turn);
         (loads, writes, p)
     };
     let n_loads = loads.len();
@@ -1881,11 +1922,23 @@ async fn ensure_worker<'a>(
 }
 
 /// One request of a principal in flight, with the bytes it holds in the
-/// node (body and unstreamed data); given back when dropped.
+/// node (body and unstreamed data, then the reply's data); given back when
+/// dropped, after the reply was written or dropped.
 struct BudgetTurn {
     shared: Arc<Shared>,
     who: Principal,
     bytes: u64,
+}
+
+/// Why `bytes` more do not fit beside the `held` bytes of `who`.
+fn over_bytes(shared: &Shared, who: &Principal, held: u64, bytes: u64) -> Option<String> {
+    (held.saturating_add(bytes) > shared.cfg.max_bytes_per_principal).then(|| {
+        format!(
+            "principal {who} has {held} bytes in flight; {bytes} more would pass its limit of {} \
+             (max_bytes_per_principal)",
+            shared.cfg.max_bytes_per_principal
+        )
+    })
 }
 
 impl BudgetTurn {
@@ -1901,15 +1954,8 @@ impl BudgetTurn {
                 ),
             ));
         }
-        if held.saturating_add(bytes) > shared.cfg.max_bytes_per_principal {
-            return Err(Reply::err(
-                Status::CapacityExceeded,
-                format!(
-                    "principal {who} has {held} bytes in flight; {bytes} more would pass its \
-                     limit of {} (max_bytes_per_principal)",
-                    shared.cfg.max_bytes_per_principal
-                ),
-            ));
+        if let Some(why) = over_bytes(shared, who, *held, bytes) {
+            return Err(Reply::err(Status::CapacityExceeded, why));
         }
         *requests += 1;
         *held += bytes;
@@ -1918,6 +1964,25 @@ impl BudgetTurn {
             who: who.clone(),
             bytes,
         })
+    }
+
+    /// Charges `more` bytes to this request (the reply's data, before the
+    /// work that makes it runs); the reason if they do not fit.
+    fn grow(&mut self, more: u64) -> Result<(), String> {
+        let mut m = self
+            .shared
+            .budgets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let Some((_, held)) = m.get_mut(&self.who) else {
+            return Err(format!("principal {} has no budget entry", self.who));
+        };
+        if let Some(why) = over_bytes(&self.shared, &self.who, *held, more) {
+            return Err(why);
+        }
+        *held += more;
+        self.bytes += more;
+        Ok(())
     }
 }
 

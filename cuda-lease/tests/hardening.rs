@@ -1109,3 +1109,158 @@ async fn one_tenants_modules_evict_only_its_own_cache_entries() {
     }
     node.shutdown().await;
 }
+
+/// A connection from 127.0.0.1 authenticated with `token`.
+async fn raw_conn_as(node: &Node, token: &str) -> quinn::Connection {
+    let conn = dial(&endpoint_on(node, [127, 0, 0, 1]), node)
+        .await
+        .unwrap();
+    assert_eq!(hello(&conn, token).await.map(|r| r.0), Some(Status::Ok));
+    conn
+}
+
+/// Sends a request on a new stream of `conn` and never reads the reply.
+async fn send_unread(
+    conn: &quinn::Connection,
+    opcode: Opcode,
+    id: u64,
+    body: &[u8],
+    data: &[u8],
+) -> quinn::RecvStream {
+    let (mut send, recv) = conn.open_bi().await.unwrap();
+    let h = Header::request(opcode, id, body.len() as u32, data.len() as u32);
+    proto::write_frame(&mut send, &h, body, data).await.unwrap();
+    send.finish().unwrap();
+    recv
+}
+
+#[tokio::test]
+async fn batch_replies_count_against_the_principals_byte_budget() {
+    // Round 2: a 1 MiB lease sent four BATCHes each reading 256 x 1 MiB of
+    // its buffer and never read the replies: node RSS +1,024 MiB for 30 s.
+    // Scaled: 4 x 32 x 1 MiB against a 16 MiB budget, 2 s reply timeout.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(64 << 20);
+    cfg.tokens = vec!["ta".into(), "tb".into()];
+    cfg.max_bytes_per_principal = 16 << 20;
+    cfg.reply_timeout = Duration::from_secs(2);
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let a = connect_as(&node, "ta").await;
+    let b = connect_as(&node, "tb").await;
+    let lease = lease_of_size(&a, 1 << 20).await;
+    let buf = proto::Id(1);
+    let alloc = proto::Command {
+        stream: 0,
+        op: proto::Op::Alloc { buf, size: 1 << 20 },
+    };
+    a.request(
+        Opcode::Batch,
+        &numbered_batch(lease.id(), 0, vec![alloc]),
+        &[],
+    )
+    .await
+    .unwrap();
+    let read = proto::Command {
+        stream: 0,
+        op: proto::Op::Read {
+            buf,
+            offset: 0,
+            len: 1 << 20,
+        },
+    };
+    let reads = numbered_batch(lease.id(), 0, vec![read; 32]);
+    let conn = raw_conn_as(&node, "ta").await;
+    let peak = PeakRss::start();
+    let mut unread = Vec::new();
+    for i in 0..4 {
+        unread.push(send_unread(&conn, Opcode::Batch, 100 + i, &reads, &[]).await);
+    }
+    // Another tenant is served meanwhile.
+    let t = std::time::Instant::now();
+    let other = lease_of_size(&b, 4096).await;
+    let s = other.session();
+    let x = s.alloc(8).await.unwrap();
+    s.write(&x, 0, b"served!!").await.unwrap();
+    assert_eq!(s.read(&x, 0, 8).await.unwrap(), b"served!!");
+    let served = t.elapsed();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let grown = peak.stop();
+    eprintln!(
+        "4 unread BATCHes of 32 x 1 MiB reads, 16 MiB budget: node RSS peak +{} KiB; \
+         another tenant served in {served:?}",
+        grown / 1024
+    );
+    assert!(grown < 64 << 20, "RSS grew by {grown} bytes");
+    assert!(served < Duration::from_secs(2), "{served:?}");
+    // What was refused says so: the last batch's reply is small.
+    let mut last = unread.pop().unwrap();
+    let f = proto::read_frame(&mut last, &proto::Limits::default())
+        .await
+        .unwrap();
+    // (refused at its first read, or on its header when the budget is full)
+    let (status, message) = match f.header.status {
+        Status::Ok => {
+            let reply: proto::BatchReply = proto::from_body(&f.body).unwrap();
+            let e = reply.error.expect("refused");
+            (e.status, e.message)
+        }
+        s => (
+            s,
+            proto::from_body::<proto::ErrorBody>(&f.body)
+                .unwrap()
+                .message,
+        ),
+    };
+    assert_eq!(status, Status::CapacityExceeded, "{message}");
+    assert!(message.contains("max_bytes_per_principal"), "{message}");
+    drop(unread);
+    drop(x);
+    other.free().await.unwrap();
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn gpu_submit_outputs_count_against_the_principals_byte_budget() {
+    // GPU_SUBMIT output held for a reply counted only against the reply
+    // timeout. Four unread submits of 8 MiB outputs against a 12 MiB
+    // budget: one runs, three are refused before running.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(64 << 20);
+    cfg.max_bytes_per_principal = 12 << 20;
+    cfg.reply_timeout = Duration::from_secs(2);
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let conn = raw_authed_conn(&node).await;
+    let ptx = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry k()\n{\n ret;\n}\n";
+    let req = proto::GpuSubmit {
+        kernel: "k".into(),
+        grid: [1, 1, 1],
+        block: [1, 1, 1],
+        shared_mem: 0,
+        args: vec![],
+        ptx_len: ptx.len() as u32,
+        input_lens: vec![],
+        output_size: 8 << 20,
+        output_fill: 0x55,
+    };
+    let body = proto::to_body(&req);
+    let mut replies = Vec::new();
+    for i in 0..4 {
+        replies.push(send_unread(&conn, Opcode::GpuSubmit, 10 + i, &body, ptx.as_bytes()).await);
+        // In order: the first is running (its reply unread) before the next.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut statuses = Vec::new();
+    for mut r in replies {
+        let f = proto::read_frame(&mut r, &proto::Limits::default()).await;
+        statuses.push(f.map(|f| f.header.status).ok());
+    }
+    eprintln!("4 submits of 8 MiB output, 12 MiB budget: {statuses:?}");
+    let ok = statuses.iter().filter(|s| **s == Some(Status::Ok)).count();
+    let refused = statuses
+        .iter()
+        .filter(|s| **s == Some(Status::CapacityExceeded))
+        .count();
+    assert_eq!((ok, refused), (1, 3));
+    node.shutdown().await;
+}
