@@ -6,14 +6,17 @@ use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex as StdMutex, OnceLock};
+use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
 use rustls::pki_types::CertificateDer;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
+mod handshake;
 mod stream;
+
+pub use handshake::REJECTED_LOG_INTERVAL;
 
 use crate::clock::{Clock, MonotonicClock};
 use crate::hops::{self, HopTimer};
@@ -29,6 +32,7 @@ use crate::tls::{self, Identity, TlsError};
 use crate::worker::{
     WorkerBatchReply, WorkerError, WorkerFailure, WorkerLoad, WorkerProcess, WorkerSpec,
 };
+use handshake::{HandshakeLimits, Handshakes, Peer, Source};
 
 /// Where the node's TLS certificate comes from.
 #[derive(Debug, Clone)]
@@ -97,8 +101,27 @@ pub struct NodeConfig {
     pub max_streams_per_lease: usize,
     /// Most live ids (buffers and events) one lease may hold.
     pub max_ids_per_lease: usize,
-    /// Bytes of module source the node keeps, node-wide, by content hash.
+    /// Bytes of module source the node keeps, node-wide, by content hash
+    /// (a module enters it once a lease was charged for it and loaded it).
     pub module_cache_bytes: u64,
+    /// Most bytes of the node's module cache one principal's modules may
+    /// hold; past it the principal's own oldest entries go.
+    pub module_cache_bytes_per_principal: u64,
+    /// Longest a connection may go without a principal (its TLS handshake
+    /// and HELLO); then it is closed.
+    pub hello_timeout: Duration,
+    /// Most connections waiting for HELLO (no principal yet) on the node;
+    /// more are refused before their TLS handshake.
+    pub max_unauthenticated: usize,
+    /// Most connections waiting for HELLO from one source address (an IPv4
+    /// address or an IPv6 /64); more are refused before their TLS
+    /// handshake.
+    pub max_unauthenticated_per_source: usize,
+    /// Failed HELLOs (tokens checked and found wrong) allowed per second
+    /// from one source address, and at most that many at once; over it a
+    /// HELLO is answered UNAUTHORIZED without its token being checked. Each
+    /// failed HELLO closes its connection.
+    pub max_failed_hellos_per_source: u32,
     /// Accept clients without credentials (development only).
     pub allow_anonymous: bool,
     /// TLS certificate.
@@ -154,6 +177,11 @@ impl NodeConfig {
             max_streams_per_lease: 8,
             max_ids_per_lease: 1 << 16,
             module_cache_bytes: 64 << 20,
+            module_cache_bytes_per_principal: 16 << 20,
+            hello_timeout: Duration::from_secs(5),
+            max_unauthenticated: 256,
+            max_unauthenticated_per_source: 32,
+            max_failed_hellos_per_source: 5,
             allow_anonymous: false,
             tls: TlsSource::SelfSigned {
                 names: vec!["localhost".into(), "127.0.0.1".into()],
@@ -227,39 +255,97 @@ impl LeaseSlot {
     }
 }
 
-/// Module sources seen by the node, by content hash, so a lease need not
-/// resend what another lease (or an earlier one) sent. Bounded in bytes;
-/// the oldest entries go first.
+/// A module's source (or the PTX compiled from it).
+type ModuleSource = Arc<(SourceKind, Vec<u8>)>;
+
+/// Module sources loaded by leases, by content hash, so a lease need not
+/// resend what another lease (or an earlier one) sent. Each entry belongs
+/// to the principal whose lease was charged for it and loaded it. Bounded
+/// in bytes node-wide and per principal: a principal over its share
+/// evicts its own oldest entries, and when the node is full the oldest
+/// entries of the largest holder go, so one tenant's modules never evict a
+/// smaller holder's.
 #[derive(Debug, Default)]
 struct ModuleCache {
-    map: HashMap<ModuleHash, Arc<(SourceKind, Vec<u8>)>>,
-    order: std::collections::VecDeque<ModuleHash>,
+    map: HashMap<ModuleHash, (ModuleSource, Principal)>,
+    /// Each principal's entries, oldest first, and their bytes.
+    shares: HashMap<Principal, (std::collections::VecDeque<ModuleHash>, u64)>,
     bytes: u64,
 }
 
 impl ModuleCache {
-    /// Keeps `entry` for `hash` (replacing what was kept: compiled PTX
-    /// replaces the CUDA C it came from).
-    fn insert(&mut self, hash: ModuleHash, entry: Arc<(SourceKind, Vec<u8>)>, cap: u64) {
+    fn get(&self, hash: &ModuleHash) -> Option<ModuleSource> {
+        self.map.get(hash).map(|(s, _)| s.clone())
+    }
+
+    fn remove(&mut self, hash: &ModuleHash) {
+        let Some((source, owner)) = self.map.remove(hash) else {
+            return;
+        };
+        let len = source.1.len() as u64;
+        self.bytes -= len;
+        if let Some((order, bytes)) = self.shares.get_mut(&owner) {
+            order.retain(|h| h != hash);
+            *bytes -= len;
+            if order.is_empty() {
+                self.shares.remove(&owner);
+            }
+        }
+    }
+
+    /// Evicts `owner`'s oldest entry; false if it has none.
+    fn evict_oldest_of(&mut self, owner: &Principal) -> bool {
+        let oldest = self.shares.get(owner).and_then(|(o, _)| o.front().copied());
+        match oldest {
+            Some(h) => {
+                self.remove(&h);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn share(&self, owner: &Principal) -> u64 {
+        self.shares.get(owner).map_or(0, |(_, b)| *b)
+    }
+
+    /// Keeps `entry` for `hash` as `owner`'s (replacing what was kept:
+    /// compiled PTX replaces the CUDA C it came from), within `cap` bytes
+    /// node-wide and `share_cap` for `owner`.
+    fn insert(
+        &mut self,
+        hash: ModuleHash,
+        entry: ModuleSource,
+        owner: &Principal,
+        cap: u64,
+        share_cap: u64,
+    ) {
         let len = entry.1.len() as u64;
-        if len > cap {
+        let share_cap = share_cap.min(cap);
+        if len > share_cap {
             return;
         }
-        if let Some(old) = self.map.remove(&hash) {
-            self.bytes -= old.1.len() as u64;
-            self.order.retain(|h| *h != hash);
+        self.remove(&hash);
+        while self.share(owner) + len > share_cap {
+            if !self.evict_oldest_of(owner) {
+                break;
+            }
         }
         while self.bytes + len > cap {
-            let Some(old) = self.order.pop_front() else {
+            let largest = self
+                .shares
+                .iter()
+                .max_by_key(|(_, (_, b))| *b)
+                .map(|(p, _)| p.clone());
+            if !largest.is_some_and(|p| self.evict_oldest_of(&p)) {
                 break;
-            };
-            if let Some(e) = self.map.remove(&old) {
-                self.bytes -= e.1.len() as u64;
             }
         }
         self.bytes += len;
-        self.order.push_back(hash);
-        self.map.insert(hash, entry);
+        let (order, bytes) = self.shares.entry(owner.clone()).or_default();
+        order.push_back(hash);
+        *bytes += len;
+        self.map.insert(hash, (entry, owner.clone()));
     }
 }
 
@@ -289,6 +375,8 @@ struct Shared {
     /// Requests and bytes in flight per principal.
     budgets: StdMutex<HashMap<Principal, (usize, u64)>>,
     modules: StdMutex<ModuleCache>,
+    /// Connections waiting for HELLO and failed HELLOs.
+    handshakes: Arc<Handshakes>,
     metrics: Metrics,
 }
 
@@ -455,6 +543,11 @@ impl Node {
             submits: StdMutex::default(),
             budgets: StdMutex::default(),
             modules: StdMutex::default(),
+            handshakes: Handshakes::new(HandshakeLimits {
+                max_unauthenticated: cfg.max_unauthenticated,
+                max_unauthenticated_per_source: cfg.max_unauthenticated_per_source,
+                max_failed_hellos_per_source: cfg.max_failed_hellos_per_source,
+            }),
             metrics: Metrics::default(),
             cfg,
         });
@@ -621,6 +714,7 @@ async fn reaper(shared: Arc<Shared>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        shared.handshakes.flush_log();
         let now = shared.now();
         let expired = shared.table().expire(now);
         for (id, slot) in expired {
@@ -654,29 +748,52 @@ fn fail_lease(shared: &Shared, id: &LeaseId, reason: &str) {
 
 async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) {
     while let Some(incoming) = endpoint.accept().await {
+        let remote = incoming.remote_address();
+        // A place among the connections waiting for HELLO, before the TLS
+        // handshake costs anything.
+        let Some(place) = shared.handshakes.wait(Source::of(remote.ip())) else {
+            debug!(%remote, "refused: too many connections waiting for HELLO");
+            incoming.refuse();
+            continue;
+        };
         let shared = shared.clone();
         tokio::spawn(async move {
-            let conn = match incoming.await {
-                Ok(c) => c,
-                Err(e) => {
+            let deadline = tokio::time::Instant::now() + shared.cfg.hello_timeout;
+            let conn = match tokio::time::timeout_at(deadline, incoming).await {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
                     debug!(error = %e, "handshake failed");
                     return;
                 }
+                Err(_) => {
+                    debug!(%remote, "TLS handshake not done by the HELLO deadline");
+                    return;
+                }
             };
-            let peer: Arc<Peer> = Arc::default();
+            let peer = Arc::new(Peer::new(conn.clone(), place));
             if let Some(p) = cert_principal(&conn) {
-                let _ = peer.set(p);
+                peer.authenticate(p);
             }
-            debug!(remote = %conn.remote_address(), principal = ?peer.get(), "connection");
+            debug!(%remote, principal = ?peer.get(), "connection");
+            let hello_deadline = tokio::time::sleep_until(deadline);
+            tokio::pin!(hello_deadline);
             loop {
-                let (send, recv) = match conn.accept_bi().await {
-                    Ok(s) => s,
-                    Err(_) => break,
-                };
-                let shared = shared.clone();
-                let peer = peer.clone();
-                tokio::spawn(async move { serve_stream(shared, peer, send, recv).await });
+                tokio::select! {
+                    s = conn.accept_bi() => {
+                        let Ok((send, recv)) = s else { break };
+                        let shared = shared.clone();
+                        let peer = peer.clone();
+                        tokio::spawn(async move { serve_stream(shared, peer, send, recv).await });
+                    }
+                    () = &mut hello_deadline, if peer.get().is_none() => {
+                        if peer.get().is_none() {
+                            debug!(%remote, "no HELLO by the deadline: closed");
+                            peer.close_unauthenticated("no HELLO by the deadline");
+                        }
+                    }
+                }
             }
+            peer.end();
         });
     }
 }
@@ -751,13 +868,18 @@ async fn serve_stream(
     let head = match head {
         Ok(Ok(Err((header, reply)))) => {
             refuse(&mut send, &mut recv, &header, &reply).await;
+            if header.opcode == Opcode::Hello && peer.get().is_none() {
+                close_after_failed_hello(&shared, &peer, &mut send).await;
+            }
             return;
         }
         Ok(Ok(Ok(x))) => Ok(Ok(x)),
         Ok(Err(e)) => Ok(Err(e)),
         Err(elapsed) => Err(elapsed),
     };
-    let _turn = turn;
+    // Held until the reply has been written or dropped: it also carries
+    // the bytes of the reply (charged by `dispatch` before the work runs).
+    let mut turn = turn;
     let read = match head {
         // Bulk transfers stream through the worker's shared ring.
         Ok(Ok((header, body)))
@@ -794,13 +916,17 @@ async fn serve_stream(
     // A peer of another protocol version gets its answer in its own
     // version's header (the layout is the same), so it can read the reason.
     let mut reply_version = None;
+    let mut failed_hello = false;
     let (req, reply) = match read {
         Ok(Ok(frame)) => {
             if let Some(t) = &mut hop {
                 t.mark("read");
                 t.set_op(frame.header.opcode, frame.data.len() as u64);
             }
-            let reply = dispatch(&shared, &peer, &frame).await;
+            let reply = dispatch(&shared, &peer, &frame, turn.as_mut()).await;
+            failed_hello = frame.header.opcode == Opcode::Hello
+                && reply.status != Status::Ok
+                && peer.get().is_none();
             if let Some(t) = &mut hop {
                 t.mark("dispatch");
                 let bytes = frame.data.len().max(reply.data.len()) as u64;
@@ -858,6 +984,17 @@ async fn serve_stream(
         debug!("reply not read within the reply timeout: dropped");
         let _ = send.reset(0u32.into());
     }
+    if failed_hello {
+        close_after_failed_hello(&shared, &peer, &mut send).await;
+    }
+}
+
+/// Closes a connection whose HELLO failed, once its reply has arrived (or
+/// after a short wait): a connection gets one try.
+async fn close_after_failed_hello(shared: &Shared, peer: &Peer, send: &mut quinn::SendStream) {
+    let wait = shared.cfg.reply_timeout.min(Duration::from_secs(1));
+    let _ = tokio::time::timeout(wait, send.stopped()).await;
+    peer.close_unauthenticated("HELLO failed");
 }
 
 /// The principal of `token`, comparing against every token without early
@@ -893,9 +1030,6 @@ fn cert_principal(conn: &quinn::Connection) -> Option<Principal> {
     Some(Principal::from(format!("cert-{hex}")))
 }
 
-/// Who is on a connection: set once, by a client certificate or HELLO.
-type Peer = OnceLock<Principal>;
-
 /// The connection's principal, or UNAUTHORIZED.
 fn principal(peer: &Peer) -> Result<&Principal, Reply> {
     peer.get()
@@ -919,13 +1053,26 @@ fn lease_of(shared: &Shared, who: &Principal, id: &LeaseId) -> Result<Slot, Repl
     Ok(t.get(id, shared.now())?)
 }
 
-async fn dispatch(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Reply {
-    match dispatch_inner(shared, peer, f).await {
+/// Serves one request; `turn` (the principal's budget turn of this
+/// request) is charged the bytes of the reply before the work that makes
+/// them runs.
+async fn dispatch(
+    shared: &Arc<Shared>,
+    peer: &Peer,
+    f: &Frame,
+    turn: Option<&mut BudgetTurn>,
+) -> Reply {
+    match dispatch_inner(shared, peer, f, turn).await {
         Ok(r) | Err(r) => r,
     }
 }
 
-async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<Reply, Reply> {
+async fn dispatch_inner(
+    shared: &Arc<Shared>,
+    peer: &Peer,
+    f: &Frame,
+    turn: Option<&mut BudgetTurn>,
+) -> Result<Reply, Reply> {
     let op = f.header.opcode;
     if f.header.is_reply() {
         return Err(Reply::err(Status::BadRequest, "a reply is not a request"));
@@ -940,22 +1087,35 @@ async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<
         let h: Hello = from_body(&f.body)?;
         // Client-supplied: escaped before it reaches a log line.
         let client = h.client.escape_debug().to_string();
-        let who = peer.get().cloned().or_else(|| {
-            token_principal(shared, &h.token).or_else(|| {
-                shared
-                    .cfg
-                    .allow_anonymous
-                    .then(|| Principal::from("anonymous"))
-            })
+        let hello_ok = || {
+            Ok(Reply::ok(&HelloOk {
+                node: shared.cfg.name.clone(),
+            }))
+        };
+        if peer.get().is_some() {
+            return hello_ok();
+        }
+        // Token checks are rationed per source address.
+        if !shared.handshakes.take_check(peer.source) {
+            shared.handshakes.rejected(&client, peer.remote(), false);
+            return Err(Reply::err(
+                Status::Unauthorized,
+                "too many failed HELLOs from this address: try again later",
+            ));
+        }
+        let who = token_principal(shared, &h.token).or_else(|| {
+            shared
+                .cfg
+                .allow_anonymous
+                .then(|| Principal::from("anonymous"))
         });
         if let Some(who) = who {
-            let who = peer.get_or_init(|| who);
+            shared.handshakes.authenticated(peer.source);
+            let who = peer.authenticate(who);
             debug!(%client, principal = %who, "authenticated");
-            return Ok(Reply::ok(&HelloOk {
-                node: shared.cfg.name.clone(),
-            }));
+            return hello_ok();
         }
-        warn!(%client, "rejected credentials");
+        shared.handshakes.rejected(&client, peer.remote(), true);
         return Err(Reply::err(Status::Unauthorized, "invalid token"));
     }
     let who = principal(peer)?.clone();
@@ -1022,7 +1182,8 @@ async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<
                 .metrics
                 .batch_commands
                 .fetch_add(b.commands.len() as u64, Ordering::Relaxed);
-            let (reply, data) = run_in_order(shared, &who, &b, wire, &f.data, &mut hop).await?;
+            let (reply, data) =
+                run_in_order(shared, &who, &b, wire, &f.data, &mut hop, turn).await?;
             let body = to_body(&reply);
             hops::mark(&mut hop, "reply");
             Ok(Reply {
@@ -1032,6 +1193,12 @@ async fn dispatch_inner(shared: &Arc<Shared>, peer: &Peer, f: &Frame) -> Result<
             })
         }
         Opcode::GpuSubmit => {
+            // The output is held for the reply: charged before anything runs.
+            let s: GpuSubmit = from_body(&f.body)?;
+            if let Some(t) = turn {
+                t.grow(u64::from(s.output_size))
+                    .map_err(|m| Reply::err(Status::CapacityExceeded, format!("output: {m}")))?;
+            }
             let _turn = submit_turn(shared, &who).await;
             submit(shared, f).await
         }
@@ -1058,7 +1225,16 @@ async fn single(
     };
     batch.validate(0)?;
     let wire = to_body(&batch.commands);
-    let (reply, _) = run_batch(shared, who, &BatchView::of(&batch), &wire, &[], &mut None).await?;
+    let (reply, _) = run_batch(
+        shared,
+        who,
+        &BatchView::of(&batch),
+        &wire,
+        &[],
+        &mut None,
+        None,
+    )
+    .await?;
     match reply.error {
         Some(e) => Err(Reply::err(e.status, e.message)),
         None => Ok(Reply::empty()),
@@ -1229,6 +1405,7 @@ fn plan(
     lease: &LeaseId,
     state: &LeaseState,
     commands: &[CommandView<'_>],
+    mut turn: Option<&mut BudgetTurn>,
 ) -> Plan {
     let mut overlay: HashMap<Id, Option<IdKind>> = HashMap::new();
     let mut live = state.ids.len();
@@ -1315,6 +1492,12 @@ fn plan(
                             Status::BadRequest,
                             "reads exceed the reply data limit".into(),
                         ));
+                    }
+                    // The bytes are held for the reply until it is taken:
+                    // charged to the principal before they are read.
+                    if let Some(t) = turn.as_deref_mut() {
+                        t.grow(u64::from(*len))
+                            .map_err(|m| fail(Status::CapacityExceeded, format!("read: {m}")))?;
                     }
                     Effect::None
                 }
@@ -1437,12 +1620,16 @@ fn worker_lost(shared: &Shared, lease: &LeaseId, e: &WorkerError) -> Reply {
 /// A module the lease's worker must load before the batch's commands.
 struct Load {
     hash: ModuleHash,
-    source: Arc<(SourceKind, Vec<u8>)>,
+    source: ModuleSource,
+    /// The source came with the batch (not from the node's cache): it is
+    /// cached once the lease was charged for it and loaded it.
+    sent: bool,
 }
 
 /// The modules of `b` the lease has not loaded, with their sources (from
 /// the batch, checked against their hashes, or the node's cache); the
-/// batch's data after its module sources is returned too.
+/// batch's data after its module sources is returned too. Nothing enters
+/// the node's cache here.
 fn modules_to_load<'d>(
     shared: &Shared,
     state: &LeaseState,
@@ -1466,26 +1653,23 @@ fn modules_to_load<'d>(
                         format!("module {}: its source hashes to {actual}", m.hash),
                     ));
                 }
-                let entry = Arc::new((t.kind.clone(), text.to_vec()));
-                let mut cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
-                // What the node keeps (perhaps already compiled) wins.
-                match cache.map.get(&m.hash) {
-                    Some(kept) => Some(kept.clone()),
-                    None => {
-                        cache.insert(m.hash, entry.clone(), shared.cfg.module_cache_bytes);
-                        Some(entry)
-                    }
-                }
+                Some(Arc::new((t.kind.clone(), text.to_vec())))
             }
             None => None,
         };
         if state.modules.contains_key(&m.hash) {
             continue;
         }
-        let source = given.or_else(|| {
-            let cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
-            cache.map.get(&m.hash).cloned()
-        });
+        // What the node keeps (perhaps already compiled) wins.
+        let kept = shared
+            .modules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&m.hash);
+        let (source, sent) = match (kept, given) {
+            (Some(k), _) => (Some(k), false),
+            (None, g) => (g, true),
+        };
         let Some(source) = source else {
             return Err(Reply::err(
                 Status::UnknownModule,
@@ -1498,6 +1682,7 @@ fn modules_to_load<'d>(
         loads.push(Load {
             hash: m.hash,
             source,
+            sent,
         });
     }
     Ok((loads, rest))
@@ -1520,11 +1705,20 @@ async fn run_in_order(
     wire: &[u8],
     data: &[u8],
     hop: &mut Option<HopTimer>,
+    turn: Option<&mut BudgetTurn>,
 ) -> Result<(BatchReply, Vec<u8>), Reply> {
     if b.seq == 0 {
         hops::mark(hop, "order");
-        return run_batch(shared, who, b, wire, data, hop).await;
+        return run_batch(shared, who, b, wire, data, hop, turn).await;
     }
+    // The lease's next number after this batch; the last u64 has none (it
+    // would wrap to 0 and make the owner's next batch wait the window).
+    let Some(after) = b.seq.checked_add(1) else {
+        return Err(Reply::err(
+            Status::BadRequest,
+            format!("batch number {} has no successor: numbers wrap", b.seq),
+        ));
+    };
     let slot = lease_of(shared, who, &b.lease)?;
     let mut next = slot.next_seq.subscribe();
     let window = shared.cfg.reorder_window;
@@ -1535,13 +1729,13 @@ async fn run_in_order(
         debug!(lease = %b.lease, seq = b.seq, "earlier batches missing: running anyway");
     }
     hops::mark(hop, "order");
-    let r = run_batch(shared, who, b, wire, data, hop).await;
+    let r = run_batch(shared, who, b, wire, data, hop, turn).await;
     // Sent again with its sources, the batch keeps its place.
     if !matches!(&r, Err(reply) if reply.status == Status::UnknownModule) {
         slot.next_seq.send_if_modified(|n| {
             let advance = *n <= b.seq;
             if advance {
-                *n = b.seq + 1;
+                *n = after;
             }
             advance
         });
@@ -1550,7 +1744,8 @@ async fn run_in_order(
 }
 
 /// Runs `b`, whose commands encode to `wire` (forwarded to the worker as
-/// they are when the node accepts every one of them).
+/// they are when the node accepts every one of them). The bytes its reads
+/// return are charged to `turn` as they are planned.
 async fn run_batch(
     shared: &Arc<Shared>,
     who: &Principal,
@@ -1558,6 +1753,7 @@ async fn run_batch(
     wire: &[u8],
     data: &[u8],
     hop: &mut Option<HopTimer>,
+    turn: Option<&mut BudgetTurn>,
 ) -> Result<(BatchReply, Vec<u8>), Reply> {
     let lease = &b.lease;
     let slot = lease_of(shared, who, lease)?;
@@ -1582,7 +1778,7 @@ async fn run_batch(
             }
             charged += len;
         }
-        let p = plan(shared, lease, &state, &b.commands);
+        let p = plan(shared, lease, &state, &b.commands, turn);
         (loads, writes, p)
     };
     let n_loads = loads.len();
@@ -1626,15 +1822,27 @@ async fn run_batch(
         let reply: WorkerBatchReply = from_body(&frame.body)
             .map_err(|e| Reply::err(Status::Internal, format!("worker reply: {e}")))?;
         let done = reply.completed as usize;
-        if !reply.compiled.is_empty() {
-            let mut cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
-            for (hash, ptx) in reply.compiled {
-                Metrics::inc(&shared.metrics.modules_compiled);
-                let entry = Arc::new((SourceKind::Ptx, ptx.into_bytes()));
-                cache.insert(hash, entry, shared.cfg.module_cache_bytes);
+        loaded = done.min(n_loads);
+        // Loaded and charged to this lease: now the node may keep them for
+        // everyone, as this principal's (compiled PTX replaces its CUDA C).
+        let mut cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
+        let (cap, share) = (
+            shared.cfg.module_cache_bytes,
+            shared.cfg.module_cache_bytes_per_principal,
+        );
+        for l in loads[..loaded].iter().filter(|l| l.sent) {
+            if cache.get(&l.hash).is_none() {
+                cache.insert(l.hash, l.source.clone(), who, cap, share);
             }
         }
-        loaded = done.min(n_loads);
+        for (hash, ptx) in reply.compiled {
+            Metrics::inc(&shared.metrics.modules_compiled);
+            if loads[..loaded].iter().any(|l| l.hash == hash) {
+                let entry = Arc::new((SourceKind::Ptx, ptx.into_bytes()));
+                cache.insert(hash, entry, who, cap, share);
+            }
+        }
+        drop(cache);
         completed = done.saturating_sub(n_loads).min(planned);
         out = frame.data;
         if let Some(e) = reply.error {
@@ -1714,11 +1922,23 @@ async fn ensure_worker<'a>(
 }
 
 /// One request of a principal in flight, with the bytes it holds in the
-/// node (body and unstreamed data); given back when dropped.
+/// node (body and unstreamed data, then the reply's data); given back when
+/// dropped, after the reply was written or dropped.
 struct BudgetTurn {
     shared: Arc<Shared>,
     who: Principal,
     bytes: u64,
+}
+
+/// Why `bytes` more do not fit beside the `held` bytes of `who`.
+fn over_bytes(shared: &Shared, who: &Principal, held: u64, bytes: u64) -> Option<String> {
+    (held.saturating_add(bytes) > shared.cfg.max_bytes_per_principal).then(|| {
+        format!(
+            "principal {who} has {held} bytes in flight; {bytes} more would pass its limit of {} \
+             (max_bytes_per_principal)",
+            shared.cfg.max_bytes_per_principal
+        )
+    })
 }
 
 impl BudgetTurn {
@@ -1734,15 +1954,8 @@ impl BudgetTurn {
                 ),
             ));
         }
-        if held.saturating_add(bytes) > shared.cfg.max_bytes_per_principal {
-            return Err(Reply::err(
-                Status::CapacityExceeded,
-                format!(
-                    "principal {who} has {held} bytes in flight; {bytes} more would pass its \
-                     limit of {} (max_bytes_per_principal)",
-                    shared.cfg.max_bytes_per_principal
-                ),
-            ));
+        if let Some(why) = over_bytes(shared, who, *held, bytes) {
+            return Err(Reply::err(Status::CapacityExceeded, why));
         }
         *requests += 1;
         *held += bytes;
@@ -1751,6 +1964,25 @@ impl BudgetTurn {
             who: who.clone(),
             bytes,
         })
+    }
+
+    /// Charges `more` bytes to this request (the reply's data, before the
+    /// work that makes it runs); the reason if they do not fit.
+    fn grow(&mut self, more: u64) -> Result<(), String> {
+        let mut m = self
+            .shared
+            .budgets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let Some((_, held)) = m.get_mut(&self.who) else {
+            return Err(format!("principal {} has no budget entry", self.who));
+        };
+        if let Some(why) = over_bytes(&self.shared, &self.who, *held, more) {
+            return Err(why);
+        }
+        *held += more;
+        self.bytes += more;
+        Ok(())
     }
 }
 

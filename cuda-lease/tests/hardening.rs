@@ -516,7 +516,15 @@ async fn five_hundred_connections_and_32_clients_times_1000_requests_lose_nothin
     let _one = ONE_AT_A_TIME.lock().await;
     let mut cfg = memory_config(64 << 20);
     cfg.max_leases_per_principal = 32;
+    // 500 connecting at once from one address: more than the default caps
+    // on connections waiting for HELLO.
+    cfg.max_unauthenticated = 1024;
+    cfg.max_unauthenticated_per_source = 1024;
+    // 500 TLS handshakes at once take longer than the default HELLO
+    // deadline on a 2-core machine in a debug build.
+    cfg.hello_timeout = Duration::from_secs(60);
     let node = Node::spawn_local(cfg).await.unwrap();
+    let t = std::time::Instant::now();
     // 500 connections at once, each authenticated and served.
     let mut tasks = Vec::new();
     for _ in 0..500 {
@@ -532,6 +540,7 @@ async fn five_hundred_connections_and_32_clients_times_1000_requests_lose_nothin
         conns.push(t.await.unwrap().expect("a connection was refused or lost"));
     }
     assert_eq!(conns.len(), 500);
+    eprintln!("500 connections authenticated in {:?}", t.elapsed());
     drop(conns);
     // 32 clients x 1000 requests, each answered with the right lease.
     let mut tasks = Vec::new();
@@ -560,7 +569,10 @@ async fn five_hundred_connections_and_32_clients_times_1000_requests_lose_nothin
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn twenty_thousand_fuzzed_frames_then_a_good_client_is_served() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let mut cfg = memory_config(1 << 20);
+    // Garbage within the HELLO deadline (which has its own test).
+    cfg.hello_timeout = Duration::from_secs(120);
+    let node = Node::spawn_local(cfg).await.unwrap();
     let authed = raw_authed_conn(&node).await;
     let next = Arc::new(AtomicU64::new(0));
     let undecodable = Arc::new(AtomicU64::new(0));
@@ -568,12 +580,14 @@ async fn twenty_thousand_fuzzed_frames_then_a_good_client_is_served() {
     for w in 0..32u64 {
         let (next, undecodable) = (next.clone(), undecodable.clone());
         // Half the workers share an authenticated connection, half have
-        // their own unauthenticated one.
-        let conn = if w % 2 == 0 {
-            authed.clone()
-        } else {
-            raw_unauthed_conn(&node).await
+        // their own unauthenticated one (a new one after a failed HELLO,
+        // which closes it).
+        let unauthed = (w % 2 == 1).then(|| endpoint_on(&node, [127, 0, 0, 1]));
+        let mut conn = match &unauthed {
+            None => authed.clone(),
+            Some(ep) => dial(ep, &node).await.unwrap(),
         };
+        let addr = node.addr();
         tasks.push(tokio::spawn(async move {
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
@@ -608,6 +622,12 @@ async fn twenty_thousand_fuzzed_frames_then_a_good_client_is_served() {
                 if !matches!(reply, Ok(Ok(_))) {
                     undecodable.fetch_add(1, Ordering::Relaxed);
                 }
+                if let Some(ep) = &unauthed {
+                    if h[5] == Opcode::Hello as u8 {
+                        let _ = tokio::time::timeout(Duration::from_secs(5), conn.closed()).await;
+                        conn = ep.connect(addr, "localhost").unwrap().await.unwrap();
+                    }
+                }
             }
         }));
     }
@@ -633,5 +653,614 @@ async fn twenty_thousand_fuzzed_frames_then_a_good_client_is_served() {
     assert_eq!(s.read(&buf, 0, 8).await.unwrap(), b"survived");
     drop(buf);
     lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+/// A QUIC client endpoint on `ip` (all of 127.0.0.0/8 is loopback), so a
+/// test can choose the source address the node sees.
+fn endpoint_on(node: &Node, ip: [u8; 4]) -> quinn::Endpoint {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(node.cert_der().clone()).unwrap();
+    let mut tls = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![proto::ALPN.to_vec()];
+    let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut ep = quinn::Endpoint::client((ip, 0).into()).unwrap();
+    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(qc)));
+    ep
+}
+
+/// A new connection from `ep` to the node.
+async fn dial(
+    ep: &quinn::Endpoint,
+    node: &Node,
+) -> Result<quinn::Connection, quinn::ConnectionError> {
+    ep.connect(node.addr(), "localhost").unwrap().await
+}
+
+/// Sends HELLO with `token` on a new stream: the reply's status and
+/// message, or `None` when the connection ended without one.
+async fn hello(conn: &quinn::Connection, token: &str) -> Option<(Status, String)> {
+    let body = proto::to_body(&proto::Hello {
+        token: token.into(),
+        client: "hardening test".into(),
+    });
+    let (mut send, mut recv) = conn.open_bi().await.ok()?;
+    let h = Header::request(Opcode::Hello, 1, body.len() as u32, 0);
+    proto::write_frame(&mut send, &h, &body, &[]).await.ok()?;
+    let _ = send.finish();
+    let f = tokio::time::timeout(
+        Duration::from_secs(5),
+        proto::read_frame(&mut recv, &proto::Limits::default()),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    let message = proto::from_body::<proto::ErrorBody>(&f.body)
+        .map(|e| e.message)
+        .unwrap_or_default();
+    Some((f.header.status, message))
+}
+
+/// Whether `conn` was closed by the node within `limit`.
+async fn closed_within(conn: &quinn::Connection, limit: Duration) -> bool {
+    tokio::time::timeout(limit, conn.closed()).await.is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_never_send_hello_are_closed_at_the_hello_deadline() {
+    // Round 2, attack 1: 1,000 connections that never sent HELLO were all
+    // still open after 90 s (about 50 KiB of the node each).
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(1 << 20);
+    cfg.hello_timeout = Duration::from_millis(300);
+    cfg.max_unauthenticated = 1024;
+    cfg.max_unauthenticated_per_source = 1024;
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let ep = endpoint_on(&node, [127, 0, 0, 1]);
+    let mut idle = Vec::new();
+    for _ in 0..300 {
+        idle.push(dial(&ep, &node).await.unwrap());
+    }
+    let start = std::time::Instant::now();
+    let all_closed = eventually(Duration::from_secs(3), || async {
+        idle.iter().all(|c| c.close_reason().is_some())
+    })
+    .await;
+    let open = idle.iter().filter(|c| c.close_reason().is_none()).count();
+    eprintln!(
+        "300 connections without HELLO, deadline 300 ms: {open} still open {:.1} s after the last connected",
+        start.elapsed().as_secs_f64()
+    );
+    assert!(all_closed, "{open} of 300 still open");
+    for c in &idle {
+        match c.close_reason() {
+            Some(quinn::ConnectionError::ApplicationClosed(a)) => {
+                assert_eq!(&a.reason[..], b"no HELLO by the deadline")
+            }
+            other => panic!("closed for another reason: {other:?}"),
+        }
+    }
+    // A well-behaved tenant connects and is served.
+    let client = connect(&node).await;
+    client.inventory().await.unwrap();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn connections_waiting_for_hello_are_capped_per_source_and_per_node() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(1 << 20);
+    cfg.max_unauthenticated = 12;
+    cfg.max_unauthenticated_per_source = 8;
+    cfg.hello_timeout = Duration::from_secs(1);
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let tenant = connect(&node).await;
+    let mut held = Vec::new();
+    let mut refused = [0usize; 2];
+    for (k, (ip, n)) in [([127, 0, 0, 2], 20), ([127, 0, 0, 3], 10)]
+        .into_iter()
+        .enumerate()
+    {
+        let ep = endpoint_on(&node, ip);
+        for _ in 0..n {
+            match dial(&ep, &node).await {
+                Ok(c) => held.push(c),
+                Err(_) => refused[k] += 1,
+            }
+        }
+    }
+    eprintln!(
+        "waiting for HELLO: {} held; refused 127.0.0.2: {} of 20, 127.0.0.3: {} of 10",
+        held.len(),
+        refused[0],
+        refused[1]
+    );
+    // 8 from the first address (its cap), 4 from the second (the node's).
+    assert_eq!((held.len(), refused), (12, [12, 6]));
+    // The authenticated tenant is served meanwhile.
+    tenant.inventory().await.unwrap();
+    // The held connections end at the HELLO deadline; then a new tenant
+    // gets in.
+    for c in &held {
+        assert!(closed_within(c, Duration::from_secs(5)).await);
+    }
+    let late = endpoint_on(&node, [127, 0, 0, 4]);
+    let c = dial(&late, &node).await.unwrap();
+    assert_eq!(hello(&c, TOKEN).await.map(|r| r.0), Some(Status::Ok));
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_failed_hello_closes_the_connection() {
+    // Round 2, attack 2: one connection sent 770,893 wrong tokens in 10 s
+    // and was never closed.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let ep = endpoint_on(&node, [127, 0, 0, 1]);
+    let conn = dial(&ep, &node).await.unwrap();
+    let first = hello(&conn, "wrong").await;
+    assert_eq!(
+        first,
+        Some((Status::Unauthorized, "invalid token".to_string()))
+    );
+    // A second try, even with the right token, finds the connection closed.
+    let second = hello(&conn, TOKEN).await;
+    let closed = closed_within(&conn, Duration::from_secs(3)).await;
+    eprintln!("after a failed HELLO: second HELLO {second:?}, connection closed {closed}");
+    assert!(closed && second.is_none(), "{second:?}");
+    assert!(matches!(
+        conn.close_reason(),
+        Some(quinn::ConnectionError::ApplicationClosed(a)) if &a.reason[..] == b"HELLO failed"
+    ));
+    node.shutdown().await;
+}
+
+/// Sends wrong tokens from `ip` for `time`, dialling again whenever the
+/// node closed the connection: (tokens found wrong, HELLOs refused without
+/// a check, attempts).
+async fn wrong_token_flood(node: &Node, ip: [u8; 4], time: Duration) -> (u64, u64, u64) {
+    let ep = endpoint_on(node, ip);
+    let (mut checked, mut unchecked, mut tries) = (0, 0, 0);
+    let mut conn = dial(&ep, node).await.unwrap();
+    let start = std::time::Instant::now();
+    while start.elapsed() < time {
+        tries += 1;
+        match hello(&conn, "wrong").await {
+            Some((Status::Unauthorized, m)) if m == "invalid token" => checked += 1,
+            Some((Status::Unauthorized, _)) => unchecked += 1,
+            Some(other) => panic!("{other:?}"),
+            None => {
+                let _ = closed_within(&conn, Duration::from_secs(1)).await;
+            }
+        }
+        if conn.close_reason().is_some() {
+            conn = dial(&ep, node).await.unwrap();
+        }
+    }
+    (checked, unchecked, tries)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_hellos_are_rate_limited_per_source() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(1 << 20);
+    cfg.max_failed_hellos_per_source = 5;
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let attack = wrong_token_flood(&node, [127, 0, 0, 2], Duration::from_millis(1500));
+    // A well-behaved tenant from another address connects and is served
+    // while the attack goes on.
+    let tenant = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let t = std::time::Instant::now();
+        let c = connect(&node).await;
+        c.inventory().await.unwrap();
+        t.elapsed()
+    };
+    let ((checked, unchecked, tries), served) = tokio::join!(attack, tenant);
+    eprintln!(
+        "wrong tokens from one address for 1.5 s: {tries} HELLOs, {checked} checked, \
+         {unchecked} refused unchecked; another tenant connected and served in {served:?}"
+    );
+    // 5 at once, then 5 a second.
+    assert!(checked <= 5 + 8 + 1, "{checked} tokens checked");
+    assert!(unchecked > 0);
+    assert!(served < Duration::from_secs(2), "{served:?}");
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn failed_hellos_are_logged_at_most_once_per_interval() {
+    // Round 2, attack 2: one WARN line per wrong token, 112 MB of log in
+    // 10 s.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let log = captured_log();
+    let mut cfg = memory_config(1 << 20);
+    // Every token checked: the log's own limit is what is tested here.
+    cfg.max_failed_hellos_per_source = 100_000;
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let lines = || {
+        String::from_utf8_lossy(&log.lock().unwrap())
+            .lines()
+            .filter(|l| l.contains("rejected credentials"))
+            .count()
+    };
+    let before = lines();
+    let ep = endpoint_on(&node, [127, 0, 0, 5]);
+    let mut conn = dial(&ep, &node).await.unwrap();
+    let mut failed = 0;
+    while failed < 200 {
+        match hello(&conn, "wrong").await {
+            Some((Status::Unauthorized, _)) => failed += 1,
+            Some(other) => panic!("{other:?}"),
+            None => conn = dial(&ep, &node).await.unwrap(),
+        }
+    }
+    let logged = lines() - before;
+    eprintln!("200 wrong tokens: {logged} log lines");
+    assert!((1..=2).contains(&logged), "{logged} lines");
+    node.shutdown().await;
+}
+
+/// A BATCH of `commands` numbered `seq` in `lease`, with no data.
+fn numbered_batch(lease: proto::LeaseId, seq: u64, commands: Vec<proto::Command>) -> Vec<u8> {
+    proto::to_body(&proto::Batch {
+        lease,
+        seq,
+        modules: vec![],
+        commands,
+    })
+}
+
+#[tokio::test]
+async fn batch_numbers_that_would_wrap_are_refused() {
+    // Round 2: a batch numbered u64::MAX wrapped the lease's next number to
+    // 0, so the owner's next batch waited the whole reorder window.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(1 << 20);
+    cfg.reorder_window = Duration::from_secs(2);
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let client = connect(&node).await;
+    let lease = Lease::builder()
+        .min_vram(4096)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap();
+    let last = numbered_batch(lease.id(), u64::MAX, vec![]);
+    let refused = client.request(Opcode::Batch, &last, &[]).await;
+    // The owner's next batch runs at once.
+    let alloc = proto::Command {
+        stream: 0,
+        op: proto::Op::Alloc {
+            buf: proto::Id(1),
+            size: 64,
+        },
+    };
+    let t = std::time::Instant::now();
+    let next = client
+        .request(
+            Opcode::Batch,
+            &numbered_batch(lease.id(), 1, vec![alloc]),
+            &[],
+        )
+        .await;
+    let waited = t.elapsed();
+    eprintln!(
+        "batch u64::MAX: {:?}; the next batch (number 1) took {waited:?}",
+        refused.as_ref().map(|_| "ran")
+    );
+    match refused {
+        Err(Error::BadRequest(m)) => assert!(m.contains(&u64::MAX.to_string()), "{m}"),
+        other => panic!("expected BAD_REQUEST, got {other:?}"),
+    }
+    let (body, _) = next.unwrap();
+    let reply: proto::BatchReply = proto::from_body(&body).unwrap();
+    assert_eq!((reply.completed, reply.error), (1, None));
+    assert!(waited < Duration::from_secs(1), "{waited:?}");
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+/// A PTX module with one empty kernel `k`, padded with comments to `len`
+/// bytes; `tag` makes its text (and so its hash) its own.
+fn padded_ptx(tag: &str, len: usize) -> String {
+    let mut ptx = format!(
+        ".version 7.0\n.target sm_70\n.address_size 64\n// {tag}\n.visible .entry k()\n{{\n ret;\n}}\n"
+    );
+    while ptx.len() < len {
+        ptx.push_str("// padding padding padding padding padding padding padding\n");
+    }
+    ptx
+}
+
+/// A BATCH of `lease` that loads `modules` (with their sources when
+/// `with_source`, else by hash alone) and runs nothing: body and data.
+fn module_batch(lease: proto::LeaseId, modules: &[&str], with_source: bool) -> (Vec<u8>, Vec<u8>) {
+    let mut uses = Vec::new();
+    let mut data = Vec::new();
+    for m in modules {
+        uses.push(proto::ModuleUse {
+            hash: proto::ModuleHash::of(&proto::SourceKind::Ptx, m),
+            source: with_source.then_some(proto::ModuleText {
+                kind: proto::SourceKind::Ptx,
+                len: m.len() as u32,
+            }),
+        });
+        if with_source {
+            data.extend_from_slice(m.as_bytes());
+        }
+    }
+    let body = proto::to_body(&proto::Batch {
+        lease,
+        seq: 0,
+        modules: uses,
+        commands: vec![],
+    });
+    (body, data)
+}
+
+async fn lease_of_size(client: &Arc<cuda_lease::Client>, bytes: u64) -> Lease {
+    Lease::builder()
+        .min_vram(bytes)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn refused_modules_are_not_cached_for_other_tenants() {
+    // Round 2: a module refused with CAPACITY_EXCEEDED in a 1-byte lease
+    // still entered the node-wide cache, and another tenant could then
+    // load it by its hash alone.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(16 << 20);
+    cfg.tokens = vec!["ta".into(), "tb".into()];
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let a = connect_as(&node, "ta").await;
+    let b = connect_as(&node, "tb").await;
+    let module = padded_ptx("refused", 1 << 20);
+    let tiny = lease_of_size(&a, 1).await;
+    let (body, data) = module_batch(tiny.id(), &[&module], true);
+    match a.request(Opcode::Batch, &body, &data).await {
+        Err(Error::CapacityExceeded(_)) => {}
+        other => panic!("a 1 MiB module fit a 1-byte lease: {other:?}"),
+    }
+    let lease_b = lease_of_size(&b, 4 << 20).await;
+    let (body, _) = module_batch(lease_b.id(), &[&module], false);
+    let by_hash = b.request(Opcode::Batch, &body, &[]).await;
+    eprintln!(
+        "another tenant's batch naming the refused module by hash: {}",
+        match &by_hash {
+            Ok(_) => "loaded from the cache".to_string(),
+            Err(e) => format!("{e}"),
+        }
+    );
+    assert!(
+        matches!(by_hash, Err(Error::UnknownModule(_))),
+        "{by_hash:?}"
+    );
+    // Loaded by a lease that paid for it, the module is cached for others.
+    let big = lease_of_size(&a, 4 << 20).await;
+    let (body, data) = module_batch(big.id(), &[&module], true);
+    a.request(Opcode::Batch, &body, &data).await.unwrap();
+    b.request(
+        Opcode::Batch,
+        &module_batch(lease_b.id(), &[&module], false).0,
+        &[],
+    )
+    .await
+    .unwrap();
+    for l in [tiny, lease_b, big] {
+        l.free().await.unwrap();
+    }
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn one_tenants_modules_evict_only_its_own_cache_entries() {
+    // Round 2: 40 refused 2 MiB modules from one tenant evicted another
+    // tenant's cached module. Scaled: a 4 MiB cache, 1 MiB per principal,
+    // and 20 modules of 256 KiB that tenant A pays for and loads.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(64 << 20);
+    cfg.tokens = vec!["ta".into(), "tb".into()];
+    cfg.module_cache_bytes = 4 << 20;
+    cfg.module_cache_bytes_per_principal = 1 << 20;
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let a = connect_as(&node, "ta").await;
+    let b = connect_as(&node, "tb").await;
+    let mine = padded_ptx("tenant b", 64 << 10);
+    let lease_b = lease_of_size(&b, 1 << 20).await;
+    let (body, data) = module_batch(lease_b.id(), &[&mine], true);
+    b.request(Opcode::Batch, &body, &data).await.unwrap();
+    let lease_a = lease_of_size(&a, 8 << 20).await;
+    for i in 0..20 {
+        let m = padded_ptx(&format!("tenant a {i}"), 256 << 10);
+        let (body, data) = module_batch(lease_a.id(), &[&m], true);
+        a.request(Opcode::Batch, &body, &data).await.unwrap();
+    }
+    // B's module is still on the node: a new lease of B names it by hash.
+    let again = lease_of_size(&b, 1 << 20).await;
+    let (body, _) = module_batch(again.id(), &[&mine], false);
+    let by_hash = b.request(Opcode::Batch, &body, &[]).await;
+    // A's own most recent module is still cached too (its share is 1 MiB).
+    let last = padded_ptx("tenant a 19", 256 << 10);
+    let lease_a2 = lease_of_size(&a, 1 << 20).await;
+    let (body, _) = module_batch(lease_a2.id(), &[&last], false);
+    let a_last = a.request(Opcode::Batch, &body, &[]).await;
+    eprintln!(
+        "after tenant A loaded 5 MiB of modules into a 4 MiB cache: B's module by hash: {}; \
+         A's last: {}",
+        by_hash
+            .as_ref()
+            .map_or_else(|e| e.to_string(), |_| "cached".into()),
+        a_last
+            .as_ref()
+            .map_or_else(|e| e.to_string(), |_| "cached".into()),
+    );
+    by_hash.unwrap();
+    a_last.unwrap();
+    for l in [lease_b, lease_a, again, lease_a2] {
+        l.free().await.unwrap();
+    }
+    node.shutdown().await;
+}
+
+/// A connection from 127.0.0.1 authenticated with `token`.
+async fn raw_conn_as(node: &Node, token: &str) -> quinn::Connection {
+    let conn = dial(&endpoint_on(node, [127, 0, 0, 1]), node)
+        .await
+        .unwrap();
+    assert_eq!(hello(&conn, token).await.map(|r| r.0), Some(Status::Ok));
+    conn
+}
+
+/// Sends a request on a new stream of `conn` and never reads the reply.
+async fn send_unread(
+    conn: &quinn::Connection,
+    opcode: Opcode,
+    id: u64,
+    body: &[u8],
+    data: &[u8],
+) -> quinn::RecvStream {
+    let (mut send, recv) = conn.open_bi().await.unwrap();
+    let h = Header::request(opcode, id, body.len() as u32, data.len() as u32);
+    proto::write_frame(&mut send, &h, body, data).await.unwrap();
+    send.finish().unwrap();
+    recv
+}
+
+#[tokio::test]
+async fn batch_replies_count_against_the_principals_byte_budget() {
+    // Round 2: a 1 MiB lease sent four BATCHes each reading 256 x 1 MiB of
+    // its buffer and never read the replies: node RSS +1,024 MiB for 30 s.
+    // Scaled: 4 x 32 x 1 MiB against a 16 MiB budget, 2 s reply timeout.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(64 << 20);
+    cfg.tokens = vec!["ta".into(), "tb".into()];
+    cfg.max_bytes_per_principal = 16 << 20;
+    cfg.reply_timeout = Duration::from_secs(2);
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let a = connect_as(&node, "ta").await;
+    let b = connect_as(&node, "tb").await;
+    let lease = lease_of_size(&a, 1 << 20).await;
+    let buf = proto::Id(1);
+    let alloc = proto::Command {
+        stream: 0,
+        op: proto::Op::Alloc { buf, size: 1 << 20 },
+    };
+    a.request(
+        Opcode::Batch,
+        &numbered_batch(lease.id(), 0, vec![alloc]),
+        &[],
+    )
+    .await
+    .unwrap();
+    let read = proto::Command {
+        stream: 0,
+        op: proto::Op::Read {
+            buf,
+            offset: 0,
+            len: 1 << 20,
+        },
+    };
+    let reads = numbered_batch(lease.id(), 0, vec![read; 32]);
+    let conn = raw_conn_as(&node, "ta").await;
+    let peak = PeakRss::start();
+    let mut unread = Vec::new();
+    for i in 0..4 {
+        unread.push(send_unread(&conn, Opcode::Batch, 100 + i, &reads, &[]).await);
+    }
+    // Another tenant is served meanwhile.
+    let t = std::time::Instant::now();
+    let other = lease_of_size(&b, 4096).await;
+    let s = other.session();
+    let x = s.alloc(8).await.unwrap();
+    s.write(&x, 0, b"served!!").await.unwrap();
+    assert_eq!(s.read(&x, 0, 8).await.unwrap(), b"served!!");
+    let served = t.elapsed();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let grown = peak.stop();
+    eprintln!(
+        "4 unread BATCHes of 32 x 1 MiB reads, 16 MiB budget: node RSS peak +{} KiB; \
+         another tenant served in {served:?}",
+        grown / 1024
+    );
+    assert!(grown < 64 << 20, "RSS grew by {grown} bytes");
+    assert!(served < Duration::from_secs(2), "{served:?}");
+    // What was refused says so: the last batch's reply is small.
+    let mut last = unread.pop().unwrap();
+    let f = proto::read_frame(&mut last, &proto::Limits::default())
+        .await
+        .unwrap();
+    // (refused at its first read, or on its header when the budget is full)
+    let (status, message) = match f.header.status {
+        Status::Ok => {
+            let reply: proto::BatchReply = proto::from_body(&f.body).unwrap();
+            let e = reply.error.expect("refused");
+            (e.status, e.message)
+        }
+        s => (
+            s,
+            proto::from_body::<proto::ErrorBody>(&f.body)
+                .unwrap()
+                .message,
+        ),
+    };
+    assert_eq!(status, Status::CapacityExceeded, "{message}");
+    assert!(message.contains("max_bytes_per_principal"), "{message}");
+    drop(unread);
+    drop(x);
+    other.free().await.unwrap();
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn gpu_submit_outputs_count_against_the_principals_byte_budget() {
+    // GPU_SUBMIT output held for a reply counted only against the reply
+    // timeout. Four unread submits of 8 MiB outputs against a 12 MiB
+    // budget: one runs, three are refused before running.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(64 << 20);
+    cfg.max_bytes_per_principal = 12 << 20;
+    cfg.reply_timeout = Duration::from_secs(2);
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let conn = raw_authed_conn(&node).await;
+    let ptx = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry k()\n{\n ret;\n}\n";
+    let req = proto::GpuSubmit {
+        kernel: "k".into(),
+        grid: [1, 1, 1],
+        block: [1, 1, 1],
+        shared_mem: 0,
+        args: vec![],
+        ptx_len: ptx.len() as u32,
+        input_lens: vec![],
+        output_size: 8 << 20,
+        output_fill: 0x55,
+    };
+    let body = proto::to_body(&req);
+    let mut replies = Vec::new();
+    for i in 0..4 {
+        replies.push(send_unread(&conn, Opcode::GpuSubmit, 10 + i, &body, ptx.as_bytes()).await);
+        // In order: the first is running (its reply unread) before the next.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut statuses = Vec::new();
+    for mut r in replies {
+        let f = proto::read_frame(&mut r, &proto::Limits::default()).await;
+        statuses.push(f.map(|f| f.header.status).ok());
+    }
+    eprintln!("4 submits of 8 MiB output, 12 MiB budget: {statuses:?}");
+    let ok = statuses.iter().filter(|s| **s == Some(Status::Ok)).count();
+    let refused = statuses
+        .iter()
+        .filter(|s| **s == Some(Status::CapacityExceeded))
+        .count();
+    assert_eq!((ok, refused), (1, 3));
     node.shutdown().await;
 }
