@@ -18,7 +18,7 @@
 //!    `embed`, `__has_include`, a `#line` directive or a line marker, in
 //!    any spelling (line splices, trigraphs, digraphs), refuses the module
 //!    with a message naming the line.
-//! 3. **The compiler runs in a confined child process** ([`compile`]): the
+//! 3. **The compiler runs in a confined child process** ([`Compiler::compile`]): the
 //!    worker re-executes its own program with [`COMPILER_ENV`] set, an
 //!    empty environment (only the library search variables pass) and no
 //!    arguments. The child loads NVRTC, then forbids itself every file
