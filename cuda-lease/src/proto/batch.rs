@@ -1,0 +1,212 @@
+//! BATCH: the modules it names, its commands and their ops, and its checks.
+
+use serde::{Deserialize, Serialize};
+
+#[cfg(doc)]
+use super::Status;
+use super::{
+    bounded, CommandView, Id, LaunchSpec, LeaseId, ModuleHash, OpView, ProtoError, SourceKind,
+    StreamId, MAX_BATCH_OPS,
+};
+
+/// Most modules one batch may name.
+pub const MAX_BATCH_MODULES: usize = 64;
+
+/// A module's source carried in a batch's data.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModuleText {
+    /// PTX or CUDA C (with its options).
+    pub kind: SourceKind,
+    /// Bytes of text taken from the batch data.
+    pub len: u32,
+}
+
+/// A module a batch uses.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModuleUse {
+    /// Its content hash ([`ModuleHash::of`] the source).
+    pub hash: ModuleHash,
+    /// The source, the first time this node sees the module (the node
+    /// checks that it hashes to `hash`); `None` when the client believes
+    /// the node has it, which the node answers with
+    /// [`Status::UnknownModule`] if it does not.
+    pub source: Option<ModuleText>,
+}
+
+/// What one command does. Ids are client-named: a command that creates
+/// (`Alloc`, the first `Record` of an event) names an id not in use in the
+/// lease; the others name one created by an earlier command of this or an
+/// earlier batch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Op {
+    /// Allocate `size` zeroed bytes as buffer `buf`.
+    Alloc {
+        /// New buffer id.
+        buf: Id,
+        /// Bytes (non-zero).
+        size: u64,
+    },
+    /// Write the next `len` bytes of the batch data into `buf` at `offset`.
+    Write {
+        /// Target.
+        buf: Id,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes taken from the batch data.
+        len: u32,
+    },
+    /// Read `len` bytes of `buf` at `offset`; they are appended to the
+    /// reply data, in command order.
+    Read {
+        /// Source.
+        buf: Id,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes.
+        len: u32,
+    },
+    /// Free a buffer (after every use of it queued on any stream) or an
+    /// event.
+    Free {
+        /// The buffer or event.
+        id: Id,
+    },
+    /// Launch a kernel.
+    Launch(LaunchSpec),
+    /// Record event `event` on the command's stream (made on first use).
+    Record {
+        /// The event.
+        event: Id,
+    },
+    /// Make the command's stream wait for the last record of `event`.
+    Wait {
+        /// The event.
+        event: Id,
+    },
+    /// Set `len` bytes of `buf` at `offset` to `value`.
+    Fill {
+        /// Target.
+        buf: Id,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+        /// The byte.
+        value: u8,
+    },
+    /// Copy `len` bytes from `src` at `src_offset` to another buffer `dst`
+    /// at `dst_offset`.
+    Copy {
+        /// Source.
+        src: Id,
+        /// Byte offset in the source.
+        src_offset: u64,
+        /// Destination (not `src`).
+        dst: Id,
+        /// Byte offset in the destination.
+        dst_offset: u64,
+        /// Bytes.
+        len: u64,
+    },
+}
+
+/// One command of a batch: an op on a client-named stream of the lease.
+/// Each stream runs its commands in order; different streams run
+/// concurrently, ordered by events and by the buffers they share (a use
+/// that conflicts with an earlier one, a write against any use, runs after
+/// it, whatever the streams).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Command {
+    /// The stream (made on first use, up to the node's per-lease limit).
+    pub stream: StreamId,
+    /// What to do.
+    pub op: Op,
+}
+
+/// BATCH request: a pipeline in one message. The frame's data holds the
+/// module sources (in `modules` order) and then the `Write` payloads (in
+/// command order), back to back. The reply comes when every command ran.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Batch {
+    /// The lease.
+    pub lease: LeaseId,
+    /// The batch's place in its lease's order (1, 2, 3, ...; 0: none). The
+    /// node runs a lease's numbered batches in this order, whatever order
+    /// they arrive in over QUIC's independent streams (it waits a bounded
+    /// time for a missing one), so a batch sent before the reply to its
+    /// predecessor can name what the predecessor creates.
+    pub seq: u64,
+    /// Modules the launches name (at most [`MAX_BATCH_MODULES`]).
+    #[serde(deserialize_with = "bounded::modules")]
+    pub modules: Vec<ModuleUse>,
+    /// Commands (at most [`MAX_BATCH_OPS`]: a longer list is refused on
+    /// its length prefix, before any command is decoded).
+    #[serde(deserialize_with = "bounded::commands")]
+    pub commands: Vec<Command>,
+}
+
+impl Batch {
+    /// Checks counts, launches, module names and that the data length
+    /// matches.
+    ///
+    /// # Errors
+    ///
+    /// [`ProtoError::Invalid`].
+    pub fn validate(&self, data_len: usize) -> Result<(), ProtoError> {
+        let commands: Vec<CommandView<'_>> = self.commands.iter().map(CommandView::from).collect();
+        validate_batch(&self.modules, &commands, data_len)
+    }
+}
+
+/// [`Batch::validate`] of a batch's modules and (borrowed) commands.
+pub(crate) fn validate_batch(
+    modules: &[ModuleUse],
+    commands: &[CommandView<'_>],
+    data_len: usize,
+) -> Result<(), ProtoError> {
+    if commands.len() > MAX_BATCH_OPS {
+        return Err(ProtoError::Invalid("too many commands".into()));
+    }
+    if modules.len() > MAX_BATCH_MODULES {
+        return Err(ProtoError::Invalid("too many modules".into()));
+    }
+    let mut need: u64 = 0;
+    for (i, m) in modules.iter().enumerate() {
+        if modules[..i].iter().any(|o| o.hash == m.hash) {
+            return Err(ProtoError::Invalid(format!(
+                "module {} listed twice",
+                m.hash
+            )));
+        }
+        if let Some(t) = &m.source {
+            need += u64::from(t.len);
+        }
+    }
+    for (i, c) in commands.iter().enumerate() {
+        match &c.op {
+            OpView::Alloc { size: 0, .. } => {
+                return Err(ProtoError::Invalid(format!(
+                    "command {i}: zero-sized allocation"
+                )))
+            }
+            OpView::Write { len, .. } => need += u64::from(*len),
+            OpView::Launch(spec) => {
+                spec.validate(false)
+                    .map_err(|e| ProtoError::Invalid(format!("command {i}: {e}")))?;
+                if !modules.iter().any(|m| m.hash == spec.module) {
+                    return Err(ProtoError::Invalid(format!(
+                        "command {i}: module {} is not in the batch's modules",
+                        spec.module
+                    )));
+                }
+            }
+            _ => {}
+        }
+    }
+    if need != data_len as u64 {
+        return Err(ProtoError::Invalid(format!(
+            "batch data is {data_len} bytes but its modules and writes take {need}"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,85 @@
+//! Deserializers that check a sequence's length prefix against its limit
+//! before decoding (or allocating for) any element: a 1 MiB body of
+//! one-byte entries cannot make the node decode a million of them.
+
+use std::marker::PhantomData;
+
+use serde::de::{Deserialize, Deserializer, Error, SeqAccess, Visitor};
+
+use super::{
+    Command, KernelArg, ModuleUse, MAX_BATCH_MODULES, MAX_BATCH_OPS, MAX_KERNEL_ARGS,
+    MAX_SCALAR_ARG,
+};
+
+struct Bounded<T>(usize, PhantomData<T>);
+
+impl<'de, T: Deserialize<'de>> Visitor<'de> for Bounded<T> {
+    type Value = Vec<T>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "a sequence of at most {} elements", self.0)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+        let hint = seq.size_hint().unwrap_or(0);
+        if hint > self.0 {
+            return Err(A::Error::invalid_length(hint, &self));
+        }
+        let mut v = Vec::with_capacity(hint);
+        while let Some(x) = seq.next_element()? {
+            if v.len() == self.0 {
+                return Err(A::Error::invalid_length(self.0 + 1, &self));
+            }
+            v.push(x);
+        }
+        Ok(v)
+    }
+}
+
+fn at_most<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+    max: usize,
+) -> Result<Vec<T>, D::Error> {
+    d.deserialize_seq(Bounded(max, PhantomData))
+}
+
+pub(super) fn commands<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Command>, D::Error> {
+    at_most(d, MAX_BATCH_OPS)
+}
+
+pub(super) fn arg_views<'de: 'a, 'a, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Vec<super::ArgView<'a>>, D::Error> {
+    at_most(d, MAX_KERNEL_ARGS)
+}
+
+#[cfg(feature = "node")]
+pub(super) fn command_views<'de: 'a, 'a, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Vec<super::CommandView<'a>>, D::Error> {
+    at_most(d, MAX_BATCH_OPS)
+}
+
+pub(super) fn modules<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<ModuleUse>, D::Error> {
+    at_most(d, MAX_BATCH_MODULES)
+}
+
+pub(super) fn kernel_args<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<KernelArg>, D::Error> {
+    at_most(d, MAX_KERNEL_ARGS)
+}
+
+pub(super) fn input_lens<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
+    at_most(d, MAX_KERNEL_ARGS)
+}
+
+pub(super) fn options<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    let v: Vec<String> = at_most(d, super::MAX_MODULE_OPTIONS)?;
+    if v.iter().any(|o| o.len() > super::MAX_OPTION_LEN) {
+        return Err(D::Error::custom("NVRTC option too long"));
+    }
+    Ok(v)
+}
+
+pub(super) fn scalar<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+    at_most(d, MAX_SCALAR_ARG)
+}

@@ -1,0 +1,513 @@
+//! The request and reply bodies, the ids they name, and kernel launches.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use super::{
+    bounded, ArgView, LaunchView, Limits, ProtoError, Status, MAX_KERNEL_ARGS, MAX_KERNEL_NAME,
+    MAX_SCALAR_ARG,
+};
+
+macro_rules! id_type {
+    ($(#[$m:meta])* $name:ident) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        pub struct $name(pub [u8; 16]);
+
+        impl $name {
+            /// A fresh 128-bit id from the operating system's random source.
+            ///
+            /// # Panics
+            ///
+            /// If the operating system has no random source.
+            pub fn random() -> Self {
+                let mut b = [0u8; 16];
+                getrandom::fill(&mut b).expect("operating system random source");
+                Self(b)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}({self})", stringify!($name))
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                for b in self.0 {
+                    write!(f, "{b:02x}")?;
+                }
+                Ok(())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = ProtoError;
+            fn from_str(s: &str) -> Result<Self, ProtoError> {
+                let s = s.trim();
+                if s.len() != 32 || !s.is_ascii() {
+                    return Err(ProtoError::Invalid("expected 32 hex digits".into()));
+                }
+                let mut b = [0u8; 16];
+                for (i, byte) in b.iter_mut().enumerate() {
+                    *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16)
+                        .map_err(|e| ProtoError::Invalid(e.to_string()))?;
+                }
+                Ok(Self(b))
+            }
+        }
+    };
+}
+
+id_type!(
+    /// A 128-bit random, unguessable lease id. Knowing it is the capability
+    /// to use (and always to free) the lease.
+    LeaseId
+);
+
+/// A client-named id of a buffer or an event in a lease. The client picks
+/// it (a per-lease counter); ids are names, not secrets: a lease is usable
+/// only by the principal that made it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Id(pub u64);
+
+impl fmt::Debug for Id {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Id({})", self.0)
+    }
+}
+
+impl fmt::Display for Id {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// A client-named stream of a lease; the node makes streams on demand, up
+/// to its per-lease limit.
+pub type StreamId = u32;
+
+/// Most options one CUDA C module may carry.
+pub const MAX_MODULE_OPTIONS: usize = 64;
+/// Longest NVRTC option.
+pub const MAX_OPTION_LEN: usize = 1024;
+
+/// What a module's source text is.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum SourceKind {
+    /// PTX, JIT-loaded by the node's driver.
+    Ptx,
+    /// CUDA C, compiled by the node's NVRTC for the node's own GPU.
+    Cuda {
+        /// NVRTC options (at most [`MAX_MODULE_OPTIONS`], each at most
+        /// [`MAX_OPTION_LEN`] bytes).
+        #[serde(deserialize_with = "bounded::options")]
+        options: Vec<String>,
+    },
+}
+
+/// A module's name on the wire: the SHA-256 of its kind, options and text
+/// ([`ModuleHash::of`]). A collision-resistant hash, because the node caches
+/// modules node-wide by it: naming a hash is only useful to a client that
+/// knows the source.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ModuleHash(pub [u8; 32]);
+
+impl ModuleHash {
+    /// The hash of a module: SHA-256 over a tag for the kind, each option
+    /// followed by a NUL, a NUL, then the text.
+    pub fn of(kind: &SourceKind, text: &str) -> Self {
+        let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+        match kind {
+            SourceKind::Ptx => ctx.update(b"ptx\0"),
+            SourceKind::Cuda { options } => {
+                ctx.update(b"cuda\0");
+                for o in options {
+                    ctx.update(o.as_bytes());
+                    ctx.update(b"\0");
+                }
+                ctx.update(b"\0");
+            }
+        }
+        ctx.update(text.as_bytes());
+        let mut out = [0u8; 32];
+        out.copy_from_slice(ctx.finish().as_ref());
+        Self(out)
+    }
+}
+
+impl fmt::Debug for ModuleHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ModuleHash({self})")
+    }
+}
+
+impl fmt::Display for ModuleHash {
+    /// The first 16 hex digits (enough to tell modules apart in messages).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in &self.0[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Error reply body (every non-OK status).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// Human-readable reason; for LOAD_FAILED, the JIT log.
+    pub message: String,
+}
+
+/// HELLO request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Bearer token (empty when relying on mutual TLS).
+    pub token: String,
+    /// Free-form client name for logs.
+    pub client: String,
+}
+
+/// HELLO reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HelloOk {
+    /// The node's name.
+    pub node: String,
+}
+
+/// One device as reported by GET_INVENTORY.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    /// CUDA ordinal.
+    pub ordinal: u32,
+    /// Marketing name.
+    pub name: String,
+    /// Total memory in bytes.
+    pub total_bytes: u64,
+    /// Free memory in bytes as the driver reports it now.
+    pub free_bytes: u64,
+    /// Compute capability (major, minor).
+    pub compute_capability: (u32, u32),
+}
+
+/// GET_INVENTORY reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Inventory {
+    /// The node's name.
+    pub node: String,
+    /// Devices served.
+    pub devices: Vec<DeviceInfo>,
+    /// Bytes that new leases may still reserve.
+    pub reservable_bytes: u64,
+    /// Leases alive now.
+    pub active_leases: u32,
+}
+
+/// LEASE_ALLOC request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseAlloc {
+    /// VRAM to reserve, in bytes.
+    pub min_vram: u64,
+    /// Requested TTL in seconds (the node may cap it).
+    pub ttl_secs: u32,
+}
+
+/// LEASE_ALLOC and LEASE_RENEW reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseGrant {
+    /// The lease.
+    pub lease: LeaseId,
+    /// Bumped by every renew.
+    pub generation: u64,
+    /// Reserved bytes.
+    pub reserved: u64,
+    /// Granted TTL in milliseconds from now.
+    pub ttl_ms: u64,
+}
+
+/// LEASE_RENEW request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRenew {
+    /// The lease.
+    pub lease: LeaseId,
+    /// New TTL in seconds from now.
+    pub ttl_secs: u32,
+}
+
+/// Body of LEASE_FREE and LEASE_QUERY.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRef {
+    /// The lease.
+    pub lease: LeaseId,
+}
+
+/// State of a lease in [`LeaseStatus`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LeaseState {
+    /// Usable.
+    Active,
+    /// Failed by a kernel fault or a dead worker; only LEASE_FREE works.
+    Poisoned,
+}
+
+/// LEASE_QUERY reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseStatus {
+    /// The lease.
+    pub lease: LeaseId,
+    /// Current generation.
+    pub generation: u64,
+    /// Reserved bytes.
+    pub reserved: u64,
+    /// Bytes allocated now.
+    pub allocated: u64,
+    /// Milliseconds left before expiry.
+    pub remaining_ms: u64,
+    /// State.
+    pub state: LeaseState,
+}
+
+/// MEM_ALLOC request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemAlloc {
+    /// The lease.
+    pub lease: LeaseId,
+    /// The new buffer's id (not in use in the lease).
+    pub buf: Id,
+    /// Bytes (non-zero).
+    pub size: u64,
+}
+
+/// MEM_WRITE request; the frame's data is written.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemWrite {
+    /// The lease.
+    pub lease: LeaseId,
+    /// Target buffer.
+    pub buf: Id,
+    /// Byte offset into it.
+    pub offset: u64,
+}
+
+/// MEM_READ request; the reply's data holds the bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemRead {
+    /// The lease.
+    pub lease: LeaseId,
+    /// Source buffer.
+    pub buf: Id,
+    /// Byte offset into it.
+    pub offset: u64,
+    /// Bytes to read.
+    pub len: u32,
+}
+
+/// MEM_FREE request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdOp {
+    /// The lease.
+    pub lease: LeaseId,
+    /// The buffer or event to free.
+    pub id: Id,
+}
+
+/// One kernel argument.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum KernelArg {
+    /// Bytes passed by value (an `int`, a `float`, a small struct; at most
+    /// [`MAX_SCALAR_ARG`], refused on the length prefix).
+    Scalar(#[serde(deserialize_with = "bounded::scalar")] Vec<u8>),
+    /// The device address of a buffer of the lease plus a byte offset.
+    Mem {
+        /// The buffer.
+        buf: Id,
+        /// Byte offset added to its address.
+        offset: u64,
+    },
+    /// GPU_SUBMIT only: the address of input number `n`.
+    Input(u32),
+    /// GPU_SUBMIT only: the address of the output buffer.
+    Output,
+}
+
+impl KernelArg {
+    /// A 32-bit scalar.
+    pub fn u32(v: u32) -> Self {
+        KernelArg::Scalar(v.to_le_bytes().to_vec())
+    }
+    /// A 64-bit scalar.
+    pub fn u64(v: u64) -> Self {
+        KernelArg::Scalar(v.to_le_bytes().to_vec())
+    }
+    /// A 32-bit float scalar.
+    pub fn f32(v: f32) -> Self {
+        KernelArg::Scalar(v.to_le_bytes().to_vec())
+    }
+    /// The address of a buffer.
+    pub fn mem(buf: Id) -> Self {
+        KernelArg::Mem { buf, offset: 0 }
+    }
+}
+
+/// Launch geometry and arguments.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LaunchSpec {
+    /// Module holding the kernel, by content (listed in the batch's
+    /// `modules`).
+    pub module: ModuleHash,
+    /// Kernel (entry) name.
+    pub kernel: String,
+    /// Grid dimensions (each non-zero).
+    pub grid: [u32; 3],
+    /// Block dimensions (each non-zero).
+    pub block: [u32; 3],
+    /// Dynamic shared memory bytes.
+    pub shared_mem: u32,
+    /// Arguments in order (at most [`MAX_KERNEL_ARGS`], refused on the
+    /// length prefix).
+    #[serde(deserialize_with = "bounded::kernel_args")]
+    pub args: Vec<KernelArg>,
+}
+
+impl LaunchSpec {
+    /// Checks names, geometry and arguments.
+    ///
+    /// # Errors
+    ///
+    /// [`ProtoError::Invalid`] naming the broken rule.
+    pub fn validate(&self, submit: bool) -> Result<(), ProtoError> {
+        LaunchView::from(self).validate(submit)
+    }
+}
+
+pub(super) fn validate_launch(
+    kernel: &str,
+    grid: [u32; 3],
+    block: [u32; 3],
+    args: &[ArgView<'_>],
+    submit: bool,
+) -> Result<(), ProtoError> {
+    let bad = |m: &str| Err(ProtoError::Invalid(m.into()));
+    if kernel.is_empty() || kernel.len() > MAX_KERNEL_NAME || kernel.contains('\0') {
+        return bad("kernel name must be 1..=1024 bytes without NUL");
+    }
+    if grid.contains(&0) || block.contains(&0) {
+        return bad("grid and block dimensions must be non-zero");
+    }
+    if args.len() > MAX_KERNEL_ARGS {
+        return bad("too many kernel arguments");
+    }
+    for a in args {
+        match a {
+            ArgView::Scalar(b) if b.is_empty() || b.len() > MAX_SCALAR_ARG => {
+                return bad("scalar arguments must be 1..=4096 bytes")
+            }
+            ArgView::Input(_) | ArgView::Output if !submit => {
+                return bad("Input/Output arguments are for GPU_SUBMIT only")
+            }
+            ArgView::Mem { .. } if submit => return bad("GPU_SUBMIT has no lease memory"),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// The failure that stopped a batch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpError {
+    /// Index of the failed command.
+    pub index: u32,
+    /// Why.
+    pub status: Status,
+    /// Details (the compile or JIT log for LOAD_FAILED).
+    pub message: String,
+}
+
+/// BATCH reply (status OK whenever the batch was accepted; a command's
+/// failure is in `error`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchReply {
+    /// Commands that ran (`0..completed`); what they created stays valid.
+    /// The reply data holds the reads among them, in order.
+    pub completed: u32,
+    /// The command that stopped the batch, if any: commands after it did
+    /// not run. `index == completed`, except for a kernel fault found when
+    /// waiting for the batch (`completed` is then every command enqueued,
+    /// and the lease is poisoned).
+    pub error: Option<OpError>,
+}
+
+/// GPU_SUBMIT request: a stateless kernel call. The frame's data holds the
+/// PTX (`ptx_len` bytes) followed by each input (`input_lens`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuSubmit {
+    /// Kernel name.
+    pub kernel: String,
+    /// Grid dimensions.
+    pub grid: [u32; 3],
+    /// Block dimensions.
+    pub block: [u32; 3],
+    /// Dynamic shared memory bytes.
+    pub shared_mem: u32,
+    /// Arguments; [`KernelArg::Input`] and [`KernelArg::Output`] name buffers.
+    #[serde(deserialize_with = "bounded::kernel_args")]
+    pub args: Vec<KernelArg>,
+    /// PTX length at the start of the data.
+    pub ptx_len: u32,
+    /// Input lengths, in order, after the PTX.
+    #[serde(deserialize_with = "bounded::input_lens")]
+    pub input_lens: Vec<u32>,
+    /// Output buffer size; the reply's data.
+    pub output_size: u32,
+    /// Byte the output buffer is filled with before the launch.
+    pub output_fill: u8,
+}
+
+impl GpuSubmit {
+    /// Checks geometry, arguments and the data length.
+    ///
+    /// # Errors
+    ///
+    /// [`ProtoError::Invalid`].
+    pub fn validate(&self, data_len: usize, limits: &Limits) -> Result<(), ProtoError> {
+        let args: Vec<ArgView<'_>> = self.args.iter().map(ArgView::from).collect();
+        validate_launch(&self.kernel, self.grid, self.block, &args, true)?;
+        if self.input_lens.len() > MAX_KERNEL_ARGS {
+            return Err(ProtoError::Invalid("too many inputs".into()));
+        }
+        if self.output_size == 0 || self.output_size > limits.max_data {
+            return Err(ProtoError::Invalid(
+                "output size must be 1..=max_data".into(),
+            ));
+        }
+        for a in &self.args {
+            if let KernelArg::Input(n) = a {
+                if *n as usize >= self.input_lens.len() {
+                    return Err(ProtoError::Invalid(format!("no input {n}")));
+                }
+            }
+        }
+        let need: u64 =
+            u64::from(self.ptx_len) + self.input_lens.iter().map(|l| u64::from(*l)).sum::<u64>();
+        if need != data_len as u64 {
+            return Err(ProtoError::Invalid(
+                "data length does not match ptx + inputs".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_parse_and_print() {
+        let id = LeaseId::random();
+        assert_eq!(id.to_string().parse::<LeaseId>().unwrap(), id);
+        assert_ne!(LeaseId::random(), LeaseId::random());
+    }
+}
