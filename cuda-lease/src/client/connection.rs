@@ -1,0 +1,320 @@
+//! The QUIC connection to a node ([`Client`]) and its request/reply
+//! plumbing: one request per bidirectional stream, a reply's data read into
+//! a new buffer or straight into the caller's.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{de::DeserializeOwned, Serialize};
+
+use super::error::disconnected;
+use super::{ClientConfig, Error, GpuCall};
+use crate::hops::{self, HopTimer};
+use crate::proto::{
+    self, from_body, to_body, ErrorBody, GpuSubmit, Header, Hello, HelloOk, Inventory, LeaseId,
+    LeaseRef, Limits, ModuleHash, Opcode, Status,
+};
+use crate::tls;
+
+/// A connection to a node. Requests may run concurrently (one QUIC stream each).
+#[derive(Debug)]
+pub struct Client {
+    pub(super) endpoint: quinn::Endpoint,
+    pub(super) conn: quinn::Connection,
+    pub(super) next_id: AtomicU64,
+    pub(super) limits: Limits,
+    node: String,
+    /// Where the node is and how to log in again (for the stripes).
+    pub(super) addr: SocketAddr,
+    pub(super) config: ClientConfig,
+    /// The extra connections of striped transfers, opened on first use.
+    pub(super) stripe_conns: tokio::sync::OnceCell<Vec<quinn::Connection>>,
+    /// Modules this node was sent (or had) in a batch that it accepted:
+    /// later batches name them by hash alone.
+    known_modules: std::sync::Mutex<std::collections::HashSet<ModuleHash>>,
+}
+
+impl Client {
+    /// Connects and authenticates (HELLO).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Disconnected`] when the node cannot be reached or the TLS
+    /// handshake fails, [`Error::Unauthorized`] for bad credentials.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelling drops the half-made connection; nothing is leased.
+    pub async fn connect(addr: SocketAddr, config: &ClientConfig) -> Result<Client, Error> {
+        let qcfg = tls::client_config(&config.roots, config.identity.as_ref())
+            .map_err(|e| Error::Config(e.to_string()))?;
+        let bind: SocketAddr = if addr.is_ipv6() {
+            "[::]:0".parse()
+        } else {
+            "0.0.0.0:0".parse()
+        }
+        .map_err(|e: std::net::AddrParseError| Error::Config(e.to_string()))?;
+        let mut endpoint = quinn::Endpoint::client(bind).map_err(disconnected)?;
+        endpoint.set_default_client_config(qcfg);
+        let conn = endpoint
+            .connect(addr, &config.server_name)
+            .map_err(disconnected)?
+            .await
+            .map_err(disconnected)?;
+        let mut client = Client {
+            endpoint,
+            conn,
+            next_id: AtomicU64::new(1),
+            limits: config.limits,
+            node: String::new(),
+            addr,
+            config: config.clone(),
+            stripe_conns: tokio::sync::OnceCell::new(),
+            known_modules: std::sync::Mutex::default(),
+        };
+        let ok = client.hello(&client.conn).await?;
+        client.node = ok.node;
+        Ok(client)
+    }
+
+    pub(super) async fn hello(&self, conn: &quinn::Connection) -> Result<HelloOk, Error> {
+        let hello = Hello {
+            token: self.config.token.clone().unwrap_or_default(),
+            client: self.config.client_name.clone(),
+        };
+        let (body, _) = self
+            .request_on(conn, Opcode::Hello, &to_body(&hello), &[], None)
+            .await?;
+        from_body(&body).map_err(|e| Error::Protocol(e.to_string()))
+    }
+
+    /// The node's name.
+    pub fn node_name(&self) -> &str {
+        &self.node
+    }
+
+    /// Sends one raw frame and returns the reply's body and data; a non-OK
+    /// status becomes an [`Error`].
+    ///
+    /// # Errors
+    ///
+    /// As described by the reply status, or [`Error::Disconnected`].
+    pub async fn request(
+        &self,
+        opcode: Opcode,
+        body: &[u8],
+        data: &[u8],
+    ) -> Result<(Vec<u8>, Vec<u8>), Error> {
+        self.request_on(&self.conn, opcode, body, data, None).await
+    }
+
+    /// [`Client::request`] on `conn`; with `into`, the reply's data is read
+    /// straight into it (its length must match) and the returned data is
+    /// empty.
+    pub(super) async fn request_on(
+        &self,
+        conn: &quinn::Connection,
+        opcode: Opcode,
+        body: &[u8],
+        data: &[u8],
+        into: Option<&mut [u8]>,
+    ) -> Result<(Vec<u8>, Vec<u8>), Error> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        exchange(conn, &self.limits, id, opcode, body, data, into).await
+    }
+
+    pub(super) async fn call<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        op: Opcode,
+        req: &Req,
+    ) -> Result<Rep, Error> {
+        let (body, _) = self.request(op, &to_body(req), &[]).await?;
+        from_body(&body).map_err(|e| Error::Protocol(e.to_string()))
+    }
+
+    /// `f` of the modules this client believes the node has.
+    pub(super) fn with_known_modules<R>(
+        &self,
+        f: impl FnOnce(&std::collections::HashSet<ModuleHash>) -> R,
+    ) -> R {
+        f(&self.known_modules.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    pub(super) fn learn_modules(&self, hashes: impl IntoIterator<Item = ModuleHash>) {
+        self.known_modules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(hashes);
+    }
+
+    /// The node's devices and free capacity.
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::request`].
+    pub async fn inventory(&self) -> Result<Inventory, Error> {
+        self.call(Opcode::GetInventory, &()).await
+    }
+
+    /// Frees a lease by id alone (always allowed, even unauthenticated).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotFound`] for an unknown lease.
+    pub async fn free_lease(&self, lease: LeaseId) -> Result<(), Error> {
+        self.request(Opcode::LeaseFree, &to_body(&LeaseRef { lease }), &[])
+            .await
+            .map(drop)
+    }
+
+    /// Runs a kernel as a pure function: inputs in, output bytes out, nothing
+    /// left on the node (GPU_SUBMIT).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LoadFailed`], [`Error::LaunchFailed`], [`Error::BadRequest`], ...
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future abandons the reply; the node still runs the call
+    /// to completion and frees its buffers.
+    pub async fn gpu_call(&self, call: &GpuCall) -> Result<Vec<u8>, Error> {
+        let req = GpuSubmit {
+            kernel: call.kernel.clone(),
+            grid: call.grid,
+            block: call.block,
+            shared_mem: call.shared_mem,
+            args: call.args.clone(),
+            ptx_len: call.ptx.len() as u32,
+            input_lens: call.inputs.iter().map(|i| i.len() as u32).collect(),
+            output_size: call.output_size,
+            output_fill: call.output_fill,
+        };
+        let mut data =
+            Vec::with_capacity(call.ptx.len() + call.inputs.iter().map(Vec::len).sum::<usize>());
+        data.extend_from_slice(call.ptx.as_bytes());
+        for i in &call.inputs {
+            data.extend_from_slice(i);
+        }
+        let (_, out) = self
+            .request(Opcode::GpuSubmit, &to_body(&req), &data)
+            .await?;
+        Ok(out)
+    }
+
+    /// Closes the connection (leases are not freed: their TTL runs out).
+    pub fn close(&self) {
+        self.conn.close(0u32.into(), b"bye");
+    }
+
+    /// Waits until the connection's packets are flushed after [`Client::close`].
+    pub async fn wait_idle(&self) {
+        self.endpoint.wait_idle().await;
+    }
+}
+
+/// Where a reply's data goes.
+pub(super) enum ReplyInto<'a, 'b> {
+    /// A new `Vec`, returned.
+    Owned,
+    /// This slice, whose length must be the data's.
+    Exact(&'a mut [u8]),
+    /// These slices in turn, up to the data's length (the reads of a
+    /// batch that stopped early fill only the first ones).
+    Parts(&'a mut [&'b mut [u8]]),
+}
+
+/// One request on a new stream of `conn` and its reply (see
+/// [`Client::request`]); with `into`, the reply's data lands there.
+pub(super) async fn exchange(
+    conn: &quinn::Connection,
+    limits: &Limits,
+    id: u64,
+    opcode: Opcode,
+    body: &[u8],
+    data: &[u8],
+    into: Option<&mut [u8]>,
+) -> Result<(Vec<u8>, Vec<u8>), Error> {
+    let into = match into {
+        Some(out) => ReplyInto::Exact(out),
+        None => ReplyInto::Owned,
+    };
+    exchange_into(conn, limits, id, opcode, body, data, into).await
+}
+
+pub(super) async fn exchange_into(
+    conn: &quinn::Connection,
+    limits: &Limits,
+    id: u64,
+    opcode: Opcode,
+    body: &[u8],
+    data: &[u8],
+    into: ReplyInto<'_, '_>,
+) -> Result<(Vec<u8>, Vec<u8>), Error> {
+    let mut hop = HopTimer::start("client", opcode, data.len() as u64);
+    let (mut send, mut recv) = conn.open_bi().await.map_err(disconnected)?;
+    let h = Header::request(opcode, id, body.len() as u32, data.len() as u32);
+    proto::write_frame(&mut send, &h, body, data)
+        .await
+        .map_err(disconnected)?;
+    send.finish().map_err(disconnected)?;
+    hops::mark(&mut hop, "send");
+    let read_err = |e: std::io::Error| match proto::proto_error(&e) {
+        Some(p) => Error::Protocol(p.to_string()),
+        None => disconnected(e),
+    };
+    let (header, reply_body) = proto::read_head(&mut recv, limits)
+        .await
+        .map_err(read_err)?;
+    if header.status != Status::Ok {
+        let msg = from_body::<ErrorBody>(&reply_body)
+            .map(|b| b.message)
+            .unwrap_or_default();
+        return Err(Error::from_status(header.status, msg));
+    }
+    if header.request_id != id || !header.is_reply() {
+        return Err(Error::Protocol("reply does not match the request".into()));
+    }
+    let mut owned = Vec::new();
+    let want = header.data_len as usize;
+    let mismatch =
+        |have: usize| Error::Protocol(format!("reply has {want} bytes of data, {have} expected"));
+    match into {
+        ReplyInto::Exact(out) if out.len() == want => {
+            tokio::io::AsyncReadExt::read_exact(&mut recv, out)
+                .await
+                .map_err(read_err)?;
+        }
+        ReplyInto::Exact(out) => return Err(mismatch(out.len())),
+        ReplyInto::Owned => {
+            owned = vec![0u8; want];
+            tokio::io::AsyncReadExt::read_exact(&mut recv, &mut owned)
+                .await
+                .map_err(read_err)?;
+        }
+        ReplyInto::Parts(parts) => {
+            let room: usize = parts.iter().map(|p| p.len()).sum();
+            if want > room {
+                return Err(mismatch(room));
+            }
+            let mut left = want;
+            for part in parts.iter_mut() {
+                if left == 0 {
+                    break;
+                }
+                if part.len() > left {
+                    return Err(Error::Protocol("a read was cut in the reply".into()));
+                }
+                tokio::io::AsyncReadExt::read_exact(&mut recv, part)
+                    .await
+                    .map_err(read_err)?;
+                left -= part.len();
+            }
+        }
+    }
+    if let Some(t) = &mut hop {
+        t.mark("reply");
+        t.set_op(opcode, (data.len() + header.data_len as usize) as u64);
+    }
+    Ok((reply_body, owned))
+}

@@ -1,0 +1,336 @@
+//! Leases: [`LeaseBuilder`], [`Lease`] with its background renewal, and the
+//! state a lease's sessions, buffers and batches share.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+
+use super::connection::{exchange_into, ReplyInto};
+use super::{Client, ClientConfig, Error, Session};
+use crate::proto::{
+    from_body, to_body, Id, IdOp, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew,
+    LeaseStatus, Opcode,
+};
+
+/// Builds a [`Lease`].
+#[derive(Debug, Clone)]
+pub struct LeaseBuilder {
+    min_vram: u64,
+    ttl: Duration,
+    auto_renew: bool,
+    config: Option<ClientConfig>,
+}
+
+pub(super) struct LeaseInner {
+    pub(super) client: Arc<Client>,
+    pub(super) id: LeaseId,
+    reserved: u64,
+    ttl: Duration,
+    generation: AtomicU64,
+    expired: AtomicBool,
+    freed: AtomicBool,
+    /// The next id this client picks for the lease.
+    next_id: AtomicU64,
+    /// The next batch number (see [`Batch::seq`](crate::proto::Batch::seq)).
+    pub(super) next_seq: AtomicU64,
+}
+
+impl std::fmt::Debug for LeaseInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseInner")
+            .field("id", &self.id)
+            .field("reserved", &self.reserved)
+            .finish()
+    }
+}
+
+impl LeaseInner {
+    pub(super) async fn req(
+        &self,
+        op: Opcode,
+        body: &[u8],
+        data: &[u8],
+    ) -> Result<(Vec<u8>, Vec<u8>), Error> {
+        self.guard(self.client.request(op, body, data)).await
+    }
+
+    /// [`LeaseInner::req`] with the reply's data going where `into` says.
+    pub(super) async fn req_with(
+        &self,
+        op: Opcode,
+        body: &[u8],
+        data: &[u8],
+        into: ReplyInto<'_, '_>,
+    ) -> Result<(Vec<u8>, Vec<u8>), Error> {
+        let client = &self.client;
+        let id = client.next_id.fetch_add(1, Ordering::Relaxed);
+        let r = exchange_into(&client.conn, &client.limits, id, op, body, data, into);
+        self.guard(r).await
+    }
+
+    /// Runs a request of this lease: refused once the lease was freed, and
+    /// an expiry it reports is remembered.
+    pub(super) async fn guard<T>(
+        &self,
+        request: impl std::future::Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        if self.freed.load(Ordering::SeqCst) {
+            return Err(Error::NotFound("lease was freed".into()));
+        }
+        let r = request.await;
+        if let Err(Error::LeaseExpired(_)) = &r {
+            self.expired.store(true, Ordering::SeqCst);
+        }
+        r
+    }
+
+    /// A fresh id of this lease (the client names everything).
+    pub(super) fn fresh_id(&self) -> Id {
+        Id(self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    pub(super) fn free_in_background(self: &Arc<Self>, id: Id) {
+        if self.freed.load(Ordering::SeqCst) || self.expired.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let inner = self.clone();
+        rt.spawn(async move {
+            let body = to_body(&IdOp {
+                lease: inner.id,
+                id,
+            });
+            let _ = inner.req(Opcode::MemFree, &body, &[]).await;
+        });
+    }
+}
+
+/// A lease on a node: reserved VRAM with a TTL, renewed in the background at
+/// about 75 % of the TTL. Dropping it frees the lease in the background (if a
+/// tokio runtime is running); [`Lease::free`] frees it and waits. If the
+/// client crashes, the TTL frees everything.
+#[derive(Debug)]
+pub struct Lease {
+    inner: Arc<LeaseInner>,
+    renew: Option<JoinHandle<()>>,
+}
+
+impl Lease {
+    /// A builder: 256 MiB, 60 s TTL, auto-renew on.
+    pub fn builder() -> LeaseBuilder {
+        LeaseBuilder {
+            min_vram: 256 << 20,
+            ttl: Duration::from_secs(60),
+            auto_renew: true,
+            config: None,
+        }
+    }
+
+    /// The lease id (the capability to use and free it).
+    pub fn id(&self) -> LeaseId {
+        self.inner.id
+    }
+
+    /// Reserved bytes.
+    pub fn reserved(&self) -> u64 {
+        self.inner.reserved
+    }
+
+    /// The generation of the last grant or renewal.
+    pub fn generation(&self) -> u64 {
+        self.inner.generation.load(Ordering::SeqCst)
+    }
+
+    /// True once the node reported the lease expired.
+    pub fn is_expired(&self) -> bool {
+        self.inner.expired.load(Ordering::SeqCst)
+    }
+
+    /// The connection this lease uses.
+    pub fn client(&self) -> &Arc<Client> {
+        &self.inner.client
+    }
+
+    /// Renews now for the lease's TTL.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseExpired`] when too late.
+    pub async fn renew(&self) -> Result<LeaseGrant, Error> {
+        renew(&self.inner).await
+    }
+
+    /// Asks the node about this lease.
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::request`].
+    pub async fn query(&self) -> Result<LeaseStatus, Error> {
+        let (b, _) = self
+            .inner
+            .req(
+                Opcode::LeaseQuery,
+                &to_body(&LeaseRef {
+                    lease: self.inner.id,
+                }),
+                &[],
+            )
+            .await?;
+        from_body(&b).map_err(|e| Error::Protocol(e.to_string()))
+    }
+
+    /// A session on this lease's stream.
+    pub fn session(&self) -> Session {
+        Session {
+            inner: self.inner.clone(),
+        }
+    }
+
+    /// Stops renewing without freeing (for tests of TTL expiry).
+    pub fn stop_renewing(&mut self) {
+        if let Some(t) = self.renew.take() {
+            t.abort();
+        }
+    }
+
+    /// Frees the lease now; the node ends its worker and returns its memory
+    /// before replying.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotFound`] / [`Error::LeaseExpired`] when it is already gone.
+    pub async fn free(mut self) -> Result<(), Error> {
+        self.stop_renewing();
+        self.inner.freed.store(true, Ordering::SeqCst);
+        self.inner.client.free_lease(self.inner.id).await
+    }
+
+    /// Forgets the lease without freeing it (as if the client crashed).
+    pub fn leak(mut self) {
+        self.stop_renewing();
+        self.inner.freed.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.stop_renewing();
+        if self.inner.freed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let client = self.inner.client.clone();
+            let id = self.inner.id;
+            rt.spawn(async move {
+                let _ = client.free_lease(id).await;
+            });
+        }
+    }
+}
+
+async fn renew(inner: &LeaseInner) -> Result<LeaseGrant, Error> {
+    let ttl_secs = inner.ttl.as_secs().max(1) as u32;
+    let body = to_body(&LeaseRenew {
+        lease: inner.id,
+        ttl_secs,
+    });
+    let (b, _) = inner.req(Opcode::LeaseRenew, &body, &[]).await?;
+    let g: LeaseGrant = from_body(&b).map_err(|e| Error::Protocol(e.to_string()))?;
+    inner.generation.store(g.generation, Ordering::SeqCst);
+    Ok(g)
+}
+
+impl LeaseBuilder {
+    /// VRAM to reserve in bytes.
+    pub fn min_vram(mut self, bytes: u64) -> Self {
+        self.min_vram = bytes;
+        self
+    }
+
+    /// TTL (whole seconds, at least 1).
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl.max(Duration::from_secs(1));
+        self
+    }
+
+    /// Renew in the background at ~75 % of the TTL (default on).
+    pub fn auto_renew(mut self, on: bool) -> Self {
+        self.auto_renew = on;
+        self
+    }
+
+    /// How to trust and authenticate to the node (required by [`LeaseBuilder::connect`]).
+    pub fn config(mut self, config: ClientConfig) -> Self {
+        self.config = Some(config);
+        self
+    }
+
+    /// Connects to `addr` and leases.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] without a config, connection errors, or the lease's:
+    /// [`Error::CapacityExceeded`], [`Error::Unauthorized`].
+    pub async fn connect(self, addr: SocketAddr) -> Result<Lease, Error> {
+        let config = self
+            .config
+            .clone()
+            .ok_or_else(|| Error::Config("LeaseBuilder needs a ClientConfig".into()))?;
+        let client = Arc::new(Client::connect(addr, &config).await?);
+        self.on(client).await
+    }
+
+    /// Leases over an existing connection.
+    ///
+    /// # Errors
+    ///
+    /// As [`LeaseBuilder::connect`].
+    pub async fn on(self, client: Arc<Client>) -> Result<Lease, Error> {
+        let req = LeaseAlloc {
+            min_vram: self.min_vram,
+            ttl_secs: self.ttl.as_secs().max(1) as u32,
+        };
+        let g: LeaseGrant = client.call(Opcode::LeaseAlloc, &req).await?;
+        let inner = Arc::new(LeaseInner {
+            client,
+            id: g.lease,
+            reserved: g.reserved,
+            ttl: self.ttl,
+            generation: AtomicU64::new(g.generation),
+            expired: AtomicBool::new(false),
+            freed: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+            next_seq: AtomicU64::new(1),
+        });
+        let renew_task = self.auto_renew.then(|| {
+            let weak: Weak<LeaseInner> = Arc::downgrade(&inner);
+            let period = Duration::from_millis(g.ttl_ms.max(1000) * 3 / 4);
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(period).await;
+                    let Some(inner) = weak.upgrade() else { return };
+                    if inner.freed.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    match renew(&inner).await {
+                        Ok(_) => {}
+                        Err(Error::Disconnected(_)) => {}
+                        Err(e) => {
+                            tracing::warn!(lease = %inner.id, error = %e, "renewal stopped");
+                            return;
+                        }
+                    }
+                }
+            })
+        });
+        Ok(Lease {
+            inner,
+            renew: renew_task,
+        })
+    }
+}

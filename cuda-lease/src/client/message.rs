@@ -1,0 +1,227 @@
+//! [`Message`]: one numbered BATCH on the wire (resent with every module
+//! source when the node lacks one), and its commands' borrowed encoding.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::connection::ReplyInto;
+use super::lease::LeaseInner;
+use super::{Error, Module, ReadSlot, Submitted};
+use crate::proto::{
+    self, from_body, to_body, Batch, BatchReply, Command, CommandView, LeaseId, ModuleText,
+    ModuleUse, Opcode,
+};
+
+fn into<'a, 'b>(parts: Option<&'a mut [&'b mut [u8]]>) -> ReplyInto<'a, 'b> {
+    match parts {
+        Some(p) => ReplyInto::Parts(p),
+        None => ReplyInto::Owned,
+    }
+}
+
+/// One numbered BATCH, with what a resend with every source needs.
+pub(crate) struct Message {
+    inner: Arc<LeaseInner>,
+    body: Vec<u8>,
+    data: Vec<u8>,
+    modules: Vec<Module>,
+    writes: usize,
+}
+
+impl Message {
+    /// The BATCH of `commands` (encoded as [`Batch`] encodes its
+    /// `Vec<Command>`), launching from `modules`, with `writes` as its
+    /// payloads; numbered now: the node runs a lease's batches in the order
+    /// of these calls, whatever order they are polled or arrive in. The
+    /// sources of modules the node may lack go first in the data.
+    pub(super) fn numbered<C: EncodeCommands>(
+        inner: &Arc<LeaseInner>,
+        modules: &[Module],
+        commands: C,
+        writes: Vec<u8>,
+    ) -> Message {
+        let seq = inner.next_seq.fetch_add(1, Ordering::Relaxed);
+        let mut data = Vec::new();
+        let uses = inner.client.with_known_modules(|known| {
+            modules
+                .iter()
+                .map(|m| {
+                    let send = !known.contains(&m.hash);
+                    let source = send.then(|| {
+                        data.extend_from_slice(m.text.as_bytes());
+                        ModuleText {
+                            kind: m.kind.clone(),
+                            len: m.text.len() as u32,
+                        }
+                    });
+                    ModuleUse {
+                        hash: m.hash,
+                        source,
+                    }
+                })
+                .collect()
+        });
+        let mut body = to_body(&BatchHeadRef {
+            lease: inner.id,
+            seq,
+            modules: uses,
+        });
+        commands.encode_into(&mut body);
+        let len = writes.len();
+        if data.is_empty() {
+            data = writes;
+        } else {
+            data.extend_from_slice(&writes);
+        }
+        Message {
+            inner: inner.clone(),
+            body,
+            data,
+            modules: modules.to_vec(),
+            writes: len,
+        }
+    }
+
+    /// Sends it, the reply's reads received straight into `dests` (one
+    /// per read of `reads`, which is `None` when they do not match).
+    pub(crate) async fn send_into<D>(
+        self,
+        reads: Option<Vec<ReadSlot>>,
+        mut dests: Vec<D>,
+    ) -> Result<(Submitted, Vec<D>), Error>
+    where
+        D: AsMut<[u8]>,
+    {
+        let Some(reads) = reads else {
+            return Err(Error::BadRequest(
+                "the destinations do not match the recorded reads".into(),
+            ));
+        };
+        let reply = {
+            let mut parts: Vec<&mut [u8]> = dests.iter_mut().map(|d| d.as_mut()).collect();
+            self.send(Some(&mut parts)).await?.0
+        };
+        let submitted = Submitted {
+            completed: reply.completed as usize,
+            error: reply.error,
+            reads,
+            data: Vec::new(),
+        };
+        Ok((submitted, dests))
+    }
+
+    /// Sends it (again with every source if the node answers
+    /// UNKNOWN_MODULE); the reply's data goes into `parts` when given.
+    pub(super) async fn send(
+        &self,
+        mut parts: Option<&mut [&mut [u8]]>,
+    ) -> Result<(BatchReply, Vec<u8>), Error> {
+        let (body, data) = (&self.body, &self.data);
+        let r = self
+            .inner
+            .req_with(Opcode::Batch, body, data, into(parts.as_deref_mut()))
+            .await;
+        let (reply, data) = match r {
+            Err(Error::UnknownModule(_)) => {
+                // The node lost (or never had) a module: send the same
+                // message again with every source.
+                let writes = &data[data.len() - self.writes..];
+                let (body, all) = with_every_source(body, &self.modules, writes)?;
+                self.inner
+                    .req_with(Opcode::Batch, &body, &all, into(parts))
+                    .await?
+            }
+            r => r?,
+        };
+        let reply: BatchReply = from_body(&reply).map_err(|e| Error::Protocol(e.to_string()))?;
+        let learned = self.modules.iter().map(|m| m.hash);
+        self.inner.client.learn_modules(learned);
+        Ok((reply, data))
+    }
+}
+
+/// A batch message (`body`, its data ending in `writes`) again, with the
+/// source of every module.
+fn with_every_source(
+    body: &[u8],
+    modules: &[Module],
+    writes: &[u8],
+) -> Result<(Vec<u8>, Vec<u8>), Error> {
+    let mut batch: Batch = from_body(body).map_err(|e| Error::Protocol(e.to_string()))?;
+    let mut data = Vec::with_capacity(writes.len());
+    for (u, m) in batch.modules.iter_mut().zip(modules) {
+        data.extend_from_slice(m.text.as_bytes());
+        u.source = Some(ModuleText {
+            kind: m.kind.clone(),
+            len: m.text.len() as u32,
+        });
+    }
+    data.extend_from_slice(writes);
+    Ok((to_body(&batch), data))
+}
+
+/// The fields of a [`Batch`] before its commands, in its order: a BATCH
+/// body is these, then the commands ([`EncodeCommands`]), the same bytes
+/// as the [`Batch`] of the same values.
+#[derive(serde::Serialize)]
+struct BatchHeadRef {
+    lease: LeaseId,
+    seq: u64,
+    modules: Vec<ModuleUse>,
+}
+
+/// Commands a BATCH carries without owning them, appended to its body in
+/// the protocol's encoding (as postcard encodes the `Vec<Command>` of the
+/// same commands).
+pub(crate) trait EncodeCommands {
+    /// Appends the commands to `out`.
+    fn encode_into(&self, out: &mut Vec<u8>);
+}
+
+impl EncodeCommands for &[Command] {
+    fn encode_into(&self, out: &mut Vec<u8>) {
+        proto::encode_commands(out, self.len(), self.iter().map(CommandView::from));
+    }
+}
+
+#[cfg(test)]
+mod batch_ref_tests {
+    use super::*;
+    use crate::proto::{Id, ModuleHash, Op};
+
+    #[test]
+    fn a_borrowed_batch_encodes_to_the_same_bytes_as_a_batch() {
+        let commands = vec![
+            Command {
+                stream: 1,
+                op: Op::Alloc {
+                    buf: Id(7),
+                    size: 64,
+                },
+            },
+            Command {
+                stream: 2,
+                op: Op::Free { id: Id(7) },
+            },
+        ];
+        let modules = vec![ModuleUse {
+            hash: ModuleHash([3; 32]),
+            source: None,
+        }];
+        let lease = LeaseId([9; 16]);
+        let owned = Batch {
+            lease,
+            seq: 42,
+            modules: modules.clone(),
+            commands: commands.clone(),
+        };
+        let mut borrowed = to_body(&BatchHeadRef {
+            lease,
+            seq: 42,
+            modules,
+        });
+        (&commands[..]).encode_into(&mut borrowed);
+        assert_eq!(borrowed, to_body(&owned));
+        assert_eq!(from_body::<Batch>(&borrowed).unwrap(), owned);
+    }
+}

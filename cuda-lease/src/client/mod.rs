@@ -1,0 +1,35 @@
+//! The client: a QUIC connection to a node, leases with background renewal,
+//! sessions with RAII memory and module handles, batches, and the stateless
+//! [`Client::gpu_call`].
+
+// Layout: `error` (Error, reply status to error), `config` (ClientConfig:
+// trust, credentials, striping), `connection` (Client: the QUIC connection,
+// HELLO, one request per stream and its reply), `stripe` (transfers striped
+// over several connections), `gpu_call` (GpuCall), `lease` (LeaseBuilder,
+// Lease, renewal, the state a lease's handles share), `session` (Session,
+// DeviceBuffer, single requests), `module` (Module), `recorder` (Recorder,
+// ReadSlot, Submitted), `message` (a numbered BATCH on the wire).
+
+mod config;
+mod connection;
+mod error;
+mod gpu_call;
+mod lease;
+mod message;
+mod module;
+mod recorder;
+mod session;
+mod stripe;
+
+pub use config::{ClientConfig, DEFAULT_STRIPES, DEFAULT_STRIPE_MIN_BYTES};
+pub use connection::Client;
+pub use error::Error;
+pub use gpu_call::GpuCall;
+pub use lease::{Lease, LeaseBuilder};
+// Named outside the client only by `remote` (the `backend` feature).
+#[cfg(feature = "backend")]
+pub(crate) use message::EncodeCommands;
+pub(crate) use message::Message;
+pub use module::Module;
+pub use recorder::{ReadSlot, Recorder, Submitted};
+pub use session::{DeviceBuffer, Session};

@@ -1,0 +1,53 @@
+//! [`Module`]: a module as a description (source and content hash).
+
+use std::sync::Arc;
+
+use crate::proto::{ModuleHash, SourceKind};
+
+/// A module as a description: its source (PTX, or CUDA C with NVRTC
+/// options) and its content hash. It belongs to no node: a batch that
+/// uses it carries the source the first time a node needs it, and the node
+/// compiles CUDA C with its own NVRTC for its own GPU. Cheap to clone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Module {
+    pub(super) hash: ModuleHash,
+    pub(super) kind: SourceKind,
+    pub(super) text: Arc<str>,
+}
+
+impl Module {
+    /// A PTX module.
+    pub fn ptx(text: impl Into<Arc<str>>) -> Self {
+        Self::new(SourceKind::Ptx, text.into())
+    }
+
+    /// A CUDA C module with NVRTC options (the node adds its GPU's
+    /// architecture unless an option names one).
+    pub fn cuda(source: impl Into<Arc<str>>, options: &[&str]) -> Self {
+        let options = options.iter().map(|o| (*o).to_owned()).collect();
+        Self::new(SourceKind::Cuda { options }, source.into())
+    }
+
+    fn new(kind: SourceKind, text: Arc<str>) -> Self {
+        Self {
+            hash: ModuleHash::of(&kind, &text),
+            kind,
+            text,
+        }
+    }
+
+    /// The content hash that names it on the wire.
+    pub fn hash(&self) -> ModuleHash {
+        self.hash
+    }
+
+    /// What its text is.
+    pub fn kind(&self) -> &SourceKind {
+        &self.kind
+    }
+
+    /// Its source text.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+}

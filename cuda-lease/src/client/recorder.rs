@@ -1,0 +1,366 @@
+//! [`Recorder`]: the batch being recorded, and [`Submitted`]: its reply and
+//! the bytes of its reads.
+
+use std::sync::Arc;
+
+use super::lease::LeaseInner;
+use super::{Error, Message, Module};
+use crate::proto::{Command, Id, KernelArg, LaunchSpec, Op, OpError, StreamId};
+
+/// A read recorded in a [`Recorder`]: where its bytes are in the reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadSlot {
+    command: usize,
+    len: u32,
+}
+
+/// Records commands on client-named streams of a lease and sends them as
+/// one BATCH: one round trip for the whole pipeline. Ids are picked here
+/// (the lease's counter), so a command can name what an earlier command of
+/// this or an earlier submission made without waiting for a reply, and a
+/// second recording can be sent before the first one's reply is back.
+///
+/// ```no_run
+/// # async fn demo(session: cuda_lease::Session) -> Result<(), cuda_lease::Error> {
+/// use cuda_lease::client::Module;
+/// use cuda_lease::proto::KernelArg;
+/// let module = Module::cuda(
+///     r#"extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {
+///         unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+///         if (i < n) y[i] = a * x[i] + y[i];
+///     }"#,
+///     &[],
+/// );
+/// let x: Vec<u8> = [1.0f32; 256].iter().flat_map(|v| v.to_le_bytes()).collect();
+/// let mut rec = session.recorder();
+/// let (bx, by) = (rec.alloc(0, 1024), rec.alloc(1, 1024));
+/// rec.write(0, bx, 0, &x);
+/// let ready = rec.record(0); // stream 1 waits for stream 0's upload
+/// rec.wait(1, ready);
+/// rec.launch(1, &module, "axpy", [1, 1, 1], [256, 1, 1], vec![
+///     KernelArg::f32(2.0), KernelArg::mem(bx), KernelArg::mem(by), KernelArg::u32(256),
+/// ]);
+/// let y = rec.read(1, by, 0, 1024);
+/// let reply = rec.submit().await?.ok()?;
+/// assert_eq!(reply.read(y).unwrap()[..4], 2.0f32.to_le_bytes());
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Recorder {
+    pub(super) inner: Arc<LeaseInner>,
+    pub(super) modules: Vec<Module>,
+    pub(super) commands: Vec<Command>,
+    pub(super) writes: Vec<u8>,
+}
+
+impl Recorder {
+    fn push(&mut self, stream: StreamId, op: Op) {
+        self.commands.push(Command { stream, op });
+    }
+
+    /// A fresh id of this lease (for [`Op::Alloc`] or a first
+    /// [`Op::Record`] pushed by hand).
+    pub fn fresh_id(&self) -> Id {
+        self.inner.fresh_id()
+    }
+
+    /// Allocates `size` zeroed bytes; the id names the buffer from now on
+    /// (it is not freed by itself: record [`Recorder::free`]).
+    pub fn alloc(&mut self, stream: StreamId, size: u64) -> Id {
+        let buf = self.fresh_id();
+        self.push(stream, Op::Alloc { buf, size });
+        buf
+    }
+
+    /// Writes `bytes` into `buf` at `offset` (copied into the message now).
+    pub fn write(&mut self, stream: StreamId, buf: Id, offset: u64, bytes: &[u8]) -> &mut Self {
+        self.writes.extend_from_slice(bytes);
+        let len = bytes.len() as u32;
+        self.push(stream, Op::Write { buf, offset, len });
+        self
+    }
+
+    /// Reads `len` bytes of `buf` at `offset`; the bytes are in the reply
+    /// ([`Submitted::read`]).
+    pub fn read(&mut self, stream: StreamId, buf: Id, offset: u64, len: u32) -> ReadSlot {
+        self.push(stream, Op::Read { buf, offset, len });
+        ReadSlot {
+            command: self.commands.len() - 1,
+            len,
+        }
+    }
+
+    /// Frees a buffer (after every queued use of it) or an event.
+    pub fn free(&mut self, stream: StreamId, id: Id) -> &mut Self {
+        self.push(stream, Op::Free { id });
+        self
+    }
+
+    /// Launches `kernel` of `module`; the module's source goes with this
+    /// message if the node may not have it.
+    pub fn launch(
+        &mut self,
+        stream: StreamId,
+        module: &Module,
+        kernel: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: Vec<KernelArg>,
+    ) -> &mut Self {
+        self.launch_spec(
+            stream,
+            module,
+            LaunchSpec {
+                module: module.hash,
+                kernel: kernel.into(),
+                grid,
+                block,
+                shared_mem: 0,
+                args,
+            },
+        )
+    }
+
+    /// Launches with a full [`LaunchSpec`] (its `module` is set from
+    /// `module`).
+    pub fn launch_spec(
+        &mut self,
+        stream: StreamId,
+        module: &Module,
+        mut spec: LaunchSpec,
+    ) -> &mut Self {
+        spec.module = module.hash;
+        self.use_module(module);
+        self.push(stream, Op::Launch(spec));
+        self
+    }
+
+    /// Lists `module` in the message (a launch does this itself; alone, it
+    /// loads the module, so a bad one fails now with its log).
+    pub fn use_module(&mut self, module: &Module) -> &mut Self {
+        if !self.modules.iter().any(|m| m.hash == module.hash) {
+            self.modules.push(module.clone());
+        }
+        self
+    }
+
+    /// Sets `len` bytes of `buf` at `offset` to `value`.
+    pub fn fill(
+        &mut self,
+        stream: StreamId,
+        buf: Id,
+        offset: u64,
+        len: u64,
+        value: u8,
+    ) -> &mut Self {
+        self.push(
+            stream,
+            Op::Fill {
+                buf,
+                offset,
+                len,
+                value,
+            },
+        );
+        self
+    }
+
+    /// Copies `len` bytes from `src` at `src_offset` to another buffer
+    /// `dst` at `dst_offset`.
+    pub fn copy(
+        &mut self,
+        stream: StreamId,
+        (src, src_offset): (Id, u64),
+        (dst, dst_offset): (Id, u64),
+        len: u64,
+    ) -> &mut Self {
+        self.push(
+            stream,
+            Op::Copy {
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                len,
+            },
+        );
+        self
+    }
+
+    /// Records a new event on `stream` and returns it.
+    pub fn record(&mut self, stream: StreamId) -> Id {
+        let event = self.fresh_id();
+        self.push(stream, Op::Record { event });
+        event
+    }
+
+    /// Records `event` again on `stream` (waits name the latest record).
+    pub fn record_again(&mut self, stream: StreamId, event: Id) -> &mut Self {
+        self.push(stream, Op::Record { event });
+        self
+    }
+
+    /// Makes `stream` wait for the last record of `event`.
+    pub fn wait(&mut self, stream: StreamId, event: Id) -> &mut Self {
+        self.push(stream, Op::Wait { event });
+        self
+    }
+
+    /// Appends a command built by hand.
+    pub fn command(&mut self, stream: StreamId, op: Op) -> &mut Self {
+        self.push(stream, op);
+        self
+    }
+
+    /// The slots of the reads recorded so far, in order.
+    pub fn read_slots(&self) -> Vec<ReadSlot> {
+        self.commands
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| match c.op {
+                Op::Read { len, .. } => Some(ReadSlot { command: i, len }),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Commands recorded so far.
+    pub fn len(&self) -> usize {
+        self.commands.len()
+    }
+
+    /// True when nothing is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.commands.is_empty() && self.modules.is_empty()
+    }
+
+    /// Sends everything recorded as one message; the future resolves with
+    /// the node's reply once every command ran (or one failed). The
+    /// message is built and numbered when this is called (the recorder may
+    /// be changed or submitted again afterwards): the node runs a lease's
+    /// submissions in the order of these calls, so a second recording may
+    /// be sent before this one's reply arrives and name what it creates.
+    /// A submission dropped before its first poll is never sent; the
+    /// node then waits its reorder window (2 s by default) before running
+    /// the lease's later ones.
+    ///
+    /// A module the client believes the node has travels without its
+    /// source; if the node answers UNKNOWN_MODULE (nothing ran), the
+    /// message is sent once more with every source.
+    ///
+    /// # Errors
+    ///
+    /// Errors of the request itself (lease gone, disconnected, malformed).
+    /// A failing command is not an error here: see [`Submitted::ok`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future after its first poll abandons the reply; the
+    /// node runs the batch anyway.
+    pub fn submit(
+        &self,
+    ) -> impl std::future::Future<Output = Result<Submitted, Error>> + Send + 'static {
+        let message = self.numbered();
+        let reads = self.read_slots();
+        async move {
+            let (reply, data) = message.send(None).await?;
+            Ok(Submitted {
+                completed: reply.completed as usize,
+                error: reply.error,
+                reads,
+                data,
+            })
+        }
+    }
+
+    /// [`Recorder::submit`], with the reads received straight into `dests`
+    /// (one per read, in order, each exactly its read's length) instead of
+    /// the reply's own buffer: no copy on the client. The destinations come
+    /// back with the reply; those of reads that did not run are untouched.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadRequest`] when `dests` do not match the reads; the rest
+    /// as [`Recorder::submit`].
+    pub fn submit_into<D>(
+        &self,
+        mut dests: Vec<D>,
+    ) -> impl std::future::Future<Output = Result<(Submitted, Vec<D>), Error>> + Send + 'static
+    where
+        D: AsMut<[u8]> + Send + 'static,
+    {
+        let reads = self.read_slots();
+        let shape_ok = reads.len() == dests.len()
+            && reads
+                .iter()
+                .zip(dests.iter_mut())
+                .all(|(r, d)| d.as_mut().len() == r.len as usize);
+        self.numbered().send_into(shape_ok.then_some(reads), dests)
+    }
+
+    /// The message, numbered now: the node runs the lease's batches in the
+    /// order of these calls, whatever order they are polled or arrive in.
+    fn numbered(&self) -> Message {
+        Message::numbered(
+            &self.inner,
+            &self.modules,
+            &self.commands[..],
+            self.writes.clone(),
+        )
+    }
+}
+
+/// The reply to a [`Recorder::submit`].
+#[derive(Debug, Clone)]
+pub struct Submitted {
+    pub(super) completed: usize,
+    pub(super) error: Option<OpError>,
+    pub(super) reads: Vec<ReadSlot>,
+    pub(super) data: Vec<u8>,
+}
+
+impl Submitted {
+    /// Commands that ran, in order (`0..completed`): what they created
+    /// stays valid even when a later command failed.
+    pub fn completed(&self) -> usize {
+        self.completed
+    }
+
+    /// The command that stopped the batch: its index, status and message.
+    pub fn error(&self) -> Option<&OpError> {
+        self.error.as_ref()
+    }
+
+    /// `Ok(self)` when every command ran, else the failing command's error
+    /// (its message names its index).
+    ///
+    /// # Errors
+    ///
+    /// The error of the command that stopped the batch.
+    pub fn ok(self) -> Result<Self, Error> {
+        match &self.error {
+            Some(e) => Err(Error::from_status(e.status, e.message.clone())),
+            None => Ok(self),
+        }
+    }
+
+    /// The bytes of a read, if its command ran (they were received
+    /// straight into the reply's one buffer: no copy here).
+    pub fn read(&self, slot: ReadSlot) -> Option<&[u8]> {
+        if slot.command >= self.completed {
+            return None;
+        }
+        let mut start = 0usize;
+        for r in &self.reads {
+            if r.command >= self.completed {
+                return None;
+            }
+            let end = start + r.len as usize;
+            if *r == slot {
+                return self.data.get(start..end);
+            }
+            start = end;
+        }
+        None
+    }
+}

@@ -1,0 +1,201 @@
+//! [`Session`]: work on a lease, with RAII [`DeviceBuffer`]s and single
+//! requests (alloc, write, read, load, launch).
+
+use std::sync::Arc;
+
+use super::lease::LeaseInner;
+use super::{Client, Error, Module, Recorder};
+#[cfg(feature = "backend")]
+use super::{EncodeCommands, Message};
+use crate::proto::{to_body, Id, KernelArg, LeaseId, MemAlloc, Opcode};
+
+/// Work on a lease: RAII buffers, single requests, and the [`Recorder`]
+/// for whole pipelines in one message. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Session {
+    pub(super) inner: Arc<LeaseInner>,
+}
+
+/// A buffer in a lease, named by a client-picked id; freed (in the
+/// background, after every queued use) when dropped.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    inner: Arc<LeaseInner>,
+    id: Id,
+    size: u64,
+}
+
+impl DeviceBuffer {
+    /// The buffer's id (for kernel arguments and recorded commands).
+    pub fn id(&self) -> Id {
+        self.id
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// This buffer as a kernel argument.
+    pub fn arg(&self) -> KernelArg {
+        KernelArg::mem(self.id)
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        self.inner.free_in_background(self.id);
+    }
+}
+
+impl Session {
+    /// The lease id.
+    pub fn lease_id(&self) -> LeaseId {
+        self.inner.id
+    }
+
+    /// A fresh id of this lease (for commands recorded by hand).
+    pub fn fresh_id(&self) -> Id {
+        self.inner.fresh_id()
+    }
+
+    /// The client this session's lease lives on.
+    pub fn client(&self) -> &Arc<Client> {
+        &self.inner.client
+    }
+
+    /// A recorder for a pipeline sent as one message.
+    pub fn recorder(&self) -> Recorder {
+        Recorder {
+            inner: self.inner.clone(),
+            modules: Vec::new(),
+            commands: Vec::new(),
+            writes: Vec::new(),
+        }
+    }
+
+    /// The BATCH of `commands` (they serialize as the protocol's
+    /// `Vec<Command>` does), launching from `modules`, with `writes` as the
+    /// writes' payloads, numbered now (see [`Recorder::submit`]); send it
+    /// with [`Message::send_into`].
+    #[cfg(feature = "backend")]
+    pub(crate) fn message<C: EncodeCommands>(
+        &self,
+        modules: &[Module],
+        commands: C,
+        writes: Vec<u8>,
+    ) -> Message {
+        Message::numbered(&self.inner, modules, commands, writes)
+    }
+
+    /// Allocates `size` zeroed bytes (one request).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::CapacityExceeded`] beyond the reservation.
+    pub async fn alloc(&self, size: u64) -> Result<DeviceBuffer, Error> {
+        let buf = self.inner.fresh_id();
+        let body = to_body(&MemAlloc {
+            lease: self.inner.id,
+            buf,
+            size,
+        });
+        self.inner.req(Opcode::MemAlloc, &body, &[]).await?;
+        Ok(DeviceBuffer {
+            inner: self.inner.clone(),
+            id: buf,
+            size,
+        })
+    }
+
+    /// Copies `bytes` into `buf` at `offset` (streamed, striped when large).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadRequest`] out of bounds.
+    pub async fn write(&self, buf: &DeviceBuffer, offset: u64, bytes: &[u8]) -> Result<(), Error> {
+        self.write_id(buf.id, offset, bytes).await
+    }
+
+    /// Copies `bytes` into buffer `buf` at `offset`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Session::write`].
+    pub async fn write_id(&self, buf: Id, offset: u64, bytes: &[u8]) -> Result<(), Error> {
+        self.inner
+            .guard(
+                self.inner
+                    .client
+                    .striped_write(self.inner.id, buf, offset, bytes),
+            )
+            .await
+    }
+
+    /// Reads `len` bytes of `buf` at `offset` (streamed, striped when large).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ReadFailed`], [`Error::BadRequest`].
+    pub async fn read(&self, buf: &DeviceBuffer, offset: u64, len: u32) -> Result<Vec<u8>, Error> {
+        self.read_id(buf.id, offset, len).await
+    }
+
+    /// Reads `len` bytes of buffer `buf` at `offset`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Session::read`].
+    pub async fn read_id(&self, buf: Id, offset: u64, len: u32) -> Result<Vec<u8>, Error> {
+        self.inner
+            .guard(
+                self.inner
+                    .client
+                    .striped_read(self.inner.id, buf, offset, len),
+            )
+            .await
+    }
+
+    /// Loads a PTX module now (one request), so a bad one fails here with
+    /// its JIT log. Launches carry modules themselves: this is only a
+    /// warm-up.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LoadFailed`] with the JIT log.
+    pub async fn load_module(&self, ptx: &str) -> Result<Module, Error> {
+        let module = Module::ptx(ptx);
+        self.load(&module).await?;
+        Ok(module)
+    }
+
+    /// Loads (CUDA C: compiles on the node) `module` now.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LoadFailed`] with the compile or JIT log.
+    pub async fn load(&self, module: &Module) -> Result<(), Error> {
+        let mut rec = self.recorder();
+        rec.use_module(module);
+        rec.submit().await?.ok().map(drop)
+    }
+
+    /// Launches a kernel on stream 0 and waits for it (one request).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LaunchFailed`] (a fault: the lease is then poisoned),
+    /// [`Error::NotFound`] for an unknown kernel.
+    pub async fn launch(
+        &self,
+        module: &Module,
+        kernel: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: Vec<KernelArg>,
+    ) -> Result<(), Error> {
+        let mut rec = self.recorder();
+        rec.launch(0, module, kernel, grid, block, args);
+        rec.submit().await?.ok().map(drop)
+    }
+}
