@@ -1,6 +1,9 @@
-//! [`DeviceError`] and the checks every device shares.
+//! [`DeviceError`], the checks every device shares, and the mapping of
+//! `cuda-core` errors to statuses.
 
 use std::collections::HashMap;
+
+use cuda_async::Error;
 
 use super::MAX_DEVICE_STREAMS;
 use crate::proto::{Id, Status};
@@ -89,4 +92,29 @@ pub(super) fn mem_arg<B>(
         ));
     }
     Ok(b)
+}
+
+/// Maps a `cuda-core` error: sticky ones (kernel faults) become sticky
+/// LAUNCH_FAILED whatever the op; the rest get a status by kind, or
+/// `status`.
+pub(super) fn map(status: Status, what: &str, e: Error) -> DeviceError {
+    let status = match &e {
+        e if e.is_sticky() => {
+            return DeviceError::sticky(Status::LaunchFailed, format!("{what}: {e}"))
+        }
+        e if e.is_out_of_memory() => Status::CapacityExceeded,
+        Error::Compile { .. } | Error::NoNvrtc => Status::LoadFailed,
+        Error::KernelNotFound { .. } => Status::NotFound,
+        Error::ArgumentMismatch { .. } | Error::InvalidArgument(_) => Status::BadRequest,
+        _ => status,
+    };
+    DeviceError::new(status, format!("{what}: {e}"))
+}
+
+pub(super) fn driver(
+    status: Status,
+    call: &'static str,
+    e: cuda_core::cudarc::driver::DriverError,
+) -> DeviceError {
+    map(status, call, Error::driver(call, e))
 }
