@@ -1,0 +1,70 @@
+//! A worker's buffers: the `cuda-core` buffer under each, and their uses
+//! ordered across streams with deferred use records.
+
+use cuda_async::{CudaStream, DeviceBuffer};
+
+use super::CudaDevice;
+use crate::device::error::{map, not_found};
+use crate::device::DeviceError;
+use crate::proto::{Id, Status, StreamId};
+
+impl CudaDevice {
+    /// A node's buffers are all local: the `cuda-core` buffer under one.
+    pub(super) fn raw(b: &DeviceBuffer<u8>) -> &cuda_core::DeviceBuffer<u8> {
+        b.local().expect("a node's buffers are local")
+    }
+
+    pub(super) fn raw_mut(b: &mut DeviceBuffer<u8>) -> &mut cuda_core::DeviceBuffer<u8> {
+        b.local_mut().expect("a node's buffers are local")
+    }
+
+    pub(super) fn buffer(&self, id: Id) -> Result<&DeviceBuffer<u8>, DeviceError> {
+        self.buffers.get(&id).ok_or_else(|| not_found("buffer", id))
+    }
+
+    /// Records the deferred uses of buffer `id` (if any) in its use
+    /// events, on the stream they were enqueued on.
+    ///
+    /// Allocations and launches do not record an event per buffer per
+    /// command: a buffer's uses on one stream are ordered by the stream
+    /// itself, so they are marked pending and recorded once, before
+    /// anything could depend on the events: a use on another stream, a
+    /// copy, read, write or fill (which order themselves by those
+    /// events), the free, or the end of the batch. Recording later on
+    /// the same stream covers every earlier use; a wait on it may wait
+    /// for more of that stream than needed, never less.
+    pub(super) fn flush_use(&mut self, id: Id) -> Result<(), DeviceError> {
+        let Some(s) = self.pending.remove(&id) else {
+            return Ok(());
+        };
+        let (Some(stream), Some(buf)) = (self.streams.get(&s), self.buffers.get(&id)) else {
+            return Ok(());
+        };
+        let stream = stream.clone();
+        Self::raw(buf)
+            .after_write(&stream)
+            .map_err(|e| map(Status::Internal, "recording a buffer's use", e))?;
+        self.touch(&stream);
+        Ok(())
+    }
+
+    /// Orders a use of buffer `id` on `stream` after its uses elsewhere,
+    /// and marks it pending there (see [`CudaDevice::flush_use`]).
+    pub(super) fn use_on(
+        &mut self,
+        id: Id,
+        stream: StreamId,
+        s: &CudaStream,
+    ) -> Result<(), DeviceError> {
+        if self.pending.get(&id) == Some(&stream) {
+            // Same stream: ordered by the stream.
+            return Ok(());
+        }
+        self.flush_use(id)?;
+        Self::raw(self.buffer(id)?)
+            .before_write(s)
+            .map_err(|e| map(Status::Internal, "ordering a buffer's use", e))?;
+        self.pending.insert(id, stream);
+        Ok(())
+    }
+}

@@ -1,0 +1,430 @@
+//! The real device, [`CudaDevice`], on `cuda-core` and `cuda-async`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cuda_async::{CudaStream, DeviceBuffer, Kernel, Module, PinnedBuffer};
+use cuda_core::cudarc::driver::{result, DevicePtrMut};
+use cuda_core::CudaEvent;
+use cuda_core::ParamClass;
+
+use super::error::{driver, map, not_found};
+use super::{Device, DeviceArg, DeviceError, LaunchDims};
+use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
+use crate::sandbox::Compiler;
+
+mod buffers;
+mod copies;
+mod launch;
+mod staging;
+mod streams;
+
+use launch::LastKernel;
+use staging::{BatchArena, SpareBuffers};
+
+/// A real device, driven through `cuda-core` and `cuda-async`: the
+/// device's primary context (the worker process owns it alone) and
+/// streams made on demand, named by the lease's client. Memory is
+/// `cuda-core` device buffers, which order their uses across streams
+/// and their frees after every use; copies go through pinned staging
+/// memory, never a pageable copy; kernels are `cuda-core` modules (PTX
+/// JIT-loaded, CUDA C compiled by NVRTC for this device, once per
+/// content), launched with run-time argument lists checked against
+/// their PTX parameters.
+///
+/// A batch's launches cost one driver call each: a buffer's uses on one
+/// stream are recorded in its use events once, when something could
+/// depend on them (a use on another stream, a copy, the free, the end
+/// of the batch), not after every launch; see `flush_use`.
+#[derive(Debug)]
+pub struct CudaDevice {
+    device: cuda_async::Device,
+    streams: HashMap<StreamId, Arc<CudaStream>>,
+    buffers: HashMap<Id, DeviceBuffer<u8>>,
+    events: HashMap<Id, CudaEvent>,
+    modules: HashMap<ModuleHash, Module>,
+    /// Kernels resolved so far, by module and name.
+    kernels: HashMap<ModuleHash, HashMap<String, Kernel>>,
+    /// Reads enqueued since the last finish: where they land.
+    reads: Vec<(PinnedBuffer<u8>, usize)>,
+    /// Buffers whose latest uses, on the stream named here, are not
+    /// recorded in the buffer's own use events yet (see
+    /// [`CudaDevice::flush_use`]).
+    pending: HashMap<Id, StreamId>,
+    /// Small freed buffers kept for the next allocation of their size.
+    spare: SpareBuffers,
+    /// Where small writes are staged and small reads land (made on
+    /// first use).
+    arena: Option<BatchArena>,
+    /// Reads into the arena since the last finish: (where in the
+    /// reply, where in the arena, length).
+    arena_reads: Vec<(usize, usize, usize)>,
+    /// The kernel of the last launch (see [`CudaDevice::launchable`]).
+    last_kernel: Option<LastKernel>,
+    /// The streams this batch enqueued work on (see
+    /// [`CudaDevice::sync_touched`]).
+    touched: Vec<Arc<CudaStream>>,
+    /// A launch's argument values, 8-byte aligned (reused).
+    arg_words: Vec<u64>,
+    /// Where each argument starts in `arg_words` (reused).
+    arg_at: Vec<usize>,
+    /// A launch's argument kinds, for the parameter check (reused).
+    arg_specs: Vec<(usize, ParamClass, &'static str)>,
+    /// The driver's parameter array: a pointer into `arg_words` per
+    /// argument (reused; empty between launches).
+    arg_ptrs: Vec<*mut std::ffi::c_void>,
+    /// Compiles tenants' CUDA C in a confined child process.
+    compiler: Arc<Compiler>,
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal`: its primary context, bound to this
+    /// thread. Streams are made on first use.
+    ///
+    /// # Errors
+    ///
+    /// "no NVIDIA driver found" when libcuda cannot be loaded, or the
+    /// driver's error.
+    pub fn open(ordinal: usize) -> Result<Self, DeviceError> {
+        let st = Status::Internal;
+        let device = cuda_async::Device::new(ordinal)
+            .map_err(|e| map(st, &format!("opening device {ordinal}"), e))?;
+        // The worker's one thread drives this context from now on.
+        device
+            .context()
+            .bind_to_thread()
+            .map_err(|e| driver(st, "cuCtxSetCurrent", e))?;
+        // Every buffer of this device is a `cuda-core` buffer, used only
+        // by the commands below, each of which orders itself with the
+        // buffer's own use events (`before_*`/`after_*`, and the drop
+        // orders the free after them). cudarc's per-slice events would
+        // repeat that work: two more event records and waits per buffer
+        // argument of every launch (about 5 us of the 8 us a launch
+        // took here on an H100). This process has no other CUDA user.
+        // SAFETY: called before this context allocates any slice, and
+        // no code in this process uses its slices outside `cuda-core`'s
+        // tracking (the worker's commands are the only users).
+        unsafe { device.context().disable_event_tracking() };
+        // A batch allocates, synchronizes and frees: keep a little freed
+        // memory in the pool, or every batch's first allocation maps it
+        // again. Bounded (32 MiB per worker), so a lease's freed memory
+        // goes back for other leases' workers; the node's headroom
+        // covers it.
+        device
+            .set_mem_pool_release_threshold(32 << 20)
+            .map_err(|e| map(st, "memory pool", e))?;
+        Ok(Self {
+            device,
+            streams: HashMap::new(),
+            buffers: HashMap::new(),
+            events: HashMap::new(),
+            modules: HashMap::new(),
+            kernels: HashMap::new(),
+            reads: Vec::new(),
+            pending: HashMap::new(),
+            spare: SpareBuffers::default(),
+            arena: None,
+            arena_reads: Vec::new(),
+            last_kernel: None,
+            touched: Vec::new(),
+            arg_words: Vec::new(),
+            arg_at: Vec::new(),
+            arg_specs: Vec::new(),
+            arg_ptrs: Vec::new(),
+            compiler: Arc::default(),
+        })
+    }
+
+    /// Compiles CUDA C with `compiler` (its headers, time and log
+    /// bounds) from now on; the default offers no headers.
+    pub fn set_compiler(&mut self, compiler: Arc<Compiler>) {
+        self.compiler = compiler;
+    }
+}
+
+impl Device for CudaDevice {
+    fn info(&mut self) -> Result<DeviceInfo, DeviceError> {
+        let st = Status::Internal;
+        let info = self.device.info().map_err(|e| map(st, "device info", e))?;
+        let (free, total) = self
+            .device
+            .memory()
+            .map_err(|e| map(st, "memory info", e))?;
+        Ok(DeviceInfo {
+            ordinal: info.ordinal as u32,
+            name: info.name,
+            total_bytes: total as u64,
+            free_bytes: free as u64,
+            compute_capability: info.compute_capability,
+        })
+    }
+
+    fn alloc(&mut self, stream: StreamId, id: Id, size: u64) -> Result<(), DeviceError> {
+        if self.buffers.contains_key(&id) || self.events.contains_key(&id) {
+            return Err(DeviceError::new(
+                Status::BadRequest,
+                format!("id {id} is in use"),
+            ));
+        }
+        let sid = stream;
+        let stream = self.stream(stream)?;
+        let n = usize::try_from(size)
+            .map_err(|_| DeviceError::new(Status::CapacityExceeded, "size too large"))?;
+        if n == 0 {
+            let buf = cuda_core::DeviceBuffer::<u8>::zeros(&stream, n)
+                .map_err(|e| map(Status::CapacityExceeded, "cuMemAllocAsync", e))?;
+            self.buffers.insert(id, buf.into());
+            return Ok(());
+        }
+        match self.spare.take(n) {
+            // A freed buffer of this size: its memset waits for its
+            // earlier uses like any other use (`use_on`).
+            Some(buf) => {
+                self.buffers.insert(id, buf);
+                self.use_on(id, sid, &stream)?;
+            }
+            None => {
+                // SAFETY: the memset below, on the allocating stream,
+                // writes every byte before anything else can use the
+                // buffer (later commands on this stream follow it;
+                // other streams wait for the use `flush_use` records).
+                let buf = unsafe { cuda_core::DeviceBuffer::<u8>::uninit(&stream, n) }
+                    .map_err(|e| map(Status::CapacityExceeded, "cuMemAllocAsync", e))?;
+                self.buffers.insert(id, buf.into());
+                // Pending even if the memset fails: recorded (or the
+                // buffer leaked) like any other use before it is freed.
+                self.pending.insert(id, sid);
+            }
+        }
+        let buf = Self::raw_mut(self.buffers.get_mut(&id).expect("inserted above"));
+        let (ptr, _write) = buf.as_cuda_slice_mut().device_ptr_mut(&stream);
+        // SAFETY: `ptr` addresses the `n` bytes of a live allocation,
+        // ordered after its earlier uses (a recycled buffer) or its
+        // allocation on this stream.
+        unsafe { result::memset_d8_async(ptr, 0, n, stream.cu_stream()) }
+            .map_err(|e| driver(Status::Internal, "cuMemsetD8Async", e))
+    }
+
+    fn free(&mut self, _stream: StreamId, id: Id) -> Result<(), DeviceError> {
+        if self.events.remove(&id).is_some() {
+            // The driver releases a pending event when it completes.
+            return Ok(());
+        }
+        // Stream-ordered after every use of the buffer, on any stream
+        // (its events are complete or recorded before it is dropped or
+        // handed out again).
+        self.flush_use(id)?;
+        let buf = self
+            .buffers
+            .remove(&id)
+            .ok_or_else(|| not_found("buffer", id))?;
+        // A buffer not kept is freed on its home stream, which the
+        // batch's end then waits for (as for every other stream it
+        // touched), so the memory is back in the pool by the reply.
+        let home = Self::raw(&buf).home_stream().clone();
+        self.touch(&home);
+        self.spare.keep(buf);
+        Ok(())
+    }
+
+    fn write(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), DeviceError> {
+        self.enqueue_write(stream, id, offset, data)
+    }
+
+    fn read(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        len: u32,
+        at: usize,
+    ) -> Result<(), DeviceError> {
+        self.enqueue_read(stream, id, offset, len, at)
+    }
+
+    fn fill(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        len: u64,
+        value: u8,
+    ) -> Result<(), DeviceError> {
+        self.enqueue_fill(stream, id, offset, len, value)
+    }
+
+    fn copy(
+        &mut self,
+        stream: StreamId,
+        src: (Id, u64),
+        dst: (Id, u64),
+        len: u64,
+    ) -> Result<(), DeviceError> {
+        self.enqueue_copy(stream, src, dst, len)
+    }
+
+    fn read_now(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+        let len = u32::try_from(out.len())
+            .map_err(|_| DeviceError::new(Status::BadRequest, "read too large"))?;
+        // On a stream of its own (the buffer orders it after its writes).
+        self.read(StreamId::MAX, id, offset, len, 0)?;
+        self.finish(out)
+    }
+
+    fn load_module(
+        &mut self,
+        hash: ModuleHash,
+        kind: &SourceKind,
+        text: &[u8],
+    ) -> Result<Option<String>, DeviceError> {
+        if self.modules.contains_key(&hash) {
+            return Ok(None);
+        }
+        let st = Status::LoadFailed;
+        let text = std::str::from_utf8(text)
+            .map_err(|_| DeviceError::new(st, "module text is not UTF-8"))?;
+        let name = format!("module {hash}");
+        // CUDA C is compiled by this node's NVRTC for this GPU, and the
+        // PTX goes back to the node for other workers.
+        let (ptx, compiled) = match kind {
+            SourceKind::Ptx => (text.to_owned(), false),
+            SourceKind::Cuda { options } => {
+                // In a confined child process (`crate::sandbox`): the
+                // compiler reads no file of this machine but the
+                // offered headers, and is killed at its time bound.
+                let (major, minor) = self
+                    .device
+                    .compute_capability()
+                    .map_err(|e| map(st, "compute capability", e))?;
+                let arch = format!("compute_{major}{minor}");
+                let ptx = self
+                    .compiler
+                    .compile(&name, text, options, &arch)
+                    .map_err(|log| {
+                        DeviceError::new(st, format!("module `{name}` failed to compile:\n{log}"))
+                    })?;
+                (ptx, true)
+            }
+        };
+        let module = Module::ptx(ptx.as_str())
+            .map_err(|e| map(st, "PTX", e))?
+            .named(name);
+        // JIT-loaded now (once per content in this process), so the
+        // log of a bad module comes back with this request.
+        module
+            .load_on(&self.device)
+            .map_err(|e| map(st, "load", e))?;
+        self.modules.insert(hash, module);
+        Ok(compiled.then_some(ptx))
+    }
+
+    fn unload_module(&mut self, hash: ModuleHash) -> Result<(), DeviceError> {
+        let module = self
+            .modules
+            .remove(&hash)
+            .ok_or_else(|| not_found("module", hash))?;
+        // Nothing of it may run when it unloads: wait for every stream,
+        // then let go of its kernels and its cache entry.
+        self.sync_all()?;
+        self.kernels.remove(&hash);
+        self.last_kernel = None;
+        // SAFETY: every stream of this context is idle, and the kernels
+        // resolved from this module are dropped.
+        unsafe { module.evict_on(&self.device) };
+        Ok(())
+    }
+
+    fn launch(
+        &mut self,
+        stream: StreamId,
+        module: ModuleHash,
+        kernel: &str,
+        dims: LaunchDims,
+        args: &[DeviceArg<'_>],
+    ) -> Result<(), DeviceError> {
+        self.enqueue_launch(stream, module, kernel, dims, args)
+    }
+
+    fn record(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError> {
+        if self.buffers.contains_key(&event) {
+            return Err(DeviceError::new(
+                Status::BadRequest,
+                format!("{event} is a buffer, not an event"),
+            ));
+        }
+        let stream = self.stream(stream)?;
+        let st = Status::Internal;
+        match self.events.get(&event) {
+            Some(ev) => ev
+                .record(&stream)
+                .map_err(|e| driver(st, "cuEventRecord", e)),
+            None => {
+                let ev = stream
+                    .record_event(None)
+                    .map_err(|e| driver(st, "cuEventRecord", e))?;
+                self.events.insert(event, ev);
+                Ok(())
+            }
+        }
+    }
+
+    fn wait(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError> {
+        let stream = self.stream(stream)?;
+        let ev = self
+            .events
+            .get(&event)
+            .ok_or_else(|| not_found("event", event))?;
+        stream
+            .wait(ev)
+            .map_err(|e| driver(Status::Internal, "cuStreamWaitEvent", e))
+    }
+
+    fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError> {
+        // Waits for the copies (and surfaces kernel faults here).
+        let synced = self.sync_touched();
+        self.spare.settle(synced.is_ok());
+        if synced.is_ok() {
+            // Every use is done: nothing needs their events.
+            self.pending.clear();
+        } else {
+            // Recorded (or, on a dead context, the buffers marked broken
+            // and leaked when freed), never freed before their uses.
+            let ids: Vec<Id> = self.pending.keys().copied().collect();
+            for id in ids {
+                let _ = self.flush_use(id);
+            }
+        }
+        let reads = std::mem::take(&mut self.reads);
+        let arena_reads = std::mem::take(&mut self.arena_reads);
+        if synced.is_err() {
+            // Copies may still use it: never reuse or free it.
+            std::mem::forget(self.arena.take());
+        }
+        synced?;
+        if let Some(arena) = &mut self.arena {
+            // Every copy of the batch is done (synced above).
+            for (at, off, len) in arena_reads {
+                let bytes = arena.bytes(off, len)?;
+                if let Some(dst) = out.get_mut(at..at + len) {
+                    dst.copy_from_slice(bytes);
+                }
+            }
+            arena.used = 0;
+        }
+        for (host, at) in reads {
+            let bytes = host
+                .as_slice()
+                .map_err(|e| map(Status::ReadFailed, "device-to-host copy", e))?;
+            if let Some(dst) = out.get_mut(at..at + bytes.len()) {
+                dst.copy_from_slice(bytes);
+            }
+        }
+        Ok(())
+    }
+}

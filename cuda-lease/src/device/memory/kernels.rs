@@ -1,0 +1,135 @@
+//! The test double's host kernels, and the entry names it reads from a
+//! module's text (it runs no compiler).
+
+use std::collections::HashMap;
+
+use crate::proto::SourceKind;
+
+/// The entry names of a module's text: `.entry NAME` in PTX,
+/// `__global__ ... NAME(` in CUDA C (for the in-memory device, which runs
+/// no compiler).
+pub(super) fn entry_names(kind: &SourceKind, text: &str) -> Vec<String> {
+    let ident = |rest: &str| -> Option<String> {
+        let name: String = rest
+            .trim_start()
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        (!name.is_empty()).then_some(name)
+    };
+    match kind {
+        SourceKind::Ptx => text.split(".entry").skip(1).filter_map(ident).collect(),
+        SourceKind::Cuda { .. } => text
+            .split("__global__")
+            .skip(1)
+            .filter_map(|rest| {
+                let head = rest.split('(').next()?;
+                ident(head.split_whitespace().last()?)
+            })
+            .collect(),
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(super) enum HostArg {
+    Scalar(Vec<u8>),
+    Mem { slot: usize, offset: usize },
+}
+
+/// Runs a test kernel on the host; true when it touched memory outside a
+/// buffer (an illegal address). Arguments were checked at enqueue.
+pub(super) fn host_kernel(
+    store: &mut HashMap<usize, Vec<u8>>,
+    kernel: &str,
+    threads: u64,
+    args: &[HostArg],
+) -> bool {
+    let scalar = |a: &HostArg| match a {
+        HostArg::Scalar(b) if b.len() == 4 => [b[0], b[1], b[2], b[3]],
+        _ => [0; 4],
+    };
+    let n = |a: &HostArg| u64::from(u32::from_le_bytes(scalar(a))).min(threads);
+    let f = |a: &HostArg| f32::from_le_bytes(scalar(a));
+    // Byte position of element `i` of a memory argument, if in bounds.
+    let at = |store: &HashMap<usize, Vec<u8>>, a: &HostArg, i: u64| -> Option<(usize, usize)> {
+        let HostArg::Mem { slot, offset } = a else {
+            return None;
+        };
+        let start = offset.checked_add(usize::try_from(i).ok()?.checked_mul(4)?)?;
+        let b = store.get(slot)?;
+        (start + 4 <= b.len()).then_some((*slot, start))
+    };
+    let get = |store: &HashMap<usize, Vec<u8>>, (s, p): (usize, usize)| {
+        let b = &store[&s][p..p + 4];
+        [b[0], b[1], b[2], b[3]]
+    };
+    let put = |store: &mut HashMap<usize, Vec<u8>>, (s, p): (usize, usize), v: [u8; 4]| {
+        if let Some(b) = store.get_mut(&s) {
+            b[p..p + 4].copy_from_slice(&v);
+        }
+    };
+    match (kernel, args) {
+        ("iota", [out, count]) => {
+            for i in 0..n(count) {
+                let Some(o) = at(store, out, i) else {
+                    return true;
+                };
+                put(store, o, (i as u32).to_le_bytes());
+            }
+        }
+        ("vadd", [a, b, c, count]) => {
+            for i in 0..n(count) {
+                let (Some(ia), Some(ib), Some(ic)) =
+                    (at(store, a, i), at(store, b, i), at(store, c, i))
+                else {
+                    return true;
+                };
+                let v = f32::from_le_bytes(get(store, ia)) + f32::from_le_bytes(get(store, ib));
+                put(store, ic, v.to_le_bytes());
+            }
+        }
+        ("fill", [out, v, count]) => {
+            for i in 0..n(count) {
+                let Some(o) = at(store, out, i) else {
+                    return true;
+                };
+                put(store, o, f(v).to_le_bytes());
+            }
+        }
+        ("axpy", [a, x, y, count]) => {
+            for i in 0..n(count) {
+                let (Some(ix), Some(iy)) = (at(store, x, i), at(store, y, i)) else {
+                    return true;
+                };
+                let v =
+                    f(a) * f32::from_le_bytes(get(store, ix)) + f32::from_le_bytes(get(store, iy));
+                put(store, iy, v.to_le_bytes());
+            }
+        }
+        ("copy", [src, dst, count]) => {
+            for i in 0..n(count) {
+                let (Some(is), Some(id)) = (at(store, src, i), at(store, dst, i)) else {
+                    return true;
+                };
+                let v = get(store, is);
+                put(store, id, v);
+            }
+        }
+        _ => {}
+    }
+    false
+}
+
+/// The argument shapes of the host test kernels: `m` memory, `s` a 4-byte
+/// scalar.
+pub(super) fn host_kernel_shape(kernel: &str) -> Option<&'static str> {
+    Some(match kernel {
+        "iota" => "ms",
+        "vadd" => "mmms",
+        "fill" => "mss",
+        "axpy" => "smms",
+        "copy" => "mms",
+        "spin" | "__fault" | "__hang" | "__exit" => "",
+        _ => return None,
+    })
+}

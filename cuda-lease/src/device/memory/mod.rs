@@ -1,0 +1,377 @@
+//! The in-memory test double of a device, [`MemoryDevice`].
+
+use std::collections::HashMap;
+
+use super::error::{not_found, range, same_buffer, too_many_streams};
+use super::{Device, DeviceArg, DeviceError, LaunchDims, MAX_DEVICE_STREAMS};
+use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
+
+mod kernels;
+mod scheduler;
+#[cfg(test)]
+mod tests;
+
+use kernels::{entry_names, host_kernel_shape, HostArg};
+use scheduler::{Queued, Work};
+
+/// The in-memory test double of a device: memory is host `Vec`s, streams
+/// and events are real (a deterministic scheduler, see below), and a few
+/// named test kernels run on the host, so data flow, ordering and failures
+/// are testable without a GPU.
+///
+/// Enqueued commands wait in a queue with their dependencies (the earlier
+/// command of their stream, the record a wait names, conflicting earlier
+/// uses of their buffers); [`Device::finish`] runs them, each time picking a
+/// ready command of the stream with the highest id, so independent streams
+/// do not simply run in submission order, and a missing dependency shows up
+/// as wrong data.
+///
+/// Modules: PTX must hold `.entry`; CUDA C must hold `__global__` (else a
+/// fake compile log comes back in LOAD_FAILED; `#error` in the text also
+/// fails). Host kernels, one element per thread (`i < n`):
+/// `iota(u32* out, u32 n)`: `out[i] = i`; `vadd(f32* a, f32* b, f32* c,
+/// u32 n)`: `c = a + b`; `fill(f32* out, f32 v, u32 n)`; `axpy(f32 a,
+/// f32* x, f32* y, u32 n)`: `y = a * x + y`; `copy(f32* src, f32* dst,
+/// u32 n)`. `spin` does nothing. An access outside a buffer faults the
+/// "device" like an illegal address (sticky, at the next finish).
+///
+/// For tests of the supervisor it understands three magic kernel names:
+/// `__fault` fails like an illegal address (sticky LAUNCH_FAILED at the next
+/// finish), `__hang` never returns and `__exit` ends the worker process.
+#[derive(Debug)]
+pub struct MemoryDevice {
+    capacity: u64,
+    used: u64,
+    /// Live buffer ids -> storage slots (a freed id may be named again
+    /// while its old storage waits for its queued free).
+    buffers: HashMap<Id, (usize, usize)>,
+    store: HashMap<usize, Vec<u8>>,
+    next_slot: usize,
+    /// Live event ids -> the queue index of their last record (None: done
+    /// before this queue).
+    events: HashMap<Id, Option<usize>>,
+    modules: HashMap<ModuleHash, Vec<String>>,
+    queue: Vec<Queued>,
+    /// Per stream: index of its last queued command.
+    tails: HashMap<StreamId, usize>,
+    /// Per storage slot: the last queued write and the reads since.
+    hazards: HashMap<usize, (Option<usize>, Vec<usize>)>,
+    faulted: bool,
+}
+
+impl MemoryDevice {
+    /// A device with `capacity` bytes of memory.
+    pub fn new(capacity: u64) -> Self {
+        Self {
+            capacity,
+            used: 0,
+            buffers: HashMap::new(),
+            store: HashMap::new(),
+            next_slot: 0,
+            events: HashMap::new(),
+            modules: HashMap::new(),
+            queue: Vec::new(),
+            tails: HashMap::new(),
+            hazards: HashMap::new(),
+            faulted: false,
+        }
+    }
+
+    fn check_fault(&self) -> Result<(), DeviceError> {
+        if self.faulted {
+            return Err(DeviceError::sticky(
+                Status::LaunchFailed,
+                "an illegal memory access was encountered (test double)",
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_stream(&self, stream: StreamId) -> Result<(), DeviceError> {
+        if !self.tails.contains_key(&stream) && self.tails.len() >= MAX_DEVICE_STREAMS {
+            return Err(too_many_streams());
+        }
+        Ok(())
+    }
+
+    fn slot(&self, id: Id) -> Result<(usize, usize), DeviceError> {
+        self.buffers
+            .get(&id)
+            .copied()
+            .ok_or_else(|| not_found("buffer", id))
+    }
+}
+
+impl Device for MemoryDevice {
+    fn info(&mut self) -> Result<DeviceInfo, DeviceError> {
+        Ok(DeviceInfo {
+            ordinal: 0,
+            name: "MemoryDevice (test double)".into(),
+            total_bytes: self.capacity,
+            free_bytes: self.capacity - self.used,
+            compute_capability: (0, 0),
+        })
+    }
+
+    fn alloc(&mut self, stream: StreamId, id: Id, size: u64) -> Result<(), DeviceError> {
+        self.check_fault()?;
+        self.check_stream(stream)?;
+        if self.buffers.contains_key(&id) || self.events.contains_key(&id) {
+            return Err(DeviceError::new(
+                Status::BadRequest,
+                format!("id {id} is in use"),
+            ));
+        }
+        if size > self.capacity - self.used {
+            return Err(DeviceError::new(Status::CapacityExceeded, "out of memory"));
+        }
+        self.used += size;
+        let slot = self.next_slot;
+        self.next_slot += 1;
+        // A fresh slot has no earlier uses: zeroed now, in order for all.
+        self.store.insert(slot, vec![0; size as usize]);
+        self.buffers.insert(id, (slot, size as usize));
+        Ok(())
+    }
+
+    fn free(&mut self, stream: StreamId, id: Id) -> Result<(), DeviceError> {
+        self.check_stream(stream)?;
+        if self.events.remove(&id).is_some() {
+            return Ok(());
+        }
+        let (slot, len) = self
+            .buffers
+            .remove(&id)
+            .ok_or_else(|| not_found("buffer", id))?;
+        self.used -= len as u64;
+        self.enqueue(stream, Work::Free { slot }, &[], &[slot], None);
+        Ok(())
+    }
+
+    fn write(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), DeviceError> {
+        self.check_fault()?;
+        self.check_stream(stream)?;
+        let (slot, len) = self.slot(id)?;
+        let r = range(len, offset, data.len() as u64)?;
+        let work = Work::Write {
+            slot,
+            at: r.start,
+            data: data.to_vec(),
+        };
+        self.enqueue(stream, work, &[], &[slot], None);
+        Ok(())
+    }
+
+    fn read(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        len: u32,
+        at: usize,
+    ) -> Result<(), DeviceError> {
+        self.check_fault()?;
+        self.check_stream(stream)?;
+        let (slot, size) = self.slot(id)?;
+        let range = range(size, offset, u64::from(len))?;
+        self.enqueue(stream, Work::Read { slot, range, at }, &[slot], &[], None);
+        Ok(())
+    }
+
+    fn fill(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        len: u64,
+        value: u8,
+    ) -> Result<(), DeviceError> {
+        self.check_fault()?;
+        self.check_stream(stream)?;
+        let (slot, size) = self.slot(id)?;
+        let range = range(size, offset, len)?;
+        self.enqueue(
+            stream,
+            Work::Fill { slot, range, value },
+            &[],
+            &[slot],
+            None,
+        );
+        Ok(())
+    }
+
+    fn copy(
+        &mut self,
+        stream: StreamId,
+        src: (Id, u64),
+        dst: (Id, u64),
+        len: u64,
+    ) -> Result<(), DeviceError> {
+        self.check_fault()?;
+        self.check_stream(stream)?;
+        if src.0 == dst.0 {
+            return Err(same_buffer());
+        }
+        let (s, s_size) = self.slot(src.0)?;
+        let (d, d_size) = self.slot(dst.0)?;
+        let rs = range(s_size, src.1, len)?;
+        let rd = range(d_size, dst.1, len)?;
+        let work = Work::Copy {
+            src: (s, rs.start),
+            dst: (d, rd.start),
+            len: rs.len(),
+        };
+        self.enqueue(stream, work, &[s], &[d], None);
+        Ok(())
+    }
+
+    fn read_now(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+        let (slot, size) = self.slot(id)?;
+        let r = range(size, offset, out.len() as u64)?;
+        self.finish(&mut [])?;
+        out.copy_from_slice(&self.store[&slot][r]);
+        Ok(())
+    }
+
+    fn load_module(
+        &mut self,
+        hash: ModuleHash,
+        kind: &SourceKind,
+        text: &[u8],
+    ) -> Result<Option<String>, DeviceError> {
+        if self.modules.contains_key(&hash) {
+            return Ok(None);
+        }
+        let text = std::str::from_utf8(text)
+            .map_err(|_| DeviceError::new(Status::LoadFailed, "module text is not UTF-8"))?;
+        let log = match kind {
+            SourceKind::Ptx if !text.contains(".entry") => {
+                Some("ptxas fatal: no .entry in module (test double JIT log)".to_owned())
+            }
+            SourceKind::Cuda { .. } if text.contains("#error") || !text.contains("__global__") => {
+                Some(format!(
+                "module {hash}(1): error: no __global__ function or #error (test double NVRTC log)"
+            ))
+            }
+            _ => None,
+        };
+        if let Some(log) = log {
+            return Err(DeviceError::new(Status::LoadFailed, log));
+        }
+        self.modules.insert(hash, entry_names(kind, text));
+        // Nothing is compiled here.
+        Ok(None)
+    }
+
+    fn unload_module(&mut self, hash: ModuleHash) -> Result<(), DeviceError> {
+        self.modules
+            .remove(&hash)
+            .map(|_| ())
+            .ok_or_else(|| not_found("module", hash))
+    }
+
+    fn launch(
+        &mut self,
+        stream: StreamId,
+        module: ModuleHash,
+        kernel: &str,
+        dims: LaunchDims,
+        args: &[DeviceArg<'_>],
+    ) -> Result<(), DeviceError> {
+        self.check_fault()?;
+        self.check_stream(stream)?;
+        let entries = self
+            .modules
+            .get(&module)
+            .ok_or_else(|| not_found("module", module))?;
+        if !entries.iter().any(|e| e == kernel) {
+            return Err(DeviceError::new(
+                Status::NotFound,
+                format!("no kernel {kernel} in module {module}"),
+            ));
+        }
+        let mut host = Vec::with_capacity(args.len());
+        let mut touched = Vec::new();
+        for a in args {
+            host.push(match a {
+                DeviceArg::Scalar(b) => HostArg::Scalar(b.to_vec()),
+                DeviceArg::Mem { id, offset } => {
+                    let (slot, len) = self.slot(*id)?;
+                    if *offset > len as u64 {
+                        return Err(DeviceError::new(
+                            Status::BadRequest,
+                            "argument offset past buffer end",
+                        ));
+                    }
+                    touched.push(slot);
+                    HostArg::Mem {
+                        slot,
+                        offset: *offset as usize,
+                    }
+                }
+            });
+        }
+        if let Some(shape) = host_kernel_shape(kernel) {
+            let ok = shape.len() == host.len()
+                && shape.chars().zip(&host).all(|(c, a)| match (c, a) {
+                    ('m', HostArg::Mem { .. }) => true,
+                    ('s', HostArg::Scalar(b)) => b.len() == 4,
+                    _ => false,
+                });
+            if !ok {
+                return Err(DeviceError::new(
+                    Status::BadRequest,
+                    format!("test double: wrong arguments for {kernel}"),
+                ));
+            }
+        }
+        let threads = dims
+            .grid
+            .iter()
+            .chain(&dims.block)
+            .map(|&d| u64::from(d))
+            .product::<u64>();
+        let work = Work::Launch {
+            kernel: kernel.to_owned(),
+            threads,
+            args: host,
+        };
+        // Every memory argument may be written.
+        self.enqueue(stream, work, &[], &touched, None);
+        Ok(())
+    }
+
+    fn record(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError> {
+        self.check_stream(stream)?;
+        if self.buffers.contains_key(&event) {
+            return Err(DeviceError::new(
+                Status::BadRequest,
+                format!("{event} is a buffer, not an event"),
+            ));
+        }
+        let i = self.enqueue(stream, Work::Nothing, &[], &[], None);
+        self.events.insert(event, Some(i));
+        Ok(())
+    }
+
+    fn wait(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError> {
+        self.check_stream(stream)?;
+        let last = *self
+            .events
+            .get(&event)
+            .ok_or_else(|| not_found("event", event))?;
+        self.enqueue(stream, Work::Nothing, &[], &[], last);
+        Ok(())
+    }
+
+    fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError> {
+        self.drain(out);
+        self.check_fault()
+    }
+}

@@ -1,0 +1,164 @@
+//! The test double's deterministic scheduler: enqueued commands with their
+//! dependencies, run at [`Device::finish`](crate::device::Device::finish).
+
+use super::kernels::{host_kernel, HostArg};
+use super::MemoryDevice;
+use crate::proto::StreamId;
+
+#[derive(Debug)]
+pub(super) struct Queued {
+    stream: StreamId,
+    deps: Vec<usize>,
+    work: Work,
+    done: bool,
+}
+
+#[derive(Debug)]
+pub(super) enum Work {
+    Write {
+        slot: usize,
+        at: usize,
+        data: Vec<u8>,
+    },
+    Fill {
+        slot: usize,
+        range: std::ops::Range<usize>,
+        value: u8,
+    },
+    Copy {
+        src: (usize, usize),
+        dst: (usize, usize),
+        len: usize,
+    },
+    Read {
+        slot: usize,
+        range: std::ops::Range<usize>,
+        at: usize,
+    },
+    Free {
+        slot: usize,
+    },
+    Launch {
+        kernel: String,
+        threads: u64,
+        args: Vec<HostArg>,
+    },
+    Nothing,
+}
+
+impl MemoryDevice {
+    /// Queues `work` on `stream` after `extra` and the conflicting uses of
+    /// the slots it reads and writes.
+    pub(super) fn enqueue(
+        &mut self,
+        stream: StreamId,
+        work: Work,
+        reads: &[usize],
+        writes: &[usize],
+        extra: Option<usize>,
+    ) -> usize {
+        let i = self.queue.len();
+        let mut deps: Vec<usize> = self.tails.get(&stream).copied().into_iter().collect();
+        deps.extend(extra);
+        for s in reads {
+            let h = self.hazards.entry(*s).or_default();
+            deps.extend(h.0);
+            h.1.push(i);
+        }
+        for s in writes {
+            let h = self.hazards.entry(*s).or_default();
+            deps.extend(h.0);
+            deps.append(&mut h.1);
+            h.0 = Some(i);
+        }
+        // A buffer named twice would otherwise depend on itself.
+        deps.retain(|&d| d < i);
+        self.tails.insert(stream, i);
+        self.queue.push(Queued {
+            stream,
+            deps,
+            work,
+            done: false,
+        });
+        i
+    }
+
+    /// Runs every queued command, honouring its dependencies; among ready
+    /// commands, the one of the highest stream id goes first.
+    pub(super) fn drain(&mut self, out: &mut [u8]) {
+        let queue = std::mem::take(&mut self.queue);
+        let mut queue = queue;
+        let mut left = queue.len();
+        while left > 0 {
+            let next = (0..queue.len())
+                .filter(|&i| !queue[i].done && queue[i].deps.iter().all(|&d| queue[d].done))
+                .max_by_key(|&i| (queue[i].stream, std::cmp::Reverse(i)));
+            // Dependencies always point at earlier commands, so the oldest
+            // unfinished command is ready: there is always a next one.
+            let Some(i) = next else {
+                debug_assert!(false, "no ready command");
+                break;
+            };
+            let work = std::mem::replace(&mut queue[i].work, Work::Nothing);
+            self.run(work, out);
+            queue[i].done = true;
+            left -= 1;
+        }
+        self.tails.clear();
+        self.hazards.clear();
+        for last in self.events.values_mut() {
+            *last = None;
+        }
+    }
+
+    fn run(&mut self, work: Work, out: &mut [u8]) {
+        match work {
+            Work::Write { slot, at, data } => {
+                if let Some(b) = self.store.get_mut(&slot) {
+                    b[at..at + data.len()].copy_from_slice(&data);
+                }
+            }
+            Work::Fill { slot, range, value } => {
+                if let Some(b) = self.store.get_mut(&slot) {
+                    b[range].fill(value);
+                }
+            }
+            Work::Copy { src, dst, len } => {
+                let bytes = self
+                    .store
+                    .get(&src.0)
+                    .map(|b| b[src.1..src.1 + len].to_vec());
+                if let (Some(bytes), Some(d)) = (bytes, self.store.get_mut(&dst.0)) {
+                    d[dst.1..dst.1 + len].copy_from_slice(&bytes);
+                }
+            }
+            Work::Read { slot, range, at } => {
+                if let (Some(b), Some(dst)) =
+                    (self.store.get(&slot), out.get_mut(at..at + range.len()))
+                {
+                    dst.copy_from_slice(&b[range]);
+                }
+            }
+            Work::Free { slot } => {
+                self.store.remove(&slot);
+            }
+            Work::Launch {
+                kernel,
+                threads,
+                args,
+            } => match kernel.as_str() {
+                "__fault" => self.faulted = true,
+                "__hang" => loop {
+                    std::thread::sleep(std::time::Duration::from_secs(3600));
+                },
+                "__exit" => std::process::exit(3),
+                _ => {
+                    if !self.faulted && host_kernel(&mut self.store, &kernel, threads, &args) {
+                        self.faulted = true;
+                    }
+                }
+            },
+            Work::Nothing => {}
+        }
+    }
+}

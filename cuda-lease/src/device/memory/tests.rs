@@ -1,0 +1,247 @@
+use super::*;
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn to_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+const CU: &str = "extern \"C\" __global__ void fill(float* out, float v, unsigned n) {}\n\
+                  extern \"C\" __global__ void axpy(float a, const float* x, float* y, unsigned n) {}\n\
+                  extern \"C\" __global__ void copy(const float* s, float* d, unsigned n) {}\n";
+
+fn dims(n: u32) -> LaunchDims {
+    LaunchDims {
+        grid: [n.div_ceil(32), 1, 1],
+        block: [32, 1, 1],
+        shared_mem: 0,
+    }
+}
+
+fn device() -> (MemoryDevice, ModuleHash) {
+    let mut d = MemoryDevice::new(1 << 20);
+    let kind = SourceKind::Cuda { options: vec![] };
+    let h = ModuleHash::of(&kind, CU);
+    assert_eq!(d.load_module(h, &kind, CU.as_bytes()).unwrap(), None);
+    (d, h)
+}
+
+#[test]
+fn cuda_c_entries_are_found_and_bad_sources_fail_with_a_log() {
+    let kind = SourceKind::Cuda { options: vec![] };
+    assert_eq!(entry_names(&kind, CU), ["fill", "axpy", "copy"]);
+    let mut d = MemoryDevice::new(1 << 10);
+    let bad = "#error nope\n__global__ void k() {}";
+    let e = d
+        .load_module(ModuleHash::of(&kind, bad), &kind, bad.as_bytes())
+        .unwrap_err();
+    assert_eq!(e.status, Status::LoadFailed);
+    assert!(e.message.contains("NVRTC log"), "{e}");
+}
+
+#[test]
+fn two_streams_ordered_by_an_event_give_the_right_data() {
+    let (mut d, m) = device();
+    let n = 100u32;
+    let (x, y) = (Id(1), Id(2));
+    d.alloc(0, x, 400).unwrap();
+    d.alloc(1, y, 400).unwrap();
+    let mem = |id| DeviceArg::Mem { id, offset: 0 };
+    let two = 2f32.to_le_bytes();
+    let n_b = n.to_le_bytes();
+    // stream 0: x = 3; record e. stream 1: y = 1; wait e; y = 2x + y.
+    d.launch(
+        0,
+        m,
+        "fill",
+        dims(n),
+        &[
+            mem(x),
+            DeviceArg::Scalar(&3f32.to_le_bytes()),
+            DeviceArg::Scalar(&n_b),
+        ],
+    )
+    .unwrap();
+    d.record(0, Id(9)).unwrap();
+    d.launch(
+        1,
+        m,
+        "fill",
+        dims(n),
+        &[
+            mem(y),
+            DeviceArg::Scalar(&1f32.to_le_bytes()),
+            DeviceArg::Scalar(&n_b),
+        ],
+    )
+    .unwrap();
+    d.wait(1, Id(9)).unwrap();
+    d.launch(
+        1,
+        m,
+        "axpy",
+        dims(n),
+        &[
+            DeviceArg::Scalar(&two),
+            mem(x),
+            mem(y),
+            DeviceArg::Scalar(&n_b),
+        ],
+    )
+    .unwrap();
+    d.read(1, y, 0, 400, 0).unwrap();
+    let mut out = vec![0u8; 400];
+    d.finish(&mut out).unwrap();
+    assert_eq!(to_f32(&out), vec![7.0; 100]);
+}
+
+#[test]
+fn the_scheduler_runs_a_higher_stream_first_when_nothing_orders_them() {
+    // Independent streams do not run in submission order: stream 1's
+    // read of `x` goes before stream 0's write of another buffer, and
+    // a read on stream 1 that conflicts with a write on stream 0 still
+    // waits for it (buffers order themselves, as on the GPU).
+    let (mut d, _) = device();
+    d.alloc(0, Id(1), 4).unwrap();
+    d.write(0, Id(1), 0, &f32s(&[5.0])).unwrap();
+    d.read(1, Id(1), 0, 4, 0).unwrap();
+    let mut out = vec![0u8; 4];
+    d.finish(&mut out).unwrap();
+    assert_eq!(to_f32(&out), [5.0]);
+}
+
+#[test]
+fn a_free_waits_for_queued_uses_and_the_id_can_be_named_again() {
+    let (mut d, m) = device();
+    d.alloc(0, Id(1), 8).unwrap();
+    d.write(0, Id(1), 0, &f32s(&[1.0, 2.0])).unwrap();
+    d.read(1, Id(1), 0, 8, 0).unwrap();
+    d.free(2, Id(1)).unwrap();
+    d.alloc(2, Id(1), 8).unwrap();
+    let n = 2u32.to_le_bytes();
+    d.launch(
+        2,
+        m,
+        "fill",
+        dims(2),
+        &[
+            DeviceArg::Mem {
+                id: Id(1),
+                offset: 0,
+            },
+            DeviceArg::Scalar(&9f32.to_le_bytes()),
+            DeviceArg::Scalar(&n),
+        ],
+    )
+    .unwrap();
+    d.read(2, Id(1), 0, 8, 8).unwrap();
+    let mut out = vec![0u8; 16];
+    d.finish(&mut out).unwrap();
+    assert_eq!(to_f32(&out), [1.0, 2.0, 9.0, 9.0]);
+    assert_eq!(d.store.len(), 1, "the first storage is freed");
+}
+
+#[test]
+fn a_buffer_named_twice_in_one_launch_does_not_wait_for_itself() {
+    let (mut d, m) = device();
+    d.alloc(0, Id(1), 8).unwrap();
+    d.write(0, Id(1), 0, &f32s(&[1.0, 2.0])).unwrap();
+    let x = DeviceArg::Mem {
+        id: Id(1),
+        offset: 0,
+    };
+    let n = 2u32.to_le_bytes();
+    d.launch(
+        0,
+        m,
+        "axpy",
+        dims(2),
+        &[
+            DeviceArg::Scalar(&1f32.to_le_bytes()),
+            x,
+            x,
+            DeviceArg::Scalar(&n),
+        ],
+    )
+    .unwrap();
+    d.read(0, Id(1), 0, 8, 0).unwrap();
+    let mut out = vec![0u8; 8];
+    d.finish(&mut out).unwrap();
+    assert_eq!(to_f32(&out), [2.0, 4.0]);
+}
+
+#[test]
+fn fill_and_copy_are_ordered_like_every_other_use() {
+    let (mut d, _) = device();
+    d.alloc(0, Id(1), 8).unwrap();
+    d.alloc(1, Id(2), 8).unwrap();
+    d.fill(0, Id(1), 2, 4, 0xAB).unwrap();
+    // Stream 1 (which runs first when nothing orders it) reads Id(1):
+    // the buffer orders the copy after stream 0's fill.
+    d.copy(1, (Id(1), 0), (Id(2), 2), 6).unwrap();
+    d.read(1, Id(2), 0, 8, 0).unwrap();
+    let mut out = vec![0u8; 8];
+    d.finish(&mut out).unwrap();
+    assert_eq!(out, [0, 0, 0, 0, 0xAB, 0xAB, 0xAB, 0xAB]);
+    assert_eq!(
+        d.copy(0, (Id(1), 0), (Id(1), 4), 4).unwrap_err().status,
+        Status::BadRequest
+    );
+    assert_eq!(
+        d.fill(0, Id(1), 4, 5, 0).unwrap_err().status,
+        Status::BadRequest
+    );
+    assert_eq!(
+        d.copy(0, (Id(1), 0), (Id(2), 4), 5).unwrap_err().status,
+        Status::BadRequest
+    );
+}
+
+#[test]
+fn unknown_ids_wrong_arguments_and_faults_are_errors() {
+    let (mut d, m) = device();
+    assert_eq!(
+        d.read(0, Id(3), 0, 4, 0).unwrap_err().status,
+        Status::NotFound
+    );
+    assert_eq!(d.wait(0, Id(4)).unwrap_err().status, Status::NotFound);
+    d.alloc(0, Id(1), 4).unwrap();
+    assert_eq!(d.alloc(0, Id(1), 4).unwrap_err().status, Status::BadRequest);
+    assert_eq!(d.record(0, Id(1)).unwrap_err().status, Status::BadRequest);
+    let e = d
+        .launch(
+            0,
+            m,
+            "fill",
+            dims(1),
+            &[DeviceArg::Mem {
+                id: Id(1),
+                offset: 0,
+            }],
+        )
+        .unwrap_err();
+    assert_eq!(e.status, Status::BadRequest);
+    // Writing 8 floats into a 1-float buffer faults at finish, sticky.
+    let n = 8u32.to_le_bytes();
+    d.launch(
+        0,
+        m,
+        "fill",
+        dims(8),
+        &[
+            DeviceArg::Mem {
+                id: Id(1),
+                offset: 0,
+            },
+            DeviceArg::Scalar(&[0; 4]),
+            DeviceArg::Scalar(&n),
+        ],
+    )
+    .unwrap();
+    let e = d.finish(&mut []).unwrap_err();
+    assert!(e.sticky && e.status == Status::LaunchFailed, "{e}");
+}

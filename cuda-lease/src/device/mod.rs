@@ -1,0 +1,186 @@
+//! The device layer a worker process drives: the [`Device`] trait, the real
+//! [`CudaDevice`] and the in-memory test double [`MemoryDevice`].
+
+use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, StreamId};
+
+mod cuda;
+mod error;
+mod memory;
+
+pub use cuda::CudaDevice;
+pub use error::DeviceError;
+pub use memory::MemoryDevice;
+
+/// Launch geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchDims {
+    /// Grid dimensions.
+    pub grid: [u32; 3],
+    /// Block dimensions.
+    pub block: [u32; 3],
+    /// Dynamic shared memory bytes.
+    pub shared_mem: u32,
+}
+
+/// A kernel argument with ids resolved by the worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceArg<'a> {
+    /// Bytes passed by value.
+    Scalar(&'a [u8]),
+    /// The address of buffer `id` plus `offset`.
+    Mem {
+        /// The buffer.
+        id: Id,
+        /// Byte offset.
+        offset: u64,
+    },
+}
+
+/// Most streams one device context makes (the node's per-lease limit is
+/// lower; this bounds a worker whatever it is sent).
+pub const MAX_DEVICE_STREAMS: usize = 64;
+
+/// One device context owned by one worker process, with streams made on
+/// demand and named by the lease's client.
+///
+/// Commands are enqueued: each runs after the earlier commands of its
+/// stream, after the event record a [`Device::wait`] names, and after the
+/// earlier commands on any stream that used the same buffer in a
+/// conflicting way (a write against any use), as `cuda-core` buffers order
+/// themselves; otherwise streams run concurrently. Errors returned at
+/// enqueue (unknown ids, bounds, arguments) leave nothing enqueued; a kernel
+/// fault is sticky and surfaces at [`Device::finish`].
+pub trait Device {
+    /// Describes the device, with free memory measured now.
+    ///
+    /// # Errors
+    ///
+    /// A driver error.
+    fn info(&mut self) -> Result<DeviceInfo, DeviceError>;
+    /// Allocates `size` zeroed bytes as buffer `id`, ordered on `stream`.
+    ///
+    /// # Errors
+    ///
+    /// CAPACITY_EXCEEDED when the device is out of memory; BAD_REQUEST for
+    /// an id in use.
+    fn alloc(&mut self, stream: StreamId, id: Id, size: u64) -> Result<(), DeviceError>;
+    /// Frees buffer or event `id` after every enqueued use of it.
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND for an unknown id.
+    fn free(&mut self, stream: StreamId, id: Id) -> Result<(), DeviceError>;
+    /// Enqueues a copy of `data` into buffer `id` at `offset`; `data` is
+    /// not needed once this returns.
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND, BAD_REQUEST when out of bounds, or a driver error.
+    fn write(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), DeviceError>;
+    /// Enqueues a read of `len` bytes of buffer `id` at `offset`; they land
+    /// in `out[at..at + len]` of the next [`Device::finish`].
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND, BAD_REQUEST when out of bounds, READ_FAILED.
+    fn read(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        len: u32,
+        at: usize,
+    ) -> Result<(), DeviceError>;
+    /// Reads `out.len()` bytes of buffer `id` at `offset` now, after every
+    /// enqueued write of it (the streamed MEM_READ path).
+    ///
+    /// # Errors
+    ///
+    /// As [`Device::read`], and a sticky fault of earlier work.
+    fn read_now(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError>;
+    /// Loads a module (PTX: JIT; CUDA C: compiled by NVRTC for this device)
+    /// under its content hash, and returns the PTX it compiled CUDA C to
+    /// (so the node can keep it and spare other workers the compile).
+    /// Loading a hash already loaded is a no-op.
+    ///
+    /// # Errors
+    ///
+    /// LOAD_FAILED with the JIT or compile log.
+    fn load_module(
+        &mut self,
+        hash: ModuleHash,
+        kind: &SourceKind,
+        text: &[u8],
+    ) -> Result<Option<String>, DeviceError>;
+    /// Unloads a module after everything enqueued.
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND.
+    fn unload_module(&mut self, hash: ModuleHash) -> Result<(), DeviceError>;
+    /// Enqueues a kernel launch.
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND (module, kernel or memory), BAD_REQUEST, LAUNCH_FAILED.
+    fn launch(
+        &mut self,
+        stream: StreamId,
+        module: ModuleHash,
+        kernel: &str,
+        dims: LaunchDims,
+        args: &[DeviceArg<'_>],
+    ) -> Result<(), DeviceError>;
+    /// Records event `event` on `stream` (made on first use).
+    ///
+    /// # Errors
+    ///
+    /// BAD_REQUEST when `event` names a buffer.
+    fn record(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError>;
+    /// Makes `stream` wait for the last record of `event`.
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND for an event never recorded.
+    fn wait(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError>;
+    /// Enqueues setting `len` bytes of buffer `id` at `offset` to `value`.
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND, BAD_REQUEST when out of bounds, or a driver error.
+    fn fill(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        offset: u64,
+        len: u64,
+        value: u8,
+    ) -> Result<(), DeviceError>;
+    /// Enqueues a copy of `len` bytes from `(buffer, offset)` `src` to
+    /// another buffer's `dst`.
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND, BAD_REQUEST when out of bounds or both are one buffer,
+    /// or a driver error.
+    fn copy(
+        &mut self,
+        stream: StreamId,
+        src: (Id, u64),
+        dst: (Id, u64),
+        len: u64,
+    ) -> Result<(), DeviceError>;
+    /// Waits for everything enqueued on every stream and delivers the
+    /// enqueued reads into `out`.
+    ///
+    /// # Errors
+    ///
+    /// LAUNCH_FAILED (sticky) when a kernel faulted.
+    fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError>;
+}
