@@ -14,7 +14,7 @@ use std::time::Duration;
 #[derive(Debug, Clone)]
 pub enum TlsSource {
     /// Generate a self-signed certificate for these names at start-up;
-    /// clients pin it ([`Node::cert_der`], or the PEM file written to
+    /// clients pin it ([`Node::cert_der`](crate::node::Node::cert_der), or the PEM file written to
     /// `write_pem`).
     SelfSigned {
         /// DNS names / IP addresses in the certificate.
