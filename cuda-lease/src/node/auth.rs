@@ -1,11 +1,12 @@
 //! Who is asking: principals from tokens and client certificates, and the owner
 //! check on every lease request.
 
+use rustls::pki_types::CertificateDer;
+
 use super::handshake::Peer;
 use super::{Reply, Shared, Slot};
 use crate::lease_table::Principal;
 use crate::proto::{LeaseId, Status};
-use rustls::pki_types::CertificateDer;
 
 /// The principal of `token`, comparing against every token without early
 /// exit on content.

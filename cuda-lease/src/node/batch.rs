@@ -1,6 +1,10 @@
 //! Running a BATCH: the modules it loads, its place in the lease's order, the
 //! worker call and the commit of its effects.
 
+use std::sync::Arc;
+
+use tracing::debug;
+
 use super::auth::lease_of;
 use super::plan::{plan, Effect};
 use super::submit::BudgetTurn;
@@ -13,8 +17,6 @@ use crate::proto::{
     SourceKind, Status,
 };
 use crate::worker::{WorkerBatchReply, WorkerError, WorkerLoad, WorkerProcess};
-use std::sync::Arc;
-use tracing::debug;
 
 /// The reply for a lease whose worker died or hung during a request: the
 /// lease's own error if it expired or was freed meanwhile, else the lease is

@@ -1,14 +1,15 @@
 //! The node's configuration: [`NodeConfig`], where its certificate comes from,
 //! and why it could not start.
 
-use crate::clock::{Clock, MonotonicClock};
-use crate::proto::Limits;
-use crate::tls::{Identity, TlsError};
-use crate::worker::WorkerSpec;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+
+use crate::clock::{Clock, MonotonicClock};
+use crate::proto::Limits;
+use crate::tls::{Identity, TlsError};
+use crate::worker::WorkerSpec;
 
 /// Where the node's TLS certificate comes from.
 #[derive(Debug, Clone)]

@@ -2,6 +2,11 @@
 //! reading a request within its budget, writing the reply within the reply
 //! timeout.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::debug;
+
 use super::auth::cert_principal;
 use super::dispatch::dispatch;
 use super::handshake::{Peer, Source};
@@ -9,9 +14,6 @@ use super::submit::BudgetTurn;
 use super::{Reply, Shared};
 use crate::hops::{self, HopTimer};
 use crate::proto::{self, Frame, Header, Opcode, Status};
-use std::sync::Arc;
-use std::time::Duration;
-use tracing::debug;
 
 pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) {
     while let Some(incoming) = endpoint.accept().await {

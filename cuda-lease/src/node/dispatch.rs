@@ -1,6 +1,12 @@
 //! Requests by opcode: HELLO, inventory, lease allocation, renewal and free,
 //! and the single lease operations.
 
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use tracing::{debug, info};
+
 use super::auth::{owner_filter, principal, token_principal};
 use super::batch::{ensure_worker, run_batch, run_in_order};
 use super::handshake::Peer;
@@ -14,10 +20,6 @@ use crate::proto::{
     IdOp, Inventory, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, MemAlloc, Op, Opcode,
     Status,
 };
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex as StdMutex};
-use std::time::Duration;
-use tracing::{debug, info};
 
 /// Serves one request; `turn` (the principal's budget turn of this
 /// request) is charged the bytes of the reply before the work that makes

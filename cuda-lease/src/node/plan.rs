@@ -2,10 +2,11 @@
 //! and reservation, decided before any of them runs (pure logic over the
 //! lease's state).
 
+use std::collections::HashMap;
+
 use super::submit::BudgetTurn;
 use super::{IdKind, LeaseState, Shared};
 use crate::proto::{ArgView, CommandView, Id, LeaseId, OpError, OpView, Status};
-use std::collections::HashMap;
 
 /// A command's effect on the lease's ids, applied when it ran.
 #[derive(Debug, Clone, Copy)]

@@ -1,14 +1,15 @@
 //! The per-principal byte budget and GPU_SUBMIT, the one-shot kernel call
 //! served by the submit workers.
 
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
 use super::batch::ensure_worker;
 use super::{Reply, Shared};
 use crate::lease_table::Principal;
 use crate::metrics::Metrics;
 use crate::proto::{from_body, Frame, GpuSubmit, Opcode, Status};
 use crate::worker::WorkerFailure;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 /// One request of a principal in flight, with the bytes it holds in the
 /// node (body and unstreamed data, then the reply's data); given back when
