@@ -14,9 +14,10 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
-use super::{
-    fail_lease, lease_of, principal, worker_lost, IdKind, Peer, Reply, Shared, Slot as LeaseRef,
-};
+use super::auth::{lease_of, principal};
+use super::batch::worker_lost;
+use super::handshake::Peer;
+use super::{fail_lease, IdKind, Reply, Shared, Slot as LeaseRef};
 use crate::hops::{self, HopTimer};
 use crate::proto::{self, from_body, Header, Id, LeaseId, MemRead, MemWrite, Opcode, Status};
 use crate::shm::{Slot, SLOTS, SLOT_BYTES};

@@ -1,0 +1,339 @@
+//! Running a BATCH: the modules it loads, its place in the lease's order, the
+//! worker call and the commit of its effects.
+
+use std::sync::Arc;
+
+use tracing::debug;
+
+use super::auth::lease_of;
+use super::plan::{plan, Effect};
+use super::submit::BudgetTurn;
+use super::{fail_lease, IdKind, LeaseState, ModuleSource, Reply, Shared};
+use crate::hops::{self, HopTimer};
+use crate::lease_table::Principal;
+use crate::metrics::Metrics;
+use crate::proto::{
+    from_body, to_body, BatchReply, BatchView, LeaseId, ModuleHash, OpError, OpView, Opcode,
+    SourceKind, Status,
+};
+use crate::worker::{WorkerBatchReply, WorkerError, WorkerLoad, WorkerProcess};
+
+/// The reply for a lease whose worker died or hung during a request: the
+/// lease's own error if it expired or was freed meanwhile, else the lease is
+/// failed.
+pub(super) fn worker_lost(shared: &Shared, lease: &LeaseId, e: &WorkerError) -> Reply {
+    let status = match e {
+        WorkerError::Hung(_) => Status::LaunchFailed,
+        _ => Status::LeasePoisoned,
+    };
+    // Expired or freed meanwhile (the reaper ended the worker)?
+    if let Err(te) = shared.table().get(lease, shared.now()) {
+        return te.into();
+    }
+    fail_lease(shared, lease, &e.to_string());
+    Reply::err(status, format!("lease poisoned: {e}"))
+}
+
+/// A module the lease's worker must load before the batch's commands.
+pub(super) struct Load {
+    pub(super) hash: ModuleHash,
+    pub(super) source: ModuleSource,
+    /// The source came with the batch (not from the node's cache): it is
+    /// cached once the lease was charged for it and loaded it.
+    pub(super) sent: bool,
+}
+
+/// The modules of `b` the lease has not loaded, with their sources (from
+/// the batch, checked against their hashes, or the node's cache); the
+/// batch's data after its module sources is returned too. Nothing enters
+/// the node's cache here.
+pub(super) fn modules_to_load<'d>(
+    shared: &Shared,
+    state: &LeaseState,
+    b: &BatchView<'_>,
+    data: &'d [u8],
+) -> Result<(Vec<Load>, &'d [u8]), Reply> {
+    let mut rest = data;
+    let mut loads = Vec::new();
+    for m in &b.modules {
+        let given = match &m.source {
+            Some(t) => {
+                let (text, tail) = rest.split_at(t.len as usize);
+                rest = tail;
+                let text_str = std::str::from_utf8(text).map_err(|_| {
+                    Reply::err(Status::BadRequest, format!("module {}: not UTF-8", m.hash))
+                })?;
+                let actual = ModuleHash::of(&t.kind, text_str);
+                if actual != m.hash {
+                    return Err(Reply::err(
+                        Status::BadRequest,
+                        format!("module {}: its source hashes to {actual}", m.hash),
+                    ));
+                }
+                Some(Arc::new((t.kind.clone(), text.to_vec())))
+            }
+            None => None,
+        };
+        if state.modules.contains_key(&m.hash) {
+            continue;
+        }
+        // What the node keeps (perhaps already compiled) wins.
+        let kept = shared
+            .modules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&m.hash);
+        let (source, sent) = match (kept, given) {
+            (Some(k), _) => (Some(k), false),
+            (None, g) => (g, true),
+        };
+        let Some(source) = source else {
+            return Err(Reply::err(
+                Status::UnknownModule,
+                format!(
+                    "module {} is not on this node: send the batch again with its source",
+                    m.hash
+                ),
+            ));
+        };
+        loads.push(Load {
+            hash: m.hash,
+            source,
+            sent,
+        });
+    }
+    Ok((loads, rest))
+}
+
+/// Index of the first command of `b` that launches `hash` (0 if none).
+pub(super) fn first_use(b: &BatchView<'_>, hash: ModuleHash) -> u32 {
+    b.commands
+        .iter()
+        .position(|c| matches!(&c.op, OpView::Launch(s) if s.module == hash))
+        .unwrap_or(0) as u32
+}
+
+/// Runs a batch after its lease's earlier numbered batches (see
+/// [`Batch::seq`]), waiting at most the reorder window for them.
+pub(super) async fn run_in_order(
+    shared: &Arc<Shared>,
+    who: &Principal,
+    b: &BatchView<'_>,
+    wire: &[u8],
+    data: &[u8],
+    hop: &mut Option<HopTimer>,
+    turn: Option<&mut BudgetTurn>,
+) -> Result<(BatchReply, Vec<u8>), Reply> {
+    if b.seq == 0 {
+        hops::mark(hop, "order");
+        return run_batch(shared, who, b, wire, data, hop, turn).await;
+    }
+    // The lease's next number after this batch; the last u64 has none (it
+    // would wrap to 0 and make the owner's next batch wait the window).
+    let Some(after) = b.seq.checked_add(1) else {
+        return Err(Reply::err(
+            Status::BadRequest,
+            format!("batch number {} has no successor: numbers wrap", b.seq),
+        ));
+    };
+    let slot = lease_of(shared, who, &b.lease)?;
+    let mut next = slot.next_seq.subscribe();
+    let window = shared.cfg.reorder_window;
+    if tokio::time::timeout(window, next.wait_for(|n| *n >= b.seq))
+        .await
+        .is_err()
+    {
+        debug!(lease = %b.lease, seq = b.seq, "earlier batches missing: running anyway");
+    }
+    hops::mark(hop, "order");
+    let r = run_batch(shared, who, b, wire, data, hop, turn).await;
+    // Sent again with its sources, the batch keeps its place.
+    if !matches!(&r, Err(reply) if reply.status == Status::UnknownModule) {
+        slot.next_seq.send_if_modified(|n| {
+            let advance = *n <= b.seq;
+            if advance {
+                *n = after;
+            }
+            advance
+        });
+    }
+    r
+}
+
+/// Runs `b`, whose commands encode to `wire` (forwarded to the worker as
+/// they are when the node accepts every one of them). The bytes its reads
+/// return are charged to `turn` as they are planned.
+pub(super) async fn run_batch(
+    shared: &Arc<Shared>,
+    who: &Principal,
+    b: &BatchView<'_>,
+    wire: &[u8],
+    data: &[u8],
+    hop: &mut Option<HopTimer>,
+    turn: Option<&mut BudgetTurn>,
+) -> Result<(BatchReply, Vec<u8>), Reply> {
+    let lease = &b.lease;
+    let slot = lease_of(shared, who, lease)?;
+    let _exec = slot.exec.lock().await;
+    hops::mark(hop, "lock");
+    // Re-check: the lease may have died while we waited.
+    shared.table().get(lease, shared.now())?;
+    let (loads, writes, p) = {
+        let state = slot.state();
+        let (loads, writes) = modules_to_load(shared, &state, b, data)?;
+        // Module bytes count against the reservation, before anything runs.
+        let mut charged = 0u64;
+        for l in &loads {
+            let len = l.source.1.len() as u64;
+            let r = shared.table().charge(lease, len, shared.now());
+            if let Err(e) = r {
+                shared.table().credit(lease, charged);
+                return Err(Reply::err(
+                    e.status,
+                    format!("module {}: {}", l.hash, e.message),
+                ));
+            }
+            charged += len;
+        }
+        let p = plan(shared, lease, &state, &b.commands, turn);
+        (loads, writes, p)
+    };
+    let n_loads = loads.len();
+    let mut parts: Vec<&[u8]> = Vec::with_capacity(n_loads + 1);
+    let mut worker_loads = Vec::with_capacity(n_loads);
+    for l in &loads {
+        worker_loads.push(WorkerLoad {
+            hash: l.hash,
+            kind: l.source.0.clone(),
+            len: l.source.1.len() as u32,
+        });
+        parts.push(&l.source.1);
+    }
+    parts.push(&writes[..p.write_bytes]);
+    let planned = p.effects.len();
+    let mut error = p.error;
+    let mut completed = 0usize;
+    let mut loaded = 0usize;
+    let mut out = Vec::new();
+    hops::mark(hop, "plan");
+    if n_loads + planned > 0 {
+        // The worker's message is the loads, then the commands as the
+        // client encoded them (the same postcard as `WorkerBatch`); only
+        // a batch the node stops early has its accepted part encoded anew.
+        let mut body = to_body(&worker_loads);
+        if planned == b.commands.len() {
+            body.extend_from_slice(wire);
+        } else {
+            body.extend_from_slice(&to_body(&b.commands[..planned]));
+        }
+        hops::mark(hop, "encode");
+        let res = slot
+            .worker
+            .call_parts(Opcode::Batch, &body, &parts, shared.cfg.op_timeout)
+            .await;
+        hops::mark(hop, "worker");
+        let frame = match res {
+            Ok(frame) => frame,
+            Err(e) => return Err(worker_lost(shared, lease, &e)),
+        };
+        let reply: WorkerBatchReply = from_body(&frame.body)
+            .map_err(|e| Reply::err(Status::Internal, format!("worker reply: {e}")))?;
+        let done = reply.completed as usize;
+        loaded = done.min(n_loads);
+        // Loaded and charged to this lease: now the node may keep them for
+        // everyone, as this principal's (compiled PTX replaces its CUDA C).
+        let mut cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
+        let (cap, share) = (
+            shared.cfg.module_cache_bytes,
+            shared.cfg.module_cache_bytes_per_principal,
+        );
+        for l in loads[..loaded].iter().filter(|l| l.sent) {
+            if cache.get(&l.hash).is_none() {
+                cache.insert(l.hash, l.source.clone(), who, cap, share);
+            }
+        }
+        for (hash, ptx) in reply.compiled {
+            Metrics::inc(&shared.metrics.modules_compiled);
+            if loads[..loaded].iter().any(|l| l.hash == hash) {
+                let entry = Arc::new((SourceKind::Ptx, ptx.into_bytes()));
+                cache.insert(hash, entry, who, cap, share);
+            }
+        }
+        drop(cache);
+        completed = done.saturating_sub(n_loads).min(planned);
+        out = frame.data;
+        if let Some(e) = reply.error {
+            if e.sticky {
+                fail_lease(shared, lease, &e.message);
+            }
+            error = Some(if done < n_loads {
+                // A module failed to load: nothing of the batch ran.
+                let hash = loads[done].hash;
+                OpError {
+                    index: first_use(b, hash),
+                    status: e.status,
+                    message: format!("module {hash}: {}", e.message),
+                }
+            } else {
+                OpError {
+                    index: completed as u32,
+                    status: e.status,
+                    message: format!("command {completed}: {}", e.message),
+                }
+            });
+        }
+    }
+    // Commit what ran; give back the charges of what did not.
+    let mut table = shared.table();
+    let mut state = slot.state();
+    for (i, l) in loads.iter().enumerate() {
+        let len = l.source.1.len() as u64;
+        if i < loaded {
+            state.modules.insert(l.hash, len);
+        } else {
+            table.credit(lease, len);
+        }
+    }
+    for (i, size) in &p.charged {
+        if *i >= completed {
+            table.credit(lease, *size);
+        }
+    }
+    for (c, effect) in b.commands.iter().zip(&p.effects).take(completed) {
+        state.streams.insert(c.stream);
+        match *effect {
+            Effect::Create(id, k) => {
+                state.ids.insert(id, k);
+            }
+            Effect::Free(id) => {
+                if let Some(IdKind::Buffer(n)) = state.ids.remove(&id) {
+                    table.credit(lease, n);
+                }
+            }
+            Effect::None => {}
+        }
+    }
+    hops::mark(hop, "commit");
+    Ok((
+        BatchReply {
+            completed: completed as u32,
+            error,
+        },
+        out,
+    ))
+}
+
+pub(super) async fn ensure_worker<'a>(
+    shared: &Shared,
+    slot: &'a mut Option<WorkerProcess>,
+) -> Result<&'a WorkerProcess, WorkerError> {
+    if slot.as_ref().is_some_and(|w| w.exited().is_some()) {
+        *slot = None;
+    }
+    if slot.is_none() {
+        *slot =
+            Some(WorkerProcess::spawn(&shared.cfg.worker, shared.cfg.worker_start_timeout).await?);
+    }
+    slot.as_ref()
+        .ok_or_else(|| WorkerError::Start("no worker".into()))
+}

@@ -1,0 +1,271 @@
+//! Connections and their streams: accepting, the pre-authentication gate,
+//! reading a request within its budget, writing the reply within the reply
+//! timeout.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::debug;
+
+use super::auth::cert_principal;
+use super::dispatch::dispatch;
+use super::handshake::{Peer, Source};
+use super::submit::BudgetTurn;
+use super::{Reply, Shared};
+use crate::hops::{self, HopTimer};
+use crate::proto::{self, Frame, Header, Opcode, Status};
+
+pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) {
+    while let Some(incoming) = endpoint.accept().await {
+        let remote = incoming.remote_address();
+        // A place among the connections waiting for HELLO, before the TLS
+        // handshake costs anything.
+        let Some(place) = shared.handshakes.wait(Source::of(remote.ip())) else {
+            debug!(%remote, "refused: too many connections waiting for HELLO");
+            incoming.refuse();
+            continue;
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + shared.cfg.hello_timeout;
+            let conn = match tokio::time::timeout_at(deadline, incoming).await {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
+                    debug!(error = %e, "handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    debug!(%remote, "TLS handshake not done by the HELLO deadline");
+                    return;
+                }
+            };
+            let peer = Arc::new(Peer::new(conn.clone(), place));
+            if let Some(p) = cert_principal(&conn) {
+                peer.authenticate(p);
+            }
+            debug!(%remote, principal = ?peer.get(), "connection");
+            let hello_deadline = tokio::time::sleep_until(deadline);
+            tokio::pin!(hello_deadline);
+            loop {
+                tokio::select! {
+                    s = conn.accept_bi() => {
+                        let Ok((send, recv)) = s else { break };
+                        let shared = shared.clone();
+                        let peer = peer.clone();
+                        tokio::spawn(async move { serve_stream(shared, peer, send, recv).await });
+                    }
+                    () = &mut hello_deadline, if peer.get().is_none() => {
+                        if peer.get().is_none() {
+                            debug!(%remote, "no HELLO by the deadline: closed");
+                            peer.close_unauthenticated("no HELLO by the deadline");
+                        }
+                    }
+                }
+            }
+            peer.end();
+        });
+    }
+}
+
+/// Answers a request refused on its header (and body), telling the peer to
+/// stop sending the rest: nothing more of it is read.
+pub(super) async fn refuse(
+    send: &mut quinn::SendStream,
+    recv: &mut quinn::RecvStream,
+    req: &Header,
+    reply: &Reply,
+) {
+    let _ = recv.stop(0u32.into());
+    let h = Header::reply(req, reply.status, reply.body.len() as u32, 0);
+    if proto::write_frame(send, &h, &reply.body, &[]).await.is_ok() {
+        let _ = send.finish();
+    }
+}
+
+/// The largest HELLO body the node reads from a connection that has not
+/// authenticated; such a connection may send nothing else, and nothing it
+/// declares beyond this is allocated or read.
+pub const PREAUTH_MAX_BODY: u32 = 4096;
+
+pub(super) async fn serve_stream(
+    shared: Arc<Shared>,
+    peer: Arc<Peer>,
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+) {
+    let limits = shared.cfg.limits;
+    let mut hop = HopTimer::start("node", Opcode::Hello, 0);
+    let mut turn = None;
+    let head = tokio::time::timeout(Duration::from_secs(60), async {
+        let header = proto::read_header(&mut recv, &limits).await?;
+        let Some(who) = peer.get() else {
+            if header.opcode == Opcode::Hello
+                && !header.is_reply()
+                && header.body_len <= PREAUTH_MAX_BODY
+                && header.data_len == 0
+            {
+                let mut body = vec![0u8; header.body_len as usize];
+                tokio::io::AsyncReadExt::read_exact(&mut recv, &mut body).await?;
+                return Ok(Ok((header, body)));
+            }
+            // Refused on the header alone: nothing declared is read.
+            let msg = if header.opcode == Opcode::Hello {
+                format!("HELLO over {PREAUTH_MAX_BODY} bytes, or with data")
+            } else {
+                "send HELLO with a valid token first".to_string()
+            };
+            return Ok(Err((header, Reply::err(Status::Unauthorized, msg))));
+        };
+        // The principal's budget, before anything declared is allocated
+        // (streamed transfers hold only the worker's ring).
+        let streamed = matches!(header.opcode, Opcode::MemWrite | Opcode::MemRead);
+        let bytes = u64::from(header.body_len)
+            + if streamed {
+                0
+            } else {
+                u64::from(header.data_len)
+            };
+        match BudgetTurn::take(&shared, who, bytes) {
+            Ok(t) => turn = Some(t),
+            Err(r) => return Ok(Err((header, r))),
+        }
+        let mut body = vec![0u8; header.body_len as usize];
+        tokio::io::AsyncReadExt::read_exact(&mut recv, &mut body).await?;
+        Ok(Ok((header, body)))
+    })
+    .await;
+    let head = match head {
+        Ok(Ok(Err((header, reply)))) => {
+            refuse(&mut send, &mut recv, &header, &reply).await;
+            if header.opcode == Opcode::Hello && peer.get().is_none() {
+                close_after_failed_hello(&shared, &peer, &mut send).await;
+            }
+            return;
+        }
+        Ok(Ok(Ok(x))) => Ok(Ok(x)),
+        Ok(Err(e)) => Ok(Err(e)),
+        Err(elapsed) => Err(elapsed),
+    };
+    // Held until the reply has been written or dropped: it also carries
+    // the bytes of the reply (charged by `dispatch` before the work runs).
+    let mut turn = turn;
+    let read = match head {
+        // Bulk transfers stream through the worker's shared ring.
+        Ok(Ok((header, body)))
+            if !header.is_reply()
+                && matches!(header.opcode, Opcode::MemWrite | Opcode::MemRead) =>
+        {
+            super::stream::serve(&shared, &peer, header, body, send, recv, hop).await;
+            return;
+        }
+        Ok(Ok((header, body))) => {
+            let rest = async {
+                // Grown as the bytes arrive, never allocated whole up front.
+                let want = header.data_len as usize;
+                let mut data = Vec::with_capacity(want.min(1 << 20));
+                while data.len() < want {
+                    let Some(chunk) = recv
+                        .read_chunk(want - data.len(), true)
+                        .await
+                        .map_err(std::io::Error::other)?
+                    else {
+                        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+                    };
+                    data.extend_from_slice(&chunk.bytes);
+                }
+                Ok(data)
+            };
+            tokio::time::timeout(Duration::from_secs(60), rest)
+                .await
+                .map(|r| r.map(|data| Frame { header, body, data }))
+        }
+        Ok(Err(e)) => Ok(Err(e)),
+        Err(elapsed) => Err(elapsed),
+    };
+    // A peer of another protocol version gets its answer in its own
+    // version's header (the layout is the same), so it can read the reason.
+    let mut reply_version = None;
+    let mut failed_hello = false;
+    let (req, reply) = match read {
+        Ok(Ok(frame)) => {
+            if let Some(t) = &mut hop {
+                t.mark("read");
+                t.set_op(frame.header.opcode, frame.data.len() as u64);
+            }
+            let reply = dispatch(&shared, &peer, &frame, turn.as_mut()).await;
+            failed_hello = frame.header.opcode == Opcode::Hello
+                && reply.status != Status::Ok
+                && peer.get().is_none();
+            if let Some(t) = &mut hop {
+                t.mark("dispatch");
+                let bytes = frame.data.len().max(reply.data.len()) as u64;
+                t.set_op(frame.header.opcode, bytes);
+            }
+            (frame.header, reply)
+        }
+        Ok(Err(e)) => {
+            let msg = match proto::proto_error(&e) {
+                Some(p) => {
+                    // Version 1 had this header layout; later ones may not.
+                    if let proto::ProtoError::UnsupportedVersion(1) = p {
+                        reply_version = Some(1);
+                    }
+                    p.to_string()
+                }
+                None => format!("bad frame: {e}"),
+            };
+            debug!(error = %msg, "rejected frame");
+            (
+                Header::request(Opcode::Hello, 0, 0, 0),
+                Reply::err(Status::BadRequest, msg),
+            )
+        }
+        Err(_) => (
+            Header::request(Opcode::Hello, 0, 0, 0),
+            Reply::err(Status::BadRequest, "request timed out"),
+        ),
+    };
+    let h = Header::reply(
+        &req,
+        reply.status,
+        reply.body.len() as u32,
+        reply.data.len() as u32,
+    );
+    let sent = tokio::time::timeout(shared.cfg.reply_timeout, async {
+        let written = match reply_version {
+            Some(v) => {
+                let mut frame = h.encode().to_vec();
+                frame[4] = v;
+                frame.extend_from_slice(&reply.body);
+                tokio::io::AsyncWriteExt::write_all(&mut send, &frame).await
+            }
+            None => proto::write_frame(&mut send, &h, &reply.body, &reply.data).await,
+        };
+        if written.is_ok() {
+            let _ = send.finish();
+            hops::mark(&mut hop, "reply");
+            let _ = send.stopped().await;
+        }
+    })
+    .await;
+    if sent.is_err() {
+        // A reply nobody reads is the client's loss, not the node's memory.
+        debug!("reply not read within the reply timeout: dropped");
+        let _ = send.reset(0u32.into());
+    }
+    if failed_hello {
+        close_after_failed_hello(&shared, &peer, &mut send).await;
+    }
+}
+
+/// Closes a connection whose HELLO failed, once its reply has arrived (or
+/// after a short wait): a connection gets one try.
+pub(super) async fn close_after_failed_hello(
+    shared: &Shared,
+    peer: &Peer,
+    send: &mut quinn::SendStream,
+) {
+    let wait = shared.cfg.reply_timeout.min(Duration::from_secs(1));
+    let _ = tokio::time::timeout(wait, send.stopped()).await;
+    peer.close_unauthenticated("HELLO failed");
+}

@@ -1,0 +1,345 @@
+//! Requests by opcode: HELLO, inventory, lease allocation, renewal and free,
+//! and the single lease operations.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use tracing::{debug, info};
+
+use super::auth::{owner_filter, principal, token_principal};
+use super::batch::{ensure_worker, run_batch, run_in_order};
+use super::handshake::Peer;
+use super::submit::{submit, submit_turn, BudgetTurn};
+use super::{take_worker, LeaseSlot, LeaseState, Reply, Shared, Slot};
+use crate::hops::{self, HopTimer};
+use crate::lease_table::{LeaseTable, Principal};
+use crate::metrics::Metrics;
+use crate::proto::{
+    from_body, to_body, Batch, BatchView, Command, DeviceInfo, Frame, GpuSubmit, Hello, HelloOk,
+    IdOp, Inventory, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, MemAlloc, Op, Opcode,
+    Status,
+};
+
+/// Serves one request; `turn` (the principal's budget turn of this
+/// request) is charged the bytes of the reply before the work that makes
+/// them runs.
+pub(super) async fn dispatch(
+    shared: &Arc<Shared>,
+    peer: &Peer,
+    f: &Frame,
+    turn: Option<&mut BudgetTurn>,
+) -> Reply {
+    match dispatch_inner(shared, peer, f, turn).await {
+        Ok(r) | Err(r) => r,
+    }
+}
+
+pub(super) async fn dispatch_inner(
+    shared: &Arc<Shared>,
+    peer: &Peer,
+    f: &Frame,
+    turn: Option<&mut BudgetTurn>,
+) -> Result<Reply, Reply> {
+    let op = f.header.opcode;
+    if f.header.is_reply() {
+        return Err(Reply::err(Status::BadRequest, "a reply is not a request"));
+    }
+    if !matches!(op, Opcode::MemWrite | Opcode::Batch | Opcode::GpuSubmit) && !f.data.is_empty() {
+        return Err(Reply::err(
+            Status::BadRequest,
+            format!("{op:?} takes no data"),
+        ));
+    }
+    if op == Opcode::Hello {
+        let h: Hello = from_body(&f.body)?;
+        // Client-supplied: escaped before it reaches a log line.
+        let client = h.client.escape_debug().to_string();
+        let hello_ok = || {
+            Ok(Reply::ok(&HelloOk {
+                node: shared.cfg.name.clone(),
+            }))
+        };
+        if peer.get().is_some() {
+            return hello_ok();
+        }
+        // Token checks are rationed per source address.
+        if !shared.handshakes.take_check(peer.source) {
+            shared.handshakes.rejected(&client, peer.remote(), false);
+            return Err(Reply::err(
+                Status::Unauthorized,
+                "too many failed HELLOs from this address: try again later",
+            ));
+        }
+        let who = token_principal(shared, &h.token).or_else(|| {
+            shared
+                .cfg
+                .allow_anonymous
+                .then(|| Principal::from("anonymous"))
+        });
+        if let Some(who) = who {
+            shared.handshakes.authenticated(peer.source);
+            let who = peer.authenticate(who);
+            debug!(%client, principal = %who, "authenticated");
+            return hello_ok();
+        }
+        shared.handshakes.rejected(&client, peer.remote(), true);
+        return Err(Reply::err(Status::Unauthorized, "invalid token"));
+    }
+    let who = principal(peer)?.clone();
+    let now = shared.now();
+    match op {
+        Opcode::Hello => unreachable!("handled above"),
+        Opcode::LeaseFree => {
+            let r: LeaseRef = from_body(&f.body)?;
+            shared
+                .table()
+                .check_owner(&r.lease, owner_filter(shared, &who))?;
+            lease_free(shared, &r.lease).await
+        }
+        Opcode::GetInventory => inventory(shared).await,
+        Opcode::LeaseAlloc => lease_alloc(shared, &who, from_body(&f.body)?).await,
+        Opcode::LeaseRenew => {
+            let r: LeaseRenew = from_body(&f.body)?;
+            if r.ttl_secs == 0 {
+                return Err(Reply::err(Status::BadRequest, "ttl must be at least 1 s"));
+            }
+            let g = {
+                let mut t = shared.table();
+                t.check_owner(&r.lease, Some(&who))?;
+                t.renew(&r.lease, Duration::from_secs(u64::from(r.ttl_secs)), now)?
+            };
+            Ok(Reply::ok(&LeaseGrant {
+                lease: r.lease,
+                generation: g.generation,
+                reserved: g.reserved,
+                ttl_ms: ms(g.deadline.saturating_sub(now)),
+            }))
+        }
+        Opcode::LeaseQuery => {
+            let r: LeaseRef = from_body(&f.body)?;
+            let t = shared.table();
+            t.check_owner(&r.lease, Some(&who))?;
+            Ok(Reply::ok(&t.status(&r.lease, now)?))
+        }
+        Opcode::MemAlloc => {
+            let m: MemAlloc = from_body(&f.body)?;
+            let op = Op::Alloc {
+                buf: m.buf,
+                size: m.size,
+            };
+            single(shared, &who, m.lease, op).await
+        }
+        // Served as streams by `stream::serve`, never dispatched whole.
+        Opcode::MemWrite | Opcode::MemRead => Err(Reply::err(
+            Status::Internal,
+            format!("{op:?} is served as a stream"),
+        )),
+        Opcode::MemFree => {
+            let m: IdOp = from_body(&f.body)?;
+            single(shared, &who, m.lease, Op::Free { id: m.id }).await
+        }
+        Opcode::Batch => {
+            // With hop timings on: the node's phases of this batch.
+            let mut hop = HopTimer::start("node-batch", op, f.data.len() as u64);
+            let (b, wire) = BatchView::decode(&f.body)?;
+            b.validate(f.data.len())?;
+            hops::mark(&mut hop, "decode");
+            Metrics::inc(&shared.metrics.batch_total);
+            shared
+                .metrics
+                .batch_commands
+                .fetch_add(b.commands.len() as u64, Ordering::Relaxed);
+            let (reply, data) =
+                run_in_order(shared, &who, &b, wire, &f.data, &mut hop, turn).await?;
+            let body = to_body(&reply);
+            hops::mark(&mut hop, "reply");
+            Ok(Reply {
+                status: Status::Ok,
+                body,
+                data,
+            })
+        }
+        Opcode::GpuSubmit => {
+            // The output is held for the reply: charged before anything runs.
+            let s: GpuSubmit = from_body(&f.body)?;
+            if let Some(t) = turn {
+                t.grow(u64::from(s.output_size))
+                    .map_err(|m| Reply::err(Status::CapacityExceeded, format!("output: {m}")))?;
+            }
+            let _turn = submit_turn(shared, &who).await;
+            submit(shared, f).await
+        }
+    }
+}
+
+pub(super) fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// A single session op: a one-command batch on stream 0 whose failure
+/// becomes the reply status.
+pub(super) async fn single(
+    shared: &Arc<Shared>,
+    who: &Principal,
+    lease: LeaseId,
+    op: Op,
+) -> Result<Reply, Reply> {
+    let batch = Batch {
+        lease,
+        seq: 0,
+        modules: Vec::new(),
+        commands: vec![Command { stream: 0, op }],
+    };
+    batch.validate(0)?;
+    let wire = to_body(&batch.commands);
+    let (reply, _) = run_batch(
+        shared,
+        who,
+        &BatchView::of(&batch),
+        &wire,
+        &[],
+        &mut None,
+        None,
+    )
+    .await?;
+    match reply.error {
+        Some(e) => Err(Reply::err(e.status, e.message)),
+        None => Ok(Reply::empty()),
+    }
+}
+
+pub(super) async fn inventory(shared: &Arc<Shared>) -> Result<Reply, Reply> {
+    // Fresh figures from an idle submit worker; never wait for a busy one
+    // (a tenant's slow GPU_SUBMIT must not delay anyone else's inventory):
+    // then the last figures seen are served.
+    let idle = shared.submit.iter().find_map(|m| m.try_lock().ok());
+    if let Some(mut slot) = idle {
+        if let Ok(w) = ensure_worker(shared, &mut slot).await {
+            if let Ok(f) = w
+                .call(Opcode::GetInventory, &[], &[], shared.cfg.op_timeout)
+                .await
+            {
+                if let Ok(info) = from_body::<DeviceInfo>(&f.body) {
+                    *shared.device.lock().unwrap_or_else(|e| e.into_inner()) = info;
+                }
+            }
+        }
+    }
+    let device = shared
+        .device
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let t = shared.table();
+    Ok(Reply::ok(&Inventory {
+        node: shared.cfg.name.clone(),
+        devices: vec![device],
+        reservable_bytes: t.reservable(),
+        active_leases: t.len() as u32,
+    }))
+}
+
+/// The node's and the principal's lease-count limits.
+pub(super) fn lease_limits(
+    shared: &Shared,
+    t: &LeaseTable<Slot>,
+    who: &Principal,
+) -> Result<(), Reply> {
+    if t.len() >= shared.cfg.max_leases {
+        return Err(Reply::err(
+            Status::CapacityExceeded,
+            format!(
+                "the node holds its limit of {} leases",
+                shared.cfg.max_leases
+            ),
+        ));
+    }
+    let held = t.owned_count(who);
+    if held >= shared.cfg.max_leases_per_principal {
+        return Err(Reply::err(
+            Status::CapacityExceeded,
+            format!("principal {who} holds {held} leases, its limit (max_leases_per_principal)"),
+        ));
+    }
+    Ok(())
+}
+
+pub(super) async fn lease_alloc(
+    shared: &Arc<Shared>,
+    who: &Principal,
+    req: LeaseAlloc,
+) -> Result<Reply, Reply> {
+    if req.ttl_secs == 0 {
+        return Err(Reply::err(Status::BadRequest, "ttl must be at least 1 s"));
+    }
+    {
+        let t = shared.table();
+        t.check_fits(req.min_vram)?;
+        lease_limits(shared, &t, who)?;
+    }
+    let worker = take_worker(shared)
+        .await
+        .map_err(|e| Reply::err(Status::Internal, e.to_string()))?;
+    let free = worker.info().free_bytes;
+    let id = LeaseId::random();
+    let slot = Arc::new(LeaseSlot {
+        worker,
+        exec: tokio::sync::Mutex::new(()),
+        state: StdMutex::new(LeaseState::default()),
+        next_seq: tokio::sync::watch::Sender::new(1),
+    });
+    let now = shared.now();
+    let ttl = Duration::from_secs(u64::from(req.ttl_secs));
+    let granted = {
+        // Checked again under the lock that grants: concurrent requests
+        // cannot pass the limits together.
+        let mut t = shared.table();
+        lease_limits(shared, &t, who).and_then(|()| {
+            t.grant(
+                id,
+                req.min_vram,
+                ttl,
+                now,
+                Some(free),
+                Some(who.clone()),
+                slot.clone(),
+            )
+            .map_err(Reply::from)
+        })
+    };
+    match granted {
+        Ok(g) => {
+            Metrics::inc(&shared.metrics.lease_acquired);
+            info!(lease = %id, principal = %who, reserved = g.reserved, ttl = ?ttl, "lease granted");
+            Ok(Reply::ok(&LeaseGrant {
+                lease: id,
+                generation: g.generation,
+                reserved: g.reserved,
+                ttl_ms: ms(g.deadline - now),
+            }))
+        }
+        Err(e) => {
+            slot.worker.kill();
+            Err(e)
+        }
+    }
+}
+
+pub(super) async fn lease_free(shared: &Arc<Shared>, id: &LeaseId) -> Result<Reply, Reply> {
+    let now = shared.now();
+    let removed = shared.table().remove(id, now);
+    match removed {
+        Some(slot) => {
+            // Wait for the exit so the memory is back when the reply arrives.
+            slot.worker.kill_and_wait().await;
+            Metrics::inc(&shared.metrics.lease_dropped);
+            info!(lease = %id, "lease freed");
+            Ok(Reply::empty())
+        }
+        None => match shared.table().forget(id)? {
+            true => Ok(Reply::empty()),
+            false => Err(Reply::err(Status::NotFound, format!("no lease {id}"))),
+        },
+    }
+}

@@ -1,0 +1,574 @@
+//! The node: QUIC endpoint, auth, lease table, reaper, worker supervision and
+//! metrics. The node process never touches CUDA; each lease's work runs in its
+//! own worker process ([`crate::worker`]).
+//!
+//! Where each part lives: `config` (what an operator sets), `connection`
+//! (accepting, the pre-authentication gate, one request's read and reply),
+//! `handshake` (bounds on connections that have not authenticated), `auth`
+//! (principals and the owner check), `dispatch` (requests by opcode),
+//! `plan` (what a BATCH does to its lease, decided before it runs), `batch`
+//! (running a BATCH on the lease's worker), `stream` (MEM_WRITE / MEM_READ
+//! through the worker's shared ring), `submit` (the per-principal byte
+//! budget and GPU_SUBMIT); this file holds the shared state, the node's
+//! start and shutdown, the worker pool and the reaper.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use rustls::pki_types::CertificateDer;
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+mod auth;
+mod batch;
+mod config;
+mod connection;
+mod dispatch;
+mod handshake;
+mod plan;
+mod stream;
+mod submit;
+
+use self::connection::accept_loop;
+pub use config::{NodeConfig, NodeError, TlsSource};
+pub use connection::PREAUTH_MAX_BODY;
+
+pub use handshake::REJECTED_LOG_INTERVAL;
+
+use crate::lease_table::{LeaseTable, Principal, TableError};
+use crate::metrics::Metrics;
+use crate::proto::{
+    self, to_body, DeviceInfo, ErrorBody, Id, LeaseId, ModuleHash, SourceKind, Status, StreamId,
+};
+use crate::tls::{self, Identity};
+use crate::worker::{WorkerError, WorkerProcess};
+use handshake::{HandshakeLimits, Handshakes};
+
+/// What a client-named id of a lease is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IdKind {
+    /// A buffer of this many bytes (charged to the lease).
+    Buffer(u64),
+    /// An event.
+    Event,
+}
+
+/// A lease's client-named objects, as the node tracks them.
+#[derive(Debug, Default)]
+struct LeaseState {
+    ids: HashMap<Id, IdKind>,
+    /// Modules loaded in the lease's worker, with the source bytes charged
+    /// to the lease for each (a loaded module costs device memory too).
+    modules: HashMap<ModuleHash, u64>,
+    /// Streams the lease has used.
+    streams: HashSet<StreamId>,
+}
+
+struct LeaseSlot {
+    worker: WorkerProcess,
+    /// Serializes a lease's requests: plan, run on the worker, commit.
+    exec: tokio::sync::Mutex<()>,
+    state: StdMutex<LeaseState>,
+    /// The next batch number to run (see [`Batch::seq`]).
+    next_seq: tokio::sync::watch::Sender<u64>,
+}
+
+impl LeaseSlot {
+    fn state(&self) -> std::sync::MutexGuard<'_, LeaseState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A module's source (or the PTX compiled from it).
+type ModuleSource = Arc<(SourceKind, Vec<u8>)>;
+
+/// Module sources loaded by leases, by content hash, so a lease need not
+/// resend what another lease (or an earlier one) sent. Each entry belongs
+/// to the principal whose lease was charged for it and loaded it. Bounded
+/// in bytes node-wide and per principal: a principal over its share
+/// evicts its own oldest entries, and when the node is full the oldest
+/// entries of the largest holder go, so one tenant's modules never evict a
+/// smaller holder's.
+#[derive(Debug, Default)]
+struct ModuleCache {
+    map: HashMap<ModuleHash, (ModuleSource, Principal)>,
+    /// Each principal's entries, oldest first, and their bytes.
+    shares: HashMap<Principal, (std::collections::VecDeque<ModuleHash>, u64)>,
+    bytes: u64,
+}
+
+impl ModuleCache {
+    fn get(&self, hash: &ModuleHash) -> Option<ModuleSource> {
+        self.map.get(hash).map(|(s, _)| s.clone())
+    }
+
+    fn remove(&mut self, hash: &ModuleHash) {
+        let Some((source, owner)) = self.map.remove(hash) else {
+            return;
+        };
+        let len = source.1.len() as u64;
+        self.bytes -= len;
+        if let Some((order, bytes)) = self.shares.get_mut(&owner) {
+            order.retain(|h| h != hash);
+            *bytes -= len;
+            if order.is_empty() {
+                self.shares.remove(&owner);
+            }
+        }
+    }
+
+    /// Evicts `owner`'s oldest entry; false if it has none.
+    fn evict_oldest_of(&mut self, owner: &Principal) -> bool {
+        let oldest = self.shares.get(owner).and_then(|(o, _)| o.front().copied());
+        match oldest {
+            Some(h) => {
+                self.remove(&h);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn share(&self, owner: &Principal) -> u64 {
+        self.shares.get(owner).map_or(0, |(_, b)| *b)
+    }
+
+    /// Keeps `entry` for `hash` as `owner`'s (replacing what was kept:
+    /// compiled PTX replaces the CUDA C it came from), within `cap` bytes
+    /// node-wide and `share_cap` for `owner`.
+    fn insert(
+        &mut self,
+        hash: ModuleHash,
+        entry: ModuleSource,
+        owner: &Principal,
+        cap: u64,
+        share_cap: u64,
+    ) {
+        let len = entry.1.len() as u64;
+        let share_cap = share_cap.min(cap);
+        if len > share_cap {
+            return;
+        }
+        self.remove(&hash);
+        while self.share(owner) + len > share_cap {
+            if !self.evict_oldest_of(owner) {
+                break;
+            }
+        }
+        while self.bytes + len > cap {
+            let largest = self
+                .shares
+                .iter()
+                .max_by_key(|(_, (_, b))| *b)
+                .map(|(p, _)| p.clone());
+            if !largest.is_some_and(|p| self.evict_oldest_of(&p)) {
+                break;
+            }
+        }
+        self.bytes += len;
+        let (order, bytes) = self.shares.entry(owner.clone()).or_default();
+        order.push_back(hash);
+        *bytes += len;
+        self.map.insert(hash, (entry, owner.clone()));
+    }
+}
+
+impl std::fmt::Debug for LeaseSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseSlot")
+            .field("worker", &self.worker)
+            .finish_non_exhaustive()
+    }
+}
+
+type Slot = Arc<LeaseSlot>;
+
+struct Shared {
+    cfg: NodeConfig,
+    /// Secret and principal of every accepted token.
+    tokens: Vec<(Vec<u8>, Principal)>,
+    table: StdMutex<LeaseTable<Slot>>,
+    submit: Vec<tokio::sync::Mutex<Option<WorkerProcess>>>,
+    submit_next: AtomicUsize,
+    prestarted: tokio::sync::Mutex<Vec<WorkerProcess>>,
+    refilling: AtomicBool,
+    /// The latest device figures (from the probe, then from idle workers).
+    device: StdMutex<DeviceInfo>,
+    /// GPU_SUBMIT turns per principal.
+    submits: StdMutex<HashMap<Principal, Arc<tokio::sync::Semaphore>>>,
+    /// Requests and bytes in flight per principal.
+    budgets: StdMutex<HashMap<Principal, (usize, u64)>>,
+    modules: StdMutex<ModuleCache>,
+    /// Connections waiting for HELLO and failed HELLOs.
+    handshakes: Arc<Handshakes>,
+    metrics: Metrics,
+}
+
+impl Shared {
+    fn now(&self) -> Duration {
+        self.cfg.clock.now()
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, LeaseTable<Slot>> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A running node. Dropping it stops serving and kills every worker;
+/// [`Node::shutdown`] does the same and waits for the workers to exit.
+pub struct Node {
+    addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
+    cert: CertificateDer<'static>,
+    endpoint: quinn::Endpoint,
+    shared: Arc<Shared>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("addr", &self.addr)
+            .field("metrics_addr", &self.metrics_addr)
+            .finish()
+    }
+}
+
+/// A server reply before framing.
+struct Reply {
+    status: Status,
+    body: Vec<u8>,
+    data: Vec<u8>,
+}
+
+impl Reply {
+    fn ok<T: serde::Serialize>(msg: &T) -> Self {
+        Self {
+            status: Status::Ok,
+            body: to_body(msg),
+            data: Vec::new(),
+        }
+    }
+    fn empty() -> Self {
+        Self {
+            status: Status::Ok,
+            body: Vec::new(),
+            data: Vec::new(),
+        }
+    }
+    fn err(status: Status, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            body: to_body(&ErrorBody {
+                message: message.into(),
+            }),
+            data: Vec::new(),
+        }
+    }
+}
+
+impl From<TableError> for Reply {
+    fn from(e: TableError) -> Self {
+        Reply::err(e.status, e.message)
+    }
+}
+
+impl From<proto::ProtoError> for Reply {
+    fn from(e: proto::ProtoError) -> Self {
+        Reply::err(Status::BadRequest, e.to_string())
+    }
+}
+
+impl Node {
+    /// Starts a node as configured: probes the device through a worker,
+    /// binds the QUIC endpoint and the metrics port, and starts the reaper.
+    /// Must be called inside a tokio runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`NodeError`]; a machine without a driver gives
+    /// `NodeError::Device("... no NVIDIA driver found")` for a CUDA device.
+    pub async fn start(cfg: NodeConfig) -> Result<Node, NodeError> {
+        let identity = match &cfg.tls {
+            TlsSource::SelfSigned { names, write_pem } => {
+                let id = Identity::self_signed(names)?;
+                if let Some(p) = write_pem {
+                    tls::write_cert_pem(p, id.leaf())?;
+                    info!(path = %p.display(), "wrote self-signed certificate for clients to pin");
+                }
+                id
+            }
+            TlsSource::Files { cert, key } => Identity::from_pem_files(cert, key)?,
+            TlsSource::Identity(id) => id.clone(),
+        };
+        let client_ca = cfg.client_ca.as_deref().map(tls::load_certs).transpose()?;
+        if cfg.tokens.is_empty()
+            && cfg.named_tokens.is_empty()
+            && client_ca.is_none()
+            && !cfg.allow_anonymous
+        {
+            return Err(NodeError::Config(
+                "no credentials: configure tokens, a client CA, or allow anonymous access".into(),
+            ));
+        }
+        let server_cfg = tls::server_config(&identity, client_ca.as_deref())?;
+
+        // Probe the device; the probe becomes the first submit worker.
+        let probe = WorkerProcess::spawn(&cfg.worker, cfg.worker_start_timeout)
+            .await
+            .map_err(|e| NodeError::Device(e.to_string()))?;
+        let info = probe.info().clone();
+        let capacity = cfg
+            .capacity
+            .unwrap_or(info.free_bytes.saturating_sub(cfg.headroom));
+        info!(device = %info.name, total = info.total_bytes, free = info.free_bytes, capacity, "device probed");
+        // Start every submit worker now, so that their contexts are already
+        // counted in the device's free memory when leases are measured.
+        let mut submit = Vec::new();
+        let mut probe = Some(probe);
+        for _ in 0..cfg.submit_workers {
+            let w = match probe.take() {
+                Some(p) => p,
+                None => WorkerProcess::spawn(&cfg.worker, cfg.worker_start_timeout)
+                    .await
+                    .map_err(|e| NodeError::Device(e.to_string()))?,
+            };
+            submit.push(tokio::sync::Mutex::new(Some(w)));
+        }
+        if let Some(p) = probe {
+            p.kill_and_wait().await;
+        }
+
+        let endpoint = quinn::Endpoint::server(server_cfg, cfg.listen)?;
+        let addr = endpoint.local_addr()?;
+        let shared = Arc::new(Shared {
+            tokens: cfg
+                .tokens
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    (
+                        t.as_bytes().to_vec(),
+                        Principal::from(format!("token-{}", i + 1)),
+                    )
+                })
+                .chain(
+                    cfg.named_tokens
+                        .iter()
+                        .map(|(n, t)| (t.as_bytes().to_vec(), Principal::from(n.as_str()))),
+                )
+                .collect(),
+            table: StdMutex::new(LeaseTable::new(capacity, cfg.max_ttl)),
+            submit,
+            submit_next: AtomicUsize::new(0),
+            prestarted: tokio::sync::Mutex::new(Vec::new()),
+            refilling: AtomicBool::new(false),
+            device: StdMutex::new(info.clone()),
+            submits: StdMutex::default(),
+            budgets: StdMutex::default(),
+            modules: StdMutex::default(),
+            handshakes: Handshakes::new(HandshakeLimits {
+                max_unauthenticated: cfg.max_unauthenticated,
+                max_unauthenticated_per_source: cfg.max_unauthenticated_per_source,
+                max_failed_hellos_per_source: cfg.max_failed_hellos_per_source,
+            }),
+            metrics: Metrics::default(),
+            cfg,
+        });
+        let mut tasks = Vec::new();
+        let mut metrics_addr = None;
+        if let Some(m) = shared.cfg.metrics_listen {
+            let listener = tokio::net::TcpListener::bind(m).await?;
+            metrics_addr = Some(listener.local_addr()?);
+            let s = shared.clone();
+            tasks.push(tokio::spawn(crate::metrics::serve(listener, move || {
+                let t = s.table();
+                s.metrics.render(t.allocated_total(), t.len() as u64)
+            })));
+        }
+        tasks.push(tokio::spawn(reaper(shared.clone())));
+        tasks.push(tokio::spawn(accept_loop(shared.clone(), endpoint.clone())));
+        refill(shared.clone());
+        info!(%addr, ?metrics_addr, "node listening");
+        Ok(Node {
+            addr,
+            metrics_addr,
+            cert: identity.leaf().clone(),
+            endpoint,
+            shared,
+            tasks,
+        })
+    }
+
+    /// Runs a node inside this process on 127.0.0.1:0 with a fresh
+    /// self-signed certificate (for tests, examples and demos). The listen
+    /// address, TLS source and metrics address of `cfg` are overridden; the
+    /// metrics endpoint is on 127.0.0.1:0.
+    ///
+    /// Workers are separate processes even here: `cfg.worker.program` must
+    /// call [`crate::worker::main_if_worker`] (use the `cuda-lease-node`
+    /// binary, or the current executable if its `main` calls it).
+    ///
+    /// # Errors
+    ///
+    /// As [`Node::start`].
+    pub async fn spawn_local(mut cfg: NodeConfig) -> Result<Node, NodeError> {
+        cfg.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+        cfg.metrics_listen = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
+        cfg.tls = TlsSource::SelfSigned {
+            names: vec!["localhost".into(), "127.0.0.1".into()],
+            write_pem: None,
+        };
+        Node::start(cfg).await
+    }
+
+    /// The QUIC address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The metrics HTTP address, if any.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// The node's TLS certificate (DER), for clients to pin.
+    pub fn cert_der(&self) -> &CertificateDer<'static> {
+        &self.cert
+    }
+
+    /// The rendered metrics.
+    pub fn metrics_text(&self) -> String {
+        let t = self.shared.table();
+        self.shared
+            .metrics
+            .render(t.allocated_total(), t.len() as u64)
+    }
+
+    /// Stops accepting, frees every lease (ending its worker) and waits for
+    /// the workers to exit.
+    pub async fn shutdown(mut self) {
+        self.endpoint.close(0u32.into(), b"node shutting down");
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+        let now = self.shared.now();
+        let leases = self.shared.table().drain(now);
+        for (id, slot) in leases {
+            slot.worker.kill_and_wait().await;
+            Metrics::inc(&self.shared.metrics.lease_dropped);
+            info!(lease = %id, "lease freed at shutdown");
+        }
+        for w in self.shared.prestarted.lock().await.drain(..) {
+            w.kill_and_wait().await;
+        }
+        for s in &self.shared.submit {
+            if let Some(w) = s.lock().await.take() {
+                w.kill_and_wait().await;
+            }
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        info!("node stopped");
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.endpoint.close(0u32.into(), b"node dropped");
+        for t in &self.tasks {
+            t.abort();
+        }
+        let now = self.shared.now();
+        for (_, slot) in self.shared.table().drain(now) {
+            slot.worker.kill();
+        }
+        if let Ok(mut p) = self.shared.prestarted.try_lock() {
+            p.clear();
+        }
+        for s in &self.shared.submit {
+            if let Ok(mut w) = s.try_lock() {
+                w.take();
+            }
+        }
+    }
+}
+
+fn refill(shared: Arc<Shared>) {
+    if shared.cfg.prestart_workers == 0 || shared.refilling.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    tokio::spawn(async move {
+        loop {
+            if shared.prestarted.lock().await.len() >= shared.cfg.prestart_workers {
+                break;
+            }
+            match WorkerProcess::spawn(&shared.cfg.worker, shared.cfg.worker_start_timeout).await {
+                Ok(w) => shared.prestarted.lock().await.push(w),
+                Err(e) => {
+                    warn!(error = %e, "could not pre-start a worker");
+                    break;
+                }
+            }
+        }
+        shared.refilling.store(false, Ordering::SeqCst);
+    });
+}
+
+async fn take_worker(shared: &Arc<Shared>) -> Result<WorkerProcess, WorkerError> {
+    let ready = {
+        let mut pool = shared.prestarted.lock().await;
+        let mut found = None;
+        while let Some(w) = pool.pop() {
+            if w.exited().is_none() {
+                found = Some(w);
+                break;
+            }
+        }
+        found
+    };
+    refill(shared.clone());
+    match ready {
+        Some(w) => Ok(w),
+        None => WorkerProcess::spawn(&shared.cfg.worker, shared.cfg.worker_start_timeout).await,
+    }
+}
+
+async fn reaper(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(shared.cfg.reaper_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        shared.handshakes.flush_log();
+        let now = shared.now();
+        let expired = shared.table().expire(now);
+        for (id, slot) in expired {
+            // Same step that marked it dead: end the worker, which frees
+            // its memory, modules and context.
+            slot.worker.kill();
+            Metrics::inc(&shared.metrics.lease_dropped);
+            info!(lease = %id, "lease expired; worker ended");
+        }
+        let live = shared.table().payloads();
+        for (id, slot) in live {
+            // Idle workers only: a busy one is watched by its call's timeout.
+            let Ok(_guard) = slot.exec.try_lock() else {
+                continue;
+            };
+            if let Some(why) = slot.worker.exited() {
+                fail_lease(&shared, &id, &format!("worker {why}"));
+            }
+        }
+    }
+}
+
+fn fail_lease(shared: &Shared, id: &LeaseId, reason: &str) {
+    let now = shared.now();
+    if let Some(slot) = shared.table().poison(id, reason, now) {
+        slot.worker.kill();
+        Metrics::inc(&shared.metrics.lease_dropped);
+        warn!(lease = %id, reason, "lease failed");
+    }
+}

@@ -1,0 +1,193 @@
+//! The per-principal byte budget and GPU_SUBMIT, the one-shot kernel call
+//! served by the submit workers.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::batch::ensure_worker;
+use super::{Reply, Shared};
+use crate::lease_table::Principal;
+use crate::metrics::Metrics;
+use crate::proto::{from_body, Frame, GpuSubmit, Opcode, Status};
+use crate::worker::WorkerFailure;
+
+/// One request of a principal in flight, with the bytes it holds in the
+/// node (body and unstreamed data, then the reply's data); given back when
+/// dropped, after the reply was written or dropped.
+pub(super) struct BudgetTurn {
+    pub(super) shared: Arc<Shared>,
+    pub(super) who: Principal,
+    pub(super) bytes: u64,
+}
+
+/// Why `bytes` more do not fit beside the `held` bytes of `who`.
+pub(super) fn over_bytes(
+    shared: &Shared,
+    who: &Principal,
+    held: u64,
+    bytes: u64,
+) -> Option<String> {
+    (held.saturating_add(bytes) > shared.cfg.max_bytes_per_principal).then(|| {
+        format!(
+            "principal {who} has {held} bytes in flight; {bytes} more would pass its limit of {} \
+             (max_bytes_per_principal)",
+            shared.cfg.max_bytes_per_principal
+        )
+    })
+}
+
+impl BudgetTurn {
+    pub(super) fn take(shared: &Arc<Shared>, who: &Principal, bytes: u64) -> Result<Self, Reply> {
+        let mut m = shared.budgets.lock().unwrap_or_else(|e| e.into_inner());
+        let (requests, held) = m.entry(who.clone()).or_insert((0, 0));
+        if *requests >= shared.cfg.max_requests_per_principal {
+            return Err(Reply::err(
+                Status::CapacityExceeded,
+                format!(
+                    "principal {who} has {requests} requests in flight, its limit \
+                     (max_requests_per_principal)"
+                ),
+            ));
+        }
+        if let Some(why) = over_bytes(shared, who, *held, bytes) {
+            return Err(Reply::err(Status::CapacityExceeded, why));
+        }
+        *requests += 1;
+        *held += bytes;
+        Ok(BudgetTurn {
+            shared: shared.clone(),
+            who: who.clone(),
+            bytes,
+        })
+    }
+
+    /// Charges `more` bytes to this request (the reply's data, before the
+    /// work that makes it runs); the reason if they do not fit.
+    pub(super) fn grow(&mut self, more: u64) -> Result<(), String> {
+        let mut m = self
+            .shared
+            .budgets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let Some((_, held)) = m.get_mut(&self.who) else {
+            return Err(format!("principal {} has no budget entry", self.who));
+        };
+        if let Some(why) = over_bytes(&self.shared, &self.who, *held, more) {
+            return Err(why);
+        }
+        *held += more;
+        self.bytes += more;
+        Ok(())
+    }
+}
+
+impl Drop for BudgetTurn {
+    fn drop(&mut self) {
+        let mut m = self
+            .shared
+            .budgets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some((requests, held)) = m.get_mut(&self.who) {
+            *requests -= 1;
+            *held -= self.bytes;
+            if *requests == 0 {
+                m.remove(&self.who);
+            }
+        }
+    }
+}
+
+/// Waits for one of the principal's GPU_SUBMIT turns (at most
+/// `max_submits_per_principal` in flight): a tenant's extra submits queue
+/// behind its own, never taking every submit worker from other tenants.
+pub(super) async fn submit_turn(
+    shared: &Shared,
+    who: &Principal,
+) -> tokio::sync::OwnedSemaphorePermit {
+    let sem = shared
+        .submits
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(who.clone())
+        .or_insert_with(|| {
+            Arc::new(tokio::sync::Semaphore::new(
+                shared.cfg.max_submits_per_principal.max(1),
+            ))
+        })
+        .clone();
+    sem.acquire_owned()
+        .await
+        .expect("the per-principal semaphore is never closed")
+}
+
+pub(super) async fn submit(shared: &Arc<Shared>, f: &Frame) -> Result<Reply, Reply> {
+    Metrics::inc(&shared.metrics.submit_total);
+    let r = submit_inner(shared, f).await;
+    match &r {
+        Ok(reply) => {
+            shared
+                .metrics
+                .submit_output_bytes
+                .fetch_add(reply.data.len() as u64, Ordering::Relaxed);
+        }
+        Err(_) => Metrics::inc(&shared.metrics.submit_errors),
+    }
+    r
+}
+
+pub(super) async fn submit_inner(shared: &Arc<Shared>, f: &Frame) -> Result<Reply, Reply> {
+    let s: GpuSubmit = from_body(&f.body)?;
+    s.validate(f.data.len(), &shared.cfg.limits)?;
+    if shared.submit.is_empty() {
+        return Err(Reply::err(
+            Status::Internal,
+            "this node has no submit workers",
+        ));
+    }
+    // Prefer an idle worker, else wait on the next in turn.
+    let n = shared.submit.len();
+    let start = shared.submit_next.fetch_add(1, Ordering::Relaxed);
+    let mut guard = None;
+    for k in 0..n {
+        if let Ok(g) = shared.submit[(start + k) % n].try_lock() {
+            guard = Some(g);
+            break;
+        }
+    }
+    let mut guard = match guard {
+        Some(g) => g,
+        None => shared.submit[start % n].lock().await,
+    };
+    let w = ensure_worker(shared, &mut guard)
+        .await
+        .map_err(|e| Reply::err(Status::Internal, e.to_string()))?;
+    match w
+        .call(Opcode::GpuSubmit, &f.body, &f.data, shared.cfg.op_timeout)
+        .await
+    {
+        Ok(frame) if frame.header.status == Status::Ok => Ok(Reply {
+            status: Status::Ok,
+            body: Vec::new(),
+            data: frame.data,
+        }),
+        Ok(frame) => {
+            let fail: WorkerFailure = from_body(&frame.body).unwrap_or(WorkerFailure {
+                status: frame.header.status,
+                message: "worker error".into(),
+                sticky: false,
+            });
+            if fail.sticky {
+                // The worker's context is poisoned: replace it.
+                if let Some(w) = guard.take() {
+                    w.kill();
+                }
+            }
+            Err(Reply::err(fail.status, fail.message))
+        }
+        Err(e) => {
+            guard.take();
+            Err(Reply::err(Status::LaunchFailed, e.to_string()))
+        }
+    }
+}

@@ -1,0 +1,463 @@
+//! The worker process itself: it opens its device, then serves the node's
+//! requests from its stdin (batches, streamed chunks, GPU_SUBMIT), checking
+//! tenants' CUDA C before any device sees it.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::messages::{ChunkOp, WorkerBatch, WorkerBatchReply, WorkerFailure};
+use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
+use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice};
+use crate::hops::{self, HopTimer};
+use crate::proto::{
+    self, from_body, to_body, ArgView, Frame, GpuSubmit, Header, Id, KernelArg, ModuleHash,
+    OpView as Op, Opcode, SourceKind, Status, StreamId,
+};
+use crate::sandbox::{CompileSandbox, Compiler};
+use crate::shm::{WorkerRing, SHM_ENV};
+
+pub(super) fn run_worker(spec: &str) -> i32 {
+    // The node's shared ring for streamed transfers (absent: they fail),
+    // mapped before we report ready: the node removes its file then.
+    let mut ring = std::env::var_os(SHM_ENV).map(|p| WorkerRing::open(std::path::Path::new(&p)));
+    let stdin = std::io::stdin();
+    let stdout = std::io::stdout();
+    let mut input = std::io::BufReader::with_capacity(1 << 20, stdin.lock());
+    let mut output = std::io::BufWriter::with_capacity(1 << 20, stdout.lock());
+    let ready = Header::request(Opcode::GetInventory, 0, 0, 0);
+    // Tenants' CUDA C is checked here and compiled in a confined child.
+    let compiler = Arc::new(Compiler::new(CompileSandbox::from_env()));
+    let device: Result<Box<dyn Device>, DeviceError> = match DeviceSpec::parse(spec) {
+        Some(DeviceSpec::Cuda { ordinal }) => CudaDevice::open(ordinal).map(|mut d| {
+            d.set_compiler(compiler.clone());
+            Box::new(d) as Box<dyn Device>
+        }),
+        Some(DeviceSpec::Memory { capacity }) => Ok(Box::new(MemoryDevice::new(capacity))),
+        None => Err(DeviceError::new(
+            Status::Internal,
+            format!("bad {WORKER_ENV} value {spec:?}"),
+        )),
+    };
+    let mut device = match device.and_then(|mut d| d.info().map(|i| (d, i))) {
+        Ok((d, info)) => {
+            let body = to_body(&info);
+            let h = Header::reply(&ready, Status::Ok, body.len() as u32, 0);
+            if proto::write_frame_blocking(&mut output, &h, &body, &[]).is_err() {
+                return 1;
+            }
+            d
+        }
+        Err(e) => {
+            let body = to_body(&WorkerFailure::from(e));
+            let h = Header::reply(&ready, Status::Internal, body.len() as u32, 0);
+            let _ = proto::write_frame_blocking(&mut output, &h, &body, &[]);
+            return 1;
+        }
+    };
+    let mut submit_modules: HashSet<ModuleHash> = HashSet::new();
+    // How long to poll for the next request before blocking (the node
+    // passes its budget; absent: block at once).
+    let spin = std::env::var(SPIN_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(Duration::ZERO, Duration::from_micros);
+    loop {
+        if input.buffer().is_empty() {
+            use std::os::fd::AsRawFd;
+            crate::spin::readable_within(std::io::stdin().as_raw_fd(), spin);
+        }
+        let header = match proto::read_header_blocking(&mut input, &WORKER_LIMITS) {
+            Ok(h) => h,
+            // End of file: the node is gone or done with us.
+            Err(_) => return 0,
+        };
+        let mut hop = HopTimer::start("worker", header.opcode, u64::from(header.data_len));
+        let frame = match proto::read_rest_blocking(&mut input, header) {
+            Ok(f) => f,
+            Err(_) => return 0,
+        };
+        hops::mark(&mut hop, "pipe_read");
+        let (status, body, data) = match frame.header.opcode {
+            Opcode::MemWrite | Opcode::MemRead => serve_chunk(device.as_mut(), &mut ring, &frame),
+            _ => serve(device.as_mut(), &compiler, &mut submit_modules, &frame),
+        };
+        if let Some(t) = &mut hop {
+            t.mark("device");
+            t.set_op(frame.header.opcode, frame.data.len().max(data.len()) as u64);
+        }
+        let h = Header::reply(&frame.header, status, body.len() as u32, data.len() as u32);
+        if proto::write_frame_blocking(&mut output, &h, &body, &data).is_err() {
+            return 1;
+        }
+        hops::mark(&mut hop, "pipe_write");
+        if let Some(t) = LAST_TRACE.with(|l| l.borrow_mut().take()) {
+            hops::emit(t.line());
+        }
+    }
+}
+
+/// A chunk of a streamed transfer, through the shared ring.
+pub(super) fn serve_chunk(
+    dev: &mut dyn Device,
+    ring: &mut Option<std::io::Result<WorkerRing>>,
+    f: &Frame,
+) -> (Status, Vec<u8>, Vec<u8>) {
+    let fail = |status: Status, message: String| {
+        let e = WorkerFailure {
+            status,
+            message,
+            sticky: false,
+        };
+        (e.status, to_body(&e), Vec::new())
+    };
+    let ring = match ring {
+        Some(Ok(r)) => r,
+        Some(Err(e)) => return fail(Status::Internal, format!("shared ring: {e}")),
+        None => return fail(Status::Internal, "no shared ring".into()),
+    };
+    let op: ChunkOp = match from_body(&f.body) {
+        Ok(op) => op,
+        Err(e) => return fail(Status::BadRequest, e.to_string()),
+    };
+    let slot = match ring.slot(op.slot, op.len) {
+        Ok(s) => s,
+        Err(e) => return fail(Status::BadRequest, e),
+    };
+    let r = if f.header.opcode == Opcode::MemWrite {
+        // Stream 0; the buffer orders later uses on any stream after it.
+        dev.write(0, op.id, op.offset, slot)
+    } else {
+        dev.read_now(op.id, op.offset, slot)
+    };
+    match r {
+        Ok(()) => (Status::Ok, Vec::new(), Vec::new()),
+        Err(e) => {
+            let e = WorkerFailure::from(e);
+            (e.status, to_body(&e), Vec::new())
+        }
+    }
+}
+
+pub(super) fn serve(
+    dev: &mut dyn Device,
+    compiler: &Compiler,
+    cache: &mut HashSet<ModuleHash>,
+    f: &Frame,
+) -> (Status, Vec<u8>, Vec<u8>) {
+    let fail = |e: WorkerFailure| (e.status, to_body(&e), Vec::new());
+    match f.header.opcode {
+        Opcode::GetInventory => match dev.info() {
+            Ok(info) => (Status::Ok, to_body(&info), Vec::new()),
+            Err(e) => fail(e.into()),
+        },
+        Opcode::Batch => match WorkerBatch::decode(&f.body) {
+            Ok(b) => {
+                let mut out = Vec::new();
+                let reply = run_batch(dev, compiler, &b, &f.data, &mut out);
+                (Status::Ok, to_body(&reply), out)
+            }
+            Err(e) => fail(WorkerFailure {
+                status: Status::BadRequest,
+                message: e.to_string(),
+                sticky: false,
+            }),
+        },
+        Opcode::GpuSubmit => match from_body::<GpuSubmit>(&f.body) {
+            Ok(s) => match submit(dev, cache, &s, &f.data) {
+                Ok(out) => (Status::Ok, Vec::new(), out),
+                Err(e) => fail(e.into()),
+            },
+            Err(e) => fail(WorkerFailure {
+                status: Status::BadRequest,
+                message: e.to_string(),
+                sticky: false,
+            }),
+        },
+        op => fail(WorkerFailure {
+            status: Status::BadRequest,
+            message: format!("worker does not serve {op:?}"),
+            sticky: false,
+        }),
+    }
+}
+
+/// With the hop timings on (`CUDA_LEASE_HOP_TIMES`, see `hops`), workers
+/// also print each batch's per-command enqueue times and its finish time,
+/// and the node each batch's planning and worker times, to stderr.
+pub(crate) fn trace_enabled() -> bool {
+    crate::hops::enabled()
+}
+
+pub(super) fn op_name(op: &Op<'_>) -> &'static str {
+    match op {
+        Op::Alloc { .. } => "alloc",
+        Op::Write { .. } => "write",
+        Op::Read { .. } => "read",
+        Op::Free { .. } => "free",
+        Op::Launch(_) => "launch",
+        Op::Record { .. } => "record",
+        Op::Wait { .. } => "wait",
+        Op::Fill { .. } => "fill",
+        Op::Copy { .. } => "copy",
+    }
+}
+
+/// The hop timings of the last batch, printed once its reply is written.
+pub(super) struct BatchTrace {
+    ops: usize,
+    enqueued: std::time::Duration,
+    finish: std::time::Duration,
+    total: std::time::Duration,
+    spans: Vec<(&'static str, std::time::Duration)>,
+}
+
+impl BatchTrace {
+    fn line(&self) -> String {
+        let mut line = format!(
+            "cuda-lease worker batch: {} ops enqueued in {:?}, finish {:?}, total {:?};",
+            self.ops, self.enqueued, self.finish, self.total
+        );
+        for (name, d) in &self.spans {
+            line.push_str(&format!(" {name} {d:?}"));
+        }
+        line
+    }
+}
+
+thread_local! {
+    static LAST_TRACE: std::cell::RefCell<Option<BatchTrace>> = const { std::cell::RefCell::new(None) };
+}
+
+pub(super) fn run_batch(
+    dev: &mut dyn Device,
+    compiler: &Compiler,
+    batch: &WorkerBatch<'_>,
+    data: &[u8],
+    out: &mut Vec<u8>,
+) -> WorkerBatchReply {
+    let mut cursor = 0usize;
+    let mut take = |len: u32| -> Result<&[u8], DeviceError> {
+        let end = cursor + len as usize;
+        let s = data
+            .get(cursor..end)
+            .ok_or_else(|| DeviceError::new(Status::BadRequest, "batch data too short"))?;
+        cursor = end;
+        Ok(s)
+    };
+    let mut read_at = 0usize;
+    let mut failed = None;
+    let mut compiled = Vec::new();
+    let trace = trace_enabled();
+    let t0 = std::time::Instant::now();
+    let mut spans: Vec<(&'static str, std::time::Duration)> = Vec::new();
+    let loads = batch.loads.len();
+    let steps = loads + batch.commands.0.len();
+    for (i, l) in batch.loads.iter().enumerate() {
+        let ts = std::time::Instant::now();
+        let r = take(l.len)
+            .and_then(|d| {
+                check_module(compiler, &l.kind, d)?;
+                dev.load_module(l.hash, &l.kind, d)
+            })
+            .map(|ptx| compiled.extend(ptx.map(|p| (l.hash, p))));
+        if trace {
+            spans.push(("load", ts.elapsed()));
+        }
+        if let Err(e) = r {
+            failed = Some((i, e));
+            break;
+        }
+    }
+    let commands = if failed.is_none() {
+        &batch.commands.0[..]
+    } else {
+        &[]
+    };
+    for (i, c) in commands.iter().enumerate() {
+        let ts = std::time::Instant::now();
+        let stream: StreamId = c.stream;
+        let op = &c.op;
+        let r = match op {
+            Op::Alloc { buf, size } => dev.alloc(stream, *buf, *size),
+            Op::Write { buf, offset, len } => {
+                take(*len).and_then(|d| dev.write(stream, *buf, *offset, d))
+            }
+            Op::Read { buf, offset, len } => dev
+                .read(stream, *buf, *offset, *len, read_at)
+                .map(|()| read_at += *len as usize),
+            Op::Free { id } => dev.free(stream, *id),
+            Op::Launch(spec) => spec
+                .args
+                .iter()
+                .map(|a| match a {
+                    ArgView::Scalar(b) => Ok(DeviceArg::Scalar(b)),
+                    ArgView::Mem { buf, offset } => Ok(DeviceArg::Mem {
+                        id: *buf,
+                        offset: *offset,
+                    }),
+                    ArgView::Input(_) | ArgView::Output => Err(DeviceError::new(
+                        Status::BadRequest,
+                        "Input/Output are for GPU_SUBMIT",
+                    )),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .and_then(|args| {
+                    let dims = LaunchDims {
+                        grid: spec.grid,
+                        block: spec.block,
+                        shared_mem: spec.shared_mem,
+                    };
+                    dev.launch(stream, spec.module, spec.kernel, dims, &args)
+                }),
+            Op::Record { event } => dev.record(stream, *event),
+            Op::Wait { event } => dev.wait(stream, *event),
+            Op::Fill {
+                buf,
+                offset,
+                len,
+                value,
+            } => dev.fill(stream, *buf, *offset, *len, *value),
+            Op::Copy {
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                len,
+            } => dev.copy(stream, (*src, *src_offset), (*dst, *dst_offset), *len),
+        };
+        if trace {
+            spans.push((op_name(op), ts.elapsed()));
+        }
+        if let Err(e) = r {
+            failed = Some((loads + i, e));
+            break;
+        }
+    }
+    // What was enqueued runs to its end (a failure stops only what comes
+    // after it), and the reads of it land.
+    out.resize(read_at, 0);
+    let tf = std::time::Instant::now();
+    let finished = dev.finish(out);
+    if trace {
+        // Formatted and printed after the reply is written (off its path).
+        let t = BatchTrace {
+            ops: steps,
+            enqueued: tf - t0,
+            finish: tf.elapsed(),
+            total: t0.elapsed(),
+            spans,
+        };
+        LAST_TRACE.with(|l| *l.borrow_mut() = Some(t));
+    }
+    let (completed, error) = match (failed, finished) {
+        // A fault while waiting outranks an enqueue error: it is sticky.
+        (Some((i, _)), Err(e)) if e.sticky => (i, Some(e)),
+        (Some((i, e)), _) => (i, Some(e)),
+        (None, Err(e)) => (steps, Some(e)),
+        (None, Ok(())) => (steps, None),
+    };
+    WorkerBatchReply {
+        completed: completed as u32,
+        compiled,
+        error: error.map(Into::into),
+    }
+}
+
+pub(super) fn submit(
+    dev: &mut dyn Device,
+    cache: &mut HashSet<ModuleHash>,
+    s: &GpuSubmit,
+    data: &[u8],
+) -> Result<Vec<u8>, DeviceError> {
+    let bad = |m: &str| DeviceError::new(Status::BadRequest, m);
+    let ptx = data
+        .get(..s.ptx_len as usize)
+        .ok_or_else(|| bad("data too short"))?;
+    let text = std::str::from_utf8(ptx)
+        .map_err(|_| DeviceError::new(Status::LoadFailed, "module text is not UTF-8"))?;
+    let module = ModuleHash::of(&SourceKind::Ptx, text);
+    if !cache.contains(&module) {
+        if cache.len() >= 32 {
+            for m in cache.drain() {
+                let _ = dev.unload_module(m);
+            }
+        }
+        dev.load_module(module, &SourceKind::Ptx, ptx)?;
+        cache.insert(module);
+    }
+    // Buffer ids of this call alone (a submit worker serves no lease).
+    let mut owned: Vec<Id> = Vec::new();
+    let result = (|| {
+        let mut next = 0u64;
+        let mut fresh = |dev: &mut dyn Device, size: u64| -> Result<Id, DeviceError> {
+            let id = Id(next);
+            next += 1;
+            dev.alloc(0, id, size)?;
+            Ok(id)
+        };
+        let mut cursor = s.ptx_len as usize;
+        let mut inputs = Vec::with_capacity(s.input_lens.len());
+        for len in &s.input_lens {
+            let bytes = data
+                .get(cursor..cursor + *len as usize)
+                .ok_or_else(|| bad("data too short"))?;
+            cursor += *len as usize;
+            let id = fresh(dev, u64::from((*len).max(1)))?;
+            owned.push(id);
+            dev.write(0, id, 0, bytes)?;
+            inputs.push(id);
+        }
+        let output = fresh(dev, u64::from(s.output_size))?;
+        owned.push(output);
+        if s.output_fill != 0 {
+            dev.write(0, output, 0, &vec![s.output_fill; s.output_size as usize])?;
+        }
+        let mem = |id: Id| DeviceArg::Mem { id, offset: 0 };
+        let args: Vec<DeviceArg<'_>> = s
+            .args
+            .iter()
+            .map(|a| match a {
+                KernelArg::Scalar(b) => Ok(DeviceArg::Scalar(b)),
+                KernelArg::Input(n) => inputs
+                    .get(*n as usize)
+                    .map(|id| mem(*id))
+                    .ok_or_else(|| bad("no such input")),
+                KernelArg::Output => Ok(mem(output)),
+                KernelArg::Mem { .. } => Err(bad("GPU_SUBMIT has no lease memory")),
+            })
+            .collect::<Result<_, _>>()?;
+        let d = LaunchDims {
+            grid: s.grid,
+            block: s.block,
+            shared_mem: s.shared_mem,
+        };
+        dev.launch(0, module, &s.kernel, d, &args)?;
+        let mut out = vec![0u8; s.output_size as usize];
+        dev.read(0, output, 0, s.output_size, 0)?;
+        dev.finish(&mut out)?;
+        Ok(out)
+    })();
+    for id in owned {
+        let _ = dev.free(0, id);
+    }
+    // The frees run before the next call's work (same stream).
+    result
+}
+
+/// Refuses a CUDA C module whose options or includes could reach the
+/// node's files ([`crate::sandbox`]), before any device sees it.
+pub(super) fn check_module(
+    compiler: &Compiler,
+    kind: &SourceKind,
+    text: &[u8],
+) -> Result<(), DeviceError> {
+    let SourceKind::Cuda { options } = kind else {
+        return Ok(());
+    };
+    let text = std::str::from_utf8(text)
+        .map_err(|_| DeviceError::new(Status::LoadFailed, "module text is not UTF-8"))?;
+    compiler
+        .check(text, options)
+        .map_err(|e| DeviceError::new(Status::LoadFailed, format!("module refused: {e}")))
+}

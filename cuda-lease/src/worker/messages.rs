@@ -1,0 +1,78 @@
+//! What the node and a worker say to each other beyond the wire's own messages:
+//! a batch's modules and commands, streamed chunks, failures and replies.
+
+use serde::{Deserialize, Serialize};
+
+use crate::device::DeviceError;
+use crate::proto::{self, Commands, Id, ModuleHash, SourceKind, Status};
+
+/// A module a worker loads before a batch's commands; its source is the
+/// next `len` bytes of the call's data.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct WorkerLoad {
+    pub(crate) hash: ModuleHash,
+    pub(crate) kind: SourceKind,
+    pub(crate) len: u32,
+}
+
+/// One chunk of a streamed MEM_WRITE (node -> worker: copy slot `slot` to
+/// the memory) or MEM_READ (worker fills the slot), sent with the opcode
+/// of the request; the data is in the shared ring, not the pipe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct ChunkOp {
+    pub(crate) id: Id,
+    pub(crate) offset: u64,
+    pub(crate) slot: u32,
+    pub(crate) len: u32,
+}
+
+/// A batch for a worker: the modules to load, then the client's commands
+/// (checked by the node, and forwarded as the client encoded them). The
+/// call's data holds the module sources, then the writes' payloads.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct WorkerBatch<'a> {
+    pub(crate) loads: Vec<WorkerLoad>,
+    #[serde(borrow)]
+    pub(crate) commands: Commands<'a>,
+}
+
+impl<'a> WorkerBatch<'a> {
+    /// Decodes a worker's BATCH body: its loads, then the commands through
+    /// [`proto::decode_commands`] (as serde would, faster).
+    pub(super) fn decode(body: &'a [u8]) -> Result<Self, proto::ProtoError> {
+        let (loads, wire) = postcard::take_from_bytes::<Vec<WorkerLoad>>(body)
+            .map_err(|e| proto::ProtoError::Body(e.to_string()))?;
+        Ok(WorkerBatch {
+            loads,
+            commands: Commands(proto::decode_commands(wire)?),
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct WorkerFailure {
+    pub(crate) status: Status,
+    pub(crate) message: String,
+    pub(crate) sticky: bool,
+}
+
+impl From<DeviceError> for WorkerFailure {
+    fn from(e: DeviceError) -> Self {
+        Self {
+            status: e.status,
+            message: e.message,
+            sticky: e.sticky,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct WorkerBatchReply {
+    /// Commands enqueued; with `error` and `completed == ops.len()`, the
+    /// failure came when waiting for them (a kernel fault).
+    pub(crate) completed: u32,
+    /// PTX that CUDA C modules of the batch compiled to, for the node's
+    /// cache.
+    pub(crate) compiled: Vec<(ModuleHash, String)>,
+    pub(crate) error: Option<WorkerFailure>,
+}

@@ -1,0 +1,137 @@
+//! Worker processes: one per lease (plus a small pool for GPU_SUBMIT), each
+//! owning one CUDA context and stream.
+//!
+//! A kernel fault poisons every CUDA context of the process that made it, so
+//! the node never touches CUDA itself: it starts a worker by re-executing a
+//! program (by default its own executable) with the environment variable
+//! [`WORKER_ENV`] set, and talks to it over the child's stdin/stdout with the
+//! same framing as the wire ([`crate::proto`]). The program must call
+//! [`main_if_worker`] first thing in `main`; the `cuda-lease-node` binary
+//! does, so any process may point [`WorkerSpec::program`] at it.
+//!
+//! When the node goes away the worker reads end-of-file and exits; when the
+//! lease ends the node kills it. Either way the driver frees everything the
+//! worker held.
+//!
+//! Where each part lives: `process` (the node's side: starting a worker,
+//! its pipes and shared ring, requests with a time bound, the kill),
+//! `child` (the worker process's loop and what it runs), `messages` (what
+//! the two say to each other beyond the wire's own messages); this file
+//! holds how a worker is started ([`WorkerSpec`], [`DeviceSpec`]) and the
+//! [`main_if_worker`] hook.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::proto::Limits;
+use crate::sandbox::CompileSandbox;
+
+mod child;
+mod messages;
+mod process;
+
+pub(crate) use self::messages::{ChunkOp, WorkerBatchReply, WorkerFailure, WorkerLoad};
+pub use self::process::PIPE_BUFFER_BYTES;
+pub(crate) use self::process::{WorkerError, WorkerProcess};
+
+/// Environment variable that turns a process into a worker. Its value names
+/// the device: `cuda:<ordinal>` or `memory:<capacity bytes>`.
+pub const WORKER_ENV: &str = "CUDA_LEASE_WORKER";
+
+/// Environment variable with a worker's spin budget in microseconds
+/// ([`WorkerSpec::spin`]).
+const SPIN_ENV: &str = "CUDA_LEASE_WORKER_SPIN_US";
+
+/// Which device a worker drives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// A real GPU.
+    Cuda {
+        /// CUDA ordinal.
+        ordinal: usize,
+    },
+    /// The in-memory test double ([`MemoryDevice`](crate::device::MemoryDevice)): host memory, real
+    /// streams and events, a few test kernels run on the host.
+    Memory {
+        /// Bytes of "device" memory per worker.
+        capacity: u64,
+    },
+}
+
+impl DeviceSpec {
+    fn to_env(&self) -> String {
+        match self {
+            DeviceSpec::Cuda { ordinal } => format!("cuda:{ordinal}"),
+            DeviceSpec::Memory { capacity } => format!("memory:{capacity}"),
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        let (kind, n) = s.split_once(':')?;
+        match kind {
+            "cuda" => Some(DeviceSpec::Cuda {
+                ordinal: n.parse().ok()?,
+            }),
+            "memory" => Some(DeviceSpec::Memory {
+                capacity: n.parse().ok()?,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// How to start a worker process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSpec {
+    /// Executable that calls [`main_if_worker`] at start-up (for example the
+    /// `cuda-lease-node` binary, or the current executable).
+    pub program: PathBuf,
+    /// Extra arguments.
+    pub args: Vec<OsString>,
+    /// Device to drive.
+    pub device: DeviceSpec,
+    /// How long the worker, after each reply, and the node, after each
+    /// request, poll the pipe without sleeping before they block (see
+    /// [`crate::spin`]); zero blocks at once.
+    pub spin: Duration,
+    /// How workers compile tenants' CUDA C: the headers offered, the time
+    /// and log bounds ([`crate::sandbox`]).
+    pub compile: CompileSandbox,
+}
+
+impl WorkerSpec {
+    /// Workers run the current executable, which must call [`main_if_worker`].
+    ///
+    /// # Errors
+    ///
+    /// When the current executable's path is unknown.
+    pub fn current_exe(device: DeviceSpec) -> std::io::Result<Self> {
+        Ok(Self {
+            program: std::env::current_exe()?,
+            args: Vec::new(),
+            device,
+            spin: crate::spin::default_spin(),
+            compile: CompileSandbox::default(),
+        })
+    }
+}
+
+/// Worker-side limits: the parent already enforced the wire limits.
+const WORKER_LIMITS: Limits = Limits {
+    max_body: 64 << 20,
+    max_data: u32::MAX,
+};
+
+/// Runs the worker loop and exits the process if [`WORKER_ENV`] is set;
+/// returns at once otherwise. Call it first thing in `main` of any program
+/// that serves as a worker executable.
+pub fn main_if_worker() {
+    if std::env::var_os(crate::sandbox::COMPILER_ENV).is_some() {
+        std::process::exit(crate::sandbox::child_main());
+    }
+    if let Some(spec) = std::env::var_os(WORKER_ENV) {
+        let code = child::run_worker(&spec.to_string_lossy());
+        std::process::exit(code);
+    }
+}

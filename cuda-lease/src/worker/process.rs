@@ -1,0 +1,432 @@
+//! The node's side of a worker: starting the process, the pipes and shared ring
+//! it is reached through, requests with a time bound, and the kill.
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::Mutex as StdMutex;
+use std::time::Duration;
+
+use tokio::io::BufReader;
+use tokio::process::{Child, ChildStdin, Command};
+
+use super::messages::{ChunkOp, WorkerFailure};
+use super::{WorkerSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
+use crate::hops::{self, HopTimer};
+use crate::proto::{self, from_body, to_body, DeviceInfo, Frame, Header, Opcode, Status};
+use crate::shm::{ShmRing, SHM_ENV};
+
+/// Kernel buffer size requested for each pipe between the node and a worker.
+///
+/// Linux pipes default to 64 KiB, so a 256 MiB MEM_WRITE or MEM_READ crossed
+/// the pipe in 4096 fills, each one a wake-up of the reader and a round trip
+/// through the node's tokio reactor; on a 2-core machine that hop alone took
+/// 0.5 to 1.3 s. 1 MiB is the largest size an unprivileged process may ask
+/// for by default (`/proc/sys/fs/pipe-max-size`).
+pub const PIPE_BUFFER_BYTES: usize = 1 << 20;
+
+/// The two Linux-only `fcntl` commands for pipe buffers, declared here
+/// rather than pulling in a crate for them (`F_LINUX_SPECIFIC_BASE` + 7 and
+/// + 8 in `<linux/fcntl.h>`, the same on every architecture).
+#[cfg(target_os = "linux")]
+mod pipe_fcntl {
+    use std::ffi::c_int;
+
+    pub(super) const F_SETPIPE_SZ: c_int = 1031;
+    #[cfg(test)]
+    pub(super) const F_GETPIPE_SZ: c_int = 1032;
+
+    unsafe extern "C" {
+        /// `fcntl(2)` from the C library std already links.
+        pub(super) fn fcntl(fd: c_int, cmd: c_int, ...) -> c_int;
+    }
+}
+
+/// Grows the kernel buffer of the pipe behind `fd` to [`PIPE_BUFFER_BYTES`]
+/// (best effort: a smaller system limit only costs throughput).
+#[cfg(target_os = "linux")]
+fn grow_pipe(fd: std::os::fd::BorrowedFd<'_>) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `fd` is borrowed, so it is open for the whole call;
+    // F_SETPIPE_SZ takes one `int` argument, which we pass, and touches no
+    // memory of ours.
+    let r = unsafe {
+        pipe_fcntl::fcntl(
+            fd.as_raw_fd(),
+            pipe_fcntl::F_SETPIPE_SZ,
+            PIPE_BUFFER_BYTES as std::ffi::c_int,
+        )
+    };
+    if r < 0 {
+        tracing::debug!(
+            error = %std::io::Error::last_os_error(),
+            "could not grow a worker pipe; keeping the default size"
+        );
+    }
+}
+
+/// Why talking to a worker failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum WorkerError {
+    /// It could not start (the message says why, e.g. "no NVIDIA driver found").
+    #[error("worker failed to start: {0}")]
+    Start(String),
+    /// It exited or its pipe broke.
+    #[error("worker died: {0}")]
+    Dead(String),
+    /// It did not answer in time and was killed.
+    #[error("worker hung for {0:?} and was killed")]
+    Hung(Duration),
+}
+
+pub(super) struct WorkerIo {
+    stdin: ChildStdin,
+    stdout: BufReader<PipeReader>,
+    next_id: u64,
+}
+
+/// The read end of the worker's stdout, read with the `read` call first
+/// and the reactor's readiness only when that finds nothing.
+///
+/// Tokio's own pipe waits for the reactor to report the pipe readable
+/// again after every read that emptied it, even when the bytes are there
+/// by now (the node spins for the worker's reply, so they usually are):
+/// one reactor turn and one task wake-up on every reply's path, about 20 us
+/// of a chain's round trip on an H100 host (2026-11-23,
+/// `cuda-lease/scripts/hop-timeline`).
+pub(super) struct PipeReader(tokio::io::unix::AsyncFd<std::fs::File>);
+
+impl PipeReader {
+    /// Takes over the read end of a pipe (made non-blocking here).
+    fn new(fd: std::os::fd::OwnedFd) -> std::io::Result<Self> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: `fd` is an open descriptor owned here; F_GETFL/F_SETFL
+        // change only its status flags.
+        unsafe {
+            let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+            if flags < 0 || libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) < 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        let file = std::fs::File::from(fd);
+        // SAFETY: a `File` owns its descriptor: it stays open, and is the
+        // same one, until the `AsyncFd` (which owns the `File`) is dropped.
+        let fd = unsafe { tokio::io::unix::AsyncFd::register(file) }?;
+        Ok(PipeReader(fd))
+    }
+}
+
+impl std::os::fd::AsRawFd for PipeReader {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+impl tokio::io::AsyncRead for PipeReader {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::io::Read;
+        use std::task::Poll;
+        loop {
+            match self.0.get_ref().read(buf.initialize_unfilled()) {
+                Ok(n) => {
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() != std::io::ErrorKind::WouldBlock => {
+                    return Poll::Ready(Err(e));
+                }
+                Err(_) => {}
+            }
+            // Empty: wait for the reactor. Readiness it reported before
+            // the read above is stale; clear it and read again (nothing is
+            // lost: a write after the clear sets it anew).
+            match self.0.poll_read_ready(cx) {
+                Poll::Ready(Ok(mut guard)) => guard.clear_ready(),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}
+
+/// The node's side of one worker process.
+pub(crate) struct WorkerProcess {
+    io: tokio::sync::Mutex<WorkerIo>,
+    child: StdMutex<Option<Child>>,
+    info: DeviceInfo,
+    pid: Option<u32>,
+    /// The bulk-data ring shared with the process.
+    ring: Arc<ShmRing>,
+    /// How long to poll for a reply before awaiting it ([`crate::spin`]).
+    spin: Duration,
+}
+
+impl std::fmt::Debug for WorkerProcess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerProcess")
+            .field("pid", &self.pid)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WorkerProcess {
+    /// Starts a worker and waits (up to `timeout`) for it to report its device.
+    pub(crate) async fn spawn(spec: &WorkerSpec, timeout: Duration) -> Result<Self, WorkerError> {
+        let ring = ShmRing::create()
+            .map_err(|e| WorkerError::Start(format!("creating the shared ring: {e}")))?;
+        let mut cmd = Command::new(&spec.program);
+        cmd.args(&spec.args)
+            .env(WORKER_ENV, spec.device.to_env())
+            .env(SHM_ENV, ring.path())
+            .env(SPIN_ENV, spec.spin.as_micros().to_string())
+            .envs(spec.compile.to_env())
+            // Workers run tenants' work: the node's tokens stay behind.
+            .env_remove("CUDA_LEASE_TOKENS")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| WorkerError::Start(format!("{}: {e}", spec.program.display())))?;
+        let pid = child.id();
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            return Err(WorkerError::Start("no pipes".into()));
+        };
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::fd::AsFd;
+            grow_pipe(stdin.as_fd());
+            grow_pipe(stdout.as_fd());
+        }
+        let stdout = stdout
+            .into_owned_fd()
+            .and_then(PipeReader::new)
+            .map_err(|e| WorkerError::Start(format!("the worker's stdout: {e}")))?;
+        let mut stdout = BufReader::with_capacity(PIPE_BUFFER_BYTES, stdout);
+        let ready =
+            tokio::time::timeout(timeout, proto::read_frame(&mut stdout, &WORKER_LIMITS)).await;
+        let frame = match ready {
+            Err(_) => {
+                let _ = child.start_kill();
+                return Err(WorkerError::Start(format!("no answer within {timeout:?}")));
+            }
+            Ok(Err(e)) => {
+                let _ = child.start_kill();
+                return Err(WorkerError::Start(format!(
+                    "{e} (does {} call cuda_lease::worker::main_if_worker()?)",
+                    spec.program.display()
+                )));
+            }
+            Ok(Ok(f)) => f,
+        };
+        if frame.header.status != Status::Ok {
+            let msg = from_body::<WorkerFailure>(&frame.body)
+                .map(|f| f.message)
+                .unwrap_or_default();
+            let _ = child.start_kill();
+            return Err(WorkerError::Start(msg));
+        }
+        let info: DeviceInfo = from_body(&frame.body)
+            .map_err(|e| WorkerError::Start(format!("bad ready frame: {e}")))?;
+        // The worker mapped the ring before it said it was ready.
+        ring.unlink();
+        Ok(Self {
+            ring: Arc::new(ring),
+            io: tokio::sync::Mutex::new(WorkerIo {
+                stdin,
+                stdout,
+                next_id: 1,
+            }),
+            child: StdMutex::new(Some(child)),
+            info,
+            pid,
+            spin: spec.spin,
+        })
+    }
+
+    /// The bulk-data ring shared with this worker.
+    pub(crate) fn ring(&self) -> &Arc<ShmRing> {
+        &self.ring
+    }
+
+    /// Sends one chunk of a streamed transfer (`opcode` MEM_WRITE or
+    /// MEM_READ, the data in slot `op.slot` of [`WorkerProcess::ring`]);
+    /// the outer error is the worker's death or hang, the inner one the
+    /// chunk's failure.
+    pub(crate) async fn chunk(
+        &self,
+        opcode: Opcode,
+        op: ChunkOp,
+        timeout: Duration,
+    ) -> Result<Result<(), WorkerFailure>, WorkerError> {
+        let f = self.call(opcode, &to_body(&op), &[], timeout).await?;
+        if f.header.status == Status::Ok {
+            return Ok(Ok(()));
+        }
+        Ok(Err(from_body::<WorkerFailure>(&f.body).unwrap_or_else(
+            |e| WorkerFailure {
+                status: Status::Internal,
+                message: format!("bad worker reply: {e}"),
+                sticky: false,
+            },
+        )))
+    }
+
+    /// The device as reported at start-up.
+    pub(crate) fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Sends one request and waits up to `timeout` for the reply; on timeout
+    /// the worker is killed. Calls on one worker run one at a time, in order.
+    pub(crate) async fn call(
+        &self,
+        opcode: Opcode,
+        body: &[u8],
+        data: &[u8],
+        timeout: Duration,
+    ) -> Result<Frame, WorkerError> {
+        self.call_parts(opcode, body, &[data], timeout).await
+    }
+
+    /// [`WorkerProcess::call`] with the data in parts, written back to
+    /// back (never joined in memory).
+    pub(crate) async fn call_parts(
+        &self,
+        opcode: Opcode,
+        body: &[u8],
+        parts: &[&[u8]],
+        timeout: Duration,
+    ) -> Result<Frame, WorkerError> {
+        let mut io = self.io.lock().await;
+        let io = &mut *io;
+        io.next_id += 1;
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let h = Header::request(opcode, io.next_id, body.len() as u32, len as u32);
+        let exchange = async {
+            let mut hop = HopTimer::start("node-worker", opcode, len as u64);
+            proto::write_frame_parts(&mut io.stdin, &h, body, parts).await?;
+            hops::mark(&mut hop, "pipe_send");
+            if io.stdout.buffer().is_empty() {
+                use std::os::fd::AsRawFd;
+                let fd = io.stdout.get_ref().as_raw_fd();
+                crate::spin::readable_within_async(fd, self.spin).await;
+            }
+            let f = proto::read_frame(&mut io.stdout, &WORKER_LIMITS).await;
+            if let (Some(t), Ok(f)) = (&mut hop, &f) {
+                t.mark("pipe_reply");
+                t.set_op(opcode, len.max(f.data.len()) as u64);
+            }
+            f
+        };
+        match tokio::time::timeout(timeout, exchange).await {
+            Ok(Ok(f)) => Ok(f),
+            Ok(Err(e)) => {
+                self.kill();
+                Err(WorkerError::Dead(e.to_string()))
+            }
+            Err(_) => {
+                self.kill();
+                Err(WorkerError::Hung(timeout))
+            }
+        }
+    }
+
+    /// Kills the process (idempotent); the exit is reaped in the background.
+    pub(crate) fn kill(&self) {
+        let child = self.child.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(mut child) = child {
+            let _ = child.start_kill();
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let _ = child.wait().await;
+                });
+            }
+        }
+    }
+
+    /// Kills the process and waits until it has exited (so its GPU memory is back).
+    pub(crate) async fn kill_and_wait(&self) {
+        let child = self.child.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(mut child) = child {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+        }
+    }
+
+    /// `Some(reason)` when the process has exited or was killed.
+    pub(crate) fn exited(&self) -> Option<String> {
+        let mut guard = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        match guard.as_mut() {
+            None => Some("killed".into()),
+            Some(c) => match c.try_wait() {
+                Ok(Some(status)) => Some(format!("exited with {status}")),
+                Ok(None) => None,
+                Err(e) => Some(e.to_string()),
+            },
+        }
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+    use std::os::fd::{AsFd, AsRawFd};
+
+    #[tokio::test]
+    async fn the_pipe_reader_reads_what_is_there_waits_for_the_rest_and_sees_the_end() {
+        use std::io::Write;
+        use tokio::io::AsyncReadExt;
+        let (r, mut w) = std::io::pipe().expect("pipe");
+        let mut reader = PipeReader::new(r.into()).expect("reader");
+        w.write_all(b"abc").expect("write");
+        let mut got = [0u8; 3];
+        reader.read_exact(&mut got).await.expect("there already");
+        assert_eq!(&got, b"abc");
+        // Nothing there: the read waits for the writer (a thread, later).
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            w.write_all(b"defg").expect("write");
+            // Dropped: the end of the pipe.
+        });
+        let mut rest = Vec::new();
+        reader.read_to_end(&mut rest).await.expect("to the end");
+        assert_eq!(rest, b"defg");
+        writer.join().expect("writer");
+    }
+
+    fn pipe_size(fd: std::os::fd::BorrowedFd<'_>) -> std::ffi::c_int {
+        // SAFETY: `fd` is borrowed and open for the call; F_GETPIPE_SZ
+        // takes no argument and touches no memory of ours.
+        unsafe { pipe_fcntl::fcntl(fd.as_raw_fd(), pipe_fcntl::F_GETPIPE_SZ) }
+    }
+
+    #[test]
+    fn pipes_are_grown_up_to_the_system_limit() {
+        let (reader, writer) = std::io::pipe().unwrap();
+        let before = pipe_size(reader.as_fd());
+        grow_pipe(writer.as_fd());
+        let after = pipe_size(reader.as_fd());
+        let max: usize = std::fs::read_to_string("/proc/sys/fs/pipe-max-size")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0);
+        if max >= PIPE_BUFFER_BYTES {
+            assert_eq!(after as usize, PIPE_BUFFER_BYTES);
+        } else {
+            assert_eq!(after, before, "a refused resize leaves the pipe as it was");
+        }
+    }
+}
