@@ -1,0 +1,302 @@
+//! Tenants' CUDA C, compiled without reaching the node's files.
+//!
+//! A tenant's module is source text and NVRTC options. NVRTC is a C++
+//! compiler: left alone it opens any file a source names (`#include
+//! "/etc/passwd"`, `/proc/self/environ`) and quotes it in the log that goes
+//! back to the tenant. Three layers keep it to what the node offers:
+//!
+//! 1. **Options are allow-listed** ([`check_options`]): architecture,
+//!    optimization and code-generation switches, the language standard,
+//!    macro definitions. No include path, pre-include, response file or
+//!    output file option reaches the compiler; the node adds `-I` for the
+//!    CUDA header directories it offers ([`CompileSandbox::include_dirs`]).
+//! 2. **Includes are checked before compiling** ([`check_source`]): the
+//!    only way a source may name a file is a plain `#include <name>` or
+//!    `#include "name"` line whose name is a header found under those
+//!    directories (no absolute path, no `..`, no symbolic link leading
+//!    out). Any other appearance of `include`, `include_next`, `import`,
+//!    `embed`, `__has_include`, a `#line` directive or a line marker, in
+//!    any spelling (line splices, trigraphs, digraphs), refuses the module
+//!    with a message naming the line.
+//! 3. **The compiler runs in a confined child process** ([`Compiler::compile`]): the
+//!    worker re-executes its own program with [`COMPILER_ENV`] set, an
+//!    empty environment (only the library search variables pass) and no
+//!    arguments. The child loads NVRTC, then forbids itself every file
+//!    access but reading the header directories (Landlock, where the kernel
+//!    has it, with `no_new_privs`), then compiles. The worker kills it after
+//!    [`CompileSandbox::timeout`] and keeps at most
+//!    [`CompileSandbox::max_log_bytes`] of its log.
+//!
+//! Layers 1 and 2 hold on any kernel and are what the in-memory test device
+//! checks too; layer 3 holds even if the source check has a gap.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+mod check;
+mod child;
+
+pub use self::check::{check_options, check_source};
+pub(crate) use self::child::child_main;
+pub use self::child::{landlock_abi, probe, Confinement};
+use self::child::{run_child, ChildRequest};
+
+/// Environment variable that turns a worker program into the sandboxed
+/// compiler (see [`crate::worker::main_if_worker`]).
+pub const COMPILER_ENV: &str = "CUDA_LEASE_COMPILER";
+
+/// Environment variables the node passes the sandbox's settings to its
+/// workers in.
+const INCLUDE_ENV: &str = "CUDA_LEASE_INCLUDE";
+const TIMEOUT_ENV: &str = "CUDA_LEASE_COMPILE_TIMEOUT_MS";
+const LOG_ENV: &str = "CUDA_LEASE_COMPILE_LOG_BYTES";
+
+/// Variables the compiler child keeps (where to find `libnvrtc`); every
+/// other variable of the node is cleared.
+const KEPT_ENV: [&str; 5] = [
+    "LD_LIBRARY_PATH",
+    "CUDA_PATH",
+    "CUDA_HOME",
+    "CUDA_ROOT",
+    "CUDA_TOOLKIT_ROOT_DIR",
+];
+
+/// Largest PTX a compile may return.
+const MAX_PTX_BYTES: usize = 256 << 20;
+
+/// How the node compiles tenants' CUDA C.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompileSandbox {
+    /// Directories of headers tenants may include (for example the CUDA
+    /// toolkit's `include`): the compiler may read these and nothing else.
+    /// Empty: no `#include` compiles.
+    pub include_dirs: Vec<PathBuf>,
+    /// Longest one compile may take; the compiler is killed after it.
+    pub timeout: Duration,
+    /// Most bytes of compiler log returned to a tenant (the rest is cut,
+    /// with a note saying how much).
+    pub max_log_bytes: usize,
+}
+
+impl Default for CompileSandbox {
+    /// No headers, 5 s, 16 KiB of log.
+    fn default() -> Self {
+        Self {
+            include_dirs: Vec::new(),
+            timeout: Duration::from_secs(5),
+            max_log_bytes: 16 << 10,
+        }
+    }
+}
+
+impl CompileSandbox {
+    /// The settings as environment variables for a worker process.
+    pub(crate) fn to_env(&self) -> Vec<(&'static str, std::ffi::OsString)> {
+        let dirs = std::env::join_paths(&self.include_dirs).unwrap_or_default();
+        vec![
+            (INCLUDE_ENV, dirs),
+            (TIMEOUT_ENV, self.timeout.as_millis().to_string().into()),
+            (LOG_ENV, self.max_log_bytes.to_string().into()),
+        ]
+    }
+
+    /// The settings a worker was started with (defaults where unset).
+    pub(crate) fn from_env() -> Self {
+        let d = Self::default();
+        let num = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
+        Self {
+            include_dirs: std::env::var_os(INCLUDE_ENV)
+                .map(|v| {
+                    std::env::split_paths(&v)
+                        .filter(|p| !p.as_os_str().is_empty())
+                        .collect()
+                })
+                .unwrap_or_default(),
+            timeout: num(TIMEOUT_ENV).map_or(d.timeout, Duration::from_millis),
+            max_log_bytes: num(LOG_ENV).map_or(d.max_log_bytes, |n| n as usize),
+        }
+    }
+}
+
+/// A worker's compiler: the sandbox's settings and the headers found under
+/// its directories (listed on first use).
+#[derive(Debug, Default)]
+pub struct Compiler {
+    settings: CompileSandbox,
+    headers: OnceLock<BTreeSet<String>>,
+    /// The program run as the compiler child (`None`: this process's own
+    /// executable, as in a worker).
+    program: Option<PathBuf>,
+}
+
+impl Compiler {
+    /// A compiler with these settings.
+    pub fn new(settings: CompileSandbox) -> Self {
+        Self {
+            settings,
+            headers: OnceLock::new(),
+            program: None,
+        }
+    }
+
+    /// Runs `program` as the compiler child instead of this process's own
+    /// executable; it must call [`crate::worker::main_if_worker`] first
+    /// (the `cuda-lease-node` binary does).
+    pub fn with_program(mut self, program: PathBuf) -> Self {
+        self.program = Some(program);
+        self
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &CompileSandbox {
+        &self.settings
+    }
+
+    /// The header names a source may include: every regular file under the
+    /// include directories, by its path relative to its directory (a
+    /// symbolic link counts only if it resolves inside that directory).
+    pub fn headers(&self) -> &BTreeSet<String> {
+        self.headers
+            .get_or_init(|| list_headers(&self.settings.include_dirs))
+    }
+
+    /// Checks a CUDA C module's options and source (layers 1 and 2 of the
+    /// module docs).
+    ///
+    /// # Errors
+    ///
+    /// A message naming the refused option or line.
+    pub fn check(&self, source: &str, options: &[String]) -> Result<(), String> {
+        check_options(options)?;
+        check_source(source, self.headers())
+    }
+
+    /// Compiles `source` with `options` (already checked) in a confined
+    /// child process, adding `-I` for the include directories and
+    /// `--gpu-architecture=<arch>` unless the options name one.
+    ///
+    /// # Errors
+    ///
+    /// The compiler's log (bounded), or why the child failed or was killed.
+    pub fn compile(
+        &self,
+        name: &str,
+        source: &str,
+        options: &[String],
+        arch: &str,
+    ) -> Result<String, String> {
+        let mut opts = options.to_vec();
+        if !opts.iter().any(|o| is_arch_option(o)) {
+            opts.push(format!("--gpu-architecture={arch}"));
+        }
+        for d in &self.settings.include_dirs {
+            opts.push(format!("-I{}", d.display()));
+        }
+        let request = ChildRequest {
+            name: name.to_owned(),
+            source: source.to_owned(),
+            options: opts,
+            readable: self.settings.include_dirs.clone(),
+            probe: Vec::new(),
+        };
+        let reply = run_child(self.program.as_deref(), &request, &self.settings)?;
+        reply.result.map_err(|log| self.bound_log(log))
+    }
+
+    fn bound_log(&self, log: String) -> String {
+        bound(log, self.settings.max_log_bytes)
+    }
+}
+
+/// `text` cut to at most `max` bytes (on a character boundary) with a note
+/// saying how many were cut.
+fn bound(mut text: String, max: usize) -> String {
+    if text.len() <= max {
+        return text;
+    }
+    let total = text.len();
+    let mut cut = max;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    text.truncate(cut);
+    text.push_str(&format!("\n[log cut: {total} bytes, {max} shown]"));
+    text
+}
+
+fn list_headers(dirs: &[PathBuf]) -> BTreeSet<String> {
+    let mut found = BTreeSet::new();
+    for dir in dirs {
+        let Ok(root) = dir.canonicalize() else {
+            continue;
+        };
+        let mut stack = vec![root.clone()];
+        while let Some(d) = stack.pop() {
+            let Ok(entries) = std::fs::read_dir(&d) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                let path = e.path();
+                // Symbolic links count only where they lead inside.
+                let Ok(real) = path.canonicalize() else {
+                    continue;
+                };
+                if !real.starts_with(&root) {
+                    continue;
+                }
+                if real.is_dir() {
+                    // Links to directories are not followed (no loops).
+                    if !path.is_symlink() {
+                        stack.push(path);
+                    }
+                } else if real.is_file() {
+                    if let Some(rel) = path.strip_prefix(&root).ok().and_then(|r| r.to_str()) {
+                        found.insert(rel.to_owned());
+                    }
+                }
+            }
+        }
+    }
+    found
+}
+
+fn is_arch_option(o: &str) -> bool {
+    o.starts_with("--gpu-architecture") || o.starts_with("-arch")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn headers_are_the_files_under_the_include_dirs_and_links_stay_inside() {
+        let dir = std::env::temp_dir().join(format!("cuda-lease-hdr-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("sub")).unwrap();
+        std::fs::write(dir.join("a.h"), "").unwrap();
+        std::fs::write(dir.join("sub/b.h"), "").unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", dir.join("passwd")).unwrap();
+        std::os::unix::fs::symlink(dir.join("a.h"), dir.join("alias.h")).unwrap();
+        let c = Compiler::new(CompileSandbox {
+            include_dirs: vec![dir.clone()],
+            ..CompileSandbox::default()
+        });
+        let found: Vec<&str> = c.headers().iter().map(String::as_str).collect();
+        assert_eq!(found, ["a.h", "alias.h", "sub/b.h"]);
+        assert!(c.check("#include \"sub/b.h\"\n", &[]).is_ok());
+        assert!(c.check("#include \"passwd\"\n", &[]).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn logs_are_bounded_on_a_character_boundary() {
+        let log = "é".repeat(100);
+        let b = bound(log, 11);
+        assert!(
+            b.starts_with("ééééé\n[log cut: 200 bytes, 11 shown]"),
+            "{b}"
+        );
+        assert_eq!(bound("short".into(), 11), "short");
+    }
+}
