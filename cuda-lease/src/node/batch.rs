@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tracing::debug;
 
 use super::auth::lease_of;
-use super::plan::{plan, Effect};
+use super::plan::{plan, Charges, Effect, PlanLimits};
 use super::submit::BudgetTurn;
 use super::{fail_lease, IdKind, LeaseState, ModuleSource, Reply, Shared};
 use crate::hops::{self, HopTimer};
@@ -195,7 +195,18 @@ pub(super) async fn run_batch(
             }
             charged += len;
         }
-        let p = plan(shared, lease, &state, &b.commands, turn);
+        let limits = PlanLimits {
+            max_ids: shared.cfg.max_ids_per_lease,
+            max_streams: shared.cfg.max_streams_per_lease,
+            max_read: u64::from(shared.cfg.limits.max_data),
+        };
+        let mut charges = NodeCharges {
+            shared,
+            lease,
+            now: shared.now(),
+            turn,
+        };
+        let p = plan(limits, &state, &b.commands, &mut charges);
         (loads, writes, p)
     };
     let n_loads = loads.len();
@@ -336,4 +347,29 @@ pub(super) async fn ensure_worker<'a>(
     }
     slot.as_ref()
         .ok_or_else(|| WorkerError::Start("no worker".into()))
+}
+
+/// What a plan charges on the node: allocations to the lease's reservation
+/// in the lease table, read bytes to the principal's byte budget.
+struct NodeCharges<'a, 't> {
+    shared: &'a Shared,
+    lease: &'a LeaseId,
+    now: std::time::Duration,
+    turn: Option<&'t mut BudgetTurn>,
+}
+
+impl Charges for NodeCharges<'_, '_> {
+    fn alloc(&mut self, bytes: u64) -> Result<(), (Status, String)> {
+        self.shared
+            .table()
+            .charge(self.lease, bytes, self.now)
+            .map_err(|e| (e.status, e.message))
+    }
+
+    fn reply(&mut self, bytes: u64) -> Result<(), String> {
+        match self.turn.as_deref_mut() {
+            Some(t) => t.grow(bytes),
+            None => Ok(()),
+        }
+    }
 }

@@ -1,15 +1,17 @@
-//! The batch planner: what a BATCH's commands do to its lease's ids, streams
-//! and reservation, decided before any of them runs (pure logic over the
-//! lease's state).
+//! The batch planner: what a BATCH's commands do to its lease's ids,
+//! streams and reservation, decided before any of them runs. Pure logic
+//! over the lease's state: what it charges (allocations to the lease's
+//! reservation, read bytes to the principal's budget) goes through
+//! [`Charges`], so the rules are unit-tested without QUIC, processes or a
+//! lease table.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
-use super::submit::BudgetTurn;
-use super::{IdKind, LeaseState, Shared};
-use crate::proto::{ArgView, CommandView, Id, LeaseId, OpError, OpView, Status};
+use super::{IdKind, LeaseState};
+use crate::proto::{ArgView, CommandView, Id, OpError, OpView, Status, StreamId};
 
 /// A command's effect on the lease's ids, applied when it ran.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Effect {
     None,
     Create(Id, IdKind),
@@ -18,6 +20,7 @@ pub(super) enum Effect {
 
 /// What a batch's commands do to the lease, up to the first command the
 /// node refuses (the commands before it go to the worker).
+#[derive(Debug)]
 pub(super) struct Plan {
     pub(super) effects: Vec<Effect>,
     /// Bytes of the batch's write payloads the planned commands take.
@@ -25,6 +28,25 @@ pub(super) struct Plan {
     /// Allocations charged to the lease, by command index.
     pub(super) charged: Vec<(usize, u64)>,
     pub(super) error: Option<OpError>,
+}
+
+/// The lease's limits a plan keeps.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PlanLimits {
+    /// Most live ids (buffers and events) in the lease.
+    pub(super) max_ids: usize,
+    /// Most streams the lease may use.
+    pub(super) max_streams: usize,
+    /// Most bytes the batch's reads may return (the reply's data limit).
+    pub(super) max_read: u64,
+}
+
+/// What a plan charges as it goes; a refusal fails the command.
+pub(super) trait Charges {
+    /// An allocation of `bytes`, to the lease's reservation.
+    fn alloc(&mut self, bytes: u64) -> Result<(), (Status, String)>;
+    /// `bytes` of reply data, to the principal's byte budget.
+    fn reply(&mut self, bytes: u64) -> Result<(), String>;
 }
 
 /// What `id` is after the commands planned so far: the batch's own
@@ -40,203 +62,508 @@ pub(super) fn kind_of(
     }
 }
 
+/// Plans `commands` over `state`: each command is checked against the
+/// ids, streams and limits left by the commands before it; the first one
+/// refused ends the plan with its error.
 pub(super) fn plan(
-    shared: &Shared,
-    lease: &LeaseId,
+    limits: PlanLimits,
     state: &LeaseState,
     commands: &[CommandView<'_>],
-    mut turn: Option<&mut BudgetTurn>,
+    charges: &mut dyn Charges,
 ) -> Plan {
-    let mut overlay: HashMap<Id, Option<IdKind>> = HashMap::new();
-    let mut live = state.ids.len();
-    let mut streams = state.streams.clone();
+    let mut planner = Planner {
+        limits,
+        state,
+        overlay: HashMap::new(),
+        live: state.ids.len(),
+        streams: state.streams.clone(),
+        read_total: 0,
+    };
     let mut p = Plan {
         effects: Vec::with_capacity(commands.len()),
         write_bytes: 0,
         charged: Vec::new(),
         error: None,
     };
-    let mut read_total: u64 = 0;
-    let now = shared.now();
-    let cfg = &shared.cfg;
     for (i, c) in commands.iter().enumerate() {
-        let fail = |status: Status, message: String| OpError {
-            index: i as u32,
-            status,
-            message: format!("command {i}: {message}"),
-        };
-        let kind = |id: Id| kind_of(&overlay, state, id);
-        let buffer = |id: Id| match kind(id) {
-            Some(IdKind::Buffer(n)) => Ok(n),
-            Some(IdKind::Event) => Err(fail(
-                Status::BadRequest,
-                format!("{id} is an event, not a buffer"),
-            )),
-            None => Err(fail(Status::NotFound, format!("unknown id {id}"))),
-        };
-        let in_range = |size: u64, offset: u64, len: u64| {
-            if offset.checked_add(len).is_none_or(|end| end > size) {
-                return Err(fail(
-                    Status::BadRequest,
-                    format!("range {offset}+{len} is outside a buffer of {size} bytes"),
-                ));
+        match planner.step(c, charges) {
+            Ok(step) => {
+                planner.apply(step.effect, c.stream);
+                if let Some(size) = step.charged {
+                    p.charged.push((i, size));
+                }
+                p.write_bytes += step.write_bytes;
+                p.effects.push(step.effect);
             }
-            Ok(())
-        };
-        let fresh = |id: Id| {
-            if kind(id).is_some() {
-                return Err(fail(
-                    Status::BadRequest,
-                    format!("id {id} is already in use"),
-                ));
-            }
-            if live >= cfg.max_ids_per_lease {
-                return Err(fail(
-                    Status::CapacityExceeded,
-                    format!("more than {} live ids in one lease", cfg.max_ids_per_lease),
-                ));
-            }
-            Ok(())
-        };
-        let stream = c.stream;
-        let step = (|| -> Result<Effect, OpError> {
-            if !streams.contains(&stream) && streams.len() >= cfg.max_streams_per_lease {
-                return Err(fail(
-                    Status::CapacityExceeded,
-                    format!(
-                        "stream {stream} would be more than the lease's limit of {} streams",
-                        cfg.max_streams_per_lease
-                    ),
-                ));
-            }
-            Ok(match &c.op {
-                OpView::Alloc { buf, size } => {
-                    fresh(*buf)?;
-                    shared
-                        .table()
-                        .charge(lease, *size, now)
-                        .map_err(|e| fail(e.status, e.message))?;
-                    p.charged.push((i, *size));
-                    Effect::Create(*buf, IdKind::Buffer(*size))
-                }
-                OpView::Write { buf, offset, len } => {
-                    in_range(buffer(*buf)?, *offset, u64::from(*len))?;
-                    p.write_bytes += *len as usize;
-                    Effect::None
-                }
-                OpView::Read { buf, offset, len } => {
-                    in_range(buffer(*buf)?, *offset, u64::from(*len))?;
-                    read_total += u64::from(*len);
-                    if read_total > u64::from(cfg.limits.max_data) {
-                        return Err(fail(
-                            Status::BadRequest,
-                            "reads exceed the reply data limit".into(),
-                        ));
-                    }
-                    // The bytes are held for the reply until it is taken:
-                    // charged to the principal before they are read.
-                    if let Some(t) = turn.as_deref_mut() {
-                        t.grow(u64::from(*len))
-                            .map_err(|m| fail(Status::CapacityExceeded, format!("read: {m}")))?;
-                    }
-                    Effect::None
-                }
-                OpView::Free { id } => {
-                    if kind(*id).is_none() {
-                        return Err(fail(Status::NotFound, format!("unknown id {id}")));
-                    }
-                    Effect::Free(*id)
-                }
-                OpView::Launch(spec) => {
-                    for a in &spec.args {
-                        match a {
-                            ArgView::Scalar(_) => {}
-                            ArgView::Mem { buf, offset } => in_range(buffer(*buf)?, *offset, 0)?,
-                            ArgView::Input(_) | ArgView::Output => {
-                                return Err(fail(
-                                    Status::BadRequest,
-                                    "Input/Output are for GPU_SUBMIT".into(),
-                                ))
-                            }
-                        }
-                    }
-                    Effect::None
-                }
-                OpView::Fill {
-                    buf, offset, len, ..
-                } => {
-                    in_range(buffer(*buf)?, *offset, *len)?;
-                    Effect::None
-                }
-                OpView::Copy {
-                    src,
-                    src_offset,
-                    dst,
-                    dst_offset,
-                    len,
-                } => {
-                    in_range(buffer(*src)?, *src_offset, *len)?;
-                    in_range(buffer(*dst)?, *dst_offset, *len)?;
-                    if src == dst {
-                        return Err(fail(
-                            Status::BadRequest,
-                            format!("a copy from {src} to itself"),
-                        ));
-                    }
-                    Effect::None
-                }
-                OpView::Record { event } => {
-                    let effect = match kind(*event) {
-                        Some(IdKind::Event) => Effect::None,
-                        Some(IdKind::Buffer(_)) => {
-                            return Err(fail(
-                                Status::BadRequest,
-                                format!("{event} is a buffer, not an event"),
-                            ))
-                        }
-                        None => {
-                            fresh(*event)?;
-                            Effect::Create(*event, IdKind::Event)
-                        }
-                    };
-                    effect
-                }
-                OpView::Wait { event } => {
-                    match kind(*event) {
-                        Some(IdKind::Event) => {}
-                        Some(IdKind::Buffer(_)) => {
-                            return Err(fail(
-                                Status::BadRequest,
-                                format!("{event} is a buffer, not an event"),
-                            ))
-                        }
-                        None => return Err(fail(Status::NotFound, format!("unknown id {event}"))),
-                    }
-                    Effect::None
-                }
-            })
-        })();
-        match step {
-            Ok(effect) => {
-                match effect {
-                    Effect::Create(id, k) => {
-                        overlay.insert(id, Some(k));
-                        live += 1;
-                    }
-                    Effect::Free(id) => {
-                        overlay.insert(id, None);
-                        live -= 1;
-                    }
-                    Effect::None => {}
-                }
-                streams.insert(stream);
-                p.effects.push(effect);
-            }
-            Err(e) => {
-                p.error = Some(e);
+            Err((status, message)) => {
+                p.error = Some(OpError {
+                    index: i as u32,
+                    status,
+                    message: format!("command {i}: {message}"),
+                });
                 break;
             }
         }
     }
     p
+}
+
+/// One planned command.
+struct Step {
+    effect: Effect,
+    /// An allocation charged to the lease.
+    charged: Option<u64>,
+    /// Bytes of write payload it takes.
+    write_bytes: usize,
+}
+
+impl Step {
+    fn effect(effect: Effect) -> Self {
+        Step {
+            effect,
+            charged: None,
+            write_bytes: 0,
+        }
+    }
+}
+
+type Refusal = (Status, String);
+
+/// The lease as the commands planned so far leave it.
+struct Planner<'s> {
+    limits: PlanLimits,
+    state: &'s LeaseState,
+    /// The batch's own creations (`Some`) and frees (`None`).
+    overlay: HashMap<Id, Option<IdKind>>,
+    live: usize,
+    streams: HashSet<StreamId>,
+    read_total: u64,
+}
+
+impl Planner<'_> {
+    fn kind(&self, id: Id) -> Option<IdKind> {
+        kind_of(&self.overlay, self.state, id)
+    }
+
+    fn apply(&mut self, effect: Effect, stream: StreamId) {
+        match effect {
+            Effect::Create(id, k) => {
+                self.overlay.insert(id, Some(k));
+                self.live += 1;
+            }
+            Effect::Free(id) => {
+                self.overlay.insert(id, None);
+                self.live -= 1;
+            }
+            Effect::None => {}
+        }
+        self.streams.insert(stream);
+    }
+
+    /// The size of buffer `id`.
+    fn buffer(&self, id: Id) -> Result<u64, Refusal> {
+        match self.kind(id) {
+            Some(IdKind::Buffer(n)) => Ok(n),
+            Some(IdKind::Event) => Err((
+                Status::BadRequest,
+                format!("{id} is an event, not a buffer"),
+            )),
+            None => Err((Status::NotFound, format!("unknown id {id}"))),
+        }
+    }
+
+    /// Whether `event` names an event (`Ok(true)`), nothing (`Ok(false)`),
+    /// or a buffer (refused).
+    fn event(&self, event: Id) -> Result<bool, Refusal> {
+        match self.kind(event) {
+            Some(IdKind::Event) => Ok(true),
+            Some(IdKind::Buffer(_)) => Err((
+                Status::BadRequest,
+                format!("{event} is a buffer, not an event"),
+            )),
+            None => Ok(false),
+        }
+    }
+
+    /// Checks that `id` is free to name something new.
+    fn fresh(&self, id: Id) -> Result<(), Refusal> {
+        if self.kind(id).is_some() {
+            return Err((Status::BadRequest, format!("id {id} is already in use")));
+        }
+        if self.live >= self.limits.max_ids {
+            return Err((
+                Status::CapacityExceeded,
+                format!("more than {} live ids in one lease", self.limits.max_ids),
+            ));
+        }
+        Ok(())
+    }
+
+    fn step(&mut self, c: &CommandView<'_>, charges: &mut dyn Charges) -> Result<Step, Refusal> {
+        let stream = c.stream;
+        if !self.streams.contains(&stream) && self.streams.len() >= self.limits.max_streams {
+            return Err((
+                Status::CapacityExceeded,
+                format!(
+                    "stream {stream} would be more than the lease's limit of {} streams",
+                    self.limits.max_streams
+                ),
+            ));
+        }
+        Ok(match &c.op {
+            OpView::Alloc { buf, size } => {
+                self.fresh(*buf)?;
+                charges.alloc(*size)?;
+                Step {
+                    effect: Effect::Create(*buf, IdKind::Buffer(*size)),
+                    charged: Some(*size),
+                    write_bytes: 0,
+                }
+            }
+            OpView::Write { buf, offset, len } => {
+                in_range(self.buffer(*buf)?, *offset, u64::from(*len))?;
+                Step {
+                    write_bytes: *len as usize,
+                    ..Step::effect(Effect::None)
+                }
+            }
+            OpView::Read { buf, offset, len } => {
+                in_range(self.buffer(*buf)?, *offset, u64::from(*len))?;
+                self.read_total += u64::from(*len);
+                if self.read_total > self.limits.max_read {
+                    return Err((
+                        Status::BadRequest,
+                        "reads exceed the reply data limit".into(),
+                    ));
+                }
+                // The bytes are held for the reply until it is taken:
+                // charged to the principal before they are read.
+                charges
+                    .reply(u64::from(*len))
+                    .map_err(|m| (Status::CapacityExceeded, format!("read: {m}")))?;
+                Step::effect(Effect::None)
+            }
+            OpView::Free { id } => {
+                if self.kind(*id).is_none() {
+                    return Err((Status::NotFound, format!("unknown id {id}")));
+                }
+                Step::effect(Effect::Free(*id))
+            }
+            OpView::Launch(spec) => {
+                for a in &spec.args {
+                    match a {
+                        ArgView::Scalar(_) => {}
+                        ArgView::Mem { buf, offset } => in_range(self.buffer(*buf)?, *offset, 0)?,
+                        ArgView::Input(_) | ArgView::Output => {
+                            return Err((
+                                Status::BadRequest,
+                                "Input/Output are for GPU_SUBMIT".into(),
+                            ))
+                        }
+                    }
+                }
+                Step::effect(Effect::None)
+            }
+            OpView::Fill {
+                buf, offset, len, ..
+            } => {
+                in_range(self.buffer(*buf)?, *offset, *len)?;
+                Step::effect(Effect::None)
+            }
+            OpView::Copy {
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                len,
+            } => {
+                in_range(self.buffer(*src)?, *src_offset, *len)?;
+                in_range(self.buffer(*dst)?, *dst_offset, *len)?;
+                if src == dst {
+                    return Err((Status::BadRequest, format!("a copy from {src} to itself")));
+                }
+                Step::effect(Effect::None)
+            }
+            OpView::Record { event } => {
+                if self.event(*event)? {
+                    Step::effect(Effect::None)
+                } else {
+                    self.fresh(*event)?;
+                    Step::effect(Effect::Create(*event, IdKind::Event))
+                }
+            }
+            OpView::Wait { event } => {
+                if !self.event(*event)? {
+                    return Err((Status::NotFound, format!("unknown id {event}")));
+                }
+                Step::effect(Effect::None)
+            }
+        })
+    }
+}
+
+/// Checks that `offset + len` lies within a buffer of `size` bytes.
+fn in_range(size: u64, offset: u64, len: u64) -> Result<(), Refusal> {
+    if offset.checked_add(len).is_none_or(|end| end > size) {
+        return Err((
+            Status::BadRequest,
+            format!("range {offset}+{len} is outside a buffer of {size} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Charges against a reservation and a reply budget, in bytes.
+    struct Budget {
+        reservation: u64,
+        reply: u64,
+    }
+
+    impl Charges for Budget {
+        fn alloc(&mut self, bytes: u64) -> Result<(), (Status, String)> {
+            self.reservation = self
+                .reservation
+                .checked_sub(bytes)
+                .ok_or((Status::CapacityExceeded, "reservation".to_string()))?;
+            Ok(())
+        }
+        fn reply(&mut self, bytes: u64) -> Result<(), String> {
+            self.reply = self.reply.checked_sub(bytes).ok_or("budget")?;
+            Ok(())
+        }
+    }
+
+    const LIMITS: PlanLimits = PlanLimits {
+        max_ids: 4,
+        max_streams: 2,
+        max_read: 1 << 20,
+    };
+
+    fn budget() -> Budget {
+        Budget {
+            reservation: 1000,
+            reply: 1000,
+        }
+    }
+
+    fn cmd(stream: StreamId, op: OpView<'static>) -> CommandView<'static> {
+        CommandView { stream, op }
+    }
+
+    fn run(state: &LeaseState, commands: &[CommandView<'_>], b: &mut Budget) -> Plan {
+        plan(LIMITS, state, commands, b)
+    }
+
+    #[test]
+    fn a_chain_plans_whole_and_charges_its_allocations() {
+        let state = LeaseState::default();
+        let (a, e) = (Id(1), Id(2));
+        let cmds = [
+            cmd(0, OpView::Alloc { buf: a, size: 100 }),
+            cmd(
+                0,
+                OpView::Write {
+                    buf: a,
+                    offset: 0,
+                    len: 100,
+                },
+            ),
+            cmd(0, OpView::Record { event: e }),
+            cmd(1, OpView::Wait { event: e }),
+            cmd(
+                1,
+                OpView::Read {
+                    buf: a,
+                    offset: 50,
+                    len: 50,
+                },
+            ),
+            cmd(1, OpView::Free { id: a }),
+        ];
+        let mut b = budget();
+        let p = run(&state, &cmds, &mut b);
+        assert!(p.error.is_none(), "{:?}", p.error);
+        assert_eq!(p.effects.len(), 6);
+        assert_eq!(p.effects[0], Effect::Create(a, IdKind::Buffer(100)));
+        assert_eq!(p.effects[2], Effect::Create(e, IdKind::Event));
+        assert_eq!(p.effects[5], Effect::Free(a));
+        assert_eq!((p.write_bytes, p.charged.clone()), (100, vec![(0, 100)]));
+        assert_eq!((b.reservation, b.reply), (900, 950));
+    }
+
+    #[test]
+    fn the_first_refused_command_ends_the_plan_and_is_named() {
+        let state = LeaseState::default();
+        let a = Id(1);
+        let cases: Vec<(CommandView<'static>, Status, &str)> = vec![
+            (
+                cmd(
+                    0,
+                    OpView::Read {
+                        buf: a,
+                        offset: 90,
+                        len: 20,
+                    },
+                ),
+                Status::BadRequest,
+                "range 90+20",
+            ),
+            (
+                cmd(
+                    0,
+                    OpView::Read {
+                        buf: Id(9),
+                        offset: 0,
+                        len: 1,
+                    },
+                ),
+                Status::NotFound,
+                "unknown id",
+            ),
+            (
+                cmd(0, OpView::Alloc { buf: a, size: 1 }),
+                Status::BadRequest,
+                "already in use",
+            ),
+            (
+                cmd(
+                    0,
+                    OpView::Alloc {
+                        buf: Id(3),
+                        size: 5000,
+                    },
+                ),
+                Status::CapacityExceeded,
+                "reservation",
+            ),
+            (
+                cmd(0, OpView::Wait { event: a }),
+                Status::BadRequest,
+                "a buffer, not an event",
+            ),
+            (
+                cmd(0, OpView::Wait { event: Id(8) }),
+                Status::NotFound,
+                "unknown id",
+            ),
+            (
+                cmd(5, OpView::Free { id: a }),
+                Status::CapacityExceeded,
+                "limit of 2 streams",
+            ),
+            (
+                cmd(
+                    0,
+                    OpView::Copy {
+                        src: a,
+                        src_offset: 0,
+                        dst: a,
+                        dst_offset: 50,
+                        len: 10,
+                    },
+                ),
+                Status::BadRequest,
+                "to itself",
+            ),
+            (
+                cmd(
+                    0,
+                    OpView::Read {
+                        buf: a,
+                        offset: 0,
+                        len: 100,
+                    },
+                ),
+                Status::BadRequest,
+                "reads exceed",
+            ),
+        ];
+        for (bad, status, text) in cases {
+            let cmds = [
+                cmd(0, OpView::Alloc { buf: a, size: 100 }),
+                cmd(
+                    1,
+                    OpView::Fill {
+                        buf: a,
+                        offset: 0,
+                        len: 100,
+                        value: 0,
+                    },
+                ),
+                bad.clone(),
+                cmd(0, OpView::Free { id: a }),
+            ];
+            let mut b = budget();
+            let limits = PlanLimits {
+                max_read: 99,
+                ..LIMITS
+            };
+            let p = plan(limits, &state, &cmds, &mut b);
+            let e = p.error.expect("refused");
+            assert_eq!((e.index, e.status), (2, status), "{bad:?}: {}", e.message);
+            assert!(e.message.starts_with("command 2: "), "{}", e.message);
+            assert!(e.message.contains(text), "{bad:?}: {}", e.message);
+            assert_eq!(p.effects.len(), 2, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn ids_are_limited_and_a_free_makes_room() {
+        let state = LeaseState::default();
+        let mut cmds: Vec<CommandView<'static>> = (1..=4)
+            .map(|i| {
+                cmd(
+                    0,
+                    OpView::Alloc {
+                        buf: Id(i),
+                        size: 1,
+                    },
+                )
+            })
+            .collect();
+        cmds.push(cmd(0, OpView::Record { event: Id(5) }));
+        let p = run(&state, &cmds, &mut budget());
+        let e = p.error.expect("refused");
+        assert_eq!(
+            (e.index, e.status),
+            (4, Status::CapacityExceeded),
+            "{}",
+            e.message
+        );
+        cmds.insert(4, cmd(0, OpView::Free { id: Id(1) }));
+        let p = run(&state, &cmds, &mut budget());
+        assert!(p.error.is_none(), "{:?}", p.error);
+    }
+
+    #[test]
+    fn reads_over_the_reply_budget_are_refused() {
+        let mut state = LeaseState::default();
+        state.ids.insert(Id(1), IdKind::Buffer(800));
+        let cmds = [
+            cmd(
+                0,
+                OpView::Read {
+                    buf: Id(1),
+                    offset: 0,
+                    len: 800,
+                },
+            ),
+            cmd(
+                0,
+                OpView::Read {
+                    buf: Id(1),
+                    offset: 0,
+                    len: 800,
+                },
+            ),
+        ];
+        let p = run(&state, &cmds, &mut budget());
+        let e = p.error.expect("refused");
+        assert_eq!((e.index, e.status), (1, Status::CapacityExceeded));
+        assert!(e.message.contains("read: budget"), "{}", e.message);
+    }
 }
