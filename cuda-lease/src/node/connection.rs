@@ -93,117 +93,171 @@ pub(super) async fn serve_stream(
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
 ) {
-    let limits = shared.cfg.limits;
     let mut hop = HopTimer::start("node", Opcode::Hello, 0);
+    // Held until the reply has been written or dropped: it also carries
+    // the bytes of the reply (charged by `dispatch` before the work runs).
     let mut turn = None;
-    let head = tokio::time::timeout(Duration::from_secs(60), async {
-        let header = proto::read_header(&mut recv, &limits).await?;
-        let Some(who) = peer.get() else {
-            if header.opcode == Opcode::Hello
-                && !header.is_reply()
-                && header.body_len <= PREAUTH_MAX_BODY
-                && header.data_len == 0
-            {
-                let mut body = vec![0u8; header.body_len as usize];
-                tokio::io::AsyncReadExt::read_exact(&mut recv, &mut body).await?;
-                return Ok(Ok((header, body)));
-            }
-            // Refused on the header alone: nothing declared is read.
-            let msg = if header.opcode == Opcode::Hello {
-                format!("HELLO over {PREAUTH_MAX_BODY} bytes, or with data")
-            } else {
-                "send HELLO with a valid token first".to_string()
-            };
-            return Ok(Err((header, Reply::err(Status::Unauthorized, msg))));
-        };
-        // The principal's budget, before anything declared is allocated
-        // (streamed transfers hold only the worker's ring).
-        let streamed = matches!(header.opcode, Opcode::MemWrite | Opcode::MemRead);
-        let bytes = u64::from(header.body_len)
-            + if streamed {
-                0
-            } else {
-                u64::from(header.data_len)
-            };
-        match BudgetTurn::take(&shared, who, bytes) {
-            Ok(t) => turn = Some(t),
-            Err(r) => return Ok(Err((header, r))),
-        }
-        let mut body = vec![0u8; header.body_len as usize];
-        tokio::io::AsyncReadExt::read_exact(&mut recv, &mut body).await?;
-        Ok(Ok((header, body)))
-    })
+    let head = tokio::time::timeout(
+        Duration::from_secs(60),
+        read_head(&shared, &peer, &mut recv, &mut turn),
+    )
     .await;
-    let head = match head {
-        Ok(Ok(Err((header, reply)))) => {
+    let read = match head {
+        Ok(Ok(Head::Refused(header, reply))) => {
             refuse(&mut send, &mut recv, &header, &reply).await;
             if header.opcode == Opcode::Hello && peer.get().is_none() {
                 close_after_failed_hello(&shared, &peer, &mut send).await;
             }
             return;
         }
-        Ok(Ok(Ok(x))) => Ok(Ok(x)),
-        Ok(Err(e)) => Ok(Err(e)),
-        Err(elapsed) => Err(elapsed),
-    };
-    // Held until the reply has been written or dropped: it also carries
-    // the bytes of the reply (charged by `dispatch` before the work runs).
-    let mut turn = turn;
-    let read = match head {
         // Bulk transfers stream through the worker's shared ring.
-        Ok(Ok((header, body)))
+        Ok(Ok(Head::Read(header, body)))
             if !header.is_reply()
                 && matches!(header.opcode, Opcode::MemWrite | Opcode::MemRead) =>
         {
             super::stream::serve(&shared, &peer, header, body, send, recv, hop).await;
             return;
         }
-        Ok(Ok((header, body))) => {
-            let rest = async {
-                // Grown as the bytes arrive, never allocated whole up front.
-                let want = header.data_len as usize;
-                let mut data = Vec::with_capacity(want.min(1 << 20));
-                while data.len() < want {
-                    let Some(chunk) = recv
-                        .read_chunk(want - data.len(), true)
-                        .await
-                        .map_err(std::io::Error::other)?
-                    else {
-                        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
-                    };
-                    data.extend_from_slice(&chunk.bytes);
-                }
-                Ok(data)
-            };
-            tokio::time::timeout(Duration::from_secs(60), rest)
-                .await
-                .map(|r| r.map(|data| Frame { header, body, data }))
-        }
+        Ok(Ok(Head::Read(header, body))) => read_data(&mut recv, header, body).await,
         Ok(Err(e)) => Ok(Err(e)),
         Err(elapsed) => Err(elapsed),
     };
-    // A peer of another protocol version gets its answer in its own
-    // version's header (the layout is the same), so it can read the reason.
-    let mut reply_version = None;
-    let mut failed_hello = false;
-    let (req, reply) = match read {
+    let answer = answer(&shared, &peer, read, turn.as_mut(), &mut hop).await;
+    write_reply(&shared, &mut send, &answer, &mut hop).await;
+    if answer.failed_hello {
+        close_after_failed_hello(&shared, &peer, &mut send).await;
+    }
+}
+
+/// A request's header and body, or its refusal on the header.
+enum Head {
+    /// Read whole (the data, if any, follows).
+    Read(Header, Vec<u8>),
+    /// Refused on the header alone: nothing declared is read.
+    Refused(Header, Reply),
+}
+
+/// Reads a request's header and body. Without a principal only a small
+/// HELLO is read; with one, the principal's budget is taken (into `turn`)
+/// before anything declared is allocated.
+async fn read_head(
+    shared: &Arc<Shared>,
+    peer: &Peer,
+    recv: &mut quinn::RecvStream,
+    turn: &mut Option<BudgetTurn>,
+) -> std::io::Result<Head> {
+    let header = proto::read_header(recv, &shared.cfg.limits).await?;
+    let Some(who) = peer.get() else {
+        if header.opcode == Opcode::Hello
+            && !header.is_reply()
+            && header.body_len <= PREAUTH_MAX_BODY
+            && header.data_len == 0
+        {
+            let mut body = vec![0u8; header.body_len as usize];
+            tokio::io::AsyncReadExt::read_exact(recv, &mut body).await?;
+            return Ok(Head::Read(header, body));
+        }
+        let msg = if header.opcode == Opcode::Hello {
+            format!("HELLO over {PREAUTH_MAX_BODY} bytes, or with data")
+        } else {
+            "send HELLO with a valid token first".to_string()
+        };
+        return Ok(Head::Refused(header, Reply::err(Status::Unauthorized, msg)));
+    };
+    // Streamed transfers hold only the worker's ring.
+    let streamed = matches!(header.opcode, Opcode::MemWrite | Opcode::MemRead);
+    let bytes = u64::from(header.body_len)
+        + if streamed {
+            0
+        } else {
+            u64::from(header.data_len)
+        };
+    match BudgetTurn::take(shared, who, bytes) {
+        Ok(t) => *turn = Some(t),
+        Err(r) => return Ok(Head::Refused(header, r)),
+    }
+    let mut body = vec![0u8; header.body_len as usize];
+    tokio::io::AsyncReadExt::read_exact(recv, &mut body).await?;
+    Ok(Head::Read(header, body))
+}
+
+/// Reads a request's data (within 60 s), grown as the bytes arrive, never
+/// allocated whole up front.
+async fn read_data(
+    recv: &mut quinn::RecvStream,
+    header: Header,
+    body: Vec<u8>,
+) -> Result<std::io::Result<Frame>, tokio::time::error::Elapsed> {
+    let rest = async {
+        let want = header.data_len as usize;
+        let mut data = Vec::with_capacity(want.min(1 << 20));
+        while data.len() < want {
+            let Some(chunk) = recv
+                .read_chunk(want - data.len(), true)
+                .await
+                .map_err(std::io::Error::other)?
+            else {
+                return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+            };
+            data.extend_from_slice(&chunk.bytes);
+        }
+        Ok(data)
+    };
+    tokio::time::timeout(Duration::from_secs(60), rest)
+        .await
+        .map(|r| r.map(|data| Frame { header, body, data }))
+}
+
+/// The reply to a request, and how to send it.
+struct Answer {
+    req: Header,
+    reply: Reply,
+    /// A peer of another protocol version gets its answer in its own
+    /// version's header (the layout is the same), so it can read the
+    /// reason.
+    reply_version: Option<u8>,
+    /// A HELLO that failed: the connection closes after the reply.
+    failed_hello: bool,
+}
+
+/// Dispatches a request read whole, or answers why it could not be read.
+async fn answer(
+    shared: &Arc<Shared>,
+    peer: &Peer,
+    read: Result<std::io::Result<Frame>, tokio::time::error::Elapsed>,
+    turn: Option<&mut BudgetTurn>,
+    hop: &mut Option<HopTimer>,
+) -> Answer {
+    let refused = |msg: String| Answer {
+        req: Header::request(Opcode::Hello, 0, 0, 0),
+        reply: Reply::err(Status::BadRequest, msg),
+        reply_version: None,
+        failed_hello: false,
+    };
+    match read {
         Ok(Ok(frame)) => {
-            if let Some(t) = &mut hop {
+            if let Some(t) = hop {
                 t.mark("read");
                 t.set_op(frame.header.opcode, frame.data.len() as u64);
             }
-            let reply = dispatch(&shared, &peer, &frame, turn.as_mut()).await;
-            failed_hello = frame.header.opcode == Opcode::Hello
+            let reply = dispatch(shared, peer, &frame, turn).await;
+            let failed_hello = frame.header.opcode == Opcode::Hello
                 && reply.status != Status::Ok
                 && peer.get().is_none();
-            if let Some(t) = &mut hop {
+            if let Some(t) = hop {
                 t.mark("dispatch");
                 let bytes = frame.data.len().max(reply.data.len()) as u64;
                 t.set_op(frame.header.opcode, bytes);
             }
-            (frame.header, reply)
+            Answer {
+                req: frame.header,
+                reply,
+                reply_version: None,
+                failed_hello,
+            }
         }
         Ok(Err(e)) => {
+            let mut reply_version = None;
             let msg = match proto::proto_error(&e) {
                 Some(p) => {
                     // Version 1 had this header layout; later ones may not.
@@ -215,46 +269,50 @@ pub(super) async fn serve_stream(
                 None => format!("bad frame: {e}"),
             };
             debug!(error = %msg, "rejected frame");
-            (
-                Header::request(Opcode::Hello, 0, 0, 0),
-                Reply::err(Status::BadRequest, msg),
-            )
+            Answer {
+                reply_version,
+                ..refused(msg)
+            }
         }
-        Err(_) => (
-            Header::request(Opcode::Hello, 0, 0, 0),
-            Reply::err(Status::BadRequest, "request timed out"),
-        ),
-    };
+        Err(_) => refused("request timed out".into()),
+    }
+}
+
+/// Writes the answer within the reply timeout; a reply nobody reads by
+/// then is reset, the client's loss, not the node's memory.
+async fn write_reply(
+    shared: &Shared,
+    send: &mut quinn::SendStream,
+    a: &Answer,
+    hop: &mut Option<HopTimer>,
+) {
+    let reply = &a.reply;
     let h = Header::reply(
-        &req,
+        &a.req,
         reply.status,
         reply.body.len() as u32,
         reply.data.len() as u32,
     );
     let sent = tokio::time::timeout(shared.cfg.reply_timeout, async {
-        let written = match reply_version {
+        let written = match a.reply_version {
             Some(v) => {
                 let mut frame = h.encode().to_vec();
                 frame[4] = v;
                 frame.extend_from_slice(&reply.body);
-                tokio::io::AsyncWriteExt::write_all(&mut send, &frame).await
+                tokio::io::AsyncWriteExt::write_all(send, &frame).await
             }
-            None => proto::write_frame(&mut send, &h, &reply.body, &reply.data).await,
+            None => proto::write_frame(send, &h, &reply.body, &reply.data).await,
         };
         if written.is_ok() {
             let _ = send.finish();
-            hops::mark(&mut hop, "reply");
+            hops::mark(hop, "reply");
             let _ = send.stopped().await;
         }
     })
     .await;
     if sent.is_err() {
-        // A reply nobody reads is the client's loss, not the node's memory.
         debug!("reply not read within the reply timeout: dropped");
         let _ = send.reset(0u32.into());
-    }
-    if failed_hello {
-        close_after_failed_hello(&shared, &peer, &mut send).await;
     }
 }
 
