@@ -6,9 +6,9 @@ use std::sync::Arc;
 use tracing::debug;
 
 use super::auth::lease_of;
-use super::plan::{plan, Charges, Effect, PlanLimits};
+use super::plan::{plan, Charges, Effect, Plan, PlanLimits};
 use super::submit::BudgetTurn;
-use super::{fail_lease, IdKind, LeaseState, ModuleSource, Reply, Shared};
+use super::{fail_lease, IdKind, LeaseSlot, LeaseState, ModuleSource, Reply, Shared};
 use crate::hops::{self, HopTimer};
 use crate::lease_table::Principal;
 use crate::metrics::Metrics;
@@ -178,41 +178,107 @@ pub(super) async fn run_batch(
     hops::mark(hop, "lock");
     // Re-check: the lease may have died while we waited.
     shared.table().get(lease, shared.now())?;
-    let (loads, writes, p) = {
-        let state = slot.state();
-        let (loads, writes) = modules_to_load(shared, &state, b, data)?;
-        // Module bytes count against the reservation, before anything runs.
-        let mut charged = 0u64;
-        for l in &loads {
-            let len = l.source.1.len() as u64;
-            let r = shared.table().charge(lease, len, shared.now());
-            if let Err(e) = r {
-                shared.table().credit(lease, charged);
-                return Err(Reply::err(
-                    e.status,
-                    format!("module {}: {}", l.hash, e.message),
-                ));
-            }
-            charged += len;
-        }
-        let limits = PlanLimits {
-            max_ids: shared.cfg.max_ids_per_lease,
-            max_streams: shared.cfg.max_streams_per_lease,
-            max_read: u64::from(shared.cfg.limits.max_data),
+    let (loads, writes, p) = prepare(shared, &slot.state(), b, data, turn)?;
+    hops::mark(hop, "plan");
+    let ran = if loads.len() + p.effects.len() > 0 {
+        let work = Work {
+            b,
+            wire,
+            loads: &loads,
+            writes: &writes[..p.write_bytes],
+            planned: p.effects.len(),
         };
-        let mut charges = NodeCharges {
-            shared,
-            lease,
-            now: shared.now(),
-            turn,
-        };
-        let p = plan(limits, &state, &b.commands, &mut charges);
-        (loads, writes, p)
+        call_worker(shared, &slot, who, &work, hop).await?
+    } else {
+        Ran::default()
     };
-    let n_loads = loads.len();
+    commit(shared, &slot, b, &loads, &p, &ran);
+    hops::mark(hop, "commit");
+    Ok((
+        BatchReply {
+            completed: ran.completed as u32,
+            error: ran.error.or(p.error),
+        },
+        ran.out,
+    ))
+}
+
+/// The modules a batch loads (charged to the lease's reservation before
+/// anything runs), the data its writes take, and the plan of its commands.
+fn prepare<'d>(
+    shared: &Shared,
+    state: &LeaseState,
+    b: &BatchView<'_>,
+    data: &'d [u8],
+    turn: Option<&mut BudgetTurn>,
+) -> Result<(Vec<Load>, &'d [u8], Plan), Reply> {
+    let lease = &b.lease;
+    let (loads, writes) = modules_to_load(shared, state, b, data)?;
+    let mut charged = 0u64;
+    for l in &loads {
+        let len = l.source.1.len() as u64;
+        let r = shared.table().charge(lease, len, shared.now());
+        if let Err(e) = r {
+            shared.table().credit(lease, charged);
+            return Err(Reply::err(
+                e.status,
+                format!("module {}: {}", l.hash, e.message),
+            ));
+        }
+        charged += len;
+    }
+    let limits = PlanLimits {
+        max_ids: shared.cfg.max_ids_per_lease,
+        max_streams: shared.cfg.max_streams_per_lease,
+        max_read: u64::from(shared.cfg.limits.max_data),
+    };
+    let mut charges = NodeCharges {
+        shared,
+        lease,
+        now: shared.now(),
+        turn,
+    };
+    let p = plan(limits, state, &b.commands, &mut charges);
+    Ok((loads, writes, p))
+}
+
+/// What goes to the worker: the loads, then the planned commands.
+struct Work<'a> {
+    b: &'a BatchView<'a>,
+    wire: &'a [u8],
+    loads: &'a [Load],
+    writes: &'a [u8],
+    /// How many of the batch's commands were planned (the rest refused).
+    planned: usize,
+}
+
+/// What the worker ran.
+#[derive(Default)]
+struct Ran {
+    /// Modules loaded.
+    loaded: usize,
+    /// Commands completed.
+    completed: usize,
+    /// The reads' bytes.
+    out: Vec<u8>,
+    /// The worker's failure, by the command (or module) it names.
+    error: Option<OpError>,
+}
+
+/// Sends the work to the lease's worker and reads what ran; modules it
+/// loaded enter the node's cache.
+async fn call_worker(
+    shared: &Arc<Shared>,
+    slot: &LeaseSlot,
+    who: &Principal,
+    w: &Work<'_>,
+    hop: &mut Option<HopTimer>,
+) -> Result<Ran, Reply> {
+    let lease = &w.b.lease;
+    let n_loads = w.loads.len();
     let mut parts: Vec<&[u8]> = Vec::with_capacity(n_loads + 1);
     let mut worker_loads = Vec::with_capacity(n_loads);
-    for l in &loads {
+    for l in w.loads {
         worker_loads.push(WorkerLoad {
             hash: l.hash,
             kind: l.source.0.clone(),
@@ -220,97 +286,111 @@ pub(super) async fn run_batch(
         });
         parts.push(&l.source.1);
     }
-    parts.push(&writes[..p.write_bytes]);
-    let planned = p.effects.len();
-    let mut error = p.error;
-    let mut completed = 0usize;
-    let mut loaded = 0usize;
-    let mut out = Vec::new();
-    hops::mark(hop, "plan");
-    if n_loads + planned > 0 {
-        // The worker's message is the loads, then the commands as the
-        // client encoded them (the same postcard as `WorkerBatch`); only
-        // a batch the node stops early has its accepted part encoded anew.
-        let mut body = to_body(&worker_loads);
-        if planned == b.commands.len() {
-            body.extend_from_slice(wire);
+    parts.push(w.writes);
+    // The worker's message is the loads, then the commands as the client
+    // encoded them (the same postcard as `WorkerBatch`); only a batch the
+    // node stops early has its accepted part encoded anew.
+    let mut body = to_body(&worker_loads);
+    if w.planned == w.b.commands.len() {
+        body.extend_from_slice(w.wire);
+    } else {
+        body.extend_from_slice(&to_body(&w.b.commands[..w.planned]));
+    }
+    hops::mark(hop, "encode");
+    let res = slot
+        .worker
+        .call_parts(Opcode::Batch, &body, &parts, shared.cfg.op_timeout)
+        .await;
+    hops::mark(hop, "worker");
+    let frame = res.map_err(|e| worker_lost(shared, lease, &e))?;
+    let reply: WorkerBatchReply = from_body(&frame.body)
+        .map_err(|e| Reply::err(Status::Internal, format!("worker reply: {e}")))?;
+    let done = reply.completed as usize;
+    let loaded = done.min(n_loads);
+    keep_modules(shared, who, &w.loads[..loaded], reply.compiled);
+    let completed = done.saturating_sub(n_loads).min(w.planned);
+    let error = reply.error.map(|e| {
+        if e.sticky {
+            fail_lease(shared, lease, &e.message);
+        }
+        if done < n_loads {
+            // A module failed to load: nothing of the batch ran.
+            let hash = w.loads[done].hash;
+            OpError {
+                index: first_use(w.b, hash),
+                status: e.status,
+                message: format!("module {hash}: {}", e.message),
+            }
         } else {
-            body.extend_from_slice(&to_body(&b.commands[..planned]));
-        }
-        hops::mark(hop, "encode");
-        let res = slot
-            .worker
-            .call_parts(Opcode::Batch, &body, &parts, shared.cfg.op_timeout)
-            .await;
-        hops::mark(hop, "worker");
-        let frame = match res {
-            Ok(frame) => frame,
-            Err(e) => return Err(worker_lost(shared, lease, &e)),
-        };
-        let reply: WorkerBatchReply = from_body(&frame.body)
-            .map_err(|e| Reply::err(Status::Internal, format!("worker reply: {e}")))?;
-        let done = reply.completed as usize;
-        loaded = done.min(n_loads);
-        // Loaded and charged to this lease: now the node may keep them for
-        // everyone, as this principal's (compiled PTX replaces its CUDA C).
-        let mut cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
-        let (cap, share) = (
-            shared.cfg.module_cache_bytes,
-            shared.cfg.module_cache_bytes_per_principal,
-        );
-        for l in loads[..loaded].iter().filter(|l| l.sent) {
-            if cache.get(&l.hash).is_none() {
-                cache.insert(l.hash, l.source.clone(), who, cap, share);
+            OpError {
+                index: completed as u32,
+                status: e.status,
+                message: format!("command {completed}: {}", e.message),
             }
         }
-        for (hash, ptx) in reply.compiled {
-            Metrics::inc(&shared.metrics.modules_compiled);
-            if loads[..loaded].iter().any(|l| l.hash == hash) {
-                let entry = Arc::new((SourceKind::Ptx, ptx.into_bytes()));
-                cache.insert(hash, entry, who, cap, share);
-            }
-        }
-        drop(cache);
-        completed = done.saturating_sub(n_loads).min(planned);
-        out = frame.data;
-        if let Some(e) = reply.error {
-            if e.sticky {
-                fail_lease(shared, lease, &e.message);
-            }
-            error = Some(if done < n_loads {
-                // A module failed to load: nothing of the batch ran.
-                let hash = loads[done].hash;
-                OpError {
-                    index: first_use(b, hash),
-                    status: e.status,
-                    message: format!("module {hash}: {}", e.message),
-                }
-            } else {
-                OpError {
-                    index: completed as u32,
-                    status: e.status,
-                    message: format!("command {completed}: {}", e.message),
-                }
-            });
+    });
+    Ok(Ran {
+        loaded,
+        completed,
+        out: frame.data,
+        error,
+    })
+}
+
+/// Modules loaded and charged to this lease: now the node may keep them
+/// for everyone, as this principal's (compiled PTX replaces its CUDA C).
+fn keep_modules(
+    shared: &Shared,
+    who: &Principal,
+    loaded: &[Load],
+    compiled: Vec<(ModuleHash, String)>,
+) {
+    let mut cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
+    let (cap, share) = (
+        shared.cfg.module_cache_bytes,
+        shared.cfg.module_cache_bytes_per_principal,
+    );
+    for l in loaded.iter().filter(|l| l.sent) {
+        if cache.get(&l.hash).is_none() {
+            cache.insert(l.hash, l.source.clone(), who, cap, share);
         }
     }
-    // Commit what ran; give back the charges of what did not.
+    for (hash, ptx) in compiled {
+        Metrics::inc(&shared.metrics.modules_compiled);
+        if loaded.iter().any(|l| l.hash == hash) {
+            let entry = Arc::new((SourceKind::Ptx, ptx.into_bytes()));
+            cache.insert(hash, entry, who, cap, share);
+        }
+    }
+}
+
+/// Commits what ran to the lease's state; gives back the charges of what
+/// did not.
+fn commit(
+    shared: &Shared,
+    slot: &LeaseSlot,
+    b: &BatchView<'_>,
+    loads: &[Load],
+    p: &Plan,
+    ran: &Ran,
+) {
+    let lease = &b.lease;
     let mut table = shared.table();
     let mut state = slot.state();
     for (i, l) in loads.iter().enumerate() {
         let len = l.source.1.len() as u64;
-        if i < loaded {
+        if i < ran.loaded {
             state.modules.insert(l.hash, len);
         } else {
             table.credit(lease, len);
         }
     }
     for (i, size) in &p.charged {
-        if *i >= completed {
+        if *i >= ran.completed {
             table.credit(lease, *size);
         }
     }
-    for (c, effect) in b.commands.iter().zip(&p.effects).take(completed) {
+    for (c, effect) in b.commands.iter().zip(&p.effects).take(ran.completed) {
         state.streams.insert(c.stream);
         match *effect {
             Effect::Create(id, k) => {
@@ -324,14 +404,6 @@ pub(super) async fn run_batch(
             Effect::None => {}
         }
     }
-    hops::mark(hop, "commit");
-    Ok((
-        BatchReply {
-            completed: completed as u32,
-            error,
-        },
-        out,
-    ))
 }
 
 pub(super) async fn ensure_worker<'a>(
