@@ -52,39 +52,7 @@ pub(super) async fn dispatch_inner(
         ));
     }
     if op == Opcode::Hello {
-        let h: Hello = from_body(&f.body)?;
-        // Client-supplied: escaped before it reaches a log line.
-        let client = h.client.escape_debug().to_string();
-        let hello_ok = || {
-            Ok(Reply::ok(&HelloOk {
-                node: shared.cfg.name.clone(),
-            }))
-        };
-        if peer.get().is_some() {
-            return hello_ok();
-        }
-        // Token checks are rationed per source address.
-        if !shared.handshakes.take_check(peer.source) {
-            shared.handshakes.rejected(&client, peer.remote(), false);
-            return Err(Reply::err(
-                Status::Unauthorized,
-                "too many failed HELLOs from this address: try again later",
-            ));
-        }
-        let who = token_principal(shared, &h.token).or_else(|| {
-            shared
-                .cfg
-                .allow_anonymous
-                .then(|| Principal::from("anonymous"))
-        });
-        if let Some(who) = who {
-            shared.handshakes.authenticated(peer.source);
-            let who = peer.authenticate(who);
-            debug!(%client, principal = %who, "authenticated");
-            return hello_ok();
-        }
-        shared.handshakes.rejected(&client, peer.remote(), true);
-        return Err(Reply::err(Status::Unauthorized, "invalid token"));
+        return hello(shared, peer, f);
     }
     let who = principal(peer)?.clone();
     let now = shared.now();
@@ -99,23 +67,7 @@ pub(super) async fn dispatch_inner(
         }
         Opcode::GetInventory => inventory(shared).await,
         Opcode::LeaseAlloc => lease_alloc(shared, &who, from_body(&f.body)?).await,
-        Opcode::LeaseRenew => {
-            let r: LeaseRenew = from_body(&f.body)?;
-            if r.ttl_secs == 0 {
-                return Err(Reply::err(Status::BadRequest, "ttl must be at least 1 s"));
-            }
-            let g = {
-                let mut t = shared.table();
-                t.check_owner(&r.lease, Some(&who))?;
-                t.renew(&r.lease, Duration::from_secs(u64::from(r.ttl_secs)), now)?
-            };
-            Ok(Reply::ok(&LeaseGrant {
-                lease: r.lease,
-                generation: g.generation,
-                reserved: g.reserved,
-                ttl_ms: ms(g.deadline.saturating_sub(now)),
-            }))
-        }
+        Opcode::LeaseRenew => lease_renew(shared, &who, f),
         Opcode::LeaseQuery => {
             let r: LeaseRef = from_body(&f.body)?;
             let t = shared.table();
@@ -139,38 +91,112 @@ pub(super) async fn dispatch_inner(
             let m: IdOp = from_body(&f.body)?;
             single(shared, &who, m.lease, Op::Free { id: m.id }).await
         }
-        Opcode::Batch => {
-            // With hop timings on: the node's phases of this batch.
-            let mut hop = HopTimer::start("node-batch", op, f.data.len() as u64);
-            let (b, wire) = BatchView::decode(&f.body)?;
-            b.validate(f.data.len())?;
-            hops::mark(&mut hop, "decode");
-            Metrics::inc(&shared.metrics.batch_total);
-            shared
-                .metrics
-                .batch_commands
-                .fetch_add(b.commands.len() as u64, Ordering::Relaxed);
-            let (reply, data) =
-                run_in_order(shared, &who, &b, wire, &f.data, &mut hop, turn).await?;
-            let body = to_body(&reply);
-            hops::mark(&mut hop, "reply");
-            Ok(Reply {
-                status: Status::Ok,
-                body,
-                data,
-            })
-        }
-        Opcode::GpuSubmit => {
-            // The output is held for the reply: charged before anything runs.
-            let s: GpuSubmit = from_body(&f.body)?;
-            if let Some(t) = turn {
-                t.grow(u64::from(s.output_size))
-                    .map_err(|m| Reply::err(Status::CapacityExceeded, format!("output: {m}")))?;
-            }
-            let _turn = submit_turn(shared, &who).await;
-            submit(shared, f).await
-        }
+        Opcode::Batch => batch(shared, &who, f, turn).await,
+        Opcode::GpuSubmit => gpu_submit(shared, &who, f, turn).await,
     }
+}
+
+/// HELLO: authenticates the connection by token (checks rationed per
+/// source address), or confirms it already is.
+fn hello(shared: &Shared, peer: &Peer, f: &Frame) -> Result<Reply, Reply> {
+    let h: Hello = from_body(&f.body)?;
+    // Client-supplied: escaped before it reaches a log line.
+    let client = h.client.escape_debug().to_string();
+    let hello_ok = || {
+        Ok(Reply::ok(&HelloOk {
+            node: shared.cfg.name.clone(),
+        }))
+    };
+    if peer.get().is_some() {
+        return hello_ok();
+    }
+    // Token checks are rationed per source address.
+    if !shared.handshakes.take_check(peer.source) {
+        shared.handshakes.rejected(&client, peer.remote(), false);
+        return Err(Reply::err(
+            Status::Unauthorized,
+            "too many failed HELLOs from this address: try again later",
+        ));
+    }
+    let who = token_principal(shared, &h.token).or_else(|| {
+        shared
+            .cfg
+            .allow_anonymous
+            .then(|| Principal::from("anonymous"))
+    });
+    if let Some(who) = who {
+        shared.handshakes.authenticated(peer.source);
+        let who = peer.authenticate(who);
+        debug!(%client, principal = %who, "authenticated");
+        return hello_ok();
+    }
+    shared.handshakes.rejected(&client, peer.remote(), true);
+    Err(Reply::err(Status::Unauthorized, "invalid token"))
+}
+
+/// LEASE_RENEW, by the lease's owner.
+fn lease_renew(shared: &Shared, who: &Principal, f: &Frame) -> Result<Reply, Reply> {
+    let now = shared.now();
+    let r: LeaseRenew = from_body(&f.body)?;
+    if r.ttl_secs == 0 {
+        return Err(Reply::err(Status::BadRequest, "ttl must be at least 1 s"));
+    }
+    let g = {
+        let mut t = shared.table();
+        t.check_owner(&r.lease, Some(who))?;
+        t.renew(&r.lease, Duration::from_secs(u64::from(r.ttl_secs)), now)?
+    };
+    Ok(Reply::ok(&LeaseGrant {
+        lease: r.lease,
+        generation: g.generation,
+        reserved: g.reserved,
+        ttl_ms: ms(g.deadline.saturating_sub(now)),
+    }))
+}
+
+/// BATCH: decoded, checked, run in the lease's order.
+async fn batch(
+    shared: &Arc<Shared>,
+    who: &Principal,
+    f: &Frame,
+    turn: Option<&mut BudgetTurn>,
+) -> Result<Reply, Reply> {
+    let op = f.header.opcode;
+    // With hop timings on: the node's phases of this batch.
+    let mut hop = HopTimer::start("node-batch", op, f.data.len() as u64);
+    let (b, wire) = BatchView::decode(&f.body)?;
+    b.validate(f.data.len())?;
+    hops::mark(&mut hop, "decode");
+    Metrics::inc(&shared.metrics.batch_total);
+    shared
+        .metrics
+        .batch_commands
+        .fetch_add(b.commands.len() as u64, Ordering::Relaxed);
+    let (reply, data) = run_in_order(shared, who, &b, wire, &f.data, &mut hop, turn).await?;
+    let body = to_body(&reply);
+    hops::mark(&mut hop, "reply");
+    Ok(Reply {
+        status: Status::Ok,
+        body,
+        data,
+    })
+}
+
+/// GPU_SUBMIT, in the principal's turn.
+async fn gpu_submit(
+    shared: &Arc<Shared>,
+    who: &Principal,
+    f: &Frame,
+    turn: Option<&mut BudgetTurn>,
+) -> Result<Reply, Reply> {
+    // The output is held for the reply: charged before anything runs.
+    let s: GpuSubmit = from_body(&f.body)?;
+    if let Some(t) = turn {
+        t.grow(u64::from(s.output_size))
+            .map_err(|m| Reply::err(Status::CapacityExceeded, format!("output: {m}")))?;
+    }
+    let _turn = submit_turn(shared, who).await;
+    submit(shared, f).await
 }
 
 pub(super) fn ms(d: Duration) -> u64 {
