@@ -11,8 +11,8 @@ use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice};
 use crate::hops::{self, HopTimer};
 use crate::proto::{
-    self, from_body, to_body, ArgView, Frame, GpuSubmit, Header, Id, KernelArg, ModuleHash,
-    OpView as Op, Opcode, SourceKind, Status, StreamId,
+    self, from_body, to_body, ArgView, Frame, GpuSubmit, Header, Id, KernelArg, LaunchView,
+    ModuleHash, OpView as Op, Opcode, SourceKind, Status, StreamId,
 };
 use crate::sandbox::{CompileSandbox, Compiler};
 use crate::shm::{WorkerRing, SHM_ENV};
@@ -236,15 +236,7 @@ pub(super) fn run_batch(
     data: &[u8],
     out: &mut Vec<u8>,
 ) -> WorkerBatchReply {
-    let mut cursor = 0usize;
-    let mut take = |len: u32| -> Result<&[u8], DeviceError> {
-        let end = cursor + len as usize;
-        let s = data
-            .get(cursor..end)
-            .ok_or_else(|| DeviceError::new(Status::BadRequest, "batch data too short"))?;
-        cursor = end;
-        Ok(s)
-    };
+    let mut payload = Payload { data, cursor: 0 };
     let mut read_at = 0usize;
     let mut failed = None;
     let mut compiled = Vec::new();
@@ -255,7 +247,8 @@ pub(super) fn run_batch(
     let steps = loads + batch.commands.0.len();
     for (i, l) in batch.loads.iter().enumerate() {
         let ts = std::time::Instant::now();
-        let r = take(l.len)
+        let r = payload
+            .take(l.len)
             .and_then(|d| {
                 check_module(compiler, &l.kind, d)?;
                 dev.load_module(l.hash, &l.kind, d)
@@ -276,56 +269,8 @@ pub(super) fn run_batch(
     };
     for (i, c) in commands.iter().enumerate() {
         let ts = std::time::Instant::now();
-        let stream: StreamId = c.stream;
         let op = &c.op;
-        let r = match op {
-            Op::Alloc { buf, size } => dev.alloc(stream, *buf, *size),
-            Op::Write { buf, offset, len } => {
-                take(*len).and_then(|d| dev.write(stream, *buf, *offset, d))
-            }
-            Op::Read { buf, offset, len } => dev
-                .read(stream, *buf, *offset, *len, read_at)
-                .map(|()| read_at += *len as usize),
-            Op::Free { id } => dev.free(stream, *id),
-            Op::Launch(spec) => spec
-                .args
-                .iter()
-                .map(|a| match a {
-                    ArgView::Scalar(b) => Ok(DeviceArg::Scalar(b)),
-                    ArgView::Mem { buf, offset } => Ok(DeviceArg::Mem {
-                        id: *buf,
-                        offset: *offset,
-                    }),
-                    ArgView::Input(_) | ArgView::Output => Err(DeviceError::new(
-                        Status::BadRequest,
-                        "Input/Output are for GPU_SUBMIT",
-                    )),
-                })
-                .collect::<Result<Vec<_>, _>>()
-                .and_then(|args| {
-                    let dims = LaunchDims {
-                        grid: spec.grid,
-                        block: spec.block,
-                        shared_mem: spec.shared_mem,
-                    };
-                    dev.launch(stream, spec.module, spec.kernel, dims, &args)
-                }),
-            Op::Record { event } => dev.record(stream, *event),
-            Op::Wait { event } => dev.wait(stream, *event),
-            Op::Fill {
-                buf,
-                offset,
-                len,
-                value,
-            } => dev.fill(stream, *buf, *offset, *len, *value),
-            Op::Copy {
-                src,
-                src_offset,
-                dst,
-                dst_offset,
-                len,
-            } => dev.copy(stream, (*src, *src_offset), (*dst, *dst_offset), *len),
-        };
+        let r = enqueue(dev, c.stream, op, &mut payload, &mut read_at);
         if trace {
             spans.push((op_name(op), ts.elapsed()));
         }
@@ -443,6 +388,87 @@ pub(super) fn submit(
     }
     // The frees run before the next call's work (same stream).
     result
+}
+
+/// The batch's data, taken front to back by its module sources and writes.
+struct Payload<'d> {
+    data: &'d [u8],
+    cursor: usize,
+}
+
+impl<'d> Payload<'d> {
+    fn take(&mut self, len: u32) -> Result<&'d [u8], DeviceError> {
+        let end = self.cursor + len as usize;
+        let s = self
+            .data
+            .get(self.cursor..end)
+            .ok_or_else(|| DeviceError::new(Status::BadRequest, "batch data too short"))?;
+        self.cursor = end;
+        Ok(s)
+    }
+}
+
+/// Enqueues one command on the device; a read lands at `read_at` in the
+/// reply's data, which it advances.
+fn enqueue(
+    dev: &mut dyn Device,
+    stream: StreamId,
+    op: &Op<'_>,
+    payload: &mut Payload<'_>,
+    read_at: &mut usize,
+) -> Result<(), DeviceError> {
+    match op {
+        Op::Alloc { buf, size } => dev.alloc(stream, *buf, *size),
+        Op::Write { buf, offset, len } => payload
+            .take(*len)
+            .and_then(|d| dev.write(stream, *buf, *offset, d)),
+        Op::Read { buf, offset, len } => dev
+            .read(stream, *buf, *offset, *len, *read_at)
+            .map(|()| *read_at += *len as usize),
+        Op::Free { id } => dev.free(stream, *id),
+        Op::Launch(spec) => {
+            let args = launch_args(spec)?;
+            let dims = LaunchDims {
+                grid: spec.grid,
+                block: spec.block,
+                shared_mem: spec.shared_mem,
+            };
+            dev.launch(stream, spec.module, spec.kernel, dims, &args)
+        }
+        Op::Record { event } => dev.record(stream, *event),
+        Op::Wait { event } => dev.wait(stream, *event),
+        Op::Fill {
+            buf,
+            offset,
+            len,
+            value,
+        } => dev.fill(stream, *buf, *offset, *len, *value),
+        Op::Copy {
+            src,
+            src_offset,
+            dst,
+            dst_offset,
+            len,
+        } => dev.copy(stream, (*src, *src_offset), (*dst, *dst_offset), *len),
+    }
+}
+
+/// A launch's arguments as the device takes them.
+fn launch_args<'a>(spec: &'a LaunchView<'_>) -> Result<Vec<DeviceArg<'a>>, DeviceError> {
+    spec.args
+        .iter()
+        .map(|a| match a {
+            ArgView::Scalar(b) => Ok(DeviceArg::Scalar(b)),
+            ArgView::Mem { buf, offset } => Ok(DeviceArg::Mem {
+                id: *buf,
+                offset: *offset,
+            }),
+            ArgView::Input(_) | ArgView::Output => Err(DeviceError::new(
+                Status::BadRequest,
+                "Input/Output are for GPU_SUBMIT",
+            )),
+        })
+        .collect()
 }
 
 /// Refuses a CUDA C module whose options or includes could reach the
