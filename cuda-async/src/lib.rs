@@ -57,6 +57,7 @@ mod exec;
 mod future;
 pub mod graph;
 mod handoff;
+mod host;
 pub mod launch;
 mod macros;
 pub mod memory;
