@@ -9,7 +9,7 @@ use cuda_core::{Error, Result};
 
 use crate::completion::Completion;
 
-use super::Recording;
+use super::recording::Recording;
 
 /// A client-named stream of a remote session.
 pub type RemoteStream = u32;
