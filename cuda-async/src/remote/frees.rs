@@ -5,9 +5,9 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
+use super::context::RemoteContext;
 use super::recording::RemoteCommand;
 use super::session::RemoteSession;
-use super::RemoteContext;
 
 /// Frees of remote buffers dropped while a submission of their session is
 /// being recorded on this thread: they join the end of that submission,
@@ -74,10 +74,8 @@ impl RecordingFrame {
     /// Ends the frame: its frees are recorded at the end of `ctx`.
     pub(crate) fn finish(self, ctx: &mut RemoteContext) {
         for id in self.pop() {
-            ctx.recording.push(RemoteCommand::Free {
-                stream: ctx.stream,
-                id,
-            });
+            let stream = ctx.stream();
+            ctx.recording().push(RemoteCommand::Free { stream, id });
         }
         std::mem::forget(self);
     }

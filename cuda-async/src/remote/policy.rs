@@ -9,8 +9,8 @@ use cuda_core::Result;
 use crate::context::ExecutionContext;
 use crate::policy::SchedulingPolicy;
 
+use super::context::{OnReply, RemoteContext};
 use super::session::{AsRemoteSession, RemoteCompletion, RemoteSession, RemoteStream};
-use super::{OnReply, RemoteContext};
 
 /// The default number of streams a [`RemotePolicy`] spreads submissions
 /// over.
@@ -80,11 +80,11 @@ impl SchedulingPolicy for RemotePolicy {
 pub(crate) fn send(ctx: &mut ExecutionContext) -> Option<(RemoteCompletion, OnReply)> {
     let remote = ctx.as_remote()?;
     let recording = remote.take_recording();
-    let on_reply = std::mem::take(&mut remote.on_reply);
+    let on_reply = remote.take_on_reply();
     if recording.is_empty() {
         return None;
     }
     let done = RemoteCompletion::new();
-    remote.session.submit(recording, done.clone());
+    remote.session().submit(recording, done.clone());
     Some((done, on_reply))
 }
