@@ -66,6 +66,7 @@ mod op;
 pub mod policy;
 mod reactor;
 pub mod remote;
+mod spread;
 mod stream_pool;
 mod sync;
 mod waker;
