@@ -11,8 +11,8 @@ use cuda_core::{Error, Result};
 use crate::buffer::DeviceBuffer;
 
 use super::frees::free_remote;
-use super::recording::{Recording, RemoteCommand};
-use super::session::{RemoteSession, RemoteStream};
+use super::recording::{Recording, RemoteCommand, RemoteStream};
+use super::session::RemoteSession;
 
 /// A stream of a remote session being recorded onto: what an op sees
 /// through [`ExecutionContext::as_remote`](crate::ExecutionContext::as_remote).

@@ -47,8 +47,8 @@ mod session;
 pub use crate::host::{HostBuffer, ReadBuf, ReadSlot};
 pub use context::RemoteContext;
 pub use policy::{RemotePolicy, DEFAULT_REMOTE_STREAMS};
-pub use recording::{Recording, RemoteArg, RemoteCommand};
-pub use session::{AsRemoteSession, RemoteCompletion, RemoteSession, RemoteStream};
+pub use recording::{Recording, RemoteArg, RemoteCommand, RemoteStream};
+pub use session::{AsRemoteSession, RemoteCompletion, RemoteSession};
 
 pub(crate) use context::{OnReply, RemoteEvent};
 pub(crate) use frees::{free_remote, RecordingFrame};

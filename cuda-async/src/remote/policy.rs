@@ -10,7 +10,8 @@ use crate::context::ExecutionContext;
 use crate::policy::SchedulingPolicy;
 
 use super::context::{OnReply, RemoteContext};
-use super::session::{AsRemoteSession, RemoteCompletion, RemoteSession, RemoteStream};
+use super::recording::RemoteStream;
+use super::session::{AsRemoteSession, RemoteCompletion, RemoteSession};
 
 /// The default number of streams a [`RemotePolicy`] spreads submissions
 /// over.

@@ -1,6 +1,7 @@
 //! What a remote context records: [`RemoteCommand`]s (with their
-//! [`RemoteArg`]s) into a [`Recording`], with the write payloads and the
-//! read slots of one submission.
+//! [`RemoteArg`]s, on client-named [`RemoteStream`]s) into a
+//! [`Recording`], with the write payloads and the read slots of one
+//! submission.
 
 use std::sync::Arc;
 
@@ -8,7 +9,8 @@ use cuda_core::{Kernel, LaunchConfig};
 
 use crate::host::ReadSlot;
 
-use super::session::RemoteStream;
+/// A client-named stream of a remote session.
+pub type RemoteStream = u32;
 
 /// One recorded command.
 #[derive(Debug, Clone)]

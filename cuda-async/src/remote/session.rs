@@ -11,9 +11,6 @@ use crate::completion::Completion;
 
 use super::recording::Recording;
 
-/// A client-named stream of a remote session.
-pub type RemoteStream = u32;
-
 /// A session with a remote GPU: the transport behind remote contexts.
 ///
 /// Implementations must not block in any method: [`RemoteSession::submit`]
