@@ -8,10 +8,10 @@ use std::sync::Arc;
 use cuda_core::cudarc::driver::CudaStream;
 use cuda_core::{Device, Error, Result};
 
-use crate::multi::Spread;
-use crate::policy::StreamPool;
 use crate::reactor::{CompletionMode, StreamSlot};
 use crate::remote::RemoteContext;
+use crate::spread::Spread;
+use crate::stream_pool::StreamPool;
 
 /// What an op executes against: a stream of a local GPU (a device, a CUDA
 /// stream on it, and the pool that concurrent combinators fork onto), or a

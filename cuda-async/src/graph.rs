@@ -68,7 +68,8 @@ use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
 use crate::exec::{check_poison, execute_guarded, note};
 use crate::op::{DeviceOp, DeviceOpExt};
-use crate::policy::{default_device, StreamPool, DEFAULT_POOL_STREAMS};
+use crate::policy::default_device;
+use crate::stream_pool::{StreamPool, DEFAULT_POOL_STREAMS};
 
 /// A captured op: an instantiated CUDA graph that owns the op's output and
 /// everything its replays use. Replay it with [`CudaGraph::launch`].

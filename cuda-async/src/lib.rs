@@ -57,6 +57,7 @@ mod exec;
 mod future;
 pub mod graph;
 mod handoff;
+mod host;
 pub mod launch;
 mod macros;
 pub mod memory;
@@ -65,6 +66,8 @@ mod op;
 pub mod policy;
 mod reactor;
 pub mod remote;
+mod spread;
+mod stream_pool;
 mod sync;
 mod waker;
 

@@ -14,8 +14,9 @@ use cuda_core::{AnyBitPattern, Error, PinnedBuffer, Result};
 
 use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
+use crate::host::{HostBuffer, HostPtr};
 use crate::op::{impl_into_future, DeviceOp};
-use crate::remote::{HostBuffer, RemoteCommand};
+use crate::remote::RemoteCommand;
 
 /// The bytes of `v` (what a copy to the device transfers).
 pub(crate) fn as_bytes<T: DeviceRepr>(v: &[T]) -> &[u8] {
@@ -285,7 +286,7 @@ impl<T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send> DeviceOp for CopyD2H<T
             // Waits for earlier local copies of the pinned buffer; it is then
             // the op's own until the output is handed out, after the reply.
             let dst = self.dst.as_mut_slice()?;
-            let into = crate::remote::HostPtr(dst.as_mut_ptr().cast::<u8>(), slot.len());
+            let into = HostPtr(dst.as_mut_ptr().cast::<u8>(), slot.len());
             r.on_reply(move || into.fill_from(&slot));
             return Ok((self.src, self.dst));
         }

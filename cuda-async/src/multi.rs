@@ -15,6 +15,7 @@ use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
 use crate::op::impl_into_future;
 use crate::policy::{SchedulingPolicy, StreamPoolRoundRobin};
+use crate::spread::{Member, Spread};
 
 /// Copies `src` (a buffer of any local GPU) into a new buffer on `device`,
 /// which must be the device the op runs on (schedule the chain there: a
@@ -158,50 +159,6 @@ impl Placement {
             )));
         }
         Ok(i)
-    }
-}
-
-struct Member {
-    policy: StreamPoolRoundRobin,
-    in_flight: Arc<AtomicUsize>,
-}
-
-impl Member {
-    /// A context on this device's pool, counted in flight here until the
-    /// submission that retains it is done.
-    fn context(&self) -> Result<ExecutionContext> {
-        let mut ctx = self.policy.select()?;
-        self.in_flight.fetch_add(1, Ordering::Relaxed);
-        ctx.retain(InFlight(self.in_flight.clone()));
-        Ok(ctx)
-    }
-}
-
-/// The devices a submission's concurrent arms may go to (a [`DevicePool`]
-/// with [`DevicePool::spread_arms`]), and the index of the context's own.
-#[derive(Clone)]
-pub(crate) struct Spread {
-    members: Arc<[Member]>,
-    home: usize,
-}
-
-impl Spread {
-    /// The context of concurrent arm `arm` (>= 1) when it goes to another
-    /// device than its parent's: arm k of a submission on device i runs on
-    /// device (i + k) mod n, on that device's next pool stream, counted in
-    /// flight there until the submission is done. `None`: the arm stays on
-    /// the parent's device.
-    pub(crate) fn arm_context(&self, arm: usize) -> Option<Result<ExecutionContext>> {
-        let target = (self.home + arm) % self.members.len();
-        if target == self.home {
-            return None;
-        }
-        Some(self.members[target].context().map(|ctx| {
-            ctx.with_spread(Spread {
-                members: self.members.clone(),
-                home: target,
-            })
-        }))
     }
 }
 
@@ -369,17 +326,6 @@ impl DevicePool {
     }
 }
 
-/// Counts a submission in flight on its device until dropped (it is
-/// retained by the submission's context, so dropped once the GPU has
-/// passed the work).
-struct InFlight(Arc<AtomicUsize>);
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
 impl SchedulingPolicy for DevicePool {
     fn select(&self) -> Result<ExecutionContext> {
         let turn = self.next.fetch_add(1, Ordering::Relaxed);
@@ -450,12 +396,5 @@ mod tests {
         assert!(e.contains("at least one device"), "{e}");
         let e = DevicePool::new(&[0, 1, 0]).unwrap_err().to_string();
         assert!(e.contains("device 0 is listed twice"), "{e}");
-    }
-
-    #[test]
-    fn in_flight_counts_drop_with_the_submission() {
-        let n = Arc::new(AtomicUsize::new(1));
-        drop(InFlight(n.clone()));
-        assert_eq!(n.load(Ordering::Relaxed), 0);
     }
 }

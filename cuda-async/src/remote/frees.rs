@@ -1,0 +1,104 @@
+//! Where the free of a remote buffer or event goes: into the submission
+//! of its session being recorded on this thread, if there is one (after
+//! every use it records), otherwise straight to the session.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use super::context::RemoteContext;
+use super::recording::RemoteCommand;
+use super::session::RemoteSession;
+
+/// Frees of remote buffers dropped while a submission of their session is
+/// being recorded on this thread: they join the end of that submission,
+/// after every use it records, instead of racing it to the node.
+struct Frame {
+    session: *const (),
+    frees: Vec<u64>,
+}
+
+thread_local! {
+    static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
+}
+
+fn session_addr(s: &Arc<dyn RemoteSession>) -> *const () {
+    Arc::as_ptr(s).cast::<()>()
+}
+
+/// Frees remote buffer `id` of `session` after every use recorded so far.
+pub(crate) fn free_remote(session: &Arc<dyn RemoteSession>, id: u64) {
+    let addr = session_addr(session);
+    let taken = FRAMES
+        .try_with(|f| {
+            let mut frames = f.borrow_mut();
+            // The outermost frame of the session: its submission is sent
+            // last (a nested blocking call sends its own first), so the
+            // free follows every use recorded on this thread.
+            match frames.iter_mut().find(|fr| fr.session == addr) {
+                Some(fr) => {
+                    fr.frees.push(id);
+                    true
+                }
+                None => false,
+            }
+        })
+        .unwrap_or(false);
+    if !taken {
+        session.free(id);
+    }
+}
+
+/// While alive, frees of `session`'s buffers dropped on this thread are
+/// collected for the submission being recorded.
+pub(crate) struct RecordingFrame {
+    session: Arc<dyn RemoteSession>,
+    depth: usize,
+}
+
+impl RecordingFrame {
+    pub(crate) fn push(session: &Arc<dyn RemoteSession>) -> Self {
+        let depth = FRAMES.with(|f| {
+            let mut frames = f.borrow_mut();
+            frames.push(Frame {
+                session: session_addr(session),
+                frees: Vec::new(),
+            });
+            frames.len()
+        });
+        RecordingFrame {
+            session: session.clone(),
+            depth,
+        }
+    }
+
+    /// Ends the frame: its frees are recorded at the end of `ctx`.
+    pub(crate) fn finish(self, ctx: &mut RemoteContext) {
+        for id in self.pop() {
+            let stream = ctx.stream();
+            ctx.recording().push(RemoteCommand::Free { stream, id });
+        }
+        std::mem::forget(self);
+    }
+
+    fn pop(&self) -> Vec<u64> {
+        FRAMES
+            .try_with(|f| {
+                let mut frames = f.borrow_mut();
+                if frames.len() >= self.depth {
+                    frames.remove(self.depth - 1).frees
+                } else {
+                    Vec::new()
+                }
+            })
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for RecordingFrame {
+    fn drop(&mut self) {
+        // Not finished (a panic): the frees go out through the session.
+        for id in self.pop() {
+            self.session.free(id);
+        }
+    }
+}

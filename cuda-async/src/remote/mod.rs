@@ -1,0 +1,257 @@
+//! The remote backend's seam: what a remote execution context records and
+//! the trait of the session that sends it.
+//!
+//! A remote context does not enqueue work on a CUDA stream: it records
+//! [`RemoteCommand`]s into a [`Recording`], naming buffers and events with
+//! ids the client picks ([`RemoteSession::fresh_id`]), so a whole chain is
+//! recorded without waiting for any reply. When the submission's future is
+//! first polled (or its blocking call is made), the recording goes to the
+//! [`RemoteSession`] as one message; the session delivers the reads of the
+//! reply into their [`ReadSlot`]s and then completes the submission's
+//! [`RemoteCompletion`] (the same completion state the local modes
+//! complete), or fails it with one of the remote [`Error`](crate::Error)
+//! variants.
+//!
+//! `cuda-async` defines this seam and nothing of the transport: it has no
+//! QUIC, TLS or async-runtime dependency. `cuda-lease` implements
+//! [`RemoteSession`] for a leased GPU.
+//!
+//! Every op of this crate records onto a remote context
+//! ([`ExecutionContext::as_remote`](crate::ExecutionContext::as_remote));
+//! [`RemotePolicy`] hands out such contexts, round-robin over k streams of
+//! a session:
+//!
+//! ```no_run
+//! # fn f(session: std::sync::Arc<dyn cuda_async::RemoteSession>) -> cuda_async::Result<()> {
+//! use cuda_async::prelude::*;
+//! use cuda_async::remote::RemotePolicy;
+//! let remote = RemotePolicy::new(&session);
+//! // blocking, no async runtime needed:
+//! let y = h2d(vec![1.0f32; 4]).then(d2h).sync_with(&remote)?;
+//! assert_eq!(y.to_vec()?, vec![1.0; 4]);
+//! // or, in an async fn: h2d(..).then(d2h).schedule(&remote)?.await?
+//! # Ok(()) }
+//! ```
+
+// One concern a file: `session` the seam a transport implements,
+// `recording` what is recorded, `context` the remote execution context,
+// `frees` where frees of dropped remote buffers go, `policy` the remote
+// policy and the sending of a submission. The host memory that remote
+// reads land in (`HostBuffer`, `ReadSlot`) is in `crate::host`.
+mod context;
+mod frees;
+mod policy;
+mod recording;
+mod session;
+
+pub use crate::host::{HostBuffer, ReadBuf, ReadSlot};
+pub use context::RemoteContext;
+pub use policy::{RemotePolicy, DEFAULT_REMOTE_STREAMS};
+pub use recording::{Recording, RemoteArg, RemoteCommand, RemoteStream};
+pub use session::{AsRemoteSession, RemoteCompletion, RemoteSession};
+
+pub(crate) use context::{OnReply, RemoteEvent};
+pub(crate) use frees::{free_remote, RecordingFrame};
+pub(crate) use policy::send;
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+
+    use cuda_core::Error;
+
+    use super::*;
+
+    #[test]
+    fn a_remote_host_buffer_is_an_error_until_its_bytes_arrive() {
+        let mut rec = Recording::new();
+        rec.push(RemoteCommand::Alloc {
+            stream: 0,
+            id: 1,
+            bytes: 12,
+        });
+        rec.write(0, 1, 0, &[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]);
+        let slot = rec.read(0, 1, 0, 12);
+        assert_eq!(rec.commands().len(), 3);
+        assert_eq!(rec.data().len(), 12);
+        let host = HostBuffer::<u32>::remote(slot.clone()).unwrap();
+        assert_eq!(host.len(), 3);
+        let err = host.as_slice().unwrap_err();
+        assert!(err.to_string().contains("before its submission completed"));
+        slot.receive(|b| {
+            b.copy_from_slice(&[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(host.to_vec().unwrap(), [1, 2, 3]);
+        assert!(slot.receive(|_| Ok(())).is_err(), "filled once");
+        assert!(HostBuffer::<u64>::remote(Arc::new(ReadSlot::new(12))).is_err());
+    }
+
+    #[test]
+    fn a_remote_completion_completes_once_and_the_first_outcome_wins() {
+        let done = RemoteCompletion::new();
+        assert!(!done.is_finished());
+        assert!(done.outcome().is_none());
+        done.clone().fail(Error::Disconnected("node gone".into()));
+        done.complete();
+        assert!(done.is_finished());
+        assert!(matches!(done.outcome(), Some(Err(Error::Disconnected(_)))));
+    }
+
+    /// A session that keeps what it is sent and answers at once.
+    #[derive(Debug, Default)]
+    struct Capture {
+        next: std::sync::atomic::AtomicU64,
+        sent: std::sync::Mutex<Vec<Vec<RemoteCommand>>>,
+        freed: std::sync::Mutex<Vec<u64>>,
+    }
+
+    impl RemoteSession for Capture {
+        fn describe(&self) -> String {
+            "capture".into()
+        }
+        fn fresh_id(&self) -> u64 {
+            self.next.fetch_add(1, Ordering::Relaxed) + 1
+        }
+        fn submit(&self, r: Recording, done: RemoteCompletion) {
+            for s in r.reads() {
+                s.receive(|b| {
+                    b.fill(0);
+                    Ok(())
+                })
+                .unwrap();
+            }
+            self.sent.lock().unwrap().push(r.commands().to_vec());
+            done.complete();
+        }
+        fn free(&self, id: u64) {
+            self.freed.lock().unwrap().push(id);
+        }
+    }
+
+    fn streams_and_kinds(cmds: &[RemoteCommand]) -> Vec<(RemoteStream, &'static str)> {
+        cmds.iter()
+            .map(|c| match c {
+                RemoteCommand::Alloc { stream, .. } => (*stream, "alloc"),
+                RemoteCommand::Write { stream, .. } => (*stream, "write"),
+                RemoteCommand::Read { stream, .. } => (*stream, "read"),
+                RemoteCommand::Fill { stream, .. } => (*stream, "fill"),
+                RemoteCommand::Copy { stream, .. } => (*stream, "copy"),
+                RemoteCommand::Free { stream, .. } => (*stream, "free"),
+                RemoteCommand::Launch { stream, .. } => (*stream, "launch"),
+                RemoteCommand::Record { stream, .. } => (*stream, "record"),
+                RemoteCommand::Wait { stream, .. } => (*stream, "wait"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_remote_zip_forks_its_arms_onto_other_streams_with_events() {
+        use crate::prelude::*;
+        let capture = Arc::new(Capture::default());
+        let remote = RemotePolicy::new(&capture).with_streams(2);
+        let (a, b) = zeros::<u8>(4)
+            .then(d2h)
+            .zip(zeros::<u8>(8).then(d2h))
+            .sync_with(&remote)
+            .unwrap();
+        assert_eq!((a.len(), b.len()), (4, 8));
+        let sent = capture.sent.lock().unwrap();
+        assert_eq!(sent.len(), 1, "one message");
+        assert_eq!(
+            streams_and_kinds(&sent[0]),
+            [
+                (0, "record"), // the fork, before arm 0
+                (0, "alloc"),
+                (0, "read"),
+                (1, "wait"), // arm 1 starts after the fork
+                (1, "alloc"),
+                (1, "read"),
+                (1, "record"), // arm 1's end
+                (0, "wait"),   // the join
+                (0, "free"),   // the fork and join events
+                (0, "free"),
+                (0, "free"), // the two buffers, dropped while recording
+                (0, "free"),
+            ]
+        );
+        drop(sent);
+        // With one stream the arms record in order, with no events.
+        let one = RemotePolicy::new(&capture).with_streams(1);
+        zeros::<u8>(4).zip(zeros::<u8>(4)).sync_with(&one).unwrap();
+        let sent = capture.sent.lock().unwrap();
+        assert_eq!(streams_and_kinds(&sent[1]), [(0, "alloc"), (0, "alloc")]);
+        // Buffers dropped after their submission are freed through the
+        // session.
+        assert_eq!(capture.freed.lock().unwrap().len(), 2);
+        drop(sent);
+        // A shared op: its consumer on another stream waits on the event
+        // recorded after the producer; the event is freed with the op.
+        let shared = zeros::<u8>(4).map(Arc::new).shared();
+        let (x, y) = shared.clone().zip(shared).sync_with(&remote).unwrap();
+        assert!(Arc::ptr_eq(&x, &y));
+        let sent = capture.sent.lock().unwrap();
+        let kinds = streams_and_kinds(&sent[2]);
+        // The policy's second submission: stream 1; arm 1 forks onto 0.
+        assert_eq!(
+            kinds[..6],
+            [
+                (1, "record"), // fork
+                (1, "alloc"),  // the producer, in arm 0
+                (1, "record"), // the shared op's event
+                (0, "wait"),   // arm 1 after the fork
+                (0, "wait"),   // and after the producer
+                (0, "record"), // arm 1's end
+            ]
+        );
+        assert_eq!(
+            kinds.iter().filter(|k| k.1 == "free").count(),
+            3,
+            "the fork, join and shared events: {kinds:?}"
+        );
+    }
+
+    #[test]
+    fn a_buffer_dropped_inside_a_nested_submission_is_freed_by_the_outer_one() {
+        use crate::prelude::*;
+        let capture = Arc::new(Capture::default());
+        let remote = Arc::new(RemotePolicy::new(&capture).with_streams(1));
+        let inner = remote.clone();
+        // The outer submission allocates `b`; a closure of it runs an inner
+        // blocking submission, which drops `b` while it records. The inner
+        // message is sent first: `b`'s free must ride the outer one.
+        zeros::<u8>(4)
+            .then(move |b| {
+                let r = zeros::<u8>(2)
+                    .then(move |c| {
+                        drop(b);
+                        d2h(c)
+                    })
+                    .sync_with(&*inner)
+                    .unwrap();
+                value(r.len())
+            })
+            .sync_with(&*remote)
+            .unwrap();
+        let sent = capture.sent.lock().unwrap();
+        assert_eq!(sent.len(), 2);
+        assert_eq!(streams_and_kinds(&sent[0]), [(0, "alloc"), (0, "read")]);
+        assert_eq!(
+            streams_and_kinds(&sent[1]),
+            [(0, "alloc"), (0, "free"), (0, "free")]
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "use Recording::write")]
+    fn writes_go_through_write() {
+        Recording::new().push(RemoteCommand::Write {
+            stream: 0,
+            id: 1,
+            offset: 0,
+            len: 4,
+        });
+    }
+}

@@ -1,0 +1,107 @@
+//! The seam a transport implements: [`RemoteSession`], the
+//! [`RemoteCompletion`] it completes for each submission, and
+//! [`AsRemoteSession`] for whatever hands a session out.
+
+use std::fmt;
+use std::sync::Arc;
+
+use cuda_core::{Error, Result};
+
+use crate::completion::Completion;
+
+use super::recording::Recording;
+
+/// A session with a remote GPU: the transport behind remote contexts.
+///
+/// Implementations must not block in any method: [`RemoteSession::submit`]
+/// hands the recording to the session's own I/O (a thread or a runtime
+/// task) and returns at once.
+pub trait RemoteSession: Send + Sync + fmt::Debug {
+    /// Names the session for errors, e.g. `lease 1a2b... on node gpu-7`.
+    fn describe(&self) -> String;
+
+    /// A fresh id for a buffer or an event (never handed out twice).
+    fn fresh_id(&self) -> u64;
+
+    /// Sends `recording` as one message. When the reply arrives, the reads
+    /// are delivered into their slots ([`ReadSlot::receive`](crate::remote::ReadSlot::receive)), then `done`
+    /// is completed; any failure (a command's, the connection's, the
+    /// lease's) fails `done` with the matching [`Error`] variant instead.
+    /// Submissions run on the remote GPU in the order of these calls.
+    fn submit(&self, recording: Recording, done: RemoteCompletion);
+
+    /// Queues the free of buffer `id`: it reaches the node with the next
+    /// message (or a background flush) and runs after every use of the
+    /// buffer submitted before it.
+    fn free(&self, id: u64);
+}
+
+/// The completion of one remote submission, handed to
+/// [`RemoteSession::submit`]: complete it (after delivering the reads) or
+/// fail it, exactly once; the first outcome wins.
+#[derive(Debug, Clone)]
+pub struct RemoteCompletion(Arc<Completion>);
+
+impl Default for RemoteCompletion {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RemoteCompletion {
+    /// A pending completion (a remote future makes one per submission;
+    /// tests of a session make their own).
+    pub fn new() -> Self {
+        RemoteCompletion(Arc::new(Completion::new()))
+    }
+
+    /// The reply arrived and every command ran: wakes the future.
+    pub fn complete(&self) {
+        self.0.complete();
+    }
+
+    /// The submission failed: the future resolves to `error`.
+    pub fn fail(&self, error: Error) {
+        self.0.fail(error);
+    }
+
+    /// True once completed or failed.
+    pub fn is_finished(&self) -> bool {
+        self.0.is_finished()
+    }
+
+    /// `None` while pending; then `Ok` or the error it failed with.
+    pub fn outcome(&self) -> Option<Result<()>> {
+        match self.0.status() {
+            crate::completion::Status::Pending => None,
+            crate::completion::Status::Done => Some(Ok(())),
+            crate::completion::Status::Failed => Some(Err(self.0.error())),
+        }
+    }
+}
+
+impl RemoteCompletion {
+    pub(crate) fn completion(&self) -> &Arc<Completion> {
+        &self.0
+    }
+}
+
+/// Something that provides a remote session (a lease, or the session
+/// itself): what
+/// [`RemotePolicy::new`](crate::remote::RemotePolicy::new) takes.
+pub trait AsRemoteSession {
+    /// The session.
+    fn remote_session(&self) -> Arc<dyn RemoteSession>;
+}
+
+impl<S: RemoteSession + 'static> AsRemoteSession for Arc<S> {
+    fn remote_session(&self) -> Arc<dyn RemoteSession> {
+        self.clone()
+    }
+}
+
+impl AsRemoteSession for Arc<dyn RemoteSession> {
+    fn remote_session(&self) -> Arc<dyn RemoteSession> {
+        self.clone()
+    }
+}
