@@ -10,25 +10,33 @@
 //!   [`worker::main_if_worker`] hook every worker executable calls first.
 //! - [`sandbox`]: tenants' CUDA C checked (options, includes) and compiled
 //!   in a confined child process that cannot read the node's files.
-//! - [`spin`]: bounded busy-polling of the worker pipes (latency).
+//! - [`spin`]: bounded busy-polling of the worker pipes (latency), and the
+//!   default of [`WorkerSpec::spin`].
 //! - [`device`]: the device layer ([`device::CudaDevice`] and the in-memory
 //!   test double [`device::MemoryDevice`]).
 //! - [`client`]: [`client::Lease`], [`client::Session`], batches and the
 //!   one-shot [`client::Client::gpu_call`].
-//! - [`ptx`]: hand-written test kernels (iota, vector add, a faulting kernel).
-//! - [`baseline`]: raw quinn with the node's settings, the ceiling every
-//!   remote measurement is a ratio to.
 //! - [`lease_table`] and [`clock`]: lease bookkeeping on an injectable
-//!   monotonic clock.
+//!   monotonic clock ([`NodeConfig::clock`]; [`clock::ManualClock`] moves
+//!   it by hand in tests).
+//!
+//! Test and measurement helpers, behind the `test-util` feature (not part
+//! of the API): `ptx`, hand-written test kernels (iota, vector add, a
+//! faulting kernel); `baseline` (with `node`), raw quinn with the node's
+//! settings, the ceiling every remote measurement is a ratio to. The hop
+//! timings (`CUDA_LEASE_HOP_TIMES`) are printed by the hidden `hops`
+//! module.
 //!
 //! # Features
 //!
 //! `node` (default): the node, its workers and device layer (on `cuda-core`
-//! and `cuda-async`), the lease table, metrics and the transport baseline.
+//! and `cuda-async`), the lease table and metrics.
 //! `cli` (default): the `cuda-lease-node` and `cuda-lease` programs (clap,
 //! tracing-subscriber). A client-only user sets `default-features = false`
 //! and keeps [`client`], [`proto`] and [`tls`]: no CUDA layer, no process
 //! supervision, no certificate generation.
+//! `test-util`: the test kernels and the transport baseline above, for this
+//! crate's tests, examples and benchmarks.
 //!
 //! # Examples
 //!
@@ -51,12 +59,16 @@
 //! # Ok(()) }
 //! ```
 
-#[cfg(feature = "node")]
+#[cfg(all(feature = "node", feature = "test-util"))]
 pub mod baseline;
 pub mod client;
 pub mod clock;
 #[cfg(feature = "node")]
 pub mod device;
+// Public only for `examples/lease_bench.rs`, which marks its own requests
+// on the hop time line (`enabled`, `emit`, `now_us`). Not API: the hop
+// timings' interface is the `CUDA_LEASE_HOP_TIMES` variable and its lines.
+#[doc(hidden)]
 pub mod hops;
 #[cfg(feature = "node")]
 pub mod lease_table;
@@ -65,6 +77,7 @@ pub mod metrics;
 #[cfg(feature = "node")]
 pub mod node;
 pub mod proto;
+#[cfg(feature = "test-util")]
 pub mod ptx;
 #[cfg(feature = "backend")]
 pub mod remote;

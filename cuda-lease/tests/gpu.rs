@@ -33,7 +33,7 @@ mod suite;
 struct RemoteBackend {
     policy: cuda_async::RemotePolicy,
     lease: Option<cuda_lease::remote::RemoteLease>,
-    node: Option<Node>,
+    fixture: Option<Fixture>,
     rt: tokio::runtime::Runtime,
 }
 
@@ -45,18 +45,19 @@ impl RemoteBackend {
     /// With the lease builder adjusted (a TTL, no renewal...).
     fn start_with(adjust: impl FnOnce(LeaseBuilder) -> LeaseBuilder) -> Self {
         let rt = tokio::runtime::Runtime::new().unwrap();
-        let node = rt.block_on(gpu_node(gpu_config()));
+        let fixture = rt.block_on(Fixture::with_config(gpu_config()).start());
+        let node = &fixture.node;
         let builder = adjust(
             Lease::builder()
                 .min_vram(256 << 20)
-                .config(client_config(&node)),
+                .config(client_config(node)),
         );
         let lease =
             cuda_lease::remote::RemoteLease::connect_blocking(builder, node.addr()).unwrap();
         RemoteBackend {
             policy: cuda_async::RemotePolicy::new(&lease),
             lease: Some(lease),
-            node: Some(node),
+            fixture: Some(fixture),
             rt,
         }
     }
@@ -65,8 +66,8 @@ impl RemoteBackend {
 impl Drop for RemoteBackend {
     fn drop(&mut self) {
         drop(self.lease.take());
-        if let Some(node) = self.node.take() {
-            self.rt.block_on(node.shutdown());
+        if let Some(fixture) = self.fixture.take() {
+            self.rt.block_on(fixture.shutdown());
         }
     }
 }
@@ -229,26 +230,12 @@ fn gpu_config() -> NodeConfig {
     cfg
 }
 
-async fn gpu_node(cfg: NodeConfig) -> Node {
-    match Node::spawn_local(cfg).await {
-        Ok(n) => n,
-        Err(e) => panic!(
-            "could not start a GPU node (worker {}): {e}",
-            worker_exe().display()
-        ),
-    }
-}
-
 /// A GPU node, a client of it and a lease of `vram` bytes on it.
-async fn gpu_lease(vram: u64) -> (Node, Arc<cuda_lease::client::Client>, Lease) {
-    let node = gpu_node(gpu_config()).await;
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(vram)
-        .on(client.clone())
+async fn gpu_lease(vram: u64) -> Fixture {
+    Fixture::with_config(gpu_config())
+        .lease_with(Lease::builder().min_vram(vram))
+        .start()
         .await
-        .unwrap();
-    (node, client, lease)
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -286,8 +273,8 @@ fn check_iota(out: &[u8], n: u32) {
 #[tokio::test]
 #[ignore = "needs an NVIDIA GPU"]
 async fn submit_iota_and_vadd() {
-    let node = gpu_node(gpu_config()).await;
-    let client = connect(&node).await;
+    let fx = Fixture::with_config(gpu_config()).client().start().await;
+    let client = fx.client();
     let inv = client.inventory().await.unwrap();
     eprintln!("device: {:?}", inv.devices);
     let n = (1 << 20) + 17;
@@ -310,23 +297,23 @@ async fn submit_iota_and_vadd() {
     let err = client.gpu_call(&bad).await.unwrap_err();
     assert!(matches!(err, Error::LoadFailed(_)), "{err:?}");
     eprintln!("{err}");
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
 #[ignore = "needs an NVIDIA GPU"]
 async fn session_batch_iota_and_vadd() {
-    let node = gpu_node(gpu_config()).await;
-    let client = connect(&node).await;
     let n: u32 = 100_003;
     let bytes = u64::from(n) * 4;
-    let lease = Lease::builder()
-        .min_vram(8 * bytes)
-        .ttl(Duration::from_secs(60))
-        .on(client)
-        .await
-        .unwrap();
-    let s = lease.session();
+    let fx = Fixture::with_config(gpu_config())
+        .lease_with(
+            Lease::builder()
+                .min_vram(8 * bytes)
+                .ttl(Duration::from_secs(60)),
+        )
+        .start()
+        .await;
+    let s = fx.session();
     let a = random_f32(n as usize, 3);
     let b = random_f32(n as usize, 4);
     let m = Module::ptx(TEST_KERNELS);
@@ -374,17 +361,19 @@ async fn session_batch_iota_and_vadd() {
     .unwrap();
     check_iota(&s.read(&buf, 0, bytes as u32).await.unwrap(), n);
     drop((module, buf));
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
 #[ignore = "needs an NVIDIA GPU"]
 async fn expiry_returns_vram() {
-    let mut cfg = gpu_config();
-    cfg.prestart_workers = 0; // a pre-started worker's context would blur the numbers
-    let node = gpu_node(cfg).await;
-    let client = connect(&node).await;
+    let fx = Fixture::with_config(gpu_config())
+        // a pre-started worker's context would blur the numbers
+        .config(|cfg| cfg.prestart_workers = 0)
+        .client()
+        .start()
+        .await;
+    let client = fx.client();
     let free = |c: Arc<cuda_lease::Client>| async move {
         c.inventory().await.unwrap().devices[0].free_bytes
     };
@@ -422,21 +411,20 @@ async fn expiry_returns_vram() {
         Error::LeaseExpired(format!("lease {} expired", lease.id()))
     );
     drop(buf);
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
 #[ignore = "needs an NVIDIA GPU"]
 async fn fault_in_one_lease_leaves_others_correct() {
-    let node = gpu_node(gpu_config()).await;
-    let client = connect(&node).await;
+    let mut fx = Fixture::with_config(gpu_config())
+        .lease_with(Lease::builder().min_vram(1 << 20))
+        .start()
+        .await;
+    let a = fx.take_lease();
+    let client = fx.client();
     let n: u32 = 65_536;
     let bytes = u64::from(n) * 4;
-    let a = Lease::builder()
-        .min_vram(1 << 20)
-        .on(client.clone())
-        .await
-        .unwrap();
     let b = Lease::builder()
         .min_vram(4 * bytes)
         .on(client.clone())
@@ -496,7 +484,7 @@ async fn fault_in_one_lease_leaves_others_correct() {
     drop(module);
     a.free().await.unwrap();
     b.free().await.unwrap();
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -506,12 +494,12 @@ async fn many_clients_submit_concurrently() {
     cfg.submit_workers = 4;
     // One token for all 32 clients: let its submits use every worker.
     cfg.max_submits_per_principal = 4;
-    let node = Arc::new(gpu_node(cfg).await);
+    let fx = Arc::new(Fixture::with_config(cfg).start().await);
     let mut tasks = Vec::new();
     for c in 0..32u32 {
-        let node = node.clone();
+        let fx = fx.clone();
         tasks.push(tokio::spawn(async move {
-            let client = connect(&node).await;
+            let client = connect(&fx.node).await;
             for k in 0..100u32 {
                 let n = 1000 + c * 7 + k;
                 let out = client.gpu_call(&iota_call(n)).await.unwrap();
@@ -522,7 +510,7 @@ async fn many_clients_submit_concurrently() {
     for t in tasks {
         t.await.unwrap();
     }
-    let m = node.metrics_text();
+    let m = fx.node.metrics_text();
     assert_eq!(metric(&m, "gpu_submit_total"), Some(3200), "{m}");
     assert_eq!(metric(&m, "gpu_submit_errors"), Some(0), "{m}");
 }
@@ -544,9 +532,10 @@ fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
 #[tokio::test]
 #[ignore = "needs an NVIDIA GPU"]
 async fn large_and_odd_transfers_round_trip_byte_exact() {
-    let node = gpu_node(gpu_config()).await;
+    let fx = Fixture::with_config(gpu_config()).start().await;
+    let node = &fx.node;
     // Striped over 4 connections (the default from 8 MiB) and not at all.
-    for config in [client_config(&node), client_config(&node).stripes(1, 0)] {
+    for config in [client_config(node), client_config(node).stripes(1, 0)] {
         let client = Arc::new(
             cuda_lease::Client::connect(node.addr(), &config)
                 .await
@@ -554,7 +543,7 @@ async fn large_and_odd_transfers_round_trip_byte_exact() {
         );
         large_and_odd_transfers(client).await;
     }
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 async fn large_and_odd_transfers(client: Arc<cuda_lease::Client>) {
@@ -622,8 +611,8 @@ extern "C" __global__ void spin(unsigned long long ns, unsigned long long* out) 
 #[tokio::test]
 #[ignore = "needs an NVIDIA GPU"]
 async fn v2_cuda_c_compiled_on_the_node_and_random_data_round_trips() {
-    let (node, client, lease) = gpu_lease(64 << 20).await;
-    let s = lease.session();
+    let fx = gpu_lease(64 << 20).await;
+    let (node, client, s) = (&fx.node, fx.client(), fx.session());
     let m = Module::cuda(CUDA_KERNELS, &[]);
     let n: u32 = 1_000_003;
     let bytes = u64::from(n) * 4;
@@ -676,7 +665,7 @@ async fn v2_cuda_c_compiled_on_the_node_and_random_data_round_trips() {
     // Another lease names the module by hash alone: the node loads the
     // PTX it kept from the first compile, and NVRTC does not run again.
     let compiled = |node: &Node| metric(&node.metrics_text(), "gpu_modules_compiled_total");
-    assert_eq!(compiled(&node), Some(1));
+    assert_eq!(compiled(node), Some(1));
     let other = Lease::builder()
         .min_vram(1 << 20)
         .on(client.clone())
@@ -688,7 +677,7 @@ async fn v2_cuda_c_compiled_on_the_node_and_random_data_round_trips() {
         "the same CUDA C in a second lease (node-wide PTX): {:?}",
         t.elapsed()
     );
-    assert_eq!(compiled(&node), Some(1), "compiled again");
+    assert_eq!(compiled(node), Some(1), "compiled again");
     other.free().await.unwrap();
     // Fill and copy between buffers, across streams, on the GPU.
     let mut rec = s.recorder();
@@ -723,15 +712,14 @@ async fn v2_cuda_c_compiled_on_the_node_and_random_data_round_trips() {
         (0, cuda_lease::proto::Status::LoadFailed)
     );
     assert!(e.message.contains("undeclared_thing"), "{}", e.message);
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
 #[ignore = "needs an NVIDIA GPU"]
 async fn v2_three_streams_of_a_lease_overlap_on_the_gpu() {
-    let (node, _client, lease) = gpu_lease(16 << 20).await;
-    let s = lease.session();
+    let fx = gpu_lease(16 << 20).await;
+    let s = fx.session();
     let m = Module::cuda(CUDA_KERNELS, &[]);
     s.load(&m).await.unwrap(); // compile outside the measurement
     const SPIN_NS: u64 = 1_000_000;
@@ -783,8 +771,7 @@ async fn v2_three_streams_of_a_lease_overlap_on_the_gpu() {
         span < 2 * SPIN_NS,
         "three 1 ms spins took {span} ns: not concurrent"
     );
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 /// Buffers order their uses across streams with no event commands: the
@@ -794,8 +781,8 @@ async fn v2_three_streams_of_a_lease_overlap_on_the_gpu() {
 #[tokio::test]
 #[ignore = "needs an NVIDIA GPU"]
 async fn v2_buffers_order_their_uses_across_streams_without_events() {
-    let (node, _client, lease) = gpu_lease(16 << 20).await;
-    let s = lease.session();
+    let fx = gpu_lease(16 << 20).await;
+    let s = fx.session();
     let m = Module::cuda(CUDA_KERNELS, &[]);
     s.load(&m).await.unwrap();
     let n: u32 = 65_536;
@@ -905,8 +892,7 @@ async fn v2_buffers_order_their_uses_across_streams_without_events() {
             "round {round}: a reused buffer was not zero"
         );
     }
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 /// The CUDA toolkit's header folder on this host, if there is one.
@@ -946,14 +932,11 @@ async fn tenant_cuda_c_cannot_read_the_nodes_files_and_compiles_are_time_bounded
     let mut cfg = gpu_config();
     cfg.worker.compile.include_dirs = include.iter().cloned().collect();
     cfg.worker.compile.timeout = Duration::from_secs(3);
-    let node = gpu_node(cfg).await;
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(16 << 20)
-        .on(client.clone())
-        .await
-        .unwrap();
-    let s = lease.session();
+    let fx = Fixture::with_config(cfg)
+        .lease_with(Lease::builder().min_vram(16 << 20))
+        .start()
+        .await;
+    let s = fx.session();
     let secrets: Vec<String> = ["/etc/passwd", "/proc/self/environ", "/proc/self/cmdline"]
         .iter()
         .flat_map(|p| lines_of(p))
@@ -1005,8 +988,7 @@ async fn tenant_cuda_c_cannot_read_the_nodes_files_and_compiles_are_time_bounded
         .unwrap();
     assert_eq!(s.read(&buf, 0, 4).await.unwrap(), 1.5f32.to_le_bytes());
     drop(buf);
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[test]

@@ -74,12 +74,13 @@ async fn unauthenticated_payloads_are_never_read_or_allocated() {
     // authenticated, each declaring a 512 MiB payload and sending 64 MiB.
     // Before: the node allocated and read all of it (RSS +524 MB). Now it
     // refuses on the header and reads nothing declared.
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let fx = Fixture::memory(1 << 20).start().await;
+    let node = &fx.node;
     let peak = PeakRss::start();
     let chunk = vec![0x41u8; 1 << 20];
     let mut tasks = Vec::new();
     for i in 0..8u64 {
-        let (mut send, mut recv) = attacker_conn(&node).await;
+        let (mut send, mut recv) = attacker_conn(node).await;
         let chunk = chunk.clone();
         tasks.push(tokio::spawn(async move {
             let op = if i % 2 == 0 {
@@ -118,9 +119,9 @@ async fn unauthenticated_payloads_are_never_read_or_allocated() {
     eprintln!("RSS peak growth {} KiB", grown / 1024);
     assert!(grown < 48 << 20, "RSS grew by {grown} bytes");
     // The node still serves a well-behaved client.
-    let client = connect(&node).await;
+    let client = connect(node).await;
     assert_eq!(client.inventory().await.unwrap().active_leases, 0);
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 /// A BATCH body of `n` three-byte commands (stream 0, `Record` (variant
@@ -154,14 +155,8 @@ async fn batches_are_refused_on_their_op_count_before_decoding() {
     let _one = ONE_AT_A_TIME.lock().await;
     // Attack 3: a BATCH of 1,000,000 one-byte ops was decoded in full (96
     // bytes each, 104 MB) before the 4,096-op limit refused it.
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(4096)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let fx = Fixture::memory(1 << 20).lease(4096).start().await;
+    let (client, lease) = (fx.client(), fx.lease());
     let body = Arc::new(huge_batch_body(lease.id(), 300_000));
     assert!(body.len() < 1 << 20, "fits the node's body limit");
     let decoded = proto::from_body::<proto::Batch>(&body);
@@ -187,8 +182,7 @@ async fn batches_are_refused_on_their_op_count_before_decoding() {
     // 4096 commands still decode and run.
     let ok = huge_batch_body(lease.id(), 4096);
     client.request(Opcode::Batch, &ok, &[]).await.unwrap();
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
@@ -200,9 +194,10 @@ async fn leases_per_principal_and_per_node_are_limited() {
     cfg.max_leases_per_principal = 4;
     cfg.max_leases = 6;
     cfg.tokens = vec!["t1".into(), "t2".into()];
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let a = connect_as(&node, "t1").await;
-    let b = connect_as(&node, "t2").await;
+    let fx = Fixture::with_config(cfg).start().await;
+    let node = &fx.node;
+    let a = connect_as(node, "t1").await;
+    let b = connect_as(node, "t2").await;
     let lease =
         |c: &Arc<cuda_lease::Client>| Lease::builder().min_vram(1).auto_renew(false).on(c.clone());
     let mut held = Vec::new();
@@ -231,7 +226,7 @@ async fn leases_per_principal_and_per_node_are_limited() {
     for l in held {
         l.free().await.unwrap();
     }
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
@@ -239,30 +234,20 @@ async fn module_bytes_count_against_the_reservation() {
     // Attack 5: 64 modules of 1 MiB loaded into a 1-byte lease, which still
     // reported 0 bytes allocated.
     let _one = ONE_AT_A_TIME.lock().await;
-    let node = Node::spawn_local(memory_config(16 << 20)).await.unwrap();
-    let client = connect(&node).await;
+    let fx = Fixture::memory(16 << 20).client().start().await;
+    let client = fx.client();
     let mut ptx = String::from(
         ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry k()\n{\n ret;\n}\n",
     );
     while ptx.len() < 1 << 20 {
         ptx.push_str("// padding padding padding padding padding padding padding\n");
     }
-    let tiny = Lease::builder()
-        .min_vram(1)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let tiny = lease_of(client, 1).await;
     match tiny.session().load_module(&ptx).await {
         Err(Error::CapacityExceeded(_)) => {}
         other => panic!("a 1 MiB module fit a 1-byte lease: {other:?}"),
     }
-    let lease = Lease::builder()
-        .min_vram(3 << 20)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let lease = lease_of(client, 3 << 20).await;
     let s = lease.session();
     // Modules are content: the same text twice is loaded and charged once,
     // each different text once more.
@@ -279,7 +264,7 @@ async fn module_bytes_count_against_the_reservation() {
     assert!(lease.query().await.unwrap().allocated >= 2 << 20);
     tiny.free().await.unwrap();
     lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
@@ -289,8 +274,9 @@ async fn replies_nobody_reads_are_dropped_after_the_reply_timeout() {
     let _one = ONE_AT_A_TIME.lock().await;
     let mut cfg = memory_config(256 << 20);
     cfg.reply_timeout = Duration::from_secs(1);
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let conn = raw_authed_conn(&node).await;
+    let fx = Fixture::with_config(cfg).start().await;
+    let node = &fx.node;
+    let conn = raw_authed_conn(node).await;
     let before = rss_bytes();
     let ptx = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry k()\n{\n ret;\n}\n";
     let mut unread = Vec::new();
@@ -341,9 +327,9 @@ async fn replies_nobody_reads_are_dropped_after_the_reply_timeout() {
     let got = proto::read_frame(&mut first, &proto::Limits::default()).await;
     assert!(got.is_err(), "an unread reply survived the reply timeout");
     // The node still serves.
-    let client = connect(&node).await;
+    let client = connect(node).await;
     client.inventory().await.unwrap();
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
@@ -356,9 +342,10 @@ async fn one_tenants_hanging_submits_do_not_delay_another_tenant() {
     cfg.submit_workers = 2;
     cfg.op_timeout = Duration::from_secs(3);
     cfg.tokens = vec!["ta".into(), "tb".into()];
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let a = connect_as(&node, "ta").await;
-    let b = connect_as(&node, "tb").await;
+    let fx = Fixture::with_config(cfg).start().await;
+    let node = &fx.node;
+    let a = connect_as(node, "ta").await;
+    let b = connect_as(node, "tb").await;
     let ptx = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry __hang()\n{\n ret;\n}\n.visible .entry k()\n{\n ret;\n}\n";
     let hang = cuda_lease::GpuCall::new(ptx, "__hang", 1, 1, 4);
     let mut hung = Vec::new();
@@ -385,7 +372,7 @@ async fn one_tenants_hanging_submits_do_not_delay_another_tenant() {
     for h in hung {
         assert!(h.await.unwrap().is_err());
     }
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 /// Log lines the node writes, captured (the first test that asks installs
@@ -423,14 +410,15 @@ async fn client_strings_cannot_forge_log_lines() {
     // forged line into the node's log.
     let _one = ONE_AT_A_TIME.lock().await;
     let log = captured_log();
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let fx = Fixture::memory(1 << 20).start().await;
+    let node = &fx.node;
     let evil = "x\n2026-01-01T00:00:00Z  INFO cuda_lease::node: FORGED lease granted\x1b[31m";
     for token in ["wrong", TOKEN] {
-        let mut cfg = client_config(&node).token(token);
+        let mut cfg = client_config(node).token(token);
         cfg.client_name = evil.into();
         let _ = cuda_lease::Client::connect(node.addr(), &cfg).await;
     }
-    node.shutdown().await;
+    fx.shutdown().await;
     let text = String::from_utf8_lossy(&log.lock().unwrap()).into_owned();
     assert!(text.contains("rejected credentials"), "{text}");
     assert!(
@@ -453,8 +441,9 @@ async fn requests_and_bytes_in_flight_are_limited_per_principal() {
     let mut cfg = memory_config(1 << 20);
     cfg.max_requests_per_principal = 64;
     cfg.max_bytes_per_principal = 100 << 20;
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let conn = raw_authed_conn(&node).await;
+    let fx = Fixture::with_config(cfg).start().await;
+    let node = &fx.node;
+    let conn = raw_authed_conn(node).await;
     // A request declaring more than the principal's byte budget is refused
     // on its header.
     let peak = PeakRss::start();
@@ -497,7 +486,7 @@ async fn requests_and_bytes_in_flight_are_limited_per_principal() {
     drop(stalled);
     conn.close(0u32.into(), b"done");
     // Turns come back with the streams; a well-behaved client is served.
-    let client = connect(&node).await;
+    let client = connect(node).await;
     let ok = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
             if client.inventory().await.is_ok() {
@@ -508,7 +497,7 @@ async fn requests_and_bytes_in_flight_are_limited_per_principal() {
     })
     .await;
     assert!(ok.is_ok());
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -523,12 +512,13 @@ async fn five_hundred_connections_and_32_clients_times_1000_requests_lose_nothin
     // 500 TLS handshakes at once take longer than the default HELLO
     // deadline on a 2-core machine in a debug build.
     cfg.hello_timeout = Duration::from_secs(60);
-    let node = Node::spawn_local(cfg).await.unwrap();
+    let fx = Fixture::with_config(cfg).start().await;
+    let node = &fx.node;
     let t = std::time::Instant::now();
     // 500 connections at once, each authenticated and served.
     let mut tasks = Vec::new();
     for _ in 0..500 {
-        let cfg = client_config(&node);
+        let cfg = client_config(node);
         let addr = node.addr();
         tasks.push(tokio::spawn(async move {
             let c = cuda_lease::Client::connect(addr, &cfg).await?;
@@ -545,14 +535,9 @@ async fn five_hundred_connections_and_32_clients_times_1000_requests_lose_nothin
     // 32 clients x 1000 requests, each answered with the right lease.
     let mut tasks = Vec::new();
     for _ in 0..32 {
-        let client = connect(&node).await;
+        let client = connect(node).await;
         tasks.push(tokio::spawn(async move {
-            let lease = Lease::builder()
-                .min_vram(4096)
-                .auto_renew(false)
-                .on(client.clone())
-                .await
-                .unwrap();
+            let lease = lease_of(&client, 4096).await;
             for _ in 0..1000 {
                 let st = lease.query().await.unwrap();
                 assert_eq!(st.lease, lease.id());
@@ -563,7 +548,7 @@ async fn five_hundred_connections_and_32_clients_times_1000_requests_lose_nothin
     for t in tasks {
         t.await.unwrap();
     }
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -572,8 +557,9 @@ async fn twenty_thousand_fuzzed_frames_then_a_good_client_is_served() {
     let mut cfg = memory_config(1 << 20);
     // Garbage within the HELLO deadline (which has its own test).
     cfg.hello_timeout = Duration::from_secs(120);
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let authed = raw_authed_conn(&node).await;
+    let fx = Fixture::with_config(cfg).start().await;
+    let node = &fx.node;
+    let authed = raw_authed_conn(node).await;
     let next = Arc::new(AtomicU64::new(0));
     let undecodable = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
@@ -582,10 +568,10 @@ async fn twenty_thousand_fuzzed_frames_then_a_good_client_is_served() {
         // Half the workers share an authenticated connection, half have
         // their own unauthenticated one (a new one after a failed HELLO,
         // which closes it).
-        let unauthed = (w % 2 == 1).then(|| endpoint_on(&node, [127, 0, 0, 1]));
+        let unauthed = (w % 2 == 1).then(|| endpoint_on(node, [127, 0, 0, 1]));
         let mut conn = match &unauthed {
             None => authed.clone(),
-            Some(ep) => dial(ep, &node).await.unwrap(),
+            Some(ep) => dial(ep, node).await.unwrap(),
         };
         let addr = node.addr();
         tasks.push(tokio::spawn(async move {
@@ -640,20 +626,15 @@ async fn twenty_thousand_fuzzed_frames_then_a_good_client_is_served() {
     );
     assert_eq!(undecodable.load(Ordering::Relaxed), 0);
     // A well-behaved client is served.
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(4096)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let client = connect(node).await;
+    let lease = lease_of(&client, 4096).await;
     let s = lease.session();
     let buf = s.alloc(8).await.unwrap();
     s.write(&buf, 0, b"survived").await.unwrap();
     assert_eq!(s.read(&buf, 0, 8).await.unwrap(), b"survived");
     drop(buf);
     lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 /// A QUIC client endpoint on `ip` (all of 127.0.0.0/8 is loopback), so a
@@ -718,11 +699,12 @@ async fn connections_that_never_send_hello_are_closed_at_the_hello_deadline() {
     cfg.hello_timeout = Duration::from_millis(300);
     cfg.max_unauthenticated = 1024;
     cfg.max_unauthenticated_per_source = 1024;
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let ep = endpoint_on(&node, [127, 0, 0, 1]);
+    let fx = Fixture::with_config(cfg).start().await;
+    let node = &fx.node;
+    let ep = endpoint_on(node, [127, 0, 0, 1]);
     let mut idle = Vec::new();
     for _ in 0..300 {
-        idle.push(dial(&ep, &node).await.unwrap());
+        idle.push(dial(&ep, node).await.unwrap());
     }
     let start = std::time::Instant::now();
     let all_closed = eventually(Duration::from_secs(3), || async {
@@ -744,9 +726,9 @@ async fn connections_that_never_send_hello_are_closed_at_the_hello_deadline() {
         }
     }
     // A well-behaved tenant connects and is served.
-    let client = connect(&node).await;
+    let client = connect(node).await;
     client.inventory().await.unwrap();
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
@@ -756,17 +738,18 @@ async fn connections_waiting_for_hello_are_capped_per_source_and_per_node() {
     cfg.max_unauthenticated = 12;
     cfg.max_unauthenticated_per_source = 8;
     cfg.hello_timeout = Duration::from_secs(1);
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let tenant = connect(&node).await;
+    let fx = Fixture::with_config(cfg).start().await;
+    let node = &fx.node;
+    let tenant = connect(node).await;
     let mut held = Vec::new();
     let mut refused = [0usize; 2];
     for (k, (ip, n)) in [([127, 0, 0, 2], 20), ([127, 0, 0, 3], 10)]
         .into_iter()
         .enumerate()
     {
-        let ep = endpoint_on(&node, ip);
+        let ep = endpoint_on(node, ip);
         for _ in 0..n {
-            match dial(&ep, &node).await {
+            match dial(&ep, node).await {
                 Ok(c) => held.push(c),
                 Err(_) => refused[k] += 1,
             }
@@ -787,10 +770,10 @@ async fn connections_waiting_for_hello_are_capped_per_source_and_per_node() {
     for c in &held {
         assert!(closed_within(c, Duration::from_secs(5)).await);
     }
-    let late = endpoint_on(&node, [127, 0, 0, 4]);
-    let c = dial(&late, &node).await.unwrap();
+    let late = endpoint_on(node, [127, 0, 0, 4]);
+    let c = dial(&late, node).await.unwrap();
     assert_eq!(hello(&c, TOKEN).await.map(|r| r.0), Some(Status::Ok));
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
@@ -798,9 +781,10 @@ async fn a_failed_hello_closes_the_connection() {
     // Round 2, attack 2: one connection sent 770,893 wrong tokens in 10 s
     // and was never closed.
     let _one = ONE_AT_A_TIME.lock().await;
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
-    let ep = endpoint_on(&node, [127, 0, 0, 1]);
-    let conn = dial(&ep, &node).await.unwrap();
+    let fx = Fixture::memory(1 << 20).start().await;
+    let node = &fx.node;
+    let ep = endpoint_on(node, [127, 0, 0, 1]);
+    let conn = dial(&ep, node).await.unwrap();
     let first = hello(&conn, "wrong").await;
     assert_eq!(
         first,
@@ -815,7 +799,7 @@ async fn a_failed_hello_closes_the_connection() {
         conn.close_reason(),
         Some(quinn::ConnectionError::ApplicationClosed(a)) if &a.reason[..] == b"HELLO failed"
     ));
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 /// Sends wrong tokens from `ip` for `time`, dialling again whenever the
@@ -848,14 +832,15 @@ async fn failed_hellos_are_rate_limited_per_source() {
     let _one = ONE_AT_A_TIME.lock().await;
     let mut cfg = memory_config(1 << 20);
     cfg.max_failed_hellos_per_source = 5;
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let attack = wrong_token_flood(&node, [127, 0, 0, 2], Duration::from_millis(1500));
+    let fx = Fixture::with_config(cfg).start().await;
+    let node = &fx.node;
+    let attack = wrong_token_flood(node, [127, 0, 0, 2], Duration::from_millis(1500));
     // A well-behaved tenant from another address connects and is served
     // while the attack goes on.
     let tenant = async {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let t = std::time::Instant::now();
-        let c = connect(&node).await;
+        let c = connect(node).await;
         c.inventory().await.unwrap();
         t.elapsed()
     };
@@ -868,7 +853,7 @@ async fn failed_hellos_are_rate_limited_per_source() {
     assert!(checked <= 5 + 8 + 1, "{checked} tokens checked");
     assert!(unchecked > 0);
     assert!(served < Duration::from_secs(2), "{served:?}");
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
@@ -880,7 +865,8 @@ async fn failed_hellos_are_logged_at_most_once_per_interval() {
     let mut cfg = memory_config(1 << 20);
     // Every token checked: the log's own limit is what is tested here.
     cfg.max_failed_hellos_per_source = 100_000;
-    let node = Node::spawn_local(cfg).await.unwrap();
+    let fx = Fixture::with_config(cfg).start().await;
+    let node = &fx.node;
     let lines = || {
         String::from_utf8_lossy(&log.lock().unwrap())
             .lines()
@@ -888,20 +874,20 @@ async fn failed_hellos_are_logged_at_most_once_per_interval() {
             .count()
     };
     let before = lines();
-    let ep = endpoint_on(&node, [127, 0, 0, 5]);
-    let mut conn = dial(&ep, &node).await.unwrap();
+    let ep = endpoint_on(node, [127, 0, 0, 5]);
+    let mut conn = dial(&ep, node).await.unwrap();
     let mut failed = 0;
     while failed < 200 {
         match hello(&conn, "wrong").await {
             Some((Status::Unauthorized, _)) => failed += 1,
             Some(other) => panic!("{other:?}"),
-            None => conn = dial(&ep, &node).await.unwrap(),
+            None => conn = dial(&ep, node).await.unwrap(),
         }
     }
     let logged = lines() - before;
     eprintln!("200 wrong tokens: {logged} log lines");
     assert!((1..=2).contains(&logged), "{logged} lines");
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 /// A BATCH of `commands` numbered `seq` in `lease`, with no data.
@@ -919,16 +905,12 @@ async fn batch_numbers_that_would_wrap_are_refused() {
     // Round 2: a batch numbered u64::MAX wrapped the lease's next number to
     // 0, so the owner's next batch waited the whole reorder window.
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut cfg = memory_config(1 << 20);
-    cfg.reorder_window = Duration::from_secs(2);
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(4096)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let fx = Fixture::memory(1 << 20)
+        .config(|cfg| cfg.reorder_window = Duration::from_secs(2))
+        .lease(4096)
+        .start()
+        .await;
+    let (client, lease) = (fx.client(), fx.lease());
     let last = numbered_batch(lease.id(), u64::MAX, vec![]);
     let refused = client.request(Opcode::Batch, &last, &[]).await;
     // The owner's next batch runs at once.
@@ -960,8 +942,7 @@ async fn batch_numbers_that_would_wrap_are_refused() {
     let reply: proto::BatchReply = proto::from_body(&body).unwrap();
     assert_eq!((reply.completed, reply.error), (1, None));
     assert!(waited < Duration::from_secs(1), "{waited:?}");
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 /// A PTX module with one empty kernel `k`, padded with comments to `len`
@@ -1002,15 +983,6 @@ fn module_batch(lease: proto::LeaseId, modules: &[&str], with_source: bool) -> (
     (body, data)
 }
 
-async fn lease_of_size(client: &Arc<cuda_lease::Client>, bytes: u64) -> Lease {
-    Lease::builder()
-        .min_vram(bytes)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap()
-}
-
 #[tokio::test]
 async fn refused_modules_are_not_cached_for_other_tenants() {
     // Round 2: a module refused with CAPACITY_EXCEEDED in a 1-byte lease
@@ -1019,17 +991,18 @@ async fn refused_modules_are_not_cached_for_other_tenants() {
     let _one = ONE_AT_A_TIME.lock().await;
     let mut cfg = memory_config(16 << 20);
     cfg.tokens = vec!["ta".into(), "tb".into()];
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let a = connect_as(&node, "ta").await;
-    let b = connect_as(&node, "tb").await;
+    let fx = Fixture::with_config(cfg).start().await;
+    let node = &fx.node;
+    let a = connect_as(node, "ta").await;
+    let b = connect_as(node, "tb").await;
     let module = padded_ptx("refused", 1 << 20);
-    let tiny = lease_of_size(&a, 1).await;
+    let tiny = lease_of(&a, 1).await;
     let (body, data) = module_batch(tiny.id(), &[&module], true);
     match a.request(Opcode::Batch, &body, &data).await {
         Err(Error::CapacityExceeded(_)) => {}
         other => panic!("a 1 MiB module fit a 1-byte lease: {other:?}"),
     }
-    let lease_b = lease_of_size(&b, 4 << 20).await;
+    let lease_b = lease_of(&b, 4 << 20).await;
     let (body, _) = module_batch(lease_b.id(), &[&module], false);
     let by_hash = b.request(Opcode::Batch, &body, &[]).await;
     eprintln!(
@@ -1044,7 +1017,7 @@ async fn refused_modules_are_not_cached_for_other_tenants() {
         "{by_hash:?}"
     );
     // Loaded by a lease that paid for it, the module is cached for others.
-    let big = lease_of_size(&a, 4 << 20).await;
+    let big = lease_of(&a, 4 << 20).await;
     let (body, data) = module_batch(big.id(), &[&module], true);
     a.request(Opcode::Batch, &body, &data).await.unwrap();
     b.request(
@@ -1057,7 +1030,7 @@ async fn refused_modules_are_not_cached_for_other_tenants() {
     for l in [tiny, lease_b, big] {
         l.free().await.unwrap();
     }
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
@@ -1070,26 +1043,27 @@ async fn one_tenants_modules_evict_only_its_own_cache_entries() {
     cfg.tokens = vec!["ta".into(), "tb".into()];
     cfg.module_cache_bytes = 4 << 20;
     cfg.module_cache_bytes_per_principal = 1 << 20;
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let a = connect_as(&node, "ta").await;
-    let b = connect_as(&node, "tb").await;
+    let fx = Fixture::with_config(cfg).start().await;
+    let node = &fx.node;
+    let a = connect_as(node, "ta").await;
+    let b = connect_as(node, "tb").await;
     let mine = padded_ptx("tenant b", 64 << 10);
-    let lease_b = lease_of_size(&b, 1 << 20).await;
+    let lease_b = lease_of(&b, 1 << 20).await;
     let (body, data) = module_batch(lease_b.id(), &[&mine], true);
     b.request(Opcode::Batch, &body, &data).await.unwrap();
-    let lease_a = lease_of_size(&a, 8 << 20).await;
+    let lease_a = lease_of(&a, 8 << 20).await;
     for i in 0..20 {
         let m = padded_ptx(&format!("tenant a {i}"), 256 << 10);
         let (body, data) = module_batch(lease_a.id(), &[&m], true);
         a.request(Opcode::Batch, &body, &data).await.unwrap();
     }
     // B's module is still on the node: a new lease of B names it by hash.
-    let again = lease_of_size(&b, 1 << 20).await;
+    let again = lease_of(&b, 1 << 20).await;
     let (body, _) = module_batch(again.id(), &[&mine], false);
     let by_hash = b.request(Opcode::Batch, &body, &[]).await;
     // A's own most recent module is still cached too (its share is 1 MiB).
     let last = padded_ptx("tenant a 19", 256 << 10);
-    let lease_a2 = lease_of_size(&a, 1 << 20).await;
+    let lease_a2 = lease_of(&a, 1 << 20).await;
     let (body, _) = module_batch(lease_a2.id(), &[&last], false);
     let a_last = a.request(Opcode::Batch, &body, &[]).await;
     eprintln!(
@@ -1107,7 +1081,7 @@ async fn one_tenants_modules_evict_only_its_own_cache_entries() {
     for l in [lease_b, lease_a, again, lease_a2] {
         l.free().await.unwrap();
     }
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 /// A connection from 127.0.0.1 authenticated with `token`.
@@ -1144,10 +1118,11 @@ async fn batch_replies_count_against_the_principals_byte_budget() {
     cfg.tokens = vec!["ta".into(), "tb".into()];
     cfg.max_bytes_per_principal = 16 << 20;
     cfg.reply_timeout = Duration::from_secs(2);
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let a = connect_as(&node, "ta").await;
-    let b = connect_as(&node, "tb").await;
-    let lease = lease_of_size(&a, 1 << 20).await;
+    let fx = Fixture::with_config(cfg).start().await;
+    let node = &fx.node;
+    let a = connect_as(node, "ta").await;
+    let b = connect_as(node, "tb").await;
+    let lease = lease_of(&a, 1 << 20).await;
     let buf = proto::Id(1);
     let alloc = proto::Command {
         stream: 0,
@@ -1169,7 +1144,7 @@ async fn batch_replies_count_against_the_principals_byte_budget() {
         },
     };
     let reads = numbered_batch(lease.id(), 0, vec![read; 32]);
-    let conn = raw_conn_as(&node, "ta").await;
+    let conn = raw_conn_as(node, "ta").await;
     let peak = PeakRss::start();
     let mut unread = Vec::new();
     for i in 0..4 {
@@ -1177,7 +1152,7 @@ async fn batch_replies_count_against_the_principals_byte_budget() {
     }
     // Another tenant is served meanwhile.
     let t = std::time::Instant::now();
-    let other = lease_of_size(&b, 4096).await;
+    let other = lease_of(&b, 4096).await;
     let s = other.session();
     let x = s.alloc(8).await.unwrap();
     s.write(&x, 0, b"served!!").await.unwrap();
@@ -1217,7 +1192,7 @@ async fn batch_replies_count_against_the_principals_byte_budget() {
     drop(x);
     other.free().await.unwrap();
     lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
@@ -1229,8 +1204,9 @@ async fn gpu_submit_outputs_count_against_the_principals_byte_budget() {
     let mut cfg = memory_config(64 << 20);
     cfg.max_bytes_per_principal = 12 << 20;
     cfg.reply_timeout = Duration::from_secs(2);
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let conn = raw_authed_conn(&node).await;
+    let fx = Fixture::with_config(cfg).start().await;
+    let node = &fx.node;
+    let conn = raw_authed_conn(node).await;
     let ptx = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry k()\n{\n ret;\n}\n";
     let req = proto::GpuSubmit {
         kernel: "k".into(),
@@ -1262,5 +1238,5 @@ async fn gpu_submit_outputs_count_against_the_principals_byte_budget() {
         .filter(|s| **s == Some(Status::CapacityExceeded))
         .count();
     assert_eq!((ok, refused), (1, 3));
-    node.shutdown().await;
+    fx.shutdown().await;
 }

@@ -9,15 +9,14 @@ use std::time::Duration;
 
 use common::*;
 use cuda_lease::client::{Client, ClientConfig, Error, GpuCall, Lease, Module};
-use cuda_lease::clock::ManualClock;
-use cuda_lease::node::Node;
 use cuda_lease::proto::{self, Header, KernelArg, LeaseState, Opcode, Status};
 
 const PTX: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry iota(.param .u64 out, .param .u32 n)\n{\n ret;\n}\n.visible .entry __fault()\n{\n ret;\n}\n.visible .entry __exit()\n{\n ret;\n}\n.visible .entry __hang()\n{\n ret;\n}\n";
 
 #[tokio::test]
 async fn auth_rejection() {
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
+    let fx = Fixture::memory(1 << 20).start().await;
+    let node = &fx.node;
     let bad = ClientConfig::pinned(node.cert_der().clone()).token("wrong");
     let err = Client::connect(node.addr(), &bad).await.unwrap_err();
     assert!(matches!(err, Error::Unauthorized(_)), "{err:?}");
@@ -33,22 +32,23 @@ async fn auth_rejection() {
         Client::connect(node.addr(), &wrong_pin).await,
         Err(Error::Disconnected(_))
     ));
-    let ok = connect(&node).await;
+    let ok = connect(node).await;
     assert_eq!(ok.inventory().await.unwrap().devices.len(), 1);
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
 async fn lease_alloc_renew_free() {
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(4096)
-        .ttl(Duration::from_secs(30))
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let mut fx = Fixture::memory(1 << 20)
+        .lease_with(
+            Lease::builder()
+                .min_vram(4096)
+                .ttl(Duration::from_secs(30))
+                .auto_renew(false),
+        )
+        .start()
+        .await;
+    let (client, lease) = (fx.client().clone(), fx.take_lease());
     assert_eq!(lease.generation(), 1);
     assert_eq!(lease.reserved(), 4096);
     let g = lease.renew().await.unwrap();
@@ -68,39 +68,29 @@ async fn lease_alloc_renew_free() {
         client.free_lease(id).await,
         Err(Error::NotFound(_))
     ));
-    let m = metrics_http(&node).await;
+    let m = metrics_http(&fx.node).await;
     assert_eq!(metric(&m, "gpu_lease_acquired"), Some(1), "{m}");
     assert_eq!(metric(&m, "gpu_lease_dropped"), Some(1), "{m}");
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
 async fn auto_renew_keeps_lease_alive() {
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(1024)
-        .ttl(Duration::from_secs(1))
-        .on(client)
-        .await
-        .unwrap();
+    let fx = Fixture::memory(1 << 20)
+        .lease_with(Lease::builder().min_vram(1024).ttl(Duration::from_secs(1)))
+        .start()
+        .await;
+    let lease = fx.lease();
     tokio::time::sleep(Duration::from_millis(2200)).await;
     assert!(lease.generation() >= 2, "renewed {}", lease.generation());
     assert_eq!(lease.query().await.unwrap().state, LeaseState::Active);
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
 async fn capacity_accounting() {
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
-    let client = connect(&node).await;
-    let a = Lease::builder()
-        .min_vram(768 << 10)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let fx = Fixture::memory(1 << 20).lease(768 << 10).start().await;
+    let (client, a) = (fx.client(), fx.lease());
     let err = Lease::builder()
         .min_vram(512 << 10)
         .auto_renew(false)
@@ -113,7 +103,7 @@ async fn capacity_accounting() {
     let err = s.alloc(300 << 10).await.unwrap_err();
     assert!(matches!(err, Error::CapacityExceeded(_)), "{err:?}");
     assert_eq!(a.query().await.unwrap().allocated, 512 << 10);
-    let m = metrics_http(&node).await;
+    let m = metrics_http(&fx.node).await;
     assert_eq!(metric(&m, "gpu_vram_allocated_bytes"), Some(512 << 10));
     drop(b1); // RAII free in the background
     assert!(
@@ -129,25 +119,22 @@ async fn capacity_accounting() {
     let err = b.submit().await.unwrap().ok().unwrap_err();
     assert!(matches!(err, Error::CapacityExceeded(_)), "{err:?}");
     assert_eq!(a.query().await.unwrap().allocated, 768 << 10);
-    a.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
 async fn expiry_tears_down_with_injected_clock() {
-    let clock = ManualClock::new();
-    let mut cfg = memory_config(1 << 20);
-    cfg.clock = Arc::new(clock.clone());
-    cfg.reaper_interval = Duration::from_millis(20);
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(4096)
-        .ttl(Duration::from_secs(10))
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let fx = Fixture::memory(1 << 20)
+        .manual_clock()
+        .lease_with(
+            Lease::builder()
+                .min_vram(4096)
+                .ttl(Duration::from_secs(10))
+                .auto_renew(false),
+        )
+        .start()
+        .await;
+    let (node, client, lease, clock) = (&fx.node, fx.client(), fx.lease(), fx.clock());
     let s = lease.session();
     let buf = s.alloc(1000).await.unwrap();
     clock.advance(Duration::from_secs(9));
@@ -172,17 +159,15 @@ async fn expiry_tears_down_with_injected_clock() {
     assert_eq!(inv.reservable_bytes, 1 << 20);
     assert!(matches!(lease.renew().await, Err(Error::LeaseExpired(_))));
     drop(buf);
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
 async fn disconnect_does_not_free() {
-    let clock = ManualClock::new();
-    let mut cfg = memory_config(1 << 20);
-    cfg.clock = Arc::new(clock.clone());
-    cfg.reaper_interval = Duration::from_millis(20);
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let a = connect(&node).await;
+    // The client is the test's own: it is closed and dropped below.
+    let fx = Fixture::memory(1 << 20).manual_clock().start().await;
+    let (node, clock) = (&fx.node, fx.clock());
+    let a = connect(node).await;
     let lease = Lease::builder()
         .min_vram(4096)
         .ttl(Duration::from_secs(5))
@@ -195,7 +180,7 @@ async fn disconnect_does_not_free() {
     a.close();
     drop(a);
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let b = connect(&node).await;
+    let b = connect(node).await;
     assert_eq!(b.inventory().await.unwrap().active_leases, 1);
     clock.advance(Duration::from_secs(6));
     assert!(
@@ -208,25 +193,14 @@ async fn disconnect_does_not_free() {
         b.free_lease(id).await,
         Err(Error::LeaseExpired(_))
     ));
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
 async fn cross_lease_access_denied() {
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
-    let client = connect(&node).await;
-    let a = Lease::builder()
-        .min_vram(4096)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
-    let b = Lease::builder()
-        .min_vram(4096)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let mut fx = Fixture::memory(1 << 20).lease(4096).start().await;
+    let a = fx.take_lease();
+    let b = fx.another_lease(4096).await;
     let secret = a.session().alloc(16).await.unwrap();
     a.session()
         .write(&secret, 0, b"sixteen byte key")
@@ -258,20 +232,13 @@ async fn cross_lease_access_denied() {
     drop(secret);
     a.free().await.unwrap();
     b.free().await.unwrap();
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
 async fn batch_runs_in_order_with_one_reply() {
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(1 << 16)
-        .auto_renew(false)
-        .on(client)
-        .await
-        .unwrap();
-    let s = lease.session();
+    let fx = Fixture::memory(1 << 20).lease(1 << 16).start().await;
+    let s = fx.session();
     let m = Module::ptx(PTX);
     let mut b = s.recorder();
     let x = b.alloc(0, 64);
@@ -302,8 +269,7 @@ async fn batch_runs_in_order_with_one_reply() {
         matches!(err, Error::LoadFailed(ref log) if log.contains("ptxas")),
         "{err:?}"
     );
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
@@ -311,15 +277,11 @@ async fn large_write_and_read_round_trip() {
     // 24 MiB: many QUIC flow-control windows and many fills of even a grown
     // worker pipe, in both directions; the bytes must come back unchanged.
     const LEN: usize = 24 << 20;
-    let node = Node::spawn_local(memory_config(64 << 20)).await.unwrap();
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(LEN as u64 + 4096)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
-    let s = lease.session();
+    let fx = Fixture::memory(64 << 20)
+        .lease(LEN as u64 + 4096)
+        .start()
+        .await;
+    let s = fx.session();
     let buf = s.alloc(LEN as u64 + 4096).await.unwrap();
     let data: Vec<u8> = (0..LEN).map(|i| (i.wrapping_mul(131) >> 7) as u8).collect();
     s.write(&buf, 4096, &data).await.unwrap();
@@ -329,26 +291,15 @@ async fn large_write_and_read_round_trip() {
     let head = s.read(&buf, 4090, 12).await.unwrap();
     assert_eq!(head, [&[0u8; 6][..], &data[..6]].concat());
     drop(buf);
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
 async fn kernel_fault_poisons_only_that_lease() {
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
-    let client = connect(&node).await;
-    let a = Lease::builder()
-        .min_vram(4096)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
-    let b = Lease::builder()
-        .min_vram(4096)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let mut fx = Fixture::memory(1 << 20).lease(4096).start().await;
+    let a = fx.take_lease();
+    let b = fx.another_lease(4096).await;
+    let client = fx.client();
     let sa = a.session();
     let ma = sa.load_module(PTX).await.unwrap();
     // A request's reply comes when its work is done: the fault is its error.
@@ -377,21 +328,17 @@ async fn kernel_fault_poisons_only_that_lease() {
     a.free().await.unwrap();
     drop(buf);
     b.free().await.unwrap();
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
 async fn dead_and_hung_workers_fail_their_lease() {
-    let mut cfg = memory_config(1 << 20);
-    cfg.op_timeout = Duration::from_millis(800);
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let client = connect(&node).await;
-    let a = Lease::builder()
-        .min_vram(4096)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let fx = Fixture::memory(1 << 20)
+        .config(|cfg| cfg.op_timeout = Duration::from_millis(800))
+        .lease(4096)
+        .start()
+        .await;
+    let (client, a) = (fx.client(), fx.lease());
     let sa = a.session();
     let m = sa.load_module(PTX).await.unwrap();
     let err = sa
@@ -401,12 +348,7 @@ async fn dead_and_hung_workers_fail_their_lease() {
     assert!(matches!(err, Error::LeasePoisoned(_)), "{err:?}");
     assert!(matches!(sa.alloc(4).await, Err(Error::LeasePoisoned(_))));
 
-    let b = Lease::builder()
-        .min_vram(4096)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let b = fx.another_lease(4096).await;
     let sb = b.session();
     let m = sb.load_module(PTX).await.unwrap();
     let err = sb
@@ -420,20 +362,14 @@ async fn dead_and_hung_workers_fail_their_lease() {
     assert!(matches!(sb.alloc(4).await, Err(Error::LeasePoisoned(_))));
     assert_eq!(client.inventory().await.unwrap().active_leases, 0);
     drop(m);
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
 async fn garbage_on_the_wire_leaves_node_serving() {
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
-    let victim = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(4096)
-        .auto_renew(false)
-        .on(victim.clone())
-        .await
-        .unwrap();
-    let attacker = connect(&node).await;
+    let fx = Fixture::memory(1 << 20).lease(4096).start().await;
+    let (node, lease) = (&fx.node, fx.lease());
+    let attacker = connect(node).await;
     let limits = proto::Limits {
         max_body: 1 << 20,
         max_data: u32::MAX,
@@ -457,14 +393,14 @@ async fn garbage_on_the_wire_leaves_node_serving() {
         vec![0u8; 5],
     ];
     for junk in cases {
-        let (mut send, mut recv) = attacker_conn(&node).await;
+        let (mut send, mut recv) = attacker_conn(node).await;
         send.write_all(&junk).await.unwrap();
         send.finish().unwrap();
         let f = proto::read_frame(&mut recv, &limits).await.unwrap();
         assert_eq!(f.header.status, Status::BadRequest, "{junk:?}");
     }
     // A version 1 peer is told why, in a header it can read.
-    let (mut send, mut recv) = attacker_conn(&node).await;
+    let (mut send, mut recv) = attacker_conn(node).await;
     let mut v1 = Header::request(Opcode::GetInventory, 5, 0, 0).encode();
     v1[4] = 1;
     send.write_all(&v1).await.unwrap();
@@ -486,31 +422,25 @@ async fn garbage_on_the_wire_leaves_node_serving() {
     s.write(&buf, 0, b"survived").await.unwrap();
     assert_eq!(s.read(&buf, 0, 8).await.unwrap(), b"survived");
     drop(buf);
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
 async fn unauthenticated_connections_can_do_nothing_but_hello() {
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(4096)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let mut fx = Fixture::memory(1 << 20).lease(4096).start().await;
+    let lease = fx.take_lease();
+    let (node, client) = (&fx.node, fx.client());
     let id = lease.id();
     lease.leak();
     let limits = proto::Limits::default();
-    let (mut send, mut recv) = attacker_conn(&node).await;
+    let (mut send, mut recv) = attacker_conn(node).await;
     let h = Header::request(Opcode::GetInventory, 5, 0, 0);
     proto::write_frame(&mut send, &h, &[], &[]).await.unwrap();
     send.finish().unwrap();
     let f = proto::read_frame(&mut recv, &limits).await.unwrap();
     assert_eq!(f.header.status, Status::Unauthorized);
     assert_eq!(f.header.request_id, 5);
-    let (mut send, mut recv) = attacker_conn(&node).await;
+    let (mut send, mut recv) = attacker_conn(node).await;
     let body = proto::to_body(&proto::LeaseRef { lease: id });
     let h = Header::request(Opcode::LeaseFree, 6, body.len() as u32, 0);
     proto::write_frame(&mut send, &h, &body, &[]).await.unwrap();
@@ -518,13 +448,13 @@ async fn unauthenticated_connections_can_do_nothing_but_hello() {
     let f = proto::read_frame(&mut recv, &limits).await.unwrap();
     assert_eq!(f.header.status, Status::Unauthorized);
     assert_eq!(client.inventory().await.unwrap().active_leases, 1);
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
 async fn gpu_submit_on_test_double() {
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
-    let client = connect(&node).await;
+    let fx = Fixture::memory(1 << 20).client().start().await;
+    let client = fx.client();
     let call = GpuCall::new(PTX, "iota", 1, 32, 20)
         .arg(KernelArg::Output)
         .arg(KernelArg::u32(4));
@@ -544,7 +474,7 @@ async fn gpu_submit_on_test_double() {
         client.gpu_call(&bad_input).await,
         Err(Error::BadRequest(_))
     ));
-    let m = metrics_http(&node).await;
+    let m = metrics_http(&fx.node).await;
     assert_eq!(metric(&m, "gpu_submit_total"), Some(3), "{m}");
     assert_eq!(metric(&m, "gpu_submit_errors"), Some(2), "{m}");
     assert_eq!(metric(&m, "gpu_submit_output_bytes"), Some(20), "{m}");
@@ -555,7 +485,7 @@ async fn gpu_submit_on_test_double() {
         Err(Error::LaunchFailed(_))
     ));
     assert_eq!(client.gpu_call(&call).await.unwrap(), want);
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
@@ -575,9 +505,11 @@ async fn mutual_tls_needs_no_token() {
     std::fs::create_dir_all(&dir).unwrap();
     let ca_file = dir.join("ca.pem");
     std::fs::write(&ca_file, ca.pem()).unwrap();
-    let mut cfg = memory_config(1 << 20);
-    cfg.client_ca = Some(ca_file);
-    let node = Node::spawn_local(cfg).await.unwrap();
+    let fx = Fixture::memory(1 << 20)
+        .config(|cfg| cfg.client_ca = Some(ca_file))
+        .start()
+        .await;
+    let node = &fx.node;
 
     let mut with_cert = ClientConfig::pinned(node.cert_der().clone());
     with_cert.identity = Some(cuda_lease::tls::Identity {
@@ -592,7 +524,7 @@ async fn mutual_tls_needs_no_token() {
         Client::connect(node.addr(), &plain).await,
         Err(Error::Unauthorized(_))
     ));
-    node.shutdown().await;
+    fx.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -607,26 +539,22 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 
 #[tokio::test]
 async fn streamed_transfers_of_every_shape_round_trip() {
-    let node = Node::spawn_local(memory_config(64 << 20)).await.unwrap();
+    let fx = Fixture::memory(64 << 20).start().await;
+    let node = &fx.node;
     // Striped over 3 connections from 1 byte up, and never striped.
     for config in [
-        client_config(&node).stripes(3, 1),
-        client_config(&node).stripes(1, 0),
+        client_config(node).stripes(3, 1),
+        client_config(node).stripes(1, 0),
     ] {
         let client = Arc::new(Client::connect(node.addr(), &config).await.unwrap());
         transfers_of_every_shape(client).await;
     }
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 async fn transfers_of_every_shape(client: Arc<Client>) {
     const SIZE: usize = 6 * CHUNK + 4096;
-    let lease = Lease::builder()
-        .min_vram(SIZE as u64)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let lease = lease_of(&client, SIZE as u64).await;
     let s = lease.session();
     let buf = s.alloc(SIZE as u64).await.unwrap();
     let mut model = vec![0u8; SIZE];
@@ -667,20 +595,14 @@ async fn transfers_of_every_shape(client: Arc<Client>) {
 #[tokio::test]
 async fn a_transfer_cut_off_midway_frees_what_it_held_and_the_lease_stays_usable() {
     const SIZE: usize = 8 * CHUNK;
-    let node = Node::spawn_local(memory_config(64 << 20)).await.unwrap();
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(SIZE as u64)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let fx = Fixture::memory(64 << 20).lease(SIZE as u64).start().await;
+    let (node, lease) = (&fx.node, fx.lease());
     let s = lease.session();
     let buf = s.alloc(SIZE as u64).await.unwrap();
     // Several cut-off writes in a row: had any of them kept its ring slots,
     // the ring (16 slots) would run dry and the writes below would hang.
     for cut in [CHUNK / 2, 3 * CHUNK + 5, 7 * CHUNK + 1, 5 * CHUNK] {
-        let conn = raw_authed_conn(&node).await;
+        let conn = raw_authed_conn(node).await;
         let (mut send, _recv) = conn.open_bi().await.unwrap();
         let body = proto::to_body(&proto::MemWrite {
             lease: lease.id(),
@@ -710,31 +632,29 @@ async fn a_transfer_cut_off_midway_frees_what_it_held_and_the_lease_stays_usable
     );
     assert_eq!(lease.query().await.unwrap().state, LeaseState::Active);
     drop(buf);
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
 async fn a_principal_cannot_see_use_renew_or_free_another_principals_lease() {
     // Attack 2: token B read, overwrote and renewed A's lease given its id,
     // and a connection with no token freed it.
-    let mut cfg = memory_config(1 << 20);
-    cfg.tokens.clear();
-    cfg.named_tokens = vec![
-        ("alice".into(), "secret-a".into()),
-        ("bob".into(), "secret-b".into()),
-        ("ops".into(), "secret-ops".into()),
-    ];
-    cfg.admins = vec!["ops".into()];
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let alice = connect_as(&node, "secret-a").await;
-    let bob = connect_as(&node, "secret-b").await;
-    let lease = Lease::builder()
-        .min_vram(4096)
-        .auto_renew(false)
-        .on(alice.clone())
-        .await
-        .unwrap();
+    let fx = Fixture::memory(1 << 20)
+        .config(|cfg| {
+            cfg.tokens.clear();
+            cfg.named_tokens = vec![
+                ("alice".into(), "secret-a".into()),
+                ("bob".into(), "secret-b".into()),
+                ("ops".into(), "secret-ops".into()),
+            ];
+            cfg.admins = vec!["ops".into()];
+        })
+        .start()
+        .await;
+    let node = &fx.node;
+    let alice = connect_as(node, "secret-a").await;
+    let bob = connect_as(node, "secret-b").await;
+    let lease = lease_of(&alice, 4096).await;
     let s = lease.session();
     let buf = s.alloc(64).await.unwrap();
     s.write(&buf, 0, b"SECRET-OF-TENANT-A").await.unwrap();
@@ -821,12 +741,12 @@ async fn a_principal_cannot_see_use_renew_or_free_another_principals_lease() {
     assert_eq!(s.read(&buf, 0, 18).await.unwrap(), b"SECRET-OF-TENANT-A");
     assert_eq!(lease.query().await.unwrap().state, LeaseState::Active);
     // An operator may free it.
-    let ops = connect_as(&node, "secret-ops").await;
+    let ops = connect_as(node, "secret-ops").await;
     ops.free_lease(id).await.unwrap();
     assert!(s.read(&buf, 0, 18).await.is_err());
     drop(buf);
     lease.leak();
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
@@ -834,15 +754,8 @@ async fn the_test_double_runs_the_test_kernels_so_data_flow_is_checked_without_a
     // `iota` and `vadd` of `cuda_lease::ptx::TEST_KERNELS` run on the host
     // in the in-memory device: the same batch gives the same bytes as on a
     // GPU, and an out-of-range access faults the lease like one.
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(1 << 16)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
-    let s = lease.session();
+    let fx = Fixture::memory(1 << 20).lease(1 << 16).start().await;
+    let (lease, s) = (fx.lease(), fx.session());
     let n = 1000u32;
     let a: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
     let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
@@ -894,6 +807,5 @@ async fn the_test_double_runs_the_test_kernels_so_data_flow_is_checked_without_a
     );
     assert!(bad.submit().await.unwrap().ok().is_err());
     assert_eq!(lease.query().await.unwrap().state, LeaseState::Poisoned);
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }

@@ -6,8 +6,8 @@
 mod common;
 
 use common::*;
-use cuda_lease::client::{Error, Lease, Module, Session};
-use cuda_lease::node::{Node, NodeConfig};
+use cuda_lease::client::{Error, Module, Session};
+use cuda_lease::node::Node;
 use cuda_lease::proto::{
     self, Batch, Command, Id, KernelArg, ModuleHash, ModuleUse, Op, Opcode, SourceKind, Status,
 };
@@ -42,19 +42,6 @@ fn floats(b: &[u8]) -> Vec<f32> {
 
 fn float_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-async fn lease_on(cfg: NodeConfig) -> (Node, Lease, Session) {
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(1 << 20)
-        .auto_renew(false)
-        .on(client)
-        .await
-        .unwrap();
-    let s = lease.session();
-    (node, lease, s)
 }
 
 fn fill(rec: &mut cuda_lease::client::Recorder, stream: u32, m: &Module, buf: Id, v: f32) {
@@ -95,10 +82,11 @@ fn batches(node: &Node) -> (u64, u64) {
 #[tokio::test]
 async fn a_twenty_command_pipeline_in_two_submissions_sent_without_waiting_is_one_round_trip_each()
 {
-    let (node, lease, s) = lease_on(memory_config(1 << 20)).await;
+    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let s = fx.session();
     let m = Module::cuda(KERNELS, &[]);
     let x0: Vec<f32> = (0..N).map(|i| i as f32).collect();
-    let before = batches(&node);
+    let before = batches(&fx.node);
 
     // First submission: 10 commands on two streams.
     let mut first = s.recorder();
@@ -144,7 +132,7 @@ async fn a_twenty_command_pipeline_in_two_submissions_sent_without_waiting_is_on
     let want: Vec<f32> = x0.iter().map(|v| 3.0 * v + 1.0).collect();
     assert_eq!(floats(r2.read(rz).unwrap()), want);
     assert_eq!(floats(r2.read(rt).unwrap()), [0.0, 0.0]);
-    let after = batches(&node);
+    let after = batches(&fx.node);
     eprintln!(
         "BATCH requests at the node: {} for {} commands",
         after.0 - before.0,
@@ -152,13 +140,13 @@ async fn a_twenty_command_pipeline_in_two_submissions_sent_without_waiting_is_on
     );
     assert_eq!(after.0 - before.0, 2, "one round trip per submission");
     assert_eq!(after.1 - before.1, 20);
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
 async fn two_streams_with_an_event_between_them_give_the_right_data() {
-    let (node, lease, s) = lease_on(memory_config(1 << 20)).await;
+    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let s = fx.session();
     let m = Module::cuda(KERNELS, &[]);
     let mut rec = s.recorder();
     let x = rec.alloc(0, BYTES);
@@ -176,13 +164,13 @@ async fn two_streams_with_an_event_between_them_give_the_right_data() {
     let out = rec.submit().await.unwrap().ok().unwrap();
     assert_eq!(floats(out.read(ry).unwrap()), vec![7.0; N as usize]);
     assert_eq!(floats(out.read(rx).unwrap()), [100.0]);
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
 async fn a_failing_command_reports_its_index_and_keeps_what_ran_before_it() {
-    let (node, lease, s) = lease_on(memory_config(1 << 20)).await;
+    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let s = fx.session();
     let m = Module::cuda(KERNELS, &[]);
     let mut rec = s.recorder();
     let a = rec.alloc(0, 8); // 0
@@ -204,13 +192,13 @@ async fn a_failing_command_reports_its_index_and_keeps_what_ran_before_it() {
     assert!(matches!(reply.ok(), Err(Error::NotFound(m)) if m.contains("command 3")));
     // What ran stays: the buffer and its data.
     assert_eq!(floats(&s.read_id(a, 0, 8).await.unwrap()), [4.0, 2.0]);
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
 async fn reused_unknown_and_wrong_kind_ids_are_errors_naming_the_id_and_command() {
-    let (node, lease, s) = lease_on(memory_config(1 << 20)).await;
+    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let s = fx.session();
     let mut rec = s.recorder();
     let a = rec.alloc(0, 8);
     rec.command(0, Op::Alloc { buf: a, size: 8 });
@@ -265,15 +253,17 @@ async fn reused_unknown_and_wrong_kind_ids_are_errors_naming_the_id_and_command(
     rec.free(0, a);
     rec.command(0, Op::Alloc { buf: a, size: 4 });
     rec.submit().await.unwrap().ok().unwrap();
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
 async fn streams_are_made_on_demand_up_to_the_lease_limit() {
-    let mut cfg = memory_config(1 << 20);
-    cfg.max_streams_per_lease = 2;
-    let (node, lease, s) = lease_on(cfg).await;
+    let fx = Fixture::memory(1 << 20)
+        .config(|cfg| cfg.max_streams_per_lease = 2)
+        .lease(1 << 20)
+        .start()
+        .await;
+    let s = fx.session();
     let mut rec = s.recorder();
     rec.record(7);
     rec.record(3);
@@ -286,28 +276,21 @@ async fn streams_are_made_on_demand_up_to_the_lease_limit() {
     let mut rec = s.recorder();
     rec.record(3);
     rec.submit().await.unwrap().ok().unwrap();
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
 async fn modules_travel_by_content_and_bad_sources_come_back_with_their_log() {
-    let mut cfg = memory_config(4 << 20);
-    // No node-wide cache: a lease that has not loaded a module must get
-    // its source again.
-    cfg.module_cache_bytes = 0;
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let client = connect(&node).await;
-    let lease_a = Lease::builder()
-        .min_vram(1 << 20)
-        .auto_renew(false)
-        .on(client.clone());
-    let lease_a = lease_a.await.unwrap();
-    let lease_b = Lease::builder()
-        .min_vram(1 << 20)
-        .auto_renew(false)
-        .on(client.clone());
-    let lease_b = lease_b.await.unwrap();
+    let mut fx = Fixture::memory(4 << 20)
+        // No node-wide cache: a lease that has not loaded a module must get
+        // its source again.
+        .config(|cfg| cfg.module_cache_bytes = 0)
+        .lease(1 << 20)
+        .start()
+        .await;
+    let lease_a = fx.take_lease();
+    let lease_b = fx.another_lease(1 << 20).await;
+    let client = fx.client();
     let m = Module::cuda(KERNELS, &["-default-device"]);
     assert_eq!(
         m.hash(),
@@ -391,12 +374,13 @@ async fn modules_travel_by_content_and_bad_sources_come_back_with_their_log() {
     );
     lease_a.free().await.unwrap();
     lease_b.free().await.unwrap();
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
 async fn fill_and_copy_run_in_a_batch_and_check_their_ranges() {
-    let (node, lease, s) = lease_on(memory_config(1 << 20)).await;
+    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let s = fx.session();
     let mut rec = s.recorder();
     let a = rec.alloc(0, 16);
     let b = rec.alloc(1, 16);
@@ -425,13 +409,13 @@ async fn fill_and_copy_run_in_a_batch_and_check_their_ranges() {
     rec.copy(0, (a, 0), (a, 8), 8);
     let e = rec.submit().await.unwrap().error().unwrap().clone();
     assert_eq!(e.message, format!("command 0: a copy from {a} to itself"));
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
 async fn reads_can_land_straight_in_the_callers_buffers() {
-    let (node, lease, s) = lease_on(memory_config(1 << 20)).await;
+    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let s = fx.session();
     let mut rec = s.recorder();
     let a = rec.alloc(0, 8);
     rec.write(0, a, 0, &[1, 2, 3, 4, 5, 6, 7, 8]);
@@ -450,6 +434,5 @@ async fn reads_can_land_straight_in_the_callers_buffers() {
     rec.read(0, a, 0, 8);
     let err = rec.submit_into(vec![vec![0u8; 4]]).await.unwrap_err();
     assert!(matches!(err, Error::BadRequest(_)), "{err:?}");
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }

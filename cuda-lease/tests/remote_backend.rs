@@ -11,7 +11,6 @@ use common::*;
 use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, Error, ExecutionContext, HostBuffer, Kernel, LaunchConfig, Module};
 use cuda_lease::client::Lease;
-use cuda_lease::clock::ManualClock;
 use cuda_lease::node::Node;
 use cuda_lease::remote::{LeaseSession, RemoteLease};
 
@@ -73,15 +72,6 @@ fn reference(x: &[f32], y: &[f32], a: f32) -> Vec<f32> {
     x.iter().zip(y).map(|(x, y)| x + (a * x + y)).collect()
 }
 
-async fn lease_on(node: &Node, vram: u64) -> Lease {
-    Lease::builder()
-        .min_vram(vram)
-        .auto_renew(false)
-        .on(connect(node).await)
-        .await
-        .unwrap()
-}
-
 fn batches(node: &Node) -> (u64, u64) {
     let t = node.metrics_text();
     (
@@ -92,14 +82,13 @@ fn batches(node: &Node) -> (u64, u64) {
 
 #[tokio::test]
 async fn a_pipeline_written_once_runs_on_a_leased_gpu_in_one_message() {
-    let node = Node::spawn_local(memory_config(1 << 22)).await.unwrap();
-    let lease = lease_on(&node, 1 << 20).await;
-    let session = LeaseSession::current(lease.session());
-    let remote = RemotePolicy::new(&session);
+    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let (node, lease) = (&fx.node, fx.lease());
+    let remote = fx.policy();
     let k = kernels();
     for (n, seed) in [(1000usize, 7u64), (4097, 11), (1, 3)] {
         let (x, y) = (random_f32(n, seed), random_f32(n, seed * 31));
-        let before = batches(&node);
+        let before = batches(node);
         let out = pipeline(x.clone(), y.clone(), 1.5, &k)
             .schedule(&remote)
             .unwrap()
@@ -108,7 +97,7 @@ async fn a_pipeline_written_once_runs_on_a_leased_gpu_in_one_message() {
         assert!(out.is_remote());
         assert_eq!(out.to_vec().unwrap(), reference(&x, &y, 1.5), "n = {n}");
         // Eleven ops and their frees: one message.
-        assert_eq!(batches(&node).0 - before.0, 1, "n = {n}");
+        assert_eq!(batches(node).0 - before.0, 1, "n = {n}");
     }
     // Empty buffers work as they do locally.
     let empty = h2d(Vec::<f32>::new())
@@ -145,14 +134,14 @@ async fn a_pipeline_written_once_runs_on_a_leased_gpu_in_one_message() {
         "node memory left allocated: {:?}",
         lease.query().await.unwrap()
     );
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
 async fn a_chain_of_twenty_ops_is_one_message() {
-    let node = Node::spawn_local(memory_config(1 << 22)).await.unwrap();
-    let lease = lease_on(&node, 1 << 20).await;
-    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let node = &fx.node;
+    let remote = fx.policy();
     let k = kernels();
     let n = 512u32;
     let x = random_f32(n as usize, 99);
@@ -170,9 +159,9 @@ async fn a_chain_of_twenty_ops_is_one_message() {
             .boxed();
     }
     let chain = chain.then(|(_, y)| d2h(y));
-    let before = batches(&node);
+    let before = batches(node);
     let out = chain.schedule(&remote).unwrap().await.unwrap();
-    let after = batches(&node);
+    let after = batches(node);
     assert_eq!(after.0 - before.0, 1, "one message");
     assert!(after.1 - before.1 >= 20, "{} commands", after.1 - before.1);
     let want: Vec<f32> = x
@@ -180,7 +169,7 @@ async fn a_chain_of_twenty_ops_is_one_message() {
         .map(|v| (0..17).fold(0.0f32, |acc, _| 0.5 * v + acc))
         .collect();
     assert_eq!(out.to_vec().unwrap(), want);
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 /// A hand-written op that enqueues on a local CUDA stream itself.
@@ -197,13 +186,13 @@ cuda_async::awaitable!(LocalOnly);
 
 #[tokio::test]
 async fn every_remote_failure_is_a_matchable_error() {
-    let clock = ManualClock::new();
-    let mut config = memory_config(1 << 22);
-    config.clock = Arc::new(clock.clone());
-    config.reaper_interval = Duration::from_millis(20);
-    let node = Node::spawn_local(config).await.unwrap();
-    let lease = lease_on(&node, 1 << 16).await;
-    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let fx = Fixture::memory(1 << 22)
+        .manual_clock()
+        .lease(1 << 16)
+        .start()
+        .await;
+    let (node, clock) = (&fx.node, fx.clock());
+    let remote = fx.policy();
     let k = kernels();
 
     // Beyond the lease's reservation.
@@ -254,7 +243,7 @@ async fn every_remote_failure_is_a_matchable_error() {
         .min_vram(4096)
         .ttl(Duration::from_secs(5))
         .auto_renew(false)
-        .on(connect(&node).await)
+        .on(connect(node).await)
         .await
         .unwrap();
     let expiring = RemotePolicy::new(&LeaseSession::current(short.session()));
@@ -275,16 +264,13 @@ async fn every_remote_failure_is_a_matchable_error() {
         .map_err(cuda_lease::remote::to_cuda_error)
         .unwrap_err();
     assert!(matches!(e, Error::Unauthorized(_)), "{e}");
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
 async fn a_buffer_of_another_lease_is_an_error_naming_both() {
-    let node = Node::spawn_local(memory_config(1 << 22)).await.unwrap();
-    let (a, b) = (
-        lease_on(&node, 1 << 16).await,
-        lease_on(&node, 1 << 16).await,
-    );
+    let fx = Fixture::memory(1 << 22).lease(1 << 16).start().await;
+    let (a, b) = (fx.lease(), lease_on(&fx.node, 1 << 16).await);
     let (sa, sb) = (
         LeaseSession::current(a.session()),
         LeaseSession::current(b.session()),
@@ -331,19 +317,19 @@ async fn a_buffer_of_another_lease_is_an_error_naming_both() {
     }
     let again = shared.then(d2h).schedule(&on_a).unwrap().await.unwrap();
     assert_eq!(again.to_vec().unwrap(), vec![1; 4]);
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
 async fn a_buffer_dropped_while_its_op_is_queued_is_freed_after_it() {
-    let node = Node::spawn_local(memory_config(1 << 22)).await.unwrap();
-    let lease = lease_on(&node, 1 << 20).await;
-    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let (node, lease) = (&fx.node, fx.lease());
+    let remote = fx.policy();
     // The buffer is dropped while the submission is recorded (d2h takes it
     // by value): its free joins the end of the same message, after the
     // read, so the read sees the data and the node ends with nothing.
     let (bytes, host) = (1usize << 16, 0xabu8);
-    let before = batches(&node);
+    let before = batches(node);
     let out = zeros::<u8>(bytes)
         .then(move |b| memset(b, host))
         .then(d2h)
@@ -351,7 +337,7 @@ async fn a_buffer_dropped_while_its_op_is_queued_is_freed_after_it() {
         .unwrap()
         .await
         .unwrap();
-    assert_eq!(batches(&node).0 - before.0, 1);
+    assert_eq!(batches(node).0 - before.0, 1);
     assert!(out.to_vec().unwrap().iter().all(|&v| v == host));
     assert_eq!(lease.query().await.unwrap().allocated, 0);
     // A buffer the caller keeps is allocated until dropped; then its free
@@ -365,18 +351,17 @@ async fn a_buffer_dropped_while_its_op_is_queued_is_freed_after_it() {
         })
         .await
     );
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[test]
 fn a_plain_fn_main_runs_the_pipeline_blocking_and_sees_the_node_go() {
     let node_rt = tokio::runtime::Runtime::new().unwrap();
-    let node = node_rt
-        .block_on(Node::spawn_local(memory_config(1 << 22)))
-        .unwrap();
+    let fx = node_rt.block_on(Fixture::memory(1 << 22).start());
+    let node = &fx.node;
     let builder = Lease::builder()
         .min_vram(1 << 20)
-        .config(client_config(&node));
+        .config(client_config(node));
     let lease = RemoteLease::connect_blocking(builder, node.addr()).unwrap();
     let remote = RemotePolicy::new(&lease).with_streams(2);
     let k = kernels();
@@ -386,7 +371,7 @@ fn a_plain_fn_main_runs_the_pipeline_blocking_and_sees_the_node_go() {
         .unwrap();
     assert_eq!(out.to_vec().unwrap(), reference(&x, &y, 3.0));
     // value, map, with_context and boxed record nothing: no message.
-    let before = batches(&node);
+    let before = batches(node);
     let v = value(20)
         .map(|v| v * 2)
         .then(|v| with_context(move |ctx| value((v + 2, ctx.is_remote(), ctx.describe()))))
@@ -395,29 +380,29 @@ fn a_plain_fn_main_runs_the_pipeline_blocking_and_sees_the_node_go() {
         .unwrap();
     assert_eq!((v.0, v.1), (42, true));
     assert!(v.2.starts_with("stream "), "{}", v.2);
-    assert_eq!(batches(&node).0, before.0);
+    assert_eq!(batches(node).0, before.0);
     // The node goes away: the next submission fails, it does not hang.
-    node_rt.block_on(node.shutdown());
+    node_rt.block_on(fx.shutdown());
     let e = h2d(vec![1u8; 4]).then(d2h).sync_with(&remote).unwrap_err();
     assert!(matches!(e, Error::Disconnected(_)), "{e}");
 }
 
 #[tokio::test]
 async fn zip_join_all_and_shared_give_the_right_results_on_a_lease() {
-    let node = Node::spawn_local(memory_config(1 << 22)).await.unwrap();
-    let lease = lease_on(&node, 1 << 20).await;
-    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let node = &fx.node;
+    let remote = fx.policy();
     let k = kernels();
     let (x, y) = (random_f32(777, 41), random_f32(777, 43));
     // zip: two pipelines, one message.
-    let before = batches(&node);
+    let before = batches(node);
     let (a, b) = pipeline(x.clone(), y.clone(), 2.0, &k)
         .zip(pipeline(y.clone(), x.clone(), -1.0, &k))
         .schedule(&remote)
         .unwrap()
         .await
         .unwrap();
-    assert_eq!(batches(&node).0 - before.0, 1);
+    assert_eq!(batches(node).0 - before.0, 1);
     assert_eq!(a.to_vec().unwrap(), reference(&x, &y, 2.0));
     assert_eq!(b.to_vec().unwrap(), reference(&y, &x, -1.0));
     // join_all of boxed pipelines.
@@ -443,7 +428,7 @@ async fn zip_join_all_and_shared_give_the_right_results_on_a_lease() {
     // A later submission consumes the shared output again (no new upload).
     let again = shared.then(d2h).schedule(&remote).unwrap().await.unwrap();
     assert_eq!(again.to_vec().unwrap(), x);
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 const HANG: &str = r#"extern "C" __global__ void __hang() {}"#;
@@ -461,16 +446,13 @@ fn hanging(remote: &RemotePolicy) -> tokio::task::JoinHandle<cuda_async::Result<
 
 #[tokio::test]
 async fn a_pending_submission_fails_when_its_lease_expires_or_its_node_goes() {
-    let clock = ManualClock::new();
-    let mut config = memory_config(1 << 22);
-    config.clock = Arc::new(clock.clone());
-    config.reaper_interval = Duration::from_millis(20);
-    let node = Node::spawn_local(config).await.unwrap();
+    let fx = Fixture::memory(1 << 22).manual_clock().start().await;
+    let (node, clock) = (&fx.node, fx.clock());
     let short = Lease::builder()
         .min_vram(1 << 16)
         .ttl(Duration::from_secs(5))
         .auto_renew(false)
-        .on(connect(&node).await)
+        .on(connect(node).await)
         .await
         .unwrap();
     let remote = RemotePolicy::new(&LeaseSession::current(short.session()));
@@ -486,11 +468,11 @@ async fn a_pending_submission_fails_when_its_lease_expires_or_its_node_goes() {
     assert!(matches!(e, Error::LeaseExpired(_)), "{e}");
 
     // The node goes away under a pending submission.
-    let lease = lease_on(&node, 1 << 16).await;
-    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let lease = lease_on(node, 1 << 16).await;
+    let remote = policy_of(&lease);
     let pending = hanging(&remote);
     tokio::time::sleep(Duration::from_millis(200)).await;
-    node.shutdown().await;
+    fx.shutdown().await;
     let e = tokio::time::timeout(Duration::from_secs(10), pending)
         .await
         .expect("a pending submission hung past its node's end")
@@ -501,11 +483,12 @@ async fn a_pending_submission_fails_when_its_lease_expires_or_its_node_goes() {
 
 #[tokio::test]
 async fn a_remote_future_dropped_in_flight_frees_only_after_the_node_s_work() {
-    let mut config = memory_config(1 << 22);
-    config.op_timeout = Duration::from_secs(2);
-    let node = Node::spawn_local(config).await.unwrap();
-    let lease = lease_on(&node, 1 << 21).await;
-    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let fx = Fixture::memory(1 << 22)
+        .config(|cfg| cfg.op_timeout = Duration::from_secs(2))
+        .lease(1 << 21)
+        .start()
+        .await;
+    let (lease, remote) = (fx.lease(), fx.policy());
     let hang = Module::cuda(HANG, &[]).unwrap().kernel("__hang").unwrap();
     let bytes = 1usize << 20;
     // The buffer is the output: in use by the queued (here: endless) work.
@@ -531,9 +514,8 @@ async fn a_remote_future_dropped_in_flight_frees_only_after_the_node_s_work() {
     );
 
     // mem::forget: the buffer leaks (never freed early, never freed).
-    let node2 = Node::spawn_local(memory_config(1 << 22)).await.unwrap();
-    let lease2 = lease_on(&node2, 1 << 21).await;
-    let remote2 = RemotePolicy::new(&LeaseSession::current(lease2.session()));
+    let fx2 = Fixture::memory(1 << 22).lease(1 << 21).start().await;
+    let (lease2, remote2) = (fx2.lease(), fx2.policy());
     let mut fut = zeros::<u8>(bytes).schedule(&remote2).unwrap();
     // Exactly one poll: it sends the submission.
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
@@ -541,15 +523,14 @@ async fn a_remote_future_dropped_in_flight_frees_only_after_the_node_s_work() {
     std::mem::forget(fut);
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(lease2.query().await.unwrap().allocated, bytes as u64);
-    node2.shutdown().await;
-    node.shutdown().await;
+    fx2.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixty_four_tasks_sharing_one_lease_all_get_their_own_results() {
-    let node = Node::spawn_local(memory_config(1 << 24)).await.unwrap();
-    let lease = lease_on(&node, 1 << 23).await;
-    let remote = Arc::new(RemotePolicy::new(&LeaseSession::current(lease.session())));
+    let fx = Fixture::memory(1 << 24).lease(1 << 23).start().await;
+    let remote = Arc::new(fx.policy());
     let k = Arc::new(kernels());
     let tasks: Vec<_> = (0..64u64)
         .map(|t| {
@@ -576,18 +557,14 @@ async fn sixty_four_tasks_sharing_one_lease_all_get_their_own_results() {
     for t in tasks {
         t.await.unwrap();
     }
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[tokio::test]
 async fn a_kernel_fault_fails_its_lease_and_leaves_other_leases_working() {
-    let node = Node::spawn_local(memory_config(1 << 22)).await.unwrap();
-    let (a, b) = (
-        lease_on(&node, 1 << 20).await,
-        lease_on(&node, 1 << 20).await,
-    );
-    let on_a = RemotePolicy::new(&LeaseSession::current(a.session()));
-    let on_b = RemotePolicy::new(&LeaseSession::current(b.session()));
+    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let b = lease_on(&fx.node, 1 << 20).await;
+    let (on_a, on_b) = (fx.policy(), policy_of(&b));
     let k = kernels();
     // A pipeline on A is in flight with the fault behind it in one message.
     let (x, y) = (random_f32(500, 1), random_f32(500, 2));
@@ -615,7 +592,7 @@ async fn a_kernel_fault_fails_its_lease_and_leaves_other_leases_working() {
         .await
         .unwrap();
     assert_eq!(out.to_vec().unwrap(), reference(&x, &y, 3.0));
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 /// `DeviceFuture`s are plain futures: `futures`' combinators drive them on
@@ -625,9 +602,8 @@ async fn a_kernel_fault_fails_its_lease_and_leaves_other_leases_working() {
 async fn device_futures_compose_with_the_futures_crate() {
     use futures::stream::{FuturesUnordered, StreamExt};
 
-    let node = Node::spawn_local(memory_config(1 << 24)).await.unwrap();
-    let lease = lease_on(&node, 1 << 23).await;
-    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let fx = Fixture::memory(1 << 24).lease(1 << 23).start().await;
+    let remote = fx.policy();
     let k = kernels();
     let inputs: Vec<(Vec<f32>, Vec<f32>, f32)> = (0..16u64)
         .map(|i| {
@@ -667,6 +643,5 @@ async fn device_futures_compose_with_the_futures_crate() {
         .fold(0, |acc, n| async move { acc + n })
         .await;
     assert_eq!(total, inputs.iter().map(|(x, _, _)| x.len()).sum::<usize>());
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }

@@ -6,15 +6,12 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
 use cuda_async::remote::{Recording, RemoteArg, RemoteCommand, RemoteCompletion};
 use cuda_async::{HostBuffer, LaunchConfig, RemoteSession};
 use cuda_lease::client::Lease;
-use cuda_lease::clock::ManualClock;
-use cuda_lease::node::Node;
 use cuda_lease::remote::LeaseSession;
 
 const KERNELS: &str = r#"
@@ -47,14 +44,8 @@ fn bytes(v: &[f32]) -> Vec<u8> {
 
 #[tokio::test]
 async fn a_recording_is_one_batch_and_its_reads_land_in_host_buffers() {
-    let node = Node::spawn_local(memory_config(1 << 20)).await.unwrap();
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(1 << 16)
-        .auto_renew(false)
-        .on(client)
-        .await
-        .unwrap();
+    let fx = Fixture::memory(1 << 20).lease(1 << 16).start().await;
+    let (node, lease) = (&fx.node, fx.lease());
     let session = LeaseSession::current(lease.session());
     assert!(
         session.describe().starts_with("lease "),
@@ -122,25 +113,22 @@ async fn a_recording_is_one_batch_and_its_reads_land_in_host_buffers() {
         .await,
         "the queued frees did not reach the node"
     );
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
 }
 
 #[tokio::test]
 async fn failures_come_back_as_cuda_async_remote_errors() {
-    let clock = ManualClock::new();
-    let mut cfg = memory_config(1 << 20);
-    cfg.clock = Arc::new(clock.clone());
-    cfg.reaper_interval = Duration::from_millis(20);
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(4096)
-        .ttl(Duration::from_secs(30))
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
+    let fx = Fixture::memory(1 << 20)
+        .manual_clock()
+        .lease_with(
+            Lease::builder()
+                .min_vram(4096)
+                .ttl(Duration::from_secs(30))
+                .auto_renew(false),
+        )
+        .start()
+        .await;
+    let (client, lease, clock) = (fx.client(), fx.lease(), fx.clock());
     let session = LeaseSession::current(lease.session());
     let run = |rec: Recording| {
         let session = session.clone();
@@ -204,19 +192,18 @@ async fn failures_come_back_as_cuda_async_remote_errors() {
     session.submit(rec, done.clone());
     let e = outcome(&done).await.unwrap_err();
     assert!(matches!(e, cuda_async::Error::LeaseExpired(_)), "{e}");
-    node.shutdown().await;
+    fx.shutdown().await;
 }
 
 #[test]
 fn a_plain_fn_main_leases_records_and_waits_with_no_runtime_of_its_own() {
     // The node needs a runtime; the client side below has none.
     let node_rt = tokio::runtime::Runtime::new().unwrap();
-    let node = node_rt
-        .block_on(Node::spawn_local(memory_config(1 << 20)))
-        .unwrap();
+    let fx = node_rt.block_on(Fixture::memory(1 << 20).start());
+    let node = &fx.node;
     let builder = Lease::builder()
         .min_vram(1 << 16)
-        .config(client_config(&node));
+        .config(client_config(node));
     let remote = cuda_lease::remote::RemoteLease::connect_blocking(builder, node.addr()).unwrap();
     let session = remote.session();
     let mut rec = Recording::new();
@@ -248,10 +235,10 @@ fn a_plain_fn_main_leases_records_and_waits_with_no_runtime_of_its_own() {
     // Inside a runtime the blocking form says what to use instead.
     let err = node_rt
         .block_on(async {
-            let b = Lease::builder().config(client_config(&node));
+            let b = Lease::builder().config(client_config(node));
             cuda_lease::remote::RemoteLease::connect_blocking(b, node.addr())
         })
         .unwrap_err();
     assert!(matches!(err, cuda_lease::Error::Config(ref m) if m.contains("LeaseSession::current")));
-    node_rt.block_on(node.shutdown());
+    node_rt.block_on(fx.shutdown());
 }

@@ -6,8 +6,7 @@ mod common;
 use std::path::PathBuf;
 
 use common::*;
-use cuda_lease::client::{Error, Lease, Module};
-use cuda_lease::node::Node;
+use cuda_lease::client::{Error, Module};
 use cuda_lease::sandbox::{self, CompileSandbox, Confinement};
 
 const KERNEL: &str = "extern \"C\" __global__ void fill(float* out, float v, unsigned n) {}\n";
@@ -36,20 +35,17 @@ fn lines_of(path: &str) -> Vec<String> {
 #[tokio::test]
 async fn tenant_sources_that_name_the_nodes_files_are_refused_without_quoting_them() {
     let dir = header_dir("node");
-    let mut cfg = memory_config(4 << 20);
-    cfg.worker.compile = CompileSandbox {
-        include_dirs: vec![dir.clone()],
-        ..CompileSandbox::default()
-    };
-    let node = Node::spawn_local(cfg).await.unwrap();
-    let client = connect(&node).await;
-    let lease = Lease::builder()
-        .min_vram(1 << 20)
-        .auto_renew(false)
-        .on(client.clone())
-        .await
-        .unwrap();
-    let s = lease.session();
+    let fx = Fixture::memory(4 << 20)
+        .config(|cfg| {
+            cfg.worker.compile = CompileSandbox {
+                include_dirs: vec![dir.clone()],
+                ..CompileSandbox::default()
+            }
+        })
+        .lease(1 << 20)
+        .start()
+        .await;
+    let s = fx.session();
     let secrets: Vec<String> = ["/etc/passwd", "/proc/self/environ", "/proc/self/cmdline"]
         .iter()
         .flat_map(|p| lines_of(p))
@@ -87,8 +83,7 @@ async fn tenant_sources_that_name_the_nodes_files_are_refused_without_quoting_th
         &["--std=c++17"],
     );
     s.load(&ok).await.unwrap();
-    lease.free().await.unwrap();
-    node.shutdown().await;
+    fx.free_and_shutdown().await;
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -5,11 +5,202 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cuda_lease::client::{Client, ClientConfig};
+use cuda_lease::client::{Client, ClientConfig, Lease, LeaseBuilder, Session};
+use cuda_lease::clock::ManualClock;
 use cuda_lease::node::{Node, NodeConfig};
+use cuda_lease::remote::LeaseSession;
 use cuda_lease::worker::{DeviceSpec, WorkerSpec};
 
 pub const TOKEN: &str = "test-token";
+
+/// The set-up every node test shares: an embedded node (by default with the
+/// in-memory device, [`memory_config`]), optionally a client of it with the
+/// test token, a lease on that client and a manual clock; torn down by
+/// [`Fixture::shutdown`] or [`Fixture::free_and_shutdown`].
+///
+/// ```ignore
+/// let f = Fixture::memory(1 << 20).lease(4096).start().await;
+/// let s = f.session();
+/// // ...
+/// f.free_and_shutdown().await;
+/// ```
+#[derive(Debug)]
+pub struct Fixture {
+    pub node: Node,
+    client: Option<Arc<Client>>,
+    lease: Option<Lease>,
+    clock: Option<ManualClock>,
+}
+
+/// Options of a [`Fixture`], applied by [`FixtureBuilder::start`].
+#[derive(Debug)]
+#[must_use = "a fixture starts with `.start().await`"]
+pub struct FixtureBuilder {
+    config: NodeConfig,
+    client: bool,
+    lease: Option<LeaseBuilder>,
+    clock: Option<ManualClock>,
+}
+
+impl Fixture {
+    /// A node with the in-memory device of `capacity` bytes.
+    pub fn memory(capacity: u64) -> FixtureBuilder {
+        Self::with_config(memory_config(capacity))
+    }
+
+    /// A node of `config` (a GPU node, say).
+    pub fn with_config(config: NodeConfig) -> FixtureBuilder {
+        FixtureBuilder {
+            config,
+            client: false,
+            lease: None,
+            clock: None,
+        }
+    }
+
+    /// The client connected with the test token.
+    pub fn client(&self) -> &Arc<Client> {
+        self.client
+            .as_ref()
+            .expect("fixture built without .client() or .lease(..)")
+    }
+
+    /// The fixture's lease.
+    pub fn lease(&self) -> &Lease {
+        self.lease
+            .as_ref()
+            .expect("fixture built without .lease(..), or its lease was taken")
+    }
+
+    /// Takes the fixture's lease (to free or leak it in the test itself).
+    pub fn take_lease(&mut self) -> Lease {
+        self.lease
+            .take()
+            .expect("fixture built without .lease(..), or its lease was taken")
+    }
+
+    /// A session on the fixture's lease.
+    pub fn session(&self) -> Session {
+        self.lease().session()
+    }
+
+    /// The node's manual clock.
+    pub fn clock(&self) -> &ManualClock {
+        self.clock
+            .as_ref()
+            .expect("fixture built without .manual_clock()")
+    }
+
+    /// Another lease of `vram` bytes on the fixture's client, not renewed.
+    pub async fn another_lease(&self, vram: u64) -> Lease {
+        lease_of(self.client(), vram).await
+    }
+
+    /// A `cuda-async` policy that runs ops on the fixture's lease.
+    pub fn policy(&self) -> cuda_async::RemotePolicy {
+        policy_of(self.lease())
+    }
+
+    /// Shuts the node down, then drops what is left (as a test that ends
+    /// with `node.shutdown().await` did).
+    pub async fn shutdown(self) {
+        let Fixture {
+            node,
+            client,
+            lease,
+            clock,
+        } = self;
+        node.shutdown().await;
+        drop((lease, client, clock));
+    }
+
+    /// Frees the fixture's lease (which must succeed), then shuts down.
+    pub async fn free_and_shutdown(mut self) {
+        self.take_lease().free().await.unwrap();
+        self.shutdown().await;
+    }
+}
+
+impl FixtureBuilder {
+    /// Adjusts the node's config.
+    pub fn config(mut self, adjust: impl FnOnce(&mut NodeConfig)) -> Self {
+        adjust(&mut self.config);
+        self
+    }
+
+    /// The node runs on a [`ManualClock`] ([`Fixture::clock`]), reaped every
+    /// 20 ms.
+    pub fn manual_clock(mut self) -> Self {
+        let clock = ManualClock::new();
+        self.config.clock = Arc::new(clock.clone());
+        self.config.reaper_interval = Duration::from_millis(20);
+        self.clock = Some(clock);
+        self
+    }
+
+    /// Connects a client with the test token ([`Fixture::client`]).
+    pub fn client(mut self) -> Self {
+        self.client = true;
+        self
+    }
+
+    /// A lease of `vram` bytes without renewal, on the fixture's client.
+    pub fn lease(self, vram: u64) -> Self {
+        self.lease_with(Lease::builder().min_vram(vram).auto_renew(false))
+    }
+
+    /// A lease made by `builder`, on the fixture's client.
+    pub fn lease_with(mut self, builder: LeaseBuilder) -> Self {
+        self.client = true;
+        self.lease = Some(builder);
+        self
+    }
+
+    /// Starts the node, connects and leases.
+    pub async fn start(self) -> Fixture {
+        let node = match Node::spawn_local(self.config).await {
+            Ok(node) => node,
+            Err(e) => panic!(
+                "could not start a node (worker {}): {e}",
+                worker_exe().display()
+            ),
+        };
+        let client = match self.client {
+            true => Some(connect(&node).await),
+            false => None,
+        };
+        let lease = match (self.lease, &client) {
+            (Some(b), Some(c)) => Some(b.on(c.clone()).await.unwrap()),
+            _ => None,
+        };
+        Fixture {
+            node,
+            client,
+            lease,
+            clock: self.clock,
+        }
+    }
+}
+
+/// A lease of `vram` bytes on `client`, not renewed.
+pub async fn lease_of(client: &Arc<Client>, vram: u64) -> Lease {
+    Lease::builder()
+        .min_vram(vram)
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap()
+}
+
+/// A lease of `vram` bytes, not renewed, on a new client of `node`.
+pub async fn lease_on(node: &Node, vram: u64) -> Lease {
+    lease_of(&connect(node).await, vram).await
+}
+
+/// A `cuda-async` policy that runs ops on `lease`.
+pub fn policy_of(lease: &Lease) -> cuda_async::RemotePolicy {
+    cuda_async::RemotePolicy::new(&LeaseSession::current(lease.session()))
+}
 
 /// The worker executable: `$CUDA_LEASE_WORKER_EXE`, else `cuda-lease-node`
 /// next to this test binary or one folder up (cargo's layout, or a bundle
