@@ -204,7 +204,7 @@ impl<T> DeviceBuffer<T> {
         }
     }
 
-    fn same_context(&self, stream: &CudaStream) -> Result<()> {
+    pub(crate) fn same_context(&self, stream: &CudaStream) -> Result<()> {
         check_same_context("a buffer", self.slice.stream().context(), stream)
     }
 
@@ -256,6 +256,67 @@ impl<T> DeviceBuffer<T> {
             return Ok(());
         }
         self.uses.record(stream, write)
+    }
+}
+
+impl DeviceBuffer<u8> {
+    /// Enqueues on `stream` a memset of the bytes `range` to `value`
+    /// (`cuMemsetD8Async`), one driver call; an empty range enqueues
+    /// nothing.
+    ///
+    /// # Ordering
+    ///
+    /// Ordered by `stream` alone, like a use through
+    /// [`DeviceBuffer::as_cuda_slice_mut`]: the buffer's use events are
+    /// neither waited for nor recorded here. The caller orders it as a
+    /// write: [`DeviceBuffer::before_write`] before, and
+    /// [`DeviceBuffer::after_write`] after (or later on the same stream,
+    /// before anything else could depend on the buffer's events, as a
+    /// batch that records a buffer's uses on one stream once does). A use
+    /// that is never recorded is not waited for by the buffer's free.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `range` is not inside the buffer or
+    /// `stream` is of another device (both checked before any driver call);
+    /// the driver's error, naming `cuMemsetD8Async`.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// let dev = cuda_core::Device::new(0)?;
+    /// let stream = dev.new_stream()?;
+    /// let mut buf = cuda_core::DeviceBuffer::<u8>::zeros(&stream, 64)?;
+    /// buf.before_write(&stream)?;
+    /// buf.memset_unordered(16..32, 0xff, &stream)?;
+    /// buf.after_write(&stream)?;
+    /// # Ok::<(), cuda_core::Error>(())
+    /// ```
+    pub fn memset_unordered(
+        &mut self,
+        range: std::ops::Range<usize>,
+        value: u8,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        check_range("memset", &range, self.len())?;
+        self.same_context(stream)?;
+        if range.is_empty() {
+            return Ok(());
+        }
+        let (ptr, _write) = self.slice.device_ptr_mut(stream);
+        // SAFETY: `ptr + range.start` addresses `range.len()` bytes inside
+        // this live allocation (range checked above), of `stream`'s context
+        // (checked above); `&mut self` keeps the allocation until the call
+        // returns, and its free is ordered after the uses recorded in its
+        // events (see `# Ordering`). Any byte pattern is a valid `u8`.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                ptr + range.start as u64,
+                value,
+                range.len(),
+                stream.cu_stream(),
+            )
+        }
+        .call("cuMemsetD8Async")
     }
 }
 
@@ -460,6 +521,19 @@ impl<T> Drop for DeviceBuffer<T> {
     }
 }
 
+/// Fails unless `range` lies inside a buffer of `len` bytes (checked before
+/// any driver call); `what` names the operation.
+pub(crate) fn check_range(what: &str, range: &std::ops::Range<usize>, len: usize) -> Result<()> {
+    if range.start <= range.end && range.end <= len {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{what}: bytes {}..{} are outside a buffer of {len} bytes",
+            range.start, range.end
+        )))
+    }
+}
+
 pub(crate) fn check_len<T>(len: usize) -> Result<usize> {
     len.checked_mul(std::mem::size_of::<T>())
         .filter(|&b| b <= isize::MAX as usize)
@@ -490,3 +564,22 @@ macro_rules! any_bit_pattern {
 any_bit_pattern!(u8, i8, u16, i16, u32, i32, u64, i64, u128, i128, usize, isize, f32, f64);
 // SAFETY: an array of values with any bit pattern has any bit pattern.
 unsafe impl<T: AnyBitPattern, const N: usize> AnyBitPattern for [T; N] {}
+
+#[cfg(test)]
+mod tests {
+    use super::check_range;
+    use crate::Error;
+
+    #[test]
+    fn ranges_outside_a_buffer_are_refused_before_any_driver_call() {
+        assert!(check_range("memset", &(0..0), 0).is_ok());
+        assert!(check_range("memset", &(0..16), 16).is_ok());
+        assert!(check_range("memset", &(16..16), 16).is_ok());
+        let reversed = std::ops::Range { start: 8, end: 4 };
+        for bad in [0..17, 17..17, reversed, usize::MAX..usize::MAX] {
+            let e = check_range("memset", &bad, 16).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+            assert!(e.to_string().contains("memset"), "{e}");
+        }
+    }
+}

@@ -20,6 +20,8 @@
 //! # Ok::<(), cuda_core::Error>(())
 //! ```
 
+pub mod arena;
+pub mod args;
 pub mod buffer;
 pub mod callback;
 pub mod device;
@@ -31,6 +33,8 @@ mod raw;
 pub mod reclaim;
 pub mod staging;
 
+pub use arena::{ArenaRead, ArenaSlot, StagingArena, ARENA_ALIGN};
+pub use args::{ArgList, Args};
 pub use buffer::{can_access_peer, AnyBitPattern, DeviceBuffer};
 pub use callback::launch_host_callback;
 pub use device::{device_count, devices, driver_present, nvrtc_present, Device, DeviceInfo};

@@ -1,4 +1,5 @@
-//! GPU tests of `cuda-core`'s graphs (ignored without a GPU; the bundle runs
+//! GPU tests of `cuda-core`'s graphs, and of its ranged memsets, staging arena and
+//! run-time argument launches (ignored without a GPU; the bundle runs
 //! them: `scripts/gpu-bundle`, then `target/gpu-bundle/run`).
 //!
 //! The buffers here are plain cudarc slices and the context's cudarc event
@@ -420,4 +421,159 @@ fn probe_events_and_allocations_inside_a_capture() {
         sys::cuEventDestroy_v2(outside);
         sys::cuEventDestroy_v2(inside);
     }
+}
+
+// The safe layer a lease node's worker drives a GPU through: ranged
+// memsets, batched pinned staging and launches from run-time argument
+// lists, each ordered by the caller with the buffer's use events.
+
+const FILL_SRC: &str = r#"
+extern "C" __global__ void fill(unsigned char* p, unsigned char v, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) p[i] = v;
+}
+"#;
+
+/// The bytes of `buf`, downloaded through a pooled pinned buffer.
+fn bytes_of(dev: &Device, buf: &cuda_core::DeviceBuffer<u8>, s: &Arc<CudaStream>) -> Vec<u8> {
+    let mut host = cuda_core::PinnedBuffer::filled(dev, buf.len(), 0u8).unwrap();
+    host.download_from(buf, 0, s).unwrap();
+    host.to_vec().unwrap()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn memset_unordered_sets_exactly_its_range_and_refuses_others_before_the_driver() {
+    let dev = Device::new(0).unwrap();
+    let s = dev.new_stream().unwrap();
+    let mut buf = cuda_core::DeviceBuffer::<u8>::zeros(&s, 64).unwrap();
+    buf.before_write(&s).unwrap();
+    buf.memset_unordered(16..32, 0xab, &s).unwrap();
+    buf.memset_unordered(40..40, 0xcd, &s).unwrap();
+    buf.after_write(&s).unwrap();
+    let got = bytes_of(&dev, &buf, &s);
+    let mut want = vec![0u8; 64];
+    want[16..32].fill(0xab);
+    assert_eq!(got, want);
+    for bad in [0..65, 64..65, usize::MAX - 1..usize::MAX] {
+        let e = buf.memset_unordered(bad, 1, &s).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+    }
+    assert_eq!(
+        bytes_of(&dev, &buf, &s),
+        want,
+        "refused memsets wrote nothing"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_staging_arena_round_trips_a_batch_and_guards_its_ranges() {
+    let dev = Device::new(0).unwrap();
+    let (a, b) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let mut buf = cuda_core::DeviceBuffer::<u8>::zeros(&a, 256).unwrap();
+    let mut arena = cuda_core::StagingArena::new(&dev, 4096).unwrap();
+    assert_eq!(arena.len(), 4096);
+
+    // Upload on `a`, then download on `b` ordered by the buffer's events.
+    let data: Vec<u8> = (0..100u8).collect();
+    let slot = arena.reserve(data.len()).unwrap();
+    buf.before_write(&a).unwrap();
+    arena.upload(slot, &data, &mut buf, 7, &a).unwrap();
+    buf.after_write(&a).unwrap();
+    let slot = arena.reserve(120).unwrap();
+    buf.before_read(&b).unwrap();
+    let read = arena.download(slot, &buf, 0, &b).unwrap();
+    buf.after_read(&b).unwrap();
+    assert!(arena.used() >= 100 + 120);
+    assert!(
+        matches!(arena.read(read), Err(Error::InvalidArgument(_))),
+        "not readable before the wait"
+    );
+    // `b` is not named: the arena waits for it anyway.
+    arena.synchronize(std::slice::from_ref(&a)).unwrap();
+    assert_eq!(arena.used(), 0);
+    let got = arena.read(read).unwrap();
+    assert_eq!(&got[..7], &[0; 7]);
+    assert_eq!(&got[7..107], &data[..]);
+    assert_eq!(&got[107..], &[0; 13]);
+
+    // Out of range, wrong length, stale slots: refused before any copy.
+    let slot = arena.reserve(8).unwrap();
+    let e = arena.upload(slot, &[1; 8], &mut buf, 250, &a).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+    let slot = arena.reserve(8).unwrap();
+    let e = arena.upload(slot, &[1; 4], &mut buf, 0, &a).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+    let stale = arena.reserve(8).unwrap();
+    arena.synchronize(&[a.clone(), b.clone()]).unwrap();
+    let e = arena.download(stale, &buf, 0, &a).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+    // Reads end at the next reservation.
+    assert!(arena.reserve(arena.len() + 1).is_none());
+    let _ = arena.reserve(1).unwrap();
+    assert!(arena.read(read).is_err());
+    assert_eq!(
+        &bytes_of(&dev, &buf, &a)[7..107],
+        &data[..],
+        "nothing else was written"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn launches_from_run_time_argument_lists_are_checked_and_reuse_their_storage() {
+    let dev = Device::new(0).unwrap();
+    let s = dev.new_stream().unwrap();
+    let k = Module::cuda(FILL_SRC, &[]).unwrap().kernel("fill").unwrap();
+    k.load_on(&dev).unwrap();
+    dev.context().bind_to_thread().unwrap();
+    let buf = cuda_core::DeviceBuffer::<u8>::zeros(&s, 64).unwrap();
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (64, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut storage = cuda_core::ArgList::new();
+    for (offset, value) in [(0usize, 1u8), (16, 2), (48, 3)] {
+        let mut args = storage.start(&s);
+        args.push_buffer(&buf, offset).unwrap();
+        args.push_bytes(&[value]);
+        args.push_bytes(&(64 - offset as u32).to_le_bytes());
+        assert_eq!(args.len(), 3);
+        buf.before_write(&s).unwrap();
+        // SAFETY: `fill` writes p[0..n) with n = 64 - offset bytes left in
+        // the buffer past `offset`; ordered by the buffer's events.
+        unsafe { k.launch_with(&dev, &cfg, args) }.unwrap();
+        buf.after_write(&s).unwrap();
+    }
+    let got = bytes_of(&dev, &buf, &s);
+    let mut want = vec![1u8; 64];
+    want[16..].fill(2);
+    want[48..].fill(3);
+    assert_eq!(got, want);
+
+    // Mismatches fail before the driver: count, size, offset.
+    let mut args = storage.start(&s);
+    args.push_buffer(&buf, 0).unwrap();
+    args.push_bytes(&[9]);
+    // SAFETY: refused before any launch.
+    let e = unsafe { k.launch_with(&dev, &cfg, args) }.unwrap_err();
+    assert!(matches!(e, Error::ArgumentMismatch { .. }), "{e:?}");
+    let mut args = storage.start(&s);
+    args.push_buffer(&buf, 0).unwrap();
+    args.push_bytes(&[9, 9]);
+    args.push_bytes(&64u32.to_le_bytes());
+    // SAFETY: refused before any launch.
+    let e = unsafe { k.launch_with(&dev, &cfg, args) }.unwrap_err();
+    assert!(matches!(e, Error::ArgumentMismatch { .. }), "{e:?}");
+    let mut args = storage.start(&s);
+    let e = args.push_buffer(&buf, 65).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+    assert!(args.is_empty());
+    assert_eq!(
+        bytes_of(&dev, &buf, &s),
+        want,
+        "refused launches ran nothing"
+    );
 }

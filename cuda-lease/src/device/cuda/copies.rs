@@ -2,9 +2,9 @@
 //! device to host, fills, and device to device.
 
 use cuda_async::PinnedBuffer;
-use cuda_core::cudarc::driver::{result, sys, DevicePtr, DevicePtrMut};
+use cuda_core::ArenaSlot;
 
-use super::staging::{BatchArena, ARENA_BYTES};
+use super::staging::{new_arena, ARENA_BYTES};
 use super::CudaDevice;
 use crate::device::error::{driver, map, not_found, range, same_buffer};
 use crate::device::DeviceError;
@@ -13,14 +13,14 @@ use crate::proto::{Id, Status, StreamId};
 impl CudaDevice {
     /// `len` bytes of the batch arena, or `None` when they do not fit
     /// (the caller takes the pooled path).
-    fn arena_take(&mut self, len: usize) -> Result<Option<(usize, *mut u8)>, DeviceError> {
+    fn arena_take(&mut self, len: usize) -> Result<Option<ArenaSlot>, DeviceError> {
         if len > ARENA_BYTES / 4 {
             return Ok(None);
         }
         if self.arena.is_none() {
-            self.arena = Some(BatchArena::new(&self.device)?);
+            self.arena = Some(new_arena(&self.device)?);
         }
-        Ok(self.arena.as_mut().and_then(|a| a.take(len)))
+        Ok(self.arena.as_mut().and_then(|a| a.reserve(len)))
     }
 
     /// `Device::write` on this device: small writes staged in the batch
@@ -38,28 +38,17 @@ impl CudaDevice {
         if r.is_empty() {
             return Ok(());
         }
-        if let Some((_, host)) = self.arena_take(r.len())? {
-            // SAFETY: `host` addresses `r.len()` free bytes of the
-            // arena (no copy uses them until the one below), and `data`
-            // has as many; they cannot overlap.
-            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), host, r.len()) };
+        if let Some(slot) = self.arena_take(r.len())? {
             self.use_on(id, sid, &stream)?;
             let buf = Self::raw_mut(self.buffers.get_mut(&id).expect("checked above"));
-            let (dptr, _w) = buf.as_cuda_slice_mut().device_ptr_mut(&stream);
-            // SAFETY: `dptr + r.start` addresses `r.len()` bytes of a
-            // live buffer (range checked), ordered after its other
-            // uses (`use_on`); the arena bytes stay untouched until the
-            // batch's end has waited for this copy.
-            return unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    dptr + r.start as u64,
-                    host.cast::<std::ffi::c_void>(),
-                    r.len(),
-                    stream.cu_stream(),
-                )
-            }
-            .result()
-            .map_err(|e| driver(Status::Internal, "cuMemcpyHtoDAsync", e));
+            let arena = self.arena.as_mut().expect("made by arena_take");
+            // A host memcpy into the arena, then an asynchronous copy of
+            // `r.len()` bytes into the buffer at `r.start` (range checked),
+            // ordered after its other uses (`use_on`); the arena's bytes
+            // stay untouched until the batch's end has waited for it.
+            return arena
+                .upload(slot, data, buf, r.start, &stream)
+                .map_err(|e| map(Status::Internal, "cuMemcpyHtoDAsync", e));
         }
         self.flush_use(id)?;
         let buf = self
@@ -89,27 +78,20 @@ impl CudaDevice {
             return Ok(());
         }
         let st = Status::ReadFailed;
-        if let Some((off, host)) = self.arena_take(r.len())? {
+        if let Some(slot) = self.arena_take(r.len())? {
             self.use_on(id, sid, &stream)?;
-            let dptr = {
-                let buf = Self::raw(self.buffer(id)?);
-                buf.as_cuda_slice().device_ptr(&stream).0
-            };
-            // SAFETY: `host` addresses `r.len()` free bytes of the
-            // arena, read only after the batch's end waited for this
-            // copy; `dptr + r.start` addresses `r.len()` bytes of a live
-            // buffer (range checked), ordered after its writes.
-            unsafe {
-                sys::cuMemcpyDtoHAsync_v2(
-                    host.cast::<std::ffi::c_void>(),
-                    dptr + r.start as u64,
-                    r.len(),
-                    stream.cu_stream(),
-                )
-            }
-            .result()
-            .map_err(|e| driver(st, "cuMemcpyDtoHAsync", e))?;
-            self.arena_reads.push((at, off, r.len()));
+            let buf = self
+                .buffers
+                .get(&id)
+                .ok_or_else(|| not_found("buffer", id))?;
+            let arena = self.arena.as_mut().expect("made by arena_take");
+            // `r.len()` bytes of the buffer at `r.start` (range checked),
+            // ordered after its writes (`use_on`), into the arena, read
+            // only after the batch's end waited for the copy.
+            let read = arena
+                .download(slot, Self::raw(buf), r.start, &stream)
+                .map_err(|e| map(st, "cuMemcpyDtoHAsync", e))?;
+            self.arena_reads.push((at, read));
             return Ok(());
         }
         self.flush_use(id)?;
@@ -146,17 +128,11 @@ impl CudaDevice {
         let st = Status::Internal;
         let buf = Self::raw_mut(buf);
         buf.before_write(&stream).map_err(|e| map(st, "fill", e))?;
-        let filled = {
-            let (ptr, _write) = buf.as_cuda_slice_mut().device_ptr_mut(&stream);
-            // SAFETY: `ptr + r.start` addresses `r.len()` bytes inside
-            // a live allocation (checked above); the buffer orders the
-            // write against its other uses.
-            unsafe {
-                result::memset_d8_async(ptr + r.start as u64, value, r.len(), stream.cu_stream())
-            }
-        };
+        // `r` is inside the buffer (checked above); the buffer orders the
+        // write against its other uses.
+        let filled = buf.memset_unordered(r.clone(), value, &stream);
         let after = buf.after_write(&stream);
-        filled.map_err(|e| driver(st, "cuMemsetD8Async", e))?;
+        filled.map_err(|e| map(st, "cuMemsetD8Async", e))?;
         after.map_err(|e| map(st, "fill", e))
     }
 

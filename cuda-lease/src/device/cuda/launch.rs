@@ -2,7 +2,6 @@
 //! parameters, and run-time argument lists laid out for the driver.
 
 use cuda_async::{check_launch_config, DeviceBuffer, Error, Kernel, LaunchConfig};
-use cuda_core::cudarc::driver::{result, sys, DevicePtr};
 use cuda_core::ParamClass;
 
 use super::CudaDevice;
@@ -10,18 +9,17 @@ use crate::device::error::{driver, map, mem_arg, not_found};
 use crate::device::{DeviceArg, DeviceError, LaunchDims};
 use crate::proto::{ModuleHash, Status, StreamId};
 
-/// A kernel and its driver function, kept while its `Kernel` (and so
-/// its module) lives.
+/// The kernel of the last launch, resolved on this device (its `Kernel`
+/// keeps its module loaded).
 #[derive(Debug)]
 pub(super) struct LastKernel {
     module: ModuleHash,
     name: String,
     kernel: Kernel,
-    func: sys::CUfunction,
 }
 
 impl CudaDevice {
-    /// The driver function of kernel `name` of `module`, after checking
+    /// Kernel `name` of `module`, resolved on this device, after checking
     /// `args` against its PTX parameter list: their count, each
     /// argument's size, and that buffers go where pointers do. The
     /// last kernel launched is kept at hand, so a chain of launches of
@@ -31,19 +29,17 @@ impl CudaDevice {
         module: ModuleHash,
         name: &str,
         args: &[DeviceArg<'_>],
-    ) -> Result<sys::CUfunction, DeviceError> {
+    ) -> Result<&Kernel, DeviceError> {
         let hit = matches!(&self.last_kernel, Some(l) if l.module == module && l.name == name);
         if !hit {
             let kernel = self.kernel(module, name)?;
-            let func = kernel
+            kernel
                 .function_on(&self.device)
-                .map_err(|e| map(Status::NotFound, "kernel", e))?
-                .cu_function();
+                .map_err(|e| map(Status::NotFound, "kernel", e))?;
             self.last_kernel = Some(LastKernel {
                 module,
                 name: name.to_owned(),
                 kernel,
-                func,
             });
         }
         let last = self.last_kernel.as_ref().expect("set above");
@@ -64,7 +60,7 @@ impl CudaDevice {
             DeviceArg::Mem { .. } => (8, ParamClass::Int, "device address"),
         }));
         last.kernel.check_args(specs).map_err(bad)?;
-        Ok(last.func)
+        Ok(&last.kernel)
     }
 
     /// The kernel `name` of a loaded module, resolved on first use.
@@ -91,7 +87,7 @@ impl CudaDevice {
     /// `Device::launch` on this device: the arguments checked against the
     /// kernel's PTX parameters (`launchable`), each buffer's use ordered
     /// (`use_on`), and the values laid out for the driver in storage reused by
-    /// every launch.
+    /// every launch (`cuda-core`'s `ArgList`).
     pub(super) fn enqueue_launch(
         &mut self,
         stream: StreamId,
@@ -108,7 +104,7 @@ impl CudaDevice {
             shared_mem_bytes: dims.shared_mem,
         };
         check_launch_config(&config).map_err(|e| map(Status::BadRequest, "launch", e))?;
-        let func = self.launchable(module, kernel, args)?;
+        self.launchable(module, kernel, args)?;
         // Ordered here, buffer by buffer (see `flush_use`).
         for a in args {
             if let DeviceArg::Mem { id, .. } = a {
@@ -116,69 +112,37 @@ impl CudaDevice {
             }
         }
         // The values, each in 8-byte aligned words of storage reused by
-        // every launch (no allocation once it has grown), then a pointer
-        // to each: the driver's parameter array.
-        let words = &mut self.arg_words;
-        let at = &mut self.arg_at;
-        words.clear();
-        at.clear();
+        // every launch (no allocation once it has grown).
+        let mut list = self.arg_list.start(&stream);
         for a in args {
-            at.push(words.len());
             match a {
-                DeviceArg::Scalar(b) => {
-                    let start = words.len();
-                    words.resize(start + b.len().div_ceil(8), 0);
-                    for (j, chunk) in b.chunks(8).enumerate() {
-                        let mut w = [0u8; 8];
-                        w[..chunk.len()].copy_from_slice(chunk);
-                        words[start + j] = u64::from_ne_bytes(w);
-                    }
-                }
+                DeviceArg::Scalar(b) => list.push_bytes(b),
                 DeviceArg::Mem { id, offset } => {
                     let buffer = mem_arg(&self.buffers, *id, *offset, DeviceBuffer::len)?;
-                    // Event tracking is off in this context (see
-                    // `open`): the guard records nothing.
-                    let (base, _guard) = Self::raw(buffer).as_cuda_slice().device_ptr(&stream);
-                    words.push(base + *offset);
+                    // At most the buffer's length (checked by `mem_arg`).
+                    let offset = *offset as usize;
+                    list.push_buffer(Self::raw(buffer), offset)
+                        .map_err(|e| map(Status::BadRequest, "kernel arguments", e))?;
                 }
             }
         }
-        let base = words.as_mut_ptr();
-        let params = &mut self.arg_ptrs;
-        params.clear();
-        // SAFETY: each index was taken from `words` before it grew past
-        // it, and `words` is not touched again until the launch is done.
-        params.extend(
-            at.iter()
-                .map(|&i| unsafe { base.add(i) }.cast::<std::ffi::c_void>()),
-        );
         self.device
             .context()
             .bind_to_thread()
             .map_err(|e| driver(Status::Internal, "cuCtxSetCurrent", e))?;
-        // SAFETY: `func` is a kernel of a module this context has
-        // loaded (`launchable` keeps its `Kernel`, hence the module,
-        // alive); the argument count and each size match its PTX
-        // parameter list (checked by `launchable`), and each pointer in
-        // `params` points at that many bytes of `words`, which outlive
-        // the call (the driver copies the values before returning).
-        // Buffer addresses come from this context's live buffers, whose
-        // uses on other streams this launch waits for and whose frees
-        // come after it (`use_on` marks it pending, recorded before
-        // anything could depend on it). What the kernel does with
+        let kernel = &self.last_kernel.as_ref().expect("set by launchable").kernel;
+        // SAFETY: the kernel is the client's code, launched with the
+        // arguments the client gave, which `cuda-core` checks against its
+        // PTX parameter list (as `launchable` did); what it does with
         // memory is the client's business: a fault poisons only this
-        // worker process.
-        let launched = unsafe {
-            result::launch_kernel(
-                func,
-                config.grid_dim,
-                config.block_dim,
-                config.shared_mem_bytes,
-                stream.cu_stream(),
-                params,
-            )
-        };
-        params.clear();
-        launched.map_err(|e| driver(Status::LaunchFailed, "cuLaunchKernel", e))
+        // worker process, whose context serves one lease. Buffer addresses
+        // come from this context's live buffers, whose uses on other
+        // streams this launch waits for (`use_on` above, `before_write`)
+        // and whose frees come after it (`use_on` marks it pending,
+        // recorded in the buffer's events by `flush_use` before anything
+        // could depend on them: a use on another stream, a copy, the free,
+        // the end of the batch).
+        let launched = unsafe { kernel.launch_with(&self.device, &config, list) };
+        launched.map_err(|e| map(Status::LaunchFailed, "cuLaunchKernel", e))
     }
 }

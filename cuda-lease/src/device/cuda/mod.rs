@@ -4,9 +4,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cuda_async::{CudaStream, DeviceBuffer, Kernel, Module, PinnedBuffer};
-use cuda_core::cudarc::driver::{result, DevicePtrMut};
-use cuda_core::CudaEvent;
-use cuda_core::ParamClass;
+use cuda_core::{ArenaRead, ArgList, CudaEvent, ParamClass, StagingArena};
 
 use super::error::{driver, map, not_found};
 use super::{Device, DeviceArg, DeviceError, LaunchDims};
@@ -20,7 +18,7 @@ mod staging;
 mod streams;
 
 use launch::LastKernel;
-use staging::{BatchArena, SpareBuffers};
+use staging::SpareBuffers;
 
 /// A real device, driven through `cuda-core` and `cuda-async`: the
 /// device's primary context (the worker process owns it alone) and
@@ -54,25 +52,21 @@ pub struct CudaDevice {
     /// Small freed buffers kept for the next allocation of their size.
     spare: SpareBuffers,
     /// Where small writes are staged and small reads land (made on
-    /// first use).
-    arena: Option<BatchArena>,
+    /// first use; see `staging::new_arena`).
+    arena: Option<StagingArena>,
     /// Reads into the arena since the last finish: (where in the
-    /// reply, where in the arena, length).
-    arena_reads: Vec<(usize, usize, usize)>,
+    /// reply, where in the arena).
+    arena_reads: Vec<(usize, ArenaRead)>,
     /// The kernel of the last launch (see [`CudaDevice::launchable`]).
     last_kernel: Option<LastKernel>,
     /// The streams this batch enqueued work on (see
     /// [`CudaDevice::sync_touched`]).
     touched: Vec<Arc<CudaStream>>,
-    /// A launch's argument values, 8-byte aligned (reused).
-    arg_words: Vec<u64>,
-    /// Where each argument starts in `arg_words` (reused).
-    arg_at: Vec<usize>,
     /// A launch's argument kinds, for the parameter check (reused).
     arg_specs: Vec<(usize, ParamClass, &'static str)>,
-    /// The driver's parameter array: a pointer into `arg_words` per
-    /// argument (reused; empty between launches).
-    arg_ptrs: Vec<*mut std::ffi::c_void>,
+    /// A launch's argument values and the driver's parameter array
+    /// (reused: no allocation per launch once it has grown).
+    arg_list: ArgList,
     /// Compiles tenants' CUDA C in a confined child process.
     compiler: Arc<Compiler>,
 }
@@ -100,11 +94,9 @@ impl CudaDevice {
         // orders the free after them). cudarc's per-slice events would
         // repeat that work: two more event records and waits per buffer
         // argument of every launch (about 5 us of the 8 us a launch
-        // took here on an H100). This process has no other CUDA user.
-        // SAFETY: called before this context allocates any slice, and
-        // no code in this process uses its slices outside `cuda-core`'s
-        // tracking (the worker's commands are the only users).
-        unsafe { device.context().disable_event_tracking() };
+        // took here on an H100). `cuda-core`'s `Device::new` opened this
+        // context with cudarc's tracking off, before it allocated any
+        // slice; this process has no other CUDA user.
         // A batch allocates, synchronizes and frees: keep a little freed
         // memory in the pool, or every batch's first allocation maps it
         // again. Bounded (32 MiB per worker), so a lease's freed memory
@@ -127,10 +119,8 @@ impl CudaDevice {
             arena_reads: Vec::new(),
             last_kernel: None,
             touched: Vec::new(),
-            arg_words: Vec::new(),
-            arg_at: Vec::new(),
             arg_specs: Vec::new(),
-            arg_ptrs: Vec::new(),
+            arg_list: ArgList::new(),
             compiler: Arc::default(),
         })
     }
@@ -197,12 +187,10 @@ impl Device for CudaDevice {
             }
         }
         let buf = Self::raw_mut(self.buffers.get_mut(&id).expect("inserted above"));
-        let (ptr, _write) = buf.as_cuda_slice_mut().device_ptr_mut(&stream);
-        // SAFETY: `ptr` addresses the `n` bytes of a live allocation,
-        // ordered after its earlier uses (a recycled buffer) or its
-        // allocation on this stream.
-        unsafe { result::memset_d8_async(ptr, 0, n, stream.cu_stream()) }
-            .map_err(|e| driver(Status::Internal, "cuMemsetD8Async", e))
+        // All `n` bytes, ordered after the buffer's earlier uses (a
+        // recycled buffer) or its allocation on this stream.
+        buf.memset_unordered(0..n, 0, &stream)
+            .map_err(|e| map(Status::Internal, "cuMemsetD8Async", e))
     }
 
     fn free(&mut self, _stream: StreamId, id: Id) -> Result<(), DeviceError> {
@@ -407,15 +395,17 @@ impl Device for CudaDevice {
             std::mem::forget(self.arena.take());
         }
         synced?;
-        if let Some(arena) = &mut self.arena {
-            // Every copy of the batch is done (synced above).
-            for (at, off, len) in arena_reads {
-                let bytes = arena.bytes(off, len)?;
-                if let Some(dst) = out.get_mut(at..at + len) {
+        if let Some(arena) = &self.arena {
+            // Every copy of the batch is done (the arena waited for them
+            // in `sync_touched`).
+            for (at, read) in arena_reads {
+                let bytes = arena
+                    .read(read)
+                    .map_err(|e| map(Status::ReadFailed, "device-to-host copy", e))?;
+                if let Some(dst) = out.get_mut(at..at + bytes.len()) {
                     dst.copy_from_slice(bytes);
                 }
             }
-            arena.used = 0;
         }
         for (host, at) in reads {
             let bytes = host

@@ -3,7 +3,8 @@
 
 use std::collections::HashMap;
 
-use cuda_async::{DeviceBuffer, PinnedBuffer};
+use cuda_async::DeviceBuffer;
+use cuda_core::StagingArena;
 
 use crate::device::error::map;
 use crate::device::DeviceError;
@@ -14,53 +15,20 @@ use crate::proto::Status;
 pub(super) const ARENA_BYTES: usize = 1 << 20;
 
 /// Page-locked host memory that a batch's small writes are staged in and
-/// its small reads land in, handed out front to back and reused after
-/// each batch's end, which waits for every copy. A write or read that
-/// does not fit takes the pooled path (`cuda-core`'s staging and
-/// `PinnedBuffer`s). Staging here skips, per copy, a pool lookup, an
-/// event and a hand-off to `cuda-core`'s reclaimer thread.
+/// its small reads land in: a `cuda-core` [`StagingArena`], handed out front
+/// to back and reused after each batch's end, which waits for every copy
+/// (the arena waits for the batch's streams itself, see `sync_touched`). A
+/// write or read that does not fit takes the pooled path (`cuda-core`'s
+/// staging and `PinnedBuffer`s). Staging here skips, per copy, a pool
+/// lookup, an event and a hand-off to `cuda-core`'s reclaimer thread.
 ///
-/// The memory is a `PinnedBuffer` from `cuda-core`'s pool whose copies
-/// are not recorded in it (that is the per-copy event this avoids):
-/// instead the arena is reused only after a finish that waited for
-/// every stream, and leaked when that wait fails.
-#[derive(Debug)]
-pub(super) struct BatchArena {
-    buf: PinnedBuffer<u8>,
-    pub(super) used: usize,
-}
-
-impl BatchArena {
-    pub(super) fn new(device: &cuda_async::Device) -> Result<Self, DeviceError> {
-        // SAFETY: every byte is written (by a host copy or a download)
-        // before it is read: reads of the arena are the downloads'
-        // ranges, read after the batch's end waited for them.
-        let buf = unsafe { PinnedBuffer::<u8>::uninit(device, ARENA_BYTES) }
-            .map_err(|e| map(Status::Internal, "pinned allocation", e))?;
-        Ok(Self { buf, used: 0 })
-    }
-
-    /// The offset and address of `len` free bytes (64-byte aligned),
-    /// or `None` if they do not fit.
-    pub(super) fn take(&mut self, len: usize) -> Option<(usize, *mut u8)> {
-        let start = self.used.next_multiple_of(64);
-        if start.checked_add(len)? > ARENA_BYTES {
-            return None;
-        }
-        // Never waits: no use of the buffer is ever recorded.
-        let all = self.buf.as_mut_slice().ok()?;
-        self.used = start + len;
-        Some((start, all[start..start + len].as_mut_ptr()))
-    }
-
-    /// `len` bytes at `off`, once the copies into them are done.
-    pub(super) fn bytes(&self, off: usize, len: usize) -> Result<&[u8], DeviceError> {
-        let all = self
-            .buf
-            .as_slice()
-            .map_err(|e| map(Status::ReadFailed, "device-to-host copy", e))?;
-        Ok(&all[off..off + len])
-    }
+/// The arena's copies are not recorded in events (that is the per-copy
+/// event this avoids): its ranges are reused, and its downloads read, only
+/// after a wait for every stream its copies ran on; an arena whose wait
+/// failed is leaked.
+pub(super) fn new_arena(device: &cuda_async::Device) -> Result<StagingArena, DeviceError> {
+    StagingArena::new(device, ARENA_BYTES)
+        .map_err(|e| map(Status::Internal, "pinned allocation", e))
 }
 
 /// Most bytes of freed buffers a worker keeps for reuse, and the largest

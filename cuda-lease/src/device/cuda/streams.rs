@@ -2,10 +2,10 @@
 
 use std::sync::Arc;
 
-use cuda_async::CudaStream;
+use cuda_async::{CudaStream, Error};
 
 use super::CudaDevice;
-use crate::device::error::{driver, map, too_many_streams};
+use crate::device::error::{map, too_many_streams};
 use crate::device::{DeviceError, MAX_DEVICE_STREAMS};
 use crate::proto::{Status, StreamId};
 
@@ -43,9 +43,16 @@ impl CudaDevice {
     /// stream's synchronize costs about 1.3 us on an H100 host, and a
     /// lease's round-robin policy keeps four streams, one busy per
     /// submission.
+    ///
+    /// With a batch arena, the arena makes the waits (the same ones, in
+    /// the same order): it then knows its copies are done, so its
+    /// downloads can be read and its bytes reused.
     pub(super) fn sync_touched(&mut self) -> Result<(), DeviceError> {
         let touched = std::mem::take(&mut self.touched);
-        touched.iter().try_for_each(|s| sync(s))
+        match &mut self.arena {
+            Some(arena) => arena.synchronize(&touched).map_err(sync_failed),
+            None => touched.iter().try_for_each(|s| sync(s)),
+        }
     }
 
     /// Waits for every stream; a failure is sticky (a kernel fault).
@@ -56,9 +63,13 @@ impl CudaDevice {
 
 /// Waits for `s`; a failure is sticky (a kernel fault).
 fn sync(s: &CudaStream) -> Result<(), DeviceError> {
-    s.synchronize().map_err(|e| {
-        let mut d = driver(Status::LaunchFailed, "cuStreamSynchronize", e);
-        d.sticky = true;
-        d
-    })
+    s.synchronize()
+        .map_err(|e| sync_failed(Error::driver("cuStreamSynchronize", e)))
+}
+
+/// A failed wait for a stream: sticky (a kernel fault).
+fn sync_failed(e: Error) -> DeviceError {
+    let mut d = map(Status::LaunchFailed, "cuStreamSynchronize", e);
+    d.sticky = true;
+    d
 }
