@@ -409,7 +409,7 @@ impl StagingArena {
 
     fn check_stream(&self, stream: &CudaStream) -> Result<()> {
         check_same_context("a staging arena", &self.ctx, stream)?;
-        if crate::graph::is_capture_stream(stream) {
+        if crate::tracking::is_capture_stream(stream) {
             return Err(Error::Capture(
                 "a copy through a staging arena cannot be captured: the arena's bytes are \
                  reused once the copy is waited for, which a replay would not be"

@@ -26,13 +26,14 @@
 use std::fmt;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 
 use crate::device::Device;
 use crate::error::{DriverResultExt, Error, Result};
-use crate::raw::{check_same_context, set_current, RawEvent};
+use crate::raw::{check_same_context, set_current};
+use crate::tracking::UseRecord;
 
 /// A typed buffer in device memory.
 ///
@@ -47,28 +48,6 @@ pub struct DeviceBuffer<T> {
     slice: ManuallyDrop<CudaSlice<T>>,
     uses: Arc<UseRecord>,
     _marker: PhantomData<T>,
-}
-
-/// A buffer's uses, shared by its handle and by every graph that captured a
-/// use of it (see [`crate::graph`]). When the handle is dropped while a
-/// graph still shares this, the memory moves here (as bytes) and is freed,
-/// ordered after every recorded use, when the last graph lets go.
-#[derive(Default)]
-pub(crate) struct UseRecord {
-    uses: Mutex<Uses>,
-    orphan: Mutex<Option<CudaSlice<u8>>>,
-}
-
-/// Events of the uses since the last write (reads, per stream) and of the
-/// last write.
-#[derive(Default)]
-struct Uses {
-    /// Keyed by the stream handle's address (identity only).
-    reads: Vec<(usize, RawEvent)>,
-    write: Option<(usize, RawEvent)>,
-    /// Set when a use could not be recorded: the buffer can no longer tell
-    /// when the GPU is done with it, so it is never freed.
-    broken: bool,
 }
 
 impl<T> fmt::Debug for DeviceBuffer<T> {
@@ -101,11 +80,11 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         T: ValidAsZeroBits,
     {
         check_len::<T>(len)?;
-        let slice = match crate::graph::alloc_stream_for(stream) {
+        let slice = match crate::tracking::alloc_stream_for(stream) {
             // Inside a capture: allocated outside the graph, zeroed by a
             // captured memset (so each replay zeroes it, as the op does).
             Some(side) => {
-                let mut slice = crate::graph::outside_capture(|| {
+                let mut slice = crate::tracking::outside_capture(|| {
                     // SAFETY: zeroed by the memset just below, before any use.
                     unsafe { side.alloc::<T>(len) }
                 })
@@ -132,9 +111,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     pub unsafe fn uninit(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
         check_len::<T>(len)?;
         // Inside a capture: allocated outside the graph (see `zeros`).
-        let on = crate::graph::alloc_stream_for(stream).unwrap_or_else(|| stream.clone());
+        let on = crate::tracking::alloc_stream_for(stream).unwrap_or_else(|| stream.clone());
         // SAFETY: forwarded to the caller (see `# Safety`).
-        let slice = crate::graph::outside_capture(|| unsafe { on.alloc::<T>(len) })
+        let slice = crate::tracking::outside_capture(|| unsafe { on.alloc::<T>(len) })
             .call("cuMemAllocAsync")?;
         Ok(Self::from_cuda_slice(slice))
     }
@@ -250,9 +229,9 @@ impl<T> DeviceBuffer<T> {
     }
 
     fn after(&self, stream: &CudaStream, write: bool) -> Result<()> {
-        if crate::graph::is_capture_stream(stream) {
+        if crate::tracking::is_capture_stream(stream) {
             // Captured: each replay records the use instead.
-            crate::graph::log_use(&self.uses, write);
+            crate::tracking::log_use(&self.uses, write);
             return Ok(());
         }
         self.uses.record(stream, write)
@@ -392,106 +371,6 @@ pub fn can_access_peer(a: &Device, b: &Device) -> Result<bool> {
     Ok(yes != 0)
 }
 
-impl UseRecord {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Uses> {
-        self.uses.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Orders a use on `stream` after the conflicting recorded uses (a read
-    /// after the last write; a write after the last write and every read).
-    pub(crate) fn before(&self, stream: &CudaStream, write: bool) -> Result<()> {
-        if crate::graph::is_capture_stream(stream) {
-            // Inside a capture only the captured work is ordered (by its
-            // streams and forks); each replay is ordered against the
-            // buffer's other uses when it is launched.
-            return Ok(());
-        }
-        let u = self.lock();
-        let raw = stream.cu_stream() as usize;
-        let reads = if write { &u.reads[..] } else { &[] };
-        for (s, ev) in reads.iter().chain(u.write.iter()) {
-            if *s != raw {
-                ev.wait_on(stream)
-                    .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Records a use enqueued on `stream` (a write forgets the reads before
-    /// it, which it was ordered after).
-    pub(crate) fn record(&self, stream: &CudaStream, write: bool) -> Result<()> {
-        let mut u = self.lock();
-        let r = (|| {
-            let raw = stream.cu_stream() as usize;
-            if !write {
-                if let Some((_, ev)) = u.reads.iter().find(|(s, _)| *s == raw) {
-                    return ev.record(stream);
-                }
-                let ev = RawEvent::new(stream.context())?;
-                ev.record(stream)?;
-                u.reads.push((raw, ev));
-                return Ok(());
-            }
-            let ev = match u.write.take() {
-                Some((_, ev)) => ev,
-                None => match u.reads.iter().position(|(s, _)| *s == raw) {
-                    Some(i) => u.reads.swap_remove(i).1,
-                    None => RawEvent::new(stream.context())?,
-                },
-            };
-            let rec = ev.record(stream);
-            u.write = Some((raw, ev));
-            rec?;
-            u.reads.clear();
-            Ok(())
-        })();
-        if r.is_err() {
-            u.broken = true;
-        }
-        r
-    }
-
-    /// Makes `home` wait for every recorded use (raw calls).
-    fn order_home_stream(&self, home: &CudaStream) -> Result<()> {
-        let u = self.lock();
-        if u.broken {
-            return Err(Error::InvalidArgument(
-                "a use of this buffer could not be recorded; it is leaked".into(),
-            ));
-        }
-        if u.reads.is_empty() && u.write.is_none() {
-            return Ok(());
-        }
-        set_current(home.context())?;
-        for (_, ev) in u.reads.iter().chain(u.write.iter()) {
-            ev.wait_on(home)
-                .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
-        }
-        Ok(())
-    }
-}
-
-impl Drop for UseRecord {
-    fn drop(&mut self) {
-        let orphan = self
-            .orphan
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some(slice) = orphan {
-            if self.order_home_stream(slice.stream()).is_ok() {
-                // The free (cudarc's, stream-ordered on the home stream)
-                // comes after every recorded use, graph replays included.
-                drop(slice);
-            } else {
-                // It cannot be ordered: leak rather than free early.
-                let _ = slice.leak();
-            }
-        }
-    }
-}
-
 impl<T> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         // SAFETY: dropped exactly once, here; the slice is not used again.
@@ -507,7 +386,7 @@ impl<T> Drop for DeviceBuffer<T> {
             // SAFETY: `ptr` is the allocation of `bytes` bytes the slice
             // owned, on `home`'s context; nothing else owns it now.
             let bytes = unsafe { home.upgrade_device_ptr::<u8>(ptr, bytes) };
-            *self.uses.orphan.lock().unwrap_or_else(|e| e.into_inner()) = Some(bytes);
+            self.uses.adopt(bytes);
             return;
         }
         if self.uses.order_home_stream(slice.stream()).is_ok() {

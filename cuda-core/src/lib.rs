@@ -32,6 +32,7 @@ pub mod pinned;
 mod raw;
 pub mod reclaim;
 pub mod staging;
+mod tracking;
 
 pub use arena::{ArenaRead, ArenaSlot, StagingArena, ARENA_ALIGN};
 pub use args::{ArgList, Args};

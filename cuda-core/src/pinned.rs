@@ -249,7 +249,7 @@ impl<T> PinnedBuffer<T> {
                 "a GPU use of this pinned buffer could not be recorded earlier".into(),
             ));
         }
-        if crate::graph::is_capture_stream(stream) {
+        if crate::tracking::is_capture_stream(stream) {
             return Err(Error::Capture(
                 "a copy between a device buffer and a PinnedBuffer (d2h, copy_d2h, copy_h2d) \
                  cannot be captured: download the graph's output with an op after a replay"

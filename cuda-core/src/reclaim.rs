@@ -123,7 +123,7 @@ pub fn defer_until(
 pub fn release_after(stream: &CudaStream, value: impl Send + 'static) -> Result<()> {
     // Work captured into a graph runs at each replay: what it uses lives as
     // long as the graph.
-    let value = match crate::graph::keep_with_graph(stream, value) {
+    let value = match crate::tracking::keep_with_graph(stream, value) {
         Ok(()) => return Ok(()),
         Err(v) => v,
     };

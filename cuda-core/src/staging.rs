@@ -79,7 +79,7 @@ fn take_in(cx: &CudaContext, bytes: usize) -> Result<Block> {
             return Ok(b);
         }
     }
-    let addr = crate::graph::outside_capture(|| {
+    let addr = crate::tracking::outside_capture(|| {
         set_current(cx)?;
         // SAFETY: plain allocation of `want` bytes of pinned host memory.
         unsafe { result::malloc_host(want, 0) }
