@@ -22,6 +22,7 @@ use crate::hops::{self, HopTimer};
 use crate::proto::{self, ArgView, CommandView, Id, LaunchView, ModuleHash, OpView, Opcode};
 use cuda_async::remote::{Recording, RemoteArg, RemoteCommand, RemoteCompletion};
 use cuda_async::{ModuleSource, RemoteSession};
+use cuda_core::{Kernel, LaunchConfig};
 
 /// How long a queued free waits for a message to ride on before it is
 /// sent alone.
@@ -185,112 +186,124 @@ impl EncodeCommands for WireCommands<'_> {
             op: OpView::Free { id: Id(*id) },
         });
         let mut launches = self.launches.iter();
-        let commands = self.commands.iter().map(|c| {
-            let (stream, op) = match c {
-                RemoteCommand::Alloc { stream, id, bytes } => (
-                    *stream,
-                    OpView::Alloc {
-                        buf: Id(*id),
-                        size: *bytes,
-                    },
-                ),
-                RemoteCommand::Write {
-                    stream,
-                    id,
-                    offset,
-                    len,
-                } => (
-                    *stream,
-                    OpView::Write {
-                        buf: Id(*id),
-                        offset: *offset,
-                        len: *len as u32,
-                    },
-                ),
-                RemoteCommand::Read {
-                    stream,
-                    id,
-                    offset,
-                    len,
-                } => (
-                    *stream,
-                    OpView::Read {
-                        buf: Id(*id),
-                        offset: *offset,
-                        len: *len as u32,
-                    },
-                ),
-                RemoteCommand::Fill {
-                    stream,
-                    id,
-                    offset,
-                    len,
-                    value,
-                } => (
-                    *stream,
-                    OpView::Fill {
-                        buf: Id(*id),
-                        offset: *offset,
-                        len: *len,
-                        value: *value,
-                    },
-                ),
-                RemoteCommand::Copy {
-                    stream,
-                    src,
-                    dst,
-                    len,
-                } => (
-                    *stream,
-                    OpView::Copy {
-                        src: Id(src.0),
-                        src_offset: src.1,
-                        dst: Id(dst.0),
-                        dst_offset: dst.1,
-                        len: *len,
-                    },
-                ),
-                RemoteCommand::Free { stream, id } => (*stream, OpView::Free { id: Id(*id) }),
-                RemoteCommand::Launch {
-                    stream,
-                    kernel,
-                    config: c,
-                    args,
-                } => {
-                    // `modules_of` names the module of every launch.
-                    let module = *launches.next().expect("a launch without its module");
-                    let args = args
-                        .iter()
-                        .map(|a| match a {
-                            RemoteArg::Bytes(b) => ArgView::Scalar(b),
-                            RemoteArg::Buffer { id, offset } => ArgView::Mem {
-                                buf: Id(*id),
-                                offset: *offset,
-                            },
-                        })
-                        .collect();
-                    let launch = LaunchView {
-                        module,
-                        kernel: kernel.name(),
-                        grid: [c.grid_dim.0, c.grid_dim.1, c.grid_dim.2],
-                        block: [c.block_dim.0, c.block_dim.1, c.block_dim.2],
-                        shared_mem: c.shared_mem_bytes,
-                        args,
-                    };
-                    (*stream, OpView::Launch(launch))
-                }
-                RemoteCommand::Record { stream, event } => {
-                    (*stream, OpView::Record { event: Id(*event) })
-                }
-                RemoteCommand::Wait { stream, event } => {
-                    (*stream, OpView::Wait { event: Id(*event) })
-                }
-            };
-            CommandView { stream, op }
-        });
+        let commands = self.commands.iter().map(|c| command_view(c, &mut launches));
         let n = self.frees.len() + self.commands.len();
         proto::encode_commands(out, n, frees.chain(commands));
     }
+}
+
+/// One recorded command as the protocol's borrowed [`CommandView`]; a
+/// launch takes the next of `launches` as its module.
+fn command_view<'a>(
+    c: &'a RemoteCommand,
+    launches: &mut std::slice::Iter<'_, ModuleHash>,
+) -> CommandView<'a> {
+    let (stream, op) = match c {
+        RemoteCommand::Alloc { stream, id, bytes } => (
+            *stream,
+            OpView::Alloc {
+                buf: Id(*id),
+                size: *bytes,
+            },
+        ),
+        RemoteCommand::Write {
+            stream,
+            id,
+            offset,
+            len,
+        } => (
+            *stream,
+            OpView::Write {
+                buf: Id(*id),
+                offset: *offset,
+                len: *len as u32,
+            },
+        ),
+        RemoteCommand::Read {
+            stream,
+            id,
+            offset,
+            len,
+        } => (
+            *stream,
+            OpView::Read {
+                buf: Id(*id),
+                offset: *offset,
+                len: *len as u32,
+            },
+        ),
+        RemoteCommand::Fill {
+            stream,
+            id,
+            offset,
+            len,
+            value,
+        } => (
+            *stream,
+            OpView::Fill {
+                buf: Id(*id),
+                offset: *offset,
+                len: *len,
+                value: *value,
+            },
+        ),
+        RemoteCommand::Copy {
+            stream,
+            src,
+            dst,
+            len,
+        } => (
+            *stream,
+            OpView::Copy {
+                src: Id(src.0),
+                src_offset: src.1,
+                dst: Id(dst.0),
+                dst_offset: dst.1,
+                len: *len,
+            },
+        ),
+        RemoteCommand::Free { stream, id } => (*stream, OpView::Free { id: Id(*id) }),
+        RemoteCommand::Launch {
+            stream,
+            kernel,
+            config,
+            args,
+        } => (*stream, launch_view(launches, kernel, config, args)),
+        RemoteCommand::Record { stream, event } => (*stream, OpView::Record { event: Id(*event) }),
+        RemoteCommand::Wait { stream, event } => (*stream, OpView::Wait { event: Id(*event) }),
+    };
+    CommandView { stream, op }
+}
+
+/// A recorded launch as the protocol's borrowed [`OpView::Launch`], its
+/// module the next of `launches`.
+fn launch_view<'a>(
+    launches: &mut std::slice::Iter<'_, ModuleHash>,
+    kernel: &'a Kernel,
+    c: &LaunchConfig,
+    args: &'a [RemoteArg],
+) -> OpView<'a> {
+    // `modules_of` names the module of every launch.
+    let module = *launches.next().expect("a launch without its module");
+    let args = args
+        .iter()
+        .map(|a| match a {
+            RemoteArg::Bytes(b) => ArgView::Scalar(b),
+            RemoteArg::Buffer { id, offset } => ArgView::Mem {
+                buf: Id(*id),
+                offset: *offset,
+            },
+        })
+        .collect();
+    let launch = LaunchView {
+        module,
+        kernel: kernel.name(),
+        grid: [c.grid_dim.0, c.grid_dim.1, c.grid_dim.2],
+        block: [c.block_dim.0, c.block_dim.1, c.block_dim.2],
+        shared_mem: c.shared_mem_bytes,
+        args,
+    };
+    OpView::Launch(launch)
 }
 
 /// The `cuda-async` error of a failed request or command.

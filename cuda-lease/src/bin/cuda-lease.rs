@@ -1,7 +1,7 @@
 //! `cuda-lease`: command-line client (inventory, alloc, submit).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
@@ -107,44 +107,12 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     config.token = args.token;
     let client = std::sync::Arc::new(Client::connect(args.addr, &config).await?);
     match args.cmd {
-        Cmd::Inventory => {
-            let inv = client.inventory().await?;
-            println!(
-                "node {} ({} active leases, {} bytes reservable)",
-                inv.node, inv.active_leases, inv.reservable_bytes
-            );
-            for d in inv.devices {
-                println!(
-                    "  device {}: {} sm_{}{} total {} free {}",
-                    d.ordinal,
-                    d.name,
-                    d.compute_capability.0,
-                    d.compute_capability.1,
-                    d.total_bytes,
-                    d.free_bytes
-                );
-            }
-        }
+        Cmd::Inventory => inventory(&client).await?,
         Cmd::Alloc {
             min_vram,
             ttl,
             hold,
-        } => {
-            let lease = Lease::builder()
-                .min_vram(min_vram)
-                .ttl(Duration::from_secs(ttl))
-                .on(client.clone())
-                .await?;
-            println!(
-                "lease {} reserved {} bytes (generation {})",
-                lease.id(),
-                lease.reserved(),
-                lease.generation()
-            );
-            tokio::time::sleep(Duration::from_secs(hold)).await;
-            lease.free().await?;
-            println!("freed");
-        }
+        } => alloc(&client, min_vram, ttl, hold).await?,
         Cmd::Submit {
             ptx,
             kernel,
@@ -154,37 +122,102 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             args: kargs,
             out,
         } => {
-            let text =
-                std::fs::read_to_string(&ptx).map_err(|e| format!("{}: {e}", ptx.display()))?;
-            let mut call = GpuCall::new(text, kernel, 1, 1, output_size);
-            call.grid = dims(&grid)?;
-            call.block = dims(&block)?;
-            for a in kargs {
-                let (kind, v) = a.split_once(':').unwrap_or((a.as_str(), ""));
-                call = match kind {
-                    "out" => call.arg(KernelArg::Output),
-                    "in" => call.input(std::fs::read(v).map_err(|e| format!("{v}: {e}"))?),
-                    "u32" => call.arg(KernelArg::u32(v.parse()?)),
-                    "i32" => call.arg(KernelArg::Scalar(v.parse::<i32>()?.to_le_bytes().to_vec())),
-                    "u64" => call.arg(KernelArg::u64(v.parse()?)),
-                    "f32" => call.arg(KernelArg::f32(v.parse()?)),
-                    _ => return Err(format!("unknown argument {a:?}").into()),
-                };
-            }
+            let call = gpu_call(&ptx, kernel, &grid, &block, output_size, kargs)?;
             let bytes = client.gpu_call(&call).await?;
-            match out {
-                Some(p) => std::fs::write(p, &bytes)?,
-                None => {
-                    for chunk in bytes.chunks(32) {
-                        println!(
-                            "{}",
-                            chunk.iter().map(|b| format!("{b:02x}")).collect::<String>()
-                        );
-                    }
-                }
-            }
+            write_output(out, &bytes)?;
         }
     }
     client.close();
+    Ok(())
+}
+
+/// `inventory`: prints the node and its devices.
+async fn inventory(client: &Client) -> Result<(), Box<dyn std::error::Error>> {
+    let inv = client.inventory().await?;
+    println!(
+        "node {} ({} active leases, {} bytes reservable)",
+        inv.node, inv.active_leases, inv.reservable_bytes
+    );
+    for d in inv.devices {
+        println!(
+            "  device {}: {} sm_{}{} total {} free {}",
+            d.ordinal,
+            d.name,
+            d.compute_capability.0,
+            d.compute_capability.1,
+            d.total_bytes,
+            d.free_bytes
+        );
+    }
+    Ok(())
+}
+
+/// `alloc`: takes a lease, holds it `hold` seconds, and frees it.
+async fn alloc(
+    client: &std::sync::Arc<Client>,
+    min_vram: u64,
+    ttl: u64,
+    hold: u64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let lease = Lease::builder()
+        .min_vram(min_vram)
+        .ttl(Duration::from_secs(ttl))
+        .on(client.clone())
+        .await?;
+    println!(
+        "lease {} reserved {} bytes (generation {})",
+        lease.id(),
+        lease.reserved(),
+        lease.generation()
+    );
+    tokio::time::sleep(Duration::from_secs(hold)).await;
+    lease.free().await?;
+    println!("freed");
+    Ok(())
+}
+
+/// `submit`'s call: the PTX read from `ptx`, the dimensions and the
+/// arguments (`kind:value`) parsed, inputs read from their files.
+fn gpu_call(
+    ptx: &Path,
+    kernel: String,
+    grid: &str,
+    block: &str,
+    output_size: u32,
+    kargs: Vec<String>,
+) -> Result<GpuCall, Box<dyn std::error::Error>> {
+    let text = std::fs::read_to_string(ptx).map_err(|e| format!("{}: {e}", ptx.display()))?;
+    let mut call = GpuCall::new(text, kernel, 1, 1, output_size);
+    call.grid = dims(grid)?;
+    call.block = dims(block)?;
+    for a in kargs {
+        let (kind, v) = a.split_once(':').unwrap_or((a.as_str(), ""));
+        call = match kind {
+            "out" => call.arg(KernelArg::Output),
+            "in" => call.input(std::fs::read(v).map_err(|e| format!("{v}: {e}"))?),
+            "u32" => call.arg(KernelArg::u32(v.parse()?)),
+            "i32" => call.arg(KernelArg::Scalar(v.parse::<i32>()?.to_le_bytes().to_vec())),
+            "u64" => call.arg(KernelArg::u64(v.parse()?)),
+            "f32" => call.arg(KernelArg::f32(v.parse()?)),
+            _ => return Err(format!("unknown argument {a:?}").into()),
+        };
+    }
+    Ok(call)
+}
+
+/// `submit`'s output: written to `out`, or printed in hex, 32 bytes a
+/// line.
+fn write_output(out: Option<PathBuf>, bytes: &[u8]) -> Result<(), Box<dyn std::error::Error>> {
+    match out {
+        Some(p) => std::fs::write(p, bytes)?,
+        None => {
+            for chunk in bytes.chunks(32) {
+                println!(
+                    "{}",
+                    chunk.iter().map(|b| format!("{b:02x}")).collect::<String>()
+                );
+            }
+        }
+    }
     Ok(())
 }

@@ -9,6 +9,7 @@
 //! concurrent transfers on one lease (stripes over several connections)
 //! interleave chunk by chunk instead of waiting for each other.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -20,7 +21,7 @@ use super::handshake::Peer;
 use super::{fail_lease, IdKind, Reply, Shared, Slot as LeaseRef};
 use crate::hops::{self, HopTimer};
 use crate::proto::{self, from_body, Header, Id, LeaseId, MemRead, MemWrite, Opcode, Status};
-use crate::shm::{Slot, SLOTS, SLOT_BYTES};
+use crate::shm::{ShmRing, Slot, SLOTS, SLOT_BYTES};
 use crate::worker::ChunkOp;
 
 /// Serves one MEM_WRITE or MEM_READ whose header and body have been read;
@@ -214,42 +215,13 @@ async fn read(
     body: &[u8],
     send: &mut quinn::SendStream,
 ) -> bool {
-    let checked = from_body::<MemRead>(body)
-        .map_err(Reply::from)
-        .and_then(|m| {
-            if m.len > shared.cfg.limits.max_data {
-                return Err(Reply::err(
-                    Status::BadRequest,
-                    format!(
-                        "MEM_READ of {} bytes is over the {} byte limit",
-                        m.len, shared.cfg.limits.max_data
-                    ),
-                ));
-            }
-            check(shared, peer, &m.lease, m.buf, m.offset, u64::from(m.len)).map(|s| (m, s))
-        });
-    let (m, slot) = match checked {
+    let (m, slot) = match check_read(shared, peer, body) {
         Ok(x) => x,
         Err(r) => return send_reply(send, header, &r).await,
     };
     let len = u64::from(m.len);
     let ring = slot.worker.ring().clone();
-    let fill = |at: u64| {
-        let (ring, slot, m) = (&ring, &slot, &m);
-        async move {
-            let s = ring.acquire().await;
-            let n = (len - at).min(SLOT_BYTES as u64) as u32;
-            let op = ChunkOp {
-                id: m.buf,
-                offset: m.offset + at,
-                slot: s.index(),
-                len: n,
-            };
-            chunk(shared, &m.lease, slot, Opcode::MemRead, op)
-                .await
-                .map(|()| (s, n))
-        }
-    };
+    let fill = |at: u64| fill_chunk(shared, &ring, &slot, &m, len, at);
     // The first chunk before the header, so an early failure is a reply.
     let first = if len == 0 {
         None
@@ -266,6 +238,65 @@ async fn read(
     let Some(first) = first else {
         return true;
     };
+    send_chunks(shared, send, first, len, fill).await
+}
+
+/// A MEM_READ's body, decoded and checked (size limit, then lease, handle
+/// and range), with the lease it reads.
+fn check_read(shared: &Shared, peer: &Peer, body: &[u8]) -> Result<(MemRead, LeaseRef), Reply> {
+    from_body::<MemRead>(body)
+        .map_err(Reply::from)
+        .and_then(|m| {
+            if m.len > shared.cfg.limits.max_data {
+                return Err(Reply::err(
+                    Status::BadRequest,
+                    format!(
+                        "MEM_READ of {} bytes is over the {} byte limit",
+                        m.len, shared.cfg.limits.max_data
+                    ),
+                ));
+            }
+            check(shared, peer, &m.lease, m.buf, m.offset, u64::from(m.len)).map(|s| (m, s))
+        })
+}
+
+/// Has the worker fill a ring slot with the chunk of `m` (`len` bytes in
+/// all) that starts `at` bytes in; returns the slot and the chunk's length.
+async fn fill_chunk(
+    shared: &Shared,
+    ring: &Arc<ShmRing>,
+    slot: &LeaseRef,
+    m: &MemRead,
+    len: u64,
+    at: u64,
+) -> Result<(Slot, u32), Reply> {
+    let s = ring.acquire().await;
+    let n = (len - at).min(SLOT_BYTES as u64) as u32;
+    let op = ChunkOp {
+        id: m.buf,
+        offset: m.offset + at,
+        slot: s.index(),
+        len: n,
+    };
+    chunk(shared, &m.lease, slot, Opcode::MemRead, op)
+        .await
+        .map(|()| (s, n))
+}
+
+/// Sends a MEM_READ's data after its header, `first` (the chunk at 0)
+/// already filled: `fill` fills the next chunks while the earlier ones go
+/// out on QUIC. Returns whether the data went out whole.
+async fn send_chunks<F, Fut>(
+    shared: &Shared,
+    send: &mut quinn::SendStream,
+    first: (Slot, u32),
+    len: u64,
+    fill: F,
+) -> bool
+where
+    F: Fn(u64) -> Fut,
+    Fut: Future<Output = Result<(Slot, u32), Reply>>,
+{
     let (tx, mut rx) = mpsc::channel::<(Slot, u32)>(SLOTS);
     let stop = AtomicBool::new(false);
     let producer = async {

@@ -3,9 +3,9 @@
 
 #[cfg(all(doc, feature = "node"))]
 use super::Commands;
-use super::{ArgView, CommandView, OpView};
+use super::{ArgView, CommandView, LaunchView, OpView};
 #[cfg(feature = "node")]
-use super::{Id, LaunchView, ModuleHash, ProtoError, MAX_BATCH_OPS, MAX_KERNEL_ARGS};
+use super::{Id, ModuleHash, ProtoError, MAX_BATCH_OPS, MAX_KERNEL_ARGS};
 
 /// Appends `commands` (`n` of them) to `out` as postcard encodes a
 /// `Vec<Command>` of the same commands: the inverse of
@@ -64,31 +64,7 @@ fn encode_command(out: &mut Vec<u8>, c: &CommandView<'_>) {
         }
         OpView::Launch(l) => {
             v(out, 4);
-            out.extend_from_slice(&l.module.0);
-            put_bytes(out, l.kernel.as_bytes());
-            for d in l.grid.iter().chain(&l.block) {
-                v(out, (*d).into());
-            }
-            v(out, l.shared_mem.into());
-            v(out, l.args.len() as u64);
-            for a in &l.args {
-                match a {
-                    ArgView::Scalar(b) => {
-                        v(out, 0);
-                        put_bytes(out, b);
-                    }
-                    ArgView::Mem { buf, offset } => {
-                        v(out, 1);
-                        v(out, buf.0);
-                        v(out, *offset);
-                    }
-                    ArgView::Input(n) => {
-                        v(out, 2);
-                        v(out, (*n).into());
-                    }
-                    ArgView::Output => v(out, 3),
-                }
-            }
+            encode_launch(out, l);
         }
         OpView::Record { event } => {
             v(out, 5);
@@ -127,6 +103,45 @@ fn encode_command(out: &mut Vec<u8>, c: &CommandView<'_>) {
     }
 }
 
+/// A launch's body after its command kind: module hash, kernel name,
+/// grid, block, shared memory, then the argument list.
+#[inline]
+fn encode_launch(out: &mut Vec<u8>, l: &LaunchView<'_>) {
+    let v = |out: &mut Vec<u8>, x: u64| put_varint(out, x);
+    out.extend_from_slice(&l.module.0);
+    put_bytes(out, l.kernel.as_bytes());
+    for d in l.grid.iter().chain(&l.block) {
+        v(out, (*d).into());
+    }
+    v(out, l.shared_mem.into());
+    v(out, l.args.len() as u64);
+    for a in &l.args {
+        encode_arg(out, a);
+    }
+}
+
+/// One kernel argument: its kind, then its fields.
+#[inline]
+fn encode_arg(out: &mut Vec<u8>, a: &ArgView<'_>) {
+    let v = |out: &mut Vec<u8>, x: u64| put_varint(out, x);
+    match a {
+        ArgView::Scalar(b) => {
+            v(out, 0);
+            put_bytes(out, b);
+        }
+        ArgView::Mem { buf, offset } => {
+            v(out, 1);
+            v(out, buf.0);
+            v(out, *offset);
+        }
+        ArgView::Input(n) => {
+            v(out, 2);
+            v(out, (*n).into());
+        }
+        ArgView::Output => v(out, 3),
+    }
+}
+
 /// Decodes a batch's command list (a postcard `Vec<Command>`, the whole of
 /// `wire`) as borrowed views, without serde: what the serde derive of
 /// [`Commands`] does, value for value and error for error (the test
@@ -152,82 +167,96 @@ pub(crate) fn decode_commands(wire: &[u8]) -> Result<Vec<CommandView<'_>>, Proto
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let stream = r.u32()?;
-        let op = match r.u32()? {
-            0 => OpView::Alloc {
-                buf: Id(r.u64()?),
-                size: r.u64()?,
-            },
-            1 => OpView::Write {
-                buf: Id(r.u64()?),
-                offset: r.u64()?,
-                len: r.u32()?,
-            },
-            2 => OpView::Read {
-                buf: Id(r.u64()?),
-                offset: r.u64()?,
-                len: r.u32()?,
-            },
-            3 => OpView::Free { id: Id(r.u64()?) },
-            4 => {
-                let module = ModuleHash(r.take(32)?.try_into().expect("32 bytes"));
-                let kernel =
-                    std::str::from_utf8(r.bytes()?).map_err(|_| r.error("a name is not UTF-8"))?;
-                let grid = [r.u32()?, r.u32()?, r.u32()?];
-                let block = [r.u32()?, r.u32()?, r.u32()?];
-                let shared_mem = r.u32()?;
-                let n = r.len()?;
-                if n > MAX_KERNEL_ARGS {
-                    return Err(r.error("too many kernel arguments"));
-                }
-                let mut args = Vec::with_capacity(n);
-                for _ in 0..n {
-                    args.push(match r.u32()? {
-                        0 => ArgView::Scalar(r.bytes()?),
-                        1 => ArgView::Mem {
-                            buf: Id(r.u64()?),
-                            offset: r.u64()?,
-                        },
-                        2 => ArgView::Input(r.u32()?),
-                        3 => ArgView::Output,
-                        _ => return Err(r.error("unknown argument kind")),
-                    });
-                }
-                OpView::Launch(LaunchView {
-                    module,
-                    kernel,
-                    grid,
-                    block,
-                    shared_mem,
-                    args,
-                })
-            }
-            5 => OpView::Record {
-                event: Id(r.u64()?),
-            },
-            6 => OpView::Wait {
-                event: Id(r.u64()?),
-            },
-            7 => OpView::Fill {
-                buf: Id(r.u64()?),
-                offset: r.u64()?,
-                len: r.u64()?,
-                value: r.take(1)?[0],
-            },
-            8 => OpView::Copy {
-                src: Id(r.u64()?),
-                src_offset: r.u64()?,
-                dst: Id(r.u64()?),
-                dst_offset: r.u64()?,
-                len: r.u64()?,
-            },
-            _ => return Err(r.error("unknown command kind")),
-        };
+        let op = decode_op(&mut r)?;
         out.push(CommandView { stream, op });
     }
     if !r.b.is_empty() {
         return Err(ProtoError::Body(format!("{} trailing bytes", r.b.len())));
     }
     Ok(out)
+}
+
+/// One command's operation after its stream: the command kind, then that
+/// kind's fields.
+#[cfg(feature = "node")]
+#[inline]
+fn decode_op<'a>(r: &mut WireReader<'a>) -> Result<OpView<'a>, ProtoError> {
+    Ok(match r.u32()? {
+        0 => OpView::Alloc {
+            buf: Id(r.u64()?),
+            size: r.u64()?,
+        },
+        1 => OpView::Write {
+            buf: Id(r.u64()?),
+            offset: r.u64()?,
+            len: r.u32()?,
+        },
+        2 => OpView::Read {
+            buf: Id(r.u64()?),
+            offset: r.u64()?,
+            len: r.u32()?,
+        },
+        3 => OpView::Free { id: Id(r.u64()?) },
+        4 => decode_launch(r)?,
+        5 => OpView::Record {
+            event: Id(r.u64()?),
+        },
+        6 => OpView::Wait {
+            event: Id(r.u64()?),
+        },
+        7 => OpView::Fill {
+            buf: Id(r.u64()?),
+            offset: r.u64()?,
+            len: r.u64()?,
+            value: r.take(1)?[0],
+        },
+        8 => OpView::Copy {
+            src: Id(r.u64()?),
+            src_offset: r.u64()?,
+            dst: Id(r.u64()?),
+            dst_offset: r.u64()?,
+            len: r.u64()?,
+        },
+        _ => return Err(r.error("unknown command kind")),
+    })
+}
+
+/// A launch's body after its command kind: module hash, kernel name, grid,
+/// block, shared memory, then the argument list (refused over
+/// [`MAX_KERNEL_ARGS`] on its length prefix).
+#[cfg(feature = "node")]
+#[inline]
+fn decode_launch<'a>(r: &mut WireReader<'a>) -> Result<OpView<'a>, ProtoError> {
+    let module = ModuleHash(r.take(32)?.try_into().expect("32 bytes"));
+    let kernel = std::str::from_utf8(r.bytes()?).map_err(|_| r.error("a name is not UTF-8"))?;
+    let grid = [r.u32()?, r.u32()?, r.u32()?];
+    let block = [r.u32()?, r.u32()?, r.u32()?];
+    let shared_mem = r.u32()?;
+    let n = r.len()?;
+    if n > MAX_KERNEL_ARGS {
+        return Err(r.error("too many kernel arguments"));
+    }
+    let mut args = Vec::with_capacity(n);
+    for _ in 0..n {
+        args.push(match r.u32()? {
+            0 => ArgView::Scalar(r.bytes()?),
+            1 => ArgView::Mem {
+                buf: Id(r.u64()?),
+                offset: r.u64()?,
+            },
+            2 => ArgView::Input(r.u32()?),
+            3 => ArgView::Output,
+            _ => return Err(r.error("unknown argument kind")),
+        });
+    }
+    Ok(OpView::Launch(LaunchView {
+        module,
+        kernel,
+        grid,
+        block,
+        shared_mem,
+        args,
+    }))
 }
 
 /// Postcard's encoding read by hand: unsigned integers as LEB128 varints

@@ -31,90 +31,93 @@ pub fn check_options(options: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// Options allowed as they are.
+const FLAGS: [&str; 20] = [
+    "--use_fast_math",
+    "-use_fast_math",
+    "--device-debug",
+    "-G",
+    "--generate-line-info",
+    "-lineinfo",
+    "--extra-device-vectorization",
+    "-extra-device-vectorization",
+    "--restrict",
+    "-restrict",
+    "--device-as-default-execution-space",
+    "-default-device",
+    "--device-int128",
+    "-device-int128",
+    "--disable-warnings",
+    "-w",
+    "--minimal",
+    "-minimal",
+    "--no-source-include",
+    "-no-source-include",
+];
+
+/// Prefixes of the options that take `true` or `false`.
+const BOOLS: [&str; 14] = [
+    "--ftz=",
+    "-ftz=",
+    "--prec-div=",
+    "-prec-div=",
+    "--prec-sqrt=",
+    "-prec-sqrt=",
+    "--fmad=",
+    "-fmad=",
+    "--relocatable-device-code=",
+    "-rdc=",
+    "--builtin-move-forward=",
+    "-builtin-move-forward=",
+    "--builtin-initializer-list=",
+    "-builtin-initializer-list=",
+];
+
+/// An option that takes a value: its spellings, each a prefix up to the
+/// value, and the check of the value.
+type ValueRule = (&'static [&'static str], fn(&str) -> bool);
+
+/// The options that take a value, as rules: each one's spellings (prefixes
+/// up to the value) and the check of the value. The first rule with a
+/// prefix the option starts with decides.
+const VALUED: [ValueRule; 7] = [
+    (&BOOLS, |v| v == "true" || v == "false"),
+    (&["--dopt=", "-dopt="], |v| v == "on" || v == "off"),
+    (&["--maxrregcount=", "-maxrregcount="], |v| {
+        !v.is_empty() && v.len() <= 4 && v.bytes().all(|b| b.is_ascii_digit())
+    }),
+    (&["--std=", "-std="], |v| {
+        ["c++03", "c++11", "c++14", "c++17", "c++20"].contains(&v)
+    }),
+    (&["--gpu-architecture=", "-arch="], architecture_allowed),
+    (&["--define-macro=", "-D"], |def| {
+        let (name, value) = def.split_once('=').unwrap_or((def, ""));
+        is_identifier(name) && forbidden_word(value).is_none()
+    }),
+    (&["--undefine-macro=", "-U"], is_identifier),
+];
+
 fn option_allowed(o: &str) -> bool {
-    const FLAGS: [&str; 20] = [
-        "--use_fast_math",
-        "-use_fast_math",
-        "--device-debug",
-        "-G",
-        "--generate-line-info",
-        "-lineinfo",
-        "--extra-device-vectorization",
-        "-extra-device-vectorization",
-        "--restrict",
-        "-restrict",
-        "--device-as-default-execution-space",
-        "-default-device",
-        "--device-int128",
-        "-device-int128",
-        "--disable-warnings",
-        "-w",
-        "--minimal",
-        "-minimal",
-        "--no-source-include",
-        "-no-source-include",
-    ];
-    const BOOLS: [&str; 14] = [
-        "--ftz=",
-        "-ftz=",
-        "--prec-div=",
-        "-prec-div=",
-        "--prec-sqrt=",
-        "-prec-sqrt=",
-        "--fmad=",
-        "-fmad=",
-        "--relocatable-device-code=",
-        "-rdc=",
-        "--builtin-move-forward=",
-        "-builtin-move-forward=",
-        "--builtin-initializer-list=",
-        "-builtin-initializer-list=",
-    ];
     if o.contains(['\0', '\n', '\r']) {
         return false;
     }
     if FLAGS.contains(&o) {
         return true;
     }
-    if let Some(v) = BOOLS.iter().find_map(|p| o.strip_prefix(p)) {
-        return v == "true" || v == "false";
-    }
-    if let Some(v) = ["--dopt=", "-dopt="].iter().find_map(|p| o.strip_prefix(p)) {
-        return v == "on" || v == "off";
-    }
-    if let Some(v) = ["--maxrregcount=", "-maxrregcount="]
+    VALUED
         .iter()
-        .find_map(|p| o.strip_prefix(p))
-    {
-        return !v.is_empty() && v.len() <= 4 && v.bytes().all(|b| b.is_ascii_digit());
-    }
-    if let Some(v) = ["--std=", "-std="].iter().find_map(|p| o.strip_prefix(p)) {
-        return ["c++03", "c++11", "c++14", "c++17", "c++20"].contains(&v);
-    }
-    if let Some(v) = ["--gpu-architecture=", "-arch="]
-        .iter()
-        .find_map(|p| o.strip_prefix(p))
-    {
-        let Some(num) = v.strip_prefix("compute_").or_else(|| v.strip_prefix("sm_")) else {
-            return false;
-        };
-        let num = num.strip_suffix(['a', 'f']).unwrap_or(num);
-        return (2..=3).contains(&num.len()) && num.bytes().all(|b| b.is_ascii_digit());
-    }
-    if let Some(def) = ["--define-macro=", "-D"]
-        .iter()
-        .find_map(|p| o.strip_prefix(p))
-    {
-        let (name, value) = def.split_once('=').unwrap_or((def, ""));
-        return is_identifier(name) && forbidden_word(value).is_none();
-    }
-    if let Some(name) = ["--undefine-macro=", "-U"]
-        .iter()
-        .find_map(|p| o.strip_prefix(p))
-    {
-        return is_identifier(name);
-    }
-    false
+        .find_map(|(prefixes, ok)| prefixes.iter().find_map(|p| o.strip_prefix(p)).map(ok))
+        .unwrap_or(false)
+}
+
+/// An architecture, `compute_` or `sm_` then two or three digits and
+/// perhaps an `a` or `f`.
+fn architecture_allowed(v: &str) -> bool {
+    let Some(num) = v.strip_prefix("compute_").or_else(|| v.strip_prefix("sm_")) else {
+        return false;
+    };
+    let num = num.strip_suffix(['a', 'f']).unwrap_or(num);
+    (2..=3).contains(&num.len()) && num.bytes().all(|b| b.is_ascii_digit())
 }
 
 fn is_identifier(s: &str) -> bool {

@@ -1,13 +1,15 @@
 //! Kernel launches: kernels resolved and checked against their PTX
 //! parameters, and run-time argument lists laid out for the driver.
 
+use std::collections::HashMap;
+
 use cuda_async::{check_launch_config, DeviceBuffer, Error, Kernel, LaunchConfig};
-use cuda_core::ParamClass;
+use cuda_core::{Args, ParamClass};
 
 use super::CudaDevice;
 use crate::device::error::{driver, map, mem_arg, not_found};
 use crate::device::{DeviceArg, DeviceError, LaunchDims};
-use crate::proto::{ModuleHash, Status, StreamId};
+use crate::proto::{Id, ModuleHash, Status, StreamId};
 
 /// The kernel of the last launch, resolved on this device (its `Kernel`
 /// keeps its module loaded).
@@ -98,12 +100,7 @@ impl CudaDevice {
     ) -> Result<(), DeviceError> {
         let sid = stream;
         let stream = self.stream(stream)?;
-        let config = LaunchConfig {
-            grid_dim: (dims.grid[0], dims.grid[1], dims.grid[2]),
-            block_dim: (dims.block[0], dims.block[1], dims.block[2]),
-            shared_mem_bytes: dims.shared_mem,
-        };
-        check_launch_config(&config).map_err(|e| map(Status::BadRequest, "launch", e))?;
+        let config = launch_config(dims)?;
         self.launchable(module, kernel, args)?;
         // Ordered here, buffer by buffer (see `flush_use`).
         for a in args {
@@ -114,18 +111,7 @@ impl CudaDevice {
         // The values, each in 8-byte aligned words of storage reused by
         // every launch (no allocation once it has grown).
         let mut list = self.arg_list.start(&stream);
-        for a in args {
-            match a {
-                DeviceArg::Scalar(b) => list.push_bytes(b),
-                DeviceArg::Mem { id, offset } => {
-                    let buffer = mem_arg(&self.buffers, *id, *offset, DeviceBuffer::len)?;
-                    // At most the buffer's length (checked by `mem_arg`).
-                    let offset = *offset as usize;
-                    list.push_buffer(Self::raw(buffer), offset)
-                        .map_err(|e| map(Status::BadRequest, "kernel arguments", e))?;
-                }
-            }
-        }
+        Self::push_args(&self.buffers, &mut list, args)?;
         self.device
             .context()
             .bind_to_thread()
@@ -145,4 +131,38 @@ impl CudaDevice {
         let launched = unsafe { kernel.launch_with(&self.device, &config, list) };
         launched.map_err(|e| map(Status::LaunchFailed, "cuLaunchKernel", e))
     }
+
+    /// `args`' values pushed onto `list`, a buffer's as its address at its
+    /// offset (the buffer one of `buffers`).
+    fn push_args<'a>(
+        buffers: &'a HashMap<Id, DeviceBuffer<u8>>,
+        list: &mut Args<'a>,
+        args: &[DeviceArg<'_>],
+    ) -> Result<(), DeviceError> {
+        for a in args {
+            match a {
+                DeviceArg::Scalar(b) => list.push_bytes(b),
+                DeviceArg::Mem { id, offset } => {
+                    let buffer = mem_arg(buffers, *id, *offset, DeviceBuffer::len)?;
+                    // At most the buffer's length (checked by `mem_arg`).
+                    let offset = *offset as usize;
+                    list.push_buffer(Self::raw(buffer), offset)
+                        .map_err(|e| map(Status::BadRequest, "kernel arguments", e))?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A launch's grid, block and shared memory as a [`LaunchConfig`], checked
+/// as `cuda-async` checks every launch's.
+fn launch_config(dims: LaunchDims) -> Result<LaunchConfig, DeviceError> {
+    let config = LaunchConfig {
+        grid_dim: (dims.grid[0], dims.grid[1], dims.grid[2]),
+        block_dim: (dims.block[0], dims.block[1], dims.block[2]),
+        shared_mem_bytes: dims.shared_mem,
+    };
+    check_launch_config(&config).map_err(|e| map(Status::BadRequest, "launch", e))?;
+    Ok(config)
 }

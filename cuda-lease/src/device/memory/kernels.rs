@@ -44,30 +44,8 @@ pub(super) fn host_kernel(
     threads: u64,
     args: &[HostArg],
 ) -> bool {
-    let scalar = |a: &HostArg| match a {
-        HostArg::Scalar(b) if b.len() == 4 => [b[0], b[1], b[2], b[3]],
-        _ => [0; 4],
-    };
     let n = |a: &HostArg| u64::from(u32::from_le_bytes(scalar(a))).min(threads);
     let f = |a: &HostArg| f32::from_le_bytes(scalar(a));
-    // Byte position of element `i` of a memory argument, if in bounds.
-    let at = |store: &HashMap<usize, Vec<u8>>, a: &HostArg, i: u64| -> Option<(usize, usize)> {
-        let HostArg::Mem { slot, offset } = a else {
-            return None;
-        };
-        let start = offset.checked_add(usize::try_from(i).ok()?.checked_mul(4)?)?;
-        let b = store.get(slot)?;
-        (start + 4 <= b.len()).then_some((*slot, start))
-    };
-    let get = |store: &HashMap<usize, Vec<u8>>, (s, p): (usize, usize)| {
-        let b = &store[&s][p..p + 4];
-        [b[0], b[1], b[2], b[3]]
-    };
-    let put = |store: &mut HashMap<usize, Vec<u8>>, (s, p): (usize, usize), v: [u8; 4]| {
-        if let Some(b) = store.get_mut(&s) {
-            b[p..p + 4].copy_from_slice(&v);
-        }
-    };
     match (kernel, args) {
         ("iota", [out, count]) => {
             for i in 0..n(count) {
@@ -118,6 +96,37 @@ pub(super) fn host_kernel(
         _ => {}
     }
     false
+}
+
+/// A 4-byte scalar argument's bytes (zeros for any other argument).
+fn scalar(a: &HostArg) -> [u8; 4] {
+    match a {
+        HostArg::Scalar(b) if b.len() == 4 => [b[0], b[1], b[2], b[3]],
+        _ => [0; 4],
+    }
+}
+
+/// Byte position of element `i` of a memory argument, if in bounds.
+fn at(store: &HashMap<usize, Vec<u8>>, a: &HostArg, i: u64) -> Option<(usize, usize)> {
+    let HostArg::Mem { slot, offset } = a else {
+        return None;
+    };
+    let start = offset.checked_add(usize::try_from(i).ok()?.checked_mul(4)?)?;
+    let b = store.get(slot)?;
+    (start + 4 <= b.len()).then_some((*slot, start))
+}
+
+/// The 4 bytes at a position from [`at`].
+fn get(store: &HashMap<usize, Vec<u8>>, (s, p): (usize, usize)) -> [u8; 4] {
+    let b = &store[&s][p..p + 4];
+    [b[0], b[1], b[2], b[3]]
+}
+
+/// Stores 4 bytes at a position from [`at`].
+fn put(store: &mut HashMap<usize, Vec<u8>>, (s, p): (usize, usize), v: [u8; 4]) {
+    if let Some(b) = store.get_mut(&s) {
+        b[p..p + 4].copy_from_slice(&v);
+    }
 }
 
 /// The argument shapes of the host test kernels: `m` memory, `s` a 4-byte
