@@ -1,158 +1,365 @@
-//! Prometheus metrics in the text exposition format, served over plain HTTP.
+//! Prometheus metrics: the node's counters and gauges in a
+//! [`prometheus_client`] registry, encoded in the OpenMetrics text format and
+//! served on `GET /metrics` by a hyper HTTP/1.1 server.
+//!
+//! Exposed names (counters get their `_total` suffix from the encoder):
+//!
+//! | name | type |
+//! |---|---|
+//! | `gpu_lease_acquired_total` | counter |
+//! | `gpu_lease_dropped_total` | counter |
+//! | `gpu_submit_total` | counter |
+//! | `gpu_submit_errors_total` | counter |
+//! | `gpu_submit_output_bytes_total` | counter |
+//! | `gpu_batch_total` | counter |
+//! | `gpu_batch_commands_total` | counter |
+//! | `gpu_modules_compiled_total` | counter |
+//! | `gpu_vram_allocated_bytes` | gauge |
+//! | `gpu_lease_active` | gauge |
+//! | `cuda_lease_build_info{version="..."}` | gauge, always 1 |
 
-use std::fmt::Write as _;
+use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{HeaderValue, ALLOW, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::{Registry, Unit};
 use tokio::net::TcpListener;
+use tracing::debug;
 
-/// The node's counters. Gauges computed from the lease table are passed to
-/// [`Metrics::render`].
+/// The content type of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE_OPENMETRICS: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// A monotonic counter, registered in the node's registry.
+///
+/// It dereferences to its atomic, so that a hot path adds to it with one
+/// relaxed `fetch_add` (no lock, no allocation); only ever add to it.
 #[derive(Debug, Default)]
+pub struct Counter(prometheus_client::metrics::counter::Counter<u64, AtomicU64>);
+
+impl Counter {
+    /// Adds one.
+    pub fn inc(&self) {
+        self.0.inc();
+    }
+
+    /// Adds `v`.
+    pub fn inc_by(&self, v: u64) {
+        self.0.inc_by(v);
+    }
+
+    /// The current value.
+    pub fn get(&self) -> u64 {
+        self.0.get()
+    }
+}
+
+impl std::ops::Deref for Counter {
+    type Target = AtomicU64;
+
+    fn deref(&self) -> &AtomicU64 {
+        self.0.inner()
+    }
+}
+
+type GaugeU64 = Gauge<u64, AtomicU64>;
+
+/// The node's metrics and the registry that exposes them. Gauges computed
+/// from the lease table are passed to [`Metrics::render`].
+#[derive(Debug)]
 pub struct Metrics {
     /// Leases granted.
-    pub lease_acquired: AtomicU64,
+    pub lease_acquired: Counter,
     /// Leases ended (freed, expired, failed or shut down).
-    pub lease_dropped: AtomicU64,
+    pub lease_dropped: Counter,
     /// GPU_SUBMIT requests served.
-    pub submit_total: AtomicU64,
+    pub submit_total: Counter,
     /// GPU_SUBMIT requests that failed.
-    pub submit_errors: AtomicU64,
+    pub submit_errors: Counter,
     /// Output bytes returned by GPU_SUBMIT.
-    pub submit_output_bytes: AtomicU64,
+    pub submit_output_bytes: Counter,
     /// BATCH requests (one per round trip of a pipeline).
-    pub batch_total: AtomicU64,
+    pub batch_total: Counter,
     /// Commands carried by BATCH requests.
-    pub batch_commands: AtomicU64,
+    pub batch_commands: Counter,
     /// CUDA C modules compiled by workers (each kept node-wide as PTX).
-    pub modules_compiled: AtomicU64,
+    pub modules_compiled: Counter,
+    vram_allocated: GaugeU64,
+    lease_active: GaugeU64,
+    registry: Registry,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl Metrics {
-    /// Adds one to a counter.
+    /// Fresh metrics, all zero, registered in a new registry.
+    pub fn new() -> Self {
+        let m = Metrics {
+            lease_acquired: Counter::default(),
+            lease_dropped: Counter::default(),
+            submit_total: Counter::default(),
+            submit_errors: Counter::default(),
+            submit_output_bytes: Counter::default(),
+            batch_total: Counter::default(),
+            batch_commands: Counter::default(),
+            modules_compiled: Counter::default(),
+            vram_allocated: GaugeU64::default(),
+            lease_active: GaugeU64::default(),
+            registry: Registry::default(),
+        };
+        m.registered()
+    }
+
+    fn registered(mut self) -> Self {
+        let r = &mut self.registry;
+        // Counters under their base names: the encoder appends `_total`
+        // (and the unit before it).
+        let counters = [
+            (
+                "gpu_lease_acquired",
+                "Leases granted.",
+                &self.lease_acquired,
+            ),
+            ("gpu_lease_dropped", "Leases ended.", &self.lease_dropped),
+            ("gpu_submit", "GPU_SUBMIT requests.", &self.submit_total),
+            (
+                "gpu_submit_errors",
+                "Failed GPU_SUBMIT requests.",
+                &self.submit_errors,
+            ),
+            (
+                "gpu_batch",
+                "BATCH requests (round trips of pipelines).",
+                &self.batch_total,
+            ),
+            (
+                "gpu_batch_commands",
+                "Commands carried by BATCH requests.",
+                &self.batch_commands,
+            ),
+            (
+                "gpu_modules_compiled",
+                "CUDA C modules compiled by NVRTC (kept node-wide as PTX).",
+                &self.modules_compiled,
+            ),
+        ];
+        for (name, help, c) in counters {
+            r.register(name, help, c.0.clone());
+        }
+        r.register_with_unit(
+            "gpu_submit_output",
+            "Output bytes returned by GPU_SUBMIT.",
+            Unit::Bytes,
+            self.submit_output_bytes.0.clone(),
+        );
+        r.register_with_unit(
+            "gpu_vram_allocated",
+            "Bytes allocated by leases.",
+            Unit::Bytes,
+            self.vram_allocated.clone(),
+        );
+        r.register(
+            "gpu_lease_active",
+            "Leases alive now.",
+            self.lease_active.clone(),
+        );
+        let build = Family::<[(&'static str, &'static str); 1], GaugeU64>::default();
+        build
+            .get_or_create(&[("version", env!("CARGO_PKG_VERSION"))])
+            .set(1);
+        r.register(
+            "cuda_lease_build_info",
+            "The cuda-lease version of this node (always 1).",
+            build,
+        );
+        self
+    }
+
+    /// Adds one to a counter (a relaxed atomic add).
     pub fn inc(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Renders all metrics; `vram_allocated` and `active_leases` are gauges.
+    /// Renders all metrics in the OpenMetrics text format
+    /// ([`CONTENT_TYPE_OPENMETRICS`]); `vram_allocated` and `active_leases`
+    /// are the gauges' values now.
     pub fn render(&self, vram_allocated: u64, active_leases: u64) -> String {
+        self.vram_allocated.set(vram_allocated);
+        self.lease_active.set(active_leases);
         let mut s = String::new();
-        let mut put = |name: &str, kind: &str, help: &str, v: u64| {
-            let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
-        };
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        put(
-            "gpu_lease_acquired",
-            "counter",
-            "Leases granted.",
-            get(&self.lease_acquired),
-        );
-        put(
-            "gpu_lease_dropped",
-            "counter",
-            "Leases ended.",
-            get(&self.lease_dropped),
-        );
-        put(
-            "gpu_submit_total",
-            "counter",
-            "GPU_SUBMIT requests.",
-            get(&self.submit_total),
-        );
-        put(
-            "gpu_submit_errors",
-            "counter",
-            "Failed GPU_SUBMIT requests.",
-            get(&self.submit_errors),
-        );
-        put(
-            "gpu_submit_output_bytes",
-            "counter",
-            "Output bytes returned by GPU_SUBMIT.",
-            get(&self.submit_output_bytes),
-        );
-        put(
-            "gpu_batch_total",
-            "counter",
-            "BATCH requests (round trips of pipelines).",
-            get(&self.batch_total),
-        );
-        put(
-            "gpu_batch_commands_total",
-            "counter",
-            "Commands carried by BATCH requests.",
-            get(&self.batch_commands),
-        );
-        put(
-            "gpu_modules_compiled_total",
-            "counter",
-            "CUDA C modules compiled by NVRTC (kept node-wide as PTX).",
-            get(&self.modules_compiled),
-        );
-        put(
-            "gpu_vram_allocated_bytes",
-            "gauge",
-            "Bytes allocated by leases.",
-            vram_allocated,
-        );
-        put(
-            "gpu_lease_active",
-            "gauge",
-            "Leases alive now.",
-            active_leases,
-        );
+        prometheus_client::encoding::text::encode(&mut s, &self.registry)
+            .expect("writing to a String does not fail");
         s
     }
 }
 
-/// Serves `GET /metrics` on `listener` until the task is aborted; `render`
-/// produces the body.
+/// How long a client may take to send a request's headers.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Serves `GET /metrics` (and `HEAD`) over HTTP/1.1 on `listener` until the
+/// task is aborted; `render` produces the body. Other paths get 404, other
+/// methods 405.
 pub(crate) async fn serve<F>(listener: TcpListener, render: F)
 where
     F: Fn() -> String + Send + Sync + 'static,
 {
-    let render = std::sync::Arc::new(render);
+    let render = Arc::new(render);
     loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            continue;
+        let sock = match listener.accept().await {
+            Ok((sock, _)) => sock,
+            Err(e) => {
+                debug!(error = %e, "metrics accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
         };
         let render = render.clone();
         tokio::spawn(async move {
-            let mut buf = vec![0u8; 8192];
-            let mut n = 0;
-            let read = async {
-                while n < buf.len() {
-                    let m = sock.read(&mut buf[n..]).await?;
-                    if m == 0 {
-                        break;
-                    }
-                    n += m;
-                    if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                        break;
-                    }
-                }
-                std::io::Result::Ok(())
-            };
-            if tokio::time::timeout(std::time::Duration::from_secs(5), read)
-                .await
-                .is_err()
-            {
-                return;
+            let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+                let render = render.clone();
+                async move { Ok::<_, Infallible>(respond(&req, &*render)) }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .serve_connection(TokioIo::new(sock), svc);
+            if let Err(e) = conn.await {
+                debug!(error = %e, "metrics connection ended");
             }
-            let req = String::from_utf8_lossy(&buf[..n]);
-            let resp = if req.starts_with("GET /metrics") || req.starts_with("GET / ") {
-                let body = render();
-                format!(
-                    "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                )
-            } else {
-                "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                    .to_string()
-            };
-            let _ = sock.write_all(resp.as_bytes()).await;
-            let _ = sock.shutdown().await;
         });
+    }
+}
+
+/// The reply to one request.
+fn respond<B>(req: &Request<B>, render: &dyn Fn() -> String) -> Response<Full<Bytes>> {
+    let reply = |status: StatusCode, body: String| {
+        let mut r = Response::new(Full::new(Bytes::from(body)));
+        *r.status_mut() = status;
+        r
+    };
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        let mut r = reply(StatusCode::METHOD_NOT_ALLOWED, String::new());
+        r.headers_mut()
+            .insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return r;
+    }
+    if req.uri().path() != "/metrics" {
+        return reply(StatusCode::NOT_FOUND, String::new());
+    }
+    let mut r = reply(StatusCode::OK, render());
+    r.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static(CONTENT_TYPE_OPENMETRICS),
+    );
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[test]
+    fn exposed_names() {
+        let m = Metrics::new();
+        Metrics::inc(&m.lease_acquired);
+        m.submit_output_bytes.fetch_add(20, Ordering::Relaxed);
+        m.batch_commands.inc_by(3);
+        let t = m.render(512, 1);
+        for line in [
+            "# TYPE gpu_lease_acquired counter",
+            "gpu_lease_acquired_total 1",
+            "gpu_lease_dropped_total 0",
+            "gpu_submit_total 0",
+            "gpu_submit_errors_total 0",
+            "# UNIT gpu_submit_output_bytes bytes",
+            "gpu_submit_output_bytes_total 20",
+            "gpu_batch_total 0",
+            "gpu_batch_commands_total 3",
+            "gpu_modules_compiled_total 0",
+            "# TYPE gpu_vram_allocated_bytes gauge",
+            "gpu_vram_allocated_bytes 512",
+            "# TYPE gpu_lease_active gauge",
+            "gpu_lease_active 1",
+            "# TYPE cuda_lease_build_info gauge",
+            &format!(
+                "cuda_lease_build_info{{version=\"{}\"}} 1",
+                env!("CARGO_PKG_VERSION")
+            ),
+            "# EOF",
+        ] {
+            assert!(t.lines().any(|l| l == line), "no {line:?} in:\n{t}");
+        }
+    }
+
+    async fn http(addr: std::net::SocketAddr, req: &str) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    #[tokio::test]
+    async fn http_server() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let m = Arc::new(Metrics::new());
+        let task = tokio::spawn(serve(listener, move || m.render(0, 0)));
+
+        let get = http(
+            addr,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(get.starts_with("HTTP/1.1 200 OK\r\n"), "{get}");
+        assert!(get.contains(CONTENT_TYPE_OPENMETRICS), "{get}");
+        assert!(get.contains("\n# TYPE gpu_submit counter\n"), "{get}");
+        assert!(get.contains("\ncuda_lease_build_info{version="), "{get}");
+
+        let head = http(
+            addr,
+            "HEAD /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+        assert!(!head.contains("# TYPE"), "{head}");
+
+        let other = http(
+            addr,
+            "GET /other HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(other.starts_with("HTTP/1.1 404 Not Found\r\n"), "{other}");
+
+        let post = http(
+            addr,
+            "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(
+            post.starts_with("HTTP/1.1 405 Method Not Allowed\r\n"),
+            "{post}"
+        );
+        assert!(
+            post.to_ascii_lowercase().contains("allow: get, head"),
+            "{post}"
+        );
+
+        let junk = http(addr, "NOT HTTP\r\n\r\n").await;
+        assert!(!junk.contains("# TYPE"), "{junk}");
+        task.abort();
     }
 }

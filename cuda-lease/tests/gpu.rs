@@ -512,7 +512,7 @@ async fn many_clients_submit_concurrently() {
     }
     let m = fx.node.metrics_text();
     assert_eq!(metric(&m, "gpu_submit_total"), Some(3200), "{m}");
-    assert_eq!(metric(&m, "gpu_submit_errors"), Some(0), "{m}");
+    assert_eq!(metric(&m, "gpu_submit_errors_total"), Some(0), "{m}");
 }
 
 /// Random bytes (xorshift), no extra dependencies.

@@ -38,6 +38,43 @@ async fn auth_rejection() {
 }
 
 #[tokio::test]
+async fn metrics_endpoint() {
+    let fx = Fixture::memory(1 << 20).start().await;
+    let get = metrics_http(&fx.node).await;
+    assert!(get.starts_with("HTTP/1.1 200 OK\r\n"), "{get}");
+    assert!(
+        get.contains("\n# TYPE gpu_lease_acquired counter\n"),
+        "{get}"
+    );
+    assert!(
+        get.contains("\n# TYPE gpu_vram_allocated_bytes gauge\n"),
+        "{get}"
+    );
+    let version = env!("CARGO_PKG_VERSION");
+    assert_eq!(
+        metric(
+            &get,
+            &format!("cuda_lease_build_info{{version=\"{version}\"}}")
+        ),
+        Some(1),
+        "{get}"
+    );
+    assert_eq!(metric(&get, "gpu_lease_active"), Some(0), "{get}");
+    assert!(get.trim_end().ends_with("# EOF"), "{get}");
+    let close = "Host: x\r\nConnection: close\r\n";
+    let other = metrics_request(&fx.node, &format!("GET /other HTTP/1.1\r\n{close}\r\n")).await;
+    assert!(other.starts_with("HTTP/1.1 404 "), "{other}");
+    let post = metrics_request(
+        &fx.node,
+        &format!("POST /metrics HTTP/1.1\r\n{close}Content-Length: 0\r\n\r\n"),
+    )
+    .await;
+    assert!(post.starts_with("HTTP/1.1 405 "), "{post}");
+    assert!(!post.contains("# TYPE"), "{post}");
+    fx.shutdown().await;
+}
+
+#[tokio::test]
 async fn lease_alloc_renew_free() {
     let mut fx = Fixture::memory(1 << 20)
         .lease_with(
@@ -69,8 +106,8 @@ async fn lease_alloc_renew_free() {
         Err(Error::NotFound(_))
     ));
     let m = metrics_http(&fx.node).await;
-    assert_eq!(metric(&m, "gpu_lease_acquired"), Some(1), "{m}");
-    assert_eq!(metric(&m, "gpu_lease_dropped"), Some(1), "{m}");
+    assert_eq!(metric(&m, "gpu_lease_acquired_total"), Some(1), "{m}");
+    assert_eq!(metric(&m, "gpu_lease_dropped_total"), Some(1), "{m}");
     fx.shutdown().await;
 }
 
@@ -149,7 +186,7 @@ async fn expiry_tears_down_with_injected_clock() {
     assert!(
         eventually(Duration::from_secs(1), || async {
             let m = node.metrics_text();
-            metric(&m, "gpu_lease_dropped") == Some(1)
+            metric(&m, "gpu_lease_dropped_total") == Some(1)
                 && metric(&m, "gpu_vram_allocated_bytes") == Some(0)
         })
         .await
@@ -476,8 +513,8 @@ async fn gpu_submit_on_test_double() {
     ));
     let m = metrics_http(&fx.node).await;
     assert_eq!(metric(&m, "gpu_submit_total"), Some(3), "{m}");
-    assert_eq!(metric(&m, "gpu_submit_errors"), Some(2), "{m}");
-    assert_eq!(metric(&m, "gpu_submit_output_bytes"), Some(20), "{m}");
+    assert_eq!(metric(&m, "gpu_submit_errors_total"), Some(2), "{m}");
+    assert_eq!(metric(&m, "gpu_submit_output_bytes_total"), Some(20), "{m}");
     // A faulting submit fails alone; its worker is replaced and the next submit works.
     let fault = GpuCall::new(PTX, "__fault", 1, 1, 4);
     assert!(matches!(

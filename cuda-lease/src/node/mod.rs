@@ -282,69 +282,74 @@ impl From<proto::ProtoError> for Reply {
     }
 }
 
-impl Node {
-    /// Starts a node as configured: probes the device through a worker,
-    /// binds the QUIC endpoint and the metrics port, and starts the reaper.
-    /// Must be called inside a tokio runtime.
-    ///
-    /// # Errors
-    ///
-    /// [`NodeError`]; a machine without a driver gives
-    /// `NodeError::Device("... no NVIDIA driver found")` for a CUDA device.
-    pub async fn start(cfg: NodeConfig) -> Result<Node, NodeError> {
-        let identity = match &cfg.tls {
-            TlsSource::SelfSigned { names, write_pem } => {
-                let id = Identity::self_signed(names)?;
-                if let Some(p) = write_pem {
-                    tls::write_cert_pem(p, id.leaf())?;
-                    info!(path = %p.display(), "wrote self-signed certificate for clients to pin");
-                }
-                id
+/// The node's TLS identity and QUIC server configuration; refuses a
+/// configuration without any credentials.
+fn tls_setup(cfg: &NodeConfig) -> Result<(Identity, quinn::ServerConfig), NodeError> {
+    let identity = match &cfg.tls {
+        TlsSource::SelfSigned { names, write_pem } => {
+            let id = Identity::self_signed(names)?;
+            if let Some(p) = write_pem {
+                tls::write_cert_pem(p, id.leaf())?;
+                info!(path = %p.display(), "wrote self-signed certificate for clients to pin");
             }
-            TlsSource::Files { cert, key } => Identity::from_pem_files(cert, key)?,
-            TlsSource::Identity(id) => id.clone(),
+            id
+        }
+        TlsSource::Files { cert, key } => Identity::from_pem_files(cert, key)?,
+        TlsSource::Identity(id) => id.clone(),
+    };
+    let client_ca = cfg.client_ca.as_deref().map(tls::load_certs).transpose()?;
+    if cfg.tokens.is_empty()
+        && cfg.named_tokens.is_empty()
+        && client_ca.is_none()
+        && !cfg.allow_anonymous
+    {
+        return Err(NodeError::Config(
+            "no credentials: configure tokens, a client CA, or allow anonymous access".into(),
+        ));
+    }
+    let server_cfg = tls::server_config(&identity, client_ca.as_deref())?;
+    Ok((identity, server_cfg))
+}
+
+/// The submit worker pool.
+type SubmitWorkers = Vec<tokio::sync::Mutex<Option<WorkerProcess>>>;
+
+/// Probes the device through a worker and starts every submit worker (the
+/// probe becomes the first). Returns the device figures, the capacity
+/// leases may use, and the pool.
+async fn start_workers(cfg: &NodeConfig) -> Result<(DeviceInfo, u64, SubmitWorkers), NodeError> {
+    let probe = WorkerProcess::spawn(&cfg.worker, cfg.worker_start_timeout)
+        .await
+        .map_err(|e| NodeError::Device(e.to_string()))?;
+    let info = probe.info().clone();
+    let capacity = cfg
+        .capacity
+        .unwrap_or(info.free_bytes.saturating_sub(cfg.headroom));
+    info!(device = %info.name, total = info.total_bytes, free = info.free_bytes, capacity, "device probed");
+    // Start every submit worker now, so that their contexts are already
+    // counted in the device's free memory when leases are measured.
+    let mut submit = Vec::new();
+    let mut probe = Some(probe);
+    for _ in 0..cfg.submit_workers {
+        let w = match probe.take() {
+            Some(p) => p,
+            None => WorkerProcess::spawn(&cfg.worker, cfg.worker_start_timeout)
+                .await
+                .map_err(|e| NodeError::Device(e.to_string()))?,
         };
-        let client_ca = cfg.client_ca.as_deref().map(tls::load_certs).transpose()?;
-        if cfg.tokens.is_empty()
-            && cfg.named_tokens.is_empty()
-            && client_ca.is_none()
-            && !cfg.allow_anonymous
-        {
-            return Err(NodeError::Config(
-                "no credentials: configure tokens, a client CA, or allow anonymous access".into(),
-            ));
-        }
-        let server_cfg = tls::server_config(&identity, client_ca.as_deref())?;
+        submit.push(tokio::sync::Mutex::new(Some(w)));
+    }
+    if let Some(p) = probe {
+        p.kill_and_wait().await;
+    }
+    Ok((info, capacity, submit))
+}
 
-        // Probe the device; the probe becomes the first submit worker.
-        let probe = WorkerProcess::spawn(&cfg.worker, cfg.worker_start_timeout)
-            .await
-            .map_err(|e| NodeError::Device(e.to_string()))?;
-        let info = probe.info().clone();
-        let capacity = cfg
-            .capacity
-            .unwrap_or(info.free_bytes.saturating_sub(cfg.headroom));
-        info!(device = %info.name, total = info.total_bytes, free = info.free_bytes, capacity, "device probed");
-        // Start every submit worker now, so that their contexts are already
-        // counted in the device's free memory when leases are measured.
-        let mut submit = Vec::new();
-        let mut probe = Some(probe);
-        for _ in 0..cfg.submit_workers {
-            let w = match probe.take() {
-                Some(p) => p,
-                None => WorkerProcess::spawn(&cfg.worker, cfg.worker_start_timeout)
-                    .await
-                    .map_err(|e| NodeError::Device(e.to_string()))?,
-            };
-            submit.push(tokio::sync::Mutex::new(Some(w)));
-        }
-        if let Some(p) = probe {
-            p.kill_and_wait().await;
-        }
-
-        let endpoint = quinn::Endpoint::server(server_cfg, cfg.listen)?;
-        let addr = endpoint.local_addr()?;
-        let shared = Arc::new(Shared {
+impl Shared {
+    /// The node's state at start: `capacity` bytes for leases on the
+    /// device described by `info`, served by the `submit` pool.
+    fn new(cfg: NodeConfig, capacity: u64, info: DeviceInfo, submit: SubmitWorkers) -> Self {
+        Shared {
             tokens: cfg
                 .tokens
                 .iter()
@@ -366,7 +371,7 @@ impl Node {
             submit_next: AtomicUsize::new(0),
             prestarted: tokio::sync::Mutex::new(Vec::new()),
             refilling: AtomicBool::new(false),
-            device: StdMutex::new(info.clone()),
+            device: StdMutex::new(info),
             submits: StdMutex::default(),
             budgets: StdMutex::default(),
             modules: StdMutex::default(),
@@ -377,18 +382,53 @@ impl Node {
             }),
             metrics: Metrics::default(),
             cfg,
-        });
-        let mut tasks = Vec::new();
-        let mut metrics_addr = None;
-        if let Some(m) = shared.cfg.metrics_listen {
-            let listener = tokio::net::TcpListener::bind(m).await?;
-            metrics_addr = Some(listener.local_addr()?);
-            let s = shared.clone();
-            tasks.push(tokio::spawn(crate::metrics::serve(listener, move || {
-                let t = s.table();
-                s.metrics.render(t.allocated_total(), t.len() as u64)
-            })));
         }
+    }
+
+    /// The metrics text now, with the gauges read from the lease table.
+    fn render_metrics(&self) -> String {
+        let t = self.table();
+        self.metrics.render(t.allocated_total(), t.len() as u64)
+    }
+}
+
+/// Binds the metrics port, if one is configured, and starts its HTTP server.
+async fn serve_metrics(
+    shared: &Arc<Shared>,
+) -> Result<Option<(SocketAddr, JoinHandle<()>)>, NodeError> {
+    let Some(m) = shared.cfg.metrics_listen else {
+        return Ok(None);
+    };
+    let listener = tokio::net::TcpListener::bind(m).await?;
+    let addr = listener.local_addr()?;
+    let s = shared.clone();
+    let task = tokio::spawn(crate::metrics::serve(listener, move || s.render_metrics()));
+    Ok(Some((addr, task)))
+}
+
+impl Node {
+    /// Starts a node as configured: probes the device through a worker,
+    /// binds the QUIC endpoint and the metrics port, and starts the reaper.
+    /// Must be called inside a tokio runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`NodeError`]; a machine without a driver gives
+    /// `NodeError::Device("... no NVIDIA driver found")` for a CUDA device.
+    pub async fn start(cfg: NodeConfig) -> Result<Node, NodeError> {
+        let (identity, server_cfg) = tls_setup(&cfg)?;
+        let (info, capacity, submit) = start_workers(&cfg).await?;
+        let endpoint = quinn::Endpoint::server(server_cfg, cfg.listen)?;
+        let addr = endpoint.local_addr()?;
+        let shared = Arc::new(Shared::new(cfg, capacity, info, submit));
+        let mut tasks = Vec::new();
+        let metrics_addr = match serve_metrics(&shared).await? {
+            Some((a, task)) => {
+                tasks.push(task);
+                Some(a)
+            }
+            None => None,
+        };
         tasks.push(tokio::spawn(reaper(shared.clone())));
         tasks.push(tokio::spawn(accept_loop(shared.clone(), endpoint.clone())));
         refill(shared.clone());
@@ -442,10 +482,7 @@ impl Node {
 
     /// The rendered metrics.
     pub fn metrics_text(&self) -> String {
-        let t = self.shared.table();
-        self.shared
-            .metrics
-            .render(t.allocated_total(), t.len() as u64)
+        self.shared.render_metrics()
     }
 
     /// Stops accepting, frees every lease (ending its worker) and waits for

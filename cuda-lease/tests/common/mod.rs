@@ -272,15 +272,24 @@ where
     false
 }
 
+/// `GET /metrics` on the node's metrics port: the whole HTTP response.
 pub async fn metrics_http(node: &Node) -> String {
+    metrics_request(
+        node,
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await
+}
+
+/// Sends `request` (raw HTTP/1.1, which should ask to close the connection)
+/// to the node's metrics port and returns the whole response.
+pub async fn metrics_request(node: &Node, request: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let addr = node.metrics_addr().expect("metrics endpoint");
     let mut s = tokio::net::TcpStream::connect(addr)
         .await
         .expect("metrics connect");
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await
-        .unwrap();
+    s.write_all(request.as_bytes()).await.unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).await.unwrap();
     out
