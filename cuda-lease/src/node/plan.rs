@@ -199,6 +199,44 @@ impl Planner<'_> {
         Ok(())
     }
 
+    /// A read of `len` bytes: within the buffer, the reply's data limit and
+    /// the principal's byte budget (the bytes are held for the reply until
+    /// it is taken, so they are charged before they are read).
+    fn read(
+        &mut self,
+        buf: Id,
+        offset: u64,
+        len: u32,
+        charges: &mut dyn Charges,
+    ) -> Result<(), Refusal> {
+        in_range(self.buffer(buf)?, offset, u64::from(len))?;
+        self.read_total += u64::from(len);
+        if self.read_total > self.limits.max_read {
+            return Err((
+                Status::BadRequest,
+                "reads exceed the reply data limit".into(),
+            ));
+        }
+        charges
+            .reply(u64::from(len))
+            .map_err(|m| (Status::CapacityExceeded, format!("read: {m}")))
+    }
+
+    /// A launch's buffer arguments name buffers of the lease, at offsets
+    /// within them.
+    fn launch_args(&self, args: &[ArgView<'_>]) -> Result<(), Refusal> {
+        for a in args {
+            match a {
+                ArgView::Scalar(_) => {}
+                ArgView::Mem { buf, offset } => in_range(self.buffer(*buf)?, *offset, 0)?,
+                ArgView::Input(_) | ArgView::Output => {
+                    return Err((Status::BadRequest, "Input/Output are for GPU_SUBMIT".into()))
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn step(&mut self, c: &CommandView<'_>, charges: &mut dyn Charges) -> Result<Step, Refusal> {
         let stream = c.stream;
         if !self.streams.contains(&stream) && self.streams.len() >= self.limits.max_streams {
@@ -228,19 +266,7 @@ impl Planner<'_> {
                 }
             }
             OpView::Read { buf, offset, len } => {
-                in_range(self.buffer(*buf)?, *offset, u64::from(*len))?;
-                self.read_total += u64::from(*len);
-                if self.read_total > self.limits.max_read {
-                    return Err((
-                        Status::BadRequest,
-                        "reads exceed the reply data limit".into(),
-                    ));
-                }
-                // The bytes are held for the reply until it is taken:
-                // charged to the principal before they are read.
-                charges
-                    .reply(u64::from(*len))
-                    .map_err(|m| (Status::CapacityExceeded, format!("read: {m}")))?;
+                self.read(*buf, *offset, *len, charges)?;
                 Step::effect(Effect::None)
             }
             OpView::Free { id } => {
@@ -250,18 +276,7 @@ impl Planner<'_> {
                 Step::effect(Effect::Free(*id))
             }
             OpView::Launch(spec) => {
-                for a in &spec.args {
-                    match a {
-                        ArgView::Scalar(_) => {}
-                        ArgView::Mem { buf, offset } => in_range(self.buffer(*buf)?, *offset, 0)?,
-                        ArgView::Input(_) | ArgView::Output => {
-                            return Err((
-                                Status::BadRequest,
-                                "Input/Output are for GPU_SUBMIT".into(),
-                            ))
-                        }
-                    }
-                }
+                self.launch_args(&spec.args)?;
                 Step::effect(Effect::None)
             }
             OpView::Fill {
