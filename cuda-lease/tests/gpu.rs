@@ -906,16 +906,6 @@ fn cuda_include_dir() -> Option<std::path::PathBuf> {
     cands.into_iter().find(|d| d.join("cuda_fp16.h").is_file())
 }
 
-/// Lines of a file of this machine, to look for in error texts.
-fn lines_of(path: &str) -> Vec<String> {
-    std::fs::read(path)
-        .unwrap_or_default()
-        .split(|b| *b == b'\n' || *b == 0)
-        .filter(|l| l.len() >= 8)
-        .map(|l| String::from_utf8_lossy(l).into_owned())
-        .collect()
-}
-
 /// A template instantiated 2^40 times: no compiler finishes it.
 const TEMPLATE_BOMB: &str = r#"
 template <unsigned long long N, unsigned long long M> struct B {
@@ -937,10 +927,7 @@ async fn tenant_cuda_c_cannot_read_the_nodes_files_and_compiles_are_time_bounded
         .start()
         .await;
     let s = fx.session();
-    let secrets: Vec<String> = ["/etc/passwd", "/proc/self/environ", "/proc/self/cmdline"]
-        .iter()
-        .flat_map(|p| lines_of(p))
-        .collect();
+    let secrets = node_secrets();
     let kernel = "extern \"C\" __global__ void k(float* p) { p[0] = 1.0f; }\n";
     let attacks: [(&str, &[&str]); 6] = [
         ("#include \"/etc/passwd\"\n", &[]),
@@ -1001,10 +988,7 @@ fn the_confined_compiler_alone_cannot_read_the_nodes_files() {
         ..CompileSandbox::default()
     })
     .with_program(worker_exe());
-    let secrets: Vec<String> = ["/etc/passwd", "/proc/self/environ"]
-        .iter()
-        .flat_map(|p| lines_of(p))
-        .collect();
+    let secrets = node_secrets();
     for path in ["/etc/passwd", "/proc/self/environ", "/proc/self/cmdline"] {
         let src = format!("#include \"{path}\"\nextern \"C\" __global__ void k() {{}}\n");
         let log = compiler
