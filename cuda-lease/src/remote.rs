@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use crate::client::{EncodeCommands, Error, Lease, Module, Session};
 use crate::hops::{self, HopTimer};
-use crate::proto::{self, ArgView, CommandView, Id, LaunchView, ModuleHash, OpView, Opcode};
+use crate::proto::{self, Command, Id, KernelArg, LaunchSpec, ModuleHash, Op, Opcode};
 use cuda_async::remote::{Recording, RemoteArg, RemoteCommand, RemoteCompletion};
 use cuda_async::{ModuleSource, RemoteSession};
 use cuda_core::{Kernel, LaunchConfig};
@@ -168,10 +168,9 @@ impl LeaseSession {
 }
 
 /// A recording's commands, after the queued frees (on stream 0), encoded
-/// straight into the BATCH: they serialize as the protocol's
-/// `Vec<Command>` of the same commands does (through the borrowed
-/// [`CommandView`]; see the test `the_wire_form_is_the_protocols`),
-/// without building owned commands first.
+/// straight into the BATCH as the protocol's command list: each is
+/// translated ([`to_wire`]) and encoded in turn, without collecting them
+/// first (see the test `the_wire_form_is_the_protocols`).
 struct WireCommands<'a> {
     frees: &'a [u64],
     commands: &'a [RemoteCommand],
@@ -181,27 +180,28 @@ struct WireCommands<'a> {
 
 impl EncodeCommands for WireCommands<'_> {
     fn encode_into(&self, out: &mut Vec<u8>) {
-        let frees = self.frees.iter().map(|id| CommandView {
+        let frees = self.frees.iter().map(|id| Command {
             stream: 0,
-            op: OpView::Free { id: Id(*id) },
+            op: Op::Free { id: Id(*id) },
         });
         let mut launches = self.launches.iter();
-        let commands = self.commands.iter().map(|c| command_view(c, &mut launches));
+        let commands = self.commands.iter().map(|c| to_wire(c, &mut launches));
         let n = self.frees.len() + self.commands.len();
         proto::encode_commands(out, n, frees.chain(commands));
     }
 }
 
-/// One recorded command as the protocol's borrowed [`CommandView`]; a
+/// The one translation from cuda-async's [`RemoteCommand`] to the
+/// protocol's [`Command`], borrowing its kernel name and scalars; a
 /// launch takes the next of `launches` as its module.
-fn command_view<'a>(
+fn to_wire<'a>(
     c: &'a RemoteCommand,
     launches: &mut std::slice::Iter<'_, ModuleHash>,
-) -> CommandView<'a> {
+) -> Command<'a> {
     let (stream, op) = match c {
         RemoteCommand::Alloc { stream, id, bytes } => (
             *stream,
-            OpView::Alloc {
+            Op::Alloc {
                 buf: Id(*id),
                 size: *bytes,
             },
@@ -213,7 +213,7 @@ fn command_view<'a>(
             len,
         } => (
             *stream,
-            OpView::Write {
+            Op::Write {
                 buf: Id(*id),
                 offset: *offset,
                 len: *len as u32,
@@ -226,7 +226,7 @@ fn command_view<'a>(
             len,
         } => (
             *stream,
-            OpView::Read {
+            Op::Read {
                 buf: Id(*id),
                 offset: *offset,
                 len: *len as u32,
@@ -240,7 +240,7 @@ fn command_view<'a>(
             value,
         } => (
             *stream,
-            OpView::Fill {
+            Op::Fill {
                 buf: Id(*id),
                 offset: *offset,
                 len: *len,
@@ -254,7 +254,7 @@ fn command_view<'a>(
             len,
         } => (
             *stream,
-            OpView::Copy {
+            Op::Copy {
                 src: Id(src.0),
                 src_offset: src.1,
                 dst: Id(dst.0),
@@ -262,48 +262,48 @@ fn command_view<'a>(
                 len: *len,
             },
         ),
-        RemoteCommand::Free { stream, id } => (*stream, OpView::Free { id: Id(*id) }),
+        RemoteCommand::Free { stream, id } => (*stream, Op::Free { id: Id(*id) }),
         RemoteCommand::Launch {
             stream,
             kernel,
             config,
             args,
-        } => (*stream, launch_view(launches, kernel, config, args)),
-        RemoteCommand::Record { stream, event } => (*stream, OpView::Record { event: Id(*event) }),
-        RemoteCommand::Wait { stream, event } => (*stream, OpView::Wait { event: Id(*event) }),
+        } => (*stream, launch_to_wire(launches, kernel, config, args)),
+        RemoteCommand::Record { stream, event } => (*stream, Op::Record { event: Id(*event) }),
+        RemoteCommand::Wait { stream, event } => (*stream, Op::Wait { event: Id(*event) }),
     };
-    CommandView { stream, op }
+    Command { stream, op }
 }
 
-/// A recorded launch as the protocol's borrowed [`OpView::Launch`], its
-/// module the next of `launches`.
-fn launch_view<'a>(
+/// A recorded launch as the protocol's [`Op::Launch`], its module the
+/// next of `launches`.
+fn launch_to_wire<'a>(
     launches: &mut std::slice::Iter<'_, ModuleHash>,
     kernel: &'a Kernel,
     c: &LaunchConfig,
     args: &'a [RemoteArg],
-) -> OpView<'a> {
+) -> Op<'a> {
     // `modules_of` names the module of every launch.
     let module = *launches.next().expect("a launch without its module");
     let args = args
         .iter()
         .map(|a| match a {
-            RemoteArg::Bytes(b) => ArgView::Scalar(b),
-            RemoteArg::Buffer { id, offset } => ArgView::Mem {
+            RemoteArg::Bytes(b) => KernelArg::Scalar(b.as_slice().into()),
+            RemoteArg::Buffer { id, offset } => KernelArg::Mem {
                 buf: Id(*id),
                 offset: *offset,
             },
         })
         .collect();
-    let launch = LaunchView {
+    let launch = LaunchSpec {
         module,
-        kernel: kernel.name(),
+        kernel: kernel.name().into(),
         grid: [c.grid_dim.0, c.grid_dim.1, c.grid_dim.2],
         block: [c.block_dim.0, c.block_dim.1, c.block_dim.2],
         shared_mem: c.shared_mem_bytes,
         args,
     };
-    OpView::Launch(launch)
+    Op::Launch(launch)
 }
 
 /// The `cuda-async` error of a failed request or command.
@@ -634,7 +634,7 @@ mod tests {
                             buf: Id(10),
                             offset: 4,
                         },
-                        KernelArg::Scalar(5i32.to_le_bytes().to_vec()),
+                        KernelArg::bytes(5i32.to_le_bytes()),
                     ],
                 }),
             ),
@@ -653,6 +653,6 @@ mod tests {
         let mut bytes = Vec::new();
         wire.encode_into(&mut bytes);
         assert_eq!(bytes, to_body(&expected));
-        assert_eq!(from_body::<Vec<Command>>(&bytes).unwrap(), expected);
+        assert_eq!(from_body::<Vec<Command<'_>>>(&bytes).unwrap(), expected);
     }
 }

@@ -159,7 +159,7 @@ async fn batches_are_refused_on_their_op_count_before_decoding() {
     let (client, lease) = (fx.client(), fx.lease());
     let body = Arc::new(huge_batch_body(lease.id(), 300_000));
     assert!(body.len() < 1 << 20, "fits the node's body limit");
-    let decoded = proto::from_body::<proto::Batch>(&body);
+    let decoded = proto::from_body::<proto::Batch<'_>>(&body);
     assert!(decoded.is_err(), "300,000 commands must not decode");
     let peak = PeakRss::start();
     let mut tasks = Vec::new();
@@ -891,7 +891,7 @@ async fn failed_hellos_are_logged_at_most_once_per_interval() {
 }
 
 /// A BATCH of `commands` numbered `seq` in `lease`, with no data.
-fn numbered_batch(lease: proto::LeaseId, seq: u64, commands: Vec<proto::Command>) -> Vec<u8> {
+fn numbered_batch(lease: proto::LeaseId, seq: u64, commands: Vec<proto::Command<'_>>) -> Vec<u8> {
     proto::to_body(&proto::Batch {
         lease,
         seq,

@@ -61,10 +61,10 @@ fn decode_all(bytes: &[u8]) {
     let _ = from_body::<MemRead>(bytes);
     let _ = from_body::<MemAlloc>(bytes);
     let _ = from_body::<IdOp>(bytes);
-    let _ = from_body::<LaunchSpec>(bytes).map(|l| l.validate(false));
-    let _ = from_body::<Batch>(bytes).map(|b| b.validate(bytes.len()));
+    let _ = from_body::<LaunchSpec<'_>>(bytes).map(|l| l.validate(false));
+    let _ = from_body::<Batch<'_>>(bytes).map(|b| b.validate(bytes.len()));
     let _ = from_body::<BatchReply>(bytes);
-    let _ = from_body::<GpuSubmit>(bytes).map(|s| s.validate(bytes.len(), &limits));
+    let _ = from_body::<GpuSubmit<'_>>(bytes).map(|s| s.validate(bytes.len(), &limits));
     let _ = from_body::<ErrorBody>(bytes);
 }
 
@@ -123,7 +123,7 @@ proptest! {
         let text = "extern \"C\" __global__ void k() {}";
         let hash = ModuleHash::of(&kind, text);
         let mut need = text.len();
-        let commands: Vec<Command> = cmds
+        let commands: Vec<Command<'_>> = cmds
             .iter()
             .map(|&(stream, op, id, n)| {
                 let (buf, len) = (Id(id), n % 64);
@@ -158,13 +158,13 @@ proptest! {
             commands,
         };
         let body = to_body(&batch);
-        let back = from_body::<Batch>(&body).unwrap();
+        let back = from_body::<Batch<'_>>(&body).unwrap();
         prop_assert_eq!(&back, &batch);
         prop_assert!(back.validate(need).is_ok());
         prop_assert!(back.validate(need + 1).is_err());
         // Any cut of a valid body fails cleanly.
         for cut in 0..body.len() {
-            prop_assert!(from_body::<Batch>(&body[..cut]).is_err());
+            prop_assert!(from_body::<Batch<'_>>(&body[..cut]).is_err());
         }
     }
 
@@ -183,11 +183,11 @@ fn huge_sequence_length_prefix_is_cheap() {
     // in a few bytes.
     let mut b = vec![0x11; 16];
     b.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f]);
-    let n = largest_alloc(|| assert!(from_body::<Batch>(&b).is_err()));
+    let n = largest_alloc(|| assert!(from_body::<Batch<'_>>(&b).is_err()));
     assert!(n <= SLACK, "allocated {n}");
     let mut b = vec![0x11; 16];
     b.extend_from_slice(&[0x00, 0xff, 0xff, 0xff, 0xff, 0x0f]);
-    let n = largest_alloc(|| assert!(from_body::<Batch>(&b).is_err()));
+    let n = largest_alloc(|| assert!(from_body::<Batch<'_>>(&b).is_err()));
     assert!(n <= SLACK, "allocated {n}");
     // A string claiming 4 GiB.
     let s = [0xff, 0xff, 0xff, 0xff, 0x0f, b'a'];

@@ -196,7 +196,7 @@ fn gpu_call(
             "out" => call.arg(KernelArg::Output),
             "in" => call.input(std::fs::read(v).map_err(|e| format!("{v}: {e}"))?),
             "u32" => call.arg(KernelArg::u32(v.parse()?)),
-            "i32" => call.arg(KernelArg::Scalar(v.parse::<i32>()?.to_le_bytes().to_vec())),
+            "i32" => call.arg(KernelArg::bytes(v.parse::<i32>()?.to_le_bytes())),
             "u64" => call.arg(KernelArg::u64(v.parse()?)),
             "f32" => call.arg(KernelArg::f32(v.parse()?)),
             _ => return Err(format!("unknown argument {a:?}").into()),

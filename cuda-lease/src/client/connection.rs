@@ -5,14 +5,12 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use serde::{de::DeserializeOwned, Serialize};
-
 use super::error::disconnected;
 use super::{ClientConfig, Error, GpuCall};
 use crate::hops::{self, HopTimer};
 use crate::proto::{
-    self, from_body, to_body, ErrorBody, GpuSubmit, Header, Hello, HelloOk, Inventory, LeaseId,
-    LeaseRef, Limits, ModuleHash, Opcode, Status,
+    self, from_body, to_body, Codec, ErrorBody, GpuSubmit, Header, Hello, HelloOk, Inventory,
+    LeaseId, LeaseRef, Limits, ModuleHash, Opcode, Status,
 };
 use crate::tls;
 
@@ -123,7 +121,7 @@ impl Client {
         exchange(conn, &self.limits, id, opcode, body, data, into).await
     }
 
-    pub(super) async fn call<Req: Serialize, Rep: DeserializeOwned>(
+    pub(super) async fn call<Req: Codec<'static>, Rep: for<'b> Codec<'b>>(
         &self,
         op: Opcode,
         req: &Req,
@@ -180,7 +178,7 @@ impl Client {
     /// to completion and frees its buffers.
     pub async fn gpu_call(&self, call: &GpuCall) -> Result<Vec<u8>, Error> {
         let req = GpuSubmit {
-            kernel: call.kernel.clone(),
+            kernel: call.kernel.as_str().into(),
             grid: call.grid,
             block: call.block,
             shared_mem: call.shared_mem,

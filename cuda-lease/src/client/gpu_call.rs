@@ -16,7 +16,7 @@ pub struct GpuCall {
     /// Dynamic shared memory.
     pub shared_mem: u32,
     /// Arguments; use [`KernelArg::Input`] and [`KernelArg::Output`] for buffers.
-    pub args: Vec<KernelArg>,
+    pub args: Vec<KernelArg<'static>>,
     /// Input buffers.
     pub inputs: Vec<Vec<u8>>,
     /// Output size in bytes.
@@ -48,7 +48,7 @@ impl GpuCall {
     }
 
     /// Appends an argument.
-    pub fn arg(mut self, a: KernelArg) -> Self {
+    pub fn arg(mut self, a: KernelArg<'static>) -> Self {
         self.args.push(a);
         self
     }

@@ -8,8 +8,7 @@ use super::connection::ReplyInto;
 use super::lease::LeaseInner;
 use super::{Error, Module, ReadSlot, Submitted};
 use crate::proto::{
-    self, from_body, to_body, Batch, BatchReply, Command, CommandView, LeaseId, ModuleText,
-    ModuleUse, Opcode,
+    self, from_body, to_body, Batch, BatchReply, Command, ModuleText, ModuleUse, Opcode,
 };
 
 fn into<'a, 'b>(parts: Option<&'a mut [&'b mut [u8]]>) -> ReplyInto<'a, 'b> {
@@ -42,7 +41,7 @@ impl Message {
     ) -> Message {
         let seq = inner.next_seq.fetch_add(1, Ordering::Relaxed);
         let mut data = Vec::new();
-        let uses = inner.client.with_known_modules(|known| {
+        let uses: Vec<ModuleUse> = inner.client.with_known_modules(|known| {
             modules
                 .iter()
                 .map(|m| {
@@ -61,11 +60,8 @@ impl Message {
                 })
                 .collect()
         });
-        let mut body = to_body(&BatchHeadRef {
-            lease: inner.id,
-            seq,
-            modules: uses,
-        });
+        let mut body = Vec::new();
+        proto::encode_batch_head(&mut body, inner.id, seq, &uses);
         commands.encode_into(&mut body);
         let len = writes.len();
         if data.is_empty() {
@@ -147,7 +143,7 @@ fn with_every_source(
     modules: &[Module],
     writes: &[u8],
 ) -> Result<(Vec<u8>, Vec<u8>), Error> {
-    let mut batch: Batch = from_body(body).map_err(|e| Error::Protocol(e.to_string()))?;
+    let mut batch: Batch<'_> = from_body(body).map_err(|e| Error::Protocol(e.to_string()))?;
     let mut data = Vec::with_capacity(writes.len());
     for (u, m) in batch.modules.iter_mut().zip(modules) {
         data.extend_from_slice(m.text.as_bytes());
@@ -160,16 +156,6 @@ fn with_every_source(
     Ok((to_body(&batch), data))
 }
 
-/// The fields of a [`Batch`] before its commands, in its order: a BATCH
-/// body is these, then the commands ([`EncodeCommands`]), the same bytes
-/// as the [`Batch`] of the same values.
-#[derive(serde::Serialize)]
-struct BatchHeadRef {
-    lease: LeaseId,
-    seq: u64,
-    modules: Vec<ModuleUse>,
-}
-
 /// Commands a BATCH carries without owning them, appended to its body in
 /// the protocol's encoding (as postcard encodes the `Vec<Command>` of the
 /// same commands).
@@ -178,16 +164,16 @@ pub(crate) trait EncodeCommands {
     fn encode_into(&self, out: &mut Vec<u8>);
 }
 
-impl EncodeCommands for &[Command] {
+impl EncodeCommands for &[Command<'_>] {
     fn encode_into(&self, out: &mut Vec<u8>) {
-        proto::encode_commands(out, self.len(), self.iter().map(CommandView::from));
+        proto::encode_commands(out, self.len(), *self);
     }
 }
 
 #[cfg(test)]
 mod batch_ref_tests {
     use super::*;
-    use crate::proto::{Id, ModuleHash, Op};
+    use crate::proto::{Id, LeaseId, ModuleHash, Op};
 
     #[test]
     fn a_borrowed_batch_encodes_to_the_same_bytes_as_a_batch() {
@@ -215,13 +201,10 @@ mod batch_ref_tests {
             modules: modules.clone(),
             commands: commands.clone(),
         };
-        let mut borrowed = to_body(&BatchHeadRef {
-            lease,
-            seq: 42,
-            modules,
-        });
+        let mut borrowed = Vec::new();
+        proto::encode_batch_head(&mut borrowed, lease, 42, &modules);
         (&commands[..]).encode_into(&mut borrowed);
         assert_eq!(borrowed, to_body(&owned));
-        assert_eq!(from_body::<Batch>(&borrowed).unwrap(), owned);
+        assert_eq!(from_body::<Batch<'_>>(&borrowed).unwrap(), owned);
     }
 }

@@ -49,12 +49,12 @@ pub struct ReadSlot {
 pub struct Recorder {
     pub(super) inner: Arc<LeaseInner>,
     pub(super) modules: Vec<Module>,
-    pub(super) commands: Vec<Command>,
+    pub(super) commands: Vec<Command<'static>>,
     pub(super) writes: Vec<u8>,
 }
 
 impl Recorder {
-    fn push(&mut self, stream: StreamId, op: Op) {
+    fn push(&mut self, stream: StreamId, op: Op<'static>) {
         self.commands.push(Command { stream, op });
     }
 
@@ -105,14 +105,14 @@ impl Recorder {
         kernel: &str,
         grid: [u32; 3],
         block: [u32; 3],
-        args: Vec<KernelArg>,
+        args: Vec<KernelArg<'static>>,
     ) -> &mut Self {
         self.launch_spec(
             stream,
             module,
             LaunchSpec {
                 module: module.hash,
-                kernel: kernel.into(),
+                kernel: kernel.to_owned().into(),
                 grid,
                 block,
                 shared_mem: 0,
@@ -127,7 +127,7 @@ impl Recorder {
         &mut self,
         stream: StreamId,
         module: &Module,
-        mut spec: LaunchSpec,
+        mut spec: LaunchSpec<'static>,
     ) -> &mut Self {
         spec.module = module.hash;
         self.use_module(module);
@@ -207,7 +207,7 @@ impl Recorder {
     }
 
     /// Appends a command built by hand.
-    pub fn command(&mut self, stream: StreamId, op: Op) -> &mut Self {
+    pub fn command(&mut self, stream: StreamId, op: Op<'static>) -> &mut Self {
         self.push(stream, op);
         self
     }

@@ -37,7 +37,7 @@ impl DeviceBuffer {
     }
 
     /// This buffer as a kernel argument.
-    pub fn arg(&self) -> KernelArg {
+    pub fn arg(&self) -> KernelArg<'static> {
         KernelArg::mem(self.id)
     }
 }
@@ -192,7 +192,7 @@ impl Session {
         kernel: &str,
         grid: [u32; 3],
         block: [u32; 3],
-        args: Vec<KernelArg>,
+        args: Vec<KernelArg<'static>>,
     ) -> Result<(), Error> {
         let mut rec = self.recorder();
         rec.launch(0, module, kernel, grid, block, args);

@@ -13,8 +13,8 @@ use crate::hops::{self, HopTimer};
 use crate::lease_table::Principal;
 use crate::metrics::Metrics;
 use crate::proto::{
-    from_body, to_body, BatchReply, BatchView, LeaseId, ModuleHash, OpError, OpView, Opcode,
-    SourceKind, Status,
+    self, from_body, Batch, BatchReply, LeaseId, ModuleHash, Op, OpError, Opcode, SourceKind,
+    Status,
 };
 use crate::worker::{WorkerBatchReply, WorkerError, WorkerLoad, WorkerProcess};
 
@@ -50,7 +50,7 @@ pub(super) struct Load {
 pub(super) fn modules_to_load<'d>(
     shared: &Shared,
     state: &LeaseState,
-    b: &BatchView<'_>,
+    b: &Batch<'_>,
     data: &'d [u8],
 ) -> Result<(Vec<Load>, &'d [u8]), Reply> {
     let mut rest = data;
@@ -106,10 +106,10 @@ pub(super) fn modules_to_load<'d>(
 }
 
 /// Index of the first command of `b` that launches `hash` (0 if none).
-pub(super) fn first_use(b: &BatchView<'_>, hash: ModuleHash) -> u32 {
+pub(super) fn first_use(b: &Batch<'_>, hash: ModuleHash) -> u32 {
     b.commands
         .iter()
-        .position(|c| matches!(&c.op, OpView::Launch(s) if s.module == hash))
+        .position(|c| matches!(&c.op, Op::Launch(s) if s.module == hash))
         .unwrap_or(0) as u32
 }
 
@@ -118,7 +118,7 @@ pub(super) fn first_use(b: &BatchView<'_>, hash: ModuleHash) -> u32 {
 pub(super) async fn run_in_order(
     shared: &Arc<Shared>,
     who: &Principal,
-    b: &BatchView<'_>,
+    b: &Batch<'_>,
     wire: &[u8],
     data: &[u8],
     hop: &mut Option<HopTimer>,
@@ -166,7 +166,7 @@ pub(super) async fn run_in_order(
 pub(super) async fn run_batch(
     shared: &Arc<Shared>,
     who: &Principal,
-    b: &BatchView<'_>,
+    b: &Batch<'_>,
     wire: &[u8],
     data: &[u8],
     hop: &mut Option<HopTimer>,
@@ -208,7 +208,7 @@ pub(super) async fn run_batch(
 fn prepare<'d>(
     shared: &Shared,
     state: &LeaseState,
-    b: &BatchView<'_>,
+    b: &Batch<'_>,
     data: &'d [u8],
     turn: Option<&mut BudgetTurn>,
 ) -> Result<(Vec<Load>, &'d [u8], Plan), Reply> {
@@ -244,7 +244,7 @@ fn prepare<'d>(
 
 /// What goes to the worker: the loads, then the planned commands.
 struct Work<'a> {
-    b: &'a BatchView<'a>,
+    b: &'a Batch<'a>,
     wire: &'a [u8],
     loads: &'a [Load],
     writes: &'a [u8],
@@ -290,11 +290,13 @@ async fn call_worker(
     // The worker's message is the loads, then the commands as the client
     // encoded them (the same postcard as `WorkerBatch`); only a batch the
     // node stops early has its accepted part encoded anew.
-    let mut body = to_body(&worker_loads);
+    let mut body = Vec::new();
+    proto::postcard_encode(&worker_loads, &mut body);
     if w.planned == w.b.commands.len() {
         body.extend_from_slice(w.wire);
     } else {
-        body.extend_from_slice(&to_body(&w.b.commands[..w.planned]));
+        let accepted = &w.b.commands[..w.planned];
+        proto::encode_commands(&mut body, accepted.len(), accepted);
     }
     hops::mark(hop, "encode");
     let res = slot
@@ -366,14 +368,7 @@ fn keep_modules(
 
 /// Commits what ran to the lease's state; gives back the charges of what
 /// did not.
-fn commit(
-    shared: &Shared,
-    slot: &LeaseSlot,
-    b: &BatchView<'_>,
-    loads: &[Load],
-    p: &Plan,
-    ran: &Ran,
-) {
+fn commit(shared: &Shared, slot: &LeaseSlot, b: &Batch<'_>, loads: &[Load], p: &Plan, ran: &Ran) {
     let lease = &b.lease;
     let mut table = shared.table();
     let mut state = slot.state();

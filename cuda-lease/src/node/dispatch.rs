@@ -16,9 +16,8 @@ use crate::hops::{self, HopTimer};
 use crate::lease_table::{LeaseTable, Principal};
 use crate::metrics::Metrics;
 use crate::proto::{
-    from_body, to_body, Batch, BatchView, Command, DeviceInfo, Frame, GpuSubmit, Hello, HelloOk,
-    IdOp, Inventory, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, MemAlloc, Op, Opcode,
-    Status,
+    from_body, to_body, Batch, Command, DeviceInfo, Frame, GpuSubmit, Hello, HelloOk, IdOp,
+    Inventory, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, MemAlloc, Op, Opcode, Status,
 };
 
 /// Serves one request; `turn` (the principal's budget turn of this
@@ -164,7 +163,7 @@ async fn batch(
     let op = f.header.opcode;
     // With hop timings on: the node's phases of this batch.
     let mut hop = HopTimer::start("node-batch", op, f.data.len() as u64);
-    let (b, wire) = BatchView::decode(&f.body)?;
+    let (b, wire) = Batch::decode_keeping_wire(&f.body)?;
     b.validate(f.data.len())?;
     hops::mark(&mut hop, "decode");
     Metrics::inc(&shared.metrics.batch_total);
@@ -190,7 +189,7 @@ async fn gpu_submit(
     turn: Option<&mut BudgetTurn>,
 ) -> Result<Reply, Reply> {
     // The output is held for the reply: charged before anything runs.
-    let s: GpuSubmit = from_body(&f.body)?;
+    let s: GpuSubmit<'_> = from_body(&f.body)?;
     if let Some(t) = turn {
         t.grow(u64::from(s.output_size))
             .map_err(|m| Reply::err(Status::CapacityExceeded, format!("output: {m}")))?;
@@ -209,7 +208,7 @@ pub(super) async fn single(
     shared: &Arc<Shared>,
     who: &Principal,
     lease: LeaseId,
-    op: Op,
+    op: Op<'_>,
 ) -> Result<Reply, Reply> {
     let batch = Batch {
         lease,
@@ -219,16 +218,7 @@ pub(super) async fn single(
     };
     batch.validate(0)?;
     let wire = to_body(&batch.commands);
-    let (reply, _) = run_batch(
-        shared,
-        who,
-        &BatchView::of(&batch),
-        &wire,
-        &[],
-        &mut None,
-        None,
-    )
-    .await?;
+    let (reply, _) = run_batch(shared, who, &batch, &wire, &[], &mut None, None).await?;
     match reply.error {
         Some(e) => Err(Reply::err(e.status, e.message)),
         None => Ok(Reply::empty()),

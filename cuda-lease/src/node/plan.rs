@@ -8,7 +8,7 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{IdKind, LeaseState};
-use crate::proto::{ArgView, CommandView, Id, OpError, OpView, Status, StreamId};
+use crate::proto::{Command, Id, KernelArg, Op, OpError, Status, StreamId};
 
 /// A command's effect on the lease's ids, applied when it ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,7 +68,7 @@ pub(super) fn kind_of(
 pub(super) fn plan(
     limits: PlanLimits,
     state: &LeaseState,
-    commands: &[CommandView<'_>],
+    commands: &[Command<'_>],
     charges: &mut dyn Charges,
 ) -> Plan {
     let mut planner = Planner {
@@ -224,12 +224,12 @@ impl Planner<'_> {
 
     /// A launch's buffer arguments name buffers of the lease, at offsets
     /// within them.
-    fn launch_args(&self, args: &[ArgView<'_>]) -> Result<(), Refusal> {
+    fn launch_args(&self, args: &[KernelArg<'_>]) -> Result<(), Refusal> {
         for a in args {
             match a {
-                ArgView::Scalar(_) => {}
-                ArgView::Mem { buf, offset } => in_range(self.buffer(*buf)?, *offset, 0)?,
-                ArgView::Input(_) | ArgView::Output => {
+                KernelArg::Scalar(_) => {}
+                KernelArg::Mem { buf, offset } => in_range(self.buffer(*buf)?, *offset, 0)?,
+                KernelArg::Input(_) | KernelArg::Output => {
                     return Err((Status::BadRequest, "Input/Output are for GPU_SUBMIT".into()))
                 }
             }
@@ -237,7 +237,7 @@ impl Planner<'_> {
         Ok(())
     }
 
-    fn step(&mut self, c: &CommandView<'_>, charges: &mut dyn Charges) -> Result<Step, Refusal> {
+    fn step(&mut self, c: &Command<'_>, charges: &mut dyn Charges) -> Result<Step, Refusal> {
         let stream = c.stream;
         if !self.streams.contains(&stream) && self.streams.len() >= self.limits.max_streams {
             return Err((
@@ -249,7 +249,7 @@ impl Planner<'_> {
             ));
         }
         Ok(match &c.op {
-            OpView::Alloc { buf, size } => {
+            Op::Alloc { buf, size } => {
                 self.fresh(*buf)?;
                 charges.alloc(*size)?;
                 Step {
@@ -258,34 +258,34 @@ impl Planner<'_> {
                     write_bytes: 0,
                 }
             }
-            OpView::Write { buf, offset, len } => {
+            Op::Write { buf, offset, len } => {
                 in_range(self.buffer(*buf)?, *offset, u64::from(*len))?;
                 Step {
                     write_bytes: *len as usize,
                     ..Step::effect(Effect::None)
                 }
             }
-            OpView::Read { buf, offset, len } => {
+            Op::Read { buf, offset, len } => {
                 self.read(*buf, *offset, *len, charges)?;
                 Step::effect(Effect::None)
             }
-            OpView::Free { id } => {
+            Op::Free { id } => {
                 if self.kind(*id).is_none() {
                     return Err((Status::NotFound, format!("unknown id {id}")));
                 }
                 Step::effect(Effect::Free(*id))
             }
-            OpView::Launch(spec) => {
+            Op::Launch(spec) => {
                 self.launch_args(&spec.args)?;
                 Step::effect(Effect::None)
             }
-            OpView::Fill {
+            Op::Fill {
                 buf, offset, len, ..
             } => {
                 in_range(self.buffer(*buf)?, *offset, *len)?;
                 Step::effect(Effect::None)
             }
-            OpView::Copy {
+            Op::Copy {
                 src,
                 src_offset,
                 dst,
@@ -299,7 +299,7 @@ impl Planner<'_> {
                 }
                 Step::effect(Effect::None)
             }
-            OpView::Record { event } => {
+            Op::Record { event } => {
                 if self.event(*event)? {
                     Step::effect(Effect::None)
                 } else {
@@ -307,7 +307,7 @@ impl Planner<'_> {
                     Step::effect(Effect::Create(*event, IdKind::Event))
                 }
             }
-            OpView::Wait { event } => {
+            Op::Wait { event } => {
                 if !self.event(*event)? {
                     return Err((Status::NotFound, format!("unknown id {event}")));
                 }
@@ -365,11 +365,11 @@ mod tests {
         }
     }
 
-    fn cmd(stream: StreamId, op: OpView<'static>) -> CommandView<'static> {
-        CommandView { stream, op }
+    fn cmd(stream: StreamId, op: Op<'static>) -> Command<'static> {
+        Command { stream, op }
     }
 
-    fn run(state: &LeaseState, commands: &[CommandView<'_>], b: &mut Budget) -> Plan {
+    fn run(state: &LeaseState, commands: &[Command<'_>], b: &mut Budget) -> Plan {
         plan(LIMITS, state, commands, b)
     }
 
@@ -378,26 +378,26 @@ mod tests {
         let state = LeaseState::default();
         let (a, e) = (Id(1), Id(2));
         let cmds = [
-            cmd(0, OpView::Alloc { buf: a, size: 100 }),
+            cmd(0, Op::Alloc { buf: a, size: 100 }),
             cmd(
                 0,
-                OpView::Write {
+                Op::Write {
                     buf: a,
                     offset: 0,
                     len: 100,
                 },
             ),
-            cmd(0, OpView::Record { event: e }),
-            cmd(1, OpView::Wait { event: e }),
+            cmd(0, Op::Record { event: e }),
+            cmd(1, Op::Wait { event: e }),
             cmd(
                 1,
-                OpView::Read {
+                Op::Read {
                     buf: a,
                     offset: 50,
                     len: 50,
                 },
             ),
-            cmd(1, OpView::Free { id: a }),
+            cmd(1, Op::Free { id: a }),
         ];
         let mut b = budget();
         let p = run(&state, &cmds, &mut b);
@@ -414,11 +414,11 @@ mod tests {
     fn the_first_refused_command_ends_the_plan_and_is_named() {
         let state = LeaseState::default();
         let a = Id(1);
-        let cases: Vec<(CommandView<'static>, Status, &str)> = vec![
+        let cases: Vec<(Command<'static>, Status, &str)> = vec![
             (
                 cmd(
                     0,
-                    OpView::Read {
+                    Op::Read {
                         buf: a,
                         offset: 90,
                         len: 20,
@@ -430,7 +430,7 @@ mod tests {
             (
                 cmd(
                     0,
-                    OpView::Read {
+                    Op::Read {
                         buf: Id(9),
                         offset: 0,
                         len: 1,
@@ -440,14 +440,14 @@ mod tests {
                 "unknown id",
             ),
             (
-                cmd(0, OpView::Alloc { buf: a, size: 1 }),
+                cmd(0, Op::Alloc { buf: a, size: 1 }),
                 Status::BadRequest,
                 "already in use",
             ),
             (
                 cmd(
                     0,
-                    OpView::Alloc {
+                    Op::Alloc {
                         buf: Id(3),
                         size: 5000,
                     },
@@ -456,24 +456,24 @@ mod tests {
                 "reservation",
             ),
             (
-                cmd(0, OpView::Wait { event: a }),
+                cmd(0, Op::Wait { event: a }),
                 Status::BadRequest,
                 "a buffer, not an event",
             ),
             (
-                cmd(0, OpView::Wait { event: Id(8) }),
+                cmd(0, Op::Wait { event: Id(8) }),
                 Status::NotFound,
                 "unknown id",
             ),
             (
-                cmd(5, OpView::Free { id: a }),
+                cmd(5, Op::Free { id: a }),
                 Status::CapacityExceeded,
                 "limit of 2 streams",
             ),
             (
                 cmd(
                     0,
-                    OpView::Copy {
+                    Op::Copy {
                         src: a,
                         src_offset: 0,
                         dst: a,
@@ -487,7 +487,7 @@ mod tests {
             (
                 cmd(
                     0,
-                    OpView::Read {
+                    Op::Read {
                         buf: a,
                         offset: 0,
                         len: 100,
@@ -499,10 +499,10 @@ mod tests {
         ];
         for (bad, status, text) in cases {
             let cmds = [
-                cmd(0, OpView::Alloc { buf: a, size: 100 }),
+                cmd(0, Op::Alloc { buf: a, size: 100 }),
                 cmd(
                     1,
-                    OpView::Fill {
+                    Op::Fill {
                         buf: a,
                         offset: 0,
                         len: 100,
@@ -510,7 +510,7 @@ mod tests {
                     },
                 ),
                 bad.clone(),
-                cmd(0, OpView::Free { id: a }),
+                cmd(0, Op::Free { id: a }),
             ];
             let mut b = budget();
             let limits = PlanLimits {
@@ -529,18 +529,18 @@ mod tests {
     #[test]
     fn ids_are_limited_and_a_free_makes_room() {
         let state = LeaseState::default();
-        let mut cmds: Vec<CommandView<'static>> = (1..=4)
+        let mut cmds: Vec<Command<'static>> = (1..=4)
             .map(|i| {
                 cmd(
                     0,
-                    OpView::Alloc {
+                    Op::Alloc {
                         buf: Id(i),
                         size: 1,
                     },
                 )
             })
             .collect();
-        cmds.push(cmd(0, OpView::Record { event: Id(5) }));
+        cmds.push(cmd(0, Op::Record { event: Id(5) }));
         let p = run(&state, &cmds, &mut budget());
         let e = p.error.expect("refused");
         assert_eq!(
@@ -549,7 +549,7 @@ mod tests {
             "{}",
             e.message
         );
-        cmds.insert(4, cmd(0, OpView::Free { id: Id(1) }));
+        cmds.insert(4, cmd(0, Op::Free { id: Id(1) }));
         let p = run(&state, &cmds, &mut budget());
         assert!(p.error.is_none(), "{:?}", p.error);
     }
@@ -561,7 +561,7 @@ mod tests {
         let cmds = [
             cmd(
                 0,
-                OpView::Read {
+                Op::Read {
                     buf: Id(1),
                     offset: 0,
                     len: 800,
@@ -569,7 +569,7 @@ mod tests {
             ),
             cmd(
                 0,
-                OpView::Read {
+                Op::Read {
                     buf: Id(1),
                     offset: 0,
                     len: 800,

@@ -137,7 +137,7 @@ pub(super) async fn submit(shared: &Arc<Shared>, f: &Frame) -> Result<Reply, Rep
 }
 
 pub(super) async fn submit_inner(shared: &Arc<Shared>, f: &Frame) -> Result<Reply, Reply> {
-    let s: GpuSubmit = from_body(&f.body)?;
+    let s: GpuSubmit<'_> = from_body(&f.body)?;
     s.validate(f.data.len(), &shared.cfg.limits)?;
     if shared.submit.is_empty() {
         return Err(Reply::err(

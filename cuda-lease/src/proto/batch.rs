@@ -5,8 +5,7 @@ use serde::{Deserialize, Serialize};
 #[cfg(doc)]
 use super::Status;
 use super::{
-    bounded, CommandView, Id, LaunchSpec, LeaseId, ModuleHash, OpView, ProtoError, SourceKind,
-    StreamId, MAX_BATCH_OPS,
+    bounded, Id, LaunchSpec, LeaseId, ModuleHash, ProtoError, SourceKind, StreamId, MAX_BATCH_OPS,
 };
 
 /// Most modules one batch may name.
@@ -37,8 +36,13 @@ pub struct ModuleUse {
 /// (`Alloc`, the first `Record` of an event) names an id not in use in the
 /// lease; the others name one created by an earlier command of this or an
 /// earlier batch.
+///
+/// This is the one command type of the protocol: the client encodes it,
+/// the node checks and plans it, the worker runs it. Decoded from a
+/// message, a launch's name and scalars borrow from the message
+/// (`Op<'static>` owns them).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Op {
+pub enum Op<'a> {
     /// Allocate `size` zeroed bytes as buffer `buf`.
     Alloc {
         /// New buffer id.
@@ -72,7 +76,7 @@ pub enum Op {
         id: Id,
     },
     /// Launch a kernel.
-    Launch(LaunchSpec),
+    Launch(#[serde(borrow)] LaunchSpec<'a>),
     /// Record event `event` on the command's stream (made on first use).
     Record {
         /// The event.
@@ -116,18 +120,19 @@ pub enum Op {
 /// that conflicts with an earlier one, a write against any use, runs after
 /// it, whatever the streams).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Command {
+pub struct Command<'a> {
     /// The stream (made on first use, up to the node's per-lease limit).
     pub stream: StreamId,
     /// What to do.
-    pub op: Op,
+    #[serde(borrow)]
+    pub op: Op<'a>,
 }
 
 /// BATCH request: a pipeline in one message. The frame's data holds the
 /// module sources (in `modules` order) and then the `Write` payloads (in
 /// command order), back to back. The reply comes when every command ran.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Batch {
+pub struct Batch<'a> {
     /// The lease.
     pub lease: LeaseId,
     /// The batch's place in its lease's order (1, 2, 3, ...; 0: none). The
@@ -141,11 +146,11 @@ pub struct Batch {
     pub modules: Vec<ModuleUse>,
     /// Commands (at most [`MAX_BATCH_OPS`]: a longer list is refused on
     /// its length prefix, before any command is decoded).
-    #[serde(deserialize_with = "bounded::commands")]
-    pub commands: Vec<Command>,
+    #[serde(borrow, deserialize_with = "bounded::commands")]
+    pub commands: Vec<Command<'a>>,
 }
 
-impl Batch {
+impl Batch<'_> {
     /// Checks counts, launches, module names and that the data length
     /// matches.
     ///
@@ -153,15 +158,14 @@ impl Batch {
     ///
     /// [`ProtoError::Invalid`].
     pub fn validate(&self, data_len: usize) -> Result<(), ProtoError> {
-        let commands: Vec<CommandView<'_>> = self.commands.iter().map(CommandView::from).collect();
-        validate_batch(&self.modules, &commands, data_len)
+        validate_batch(&self.modules, &self.commands, data_len)
     }
 }
 
-/// [`Batch::validate`] of a batch's modules and (borrowed) commands.
-pub(crate) fn validate_batch(
+/// [`Batch::validate`] of a batch's modules and commands.
+fn validate_batch(
     modules: &[ModuleUse],
-    commands: &[CommandView<'_>],
+    commands: &[Command<'_>],
     data_len: usize,
 ) -> Result<(), ProtoError> {
     if commands.len() > MAX_BATCH_OPS {
@@ -184,13 +188,13 @@ pub(crate) fn validate_batch(
     }
     for (i, c) in commands.iter().enumerate() {
         match &c.op {
-            OpView::Alloc { size: 0, .. } => {
+            Op::Alloc { size: 0, .. } => {
                 return Err(ProtoError::Invalid(format!(
                     "command {i}: zero-sized allocation"
                 )))
             }
-            OpView::Write { len, .. } => need += u64::from(*len),
-            OpView::Launch(spec) => {
+            Op::Write { len, .. } => need += u64::from(*len),
+            Op::Launch(spec) => {
                 spec.validate(false)
                     .map_err(|e| ProtoError::Invalid(format!("command {i}: {e}")))?;
                 if !modules.iter().any(|m| m.hash == spec.module) {

@@ -2,6 +2,7 @@
 //! before decoding (or allocating for) any element: a 1 MiB body of
 //! one-byte entries cannot make the node decode a million of them.
 
+use std::borrow::Cow;
 use std::marker::PhantomData;
 
 use serde::de::{Deserialize, Deserializer, Error, SeqAccess, Visitor};
@@ -43,20 +44,9 @@ fn at_most<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
     d.deserialize_seq(Bounded(max, PhantomData))
 }
 
-pub(super) fn commands<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Command>, D::Error> {
-    at_most(d, MAX_BATCH_OPS)
-}
-
-pub(super) fn arg_views<'de: 'a, 'a, D: Deserializer<'de>>(
+pub(super) fn commands<'de: 'a, 'a, D: Deserializer<'de>>(
     d: D,
-) -> Result<Vec<super::ArgView<'a>>, D::Error> {
-    at_most(d, MAX_KERNEL_ARGS)
-}
-
-#[cfg(feature = "node")]
-pub(super) fn command_views<'de: 'a, 'a, D: Deserializer<'de>>(
-    d: D,
-) -> Result<Vec<super::CommandView<'a>>, D::Error> {
+) -> Result<Vec<Command<'a>>, D::Error> {
     at_most(d, MAX_BATCH_OPS)
 }
 
@@ -64,7 +54,9 @@ pub(super) fn modules<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<ModuleUse>,
     at_most(d, MAX_BATCH_MODULES)
 }
 
-pub(super) fn kernel_args<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<KernelArg>, D::Error> {
+pub(super) fn kernel_args<'de: 'a, 'a, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Vec<KernelArg<'a>>, D::Error> {
     at_most(d, MAX_KERNEL_ARGS)
 }
 
@@ -80,6 +72,12 @@ pub(super) fn options<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D:
     Ok(v)
 }
 
-pub(super) fn scalar<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
-    at_most(d, MAX_SCALAR_ARG)
+/// A scalar argument's bytes, borrowed from the message (nothing is
+/// allocated, so the length is checked once they are in hand).
+pub(super) fn scalar<'de: 'a, 'a, D: Deserializer<'de>>(d: D) -> Result<Cow<'a, [u8]>, D::Error> {
+    let b = <&'de [u8]>::deserialize(d)?;
+    if b.len() > MAX_SCALAR_ARG {
+        return Err(D::Error::invalid_length(b.len(), &"at most 4096 bytes"));
+    }
+    Ok(Cow::Borrowed(b))
 }

@@ -1,26 +1,226 @@
-//! The hand-written postcard codec of a batch's command list, byte for
-//! byte what the serde derive writes and reads.
+//! One codec trait that every wire type implements ([`Codec`]), and its
+//! implementations: postcard through serde for the message bodies, and by
+//! hand for a batch's command list (the node and the worker decode every
+//! BATCH's commands on the round trip's path, and the hand decoder takes a
+//! third of serde's time). Both write the same bytes: the command types
+//! keep their serde derive as the reference, and the test
+//! `the_command_codec_agrees_with_serde` holds the hand codec to it on
+//! every command kind and on damaged input.
 
-#[cfg(all(doc, feature = "node"))]
-use super::Commands;
-use super::{ArgView, CommandView, LaunchView, OpView};
+use super::{Batch, Command, Id, KernelArg, LaunchSpec, ModuleHash, Op, ProtoError};
+use super::{
+    BatchReply, DeviceInfo, ErrorBody, GpuSubmit, Hello, HelloOk, IdOp, Inventory, LeaseAlloc,
+};
+use super::{LeaseGrant, LeaseId, LeaseRef, LeaseRenew, LeaseStatus, MemAlloc, MemRead, MemWrite};
+use super::{ModuleUse, MAX_BATCH_OPS, MAX_KERNEL_ARGS, MAX_SCALAR_ARG};
+use std::borrow::Cow;
+
+/// A type with a wire form: every message body of the protocol (and of
+/// the node-to-worker pipe) implements it, as quinn's frames implement
+/// its `Codec`. [`to_body`](super::to_body) and
+/// [`from_body`](super::from_body) go through it.
+pub trait Codec<'a>: Sized {
+    /// Appends the value's wire form to `out`.
+    fn encode(&self, out: &mut Vec<u8>);
+
+    /// Decodes one value from the front of `buf`, advancing `buf` past it.
+    ///
+    /// # Errors
+    ///
+    /// [`ProtoError::Body`] for bytes that are not one value.
+    fn decode(buf: &mut &'a [u8]) -> Result<Self, ProtoError>;
+}
+
+/// Appends `msg` as postcard writes it.
+pub(crate) fn postcard_encode<T: serde::Serialize + ?Sized>(msg: &T, out: &mut Vec<u8>) {
+    // Serializing our own plain-data types into a Vec cannot fail.
+    if let Ok(v) = postcard::to_extend(msg, std::mem::take(out)) {
+        *out = v;
+    }
+}
+
+/// Decodes one postcard value from the front of `buf`.
+pub(crate) fn postcard_decode<'a, T: serde::Deserialize<'a>>(
+    buf: &mut &'a [u8],
+) -> Result<T, ProtoError> {
+    let (v, rest) = postcard::take_from_bytes(buf).map_err(|e| ProtoError::Body(e.to_string()))?;
+    *buf = rest;
+    Ok(v)
+}
+
+/// Implements [`Codec`] through postcard for plain-data messages.
+macro_rules! postcard_codec {
+    ($($t:ty),* $(,)?) => {$(
+        impl<'a> $crate::proto::Codec<'a> for $t {
+            fn encode(&self, out: &mut Vec<u8>) {
+                $crate::proto::postcard_encode(self, out)
+            }
+            fn decode(buf: &mut &'a [u8]) -> Result<Self, $crate::proto::ProtoError> {
+                $crate::proto::postcard_decode(buf)
+            }
+        }
+    )*};
+}
 #[cfg(feature = "node")]
-use super::{Id, ModuleHash, ProtoError, MAX_BATCH_OPS, MAX_KERNEL_ARGS};
+pub(crate) use postcard_codec;
 
-/// Appends `commands` (`n` of them) to `out` as postcard encodes a
-/// `Vec<Command>` of the same commands: the inverse of
-/// [`decode_commands`], without serde (the client encodes every
-/// submission's commands on the round trip's path). The tests
-/// `the_command_codec_agrees_with_serde` and `the_wire_form_is_the_protocols`
-/// hold it to postcard's bytes.
-pub(crate) fn encode_commands<'a>(
+postcard_codec!(
+    (),
+    BatchReply,
+    DeviceInfo,
+    ErrorBody,
+    Hello,
+    HelloOk,
+    IdOp,
+    Inventory,
+    LeaseAlloc,
+    LeaseGrant,
+    LeaseRef,
+    LeaseRenew,
+    LeaseStatus,
+    MemAlloc,
+    MemRead,
+    MemWrite,
+);
+
+impl<'a> Codec<'a> for GpuSubmit<'a> {
+    fn encode(&self, out: &mut Vec<u8>) {
+        postcard_encode(self, out);
+    }
+    fn decode(buf: &mut &'a [u8]) -> Result<Self, ProtoError> {
+        postcard_decode(buf)
+    }
+}
+
+impl<'a> Codec<'a> for LaunchSpec<'a> {
+    fn encode(&self, out: &mut Vec<u8>) {
+        encode_launch(out, self);
+    }
+    fn decode(buf: &mut &'a [u8]) -> Result<Self, ProtoError> {
+        let mut r = WireReader { b: buf };
+        let l = decode_launch(&mut r)?;
+        *buf = r.b;
+        Ok(l)
+    }
+}
+
+impl<'a> Codec<'a> for Command<'a> {
+    fn encode(&self, out: &mut Vec<u8>) {
+        encode_command(out, self);
+    }
+    fn decode(buf: &mut &'a [u8]) -> Result<Self, ProtoError> {
+        let mut r = WireReader { b: buf };
+        let c = decode_command(&mut r)?;
+        *buf = r.b;
+        Ok(c)
+    }
+}
+
+/// A batch's command list: its length, then each command (refused over
+/// [`MAX_BATCH_OPS`] on the length prefix, before any command is
+/// decoded).
+impl<'a> Codec<'a> for Vec<Command<'a>> {
+    fn encode(&self, out: &mut Vec<u8>) {
+        encode_commands(out, self.len(), self);
+    }
+    fn decode(buf: &mut &'a [u8]) -> Result<Self, ProtoError> {
+        let mut r = WireReader { b: buf };
+        let n = r.len()?;
+        if n > MAX_BATCH_OPS {
+            return Err(r.error("too many commands"));
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            out.push(decode_command(&mut r)?);
+        }
+        *buf = r.b;
+        Ok(out)
+    }
+}
+
+/// The fields of [`Batch`] before its commands, in its order.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub(crate) struct BatchHead {
+    pub(crate) lease: LeaseId,
+    pub(crate) seq: u64,
+    #[serde(deserialize_with = "super::bounded::modules")]
+    pub(crate) modules: Vec<ModuleUse>,
+}
+
+/// A BATCH body: its head through postcard, then its command list.
+impl<'a> Codec<'a> for Batch<'a> {
+    fn encode(&self, out: &mut Vec<u8>) {
+        encode_batch_head(out, self.lease, self.seq, &self.modules);
+        self.commands.encode(out);
+    }
+    fn decode(buf: &mut &'a [u8]) -> Result<Self, ProtoError> {
+        let head: BatchHead = postcard_decode(buf)?;
+        Ok(Batch {
+            lease: head.lease,
+            seq: head.seq,
+            modules: head.modules,
+            commands: Codec::decode(buf)?,
+        })
+    }
+}
+
+/// Appends a BATCH body's fields before its commands.
+pub(crate) fn encode_batch_head(
+    out: &mut Vec<u8>,
+    lease: LeaseId,
+    seq: u64,
+    modules: &[ModuleUse],
+) {
+    #[derive(serde::Serialize)]
+    struct HeadRef<'m> {
+        lease: LeaseId,
+        seq: u64,
+        modules: &'m [ModuleUse],
+    }
+    postcard_encode(
+        &HeadRef {
+            lease,
+            seq,
+            modules,
+        },
+        out,
+    );
+}
+
+#[cfg(feature = "node")]
+impl<'a> Batch<'a> {
+    /// Decodes a BATCH body, and returns with it the bytes of its
+    /// command list as they came: a node forwards them to its worker
+    /// without encoding them again.
+    ///
+    /// # Errors
+    ///
+    /// [`ProtoError::Body`] as [`from_body`](super::from_body).
+    pub(crate) fn decode_keeping_wire(mut body: &'a [u8]) -> Result<(Self, &'a [u8]), ProtoError> {
+        let head: BatchHead = postcard_decode(&mut body)?;
+        let wire = body;
+        let commands = super::from_body(wire)?;
+        let batch = Batch {
+            lease: head.lease,
+            seq: head.seq,
+            modules: head.modules,
+            commands,
+        };
+        Ok((batch, wire))
+    }
+}
+
+/// Appends `commands` (`n` of them) to `out` as a command list: the
+/// client streams a submission's commands straight into its BATCH
+/// through this, without collecting them first.
+pub(crate) fn encode_commands<'c, 'a: 'c>(
     out: &mut Vec<u8>,
     n: usize,
-    commands: impl IntoIterator<Item = CommandView<'a>>,
+    commands: impl IntoIterator<Item = impl std::borrow::Borrow<Command<'a>>>,
 ) {
     put_varint(out, n as u64);
     for c in commands {
-        encode_command(out, &c);
+        encode_command(out, c.borrow());
     }
 }
 
@@ -37,44 +237,44 @@ fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(b);
 }
 
-fn encode_command(out: &mut Vec<u8>, c: &CommandView<'_>) {
+fn encode_command(out: &mut Vec<u8>, c: &Command<'_>) {
     let v = |out: &mut Vec<u8>, x: u64| put_varint(out, x);
     v(out, c.stream.into());
     match &c.op {
-        OpView::Alloc { buf, size } => {
+        Op::Alloc { buf, size } => {
             v(out, 0);
             v(out, buf.0);
             v(out, *size);
         }
-        OpView::Write { buf, offset, len } => {
+        Op::Write { buf, offset, len } => {
             v(out, 1);
             v(out, buf.0);
             v(out, *offset);
             v(out, (*len).into());
         }
-        OpView::Read { buf, offset, len } => {
+        Op::Read { buf, offset, len } => {
             v(out, 2);
             v(out, buf.0);
             v(out, *offset);
             v(out, (*len).into());
         }
-        OpView::Free { id } => {
+        Op::Free { id } => {
             v(out, 3);
             v(out, id.0);
         }
-        OpView::Launch(l) => {
+        Op::Launch(l) => {
             v(out, 4);
             encode_launch(out, l);
         }
-        OpView::Record { event } => {
+        Op::Record { event } => {
             v(out, 5);
             v(out, event.0);
         }
-        OpView::Wait { event } => {
+        Op::Wait { event } => {
             v(out, 6);
             v(out, event.0);
         }
-        OpView::Fill {
+        Op::Fill {
             buf,
             offset,
             len,
@@ -86,7 +286,7 @@ fn encode_command(out: &mut Vec<u8>, c: &CommandView<'_>) {
             v(out, *len);
             out.push(*value);
         }
-        OpView::Copy {
+        Op::Copy {
             src,
             src_offset,
             dst,
@@ -106,7 +306,7 @@ fn encode_command(out: &mut Vec<u8>, c: &CommandView<'_>) {
 /// A launch's body after its command kind: module hash, kernel name,
 /// grid, block, shared memory, then the argument list.
 #[inline]
-fn encode_launch(out: &mut Vec<u8>, l: &LaunchView<'_>) {
+fn encode_launch(out: &mut Vec<u8>, l: &LaunchSpec<'_>) {
     let v = |out: &mut Vec<u8>, x: u64| put_varint(out, x);
     out.extend_from_slice(&l.module.0);
     put_bytes(out, l.kernel.as_bytes());
@@ -122,95 +322,60 @@ fn encode_launch(out: &mut Vec<u8>, l: &LaunchView<'_>) {
 
 /// One kernel argument: its kind, then its fields.
 #[inline]
-fn encode_arg(out: &mut Vec<u8>, a: &ArgView<'_>) {
+fn encode_arg(out: &mut Vec<u8>, a: &KernelArg<'_>) {
     let v = |out: &mut Vec<u8>, x: u64| put_varint(out, x);
     match a {
-        ArgView::Scalar(b) => {
+        KernelArg::Scalar(b) => {
             v(out, 0);
             put_bytes(out, b);
         }
-        ArgView::Mem { buf, offset } => {
+        KernelArg::Mem { buf, offset } => {
             v(out, 1);
             v(out, buf.0);
             v(out, *offset);
         }
-        ArgView::Input(n) => {
+        KernelArg::Input(n) => {
             v(out, 2);
             v(out, (*n).into());
         }
-        ArgView::Output => v(out, 3),
+        KernelArg::Output => v(out, 3),
     }
 }
 
-/// Decodes a batch's command list (a postcard `Vec<Command>`, the whole of
-/// `wire`) as borrowed views, without serde: what the serde derive of
-/// [`Commands`] does, value for value and error for error (the test
-/// `the_command_codec_agrees_with_serde` holds it to that on every
-/// command kind and on damaged input), in a third of the time. The node
-/// and the worker each decode every BATCH's commands once, on the round
-/// trip's path.
-///
-/// The list's length is refused over [`MAX_BATCH_OPS`], and a launch's
-/// argument count over [`MAX_KERNEL_ARGS`], on the length prefix, before
-/// any element is decoded.
-///
-/// # Errors
-///
-/// [`ProtoError::Body`] for input serde would refuse, or trailing bytes.
-#[cfg(feature = "node")]
-pub(crate) fn decode_commands(wire: &[u8]) -> Result<Vec<CommandView<'_>>, ProtoError> {
-    let mut r = WireReader { b: wire };
-    let n = r.len()?;
-    if n > MAX_BATCH_OPS {
-        return Err(r.error("too many commands"));
-    }
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        let stream = r.u32()?;
-        let op = decode_op(&mut r)?;
-        out.push(CommandView { stream, op });
-    }
-    if !r.b.is_empty() {
-        return Err(ProtoError::Body(format!("{} trailing bytes", r.b.len())));
-    }
-    Ok(out)
-}
-
-/// One command's operation after its stream: the command kind, then that
-/// kind's fields.
-#[cfg(feature = "node")]
+/// One command: its stream, its kind, then that kind's fields.
 #[inline]
-fn decode_op<'a>(r: &mut WireReader<'a>) -> Result<OpView<'a>, ProtoError> {
-    Ok(match r.u32()? {
-        0 => OpView::Alloc {
+fn decode_command<'a>(r: &mut WireReader<'a>) -> Result<Command<'a>, ProtoError> {
+    let stream = r.u32()?;
+    let op = match r.u32()? {
+        0 => Op::Alloc {
             buf: Id(r.u64()?),
             size: r.u64()?,
         },
-        1 => OpView::Write {
+        1 => Op::Write {
             buf: Id(r.u64()?),
             offset: r.u64()?,
             len: r.u32()?,
         },
-        2 => OpView::Read {
+        2 => Op::Read {
             buf: Id(r.u64()?),
             offset: r.u64()?,
             len: r.u32()?,
         },
-        3 => OpView::Free { id: Id(r.u64()?) },
-        4 => decode_launch(r)?,
-        5 => OpView::Record {
+        3 => Op::Free { id: Id(r.u64()?) },
+        4 => Op::Launch(decode_launch(r)?),
+        5 => Op::Record {
             event: Id(r.u64()?),
         },
-        6 => OpView::Wait {
+        6 => Op::Wait {
             event: Id(r.u64()?),
         },
-        7 => OpView::Fill {
+        7 => Op::Fill {
             buf: Id(r.u64()?),
             offset: r.u64()?,
             len: r.u64()?,
             value: r.take(1)?[0],
         },
-        8 => OpView::Copy {
+        8 => Op::Copy {
             src: Id(r.u64()?),
             src_offset: r.u64()?,
             dst: Id(r.u64()?),
@@ -218,15 +383,15 @@ fn decode_op<'a>(r: &mut WireReader<'a>) -> Result<OpView<'a>, ProtoError> {
             len: r.u64()?,
         },
         _ => return Err(r.error("unknown command kind")),
-    })
+    };
+    Ok(Command { stream, op })
 }
 
-/// A launch's body after its command kind: module hash, kernel name, grid,
-/// block, shared memory, then the argument list (refused over
-/// [`MAX_KERNEL_ARGS`] on its length prefix).
-#[cfg(feature = "node")]
+/// A launch: module hash, kernel name, grid, block, shared memory, then
+/// the argument list (refused over [`MAX_KERNEL_ARGS`] on its length
+/// prefix).
 #[inline]
-fn decode_launch<'a>(r: &mut WireReader<'a>) -> Result<OpView<'a>, ProtoError> {
+fn decode_launch<'a>(r: &mut WireReader<'a>) -> Result<LaunchSpec<'a>, ProtoError> {
     let module = ModuleHash(r.take(32)?.try_into().expect("32 bytes"));
     let kernel = std::str::from_utf8(r.bytes()?).map_err(|_| r.error("a name is not UTF-8"))?;
     let grid = [r.u32()?, r.u32()?, r.u32()?];
@@ -239,36 +404,34 @@ fn decode_launch<'a>(r: &mut WireReader<'a>) -> Result<OpView<'a>, ProtoError> {
     let mut args = Vec::with_capacity(n);
     for _ in 0..n {
         args.push(match r.u32()? {
-            0 => ArgView::Scalar(r.bytes()?),
-            1 => ArgView::Mem {
+            0 => KernelArg::Scalar(Cow::Borrowed(r.scalar()?)),
+            1 => KernelArg::Mem {
                 buf: Id(r.u64()?),
                 offset: r.u64()?,
             },
-            2 => ArgView::Input(r.u32()?),
-            3 => ArgView::Output,
+            2 => KernelArg::Input(r.u32()?),
+            3 => KernelArg::Output,
             _ => return Err(r.error("unknown argument kind")),
         });
     }
-    Ok(OpView::Launch(LaunchView {
+    Ok(LaunchSpec {
         module,
-        kernel,
+        kernel: Cow::Borrowed(kernel),
         grid,
         block,
         shared_mem,
         args,
-    }))
+    })
 }
 
 /// Postcard's encoding read by hand: unsigned integers as LEB128 varints
 /// of at most their type's width (a longer one, or one whose last byte
 /// overflows the type, is refused as postcard refuses it), `u8` as one
 /// byte, byte strings and sequences after a varint length.
-#[cfg(feature = "node")]
 struct WireReader<'a> {
     b: &'a [u8],
 }
 
-#[cfg(feature = "node")]
 impl<'a> WireReader<'a> {
     fn error(&self, what: &str) -> ProtoError {
         ProtoError::Body(format!("{what} ({} bytes left)", self.b.len()))
@@ -321,16 +484,43 @@ impl<'a> WireReader<'a> {
         let n = self.len()?;
         self.take(n)
     }
+
+    /// A scalar argument's bytes (at most [`MAX_SCALAR_ARG`], as serde's
+    /// `bounded::scalar` refuses a longer one).
+    fn scalar(&mut self) -> Result<&'a [u8], ProtoError> {
+        let b = self.bytes()?;
+        if b.len() > MAX_SCALAR_ARG {
+            return Err(self.error("a scalar argument is too long"));
+        }
+        Ok(b)
+    }
 }
 
-#[cfg(all(test, feature = "node"))]
+#[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::{from_body, to_body, Command, Commands, KernelArg, LaunchSpec, Op};
+    use crate::proto::{from_body, to_body};
+
+    /// The serde derive's reading of a command list, the reference.
+    #[derive(Debug, serde::Deserialize)]
+    struct SerdeCommands<'a>(
+        #[serde(borrow, deserialize_with = "crate::proto::bounded::commands")] Vec<Command<'a>>,
+    );
+
+    fn serde_decode(wire: &[u8]) -> Result<Vec<Command<'_>>, String> {
+        match postcard::take_from_bytes::<SerdeCommands<'_>>(wire) {
+            Ok((c, [])) => Ok(c.0),
+            Ok((_, rest)) => Err(format!("{} trailing bytes", rest.len())),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn serde_encode(commands: &[Command<'_>]) -> Vec<u8> {
+        postcard::to_allocvec(commands).unwrap()
+    }
 
     /// One command of every kind, and a launch with every kind of argument.
-    #[cfg(feature = "node")]
-    fn every_command() -> Vec<Command> {
+    fn every_command() -> Vec<Command<'static>> {
         let id = |n| Id(n);
         let big = u64::MAX - 3;
         [
@@ -356,7 +546,7 @@ mod tests {
                 block: [128, 1, 1],
                 shared_mem: 49_152,
                 args: vec![
-                    KernelArg::Scalar(vec![1, 2, 3, 4, 5, 6, 7, 8, 9]),
+                    KernelArg::bytes([1, 2, 3, 4, 5, 6, 7, 8, 9]),
                     KernelArg::mem(id(1)),
                     KernelArg::Mem {
                         buf: id(2),
@@ -364,7 +554,7 @@ mod tests {
                     },
                     KernelArg::Input(3),
                     KernelArg::Output,
-                    KernelArg::Scalar(Vec::new()),
+                    KernelArg::bytes([]),
                 ],
             }),
             Op::Record { event: id(9) },
@@ -392,36 +582,28 @@ mod tests {
         .collect()
     }
 
-    /// `decode_commands` against the serde derive it stands in for: equal
+    /// The hand codec against the serde derive it stands in for: equal
     /// values, or both refused.
-    #[cfg(feature = "node")]
     fn agrees_with_serde(wire: &[u8]) {
-        let fast = decode_commands(wire);
-        let serde = from_body::<Commands<'_>>(wire);
+        let fast = from_body::<Vec<Command<'_>>>(wire);
+        let serde = serde_decode(wire);
         match (&fast, &serde) {
-            (Ok(a), Ok(Commands(b))) => assert_eq!(a, b, "input {wire:?}"),
+            (Ok(a), Ok(b)) => assert_eq!(a, b, "input {wire:?}"),
             (Err(_), Err(_)) => {}
-            _ => panic!("decode_commands {fast:?} but serde {serde:?} for {wire:?}"),
+            _ => panic!("the codec {fast:?} but serde {serde:?} for {wire:?}"),
         }
     }
 
     #[test]
-    #[cfg(feature = "node")]
     fn the_command_codec_agrees_with_serde() {
         let commands = every_command();
-        let wire = to_body(&commands);
-        let mut ours = Vec::new();
-        encode_commands(
-            &mut ours,
-            commands.len(),
-            commands.iter().map(CommandView::from),
-        );
-        assert_eq!(ours, wire);
-        let back = decode_commands(&wire).unwrap();
-        assert_eq!(
-            back,
-            commands.iter().map(CommandView::from).collect::<Vec<_>>()
-        );
+        let wire = serde_encode(&commands);
+        assert_eq!(to_body(&commands), wire);
+        let mut streamed = Vec::new();
+        encode_commands(&mut streamed, commands.len(), &commands);
+        assert_eq!(streamed, wire);
+        let back = from_body::<Vec<Command<'_>>>(&wire).unwrap();
+        assert_eq!(back, commands);
         // Every cut, every one-byte change, and one byte too many.
         for n in 0..wire.len() {
             agrees_with_serde(&wire[..n]);
@@ -457,8 +639,16 @@ mod tests {
             agrees_with_serde(&w);
         }
         // Counts over the limits are refused before anything is decoded.
-        let many = to_body(&((MAX_BATCH_OPS + 1) as u64));
-        assert!(decode_commands(&many).is_err());
+        let many = postcard::to_allocvec(&((MAX_BATCH_OPS + 1) as u64)).unwrap();
+        assert!(from_body::<Vec<Command<'_>>>(&many).is_err());
+        // A scalar argument over its limit, as serde refuses it.
+        let mut long = every_command();
+        if let Op::Launch(l) = &mut long[4].op {
+            l.args[0] = KernelArg::bytes(vec![7; MAX_SCALAR_ARG + 1]);
+        }
+        let wire = serde_encode(&long);
+        assert!(from_body::<Vec<Command<'_>>>(&wire).is_err());
+        agrees_with_serde(&wire);
         // Pseudo-random bytes behind a plausible start.
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
         for _ in 0..20_000 {
@@ -471,6 +661,32 @@ mod tests {
                 w.push((x >> 24) as u8);
             }
             agrees_with_serde(&w);
+        }
+    }
+
+    #[test]
+    fn a_batch_encodes_as_serde_and_keeps_its_commands_wire() {
+        let batch = Batch {
+            lease: LeaseId::random(),
+            seq: 7,
+            modules: vec![ModuleUse {
+                hash: ModuleHash([3; 32]),
+                source: None,
+            }],
+            commands: every_command(),
+        };
+        let body = to_body(&batch);
+        assert_eq!(body, postcard::to_allocvec(&batch).unwrap());
+        assert_eq!(from_body::<Batch<'_>>(&body).unwrap(), batch);
+        #[cfg(feature = "node")]
+        {
+            let (back, wire) = Batch::decode_keeping_wire(&body).unwrap();
+            assert_eq!(back, batch);
+            assert_eq!(wire, &to_body(&batch.commands)[..]);
+            // Trailing bytes are refused as by `from_body`.
+            let mut long = body.clone();
+            long.push(0);
+            assert!(Batch::decode_keeping_wire(&long).is_err());
         }
     }
 }

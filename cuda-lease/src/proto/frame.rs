@@ -5,6 +5,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use super::Codec;
+
 // Named by the docs of `Opcode`.
 #[cfg(doc)]
 use super::{
@@ -367,22 +369,22 @@ impl Frame {
     }
 }
 
-/// Serializes a message body with postcard.
-pub fn to_body<T: Serialize + ?Sized>(msg: &T) -> Vec<u8> {
-    // Serializing our own plain-data types into a Vec cannot fail.
-    postcard::to_allocvec(msg).unwrap_or_default()
+/// Encodes a message body ([`Codec::encode`]).
+pub fn to_body<'a, T: Codec<'a>>(msg: &T) -> Vec<u8> {
+    let mut out = Vec::new();
+    msg.encode(&mut out);
+    out
 }
 
-/// Deserializes a body, rejecting trailing bytes.
+/// Decodes a body ([`Codec::decode`]), rejecting trailing bytes.
 ///
 /// # Errors
 ///
 /// [`ProtoError::Body`] when the bytes are not exactly one `T`.
-pub fn from_body<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ProtoError> {
-    let (msg, rest) =
-        postcard::take_from_bytes::<T>(body).map_err(|e| ProtoError::Body(e.to_string()))?;
-    if !rest.is_empty() {
-        return Err(ProtoError::Body(format!("{} trailing bytes", rest.len())));
+pub fn from_body<'a, T: Codec<'a>>(mut body: &'a [u8]) -> Result<T, ProtoError> {
+    let msg = T::decode(&mut body)?;
+    if !body.is_empty() {
+        return Err(ProtoError::Body(format!("{} trailing bytes", body.len())));
     }
     Ok(msg)
 }

@@ -1,12 +1,12 @@
 //! The request and reply bodies, the ids they name, and kernel launches.
 
+use std::borrow::Cow;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
 use super::{
-    bounded, ArgView, LaunchView, Limits, ProtoError, Status, MAX_KERNEL_ARGS, MAX_KERNEL_NAME,
-    MAX_SCALAR_ARG,
+    bounded, Limits, ProtoError, Status, MAX_KERNEL_ARGS, MAX_KERNEL_NAME, MAX_SCALAR_ARG,
 };
 
 macro_rules! id_type {
@@ -313,12 +313,13 @@ pub struct IdOp {
     pub id: Id,
 }
 
-/// One kernel argument.
+/// One kernel argument. Decoded from a message, its bytes borrow from
+/// the message (`KernelArg<'static>` owns them).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum KernelArg {
+pub enum KernelArg<'a> {
     /// Bytes passed by value (an `int`, a `float`, a small struct; at most
-    /// [`MAX_SCALAR_ARG`], refused on the length prefix).
-    Scalar(#[serde(deserialize_with = "bounded::scalar")] Vec<u8>),
+    /// [`MAX_SCALAR_ARG`]).
+    Scalar(#[serde(borrow, deserialize_with = "bounded::scalar")] Cow<'a, [u8]>),
     /// The device address of a buffer of the lease plus a byte offset.
     Mem {
         /// The buffer.
@@ -332,18 +333,22 @@ pub enum KernelArg {
     Output,
 }
 
-impl KernelArg {
+impl KernelArg<'static> {
+    /// Bytes passed by value.
+    pub fn bytes(b: impl Into<Vec<u8>>) -> Self {
+        KernelArg::Scalar(Cow::Owned(b.into()))
+    }
     /// A 32-bit scalar.
     pub fn u32(v: u32) -> Self {
-        KernelArg::Scalar(v.to_le_bytes().to_vec())
+        Self::bytes(v.to_le_bytes())
     }
     /// A 64-bit scalar.
     pub fn u64(v: u64) -> Self {
-        KernelArg::Scalar(v.to_le_bytes().to_vec())
+        Self::bytes(v.to_le_bytes())
     }
     /// A 32-bit float scalar.
     pub fn f32(v: f32) -> Self {
-        KernelArg::Scalar(v.to_le_bytes().to_vec())
+        Self::bytes(v.to_le_bytes())
     }
     /// The address of a buffer.
     pub fn mem(buf: Id) -> Self {
@@ -351,14 +356,16 @@ impl KernelArg {
     }
 }
 
-/// Launch geometry and arguments.
+/// Launch geometry and arguments. Decoded from a message, its name and
+/// scalars borrow from the message (`LaunchSpec<'static>` owns them).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LaunchSpec {
+pub struct LaunchSpec<'a> {
     /// Module holding the kernel, by content (listed in the batch's
     /// `modules`).
     pub module: ModuleHash,
     /// Kernel (entry) name.
-    pub kernel: String,
+    #[serde(borrow)]
+    pub kernel: Cow<'a, str>,
     /// Grid dimensions (each non-zero).
     pub grid: [u32; 3],
     /// Block dimensions (each non-zero).
@@ -367,26 +374,26 @@ pub struct LaunchSpec {
     pub shared_mem: u32,
     /// Arguments in order (at most [`MAX_KERNEL_ARGS`], refused on the
     /// length prefix).
-    #[serde(deserialize_with = "bounded::kernel_args")]
-    pub args: Vec<KernelArg>,
+    #[serde(borrow, deserialize_with = "bounded::kernel_args")]
+    pub args: Vec<KernelArg<'a>>,
 }
 
-impl LaunchSpec {
+impl LaunchSpec<'_> {
     /// Checks names, geometry and arguments.
     ///
     /// # Errors
     ///
     /// [`ProtoError::Invalid`] naming the broken rule.
     pub fn validate(&self, submit: bool) -> Result<(), ProtoError> {
-        LaunchView::from(self).validate(submit)
+        validate_launch(&self.kernel, self.grid, self.block, &self.args, submit)
     }
 }
 
-pub(super) fn validate_launch(
+fn validate_launch(
     kernel: &str,
     grid: [u32; 3],
     block: [u32; 3],
-    args: &[ArgView<'_>],
+    args: &[KernelArg<'_>],
     submit: bool,
 ) -> Result<(), ProtoError> {
     let bad = |m: &str| Err(ProtoError::Invalid(m.into()));
@@ -401,13 +408,13 @@ pub(super) fn validate_launch(
     }
     for a in args {
         match a {
-            ArgView::Scalar(b) if b.is_empty() || b.len() > MAX_SCALAR_ARG => {
+            KernelArg::Scalar(b) if b.is_empty() || b.len() > MAX_SCALAR_ARG => {
                 return bad("scalar arguments must be 1..=4096 bytes")
             }
-            ArgView::Input(_) | ArgView::Output if !submit => {
+            KernelArg::Input(_) | KernelArg::Output if !submit => {
                 return bad("Input/Output arguments are for GPU_SUBMIT only")
             }
-            ArgView::Mem { .. } if submit => return bad("GPU_SUBMIT has no lease memory"),
+            KernelArg::Mem { .. } if submit => return bad("GPU_SUBMIT has no lease memory"),
             _ => {}
         }
     }
@@ -442,9 +449,10 @@ pub struct BatchReply {
 /// GPU_SUBMIT request: a stateless kernel call. The frame's data holds the
 /// PTX (`ptx_len` bytes) followed by each input (`input_lens`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GpuSubmit {
+pub struct GpuSubmit<'a> {
     /// Kernel name.
-    pub kernel: String,
+    #[serde(borrow)]
+    pub kernel: Cow<'a, str>,
     /// Grid dimensions.
     pub grid: [u32; 3],
     /// Block dimensions.
@@ -452,8 +460,8 @@ pub struct GpuSubmit {
     /// Dynamic shared memory bytes.
     pub shared_mem: u32,
     /// Arguments; [`KernelArg::Input`] and [`KernelArg::Output`] name buffers.
-    #[serde(deserialize_with = "bounded::kernel_args")]
-    pub args: Vec<KernelArg>,
+    #[serde(borrow, deserialize_with = "bounded::kernel_args")]
+    pub args: Vec<KernelArg<'a>>,
     /// PTX length at the start of the data.
     pub ptx_len: u32,
     /// Input lengths, in order, after the PTX.
@@ -465,15 +473,14 @@ pub struct GpuSubmit {
     pub output_fill: u8,
 }
 
-impl GpuSubmit {
+impl GpuSubmit<'_> {
     /// Checks geometry, arguments and the data length.
     ///
     /// # Errors
     ///
     /// [`ProtoError::Invalid`].
     pub fn validate(&self, data_len: usize, limits: &Limits) -> Result<(), ProtoError> {
-        let args: Vec<ArgView<'_>> = self.args.iter().map(ArgView::from).collect();
-        validate_launch(&self.kernel, self.grid, self.block, &args, true)?;
+        validate_launch(&self.kernel, self.grid, self.block, &self.args, true)?;
         if self.input_lens.len() > MAX_KERNEL_ARGS {
             return Err(ProtoError::Invalid("too many inputs".into()));
         }

@@ -30,14 +30,12 @@ mod bounded;
 mod codec;
 mod frame;
 mod messages;
-mod view;
 
-#[cfg(feature = "node")]
-pub(crate) use batch::validate_batch;
 pub use batch::{Batch, Command, ModuleText, ModuleUse, Op, MAX_BATCH_MODULES};
 #[cfg(feature = "node")]
-pub(crate) use codec::decode_commands;
-pub(crate) use codec::encode_commands;
+pub(crate) use codec::postcard_codec;
+pub use codec::Codec;
+pub(crate) use codec::{encode_batch_head, encode_commands, postcard_decode, postcard_encode};
 pub use frame::{
     from_body, proto_error, read_frame, read_frame_blocking, read_head, read_header,
     read_header_blocking, read_rest_blocking, to_body, write_frame, write_frame_blocking,
@@ -50,9 +48,6 @@ pub use messages::{
     MemAlloc, MemRead, MemWrite, ModuleHash, OpError, SourceKind, StreamId, MAX_MODULE_OPTIONS,
     MAX_OPTION_LEN,
 };
-pub(crate) use view::{ArgView, CommandView, LaunchView, OpView};
-#[cfg(feature = "node")]
-pub(crate) use view::{BatchView, Commands};
 
 /// Most kernel arguments a launch may carry.
 pub const MAX_KERNEL_ARGS: usize = 64;

@@ -11,8 +11,8 @@ use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice};
 use crate::hops::{self, HopTimer};
 use crate::proto::{
-    self, from_body, to_body, ArgView, Frame, GpuSubmit, Header, Id, KernelArg, LaunchView,
-    ModuleHash, OpView as Op, Opcode, SourceKind, Status, StreamId,
+    self, from_body, to_body, Frame, GpuSubmit, Header, Id, KernelArg, LaunchSpec, ModuleHash, Op,
+    Opcode, SourceKind, Status, StreamId,
 };
 use crate::sandbox::{CompileSandbox, Compiler};
 use crate::shm::{WorkerRing, SHM_ENV};
@@ -151,7 +151,7 @@ pub(super) fn serve(
             Ok(info) => (Status::Ok, to_body(&info), Vec::new()),
             Err(e) => fail(e.into()),
         },
-        Opcode::Batch => match WorkerBatch::decode(&f.body) {
+        Opcode::Batch => match from_body::<WorkerBatch<'_>>(&f.body) {
             Ok(b) => {
                 let mut out = Vec::new();
                 let reply = run_batch(dev, compiler, &b, &f.data, &mut out);
@@ -163,7 +163,7 @@ pub(super) fn serve(
                 sticky: false,
             }),
         },
-        Opcode::GpuSubmit => match from_body::<GpuSubmit>(&f.body) {
+        Opcode::GpuSubmit => match from_body::<GpuSubmit<'_>>(&f.body) {
             Ok(s) => match submit(dev, cache, &s, &f.data) {
                 Ok(out) => (Status::Ok, Vec::new(), out),
                 Err(e) => fail(e.into()),
@@ -244,7 +244,7 @@ pub(super) fn run_batch(
     let t0 = std::time::Instant::now();
     let mut spans: Vec<(&'static str, std::time::Duration)> = Vec::new();
     let loads = batch.loads.len();
-    let steps = loads + batch.commands.0.len();
+    let steps = loads + batch.commands.len();
     for (i, l) in batch.loads.iter().enumerate() {
         let ts = std::time::Instant::now();
         let r = payload
@@ -263,7 +263,7 @@ pub(super) fn run_batch(
         }
     }
     let commands = if failed.is_none() {
-        &batch.commands.0[..]
+        &batch.commands[..]
     } else {
         &[]
     };
@@ -312,7 +312,7 @@ pub(super) fn run_batch(
 pub(super) fn submit(
     dev: &mut dyn Device,
     cache: &mut HashSet<ModuleHash>,
-    s: &GpuSubmit,
+    s: &GpuSubmit<'_>,
     data: &[u8],
 ) -> Result<Vec<u8>, DeviceError> {
     let bad = |m: &str| DeviceError::new(Status::BadRequest, m);
@@ -433,7 +433,7 @@ fn enqueue(
                 block: spec.block,
                 shared_mem: spec.shared_mem,
             };
-            dev.launch(stream, spec.module, spec.kernel, dims, &args)
+            dev.launch(stream, spec.module, &spec.kernel, dims, &args)
         }
         Op::Record { event } => dev.record(stream, *event),
         Op::Wait { event } => dev.wait(stream, *event),
@@ -454,16 +454,16 @@ fn enqueue(
 }
 
 /// A launch's arguments as the device takes them.
-fn launch_args<'a>(spec: &'a LaunchView<'_>) -> Result<Vec<DeviceArg<'a>>, DeviceError> {
+fn launch_args<'a>(spec: &'a LaunchSpec<'_>) -> Result<Vec<DeviceArg<'a>>, DeviceError> {
     spec.args
         .iter()
         .map(|a| match a {
-            ArgView::Scalar(b) => Ok(DeviceArg::Scalar(b)),
-            ArgView::Mem { buf, offset } => Ok(DeviceArg::Mem {
+            KernelArg::Scalar(b) => Ok(DeviceArg::Scalar(b)),
+            KernelArg::Mem { buf, offset } => Ok(DeviceArg::Mem {
                 id: *buf,
                 offset: *offset,
             }),
-            ArgView::Input(_) | ArgView::Output => Err(DeviceError::new(
+            KernelArg::Input(_) | KernelArg::Output => Err(DeviceError::new(
                 Status::BadRequest,
                 "Input/Output are for GPU_SUBMIT",
             )),

@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::device::DeviceError;
-use crate::proto::{self, Commands, Id, ModuleHash, SourceKind, Status};
+use crate::proto::{self, Codec, Command, Id, ModuleHash, SourceKind, Status};
 
 /// A module a worker loads before a batch's commands; its source is the
 /// next `len` bytes of the call's data.
@@ -29,22 +29,22 @@ pub(crate) struct ChunkOp {
 /// A batch for a worker: the modules to load, then the client's commands
 /// (checked by the node, and forwarded as the client encoded them). The
 /// call's data holds the module sources, then the writes' payloads.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct WorkerBatch<'a> {
     pub(crate) loads: Vec<WorkerLoad>,
-    #[serde(borrow)]
-    pub(crate) commands: Commands<'a>,
+    pub(crate) commands: Vec<Command<'a>>,
 }
 
-impl<'a> WorkerBatch<'a> {
-    /// Decodes a worker's BATCH body: its loads, then the commands through
-    /// [`proto::decode_commands`] (as serde would, faster).
-    pub(super) fn decode(body: &'a [u8]) -> Result<Self, proto::ProtoError> {
-        let (loads, wire) = postcard::take_from_bytes::<Vec<WorkerLoad>>(body)
-            .map_err(|e| proto::ProtoError::Body(e.to_string()))?;
+impl<'a> Codec<'a> for WorkerBatch<'a> {
+    fn encode(&self, out: &mut Vec<u8>) {
+        proto::postcard_encode(&self.loads, out);
+        self.commands.encode(out);
+    }
+
+    fn decode(buf: &mut &'a [u8]) -> Result<Self, proto::ProtoError> {
         Ok(WorkerBatch {
-            loads,
-            commands: Commands(proto::decode_commands(wire)?),
+            loads: proto::postcard_decode(buf)?,
+            commands: Codec::decode(buf)?,
         })
     }
 }
@@ -76,3 +76,5 @@ pub(crate) struct WorkerBatchReply {
     pub(crate) compiled: Vec<(ModuleHash, String)>,
     pub(crate) error: Option<WorkerFailure>,
 }
+
+proto::postcard_codec!(ChunkOp, WorkerFailure, WorkerBatchReply);
