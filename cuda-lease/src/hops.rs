@@ -236,4 +236,4 @@ pub(crate) fn mark(t: &mut Option<HopTimer>, phase: &str) {
 #[cfg(any(feature = "node", feature = "cli"))]
 mod print;
 #[cfg(any(feature = "node", feature = "cli"))]
-pub use print::{init_from_env, layer, log_filter};
+pub use print::{format_layer, init_from_env, layer, log_filter};

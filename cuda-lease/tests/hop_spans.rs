@@ -13,6 +13,20 @@ use tracing::Subscriber;
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 
+/// Appends what it is given to a shared buffer.
+struct LogSink(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogSink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// A closed span: its name and its fields, in the order recorded.
 type Closed = (String, Vec<(String, String)>);
 
@@ -63,7 +77,15 @@ fn a_batch_closes_a_node_batch_span_with_its_phases() {
     let closed: Arc<Mutex<Vec<Closed>>> = Arc::default();
     let filter = tracing_subscriber::filter::Targets::new()
         .with_target(cuda_lease::hops::TARGET, tracing::Level::TRACE);
-    let subscriber = tracing_subscriber::registry().with(Capture(closed.clone()).with_filter(filter));
+    // And the lines the hop layer prints, for the scripts that read them.
+    let log: Arc<Mutex<Vec<u8>>> = Arc::default();
+    let sink = log.clone();
+    let subscriber = tracing_subscriber::registry()
+        .with(Capture(closed.clone()).with_filter(filter.clone()))
+        .with(
+            cuda_lease::hops::format_layer(move || LogSink(sink.clone()))
+                .with_filter(filter),
+        );
     // Global: the node's tasks run on the runtime's threads.
     tracing::subscriber::set_global_default(subscriber).unwrap();
     assert!(cuda_lease::hops::enabled());
@@ -122,5 +144,29 @@ fn a_batch_closes_a_node_batch_span_with_its_phases() {
             && field(f, "op").as_deref() == Some("MemWrite")
             && field(f, "reply_us").is_some()),
         "no node span of the MEM_WRITE: {closed:?}"
+    );
+
+    // `scripts/hop-summary` reads the printed lines into the same phases.
+    let log = String::from_utf8(log.lock().unwrap().clone()).unwrap();
+    assert!(log.contains("node-batch{at_us="), "{log}");
+    let path = std::env::temp_dir().join(format!("cuda-lease-hops-{}.log", std::process::id()));
+    std::fs::write(&path, &log).unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hop-summary");
+    let out = match std::process::Command::new("python3").arg(script).arg(&path).output() {
+        Ok(out) => out,
+        Err(e) => {
+            eprintln!("python3 not run ({e}): hop-summary not checked");
+            return;
+        }
+    };
+    let _ = std::fs::remove_file(&path);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{table}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        table.lines().any(|l| l.contains("| node-batch |")
+            && l.contains("decode ")
+            && l.contains("worker ")
+            && l.contains("reply ")),
+        "{table}"
     );
 }

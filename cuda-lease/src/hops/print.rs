@@ -74,16 +74,24 @@ where
     let filter = EnvFilter::builder()
         .with_default_directive(LevelFilter::OFF.into())
         .parse_lossy(directives.join(","));
-    Some(
-        tracing_subscriber::fmt::layer()
-            .without_time()
-            .with_level(false)
-            .with_target(false)
-            .with_ansi(false)
-            .with_span_events(FmtSpan::CLOSE)
-            .with_writer(Logger)
-            .with_filter(filter),
-    )
+    Some(format_layer(Logger).with_filter(filter))
+}
+
+/// The format of [`layer`], writing to `writer`, with no filter of its own:
+/// a hop span's name and fields when it closes, an event's message, no
+/// time, level or target.
+pub fn format_layer<S, W>(writer: W) -> impl Layer<S> + Send + Sync + 'static
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+{
+    tracing_subscriber::fmt::layer()
+        .without_time()
+        .with_level(false)
+        .with_target(false)
+        .with_ansi(false)
+        .with_span_events(FmtSpan::CLOSE)
+        .with_writer(writer)
 }
 
 /// Installs a subscriber of [`layer`] alone as the global default, if the
