@@ -22,8 +22,9 @@
 //!
 //! # Turning them on
 //!
-//! Like any span, through a filter: `RUST_LOG=info,cuda_lease::hop=trace`
-//! (or `cuda_lease::hop[node-batch]=trace` for one hop);
+//! Like any span, through a filter: `RUST_LOG=cuda_lease::hop=trace` (or
+//! `cuda_lease::hop[node-batch]=trace` for one hop; a program's own log
+//! keeps `RUST_LOG`'s other directives, see [`log_filter`]);
 //! `CUDA_LEASE_HOP_TIMES=1` ([`ENV`]) is short for that directive. The node
 //! program (`cuda-lease-node`), the `cuda-lease` program, the node's worker
 //! processes and this crate's examples print the hop spans through
@@ -86,8 +87,10 @@ pub fn now_us() -> u64 {
         + u64::try_from(ts.tv_nsec).unwrap_or(0) / 1000
 }
 
-/// The timed hops; each names its span and declares its phases.
+/// The timed hops; each names its span and declares its phases. A
+/// client-only build times only the client's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(feature = "node"), allow(dead_code))]
 pub(crate) enum Hop {
     /// One request and its reply, at the client.
     Client,
@@ -104,7 +107,6 @@ pub(crate) enum Hop {
     /// A request at the worker.
     Worker,
     /// A batch's enqueue and finish at the worker.
-    #[cfg_attr(not(feature = "node"), allow(dead_code))]
     WorkerBatch,
 }
 

@@ -82,10 +82,7 @@ fn a_batch_closes_a_node_batch_span_with_its_phases() {
     let sink = log.clone();
     let subscriber = tracing_subscriber::registry()
         .with(Capture(closed.clone()).with_filter(filter.clone()))
-        .with(
-            cuda_lease::hops::format_layer(move || LogSink(sink.clone()))
-                .with_filter(filter),
-        );
+        .with(cuda_lease::hops::format_layer(move || LogSink(sink.clone())).with_filter(filter));
     // Global: the node's tasks run on the runtime's threads.
     tracing::subscriber::set_global_default(subscriber).unwrap();
     assert!(cuda_lease::hops::enabled());
@@ -107,9 +104,7 @@ fn a_batch_closes_a_node_batch_span_with_its_phases() {
 
     let closed = closed.lock().unwrap();
     let field = |f: &[(String, String)], name: &str| {
-        f.iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.clone())
+        f.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
     };
     let batches: Vec<_> = closed.iter().filter(|(n, _)| n == "node-batch").collect();
     assert!(!batches.is_empty(), "no node-batch span closed: {closed:?}");
@@ -125,7 +120,16 @@ fn a_batch_closes_a_node_batch_span_with_its_phases() {
         .collect();
     assert_eq!(
         phases,
-        ["decode_us", "order_us", "lock_us", "plan_us", "encode_us", "worker_us", "commit_us", "reply_us"],
+        [
+            "decode_us",
+            "order_us",
+            "lock_us",
+            "plan_us",
+            "encode_us",
+            "worker_us",
+            "commit_us",
+            "reply_us"
+        ],
         "{f:?}"
     );
     for (k, v) in f.iter().filter(|(k, _)| k.ends_with("_us")) {
@@ -152,7 +156,11 @@ fn a_batch_closes_a_node_batch_span_with_its_phases() {
     let path = std::env::temp_dir().join(format!("cuda-lease-hops-{}.log", std::process::id()));
     std::fs::write(&path, &log).unwrap();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hop-summary");
-    let out = match std::process::Command::new("python3").arg(script).arg(&path).output() {
+    let out = match std::process::Command::new("python3")
+        .arg(script)
+        .arg(&path)
+        .output()
+    {
         Ok(out) => out,
         Err(e) => {
             eprintln!("python3 not run ({e}): hop-summary not checked");
@@ -161,7 +169,11 @@ fn a_batch_closes_a_node_batch_span_with_its_phases() {
     };
     let _ = std::fs::remove_file(&path);
     let table = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{table}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{table}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(
         table.lines().any(|l| l.contains("| node-batch |")
             && l.contains("decode ")

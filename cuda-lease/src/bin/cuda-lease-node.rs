@@ -5,12 +5,12 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tracing_subscriber::layer::{Layer, SubscriberExt};
-use tracing_subscriber::util::SubscriberInitExt;
 use clap::Parser;
 use cuda_lease::hops;
 use cuda_lease::node::{Node, NodeConfig, TlsSource};
 use cuda_lease::worker::{main_if_worker, DeviceSpec, WorkerSpec};
+use tracing_subscriber::layer::{Layer, SubscriberExt};
+use tracing_subscriber::util::SubscriberInitExt;
 
 /// Leases slices of a GPU's memory to remote clients over QUIC.
 #[derive(Debug, Parser)]

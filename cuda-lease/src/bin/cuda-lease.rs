@@ -4,12 +4,12 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use tracing_subscriber::layer::{Layer, SubscriberExt};
-use tracing_subscriber::util::SubscriberInitExt;
 use clap::{Parser, Subcommand};
 use cuda_lease::client::{Client, ClientConfig, GpuCall, Lease};
 use cuda_lease::hops;
 use cuda_lease::proto::KernelArg;
+use tracing_subscriber::layer::{Layer, SubscriberExt};
+use tracing_subscriber::util::SubscriberInitExt;
 
 /// Talk to a cuda-lease node.
 #[derive(Debug, Parser)]

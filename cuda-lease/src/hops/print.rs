@@ -43,10 +43,14 @@ fn hop_directives() -> Vec<String> {
 }
 
 /// The filter of a program's own log lines: `RUST_LOG` without its
-/// directives for the hop target (`default` when `RUST_LOG` is unset), the
-/// hop target off, so that the hop spans go to [`layer`] alone.
+/// directives for the hop target (`default` when that leaves none, so
+/// `RUST_LOG=cuda_lease::hop=trace` keeps the default log), the hop target
+/// off, so that the hop spans go to [`layer`] alone.
 pub fn log_filter(default: &str) -> EnvFilter {
-    let rest = rust_log().1.unwrap_or_else(|| default.to_owned());
+    let rest = rust_log()
+        .1
+        .filter(|r| !r.is_empty())
+        .unwrap_or_else(|| default.to_owned());
     let mut f = EnvFilter::builder().parse_lossy(rest);
     if let Ok(off) = format!("{TARGET}=off").parse() {
         f = f.add_directive(off);
