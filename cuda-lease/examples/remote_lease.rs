@@ -18,6 +18,8 @@ use cuda_lease::worker::{main_if_worker, DeviceSpec, WorkerSpec};
 
 fn main() {
     main_if_worker();
+    // Hop spans (CUDA_LEASE_HOP_TIMES=1, or RUST_LOG=cuda_lease::hop=trace).
+    cuda_lease::hops::init_from_env();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

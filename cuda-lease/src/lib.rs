@@ -24,8 +24,9 @@
 //! of the API): `ptx`, hand-written test kernels (iota, vector add, a
 //! faulting kernel); `baseline` (with `node`), raw quinn with the node's
 //! settings, the ceiling every remote measurement is a ratio to. The hop
-//! timings (`CUDA_LEASE_HOP_TIMES`) are printed by the hidden `hops`
-//! module.
+//! timings are `tracing` spans at the target `cuda_lease::hop` (on with
+//! `RUST_LOG=cuda_lease::hop=trace` or `CUDA_LEASE_HOP_TIMES=1`), printed
+//! by the hidden `hops` module's layer.
 //!
 //! # Features
 //!
@@ -65,9 +66,11 @@ pub mod client;
 pub mod clock;
 #[cfg(feature = "node")]
 pub mod device;
-// Public only for `examples/lease_bench.rs`, which marks its own requests
-// on the hop time line (`enabled`, `emit`, `now_us`). Not API: the hop
-// timings' interface is the `CUDA_LEASE_HOP_TIMES` variable and its lines.
+// Public for the programs that print the hop spans (`layer`,
+// `init_from_env`: the binaries, examples and benches) and for
+// `examples/lease_bench.rs`, which marks its own requests on the hop time
+// line (`enabled`, `emit`, `now_us`). Not API: the hop timings' interface
+// is the `cuda_lease::hop` tracing target and the lines its layer prints.
 #[doc(hidden)]
 pub mod hops;
 #[cfg(feature = "node")]

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use crate::client::{EncodeCommands, Error, Lease, Module, Session};
-use crate::hops::{self, HopTimer};
+use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{self, Command, Id, KernelArg, LaunchSpec, ModuleHash, Op, Opcode};
 use cuda_async::remote::{Recording, RemoteArg, RemoteCommand, RemoteCompletion};
 use cuda_async::{ModuleSource, RemoteSession};
@@ -332,7 +332,7 @@ impl RemoteSession for LeaseSession {
 
     fn submit(&self, mut recording: Recording, done: RemoteCompletion) {
         // With hop timings on: this side's share, printed when it is done.
-        let mut hop = HopTimer::start("client-submit", Opcode::Batch, 0);
+        let mut hop = HopTimer::start(Hop::ClientSubmit, Opcode::Batch, 0);
         // The reads are received straight into their slots' storage, and
         // the writes' payloads go out as recorded (not copied again).
         let bufs: Vec<_> = recording.reads().iter().map(|s| s.buffer()).collect();

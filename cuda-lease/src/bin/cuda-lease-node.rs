@@ -6,8 +6,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
+use cuda_lease::hops;
 use cuda_lease::node::{Node, NodeConfig, TlsSource};
 use cuda_lease::worker::{main_if_worker, DeviceSpec, WorkerSpec};
+use tracing_subscriber::layer::{Layer, SubscriberExt};
+use tracing_subscriber::util::SubscriberInitExt;
 
 /// Leases slices of a GPU's memory to remote clients over QUIC.
 #[derive(Debug, Parser)]
@@ -92,12 +95,16 @@ struct Args {
 fn main() {
     main_if_worker();
     return_freed_memory();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+    // The log at RUST_LOG's levels (default info); the hop spans, if
+    // turned on (`RUST_LOG=info,cuda_lease::hop=trace`), as lines of their
+    // own (see `cuda_lease::hops`).
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_filter(hops::log_filter("info")),
         )
-        .with_writer(std::io::stderr)
+        .with(hops::layer())
         .init();
     let args = Args::parse();
     if let Err(e) = run(args) {

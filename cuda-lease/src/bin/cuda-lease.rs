@@ -6,7 +6,10 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use cuda_lease::client::{Client, ClientConfig, GpuCall, Lease};
+use cuda_lease::hops;
 use cuda_lease::proto::KernelArg;
+use tracing_subscriber::layer::{Layer, SubscriberExt};
+use tracing_subscriber::util::SubscriberInitExt;
 
 /// Talk to a cuda-lease node.
 #[derive(Debug, Parser)]
@@ -82,8 +85,15 @@ fn dims(s: &str) -> Result<[u32; 3], String> {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
+    // The log at RUST_LOG's levels (default info) and, if turned on, the
+    // hop spans (see `cuda_lease::hops`).
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_filter(hops::log_filter("info")),
+        )
+        .with(hops::layer())
         .init();
     let args = Args::parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()

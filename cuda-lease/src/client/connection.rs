@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::error::disconnected;
 use super::{ClientConfig, Error, GpuCall};
-use crate::hops::{self, HopTimer};
+use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{
     self, from_body, to_body, Codec, ErrorBody, GpuSubmit, Header, Hello, HelloOk, Inventory,
     LeaseId, LeaseRef, Limits, ModuleHash, Opcode, Status,
@@ -249,7 +249,7 @@ pub(super) async fn exchange_into(
     data: &[u8],
     into: ReplyInto<'_, '_>,
 ) -> Result<(Vec<u8>, Vec<u8>), Error> {
-    let mut hop = HopTimer::start("client", opcode, data.len() as u64);
+    let mut hop = HopTimer::start(Hop::Client, opcode, data.len() as u64);
     let (mut send, mut recv) = conn.open_bi().await.map_err(disconnected)?;
     let h = Header::request(opcode, id, body.len() as u32, data.len() as u32);
     proto::write_frame(&mut send, &h, body, data)

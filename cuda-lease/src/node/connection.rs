@@ -12,7 +12,7 @@ use super::dispatch::dispatch;
 use super::handshake::{Peer, Source};
 use super::submit::BudgetTurn;
 use super::{Reply, Shared};
-use crate::hops::{self, HopTimer};
+use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{self, Frame, Header, Opcode, Status};
 
 pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) {
@@ -93,7 +93,7 @@ pub(super) async fn serve_stream(
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
 ) {
-    let mut hop = HopTimer::start("node", Opcode::Hello, 0);
+    let mut hop = HopTimer::start(Hop::Node, Opcode::Hello, 0);
     // Held until the reply has been written or dropped: it also carries
     // the bytes of the reply (charged by `dispatch` before the work runs).
     let mut turn = None;

@@ -12,7 +12,7 @@ use super::batch::{ensure_worker, run_batch, run_in_order};
 use super::handshake::Peer;
 use super::submit::{submit, submit_turn, BudgetTurn};
 use super::{take_worker, LeaseSlot, LeaseState, Reply, Shared, Slot};
-use crate::hops::{self, HopTimer};
+use crate::hops::{self, Hop, HopTimer};
 use crate::lease_table::{LeaseTable, Principal};
 use crate::metrics::Metrics;
 use crate::proto::{
@@ -162,7 +162,7 @@ async fn batch(
 ) -> Result<Reply, Reply> {
     let op = f.header.opcode;
     // With hop timings on: the node's phases of this batch.
-    let mut hop = HopTimer::start("node-batch", op, f.data.len() as u64);
+    let mut hop = HopTimer::start(Hop::NodeBatch, op, f.data.len() as u64);
     let (b, wire) = Batch::decode_keeping_wire(&f.body)?;
     b.validate(f.data.len())?;
     hops::mark(&mut hop, "decode");

@@ -19,7 +19,7 @@ use super::auth::{lease_of, principal};
 use super::batch::worker_lost;
 use super::handshake::Peer;
 use super::{fail_lease, IdKind, Reply, Shared, Slot as LeaseRef};
-use crate::hops::{self, HopTimer};
+use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{self, from_body, Header, Id, LeaseId, MemRead, MemWrite, Opcode, Status};
 use crate::shm::{ShmRing, Slot, SLOTS, SLOT_BYTES};
 use crate::worker::ChunkOp;
@@ -316,7 +316,7 @@ where
     };
     let consumer = async {
         while let Some((s, n)) = rx.recv().await {
-            let mut hop = HopTimer::start("node-send", Opcode::MemRead, u64::from(n));
+            let mut hop = HopTimer::start(Hop::NodeSend, Opcode::MemRead, u64::from(n));
             // A client that stops reading loses the reply after the reply
             // timeout, instead of holding the lease's ring slots.
             let wrote = tokio::time::timeout(

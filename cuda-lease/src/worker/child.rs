@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::messages::{ChunkOp, WorkerBatch, WorkerBatchReply, WorkerFailure};
 use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice};
-use crate::hops::{self, HopTimer};
+use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{
     self, from_body, to_body, Frame, GpuSubmit, Header, Id, KernelArg, LaunchSpec, ModuleHash, Op,
     Opcode, SourceKind, Status, StreamId,
@@ -18,6 +18,8 @@ use crate::sandbox::{CompileSandbox, Compiler};
 use crate::shm::{WorkerRing, SHM_ENV};
 
 pub(super) fn run_worker(spec: &str) -> i32 {
+    // The hop spans, printed if the node's environment turns them on.
+    hops::init_from_env();
     // The node's shared ring for streamed transfers (absent: they fail),
     // mapped before we report ready: the node removes its file then.
     let mut ring = std::env::var_os(SHM_ENV).map(|p| WorkerRing::open(std::path::Path::new(&p)));
@@ -72,7 +74,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
             // End of file: the node is gone or done with us.
             Err(_) => return 0,
         };
-        let mut hop = HopTimer::start("worker", header.opcode, u64::from(header.data_len));
+        let mut hop = HopTimer::start(Hop::Worker, header.opcode, u64::from(header.data_len));
         let frame = match proto::read_rest_blocking(&mut input, header) {
             Ok(f) => f,
             Err(_) => return 0,
@@ -92,7 +94,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
         }
         hops::mark(&mut hop, "pipe_write");
         if let Some(t) = LAST_TRACE.with(|l| l.borrow_mut().take()) {
-            hops::emit(t.line());
+            t.close();
         }
     }
 }
@@ -182,13 +184,6 @@ pub(super) fn serve(
     }
 }
 
-/// With the hop timings on (`CUDA_LEASE_HOP_TIMES`, see `hops`), workers
-/// also print each batch's per-command enqueue times and its finish time,
-/// and the node each batch's planning and worker times, to stderr.
-pub(crate) fn trace_enabled() -> bool {
-    crate::hops::enabled()
-}
-
 pub(super) fn op_name(op: &Op<'_>) -> &'static str {
     match op {
         Op::Alloc { .. } => "alloc",
@@ -203,25 +198,26 @@ pub(super) fn op_name(op: &Op<'_>) -> &'static str {
     }
 }
 
-/// The hop timings of the last batch, printed once its reply is written.
+/// The hop span of the last batch (`worker-batch`) and its commands'
+/// enqueue times, recorded and closed once its reply is written.
 pub(super) struct BatchTrace {
+    hop: HopTimer,
     ops: usize,
-    enqueued: std::time::Duration,
-    finish: std::time::Duration,
-    total: std::time::Duration,
     spans: Vec<(&'static str, std::time::Duration)>,
 }
 
 impl BatchTrace {
-    fn line(&self) -> String {
-        let mut line = format!(
-            "cuda-lease worker batch: {} ops enqueued in {:?}, finish {:?}, total {:?};",
-            self.ops, self.enqueued, self.finish, self.total
-        );
+    /// Records the commands' enqueue times (`steps`) and closes the span.
+    fn close(self) {
+        let mut steps = String::new();
         for (name, d) in &self.spans {
-            line.push_str(&format!(" {name} {d:?}"));
+            if !steps.is_empty() {
+                steps.push(' ');
+            }
+            steps.push_str(&format!("{name}:{}", d.as_micros()));
         }
-        line
+        self.hop.span().record("ops", self.ops);
+        self.hop.span().record("steps", steps.as_str());
     }
 }
 
@@ -240,8 +236,8 @@ pub(super) fn run_batch(
     let mut read_at = 0usize;
     let mut failed = None;
     let mut compiled = Vec::new();
-    let trace = trace_enabled();
-    let t0 = std::time::Instant::now();
+    let mut hop = HopTimer::start(Hop::WorkerBatch, Opcode::Batch, data.len() as u64);
+    let trace = hop.is_some();
     let mut spans: Vec<(&'static str, std::time::Duration)> = Vec::new();
     let loads = batch.loads.len();
     let steps = loads + batch.commands.len();
@@ -282,15 +278,14 @@ pub(super) fn run_batch(
     // What was enqueued runs to its end (a failure stops only what comes
     // after it), and the reads of it land.
     out.resize(read_at, 0);
-    let tf = std::time::Instant::now();
+    hops::mark(&mut hop, "enqueue");
     let finished = dev.finish(out);
-    if trace {
-        // Formatted and printed after the reply is written (off its path).
+    if let Some(mut hop) = hop {
+        hop.mark("finish");
+        // Recorded and closed after the reply is written (off its path).
         let t = BatchTrace {
+            hop,
             ops: steps,
-            enqueued: tf - t0,
-            finish: tf.elapsed(),
-            total: t0.elapsed(),
             spans,
         };
         LAST_TRACE.with(|l| *l.borrow_mut() = Some(t));

@@ -11,7 +11,7 @@ use tokio::process::{Child, ChildStdin, Command};
 
 use super::messages::{ChunkOp, WorkerFailure};
 use super::{WorkerSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
-use crate::hops::{self, HopTimer};
+use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{self, from_body, to_body, DeviceInfo, Frame, Header, Opcode, Status};
 use crate::shm::{ShmRing, SHM_ENV};
 
@@ -310,7 +310,7 @@ impl WorkerProcess {
         let len: usize = parts.iter().map(|p| p.len()).sum();
         let h = Header::request(opcode, io.next_id, body.len() as u32, len as u32);
         let exchange = async {
-            let mut hop = HopTimer::start("node-worker", opcode, len as u64);
+            let mut hop = HopTimer::start(Hop::NodeWorker, opcode, len as u64);
             proto::write_frame_parts(&mut io.stdin, &h, body, parts).await?;
             hops::mark(&mut hop, "pipe_send");
             if io.stdout.buffer().is_empty() {
