@@ -147,9 +147,10 @@ pub use context::ExecutionContext;
 pub use cuda_async_macros::kernels;
 pub use cuda_core::GraphUpdate;
 pub use cuda_core::{
-    can_access_peer, cudarc, device_count, devices, driver_present, nvrtc_compilations, CudaStream,
-    Device, DeviceInfo, DeviceRepr, Error, Kernel, LaunchConfig, Module, ModuleSource,
-    PinnedBuffer, Result, ValidAsZeroBits,
+    can_access_peer, cudarc, device_count, devices, driver_present, nvrtc_compilations,
+    Credentials, CudaStream, Device, DeviceInfo, DeviceRepr, Disconnect, Error, Kernel,
+    LaunchConfig, Module, ModuleSource, PinnedBuffer, RemoteError, RemoteErrorKind, Result,
+    ValidAsZeroBits,
 };
 pub use future::{run_on, DeviceFuture};
 pub use graph::{CudaGraph, DeviceScalar, GraphLaunch, SetScalar, UpdateOutput};

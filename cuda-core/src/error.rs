@@ -5,6 +5,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys::CUresult, DriverError};
 
+use crate::RemoteError;
+
 /// A `Result` whose error is [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -76,23 +78,11 @@ pub enum Error {
     Capture(String),
     /// Any other error, boxed.
     Other(Arc<dyn std::error::Error + Send + Sync>),
-    /// Remote backend: the lease's TTL ran out; everything in it is gone.
-    LeaseExpired(String),
-    /// Remote backend: the request exceeds the lease's reservation or the
-    /// node's capacity or limits.
-    CapacityExceeded(String),
-    /// Remote backend: the connection to the node is lost (or could not be
-    /// made).
-    Disconnected(String),
-    /// Remote backend: the node refused the credentials, or the lease
-    /// belongs to another principal.
-    Unauthorized(String),
-    /// Remote backend: a module did not compile or load on the node; holds
-    /// the node's compile or JIT log.
-    LoadFailed(String),
-    /// Remote backend: a launch failed on the node, or a kernel faulted
-    /// (the lease is then poisoned).
-    LaunchFailed(String),
+    /// Remote lease execution failed: the lease is gone, the node refused
+    /// or lost the request, a module or a launch failed on the node. The
+    /// [`RemoteError`]'s [`kind`](RemoteError::kind) says which; it is the
+    /// error `cuda-lease`'s client returned, as it was.
+    Remote(RemoteError),
     /// An op needs a local CUDA stream (a hand-written op calling
     /// `cuda_stream()`, interop) but runs on a remote context.
     NeedsLocalStream {
@@ -111,7 +101,35 @@ pub enum Error {
     },
 }
 
+impl From<RemoteError> for Error {
+    fn from(e: RemoteError) -> Self {
+        Error::Remote(e)
+    }
+}
+
 impl Error {
+    /// The remote failure this is, if it is one.
+    pub fn remote(&self) -> Option<&RemoteError> {
+        match self {
+            Error::Remote(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The kind of the remote failure this is, if it is one.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use cuda_core::{Error, RemoteError, RemoteErrorKind};
+    /// let e = Error::from(RemoteError::new(RemoteErrorKind::LeaseExpired, "ttl"));
+    /// assert_eq!(e.remote_kind(), Some(RemoteErrorKind::LeaseExpired));
+    /// assert_eq!(Error::InvalidArgument("n".into()).remote_kind(), None);
+    /// ```
+    pub fn remote_kind(&self) -> Option<crate::RemoteErrorKind> {
+        self.remote().map(RemoteError::kind)
+    }
+
     /// Wraps a driver error with the name of the call that produced it.
     ///
     /// # Examples
@@ -132,8 +150,9 @@ impl Error {
 
     /// Whether this error leaves the process's CUDA state unusable: every
     /// later CUDA call of this process fails, so a service should restart
-    /// the process (a remote lease's fault is [`Error::LaunchFailed`]
-    /// instead: it ends that lease's worker, not this process).
+    /// the process (a remote lease's fault is an [`Error::Remote`] of kind
+    /// [`LeasePoisoned`](crate::RemoteErrorKind::LeasePoisoned) instead: it
+    /// ends that lease's worker, not this process).
     ///
     /// # Examples
     ///
@@ -152,7 +171,8 @@ impl Error {
     /// reservation or the node's capacity), or a lost connection to a node
     /// (reconnect, then retry). Everything else needs a change first: a
     /// fix to the call (arguments, kernels, modules), an install (driver,
-    /// NVRTC), a new lease ([`Error::LeaseExpired`], a remote fault), or a
+    /// NVRTC), a new lease (an expired lease, a remote fault: see
+    /// [`RemoteError::is_retryable`]), or a
     /// new process ([`Error::is_sticky`]).
     ///
     /// # Examples
@@ -165,8 +185,10 @@ impl Error {
     /// assert!(!Error::InvalidArgument("length 3, expected 4".into()).is_retryable());
     /// ```
     pub fn is_retryable(&self) -> bool {
-        self.is_out_of_memory()
-            || matches!(self, Error::CapacityExceeded(_) | Error::Disconnected(_))
+        match self {
+            Error::Remote(e) => e.is_retryable(),
+            _ => self.is_out_of_memory(),
+        }
     }
 
     /// Whether this is the driver running out of device memory.
@@ -276,30 +298,7 @@ impl fmt::Display for Error {
                 "graph capture failed: {what} (capture only stream-ordered work: kernels, \
                  async copies between device and pinned memory, memsets, events)"
             ),
-            Error::LeaseExpired(m) => write!(
-                f,
-                "lease expired: {m} (its buffers are gone: lease again, with a longer TTL \
-                 or auto-renew)"
-            ),
-            Error::CapacityExceeded(m) => write!(
-                f,
-                "capacity exceeded: {m} (free buffers of the lease, or lease more VRAM)"
-            ),
-            Error::Disconnected(m) => write!(
-                f,
-                "disconnected: {m} (check that the node is up and reachable, then reconnect)"
-            ),
-            Error::Unauthorized(m) => write!(
-                f,
-                "unauthorized: {m} (check the token or client certificate, and that the \
-                 lease is yours)"
-            ),
-            Error::LoadFailed(m) => write!(f, "module load failed: {m}"),
-            Error::LaunchFailed(m) => write!(
-                f,
-                "launch failed: {m} (if a kernel faulted, the lease is gone: fix the kernel \
-                 or its arguments, then lease again)"
-            ),
+            Error::Remote(e) => write!(f, "{e}"),
             Error::NeedsLocalStream { op, context } => write!(
                 f,
                 "{op} needs a local CUDA stream, but runs on {context} (run it with a local \
@@ -327,6 +326,7 @@ impl std::error::Error for Error {
         match self {
             Error::Driver { code, .. } | Error::Poisoned { code } => Some(code),
             Error::Other(e) => Some(&**e),
+            Error::Remote(e) => Some(e),
             _ => None,
         }
     }
@@ -387,7 +387,9 @@ mod tests {
 
     #[test]
     fn every_error_says_what_to_do_and_whether_to_retry() {
+        use crate::RemoteErrorKind as K;
         let s = |v: &str| v.to_string();
+        let remote = |k| Error::Remote(RemoteError::new(k, "lease 1"));
         let oom = Error::driver(
             "cuMemAllocAsync",
             DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY),
@@ -413,15 +415,19 @@ mod tests {
                 "argument 2",
                 false,
             ),
-            (Error::LeaseExpired(s("lease 1")), "lease again", false),
-            (Error::CapacityExceeded(s("1 GiB")), "lease more VRAM", true),
-            (Error::Disconnected(s("timed out")), "reconnect", true),
+            (remote(K::LeaseExpired), "lease again", false),
+            (remote(K::Capacity), "lease more VRAM", true),
             (
-                Error::Unauthorized(s("bad token")),
+                remote(K::Disconnected(crate::Disconnect::Network)),
+                "reconnect",
+                true,
+            ),
+            (
+                remote(K::Unauthorized(crate::Credentials::Refused)),
                 "check the token",
                 false,
             ),
-            (Error::LaunchFailed(s("fault")), "lease again", false),
+            (remote(K::LeasePoisoned), "lease again", false),
             (
                 Error::NeedsLocalStream {
                     op: s("interop"),

@@ -31,6 +31,7 @@ pub mod module;
 pub mod pinned;
 mod raw;
 pub mod reclaim;
+pub mod remote_error;
 pub mod staging;
 mod tracking;
 
@@ -47,6 +48,7 @@ pub use module::{
 };
 pub use pinned::PinnedBuffer;
 pub use raw::stream_error;
+pub use remote_error::{Credentials, Disconnect, RemoteError, RemoteErrorKind};
 
 /// The cudarc crate this is built on, for interop.
 pub use cudarc;

@@ -204,7 +204,10 @@ impl<W: Clone> LeaseTable<W> {
             return Err(TableError::new(t.status, t.reason.clone()));
         }
         match self.live.get_mut(id) {
-            None => Err(TableError::new(Status::NotFound, format!("no lease {id}"))),
+            None => Err(TableError::new(
+                Status::LeaseNotFound,
+                format!("no lease {id}"),
+            )),
             Some(e) if e.deadline <= now => Err(TableError::new(
                 Status::LeaseExpired,
                 format!("lease {id} expired"),
@@ -228,9 +231,10 @@ impl<W: Clone> LeaseTable<W> {
             (None, None) => None,
         };
         match (owner, who) {
-            (Some(o), Some(w)) if o != w => {
-                Err(TableError::new(Status::NotFound, format!("no lease {id}")))
-            }
+            (Some(o), Some(w)) if o != w => Err(TableError::new(
+                Status::LeaseNotFound,
+                format!("no lease {id}"),
+            )),
             _ => Ok(()),
         }
     }
@@ -296,7 +300,7 @@ impl<W: Clone> LeaseTable<W> {
         let e = self
             .live
             .get(id)
-            .ok_or_else(|| TableError::new(Status::NotFound, format!("no lease {id}")))?;
+            .ok_or_else(|| TableError::new(Status::LeaseNotFound, format!("no lease {id}")))?;
         if e.deadline <= now {
             return Err(TableError::new(
                 Status::LeaseExpired,
@@ -390,7 +394,12 @@ impl<W: Clone> LeaseTable<W> {
 
     /// Removes a live lease at once (explicit free, shutdown), returning its payload.
     pub fn remove(&mut self, id: &LeaseId, now: Duration) -> Option<W> {
-        self.bury(*id, Status::NotFound, format!("lease {id} was freed"), now)
+        self.bury(
+            *id,
+            Status::LeaseNotFound,
+            format!("lease {id} was freed"),
+            now,
+        )
     }
 
     /// Fails a lease: its reservation is released and later requests get
@@ -447,7 +456,7 @@ impl<W: Clone> LeaseTable<W> {
         let ids: Vec<LeaseId> = self.live.keys().copied().collect();
         ids.into_iter()
             .filter_map(|id| {
-                self.bury(id, Status::NotFound, "node shut down".into(), now)
+                self.bury(id, Status::LeaseNotFound, "node shut down".into(), now)
                     .map(|w| (id, w))
             })
             .collect()

@@ -17,12 +17,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use crate::client::{EncodeCommands, Error, Lease, Module, Session};
+use crate::client::{
+    config_error, protocol_error, EncodeCommands, Error, ErrorKind, Lease, Module, Session,
+};
 use crate::hops::{self, Hop, HopTimer};
+use crate::proto::LeaseId;
 use crate::proto::{self, Command, Id, KernelArg, LaunchSpec, ModuleHash, Op, Opcode};
 use cuda_async::remote::{Recording, RemoteArg, RemoteCommand, RemoteCompletion};
 use cuda_async::{ModuleSource, RemoteSession};
 use cuda_core::{Kernel, LaunchConfig};
+use std::net::SocketAddr;
 
 /// How long a queued free waits for a message to ride on before it is
 /// sent alone.
@@ -306,19 +310,10 @@ fn launch_to_wire<'a>(
     Op::Launch(launch)
 }
 
-/// The `cuda-async` error of a failed request or command.
+/// The `cuda-async` error of a failed request or command: the same
+/// [`RemoteError`](cuda_core::RemoteError), as [`cuda_async::Error::Remote`].
 pub fn to_cuda_error(e: Error) -> cuda_async::Error {
-    use cuda_async::Error as E;
-    match e {
-        Error::LeaseExpired(m) => E::LeaseExpired(m),
-        Error::CapacityExceeded(m) => E::CapacityExceeded(m),
-        Error::Disconnected(m) => E::Disconnected(m),
-        Error::Unauthorized(m) => E::Unauthorized(m),
-        Error::LoadFailed(m) | Error::UnknownModule(m) => E::LoadFailed(m),
-        Error::LaunchFailed(m) | Error::LeasePoisoned(m) => E::LaunchFailed(m),
-        Error::NotFound(m) | Error::BadRequest(m) | Error::ReadFailed(m) => E::InvalidArgument(m),
-        other => E::Other(Arc::new(other)),
-    }
+    cuda_async::Error::Remote(e)
 }
 
 impl RemoteSession for LeaseSession {
@@ -342,7 +337,11 @@ impl RemoteSession for LeaseSession {
         hops::mark(&mut hop, "encode");
         // A task dropped unrun (its runtime shut down with the lease) fails
         // the submission instead of leaving it pending forever.
-        let done = FailOnDrop(Some(done));
+        let done = FailOnDrop {
+            done: Some(done),
+            lease: self.session.lease_id(),
+            node: self.session.node_addr(),
+        };
         let mut task = Box::pin(async move {
             let (done, mut hop) = (done, hop);
             let outcome = async {
@@ -351,12 +350,12 @@ impl RemoteSession for LeaseSession {
                 reply.ok()?;
                 for (slot, buf) in recording.reads().iter().zip(bufs) {
                     slot.commit(buf)
-                        .map_err(|e| Error::Protocol(e.to_string()))?;
+                        .map_err(|e| protocol_error(e.to_string()))?;
                 }
                 Ok::<(), Error>(())
             };
             let r = outcome.await;
-            done.finish(r.map_err(to_cuda_error));
+            done.finish(r);
             hops::mark(&mut hop, "complete");
         });
         // The first poll runs here, on the submitting thread: it opens the
@@ -380,13 +379,21 @@ impl RemoteSession for LeaseSession {
     }
 }
 
-/// A submission's completion, failed with `Disconnected` if dropped before
-/// it was finished.
-struct FailOnDrop(Option<RemoteCompletion>);
+/// A submission's completion, failed as [`ErrorKind::LeaseFreed`] if
+/// dropped before it was finished (the session's I/O stopped because this
+/// client freed or dropped the lease).
+struct FailOnDrop {
+    done: Option<RemoteCompletion>,
+    lease: LeaseId,
+    node: SocketAddr,
+}
 
 impl FailOnDrop {
-    fn finish(mut self, r: cuda_async::Result<()>) {
-        if let Some(done) = self.0.take() {
+    /// Completes the submission with `r` (an error names the lease and
+    /// the node).
+    fn finish(mut self, r: Result<(), Error>) {
+        let r = r.map_err(|e| to_cuda_error(e.with_lease(self.lease).with_node(self.node)));
+        if let Some(done) = self.done.take() {
             match r {
                 Ok(()) => done.complete(),
                 Err(e) => done.fail(e),
@@ -397,10 +404,12 @@ impl FailOnDrop {
 
 impl Drop for FailOnDrop {
     fn drop(&mut self) {
-        if let Some(done) = self.0.take() {
-            done.fail(cuda_async::Error::Disconnected(
-                "the session's I/O stopped (its lease was dropped) before the reply".into(),
-            ));
+        if let Some(done) = self.done.take() {
+            let e = Error::new(
+                ErrorKind::LeaseFreed,
+                "the lease was freed or dropped before the reply came",
+            );
+            done.fail(to_cuda_error(e.with_lease(self.lease).with_node(self.node)));
         }
     }
 }
@@ -442,7 +451,7 @@ impl RemoteLease {
     ///
     /// # Errors
     ///
-    /// [`Error::Config`] when called inside an async runtime (use
+    /// [`ErrorKind::Config`] when called inside an async runtime (use
     /// [`LeaseBuilder::connect`](crate::client::LeaseBuilder::connect) and
     /// [`LeaseSession::current`] there), or when the I/O thread cannot
     /// start; otherwise as [`LeaseBuilder::connect`](crate::client::LeaseBuilder::connect).
@@ -451,10 +460,9 @@ impl RemoteLease {
         addr: std::net::SocketAddr,
     ) -> Result<Self, Error> {
         if tokio::runtime::Handle::try_current().is_ok() {
-            return Err(Error::Config(
+            return Err(config_error(
                 "connect_blocking inside an async runtime: use LeaseBuilder::connect and \
-                 LeaseSession::current"
-                    .into(),
+                 LeaseSession::current",
             ));
         }
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -462,7 +470,7 @@ impl RemoteLease {
             .thread_name("cuda-lease-io")
             .enable_all()
             .build()
-            .map_err(|e| Error::Config(format!("starting the I/O thread: {e}")))?;
+            .map_err(|e| config_error(format!("starting the I/O thread: {e}")))?;
         let lease = runtime.block_on(builder.connect(addr))?;
         let session = LeaseSession::new(lease.session(), runtime.handle().clone());
         Ok(RemoteLease {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use cuda_lease::client::{Error, GpuCall, Lease, LeaseBuilder, Module};
+use cuda_lease::client::{ErrorKind, GpuCall, Lease, LeaseBuilder, Module};
 use cuda_lease::node::{Node, NodeConfig};
 use cuda_lease::proto::{KernelArg, LeaseState};
 use cuda_lease::ptx::{grid_for, BLOCK, TEST_KERNELS};
@@ -181,7 +181,13 @@ mod over_a_lease {
             .then(move |s| unsafe { launch(&spin, suite::cfg(1), (4_000_000_000u64, s)) })
             .sync_with(&backend.policy)
             .unwrap_err();
-        assert!(matches!(e, cuda_async::Error::LeaseExpired(_)), "{e}");
+        assert!(
+            matches!(
+                e.remote_kind(),
+                Some(cuda_async::RemoteErrorKind::LeaseExpired)
+            ),
+            "{e}"
+        );
         eprintln!("lease expired mid-pipeline: failed after {:?}", t.elapsed());
     }
 
@@ -295,7 +301,7 @@ async fn submit_iota_and_vadd() {
     // A bad module reports the JIT log.
     let bad = GpuCall::new(".version 7.0\n.target sm_70\nthis is not ptx", "k", 1, 1, 4);
     let err = client.gpu_call(&bad).await.unwrap_err();
-    assert!(matches!(err, Error::LoadFailed(_)), "{err:?}");
+    assert!(matches!(err.kind(), ErrorKind::LoadFailed), "{err:?}");
     eprintln!("{err}");
     fx.shutdown().await;
 }
@@ -398,7 +404,7 @@ async fn expiry_returns_vram() {
     tokio::time::sleep(Duration::from_millis(3200)).await;
     assert!(matches!(
         s.read(&buf, 0, 4).await,
-        Err(Error::LeaseExpired(_))
+        Err(ref e) if matches!(e.kind(), ErrorKind::LeaseExpired)
     ));
     let after = free(client.clone()).await;
     eprintln!("free after expiry {after}");
@@ -406,10 +412,10 @@ async fn expiry_returns_vram() {
         after + (64 << 20) >= before,
         "VRAM not returned: before {before}, after {after}"
     );
-    assert_eq!(
-        lease.query().await.unwrap_err(),
-        Error::LeaseExpired(format!("lease {} expired", lease.id()))
-    );
+    let e = lease.query().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::LeaseExpired, "{e}");
+    assert_eq!(e.message(), format!("lease {} expired", lease.id()));
+    assert_eq!(e.lease(), Some(lease.id().to_string().as_str()), "{e}");
     drop(buf);
     fx.shutdown().await;
 }
@@ -470,10 +476,10 @@ async fn fault_in_one_lease_leaves_others_correct() {
         .launch(&module, "fault", [1, 1, 1], [1, 1, 1], vec![])
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::LaunchFailed(_)), "{err:?}");
+    assert!(matches!(err.kind(), ErrorKind::LaunchFailed), "{err:?}");
     let err = sa.alloc(16).await.unwrap_err();
     assert!(
-        matches!(err, Error::LeasePoisoned(ref m) if m.contains("lease poisoned")),
+        matches!(err, ref e if matches!(e.kind(), ErrorKind::LeasePoisoned) && e.message().contains("lease poisoned")),
         "{err:?}"
     );
     assert_eq!(a.query().await.unwrap().state, LeaseState::Poisoned);
@@ -943,7 +949,7 @@ async fn tenant_cuda_c_cannot_read_the_nodes_files_and_compiles_are_time_bounded
         let e = s.load(&m).await.unwrap_err();
         let text = e.to_string();
         eprintln!("{head:?} {options:?}: {:?}: {text}", t.elapsed());
-        assert!(matches!(e, Error::LoadFailed(_)), "{e}");
+        assert!(matches!(e.kind(), ErrorKind::LoadFailed), "{e}");
         assert!(t.elapsed() < Duration::from_secs(10));
         for line in &secrets {
             assert!(!text.contains(line.as_str()), "{head:?}: quotes {line:?}");

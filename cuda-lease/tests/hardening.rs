@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use cuda_lease::client::{Error, Lease};
+use cuda_lease::client::{ErrorKind, Lease};
 use cuda_lease::node::Node;
 use cuda_lease::proto::{self, Header, Opcode, Status};
 
@@ -172,8 +172,8 @@ async fn batches_are_refused_on_their_op_count_before_decoding() {
     }
     for t in tasks {
         match t.await.unwrap() {
-            Err(Error::BadRequest(_)) => {}
-            other => panic!("expected BAD_REQUEST, got {other:?}"),
+            Err(ref e) if matches!(e.kind(), ErrorKind::Protocol) => {}
+            other => panic!("expected a protocol error (MALFORMED), got {other:?}"),
         }
     }
     let grown = peak.stop();
@@ -205,7 +205,8 @@ async fn leases_per_principal_and_per_node_are_limited() {
     for _ in 0..100 {
         match lease(&a).await {
             Ok(l) => held.push(l),
-            Err(Error::CapacityExceeded(m)) => {
+            Err(e) if e.kind() == ErrorKind::Capacity => {
+                let m = e.message();
                 assert!(m.contains("token-1") && m.contains("limit"), "{m}");
                 refused += 1;
             }
@@ -217,7 +218,10 @@ async fn leases_per_principal_and_per_node_are_limited() {
     held.push(lease(&b).await.unwrap());
     held.push(lease(&b).await.unwrap());
     match lease(&b).await {
-        Err(Error::CapacityExceeded(m)) => assert!(m.contains("node"), "{m}"),
+        Err(e) if e.kind() == ErrorKind::Capacity => {
+            let m = e.message();
+            assert!(m.contains("node"), "{m}")
+        }
         other => panic!("expected the node's limit, got {other:?}"),
     }
     // Freeing one makes room again.
@@ -244,7 +248,7 @@ async fn module_bytes_count_against_the_reservation() {
     }
     let tiny = lease_of(client, 1).await;
     match tiny.session().load_module(&ptx).await {
-        Err(Error::CapacityExceeded(_)) => {}
+        Err(ref e) if matches!(e.kind(), ErrorKind::Capacity) => {}
         other => panic!("a 1 MiB module fit a 1-byte lease: {other:?}"),
     }
     let lease = lease_of(client, 3 << 20).await;
@@ -259,7 +263,7 @@ async fn module_bytes_count_against_the_reservation() {
     let _m2 = s.load_module(&variant(2)).await.unwrap();
     assert!(matches!(
         s.load_module(&variant(3)).await,
-        Err(Error::CapacityExceeded(_))
+        Err(ref e) if matches!(e.kind(), ErrorKind::Capacity)
     ));
     assert!(lease.query().await.unwrap().allocated >= 2 << 20);
     tiny.free().await.unwrap();
@@ -935,7 +939,10 @@ async fn batch_numbers_that_would_wrap_are_refused() {
         refused.as_ref().map(|_| "ran")
     );
     match refused {
-        Err(Error::BadRequest(m)) => assert!(m.contains(&u64::MAX.to_string()), "{m}"),
+        Err(e) if e.kind() == ErrorKind::InvalidRequest => {
+            let m = e.message();
+            assert!(m.contains(&u64::MAX.to_string()), "{m}")
+        }
         other => panic!("expected BAD_REQUEST, got {other:?}"),
     }
     let (body, _) = next.unwrap();
@@ -999,7 +1006,7 @@ async fn refused_modules_are_not_cached_for_other_tenants() {
     let tiny = lease_of(&a, 1).await;
     let (body, data) = module_batch(tiny.id(), &[&module], true);
     match a.request(Opcode::Batch, &body, &data).await {
-        Err(Error::CapacityExceeded(_)) => {}
+        Err(ref e) if matches!(e.kind(), ErrorKind::Capacity) => {}
         other => panic!("a 1 MiB module fit a 1-byte lease: {other:?}"),
     }
     let lease_b = lease_of(&b, 4 << 20).await;
@@ -1013,7 +1020,7 @@ async fn refused_modules_are_not_cached_for_other_tenants() {
         }
     );
     assert!(
-        matches!(by_hash, Err(Error::UnknownModule(_))),
+        matches!(by_hash, Err(ref e) if matches!(e.kind(), ErrorKind::ModuleUnknown)),
         "{by_hash:?}"
     );
     // Loaded by a lease that paid for it, the module is cached for others.

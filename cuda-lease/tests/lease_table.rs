@@ -145,7 +145,10 @@ fn poison_remove_and_tombstones() {
         LeaseState::Poisoned
     );
     assert!(t.forget(&a).unwrap());
-    assert_eq!(t.get(&a, clock.now()).unwrap_err().status, Status::NotFound);
+    assert_eq!(
+        t.get(&a, clock.now()).unwrap_err().status,
+        Status::LeaseNotFound
+    );
     assert_eq!(t.remove(&b, clock.now()), Some(2));
     assert_eq!(t.remove(&b, clock.now()), None);
     assert!(t.is_empty());

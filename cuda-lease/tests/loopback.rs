@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use cuda_lease::client::{Client, ClientConfig, Error, GpuCall, Lease, Module};
+use cuda_lease::client::{Client, ClientConfig, Error, ErrorKind, GpuCall, Lease, Module};
 use cuda_lease::proto::{self, Header, KernelArg, LeaseState, Opcode, Status};
 
 const PTX: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry iota(.param .u64 out, .param .u32 n)\n{\n ret;\n}\n.visible .entry __fault()\n{\n ret;\n}\n.visible .entry __exit()\n{\n ret;\n}\n.visible .entry __hang()\n{\n ret;\n}\n";
@@ -19,18 +19,18 @@ async fn auth_rejection() {
     let node = &fx.node;
     let bad = ClientConfig::pinned(node.cert_der().clone()).token("wrong");
     let err = Client::connect(node.addr(), &bad).await.unwrap_err();
-    assert!(matches!(err, Error::Unauthorized(_)), "{err:?}");
+    assert!(matches!(err.kind(), ErrorKind::Unauthorized(_)), "{err:?}");
     let none = ClientConfig::pinned(node.cert_der().clone());
     assert!(matches!(
         Client::connect(node.addr(), &none).await,
-        Err(Error::Unauthorized(_))
+        Err(ref e) if matches!(e.kind(), ErrorKind::Unauthorized(_))
     ));
     // A client that trusts a different certificate cannot connect at all.
     let other = cuda_lease::tls::Identity::self_signed(&["localhost".into()]).unwrap();
     let wrong_pin = ClientConfig::pinned(other.leaf().clone()).token(TOKEN);
     assert!(matches!(
         Client::connect(node.addr(), &wrong_pin).await,
-        Err(Error::Disconnected(_))
+        Err(ref e) if matches!(e.kind(), ErrorKind::Disconnected(_))
     ));
     let ok = connect(node).await;
     assert_eq!(ok.inventory().await.unwrap().devices.len(), 1);
@@ -103,7 +103,7 @@ async fn lease_alloc_renew_free() {
     assert_eq!(inv.reservable_bytes, 1 << 20);
     assert!(matches!(
         client.free_lease(id).await,
-        Err(Error::NotFound(_))
+        Err(ref e) if matches!(e.kind(), ErrorKind::LeaseNotFound)
     ));
     let m = metrics_http(&fx.node).await;
     assert_eq!(metric(&m, "gpu_lease_acquired_total"), Some(1), "{m}");
@@ -134,11 +134,11 @@ async fn capacity_accounting() {
         .on(client.clone())
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::CapacityExceeded(_)), "{err:?}");
+    assert!(matches!(err.kind(), ErrorKind::Capacity), "{err:?}");
     let s = a.session();
     let b1 = s.alloc(512 << 10).await.unwrap();
     let err = s.alloc(300 << 10).await.unwrap_err();
-    assert!(matches!(err, Error::CapacityExceeded(_)), "{err:?}");
+    assert!(matches!(err.kind(), ErrorKind::Capacity), "{err:?}");
     assert_eq!(a.query().await.unwrap().allocated, 512 << 10);
     let m = metrics_http(&fx.node).await;
     assert_eq!(metric(&m, "gpu_vram_allocated_bytes"), Some(512 << 10));
@@ -154,7 +154,7 @@ async fn capacity_accounting() {
     let mut b = s.recorder();
     b.alloc(0, 1);
     let err = b.submit().await.unwrap().ok().unwrap_err();
-    assert!(matches!(err, Error::CapacityExceeded(_)), "{err:?}");
+    assert!(matches!(err.kind(), ErrorKind::Capacity), "{err:?}");
     assert_eq!(a.query().await.unwrap().allocated, 768 << 10);
     fx.free_and_shutdown().await;
 }
@@ -181,7 +181,7 @@ async fn expiry_tears_down_with_injected_clock() {
     // Dead at once for requests, and torn down by the reaper within a second.
     assert!(matches!(
         s.read(&buf, 0, 4).await,
-        Err(Error::LeaseExpired(_))
+        Err(ref e) if matches!(e.kind(), ErrorKind::LeaseExpired)
     ));
     assert!(
         eventually(Duration::from_secs(1), || async {
@@ -194,7 +194,9 @@ async fn expiry_tears_down_with_injected_clock() {
     let inv = client.inventory().await.unwrap();
     assert_eq!(inv.active_leases, 0);
     assert_eq!(inv.reservable_bytes, 1 << 20);
-    assert!(matches!(lease.renew().await, Err(Error::LeaseExpired(_))));
+    assert!(
+        matches!(lease.renew().await, Err(ref e) if matches!(e.kind(), ErrorKind::LeaseExpired))
+    );
     drop(buf);
     fx.shutdown().await;
 }
@@ -228,7 +230,7 @@ async fn disconnect_does_not_free() {
     );
     assert!(matches!(
         b.free_lease(id).await,
-        Err(Error::LeaseExpired(_))
+        Err(ref e) if matches!(e.kind(), ErrorKind::LeaseExpired)
     ));
     fx.shutdown().await;
 }
@@ -246,17 +248,17 @@ async fn cross_lease_access_denied() {
     let sb = b.session();
     assert!(matches!(
         sb.read_id(secret.id(), 0, 16).await,
-        Err(Error::NotFound(_))
+        Err(ref e) if matches!(e.kind(), ErrorKind::InvalidRequest)
     ));
     assert!(matches!(
         sb.write_id(secret.id(), 0, b"x").await,
-        Err(Error::NotFound(_))
+        Err(ref e) if matches!(e.kind(), ErrorKind::InvalidRequest)
     ));
     // Ids are per lease: B's id of the same number names nothing of A's.
     let mut batch = sb.recorder();
     batch.read(0, secret.id(), 0, 16);
     let reply = batch.submit().await.unwrap();
-    assert!(matches!(reply.ok(), Err(Error::NotFound(_))));
+    assert!(matches!(reply.ok(), Err(ref e) if matches!(e.kind(), ErrorKind::InvalidRequest)));
     assert_eq!(
         a.session().read(&secret, 0, 16).await.unwrap(),
         b"sixteen byte key"
@@ -264,7 +266,7 @@ async fn cross_lease_access_denied() {
     // Out-of-bounds access inside one's own lease is refused too.
     assert!(matches!(
         a.session().read(&secret, 8, 16).await,
-        Err(Error::BadRequest(_))
+        Err(ref e) if matches!(e.kind(), ErrorKind::InvalidRequest)
     ));
     drop(secret);
     a.free().await.unwrap();
@@ -299,11 +301,11 @@ async fn batch_runs_in_order_with_one_reply() {
     b.launch(0, &m, "nope", [1, 1, 1], [32, 1, 1], vec![]);
     assert!(matches!(
         b.submit().await.unwrap().ok(),
-        Err(Error::NotFound(_))
+        Err(ref e) if matches!(e.kind(), ErrorKind::InvalidRequest)
     ));
     let err = s.load_module("garbage").await.unwrap_err();
     assert!(
-        matches!(err, Error::LoadFailed(ref log) if log.contains("ptxas")),
+        matches!(err, ref e if matches!(e.kind(), ErrorKind::LoadFailed) && e.message().contains("ptxas")),
         "{err:?}"
     );
     fx.free_and_shutdown().await;
@@ -344,10 +346,10 @@ async fn kernel_fault_poisons_only_that_lease() {
         .launch(&ma, "__fault", [1, 1, 1], [1, 1, 1], vec![])
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::LaunchFailed(_)), "{err:?}");
+    assert!(matches!(err.kind(), ErrorKind::LaunchFailed), "{err:?}");
     let err = sa.alloc(16).await.unwrap_err();
     assert!(
-        matches!(err, Error::LeasePoisoned(ref m) if m.contains("lease poisoned")),
+        matches!(err, ref e if matches!(e.kind(), ErrorKind::LeasePoisoned) && e.message().contains("lease poisoned")),
         "{err:?}"
     );
     assert_eq!(a.query().await.unwrap().state, LeaseState::Poisoned);
@@ -382,8 +384,10 @@ async fn dead_and_hung_workers_fail_their_lease() {
         .launch(&m, "__exit", [1, 1, 1], [1, 1, 1], vec![])
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::LeasePoisoned(_)), "{err:?}");
-    assert!(matches!(sa.alloc(4).await, Err(Error::LeasePoisoned(_))));
+    assert!(matches!(err.kind(), ErrorKind::LeasePoisoned), "{err:?}");
+    assert!(
+        matches!(sa.alloc(4).await, Err(ref e) if matches!(e.kind(), ErrorKind::LeasePoisoned))
+    );
 
     let b = fx.another_lease(4096).await;
     let sb = b.session();
@@ -393,10 +397,12 @@ async fn dead_and_hung_workers_fail_their_lease() {
         .await
         .unwrap_err();
     assert!(
-        matches!(err, Error::LaunchFailed(ref s) if s.contains("hung")),
+        matches!(err, ref e if matches!(e.kind(), ErrorKind::LaunchFailed) && e.message().contains("hung")),
         "{err:?}"
     );
-    assert!(matches!(sb.alloc(4).await, Err(Error::LeasePoisoned(_))));
+    assert!(
+        matches!(sb.alloc(4).await, Err(ref e) if matches!(e.kind(), ErrorKind::LeasePoisoned))
+    );
     assert_eq!(client.inventory().await.unwrap().active_leases, 0);
     drop(m);
     fx.shutdown().await;
@@ -434,7 +440,7 @@ async fn garbage_on_the_wire_leaves_node_serving() {
         send.write_all(&junk).await.unwrap();
         send.finish().unwrap();
         let f = proto::read_frame(&mut recv, &limits).await.unwrap();
-        assert_eq!(f.header.status, Status::BadRequest, "{junk:?}");
+        assert_eq!(f.header.status, Status::Malformed, "{junk:?}");
     }
     // A version 1 peer is told why, in a header it can read.
     let (mut send, mut recv) = attacker_conn(node).await;
@@ -504,12 +510,12 @@ async fn gpu_submit_on_test_double() {
     let bad = GpuCall::new("not ptx", "iota", 1, 1, 4);
     assert!(matches!(
         client.gpu_call(&bad).await,
-        Err(Error::LoadFailed(_))
+        Err(ref e) if matches!(e.kind(), ErrorKind::LoadFailed)
     ));
     let bad_input = GpuCall::new(PTX, "iota", 1, 1, 4).arg(KernelArg::Input(3));
     assert!(matches!(
         client.gpu_call(&bad_input).await,
-        Err(Error::BadRequest(_))
+        Err(ref e) if matches!(e.kind(), ErrorKind::InvalidRequest)
     ));
     let m = metrics_http(&fx.node).await;
     assert_eq!(metric(&m, "gpu_submit_total"), Some(3), "{m}");
@@ -519,7 +525,7 @@ async fn gpu_submit_on_test_double() {
     let fault = GpuCall::new(PTX, "__fault", 1, 1, 4);
     assert!(matches!(
         client.gpu_call(&fault).await,
-        Err(Error::LaunchFailed(_))
+        Err(ref e) if matches!(e.kind(), ErrorKind::LaunchFailed)
     ));
     assert_eq!(client.gpu_call(&call).await.unwrap(), want);
     fx.shutdown().await;
@@ -559,7 +565,7 @@ async fn mutual_tls_needs_no_token() {
     let plain = ClientConfig::pinned(node.cert_der().clone());
     assert!(matches!(
         Client::connect(node.addr(), &plain).await,
-        Err(Error::Unauthorized(_))
+        Err(ref e) if matches!(e.kind(), ErrorKind::Unauthorized(_))
     ));
     fx.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
@@ -698,8 +704,10 @@ async fn a_principal_cannot_see_use_renew_or_free_another_principals_lease() {
     let id = lease.id();
     let handle = buf.id();
     let unknown = |r: Result<(Vec<u8>, Vec<u8>), Error>| match r {
-        Err(Error::NotFound(m)) => assert!(m.contains("no lease"), "{m}"),
-        other => panic!("expected NOT_FOUND as for an unknown lease, got {other:?}"),
+        Err(e) if e.kind() == ErrorKind::LeaseNotFound => {
+            assert!(e.message().contains("no lease"), "{e}")
+        }
+        other => panic!("expected LEASE_NOT_FOUND as for an unknown lease, got {other:?}"),
     };
     unknown(
         bob.request(

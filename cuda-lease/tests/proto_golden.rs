@@ -69,6 +69,8 @@ fn opcode_and_status_values_are_stable() {
         "LEASE_POISONED",
         "INTERNAL",
         "UNKNOWN_MODULE",
+        "LEASE_NOT_FOUND",
+        "MALFORMED",
     ]
     .iter()
     .enumerate()

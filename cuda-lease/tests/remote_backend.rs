@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use common::*;
 use cuda_async::prelude::*;
-use cuda_async::{DeviceBuffer, Error, ExecutionContext, HostBuffer, Kernel, LaunchConfig, Module};
+use cuda_async::{
+    DeviceBuffer, Error, ExecutionContext, HostBuffer, Kernel, LaunchConfig, Module,
+    RemoteErrorKind as ErrorKind,
+};
 use cuda_lease::client::Lease;
 use cuda_lease::node::Node;
 use cuda_lease::remote::{LeaseSession, RemoteLease};
@@ -201,7 +204,7 @@ async fn every_remote_failure_is_a_matchable_error() {
         .unwrap()
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::CapacityExceeded(_)), "{e}");
+    assert!(matches!(e.remote_kind(), Some(ErrorKind::Capacity)), "{e}");
 
     // A module that does not compile: the node's compile log comes back.
     let bad = Module::cuda("#error no\n__global__ void k() {}", &[])
@@ -215,7 +218,7 @@ async fn every_remote_failure_is_a_matchable_error() {
         .await
         .unwrap_err();
     assert!(
-        matches!(e, Error::LoadFailed(ref log) if log.contains("NVRTC log")),
+        matches!(e.remote(), Some(r) if r.kind() == ErrorKind::LoadFailed && r.message().contains("NVRTC log")),
         "{e}"
     );
 
@@ -226,7 +229,10 @@ async fn every_remote_failure_is_a_matchable_error() {
         .unwrap()
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::LaunchFailed(_)), "{e}");
+    assert!(
+        matches!(e.remote_kind(), Some(ErrorKind::LaunchFailed)),
+        "{e}"
+    );
 
     // An op that needs a local CUDA stream names itself and the lease.
     let e = LocalOnly.schedule(&remote).unwrap().await.unwrap_err();
@@ -254,7 +260,10 @@ async fn every_remote_failure_is_a_matchable_error() {
         .unwrap()
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::LeaseExpired(_)), "{e}");
+    assert!(
+        matches!(e.remote_kind(), Some(ErrorKind::LeaseExpired)),
+        "{e}"
+    );
 
     // A token the node does not know.
     let bad = cuda_lease::client::ClientConfig::pinned(node.cert_der().clone()).token("wrong");
@@ -263,7 +272,10 @@ async fn every_remote_failure_is_a_matchable_error() {
         .map(|_| ())
         .map_err(cuda_lease::remote::to_cuda_error)
         .unwrap_err();
-    assert!(matches!(e, Error::Unauthorized(_)), "{e}");
+    assert!(
+        matches!(e.remote_kind(), Some(ErrorKind::Unauthorized(_))),
+        "{e}"
+    );
     fx.shutdown().await;
 }
 
@@ -384,7 +396,10 @@ fn a_plain_fn_main_runs_the_pipeline_blocking_and_sees_the_node_go() {
     // The node goes away: the next submission fails, it does not hang.
     node_rt.block_on(fx.shutdown());
     let e = h2d(vec![1u8; 4]).then(d2h).sync_with(&remote).unwrap_err();
-    assert!(matches!(e, Error::Disconnected(_)), "{e}");
+    assert!(
+        matches!(e.remote_kind(), Some(ErrorKind::Disconnected(_))),
+        "{e}"
+    );
 }
 
 #[tokio::test]
@@ -465,7 +480,10 @@ async fn a_pending_submission_fails_when_its_lease_expires_or_its_node_goes() {
         .expect("a pending submission hung past its lease's expiry")
         .unwrap()
         .unwrap_err();
-    assert!(matches!(e, Error::LeaseExpired(_)), "{e}");
+    assert!(
+        matches!(e.remote_kind(), Some(ErrorKind::LeaseExpired)),
+        "{e}"
+    );
 
     // The node goes away under a pending submission.
     let lease = lease_on(node, 1 << 16).await;
@@ -478,7 +496,10 @@ async fn a_pending_submission_fails_when_its_lease_expires_or_its_node_goes() {
         .expect("a pending submission hung past its node's end")
         .unwrap()
         .unwrap_err();
-    assert!(matches!(e, Error::Disconnected(_)), "{e}");
+    assert!(
+        matches!(e.remote_kind(), Some(ErrorKind::Disconnected(_))),
+        "{e}"
+    );
 }
 
 #[tokio::test]
@@ -576,7 +597,10 @@ async fn a_kernel_fault_fails_its_lease_and_leaves_other_leases_working() {
         .unwrap()
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::LaunchFailed(_)), "{e}");
+    assert!(
+        matches!(e.remote_kind(), Some(ErrorKind::LaunchFailed)),
+        "{e}"
+    );
     // A's later submissions fail too: its context is gone.
     let e = h2d(vec![1u8; 4])
         .then(d2h)
@@ -584,7 +608,10 @@ async fn a_kernel_fault_fails_its_lease_and_leaves_other_leases_working() {
         .unwrap()
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::LaunchFailed(_)), "{e}");
+    assert!(
+        matches!(e.remote_kind(), Some(ErrorKind::LaunchFailed)),
+        "{e}"
+    );
     // B, on the same node, is unaffected.
     let out = pipeline(x.clone(), y.clone(), 3.0, &k)
         .schedule(&on_b)

@@ -94,10 +94,14 @@ mod tests {
         let done = RemoteCompletion::new();
         assert!(!done.is_finished());
         assert!(done.outcome().is_none());
-        done.clone().fail(Error::Disconnected("node gone".into()));
+        let gone = crate::RemoteError::new(
+            crate::RemoteErrorKind::Disconnected(crate::Disconnect::NodeShutdown),
+            "node gone",
+        );
+        done.clone().fail(gone.clone().into());
         done.complete();
         assert!(done.is_finished());
-        assert!(matches!(done.outcome(), Some(Err(Error::Disconnected(_)))));
+        assert!(matches!(done.outcome(), Some(Err(Error::Remote(e))) if e == gone));
     }
 
     /// A session that keeps what it is sent and answers at once.

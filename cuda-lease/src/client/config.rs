@@ -1,6 +1,7 @@
 //! How a client reaches and trusts a node: [`ClientConfig`] (roots, server
 //! name, token or client certificate, frame limits, striping).
 
+use super::error::config_error;
 use std::path::Path;
 
 use rustls::pki_types::CertificateDer;
@@ -62,9 +63,9 @@ impl ClientConfig {
     ///
     /// # Errors
     ///
-    /// [`Error::Config`] when the file cannot be read.
+    /// [`ErrorKind::Config`](crate::client::ErrorKind::Config) when the file cannot be read.
     pub fn from_pem_file(path: &Path) -> Result<Self, Error> {
-        let mut certs = tls::load_certs(path).map_err(|e| Error::Config(e.to_string()))?;
+        let mut certs = tls::load_certs(path).map_err(|e| config_error(e.to_string()))?;
         let mut c = Self::pinned(certs.remove(0));
         c.roots.extend(certs);
         Ok(c)

@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::error::disconnected;
+use super::error::{config_error, disconnected, from_status, protocol_error};
 use super::{ClientConfig, Error, GpuCall};
 use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{
@@ -37,21 +37,21 @@ impl Client {
     ///
     /// # Errors
     ///
-    /// [`Error::Disconnected`] when the node cannot be reached or the TLS
-    /// handshake fails, [`Error::Unauthorized`] for bad credentials.
+    /// [`ErrorKind::Disconnected`](crate::client::ErrorKind::Disconnected) when the node cannot be reached or the TLS
+    /// handshake fails, [`ErrorKind::Unauthorized`](crate::client::ErrorKind::Unauthorized) for bad credentials.
     ///
     /// # Cancel safety
     ///
     /// Cancelling drops the half-made connection; nothing is leased.
     pub async fn connect(addr: SocketAddr, config: &ClientConfig) -> Result<Client, Error> {
         let qcfg = tls::client_config(&config.roots, config.identity.as_ref())
-            .map_err(|e| Error::Config(e.to_string()))?;
+            .map_err(|e| config_error(e.to_string()))?;
         let bind: SocketAddr = if addr.is_ipv6() {
             "[::]:0".parse()
         } else {
             "0.0.0.0:0".parse()
         }
-        .map_err(|e: std::net::AddrParseError| Error::Config(e.to_string()))?;
+        .map_err(|e: std::net::AddrParseError| config_error(e.to_string()))?;
         let mut endpoint = quinn::Endpoint::client(bind).map_err(disconnected)?;
         endpoint.set_default_client_config(qcfg);
         let conn = endpoint
@@ -83,7 +83,7 @@ impl Client {
         let (body, _) = self
             .request_on(conn, Opcode::Hello, &to_body(&hello), &[], None)
             .await?;
-        from_body(&body).map_err(|e| Error::Protocol(e.to_string()))
+        from_body(&body).map_err(|e| protocol_error(e.to_string()))
     }
 
     /// The node's name.
@@ -96,7 +96,7 @@ impl Client {
     ///
     /// # Errors
     ///
-    /// As described by the reply status, or [`Error::Disconnected`].
+    /// As described by the reply status, or [`ErrorKind::Disconnected`](crate::client::ErrorKind::Disconnected).
     pub async fn request(
         &self,
         opcode: Opcode,
@@ -118,7 +118,9 @@ impl Client {
         into: Option<&mut [u8]>,
     ) -> Result<(Vec<u8>, Vec<u8>), Error> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        exchange(conn, &self.limits, id, opcode, body, data, into).await
+        exchange(conn, &self.limits, id, opcode, body, data, into)
+            .await
+            .map_err(|e| e.with_node(self.addr))
     }
 
     pub(super) async fn call<Req: Codec<'static>, Rep: for<'b> Codec<'b>>(
@@ -127,7 +129,7 @@ impl Client {
         req: &Req,
     ) -> Result<Rep, Error> {
         let (body, _) = self.request(op, &to_body(req), &[]).await?;
-        from_body(&body).map_err(|e| Error::Protocol(e.to_string()))
+        from_body(&body).map_err(|e| protocol_error(e.to_string()))
     }
 
     /// `f` of the modules this client believes the node has.
@@ -158,7 +160,7 @@ impl Client {
     ///
     /// # Errors
     ///
-    /// [`Error::NotFound`] for an unknown lease.
+    /// [`ErrorKind::LeaseNotFound`](crate::client::ErrorKind::LeaseNotFound) for an unknown lease.
     pub async fn free_lease(&self, lease: LeaseId) -> Result<(), Error> {
         self.request(Opcode::LeaseFree, &to_body(&LeaseRef { lease }), &[])
             .await
@@ -170,7 +172,7 @@ impl Client {
     ///
     /// # Errors
     ///
-    /// [`Error::LoadFailed`], [`Error::LaunchFailed`], [`Error::BadRequest`], ...
+    /// [`ErrorKind::LoadFailed`](crate::client::ErrorKind::LoadFailed), [`ErrorKind::LaunchFailed`](crate::client::ErrorKind::LaunchFailed), [`ErrorKind::InvalidRequest`](crate::client::ErrorKind::InvalidRequest), ...
     ///
     /// # Cancel safety
     ///
@@ -258,7 +260,7 @@ pub(super) async fn exchange_into(
     send.finish().map_err(disconnected)?;
     hops::mark(&mut hop, "send");
     let read_err = |e: std::io::Error| match proto::proto_error(&e) {
-        Some(p) => Error::Protocol(p.to_string()),
+        Some(p) => protocol_error(p.to_string()),
         None => disconnected(e),
     };
     let (header, reply_body) = proto::read_head(&mut recv, limits)
@@ -268,15 +270,15 @@ pub(super) async fn exchange_into(
         let msg = from_body::<ErrorBody>(&reply_body)
             .map(|b| b.message)
             .unwrap_or_default();
-        return Err(Error::from_status(header.status, msg));
+        return Err(from_status(header.status, msg));
     }
     if header.request_id != id || !header.is_reply() {
-        return Err(Error::Protocol("reply does not match the request".into()));
+        return Err(protocol_error("reply does not match the request"));
     }
     let mut owned = Vec::new();
     let want = header.data_len as usize;
     let mismatch =
-        |have: usize| Error::Protocol(format!("reply has {want} bytes of data, {have} expected"));
+        |have: usize| protocol_error(format!("reply has {want} bytes of data, {have} expected"));
     match into {
         ReplyInto::Exact(out) if out.len() == want => {
             tokio::io::AsyncReadExt::read_exact(&mut recv, out)
@@ -301,7 +303,7 @@ pub(super) async fn exchange_into(
                     break;
                 }
                 if part.len() > left {
-                    return Err(Error::Protocol("a read was cut in the reply".into()));
+                    return Err(protocol_error("a read was cut in the reply"));
                 }
                 tokio::io::AsyncReadExt::read_exact(&mut recv, part)
                     .await

@@ -1,74 +1,67 @@
-//! Client-side errors and the mapping of reply statuses to them.
+//! Client-side errors: `cuda-core`'s [`RemoteError`](cuda_core::RemoteError)
+//! itself (`cuda-async` carries the same value as `Error::Remote`), and the
+//! mapping of reply statuses to its kinds.
+
+pub use cuda_core::{Credentials, Disconnect, RemoteError as Error, RemoteErrorKind as ErrorKind};
 
 use crate::proto::Status;
 
-/// Client-side errors.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum Error {
-    /// Credentials were rejected.
-    #[error("unauthorized: {0}")]
-    Unauthorized(String),
-    /// The lease's TTL ran out.
-    #[error("lease expired: {0}")]
-    LeaseExpired(String),
-    /// A kernel fault or dead worker poisoned the lease; free it and lease again.
-    #[error("{0}")]
-    LeasePoisoned(String),
-    /// The request exceeds the reservation or the node's capacity.
-    #[error("capacity exceeded: {0}")]
-    CapacityExceeded(String),
-    /// A module did not load; holds the compile or JIT log.
-    #[error("module load failed: {0}")]
-    LoadFailed(String),
-    /// The node does not have a module and was not sent its source
-    /// ([`Recorder::submit`](super::Recorder::submit) resends with it by itself).
-    #[error("unknown module: {0}")]
-    UnknownModule(String),
-    /// A launch or kernel failed.
-    #[error("launch failed: {0}")]
-    LaunchFailed(String),
-    /// Reading device memory failed.
-    #[error("read failed: {0}")]
-    ReadFailed(String),
-    /// No such lease, handle or kernel.
-    #[error("not found: {0}")]
-    NotFound(String),
-    /// The node rejected the request as malformed.
-    #[error("bad request: {0}")]
-    BadRequest(String),
-    /// The connection is gone or could not be made.
-    #[error("disconnected: {0}")]
-    Disconnected(String),
-    /// The node replied with something this client does not understand.
-    #[error("protocol error: {0}")]
-    Protocol(String),
-    /// TLS or local configuration problem.
-    #[error("config: {0}")]
-    Config(String),
-    /// A node-side failure.
-    #[error("node error: {0}")]
-    Internal(String),
+/// The error of a reply whose status is not OK.
+pub(crate) fn from_status(status: Status, message: String) -> Error {
+    Error::new(kind_of(status), message)
 }
 
-impl Error {
-    /// Maps a reply status and message to an error.
-    pub fn from_status(status: Status, message: String) -> Self {
-        match status {
-            Status::Unauthorized => Error::Unauthorized(message),
-            Status::LoadFailed => Error::LoadFailed(message),
-            Status::LaunchFailed => Error::LaunchFailed(message),
-            Status::ReadFailed => Error::ReadFailed(message),
-            Status::LeaseExpired => Error::LeaseExpired(message),
-            Status::CapacityExceeded => Error::CapacityExceeded(message),
-            Status::BadRequest => Error::BadRequest(message),
-            Status::NotFound => Error::NotFound(message),
-            Status::LeasePoisoned => Error::LeasePoisoned(message),
-            Status::UnknownModule => Error::UnknownModule(message),
-            Status::Ok | Status::Internal => Error::Internal(message),
-        }
+/// The error of one command of a batch that the node refused or that
+/// failed (the reply's `OpError`), naming the command.
+pub(crate) fn from_command_status(status: Status, index: u32, message: &str) -> Error {
+    Error::new(kind_of(status), format!("command {index}: {message}"))
+}
+
+fn kind_of(status: Status) -> ErrorKind {
+    match status {
+        Status::Unauthorized => ErrorKind::Unauthorized(Credentials::Refused),
+        Status::LoadFailed => ErrorKind::LoadFailed,
+        Status::LaunchFailed => ErrorKind::LaunchFailed,
+        Status::LeaseExpired => ErrorKind::LeaseExpired,
+        Status::CapacityExceeded => ErrorKind::Capacity,
+        Status::BadRequest | Status::NotFound | Status::ReadFailed => ErrorKind::InvalidRequest,
+        Status::LeaseNotFound => ErrorKind::LeaseNotFound,
+        Status::LeasePoisoned => ErrorKind::LeasePoisoned,
+        Status::UnknownModule => ErrorKind::ModuleUnknown,
+        Status::Malformed => ErrorKind::Protocol,
+        Status::Ok | Status::Internal => ErrorKind::NodeInternal,
     }
 }
 
+/// A reply this client does not understand.
+pub(crate) fn protocol_error(e: impl std::fmt::Display) -> Error {
+    Error::new(ErrorKind::Protocol, e.to_string())
+}
+
+/// An unusable configuration.
+pub(crate) fn config_error(e: impl std::fmt::Display) -> Error {
+    Error::new(ErrorKind::Config, e.to_string())
+}
+
+/// A connection lost to the network.
 pub(super) fn disconnected(e: impl std::fmt::Display) -> Error {
-    Error::Disconnected(e.to_string())
+    Error::new(ErrorKind::Disconnected(Disconnect::Network), e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_malformed_request_is_a_protocol_error_and_a_refused_one_the_callers() {
+        let frame = from_status(Status::Malformed, "bad header".into());
+        assert_eq!(frame.kind(), ErrorKind::Protocol);
+        let refused = from_status(Status::BadRequest, "no input 3".into());
+        assert_eq!(refused.kind(), ErrorKind::InvalidRequest);
+        let command = from_command_status(Status::BadRequest, 3, "a copy from #1 to itself");
+        assert_eq!(command.kind(), ErrorKind::InvalidRequest);
+        assert!(command.message().starts_with("command 3: "));
+        let gone = from_status(Status::LeaseNotFound, "no lease 7".into());
+        assert_eq!(gone.kind(), ErrorKind::LeaseNotFound);
+    }
 }

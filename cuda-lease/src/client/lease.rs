@@ -1,6 +1,7 @@
 //! Leases: [`LeaseBuilder`], [`Lease`] with its background renewal, and the
 //! state a lease's sessions, buffers and batches share.
 
+use super::error::{config_error, protocol_error, ErrorKind};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -78,13 +79,21 @@ impl LeaseInner {
         request: impl std::future::Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
         if self.freed.load(Ordering::SeqCst) {
-            return Err(Error::NotFound("lease was freed".into()));
+            return Err(self.named(Error::new(
+                ErrorKind::LeaseFreed,
+                "this client freed the lease",
+            )));
         }
         let r = request.await;
-        if let Err(Error::LeaseExpired(_)) = &r {
+        if matches!(&r, Err(e) if e.kind() == ErrorKind::LeaseExpired) {
             self.expired.store(true, Ordering::SeqCst);
         }
-        r
+        r.map_err(|e| self.named(e))
+    }
+
+    /// `e`, naming this lease and its node.
+    pub(super) fn named(&self, e: Error) -> Error {
+        e.with_lease(self.id).with_node(self.client.addr)
     }
 
     /// A fresh id of this lease (the client names everything).
@@ -160,7 +169,7 @@ impl Lease {
     ///
     /// # Errors
     ///
-    /// [`Error::LeaseExpired`] when too late.
+    /// [`ErrorKind::LeaseExpired`](crate::client::ErrorKind::LeaseExpired) when too late.
     pub async fn renew(&self) -> Result<LeaseGrant, Error> {
         renew(&self.inner).await
     }
@@ -181,7 +190,7 @@ impl Lease {
                 &[],
             )
             .await?;
-        from_body(&b).map_err(|e| Error::Protocol(e.to_string()))
+        from_body(&b).map_err(|e| protocol_error(e.to_string()))
     }
 
     /// A session on this lease's stream.
@@ -203,7 +212,8 @@ impl Lease {
     ///
     /// # Errors
     ///
-    /// [`Error::NotFound`] / [`Error::LeaseExpired`] when it is already gone.
+    /// [`ErrorKind::LeaseNotFound`](crate::client::ErrorKind::LeaseNotFound) or
+    /// [`ErrorKind::LeaseExpired`](crate::client::ErrorKind::LeaseExpired) when it is already gone.
     pub async fn free(mut self) -> Result<(), Error> {
         self.stop_renewing();
         self.inner.freed.store(true, Ordering::SeqCst);
@@ -240,7 +250,7 @@ async fn renew(inner: &LeaseInner) -> Result<LeaseGrant, Error> {
         ttl_secs,
     });
     let (b, _) = inner.req(Opcode::LeaseRenew, &body, &[]).await?;
-    let g: LeaseGrant = from_body(&b).map_err(|e| Error::Protocol(e.to_string()))?;
+    let g: LeaseGrant = from_body(&b).map_err(|e| protocol_error(e.to_string()))?;
     inner.generation.store(g.generation, Ordering::SeqCst);
     Ok(g)
 }
@@ -274,13 +284,13 @@ impl LeaseBuilder {
     ///
     /// # Errors
     ///
-    /// [`Error::Config`] without a config, connection errors, or the lease's:
-    /// [`Error::CapacityExceeded`], [`Error::Unauthorized`].
+    /// [`ErrorKind::Config`](crate::client::ErrorKind::Config) without a config, connection errors, or the lease's:
+    /// [`ErrorKind::Capacity`](crate::client::ErrorKind::Capacity), [`ErrorKind::Unauthorized`](crate::client::ErrorKind::Unauthorized).
     pub async fn connect(self, addr: SocketAddr) -> Result<Lease, Error> {
         let config = self
             .config
             .clone()
-            .ok_or_else(|| Error::Config("LeaseBuilder needs a ClientConfig".into()))?;
+            .ok_or_else(|| config_error("LeaseBuilder needs a ClientConfig"))?;
         let client = Arc::new(Client::connect(addr, &config).await?);
         self.on(client).await
     }
@@ -319,7 +329,7 @@ impl LeaseBuilder {
                     }
                     match renew(&inner).await {
                         Ok(_) => {}
-                        Err(Error::Disconnected(_)) => {}
+                        Err(e) if matches!(e.kind(), ErrorKind::Disconnected(_)) => {}
                         Err(e) => {
                             tracing::warn!(lease = %inner.id, error = %e, "renewal stopped");
                             return;

@@ -1,6 +1,7 @@
 //! [`Message`]: one numbered BATCH on the wire (resent with every module
 //! source when the node lacks one), and its commands' borrowed encoding.
 
+use super::error::{protocol_error, ErrorKind};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -89,8 +90,9 @@ impl Message {
         D: AsMut<[u8]>,
     {
         let Some(reads) = reads else {
-            return Err(Error::BadRequest(
-                "the destinations do not match the recorded reads".into(),
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                "the destinations do not match the recorded reads",
             ));
         };
         let reply = {
@@ -118,7 +120,7 @@ impl Message {
             .req_with(Opcode::Batch, body, data, into(parts.as_deref_mut()))
             .await;
         let (reply, data) = match r {
-            Err(Error::UnknownModule(_)) => {
+            Err(e) if e.kind() == ErrorKind::ModuleUnknown => {
                 // The node lost (or never had) a module: send the same
                 // message again with every source.
                 let writes = &data[data.len() - self.writes..];
@@ -129,7 +131,7 @@ impl Message {
             }
             r => r?,
         };
-        let reply: BatchReply = from_body(&reply).map_err(|e| Error::Protocol(e.to_string()))?;
+        let reply: BatchReply = from_body(&reply).map_err(|e| protocol_error(e.to_string()))?;
         let learned = self.modules.iter().map(|m| m.hash);
         self.inner.client.learn_modules(learned);
         Ok((reply, data))
@@ -143,7 +145,7 @@ fn with_every_source(
     modules: &[Module],
     writes: &[u8],
 ) -> Result<(Vec<u8>, Vec<u8>), Error> {
-    let mut batch: Batch<'_> = from_body(body).map_err(|e| Error::Protocol(e.to_string()))?;
+    let mut batch: Batch<'_> = from_body(body).map_err(|e| protocol_error(e.to_string()))?;
     let mut data = Vec::with_capacity(writes.len());
     for (u, m) in batch.modules.iter_mut().zip(modules) {
         data.extend_from_slice(m.text.as_bytes());

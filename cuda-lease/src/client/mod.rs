@@ -23,7 +23,9 @@ mod stripe;
 
 pub use config::{ClientConfig, DEFAULT_STRIPES, DEFAULT_STRIPE_MIN_BYTES};
 pub use connection::Client;
-pub use error::Error;
+#[cfg(feature = "backend")]
+pub(crate) use error::{config_error, protocol_error};
+pub use error::{Credentials, Disconnect, Error, ErrorKind};
 pub use gpu_call::GpuCall;
 pub use lease::{Lease, LeaseBuilder};
 // Named outside the client only by `remote` (the `backend` feature).

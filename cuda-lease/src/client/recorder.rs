@@ -280,7 +280,7 @@ impl Recorder {
     ///
     /// # Errors
     ///
-    /// [`Error::BadRequest`] when `dests` do not match the reads; the rest
+    /// [`ErrorKind::InvalidRequest`](crate::client::ErrorKind::InvalidRequest) when `dests` do not match the reads; the rest
     /// as [`Recorder::submit`].
     pub fn submit_into<D>(
         &self,
@@ -339,7 +339,9 @@ impl Submitted {
     /// The error of the command that stopped the batch.
     pub fn ok(self) -> Result<Self, Error> {
         match &self.error {
-            Some(e) => Err(Error::from_status(e.status, e.message.clone())),
+            Some(e) => Err(super::error::from_command_status(
+                e.status, e.index, &e.message,
+            )),
             None => Ok(self),
         }
     }

@@ -54,6 +54,11 @@ impl Session {
         self.inner.id
     }
 
+    /// The node's address.
+    pub fn node_addr(&self) -> std::net::SocketAddr {
+        self.inner.client.addr
+    }
+
     /// A fresh id of this lease (for commands recorded by hand).
     pub fn fresh_id(&self) -> Id {
         self.inner.fresh_id()
@@ -92,7 +97,7 @@ impl Session {
     ///
     /// # Errors
     ///
-    /// [`Error::CapacityExceeded`] beyond the reservation.
+    /// [`ErrorKind::Capacity`](crate::client::ErrorKind::Capacity) beyond the reservation.
     pub async fn alloc(&self, size: u64) -> Result<DeviceBuffer, Error> {
         let buf = self.inner.fresh_id();
         let body = to_body(&MemAlloc {
@@ -112,7 +117,7 @@ impl Session {
     ///
     /// # Errors
     ///
-    /// [`Error::BadRequest`] out of bounds.
+    /// [`ErrorKind::InvalidRequest`](crate::client::ErrorKind::InvalidRequest) out of bounds.
     pub async fn write(&self, buf: &DeviceBuffer, offset: u64, bytes: &[u8]) -> Result<(), Error> {
         self.write_id(buf.id, offset, bytes).await
     }
@@ -136,7 +141,7 @@ impl Session {
     ///
     /// # Errors
     ///
-    /// [`Error::ReadFailed`], [`Error::BadRequest`].
+    /// [`ErrorKind::InvalidRequest`](crate::client::ErrorKind::InvalidRequest), [`ErrorKind::InvalidRequest`](crate::client::ErrorKind::InvalidRequest).
     pub async fn read(&self, buf: &DeviceBuffer, offset: u64, len: u32) -> Result<Vec<u8>, Error> {
         self.read_id(buf.id, offset, len).await
     }
@@ -162,7 +167,7 @@ impl Session {
     ///
     /// # Errors
     ///
-    /// [`Error::LoadFailed`] with the JIT log.
+    /// [`ErrorKind::LoadFailed`](crate::client::ErrorKind::LoadFailed) with the JIT log.
     pub async fn load_module(&self, ptx: &str) -> Result<Module, Error> {
         let module = Module::ptx(ptx);
         self.load(&module).await?;
@@ -173,7 +178,7 @@ impl Session {
     ///
     /// # Errors
     ///
-    /// [`Error::LoadFailed`] with the compile or JIT log.
+    /// [`ErrorKind::LoadFailed`](crate::client::ErrorKind::LoadFailed) with the compile or JIT log.
     pub async fn load(&self, module: &Module) -> Result<(), Error> {
         let mut rec = self.recorder();
         rec.use_module(module);
@@ -184,8 +189,8 @@ impl Session {
     ///
     /// # Errors
     ///
-    /// [`Error::LaunchFailed`] (a fault: the lease is then poisoned),
-    /// [`Error::NotFound`] for an unknown kernel.
+    /// [`ErrorKind::LaunchFailed`](crate::client::ErrorKind::LaunchFailed) (a fault: the lease is then poisoned),
+    /// [`ErrorKind::InvalidRequest`](crate::client::ErrorKind::InvalidRequest) for an unknown kernel.
     pub async fn launch(
         &self,
         module: &Module,

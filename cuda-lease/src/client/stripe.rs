@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::connection::exchange;
-use super::error::disconnected;
+use super::error::{disconnected, protocol_error};
 use super::{Client, Error};
 use crate::proto::{to_body, Id, LeaseId, MemRead, MemWrite, Opcode};
 
@@ -125,7 +125,7 @@ impl Client {
         for t in tasks {
             let r = t
                 .await
-                .unwrap_or_else(|e| Err(Error::Disconnected(format!("stripe task: {e}"))));
+                .unwrap_or_else(|e| Err(disconnected(format!("stripe task: {e}"))));
             if let Err(e) = r {
                 first_err.get_or_insert(e);
             }
@@ -135,7 +135,7 @@ impl Client {
         }
         Arc::try_unwrap(out)
             .map(StripeBuffer::into_inner)
-            .map_err(|_| Error::Protocol("a stripe task outlived its transfer".into()))
+            .map_err(|_| protocol_error("a stripe task outlived its transfer"))
     }
 }
 

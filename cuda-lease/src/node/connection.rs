@@ -230,7 +230,7 @@ async fn answer(
 ) -> Answer {
     let refused = |msg: String| Answer {
         req: Header::request(Opcode::Hello, 0, 0, 0),
-        reply: Reply::err(Status::BadRequest, msg),
+        reply: Reply::err(Status::Malformed, msg),
         reply_version: None,
         failed_hello: false,
     };
@@ -269,10 +269,15 @@ async fn answer(
                 None => format!("bad frame: {e}"),
             };
             debug!(error = %msg, "rejected frame");
-            Answer {
+            let mut answer = Answer {
                 reply_version,
                 ..refused(msg)
+            };
+            if reply_version.is_some() {
+                // A status an older peer knows (MALFORMED came later).
+                answer.reply.status = Status::BadRequest;
             }
+            answer
         }
         Err(_) => refused("request timed out".into()),
     }

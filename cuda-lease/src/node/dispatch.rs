@@ -42,11 +42,11 @@ pub(super) async fn dispatch_inner(
 ) -> Result<Reply, Reply> {
     let op = f.header.opcode;
     if f.header.is_reply() {
-        return Err(Reply::err(Status::BadRequest, "a reply is not a request"));
+        return Err(Reply::err(Status::Malformed, "a reply is not a request"));
     }
     if !matches!(op, Opcode::MemWrite | Opcode::Batch | Opcode::GpuSubmit) && !f.data.is_empty() {
         return Err(Reply::err(
-            Status::BadRequest,
+            Status::Malformed,
             format!("{op:?} takes no data"),
         ));
     }
@@ -355,7 +355,7 @@ pub(super) async fn lease_free(shared: &Arc<Shared>, id: &LeaseId) -> Result<Rep
         }
         None => match shared.table().forget(id)? {
             true => Ok(Reply::empty()),
-            false => Err(Reply::err(Status::NotFound, format!("no lease {id}"))),
+            false => Err(Reply::err(Status::LeaseNotFound, format!("no lease {id}"))),
         },
     }
 }

@@ -277,8 +277,14 @@ impl From<TableError> for Reply {
 }
 
 impl From<proto::ProtoError> for Reply {
+    /// A request that does not parse is malformed (a client's bug); one
+    /// that parses but breaks a rule of the protocol is a bad request.
     fn from(e: proto::ProtoError) -> Self {
-        Reply::err(Status::BadRequest, e.to_string())
+        let status = match e {
+            proto::ProtoError::Invalid(_) => Status::BadRequest,
+            _ => Status::Malformed,
+        };
+        Reply::err(status, e.to_string())
     }
 }
 

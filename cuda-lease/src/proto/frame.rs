@@ -118,9 +118,10 @@ pub enum Status {
     LeaseExpired = 5,
     /// The request would exceed the lease's reservation or the device.
     CapacityExceeded = 6,
-    /// Malformed frame, unknown version or opcode, or invalid arguments.
+    /// A request that breaks a rule of the protocol (a range, a count, an
+    /// argument), or a command the node refuses.
     BadRequest = 7,
-    /// No such lease, handle or kernel.
+    /// No such buffer, event or kernel.
     NotFound = 8,
     /// An earlier kernel fault (or a dead worker) poisoned the lease.
     LeasePoisoned = 9,
@@ -129,6 +130,13 @@ pub enum Status {
     /// A batch names a module the node does not have and carries no
     /// source for it: nothing ran; send it again with the source.
     UnknownModule = 11,
+    /// The node has no such lease: it was freed, or it expired and was
+    /// reaped, or it was never granted.
+    LeaseNotFound = 12,
+    /// The request does not parse (a truncated or oversized frame, an
+    /// unknown version or opcode, a body that does not decode): a bug of
+    /// the client, not of its caller.
+    Malformed = 13,
 }
 
 impl Status {
@@ -146,6 +154,8 @@ impl Status {
             8 => Status::NotFound,
             9 => Status::LeasePoisoned,
             11 => Status::UnknownModule,
+            12 => Status::LeaseNotFound,
+            13 => Status::Malformed,
             _ => Status::Internal,
         }
     }
@@ -166,6 +176,8 @@ impl fmt::Display for Status {
             Status::LeasePoisoned => "LEASE_POISONED",
             Status::Internal => "INTERNAL",
             Status::UnknownModule => "UNKNOWN_MODULE",
+            Status::LeaseNotFound => "LEASE_NOT_FOUND",
+            Status::Malformed => "MALFORMED",
         };
         f.write_str(s)
     }
