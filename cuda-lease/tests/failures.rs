@@ -74,8 +74,8 @@ async fn good_pipeline(remote: &RemotePolicy) {
     let cfg = LaunchConfig::for_num_elems(n);
     let y = h2d(x.clone())
         .zip(zeros::<f32>(n as usize))
-        // SAFETY: fill writes y[0..n); y holds n floats.
         .then(move |(x, y)| {
+            // SAFETY: fill writes y[0..n); y holds n floats.
             unsafe { launch(&fill, cfg, (y, 1f32, n)) }.map(move |(y, _, _)| (x, y))
         })
         // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
