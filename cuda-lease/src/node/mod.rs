@@ -503,7 +503,7 @@ impl Node {
     /// What the node holds for lease `id` now: its allocated bytes, live
     /// buffers and events, streams used and modules loaded (`None` once
     /// the lease is gone). A failed submission leaves this as the commands
-    /// that ran left it (see [`crate::remote::LeaseSession`]).
+    /// that ran left it (see [`crate::remote`]).
     pub fn lease_usage(&self, id: &LeaseId) -> Option<LeaseUsage> {
         let (slot, allocated) = {
             let mut t = self.shared.table();
