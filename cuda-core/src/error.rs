@@ -416,7 +416,7 @@ mod tests {
                 false,
             ),
             (remote(K::LeaseExpired), "lease again", false),
-            (remote(K::Capacity), "lease more VRAM", true),
+            (remote(K::Capacity), "lease more", true),
             (
                 remote(K::Disconnected(crate::Disconnect::Network)),
                 "reconnect",

@@ -170,7 +170,10 @@ impl RemoteError {
             K::LeasePoisoned => {
                 "a kernel faulted in this lease: fix the kernel or its arguments, then lease again"
             }
-            K::Capacity => "free buffers of the lease, lease more VRAM, or retry later",
+            K::Capacity => {
+                "stay within the lease's limits (free buffers, fewer streams or ids), lease \
+                 more, or retry later"
+            }
             K::Unauthorized(Credentials::Missing) => {
                 "give a token (--token, CUDA_LEASE_TOKEN) or a client certificate"
             }
@@ -222,7 +225,13 @@ impl RemoteError {
 
 impl fmt::Display for RemoteError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {} (", self.kind_text(), self.message)?;
+        // A node's message may already start with the kind's words.
+        let kind = self.kind_text();
+        if self.message.starts_with(kind) {
+            write!(f, "{} (", self.message)?;
+        } else {
+            write!(f, "{kind}: {} (", self.message)?;
+        }
         match (&self.lease, &self.node) {
             (Some(l), Some(n)) => write!(f, "lease {l} on node {n}; ")?,
             (Some(l), None) => write!(f, "lease {l}; ")?,
@@ -274,6 +283,19 @@ mod tests {
                 "{kind:?} reads like another kind"
             );
         }
+    }
+
+    #[test]
+    fn the_kind_is_not_said_twice() {
+        let e = RemoteError::new(
+            RemoteErrorKind::LeasePoisoned,
+            "lease poisoned: illegal address",
+        );
+        assert!(
+            e.to_string()
+                .starts_with("lease poisoned: illegal address ("),
+            "{e}"
+        );
     }
 
     #[test]

@@ -11,6 +11,20 @@
 //! [`ReadSlot`](cuda_async::remote::ReadSlot)s, then the submission's
 //! [`RemoteCompletion`] completes; a failure fails it with the matching
 //! `cuda-async` error.
+//!
+//! # What a failed submission leaves behind
+//!
+//! The reply says which commands ran (`0..completed`); what exists on the
+//! node after a failed submission is exactly what those commands created
+//! and did not free, and the session sends frees only for ids that exist.
+//! A buffer or event whose creating command did not run (a module that
+//! does not compile refuses the whole batch; a refused command stops it
+//! there) is forgotten: dropping it sends nothing. A free that did not run
+//! is sent again with the next message. A free asked while the submission
+//! that creates its id is unanswered waits for that reply. So the
+//! submission after a failed one runs as if the failed one had stopped
+//! where the reply says, and the lease's accounting on the node is what
+//! the commands that ran left.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +33,7 @@ use std::time::Duration;
 
 use crate::client::{
     config_error, protocol_error, EncodeCommands, Error, ErrorKind, Lease, Module, Session,
+    Submitted,
 };
 use crate::hops::{self, Hop, HopTimer};
 use crate::proto::LeaseId;
@@ -27,6 +42,10 @@ use cuda_async::remote::{Recording, RemoteArg, RemoteCommand, RemoteCompletion};
 use cuda_async::{ModuleSource, RemoteSession};
 use cuda_core::{Kernel, LaunchConfig};
 use std::net::SocketAddr;
+
+mod ids;
+
+use ids::{IdBook, Ran, Sent};
 
 /// How long a queued free waits for a message to ride on before it is
 /// sent alone.
@@ -40,7 +59,9 @@ pub struct LeaseSession {
     session: Session,
     runtime: tokio::runtime::Handle,
     name: String,
-    frees: Mutex<Vec<u64>>,
+    /// Queued frees, and the ids they wait for or forget (see the
+    /// module's docs).
+    ids: Mutex<IdBook>,
     flush_scheduled: AtomicBool,
     /// Modules seen, by the address of their `cuda-core` description, so a
     /// module's source is hashed once.
@@ -61,7 +82,7 @@ impl LeaseSession {
             session,
             runtime,
             name,
-            frees: Mutex::new(Vec::new()),
+            ids: Mutex::new(IdBook::default()),
             flush_scheduled: AtomicBool::new(false),
             modules: Mutex::new(Vec::new()),
         })
@@ -122,18 +143,30 @@ impl LeaseSession {
         (modules, launches)
     }
 
+    fn ids(&self) -> std::sync::MutexGuard<'_, IdBook> {
+        self.ids.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Sends the queued frees, then `recording`, as one BATCH; the reads
-    /// land in `dests` (one per read slot of the recording).
+    /// land in `dests` (one per read slot of the recording). When the
+    /// reply (or the failure) comes, what ran is settled in the id book
+    /// before the returned future is ready.
     fn send<D>(
         &self,
         recording: &Recording,
         writes: Vec<u8>,
         dests: Vec<D>,
-    ) -> impl Future<Output = Result<(crate::client::Submitted, Vec<D>), Error>> + Send + 'static
+    ) -> impl Future<Output = Result<(Submitted, Vec<D>), Error>> + Send + 'static
     where
         D: AsMut<[u8]> + Send + 'static,
     {
-        let frees = std::mem::take(&mut *self.frees.lock().unwrap_or_else(|e| e.into_inner()));
+        let (frees, sent) = {
+            let mut book = self.ids();
+            let frees = book.take_queued();
+            let sent = Sent::of(&frees, recording.commands());
+            book.sending(&sent);
+            (frees, sent)
+        };
         let (modules, launches) = self.modules_of(recording);
         let commands = WireCommands {
             frees: &frees,
@@ -142,7 +175,33 @@ impl LeaseSession {
         };
         // The reads' slots are not needed: their bytes land in `dests`.
         let message = self.session.message(&modules, commands, writes);
-        message.send_into(Some(Vec::new()), dests)
+        let reply = message.send_into(Some(Vec::new()), dests);
+        let me = self.me.clone();
+        async move {
+            let r = reply.await;
+            if let (false, Some(me)) = (sent.is_empty(), me.upgrade()) {
+                me.settle(&sent, r.as_ref().ok().map(|(s, _)| s));
+            }
+            r
+        }
+    }
+
+    /// Settles what ran of `sent` (`None`: nothing the client knows of).
+    /// Frees asked again go with the next message; they go alone shortly
+    /// only after a reply that names what ran (so a lease that refuses
+    /// every request does not loop on them).
+    fn settle(&self, sent: &Sent, reply: Option<&Submitted>) {
+        let ran = match reply {
+            Some(s) => Ran {
+                completed: s.completed() as u32,
+                refused: s.error().map(|e| e.index),
+            },
+            None => Ran::NOTHING,
+        };
+        let queued = self.ids().settle(sent, ran);
+        if queued && reply.is_some() {
+            self.schedule_flush();
+        }
     }
 
     /// Sends the queued frees alone, soon, unless a message takes them
@@ -158,11 +217,7 @@ impl LeaseSession {
             tokio::time::sleep(FREE_FLUSH_DELAY).await;
             this.flush_scheduled.store(false, Ordering::Release);
             let empty = Recording::new();
-            let queued = !this
-                .frees
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_empty();
+            let queued = this.ids().has_queued();
             if queued {
                 // A free that fails (the lease is gone) has nothing to free.
                 let _ = this.send(&empty, Vec::new(), Vec::<Vec<u8>>::new()).await;
@@ -370,12 +425,12 @@ impl RemoteSession for LeaseSession {
     }
 
     fn free(&self, id: u64) {
-        self.frees
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(id);
-        // Rides on the next submission, or goes alone shortly.
-        self.schedule_flush();
+        // Rides on the next submission, or goes alone shortly; nothing
+        // for an id that never existed, and later for one whose creation
+        // is not answered yet.
+        if self.ids().free(id) {
+            self.schedule_flush();
+        }
     }
 }
 

@@ -609,7 +609,7 @@ async fn a_kernel_fault_fails_its_lease_and_leaves_other_leases_working() {
         .await
         .unwrap_err();
     assert!(
-        matches!(e.remote_kind(), Some(ErrorKind::LaunchFailed)),
+        matches!(e.remote_kind(), Some(ErrorKind::LeasePoisoned)),
         "{e}"
     );
     // B, on the same node, is unaffected.

@@ -12,9 +12,9 @@ pub(crate) fn from_status(status: Status, message: String) -> Error {
 }
 
 /// The error of one command of a batch that the node refused or that
-/// failed (the reply's `OpError`), naming the command.
-pub(crate) fn from_command_status(status: Status, index: u32, message: &str) -> Error {
-    Error::new(kind_of(status), format!("command {index}: {message}"))
+/// failed (the reply's `OpError`, whose message names the command).
+pub(crate) fn from_command_status(status: Status, message: &str) -> Error {
+    Error::new(kind_of(status), message)
 }
 
 fn kind_of(status: Status) -> ErrorKind {
@@ -58,9 +58,9 @@ mod tests {
         assert_eq!(frame.kind(), ErrorKind::Protocol);
         let refused = from_status(Status::BadRequest, "no input 3".into());
         assert_eq!(refused.kind(), ErrorKind::InvalidRequest);
-        let command = from_command_status(Status::BadRequest, 3, "a copy from #1 to itself");
+        let command =
+            from_command_status(Status::BadRequest, "command 3: a copy from #1 to itself");
         assert_eq!(command.kind(), ErrorKind::InvalidRequest);
-        assert!(command.message().starts_with("command 3: "));
         let gone = from_status(Status::LeaseNotFound, "no lease 7".into());
         assert_eq!(gone.kind(), ErrorKind::LeaseNotFound);
     }

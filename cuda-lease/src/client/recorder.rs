@@ -339,9 +339,7 @@ impl Submitted {
     /// The error of the command that stopped the batch.
     pub fn ok(self) -> Result<Self, Error> {
         match &self.error {
-            Some(e) => Err(super::error::from_command_status(
-                e.status, e.index, &e.message,
-            )),
+            Some(e) => Err(super::error::from_command_status(e.status, &e.message)),
             None => Ok(self),
         }
     }

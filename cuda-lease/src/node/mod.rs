@@ -67,6 +67,21 @@ struct LeaseState {
     streams: HashSet<StreamId>,
 }
 
+/// What a node holds for one lease ([`Node::lease_usage`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseUsage {
+    /// Bytes charged to the lease (buffers and loaded modules' sources).
+    pub allocated: u64,
+    /// Live buffers.
+    pub buffers: usize,
+    /// Live events.
+    pub events: usize,
+    /// Streams the lease has used.
+    pub streams: usize,
+    /// Modules loaded in the lease's worker.
+    pub modules: usize,
+}
+
 struct LeaseSlot {
     worker: WorkerProcess,
     /// Serializes a lease's requests: plan, run on the worker, commit.
@@ -489,6 +504,32 @@ impl Node {
     /// The rendered metrics.
     pub fn metrics_text(&self) -> String {
         self.shared.render_metrics()
+    }
+
+    /// What the node holds for lease `id` now: its allocated bytes, live
+    /// buffers and events, streams used and modules loaded (`None` once
+    /// the lease is gone). A failed submission leaves this as the commands
+    /// that ran left it (see [`crate::remote`]).
+    pub fn lease_usage(&self, id: &LeaseId) -> Option<LeaseUsage> {
+        let (slot, allocated) = {
+            let mut t = self.shared.table();
+            let now = self.shared.now();
+            let allocated = t.status(id, now).ok()?.allocated;
+            (t.get(id, now).ok()?, allocated)
+        };
+        let state = slot.state();
+        let buffers = state
+            .ids
+            .values()
+            .filter(|k| matches!(k, IdKind::Buffer(_)))
+            .count();
+        Some(LeaseUsage {
+            allocated,
+            buffers,
+            events: state.ids.len() - buffers,
+            streams: state.streams.len(),
+            modules: state.modules.len(),
+        })
     }
 
     /// Stops accepting, frees every lease (ending its worker) and waits for

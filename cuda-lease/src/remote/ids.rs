@@ -1,0 +1,262 @@
+//! Which of a session's ids exist on the node, as far as frees need to
+//! know: pure bookkeeping over the commands sent and the replies' counts
+//! of commands that ran, with no I/O (unit-tested below).
+//!
+//! The rule: a BATCH reply says which commands ran (`0..completed`), so
+//! what exists after a failed submission is exactly what those commands
+//! created and did not free. A free is sent only for an id that exists:
+//!
+//! - an id whose creating command (`Alloc`, the first `Record` of an
+//!   event) has not been answered yet is *pending*: its free waits for
+//!   that reply;
+//! - an id whose creating command did not run is *unborn*: it is
+//!   forgotten, and its free is dropped, never sent;
+//! - a free that did not run (a queued one leading the batch, or one the
+//!   recording holds) is queued again, unless its id is unborn, or it is
+//!   the command the node refused (that free could not run).
+//!
+//! A request the node refused whole, or one whose reply never came, ran
+//! nothing as far as this client knows.
+
+use std::collections::{HashMap, HashSet};
+
+use cuda_async::remote::RemoteCommand;
+
+/// A sent BATCH's ids, by their command's index in it.
+#[derive(Debug, Default)]
+pub(super) struct Sent {
+    /// Commands that create an id.
+    created: Vec<(u32, u64)>,
+    /// Frees: the queued ones leading the batch, then the recording's.
+    freed: Vec<(u32, u64)>,
+}
+
+impl Sent {
+    /// The ids of a BATCH of `frees` (stream 0, first), then `commands`.
+    pub(super) fn of(frees: &[u64], commands: &[RemoteCommand]) -> Self {
+        let mut s = Sent {
+            created: Vec::new(),
+            freed: frees
+                .iter()
+                .enumerate()
+                .map(|(i, id)| (i as u32, *id))
+                .collect(),
+        };
+        let base = frees.len();
+        for (i, c) in commands.iter().enumerate() {
+            let at = (base + i) as u32;
+            match *c {
+                RemoteCommand::Alloc { id, .. } => s.created.push((at, id)),
+                // An event is created by its first record (a session's
+                // events are fresh ids: cuda-async records each once).
+                RemoteCommand::Record { event, .. }
+                    if !s.created.iter().any(|&(_, e)| e == event) =>
+                {
+                    s.created.push((at, event));
+                }
+                RemoteCommand::Free { id, .. } => s.freed.push((at, id)),
+                _ => {}
+            }
+        }
+        s
+    }
+
+    /// Nothing to settle when its reply comes.
+    pub(super) fn is_empty(&self) -> bool {
+        self.created.is_empty() && self.freed.is_empty()
+    }
+}
+
+/// What ran of a sent BATCH.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Ran {
+    /// Commands `0..completed` ran.
+    pub(super) completed: u32,
+    /// The command the node refused, if any.
+    pub(super) refused: Option<u32>,
+}
+
+impl Ran {
+    /// Nothing ran (a request refused whole, or no reply).
+    pub(super) const NOTHING: Ran = Ran {
+        completed: 0,
+        refused: None,
+    };
+}
+
+/// The frees to send and the ids they must wait for or forget.
+#[derive(Debug, Default)]
+pub(super) struct IdBook {
+    /// Frees to send with the next message.
+    queued: Vec<u64>,
+    /// Ids created by submissions not answered yet: true once freed.
+    pending: HashMap<u64, bool>,
+    /// Ids whose creating command did not run.
+    unborn: HashSet<u64>,
+}
+
+impl IdBook {
+    /// Takes the queued frees, to lead the next message.
+    pub(super) fn take_queued(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.queued)
+    }
+
+    /// Whether frees are queued.
+    pub(super) fn has_queued(&self) -> bool {
+        !self.queued.is_empty()
+    }
+
+    /// `sent` goes out now: its creations are pending until its reply.
+    pub(super) fn sending(&mut self, sent: &Sent) {
+        for &(_, id) in &sent.created {
+            self.pending.insert(id, false);
+        }
+    }
+
+    /// The free of `id`: true when it was queued (it exists), false when
+    /// it waits for a reply or was dropped (the id never existed).
+    pub(super) fn free(&mut self, id: u64) -> bool {
+        if let Some(freed) = self.pending.get_mut(&id) {
+            *freed = true;
+            return false;
+        }
+        if self.unborn.remove(&id) {
+            return false;
+        }
+        self.queued.push(id);
+        true
+    }
+
+    /// The reply of `sent` says `ran`: creations that ran exist (their
+    /// frees asked meanwhile are queued), the others are unborn; frees
+    /// that did not run are asked again. True when frees were queued.
+    pub(super) fn settle(&mut self, sent: &Sent, ran: Ran) -> bool {
+        let mut queued = false;
+        for &(at, id) in &sent.created {
+            let freed = self.pending.remove(&id).unwrap_or(false);
+            match (at < ran.completed, freed) {
+                (true, true) => {
+                    self.queued.push(id);
+                    queued = true;
+                }
+                (true, false) => {}
+                (false, true) => {}
+                (false, false) => {
+                    self.unborn.insert(id);
+                }
+            }
+        }
+        for &(at, id) in &sent.freed {
+            if at >= ran.completed && Some(at) != ran.refused {
+                queued |= self.free(id);
+            }
+        }
+        queued
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn alloc(id: u64) -> RemoteCommand {
+        RemoteCommand::Alloc {
+            stream: 0,
+            id,
+            bytes: 4,
+        }
+    }
+
+    fn free(id: u64) -> RemoteCommand {
+        RemoteCommand::Free { stream: 0, id }
+    }
+
+    fn record(event: u64) -> RemoteCommand {
+        RemoteCommand::Record { stream: 0, event }
+    }
+
+    fn all(n: u32) -> Ran {
+        Ran {
+            completed: n,
+            refused: None,
+        }
+    }
+
+    #[test]
+    fn a_submission_that_ran_leaves_its_ids_and_frees_them_once() {
+        let mut book = IdBook::default();
+        let sent = Sent::of(&[], &[alloc(1), alloc(2), free(2)]);
+        book.sending(&sent);
+        // Dropped before the reply: the free waits for it.
+        assert!(!book.free(1));
+        assert!(book.take_queued().is_empty());
+        assert!(book.settle(&sent, all(3)));
+        assert_eq!(book.take_queued(), [1]);
+        // Later frees go straight out.
+        assert!(book.free(7));
+        assert_eq!(book.take_queued(), [7]);
+    }
+
+    #[test]
+    fn ids_whose_creation_did_not_run_are_never_freed() {
+        let mut book = IdBook::default();
+        // A batch refused whole (a module that does not compile).
+        let sent = Sent::of(&[], &[alloc(1), record(2), alloc(3)]);
+        book.sending(&sent);
+        assert!(!book.free(3), "waits for the reply");
+        assert!(!book.settle(&sent, Ran::NOTHING));
+        assert!(!book.free(1));
+        assert!(!book.free(2));
+        assert!(book.take_queued().is_empty());
+        // Forgotten once dropped: a reused number is an id again.
+        assert!(book.free(1));
+    }
+
+    #[test]
+    fn a_batch_stopped_midway_keeps_what_ran_and_asks_its_frees_again() {
+        let mut book = IdBook::default();
+        book.free(10);
+        book.free(11);
+        let queued = book.take_queued();
+        // Free 10, free 11, alloc 1, alloc 2 (refused), free 1, free 12.
+        let sent = Sent::of(&queued, &[alloc(1), alloc(2), free(1), free(12)]);
+        book.sending(&sent);
+        let ran = Ran {
+            completed: 3,
+            refused: Some(3),
+        };
+        assert!(book.settle(&sent, ran));
+        // 1 exists (its free did not run), 12 exists; 2 never did.
+        assert_eq!(book.take_queued(), [1, 12]);
+        assert!(!book.free(2));
+        assert!(book.take_queued().is_empty());
+    }
+
+    #[test]
+    fn frees_leading_a_refused_batch_are_sent_again_but_not_the_refused_one() {
+        let mut book = IdBook::default();
+        for id in [10, 11, 12] {
+            book.free(id);
+        }
+        let queued = book.take_queued();
+        let sent = Sent::of(&queued, &[]);
+        // Free 11 was refused: 10 ran, 11 cannot run, 12 must go again.
+        let ran = Ran {
+            completed: 1,
+            refused: Some(1),
+        };
+        assert!(book.settle(&sent, ran));
+        assert_eq!(book.take_queued(), [12]);
+        // Nothing ran at all: all of them again.
+        let sent = Sent::of(&[12], &[]);
+        assert!(book.settle(&sent, Ran::NOTHING));
+        assert_eq!(book.take_queued(), [12]);
+    }
+
+    #[test]
+    fn an_event_is_created_by_its_first_record() {
+        let sent = Sent::of(&[5], &[record(1), record(1), free(1)]);
+        assert_eq!(sent.created, [(1, 1)]);
+        assert_eq!(sent.freed, [(0, 5), (3, 1)]);
+    }
+}
