@@ -95,46 +95,7 @@ fn run(out: &Path) -> Result<()> {
     } else {
         None
     };
-    let report = match &local {
-        Some((fx, _)) => {
-            let (major, minor) = fx.info.compute_capability;
-            println!(
-                "device: {} (sm_{major}{minor}, driver {}, kernels from {}, REPORT_SCALE={})",
-                fx.info.name,
-                fx.driver_version
-                    .map_or_else(|| "?".into(), |v| v.to_string()),
-                fx.kernels.source,
-                cfg.scale
-            );
-            Report {
-                device: fx.info.name.clone(),
-                compute_capability: Some(fx.info.compute_capability),
-                driver_version: fx.driver_version,
-                kernels: fx.kernels.source,
-                scale: cfg.scale,
-                unix_time: Report::now_unix(),
-                wall_s: 0.0,
-                rows: Vec::new(),
-            }
-        }
-        None => {
-            println!(
-                "device: none here (remote topics only, on the node's {}), REPORT_SCALE={}",
-                remote.device_kind(),
-                cfg.scale
-            );
-            Report {
-                device: format!("remote {}", remote.device_kind()),
-                compute_capability: None,
-                driver_version: None,
-                kernels: "-",
-                scale: cfg.scale,
-                unix_time: Report::now_unix(),
-                wall_s: 0.0,
-                rows: Vec::new(),
-            }
-        }
-    };
+    let report = new_report(local.as_ref().map(|(fx, _)| &**fx), &remote, &cfg);
     let progress = Arc::new(Mutex::new(Progress {
         report,
         group: "setup",
@@ -190,6 +151,51 @@ fn run(out: &Path) -> Result<()> {
         p.report.wall_s
     );
     Ok(())
+}
+
+/// The report's header: the local GPU's, or with remote topics alone the
+/// node's device (printed to stdout), and no rows yet.
+fn new_report(fx: Option<&Fixture>, remote: &Remote, cfg: &Config) -> Report {
+    match fx {
+        Some(fx) => {
+            let (major, minor) = fx.info.compute_capability;
+            println!(
+                "device: {} (sm_{major}{minor}, driver {}, kernels from {}, REPORT_SCALE={})",
+                fx.info.name,
+                fx.driver_version
+                    .map_or_else(|| "?".into(), |v| v.to_string()),
+                fx.kernels.source,
+                cfg.scale
+            );
+            Report {
+                device: fx.info.name.clone(),
+                compute_capability: Some(fx.info.compute_capability),
+                driver_version: fx.driver_version,
+                kernels: fx.kernels.source,
+                scale: cfg.scale,
+                unix_time: Report::now_unix(),
+                wall_s: 0.0,
+                rows: Vec::new(),
+            }
+        }
+        None => {
+            println!(
+                "device: none here (remote topics only, on the node's {}), REPORT_SCALE={}",
+                remote.device_kind(),
+                cfg.scale
+            );
+            Report {
+                device: format!("remote {}", remote.device_kind()),
+                compute_capability: None,
+                driver_version: None,
+                kernels: "-",
+                scale: cfg.scale,
+                unix_time: Report::now_unix(),
+                wall_s: 0.0,
+                rows: Vec::new(),
+            }
+        }
+    }
 }
 
 /// The remote topics' node: started by the first remote topic, shared by
