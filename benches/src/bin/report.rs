@@ -19,6 +19,9 @@
 //! - `REPORT_REMOTE_SPIN_US`: the workers' pipe spin budget.
 //! - `REPORT_REMOTE_IN_TASK=1`: measure the remote rows from a task on the
 //!   runtime instead of `block_on`'s thread.
+//! - `CUDA_LEASE_HOP_TIMES=1` (or `RUST_LOG=cuda_lease::hop=trace`): the
+//!   remote requests' hop spans on stderr, with a `hop=bench-remote` mark
+//!   per timed chain and launch (`cuda-lease/scripts/hop-timeline`).
 //! - `REPORT_TIMEOUT_S` (default 300): past this, the report prints and
 //!   writes what it has and exits with status 3.
 //!
@@ -45,6 +48,9 @@ const USAGE: &str = "usage: bench-report OUT.json   \
 fn main() -> ExitCode {
     // The remote topics' node starts its workers from this program.
     cuda_lease::main_if_worker();
+    // Hop spans of the remote topics (CUDA_LEASE_HOP_TIMES=1, or
+    // RUST_LOG=cuda_lease::hop=trace).
+    cuda_lease::hops::init_from_env();
     let Some(out) = std::env::args_os().nth(1).map(PathBuf::from) else {
         eprintln!("{USAGE}");
         return ExitCode::from(2);
