@@ -36,8 +36,8 @@ pub const COPY_BYTES: usize = 256 << 20;
 /// Independent kernels per run of the multi-GPU comparison.
 pub const MULTI_KERNELS: usize = 16;
 
-/// The report's topics, in the order they run.
-pub const GROUPS: [&str; 8] = [
+/// The report's local topics (they need a GPU here), in the order they run.
+pub const LOCAL_GROUPS: [&str; 8] = [
     "overhead",
     "await_latency",
     "throughput",
@@ -48,13 +48,31 @@ pub const GROUPS: [&str; 8] = [
     "multi_gpu",
 ];
 
+/// Every topic of the report, in the order they run: the local ones, then
+/// the remote ones ([`crate::remote::TOPICS`]).
+pub const GROUPS: [&str; 12] = [
+    "overhead",
+    "await_latency",
+    "throughput",
+    "completion",
+    "zip",
+    "graph",
+    "copies",
+    "multi_gpu",
+    "remote_alloc",
+    "remote",
+    "remote_chain",
+    "remote_launch",
+];
+
 /// Run-size settings, from the environment.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     /// Multiplies every rep and batch count (`REPORT_SCALE`, default 1;
     /// 0.1 for a quick look). Counts never drop below a small floor.
     pub scale: f64,
-    /// Only these topics (`REPORT_ONLY=overhead,zip`); all when `None`.
+    /// Only these topics (`REPORT_ONLY=overhead,zip`); when `None`, all
+    /// but those that run only on request ([`crate::remote::ON_REQUEST`]).
     pub only: Option<Vec<String>>,
 }
 
@@ -91,6 +109,8 @@ impl Config {
     /// let c = benches::Config::parse(Some("0.5"), Some("zip, copies")).unwrap();
     /// assert_eq!(c.reps(1000, 10), 500);
     /// assert!(c.wants("zip") && !c.wants("graph"));
+    /// let all = benches::Config::parse(None, None).unwrap();
+    /// assert!(all.wants("remote") && !all.wants("remote_chain"));
     /// assert!(benches::Config::parse(Some("-1"), None).is_err());
     /// ```
     pub fn parse(scale: Option<&str>, only: Option<&str>) -> Result<Self> {
@@ -127,9 +147,20 @@ impl Config {
 
     /// Whether topic `group` is to run.
     pub fn wants(&self, group: &str) -> bool {
-        self.only
-            .as_ref()
-            .is_none_or(|o| o.iter().any(|g| g == group))
+        match &self.only {
+            Some(o) => o.iter().any(|g| g == group),
+            None => !crate::remote::ON_REQUEST.contains(&group),
+        }
+    }
+
+    /// Whether a topic that needs a GPU here (not a remote one) is to run.
+    pub fn wants_local(&self) -> bool {
+        LOCAL_GROUPS.iter().any(|g| self.wants(g))
+    }
+
+    /// Whether a remote topic is to run.
+    pub fn wants_remote(&self) -> bool {
+        crate::remote::TOPICS.iter().any(|g| self.wants(g))
     }
 }
 

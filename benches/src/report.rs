@@ -21,6 +21,9 @@ pub enum Unit {
     OpsPerSec,
     /// Gigabytes (1e9 bytes) per second (higher is better).
     GBps,
+    /// Gibibytes (2^30 bytes) per second (higher is better): the remote
+    /// rows' unit.
+    GiBps,
     /// Percent of one CPU core (lower is better).
     PercentCore,
 }
@@ -28,7 +31,7 @@ pub enum Unit {
 impl Unit {
     /// Whether a larger value is better (a rate).
     pub fn higher_is_better(self) -> bool {
-        matches!(self, Unit::OpsPerSec | Unit::GBps)
+        matches!(self, Unit::OpsPerSec | Unit::GBps | Unit::GiBps)
     }
 
     /// The unit's short name (in the JSON file).
@@ -38,6 +41,7 @@ impl Unit {
             Unit::Millis => "ms",
             Unit::OpsPerSec => "ops/s",
             Unit::GBps => "GB/s",
+            Unit::GiBps => "GiB/s",
             Unit::PercentCore => "% of a core",
         }
     }
@@ -57,6 +61,7 @@ impl Unit {
             Unit::OpsPerSec if v >= 1e3 => format!("{:.1}k ops/s", v / 1e3),
             Unit::OpsPerSec => format!("{v:.0} ops/s"),
             Unit::GBps => format!("{v:.2} GB/s"),
+            Unit::GiBps => format!("{v:.2} GiB/s"),
             Unit::PercentCore => format!("{v:.3} % of a core"),
             Unit::Micros | Unit::Millis if v >= 100.0 => format!("{v:.1} {}", self.name()),
             Unit::Micros | Unit::Millis => format!("{v:.2} {}", self.name()),
@@ -209,13 +214,15 @@ impl Row {
 /// Everything one report run produced.
 #[derive(Debug, Clone)]
 pub struct Report {
-    /// The GPU's name.
+    /// The GPU's name; with no local topic, the remote node's device.
     pub device: String,
-    /// Its compute capability.
-    pub compute_capability: (u32, u32),
+    /// Its compute capability; `None` with no local topic (no GPU used
+    /// here).
+    pub compute_capability: Option<(u32, u32)>,
     /// `cuDriverGetVersion`.
     pub driver_version: Option<i32>,
-    /// Where the kernels came from (`ptx` or `nvrtc`).
+    /// Where the kernels came from (`ptx` or `nvrtc`; `-` with no local
+    /// topic).
     pub kernels: &'static str,
     /// The `REPORT_SCALE` the run used.
     pub scale: f64,
@@ -280,12 +287,11 @@ impl Report {
     /// and verdict (`pass`: `null` without a goal or a ratio).
     pub fn json(&self) -> String {
         let mut s = String::from("{\n");
-        let cc = format!(
-            "{}.{}",
-            self.compute_capability.0, self.compute_capability.1
-        );
+        let cc = self
+            .compute_capability
+            .map_or_else(|| "null".into(), |(a, b)| json_str(&format!("{a}.{b}")));
         let _ = writeln!(s, "  \"device\": {},", json_str(&self.device));
-        let _ = writeln!(s, "  \"compute_capability\": {},", json_str(&cc));
+        let _ = writeln!(s, "  \"compute_capability\": {cc},");
         let _ = writeln!(
             s,
             "  \"driver_version\": {},",
@@ -446,7 +452,7 @@ mod tests {
     fn markdown_has_the_columns_and_marks_missing_sides() {
         let rep = Report {
             device: "Test GPU".into(),
-            compute_capability: (9, 0),
+            compute_capability: Some((9, 0)),
             driver_version: Some(12080),
             kernels: "ptx",
             scale: 1.0,

@@ -1,15 +1,28 @@
 //! `bench-report OUT.json`: runs every comparison of `cuda-async` against
-//! raw cudarc in one process (warm-up, then interleaved reps, medians),
-//! prints the device and a markdown table (metric | raw | cuda-async |
-//! ratio | goal | pass/fail) to stdout, and writes the same as JSON to
-//! `OUT.json`. Progress goes to stderr.
+//! raw cudarc, and of the lease node against raw quinn, in one process
+//! (warm-up, then interleaved reps, medians), prints the device and a
+//! markdown table (metric | raw | cuda-async | ratio | goal | pass/fail)
+//! to stdout, and writes the same as JSON to `OUT.json`. Progress goes to
+//! stderr.
 //!
 //! Environment:
 //! - `REPORT_SCALE` (default 1): multiplies every rep count (0.1 for a
 //!   quick look; counts have floors).
-//! - `REPORT_ONLY` (default all): comma-separated topics among
-//!   `overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu`.
-//! - `REPORT_TIMEOUT_S` (default 170): past this, the report prints and
+//! - `REPORT_ONLY` (default all but `remote_chain,remote_launch`):
+//!   comma-separated topics among
+//!   `overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu`
+//!   (local: GPU 0 here) and `remote_alloc,remote,remote_chain,remote_launch`
+//!   (a lease node embedded in this process, on loopback; see
+//!   `benches::remote`). A run of remote topics alone needs no GPU here.
+//! - `REPORT_REMOTE_DEVICE` (default `cuda`): `memory` has the node's
+//!   workers drive the in-memory device instead of GPU 0 (no GPU needed).
+//! - `REPORT_REMOTE_SPIN_US`: the workers' pipe spin budget.
+//! - `REPORT_REMOTE_IN_TASK=1`: measure the remote rows from a task on the
+//!   runtime instead of `block_on`'s thread.
+//! - `CUDA_LEASE_HOP_TIMES=1` (or `RUST_LOG=cuda_lease::hop=trace`): the
+//!   remote requests' hop spans on stderr, with a `hop=bench-remote` mark
+//!   per timed chain and launch (`cuda-lease/scripts/hop-timeline`).
+//! - `REPORT_TIMEOUT_S` (default 300): past this, the report prints and
 //!   writes what it has and exits with status 3.
 //!
 //! Exit status: 0 when the report was written (whether or not every goal
@@ -23,14 +36,21 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use benches::measure::{self, GROUPS};
+use benches::remote::{self, RemoteConfig};
 use benches::report::Report;
 use benches::{Config, Fixture, Result, Row};
 
 const USAGE: &str = "usage: bench-report OUT.json   \
-    (env: REPORT_SCALE=1, REPORT_ONLY=overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu, \
-    REPORT_TIMEOUT_S=170)";
+    (env: REPORT_SCALE=1, REPORT_ONLY=overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu,\
+    remote_alloc,remote[,remote_chain,remote_launch], REPORT_REMOTE_DEVICE=cuda|memory, \
+    REPORT_REMOTE_SPIN_US, REPORT_REMOTE_IN_TASK=1, REPORT_TIMEOUT_S=300)";
 
 fn main() -> ExitCode {
+    // The remote topics' node starts its workers from this program.
+    cuda_lease::main_if_worker();
+    // Hop spans of the remote topics (CUDA_LEASE_HOP_TIMES=1, or
+    // RUST_LOG=cuda_lease::hop=trace).
+    cuda_lease::hops::init_from_env();
     let Some(out) = std::env::args_os().nth(1).map(PathBuf::from) else {
         eprintln!("{USAGE}");
         return ExitCode::from(2);
@@ -65,31 +85,25 @@ fn run(out: &Path) -> Result<()> {
             .ok_or_else(|| {
                 format!("REPORT_TIMEOUT_S must be a positive number of seconds, got `{s}`")
             })?,
-        Err(_) => 170.0,
+        Err(_) => 300.0,
     };
     let started = Instant::now();
-    let fx = Arc::new(Fixture::new()?);
-    let (major, minor) = fx.info.compute_capability;
-    println!(
-        "device: {} (sm_{major}{minor}, driver {}, kernels from {}, REPORT_SCALE={})",
-        fx.info.name,
-        fx.driver_version
-            .map_or_else(|| "?".into(), |v| v.to_string()),
-        fx.kernels.source,
-        cfg.scale
-    );
-    let rt = benches::tokio_runtime()?;
-    let progress = Arc::new(Mutex::new(Progress {
-        report: Report {
-            device: fx.info.name.clone(),
-            compute_capability: fx.info.compute_capability,
-            driver_version: fx.driver_version,
-            kernels: fx.kernels.source,
-            scale: cfg.scale,
-            unix_time: Report::now_unix(),
-            wall_s: 0.0,
-            rows: Vec::new(),
+    let mut remote = Remote {
+        cfg: if cfg.wants_remote() {
+            Some(RemoteConfig::from_env(&cfg)?)
+        } else {
+            None
         },
+        bench: None,
+    };
+    let mut local = if cfg.wants_local() {
+        Some((Arc::new(Fixture::new()?), benches::tokio_runtime()?))
+    } else {
+        None
+    };
+    let report = new_report(local.as_ref().map(|(fx, _)| &**fx), &remote, &cfg);
+    let progress = Arc::new(Mutex::new(Progress {
+        report,
         group: "setup",
     }));
     spawn_deadline(
@@ -103,7 +117,14 @@ fn run(out: &Path) -> Result<()> {
         lock(&progress).group = group;
         eprintln!("[bench-report] {group} ...");
         let t = Instant::now();
-        let rows = match catch_unwind(AssertUnwindSafe(|| run_group(group, &fx, &rt, &cfg))) {
+        if remote::TOPICS.contains(&group) {
+            // The local topics are done: their GPU context, streams and
+            // threads go before the remote rows are measured.
+            local = None;
+        }
+        let rows = match catch_unwind(AssertUnwindSafe(|| {
+            run_group(group, local.as_ref(), &mut remote, &cfg)
+        })) {
             Ok(Ok(rows)) => rows,
             Ok(Err(e)) => vec![Row::error(group, e)],
             Err(p) => vec![Row::error(group, format!("panicked: {}", panic_text(&*p)))],
@@ -116,9 +137,16 @@ fn run(out: &Path) -> Result<()> {
             "[bench-report] {group} done in {:.1} s",
             t.elapsed().as_secs_f64()
         );
-        lock(&progress).report.rows.extend(rows);
+        let mut p = lock(&progress);
+        p.report.rows.extend(rows);
+        if let (None, Some(Ok(bench))) = (p.report.compute_capability, &remote.bench) {
+            p.report.device = format!("remote: {}", bench.device());
+        }
     }
 
+    if let Some(Ok(bench)) = remote.bench.take() {
+        bench.shutdown();
+    }
     let mut p = lock(&progress);
     p.report.wall_s = started.elapsed().as_secs_f64();
     p.report.unix_time = Report::now_unix();
@@ -131,12 +159,92 @@ fn run(out: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The report's header: the local GPU's, or with remote topics alone the
+/// node's device (printed to stdout), and no rows yet.
+fn new_report(fx: Option<&Fixture>, remote: &Remote, cfg: &Config) -> Report {
+    match fx {
+        Some(fx) => {
+            let (major, minor) = fx.info.compute_capability;
+            println!(
+                "device: {} (sm_{major}{minor}, driver {}, kernels from {}, REPORT_SCALE={})",
+                fx.info.name,
+                fx.driver_version
+                    .map_or_else(|| "?".into(), |v| v.to_string()),
+                fx.kernels.source,
+                cfg.scale
+            );
+            Report {
+                device: fx.info.name.clone(),
+                compute_capability: Some(fx.info.compute_capability),
+                driver_version: fx.driver_version,
+                kernels: fx.kernels.source,
+                scale: cfg.scale,
+                unix_time: Report::now_unix(),
+                wall_s: 0.0,
+                rows: Vec::new(),
+            }
+        }
+        None => {
+            println!(
+                "device: none here (remote topics only, on the node's {}), REPORT_SCALE={}",
+                remote.device_kind(),
+                cfg.scale
+            );
+            Report {
+                device: format!("remote {}", remote.device_kind()),
+                compute_capability: None,
+                driver_version: None,
+                kernels: "-",
+                scale: cfg.scale,
+                unix_time: Report::now_unix(),
+                wall_s: 0.0,
+                rows: Vec::new(),
+            }
+        }
+    }
+}
+
+/// The remote topics' node: started by the first remote topic, shared by
+/// the others.
+struct Remote {
+    cfg: Option<RemoteConfig>,
+    bench: Option<std::result::Result<remote::Bench, String>>,
+}
+
+impl Remote {
+    /// The node's device, in words.
+    fn device_kind(&self) -> &'static str {
+        match &self.cfg {
+            Some(c) if c.memory() => "memory device",
+            _ => "GPU 0",
+        }
+    }
+
+    /// The started node; starts it on the first call.
+    fn bench(&mut self) -> Result<&remote::Bench> {
+        if self.bench.is_none() {
+            let cfg = self.cfg.clone().ok_or("no remote topic was asked for")?;
+            eprintln!("[bench-report] starting the lease node ...");
+            self.bench = Some(remote::Bench::start(cfg).map_err(|e| e.to_string()));
+        }
+        match &self.bench {
+            Some(Ok(b)) => Ok(b),
+            Some(Err(e)) => Err(format!("the lease node did not start: {e}").into()),
+            None => unreachable!("started above"),
+        }
+    }
+}
+
 fn run_group(
     group: &str,
-    fx: &Arc<Fixture>,
-    rt: &tokio::runtime::Runtime,
+    local: Option<&(Arc<Fixture>, tokio::runtime::Runtime)>,
+    remote: &mut Remote,
     cfg: &Config,
 ) -> Result<Vec<Row>> {
+    if remote::TOPICS.contains(&group) {
+        return remote.bench()?.run(group);
+    }
+    let (fx, rt) = local.ok_or("no local GPU fixture")?;
     match group {
         "overhead" => measure::overhead(fx, cfg),
         "await_latency" => measure::await_latency(fx, rt, cfg),

@@ -1,0 +1,594 @@
+//! The rows of awaited ops on a lease through cuda-async's remote backend:
+//! the 20-op chain, one launch on kept buffers, `h2d` / `d2h` of the bulk
+//! size and (with a GPU) a `zip` of two 1 ms spins; remote against local
+//! where a GPU is here, both against the raw round trip.
+//!
+//! The chain and launch rows measure their own raw round trips (64 B, and a
+//! request/reply of the chain's sizes) interleaved with the remote and the
+//! local path, in blocks of each in turn, so all of them see the same host.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cuda_async::prelude::*;
+use cuda_async::{DeviceBuffer, HostBuffer, Kernel, Module, RemotePolicy, StreamPoolRoundRobin};
+use cuda_lease::baseline::RawQuinn;
+use cuda_lease::client::Lease;
+use cuda_lease::hops;
+use cuda_lease::remote::LeaseSession;
+
+use super::transfers::Raw;
+use super::{detail, difference, rates, size_label, times, Ctx};
+use crate::report::{Goal, Row, Unit};
+use crate::stats::Summary;
+use crate::Result;
+
+/// About the bytes the 20-op chain's message carries (29 commands, 1267 B
+/// of body, plus 1 KiB written and the header) and its reply (1 KiB read,
+/// plus the reply's header and body), measured 2026-11-23.
+const CHAIN_OUT: usize = 2320;
+const CHAIN_BACK: usize = 1060;
+/// Runs of one path in a row in the chain rows' measurement.
+const CHAIN_BLOCK: usize = 25;
+/// Runs dropped at the start of each block.
+const CHAIN_SETTLE: usize = 5;
+/// At most this many chains per path are kept in the `remote` topic.
+const CHAIN_ITERS: usize = 500;
+
+/// The 20-op chain's kernel.
+const AXPY: &str = r#"
+extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+"#;
+
+/// h2d, zeros, 17 launches, d2h: 20 ops, one submission.
+fn chain(axpy: &Kernel, x: Arc<Vec<f32>>) -> impl DeviceOp<Output = HostBuffer<f32>> {
+    let n = x.len() as u32;
+    let mut op = h2d(x.to_vec())
+        .map(Arc::new)
+        .zip(zeros::<f32>(n as usize))
+        .boxed();
+    for _ in 0..17 {
+        let k = axpy.clone();
+        op = op
+            // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
+            .then(move |(x, y)| unsafe {
+                launch(
+                    &k,
+                    cuda_async::LaunchConfig::for_num_elems(n),
+                    (0.5f32, x, y, n),
+                )
+            })
+            .map(|(_, x, y, _)| (x, y))
+            .boxed();
+    }
+    op.then(|(_, y)| d2h(y))
+}
+
+/// The awaited 20-op chain, remote and (with a GPU) local, one awaited
+/// launch, `h2d` and `d2h` of the bulk size, and (with a GPU) one remote
+/// 1 ms spin and a remote zip of two.
+#[derive(Debug)]
+pub(super) struct ChainRows {
+    times: ChainTimes,
+    spins: Option<(Vec<Duration>, Vec<Duration>)>,
+    /// The bulk size and the times of awaited `h2d` and `d2h` of it.
+    bytes: u64,
+    up: Vec<Duration>,
+    down: Vec<Duration>,
+    /// One awaited launch on kept buffers: remote, and local with a GPU.
+    op_remote: Vec<Duration>,
+    op_local: Option<Vec<Duration>>,
+}
+
+/// One awaited `axpy` launch on buffers made beforehand, `iters` times
+/// after 50 not kept.
+async fn time_one_op<P: SchedulingPolicy>(
+    policy: &P,
+    axpy: &Kernel,
+    iters: usize,
+) -> Result<Vec<Duration>> {
+    let mut kept = KeptLaunch::new("op", policy, axpy).await?;
+    let mut v = Vec::with_capacity(iters);
+    for i in 0..iters + 50 {
+        let d = kept.time(policy).await?;
+        if i >= 50 {
+            v.push(d);
+        }
+    }
+    Ok(v)
+}
+
+/// One `axpy` launch on buffers made beforehand, timed awaited.
+struct KeptLaunch {
+    /// `remote` or `local`: the hop time line's label.
+    label: &'static str,
+    axpy: Kernel,
+    x: Arc<DeviceBuffer<f32>>,
+    y: Option<DeviceBuffer<f32>>,
+}
+
+impl KeptLaunch {
+    const N: u32 = 256;
+
+    async fn new<P: SchedulingPolicy + ?Sized>(
+        label: &'static str,
+        policy: &P,
+        axpy: &Kernel,
+    ) -> Result<Self> {
+        let n = Self::N as usize;
+        Ok(KeptLaunch {
+            label,
+            axpy: axpy.clone(),
+            x: Arc::new(h2d(vec![1.0f32; n]).schedule(policy)?.await?),
+            y: Some(zeros::<f32>(n).schedule(policy)?.await?),
+        })
+    }
+
+    async fn time<P: SchedulingPolicy + ?Sized>(&mut self, policy: &P) -> Result<Duration> {
+        let t = Instant::now();
+        // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
+        let fut = unsafe {
+            launch(
+                &self.axpy,
+                cuda_async::LaunchConfig::for_num_elems(Self::N),
+                (0.5f32, self.x.clone(), self.y.take().expect("y"), Self::N),
+            )
+        }
+        .schedule(policy)?;
+        let (_, _, back, _) = if hops::enabled() {
+            timed(fut, self.label).await?
+        } else {
+            fut.await?
+        };
+        let d = t.elapsed();
+        self.y = Some(back);
+        Ok(d)
+    }
+}
+
+/// Awaited `h2d` and `d2h` of `size` bytes on `remote`, `iters` of each
+/// after one not kept.
+async fn transfer_ops(
+    remote: &RemotePolicy,
+    size: u64,
+    iters: usize,
+) -> Result<(Vec<Duration>, Vec<Duration>)> {
+    let data = vec![7u8; size as usize];
+    let (mut up, mut down) = (Vec::new(), Vec::new());
+    for i in 0..=iters {
+        let t = Instant::now();
+        let buf = h2d(data.as_slice()).schedule(remote)?.await?;
+        let u = t.elapsed();
+        let t = Instant::now();
+        let back = d2h(&buf).schedule(remote)?.await?;
+        let d = t.elapsed();
+        if back.as_slice()?[size as usize - 1] != 7 {
+            return Err("`d2h` returned other bytes than `h2d` wrote".into());
+        }
+        if i > 0 {
+            up.push(u);
+            down.push(d);
+        }
+    }
+    Ok((up, down))
+}
+
+const SPIN: &str = r#"
+extern "C" __global__ void spin(unsigned long long ns, unsigned long long* stamps) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    t = t0;
+    while (t - t0 < ns) { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); }
+    if (threadIdx.x == 0 && blockIdx.x == 0) { stamps[0] = t0; stamps[1] = t; }
+}
+"#;
+
+fn spin_op(k: &Kernel) -> impl DeviceOp<Output = HostBuffer<u64>> {
+    let k = k.clone();
+    zeros::<u64>(2)
+        // SAFETY: spin writes stamps[0..2) of a 2-element buffer.
+        .then(move |s| unsafe {
+            launch(
+                &k,
+                cuda_async::LaunchConfig::for_num_elems(1),
+                (1_000_000u64, s),
+            )
+        })
+        .then(|(_, s)| d2h(s))
+}
+
+/// One remote 1 ms spin and a remote zip of two, 50 of each after 10 not
+/// kept.
+async fn spin_rows(remote: &RemotePolicy) -> Result<(Vec<Duration>, Vec<Duration>)> {
+    let k = Module::cuda(SPIN, &[])?.kernel("spin")?;
+    let (mut one, mut two) = (Vec::new(), Vec::new());
+    for i in 0..60 {
+        let t = Instant::now();
+        spin_op(&k).schedule(remote)?.await?;
+        let a = t.elapsed();
+        let t = Instant::now();
+        spin_op(&k).zip(spin_op(&k)).schedule(remote)?.await?;
+        let b = t.elapsed();
+        if i >= 10 {
+            one.push(a);
+            two.push(b);
+        }
+    }
+    Ok((one, two))
+}
+
+/// One awaited chain on `policy` (checked), timed.
+async fn one_chain<P: SchedulingPolicy + ?Sized>(
+    label: &str,
+    policy: &P,
+    axpy: &Kernel,
+    x: &Arc<Vec<f32>>,
+) -> Result<Duration> {
+    let t = Instant::now();
+    let out = if hops::enabled() {
+        timed(chain(axpy, x.clone()).schedule(policy)?, label).await?
+    } else {
+        chain(axpy, x.clone()).schedule(policy)?.await?
+    };
+    let d = t.elapsed();
+    if out.as_slice()?[1] != 17.0 * 0.5 * x[1] {
+        return Err(format!("the chain's result on the {label} path is wrong").into());
+    }
+    Ok(d)
+}
+
+/// The chain rows' four paths, measured interleaved so they see the same
+/// host: the raw 64 B round trip, a raw request/reply of the chain's sizes,
+/// the chain on the lease and (with a GPU) on the local GPU. Each round
+/// runs a block of [`CHAIN_BLOCK`] of each path, in rotating order, and
+/// drops the first [`CHAIN_SETTLE`] of each block: one of each in turn
+/// made every path pay for the one before it (on an H100 host the local
+/// chain took 0.21 ms instead of 0.12-0.15, the raw round trip 0.15-0.18 ms
+/// instead of 0.1-0.12: the GPU switching between the worker's and this
+/// process's contexts, and the worker's pipe spin).
+#[derive(Debug)]
+struct ChainTimes {
+    rtt: Vec<Duration>,
+    sized: Vec<Duration>,
+    remote: Vec<Duration>,
+    local: Option<Vec<Duration>>,
+}
+
+/// The order of an interleaved measurement of `paths` paths: rounds of a
+/// block of [`CHAIN_BLOCK`] of each path, the paths in rotating order, as
+/// `(path, keep)`; enough rounds to keep `iters` of each. Not kept: the
+/// first round (it warms everything up) and the first [`CHAIN_SETTLE`] of
+/// each block.
+fn interleaved(iters: usize, paths: usize) -> impl Iterator<Item = (usize, bool)> {
+    let rounds = iters.div_ceil(CHAIN_BLOCK - CHAIN_SETTLE) + 1;
+    (0..rounds).flat_map(move |round| {
+        (0..paths).flat_map(move |k| {
+            (0..CHAIN_BLOCK).map(move |j| ((round + k) % paths, round > 0 && j >= CHAIN_SETTLE))
+        })
+    })
+}
+
+async fn chain_times(
+    remote: &RemotePolicy,
+    local: Option<&StreamPoolRoundRobin>,
+    axpy: &Kernel,
+    iters: usize,
+) -> Result<ChainTimes> {
+    let x = Arc::new(vec![2.0f32; 256]);
+    let raw = RawQuinn::start(1).await?;
+    let mut v: [Vec<Duration>; 4] = Default::default();
+    for (path, keep) in interleaved(iters, 4) {
+        let d = match path {
+            0 => raw.round_trip(64).await?,
+            1 => raw.request_reply(CHAIN_OUT, CHAIN_BACK).await?,
+            2 => one_chain("remote", remote, axpy, &x).await?,
+            _ => match local {
+                Some(l) => one_chain("local", l, axpy, &x).await?,
+                None => continue,
+            },
+        };
+        if keep {
+            v[path].push(d);
+        }
+    }
+    raw.close().await;
+    let [rtt, sized, remote, local] = v;
+    Ok(ChainTimes {
+        rtt,
+        sized,
+        remote,
+        local: (!local.is_empty()).then_some(local),
+    })
+}
+
+/// Awaits `fut`, printing a `hop=bench-LABEL` line (with hop timings on):
+/// its start on the host's clock, then the first poll (which records and
+/// sends the op) and the wait from it to the output, so
+/// `cuda-lease/scripts/hop-timeline` can lay the other hops out around it.
+async fn timed<F: Future + Unpin>(mut fut: F, label: &str) -> F::Output {
+    let at = hops::now_us();
+    let t = Instant::now();
+    let mut first = None;
+    let out = std::future::poll_fn(|cx| {
+        let r = std::pin::Pin::new(&mut fut).poll(cx);
+        first.get_or_insert_with(|| t.elapsed());
+        r
+    })
+    .await;
+    let first = first.unwrap_or_default();
+    hops::emit(format!(
+        "hop=bench-{label} op=Chain bytes=0 at_us={at} first_poll_us={} wait_us={}",
+        first.as_micros(),
+        t.elapsed().saturating_sub(first).as_micros()
+    ));
+    out
+}
+
+/// `remote_chain`: the raw 64 B round trip and the chain rows alone (no
+/// bulk transfers), e.g. to profile the node's command path.
+pub(super) async fn chain_only(ctx: &Ctx) -> Result<Vec<Row>> {
+    let setup = ChainSetup::new(ctx, 64 << 20, ctx.cfg.iters).await?;
+    setup.lease.free().await?;
+    Ok(chain_rows("remote_chain", &setup.times))
+}
+
+/// `remote_launch`: one awaited launch on kept buffers, remote and (with a
+/// GPU) local, against the raw 64 B round trip, interleaved in blocks as
+/// the chain rows are: the submission's fixed cost, with no bulk bytes.
+pub(super) async fn launch_only(ctx: &Ctx) -> Result<Vec<Row>> {
+    let axpy = Module::cuda(AXPY, &[])?.kernel("axpy")?;
+    let lease = Lease::builder()
+        .min_vram(64 << 20)
+        .ttl(Duration::from_secs(120))
+        .on(ctx.client.clone())
+        .await?;
+    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let local = local_policy(&axpy, ctx.cfg.memory())?;
+    let raw = RawQuinn::start(1).await?;
+    let mut on_remote = KeptLaunch::new("remote", &remote, &axpy).await?;
+    let mut on_local = match &local {
+        Some(l) => Some(KeptLaunch::new("local", l.as_ref(), &axpy).await?),
+        None => None,
+    };
+    let mut v: [Vec<Duration>; 3] = Default::default();
+    for (path, keep) in interleaved(ctx.cfg.iters, 3) {
+        let d = match path {
+            0 => raw.round_trip(64).await?,
+            1 => on_remote.time(&remote).await?,
+            _ => match (&mut on_local, &local) {
+                (Some(k), Some(l)) => k.time(l.as_ref()).await?,
+                _ => continue,
+            },
+        };
+        if keep {
+            v[path].push(d);
+        }
+    }
+    raw.close().await;
+    lease.free().await?;
+    let [rtt, r, l] = v;
+    let local = (!l.is_empty()).then_some(l.as_slice());
+    Ok(vec![launch_row("remote_launch", true, &rtt, &r, local)])
+}
+
+/// One awaited launch: remote - local (or remote alone, with no local
+/// GPU) against the raw 64 B round trip.
+fn launch_row(
+    group: &'static str,
+    interleaved: bool,
+    rtt: &[Duration],
+    remote: &[Duration],
+    local: Option<&[Duration]>,
+) -> Row {
+    let rtt = times(Unit::Micros, rtt);
+    let remote = times(Unit::Micros, remote);
+    let how = if interleaved { "interleaved; " } else { "" };
+    match (local.and_then(|l| times(Unit::Micros, l)), remote) {
+        (Some(l), Some(r)) => Row::new(
+            group,
+            format!(
+                "one awaited launch: remote - local vs 64 B request/reply{}",
+                if interleaved { " (interleaved)" } else { "" }
+            ),
+            Unit::Micros,
+        )
+        .raw(rtt)
+        .lib(Some(difference(r, l)))
+        .note(remote_local_note(r, l)),
+        _ => Row::new(
+            group,
+            format!("one awaited launch on the lease vs 64 B request/reply ({how}no local GPU: remote alone)"),
+            Unit::Micros,
+        )
+        .raw(rtt)
+        .lib(remote),
+    }
+}
+
+fn remote_local_note(r: Summary, l: Summary) -> String {
+    format!(
+        "cuda-async column: remote {:.1} us - local {:.1} us",
+        r.median, l.median
+    )
+}
+
+/// A lease of `vram` bytes with its remote policy, the kernel, and the
+/// chain rows' times measured on them.
+struct ChainSetup {
+    axpy: Kernel,
+    lease: Lease,
+    remote: RemotePolicy,
+    times: ChainTimes,
+}
+
+impl ChainSetup {
+    async fn new(ctx: &Ctx, vram: u64, iters: usize) -> Result<Self> {
+        let axpy = Module::cuda(AXPY, &[])?.kernel("axpy")?;
+        let lease = Lease::builder()
+            .min_vram(vram)
+            .ttl(Duration::from_secs(120))
+            .on(ctx.client.clone())
+            .await?;
+        let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+        let local = local_policy(&axpy, ctx.cfg.memory())?;
+        let times = chain_times(&remote, local.as_deref(), &axpy, iters).await?;
+        Ok(ChainSetup {
+            axpy,
+            lease,
+            remote,
+            times,
+        })
+    }
+}
+
+/// GPU 0's default policy with `axpy` loaded; `None` with the memory
+/// device (no GPU here).
+fn local_policy(axpy: &Kernel, memory: bool) -> Result<Option<Arc<StreamPoolRoundRobin>>> {
+    if memory {
+        return Ok(None);
+    }
+    axpy.load_on(&cuda_async::Device::new(0)?)?;
+    Ok(Some(cuda_async::default_policy()?))
+}
+
+/// The chain rows: remote - local against the raw 64 B round trip and
+/// against a raw request/reply of the chain's sizes, and that floor
+/// itself; with no local GPU, the remote chain against the round trip.
+fn chain_rows(group: &'static str, t: &ChainTimes) -> Vec<Row> {
+    let us = |v: &[Duration]| times(Unit::Micros, v);
+    let (rtt, sized, remote) = (us(&t.rtt), us(&t.sized), us(&t.remote));
+    detail(format_args!(
+        "20-op chain awaited on the lease: median {:.1} us; raw 64 B request/reply {:.1} us, \
+         of the chain's sizes ({CHAIN_OUT} B / {CHAIN_BACK} B) {:.1} us (interleaved)",
+        remote.map_or(f64::NAN, |s| s.median),
+        rtt.map_or(f64::NAN, |s| s.median),
+        sized.map_or(f64::NAN, |s| s.median),
+    ));
+    match (t.local.as_deref().and_then(us), remote) {
+        (Some(l), Some(r)) => {
+            let diff = difference(r, l);
+            vec![
+                Row::new(
+                    group,
+                    "20-op chain (h2d, zeros, 17 launches, d2h) awaited: remote - local vs 64 B request/reply (interleaved)",
+                    Unit::Micros,
+                )
+                .raw(rtt)
+                .lib(Some(diff))
+                .goal(Goal::AtMost(1.2))
+                .goal_from("issue 22")
+                .note(remote_local_note(r, l)),
+                Row::new(
+                    group,
+                    format!("20-op chain: remote - local vs a raw request/reply of the chain's own sizes ({CHAIN_OUT} B / {CHAIN_BACK} B)"),
+                    Unit::Micros,
+                )
+                .raw(sized)
+                .lib(Some(diff)),
+                // What the first row cannot go below: moving the chain's
+                // own bytes (its upload and download) with no work at all.
+                Row::new(
+                    group,
+                    "20-op chain floor: a raw request/reply of the chain's sizes vs 64 B (the first row with no client, node or worker work)",
+                    Unit::Micros,
+                )
+                .raw(rtt)
+                .lib(sized)
+                .note("both sides raw quinn"),
+            ]
+        }
+        _ => vec![Row::new(
+            group,
+            "20-op chain awaited remotely vs 64 B request/reply (no local GPU: remote alone)",
+            Unit::Micros,
+        )
+        .raw(rtt)
+        .lib(remote)],
+    }
+}
+
+/// The `remote` topic's rows of awaited ops: the chain rows, one awaited
+/// launch, `h2d` / `d2h` against raw one connection, the spins.
+pub(super) fn rows(group: &'static str, c: &ChainRows, raw: &Raw) -> Vec<Row> {
+    let mut rows = chain_rows(group, &c.times);
+    rows.push(launch_row(
+        group,
+        false,
+        &raw.rtt,
+        &c.op_remote,
+        c.op_local.as_deref(),
+    ));
+    let size = size_label(c.bytes);
+    rows.push(
+        Row::new(
+            group,
+            format!("`h2d` {size} awaited on the lease (one message) vs raw one connection up"),
+            Unit::GiBps,
+        )
+        .raw(rates(c.bytes, &raw.up1))
+        .lib(rates(c.bytes, &c.up)),
+    );
+    rows.push(
+        Row::new(
+            group,
+            format!("`d2h` {size} awaited on the lease (one message) vs raw one connection down"),
+            Unit::GiBps,
+        )
+        .raw(rates(c.bytes, &raw.down1))
+        .lib(rates(c.bytes, &c.down)),
+    );
+    if let Some((one, two)) = &c.spins {
+        rows.push(
+            Row::new(
+                group,
+                "remote `zip` of two 1 ms spins vs one remote 1 ms spin (each awaited)",
+                Unit::Millis,
+            )
+            .raw(times(Unit::Millis, one))
+            .lib(times(Unit::Millis, two))
+            .goal(Goal::AtMost(1.15))
+            .goal_from("issue 23")
+            .note("both sides remote: one spin in the raw column, the zip of two in the cuda-async column"),
+        );
+    }
+    rows
+}
+
+/// The `remote` topic's awaited ops: the chain rows (at most
+/// [`CHAIN_ITERS`] of each path), `h2d` / `d2h` of the bulk size (3 of
+/// each), one awaited launch remote and local, and with a GPU the spins.
+pub(super) async fn chain_bench(ctx: &Ctx) -> Result<ChainRows> {
+    let (iters, memory, bytes) = (ctx.cfg.iters, ctx.cfg.memory(), ctx.cfg.bytes);
+    let ChainSetup {
+        axpy,
+        lease,
+        remote,
+        times,
+    } = ChainSetup::new(ctx, 2 * bytes + (64 << 20), iters.min(CHAIN_ITERS)).await?;
+    let (up, down) = transfer_ops(&remote, bytes, 3).await?;
+    let op_remote = time_one_op(&remote, &axpy, iters).await?;
+    let spins = if memory {
+        None
+    } else {
+        Some(spin_rows(&remote).await?)
+    };
+    let op_local = if memory {
+        None
+    } else {
+        Some(time_one_op(&*cuda_async::default_policy()?, &axpy, iters).await?)
+    };
+    lease.free().await?;
+    Ok(ChainRows {
+        times,
+        spins,
+        bytes,
+        up,
+        down,
+        op_remote,
+        op_local,
+    })
+}

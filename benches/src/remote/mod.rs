@@ -1,0 +1,331 @@
+//! The remote rows: a lease node embedded in this process, on loopback,
+//! against the raw transport measured in the same run (quinn with the
+//! node's TLS and transport settings, no protocol:
+//! [`cuda_lease::baseline`]).
+//!
+//! Topics ([`TOPICS`]):
+//! - `remote_alloc`: lease-allocation latency, with a pre-started worker
+//!   and cold (worker start and context creation); no raw side. It sleeps
+//!   to let the worker pool refill ([`RemoteConfig::refill`]).
+//! - `remote`: the one-kernel BATCH round trip (launch, reply when done),
+//!   MEM_WRITE / MEM_READ of 256 MiB on one connection and striped, the
+//!   20-op chain, one awaited launch, an awaited `h2d` and `d2h` of
+//!   256 MiB, and (with a GPU) a remote `zip` of two 1 ms spins.
+//! - `remote_chain` (only when named): the raw 64 B round trip and the
+//!   chain rows alone (e.g. to profile the node's command path).
+//! - `remote_launch` (only when named): one awaited launch on kept
+//!   buffers, remote and local, interleaved with the raw 64 B round trip:
+//!   a submission's fixed cost, with no bulk bytes.
+//!
+//! With [`DeviceSpec::Memory`] (`REPORT_REMOTE_DEVICE=memory`) the workers
+//! drive the in-memory test double instead of a GPU, so the node, QUIC and
+//! pipe path can be measured on a machine without one; kernels are not run
+//! there and the rows that need a local GPU say so.
+//!
+//! Workers are processes of [`RemoteConfig::worker`], which must call
+//! [`cuda_lease::main_if_worker`] first thing (`bench-report` does).
+//! Everything is measured from `block_on`'s thread of the topic's runtime;
+//! with [`RemoteConfig::in_task`] from a task on it instead (as a tokio
+//! service awaits its ops). On an H100 host (2026-11-23) that made the raw
+//! round trip faster (79-88 us against 121 us) but not the remote chain,
+//! so the chain row's ratio was higher there (2.15-2.82 against 2.61).
+
+mod chain;
+mod transfers;
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cuda_lease::client::{Client, ClientConfig};
+use cuda_lease::node::{Node, NodeConfig};
+use cuda_lease::worker::{DeviceSpec, WorkerSpec};
+use tokio::runtime::Runtime;
+
+use crate::measure::Config;
+use crate::report::{Row, Unit};
+use crate::stats::Summary;
+use crate::Result;
+
+/// The remote topics, in the order they run.
+pub const TOPICS: [&str; 4] = ["remote_alloc", "remote", "remote_chain", "remote_launch"];
+
+/// Remote topics that run only when `REPORT_ONLY` names them (each repeats
+/// a part of `remote` on its own).
+pub const ON_REQUEST: [&str; 2] = ["remote_chain", "remote_launch"];
+
+/// Bytes of the bulk transfers (MEM_WRITE / MEM_READ, raw, `h2d` / `d2h`)
+/// in the report.
+pub const XFER_BYTES: u64 = 256 << 20;
+
+/// Device memory of a memory-device worker in the report: room for the
+/// 256 MiB buffers plus the node's default headroom.
+pub const MEMORY_CAPACITY: u64 = 2 << 30;
+
+/// How the remote topics run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteConfig {
+    /// The device the node's workers drive: GPU 0, or the in-memory device.
+    pub device: DeviceSpec,
+    /// The worker executable (it calls [`cuda_lease::main_if_worker`]).
+    pub worker: PathBuf,
+    /// The workers' pipe spin budget; `None`: the node's default
+    /// (`cuda_lease::spin::default_spin`).
+    pub spin: Option<Duration>,
+    /// Round trips per latency row (2000 in the report; the chain rows
+    /// keep at most 500).
+    pub iters: usize,
+    /// MEM_WRITE / MEM_READ and raw transfers per rate row (5).
+    pub xfer_iters: usize,
+    /// Bytes per bulk transfer ([`XFER_BYTES`]).
+    pub bytes: u64,
+    /// How long `remote_alloc` waits for the worker pool to refill (2 s).
+    pub refill: Duration,
+    /// Measure from a task on the runtime instead of `block_on`'s thread.
+    pub in_task: bool,
+}
+
+impl RemoteConfig {
+    /// The report's settings: GPU 0 (or the memory device with
+    /// `REPORT_REMOTE_DEVICE=memory`), 2000 round trips and 5 transfers of
+    /// 256 MiB at `REPORT_SCALE=1`, workers from the current executable,
+    /// `REPORT_REMOTE_SPIN_US` for their spin, `REPORT_REMOTE_IN_TASK=1`
+    /// to measure from a task.
+    ///
+    /// # Errors
+    /// If a variable has a value it cannot take, or the current
+    /// executable's path is unknown.
+    pub fn from_env(cfg: &Config) -> Result<Self> {
+        let device = match std::env::var("REPORT_REMOTE_DEVICE").ok().as_deref() {
+            None | Some("" | "cuda") => DeviceSpec::Cuda { ordinal: 0 },
+            Some("memory") => DeviceSpec::Memory {
+                capacity: MEMORY_CAPACITY,
+            },
+            Some(other) => {
+                return Err(format!(
+                    "REPORT_REMOTE_DEVICE must be `cuda` or `memory`, got `{other}`"
+                )
+                .into())
+            }
+        };
+        let spin = match std::env::var("REPORT_REMOTE_SPIN_US") {
+            Err(_) => None,
+            Ok(s) => Some(Duration::from_micros(s.trim().parse().map_err(|_| {
+                format!("REPORT_REMOTE_SPIN_US must be a number of microseconds, got `{s}`")
+            })?)),
+        };
+        Ok(RemoteConfig {
+            device,
+            worker: std::env::current_exe()?,
+            spin,
+            iters: cfg.reps(2000, 20),
+            xfer_iters: cfg.reps(5, 1),
+            bytes: XFER_BYTES,
+            refill: Duration::from_secs(2),
+            in_task: std::env::var_os("REPORT_REMOTE_IN_TASK").is_some_and(|v| v == "1"),
+        })
+    }
+
+    /// Whether the workers drive the in-memory device (no kernels run, no
+    /// local GPU rows).
+    pub fn memory(&self) -> bool {
+        matches!(self.device, DeviceSpec::Memory { .. })
+    }
+}
+
+/// What every remote topic uses: the settings and two clients of the node.
+#[derive(Debug)]
+struct Ctx {
+    cfg: RemoteConfig,
+    /// One connection: the BATCH, unstriped and chain rows.
+    client: Arc<Client>,
+    /// The default stripes: the striped rows.
+    striped: Arc<Client>,
+    /// How many stripes `striped` uses.
+    stripes: usize,
+}
+
+/// An embedded lease node with its clients and runtime, started once and
+/// shared by the remote topics of a run.
+#[derive(Debug)]
+pub struct Bench {
+    rt: Runtime,
+    node: Option<Node>,
+    ctx: Arc<Ctx>,
+    device: String,
+}
+
+impl Bench {
+    /// Starts the node (its workers drive `cfg.device`) on loopback and
+    /// connects its clients.
+    ///
+    /// # Errors
+    /// If the runtime, the node or a connection cannot be started.
+    pub fn start(cfg: RemoteConfig) -> Result<Self> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?;
+        let mut worker = WorkerSpec::current_exe(cfg.device.clone())?;
+        worker.program = cfg.worker.clone();
+        if let Some(spin) = cfg.spin {
+            worker.spin = spin;
+        }
+        detail(format_args!("worker pipe spin: {:?}", worker.spin));
+        let mut node_cfg = NodeConfig::new(worker);
+        node_cfg.tokens = vec!["bench".into()];
+        node_cfg.submit_workers = 1;
+        node_cfg.prestart_workers = 1;
+        let (node, ctx, device) = rt.block_on(async {
+            let node = Node::spawn_local(node_cfg).await?;
+            let config = ClientConfig::pinned(node.cert_der().clone()).token("bench");
+            let single = config.clone().stripes(1, 0);
+            let client = Arc::new(Client::connect(node.addr(), &single).await?);
+            let striped = Arc::new(Client::connect(node.addr(), &config).await?);
+            let inv = client.inventory().await?;
+            let dev = inv.devices.first().ok_or("the node reports no device")?;
+            detail(format_args!(
+                "device: {} ({} bytes free)",
+                dev.name, dev.free_bytes
+            ));
+            let ctx = Ctx {
+                cfg,
+                client,
+                striped,
+                stripes: config.stripes,
+            };
+            Ok::<_, crate::BenchError>((node, ctx, dev.name.clone()))
+        })?;
+        Ok(Bench {
+            rt,
+            node: Some(node),
+            ctx: Arc::new(ctx),
+            device,
+        })
+    }
+
+    /// The node's device, as its inventory names it.
+    pub fn device(&self) -> &str {
+        &self.device
+    }
+
+    /// Measures remote topic `topic` (one of [`TOPICS`]).
+    ///
+    /// # Errors
+    /// An unknown topic, or the first error of a measurement.
+    pub fn run(&self, topic: &str) -> Result<Vec<Row>> {
+        let topic: &'static str = TOPICS
+            .into_iter()
+            .find(|t| *t == topic)
+            .ok_or_else(|| format!("unknown remote topic `{topic}`"))?;
+        let ctx = self.ctx.clone();
+        let fut = async move {
+            match topic {
+                "remote_alloc" => transfers::alloc_rows(&ctx).await,
+                "remote" => remote_rows(&ctx).await,
+                "remote_chain" => chain::chain_only(&ctx).await,
+                _ => chain::launch_only(&ctx).await,
+            }
+        };
+        self.block_on(fut)
+    }
+
+    fn block_on<F>(&self, fut: F) -> Result<Vec<Row>>
+    where
+        F: Future<Output = Result<Vec<Row>>> + Send + 'static,
+    {
+        if self.ctx.cfg.in_task {
+            self.rt.block_on(async {
+                tokio::spawn(fut)
+                    .await
+                    .unwrap_or_else(|e| Err(format!("the bench task failed: {e}").into()))
+            })
+        } else {
+            self.rt.block_on(fut)
+        }
+    }
+
+    /// Shuts the node down (its workers exit).
+    pub fn shutdown(mut self) {
+        if let Some(node) = self.node.take() {
+            self.rt.block_on(node.shutdown());
+        }
+    }
+}
+
+/// The `remote` topic: the raw baseline, the lease's BATCH and transfer
+/// rows, the striped rows, then the chain rows, in that order.
+async fn remote_rows(ctx: &Ctx) -> Result<Vec<Row>> {
+    let raw = transfers::raw_baseline(ctx).await?;
+    let lease = transfers::lease_rows(ctx).await?;
+    let striped = transfers::striped_rates(ctx).await?;
+    let chain = chain::chain_bench(ctx).await?;
+    let mut rows = transfers::rows(ctx, &raw, &lease, &striped);
+    rows.extend(chain::rows("remote", &chain, &raw));
+    rows.push(transfers::raw_striping_row(ctx, &raw, true));
+    rows.push(transfers::raw_striping_row(ctx, &raw, false));
+    Ok(rows)
+}
+
+/// One progress line of the remote topics, on stderr.
+fn detail(line: std::fmt::Arguments<'_>) {
+    eprintln!("[bench-report]   remote: {line}");
+}
+
+/// `name`'s samples on stderr: n, median, p99, min, max.
+fn detail_times(name: &str, v: &[Duration]) {
+    let mut v = v.to_vec();
+    v.sort();
+    if v.is_empty() {
+        return;
+    }
+    let p = |q: f64| v[(((v.len() - 1) as f64 * q).round() as usize).min(v.len() - 1)];
+    detail(format_args!(
+        "{name}: n={} median {:?} p99 {:?} min {:?} max {:?}",
+        v.len(),
+        p(0.5),
+        p(0.99),
+        v[0],
+        v[v.len() - 1]
+    ));
+}
+
+/// The statistics of `v` in `unit` (a time unit).
+fn times(unit: Unit, v: &[Duration]) -> Option<Summary> {
+    let scale = match unit {
+        Unit::Millis => 1e3,
+        _ => 1e6,
+    };
+    let x: Vec<f64> = v.iter().map(|d| d.as_secs_f64() * scale).collect();
+    Summary::of(&x)
+}
+
+/// The statistics of the rates (GiB/s) of moving `bytes` in each of `v`.
+fn rates(bytes: u64, v: &[Duration]) -> Option<Summary> {
+    let x: Vec<f64> = v.iter().map(|d| gib_s(bytes, *d)).collect();
+    Summary::of(&x)
+}
+
+/// `bytes` in `d`, in GiB/s.
+fn gib_s(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / (1u64 << 30) as f64
+}
+
+/// `a - b` of the medians (no spread: it is not one path's samples).
+fn difference(a: Summary, b: Summary) -> Summary {
+    Summary {
+        median: a.median - b.median,
+        p10: f64::NAN,
+        p90: f64::NAN,
+        n: a.n.min(b.n),
+    }
+}
+
+/// `bytes` in words (`256 MiB`, `1 KiB`, `100 B`).
+fn size_label(bytes: u64) -> String {
+    match bytes {
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}

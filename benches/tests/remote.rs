@@ -1,0 +1,105 @@
+//! The remote topics on the in-memory device, with no GPU: every topic's
+//! code path at tiny sizes (the library), and one topic through the
+//! `bench-report` binary (topic selection, the worker re-exec, the table).
+
+use std::process::Command;
+use std::time::Duration;
+
+use benches::remote::{self, Bench, RemoteConfig};
+use benches::report::Report;
+use cuda_lease::worker::DeviceSpec;
+
+/// Tiny sizes and counts: seconds, not minutes.
+fn tiny() -> RemoteConfig {
+    RemoteConfig {
+        device: DeviceSpec::Memory {
+            capacity: 512 << 20, // the node keeps 256 MiB of headroom
+        },
+        // The report binary calls `main_if_worker`; a test harness does not.
+        worker: env!("CARGO_BIN_EXE_report").into(),
+        spin: None,
+        iters: 4,
+        xfer_iters: 1,
+        bytes: 64 << 10,
+        refill: Duration::from_millis(20),
+        in_task: false,
+    }
+}
+
+#[test]
+fn every_remote_topic_runs_on_the_memory_device() {
+    let bench = Bench::start(tiny()).expect("an embedded node with the memory device");
+    assert!(bench.device().contains("Memory"), "{}", bench.device());
+    let mut rows = Vec::new();
+    for topic in remote::TOPICS {
+        let got = bench
+            .run(topic)
+            .unwrap_or_else(|e| panic!("topic {topic}: {e}"));
+        assert!(!got.is_empty(), "topic {topic} gave no rows");
+        assert!(got.iter().all(|r| r.group == topic), "{got:?}");
+        rows.extend(got);
+    }
+    bench.shutdown();
+    for r in &rows {
+        let lib = r
+            .lib
+            .unwrap_or_else(|| panic!("{}: no measured side", r.metric));
+        assert!(lib.median > 0.0, "{}: {lib:?}", r.metric);
+        if r.group != "remote_alloc" {
+            assert!(
+                r.ratio().is_some_and(f64::is_finite),
+                "{}: no ratio",
+                r.metric
+            );
+        }
+    }
+    // The remote topic's rows: BATCH, 4 transfers, the chain (no local GPU:
+    // one row), one launch, h2d, d2h, raw striping up and down; no spins.
+    let remote: Vec<_> = rows.iter().filter(|r| r.group == "remote").collect();
+    assert_eq!(remote.len(), 11, "{remote:#?}");
+    assert!(remote
+        .iter()
+        .any(|r| r.metric.contains("MEM_READ 64 KiB striped")));
+    assert!(!remote.iter().any(|r| r.metric.contains("spin")));
+    let table = Report {
+        device: "remote: memory".into(),
+        compute_capability: None,
+        driver_version: None,
+        kernels: "-",
+        scale: 1.0,
+        unix_time: 0,
+        wall_s: 0.0,
+        rows,
+    };
+    let md = table.markdown();
+    assert!(md.contains("| one-kernel BATCH p50 vs raw quinn 64 B request/reply | "));
+    assert!(table.json().contains("\"compute_capability\": null"));
+}
+
+#[test]
+fn the_report_binary_runs_a_remote_topic_without_a_gpu() {
+    let dir = std::env::temp_dir().join(format!("benches-remote-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let json = dir.join("report.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_report"))
+        .arg(&json)
+        .env("REPORT_ONLY", "remote_launch")
+        .env("REPORT_REMOTE_DEVICE", "memory")
+        .env("REPORT_SCALE", "0.01")
+        .env("REPORT_TIMEOUT_S", "120")
+        .output()
+        .expect("run bench-report");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("| one awaited launch on the lease vs 64 B request/reply (interleaved; no local GPU: remote alone) | "),
+        "{stdout}"
+    );
+    let js = std::fs::read_to_string(&json).expect("the JSON file");
+    assert!(js.contains("\"group\": \"remote_launch\""), "{js}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
