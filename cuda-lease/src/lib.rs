@@ -68,7 +68,7 @@ pub mod clock;
 pub mod device;
 // Public for the programs that print the hop spans (`layer`,
 // `init_from_env`: the binaries, examples and benches) and for
-// `examples/lease_bench.rs`, which marks its own requests on the hop time
+// the bench report's remote rows (`benches/src/remote/`), which mark their own requests on the hop time
 // line (`enabled`, `emit`, `now_us`). Not API: the hop timings' interface
 // is the `cuda_lease::hop` tracing target and the lines its layer prints.
 #[doc(hidden)]
