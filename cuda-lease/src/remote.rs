@@ -506,27 +506,32 @@ impl RemoteLease {
     ///
     /// # Errors
     ///
-    /// [`ErrorKind::Config`] when called inside an async runtime (use
-    /// [`LeaseBuilder::connect`](crate::client::LeaseBuilder::connect) and
-    /// [`LeaseSession::current`] there), or when the I/O thread cannot
-    /// start; otherwise as [`LeaseBuilder::connect`](crate::client::LeaseBuilder::connect).
+    /// [`ErrorKind::Config`] when the I/O thread cannot start; otherwise as
+    /// [`LeaseBuilder::connect`](crate::client::LeaseBuilder::connect).
+    ///
+    /// Called inside an async runtime, it works too: it then blocks the
+    /// calling thread until the lease is granted (the I/O runs on its own
+    /// thread); inside a runtime, [`LeaseBuilder::connect`](crate::client::LeaseBuilder::connect)
+    /// and [`LeaseSession::current`] do not block.
     pub fn connect_blocking(
         builder: crate::client::LeaseBuilder,
         addr: std::net::SocketAddr,
     ) -> Result<Self, Error> {
-        if tokio::runtime::Handle::try_current().is_ok() {
-            return Err(config_error(
-                "connect_blocking inside an async runtime: use LeaseBuilder::connect and \
-                 LeaseSession::current",
-            ));
-        }
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("cuda-lease-io")
             .enable_all()
             .build()
             .map_err(|e| config_error(format!("starting the I/O thread: {e}")))?;
-        let lease = runtime.block_on(builder.connect(addr))?;
+        let lease = match blocking(|| runtime.block_on(builder.connect(addr))) {
+            Ok(lease) => lease,
+            Err(e) => {
+                // (Dropping a runtime blocks, which an async caller's thread
+                // may not do.)
+                runtime.shutdown_background();
+                return Err(e);
+            }
+        };
         let session = LeaseSession::new(lease.session(), runtime.handle().clone());
         Ok(RemoteLease {
             session,
@@ -545,7 +550,10 @@ impl RemoteLease {
         self.lease.as_ref().expect("present until dropped")
     }
 
-    /// Frees the lease and waits for the node's answer.
+    /// Frees the lease and waits for the node's answer. Submissions still
+    /// in flight fail as [`ErrorKind::LeaseFreed`]. Called inside an async
+    /// runtime, it works too: it then blocks the calling thread until the
+    /// node answers.
     ///
     /// # Errors
     ///
@@ -554,8 +562,21 @@ impl RemoteLease {
         let (Some(lease), Some(rt)) = (self.lease.take(), self.runtime.as_ref()) else {
             return Ok(());
         };
-        rt.block_on(lease.free())
+        blocking(|| rt.block_on(lease.free()))
     }
+}
+
+/// Runs `f`, which blocks on this lease's own I/O runtime: on this thread,
+/// or on a scoped helper thread when this thread runs an async runtime
+/// (where blocking on another runtime panics).
+fn blocking<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    if tokio::runtime::Handle::try_current().is_err() {
+        return f();
+    }
+    std::thread::scope(|s| match s.spawn(f).join() {
+        Ok(v) => v,
+        Err(panic) => std::panic::resume_unwind(panic),
+    })
 }
 
 impl Drop for RemoteLease {

@@ -1015,3 +1015,110 @@ fn the_confined_compiler_alone_cannot_read_the_nodes_files() {
         .unwrap();
     assert!(ptx.contains(".entry k"), "{ptx}");
 }
+
+/// `y = 2x + 1` through cuda-async on `policy`: correct data.
+async fn good_pipeline_on(policy: &cuda_async::RemotePolicy) {
+    use cuda_async::prelude::*;
+    let m = cuda_async::Module::cuda(
+        "extern \"C\" __global__ void axpb(float* y, const float* x, unsigned n) {\n\
+         unsigned i = blockIdx.x * blockDim.x + threadIdx.x;\n\
+         if (i < n) y[i] = 2.0f * x[i] + 1.0f;\n}\n",
+        &[],
+    )
+    .unwrap();
+    let k = m.kernel("axpb").unwrap();
+    let x: Vec<f32> = (0..4096).map(|i| i as f32 * 0.5).collect();
+    let n = x.len() as u32;
+    let cfg = cuda_async::LaunchConfig::for_num_elems(n);
+    let y = h2d(x.clone())
+        .zip(zeros::<f32>(n as usize))
+        // SAFETY: axpb writes y[0..n) and reads x[0..n); both hold n floats.
+        .then(move |(x, y)| unsafe { launch(&k, cfg, (y, x, n)) })
+        .then(|(y, _, _)| d2h(y))
+        .schedule(policy)
+        .unwrap()
+        .await
+        .unwrap();
+    let want: Vec<f32> = x.iter().map(|v| 2.0 * v + 1.0).collect();
+    assert_eq!(y.to_vec().unwrap(), want);
+}
+
+#[tokio::test]
+#[ignore = "needs an NVIDIA GPU"]
+async fn after_a_compile_error_and_a_kernel_fault_good_pipelines_run() {
+    use cuda_async::prelude::*;
+    let mut fx = gpu_lease(64 << 20).await;
+    let policy = fx.policy();
+    good_pipeline_on(&policy).await;
+    // The node's NVRTC refuses the module: a load failure with its log, and
+    // the same lease runs the next pipeline.
+    let bad = cuda_async::Module::cuda(
+        "extern \"C\" __global__ void k(float* p) { p[0] = not_declared; }\n",
+        &[],
+    )
+    .unwrap();
+    let k = bad.kernel("k").unwrap();
+    let e = h2d(vec![1f32; 64])
+        // SAFETY: k would write p[0]; p holds 64 floats.
+        .then(move |p| unsafe { launch(&k, cuda_async::LaunchConfig::for_num_elems(1), (p,)) })
+        .schedule(&policy)
+        .unwrap()
+        .await
+        .unwrap_err();
+    eprintln!("compile error: {e}");
+    assert_eq!(
+        e.remote_kind(),
+        Some(cuda_async::RemoteErrorKind::LoadFailed),
+        "{e}"
+    );
+    assert!(e.to_string().contains("not_declared"), "{e}");
+    good_pipeline_on(&policy).await;
+    // A kernel fault ends the lease's worker: the lease is poisoned, and a
+    // new lease of the same node runs the next pipeline.
+    let faulty = cuda_async::Module::cuda(
+        "extern \"C\" __global__ void wild(float* p) { p[1ull << 40] = 1.0f; }\n",
+        &[],
+    )
+    .unwrap();
+    let wild = faulty.kernel("wild").unwrap();
+    let e = h2d(vec![1f32; 64])
+        // SAFETY: none: the kernel writes far out of bounds on purpose; the
+        // fault happens in the node's worker process, not in this one.
+        .then(move |p| unsafe { launch(&wild, cuda_async::LaunchConfig::for_num_elems(1), (p,)) })
+        .then(|(p,)| d2h(p))
+        .schedule(&policy)
+        .unwrap()
+        .await
+        .unwrap_err();
+    eprintln!("fault: {e}");
+    assert!(
+        matches!(
+            e.remote_kind(),
+            Some(
+                cuda_async::RemoteErrorKind::LaunchFailed
+                    | cuda_async::RemoteErrorKind::LeasePoisoned
+            )
+        ),
+        "{e}"
+    );
+    let e = h2d(vec![1u8; 4])
+        .then(d2h)
+        .schedule(&policy)
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.remote_kind(),
+        Some(cuda_async::RemoteErrorKind::LeasePoisoned),
+        "{e}"
+    );
+    let fresh = Lease::builder()
+        .min_vram(64 << 20)
+        .on(fx.client().clone())
+        .await
+        .unwrap();
+    good_pipeline_on(&policy_of(&fresh)).await;
+    fresh.free().await.unwrap();
+    drop(fx.take_lease());
+    fx.shutdown().await;
+}

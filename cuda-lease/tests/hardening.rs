@@ -522,7 +522,9 @@ async fn five_hundred_connections_and_32_clients_times_1000_requests_lose_nothin
     // 500 connections at once, each authenticated and served.
     let mut tasks = Vec::new();
     for _ in 0..500 {
-        let cfg = client_config(node);
+        // 500 handshakes at once take more than the default connect
+        // timeout in a debug build on 2 cores; none may be lost.
+        let cfg = client_config(node).connect_timeout(Duration::from_secs(120));
         let addr = node.addr();
         tasks.push(tokio::spawn(async move {
             let c = cuda_lease::Client::connect(addr, &cfg).await?;

@@ -247,17 +247,20 @@ fn a_plain_fn_main_leases_records_and_waits_with_no_runtime_of_its_own() {
     done.outcome().unwrap().unwrap();
     assert_eq!(host.to_vec().unwrap(), [0, 0x0707_0707, 0x0707_0707, 0]);
     remote.free().unwrap();
-    // Inside a runtime the blocking form says what to use instead.
-    let err = node_rt
-        .block_on(async {
-            let b = Lease::builder().config(client_config(node));
-            cuda_lease::remote::RemoteLease::connect_blocking(b, node.addr())
-        })
-        .unwrap_err();
-    assert!(
-        err.kind() == cuda_lease::client::ErrorKind::Config
-            && err.message().contains("LeaseSession::current"),
-        "{err}"
-    );
+    // Inside a runtime the blocking forms work too (they block the
+    // calling thread, never panic): connect, free, and a drop.
+    node_rt.block_on(async {
+        for free in [true, false] {
+            let b = Lease::builder()
+                .min_vram(1 << 16)
+                .config(client_config(node));
+            let remote = cuda_lease::remote::RemoteLease::connect_blocking(b, node.addr()).unwrap();
+            if free {
+                remote.free().unwrap();
+            } else {
+                drop(remote);
+            }
+        }
+    });
     node_rt.block_on(fx.shutdown());
 }

@@ -27,6 +27,9 @@ struct Args {
     /// Bearer token.
     #[arg(long, env = "CUDA_LEASE_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// How long connecting to the node may take, in milliseconds.
+    #[arg(long, default_value_t = 5000)]
+    connect_timeout_ms: u64,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -115,6 +118,7 @@ fn main() {
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut config = ClientConfig::from_pem_file(&args.cert)?.server_name(args.server_name);
     config.token = args.token;
+    config.connect_timeout = std::time::Duration::from_millis(args.connect_timeout_ms);
     let client = std::sync::Arc::new(Client::connect(args.addr, &config).await?);
     match args.cmd {
         Cmd::Inventory => inventory(&client).await?,

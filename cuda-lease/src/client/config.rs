@@ -30,6 +30,10 @@ pub struct ClientConfig {
     pub stripes: usize,
     /// The smallest transfer that is striped.
     pub stripe_min_bytes: usize,
+    /// How long connecting (QUIC handshake and HELLO) may take before it
+    /// fails as [`Disconnect::ConnectTimeout`](crate::client::Disconnect::ConnectTimeout)
+    /// ([`DEFAULT_CONNECT_TIMEOUT`]).
+    pub connect_timeout: std::time::Duration,
 }
 
 /// Default [`ClientConfig::stripes`]: on an H100 host (16 cores, loopback)
@@ -40,6 +44,9 @@ pub const DEFAULT_STRIPES: usize = 4;
 /// Default [`ClientConfig::stripe_min_bytes`]: 8 MiB (smaller transfers
 /// take one round trip on one connection).
 pub const DEFAULT_STRIPE_MIN_BYTES: usize = 8 << 20;
+
+/// Default [`ClientConfig::connect_timeout`]: 5 s.
+pub const DEFAULT_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl ClientConfig {
     /// Trusts exactly `cert` (the node's certificate), checked as `localhost`.
@@ -56,6 +63,7 @@ impl ClientConfig {
             client_name: "cuda-lease-client".into(),
             stripes: DEFAULT_STRIPES,
             stripe_min_bytes: DEFAULT_STRIPE_MIN_BYTES,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
         }
     }
 
@@ -69,6 +77,12 @@ impl ClientConfig {
         let mut c = Self::pinned(certs.remove(0));
         c.roots.extend(certs);
         Ok(c)
+    }
+
+    /// Sets how long connecting may take.
+    pub fn connect_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
     }
 
     /// Sets the bearer token.

@@ -5,8 +5,9 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::error::{config_error, disconnected, from_status, protocol_error};
+use super::error::{config_error, disconnected, from_status, lost, protocol_error};
 use super::{ClientConfig, Error, GpuCall};
+use super::{Credentials, Disconnect, ErrorKind};
 use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{
     self, from_body, to_body, Codec, ErrorBody, GpuSubmit, Header, Hello, HelloOk, Inventory,
@@ -54,11 +55,31 @@ impl Client {
         .map_err(|e: std::net::AddrParseError| config_error(e.to_string()))?;
         let mut endpoint = quinn::Endpoint::client(bind).map_err(disconnected)?;
         endpoint.set_default_client_config(qcfg);
-        let conn = endpoint
+        let connecting = endpoint
             .connect(addr, &config.server_name)
-            .map_err(disconnected)?
-            .await
-            .map_err(disconnected)?;
+            .map_err(|e| config_error(e).with_node(addr))?;
+        let timeout = config.connect_timeout;
+        let connect = async {
+            let conn = connecting.await.map_err(disconnected)?;
+            Self::logged_in(endpoint, conn, addr, config).await
+        };
+        match tokio::time::timeout(timeout, connect).await {
+            Ok(r) => r.map_err(|e| e.with_node(addr)),
+            Err(_) => Err(Error::new(
+                ErrorKind::Disconnected(Disconnect::ConnectTimeout),
+                format!("no node answered at {addr} within {timeout:?}"),
+            )
+            .with_node(addr)),
+        }
+    }
+
+    /// The client of `conn`, once HELLO is answered.
+    async fn logged_in(
+        endpoint: quinn::Endpoint,
+        conn: quinn::Connection,
+        addr: SocketAddr,
+        config: &ClientConfig,
+    ) -> Result<Client, Error> {
         let mut client = Client {
             endpoint,
             conn,
@@ -70,7 +91,20 @@ impl Client {
             stripe_conns: tokio::sync::OnceCell::new(),
             known_modules: std::sync::Mutex::default(),
         };
-        let ok = client.hello(&client.conn).await?;
+        let ok = client.hello(&client.conn).await;
+        let no_credentials = config.token.is_none() && config.identity.is_none();
+        let ok = match ok {
+            Err(e) if no_credentials && matches!(e.kind(), ErrorKind::Unauthorized(_)) => {
+                return Err(Error::new(
+                    ErrorKind::Unauthorized(Credentials::Missing),
+                    format!(
+                        "the node requires credentials and none were given ({})",
+                        e.message()
+                    ),
+                ))
+            }
+            other => other?,
+        };
         client.node = ok.node;
         Ok(client)
     }
@@ -252,16 +286,17 @@ pub(super) async fn exchange_into(
     into: ReplyInto<'_, '_>,
 ) -> Result<(Vec<u8>, Vec<u8>), Error> {
     let mut hop = HopTimer::start(Hop::Client, opcode, data.len() as u64);
-    let (mut send, mut recv) = conn.open_bi().await.map_err(disconnected)?;
+    let lost = |e: &dyn std::fmt::Display| lost(conn, e);
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| lost(&e))?;
     let h = Header::request(opcode, id, body.len() as u32, data.len() as u32);
     proto::write_frame(&mut send, &h, body, data)
         .await
-        .map_err(disconnected)?;
-    send.finish().map_err(disconnected)?;
+        .map_err(|e| lost(&e))?;
+    send.finish().map_err(|e| lost(&e))?;
     hops::mark(&mut hop, "send");
     let read_err = |e: std::io::Error| match proto::proto_error(&e) {
         Some(p) => protocol_error(p.to_string()),
-        None => disconnected(e),
+        None => lost(&e),
     };
     let (header, reply_body) = proto::read_head(&mut recv, limits)
         .await

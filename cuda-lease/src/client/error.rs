@@ -48,6 +48,23 @@ pub(super) fn disconnected(e: impl std::fmt::Display) -> Error {
     Error::new(ErrorKind::Disconnected(Disconnect::Network), e.to_string())
 }
 
+/// A request on `conn` that failed with `e` because the connection is gone:
+/// the node shut down if it closed the connection saying so, the network
+/// otherwise.
+pub(super) fn lost(conn: &quinn::Connection, e: impl std::fmt::Display) -> Error {
+    let shutdown = matches!(
+        conn.close_reason(),
+        Some(quinn::ConnectionError::ApplicationClosed(c))
+            if c.error_code == crate::proto::CLOSE_NODE_SHUTDOWN.into()
+    );
+    let cause = if shutdown {
+        Disconnect::NodeShutdown
+    } else {
+        Disconnect::Network
+    };
+    Error::new(ErrorKind::Disconnected(cause), e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

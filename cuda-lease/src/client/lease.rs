@@ -73,22 +73,32 @@ impl LeaseInner {
     }
 
     /// Runs a request of this lease: refused once the lease was freed, and
-    /// an expiry it reports is remembered.
+    /// an expiry it reports is remembered. A request in flight when this
+    /// client freed the lease fails as [`ErrorKind::LeaseFreed`], whatever
+    /// the node made of it (its lease gone, its worker ended).
     pub(super) async fn guard<T>(
         &self,
         request: impl std::future::Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
+        let freed = || Error::new(ErrorKind::LeaseFreed, "this client freed the lease");
         if self.freed.load(Ordering::SeqCst) {
-            return Err(self.named(Error::new(
-                ErrorKind::LeaseFreed,
-                "this client freed the lease",
-            )));
+            return Err(self.named(freed()));
         }
         let r = request.await;
-        if matches!(&r, Err(e) if e.kind() == ErrorKind::LeaseExpired) {
-            self.expired.store(true, Ordering::SeqCst);
+        match r {
+            Err(e) if self.freed.load(Ordering::SeqCst) => Err(self.named(Error::new(
+                ErrorKind::LeaseFreed,
+                format!(
+                    "this client freed the lease while the request was in flight ({})",
+                    e.message()
+                ),
+            ))),
+            Err(e) if e.kind() == ErrorKind::LeaseExpired => {
+                self.expired.store(true, Ordering::SeqCst);
+                Err(self.named(e))
+            }
+            r => r.map_err(|e| self.named(e)),
         }
-        r.map_err(|e| self.named(e))
     }
 
     /// `e`, naming this lease and its node.

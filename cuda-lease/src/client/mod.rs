@@ -21,7 +21,9 @@ mod recorder;
 mod session;
 mod stripe;
 
-pub use config::{ClientConfig, DEFAULT_STRIPES, DEFAULT_STRIPE_MIN_BYTES};
+pub use config::{
+    ClientConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STRIPES, DEFAULT_STRIPE_MIN_BYTES,
+};
 pub use connection::Client;
 #[cfg(feature = "backend")]
 pub(crate) use error::{config_error, protocol_error};

@@ -535,7 +535,8 @@ impl Node {
     /// Stops accepting, frees every lease (ending its worker) and waits for
     /// the workers to exit.
     pub async fn shutdown(mut self) {
-        self.endpoint.close(0u32.into(), b"node shutting down");
+        self.endpoint
+            .close(proto::CLOSE_NODE_SHUTDOWN.into(), b"node shutting down");
         for t in self.tasks.drain(..) {
             t.abort();
         }
@@ -561,7 +562,8 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        self.endpoint.close(0u32.into(), b"node dropped");
+        self.endpoint
+            .close(proto::CLOSE_NODE_SHUTDOWN.into(), b"node dropped");
         for t in &self.tasks {
             t.abort();
         }

@@ -28,6 +28,11 @@ pub const FLAG_REPLY: u16 = 1;
 /// error from the header's version byte.
 pub const ALPN: &[u8] = b"cuda-lease/1";
 
+/// The QUIC application close code a node closes its connections with when
+/// it shuts down (or is dropped): a client reports the connection lost as
+/// [`Disconnect::NodeShutdown`](cuda_core::Disconnect::NodeShutdown).
+pub const CLOSE_NODE_SHUTDOWN: u32 = 0x501;
+
 /// Size limits enforced by frame readers before they allocate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {

@@ -101,6 +101,19 @@ impl Fixture {
         policy_of(self.lease())
     }
 
+    /// The node, and the rest to drop when the test is done with it (a test
+    /// that shuts the node down under its lease).
+    #[allow(dead_code)]
+    pub fn into_node(self) -> (Node, impl Sized) {
+        let Fixture {
+            node,
+            client,
+            lease,
+            clock,
+        } = self;
+        (node, (client, lease, clock))
+    }
+
     /// Shuts the node down, then drops what is left (as a test that ends
     /// with `node.shutdown().await` did).
     pub async fn shutdown(self) {
