@@ -233,6 +233,15 @@ fn gpu_config() -> NodeConfig {
     cfg.submit_workers = 2;
     cfg.prestart_workers = 1;
     cfg.op_timeout = Duration::from_secs(30);
+    // Under compute-sanitizer (the bundle's `sanitize` sets this) every
+    // process of the node, the compiler's child included, runs many times
+    // slower: the node's time bounds stretch by this factor.
+    let scale: u32 = std::env::var("CUDA_LEASE_TEST_TIMEOUT_SCALE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    cfg.op_timeout *= scale;
+    cfg.worker.compile.timeout *= scale;
     cfg
 }
 
