@@ -375,6 +375,19 @@ mod tests {
     }
 
     #[test]
+    fn a_compile_errors_message_carries_the_compilers_log_verbatim() {
+        let log = "kernels.cu(3): error: identifier \"undefined_thing\" is undefined\n\
+                   1 error detected in the compilation of \"kernels.cu\".";
+        let e = Error::Compile {
+            program: "kernels.cu".into(),
+            log: log.into(),
+        };
+        let s = e.to_string();
+        assert!(s.contains("kernels.cu"), "{s}");
+        assert!(s.contains(log), "the log is not in the message: {s}");
+    }
+
+    #[test]
     fn sticky_codes_become_poisoned() {
         let e = Error::driver(
             "cuStreamSynchronize",

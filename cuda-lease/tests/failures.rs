@@ -129,7 +129,11 @@ fn session_of(remote: &RemotePolicy) -> Arc<dyn RemoteSession> {
 async fn a_module_that_does_not_compile_leaves_nothing_behind() {
     let fx = fixture(|_| {}).await;
     let (remote, before) = warm(&fx).await;
-    let bad = Module::cuda("#error no\n__global__ void k(float* p) {}", &[]).unwrap();
+    let bad = Module::cuda(
+        "#error the user's own words\n__global__ void k(float* p) {}",
+        &[],
+    )
+    .unwrap();
     let k = bad.kernel("k").unwrap();
     // The uploaded buffer is the pipeline's output: dropped only when the
     // failed future is, after the reply.
@@ -140,7 +144,11 @@ async fn a_module_that_does_not_compile_leaves_nothing_behind() {
         .schedule(&remote)
         .unwrap()
         .await;
-    assert_fails(r, ErrorKind::LoadFailed, &["NVRTC log", "#error"]);
+    assert_fails(
+        r,
+        ErrorKind::LoadFailed,
+        &["line 1: #error the user's own words"],
+    );
     works_and_holds(&fx, &remote, before).await;
     fx.free_and_shutdown().await;
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use cuda_lease::client::{Client, ClientConfig, Error, ErrorKind, GpuCall, Lease, Module};
+use cuda_lease::client::{Client, ClientConfig, ErrorKind, GpuCall, Lease, Module};
 use cuda_lease::proto::{self, Header, KernelArg, LeaseState, Opcode, Status};
 
 const PTX: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry iota(.param .u64 out, .param .u32 n)\n{\n ret;\n}\n.visible .entry __fault()\n{\n ret;\n}\n.visible .entry __exit()\n{\n ret;\n}\n.visible .entry __hang()\n{\n ret;\n}\n";
@@ -683,6 +683,7 @@ async fn a_principal_cannot_see_use_renew_or_free_another_principals_lease() {
     // Attack 2: token B read, overwrote and renewed A's lease given its id,
     // and a connection with no token freed it.
     let fx = Fixture::memory(1 << 20)
+        .manual_clock()
         .config(|cfg| {
             cfg.tokens.clear();
             cfg.named_tokens = vec![
@@ -703,85 +704,7 @@ async fn a_principal_cannot_see_use_renew_or_free_another_principals_lease() {
     s.write(&buf, 0, b"SECRET-OF-TENANT-A").await.unwrap();
     let id = lease.id();
     let handle = buf.id();
-    let unknown = |r: Result<(Vec<u8>, Vec<u8>), Error>| match r {
-        Err(e) if e.kind() == ErrorKind::LeaseNotFound => {
-            assert!(e.message().contains("no lease"), "{e}")
-        }
-        other => panic!("expected LEASE_NOT_FOUND as for an unknown lease, got {other:?}"),
-    };
-    unknown(
-        bob.request(
-            Opcode::MemRead,
-            &proto::to_body(&proto::MemRead {
-                lease: id,
-                buf: handle,
-                offset: 0,
-                len: 18,
-            }),
-            &[],
-        )
-        .await,
-    );
-    unknown(
-        bob.request(
-            Opcode::MemWrite,
-            &proto::to_body(&proto::MemWrite {
-                lease: id,
-                buf: handle,
-                offset: 0,
-            }),
-            b"pwned",
-        )
-        .await,
-    );
-    unknown(
-        bob.request(
-            Opcode::LeaseRenew,
-            &proto::to_body(&proto::LeaseRenew {
-                lease: id,
-                ttl_secs: 3600,
-            }),
-            &[],
-        )
-        .await,
-    );
-    unknown(
-        bob.request(
-            Opcode::LeaseQuery,
-            &proto::to_body(&proto::LeaseRef { lease: id }),
-            &[],
-        )
-        .await,
-    );
-    unknown(
-        bob.request(
-            Opcode::LeaseFree,
-            &proto::to_body(&proto::LeaseRef { lease: id }),
-            &[],
-        )
-        .await,
-    );
-    let read = proto::Command {
-        stream: 0,
-        op: proto::Op::Read {
-            buf: handle,
-            offset: 0,
-            len: 18,
-        },
-    };
-    unknown(
-        bob.request(
-            Opcode::Batch,
-            &proto::to_body(&proto::Batch {
-                lease: id,
-                seq: 0,
-                modules: vec![],
-                commands: vec![read],
-            }),
-            &[],
-        )
-        .await,
-    );
+    refused_as_unknown(&bob, id, handle).await;
     // Alice's data is untouched and her lease alive.
     assert_eq!(s.read(&buf, 0, 18).await.unwrap(), b"SECRET-OF-TENANT-A");
     assert_eq!(lease.query().await.unwrap().state, LeaseState::Active);
@@ -789,9 +712,120 @@ async fn a_principal_cannot_see_use_renew_or_free_another_principals_lease() {
     let ops = connect_as(node, "secret-ops").await;
     ops.free_lease(id).await.unwrap();
     assert!(s.read(&buf, 0, 18).await.is_err());
+    // Freed, it is still not Bob's to learn about: every op is answered
+    // as for an id that never existed (not "was freed").
+    refused_as_unknown(&bob, id, handle).await;
     drop(buf);
     lease.leak();
+    // Nor is an expired lease ("expired" would say it existed).
+    let short = Lease::builder()
+        .min_vram(4096)
+        .ttl(Duration::from_secs(5))
+        .auto_renew(false)
+        .on(alice.clone())
+        .await
+        .unwrap();
+    let (short_id, short_buf) = (short.id(), short.session().alloc(16).await.unwrap().id());
+    fx.clock().advance(Duration::from_secs(6));
+    let dead = eventually(Duration::from_secs(5), || async {
+        matches!(short.query().await, Err(e) if e.kind() == ErrorKind::LeaseExpired)
+    })
+    .await;
+    assert!(dead, "the short lease never expired");
+    refused_as_unknown(&bob, short_id, short_buf).await;
+    short.leak();
     fx.shutdown().await;
+}
+
+/// Every op `bob` can name lease `id` (and its buffer `buf`) in is refused
+/// exactly as for a lease that never existed: LEASE_NOT_FOUND, "no lease
+/// ID", whatever state the lease is in.
+async fn refused_as_unknown(bob: &Client, id: proto::LeaseId, buf: proto::Id) {
+    let read = |seq| proto::Batch {
+        lease: id,
+        seq,
+        modules: vec![],
+        commands: vec![proto::Command {
+            stream: 0,
+            op: proto::Op::Read {
+                buf,
+                offset: 0,
+                len: 16,
+            },
+        }],
+    };
+    let requests: Vec<(&str, Opcode, Vec<u8>, &[u8])> = vec![
+        (
+            "MEM_READ",
+            Opcode::MemRead,
+            proto::to_body(&proto::MemRead {
+                lease: id,
+                buf,
+                offset: 0,
+                len: 16,
+            }),
+            &[],
+        ),
+        (
+            "MEM_WRITE",
+            Opcode::MemWrite,
+            proto::to_body(&proto::MemWrite {
+                lease: id,
+                buf,
+                offset: 0,
+            }),
+            b"pwned",
+        ),
+        (
+            "MEM_ALLOC",
+            Opcode::MemAlloc,
+            proto::to_body(&proto::MemAlloc {
+                lease: id,
+                buf: proto::Id(9999),
+                size: 64,
+            }),
+            &[],
+        ),
+        (
+            "MEM_FREE",
+            Opcode::MemFree,
+            proto::to_body(&proto::IdOp { lease: id, id: buf }),
+            &[],
+        ),
+        (
+            "LEASE_RENEW",
+            Opcode::LeaseRenew,
+            proto::to_body(&proto::LeaseRenew {
+                lease: id,
+                ttl_secs: 3600,
+            }),
+            &[],
+        ),
+        (
+            "LEASE_QUERY",
+            Opcode::LeaseQuery,
+            proto::to_body(&proto::LeaseRef { lease: id }),
+            &[],
+        ),
+        (
+            "LEASE_FREE",
+            Opcode::LeaseFree,
+            proto::to_body(&proto::LeaseRef { lease: id }),
+            &[],
+        ),
+        ("BATCH seq 0", Opcode::Batch, proto::to_body(&read(0)), &[]),
+        ("BATCH seq 1", Opcode::Batch, proto::to_body(&read(1)), &[]),
+    ];
+    for (what, op, body, data) in requests {
+        match bob.request(op, &body, data).await {
+            Err(e) if e.kind() == ErrorKind::LeaseNotFound => {
+                assert_eq!(e.message(), format!("no lease {id}"), "{what}: {e}")
+            }
+            other => {
+                panic!("{what}: expected LEASE_NOT_FOUND as for an unknown lease, got {other:?}")
+            }
+        }
+    }
 }
 
 #[tokio::test]

@@ -114,6 +114,7 @@ proptest! {
     fn v2_batches_round_trip_and_validate(
         cmds in proptest::collection::vec((0u32..4, 0u8..9, 1u64..64, any::<u32>()), 0..40),
         cuda in any::<bool>(),
+        flips in proptest::collection::vec((any::<proptest::sample::Index>(), any::<u8>()), 8),
     ) {
         let kind = if cuda {
             SourceKind::Cuda { options: vec!["-default-device".into()] }
@@ -166,6 +167,34 @@ proptest! {
         for cut in 0..body.len() {
             prop_assert!(from_body::<Batch<'_>>(&body[..cut]).is_err());
         }
+        // The node's decoder (the hand codec of `Codec for Batch`) and the
+        // serde derive agree on one-byte changes of the body: the same
+        // batch, or both refuse it.
+        for (at, v) in flips {
+            let i = at.index(body.len());
+            {
+                let mut bad = body.clone();
+                bad[i] = v;
+                let ours = from_body::<Batch<'_>>(&bad).ok();
+                let serde = match postcard::take_from_bytes::<Batch<'_>>(&bad) {
+                    Ok((b, [])) => Some(b),
+                    _ => None,
+                };
+                prop_assert_eq!(ours, serde, "byte {} set to {:#x}", i, v);
+            }
+        }
+    }
+
+    #[test]
+    fn the_op_limit_is_exactly_max_batch_ops_on_every_decode_path(extra in 0usize..2) {
+        let n = MAX_BATCH_OPS + extra;
+        let free = Command { stream: 0, op: Op::Free { id: Id(1) } };
+        let batch = Batch { lease: LeaseId([1; 16]), seq: 1, modules: vec![], commands: vec![free; n] };
+        let body = postcard::to_allocvec(&batch).unwrap();
+        let ok = extra == 0;
+        prop_assert_eq!(from_body::<Batch<'_>>(&body).is_ok(), ok, "the node's decoder, {} ops", n);
+        prop_assert_eq!(postcard::from_bytes::<Batch<'_>>(&body).is_ok(), ok, "serde, {} ops", n);
+        prop_assert_eq!(batch.validate(0).is_ok(), ok, "validate, {} ops", n);
     }
 
     #[test]

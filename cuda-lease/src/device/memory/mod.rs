@@ -255,9 +255,20 @@ impl Device for MemoryDevice {
                 Some("ptxas fatal: no .entry in module (test double JIT log)".to_owned())
             }
             SourceKind::Cuda { .. } if text.contains("#error") || !text.contains("__global__") => {
+                // As NVRTC does, the log quotes the source's `#error` line
+                // with its line number (so tests can see the user's own text
+                // reach them).
+                let quoted = text
+                    .lines()
+                    .enumerate()
+                    .find(|(_, l)| l.trim_start().starts_with("#error"))
+                    .map_or_else(
+                        || "no __global__ function".to_owned(),
+                        |(n, l)| format!("line {}: {}", n + 1, l.trim()),
+                    );
                 Some(format!(
-                "module {hash}(1): error: no __global__ function or #error (test double NVRTC log)"
-            ))
+                    "module {hash}(1): error: {quoted} (test double NVRTC log)"
+                ))
             }
             _ => None,
         };
