@@ -243,6 +243,41 @@ impl Report {
             .unwrap_or(0)
     }
 
+    /// The rows that did not meet their goal, or could not be measured
+    /// (an error row).
+    pub fn failed(&self) -> Vec<&Row> {
+        self.rows
+            .iter()
+            .filter(|r| {
+                r.verdict() == "FAIL" || r.note.as_deref().is_some_and(|n| n.starts_with("error"))
+            })
+            .collect()
+    }
+
+    /// The run's verdict: `Err` naming the failed rows ([`Report::failed`])
+    /// unless there are none.
+    ///
+    /// # Errors
+    ///
+    /// One line per failed row.
+    pub fn verdict(&self) -> std::result::Result<(), String> {
+        let failed = self.failed();
+        if failed.is_empty() {
+            return Ok(());
+        }
+        let mut s = format!("{} of {} rows FAIL:", failed.len(), self.rows.len());
+        for r in failed {
+            let ratio = r.ratio().map_or_else(|| "-".into(), |x| format!("{x:.3}"));
+            let _ = write!(
+                s,
+                "\n  {}: ratio {ratio}, goal {}",
+                r.metric,
+                r.goal_label()
+            );
+        }
+        Err(s)
+    }
+
     /// The markdown table: metric | raw | cuda-async | ratio | goal |
     /// pass/fail, then the notes.
     pub fn markdown(&self) -> String {
@@ -428,6 +463,38 @@ mod tests {
             p90: m,
             n: 1,
         })
+    }
+
+    #[test]
+    fn a_report_fails_on_a_failed_goal_or_an_error_row_only() {
+        let row = |lib| {
+            Row::new("g", "time", Unit::Micros)
+                .raw(s(10.0))
+                .lib(s(lib))
+                .goal(Goal::AtMost(1.05))
+        };
+        let mut report = Report {
+            device: "d".into(),
+            compute_capability: None,
+            driver_version: None,
+            kernels: "-",
+            scale: 1.0,
+            unix_time: 0,
+            wall_s: 0.0,
+            rows: vec![
+                row(10.0),
+                Row::new("g", "no goal", Unit::Micros)
+                    .raw(s(1.0))
+                    .lib(s(9.0)),
+            ],
+        };
+        assert!(report.verdict().is_ok());
+        report.rows.push(row(11.0));
+        let e = report.verdict().unwrap_err();
+        assert!(e.starts_with("1 of 3 rows FAIL"), "{e}");
+        report.rows.pop();
+        report.rows.push(Row::error("g", "the GPU fell off"));
+        assert!(report.verdict().is_err());
     }
 
     #[test]

@@ -40,7 +40,8 @@ use benches::remote::{self, RemoteConfig};
 use benches::report::Report;
 use benches::{Config, Fixture, Result, Row};
 
-const USAGE: &str = "usage: bench-report OUT.json   \
+const USAGE: &str = "usage: bench-report [--no-fail] OUT.json   \
+    (exits 1 when a row fails its goal or could not be measured, unless --no-fail) \
     (env: REPORT_SCALE=1, REPORT_ONLY=overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu,\
     remote_alloc,remote[,remote_chain,remote_launch], REPORT_REMOTE_DEVICE=cuda|memory, \
     REPORT_REMOTE_SPIN_US, REPORT_REMOTE_IN_TASK=1, REPORT_TIMEOUT_S=300)";
@@ -51,7 +52,12 @@ fn main() -> ExitCode {
     // Hop spans of the remote topics (CUDA_LEASE_HOP_TIMES=1, or
     // RUST_LOG=cuda_lease::hop=trace).
     cuda_lease::hops::init_from_env();
-    let Some(out) = std::env::args_os().nth(1).map(PathBuf::from) else {
+    let mut args: Vec<_> = std::env::args_os().skip(1).collect();
+    let no_fail = args.first().is_some_and(|a| a == "--no-fail");
+    if no_fail {
+        args.remove(0);
+    }
+    let Some(out) = args.first().map(PathBuf::from) else {
         eprintln!("{USAGE}");
         return ExitCode::from(2);
     };
@@ -60,10 +66,20 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     match run(&out) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(report) => match report.verdict() {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(failed) if no_fail => {
+                eprintln!("bench-report: {failed}\n(--no-fail: exit status 0)");
+                ExitCode::SUCCESS
+            }
+            Err(failed) => {
+                eprintln!("bench-report: {failed}");
+                ExitCode::FAILURE
+            }
+        },
         Err(e) => {
             eprintln!("bench-report: {e}");
-            ExitCode::FAILURE
+            ExitCode::from(2)
         }
     }
 }
@@ -74,7 +90,7 @@ struct Progress {
     group: &'static str,
 }
 
-fn run(out: &Path) -> Result<()> {
+fn run(out: &Path) -> Result<Report> {
     let cfg = Config::from_env()?;
     let timeout = match std::env::var("REPORT_TIMEOUT_S") {
         Ok(s) => s
@@ -156,7 +172,7 @@ fn run(out: &Path) -> Result<()> {
         out.display(),
         p.report.wall_s
     );
-    Ok(())
+    Ok(p.report.clone())
 }
 
 /// The report's header: the local GPU's, or with remote topics alone the
