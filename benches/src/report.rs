@@ -533,7 +533,7 @@ mod tests {
                 Row::new("graph", "replay per node", Unit::Micros)
                     .raw(s(0.6))
                     .goal(Goal::AtMost(1.1))
-                    .note("n/a: no graph API yet"),
+                    .note("n/a: needs two GPUs"),
                 Row::error("zip", "boom\nsecond line\n"),
             ],
         };
@@ -544,7 +544,7 @@ mod tests {
             "{md}"
         );
         assert!(
-            md.contains("| n/a: no graph API yet | - | <= 1.1 | n/a |"),
+            md.contains("| n/a: needs two GPUs | - | <= 1.1 | n/a |"),
             "{md}"
         );
         assert!(md.contains("| zip | error | error | - | - | - |"), "{md}");

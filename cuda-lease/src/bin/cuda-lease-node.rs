@@ -56,7 +56,8 @@ struct Args {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
-    /// Use the in-memory test double with this many bytes instead of a GPU (kernels are not run).
+    /// Use the in-memory test double with this many bytes instead of a GPU (it runs the test
+    /// kernels of `cuda_lease::ptx` on the host; other kernels do nothing).
     #[arg(long)]
     memory_device: Option<u64>,
     /// Bytes leases may reserve in total (default: free memory at start minus headroom).
