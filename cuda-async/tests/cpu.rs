@@ -1,10 +1,14 @@
 //! CPU tests: what must hold with or without a GPU.
 
 use std::future::IntoFuture;
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::Arc;
 use std::task::Poll;
 
 use cuda_async::prelude::*;
-use cuda_async::{DeviceBuffer, DeviceFuture, Error, PinnedBuffer};
+use cuda_async::remote::{Recording, RemoteCompletion};
+use cuda_async::{DeviceBuffer, DeviceFuture, Error, PinnedBuffer, RemoteSession};
 use static_assertions::{assert_impl_all, assert_not_impl_any};
 
 // Send/Sync are earned: buffers are Send/Sync exactly when their elements are.
@@ -59,22 +63,102 @@ fn without_a_driver_every_entry_point_is_an_error_not_a_panic() {
     }
 }
 
+/// A remote session that answers every submission at once (its reads come
+/// back zeroed) and counts what reached it: the ids handed out, the
+/// submissions and their commands, the frees.
+#[derive(Debug, Default)]
+struct Counting {
+    ids: AtomicU64,
+    submissions: AtomicUsize,
+    commands: AtomicUsize,
+    frees: AtomicUsize,
+}
+
+impl Counting {
+    /// (ids, submissions, commands, frees) so far.
+    fn seen(&self) -> (u64, usize, usize, usize) {
+        (
+            self.ids.load(SeqCst),
+            self.submissions.load(SeqCst),
+            self.commands.load(SeqCst),
+            self.frees.load(SeqCst),
+        )
+    }
+}
+
+impl RemoteSession for Counting {
+    fn describe(&self) -> String {
+        "counting".into()
+    }
+    fn fresh_id(&self) -> u64 {
+        self.ids.fetch_add(1, SeqCst) + 1
+    }
+    fn submit(&self, r: Recording, done: RemoteCompletion) {
+        for slot in r.reads() {
+            slot.receive(|b| {
+                b.fill(0);
+                Ok(())
+            })
+            .unwrap();
+        }
+        self.commands.fetch_add(r.commands().len(), SeqCst);
+        self.submissions.fetch_add(1, SeqCst);
+        done.complete();
+    }
+    fn free(&self, _id: u64) {
+        self.frees.fetch_add(1, SeqCst);
+    }
+}
+
 #[test]
 fn a_future_dropped_before_its_first_poll_enqueues_nothing() {
-    // Building and dropping ops and futures never touches the driver.
-    let op = h2d(vec![1.0f32; 16]).then(d2h).map(|h| h.len());
-    let fut = op.into_device_future();
+    let session = Arc::new(Counting::default());
+    let remote = RemotePolicy::new(&session);
+    let op = || h2d(vec![1.0f32; 16]).then(d2h).map(|h| h.len());
+    // Built, scheduled and dropped unpolled: nothing reaches the session.
+    let fut = op().schedule(&remote).unwrap();
+    assert!(!fut.is_submitted());
+    drop(fut);
+    assert_eq!(session.seen(), (0, 0, 0, 0), "an unpolled future sent work");
+    // The same future polled once does send it (the count sees a submission).
+    let mut fut = op().schedule(&remote).unwrap();
+    assert!(poll_once(&mut fut).is_ready());
+    let (ids, submissions, commands, _) = session.seen();
+    assert_eq!(submissions, 1);
+    assert!(ids >= 1 && commands >= 3, "{:?}", session.seen());
+    // With no policy (the default one, resolved at the first poll): built
+    // and dropped without a driver call, so no error either.
+    let fut = op().into_device_future();
     assert!(!fut.is_submitted());
     drop(fut);
 }
 
 #[test]
 fn ops_are_lazy_values_that_live_in_collections_and_cross_threads() {
+    let session = Arc::new(Counting::default());
+    let remote = RemotePolicy::new(&session);
+    let ran = Arc::new(AtomicUsize::new(0));
     let ops: Vec<BoxedOp<'static, usize>> = (0..4)
-        .map(|i| value(i).map(move |v| v * 2).boxed())
+        .map(|i| {
+            let ran = ran.clone();
+            h2d(vec![7u8; i + 1])
+                .then(d2h)
+                .map(move |h| {
+                    ran.fetch_add(1, SeqCst);
+                    h.len() * 2
+                })
+                .boxed()
+        })
         .collect();
-    let moved = std::thread::spawn(move || ops.len()).join().unwrap();
-    assert_eq!(moved, 4);
+    // Moved to another thread and back: still only descriptions.
+    let ops = std::thread::spawn(move || ops).join().unwrap();
+    assert_eq!(ran.load(SeqCst), 0, "building an op ran it");
+    assert_eq!(session.seen(), (0, 0, 0, 0), "building an op sent it");
+    // Run: every closure once, all four arms in one message.
+    let outs = join_all(ops).sync_with(&remote).unwrap();
+    assert_eq!(outs, [2, 4, 6, 8]);
+    assert_eq!(ran.load(SeqCst), 4);
+    assert_eq!(session.seen().1, 1, "{:?}", session.seen());
 }
 
 /// Kernel values are made with no driver and no GPU (a GPU-less client can

@@ -206,9 +206,20 @@ fn bad_arguments_and_sources_give_clear_errors() {
         ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry f() { bogus; }",
     )
     .unwrap()
+    .named("bad.ptx")
     .load_on(&dev())
     .unwrap_err();
-    eprintln!("bad PTX error: {e}");
+    // The driver's JIT refuses it: a compile error carrying the JIT's log,
+    // or (a driver that gives no log) the failing call.
+    match &e {
+        Error::Compile { program, log } => {
+            assert_eq!(program, "bad.ptx", "{e}");
+            assert!(log.starts_with("cuModuleLoadData failed"), "{e}");
+        }
+        Error::Driver { call, .. } => assert_eq!(*call, "cuModuleLoadData", "{e}"),
+        other => panic!("bad PTX: {other:?}"),
+    }
+    assert!(e.to_string().contains("cuModuleLoadData failed"), "{e}");
     // The same source in two values is compiled once: same function.
     let a = Module::cuda(KERNELS, &[]).unwrap().kernel("axpy").unwrap();
     let b = Module::cuda(KERNELS, &[]).unwrap().kernel("axpy").unwrap();
@@ -787,14 +798,49 @@ fn an_upload_is_staged_and_never_blocks_on_the_stream() {
     );
 }
 
-/// The child half of the sticky-fault test (runs only when asked to, in its
-/// own process, because a fault poisons every CUDA context of the process).
+/// The sticky-fault test's name: it runs itself again, in a child process,
+/// for the part that faults (a fault poisons every CUDA context of the
+/// process, so it cannot share one with the other tests).
+const STICKY_FAULT_TEST: &str = "a_sticky_fault_fails_that_op_and_later_ones_instead_of_hanging";
+
+/// Set in the child process of the sticky-fault test.
+const FAULT_CHILD: &str = "CUDA_ASYNC_FAULT_CHILD";
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
-fn fault_child() {
-    if std::env::var("CUDA_ASYNC_FAULT_CHILD").is_err() {
-        return;
+fn a_sticky_fault_fails_that_op_and_later_ones_instead_of_hanging() {
+    if std::env::var_os(FAULT_CHILD).is_some() {
+        return fault_child();
     }
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(exe)
+        .args([
+            "--exact",
+            STICKY_FAULT_TEST,
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(FAULT_CHILD, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("child stdout:\n{stdout}\nchild stderr:\n{stderr}");
+    assert!(out.status.success(), "child failed");
+    assert!(
+        stdout.contains("CHILD: FAULT-HANDLED"),
+        "child did not finish its checks"
+    );
+    assert!(
+        stdout.contains("ILLEGAL_ADDRESS"),
+        "the error should name the fault"
+    );
+}
+
+/// The child half of the sticky-fault test (not a test of its own: run by
+/// that test in a process of its own).
+fn fault_child() {
     let k = kernels();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -832,35 +878,6 @@ fn fault_child() {
     );
     assert!(later_async.is_err());
     println!("CHILD: FAULT-HANDLED");
-}
-
-#[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn a_sticky_fault_fails_that_op_and_later_ones_instead_of_hanging() {
-    let exe = std::env::current_exe().unwrap();
-    let out = std::process::Command::new(exe)
-        .args([
-            "--exact",
-            "fault_child",
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("CUDA_ASYNC_FAULT_CHILD", "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!("child stdout:\n{stdout}\nchild stderr:\n{stderr}");
-    assert!(out.status.success(), "child failed");
-    assert!(
-        stdout.contains("CHILD: FAULT-HANDLED"),
-        "child did not finish its checks"
-    );
-    assert!(
-        stdout.contains("ILLEGAL_ADDRESS"),
-        "the error should name the fault"
-    );
 }
 
 #[test]

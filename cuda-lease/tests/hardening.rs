@@ -17,15 +17,21 @@ use cuda_lease::proto::{self, Header, Opcode, Status};
 
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// VmRSS of this process, in bytes (0 where /proc is missing).
+/// VmRSS of this process, in bytes.
+///
+/// # Panics
+///
+/// Where `/proc/self/status` cannot be read or has no VmRSS line: the
+/// memory checks would otherwise pass on a figure of 0.
 fn rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
+    let status = std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_else(|e| panic!("cannot measure RSS: /proc/self/status: {e}"));
+    let kib = status
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .unwrap_or(0)
-        * 1024
+        .unwrap_or_else(|| panic!("cannot measure RSS: no VmRSS line in /proc/self/status"));
+    kib * 1024
 }
 
 /// Samples VmRSS every millisecond on a thread; `stop` gives the peak
@@ -59,7 +65,7 @@ impl PeakRss {
 
     fn stop(self) -> u64 {
         self.stop.store(true, Ordering::Relaxed);
-        let _ = self.thread.join();
+        self.thread.join().expect("the RSS sampler panicked");
         self.peak
             .load(Ordering::Relaxed)
             .max(rss_bytes())
@@ -310,11 +316,18 @@ async fn replies_nobody_reads_are_dropped_after_the_reply_timeout() {
         send.finish().unwrap();
         unread.push(recv); // never read
     }
-    // The reply timeout is 1 s; on a loaded 2-core CI machine dropping the
-    // replies can take a little longer, so wait up to 10 s (the attack held
-    // them for 80 s).
+    // The four replies exist (the node counts their bytes once made)...
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            metric(&node.metrics_text(), "gpu_submit_output_bytes_total") >= Some(4 * (64 << 20))
+        })
+        .await,
+        "the four 64 MiB replies were never made"
+    );
+    // ...and are dropped 1 s later (the reply timeout); on a loaded 2-core
+    // CI machine that can take a little longer, so wait up to 10 s (the
+    // attack held them for 80 s).
     let start = std::time::Instant::now();
-    tokio::time::sleep(Duration::from_millis(3000)).await;
     let mut held = rss_bytes().saturating_sub(before);
     while held >= 48 << 20 && start.elapsed() < Duration::from_secs(10) {
         tokio::time::sleep(Duration::from_millis(250)).await;
@@ -357,7 +370,15 @@ async fn one_tenants_hanging_submits_do_not_delay_another_tenant() {
         let (a, hang) = (a.clone(), hang.clone());
         hung.push(tokio::spawn(async move { a.gpu_call(&hang).await }));
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The hang holds a submit worker before the other tenant asks (the
+    // node counts a GPU_SUBMIT once it has its turn and runs it).
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            metric(&node.metrics_text(), "gpu_submit_total") >= Some(1)
+        })
+        .await,
+        "the hanging submits never reached the node"
+    );
     let t = std::time::Instant::now();
     b.inventory().await.unwrap();
     let inventory = t.elapsed();

@@ -75,6 +75,11 @@ fn reference(x: &[f32], y: &[f32], a: f32) -> Vec<f32> {
     x.iter().zip(y).map(|(x, y)| x + (a * x + y)).collect()
 }
 
+/// The node's `gpu_vram_allocated_bytes`: what its leases hold.
+fn vram_allocated(node: &Node) -> u64 {
+    metric(&node.metrics_text(), "gpu_vram_allocated_bytes").expect("gpu_vram_allocated_bytes")
+}
+
 fn batches(node: &Node) -> (u64, u64) {
     let t = node.metrics_text();
     (
@@ -459,6 +464,18 @@ fn hanging(remote: &RemotePolicy) -> tokio::task::JoinHandle<cuda_async::Result<
     tokio::spawn(async move { fut.await.map(drop) })
 }
 
+/// Waits until a submission sent after `before` (a [`batches`] reading)
+/// has reached the node: it is pending there, not on its way.
+async fn reached(node: &Node, before: (u64, u64)) {
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            batches(node).0 > before.0
+        })
+        .await,
+        "the submission never reached the node"
+    );
+}
+
 #[tokio::test]
 async fn a_pending_submission_fails_when_its_lease_expires_or_its_node_goes() {
     let fx = Fixture::memory(1 << 22).manual_clock().start().await;
@@ -471,8 +488,9 @@ async fn a_pending_submission_fails_when_its_lease_expires_or_its_node_goes() {
         .await
         .unwrap();
     let remote = RemotePolicy::new(&LeaseSession::current(short.session()));
+    let before = batches(node);
     let pending = hanging(&remote);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    reached(node, before).await;
     assert!(!pending.is_finished(), "the hang returned");
     clock.advance(Duration::from_secs(6));
     let e = tokio::time::timeout(Duration::from_secs(10), pending)
@@ -488,8 +506,10 @@ async fn a_pending_submission_fails_when_its_lease_expires_or_its_node_goes() {
     // The node goes away under a pending submission.
     let lease = lease_on(node, 1 << 16).await;
     let remote = policy_of(&lease);
+    let before = batches(node);
     let pending = hanging(&remote);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    reached(node, before).await;
+    assert!(!pending.is_finished(), "the hang returned");
     fx.shutdown().await;
     let e = tokio::time::timeout(Duration::from_secs(10), pending)
         .await
@@ -509,29 +529,49 @@ async fn a_remote_future_dropped_in_flight_frees_only_after_the_node_s_work() {
         .lease(1 << 21)
         .start()
         .await;
-    let (lease, remote) = (fx.lease(), fx.policy());
+    let (node, lease, remote) = (&fx.node, fx.lease(), fx.policy());
     let hang = Module::cuda(HANG, &[]).unwrap().kernel("__hang").unwrap();
     let bytes = 1usize << 20;
+    let vram_before = vram_allocated(node);
+    let before = batches(node);
     // The buffer is the output: in use by the queued (here: endless) work.
     let mut fut = zeros::<u8>(bytes)
         // SAFETY: the host double's hang kernel touches nothing.
         .then(move |b| unsafe { launch(&hang, cfg(1), ()) }.map(move |()| b))
         .schedule(&remote)
         .unwrap();
+    // Polled until its message reached the node (which runs it: it hangs).
     tokio::select! {
         _ = &mut fut => panic!("the hang returned"),
-        _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        reached = eventually(Duration::from_secs(10), || async { batches(node).0 > before.0 }) => {
+            assert!(reached, "the submission never reached the node");
+        }
     }
     assert!(fut.is_submitted());
     let t = std::time::Instant::now();
     drop(fut);
     assert!(t.elapsed() < Duration::from_millis(50), "drop blocked");
-    // The free is queued behind the work: the node has not run it.
+    // The free is queued behind the work: the node has not run it (a window
+    // in which an early free would show; nothing is waited on here).
     tokio::time::sleep(Duration::from_millis(300)).await;
     let allocated = lease.query().await.unwrap().allocated;
     assert!(
         allocated >= bytes as u64,
         "freed early: {allocated} bytes left"
+    );
+    // Once the work is over (the hang times out after 2 s, which fails the
+    // lease), the buffer is freed: the node's accounting is back where it
+    // was. A leak fails here. (The failed lease lets go of all it held, so
+    // this sees the node's release, not the client's free: a client that
+    // forgets its frees is caught by `a_buffer_dropped_while_its_op_is_queued_is_freed_after_it`
+    // and the pipeline test's end-of-test check.)
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            vram_allocated(node) == vram_before
+        })
+        .await,
+        "never freed: the node still holds {} bytes (before: {vram_before})",
+        vram_allocated(node)
     );
 
     // mem::forget: the buffer leaks (never freed early, never freed).
@@ -542,6 +582,14 @@ async fn a_remote_future_dropped_in_flight_frees_only_after_the_node_s_work() {
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
     assert!(std::future::Future::poll(std::pin::Pin::new(&mut fut), &mut cx).is_pending());
     std::mem::forget(fut);
+    // The allocation runs; then nothing frees it (a window, as above).
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            lease2.query().await.unwrap().allocated == bytes as u64
+        })
+        .await,
+        "the forgotten submission's allocation never ran"
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(lease2.query().await.unwrap().allocated, bytes as u64);
     fx2.shutdown().await;

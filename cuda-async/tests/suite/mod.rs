@@ -342,10 +342,16 @@ pub fn join_all_is_concurrent_and_ordered(p: &dyn SchedulingPolicy) {
         .into_iter()
         .map(|b| stamps(p, b))
         .collect();
-    assert!(
-        iv[1].0 < iv[0].1 && iv[2].0 < iv[0].1,
-        "join_all arms did not overlap: {iv:?}"
-    );
+    // Every pair overlaps, both ways: each arm starts before the other ends
+    // (arms run one after another, in any order, fail this).
+    for (i, a) in iv.iter().enumerate() {
+        for (j, b) in iv.iter().enumerate().skip(i + 1) {
+            assert!(
+                a.0 < b.1 && b.0 < a.1,
+                "join_all arms {i} and {j} did not overlap: {iv:?}"
+            );
+        }
+    }
 }
 
 /// Run by both backends' GPU tests.
