@@ -35,7 +35,7 @@ use std::process::ExitCode;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use benches::measure::{self, GROUPS};
+use benches::measure::{self, groups};
 use benches::remote::{self, RemoteConfig};
 use benches::report::Report;
 use benches::{Config, Fixture, Result, Row};
@@ -129,7 +129,7 @@ fn run(out: &Path) -> Result<Report> {
         started,
     );
 
-    for group in GROUPS.into_iter().filter(|g| cfg.wants(g)) {
+    for group in groups().filter(|g| cfg.wants(g)) {
         lock(&progress).group = group;
         eprintln!("[bench-report] {group} ...");
         let t = Instant::now();

@@ -9,8 +9,6 @@ use clap::Parser;
 use cuda_lease::hops;
 use cuda_lease::node::{Node, NodeConfig, TlsSource};
 use cuda_lease::worker::{main_if_worker, DeviceSpec, WorkerSpec};
-use tracing_subscriber::layer::{Layer, SubscriberExt};
-use tracing_subscriber::util::SubscriberInitExt;
 
 /// Leases slices of a GPU's memory to remote clients over QUIC.
 #[derive(Debug, Parser)]
@@ -96,17 +94,9 @@ struct Args {
 fn main() {
     main_if_worker();
     return_freed_memory();
-    // The log at RUST_LOG's levels (default info); the hop spans, if
-    // turned on (`RUST_LOG=info,cuda_lease::hop=trace`), as lines of their
-    // own (see `cuda_lease::hops`).
-    tracing_subscriber::registry()
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
-                .with_filter(hops::log_filter("info")),
-        )
-        .with(hops::layer())
-        .init();
+    // The log at RUST_LOG's levels (default info) and, if turned on
+    // (`RUST_LOG=info,cuda_lease::hop=trace`), the hop spans.
+    hops::init_log("info");
     let args = Args::parse();
     if let Err(e) = run(args) {
         eprintln!("cuda-lease-node: {e}");

@@ -8,8 +8,6 @@ use clap::{Parser, Subcommand};
 use cuda_lease::client::{Client, ClientConfig, GpuCall, Lease};
 use cuda_lease::hops;
 use cuda_lease::proto::KernelArg;
-use tracing_subscriber::layer::{Layer, SubscriberExt};
-use tracing_subscriber::util::SubscriberInitExt;
 
 /// Talk to a cuda-lease node.
 #[derive(Debug, Parser)]
@@ -88,16 +86,9 @@ fn dims(s: &str) -> Result<[u32; 3], String> {
 }
 
 fn main() {
-    // The log at RUST_LOG's levels (default info) and, if turned on, the
-    // hop spans (see `cuda_lease::hops`).
-    tracing_subscriber::registry()
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
-                .with_filter(hops::log_filter("info")),
-        )
-        .with(hops::layer())
-        .init();
+    // The log at RUST_LOG's levels (default info) and, if turned on
+    // (`RUST_LOG=info,cuda_lease::hop=trace`), the hop spans.
+    hops::init_log("info");
     let args = Args::parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -6,14 +6,9 @@ pub use cuda_core::{Credentials, Disconnect, RemoteError as Error, RemoteErrorKi
 
 use crate::proto::Status;
 
-/// The error of a reply whose status is not OK.
+/// The error of a reply whose status is not OK, or of the command of a
+/// batch that failed (the reply's `OpError`, whose message names it).
 pub(crate) fn from_status(status: Status, message: String) -> Error {
-    Error::new(kind_of(status), message)
-}
-
-/// The error of one command of a batch that the node refused or that
-/// failed (the reply's `OpError`, whose message names the command).
-pub(crate) fn from_command_status(status: Status, message: &str) -> Error {
     Error::new(kind_of(status), message)
 }
 
@@ -75,8 +70,7 @@ mod tests {
         assert_eq!(frame.kind(), ErrorKind::Protocol);
         let refused = from_status(Status::BadRequest, "no input 3".into());
         assert_eq!(refused.kind(), ErrorKind::InvalidRequest);
-        let command =
-            from_command_status(Status::BadRequest, "command 3: a copy from #1 to itself");
+        let command = from_status(Status::NotFound, "command 3: unknown id #1".into());
         assert_eq!(command.kind(), ErrorKind::InvalidRequest);
         let gone = from_status(Status::LeaseNotFound, "no lease 7".into());
         assert_eq!(gone.kind(), ErrorKind::LeaseNotFound);

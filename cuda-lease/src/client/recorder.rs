@@ -339,7 +339,7 @@ impl Submitted {
     /// The error of the command that stopped the batch.
     pub fn ok(self) -> Result<Self, Error> {
         match &self.error {
-            Some(e) => Err(super::error::from_command_status(e.status, &e.message)),
+            Some(e) => Err(super::error::from_status(e.status, e.message.clone())),
             None => Ok(self),
         }
     }

@@ -98,6 +98,21 @@ where
         .with_writer(writer)
 }
 
+/// Installs the global subscriber of a program with a log of its own (the
+/// node, the client CLI): the log at `RUST_LOG`'s levels (`default`
+/// without it, hop spans left out, [`log_filter`]) on stderr, and the hop
+/// spans, if turned on, as lines of their own ([`layer`]).
+pub fn init_log(default: &str) {
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_filter(log_filter(default)),
+        )
+        .with(layer())
+        .init();
+}
+
 /// Installs a subscriber of [`layer`] alone as the global default, if the
 /// environment turns hop spans on and no global default is set yet; for
 /// programs that print nothing else (the node's workers, examples, bench

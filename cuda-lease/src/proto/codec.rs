@@ -97,10 +97,7 @@ impl<'a> Codec<'a> for LaunchSpec<'a> {
         encode_launch(out, self);
     }
     fn decode(buf: &mut &'a [u8]) -> Result<Self, ProtoError> {
-        let mut r = WireReader { b: buf };
-        let l = decode_launch(&mut r)?;
-        *buf = r.b;
-        Ok(l)
+        WireReader::on(buf, decode_launch)
     }
 }
 
@@ -109,10 +106,7 @@ impl<'a> Codec<'a> for Command<'a> {
         encode_command(out, self);
     }
     fn decode(buf: &mut &'a [u8]) -> Result<Self, ProtoError> {
-        let mut r = WireReader { b: buf };
-        let c = decode_command(&mut r)?;
-        *buf = r.b;
-        Ok(c)
+        WireReader::on(buf, decode_command)
     }
 }
 
@@ -124,17 +118,17 @@ impl<'a> Codec<'a> for Vec<Command<'a>> {
         encode_commands(out, self.len(), self);
     }
     fn decode(buf: &mut &'a [u8]) -> Result<Self, ProtoError> {
-        let mut r = WireReader { b: buf };
-        let n = r.len()?;
-        if n > MAX_BATCH_OPS {
-            return Err(r.error("too many commands"));
-        }
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            out.push(decode_command(&mut r)?);
-        }
-        *buf = r.b;
-        Ok(out)
+        WireReader::on(buf, |r| {
+            let n = r.len()?;
+            if n > MAX_BATCH_OPS {
+                return Err(r.error("too many commands"));
+            }
+            let mut out = Vec::with_capacity(n);
+            for _ in 0..n {
+                out.push(decode_command(r)?);
+            }
+            Ok(out)
+        })
     }
 }
 
@@ -433,6 +427,18 @@ struct WireReader<'a> {
 }
 
 impl<'a> WireReader<'a> {
+    /// `read` from the front of `buf`, which then starts after what it read.
+    #[inline]
+    fn on<T>(
+        buf: &mut &'a [u8],
+        read: impl FnOnce(&mut WireReader<'a>) -> Result<T, ProtoError>,
+    ) -> Result<T, ProtoError> {
+        let mut r = WireReader { b: buf };
+        let v = read(&mut r)?;
+        *buf = r.b;
+        Ok(v)
+    }
+
     fn error(&self, what: &str) -> ProtoError {
         ProtoError::Body(format!("{what} ({} bytes left)", self.b.len()))
     }

@@ -103,7 +103,6 @@ impl Fixture {
 
     /// The node, and the rest to drop when the test is done with it (a test
     /// that shuts the node down under its lease).
-    #[allow(dead_code)]
     pub fn into_node(self) -> (Node, impl Sized) {
         let Fixture {
             node,
@@ -117,14 +116,9 @@ impl Fixture {
     /// Shuts the node down, then drops what is left (as a test that ends
     /// with `node.shutdown().await` did).
     pub async fn shutdown(self) {
-        let Fixture {
-            node,
-            client,
-            lease,
-            clock,
-        } = self;
+        let (node, rest) = self.into_node();
         node.shutdown().await;
-        drop((lease, client, clock));
+        drop(rest);
     }
 
     /// Frees the fixture's lease (which must succeed), then shuts down.
