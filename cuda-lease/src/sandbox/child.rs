@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::{is_arch_option, CompileSandbox, COMPILER_ENV, KEPT_ENV, MAX_PTX_BYTES};
+use super::{
+    is_arch_option, CompileSandbox, COMPILER_ENV, KEPT_ENV, MAX_PTX_BYTES, SANITIZER_ENV_PREFIXES,
+};
 
 /// What the worker asks its compiler child for.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -60,6 +62,12 @@ pub(super) fn run_child(
     cmd.env_clear();
     for k in KEPT_ENV {
         if let Some(v) = std::env::var_os(k) {
+            cmd.env(k, v);
+        }
+    }
+    for (k, v) in std::env::vars_os() {
+        let name = k.to_string_lossy();
+        if SANITIZER_ENV_PREFIXES.iter().any(|p| name.starts_with(p)) {
             cmd.env(k, v);
         }
     }

@@ -20,7 +20,8 @@
 //!    with a message naming the line.
 //! 3. **The compiler runs in a confined child process** ([`Compiler::compile`]): the
 //!    worker re-executes its own program with [`COMPILER_ENV`] set, an
-//!    empty environment (only the library search variables pass) and no
+//!    empty environment (only the library search variables pass, and
+//!    compute-sanitizer's own where a sanitizer runs the node) and no
 //!    arguments. The child loads NVRTC, then forbids itself every file
 //!    access but reading the header directories (Landlock, where the kernel
 //!    has it, with `no_new_privs`), then compiles. The worker kills it after
@@ -61,6 +62,19 @@ const KEPT_ENV: [&str; 5] = [
     "CUDA_HOME",
     "CUDA_ROOT",
     "CUDA_TOOLKIT_ROOT_DIR",
+];
+
+/// Prefixes of the variables compute-sanitizer starts a process tree with
+/// (`--target-processes all`): the compiler child keeps them, since the
+/// sanitizer injects itself into the child whatever its environment, and
+/// without them the child waits for a sanitizer it cannot reach (seen with
+/// compute-sanitizer 2025.3: blocked at startup until the compile time
+/// limit). Absent unless a sanitizer runs the node; they carry nothing
+/// of the node's.
+const SANITIZER_ENV_PREFIXES: [&str; 3] = [
+    "NV_SANITIZER_",
+    "NVIDIA_PROCESS_INJECTION_",
+    "NVTX_INJECTION",
 ];
 
 /// Largest PTX a compile may return.
