@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use cuda_lease::client::{Client, ClientConfig, ErrorKind, GpuCall, Lease, Module};
+use cuda_lease::client::{
+    Client, ClientConfig, DeviceBuffer, ErrorKind, GpuCall, Lease, Module, Session,
+};
 use cuda_lease::proto::{self, Header, KernelArg, LeaseState, Opcode, Status};
 
 const PTX: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry iota(.param .u64 out, .param .u32 n)\n{\n ret;\n}\n.visible .entry __fault()\n{\n ret;\n}\n.visible .entry __exit()\n{\n ret;\n}\n.visible .entry __hang()\n{\n ret;\n}\n";
@@ -191,10 +193,26 @@ async fn expiry_tears_down_with_injected_clock() {
         .start()
         .await;
     let (node, client, lease, clock) = (&fx.node, fx.client(), fx.lease(), fx.clock());
+    // A second lease, of 5 s, left to the node: the reaper pass that ends
+    // it shows that the reaper has looked at the clock since it moved.
+    Lease::builder()
+        .min_vram(4096)
+        .ttl(Duration::from_secs(5))
+        .auto_renew(false)
+        .on(client.clone())
+        .await
+        .unwrap()
+        .leak();
     let s = lease.session();
     let buf = s.alloc(1000).await.unwrap();
     clock.advance(Duration::from_secs(9));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    wait_until(
+        Duration::from_secs(10),
+        "a reaper pass at 9 s to end the 5 s lease",
+        || async { metric(&node.metrics_text(), "gpu_lease_dropped_total") >= Some(1) },
+    )
+    .await;
+    // The same pass left the 10 s lease alone.
     assert_eq!(lease.query().await.unwrap().state, LeaseState::Active);
     clock.advance(Duration::from_secs(1));
     // Dead at once for requests, and torn down by the reaper within a second.
@@ -205,7 +223,7 @@ async fn expiry_tears_down_with_injected_clock() {
     assert!(
         eventually(Duration::from_secs(1), || async {
             let m = node.metrics_text();
-            metric(&m, "gpu_lease_dropped_total") == Some(1)
+            metric(&m, "gpu_lease_dropped_total") == Some(2)
                 && metric(&m, "gpu_vram_allocated_bytes") == Some(0)
         })
         .await
@@ -237,6 +255,11 @@ async fn disconnect_does_not_free() {
     lease.leak();
     a.close();
     drop(a);
+    // A bounded wait, not an event: the node keeps nothing per connection
+    // and shows nothing when one ends (no counter, no reply to a closed
+    // connection), so nothing proves it has handled this close. 200 ms is
+    // far more than loopback takes to deliver it (well under 1 ms); a node
+    // that freed the lease on the close would show it by then.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let b = connect(node).await;
     assert_eq!(b.inventory().await.unwrap().active_leases, 1);
@@ -654,6 +677,45 @@ async fn transfers_of_every_shape(client: Arc<Client>) {
     lease.free().await.unwrap();
 }
 
+/// How far the node has surely taken a MEM_WRITE cut off after `cut`
+/// bytes, once it is midway: the whole chunks before the cut.
+fn taken_up_to(cut: usize) -> usize {
+    cut / CHUNK * CHUNK
+}
+
+/// Waits until the node is midway through a MEM_WRITE on `conn` (its only
+/// transfer) that was cut off after `part`: it holds a ring slot for the
+/// chunk the cut falls in. Past the first chunk, that is when the worker
+/// has the last whole chunk before the cut (read back from `buf`): the node
+/// hands the chunks over in order, and takes the next chunk's slot before
+/// the worker gets the last. Inside the first chunk, nothing reaches the
+/// worker; the node taking data into the chunk's slot shows instead as
+/// QUIC flow-control credit for this stream (MAX_STREAM_DATA), which it
+/// sends once it has read an eighth of the stream's window, well under
+/// the 1 MiB sent.
+async fn wait_midway(s: &Session, buf: &DeviceBuffer, conn: &quinn::Connection, part: &[u8]) {
+    let at = taken_up_to(part.len());
+    if at > 0 {
+        let tail = &part[at - 8..at];
+        wait_until(
+            Duration::from_secs(10),
+            &format!(
+                "the worker to have the {at} bytes before a cut at {}",
+                part.len()
+            ),
+            || async { s.read(buf, at as u64 - 8, 8).await.unwrap() == tail },
+        )
+        .await;
+    } else {
+        wait_until(
+            Duration::from_secs(10),
+            "the node to read data of a transfer cut inside its first chunk",
+            || async { conn.stats().frame_rx.max_stream_data > 0 },
+        )
+        .await;
+    }
+}
+
 #[tokio::test]
 async fn a_transfer_cut_off_midway_frees_what_it_held_and_the_lease_stays_usable() {
     const SIZE: usize = 8 * CHUNK;
@@ -661,9 +723,12 @@ async fn a_transfer_cut_off_midway_frees_what_it_held_and_the_lease_stays_usable
     let (node, lease) = (&fx.node, fx.lease());
     let s = lease.session();
     let buf = s.alloc(SIZE as u64).await.unwrap();
-    // Several cut-off writes in a row: had any of them kept its ring slots,
-    // the ring (16 slots) would run dry and the writes below would hang.
-    for cut in [CHUNK / 2, 3 * CHUNK + 5, 7 * CHUNK + 1, 5 * CHUNK] {
+    // Cut-off writes of each shape, then more cut inside the first chunk
+    // (quick ones): 16 in a row, each cut while the node holds a ring slot
+    // for it. Had each kept even one slot, the ring (16 slots) would run
+    // dry and the writes below would hang.
+    let shapes = [CHUNK / 2, 3 * CHUNK + 5, 7 * CHUNK + 1, 5 * CHUNK];
+    for (i, cut) in shapes.into_iter().chain([CHUNK / 2; 12]).enumerate() {
         let conn = raw_authed_conn(node).await;
         let (mut send, _recv) = conn.open_bi().await.unwrap();
         let body = proto::to_body(&proto::MemWrite {
@@ -672,11 +737,18 @@ async fn a_transfer_cut_off_midway_frees_what_it_held_and_the_lease_stays_usable
             offset: 0,
         });
         let h = Header::request(Opcode::MemWrite, 2, body.len() as u32, SIZE as u32);
-        let part = pattern(cut, 0xEE);
+        // Bytes of its own (unlike any earlier cut's), so the node's
+        // progress shows in the buffer.
+        let part = pattern(cut, 0xC0 + i as u8);
+        let at = taken_up_to(cut);
+        if at > 0 {
+            let before = s.read(&buf, at as u64 - 8, 8).await.unwrap();
+            assert_ne!(before, part[at - 8..at], "cut {i}: pick another seed");
+        }
         proto::write_frame(&mut send, &h, &body, &part)
             .await
             .unwrap();
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        wait_midway(&s, &buf, &conn, &part).await;
         conn.close(0u32.into(), b"gone");
     }
     let data = pattern(SIZE, 3);

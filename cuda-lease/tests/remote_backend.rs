@@ -522,6 +522,17 @@ async fn a_pending_submission_fails_when_its_lease_expires_or_its_node_goes() {
     );
 }
 
+/// A waker that notifies: a future polled with it tells when it would be
+/// polled again.
+#[derive(Default)]
+struct Woken(tokio::sync::Notify);
+
+impl std::task::Wake for Woken {
+    fn wake(self: Arc<Self>) {
+        self.0.notify_one();
+    }
+}
+
 #[tokio::test]
 async fn a_remote_future_dropped_in_flight_frees_only_after_the_node_s_work() {
     let fx = Fixture::memory(1 << 22)
@@ -551,9 +562,21 @@ async fn a_remote_future_dropped_in_flight_frees_only_after_the_node_s_work() {
     let t = std::time::Instant::now();
     drop(fut);
     assert!(t.elapsed() < Duration::from_millis(50), "drop blocked");
-    // The free is queued behind the work: the node has not run it (a window
-    // in which an early free would show; nothing is waited on here).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The free waits for the work's reply. A submission sent now would
+    // carry it, were it queued (queued frees lead the next message); one
+    // is sent (its first poll sends it) and reaches the node, where it
+    // waits behind the work: one message of one command, no free.
+    let sent = batches(node);
+    let mut probe = zeros::<u8>(16).schedule(&remote).unwrap();
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    assert!(std::future::Future::poll(std::pin::Pin::new(&mut probe), &mut cx).is_pending());
+    let probe = tokio::spawn(probe);
+    reached(node, sent).await;
+    assert_eq!(
+        batches(node),
+        (sent.0 + 1, sent.1 + 1),
+        "the dropped buffer's free went out before the work was over"
+    );
     let allocated = lease.query().await.unwrap().allocated;
     assert!(
         allocated >= bytes as u64,
@@ -573,25 +596,32 @@ async fn a_remote_future_dropped_in_flight_frees_only_after_the_node_s_work() {
         "never freed: the node still holds {} bytes (before: {vram_before})",
         vram_allocated(node)
     );
+    // The probe waited behind the work, and failed with its lease.
+    assert!(probe.await.unwrap().is_err());
 
     // mem::forget: the buffer leaks (never freed early, never freed).
     let fx2 = Fixture::memory(1 << 22).lease(1 << 21).start().await;
     let (lease2, remote2) = (fx2.lease(), fx2.policy());
     let mut fut = zeros::<u8>(bytes).schedule(&remote2).unwrap();
-    // Exactly one poll: it sends the submission.
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    // Exactly one poll: it sends the submission. Its waker is woken once
+    // the reply has come and the session has settled what it created.
+    let replied = Arc::new(Woken::default());
+    let waker = std::task::Waker::from(replied.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
     assert!(std::future::Future::poll(std::pin::Pin::new(&mut fut), &mut cx).is_pending());
     std::mem::forget(fut);
-    // The allocation runs; then nothing frees it (a window, as above).
-    assert!(
-        eventually(Duration::from_secs(10), || async {
-            lease2.query().await.unwrap().allocated == bytes as u64
-        })
-        .await,
-        "the forgotten submission's allocation never ran"
-    );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::timeout(Duration::from_secs(10), replied.0.notified())
+        .await
+        .expect("the forgotten submission was never answered");
+    // The allocation ran; then nothing frees it: a later submission on the
+    // session runs (a free queued by then would go before it, in the same
+    // message), and the forgotten buffer is still there beside it.
     assert_eq!(lease2.query().await.unwrap().allocated, bytes as u64);
+    let sent = batches(&fx2.node);
+    let probe = zeros::<u8>(16).schedule(&remote2).unwrap().await.unwrap();
+    assert_eq!(batches(&fx2.node), (sent.0 + 1, sent.1 + 1));
+    assert_eq!(lease2.query().await.unwrap().allocated, bytes as u64 + 16);
+    drop(probe);
     fx2.shutdown().await;
     fx.shutdown().await;
 }

@@ -279,6 +279,24 @@ where
     false
 }
 
+/// Polls `cond` every millisecond until it holds; panics naming `what` once
+/// `limit` has passed, also when a poll of `cond` itself is still running
+/// then (a request that hangs).
+pub async fn wait_until<F, Fut>(limit: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let polls = async {
+        while !cond().await {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    };
+    if tokio::time::timeout(limit, polls).await.is_err() {
+        panic!("waited {limit:?} for {what}: it never happened");
+    }
+}
+
 /// `GET /metrics` on the node's metrics port: the whole HTTP response.
 pub async fn metrics_http(node: &Node) -> String {
     metrics_request(
