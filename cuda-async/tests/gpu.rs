@@ -874,7 +874,7 @@ const MEMCHECK_ARGS: [&str; 6] = [
     "--report-api-errors",
     "no",
     "--track-stream-ordered-races",
-    "all",
+    "use-after-free",
 ];
 
 /// The drop and forget tests rely, under the sanitize script, on memcheck
