@@ -42,9 +42,11 @@ use cuda_async::{ModuleSource, RemoteSession};
 use std::net::SocketAddr;
 
 mod ids;
+mod streamed;
 mod wire;
 
 use ids::{IdBook, Ran, Sent};
+use streamed::Gate;
 use wire::WireCommands;
 
 /// How long a queued free waits for a message to ride on before it is
@@ -63,6 +65,9 @@ pub struct LeaseSession {
     /// module's docs).
     ids: Mutex<IdBook>,
     flush_scheduled: AtomicBool,
+    /// Submissions held back while one with transfers on the data path
+    /// runs its steps (see [`streamed`](self::streamed)).
+    gate: Mutex<Gate>,
     /// Modules seen, by the address of their `cuda-core` description, so a
     /// module's source is hashed once.
     modules: Mutex<Vec<(cuda_async::Module, Module)>>,
@@ -84,6 +89,7 @@ impl LeaseSession {
             name,
             ids: Mutex::new(IdBook::default()),
             flush_scheduled: AtomicBool::new(false),
+            gate: Mutex::new(Gate::default()),
             modules: Mutex::new(Vec::new()),
         })
     }
@@ -116,11 +122,11 @@ impl LeaseSession {
 
     /// The modules `recording` launches from (each once, in order of first
     /// use) and the module of each of its launches, in order.
-    fn modules_of(&self, recording: &Recording) -> (Vec<Module>, Vec<ModuleHash>) {
+    fn modules_of(&self, commands: &[RemoteCommand]) -> (Vec<Module>, Vec<ModuleHash>) {
         let mut modules: Vec<Module> = Vec::new();
         let mut launches = Vec::new();
         let mut last: Option<(&cuda_async::Module, ModuleHash)> = None;
-        for c in recording.commands() {
+        for c in commands {
             let RemoteCommand::Launch { kernel, .. } = c else {
                 continue;
             };
@@ -147,13 +153,14 @@ impl LeaseSession {
         self.ids.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Sends the queued frees, then `recording`, as one BATCH; the reads
-    /// land in `dests` (one per read slot of the recording). When the
-    /// reply (or the failure) comes, what ran is settled in the id book
-    /// before the returned future is ready.
+    /// Sends the queued frees (unless `keep_frees`), then `commands`, as
+    /// one BATCH with `writes` as its payloads; the reads land in `dests`
+    /// (one per read command). When the reply (or the failure) comes, what
+    /// ran is settled in the id book before the returned future is ready.
     fn send<D>(
         &self,
-        recording: &Recording,
+        commands: &[RemoteCommand],
+        keep_frees: bool,
         writes: Vec<u8>,
         dests: Vec<D>,
     ) -> impl Future<Output = Result<(Submitted, Vec<D>), Error>> + Send + 'static
@@ -162,15 +169,19 @@ impl LeaseSession {
     {
         let (frees, sent) = {
             let mut book = self.ids();
-            let frees = book.take_queued();
-            let sent = Sent::of(&frees, recording.commands());
+            let frees = if keep_frees {
+                Vec::new()
+            } else {
+                book.take_queued()
+            };
+            let sent = Sent::of(&frees, commands);
             book.sending(&sent);
             (frees, sent)
         };
-        let (modules, launches) = self.modules_of(recording);
+        let (modules, launches) = self.modules_of(commands);
         let commands = WireCommands {
             frees: &frees,
-            commands: recording.commands(),
+            commands,
             launches: &launches,
         };
         // The reads' slots are not needed: their bytes land in `dests`.
@@ -216,11 +227,18 @@ impl LeaseSession {
         self.runtime.spawn(async move {
             tokio::time::sleep(FREE_FLUSH_DELAY).await;
             this.flush_scheduled.store(false, Ordering::Release);
-            let empty = Recording::new();
             let queued = this.ids().has_queued();
-            if queued {
+            // While a streamed submission runs its steps, its last one may
+            // still use what these frees free: they wait for its end
+            // (which flushes them).
+            let reply = {
+                let gate = this.gate();
+                (queued && !gate.active)
+                    .then(|| this.send(&[], false, Vec::new(), Vec::<Vec<u8>>::new()))
+            };
+            if let Some(reply) = reply {
                 // A free that fails (the lease is gone) has nothing to free.
-                let _ = this.send(&empty, Vec::new(), Vec::<Vec<u8>>::new()).await;
+                let _ = reply.await;
             }
         });
     }
@@ -241,7 +259,38 @@ impl RemoteSession for LeaseSession {
         self.session.fresh_id().0
     }
 
-    fn submit(&self, mut recording: Recording, done: RemoteCompletion) {
+    fn submit(&self, recording: Recording, done: RemoteCompletion) {
+        // A submission dropped unsent or unanswered (its runtime shut down
+        // with the lease) fails instead of staying pending forever.
+        let done = FailOnDrop {
+            done: Some(done),
+            lease: self.session.lease_id(),
+            node: self.session.node_addr(),
+        };
+        let mut gate = self.gate();
+        if gate.active {
+            gate.held.push_back((recording, done));
+            return;
+        }
+        // Numbered under the gate, so no streamed submission starts
+        // between this call and this message's number.
+        self.submit_or_stream(&mut gate, recording, done);
+    }
+
+    fn free(&self, id: u64) {
+        // Rides on the next submission, or goes alone shortly; nothing
+        // for an id that never existed, and later for one whose creation
+        // is not answered yet.
+        if self.ids().free(id) {
+            self.schedule_flush();
+        }
+    }
+}
+
+impl LeaseSession {
+    /// Sends `recording` as one message (the path of every submission
+    /// without a transfer on the data path).
+    fn submit_now(&self, mut recording: Recording, done: FailOnDrop) {
         // With hop timings on: this side's share, printed when it is done.
         let mut hop = HopTimer::start(Hop::ClientSubmit, Opcode::Batch, 0);
         // The reads are received straight into their slots' storage, and
@@ -249,15 +298,8 @@ impl RemoteSession for LeaseSession {
         let bufs: Vec<_> = recording.reads().iter().map(|s| s.buffer()).collect();
         let writes = recording.take_data();
         // Encoded and numbered now, in the order of these calls.
-        let reply = self.send(&recording, writes, bufs);
+        let reply = self.send(recording.commands(), false, writes, bufs);
         hops::mark(&mut hop, "encode");
-        // A task dropped unrun (its runtime shut down with the lease) fails
-        // the submission instead of leaving it pending forever.
-        let done = FailOnDrop {
-            done: Some(done),
-            lease: self.session.lease_id(),
-            node: self.session.node_addr(),
-        };
         let mut task = Box::pin(async move {
             let (done, mut hop) = (done, hop);
             let outcome = async {
@@ -284,20 +326,12 @@ impl RemoteSession for LeaseSession {
             self.runtime.spawn(task);
         }
     }
-
-    fn free(&self, id: u64) {
-        // Rides on the next submission, or goes alone shortly; nothing
-        // for an id that never existed, and later for one whose creation
-        // is not answered yet.
-        if self.ids().free(id) {
-            self.schedule_flush();
-        }
-    }
 }
 
 /// A submission's completion, failed as [`ErrorKind::LeaseFreed`] if
 /// dropped before it was finished (the session's I/O stopped because this
 /// client freed or dropped the lease).
+#[derive(Debug)]
 struct FailOnDrop {
     done: Option<RemoteCompletion>,
     lease: LeaseId,

@@ -30,6 +30,10 @@ pub struct ClientConfig {
     pub stripes: usize,
     /// The smallest transfer that is striped.
     pub stripe_min_bytes: usize,
+    /// The smallest write or read of a `cuda-async` submission that leaves
+    /// its message for the data path (streamed, striped MEM_WRITE and
+    /// MEM_READ; see [`ClientConfig::data_path_min_bytes`]).
+    pub data_path_min_bytes: usize,
     /// How long connecting (QUIC handshake and HELLO) may take before it
     /// fails as [`Disconnect::ConnectTimeout`](crate::client::Disconnect::ConnectTimeout)
     /// ([`DEFAULT_CONNECT_TIMEOUT`]).
@@ -44,6 +48,9 @@ pub const DEFAULT_STRIPES: usize = 4;
 /// Default [`ClientConfig::stripe_min_bytes`]: 8 MiB (smaller transfers
 /// take one round trip on one connection).
 pub const DEFAULT_STRIPE_MIN_BYTES: usize = 8 << 20;
+
+/// Default [`ClientConfig::data_path_min_bytes`]: 1 MiB.
+pub const DEFAULT_DATA_PATH_MIN_BYTES: usize = 1 << 20;
 
 /// Default [`ClientConfig::connect_timeout`]: 5 s.
 pub const DEFAULT_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -63,6 +70,7 @@ impl ClientConfig {
             client_name: "cuda-lease-client".into(),
             stripes: DEFAULT_STRIPES,
             stripe_min_bytes: DEFAULT_STRIPE_MIN_BYTES,
+            data_path_min_bytes: DEFAULT_DATA_PATH_MIN_BYTES,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
         }
     }
@@ -115,6 +123,29 @@ impl ClientConfig {
     pub fn stripes(mut self, n: usize, min_bytes: usize) -> Self {
         self.stripes = n.max(1);
         self.stripe_min_bytes = min_bytes;
+        self
+    }
+
+    /// Sends the writes and reads of at least `min_bytes` of a `cuda-async`
+    /// submission on a lease (`h2d`, `d2h`...) on the data path, as
+    /// streamed MEM_WRITEs and MEM_READs (striped from
+    /// [`ClientConfig::stripes`]' size up), instead of inside the
+    /// submission's message; `usize::MAX` keeps every byte in the message.
+    /// A submission with such a transfer takes up to three round trips
+    /// (its allocations, its data, its commands) instead of one, and the
+    /// lease's later submissions wait for it to end; its data moves at the
+    /// transport's speed instead of crossing the node whole.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn demo(cfg: cuda_lease::ClientConfig) {
+    /// let cfg = cfg.data_path_min_bytes(4 << 20); // from 4 MiB up
+    /// let in_message = cfg.clone().data_path_min_bytes(usize::MAX); // never
+    /// # }
+    /// ```
+    pub fn data_path_min_bytes(mut self, min_bytes: usize) -> Self {
+        self.data_path_min_bytes = min_bytes;
         self
     }
 }

@@ -22,7 +22,8 @@ mod session;
 mod stripe;
 
 pub use config::{
-    ClientConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STRIPES, DEFAULT_STRIPE_MIN_BYTES,
+    ClientConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_DATA_PATH_MIN_BYTES, DEFAULT_STRIPES,
+    DEFAULT_STRIPE_MIN_BYTES,
 };
 pub use connection::Client;
 #[cfg(feature = "backend")]

@@ -161,6 +161,28 @@ impl Session {
             .await
     }
 
+    /// Reads `out.len()` bytes of buffer `buf` at `offset` straight into
+    /// `out` (streamed, striped when large).
+    ///
+    /// # Errors
+    ///
+    /// As [`Session::read`].
+    pub async fn read_id_into(&self, buf: Id, offset: u64, out: &mut [u8]) -> Result<(), Error> {
+        self.inner
+            .guard(
+                self.inner
+                    .client
+                    .striped_read_into(self.inner.id, buf, offset, out),
+            )
+            .await
+    }
+
+    /// The smallest transfer that leaves a submission's message for the
+    /// data path ([`ClientConfig::data_path_min_bytes`](super::ClientConfig::data_path_min_bytes)).
+    pub(crate) fn stream_min_bytes(&self) -> usize {
+        self.inner.client.config.data_path_min_bytes
+    }
+
     /// Loads a PTX module now (one request), so a bad one fails here with
     /// its JIT log. Launches carry modules themselves: this is only a
     /// warm-up.

@@ -67,6 +67,40 @@ impl Client {
         Ok(())
     }
 
+    /// Reads `out.len()` bytes of memory at `offset` straight into `out`,
+    /// striped like [`Client::striped_write`] (the stripes' requests run
+    /// together in this task, each landing in its part of `out`).
+    pub(crate) async fn striped_read_into(
+        &self,
+        lease: LeaseId,
+        buf: Id,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Result<(), Error> {
+        let conns = self.stripe_set(out.len()).await?;
+        let parts = stripe_bounds(out.len(), conns.len());
+        let mut rest = out;
+        let mut futs = Vec::with_capacity(parts.len());
+        for (conn, r) in conns.iter().zip(&parts) {
+            let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
+            rest = tail;
+            let body = to_body(&MemRead {
+                lease,
+                buf,
+                offset: offset + r.start as u64,
+                len: r.len() as u32,
+            });
+            futs.push(async move {
+                self.request_on(conn, Opcode::MemRead, &body, &[], Some(part))
+                    .await
+            });
+        }
+        for r in join_all(futs).await {
+            r?;
+        }
+        Ok(())
+    }
+
     /// Reads `len` bytes of memory at `offset`, striped like
     /// [`Client::striped_write`], into one buffer.
     pub(super) async fn striped_read(

@@ -1,0 +1,383 @@
+//! Large transfers of a submission on the data path: which of a
+//! recording's writes and reads leave the BATCH message and travel as
+//! streamed, striped MEM_WRITEs and MEM_READs instead (pure planning over
+//! the commands, unit-tested below; the session runs the plan).
+//!
+//! A submission with such a transfer runs in up to three steps, in this
+//! order, while the session holds its later submissions back (so nothing
+//! submitted after it can run on the node between the steps):
+//!
+//! 1. a BATCH of the allocations of the buffers its large writes fill;
+//! 2. those writes as MEM_WRITEs (fresh buffers: nothing else uses them);
+//! 3. the BATCH of every other command; then the large reads as MEM_READs.
+//!
+//! A write moves only when its buffer is allocated by the same recording
+//! and nothing before it uses the buffer; a read only when nothing after
+//! it in the recording touches its buffer. Any other transfer stays in the
+//! message, as do transfers below the threshold.
+
+use std::future::Future;
+
+use cuda_async::remote::{Recording, RemoteCommand};
+
+use super::{FailOnDrop, LeaseSession};
+use crate::client::{protocol_error, Error, Submitted};
+use crate::proto::Id;
+
+/// A large write that goes as a MEM_WRITE: `data[range]` into buffer `id`
+/// at `offset`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct StreamedWrite {
+    pub(super) id: u64,
+    pub(super) offset: u64,
+    /// Its bytes in the recording's data.
+    pub(super) range: std::ops::Range<usize>,
+}
+
+/// A large read that goes as a MEM_READ into read slot `slot`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct StreamedRead {
+    pub(super) id: u64,
+    pub(super) offset: u64,
+    pub(super) len: u64,
+    /// Its index among the recording's read slots.
+    pub(super) slot: usize,
+}
+
+/// How a recording is split (see the module docs).
+#[derive(Debug, Default)]
+pub(super) struct StreamPlan {
+    /// Step 1: the allocations of the streamed writes' buffers.
+    pub(super) allocs: Vec<RemoteCommand>,
+    pub(super) writes: Vec<StreamedWrite>,
+    /// Step 3: every other command, in order.
+    pub(super) commands: Vec<RemoteCommand>,
+    /// The data of the writes left in `commands`, as ranges of the
+    /// recording's data, in order.
+    pub(super) data: Vec<std::ops::Range<usize>>,
+    /// The read slots of the reads left in `commands`, in order.
+    pub(super) slots: Vec<usize>,
+    pub(super) reads: Vec<StreamedRead>,
+}
+
+/// The buffer ids a command uses (a launch's buffer arguments included).
+fn uses(c: &RemoteCommand, id: u64) -> bool {
+    use cuda_async::remote::RemoteArg;
+    match c {
+        RemoteCommand::Alloc { id: x, .. }
+        | RemoteCommand::Write { id: x, .. }
+        | RemoteCommand::Read { id: x, .. }
+        | RemoteCommand::Fill { id: x, .. }
+        | RemoteCommand::Free { id: x, .. } => *x == id,
+        RemoteCommand::Copy { src, dst, .. } => src.0 == id || dst.0 == id,
+        RemoteCommand::Launch { args, .. } => args
+            .iter()
+            .any(|a| matches!(a, RemoteArg::Buffer { id: x, .. } if *x == id)),
+        // Events are ids of their own kind, never a buffer's.
+        _ => false,
+    }
+}
+
+/// Splits `commands` when a write or a read of at least `threshold` bytes
+/// (and at least one byte) can take the data path; `None` when none can
+/// (the whole recording goes as one message).
+pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<StreamPlan> {
+    let threshold = threshold.max(1) as u64;
+    let mut streamed_write = vec![false; commands.len()];
+    let mut hoisted = vec![false; commands.len()];
+    let mut streamed_read = vec![false; commands.len()];
+    for (i, c) in commands.iter().enumerate() {
+        match *c {
+            RemoteCommand::Write { id, len, .. } if len >= threshold => {
+                // Allocated here, and not used between its allocation and
+                // this write.
+                let alloc = commands[..i]
+                    .iter()
+                    .rposition(|p| matches!(*p, RemoteCommand::Alloc { id: a, .. } if a == id));
+                if let Some(a) = alloc {
+                    if !commands[a + 1..i].iter().any(|p| uses(p, id)) && !hoisted[a] {
+                        streamed_write[i] = true;
+                        hoisted[a] = true;
+                    }
+                }
+            }
+            RemoteCommand::Read { id, len, .. }
+                if len >= threshold && !commands[i + 1..].iter().any(|p| uses(p, id)) =>
+            {
+                streamed_read[i] = true;
+            }
+            _ => {}
+        }
+    }
+    if !streamed_write.iter().chain(&streamed_read).any(|s| *s) {
+        return None;
+    }
+    let mut p = StreamPlan::default();
+    let (mut at, mut slot) = (0usize, 0usize);
+    for (i, c) in commands.iter().enumerate() {
+        match *c {
+            RemoteCommand::Write {
+                id, offset, len, ..
+            } => {
+                let range = at..at + len as usize;
+                at = range.end;
+                if streamed_write[i] {
+                    p.writes.push(StreamedWrite { id, offset, range });
+                    continue;
+                }
+                p.data.push(range);
+            }
+            RemoteCommand::Read {
+                id, offset, len, ..
+            } => {
+                let s = slot;
+                slot += 1;
+                if streamed_read[i] {
+                    p.reads.push(StreamedRead {
+                        id,
+                        offset,
+                        len,
+                        slot: s,
+                    });
+                    continue;
+                }
+                p.slots.push(s);
+            }
+            _ if hoisted[i] => {
+                p.allocs.push(c.clone());
+                continue;
+            }
+            _ => {}
+        }
+        p.commands.push(c.clone());
+    }
+    Some(p)
+}
+
+// The session's side: the gate that holds later submissions back, and
+// the steps.
+
+/// Submissions held back while a streamed one runs its steps, in the
+/// order of their calls.
+#[derive(Debug, Default)]
+pub(super) struct Gate {
+    pub(super) active: bool,
+    pub(super) held: std::collections::VecDeque<(Recording, FailOnDrop)>,
+}
+
+impl LeaseSession {
+    pub(super) fn gate(&self) -> std::sync::MutexGuard<'_, Gate> {
+        self.gate.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sends `recording` now as one message, or starts it on the data path
+    /// (closing `gate` until it ends).
+    pub(super) fn submit_or_stream(&self, gate: &mut Gate, recording: Recording, done: FailOnDrop) {
+        match plan(recording.commands(), self.session.stream_min_bytes()) {
+            Some(plan) => {
+                gate.active = true;
+                self.start_streamed(recording, plan, done);
+            }
+            None => self.submit_now(recording, done),
+        }
+    }
+
+    /// After a streamed submission: sends the submissions held back, in
+    /// order, until one of them streams again (or none is left).
+    fn release(&self) {
+        {
+            let mut gate = self.gate();
+            gate.active = false;
+            while let Some((recording, done)) = gate.held.pop_front() {
+                self.submit_or_stream(&mut gate, recording, done);
+                if gate.active {
+                    return;
+                }
+            }
+        }
+        if self.ids().has_queued() {
+            self.schedule_flush();
+        }
+    }
+
+    /// Starts a submission whose large transfers take the data path (see
+    /// the module docs): its allocations go now, numbered in the order of the
+    /// calls; its other steps follow on the session's runtime, and the
+    /// gate opens when it ends, however it ends.
+    fn start_streamed(&self, mut recording: Recording, plan: StreamPlan, done: FailOnDrop) {
+        let Some(this) = self.me.upgrade() else {
+            // The session is going away: `done` fails as dropped.
+            return;
+        };
+        let data = recording.take_data();
+        let allocs = (!plan.allocs.is_empty())
+            .then(|| self.send(&plan.allocs, false, Vec::new(), Vec::<Vec<u8>>::new()));
+        self.runtime.spawn(async move {
+            let r = this.run_streamed(allocs, &recording, &plan, &data).await;
+            done.finish(r);
+            this.release();
+        });
+    }
+
+    /// Steps 1 to 3 of a streamed submission (see the module docs).
+    async fn run_streamed(
+        &self,
+        allocs: Option<
+            impl Future<Output = Result<(Submitted, Vec<Vec<u8>>), Error>> + Send + 'static,
+        >,
+        recording: &Recording,
+        plan: &StreamPlan,
+        data: &[u8],
+    ) -> Result<(), Error> {
+        if let Some(allocs) = allocs {
+            allocs.await?.0.ok()?;
+        }
+        for w in &plan.writes {
+            self.session
+                .write_id(Id(w.id), w.offset, &data[w.range.clone()])
+                .await?;
+        }
+        let slots = recording.reads();
+        // The commands' message, also when empty if reads follow: its
+        // reply says every earlier submission of the lease has run.
+        if !plan.commands.is_empty() || !plan.reads.is_empty() {
+            let mut writes = Vec::with_capacity(plan.data.iter().map(|r| r.len()).sum());
+            for r in &plan.data {
+                writes.extend_from_slice(&data[r.clone()]);
+            }
+            let bufs: Vec<_> = plan.slots.iter().map(|&i| slots[i].buffer()).collect();
+            let (reply, bufs) = self.send(&plan.commands, true, writes, bufs).await?;
+            reply.ok()?;
+            for (&i, buf) in plan.slots.iter().zip(bufs) {
+                slots[i]
+                    .commit(buf)
+                    .map_err(|e| protocol_error(e.to_string()))?;
+            }
+        }
+        for r in &plan.reads {
+            let slot = &slots[r.slot];
+            let mut buf = slot.buffer();
+            self.session
+                .read_id_into(Id(r.id), r.offset, buf.as_mut())
+                .await?;
+            slot.commit(buf)
+                .map_err(|e| protocol_error(e.to_string()))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cuda_async::remote::RemoteCommand as C;
+
+    fn alloc(id: u64) -> C {
+        C::Alloc {
+            stream: 0,
+            id,
+            bytes: 1 << 20,
+        }
+    }
+    fn write(id: u64, len: u64) -> C {
+        C::Write {
+            stream: 0,
+            id,
+            offset: 0,
+            len,
+        }
+    }
+    fn read(id: u64, len: u64) -> C {
+        C::Read {
+            stream: 0,
+            id,
+            offset: 0,
+            len,
+        }
+    }
+    fn fill(id: u64) -> C {
+        C::Fill {
+            stream: 0,
+            id,
+            offset: 0,
+            len: 4,
+            value: 1,
+        }
+    }
+
+    #[test]
+    fn small_transfers_stay_in_the_message() {
+        let cmds = [alloc(1), write(1, 99), read(1, 99)];
+        assert!(plan(&cmds, 100).is_none());
+        assert!(plan(&cmds, 99).is_some());
+        // Zero bytes never stream, whatever the threshold.
+        assert!(plan(&[alloc(1), write(1, 0), read(1, 0)], 0).is_none());
+    }
+
+    #[test]
+    fn an_upload_then_a_download_leave_the_message() {
+        // h2d(a) (small), h2d(b) (large), fill b, d2h(b) (large), d2h(a).
+        let cmds = [
+            alloc(1),
+            write(1, 8),
+            alloc(2),
+            write(2, 100),
+            fill(2),
+            read(2, 100),
+            read(1, 8),
+        ];
+        let p = plan(&cmds, 100).unwrap();
+        assert_eq!(p.allocs.len(), 1);
+        assert!(matches!(p.allocs[0], C::Alloc { id: 2, .. }));
+        assert_eq!(
+            p.writes,
+            vec![StreamedWrite {
+                id: 2,
+                offset: 0,
+                range: 8..108
+            }]
+        );
+        assert_eq!(p.data, vec![0..8]);
+        assert_eq!(
+            p.reads,
+            vec![StreamedRead {
+                id: 2,
+                offset: 0,
+                len: 100,
+                slot: 0
+            }]
+        );
+        assert_eq!(p.slots, vec![1]);
+        // alloc 1, write 1, fill 2, read 1.
+        assert_eq!(p.commands.len(), 4);
+        assert!(matches!(p.commands[2], C::Fill { id: 2, .. }));
+    }
+
+    #[test]
+    fn a_write_into_a_buffer_used_before_it_stays() {
+        // The buffer is older than the recording.
+        assert!(plan(&[write(1, 100)], 1).is_none());
+        // Used between its allocation and the write.
+        assert!(plan(&[alloc(1), fill(1), write(1, 100)], 1).is_none());
+        // Only the first write after the allocation can go.
+        let p = plan(&[alloc(1), write(1, 100), write(1, 100)], 1).unwrap();
+        assert_eq!(p.writes.len(), 1);
+        assert_eq!(p.data, vec![100..200]);
+    }
+
+    #[test]
+    fn a_read_followed_by_a_use_of_its_buffer_stays() {
+        assert!(plan(&[read(1, 100), fill(1)], 1).is_none());
+        let launch_like = C::Copy {
+            stream: 0,
+            src: (2, 0),
+            dst: (1, 0),
+            len: 4,
+        };
+        assert!(plan(&[read(1, 100), launch_like], 1).is_none());
+        let free = C::Free { stream: 0, id: 1 };
+        assert!(plan(&[read(1, 100), free], 1).is_none());
+        // A use of another buffer does not hold it.
+        assert!(plan(&[read(1, 100), fill(2)], 1).is_some());
+    }
+}

@@ -1,0 +1,237 @@
+//! Large transfers of `cuda-async` submissions on a lease take the data
+//! path (streamed, striped MEM_WRITE and MEM_READ), not the BATCH message:
+//! byte-exact at the sizes around the node's chunk, striped and not, in
+//! order with the lease's other submissions, and a failure leaves the
+//! lease working. In-memory device, no GPU.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use cuda_async::prelude::*;
+use cuda_async::{LaunchConfig, Module, RemotePolicy};
+use cuda_lease::client::{Client, Lease};
+use cuda_lease::node::Node;
+
+/// The node's chunk: one slot of its ring with a worker.
+const CHUNK: usize = 2 << 20;
+
+fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// Bytes that crossed the node inside BATCH messages: the commands'
+/// count does not say, so count the batches and compare with the data.
+fn batches(node: &Node) -> u64 {
+    metric(&node.metrics_text(), "gpu_batch_total").unwrap_or(0)
+}
+
+/// A client whose submissions send transfers of `min` bytes and more on
+/// the data path, striped over `stripes` connections from 1 MiB up.
+async fn client(node: &Node, min: usize, stripes: usize) -> Arc<Client> {
+    let cfg = client_config(node)
+        .stripes(stripes, 1 << 20)
+        .data_path_min_bytes(min);
+    Arc::new(Client::connect(node.addr(), &cfg).await.expect("connect"))
+}
+
+async fn on(node: &Node, min: usize, stripes: usize) -> (Lease, RemotePolicy) {
+    let lease = lease_of(&client(node, min, stripes).await, 256 << 20).await;
+    let policy = policy_of(&lease);
+    (lease, policy)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_and_downloads_on_the_data_path_are_byte_exact() {
+    let fx = Fixture::memory(1 << 30).start().await;
+    for stripes in [1, 4] {
+        let (_lease, remote) = on(&fx.node, 1, stripes).await;
+        for (i, n) in [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, (64 << 20) + 123]
+            .into_iter()
+            .enumerate()
+        {
+            let bytes = random_bytes(n, 7 + i as u64);
+            // h2d then d2h in one submission: both transfers stream.
+            let back = h2d(bytes.clone())
+                .then(d2h)
+                .schedule(&remote)
+                .unwrap()
+                .await
+                .unwrap();
+            assert!(
+                back.to_vec().unwrap() == bytes,
+                "{n} bytes, {stripes} stripe(s)"
+            );
+            // And in submissions of their own, with a device copy between.
+            let buf = h2d(bytes.clone()).schedule(&remote).unwrap().await.unwrap();
+            let copy = d2d(buf).schedule(&remote).unwrap().await.unwrap();
+            let back = d2h(copy).schedule(&remote).unwrap().await.unwrap();
+            assert!(
+                back.to_vec().unwrap() == bytes,
+                "{n} bytes apart, {stripes} stripe(s)"
+            );
+        }
+    }
+    fx.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_large_upload_leaves_the_message_and_a_small_one_does_not() {
+    let fx = Fixture::memory(1 << 28).start().await;
+    let (lease, remote) = on(&fx.node, 1 << 20, 1).await;
+    let module_free = lease.query().await.unwrap().allocated;
+    // Small: one BATCH, as always.
+    let before = batches(&fx.node);
+    let small = random_bytes(1000, 1);
+    let back = h2d(small.clone())
+        .then(d2h)
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(back.to_vec().unwrap(), small);
+    assert_eq!(batches(&fx.node) - before, 1);
+    // Large upload alone: its allocation is the only BATCH; the bytes go
+    // as MEM_WRITEs.
+    let before = batches(&fx.node);
+    let big = random_bytes(3 << 20, 2);
+    let buf = h2d(big.clone()).schedule(&remote).unwrap().await.unwrap();
+    assert_eq!(batches(&fx.node) - before, 1);
+    // Large download alone: an empty BATCH orders it after the lease's
+    // earlier submissions, then MEM_READs.
+    let before = batches(&fx.node);
+    let back = d2h(buf).schedule(&remote).unwrap().await.unwrap();
+    assert_eq!(batches(&fx.node) - before, 1);
+    assert!(back.to_vec().unwrap() == big);
+    // Nothing left behind.
+    wait_until(
+        std::time::Duration::from_secs(5),
+        "the buffers freed",
+        || async { lease.query().await.unwrap().allocated == module_free },
+    )
+    .await;
+    fx.shutdown().await;
+}
+
+/// Submissions made while a streamed one runs its steps run after it, in
+/// the order of their calls: a download of a buffer, then a kernel that
+/// overwrites it, submitted together: the download sees the buffer
+/// before the kernel, the next one after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn later_submissions_wait_for_a_streamed_one() {
+    let fx = Fixture::memory(1 << 28).start().await;
+    let (_lease, remote) = on(&fx.node, 1 << 20, 4).await;
+    let m = Module::cuda(
+        "extern \"C\" __global__ void fill(float* out, float v, unsigned n) {}",
+        &[],
+    )
+    .unwrap();
+    let fill = m.kernel("fill").unwrap();
+    let n = 2 << 20;
+    for round in 0..2u8 {
+        let floats: Vec<f32> = (0..n)
+            .map(|i| (i % 1000) as f32 + f32::from(round))
+            .collect();
+        let buf = Arc::new(
+            h2d(floats.clone())
+                .schedule(&remote)
+                .unwrap()
+                .await
+                .unwrap(),
+        );
+        let read = d2h(buf.clone()).schedule(&remote).unwrap();
+        // SAFETY: the in-memory device's `fill` writes out[0..n) of an n-float buffer.
+        let overwrite = unsafe {
+            launch(
+                &fill,
+                LaunchConfig::for_num_elems(n as u32),
+                (buf.clone(), -1.0f32, n as u32),
+            )
+        }
+        .schedule(&remote)
+        .unwrap();
+        let (got, done) = tokio::join!(read, overwrite);
+        done.unwrap();
+        assert!(
+            got.unwrap().to_vec().unwrap() == floats,
+            "round {round}: the download saw the later kernel's writes"
+        );
+        let after = d2h(buf).schedule(&remote).unwrap().await.unwrap();
+        assert!(
+            after.to_vec().unwrap().iter().all(|v| *v == -1.0),
+            "round {round}"
+        );
+        // The other way round: a streamed download submitted after a
+        // kernel still in flight sees the kernel's writes. (The kernel's
+        // module is new and large, so its message takes a while to
+        // arrive: the download's own requests would overtake it.)
+        let buf = Arc::new(
+            h2d(floats.clone())
+                .schedule(&remote)
+                .unwrap()
+                .await
+                .unwrap(),
+        );
+        let padded = format!(
+            "// round {round}\n{}extern \"C\" __global__ void fill(float* out, float v, unsigned n) {{}}",
+            "// padding\n".repeat(400_000)
+        );
+        let slow_fill = Module::cuda(padded, &[]).unwrap().kernel("fill").unwrap();
+        // SAFETY: as above.
+        let overwrite = unsafe {
+            launch(
+                &slow_fill,
+                LaunchConfig::for_num_elems(n as u32),
+                (buf.clone(), -2.0f32, n as u32),
+            )
+        }
+        .schedule(&remote)
+        .unwrap();
+        let read = d2h(buf).schedule(&remote).unwrap();
+        let (done, got) = tokio::join!(overwrite, read);
+        done.unwrap();
+        assert!(
+            got.unwrap().to_vec().unwrap().iter().all(|v| *v == -2.0),
+            "round {round}: the download ran before the earlier kernel"
+        );
+    }
+    fx.shutdown().await;
+}
+
+/// An upload whose allocation fails (the lease is too small) fails its
+/// submission with the capacity error, and the lease works after it.
+#[tokio::test]
+async fn a_failed_streamed_submission_leaves_the_lease_working() {
+    let fx = Fixture::memory(1 << 28).start().await;
+    let c = client(&fx.node, 1, 1).await;
+    let lease = lease_of(&c, 4 << 20).await;
+    let remote = policy_of(&lease);
+    let e = h2d(random_bytes(8 << 20, 4))
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.remote_kind(),
+        Some(cuda_async::RemoteErrorKind::Capacity),
+        "{e}"
+    );
+    let bytes = random_bytes(2 << 20, 5);
+    let back = h2d(bytes.clone())
+        .then(d2h)
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(back.to_vec().unwrap() == bytes);
+    fx.shutdown().await;
+}
