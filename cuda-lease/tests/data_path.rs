@@ -29,10 +29,21 @@ fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-/// Bytes that crossed the node inside BATCH messages: the commands'
-/// count does not say, so count the batches and compare with the data.
-fn batches(node: &Node) -> u64 {
-    metric(&node.metrics_text(), "gpu_batch_total").unwrap_or(0)
+/// BATCH messages the node ran, and the commands they carried.
+fn batches(node: &Node) -> (u64, u64) {
+    let t = node.metrics_text();
+    (
+        metric(&t, "gpu_batch_total").unwrap_or(0),
+        metric(&t, "gpu_batch_commands_total").unwrap_or(0),
+    )
+}
+
+/// What `f` sent in BATCH messages: (messages, commands).
+async fn sent_by<T>(node: &Node, f: impl std::future::Future<Output = T>) -> (T, (u64, u64)) {
+    let before = batches(node);
+    let out = f.await;
+    let after = batches(node);
+    (out, (after.0 - before.0, after.1 - before.1))
 }
 
 /// A client whose submissions send transfers of `min` bytes and more on
@@ -89,28 +100,35 @@ async fn a_large_upload_leaves_the_message_and_a_small_one_does_not() {
     let fx = Fixture::memory(1 << 28).start().await;
     let (lease, remote) = on(&fx.node, 1 << 20, 1).await;
     let module_free = lease.query().await.unwrap().allocated;
-    // Small: one BATCH, as always.
-    let before = batches(&fx.node);
+    // Small: one BATCH (allocation, write, read, free), as always.
     let small = random_bytes(1000, 1);
-    let back = h2d(small.clone())
-        .then(d2h)
-        .schedule(&remote)
-        .unwrap()
-        .await
-        .unwrap();
+    let (back, sent) = sent_by(&fx.node, async {
+        h2d(small.clone())
+            .then(d2h)
+            .schedule(&remote)
+            .unwrap()
+            .await
+            .unwrap()
+    })
+    .await;
     assert_eq!(back.to_vec().unwrap(), small);
-    assert_eq!(batches(&fx.node) - before, 1);
-    // Large upload alone: its allocation is the only BATCH; the bytes go
-    // as MEM_WRITEs.
-    let before = batches(&fx.node);
+    assert_eq!(sent, (1, 4));
+    // Large upload alone: its allocation is the only command; the bytes
+    // go as MEM_WRITEs.
     let big = random_bytes(3 << 20, 2);
-    let buf = h2d(big.clone()).schedule(&remote).unwrap().await.unwrap();
-    assert_eq!(batches(&fx.node) - before, 1);
+    let (buf, sent) = sent_by(&fx.node, async {
+        h2d(big.clone()).schedule(&remote).unwrap().await.unwrap()
+    })
+    .await;
+    assert_eq!(sent, (1, 1));
     // Large download alone: an empty BATCH orders it after the lease's
-    // earlier submissions, then MEM_READs.
-    let before = batches(&fx.node);
-    let back = d2h(buf).schedule(&remote).unwrap().await.unwrap();
-    assert_eq!(batches(&fx.node) - before, 1);
+    // earlier submissions, then MEM_READs; the buffer's free follows
+    // (with a later message, or alone).
+    let (back, sent) = sent_by(&fx.node, async {
+        d2h(buf).schedule(&remote).unwrap().await.unwrap()
+    })
+    .await;
+    assert_eq!(sent, (1, 0));
     assert!(back.to_vec().unwrap() == big);
     // Nothing left behind.
     wait_until(

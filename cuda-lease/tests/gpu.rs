@@ -561,6 +561,114 @@ async fn large_and_odd_transfers_round_trip_byte_exact() {
     fx.shutdown().await;
 }
 
+/// The process's resident memory (node and client alike: the test runs
+/// both), from `/proc/self/status`.
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_else(|e| panic!("cannot measure RSS: /proc/self/status: {e}"));
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("cannot measure RSS: no VmRSS line"))
+        * 1024
+}
+
+/// 1 GiB of random bytes through `h2d`, then `d2h`, on a lease, as a user
+/// writes them: byte-exact, on the data path (each transfer a few small
+/// messages, the bytes in streamed MEM_WRITEs and MEM_READs), with the
+/// process's memory beyond the input and the output bounded (the node's
+/// ring is 32 MiB per worker).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_gib_through_h2d_and_d2h_on_a_lease_is_byte_exact_and_streamed() {
+    use cuda_async::prelude::*;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let fixture = rt.block_on(Fixture::with_config(gpu_config()).start());
+    let node = &fixture.node;
+    let builder = Lease::builder()
+        .min_vram(1 << 31)
+        .config(client_config(node));
+    let lease = cuda_lease::remote::RemoteLease::connect_blocking(builder, node.addr()).unwrap();
+    let policy = cuda_async::RemotePolicy::new(&lease);
+    let n = 1usize << 30;
+    let bytes = random_bytes(n, 0x1_0000_0001);
+    let batches = || metric(&node.metrics_text(), "gpu_batch_total").unwrap_or(0);
+    // The peak of the process's RSS while `f` runs, over its value before.
+    let peak_during = |f: &mut dyn FnMut()| {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        let base = rss_bytes();
+        let (peak, stop) = (
+            Arc::new(AtomicU64::new(base)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let sampler = {
+            let (peak, stop) = (peak.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    peak.fetch_max(rss_bytes(), Ordering::Relaxed);
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            })
+        };
+        f();
+        stop.store(true, Ordering::Relaxed);
+        sampler.join().unwrap();
+        peak.fetch_max(rss_bytes(), Ordering::Relaxed);
+        peak.load(Ordering::Relaxed).saturating_sub(base)
+    };
+    let b0 = batches();
+    let mut input = Some(bytes.clone());
+    let (mut buf, mut up) = (None, Duration::ZERO);
+    let rss_up = peak_during(&mut || {
+        let t = std::time::Instant::now();
+        // The op takes the input (moved, not copied).
+        buf = Some(h2d(input.take().unwrap()).sync_with(&policy).unwrap());
+        up = t.elapsed();
+    });
+    let (mut back, mut down) = (None, Duration::ZERO);
+    let rss_down = peak_during(&mut || {
+        let t = std::time::Instant::now();
+        back = Some(d2h(buf.take().unwrap()).sync_with(&policy).unwrap());
+        down = t.elapsed();
+    });
+    let back = back.unwrap();
+    let msgs = batches() - b0;
+    let gib = |d: Duration| n as f64 / d.as_secs_f64() / (1u64 << 30) as f64;
+    println!(
+        "1 GiB: h2d {up:?} ({:.2} GiB/s), d2h {down:?} ({:.2} GiB/s); {msgs} BATCH messages; \
+         peak RSS growth during h2d {} MiB, during d2h {} MiB (the output: 1024)",
+        gib(up),
+        gib(down),
+        rss_up >> 20,
+        rss_down >> 20
+    );
+    assert!(
+        back.as_slice().unwrap() == &bytes[..],
+        "the bytes came back changed"
+    );
+    // The allocation, then the empty message ordering the download (and
+    // perhaps the buffer's free, alone, after it).
+    assert!((2..=3).contains(&msgs), "{msgs} BATCH messages");
+    // Beyond the input (given to the op) or the output: at most the node's
+    // ring and 64 MiB for the client and 64 for the node; during the
+    // upload the recording also holds its own copy of the input.
+    let bound = (32 << 20) + (128 << 20);
+    assert!(
+        rss_up <= bound + (1 << 30),
+        "RSS grew {} MiB during the upload",
+        rss_up >> 20
+    );
+    assert!(
+        rss_down <= bound + (1 << 30),
+        "RSS grew {} MiB during the download",
+        rss_down >> 20
+    );
+    drop(back);
+    drop(lease);
+    rt.block_on(fixture.shutdown());
+}
+
 async fn large_and_odd_transfers(client: Arc<cuda_lease::Client>) {
     let size: u64 = 256 << 20;
     let lease = Lease::builder()

@@ -50,16 +50,18 @@ impl Client {
     ) -> Result<(), Error> {
         let conns = self.stripe_set(bytes.len()).await?;
         let parts = stripe_bounds(bytes.len(), conns.len());
-        let futs = conns.iter().zip(&parts).map(|(conn, r)| {
-            let body = to_body(&MemWrite {
-                lease,
-                buf,
-                offset: offset + r.start as u64,
-            });
-            async move {
-                self.request_on(conn, Opcode::MemWrite, &body, &bytes[r.clone()], None)
-                    .await
+        let futs = conns.iter().zip(&parts).map(|(conn, r)| async move {
+            // A stripe larger than a request may be goes as several, in turn.
+            for r in requests(r.clone()) {
+                let body = to_body(&MemWrite {
+                    lease,
+                    buf,
+                    offset: offset + r.start as u64,
+                });
+                self.request_on(conn, Opcode::MemWrite, &body, &bytes[r], None)
+                    .await?;
             }
+            Ok::<_, Error>(())
         });
         for r in join_all(futs.collect()).await {
             r?;
@@ -84,15 +86,21 @@ impl Client {
         for (conn, r) in conns.iter().zip(&parts) {
             let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
             rest = tail;
-            let body = to_body(&MemRead {
-                lease,
-                buf,
-                offset: offset + r.start as u64,
-                len: r.len() as u32,
-            });
             futs.push(async move {
-                self.request_on(conn, Opcode::MemRead, &body, &[], Some(part))
-                    .await
+                let mut part = part;
+                for r in requests(r.clone()) {
+                    let (piece, tail) = std::mem::take(&mut part).split_at_mut(r.len());
+                    part = tail;
+                    let body = to_body(&MemRead {
+                        lease,
+                        buf,
+                        offset: offset + r.start as u64,
+                        len: r.len() as u32,
+                    });
+                    self.request_on(conn, Opcode::MemRead, &body, &[], Some(piece))
+                        .await?;
+                }
+                Ok::<_, Error>(())
             });
         }
         for r in join_all(futs).await {
@@ -220,6 +228,17 @@ impl StripeBuffer {
 
 /// Splits `len` bytes into at most `n` contiguous ranges whose inner
 /// bounds fall on 2 MiB (the node's chunk size); one empty range for 0.
+/// The most bytes one MEM_WRITE or MEM_READ carries (a node refuses
+/// requests above its frame limit, 512 MiB by default).
+const MAX_REQUEST_BYTES: usize = 256 << 20;
+
+/// `r` cut into requests of at most [`MAX_REQUEST_BYTES`].
+fn requests(r: std::ops::Range<usize>) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (r.start..r.end)
+        .step_by(MAX_REQUEST_BYTES)
+        .map(move |s| s..(s + MAX_REQUEST_BYTES).min(r.end))
+}
+
 fn stripe_bounds(len: usize, n: usize) -> Vec<std::ops::Range<usize>> {
     const ALIGN: usize = 2 << 20;
     let per = len.div_ceil(n.max(1)).div_ceil(ALIGN).max(1) * ALIGN;

@@ -13,7 +13,8 @@
 //!
 //! A write moves only when its buffer is allocated by the same recording
 //! and nothing before it uses the buffer; a read only when nothing after
-//! it in the recording touches its buffer. Any other transfer stays in the
+//! it in the recording touches its buffer but a free (which then waits
+//! for the MEM_READ, queued like a dropped buffer's). Any other transfer stays in the
 //! message, as do transfers below the threshold.
 
 use std::future::Future;
@@ -58,6 +59,8 @@ pub(super) struct StreamPlan {
     /// The read slots of the reads left in `commands`, in order.
     pub(super) slots: Vec<usize>,
     pub(super) reads: Vec<StreamedRead>,
+    /// Frees of the streamed reads' buffers, queued after the reads.
+    pub(super) frees_after: Vec<u64>,
 }
 
 /// The buffer ids a command uses (a launch's buffer arguments included).
@@ -101,8 +104,13 @@ pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<Strea
                     }
                 }
             }
+            // Its buffer's free (a `d2h` consumes its buffer) waits for the
+            // MEM_READ; any other later use keeps the read in the message.
             RemoteCommand::Read { id, len, .. }
-                if len >= threshold && !commands[i + 1..].iter().any(|p| uses(p, id)) =>
+                if len >= threshold
+                    && !commands[i + 1..]
+                        .iter()
+                        .any(|p| uses(p, id) && !matches!(p, RemoteCommand::Free { .. })) =>
             {
                 streamed_read[i] = true;
             }
@@ -116,6 +124,14 @@ pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<Strea
     let (mut at, mut slot) = (0usize, 0usize);
     for (i, c) in commands.iter().enumerate() {
         match *c {
+            RemoteCommand::Free { id, .. }
+                if commands[..i].iter().enumerate().any(|(j, r)| {
+                    streamed_read[j] && matches!(*r, RemoteCommand::Read { id: x, .. } if x == id)
+                }) =>
+            {
+                p.frees_after.push(id);
+                continue;
+            }
             RemoteCommand::Write {
                 id, offset, len, ..
             } => {
@@ -214,6 +230,11 @@ impl LeaseSession {
             .then(|| self.send(&plan.allocs, false, Vec::new(), Vec::<Vec<u8>>::new()));
         self.runtime.spawn(async move {
             let r = this.run_streamed(allocs, &recording, &plan, &data).await;
+            // Whatever happened: the id book sends only frees of ids that
+            // exist (and they go once the gate opens).
+            for &id in &plan.frees_after {
+                this.ids().free(id);
+            }
             done.finish(r);
             this.release();
         });
@@ -375,8 +396,12 @@ mod tests {
             len: 4,
         };
         assert!(plan(&[read(1, 100), launch_like], 1).is_none());
+        // A free of it waits for the read.
         let free = C::Free { stream: 0, id: 1 };
-        assert!(plan(&[read(1, 100), free], 1).is_none());
+        let p = plan(&[read(1, 100), free.clone(), fill(2)], 1).unwrap();
+        assert_eq!(p.frees_after, vec![1]);
+        assert_eq!(p.commands.len(), 1);
+        assert!(plan(&[read(1, 100), free, fill(1)], 1).is_none());
         // A use of another buffer does not hold it.
         assert!(plan(&[read(1, 100), fill(2)], 1).is_some());
     }
