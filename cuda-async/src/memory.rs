@@ -91,20 +91,56 @@ impl_into_future!(impl[T: DeviceRepr + ValidAsZeroBits + Send] for Zeros<T>);
 pub trait HostSource<T>: Send {
     /// The elements.
     fn host_slice(&self) -> &[T];
+
+    /// The data as bytes a remote submission may keep instead of copying
+    /// (owned data); borrowed data gives itself back, to be copied.
+    fn into_kept(self) -> std::result::Result<crate::remote::KeptBytes, Self>
+    where
+        Self: Sized,
+    {
+        Err(self)
+    }
 }
-impl<T: Send> HostSource<T> for Vec<T> {
+
+/// Owned elements as bytes (see [`HostSource::into_kept`]).
+struct KeptElems<T, S>(S, PhantomData<fn() -> T>);
+
+impl<T: DeviceRepr, S: AsRef<[T]>> AsRef<[u8]> for KeptElems<T, S> {
+    fn as_ref(&self) -> &[u8] {
+        as_bytes(self.0.as_ref())
+    }
+}
+
+fn kept<T, S>(s: S) -> crate::remote::KeptBytes
+where
+    T: DeviceRepr + 'static,
+    S: AsRef<[T]> + Send + Sync + 'static,
+{
+    Box::new(KeptElems(s, PhantomData))
+}
+
+impl<T: DeviceRepr + Send + Sync + 'static> HostSource<T> for Vec<T> {
     fn host_slice(&self) -> &[T] {
         self
     }
+    fn into_kept(self) -> std::result::Result<crate::remote::KeptBytes, Self> {
+        Ok(kept(self))
+    }
 }
-impl<T: Send> HostSource<T> for Box<[T]> {
+impl<T: DeviceRepr + Send + Sync + 'static> HostSource<T> for Box<[T]> {
     fn host_slice(&self) -> &[T] {
         self
     }
+    fn into_kept(self) -> std::result::Result<crate::remote::KeptBytes, Self> {
+        Ok(kept(self))
+    }
 }
-impl<T: Send + Sync> HostSource<T> for Arc<[T]> {
+impl<T: DeviceRepr + Send + Sync + 'static> HostSource<T> for Arc<[T]> {
     fn host_slice(&self) -> &[T] {
         self
+    }
+    fn into_kept(self) -> std::result::Result<crate::remote::KeptBytes, Self> {
+        Ok(kept(self))
     }
 }
 impl<T: Sync> HostSource<T> for &[T] {
@@ -153,16 +189,23 @@ impl<T: DeviceRepr + Copy + Send, S: HostSource<T>> DeviceOp for H2D<T, S> {
     type Output = DeviceBuffer<T>;
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
-        let src = self.src.host_slice();
         if let Some(r) = ctx.as_remote() {
-            // The bytes travel in the submission's message.
-            let dst = r.alloc::<T>(src.len())?;
+            // The bytes travel with the submission: owned data is kept by
+            // the recording as it is, borrowed data copied.
+            let len = self.src.host_slice().len();
+            let dst = r.alloc::<T>(len)?;
             let (stream, id) = (r.stream(), r.id_of(&dst)?);
-            if !src.is_empty() {
-                r.recording().write(stream, id, 0, as_bytes(src));
+            if len != 0 {
+                match self.src.into_kept() {
+                    Ok(bytes) => r.recording().write_kept(stream, id, 0, bytes),
+                    Err(src) => r
+                        .recording()
+                        .write(stream, id, 0, as_bytes(src.host_slice())),
+                }
             }
             return Ok(dst);
         }
+        let src = self.src.host_slice();
         let stream = ctx.cuda_stream()?;
         // SAFETY: every element is written by the copy enqueued next, before
         // any later work on the buffer (its recorded write orders them).

@@ -47,7 +47,7 @@ mod session;
 pub use crate::host::{HostBuffer, ReadBuf, ReadSlot};
 pub use context::RemoteContext;
 pub use policy::{RemotePolicy, DEFAULT_REMOTE_STREAMS};
-pub use recording::{Recording, RemoteArg, RemoteCommand, RemoteStream};
+pub use recording::{KeptBytes, Recording, RemoteArg, RemoteCommand, RemoteStream};
 pub use session::{AsRemoteSession, RemoteCompletion, RemoteSession};
 
 pub(crate) use context::{OnReply, RemoteEvent};
@@ -64,6 +64,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn kept_and_copied_payloads_keep_their_order_through_append_and_take() {
+        let w = |r: &mut Recording, id| r.write(0, id, 0, &[id as u8; 3]);
+        let k = |r: &mut Recording, id| r.write_kept(0, id, 0, Box::new(vec![id as u8; 2]));
+        let mut a = Recording::new();
+        w(&mut a, 1);
+        k(&mut a, 2);
+        let mut b = Recording::new();
+        k(&mut b, 3);
+        w(&mut b, 4);
+        a.append(b);
+        let each: Vec<Vec<u8>> = a.payloads().map(<[u8]>::to_vec).collect();
+        assert_eq!(each, [vec![1; 3], vec![2; 2], vec![3; 2], vec![4; 3]]);
+        assert_eq!(a.payload(3), &[4; 3]);
+        assert_eq!(a.take_data(), [1, 1, 1, 2, 2, 3, 3, 4, 4, 4]);
+        assert_eq!(a.payloads().count(), 0);
+    }
+
+    #[test]
     fn a_remote_host_buffer_is_an_error_until_its_bytes_arrive() {
         let mut rec = Recording::new();
         rec.push(RemoteCommand::Alloc {
@@ -74,7 +92,7 @@ mod tests {
         rec.write(0, 1, 0, &[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]);
         let slot = rec.read(0, 1, 0, 12);
         assert_eq!(rec.commands().len(), 3);
-        assert_eq!(rec.data().len(), 12);
+        assert_eq!(rec.payloads().map(<[u8]>::len).sum::<usize>(), 12);
         let host = HostBuffer::<u32>::remote(slot.clone()).unwrap();
         assert_eq!(host.len(), 3);
         let err = host.as_slice().unwrap_err();

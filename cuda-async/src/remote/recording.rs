@@ -118,12 +118,36 @@ pub enum RemoteArg {
     },
 }
 
+/// Bytes a recording keeps for a write instead of copying them (the
+/// `Vec` an `h2d` was given, say).
+pub type KeptBytes = Box<dyn AsRef<[u8]> + Send + Sync>;
+
+/// The bytes of one write: copied into the recording's data, or kept.
+enum Payload {
+    Copied(std::ops::Range<usize>),
+    Kept(KeptBytes),
+}
+
 /// Commands of one submission, their write payloads and their read slots.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Recording {
     commands: Vec<RemoteCommand>,
     data: Vec<u8>,
+    payloads: Vec<Payload>,
     reads: Vec<Arc<ReadSlot>>,
+}
+
+impl std::fmt::Debug for Recording {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recording")
+            .field("commands", &self.commands)
+            .field(
+                "data_bytes",
+                &self.payloads().map(<[u8]>::len).sum::<usize>(),
+            )
+            .field("reads", &self.reads.len())
+            .finish()
+    }
 }
 
 impl Recording {
@@ -150,14 +174,30 @@ impl Recording {
         self.commands.push(command);
     }
 
-    /// Appends a write of `bytes` (copied into the message now).
+    /// Appends a write of `bytes` (copied into the recording now).
     pub fn write(&mut self, stream: RemoteStream, id: u64, offset: u64, bytes: &[u8]) {
+        let start = self.data.len();
         self.data.extend_from_slice(bytes);
+        self.payloads.push(Payload::Copied(start..self.data.len()));
         self.commands.push(RemoteCommand::Write {
             stream,
             id,
             offset,
             len: bytes.len() as u64,
+        });
+    }
+
+    /// Appends a write of `bytes`, which the recording keeps (no copy):
+    /// what an `h2d` of an owned `Vec` records, so a large upload is never
+    /// held twice on the client.
+    pub fn write_kept(&mut self, stream: RemoteStream, id: u64, offset: u64, bytes: KeptBytes) {
+        let len = (*bytes).as_ref().len() as u64;
+        self.payloads.push(Payload::Kept(bytes));
+        self.commands.push(RemoteCommand::Write {
+            stream,
+            id,
+            offset,
+            len,
         });
     }
 
@@ -185,16 +225,52 @@ impl Recording {
         &self.commands
     }
 
-    /// The write payloads, back to back in command order.
-    pub fn data(&self) -> &[u8] {
-        &self.data
+    /// The bytes of each write, in command order.
+    pub fn payloads(&self) -> impl Iterator<Item = &[u8]> {
+        self.payloads.iter().map(|p| self.bytes_of(p))
     }
 
-    /// Takes the write payloads out (back to back in command order), for a
-    /// session that sends them without copying; [`Recording::data`] is
-    /// empty afterwards.
+    /// The bytes of write number `i` (counting writes only).
+    ///
+    /// # Panics
+    ///
+    /// If there are not that many writes.
+    pub fn payload(&self, i: usize) -> &[u8] {
+        self.bytes_of(&self.payloads[i])
+    }
+
+    fn bytes_of<'a>(&'a self, p: &'a Payload) -> &'a [u8] {
+        match p {
+            Payload::Copied(r) => &self.data[r.clone()],
+            Payload::Kept(b) => (**b).as_ref(),
+        }
+    }
+
+    /// Takes the write payloads out, back to back in command order, for a
+    /// session that sends them in one message: without copying when every
+    /// write was copied in; the payloads are empty afterwards.
     pub fn take_data(&mut self) -> Vec<u8> {
-        std::mem::take(&mut self.data)
+        let payloads = std::mem::take(&mut self.payloads);
+        let data = std::mem::take(&mut self.data);
+        if payloads.iter().all(|p| matches!(p, Payload::Copied(_))) {
+            return data;
+        }
+        let mut out = Vec::with_capacity(
+            payloads
+                .iter()
+                .map(|p| match p {
+                    Payload::Copied(r) => r.len(),
+                    Payload::Kept(b) => (**b).as_ref().len(),
+                })
+                .sum(),
+        );
+        for p in &payloads {
+            match p {
+                Payload::Copied(r) => out.extend_from_slice(&data[r.clone()]),
+                Payload::Kept(b) => out.extend_from_slice((**b).as_ref()),
+            }
+        }
+        out
     }
 
     /// The read slots, in command order.
@@ -212,7 +288,13 @@ impl Recording {
     /// Appends `other`'s commands, data and read slots after this one's.
     pub fn append(&mut self, other: Recording) {
         self.commands.extend(other.commands);
+        let base = self.data.len();
         self.data.extend_from_slice(&other.data);
+        self.payloads
+            .extend(other.payloads.into_iter().map(|p| match p {
+                Payload::Copied(r) => Payload::Copied(base + r.start..base + r.end),
+                kept => kept,
+            }));
         self.reads.extend(other.reads);
     }
 }

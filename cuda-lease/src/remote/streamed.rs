@@ -25,14 +25,14 @@ use super::{FailOnDrop, LeaseSession};
 use crate::client::{protocol_error, Error, Submitted};
 use crate::proto::Id;
 
-/// A large write that goes as a MEM_WRITE: `data[range]` into buffer `id`
-/// at `offset`.
+/// A large write that goes as a MEM_WRITE: the recording's write number
+/// `write` into buffer `id` at `offset`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct StreamedWrite {
     pub(super) id: u64,
     pub(super) offset: u64,
-    /// Its bytes in the recording's data.
-    pub(super) range: std::ops::Range<usize>,
+    /// Its index among the recording's writes (its payload).
+    pub(super) write: usize,
 }
 
 /// A large read that goes as a MEM_READ into read slot `slot`.
@@ -53,9 +53,9 @@ pub(super) struct StreamPlan {
     pub(super) writes: Vec<StreamedWrite>,
     /// Step 3: every other command, in order.
     pub(super) commands: Vec<RemoteCommand>,
-    /// The data of the writes left in `commands`, as ranges of the
-    /// recording's data, in order.
-    pub(super) data: Vec<std::ops::Range<usize>>,
+    /// The payloads of the writes left in `commands` (indices among the
+    /// recording's writes), in order.
+    pub(super) data: Vec<usize>,
     /// The read slots of the reads left in `commands`, in order.
     pub(super) slots: Vec<usize>,
     pub(super) reads: Vec<StreamedRead>,
@@ -132,16 +132,14 @@ pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<Strea
                 p.frees_after.push(id);
                 continue;
             }
-            RemoteCommand::Write {
-                id, offset, len, ..
-            } => {
-                let range = at..at + len as usize;
-                at = range.end;
+            RemoteCommand::Write { id, offset, .. } => {
+                let write = at;
+                at += 1;
                 if streamed_write[i] {
-                    p.writes.push(StreamedWrite { id, offset, range });
+                    p.writes.push(StreamedWrite { id, offset, write });
                     continue;
                 }
-                p.data.push(range);
+                p.data.push(write);
             }
             RemoteCommand::Read {
                 id, offset, len, ..
@@ -220,16 +218,15 @@ impl LeaseSession {
     /// the module docs): its allocations go now, numbered in the order of the
     /// calls; its other steps follow on the session's runtime, and the
     /// gate opens when it ends, however it ends.
-    fn start_streamed(&self, mut recording: Recording, plan: StreamPlan, done: FailOnDrop) {
+    fn start_streamed(&self, recording: Recording, plan: StreamPlan, done: FailOnDrop) {
         let Some(this) = self.me.upgrade() else {
             // The session is going away: `done` fails as dropped.
             return;
         };
-        let data = recording.take_data();
         let allocs = (!plan.allocs.is_empty())
             .then(|| self.send(&plan.allocs, false, Vec::new(), Vec::<Vec<u8>>::new()));
         self.runtime.spawn(async move {
-            let r = this.run_streamed(allocs, &recording, &plan, &data).await;
+            let r = this.run_streamed(allocs, &recording, &plan).await;
             // Whatever happened: the id book sends only frees of ids that
             // exist (and they go once the gate opens).
             for &id in &plan.frees_after {
@@ -248,23 +245,23 @@ impl LeaseSession {
         >,
         recording: &Recording,
         plan: &StreamPlan,
-        data: &[u8],
     ) -> Result<(), Error> {
         if let Some(allocs) = allocs {
             allocs.await?.0.ok()?;
         }
         for w in &plan.writes {
             self.session
-                .write_id(Id(w.id), w.offset, &data[w.range.clone()])
+                .write_id(Id(w.id), w.offset, recording.payload(w.write))
                 .await?;
         }
         let slots = recording.reads();
         // The commands' message, also when empty if reads follow: its
         // reply says every earlier submission of the lease has run.
         if !plan.commands.is_empty() || !plan.reads.is_empty() {
-            let mut writes = Vec::with_capacity(plan.data.iter().map(|r| r.len()).sum());
-            for r in &plan.data {
-                writes.extend_from_slice(&data[r.clone()]);
+            let mut writes =
+                Vec::with_capacity(plan.data.iter().map(|&i| recording.payload(i).len()).sum());
+            for &i in &plan.data {
+                writes.extend_from_slice(recording.payload(i));
             }
             let bufs: Vec<_> = plan.slots.iter().map(|&i| slots[i].buffer()).collect();
             let (reply, bufs) = self.send(&plan.commands, true, writes, bufs).await?;
@@ -355,10 +352,10 @@ mod tests {
             vec![StreamedWrite {
                 id: 2,
                 offset: 0,
-                range: 8..108
+                write: 1
             }]
         );
-        assert_eq!(p.data, vec![0..8]);
+        assert_eq!(p.data, vec![0]);
         assert_eq!(
             p.reads,
             vec![StreamedRead {
@@ -383,7 +380,7 @@ mod tests {
         // Only the first write after the allocation can go.
         let p = plan(&[alloc(1), write(1, 100), write(1, 100)], 1).unwrap();
         assert_eq!(p.writes.len(), 1);
-        assert_eq!(p.data, vec![100..200]);
+        assert_eq!(p.data, vec![1]);
     }
 
     #[test]
