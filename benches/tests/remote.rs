@@ -6,7 +6,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use benches::remote::{self, Bench, RemoteConfig};
-use benches::report::Report;
+use benches::report::{Goal, Report};
 use cuda_lease::worker::DeviceSpec;
 
 /// Tiny sizes and counts: seconds, not minutes.
@@ -54,9 +54,17 @@ fn every_remote_topic_runs_on_the_memory_device() {
         }
     }
     // The remote topic's rows: BATCH, 4 transfers, the chain (no local GPU:
-    // one row), one launch, h2d, d2h, raw striping up and down; no spins.
+    // one row), one launch, h2d, d2h, raw striping up and down, the raw
+    // transports against each other (6); no spins.
     let remote: Vec<_> = rows.iter().filter(|r| r.group == "remote").collect();
-    assert_eq!(remote.len(), 11, "{remote:#?}");
+    assert_eq!(remote.len(), 17, "{remote:#?}");
+    // Raw against raw carries no goal.
+    for r in remote.iter().filter(|r| r.metric.starts_with("raw quinn")) {
+        assert_eq!(r.goal, Goal::None, "{}", r.metric);
+    }
+    assert!(remote
+        .iter()
+        .any(|r| r.metric.contains("loopback settings, vs TCP on loopback")));
     assert!(remote
         .iter()
         .any(|r| r.metric.contains("MEM_READ 64 KiB striped")));

@@ -91,12 +91,14 @@ mod shm;
 #[cfg(feature = "node")]
 pub mod spin;
 pub mod tls;
+pub mod transport;
 #[cfg(feature = "node")]
 pub mod worker;
 
 pub use client::{Client, ClientConfig, Error, GpuCall, Lease, Session};
 #[cfg(feature = "node")]
 pub use node::{Node, NodeConfig};
+pub use transport::TransportSettings;
 #[cfg(feature = "node")]
 pub use worker::{main_if_worker, DeviceSpec, WorkerSpec};
 

@@ -9,6 +9,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use crate::proto::ALPN;
+use crate::transport::TransportSettings;
 
 /// A TLS set-up failure.
 #[derive(Debug, thiserror::Error)]
@@ -127,13 +128,14 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-/// The QUIC server configuration: TLS 1.3 only, our ALPN, and client
+/// The QUIC server configuration: TLS 1.3 only, our ALPN, client
 /// certificates verified against `client_ca` when given (optional, so bearer
-/// tokens keep working).
+/// tokens keep working), and `transport`'s settings.
 #[cfg(feature = "node")]
 pub(crate) fn server_config(
     identity: &Identity,
     client_ca: Option<&[CertificateDer<'static>]>,
+    transport: &TransportSettings,
 ) -> Result<quinn::ServerConfig, TlsError> {
     let builder = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -162,7 +164,7 @@ pub(crate) fn server_config(
     tls.max_early_data_size = 0;
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(err)?;
     let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-    let mut transport = quinn::TransportConfig::default();
+    let mut transport = transport.quinn_config().map_err(err)?;
     transport
         .max_concurrent_bidi_streams(256u32.into())
         .max_concurrent_uni_streams(0u32.into())
@@ -172,10 +174,12 @@ pub(crate) fn server_config(
 }
 
 /// The QUIC client configuration: trusts only `roots` (pin the node's
-/// certificate by passing just it) and presents `identity` for mutual TLS.
+/// certificate by passing just it), presents `identity` for mutual TLS,
+/// and uses `transport`'s settings.
 pub(crate) fn client_config(
     roots: &[CertificateDer<'static>],
     identity: Option<&Identity>,
+    transport: &TransportSettings,
 ) -> Result<quinn::ClientConfig, TlsError> {
     let mut store = rustls::RootCertStore::empty();
     for c in roots {
@@ -194,7 +198,7 @@ pub(crate) fn client_config(
     tls.alpn_protocols = vec![ALPN.to_vec()];
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(err)?;
     let mut cfg = quinn::ClientConfig::new(Arc::new(crypto));
-    let mut transport = quinn::TransportConfig::default();
+    let mut transport = transport.quinn_config().map_err(err)?;
     transport
         .keep_alive_interval(Some(Duration::from_secs(5)))
         .max_idle_timeout(Some(Duration::from_secs(60).try_into().map_err(err)?));

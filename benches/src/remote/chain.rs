@@ -18,7 +18,7 @@ use cuda_lease::client::Lease;
 use cuda_lease::hops;
 use cuda_lease::remote::LeaseSession;
 
-use super::transfers::Raw;
+use super::baselines::Raw;
 use super::{detail, difference, rates, size_label, times, Ctx};
 use crate::report::{Goal, Row, Unit};
 use crate::stats::Summary;

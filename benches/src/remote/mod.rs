@@ -10,7 +10,10 @@
 //! - `remote`: the one-kernel BATCH round trip (launch, reply when done),
 //!   MEM_WRITE / MEM_READ of 256 MiB on one connection and striped, the
 //!   20-op chain, one awaited launch, an awaited `h2d` and `d2h` of
-//!   256 MiB, and (with a GPU) a remote `zip` of two 1 ms spins.
+//!   256 MiB, (with a GPU) a remote `zip` of two 1 ms spins, and the raw
+//!   transports against each other: quinn striped over four connections
+//!   and with [`cuda_lease::TransportSettings::loopback`] against its
+//!   defaults, and against TCP on loopback (no goals).
 //! - `remote_chain` (only when named): the raw 64 B round trip and the
 //!   chain rows alone (e.g. to profile the node's command path).
 //! - `remote_launch` (only when named): one awaited launch on kept
@@ -30,6 +33,7 @@
 //! round trip faster (79-88 us against 121 us) but not the remote chain,
 //! so the chain row's ratio was higher there (2.15-2.82 against 2.61).
 
+mod baselines;
 mod chain;
 mod transfers;
 
@@ -253,17 +257,19 @@ impl Bench {
     }
 }
 
-/// The `remote` topic: the raw baseline, the lease's BATCH and transfer
-/// rows, the striped rows, then the chain rows, in that order.
+/// The `remote` topic: the raw baselines, the lease's BATCH and transfer
+/// rows, the striped rows, the chain rows, then the raw transports against
+/// each other, in that order.
 async fn remote_rows(ctx: &Ctx) -> Result<Vec<Row>> {
-    let raw = transfers::raw_baseline(ctx).await?;
+    let raw = baselines::raw_baseline(ctx).await?;
     let lease = transfers::lease_rows(ctx).await?;
     let striped = transfers::striped_rates(ctx).await?;
     let chain = chain::chain_bench(ctx).await?;
     let mut rows = transfers::rows(ctx, &raw, &lease, &striped);
     rows.extend(chain::rows("remote", &chain, &raw));
-    rows.push(transfers::raw_striping_row(ctx, &raw, true));
-    rows.push(transfers::raw_striping_row(ctx, &raw, false));
+    rows.push(baselines::raw_striping_row(ctx, &raw, true));
+    rows.push(baselines::raw_striping_row(ctx, &raw, false));
+    rows.extend(baselines::transport_rows(ctx, &raw));
     Ok(rows)
 }
 

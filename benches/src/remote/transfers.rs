@@ -1,75 +1,17 @@
-//! The raw transport baseline, lease allocation, the one-kernel BATCH
-//! round trip and MEM_WRITE / MEM_READ, on one connection and striped.
+//! Lease allocation, the one-kernel BATCH round trip and MEM_WRITE /
+//! MEM_READ, on one connection and striped.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cuda_lease::baseline::RawQuinn;
 use cuda_lease::client::{Client, Lease, Session};
 use cuda_lease::proto::KernelArg;
 use cuda_lease::ptx::TEST_KERNELS;
 
+use super::baselines::Raw;
 use super::{detail, detail_times, gib_s, rates, size_label, times, Ctx};
 use crate::report::{Goal, Row, Unit};
 use crate::Result;
-
-/// The raw transport, measured in this run: 64 B request/reply on a new
-/// stream; the bulk size each way on one connection and striped over four.
-#[derive(Debug)]
-pub(super) struct Raw {
-    pub(super) rtt: Vec<Duration>,
-    pub(super) up1: Vec<Duration>,
-    pub(super) down1: Vec<Duration>,
-    up4: Vec<Duration>,
-    down4: Vec<Duration>,
-}
-
-pub(super) async fn raw_baseline(ctx: &Ctx) -> Result<Raw> {
-    let (iters, xfer_iters, size) = (ctx.cfg.iters, ctx.cfg.xfer_iters, ctx.cfg.bytes);
-    let raw = RawQuinn::start(4).await?;
-    for _ in 0..100 {
-        raw.round_trip(64).await?;
-    }
-    let mut rtt = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        rtt.push(raw.round_trip(64).await?);
-    }
-    detail_times("raw quinn 64 B request/reply, new stream", &rtt);
-    let mut runs = Vec::new();
-    for (up, stripes) in [(true, 1), (false, 1), (true, 4), (false, 4)] {
-        let mut v = Vec::new();
-        for _ in 0..=xfer_iters {
-            v.push(if up {
-                raw.send(size, stripes).await?
-            } else {
-                raw.receive(size, stripes).await?
-            });
-        }
-        v.remove(0); // warm-up
-        let mut sorted = v.clone();
-        sorted.sort();
-        detail(format_args!(
-            "raw quinn {} {} over {stripes} connection(s): median {:.2} GiB/s",
-            size_label(size),
-            if up {
-                "client -> server"
-            } else {
-                "server -> client"
-            },
-            gib_s(size, sorted[sorted.len() / 2])
-        ));
-        runs.push(v);
-    }
-    raw.close().await;
-    let [up1, down1, up4, down4] = <[Vec<Duration>; 4]>::try_from(runs).expect("four runs");
-    Ok(Raw {
-        rtt,
-        up1,
-        down1,
-        up4,
-        down4,
-    })
-}
 
 /// `remote_alloc`: lease allocation with a pre-started worker, then cold
 /// (worker start + context creation).
@@ -288,22 +230,4 @@ pub(super) fn rows(
             2.0,
         ),
     ]
-}
-
-/// Raw quinn striped over 4 connections against one (both sides raw).
-pub(super) fn raw_striping_row(ctx: &Ctx, raw: &Raw, up: bool) -> Row {
-    let size = ctx.cfg.bytes;
-    let (one, four, dir) = if up {
-        (&raw.up1, &raw.up4, "up")
-    } else {
-        (&raw.down1, &raw.down4, "down")
-    };
-    Row::new(
-        "remote",
-        format!("raw quinn {} {dir}: 4 connections vs 1", size_label(size)),
-        Unit::GiBps,
-    )
-    .raw(rates(size, one))
-    .lib(rates(size, four))
-    .note("both sides raw quinn: what striping can reach (>= 2x one connection)")
 }

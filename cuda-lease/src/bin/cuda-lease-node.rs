@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 use cuda_lease::hops;
 use cuda_lease::node::{Node, NodeConfig, TlsSource};
+use cuda_lease::transport::cli::TransportArgs;
 use cuda_lease::worker::{main_if_worker, DeviceSpec, WorkerSpec};
 
 /// Leases slices of a GPU's memory to remote clients over QUIC.
@@ -89,6 +90,8 @@ struct Args {
     /// default: 1000 on hosts with 8 or more cores, else 0.
     #[arg(long)]
     worker_spin_us: Option<u64>,
+    #[command(flatten)]
+    transport: TransportArgs,
 }
 
 fn main() {
@@ -149,6 +152,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     cfg.submit_workers = args.submit_workers;
     cfg.prestart_workers = args.prestart;
     cfg.op_timeout = Duration::from_secs(args.op_timeout);
+    cfg.transport = args.transport.settings()?;
     if let Some(t) = args.tokens {
         cfg.tokens.extend(
             t.split(',')
@@ -217,5 +221,33 @@ async fn wait_for_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_flags_reach_the_settings() {
+        let a = Args::parse_from(["cuda-lease-node", "--dev"]);
+        assert_eq!(
+            a.transport.settings().unwrap(),
+            cuda_lease::TransportSettings::default()
+        );
+        let a = Args::parse_from([
+            "cuda-lease-node",
+            "--dev",
+            "--transport",
+            "loopback",
+            "--stream-window-bytes",
+            "8388608",
+        ]);
+        let s = a.transport.settings().unwrap();
+        assert_eq!(s.stream_receive_window, 8 << 20);
+        assert_eq!(
+            s.mtu_discovery_max,
+            cuda_lease::TransportSettings::loopback().mtu_discovery_max
+        );
     }
 }

@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 use cuda_lease::client::{Client, ClientConfig, GpuCall, Lease};
 use cuda_lease::hops;
 use cuda_lease::proto::KernelArg;
+use cuda_lease::transport::cli::TransportArgs;
 
 /// Talk to a cuda-lease node.
 #[derive(Debug, Parser)]
@@ -28,6 +29,8 @@ struct Args {
     /// How long connecting to the node may take, in milliseconds.
     #[arg(long, default_value_t = 5000)]
     connect_timeout_ms: u64,
+    #[command(flatten)]
+    transport: TransportArgs,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -110,6 +113,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut config = ClientConfig::from_pem_file(&args.cert)?.server_name(args.server_name);
     config.token = args.token;
     config.connect_timeout = std::time::Duration::from_millis(args.connect_timeout_ms);
+    config.transport = args.transport.settings()?;
     let client = std::sync::Arc::new(Client::connect(args.addr, &config).await?);
     match args.cmd {
         Cmd::Inventory => inventory(&client).await?,
@@ -225,4 +229,35 @@ fn write_output(out: Option<PathBuf>, bytes: &[u8]) -> Result<(), Box<dyn std::e
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_flags_reach_the_settings() {
+        let a = Args::parse_from(["cuda-lease", "inventory"]);
+        assert_eq!(
+            a.transport.settings().unwrap(),
+            cuda_lease::TransportSettings::default()
+        );
+        let a = Args::parse_from([
+            "cuda-lease",
+            "--transport",
+            "datacenter",
+            "--mtu-max",
+            "off",
+            "--socket-buffer-bytes",
+            "2097152",
+            "inventory",
+        ]);
+        let s = a.transport.settings().unwrap();
+        assert_eq!(s.mtu_discovery_max, None);
+        assert_eq!(s.socket_receive_buffer, Some(2 << 20));
+        assert_eq!(
+            s.send_window,
+            cuda_lease::TransportSettings::datacenter_jumbo().send_window
+        );
+    }
 }

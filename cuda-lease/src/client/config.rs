@@ -1,5 +1,6 @@
 //! How a client reaches and trusts a node: [`ClientConfig`] (roots, server
-//! name, token or client certificate, frame limits, striping).
+//! name, token or client certificate, frame limits, striping, transport
+//! settings).
 
 use super::error::config_error;
 use std::path::Path;
@@ -9,6 +10,7 @@ use rustls::pki_types::CertificateDer;
 use super::Error;
 use crate::proto::Limits;
 use crate::tls::{self, Identity};
+use crate::transport::TransportSettings;
 
 /// How to reach and trust a node.
 #[derive(Debug, Clone)]
@@ -38,6 +40,9 @@ pub struct ClientConfig {
     /// fails as [`Disconnect::ConnectTimeout`](crate::client::Disconnect::ConnectTimeout)
     /// ([`DEFAULT_CONNECT_TIMEOUT`]).
     pub connect_timeout: std::time::Duration,
+    /// How the client's QUIC endpoint uses the network (MTU, segmentation
+    /// offload, socket buffers, windows); default: quinn's defaults.
+    pub transport: TransportSettings,
 }
 
 /// Default [`ClientConfig::stripes`]: on an H100 host (16 cores, loopback)
@@ -72,6 +77,7 @@ impl ClientConfig {
             stripe_min_bytes: DEFAULT_STRIPE_MIN_BYTES,
             data_path_min_bytes: DEFAULT_DATA_PATH_MIN_BYTES,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            transport: TransportSettings::default(),
         }
     }
 
@@ -90,6 +96,21 @@ impl ClientConfig {
     /// Sets how long connecting may take.
     pub fn connect_timeout(mut self, timeout: std::time::Duration) -> Self {
         self.connect_timeout = timeout;
+        self
+    }
+
+    /// Sets how the client's QUIC endpoint uses the network.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn demo(cfg: cuda_lease::ClientConfig) {
+    /// // The node is on the same host.
+    /// let cfg = cfg.transport(cuda_lease::TransportSettings::loopback());
+    /// # }
+    /// ```
+    pub fn transport(mut self, settings: TransportSettings) -> Self {
+        self.transport = settings;
         self
     }
 

@@ -45,7 +45,11 @@ impl Client {
     ///
     /// Cancelling drops the half-made connection; nothing is leased.
     pub async fn connect(addr: SocketAddr, config: &ClientConfig) -> Result<Client, Error> {
-        let qcfg = tls::client_config(&config.roots, config.identity.as_ref())
+        config
+            .transport
+            .validate()
+            .map_err(|e| config_error(e.to_string()))?;
+        let qcfg = tls::client_config(&config.roots, config.identity.as_ref(), &config.transport)
             .map_err(|e| config_error(e.to_string()))?;
         let bind: SocketAddr = if addr.is_ipv6() {
             "[::]:0".parse()
@@ -53,7 +57,10 @@ impl Client {
             "0.0.0.0:0".parse()
         }
         .map_err(|e: std::net::AddrParseError| config_error(e.to_string()))?;
-        let mut endpoint = quinn::Endpoint::client(bind).map_err(disconnected)?;
+        let mut endpoint = config
+            .transport
+            .endpoint(bind, None)
+            .map_err(disconnected)?;
         endpoint.set_default_client_config(qcfg);
         let connecting = endpoint
             .connect(addr, &config.server_name)

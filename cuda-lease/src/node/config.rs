@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::clock::{Clock, MonotonicClock};
 use crate::proto::Limits;
 use crate::tls::{Identity, TlsError};
+use crate::transport::TransportSettings;
 use crate::worker::WorkerSpec;
 
 /// Where the node's TLS certificate comes from.
@@ -128,6 +129,10 @@ pub struct NodeConfig {
     pub prestart_workers: usize,
     /// Frame size limits.
     pub limits: Limits,
+    /// How the node's QUIC endpoint uses the network (MTU, segmentation
+    /// offload, socket buffers, windows); default: quinn's defaults. The
+    /// windows bound what each connection may hold in the node.
+    pub transport: TransportSettings,
     /// Monotonic clock for TTLs (inject a [`crate::clock::ManualClock`] in tests).
     pub clock: Arc<dyn Clock>,
 }
@@ -175,6 +180,7 @@ impl NodeConfig {
             submit_workers: 2,
             prestart_workers: 1,
             limits: Limits::default(),
+            transport: TransportSettings::default(),
             clock: Arc::new(MonotonicClock::new()),
         }
     }

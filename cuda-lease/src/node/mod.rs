@@ -328,7 +328,10 @@ fn tls_setup(cfg: &NodeConfig) -> Result<(Identity, quinn::ServerConfig), NodeEr
             "no credentials: configure tokens, a client CA, or allow anonymous access".into(),
         ));
     }
-    let server_cfg = tls::server_config(&identity, client_ca.as_deref())?;
+    cfg.transport
+        .validate()
+        .map_err(|e| NodeError::Config(e.to_string()))?;
+    let server_cfg = tls::server_config(&identity, client_ca.as_deref(), &cfg.transport)?;
     Ok((identity, server_cfg))
 }
 
@@ -439,7 +442,7 @@ impl Node {
     pub async fn start(cfg: NodeConfig) -> Result<Node, NodeError> {
         let (identity, server_cfg) = tls_setup(&cfg)?;
         let (info, capacity, submit) = start_workers(&cfg).await?;
-        let endpoint = quinn::Endpoint::server(server_cfg, cfg.listen)?;
+        let endpoint = cfg.transport.endpoint(cfg.listen, Some(server_cfg))?;
         let addr = endpoint.local_addr()?;
         let shared = Arc::new(Shared::new(cfg, capacity, info, submit));
         let mut tasks = Vec::new();

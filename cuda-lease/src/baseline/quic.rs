@@ -1,32 +1,11 @@
-//! The transport's own ceiling: raw quinn with exactly the node's TLS and
-//! transport settings, and no protocol on top, so every remote measurement
-//! can be stated as a ratio to what one QUIC connection does on the same
-//! host in the same run.
-//!
-//! A [`RawQuinn`] pair is an echo-style server on 127.0.0.1:0 and `n`
-//! client connections to it. Requests are a bidirectional stream each (as
-//! the node's are): an 8-byte little-endian count of bytes wanted back,
-//! then any payload; the server reads the stream to its end, then writes the
-//! wanted number of bytes and finishes.
-//!
-//! # Examples
-//!
-//! ```no_run
-//! # async fn demo() -> Result<(), cuda_lease::baseline::BoxError> {
-//! let raw = cuda_lease::baseline::RawQuinn::start(1).await?;
-//! let rtt = raw.round_trip(64).await?; // 64 B out, 64 B back, a new stream
-//! let up = raw.send(256 << 20, 1).await?; // 256 MiB client -> server
-//! println!("{rtt:?}, {:.2} GiB/s", (256u64 << 20) as f64 / up.as_secs_f64() / (1u64 << 30) as f64);
-//! # Ok(()) }
-//! ```
+//! [`RawQuinn`]: raw quinn, an echo-style server and its connections.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use super::{BoxError, CHUNK};
 use crate::tls::{client_config, server_config, Identity};
-
-/// A chunk of bulk data written or read per call.
-const CHUNK: usize = 1 << 20;
+use crate::transport::TransportSettings;
 
 /// A raw quinn server and `n` connections to it (see the module docs).
 #[derive(Debug)]
@@ -37,21 +16,29 @@ pub struct RawQuinn {
     task: tokio::task::JoinHandle<()>,
 }
 
-/// The error of the baseline's calls (TLS, socket and connection errors).
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
 impl RawQuinn {
     /// Starts the server on 127.0.0.1:0 and opens `connections` (at least
-    /// one) client connections to it. Needs a tokio runtime.
+    /// one) client connections to it, with the default transport settings
+    /// (as the node's default). Needs a tokio runtime.
     ///
     /// # Errors
     /// TLS or socket errors.
     pub async fn start(connections: usize) -> Result<Self, BoxError> {
+        Self::start_with(connections, &TransportSettings::default()).await
+    }
+
+    /// As [`RawQuinn::start`], with `transport`'s settings on both ends.
+    ///
+    /// # Errors
+    /// TLS or socket errors, or settings that
+    /// [`TransportSettings::validate`] refuses.
+    pub async fn start_with(
+        connections: usize,
+        transport: &TransportSettings,
+    ) -> Result<Self, BoxError> {
         let id = Identity::self_signed(&["localhost".into()])?;
-        let server = quinn::Endpoint::server(
-            server_config(&id, None)?,
-            SocketAddr::from(([127, 0, 0, 1], 0)),
-        )?;
+        let local = SocketAddr::from(([127, 0, 0, 1], 0));
+        let server = transport.endpoint(local, Some(server_config(&id, None, transport)?))?;
         let addr = server.local_addr()?;
         let accept = server.clone();
         let task = tokio::spawn(async move {
@@ -64,8 +51,8 @@ impl RawQuinn {
                 });
             }
         });
-        let mut client = quinn::Endpoint::client(SocketAddr::from(([127, 0, 0, 1], 0)))?;
-        client.set_default_client_config(client_config(&[id.leaf().clone()], None)?);
+        let mut client = transport.endpoint(local, None)?;
+        client.set_default_client_config(client_config(&[id.leaf().clone()], None, transport)?);
         let mut conns = Vec::new();
         for _ in 0..connections.max(1) {
             conns.push(client.connect(addr, "localhost")?.await?);

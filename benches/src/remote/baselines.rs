@@ -1,0 +1,220 @@
+//! The raw transports, measured in the same run as the node: quinn with
+//! the node's default transport settings (one connection and striped over
+//! four), quinn with [`TransportSettings::loopback`] on one connection,
+//! and plain TCP on loopback (`tokio::net`, no TLS), the host's
+//! reference. Their rows compare raw with raw and carry no goal.
+
+use std::future::Future;
+use std::time::Duration;
+
+use cuda_lease::baseline::{RawQuinn, RawTcp};
+use cuda_lease::TransportSettings;
+
+use super::{detail, detail_times, gib_s, rates, size_label, times, Ctx};
+use crate::report::{Row, Unit};
+use crate::Result;
+
+/// The raw transports' samples: 64 B request/reply and the bulk size each
+/// way.
+#[derive(Debug)]
+pub(super) struct Raw {
+    /// Default settings, a new stream per request.
+    pub(super) rtt: Vec<Duration>,
+    /// Default settings, one connection, client -> server.
+    pub(super) up1: Vec<Duration>,
+    /// Default settings, one connection, server -> client.
+    pub(super) down1: Vec<Duration>,
+    up4: Vec<Duration>,
+    down4: Vec<Duration>,
+    /// [`TransportSettings::loopback`], one connection.
+    tuned: OneWay,
+    /// TCP on loopback, one connection.
+    tcp: OneWay,
+}
+
+/// One transport's 64 B round trips and bulk times each way.
+#[derive(Debug)]
+struct OneWay {
+    rtt: Vec<Duration>,
+    up: Vec<Duration>,
+    down: Vec<Duration>,
+}
+
+/// `iters` times of `f` after 100 unmeasured calls.
+async fn round_trips<F, Fut>(iters: usize, mut f: F) -> Result<Vec<Duration>>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = std::result::Result<Duration, cuda_lease::baseline::BoxError>>,
+{
+    for _ in 0..100 {
+        f().await?;
+    }
+    let mut v = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        v.push(f().await?);
+    }
+    Ok(v)
+}
+
+/// `xfer_iters` times of `f` after one unmeasured call, with a progress
+/// line naming `what`.
+async fn transfers<F, Fut>(ctx: &Ctx, what: &str, mut f: F) -> Result<Vec<Duration>>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = std::result::Result<Duration, cuda_lease::baseline::BoxError>>,
+{
+    let size = ctx.cfg.bytes;
+    f().await?; // warm-up
+    let mut v = Vec::new();
+    for _ in 0..ctx.cfg.xfer_iters {
+        v.push(f().await?);
+    }
+    let mut sorted = v.clone();
+    sorted.sort();
+    detail(format_args!(
+        "{what} {}: median {:.2} GiB/s",
+        size_label(size),
+        gib_s(size, sorted[sorted.len() / 2])
+    ));
+    Ok(v)
+}
+
+/// Measures every raw transport, one after the other.
+pub(super) async fn raw_baseline(ctx: &Ctx) -> Result<Raw> {
+    let (iters, size) = (ctx.cfg.iters, ctx.cfg.bytes);
+    let raw = RawQuinn::start(4).await?;
+    let quinn = &raw;
+    let rtt = round_trips(iters, || raw.round_trip(64)).await?;
+    detail_times("raw quinn 64 B request/reply, new stream", &rtt);
+    let mut runs = Vec::new();
+    for (up, stripes) in [(true, 1), (false, 1), (true, 4), (false, 4)] {
+        let dir = if up {
+            "client -> server"
+        } else {
+            "server -> client"
+        };
+        let what = format!("raw quinn {dir} over {stripes} connection(s)");
+        runs.push(
+            transfers(ctx, &what, || async move {
+                if up {
+                    quinn.send(size, stripes).await
+                } else {
+                    quinn.receive(size, stripes).await
+                }
+            })
+            .await?,
+        );
+    }
+    raw.close().await;
+    let [up1, down1, up4, down4] = <[Vec<Duration>; 4]>::try_from(runs).expect("four runs");
+
+    let q = RawQuinn::start_with(1, &TransportSettings::loopback()).await?;
+    let tuned = OneWay {
+        rtt: round_trips(iters, || q.round_trip(64)).await?,
+        up: transfers(ctx, "raw quinn, loopback settings, up", || q.send(size, 1)).await?,
+        down: transfers(ctx, "raw quinn, loopback settings, down", || {
+            q.receive(size, 1)
+        })
+        .await?,
+    };
+    q.close().await;
+    detail_times(
+        "raw quinn, loopback settings, 64 B request/reply",
+        &tuned.rtt,
+    );
+
+    let t = RawTcp::start().await?;
+    let tcp = OneWay {
+        rtt: round_trips(iters, || t.round_trip(64)).await?,
+        up: transfers(ctx, "TCP on loopback, up", || t.send(size)).await?,
+        down: transfers(ctx, "TCP on loopback, down", || t.receive(size)).await?,
+    };
+    t.close().await;
+    detail_times("TCP on loopback, 64 B request/reply", &tcp.rtt);
+    Ok(Raw {
+        rtt,
+        up1,
+        down1,
+        up4,
+        down4,
+        tuned,
+        tcp,
+    })
+}
+
+/// Raw quinn striped over 4 connections against one (both sides raw).
+pub(super) fn raw_striping_row(ctx: &Ctx, raw: &Raw, up: bool) -> Row {
+    let size = ctx.cfg.bytes;
+    let (one, four, dir) = if up {
+        (&raw.up1, &raw.up4, "up")
+    } else {
+        (&raw.down1, &raw.down4, "down")
+    };
+    Row::new(
+        "remote",
+        format!("raw quinn {} {dir}: 4 connections vs 1", size_label(size)),
+        Unit::GiBps,
+    )
+    .raw(rates(size, one))
+    .lib(rates(size, four))
+    .note("both sides raw quinn: what striping can reach (>= 2x one connection)")
+}
+
+/// The transports against each other, one connection each: quinn with
+/// the loopback settings against its defaults, and against TCP (raw
+/// against raw: no goals).
+pub(super) fn transport_rows(ctx: &Ctx, raw: &Raw) -> Vec<Row> {
+    let size = ctx.cfg.bytes;
+    let mib = size_label(size);
+    let rtt = |metric: &str, base: &[Duration], note: &str| {
+        Row::new("remote", metric, Unit::Micros)
+            .raw(times(Unit::Micros, base))
+            .lib(times(Unit::Micros, &raw.tuned.rtt))
+            .note(note)
+    };
+    let rate = |metric: String, base: &[Duration], lib: &[Duration], note: &str| {
+        Row::new("remote", metric, Unit::GiBps)
+            .raw(rates(size, base))
+            .lib(rates(size, lib))
+            .note(note)
+    };
+    let vs_default = "both sides raw quinn, one connection: what the loopback settings gain";
+    let vs_tcp =
+        "raw quinn with the loopback settings against TCP on loopback: the host's reference";
+    vec![
+        rtt(
+            "raw quinn 64 B request/reply: loopback settings vs default",
+            &raw.rtt,
+            vs_default,
+        ),
+        rate(
+            format!("raw quinn {mib} up: loopback settings vs default"),
+            &raw.up1,
+            &raw.tuned.up,
+            vs_default,
+        ),
+        rate(
+            format!("raw quinn {mib} down: loopback settings vs default"),
+            &raw.down1,
+            &raw.tuned.down,
+            vs_default,
+        ),
+        rtt(
+            "raw quinn 64 B request/reply, loopback settings, vs TCP on loopback",
+            &raw.tcp.rtt,
+            vs_tcp,
+        ),
+        rate(
+            format!("raw quinn {mib} up, loopback settings, vs TCP on loopback"),
+            &raw.tcp.up,
+            &raw.tuned.up,
+            vs_tcp,
+        ),
+        rate(
+            format!("raw quinn {mib} down, loopback settings, vs TCP on loopback"),
+            &raw.tcp.down,
+            &raw.tuned.down,
+            vs_tcp,
+        ),
+    ]
+}

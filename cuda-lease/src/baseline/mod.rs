@@ -1,0 +1,73 @@
+//! The transports' own ceilings, with no protocol on top, so every remote
+//! measurement can be stated as a ratio to what the host's network stack
+//! does in the same run:
+//!
+//! - [`RawQuinn`]: raw quinn with exactly the node's TLS and, by default,
+//!   its transport settings ([`RawQuinn::start_with`] takes others, e.g.
+//!   [`TransportSettings::loopback`](crate::TransportSettings::loopback)).
+//!   An echo-style server on 127.0.0.1:0 and `n` client connections to it.
+//!   Requests are a bidirectional stream each (as the node's are): an
+//!   8-byte little-endian count of bytes wanted back, then any payload; the
+//!   server reads the stream to its end, then writes the wanted number of
+//!   bytes and finishes.
+//! - [`RawTcp`]: one plain TCP connection (`tokio::net`, no TLS) to an
+//!   echo-style server on 127.0.0.1:0, the host's reference for bulk
+//!   bytes. A request is a 16-byte header (the bytes that follow and the
+//!   bytes wanted back, little-endian), then its payload; the reply is the
+//!   wanted bytes.
+//!
+//! # Examples
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), cuda_lease::baseline::BoxError> {
+//! let raw = cuda_lease::baseline::RawQuinn::start(1).await?;
+//! let rtt = raw.round_trip(64).await?; // 64 B out, 64 B back, a new stream
+//! let up = raw.send(256 << 20, 1).await?; // 256 MiB client -> server
+//! println!("{rtt:?}, {:.2} GiB/s", (256u64 << 20) as f64 / up.as_secs_f64() / (1u64 << 30) as f64);
+//! let tcp = cuda_lease::baseline::RawTcp::start().await?;
+//! let down = tcp.receive(256 << 20).await?; // 256 MiB server -> client
+//! # Ok(()) }
+//! ```
+
+mod quic;
+mod tcp;
+
+pub use quic::RawQuinn;
+pub use tcp::RawTcp;
+
+/// The error of the baselines' calls (TLS, socket and connection errors).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A chunk of bulk data written or read per call.
+const CHUNK: usize = 1 << 20;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::TransportSettings;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn raw_tcp_moves_what_it_says() {
+        let tcp = RawTcp::start().await.unwrap();
+        tcp.round_trip(64).await.unwrap();
+        tcp.send((3 << 20) + 5).await.unwrap();
+        tcp.receive((3 << 20) + 7).await.unwrap();
+        tcp.round_trip(0).await.unwrap();
+        tcp.close().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn raw_quinn_runs_with_each_preset() {
+        for t in [
+            TransportSettings::default(),
+            TransportSettings::loopback(),
+            TransportSettings::datacenter_jumbo(),
+        ] {
+            let q = RawQuinn::start_with(2, &t).await.unwrap();
+            q.round_trip(64).await.unwrap();
+            q.send((2 << 20) + 1, 2).await.unwrap();
+            q.receive((2 << 20) + 3, 1).await.unwrap();
+            q.close().await;
+        }
+    }
+}
