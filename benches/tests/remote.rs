@@ -23,6 +23,7 @@ fn tiny() -> RemoteConfig {
         bytes: 64 << 10,
         refill: Duration::from_millis(20),
         in_task: false,
+        transport: ("loopback".into(), cuda_lease::TransportSettings::loopback()),
     }
 }
 
@@ -54,10 +55,11 @@ fn every_remote_topic_runs_on_the_memory_device() {
         }
     }
     // The remote topic's rows: BATCH, 4 transfers, the chain (no local GPU:
-    // one row), one launch, h2d, d2h, raw striping up and down, the raw
+    // one row), one launch, h2d and d2h each against raw quinn and TCP,
+    // raw striping up and down, the raw
     // transports against each other (6); no spins.
     let remote: Vec<_> = rows.iter().filter(|r| r.group == "remote").collect();
-    assert_eq!(remote.len(), 17, "{remote:#?}");
+    assert_eq!(remote.len(), 19, "{remote:#?}");
     // Raw against raw carries no goal.
     for r in remote.iter().filter(|r| r.metric.starts_with("raw quinn")) {
         assert_eq!(r.goal, Goal::None, "{}", r.metric);

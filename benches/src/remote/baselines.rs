@@ -1,7 +1,7 @@
 //! The raw transports, measured in the same run as the node: quinn with
-//! the node's default transport settings (one connection and striped over
-//! four), quinn with [`TransportSettings::loopback`] on one connection,
-//! and plain TCP on loopback (`tokio::net`, no TLS), the host's
+//! the node's transport settings (one connection and striped over four),
+//! quinn with its defaults and with [`TransportSettings::loopback`] on one
+//! connection, and plain TCP on loopback (`tokio::net`, no TLS), the host's
 //! reference. Their rows compare raw with raw and carry no goal.
 
 use std::future::Future;
@@ -18,26 +18,28 @@ use crate::Result;
 /// way.
 #[derive(Debug)]
 pub(super) struct Raw {
-    /// Default settings, a new stream per request.
+    /// The node's settings, a new stream per request.
     pub(super) rtt: Vec<Duration>,
-    /// Default settings, one connection, client -> server.
+    /// The node's settings, one connection, client -> server.
     pub(super) up1: Vec<Duration>,
-    /// Default settings, one connection, server -> client.
+    /// The node's settings, one connection, server -> client.
     pub(super) down1: Vec<Duration>,
     up4: Vec<Duration>,
     down4: Vec<Duration>,
+    /// quinn's default settings, one connection.
+    pub(super) default: OneWay,
     /// [`TransportSettings::loopback`], one connection.
     tuned: OneWay,
     /// TCP on loopback, one connection.
-    tcp: OneWay,
+    pub(super) tcp: OneWay,
 }
 
 /// One transport's 64 B round trips and bulk times each way.
 #[derive(Debug)]
-struct OneWay {
-    rtt: Vec<Duration>,
-    up: Vec<Duration>,
-    down: Vec<Duration>,
+pub(super) struct OneWay {
+    pub(super) rtt: Vec<Duration>,
+    pub(super) up: Vec<Duration>,
+    pub(super) down: Vec<Duration>,
 }
 
 /// `iters` times of `f` after 100 unmeasured calls.
@@ -82,7 +84,8 @@ where
 /// Measures every raw transport, one after the other.
 pub(super) async fn raw_baseline(ctx: &Ctx) -> Result<Raw> {
     let (iters, size) = (ctx.cfg.iters, ctx.cfg.bytes);
-    let raw = RawQuinn::start(4).await?;
+    // With the node's settings: the lease rows' reference.
+    let raw = RawQuinn::start_with(4, &ctx.cfg.transport.1).await?;
     let quinn = &raw;
     let rtt = round_trips(iters, || raw.round_trip(64)).await?;
     detail_times("raw quinn 64 B request/reply, new stream", &rtt);
@@ -108,20 +111,32 @@ pub(super) async fn raw_baseline(ctx: &Ctx) -> Result<Raw> {
     raw.close().await;
     let [up1, down1, up4, down4] = <[Vec<Duration>; 4]>::try_from(runs).expect("four runs");
 
-    let q = RawQuinn::start_with(1, &TransportSettings::loopback()).await?;
-    let tuned = OneWay {
-        rtt: round_trips(iters, || q.round_trip(64)).await?,
-        up: transfers(ctx, "raw quinn, loopback settings, up", || q.send(size, 1)).await?,
-        down: transfers(ctx, "raw quinn, loopback settings, down", || {
-            q.receive(size, 1)
-        })
-        .await?,
-    };
-    q.close().await;
-    detail_times(
-        "raw quinn, loopback settings, 64 B request/reply",
-        &tuned.rtt,
-    );
+    let mut one_way = Vec::new();
+    for (name, settings) in [
+        ("default", TransportSettings::default()),
+        ("loopback", TransportSettings::loopback()),
+    ] {
+        let q = RawQuinn::start_with(1, &settings).await?;
+        let w = OneWay {
+            rtt: round_trips(iters, || q.round_trip(64)).await?,
+            up: transfers(ctx, &format!("raw quinn, {name} settings, up"), || {
+                q.send(size, 1)
+            })
+            .await?,
+            down: transfers(ctx, &format!("raw quinn, {name} settings, down"), || {
+                q.receive(size, 1)
+            })
+            .await?,
+        };
+        q.close().await;
+        detail_times(
+            &format!("raw quinn, {name} settings, 64 B request/reply"),
+            &w.rtt,
+        );
+        one_way.push(w);
+    }
+    let tuned = one_way.pop().expect("two runs");
+    let default = one_way.pop().expect("two runs");
 
     let t = RawTcp::start().await?;
     let tcp = OneWay {
@@ -137,6 +152,7 @@ pub(super) async fn raw_baseline(ctx: &Ctx) -> Result<Raw> {
         down1,
         up4,
         down4,
+        default,
         tuned,
         tcp,
     })
@@ -184,18 +200,18 @@ pub(super) fn transport_rows(ctx: &Ctx, raw: &Raw) -> Vec<Row> {
     vec![
         rtt(
             "raw quinn 64 B request/reply: loopback settings vs default",
-            &raw.rtt,
+            &raw.default.rtt,
             vs_default,
         ),
         rate(
             format!("raw quinn {mib} up: loopback settings vs default"),
-            &raw.up1,
+            &raw.default.up,
             &raw.tuned.up,
             vs_default,
         ),
         rate(
             format!("raw quinn {mib} down: loopback settings vs default"),
-            &raw.down1,
+            &raw.default.down,
             &raw.tuned.down,
             vs_default,
         ),

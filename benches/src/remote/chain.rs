@@ -150,18 +150,27 @@ impl KeptLaunch {
     }
 }
 
-/// Awaited `h2d` and `d2h` of `size` bytes on `remote`, `iters` of each
-/// after one not kept.
+/// Awaited `h2d` of a `Vec` and `d2h` of `size` bytes, as a user writes
+/// them, on a lease of the client with the default stripes and data path,
+/// `iters` of each after one not kept.
 async fn transfer_ops(
-    remote: &RemotePolicy,
+    ctx: &Ctx,
     size: u64,
     iters: usize,
 ) -> Result<(Vec<Duration>, Vec<Duration>)> {
+    let lease = Lease::builder()
+        .min_vram(size + (64 << 20))
+        .ttl(Duration::from_secs(120))
+        .on(ctx.striped.clone())
+        .await?;
+    let policy = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let remote = &policy;
     let data = vec![7u8; size as usize];
     let (mut up, mut down) = (Vec::new(), Vec::new());
     for i in 0..=iters {
+        let input = data.clone();
         let t = Instant::now();
-        let buf = h2d(data.as_slice()).schedule(remote)?.await?;
+        let buf = h2d(input).schedule(remote)?.await?;
         let u = t.elapsed();
         let t = Instant::now();
         let back = d2h(&buf).schedule(remote)?.await?;
@@ -174,6 +183,8 @@ async fn transfer_ops(
             down.push(d);
         }
     }
+    drop(policy);
+    lease.free().await?;
     Ok((up, down))
 }
 
@@ -523,24 +534,42 @@ pub(super) fn rows(group: &'static str, c: &ChainRows, raw: &Raw) -> Vec<Row> {
         c.op_local.as_deref(),
     ));
     let size = size_label(c.bytes);
-    rows.push(
-        Row::new(
-            group,
-            format!("`h2d` {size} awaited on the lease (one message) vs raw one connection up"),
-            Unit::GiBps,
-        )
-        .raw(rates(c.bytes, &raw.up1))
-        .lib(rates(c.bytes, &c.up)),
-    );
-    rows.push(
-        Row::new(
-            group,
-            format!("`d2h` {size} awaited on the lease (one message) vs raw one connection down"),
-            Unit::GiBps,
-        )
-        .raw(rates(c.bytes, &raw.down1))
-        .lib(rates(c.bytes, &c.down)),
-    );
+    // What a user gets by default (the data path, striped): against one
+    // raw quinn connection with quinn's defaults, and against TCP.
+    for (op, lib) in [("h2d", &c.up), ("d2h", &c.down)] {
+        let (quinn, tcp, dir) = if op == "h2d" {
+            (&raw.default.up, &raw.tcp.up, "up")
+        } else {
+            (&raw.default.down, &raw.tcp.down, "down")
+        };
+        rows.push(
+            Row::new(
+                group,
+                format!(
+                    "`{op}` {size} awaited on a lease (default client) vs raw quinn one connection \
+                     {dir}, quinn's defaults"
+                ),
+                Unit::GiBps,
+            )
+            .raw(rates(c.bytes, quinn))
+            .lib(rates(c.bytes, lib))
+            .goal(Goal::AtLeast(2.0))
+            .goal_from("issue 39"),
+        );
+        rows.push(
+            Row::new(
+                group,
+                format!(
+                    "`{op}` {size} awaited on a lease (default client) vs TCP on loopback {dir}"
+                ),
+                Unit::GiBps,
+            )
+            .raw(rates(c.bytes, tcp))
+            .lib(rates(c.bytes, lib))
+            .goal(Goal::AtLeast(0.6))
+            .goal_from("issue 39"),
+        );
+    }
     if let Some((one, two)) = &c.spins {
         rows.push(
             Row::new(
@@ -569,7 +598,7 @@ pub(super) async fn chain_bench(ctx: &Ctx) -> Result<ChainRows> {
         remote,
         times,
     } = ChainSetup::new(ctx, 2 * bytes + (64 << 20), iters.min(CHAIN_ITERS)).await?;
-    let (up, down) = transfer_ops(&remote, bytes, 3).await?;
+    let (up, down) = transfer_ops(ctx, bytes, 3).await?;
     let op_remote = time_one_op(&remote, &axpy, iters).await?;
     let spins = if memory {
         None

@@ -88,6 +88,10 @@ pub struct RemoteConfig {
     pub refill: Duration,
     /// Measure from a task on the runtime instead of `block_on`'s thread.
     pub in_task: bool,
+    /// The transport settings of the node, its clients and the raw quinn
+    /// they are compared with (`REPORT_TRANSPORT`: a preset's name,
+    /// `loopback` by default: the report runs on loopback).
+    pub transport: (String, cuda_lease::TransportSettings),
 }
 
 impl RemoteConfig {
@@ -119,7 +123,15 @@ impl RemoteConfig {
                 format!("REPORT_REMOTE_SPIN_US must be a number of microseconds, got `{s}`")
             })?)),
         };
+        let name = std::env::var("REPORT_TRANSPORT").unwrap_or_else(|_| "loopback".into());
+        let settings = cuda_lease::TransportSettings::preset(&name).ok_or_else(|| {
+            format!(
+                "REPORT_TRANSPORT must be one of {:?}, got `{name}`",
+                cuda_lease::transport::PRESETS
+            )
+        })?;
         Ok(RemoteConfig {
+            transport: (name, settings),
             device,
             worker: std::env::current_exe()?,
             spin,
@@ -176,13 +188,17 @@ impl Bench {
             worker.spin = spin;
         }
         detail(format_args!("worker pipe spin: {:?}", worker.spin));
+        detail(format_args!("transport settings: {}", cfg.transport.0));
         let mut node_cfg = NodeConfig::new(worker);
+        node_cfg.transport = cfg.transport.1.clone();
         node_cfg.tokens = vec!["bench".into()];
         node_cfg.submit_workers = 1;
         node_cfg.prestart_workers = 1;
         let (node, ctx, device) = rt.block_on(async {
             let node = Node::spawn_local(node_cfg).await?;
-            let config = ClientConfig::pinned(node.cert_der().clone()).token("bench");
+            let config = ClientConfig::pinned(node.cert_der().clone())
+                .token("bench")
+                .transport(cfg.transport.1.clone());
             let single = config.clone().stripes(1, 0);
             let client = Arc::new(Client::connect(node.addr(), &single).await?);
             let striped = Arc::new(Client::connect(node.addr(), &config).await?);
