@@ -179,6 +179,7 @@ impl Session {
 
     /// The smallest transfer that leaves a submission's message for the
     /// data path ([`ClientConfig::data_path_min_bytes`](super::ClientConfig::data_path_min_bytes)).
+    #[cfg(feature = "backend")]
     pub(crate) fn stream_min_bytes(&self) -> usize {
         self.inner.client.config.data_path_min_bytes
     }
