@@ -32,7 +32,7 @@ pub enum RemoteCommand {
         id: u64,
         /// Byte offset.
         offset: u64,
-        /// Bytes taken from [`Recording::data`].
+        /// Bytes: the write's payload ([`Recording::payload`]).
         len: u64,
     },
     /// Read `len` bytes at `offset` into the next [`ReadSlot`].
