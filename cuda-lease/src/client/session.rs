@@ -161,18 +161,22 @@ impl Session {
             .await
     }
 
-    /// Reads `out.len()` bytes of buffer `buf` at `offset` straight into
-    /// `out` (streamed, striped when large).
+    /// Reads as many bytes of buffer `buf` at `offset` as `out` holds,
+    /// straight into `out` (streamed, striped when large), and gives it
+    /// back.
     ///
     /// # Errors
     ///
     /// As [`Session::read`].
-    pub async fn read_id_into(&self, buf: Id, offset: u64, out: &mut [u8]) -> Result<(), Error> {
+    pub async fn read_id_to<B>(&self, buf: Id, offset: u64, out: B) -> Result<B, Error>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
         self.inner
             .guard(
                 self.inner
                     .client
-                    .striped_read_into(self.inner.id, buf, offset, out),
+                    .striped_read_to(self.inner.id, buf, offset, out),
             )
             .await
     }

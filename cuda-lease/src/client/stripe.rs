@@ -69,46 +69,6 @@ impl Client {
         Ok(())
     }
 
-    /// Reads `out.len()` bytes of memory at `offset` straight into `out`,
-    /// striped like [`Client::striped_write`] (the stripes' requests run
-    /// together in this task, each landing in its part of `out`).
-    pub(crate) async fn striped_read_into(
-        &self,
-        lease: LeaseId,
-        buf: Id,
-        offset: u64,
-        out: &mut [u8],
-    ) -> Result<(), Error> {
-        let conns = self.stripe_set(out.len()).await?;
-        let parts = stripe_bounds(out.len(), conns.len());
-        let mut rest = out;
-        let mut futs = Vec::with_capacity(parts.len());
-        for (conn, r) in conns.iter().zip(&parts) {
-            let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
-            rest = tail;
-            futs.push(async move {
-                let mut part = part;
-                for r in requests(r.clone()) {
-                    let (piece, tail) = std::mem::take(&mut part).split_at_mut(r.len());
-                    part = tail;
-                    let body = to_body(&MemRead {
-                        lease,
-                        buf,
-                        offset: offset + r.start as u64,
-                        len: r.len() as u32,
-                    });
-                    self.request_on(conn, Opcode::MemRead, &body, &[], Some(piece))
-                        .await?;
-                }
-                Ok::<_, Error>(())
-            });
-        }
-        for r in join_all(futs).await {
-            r?;
-        }
-        Ok(())
-    }
-
     /// Reads `len` bytes of memory at `offset`, striped like
     /// [`Client::striped_write`], into one buffer.
     pub(super) async fn striped_read(
@@ -118,18 +78,46 @@ impl Client {
         offset: u64,
         len: u32,
     ) -> Result<Vec<u8>, Error> {
-        let conns = self.stripe_set(len as usize).await?;
-        let parts = stripe_bounds(len as usize, conns.len());
-        if parts.len() == 1 {
-            let mut out = vec![0u8; len as usize];
-            let body = to_body(&MemRead {
+        self.striped_read_to(lease, buf, offset, vec![0u8; len as usize])
+            .await
+    }
+
+    /// Reads `out.as_mut().len()` bytes of memory at `offset` straight
+    /// into `out` (no second buffer), striped like
+    /// [`Client::striped_write`], and gives `out` back.
+    pub(crate) async fn striped_read_to<B>(
+        &self,
+        lease: LeaseId,
+        buf: Id,
+        offset: u64,
+        mut out: B,
+    ) -> Result<B, Error>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        let len = out.as_mut().len();
+        let conns = self.stripe_set(len).await?;
+        let parts = stripe_bounds(len, conns.len());
+        let request = |r: &std::ops::Range<usize>| {
+            to_body(&MemRead {
                 lease,
                 buf,
-                offset,
-                len,
-            });
-            self.request_on(conns[0], Opcode::MemRead, &body, &[], Some(&mut out))
+                offset: offset + r.start as u64,
+                len: r.len() as u32,
+            })
+        };
+        if parts.len() == 1 {
+            for r in requests(0..len) {
+                let body = request(&r);
+                self.request_on(
+                    conns[0],
+                    Opcode::MemRead,
+                    &body,
+                    &[],
+                    Some(&mut out.as_mut()[r]),
+                )
                 .await?;
+            }
             return Ok(out);
         }
         // One task per stripe, so the connections' reads (and copies, and
@@ -137,29 +125,30 @@ impl Client {
         // into one buffer. Measured on an H100 host: one task reading all
         // four stripes got 1.7x one connection; a task per stripe reading
         // into its own buffer and a concatenation, 1.6 to 1.8x.
-        let out = Arc::new(StripeBuffer::new(len as usize));
+        let out = Arc::new(StripeBuffer::over(out));
         let tasks: Vec<_> = conns
             .iter()
             .zip(&parts)
             .map(|(conn, r)| {
                 let conn = (*conn).clone();
                 let limits = self.limits;
-                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                let body = to_body(&MemRead {
-                    lease,
-                    buf,
-                    offset: offset + r.start as u64,
-                    len: r.len() as u32,
-                });
-                let (out, r) = (out.clone(), r.clone());
+                let pieces: Vec<_> = requests(r.clone())
+                    .map(|r| {
+                        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                        (r.clone(), id, request(&r))
+                    })
+                    .collect();
+                let out = out.clone();
                 tokio::spawn(async move {
-                    // SAFETY: the stripes' ranges are disjoint (from
-                    // `stripe_bounds`), and this task is the only one
-                    // that touches this range.
-                    let part = unsafe { out.range_mut(r) };
-                    exchange(&conn, &limits, id, Opcode::MemRead, &body, &[], Some(part))
-                        .await
-                        .map(drop)
+                    for (r, id, body) in pieces {
+                        // SAFETY: the stripes' ranges are disjoint (from
+                        // `stripe_bounds`), their requests' too, and this
+                        // task alone touches this range, one piece at a time.
+                        let part = unsafe { out.range_mut(r) };
+                        exchange(&conn, &limits, id, Opcode::MemRead, &body, &[], Some(part))
+                            .await?;
+                    }
+                    Ok::<_, Error>(())
                 })
             })
             .collect();
@@ -181,28 +170,30 @@ impl Client {
     }
 }
 
-/// One allocation that several stripe tasks fill, each in its own range.
-struct StripeBuffer {
+/// One buffer that several stripe tasks fill, each in its own range.
+struct StripeBuffer<B> {
     ptr: *mut u8,
     len: usize,
-    buf: std::cell::UnsafeCell<Vec<u8>>,
+    /// Boxed, so its bytes stay where `ptr` points however the box moves.
+    buf: std::cell::UnsafeCell<Box<B>>,
 }
 
-// SAFETY: the buffer owns a `Vec<u8>` (which is `Send`); it is reached from
+// SAFETY: the buffer owns a `B` (which is `Send`); it is reached from
 // several threads only through `range_mut`, whose contract makes the ranges
 // disjoint, so sharing it is sharing disjoint `&mut [u8]`s (which are
 // `Send`), and `into_inner` needs sole ownership.
-unsafe impl Send for StripeBuffer {}
+unsafe impl<B: Send> Send for StripeBuffer<B> {}
 // SAFETY: as above.
-unsafe impl Sync for StripeBuffer {}
+unsafe impl<B: Send> Sync for StripeBuffer<B> {}
 
-impl StripeBuffer {
-    fn new(len: usize) -> Self {
-        let mut v = vec![0u8; len];
+impl<B: AsMut<[u8]>> StripeBuffer<B> {
+    fn over(b: B) -> Self {
+        let mut b = Box::new(b);
+        let bytes = (*b).as_mut();
         StripeBuffer {
-            ptr: v.as_mut_ptr(),
-            len,
-            buf: std::cell::UnsafeCell::new(v),
+            ptr: bytes.as_mut_ptr(),
+            len: bytes.len(),
+            buf: std::cell::UnsafeCell::new(b),
         }
     }
 
@@ -215,19 +206,17 @@ impl StripeBuffer {
             r.start <= r.end && r.end <= self.len,
             "range outside the buffer"
         );
-        // SAFETY: inside the allocation (checked), which lives as long as
-        // `self` and is never moved (the `Vec` is not touched until
+        // SAFETY: inside the bytes (checked), which live as long as `self`
+        // and never move (the boxed `B` is not touched until
         // `into_inner`); disjointness is the caller's promise.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len()) }
     }
 
-    fn into_inner(self) -> Vec<u8> {
-        self.buf.into_inner()
+    fn into_inner(self) -> B {
+        *self.buf.into_inner()
     }
 }
 
-/// Splits `len` bytes into at most `n` contiguous ranges whose inner
-/// bounds fall on 2 MiB (the node's chunk size); one empty range for 0.
 /// The most bytes one MEM_WRITE or MEM_READ carries (a node refuses
 /// requests above its frame limit, 512 MiB by default).
 const MAX_REQUEST_BYTES: usize = 256 << 20;
@@ -239,6 +228,8 @@ fn requests(r: std::ops::Range<usize>) -> impl Iterator<Item = std::ops::Range<u
         .map(move |s| s..(s + MAX_REQUEST_BYTES).min(r.end))
 }
 
+/// Splits `len` bytes into at most `n` contiguous ranges whose inner
+/// bounds fall on 2 MiB (the node's chunk size); one empty range for 0.
 fn stripe_bounds(len: usize, n: usize) -> Vec<std::ops::Range<usize>> {
     const ALIGN: usize = 2 << 20;
     let per = len.div_ceil(n.max(1)).div_ceil(ALIGN).max(1) * ALIGN;

@@ -274,9 +274,9 @@ impl LeaseSession {
         }
         for r in &plan.reads {
             let slot = &slots[r.slot];
-            let mut buf = slot.buffer();
-            self.session
-                .read_id_into(Id(r.id), r.offset, buf.as_mut())
+            let buf = self
+                .session
+                .read_id_to(Id(r.id), r.offset, slot.buffer())
                 .await?;
             slot.commit(buf)
                 .map_err(|e| protocol_error(e.to_string()))?;
