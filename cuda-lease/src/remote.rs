@@ -396,8 +396,10 @@ pub struct RemoteLease {
 }
 
 impl RemoteLease {
-    /// Connects and leases as `builder` says, on a new I/O thread owned by
-    /// the returned value.
+    /// Connects and leases as `builder` says, on new I/O threads owned by
+    /// the returned value (up to four, as many as the host has cores: a
+    /// striped transfer's connections move data in parallel; on one
+    /// thread they share one core's speed).
     ///
     /// # Errors
     ///
@@ -412,8 +414,11 @@ impl RemoteLease {
         builder: crate::client::LeaseBuilder,
         addr: std::net::SocketAddr,
     ) -> Result<Self, Error> {
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(crate::client::DEFAULT_STRIPES);
         let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
+            .worker_threads(threads)
             .thread_name("cuda-lease-io")
             .enable_all()
             .build()
