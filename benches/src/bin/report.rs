@@ -44,7 +44,8 @@ const USAGE: &str = "usage: bench-report [--no-fail] OUT.json   \
     (exits 1 when a row fails its goal or could not be measured, unless --no-fail) \
     (env: REPORT_SCALE=1, REPORT_ONLY=overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu,\
     remote_alloc,remote[,remote_chain,remote_launch], REPORT_REMOTE_DEVICE=cuda|memory, \
-    REPORT_REMOTE_SPIN_US, REPORT_REMOTE_IN_TASK=1, REPORT_TIMEOUT_S=300)";
+    REPORT_REMOTE_SPIN_US, REPORT_REMOTE_IN_TASK=1, REPORT_TRANSPORT=loopback|default|datacenter|wan, \
+    REPORT_STRIPES=4, REPORT_TIMEOUT_S=300)";
 
 fn main() -> ExitCode {
     // The remote topics' node starts its workers from this program.

@@ -194,11 +194,25 @@ impl Bench {
         node_cfg.tokens = vec!["bench".into()];
         node_cfg.submit_workers = 1;
         node_cfg.prestart_workers = 1;
+        // The striped client's connections (`REPORT_STRIPES`, else the
+        // client's default).
+        let stripes = match std::env::var("REPORT_STRIPES") {
+            Err(_) => cuda_lease::client::DEFAULT_STRIPES,
+            Ok(s) => s
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| {
+                    format!("REPORT_STRIPES must be a positive number of connections, got `{s}`")
+                })?,
+        };
         let (node, ctx, device) = rt.block_on(async {
             let node = Node::spawn_local(node_cfg).await?;
             let config = ClientConfig::pinned(node.cert_der().clone())
                 .token("bench")
-                .transport(cfg.transport.1.clone());
+                .transport(cfg.transport.1.clone())
+                .stripes(stripes, cuda_lease::client::DEFAULT_STRIPE_MIN_BYTES);
             let single = config.clone().stripes(1, 0);
             let client = Arc::new(Client::connect(node.addr(), &single).await?);
             let striped = Arc::new(Client::connect(node.addr(), &config).await?);
