@@ -10,33 +10,12 @@ use std::sync::Arc;
 
 use common::*;
 use cuda_async::prelude::*;
-use cuda_async::{LaunchConfig, Module, RemotePolicy};
+use cuda_async::{DeviceBuffer, Kernel, LaunchConfig, Module, RemotePolicy};
 use cuda_lease::client::{Client, Lease};
 use cuda_lease::node::Node;
 
 /// The node's chunk: one slot of its ring with a worker.
 const CHUNK: usize = 2 << 20;
-
-fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
-
-/// BATCH messages the node ran, and the commands they carried.
-fn batches(node: &Node) -> (u64, u64) {
-    let t = node.metrics_text();
-    (
-        metric(&t, "gpu_batch_total").unwrap_or(0),
-        metric(&t, "gpu_batch_commands_total").unwrap_or(0),
-    )
-}
 
 /// What `f` sent in BATCH messages: (messages, commands).
 async fn sent_by<T>(node: &Node, f: impl std::future::Future<Output = T>) -> (T, (u64, u64)) {
@@ -140,6 +119,46 @@ async fn a_large_upload_leaves_the_message_and_a_small_one_does_not() {
     fx.shutdown().await;
 }
 
+/// The in-memory device's `fill(float* out, float v, unsigned n)`, in a
+/// module whose source starts with `padding` (a module sent with its
+/// first launch makes that message as large as its source).
+fn fill_kernel(padding: &str) -> Kernel {
+    let source =
+        format!("{padding}extern \"C\" __global__ void fill(float* out, float v, unsigned n) {{}}");
+    Module::cuda(source, &[]).unwrap().kernel("fill").unwrap()
+}
+
+/// Schedules `fill` writing `v` over all of `buf` (`n` floats).
+fn overwrite(
+    fill: &Kernel,
+    buf: &Arc<DeviceBuffer<f32>>,
+    v: f32,
+    n: usize,
+    remote: &RemotePolicy,
+) -> impl std::future::Future<Output = cuda_async::Result<(Arc<DeviceBuffer<f32>>, f32, u32)>> {
+    // SAFETY: the in-memory device's `fill` writes out[0..n) of an n-float buffer.
+    unsafe {
+        launch(
+            fill,
+            LaunchConfig::for_num_elems(n as u32),
+            (buf.clone(), v, n as u32),
+        )
+    }
+    .schedule(remote)
+    .unwrap()
+}
+
+/// `floats` uploaded (awaited) to a buffer of its own.
+async fn uploaded(floats: &[f32], remote: &RemotePolicy) -> Arc<DeviceBuffer<f32>> {
+    Arc::new(
+        h2d(floats.to_vec())
+            .schedule(remote)
+            .unwrap()
+            .await
+            .unwrap(),
+    )
+}
+
 /// Submissions made while a streamed one runs its steps run after it, in
 /// the order of their calls: a download of a buffer, then a kernel that
 /// overwrites it, submitted together: the download sees the buffer
@@ -148,36 +167,15 @@ async fn a_large_upload_leaves_the_message_and_a_small_one_does_not() {
 async fn later_submissions_wait_for_a_streamed_one() {
     let fx = Fixture::memory(1 << 28).start().await;
     let (_lease, remote) = on(&fx.node, 1 << 20, 4).await;
-    let m = Module::cuda(
-        "extern \"C\" __global__ void fill(float* out, float v, unsigned n) {}",
-        &[],
-    )
-    .unwrap();
-    let fill = m.kernel("fill").unwrap();
+    let fill = fill_kernel("");
     let n = 2 << 20;
     for round in 0..2u8 {
         let floats: Vec<f32> = (0..n)
             .map(|i| (i % 1000) as f32 + f32::from(round))
             .collect();
-        let buf = Arc::new(
-            h2d(floats.clone())
-                .schedule(&remote)
-                .unwrap()
-                .await
-                .unwrap(),
-        );
+        let buf = uploaded(&floats, &remote).await;
         let read = d2h(buf.clone()).schedule(&remote).unwrap();
-        // SAFETY: the in-memory device's `fill` writes out[0..n) of an n-float buffer.
-        let overwrite = unsafe {
-            launch(
-                &fill,
-                LaunchConfig::for_num_elems(n as u32),
-                (buf.clone(), -1.0f32, n as u32),
-            )
-        }
-        .schedule(&remote)
-        .unwrap();
-        let (got, done) = tokio::join!(read, overwrite);
+        let (got, done) = tokio::join!(read, overwrite(&fill, &buf, -1.0, n, &remote));
         done.unwrap();
         assert!(
             got.unwrap().to_vec().unwrap() == floats,
@@ -192,30 +190,12 @@ async fn later_submissions_wait_for_a_streamed_one() {
         // kernel still in flight sees the kernel's writes. (The kernel's
         // module is new and large, so its message takes a while to
         // arrive: the download's own requests would overtake it.)
-        let buf = Arc::new(
-            h2d(floats.clone())
-                .schedule(&remote)
-                .unwrap()
-                .await
-                .unwrap(),
-        );
-        let padded = format!(
-            "// round {round}\n{}extern \"C\" __global__ void fill(float* out, float v, unsigned n) {{}}",
-            "// padding\n".repeat(400_000)
-        );
-        let slow_fill = Module::cuda(padded, &[]).unwrap().kernel("fill").unwrap();
-        // SAFETY: as above.
-        let overwrite = unsafe {
-            launch(
-                &slow_fill,
-                LaunchConfig::for_num_elems(n as u32),
-                (buf.clone(), -2.0f32, n as u32),
-            )
-        }
-        .schedule(&remote)
-        .unwrap();
+        let buf = uploaded(&floats, &remote).await;
+        let padding = format!("// round {round}\n{}", "// padding\n".repeat(400_000));
+        let slow_fill = fill_kernel(&padding);
+        let done = overwrite(&slow_fill, &buf, -2.0, n, &remote);
         let read = d2h(buf).schedule(&remote).unwrap();
-        let (done, got) = tokio::join!(overwrite, read);
+        let (done, got) = tokio::join!(done, read);
         done.unwrap();
         assert!(
             got.unwrap().to_vec().unwrap().iter().all(|v| *v == -2.0),

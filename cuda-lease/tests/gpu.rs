@@ -531,18 +531,6 @@ async fn many_clients_submit_concurrently() {
 }
 
 /// Random bytes (xorshift), no extra dependencies.
-fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut s = seed | 1;
-    let mut out = Vec::with_capacity(n + 8);
-    while out.len() < n {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        out.extend_from_slice(&s.to_le_bytes());
-    }
-    out.truncate(n);
-    out
-}
 
 #[tokio::test]
 #[ignore = "needs an NVIDIA GPU"]
@@ -559,19 +547,6 @@ async fn large_and_odd_transfers_round_trip_byte_exact() {
         large_and_odd_transfers(client).await;
     }
     fx.shutdown().await;
-}
-
-/// The process's resident memory (node and client alike: the test runs
-/// both), from `/proc/self/status`.
-fn rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_else(|e| panic!("cannot measure RSS: /proc/self/status: {e}"));
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .unwrap_or_else(|| panic!("cannot measure RSS: no VmRSS line"))
-        * 1024
 }
 
 /// 1 GiB of random bytes through `h2d`, then `d2h`, on a lease, as a user
@@ -593,31 +568,14 @@ fn a_gib_through_h2d_and_d2h_on_a_lease_is_byte_exact_and_streamed() {
     let policy = cuda_async::RemotePolicy::new(&lease);
     let n = 1usize << 30;
     let bytes = random_bytes(n, 0x1_0000_0001);
-    let batches = || metric(&node.metrics_text(), "gpu_batch_total").unwrap_or(0);
-    // The peak of the process's RSS while `f` runs, over its value before.
+    // The peak of the process's RSS (node and client alike: the test runs
+    // both) while `f` runs, over its value before.
     let peak_during = |f: &mut dyn FnMut()| {
-        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-        let base = rss_bytes();
-        let (peak, stop) = (
-            Arc::new(AtomicU64::new(base)),
-            Arc::new(AtomicBool::new(false)),
-        );
-        let sampler = {
-            let (peak, stop) = (peak.clone(), stop.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    peak.fetch_max(rss_bytes(), Ordering::Relaxed);
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            })
-        };
+        let peak = PeakRss::start();
         f();
-        stop.store(true, Ordering::Relaxed);
-        sampler.join().unwrap();
-        peak.fetch_max(rss_bytes(), Ordering::Relaxed);
-        peak.load(Ordering::Relaxed).saturating_sub(base)
+        peak.stop()
     };
-    let b0 = batches();
+    let b0 = batches(node).0;
     let mut input = Some(bytes.clone());
     let (mut buf, mut up) = (None, Duration::ZERO);
     let rss_up = peak_during(&mut || {
@@ -633,7 +591,7 @@ fn a_gib_through_h2d_and_d2h_on_a_lease_is_byte_exact_and_streamed() {
         down = t.elapsed();
     });
     let back = back.unwrap();
-    let msgs = batches() - b0;
+    let msgs = batches(node).0 - b0;
     let gib = |d: Duration| n as f64 / d.as_secs_f64() / (1u64 << 30) as f64;
     println!(
         "1 GiB: h2d {up:?} ({:.2} GiB/s), d2h {down:?} ({:.2} GiB/s); {msgs} BATCH messages; \

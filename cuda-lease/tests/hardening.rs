@@ -17,62 +17,6 @@ use cuda_lease::proto::{self, Header, Opcode, Status};
 
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// VmRSS of this process, in bytes.
-///
-/// # Panics
-///
-/// Where `/proc/self/status` cannot be read or has no VmRSS line: the
-/// memory checks would otherwise pass on a figure of 0.
-fn rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_else(|e| panic!("cannot measure RSS: /proc/self/status: {e}"));
-    let kib = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .unwrap_or_else(|| panic!("cannot measure RSS: no VmRSS line in /proc/self/status"));
-    kib * 1024
-}
-
-/// Samples VmRSS every millisecond on a thread; `stop` gives the peak
-/// growth over the value at `start`.
-struct PeakRss {
-    base: u64,
-    peak: Arc<AtomicU64>,
-    stop: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<()>,
-}
-
-impl PeakRss {
-    fn start() -> Self {
-        let base = rss_bytes();
-        let peak = Arc::new(AtomicU64::new(base));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (p, s) = (peak.clone(), stop.clone());
-        let thread = std::thread::spawn(move || {
-            while !s.load(Ordering::Relaxed) {
-                p.fetch_max(rss_bytes(), Ordering::Relaxed);
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        });
-        PeakRss {
-            base,
-            peak,
-            stop,
-            thread,
-        }
-    }
-
-    fn stop(self) -> u64 {
-        self.stop.store(true, Ordering::Relaxed);
-        self.thread.join().expect("the RSS sampler panicked");
-        self.peak
-            .load(Ordering::Relaxed)
-            .max(rss_bytes())
-            .saturating_sub(self.base)
-    }
-}
-
 #[tokio::test]
 async fn unauthenticated_payloads_are_never_read_or_allocated() {
     let _one = ONE_AT_A_TIME.lock().await;

@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use cuda_lease::client::{Error, ErrorKind, Module, Session};
-use cuda_lease::node::Node;
+
 use cuda_lease::proto::{
     self, Batch, Command, Id, KernelArg, ModuleHash, ModuleUse, Op, Opcode, SourceKind, Status,
 };
@@ -69,14 +69,6 @@ fn axpy(rec: &mut cuda_lease::client::Recorder, stream: u32, m: &Module, a: f32,
             KernelArg::u32(N),
         ],
     );
-}
-
-fn batches(node: &Node) -> (u64, u64) {
-    let m = node.metrics_text();
-    (
-        metric(&m, "gpu_batch_total").unwrap(),
-        metric(&m, "gpu_batch_commands_total").unwrap(),
-    )
 }
 
 #[tokio::test]

@@ -80,14 +80,6 @@ fn vram_allocated(node: &Node) -> u64 {
     metric(&node.metrics_text(), "gpu_vram_allocated_bytes").expect("gpu_vram_allocated_bytes")
 }
 
-fn batches(node: &Node) -> (u64, u64) {
-    let t = node.metrics_text();
-    (
-        metric(&t, "gpu_batch_total").unwrap_or(0),
-        metric(&t, "gpu_batch_commands_total").unwrap_or(0),
-    )
-}
-
 #[tokio::test]
 async fn a_pipeline_written_once_runs_on_a_leased_gpu_in_one_message() {
     let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;

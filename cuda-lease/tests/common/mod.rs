@@ -2,6 +2,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -404,4 +405,83 @@ pub fn node_secrets() -> Vec<String> {
                 .collect::<Vec<_>>()
         })
         .collect()
+}
+
+/// VmRSS of this process, in bytes.
+///
+/// # Panics
+///
+/// Where `/proc/self/status` cannot be read or has no VmRSS line: the
+/// memory checks would otherwise pass on a figure of 0.
+pub fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_else(|e| panic!("cannot measure RSS: /proc/self/status: {e}"));
+    let kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("cannot measure RSS: no VmRSS line in /proc/self/status"));
+    kib * 1024
+}
+
+/// Samples VmRSS every millisecond on a thread; `stop` gives the peak
+/// growth over the value at `start`.
+pub struct PeakRss {
+    base: u64,
+    peak: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl PeakRss {
+    pub fn start() -> Self {
+        let base = rss_bytes();
+        let peak = Arc::new(AtomicU64::new(base));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (p, s) = (peak.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                p.fetch_max(rss_bytes(), Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        PeakRss {
+            base,
+            peak,
+            stop,
+            thread,
+        }
+    }
+
+    pub fn stop(self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("the RSS sampler panicked");
+        self.peak
+            .load(Ordering::Relaxed)
+            .max(rss_bytes())
+            .saturating_sub(self.base)
+    }
+}
+
+/// `n` pseudo-random bytes from `seed` (xorshift64).
+pub fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed | 1;
+    let mut out = Vec::with_capacity(n + 8);
+    while out.len() < n {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        out.extend_from_slice(&s.to_le_bytes());
+    }
+    out.truncate(n);
+    out
+}
+
+/// BATCH messages the node ran, and the commands they carried.
+pub fn batches(node: &Node) -> (u64, u64) {
+    let t = node.metrics_text();
+    (
+        metric(&t, "gpu_batch_total").expect("gpu_batch_total"),
+        metric(&t, "gpu_batch_commands_total").expect("gpu_batch_commands_total"),
+    )
 }
