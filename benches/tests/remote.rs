@@ -24,6 +24,7 @@ fn tiny() -> RemoteConfig {
         refill: Duration::from_millis(20),
         in_task: false,
         transport: ("loopback".into(), cuda_lease::TransportSettings::loopback()),
+        stripes: cuda_lease::client::DEFAULT_STRIPES,
     }
 }
 

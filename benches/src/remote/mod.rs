@@ -92,6 +92,9 @@ pub struct RemoteConfig {
     /// they are compared with (`REPORT_TRANSPORT`: a preset's name,
     /// `loopback` by default: the report runs on loopback).
     pub transport: (String, cuda_lease::TransportSettings),
+    /// Connections of the striped client (`REPORT_STRIPES`, else the
+    /// client's default).
+    pub stripes: usize,
 }
 
 impl RemoteConfig {
@@ -99,7 +102,8 @@ impl RemoteConfig {
     /// `REPORT_REMOTE_DEVICE=memory`), 2000 round trips and 5 transfers of
     /// 256 MiB at `REPORT_SCALE=1`, workers from the current executable,
     /// `REPORT_REMOTE_SPIN_US` for their spin, `REPORT_REMOTE_IN_TASK=1`
-    /// to measure from a task.
+    /// to measure from a task, `REPORT_TRANSPORT` for the transport preset
+    /// and `REPORT_STRIPES` for the striped client's connections.
     ///
     /// # Errors
     /// If a variable has a value it cannot take, or the current
@@ -130,8 +134,20 @@ impl RemoteConfig {
                 cuda_lease::transport::PRESETS
             )
         })?;
+        let stripes = match std::env::var("REPORT_STRIPES") {
+            Err(_) => cuda_lease::client::DEFAULT_STRIPES,
+            Ok(s) => s
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| {
+                    format!("REPORT_STRIPES must be a positive number of connections, got `{s}`")
+                })?,
+        };
         Ok(RemoteConfig {
             transport: (name, settings),
+            stripes,
             device,
             worker: std::env::current_exe()?,
             spin,
@@ -194,25 +210,12 @@ impl Bench {
         node_cfg.tokens = vec!["bench".into()];
         node_cfg.submit_workers = 1;
         node_cfg.prestart_workers = 1;
-        // The striped client's connections (`REPORT_STRIPES`, else the
-        // client's default).
-        let stripes = match std::env::var("REPORT_STRIPES") {
-            Err(_) => cuda_lease::client::DEFAULT_STRIPES,
-            Ok(s) => s
-                .trim()
-                .parse::<usize>()
-                .ok()
-                .filter(|n| *n > 0)
-                .ok_or_else(|| {
-                    format!("REPORT_STRIPES must be a positive number of connections, got `{s}`")
-                })?,
-        };
         let (node, ctx, device) = rt.block_on(async {
             let node = Node::spawn_local(node_cfg).await?;
             let config = ClientConfig::pinned(node.cert_der().clone())
                 .token("bench")
                 .transport(cfg.transport.1.clone())
-                .stripes(stripes, cuda_lease::client::DEFAULT_STRIPE_MIN_BYTES);
+                .stripes(cfg.stripes, cuda_lease::client::DEFAULT_STRIPE_MIN_BYTES);
             let single = config.clone().stripes(1, 0);
             let client = Arc::new(Client::connect(node.addr(), &single).await?);
             let striped = Arc::new(Client::connect(node.addr(), &config).await?);

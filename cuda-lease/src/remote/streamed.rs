@@ -85,10 +85,18 @@ fn uses(c: &RemoteCommand, id: u64) -> bool {
 /// (and at least one byte) can take the data path; `None` when none can
 /// (the whole recording goes as one message).
 pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<StreamPlan> {
+    /// Where a command goes.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Route {
+        Message,
+        /// An allocation sent first (a streamed write's buffer).
+        Hoisted,
+        Streamed,
+        /// A streamed read's buffer's free, queued after the read.
+        FreeAfter,
+    }
     let threshold = threshold.max(1) as u64;
-    let mut streamed_write = vec![false; commands.len()];
-    let mut hoisted = vec![false; commands.len()];
-    let mut streamed_read = vec![false; commands.len()];
+    let mut route = vec![Route::Message; commands.len()];
     for (i, c) in commands.iter().enumerate() {
         match *c {
             RemoteCommand::Write { id, len, .. } if len >= threshold => {
@@ -98,9 +106,10 @@ pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<Strea
                     .iter()
                     .rposition(|p| matches!(*p, RemoteCommand::Alloc { id: a, .. } if a == id));
                 if let Some(a) = alloc {
-                    if !commands[a + 1..i].iter().any(|p| uses(p, id)) && !hoisted[a] {
-                        streamed_write[i] = true;
-                        hoisted[a] = true;
+                    if !commands[a + 1..i].iter().any(|p| uses(p, id)) && route[a] == Route::Message
+                    {
+                        route[i] = Route::Streamed;
+                        route[a] = Route::Hoisted;
                     }
                 }
             }
@@ -112,58 +121,55 @@ pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<Strea
                         .iter()
                         .any(|p| uses(p, id) && !matches!(p, RemoteCommand::Free { .. })) =>
             {
-                streamed_read[i] = true;
+                route[i] = Route::Streamed;
+                for (j, p) in commands.iter().enumerate().skip(i + 1) {
+                    if uses(p, id) {
+                        route[j] = Route::FreeAfter;
+                    }
+                }
             }
             _ => {}
         }
     }
-    if !streamed_write.iter().chain(&streamed_read).any(|s| *s) {
+    if !route.contains(&Route::Streamed) {
         return None;
     }
     let mut p = StreamPlan::default();
-    let (mut at, mut slot) = (0usize, 0usize);
-    for (i, c) in commands.iter().enumerate() {
-        match *c {
-            RemoteCommand::Free { id, .. }
-                if commands[..i].iter().enumerate().any(|(j, r)| {
-                    streamed_read[j] && matches!(*r, RemoteCommand::Read { id: x, .. } if x == id)
-                }) =>
-            {
-                p.frees_after.push(id);
-                continue;
-            }
-            RemoteCommand::Write { id, offset, .. } => {
-                let write = at;
-                at += 1;
-                if streamed_write[i] {
+    let (mut write, mut slot) = (0usize, 0usize);
+    for (c, &r) in commands.iter().zip(&route) {
+        match (c, r) {
+            (&RemoteCommand::Free { id, .. }, Route::FreeAfter) => p.frees_after.push(id),
+            (RemoteCommand::Alloc { .. }, Route::Hoisted) => p.allocs.push(c.clone()),
+            (&RemoteCommand::Write { id, offset, .. }, _) => {
+                if r == Route::Streamed {
                     p.writes.push(StreamedWrite { id, offset, write });
-                    continue;
+                } else {
+                    p.data.push(write);
+                    p.commands.push(c.clone());
                 }
-                p.data.push(write);
+                write += 1;
             }
-            RemoteCommand::Read {
-                id, offset, len, ..
-            } => {
-                let s = slot;
-                slot += 1;
-                if streamed_read[i] {
+            (
+                &RemoteCommand::Read {
+                    id, offset, len, ..
+                },
+                _,
+            ) => {
+                if r == Route::Streamed {
                     p.reads.push(StreamedRead {
                         id,
                         offset,
                         len,
-                        slot: s,
+                        slot,
                     });
-                    continue;
+                } else {
+                    p.slots.push(slot);
+                    p.commands.push(c.clone());
                 }
-                p.slots.push(s);
+                slot += 1;
             }
-            _ if hoisted[i] => {
-                p.allocs.push(c.clone());
-                continue;
-            }
-            _ => {}
+            _ => p.commands.push(c.clone()),
         }
-        p.commands.push(c.clone());
     }
     Some(p)
 }
