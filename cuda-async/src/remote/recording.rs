@@ -250,27 +250,22 @@ impl Recording {
     /// session that sends them in one message: without copying when every
     /// write was copied in; the payloads are empty afterwards.
     pub fn take_data(&mut self) -> Vec<u8> {
-        let payloads = std::mem::take(&mut self.payloads);
-        let data = std::mem::take(&mut self.data);
-        if payloads.iter().all(|p| matches!(p, Payload::Copied(_))) {
-            return data;
-        }
-        let mut out = Vec::with_capacity(
-            payloads
-                .iter()
-                .map(|p| match p {
-                    Payload::Copied(r) => r.len(),
-                    Payload::Kept(b) => (**b).as_ref().len(),
-                })
-                .sum(),
-        );
-        for p in &payloads {
-            match p {
-                Payload::Copied(r) => out.extend_from_slice(&data[r.clone()]),
-                Payload::Kept(b) => out.extend_from_slice((**b).as_ref()),
+        let data = if self
+            .payloads
+            .iter()
+            .all(|p| matches!(p, Payload::Copied(_)))
+        {
+            std::mem::take(&mut self.data)
+        } else {
+            let mut out = Vec::with_capacity(self.payloads().map(<[u8]>::len).sum());
+            for bytes in self.payloads() {
+                out.extend_from_slice(bytes);
             }
-        }
-        out
+            out
+        };
+        self.payloads.clear();
+        self.data = Vec::new();
+        data
     }
 
     /// The read slots, in command order.

@@ -96,6 +96,13 @@ pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<Strea
         FreeAfter,
     }
     let threshold = threshold.max(1) as u64;
+    // The common case, on every submission's path: nothing large.
+    if !commands.iter().any(|c| {
+        matches!(*c, RemoteCommand::Write { len, .. } | RemoteCommand::Read { len, .. }
+            if len >= threshold)
+    }) {
+        return None;
+    }
     let mut route = vec![Route::Message; commands.len()];
     for (i, c) in commands.iter().enumerate() {
         match *c {
