@@ -40,6 +40,17 @@ async fn on(node: &Node, min: usize, stripes: usize) -> (Lease, RemotePolicy) {
     (lease, policy)
 }
 
+/// `bytes` through `h2d` then `d2h` in one submission, and back.
+async fn round_trip(bytes: &[u8], remote: &RemotePolicy) -> Vec<u8> {
+    let back = h2d(bytes.to_vec())
+        .then(d2h)
+        .schedule(remote)
+        .unwrap()
+        .await
+        .unwrap();
+    back.to_vec().unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uploads_and_downloads_on_the_data_path_are_byte_exact() {
     let fx = Fixture::memory(1 << 30).start().await;
@@ -51,14 +62,8 @@ async fn uploads_and_downloads_on_the_data_path_are_byte_exact() {
         {
             let bytes = random_bytes(n, 7 + i as u64);
             // h2d then d2h in one submission: both transfers stream.
-            let back = h2d(bytes.clone())
-                .then(d2h)
-                .schedule(&remote)
-                .unwrap()
-                .await
-                .unwrap();
             assert!(
-                back.to_vec().unwrap() == bytes,
+                round_trip(&bytes, &remote).await == bytes,
                 "{n} bytes, {stripes} stripe(s)"
             );
             // And in submissions of their own, with a device copy between.
@@ -81,16 +86,8 @@ async fn a_large_upload_leaves_the_message_and_a_small_one_does_not() {
     let module_free = lease.query().await.unwrap().allocated;
     // Small: one BATCH (allocation, write, read, free), as always.
     let small = random_bytes(1000, 1);
-    let (back, sent) = sent_by(&fx.node, async {
-        h2d(small.clone())
-            .then(d2h)
-            .schedule(&remote)
-            .unwrap()
-            .await
-            .unwrap()
-    })
-    .await;
-    assert_eq!(back.to_vec().unwrap(), small);
+    let (back, sent) = sent_by(&fx.node, round_trip(&small, &remote)).await;
+    assert_eq!(back, small);
     assert_eq!(sent, (1, 4));
     // Large upload alone: its allocation is the only command; the bytes
     // go as MEM_WRITEs.
@@ -224,12 +221,6 @@ async fn a_failed_streamed_submission_leaves_the_lease_working() {
         "{e}"
     );
     let bytes = random_bytes(2 << 20, 5);
-    let back = h2d(bytes.clone())
-        .then(d2h)
-        .schedule(&remote)
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(back.to_vec().unwrap() == bytes);
+    assert!(round_trip(&bytes, &remote).await == bytes);
     fx.shutdown().await;
 }

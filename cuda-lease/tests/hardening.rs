@@ -409,6 +409,19 @@ async fn client_strings_cannot_forge_log_lines() {
     assert!(!text.contains('\x1b'), "a raw escape reached the log");
 }
 
+/// A BATCH header on a new stream of `conn` declaring 128 MiB of data
+/// (more than the tests' byte budget), then 16 bytes of body; the reply.
+async fn declare_128_mib(conn: &quinn::Connection, id: u64) -> proto::Frame {
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let h = Header::request(Opcode::Batch, id, 16, 128 << 20);
+    proto::write_frame(&mut send, &h, &[0u8; 16], &[])
+        .await
+        .unwrap();
+    proto::read_frame(&mut recv, &proto::Limits::default())
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn requests_and_bytes_in_flight_are_limited_per_principal() {
     let _one = ONE_AT_A_TIME.lock().await;
@@ -421,14 +434,7 @@ async fn requests_and_bytes_in_flight_are_limited_per_principal() {
     // A request declaring more than the principal's byte budget is refused
     // on its header.
     let peak = PeakRss::start();
-    let (mut send, mut recv) = conn.open_bi().await.unwrap();
-    let h = Header::request(Opcode::Batch, 1, 16, 128 << 20);
-    proto::write_frame(&mut send, &h, &[0u8; 16], &[])
-        .await
-        .unwrap();
-    let f = proto::read_frame(&mut recv, &proto::Limits::default())
-        .await
-        .unwrap();
+    let f = declare_128_mib(&conn, 1).await;
     assert_eq!(f.header.status, Status::CapacityExceeded);
     // Stalled requests (a header declaring 1 MiB, then nothing) hold the
     // principal's turns: of 80, the 16 past its 64 turns are refused at
@@ -461,14 +467,7 @@ async fn requests_and_bytes_in_flight_are_limited_per_principal() {
     // ...and the node holds the other 64: asked by a request over the
     // whole byte budget (refused on its header, taking no turn), it counts
     // the principal's requests in flight.
-    let (mut send, mut recv) = conn.open_bi().await.unwrap();
-    let h = Header::request(Opcode::Batch, 999, 16, 128 << 20);
-    proto::write_frame(&mut send, &h, &[0u8; 16], &[])
-        .await
-        .unwrap();
-    let f = proto::read_frame(&mut recv, &proto::Limits::default())
-        .await
-        .unwrap();
+    let f = declare_128_mib(&conn, 999).await;
     assert_eq!(f.header.status, Status::CapacityExceeded);
     let why = proto::from_body::<proto::ErrorBody>(&f.body)
         .unwrap()
