@@ -92,6 +92,11 @@ pub struct Metrics {
     pub batch_commands: Counter,
     /// CUDA C modules compiled by workers (each kept node-wide as PTX).
     pub modules_compiled: Counter,
+    /// Connections of the bulk-data channel opened with a ticket.
+    pub bulk_connections: Counter,
+    /// Data bytes of the MEM_WRITE and MEM_READ requests served over the
+    /// bulk-data channel (counted when each is taken up).
+    pub bulk_bytes: Counter,
     vram_allocated: GaugeU64,
     lease_active: GaugeU64,
     registry: Registry,
@@ -115,6 +120,8 @@ impl Metrics {
             batch_total: Counter::default(),
             batch_commands: Counter::default(),
             modules_compiled: Counter::default(),
+            bulk_connections: Counter::default(),
+            bulk_bytes: Counter::default(),
             vram_allocated: GaugeU64::default(),
             lease_active: GaugeU64::default(),
             registry: Registry::default(),
@@ -154,6 +161,11 @@ impl Metrics {
                 "CUDA C modules compiled by NVRTC (kept node-wide as PTX).",
                 &self.modules_compiled,
             ),
+            (
+                "gpu_bulk_connections",
+                "Connections of the bulk-data channel (TLS over TCP) opened with a ticket.",
+                &self.bulk_connections,
+            ),
         ];
         for (name, help, c) in counters {
             r.register(name, help, c.0.clone());
@@ -163,6 +175,12 @@ impl Metrics {
             "Output bytes returned by GPU_SUBMIT.",
             Unit::Bytes,
             self.submit_output_bytes.0.clone(),
+        );
+        r.register_with_unit(
+            "gpu_bulk_data",
+            "Data of MEM_WRITE and MEM_READ requests served over the bulk-data channel.",
+            Unit::Bytes,
+            self.bulk_bytes.0.clone(),
         );
         r.register_with_unit(
             "gpu_vram_allocated",

@@ -206,6 +206,41 @@ pub(crate) fn client_config(
     Ok(cfg)
 }
 
+/// The bulk-data channel's TLS server configuration: TLS 1.3, its own
+/// ALPN, the node's identity, no client certificates (a ticket that came
+/// over the authenticated QUIC connection names the principal).
+#[cfg(feature = "node")]
+pub(crate) fn bulk_server_config(
+    identity: &Identity,
+) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(err)?
+        .with_no_client_auth()
+        .with_single_cert(identity.chain.clone(), identity.key.clone_key())
+        .map_err(err)?;
+    tls.alpn_protocols = vec![crate::proto::BULK_ALPN.to_vec()];
+    Ok(Arc::new(tls))
+}
+
+/// The bulk-data channel's TLS client configuration: trusts only `roots`,
+/// as the QUIC connection does.
+pub(crate) fn bulk_client_config(
+    roots: &[CertificateDer<'static>],
+) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+    let mut store = rustls::RootCertStore::empty();
+    for c in roots {
+        store.add(c.clone()).map_err(err)?;
+    }
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(err)?
+        .with_root_certificates(store)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![crate::proto::BULK_ALPN.to_vec()];
+    Ok(Arc::new(tls))
+}
+
 #[cfg(all(test, feature = "node"))]
 mod tests {
     use super::*;

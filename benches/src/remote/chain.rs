@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, HostBuffer, Kernel, Module, RemotePolicy, StreamPoolRoundRobin};
 use cuda_lease::baseline::RawQuinn;
-use cuda_lease::client::Lease;
+use cuda_lease::client::{Client, Lease};
 use cuda_lease::hops;
 use cuda_lease::remote::LeaseSession;
 
@@ -75,10 +75,13 @@ fn chain(axpy: &Kernel, x: Arc<Vec<f32>>) -> impl DeviceOp<Output = HostBuffer<f
 pub(super) struct ChainRows {
     times: ChainTimes,
     spins: Option<(Vec<Duration>, Vec<Duration>)>,
-    /// The bulk size and the times of awaited `h2d` and `d2h` of it.
+    /// The bulk size and the times of awaited `h2d` and `d2h` of it: with
+    /// the default client, and with the bulk-data channel off.
     bytes: u64,
     up: Vec<Duration>,
     down: Vec<Duration>,
+    up_quic: Vec<Duration>,
+    down_quic: Vec<Duration>,
     /// One awaited launch on kept buffers: remote, and local with a GPU.
     op_remote: Vec<Duration>,
     op_local: Option<Vec<Duration>>,
@@ -154,14 +157,14 @@ impl KeptLaunch {
 /// them, on a lease of the client with the default stripes and data path,
 /// `iters` of each after one not kept.
 async fn transfer_ops(
-    ctx: &Ctx,
+    client: &Arc<Client>,
     size: u64,
     iters: usize,
 ) -> Result<(Vec<Duration>, Vec<Duration>)> {
     let lease = Lease::builder()
         .min_vram(size + (64 << 20))
         .ttl(Duration::from_secs(120))
-        .on(ctx.striped.clone())
+        .on(client.clone())
         .await?;
     let policy = RemotePolicy::new(&LeaseSession::current(lease.session()));
     let remote = &policy;
@@ -570,6 +573,22 @@ pub(super) fn rows(group: &'static str, c: &ChainRows, raw: &Raw) -> Vec<Row> {
             .goal_from("issue 39"),
         );
     }
+    // The two data paths against each other.
+    for (op, quic, bulk) in [("h2d", &c.up_quic, &c.up), ("d2h", &c.down_quic, &c.down)] {
+        rows.push(
+            Row::new(
+                group,
+                format!(
+                    "`{op}` {size} awaited on a lease: bulk-data channel (TLS over TCP) vs \
+                     QUIC, both striped"
+                ),
+                Unit::GiBps,
+            )
+            .raw(rates(c.bytes, quic))
+            .lib(rates(c.bytes, bulk))
+            .note("both sides cuda-lease: the default client in the cuda-async column, the same with `bulk(false)` in the raw column"),
+        );
+    }
     if let Some((one, two)) = &c.spins {
         rows.push(
             Row::new(
@@ -598,7 +617,8 @@ pub(super) async fn chain_bench(ctx: &Ctx) -> Result<ChainRows> {
         remote,
         times,
     } = ChainSetup::new(ctx, 2 * bytes + (64 << 20), iters.min(CHAIN_ITERS)).await?;
-    let (up, down) = transfer_ops(ctx, bytes, 3).await?;
+    let (up, down) = transfer_ops(&ctx.striped, bytes, 3).await?;
+    let (up_quic, down_quic) = transfer_ops(&ctx.quic_striped, bytes, 3).await?;
     let op_remote = time_one_op(&remote, &axpy, iters).await?;
     let spins = if memory {
         None
@@ -617,6 +637,8 @@ pub(super) async fn chain_bench(ctx: &Ctx) -> Result<ChainRows> {
         bytes,
         up,
         down,
+        up_quic,
+        down_quic,
         op_remote,
         op_local,
     })

@@ -170,10 +170,15 @@ impl RemoteConfig {
 #[derive(Debug)]
 struct Ctx {
     cfg: RemoteConfig,
-    /// One connection: the BATCH, unstriped and chain rows.
+    /// One QUIC connection, no bulk-data channel: the BATCH, unstriped
+    /// and chain rows.
     client: Arc<Client>,
-    /// The default stripes: the striped rows.
+    /// The default client (striped, the bulk-data channel on): what a user
+    /// gets, the `h2d` / `d2h` rows.
     striped: Arc<Client>,
+    /// Striped over QUIC alone (the bulk-data channel off): the striped
+    /// MEM rows, and the `h2d` / `d2h` comparison of the two paths.
+    quic_striped: Arc<Client>,
     /// How many stripes `striped` uses.
     stripes: usize,
 }
@@ -216,9 +221,11 @@ impl Bench {
                 .token("bench")
                 .transport(cfg.transport.1.clone())
                 .stripes(cfg.stripes, cuda_lease::client::DEFAULT_STRIPE_MIN_BYTES);
-            let single = config.clone().stripes(1, 0);
+            let single = config.clone().stripes(1, 0).bulk(false);
             let client = Arc::new(Client::connect(node.addr(), &single).await?);
             let striped = Arc::new(Client::connect(node.addr(), &config).await?);
+            let quic_striped =
+                Arc::new(Client::connect(node.addr(), &config.clone().bulk(false)).await?);
             let inv = client.inventory().await?;
             let dev = inv.devices.first().ok_or("the node reports no device")?;
             detail(format_args!(
@@ -229,6 +236,7 @@ impl Bench {
                 cfg,
                 client,
                 striped,
+                quic_striped,
                 stripes: config.stripes,
             };
             Ok::<_, crate::BenchError>((node, ctx, dev.name.clone()))

@@ -126,7 +126,7 @@ pub(super) async fn striped_rates(ctx: &Ctx) -> Result<(Vec<Duration>, Vec<Durat
     let lease = Lease::builder()
         .min_vram(ctx.cfg.bytes + (16 << 20))
         .ttl(Duration::from_secs(120))
-        .on(Arc::<Client>::clone(&ctx.striped))
+        .on(Arc::<Client>::clone(&ctx.quic_striped))
         .await?;
     let label = format!(" striped over {}", ctx.stripes);
     let rates = transfer_rates(&lease.session(), &label, ctx).await?;

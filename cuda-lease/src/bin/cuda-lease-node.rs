@@ -21,6 +21,11 @@ struct Args {
     /// Prometheus metrics HTTP address (omit for none).
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
+    /// The bulk-data channel (large transfers over TLS on TCP): `same` for
+    /// TCP on the QUIC address and port, an address, or `off` (transfers
+    /// stay on QUIC).
+    #[arg(long, default_value = "same")]
+    bulk_listen: cuda_lease::node::BulkListen,
     /// Development mode: generate a self-signed certificate and write it to `--dev-cert-out`.
     #[arg(long)]
     dev: bool,
@@ -140,6 +145,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut cfg = NodeConfig::new(worker);
     cfg.listen = args.listen;
     cfg.metrics_listen = args.metrics_listen;
+    cfg.bulk = args.bulk_listen;
     cfg.name = args.name;
     cfg.allow_anonymous = args.allow_anonymous;
     cfg.client_ca = args.client_ca;
@@ -194,7 +200,13 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         .build()?;
     rt.block_on(async move {
         let node = Node::start(cfg).await?;
-        eprintln!("cuda-lease-node listening on {}", node.addr());
+        match node.bulk_addr() {
+            Some(b) => eprintln!(
+                "cuda-lease-node listening on {} (QUIC), bulk data on {b} (TCP)",
+                node.addr()
+            ),
+            None => eprintln!("cuda-lease-node listening on {}", node.addr()),
+        }
         wait_for_signal().await;
         tracing::info!("shutting down");
         node.shutdown().await;

@@ -43,6 +43,11 @@ pub struct ClientConfig {
     /// How the client's QUIC endpoint uses the network (MTU, segmentation
     /// offload, socket buffers, windows); default: quinn's defaults.
     pub transport: TransportSettings,
+    /// Moves MEM_WRITE and MEM_READ of at least
+    /// [`ClientConfig::data_path_min_bytes`] over the node's bulk-data
+    /// channel (TLS over TCP) when the node has one; default on. See
+    /// [`ClientConfig::bulk`].
+    pub bulk: bool,
 }
 
 /// Default [`ClientConfig::stripes`]: on an H100 host (16 cores, loopback)
@@ -78,6 +83,7 @@ impl ClientConfig {
             data_path_min_bytes: DEFAULT_DATA_PATH_MIN_BYTES,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             transport: TransportSettings::default(),
+            bulk: true,
         }
     }
 
@@ -111,6 +117,32 @@ impl ClientConfig {
     /// ```
     pub fn transport(mut self, settings: TransportSettings) -> Self {
         self.transport = settings;
+        self
+    }
+
+    /// Turns the bulk-data channel on or off. On (the default), large
+    /// MEM_WRITE and MEM_READ (every transfer of a submission's data path,
+    /// and [`Session::write`](crate::client::Session::write) /
+    /// [`Session::read`](crate::client::Session::read) of at least
+    /// [`ClientConfig::data_path_min_bytes`]) go over TLS on TCP to the
+    /// node's bulk port, striped over [`ClientConfig::stripes`]
+    /// connections, while every other message stays on QUIC: on an H100
+    /// host, TCP on loopback moves several times what QUIC does. The
+    /// connections are opened on first use with single-use tickets the
+    /// node gives over the authenticated QUIC connection, and kept for
+    /// later transfers. A node without the channel (or a client with it
+    /// off) moves everything over QUIC. A firewall must let TCP through to
+    /// the node's bulk port (by default the QUIC port's number).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn demo(cfg: cuda_lease::ClientConfig) {
+    /// let cfg = cfg.bulk(false); // everything over QUIC
+    /// # }
+    /// ```
+    pub fn bulk(mut self, on: bool) -> Self {
+        self.bulk = on;
         self
     }
 

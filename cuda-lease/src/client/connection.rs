@@ -28,6 +28,9 @@ pub struct Client {
     pub(super) config: ClientConfig,
     /// The extra connections of striped transfers, opened on first use.
     pub(super) stripe_conns: tokio::sync::OnceCell<Vec<quinn::Connection>>,
+    /// The node's bulk-data channel, asked for on the first large
+    /// transfer (`None`: off, or the node has none).
+    pub(super) bulk: tokio::sync::OnceCell<Option<super::bulk::BulkChannel>>,
     /// Modules this node was sent (or had) in a batch that it accepted:
     /// later batches name them by hash alone.
     known_modules: std::sync::Mutex<std::collections::HashSet<ModuleHash>>,
@@ -96,6 +99,7 @@ impl Client {
             addr,
             config: config.clone(),
             stripe_conns: tokio::sync::OnceCell::new(),
+            bulk: tokio::sync::OnceCell::new(),
             known_modules: std::sync::Mutex::default(),
         };
         let ok = client.hello(&client.conn).await;

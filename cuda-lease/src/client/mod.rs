@@ -10,6 +10,7 @@
 // DeviceBuffer, single requests), `module` (Module), `recorder` (Recorder,
 // ReadSlot, Submitted), `message` (a numbered BATCH on the wire).
 
+mod bulk;
 mod config;
 mod connection;
 mod error;

@@ -137,6 +137,24 @@ impl Session {
             .await
     }
 
+    /// [`Session::write_id`] of bytes the stripes share (so each stripe
+    /// of a bulk-data transfer runs on its own task).
+    #[cfg(feature = "backend")]
+    pub(crate) async fn write_id_shared(
+        &self,
+        buf: Id,
+        offset: u64,
+        bytes: super::bulk::SharedBytes,
+    ) -> Result<(), Error> {
+        self.inner
+            .guard(
+                self.inner
+                    .client
+                    .write_shared(self.inner.id, buf, offset, bytes),
+            )
+            .await
+    }
+
     /// Reads `len` bytes of `buf` at `offset` (streamed, striped when large).
     ///
     /// # Errors

@@ -5,6 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::bulk::SharedBytes;
 use super::connection::exchange;
 use super::error::{disconnected, protocol_error};
 use super::{Client, Error};
@@ -39,8 +40,19 @@ impl Client {
         Ok(std::iter::once(&self.conn).chain(extra).collect())
     }
 
+    /// How many stripes a transfer of `len` bytes takes.
+    fn stripe_count(&self, len: usize) -> usize {
+        let n = self.config.stripes.max(1);
+        if len < self.config.stripe_min_bytes.max(1) {
+            1
+        } else {
+            n
+        }
+    }
+
     /// Writes `bytes` to memory at `offset`, striped over the connections
-    /// of [`ClientConfig::stripes`](super::ClientConfig::stripes) when large enough.
+    /// of [`ClientConfig::stripes`](super::ClientConfig::stripes) when large enough
+    /// (bulk-data connections when the node has them).
     pub(super) async fn striped_write(
         &self,
         lease: LeaseId,
@@ -48,31 +60,79 @@ impl Client {
         offset: u64,
         bytes: &[u8],
     ) -> Result<(), Error> {
+        if let Some(bulk) = self.bulk_for(bytes.len()).await {
+            // One task polls every stripe (the bytes are borrowed), so the
+            // encryption runs on one thread: `write_shared` spreads it.
+            let parts = stripe_bounds(bytes.len(), self.stripe_count(bytes.len()));
+            let conns = bulk.take(self, parts.len()).await?;
+            let futs = conns.into_iter().zip(&parts).map(|(conn, r)| {
+                let pieces = requests(r.clone()).map(|r| {
+                    let body = write_body(lease, buf, offset, &r);
+                    (Opcode::MemWrite, body, &bytes[r], &mut [][..])
+                });
+                self.bulk_run(bulk, conn, pieces)
+            });
+            return first_error(join_all(futs.collect()).await);
+        }
         let conns = self.stripe_set(bytes.len()).await?;
         let parts = stripe_bounds(bytes.len(), conns.len());
         let futs = conns.iter().zip(&parts).map(|(conn, r)| async move {
             // A stripe larger than a request may be goes as several, in turn.
             for r in requests(r.clone()) {
-                let body = to_body(&MemWrite {
-                    lease,
-                    buf,
-                    offset: offset + r.start as u64,
-                });
+                let body = write_body(lease, buf, offset, &r);
                 self.request_on(conn, Opcode::MemWrite, &body, &bytes[r], None)
                     .await?;
             }
             Ok::<_, Error>(())
         });
-        for r in join_all(futs.collect()).await {
-            r?;
-        }
-        Ok(())
+        first_error(join_all(futs.collect()).await)
+    }
+
+    /// [`Client::striped_write`] of bytes the stripes share, so that over
+    /// the bulk-data channel each stripe runs (and encrypts) on its own
+    /// task.
+    #[cfg(feature = "backend")]
+    pub(crate) async fn write_shared(
+        self: &Arc<Self>,
+        lease: LeaseId,
+        buf: Id,
+        offset: u64,
+        bytes: SharedBytes,
+    ) -> Result<(), Error> {
+        let len = (*bytes).as_ref().len();
+        let Some(bulk) = self.bulk_for(len).await else {
+            return self
+                .striped_write(lease, buf, offset, (*bytes).as_ref())
+                .await;
+        };
+        let parts = stripe_bounds(len, self.stripe_count(len));
+        let conns = bulk.take(self, parts.len()).await?;
+        let tasks: Vec<_> = conns
+            .into_iter()
+            .zip(parts)
+            .map(|(conn, r)| {
+                let client = self.clone();
+                let bytes = bytes.clone();
+                tokio::spawn(async move {
+                    let Some(bulk) = client.bulk.get().and_then(Option::as_ref) else {
+                        return Err(protocol_error("the bulk-data channel went away"));
+                    };
+                    let data = (*bytes).as_ref();
+                    let pieces = requests(r).map(|r| {
+                        let body = write_body(lease, buf, offset, &r);
+                        (Opcode::MemWrite, body, &data[r], &mut [][..])
+                    });
+                    client.bulk_run(bulk, conn, pieces).await
+                })
+            })
+            .collect();
+        join_tasks(tasks).await
     }
 
     /// Reads `len` bytes of memory at `offset`, striped like
     /// [`Client::striped_write`], into one buffer.
     pub(super) async fn striped_read(
-        &self,
+        self: &Arc<Self>,
         lease: LeaseId,
         buf: Id,
         offset: u64,
@@ -86,7 +146,7 @@ impl Client {
     /// into `out` (no second buffer), striped like
     /// [`Client::striped_write`], and gives `out` back.
     pub(crate) async fn striped_read_to<B>(
-        &self,
+        self: &Arc<Self>,
         lease: LeaseId,
         buf: Id,
         offset: u64,
@@ -96,16 +156,12 @@ impl Client {
         B: AsMut<[u8]> + Send + 'static,
     {
         let len = out.as_mut().len();
+        if let Some(bulk) = self.bulk_for(len).await {
+            return self.bulk_read_to(bulk, lease, buf, offset, out).await;
+        }
         let conns = self.stripe_set(len).await?;
         let parts = stripe_bounds(len, conns.len());
-        let request = |r: &std::ops::Range<usize>| {
-            to_body(&MemRead {
-                lease,
-                buf,
-                offset: offset + r.start as u64,
-                len: r.len() as u32,
-            })
-        };
+        let request = |r: &std::ops::Range<usize>| read_body(lease, buf, offset, r);
         if parts.len() == 1 {
             for r in requests(0..len) {
                 let body = request(&r);
@@ -152,22 +208,113 @@ impl Client {
                 })
             })
             .collect();
-        let mut first_err = None;
-        for t in tasks {
-            let r = t
-                .await
-                .unwrap_or_else(|e| Err(disconnected(format!("stripe task: {e}"))));
-            if let Err(e) = r {
-                first_err.get_or_insert(e);
-            }
-        }
-        if let Some(e) = first_err {
-            return Err(e);
-        }
+        join_tasks(tasks).await?;
         Arc::try_unwrap(out)
             .map(StripeBuffer::into_inner)
             .map_err(|_| protocol_error("a stripe task outlived its transfer"))
     }
+
+    /// [`Client::striped_read_to`] over the bulk-data channel: one task per
+    /// stripe (one connection each), all into `out`.
+    async fn bulk_read_to<B>(
+        self: &Arc<Self>,
+        bulk: &super::bulk::BulkChannel,
+        lease: LeaseId,
+        buf: Id,
+        offset: u64,
+        mut out: B,
+    ) -> Result<B, Error>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        let len = out.as_mut().len();
+        let parts = stripe_bounds(len, self.stripe_count(len));
+        let conns = bulk.take(self, parts.len()).await?;
+        if parts.len() == 1 {
+            let conn = conns.into_iter().next().expect("one connection taken");
+            let whole = out.as_mut();
+            let pieces: Vec<_> = requests(0..len).collect();
+            let mut rest = &mut whole[..];
+            let mut reqs = Vec::with_capacity(pieces.len());
+            for r in pieces {
+                let (piece, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
+                rest = tail;
+                reqs.push((
+                    Opcode::MemRead,
+                    read_body(lease, buf, offset, &r),
+                    &[][..],
+                    piece,
+                ));
+            }
+            self.bulk_run(bulk, conn, reqs).await?;
+            return Ok(out);
+        }
+        let out = Arc::new(StripeBuffer::over(out));
+        let tasks: Vec<_> = conns
+            .into_iter()
+            .zip(parts)
+            .map(|(conn, r)| {
+                let out = out.clone();
+                let client = self.clone();
+                tokio::spawn(async move {
+                    let Some(bulk) = client.bulk.get().and_then(Option::as_ref) else {
+                        return Err(protocol_error("the bulk-data channel went away"));
+                    };
+                    let pieces = requests(r).map(|r| {
+                        let body = read_body(lease, buf, offset, &r);
+                        // SAFETY: the stripes' ranges are disjoint (from
+                        // `stripe_bounds`), their requests' too, and this
+                        // task alone touches this range, one piece at a
+                        // time.
+                        let part = unsafe { out.range_mut(r) };
+                        (Opcode::MemRead, body, &[][..], part)
+                    });
+                    client.bulk_run(bulk, conn, pieces).await
+                })
+            })
+            .collect();
+        join_tasks(tasks).await?;
+        Arc::try_unwrap(out)
+            .map(StripeBuffer::into_inner)
+            .map_err(|_| protocol_error("a stripe task outlived its transfer"))
+    }
+}
+
+fn write_body(lease: LeaseId, buf: Id, offset: u64, r: &std::ops::Range<usize>) -> Vec<u8> {
+    to_body(&MemWrite {
+        lease,
+        buf,
+        offset: offset + r.start as u64,
+    })
+}
+
+fn read_body(lease: LeaseId, buf: Id, offset: u64, r: &std::ops::Range<usize>) -> Vec<u8> {
+    to_body(&MemRead {
+        lease,
+        buf,
+        offset: offset + r.start as u64,
+        len: r.len() as u32,
+    })
+}
+
+/// The first error of `results`, if any.
+fn first_error(results: Vec<Result<(), Error>>) -> Result<(), Error> {
+    results.into_iter().collect()
+}
+
+/// Waits for every stripe task (all of them, even after one failed, so none
+/// outlives the transfer) and returns the first error.
+async fn join_tasks(tasks: Vec<tokio::task::JoinHandle<Result<(), Error>>>) -> Result<(), Error> {
+    let mut first_err = None;
+    for t in tasks {
+        let r = t
+            .await
+            .unwrap_or_else(|e| Err(disconnected(format!("stripe task: {e}"))));
+        if let Err(e) = r {
+            first_err.get_or_insert(e);
+        }
+    }
+    first_err.map_or(Ok(()), Err)
 }
 
 /// One buffer that several stripe tasks fill, each in its own range.
@@ -247,7 +394,7 @@ fn stripe_bounds(len: usize, n: usize) -> Vec<std::ops::Range<usize>> {
 
 /// Polls every future on this task until all are done (no spawning, so
 /// they may borrow).
-async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
+pub(super) async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
     let mut futs: Vec<std::pin::Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
     let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
     std::future::poll_fn(|cx| {

@@ -133,8 +133,41 @@ pub struct NodeConfig {
     /// offload, socket buffers, windows); default: quinn's defaults. The
     /// windows bound what each connection may hold in the node.
     pub transport: TransportSettings,
+    /// Where the bulk-data channel listens: large MEM_WRITE / MEM_READ
+    /// over TLS on TCP, which moves several times what QUIC does on the
+    /// same host. Default [`BulkListen::SamePort`].
+    pub bulk: BulkListen,
+    /// Most bulk-data connections one principal may hold open.
+    pub max_bulk_connections_per_principal: usize,
     /// Monotonic clock for TTLs (inject a [`crate::clock::ManualClock`] in tests).
     pub clock: Arc<dyn Clock>,
+}
+
+/// Where a node's bulk-data channel (TLS over TCP) listens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BulkListen {
+    /// No bulk-data channel: transfers stay on QUIC.
+    Off,
+    /// TCP on the QUIC listen address and port (for a node on port 0, the
+    /// port QUIC got, or another free one if TCP has that one taken).
+    SamePort,
+    /// TCP on this address.
+    At(SocketAddr),
+}
+
+impl std::str::FromStr for BulkListen {
+    type Err = String;
+
+    /// `off`, `same` (the QUIC port) or an address such as `0.0.0.0:4434`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" => Ok(BulkListen::Off),
+            "same" => Ok(BulkListen::SamePort),
+            a => a.parse().map(BulkListen::At).map_err(|e| {
+                format!("bulk listen address {a:?}: {e} (or `off`, or `same` for the QUIC port)")
+            }),
+        }
+    }
 }
 
 impl NodeConfig {
@@ -181,6 +214,8 @@ impl NodeConfig {
             prestart_workers: 1,
             limits: Limits::default(),
             transport: TransportSettings::default(),
+            bulk: BulkListen::SamePort,
+            max_bulk_connections_per_principal: 16,
             clock: Arc::new(MonotonicClock::new()),
         }
     }

@@ -65,6 +65,7 @@ pub(super) async fn dispatch_inner(
             lease_free(shared, &r.lease).await
         }
         Opcode::GetInventory => inventory(shared).await,
+        Opcode::BulkOpen => super::bulk::open(shared, &who, &f.body),
         Opcode::LeaseAlloc => lease_alloc(shared, &who, from_body(&f.body)?).await,
         Opcode::LeaseRenew => lease_renew(shared, &who, f),
         Opcode::LeaseQuery => {

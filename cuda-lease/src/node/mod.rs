@@ -24,6 +24,7 @@ use tracing::{info, warn};
 
 mod auth;
 mod batch;
+mod bulk;
 mod config;
 mod connection;
 mod dispatch;
@@ -33,7 +34,7 @@ mod stream;
 mod submit;
 
 use self::connection::accept_loop;
-pub use config::{NodeConfig, NodeError, TlsSource};
+pub use config::{BulkListen, NodeConfig, NodeError, TlsSource};
 pub use connection::PREAUTH_MAX_BODY;
 
 pub use handshake::REJECTED_LOG_INTERVAL;
@@ -219,6 +220,8 @@ struct Shared {
     modules: StdMutex<ModuleCache>,
     /// Connections waiting for HELLO and failed HELLOs.
     handshakes: Arc<Handshakes>,
+    /// The bulk-data channel's port and tickets.
+    bulk: bulk::Tickets,
     metrics: Metrics,
 }
 
@@ -236,6 +239,7 @@ impl Shared {
 /// [`Node::shutdown`] does the same and waits for the workers to exit.
 pub struct Node {
     addr: SocketAddr,
+    bulk_addr: Option<SocketAddr>,
     metrics_addr: Option<SocketAddr>,
     cert: CertificateDer<'static>,
     endpoint: quinn::Endpoint,
@@ -306,6 +310,8 @@ impl From<proto::ProtoError> for Reply {
 /// The node's TLS identity and QUIC server configuration; refuses a
 /// configuration without any credentials.
 fn tls_setup(cfg: &NodeConfig) -> Result<(Identity, quinn::ServerConfig), NodeError> {
+    // (The bulk-data channel's TLS configuration is made from the same
+    // identity in `Node::start`.)
     let identity = match &cfg.tls {
         TlsSource::SelfSigned { names, write_pem } => {
             let id = Identity::self_signed(names)?;
@@ -404,6 +410,7 @@ impl Shared {
                 max_unauthenticated_per_source: cfg.max_unauthenticated_per_source,
                 max_failed_hellos_per_source: cfg.max_failed_hellos_per_source,
             }),
+            bulk: bulk::Tickets::default(),
             metrics: Metrics::default(),
             cfg,
         }
@@ -453,12 +460,26 @@ impl Node {
             }
             None => None,
         };
+        let bulk_addr = match bulk::bind(&shared, addr).await? {
+            Some(listener) => {
+                let bulk_addr = listener.local_addr()?;
+                let acceptor = tokio_rustls::TlsAcceptor::from(tls::bulk_server_config(&identity)?);
+                tasks.push(tokio::spawn(bulk::accept_loop(
+                    shared.clone(),
+                    listener,
+                    acceptor,
+                )));
+                Some(bulk_addr)
+            }
+            None => None,
+        };
         tasks.push(tokio::spawn(reaper(shared.clone())));
         tasks.push(tokio::spawn(accept_loop(shared.clone(), endpoint.clone())));
         refill(shared.clone());
-        info!(%addr, ?metrics_addr, "node listening");
+        info!(%addr, ?bulk_addr, ?metrics_addr, "node listening");
         Ok(Node {
             addr,
+            bulk_addr,
             metrics_addr,
             cert: identity.leaf().clone(),
             endpoint,
@@ -492,6 +513,11 @@ impl Node {
     /// The QUIC address.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The bulk-data channel's TCP address, if it is on.
+    pub fn bulk_addr(&self) -> Option<SocketAddr> {
+        self.bulk_addr
     }
 
     /// The metrics HTTP address, if any.

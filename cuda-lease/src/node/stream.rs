@@ -8,6 +8,10 @@
 //! Each chunk is one short worker call under the lease's exec lock, so
 //! concurrent transfers on one lease (stripes over several connections)
 //! interleave chunk by chunk instead of waiting for each other.
+//!
+//! The same code serves a QUIC stream ([`serve`]) and a connection of the
+//! bulk-data channel ([`super::bulk`]): both are a [`DataIn`] and a
+//! [`DataOut`].
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,11 +19,14 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+
 use super::auth::{lease_of, principal};
 use super::batch::worker_lost;
 use super::handshake::Peer;
 use super::{fail_lease, IdKind, Reply, Shared, Slot as LeaseRef};
 use crate::hops::{self, Hop, HopTimer};
+use crate::lease_table::Principal;
 use crate::proto::{self, from_body, Header, Id, LeaseId, MemRead, MemWrite, Opcode, Status};
 use crate::shm::{ShmRing, Slot, SLOTS, SLOT_BYTES};
 use crate::worker::ChunkOp;
@@ -39,23 +46,11 @@ pub(super) async fn serve(
         t.mark("read");
         t.set_op(header.opcode, u64::from(header.data_len));
     }
-    let done = if header.opcode == Opcode::MemWrite {
-        let reply = match write(shared, peer, &header, &body, &mut recv).await {
-            Ok(r) | Err(r) => r,
-        };
-        hops::mark(&mut hop, "dispatch");
-        send_reply(&mut send, &header, &reply).await
-    } else {
-        // Nothing follows a MEM_READ request.
-        if header.data_len != 0 {
-            let reply = Reply::err(Status::BadRequest, "MemRead takes no data");
+    let done = match principal(peer) {
+        Ok(who) => serve_request(shared, who, &header, &body, &mut send, &mut recv, &mut hop).await,
+        Err(reply) => {
+            recv.refuse(u64::from(header.data_len)).await;
             send_reply(&mut send, &header, &reply).await
-        } else {
-            if let Some(t) = &mut hop {
-                let len = from_body::<MemRead>(&body).map(|m| m.len).unwrap_or(0);
-                t.set_op(header.opcode, u64::from(len));
-            }
-            read(shared, peer, &header, &body, &mut send).await
         }
     };
     if done {
@@ -71,8 +66,75 @@ pub(super) async fn serve(
     }
 }
 
+/// Serves one MEM_WRITE or MEM_READ of `who` whose header and body have
+/// been read (a MEM_WRITE's data follows on `recv`). Returns whether the
+/// reply went out whole.
+pub(super) async fn serve_request(
+    shared: &Arc<Shared>,
+    who: &Principal,
+    header: &Header,
+    body: &[u8],
+    send: &mut impl DataOut,
+    recv: &mut impl DataIn,
+    hop: &mut Option<HopTimer>,
+) -> bool {
+    if header.opcode == Opcode::MemWrite {
+        let reply = match write(shared, who, header, body, recv).await {
+            Ok(r) | Err(r) => r,
+        };
+        hops::mark(hop, "dispatch");
+        send_reply(send, header, &reply).await
+    } else if header.data_len != 0 {
+        // Nothing follows a MEM_READ request.
+        recv.refuse(u64::from(header.data_len)).await;
+        let reply = Reply::err(Status::BadRequest, "MemRead takes no data");
+        send_reply(send, header, &reply).await
+    } else {
+        if let Some(t) = hop {
+            let len = from_body::<MemRead>(body).map(|m| m.len).unwrap_or(0);
+            t.set_op(header.opcode, u64::from(len));
+        }
+        read(shared, who, header, body, send).await
+    }
+}
+
+/// Where a MEM_WRITE's data comes from.
+pub(super) trait DataIn: Send {
+    /// Fills `buf` whole.
+    fn read_exact(&mut self, buf: &mut [u8]) -> impl Future<Output = std::io::Result<()>> + Send;
+    /// Declines the `remaining` bytes of data not read (after a refusal or
+    /// a failure), so the reply can follow.
+    fn refuse(&mut self, remaining: u64) -> impl Future<Output = ()> + Send;
+}
+
+/// Where a reply (and a MEM_READ's data) goes.
+pub(super) trait DataOut: AsyncWrite + Unpin + Send {
+    /// Ends a reply whose header promised data that will not come: the
+    /// client sees the transfer cut off.
+    fn abort(&mut self);
+}
+
+impl DataIn for quinn::RecvStream {
+    async fn read_exact(&mut self, buf: &mut [u8]) -> std::io::Result<()> {
+        quinn::RecvStream::read_exact(self, buf)
+            .await
+            .map_err(std::io::Error::other)
+    }
+
+    async fn refuse(&mut self, _remaining: u64) {
+        // QUIC tells the peer to stop sending instead of reading the rest.
+        let _ = self.stop(0u32.into());
+    }
+}
+
+impl DataOut for quinn::SendStream {
+    fn abort(&mut self) {
+        let _ = self.reset(1u32.into());
+    }
+}
+
 /// Writes a whole reply frame; false if the stream broke.
-async fn send_reply(send: &mut quinn::SendStream, req: &Header, reply: &Reply) -> bool {
+async fn send_reply(send: &mut impl DataOut, req: &Header, reply: &Reply) -> bool {
     let h = Header::reply(
         req,
         reply.status,
@@ -88,13 +150,13 @@ async fn send_reply(send: &mut quinn::SendStream, req: &Header, reply: &Reply) -
 /// `offset + len` lies inside it.
 fn check(
     shared: &Shared,
-    peer: &Peer,
+    who: &Principal,
     lease: &LeaseId,
     buf: Id,
     offset: u64,
     len: u64,
 ) -> Result<LeaseRef, Reply> {
-    let slot = lease_of(shared, principal(peer)?, lease)?;
+    let slot = lease_of(shared, who, lease)?;
     let size = match slot.state().ids.get(&buf) {
         Some(IdKind::Buffer(size)) => *size,
         Some(IdKind::Event) => {
@@ -139,20 +201,20 @@ async fn chunk(
 
 async fn write(
     shared: &Arc<Shared>,
-    peer: &Peer,
+    who: &Principal,
     header: &Header,
     body: &[u8],
-    recv: &mut quinn::RecvStream,
+    recv: &mut impl DataIn,
 ) -> Result<Reply, Reply> {
     let len = u64::from(header.data_len);
     let checked = from_body::<MemWrite>(body)
         .map_err(Reply::from)
-        .and_then(|m| check(shared, peer, &m.lease, m.buf, m.offset, len).map(|s| (m, s)));
+        .and_then(|m| check(shared, who, &m.lease, m.buf, m.offset, len).map(|s| (m, s)));
     let (m, slot) = match checked {
         Ok(x) => x,
         Err(r) => {
             // Refuse the data instead of reading it.
-            let _ = recv.stop(0u32.into());
+            recv.refuse(len).await;
             return Err(r);
         }
     };
@@ -164,7 +226,7 @@ async fn write(
         let mut at = 0u64;
         while at < len {
             if failed.load(Ordering::Relaxed) {
-                let _ = recv.stop(0u32.into());
+                recv.refuse(len - at).await;
                 return Ok(());
             }
             let mut s = ring.acquire().await;
@@ -210,12 +272,12 @@ async fn write(
 /// Streams a MEM_READ; returns whether the reply went out whole.
 async fn read(
     shared: &Arc<Shared>,
-    peer: &Peer,
+    who: &Principal,
     header: &Header,
     body: &[u8],
-    send: &mut quinn::SendStream,
+    send: &mut impl DataOut,
 ) -> bool {
-    let (m, slot) = match check_read(shared, peer, body) {
+    let (m, slot) = match check_read(shared, who, body) {
         Ok(x) => x,
         Err(r) => return send_reply(send, header, &r).await,
     };
@@ -243,7 +305,7 @@ async fn read(
 
 /// A MEM_READ's body, decoded and checked (size limit, then lease, handle
 /// and range), with the lease it reads.
-fn check_read(shared: &Shared, peer: &Peer, body: &[u8]) -> Result<(MemRead, LeaseRef), Reply> {
+fn check_read(shared: &Shared, who: &Principal, body: &[u8]) -> Result<(MemRead, LeaseRef), Reply> {
     from_body::<MemRead>(body)
         .map_err(Reply::from)
         .and_then(|m| {
@@ -256,7 +318,7 @@ fn check_read(shared: &Shared, peer: &Peer, body: &[u8]) -> Result<(MemRead, Lea
                     ),
                 ));
             }
-            check(shared, peer, &m.lease, m.buf, m.offset, u64::from(m.len)).map(|s| (m, s))
+            check(shared, who, &m.lease, m.buf, m.offset, u64::from(m.len)).map(|s| (m, s))
         })
 }
 
@@ -288,7 +350,7 @@ async fn fill_chunk(
 /// out on QUIC. Returns whether the data went out whole.
 async fn send_chunks<F, Fut>(
     shared: &Shared,
-    send: &mut quinn::SendStream,
+    send: &mut impl DataOut,
     first: (Slot, u32),
     len: u64,
     fill: F,
@@ -326,7 +388,7 @@ where
             .await;
             if !matches!(wrote, Ok(Ok(()))) {
                 stop.store(true, Ordering::Relaxed);
-                let _ = send.reset(0u32.into());
+                send.abort();
                 return false;
             }
             hops::mark(&mut hop, "quic");
@@ -340,7 +402,7 @@ where
             // The header promised the data: end the stream with an error
             // the client sees as a reset.
             tracing::debug!(status = ?r.status, "MEM_READ failed mid-stream");
-            let _ = send.reset(1u32.into());
+            send.abort();
             false
         }
     }

@@ -9,7 +9,8 @@
 
 use super::{Batch, Command, Id, KernelArg, LaunchSpec, ModuleHash, Op, ProtoError};
 use super::{
-    BatchReply, DeviceInfo, ErrorBody, GpuSubmit, Hello, HelloOk, IdOp, Inventory, LeaseAlloc,
+    BatchReply, BulkOpen, BulkTickets, DeviceInfo, ErrorBody, GpuSubmit, Hello, HelloOk, IdOp,
+    Inventory, LeaseAlloc,
 };
 use super::{LeaseGrant, LeaseId, LeaseRef, LeaseRenew, LeaseStatus, MemAlloc, MemRead, MemWrite};
 use super::{ModuleUse, MAX_BATCH_OPS, MAX_KERNEL_ARGS, MAX_SCALAR_ARG};
@@ -67,6 +68,8 @@ pub(crate) use postcard_codec;
 postcard_codec!(
     (),
     BatchReply,
+    BulkOpen,
+    BulkTickets,
     DeviceInfo,
     ErrorBody,
     Hello,

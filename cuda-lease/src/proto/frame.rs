@@ -28,6 +28,9 @@ pub const FLAG_REPLY: u16 = 1;
 /// error from the header's version byte.
 pub const ALPN: &[u8] = b"cuda-lease/1";
 
+/// ALPN of the bulk-data channel (TLS over TCP).
+pub const BULK_ALPN: &[u8] = b"cuda-lease-bulk/1";
+
 /// The QUIC application close code a node closes its connections with when
 /// it shuts down (or is dropped): a client reports the connection lost as
 /// [`Disconnect::NodeShutdown`](cuda_core::Disconnect::NodeShutdown).
@@ -67,6 +70,9 @@ pub enum Opcode {
     LeaseFree = 5,
     /// Describe a lease ([`LeaseRef`] -> [`LeaseStatus`]).
     LeaseQuery = 6,
+    /// Tickets for connections of the bulk-data channel, TLS over TCP
+    /// ([`BulkOpen`] -> [`BulkTickets`]).
+    BulkOpen = 7,
     /// Allocate device memory under a client-named id ([`MemAlloc`]).
     MemAlloc = 16,
     /// Copy data bytes into device memory, streamed ([`MemWrite`]).
@@ -84,13 +90,14 @@ pub enum Opcode {
 
 impl Opcode {
     /// Every opcode, for tests and tables.
-    pub const ALL: [Opcode; 12] = [
+    pub const ALL: [Opcode; 13] = [
         Opcode::Hello,
         Opcode::GetInventory,
         Opcode::LeaseAlloc,
         Opcode::LeaseRenew,
         Opcode::LeaseFree,
         Opcode::LeaseQuery,
+        Opcode::BulkOpen,
         Opcode::MemAlloc,
         Opcode::MemWrite,
         Opcode::MemRead,

@@ -177,6 +177,30 @@ pub struct HelloOk {
     pub node: String,
 }
 
+/// Bytes of a bulk-data ticket.
+pub const BULK_TICKET_LEN: usize = 32;
+/// Most tickets one BULK_OPEN asks for.
+pub const MAX_BULK_TICKETS: u8 = 16;
+
+/// BULK_OPEN request: tickets for `count` connections of the bulk-data
+/// channel (at most [`MAX_BULK_TICKETS`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BulkOpen {
+    /// Connections the client will open.
+    pub count: u8,
+}
+
+/// BULK_OPEN reply: where the channel listens (TCP, on the node's
+/// address) and one single-use ticket per connection. A ticket opens a
+/// connection as the principal that asked for it, within a short time.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BulkTickets {
+    /// The channel's TCP port.
+    pub port: u16,
+    /// One ticket per connection, sent first on it (after TLS).
+    pub tickets: Vec<[u8; BULK_TICKET_LEN]>,
+}
+
 /// One device as reported by GET_INVENTORY.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceInfo {

@@ -39,14 +39,14 @@ pub(crate) use codec::{encode_batch_head, encode_commands, postcard_decode, post
 pub use frame::{
     from_body, proto_error, read_frame, read_frame_blocking, read_head, read_header,
     read_header_blocking, read_rest_blocking, to_body, write_frame, write_frame_blocking,
-    write_frame_parts, Frame, Header, Limits, Opcode, ProtoError, Status, ALPN,
+    write_frame_parts, Frame, Header, Limits, Opcode, ProtoError, Status, ALPN, BULK_ALPN,
     CLOSE_NODE_SHUTDOWN, FLAG_REPLY, HEADER_LEN, MAGIC, SMALL_FRAME, VERSION,
 };
 pub use messages::{
-    BatchReply, DeviceInfo, ErrorBody, GpuSubmit, Hello, HelloOk, Id, IdOp, Inventory, KernelArg,
-    LaunchSpec, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, LeaseState, LeaseStatus,
-    MemAlloc, MemRead, MemWrite, ModuleHash, OpError, SourceKind, StreamId, MAX_MODULE_OPTIONS,
-    MAX_OPTION_LEN,
+    BatchReply, BulkOpen, BulkTickets, DeviceInfo, ErrorBody, GpuSubmit, Hello, HelloOk, Id, IdOp,
+    Inventory, KernelArg, LaunchSpec, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew,
+    LeaseState, LeaseStatus, MemAlloc, MemRead, MemWrite, ModuleHash, OpError, SourceKind,
+    StreamId, BULK_TICKET_LEN, MAX_BULK_TICKETS, MAX_MODULE_OPTIONS, MAX_OPTION_LEN,
 };
 
 /// Most kernel arguments a launch may carry.

@@ -18,6 +18,7 @@
 //! message, as do transfers below the threshold.
 
 use std::future::Future;
+use std::sync::Arc;
 
 use cuda_async::remote::{Recording, RemoteCommand};
 
@@ -238,6 +239,7 @@ impl LeaseSession {
         };
         let allocs = (!plan.allocs.is_empty())
             .then(|| self.send(&plan.allocs, false, Vec::new(), Vec::<Vec<u8>>::new()));
+        let recording = Arc::new(recording);
         self.runtime.spawn(async move {
             let r = this.run_streamed(allocs, &recording, &plan).await;
             // Whatever happened: the id book sends only frees of ids that
@@ -256,15 +258,19 @@ impl LeaseSession {
         allocs: Option<
             impl Future<Output = Result<(Submitted, Vec<Vec<u8>>), Error>> + Send + 'static,
         >,
-        recording: &Recording,
+        recording: &Arc<Recording>,
         plan: &StreamPlan,
     ) -> Result<(), Error> {
         if let Some(allocs) = allocs {
             allocs.await?.0.ok()?;
         }
         for w in &plan.writes {
+            let payload = PayloadOf {
+                recording: recording.clone(),
+                write: w.write,
+            };
             self.session
-                .write_id(Id(w.id), w.offset, recording.payload(w.write))
+                .write_id_shared(Id(w.id), w.offset, Arc::new(payload))
                 .await?;
         }
         let slots = recording.reads();
@@ -295,6 +301,18 @@ impl LeaseSession {
                 .map_err(|e| protocol_error(e.to_string()))?;
         }
         Ok(())
+    }
+}
+
+/// One write's payload, shared with the stripes that send it.
+struct PayloadOf {
+    recording: Arc<Recording>,
+    write: usize,
+}
+
+impl AsRef<[u8]> for PayloadOf {
+    fn as_ref(&self) -> &[u8] {
+        self.recording.payload(self.write)
     }
 }
 

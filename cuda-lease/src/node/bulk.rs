@@ -1,0 +1,379 @@
+//! The bulk-data channel: MEM_WRITE and MEM_READ over TLS on TCP.
+//!
+//! QUIC keeps every control message; large transfers go here because TCP
+//! on the same host moves several times what a QUIC connection does (the
+//! kernel does segmentation, acknowledgement and pacing that quinn does in
+//! user space). A client asks for tickets with BULK_OPEN on its
+//! authenticated QUIC connection; each ticket opens one TLS connection as
+//! that principal, once, within [`TICKET_TTL`]. The connection then carries
+//! MEM_WRITE / MEM_READ frames one after another, served by the same code
+//! as on QUIC ([`super::stream`]), under the same checks and budgets.
+//!
+//! Bounds: connections without a redeemed ticket are counted with those
+//! waiting for HELLO (`max_unauthenticated`) and closed after
+//! `hello_timeout`; each principal holds at most
+//! `max_bulk_connections_per_principal` connections and twice that many
+//! unused tickets; an idle connection closes after [`IDLE_TIMEOUT`].
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex as StdMutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::TlsAcceptor;
+use tracing::{debug, warn};
+
+use super::handshake::Source;
+use super::stream::{serve_request, DataIn, DataOut};
+use super::submit::BudgetTurn;
+use super::{Reply, Shared};
+use crate::hops::{Hop, HopTimer};
+use crate::lease_table::Principal;
+use crate::metrics::Metrics;
+use crate::proto::{self, BulkOpen, BulkTickets, Header, Opcode, Status, BULK_TICKET_LEN};
+
+/// How long a ticket opens a connection.
+pub(super) const TICKET_TTL: Duration = Duration::from_secs(30);
+/// How long a bulk connection may sit between requests.
+pub(super) const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+
+type Ticket = [u8; BULK_TICKET_LEN];
+
+/// The channel's port and its tickets.
+#[derive(Debug, Default)]
+pub(super) struct Tickets {
+    /// The TCP port (0: the channel is off).
+    port: std::sync::atomic::AtomicU16,
+    state: StdMutex<TicketState>,
+}
+
+#[derive(Debug, Default)]
+struct TicketState {
+    /// Unused tickets: whose, and until when.
+    unused: HashMap<Ticket, (Principal, Duration)>,
+    /// Open connections per principal.
+    open: HashMap<Principal, usize>,
+}
+
+impl Tickets {
+    fn state(&self) -> std::sync::MutexGuard<'_, TicketState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn port(&self) -> u16 {
+        self.port.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// BULK_OPEN: `count` tickets for `who`.
+pub(super) fn open(shared: &Shared, who: &Principal, body: &[u8]) -> Result<Reply, Reply> {
+    let m: BulkOpen = proto::from_body(body)?;
+    let port = shared.bulk.port();
+    if port == 0 {
+        return Err(Reply::err(
+            Status::NotFound,
+            "this node has no bulk-data channel (started with --bulk-listen off)",
+        ));
+    }
+    if m.count == 0 || m.count > proto::MAX_BULK_TICKETS {
+        return Err(Reply::err(
+            Status::BadRequest,
+            format!(
+                "BULK_OPEN asks for {} tickets; 1 to {} may be asked at once",
+                m.count,
+                proto::MAX_BULK_TICKETS
+            ),
+        ));
+    }
+    let now = shared.now();
+    let most = shared.cfg.max_bulk_connections_per_principal;
+    let mut st = shared.bulk.state();
+    st.unused.retain(|_, (_, until)| *until > now);
+    let held = st.unused.values().filter(|(p, _)| p == who).count();
+    if held + usize::from(m.count) > 2 * most {
+        return Err(Reply::err(
+            Status::CapacityExceeded,
+            format!(
+                "principal {who} holds {held} unused bulk-data tickets; {} more would pass \
+                 twice its connection limit of {most} (max_bulk_connections_per_principal)",
+                m.count
+            ),
+        ));
+    }
+    let mut tickets = Vec::with_capacity(usize::from(m.count));
+    for _ in 0..m.count {
+        let mut t = [0u8; BULK_TICKET_LEN];
+        getrandom::fill(&mut t)
+            .map_err(|e| Reply::err(Status::Internal, format!("random ticket: {e}")))?;
+        st.unused.insert(t, (who.clone(), now + TICKET_TTL));
+        tickets.push(t);
+    }
+    Ok(Reply::ok(&BulkTickets { port, tickets }))
+}
+
+/// Binds the channel's listener as configured (`quic` is the QUIC
+/// endpoint's address); `None` when it is off.
+pub(super) async fn bind(
+    shared: &Shared,
+    quic: SocketAddr,
+) -> std::io::Result<Option<TcpListener>> {
+    let listener = match shared.cfg.bulk {
+        super::BulkListen::Off => return Ok(None),
+        super::BulkListen::At(a) => TcpListener::bind(a).await?,
+        super::BulkListen::SamePort => match TcpListener::bind(quic).await {
+            Ok(l) => l,
+            // A node on an ephemeral port takes any free TCP port.
+            Err(_) if shared.cfg.listen.port() == 0 => {
+                TcpListener::bind(SocketAddr::new(quic.ip(), 0)).await?
+            }
+            Err(e) => {
+                return Err(std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "binding the bulk-data channel on TCP {quic}: {e} (choose another \
+                         address with --bulk-listen, or turn it off)"
+                    ),
+                ))
+            }
+        },
+    };
+    let port = listener.local_addr()?.port();
+    shared
+        .bulk
+        .port
+        .store(port, std::sync::atomic::Ordering::Relaxed);
+    Ok(Some(listener))
+}
+
+/// Accepts bulk-data connections until the node stops.
+pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener, acceptor: TlsAcceptor) {
+    loop {
+        let (tcp, from) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                warn!(error = %e, "bulk-data accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        // Counted with the connections that have not said HELLO.
+        let Some(waiting) = shared.handshakes.wait(Source::of(from.ip())) else {
+            debug!(%from, "bulk-data connection refused: too many unauthenticated");
+            continue;
+        };
+        let shared = shared.clone();
+        let acceptor = acceptor.clone();
+        tokio::spawn(async move {
+            let opened =
+                tokio::time::timeout(shared.cfg.hello_timeout, redeem(&shared, &acceptor, tcp))
+                    .await;
+            drop(waiting);
+            let (tls, who) = match opened {
+                Ok(Ok(x)) => x,
+                Ok(Err(why)) => {
+                    debug!(%from, %why, "bulk-data connection refused");
+                    return;
+                }
+                Err(_) => {
+                    debug!(%from, "bulk-data connection closed: no ticket by the deadline");
+                    return;
+                }
+            };
+            Metrics::inc(&shared.metrics.bulk_connections);
+            serve(&shared, &who, tls).await;
+            let mut st = shared.bulk.state();
+            if let Some(n) = st.open.get_mut(&who) {
+                *n -= 1;
+                if *n == 0 {
+                    st.open.remove(&who);
+                }
+            }
+        });
+    }
+}
+
+/// The TLS handshake, then the ticket: the connection's principal (counted
+/// as one of its open connections), or why not. Answers one byte: 0 for
+/// accepted, else the connection closes after it.
+async fn redeem(
+    shared: &Shared,
+    acceptor: &TlsAcceptor,
+    tcp: TcpStream,
+) -> Result<(TlsStream<TcpStream>, Principal), String> {
+    let _ = tcp.set_nodelay(true);
+    let mut tls = acceptor
+        .accept(tcp)
+        .await
+        .map_err(|e| format!("TLS: {e}"))?;
+    let mut ticket = [0u8; BULK_TICKET_LEN];
+    tls.read_exact(&mut ticket)
+        .await
+        .map_err(|e| format!("reading the ticket: {e}"))?;
+    let now = shared.now();
+    let taken = {
+        let mut st = shared.bulk.state();
+        match st.unused.remove(&ticket) {
+            Some((who, until)) if until > now => {
+                let open = st.open.entry(who.clone()).or_insert(0);
+                if *open >= shared.cfg.max_bulk_connections_per_principal {
+                    Err(format!(
+                        "principal {who} has {open} bulk-data connections open, its limit"
+                    ))
+                } else {
+                    *open += 1;
+                    Ok(who)
+                }
+            }
+            Some(_) => Err("expired ticket".to_string()),
+            None => Err("unknown ticket".to_string()),
+        }
+    };
+    let answer = [u8::from(taken.is_err())];
+    let wrote = async {
+        tls.write_all(&answer).await?;
+        tls.flush().await
+    }
+    .await;
+    match (taken, wrote) {
+        (Ok(who), Ok(())) => Ok((tls, who)),
+        (Ok(who), Err(e)) => {
+            let mut st = shared.bulk.state();
+            if let Some(n) = st.open.get_mut(&who) {
+                *n -= 1;
+            }
+            Err(format!("answering the ticket: {e}"))
+        }
+        (Err(why), _) => {
+            let _ = tls.shutdown().await;
+            Err(why)
+        }
+    }
+}
+
+/// Serves `who`'s requests on one connection, in turn, until it closes,
+/// breaks, idles out or sends something that is not a MEM_WRITE or
+/// MEM_READ request.
+async fn serve(shared: &Arc<Shared>, who: &Principal, tls: TlsStream<TcpStream>) {
+    let (r, w) = tokio::io::split(tls);
+    let mut input = BulkIn {
+        r,
+        timeout: shared.cfg.reply_timeout,
+    };
+    let mut out = BulkOut { w, broken: false };
+    loop {
+        let header = match tokio::time::timeout(
+            IDLE_TIMEOUT,
+            proto::read_header(&mut input.r, &shared.cfg.limits),
+        )
+        .await
+        {
+            Ok(Ok(h)) => h,
+            _ => break,
+        };
+        if header.is_reply() || !matches!(header.opcode, Opcode::MemWrite | Opcode::MemRead) {
+            let reply = Reply::err(
+                Status::Malformed,
+                format!(
+                    "the bulk-data channel carries MEM_WRITE and MEM_READ requests, not {:?}",
+                    header.opcode
+                ),
+            );
+            let _ = reply_and_flush(&mut out, &header, &reply).await;
+            break;
+        }
+        let mut hop = HopTimer::start(Hop::Node, header.opcode, u64::from(header.data_len));
+        let turn = BudgetTurn::take(shared, who, u64::from(header.body_len));
+        let mut body = vec![0u8; header.body_len as usize];
+        if input.r.read_exact(&mut body).await.is_err() {
+            break;
+        }
+        let done = match turn {
+            Ok(_turn) => {
+                // Counted before the reply, so a client that has it sees
+                // the count.
+                let asked = match header.opcode {
+                    Opcode::MemRead => proto::from_body::<proto::MemRead>(&body)
+                        .map(|m| u64::from(m.len))
+                        .unwrap_or(0),
+                    _ => u64::from(header.data_len),
+                };
+                shared.metrics.bulk_bytes.inc_by(asked);
+                serve_request(shared, who, &header, &body, &mut out, &mut input, &mut hop).await
+                    && out.flush().await.is_ok()
+            }
+            Err(reply) => {
+                input.refuse(u64::from(header.data_len)).await;
+                reply_and_flush(&mut out, &header, &reply).await
+            }
+        };
+        if !done || out.broken {
+            break;
+        }
+    }
+    let _ = out.w.shutdown().await;
+}
+
+async fn reply_and_flush(out: &mut BulkOut, req: &Header, reply: &Reply) -> bool {
+    let h = Header::reply(req, reply.status, reply.body.len() as u32, 0);
+    proto::write_frame(out, &h, &reply.body, &[]).await.is_ok() && out.flush().await.is_ok()
+}
+
+/// A bulk connection's reading half.
+struct BulkIn {
+    r: ReadHalf<TlsStream<TcpStream>>,
+    /// Longest a refused request's data may take to drain.
+    timeout: Duration,
+}
+
+impl DataIn for BulkIn {
+    async fn read_exact(&mut self, buf: &mut [u8]) -> std::io::Result<()> {
+        self.r.read_exact(buf).await.map(drop)
+    }
+
+    async fn refuse(&mut self, remaining: u64) {
+        // TCP cannot stop one request's data: read and drop it, so the
+        // reply (and the next request) can follow.
+        let mut rest = (&mut self.r).take(remaining);
+        let _ = tokio::time::timeout(
+            self.timeout,
+            tokio::io::copy(&mut rest, &mut tokio::io::sink()),
+        )
+        .await;
+    }
+}
+
+/// A bulk connection's writing half.
+struct BulkOut {
+    w: WriteHalf<TlsStream<TcpStream>>,
+    /// A reply was cut off: the connection closes after this request.
+    broken: bool,
+}
+
+impl DataOut for BulkOut {
+    fn abort(&mut self) {
+        self.broken = true;
+    }
+}
+
+impl AsyncWrite for BulkOut {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.w).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.w).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.w).poll_shutdown(cx)
+    }
+}
