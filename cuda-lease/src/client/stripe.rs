@@ -5,7 +5,6 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::bulk::SharedBytes;
 use super::connection::exchange;
 use super::error::{disconnected, protocol_error};
 use super::{Client, Error};
@@ -97,7 +96,7 @@ impl Client {
         lease: LeaseId,
         buf: Id,
         offset: u64,
-        bytes: SharedBytes,
+        bytes: super::bulk::SharedBytes,
     ) -> Result<(), Error> {
         let len = (*bytes).as_ref().len();
         let Some(bulk) = self.bulk_for(len).await else {
