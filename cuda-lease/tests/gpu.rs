@@ -576,6 +576,8 @@ fn a_gib_through_h2d_and_d2h_on_a_lease_is_byte_exact_and_streamed() {
         peak.stop()
     };
     let b0 = batches(node).0;
+    let bulk_bytes = || metric(&node.metrics_text(), "gpu_bulk_data_bytes_total").unwrap();
+    let bulk0 = bulk_bytes();
     let mut input = Some(bytes.clone());
     let (mut buf, mut up) = (None, Duration::ZERO);
     let rss_up = peak_during(&mut || {
@@ -592,12 +594,15 @@ fn a_gib_through_h2d_and_d2h_on_a_lease_is_byte_exact_and_streamed() {
     });
     let back = back.unwrap();
     let msgs = batches(node).0 - b0;
+    let bulk = bulk_bytes() - bulk0;
     let gib = |d: Duration| n as f64 / d.as_secs_f64() / (1u64 << 30) as f64;
     println!(
         "1 GiB: h2d {up:?} ({:.2} GiB/s), d2h {down:?} ({:.2} GiB/s); {msgs} BATCH messages; \
-         peak RSS growth during h2d {} MiB, during d2h {} MiB (the output: 1024)",
+         {} MiB over the bulk-data channel; peak RSS growth during h2d {} MiB, during d2h {} \
+         MiB (the output: 1024)",
         gib(up),
         gib(down),
+        bulk >> 20,
         rss_up >> 20,
         rss_down >> 20
     );
@@ -608,6 +613,7 @@ fn a_gib_through_h2d_and_d2h_on_a_lease_is_byte_exact_and_streamed() {
     // The allocation, then the empty message ordering the download (and
     // perhaps the buffer's free, alone, after it).
     assert!((2..=3).contains(&msgs), "{msgs} BATCH messages");
+    assert_eq!(bulk, 2 * n as u64, "both ways over the bulk-data channel");
     // Beyond the input (given to the op, which keeps it without a copy) or
     // the output: at most the node's ring and 64 MiB for the client and 64
     // for the node.
