@@ -117,6 +117,16 @@ impl ShmRing {
             .acquire_owned()
             .await
             .expect("the ring's semaphore is never closed");
+        self.slot_of(permit)
+    }
+
+    /// A free slot now, if there is one.
+    pub(crate) fn try_acquire(self: &Arc<Self>) -> Option<Slot> {
+        let permit = self.permits.clone().try_acquire_owned().ok()?;
+        Some(self.slot_of(permit))
+    }
+
+    fn slot_of(self: &Arc<Self>, permit: OwnedSemaphorePermit) -> Slot {
         let index = self
             .free
             .lock()

@@ -5,9 +5,11 @@
 //! most the worker's ring, whatever the size. Header and body are checked
 //! (authentication, lease, handle, range) before any data is read.
 //!
-//! Each chunk is one short worker call under the lease's exec lock, so
-//! concurrent transfers on one lease (stripes over several connections)
-//! interleave chunk by chunk instead of waiting for each other.
+//! The chunks ready at once (up to [`MAX_CHUNKS_PER_CALL`]) go to the
+//! worker in one short call under the lease's exec lock, so concurrent
+//! transfers on one lease (stripes over several connections) interleave a
+//! few chunks at a time instead of waiting for each other, and a pipe
+//! round trip (with the node's wake-up) is paid per group, not per chunk.
 //!
 //! The same code serves a QUIC stream ([`serve`]) and a connection of the
 //! bulk-data channel ([`super::bulk`]): both are a [`DataIn`] and a
@@ -29,7 +31,7 @@ use crate::hops::{self, Hop, HopTimer};
 use crate::lease_table::Principal;
 use crate::proto::{self, from_body, Header, Id, LeaseId, MemRead, MemWrite, Opcode, Status};
 use crate::shm::{ShmRing, Slot, SLOTS, SLOT_BYTES};
-use crate::worker::ChunkOp;
+use crate::worker::{ChunkOp, ChunkOps, MAX_CHUNKS_PER_CALL};
 
 /// Serves one MEM_WRITE or MEM_READ whose header and body have been read;
 /// `recv` holds the data that follows (MEM_WRITE).
@@ -176,18 +178,22 @@ fn check(
     Ok(slot)
 }
 
-/// One chunk on the worker, under the lease's exec lock.
-async fn chunk(
+/// Chunks on the worker, in one call under the lease's exec lock.
+async fn chunks(
     shared: &Shared,
     lease: &LeaseId,
     slot: &LeaseRef,
     opcode: Opcode,
-    op: ChunkOp,
+    ops: ChunkOps,
 ) -> Result<(), Reply> {
     let _exec = slot.exec.lock().await;
     // The lease may have died while we waited.
     shared.table().get(lease, shared.now())?;
-    match slot.worker.chunk(opcode, op, shared.cfg.op_timeout).await {
+    match slot
+        .worker
+        .chunks(opcode, &ops, shared.cfg.op_timeout)
+        .await
+    {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => {
             if e.sticky {
@@ -245,21 +251,33 @@ async fn write(
     };
     let forwarder = async {
         let mut result = Ok(());
-        while let Some((s, at, n)) = rx.recv().await {
+        let mut group = Vec::with_capacity(MAX_CHUNKS_PER_CALL);
+        while let Some(first) = rx.recv().await {
+            // The first chunk and every other one already received.
+            group.push(first);
+            while group.len() < MAX_CHUNKS_PER_CALL {
+                match rx.try_recv() {
+                    Ok(c) => group.push(c),
+                    Err(_) => break,
+                }
+            }
             if result.is_ok() {
-                let op = ChunkOp {
-                    id: m.buf,
-                    offset: m.offset + at,
-                    slot: s.index(),
-                    len: n,
-                };
-                result = chunk(shared, &m.lease, &slot, Opcode::MemWrite, op).await;
+                let ops = group
+                    .iter()
+                    .map(|(s, at, n)| ChunkOp {
+                        id: m.buf,
+                        offset: m.offset + at,
+                        slot: s.index(),
+                        len: *n,
+                    })
+                    .collect();
+                result = chunks(shared, &m.lease, &slot, Opcode::MemWrite, ChunkOps { ops }).await;
                 if result.is_err() {
                     failed.store(true, Ordering::Relaxed);
                 }
             }
-            // The slot goes back to the ring once the worker has copied it.
-            drop(s);
+            // The slots go back to the ring once the worker has copied them.
+            group.clear();
         }
         result
     };
@@ -283,8 +301,8 @@ async fn read(
     };
     let len = u64::from(m.len);
     let ring = slot.worker.ring().clone();
-    let fill = |at: u64| fill_chunk(shared, &ring, &slot, &m, len, at);
-    // The first chunk before the header, so an early failure is a reply.
+    let fill = |at: u64| fill_chunks(shared, &ring, &slot, &m, len, at);
+    // The first chunks before the header, so an early failure is a reply.
     let first = if len == 0 {
         None
     } else {
@@ -322,59 +340,77 @@ fn check_read(shared: &Shared, who: &Principal, body: &[u8]) -> Result<(MemRead,
         })
 }
 
-/// Has the worker fill a ring slot with the chunk of `m` (`len` bytes in
-/// all) that starts `at` bytes in; returns the slot and the chunk's length.
-async fn fill_chunk(
+/// Has the worker fill ring slots with the chunks of `m` (`len` bytes in
+/// all) from `at` bytes in, in one call: a slot it waits for, and as many
+/// more as are free now (up to [`MAX_CHUNKS_PER_CALL`] and the end).
+/// Returns the slots and their chunks' lengths, in order.
+async fn fill_chunks(
     shared: &Shared,
     ring: &Arc<ShmRing>,
     slot: &LeaseRef,
     m: &MemRead,
     len: u64,
     at: u64,
-) -> Result<(Slot, u32), Reply> {
-    let s = ring.acquire().await;
-    let n = (len - at).min(SLOT_BYTES as u64) as u32;
-    let op = ChunkOp {
-        id: m.buf,
-        offset: m.offset + at,
-        slot: s.index(),
-        len: n,
-    };
-    chunk(shared, &m.lease, slot, Opcode::MemRead, op)
+) -> Result<Vec<(Slot, u32)>, Reply> {
+    let mut group = vec![ring.acquire().await];
+    let chunks_left = (len - at).div_ceil(SLOT_BYTES as u64);
+    while (group.len() as u64) < chunks_left.min(MAX_CHUNKS_PER_CALL as u64) {
+        match ring.try_acquire() {
+            Some(s) => group.push(s),
+            None => break,
+        }
+    }
+    let mut out = Vec::with_capacity(group.len());
+    let mut ops = Vec::with_capacity(group.len());
+    let mut next = at;
+    for s in group {
+        let n = (len - next).min(SLOT_BYTES as u64) as u32;
+        ops.push(ChunkOp {
+            id: m.buf,
+            offset: m.offset + next,
+            slot: s.index(),
+            len: n,
+        });
+        out.push((s, n));
+        next += u64::from(n);
+    }
+    chunks(shared, &m.lease, slot, Opcode::MemRead, ChunkOps { ops })
         .await
-        .map(|()| (s, n))
+        .map(|()| out)
 }
 
-/// Sends a MEM_READ's data after its header, `first` (the chunk at 0)
+/// Sends a MEM_READ's data after its header, `first` (the first chunks)
 /// already filled: `fill` fills the next chunks while the earlier ones go
-/// out on QUIC. Returns whether the data went out whole.
+/// out. Returns whether the data went out whole.
 async fn send_chunks<F, Fut>(
     shared: &Shared,
     send: &mut impl DataOut,
-    first: (Slot, u32),
+    first: Vec<(Slot, u32)>,
     len: u64,
     fill: F,
 ) -> bool
 where
     F: Fn(u64) -> Fut,
-    Fut: Future<Output = Result<(Slot, u32), Reply>>,
+    Fut: Future<Output = Result<Vec<(Slot, u32)>, Reply>>,
 {
     let (tx, mut rx) = mpsc::channel::<(Slot, u32)>(SLOTS);
     let stop = AtomicBool::new(false);
     let producer = async {
         let tx = tx;
-        if tx.send(first).await.is_err() {
-            return Ok(());
-        }
-        let mut at = u64::from(SLOT_BYTES as u32).min(len);
-        while at < len && !stop.load(Ordering::Relaxed) {
-            let c = fill(at).await?;
-            at += u64::from(c.1);
-            if tx.send(c).await.is_err() {
-                break;
+        let mut group = first;
+        let mut at = 0u64;
+        loop {
+            for c in group {
+                at += u64::from(c.1);
+                if tx.send(c).await.is_err() {
+                    return Ok(());
+                }
             }
+            if at >= len || stop.load(Ordering::Relaxed) {
+                return Ok::<(), Reply>(());
+            }
+            group = fill(at).await?;
         }
-        Ok::<(), Reply>(())
     };
     let consumer = async {
         while let Some((s, n)) = rx.recv().await {

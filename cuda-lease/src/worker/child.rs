@@ -6,7 +6,9 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::messages::{ChunkOp, WorkerBatch, WorkerBatchReply, WorkerFailure};
+use super::messages::{
+    ChunkOps, WorkerBatch, WorkerBatchReply, WorkerFailure, MAX_CHUNKS_PER_CALL,
+};
 use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice};
 use crate::hops::{self, Hop, HopTimer};
@@ -99,7 +101,8 @@ pub(super) fn run_worker(spec: &str) -> i32 {
     }
 }
 
-/// A chunk of a streamed transfer, through the shared ring.
+/// Chunks of a streamed transfer, through the shared ring, in order; stops
+/// at the first that fails.
 pub(super) fn serve_chunk(
     dev: &mut dyn Device,
     ring: &mut Option<std::io::Result<WorkerRing>>,
@@ -118,27 +121,33 @@ pub(super) fn serve_chunk(
         Some(Err(e)) => return fail(Status::Internal, format!("shared ring: {e}")),
         None => return fail(Status::Internal, "no shared ring".into()),
     };
-    let op: ChunkOp = match from_body(&f.body) {
-        Ok(op) => op,
+    let ops: ChunkOps = match from_body(&f.body) {
+        Ok(ops) => ops,
         Err(e) => return fail(Status::BadRequest, e.to_string()),
     };
-    let slot = match ring.slot(op.slot, op.len) {
-        Ok(s) => s,
-        Err(e) => return fail(Status::BadRequest, e),
-    };
-    let r = if f.header.opcode == Opcode::MemWrite {
-        // Stream 0; the buffer orders later uses on any stream after it.
-        dev.write(0, op.id, op.offset, slot)
-    } else {
-        dev.read_now(op.id, op.offset, slot)
-    };
-    match r {
-        Ok(()) => (Status::Ok, Vec::new(), Vec::new()),
-        Err(e) => {
+    if ops.ops.len() > MAX_CHUNKS_PER_CALL {
+        return fail(
+            Status::BadRequest,
+            format!("{} chunks in one call", ops.ops.len()),
+        );
+    }
+    for op in ops.ops {
+        let slot = match ring.slot(op.slot, op.len) {
+            Ok(s) => s,
+            Err(e) => return fail(Status::BadRequest, e),
+        };
+        let r = if f.header.opcode == Opcode::MemWrite {
+            // Stream 0; the buffer orders later uses on any stream after it.
+            dev.write(0, op.id, op.offset, slot)
+        } else {
+            dev.read_now(op.id, op.offset, slot)
+        };
+        if let Err(e) = r {
             let e = WorkerFailure::from(e);
-            (e.status, to_body(&e), Vec::new())
+            return (e.status, to_body(&e), Vec::new());
         }
     }
+    (Status::Ok, Vec::new(), Vec::new())
 }
 
 pub(super) fn serve(

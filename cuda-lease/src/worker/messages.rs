@@ -77,4 +77,15 @@ pub(crate) struct WorkerBatchReply {
     pub(crate) error: Option<WorkerFailure>,
 }
 
-proto::postcard_codec!(ChunkOp, WorkerFailure, WorkerBatchReply);
+/// Chunks of one streamed transfer handed to the worker in one call, done
+/// in order (a call per chunk would pay a pipe round trip, and the node's
+/// wake-up, per 2 MiB).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct ChunkOps {
+    pub(crate) ops: Vec<ChunkOp>,
+}
+
+/// Most chunks in one [`ChunkOps`] call.
+pub(crate) const MAX_CHUNKS_PER_CALL: usize = 8;
+
+proto::postcard_codec!(ChunkOp, ChunkOps, WorkerFailure, WorkerBatchReply);

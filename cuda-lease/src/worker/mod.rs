@@ -31,7 +31,9 @@ mod child;
 mod messages;
 mod process;
 
-pub(crate) use self::messages::{ChunkOp, WorkerBatchReply, WorkerFailure, WorkerLoad};
+pub(crate) use self::messages::{
+    ChunkOp, ChunkOps, WorkerBatchReply, WorkerFailure, WorkerLoad, MAX_CHUNKS_PER_CALL,
+};
 pub use self::process::PIPE_BUFFER_BYTES;
 pub(crate) use self::process::{WorkerError, WorkerProcess};
 

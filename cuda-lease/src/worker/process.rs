@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::io::BufReader;
 use tokio::process::{Child, ChildStdin, Command};
 
-use super::messages::{ChunkOp, WorkerFailure};
+use super::messages::{ChunkOps, WorkerFailure};
 use super::{WorkerSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{self, from_body, to_body, DeviceInfo, Frame, Header, Opcode, Status};
@@ -255,17 +255,17 @@ impl WorkerProcess {
         &self.ring
     }
 
-    /// Sends one chunk of a streamed transfer (`opcode` MEM_WRITE or
-    /// MEM_READ, the data in slot `op.slot` of [`WorkerProcess::ring`]);
-    /// the outer error is the worker's death or hang, the inner one the
-    /// chunk's failure.
-    pub(crate) async fn chunk(
+    /// Sends chunks of a streamed transfer (`opcode` MEM_WRITE or
+    /// MEM_READ, the data in the slots of [`WorkerProcess::ring`] they
+    /// name), done in order; the outer error is the worker's death or hang,
+    /// the inner one a chunk's failure.
+    pub(crate) async fn chunks(
         &self,
         opcode: Opcode,
-        op: ChunkOp,
+        ops: &ChunkOps,
         timeout: Duration,
     ) -> Result<Result<(), WorkerFailure>, WorkerError> {
-        let f = self.call(opcode, &to_body(&op), &[], timeout).await?;
+        let f = self.call(opcode, &to_body(ops), &[], timeout).await?;
         if f.header.status == Status::Ok {
             return Ok(Ok(()));
         }
