@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cuda_lease::client::{Client, ErrorKind, Session};
+use cuda_lease::client::{BulkUse, Client, ErrorKind, Session};
 use cuda_lease::node::{BulkListen, Node};
 use cuda_lease::proto::{
     self, from_body, to_body, BulkOpen, BulkTickets, Header, Limits, MemRead, Opcode, Status,
@@ -28,9 +28,9 @@ fn bulk_counts(node: &Node) -> (u64, u64) {
     )
 }
 
-/// A client with `stripes` stripes from 1 MiB up, the bulk channel as
+/// A client with `stripes` stripes from 1 MiB up, the bulk channel for
 /// `bulk`, on `node`.
-async fn client(node: &Node, stripes: usize, bulk: bool) -> Arc<Client> {
+async fn client(node: &Node, stripes: usize, bulk: BulkUse) -> Arc<Client> {
     let cfg = client_config(node).stripes(stripes, 1 << 20).bulk(bulk);
     Arc::new(Client::connect(node.addr(), &cfg).await.expect("connect"))
 }
@@ -56,8 +56,12 @@ async fn transfers_on_the_bulk_channel_are_byte_exact_and_counted() {
         fx.node.bulk_addr().is_some(),
         "the channel is on by default"
     );
-    for stripes in [1, 4] {
-        let c = client(&fx.node, stripes, true).await;
+    for (stripes, bulk, ways) in [
+        (1, BulkUse::All, 2),
+        (4, BulkUse::All, 2),
+        (4, BulkUse::Uploads, 1),
+    ] {
+        let c = client(&fx.node, stripes, bulk).await;
         let lease = lease_of(&c, 256 << 20).await;
         let s = lease.session();
         for (i, n) in [1 << 20, CHUNK - 1, CHUNK + 1, (64 << 20) + 123]
@@ -69,8 +73,8 @@ async fn transfers_on_the_bulk_channel_are_byte_exact_and_counted() {
             let moved = bulk_counts(&fx.node).1 - before;
             assert_eq!(
                 moved,
-                2 * n as u64,
-                "{n} bytes each way over the channel, {stripes} stripes"
+                ways * n as u64,
+                "{n} bytes over the channel {ways} ways, {stripes} stripes, {bulk:?}"
             );
         }
         // Below the threshold a transfer stays on QUIC.
@@ -84,7 +88,7 @@ async fn transfers_on_the_bulk_channel_are_byte_exact_and_counted() {
     }
     let (conns, _) = bulk_counts(&fx.node);
     assert!(
-        (2..=5).contains(&conns),
+        (3..=9).contains(&conns),
         "one connection for one stripe, four for four, pooled between transfers: {conns}"
     );
 }
@@ -96,13 +100,13 @@ async fn with_the_channel_off_on_either_side_transfers_stay_on_quic() {
         .start()
         .await;
     assert!(fx.node.bulk_addr().is_none());
-    let c = client(&fx.node, 4, true).await;
+    let c = client(&fx.node, 4, BulkUse::All).await;
     let lease = lease_of(&c, 256 << 20).await;
     write_read(&lease.session(), (16 << 20) + 5, 1).await;
     assert_eq!(bulk_counts(&fx.node), (0, 0));
 
     let fx = Fixture::memory(1 << 30).start().await;
-    let c = client(&fx.node, 4, false).await;
+    let c = client(&fx.node, 4, BulkUse::Off).await;
     let lease = lease_of(&c, 256 << 20).await;
     write_read(&lease.session(), (16 << 20) + 5, 2).await;
     assert_eq!(bulk_counts(&fx.node), (0, 0));
@@ -111,7 +115,7 @@ async fn with_the_channel_off_on_either_side_transfers_stay_on_quic() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_transfer_leaves_the_connection_working() {
     let fx = Fixture::memory(1 << 30).start().await;
-    let c = client(&fx.node, 1, true).await;
+    let c = client(&fx.node, 1, BulkUse::All).await;
     let lease = lease_of(&c, 256 << 20).await;
     let s = lease.session();
     let buf = s.alloc(4 << 20).await.unwrap();

@@ -42,7 +42,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cuda_lease::client::{Client, ClientConfig};
+use cuda_lease::client::{BulkUse, Client, ClientConfig};
 use cuda_lease::node::{Node, NodeConfig};
 use cuda_lease::worker::{DeviceSpec, WorkerSpec};
 use tokio::runtime::Runtime;
@@ -177,8 +177,11 @@ struct Ctx {
     /// gets, the `h2d` / `d2h` rows.
     striped: Arc<Client>,
     /// Striped over QUIC alone (the bulk-data channel off): the striped
-    /// MEM rows, and the `h2d` / `d2h` comparison of the two paths.
+    /// MEM rows, and the `h2d` comparison of the two paths.
     quic_striped: Arc<Client>,
+    /// The bulk-data channel both ways: the `d2h` comparison of the two
+    /// paths.
+    bulk_all: Arc<Client>,
     /// How many stripes `striped` uses.
     stripes: usize,
 }
@@ -221,11 +224,13 @@ impl Bench {
                 .token("bench")
                 .transport(cfg.transport.1.clone())
                 .stripes(cfg.stripes, cuda_lease::client::DEFAULT_STRIPE_MIN_BYTES);
-            let single = config.clone().stripes(1, 0).bulk(false);
+            let single = config.clone().stripes(1, 0).bulk(BulkUse::Off);
             let client = Arc::new(Client::connect(node.addr(), &single).await?);
             let striped = Arc::new(Client::connect(node.addr(), &config).await?);
             let quic_striped =
-                Arc::new(Client::connect(node.addr(), &config.clone().bulk(false)).await?);
+                Arc::new(Client::connect(node.addr(), &config.clone().bulk(BulkUse::Off)).await?);
+            let bulk_all =
+                Arc::new(Client::connect(node.addr(), &config.clone().bulk(BulkUse::All)).await?);
             let inv = client.inventory().await?;
             let dev = inv.devices.first().ok_or("the node reports no device")?;
             detail(format_args!(
@@ -237,6 +242,7 @@ impl Bench {
                 client,
                 striped,
                 quic_striped,
+                bulk_all,
                 stripes: config.stripes,
             };
             Ok::<_, crate::BenchError>((node, ctx, dev.name.clone()))

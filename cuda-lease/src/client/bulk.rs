@@ -54,11 +54,18 @@ impl std::fmt::Debug for BulkChannel {
 }
 
 impl Client {
-    /// The bulk-data channel for a transfer of `len` bytes: `None` below
+    /// The bulk-data channel for an upload (`up`) or download of `len`
+    /// bytes: `None` below
     /// [`ClientConfig::data_path_min_bytes`](super::ClientConfig::data_path_min_bytes),
-    /// when the channel is off, or when the node has none (asked once).
-    pub(super) async fn bulk_for(&self, len: usize) -> Option<&BulkChannel> {
-        if !self.config.bulk || len < self.config.data_path_min_bytes.max(1) {
+    /// when [`ClientConfig::bulk`](super::ClientConfig::bulk) leaves that
+    /// direction on QUIC, or when the node has no channel (asked once).
+    pub(super) async fn bulk_for(&self, up: bool, len: usize) -> Option<&BulkChannel> {
+        let wanted = if up {
+            self.config.bulk.uploads()
+        } else {
+            self.config.bulk.downloads()
+        };
+        if !wanted || len < self.config.data_path_min_bytes.max(1) {
             return None;
         }
         self.bulk

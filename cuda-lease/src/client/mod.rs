@@ -23,7 +23,7 @@ mod session;
 mod stripe;
 
 pub use config::{
-    ClientConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_DATA_PATH_MIN_BYTES, DEFAULT_STRIPES,
+    BulkUse, ClientConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_DATA_PATH_MIN_BYTES, DEFAULT_STRIPES,
     DEFAULT_STRIPE_MIN_BYTES,
 };
 pub use connection::Client;

@@ -59,7 +59,7 @@ impl Client {
         offset: u64,
         bytes: &[u8],
     ) -> Result<(), Error> {
-        if let Some(bulk) = self.bulk_for(bytes.len()).await {
+        if let Some(bulk) = self.bulk_for(true, bytes.len()).await {
             // One task polls every stripe (the bytes are borrowed), so the
             // encryption runs on one thread: `write_shared` spreads it.
             let parts = stripe_bounds(bytes.len(), self.stripe_count(bytes.len()));
@@ -99,7 +99,7 @@ impl Client {
         bytes: super::bulk::SharedBytes,
     ) -> Result<(), Error> {
         let len = (*bytes).as_ref().len();
-        let Some(bulk) = self.bulk_for(len).await else {
+        let Some(bulk) = self.bulk_for(true, len).await else {
             return self
                 .striped_write(lease, buf, offset, (*bytes).as_ref())
                 .await;
@@ -155,7 +155,7 @@ impl Client {
         B: AsMut<[u8]> + Send + 'static,
     {
         let len = out.as_mut().len();
-        if let Some(bulk) = self.bulk_for(len).await {
+        if let Some(bulk) = self.bulk_for(false, len).await {
             return self.bulk_read_to(bulk, lease, buf, offset, out).await;
         }
         let conns = self.stripe_set(len).await?;

@@ -340,9 +340,16 @@ fn check_read(shared: &Shared, who: &Principal, body: &[u8]) -> Result<(MemRead,
         })
 }
 
+/// Most chunks of a MEM_READ filled in one worker call: the slots stay
+/// held until each is sent, so a larger group holds more of the ring from
+/// the lease's other stripes. Measured on an H100 host (4 stripes over
+/// QUIC, 256 MiB): groups of 1, 2, 4 and 8 moved 2.30, 3.15, 3.46 and
+/// 2.76 GiB/s.
+const READ_GROUP: usize = 4;
+
 /// Has the worker fill ring slots with the chunks of `m` (`len` bytes in
 /// all) from `at` bytes in, in one call: a slot it waits for, and as many
-/// more as are free now (up to [`MAX_CHUNKS_PER_CALL`] and the end).
+/// more as are free now (up to [`READ_GROUP`] and the end).
 /// Returns the slots and their chunks' lengths, in order.
 async fn fill_chunks(
     shared: &Shared,
@@ -354,7 +361,7 @@ async fn fill_chunks(
 ) -> Result<Vec<(Slot, u32)>, Reply> {
     let mut group = vec![ring.acquire().await];
     let chunks_left = (len - at).div_ceil(SLOT_BYTES as u64);
-    while (group.len() as u64) < chunks_left.min(MAX_CHUNKS_PER_CALL as u64) {
+    while (group.len() as u64) < chunks_left.min(READ_GROUP as u64) {
         match ring.try_acquire() {
             Some(s) => group.push(s),
             None => break,
