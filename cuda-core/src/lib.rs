@@ -31,6 +31,7 @@ pub mod module;
 pub mod pinned;
 mod raw;
 pub mod reclaim;
+pub mod registered;
 pub mod remote_error;
 pub mod staging;
 mod tracking;
@@ -48,6 +49,7 @@ pub use module::{
 };
 pub use pinned::PinnedBuffer;
 pub use raw::stream_error;
+pub use registered::HostRegistration;
 pub use remote_error::{Credentials, Disconnect, RemoteError, RemoteErrorKind};
 
 /// The cudarc crate this is built on, for interop.

@@ -213,6 +213,11 @@ impl WorkerRing {
         Ok(WorkerRing { map: map(&file)? })
     }
 
+    /// The whole ring's address and length (to register it with a device).
+    pub(crate) fn raw_parts(&mut self) -> (*mut u8, usize) {
+        (self.map.as_mut_ptr(), RING_BYTES)
+    }
+
     /// The first `len` bytes of slot `index`, for the duration of one
     /// message from the node that names it.
     ///

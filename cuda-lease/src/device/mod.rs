@@ -104,6 +104,46 @@ pub trait Device {
     ///
     /// As [`Device::read`], and a sticky fault of earlier work.
     fn read_now(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError>;
+    /// Registers `len` bytes at `ptr` (the node's ring, mapped for the
+    /// worker's life) so that [`Device::write_chunk`] and
+    /// [`Device::read_chunk`] copy straight from and to it; whether it
+    /// did. By default nothing is registered and chunks go through
+    /// [`Device::write`] and [`Device::read_now`].
+    ///
+    /// # Safety
+    /// The memory stays mapped as long as the device lives.
+    unsafe fn register_ring(&mut self, _ptr: *mut u8, _len: usize) -> bool {
+        false
+    }
+    /// A chunk of a streamed MEM_WRITE: copies `data` (in the ring) into
+    /// buffer `id` at `offset`. Done, and `data` free, once
+    /// [`Device::chunks_done`] has returned.
+    ///
+    /// # Errors
+    ///
+    /// As [`Device::write`].
+    fn write_chunk(&mut self, id: Id, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        self.write(0, id, offset, data)
+    }
+    /// A chunk of a streamed MEM_READ: copies `out.len()` bytes of buffer
+    /// `id` at `offset` into `out` (in the ring). The bytes are there only
+    /// once [`Device::chunks_done`] has returned; until then nothing may
+    /// touch `out`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Device::read_now`].
+    fn read_chunk(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+        self.read_now(id, offset, out)
+    }
+    /// Waits for the chunks since the last call.
+    ///
+    /// # Errors
+    ///
+    /// A sticky fault of earlier work.
+    fn chunks_done(&mut self) -> Result<(), DeviceError> {
+        Ok(())
+    }
     /// Loads a module (PTX: JIT; CUDA C: compiled by NVRTC for this device)
     /// under its content hash, and returns the PTX it compiled CUDA C to
     /// (so the node can keep it and spare other workers the compile).

@@ -59,6 +59,13 @@ pub(super) fn run_worker(spec: &str) -> i32 {
             return 1;
         }
     };
+    // Chunks copied straight from and to the ring where the device can.
+    if let Some(Ok(r)) = &mut ring {
+        let (ptr, len) = r.raw_parts();
+        // SAFETY: the ring is mapped until this function returns, after
+        // `device` (declared later) is dropped.
+        unsafe { device.register_ring(ptr, len) };
+    }
     let mut submit_modules: HashSet<ModuleHash> = HashSet::new();
     // How long to poll for the next request before blocking (the node
     // passes its budget; absent: block at once).
@@ -138,16 +145,25 @@ pub(super) fn serve_chunk(
         };
         let r = if f.header.opcode == Opcode::MemWrite {
             // Stream 0; the buffer orders later uses on any stream after it.
-            dev.write(0, op.id, op.offset, slot)
+            dev.write_chunk(op.id, op.offset, slot)
         } else {
-            dev.read_now(op.id, op.offset, slot)
+            dev.read_chunk(op.id, op.offset, slot)
         };
         if let Err(e) = r {
+            // What was enqueued is waited for before the slots go back.
+            let _ = dev.chunks_done();
             let e = WorkerFailure::from(e);
             return (e.status, to_body(&e), Vec::new());
         }
     }
-    (Status::Ok, Vec::new(), Vec::new())
+    // The copies are done before the node reuses (or sends) the slots.
+    match dev.chunks_done() {
+        Ok(()) => (Status::Ok, Vec::new(), Vec::new()),
+        Err(e) => {
+            let e = WorkerFailure::from(e);
+            (e.status, to_body(&e), Vec::new())
+        }
+    }
 }
 
 pub(super) fn serve(

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cuda_async::{CudaStream, DeviceBuffer, Kernel, Module, PinnedBuffer};
 use cuda_core::{ArenaRead, ArgList, CudaEvent, ParamClass, StagingArena};
 
-use super::error::{driver, map, not_found};
+use super::error::{driver, map, not_found, range};
 use super::{Device, DeviceArg, DeviceError, LaunchDims};
 use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
 use crate::sandbox::Compiler;
@@ -69,6 +69,8 @@ pub struct CudaDevice {
     arg_list: ArgList,
     /// Compiles tenants' CUDA C in a confined child process.
     compiler: Arc<Compiler>,
+    /// The node's ring, registered for direct copies (`register_ring`).
+    ring: Option<cuda_core::HostRegistration>,
 }
 
 impl CudaDevice {
@@ -122,6 +124,7 @@ impl CudaDevice {
             arg_specs: Vec::new(),
             arg_list: ArgList::new(),
             compiler: Arc::default(),
+            ring: None,
         })
     }
 
@@ -255,6 +258,60 @@ impl Device for CudaDevice {
         len: u64,
     ) -> Result<(), DeviceError> {
         self.enqueue_copy(stream, src, dst, len)
+    }
+
+    unsafe fn register_ring(&mut self, ptr: *mut u8, len: usize) -> bool {
+        // SAFETY: the caller keeps the ring mapped for the device's life;
+        // the registration is dropped with the device.
+        match unsafe { cuda_core::HostRegistration::new(&self.device, ptr, len) } {
+            Ok(r) => {
+                self.ring = Some(r);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the shared ring could not be registered: chunks are staged");
+                false
+            }
+        }
+    }
+
+    fn write_chunk(&mut self, id: Id, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        if !self.ring.as_ref().is_some_and(|r| r.contains(data)) {
+            return self.write(0, id, offset, data);
+        }
+        let sid: StreamId = 0;
+        let stream = self.stream(sid)?;
+        self.flush_use(id)?;
+        let buf = self
+            .buffers
+            .get_mut(&id)
+            .ok_or_else(|| not_found("buffer", id))?;
+        let r = range(buf.len(), offset, data.len() as u64)?;
+        let ring = self.ring.as_ref().expect("checked above");
+        // SAFETY: the worker replies (and the node reuses the slot) only
+        // after `chunks_done` has waited for the stream.
+        unsafe { ring.upload(data, Self::raw_mut(buf), r.start, &stream) }
+            .map_err(|e| map(Status::BadRequest, "host-to-device copy", e))
+    }
+
+    fn read_chunk(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+        if !self.ring.as_ref().is_some_and(|r| r.contains(out)) {
+            return self.read_now(id, offset, out);
+        }
+        // On a stream of its own (the buffer orders it after its writes).
+        let stream = self.stream(StreamId::MAX)?;
+        self.flush_use(id)?;
+        let buf = self.buffer(id)?;
+        let r = range(buf.len(), offset, out.len() as u64)?;
+        let ring = self.ring.as_ref().expect("checked above");
+        // SAFETY: nothing reads the slot (the worker replies, and the node
+        // sends it) before `chunks_done` has waited for the stream.
+        unsafe { ring.download(Self::raw(buf), r.start, out, &stream) }
+            .map_err(|e| map(Status::ReadFailed, "device-to-host copy", e))
+    }
+
+    fn chunks_done(&mut self) -> Result<(), DeviceError> {
+        self.finish(&mut [])
     }
 
     fn read_now(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
