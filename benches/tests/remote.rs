@@ -57,10 +57,13 @@ fn every_remote_topic_runs_on_the_memory_device() {
     }
     // The remote topic's rows: BATCH, 4 transfers, the chain (no local GPU:
     // one row), one launch, h2d and d2h each against raw quinn and TCP,
-    // raw striping up and down, the raw
-    // transports against each other (6); no spins.
+    // h2d and d2h over the bulk-data channel against QUIC, raw striping up
+    // and down, the raw transports against each other (6); no spins.
     let remote: Vec<_> = rows.iter().filter(|r| r.group == "remote").collect();
-    assert_eq!(remote.len(), 19, "{remote:#?}");
+    assert_eq!(remote.len(), 21, "{remote:#?}");
+    assert!(remote
+        .iter()
+        .any(|r| r.metric.contains("bulk-data channel (TLS over TCP) vs QUIC")));
     // Raw against raw carries no goal.
     for r in remote.iter().filter(|r| r.metric.starts_with("raw quinn")) {
         assert_eq!(r.goal, Goal::None, "{}", r.metric);
