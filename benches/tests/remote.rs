@@ -61,9 +61,9 @@ fn every_remote_topic_runs_on_the_memory_device() {
     // and down, the raw transports against each other (6); no spins.
     let remote: Vec<_> = rows.iter().filter(|r| r.group == "remote").collect();
     assert_eq!(remote.len(), 21, "{remote:#?}");
-    assert!(remote
-        .iter()
-        .any(|r| r.metric.contains("bulk-data channel (TLS over TCP) vs QUIC")));
+    assert!(remote.iter().any(|r| r
+        .metric
+        .contains("bulk-data channel (TLS over TCP) vs QUIC")));
     // Raw against raw carries no goal.
     for r in remote.iter().filter(|r| r.metric.starts_with("raw quinn")) {
         assert_eq!(r.goal, Goal::None, "{}", r.metric);
