@@ -10,8 +10,8 @@ use super::Codec;
 // Named by the docs of `Opcode`.
 #[cfg(doc)]
 use super::{
-    Batch, BatchReply, GpuSubmit, Hello, IdOp, Inventory, LeaseAlloc, LeaseGrant, LeaseRef,
-    LeaseRenew, LeaseStatus, MemAlloc, MemRead, MemWrite,
+    Batch, BatchReply, BulkOpen, BulkTickets, GpuSubmit, Hello, IdOp, Inventory, LeaseAlloc,
+    LeaseGrant, LeaseRef, LeaseRenew, LeaseStatus, MemAlloc, MemRead, MemWrite,
 };
 
 /// The four magic bytes that open every frame.
