@@ -148,8 +148,8 @@ pub use cuda_async_macros::kernels;
 pub use cuda_core::GraphUpdate;
 pub use cuda_core::{
     can_access_peer, cudarc, device_count, devices, driver_present, nvrtc_compilations,
-    Credentials, CudaStream, Device, DeviceInfo, DeviceRepr, Disconnect, Error, Kernel,
-    LaunchConfig, Module, ModuleSource, PinnedBuffer, RemoteError, RemoteErrorKind, Result,
+    Credentials, CudaStream, Device, DeviceAttribute, DeviceInfo, DeviceRepr, Disconnect, Error,
+    Kernel, LaunchConfig, Module, ModuleSource, PinnedBuffer, RemoteError, RemoteErrorKind, Result,
     ValidAsZeroBits,
 };
 pub use future::{run_on, DeviceFuture};

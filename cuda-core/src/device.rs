@@ -82,7 +82,35 @@ pub struct DeviceInfo {
     pub total_memory: usize,
     /// Free device memory in bytes at the time of the query.
     pub free_memory: usize,
+    /// Streaming multiprocessors (SMs).
+    pub multiprocessors: u32,
+    /// Threads per warp.
+    pub warp_size: u32,
+    /// Most threads in one block.
+    pub max_threads_per_block: u32,
+    /// Most threads resident on one multiprocessor.
+    pub max_threads_per_multiprocessor: u32,
+    /// Shared memory one block may use without opting in, in bytes.
+    pub shared_memory_per_block: usize,
+    /// Shared memory one block may use when its kernel opts in to more
+    /// (`cuFuncSetAttribute`), in bytes.
+    pub shared_memory_per_block_optin: usize,
+    /// Shared memory of one multiprocessor, in bytes.
+    pub shared_memory_per_multiprocessor: usize,
+    /// L2 cache, in bytes.
+    pub l2_cache_bytes: usize,
+    /// Width of the memory bus, in bits.
+    pub memory_bus_width_bits: u32,
+    /// Peak SM clock in kHz (`None` where the driver no longer reports it).
+    pub clock_khz: Option<u32>,
+    /// Peak memory clock in kHz (`None` where the driver no longer reports
+    /// it).
+    pub memory_clock_khz: Option<u32>,
 }
+
+/// A device attribute for [`Device::attribute`] (the driver's
+/// `CUdevice_attribute`).
+pub use cudarc::driver::sys::CUdevice_attribute as DeviceAttribute;
 
 fn contexts() -> &'static Mutex<Vec<Option<Device>>> {
     static CONTEXTS: OnceLock<Mutex<Vec<Option<Device>>>> = OnceLock::new();
@@ -199,16 +227,60 @@ impl Device {
     /// # Errors
     /// A driver error if a query fails.
     pub fn info(&self) -> Result<DeviceInfo> {
+        use DeviceAttribute as A;
         let name = self.ctx.name().call("cuDeviceGetName")?;
         let (major, minor) = self.ctx.compute_capability().call("cuDeviceGetAttribute")?;
         let (free_memory, total_memory) = self.ctx.mem_get_info().call("cuMemGetInfo")?;
+        let count = |a: A| self.attribute(a).map(|v| v.max(0) as u32);
+        let bytes = |a: A| self.attribute(a).map(|v| v.max(0) as usize);
         Ok(DeviceInfo {
             ordinal: self.ordinal(),
             name,
             compute_capability: (major as u32, minor as u32),
             total_memory,
             free_memory,
+            multiprocessors: count(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            warp_size: count(A::CU_DEVICE_ATTRIBUTE_WARP_SIZE)?,
+            max_threads_per_block: count(A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
+            max_threads_per_multiprocessor: count(
+                A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR,
+            )?,
+            shared_memory_per_block: bytes(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)?,
+            shared_memory_per_block_optin: bytes(
+                A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )?,
+            shared_memory_per_multiprocessor: bytes(
+                A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+            )?,
+            l2_cache_bytes: bytes(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?,
+            memory_bus_width_bits: count(A::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)?,
+            // Deprecated attributes: a driver may stop answering them.
+            clock_khz: count(A::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
+                .ok()
+                .filter(|&v| v > 0),
+            memory_clock_khz: count(A::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)
+                .ok()
+                .filter(|&v| v > 0),
         })
+    }
+
+    /// One attribute of the device, as the driver reports it
+    /// (`cuDeviceGetAttribute`): for the ones [`DeviceInfo`] does not hold.
+    ///
+    /// # Errors
+    /// A driver error, named (an attribute this driver does not know).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_core::{Device, DeviceAttribute};
+    /// let dev = Device::new(0)?;
+    /// let async_engines = dev.attribute(DeviceAttribute::CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT)?;
+    /// println!("{async_engines} copy engines");
+    /// # Ok::<(), cuda_core::Error>(())
+    /// ```
+    pub fn attribute(&self, attribute: DeviceAttribute) -> Result<i32> {
+        self.ctx.attribute(attribute).call("cuDeviceGetAttribute")
     }
 
     /// `(major, minor)` compute capability.

@@ -40,7 +40,9 @@ pub use arena::{ArenaRead, ArenaSlot, StagingArena, ARENA_ALIGN};
 pub use args::{ArgList, Args};
 pub use buffer::{can_access_peer, AnyBitPattern, DeviceBuffer};
 pub use callback::launch_host_callback;
-pub use device::{device_count, devices, driver_present, nvrtc_present, Device, DeviceInfo};
+pub use device::{
+    device_count, devices, driver_present, nvrtc_present, Device, DeviceAttribute, DeviceInfo,
+};
 pub use error::{is_sticky, panic_message, Error, Result};
 pub use graph::{Graph, GraphUpdate, TrackedGraph};
 pub use module::{

@@ -577,3 +577,29 @@ fn launches_from_run_time_argument_lists_are_checked_and_reuse_their_storage() {
         "refused launches ran nothing"
     );
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn device_info_reports_the_numbers_programs_size_work_by() {
+    use cuda_core::DeviceAttribute as A;
+    let dev = Device::new(0).unwrap();
+    let info = dev.info().unwrap();
+    println!("{info:#?}");
+    // Every NVIDIA GPU this library runs on (compute capability 7.0 and up).
+    assert_eq!(info.warp_size, 32);
+    assert_eq!(info.max_threads_per_block, 1024);
+    assert_eq!(info.shared_memory_per_block, 48 << 10);
+    assert!(info.shared_memory_per_block_optin >= info.shared_memory_per_block);
+    assert!(info.shared_memory_per_multiprocessor >= info.shared_memory_per_block_optin);
+    assert!(info.max_threads_per_multiprocessor >= 1024);
+    assert!(info.multiprocessors > 0 && info.l2_cache_bytes > 0 && info.memory_bus_width_bits > 0);
+    // The typed query answers what the fields hold, and what they do not.
+    let sms = dev
+        .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .unwrap();
+    assert_eq!(sms as u32, info.multiprocessors);
+    let engines = dev
+        .attribute(A::CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT)
+        .unwrap();
+    assert!(engines >= 1, "{engines} copy engines");
+}

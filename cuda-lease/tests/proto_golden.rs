@@ -136,6 +136,11 @@ fn bodies_golden() {
                 total_bytes: 1000,
                 free_bytes: 300,
                 compute_capability: (9, 0),
+                limits: cuda_lease::proto::DeviceLimits {
+                    multiprocessors: 132,
+                    warp_size: 32,
+                    ..Default::default()
+                },
             }],
             reservable_bytes: 200,
             active_leases: 2,

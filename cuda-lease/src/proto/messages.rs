@@ -214,6 +214,37 @@ pub struct DeviceInfo {
     pub free_bytes: u64,
     /// Compute capability (major, minor).
     pub compute_capability: (u32, u32),
+    /// The numbers programs size their work by.
+    pub limits: DeviceLimits,
+}
+
+/// The numbers programs size their work by, as a node's device reports
+/// them (`cuda_core::DeviceInfo`'s); 0 for what is not known (the
+/// in-memory device knows none).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceLimits {
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// Threads per warp.
+    pub warp_size: u32,
+    /// Most threads in one block.
+    pub max_threads_per_block: u32,
+    /// Most threads resident on one multiprocessor.
+    pub max_threads_per_multiprocessor: u32,
+    /// Shared memory one block may use without opting in, in bytes.
+    pub shared_memory_per_block: u32,
+    /// Shared memory one block may use when its kernel opts in, in bytes.
+    pub shared_memory_per_block_optin: u32,
+    /// Shared memory of one multiprocessor, in bytes.
+    pub shared_memory_per_multiprocessor: u32,
+    /// L2 cache, in bytes.
+    pub l2_cache_bytes: u32,
+    /// Width of the memory bus, in bits.
+    pub memory_bus_width_bits: u32,
+    /// Peak SM clock in kHz.
+    pub clock_khz: u32,
+    /// Peak memory clock in kHz.
+    pub memory_clock_khz: u32,
 }
 
 /// GET_INVENTORY reply.

@@ -43,10 +43,10 @@ pub use frame::{
     CLOSE_NODE_SHUTDOWN, FLAG_REPLY, HEADER_LEN, MAGIC, SMALL_FRAME, VERSION,
 };
 pub use messages::{
-    BatchReply, BulkOpen, BulkTickets, DeviceInfo, ErrorBody, GpuSubmit, Hello, HelloOk, Id, IdOp,
-    Inventory, KernelArg, LaunchSpec, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew,
-    LeaseState, LeaseStatus, MemAlloc, MemRead, MemWrite, ModuleHash, OpError, SourceKind,
-    StreamId, BULK_TICKET_LEN, MAX_BULK_TICKETS, MAX_MODULE_OPTIONS, MAX_OPTION_LEN,
+    BatchReply, BulkOpen, BulkTickets, DeviceInfo, DeviceLimits, ErrorBody, GpuSubmit, Hello,
+    HelloOk, Id, IdOp, Inventory, KernelArg, LaunchSpec, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef,
+    LeaseRenew, LeaseState, LeaseStatus, MemAlloc, MemRead, MemWrite, ModuleHash, OpError,
+    SourceKind, StreamId, BULK_TICKET_LEN, MAX_BULK_TICKETS, MAX_MODULE_OPTIONS, MAX_OPTION_LEN,
 };
 
 /// Most kernel arguments a launch may carry.

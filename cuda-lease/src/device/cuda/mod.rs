@@ -149,6 +149,19 @@ impl Device for CudaDevice {
             total_bytes: total as u64,
             free_bytes: free as u64,
             compute_capability: info.compute_capability,
+            limits: crate::proto::DeviceLimits {
+                multiprocessors: info.multiprocessors,
+                warp_size: info.warp_size,
+                max_threads_per_block: info.max_threads_per_block,
+                max_threads_per_multiprocessor: info.max_threads_per_multiprocessor,
+                shared_memory_per_block: info.shared_memory_per_block as u32,
+                shared_memory_per_block_optin: info.shared_memory_per_block_optin as u32,
+                shared_memory_per_multiprocessor: info.shared_memory_per_multiprocessor as u32,
+                l2_cache_bytes: info.l2_cache_bytes as u32,
+                memory_bus_width_bits: info.memory_bus_width_bits,
+                clock_khz: info.clock_khz.unwrap_or(0),
+                memory_clock_khz: info.memory_clock_khz.unwrap_or(0),
+            },
         })
     }
 

@@ -110,6 +110,7 @@ impl Device for MemoryDevice {
             total_bytes: self.capacity,
             free_bytes: self.capacity - self.used,
             compute_capability: (0, 0),
+            limits: Default::default(),
         })
     }
 
