@@ -292,6 +292,13 @@ async fn submit_iota_and_vadd() {
     let client = fx.client();
     let inv = client.inventory().await.unwrap();
     eprintln!("device: {:?}", inv.devices);
+    // The node reports what its GPU's programs size their work by, as the
+    // local `DeviceInfo` does.
+    let local = cuda_core::Device::new(0).unwrap().info().unwrap();
+    let l = inv.devices[0].limits;
+    assert_eq!(l.multiprocessors, local.multiprocessors);
+    assert_eq!((l.warp_size, l.max_threads_per_block), (32, 1024), "{l:?}");
+    assert_eq!(l.l2_cache_bytes as usize, local.l2_cache_bytes);
     let n = (1 << 20) + 17;
     check_iota(&client.gpu_call(&iota_call(n)).await.unwrap(), n);
 

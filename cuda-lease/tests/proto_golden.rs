@@ -145,7 +145,7 @@ fn bodies_golden() {
             reservable_bytes: 200,
             active_leases: 2,
         },
-        "016e01000148e807ac020900c80102",
+        "016e01000148e807ac020900840120000000000000000000c80102",
     );
     golden(
         LeaseAlloc {
