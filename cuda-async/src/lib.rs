@@ -72,7 +72,7 @@ mod sync;
 mod waker;
 
 pub use buffer::DeviceBuffer;
-pub use combinators::{join_all, value, with_context, zip_all, BoxedOp, Shared};
+pub use combinators::{join_all, value, with_context, zip_all, BoxedOp, GpuTime, Shared, Timed};
 pub use context::ExecutionContext;
 /// Typed launchers for the kernels of a CUDA C file, generated at compile
 /// time.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cuda_core::cudarc::driver::CudaStream;
 use cuda_core::Result;
 
-use crate::combinators::{Boxed, Map, Shared, Then, Zip};
+use crate::combinators::{Boxed, Map, Shared, Then, Timed, Zip};
 use crate::context::ExecutionContext;
 use crate::exec::IdleSync;
 use crate::future::DeviceFuture;
@@ -137,6 +137,26 @@ pub trait DeviceOpExt: DeviceOp {
         F: FnOnce(<Self as DeviceOp>::Output) -> B + Send,
     {
         Then::new(self, f)
+    }
+
+    /// Measures on the GPU the time this op's work takes: an event before
+    /// and after it on its stream (work it forks onto other streams joins
+    /// back before the end). The output comes with a [`GpuTime`](crate::GpuTime), whose
+    /// [`elapsed`](crate::GpuTime::elapsed) is known once the stream has passed
+    /// the end (after `.sync()` or `.await`). Not on a remote policy yet
+    /// (`Error::NeedsLocalStream` naming `timed`), nor inside a graph
+    /// capture (`Error::Capture`).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_async::prelude::*;
+    /// let (buf, t) = zeros::<f32>(1 << 24).timed().sync()?;
+    /// println!("{} floats zeroed in {:?} of GPU time", buf.len(), t.elapsed()?);
+    /// # Ok::<(), cuda_async::Error>(())
+    /// ```
+    fn timed(self) -> Timed<Self> {
+        Timed::new(self)
     }
 
     /// Transforms the output on the host (when enqueued, like `then`).

@@ -1255,3 +1255,47 @@ fn a_device_pool_spreads_zip_arms_over_devices() {
         "after the drop: {loads:?}"
     );
 }
+
+/// `timed` measures a 1 ms spin within 10 % (its own `%globaltimer`
+/// stamps are the reference), and a zip of two overlapping 1 ms spins as
+/// one span that covers both arms.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn timed_measures_a_one_ms_spin_on_the_gpu_within_ten_percent() {
+    let pool = local();
+    let k = kernels();
+    let ms = 1_000_000u64;
+    // Warm up (module load, pools).
+    let _ = suite::spin_op(&k.spin, 1000)
+        .timed()
+        .sync_with(&*pool)
+        .unwrap();
+    let (stamps, t) = suite::spin_op(&k.spin, ms)
+        .timed()
+        .sync_with(&*pool)
+        .unwrap();
+    let (start, end) = suite::stamps(&*pool, stamps);
+    let spun = Duration::from_nanos(end - start);
+    let timed = t.elapsed().unwrap();
+    println!("1 ms spin: timed {timed:?}, its own stamps {spun:?}");
+    assert!(spun >= Duration::from_millis(1));
+    let ratio = timed.as_secs_f64() / spun.as_secs_f64();
+    assert!(
+        (0.9..=1.1).contains(&ratio),
+        "timed {timed:?} vs spun {spun:?}"
+    );
+    // Two arms forked onto other streams join back before the end.
+    let ((a, b), t) = suite::spin_op(&k.spin, ms)
+        .zip(suite::spin_op(&k.spin, ms))
+        .timed()
+        .sync_with(&*pool)
+        .unwrap();
+    let ((a0, a1), (b0, b1)) = (suite::stamps(&*pool, a), suite::stamps(&*pool, b));
+    let span = Duration::from_nanos(a1.max(b1) - a0.min(b0));
+    let timed = t.elapsed().unwrap();
+    println!("zip of two 1 ms spins: timed {timed:?}, the arms' span {span:?}");
+    assert!(
+        timed >= span.mul_f64(0.9),
+        "timed {timed:?} vs span {span:?}"
+    );
+}

@@ -240,6 +240,20 @@ async fn every_remote_failure_is_a_matchable_error() {
         }
         other => panic!("{other}"),
     }
+    // GPU timing is local only for now: `timed` says so, naming itself.
+    let e = zeros::<u8>(16)
+        .timed()
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap_err();
+    match &e {
+        Error::NeedsLocalStream { op, context } => {
+            assert!(op.contains("timed"), "{e}");
+            assert!(context.contains("lease"), "{e}");
+        }
+        other => panic!("{other}"),
+    }
 
     // Expiry, on a fresh lease.
     let short = Lease::builder()
