@@ -1280,10 +1280,13 @@ fn timed_measures_a_one_ms_spin_on_the_gpu_within_ten_percent() {
     println!("1 ms spin: timed {timed:?}, its own stamps {spun:?}");
     assert!(spun >= Duration::from_millis(1));
     let ratio = timed.as_secs_f64() / spun.as_secs_f64();
-    assert!(
-        (0.9..=1.1).contains(&ratio),
-        "timed {timed:?} vs spun {spun:?}"
-    );
+    // A sanitizer instruments the op's other work (its memset): there the
+    // time may only be longer.
+    let ok = match under_sanitizer() {
+        None => (0.9..=1.1).contains(&ratio),
+        Some(_) => ratio >= 0.9,
+    };
+    assert!(ok, "timed {timed:?} vs spun {spun:?}");
     // Two arms forked onto other streams join back before the end.
     let ((a, b), t) = suite::spin_op(&k.spin, ms)
         .zip(suite::spin_op(&k.spin, ms))
