@@ -108,6 +108,112 @@ pub(crate) fn run_blocking<O: DeviceOp>(
     }
 }
 
+/// [`run_blocking`] that waits at most `timeout` for the GPU: after it,
+/// [`Error::Timeout`], with the values the work uses released only once
+/// the stream has passed it (the output's buffers order their own frees
+/// after the work).
+pub(crate) fn run_blocking_timeout<O: DeviceOp>(
+    op: O,
+    mut ctx: ExecutionContext,
+    idle: IdleSync,
+    timeout: std::time::Duration,
+) -> Result<<O as DeviceOp>::Output> {
+    if ctx.is_remote() {
+        return run_blocking_remote_timeout(op, ctx, timeout);
+    }
+    check_poison()?;
+    // SAFETY: on success we synchronize the stream before returning the
+    // output or dropping the retained values; on a timeout the retained
+    // values go to the reclaimer, released after the stream passes the
+    // work, and the output's buffers wait for the work themselves.
+    let out = unsafe { execute_guarded(op, &mut ctx) };
+    let retained = ctx.take_retained();
+    if idle == IdleSync::Skip && !ctx.touched() {
+        drop(retained);
+        return out.map_err(note);
+    }
+    let stream = ctx.stream().expect("a local context").clone();
+    let (tx, rx) = std::sync::mpsc::sync_channel::<()>(1);
+    let signalled = cuda_core::launch_host_callback(&stream, move || {
+        let _ = tx.send(());
+    });
+    if signalled.is_ok() {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(timeout) {
+            release_after(&ctx, retained);
+            drop(out);
+            return Err(Error::Timeout { waited: timeout });
+        }
+    }
+    // Passed (or the signal could not be sent): the synchronize returns at
+    // once, with the stream's error if the work failed.
+    let synced = stream
+        .synchronize()
+        .map_err(|e| note(Error::driver("cuStreamSynchronize", e)));
+    match synced {
+        Ok(()) => {
+            drop(retained);
+            out.map_err(note)
+        }
+        Err(e) => {
+            std::mem::forget(retained);
+            drop(out);
+            Err(e)
+        }
+    }
+}
+
+/// [`run_blocking_remote`] that waits at most `timeout` for the reply;
+/// after it, [`Error::Timeout`] (the submission stays sent; its reply is
+/// dropped when it comes).
+fn run_blocking_remote_timeout<O: DeviceOp>(
+    op: O,
+    mut ctx: ExecutionContext,
+    timeout: std::time::Duration,
+) -> Result<<O as DeviceOp>::Output> {
+    // SAFETY: as in `run_blocking_remote`; the output's host data is
+    // reachable only once its reply has arrived, which a timeout forgoes.
+    let out = unsafe { execute_guarded(op, &mut ctx) };
+    let done = remote::send(&mut ctx);
+    let retained = ctx.take_retained();
+    let out = out?;
+    if let Some((done, on_reply)) = done {
+        let deadline = std::time::Instant::now() + timeout;
+        if !wait_blocking_until(done.completion(), deadline)? {
+            return Err(Error::Timeout { waited: timeout });
+        }
+        on_reply.run();
+    }
+    drop(retained);
+    Ok(out)
+}
+
+/// [`wait_blocking`] until `deadline`: whether `c` finished by then.
+fn wait_blocking_until(c: &Arc<Completion>, deadline: std::time::Instant) -> Result<bool> {
+    struct Unpark(Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(thread::current())));
+    loop {
+        match c.poll_status(&waker) {
+            Status::Done => return Ok(true),
+            Status::Failed => return Err(c.error()),
+            Status::Pending => {
+                let now = std::time::Instant::now();
+                if now >= deadline {
+                    return Ok(false);
+                }
+                thread::park_timeout(deadline - now);
+            }
+        }
+    }
+}
+
 /// # Safety
 /// See `DeviceOpExt::async_on`.
 pub(crate) unsafe fn run_detached<O: DeviceOp>(

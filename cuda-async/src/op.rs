@@ -256,6 +256,45 @@ pub trait DeviceOpExt: DeviceOp {
         crate::exec::run_blocking(self, ctx, IdleSync::Skip)
     }
 
+    /// [`DeviceOpExt::sync`] that waits at most `timeout` for the GPU.
+    /// After it the op's work goes on: what it uses stays allocated until
+    /// it ends (the output's buffers wait for it before they are freed),
+    /// and the call returns [`Error::Timeout`](crate::Error::Timeout).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`](crate::Error::Timeout); as [`DeviceOpExt::sync`].
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use cuda_async::prelude::*;
+    /// match zeros::<f32>(1 << 20).sync_timeout(Duration::from_secs(1)) {
+    ///     Ok(buf) => println!("{} floats", buf.len()),
+    ///     Err(cuda_async::Error::Timeout { waited }) => eprintln!("still running after {waited:?}"),
+    ///     Err(e) => return Err(e),
+    /// }
+    /// # Ok::<(), cuda_async::Error>(())
+    /// ```
+    fn sync_timeout(self, timeout: std::time::Duration) -> Result<<Self as DeviceOp>::Output> {
+        let ctx = default_policy()?.select_for_thread();
+        crate::exec::run_blocking_timeout(self, ctx, IdleSync::Skip, timeout)
+    }
+
+    /// [`DeviceOpExt::sync_with`] that waits at most `timeout`, as
+    /// [`DeviceOpExt::sync_timeout`] does (remotely: for the reply; the
+    /// submission stays sent and its reply is dropped when it comes).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`](crate::Error::Timeout); as [`DeviceOpExt::sync_with`].
+    fn sync_with_timeout<P: SchedulingPolicy + ?Sized>(
+        self,
+        policy: &P,
+        timeout: std::time::Duration,
+    ) -> Result<<Self as DeviceOp>::Output> {
+        crate::exec::run_blocking_timeout(self, policy.select()?, IdleSync::Skip, timeout)
+    }
+
     /// Runs the op on `stream` (which other code may have created: interop
     /// with other CUDA libraries) and blocks until the stream is done:
     /// it synchronizes `stream` even when the op enqueued nothing, so work

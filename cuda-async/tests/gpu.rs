@@ -1302,3 +1302,38 @@ fn timed_measures_a_one_ms_spin_on_the_gpu_within_ten_percent() {
         "timed {timed:?} vs span {span:?}"
     );
 }
+
+/// `sync_timeout` returns at its bound while a 200 ms spin runs on; the
+/// spin's buffer (dropped with the error) is freed only after the spin,
+/// which then finishes, and the pool works after it.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn sync_timeout_returns_at_its_bound_and_the_work_finishes_safely() {
+    let pool = local();
+    let k = kernels();
+    let _ = suite::spin_op(&k.spin, 1000).sync_with(&*pool).unwrap();
+    let t = Instant::now();
+    let e = suite::spin_op(&k.spin, 200_000_000)
+        .sync_with_timeout(&*pool, Duration::from_millis(10))
+        .unwrap_err();
+    let waited = t.elapsed();
+    assert!(matches!(e, cuda_async::Error::Timeout { .. }), "{e}");
+    assert!(
+        waited < Duration::from_millis(150),
+        "returned after {waited:?}"
+    );
+    // In time: the output.
+    let (a, b) = suite::stamps(
+        &*pool,
+        suite::spin_op(&k.spin, 1_000_000)
+            .sync_with_timeout(&*pool, Duration::from_secs(10))
+            .unwrap(),
+    );
+    assert!(b - a >= 1_000_000);
+    // The timed-out spin ends; the device drains without an error.
+    cuda_async::Device::new(0)
+        .unwrap()
+        .context()
+        .synchronize()
+        .unwrap();
+}

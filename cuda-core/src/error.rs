@@ -99,6 +99,12 @@ pub enum Error {
         /// Where the op runs.
         context: String,
     },
+    /// A wait with a time bound (`sync_timeout`) ran out: the work goes
+    /// on, and the memory it uses stays allocated until it ends.
+    Timeout {
+        /// How long the caller waited.
+        waited: std::time::Duration,
+    },
 }
 
 impl From<RemoteError> for Error {
@@ -309,6 +315,11 @@ impl fmt::Display for Error {
                 "a buffer of {buffer} is used by an op that runs on {context} (run the op \
                  where the buffer lives, or move the data with d2h and h2d)"
             ),
+            Error::Timeout { waited } => write!(
+                f,
+                "the GPU work did not finish within {waited:?}; it goes on, and what it uses \
+                 stays allocated until it ends (wait longer, or check the work's size)"
+            ),
             Error::SharedPoisoned => {
                 write!(
                     f,
@@ -458,6 +469,13 @@ mod tests {
                 false,
             ),
             (Error::SharedPoisoned, "build the op again", false),
+            (
+                Error::Timeout {
+                    waited: std::time::Duration::from_millis(5),
+                },
+                "wait longer",
+                false,
+            ),
             (
                 Error::Capture(s("cuStreamSynchronize")),
                 "capture only",

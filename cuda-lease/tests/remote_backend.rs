@@ -756,3 +756,41 @@ async fn device_futures_compose_with_the_futures_crate() {
     assert_eq!(total, inputs.iter().map(|(x, _, _)| x.len()).sum::<usize>());
     fx.free_and_shutdown().await;
 }
+
+#[test]
+fn a_blocking_wait_with_a_timeout_returns_while_the_submission_still_runs() {
+    let node_rt = tokio::runtime::Runtime::new().unwrap();
+    let fx = node_rt.block_on(Fixture::memory(1 << 22).start());
+    let node = &fx.node;
+    let builder = Lease::builder()
+        .min_vram(1 << 20)
+        .config(client_config(node));
+    let lease = RemoteLease::connect_blocking(builder, node.addr()).unwrap();
+    let remote = RemotePolicy::new(&lease);
+    // Done in time: the output, as with `sync_with`.
+    let v = h2d(vec![5u8; 64])
+        .then(d2h)
+        .sync_with_timeout(&remote, Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(v.to_vec().unwrap(), vec![5u8; 64]);
+    // A submission that never ends on the node: the wait ends at its bound.
+    let hang = Module::cuda(HANG, &[]).unwrap().kernel("__hang").unwrap();
+    let t = std::time::Instant::now();
+    // SAFETY: the host double's hang kernel touches nothing.
+    let e = unsafe { launch(&hang, cfg(1), ()) }
+        .sync_with_timeout(&remote, Duration::from_millis(200))
+        .unwrap_err();
+    let waited = t.elapsed();
+    assert!(
+        matches!(e, Error::Timeout { waited } if waited == Duration::from_millis(200)),
+        "{e}"
+    );
+    assert!(e.to_string().contains("wait longer"), "{e}");
+    assert!(
+        waited >= Duration::from_millis(200) && waited < Duration::from_secs(5),
+        "returned after {waited:?}"
+    );
+    drop(remote);
+    drop(lease);
+    node_rt.block_on(fx.shutdown());
+}
