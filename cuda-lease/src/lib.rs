@@ -92,6 +92,7 @@ mod shm;
 pub mod spin;
 pub mod tls;
 pub mod transport;
+pub mod units;
 #[cfg(feature = "node")]
 pub mod worker;
 

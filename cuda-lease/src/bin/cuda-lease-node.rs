@@ -60,33 +60,36 @@ struct Args {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
-    /// Use the in-memory test double with this many bytes instead of a GPU (it runs the test
-    /// kernels of `cuda_lease::ptx` on the host; other kernels do nothing).
-    #[arg(long)]
+    /// Use the in-memory test double with this much memory instead of a GPU (`1G`, `512M`, or
+    /// bytes; it runs the test kernels of `cuda_lease::ptx` on the host; other kernels do
+    /// nothing).
+    #[arg(long, value_parser = cuda_lease::units::parse_bytes)]
     memory_device: Option<u64>,
-    /// Bytes leases may reserve in total (default: free memory at start minus headroom).
-    #[arg(long)]
+    /// Memory leases may reserve in total (`70G`, or bytes; default: free memory at start
+    /// minus headroom).
+    #[arg(long, value_parser = cuda_lease::units::parse_bytes)]
     capacity: Option<u64>,
-    /// Longest TTL granted, in seconds.
-    #[arg(long, default_value_t = 3600)]
-    max_ttl: u64,
+    /// Longest TTL granted (`1h`, `90s`, or seconds).
+    #[arg(long, default_value = "1h", value_parser = cuda_lease::units::parse_secs)]
+    max_ttl: Duration,
     /// Worker processes for GPU_SUBMIT.
     #[arg(long, default_value_t = 2)]
     submit_workers: usize,
     /// Workers started ahead of LEASE_ALLOC.
     #[arg(long, default_value_t = 1)]
     prestart: usize,
-    /// Seconds a worker may take for one request before it is deemed hung.
-    #[arg(long, default_value_t = 60)]
-    op_timeout: u64,
+    /// How long a worker may take for one request before it is deemed hung (`60s`, `2m`, or
+    /// seconds).
+    #[arg(long, default_value = "60s", value_parser = cuda_lease::units::parse_secs)]
+    op_timeout: Duration,
     /// A folder of CUDA headers tenants' CUDA C may `#include` (repeat for
     /// several; for example the toolkit's `include`). The compiler can read
     /// these folders and no other file of this machine.
     #[arg(long = "cuda-include")]
     cuda_include: Vec<PathBuf>,
-    /// Milliseconds one CUDA C compile may take before it is killed.
-    #[arg(long, default_value_t = 5000)]
-    compile_timeout_ms: u64,
+    /// How long one CUDA C compile may take before it is killed (`5s`, or milliseconds).
+    #[arg(long, default_value = "5000", value_parser = cuda_lease::units::parse_millis)]
+    compile_timeout_ms: Duration,
     /// Node name reported to clients.
     #[arg(long, default_value = "cuda-lease-node")]
     name: String,
@@ -141,7 +144,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         worker.spin = std::time::Duration::from_micros(us);
     }
     worker.compile.include_dirs = args.cuda_include;
-    worker.compile.timeout = Duration::from_millis(args.compile_timeout_ms);
+    worker.compile.timeout = args.compile_timeout_ms;
     let mut cfg = NodeConfig::new(worker);
     cfg.listen = args.listen;
     cfg.metrics_listen = args.metrics_listen;
@@ -154,10 +157,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         // No worker contexts to keep memory back for on the test double.
         cfg.headroom = 0;
     }
-    cfg.max_ttl = Duration::from_secs(args.max_ttl);
+    cfg.max_ttl = args.max_ttl;
     cfg.submit_workers = args.submit_workers;
     cfg.prestart_workers = args.prestart;
-    cfg.op_timeout = Duration::from_secs(args.op_timeout);
+    cfg.op_timeout = args.op_timeout;
     cfg.transport = args.transport.settings()?;
     if let Some(t) = args.tokens {
         cfg.tokens.extend(
@@ -239,6 +242,32 @@ async fn wait_for_signal() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_and_durations_take_units_and_plain_numbers_keep_their_meaning() {
+        let a = Args::parse_from([
+            "cuda-lease-node",
+            "--dev",
+            "--memory-device",
+            "1G",
+            "--max-ttl",
+            "90s",
+            "--op-timeout",
+            "2m",
+            "--compile-timeout-ms",
+            "5s",
+        ]);
+        assert_eq!(a.memory_device, Some(1 << 30));
+        assert_eq!(a.max_ttl, Duration::from_secs(90));
+        assert_eq!(a.op_timeout, Duration::from_secs(120));
+        assert_eq!(a.compile_timeout_ms, Duration::from_secs(5));
+        let a = Args::parse_from(["cuda-lease-node", "--dev", "--capacity", "4096"]);
+        assert_eq!(a.capacity, Some(4096));
+        assert_eq!(a.max_ttl, Duration::from_secs(3600));
+        assert_eq!(a.compile_timeout_ms, Duration::from_millis(5000));
+        let e = Args::try_parse_from(["cuda-lease-node", "--dev", "--max-ttl", "1w"]).unwrap_err();
+        assert!(e.to_string().contains("unknown duration unit"), "{e}");
+    }
 
     #[test]
     fn transport_flags_reach_the_settings() {

@@ -41,8 +41,8 @@ enum Cmd {
     Inventory,
     /// Lease VRAM, print the lease, hold it, then free it.
     Alloc {
-        /// Bytes to reserve.
-        #[arg(long)]
+        /// Memory to reserve (`1G`, `512M`, or bytes).
+        #[arg(long, value_parser = cuda_lease::units::parse_bytes)]
         min_vram: u64,
         /// TTL in seconds.
         #[arg(long, default_value_t = 60)]
