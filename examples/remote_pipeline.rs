@@ -63,6 +63,20 @@ struct Args {
     cert: Option<PathBuf>,
 }
 
+const USAGE: &str = "\
+remote_pipeline: runs one pipeline (a * x + y on 1M floats) on the local GPU and on a GPU
+leased from a node, checks both against the CPU and prints their times.
+
+usage: remote_pipeline [--node ADDR --token TOKEN --cert PEM]
+
+  --node ADDR    a lease node (host:port); without it an embedded node starts on
+                 127.0.0.1, on this machine's GPU or, without one, on the in-memory
+                 test device (the remote half then runs without a GPU)
+  --token TOKEN  the node's bearer token
+  --cert PEM     the node's certificate (the file `cuda-lease-node --dev` writes)
+  -h, --help     this text
+";
+
 fn args() -> Result<Args, Box<dyn Error>> {
     let mut a = Args {
         node: None,
@@ -76,7 +90,11 @@ fn args() -> Result<Args, Box<dyn Error>> {
             "--node" => a.node = Some(value()?.parse()?),
             "--token" => a.token = Some(value()?),
             "--cert" => a.cert = Some(value()?.into()),
-            other => return Err(format!("unknown argument {other}").into()),
+            "-h" | "--help" => {
+                print!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other} (--help lists them)").into()),
         }
     }
     Ok(a)

@@ -107,6 +107,9 @@ pub fn init_log(default: &str) {
         .with(
             tracing_subscriber::fmt::layer()
                 .with_writer(std::io::stderr)
+                // Colour only on a terminal: a log file or journal gets
+                // plain text.
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .with_filter(log_filter(default)),
         )
         .with(layer())
