@@ -55,6 +55,7 @@ mod completion;
 mod context;
 mod exec;
 mod future;
+mod globals;
 pub mod graph;
 mod handoff;
 mod host;
@@ -153,6 +154,7 @@ pub use cuda_core::{
     ValidAsZeroBits,
 };
 pub use future::{run_on, DeviceFuture};
+pub use globals::{read_global, write_global, ReadGlobal, WriteGlobal};
 pub use graph::{CudaGraph, DeviceScalar, GraphLaunch, SetScalar, UpdateOutput};
 pub use launch::{
     check_launch_config, launch, BufferIn, BufferOut, DynArg, DynArgs, KernelArg, KernelArgs,

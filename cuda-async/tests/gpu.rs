@@ -1337,3 +1337,43 @@ fn sync_timeout_returns_at_its_bound_and_the_work_finishes_safely() {
         .synchronize()
         .unwrap();
 }
+
+const COUNTER: &str = r#"
+__device__ unsigned counter;
+extern "C" __global__ void bump(unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) atomicAdd(&counter, 1u);
+}
+"#;
+
+/// A `__device__` counter: written, bumped by 1,000 threads, read back, in
+/// one chain; a missing global and a wrong size are errors naming them.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_device_global_is_written_bumped_by_a_kernel_and_read_back() {
+    use cuda_async::{read_global, write_global};
+    let pool = local();
+    let m = Module::cuda(COUNTER, &[]).unwrap();
+    let bump = m.kernel("bump").unwrap();
+    let n = 1000u32;
+    let m2 = m.clone();
+    let got = write_global(&m, "counter", vec![100u32])
+        // SAFETY: bump touches only the module's counter.
+        .then(move |()| unsafe { launch(&bump, cfg(n), (n,)) })
+        .then(move |_| read_global::<u32>(&m2, "counter"))
+        .sync_with(&*pool)
+        .unwrap();
+    assert_eq!(got.as_slice().unwrap(), &[100 + n]);
+    let e = read_global::<u32>(&m, "nope")
+        .sync_with(&*pool)
+        .unwrap_err();
+    assert!(e.to_string().contains("no global `nope`"), "{e}");
+    let e = write_global(&m, "counter", vec![1u64])
+        .sync_with(&*pool)
+        .unwrap_err();
+    assert!(e.to_string().contains("4 bytes; 8 bytes"), "{e}");
+    let e = read_global::<u64>(&m, "counter")
+        .sync_with(&*pool)
+        .unwrap_err();
+    assert!(e.to_string().contains("whole number"), "{e}");
+}

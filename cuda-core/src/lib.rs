@@ -46,8 +46,8 @@ pub use device::{
 pub use error::{is_sticky, panic_message, Error, Result};
 pub use graph::{Graph, GraphUpdate, TrackedGraph};
 pub use module::{
-    compile_ptx, fnv1a64, nvrtc_compilations, parse_ptx_entries, Kernel, Module, ModuleSource,
-    ParamClass, ParamSpec,
+    compile_ptx, fnv1a64, nvrtc_compilations, parse_ptx_entries, Kernel, Module, ModuleGlobal,
+    ModuleSource, ParamClass, ParamSpec,
 };
 pub use pinned::PinnedBuffer;
 pub use raw::stream_error;

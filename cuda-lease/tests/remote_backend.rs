@@ -240,6 +240,17 @@ async fn every_remote_failure_is_a_matchable_error() {
         }
         other => panic!("{other}"),
     }
+    // Module globals are local only for now: the op names itself.
+    let m = Module::cuda(KERNELS, &[]).unwrap();
+    let e = cuda_async::read_global::<u32>(&m, "counter")
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::NeedsLocalStream { op, .. } if op.contains("read_global")),
+        "{e}"
+    );
     // GPU timing is local only for now: `timed` says so, naming itself.
     let e = zeros::<u8>(16)
         .timed()
