@@ -26,9 +26,14 @@ struct Args {
     /// Bearer token.
     #[arg(long, env = "CUDA_LEASE_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// How long connecting to the node may take, in milliseconds.
-    #[arg(long, default_value_t = 5000)]
-    connect_timeout_ms: u64,
+    /// How long connecting to the node may take (`5s`, `500ms`, or milliseconds).
+    #[arg(
+        long,
+        visible_alias = "connect-timeout",
+        default_value = "5000",
+        value_parser = cuda_lease::units::parse_millis
+    )]
+    connect_timeout_ms: std::time::Duration,
     #[command(flatten)]
     transport: TransportArgs,
     #[command(subcommand)]
@@ -112,7 +117,7 @@ fn main() {
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut config = ClientConfig::from_pem_file(&args.cert)?.server_name(args.server_name);
     config.token = args.token;
-    config.connect_timeout = std::time::Duration::from_millis(args.connect_timeout_ms);
+    config.connect_timeout = args.connect_timeout_ms;
     config.transport = args.transport.settings()?;
     let client = std::sync::Arc::new(Client::connect(args.addr, &config).await?);
     match args.cmd {
@@ -234,6 +239,24 @@ fn write_output(out: Option<PathBuf>, bytes: &[u8]) -> Result<(), Box<dyn std::e
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_and_durations_take_units() {
+        let a = Args::parse_from(["cuda-lease", "inventory"]);
+        assert_eq!(a.connect_timeout_ms, std::time::Duration::from_millis(5000));
+        let a = Args::parse_from([
+            "cuda-lease",
+            "--connect-timeout",
+            "2s",
+            "alloc",
+            "--min-vram",
+            "512M",
+        ]);
+        assert_eq!(a.connect_timeout_ms, std::time::Duration::from_secs(2));
+        assert!(matches!(a.cmd, Cmd::Alloc { min_vram, .. } if min_vram == 512 << 20));
+        let a = Args::parse_from(["cuda-lease", "--connect-timeout-ms", "750", "inventory"]);
+        assert_eq!(a.connect_timeout_ms, std::time::Duration::from_millis(750));
+    }
 
     #[test]
     fn transport_flags_reach_the_settings() {
