@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::task::{Wake, Waker};
 use std::thread::{self, Thread};
 
-use cuda_core::{Error, Result};
+use cuda_core::{CudaStream, Error, Result};
 
 use crate::completion::{watchdog, Completion, Status};
 use crate::context::{ExecutionContext, Retained};
@@ -76,7 +76,7 @@ pub(crate) fn run_blocking<O: DeviceOp>(
     idle: IdleSync,
 ) -> Result<<O as DeviceOp>::Output> {
     if ctx.is_remote() {
-        return run_blocking_remote(op, ctx);
+        return run_blocking_remote(op, ctx, None);
     }
     check_poison()?;
     // SAFETY: we synchronize the stream below before returning the output or
@@ -89,9 +89,14 @@ pub(crate) fn run_blocking<O: DeviceOp>(
         drop(retained);
         return out.map_err(note);
     }
-    let synced = ctx
-        .stream()
-        .expect("a local context")
+    synced_then(ctx.stream().expect("a local context"), retained, out)
+}
+
+/// Synchronizes `stream`, then gives `out` and drops `retained`; if the
+/// stream failed, its error, with `retained` kept forever (the GPU may never
+/// finish what it was doing).
+fn synced_then<T>(stream: &CudaStream, retained: Retained, out: Result<T>) -> Result<T> {
+    let synced = stream
         .synchronize()
         .map_err(|e| note(Error::driver("cuStreamSynchronize", e)));
     match synced {
@@ -100,7 +105,6 @@ pub(crate) fn run_blocking<O: DeviceOp>(
             out.map_err(note)
         }
         Err(e) => {
-            // The GPU may never finish what it was doing: keep, never free.
             std::mem::forget(retained);
             drop(out);
             Err(e)
@@ -119,7 +123,7 @@ pub(crate) fn run_blocking_timeout<O: DeviceOp>(
     timeout: std::time::Duration,
 ) -> Result<<O as DeviceOp>::Output> {
     if ctx.is_remote() {
-        return run_blocking_remote_timeout(op, ctx, timeout);
+        return run_blocking_remote(op, ctx, Some(timeout));
     }
     check_poison()?;
     // SAFETY: on success we synchronize the stream before returning the
@@ -146,72 +150,7 @@ pub(crate) fn run_blocking_timeout<O: DeviceOp>(
     }
     // Passed (or the signal could not be sent): the synchronize returns at
     // once, with the stream's error if the work failed.
-    let synced = stream
-        .synchronize()
-        .map_err(|e| note(Error::driver("cuStreamSynchronize", e)));
-    match synced {
-        Ok(()) => {
-            drop(retained);
-            out.map_err(note)
-        }
-        Err(e) => {
-            std::mem::forget(retained);
-            drop(out);
-            Err(e)
-        }
-    }
-}
-
-/// [`run_blocking_remote`] that waits at most `timeout` for the reply;
-/// after it, [`Error::Timeout`] (the submission stays sent; its reply is
-/// dropped when it comes).
-fn run_blocking_remote_timeout<O: DeviceOp>(
-    op: O,
-    mut ctx: ExecutionContext,
-    timeout: std::time::Duration,
-) -> Result<<O as DeviceOp>::Output> {
-    // SAFETY: as in `run_blocking_remote`; the output's host data is
-    // reachable only once its reply has arrived, which a timeout forgoes.
-    let out = unsafe { execute_guarded(op, &mut ctx) };
-    let done = remote::send(&mut ctx);
-    let retained = ctx.take_retained();
-    let out = out?;
-    if let Some((done, on_reply)) = done {
-        let deadline = std::time::Instant::now() + timeout;
-        if !wait_blocking_until(done.completion(), deadline)? {
-            return Err(Error::Timeout { waited: timeout });
-        }
-        on_reply.run();
-    }
-    drop(retained);
-    Ok(out)
-}
-
-/// [`wait_blocking`] until `deadline`: whether `c` finished by then.
-fn wait_blocking_until(c: &Arc<Completion>, deadline: std::time::Instant) -> Result<bool> {
-    struct Unpark(Thread);
-    impl Wake for Unpark {
-        fn wake(self: Arc<Self>) {
-            self.0.unpark();
-        }
-        fn wake_by_ref(self: &Arc<Self>) {
-            self.0.unpark();
-        }
-    }
-    let waker = Waker::from(Arc::new(Unpark(thread::current())));
-    loop {
-        match c.poll_status(&waker) {
-            Status::Done => return Ok(true),
-            Status::Failed => return Err(c.error()),
-            Status::Pending => {
-                let now = std::time::Instant::now();
-                if now >= deadline {
-                    return Ok(false);
-                }
-                thread::park_timeout(deadline - now);
-            }
-        }
-    }
+    synced_then(&stream, retained, out)
 }
 
 /// # Safety
@@ -231,13 +170,16 @@ pub(crate) unsafe fn run_detached<O: DeviceOp>(
 
 /// Records `op` on a remote context, sends it as one message and blocks the
 /// calling thread until the reply (no async runtime needed: the session
-/// does its own I/O).
+/// does its own I/O), or at most `timeout`: after it, [`Error::Timeout`]
+/// (the submission stays sent; its reply is dropped when it comes).
 fn run_blocking_remote<O: DeviceOp>(
     op: O,
     mut ctx: ExecutionContext,
+    timeout: Option<std::time::Duration>,
 ) -> Result<<O as DeviceOp>::Output> {
     // SAFETY: remotely, retained values are kept until the reply below; the
-    // output's host data is reachable only once its reply has arrived.
+    // output's host data is reachable only once its reply has arrived
+    // (which a timeout forgoes).
     let out = unsafe { execute_guarded(op, &mut ctx) };
     // Sent even after an error: what was recorded before it names ids that
     // later frees refer to.
@@ -245,15 +187,21 @@ fn run_blocking_remote<O: DeviceOp>(
     let retained = ctx.take_retained();
     let out = out?;
     if let Some((done, on_reply)) = done {
-        wait_blocking(done.completion())?;
+        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        if !wait_blocking_until(done.completion(), deadline)? {
+            return Err(Error::Timeout {
+                waited: timeout.unwrap_or_default(),
+            });
+        }
         on_reply.run();
     }
     drop(retained);
     Ok(out)
 }
 
-/// Parks the calling thread until `c` finishes.
-pub(crate) fn wait_blocking(c: &Arc<Completion>) -> Result<()> {
+/// Parks the calling thread until `c` finishes or `deadline` passes:
+/// whether it finished.
+fn wait_blocking_until(c: &Arc<Completion>, deadline: Option<std::time::Instant>) -> Result<bool> {
     struct Unpark(Thread);
     impl Wake for Unpark {
         fn wake(self: Arc<Self>) {
@@ -266,9 +214,18 @@ pub(crate) fn wait_blocking(c: &Arc<Completion>) -> Result<()> {
     let waker = Waker::from(Arc::new(Unpark(thread::current())));
     loop {
         match c.poll_status(&waker) {
-            Status::Pending => thread::park(),
-            Status::Done => return Ok(()),
+            Status::Done => return Ok(true),
             Status::Failed => return Err(c.error()),
+            Status::Pending => match deadline {
+                None => thread::park(),
+                Some(d) => {
+                    let now = std::time::Instant::now();
+                    if now >= d {
+                        return Ok(false);
+                    }
+                    thread::park_timeout(d - now);
+                }
+            },
         }
     }
 }
