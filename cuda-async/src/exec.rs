@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::task::{Wake, Waker};
 use std::thread::{self, Thread};
 
-use cuda_core::{CudaStream, Error, Result};
+use cuda_core::{Error, Result};
 
 use crate::completion::{watchdog, Completion, Status};
 use crate::context::{ExecutionContext, Retained};
@@ -70,18 +70,25 @@ pub(crate) enum IdleSync {
     Always,
 }
 
+/// Runs `op` on `ctx` and blocks until its work is done, or at most
+/// `timeout`: after it, [`Error::Timeout`], with the values the work uses
+/// released only once the stream has passed it (the output's buffers order
+/// their own frees after the work).
 pub(crate) fn run_blocking<O: DeviceOp>(
     op: O,
     mut ctx: ExecutionContext,
     idle: IdleSync,
+    timeout: Option<std::time::Duration>,
 ) -> Result<<O as DeviceOp>::Output> {
     if ctx.is_remote() {
-        return run_blocking_remote(op, ctx, None);
+        return run_blocking_remote(op, ctx, timeout);
     }
     check_poison()?;
     // SAFETY: we synchronize the stream below before returning the output or
     // dropping the retained values, on success and on error alike; or no op
-    // enqueued anything, so the GPU uses nothing of this execution.
+    // enqueued anything, so the GPU uses nothing of this execution; or, on
+    // a timeout, the retained values go to the reclaimer, released after
+    // the stream passes the work, and the output's buffers wait for it.
     let out = unsafe { execute_guarded(op, &mut ctx) };
     let retained = ctx.take_retained();
     if idle == IdleSync::Skip && !ctx.touched() {
@@ -89,13 +96,22 @@ pub(crate) fn run_blocking<O: DeviceOp>(
         drop(retained);
         return out.map_err(note);
     }
-    synced_then(ctx.stream().expect("a local context"), retained, out)
-}
-
-/// Synchronizes `stream`, then gives `out` and drops `retained`; if the
-/// stream failed, its error, with `retained` kept forever (the GPU may never
-/// finish what it was doing).
-fn synced_then<T>(stream: &CudaStream, retained: Retained, out: Result<T>) -> Result<T> {
+    let stream = ctx.stream().expect("a local context").clone();
+    if let Some(timeout) = timeout {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<()>(1);
+        let signalled = cuda_core::launch_host_callback(&stream, move || {
+            let _ = tx.send(());
+        });
+        if signalled.is_ok() {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(timeout) {
+                release_after(&ctx, retained);
+                drop(out);
+                return Err(Error::Timeout { waited: timeout });
+            }
+        }
+        // Passed (or the signal could not be sent): the synchronize below
+        // returns at once, with the stream's error if the work failed.
+    }
     let synced = stream
         .synchronize()
         .map_err(|e| note(Error::driver("cuStreamSynchronize", e)));
@@ -105,52 +121,12 @@ fn synced_then<T>(stream: &CudaStream, retained: Retained, out: Result<T>) -> Re
             out.map_err(note)
         }
         Err(e) => {
+            // The GPU may never finish what it was doing: keep, never free.
             std::mem::forget(retained);
             drop(out);
             Err(e)
         }
     }
-}
-
-/// [`run_blocking`] that waits at most `timeout` for the GPU: after it,
-/// [`Error::Timeout`], with the values the work uses released only once
-/// the stream has passed it (the output's buffers order their own frees
-/// after the work).
-pub(crate) fn run_blocking_timeout<O: DeviceOp>(
-    op: O,
-    mut ctx: ExecutionContext,
-    idle: IdleSync,
-    timeout: std::time::Duration,
-) -> Result<<O as DeviceOp>::Output> {
-    if ctx.is_remote() {
-        return run_blocking_remote(op, ctx, Some(timeout));
-    }
-    check_poison()?;
-    // SAFETY: on success we synchronize the stream before returning the
-    // output or dropping the retained values; on a timeout the retained
-    // values go to the reclaimer, released after the stream passes the
-    // work, and the output's buffers wait for the work themselves.
-    let out = unsafe { execute_guarded(op, &mut ctx) };
-    let retained = ctx.take_retained();
-    if idle == IdleSync::Skip && !ctx.touched() {
-        drop(retained);
-        return out.map_err(note);
-    }
-    let stream = ctx.stream().expect("a local context").clone();
-    let (tx, rx) = std::sync::mpsc::sync_channel::<()>(1);
-    let signalled = cuda_core::launch_host_callback(&stream, move || {
-        let _ = tx.send(());
-    });
-    if signalled.is_ok() {
-        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(timeout) {
-            release_after(&ctx, retained);
-            drop(out);
-            return Err(Error::Timeout { waited: timeout });
-        }
-    }
-    // Passed (or the signal could not be sent): the synchronize returns at
-    // once, with the stream's error if the work failed.
-    synced_then(&stream, retained, out)
 }
 
 /// # Safety

@@ -253,7 +253,7 @@ pub trait DeviceOpExt: DeviceOp {
     /// ```
     fn sync(self) -> Result<<Self as DeviceOp>::Output> {
         let ctx = default_policy()?.select_for_thread();
-        crate::exec::run_blocking(self, ctx, IdleSync::Skip)
+        crate::exec::run_blocking(self, ctx, IdleSync::Skip, None)
     }
 
     /// [`DeviceOpExt::sync`] that waits at most `timeout` for the GPU.
@@ -278,7 +278,7 @@ pub trait DeviceOpExt: DeviceOp {
     /// ```
     fn sync_timeout(self, timeout: std::time::Duration) -> Result<<Self as DeviceOp>::Output> {
         let ctx = default_policy()?.select_for_thread();
-        crate::exec::run_blocking_timeout(self, ctx, IdleSync::Skip, timeout)
+        crate::exec::run_blocking(self, ctx, IdleSync::Skip, Some(timeout))
     }
 
     /// [`DeviceOpExt::sync_with`] that waits at most `timeout`, as
@@ -292,7 +292,7 @@ pub trait DeviceOpExt: DeviceOp {
         policy: &P,
         timeout: std::time::Duration,
     ) -> Result<<Self as DeviceOp>::Output> {
-        crate::exec::run_blocking_timeout(self, policy.select()?, IdleSync::Skip, timeout)
+        crate::exec::run_blocking(self, policy.select()?, IdleSync::Skip, Some(timeout))
     }
 
     /// Runs the op on `stream` (which other code may have created: interop
@@ -316,7 +316,7 @@ pub trait DeviceOpExt: DeviceOp {
     /// ```
     fn sync_on(self, stream: &Arc<CudaStream>) -> Result<<Self as DeviceOp>::Output> {
         let ctx = ExecutionContext::on_stream(stream)?;
-        crate::exec::run_blocking(self, ctx, IdleSync::Always)
+        crate::exec::run_blocking(self, ctx, IdleSync::Always, None)
     }
 
     /// Captures the op into a CUDA graph on a private stream of the default
@@ -379,7 +379,7 @@ pub trait DeviceOpExt: DeviceOp {
         self,
         policy: &P,
     ) -> Result<<Self as DeviceOp>::Output> {
-        crate::exec::run_blocking(self, policy.select()?, IdleSync::Skip)
+        crate::exec::run_blocking(self, policy.select()?, IdleSync::Skip, None)
     }
 
     /// Enqueues the op on `stream` and returns at once, without waiting.

@@ -26,6 +26,7 @@ pub mod buffer;
 pub mod callback;
 pub mod device;
 pub mod error;
+mod global;
 pub mod graph;
 pub mod module;
 pub mod pinned;
@@ -44,10 +45,11 @@ pub use device::{
     device_count, devices, driver_present, nvrtc_present, Device, DeviceAttribute, DeviceInfo,
 };
 pub use error::{is_sticky, panic_message, Error, Result};
+pub use global::ModuleGlobal;
 pub use graph::{Graph, GraphUpdate, TrackedGraph};
 pub use module::{
-    compile_ptx, fnv1a64, nvrtc_compilations, parse_ptx_entries, Kernel, Module, ModuleGlobal,
-    ModuleSource, ParamClass, ParamSpec,
+    compile_ptx, fnv1a64, nvrtc_compilations, parse_ptx_entries, Kernel, Module, ModuleSource,
+    ParamClass, ParamSpec,
 };
 pub use pinned::PinnedBuffer;
 pub use raw::stream_error;

@@ -130,12 +130,11 @@ impl Client {
     }
 
     /// Runs `requests` (each a MEM_WRITE or MEM_READ body, its data, and
-    /// where its reply's data goes) in turn on one connection of `bulk`,
+    /// where its reply's data goes) in turn on one bulk-data connection,
     /// until one fails; the connection goes back to the pool unless it
     /// broke.
     pub(super) async fn bulk_run<'a>(
         &self,
-        bulk: &BulkChannel,
         mut conn: Conn,
         requests: impl IntoIterator<Item = (Opcode, Vec<u8>, &'a [u8], &'a mut [u8])>,
     ) -> Result<(), Error> {
@@ -150,7 +149,9 @@ impl Client {
                 Err(broken) => return Err(broken.with_node(self.addr)),
             }
         }
-        bulk.give_back(conn);
+        if let Some(Some(bulk)) = self.bulk.get() {
+            bulk.give_back(conn);
+        }
         result.map_err(|e| e.with_node(self.addr))
     }
 }

@@ -69,7 +69,7 @@ impl Client {
                     let body = write_body(lease, buf, offset, &r);
                     (Opcode::MemWrite, body, &bytes[r], &mut [][..])
                 });
-                self.bulk_run(bulk, conn, pieces)
+                self.bulk_run(conn, pieces)
             });
             return first_error(join_all(futs.collect()).await);
         }
@@ -113,15 +113,12 @@ impl Client {
                 let client = self.clone();
                 let bytes = bytes.clone();
                 tokio::spawn(async move {
-                    let Some(bulk) = client.bulk.get().and_then(Option::as_ref) else {
-                        return Err(protocol_error("the bulk-data channel went away"));
-                    };
                     let data = (*bytes).as_ref();
                     let pieces = requests(r).map(|r| {
                         let body = write_body(lease, buf, offset, &r);
                         (Opcode::MemWrite, body, &data[r], &mut [][..])
                     });
-                    client.bulk_run(bulk, conn, pieces).await
+                    client.bulk_run(conn, pieces).await
                 })
             })
             .collect();
@@ -229,25 +226,7 @@ impl Client {
         let len = out.as_mut().len();
         let parts = stripe_bounds(len, self.stripe_count(len));
         let conns = bulk.take(self, parts.len()).await?;
-        if parts.len() == 1 {
-            let conn = conns.into_iter().next().expect("one connection taken");
-            let whole = out.as_mut();
-            let pieces: Vec<_> = requests(0..len).collect();
-            let mut rest = &mut whole[..];
-            let mut reqs = Vec::with_capacity(pieces.len());
-            for r in pieces {
-                let (piece, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
-                rest = tail;
-                reqs.push((
-                    Opcode::MemRead,
-                    read_body(lease, buf, offset, &r),
-                    &[][..],
-                    piece,
-                ));
-            }
-            self.bulk_run(bulk, conn, reqs).await?;
-            return Ok(out);
-        }
+        // One task per stripe, one stripe for a small transfer.
         let out = Arc::new(StripeBuffer::over(out));
         let tasks: Vec<_> = conns
             .into_iter()
@@ -256,9 +235,6 @@ impl Client {
                 let out = out.clone();
                 let client = self.clone();
                 tokio::spawn(async move {
-                    let Some(bulk) = client.bulk.get().and_then(Option::as_ref) else {
-                        return Err(protocol_error("the bulk-data channel went away"));
-                    };
                     let pieces = requests(r).map(|r| {
                         let body = read_body(lease, buf, offset, &r);
                         // SAFETY: the stripes' ranges are disjoint (from
@@ -268,7 +244,7 @@ impl Client {
                         let part = unsafe { out.range_mut(r) };
                         (Opcode::MemRead, body, &[][..], part)
                     });
-                    client.bulk_run(bulk, conn, pieces).await
+                    client.bulk_run(conn, pieces).await
                 })
             })
             .collect();

@@ -180,7 +180,7 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener, acce
                 tokio::time::timeout(shared.cfg.hello_timeout, redeem(&shared, &acceptor, tcp))
                     .await;
             drop(waiting);
-            let (tls, who) = match opened {
+            let (tls, open) = match opened {
                 Ok(Ok(x)) => x,
                 Ok(Err(why)) => {
                     debug!(%from, %why, "bulk-data connection refused");
@@ -192,26 +192,38 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener, acce
                 }
             };
             Metrics::inc(&shared.metrics.bulk_connections);
-            serve(&shared, &who, tls).await;
-            let mut st = shared.bulk.state();
-            if let Some(n) = st.open.get_mut(&who) {
-                *n -= 1;
-                if *n == 0 {
-                    st.open.remove(&who);
-                }
-            }
+            serve(&shared, &open.who, tls).await;
         });
     }
 }
 
-/// The TLS handshake, then the ticket: the connection's principal (counted
-/// as one of its open connections), or why not. Answers one byte: 0 for
+/// One of a principal's open bulk-data connections: counted against its
+/// limit while this lives.
+struct OpenConn<'a> {
+    tickets: &'a Tickets,
+    who: Principal,
+}
+
+impl Drop for OpenConn<'_> {
+    fn drop(&mut self) {
+        let mut st = self.tickets.state();
+        if let Some(n) = st.open.get_mut(&self.who) {
+            *n -= 1;
+            if *n == 0 {
+                st.open.remove(&self.who);
+            }
+        }
+    }
+}
+
+/// The TLS handshake, then the ticket: the connection's principal, counted
+/// as one of its open connections, or why not. Answers one byte: 0 for
 /// accepted, else the connection closes after it.
-async fn redeem(
-    shared: &Shared,
+async fn redeem<'a>(
+    shared: &'a Shared,
     acceptor: &TlsAcceptor,
     tcp: TcpStream,
-) -> Result<(TlsStream<Tcp>, Principal), String> {
+) -> Result<(TlsStream<Tcp>, OpenConn<'a>), String> {
     let _ = tcp.set_nodelay(true);
     let mut tls = acceptor
         .accept(tokio::io::BufReader::with_capacity(READ_BUFFER, tcp))
@@ -233,7 +245,10 @@ async fn redeem(
                     ))
                 } else {
                     *open += 1;
-                    Ok(who)
+                    Ok(OpenConn {
+                        tickets: &shared.bulk,
+                        who,
+                    })
                 }
             }
             Some(_) => Err("expired ticket".to_string()),
@@ -247,14 +262,9 @@ async fn redeem(
     }
     .await;
     match (taken, wrote) {
-        (Ok(who), Ok(())) => Ok((tls, who)),
-        (Ok(who), Err(e)) => {
-            let mut st = shared.bulk.state();
-            if let Some(n) = st.open.get_mut(&who) {
-                *n -= 1;
-            }
-            Err(format!("answering the ticket: {e}"))
-        }
+        (Ok(open), Ok(())) => Ok((tls, open)),
+        // Dropping `open` gives its place back.
+        (Ok(_), Err(e)) => Err(format!("answering the ticket: {e}")),
         (Err(why), _) => {
             let _ = tls.shutdown().await;
             Err(why)
