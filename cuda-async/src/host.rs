@@ -205,10 +205,14 @@ impl ReadSlot {
     }
 
     /// Storage for this read's bytes, to be filled (by an asynchronous
-    /// receive, say) and then handed back with [`ReadSlot::commit`].
+    /// receive, say) and then handed back with [`ReadSlot::commit`]. A
+    /// large one is backed by huge pages where the kernel offers them
+    /// ([`cuda_core::hostmem::prefer_huge_pages`]).
     pub fn buffer(&self) -> ReadBuf {
+        let words = vec![0u128; self.len.div_ceil(16)].into_boxed_slice();
+        cuda_core::hostmem::prefer_huge_pages(&words);
         ReadBuf {
-            words: vec![0u128; self.len.div_ceil(16)].into_boxed_slice(),
+            words,
             len: self.len,
         }
     }

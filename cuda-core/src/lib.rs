@@ -28,6 +28,7 @@ pub mod device;
 pub mod error;
 mod global;
 pub mod graph;
+pub mod hostmem;
 pub mod module;
 pub mod pinned;
 mod raw;

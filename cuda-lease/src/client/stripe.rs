@@ -134,8 +134,9 @@ impl Client {
         offset: u64,
         len: u32,
     ) -> Result<Vec<u8>, Error> {
-        self.striped_read_to(lease, buf, offset, vec![0u8; len as usize])
-            .await
+        let out = vec![0u8; len as usize];
+        cuda_core::hostmem::prefer_huge_pages(&out);
+        self.striped_read_to(lease, buf, offset, out).await
     }
 
     /// Reads `out.as_mut().len()` bytes of memory at `offset` straight
