@@ -167,6 +167,24 @@ impl LeaseSession {
     where
         D: AsMut<[u8]> + Send + 'static,
     {
+        self.send_numbered(commands, keep_frees, writes, dests).1
+    }
+
+    /// [`LeaseSession::send`], with the batch's number in the lease's
+    /// order (fixed now, whenever the future is polled).
+    fn send_numbered<D>(
+        &self,
+        commands: &[RemoteCommand],
+        keep_frees: bool,
+        writes: Vec<u8>,
+        dests: Vec<D>,
+    ) -> (
+        u64,
+        impl Future<Output = Result<(Submitted, Vec<D>), Error>> + Send + 'static,
+    )
+    where
+        D: AsMut<[u8]> + Send + 'static,
+    {
         let (frees, sent) = {
             let mut book = self.ids();
             let frees = if keep_frees {
@@ -186,15 +204,17 @@ impl LeaseSession {
         };
         // The reads' slots are not needed: their bytes land in `dests`.
         let message = self.session.message(&modules, commands, writes);
+        let seq = message.seq();
         let reply = message.send_into(Some(Vec::new()), dests);
         let me = self.me.clone();
-        async move {
+        let settled = async move {
             let r = reply.await;
             if let (false, Some(me)) = (sent.is_empty(), me.upgrade()) {
                 me.settle(&sent, r.as_ref().ok().map(|(s, _)| s));
             }
             r
-        }
+        };
+        (seq, settled)
     }
 
     /// Settles what ran of `sent` (`None`: nothing the client knows of).

@@ -204,6 +204,7 @@ async fn a_ticket_opens_one_connection_once_for_its_own_principal() {
         buf: buf.id(),
         offset: 0,
         len: 1 << 20,
+        after: 0,
     });
     let h = Header::request(Opcode::MemRead, 1, body.len() as u32, 0);
     proto::write_frame(&mut conn, &h, &body, &[]).await.unwrap();

@@ -13,6 +13,7 @@ use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, Kernel, LaunchConfig, Module, RemotePolicy};
 use cuda_lease::client::{Client, Lease};
 use cuda_lease::node::Node;
+use cuda_lease::proto::{self, Opcode};
 
 /// The node's chunk: one slot of its ring with a worker.
 const CHUNK: usize = 2 << 20;
@@ -223,4 +224,134 @@ async fn a_failed_streamed_submission_leaves_the_lease_working() {
     let bytes = random_bytes(2 << 20, 5);
     assert!(round_trip(&bytes, &remote).await == bytes);
     fx.shutdown().await;
+}
+
+// A MEM_WRITE or MEM_READ that names a numbered batch (`after`) runs on
+// the node once that batch has, whatever order they arrive in: what lets
+// a streamed submission send a batch and its transfers at once.
+
+fn batch_body(lease: cuda_lease::proto::LeaseId, seq: u64, ops: Vec<proto::Op>) -> Vec<u8> {
+    proto::to_body(&proto::Batch {
+        lease,
+        seq,
+        modules: vec![],
+        commands: ops
+            .into_iter()
+            .map(|op| proto::Command { stream: 0, op })
+            .collect(),
+    })
+}
+
+fn read_after(lease: cuda_lease::proto::LeaseId, buf: u64, len: u32, after: u64) -> Vec<u8> {
+    proto::to_body(&proto::MemRead {
+        lease,
+        buf: proto::Id(buf),
+        offset: 0,
+        len,
+        after,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfers_that_follow_a_batch_wait_for_it() {
+    let fx = Fixture::memory(1 << 30)
+        .config(|cfg| cfg.reorder_window = std::time::Duration::from_secs(20))
+        .lease(1 << 20)
+        .start()
+        .await;
+    let (client, id) = (fx.client().clone(), fx.lease().id());
+    // Batch 2 makes buffer #7 and fills it; the node holds it until batch
+    // 1 runs, and the read of #7 (sent first) until batch 2 has run.
+    let mut read = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            client
+                .request(Opcode::MemRead, &read_after(id, 7, 64, 2), &[])
+                .await
+        })
+    };
+    let fill = proto::Op::Fill {
+        buf: proto::Id(7),
+        offset: 0,
+        len: 64,
+        value: 0x3C,
+    };
+    let second = {
+        let client = client.clone();
+        let body = batch_body(
+            id,
+            2,
+            vec![
+                proto::Op::Alloc {
+                    buf: proto::Id(7),
+                    size: 64,
+                },
+                fill,
+            ],
+        );
+        tokio::spawn(async move { client.request(Opcode::Batch, &body, &[]).await })
+    };
+    // Without its batch the read is still waiting (a read that did not
+    // wait would have been refused: #7 does not exist yet).
+    let early = tokio::time::timeout(std::time::Duration::from_millis(300), &mut read).await;
+    assert!(
+        early.is_err(),
+        "the read did not wait for batch 2: {early:?}"
+    );
+    let first = batch_body(id, 1, vec![]);
+    client.request(Opcode::Batch, &first, &[]).await.unwrap();
+    second.await.unwrap().unwrap();
+    let (_, data) = read.await.unwrap().unwrap();
+    assert_eq!(data, vec![0x3C; 64]);
+    // A write that follows batch 3 (which frees #7 and makes it again)
+    // lands in the new buffer.
+    let write = proto::to_body(&proto::MemWrite {
+        lease: id,
+        buf: proto::Id(7),
+        offset: 8,
+        after: 3,
+    });
+    let written = {
+        let client = client.clone();
+        tokio::spawn(async move { client.request(Opcode::MemWrite, &write, b"followed").await })
+    };
+    let third = batch_body(
+        id,
+        3,
+        vec![
+            proto::Op::Free { id: proto::Id(7) },
+            proto::Op::Alloc {
+                buf: proto::Id(7),
+                size: 64,
+            },
+        ],
+    );
+    client.request(Opcode::Batch, &third, &[]).await.unwrap();
+    written.await.unwrap().unwrap();
+    let (_, data) = client
+        .request(Opcode::MemRead, &read_after(id, 7, 16, 3), &[])
+        .await
+        .unwrap();
+    assert_eq!(&data, b"\0\0\0\0\0\0\0\0followed");
+    fx.free_and_shutdown().await;
+}
+
+#[tokio::test]
+async fn a_transfer_that_follows_a_batch_that_never_comes_fails_after_the_reorder_window() {
+    let window = std::time::Duration::from_millis(300);
+    let fx = Fixture::memory(1 << 30)
+        .config(|cfg| cfg.reorder_window = window)
+        .lease(1 << 20)
+        .start()
+        .await;
+    let (client, id) = (fx.client(), fx.lease().id());
+    let t = std::time::Instant::now();
+    let err = client
+        .request(Opcode::MemRead, &read_after(id, 7, 64, 5), &[])
+        .await
+        .unwrap_err();
+    assert!(t.elapsed() >= window, "{:?}", t.elapsed());
+    assert_eq!(err.kind(), cuda_lease::client::ErrorKind::InvalidRequest);
+    assert!(err.message().contains("batch 5"), "{}", err.message());
+    fx.free_and_shutdown().await;
 }

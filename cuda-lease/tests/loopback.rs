@@ -499,7 +499,7 @@ async fn garbage_on_the_wire_leaves_node_serving() {
     let mut body = vec![0u8; h.body_len as usize];
     recv.read_exact(&mut body).await.unwrap();
     let msg = proto::from_body::<proto::ErrorBody>(&body).unwrap().message;
-    assert_eq!(msg, "unsupported protocol version 1: this node speaks 2");
+    assert_eq!(msg, "unsupported protocol version 1: this node speaks 3");
     // The attacker's own authenticated connection and the victim still work.
     assert!(attacker.inventory().await.is_ok());
     let s = lease.session();
@@ -735,6 +735,7 @@ async fn a_transfer_cut_off_midway_frees_what_it_held_and_the_lease_stays_usable
             lease: lease.id(),
             buf: buf.id(),
             offset: 0,
+            after: 0,
         });
         let h = Header::request(Opcode::MemWrite, 2, body.len() as u32, SIZE as u32);
         // Bytes of its own (unlike any earlier cut's), so the node's
@@ -854,6 +855,7 @@ async fn refused_as_unknown(bob: &Client, id: proto::LeaseId, buf: proto::Id) {
                 buf,
                 offset: 0,
                 len: 16,
+                after: 0,
             }),
             &[],
         ),
@@ -864,6 +866,7 @@ async fn refused_as_unknown(bob: &Client, id: proto::LeaseId, buf: proto::Id) {
                 lease: id,
                 buf,
                 offset: 0,
+                after: 0,
             }),
             b"pwned",
         ),

@@ -38,7 +38,7 @@ fn header_golden() {
     let h = Header::request(Opcode::Batch, 0x0102030405060708, 9, 10);
     assert_eq!(
         h.encode().to_vec(),
-        unhex("43554c5302170000000000000807060504030201090000000a000000")
+        unhex("43554c5303170000000000000807060504030201090000000a000000")
     );
     let r = Header::reply(
         &Header::request(Opcode::MemRead, 7, 0, 0),
@@ -46,7 +46,7 @@ fn header_golden() {
         5,
         0,
     );
-    let bytes = unhex("43554c53021201000800000007000000000000000500000000000000");
+    let bytes = unhex("43554c53031201000800000007000000000000000500000000000000");
     assert_eq!(r.encode().to_vec(), bytes);
     assert_eq!(Header::decode(&bytes, &Limits::default()).unwrap(), r);
     assert!(r.is_reply());
@@ -89,7 +89,7 @@ fn unknown_version_and_opcode_rejected() {
     assert_eq!(e, ProtoError::UnsupportedVersion(1));
     assert_eq!(
         e.to_string(),
-        "unsupported protocol version 1: this node speaks 2"
+        "unsupported protocol version 1: this node speaks 3"
     );
     let mut b = Header::request(Opcode::Hello, 1, 0, 0).encode();
     b[5] = 99;
@@ -195,8 +195,9 @@ fn bodies_golden() {
             lease: L,
             buf: B,
             offset: 4,
+            after: 9,
         },
-        "111111111111111111111111111111112204",
+        "11111111111111111111111111111111220409",
     );
     golden(
         MemRead {
@@ -204,8 +205,9 @@ fn bodies_golden() {
             buf: B,
             offset: 4,
             len: 8,
+            after: 0,
         },
-        "11111111111111111111111111111111220408",
+        "1111111111111111111111111111111122040800",
     );
     golden(
         IdOp { lease: L, id: B },

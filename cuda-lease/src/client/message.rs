@@ -22,6 +22,7 @@ fn into<'a, 'b>(parts: Option<&'a mut [&'b mut [u8]]>) -> ReplyInto<'a, 'b> {
 /// One numbered BATCH, with what a resend with every source needs.
 pub(crate) struct Message {
     inner: Arc<LeaseInner>,
+    seq: u64,
     body: Vec<u8>,
     data: Vec<u8>,
     modules: Vec<Module>,
@@ -72,11 +73,17 @@ impl Message {
         }
         Message {
             inner: inner.clone(),
+            seq,
             body,
             data,
             modules: modules.to_vec(),
             writes: len,
         }
+    }
+
+    /// Its number in the lease's order ([`Batch::seq`]).
+    pub(crate) fn seq(&self) -> u64 {
+        self.seq
     }
 
     /// Sends it, the reply's reads received straight into `dests` (one

@@ -132,27 +132,39 @@ impl Session {
             .guard(
                 self.inner
                     .client
-                    .striped_write(self.inner.id, buf, offset, bytes),
+                    .striped_write(self.target(buf, offset, 0), bytes),
             )
             .await
     }
 
     /// [`Session::write_id`] of bytes the stripes share (so each stripe
-    /// of a bulk-data transfer runs on its own task).
+    /// of a bulk-data transfer runs on its own task), on the node after the
+    /// lease's batch number `after` (0: none; see
+    /// [`MemWrite::after`](crate::proto::MemWrite::after)).
     #[cfg(feature = "backend")]
     pub(crate) async fn write_id_shared(
         &self,
         buf: Id,
         offset: u64,
+        after: u64,
         bytes: super::bulk::SharedBytes,
     ) -> Result<(), Error> {
         self.inner
             .guard(
                 self.inner
                     .client
-                    .write_shared(self.inner.id, buf, offset, bytes),
+                    .write_shared(self.target(buf, offset, after), bytes),
             )
             .await
+    }
+
+    fn target(&self, buf: Id, offset: u64, after: u64) -> super::stripe::Target {
+        super::stripe::Target {
+            lease: self.inner.id,
+            buf,
+            offset,
+            after,
+        }
     }
 
     /// Reads `len` bytes of `buf` at `offset` (streamed, striped when large).
@@ -174,7 +186,7 @@ impl Session {
             .guard(
                 self.inner
                     .client
-                    .striped_read(self.inner.id, buf, offset, len),
+                    .striped_read(self.target(buf, offset, 0), len),
             )
             .await
     }
@@ -190,11 +202,26 @@ impl Session {
     where
         B: AsMut<[u8]> + Send + 'static,
     {
+        self.read_id_after(buf, offset, 0, out).await
+    }
+
+    /// [`Session::read_id_to`] on the node after the lease's batch number
+    /// `after` (0: none; see [`MemRead::after`](crate::proto::MemRead::after)).
+    pub(crate) async fn read_id_after<B>(
+        &self,
+        buf: Id,
+        offset: u64,
+        after: u64,
+        out: B,
+    ) -> Result<B, Error>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
         self.inner
             .guard(
                 self.inner
                     .client
-                    .striped_read_to(self.inner.id, buf, offset, out),
+                    .striped_read_to(self.target(buf, offset, after), out),
             )
             .await
     }

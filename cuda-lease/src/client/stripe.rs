@@ -52,13 +52,7 @@ impl Client {
     /// Writes `bytes` to memory at `offset`, striped over the connections
     /// of [`ClientConfig::stripes`](super::ClientConfig::stripes) when large enough
     /// (bulk-data connections when the node has them).
-    pub(super) async fn striped_write(
-        &self,
-        lease: LeaseId,
-        buf: Id,
-        offset: u64,
-        bytes: &[u8],
-    ) -> Result<(), Error> {
+    pub(super) async fn striped_write(&self, to: Target, bytes: &[u8]) -> Result<(), Error> {
         if let Some(bulk) = self.bulk_for(true, bytes.len()).await {
             // One task polls every stripe (the bytes are borrowed), so the
             // encryption runs on one thread: `write_shared` spreads it.
@@ -66,7 +60,7 @@ impl Client {
             let conns = bulk.take(self, parts.len()).await?;
             let futs = conns.into_iter().zip(&parts).map(|(conn, r)| {
                 let pieces = requests(r.clone()).map(|r| {
-                    let body = write_body(lease, buf, offset, &r);
+                    let body = write_body(to, &r);
                     (Opcode::MemWrite, body, &bytes[r], &mut [][..])
                 });
                 self.bulk_run(conn, pieces)
@@ -78,7 +72,7 @@ impl Client {
         let futs = conns.iter().zip(&parts).map(|(conn, r)| async move {
             // A stripe larger than a request may be goes as several, in turn.
             for r in requests(r.clone()) {
-                let body = write_body(lease, buf, offset, &r);
+                let body = write_body(to, &r);
                 self.request_on(conn, Opcode::MemWrite, &body, &bytes[r], None)
                     .await?;
             }
@@ -93,16 +87,12 @@ impl Client {
     #[cfg(feature = "backend")]
     pub(crate) async fn write_shared(
         self: &Arc<Self>,
-        lease: LeaseId,
-        buf: Id,
-        offset: u64,
+        to: Target,
         bytes: super::bulk::SharedBytes,
     ) -> Result<(), Error> {
         let len = (*bytes).as_ref().len();
         let Some(bulk) = self.bulk_for(true, len).await else {
-            return self
-                .striped_write(lease, buf, offset, (*bytes).as_ref())
-                .await;
+            return self.striped_write(to, (*bytes).as_ref()).await;
         };
         let parts = stripe_bounds(len, self.stripe_count(len));
         let conns = bulk.take(self, parts.len()).await?;
@@ -115,7 +105,7 @@ impl Client {
                 tokio::spawn(async move {
                     let data = (*bytes).as_ref();
                     let pieces = requests(r).map(|r| {
-                        let body = write_body(lease, buf, offset, &r);
+                        let body = write_body(to, &r);
                         (Opcode::MemWrite, body, &data[r], &mut [][..])
                     });
                     client.bulk_run(conn, pieces).await
@@ -129,14 +119,12 @@ impl Client {
     /// [`Client::striped_write`], into one buffer.
     pub(super) async fn striped_read(
         self: &Arc<Self>,
-        lease: LeaseId,
-        buf: Id,
-        offset: u64,
+        to: Target,
         len: u32,
     ) -> Result<Vec<u8>, Error> {
         let out = vec![0u8; len as usize];
         cuda_core::hostmem::prefer_huge_pages(&out);
-        self.striped_read_to(lease, buf, offset, out).await
+        self.striped_read_to(to, out).await
     }
 
     /// Reads `out.as_mut().len()` bytes of memory at `offset` straight
@@ -144,9 +132,7 @@ impl Client {
     /// [`Client::striped_write`], and gives `out` back.
     pub(crate) async fn striped_read_to<B>(
         self: &Arc<Self>,
-        lease: LeaseId,
-        buf: Id,
-        offset: u64,
+        to: Target,
         mut out: B,
     ) -> Result<B, Error>
     where
@@ -154,11 +140,11 @@ impl Client {
     {
         let len = out.as_mut().len();
         if let Some(bulk) = self.bulk_for(false, len).await {
-            return self.bulk_read_to(bulk, lease, buf, offset, out).await;
+            return self.bulk_read_to(bulk, to, out).await;
         }
         let conns = self.stripe_set(len).await?;
         let parts = stripe_bounds(len, conns.len());
-        let request = |r: &std::ops::Range<usize>| read_body(lease, buf, offset, r);
+        let request = |r: &std::ops::Range<usize>| read_body(to, r);
         if parts.len() == 1 {
             for r in requests(0..len) {
                 let body = request(&r);
@@ -216,9 +202,7 @@ impl Client {
     async fn bulk_read_to<B>(
         self: &Arc<Self>,
         bulk: &super::bulk::BulkChannel,
-        lease: LeaseId,
-        buf: Id,
-        offset: u64,
+        to: Target,
         mut out: B,
     ) -> Result<B, Error>
     where
@@ -237,7 +221,7 @@ impl Client {
                 let client = self.clone();
                 tokio::spawn(async move {
                     let pieces = requests(r).map(|r| {
-                        let body = read_body(lease, buf, offset, &r);
+                        let body = read_body(to, &r);
                         // SAFETY: the stripes' ranges are disjoint (from
                         // `stripe_bounds`), their requests' too, and this
                         // task alone touches this range, one piece at a
@@ -256,20 +240,33 @@ impl Client {
     }
 }
 
-fn write_body(lease: LeaseId, buf: Id, offset: u64, r: &std::ops::Range<usize>) -> Vec<u8> {
+/// Where a streamed transfer goes: a lease's buffer from a byte offset,
+/// after one of the lease's numbered batches ([`MemWrite::after`]; 0:
+/// none).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Target {
+    pub(crate) lease: LeaseId,
+    pub(crate) buf: Id,
+    pub(crate) offset: u64,
+    pub(crate) after: u64,
+}
+
+fn write_body(to: Target, r: &std::ops::Range<usize>) -> Vec<u8> {
     to_body(&MemWrite {
-        lease,
-        buf,
-        offset: offset + r.start as u64,
+        lease: to.lease,
+        buf: to.buf,
+        offset: to.offset + r.start as u64,
+        after: to.after,
     })
 }
 
-fn read_body(lease: LeaseId, buf: Id, offset: u64, r: &std::ops::Range<usize>) -> Vec<u8> {
+fn read_body(to: Target, r: &std::ops::Range<usize>) -> Vec<u8> {
     to_body(&MemRead {
-        lease,
-        buf,
-        offset: offset + r.start as u64,
+        lease: to.lease,
+        buf: to.buf,
+        offset: to.offset + r.start as u64,
         len: r.len() as u32,
+        after: to.after,
     })
 }
 

@@ -213,9 +213,13 @@ async fn write(
     recv: &mut impl DataIn,
 ) -> Result<Reply, Reply> {
     let len = u64::from(header.data_len);
-    let checked = from_body::<MemWrite>(body)
-        .map_err(Reply::from)
-        .and_then(|m| check(shared, who, &m.lease, m.buf, m.offset, len).map(|s| (m, s)));
+    let checked = match from_body::<MemWrite>(body) {
+        Ok(m) => follow(shared, who, &m.lease, m.after)
+            .await
+            .and_then(|()| check(shared, who, &m.lease, m.buf, m.offset, len))
+            .map(|s| (m, s)),
+        Err(e) => Err(Reply::from(e)),
+    };
     let (m, slot) = match checked {
         Ok(x) => x,
         Err(r) => {
@@ -295,7 +299,7 @@ async fn read(
     body: &[u8],
     send: &mut impl DataOut,
 ) -> bool {
-    let (m, slot) = match check_read(shared, who, body) {
+    let (m, slot) = match check_read(shared, who, body).await {
         Ok(x) => x,
         Err(r) => return send_reply(send, header, &r).await,
     };
@@ -321,23 +325,59 @@ async fn read(
     send_chunks(shared, send, first, len, fill).await
 }
 
-/// A MEM_READ's body, decoded and checked (size limit, then lease, handle
-/// and range), with the lease it reads.
-fn check_read(shared: &Shared, who: &Principal, body: &[u8]) -> Result<(MemRead, LeaseRef), Reply> {
-    from_body::<MemRead>(body)
-        .map_err(Reply::from)
-        .and_then(|m| {
-            if m.len > shared.cfg.limits.max_data {
-                return Err(Reply::err(
-                    Status::BadRequest,
-                    format!(
-                        "MEM_READ of {} bytes is over the {} byte limit",
-                        m.len, shared.cfg.limits.max_data
-                    ),
-                ));
-            }
-            check(shared, who, &m.lease, m.buf, m.offset, u64::from(m.len)).map(|s| (m, s))
-        })
+/// A MEM_READ's body, decoded and checked (size limit; then, once the
+/// batch it follows has run, lease, handle and range), with the lease it
+/// reads.
+async fn check_read(
+    shared: &Shared,
+    who: &Principal,
+    body: &[u8],
+) -> Result<(MemRead, LeaseRef), Reply> {
+    let m = from_body::<MemRead>(body)?;
+    if m.len > shared.cfg.limits.max_data {
+        return Err(Reply::err(
+            Status::BadRequest,
+            format!(
+                "MEM_READ of {} bytes is over the {} byte limit",
+                m.len, shared.cfg.limits.max_data
+            ),
+        ));
+    }
+    follow(shared, who, &m.lease, m.after).await?;
+    let slot = check(shared, who, &m.lease, m.buf, m.offset, u64::from(m.len))?;
+    Ok((m, slot))
+}
+
+/// Waits until the lease's numbered batch `after` has run (see
+/// [`MemWrite::after`]; 0: at once), at most the reorder window: a batch
+/// that does not come by then fails the transfer, which would otherwise
+/// name buffers the batch creates, or read what it has not computed yet.
+async fn follow(
+    shared: &Shared,
+    who: &Principal,
+    lease: &LeaseId,
+    after: u64,
+) -> Result<(), Reply> {
+    if after == 0 {
+        return Ok(());
+    }
+    let slot = lease_of(shared, who, lease)?;
+    let mut next = slot.next_seq.subscribe();
+    let window = shared.cfg.reorder_window;
+    let ran = tokio::time::timeout(window, next.wait_for(|n| *n > after))
+        .await
+        .is_ok_and(|r| r.is_ok());
+    if ran {
+        Ok(())
+    } else {
+        Err(Reply::err(
+            Status::BadRequest,
+            format!(
+                "batch {after} of the lease, which this transfer follows, did not run within \
+                 the reorder window ({window:?})"
+            ),
+        ))
+    }
 }
 
 /// Most chunks of a MEM_READ filled in one worker call: the slots stay

@@ -344,6 +344,11 @@ pub struct MemWrite {
     pub buf: Id,
     /// Byte offset into it.
     pub offset: u64,
+    /// The lease's numbered batch ([`Batch::seq`](super::Batch::seq))
+    /// this write follows (0: none): the node waits, at most its reorder
+    /// window, until that batch has run, so a client sends the batch that
+    /// allocates `buf` and this write at once.
+    pub after: u64,
 }
 
 /// MEM_READ request; the reply's data holds the bytes.
@@ -357,6 +362,10 @@ pub struct MemRead {
     pub offset: u64,
     /// Bytes to read.
     pub len: u32,
+    /// The lease's numbered batch this read follows (0: none), as in
+    /// [`MemWrite::after`]: a client sends a batch and the reads of what it
+    /// computes at once.
+    pub after: u64,
 }
 
 /// MEM_FREE request.

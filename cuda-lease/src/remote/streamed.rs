@@ -3,13 +3,17 @@
 //! streamed, striped MEM_WRITEs and MEM_READs instead (pure planning over
 //! the commands, unit-tested below; the session runs the plan).
 //!
-//! A submission with such a transfer runs in up to three steps, in this
-//! order, while the session holds its later submissions back (so nothing
-//! submitted after it can run on the node between the steps):
+//! A submission with such a transfer runs in up to two round trips, while
+//! the session holds its later submissions back (so nothing submitted
+//! after it can run on the node between them):
 //!
-//! 1. a BATCH of the allocations of the buffers its large writes fill;
-//! 2. those writes as MEM_WRITEs (fresh buffers: nothing else uses them);
-//! 3. the BATCH of every other command; then the large reads as MEM_READs.
+//! 1. a BATCH of the allocations of the buffers its large writes fill, and
+//!    at once those writes as MEM_WRITEs (fresh buffers: nothing else uses
+//!    them) that the node runs after that batch ([`MemWrite::after`]);
+//! 2. once the writes are in, the BATCH of every other command, and at
+//!    once the large reads as MEM_READs that the node runs after it.
+//!
+//! An upload alone (`h2d`) or a download alone (`d2h`) is one round trip.
 //!
 //! A write moves only when its buffer is allocated by the same recording
 //! and nothing before it uses the buffer; a read only when nothing after
@@ -25,6 +29,8 @@ use cuda_async::remote::{Recording, RemoteCommand};
 use super::{FailOnDrop, LeaseSession};
 use crate::client::{protocol_error, Error, Submitted};
 use crate::proto::Id;
+#[cfg(doc)]
+use crate::proto::MemWrite;
 
 /// A large write that goes as a MEM_WRITE: the recording's write number
 /// `write` into buffer `id` at `offset`.
@@ -238,7 +244,7 @@ impl LeaseSession {
             return;
         };
         let allocs = (!plan.allocs.is_empty())
-            .then(|| self.send(&plan.allocs, false, Vec::new(), Vec::<Vec<u8>>::new()));
+            .then(|| self.send_numbered(&plan.allocs, false, Vec::new(), Vec::<Vec<u8>>::new()));
         let recording = Arc::new(recording);
         self.runtime.spawn(async move {
             let r = this.run_streamed(allocs, &recording, &plan).await;
@@ -252,52 +258,81 @@ impl LeaseSession {
         });
     }
 
-    /// Steps 1 to 3 of a streamed submission (see the module docs).
+    /// The steps of a streamed submission (see the module docs): the
+    /// allocations' batch (numbered `allocs.0`) and the writes at once, then
+    /// the commands' batch and the reads at once.
     async fn run_streamed(
         &self,
-        allocs: Option<
+        allocs: Option<(
+            u64,
             impl Future<Output = Result<(Submitted, Vec<Vec<u8>>), Error>> + Send + 'static,
-        >,
+        )>,
         recording: &Arc<Recording>,
         plan: &StreamPlan,
     ) -> Result<(), Error> {
-        if let Some(allocs) = allocs {
-            allocs.await?.0.ok()?;
-        }
-        for w in &plan.writes {
-            let payload = PayloadOf {
-                recording: recording.clone(),
-                write: w.write,
-            };
-            self.session
-                .write_id_shared(Id(w.id), w.offset, Arc::new(payload))
-                .await?;
-        }
-        let slots = recording.reads();
+        let (after, allocs) = match allocs {
+            Some((seq, reply)) => (seq, Some(reply)),
+            None => (0, None),
+        };
+        let allocated = async {
+            match allocs {
+                Some(reply) => reply.await?.0.ok().map(drop),
+                None => Ok(()),
+            }
+        };
+        let written = async {
+            for w in &plan.writes {
+                let payload = PayloadOf {
+                    recording: recording.clone(),
+                    write: w.write,
+                };
+                self.session
+                    .write_id_shared(Id(w.id), w.offset, after, Arc::new(payload))
+                    .await?;
+            }
+            Ok::<_, Error>(())
+        };
+        let (allocated, written) = tokio::join!(allocated, written);
+        // The allocations' failure explains the writes'.
+        allocated?;
+        written?;
         // The commands' message, also when empty if reads follow: its
         // reply says every earlier submission of the lease has run.
-        if !plan.commands.is_empty() || !plan.reads.is_empty() {
-            let mut writes =
-                Vec::with_capacity(plan.data.iter().map(|&i| recording.payload(i).len()).sum());
-            for &i in &plan.data {
-                writes.extend_from_slice(recording.payload(i));
-            }
-            let bufs: Vec<_> = plan.slots.iter().map(|&i| slots[i].buffer()).collect();
-            let (reply, bufs) = self.send(&plan.commands, true, writes, bufs).await?;
-            reply.ok()?;
-            for (&i, buf) in plan.slots.iter().zip(bufs) {
-                slots[i]
-                    .commit(buf)
-                    .map_err(|e| protocol_error(e.to_string()))?;
-            }
+        if plan.commands.is_empty() && plan.reads.is_empty() {
+            return Ok(());
         }
-        for r in &plan.reads {
-            let slot = &slots[r.slot];
-            let buf = self
-                .session
-                .read_id_to(Id(r.id), r.offset, slot.buffer())
-                .await?;
-            slot.commit(buf)
+        let slots = recording.reads();
+        let mut writes =
+            Vec::with_capacity(plan.data.iter().map(|&i| recording.payload(i).len()).sum());
+        for &i in &plan.data {
+            writes.extend_from_slice(recording.payload(i));
+        }
+        let bufs: Vec<_> = plan.slots.iter().map(|&i| slots[i].buffer()).collect();
+        let (seq, reply) = self.send_numbered(&plan.commands, true, writes, bufs);
+        let read = async {
+            let mut bufs = Vec::with_capacity(plan.reads.len());
+            for r in &plan.reads {
+                let out = slots[r.slot].buffer();
+                bufs.push(
+                    self.session
+                        .read_id_after(Id(r.id), r.offset, seq, out)
+                        .await?,
+                );
+            }
+            Ok::<_, Error>(bufs)
+        };
+        let (reply, read) = tokio::join!(reply, read);
+        // The batch's failure explains the reads'.
+        let (reply, bufs) = reply?;
+        reply.ok()?;
+        for (&i, buf) in plan.slots.iter().zip(bufs) {
+            slots[i]
+                .commit(buf)
+                .map_err(|e| protocol_error(e.to_string()))?;
+        }
+        for (r, buf) in plan.reads.iter().zip(read?) {
+            slots[r.slot]
+                .commit(buf)
                 .map_err(|e| protocol_error(e.to_string()))?;
         }
         Ok(())
