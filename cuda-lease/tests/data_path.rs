@@ -230,7 +230,7 @@ async fn a_failed_streamed_submission_leaves_the_lease_working() {
 // the node once that batch has, whatever order they arrive in: what lets
 // a streamed submission send a batch and its transfers at once.
 
-fn batch_body(lease: cuda_lease::proto::LeaseId, seq: u64, ops: Vec<proto::Op>) -> Vec<u8> {
+fn batch_body(lease: cuda_lease::proto::LeaseId, seq: u64, ops: Vec<proto::Op<'_>>) -> Vec<u8> {
     proto::to_body(&proto::Batch {
         lease,
         seq,
