@@ -22,6 +22,7 @@ fn into<'a, 'b>(parts: Option<&'a mut [&'b mut [u8]]>) -> ReplyInto<'a, 'b> {
 /// One numbered BATCH, with what a resend with every source needs.
 pub(crate) struct Message {
     inner: Arc<LeaseInner>,
+    #[cfg_attr(not(feature = "backend"), allow(dead_code))]
     seq: u64,
     body: Vec<u8>,
     data: Vec<u8>,
@@ -82,6 +83,7 @@ impl Message {
     }
 
     /// Its number in the lease's order ([`Batch::seq`]).
+    #[cfg(feature = "backend")]
     pub(crate) fn seq(&self) -> u64 {
         self.seq
     }
