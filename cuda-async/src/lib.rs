@@ -59,6 +59,7 @@ mod globals;
 pub mod graph;
 mod handoff;
 mod host;
+mod host_step;
 pub mod launch;
 mod macros;
 pub mod memory;
@@ -156,6 +157,7 @@ pub use cuda_core::{
 pub use future::{run_on, DeviceFuture};
 pub use globals::{read_global, write_global, ReadGlobal, WriteGlobal};
 pub use graph::{CudaGraph, DeviceScalar, GraphLaunch, SetScalar, UpdateOutput};
+pub use host_step::{host_step, host_step_with, HostResult, HostStep, HostStepWith};
 pub use launch::{
     check_launch_config, launch, BufferIn, BufferOut, DynArg, DynArgs, KernelArg, KernelArgs,
 };

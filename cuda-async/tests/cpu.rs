@@ -189,6 +189,9 @@ fn modules_and_kernels_are_made_without_a_driver() {
     });
     if !cuda_async::driver_present() {
         assert!(matches!(op.sync(), Err(Error::NoDriver)));
+        // A host step needs a stream, so a driver, too.
+        let step = cuda_async::host_step(|| 1u8);
+        assert!(matches!(step.sync(), Err(Error::NoDriver)));
     }
 }
 

@@ -1377,3 +1377,74 @@ fn a_device_global_is_written_bumped_by_a_kernel_and_read_back() {
         .unwrap_err();
     assert!(e.to_string().contains("whole number"), "{e}");
 }
+
+/// A host step between two kernels: it sees the first kernel's result
+/// (downloaded before it into pinned memory) and the second kernel sees
+/// what it wrote (uploaded after it); a panicking step is reported by its
+/// result while the stream goes on; capture refuses host steps.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_host_step_between_two_kernels_sees_the_first_and_feeds_the_second() {
+    use cuda_async::{host_step, host_step_with};
+    let pool = local();
+    let k = kernels();
+    let n = 4096u32;
+    let pinned = PinnedBuffer::filled(&dev(), n as usize, 0u32).unwrap();
+    let (add1, add2) = (k.add_u32.clone(), k.add_u32.clone());
+    let (back, seen) = h2d(vec![1u32; n as usize])
+        // SAFETY: add_u32 touches x[0..n) of an n-element buffer.
+        .then(move |x| unsafe { launch(&add1, cfg(n), (x, 5u32, n)) })
+        .then(move |(x, _, _)| copy_d2h(x, pinned))
+        .then(|(x, pinned)| {
+            host_step_with(pinned, |v: &mut [u32]| {
+                let seen: Vec<u32> = v.to_vec();
+                v.iter_mut().for_each(|e| *e *= 10);
+                seen
+            })
+            .then(move |(pinned, seen)| copy_h2d(pinned, x).map(move |(_, x)| (x, seen)))
+        })
+        // SAFETY: as above.
+        .then(move |(x, seen)| {
+            unsafe { launch(&add2, cfg(n), (x, 1u32, n)) }.map(move |(x, _, _)| (x, seen))
+        })
+        .then(|(x, seen)| d2h(x).map(move |h| (h, seen)))
+        .sync_with(&*pool)
+        .unwrap();
+    let seen = seen.get().unwrap();
+    assert!(
+        seen.iter().all(|&v| v == 6),
+        "the step saw {:?}",
+        &seen[..4]
+    );
+    let back = back.as_slice().unwrap();
+    assert!(
+        back.iter().all(|&v| v == 61),
+        "the second kernel saw {:?}",
+        &back[..4]
+    );
+
+    // A panic is caught and reported by the result; the chain goes on.
+    let (r, z) = host_step(|| -> u32 { panic!("boom in a host step") })
+        .then(|r| zeros::<u8>(16).map(move |z| (r, z)))
+        .sync_with(&*pool)
+        .unwrap();
+    assert_eq!(z.len(), 16);
+    let e = r.get().unwrap_err();
+    assert!(
+        matches!(&e, Error::HostStep { op: "host_step", message } if message.contains("boom")),
+        "{e}"
+    );
+    // The closure's value, in stream order after a kernel.
+    let t = host_step(|| 42u64).sync_with(&*pool).unwrap();
+    assert_eq!(t.get().unwrap(), 42);
+
+    // A graph replays; a host step's closure runs once: refused, named.
+    let e = zeros::<u8>(16)
+        .then(|z| host_step(|| ()).map(move |_| z))
+        .graph()
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::Capture(m) if m.contains("host_step")),
+        "{e}"
+    );
+}

@@ -105,6 +105,14 @@ pub enum Error {
         /// How long the caller waited.
         waited: std::time::Duration,
     },
+    /// A host step's closure (`host_step`, `host_step_with`) panicked; the
+    /// stream went on after it.
+    HostStep {
+        /// The op.
+        op: &'static str,
+        /// The panic's message.
+        message: String,
+    },
 }
 
 impl From<RemoteError> for Error {
@@ -320,6 +328,11 @@ impl fmt::Display for Error {
                 "the GPU work did not finish within {waited:?}; it goes on, and what it uses \
                  stays allocated until it ends (wait longer, or check the work's size)"
             ),
+            Error::HostStep { op, message } => write!(
+                f,
+                "the closure of a {op} panicked: {message} (the stream went on after it: fix \
+                 the closure; what it was to write may be missing)"
+            ),
             Error::SharedPoisoned => {
                 write!(
                     f,
@@ -474,6 +487,14 @@ mod tests {
                     waited: std::time::Duration::from_millis(5),
                 },
                 "wait longer",
+                false,
+            ),
+            (
+                Error::HostStep {
+                    op: "host_step",
+                    message: s("boom"),
+                },
+                "fix the closure",
                 false,
             ),
             (

@@ -251,6 +251,16 @@ async fn every_remote_failure_is_a_matchable_error() {
         matches!(&e, Error::NeedsLocalStream { op, .. } if op.contains("read_global")),
         "{e}"
     );
+    // The node cannot run the client's closure: a host step names itself.
+    let e = cuda_async::host_step(|| ())
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::NeedsLocalStream { op, .. } if op.contains("host_step")),
+        "{e}"
+    );
     // GPU timing is local only for now: `timed` says so, naming itself.
     let e = zeros::<u8>(16)
         .timed()
