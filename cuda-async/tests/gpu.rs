@@ -1403,8 +1403,8 @@ fn a_host_step_between_two_kernels_sees_the_first_and_feeds_the_second() {
             })
             .then(move |(pinned, seen)| copy_h2d(pinned, x).map(move |(_, x)| (x, seen)))
         })
-        // SAFETY: as above.
         .then(move |(x, seen)| {
+            // SAFETY: as above.
             unsafe { launch(&add2, cfg(n), (x, 1u32, n)) }.map(move |(x, _, _)| (x, seen))
         })
         .then(|(x, seen)| d2h(x).map(move |h| (h, seen)))

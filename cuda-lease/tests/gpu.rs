@@ -1210,3 +1210,44 @@ async fn after_a_compile_error_and_a_kernel_fault_good_pipelines_run() {
     drop(fx.take_lease());
     fx.shutdown().await;
 }
+
+/// A large `copy_h2d` from a pinned buffer into a remote buffer an earlier
+/// submission made leaves the message (no BATCH at all: the bytes go as
+/// MEM_WRITEs on the bulk-data channel, after the earlier submissions),
+/// lands after the memset before it, and reads back byte-exact.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_large_copy_into_a_kept_remote_buffer_takes_the_data_path() {
+    use cuda_async::prelude::*;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let fixture = rt.block_on(Fixture::with_config(gpu_config()).start());
+    let node = &fixture.node;
+    let builder = Lease::builder()
+        .min_vram(256 << 20)
+        .config(client_config(node));
+    let lease = cuda_lease::remote::RemoteLease::connect_blocking(builder, node.addr()).unwrap();
+    let policy = cuda_async::RemotePolicy::new(&lease);
+    let n = 64usize << 20;
+    let bytes = random_bytes(n, 0x64);
+    let dev = cuda_async::Device::new(0).unwrap();
+    let pinned = cuda_async::PinnedBuffer::from_slice(&dev, &bytes).unwrap();
+    // The kept buffer, made and set by earlier submissions.
+    let kept = zeros::<u8>(n).sync_with(&policy).unwrap();
+    let kept = memset(kept, 0xEE).sync_with(&policy).unwrap();
+    let (b0, bulk0) = (
+        batches(node).0,
+        metric(&node.metrics_text(), "gpu_bulk_data_bytes_total").unwrap(),
+    );
+    let (_pinned, kept) = copy_h2d(pinned, kept).sync_with(&policy).unwrap();
+    let msgs = batches(node).0 - b0;
+    let bulk = metric(&node.metrics_text(), "gpu_bulk_data_bytes_total").unwrap() - bulk0;
+    assert_eq!(msgs, 0, "the copy went in {msgs} BATCH messages");
+    assert_eq!(bulk, n as u64, "bytes over the bulk-data channel");
+    let back = d2h(kept).sync_with(&policy).unwrap();
+    assert!(
+        back.as_slice().unwrap() == &bytes[..],
+        "the copy's bytes came back changed"
+    );
+    drop(lease);
+    rt.block_on(fixture.shutdown());
+}

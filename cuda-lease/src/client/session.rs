@@ -158,6 +158,15 @@ impl Session {
             .await
     }
 
+    /// The number of the lease's last numbered batch so far (0: none).
+    #[cfg(feature = "backend")]
+    pub(crate) fn last_seq(&self) -> u64 {
+        self.inner
+            .next_seq
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .saturating_sub(1)
+    }
+
     fn target(&self, buf: Id, offset: u64, after: u64) -> super::stripe::Target {
         super::stripe::Target {
             lease: self.inner.id,

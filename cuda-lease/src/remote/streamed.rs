@@ -8,15 +8,17 @@
 //! after it can run on the node between them):
 //!
 //! 1. a BATCH of the allocations of the buffers its large writes fill, and
-//!    at once those writes as MEM_WRITEs (fresh buffers: nothing else uses
-//!    them) that the node runs after that batch ([`MemWrite::after`]);
+//!    at once those writes as MEM_WRITEs that the node runs after that
+//!    batch ([`MemWrite::after`]; a write into a buffer of an earlier
+//!    submission runs after the last batch sent before it);
 //! 2. once the writes are in, the BATCH of every other command, and at
 //!    once the large reads as MEM_READs that the node runs after it.
 //!
 //! An upload alone (`h2d`) or a download alone (`d2h`) is one round trip.
 //!
-//! A write moves only when its buffer is allocated by the same recording
-//! and nothing before it uses the buffer; a read only when nothing after
+//! A write moves only when nothing before it in the recording uses its
+//! buffer (a buffer the recording allocates, or one of an earlier
+//! submission); a read only when nothing after
 //! it in the recording touches its buffer but a free (which then waits
 //! for the MEM_READ, queued like a dropped buffer's). Any other transfer stays in the
 //! message, as do transfers below the threshold.
@@ -114,16 +116,26 @@ pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<Strea
     for (i, c) in commands.iter().enumerate() {
         match *c {
             RemoteCommand::Write { id, len, .. } if len >= threshold => {
-                // Allocated here, and not used between its allocation and
-                // this write.
                 let alloc = commands[..i]
                     .iter()
                     .rposition(|p| matches!(*p, RemoteCommand::Alloc { id: a, .. } if a == id));
-                if let Some(a) = alloc {
-                    if !commands[a + 1..i].iter().any(|p| uses(p, id)) && route[a] == Route::Message
-                    {
-                        route[i] = Route::Streamed;
-                        route[a] = Route::Hoisted;
+                match alloc {
+                    // Allocated here, and not used between its allocation
+                    // and this write.
+                    Some(a) => {
+                        if !commands[a + 1..i].iter().any(|p| uses(p, id))
+                            && route[a] == Route::Message
+                        {
+                            route[i] = Route::Streamed;
+                            route[a] = Route::Hoisted;
+                        }
+                    }
+                    // A buffer of an earlier submission (the node runs the
+                    // write after every earlier message), first used here.
+                    None => {
+                        if !commands[..i].iter().any(|p| uses(p, id)) {
+                            route[i] = Route::Streamed;
+                        }
                     }
                 }
             }
@@ -270,9 +282,11 @@ impl LeaseSession {
         recording: &Arc<Recording>,
         plan: &StreamPlan,
     ) -> Result<(), Error> {
+        // The writes follow the allocations' message, or (into buffers of
+        // earlier submissions) the last message sent before them.
         let (after, allocs) = match allocs {
             Some((seq, reply)) => (seq, Some(reply)),
-            None => (0, None),
+            None => (self.session.last_seq(), None),
         };
         let allocated = async {
             match allocs {
@@ -439,8 +453,13 @@ mod tests {
 
     #[test]
     fn a_write_into_a_buffer_used_before_it_stays() {
-        // The buffer is older than the recording.
-        assert!(plan(&[write(1, 100)], 1).is_none());
+        // The buffer is older than the recording: its first use streams,
+        // with nothing hoisted; a use before it keeps it in the message.
+        let p = plan(&[write(1, 100), fill(1)], 1).unwrap();
+        assert!(p.allocs.is_empty());
+        assert_eq!(p.writes.len(), 1);
+        assert_eq!(p.commands.len(), 1);
+        assert!(plan(&[fill(1), write(1, 100)], 1).is_none());
         // Used between its allocation and the write.
         assert!(plan(&[alloc(1), fill(1), write(1, 100)], 1).is_none());
         // Only the first write after the allocation can go.
