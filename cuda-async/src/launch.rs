@@ -10,6 +10,7 @@ use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
 use crate::op::{impl_into_future, DeviceOp};
 use crate::remote::{RemoteArg, RemoteCommand, RemoteContext};
+use crate::view::{DeviceSlice, DeviceSliceMut};
 
 /// One kernel argument: how it is passed and what it looks like to the
 /// parameter check.
@@ -155,6 +156,63 @@ impl<T: DeviceRepr + Send + Sync> KernelArg for Arc<DeviceBuffer<T>> {
     }
 }
 
+/// A view's device address: its buffer's plus its first element's offset.
+fn view_arg<T>(buf: &DeviceBuffer<T>, start: usize, ctx: &RemoteContext) -> Result<RemoteArg> {
+    Ok(RemoteArg::Buffer {
+        id: ctx.id_of(buf)?,
+        offset: (start * std::mem::size_of::<T>()) as u64,
+    })
+}
+
+/// A view a kernel reads: a pointer to its first element, the launch
+/// ordered and recorded as a read of the whole buffer.
+impl<T: DeviceRepr + Sync> KernelArg for DeviceSlice<'_, T> {
+    fn spec(&self) -> (usize, ParamClass, &'static str) {
+        (PTR.0, PTR.1, "DeviceSlice<T>")
+    }
+    fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
+        args.arg(
+            self.view
+                .as_ref()
+                .expect("a local buffer (checked by before)"),
+        );
+    }
+    fn before(&self, stream: &CudaStream) -> Result<()> {
+        self.buf.local_on(stream)?.before_read(stream)
+    }
+    fn after(&self, stream: &CudaStream) -> Result<()> {
+        self.buf.expect_local().after_read(stream)
+    }
+    fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
+        view_arg(self.buf, self.start, ctx)
+    }
+}
+
+/// A view a kernel writes: a pointer to its first element, the launch
+/// ordered and recorded as a write of the whole buffer (so two views of
+/// one buffer written on two streams run in turn, never at once).
+impl<T: DeviceRepr + Send + Sync> KernelArg for DeviceSliceMut<'_, T> {
+    fn spec(&self) -> (usize, ParamClass, &'static str) {
+        (PTR.0, PTR.1, "DeviceSliceMut<T>")
+    }
+    fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
+        args.arg(
+            self.view
+                .as_ref()
+                .expect("a local buffer (checked by before)"),
+        );
+    }
+    fn before(&self, stream: &CudaStream) -> Result<()> {
+        self.buf.local_on(stream)?.before_write(stream)
+    }
+    fn after(&self, stream: &CudaStream) -> Result<()> {
+        self.buf.expect_local().after_write(stream)
+    }
+    fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
+        view_arg(self.buf, self.start, ctx)
+    }
+}
+
 /// A buffer argument a kernel only reads (`const T*` in CUDA C): any
 /// handle to a [`DeviceBuffer<T>`]. The typed launchers of
 /// [`kernels!`](crate::kernels) take these for `const T*` parameters.
@@ -167,6 +225,8 @@ impl<T: DeviceRepr + Sync> BufferIn<T> for &DeviceBuffer<T> {}
 impl<T: DeviceRepr + Send + Sync> BufferIn<T> for Arc<DeviceBuffer<T>> {}
 impl<T: DeviceRepr + Send> BufferIn<T> for DeviceBuffer<T> {}
 impl<T: DeviceRepr + Send> BufferIn<T> for &mut DeviceBuffer<T> {}
+impl<T: DeviceRepr + Sync> BufferIn<T> for DeviceSlice<'_, T> {}
+impl<T: DeviceRepr + Send + Sync> BufferIn<T> for DeviceSliceMut<'_, T> {}
 
 /// A buffer argument a kernel may write (`T*` in CUDA C): an owned or
 /// exclusively borrowed [`DeviceBuffer<T>`], never a shared one (`&` or
@@ -181,6 +241,7 @@ impl<T: DeviceRepr + Send> BufferIn<T> for &mut DeviceBuffer<T> {}
 pub trait BufferOut<T>: KernelArg {}
 impl<T: DeviceRepr + Send> BufferOut<T> for DeviceBuffer<T> {}
 impl<T: DeviceRepr + Send> BufferOut<T> for &mut DeviceBuffer<T> {}
+impl<T: DeviceRepr + Send + Sync> BufferOut<T> for DeviceSliceMut<'_, T> {}
 
 fn buffer_arg<T>(b: &DeviceBuffer<T>, ctx: &RemoteContext) -> Result<RemoteArg> {
     Ok(RemoteArg::Buffer {

@@ -71,6 +71,7 @@ pub mod remote;
 mod spread;
 mod stream_pool;
 mod sync;
+mod view;
 mod waker;
 
 pub use buffer::DeviceBuffer;
@@ -172,6 +173,7 @@ pub use policy::{
 };
 pub use reactor::CompletionMode;
 pub use remote::{HostBuffer, RemotePolicy, RemoteSession};
+pub use view::{DeviceSlice, DeviceSliceMut, DeviceSource, DeviceTarget};
 
 /// Everything needed to build and run ops: `use cuda_async::prelude::*;`.
 pub mod prelude {

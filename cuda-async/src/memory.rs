@@ -9,7 +9,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use cuda_core::cudarc::driver::{result, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+use cuda_core::cudarc::driver::{result, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 use cuda_core::{AnyBitPattern, Error, PinnedBuffer, Result};
 
 use crate::buffer::DeviceBuffer;
@@ -17,6 +17,7 @@ use crate::context::ExecutionContext;
 use crate::host::{HostBuffer, HostPtr};
 use crate::op::{impl_into_future, DeviceOp};
 use crate::remote::RemoteCommand;
+use crate::view::{DeviceSource, DeviceTarget};
 
 /// The bytes of `v` (what a copy to the device transfers).
 pub(crate) fn as_bytes<T: DeviceRepr>(v: &[T]) -> &[u8] {
@@ -231,8 +232,8 @@ impl<T, B> fmt::Debug for D2H<T, B> {
     }
 }
 
-/// Downloads a device buffer (owned, borrowed or `Arc`ed) into a new
-/// [`HostBuffer`] (pinned memory locally; a remote reply's bytes on a
+/// Downloads a device buffer (owned, borrowed or `Arc`ed), or a view of
+/// one ([`DeviceBuffer::slice`]), into a new [`HostBuffer`] (pinned memory locally; a remote reply's bytes on a
 /// leased GPU). The element type must accept any bit pattern
 /// ([`AnyBitPattern`]): the GPU may have written anything. The result's contents are reachable only once the
 /// copy is done (`as_slice` waits if needed; after `.sync()` or `.await`
@@ -246,7 +247,7 @@ impl<T, B> fmt::Debug for D2H<T, B> {
 /// assert_eq!(v, vec![3; 5]);
 /// # Ok::<(), cuda_async::Error>(())
 /// ```
-pub fn d2h<T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send>(src: B) -> D2H<T, B> {
+pub fn d2h<T: AnyBitPattern, B: DeviceSource<T>>(src: B) -> D2H<T, B> {
     D2H {
         src,
         _t: PhantomData,
@@ -256,38 +257,46 @@ pub fn d2h<T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send>(src: B) -> D2H<T
 impl<T, B> DeviceOp for D2H<T, B>
 where
     T: AnyBitPattern,
-    B: Borrow<DeviceBuffer<T>> + Send,
+    B: DeviceSource<T>,
 {
     type Output = HostBuffer<T>;
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<HostBuffer<T>> {
-        let src = self.src.borrow();
+        let (src, range) = (self.src.buffer(), self.src.range());
         if let Some(r) = ctx.as_remote() {
             // Received straight into the result's storage from the reply.
             let (stream, id) = (r.stream(), r.id_of(src)?);
-            let slot = r.recording().read(stream, id, 0, src.num_bytes() as u64);
+            let (at, len) = byte_range::<T>(&range);
+            let slot = r.recording().read(stream, id, at, len);
             return HostBuffer::remote(slot);
         }
         // SAFETY: the copy enqueued next overwrites every element, and host
         // access to the buffer waits for that copy (its recorded use).
-        let mut dst = unsafe { PinnedBuffer::uninit(ctx.device()?, src.len()) }?;
-        enqueue_d2h(ctx, src, &mut dst)?;
+        let mut dst = unsafe { PinnedBuffer::uninit(ctx.device()?, range.len()) }?;
+        enqueue_d2h(ctx, src, range, &mut dst)?;
         Ok(dst.into())
     }
 }
-impl_into_future!(impl[T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send] for D2H<T, B>);
+impl_into_future!(impl[T: AnyBitPattern, B: DeviceSource<T>] for D2H<T, B>);
+
+/// Elements `range` of `T`s as (byte offset, bytes).
+fn byte_range<T>(range: &std::ops::Range<usize>) -> (u64, u64) {
+    let size = std::mem::size_of::<T>() as u64;
+    (range.start as u64 * size, range.len() as u64 * size)
+}
 
 fn enqueue_d2h<T: AnyBitPattern>(
     ctx: &ExecutionContext,
     src: &DeviceBuffer<T>,
+    range: std::ops::Range<usize>,
     dst: &mut PinnedBuffer<T>,
 ) -> Result<()> {
-    same_len("device-to-host copy", src.len(), dst.len())?;
-    if src.is_empty() {
+    same_len("device-to-host copy", range.len(), dst.len())?;
+    if range.is_empty() {
         return Ok(());
     }
     let stream = ctx.cuda_stream()?;
-    dst.download_from(src.local_on(stream)?, 0, stream)
+    dst.download_from(src.local_on(stream)?, range.start, stream)
 }
 
 /// Op for [`copy_d2h`].
@@ -305,27 +314,29 @@ impl<T, B> fmt::Debug for CopyD2H<T, B> {
     }
 }
 
-/// Downloads into an existing pinned buffer (no allocation); yields the
-/// source and the destination back.
+/// Downloads a buffer, or a view of one, into an existing pinned buffer
+/// (no allocation); yields the source and the destination back.
 ///
 /// # Errors
 /// At execution: [`Error::InvalidArgument`] if the lengths differ.
-pub fn copy_d2h<T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send>(
+pub fn copy_d2h<T: AnyBitPattern, B: DeviceSource<T>>(
     src: B,
     dst: PinnedBuffer<T>,
 ) -> CopyD2H<T, B> {
     CopyD2H { src, dst }
 }
 
-impl<T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send> DeviceOp for CopyD2H<T, B> {
+impl<T: AnyBitPattern, B: DeviceSource<T>> DeviceOp for CopyD2H<T, B> {
     type Output = (B, PinnedBuffer<T>);
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<<Self as DeviceOp>::Output> {
+        let range = self.src.range();
         if let Some(r) = ctx.as_remote() {
-            let src = self.src.borrow();
-            same_len("device-to-host copy", src.len(), self.dst.len())?;
+            let src = self.src.buffer();
+            same_len("device-to-host copy", range.len(), self.dst.len())?;
             let (stream, id) = (r.stream(), r.id_of(src)?);
-            let slot = r.recording().read(stream, id, 0, src.num_bytes() as u64);
+            let (at, len) = byte_range::<T>(&range);
+            let slot = r.recording().read(stream, id, at, len);
             // Waits for earlier local copies of the pinned buffer; it is then
             // the op's own until the output is handed out, after the reply.
             let dst = self.dst.as_mut_slice()?;
@@ -333,11 +344,11 @@ impl<T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send> DeviceOp for CopyD2H<T
             r.on_reply(move || into.fill_from(&slot));
             return Ok((self.src, self.dst));
         }
-        enqueue_d2h(ctx, self.src.borrow(), &mut self.dst)?;
+        enqueue_d2h(ctx, self.src.buffer(), range, &mut self.dst)?;
         Ok((self.src, self.dst))
     }
 }
-impl_into_future!(impl[T: AnyBitPattern, B: Borrow<DeviceBuffer<T>> + Send] for CopyD2H<T, B>);
+impl_into_future!(impl[T: AnyBitPattern, B: DeviceSource<T>] for CopyD2H<T, B>);
 
 /// Op for [`copy_h2d`].
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
@@ -473,21 +484,23 @@ impl_into_future!(impl[T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send] 
 
 /// Op for [`memset`].
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
-pub struct Memset<T> {
-    buf: DeviceBuffer<T>,
+pub struct Memset<T, B> {
+    buf: B,
     byte: u8,
+    _t: PhantomData<fn() -> T>,
 }
 
-impl<T> fmt::Debug for Memset<T> {
+impl<T, B: DeviceTarget<T>> fmt::Debug for Memset<T, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Memset")
-            .field("len", &self.buf.len())
+            .field("range", &self.buf.range())
             .field("byte", &self.byte)
             .finish()
     }
 }
 
-/// Sets every byte of `buf` to `byte`; yields the buffer back. Only for
+/// Sets every byte of `buf` (an owned buffer, `&mut` one, or a writable
+/// view, [`DeviceBuffer::slice_mut`]) to `byte`; yields it back. Only for
 /// element types where every bit pattern is valid ([`AnyBitPattern`]).
 ///
 /// # Examples
@@ -498,23 +511,29 @@ impl<T> fmt::Debug for Memset<T> {
 /// assert_eq!(v, vec![u32::MAX; 4]);
 /// # Ok::<(), cuda_async::Error>(())
 /// ```
-pub fn memset<T: AnyBitPattern>(buf: DeviceBuffer<T>, byte: u8) -> Memset<T> {
-    Memset { buf, byte }
+pub fn memset<T: AnyBitPattern, B: DeviceTarget<T>>(buf: B, byte: u8) -> Memset<T, B> {
+    Memset {
+        buf,
+        byte,
+        _t: PhantomData,
+    }
 }
 
-impl<T: AnyBitPattern> DeviceOp for Memset<T> {
-    type Output = DeviceBuffer<T>;
+impl<T: AnyBitPattern, B: DeviceTarget<T>> DeviceOp for Memset<T, B> {
+    type Output = B;
 
-    unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
-        let bytes = self.buf.num_bytes();
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<B> {
+        let range = self.buf.range();
+        let (at, bytes) = byte_range::<T>(&range);
+        let target = self.buf.buffer();
         if let Some(r) = ctx.as_remote() {
-            let (stream, id) = (r.stream(), r.id_of(&self.buf)?);
+            let (stream, id) = (r.stream(), r.id_of(target)?);
             if bytes > 0 {
                 r.recording().push(RemoteCommand::Fill {
                     stream,
                     id,
-                    offset: 0,
-                    len: bytes as u64,
+                    offset: at,
+                    len: bytes,
                     value: self.byte,
                 });
             }
@@ -523,17 +542,28 @@ impl<T: AnyBitPattern> DeviceOp for Memset<T> {
         let stream = ctx.cuda_stream()?;
         bind(ctx)?;
         if bytes > 0 {
-            let buf = self.buf.local_mut_on(stream)?;
+            let buf = target.local_on(stream)?;
             buf.before_write(stream)?;
             {
-                let (dptr, _write) = buf.as_cuda_slice_mut().device_ptr_mut(stream);
-                // SAFETY: `dptr` addresses `bytes` bytes of a live allocation.
-                unsafe { result::memset_d8_async(dptr, self.byte, bytes, stream.cu_stream()) }
-                    .map_err(|e| Error::driver("cuMemsetD8Async", e))?;
+                // (cudarc's own tracking sees a read: ours records the write.)
+                let (dptr, _use) = buf.as_cuda_slice().device_ptr(stream);
+                // SAFETY: `dptr + at` addresses `bytes` bytes of a live
+                // allocation (`range` lies inside the buffer), which this op
+                // holds exclusively (an owned buffer, `&mut` or a writable
+                // view).
+                unsafe {
+                    result::memset_d8_async(
+                        dptr + at,
+                        self.byte,
+                        bytes as usize,
+                        stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| Error::driver("cuMemsetD8Async", e))?;
             }
             buf.after_write(stream)?;
         }
         Ok(self.buf)
     }
 }
-impl_into_future!(impl[T: AnyBitPattern] for Memset<T>);
+impl_into_future!(impl[T: AnyBitPattern, B: DeviceTarget<T>] for Memset<T, B>);

@@ -1448,3 +1448,82 @@ fn a_host_step_between_two_kernels_sees_the_first_and_feeds_the_second() {
         "{e}"
     );
 }
+
+/// Views: kernels read and write parts of buffers (the pointer starts at
+/// the view), a memset fills a view, downloads read views, and four
+/// writable chunks of one buffer go to four concurrent arms; everything
+/// outside the views is untouched.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn views_are_kernel_arguments_memset_targets_and_download_sources() {
+    let pool = local();
+    let k = kernels();
+    let n = 1024usize;
+    let src: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let x = h2d(src.clone()).sync_with(&*pool).unwrap();
+    let mut y = h2d(vec![1.0f32; n]).sync_with(&*pool).unwrap();
+    {
+        let (_, tail) = y.split_at_mut(n / 2).unwrap();
+        let m = (n / 4) as u32;
+        // SAFETY: copy_add reads src[0..m) and writes dst[0..m); both views
+        // hold n / 4 floats.
+        unsafe {
+            launch(
+                &k.copy_add,
+                cfg(m),
+                (
+                    x.slice(n / 4..n / 2).unwrap(),
+                    tail.split_at(n / 4).unwrap().1,
+                    0.5f32,
+                    m,
+                ),
+            )
+        }
+        .sync_with(&*pool)
+        .unwrap();
+    }
+    memset(y.slice_mut(10..20).unwrap(), 0)
+        .sync_with(&*pool)
+        .unwrap();
+    let got = d2h(&y).sync_with(&*pool).unwrap().to_vec().unwrap();
+    let mut want = vec![1.0f32; n];
+    want[10..20].fill(0.0);
+    for i in 0..n / 4 {
+        want[3 * n / 4 + i] = src[n / 4 + i] + 0.5;
+    }
+    assert_eq!(got, want);
+    let part = d2h(y.slice(3 * n / 4..).unwrap())
+        .sync_with(&*pool)
+        .unwrap();
+    assert_eq!(part.as_slice().unwrap(), &want[3 * n / 4..]);
+    let pinned = PinnedBuffer::filled(&dev(), 10, 7f32).unwrap();
+    let (_, pinned) = copy_d2h(y.slice(5..15).unwrap(), pinned)
+        .sync_with(&*pool)
+        .unwrap();
+    assert_eq!(pinned.as_slice().unwrap(), &want[5..15]);
+
+    // Four chunks of one buffer, each bumped by its own arm.
+    let mut z = zeros::<u32>(4096).sync_with(&*pool).unwrap();
+    {
+        let arms: Vec<_> = z
+            .chunks_mut(1024)
+            .unwrap()
+            .into_iter()
+            .enumerate()
+            .map(|(i, part)| {
+                let add = k.add_u32.clone();
+                // SAFETY: add_u32 touches part[0..1024) of a 1024-element view.
+                unsafe { launch(&add, cfg(1024), (part, i as u32 + 1, 1024u32)) }.boxed()
+            })
+            .collect();
+        join_all(arms).sync_with(&*pool).unwrap();
+    }
+    let z = d2h(z).sync_with(&*pool).unwrap().to_vec().unwrap();
+    for (i, part) in z.chunks(1024).enumerate() {
+        assert!(
+            part.iter().all(|&v| v == i as u32 + 1),
+            "chunk {i}: {:?}",
+            &part[..4]
+        );
+    }
+}

@@ -815,3 +815,61 @@ fn a_blocking_wait_with_a_timeout_returns_while_the_submission_still_runs() {
     drop(lease);
     node_rt.block_on(fx.shutdown());
 }
+
+/// Views of buffers travel to a leased GPU as the buffer's id and a byte
+/// offset: a kernel reads one view and writes another, a memset fills a
+/// third, a download reads a fourth; the rest of each buffer is untouched.
+#[tokio::test]
+async fn views_travel_to_a_leased_gpu_as_offsets() {
+    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let remote = fx.policy();
+    let k = kernels();
+    let x = h2d((0..16).map(|i| i as f32).collect::<Vec<_>>())
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    let mut y = h2d(vec![1.0f32; 16])
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    {
+        let (head, tail) = y.split_at_mut(8).unwrap();
+        // SAFETY: axpy touches x[0..4) and y[0..4) of its views, 4 floats
+        // each.
+        let op = unsafe {
+            launch(
+                &k.axpy,
+                cfg(4),
+                (
+                    2.0f32,
+                    x.slice(4..8).unwrap(),
+                    tail.split_at(4).unwrap().1,
+                    4u32,
+                ),
+            )
+        };
+        op.schedule(&remote).unwrap().await.unwrap();
+        memset(head.split_at(2).unwrap().1.split_at(2).unwrap().0, 0)
+            .schedule(&remote)
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let part = d2h(y.slice(1..16).unwrap())
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    let mut want = [1.0f32; 16];
+    want[2..4].fill(0.0);
+    for (i, v) in want[12..16].iter_mut().enumerate() {
+        *v = 2.0 * (4 + i) as f32 + 1.0;
+    }
+    assert_eq!(part.as_slice().unwrap(), &want[1..]);
+    // Out of range: an error naming the range and the buffer's length.
+    let e = x.slice(10..17).unwrap_err().to_string();
+    assert!(e.contains("of a buffer of 16"), "{e}");
+    fx.free_and_shutdown().await;
+}
