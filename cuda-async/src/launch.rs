@@ -165,7 +165,8 @@ fn view_arg<T>(buf: &DeviceBuffer<T>, start: usize, ctx: &RemoteContext) -> Resu
 }
 
 /// A view a kernel reads: a pointer to its first element, the launch
-/// ordered and recorded as a read of the whole buffer.
+/// ordered after the writes that overlap the view and recorded as a read
+/// of it.
 impl<T: DeviceRepr + Sync> KernelArg for DeviceSlice<'_, T> {
     fn spec(&self) -> (usize, ParamClass, &'static str) {
         (PTR.0, PTR.1, "DeviceSlice<T>")
@@ -178,10 +179,14 @@ impl<T: DeviceRepr + Sync> KernelArg for DeviceSlice<'_, T> {
         );
     }
     fn before(&self, stream: &CudaStream) -> Result<()> {
-        self.buf.local_on(stream)?.before_read(stream)
+        self.buf
+            .local_on(stream)?
+            .before_read_range(stream, self.start..self.start + self.len)
     }
     fn after(&self, stream: &CudaStream) -> Result<()> {
-        self.buf.expect_local().after_read(stream)
+        self.buf
+            .expect_local()
+            .after_read_range(stream, self.start..self.start + self.len)
     }
     fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
         view_arg(self.buf, self.start, ctx)
@@ -189,8 +194,9 @@ impl<T: DeviceRepr + Sync> KernelArg for DeviceSlice<'_, T> {
 }
 
 /// A view a kernel writes: a pointer to its first element, the launch
-/// ordered and recorded as a write of the whole buffer (so two views of
-/// one buffer written on two streams run in turn, never at once).
+/// ordered after the uses that overlap the view and recorded as a write
+/// of it (so disjoint views of one buffer written on two streams run at
+/// once).
 impl<T: DeviceRepr + Send + Sync> KernelArg for DeviceSliceMut<'_, T> {
     fn spec(&self) -> (usize, ParamClass, &'static str) {
         (PTR.0, PTR.1, "DeviceSliceMut<T>")
@@ -203,10 +209,14 @@ impl<T: DeviceRepr + Send + Sync> KernelArg for DeviceSliceMut<'_, T> {
         );
     }
     fn before(&self, stream: &CudaStream) -> Result<()> {
-        self.buf.local_on(stream)?.before_write(stream)
+        self.buf
+            .local_on(stream)?
+            .before_write_range(stream, self.start..self.start + self.len)
     }
     fn after(&self, stream: &CudaStream) -> Result<()> {
-        self.buf.expect_local().after_write(stream)
+        self.buf
+            .expect_local()
+            .after_write_range(stream, self.start..self.start + self.len)
     }
     fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
         view_arg(self.buf, self.start, ctx)

@@ -543,7 +543,7 @@ impl<T: AnyBitPattern, B: DeviceTarget<T>> DeviceOp for Memset<T, B> {
         bind(ctx)?;
         if bytes > 0 {
             let buf = target.local_on(stream)?;
-            buf.before_write(stream)?;
+            buf.before_write_range(stream, range.clone())?;
             {
                 // (cudarc's own tracking sees a read: ours records the write.)
                 let (dptr, _use) = buf.as_cuda_slice().device_ptr(stream);
@@ -561,7 +561,7 @@ impl<T: AnyBitPattern, B: DeviceTarget<T>> DeviceOp for Memset<T, B> {
                 }
                 .map_err(|e| Error::driver("cuMemsetD8Async", e))?;
             }
-            buf.after_write(stream)?;
+            buf.after_write_range(stream, range)?;
         }
         Ok(self.buf)
     }

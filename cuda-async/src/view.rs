@@ -7,10 +7,9 @@
 //!
 //! A view is a kernel argument (a pointer to its first element), the
 //! source of [`d2h`](crate::d2h) and [`copy_d2h`](crate::copy_d2h), and
-//! remotely the buffer's id plus a byte offset. Its uses are ordered and
-//! recorded as uses of the whole buffer: views of one buffer written on
-//! two streams run one after the other, never at once (see
-//! `ARCHITECTURE.md`).
+//! remotely the buffer's id plus a byte offset. A view's use waits only
+//! for the uses of the buffer that overlap it, so disjoint views written
+//! on two streams run at once (see `ARCHITECTURE.md`).
 
 use std::fmt;
 use std::marker::PhantomData;

@@ -1527,3 +1527,50 @@ fn views_are_kernel_arguments_memset_targets_and_download_sources() {
         );
     }
 }
+
+/// Two arms writing disjoint views of one buffer run at once (the GPU's
+/// own clock shows the two spins overlap), and a read of the whole buffer
+/// after them waits for both.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn disjoint_views_of_one_buffer_are_written_concurrently() {
+    let pool = local();
+    let k = kernels();
+    let ms = 1_000_000u64;
+    fn spin_view<'a>(
+        k: &cuda_async::Kernel,
+        part: cuda_async::DeviceSliceMut<'a, u64>,
+        ns: u64,
+    ) -> impl DeviceOp<Output = ()> + 'a {
+        // SAFETY: spin writes stamps[0..2); the view has 2 elements.
+        unsafe { launch(k, cfg(1), (ns, part)) }.map(|_| ())
+    }
+    let mut stamps = zeros::<u64>(4).sync_with(&*pool).unwrap();
+    {
+        // Warm up (module load, streams).
+        let (a, b) = stamps.split_at_mut(2).unwrap();
+        spin_view(&k.spin, a, 1000)
+            .zip(spin_view(&k.spin, b, 1000))
+            .sync_with(&*pool)
+            .unwrap();
+    }
+    dev().context().synchronize().unwrap();
+    {
+        let (a, b) = stamps.split_at_mut(2).unwrap();
+        spin_view(&k.spin, a, ms)
+            .zip(spin_view(&k.spin, b, ms))
+            .sync_with(&*pool)
+            .unwrap();
+    }
+    let s = d2h(&stamps).sync_with(&*pool).unwrap().to_vec().unwrap();
+    let ((a0, a1), (b0, b1)) = ((s[0], s[1]), (s[2], s[3]));
+    eprintln!(
+        "two 1 ms spins on disjoint views: overlap {} us",
+        (a1.min(b1) as i64 - a0.max(b0) as i64) / 1000
+    );
+    assert!(a1 - a0 >= ms && b1 - b0 >= ms, "{s:?}");
+    assert!(
+        a0 < b1 && b0 < a1,
+        "the views' writers did not overlap: a=[{a0},{a1}] b=[{b0},{b1}]"
+    );
+}

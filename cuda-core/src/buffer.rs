@@ -26,6 +26,7 @@
 use std::fmt;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
+use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
@@ -33,7 +34,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
 use crate::device::Device;
 use crate::error::{DriverResultExt, Error, Result};
 use crate::raw::{check_same_context, set_current};
-use crate::tracking::UseRecord;
+use crate::tracking::{Span, UseRecord, WHOLE};
 
 /// A typed buffer in device memory.
 ///
@@ -195,7 +196,7 @@ impl<T> DeviceBuffer<T> {
     /// error if the wait cannot be enqueued.
     pub fn before_read(&self, stream: &CudaStream) -> Result<()> {
         self.same_context(stream)?;
-        self.uses.before(stream, false)
+        self.uses.before(stream, false, WHOLE)
     }
 
     /// Orders a write on `stream` after the last write and every read since.
@@ -206,7 +207,7 @@ impl<T> DeviceBuffer<T> {
     /// As [`DeviceBuffer::before_read`].
     pub fn before_write(&self, stream: &CudaStream) -> Result<()> {
         self.same_context(stream)?;
-        self.uses.before(stream, true)
+        self.uses.before(stream, true, WHOLE)
     }
 
     /// Records a read enqueued on `stream` (later writes and the free wait
@@ -216,7 +217,7 @@ impl<T> DeviceBuffer<T> {
     /// A driver error if the event cannot be created or recorded; the
     /// buffer is then never freed (it cannot know when the read ends).
     pub fn after_read(&self, stream: &CudaStream) -> Result<()> {
-        self.after(stream, false)
+        self.after(stream, false, WHOLE)
     }
 
     /// Records a write enqueued on `stream`. Earlier reads are ordered
@@ -225,16 +226,75 @@ impl<T> DeviceBuffer<T> {
     /// # Errors
     /// As [`DeviceBuffer::after_read`].
     pub fn after_write(&self, stream: &CudaStream) -> Result<()> {
-        self.after(stream, true)
+        self.after(stream, true, WHOLE)
     }
 
-    fn after(&self, stream: &CudaStream, write: bool) -> Result<()> {
+    /// [`DeviceBuffer::before_read`] of elements `range` only: ordered
+    /// after the writes that overlap it.
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::before_read`]; [`Error::InvalidArgument`] for a
+    /// range outside the buffer.
+    pub fn before_read_range(&self, stream: &CudaStream, range: Range<usize>) -> Result<()> {
+        let span = self.span(&range)?;
+        self.same_context(stream)?;
+        self.uses.before(stream, false, span)
+    }
+
+    /// [`DeviceBuffer::before_write`] of elements `range` only: ordered
+    /// after the reads and writes that overlap it, so writes of disjoint
+    /// ranges on two streams run at once. The caller holds the range
+    /// exclusively until [`DeviceBuffer::after_write_range`].
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::before_read_range`].
+    pub fn before_write_range(&self, stream: &CudaStream, range: Range<usize>) -> Result<()> {
+        let span = self.span(&range)?;
+        self.same_context(stream)?;
+        self.uses.before(stream, true, span)
+    }
+
+    /// [`DeviceBuffer::after_read`] of elements `range`.
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::before_read_range`].
+    pub fn after_read_range(&self, stream: &CudaStream, range: Range<usize>) -> Result<()> {
+        let span = self.span(&range)?;
+        self.after(stream, false, span)
+    }
+
+    /// [`DeviceBuffer::after_write`] of elements `range`: it forgets the
+    /// uses inside the range, which it was ordered after.
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::before_read_range`].
+    pub fn after_write_range(&self, stream: &CudaStream, range: Range<usize>) -> Result<()> {
+        let span = self.span(&range)?;
+        self.after(stream, true, span)
+    }
+
+    /// Elements `range` as bytes, checked.
+    fn span(&self, range: &Range<usize>) -> Result<Span> {
+        if range.start > range.end || range.end > self.len() {
+            return Err(Error::InvalidArgument(format!(
+                "elements {}..{} are outside a buffer of {}",
+                range.start,
+                range.end,
+                self.len()
+            )));
+        }
+        let size = std::mem::size_of::<T>();
+        Ok(range.start * size..range.end * size)
+    }
+
+    fn after(&self, stream: &CudaStream, write: bool, span: Span) -> Result<()> {
         if crate::tracking::is_capture_stream(stream) {
-            // Captured: each replay records the use instead.
+            // Captured: each replay records the use (of the whole buffer)
+            // instead.
             crate::tracking::log_use(&self.uses, write);
             return Ok(());
         }
-        self.uses.record(stream, write)
+        self.uses.record(stream, write, span)
     }
 }
 
@@ -318,7 +378,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         }
         set_current(stream.context())?;
         // A wait on an event of another device's context is allowed.
-        self.uses.before(stream, false)?;
+        self.uses.before(stream, false, WHOLE)?;
         dst.before_write(stream)?;
         let src_ctx = self.slice.stream().context();
         let copied = {
@@ -342,7 +402,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         copied
             .result()
             .map_err(|e| Error::driver("cuMemcpyPeerAsync", e))?;
-        let read = self.uses.record(stream, false);
+        let read = self.uses.record(stream, false, WHOLE);
         dst.after_write(stream)?;
         read?;
         Ok(dst)

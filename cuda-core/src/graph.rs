@@ -461,7 +461,7 @@ impl TrackedGraph {
         }
         set_current(self.graph.context())?;
         for (u, write) in &self.uses {
-            u.before(stream, *write)?;
+            u.before(stream, *write, crate::tracking::WHOLE)?;
         }
         self.graph.launch_on(stream)?;
         self.replayed.store(true, Ordering::Release);
@@ -475,7 +475,7 @@ impl TrackedGraph {
             self.broken.store(true, Ordering::Release);
         }
         for (u, write) in &self.uses {
-            u.record(stream, *write)?;
+            u.record(stream, *write, crate::tracking::WHOLE)?;
         }
         recorded
     }

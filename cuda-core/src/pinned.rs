@@ -291,7 +291,8 @@ impl<T> PinnedBuffer<T> {
 
 impl<T: AnyBitPattern> PinnedBuffer<T> {
     /// Enqueues on `stream` a copy of `src[offset..offset + self.len()]`
-    /// (in elements) into this buffer: ordered after `src`'s last write and
+    /// (in elements) into this buffer: ordered after `src`'s writes that
+    /// overlap the range and
     /// this buffer's earlier GPU uses, recorded as a read of `src` and a use
     /// of this buffer, so host access waits for it. Does not wait itself.
     ///
@@ -318,7 +319,8 @@ impl<T: AnyBitPattern> PinnedBuffer<T> {
             return Ok(());
         }
         set_current(stream.context())?;
-        src.before_read(stream)?;
+        let range = offset..offset + self.len;
+        src.before_read_range(stream, range.clone())?;
         // SAFETY: the copy below writes exactly `self.len` elements on
         // `stream`, and `record_use` follows it.
         let host = unsafe { self.begin_use(stream) }?;
@@ -344,7 +346,7 @@ impl<T: AnyBitPattern> PinnedBuffer<T> {
             .result()
             .call("cuMemcpyDtoHAsync")
         };
-        let read = src.after_read(stream);
+        let read = src.after_read_range(stream, range);
         self.record_use(stream)?;
         copied.and(read)
     }

@@ -24,16 +24,87 @@ pub(crate) struct UseRecord {
     orphan: Mutex<Option<CudaSlice<u8>>>,
 }
 
-/// Events of the uses since the last write (reads, per stream) and of the
-/// last write.
+/// Bytes of a buffer a use touches; [`WHOLE`] for the whole buffer.
+pub(crate) type Span = std::ops::Range<usize>;
+
+/// Every byte of a buffer.
+pub(crate) const WHOLE: Span = 0..usize::MAX;
+
+/// Most entries of one stream in one list before they merge into one.
+const PER_STREAM: usize = 8;
+
+/// A recorded use: its stream (the handle's address, identity only), the
+/// bytes it touches and the event recorded after it.
+struct Entry {
+    stream: usize,
+    span: Span,
+    ev: RawEvent,
+}
+
+fn overlaps(a: &Span, b: &Span) -> bool {
+    a.start < b.end && b.start < a.end
+}
+
+fn within(a: &Span, b: &Span) -> bool {
+    b.start <= a.start && a.end <= b.end
+}
+
+/// The recorded uses not yet known to be ordered before a later write that
+/// covers them: reads and writes, each with the bytes it touched. A use
+/// waits only for the entries that overlap it (a read for writes; a write
+/// for both), so uses of disjoint parts of a buffer on two streams run at
+/// once.
 #[derive(Default)]
 struct Uses {
-    /// Keyed by the stream handle's address (identity only).
-    reads: Vec<(usize, RawEvent)>,
-    write: Option<(usize, RawEvent)>,
+    reads: Vec<Entry>,
+    writes: Vec<Entry>,
     /// Set when a use could not be recorded: the buffer can no longer tell
     /// when the GPU is done with it, so it is never freed.
     broken: bool,
+}
+
+impl Uses {
+    /// Records a use on `stream` (raw handle `raw`) of `span` in `list`:
+    /// re-recording the stream's entry of the same span, or merging the
+    /// stream's entries into one once it has [`PER_STREAM`] (an event
+    /// recorded now follows all of the stream's earlier work, so the merged
+    /// entry's span is their hull).
+    fn push(
+        list: &mut Vec<Entry>,
+        stream: &CudaStream,
+        raw: usize,
+        span: Span,
+        spare: Option<RawEvent>,
+    ) -> Result<()> {
+        if let Some(e) = list.iter_mut().find(|e| e.stream == raw && e.span == span) {
+            return e.ev.record(stream);
+        }
+        let mut span = span;
+        let mut ev = spare;
+        if list.iter().filter(|e| e.stream == raw).count() >= PER_STREAM {
+            let mut i = 0;
+            while i < list.len() {
+                if list[i].stream == raw {
+                    let e = list.swap_remove(i);
+                    span = span.start.min(e.span.start)..span.end.max(e.span.end);
+                    ev = ev.or(Some(e.ev));
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        let ev = match ev {
+            Some(ev) => ev,
+            None => RawEvent::new(stream.context())?,
+        };
+        let recorded = ev.record(stream);
+        list.push(Entry {
+            stream: raw,
+            span,
+            ev,
+        });
+        recorded
+    }
 }
 
 impl UseRecord {
@@ -41,9 +112,10 @@ impl UseRecord {
         self.uses.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Orders a use on `stream` after the conflicting recorded uses (a read
-    /// after the last write; a write after the last write and every read).
-    pub(crate) fn before(&self, stream: &CudaStream, write: bool) -> Result<()> {
+    /// Orders a use of `span` on `stream` after the recorded uses it
+    /// conflicts with on other streams (a read after the writes that
+    /// overlap it; a write after the reads and writes that overlap it).
+    pub(crate) fn before(&self, stream: &CudaStream, write: bool, span: Span) -> Result<()> {
         if is_capture_stream(stream) {
             // Inside a capture only the captured work is ordered (by its
             // streams and forks); each replay is ordered against the
@@ -53,43 +125,42 @@ impl UseRecord {
         let u = self.lock();
         let raw = stream.cu_stream() as usize;
         let reads = if write { &u.reads[..] } else { &[] };
-        for (s, ev) in reads.iter().chain(u.write.iter()) {
-            if *s != raw {
-                ev.wait_on(stream)
+        for e in reads.iter().chain(&u.writes) {
+            if e.stream != raw && overlaps(&e.span, &span) {
+                e.ev.wait_on(stream)
                     .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
             }
         }
         Ok(())
     }
 
-    /// Records a use enqueued on `stream` (a write forgets the reads before
-    /// it, which it was ordered after).
-    pub(crate) fn record(&self, stream: &CudaStream, write: bool) -> Result<()> {
-        let mut u = self.lock();
-        let r = (|| {
-            let raw = stream.cu_stream() as usize;
-            if !write {
-                if let Some((_, ev)) = u.reads.iter().find(|(s, _)| *s == raw) {
-                    return ev.record(stream);
+    /// Records a use of `span` enqueued on `stream`. A write forgets the
+    /// uses inside its span: it was ordered after them, so whatever
+    /// overlaps them overlaps it and waits for it.
+    pub(crate) fn record(&self, stream: &CudaStream, write: bool, span: Span) -> Result<()> {
+        if span.is_empty() {
+            return Ok(());
+        }
+        let mut guard = self.lock();
+        let u = &mut *guard;
+        let raw = stream.cu_stream() as usize;
+        let r = if write {
+            let mut spare = None;
+            for list in [&mut u.reads, &mut u.writes] {
+                let mut i = 0;
+                while i < list.len() {
+                    if within(&list[i].span, &span) {
+                        let e = list.swap_remove(i);
+                        spare = spare.or(Some(e.ev));
+                    } else {
+                        i += 1;
+                    }
                 }
-                let ev = RawEvent::new(stream.context())?;
-                ev.record(stream)?;
-                u.reads.push((raw, ev));
-                return Ok(());
             }
-            let ev = match u.write.take() {
-                Some((_, ev)) => ev,
-                None => match u.reads.iter().position(|(s, _)| *s == raw) {
-                    Some(i) => u.reads.swap_remove(i).1,
-                    None => RawEvent::new(stream.context())?,
-                },
-            };
-            let rec = ev.record(stream);
-            u.write = Some((raw, ev));
-            rec?;
-            u.reads.clear();
-            Ok(())
-        })();
+            Uses::push(&mut u.writes, stream, raw, span, spare)
+        } else {
+            Uses::push(&mut u.reads, stream, raw, span, None)
+        };
         if r.is_err() {
             u.broken = true;
         }
@@ -110,12 +181,12 @@ impl UseRecord {
                 "a use of this buffer could not be recorded; it is leaked".into(),
             ));
         }
-        if u.reads.is_empty() && u.write.is_none() {
+        if u.reads.is_empty() && u.writes.is_empty() {
             return Ok(());
         }
         set_current(home.context())?;
-        for (_, ev) in u.reads.iter().chain(u.write.iter()) {
-            ev.wait_on(home)
+        for e in u.reads.iter().chain(&u.writes) {
+            e.ev.wait_on(home)
                 .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
         }
         Ok(())
