@@ -164,7 +164,7 @@ pub use launch::{
 };
 #[doc(hidden)]
 pub use macros::__private;
-pub use memory::{copy_d2h, copy_h2d, d2d, d2h, h2d, memset, zeros};
+pub use memory::{copy_d2d, copy_d2h, copy_h2d, d2d, d2h, h2d, memset, zeros};
 pub use multi::{to_device, DeviceLoad, DevicePool, PlaceFn, Placement, ToDevice};
 pub use op::{DeviceOp, DeviceOpExt, OutputOf};
 pub use policy::{
@@ -179,7 +179,7 @@ pub use view::{DeviceSlice, DeviceSliceMut, DeviceSource, DeviceTarget};
 pub mod prelude {
     pub use crate::combinators::{join_all, value, with_context, zip_all, BoxedOp};
     pub use crate::launch::launch;
-    pub use crate::memory::{copy_d2h, copy_h2d, d2d, d2h, h2d, memset, zeros};
+    pub use crate::memory::{copy_d2d, copy_d2h, copy_h2d, d2d, d2h, h2d, memset, zeros};
     pub use crate::op::{DeviceOp, DeviceOpExt};
     pub use crate::policy::{SchedulingPolicy, SingleStream, StreamPoolRoundRobin};
     pub use crate::remote::RemotePolicy;

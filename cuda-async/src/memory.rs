@@ -4,12 +4,11 @@
 //! the copy is truly asynchronous, and the buffer's contents can only be
 //! reached after the copy is done (invariant 3), whatever the caller does.
 
-use std::borrow::Borrow;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use cuda_core::cudarc::driver::{result, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+use cuda_core::cudarc::driver::{result, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use cuda_core::{AnyBitPattern, Error, PinnedBuffer, Result};
 
 use crate::buffer::DeviceBuffer;
@@ -352,67 +351,72 @@ impl_into_future!(impl[T: AnyBitPattern, B: DeviceSource<T>] for CopyD2H<T, B>);
 
 /// Op for [`copy_h2d`].
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
-pub struct CopyH2D<T> {
+pub struct CopyH2D<T, D> {
     src: PinnedBuffer<T>,
-    dst: DeviceBuffer<T>,
+    dst: D,
 }
 
-impl<T> fmt::Debug for CopyH2D<T> {
+impl<T, D: DeviceTarget<T>> fmt::Debug for CopyH2D<T, D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CopyH2D")
-            .field("len", &self.dst.len())
+            .field("dst", &self.dst.range())
             .finish()
     }
 }
 
-/// Uploads a pinned buffer into an existing device buffer (truly
-/// asynchronous, no staging); yields both back. Host writes to `src` wait
-/// until the copy has read it.
+/// Uploads a pinned buffer into an existing device buffer, or a writable
+/// view of one (truly asynchronous, no staging); yields both back. Host
+/// writes to `src` wait until the copy has read it.
 ///
 /// # Errors
 /// At execution: [`Error::InvalidArgument`] if the lengths differ.
-pub fn copy_h2d<T: DeviceRepr>(src: PinnedBuffer<T>, dst: DeviceBuffer<T>) -> CopyH2D<T> {
+pub fn copy_h2d<T: DeviceRepr, D: DeviceTarget<T>>(src: PinnedBuffer<T>, dst: D) -> CopyH2D<T, D> {
     CopyH2D { src, dst }
 }
 
-impl<T: DeviceRepr + Send> DeviceOp for CopyH2D<T> {
-    type Output = (PinnedBuffer<T>, DeviceBuffer<T>);
+impl<T: DeviceRepr + Send, D: DeviceTarget<T>> DeviceOp for CopyH2D<T, D> {
+    type Output = (PinnedBuffer<T>, D);
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<<Self as DeviceOp>::Output> {
-        same_len("host-to-device copy", self.src.len(), self.dst.len())?;
+        let range = self.dst.range();
+        same_len("host-to-device copy", self.src.len(), range.len())?;
+        let (at, _) = byte_range::<T>(&range);
         if let Some(r) = ctx.as_remote() {
-            let (stream, id) = (r.stream(), r.id_of(&self.dst)?);
+            let (stream, id) = (r.stream(), r.id_of(self.dst.buffer())?);
             if !self.src.is_empty() {
                 r.recording()
-                    .write(stream, id, 0, as_bytes(self.src.as_slice()?));
+                    .write(stream, id, at, as_bytes(self.src.as_slice()?));
             }
             return Ok((self.src, self.dst));
         }
         if !self.src.is_empty() {
             let stream = ctx.cuda_stream()?;
             bind(ctx)?;
-            let dst = self.dst.local_mut_on(stream)?;
-            dst.before_write(stream)?;
+            let dst = self.dst.buffer().local_on(stream)?;
+            dst.before_write_range(stream, range.clone())?;
             // SAFETY: the copy reads `len` elements on `stream`; `record_use`
             // follows.
             let host = unsafe { self.src.begin_use(stream) }?;
             {
-                let (dptr, _write) = dst.as_cuda_slice_mut().device_ptr_mut(stream);
+                // (cudarc's own tracking sees a read: ours records the write.)
+                let (dptr, _use) = dst.as_cuda_slice().device_ptr(stream);
                 // SAFETY: `host` holds `len` initialised pinned elements that
                 // host code cannot mutate until the recorded use completes.
                 let src = unsafe { std::slice::from_raw_parts(host as *const T, self.src.len()) };
-                // SAFETY: valid pointers and lengths, live stream.
-                unsafe { result::memcpy_htod_async(dptr, src, stream.cu_stream()) }
+                // SAFETY: `dptr + at` addresses `len` elements inside the
+                // buffer (`range` lies inside it), held exclusively by this
+                // op; live stream.
+                unsafe { result::memcpy_htod_async(dptr + at, src, stream.cu_stream()) }
                     .map_err(|e| Error::driver("cuMemcpyHtoDAsync", e))?;
             }
-            let written = dst.after_write(stream);
+            let written = dst.after_write_range(stream, range);
             self.src.record_use(stream)?;
             written?;
         }
         Ok((self.src, self.dst))
     }
 }
-impl_into_future!(impl[T: DeviceRepr + Send] for CopyH2D<T>);
+impl_into_future!(impl[T: DeviceRepr + Send, D: DeviceTarget<T>] for CopyH2D<T, D>);
 
 /// Op for [`d2d`].
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
@@ -427,7 +431,8 @@ impl<T, B> fmt::Debug for D2D<T, B> {
     }
 }
 
-/// Copies a device buffer into a new one on the same device.
+/// Copies a device buffer (or a view of one) into a new one on the same
+/// device.
 ///
 /// # Examples
 ///
@@ -438,49 +443,147 @@ impl<T, B> fmt::Debug for D2D<T, B> {
 /// assert_eq!(b.as_slice()?, &[1, 2]);
 /// # Ok::<(), cuda_async::Error>(())
 /// ```
-pub fn d2d<T: DeviceRepr, B: Borrow<DeviceBuffer<T>> + Send>(src: B) -> D2D<T, B> {
+pub fn d2d<T: DeviceRepr, B: DeviceSource<T>>(src: B) -> D2D<T, B> {
     D2D {
         src,
         _t: PhantomData,
     }
 }
 
-impl<T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send> DeviceOp for D2D<T, B> {
+impl<T: DeviceRepr + Send, B: DeviceSource<T>> DeviceOp for D2D<T, B> {
     type Output = DeviceBuffer<T>;
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
-        let src = self.src.borrow();
-        if let Some(r) = ctx.as_remote() {
-            let (stream, sid) = (r.stream(), r.id_of(src)?);
-            let dst = r.alloc::<T>(src.len())?;
-            if !src.is_empty() {
-                let did = r.id_of(&dst)?;
-                r.recording().push(RemoteCommand::Copy {
-                    stream,
-                    src: (sid, 0),
-                    dst: (did, 0),
-                    len: src.num_bytes() as u64,
-                });
-            }
-            return Ok(dst);
-        }
-        let stream = ctx.cuda_stream()?;
-        let src = src.local_on(stream)?;
-        // SAFETY: fully written by the copy enqueued next.
-        let mut dst = unsafe { cuda_core::DeviceBuffer::<T>::uninit(stream, src.len()) }?;
-        if !src.is_empty() {
-            src.before_read(stream)?;
-            stream
-                .memcpy_dtod(src.as_cuda_slice(), dst.as_cuda_slice_mut())
-                .map_err(|e| Error::driver("cuMemcpyDtoDAsync", e))?;
-            let read = src.after_read(stream);
-            dst.after_write(stream)?;
-            read?;
-        }
-        Ok(dst.into())
+        let (src, range) = (self.src.buffer(), self.src.range());
+        let dst = if let Some(r) = ctx.as_remote() {
+            r.alloc::<T>(range.len())?
+        } else {
+            let stream = ctx.cuda_stream()?;
+            src.local_on(stream)?;
+            // SAFETY: fully written by the copy enqueued next.
+            unsafe { cuda_core::DeviceBuffer::<T>::uninit(stream, range.len()) }?.into()
+        };
+        let len = range.len();
+        enqueue_d2d(ctx, src, range, &dst, 0..len)?;
+        Ok(dst)
     }
 }
-impl_into_future!(impl[T: DeviceRepr + Send, B: Borrow<DeviceBuffer<T>> + Send] for D2D<T, B>);
+impl_into_future!(impl[T: DeviceRepr + Send, B: DeviceSource<T>] for D2D<T, B>);
+
+/// Enqueues a copy of elements `from` of `src` into elements `to` of `dst`
+/// (of the same length, checked), ordered after the uses it conflicts with
+/// and recorded as a read of `from` and a write of `to`; remotely, a copy
+/// command.
+fn enqueue_d2d<T>(
+    ctx: &mut ExecutionContext,
+    src: &DeviceBuffer<T>,
+    from: std::ops::Range<usize>,
+    dst: &DeviceBuffer<T>,
+    to: std::ops::Range<usize>,
+) -> Result<()> {
+    same_len("device-to-device copy", from.len(), to.len())?;
+    let ((src_at, bytes), (dst_at, _)) = (byte_range::<T>(&from), byte_range::<T>(&to));
+    if let Some(r) = ctx.as_remote() {
+        let (stream, sid, did) = (r.stream(), r.id_of(src)?, r.id_of(dst)?);
+        if bytes > 0 {
+            r.recording().push(RemoteCommand::Copy {
+                stream,
+                src: (sid, src_at),
+                dst: (did, dst_at),
+                len: bytes,
+            });
+        }
+        return Ok(());
+    }
+    let stream: &Arc<CudaStream> = ctx.cuda_stream()?;
+    let (src, dst) = (src.local_on(stream)?, dst.local_on(stream)?);
+    if bytes == 0 {
+        return Ok(());
+    }
+    src.before_read_range(stream, from.clone())?;
+    dst.before_write_range(stream, to.clone())?;
+    {
+        let (sptr, _read) = src.as_cuda_slice().device_ptr(stream);
+        // (cudarc's own tracking sees a read: ours records the write.)
+        let (dptr, _use) = dst.as_cuda_slice().device_ptr(stream);
+        // SAFETY: both ranges lie inside their buffers (checked by the
+        // range calls above), the destination's held exclusively by the
+        // op; a live stream.
+        unsafe {
+            result::memcpy_dtod_async(
+                dptr + dst_at,
+                sptr + src_at,
+                bytes as usize,
+                stream.cu_stream(),
+            )
+        }
+        .map_err(|e| Error::driver("cuMemcpyDtoDAsync", e))?;
+    }
+    let read = src.after_read_range(stream, from);
+    dst.after_write_range(stream, to)?;
+    read
+}
+
+/// Op for [`copy_d2d`].
+#[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
+pub struct CopyD2D<T, S, D> {
+    src: S,
+    dst: D,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T, S: DeviceSource<T>, D: DeviceTarget<T>> fmt::Debug for CopyD2D<T, S, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CopyD2D")
+            .field("src", &self.src.range())
+            .field("dst", &self.dst.range())
+            .finish()
+    }
+}
+
+/// Copies a buffer, or a view of one, into an existing buffer or a
+/// writable view of one, on the same device; yields both back.
+///
+/// # Errors
+/// At execution: [`Error::InvalidArgument`] if the lengths differ or the
+/// buffers are on different devices (see [`to_device`](crate::to_device)).
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_async::prelude::*;
+/// let src = h2d(vec![1u8, 2, 3, 4]).sync()?;
+/// let mut dst = zeros::<u8>(6).sync()?;
+/// copy_d2d(src.slice(1..3)?, dst.slice_mut(4..)?).sync()?;
+/// assert_eq!(d2h(dst).sync()?.as_slice()?, &[0, 0, 0, 0, 2, 3]);
+/// # Ok::<(), cuda_async::Error>(())
+/// ```
+pub fn copy_d2d<T: DeviceRepr, S: DeviceSource<T>, D: DeviceTarget<T>>(
+    src: S,
+    dst: D,
+) -> CopyD2D<T, S, D> {
+    CopyD2D {
+        src,
+        dst,
+        _t: PhantomData,
+    }
+}
+
+impl<T: DeviceRepr + Send, S: DeviceSource<T>, D: DeviceTarget<T>> DeviceOp for CopyD2D<T, S, D> {
+    type Output = (S, D);
+
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<(S, D)> {
+        enqueue_d2d(
+            ctx,
+            self.src.buffer(),
+            self.src.range(),
+            self.dst.buffer(),
+            self.dst.range(),
+        )?;
+        Ok((self.src, self.dst))
+    }
+}
+impl_into_future!(impl[T: DeviceRepr + Send, S: DeviceSource<T>, D: DeviceTarget<T>] for CopyD2D<T, S, D>);
 
 /// Op for [`memset`].
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]

@@ -6,7 +6,9 @@
 //! otherwise until the view is gone.
 //!
 //! A view is a kernel argument (a pointer to its first element), the
-//! source of [`d2h`](crate::d2h) and [`copy_d2h`](crate::copy_d2h), and
+//! target of [`memset`](crate::memset) and [`copy_h2d`](crate::copy_h2d),
+//! the source of [`d2h`](crate::d2h), [`copy_d2h`](crate::copy_d2h) and
+//! [`d2d`](crate::d2d), either end of [`copy_d2d`](crate::copy_d2d), and
 //! remotely the buffer's id plus a byte offset. A view's use waits only
 //! for the uses of the buffer that overlap it, so disjoint views written
 //! on two streams run at once (see `ARCHITECTURE.md`).

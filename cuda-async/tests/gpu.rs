@@ -1501,6 +1501,21 @@ fn views_are_kernel_arguments_memset_targets_and_download_sources() {
         .sync_with(&*pool)
         .unwrap();
     assert_eq!(pinned.as_slice().unwrap(), &want[5..15]);
+    // Copies into views: from pinned memory, and from another view.
+    copy_h2d(pinned, y.slice_mut(100..110).unwrap())
+        .sync_with(&*pool)
+        .unwrap();
+    want.copy_within(5..15, 100);
+    copy_d2d(x.slice(0..8).unwrap(), y.slice_mut(200..208).unwrap())
+        .sync_with(&*pool)
+        .unwrap();
+    want[200..208].copy_from_slice(&src[0..8]);
+    let copy = d2d(y.slice(96..212).unwrap())
+        .then(d2h)
+        .sync_with(&*pool)
+        .unwrap();
+    assert_eq!(copy.as_slice().unwrap(), &want[96..212]);
+    assert_eq!(d2h(&y).sync_with(&*pool).unwrap().to_vec().unwrap(), want);
 
     // Four chunks of one buffer, each bumped by its own arm.
     let mut z = zeros::<u32>(4096).sync_with(&*pool).unwrap();

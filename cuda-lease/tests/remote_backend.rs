@@ -868,6 +868,19 @@ async fn views_travel_to_a_leased_gpu_as_offsets() {
         *v = 2.0 * (4 + i) as f32 + 1.0;
     }
     assert_eq!(part.as_slice().unwrap(), &want[1..]);
+    // Device copies out of and into views.
+    copy_d2d(x.slice(0..3).unwrap(), y.slice_mut(13..16).unwrap())
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    let copied = d2d(y.slice(12..16).unwrap())
+        .then(d2h)
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(copied.as_slice().unwrap(), &[want[12], 0.0, 1.0, 2.0]);
     // Out of range: an error naming the range and the buffer's length.
     let e = x.slice(10..17).unwrap_err().to_string();
     assert!(e.contains("of a buffer of 16"), "{e}");
