@@ -296,6 +296,29 @@ impl Fixture {
         Ok(())
     }
 
+    /// Raw: one spin of `ns`, launch + synchronize.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn raw_spin_ns(&self, ns: u64) -> Result<()> {
+        raw::launch_spin(&self.stream, &self.kernels.spin_fn, ns)?;
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// Library: `n` independent spins of `ns`, awaited together
+    /// (`join_all`) on `policy`.
+    ///
+    /// # Errors
+    /// The op's error.
+    pub fn lib_wide(&self, policy: &StreamPoolRoundRobin, n: usize, ns: u64) -> Result<()> {
+        let arms: Vec<_> = (0..n)
+            // SAFETY: `spin` takes one u64 and touches no memory.
+            .map(|_| unsafe { launch(&self.kernels.spin, ONE_THREAD, (ns,)) })
+            .collect();
+        join_all(arms).sync_with(policy)?;
+        Ok(())
+    }
+
     /// Library: two ~1 ms spins one after the other (`then`), `.sync()`.
     ///
     /// # Errors

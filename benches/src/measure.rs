@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tokio::runtime::Runtime;
 
-use cuda_async::CompletionMode;
+use cuda_async::{CompletionMode, StreamPoolRoundRobin};
 
 use crate::fixture::{AwaitPath, Fixture, SyncPath, COMPLETION_MODES};
 use crate::report::{Goal, Row, Unit};
@@ -691,6 +691,49 @@ pub fn reactor_idle_cpu(window: Duration) -> Option<f64> {
 /// # Errors
 /// The first error of any path.
 pub fn zip(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
+    let mut rows = zip_pairs(fx, cfg)?;
+    rows.push(width(fx, cfg)?);
+    Ok(rows)
+}
+
+/// Concurrent spins of the width row.
+pub const WIDTH: usize = 32;
+/// Each one's length.
+pub const WIDE_SPIN_NS: u64 = 10_000_000;
+
+/// The width row: [`WIDTH`] independent 10 ms spins awaited together
+/// (`join_all` on a pool of one stream more) against one spin, which is
+/// their ideal concurrent time (they fit on the GPU at once). The report
+/// sets [`WIDTH`] hardware queues before the driver starts
+/// (`set_hardware_queues`); the row's note says how many the driver took.
+fn width(fx: &Fixture, cfg: &Config) -> Result<Row> {
+    let wide = StreamPoolRoundRobin::new(&fx.device, WIDTH + 1)?;
+    let t = interleaved(
+        cfg.reps(3, 1),
+        cfg.reps(20, 5),
+        &mut [&mut || fx.raw_spin_ns(WIDE_SPIN_NS), &mut || {
+            fx.lib_wide(&wide, WIDTH, WIDE_SPIN_NS)
+        }],
+    )?;
+    let ms = |v: &Vec<f64>| sum(v).map(|s| s.scaled(1e-3));
+    Ok(Row::new(
+        "zip",
+        format!(
+            "{WIDTH} independent 10 ms spins awaited together (`join_all`, {} streams) vs one spin (their ideal concurrent time)",
+            WIDTH + 1
+        ),
+        Unit::Millis,
+    )
+    .raw(ms(&t[0]))
+    .lib(ms(&t[1]))
+    .goal(Goal::AtMost(1.1))
+    .note(format!(
+        "{} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS)",
+        cuda_async::hardware_queues()
+    )))
+}
+
+fn zip_pairs(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
     let t = interleaved(
         cfg.reps(5, 2),
         cfg.reps(200, 20),

@@ -1,6 +1,7 @@
 //! Device inventory and the process-wide context per device.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaStream};
@@ -35,12 +36,76 @@ pub fn require_driver() -> Result<()> {
     }
 }
 
+/// Set once this crate has started the driver (every path to a device
+/// goes through [`device_count`]).
+static STARTED: AtomicBool = AtomicBool::new(false);
+
+/// The environment variable the driver reads for its hardware queues.
+const QUEUES_ENV: &str = "CUDA_DEVICE_MAX_CONNECTIONS";
+
+/// The most hardware work queues a device takes.
+pub const MAX_HARDWARE_QUEUES: u32 = 32;
+
+/// The driver's default number of hardware work queues per device.
+pub const DEFAULT_HARDWARE_QUEUES: u32 = 8;
+
+/// Sets how many hardware work queues each device gets
+/// (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 by default, at most 32). Streams
+/// share these queues: with more busy streams than queues, work of two
+/// streams that landed on one queue runs in turn, so N-way overlap
+/// needs N queues (and a pool of more than N streams: see
+/// `StreamPoolRoundRobin::new` in `cuda-async`). The driver reads it once,
+/// when it starts: call this first thing in `main`, before any other
+/// thread runs and before any device is opened. It overrides the
+/// variable if the environment set it.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for 0 or more than [`MAX_HARDWARE_QUEUES`],
+/// or once this process has started the driver (too late to take
+/// effect).
+///
+/// # Examples
+///
+/// ```no_run
+/// // 32 kernels on 32 streams run at once, not 8 at a time.
+/// cuda_core::set_hardware_queues(32)?;
+/// let dev = cuda_core::Device::new(0)?;
+/// # Ok::<(), cuda_core::Error>(())
+/// ```
+pub fn set_hardware_queues(n: u32) -> Result<()> {
+    if !(1..=MAX_HARDWARE_QUEUES).contains(&n) {
+        return Err(Error::InvalidArgument(format!(
+            "set_hardware_queues({n}): a device takes 1 to {MAX_HARDWARE_QUEUES} hardware queues"
+        )));
+    }
+    if STARTED.load(Ordering::Acquire) {
+        return Err(Error::InvalidArgument(format!(
+            "set_hardware_queues({n}) comes too late: this process has started the CUDA \
+             driver, which reads {QUEUES_ENV} once; call it first thing in main"
+        )));
+    }
+    std::env::set_var(QUEUES_ENV, n.to_string());
+    Ok(())
+}
+
+/// The hardware work queues per device the driver takes (or took) from
+/// the environment: `CUDA_DEVICE_MAX_CONNECTIONS`, else
+/// [`DEFAULT_HARDWARE_QUEUES`].
+pub fn hardware_queues() -> u32 {
+    std::env::var(QUEUES_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|n| (1..=MAX_HARDWARE_QUEUES).contains(n))
+        .unwrap_or(DEFAULT_HARDWARE_QUEUES)
+}
+
 /// How many CUDA devices the driver reports.
 ///
 /// # Errors
 /// [`Error::NoDriver`] without a driver; a driver error if `cuInit` fails.
 pub fn device_count() -> Result<usize> {
     require_driver()?;
+    STARTED.store(true, Ordering::Release);
     let n = CudaContext::device_count().call("cuDeviceGetCount")?;
     Ok(n.max(0) as usize)
 }
@@ -323,6 +388,24 @@ pub fn devices() -> Result<Vec<DeviceInfo>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hardware_queues_are_bounded_and_set_only_before_the_driver_starts() {
+        for bad in [0, MAX_HARDWARE_QUEUES + 1] {
+            let e = set_hardware_queues(bad).unwrap_err().to_string();
+            assert!(e.contains("1 to 32"), "{e}");
+        }
+        if !STARTED.load(Ordering::Acquire) {
+            set_hardware_queues(12).unwrap();
+            assert_eq!(hardware_queues(), 12);
+        }
+        // Once the driver has started (or was asked to), too late.
+        let _ = device_count();
+        if driver_present() {
+            let e = set_hardware_queues(16).unwrap_err().to_string();
+            assert!(e.contains("too late"), "{e}");
+        }
+    }
 
     #[test]
     fn no_driver_is_an_error_not_a_panic() {

@@ -43,7 +43,8 @@ pub use args::{ArgList, Args};
 pub use buffer::{can_access_peer, AnyBitPattern, DeviceBuffer};
 pub use callback::launch_host_callback;
 pub use device::{
-    device_count, devices, driver_present, nvrtc_present, Device, DeviceAttribute, DeviceInfo,
+    device_count, devices, driver_present, hardware_queues, nvrtc_present, set_hardware_queues,
+    Device, DeviceAttribute, DeviceInfo, DEFAULT_HARDWARE_QUEUES, MAX_HARDWARE_QUEUES,
 };
 pub use error::{is_sticky, panic_message, Error, Result};
 pub use global::ModuleGlobal;

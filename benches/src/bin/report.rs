@@ -50,6 +50,10 @@ const USAGE: &str = "usage: bench-report [--no-fail] OUT.json   \
 fn main() -> ExitCode {
     // The remote topics' node starts its workers from this program.
     cuda_lease::main_if_worker();
+    // Before the driver starts: the width row's spins each need a queue.
+    if let Err(e) = cuda_async::set_hardware_queues(benches::measure::WIDTH as u32) {
+        eprintln!("bench-report: {e}");
+    }
     // Hop spans of the remote topics (CUDA_LEASE_HOP_TIMES=1, or
     // RUST_LOG=cuda_lease::hop=trace).
     cuda_lease::hops::init_from_env();
