@@ -88,10 +88,17 @@ pub fn set_hardware_queues(n: u32) -> Result<()> {
     Ok(())
 }
 
-/// The hardware work queues per device the driver takes (or took) from
-/// the environment: `CUDA_DEVICE_MAX_CONNECTIONS`, else
-/// [`DEFAULT_HARDWARE_QUEUES`].
+/// The hardware work queues per device the driver took when this crate
+/// started it (or, before that, would take): `CUDA_DEVICE_MAX_CONNECTIONS`,
+/// else [`DEFAULT_HARDWARE_QUEUES`].
 pub fn hardware_queues() -> u32 {
+    TAKEN.get().copied().unwrap_or_else(queues_from_env)
+}
+
+/// What the driver took, read when this crate started it.
+static TAKEN: OnceLock<u32> = OnceLock::new();
+
+fn queues_from_env() -> u32 {
     std::env::var(QUEUES_ENV)
         .ok()
         .and_then(|v| v.trim().parse().ok())
@@ -106,6 +113,7 @@ pub fn hardware_queues() -> u32 {
 pub fn device_count() -> Result<usize> {
     require_driver()?;
     STARTED.store(true, Ordering::Release);
+    TAKEN.get_or_init(queues_from_env);
     let n = CudaContext::device_count().call("cuDeviceGetCount")?;
     Ok(n.max(0) as usize)
 }
@@ -398,6 +406,11 @@ mod tests {
         if !STARTED.load(Ordering::Acquire) {
             set_hardware_queues(12).unwrap();
             assert_eq!(hardware_queues(), 12);
+            // What the driver takes is fixed when it starts.
+            if device_count().is_ok() {
+                std::env::set_var(QUEUES_ENV, "3");
+                assert_eq!(hardware_queues(), 12);
+            }
         }
         // Once the driver has started (or was asked to), too late.
         let _ = device_count();

@@ -50,10 +50,6 @@ const USAGE: &str = "usage: bench-report [--no-fail] OUT.json   \
 fn main() -> ExitCode {
     // The remote topics' node starts its workers from this program.
     cuda_lease::main_if_worker();
-    // Before the driver starts: the width row's spins each need a queue.
-    if let Err(e) = cuda_async::set_hardware_queues(benches::measure::WIDTH as u32) {
-        eprintln!("bench-report: {e}");
-    }
     // Hop spans of the remote topics (CUDA_LEASE_HOP_TIMES=1, or
     // RUST_LOG=cuda_lease::hop=trace).
     cuda_lease::hops::init_from_env();
@@ -118,7 +114,19 @@ fn run(out: &Path) -> Result<Report> {
         bench: None,
     };
     let mut local = if cfg.wants_local() {
-        Some((Arc::new(Fixture::new()?), benches::tokio_runtime()?))
+        // Before the driver starts: the width row's spins each need a
+        // hardware queue. Once it has started, the variable goes, so the
+        // remote topics' workers start with the driver's default (more
+        // queues make a context slower to create).
+        let wide = cfg.wants("zip");
+        if wide {
+            cuda_async::set_hardware_queues(benches::measure::WIDTH as u32)?;
+        }
+        let fx = Fixture::new()?;
+        if wide {
+            std::env::remove_var("CUDA_DEVICE_MAX_CONNECTIONS");
+        }
+        Some((Arc::new(fx), benches::tokio_runtime()?))
     } else {
         None
     };
