@@ -91,7 +91,8 @@ fn refuse_capture(stream: &Arc<CudaStream>, op: &str) -> Result<()> {
     if cuda_core::graph::is_capturing(stream)? {
         return Err(Error::Capture(format!(
             "{op} cannot be captured into a graph: its closure runs once, and a graph \
-             replays; run the step between two graph launches instead"
+             replays; use host_step_each (a closure run at every replay), or run the step \
+             between two graph launches"
         )));
     }
     Ok(())
@@ -247,3 +248,71 @@ where
     }
 }
 impl_into_future!(impl[T, R, F] for HostStepWith<T, F> where T: Send + 'static, R: Send + 'static, F: FnOnce(&mut [T]) -> R + Send + 'static);
+
+/// Op for [`host_step_each`].
+#[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
+pub struct HostStepEach<F> {
+    f: Arc<F>,
+}
+
+impl<F> fmt::Debug for HostStepEach<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostStepEach").finish_non_exhaustive()
+    }
+}
+
+/// Runs `f` on the host each time the op's stream reaches this point:
+/// once when the op runs, and, captured into a graph (`op.graph()`), at
+/// every replay of the graph: the host step a graph can hold. As for
+/// [`host_step`], `f` runs on the driver's callback thread, must be short
+/// and must call no CUDA; it returns nothing, and a panic in it is caught
+/// and discarded (use [`host_step`] for a result).
+///
+/// # Errors
+/// At execution: [`Error::NeedsLocalStream`] on a remote policy; a driver
+/// error, named.
+///
+/// # Examples
+///
+/// ```no_run
+/// use std::sync::atomic::{AtomicUsize, Ordering};
+/// use std::sync::Arc;
+/// use cuda_async::prelude::*;
+/// use cuda_async::host_step_each;
+/// let replays = Arc::new(AtomicUsize::new(0));
+/// let seen = replays.clone();
+/// let graph = zeros::<f32>(1024)
+///     .then(move |buf| host_step_each(move || {
+///         seen.fetch_add(1, Ordering::Relaxed);
+///     }).map(move |()| buf))
+///     .graph()?;
+/// for _ in 0..3 {
+///     graph.launch().sync()?;
+/// }
+/// assert_eq!(replays.load(Ordering::Relaxed), 3);
+/// # Ok::<(), cuda_async::Error>(())
+/// ```
+pub fn host_step_each<F>(f: F) -> HostStepEach<F>
+where
+    F: Fn() + Send + Sync + 'static,
+{
+    HostStepEach { f: Arc::new(f) }
+}
+
+impl<F> DeviceOp for HostStepEach<F>
+where
+    F: Fn() + Send + Sync + 'static,
+{
+    type Output = ();
+
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<()> {
+        let stream = ctx.cuda_stream_for("host_step_each")?.clone();
+        // SAFETY: the closure is retained below: with the submission until
+        // its stream has passed this point, or, inside a capture, with the
+        // graph until its last replay has ended.
+        unsafe { cuda_core::launch_host_fn_borrowed(&stream, Arc::as_ptr(&self.f)) }?;
+        ctx.retain(self.f);
+        Ok(())
+    }
+}
+impl_into_future!(impl[F] for HostStepEach<F> where F: Fn() + Send + Sync + 'static);

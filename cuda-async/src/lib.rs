@@ -159,7 +159,9 @@ pub use cuda_core::{
 pub use future::{run_on, DeviceFuture};
 pub use globals::{read_global, write_global, ReadGlobal, WriteGlobal};
 pub use graph::{CudaGraph, DeviceScalar, GraphLaunch, SetScalar, UpdateOutput};
-pub use host_step::{host_step, host_step_with, HostResult, HostStep, HostStepWith};
+pub use host_step::{
+    host_step, host_step_each, host_step_with, HostResult, HostStep, HostStepEach, HostStepWith,
+};
 pub use launch::{
     check_launch_config, launch, BufferIn, BufferOut, DynArg, DynArgs, KernelArg, KernelArgs,
 };

@@ -1447,6 +1447,37 @@ fn a_host_step_between_two_kernels_sees_the_first_and_feeds_the_second() {
         matches!(&e, Error::Capture(m) if m.contains("host_step")),
         "{e}"
     );
+
+    // `host_step_each` is captured: its closure runs at every replay.
+    use std::sync::atomic::AtomicUsize;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let seen = calls.clone();
+    let add = k.add_u32.clone();
+    let graph = zeros::<u32>(n as usize)
+        // SAFETY: add_u32 touches x[0..n) of an n-element buffer.
+        .then(move |x| unsafe { launch(&add, cfg(n), (x, 1u32, n)) })
+        .then(move |(x, _, _)| {
+            cuda_async::host_step_each(move || {
+                seen.fetch_add(1, Ordering::SeqCst);
+            })
+            .map(move |()| x)
+        })
+        .graph()
+        .unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "capture runs nothing");
+    for _ in 0..5 {
+        graph.launch().sync_with(&*pool).unwrap();
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 5);
+    drop(graph);
+    // Eagerly: once.
+    let seen = calls.clone();
+    cuda_async::host_step_each(move || {
+        seen.fetch_add(1, Ordering::SeqCst);
+    })
+    .sync_with(&*pool)
+    .unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 6);
 }
 
 /// Views: kernels read and write parts of buffers (the pointer starts at

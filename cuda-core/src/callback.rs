@@ -69,3 +69,46 @@ unsafe extern "C" fn trampoline<F: FnOnce() + Send + 'static>(data: *mut c_void)
     // Never unwind into the driver; the payload is dropped inside the guard too.
     let _ = catch_unwind(AssertUnwindSafe(f));
 }
+
+/// Enqueues `f` to run on the driver's callback thread each time `stream`
+/// reaches this point: once, or inside a CUDA graph capture at every
+/// replay of the graph (a host node). `f` is borrowed, not owned: the
+/// driver calls it through the pointer.
+///
+/// A panic in `f` is caught and discarded, as in
+/// [`launch_host_callback`]; `f` must not call into CUDA.
+///
+/// # Errors
+/// A driver error if `cuLaunchHostFunc` fails.
+///
+/// # Safety
+/// `f` stays alive (not moved, not dropped) until every call the driver
+/// makes has returned: until the stream has passed this point, and for a
+/// capture until the last replay of every graph made from it has ended.
+pub unsafe fn launch_host_fn_borrowed<F>(stream: &CudaStream, f: *const F) -> Result<()>
+where
+    F: Fn() + Send + Sync + 'static,
+{
+    crate::device::require_driver()?;
+    stream.context().bind_to_thread().call("cuCtxSetCurrent")?;
+    // SAFETY: `borrowed_trampoline::<F>` matches `CUhostFn`; the caller
+    // keeps `*f` alive for every call (the function's contract), and
+    // `F: Sync` lets the driver's thread call it through a shared pointer.
+    unsafe {
+        sys::cuLaunchHostFunc(
+            stream.cu_stream(),
+            Some(borrowed_trampoline::<F>),
+            f as *mut c_void,
+        )
+    }
+    .result()
+    .call("cuLaunchHostFunc")
+}
+
+unsafe extern "C" fn borrowed_trampoline<F: Fn() + Send + Sync + 'static>(data: *mut c_void) {
+    // SAFETY: `data` is the `*const F` given to `launch_host_fn_borrowed`,
+    // alive for this call (its caller's contract).
+    let f = unsafe { &*(data as *const F) };
+    // Never unwind into the driver.
+    let _ = catch_unwind(AssertUnwindSafe(f));
+}

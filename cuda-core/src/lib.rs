@@ -41,7 +41,7 @@ mod tracking;
 pub use arena::{ArenaRead, ArenaSlot, StagingArena, ARENA_ALIGN};
 pub use args::{ArgList, Args};
 pub use buffer::{can_access_peer, AnyBitPattern, DeviceBuffer};
-pub use callback::launch_host_callback;
+pub use callback::{launch_host_callback, launch_host_fn_borrowed};
 pub use device::{
     device_count, devices, driver_present, hardware_queues, nvrtc_present, set_hardware_queues,
     Device, DeviceAttribute, DeviceInfo, DEFAULT_HARDWARE_QUEUES, MAX_HARDWARE_QUEUES,

@@ -261,6 +261,15 @@ async fn every_remote_failure_is_a_matchable_error() {
         matches!(&e, Error::NeedsLocalStream { op, .. } if op.contains("host_step")),
         "{e}"
     );
+    let e = cuda_async::host_step_each(|| ())
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::NeedsLocalStream { op, .. } if op.contains("host_step_each")),
+        "{e}"
+    );
     // GPU timing is local only for now: `timed` says so, naming itself.
     let e = zeros::<u8>(16)
         .timed()
