@@ -156,72 +156,45 @@ impl<T: DeviceRepr + Send + Sync> KernelArg for Arc<DeviceBuffer<T>> {
     }
 }
 
-/// A view's device address: its buffer's plus its first element's offset.
-fn view_arg<T>(buf: &DeviceBuffer<T>, start: usize, ctx: &RemoteContext) -> Result<RemoteArg> {
-    Ok(RemoteArg::Buffer {
-        id: ctx.id_of(buf)?,
-        offset: (start * std::mem::size_of::<T>()) as u64,
-    })
+/// A view as a kernel argument: a pointer to its first element, the
+/// launch ordered after the uses on other streams that overlap the view
+/// (writes, for a read; every use, for a write) and recorded as a read
+/// (`DeviceSlice`) or a write (`DeviceSliceMut`) of it, so disjoint views
+/// of one buffer written on two streams run at once.
+macro_rules! view_arg {
+    ($view:ident, $before:ident, $after:ident) => {
+        impl<T: DeviceRepr + Send + Sync> KernelArg for $view<'_, T> {
+            fn spec(&self) -> (usize, ParamClass, &'static str) {
+                (PTR.0, PTR.1, concat!(stringify!($view), "<T>"))
+            }
+            fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
+                args.arg(
+                    self.view
+                        .as_ref()
+                        .expect("a local buffer (checked by before)"),
+                );
+            }
+            fn before(&self, stream: &CudaStream) -> Result<()> {
+                self.buf
+                    .local_on(stream)?
+                    .$before(stream, self.start..self.start + self.len)
+            }
+            fn after(&self, stream: &CudaStream) -> Result<()> {
+                self.buf
+                    .expect_local()
+                    .$after(stream, self.start..self.start + self.len)
+            }
+            fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
+                Ok(RemoteArg::Buffer {
+                    id: ctx.id_of(self.buf)?,
+                    offset: (self.start * std::mem::size_of::<T>()) as u64,
+                })
+            }
+        }
+    };
 }
-
-/// A view a kernel reads: a pointer to its first element, the launch
-/// ordered after the writes that overlap the view and recorded as a read
-/// of it.
-impl<T: DeviceRepr + Sync> KernelArg for DeviceSlice<'_, T> {
-    fn spec(&self) -> (usize, ParamClass, &'static str) {
-        (PTR.0, PTR.1, "DeviceSlice<T>")
-    }
-    fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
-        args.arg(
-            self.view
-                .as_ref()
-                .expect("a local buffer (checked by before)"),
-        );
-    }
-    fn before(&self, stream: &CudaStream) -> Result<()> {
-        self.buf
-            .local_on(stream)?
-            .before_read_range(stream, self.start..self.start + self.len)
-    }
-    fn after(&self, stream: &CudaStream) -> Result<()> {
-        self.buf
-            .expect_local()
-            .after_read_range(stream, self.start..self.start + self.len)
-    }
-    fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
-        view_arg(self.buf, self.start, ctx)
-    }
-}
-
-/// A view a kernel writes: a pointer to its first element, the launch
-/// ordered after the uses that overlap the view and recorded as a write
-/// of it (so disjoint views of one buffer written on two streams run at
-/// once).
-impl<T: DeviceRepr + Send + Sync> KernelArg for DeviceSliceMut<'_, T> {
-    fn spec(&self) -> (usize, ParamClass, &'static str) {
-        (PTR.0, PTR.1, "DeviceSliceMut<T>")
-    }
-    fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
-        args.arg(
-            self.view
-                .as_ref()
-                .expect("a local buffer (checked by before)"),
-        );
-    }
-    fn before(&self, stream: &CudaStream) -> Result<()> {
-        self.buf
-            .local_on(stream)?
-            .before_write_range(stream, self.start..self.start + self.len)
-    }
-    fn after(&self, stream: &CudaStream) -> Result<()> {
-        self.buf
-            .expect_local()
-            .after_write_range(stream, self.start..self.start + self.len)
-    }
-    fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
-        view_arg(self.buf, self.start, ctx)
-    }
-}
+view_arg!(DeviceSlice, before_read_range, after_read_range);
+view_arg!(DeviceSliceMut, before_write_range, after_write_range);
 
 /// A buffer argument a kernel only reads (`const T*` in CUDA C): any
 /// handle to a [`DeviceBuffer<T>`]. The typed launchers of
@@ -235,7 +208,7 @@ impl<T: DeviceRepr + Sync> BufferIn<T> for &DeviceBuffer<T> {}
 impl<T: DeviceRepr + Send + Sync> BufferIn<T> for Arc<DeviceBuffer<T>> {}
 impl<T: DeviceRepr + Send> BufferIn<T> for DeviceBuffer<T> {}
 impl<T: DeviceRepr + Send> BufferIn<T> for &mut DeviceBuffer<T> {}
-impl<T: DeviceRepr + Sync> BufferIn<T> for DeviceSlice<'_, T> {}
+impl<T: DeviceRepr + Send + Sync> BufferIn<T> for DeviceSlice<'_, T> {}
 impl<T: DeviceRepr + Send + Sync> BufferIn<T> for DeviceSliceMut<'_, T> {}
 
 /// A buffer argument a kernel may write (`T*` in CUDA C): an owned or

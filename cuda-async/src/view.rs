@@ -111,22 +111,31 @@ impl<T> fmt::Debug for DeviceSliceMut<'_, T> {
     }
 }
 
+/// What both kinds of view answer.
+macro_rules! view_common {
+    ($view:ident) => {
+        impl<T> $view<'_, T> {
+            /// Number of elements.
+            pub fn len(&self) -> usize {
+                self.len
+            }
+
+            /// True for an empty view.
+            pub fn is_empty(&self) -> bool {
+                self.len == 0
+            }
+
+            /// Index of its first element in the buffer.
+            pub fn start(&self) -> usize {
+                self.start
+            }
+        }
+    };
+}
+view_common!(DeviceSlice);
+view_common!(DeviceSliceMut);
+
 impl<'a, T> DeviceSlice<'a, T> {
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True for an empty view.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Index of its first element in the buffer.
-    pub fn start(&self) -> usize {
-        self.start
-    }
-
     /// The buffer it views.
     pub fn buffer(&self) -> &'a DeviceBuffer<T> {
         self.buf
@@ -154,21 +163,6 @@ impl<'a, T> DeviceSliceMut<'a, T> {
             len: r.len(),
             _exclusive: PhantomData,
         }
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True for an empty view.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Index of its first element in the buffer.
-    pub fn start(&self) -> usize {
-        self.start
     }
 
     /// The same elements, read-only, for as long as this view is borrowed.
