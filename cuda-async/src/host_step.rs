@@ -62,15 +62,21 @@ impl<R> HostResult<R> {
     }
 }
 
-/// Enqueues `f` on the context's stream as a host function, and an event
-/// after it; `op` names the op in errors.
-fn enqueue<R, F>(ctx: &ExecutionContext, op: &'static str, f: F) -> Result<HostResult<R>>
+/// The context's stream for `op`, a host step that runs once: refused on
+/// a remote context and inside a graph capture.
+fn step_stream(ctx: &ExecutionContext, op: &'static str) -> Result<Arc<CudaStream>> {
+    let stream = ctx.cuda_stream_for(op)?;
+    refuse_capture(stream, op)?;
+    Ok(stream.clone())
+}
+
+/// Enqueues `f` on `stream` as a host function, and an event after it;
+/// `op` names the op in errors.
+fn enqueue<R, F>(stream: &CudaStream, op: &'static str, f: F) -> Result<HostResult<R>>
 where
     R: Send + 'static,
     F: FnOnce() -> R + Send + 'static,
 {
-    let stream = ctx.cuda_stream_for(op)?;
-    refuse_capture(stream, op)?;
     let ran = stream
         .context()
         .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
@@ -149,7 +155,9 @@ where
     type Output = HostResult<R>;
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<HostResult<R>> {
-        enqueue(ctx, "host_step", self.f)
+        let op = "host_step";
+        let stream = step_stream(ctx, op)?;
+        enqueue(&stream, op, self.f)
     }
 }
 impl_into_future!(impl[R, F] for HostStep<F> where R: Send + 'static, F: FnOnce() -> R + Send + 'static);
@@ -223,8 +231,7 @@ where
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<<Self as DeviceOp>::Output> {
         let op = "host_step_with";
-        let stream = ctx.cuda_stream_for(op)?.clone();
-        refuse_capture(&stream, op)?;
+        let stream = step_stream(ctx, op)?;
         // SAFETY: the host function below is the only access through the
         // pointer, on `stream`, and `record_use` follows it: the stream
         // waits for the buffer's earlier GPU uses first, and later uses
@@ -232,7 +239,7 @@ where
         let ptr = unsafe { self.buf.begin_use(&stream) }?;
         let span = HostSpan(ptr, self.buf.len());
         let f = self.f;
-        let result = enqueue(ctx, op, move || {
+        let result = enqueue(&stream, op, move || {
             let span = span;
             // SAFETY: `span` is the buffer's initialised memory, `len`
             // elements, not accessed by anything else until this returns

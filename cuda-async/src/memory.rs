@@ -458,8 +458,8 @@ impl<T: DeviceRepr + Send, B: DeviceSource<T>> DeviceOp for D2D<T, B> {
         let dst = if let Some(r) = ctx.as_remote() {
             r.alloc::<T>(range.len())?
         } else {
+            // (A remote source fails in the copy below, before any use.)
             let stream = ctx.cuda_stream()?;
-            src.local_on(stream)?;
             // SAFETY: fully written by the copy enqueued next.
             unsafe { cuda_core::DeviceBuffer::<T>::uninit(stream, range.len()) }?.into()
         };
