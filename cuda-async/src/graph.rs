@@ -22,13 +22,21 @@
 //!   only after the last replay, never by blocking.
 //!
 //! What cannot be captured is an [`Error::Capture`](crate::Error::Capture) naming it, and the
-//! capture ends either way (also on a panic): downloads into host memory
-//! (`d2h`, `copy_d2h`, `copy_h2d`: read a graph's output with an op after a
-//! replay), a synchronize, a wait on work outside the capture (an op that
+//! capture ends either way (also on a panic): copies between the device
+//! and a [`PinnedBuffer`](crate::PinnedBuffer) or fresh host memory (`d2h`;
+//! `copy_d2h` and `copy_h2d` with a `PinnedBuffer`), a synchronize, a wait on work outside the capture (an op that
 //! orders itself after an unfinished `shared` op of another execution).
 //! Allocations inside the op (`zeros`, `h2d`) are made once, outside the
 //! graph; `zeros` is zeroed again at every replay, and `h2d` copies the same
 //! host data (staged at capture) at every replay.
+//!
+//! Copies with a [`SharedPinnedBuffer`](crate::SharedPinnedBuffer) are
+//! captured: `copy_h2d` from one uploads what the host last wrote there at
+//! each replay, and `copy_d2h` into one downloads at each replay. The host
+//! reaches the memory through `read` and `write` closures, which wait for
+//! the replays launched before them; a replay launched while a closure runs
+//! waits for it. Host steps that run at each replay are
+//! [`host_step_each`](crate::host_step_each).
 //!
 //! # Examples
 //!

@@ -65,6 +65,7 @@ mod macros;
 pub mod memory;
 mod multi;
 mod op;
+mod pinned_host;
 pub mod policy;
 mod reactor;
 pub mod remote;
@@ -153,8 +154,8 @@ pub use cuda_core::{
     can_access_peer, cudarc, device_count, devices, driver_present, hardware_queues,
     nvrtc_compilations, set_hardware_queues, Credentials, CudaStream, Device, DeviceAttribute,
     DeviceInfo, DeviceRepr, Disconnect, Error, Kernel, LaunchConfig, Module, ModuleSource,
-    PinnedBuffer, RemoteError, RemoteErrorKind, Result, ValidAsZeroBits, DEFAULT_HARDWARE_QUEUES,
-    MAX_HARDWARE_QUEUES,
+    PinnedBuffer, RemoteError, RemoteErrorKind, Result, SharedPinnedBuffer, ValidAsZeroBits,
+    DEFAULT_HARDWARE_QUEUES, MAX_HARDWARE_QUEUES,
 };
 pub use future::{run_on, DeviceFuture};
 pub use globals::{read_global, write_global, ReadGlobal, WriteGlobal};
@@ -170,6 +171,7 @@ pub use macros::__private;
 pub use memory::{copy_d2d, copy_d2h, copy_h2d, d2d, d2h, h2d, memset, zeros};
 pub use multi::{to_device, DeviceLoad, DevicePool, PlaceFn, Placement, ToDevice};
 pub use op::{DeviceOp, DeviceOpExt, OutputOf};
+pub use pinned_host::PinnedHost;
 pub use policy::{
     default_device, default_policy, set_default_device, SchedulingPolicy, SingleStream, StreamPool,
     StreamPoolRoundRobin,

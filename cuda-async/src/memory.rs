@@ -13,8 +13,9 @@ use cuda_core::{AnyBitPattern, Error, PinnedBuffer, Result};
 
 use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
-use crate::host::{HostBuffer, HostPtr};
+use crate::host::HostBuffer;
 use crate::op::{impl_into_future, DeviceOp};
+use crate::pinned_host::PinnedHost;
 use crate::remote::RemoteCommand;
 use crate::view::{DeviceSource, DeviceTarget};
 
@@ -300,63 +301,93 @@ fn enqueue_d2h<T: AnyBitPattern>(
 
 /// Op for [`copy_d2h`].
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
-pub struct CopyD2H<T, B> {
+pub struct CopyD2H<T, B, H = PinnedBuffer<T>> {
     src: B,
-    dst: PinnedBuffer<T>,
+    dst: H,
+    _t: PhantomData<fn() -> T>,
 }
 
-impl<T, B> fmt::Debug for CopyD2H<T, B> {
+impl<T, B, H: PinnedHost<T>> fmt::Debug for CopyD2H<T, B, H> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CopyD2H")
-            .field("len", &self.dst.len())
+            .field("len", &self.dst.host_len())
             .finish()
     }
 }
 
-/// Downloads a buffer, or a view of one, into an existing pinned buffer
-/// (no allocation); yields the source and the destination back.
+/// Downloads a buffer, or a view of one, into existing pinned memory (no
+/// allocation): a [`PinnedBuffer`], or a
+/// [`SharedPinnedBuffer`](crate::SharedPinnedBuffer) whose download a graph can capture and
+/// repeat at each replay; yields the source and the destination back.
 ///
 /// # Errors
 /// At execution: [`Error::InvalidArgument`] if the lengths differ.
-pub fn copy_d2h<T: AnyBitPattern, B: DeviceSource<T>>(
+pub fn copy_d2h<T: AnyBitPattern, B: DeviceSource<T>, H: PinnedHost<T>>(
     src: B,
-    dst: PinnedBuffer<T>,
-) -> CopyD2H<T, B> {
-    CopyD2H { src, dst }
+    dst: H,
+) -> CopyD2H<T, B, H> {
+    CopyD2H {
+        src,
+        dst,
+        _t: PhantomData,
+    }
 }
 
-impl<T: AnyBitPattern, B: DeviceSource<T>> DeviceOp for CopyD2H<T, B> {
-    type Output = (B, PinnedBuffer<T>);
+impl<T: AnyBitPattern, B: DeviceSource<T>, H: PinnedHost<T>> DeviceOp for CopyD2H<T, B, H> {
+    type Output = (B, H);
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<<Self as DeviceOp>::Output> {
         let range = self.src.range();
+        same_len("device-to-host copy", range.len(), self.dst.host_len())?;
+        let src = self.src.buffer();
         if let Some(r) = ctx.as_remote() {
-            let src = self.src.buffer();
-            same_len("device-to-host copy", range.len(), self.dst.len())?;
             let (stream, id) = (r.stream(), r.id_of(src)?);
             let (at, len) = byte_range::<T>(&range);
             let slot = r.recording().read(stream, id, at, len);
-            // Waits for earlier local copies of the pinned buffer; it is then
-            // the op's own until the output is handed out, after the reply.
-            let dst = self.dst.as_mut_slice()?;
-            let into = HostPtr(dst.as_mut_ptr().cast::<u8>(), slot.len());
-            r.on_reply(move || into.fill_from(&slot));
+            let fill = self.dst.reply_filler()?;
+            r.on_reply(move || fill(&slot));
             return Ok((self.src, self.dst));
         }
-        enqueue_d2h(ctx, self.src.buffer(), range, &mut self.dst)?;
+        if !range.is_empty() {
+            let stream = ctx.cuda_stream()?;
+            bind(ctx)?;
+            let src = src.local_on(stream)?;
+            src.before_read_range(stream, range.clone())?;
+            let (at, bytes) = byte_range::<T>(&range);
+            let mut copy = |host: *mut T| {
+                // (cudarc's own tracking sees a read too.)
+                let (dptr, _use) = src.as_cuda_slice().device_ptr(stream);
+                // SAFETY: `host` addresses `range.len()` pinned elements
+                // that no host code touches until the recorded use is done;
+                // `dptr + at` as many inside `src`; `T` accepts any bits.
+                unsafe {
+                    result::memcpy_dtoh_async(
+                        std::slice::from_raw_parts_mut(host.cast::<u8>(), bytes as usize),
+                        dptr + at,
+                        stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| Error::driver("cuMemcpyDtoHAsync", e))
+            };
+            // SAFETY: the copy writes `range.len()` elements on `stream`.
+            let copied = unsafe { self.dst.enqueue_use(stream, true, &mut copy) };
+            let read = src.after_read_range(stream, range);
+            copied.and(read)?;
+        }
         Ok((self.src, self.dst))
     }
 }
-impl_into_future!(impl[T: AnyBitPattern, B: DeviceSource<T>] for CopyD2H<T, B>);
+impl_into_future!(impl[T: AnyBitPattern, B: DeviceSource<T>, H: PinnedHost<T>] for CopyD2H<T, B, H>);
 
 /// Op for [`copy_h2d`].
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
-pub struct CopyH2D<T, D> {
-    src: PinnedBuffer<T>,
+pub struct CopyH2D<T, D, H = PinnedBuffer<T>> {
+    src: H,
     dst: D,
+    _t: PhantomData<fn() -> T>,
 }
 
-impl<T, D: DeviceTarget<T>> fmt::Debug for CopyH2D<T, D> {
+impl<T, D: DeviceTarget<T>, H> fmt::Debug for CopyH2D<T, D, H> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CopyH2D")
             .field("dst", &self.dst.range())
@@ -364,59 +395,73 @@ impl<T, D: DeviceTarget<T>> fmt::Debug for CopyH2D<T, D> {
     }
 }
 
-/// Uploads a pinned buffer into an existing device buffer, or a writable
-/// view of one (truly asynchronous, no staging); yields both back. Host
-/// writes to `src` wait until the copy has read it.
+/// Uploads pinned memory into an existing device buffer, or a writable
+/// view of one (truly asynchronous, no staging); yields both back. The
+/// source is a [`PinnedBuffer`] (host writes to it wait until the copy has
+/// read it), or a [`SharedPinnedBuffer`](crate::SharedPinnedBuffer),
+/// whose upload a graph can capture and repeat at each replay, reading
+/// what the host last wrote there.
 ///
 /// # Errors
 /// At execution: [`Error::InvalidArgument`] if the lengths differ.
-pub fn copy_h2d<T: DeviceRepr, D: DeviceTarget<T>>(src: PinnedBuffer<T>, dst: D) -> CopyH2D<T, D> {
-    CopyH2D { src, dst }
+pub fn copy_h2d<T: DeviceRepr, D: DeviceTarget<T>, H: PinnedHost<T>>(
+    src: H,
+    dst: D,
+) -> CopyH2D<T, D, H> {
+    CopyH2D {
+        src,
+        dst,
+        _t: PhantomData,
+    }
 }
 
-impl<T: DeviceRepr + Send, D: DeviceTarget<T>> DeviceOp for CopyH2D<T, D> {
-    type Output = (PinnedBuffer<T>, D);
+impl<T: DeviceRepr + Send, D: DeviceTarget<T>, H: PinnedHost<T>> DeviceOp for CopyH2D<T, D, H> {
+    type Output = (H, D);
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<<Self as DeviceOp>::Output> {
         let range = self.dst.range();
-        same_len("host-to-device copy", self.src.len(), range.len())?;
-        let (at, _) = byte_range::<T>(&range);
+        same_len("host-to-device copy", self.src.host_len(), range.len())?;
+        let (at, bytes) = byte_range::<T>(&range);
         if let Some(r) = ctx.as_remote() {
             let (stream, id) = (r.stream(), r.id_of(self.dst.buffer())?);
-            if !self.src.is_empty() {
-                r.recording()
-                    .write(stream, id, at, as_bytes(self.src.as_slice()?));
+            if !range.is_empty() {
+                let recording = r.recording();
+                self.src
+                    .with_contents(&mut |v| recording.write(stream, id, at, as_bytes(v)))?;
             }
             return Ok((self.src, self.dst));
         }
-        if !self.src.is_empty() {
+        if !range.is_empty() {
             let stream = ctx.cuda_stream()?;
             bind(ctx)?;
             let dst = self.dst.buffer().local_on(stream)?;
             dst.before_write_range(stream, range.clone())?;
-            // SAFETY: the copy reads `len` elements on `stream`; `record_use`
-            // follows.
-            let host = unsafe { self.src.begin_use(stream) }?;
-            {
+            let mut copy = |host: *mut T| {
                 // (cudarc's own tracking sees a read: ours records the write.)
                 let (dptr, _use) = dst.as_cuda_slice().device_ptr(stream);
-                // SAFETY: `host` holds `len` initialised pinned elements that
-                // host code cannot mutate until the recorded use completes.
-                let src = unsafe { std::slice::from_raw_parts(host as *const T, self.src.len()) };
-                // SAFETY: `dptr + at` addresses `len` elements inside the
+                // SAFETY: `host` holds `range.len()` initialised pinned
+                // elements that host code cannot mutate until the recorded
+                // use completes; `dptr + at` addresses as many inside the
                 // buffer (`range` lies inside it), held exclusively by this
                 // op; live stream.
-                unsafe { result::memcpy_htod_async(dptr + at, src, stream.cu_stream()) }
-                    .map_err(|e| Error::driver("cuMemcpyHtoDAsync", e))?;
-            }
+                unsafe {
+                    result::memcpy_htod_async(
+                        dptr + at,
+                        std::slice::from_raw_parts(host.cast::<u8>(), bytes as usize),
+                        stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| Error::driver("cuMemcpyHtoDAsync", e))
+            };
+            // SAFETY: the copy reads `range.len()` elements on `stream`.
+            let copied = unsafe { self.src.enqueue_use(stream, false, &mut copy) };
             let written = dst.after_write_range(stream, range);
-            self.src.record_use(stream)?;
-            written?;
+            copied.and(written)?;
         }
         Ok((self.src, self.dst))
     }
 }
-impl_into_future!(impl[T: DeviceRepr + Send, D: DeviceTarget<T>] for CopyH2D<T, D>);
+impl_into_future!(impl[T: DeviceRepr + Send, D: DeviceTarget<T>, H: PinnedHost<T>] for CopyH2D<T, D, H>);
 
 /// Op for [`d2d`].
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]

@@ -1480,6 +1480,99 @@ fn a_host_step_between_two_kernels_sees_the_first_and_feeds_the_second() {
     assert_eq!(calls.load(Ordering::SeqCst), 6);
 }
 
+/// A graph uploads from and downloads into shared pinned memory at each
+/// replay: the host writes new input between replays and reads each
+/// replay's output; a host read waits for the replay launched before it
+/// (whose download follows a 20 ms spin); a plain `PinnedBuffer` copy is
+/// refused in a capture, named.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn graph_replays_read_and_write_shared_pinned_memory() {
+    let pool = local();
+    let k = kernels();
+    let n = 4096u32;
+    let d = dev();
+    let input = PinnedBuffer::filled(&d, n as usize, 0u32)
+        .unwrap()
+        .into_shared();
+    let output = cuda_async::SharedPinnedBuffer::filled(&d, n as usize, 0u32).unwrap();
+
+    // Refused with a plain pinned buffer, named.
+    let plain = PinnedBuffer::filled(&d, n as usize, 0u32).unwrap();
+    let e = zeros::<u32>(n as usize)
+        .then(move |x| copy_h2d(plain, x))
+        .graph()
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::Capture(m) if m.contains("into_shared")),
+        "{e}"
+    );
+
+    let (inp, outp) = (input.clone(), output.clone());
+    let (spin, add) = (k.spin.clone(), k.add_u32.clone());
+    let ms20 = 20_000_000u64;
+    let graph = zeros::<u32>(n as usize)
+        .zip(zeros::<u64>(2))
+        .then(move |(x, s)| copy_h2d(inp, x).map(move |(_, x)| (x, s)))
+        // SAFETY: spin writes s[0..2) of a 2-element buffer.
+        .then(move |(x, s)| unsafe { launch(&spin, cfg(1), (ms20, s)) }.map(move |(_, s)| (x, s)))
+        .then(move |(x, s)| {
+            // SAFETY: add_u32 touches x[0..n) of an n-element buffer.
+            unsafe { launch(&add, cfg(n), (x, 1u32, n)) }.map(move |(x, _, _)| (x, s))
+        })
+        .then(move |(x, s)| copy_d2h(x, outp).map(move |(x, _)| (x, s)))
+        .graph()
+        .unwrap();
+    assert_eq!(input.to_vec().unwrap()[0], 0, "capture runs nothing");
+    for step in 1..=4u32 {
+        input.write(|v| v.fill(10 * step)).unwrap();
+        graph.launch().sync_with(&*pool).unwrap();
+        let out = output.to_vec().unwrap();
+        assert!(
+            out.iter().all(|&v| v == 10 * step + 1),
+            "replay {step}: {:?}",
+            &out[..4]
+        );
+    }
+
+    // A read waits for the replay launched before it.
+    input.write(|v| v.fill(100)).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let f = graph.launch().schedule(&*pool).unwrap();
+        let mut f = std::pin::pin!(f);
+        let first = std::future::poll_fn(|cx| std::task::Poll::Ready(f.as_mut().poll(cx))).await;
+        assert!(first.is_pending(), "a 20 ms spin cannot be done at once");
+        let t = Instant::now();
+        let seen = output.read(|v| (v[0], v[n as usize - 1])).unwrap();
+        let waited = t.elapsed();
+        assert_eq!(seen, (101, 101), "read before the replay's download ended");
+        assert!(
+            waited > Duration::from_millis(5),
+            "the read waited only {waited:?}"
+        );
+        f.await.unwrap();
+    });
+
+    // Eager copies with shared memory, outside any graph.
+    let x = h2d(vec![5u32; n as usize]).sync_with(&*pool).unwrap();
+    let (x, _) = copy_d2h(x, output.clone()).sync_with(&*pool).unwrap();
+    assert!(output.to_vec().unwrap().iter().all(|&v| v == 5));
+    let (_, x) = copy_h2d(input.clone(), x).sync_with(&*pool).unwrap();
+    assert!(d2h(x)
+        .sync_with(&*pool)
+        .unwrap()
+        .to_vec()
+        .unwrap()
+        .iter()
+        .all(|&v| v == 100));
+    drop(graph);
+    // The graph is gone: the handles alone keep the memory.
+    assert_eq!(input.read(|v| v[7]).unwrap(), 100);
+}
+
 /// Views: kernels read and write parts of buffers (the pointer starts at
 /// the view), a memset fills a view, downloads read views, and four
 /// writable chunks of one buffer go to four concurrent arms; everything

@@ -387,8 +387,11 @@ impl Drop for Graph {
 /// During the capture, buffer uses on the capture's streams record no
 /// events (they are logged instead), allocations go to a stream outside the
 /// capture (the zeroing of `zeros` is captured), and staging memory that
-/// the captured copies read is kept by the graph. Downloads into pinned
-/// host memory cannot be captured ([`Error::Capture`]).
+/// the captured copies read is kept by the graph. Copies between device
+/// memory and a [`PinnedBuffer`](crate::PinnedBuffer) cannot be captured
+/// ([`Error::Capture`]); copies with a
+/// [`SharedPinnedBuffer`](crate::SharedPinnedBuffer) can: each replay
+/// holds its gate while it is ordered and enqueued.
 ///
 /// Replays of one graph are ordered after each other by the driver (each
 /// launch of an executable graph follows its earlier launches), and by
@@ -397,6 +400,9 @@ impl Drop for Graph {
 pub struct TrackedGraph {
     graph: Graph,
     uses: Vec<(Arc<UseRecord>, bool)>,
+    /// The uses of host memory the host also reaches, in address order
+    /// (the order every launch takes their gates in).
+    gates: Vec<Arc<UseRecord>>,
     keep: Vec<Box<dyn Any + Send>>,
     /// Recorded after each replay (`None` only while dropping).
     last: Option<RawEvent>,
@@ -434,6 +440,7 @@ impl TrackedGraph {
         let (graph, log) = with_capture_log(stream, side, alloc, || Graph::capture(stream, f))?;
         Ok(TrackedGraph {
             graph,
+            gates: gates_of(&log.uses),
             uses: log.uses,
             keep: log.keep,
             last: Some(last),
@@ -460,6 +467,10 @@ impl TrackedGraph {
             ));
         }
         set_current(self.graph.context())?;
+        // No host access to shared pinned memory the graph uses runs while
+        // the replay is ordered, enqueued and recorded (an access that
+        // comes after waits for the replay).
+        let _held: Vec<_> = self.gates.iter().filter_map(|u| u.hold()).collect();
         for (u, write) in &self.uses {
             u.before(stream, *write, crate::tracking::WHOLE)?;
         }
@@ -500,6 +511,7 @@ impl TrackedGraph {
         let (how, log) = with_capture_log(stream, side, alloc, || graph.recapture(stream, f))?;
         // The old work's buffers: each record orders its own free after the
         // replays recorded in it. Its kept values: after its last replay.
+        self.gates = gates_of(&log.uses);
         self.uses = log.uses;
         let old_keep = std::mem::replace(&mut self.keep, log.keep);
         let old_last = self.last.replace(fresh_last);
@@ -528,6 +540,17 @@ impl TrackedGraph {
     pub fn graph(&self) -> &Graph {
         &self.graph
     }
+}
+
+/// The uses among `uses` that have a gate, in address order.
+fn gates_of(uses: &[(Arc<UseRecord>, bool)]) -> Vec<Arc<UseRecord>> {
+    let mut gates: Vec<_> = uses
+        .iter()
+        .filter(|(u, _)| u.has_gate())
+        .map(|(u, _)| u.clone())
+        .collect();
+    gates.sort_by_key(|u| Arc::as_ptr(u) as usize);
+    gates
 }
 
 /// Releases `keep` once the replays before `last`'s record are done (or at

@@ -35,6 +35,7 @@ mod raw;
 pub mod reclaim;
 pub mod registered;
 pub mod remote_error;
+pub mod shared_pinned;
 pub mod staging;
 mod tracking;
 
@@ -57,6 +58,7 @@ pub use pinned::PinnedBuffer;
 pub use raw::stream_error;
 pub use registered::HostRegistration;
 pub use remote_error::{Credentials, Disconnect, RemoteError, RemoteErrorKind};
+pub use shared_pinned::SharedPinnedBuffer;
 
 /// The cudarc crate this is built on, for interop.
 pub use cudarc;

@@ -141,6 +141,17 @@ impl<T: DeviceRepr + Copy> PinnedBuffer<T> {
 }
 
 impl<T> PinnedBuffer<T> {
+    /// The memory, with no wait (for a captured use, which the caller
+    /// orders at each replay).
+    pub(crate) fn raw_ptr(&self) -> *mut T {
+        self.ptr.as_ptr()
+    }
+
+    /// The context the memory is pinned in.
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
     /// Number of elements.
     pub fn len(&self) -> usize {
         self.len
@@ -252,7 +263,8 @@ impl<T> PinnedBuffer<T> {
         if crate::tracking::is_capture_stream(stream) {
             return Err(Error::Capture(
                 "a copy between a device buffer and a PinnedBuffer (d2h, copy_d2h, copy_h2d) \
-                 cannot be captured: download the graph's output with an op after a replay"
+                 cannot be captured: share the buffer with the graph (PinnedBuffer::into_shared) \
+                 for a copy that acts at each replay"
                     .into(),
             ));
         }

@@ -22,6 +22,11 @@ use crate::raw::{set_current, RawEvent};
 pub(crate) struct UseRecord {
     uses: Mutex<Uses>,
     orphan: Mutex<Option<CudaSlice<u8>>>,
+    /// For host memory the host also reaches (a
+    /// [`SharedPinnedBuffer`](crate::SharedPinnedBuffer)): held by each
+    /// host access and by each use enqueued on the GPU, graph replays
+    /// included, so no GPU use starts while the host holds the memory.
+    gate: Option<Mutex<()>>,
 }
 
 /// Bytes of a buffer a use touches; [`WHOLE`] for the whole buffer.
@@ -108,6 +113,46 @@ impl Uses {
 }
 
 impl UseRecord {
+    /// The record of host memory the host also reaches: with a gate.
+    pub(crate) fn with_gate() -> UseRecord {
+        UseRecord {
+            uses: Mutex::default(),
+            orphan: Mutex::new(None),
+            gate: Some(Mutex::new(())),
+        }
+    }
+
+    /// Holds the gate, if the record has one.
+    pub(crate) fn hold(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+        self.gate
+            .as_ref()
+            .map(|g| g.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Whether the record has a gate.
+    pub(crate) fn has_gate(&self) -> bool {
+        self.gate.is_some()
+    }
+
+    /// Blocks the calling thread until the recorded uses a host access
+    /// conflicts with are done: the writes for a read, every use for a
+    /// write.
+    pub(crate) fn wait_host(&self, write: bool) -> Result<()> {
+        let u = self.lock();
+        if u.broken {
+            return Err(Error::InvalidArgument(
+                "a GPU use of this memory could not be recorded; its contents are unavailable"
+                    .into(),
+            ));
+        }
+        let reads = if write { &u.reads[..] } else { &[] };
+        for e in reads.iter().chain(&u.writes) {
+            e.ev.synchronize()
+                .map_err(|e| Error::driver("cuEventSynchronize", e))?;
+        }
+        Ok(())
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Uses> {
         self.uses.lock().unwrap_or_else(|e| e.into_inner())
     }
