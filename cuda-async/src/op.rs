@@ -143,9 +143,11 @@ pub trait DeviceOpExt: DeviceOp {
     /// and after it on its stream (work it forks onto other streams joins
     /// back before the end). The output comes with a [`GpuTime`](crate::GpuTime), whose
     /// [`elapsed`](crate::GpuTime::elapsed) is known once the stream has passed
-    /// the end (after `.sync()` or `.await`). Not on a remote policy yet
-    /// (`Error::NeedsLocalStream` naming `timed`), nor inside a graph
-    /// capture (`Error::Capture`).
+    /// the end (after `.sync()` or `.await`). On a remote policy the node
+    /// times the op's commands the same way, with two events on the
+    /// lease's stream, and the reply carries the time (transfers that take
+    /// the data path, outside the submission's message, are not in it).
+    /// Not inside a graph capture (`Error::Capture`).
     ///
     /// # Examples
     ///

@@ -355,3 +355,45 @@ async fn a_transfer_that_follows_a_batch_that_never_comes_fails_after_the_reorde
     assert!(err.message().contains("batch 5"), "{}", err.message());
     fx.free_and_shutdown().await;
 }
+
+/// `timed` on a leased GPU: the node times the op and the nanoseconds
+/// come back in the reply, in command order between the reads around
+/// them, on the message path and when the op's transfers stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timed_ops_are_timed_by_the_node_between_the_reads_around_them() {
+    let fx = Fixture::memory(1 << 30).start().await;
+    // Everything in the message; then transfers of 1 KiB and more stream.
+    for min in [usize::MAX, 1024] {
+        let (_lease, remote) = on(&fx.node, min, 1).await;
+        let (a, b) = (random_bytes(4096, 1), random_bytes(64, 2));
+        let (x, y) = (
+            h2d(a.clone()).schedule(&remote).unwrap().await.unwrap(),
+            h2d(b.clone()).schedule(&remote).unwrap().await.unwrap(),
+        );
+        // A read, the timer's end, another read: one submission.
+        let ((va, t), vb) = d2h(&x)
+            .then(|v| d2d(&x).map(move |_| v))
+            .timed()
+            .then(|(v, t)| d2h(&y).map(move |w| ((v, t), w)))
+            .schedule(&remote)
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(va.to_vec().unwrap() == a, "min {min}: the first read");
+        assert!(
+            vb.to_vec().unwrap() == b,
+            "min {min}: the read after the timer"
+        );
+        let d = t.elapsed().unwrap();
+        assert!(d < std::time::Duration::from_secs(10), "min {min}: {d:?}");
+        // Timers end with their op: the lease holds no timer ids after.
+        let (_, t) = zeros::<u8>(16)
+            .timed()
+            .schedule(&remote)
+            .unwrap()
+            .await
+            .unwrap();
+        t.elapsed().unwrap();
+    }
+    fx.shutdown().await;
+}

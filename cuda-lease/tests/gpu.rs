@@ -99,6 +99,7 @@ mod over_a_lease {
         shared_runs_once_and_consumers_on_other_streams_see_its_result,
         typed_launchers_match_the_cpu_on_random_data,
         zip_macro_of_four_typed_spins_overlaps_on_the_gpu,
+        timed_measures_a_one_ms_spin_on_the_gpu_within_ten_percent,
     );
 
     #[test]

@@ -38,7 +38,7 @@ fn header_golden() {
     let h = Header::request(Opcode::Batch, 0x0102030405060708, 9, 10);
     assert_eq!(
         h.encode().to_vec(),
-        unhex("43554c5303170000000000000807060504030201090000000a000000")
+        unhex("43554c5304170000000000000807060504030201090000000a000000")
     );
     let r = Header::reply(
         &Header::request(Opcode::MemRead, 7, 0, 0),
@@ -46,7 +46,7 @@ fn header_golden() {
         5,
         0,
     );
-    let bytes = unhex("43554c53031201000800000007000000000000000500000000000000");
+    let bytes = unhex("43554c53041201000800000007000000000000000500000000000000");
     assert_eq!(r.encode().to_vec(), bytes);
     assert_eq!(Header::decode(&bytes, &Limits::default()).unwrap(), r);
     assert!(r.is_reply());
@@ -89,7 +89,7 @@ fn unknown_version_and_opcode_rejected() {
     assert_eq!(e, ProtoError::UnsupportedVersion(1));
     assert_eq!(
         e.to_string(),
-        "unsupported protocol version 1: this node speaks 3"
+        "unsupported protocol version 1: this node speaks 4"
     );
     let mut b = Header::request(Opcode::Hello, 1, 0, 0).encode();
     b[5] = 99;
@@ -311,6 +311,20 @@ fn bodies_golden() {
             },
         },
         "0008220103 02ac02",
+    );
+    golden(
+        Command {
+            stream: 1,
+            op: Op::TimerStart { timer: B },
+        },
+        "010922",
+    );
+    golden(
+        Command {
+            stream: 1,
+            op: Op::TimerEnd { timer: E },
+        },
+        "010a03",
     );
     golden(
         BatchReply {

@@ -165,6 +165,8 @@ mod tests {
                 RemoteCommand::Launch { stream, .. } => (*stream, "launch"),
                 RemoteCommand::Record { stream, .. } => (*stream, "record"),
                 RemoteCommand::Wait { stream, .. } => (*stream, "wait"),
+                RemoteCommand::TimerStart { stream, .. } => (*stream, "timer start"),
+                RemoteCommand::TimerEnd { stream, .. } => (*stream, "timer end"),
             })
             .collect()
     }

@@ -102,6 +102,22 @@ pub enum RemoteCommand {
         /// The event.
         event: u64,
     },
+    /// Start timer `timer` (a fresh id) on the stream.
+    TimerStart {
+        /// Stream.
+        stream: RemoteStream,
+        /// The timer.
+        timer: u64,
+    },
+    /// End timer `timer` on the stream: the GPU time since its start, in
+    /// nanoseconds (a little-endian `u64`), goes into the next
+    /// [`ReadSlot`], as a read's bytes do. The node forgets the timer.
+    TimerEnd {
+        /// Stream.
+        stream: RemoteStream,
+        /// The timer.
+        timer: u64,
+    },
 }
 
 /// A kernel argument of a remote launch.
@@ -217,6 +233,17 @@ impl Recording {
             offset,
             len,
         });
+        slot
+    }
+
+    /// Appends the end of timer `timer` (started by a
+    /// [`RemoteCommand::TimerStart`] on the same stream); the returned
+    /// slot receives its 8 bytes.
+    pub fn timer_end(&mut self, stream: RemoteStream, timer: u64) -> Arc<ReadSlot> {
+        let slot = Arc::new(ReadSlot::new(8));
+        self.reads.push(slot.clone());
+        self.commands
+            .push(RemoteCommand::TimerEnd { stream, timer });
         slot
     }
 

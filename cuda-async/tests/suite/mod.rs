@@ -676,3 +676,44 @@ pub fn zip_macro_of_four_typed_spins_overlaps_on_the_gpu(p: &dyn SchedulingPolic
         "the four arms did not all overlap: {s:?}"
     );
 }
+
+/// `timed` measures a 1 ms spin within 10 % (its own `%globaltimer`
+/// stamps are the reference), and a zip of two overlapping 1 ms spins as
+/// one span that covers both arms. On a leased GPU the node times it.
+pub fn timed_measures_a_one_ms_spin_on_the_gpu_within_ten_percent(p: &dyn SchedulingPolicy) {
+    use std::time::Duration;
+    let k = kernels();
+    let ms = 1_000_000u64;
+    // Warm up (module load, pools).
+    let _ = spin_op(&k.spin, 1000).timed().sync_with(p).unwrap();
+    let (s, t) = spin_op(&k.spin, ms).timed().sync_with(p).unwrap();
+    let (start, end) = stamps(p, s);
+    let spun = Duration::from_nanos(end - start);
+    let timed = t.elapsed().unwrap();
+    println!("1 ms spin: timed {timed:?}, its own stamps {spun:?}");
+    assert!(spun >= Duration::from_millis(1));
+    let ratio = timed.as_secs_f64() / spun.as_secs_f64();
+    // A sanitizer instruments the op's other work (its memset): there the
+    // time may only be longer.
+    let sanitized = std::env::var("CUDA_ASYNC_TEST_SANITIZER").is_ok_and(|t| !t.is_empty());
+    let ok = if sanitized {
+        ratio >= 0.9
+    } else {
+        (0.9..=1.1).contains(&ratio)
+    };
+    assert!(ok, "timed {timed:?} vs spun {spun:?}");
+    // Two arms forked onto other streams join back before the end.
+    let ((a, b), t) = spin_op(&k.spin, ms)
+        .zip(spin_op(&k.spin, ms))
+        .timed()
+        .sync_with(p)
+        .unwrap();
+    let ((a0, a1), (b0, b1)) = (stamps(p, a), stamps(p, b));
+    let span = Duration::from_nanos(a1.max(b1) - a0.min(b0));
+    let timed = t.elapsed().unwrap();
+    println!("zip of two 1 ms spins: timed {timed:?}, the arms' span {span:?}");
+    assert!(
+        timed >= span.mul_f64(0.9),
+        "timed {timed:?} vs span {span:?}"
+    );
+}

@@ -219,6 +219,10 @@ impl Recorder {
             .enumerate()
             .filter_map(|(i, c)| match c.op {
                 Op::Read { len, .. } => Some(ReadSlot { command: i, len }),
+                Op::TimerEnd { .. } => Some(ReadSlot {
+                    command: i,
+                    len: crate::proto::TIMER_BYTES as u32,
+                }),
                 _ => None,
             })
             .collect()

@@ -189,6 +189,21 @@ pub trait Device {
     ///
     /// NOT_FOUND for an event never recorded.
     fn wait(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError>;
+    /// Starts timer `timer` (a new id) where `stream` is now.
+    ///
+    /// # Errors
+    ///
+    /// BAD_REQUEST when `timer` is in use; a driver error.
+    fn timer_start(&mut self, stream: StreamId, timer: Id) -> Result<(), DeviceError>;
+    /// Ends timer `timer` where `stream` is now: the nanoseconds between
+    /// its start and its end, a little-endian `u64`, land in
+    /// `out[at..at + 8]` of the next [`Device::finish`]. The timer is gone
+    /// after.
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND for a timer never started; a driver error.
+    fn timer_end(&mut self, stream: StreamId, timer: Id, at: usize) -> Result<(), DeviceError>;
     /// Enqueues setting `len` bytes of buffer `id` at `offset` to `value`.
     ///
     /// # Errors

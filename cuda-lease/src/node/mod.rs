@@ -55,6 +55,8 @@ enum IdKind {
     Buffer(u64),
     /// An event.
     Event,
+    /// A started timer.
+    Timer,
 }
 
 /// A lease's client-named objects, as the node tracks them.

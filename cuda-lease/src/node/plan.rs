@@ -8,7 +8,7 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{IdKind, LeaseState};
-use crate::proto::{Command, Id, KernelArg, Op, OpError, Status, StreamId};
+use crate::proto::{Command, Id, KernelArg, Op, OpError, Status, StreamId, TIMER_BYTES};
 
 /// A command's effect on the lease's ids, applied when it ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,6 +168,9 @@ impl Planner<'_> {
                 Status::BadRequest,
                 format!("{id} is an event, not a buffer"),
             )),
+            Some(IdKind::Timer) => {
+                Err((Status::BadRequest, format!("{id} is a timer, not a buffer")))
+            }
             None => Err((Status::NotFound, format!("unknown id {id}"))),
         }
     }
@@ -180,6 +183,10 @@ impl Planner<'_> {
             Some(IdKind::Buffer(_)) => Err((
                 Status::BadRequest,
                 format!("{event} is a buffer, not an event"),
+            )),
+            Some(IdKind::Timer) => Err((
+                Status::BadRequest,
+                format!("{event} is a timer, not an event"),
             )),
             None => Ok(false),
         }
@@ -210,6 +217,12 @@ impl Planner<'_> {
         charges: &mut dyn Charges,
     ) -> Result<(), Refusal> {
         in_range(self.buffer(buf)?, offset, u64::from(len))?;
+        self.reply_bytes(len, charges)
+    }
+
+    /// `len` bytes of reply data: within the reply's data limit and the
+    /// principal's byte budget.
+    fn reply_bytes(&mut self, len: u32, charges: &mut dyn Charges) -> Result<(), Refusal> {
         self.read_total += u64::from(len);
         if self.read_total > self.limits.max_read {
             return Err((
@@ -312,6 +325,19 @@ impl Planner<'_> {
                     return Err((Status::NotFound, format!("unknown id {event}")));
                 }
                 Step::effect(Effect::None)
+            }
+            Op::TimerStart { timer } => {
+                self.fresh(*timer)?;
+                Step::effect(Effect::Create(*timer, IdKind::Timer))
+            }
+            Op::TimerEnd { timer } => {
+                match self.kind(*timer) {
+                    Some(IdKind::Timer) => {}
+                    Some(_) => return Err((Status::BadRequest, format!("{timer} is not a timer"))),
+                    None => return Err((Status::NotFound, format!("unknown id {timer}"))),
+                }
+                self.reply_bytes(TIMER_BYTES as u32, charges)?;
+                Step::effect(Effect::Free(*timer))
             }
         })
     }
@@ -580,5 +606,52 @@ mod tests {
         let e = p.error.expect("refused");
         assert_eq!((e.index, e.status), (1, Status::CapacityExceeded));
         assert!(e.message.contains("read: budget"), "{}", e.message);
+    }
+
+    #[test]
+    fn timers_are_ids_of_their_own_kind_and_end_once() {
+        let state = LeaseState::default();
+        let t = Id(1);
+        let start = cmd(0, Op::TimerStart { timer: t });
+        let end = cmd(0, Op::TimerEnd { timer: t });
+        let p = run(&state, &[start.clone(), end.clone()], &mut budget());
+        assert!(p.error.is_none(), "{:?}", p.error);
+        assert_eq!(
+            p.effects,
+            [Effect::Create(t, IdKind::Timer), Effect::Free(t)]
+        );
+        // A timer is neither an event nor a buffer.
+        let p = run(
+            &state,
+            &[start.clone(), cmd(1, Op::Wait { event: t })],
+            &mut budget(),
+        );
+        let e = p.error.expect("refused");
+        assert_eq!((e.index, e.status), (1, Status::BadRequest));
+        assert!(e.message.contains("is a timer"), "{}", e.message);
+        // Ended once: a second end names an unknown id.
+        let p = run(
+            &state,
+            &[start.clone(), end.clone(), end.clone()],
+            &mut budget(),
+        );
+        let e = p.error.expect("refused");
+        assert_eq!((e.index, e.status), (2, Status::NotFound));
+        // An event is not a timer.
+        let p = run(
+            &state,
+            &[cmd(0, Op::Record { event: t }), end.clone()],
+            &mut budget(),
+        );
+        let e = p.error.expect("refused");
+        assert!(e.message.contains("not a timer"), "{}", e.message);
+        // Its 8 bytes count against the reply budget.
+        let mut small = Budget {
+            reservation: 1000,
+            reply: 7,
+        };
+        let p = run(&state, &[start, end], &mut small);
+        let e = p.error.expect("refused");
+        assert_eq!((e.index, e.status), (1, Status::CapacityExceeded));
     }
 }

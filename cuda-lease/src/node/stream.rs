@@ -161,11 +161,16 @@ fn check(
     let slot = lease_of(shared, who, lease)?;
     let size = match slot.state().ids.get(&buf) {
         Some(IdKind::Buffer(size)) => *size,
-        Some(IdKind::Event) => {
+        Some(k @ (IdKind::Event | IdKind::Timer)) => {
+            let what = if *k == IdKind::Event {
+                "an event"
+            } else {
+                "a timer"
+            };
             return Err(Reply::err(
                 Status::BadRequest,
-                format!("{buf} is an event, not a buffer"),
-            ))
+                format!("{buf} is {what}, not a buffer"),
+            ));
         }
         None => return Err(Reply::err(Status::NotFound, format!("no buffer {buf}"))),
     };

@@ -8,6 +8,10 @@ use super::{
     bounded, Id, LaunchSpec, LeaseId, ModuleHash, ProtoError, SourceKind, StreamId, MAX_BATCH_OPS,
 };
 
+/// Bytes an [`Op::TimerEnd`] adds to the reply data (a little-endian
+/// `u64` of nanoseconds).
+pub const TIMER_BYTES: usize = 8;
+
 /// Most modules one batch may name.
 pub const MAX_BATCH_MODULES: usize = 64;
 
@@ -111,6 +115,20 @@ pub enum Op<'a> {
         dst_offset: u64,
         /// Bytes.
         len: u64,
+    },
+    /// Start timer `timer` (a new id): the GPU notes when the command's
+    /// stream reaches this point.
+    TimerStart {
+        /// New timer id.
+        timer: Id,
+    },
+    /// End timer `timer` on the command's stream: the nanoseconds since
+    /// its start, as the GPU measured them (a little-endian `u64`), are
+    /// appended to the reply data in command order, as a read's bytes
+    /// are. The timer is gone after.
+    TimerEnd {
+        /// A started timer.
+        timer: Id,
     },
 }
 

@@ -297,6 +297,14 @@ fn encode_command(out: &mut Vec<u8>, c: &Command<'_>) {
             v(out, *dst_offset);
             v(out, *len);
         }
+        Op::TimerStart { timer } => {
+            v(out, 9);
+            v(out, timer.0);
+        }
+        Op::TimerEnd { timer } => {
+            v(out, 10);
+            v(out, timer.0);
+        }
     }
 }
 
@@ -378,6 +386,12 @@ fn decode_command<'a>(r: &mut WireReader<'a>) -> Result<Command<'a>, ProtoError>
             dst: Id(r.u64()?),
             dst_offset: r.u64()?,
             len: r.u64()?,
+        },
+        9 => Op::TimerStart {
+            timer: Id(r.u64()?),
+        },
+        10 => Op::TimerEnd {
+            timer: Id(r.u64()?),
         },
         _ => return Err(r.error("unknown command kind")),
     };
@@ -581,6 +595,8 @@ mod tests {
                 dst_offset: 2,
                 len: 3,
             },
+            Op::TimerStart { timer: id(11) },
+            Op::TimerEnd { timer: id(11) },
         ]
         .into_iter()
         .enumerate()

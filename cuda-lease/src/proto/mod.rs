@@ -31,7 +31,7 @@ mod codec;
 mod frame;
 mod messages;
 
-pub use batch::{Batch, Command, ModuleText, ModuleUse, Op, MAX_BATCH_MODULES};
+pub use batch::{Batch, Command, ModuleText, ModuleUse, Op, MAX_BATCH_MODULES, TIMER_BYTES};
 #[cfg(feature = "node")]
 pub(crate) use codec::postcard_codec;
 pub use codec::Codec;

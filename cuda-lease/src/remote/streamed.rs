@@ -194,6 +194,12 @@ pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<Strea
                 }
                 slot += 1;
             }
+            // A timer's end is a small read of the message's reply.
+            (RemoteCommand::TimerEnd { .. }, _) => {
+                p.slots.push(slot);
+                p.commands.push(c.clone());
+                slot += 1;
+            }
             _ => p.commands.push(c.clone()),
         }
     }

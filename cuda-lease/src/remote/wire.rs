@@ -111,6 +111,10 @@ fn to_wire<'a>(
         } => (*stream, launch_to_wire(launches, kernel, config, args)),
         RemoteCommand::Record { stream, event } => (*stream, Op::Record { event: Id(*event) }),
         RemoteCommand::Wait { stream, event } => (*stream, Op::Wait { event: Id(*event) }),
+        RemoteCommand::TimerStart { stream, timer } => {
+            (*stream, Op::TimerStart { timer: Id(*timer) })
+        }
+        RemoteCommand::TimerEnd { stream, timer } => (*stream, Op::TimerEnd { timer: Id(*timer) }),
     };
     Command { stream, op }
 }

@@ -14,7 +14,7 @@ use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, Memo
 use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{
     self, from_body, to_body, Frame, GpuSubmit, Header, Id, KernelArg, LaunchSpec, ModuleHash, Op,
-    Opcode, SourceKind, Status, StreamId,
+    Opcode, SourceKind, Status, StreamId, TIMER_BYTES,
 };
 use crate::sandbox::{CompileSandbox, Compiler};
 use crate::shm::{WorkerRing, SHM_ENV};
@@ -220,6 +220,8 @@ pub(super) fn op_name(op: &Op<'_>) -> &'static str {
         Op::Wait { .. } => "wait",
         Op::Fill { .. } => "fill",
         Op::Copy { .. } => "copy",
+        Op::TimerStart { .. } => "timer start",
+        Op::TimerEnd { .. } => "timer end",
     }
 }
 
@@ -470,6 +472,10 @@ fn enqueue(
             dst_offset,
             len,
         } => dev.copy(stream, (*src, *src_offset), (*dst, *dst_offset), *len),
+        Op::TimerStart { timer } => dev.timer_start(stream, *timer),
+        Op::TimerEnd { timer } => dev
+            .timer_end(stream, *timer, *read_at)
+            .map(|()| *read_at += TIMER_BYTES),
     }
 }
 

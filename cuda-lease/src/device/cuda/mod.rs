@@ -18,6 +18,10 @@ mod staging;
 mod streams;
 
 use launch::LastKernel;
+
+/// Events of timers measure time (the lease's other events do not).
+const TIMING: cuda_core::cudarc::driver::sys::CUevent_flags =
+    cuda_core::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 use staging::SpareBuffers;
 
 /// A real device, driven through `cuda-core` and `cuda-async`: the
@@ -40,6 +44,11 @@ pub struct CudaDevice {
     streams: HashMap<StreamId, Arc<CudaStream>>,
     buffers: HashMap<Id, DeviceBuffer<u8>>,
     events: HashMap<Id, CudaEvent>,
+    /// Started timers: their start events (timing enabled).
+    timers: HashMap<Id, CudaEvent>,
+    /// Timers ended since the last finish: start, end, where the
+    /// nanoseconds land.
+    timer_reads: Vec<(CudaEvent, CudaEvent, usize)>,
     modules: HashMap<ModuleHash, Module>,
     /// Kernels resolved so far, by module and name.
     kernels: HashMap<ModuleHash, HashMap<String, Kernel>>,
@@ -112,6 +121,8 @@ impl CudaDevice {
             streams: HashMap::new(),
             buffers: HashMap::new(),
             events: HashMap::new(),
+            timers: HashMap::new(),
+            timer_reads: Vec::new(),
             modules: HashMap::new(),
             kernels: HashMap::new(),
             reads: Vec::new(),
@@ -210,7 +221,7 @@ impl Device for CudaDevice {
     }
 
     fn free(&mut self, _stream: StreamId, id: Id) -> Result<(), DeviceError> {
-        if self.events.remove(&id).is_some() {
+        if self.events.remove(&id).is_some() || self.timers.remove(&id).is_some() {
             // The driver releases a pending event when it completes.
             return Ok(());
         }
@@ -443,6 +454,38 @@ impl Device for CudaDevice {
             .map_err(|e| driver(Status::Internal, "cuStreamWaitEvent", e))
     }
 
+    fn timer_start(&mut self, stream: StreamId, timer: Id) -> Result<(), DeviceError> {
+        if self.buffers.contains_key(&timer)
+            || self.events.contains_key(&timer)
+            || self.timers.contains_key(&timer)
+        {
+            return Err(DeviceError::new(
+                Status::BadRequest,
+                format!("id {timer} is already in use"),
+            ));
+        }
+        let stream = self.stream(stream)?;
+        let ev = stream
+            .record_event(Some(TIMING))
+            .map_err(|e| driver(Status::Internal, "cuEventRecord", e))?;
+        self.timers.insert(timer, ev);
+        Ok(())
+    }
+
+    fn timer_end(&mut self, stream: StreamId, timer: Id, at: usize) -> Result<(), DeviceError> {
+        let stream = self.stream(stream)?;
+        let start = self
+            .timers
+            .remove(&timer)
+            .ok_or_else(|| not_found("timer", timer))?;
+        let end = stream
+            .record_event(Some(TIMING))
+            .map_err(|e| driver(Status::Internal, "cuEventRecord", e))?;
+        self.touch(&stream);
+        self.timer_reads.push((start, end, at));
+        Ok(())
+    }
+
     fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError> {
         // Waits for the copies (and surfaces kernel faults here).
         let synced = self.sync_touched();
@@ -459,6 +502,7 @@ impl Device for CudaDevice {
             }
         }
         let reads = std::mem::take(&mut self.reads);
+        let timers = std::mem::take(&mut self.timer_reads);
         let arena_reads = std::mem::take(&mut self.arena_reads);
         if synced.is_err() {
             // Copies may still use it: never reuse or free it.
@@ -483,6 +527,16 @@ impl Device for CudaDevice {
                 .map_err(|e| map(Status::ReadFailed, "device-to-host copy", e))?;
             if let Some(dst) = out.get_mut(at..at + bytes.len()) {
                 dst.copy_from_slice(bytes);
+            }
+        }
+        for (start, end, at) in timers {
+            // Both recorded on streams the batch's end waited for.
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(|e| driver(Status::Internal, "cuEventElapsedTime", e))?;
+            let ns = (f64::from(ms.max(0.0)) * 1e6) as u64;
+            if let Some(dst) = out.get_mut(at..at + 8) {
+                dst.copy_from_slice(&ns.to_le_bytes());
             }
         }
         Ok(())

@@ -50,6 +50,11 @@ pub struct MemoryDevice {
     /// Live event ids -> the queue index of their last record (None: done
     /// before this queue).
     events: HashMap<Id, Option<usize>>,
+    /// Started timers -> their key in `stamps`.
+    timers: HashMap<Id, u64>,
+    next_timer: u64,
+    /// When the scheduler ran each started timer's start.
+    stamps: HashMap<u64, std::time::Instant>,
     modules: HashMap<ModuleHash, Vec<String>>,
     queue: Vec<Queued>,
     /// Per stream: index of its last queued command.
@@ -69,6 +74,9 @@ impl MemoryDevice {
             store: HashMap::new(),
             next_slot: 0,
             events: HashMap::new(),
+            timers: HashMap::new(),
+            next_timer: 0,
+            stamps: HashMap::new(),
             modules: HashMap::new(),
             queue: Vec::new(),
             tails: HashMap::new(),
@@ -137,7 +145,7 @@ impl Device for MemoryDevice {
 
     fn free(&mut self, stream: StreamId, id: Id) -> Result<(), DeviceError> {
         self.check_stream(stream)?;
-        if self.events.remove(&id).is_some() {
+        if self.events.remove(&id).is_some() || self.timers.remove(&id).is_some() {
             return Ok(());
         }
         let (slot, len) = self
@@ -379,6 +387,34 @@ impl Device for MemoryDevice {
             .get(&event)
             .ok_or_else(|| not_found("event", event))?;
         self.enqueue(stream, Work::Nothing, &[], &[], last);
+        Ok(())
+    }
+
+    fn timer_start(&mut self, stream: StreamId, timer: Id) -> Result<(), DeviceError> {
+        self.check_stream(stream)?;
+        if self.buffers.contains_key(&timer)
+            || self.events.contains_key(&timer)
+            || self.timers.contains_key(&timer)
+        {
+            return Err(DeviceError::new(
+                Status::BadRequest,
+                format!("id {timer} is already in use"),
+            ));
+        }
+        let key = self.next_timer;
+        self.next_timer += 1;
+        self.timers.insert(timer, key);
+        self.enqueue(stream, Work::TimerStart { key }, &[], &[], None);
+        Ok(())
+    }
+
+    fn timer_end(&mut self, stream: StreamId, timer: Id, at: usize) -> Result<(), DeviceError> {
+        self.check_stream(stream)?;
+        let key = self
+            .timers
+            .remove(&timer)
+            .ok_or_else(|| not_found("timer", timer))?;
+        self.enqueue(stream, Work::TimerEnd { key, at }, &[], &[], None);
         Ok(())
     }
 

@@ -38,6 +38,16 @@ pub(super) enum Work {
     Free {
         slot: usize,
     },
+    /// A timer's start: when the scheduler runs it (the in-memory device
+    /// has no GPU clock).
+    TimerStart {
+        key: u64,
+    },
+    /// A timer's end: the nanoseconds since its start land at `at`.
+    TimerEnd {
+        key: u64,
+        at: usize,
+    },
     Launch {
         kernel: String,
         threads: u64,
@@ -141,6 +151,17 @@ impl MemoryDevice {
             }
             Work::Free { slot } => {
                 self.store.remove(&slot);
+            }
+            Work::TimerStart { key } => {
+                self.stamps.insert(key, std::time::Instant::now());
+            }
+            Work::TimerEnd { key, at } => {
+                let ns = self.stamps.remove(&key).map_or(0, |t| {
+                    u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX)
+                });
+                if let Some(dst) = out.get_mut(at..at + 8) {
+                    dst.copy_from_slice(&ns.to_le_bytes());
+                }
             }
             Work::Launch {
                 kernel,
