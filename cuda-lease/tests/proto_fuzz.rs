@@ -112,7 +112,7 @@ proptest! {
 
     #[test]
     fn v2_batches_round_trip_and_validate(
-        cmds in proptest::collection::vec((0u32..4, 0u8..11, 1u64..64, any::<u32>()), 0..40),
+        cmds in proptest::collection::vec((0u32..4, 0u8..14, 1u64..64, any::<u32>()), 0..40),
         cuda in any::<bool>(),
         flips in proptest::collection::vec((any::<proptest::sample::Index>(), any::<u8>()), 8),
     ) {
@@ -142,6 +142,9 @@ proptest! {
                     7 => Op::Copy { src: buf, src_offset: 0, dst: Id(id + 1), dst_offset: u64::from(n), len: u64::from(len) },
                     8 => Op::TimerStart { timer: buf },
                     9 => Op::TimerEnd { timer: buf },
+                    10 => Op::GraphBegin { graph: buf },
+                    11 => Op::GraphEnd { graph: buf },
+                    12 => Op::GraphLaunch { graph: buf },
                     _ => Op::Launch(LaunchSpec {
                         module: hash,
                         kernel: "k".into(),

@@ -327,6 +327,27 @@ fn bodies_golden() {
         "010a03",
     );
     golden(
+        Command {
+            stream: 2,
+            op: Op::GraphBegin { graph: B },
+        },
+        "020b22",
+    );
+    golden(
+        Command {
+            stream: 2,
+            op: Op::GraphEnd { graph: B },
+        },
+        "020c22",
+    );
+    golden(
+        Command {
+            stream: 0,
+            op: Op::GraphLaunch { graph: E },
+        },
+        "000d03",
+    );
+    golden(
         BatchReply {
             completed: 3,
             error: Some(OpError {

@@ -430,3 +430,141 @@ async fn reads_can_land_straight_in_the_callers_buffers() {
     assert!(matches!(err.kind(), ErrorKind::InvalidRequest), "{err:?}");
     fx.free_and_shutdown().await;
 }
+
+/// A graph recorded once on the node replays 100 times, each launch one
+/// small message with a changed input before it; its body's allocation is
+/// made at capture and nothing else of it runs then; a body's arm on a
+/// second stream joins back; a buffer the graph uses cannot be freed while
+/// it lives; freeing the graph runs the body's frees and the node's
+/// accounting is back where it was.
+#[tokio::test]
+async fn a_graph_recorded_once_replays_with_inputs_changed_between_launches() {
+    use cuda_lease::node::LeaseUsage;
+    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let usage = || -> LeaseUsage { fx.node.lease_usage(&fx.lease().id()).expect("alive") };
+    let s = fx.session();
+    let m = Module::cuda(KERNELS, &[]);
+    let mut rec = s.recorder();
+    let x = rec.alloc(0, BYTES);
+    let y = rec.alloc(0, BYTES);
+    rec.use_module(&m);
+    rec.submit().await.unwrap().ok().unwrap();
+    let before = usage();
+
+    // y += 2x + 1, through an intermediate t and an arm on stream 1.
+    let mut rec = s.recorder();
+    let g = rec.graph_begin(0);
+    let t = rec.alloc(0, BYTES);
+    fill(&mut rec, 0, &m, t, 1.0);
+    axpy(&mut rec, 0, &m, 2.0, x, t);
+    let fork = rec.record(0);
+    rec.wait(1, fork);
+    axpy(&mut rec, 1, &m, 1.0, t, y);
+    let join = rec.record(1);
+    rec.wait(0, join);
+    rec.free(0, t);
+    rec.graph_end(0, g);
+    let captured = rec.read(0, y, 0, 4);
+    let out = rec.submit().await.unwrap().ok().unwrap();
+    assert_eq!(
+        floats(out.read(captured).unwrap()),
+        [0.0],
+        "capture runs nothing"
+    );
+    assert_eq!(usage().buffers, before.buffers + 1, "t is made at capture");
+
+    let mut want = 0.0f32;
+    for i in 0..100 {
+        let xi = i as f32;
+        want += 2.0 * xi + 1.0;
+        let mut rec = s.recorder();
+        rec.write(0, x, 0, &float_bytes(&vec![xi; N as usize]));
+        rec.graph_launch(0, g);
+        let r = rec.read(0, y, (N as u64 - 1) * 4, 4);
+        let out = rec.submit().await.unwrap().ok().unwrap();
+        assert_eq!(floats(out.read(r).unwrap()), [want], "launch {i}");
+    }
+
+    // What the graph uses lives as long as it does.
+    let mut rec = s.recorder();
+    rec.free(0, y);
+    let e = rec.submit().await.unwrap().error().unwrap().clone();
+    assert_eq!(e.status, Status::BadRequest);
+    assert!(
+        e.message.contains(&format!("used by graph {g}")),
+        "{}",
+        e.message
+    );
+    // Freed with its body's frees (t), then y can go.
+    let mut rec = s.recorder();
+    rec.free(0, g);
+    rec.free(0, y);
+    rec.free(0, x);
+    rec.submit().await.unwrap().ok().unwrap();
+    let after = usage();
+    assert_eq!(after.buffers, before.buffers - 2);
+    assert_eq!(after.graphs, 0);
+    assert_eq!(after.allocated, before.allocated - 2 * BYTES);
+    fx.free_and_shutdown().await;
+}
+
+/// A graph's body cannot read, time itself, nest or stay open; launching
+/// or ending what is not a graph is refused; each refusal names it, and
+/// nothing of a refused body runs.
+#[tokio::test]
+async fn graph_bodies_that_break_the_rules_are_refused_by_name() {
+    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let s = fx.session();
+    let refused = |rec: cuda_lease::client::Recorder| async move {
+        let reply = rec.submit().await.unwrap();
+        let e = reply.error().expect("refused").clone();
+        (e.index, e.message)
+    };
+    let mut rec = s.recorder();
+    let a = rec.alloc(0, 64);
+    rec.submit().await.unwrap().ok().unwrap();
+
+    let mut rec = s.recorder();
+    let g = rec.graph_begin(0);
+    rec.read(0, a, 0, 4);
+    rec.graph_end(0, g);
+    let (i, m) = refused(rec).await;
+    assert_eq!(i, 1);
+    assert!(m.contains("cannot read"), "{m}");
+
+    let mut rec = s.recorder();
+    let g = rec.graph_begin(0);
+    rec.graph_begin(1);
+    rec.graph_end(0, g);
+    let (_, m) = refused(rec).await;
+    assert!(m.contains("cannot begin another graph"), "{m}");
+
+    let mut rec = s.recorder();
+    rec.graph_begin(0);
+    rec.fill(0, a, 0, 64, 1);
+    let (i, m) = refused(rec).await;
+    assert_eq!(i, 0, "an open body is refused at its beginning");
+    assert!(m.contains("does not end in its batch"), "{m}");
+
+    let mut rec = s.recorder();
+    rec.graph_launch(0, a);
+    let (_, m) = refused(rec).await;
+    assert!(m.contains("is not a graph"), "{m}");
+
+    let mut rec = s.recorder();
+    rec.graph_end(0, a);
+    let (_, m) = refused(rec).await;
+    assert!(m.contains("no body being recorded"), "{m}");
+
+    // The node's own ids (its replay fences) are not the client's to name.
+    let mut rec = s.recorder();
+    rec.command(
+        0,
+        Op::Record {
+            event: Id(proto::FIRST_NODE_ID),
+        },
+    );
+    let (_, m) = refused(rec).await;
+    assert!(m.contains("reserved for the node"), "{m}");
+    fx.free_and_shutdown().await;
+}

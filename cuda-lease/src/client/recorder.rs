@@ -206,6 +206,28 @@ impl Recorder {
         self
     }
 
+    /// Begins recording graph (returned) on `stream`: the commands recorded
+    /// next, up to [`Recorder::graph_end`], are its body (see
+    /// [`Op::GraphBegin`]): its allocations are made now, the rest runs at
+    /// each [`Recorder::graph_launch`].
+    pub fn graph_begin(&mut self, stream: StreamId) -> Id {
+        let graph = self.fresh_id();
+        self.push(stream, Op::GraphBegin { graph });
+        graph
+    }
+
+    /// Ends the body of `graph`.
+    pub fn graph_end(&mut self, stream: StreamId, graph: Id) -> &mut Self {
+        self.push(stream, Op::GraphEnd { graph });
+        self
+    }
+
+    /// Replays `graph` on `stream`.
+    pub fn graph_launch(&mut self, stream: StreamId, graph: Id) -> &mut Self {
+        self.push(stream, Op::GraphLaunch { graph });
+        self
+    }
+
     /// Appends a command built by hand.
     pub fn command(&mut self, stream: StreamId, op: Op<'static>) -> &mut Self {
         self.push(stream, op);

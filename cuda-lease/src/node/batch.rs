@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tracing::debug;
 
 use super::auth::lease_of;
-use super::plan::{plan, Charges, Effect, Plan, PlanLimits};
+use super::plan::{plan, Charges, Effect, GraphChange, Plan, PlanLimits};
 use super::submit::BudgetTurn;
 use super::{fail_lease, IdKind, LeaseSlot, LeaseState, ModuleSource, Reply, Shared};
 use crate::hops::{self, HopTimer};
@@ -397,6 +397,26 @@ fn commit(shared: &Shared, slot: &LeaseSlot, b: &Batch<'_>, loads: &[Load], p: &
                 }
             }
             Effect::None => {}
+        }
+    }
+    for (i, change) in &p.graphs {
+        match change {
+            // Not made: its kept bytes' charge goes back.
+            GraphChange::Made(_, ids) if *i >= ran.completed => table.credit(lease, ids.kept),
+            GraphChange::Made(g, ids) => {
+                state.graphs.insert(*g, ids.clone());
+            }
+            GraphChange::Freed(g) if *i < ran.completed => {
+                if let Some(ids) = state.graphs.remove(g) {
+                    table.credit(lease, ids.kept);
+                    for f in ids.frees {
+                        if let Some(IdKind::Buffer(n)) = state.ids.remove(&f) {
+                            table.credit(lease, n);
+                        }
+                    }
+                }
+            }
+            GraphChange::Freed(_) => {}
         }
     }
 }

@@ -57,6 +57,20 @@ enum IdKind {
     Event,
     /// A started timer.
     Timer,
+    /// A graph (its body is in [`LeaseState::graphs`]).
+    Graph,
+}
+
+/// What a graph of a lease holds on to.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct GraphIds {
+    /// The ids its body names: none of them can be freed while it lives.
+    uses: HashSet<Id>,
+    /// The frees its body asked for, run with its own.
+    frees: Vec<Id>,
+    /// Its body's upload bytes, kept by the worker for its replays and
+    /// charged to the lease's reservation.
+    kept: u64,
 }
 
 /// A lease's client-named objects, as the node tracks them.
@@ -68,6 +82,8 @@ struct LeaseState {
     modules: HashMap<ModuleHash, u64>,
     /// Streams the lease has used.
     streams: HashSet<StreamId>,
+    /// The lease's live graphs.
+    graphs: HashMap<Id, GraphIds>,
 }
 
 /// What a node holds for one lease ([`Node::lease_usage`]).
@@ -79,6 +95,8 @@ pub struct LeaseUsage {
     pub buffers: usize,
     /// Live events.
     pub events: usize,
+    /// Live graphs.
+    pub graphs: usize,
     /// Streams the lease has used.
     pub streams: usize,
     /// Modules loaded in the lease's worker.
@@ -554,10 +572,12 @@ impl Node {
             .values()
             .filter(|k| matches!(k, IdKind::Buffer(_)))
             .count();
+        let graphs = state.graphs.len();
         Some(LeaseUsage {
             allocated,
             buffers,
-            events: state.ids.len() - buffers,
+            events: state.ids.len() - buffers - graphs,
+            graphs,
             streams: state.streams.len(),
             modules: state.modules.len(),
         })

@@ -7,8 +7,12 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::{IdKind, LeaseState};
-use crate::proto::{Command, Id, KernelArg, Op, OpError, Status, StreamId, TIMER_BYTES};
+use super::{GraphIds, IdKind, LeaseState};
+
+mod graphs;
+use crate::proto::{
+    Command, Id, KernelArg, Op, OpError, Status, StreamId, FIRST_NODE_ID, TIMER_BYTES,
+};
 
 /// A command's effect on the lease's ids, applied when it ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,7 +31,16 @@ pub(super) struct Plan {
     pub(super) write_bytes: usize,
     /// Allocations charged to the lease, by command index.
     pub(super) charged: Vec<(usize, u64)>,
+    /// Graphs made and freed, by command index.
+    pub(super) graphs: Vec<(usize, GraphChange)>,
     pub(super) error: Option<OpError>,
+}
+
+/// A graph a command made (with what it holds) or freed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum GraphChange {
+    Made(Id, GraphIds),
+    Freed(Id),
 }
 
 /// The lease's limits a plan keeps.
@@ -78,15 +91,31 @@ pub(super) fn plan(
         live: state.ids.len(),
         streams: state.streams.clone(),
         read_total: 0,
+        open: None,
+        graph_overlay: HashMap::new(),
+        graph_changes: Vec::new(),
     };
     let mut p = Plan {
         effects: Vec::with_capacity(commands.len()),
         write_bytes: 0,
         charged: Vec::new(),
+        graphs: Vec::new(),
         error: None,
     };
     for (i, c) in commands.iter().enumerate() {
-        match planner.step(c, charges) {
+        // (A body's own `GraphBegin` is refused as nested first.)
+        let ends = match planner.open {
+            None => graphs::body_ends(commands, i),
+            Some(_) => Ok(()),
+        };
+        let step = ends.and_then(|()| {
+            let step = planner.graph_step(i, c, charges)?;
+            match step {
+                Some(s) => Ok(s),
+                None => planner.step(c, charges),
+            }
+        });
+        match step {
             Ok(step) => {
                 planner.apply(step.effect, c.stream);
                 if let Some(size) = step.charged {
@@ -105,6 +134,7 @@ pub(super) fn plan(
             }
         }
     }
+    p.graphs = planner.graph_changes;
     p
 }
 
@@ -138,6 +168,11 @@ struct Planner<'s> {
     live: usize,
     streams: HashSet<StreamId>,
     read_total: u64,
+    /// The graph whose body is being planned.
+    open: Option<(Id, GraphIds)>,
+    /// The batch's own graphs (`Some`) and graph frees (`None`).
+    graph_overlay: HashMap<Id, Option<GraphIds>>,
+    graph_changes: Vec<(usize, GraphChange)>,
 }
 
 impl Planner<'_> {
@@ -171,6 +206,9 @@ impl Planner<'_> {
             Some(IdKind::Timer) => {
                 Err((Status::BadRequest, format!("{id} is a timer, not a buffer")))
             }
+            Some(IdKind::Graph) => {
+                Err((Status::BadRequest, format!("{id} is a graph, not a buffer")))
+            }
             None => Err((Status::NotFound, format!("unknown id {id}"))),
         }
     }
@@ -188,12 +226,22 @@ impl Planner<'_> {
                 Status::BadRequest,
                 format!("{event} is a timer, not an event"),
             )),
+            Some(IdKind::Graph) => Err((
+                Status::BadRequest,
+                format!("{event} is a graph, not an event"),
+            )),
             None => Ok(false),
         }
     }
 
     /// Checks that `id` is free to name something new.
     fn fresh(&self, id: Id) -> Result<(), Refusal> {
+        if id.0 >= FIRST_NODE_ID {
+            return Err((
+                Status::BadRequest,
+                format!("id {id} is reserved for the node"),
+            ));
+        }
         if self.kind(id).is_some() {
             return Err((Status::BadRequest, format!("id {id} is already in use")));
         }
@@ -338,6 +386,10 @@ impl Planner<'_> {
                 }
                 self.reply_bytes(TIMER_BYTES as u32, charges)?;
                 Step::effect(Effect::Free(*timer))
+            }
+            // Planned by `graph_step`.
+            Op::GraphBegin { .. } | Op::GraphEnd { .. } | Op::GraphLaunch { .. } => {
+                return Err((Status::Internal, "a graph command planned twice".into()))
             }
         })
     }

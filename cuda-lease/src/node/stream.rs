@@ -161,11 +161,11 @@ fn check(
     let slot = lease_of(shared, who, lease)?;
     let size = match slot.state().ids.get(&buf) {
         Some(IdKind::Buffer(size)) => *size,
-        Some(k @ (IdKind::Event | IdKind::Timer)) => {
-            let what = if *k == IdKind::Event {
-                "an event"
-            } else {
-                "a timer"
+        Some(k @ (IdKind::Event | IdKind::Timer | IdKind::Graph)) => {
+            let what = match k {
+                IdKind::Event => "an event",
+                IdKind::Timer => "a timer",
+                _ => "a graph",
             };
             return Err(Reply::err(
                 Status::BadRequest,

@@ -1,11 +1,14 @@
 //! BATCH: the modules it names, its commands and their ops, and its checks.
 
+use std::borrow::Cow;
+
 use serde::{Deserialize, Serialize};
 
 #[cfg(doc)]
 use super::Status;
 use super::{
-    bounded, Id, LaunchSpec, LeaseId, ModuleHash, ProtoError, SourceKind, StreamId, MAX_BATCH_OPS,
+    bounded, Id, KernelArg, LaunchSpec, LeaseId, ModuleHash, ProtoError, SourceKind, StreamId,
+    MAX_BATCH_OPS,
 };
 
 /// Bytes an [`Op::TimerEnd`] adds to the reply data (a little-endian
@@ -130,7 +133,125 @@ pub enum Op<'a> {
         /// A started timer.
         timer: Id,
     },
+    /// Begin graph `graph` (a new id): the batch's next commands, on any
+    /// stream, up to [`Op::GraphEnd`] are its body. In a body, `Alloc`s
+    /// run now (the graph's buffers exist from its capture) and `Free`s
+    /// wait for the graph's own free; every other command is kept and runs
+    /// at each [`Op::GraphLaunch`], not now. A body cannot read
+    /// (`Read`, timers) or begin or launch a graph.
+    GraphBegin {
+        /// New graph id.
+        graph: Id,
+    },
+    /// End the body of graph `graph`.
+    GraphEnd {
+        /// The graph being recorded.
+        graph: Id,
+    },
+    /// Replay graph `graph`: its body runs after the work enqueued on the
+    /// command's stream so far, and later work on that stream runs after
+    /// it. A buffer a live graph uses cannot be freed (free the graph
+    /// first: `Free { id: graph }`, which also runs the body's frees).
+    GraphLaunch {
+        /// The graph.
+        graph: Id,
+    },
 }
+
+impl Op<'_> {
+    /// The same op owning its launch's name and scalars (a graph's body
+    /// outlives the message it came in).
+    pub fn to_static(&self) -> Op<'static> {
+        match *self {
+            Op::Launch(ref l) => Op::Launch(LaunchSpec {
+                module: l.module,
+                kernel: Cow::Owned(l.kernel.to_string()),
+                grid: l.grid,
+                block: l.block,
+                shared_mem: l.shared_mem,
+                args: l
+                    .args
+                    .iter()
+                    .map(|a| match a {
+                        KernelArg::Scalar(b) => KernelArg::Scalar(Cow::Owned(b.to_vec())),
+                        KernelArg::Mem { buf, offset } => KernelArg::Mem {
+                            buf: *buf,
+                            offset: *offset,
+                        },
+                        KernelArg::Input(n) => KernelArg::Input(*n),
+                        KernelArg::Output => KernelArg::Output,
+                    })
+                    .collect(),
+            }),
+            Op::Alloc { buf, size } => Op::Alloc { buf, size },
+            Op::Write { buf, offset, len } => Op::Write { buf, offset, len },
+            Op::Read { buf, offset, len } => Op::Read { buf, offset, len },
+            Op::Free { id } => Op::Free { id },
+            Op::Record { event } => Op::Record { event },
+            Op::Wait { event } => Op::Wait { event },
+            Op::Fill {
+                buf,
+                offset,
+                len,
+                value,
+            } => Op::Fill {
+                buf,
+                offset,
+                len,
+                value,
+            },
+            Op::Copy {
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                len,
+            } => Op::Copy {
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                len,
+            },
+            Op::TimerStart { timer } => Op::TimerStart { timer },
+            Op::TimerEnd { timer } => Op::TimerEnd { timer },
+            Op::GraphBegin { graph } => Op::GraphBegin { graph },
+            Op::GraphEnd { graph } => Op::GraphEnd { graph },
+            Op::GraphLaunch { graph } => Op::GraphLaunch { graph },
+        }
+    }
+
+    /// The buffer and event ids the op names (a launch's buffer arguments
+    /// included), for `f`.
+    pub fn for_each_id(&self, mut f: impl FnMut(Id)) {
+        match self {
+            Op::Alloc { buf, .. }
+            | Op::Write { buf, .. }
+            | Op::Read { buf, .. }
+            | Op::Fill { buf, .. } => f(*buf),
+            Op::Free { id } => f(*id),
+            Op::Copy { src, dst, .. } => {
+                f(*src);
+                f(*dst);
+            }
+            Op::Launch(l) => {
+                for a in &l.args {
+                    if let KernelArg::Mem { buf, .. } = a {
+                        f(*buf);
+                    }
+                }
+            }
+            Op::Record { event } | Op::Wait { event } => f(*event),
+            Op::TimerStart { timer } | Op::TimerEnd { timer } => f(*timer),
+            Op::GraphBegin { graph } | Op::GraphEnd { graph } | Op::GraphLaunch { graph } => {
+                f(*graph)
+            }
+        }
+    }
+}
+
+/// Ids from here up are the node's own (a client's are refused).
+pub const FIRST_NODE_ID: u64 = 1 << 63;
 
 /// One command of a batch: an op on a client-named stream of the lease.
 /// Each stream runs its commands in order; different streams run

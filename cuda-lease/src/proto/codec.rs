@@ -305,6 +305,18 @@ fn encode_command(out: &mut Vec<u8>, c: &Command<'_>) {
             v(out, 10);
             v(out, timer.0);
         }
+        Op::GraphBegin { graph } => {
+            v(out, 11);
+            v(out, graph.0);
+        }
+        Op::GraphEnd { graph } => {
+            v(out, 12);
+            v(out, graph.0);
+        }
+        Op::GraphLaunch { graph } => {
+            v(out, 13);
+            v(out, graph.0);
+        }
     }
 }
 
@@ -392,6 +404,15 @@ fn decode_command<'a>(r: &mut WireReader<'a>) -> Result<Command<'a>, ProtoError>
         },
         10 => Op::TimerEnd {
             timer: Id(r.u64()?),
+        },
+        11 => Op::GraphBegin {
+            graph: Id(r.u64()?),
+        },
+        12 => Op::GraphEnd {
+            graph: Id(r.u64()?),
+        },
+        13 => Op::GraphLaunch {
+            graph: Id(r.u64()?),
         },
         _ => return Err(r.error("unknown command kind")),
     };
@@ -597,6 +618,9 @@ mod tests {
             },
             Op::TimerStart { timer: id(11) },
             Op::TimerEnd { timer: id(11) },
+            Op::GraphBegin { graph: id(12) },
+            Op::GraphEnd { graph: id(12) },
+            Op::GraphLaunch { graph: id(12) },
         ]
         .into_iter()
         .enumerate()

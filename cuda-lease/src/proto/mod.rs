@@ -31,7 +31,9 @@ mod codec;
 mod frame;
 mod messages;
 
-pub use batch::{Batch, Command, ModuleText, ModuleUse, Op, MAX_BATCH_MODULES, TIMER_BYTES};
+pub use batch::{
+    Batch, Command, ModuleText, ModuleUse, Op, FIRST_NODE_ID, MAX_BATCH_MODULES, TIMER_BYTES,
+};
 #[cfg(feature = "node")]
 pub(crate) use codec::postcard_codec;
 pub use codec::Codec;

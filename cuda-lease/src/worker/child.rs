@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::graphs::Graphs;
 use super::messages::{
     ChunkOps, WorkerBatch, WorkerBatchReply, WorkerFailure, MAX_CHUNKS_PER_CALL,
 };
@@ -67,6 +68,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
         unsafe { device.register_ring(ptr, len) };
     }
     let mut submit_modules: HashSet<ModuleHash> = HashSet::new();
+    let mut graphs = Graphs::default();
     // How long to poll for the next request before blocking (the node
     // passes its budget; absent: block at once).
     let spin = std::env::var(SPIN_ENV)
@@ -91,7 +93,13 @@ pub(super) fn run_worker(spec: &str) -> i32 {
         hops::mark(&mut hop, "pipe_read");
         let (status, body, data) = match frame.header.opcode {
             Opcode::MemWrite | Opcode::MemRead => serve_chunk(device.as_mut(), &mut ring, &frame),
-            _ => serve(device.as_mut(), &compiler, &mut submit_modules, &frame),
+            _ => serve(
+                device.as_mut(),
+                &mut graphs,
+                &compiler,
+                &mut submit_modules,
+                &frame,
+            ),
         };
         if let Some(t) = &mut hop {
             t.mark("device");
@@ -168,6 +176,7 @@ pub(super) fn serve_chunk(
 
 pub(super) fn serve(
     dev: &mut dyn Device,
+    graphs: &mut Graphs,
     compiler: &Compiler,
     cache: &mut HashSet<ModuleHash>,
     f: &Frame,
@@ -181,7 +190,7 @@ pub(super) fn serve(
         Opcode::Batch => match from_body::<WorkerBatch<'_>>(&f.body) {
             Ok(b) => {
                 let mut out = Vec::new();
-                let reply = run_batch(dev, compiler, &b, &f.data, &mut out);
+                let reply = run_batch(dev, graphs, compiler, &b, &f.data, &mut out);
                 (Status::Ok, to_body(&reply), out)
             }
             Err(e) => fail(WorkerFailure {
@@ -222,6 +231,9 @@ pub(super) fn op_name(op: &Op<'_>) -> &'static str {
         Op::Copy { .. } => "copy",
         Op::TimerStart { .. } => "timer start",
         Op::TimerEnd { .. } => "timer end",
+        Op::GraphBegin { .. } => "graph begin",
+        Op::GraphEnd { .. } => "graph end",
+        Op::GraphLaunch { .. } => "graph launch",
     }
 }
 
@@ -254,6 +266,7 @@ thread_local! {
 
 pub(super) fn run_batch(
     dev: &mut dyn Device,
+    graphs: &mut Graphs,
     compiler: &Compiler,
     batch: &WorkerBatch<'_>,
     data: &[u8],
@@ -293,7 +306,10 @@ pub(super) fn run_batch(
     for (i, c) in commands.iter().enumerate() {
         let ts = std::time::Instant::now();
         let op = &c.op;
-        let r = enqueue(dev, c.stream, op, &mut payload, &mut read_at);
+        let r = match graphs.intercept(dev, c, &mut payload) {
+            Some(r) => r,
+            None => enqueue(dev, c.stream, op, &mut payload, &mut read_at),
+        };
         if trace {
             spans.push((op_name(op), ts.elapsed()));
         }
@@ -413,13 +429,17 @@ pub(super) fn submit(
 }
 
 /// The batch's data, taken front to back by its module sources and writes.
-struct Payload<'d> {
+pub(super) struct Payload<'d> {
     data: &'d [u8],
     cursor: usize,
 }
 
 impl<'d> Payload<'d> {
-    fn take(&mut self, len: u32) -> Result<&'d [u8], DeviceError> {
+    pub(super) fn new(data: &'d [u8]) -> Self {
+        Payload { data, cursor: 0 }
+    }
+
+    pub(super) fn take(&mut self, len: u32) -> Result<&'d [u8], DeviceError> {
         let end = self.cursor + len as usize;
         let s = self
             .data
@@ -432,7 +452,7 @@ impl<'d> Payload<'d> {
 
 /// Enqueues one command on the device; a read lands at `read_at` in the
 /// reply's data, which it advances.
-fn enqueue(
+pub(super) fn enqueue(
     dev: &mut dyn Device,
     stream: StreamId,
     op: &Op<'_>,
@@ -476,6 +496,10 @@ fn enqueue(
         Op::TimerEnd { timer } => dev
             .timer_end(stream, *timer, *read_at)
             .map(|()| *read_at += TIMER_BYTES),
+        // `Graphs::intercept` runs them.
+        Op::GraphBegin { .. } | Op::GraphEnd { .. } | Op::GraphLaunch { .. } => Err(
+            DeviceError::new(Status::BadRequest, "a graph command out of place"),
+        ),
     }
 }
 

@@ -28,6 +28,7 @@ use crate::proto::Limits;
 use crate::sandbox::CompileSandbox;
 
 mod child;
+mod graphs;
 mod messages;
 mod process;
 

@@ -1,0 +1,162 @@
+//! Planning graphs: a body recorded between `GraphBegin` and `GraphEnd`,
+//! its launches and its free, and the rule that keeps what a live graph
+//! uses alive.
+
+use super::{Charges, Effect, GraphChange, Planner, Refusal, Step};
+use crate::node::{GraphIds, IdKind};
+use crate::proto::{Command, Id, Op, Status};
+
+/// Refuses a `GraphBegin` at `i` whose body does not end in the batch
+/// (nothing of it would ever run, and its allocations would be
+/// unreachable).
+pub(super) fn body_ends(commands: &[Command<'_>], i: usize) -> Result<(), Refusal> {
+    let Op::GraphBegin { graph } = commands[i].op else {
+        return Ok(());
+    };
+    let ends = commands[i + 1..]
+        .iter()
+        .any(|c| matches!(c.op, Op::GraphEnd { graph: g } if g == graph));
+    if ends {
+        Ok(())
+    } else {
+        Err((
+            Status::BadRequest,
+            format!("the body of graph {graph} does not end in its batch"),
+        ))
+    }
+}
+
+impl Planner<'_> {
+    /// A live graph's holdings, after the commands planned so far.
+    fn graph(&self, id: Id) -> Option<&GraphIds> {
+        match self.graph_overlay.get(&id) {
+            Some(g) => g.as_ref(),
+            None => self.state.graphs.get(&id),
+        }
+    }
+
+    /// The live graph that uses `id`, if one does.
+    fn user_of(&self, id: Id) -> Option<Id> {
+        let batch = self
+            .graph_overlay
+            .iter()
+            .filter_map(|(g, ids)| Some((*g, ids.as_ref()?)));
+        let earlier = self
+            .state
+            .graphs
+            .iter()
+            .filter(|(g, _)| !self.graph_overlay.contains_key(g))
+            .map(|(g, ids)| (*g, ids));
+        batch
+            .chain(earlier)
+            .find(|(_, ids)| ids.uses.contains(&id))
+            .map(|(g, _)| g)
+    }
+
+    /// Plans `c` (command `i`) when graphs decide it: `Some` for a command
+    /// planned here, `None` for one the ordinary step plans (a body's
+    /// command is noted as a use of the graph first).
+    pub(super) fn graph_step(
+        &mut self,
+        i: usize,
+        c: &Command<'_>,
+        charges: &mut dyn Charges,
+    ) -> Result<Option<Step>, Refusal> {
+        if let Some((graph, mut ids)) = self.open.take() {
+            let step = self.body_step(i, c, charges, graph, &mut ids);
+            if !matches!(c.op, Op::GraphEnd { graph: g } if g == graph) || step.is_err() {
+                self.open = Some((graph, ids));
+            }
+            return step;
+        }
+        match c.op {
+            Op::GraphBegin { graph } => {
+                self.fresh(graph)?;
+                self.open = Some((graph, GraphIds::default()));
+                Ok(Some(Step::effect(Effect::Create(graph, IdKind::Graph))))
+            }
+            Op::GraphEnd { graph } => Err((
+                Status::BadRequest,
+                format!("graph {graph} has no body being recorded"),
+            )),
+            Op::GraphLaunch { graph } => match self.kind(graph) {
+                Some(IdKind::Graph) => Ok(Some(Step::effect(Effect::None))),
+                Some(_) => Err((Status::BadRequest, format!("{graph} is not a graph"))),
+                None => Err((Status::NotFound, format!("unknown id {graph}"))),
+            },
+            Op::Free { id } if self.kind(id) == Some(IdKind::Graph) => {
+                // Its body's frees run with it.
+                let frees = self.graph(id).map(|g| g.frees.clone()).unwrap_or_default();
+                for f in frees {
+                    self.apply(Effect::Free(f), c.stream);
+                }
+                self.graph_overlay.insert(id, None);
+                self.graph_changes.push((i, GraphChange::Freed(id)));
+                Ok(Some(Step::effect(Effect::Free(id))))
+            }
+            Op::Free { id } => match self.user_of(id) {
+                Some(g) => Err((
+                    Status::BadRequest,
+                    format!("{id} is used by graph {g}: free the graph first"),
+                )),
+                None => Ok(None),
+            },
+            _ => Ok(None),
+        }
+    }
+
+    /// [`Planner::graph_step`] for a command of `graph`'s body; the body
+    /// ends when this returns `Ok` for its `GraphEnd`.
+    fn body_step(
+        &mut self,
+        i: usize,
+        c: &Command<'_>,
+        charges: &mut dyn Charges,
+        graph: Id,
+        ids: &mut GraphIds,
+    ) -> Result<Option<Step>, Refusal> {
+        let refuse = |what: &str| {
+            Err((
+                Status::BadRequest,
+                format!("the body of graph {graph} cannot {what}"),
+            ))
+        };
+        match c.op {
+            Op::Read { .. } => {
+                refuse("read into the reply: read the graph's output after a launch")
+            }
+            Op::TimerStart { .. } | Op::TimerEnd { .. } => refuse("time itself"),
+            Op::GraphBegin { .. } => refuse("begin another graph"),
+            Op::GraphLaunch { .. } => refuse("launch a graph"),
+            Op::GraphEnd { graph: g } if g == graph => {
+                charges.alloc(ids.kept)?;
+                self.graph_overlay.insert(graph, Some(ids.clone()));
+                self.graph_changes
+                    .push((i, GraphChange::Made(graph, ids.clone())));
+                Ok(Some(Step::effect(Effect::None)))
+            }
+            Op::GraphEnd { graph: g } => Err((
+                Status::BadRequest,
+                format!("{g} is not the graph being recorded ({graph})"),
+            )),
+            // Runs with the graph's own free.
+            Op::Free { id } if id == graph => refuse("free itself"),
+            Op::Free { id } => {
+                if self.kind(id).is_none() {
+                    return Err((Status::NotFound, format!("unknown id {id}")));
+                }
+                ids.frees.push(id);
+                Ok(Some(Step::effect(Effect::None)))
+            }
+            _ => {
+                if let Op::Write { len, .. } = c.op {
+                    ids.kept += u64::from(len);
+                }
+                c.op.for_each_id(|id| {
+                    ids.uses.insert(id);
+                });
+                Ok(None)
+            }
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! A lease's graphs on its worker: a body recorded between `GraphBegin`
+//! and `GraphEnd` (its allocations made at once, its other commands and
+//! their upload bytes kept), replayed at each `GraphLaunch` by enqueuing
+//! the kept commands again, and freed with the body's own frees.
+//!
+//! The node's plan has checked every command already (ids, ranges, the
+//! body's rules): what reaches here is well formed.
+
+use std::collections::HashMap;
+
+use super::child::{enqueue, Payload};
+use crate::device::{Device, DeviceError};
+use crate::proto::{Command, Id, Op, Status, StreamId, FIRST_NODE_ID};
+
+/// A recorded body.
+#[derive(Default)]
+struct Body {
+    commands: Vec<Command<'static>>,
+    /// The body's upload bytes, in command order.
+    data: Vec<u8>,
+    /// Ids the body freed: freed with the graph.
+    frees: Vec<Id>,
+    /// The streams the body's commands run on, in first-use order.
+    streams: Vec<StreamId>,
+}
+
+/// The lease's graphs, and the one being recorded.
+#[derive(Default)]
+pub(super) struct Graphs {
+    live: HashMap<Id, Body>,
+    open: Option<(Id, Body)>,
+}
+
+/// The node's own events that order a replay against its launch stream:
+/// number 0 opens it, number `k` closes the body's `k`-th other stream.
+fn fence(k: usize) -> Id {
+    Id(FIRST_NODE_ID + k as u64)
+}
+
+impl Graphs {
+    /// Runs `c` when graphs decide it (a body's command, a graph command,
+    /// a graph's free): `Some` with its result, `None` for an ordinary
+    /// command.
+    pub(super) fn intercept(
+        &mut self,
+        dev: &mut dyn Device,
+        c: &Command<'_>,
+        payload: &mut Payload<'_>,
+    ) -> Option<Result<(), DeviceError>> {
+        let ends = |g: &Id| matches!(c.op, Op::GraphEnd { graph } if graph == *g);
+        if self.open.as_ref().is_some_and(|(g, _)| ends(g)) {
+            let (id, body) = self.open.take().expect("open");
+            self.live.insert(id, body);
+            return Some(Ok(()));
+        }
+        if let Some((_, body)) = &mut self.open {
+            if !body.streams.contains(&c.stream) {
+                body.streams.push(c.stream);
+            }
+            let r = match c.op {
+                // The graph's buffers exist from its capture.
+                Op::Alloc { buf, size } => dev.alloc(c.stream, buf, size),
+                Op::Free { id } => {
+                    body.frees.push(id);
+                    Ok(())
+                }
+                Op::Write { len, .. } => payload.take(len).map(|d| {
+                    body.data.extend_from_slice(d);
+                    body.commands.push(Command {
+                        stream: c.stream,
+                        op: c.op.to_static(),
+                    });
+                }),
+                _ => {
+                    body.commands.push(Command {
+                        stream: c.stream,
+                        op: c.op.to_static(),
+                    });
+                    Ok(())
+                }
+            };
+            return Some(r);
+        }
+        match c.op {
+            Op::GraphBegin { graph } => {
+                self.open = Some((graph, Body::default()));
+                Some(Ok(()))
+            }
+            Op::GraphLaunch { graph } => Some(match self.live.get(&graph) {
+                Some(body) => replay(dev, c.stream, body),
+                None => Err(DeviceError::new(
+                    Status::NotFound,
+                    format!("no graph {graph}"),
+                )),
+            }),
+            Op::Free { id } => {
+                let body = self.live.remove(&id)?;
+                // Stream-ordered after the replays' uses, like any free.
+                Some(body.frees.iter().try_for_each(|f| dev.free(c.stream, *f)))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Enqueues the body's commands again, after the work on `stream` so far
+/// and before what follows it there.
+fn replay(dev: &mut dyn Device, stream: StreamId, body: &Body) -> Result<(), DeviceError> {
+    let others: Vec<StreamId> = body
+        .streams
+        .iter()
+        .copied()
+        .filter(|s| *s != stream)
+        .collect();
+    if !others.is_empty() {
+        dev.record(stream, fence(0))?;
+        for s in &others {
+            dev.wait(*s, fence(0))?;
+        }
+    }
+    let mut payload = Payload::new(&body.data);
+    let mut read_at = 0;
+    for c in &body.commands {
+        enqueue(dev, c.stream, &c.op, &mut payload, &mut read_at)?;
+    }
+    for (k, s) in others.iter().enumerate() {
+        dev.record(*s, fence(k + 1))?;
+        dev.wait(stream, fence(k + 1))?;
+    }
+    Ok(())
+}
