@@ -72,11 +72,12 @@ use std::sync::{Arc, Mutex};
 use cuda_core::cudarc::driver::{CudaStream, DeviceRepr};
 use cuda_core::{AnyBitPattern, Device, GraphUpdate, Result, TrackedGraph};
 
-use crate::buffer::DeviceBuffer;
+use crate::buffer::{same_session, wrong_home, DeviceBuffer};
 use crate::context::ExecutionContext;
 use crate::exec::{check_poison, execute_guarded, note};
 use crate::op::{DeviceOp, DeviceOpExt};
 use crate::policy::default_device;
+use crate::remote::{CaptureRemote, RemoteCommand, RemoteGraph, RemotePolicy};
 use crate::stream_pool::{StreamPool, DEFAULT_POOL_STREAMS};
 
 /// A captured op: an instantiated CUDA graph that owns the op's output and
@@ -85,11 +86,20 @@ use crate::stream_pool::{StreamPool, DEFAULT_POOL_STREAMS};
 /// `Send` and `Sync`: replays from several threads are serialized on the
 /// graph (the driver requires it) and ordered on the GPU.
 pub struct CudaGraph<T> {
-    graph: Mutex<TrackedGraph>,
+    home: GraphHome,
     output: Option<T>,
-    /// Where recaptures run: the capture stream, its fork pool and the
-    /// stream allocations go to.
-    streams: CaptureStreams,
+}
+
+/// Where a graph lives and replays.
+enum GraphHome {
+    Local {
+        graph: Mutex<TrackedGraph>,
+        /// Where recaptures run: the capture stream, its fork pool and
+        /// the stream allocations go to.
+        streams: CaptureStreams,
+    },
+    /// Kept on a remote session's node, captured over `streams` streams.
+    Remote { graph: RemoteGraph, streams: u32 },
 }
 
 struct CaptureStreams {
@@ -100,11 +110,14 @@ struct CaptureStreams {
 
 impl<T> fmt::Debug for CudaGraph<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CudaGraph")
-            .field("device", &self.streams.stream.context().ordinal())
-            .field("graph", &self.graph)
-            .field("output", &std::any::type_name::<T>())
-            .finish()
+        let mut d = f.debug_struct("CudaGraph");
+        match &self.home {
+            GraphHome::Local { graph, streams } => d
+                .field("device", &streams.stream.context().ordinal())
+                .field("graph", graph),
+            GraphHome::Remote { graph, .. } => d.field("graph", graph),
+        };
+        d.field("output", &std::any::type_name::<T>()).finish()
     }
 }
 
@@ -139,9 +152,26 @@ pub(crate) fn capture<O: DeviceOp>(
         graph.keep(retained);
     }
     Ok(CudaGraph {
-        graph: Mutex::new(graph),
+        home: GraphHome::Local {
+            graph: Mutex::new(graph),
+            streams,
+        },
         output,
-        streams,
+    })
+}
+
+/// Captures on `policy`'s session: the graph is kept on its node.
+pub(crate) fn capture_remote<O: DeviceOp>(
+    op: O,
+    policy: &RemotePolicy,
+) -> Result<CudaGraph<<O as DeviceOp>::Output>> {
+    let (output, graph) = CaptureRemote { op }.sync_with(policy)?;
+    Ok(CudaGraph {
+        home: GraphHome::Remote {
+            graph,
+            streams: policy.streams(),
+        },
+        output: Some(output),
     })
 }
 
@@ -258,10 +288,21 @@ impl<T> CudaGraph<T> {
             .take()
             .expect("the graph's output was taken with take_output");
         let op = f(old);
-        let streams = &self.streams;
+        let (graph, streams) = match &mut self.home {
+            GraphHome::Local { graph, streams } => (graph, &*streams),
+            GraphHome::Remote { graph, streams } => {
+                // Captured anew on the node; the old graph goes after the
+                // launches submitted before.
+                let policy = RemotePolicy::new(&graph.session).with_streams(*streams);
+                let (output, fresh) = CaptureRemote { op }.sync_with(&policy)?;
+                *graph = fresh;
+                self.output = Some(output);
+                return Ok(GraphUpdate::Reinstantiated);
+            }
+        };
         let mut ctx = streams.context();
         let mut output = None;
-        let graph = self.graph.get_mut().unwrap_or_else(|e| e.into_inner());
+        let graph = graph.get_mut().unwrap_or_else(|e| e.into_inner());
         let how = graph.recapture(
             &streams.stream,
             streams.pool.streams(),
@@ -318,24 +359,46 @@ impl<T> CudaGraph<T> {
         }
     }
 
-    /// Kernels, copies, memsets and event nodes in the graph.
+    /// Kernels, copies, memsets and event nodes in the graph; for a graph
+    /// kept on a node, the commands its body replays.
     pub fn node_count(&self) -> usize {
-        self.lock().graph().node_count()
+        match &self.home {
+            GraphHome::Local { graph, .. } => lock(graph).graph().node_count(),
+            GraphHome::Remote { graph, .. } => graph.commands,
+        }
     }
 
     /// The device buffers the graph uses, and how many of them it writes.
     pub fn buffers(&self) -> (usize, usize) {
-        self.lock().buffers()
+        match &self.home {
+            GraphHome::Local { graph, .. } => lock(graph).buffers(),
+            GraphHome::Remote { graph, .. } => graph.buffers,
+        }
     }
 
-    /// The device the graph runs on.
-    pub fn device(&self) -> Device {
-        Device::of_stream(&self.streams.stream)
+    /// The local device the graph runs on; `None` for a graph kept on a
+    /// remote node ([`CudaGraph::home`] names it).
+    pub fn device(&self) -> Option<Device> {
+        match &self.home {
+            GraphHome::Local { streams, .. } => Some(Device::of_stream(&streams.stream)),
+            GraphHome::Remote { .. } => None,
+        }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, TrackedGraph> {
-        self.graph.lock().unwrap_or_else(|e| e.into_inner())
+    /// Where the graph lives, e.g. `local GPU 0` or `lease 1a2b... on
+    /// node gpu-7`.
+    pub fn home(&self) -> String {
+        match &self.home {
+            GraphHome::Local { streams, .. } => {
+                format!("local GPU {}", streams.stream.context().ordinal())
+            }
+            GraphHome::Remote { graph, .. } => graph.session.describe(),
+        }
     }
+}
+
+fn lock(graph: &Mutex<TrackedGraph>) -> std::sync::MutexGuard<'_, TrackedGraph> {
+    graph.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// One replay of a [`CudaGraph`], as an op (see [`CudaGraph::launch`]).
@@ -356,10 +419,33 @@ impl<T: Send + Sync> DeviceOp for GraphLaunch<'_, T> {
     type Output = ();
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<()> {
+        let here = ctx.describe();
+        if let Some(r) = ctx.as_remote() {
+            return match &self.graph.home {
+                GraphHome::Remote { graph, .. } if same_session(&graph.session, r.session()) => {
+                    let stream = r.stream();
+                    r.recording().push(RemoteCommand::GraphLaunch {
+                        stream,
+                        graph: graph.id,
+                    });
+                    Ok(())
+                }
+                _ => Err(wrong_home(
+                    format!("a graph of {}", self.graph.home()),
+                    &here,
+                )),
+            };
+        }
+        let GraphHome::Local { graph, .. } = &self.graph.home else {
+            return Err(wrong_home(
+                format!("a graph of {}", self.graph.home()),
+                &here,
+            ));
+        };
         let stream = ctx.cuda_stream_for("a CUDA graph replay")?;
         // Ordered against the buffers' other uses, and recorded as a use of
         // each; what the graph keeps is released after its last replay.
-        self.graph.lock().launch_on(stream)
+        lock(graph).launch_on(stream)
     }
 }
 

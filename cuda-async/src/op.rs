@@ -357,6 +357,45 @@ pub trait DeviceOpExt: DeviceOp {
         crate::graph::capture_on(self, stream)
     }
 
+    /// [`DeviceOpExt::graph`] on a remote session's GPU: the op is recorded
+    /// once and sent to the node as a graph's body (its allocations are
+    /// made there at once; nothing else runs); the node keeps it, and each
+    /// [`CudaGraph::launch`](crate::CudaGraph::launch) run with `policy` is
+    /// one small command. Blocks until the node has it (as
+    /// [`sync_with`](DeviceOpExt::sync_with) does). What the graph uses
+    /// lives on the node as long as the graph; dropping the graph frees it
+    /// there, after the launches submitted before.
+    ///
+    /// # Errors
+    /// [`Error::Capture`](crate::Error::Capture) for what a graph kept on a
+    /// node cannot hold (a download, `timed`, a host step, another graph);
+    /// whatever the submission fails with.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn f(remote: &cuda_async::RemotePolicy, k: cuda_async::Kernel) -> cuda_async::Result<()> {
+    /// use cuda_async::prelude::*;
+    /// use cuda_async::LaunchConfig;
+    /// let n = 1 << 20;
+    /// // SAFETY: the kernel touches x[0..n) of an n-element buffer.
+    /// let graph = zeros::<f32>(n as usize)
+    ///     .then(move |x| unsafe { launch(&k, LaunchConfig::for_num_elems(n), (x, 1.0f32, n)) })
+    ///     .map(|(x, _, _)| x)
+    ///     .graph_with(remote)?;
+    /// for _ in 0..10 {
+    ///     graph.launch().sync_with(remote)?; // one small message each
+    /// }
+    /// let x = graph.launch().then(|()| d2h(graph.output())).sync_with(remote)?;
+    /// # Ok(()) }
+    /// ```
+    fn graph_with(
+        self,
+        policy: &crate::RemotePolicy,
+    ) -> Result<crate::CudaGraph<<Self as DeviceOp>::Output>> {
+        crate::graph::capture_remote(self, policy)
+    }
+
     /// Runs the op on a context `policy` picks and blocks the calling
     /// thread until it is done: a local GPU's policy or a remote session's
     /// ([`RemotePolicy`](crate::RemotePolicy)), with no async runtime

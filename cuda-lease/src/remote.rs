@@ -305,6 +305,24 @@ impl RemoteSession for LeaseSession {
             self.schedule_flush();
         }
     }
+
+    fn keeps_graphs(&self) -> bool {
+        true
+    }
+
+    fn hold(&self, ids: &[u64]) {
+        self.ids().hold(ids);
+    }
+
+    fn release(&self, ids: &[u64]) {
+        if self.ids().release(ids) {
+            self.schedule_flush();
+        }
+    }
+
+    fn is_held(&self, id: u64) -> bool {
+        self.ids().is_held(id)
+    }
 }
 
 impl LeaseSession {

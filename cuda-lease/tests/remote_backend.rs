@@ -895,3 +895,133 @@ async fn views_travel_to_a_leased_gpu_as_offsets() {
     assert!(e.contains("of a buffer of 16"), "{e}");
     fx.free_and_shutdown().await;
 }
+
+/// A graph captured on a lease is kept by the node: capturing runs nothing
+/// but its allocations; 100 launches, each one message of one command
+/// after an input changed by `update`, give what an eager run gives; a
+/// download in the op is refused by name; a recapture changes the work;
+/// the graph is `WrongHome` on another lease; a launch in flight when the
+/// graph is dropped completes, and the node's memory is back where it was
+/// once the graph and its buffers are gone.
+#[test]
+fn a_graph_captured_on_a_lease_is_kept_by_the_node_and_launched_in_one_command() {
+    let node_rt = tokio::runtime::Runtime::new().unwrap();
+    let fx = node_rt.block_on(Fixture::memory(1 << 24).start());
+    let node = &fx.node;
+    let connect = || {
+        let builder = Lease::builder()
+            .min_vram(1 << 20)
+            .config(client_config(node));
+        RemoteLease::connect_blocking(builder, node.addr()).unwrap()
+    };
+    let (lease, other) = (connect(), connect());
+    let remote = RemotePolicy::new(&lease).with_streams(2);
+    let k = kernels();
+    let n = 300usize;
+    let base = vram_allocated(node);
+    let x = h2d(vec![0.0f32; n]).sync_with(&remote).unwrap();
+
+    // c = x + (2x + y), y zeroed at each launch, on two streams.
+    let op = |a: f32, x: DeviceBuffer<f32>| {
+        let (axpy, vadd) = (k.axpy.clone(), k.vadd.clone());
+        let m = n as u32;
+        zeros::<f32>(n)
+            .zip(zeros::<f32>(n))
+            .then(move |(y, c)| {
+                // SAFETY: axpy touches x and y [0..m); both hold m floats.
+                unsafe { launch(&axpy, cfg(m), (a, x, y, m)) }.map(move |(_, x, y, _)| (x, y, c))
+            })
+            .then(move |(x, y, c)| {
+                // SAFETY: vadd touches a, b, c [0..m); all hold m floats.
+                unsafe { launch(&vadd, cfg(m), (x, Arc::new(y), c, m)) }.map(|(x, _, c, _)| (x, c))
+            })
+    };
+    let before = batches(node);
+    let mut graph = op(2.0, x).graph_with(&remote).unwrap();
+    assert_eq!(batches(node).0 - before.0, 1, "one message to capture");
+    assert!(graph.home().contains("lease"), "{}", graph.home());
+    assert!(graph.device().is_none());
+    let c = d2h(&graph.output().1).sync_with(&remote).unwrap();
+    assert!(
+        c.to_vec().unwrap().iter().all(|&v| v == 0.0),
+        "capture runs nothing"
+    );
+
+    for i in 0..100 {
+        let xs = vec![i as f32; n];
+        graph
+            .update(move |(x, c)| {
+                h2d(xs)
+                    .then(move |t| copy_d2d(t, x))
+                    .map(move |(_, x)| (x, c))
+            })
+            .sync_with(&remote)
+            .unwrap();
+        let sent = batches(node);
+        graph.launch().sync_with(&remote).unwrap();
+        let after = batches(node);
+        assert_eq!((after.0 - sent.0, after.1 - sent.1), (1, 1), "launch {i}");
+        let c = d2h(&graph.output().1).sync_with(&remote).unwrap();
+        assert!(
+            c.to_vec().unwrap().iter().all(|&v| v == 3.0 * i as f32),
+            "launch {i}: {:?}",
+            &c.to_vec().unwrap()[..2]
+        );
+    }
+    // The same op run eagerly gives the same.
+    let x = h2d(vec![7.0f32; n]).sync_with(&remote).unwrap();
+    let (_, c) = op(2.0, x).sync_with(&remote).unwrap();
+    assert_eq!(
+        d2h(c).sync_with(&remote).unwrap().to_vec().unwrap(),
+        vec![21.0; n]
+    );
+
+    // A download cannot be kept on the node: refused by name, nothing sent.
+    let sent = batches(node);
+    let e = zeros::<f32>(4).then(d2h).graph_with(&remote).unwrap_err();
+    assert!(
+        matches!(&e, Error::Capture(m) if m.contains("download")),
+        "{e}"
+    );
+    assert_eq!(batches(node).0, sent.0);
+
+    // Recaptured with a = 5: c = x + 5x.
+    graph.recapture(|(x, _)| op(5.0, x)).expect("recaptured");
+    graph.launch().sync_with(&remote).unwrap();
+    let c = d2h(&graph.output().1).sync_with(&remote).unwrap();
+    assert!(c.to_vec().unwrap().iter().all(|&v| v == 6.0 * 99.0));
+
+    // Another lease's graph.
+    let e = graph
+        .launch()
+        .sync_with(&RemotePolicy::new(&other))
+        .unwrap_err();
+    assert!(matches!(e, Error::WrongHome { .. }), "{e}");
+
+    // Dropped with a launch in flight: the launch is sent first, then the
+    // graph's free.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    {
+        use std::future::Future;
+        let pending = graph.launch().schedule(&remote).unwrap();
+        let mut pending = std::pin::pin!(pending);
+        let _ = rt.block_on(std::future::poll_fn(|cx| {
+            std::task::Poll::Ready(pending.as_mut().poll(cx))
+        }));
+    }
+    drop(graph);
+    // What is left: the module's source, charged while it is loaded.
+    let want = base + KERNELS.len() as u64;
+    let settled = node_rt.block_on(eventually(Duration::from_secs(5), || async {
+        vram_allocated(node) == want
+    }));
+    assert!(
+        settled,
+        "{} bytes held, {want} wanted",
+        vram_allocated(node)
+    );
+    drop((lease, other));
+    node_rt.block_on(fx.shutdown());
+}

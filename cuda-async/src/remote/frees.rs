@@ -15,6 +15,10 @@ use super::session::RemoteSession;
 struct Frame {
     session: *const (),
     frees: Vec<u64>,
+    /// A graph's capture: frees of the session go into its body (where
+    /// the node keeps them for the graph's own free), not the outermost
+    /// frame's end.
+    capture: bool,
 }
 
 thread_local! {
@@ -34,7 +38,11 @@ pub(crate) fn free_remote(session: &Arc<dyn RemoteSession>, id: u64) {
             // The outermost frame of the session: its submission is sent
             // last (a nested blocking call sends its own first), so the
             // free follows every use recorded on this thread.
-            match frames.iter_mut().find(|fr| fr.session == addr) {
+            let capture = frames
+                .iter()
+                .rposition(|fr| fr.session == addr && fr.capture);
+            let at = capture.or_else(|| frames.iter().position(|fr| fr.session == addr));
+            match at.and_then(|i| frames.get_mut(i)) {
                 Some(fr) => {
                     fr.frees.push(id);
                     true
@@ -57,11 +65,22 @@ pub(crate) struct RecordingFrame {
 
 impl RecordingFrame {
     pub(crate) fn push(session: &Arc<dyn RemoteSession>) -> Self {
+        Self::push_frame(session, false)
+    }
+
+    /// A frame for a graph's capture: the session's frees on this thread
+    /// go to it while it is alive (see [`Frame::capture`]).
+    pub(crate) fn push_capture(session: &Arc<dyn RemoteSession>) -> Self {
+        Self::push_frame(session, true)
+    }
+
+    fn push_frame(session: &Arc<dyn RemoteSession>, capture: bool) -> Self {
         let depth = FRAMES.with(|f| {
             let mut frames = f.borrow_mut();
             frames.push(Frame {
                 session: session_addr(session),
                 frees: Vec::new(),
+                capture,
             });
             frames.len()
         });
@@ -71,9 +90,15 @@ impl RecordingFrame {
         }
     }
 
-    /// Ends the frame: its frees are recorded at the end of `ctx`.
+    /// Ends the frame: its frees are recorded at the end of `ctx`, except
+    /// those of ids a graph holds, which go to the session (it frees them
+    /// once the graph lets go).
     pub(crate) fn finish(self, ctx: &mut RemoteContext) {
         for id in self.pop() {
+            if self.session.is_held(id) {
+                self.session.free(id);
+                continue;
+            }
             let stream = ctx.stream();
             ctx.recording().push(RemoteCommand::Free { stream, id });
         }

@@ -40,6 +40,7 @@
 // reads land in (`HostBuffer`, `ReadSlot`) is in `crate::host`.
 mod context;
 mod frees;
+mod graph;
 mod policy;
 mod recording;
 mod session;
@@ -52,6 +53,7 @@ pub use session::{AsRemoteSession, RemoteCompletion, RemoteSession};
 
 pub(crate) use context::{OnReply, RemoteEvent};
 pub(crate) use frees::{free_remote, RecordingFrame};
+pub(crate) use graph::{CaptureRemote, RemoteGraph};
 pub(crate) use policy::send;
 
 #[cfg(test)]
@@ -167,6 +169,9 @@ mod tests {
                 RemoteCommand::Wait { stream, .. } => (*stream, "wait"),
                 RemoteCommand::TimerStart { stream, .. } => (*stream, "timer start"),
                 RemoteCommand::TimerEnd { stream, .. } => (*stream, "timer end"),
+                RemoteCommand::GraphBegin { stream, .. } => (*stream, "graph begin"),
+                RemoteCommand::GraphEnd { stream, .. } => (*stream, "graph end"),
+                RemoteCommand::GraphLaunch { stream, .. } => (*stream, "graph launch"),
             })
             .collect()
     }

@@ -63,6 +63,11 @@ impl RemotePolicy {
     pub fn session(&self) -> &Arc<dyn RemoteSession> {
         &self.session
     }
+
+    /// The streams of the session it spreads ops over.
+    pub fn streams(&self) -> u32 {
+        self.streams
+    }
 }
 
 impl SchedulingPolicy for RemotePolicy {

@@ -118,6 +118,29 @@ pub enum RemoteCommand {
         /// The timer.
         timer: u64,
     },
+    /// Begin the body of graph `graph` (a fresh id): the commands up to
+    /// its [`RemoteCommand::GraphEnd`] are kept on the node and run at
+    /// each [`RemoteCommand::GraphLaunch`] (their allocations at once).
+    GraphBegin {
+        /// Stream.
+        stream: RemoteStream,
+        /// The graph.
+        graph: u64,
+    },
+    /// End the body of graph `graph`.
+    GraphEnd {
+        /// Stream.
+        stream: RemoteStream,
+        /// The graph.
+        graph: u64,
+    },
+    /// Replay graph `graph` on the stream.
+    GraphLaunch {
+        /// Stream.
+        stream: RemoteStream,
+        /// The graph.
+        graph: u64,
+    },
 }
 
 /// A kernel argument of a remote launch.

@@ -34,6 +34,31 @@ pub trait RemoteSession: Send + Sync + fmt::Debug {
     /// message (or a background flush) and runs after every use of the
     /// buffer submitted before it.
     fn free(&self, id: u64);
+
+    /// Whether the session keeps graphs on its node (and implements
+    /// [`RemoteSession::hold`] and [`RemoteSession::release`]); a remote
+    /// capture is refused otherwise.
+    fn keeps_graphs(&self) -> bool {
+        false
+    }
+
+    /// Holds `ids` (what a graph kept on the node uses): a free of one of
+    /// them asked for meanwhile waits for its [`RemoteSession::release`].
+    fn hold(&self, ids: &[u64]) {
+        let _ = ids;
+    }
+
+    /// Lets go of `ids` held by [`RemoteSession::hold`] (once per hold):
+    /// the frees they waited for are queued, after anything queued before.
+    fn release(&self, ids: &[u64]) {
+        let _ = ids;
+    }
+
+    /// Whether `id` is held ([`RemoteSession::hold`]).
+    fn is_held(&self, id: u64) -> bool {
+        let _ = id;
+        false
+    }
 }
 
 /// The completion of one remote submission, handed to

@@ -54,6 +54,7 @@ impl Sent {
                 {
                     s.created.push((at, event));
                 }
+                RemoteCommand::GraphBegin { graph, .. } => s.created.push((at, graph)),
                 RemoteCommand::Free { id, .. } => s.freed.push((at, id)),
                 _ => {}
             }
@@ -93,6 +94,10 @@ pub(super) struct IdBook {
     pending: HashMap<u64, bool>,
     /// Ids whose creating command did not run.
     unborn: HashSet<u64>,
+    /// Ids graphs hold, with how many hold each.
+    held: HashMap<u64, u32>,
+    /// Frees asked for held ids: queued when the last hold goes.
+    deferred: HashSet<u64>,
 }
 
 impl IdBook {
@@ -116,6 +121,10 @@ impl IdBook {
     /// The free of `id`: true when it was queued (it exists), false when
     /// it waits for a reply or was dropped (the id never existed).
     pub(super) fn free(&mut self, id: u64) -> bool {
+        if self.held.contains_key(&id) {
+            self.deferred.insert(id);
+            return false;
+        }
         if let Some(freed) = self.pending.get_mut(&id) {
             *freed = true;
             return false;
@@ -125,6 +134,37 @@ impl IdBook {
         }
         self.queued.push(id);
         true
+    }
+
+    /// A graph holds `ids`: their frees wait for [`IdBook::release`].
+    pub(super) fn hold(&mut self, ids: &[u64]) {
+        for id in ids {
+            *self.held.entry(*id).or_insert(0) += 1;
+        }
+    }
+
+    /// A graph lets go of `ids`: the frees asked for meanwhile of those no
+    /// other graph holds go now. True when frees were queued.
+    pub(super) fn release(&mut self, ids: &[u64]) -> bool {
+        let mut queued = false;
+        for id in ids {
+            let Some(n) = self.held.get_mut(id) else {
+                continue;
+            };
+            *n -= 1;
+            if *n == 0 {
+                self.held.remove(id);
+                if self.deferred.remove(id) {
+                    queued |= self.free(*id);
+                }
+            }
+        }
+        queued
+    }
+
+    /// Whether a graph holds `id`.
+    pub(super) fn is_held(&self, id: u64) -> bool {
+        self.held.contains_key(&id)
     }
 
     /// The reply of `sent` says `ran`: creations that ran exist (their
@@ -258,5 +298,24 @@ mod tests {
         let sent = Sent::of(&[5], &[record(1), record(1), free(1)]);
         assert_eq!(sent.created, [(1, 1)]);
         assert_eq!(sent.freed, [(0, 5), (3, 1)]);
+    }
+
+    #[test]
+    fn a_held_id_is_freed_when_its_last_hold_goes() {
+        let mut book = IdBook::default();
+        book.hold(&[1, 2]);
+        book.hold(&[1]);
+        assert!(!book.free(1), "held: the free waits");
+        assert!(!book.free(2));
+        assert!(book.take_queued().is_empty());
+        assert!(book.release(&[1, 2]), "2 goes; 1 is still held once");
+        assert_eq!(book.take_queued(), [2]);
+        assert!(book.is_held(1));
+        assert!(book.release(&[1]));
+        assert_eq!(book.take_queued(), [1]);
+        // Not asked for: nothing to send.
+        book.hold(&[3]);
+        assert!(!book.release(&[3]));
+        assert!(book.take_queued().is_empty());
     }
 }

@@ -113,7 +113,17 @@ pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<Strea
         return None;
     }
     let mut route = vec![Route::Message; commands.len()];
+    // A graph's body stays whole in the message: the node keeps it.
+    let mut in_body = false;
     for (i, c) in commands.iter().enumerate() {
+        match *c {
+            RemoteCommand::GraphBegin { .. } => in_body = true,
+            RemoteCommand::GraphEnd { .. } => in_body = false,
+            _ => {}
+        }
+        if in_body {
+            continue;
+        }
         match *c {
             RemoteCommand::Write { id, len, .. } if len >= threshold => {
                 let alloc = commands[..i]

@@ -115,6 +115,13 @@ fn to_wire<'a>(
             (*stream, Op::TimerStart { timer: Id(*timer) })
         }
         RemoteCommand::TimerEnd { stream, timer } => (*stream, Op::TimerEnd { timer: Id(*timer) }),
+        RemoteCommand::GraphBegin { stream, graph } => {
+            (*stream, Op::GraphBegin { graph: Id(*graph) })
+        }
+        RemoteCommand::GraphEnd { stream, graph } => (*stream, Op::GraphEnd { graph: Id(*graph) }),
+        RemoteCommand::GraphLaunch { stream, graph } => {
+            (*stream, Op::GraphLaunch { graph: Id(*graph) })
+        }
     };
     Command { stream, op }
 }

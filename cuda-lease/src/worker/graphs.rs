@@ -1,6 +1,6 @@
 //! A lease's graphs on its worker: a body recorded between `GraphBegin`
-//! and `GraphEnd` (its allocations made at once, its other commands and
-//! their upload bytes kept), replayed at each `GraphLaunch` by enqueuing
+//! and `GraphEnd` (its allocations made at once and zeroed again at each
+//! replay, its other commands and their upload bytes kept), replayed at each `GraphLaunch` by enqueuing
 //! the kept commands again, and freed with the body's own frees.
 //!
 //! The node's plan has checked every command already (ids, ranges, the
@@ -58,8 +58,19 @@ impl Graphs {
                 body.streams.push(c.stream);
             }
             let r = match c.op {
-                // The graph's buffers exist from its capture.
-                Op::Alloc { buf, size } => dev.alloc(c.stream, buf, size),
+                // The graph's buffers exist from its capture; each replay
+                // zeroes them again (as a local graph's `zeros` does).
+                Op::Alloc { buf, size } => dev.alloc(c.stream, buf, size).map(|()| {
+                    body.commands.push(Command {
+                        stream: c.stream,
+                        op: Op::Fill {
+                            buf,
+                            offset: 0,
+                            len: size,
+                            value: 0,
+                        },
+                    });
+                }),
                 Op::Free { id } => {
                     body.frees.push(id);
                     Ok(())

@@ -1,0 +1,168 @@
+//! CUDA graphs kept on a remote node: the capture sends the op's commands
+//! once, between `GraphBegin` and `GraphEnd` (the node makes the body's
+//! allocations and keeps the rest); each launch is one `GraphLaunch`.
+//!
+//! What the body names stays alive on the node as long as the graph: the
+//! body's own frees (buffers dropped during the capture) wait on the node
+//! for the graph's free, and frees asked for later are held by the session
+//! ([`RemoteSession::hold`]) until the graph is dropped.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+
+use cuda_core::{Error, Result};
+
+use super::frees::RecordingFrame;
+use super::recording::{RemoteArg, RemoteCommand};
+use super::session::RemoteSession;
+use crate::context::ExecutionContext;
+use crate::op::DeviceOp;
+
+/// A graph kept on a remote session's node; freed there when dropped
+/// (after the launches submitted before), then the ids it held go.
+pub(crate) struct RemoteGraph {
+    pub(crate) session: Arc<dyn RemoteSession>,
+    pub(crate) id: u64,
+    /// The ids the body names, held while the graph lives.
+    held: Vec<u64>,
+    /// Commands kept in the body.
+    pub(crate) commands: usize,
+    /// Buffers the body uses, and how many of them it writes.
+    pub(crate) buffers: (usize, usize),
+}
+
+impl fmt::Debug for RemoteGraph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteGraph")
+            .field("home", &self.session.describe())
+            .field("id", &self.id)
+            .field("commands", &self.commands)
+            .finish()
+    }
+}
+
+impl Drop for RemoteGraph {
+    fn drop(&mut self) {
+        // Straight to the session (never into a submission being recorded):
+        // the graph's free must reach the node before the frees it held.
+        self.session.free(self.id);
+        self.session.release(&self.held);
+    }
+}
+
+/// The op a remote capture runs: `op` recorded as a graph's body.
+pub(crate) struct CaptureRemote<O> {
+    pub(crate) op: O,
+}
+
+impl<O: DeviceOp> DeviceOp for CaptureRemote<O> {
+    type Output = (<O as DeviceOp>::Output, RemoteGraph);
+
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<<Self as DeviceOp>::Output> {
+        let here = ctx.describe();
+        let r = ctx.as_remote().ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "graph_with: the policy runs ops on {here}, not on a remote session"
+            ))
+        })?;
+        let session = r.session().clone();
+        if !session.keeps_graphs() {
+            return Err(Error::InvalidArgument(format!(
+                "{} cannot keep graphs on its node",
+                session.describe()
+            )));
+        }
+        let (stream, graph) = (r.stream(), session.fresh_id());
+        let begin = r.recording().commands().len();
+        r.recording()
+            .push(RemoteCommand::GraphBegin { stream, graph });
+        // Buffers dropped during the capture are freed in the body: the
+        // node keeps them for the graph.
+        let frame = RecordingFrame::push_capture(&session);
+        // SAFETY: same context and caller contract, forwarded.
+        let out = unsafe { self.op.execute(ctx) }?;
+        let r = ctx
+            .as_remote()
+            .ok_or_else(|| Error::InvalidArgument("the capture left the lease".into()))?;
+        frame.finish(r);
+        let body = &r.recording().commands()[begin + 1..];
+        if let Some(what) = body.iter().find_map(uncapturable) {
+            return Err(Error::Capture(format!(
+                "{what} cannot be captured into a graph kept on a node: read the graph's \
+                 output with an op after a launch"
+            )));
+        }
+        let (held, buffers) = names(body);
+        let commands = body
+            .iter()
+            .filter(|c| !matches!(c, RemoteCommand::Alloc { .. } | RemoteCommand::Free { .. }))
+            .count();
+        r.recording()
+            .push(RemoteCommand::GraphEnd { stream, graph });
+        session.hold(&held);
+        let graph = RemoteGraph {
+            session,
+            id: graph,
+            held,
+            commands,
+            buffers,
+        };
+        Ok((out, graph))
+    }
+}
+
+crate::op::impl_into_future!(impl[O] for CaptureRemote<O> where O: DeviceOp);
+
+/// What a body cannot hold, named.
+fn uncapturable(c: &RemoteCommand) -> Option<&'static str> {
+    match c {
+        RemoteCommand::Read { .. } => Some("a download (d2h, copy_d2h)"),
+        RemoteCommand::TimerStart { .. } | RemoteCommand::TimerEnd { .. } => Some("timed()"),
+        RemoteCommand::GraphBegin { .. } | RemoteCommand::GraphEnd { .. } => {
+            Some("another capture")
+        }
+        RemoteCommand::GraphLaunch { .. } => Some("a graph's launch"),
+        _ => None,
+    }
+}
+
+/// The ids `body` names (held while the graph lives), and the buffers it
+/// uses and writes.
+fn names(body: &[RemoteCommand]) -> (Vec<u64>, (usize, usize)) {
+    let (mut ids, mut buffers, mut written) = (HashSet::new(), HashSet::new(), HashSet::new());
+    for c in body {
+        match c {
+            RemoteCommand::Alloc { id, .. } | RemoteCommand::Read { id, .. } => {
+                buffers.insert(*id);
+            }
+            RemoteCommand::Write { id, .. } | RemoteCommand::Fill { id, .. } => {
+                buffers.insert(*id);
+                written.insert(*id);
+            }
+            RemoteCommand::Copy { src, dst, .. } => {
+                buffers.insert(src.0);
+                buffers.insert(dst.0);
+                written.insert(dst.0);
+            }
+            RemoteCommand::Launch { args, .. } => {
+                for a in args {
+                    if let RemoteArg::Buffer { id, .. } = a {
+                        buffers.insert(*id);
+                        written.insert(*id);
+                    }
+                }
+            }
+            RemoteCommand::Free { id, .. } => {
+                ids.insert(*id);
+            }
+            RemoteCommand::Record { event, .. } | RemoteCommand::Wait { event, .. } => {
+                ids.insert(*event);
+            }
+            _ => {}
+        }
+    }
+    let counts = (buffers.len(), written.len());
+    ids.extend(buffers);
+    (ids.into_iter().collect(), counts)
+}
