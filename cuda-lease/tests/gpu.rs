@@ -192,6 +192,91 @@ mod over_a_lease {
         eprintln!("lease expired mid-pipeline: failed after {:?}", t.elapsed());
     }
 
+    /// A graph kept on the node, with zip arms on two streams: 20 launches,
+    /// each after new inputs, are bit-identical to the same op run eagerly
+    /// on the lease and on the local GPU.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn a_graph_kept_on_the_node_replays_bit_identical_to_eager_runs() {
+        use cuda_async::prelude::*;
+        use cuda_async::DeviceBuffer;
+        let backend = RemoteBackend::start();
+        let remote = cuda_async::RemotePolicy::new(backend.lease.as_ref().unwrap()).with_streams(2);
+        let local = cuda_async::default_policy().unwrap();
+        let k = suite::kernels();
+        let n = 1 << 16;
+        let m = n as u32;
+        // y1 = 1.5 x1 + 0, y2 = -0.5 x2 + 0 then y2 = 2 y1 + y2: two arms, a join.
+        let op = move |x1: DeviceBuffer<f32>, x2: DeviceBuffer<f32>| {
+            let (a, b, c) = (k.axpy.clone(), k.axpy.clone(), k.axpy.clone());
+            zeros::<f32>(n)
+                .zip(zeros::<f32>(n))
+                .then(move |(y1, y2)| {
+                    // SAFETY: axpy touches x and y [0..m); all hold m floats.
+                    let arm1 = unsafe { launch(&a, suite::cfg(m), (1.5f32, x1, y1, m)) };
+                    // SAFETY: as above.
+                    let arm2 = unsafe { launch(&b, suite::cfg(m), (-0.5f32, x2, y2, m)) };
+                    arm1.zip(arm2)
+                })
+                .then(move |((_, x1, y1, _), (_, x2, y2, _))| {
+                    let y1 = std::sync::Arc::new(y1);
+                    // SAFETY: as above.
+                    unsafe { launch(&c, suite::cfg(m), (2.0f32, y1.clone(), y2, m)) }
+                        .map(move |(_, _, y2, _)| (x1, x2, y1, y2))
+                })
+        };
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let eager = |p: &dyn SchedulingPolicy, a: &[f32], b: &[f32]| {
+            let (x1, x2) = (
+                h2d(a.to_vec()).sync_with(p).unwrap(),
+                h2d(b.to_vec()).sync_with(p).unwrap(),
+            );
+            let (_, _, y1, y2) = op(x1, x2).sync_with(p).unwrap();
+            let y1 = std::sync::Arc::try_unwrap(y1).ok().unwrap();
+            (
+                bits(&d2h(y1).sync_with(p).unwrap().to_vec().unwrap()),
+                bits(&d2h(y2).sync_with(p).unwrap().to_vec().unwrap()),
+            )
+        };
+        let zero = || zeros::<f32>(n).sync_with(&remote).unwrap();
+        let mut graph = op(zero(), zero()).graph_with(&remote).unwrap();
+        let mut rng = suite::Rng::new();
+        for i in 0..20 {
+            let (a, b) = (rng.f32s(n), rng.f32s(n));
+            let (ua, ub) = (a.clone(), b.clone());
+            graph
+                .update(move |(x1, x2, y1, y2)| {
+                    h2d(ua)
+                        .zip(h2d(ub))
+                        .then(move |(s1, s2)| copy_d2d(s1, x1).zip(copy_d2d(s2, x2)))
+                        .map(move |((_, x1), (_, x2))| (x1, x2, y1, y2))
+                })
+                .sync_with(&remote)
+                .unwrap();
+            let t = std::time::Instant::now();
+            graph.launch().sync_with(&remote).unwrap();
+            if i % 5 == 0 {
+                eprintln!(
+                    "launch {i} of a graph kept on the node, awaited: {:?}",
+                    t.elapsed()
+                );
+            }
+            let out = graph.output();
+            let replay = (
+                bits(&d2h(&*out.2).sync_with(&remote).unwrap().to_vec().unwrap()),
+                bits(&d2h(&out.3).sync_with(&remote).unwrap().to_vec().unwrap()),
+            );
+            assert!(
+                replay == eager(&remote, &a, &b),
+                "launch {i}: eager on the lease differs"
+            );
+            assert!(
+                replay == eager(&*local, &a, &b),
+                "launch {i}: eager locally differs"
+            );
+        }
+    }
+
     #[test]
     #[ignore = "needs an NVIDIA GPU"]
     fn a_buffer_used_where_it_does_not_live_is_an_error_naming_both_homes() {

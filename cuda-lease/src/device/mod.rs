@@ -1,7 +1,7 @@
 //! The device layer a worker process drives: the [`Device`] trait, the real
 //! [`CudaDevice`] and the in-memory test double [`MemoryDevice`].
 
-use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, StreamId};
+use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
 
 mod cuda;
 mod error;
@@ -189,6 +189,42 @@ pub trait Device {
     ///
     /// NOT_FOUND for an event never recorded.
     fn wait(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError>;
+    /// Captures graph `graph` natively: `enqueue` enqueues its body's
+    /// commands on this device while `streams` (the body's, its first
+    /// stream first) capture. `Ok(true)` when the device keeps the graph
+    /// ([`Device::launch_graph`] replays it), `Ok(false)` when it does not
+    /// capture (the worker replays the commands instead).
+    ///
+    /// # Errors
+    ///
+    /// A command's error, or the capture's.
+    fn capture_graph(
+        &mut self,
+        graph: Id,
+        streams: &[StreamId],
+        enqueue: &mut dyn FnMut(&mut dyn Device) -> Result<(), DeviceError>,
+    ) -> Result<bool, DeviceError> {
+        let _ = (graph, streams, enqueue);
+        Ok(false)
+    }
+    /// Replays a graph [`Device::capture_graph`] kept, after the work on
+    /// `stream` so far.
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND for a graph it does not keep; a driver error.
+    fn launch_graph(&mut self, stream: StreamId, graph: Id) -> Result<(), DeviceError> {
+        let _ = stream;
+        Err(DeviceError::new(
+            Status::NotFound,
+            format!("no graph {graph} on this device"),
+        ))
+    }
+    /// Lets go of a graph [`Device::capture_graph`] kept (after its
+    /// replays).
+    fn free_graph(&mut self, graph: Id) {
+        let _ = graph;
+    }
     /// Starts timer `timer` (a new id) where `stream` is now.
     ///
     /// # Errors

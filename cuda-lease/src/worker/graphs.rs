@@ -22,6 +22,8 @@ struct Body {
     frees: Vec<Id>,
     /// The streams the body's commands run on, in first-use order.
     streams: Vec<StreamId>,
+    /// The device keeps it as a native graph (else the commands replay).
+    native: bool,
 }
 
 /// The lease's graphs, and the one being recorded.
@@ -49,7 +51,8 @@ impl Graphs {
     ) -> Option<Result<(), DeviceError>> {
         let ends = |g: &Id| matches!(c.op, Op::GraphEnd { graph } if graph == *g);
         if self.open.as_ref().is_some_and(|(g, _)| ends(g)) {
-            let (id, body) = self.open.take().expect("open");
+            let (id, mut body) = self.open.take().expect("open");
+            body.native = capture(dev, id, &body);
             self.live.insert(id, body);
             return Some(Ok(()));
         }
@@ -98,6 +101,7 @@ impl Graphs {
                 Some(Ok(()))
             }
             Op::GraphLaunch { graph } => Some(match self.live.get(&graph) {
+                Some(body) if body.native => dev.launch_graph(c.stream, graph),
                 Some(body) => replay(dev, c.stream, body),
                 None => Err(DeviceError::new(
                     Status::NotFound,
@@ -106,10 +110,38 @@ impl Graphs {
             }),
             Op::Free { id } => {
                 let body = self.live.remove(&id)?;
+                if body.native {
+                    dev.free_graph(id);
+                }
                 // Stream-ordered after the replays' uses, like any free.
                 Some(body.frees.iter().try_for_each(|f| dev.free(c.stream, *f)))
             }
             _ => None,
+        }
+    }
+}
+
+/// Asks the device to capture `body` natively; whether it does. A capture
+/// that fails leaves the commands to be replayed one by one (any error
+/// they have shows at a launch).
+fn capture(dev: &mut dyn Device, graph: Id, body: &Body) -> bool {
+    let mut enqueue = |dev: &mut dyn Device| {
+        let mut payload = Payload::new(&body.data);
+        let mut read_at = 0;
+        body.commands
+            .iter()
+            .try_for_each(|c| enqueue(dev, c.stream, &c.op, &mut payload, &mut read_at))
+    };
+    match dev.capture_graph(graph, &body.streams, &mut enqueue) {
+        Ok(native) => native,
+        Err(e) => {
+            // (Workers have no log of their own: their stderr is the node's.)
+            eprintln!(
+                "cuda-lease worker: graph {graph} was not captured natively ({}): its commands \
+                 replay one by one",
+                e.message
+            );
+            false
         }
     }
 }

@@ -14,7 +14,7 @@ impl CudaDevice {
     /// `len` bytes of the batch arena, or `None` when they do not fit
     /// (the caller takes the pooled path).
     fn arena_take(&mut self, len: usize) -> Result<Option<ArenaSlot>, DeviceError> {
-        if len > ARENA_BYTES / 4 {
+        if len > ARENA_BYTES / 4 || self.capturing {
             return Ok(None);
         }
         if self.arena.is_none() {

@@ -13,6 +13,7 @@ use crate::sandbox::Compiler;
 
 mod buffers;
 mod copies;
+mod graphs;
 mod launch;
 mod staging;
 mod streams;
@@ -80,6 +81,13 @@ pub struct CudaDevice {
     compiler: Arc<Compiler>,
     /// The node's ring, registered for direct copies (`register_ring`).
     ring: Option<cuda_core::HostRegistration>,
+    /// Graphs captured natively, by id.
+    graphs: HashMap<Id, cuda_core::TrackedGraph>,
+    /// Where a capture's allocations go (made on first capture).
+    capture_alloc: Option<Arc<CudaStream>>,
+    /// A graph's body is being captured: writes bypass the batch arena
+    /// (reused after the batch, which a replay would read).
+    capturing: bool,
 }
 
 impl CudaDevice {
@@ -136,6 +144,9 @@ impl CudaDevice {
             arg_list: ArgList::new(),
             compiler: Arc::default(),
             ring: None,
+            graphs: HashMap::new(),
+            capture_alloc: None,
+            capturing: false,
         })
     }
 
@@ -484,6 +495,24 @@ impl Device for CudaDevice {
         self.touch(&stream);
         self.timer_reads.push((start, end, at));
         Ok(())
+    }
+
+    fn capture_graph(
+        &mut self,
+        graph: Id,
+        streams: &[StreamId],
+        enqueue: &mut dyn FnMut(&mut dyn Device) -> Result<(), DeviceError>,
+    ) -> Result<bool, DeviceError> {
+        self.capture_native(graph, streams, enqueue)
+    }
+
+    fn launch_graph(&mut self, stream: StreamId, graph: Id) -> Result<(), DeviceError> {
+        self.launch_native(stream, graph)
+    }
+
+    fn free_graph(&mut self, graph: Id) {
+        // Released after its last replay, on the reclaimer thread.
+        self.graphs.remove(&graph);
     }
 
     fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError> {
