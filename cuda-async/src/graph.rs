@@ -165,14 +165,28 @@ pub(crate) fn capture_remote<O: DeviceOp>(
     op: O,
     policy: &RemotePolicy,
 ) -> Result<CudaGraph<<O as DeviceOp>::Output>> {
-    let (output, graph) = CaptureRemote { op }.sync_with(policy)?;
-    Ok(CudaGraph {
-        home: GraphHome::Remote {
-            graph,
-            streams: policy.streams(),
-        },
-        output: Some(output),
-    })
+    let captured = CaptureRemote { op }.sync_with(policy)?;
+    Ok(CudaGraph::kept(captured, policy.streams()))
+}
+
+/// [`capture_remote`] as a future.
+pub(crate) fn capture_remote_async<O: DeviceOp>(
+    op: O,
+    policy: &RemotePolicy,
+) -> Result<impl std::future::Future<Output = Result<CudaGraph<<O as DeviceOp>::Output>>> + Send> {
+    let pending = CaptureRemote { op }.schedule(policy)?;
+    let streams = policy.streams();
+    Ok(async move { Ok(CudaGraph::kept(pending.await?, streams)) })
+}
+
+impl<T> CudaGraph<T> {
+    /// A graph kept on a node, with the captured op's output.
+    fn kept((output, graph): (T, RemoteGraph), streams: u32) -> Self {
+        CudaGraph {
+            home: GraphHome::Remote { graph, streams },
+            output: Some(output),
+        }
+    }
 }
 
 impl CaptureStreams {

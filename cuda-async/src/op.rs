@@ -396,6 +396,31 @@ pub trait DeviceOpExt: DeviceOp {
         crate::graph::capture_remote(self, policy)
     }
 
+    /// [`DeviceOpExt::graph_with`] as a future, for async code (it does not
+    /// block the runtime's thread while the node takes the graph).
+    ///
+    /// # Errors
+    /// As [`DeviceOpExt::graph_with`] (at once for what the policy refuses,
+    /// else from the future).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn f(remote: &cuda_async::RemotePolicy) -> cuda_async::Result<()> {
+    /// use cuda_async::prelude::*;
+    /// let graph = zeros::<f32>(1024).graph_with_async(remote)?.await?;
+    /// graph.launch().schedule(remote)?.await?;
+    /// # Ok(()) }
+    /// ```
+    fn graph_with_async(
+        self,
+        policy: &crate::RemotePolicy,
+    ) -> Result<
+        impl std::future::Future<Output = Result<crate::CudaGraph<<Self as DeviceOp>::Output>>> + Send,
+    > {
+        crate::graph::capture_remote_async(self, policy)
+    }
+
     /// Runs the op on a context `policy` picks and blocks the calling
     /// thread until it is done: a local GPU's policy or a remote session's
     /// ([`RemotePolicy`](crate::RemotePolicy)), with no async runtime

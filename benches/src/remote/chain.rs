@@ -46,6 +46,14 @@ extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {
 
 /// h2d, zeros, 17 launches, d2h: 20 ops, one submission.
 fn chain(axpy: &Kernel, x: Arc<Vec<f32>>) -> impl DeviceOp<Output = HostBuffer<f32>> {
+    chain_body(axpy, x).then(|(_, y)| d2h(y))
+}
+
+/// The chain's h2d, zeros and 17 launches (what a graph of it captures;
+/// its d2h follows each replay).
+type Pair = (Arc<DeviceBuffer<f32>>, DeviceBuffer<f32>);
+
+fn chain_body(axpy: &Kernel, x: Arc<Vec<f32>>) -> cuda_async::combinators::BoxedOp<'static, Pair> {
     let n = x.len() as u32;
     let mut op = h2d(x.to_vec())
         .map(Arc::new)
@@ -65,7 +73,28 @@ fn chain(axpy: &Kernel, x: Arc<Vec<f32>>) -> impl DeviceOp<Output = HostBuffer<f
             .map(|(_, x, y, _)| (x, y))
             .boxed();
     }
-    op.then(|(_, y)| d2h(y))
+    op
+}
+
+/// One replay of a graph of the chain's body and the download of its
+/// output, awaited on `policy` (checked), timed.
+async fn one_replay<P: SchedulingPolicy + ?Sized>(
+    label: &str,
+    policy: &P,
+    graph: &cuda_async::CudaGraph<Pair>,
+    x: &Arc<Vec<f32>>,
+) -> Result<Duration> {
+    let t = Instant::now();
+    let out = graph
+        .launch()
+        .then(|()| d2h(&graph.output().1))
+        .schedule(policy)?
+        .await?;
+    let d = t.elapsed();
+    if out.as_slice()?[1] != 17.0 * 0.5 * x[1] {
+        return Err(format!("the chain graph's result on the {label} path is wrong").into());
+    }
+    Ok(d)
 }
 
 /// The awaited 20-op chain, remote and (with a GPU) local, one awaited
@@ -271,6 +300,10 @@ struct ChainTimes {
     sized: Vec<Duration>,
     remote: Vec<Duration>,
     local: Option<Vec<Duration>>,
+    /// A graph of the chain's body replayed, then its output downloaded:
+    /// kept on the lease's node, and (with a GPU) local.
+    replay_remote: Vec<Duration>,
+    replay_local: Option<Vec<Duration>>,
 }
 
 /// The order of an interleaved measurement of `paths` paths: rounds of a
@@ -295,28 +328,37 @@ async fn chain_times(
 ) -> Result<ChainTimes> {
     let x = Arc::new(vec![2.0f32; 256]);
     let raw = RawQuinn::start(1).await?;
-    let mut v: [Vec<Duration>; 4] = Default::default();
-    for (path, keep) in interleaved(iters, 4) {
-        let d = match path {
-            0 => raw.round_trip(64).await?,
-            1 => raw.request_reply(CHAIN_OUT, CHAIN_BACK).await?,
-            2 => one_chain("remote", remote, axpy, &x).await?,
-            _ => match local {
-                Some(l) => one_chain("local", l, axpy, &x).await?,
-                None => continue,
-            },
+    let kept = chain_body(axpy, x.clone())
+        .graph_with_async(remote)?
+        .await?;
+    let local_graph = match local {
+        Some(_) => Some(chain_body(axpy, x.clone()).graph()?),
+        None => None,
+    };
+    let mut v: [Vec<Duration>; 6] = Default::default();
+    for (path, keep) in interleaved(iters, 6) {
+        let d = match (path, local, &local_graph) {
+            (0, _, _) => raw.round_trip(64).await?,
+            (1, _, _) => raw.request_reply(CHAIN_OUT, CHAIN_BACK).await?,
+            (2, _, _) => one_chain("remote", remote, axpy, &x).await?,
+            (3, Some(l), _) => one_chain("local", l, axpy, &x).await?,
+            (4, _, _) => one_replay("remote", remote, &kept, &x).await?,
+            (5, Some(l), Some(g)) => one_replay("local", l, g, &x).await?,
+            _ => continue,
         };
         if keep {
             v[path].push(d);
         }
     }
     raw.close().await;
-    let [rtt, sized, remote, local] = v;
+    let [rtt, sized, remote, local, replay_remote, replay_local] = v;
     Ok(ChainTimes {
         rtt,
         sized,
         remote,
         local: (!local.is_empty()).then_some(local),
+        replay_remote,
+        replay_local: (!replay_local.is_empty()).then_some(replay_local),
     })
 }
 
@@ -483,7 +525,7 @@ fn chain_rows(group: &'static str, t: &ChainTimes) -> Vec<Row> {
         rtt.map_or(f64::NAN, |s| s.median),
         sized.map_or(f64::NAN, |s| s.median),
     ));
-    match (t.local.as_deref().and_then(us), remote) {
+    let mut rows = match (t.local.as_deref().and_then(us), remote) {
         (Some(l), Some(r)) => {
             let diff = difference(r, l);
             vec![
@@ -503,7 +545,8 @@ fn chain_rows(group: &'static str, t: &ChainTimes) -> Vec<Row> {
                     Unit::Micros,
                 )
                 .raw(sized)
-                .lib(Some(diff)),
+                .lib(Some(diff))
+                .goal(Goal::AtMost(1.2)),
                 // What the first row cannot go below: moving the chain's
                 // own bytes (its upload and download) with no work at all.
                 Row::new(
@@ -523,6 +566,34 @@ fn chain_rows(group: &'static str, t: &ChainTimes) -> Vec<Row> {
         )
         .raw(rtt)
         .lib(remote)],
+    };
+    rows.push(replay_row(group, t));
+    rows
+}
+
+/// A graph of the chain's body replayed, then its output downloaded, one
+/// submission: remote - local (or remote alone) against the raw 64 B
+/// round trip.
+fn replay_row(group: &'static str, t: &ChainTimes) -> Row {
+    let us = |v: &[Duration]| times(Unit::Micros, v);
+    let (rtt, remote) = (us(&t.rtt), us(&t.replay_remote));
+    match (t.replay_local.as_deref().and_then(us), remote) {
+        (Some(l), Some(r)) => Row::new(
+            group,
+            "20-op chain replayed from a graph, then downloaded (one submission): remote (kept on the node) - local vs 64 B request/reply (interleaved)",
+            Unit::Micros,
+        )
+        .raw(rtt)
+        .lib(Some(difference(r, l)))
+        .goal(Goal::AtMost(1.1))
+        .note(remote_local_note(r, l)),
+        _ => Row::new(
+            group,
+            "20-op chain replayed from a graph kept on the node, then downloaded, vs 64 B request/reply (no local GPU: remote alone)",
+            Unit::Micros,
+        )
+        .raw(rtt)
+        .lib(remote),
     }
 }
 
