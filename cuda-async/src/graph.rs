@@ -548,6 +548,13 @@ impl<T: DeviceRepr + AnyBitPattern> DeviceOp for SetScalar<'_, T> {
     type Output = ();
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<()> {
+        if let Some(r) = ctx.as_remote() {
+            // The value rides in the submission's message.
+            let (stream, id) = (r.stream(), r.id_of(&*self.buf)?);
+            let bytes = crate::memory::as_bytes(std::slice::from_ref(&self.value));
+            r.recording().write(stream, id, 0, bytes);
+            return Ok(());
+        }
         let stream = ctx.cuda_stream_for("DeviceScalar::set")?;
         let dst = self.buf.local_mut_on(stream)?;
         cuda_core::staging::upload_at(std::slice::from_ref(&self.value), dst, 0, stream)

@@ -976,6 +976,41 @@ fn a_graph_captured_on_a_lease_is_kept_by_the_node_and_launched_in_one_command()
         vec![21.0; n]
     );
 
+    // A `DeviceScalar` the graph reads, set between launches: c = s + x.
+    let mut step = cuda_async::DeviceScalar::new(0.0f32)
+        .sync_with(&remote)
+        .unwrap();
+    let one = h2d(vec![0.5f32]).sync_with(&remote).unwrap();
+    let vadd = k.vadd.clone();
+    let scalar = step.buffer();
+    // SAFETY: vadd touches a, b, c [0..1); all hold one float.
+    let stepped = unsafe {
+        launch(
+            &vadd,
+            cfg(1),
+            (
+                scalar,
+                &one,
+                zeros::<f32>(1).sync_with(&remote).unwrap(),
+                1u32,
+            ),
+        )
+    }
+    .map(|(_, _, c, _)| c)
+    .graph_with(&remote)
+    .unwrap();
+    for t in 0..5 {
+        step.set(t as f32).sync_with(&remote).unwrap();
+        let c = stepped
+            .launch()
+            .then(|()| d2h(stepped.output()))
+            .sync_with(&remote)
+            .unwrap();
+        assert_eq!(c.to_vec().unwrap(), [t as f32 + 0.5], "step {t}");
+    }
+    drop(stepped);
+    drop((step, one));
+
     // A download cannot be kept on the node: refused by name, nothing sent.
     let sent = batches(node);
     let e = zeros::<f32>(4).then(d2h).graph_with(&remote).unwrap_err();
