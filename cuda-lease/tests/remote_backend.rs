@@ -1047,3 +1047,43 @@ fn a_graph_captured_on_a_lease_is_kept_by_the_node_and_launched_in_one_command()
     drop((lease, other));
     node_rt.block_on(fx.shutdown());
 }
+
+/// A lease that expires with a graph kept on its node: the next launch
+/// fails with `LeaseExpired`, and the node holds nothing of the lease
+/// (the graph, its buffers and its kept upload bytes went with it).
+#[tokio::test]
+async fn a_graph_kept_on_the_node_goes_with_its_lease() {
+    let fx = Fixture::memory(1 << 22).manual_clock().start().await;
+    let (node, clock) = (&fx.node, fx.clock());
+    let base = vram_allocated(node);
+    let short = Lease::builder()
+        .min_vram(1 << 16)
+        .ttl(Duration::from_secs(5))
+        .auto_renew(false)
+        .on(connect(node).await)
+        .await
+        .unwrap();
+    let remote = RemotePolicy::new(&LeaseSession::current(short.session()));
+    // An upload in the body: its bytes are kept with the graph.
+    let graph = h2d(vec![3u32; 256])
+        .then(d2d)
+        .graph_with_async(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    graph.launch().schedule(&remote).unwrap().await.unwrap();
+    assert!(vram_allocated(node) > base);
+    clock.advance(Duration::from_secs(6));
+    let e = graph.launch().schedule(&remote).unwrap().await.unwrap_err();
+    assert!(
+        matches!(e.remote_kind(), Some(ErrorKind::LeaseExpired)),
+        "{e}"
+    );
+    let gone = eventually(Duration::from_secs(5), || async {
+        vram_allocated(node) == base
+    })
+    .await;
+    assert!(gone, "{} bytes held, {base} before", vram_allocated(node));
+    drop(graph);
+    fx.shutdown().await;
+}
