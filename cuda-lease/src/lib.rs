@@ -64,6 +64,8 @@
 pub mod baseline;
 pub mod client;
 pub mod clock;
+#[cfg(feature = "cli")]
+pub mod config_file;
 #[cfg(feature = "node")]
 pub mod device;
 // Public for the programs that print the hop spans (`layer`,

@@ -89,3 +89,81 @@ async fn settings_known_to_fail_are_refused() {
     assert!(matches!(err.kind(), ErrorKind::Config), "{err:?}");
     fx.shutdown().await;
 }
+
+/// The shipped `deploy/node.toml` names only flags the node has, with
+/// values its flags take (a copy with a memory device and a development
+/// certificate starts and serves); an unknown setting stops the node with
+/// a message naming it.
+#[cfg(feature = "cli")]
+#[test]
+fn the_shipped_node_config_is_one_the_node_takes() {
+    use std::process::{Command, Stdio};
+    let node = env!("CARGO_BIN_EXE_cuda-lease-node");
+    let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/node.toml");
+    let out = Command::new(node)
+        .args(["--config", shipped, "--help"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Its values parse: the same file, with what needs no certificate,
+    // token file or GPU, serves until stopped.
+    let dir = std::env::temp_dir().join(format!("cuda-lease-deploy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = std::fs::read_to_string(shipped).unwrap();
+    let local: String = text
+        .lines()
+        .map(|l| match l.split(" = ").next() {
+            Some("cert") => "dev = true".to_owned(),
+            Some("key") => format!("dev-cert-out = \"{}\"", dir.join("c.pem").display()),
+            Some("token-file") => "allow-anonymous = true".to_owned(),
+            Some("cuda-include") => "memory-device = \"64M\"".to_owned(),
+            Some("listen") => "listen = \"127.0.0.1:0\"".to_owned(),
+            Some("metrics-listen") => "metrics-listen = \"127.0.0.1:0\"".to_owned(),
+            _ => l.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let file = dir.join("node.toml");
+    std::fs::write(&file, local).unwrap();
+    let mut child = Command::new(node)
+        .arg("--config")
+        .arg(&file)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Its log, then the line saying where it listens, on stderr.
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if line.contains("listening on") {
+                let _ = tx.send(line);
+                return;
+            }
+        }
+    });
+    let line = rx.recv_timeout(std::time::Duration::from_secs(30));
+    let _ = child.kill();
+    let _ = child.wait();
+    let line = line.expect("the node did not say where it listens within 30 s");
+    assert!(line.contains("listening on 127.0.0.1:"), "{line:?}");
+    // An unknown setting is named.
+    std::fs::write(&file, "listen = \"127.0.0.1:0\"\nbogus = 1\n").unwrap();
+    let out = Command::new(node)
+        .arg("--config")
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown setting `bogus`"), "{err}");
+}

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use cuda_lease::hops;
 use cuda_lease::node::{Node, NodeConfig, TlsSource};
 use cuda_lease::transport::cli::TransportArgs;
@@ -16,88 +16,105 @@ use cuda_lease::worker::{main_if_worker, DeviceSpec, WorkerSpec};
 #[command(name = "cuda-lease-node", version)]
 struct Args {
     /// QUIC listen address.
-    #[arg(long, default_value = "0.0.0.0:7070")]
+    #[arg(long, default_value = "0.0.0.0:7070", env = "CUDA_LEASE_NODE_LISTEN")]
     listen: SocketAddr,
     /// Prometheus metrics HTTP address (omit for none).
-    #[arg(long)]
+    #[arg(long, env = "CUDA_LEASE_NODE_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
     /// The bulk-data channel (large transfers over TLS on TCP): `same` for
     /// TCP on the QUIC address and port, an address, or `off` (transfers
     /// stay on QUIC).
-    #[arg(long, default_value = "same")]
+    #[arg(long, default_value = "same", env = "CUDA_LEASE_NODE_BULK_LISTEN")]
     bulk_listen: cuda_lease::node::BulkListen,
     /// Development mode: generate a self-signed certificate and write it to `--dev-cert-out`.
-    #[arg(long)]
+    #[arg(long, env = "CUDA_LEASE_NODE_DEV")]
     dev: bool,
     /// Where `--dev` writes the certificate clients pin.
-    #[arg(long, default_value = "cuda-lease-node-cert.pem")]
+    #[arg(
+        long,
+        default_value = "cuda-lease-node-cert.pem",
+        env = "CUDA_LEASE_NODE_DEV_CERT_OUT"
+    )]
     dev_cert_out: PathBuf,
     /// Extra names (DNS or IP) for the `--dev` certificate, besides localhost and 127.0.0.1.
-    #[arg(long = "dev-san")]
+    #[arg(
+        long = "dev-san",
+        env = "CUDA_LEASE_NODE_DEV_SAN",
+        value_delimiter = ','
+    )]
     dev_san: Vec<String>,
     /// PEM certificate chain (production).
-    #[arg(long, requires = "key")]
+    #[arg(long, requires = "key", env = "CUDA_LEASE_NODE_CERT")]
     cert: Option<PathBuf>,
     /// PEM private key (production).
-    #[arg(long, requires = "cert")]
+    #[arg(long, requires = "cert", env = "CUDA_LEASE_NODE_KEY")]
     key: Option<PathBuf>,
     /// PEM CA certificates for mutual TLS clients.
-    #[arg(long)]
+    #[arg(long, env = "CUDA_LEASE_NODE_CLIENT_CA")]
     client_ca: Option<PathBuf>,
     /// File with one bearer token per line: `SECRET`, or `NAME SECRET` to
     /// name its principal (what logs show and leases belong to).
-    #[arg(long)]
+    #[arg(long, env = "CUDA_LEASE_NODE_TOKEN_FILE")]
     token_file: Option<PathBuf>,
     /// Comma-separated bearer tokens (prefer the environment variable or a file).
     #[arg(long, env = "CUDA_LEASE_TOKENS", hide_env_values = true)]
     tokens: Option<String>,
     /// A principal that may free any lease (repeat for several).
-    #[arg(long)]
+    #[arg(long, env = "CUDA_LEASE_NODE_ADMIN", value_delimiter = ',')]
     admin: Vec<String>,
     /// Accept clients without credentials (development only).
-    #[arg(long)]
+    #[arg(long, env = "CUDA_LEASE_NODE_ALLOW_ANONYMOUS")]
     allow_anonymous: bool,
     /// CUDA device ordinal.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, env = "CUDA_LEASE_NODE_DEVICE")]
     device: usize,
     /// Use the in-memory test double with this much memory instead of a GPU (`1G`, `512M`, or
     /// bytes; it runs the test kernels of `cuda_lease::ptx` on the host; other kernels do
     /// nothing).
-    #[arg(long, value_parser = cuda_lease::units::parse_bytes)]
+    #[arg(long, value_parser = cuda_lease::units::parse_bytes, env = "CUDA_LEASE_NODE_MEMORY_DEVICE")]
     memory_device: Option<u64>,
     /// Memory leases may reserve in total (`70G`, or bytes; default: free memory at start
     /// minus headroom).
-    #[arg(long, value_parser = cuda_lease::units::parse_bytes)]
+    #[arg(long, value_parser = cuda_lease::units::parse_bytes, env = "CUDA_LEASE_NODE_CAPACITY")]
     capacity: Option<u64>,
     /// Longest TTL granted (`1h`, `90s`, or seconds).
-    #[arg(long, default_value = "1h", value_parser = cuda_lease::units::parse_secs)]
+    #[arg(long, default_value = "1h", value_parser = cuda_lease::units::parse_secs, env = "CUDA_LEASE_NODE_MAX_TTL")]
     max_ttl: Duration,
     /// Worker processes for GPU_SUBMIT.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, env = "CUDA_LEASE_NODE_SUBMIT_WORKERS")]
     submit_workers: usize,
     /// Workers started ahead of LEASE_ALLOC.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, env = "CUDA_LEASE_NODE_PRESTART")]
     prestart: usize,
     /// How long a worker may take for one request before it is deemed hung (`60s`, `2m`, or
     /// seconds).
-    #[arg(long, default_value = "60s", value_parser = cuda_lease::units::parse_secs)]
+    #[arg(long, default_value = "60s", value_parser = cuda_lease::units::parse_secs, env = "CUDA_LEASE_NODE_OP_TIMEOUT")]
     op_timeout: Duration,
     /// A folder of CUDA headers tenants' CUDA C may `#include` (repeat for
     /// several; for example the toolkit's `include`). The compiler can read
     /// these folders and no other file of this machine.
-    #[arg(long = "cuda-include")]
+    #[arg(
+        long = "cuda-include",
+        env = "CUDA_LEASE_NODE_CUDA_INCLUDE",
+        value_delimiter = ','
+    )]
     cuda_include: Vec<PathBuf>,
     /// How long one CUDA C compile may take before it is killed (`5s`, or milliseconds).
-    #[arg(long, default_value = "5000", value_parser = cuda_lease::units::parse_millis)]
+    #[arg(long, default_value = "5000", value_parser = cuda_lease::units::parse_millis, env = "CUDA_LEASE_NODE_COMPILE_TIMEOUT_MS")]
     compile_timeout_ms: Duration,
     /// Node name reported to clients.
-    #[arg(long, default_value = "cuda-lease-node")]
+    #[arg(long, default_value = "cuda-lease-node", env = "CUDA_LEASE_NODE_NAME")]
     name: String,
     /// Microseconds the node and each worker poll a worker pipe without
     /// sleeping before they block (lower batch latency for some CPU time);
     /// default: 1000 on hosts with 8 or more cores, else 0.
-    #[arg(long)]
+    #[arg(long, env = "CUDA_LEASE_NODE_WORKER_SPIN_US")]
     worker_spin_us: Option<u64>,
+    /// A TOML file of settings: each a flag's long name (`memory-device =
+    /// "1G"`, `admin = ["ops"]`). A flag beats its environment variable,
+    /// which beats the file.
+    #[arg(long, env = "CUDA_LEASE_NODE_CONFIG")]
+    config: Option<PathBuf>,
     #[command(flatten)]
     transport: TransportArgs,
 }
@@ -105,6 +122,15 @@ struct Args {
 fn main() {
     main_if_worker();
     return_freed_memory();
+    // Before any thread starts: the file's settings become environment
+    // variables of their flags.
+    let argv: Vec<_> = std::env::args_os().collect();
+    if let Err(e) =
+        cuda_lease::config_file::load_into_env(&Args::command(), &argv, "CUDA_LEASE_NODE_CONFIG")
+    {
+        eprintln!("cuda-lease-node: {e}");
+        std::process::exit(2);
+    }
     // The log at RUST_LOG's levels (default info) and, if turned on
     // (`RUST_LOG=info,cuda_lease::hop=trace`), the hop spans.
     hops::init_log("info");

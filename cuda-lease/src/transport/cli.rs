@@ -75,28 +75,28 @@ pub struct TransportArgs {
     /// Transport settings to start from: `default` (quinn's), `loopback`
     /// (both ends on one host), `datacenter` (jumbo frames) or
     /// `wan`; the flags below override single settings.
-    #[arg(long, value_enum, default_value_t = TransportPreset::Default)]
+    #[arg(long, value_enum, default_value_t = TransportPreset::Default, env = "CUDA_LEASE_TRANSPORT")]
     pub transport: TransportPreset,
     /// Initial MTU (UDP payload bytes, 1200 to 9000).
-    #[arg(long)]
+    #[arg(long, env = "CUDA_LEASE_MTU")]
     pub mtu: Option<u16>,
     /// Largest MTU that discovery probes for (UDP payload bytes), or `off`.
-    #[arg(long, value_parser = discovery_bound)]
+    #[arg(long, value_parser = discovery_bound, env = "CUDA_LEASE_MTU_MAX")]
     pub mtu_max: Option<DiscoveryBound>,
     /// UDP segmentation offload (`on` needs an MTU of at most 6550).
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, env = "CUDA_LEASE_GSO")]
     pub gso: Option<Switch>,
     /// UDP socket send and receive buffers, in bytes.
-    #[arg(long)]
+    #[arg(long, env = "CUDA_LEASE_SOCKET_BUFFER_BYTES")]
     pub socket_buffer_bytes: Option<usize>,
     /// Bytes a peer may send on one stream ahead of the reader.
-    #[arg(long)]
+    #[arg(long, env = "CUDA_LEASE_STREAM_WINDOW_BYTES")]
     pub stream_window_bytes: Option<u64>,
     /// Bytes a peer may send on one connection ahead of the readers.
-    #[arg(long)]
+    #[arg(long, env = "CUDA_LEASE_CONN_WINDOW_BYTES")]
     pub conn_window_bytes: Option<u64>,
     /// Bytes of writes kept until acknowledged, per connection.
-    #[arg(long)]
+    #[arg(long, env = "CUDA_LEASE_SEND_WINDOW_BYTES")]
     pub send_window_bytes: Option<u64>,
 }
 
