@@ -29,6 +29,10 @@ const DECODE_KERNELS: usize = 8;
 const DECODE_STEPS: u32 = 100;
 
 fn main() {
+    examples::no_arguments(
+        "graph_replay",
+        "captures a chain of 100 kernels and a decode loop as CUDA graphs, replays them, and checks the replays against eager runs and the CPU, printing both timings. Needs an NVIDIA GPU and its driver.",
+    );
     if let Err(e) = run() {
         eprintln!("graph_replay: {e}");
         std::process::exit(1);

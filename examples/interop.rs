@@ -7,6 +7,10 @@ use cuda_async::cudarc::driver::CudaContext;
 use cuda_async::prelude::*;
 
 fn main() {
+    examples::no_arguments(
+        "interop",
+        "runs ops on a stream made with cudarc directly, between that library's own calls, and checks the data's round trip. Needs an NVIDIA GPU and its driver; prints one line on success.",
+    );
     if let Err(e) = run() {
         eprintln!("interop: {e}");
         std::process::exit(1);

@@ -34,6 +34,10 @@ fn burn_cpu(mut v: f32, rounds: u32) -> f32 {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 4)]
 async fn main() {
+    examples::no_arguments(
+        "multi_gpu",
+        "spreads 64 independent pipelines over every visible GPU with a DevicePool and checks them, printing each device's share and the wall time. Needs one or more NVIDIA GPUs (on one it says so).",
+    );
     if let Err(e) = run().await {
         eprintln!("multi_gpu: {e}");
         std::process::exit(1);

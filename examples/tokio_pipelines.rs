@@ -17,6 +17,10 @@ extern "C" __global__ void saxpy(float a, const float* x, float* y, unsigned n) 
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 4)]
 async fn main() {
+    examples::no_arguments(
+        "tokio_pipelines",
+        "runs 256 pipelines (upload, kernel, download) concurrently from a tokio service, each awaited, and checks every result. Needs an NVIDIA GPU and its driver; prints the count and the wall time.",
+    );
     if let Err(e) = run().await {
         eprintln!("tokio_pipelines: {e}");
         std::process::exit(1);

@@ -20,6 +20,10 @@ mod k {
 // ANCHOR_END: kernels
 
 fn main() {
+    examples::no_arguments(
+        "typed_kernels",
+        "launches kernels through launchers generated from CUDA C at compile time (axpby, then row sums of a 512x300 matrix) and checks them against the CPU. Needs an NVIDIA GPU and its driver; prints the device and `correct`.",
+    );
     if let Err(e) = run() {
         eprintln!("typed_kernels: {e}");
         std::process::exit(1);

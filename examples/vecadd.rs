@@ -15,6 +15,10 @@ extern "C" __global__ void vecadd(const float* a, const float* b, float* c, unsi
 // ANCHOR_END: kernel
 
 fn main() {
+    examples::no_arguments(
+        "vecadd",
+        "adds two vectors of 2^20 floats on GPU 0 with one kernel and checks the sum against the CPU. Needs an NVIDIA GPU and its driver; prints the element count, the device and `correct`.",
+    );
     if let Err(e) = run() {
         eprintln!("vecadd: {e}");
         std::process::exit(1);
