@@ -18,6 +18,19 @@ use cuda_lease::worker::{main_if_worker, DeviceSpec, WorkerSpec};
 
 fn main() {
     main_if_worker();
+    if let Some(arg) = std::env::args().nth(1) {
+        if arg == "-h" || arg == "--help" {
+            println!(
+                "remote_lease: starts a lease node on 127.0.0.1 in this process, leases a slice of \
+                 GPU 0 through it and runs a vector add of 2^20 floats there, checking the result. \
+                 Needs an NVIDIA GPU and its driver (remote_pipeline runs without one); prints the \
+                 node's address and `correct`.\n\nUsage: cargo run -p cuda-lease --example remote_lease"
+            );
+            return;
+        }
+        eprintln!("remote_lease: unknown argument {arg} (it takes none; --help says what it does)");
+        std::process::exit(2);
+    }
     // Hop spans (CUDA_LEASE_HOP_TIMES=1, or RUST_LOG=cuda_lease::hop=trace).
     cuda_lease::hops::init_from_env();
     let rt = tokio::runtime::Builder::new_multi_thread()
