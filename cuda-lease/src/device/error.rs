@@ -62,6 +62,17 @@ pub(super) fn not_found(what: &str, id: impl std::fmt::Display) -> DeviceError {
     DeviceError::new(Status::NotFound, format!("no {what} {id}"))
 }
 
+/// Refuses a new id that names something already.
+pub(super) fn check_fresh(taken: bool, id: impl std::fmt::Display) -> Result<(), DeviceError> {
+    if taken {
+        return Err(DeviceError::new(
+            Status::BadRequest,
+            format!("id {id} is already in use"),
+        ));
+    }
+    Ok(())
+}
+
 pub(super) fn same_buffer() -> DeviceError {
     DeviceError::new(
         Status::BadRequest,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cuda_async::{CudaStream, DeviceBuffer, Kernel, Module, PinnedBuffer};
 use cuda_core::{ArenaRead, ArgList, CudaEvent, ParamClass, StagingArena};
 
-use super::error::{driver, map, not_found, range};
+use super::error::{check_fresh, driver, map, not_found, range};
 use super::{Device, DeviceArg, DeviceError, LaunchDims};
 use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
 use crate::sandbox::Compiler;
@@ -466,15 +466,10 @@ impl Device for CudaDevice {
     }
 
     fn timer_start(&mut self, stream: StreamId, timer: Id) -> Result<(), DeviceError> {
-        if self.buffers.contains_key(&timer)
+        let taken = self.buffers.contains_key(&timer)
             || self.events.contains_key(&timer)
-            || self.timers.contains_key(&timer)
-        {
-            return Err(DeviceError::new(
-                Status::BadRequest,
-                format!("id {timer} is already in use"),
-            ));
-        }
+            || self.timers.contains_key(&timer);
+        check_fresh(taken, timer)?;
         let stream = self.stream(stream)?;
         let ev = stream
             .record_event(Some(TIMING))

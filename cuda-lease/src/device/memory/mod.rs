@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use super::error::{not_found, range, same_buffer, too_many_streams};
+use super::error::{check_fresh, not_found, range, same_buffer, too_many_streams};
 use super::{Device, DeviceArg, DeviceError, LaunchDims, MAX_DEVICE_STREAMS};
 use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
 
@@ -392,15 +392,10 @@ impl Device for MemoryDevice {
 
     fn timer_start(&mut self, stream: StreamId, timer: Id) -> Result<(), DeviceError> {
         self.check_stream(stream)?;
-        if self.buffers.contains_key(&timer)
+        let taken = self.buffers.contains_key(&timer)
             || self.events.contains_key(&timer)
-            || self.timers.contains_key(&timer)
-        {
-            return Err(DeviceError::new(
-                Status::BadRequest,
-                format!("id {timer} is already in use"),
-            ));
-        }
+            || self.timers.contains_key(&timer);
+        check_fresh(taken, timer)?;
         let key = self.next_timer;
         self.next_timer += 1;
         self.timers.insert(timer, key);
