@@ -238,4 +238,4 @@ pub(crate) fn mark(t: &mut Option<HopTimer>, phase: &str) {
 #[cfg(any(feature = "node", feature = "cli"))]
 mod print;
 #[cfg(any(feature = "node", feature = "cli"))]
-pub use print::{format_layer, init_from_env, init_log, layer, log_filter};
+pub use print::{format_layer, init_from_env, init_log, init_log_as, layer, log_filter, LogFormat};

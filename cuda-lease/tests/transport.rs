@@ -125,6 +125,7 @@ fn the_shipped_node_config_is_one_the_node_takes() {
             Some("metrics-listen") => "metrics-listen = \"127.0.0.1:0\"".to_owned(),
             _ => l.to_owned(),
         })
+        .chain(["log-format = \"json\"".to_owned()])
         .collect::<Vec<_>>()
         .join("\n");
     let file = dir.join("node.toml");
@@ -141,21 +142,30 @@ fn the_shipped_node_config_is_one_the_node_takes() {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         use std::io::BufRead;
+        let mut log = Vec::new();
         for line in std::io::BufReader::new(stderr)
             .lines()
             .map_while(Result::ok)
         {
             if line.contains("listening on") {
-                let _ = tx.send(line);
+                let _ = tx.send((line, log));
                 return;
             }
+            log.push(line);
         }
     });
-    let line = rx.recv_timeout(std::time::Duration::from_secs(30));
+    let got = rx.recv_timeout(std::time::Duration::from_secs(30));
     let _ = child.kill();
     let _ = child.wait();
-    let line = line.expect("the node did not say where it listens within 30 s");
+    let (line, log) = got.expect("the node did not say where it listens within 30 s");
     assert!(line.contains("listening on 127.0.0.1:"), "{line:?}");
+    // `log-format = "json"`: one JSON object per log line.
+    assert!(!log.is_empty());
+    assert!(
+        log.iter()
+            .all(|l| l.starts_with("{\"timestamp\"") && l.ends_with('}')),
+        "{log:#?}"
+    );
     // An unknown setting is named.
     std::fs::write(&file, "listen = \"127.0.0.1:0\"\nbogus = 1\n").unwrap();
     let out = Command::new(node)

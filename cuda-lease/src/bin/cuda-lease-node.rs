@@ -110,6 +110,10 @@ struct Args {
     /// default: 1000 on hosts with 8 or more cores, else 0.
     #[arg(long, env = "CUDA_LEASE_NODE_WORKER_SPIN_US")]
     worker_spin_us: Option<u64>,
+    /// Log lines: `text` (in colour only on a terminal) or `json` (one
+    /// object per line, for a log collector).
+    #[arg(long, value_enum, default_value_t = hops::LogFormat::Text, env = "CUDA_LEASE_NODE_LOG_FORMAT")]
+    log_format: hops::LogFormat,
     /// A TOML file of settings: each a flag's long name (`memory-device =
     /// "1G"`, `admin = ["ops"]`). A flag beats its environment variable,
     /// which beats the file.
@@ -131,10 +135,10 @@ fn main() {
         eprintln!("cuda-lease-node: {e}");
         std::process::exit(2);
     }
+    let args = Args::parse();
     // The log at RUST_LOG's levels (default info) and, if turned on
     // (`RUST_LOG=info,cuda_lease::hop=trace`), the hop spans.
-    hops::init_log("info");
-    let args = Args::parse();
+    hops::init_log_as("info", args.log_format);
     if let Err(e) = run(args) {
         eprintln!("cuda-lease-node: {e}");
         std::process::exit(1);

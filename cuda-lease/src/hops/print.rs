@@ -98,20 +98,42 @@ where
         .with_writer(writer)
 }
 
+/// How a program writes its log lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+pub enum LogFormat {
+    /// Human-readable lines (in colour only on a terminal).
+    #[default]
+    Text,
+    /// One JSON object per line, for a log collector.
+    Json,
+}
+
 /// Installs the global subscriber of a program with a log of its own (the
 /// node, the client CLI): the log at `RUST_LOG`'s levels (`default`
 /// without it, hop spans left out, [`log_filter`]) on stderr, and the hop
 /// spans, if turned on, as lines of their own ([`layer`]).
 pub fn init_log(default: &str) {
+    init_log_as(default, LogFormat::Text);
+}
+
+/// [`init_log`] with the log lines in `format`.
+pub fn init_log_as(default: &str, format: LogFormat) {
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let log = match format {
+        // Colour only on a terminal: a log file or journal gets plain text.
+        LogFormat::Text => fmt
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_filter(log_filter(default))
+            .boxed(),
+        LogFormat::Json => fmt
+            .json()
+            .with_ansi(false)
+            .with_filter(log_filter(default))
+            .boxed(),
+    };
     tracing_subscriber::registry()
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
-                // Colour only on a terminal: a log file or journal gets
-                // plain text.
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                .with_filter(log_filter(default)),
-        )
+        .with(log)
         .with(layer())
         .init();
 }
