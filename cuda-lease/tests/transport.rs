@@ -123,9 +123,9 @@ fn the_shipped_node_config_is_one_the_node_takes() {
             Some("cuda-include") => "memory-device = \"64M\"".to_owned(),
             Some("listen") => "listen = \"127.0.0.1:0\"".to_owned(),
             Some("metrics-listen") => "metrics-listen = \"127.0.0.1:0\"".to_owned(),
+            Some("log-format") => "log-format = \"json\"".to_owned(),
             _ => l.to_owned(),
         })
-        .chain(["log-format = \"json\"".to_owned()])
         .collect::<Vec<_>>()
         .join("\n");
     let file = dir.join("node.toml");
