@@ -285,18 +285,44 @@ fn byte_range<T>(range: &std::ops::Range<usize>) -> (u64, u64) {
     (range.start as u64 * size, range.len() as u64 * size)
 }
 
-fn enqueue_d2h<T: AnyBitPattern>(
+/// Enqueues the download of elements `range` of `src` into `dst` (a
+/// fresh pinned buffer of `d2h`, or `copy_d2h`'s destination), ordered
+/// after `src`'s overlapping writes and recorded as a read of them and a
+/// use of `dst`.
+fn enqueue_d2h<T: AnyBitPattern, H: PinnedHost<T>>(
     ctx: &ExecutionContext,
     src: &DeviceBuffer<T>,
     range: std::ops::Range<usize>,
-    dst: &mut PinnedBuffer<T>,
+    dst: &mut H,
 ) -> Result<()> {
-    same_len("device-to-host copy", range.len(), dst.len())?;
+    same_len("device-to-host copy", range.len(), dst.host_len())?;
     if range.is_empty() {
         return Ok(());
     }
     let stream = ctx.cuda_stream()?;
-    dst.download_from(src.local_on(stream)?, range.start, stream)
+    bind(ctx)?;
+    let src = src.local_on(stream)?;
+    src.before_read_range(stream, range.clone())?;
+    let (at, bytes) = byte_range::<T>(&range);
+    let mut copy = |host: *mut T| {
+        // (cudarc's own tracking sees a read too.)
+        let (dptr, _use) = src.as_cuda_slice().device_ptr(stream);
+        // SAFETY: `host` addresses `range.len()` pinned elements that no
+        // host code touches until the recorded use is done; `dptr + at` as
+        // many inside `src`; `T` accepts any bits.
+        unsafe {
+            result::memcpy_dtoh_async(
+                std::slice::from_raw_parts_mut(host.cast::<u8>(), bytes as usize),
+                dptr + at,
+                stream.cu_stream(),
+            )
+        }
+        .map_err(|e| Error::driver("cuMemcpyDtoHAsync", e))
+    };
+    // SAFETY: the copy writes `range.len()` elements on `stream`.
+    let copied = unsafe { dst.enqueue_use(stream, true, &mut copy) };
+    let read = src.after_read_range(stream, range);
+    copied.and(read)
 }
 
 /// Op for [`copy_d2h`].
@@ -348,32 +374,7 @@ impl<T: AnyBitPattern, B: DeviceSource<T>, H: PinnedHost<T>> DeviceOp for CopyD2
             r.on_reply(move || fill(&slot));
             return Ok((self.src, self.dst));
         }
-        if !range.is_empty() {
-            let stream = ctx.cuda_stream()?;
-            bind(ctx)?;
-            let src = src.local_on(stream)?;
-            src.before_read_range(stream, range.clone())?;
-            let (at, bytes) = byte_range::<T>(&range);
-            let mut copy = |host: *mut T| {
-                // (cudarc's own tracking sees a read too.)
-                let (dptr, _use) = src.as_cuda_slice().device_ptr(stream);
-                // SAFETY: `host` addresses `range.len()` pinned elements
-                // that no host code touches until the recorded use is done;
-                // `dptr + at` as many inside `src`; `T` accepts any bits.
-                unsafe {
-                    result::memcpy_dtoh_async(
-                        std::slice::from_raw_parts_mut(host.cast::<u8>(), bytes as usize),
-                        dptr + at,
-                        stream.cu_stream(),
-                    )
-                }
-                .map_err(|e| Error::driver("cuMemcpyDtoHAsync", e))
-            };
-            // SAFETY: the copy writes `range.len()` elements on `stream`.
-            let copied = unsafe { self.dst.enqueue_use(stream, true, &mut copy) };
-            let read = src.after_read_range(stream, range);
-            copied.and(read)?;
-        }
+        enqueue_d2h(ctx, src, range, &mut self.dst)?;
         Ok((self.src, self.dst))
     }
 }

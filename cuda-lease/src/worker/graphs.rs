@@ -125,14 +125,7 @@ impl Graphs {
 /// that fails leaves the commands to be replayed one by one (any error
 /// they have shows at a launch).
 fn capture(dev: &mut dyn Device, graph: Id, body: &Body) -> bool {
-    let mut enqueue = |dev: &mut dyn Device| {
-        let mut payload = Payload::new(&body.data);
-        let mut read_at = 0;
-        body.commands
-            .iter()
-            .try_for_each(|c| enqueue(dev, c.stream, &c.op, &mut payload, &mut read_at))
-    };
-    match dev.capture_graph(graph, &body.streams, &mut enqueue) {
+    match dev.capture_graph(graph, &body.streams, &mut |dev| enqueue_body(dev, body)) {
         Ok(native) => native,
         Err(e) => {
             // (Workers have no log of their own: their stderr is the node's.)
@@ -161,14 +154,19 @@ fn replay(dev: &mut dyn Device, stream: StreamId, body: &Body) -> Result<(), Dev
             dev.wait(*s, fence(0))?;
         }
     }
-    let mut payload = Payload::new(&body.data);
-    let mut read_at = 0;
-    for c in &body.commands {
-        enqueue(dev, c.stream, &c.op, &mut payload, &mut read_at)?;
-    }
+    enqueue_body(dev, body)?;
     for (k, s) in others.iter().enumerate() {
         dev.record(*s, fence(k + 1))?;
         dev.wait(stream, fence(k + 1))?;
     }
     Ok(())
+}
+
+/// Enqueues the body's kept commands, with their upload bytes.
+fn enqueue_body(dev: &mut dyn Device, body: &Body) -> Result<(), DeviceError> {
+    let mut payload = Payload::new(&body.data);
+    let mut read_at = 0;
+    body.commands
+        .iter()
+        .try_for_each(|c| enqueue(dev, c.stream, &c.op, &mut payload, &mut read_at))
 }

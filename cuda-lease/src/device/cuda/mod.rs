@@ -487,7 +487,7 @@ impl Device for CudaDevice {
         let end = stream
             .record_event(Some(TIMING))
             .map_err(|e| driver(Status::Internal, "cuEventRecord", e))?;
-        self.touch(&stream);
+        // (`stream()` noted the stream: the batch's end waits for it.)
         self.timer_reads.push((start, end, at));
         Ok(())
     }
