@@ -872,8 +872,11 @@ pub fn copies(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
 /// ~1 ms spin kernels, each filling its GPU, awaited together through a
 /// [`cuda_async::DevicePool`] over GPUs 0 and 1 vs GPU 0's own pool; and a
 /// 256 MiB peer copy GPU 0 -> GPU 1 through `to_device` vs a raw
-/// `cuMemcpyPeerAsync`, in GB/s. With one GPU both rows say why they are
-/// empty.
+/// `cuMemcpyPeerAsync`, in GB/s: first with peer access off on both sides
+/// (automatic access turned off), then with it on (the raw copy between
+/// `cuMemAlloc` buffers of contexts whose access it enabled itself; the
+/// library's enabled by its first copy). With one GPU every row says why
+/// it is empty.
 ///
 /// # Errors
 /// The first error of any path.
@@ -888,6 +891,8 @@ pub fn multi_gpu(fx: &Fixture, rt: &Runtime, cfg: &Config) -> Result<Vec<Row>> {
     );
     let peer = "peer copy 256 MiB GPU 0 -> GPU 1: `to_device` vs raw `cuMemcpyPeerAsync` \
                 (peer access not enabled on either side)";
+    let linked = "peer copy 256 MiB GPU 0 -> GPU 1 with peer access enabled: `to_device` vs raw \
+                  `cuMemcpyPeerAsync` (raw: the link's speed)";
     if cuda_async::device_count()? < 2 {
         let why = "needs 2 GPUs: this host has one";
         return Ok(vec![
@@ -895,6 +900,9 @@ pub fn multi_gpu(fx: &Fixture, rt: &Runtime, cfg: &Config) -> Result<Vec<Row>> {
                 .goal(Goal::AtMost(0.55))
                 .note(why),
             Row::new(g, peer, Unit::GBps)
+                .goal(Goal::AtLeast(0.95))
+                .note(why),
+            Row::new(g, linked, Unit::GBps)
                 .goal(Goal::AtLeast(0.95))
                 .note(why),
         ]);
@@ -935,7 +943,9 @@ pub fn multi_gpu(fx: &Fixture, rt: &Runtime, cfg: &Config) -> Result<Vec<Row>> {
         .lib(ms(&t[1]))
         .goal(Goal::AtMost(0.55))];
 
-    // The peer copy.
+    // The peer copy, first staged: nothing in this process has enabled
+    // peer access yet, and `to_device` is told not to.
+    cuda_async::set_auto_peer_access(false);
     let s0 = d0.new_stream()?;
     let s1 = d1.new_stream()?;
     let src = h2d(vec![7u8; COPY_BYTES]).sync_on(&s0)?;
@@ -979,6 +989,59 @@ pub fn multi_gpu(fx: &Fixture, rt: &Runtime, cfg: &Config) -> Result<Vec<Row>> {
             .raw(gbps(&t[0]))
             .lib(gbps(&t[1]))
             .goal(Goal::AtLeast(0.95)),
+    );
+
+    // Then over the link. Raw: `cuMemAlloc` buffers, access enabled by
+    // hand on both contexts. The library: its default, enabling access
+    // (contexts and pools) at its first copy; GPU 1's pool keeps the
+    // freed copies, so every rep does not map 256 MiB afresh.
+    cuda_async::set_auto_peer_access(true);
+    d1.set_mem_pool_release_threshold(2 * COPY_BYTES as u64)?;
+    let note = match crate::raw::peer_link(d0.context(), d1.context())? {
+        Some(rank) => format!("P2P performance rank {rank}"),
+        None => {
+            rows.push(
+                Row::new(g, linked, Unit::GBps)
+                    .goal(Goal::AtLeast(0.95))
+                    .note("GPU 0 and GPU 1 cannot access each other (`cuDeviceCanAccessPeer`)"),
+            );
+            return Ok(rows);
+        }
+    };
+    let raw_src = crate::raw::RawDeviceMem::new(d0.context(), COPY_BYTES)?;
+    let raw_dst = crate::raw::RawDeviceMem::new(d1.context(), COPY_BYTES)?;
+    let raw_linked = || -> Result<()> {
+        // SAFETY: both pointers address COPY_BYTES bytes of live
+        // `cuMemAlloc` allocations of their contexts, touched by nothing
+        // else (both devices idle between reps: synchronized below).
+        unsafe {
+            sys::cuMemcpyPeerAsync(
+                raw_dst.ptr(),
+                s1.context().cu_ctx(),
+                raw_src.ptr(),
+                s0.context().cu_ctx(),
+                COPY_BYTES,
+                s1.cu_stream(),
+            )
+        }
+        .result()?;
+        s1.synchronize()?;
+        Ok(())
+    };
+    let t = interleaved(
+        cfg.reps(3, 1),
+        cfg.reps(40, 5),
+        &mut [&mut || raw_linked(), &mut || {
+            cuda_async::to_device(&src, &d1).sync_with(&on1)?;
+            Ok(())
+        }],
+    )?;
+    rows.push(
+        Row::new(g, linked, Unit::GBps)
+            .raw(gbps(&t[0]))
+            .lib(gbps(&t[1]))
+            .goal(Goal::AtLeast(0.95))
+            .note(note),
     );
     Ok(rows)
 }

@@ -337,6 +337,53 @@ impl RawDeviceMem {
     }
 }
 
+impl RawDeviceMem {
+    /// The allocation's device address.
+    pub fn ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+}
+
+/// Enables peer access between the contexts `a` and `b`, both directions
+/// (`cuCtxEnablePeerAccess`, covering `cuMemAlloc` memory), and returns
+/// the link's P2P performance rank; `None` (nothing enabled) when the
+/// devices cannot access each other.
+///
+/// # Errors
+/// The driver's error.
+pub fn peer_link(a: &Arc<CudaContext>, b: &Arc<CudaContext>) -> Result<Option<i32>, DriverError> {
+    for (from, to) in [(a, b), (b, a)] {
+        let mut yes = 0;
+        // SAFETY: writes one int; both device handles are live.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut yes, from.cu_device(), to.cu_device()) }
+            .result()?;
+        if yes == 0 {
+            return Ok(None);
+        }
+    }
+    for (from, to) in [(a, b), (b, a)] {
+        from.bind_to_thread()?;
+        // SAFETY: `to` is a live context; flags must be 0.
+        match unsafe { sys::cuCtxEnablePeerAccess(to.cu_ctx(), 0) } {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+            }
+            e => return Err(DriverError(e)),
+        }
+    }
+    let mut rank = 0;
+    // SAFETY: writes one int; both device handles are live.
+    unsafe {
+        sys::cuDeviceGetP2PAttribute(
+            &mut rank,
+            sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK,
+            a.cu_device(),
+            b.cu_device(),
+        )
+    }
+    .result()?;
+    Ok(Some(rank))
+}
+
 impl Drop for RawDeviceMem {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();

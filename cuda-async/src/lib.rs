@@ -151,11 +151,12 @@ pub use context::ExecutionContext;
 pub use cuda_async_macros::kernels;
 pub use cuda_core::GraphUpdate;
 pub use cuda_core::{
-    can_access_peer, cudarc, device_count, devices, driver_present, hardware_queues,
-    nvrtc_compilations, set_hardware_queues, Credentials, CudaStream, Device, DeviceAttribute,
-    DeviceInfo, DeviceRepr, Disconnect, Error, Kernel, LaunchConfig, Module, ModuleSource,
-    PinnedBuffer, RemoteError, RemoteErrorKind, Result, SharedPinnedBuffer, ValidAsZeroBits,
-    DEFAULT_HARDWARE_QUEUES, MAX_HARDWARE_QUEUES,
+    auto_peer_access, can_access_peer, cudarc, device_count, devices, driver_present,
+    enable_peer_access, hardware_queues, nvrtc_compilations, set_auto_peer_access,
+    set_hardware_queues, Credentials, CudaStream, Device, DeviceAttribute, DeviceInfo, DeviceRepr,
+    Disconnect, Error, Kernel, LaunchConfig, Module, ModuleSource, PinnedBuffer, RemoteError,
+    RemoteErrorKind, Result, SharedPinnedBuffer, ValidAsZeroBits, DEFAULT_HARDWARE_QUEUES,
+    MAX_HARDWARE_QUEUES,
 };
 pub use future::{run_on, DeviceFuture};
 pub use globals::{read_global, write_global, ReadGlobal, WriteGlobal};

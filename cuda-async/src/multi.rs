@@ -20,12 +20,20 @@ use crate::spread::{Member, Spread};
 /// Copies `src` (a buffer of any local GPU) into a new buffer on `device`,
 /// which must be the device the op runs on (schedule the chain there: a
 /// policy of that device, or a [`DevicePool`] placement). Across devices it
-/// is a peer copy (`cuMemcpyPeerAsync`: direct over NVLink or PCIe where
-/// [`can_access_peer`](crate::can_access_peer) says the devices reach each
-/// other, staged by the driver where they do not), ordered by events on
-/// both devices: it waits for `src`'s last write, and `src`'s later writes
-/// and its free wait for the copy. On the same device it is a plain
+/// is a peer copy (`cuMemcpyPeerAsync`), ordered by events on both
+/// devices: it waits for `src`'s last write, and `src`'s later writes and
+/// its free wait for the copy. On the same device it is a plain
 /// device-to-device copy.
+///
+/// Where [`can_access_peer`](crate::can_access_peer) says the two devices
+/// reach each other, the first copy between them enables their peer access
+/// (contexts and memory pools, both directions, once for the process), so
+/// the copy engines move the bytes over NVLink or PCIe directly; where they
+/// do not, the driver stages the copy. To keep devices apart, opt out with
+/// [`set_auto_peer_access(false)`](crate::set_auto_peer_access) (or
+/// `CUDA_ASYNC_PEER_ACCESS=off`) before the first copy: copies then stay
+/// staged unless someone enables access with
+/// [`enable_peer_access`](crate::enable_peer_access).
 ///
 /// A buffer of device A used by a kernel on device B without it stays an
 /// error naming both devices.
@@ -33,7 +41,8 @@ use crate::spread::{Member, Spread};
 /// # Errors
 /// At execution: [`Error::InvalidArgument`] when the op runs on another
 /// device than `device`; [`Error::WrongHome`] for a remote buffer;
-/// [`Error::NeedsLocalStream`] on a remote context; driver errors.
+/// [`Error::NeedsLocalStream`] on a remote context; [`Error::PeerAccess`]
+/// if the driver refuses peer access between the devices; driver errors.
 ///
 /// # Examples
 ///

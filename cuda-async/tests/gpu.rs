@@ -1151,6 +1151,114 @@ fn to_device_copies_to_the_device_the_op_runs_on() {
     );
 }
 
+/// Peer access, on a host with two GPUs that reach each other: the first
+/// `to_device` between them enables access on both contexts and both
+/// memory pools (asked of the driver afterwards), and copies in both
+/// directions, each issued while a kernel runs on both devices, are
+/// byte-exact, three rounds; a kernel on the target device then reads the
+/// copy. On one GPU it says it needs two (run it from the bundle's
+/// `multi-gpu` script, under memcheck too).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn to_device_enables_peer_access_and_copies_exactly_beside_kernels() {
+    use cuda_async::{can_access_peer, to_device, SingleStream};
+    if cuda_async::device_count().unwrap() < 2 {
+        eprintln!("one GPU visible: peer access is not checked here (needs 2 GPUs)");
+        return;
+    }
+    let (d0, d1) = (dev(), Device::new(1).unwrap());
+    let linked = can_access_peer(&d0, &d1).unwrap() && can_access_peer(&d1, &d0).unwrap();
+    eprintln!("GPU 0 and GPU 1 reach each other: {linked}");
+    let k = kernels();
+    k.axpy.load_on(&d1).unwrap();
+    let on = |d: &Device| SingleStream::new(d.new_stream().unwrap()).unwrap();
+    let (on0, on1, spin0, spin1) = (on(&d0), on(&d1), on(&d0), on(&d1));
+    let mut rng = Rng::new();
+    let n = 16 << 20; // 64 MiB of f32 each way
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    for round in 0..3 {
+        let (x0, x1) = (rng.f32s(n), rng.f32s(n));
+        let a = h2d(x0.clone()).sync_with(&on0).unwrap();
+        let b = h2d(x1.clone()).sync_with(&on1).unwrap();
+        let (s0, s1, ab, ba) = rt.block_on(async {
+            tokio::join!(
+                suite::spin_op(&k.spin, 2_000_000).schedule(&spin0).unwrap(),
+                suite::spin_op(&k.spin, 2_000_000).schedule(&spin1).unwrap(),
+                to_device(&a, &d1).schedule(&on1).unwrap(),
+                to_device(&b, &d0).schedule(&on0).unwrap(),
+            )
+        });
+        let (ab, ba) = (ab.unwrap(), ba.unwrap());
+        let (s0, s1) = (s0.unwrap(), s1.unwrap());
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let got = d2h(&ab).sync_with(&on1).unwrap();
+        assert!(
+            bits(got.as_slice().unwrap()) == bits(&x0),
+            "round {round}: 0 -> 1"
+        );
+        let got = d2h(&ba).sync_with(&on0).unwrap();
+        assert!(
+            bits(got.as_slice().unwrap()) == bits(&x1),
+            "round {round}: 1 -> 0"
+        );
+        // A kernel on GPU 1 reads the copy: y = 1 * x + 0 is x, exactly.
+        let y = zeros::<f32>(n).sync_with(&on1).unwrap();
+        // SAFETY: axpy touches x[0..n) and y[0..n); both have n elements.
+        let (_, _, y, _) = unsafe { launch(&k.axpy, cfg(n as u32), (1.0f32, &ab, y, n as u32)) }
+            .sync_with(&on1)
+            .unwrap();
+        let got = d2h(y).sync_with(&on1).unwrap();
+        assert!(
+            bits(got.as_slice().unwrap()) == bits(&x0),
+            "round {round}: kernel on 1"
+        );
+        let ((a0, a1), (b0, b1)) = (suite::stamps(&spin0, s0), suite::stamps(&spin1, s1));
+        assert!(a1 - a0 >= 2_000_000 && b1 - b0 >= 2_000_000);
+    }
+    if !linked {
+        eprintln!("the copies above were staged by the driver: access is not checked");
+        return;
+    }
+    // The driver's own view: both contexts already reach each other, and
+    // each pool lets the other device read and write.
+    for (from, to) in [(&d0, &d1), (&d1, &d0)] {
+        from.context().bind_to_thread().unwrap();
+        // SAFETY: `to`'s context is live; flags must be 0.
+        let again = unsafe { sys::cuCtxEnablePeerAccess(to.context().cu_ctx(), 0) };
+        assert_eq!(
+            again,
+            sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
+            "context of GPU {} to GPU {}",
+            from.ordinal(),
+            to.ordinal()
+        );
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; live device handle.
+        unsafe { sys::cuDeviceGetMemPool(&mut pool, to.context().cu_device()) }
+            .result()
+            .unwrap();
+        let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+        let mut at = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: from.context().cu_device(),
+        };
+        // SAFETY: valid pointers, read and written during the call.
+        unsafe { sys::cuMemPoolGetAccess(&mut flags, pool, &mut at) }
+            .result()
+            .unwrap();
+        assert_eq!(
+            flags,
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            "pool of GPU {} seen from GPU {}",
+            to.ordinal(),
+            from.ordinal()
+        );
+    }
+    assert!(cuda_async::enable_peer_access(&d0, &d1).unwrap());
+}
+
 /// A `DevicePool` that spreads arms puts a zip's arms on two devices: each
 /// arm's output lives on its own device, the two 20 ms spins overlap (the
 /// wall time is under 1.5 spins, and each GPU's `%globaltimer` intervals

@@ -364,23 +364,29 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// `stream`'s device, which may be another device than this buffer's
     /// (a peer copy, `cuMemcpyPeerAsync`: direct over NVLink or PCIe where
     /// the devices can reach each other, staged by the driver where they
-    /// cannot). Ordered by events on both devices: the copy waits for this
+    /// cannot). Before the first copy between two devices that can reach
+    /// each other it enables their peer access, once for the process
+    /// ([`enable_peer_access`](crate::enable_peer_access); opt out with
+    /// [`set_auto_peer_access`](crate::set_auto_peer_access)). Ordered by events on both devices: the copy waits for this
     /// buffer's last write (on any stream of its device), and later writes
     /// and the free of this buffer wait for the copy.
     ///
     /// # Errors
-    /// Driver errors (allocation, the copy, ordering events), named.
+    /// Driver errors (allocation, the copy, ordering events), named;
+    /// [`Error::PeerAccess`] if the driver refuses peer access between the
+    /// two devices.
     pub fn copy_to(&self, stream: &Arc<CudaStream>) -> Result<DeviceBuffer<T>> {
         // SAFETY: fully written by the copy enqueued next.
         let mut dst = unsafe { DeviceBuffer::<T>::uninit(stream, self.len()) }?;
         if self.is_empty() {
             return Ok(dst);
         }
+        let src_ctx = self.slice.stream().context();
+        crate::peer::before_peer_copy(src_ctx, stream.context())?;
         set_current(stream.context())?;
         // A wait on an event of another device's context is allowed.
         self.uses.before(stream, false, WHOLE)?;
         dst.before_write(stream)?;
-        let src_ctx = self.slice.stream().context();
         let copied = {
             let (src_ptr, _r) = self.slice.device_ptr(self.slice.stream());
             let (dst_ptr, _w) = dst.as_cuda_slice_mut().device_ptr_mut(stream);
@@ -407,28 +413,6 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         read?;
         Ok(dst)
     }
-}
-
-/// Whether device `a` can read and write device `b`'s memory directly
-/// (`cuDeviceCanAccessPeer`): peer copies between them then go over
-/// NVLink or PCIe without staging through host memory.
-///
-/// # Errors
-/// A driver error.
-pub fn can_access_peer(a: &Device, b: &Device) -> Result<bool> {
-    let mut yes = 0;
-    // SAFETY: writes one int through a valid pointer; both device handles
-    // come from live contexts.
-    unsafe {
-        cudarc::driver::sys::cuDeviceCanAccessPeer(
-            &mut yes,
-            a.context().cu_device(),
-            b.context().cu_device(),
-        )
-    }
-    .result()
-    .map_err(|e| Error::driver("cuDeviceCanAccessPeer", e))?;
-    Ok(yes != 0)
 }
 
 impl<T> Drop for DeviceBuffer<T> {

@@ -105,6 +105,20 @@ pub enum Error {
         /// How long the caller waited.
         waited: std::time::Duration,
     },
+    /// Peer access between two devices could not be enabled
+    /// ([`enable_peer_access`](crate::enable_peer_access), or a peer copy
+    /// enabling it by itself): the driver refused the named call.
+    PeerAccess {
+        /// The driver entry point that failed (`cuCtxEnablePeerAccess`,
+        /// `cuMemPoolSetAccess`, ...).
+        call: &'static str,
+        /// The device given access.
+        from: usize,
+        /// The device whose memory it was to reach.
+        to: usize,
+        /// The driver's status code.
+        code: DriverError,
+    },
     /// A host step's closure (`host_step`, `host_step_with`) panicked; the
     /// stream went on after it.
     HostStep {
@@ -162,6 +176,21 @@ impl Error {
         }
     }
 
+    /// A failure to give device `from` access to device `to`'s memory
+    /// (a sticky code is [`Error::Poisoned`], as with [`Error::driver`]).
+    pub fn peer_access(call: &'static str, from: usize, to: usize, code: DriverError) -> Self {
+        if is_sticky(code.0) {
+            Error::Poisoned { code }
+        } else {
+            Error::PeerAccess {
+                call,
+                from,
+                to,
+                code,
+            }
+        }
+    }
+
     /// Whether this error leaves the process's CUDA state unusable: every
     /// later CUDA call of this process fails, so a service should restart
     /// the process (a remote lease's fault is an [`Error::Remote`] of kind
@@ -210,10 +239,13 @@ impl Error {
         self.driver_code() == Some(CUresult::CUDA_ERROR_OUT_OF_MEMORY)
     }
 
-    /// The driver status code, if this is a driver error.
+    /// The driver status code, if this is a driver error (or a refused
+    /// peer access).
     pub fn driver_code(&self) -> Option<CUresult> {
         match self {
-            Error::Driver { code, .. } | Error::Poisoned { code } => Some(code.0),
+            Error::Driver { code, .. }
+            | Error::PeerAccess { code, .. }
+            | Error::Poisoned { code } => Some(code.0),
             _ => None,
         }
     }
@@ -327,6 +359,18 @@ impl fmt::Display for Error {
                 f,
                 "the GPU work did not finish within {waited:?}; it goes on, and what it uses \
                  stays allocated until it ends (wait longer, or check the work's size)"
+            ),
+            Error::PeerAccess {
+                call,
+                from,
+                to,
+                code,
+            } => write!(
+                f,
+                "peer access from GPU {from} to GPU {to} could not be enabled: {call} failed: \
+                 {} (copies between them still work, staged by the driver: call \
+                 `set_auto_peer_access(false)` to stop trying)",
+                describe(code)
             ),
             Error::HostStep { op, message } => write!(
                 f,
@@ -495,6 +539,16 @@ mod tests {
                     message: s("boom"),
                 },
                 "fix the closure",
+                false,
+            ),
+            (
+                Error::peer_access(
+                    "cuCtxEnablePeerAccess",
+                    0,
+                    1,
+                    DriverError(CUresult::CUDA_ERROR_TOO_MANY_PEERS),
+                ),
+                "GPU 0 to GPU 1",
                 false,
             ),
             (

@@ -30,6 +30,7 @@ mod global;
 pub mod graph;
 pub mod hostmem;
 pub mod module;
+pub mod peer;
 pub mod pinned;
 mod raw;
 pub mod reclaim;
@@ -41,7 +42,7 @@ mod tracking;
 
 pub use arena::{ArenaRead, ArenaSlot, StagingArena, ARENA_ALIGN};
 pub use args::{ArgList, Args};
-pub use buffer::{can_access_peer, AnyBitPattern, DeviceBuffer};
+pub use buffer::{AnyBitPattern, DeviceBuffer};
 pub use callback::{launch_host_callback, launch_host_fn_borrowed};
 pub use device::{
     device_count, devices, driver_present, hardware_queues, nvrtc_present, set_hardware_queues,
@@ -54,6 +55,7 @@ pub use module::{
     compile_ptx, fnv1a64, nvrtc_compilations, parse_ptx_entries, Kernel, Module, ModuleSource,
     ParamClass, ParamSpec,
 };
+pub use peer::{auto_peer_access, can_access_peer, enable_peer_access, set_auto_peer_access};
 pub use pinned::PinnedBuffer;
 pub use raw::stream_error;
 pub use registered::HostRegistration;
