@@ -115,6 +115,8 @@ pub(super) struct ChainRows {
     /// One awaited launch on kept buffers: remote, and local with a GPU.
     op_remote: Vec<Duration>,
     op_local: Option<Vec<Duration>>,
+    /// Submissions of 1 and of [`MANY`] launches: remote, then local.
+    per_launch: [Vec<Duration>; 4],
 }
 
 /// One awaited `axpy` launch on buffers made beforehand, `iters` times
@@ -180,6 +182,96 @@ impl KeptLaunch {
         let d = t.elapsed();
         self.y = Some(back);
         Ok(d)
+    }
+}
+
+/// Launches in the long submission of the per-launch row.
+const MANY: u32 = 100;
+
+impl KeptLaunch {
+    /// `count` `axpy` launches chained in one submission on the kept
+    /// buffers, timed awaited.
+    async fn time_many<P: SchedulingPolicy + ?Sized>(
+        &mut self,
+        policy: &P,
+        count: u32,
+    ) -> Result<Duration> {
+        let cfg = cuda_async::LaunchConfig::for_num_elems(Self::N);
+        let one = |k: Kernel, x, y| {
+            // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
+            unsafe { launch(&k, cfg, (0.5f32, x, y, Self::N)) }.map(|(_, x, y, _)| (x, y))
+        };
+        let t = Instant::now();
+        let mut op = one(self.axpy.clone(), self.x.clone(), self.y.take().expect("y")).boxed();
+        for _ in 1..count {
+            let k = self.axpy.clone();
+            op = op.then(move |(x, y)| one(k, x, y)).boxed();
+        }
+        let (_, back) = op.schedule(policy)?.await?;
+        let d = t.elapsed();
+        self.y = Some(back);
+        Ok(d)
+    }
+}
+
+/// What one more launch in a submission costs: submissions of 1 and of
+/// [`MANY`] chained launches on kept buffers, remote and (with a GPU)
+/// local, in interleaved blocks, `iters` of each kept. Returns the four
+/// sets of times: remote 1, remote many, local 1, local many.
+async fn per_launch_times(
+    remote: &RemotePolicy,
+    local: Option<&StreamPoolRoundRobin>,
+    axpy: &Kernel,
+    iters: usize,
+) -> Result<[Vec<Duration>; 4]> {
+    let mut on_remote = KeptLaunch::new("remote", remote, axpy).await?;
+    let mut on_local = match local {
+        Some(l) => Some(KeptLaunch::new("local", l, axpy).await?),
+        None => None,
+    };
+    let mut v: [Vec<Duration>; 4] = Default::default();
+    for (path, keep) in interleaved(iters, 4) {
+        let count = if path % 2 == 0 { 1 } else { MANY };
+        let d = match (path, &mut on_local, local) {
+            (0 | 1, _, _) => on_remote.time_many(remote, count).await?,
+            (_, Some(k), Some(l)) => k.time_many(l, count).await?,
+            _ => continue,
+        };
+        if keep {
+            v[path].push(d);
+        }
+    }
+    Ok(v)
+}
+
+/// The per-launch row: `(t(MANY) - t(1)) / (MANY - 1)` of the medians, the
+/// remote path against the local one (or remote alone, with no GPU here).
+fn per_launch_row(group: &'static str, t: &[Vec<Duration>; 4]) -> Row {
+    let per = |one: &[Duration], many: &[Duration]| {
+        let (one, many) = (times(Unit::Micros, one)?, times(Unit::Micros, many)?);
+        Some(difference(many, one).scaled(1.0 / f64::from(MANY - 1)))
+    };
+    let remote = per(&t[0], &t[1]);
+    let what = format!(
+        "one more launch in a submission, (t({MANY} chained launches) - t(1)) / {}",
+        MANY - 1
+    );
+    match per(&t[2], &t[3]) {
+        Some(local) => Row::new(
+            group,
+            format!("{what}: remote (node and worker) vs local eager (interleaved)"),
+            Unit::Micros,
+        )
+        .raw(Some(local))
+        .lib(remote)
+        .goal(Goal::AtMost(1.3))
+        .note("the raw column is the local path's, not a raw driver's: both sides cuda-async"),
+        None => Row::new(
+            group,
+            format!("{what}: remote alone (no local GPU)"),
+            Unit::Micros,
+        )
+        .lib(remote),
     }
 }
 
@@ -395,7 +487,8 @@ pub(super) async fn chain_only(ctx: &Ctx) -> Result<Vec<Row>> {
 
 /// `remote_launch`: one awaited launch on kept buffers, remote and (with a
 /// GPU) local, against the raw 64 B round trip, interleaved in blocks as
-/// the chain rows are: the submission's fixed cost, with no bulk bytes.
+/// the chain rows are: the submission's fixed cost, with no bulk bytes;
+/// then the per-launch row.
 pub(super) async fn launch_only(ctx: &Ctx) -> Result<Vec<Row>> {
     let axpy = Module::cuda(AXPY, &[])?.kernel("axpy")?;
     let lease = Lease::builder()
@@ -426,10 +519,16 @@ pub(super) async fn launch_only(ctx: &Ctx) -> Result<Vec<Row>> {
         }
     }
     raw.close().await;
+    drop((on_remote, on_local));
+    let per_launch =
+        per_launch_times(&remote, local.as_deref(), &axpy, ctx.cfg.iters.min(200)).await?;
     lease.free().await?;
     let [rtt, r, l] = v;
     let local = (!l.is_empty()).then_some(l.as_slice());
-    Ok(vec![launch_row("remote_launch", true, &rtt, &r, local)])
+    Ok(vec![
+        launch_row("remote_launch", true, &rtt, &r, local),
+        per_launch_row("remote_launch", &per_launch),
+    ])
 }
 
 /// One awaited launch: remote - local (or remote alone, with no local
@@ -608,6 +707,7 @@ pub(super) fn rows(group: &'static str, c: &ChainRows, raw: &Raw) -> Vec<Row> {
         &c.op_remote,
         c.op_local.as_deref(),
     ));
+    rows.push(per_launch_row(group, &c.per_launch));
     let size = size_label(c.bytes);
     // What a user gets by default (the data path, striped): against one
     // raw quinn connection with quinn's defaults, and against TCP.
@@ -707,6 +807,8 @@ pub(super) async fn chain_bench(ctx: &Ctx) -> Result<ChainRows> {
     } else {
         Some(time_one_op(&*cuda_async::default_policy()?, &axpy, iters).await?)
     };
+    let local = local_policy(&axpy, memory)?;
+    let per_launch = per_launch_times(&remote, local.as_deref(), &axpy, iters.min(200)).await?;
     lease.free().await?;
     Ok(ChainRows {
         times,
@@ -718,5 +820,6 @@ pub(super) async fn chain_bench(ctx: &Ctx) -> Result<ChainRows> {
         down_bulk,
         op_remote,
         op_local,
+        per_launch,
     })
 }

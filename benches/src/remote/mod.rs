@@ -18,7 +18,8 @@
 //!   chain rows alone (e.g. to profile the node's command path).
 //! - `remote_launch` (only when named): one awaited launch on kept
 //!   buffers, remote and local, interleaved with the raw 64 B round trip:
-//!   a submission's fixed cost, with no bulk bytes.
+//!   a submission's fixed cost, with no bulk bytes; and what one more
+//!   launch in a submission costs, remote against local.
 //!
 //! With [`DeviceSpec::Memory`] (`REPORT_REMOTE_DEVICE=memory`) the workers
 //! drive the in-memory test double instead of a GPU, so the node, QUIC and
