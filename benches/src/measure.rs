@@ -37,7 +37,7 @@ pub const COPY_BYTES: usize = 256 << 20;
 pub const MULTI_KERNELS: usize = 16;
 
 /// The report's local topics (they need a GPU here), in the order they run.
-pub const LOCAL_GROUPS: [&str; 8] = [
+pub const LOCAL_GROUPS: [&str; 9] = [
     "overhead",
     "await_latency",
     "throughput",
@@ -46,6 +46,7 @@ pub const LOCAL_GROUPS: [&str; 8] = [
     "graph",
     "copies",
     "multi_gpu",
+    "mem_pools",
 ];
 
 /// Every topic of the report, in the order they run: the local ones
@@ -1042,6 +1043,98 @@ pub fn multi_gpu(fx: &Fixture, rt: &Runtime, cfg: &Config) -> Result<Vec<Row>> {
             .lib(gbps(&t[1]))
             .goal(Goal::AtLeast(0.95))
             .note(note),
+    );
+    Ok(rows)
+}
+
+/// Sizes of the known allocation pattern of the `mem_pools` topic.
+const POOL_PATTERN_MIB: [usize; 3] = [1, 3, 16];
+/// Buffers of 4 KiB per op in the `mem_pools` timing rows.
+const POOL_ALLOCS: usize = 64;
+
+/// `mem_pools`: a policy given its own memory pool
+/// ([`SchedulingPolicy::with_mem_pool`](cuda_async::SchedulingPolicy::with_mem_pool))
+/// against the default policy. After a known allocation pattern the pool's
+/// used-high mark is what was allocated; an op that allocates
+/// [`POOL_ALLOCS`] buffers of 4 KiB (zeroed, then freed) costs the same
+/// from the chosen pool as from the device's default pool, both keeping
+/// freed memory (release threshold 1 GiB; the default pool's is restored
+/// after).
+///
+/// # Errors
+/// The first error of any path; an error if the used-high mark is below
+/// what was allocated.
+pub fn mem_pools(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
+    use cuda_async::prelude::*;
+    use cuda_async::{MemPool, MemPoolOptions};
+    let g = "mem_pools";
+    let d = &fx.device;
+    let pool = MemPool::new(d, MemPoolOptions::default().release_threshold(1 << 30))?;
+    let chosen = fx.policy.as_ref().clone().with_mem_pool(pool.clone());
+
+    // The known pattern: allocated, the high mark read, freed.
+    pool.reset_high_marks()?;
+    let bufs = POOL_PATTERN_MIB
+        .iter()
+        .map(|&m| zeros::<u8>(m << 20).sync_with(&chosen))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let high = pool.stats()?.used_high;
+    drop(bufs);
+    let allocated: usize = POOL_PATTERN_MIB.iter().sum::<usize>() << 20;
+    if high < allocated as u64 {
+        return Err(format!(
+            "the pool's used-high mark {high} B is below the {allocated} B allocated"
+        )
+        .into());
+    }
+    let mib = |b: f64| Summary {
+        median: b / f64::from(1u32 << 20),
+        p10: f64::NAN,
+        p90: f64::NAN,
+        n: 1,
+    };
+    let mut rows = vec![Row::new(
+        g,
+        "used-high mark of a chosen pool after zeros of 1, 3 and 16 MiB vs the bytes allocated",
+        Unit::MiB,
+    )
+    .raw(Some(mib(allocated as f64)))
+    .lib(Some(mib(high as f64)))
+    .goal(Goal::AtMost(1.0))
+    .note("raw column: the bytes asked for; ratio 1: the pool counted exactly those (below 1 is an error)")];
+
+    // The cost of allocating from it.
+    let default_pool = MemPool::default_of(d)?;
+    let threshold = default_pool.release_threshold()?;
+    default_pool.set_release_threshold(1 << 30)?;
+    let many = |p: &dyn SchedulingPolicy| -> Result<()> {
+        let bufs = join_all(
+            (0..POOL_ALLOCS)
+                .map(|_| zeros::<u8>(4096))
+                .collect::<Vec<_>>(),
+        )
+        .sync_with(p)?;
+        drop(bufs);
+        Ok(())
+    };
+    let t = interleaved(
+        cfg.reps(20, 5),
+        cfg.reps(400, 20),
+        &mut [&mut || many(fx.policy.as_ref()), &mut || many(&chosen)],
+    );
+    default_pool.set_release_threshold(threshold)?;
+    let t = t?;
+    rows.push(
+        Row::new(
+            g,
+            format!(
+                "{POOL_ALLOCS} zeroed 4 KiB buffers in one op + sync: a chosen pool (`with_mem_pool`) vs the default pool"
+            ),
+            Unit::Micros,
+        )
+        .raw(Summary::of(&t[0]))
+        .lib(Summary::of(&t[1]))
+        .goal(Goal::AtMost(1.05)),
     );
     Ok(rows)
 }

@@ -26,6 +26,8 @@ pub enum Unit {
     GiBps,
     /// Percent of one CPU core (lower is better).
     PercentCore,
+    /// Mebibytes (2^20 bytes) of memory (lower is better).
+    MiB,
 }
 
 impl Unit {
@@ -43,6 +45,7 @@ impl Unit {
             Unit::GBps => "GB/s",
             Unit::GiBps => "GiB/s",
             Unit::PercentCore => "% of a core",
+            Unit::MiB => "MiB",
         }
     }
 
@@ -63,6 +66,7 @@ impl Unit {
             Unit::GBps => format!("{v:.2} GB/s"),
             Unit::GiBps => format!("{v:.2} GiB/s"),
             Unit::PercentCore => format!("{v:.3} % of a core"),
+            Unit::MiB => format!("{v:.2} MiB"),
             Unit::Micros | Unit::Millis if v >= 100.0 => format!("{v:.1} {}", self.name()),
             Unit::Micros | Unit::Millis => format!("{v:.2} {}", self.name()),
         }

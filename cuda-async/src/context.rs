@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cuda_core::cudarc::driver::CudaStream;
-use cuda_core::{Device, Error, Result};
+use cuda_core::{Device, Error, MemPool, Result};
 
 use crate::reactor::{CompletionMode, StreamSlot};
 use crate::remote::RemoteContext;
@@ -46,6 +46,9 @@ struct Local {
     /// Set by a [`DevicePool`](crate::DevicePool) that spreads concurrent
     /// arms over its devices.
     spread: Option<Spread>,
+    /// Set by [`WithMemPool`](crate::WithMemPool): the pool its ops
+    /// allocate from (on the pool's device).
+    mem_pool: Option<MemPool>,
 }
 
 impl fmt::Debug for ExecutionContext {
@@ -76,6 +79,7 @@ impl ExecutionContext {
                 completion: CompletionMode::HostCallback,
                 slot: None,
                 spread: None,
+                mem_pool: None,
             }),
             retained: Vec::new(),
             touched: AtomicBool::new(false),
@@ -254,7 +258,10 @@ impl ExecutionContext {
         match (&self.backend, stream) {
             (Backend::Local(l), s) => {
                 let s = s.unwrap_or_else(|| l.stream.clone());
-                let arm = Self::new(l.device.clone(), s, l.pool.clone());
+                let mut arm = Self::new(l.device.clone(), s, l.pool.clone());
+                if let Backend::Local(a) = &mut arm.backend {
+                    a.mem_pool = l.mem_pool.clone();
+                }
                 match &l.spread {
                     Some(spread) => arm.with_spread(spread.clone()),
                     None => arm,
@@ -271,6 +278,38 @@ impl ExecutionContext {
             l.spread = Some(spread);
         }
         self
+    }
+
+    /// Makes this (local) context's ops allocate from `pool` (on the pool's
+    /// device; allocations on other devices, such as spread arms', stay on
+    /// their device's current pool).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a remote context: a lease's memory is
+    /// the node's.
+    pub(crate) fn with_mem_pool(mut self, pool: MemPool) -> Result<Self> {
+        match &mut self.backend {
+            Backend::Local(l) => {
+                l.mem_pool = Some(pool);
+                Ok(self)
+            }
+            Backend::Remote(r) => Err(Error::InvalidArgument(format!(
+                "a memory pool of GPU {} serves local ops, not {} (a lease's memory is \
+                 the node's: its statistics are in the lease's status)",
+                pool.device().ordinal(),
+                r.describe()
+            ))),
+        }
+    }
+
+    /// The memory pool this context's ops allocate from, if a policy chose
+    /// one ([`SchedulingPolicy::with_mem_pool`](crate::SchedulingPolicy::with_mem_pool));
+    /// `None`: the device's current pool.
+    pub fn mem_pool(&self) -> Option<&MemPool> {
+        match &self.backend {
+            Backend::Local(l) => l.mem_pool.as_ref(),
+            Backend::Remote(_) => None,
+        }
     }
 
     /// Where concurrent arms of this context may go, if a device pool

@@ -26,8 +26,14 @@ pub(crate) unsafe fn execute_guarded<O: DeviceOp>(
     // Remotely, buffers dropped while recording are freed at the end of
     // this submission.
     let frame = ctx.remote_ref().map(|r| RecordingFrame::push(r.session()));
+    // A policy's chosen pool serves the op's allocations on its device.
+    let pool = ctx.mem_pool().cloned();
     // SAFETY: forwarded to our caller.
-    let result = catch_unwind(AssertUnwindSafe(|| unsafe { op.execute(ctx) }));
+    let run = || catch_unwind(AssertUnwindSafe(|| unsafe { op.execute(ctx) }));
+    let result = match pool {
+        Some(pool) => pool.allocate_in(run),
+        None => run(),
+    };
     if let (Some(frame), Some(r)) = (frame, ctx.as_remote()) {
         frame.finish(r);
     }

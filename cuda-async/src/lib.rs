@@ -154,9 +154,9 @@ pub use cuda_core::{
     auto_peer_access, can_access_peer, cudarc, device_count, devices, driver_present,
     enable_peer_access, hardware_queues, nvrtc_compilations, set_auto_peer_access,
     set_hardware_queues, Credentials, CudaStream, Device, DeviceAttribute, DeviceInfo, DeviceRepr,
-    Disconnect, Error, Kernel, LaunchConfig, Module, ModuleSource, PinnedBuffer, RemoteError,
-    RemoteErrorKind, Result, SharedPinnedBuffer, ValidAsZeroBits, DEFAULT_HARDWARE_QUEUES,
-    MAX_HARDWARE_QUEUES,
+    Disconnect, Error, Kernel, LaunchConfig, MemPool, MemPoolOptions, MemPoolStats, Module,
+    ModuleSource, PinnedBuffer, RemoteError, RemoteErrorKind, Result, SharedPinnedBuffer,
+    ValidAsZeroBits, DEFAULT_HARDWARE_QUEUES, MAX_HARDWARE_QUEUES,
 };
 pub use future::{run_on, DeviceFuture};
 pub use globals::{read_global, write_global, ReadGlobal, WriteGlobal};
@@ -175,7 +175,7 @@ pub use op::{DeviceOp, DeviceOpExt, OutputOf};
 pub use pinned_host::PinnedHost;
 pub use policy::{
     default_device, default_policy, set_default_device, SchedulingPolicy, SingleStream, StreamPool,
-    StreamPoolRoundRobin,
+    StreamPoolRoundRobin, WithMemPool,
 };
 pub use reactor::CompletionMode;
 pub use remote::{HostBuffer, RemotePolicy, RemoteSession};

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use cuda_core::cudarc::driver::CudaStream;
-use cuda_core::{Device, Result};
+use cuda_core::{Device, MemPool, Result};
 
 use crate::context::ExecutionContext;
 use crate::reactor::{slot_for, CompletionMode, StreamSlot};
@@ -24,6 +24,64 @@ pub trait SchedulingPolicy: Send + Sync + fmt::Debug {
     /// Whatever stops the policy from providing a context (no driver, a
     /// lost remote session...).
     fn select(&self) -> Result<ExecutionContext>;
+
+    /// This policy, with its ops' allocations on `pool`'s device coming
+    /// from `pool` instead of the device's current pool: `zeros`, `h2d`,
+    /// `d2d`, `to_device`, graph captures, every op that allocates. Two
+    /// workloads on two pools keep their memory apart, and each pool's
+    /// statistics ([`MemPool::stats`](crate::MemPool::stats)) count its
+    /// workload alone. Allocations on other devices (arms a
+    /// [`DevicePool`](crate::DevicePool) spreads) are not affected.
+    ///
+    /// # Errors
+    /// At `select`: [`Error::InvalidArgument`](crate::Error::InvalidArgument)
+    /// for a remote policy (a lease's memory is the node's).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_async::prelude::*;
+    /// use cuda_async::{Device, MemPool, MemPoolOptions, StreamPoolRoundRobin};
+    /// let dev = Device::new(0)?;
+    /// let pool = MemPool::new(&dev, MemPoolOptions::default())?;
+    /// let policy = StreamPoolRoundRobin::default_for(&dev)?.with_mem_pool(pool.clone());
+    /// let buf = zeros::<f32>(1 << 20).sync_with(&policy)?;
+    /// assert!(pool.stats()?.used >= 4 << 20);
+    /// # drop(buf);
+    /// # Ok::<(), cuda_async::Error>(())
+    /// ```
+    fn with_mem_pool(self, pool: MemPool) -> WithMemPool<Self>
+    where
+        Self: Sized,
+    {
+        WithMemPool { policy: self, pool }
+    }
+}
+
+/// A policy whose ops allocate from a chosen memory pool
+/// ([`SchedulingPolicy::with_mem_pool`]).
+#[derive(Debug, Clone)]
+pub struct WithMemPool<P> {
+    policy: P,
+    pool: MemPool,
+}
+
+impl<P> WithMemPool<P> {
+    /// The pool.
+    pub fn mem_pool(&self) -> &MemPool {
+        &self.pool
+    }
+
+    /// The policy it wraps.
+    pub fn policy(&self) -> &P {
+        &self.policy
+    }
+}
+
+impl<P: SchedulingPolicy> SchedulingPolicy for WithMemPool<P> {
+    fn select(&self) -> Result<ExecutionContext> {
+        self.policy.select()?.with_mem_pool(self.pool.clone())
+    }
 }
 
 /// Round-robin over a [`StreamPool`]: consecutive submissions go to

@@ -28,6 +28,7 @@ assert_impl_all!(Error: Send, Sync, Clone, std::error::Error);
 // Kernels are descriptions: shared across threads, cloned into closures.
 assert_impl_all!(cuda_async::Kernel: Send, Sync, Clone);
 assert_impl_all!(cuda_async::Module: Send, Sync, Clone, Eq);
+assert_impl_all!(cuda_async::MemPool: Send, Sync, Clone, Eq);
 
 fn poll_once<F: std::future::Future + Unpin>(mut f: F) -> Poll<F::Output> {
     let mut cx = futures_test::task::noop_context();
@@ -49,6 +50,22 @@ fn without_a_driver_every_entry_point_is_an_error_not_a_panic() {
     check("Device::new", cuda_async::Device::new(0).map(|_| ()));
     check("default_policy", cuda_async::default_policy().map(|_| ()));
     check("DevicePool::all", cuda_async::DevicePool::all().map(|_| ()));
+    check(
+        "MemPool::new",
+        cuda_async::Device::new(0)
+            .and_then(|d| cuda_async::MemPool::new(&d, Default::default()))
+            .map(|_| ()),
+    );
+    check(
+        "a policy on a chosen pool",
+        cuda_async::Device::new(0)
+            .and_then(|d| {
+                let pool = cuda_async::MemPool::default_of(&d)?;
+                let policy = StreamPoolRoundRobin::default_for(&d)?.with_mem_pool(pool);
+                value(1).sync_with(&policy)
+            })
+            .map(|_| ()),
+    );
     check("sync", value(1).sync().map(|_| ()));
     check(
         "await",

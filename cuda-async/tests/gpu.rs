@@ -1783,3 +1783,164 @@ fn disjoint_views_of_one_buffer_are_written_concurrently() {
         "the views' writers did not overlap: a=[{a0},{a1}] b=[{b0},{b1}]"
     );
 }
+
+/// The pool a buffer's memory was allocated from
+/// (`CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE`).
+fn pool_of<T: cuda_async::DeviceRepr>(b: &cuda_async::DeviceBuffer<T>) -> sys::CUmemoryPool {
+    use cuda_async::cudarc::driver::DevicePtr;
+    let local = b.local().unwrap();
+    let slice = local.as_cuda_slice();
+    let (ptr, _g) = slice.device_ptr(slice.stream());
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the attribute is a pool handle, written through a valid
+    // pointer; `ptr` is a live allocation.
+    unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut pool as *mut sys::CUmemoryPool).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+            ptr,
+        )
+    }
+    .result()
+    .unwrap();
+    pool
+}
+
+/// A chosen pool's statistics after a known sequence: zeros of 2 and 4 MiB
+/// through a policy on the pool count 6 MiB in use (the device's default
+/// pool sees none of it), the high mark stays at 6 MiB after the 4 MiB
+/// buffer is freed, and a reset brings it down to 2 MiB; each buffer's
+/// memory is the pool's (asked of the driver), and a round trip through
+/// it returns the data.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn mem_pool_statistics_follow_a_known_sequence() {
+    use cuda_async::{MemPool, MemPoolOptions};
+    let d = dev();
+    let pool = MemPool::new(&d, MemPoolOptions::default()).unwrap();
+    let policy = (*local()).clone().with_mem_pool(pool.clone());
+    let default = MemPool::default_of(&d).unwrap();
+    d.context().synchronize().unwrap();
+    let before = default.stats().unwrap().used;
+    const MIB: u64 = 1 << 20;
+    let a = zeros::<u8>(2 << 20).sync_with(&policy).unwrap();
+    let b = zeros::<u8>(4 << 20).sync_with(&policy).unwrap();
+    assert_eq!(
+        pool_of(&a),
+        pool.cu_pool(),
+        "allocated from the chosen pool"
+    );
+    assert_ne!(pool_of(&a), default.cu_pool());
+    let s = pool.stats().unwrap();
+    assert_eq!((s.used, s.used_high), (6 * MIB, 6 * MIB), "{s:?}");
+    assert!(s.reserved >= 6 * MIB, "{s:?}");
+    assert_eq!(
+        default.stats().unwrap().used,
+        before,
+        "the default pool is untouched"
+    );
+    drop(b);
+    d.context().synchronize().unwrap();
+    let s = pool.stats().unwrap();
+    assert_eq!((s.used, s.used_high), (2 * MIB, 6 * MIB), "{s:?}");
+    pool.reset_high_marks().unwrap();
+    let s = pool.stats().unwrap();
+    assert_eq!((s.used, s.used_high), (2 * MIB, 2 * MIB), "{s:?}");
+    let data = Rng::new().f32s(1 << 16);
+    let back = h2d(data.clone()).then(d2h).sync_with(&policy).unwrap();
+    assert_eq!(back.as_slice().unwrap(), &data[..]);
+    drop(a);
+}
+
+/// Two policies on two pools keep their allocations apart: each pool
+/// counts its own policy's buffers (also inside a `zip`'s arms), and each
+/// buffer's memory belongs to its policy's pool.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn mem_pool_two_policies_keep_their_allocations_apart() {
+    use cuda_async::{MemPool, MemPoolOptions};
+    let d = dev();
+    let (pa, pb) = (
+        MemPool::new(&d, MemPoolOptions::default()).unwrap(),
+        MemPool::new(&d, MemPoolOptions::default()).unwrap(),
+    );
+    let a = (*local()).clone().with_mem_pool(pa.clone());
+    let b = (*local()).clone().with_mem_pool(pb.clone());
+    const MIB: u64 = 1 << 20;
+    let (x, y) = zeros::<u8>(8 << 20)
+        .zip(zeros::<u8>(2 << 20))
+        .sync_with(&a)
+        .unwrap();
+    let z = zeros::<u8>(4 << 20).sync_with(&b).unwrap();
+    assert_eq!(pa.stats().unwrap().used, 10 * MIB);
+    assert_eq!(pb.stats().unwrap().used, 4 * MIB);
+    assert_eq!(pool_of(&x), pa.cu_pool());
+    assert_eq!(
+        pool_of(&y),
+        pa.cu_pool(),
+        "a zip's arm allocates from the pool too"
+    );
+    assert_eq!(pool_of(&z), pb.cu_pool());
+    drop((x, y, z));
+    d.context().synchronize().unwrap();
+    assert_eq!((pa.stats().unwrap().used, pb.stats().unwrap().used), (0, 0));
+}
+
+/// The release threshold: a pool that keeps nothing hands a freed 64 MiB
+/// back at the next synchronization; one that keeps 256 MiB still
+/// reserves it, until trimmed.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn mem_pool_release_threshold_is_honoured() {
+    use cuda_async::{MemPool, MemPoolOptions};
+    let d = dev();
+    const MIB: u64 = 1 << 20;
+    let cases = [(0u64, false), (256 * MIB, true)];
+    for (threshold, kept) in cases {
+        let pool =
+            MemPool::new(&d, MemPoolOptions::default().release_threshold(threshold)).unwrap();
+        assert_eq!(pool.release_threshold().unwrap(), threshold);
+        let policy = (*local()).clone().with_mem_pool(pool.clone());
+        let buf = zeros::<u8>(64 << 20).sync_with(&policy).unwrap();
+        drop(buf);
+        d.context().synchronize().unwrap();
+        let s = pool.stats().unwrap();
+        assert_eq!(s.used, 0, "{s:?}");
+        assert_eq!(s.reserved >= 64 * MIB, kept, "threshold {threshold}: {s:?}");
+        assert!(s.reserved_high >= 64 * MIB, "{s:?}");
+        pool.trim_to(0).unwrap();
+        assert_eq!(pool.stats().unwrap().reserved, 0, "trimmed");
+    }
+}
+
+/// A pool whose every handle is dropped while an op that allocated from
+/// it is still running on the GPU stays alive until the op and its
+/// buffers are done: the op's result is right, and its buffer (freed
+/// after the last handle is gone) reads back intact (run under memcheck).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn mem_pool_dropped_while_an_op_allocates_stays_alive() {
+    use cuda_async::{MemPool, MemPoolOptions};
+    let k = kernels();
+    let d = dev();
+    let pool = MemPool::new(&d, MemPoolOptions::default()).unwrap();
+    let raw = pool.cu_pool();
+    let policy = (*local()).clone().with_mem_pool(pool);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let data = Rng::new().f32s(1 << 20);
+    let fut = suite::spin_op(&k.spin, 20_000_000)
+        .zip(h2d(data.clone()))
+        .schedule(&policy)
+        .unwrap();
+    // The policy held the pool's last handle (the running op's context
+    // holds none after submission).
+    drop(policy);
+    let (_, buf) = rt.block_on(fut).unwrap();
+    assert_eq!(pool_of(&buf), raw, "allocated from the dropped pool");
+    let back = d2h(&buf).sync_with(&*local()).unwrap();
+    assert_eq!(back.as_slice().unwrap(), &data[..]);
+    drop(buf);
+    d.context().synchronize().unwrap();
+}

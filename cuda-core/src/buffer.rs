@@ -87,13 +87,19 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             Some(side) => {
                 let mut slice = crate::tracking::outside_capture(|| {
                     // SAFETY: zeroed by the memset just below, before any use.
-                    unsafe { side.alloc::<T>(len) }
+                    unsafe { crate::mempool::alloc::<T>(&side, len) }
                 })
                 .call("cuMemAllocAsync")?;
                 stream.memset_zeros(&mut slice).call("cuMemsetD8Async")?;
                 slice
             }
-            None => stream.alloc_zeros::<T>(len).call("cuMemAllocAsync")?,
+            None => {
+                // SAFETY: zeroed by the memset just below, before any use.
+                let mut slice =
+                    unsafe { crate::mempool::alloc::<T>(stream, len) }.call("cuMemAllocAsync")?;
+                stream.memset_zeros(&mut slice).call("cuMemsetD8Async")?;
+                slice
+            }
         };
         let b = Self::from_cuda_slice(slice);
         b.after_write(stream)?;
@@ -114,8 +120,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         // Inside a capture: allocated outside the graph (see `zeros`).
         let on = crate::tracking::alloc_stream_for(stream).unwrap_or_else(|| stream.clone());
         // SAFETY: forwarded to the caller (see `# Safety`).
-        let slice = crate::tracking::outside_capture(|| unsafe { on.alloc::<T>(len) })
-            .call("cuMemAllocAsync")?;
+        let slice =
+            crate::tracking::outside_capture(|| unsafe { crate::mempool::alloc::<T>(&on, len) })
+                .call("cuMemAllocAsync")?;
         Ok(Self::from_cuda_slice(slice))
     }
 }
@@ -382,7 +389,11 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             return Ok(dst);
         }
         let src_ctx = self.slice.stream().context();
-        crate::peer::before_peer_copy(src_ctx, stream.context())?;
+        let (src_ptr, dst_ptr) = (
+            self.slice.device_ptr(self.slice.stream()).0,
+            dst.slice.device_ptr(stream).0,
+        );
+        crate::peer::before_peer_copy(src_ctx, src_ptr, stream.context(), dst_ptr)?;
         set_current(stream.context())?;
         // A wait on an event of another device's context is allowed.
         self.uses.before(stream, false, WHOLE)?;

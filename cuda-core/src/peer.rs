@@ -11,7 +11,10 @@
 //! from two places: the contexts (`cuCtxEnablePeerAccess`, for
 //! `cuMemAlloc` memory) and each device's memory pool
 //! (`cuMemPoolSetAccess`, for the stream-ordered `cuMemAllocAsync` memory
-//! every [`DeviceBuffer`](crate::DeviceBuffer) of this crate is made of).
+//! every [`DeviceBuffer`](crate::DeviceBuffer) of this crate is made of:
+//! the devices' current pools when a pair is enabled, and the pool of each
+//! buffer a peer copy moves, for buffers of a [`MemPool`](crate::MemPool)
+//! that is not current).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -104,7 +107,8 @@ pub(crate) fn enable_between(a: &Arc<CudaContext>, b: &Arc<CudaContext>) -> Resu
     Ok(possible)
 }
 
-/// Lets `from`'s kernels and copies reach `to`'s memory.
+/// Lets `from`'s kernels and copies reach `to`'s memory: its context's
+/// and its current pool's.
 fn grant(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Result<()> {
     let named = |call: &'static str| {
         move |code: cudarc::driver::DriverError| {
@@ -128,6 +132,25 @@ fn grant(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Result<()> {
     unsafe { sys::cuDeviceGetMemPool(&mut pool, to.cu_device()) }
         .result()
         .map_err(named("cuDeviceGetMemPool"))?;
+    grant_pool(pool, from, to)
+}
+
+/// The pools (addresses) whose memory a device (ordinal) was given.
+fn granted_pools() -> &'static Mutex<std::collections::HashSet<(usize, i32)>> {
+    static POOLS: OnceLock<Mutex<std::collections::HashSet<(usize, i32)>>> = OnceLock::new();
+    POOLS.get_or_init(Mutex::default)
+}
+
+/// Lets `from` reach the memory of `pool`, a pool of `to`'s device, once.
+fn grant_pool(
+    pool: sys::CUmemoryPool,
+    from: &Arc<CudaContext>,
+    to: &Arc<CudaContext>,
+) -> Result<()> {
+    let mut granted = granted_pools().lock().unwrap_or_else(|e| e.into_inner());
+    if !granted.insert((pool as usize, from.cu_device())) {
+        return Ok(());
+    }
     let access = sys::CUmemAccessDesc {
         location: sys::CUmemLocation {
             type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
@@ -135,11 +158,45 @@ fn grant(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Result<()> {
         },
         flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     };
-    // SAFETY: one descriptor, read during the call; `pool` is the live
-    // current pool of `to`'s device.
-    unsafe { sys::cuMemPoolSetAccess(pool, &access, 1) }
-        .result()
-        .map_err(named("cuMemPoolSetAccess"))
+    // SAFETY: one descriptor, read during the call; `pool` is a live pool
+    // of `to`'s device.
+    let set = unsafe { sys::cuMemPoolSetAccess(pool, &access, 1) }.result();
+    if let Err(code) = set {
+        granted.remove(&(pool as usize, from.cu_device()));
+        return Err(Error::peer_access(
+            "cuMemPoolSetAccess",
+            from.ordinal(),
+            to.ordinal(),
+            code,
+        ));
+    }
+    Ok(())
+}
+
+/// Lets `from` reach the pool that `ptr` (memory of `owner`'s device) was
+/// allocated from, when it is pool memory: a [`MemPool`](crate::MemPool) a
+/// policy chose is not the device's current pool, which
+/// [`enable_peer_access`] covers.
+fn grant_pool_of(
+    ptr: sys::CUdeviceptr,
+    owner: &Arc<CudaContext>,
+    from: &Arc<CudaContext>,
+) -> Result<()> {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the attribute is a pool handle, written through a valid
+    // pointer; `ptr` addresses a live allocation of `owner`'s context.
+    let asked = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut pool as *mut sys::CUmemoryPool).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+            ptr,
+        )
+    };
+    // Not pool memory (or a driver without the attribute): nothing to add.
+    if asked != sys::CUresult::CUDA_SUCCESS || pool.is_null() {
+        return Ok(());
+    }
+    grant_pool(pool, from, owner)
 }
 
 const AUTO_UNSET: u8 = 0;
@@ -188,11 +245,18 @@ pub fn set_auto_peer_access(on: bool) {
     AUTO.store(if on { AUTO_ON } else { AUTO_OFF }, Ordering::Relaxed);
 }
 
-/// Before a copy between the two contexts: enables their peer access when
-/// the automatic switch is on.
-pub(crate) fn before_peer_copy(src: &Arc<CudaContext>, dst: &Arc<CudaContext>) -> Result<()> {
-    if auto_peer_access() {
-        enable_between(src, dst)?;
+/// Before a copy from `src_ptr` (memory of `src`) to `dst_ptr` (memory
+/// of `dst`): enables the contexts' peer access when the automatic switch
+/// is on, and gives each device the pool of the other's buffer.
+pub(crate) fn before_peer_copy(
+    src: &Arc<CudaContext>,
+    src_ptr: sys::CUdeviceptr,
+    dst: &Arc<CudaContext>,
+    dst_ptr: sys::CUdeviceptr,
+) -> Result<()> {
+    if src.cu_ctx() == dst.cu_ctx() || !auto_peer_access() || !enable_between(src, dst)? {
+        return Ok(());
     }
-    Ok(())
+    grant_pool_of(src_ptr, src, dst)?;
+    grant_pool_of(dst_ptr, dst, src)
 }

@@ -10,7 +10,7 @@
 //!   quick look; counts have floors).
 //! - `REPORT_ONLY` (default all but `remote_chain,remote_launch`):
 //!   comma-separated topics among
-//!   `overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu`
+//!   `overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu,mem_pools`
 //!   (local: GPU 0 here) and `remote_alloc,remote,remote_chain,remote_launch`
 //!   (a lease node embedded in this process, on loopback; see
 //!   `benches::remote`). A run of remote topics alone needs no GPU here.
@@ -42,7 +42,7 @@ use benches::{Config, Fixture, Result, Row};
 
 const USAGE: &str = "usage: bench-report [--no-fail] OUT.json   \
     (exits 1 when a row fails its goal or could not be measured, unless --no-fail) \
-    (env: REPORT_SCALE=1, REPORT_ONLY=overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu,\
+    (env: REPORT_SCALE=1, REPORT_ONLY=overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu,mem_pools,\
     remote_alloc,remote[,remote_chain,remote_launch], REPORT_REMOTE_DEVICE=cuda|memory, \
     REPORT_REMOTE_SPIN_US, REPORT_REMOTE_IN_TASK=1, REPORT_TRANSPORT=loopback|default|datacenter|wan, \
     REPORT_STRIPES=4, REPORT_TIMEOUT_S=300)";
@@ -283,6 +283,7 @@ fn run_group(
         "graph" => measure::graph(fx, cfg),
         "copies" => measure::copies(fx, cfg),
         "multi_gpu" => measure::multi_gpu(fx, rt, cfg),
+        "mem_pools" => measure::mem_pools(fx, cfg),
         other => Err(format!("unknown topic `{other}`").into()),
     }
 }
