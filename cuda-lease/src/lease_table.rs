@@ -53,6 +53,8 @@ struct Entry<W> {
     deadline: Duration,
     reserved: u64,
     allocated: u64,
+    /// The most `allocated` has been.
+    allocated_high: u64,
     payload: W,
 }
 
@@ -189,6 +191,7 @@ impl<W: Clone> LeaseTable<W> {
                 deadline,
                 reserved: min_vram,
                 allocated: 0,
+                allocated_high: 0,
                 payload,
             },
         );
@@ -291,6 +294,7 @@ impl<W: Clone> LeaseTable<W> {
                     generation: 0,
                     reserved: 0,
                     allocated: 0,
+                    allocated_high: 0,
                     remaining_ms: 0,
                     state: LeaseState::Poisoned,
                 });
@@ -312,6 +316,7 @@ impl<W: Clone> LeaseTable<W> {
             generation: e.generation,
             reserved: e.reserved,
             allocated: e.allocated,
+            allocated_high: e.allocated_high,
             remaining_ms: u64::try_from((e.deadline - now).as_millis()).unwrap_or(u64::MAX),
             state: LeaseState::Active,
         })
@@ -336,6 +341,7 @@ impl<W: Clone> LeaseTable<W> {
             ));
         }
         e.allocated = after;
+        e.allocated_high = e.allocated_high.max(after);
         Ok(())
     }
 

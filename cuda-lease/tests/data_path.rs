@@ -117,6 +117,46 @@ async fn a_large_upload_leaves_the_message_and_a_small_one_does_not() {
     fx.shutdown().await;
 }
 
+/// A lease reports its memory as a local pool does (LEASE_QUERY's
+/// `mem_stats`): the buffers a remote policy makes count in `used`, and
+/// `used_high` keeps the most at once after some are freed; `reserved`
+/// is the lease's reservation.
+#[tokio::test]
+async fn a_lease_reports_its_memory_as_a_pool_does() {
+    let fx = Fixture::memory(1 << 28).start().await;
+    let (lease, remote) = on(&fx.node, 1 << 20, 1).await;
+    let base = lease.query().await.unwrap();
+    let a = zeros::<u8>(1 << 20)
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    let b = zeros::<u8>(3 << 20)
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    let s = lease.query().await.unwrap().mem_stats();
+    let peak = base.allocated + (4 << 20);
+    assert_eq!((s.used, s.used_high), (peak, peak), "{s:?}");
+    assert_eq!(
+        (s.reserved, s.reserved_high),
+        (base.reserved, base.reserved)
+    );
+    drop(b);
+    let after = base.allocated + (1 << 20);
+    wait_until(
+        std::time::Duration::from_secs(5),
+        "the 3 MiB buffer freed",
+        || async { lease.query().await.unwrap().allocated == after },
+    )
+    .await;
+    let s = lease.query().await.unwrap().mem_stats();
+    assert_eq!((s.used, s.used_high), (after, peak), "{s:?}");
+    drop(a);
+    fx.shutdown().await;
+}
+
 /// The in-memory device's `fill(float* out, float v, unsigned n)`, in a
 /// module whose source starts with `padding` (a module sent with its
 /// first launch makes that message as large as its source).

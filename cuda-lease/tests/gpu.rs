@@ -112,6 +112,23 @@ mod over_a_lease {
         ));
     }
 
+    /// A local memory pool cannot serve a remote policy: its `select`
+    /// says why, naming the pool's GPU.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn a_remote_policy_refuses_a_local_memory_pool() {
+        use cuda_async::prelude::*;
+        let backend = RemoteBackend::start();
+        let pool = cuda_async::MemPool::default_of(&cuda_async::Device::new(0).unwrap()).unwrap();
+        let policy =
+            cuda_async::RemotePolicy::new(backend.lease.as_ref().unwrap()).with_mem_pool(pool);
+        let e = policy.select().unwrap_err();
+        assert!(
+            matches!(&e, cuda_async::Error::InvalidArgument(m) if m.contains("GPU 0") && m.contains("lease")),
+            "{e}"
+        );
+    }
+
     /// Bytes the lease has allocated on the node now.
     fn allocated(backend: &RemoteBackend) -> u64 {
         let lease = backend.lease.as_ref().unwrap().lease();

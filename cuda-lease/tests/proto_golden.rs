@@ -38,7 +38,7 @@ fn header_golden() {
     let h = Header::request(Opcode::Batch, 0x0102030405060708, 9, 10);
     assert_eq!(
         h.encode().to_vec(),
-        unhex("43554c5304170000000000000807060504030201090000000a000000")
+        unhex("43554c5305170000000000000807060504030201090000000a000000")
     );
     let r = Header::reply(
         &Header::request(Opcode::MemRead, 7, 0, 0),
@@ -46,7 +46,7 @@ fn header_golden() {
         5,
         0,
     );
-    let bytes = unhex("43554c53041201000800000007000000000000000500000000000000");
+    let bytes = unhex("43554c53051201000800000007000000000000000500000000000000");
     assert_eq!(r.encode().to_vec(), bytes);
     assert_eq!(Header::decode(&bytes, &Limits::default()).unwrap(), r);
     assert!(r.is_reply());
@@ -89,7 +89,7 @@ fn unknown_version_and_opcode_rejected() {
     assert_eq!(e, ProtoError::UnsupportedVersion(1));
     assert_eq!(
         e.to_string(),
-        "unsupported protocol version 1: this node speaks 4"
+        "unsupported protocol version 1: this node speaks 5"
     );
     let mut b = Header::request(Opcode::Hello, 1, 0, 0).encode();
     b[5] = 99;
@@ -177,10 +177,11 @@ fn bodies_golden() {
             generation: 2,
             reserved: 4096,
             allocated: 1024,
+            allocated_high: 2048,
             remaining_ms: 500,
             state: LeaseState::Poisoned,
         },
-        "111111111111111111111111111111110280208008f40301",
+        "1111111111111111111111111111111102802080088010f40301",
     );
     golden(
         MemAlloc {
