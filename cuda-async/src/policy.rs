@@ -27,7 +27,9 @@ pub trait SchedulingPolicy: Send + Sync + fmt::Debug {
 
     /// This policy, with its ops' allocations on `pool`'s device coming
     /// from `pool` instead of the device's current pool: `zeros`, `h2d`,
-    /// `d2d`, `to_device`, graph captures, every op that allocates. Two
+    /// `d2d`, `to_device`, every op that allocates (a graph capture, which
+    /// runs on no policy, takes its buffers from a pool inside
+    /// [`MemPool::allocate_in`](crate::MemPool::allocate_in)). Two
     /// workloads on two pools keep their memory apart, and each pool's
     /// statistics ([`MemPool::stats`](crate::MemPool::stats)) count its
     /// workload alone. Allocations on other devices (arms a

@@ -1178,6 +1178,7 @@ fn to_device_enables_peer_access_and_copies_exactly_beside_kernels() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     for round in 0..3 {
         let (x0, x1) = (rng.f32s(n), rng.f32s(n));
         let a = h2d(x0.clone()).sync_with(&on0).unwrap();
@@ -1192,7 +1193,6 @@ fn to_device_enables_peer_access_and_copies_exactly_beside_kernels() {
         });
         let (ab, ba) = (ab.unwrap(), ba.unwrap());
         let (s0, s1) = (s0.unwrap(), s1.unwrap());
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         let got = d2h(&ab).sync_with(&on1).unwrap();
         assert!(
             bits(got.as_slice().unwrap()) == bits(&x0),
@@ -1257,6 +1257,34 @@ fn to_device_enables_peer_access_and_copies_exactly_beside_kernels() {
         );
     }
     assert!(cuda_async::enable_peer_access(&d0, &d1).unwrap());
+    // A buffer of a pool that is not current (a policy's own): the copy
+    // gives GPU 1 access to that pool as well, and is exact.
+    let pool = cuda_async::MemPool::new(&d0, Default::default()).unwrap();
+    let own = SingleStream::new(d0.new_stream().unwrap())
+        .unwrap()
+        .with_mem_pool(pool.clone());
+    let x = rng.f32s(1 << 20);
+    let a = h2d(x.clone()).sync_with(&own).unwrap();
+    assert_eq!(pool_of(&a), pool.cu_pool());
+    let got = to_device(&a, &d1).then(d2h).sync_with(&on1).unwrap();
+    assert!(
+        bits(got.as_slice().unwrap()) == bits(&x),
+        "0 -> 1 from a chosen pool"
+    );
+    let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+    let mut at = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: d1.context().cu_device(),
+    };
+    // SAFETY: valid pointers, read and written during the call.
+    unsafe { sys::cuMemPoolGetAccess(&mut flags, pool.cu_pool(), &mut at) }
+        .result()
+        .unwrap();
+    assert_eq!(
+        flags,
+        sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        "a chosen pool of GPU 0 seen from GPU 1"
+    );
 }
 
 /// A `DevicePool` that spreads arms puts a zip's arms on two devices: each
@@ -1942,5 +1970,40 @@ fn mem_pool_dropped_while_an_op_allocates_stays_alive() {
     let back = d2h(&buf).sync_with(&*local()).unwrap();
     assert_eq!(back.as_slice().unwrap(), &data[..]);
     drop(buf);
+    d.context().synchronize().unwrap();
+}
+
+/// Graph captures allocate from a pool too (inside `MemPool::allocate_in`),
+/// and `Device::set_mem_pool` changes where every allocation of the device
+/// comes from: the pool made current serves the default policy while it
+/// is current (kept alive by the device though its handle is dropped),
+/// and the default pool again once restored.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn mem_pool_serves_graph_captures_and_can_be_made_current() {
+    use cuda_async::{MemPool, MemPoolOptions};
+    let d = dev();
+    let pool = MemPool::new(&d, MemPoolOptions::default()).unwrap();
+    let g = pool.allocate_in(|| zeros::<u8>(2 << 20).graph()).unwrap();
+    g.launch().sync().unwrap();
+    assert_eq!(pool_of(g.output()), pool.cu_pool(), "the capture's buffer");
+    assert!(pool.stats().unwrap().used >= 2 << 20);
+    drop(g);
+    let default = MemPool::default_of(&d).unwrap();
+    let other = MemPool::new(&d, MemPoolOptions::default()).unwrap();
+    let raw = other.cu_pool();
+    d.set_mem_pool(&other).unwrap();
+    assert_eq!(MemPool::current_of(&d).unwrap(), other);
+    drop(other);
+    let b = zeros::<u8>(1 << 20).sync().unwrap();
+    assert_eq!(
+        pool_of(&b),
+        raw,
+        "the current pool serves the default policy"
+    );
+    d.set_mem_pool(&default).unwrap();
+    let c = zeros::<u8>(1 << 20).sync().unwrap();
+    assert_eq!(pool_of(&c), default.cu_pool(), "restored");
+    drop((b, c));
     d.context().synchronize().unwrap();
 }
