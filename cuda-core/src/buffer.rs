@@ -48,6 +48,10 @@ use crate::tracking::{Span, UseRecord, WHOLE};
 pub struct DeviceBuffer<T> {
     slice: ManuallyDrop<CudaSlice<T>>,
     uses: Arc<UseRecord>,
+    /// The [`MemPool`](crate::MemPool) the memory came from, when a scope
+    /// chose one: kept until the GPU has run the free (a pool destroyed
+    /// with memory outstanding breaks the driver).
+    pool: Option<crate::MemPool>,
     _marker: PhantomData<T>,
 }
 
@@ -64,9 +68,16 @@ impl<T> fmt::Debug for DeviceBuffer<T> {
 impl<T: DeviceRepr> DeviceBuffer<T> {
     /// Takes ownership of a cudarc slice.
     pub fn from_cuda_slice(slice: CudaSlice<T>) -> Self {
+        Self::from_pool_slice(slice, None)
+    }
+
+    /// A slice allocated from `pool` (a [`MemPool`](crate::MemPool)'s
+    /// handle, held until the slice's free has run).
+    fn from_pool_slice(slice: CudaSlice<T>, pool: Option<crate::MemPool>) -> Self {
         DeviceBuffer {
             slice: ManuallyDrop::new(slice),
             uses: Arc::default(),
+            pool,
             _marker: PhantomData,
         }
     }
@@ -81,27 +92,21 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         T: ValidAsZeroBits,
     {
         check_len::<T>(len)?;
-        let slice = match crate::tracking::alloc_stream_for(stream) {
+        let pool = crate::mempool::scoped_for(stream);
+        let (mut slice, pool) = match crate::tracking::alloc_stream_for(stream) {
             // Inside a capture: allocated outside the graph, zeroed by a
             // captured memset (so each replay zeroes it, as the op does).
-            Some(side) => {
-                let mut slice = crate::tracking::outside_capture(|| {
-                    // SAFETY: zeroed by the memset just below, before any use.
-                    unsafe { crate::mempool::alloc::<T>(&side, len) }
-                })
-                .call("cuMemAllocAsync")?;
-                stream.memset_zeros(&mut slice).call("cuMemsetD8Async")?;
-                slice
-            }
-            None => {
+            Some(side) => crate::tracking::outside_capture(|| {
                 // SAFETY: zeroed by the memset just below, before any use.
-                let mut slice =
-                    unsafe { crate::mempool::alloc::<T>(stream, len) }.call("cuMemAllocAsync")?;
-                stream.memset_zeros(&mut slice).call("cuMemsetD8Async")?;
-                slice
-            }
-        };
-        let b = Self::from_cuda_slice(slice);
+                unsafe { crate::mempool::alloc::<T>(&side, len, pool) }
+            }),
+            // SAFETY: zeroed by the memset just below, before any use.
+            None => unsafe { crate::mempool::alloc::<T>(stream, len, pool) },
+        }
+        .call("cuMemAllocAsync")?;
+        let zeroed = stream.memset_zeros(&mut slice).call("cuMemsetD8Async");
+        let b = Self::from_pool_slice(slice, pool);
+        zeroed?;
         b.after_write(stream)?;
         Ok(b)
     }
@@ -117,13 +122,15 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// download, by the host).
     pub unsafe fn uninit(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
         check_len::<T>(len)?;
+        let pool = crate::mempool::scoped_for(stream);
         // Inside a capture: allocated outside the graph (see `zeros`).
         let on = crate::tracking::alloc_stream_for(stream).unwrap_or_else(|| stream.clone());
         // SAFETY: forwarded to the caller (see `# Safety`).
-        let slice =
-            crate::tracking::outside_capture(|| unsafe { crate::mempool::alloc::<T>(&on, len) })
-                .call("cuMemAllocAsync")?;
-        Ok(Self::from_cuda_slice(slice))
+        let (slice, pool) = crate::tracking::outside_capture(|| unsafe {
+            crate::mempool::alloc::<T>(&on, len, pool)
+        })
+        .call("cuMemAllocAsync")?;
+        Ok(Self::from_pool_slice(slice, pool))
     }
 }
 
@@ -184,6 +191,9 @@ impl<T> DeviceBuffer<T> {
         // out (or dropped) exactly once.
         let uses = unsafe { std::ptr::read(&this.uses) };
         drop(uses);
+        // SAFETY: as above. The memory leaves our hands: its pool is kept
+        // for the life of the process (never destroyed under it).
+        std::mem::forget(unsafe { std::ptr::read(&this.pool) });
         match ordered {
             // SAFETY: as above: the slice is taken exactly once.
             Ok(()) => Ok(unsafe { ManuallyDrop::take(&mut this.slice) }),
@@ -430,6 +440,7 @@ impl<T> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         // SAFETY: dropped exactly once, here; the slice is not used again.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+        let pool = self.pool.take();
         if Arc::strong_count(&self.uses) > 1 {
             // A graph still uses the memory: hand it over (as bytes) to the
             // shared record, which frees it after the graph's last replay.
@@ -441,17 +452,10 @@ impl<T> Drop for DeviceBuffer<T> {
             // SAFETY: `ptr` is the allocation of `bytes` bytes the slice
             // owned, on `home`'s context; nothing else owns it now.
             let bytes = unsafe { home.upgrade_device_ptr::<u8>(ptr, bytes) };
-            self.uses.adopt(bytes);
+            self.uses.adopt(bytes, pool);
             return;
         }
-        if self.uses.order_home_stream(slice.stream()).is_ok() {
-            // The home stream now waits for every use recorded by this
-            // crate, so cudarc's stream-ordered free comes after them.
-            drop(slice);
-        } else {
-            // The free cannot be ordered after the GPU's uses: leak.
-            let _ = slice.leak();
-        }
+        crate::tracking::free_ordered(&self.uses, slice, pool);
     }
 }
 

@@ -11,8 +11,10 @@
 //! in that scope when the policy was given a pool.
 //!
 //! A pool created here ([`MemPool::new`]) is destroyed when its last handle
-//! is dropped; the driver keeps it until its last allocation is freed and
-//! its frees have run, so memory still in use by the GPU stays valid.
+//! is dropped. Every buffer allocated from it holds a handle until the GPU
+//! has run the buffer's free, so a pool is never destroyed with memory
+//! outstanding (a buffer given away raw, `DeviceBuffer::into_cuda_slice`,
+//! keeps its pool for the life of the process).
 
 use std::cell::RefCell;
 use std::fmt;
@@ -346,7 +348,9 @@ impl MemPool {
 impl Device {
     /// Makes `pool` (a pool of this device) the one this device's
     /// allocations come from by default, for every stream of the process
-    /// (`cuDeviceSetMemPool`). The pool is kept alive while it is current.
+    /// (`cuDeviceSetMemPool`). A pool made current lives until the process
+    /// exits, even after another is made current (allocations made from it
+    /// meanwhile may still be in use).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a pool
@@ -364,8 +368,13 @@ impl Device {
         unsafe { sys::cuDeviceSetMemPool(self.context().cu_device(), pool.cu_pool()) }
             .result()
             .call("cuDeviceSetMemPool")?;
-        current.retain(|p| p.device().ordinal() != self.ordinal());
-        current.push(pool.clone());
+        // Kept for the life of the process, even once another pool is
+        // current: allocations made while it was current hold no handle
+        // (they come from `cuMemAllocAsync`), and a pool must not be
+        // destroyed with allocations outstanding (see `alloc`).
+        if !current.contains(pool) {
+            current.push(pool.clone());
+        }
         Ok(())
     }
 
@@ -384,37 +393,50 @@ thread_local! {
     static SCOPE: RefCell<Option<MemPool>> = const { RefCell::new(None) };
 }
 
+/// The pool of this thread's [`MemPool::allocate_in`] scope, if it is a
+/// pool of `stream`'s device: where an allocation on `stream` comes from.
+/// Read on the allocating thread (a capture allocates on a helper thread,
+/// which has no scope of its own).
+pub(crate) fn scoped_for(stream: &CudaStream) -> Option<MemPool> {
+    SCOPE.with(|s| {
+        s.borrow()
+            .as_ref()
+            .filter(|p| p.device().context().cu_ctx() == stream.context().cu_ctx())
+            .cloned()
+    })
+}
+
 /// `len` elements of uninitialised stream-ordered memory on `stream`: from
-/// the scope's pool when it is a pool of `stream`'s device, else from the
-/// device's current pool (cudarc's `alloc`).
+/// `pool` (a pool of `stream`'s device, [`scoped_for`]) when given, else
+/// from the device's current pool (cudarc's `alloc`). Returns the pool
+/// handle the allocation must keep until its free has run: the driver
+/// mishandles a pool destroyed with an allocation outstanding (measured on
+/// an H100, driver 580: a later `cuMemPoolDestroy` faults inside libcuda).
 ///
 /// # Safety
 /// As `CudaStream::alloc`: the contents are uninitialised.
 pub(crate) unsafe fn alloc<T: DeviceRepr>(
     stream: &Arc<CudaStream>,
     len: usize,
-) -> std::result::Result<CudaSlice<T>, DriverError> {
-    let pool = SCOPE.with(|s| {
-        s.borrow()
-            .as_ref()
-            .filter(|p| p.device().context().cu_ctx() == stream.context().cu_ctx())
-            .map(MemPool::cu_pool)
-    });
+    pool: Option<MemPool>,
+) -> std::result::Result<(CudaSlice<T>, Option<MemPool>), DriverError> {
     let bytes = len * std::mem::size_of::<T>();
     match pool {
         Some(pool) if bytes > 0 => {
             stream.context().bind_to_thread()?;
             let mut ptr: sys::CUdeviceptr = 0;
             // SAFETY: a valid out-pointer; `pool` is a live pool of the
-            // stream's device (held by the scope), `stream` a live stream.
-            unsafe { sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, pool, stream.cu_stream()) }
-                .result()?;
+            // stream's device (held here), `stream` a live stream.
+            unsafe {
+                sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, pool.cu_pool(), stream.cu_stream())
+            }
+            .result()?;
             // SAFETY: `ptr` is a fresh allocation of `bytes` bytes of this
             // stream's context, owned by the slice from now on (freed by
             // `cuMemFreeAsync` on drop, as cudarc's own allocations).
-            Ok(unsafe { stream.upgrade_device_ptr(ptr, len) })
+            Ok((unsafe { stream.upgrade_device_ptr(ptr, len) }, Some(pool)))
         }
         // SAFETY: forwarded to our caller.
-        _ => unsafe { stream.alloc::<T>(len) },
+        _ => Ok((unsafe { stream.alloc::<T>(len) }?, None)),
     }
 }

@@ -21,7 +21,9 @@ use crate::raw::{set_current, RawEvent};
 #[derive(Default)]
 pub(crate) struct UseRecord {
     uses: Mutex<Uses>,
-    orphan: Mutex<Option<CudaSlice<u8>>>,
+    /// The memory of a dropped handle, and its pool's handle (if a
+    /// [`MemPool`](crate::MemPool) scope chose it).
+    orphan: Mutex<Option<(CudaSlice<u8>, Option<crate::MemPool>)>>,
     /// For host memory the host also reaches (a
     /// [`SharedPinnedBuffer`](crate::SharedPinnedBuffer)): held by each
     /// host access and by each use enqueued on the GPU, graph replays
@@ -214,8 +216,8 @@ impl UseRecord {
 
     /// Takes over the memory of a buffer whose handle is dropped while a
     /// graph still shares this record; it is freed when the record is.
-    pub(crate) fn adopt(&self, bytes: CudaSlice<u8>) {
-        *self.orphan.lock().unwrap_or_else(|e| e.into_inner()) = Some(bytes);
+    pub(crate) fn adopt(&self, bytes: CudaSlice<u8>, pool: Option<crate::MemPool>) {
+        *self.orphan.lock().unwrap_or_else(|e| e.into_inner()) = Some((bytes, pool));
     }
 
     /// Makes `home` wait for every recorded use (raw calls).
@@ -245,16 +247,32 @@ impl Drop for UseRecord {
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        if let Some(slice) = orphan {
-            if self.order_home_stream(slice.stream()).is_ok() {
-                // The free (cudarc's, stream-ordered on the home stream)
-                // comes after every recorded use, graph replays included.
-                drop(slice);
-            } else {
-                // It cannot be ordered: leak rather than free early.
-                let _ = slice.leak();
-            }
+        if let Some((slice, pool)) = orphan {
+            free_ordered(self, slice, pool);
         }
+    }
+}
+
+/// Frees `slice` (cudarc's stream-ordered free, on its home stream) after
+/// every use `record` holds, graph replays included; then lets go of its
+/// pool's handle once the GPU has run the free. Leaks both when the free
+/// cannot be ordered: leaking is safe, freeing early never is.
+pub(crate) fn free_ordered<T>(
+    record: &UseRecord,
+    slice: CudaSlice<T>,
+    pool: Option<crate::MemPool>,
+) {
+    if record.order_home_stream(slice.stream()).is_err() {
+        let _ = slice.leak();
+        std::mem::forget(pool);
+        return;
+    }
+    let home = slice.stream().clone();
+    drop(slice);
+    if let Some(pool) = pool {
+        // Past the free: the pool may go (`reclaim` leaks it if the event
+        // cannot be recorded).
+        let _ = crate::reclaim::release_after(&home, pool);
     }
 }
 
