@@ -188,11 +188,12 @@ impl Row {
         self.goal.check(self.ratio()?)
     }
 
+    /// The goal as the table shows it (where it came from stays in the
+    /// JSON: the book's chapters cite no issue numbers).
     fn goal_label(&self) -> String {
-        match (self.goal, self.goal_from) {
-            (Goal::None, _) => "-".into(),
-            (g, Some(from)) => format!("{} ({from})", g.label()),
-            (g, None) => g.label(),
+        match self.goal {
+            Goal::None => "-".into(),
+            g => g.label(),
         }
     }
 

@@ -57,11 +57,15 @@ fn every_remote_topic_runs_on_the_memory_device() {
     }
     // The remote topic's rows: BATCH, 4 transfers, the chain (no local GPU:
     // one row), the chain replayed from a graph kept on the node, one
-    // launch, h2d and d2h each against raw quinn and TCP, h2d and d2h over
-    // the bulk-data channel against QUIC, raw striping up and down, the raw
-    // transports against each other (6); no spins.
+    // launch, one more launch in a submission, h2d and d2h each against
+    // raw quinn and TCP, h2d and d2h over the bulk-data channel against
+    // QUIC, raw striping up and down, the raw transports against each
+    // other (6); no spins.
     let remote: Vec<_> = rows.iter().filter(|r| r.group == "remote").collect();
-    assert_eq!(remote.len(), 22, "{remote:#?}");
+    assert_eq!(remote.len(), 23, "{remote:#?}");
+    assert!(remote
+        .iter()
+        .any(|r| r.metric.starts_with("one more launch in a submission")));
     assert!(remote
         .iter()
         .any(|r| r.metric.contains("replayed from a graph kept on the node")));

@@ -266,11 +266,14 @@ fn per_launch_row(group: &'static str, t: &[Vec<Duration>; 4]) -> Row {
         .lib(remote)
         .goal(Goal::AtMost(1.3))
         .note("the raw column is the local path's, not a raw driver's: both sides cuda-async"),
+        // No local GPU: against a whole one-launch submission (what one
+        // more launch costs next to a round trip).
         None => Row::new(
             group,
-            format!("{what}: remote alone (no local GPU)"),
+            format!("{what}, remote (no local GPU), vs a whole one-launch remote submission"),
             Unit::Micros,
         )
+        .raw(times(Unit::Micros, &t[0]))
         .lib(remote),
     }
 }
