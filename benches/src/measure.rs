@@ -1048,9 +1048,9 @@ pub fn multi_gpu(fx: &Fixture, rt: &Runtime, cfg: &Config) -> Result<Vec<Row>> {
 }
 
 /// Sizes of the known allocation pattern of the `mem_pools` topic.
-const POOL_PATTERN_MIB: [usize; 3] = [1, 3, 16];
+pub const POOL_PATTERN_MIB: [usize; 3] = [1, 3, 16];
 /// Buffers of 4 KiB per op in the `mem_pools` timing rows.
-const POOL_ALLOCS: usize = 64;
+pub const POOL_ALLOCS: usize = 64;
 
 /// `mem_pools`: a policy given its own memory pool
 /// ([`SchedulingPolicy::with_mem_pool`](cuda_async::SchedulingPolicy::with_mem_pool))

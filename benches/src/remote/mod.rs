@@ -23,8 +23,9 @@
 //!
 //! With [`DeviceSpec::Memory`] (`REPORT_REMOTE_DEVICE=memory`) the workers
 //! drive the in-memory test double instead of a GPU, so the node, QUIC and
-//! pipe path can be measured on a machine without one; kernels are not run
-//! there and the rows that need a local GPU say so.
+//! pipe path can be measured on a machine without one; it runs only the
+//! test kernels it knows, on the host, and the rows that need a local GPU
+//! say so.
 //!
 //! Workers are processes of [`RemoteConfig::worker`], which must call
 //! [`cuda_lease::main_if_worker`] first thing (`bench-report` does).
