@@ -306,7 +306,9 @@ async fn one_tenants_hanging_submits_do_not_delay_another_tenant() {
     let _one = ONE_AT_A_TIME.lock().await;
     let mut cfg = memory_config(1 << 20);
     cfg.submit_workers = 2;
-    cfg.op_timeout = Duration::from_secs(3);
+    // Above the 1 s the other tenant's requests are allowed below, so a
+    // request held up by a hang (for the op timeout) fails the test.
+    cfg.op_timeout = Duration::from_millis(1500);
     cfg.tokens = vec!["ta".into(), "tb".into()];
     let fx = Fixture::with_config(cfg).start().await;
     let node = &fx.node;
@@ -516,6 +518,12 @@ async fn five_hundred_connections_and_32_clients_times_1000_requests_lose_nothin
     // 500 TLS handshakes at once take longer than the default HELLO
     // deadline on a 2-core machine in a debug build.
     cfg.hello_timeout = Duration::from_secs(60);
+    // 500 handshakes' first datagrams at once overflow the default socket
+    // buffer; each lost one costs its client a retransmission timeout.
+    cfg.transport = cuda_lease::TransportSettings {
+        socket_receive_buffer: Some(8 << 20),
+        ..cuda_lease::TransportSettings::default()
+    };
     let fx = Fixture::with_config(cfg).start().await;
     let node = &fx.node;
     let t = std::time::Instant::now();
