@@ -10,9 +10,10 @@
 //! the pool's device come from it instead: `cuda-async` runs a policy's ops
 //! in that scope when the policy was given a pool.
 //!
-//! A pool created here ([`MemPool::new`]) is destroyed when its last handle
-//! is dropped. Every buffer allocated from it holds a handle until the GPU
-//! has run the buffer's free, so a pool is never destroyed with memory
+//! A pool created here ([`MemPool::new`]) is destroyed after its last
+//! handle is dropped. Every buffer allocated from it holds a handle until
+//! its free is enqueued, and the destroy waits (on the reclaimer thread)
+//! until those frees have run, so a pool is never destroyed with memory
 //! outstanding (a buffer given away raw, `DeviceBuffer::into_cuda_slice`,
 //! keeps its pool for the life of the process).
 
@@ -115,15 +116,49 @@ unsafe impl Send for RawPool {}
 unsafe impl Sync for RawPool {}
 
 impl Drop for PoolInner {
+    /// The last handle: every buffer of the pool has enqueued its free
+    /// (each holds a handle until then). The pool is destroyed on the
+    /// reclaimer thread once those frees have run (nothing in use), never
+    /// before: the driver mishandles a pool destroyed with memory
+    /// outstanding. If that state cannot be read, the pool is leaked.
     fn drop(&mut self) {
-        if self.owned {
-            let _ = crate::raw::set_current(self.device.context());
-            // SAFETY: created by `cuMemPoolCreate` and destroyed once, here;
-            // the driver defers the release of a pool with allocations or
-            // frees outstanding until they are done.
-            let _ = unsafe { sys::cuMemPoolDestroy(self.raw.0) };
+        if !self.owned {
+            return;
         }
+        let (raw, device) = (self.raw, self.device.clone());
+        crate::reclaim::defer_until(
+            move || match used_now(raw) {
+                Ok(0) => crate::reclaim::Readiness::Ready,
+                Ok(_) => crate::reclaim::Readiness::Pending,
+                Err(_) => crate::reclaim::Readiness::Failed,
+            },
+            move || destroy(raw, &device),
+        );
     }
+}
+
+/// Destroys a pool created by `cuMemPoolCreate`, once, with nothing of it
+/// in use.
+fn destroy(raw: RawPool, device: &Device) {
+    let _ = crate::raw::set_current(device.context());
+    // SAFETY: as the doc says (the caller's contract: `PoolInner`'s drop).
+    let _ = unsafe { sys::cuMemPoolDestroy(raw.0) };
+}
+
+/// `CU_MEMPOOL_ATTR_USED_MEM_CURRENT` of `raw`.
+fn used_now(raw: RawPool) -> std::result::Result<u64, DriverError> {
+    let mut value = 0u64;
+    // SAFETY: the attribute is a cuuint64_t, written through a valid
+    // pointer; `raw` is a live pool (destroyed only after this says 0).
+    unsafe {
+        sys::cuMemPoolGetAttribute(
+            raw.0,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+            (&mut value as *mut u64).cast(),
+        )
+    }
+    .result()?;
+    Ok(value)
 }
 
 impl fmt::Debug for MemPool {

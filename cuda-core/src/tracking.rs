@@ -255,8 +255,8 @@ impl Drop for UseRecord {
 
 /// Frees `slice` (cudarc's stream-ordered free, on its home stream) after
 /// every use `record` holds, graph replays included; then lets go of its
-/// pool's handle once the GPU has run the free. Leaks both when the free
-/// cannot be ordered: leaking is safe, freeing early never is.
+/// pool's handle. Leaks both when the free cannot be ordered: leaking is
+/// safe, freeing early never is.
 pub(crate) fn free_ordered<T>(
     record: &UseRecord,
     slice: CudaSlice<T>,
@@ -267,13 +267,10 @@ pub(crate) fn free_ordered<T>(
         std::mem::forget(pool);
         return;
     }
-    let home = slice.stream().clone();
     drop(slice);
-    if let Some(pool) = pool {
-        // Past the free: the pool may go (`reclaim` leaks it if the event
-        // cannot be recorded).
-        let _ = crate::reclaim::release_after(&home, pool);
-    }
+    // After the free is enqueued: the pool, if this was its last handle,
+    // is destroyed once the free has run (see `MemPool`'s drop).
+    drop(pool);
 }
 
 /// What a [`TrackedGraph`](crate::TrackedGraph) capture collects on its thread: the streams of
