@@ -961,19 +961,8 @@ pub fn multi_gpu(fx: &Fixture, rt: &Runtime, cfg: &Config) -> Result<Vec<Row>> {
         let (dp, _w) = dst.as_cuda_slice_mut().device_ptr_mut(&s1);
         // SAFETY: both pointers address COPY_BYTES bytes of live
         // allocations of their contexts; both devices are idle between
-        // reps (synchronized below), so nothing else touches them.
-        unsafe {
-            sys::cuMemcpyPeerAsync(
-                dp,
-                s1.context().cu_ctx(),
-                sp,
-                s0.context().cu_ctx(),
-                COPY_BYTES,
-                s1.cu_stream(),
-            )
-        }
-        .result()?;
-        s1.synchronize()?;
+        // reps (the copy is synchronized), so nothing else touches them.
+        unsafe { crate::raw::peer_copy_sync(dp, s1.context(), sp, s0.context(), COPY_BYTES, &s1) }?;
         Ok(())
     };
     let t = interleaved(
@@ -1014,19 +1003,17 @@ pub fn multi_gpu(fx: &Fixture, rt: &Runtime, cfg: &Config) -> Result<Vec<Row>> {
     let raw_linked = || -> Result<()> {
         // SAFETY: both pointers address COPY_BYTES bytes of live
         // `cuMemAlloc` allocations of their contexts, touched by nothing
-        // else (both devices idle between reps: synchronized below).
+        // else (both devices idle between reps: the copy is synchronized).
         unsafe {
-            sys::cuMemcpyPeerAsync(
+            crate::raw::peer_copy_sync(
                 raw_dst.ptr(),
-                s1.context().cu_ctx(),
+                s1.context(),
                 raw_src.ptr(),
-                s0.context().cu_ctx(),
+                s0.context(),
                 COPY_BYTES,
-                s1.cu_stream(),
+                &s1,
             )
-        }
-        .result()?;
-        s1.synchronize()?;
+        }?;
         Ok(())
     };
     let t = interleaved(

@@ -344,6 +344,38 @@ impl RawDeviceMem {
     }
 }
 
+/// `cuMemcpyPeerAsync` of `bytes` from `src` (memory of `src_ctx`) to
+/// `dst` (memory of `dst_ctx`) on `stream`, then `cuStreamSynchronize`.
+///
+/// # Safety
+/// Both pointers address `bytes` bytes of live allocations of their
+/// contexts, which nothing else touches until this returns.
+///
+/// # Errors
+/// The driver's error.
+pub unsafe fn peer_copy_sync(
+    dst: sys::CUdeviceptr,
+    dst_ctx: &CudaContext,
+    src: sys::CUdeviceptr,
+    src_ctx: &CudaContext,
+    bytes: usize,
+    stream: &CudaStream,
+) -> Result<(), DriverError> {
+    // SAFETY: forwarded to our caller.
+    unsafe {
+        sys::cuMemcpyPeerAsync(
+            dst,
+            dst_ctx.cu_ctx(),
+            src,
+            src_ctx.cu_ctx(),
+            bytes,
+            stream.cu_stream(),
+        )
+    }
+    .result()?;
+    stream.synchronize()
+}
+
 /// Enables peer access between the contexts `a` and `b`, both directions
 /// (`cuCtxEnablePeerAccess`, covering `cuMemAlloc` memory), and returns
 /// the link's P2P performance rank; `None` (nothing enabled) when the
