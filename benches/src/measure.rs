@@ -1074,19 +1074,14 @@ pub fn mem_pools(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
         )
         .into());
     }
-    let mib = |b: f64| Summary {
-        median: b / f64::from(1u32 << 20),
-        p10: f64::NAN,
-        p90: f64::NAN,
-        n: 1,
-    };
+    let mib = |b: f64| Summary::of(&[b / f64::from(1u32 << 20)]);
     let mut rows = vec![Row::new(
         g,
         "used-high mark of a chosen pool after zeros of 1, 3 and 16 MiB vs the bytes allocated",
         Unit::MiB,
     )
-    .raw(Some(mib(allocated as f64)))
-    .lib(Some(mib(high as f64)))
+    .raw(mib(allocated as f64))
+    .lib(mib(high as f64))
     .goal(Goal::AtMost(1.0))
     .note("raw column: the bytes asked for; ratio 1: the pool counted exactly those (below 1 is an error)")];
 

@@ -273,14 +273,7 @@ async fn every_remote_failure_is_a_matchable_error() {
     // (`timed` runs on a lease: data_path.rs times ops on the node.)
 
     // Expiry, on a fresh lease.
-    let short = Lease::builder()
-        .min_vram(4096)
-        .ttl(Duration::from_secs(5))
-        .auto_renew(false)
-        .on(connect(node).await)
-        .await
-        .unwrap();
-    let expiring = RemotePolicy::new(&LeaseSession::current(short.session()));
+    let (_short, expiring) = short_lease(node, 4096).await;
     clock.advance(Duration::from_secs(6));
     let e = h2d(vec![1u32; 4])
         .then(d2h)
@@ -499,18 +492,25 @@ async fn reached(node: &Node, before: (u64, u64)) {
     );
 }
 
-#[tokio::test]
-async fn a_pending_submission_fails_when_its_lease_expires_or_its_node_goes() {
-    let fx = Fixture::memory(1 << 22).manual_clock().start().await;
-    let (node, clock) = (&fx.node, fx.clock());
+/// A lease of `vram` bytes that expires 5 s (of the fixture's clock)
+/// after it is made, never renewed, with its remote policy.
+async fn short_lease(node: &Node, vram: u64) -> (Lease, RemotePolicy) {
     let short = Lease::builder()
-        .min_vram(1 << 16)
+        .min_vram(vram)
         .ttl(Duration::from_secs(5))
         .auto_renew(false)
         .on(connect(node).await)
         .await
         .unwrap();
-    let remote = RemotePolicy::new(&LeaseSession::current(short.session()));
+    let policy = RemotePolicy::new(&LeaseSession::current(short.session()));
+    (short, policy)
+}
+
+#[tokio::test]
+async fn a_pending_submission_fails_when_its_lease_expires_or_its_node_goes() {
+    let fx = Fixture::memory(1 << 22).manual_clock().start().await;
+    let (node, clock) = (&fx.node, fx.clock());
+    let (_short, remote) = short_lease(node, 1 << 16).await;
     let before = batches(node);
     let pending = hanging(&remote);
     reached(node, before).await;
@@ -1056,14 +1056,7 @@ async fn a_graph_kept_on_the_node_goes_with_its_lease() {
     let fx = Fixture::memory(1 << 22).manual_clock().start().await;
     let (node, clock) = (&fx.node, fx.clock());
     let base = vram_allocated(node);
-    let short = Lease::builder()
-        .min_vram(1 << 16)
-        .ttl(Duration::from_secs(5))
-        .auto_renew(false)
-        .on(connect(node).await)
-        .await
-        .unwrap();
-    let remote = RemotePolicy::new(&LeaseSession::current(short.session()));
+    let (_short, remote) = short_lease(node, 1 << 16).await;
     // An upload in the body: its bytes are kept with the graph.
     let graph = h2d(vec![3u32; 256])
         .then(d2d)
