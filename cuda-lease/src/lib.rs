@@ -68,6 +68,8 @@ pub mod clock;
 pub mod config_file;
 #[cfg(feature = "node")]
 pub mod device;
+#[cfg(feature = "fleet")]
+pub mod fleet;
 // Public for the programs that print the hop spans (`layer`,
 // `init_from_env`: the binaries, examples and benches) and for
 // the bench report's remote rows (`benches/src/remote/`), which mark their own requests on the hop time

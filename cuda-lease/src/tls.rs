@@ -173,22 +173,113 @@ pub(crate) fn server_config(
     Ok(cfg)
 }
 
-/// The QUIC client configuration: trusts only `roots` (pin the node's
-/// certificate by passing just it), presents `identity` for mutual TLS,
-/// and uses `transport`'s settings.
+/// Which node certificates a client accepts: one signed by (or equal to)
+/// one of `roots` for the server name, or, when `sha256` is given, exactly
+/// the certificate with that SHA-256 (DER), whatever its names.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ServerTrust<'a> {
+    pub(crate) roots: &'a [CertificateDer<'static>],
+    pub(crate) sha256: Option<[u8; 32]>,
+}
+
+impl ServerTrust<'_> {
+    fn builder(
+        self,
+    ) -> Result<
+        rustls::ConfigBuilder<rustls::ClientConfig, rustls::client::WantsClientCert>,
+        TlsError,
+    > {
+        let builder = rustls::ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(err)?;
+        if let Some(want) = self.sha256 {
+            return Ok(builder
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(Sha256Pin {
+                    want,
+                    provider: provider(),
+                })));
+        }
+        let mut store = rustls::RootCertStore::empty();
+        for c in self.roots {
+            store.add(c.clone()).map_err(err)?;
+        }
+        Ok(builder.with_root_certificates(store))
+    }
+}
+
+/// Accepts exactly the certificate whose SHA-256 is `want` (a pin by
+/// fingerprint, as a fleet's registry gives one), and checks that the
+/// server holds its key (the handshake's signature).
+#[derive(Debug)]
+struct Sha256Pin {
+    want: [u8; 32],
+    provider: Arc<rustls::crypto::CryptoProvider>,
+}
+
+impl rustls::client::danger::ServerCertVerifier for Sha256Pin {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &rustls::pki_types::ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        let got = ring::digest::digest(&ring::digest::SHA256, end_entity.as_ref());
+        if got.as_ref() == self.want {
+            Ok(rustls::client::danger::ServerCertVerified::assertion())
+        } else {
+            Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::ApplicationVerificationFailure,
+            ))
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+/// The QUIC client configuration: trusts what `trust` says (pin the node's
+/// certificate by passing just it as the roots, or by its SHA-256),
+/// presents `identity` for mutual TLS, and uses `transport`'s settings.
 pub(crate) fn client_config(
-    roots: &[CertificateDer<'static>],
+    trust: ServerTrust<'_>,
     identity: Option<&Identity>,
     transport: &TransportSettings,
 ) -> Result<quinn::ClientConfig, TlsError> {
-    let mut store = rustls::RootCertStore::empty();
-    for c in roots {
-        store.add(c.clone()).map_err(err)?;
-    }
-    let builder = rustls::ClientConfig::builder_with_provider(provider())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(err)?
-        .with_root_certificates(store);
+    let builder = trust.builder()?;
     let mut tls = match identity {
         Some(id) => builder
             .with_client_auth_cert(id.chain.clone(), id.key.clone_key())
@@ -223,20 +314,12 @@ pub(crate) fn bulk_server_config(
     Ok(Arc::new(tls))
 }
 
-/// The bulk-data channel's TLS client configuration: trusts only `roots`,
-/// as the QUIC connection does.
+/// The bulk-data channel's TLS client configuration: trusts what the
+/// QUIC connection trusts.
 pub(crate) fn bulk_client_config(
-    roots: &[CertificateDer<'static>],
+    trust: ServerTrust<'_>,
 ) -> Result<Arc<rustls::ClientConfig>, TlsError> {
-    let mut store = rustls::RootCertStore::empty();
-    for c in roots {
-        store.add(c.clone()).map_err(err)?;
-    }
-    let mut tls = rustls::ClientConfig::builder_with_provider(provider())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(err)?
-        .with_root_certificates(store)
-        .with_no_client_auth();
+    let mut tls = trust.builder()?.with_no_client_auth();
     tls.alpn_protocols = vec![crate::proto::BULK_ALPN.to_vec()];
     Ok(Arc::new(tls))
 }

@@ -52,7 +52,14 @@ impl RawQuinn {
             }
         });
         let mut client = transport.endpoint(local, None)?;
-        client.set_default_client_config(client_config(&[id.leaf().clone()], None, transport)?);
+        client.set_default_client_config(client_config(
+            crate::tls::ServerTrust {
+                roots: &[id.leaf().clone()],
+                sha256: None,
+            },
+            None,
+            transport,
+        )?);
         let mut conns = Vec::new();
         for _ in 0..connections.max(1) {
             conns.push(client.connect(addr, "localhost")?.await?);

@@ -121,6 +121,55 @@ struct Args {
     config: Option<PathBuf>,
     #[command(flatten)]
     transport: TransportArgs,
+    #[cfg(feature = "fleet")]
+    #[command(flatten)]
+    registry: RegistryArgs,
+}
+
+/// Joining a fleet: the node registers itself in etcd.
+#[cfg(feature = "fleet")]
+#[derive(Debug, clap::Args)]
+struct RegistryArgs {
+    /// etcd endpoints to register this node in (`http://10.0.0.2:2379`;
+    /// comma-separated, or repeat the flag): the node joins that fleet.
+    #[arg(long, env = "CUDA_LEASE_NODE_ETCD", value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// The fleet's key prefix in etcd.
+    #[arg(long, default_value = cuda_lease::fleet::DEFAULT_PREFIX, env = "CUDA_LEASE_NODE_ETCD_PREFIX")]
+    etcd_prefix: String,
+    /// The address clients reach this node at, as the registry gives it
+    /// (default: `--listen`, which must then not be `0.0.0.0`).
+    #[arg(long, env = "CUDA_LEASE_NODE_ADVERTISE")]
+    advertise: Option<SocketAddr>,
+    /// How long a node that died stays in the registry (`10s`, `1m`, or
+    /// seconds).
+    #[arg(long, default_value = "10s", value_parser = cuda_lease::units::parse_secs, env = "CUDA_LEASE_NODE_REGISTRY_TTL")]
+    registry_ttl: Duration,
+    /// A label clients can place leases by, `KEY=VALUE` (comma-separated,
+    /// or repeat the flag).
+    #[arg(long, env = "CUDA_LEASE_NODE_LABEL", value_delimiter = ',')]
+    label: Vec<String>,
+}
+
+#[cfg(feature = "fleet")]
+impl RegistryArgs {
+    /// The registration these flags ask for (`None` without `--etcd`).
+    fn config(self) -> Result<Option<cuda_lease::fleet::RegistryConfig>, String> {
+        if self.etcd.is_empty() {
+            return Ok(None);
+        }
+        let mut r = cuda_lease::fleet::RegistryConfig::new(self.etcd);
+        r.prefix = self.etcd_prefix;
+        r.advertise = self.advertise;
+        r.ttl = self.registry_ttl;
+        for l in self.label {
+            let (k, v) = l
+                .split_once('=')
+                .ok_or_else(|| format!("--label {l:?}: want KEY=VALUE"))?;
+            r.labels.insert(k.trim().to_string(), v.trim().to_string());
+        }
+        Ok(Some(r))
+    }
 }
 
 fn main() {
@@ -192,6 +241,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     cfg.prestart_workers = args.prestart;
     cfg.op_timeout = args.op_timeout;
     cfg.transport = args.transport.settings()?;
+    #[cfg(feature = "fleet")]
+    {
+        cfg.registry = args.registry.config()?;
+    }
     if let Some(t) = args.tokens {
         cfg.tokens.extend(
             t.split(',')

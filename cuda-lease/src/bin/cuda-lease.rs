@@ -80,6 +80,56 @@ enum Cmd {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// A fleet of nodes registered in etcd: list them, or lease on the one
+    /// that fits best (`--addr` is not used; `--cert` is the nodes' CA
+    /// unless `--trust-registry`).
+    #[cfg(feature = "fleet")]
+    Fleet {
+        #[command(flatten)]
+        at: FleetArgs,
+        #[command(subcommand)]
+        cmd: FleetCmd,
+    },
+}
+
+/// Where the fleet's registry is, and how its nodes are trusted.
+#[cfg(feature = "fleet")]
+#[derive(Debug, clap::Args)]
+struct FleetArgs {
+    /// etcd endpoints (`http://10.0.0.2:2379`; comma-separated).
+    #[arg(long, env = "CUDA_LEASE_ETCD", value_delimiter = ',', required = true)]
+    etcd: Vec<String>,
+    /// The fleet's key prefix in etcd.
+    #[arg(long, default_value = cuda_lease::fleet::DEFAULT_PREFIX, env = "CUDA_LEASE_ETCD_PREFIX")]
+    etcd_prefix: String,
+    /// Trust each node's certificate by the fingerprint in its registry
+    /// record, instead of `--cert` (only if the registry is as trusted as
+    /// the nodes themselves).
+    #[arg(long)]
+    trust_registry: bool,
+}
+
+#[cfg(feature = "fleet")]
+#[derive(Debug, Subcommand)]
+enum FleetCmd {
+    /// List the registered nodes: address, devices, reservable VRAM, leases.
+    Ls,
+    /// Lease VRAM on the least loaded node that fits, print where, hold
+    /// the lease, then free it.
+    Lease {
+        /// Memory to reserve (`1G`, `512M`, or bytes).
+        #[arg(long, value_parser = cuda_lease::units::parse_bytes)]
+        min_vram: u64,
+        /// TTL in seconds.
+        #[arg(long, default_value_t = 60)]
+        ttl: u64,
+        /// Seconds to hold the lease before freeing it.
+        #[arg(long, default_value_t = 0)]
+        hold: u64,
+        /// Only nodes labelled `KEY=VALUE` (comma-separated, or repeat).
+        #[arg(long, value_delimiter = ',')]
+        label: Vec<String>,
+    },
 }
 
 fn dims(s: &str) -> Result<[u32; 3], String> {
@@ -115,6 +165,20 @@ fn main() {
 }
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    #[cfg(feature = "fleet")]
+    if let Cmd::Fleet { at, cmd } = args.cmd {
+        let base = if at.trust_registry {
+            // The pin is the registry's, node by node.
+            ClientConfig::pinned_sha256([0; 32])
+        } else {
+            ClientConfig::from_pem_file(&args.cert)?.server_name(args.server_name)
+        };
+        let mut config = base;
+        config.token = args.token;
+        config.connect_timeout = args.connect_timeout_ms;
+        config.transport = args.transport.settings()?;
+        return fleet::run(at, cmd, config).await;
+    }
     let mut config = ClientConfig::from_pem_file(&args.cert)?.server_name(args.server_name);
     config.token = args.token;
     config.connect_timeout = args.connect_timeout_ms;
@@ -140,9 +204,110 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             let bytes = client.gpu_call(&call).await?;
             write_output(out, &bytes)?;
         }
+        #[cfg(feature = "fleet")]
+        Cmd::Fleet { .. } => unreachable!("handled above"),
     }
     client.close();
     Ok(())
+}
+
+/// `fleet ls` and `fleet lease`.
+#[cfg(feature = "fleet")]
+mod fleet {
+    use super::{FleetArgs, FleetCmd};
+    use cuda_lease::client::{ClientConfig, Lease};
+    use cuda_lease::fleet::{Fleet, FleetConfig, NodeRecord};
+    use std::time::Duration;
+
+    pub(super) async fn run(
+        at: FleetArgs,
+        cmd: FleetCmd,
+        client: ClientConfig,
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let mut cfg = FleetConfig::new(at.etcd)
+            .prefix(at.etcd_prefix)
+            .trust_registry(at.trust_registry)
+            .client(client);
+        if let FleetCmd::Lease { label, .. } = &cmd {
+            for l in label {
+                let (k, v) = l
+                    .split_once('=')
+                    .ok_or_else(|| format!("--label {l:?}: want KEY=VALUE"))?;
+                cfg = cfg.label(k.trim(), v.trim());
+            }
+        }
+        let fleet = Fleet::connect(cfg).await?;
+        match cmd {
+            FleetCmd::Ls => {
+                print!("{}", table(&fleet.nodes()));
+                Ok(())
+            }
+            FleetCmd::Lease {
+                min_vram,
+                ttl,
+                hold,
+                ..
+            } => {
+                let builder = Lease::builder()
+                    .min_vram(min_vram)
+                    .ttl(Duration::from_secs(ttl));
+                let lease = fleet.lease(builder).await?;
+                println!(
+                    "lease {} reserved {} bytes on node {} ({})",
+                    lease.id(),
+                    lease.reserved(),
+                    lease.client().node_name(),
+                    lease.client().addr()
+                );
+                tokio::time::sleep(Duration::from_secs(hold)).await;
+                lease.free().await?;
+                println!("freed");
+                Ok(())
+            }
+        }
+    }
+
+    /// One line per node: name, address, devices, reservable and total
+    /// VRAM, leases, labels.
+    fn table(nodes: &[NodeRecord]) -> String {
+        let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+        let mut out = format!(
+            "{:<20} {:<22} {:<28} {:>12} {:>12} {:>6}  LABELS\n",
+            "NAME", "ADDRESS", "DEVICES", "RESERVABLE", "CAPACITY", "LEASES"
+        );
+        for n in nodes {
+            let devices = n
+                .devices
+                .iter()
+                .map(|d| {
+                    format!(
+                        "{} (sm_{}{})",
+                        d.name, d.compute_capability.0, d.compute_capability.1
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            let labels = n
+                .labels
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(",");
+            out.push_str(&format!(
+                "{:<20} {:<22} {:<28} {:>12} {:>12} {:>6}  {labels}\n",
+                n.name,
+                n.address.to_string(),
+                devices,
+                gib(n.reservable_bytes),
+                gib(n.capacity_bytes),
+                n.active_leases
+            ));
+        }
+        if nodes.is_empty() {
+            out.push_str("(no node registered)\n");
+        }
+        out
+    }
 }
 
 /// `inventory`: prints the node and its devices.

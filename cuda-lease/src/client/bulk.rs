@@ -163,7 +163,7 @@ impl BulkChannel {
         let name = ServerName::try_from(client.config.server_name.clone())
             .map_err(|e| config_error(format!("server name for the bulk-data channel: {e}")))?;
         let connector = TlsConnector::from(
-            tls::bulk_client_config(&client.config.roots)
+            tls::bulk_client_config(client.config.trust())
                 .map_err(|e| config_error(e.to_string()))?,
         );
         let mut bulk = BulkChannel {

@@ -17,6 +17,10 @@ use crate::transport::TransportSettings;
 pub struct ClientConfig {
     /// Certificates trusted for the node (pin the node's own certificate).
     pub roots: Vec<CertificateDer<'static>>,
+    /// When set, the node's certificate is trusted if and only if its
+    /// SHA-256 (DER) is this, whatever `roots` and `server_name` say (see
+    /// [`ClientConfig::pin_sha256`]).
+    pub cert_sha256: Option<[u8; 32]>,
     /// Name the node's certificate is checked against.
     pub server_name: String,
     /// Bearer token sent in HELLO.
@@ -96,6 +100,7 @@ impl ClientConfig {
     pub fn pinned(cert: CertificateDer<'static>) -> Self {
         Self {
             roots: vec![cert],
+            cert_sha256: None,
             server_name: "localhost".into(),
             token: None,
             identity: None,
@@ -123,6 +128,39 @@ impl ClientConfig {
         let mut c = Self::pinned(certs.remove(0));
         c.roots.extend(certs);
         Ok(c)
+    }
+
+    /// Trusts exactly the certificate whose SHA-256 (over its DER) is
+    /// `sha256`, instead of the roots and server name: a pin by
+    /// fingerprint (`cuda_lease::fleet::fingerprint` writes one), for a
+    /// node whose certificate the client has not seen but whose
+    /// fingerprint it got from a source it trusts.
+    ///
+    /// ```
+    /// use cuda_lease::client::ClientConfig;
+    /// let config = ClientConfig::pinned_sha256([0x5a; 32]).token("secret");
+    /// assert_eq!(config.cert_sha256, Some([0x5a; 32]));
+    /// ```
+    pub fn pin_sha256(mut self, sha256: [u8; 32]) -> Self {
+        self.cert_sha256 = Some(sha256);
+        self
+    }
+
+    /// A configuration that trusts exactly the certificate whose SHA-256
+    /// is `sha256` ([`ClientConfig::pin_sha256`]), with the defaults of
+    /// [`ClientConfig::pinned`] otherwise.
+    pub fn pinned_sha256(sha256: [u8; 32]) -> Self {
+        let mut c = Self::pinned(CertificateDer::from(Vec::new()));
+        c.roots.clear();
+        c.pin_sha256(sha256)
+    }
+
+    /// What the TLS set-up trusts.
+    pub(crate) fn trust(&self) -> tls::ServerTrust<'_> {
+        tls::ServerTrust {
+            roots: &self.roots,
+            sha256: self.cert_sha256,
+        }
     }
 
     /// Sets how long connecting may take.

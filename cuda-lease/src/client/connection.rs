@@ -52,7 +52,7 @@ impl Client {
             .transport
             .validate()
             .map_err(|e| config_error(e.to_string()))?;
-        let qcfg = tls::client_config(&config.roots, config.identity.as_ref(), &config.transport)
+        let qcfg = tls::client_config(config.trust(), config.identity.as_ref(), &config.transport)
             .map_err(|e| config_error(e.to_string()))?;
         let bind: SocketAddr = if addr.is_ipv6() {
             "[::]:0".parse()
@@ -134,6 +134,11 @@ impl Client {
     /// The node's name.
     pub fn node_name(&self) -> &str {
         &self.node
+    }
+
+    /// The node's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
     }
 
     /// Sends one raw frame and returns the reply's body and data; a non-OK
@@ -245,6 +250,11 @@ impl Client {
             .request(Opcode::GpuSubmit, &to_body(&req), &data)
             .await?;
         Ok(out)
+    }
+
+    /// Whether the connection is gone (closed by either side, or lost).
+    pub fn is_closed(&self) -> bool {
+        self.conn.close_reason().is_some()
     }
 
     /// Closes the connection (leases are not freed: their TTL runs out).

@@ -266,6 +266,12 @@ async fn renew(inner: &LeaseInner) -> Result<LeaseGrant, Error> {
 }
 
 impl LeaseBuilder {
+    /// The VRAM this builder reserves.
+    #[cfg_attr(not(feature = "fleet"), allow(dead_code))]
+    pub(crate) fn vram(&self) -> u64 {
+        self.min_vram
+    }
+
     /// VRAM to reserve in bytes.
     pub fn min_vram(mut self, bytes: u64) -> Self {
         self.min_vram = bytes;

@@ -27,8 +27,10 @@ pub use config::{
     DEFAULT_STRIPE_MIN_BYTES,
 };
 pub use connection::Client;
+#[cfg(any(feature = "backend", feature = "fleet"))]
+pub(crate) use error::config_error;
 #[cfg(feature = "backend")]
-pub(crate) use error::{config_error, protocol_error};
+pub(crate) use error::protocol_error;
 pub use error::{Credentials, Disconnect, Error, ErrorKind};
 pub use gpu_call::GpuCall;
 pub use lease::{Lease, LeaseBuilder};

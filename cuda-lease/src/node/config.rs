@@ -141,6 +141,10 @@ pub struct NodeConfig {
     pub max_bulk_connections_per_principal: usize,
     /// Monotonic clock for TTLs (inject a [`crate::clock::ManualClock`] in tests).
     pub clock: Arc<dyn Clock>,
+    /// Register the node in a fleet's etcd registry (`None`: no
+    /// registration).
+    #[cfg(feature = "fleet")]
+    pub registry: Option<crate::fleet::RegistryConfig>,
 }
 
 /// Where a node's bulk-data channel (TLS over TCP) listens.
@@ -217,6 +221,8 @@ impl NodeConfig {
             bulk: BulkListen::SamePort,
             max_bulk_connections_per_principal: 16,
             clock: Arc::new(MonotonicClock::new()),
+            #[cfg(feature = "fleet")]
+            registry: None,
         }
     }
 }

@@ -265,6 +265,9 @@ pub struct Node {
     endpoint: quinn::Endpoint,
     shared: Arc<Shared>,
     tasks: Vec<JoinHandle<()>>,
+    /// The registration in a fleet's registry, if configured.
+    #[cfg(feature = "fleet")]
+    registrar: Option<crate::fleet::registrar::Registrar>,
 }
 
 impl std::fmt::Debug for Node {
@@ -471,6 +474,8 @@ impl Node {
         let (info, capacity, submit) = start_workers(&cfg).await?;
         let endpoint = cfg.transport.endpoint(cfg.listen, Some(server_cfg))?;
         let addr = endpoint.local_addr()?;
+        #[cfg(feature = "fleet")]
+        let advertise = registry_address(&cfg, addr)?;
         let shared = Arc::new(Shared::new(cfg, capacity, info, submit));
         let mut tasks = Vec::new();
         let metrics_addr = match serve_metrics(&shared).await? {
@@ -503,6 +508,8 @@ impl Node {
             metrics_addr,
             cert: identity.leaf().clone(),
             endpoint,
+            #[cfg(feature = "fleet")]
+            registrar: advertise.map(|a| register(&shared, a, identity.leaf())),
             shared,
             tasks,
         })
@@ -586,6 +593,11 @@ impl Node {
     /// Stops accepting, frees every lease (ending its worker) and waits for
     /// the workers to exit.
     pub async fn shutdown(mut self) {
+        #[cfg(feature = "fleet")]
+        if let Some(r) = self.registrar.take() {
+            // Leave the registry first, so no client is sent here any more.
+            r.leave().await;
+        }
         self.endpoint
             .close(proto::CLOSE_NODE_SHUTDOWN.into(), b"node shutting down");
         for t in self.tasks.drain(..) {
@@ -631,6 +643,66 @@ impl Drop for Node {
             }
         }
     }
+}
+
+/// The address the node's registry record gives, when the node registers:
+/// the configured one, or the QUIC address, which must then be one a
+/// client can reach.
+#[cfg(feature = "fleet")]
+fn registry_address(
+    cfg: &NodeConfig,
+    addr: SocketAddr,
+) -> Result<Option<(SocketAddr, crate::fleet::RegistryConfig)>, NodeError> {
+    let Some(r) = &cfg.registry else {
+        return Ok(None);
+    };
+    if cfg.name.is_empty() || cfg.name.contains('/') {
+        return Err(NodeError::Config(format!(
+            "a registered node needs a name without '/' (got {:?})",
+            cfg.name
+        )));
+    }
+    let a = r.advertise.unwrap_or(addr);
+    if a.ip().is_unspecified() || a.port() == 0 {
+        return Err(NodeError::Config(format!(
+            "the registry needs an address clients can reach, and the node listens on {addr}: set the address to advertise (`--advertise HOST:PORT`)"
+        )));
+    }
+    Ok(Some((a, r.clone())))
+}
+
+/// Starts writing the node's record, as `address`, to the registry.
+#[cfg(feature = "fleet")]
+fn register(
+    shared: &Arc<Shared>,
+    (address, cfg): (SocketAddr, crate::fleet::RegistryConfig),
+    cert: &CertificateDer<'static>,
+) -> crate::fleet::registrar::Registrar {
+    use crate::fleet::{fingerprint, DeviceRecord, NodeRecord};
+    let cert_sha256 = fingerprint(cert);
+    let labels = cfg.labels.clone();
+    let s = shared.clone();
+    let snapshot = Arc::new(move || {
+        let d = s.device.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let t = s.table();
+        NodeRecord {
+            name: s.cfg.name.clone(),
+            address,
+            cert_sha256: cert_sha256.clone(),
+            devices: vec![DeviceRecord {
+                ordinal: d.ordinal,
+                name: d.name,
+                total_bytes: d.total_bytes,
+                compute_capability: d.compute_capability,
+            }],
+            capacity_bytes: t.capacity(),
+            reservable_bytes: t.reservable(),
+            active_leases: u32::try_from(t.len()).unwrap_or(u32::MAX),
+            protocol: proto::VERSION,
+            labels: labels.clone(),
+        }
+    });
+    crate::fleet::registrar::spawn(cfg, snapshot)
 }
 
 fn refill(shared: Arc<Shared>) {

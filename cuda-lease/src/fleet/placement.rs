@@ -1,0 +1,97 @@
+//! Which nodes a lease may go to, and in which order ([`Need`], [`rank`]).
+
+use std::collections::BTreeMap;
+
+use super::NodeRecord;
+
+/// What a lease needs of a node: the builder's VRAM, and labels the node
+/// must carry ([`Fleet::lease`](super::Fleet::lease) fills in the VRAM;
+/// labels come from [`FleetConfig::labels`](super::FleetConfig::labels)).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Need {
+    /// Bytes the lease reserves.
+    pub min_vram: u64,
+    /// Labels a node must carry with these values.
+    pub labels: BTreeMap<String, String>,
+}
+
+impl Need {
+    /// Whether `node` can take the lease, as far as its record says: it
+    /// speaks this client's protocol, has `min_vram` bytes reservable and
+    /// carries every label.
+    pub fn fits(&self, node: &NodeRecord) -> bool {
+        node.protocol == crate::proto::VERSION
+            && node.reservable_bytes >= self.min_vram
+            && self
+                .labels
+                .iter()
+                .all(|(k, v)| node.labels.get(k) == Some(v))
+    }
+}
+
+/// The nodes that fit `need`, least loaded first: fewest live leases, then
+/// most reservable bytes, then by name (so that equal nodes are tried in
+/// a stable order).
+pub(crate) fn rank(nodes: &[NodeRecord], need: &Need) -> Vec<NodeRecord> {
+    let mut fit: Vec<NodeRecord> = nodes.iter().filter(|n| need.fits(n)).cloned().collect();
+    fit.sort_by(|a, b| {
+        a.active_leases
+            .cmp(&b.active_leases)
+            .then(b.reservable_bytes.cmp(&a.reservable_bytes))
+            .then(a.name.cmp(&b.name))
+    });
+    fit
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(name: &str, reservable: u64, leases: u32) -> NodeRecord {
+        NodeRecord {
+            name: name.into(),
+            address: "127.0.0.1:1".parse().unwrap(),
+            cert_sha256: String::new(),
+            devices: Vec::new(),
+            capacity_bytes: 1 << 40,
+            reservable_bytes: reservable,
+            active_leases: leases,
+            protocol: crate::proto::VERSION,
+            labels: BTreeMap::new(),
+        }
+    }
+
+    fn names(v: &[NodeRecord]) -> Vec<&str> {
+        v.iter().map(|n| n.name.as_str()).collect()
+    }
+
+    #[test]
+    fn least_loaded_first_then_most_room_and_a_full_node_never() {
+        let nodes = [
+            node("a", 100, 2),
+            node("b", 50, 1),
+            node("c", 80, 1),
+            node("full", 9, 0),
+        ];
+        let need = Need {
+            min_vram: 10,
+            ..Need::default()
+        };
+        assert_eq!(names(&rank(&nodes, &need)), ["c", "b", "a"]);
+    }
+
+    #[test]
+    fn labels_and_protocol_filter() {
+        let mut a = node("a", 100, 0);
+        a.labels.insert("zone".into(), "x".into());
+        let mut old = node("old", 100, 0);
+        old.protocol = crate::proto::VERSION - 1;
+        old.labels.insert("zone".into(), "x".into());
+        let b = node("b", 100, 0);
+        let need = Need {
+            min_vram: 1,
+            labels: [("zone".to_string(), "x".to_string())].into(),
+        };
+        assert_eq!(names(&rank(&[a, old, b], &need)), ["a"]);
+    }
+}
