@@ -10,150 +10,16 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::etcd::*;
 use common::*;
 use cuda_lease::client::{ClientConfig, ErrorKind, Lease};
-use cuda_lease::fleet::{fingerprint, Fleet, FleetConfig, FleetError, NodeRecord, RegistryConfig};
+use cuda_lease::fleet::{fingerprint, Fleet, FleetConfig, FleetError, NodeRecord};
 use cuda_lease::node::{Node, NodeConfig};
 
 const MIB: u64 = 1 << 20;
-/// Longest a registry change may take to reach a client here.
-const PROMPT: Duration = Duration::from_secs(5);
-
-/// An etcd server of this test: its own ports and data directory.
-struct Etcd {
-    child: Option<Child>,
-    dir: PathBuf,
-    client_port: u16,
-    peer_port: u16,
-}
-
-fn etcd_binary() -> PathBuf {
-    std::env::var_os("CUDA_LEASE_TEST_ETCD")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("PATH").and_then(|paths| {
-                std::env::split_paths(&paths)
-                    .map(|d| d.join("etcd"))
-                    .find(|p| p.is_file())
-            })
-        })
-        .expect("no etcd binary: install Debian's etcd-server (apt-get install etcd-server) or set CUDA_LEASE_TEST_ETCD")
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-impl Etcd {
-    /// Starts etcd and waits until it answers.
-    async fn start() -> Etcd {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "cuda-lease-fleet-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut e = Etcd {
-            child: None,
-            dir,
-            client_port: free_port(),
-            peer_port: free_port(),
-        };
-        e.run().await;
-        e
-    }
-
-    fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
-    }
-
-    /// A fleet client's configuration for this etcd: trusting the
-    /// registry's fingerprints, with the test token.
-    fn fleet_config(&self) -> FleetConfig {
-        let mut cfg = FleetConfig::new([self.url()])
-            .trust_registry(true)
-            .client(ClientConfig::pinned_sha256([0; 32]).token(TOKEN));
-        cfg.connect_timeout = Duration::from_millis(500);
-        cfg
-    }
-
-    /// Starts the process on this server's ports and data directory.
-    async fn run(&mut self) {
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let log = std::fs::File::create(self.dir.join("etcd.log")).unwrap();
-        let child = Command::new(etcd_binary())
-            .args(["--name", "fleet-test"])
-            .arg("--data-dir")
-            .arg(self.dir.join("data"))
-            .args(["--listen-client-urls", &self.url()])
-            .args(["--advertise-client-urls", &self.url()])
-            .args(["--listen-peer-urls", &peer])
-            .args(["--initial-advertise-peer-urls", &peer])
-            .args(["--initial-cluster", &format!("fleet-test={peer}")])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start etcd");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            // Answers once a fleet client can read the registry.
-            if Fleet::connect(self.fleet_config()).await.is_ok() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "etcd did not answer within 15 s (log: {})",
-                self.dir.join("etcd.log").display()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    /// Kills the process (SIGKILL) and waits for it.
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// Stops etcd and starts it again on the same ports with an empty data
-    /// directory (every record and etcd lease gone: nodes must register
-    /// again).
-    async fn restart_empty(&mut self) {
-        self.kill();
-        std::fs::remove_dir_all(self.dir.join("data")).unwrap();
-        self.run().await;
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// How the test nodes register: `etcd`, records written at most every
-/// 50 ms, TTL `ttl`.
-fn registry(etcd: &Etcd, ttl: Duration) -> RegistryConfig {
-    let mut r = RegistryConfig::new([etcd.url()]);
-    r.ttl = ttl;
-    r.min_update_interval = Duration::from_millis(50);
-    r
-}
 
 /// An embedded node with the in-memory device of `capacity` bytes,
 /// registered as `name`.
@@ -170,25 +36,8 @@ async fn node(
     Node::start(cfg).await.expect("start a node")
 }
 
-/// A client of the fleet in `etcd`, trusting the registry's fingerprints,
-/// with the test token.
-async fn follow(etcd: &Etcd) -> Fleet {
-    Fleet::connect(etcd.fleet_config())
-        .await
-        .expect("follow the fleet")
-}
-
 fn names(nodes: &[NodeRecord]) -> Vec<String> {
     nodes.iter().map(|n| n.name.clone()).collect()
-}
-
-/// Waits until the fleet's view satisfies `pred`; panics naming `what`.
-async fn until(fleet: &Fleet, what: &str, pred: impl FnMut(&[NodeRecord]) -> bool) {
-    assert!(
-        fleet.wait_until(PROMPT, pred).await,
-        "waited {PROMPT:?} for {what}; the fleet shows {:?}",
-        fleet.nodes()
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -528,4 +377,58 @@ async fn thirty_two_clients_lease_twenty_times_each_over_three_nodes_none_lost()
     for n in nodes {
         n.shutdown().await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_lists_the_fleet_and_leases_on_it() {
+    let etcd = Etcd::start().await;
+    let n = node(&etcd, "gpu-7", 64 * MIB, |c| {
+        c.registry
+            .as_mut()
+            .unwrap()
+            .labels
+            .insert("zone".into(), "a".into());
+    })
+    .await;
+    let fleet = follow(&etcd).await;
+    until(&fleet, "the node", |r| r.len() == 1).await;
+    let cli = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_cuda-lease"))
+            .args([
+                "--token",
+                TOKEN,
+                "fleet",
+                "--etcd",
+                &etcd.url(),
+                "--trust-registry",
+            ])
+            .args(args)
+            .output()
+            .expect("run cuda-lease");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "cuda-lease fleet {args:?}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    let ls = tokio::task::block_in_place(|| cli(&["ls"]));
+    let line = ls
+        .lines()
+        .find(|l| l.starts_with("gpu-7"))
+        .unwrap_or_else(|| panic!("{ls}"));
+    assert!(line.contains(&n.addr().to_string()), "{line}");
+    assert!(
+        line.contains("0.1 GiB") && line.ends_with("zone=a"),
+        "{line}"
+    );
+    let leased =
+        tokio::task::block_in_place(|| cli(&["lease", "--min-vram", "1M", "--label", "zone=a"]));
+    assert!(
+        leased.contains("reserved 1048576 bytes on node gpu-7"),
+        "{leased}"
+    );
+    assert!(leased.ends_with("freed\n"), "{leased}");
+    n.shutdown().await;
 }

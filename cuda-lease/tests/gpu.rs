@@ -1234,6 +1234,59 @@ async fn good_pipeline_on(policy: &cuda_async::RemotePolicy) {
     assert_eq!(y.to_vec().unwrap(), want);
 }
 
+/// Two nodes on this GPU register in a real etcd (the bundle carries one:
+/// `$CUDA_LEASE_TEST_ETCD`); a client finds both through the registry,
+/// with the GPU's own inventory, and runs one pipeline on a lease of each.
+#[cfg(feature = "fleet")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU"]
+async fn two_gpu_nodes_found_through_etcd_run_a_pipeline_each() {
+    use common::etcd::*;
+    let etcd = Etcd::start().await;
+    let mut nodes = Vec::new();
+    for name in ["gpu-a", "gpu-b"] {
+        let mut cfg = gpu_config();
+        cfg.name = name.into();
+        cfg.capacity = Some(1 << 30);
+        cfg.registry = Some(registry(&etcd, Duration::from_secs(5)));
+        nodes.push(Node::start(cfg).await.expect("start a GPU node"));
+    }
+    let fleet = follow(&etcd).await;
+    until(&fleet, "both GPU nodes", |n| n.len() == 2).await;
+    for r in fleet.nodes() {
+        let d = &r.devices[0];
+        println!(
+            "{} at {}: {} sm_{}{}, {} bytes reservable",
+            r.name,
+            r.address,
+            d.name,
+            d.compute_capability.0,
+            d.compute_capability.1,
+            r.reservable_bytes
+        );
+        assert!(
+            d.compute_capability.0 >= 5 && d.total_bytes > 1 << 30,
+            "{r:?}"
+        );
+        assert_eq!(r.reservable_bytes, 1 << 30);
+    }
+    for (name, node) in ["gpu-a", "gpu-b"].into_iter().zip(&nodes) {
+        let lease = fleet
+            .lease_placed(
+                Lease::builder().min_vram(64 << 20),
+                |_, _| vec![name.into()],
+            )
+            .await
+            .unwrap();
+        assert_eq!(lease.client().addr(), node.addr());
+        good_pipeline_on(&policy_of(&lease)).await;
+        lease.free().await.unwrap();
+    }
+    for n in nodes {
+        n.shutdown().await;
+    }
+}
+
 #[tokio::test]
 #[ignore = "needs an NVIDIA GPU"]
 async fn after_a_compile_error_and_a_kernel_fault_good_pipelines_run() {

@@ -12,6 +12,9 @@ use cuda_lease::node::{Node, NodeConfig};
 use cuda_lease::remote::LeaseSession;
 use cuda_lease::worker::{DeviceSpec, WorkerSpec};
 
+#[cfg(feature = "fleet")]
+pub mod etcd;
+
 pub const TOKEN: &str = "test-token";
 
 /// The set-up every node test shares: an embedded node (by default with the

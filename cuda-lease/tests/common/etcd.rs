@@ -1,0 +1,167 @@
+//! A real etcd for the fleet tests, and helpers to follow it.
+//!
+//! Needs an `etcd` binary (Debian's `etcd-server`; `.ci/run` installs it):
+//! `$CUDA_LEASE_TEST_ETCD`, else `etcd` on the `PATH`. Each test starts its
+//! own etcd on free loopback ports with a temporary data directory, and
+//! stops it by its PID when dropped.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use cuda_lease::client::ClientConfig;
+use cuda_lease::fleet::{Fleet, FleetConfig, NodeRecord, RegistryConfig};
+
+use super::TOKEN;
+
+/// Longest a registry change may take to reach a client here.
+pub const PROMPT: Duration = Duration::from_secs(5);
+
+/// An etcd server of this test: its own ports and data directory.
+pub struct Etcd {
+    child: Option<Child>,
+    dir: PathBuf,
+    client_port: u16,
+    peer_port: u16,
+}
+
+pub fn etcd_binary() -> PathBuf {
+    std::env::var_os("CUDA_LEASE_TEST_ETCD")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("PATH").and_then(|paths| {
+                std::env::split_paths(&paths)
+                    .map(|d| d.join("etcd"))
+                    .find(|p| p.is_file())
+            })
+        })
+        .expect("no etcd binary: install Debian's etcd-server (apt-get install etcd-server) or set CUDA_LEASE_TEST_ETCD")
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Etcd {
+    /// Starts etcd and waits until it answers.
+    pub async fn start() -> Etcd {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "cuda-lease-fleet-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut e = Etcd {
+            child: None,
+            dir,
+            client_port: free_port(),
+            peer_port: free_port(),
+        };
+        e.run().await;
+        e
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// A fleet client's configuration for this etcd: trusting the
+    /// registry's fingerprints, with the test token.
+    pub fn fleet_config(&self) -> FleetConfig {
+        let mut cfg = FleetConfig::new([self.url()])
+            .trust_registry(true)
+            .client(ClientConfig::pinned_sha256([0; 32]).token(TOKEN));
+        cfg.connect_timeout = Duration::from_millis(500);
+        cfg
+    }
+
+    /// Starts the process on this server's ports and data directory.
+    async fn run(&mut self) {
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let log = std::fs::File::create(self.dir.join("etcd.log")).unwrap();
+        let child = Command::new(etcd_binary())
+            .args(["--name", "fleet-test"])
+            .arg("--data-dir")
+            .arg(self.dir.join("data"))
+            .args(["--listen-client-urls", &self.url()])
+            .args(["--advertise-client-urls", &self.url()])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &format!("fleet-test={peer}")])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start etcd");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            // Answers once a fleet client can read the registry.
+            if Fleet::connect(self.fleet_config()).await.is_ok() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "etcd did not answer within 15 s (log: {})",
+                self.dir.join("etcd.log").display()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Kills the process (SIGKILL) and waits for it.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Stops etcd and starts it again on the same ports with an empty data
+    /// directory (every record and etcd lease gone: nodes must register
+    /// again).
+    pub async fn restart_empty(&mut self) {
+        self.kill();
+        std::fs::remove_dir_all(self.dir.join("data")).unwrap();
+        self.run().await;
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// How a test node registers in `etcd`: records written at most every
+/// 50 ms, TTL `ttl`.
+pub fn registry(etcd: &Etcd, ttl: Duration) -> RegistryConfig {
+    let mut r = RegistryConfig::new([etcd.url()]);
+    r.ttl = ttl;
+    r.min_update_interval = Duration::from_millis(50);
+    r
+}
+
+/// A client of the fleet in `etcd`, trusting the registry's fingerprints,
+/// with the test token.
+pub async fn follow(etcd: &Etcd) -> Fleet {
+    Fleet::connect(etcd.fleet_config())
+        .await
+        .expect("follow the fleet")
+}
+
+/// Waits until the fleet's view satisfies `pred`; panics naming `what`.
+pub async fn until(fleet: &Fleet, what: &str, pred: impl FnMut(&[NodeRecord]) -> bool) {
+    assert!(
+        fleet.wait_until(PROMPT, pred).await,
+        "waited {PROMPT:?} for {what}; the fleet shows {:?}",
+        fleet.nodes()
+    );
+}
