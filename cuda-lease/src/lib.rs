@@ -112,6 +112,11 @@ pub use worker::{main_if_worker, DeviceSpec, WorkerSpec};
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
+/// Compiles the book's fleet chapter as doctests.
+#[cfg(all(doctest, feature = "fleet", feature = "backend"))]
+#[doc = include_str!("../../book/src/fleet.md")]
+pub struct BookFleetDoctests;
+
 /// Compiles the book's remote chapter as doctests (it uses both crates).
 #[cfg(all(doctest, feature = "backend"))]
 #[doc = include_str!("../../book/src/remote.md")]

@@ -202,7 +202,7 @@ async fn placement_follows_reservable_vram_and_moves_past_a_full_node() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_untrusted_registry_pins_nothing_and_a_wrong_fingerprint_is_refused() {
+async fn an_untrusted_registry_pins_nothing_and_a_pinned_fingerprint_must_match() {
     let etcd = Etcd::start().await;
     let n = node(&etcd, "n", 64 * MIB, |_| {}).await;
     // Without trusting the registry, the client's own roots decide: this
@@ -231,6 +231,19 @@ async fn an_untrusted_registry_pins_nothing_and_a_wrong_fingerprint_is_refused()
         .await
         .unwrap_err();
     assert!(matches!(e, FleetError::Exhausted(_)), "{e}");
+    // A pin by fingerprint (what trusting the registry does per node):
+    // another fingerprint is refused in the handshake, the node's own is
+    // served.
+    let record = own.node("n").unwrap();
+    let mut wrong = record.fingerprint_bytes().unwrap();
+    wrong[0] ^= 1;
+    let e = cuda_lease::Client::connect(n.addr(), &ClientConfig::pinned_sha256(wrong).token(TOKEN))
+        .await
+        .unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::Disconnected(_)), "{e}");
+    let right = ClientConfig::pinned_sha256(record.fingerprint_bytes().unwrap()).token(TOKEN);
+    let c = cuda_lease::Client::connect(n.addr(), &right).await.unwrap();
+    c.inventory().await.unwrap();
     // A fleet needs roots or trust in the registry.
     assert!(matches!(
         Fleet::connect(FleetConfig::new([etcd.url()])).await,
