@@ -223,7 +223,11 @@ impl<T> DeviceBuffer<T> {
     /// [`Error::WrongHome`] for a local buffer or one of another session.
     pub fn remote_id(&self, session: &Arc<dyn RemoteSession>) -> Result<u64> {
         match &self.home {
-            Home::Remote(r) if same_session(&r.session, session) => Ok(r.id),
+            Home::Remote(r)
+                if same_session(&r.session, session) || session.accepts(&r.session, r.id) =>
+            {
+                Ok(r.id)
+            }
             _ => Err(wrong_home(self.home(), &session.describe())),
         }
     }

@@ -86,6 +86,22 @@ impl ExecutionContext {
         }
     }
 
+    /// A context recording onto stream `stream` of `session`, whose
+    /// concurrent arms fork onto the other streams of `0..streams`: what a
+    /// remote policy's [`select`](crate::SchedulingPolicy::select)
+    /// returns (a policy of one's own over several sessions, say).
+    pub fn remote(
+        session: std::sync::Arc<dyn crate::remote::RemoteSession>,
+        stream: u32,
+        streams: u32,
+    ) -> Self {
+        Self::new_remote(RemoteContext::new(
+            session,
+            stream % streams.max(1),
+            streams,
+        ))
+    }
+
     pub(crate) fn new_remote(remote: RemoteContext) -> Self {
         ExecutionContext {
             backend: Backend::Remote(remote),

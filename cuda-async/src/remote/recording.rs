@@ -318,6 +318,25 @@ impl Recording {
         data
     }
 
+    /// A copy to send again (a retry elsewhere): the same commands and
+    /// read slots (the copy's reads land where the original's would),
+    /// every payload copied.
+    pub fn duplicate(&self) -> Recording {
+        let mut data = Vec::with_capacity(self.payloads().map(<[u8]>::len).sum());
+        let mut payloads = Vec::with_capacity(self.payloads.len());
+        for bytes in self.payloads() {
+            let start = data.len();
+            data.extend_from_slice(bytes);
+            payloads.push(Payload::Copied(start..data.len()));
+        }
+        Recording {
+            commands: self.commands.clone(),
+            data,
+            payloads,
+            reads: self.reads.clone(),
+        }
+    }
+
     /// The read slots, in command order.
     pub fn reads(&self) -> &[Arc<ReadSlot>] {
         &self.reads

@@ -35,6 +35,24 @@ pub trait RemoteSession: Send + Sync + fmt::Debug {
     /// buffer submitted before it.
     fn free(&self, id: u64);
 
+    /// Whether an op recorded on this session may use buffer `id` of
+    /// `owner`, another session handle (a buffer of this very handle is
+    /// always accepted). Default: no, and the op fails with
+    /// [`Error::WrongHome`]. A session that chooses its node late (one
+    /// submission of a fleet, say) accepts a sibling's buffer here and
+    /// then goes where that buffer lives.
+    fn accepts(&self, owner: &Arc<dyn RemoteSession>, id: u64) -> bool {
+        let _ = (owner, id);
+        false
+    }
+
+    /// The session as [`Any`](std::any::Any), for a session that
+    /// recognises its siblings in [`RemoteSession::accepts`]. Default:
+    /// `None`.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
+
     /// Whether the session keeps graphs on its node (and implements
     /// [`RemoteSession::hold`] and [`RemoteSession::release`]); a remote
     /// capture is refused otherwise.
@@ -106,6 +124,23 @@ impl RemoteCompletion {
 }
 
 impl RemoteCompletion {
+    /// `Ready` with the outcome once completed or failed; otherwise wakes
+    /// `cx`'s waker when it is (one waiter at a time: the last one
+    /// registered). For a session that wraps another: it hands the inner
+    /// session a completion of its own and forwards the outcome.
+    pub fn poll_outcome(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<()>> {
+        match self.0.poll_status(cx.waker()) {
+            crate::completion::Status::Pending => std::task::Poll::Pending,
+            crate::completion::Status::Done => std::task::Poll::Ready(Ok(())),
+            crate::completion::Status::Failed => std::task::Poll::Ready(Err(self.0.error())),
+        }
+    }
+
+    /// Waits for the outcome ([`RemoteCompletion::poll_outcome`]).
+    pub async fn finished(&self) -> Result<()> {
+        std::future::poll_fn(|cx| self.poll_outcome(cx)).await
+    }
+
     pub(crate) fn completion(&self) -> &Arc<Completion> {
         &self.0
     }

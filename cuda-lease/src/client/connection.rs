@@ -173,7 +173,7 @@ impl Client {
             .map_err(|e| e.with_node(self.addr))
     }
 
-    pub(super) async fn call<Req: Codec<'static>, Rep: for<'b> Codec<'b>>(
+    pub(crate) async fn call<Req: Codec<'static>, Rep: for<'b> Codec<'b>>(
         &self,
         op: Opcode,
         req: &Req,

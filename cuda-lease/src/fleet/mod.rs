@@ -48,10 +48,14 @@
 
 mod discovery;
 mod placement;
+#[cfg(feature = "backend")]
+mod policy;
 mod record;
 #[cfg(feature = "node")]
 pub(crate) mod registrar;
 
 pub use discovery::{Fleet, FleetConfig, FleetError};
 pub use placement::Need;
+#[cfg(feature = "backend")]
+pub use policy::{FleetPolicy, FleetPolicyConfig, NodeStats};
 pub use record::{fingerprint, DeviceRecord, NodeRecord, RegistryConfig, DEFAULT_PREFIX};

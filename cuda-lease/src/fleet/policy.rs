@@ -1,0 +1,715 @@
+//! One `cuda-async` policy over leases on several nodes of a fleet
+//! ([`FleetPolicy`]): independent submissions spread over the leases,
+//! buffers keep their work on their node, a dead node's leases are
+//! replaced, and submissions can be run again elsewhere.
+//!
+//! Each [`select`](SchedulingPolicy::select) makes a *placement*: a remote
+//! session of its own that records without a node, and chooses one when
+//! its submission is sent (the live lease with the least work in flight),
+//! or earlier when an op uses a buffer of an earlier submission (then the
+//! buffer's node). Ids are the policy's, unique over all its leases, so a
+//! recording is valid on any of them until it is placed.
+
+use std::any::Any;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use cuda_async::remote::{Recording, RemoteCompletion};
+use cuda_async::{ExecutionContext, RemoteSession, SchedulingPolicy};
+use tokio::sync::Notify;
+use tracing::{debug, info, warn};
+
+use super::placement::rank;
+use super::{Fleet, FleetError, NodeRecord};
+use crate::client::{Disconnect, Error, ErrorKind, Lease};
+use crate::remote::LeaseSession;
+
+/// The first id a fleet policy hands out: far above the ids a lease's own
+/// session counts from 1, so the two never meet on a node.
+const FIRST_ID: u64 = 1 << 62;
+
+/// How a [`FleetPolicy`] leases and places.
+#[derive(Debug, Clone)]
+pub struct FleetPolicyConfig {
+    /// Leases held at once when the fleet has room (each on another node
+    /// while there are nodes enough); a dead node's lease is replaced to
+    /// keep this many (default 2).
+    pub leases: usize,
+    /// Most leases: when every lease has [`FleetPolicyConfig::grow_at`]
+    /// submissions in flight, one more is taken, up to this (default:
+    /// `leases`).
+    pub max_leases: usize,
+    /// Submissions in flight on every lease at which the policy grows.
+    pub grow_at: usize,
+    /// VRAM of each lease (default 256 MiB).
+    pub vram: u64,
+    /// TTL of each lease (renewed in the background; default 60 s).
+    pub ttl: Duration,
+    /// Streams of each lease that submissions and concurrent arms spread
+    /// over (default 4).
+    pub streams: u32,
+    /// Longest a submission waits for a lease when the policy has none
+    /// alive (then it fails with the capacity kind; default 30 s).
+    pub wait: Duration,
+    /// How many times a submission that failed with its node (the
+    /// disconnected or lease kinds) runs again on another lease, when it
+    /// uses no buffer of an earlier submission (default 0: never).
+    pub retry: u32,
+}
+
+impl Default for FleetPolicyConfig {
+    fn default() -> Self {
+        Self {
+            leases: 2,
+            max_leases: 2,
+            grow_at: 8,
+            vram: 256 << 20,
+            ttl: Duration::from_secs(60),
+            streams: 4,
+            wait: Duration::from_secs(30),
+            retry: 0,
+        }
+    }
+}
+
+/// What a [`FleetPolicy`] did per node ([`FleetPolicy::stats`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeStats {
+    /// The node.
+    pub node: String,
+    /// Submissions that completed there.
+    pub completed: u64,
+    /// Submissions that failed there.
+    pub failed: u64,
+    /// Whether the policy holds a live lease there now.
+    pub live: bool,
+}
+
+/// A `cuda-async` scheduling policy over leases on several nodes of a
+/// [`Fleet`]: each submission (with all its concurrent arms) runs on one
+/// lease, the live one with the least work in flight, or the one holding
+/// a buffer it uses. `schedule`, `.await` and `sync_with` work as with a
+/// `RemotePolicy`.
+///
+/// When a node dies (its record leaves the registry, or a submission fails
+/// with the disconnected or lease kinds), its lease is dropped, its work in
+/// flight fails (or runs again elsewhere, with
+/// [`FleetPolicyConfig::retry`]), and a replacement is leased on another
+/// node. A submission that uses a buffer on a dead node fails with an error
+/// naming the node and the buffers. With no live lease, submissions wait
+/// for one (at most [`FleetPolicyConfig::wait`]).
+///
+/// ```no_run
+/// # async fn demo(fleet: cuda_lease::fleet::Fleet) -> Result<(), Box<dyn std::error::Error>> {
+/// use cuda_async::prelude::*;
+/// use cuda_lease::fleet::{FleetPolicy, FleetPolicyConfig};
+///
+/// let cfg = FleetPolicyConfig { leases: 3, retry: 1, ..FleetPolicyConfig::default() };
+/// let policy = FleetPolicy::new(&fleet, cfg).await?;
+/// let out = h2d(vec![1u32; 256]).then(d2h).schedule(&policy)?.await?;
+/// assert_eq!(out.to_vec()?, vec![1u32; 256]);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct FleetPolicy {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    fleet: Fleet,
+    cfg: FleetPolicyConfig,
+    runtime: tokio::runtime::Handle,
+    members: Mutex<Vec<Arc<Member>>>,
+    /// Per node: what ran there.
+    stats: Mutex<Vec<NodeStats>>,
+    /// A lease was added (waiting submissions look again).
+    added: Notify,
+    /// Something for the supervisor: a death, a reason to grow, or the
+    /// policy's end (shared with the supervisor, which holds the policy
+    /// only weakly).
+    wake: Arc<Notify>,
+    grow: AtomicBool,
+    next_id: AtomicU64,
+    next_stream: AtomicUsize,
+    retries: AtomicU64,
+    closed: AtomicBool,
+}
+
+/// One lease of the policy.
+#[derive(Debug)]
+struct Member {
+    node: NodeRecord,
+    lease: Mutex<Option<Lease>>,
+    session: Arc<LeaseSession>,
+    in_flight: AtomicUsize,
+    /// Submissions given to it in all.
+    given: AtomicU64,
+    dead: AtomicBool,
+}
+
+/// How long a node that left the registry has to answer before its lease
+/// is given up.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
+
+impl Member {
+    fn is_live(&self) -> bool {
+        !self.dead.load(Ordering::Acquire)
+    }
+
+    /// Whether the lease's node answers a query within [`PROBE_TIMEOUT`].
+    async fn answers(&self) -> bool {
+        let client = {
+            let lease = self.lease.lock().unwrap_or_else(|e| e.into_inner());
+            match lease.as_ref() {
+                Some(l) => (l.client().clone(), l.id()),
+                None => return false,
+            }
+        };
+        let (client, id) = client;
+        let query = crate::proto::LeaseRef { lease: id };
+        let probe =
+            client.call::<_, crate::proto::LeaseStatus>(crate::proto::Opcode::LeaseQuery, &query);
+        matches!(tokio::time::timeout(PROBE_TIMEOUT, probe).await, Ok(Ok(_)))
+    }
+}
+
+impl FleetPolicy {
+    /// Leases [`FleetPolicyConfig::leases`] leases on the fleet's nodes
+    /// (each on another node while there are nodes enough) and starts
+    /// looking after them. Must be called inside a tokio runtime, whose
+    /// tasks then do the policy's I/O.
+    ///
+    /// # Errors
+    ///
+    /// The fleet's error when not a single lease could be placed.
+    pub async fn new(fleet: &Fleet, cfg: FleetPolicyConfig) -> Result<FleetPolicy, FleetError> {
+        let cfg = FleetPolicyConfig {
+            leases: cfg.leases.max(1),
+            max_leases: cfg.max_leases.max(cfg.leases.max(1)),
+            grow_at: cfg.grow_at.max(1),
+            streams: cfg.streams.max(1),
+            ..cfg
+        };
+        let shared = Arc::new(Shared {
+            fleet: fleet.clone(),
+            cfg,
+            runtime: tokio::runtime::Handle::current(),
+            members: Mutex::new(Vec::new()),
+            stats: Mutex::new(Vec::new()),
+            added: Notify::new(),
+            wake: Arc::new(Notify::new()),
+            grow: AtomicBool::new(false),
+            next_id: AtomicU64::new(FIRST_ID),
+            next_stream: AtomicUsize::new(0),
+            retries: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
+        });
+        let mut first_error = None;
+        for _ in 0..shared.cfg.leases {
+            if let Err(e) = shared.add_member().await {
+                first_error.get_or_insert(e);
+                break;
+            }
+        }
+        if shared.live().is_empty() {
+            return Err(first_error.unwrap_or(FleetError::NoNodeFits {
+                min_vram: shared.cfg.vram,
+                registered: fleet.nodes().len(),
+            }));
+        }
+        tokio::spawn(supervise(
+            Arc::downgrade(&shared),
+            shared.wake.clone(),
+            fleet.clone(),
+        ));
+        Ok(FleetPolicy { shared })
+    }
+
+    /// The nodes the policy holds live leases on.
+    pub fn nodes(&self) -> Vec<String> {
+        self.shared
+            .live()
+            .iter()
+            .map(|m| m.node.name.clone())
+            .collect()
+    }
+
+    /// What ran where: one entry per node the policy ever leased on.
+    pub fn stats(&self) -> Vec<NodeStats> {
+        let live = self.nodes();
+        let mut s = self.shared.stats().clone();
+        for n in &mut s {
+            n.live = live.contains(&n.node);
+        }
+        s
+    }
+
+    /// Submissions run again on another lease after their node failed.
+    pub fn retries(&self) -> u64 {
+        self.shared.retries.load(Ordering::Relaxed)
+    }
+
+    /// Frees every lease; submissions made afterwards fail.
+    pub async fn close(&self) {
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.wake.notify_one();
+        let members: Vec<_> = std::mem::take(&mut *self.shared.members());
+        for m in members {
+            m.dead.store(true, Ordering::Release);
+            let lease = m.lease.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(l) = lease {
+                let _ = l.free().await;
+            }
+        }
+    }
+}
+
+impl SchedulingPolicy for FleetPolicy {
+    fn select(&self) -> cuda_async::Result<ExecutionContext> {
+        let slot: Arc<dyn RemoteSession> = Arc::new(Placement {
+            shared: self.shared.clone(),
+            at: Arc::new(Mutex::new(None)),
+            adopted: Mutex::new(Vec::new()),
+        });
+        let streams = self.shared.cfg.streams;
+        let stream =
+            (self.shared.next_stream.fetch_add(1, Ordering::Relaxed) % streams as usize) as u32;
+        Ok(ExecutionContext::remote(slot, stream, streams))
+    }
+}
+
+impl Shared {
+    fn members(&self) -> std::sync::MutexGuard<'_, Vec<Arc<Member>>> {
+        self.members.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn stats(&self) -> std::sync::MutexGuard<'_, Vec<NodeStats>> {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn live(&self) -> Vec<Arc<Member>> {
+        self.members()
+            .iter()
+            .filter(|m| m.is_live())
+            .cloned()
+            .collect()
+    }
+
+    fn count(&self, node: &str, ok: bool) {
+        let mut s = self.stats();
+        let i = match s.iter().position(|n| n.node == node) {
+            Some(i) => i,
+            None => {
+                s.push(NodeStats {
+                    node: node.to_string(),
+                    ..NodeStats::default()
+                });
+                s.len() - 1
+            }
+        };
+        if ok {
+            s[i].completed += 1;
+        } else {
+            s[i].failed += 1;
+        }
+    }
+
+    /// The live lease with the least work in flight; asks the supervisor
+    /// to grow when even that one has `grow_at` submissions in flight.
+    fn least_loaded(&self) -> Option<Arc<Member>> {
+        let members = self.members();
+        // Among the leases with at most two rounds of their streams more in
+        // flight than the least loaded, the one given the least so far: equal
+        // nodes share evenly, and one that falls behind by more gets nothing
+        // until it catches up.
+        let live = members.iter().filter(|m| m.is_live());
+        let least = live
+            .clone()
+            .map(|m| m.in_flight.load(Ordering::Relaxed))
+            .min();
+        let window = least.unwrap_or(0) + 2 * self.cfg.streams as usize;
+        let best = live
+            .filter(|m| m.in_flight.load(Ordering::Relaxed) <= window)
+            .min_by_key(|m| m.given.load(Ordering::Relaxed))
+            .cloned();
+        if let Some(b) = &best {
+            if b.in_flight.load(Ordering::Relaxed) >= self.cfg.grow_at
+                && members.len() < self.cfg.max_leases
+                && !self.grow.swap(true, Ordering::AcqRel)
+            {
+                self.wake.notify_one();
+            }
+        }
+        best
+    }
+
+    /// Leases once more, on a node the policy does not use yet if one fits,
+    /// else on any that fits.
+    async fn add_member(&self) -> Result<(), FleetError> {
+        let used: Vec<String> = self.live().iter().map(|m| m.node.name.clone()).collect();
+        let builder = Lease::builder().min_vram(self.cfg.vram).ttl(self.cfg.ttl);
+        let lease = self
+            .fleet
+            .lease_placed(builder, |nodes, need| {
+                let ranked = rank(nodes, need);
+                let (fresh, again): (Vec<_>, Vec<_>) =
+                    ranked.into_iter().partition(|n| !used.contains(&n.name));
+                fresh.into_iter().chain(again).map(|n| n.name).collect()
+            })
+            .await?;
+        let addr = lease.client().addr();
+        let node = self
+            .fleet
+            .nodes()
+            .into_iter()
+            .find(|n| n.address == addr)
+            .ok_or_else(|| FleetError::Config(format!("the node at {addr} left the registry")))?;
+        let session = LeaseSession::new(lease.session(), self.runtime.clone());
+        info!(node = %node.name, lease = %lease.id(), "fleet policy: leased");
+        self.members().push(Arc::new(Member {
+            node,
+            lease: Mutex::new(Some(lease)),
+            session,
+            in_flight: AtomicUsize::new(0),
+            given: AtomicU64::new(0),
+            dead: AtomicBool::new(false),
+        }));
+        self.added.notify_waiters();
+        Ok(())
+    }
+
+    /// Marks `m` dead: no new work goes there, its connection is closed
+    /// (so its work in flight fails now, not at the network's timeout), and
+    /// the supervisor replaces it.
+    fn bury(&self, m: &Member, why: &str) {
+        if m.dead.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        warn!(node = %m.node.name, why, "fleet policy: lease lost; replacing it");
+        if let Some(l) = m.lease.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            l.client().close();
+        }
+        self.wake.notify_one();
+    }
+}
+
+/// Whether `e` says the submission's node or lease is gone (not the
+/// submission's own fault).
+fn lost(e: &cuda_async::Error) -> bool {
+    match e {
+        cuda_async::Error::Remote(r) => matches!(
+            r.kind(),
+            ErrorKind::Disconnected(_)
+                | ErrorKind::LeaseExpired
+                | ErrorKind::LeaseFreed
+                | ErrorKind::LeaseNotFound
+                | ErrorKind::LeasePoisoned
+        ),
+        _ => false,
+    }
+}
+
+/// The error of work in flight on a node the policy gave up: the
+/// disconnected kind (whatever the lease's session saw as the connection
+/// was closed under it), naming the node.
+fn node_lost(m: &Member, e: cuda_async::Error) -> cuda_async::Error {
+    match &e {
+        cuda_async::Error::Remote(r) if matches!(r.kind(), ErrorKind::Disconnected(_)) => e,
+        _ => cuda_async::Error::Remote(
+            Error::new(
+                ErrorKind::Disconnected(Disconnect::Network),
+                format!(
+                    "node {} was lost with this submission in flight: {e}",
+                    m.node.name
+                ),
+            )
+            .with_node(m.node.address),
+        ),
+    }
+}
+
+/// Keeps the policy's leases: buries the leases of nodes that left the
+/// registry, drops dead ones, and replaces them (or grows on demand) up to
+/// the configured count. Holds the policy weakly: it ends with it.
+async fn supervise(shared: Weak<Shared>, wake: Arc<Notify>, fleet: Fleet) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let soon = {
+            let Some(s) = shared.upgrade() else { return };
+            if s.closed.load(Ordering::Acquire) {
+                return;
+            }
+            s.tend().await
+        };
+        let before = fleet.nodes();
+        let changed = fleet.wait_until(Duration::from_secs(3600), |n| n != before.as_slice());
+        if soon {
+            // Again soon, or as soon as something changes.
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = wake.notified() => {}
+                _ = changed => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        } else {
+            backoff = Duration::from_millis(100);
+            tokio::select! {
+                _ = wake.notified() => {}
+                _ = changed => {}
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// One round of the supervisor; whether to look again soon (a lease it
+    /// wanted could not be had, or a node that left the registry still
+    /// answers).
+    async fn tend(&self) -> bool {
+        // A node that left the registry is asked directly: a node that
+        // died does not answer (its work in flight would otherwise wait for
+        // the network's timeout), one that is fine answers (etcd lost its
+        // data, say, and the node registers again).
+        // One that answers is asked again soon, until it is listed again
+        // or stops answering (a node shutting down answers until it has
+        // left the registry).
+        let registered = self.fleet.nodes();
+        let mut look_again = false;
+        for m in self.live() {
+            let listed = registered
+                .iter()
+                .any(|n| n.name == m.node.name && n.address == m.node.address);
+            if listed {
+                continue;
+            }
+            if m.answers().await {
+                look_again = true;
+            } else {
+                self.bury(&m, "its node left the registry and does not answer");
+            }
+        }
+        // Dead leases go: their node is gone or unreachable, so its TTL
+        // ends them there.
+        let dead: Vec<Arc<Member>> = {
+            let mut members = self.members();
+            let (dead, live): (Vec<_>, Vec<_>) = members.drain(..).partition(|m| !m.is_live());
+            *members = live;
+            dead
+        };
+        for m in dead {
+            let lease = m.lease.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(mut l) = lease {
+                l.stop_renewing();
+                l.leak();
+            }
+        }
+        let want = if self.grow.swap(false, Ordering::AcqRel) {
+            (self.live().len() + 1).min(self.cfg.max_leases)
+        } else {
+            self.cfg.leases
+        };
+        while self.live().len() < want {
+            if let Err(e) = self.add_member().await {
+                debug!(error = %e, "fleet policy: no lease to add now");
+                return true;
+            }
+        }
+        look_again
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // The supervisor ends on its next look.
+        self.wake.notify_one();
+    }
+}
+
+/// Where a submission runs, once placed (shared with the tasks that run
+/// and retry it).
+type At = Arc<Mutex<Option<Arc<Member>>>>;
+
+fn set(at: &At, m: &Arc<Member>) {
+    *at.lock().unwrap_or_else(|e| e.into_inner()) = Some(m.clone());
+}
+
+/// One submission's session: records anywhere, runs where it is placed.
+#[derive(Debug)]
+struct Placement {
+    shared: Arc<Shared>,
+    /// The lease it runs on, once placed.
+    at: At,
+    /// Ids of earlier submissions' buffers it uses.
+    adopted: Mutex<Vec<u64>>,
+}
+
+impl Placement {
+    fn at(&self) -> Option<Arc<Member>> {
+        self.at.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn adopted(&self) -> Vec<u64> {
+        self.adopted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The error of a submission whose buffers are on a dead node.
+    fn lost_buffers(&self, m: &Member) -> cuda_async::Error {
+        let ids: Vec<String> = self.adopted().iter().map(|i| format!("#{i}")).collect();
+        let e = Error::new(
+            ErrorKind::Disconnected(Disconnect::Network),
+            format!(
+                "node {} is gone, and with it the buffers {} this submission uses",
+                m.node.name,
+                ids.join(", ")
+            ),
+        )
+        .with_node(m.node.address);
+        cuda_async::Error::Remote(e)
+    }
+}
+
+impl RemoteSession for Placement {
+    fn describe(&self) -> String {
+        match self.at() {
+            Some(m) => format!("{} (fleet policy)", m.session.describe()),
+            None => "a fleet policy's submission, not placed yet".into(),
+        }
+    }
+
+    fn fresh_id(&self) -> u64 {
+        self.shared.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn submit(&self, recording: Recording, done: RemoteCompletion) {
+        let shared = self.shared.clone();
+        let adopted = !self.adopted().is_empty();
+        match self.at() {
+            Some(m) if !m.is_live() => done.fail(self.lost_buffers(&m)),
+            Some(m) => run_on(shared, self.at.clone(), m, recording, done, 0, adopted),
+            None => {
+                // The least loaded live lease; with none, wait for one.
+                let at = self.at.clone();
+                match shared.least_loaded() {
+                    Some(m) => run_on(shared, at, m, recording, done, 0, adopted),
+                    None => {
+                        let rt = shared.runtime.clone();
+                        rt.spawn(place_later(shared, at, recording, done, 0));
+                    }
+                }
+            }
+        }
+    }
+
+    fn free(&self, id: u64) {
+        if let Some(m) = self.at() {
+            if m.is_live() {
+                m.session.free(id);
+            }
+        }
+    }
+
+    fn accepts(&self, owner: &Arc<dyn RemoteSession>, id: u64) -> bool {
+        let Some(other) = owner.as_any().and_then(|a| a.downcast_ref::<Placement>()) else {
+            return false;
+        };
+        if !Arc::ptr_eq(&other.shared, &self.shared) {
+            return false;
+        }
+        let Some(there) = other.at() else {
+            return false;
+        };
+        let mut at = self.at.lock().unwrap_or_else(|e| e.into_inner());
+        match &*at {
+            Some(here) if !Arc::ptr_eq(here, &there) => return false,
+            Some(_) => {}
+            None => *at = Some(there),
+        }
+        self.adopted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(id);
+        true
+    }
+
+    fn as_any(&self) -> Option<&dyn Any> {
+        Some(self)
+    }
+}
+
+/// Sends `recording` on `m` and forwards the outcome to `done`; when the
+/// node failed and the submission may run again, runs it on another live
+/// lease.
+fn run_on(
+    shared: Arc<Shared>,
+    at: At,
+    m: Arc<Member>,
+    recording: Recording,
+    done: RemoteCompletion,
+    attempt: u32,
+    adopted: bool,
+) {
+    set(&at, &m);
+    let again = (!adopted && attempt < shared.cfg.retry).then(|| recording.duplicate());
+    let inner = RemoteCompletion::new();
+    m.in_flight.fetch_add(1, Ordering::AcqRel);
+    m.given.fetch_add(1, Ordering::Relaxed);
+    m.session.submit(recording, inner.clone());
+    let rt = shared.runtime.clone();
+    rt.spawn(async move {
+        let r = inner.finished().await;
+        m.in_flight.fetch_sub(1, Ordering::AcqRel);
+        shared.count(&m.node.name, r.is_ok());
+        match r {
+            Ok(()) => done.complete(),
+            Err(e) if lost(&e) => {
+                shared.bury(&m, &e.to_string());
+                match again {
+                    Some(rec) => {
+                        shared.retries.fetch_add(1, Ordering::Relaxed);
+                        place_later(shared, at, rec, done, attempt + 1).await;
+                    }
+                    None => done.fail(node_lost(&m, e)),
+                }
+            }
+            Err(e) => done.fail(e),
+        }
+    });
+}
+
+/// Places `recording` on the first live lease (the policy had none when
+/// it was submitted, or its node failed and it runs again), waiting at most
+/// [`FleetPolicyConfig::wait`] for one.
+async fn place_later(
+    shared: Arc<Shared>,
+    at: At,
+    recording: Recording,
+    done: RemoteCompletion,
+    attempt: u32,
+) {
+    let deadline = tokio::time::Instant::now() + shared.cfg.wait;
+    loop {
+        let signals = shared.clone();
+        let added = signals.added.notified();
+        if let Some(m) = shared.least_loaded() {
+            run_on(shared, at, m, recording, done, attempt, false);
+            return;
+        }
+        let closed = shared.closed.load(Ordering::Acquire);
+        if closed || tokio::time::timeout_at(deadline, added).await.is_err() {
+            let e = Error::new(
+                ErrorKind::Capacity,
+                format!(
+                    "no lease of the fleet policy took the submission within {:?}",
+                    shared.cfg.wait
+                ),
+            );
+            done.fail(cuda_async::Error::Remote(e));
+            return;
+        }
+    }
+}
