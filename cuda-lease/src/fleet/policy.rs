@@ -134,6 +134,8 @@ struct Shared {
     next_id: AtomicU64,
     next_stream: AtomicUsize,
     retries: AtomicU64,
+    /// When the first submission that ran again completed.
+    first_retry_done: Mutex<Option<std::time::Instant>>,
     closed: AtomicBool,
 }
 
@@ -204,6 +206,7 @@ impl FleetPolicy {
             next_id: AtomicU64::new(FIRST_ID),
             next_stream: AtomicUsize::new(0),
             retries: AtomicU64::new(0),
+            first_retry_done: Mutex::new(None),
             closed: AtomicBool::new(false),
         });
         let mut first_error = None;
@@ -249,6 +252,16 @@ impl FleetPolicy {
     /// Submissions run again on another lease after their node failed.
     pub fn retries(&self) -> u64 {
         self.shared.retries.load(Ordering::Relaxed)
+    }
+
+    /// When the first submission that ran again on another lease
+    /// completed (`None` until one did).
+    pub fn first_retry_done(&self) -> Option<std::time::Instant> {
+        *self
+            .shared
+            .first_retry_done
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Frees every lease; submissions made afterwards fail.
@@ -665,7 +678,16 @@ fn run_on(
         m.in_flight.fetch_sub(1, Ordering::AcqRel);
         shared.count(&m.node.name, r.is_ok());
         match r {
-            Ok(()) => done.complete(),
+            Ok(()) => {
+                if attempt > 0 {
+                    let mut first = shared
+                        .first_retry_done
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner());
+                    first.get_or_insert_with(std::time::Instant::now);
+                }
+                done.complete();
+            }
             Err(e) if lost(&e) => {
                 shared.bury(&m, &e.to_string());
                 match again {
