@@ -495,3 +495,51 @@ async fn a_draining_node_hands_its_work_over_and_etcd_may_restart_meanwhile() {
         n.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_policy_grows_up_to_its_limit() {
+    let etcd = Etcd::start().await;
+    let nodes = [
+        node(&etcd, "a").await,
+        node(&etcd, "b").await,
+        node(&etcd, "c").await,
+    ];
+    let fleet = follow(&etcd).await;
+    until(&fleet, "three nodes", |n| n.len() == 3).await;
+    let policy = FleetPolicy::new(
+        &fleet,
+        FleetPolicyConfig {
+            leases: 1,
+            max_leases: 2,
+            grow_at: 2,
+            streams: 1,
+            ..config(1)
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(policy.nodes().len(), 1);
+    let mut tasks = Vec::new();
+    for task in 0..16u32 {
+        let p = policy.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..40 {
+                round_trip(&p, task * 1000 + i).await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let held = policy.nodes();
+    println!(
+        "after a busy run the policy holds leases on {held:?}: {:?}",
+        policy.stats()
+    );
+    assert_eq!(held.len(), 2, "grown to its limit, not past it");
+    assert_ne!(held[0], held[1], "the new lease went to another node");
+    policy.close().await;
+    for n in nodes {
+        n.shutdown().await;
+    }
+}
