@@ -15,7 +15,7 @@ use common::etcd::*;
 use common::*;
 use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, RemoteErrorKind};
-use cuda_lease::fleet::{FleetPolicy, FleetPolicyConfig};
+use cuda_lease::fleet::{Fleet, FleetPolicy, FleetPolicyConfig};
 use cuda_lease::node::Node;
 
 const MIB: u64 = 1 << 20;
@@ -60,6 +60,33 @@ fn kill_all(children: &mut [Child]) {
     }
 }
 
+/// An etcd, embedded nodes named `names`, and a client that sees them all.
+async fn fleet_of(names: &[&str]) -> (Etcd, Vec<Node>, Fleet) {
+    let etcd = Etcd::start().await;
+    let mut nodes = Vec::new();
+    for name in names {
+        nodes.push(node(&etcd, name).await);
+    }
+    let fleet = follow(&etcd).await;
+    until(&fleet, "every node", |n| n.len() == names.len()).await;
+    (etcd, nodes, fleet)
+}
+
+/// An etcd, node processes named `names`, and a client that sees them all.
+async fn process_fleet_of(names: &[&str]) -> (Etcd, Vec<Child>, Fleet) {
+    let etcd = Etcd::start().await;
+    let mut children: Vec<Child> = names.iter().map(|n| node_process(&etcd, n)).collect();
+    let fleet = follow(&etcd).await;
+    if !fleet
+        .wait_until(Duration::from_secs(20), |n| n.len() == names.len())
+        .await
+    {
+        kill_all(&mut children);
+        panic!("the node processes never registered");
+    }
+    (etcd, children, fleet)
+}
+
 fn config(leases: usize) -> FleetPolicyConfig {
     FleetPolicyConfig {
         leases,
@@ -80,14 +107,7 @@ async fn round_trip(policy: &FleetPolicy, tag: u32) -> Result<(), cuda_async::Er
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_share_sixty_four_tasks_of_fifty_pipelines_evenly() {
-    let etcd = Etcd::start().await;
-    let nodes = [
-        node(&etcd, "a").await,
-        node(&etcd, "b").await,
-        node(&etcd, "c").await,
-    ];
-    let fleet = follow(&etcd).await;
-    until(&fleet, "three nodes", |n| n.len() == 3).await;
+    let (_etcd, nodes, fleet) = fleet_of(&["a", "b", "c"]).await;
     let policy = FleetPolicy::new(&fleet, config(3)).await.unwrap();
     let mut held = policy.nodes();
     held.sort();
@@ -128,10 +148,7 @@ async fn three_nodes_share_sixty_four_tasks_of_fifty_pipelines_evenly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn work_on_a_buffer_goes_to_the_buffers_node() {
-    let etcd = Etcd::start().await;
-    let nodes = [node(&etcd, "a").await, node(&etcd, "b").await];
-    let fleet = follow(&etcd).await;
-    until(&fleet, "two nodes", |n| n.len() == 2).await;
+    let (_etcd, nodes, fleet) = fleet_of(&["a", "b"]).await;
     let policy = FleetPolicy::new(&fleet, config(2)).await.unwrap();
     let words: Vec<u32> = (0..256).collect();
     let kept: Arc<DeviceBuffer<u32>> =
@@ -207,20 +224,7 @@ fn run_until(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_node_fails_its_work_without_retry_and_hands_it_over_with_retry() {
-    let etcd = Etcd::start().await;
-    let mut children = vec![
-        node_process(&etcd, "k1"),
-        node_process(&etcd, "k2"),
-        node_process(&etcd, "k3"),
-    ];
-    let fleet = follow(&etcd).await;
-    if !fleet
-        .wait_until(Duration::from_secs(20), |n| n.len() == 3)
-        .await
-    {
-        kill_all(&mut children);
-        panic!("the node processes never registered");
-    }
+    let (_etcd, mut children, fleet) = process_fleet_of(&["k1", "k2", "k3"]).await;
     for retry in [0, 2] {
         let policy = FleetPolicy::new(&fleet, FleetPolicyConfig { retry, ..config(2) })
             .await
@@ -299,16 +303,7 @@ async fn a_killed_node_fails_its_work_without_retry_and_hands_it_over_with_retry
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_buffer_on_a_dead_node_fails_naming_the_node_and_the_buffer() {
-    let etcd = Etcd::start().await;
-    let mut children = vec![node_process(&etcd, "d1"), node_process(&etcd, "d2")];
-    let fleet = follow(&etcd).await;
-    if !fleet
-        .wait_until(Duration::from_secs(20), |n| n.len() == 2)
-        .await
-    {
-        kill_all(&mut children);
-        panic!("the node processes never registered");
-    }
+    let (_etcd, mut children, fleet) = process_fleet_of(&["d1", "d2"]).await;
     let policy = FleetPolicy::new(
         &fleet,
         FleetPolicyConfig {
@@ -498,14 +493,7 @@ async fn a_draining_node_hands_its_work_over_and_etcd_may_restart_meanwhile() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_policy_grows_up_to_its_limit() {
-    let etcd = Etcd::start().await;
-    let nodes = [
-        node(&etcd, "a").await,
-        node(&etcd, "b").await,
-        node(&etcd, "c").await,
-    ];
-    let fleet = follow(&etcd).await;
-    until(&fleet, "three nodes", |n| n.len() == 3).await;
+    let (_etcd, nodes, fleet) = fleet_of(&["a", "b", "c"]).await;
     let policy = FleetPolicy::new(
         &fleet,
         FleetPolicyConfig {
@@ -538,6 +526,32 @@ async fn a_busy_policy_grows_up_to_its_limit() {
     );
     assert_eq!(held.len(), 2, "grown to its limit, not past it");
     assert_ne!(held[0], held[1], "the new lease went to another node");
+    policy.close().await;
+    for n in nodes {
+        n.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_with_waits_on_a_plain_thread() {
+    let (_etcd, nodes, fleet) = fleet_of(&["a", "b"]).await;
+    let policy = FleetPolicy::new(&fleet, config(2)).await.unwrap();
+    let p = policy.clone();
+    // A thread of no runtime: `sync_with` blocks it, the runtime's tasks
+    // carry the I/O.
+    let sums = std::thread::spawn(move || {
+        (0..20u32)
+            .map(|i| {
+                let out = h2d(vec![i; 128]).then(d2h).sync_with(&p).unwrap();
+                out.to_vec().unwrap().iter().sum::<u32>()
+            })
+            .collect::<Vec<_>>()
+    });
+    let sums = tokio::task::spawn_blocking(move || sums.join().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(sums, (0..20u32).map(|i| i * 128).collect::<Vec<_>>());
+    assert_eq!(policy.stats().iter().map(|s| s.completed).sum::<u64>(), 20);
     policy.close().await;
     for n in nodes {
         n.shutdown().await;

@@ -45,17 +45,7 @@ enum Cmd {
     /// Show the node's devices and capacity.
     Inventory,
     /// Lease VRAM, print the lease, hold it, then free it.
-    Alloc {
-        /// Memory to reserve (`1G`, `512M`, or bytes).
-        #[arg(long, value_parser = cuda_lease::units::parse_bytes)]
-        min_vram: u64,
-        /// TTL in seconds.
-        #[arg(long, default_value_t = 60)]
-        ttl: u64,
-        /// Seconds to hold the lease before freeing it.
-        #[arg(long, default_value_t = 0)]
-        hold: u64,
-    },
+    Alloc(Hold),
     /// Run a kernel once (GPU_SUBMIT) and write its output to stdout as hex or to a file.
     Submit {
         /// PTX file.
@@ -92,6 +82,20 @@ enum Cmd {
     },
 }
 
+/// A lease to take, hold and free (`alloc`, `fleet lease`).
+#[derive(Debug, clap::Args)]
+struct Hold {
+    /// Memory to reserve (`1G`, `512M`, or bytes).
+    #[arg(long, value_parser = cuda_lease::units::parse_bytes)]
+    min_vram: u64,
+    /// TTL in seconds.
+    #[arg(long, default_value_t = 60)]
+    ttl: u64,
+    /// Seconds to hold the lease before freeing it.
+    #[arg(long, default_value_t = 0)]
+    hold: u64,
+}
+
 /// Where the fleet's registry is, and how its nodes are trusted.
 #[cfg(feature = "fleet")]
 #[derive(Debug, clap::Args)]
@@ -117,15 +121,8 @@ enum FleetCmd {
     /// Lease VRAM on the least loaded node that fits, print where, hold
     /// the lease, then free it.
     Lease {
-        /// Memory to reserve (`1G`, `512M`, or bytes).
-        #[arg(long, value_parser = cuda_lease::units::parse_bytes)]
-        min_vram: u64,
-        /// TTL in seconds.
-        #[arg(long, default_value_t = 60)]
-        ttl: u64,
-        /// Seconds to hold the lease before freeing it.
-        #[arg(long, default_value_t = 0)]
-        hold: u64,
+        #[command(flatten)]
+        hold: Hold,
         /// Only nodes labelled `KEY=VALUE` (comma-separated, or repeat).
         #[arg(long, value_delimiter = ',')]
         label: Vec<String>,
@@ -186,11 +183,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let client = std::sync::Arc::new(Client::connect(args.addr, &config).await?);
     match args.cmd {
         Cmd::Inventory => inventory(&client).await?,
-        Cmd::Alloc {
-            min_vram,
-            ttl,
-            hold,
-        } => alloc(&client, min_vram, ttl, hold).await?,
+        Cmd::Alloc(h) => alloc(&client, h).await?,
         Cmd::Submit {
             ptx,
             kernel,
@@ -215,9 +208,8 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
 #[cfg(feature = "fleet")]
 mod fleet {
     use super::{FleetArgs, FleetCmd};
-    use cuda_lease::client::{ClientConfig, Lease};
+    use cuda_lease::client::ClientConfig;
     use cuda_lease::fleet::{Fleet, FleetConfig, NodeRecord};
-    use std::time::Duration;
 
     pub(super) async fn run(
         at: FleetArgs,
@@ -242,16 +234,8 @@ mod fleet {
                 print!("{}", table(&fleet.nodes()));
                 Ok(())
             }
-            FleetCmd::Lease {
-                min_vram,
-                ttl,
-                hold,
-                ..
-            } => {
-                let builder = Lease::builder()
-                    .min_vram(min_vram)
-                    .ttl(Duration::from_secs(ttl));
-                let lease = fleet.lease(builder).await?;
+            FleetCmd::Lease { hold, .. } => {
+                let lease = fleet.lease(hold.builder()).await?;
                 println!(
                     "lease {} reserved {} bytes on node {} ({})",
                     lease.id(),
@@ -259,10 +243,7 @@ mod fleet {
                     lease.client().node_name(),
                     lease.client().addr()
                 );
-                tokio::time::sleep(Duration::from_secs(hold)).await;
-                lease.free().await?;
-                println!("freed");
-                Ok(())
+                hold.hold_and_free(lease).await
             }
         }
     }
@@ -332,27 +313,31 @@ async fn inventory(client: &Client) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// `alloc`: takes a lease, holds it `hold` seconds, and frees it.
-async fn alloc(
-    client: &std::sync::Arc<Client>,
-    min_vram: u64,
-    ttl: u64,
-    hold: u64,
-) -> Result<(), Box<dyn std::error::Error>> {
-    let lease = Lease::builder()
-        .min_vram(min_vram)
-        .ttl(Duration::from_secs(ttl))
-        .on(client.clone())
-        .await?;
+async fn alloc(client: &std::sync::Arc<Client>, h: Hold) -> Result<(), Box<dyn std::error::Error>> {
+    let lease = h.builder().on(client.clone()).await?;
     println!(
         "lease {} reserved {} bytes (generation {})",
         lease.id(),
         lease.reserved(),
         lease.generation()
     );
-    tokio::time::sleep(Duration::from_secs(hold)).await;
-    lease.free().await?;
-    println!("freed");
-    Ok(())
+    h.hold_and_free(lease).await
+}
+
+impl Hold {
+    fn builder(&self) -> cuda_lease::client::LeaseBuilder {
+        Lease::builder()
+            .min_vram(self.min_vram)
+            .ttl(Duration::from_secs(self.ttl))
+    }
+
+    /// Holds `lease` for `--hold` seconds, then frees it.
+    async fn hold_and_free(&self, lease: Lease) -> Result<(), Box<dyn std::error::Error>> {
+        tokio::time::sleep(Duration::from_secs(self.hold)).await;
+        lease.free().await?;
+        println!("freed");
+        Ok(())
+    }
 }
 
 /// `submit`'s call: the PTX read from `ptx`, the dimensions and the
@@ -418,7 +403,7 @@ mod tests {
             "512M",
         ]);
         assert_eq!(a.connect_timeout_ms, std::time::Duration::from_secs(2));
-        assert!(matches!(a.cmd, Cmd::Alloc { min_vram, .. } if min_vram == 512 << 20));
+        assert!(matches!(a.cmd, Cmd::Alloc(ref h) if h.min_vram == 512 << 20));
         let a = Args::parse_from(["cuda-lease", "--connect-timeout-ms", "750", "inventory"]);
         assert_eq!(a.connect_timeout_ms, std::time::Duration::from_millis(750));
     }
