@@ -20,6 +20,10 @@ use cuda_lease::node::Node;
 
 const MIB: u64 = 1 << 20;
 
+/// The share test measures how work spreads over nodes that share this
+/// machine's cores: it runs alone; the others run together.
+static ALONE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
 /// An embedded node with the in-memory device, registered as `name`.
 async fn node(etcd: &Etcd, name: &str) -> Node {
     let mut cfg = memory_config(256 * MIB);
@@ -107,6 +111,7 @@ async fn round_trip(policy: &FleetPolicy, tag: u32) -> Result<(), cuda_async::Er
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_share_sixty_four_tasks_of_fifty_pipelines_evenly() {
+    let _alone = ALONE.write().await;
     let (_etcd, nodes, fleet) = fleet_of(&["a", "b", "c"]).await;
     let policy = FleetPolicy::new(&fleet, config(3)).await.unwrap();
     let mut held = policy.nodes();
@@ -148,6 +153,7 @@ async fn three_nodes_share_sixty_four_tasks_of_fifty_pipelines_evenly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn work_on_a_buffer_goes_to_the_buffers_node() {
+    let _together = ALONE.read().await;
     let (_etcd, nodes, fleet) = fleet_of(&["a", "b"]).await;
     let policy = FleetPolicy::new(&fleet, config(2)).await.unwrap();
     let words: Vec<u32> = (0..256).collect();
@@ -224,6 +230,7 @@ fn run_until(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_node_fails_its_work_without_retry_and_hands_it_over_with_retry() {
+    let _together = ALONE.read().await;
     let (_etcd, mut children, fleet) = process_fleet_of(&["k1", "k2", "k3"]).await;
     for retry in [0, 2] {
         let policy = FleetPolicy::new(&fleet, FleetPolicyConfig { retry, ..config(2) })
@@ -303,6 +310,7 @@ async fn a_killed_node_fails_its_work_without_retry_and_hands_it_over_with_retry
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_buffer_on_a_dead_node_fails_naming_the_node_and_the_buffer() {
+    let _together = ALONE.read().await;
     let (_etcd, mut children, fleet) = process_fleet_of(&["d1", "d2"]).await;
     let policy = FleetPolicy::new(
         &fleet,
@@ -366,6 +374,7 @@ async fn gave_up(policy: &FleetPolicy) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_node_submissions_wait_for_one_then_time_out() {
+    let _together = ALONE.read().await;
     let etcd = Etcd::start().await;
     let first = node(&etcd, "first").await;
     let fleet = follow(&etcd).await;
@@ -422,6 +431,7 @@ async fn without_a_node_submissions_wait_for_one_then_time_out() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_node_hands_its_work_over_and_etcd_may_restart_meanwhile() {
+    let _together = ALONE.read().await;
     let mut etcd = Etcd::start().await;
     let a = node(&etcd, "a").await;
     let b = node(&etcd, "b").await;
@@ -493,6 +503,7 @@ async fn a_draining_node_hands_its_work_over_and_etcd_may_restart_meanwhile() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_policy_grows_up_to_its_limit() {
+    let _together = ALONE.read().await;
     let (_etcd, nodes, fleet) = fleet_of(&["a", "b", "c"]).await;
     let policy = FleetPolicy::new(
         &fleet,
@@ -534,6 +545,7 @@ async fn a_busy_policy_grows_up_to_its_limit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sync_with_waits_on_a_plain_thread() {
+    let _together = ALONE.read().await;
     let (_etcd, nodes, fleet) = fleet_of(&["a", "b"]).await;
     let policy = FleetPolicy::new(&fleet, config(2)).await.unwrap();
     let p = policy.clone();

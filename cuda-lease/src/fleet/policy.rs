@@ -333,7 +333,7 @@ impl Shared {
     /// to grow when even that one has `grow_at` submissions in flight.
     fn least_loaded(&self) -> Option<Arc<Member>> {
         let members = self.members();
-        // Among the leases with at most two rounds of their streams more in
+        // Among the leases with at most four rounds of their streams more in
         // flight than the least loaded, the one given the least so far: equal
         // nodes share evenly, and one that falls behind by more gets nothing
         // until it catches up.
@@ -342,7 +342,7 @@ impl Shared {
             .clone()
             .map(|m| m.in_flight.load(Ordering::Relaxed))
             .min();
-        let window = least.unwrap_or(0) + 2 * self.cfg.streams as usize;
+        let window = least.unwrap_or(0) + 4 * self.cfg.streams as usize;
         let best = live
             .filter(|m| m.in_flight.load(Ordering::Relaxed) <= window)
             .min_by_key(|m| m.given.load(Ordering::Relaxed))
