@@ -109,6 +109,22 @@ async fn round_trip(policy: &FleetPolicy, tag: u32) -> Result<(), cuda_async::Er
     Ok(())
 }
 
+/// `tasks` tasks of `each` pipelines on `policy`, every one checked.
+async fn run_tasks(policy: &FleetPolicy, tasks: u32, each: u32) {
+    let mut handles = Vec::new();
+    for task in 0..tasks {
+        let p = policy.clone();
+        handles.push(tokio::spawn(async move {
+            for i in 0..each {
+                round_trip(&p, task * 1000 + i).await.unwrap();
+            }
+        }));
+    }
+    for h in handles {
+        h.await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_share_sixty_four_tasks_of_fifty_pipelines_evenly() {
     let _alone = ALONE.write().await;
@@ -118,18 +134,7 @@ async fn three_nodes_share_sixty_four_tasks_of_fifty_pipelines_evenly() {
     held.sort();
     assert_eq!(held, ["a", "b", "c"], "one lease on each node");
     let t = Instant::now();
-    let mut tasks = Vec::new();
-    for task in 0..64u32 {
-        let p = policy.clone();
-        tasks.push(tokio::spawn(async move {
-            for i in 0..50 {
-                round_trip(&p, task * 1000 + i).await.unwrap();
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
+    run_tasks(&policy, 64, 50).await;
     let stats = policy.stats();
     let shares: Vec<u64> = stats.iter().map(|s| s.completed).collect();
     println!("3,200 pipelines in {:?}: {stats:?}", t.elapsed());
@@ -191,6 +196,21 @@ async fn work_on_a_buffer_goes_to_the_buffers_node() {
     }
 }
 
+/// Waits (at most `limit`) until `policy` holds two live leases again,
+/// none on `victim`; panics saying `what` otherwise.
+async fn replaced(policy: &FleetPolicy, victim: &str, limit: Duration, what: &str) {
+    let done = async {
+        loop {
+            let n = policy.nodes();
+            if n.len() == 2 && !n.iter().any(|x| x == victim) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(limit, done).await.expect(what);
+}
+
 /// One pipeline of a run: its start, its end, and its error's kind.
 type Run = (Instant, Instant, Option<RemoteErrorKind>);
 
@@ -249,18 +269,13 @@ async fn a_killed_node_fails_its_work_without_retry_and_hands_it_over_with_retry
         children[i].wait().unwrap();
         // Run on until the policy holds two live leases again, without the
         // victim, then a little more.
-        let replaced = async {
-            loop {
-                let n = policy.nodes();
-                if n.len() == 2 && !n.contains(&victim) {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(15), replaced)
-            .await
-            .expect("the lease on the killed node was never replaced");
+        replaced(
+            &policy,
+            &victim,
+            Duration::from_secs(15),
+            "the lease on the killed node was never replaced",
+        )
+        .await;
         let replaced_after = killed.elapsed();
         tokio::time::sleep(Duration::from_millis(300)).await;
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -466,18 +481,13 @@ async fn a_draining_node_hands_its_work_over_and_etcd_may_restart_meanwhile() {
     for n in gone {
         n.shutdown().await;
     }
-    let moved = async {
-        loop {
-            let n = policy.nodes();
-            if n.len() == 2 && !n.contains(&victim) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), moved)
-        .await
-        .expect("the drained node's lease was never replaced");
+    replaced(
+        &policy,
+        &victim,
+        Duration::from_secs(10),
+        "the drained node's lease was never replaced",
+    )
+    .await;
     println!(
         "the drained node's lease was replaced {:?} after its shutdown began",
         drained.elapsed()
@@ -518,18 +528,7 @@ async fn a_busy_policy_grows_up_to_its_limit() {
     .await
     .unwrap();
     assert_eq!(policy.nodes().len(), 1);
-    let mut tasks = Vec::new();
-    for task in 0..16u32 {
-        let p = policy.clone();
-        tasks.push(tokio::spawn(async move {
-            for i in 0..40 {
-                round_trip(&p, task * 1000 + i).await.unwrap();
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
+    run_tasks(&policy, 16, 40).await;
     let held = policy.nodes();
     println!(
         "after a busy run the policy holds leases on {held:?}: {:?}",
