@@ -49,7 +49,7 @@ impl fmt::Display for ParamSpec {
 ///
 /// Returns kernel name -> parameters. Unknown syntax yields no entry for
 /// that kernel (launches of it are then unchecked for types, see
-/// [`Kernel::params`]).
+/// [`Kernel::params`](super::Kernel::params)).
 ///
 /// # Examples
 ///
