@@ -404,10 +404,8 @@ async fn follow(
 ) {
     let mut failures = 0u32;
     loop {
+        // (The fleet aborts this task when its last clone goes.)
         let e = watch_from(&mut client, &prefix, &mut revision, &tx).await;
-        if tx.is_closed() {
-            return;
-        }
         if failures == 0 {
             warn!(error = %e, "fleet: lost the registry's watch; following it again when etcd answers");
         }

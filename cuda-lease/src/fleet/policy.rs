@@ -54,7 +54,9 @@ pub struct FleetPolicyConfig {
     pub wait: Duration,
     /// How many times a submission that failed with its node (the
     /// disconnected or lease kinds) runs again on another lease, when it
-    /// uses no buffer of an earlier submission (default 0: never).
+    /// uses no buffer of an earlier submission (default 0: never). With
+    /// retry on, each such submission keeps a copy of its upload bytes
+    /// until it completes.
     pub retry: u32,
 }
 

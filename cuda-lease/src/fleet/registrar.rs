@@ -57,12 +57,6 @@ impl Drop for Registrar {
     }
 }
 
-/// Why a registration session ended.
-enum End {
-    /// The node leaves (the lease was revoked, or etcd could not be told).
-    Stopped,
-}
-
 async fn run(cfg: RegistryConfig, snapshot: Snapshot, mut stop: oneshot::Receiver<()>) {
     let key = NodeRecord::key(&cfg.prefix, &snapshot().name);
     let mut prev_lease = None;
@@ -79,7 +73,8 @@ async fn run(cfg: RegistryConfig, snapshot: Snapshot, mut stop: oneshot::Receive
         )
         .await
         {
-            Ok(End::Stopped) => return,
+            // The node left (its etcd lease revoked, or etcd could not be told).
+            Ok(()) => return,
             Err(e) => {
                 // Loud once, then quiet until it works again.
                 if failures == 0 {
@@ -100,7 +95,7 @@ async fn run(cfg: RegistryConfig, snapshot: Snapshot, mut stop: oneshot::Receive
 
 /// One connection to etcd: grant a lease, write the record under it, then
 /// keep the lease alive and the record current until etcd fails (`Err`)
-/// or the node leaves.
+/// or the node leaves (`Ok`).
 async fn session(
     cfg: &RegistryConfig,
     key: &str,
@@ -108,7 +103,7 @@ async fn session(
     stop: &mut oneshot::Receiver<()>,
     prev_lease: &mut Option<i64>,
     failures: &mut u32,
-) -> Result<End, etcd_client::Error> {
+) -> Result<(), etcd_client::Error> {
     let request_timeout = cfg.connect_timeout.max(cfg.ttl / 3);
     let opts = ConnectOptions::new()
         .with_connect_timeout(cfg.connect_timeout)
@@ -169,7 +164,7 @@ async fn session(
             _ = &mut *stop => {
                 let _ = tokio::time::timeout(Duration::from_secs(1), client.lease_revoke(lease)).await;
                 info!(name = %record.name, "registry: left");
-                return Ok(End::Stopped);
+                return Ok(());
             }
         }
     }
