@@ -25,6 +25,7 @@ fn tiny() -> RemoteConfig {
         in_task: false,
         transport: ("loopback".into(), cuda_lease::TransportSettings::loopback()),
         stripes: cuda_lease::client::DEFAULT_STRIPES,
+        stamps: true,
     }
 }
 

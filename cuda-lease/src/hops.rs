@@ -237,5 +237,6 @@ pub(crate) fn mark(t: &mut Option<HopTimer>, phase: &str) {
 
 #[cfg(any(feature = "node", feature = "cli"))]
 mod print;
+pub mod stamps;
 #[cfg(any(feature = "node", feature = "cli"))]
 pub use print::{format_layer, init_from_env, init_log, init_log_as, layer, log_filter, LogFormat};

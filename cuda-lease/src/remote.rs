@@ -34,6 +34,7 @@ use std::time::Duration;
 use crate::client::{
     config_error, protocol_error, Error, ErrorKind, Lease, Module, Session, Submitted,
 };
+use crate::hops::stamps::{stamp, Point};
 use crate::hops::{self, Hop, HopTimer};
 use crate::proto::LeaseId;
 use crate::proto::{ModuleHash, Opcode};
@@ -331,6 +332,7 @@ impl LeaseSession {
     fn submit_now(&self, mut recording: Recording, done: FailOnDrop) {
         // With hop timings on: this side's share, printed when it is done.
         let mut hop = HopTimer::start(Hop::ClientSubmit, Opcode::Batch, 0);
+        stamp(Point::ClientSubmit);
         // The reads are received straight into their slots' storage, and
         // the writes' payloads go out as recorded (not copied again).
         let bufs: Vec<_> = recording.reads().iter().map(|s| s.buffer()).collect();
@@ -343,6 +345,7 @@ impl LeaseSession {
             let outcome = async {
                 let (reply, bufs) = reply.await?;
                 hops::mark(&mut hop, "reply");
+                stamp(Point::ClientReplyRead);
                 reply.ok()?;
                 for (slot, buf) in recording.reads().iter().zip(bufs) {
                     slot.commit(buf)
@@ -351,6 +354,7 @@ impl LeaseSession {
                 Ok::<(), Error>(())
             };
             let r = outcome.await;
+            stamp(Point::ClientDone);
             done.finish(r);
             hops::mark(&mut hop, "complete");
         });

@@ -16,10 +16,11 @@ use cuda_async::{DeviceBuffer, HostBuffer, Kernel, Module, RemotePolicy, StreamP
 use cuda_lease::baseline::RawQuinn;
 use cuda_lease::client::{Client, Lease};
 use cuda_lease::hops;
+use cuda_lease::hops::stamps::{self, stamp, Point};
 use cuda_lease::remote::LeaseSession;
 
 use super::baselines::Raw;
-use super::{detail, difference, rates, size_label, times, Ctx};
+use super::{detail, detail_steps, difference, rates, size_label, times, Ctx};
 use crate::report::{Goal, Row, Unit};
 use crate::stats::Summary;
 use crate::Result;
@@ -84,13 +85,19 @@ async fn one_replay<P: SchedulingPolicy + ?Sized>(
     graph: &cuda_async::CudaGraph<Pair>,
     x: &Arc<Vec<f32>>,
 ) -> Result<Duration> {
+    stamp(Point::Start);
     let t = Instant::now();
-    let out = graph
+    let op = graph
         .launch()
         .then(|()| d2h(&graph.output().1))
-        .schedule(policy)?
-        .await?;
+        .schedule(policy)?;
+    let out = if hops::enabled() {
+        timed(op, &format!("replay-{label}")).await?
+    } else {
+        op.await?
+    };
     let d = t.elapsed();
+    stamp(Point::End);
     if out.as_slice()?[1] != 17.0 * 0.5 * x[1] {
         return Err(format!("the chain graph's result on the {label} path is wrong").into());
     }
@@ -164,6 +171,7 @@ impl KeptLaunch {
     }
 
     async fn time<P: SchedulingPolicy + ?Sized>(&mut self, policy: &P) -> Result<Duration> {
+        stamp(Point::Start);
         let t = Instant::now();
         // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
         let fut = unsafe {
@@ -180,6 +188,7 @@ impl KeptLaunch {
             fut.await?
         };
         let d = t.elapsed();
+        stamp(Point::End);
         self.y = Some(back);
         Ok(d)
     }
@@ -367,6 +376,7 @@ async fn one_chain<P: SchedulingPolicy + ?Sized>(
     axpy: &Kernel,
     x: &Arc<Vec<f32>>,
 ) -> Result<Duration> {
+    stamp(Point::Start);
     let t = Instant::now();
     let out = if hops::enabled() {
         timed(chain(axpy, x.clone()).schedule(policy)?, label).await?
@@ -374,6 +384,7 @@ async fn one_chain<P: SchedulingPolicy + ?Sized>(
         chain(axpy, x.clone()).schedule(policy)?.await?
     };
     let d = t.elapsed();
+    stamp(Point::End);
     if out.as_slice()?[1] != 17.0 * 0.5 * x[1] {
         return Err(format!("the chain's result on the {label} path is wrong").into());
     }
@@ -431,7 +442,9 @@ async fn chain_times(
         None => None,
     };
     let mut v: [Vec<Duration>; 6] = Default::default();
+    let (mut chain_steps, mut replay_steps) = (Vec::new(), Vec::new());
     for (path, keep) in interleaved(iters, 6) {
+        stamps::clear();
         let d = match (path, local, &local_graph) {
             (0, _, _) => raw.round_trip(64).await?,
             (1, _, _) => raw.request_reply(CHAIN_OUT, CHAIN_BACK).await?,
@@ -443,9 +456,19 @@ async fn chain_times(
         };
         if keep {
             v[path].push(d);
+            match path {
+                2 => chain_steps.push(stamps::take()),
+                4 => replay_steps.push(stamps::take()),
+                _ => {}
+            }
         }
     }
     raw.close().await;
+    detail_steps("20-op chain awaited on the lease", &chain_steps);
+    detail_steps(
+        "20-op chain replayed from a graph kept on the node",
+        &replay_steps,
+    );
     let [rtt, sized, remote, local, replay_remote, replay_local] = v;
     Ok(ChainTimes {
         rtt,
@@ -508,7 +531,9 @@ pub(super) async fn launch_only(ctx: &Ctx) -> Result<Vec<Row>> {
         None => None,
     };
     let mut v: [Vec<Duration>; 3] = Default::default();
+    let mut launch_steps = Vec::new();
     for (path, keep) in interleaved(ctx.cfg.iters, 3) {
+        stamps::clear();
         let d = match path {
             0 => raw.round_trip(64).await?,
             1 => on_remote.time(&remote).await?,
@@ -519,9 +544,13 @@ pub(super) async fn launch_only(ctx: &Ctx) -> Result<Vec<Row>> {
         };
         if keep {
             v[path].push(d);
+            if path == 1 {
+                launch_steps.push(stamps::take());
+            }
         }
     }
     raw.close().await;
+    detail_steps("one awaited launch on the lease", &launch_steps);
     drop((on_remote, on_local));
     let per_launch =
         per_launch_times(&remote, local.as_deref(), &axpy, ctx.cfg.iters.min(200)).await?;

@@ -97,6 +97,11 @@ pub struct RemoteConfig {
     /// Connections of the striped client (`REPORT_STRIPES`, else the
     /// client's default).
     pub stripes: usize,
+    /// Stamp the points of the awaited launch's, the chain's and the
+    /// replay's paths and print where their time went, step by step
+    /// (`cuda_lease::hops::stamps`: one clock read per point, about 15 per
+    /// submission); on unless `REPORT_STAMPS=0`.
+    pub stamps: bool,
 }
 
 impl RemoteConfig {
@@ -104,8 +109,9 @@ impl RemoteConfig {
     /// `REPORT_REMOTE_DEVICE=memory`), 2000 round trips and 5 transfers of
     /// 256 MiB at `REPORT_SCALE=1`, workers from the current executable,
     /// `REPORT_REMOTE_SPIN_US` for their spin, `REPORT_REMOTE_IN_TASK=1`
-    /// to measure from a task, `REPORT_TRANSPORT` for the transport preset
-    /// and `REPORT_STRIPES` for the striped client's connections.
+    /// to measure from a task, `REPORT_TRANSPORT` for the transport preset,
+    /// `REPORT_STRIPES` for the striped client's connections and
+    /// `REPORT_STAMPS=0` to leave the paths unstamped.
     ///
     /// # Errors
     /// If a variable has a value it cannot take, or the current
@@ -158,6 +164,7 @@ impl RemoteConfig {
             bytes: XFER_BYTES,
             refill: Duration::from_secs(2),
             in_task: std::env::var_os("REPORT_REMOTE_IN_TASK").is_some_and(|v| v == "1"),
+            stamps: std::env::var_os("REPORT_STAMPS").is_none_or(|v| v != "0"),
         })
     }
 
@@ -215,6 +222,7 @@ impl Bench {
         }
         detail(format_args!("worker pipe spin: {:?}", worker.spin));
         detail(format_args!("transport settings: {}", cfg.transport.0));
+        cuda_lease::hops::stamps::set_enabled(cfg.stamps);
         let mut node_cfg = NodeConfig::new(worker);
         node_cfg.transport = cfg.transport.1.clone();
         node_cfg.tokens = vec!["bench".into()];
@@ -325,6 +333,26 @@ async fn remote_rows(ctx: &Ctx) -> Result<Vec<Row>> {
 /// One progress line of the remote topics, on stderr.
 fn detail(line: std::fmt::Arguments<'_>) {
     eprintln!("[bench-report]   remote: {line}");
+}
+
+/// Where `name`'s time went, step by step, on stderr: for each point of
+/// the path its submissions reached, the median time from the point
+/// before it (`cuda_lease::hops::stamps`), and their sum.
+fn detail_steps(name: &str, runs: &[cuda_lease::hops::stamps::Stamps]) {
+    let steps = cuda_lease::hops::stamps::steps(runs);
+    if steps.is_empty() {
+        return;
+    }
+    let line: Vec<String> = steps
+        .iter()
+        .map(|s| format!("{} +{:.1}", s.to.name(), s.median_us))
+        .collect();
+    let sum: f64 = steps.iter().map(|s| s.median_us).sum();
+    detail(format_args!(
+        "{name}, step by step (median us from the point before, n={}): {} (sum {sum:.1})",
+        runs.len(),
+        line.join(", ")
+    ));
 }
 
 /// `name`'s samples on stderr: n, median, p99, min, max.

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::error::{config_error, disconnected, from_status, lost, protocol_error};
 use super::{ClientConfig, Error, GpuCall};
 use super::{Credentials, Disconnect, ErrorKind};
+use crate::hops::stamps::{stamp, Point};
 use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{
     self, from_body, to_body, Codec, ErrorBody, GpuSubmit, Header, Hello, HelloOk, Inventory,
@@ -315,6 +316,7 @@ pub(super) async fn exchange_into(
         .map_err(|e| lost(&e))?;
     send.finish().map_err(|e| lost(&e))?;
     hops::mark(&mut hop, "send");
+    stamp(Point::ClientSent);
     let read_err = |e: std::io::Error| match proto::proto_error(&e) {
         Some(p) => protocol_error(p.to_string()),
         None => lost(&e),
@@ -322,6 +324,7 @@ pub(super) async fn exchange_into(
     let (header, reply_body) = proto::read_head(&mut recv, limits)
         .await
         .map_err(read_err)?;
+    stamp(Point::ClientReply);
     if header.status != Status::Ok {
         let msg = from_body::<ErrorBody>(&reply_body)
             .map(|b| b.message)

@@ -9,6 +9,7 @@ use super::auth::lease_of;
 use super::plan::{plan, Charges, Effect, GraphChange, Plan, PlanLimits};
 use super::submit::BudgetTurn;
 use super::{fail_lease, IdKind, LeaseSlot, LeaseState, ModuleSource, Reply, Shared};
+use crate::hops::stamps::{stamp, Point};
 use crate::hops::{self, HopTimer};
 use crate::lease_table::Principal;
 use crate::metrics::Metrics;
@@ -194,6 +195,7 @@ pub(super) async fn run_batch(
     };
     commit(shared, &slot, b, &loads, &p, &ran);
     hops::mark(hop, "commit");
+    stamp(Point::NodeCommitted);
     Ok((
         BatchReply {
             completed: ran.completed as u32,

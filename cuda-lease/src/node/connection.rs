@@ -12,6 +12,7 @@ use super::dispatch::dispatch;
 use super::handshake::{Peer, Source};
 use super::submit::BudgetTurn;
 use super::{Reply, Shared};
+use crate::hops::stamps::{stamp, Point};
 use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{self, Frame, Header, Opcode, Status};
 
@@ -94,6 +95,7 @@ pub(super) async fn serve_stream(
     mut recv: quinn::RecvStream,
 ) {
     let mut hop = HopTimer::start(Hop::Node, Opcode::Hello, 0);
+    stamp(Point::NodeStart);
     // Held until the reply has been written or dropped: it also carries
     // the bytes of the reply (charged by `dispatch` before the work runs).
     let mut turn = None;
@@ -122,6 +124,7 @@ pub(super) async fn serve_stream(
         Ok(Err(e)) => Ok(Err(e)),
         Err(elapsed) => Err(elapsed),
     };
+    stamp(Point::NodeRead);
     let answer = answer(&shared, &peer, read, turn.as_mut(), &mut hop).await;
     write_reply(&shared, &mut send, &answer, &mut hop).await;
     if answer.failed_hello {
@@ -311,6 +314,7 @@ async fn write_reply(
         if written.is_ok() {
             let _ = send.finish();
             hops::mark(hop, "reply");
+            stamp(Point::NodeReplied);
             let _ = send.stopped().await;
         }
     })

@@ -11,6 +11,7 @@ use tokio::process::{Child, ChildStdin, Command};
 
 use super::messages::{ChunkOps, WorkerFailure};
 use super::{WorkerSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
+use crate::hops::stamps::{stamp, Point};
 use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{self, from_body, to_body, DeviceInfo, Frame, Header, Opcode, Status};
 use crate::shm::{ShmRing, SHM_ENV};
@@ -311,14 +312,18 @@ impl WorkerProcess {
         let h = Header::request(opcode, io.next_id, body.len() as u32, len as u32);
         let exchange = async {
             let mut hop = HopTimer::start(Hop::NodeWorker, opcode, len as u64);
+            stamp(Point::WorkerCall);
             proto::write_frame_parts(&mut io.stdin, &h, body, parts).await?;
             hops::mark(&mut hop, "pipe_send");
+            stamp(Point::PipeSent);
             if io.stdout.buffer().is_empty() {
                 use std::os::fd::AsRawFd;
                 let fd = io.stdout.get_ref().as_raw_fd();
                 crate::spin::readable_within_async(fd, self.spin).await;
             }
+            stamp(Point::PipeReply);
             let f = proto::read_frame(&mut io.stdout, &WORKER_LIMITS).await;
+            stamp(Point::WorkerReplied);
             if let (Some(t), Ok(f)) = (&mut hop, &f) {
                 t.mark("pipe_reply");
                 t.set_op(opcode, len.max(f.data.len()) as u64);

@@ -1,0 +1,327 @@
+//! Time stamps at fixed points of a submission's path, cheap enough to
+//! leave on while measuring: where the hop spans format a line per hop
+//! (which moves the figures they measure by tens of microseconds per
+//! submission), a stamp is one clock read and one atomic store.
+//!
+//! Each [`Point`] keeps the last time any submission of the process
+//! reached it, so the stamps describe one submission when the process
+//! runs one at a time with the client and the node in it (the bench
+//! report's remote rows, a test with an embedded node); the worker's own
+//! steps are one step here (from [`Point::PipeSent`] to
+//! [`Point::PipeReply`]), since the worker is another process. A
+//! measurement turns stamping on ([`set_enabled`]), [`clear`]s before
+//! each submission, stamps [`Point::Start`] and [`Point::End`] itself
+//! around it, [`take`]s the stamps, and summarises many with [`steps`].
+//!
+//! Off (the default), a point costs one relaxed load of a flag.
+//!
+//! ```
+//! use cuda_lease::hops::stamps::{self, Point};
+//! stamps::set_enabled(true);
+//! let mut runs = Vec::new();
+//! for _ in 0..3 {
+//!     stamps::clear();
+//!     stamps::stamp(Point::Start);
+//!     // ... await one submission on a lease of an embedded node ...
+//!     stamps::stamp(Point::End);
+//!     runs.push(stamps::take());
+//! }
+//! stamps::set_enabled(false);
+//! for step in stamps::steps(&runs) {
+//!     println!("{} -> {}: {:.1} us", step.from.name(), step.to.name(), step.median_us);
+//! }
+//! ```
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// The points of a submission's path, in the order a submission reaches
+/// them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Point {
+    /// The measurement's own start (stamped by the caller).
+    Start,
+    /// The lease's session takes the recording (the op's first poll has
+    /// recorded it).
+    ClientSubmit,
+    /// The request is written on its QUIC stream and the stream finished.
+    ClientSent,
+    /// The node's task for the request's stream starts: the request has
+    /// crossed the wire.
+    NodeStart,
+    /// The node has read the request whole.
+    NodeRead,
+    /// The node's call to the lease's worker starts: the batch is decoded,
+    /// checked, in order, planned and encoded for the worker.
+    WorkerCall,
+    /// The worker's message is in its pipe.
+    PipeSent,
+    /// The worker's reply is readable in its pipe: the worker read the
+    /// message, ran the commands, waited for them and wrote the reply.
+    PipeReply,
+    /// The node has read the worker's reply.
+    WorkerReplied,
+    /// The node has committed the batch's effects to the lease's state.
+    NodeCommitted,
+    /// The node has written its reply on QUIC and finished the stream.
+    NodeReplied,
+    /// The client has read the reply's header: the reply has crossed the
+    /// wire.
+    ClientReply,
+    /// The client has read and checked the whole reply.
+    ClientReplyRead,
+    /// The submission's reads are delivered; its completion is signalled
+    /// next (which wakes the task awaiting it).
+    ClientDone,
+    /// The measurement's end: the awaited output is in hand (stamped by
+    /// the caller).
+    End,
+}
+
+/// How many [`Point`]s there are.
+pub const POINTS: usize = Point::End as usize + 1;
+
+impl Point {
+    /// Every point, in path order.
+    pub const ALL: [Point; POINTS] = [
+        Point::Start,
+        Point::ClientSubmit,
+        Point::ClientSent,
+        Point::NodeStart,
+        Point::NodeRead,
+        Point::WorkerCall,
+        Point::PipeSent,
+        Point::PipeReply,
+        Point::WorkerReplied,
+        Point::NodeCommitted,
+        Point::NodeReplied,
+        Point::ClientReply,
+        Point::ClientReplyRead,
+        Point::ClientDone,
+        Point::End,
+    ];
+
+    /// A short name (`node-read`, say).
+    pub fn name(self) -> &'static str {
+        match self {
+            Point::Start => "start",
+            Point::ClientSubmit => "client-submit",
+            Point::ClientSent => "client-sent",
+            Point::NodeStart => "node-start",
+            Point::NodeRead => "node-read",
+            Point::WorkerCall => "worker-call",
+            Point::PipeSent => "pipe-sent",
+            Point::PipeReply => "pipe-reply",
+            Point::WorkerReplied => "worker-replied",
+            Point::NodeCommitted => "node-committed",
+            Point::NodeReplied => "node-replied",
+            Point::ClientReply => "client-reply",
+            Point::ClientReplyRead => "client-reply-read",
+            Point::ClientDone => "client-done",
+            Point::End => "end",
+        }
+    }
+}
+
+static ENABLED: AtomicBool = AtomicBool::new(false);
+static AT: [AtomicU64; POINTS] = [const { AtomicU64::new(0) }; POINTS];
+
+/// Turns stamping on or off for the whole process.
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+/// Whether stamping is on.
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// Nanoseconds on the host's monotonic clock (never 0).
+fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC exists on
+    // every Linux kernel this crate runs on.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (u64::try_from(ts.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(ts.tv_nsec).unwrap_or(0))
+        .max(1)
+}
+
+/// Records that a submission reached `point` now (when stamping is on).
+#[inline]
+pub fn stamp(point: Point) {
+    if ENABLED.load(Ordering::Relaxed) {
+        AT[point as usize].store(now_ns(), Ordering::Relaxed);
+    }
+}
+
+/// Forgets every point's time.
+pub fn clear() {
+    for at in &AT {
+        at.store(0, Ordering::Relaxed);
+    }
+}
+
+/// The points' times (nanoseconds on the host's monotonic clock; `None`
+/// for a point not reached since the last [`clear`]), then [`clear`]s.
+pub fn take() -> Stamps {
+    Stamps(std::array::from_fn(|i| {
+        let ns = AT[i].swap(0, Ordering::Relaxed);
+        (ns != 0).then_some(ns)
+    }))
+}
+
+/// The times of one submission's points (see [`take`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stamps(pub [Option<u64>; POINTS]);
+
+impl Stamps {
+    /// When `point` was reached, in nanoseconds on the host's clock.
+    pub fn at(&self, point: Point) -> Option<u64> {
+        self.0[point as usize]
+    }
+
+    /// The reached points in path order, each with its time. A point
+    /// stamped before the one before it (by another submission, say) is
+    /// left out.
+    fn in_order(&self) -> Vec<(Point, u64)> {
+        let mut out: Vec<(Point, u64)> = Vec::new();
+        for p in Point::ALL {
+            if let Some(t) = self.at(p) {
+                if out.last().is_none_or(|&(_, last)| t >= last) {
+                    out.push((p, t));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// One step of a path: from one reached point to the next, its median
+/// over the submissions that reached both in a row.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Step {
+    /// Where the step starts.
+    pub from: Point,
+    /// Where it ends (the next point the submissions reached).
+    pub to: Point,
+    /// The median time between the two, in microseconds.
+    pub median_us: f64,
+    /// How many submissions had this step.
+    pub count: usize,
+}
+
+/// The steps of `runs` in path order: for each pair of consecutive points
+/// the submissions reached, the median time between them. Steps that
+/// fewer than half the runs had are left out (a point another submission
+/// stamped meanwhile, say).
+pub fn steps(runs: &[Stamps]) -> Vec<Step> {
+    let mut by_step: Vec<((Point, Point), Vec<u64>)> = Vec::new();
+    for run in runs {
+        for pair in run.in_order().windows(2) {
+            let key = (pair[0].0, pair[1].0);
+            let d = pair[1].1 - pair[0].1;
+            match by_step.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, v)) => v.push(d),
+                None => by_step.push((key, vec![d])),
+            }
+        }
+    }
+    let mut out: Vec<Step> = by_step
+        .into_iter()
+        .filter(|(_, v)| v.len() * 2 >= runs.len())
+        .map(|((from, to), mut v)| {
+            v.sort_unstable();
+            Step {
+                from,
+                to,
+                median_us: v[v.len() / 2] as f64 / 1000.0,
+                count: v.len(),
+            }
+        })
+        .collect();
+    out.sort_by_key(|s| (s.from, s.to));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(points: &[(Point, u64)]) -> Stamps {
+        let mut s = Stamps([None; POINTS]);
+        for &(p, t) in points {
+            s.0[p as usize] = Some(t);
+        }
+        s
+    }
+
+    #[test]
+    fn steps_are_the_medians_between_consecutive_reached_points() {
+        let runs = [
+            run(&[
+                (Point::Start, 0),
+                (Point::ClientSent, 1_000),
+                (Point::End, 5_000),
+            ]),
+            run(&[
+                (Point::Start, 0),
+                (Point::ClientSent, 3_000),
+                (Point::End, 4_000),
+            ]),
+            run(&[
+                (Point::Start, 0),
+                (Point::ClientSent, 2_000),
+                (Point::End, 9_000),
+            ]),
+        ];
+        let s = steps(&runs);
+        assert_eq!(s.len(), 2);
+        assert_eq!(
+            (s[0].from, s[0].to, s[0].median_us),
+            (Point::Start, Point::ClientSent, 2.0)
+        );
+        assert_eq!(
+            (s[1].from, s[1].to, s[1].median_us),
+            (Point::ClientSent, Point::End, 4.0)
+        );
+        assert_eq!(s[1].count, 3);
+    }
+
+    #[test]
+    fn a_point_out_of_order_is_left_out_and_rare_steps_dropped() {
+        // NodeRead stamped before NodeStart: another request's, left out.
+        let odd = run(&[
+            (Point::Start, 10),
+            (Point::NodeStart, 20),
+            (Point::NodeRead, 5),
+            (Point::End, 40),
+        ]);
+        assert_eq!(
+            odd.in_order().iter().map(|p| p.0).collect::<Vec<_>>(),
+            [Point::Start, Point::NodeStart, Point::End]
+        );
+        let plain = run(&[(Point::Start, 0), (Point::End, 7_000)]);
+        let s = steps(&[plain, plain, plain, odd]);
+        assert_eq!(s.len(), 1, "{s:?}");
+        assert_eq!(
+            (s[0].from, s[0].to, s[0].median_us),
+            (Point::Start, Point::End, 7.0)
+        );
+    }
+
+    #[test]
+    fn stamps_are_taken_once_and_only_when_enabled() {
+        // One test touches the process-wide stamps, so none races it.
+        set_enabled(false);
+        clear();
+        stamp(Point::NodeRead);
+        assert_eq!(take().at(Point::NodeRead), None);
+        set_enabled(true);
+        stamp(Point::NodeRead);
+        set_enabled(false);
+        assert!(take().at(Point::NodeRead).is_some());
+        assert_eq!(take().at(Point::NodeRead), None, "take clears");
+    }
+}
