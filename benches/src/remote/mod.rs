@@ -99,7 +99,7 @@ pub struct RemoteConfig {
     pub stripes: usize,
     /// Stamp the points of the awaited launch's, the chain's and the
     /// replay's paths and print where their time went, step by step
-    /// (`cuda_lease::hops::stamps`: one clock read per point, about 15 per
+    /// (`cuda_lease::hops::stamps`: one clock read per point, about 20 per
     /// submission); on unless `REPORT_STAMPS=0`.
     pub stamps: bool,
 }

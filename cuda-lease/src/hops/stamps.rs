@@ -50,8 +50,18 @@ pub enum Point {
     NodeStart,
     /// The node has read the request whole.
     NodeRead,
-    /// The node's call to the lease's worker starts: the batch is decoded,
-    /// checked, in order, planned and encoded for the worker.
+    /// The node has decoded the BATCH and checked its shape.
+    BatchDecoded,
+    /// The lease's earlier batches have been run (the batch's turn in the
+    /// lease's order).
+    BatchInOrder,
+    /// The node holds the lease's execution lock.
+    BatchLocked,
+    /// The node has planned the batch: every command checked against the
+    /// lease's ids, streams, bounds and reservation.
+    BatchPlanned,
+    /// The node's call to the lease's worker starts: the planned commands
+    /// are encoded for the worker.
     WorkerCall,
     /// The worker's message is in its pipe.
     PipeSent,
@@ -88,6 +98,10 @@ impl Point {
         Point::ClientSent,
         Point::NodeStart,
         Point::NodeRead,
+        Point::BatchDecoded,
+        Point::BatchInOrder,
+        Point::BatchLocked,
+        Point::BatchPlanned,
         Point::WorkerCall,
         Point::PipeSent,
         Point::PipeReply,
@@ -108,6 +122,10 @@ impl Point {
             Point::ClientSent => "client-sent",
             Point::NodeStart => "node-start",
             Point::NodeRead => "node-read",
+            Point::BatchDecoded => "batch-decoded",
+            Point::BatchInOrder => "batch-in-order",
+            Point::BatchLocked => "batch-locked",
+            Point::BatchPlanned => "batch-planned",
             Point::WorkerCall => "worker-call",
             Point::PipeSent => "pipe-sent",
             Point::PipeReply => "pipe-reply",

@@ -127,6 +127,7 @@ pub(super) async fn run_in_order(
 ) -> Result<(BatchReply, Vec<u8>), Reply> {
     if b.seq == 0 {
         hops::mark(hop, "order");
+        stamp(Point::BatchInOrder);
         return run_batch(shared, who, b, wire, data, hop, turn).await;
     }
     // The lease's next number after this batch; the last u64 has none (it
@@ -147,6 +148,7 @@ pub(super) async fn run_in_order(
         debug!(lease = %b.lease, seq = b.seq, "earlier batches missing: running anyway");
     }
     hops::mark(hop, "order");
+    stamp(Point::BatchInOrder);
     let r = run_batch(shared, who, b, wire, data, hop, turn).await;
     // Sent again with its sources, the batch keeps its place.
     if !matches!(&r, Err(reply) if reply.status == Status::UnknownModule) {
@@ -177,10 +179,12 @@ pub(super) async fn run_batch(
     let slot = lease_of(shared, who, lease)?;
     let _exec = slot.exec.lock().await;
     hops::mark(hop, "lock");
+    stamp(Point::BatchLocked);
     // Re-check: the lease may have died while we waited.
     shared.table().get(lease, shared.now())?;
     let (loads, writes, p) = prepare(shared, &slot.state(), b, data, turn)?;
     hops::mark(hop, "plan");
+    stamp(Point::BatchPlanned);
     let ran = if loads.len() + p.effects.len() > 0 {
         let work = Work {
             b,

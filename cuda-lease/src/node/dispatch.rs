@@ -12,6 +12,7 @@ use super::batch::{ensure_worker, run_batch, run_in_order};
 use super::handshake::Peer;
 use super::submit::{submit, submit_turn, BudgetTurn};
 use super::{take_worker, LeaseSlot, LeaseState, Reply, Shared, Slot};
+use crate::hops::stamps::{stamp, Point};
 use crate::hops::{self, Hop, HopTimer};
 use crate::lease_table::{LeaseTable, Principal};
 use crate::metrics::Metrics;
@@ -167,6 +168,7 @@ async fn batch(
     let (b, wire) = Batch::decode_keeping_wire(&f.body)?;
     b.validate(f.data.len())?;
     hops::mark(&mut hop, "decode");
+    stamp(Point::BatchDecoded);
     Metrics::inc(&shared.metrics.batch_total);
     shared
         .metrics
