@@ -46,6 +46,11 @@
 //! When off, the cost is tracing's check of a disabled span: a relaxed
 //! load of the maximum level (or of the callsite's cached interest) per
 //! hop; no clock is read.
+//!
+//! The spans format their lines on the request's path, which moves what
+//! they measure by microseconds per hop; [`stamps`] records fixed points
+//! of a submission's path with one clock read each, for measurements the
+//! printing would disturb.
 
 use std::time::Instant;
 
