@@ -81,6 +81,11 @@ pub fn emit(line: String) {
 /// clock in every process of the host, so hops of one request in the
 /// client, the node and a worker can be compared.
 pub fn now_us() -> u64 {
+    now_ns() / 1000
+}
+
+/// Nanoseconds on the host's monotonic clock (as [`now_us`]).
+pub(crate) fn now_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -88,8 +93,7 @@ pub fn now_us() -> u64 {
     // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC exists on
     // every Linux kernel this crate runs on.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    u64::try_from(ts.tv_sec).unwrap_or(0) * 1_000_000
-        + u64::try_from(ts.tv_nsec).unwrap_or(0) / 1000
+    u64::try_from(ts.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(ts.tv_nsec).unwrap_or(0)
 }
 
 /// The timed hops; each names its span and declares its phases. A

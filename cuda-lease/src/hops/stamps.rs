@@ -153,24 +153,12 @@ pub fn enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
-/// Nanoseconds on the host's monotonic clock (never 0).
-fn now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC exists on
-    // every Linux kernel this crate runs on.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    (u64::try_from(ts.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(ts.tv_nsec).unwrap_or(0))
-        .max(1)
-}
-
 /// Records that a submission reached `point` now (when stamping is on).
 #[inline]
 pub fn stamp(point: Point) {
     if ENABLED.load(Ordering::Relaxed) {
-        AT[point as usize].store(now_ns(), Ordering::Relaxed);
+        // Never 0: 0 means not reached.
+        AT[point as usize].store(super::now_ns().max(1), Ordering::Relaxed);
     }
 }
 
