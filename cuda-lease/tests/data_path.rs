@@ -294,11 +294,7 @@ fn read_after(lease: cuda_lease::proto::LeaseId, buf: u64, len: u32, after: u64)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transfers_that_follow_a_batch_wait_for_it() {
-    let fx = Fixture::memory(1 << 30)
-        .config(|cfg| cfg.reorder_window = std::time::Duration::from_secs(20))
-        .lease(1 << 20)
-        .start()
-        .await;
+    let fx = Fixture::memory(1 << 30).lease(1 << 20).start().await;
     let (client, id) = (fx.client().clone(), fx.lease().id());
     // Batch 2 makes buffer #7 and fills it; the node holds it until batch
     // 1 runs, and the read of #7 (sent first) until batch 2 has run.
@@ -376,24 +372,41 @@ async fn transfers_that_follow_a_batch_wait_for_it() {
     fx.free_and_shutdown().await;
 }
 
-#[tokio::test]
-async fn a_transfer_that_follows_a_batch_that_never_comes_fails_after_the_reorder_window() {
-    let window = std::time::Duration::from_millis(300);
-    let fx = Fixture::memory(1 << 30)
-        .config(|cfg| cfg.reorder_window = window)
-        .lease(1 << 20)
-        .start()
-        .await;
-    let (client, id) = (fx.client(), fx.lease().id());
-    let t = std::time::Instant::now();
-    let err = client
-        .request(Opcode::MemRead, &read_after(id, 7, 64, 5), &[])
+/// A transfer that follows a batch that has not come waits for it, with
+/// no time bound, until it can never come: the connection that carries
+/// the lease's batches closed without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_that_follows_a_batch_that_never_comes_fails_when_its_connection_closes() {
+    let fx = Fixture::memory(1 << 30).lease(1 << 20).start().await;
+    let (owner, id) = (fx.client().clone(), fx.lease().id());
+    // The lease's batches come on the owner's connection: batch 2, then
+    // its connection closes with batch 1 never sent.
+    let second = batch_body(id, 2, vec![]);
+    let second = {
+        let owner = owner.clone();
+        tokio::spawn(async move { owner.request(Opcode::Batch, &second, &[]).await })
+    };
+    let other = connect(&fx.node).await;
+    let mut read = {
+        let other = other.clone();
+        tokio::spawn(async move {
+            other
+                .request(Opcode::MemRead, &read_after(id, 7, 64, 2), &[])
+                .await
+        })
+    };
+    let early = tokio::time::timeout(std::time::Duration::from_millis(500), &mut read).await;
+    assert!(early.is_err(), "the read did not wait: {early:?}");
+    owner.close();
+    let _ = second.await.unwrap();
+    let err = tokio::time::timeout(std::time::Duration::from_secs(5), read)
         .await
+        .expect("the read still waits after the connection closed")
+        .unwrap()
         .unwrap_err();
-    assert!(t.elapsed() >= window, "{:?}", t.elapsed());
     assert_eq!(err.kind(), cuda_lease::client::ErrorKind::InvalidRequest);
-    assert!(err.message().contains("batch 5"), "{}", err.message());
-    fx.free_and_shutdown().await;
+    assert!(err.message().contains("batch 1"), "{}", err.message());
+    fx.shutdown().await;
 }
 
 /// `timed` on a leased GPU: the node times the op and the nanoseconds

@@ -1600,3 +1600,84 @@ fn a_large_copy_into_a_kept_remote_buffer_takes_the_data_path() {
     drop(lease);
     rt.block_on(fixture.shutdown());
 }
+
+/// A kernel that runs `ms` milliseconds (by the GPU's global timer), then
+/// writes -3 over `out[0..n)`.
+const SLOW_KERNEL: &str = r#"
+extern "C" __global__ void slow_fill(unsigned ms, float* out, unsigned n) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    now = start;
+    while (now - start < (unsigned long long)ms * 1000000ull) {
+        __nanosleep(100000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    }
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        out[i] = -3.0f;
+    }
+}
+"#;
+
+/// A 5 s kernel writes a 16 MiB buffer; a small download and a 16 MiB
+/// (data path) download of what it writes, submitted while it runs, wait
+/// for it however long it takes and see its writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU"]
+async fn downloads_behind_a_five_second_kernel_see_its_writes() {
+    use cuda_async::prelude::*;
+    let fx = Fixture::with_config(gpu_config())
+        .lease_with(Lease::builder().min_vram(256 << 20))
+        .start()
+        .await;
+    let policy = fx.policy();
+    let kernel = cuda_async::Module::cuda(SLOW_KERNEL, &[])
+        .unwrap()
+        .kernel("slow_fill")
+        .unwrap();
+    let n = 4usize << 20;
+    let big = Arc::new(
+        h2d(vec![1.0f32; n])
+            .schedule(&policy)
+            .unwrap()
+            .await
+            .unwrap(),
+    );
+    let small = Arc::new(
+        h2d(vec![1.0f32; 16])
+            .schedule(&policy)
+            .unwrap()
+            .await
+            .unwrap(),
+    );
+    let t = std::time::Instant::now();
+    let cfg = cuda_async::LaunchConfig {
+        grid_dim: (132, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (b, s) = (big.clone(), small.clone());
+    // SAFETY: `slow_fill` writes out[0..n) of an n-float buffer.
+    let slow = unsafe { launch(&kernel, cfg, (5000u32, b, n as u32)) }
+        .then({
+            let kernel = kernel.clone();
+            // SAFETY: as above, over the 16 floats of `small`.
+            move |_| unsafe { launch(&kernel, cfg, (0u32, s, 16u32)) }
+        })
+        .schedule(&policy)
+        .unwrap();
+    let small_read = d2h(small.clone()).schedule(&policy).unwrap();
+    let big_read = d2h(big.clone()).schedule(&policy).unwrap();
+    let (slow, s, b) = tokio::join!(slow, small_read, big_read);
+    slow.unwrap();
+    let took = t.elapsed();
+    assert!(took >= Duration::from_secs(5), "{took:?}");
+    let s = s.expect("the small download").to_vec().unwrap();
+    assert!(s.iter().all(|v| *v == -3.0), "the small download: {s:?}");
+    let b = b.expect("the large download").to_vec().unwrap();
+    assert!(
+        b.iter().all(|v| *v == -3.0),
+        "the large download ran before the kernel"
+    );
+    eprintln!("a 5 s kernel and two downloads behind it: {took:?}");
+    fx.shutdown().await;
+}

@@ -22,12 +22,13 @@ fn into<'a, 'b>(parts: Option<&'a mut [&'b mut [u8]]>) -> ReplyInto<'a, 'b> {
 /// One numbered BATCH, with what a resend with every source needs.
 pub(crate) struct Message {
     inner: Arc<LeaseInner>,
-    #[cfg_attr(not(feature = "backend"), allow(dead_code))]
     seq: u64,
     body: Vec<u8>,
     data: Vec<u8>,
     modules: Vec<Module>,
     writes: usize,
+    /// The node answered it (or its number was filled).
+    answered: std::sync::atomic::AtomicBool,
 }
 
 impl Message {
@@ -79,6 +80,7 @@ impl Message {
             data,
             modules: modules.to_vec(),
             writes: len,
+            answered: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -128,23 +130,99 @@ impl Message {
             .inner
             .req_with(Opcode::Batch, body, data, into(parts.as_deref_mut()))
             .await;
-        let (reply, data) = match r {
+        let r = match r {
             Err(e) if e.kind() == ErrorKind::ModuleUnknown => {
                 // The node lost (or never had) a module: send the same
                 // message again with every source.
                 let writes = &data[data.len() - self.writes..];
-                let (body, all) = with_every_source(body, &self.modules, writes)?;
-                self.inner
-                    .req_with(Opcode::Batch, &body, &all, into(parts))
-                    .await?
+                match with_every_source(body, &self.modules, writes) {
+                    Ok((body, all)) => {
+                        self.inner
+                            .req_with(Opcode::Batch, &body, &all, into(parts))
+                            .await
+                    }
+                    Err(e) => Err(e),
+                }
             }
-            r => r?,
+            r => r,
         };
+        let (reply, data) = match r {
+            Ok(r) => r,
+            Err(e) => {
+                if holds_a_place(&e) {
+                    self.fill_place().await;
+                }
+                self.answered.store(true, Ordering::Release);
+                return Err(e);
+            }
+        };
+        self.answered.store(true, Ordering::Release);
         let reply: BatchReply = from_body(&reply).map_err(|e| protocol_error(e.to_string()))?;
         let learned = self.modules.iter().map(|m| m.hash);
         self.inner.client.learn_modules(learned);
         Ok((reply, data))
     }
+}
+
+impl Message {
+    /// After a failed request the node may not have read this message,
+    /// and the lease's later messages wait for its number: an empty batch
+    /// of the same number takes its place.
+    async fn fill_place(&self) {
+        self.answered.store(true, Ordering::Release);
+        fill_place(&self.inner, self.seq).await;
+    }
+}
+
+impl Drop for Message {
+    /// A message dropped before its answer (its future dropped unsent, or
+    /// in flight) leaves its number to an empty batch, sent in the
+    /// background: the node runs at most one of the two, and the lease's
+    /// later messages do not wait for a number that never comes.
+    fn drop(&mut self) {
+        if self.answered.load(Ordering::Acquire) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (inner, seq) = (self.inner.clone(), self.seq);
+        rt.spawn(async move { fill_place(&inner, seq).await });
+    }
+}
+
+/// Sends an empty batch numbered `seq` in `inner`'s lease: it takes the
+/// number's place in the lease's order (the node answers it at once if
+/// the number has run, or is on the node already). Retried while the node
+/// is over the principal's budget.
+async fn fill_place(inner: &LeaseInner, seq: u64) {
+    let mut body = Vec::new();
+    proto::encode_batch_head(&mut body, inner.id, seq, &[]);
+    let none: &[Command<'_>] = &[];
+    none.encode_into(&mut body);
+    for pause_ms in [0u64, 20, 200, 1000] {
+        tokio::time::sleep(std::time::Duration::from_millis(pause_ms)).await;
+        let r = inner
+            .req_with(Opcode::Batch, &body, &[], ReplyInto::Owned)
+            .await;
+        if !matches!(&r, Err(e) if e.kind() == ErrorKind::Capacity) {
+            return;
+        }
+    }
+}
+
+/// Whether a message that failed with `e` may leave a gap in its lease's
+/// order: not when the lease or the connection is gone (nothing follows
+/// it then).
+fn holds_a_place(e: &Error) -> bool {
+    !matches!(
+        e.kind(),
+        ErrorKind::Disconnected(_)
+            | ErrorKind::LeaseFreed
+            | ErrorKind::LeaseExpired
+            | ErrorKind::LeaseNotFound
+            | ErrorKind::LeasePoisoned
+    )
 }
 
 /// A batch message (`body`, its data ending in `writes`) again, with the

@@ -266,9 +266,9 @@ impl Recorder {
     /// be changed or submitted again afterwards): the node runs a lease's
     /// submissions in the order of these calls, so a second recording may
     /// be sent before this one's reply arrives and name what it creates.
-    /// A submission dropped before its first poll is never sent; the
-    /// node then waits its reorder window (2 s by default) before running
-    /// the lease's later ones.
+    /// A submission dropped before its answer leaves its place in the
+    /// order to an empty batch, so the lease's later ones do not wait for
+    /// it.
     ///
     /// A module the client believes the node has travels without its
     /// source; if the node answers UNKNOWN_MODULE (nothing ran), the

@@ -3,9 +3,8 @@
 
 use std::sync::Arc;
 
-use tracing::debug;
-
 use super::auth::lease_of;
+use super::order::{Arrival, Stalled};
 use super::plan::{plan, Charges, Effect, GraphChange, Plan, PlanLimits};
 use super::submit::BudgetTurn;
 use super::{fail_lease, IdKind, LeaseSlot, LeaseState, ModuleSource, Reply, Shared};
@@ -115,10 +114,14 @@ pub(super) fn first_use(b: &Batch<'_>, hash: ModuleHash) -> u32 {
 }
 
 /// Runs a batch after its lease's earlier numbered batches (see
-/// [`Batch::seq`]), waiting at most the reorder window for them.
+/// [`Batch::seq`]), however long they take: only the end of the lease, or
+/// of the connection that carries its batches with one of them missing,
+/// ends the wait. `conn` is the connection `b` came on.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn run_in_order(
     shared: &Arc<Shared>,
     who: &Principal,
+    conn: usize,
     b: &Batch<'_>,
     wire: &[u8],
     data: &[u8],
@@ -130,37 +133,63 @@ pub(super) async fn run_in_order(
         stamp(Point::BatchInOrder);
         return run_batch(shared, who, b, wire, data, hop, turn).await;
     }
-    // The lease's next number after this batch; the last u64 has none (it
-    // would wrap to 0 and make the owner's next batch wait the window).
-    let Some(after) = b.seq.checked_add(1) else {
+    if b.seq == u64::MAX {
         return Err(Reply::err(
             Status::BadRequest,
             format!("batch number {} has no successor: numbers wrap", b.seq),
         ));
-    };
-    let slot = lease_of(shared, who, &b.lease)?;
-    let mut next = slot.next_seq.subscribe();
-    let window = shared.cfg.reorder_window;
-    if tokio::time::timeout(window, next.wait_for(|n| *n >= b.seq))
-        .await
-        .is_err()
-    {
-        debug!(lease = %b.lease, seq = b.seq, "earlier batches missing: running anyway");
     }
+    let slot = lease_of(shared, who, &b.lease)?;
+    let (arrival, mut place) = slot.order.arrive(b.seq, conn);
+    if arrival == Arrival::Passed {
+        // A client fills a number the node may not have seen (a message
+        // refused before it was read, or dropped in flight) with an empty
+        // batch: answered at once if the number ran or is on the node.
+        if b.commands.is_empty() && b.modules.is_empty() {
+            let empty = BatchReply {
+                completed: 0,
+                error: None,
+            };
+            return Ok((empty, Vec::new()));
+        }
+        return Err(Reply::err(
+            Status::BadRequest,
+            format!(
+                "batch number {} of the lease has run already, or is on the node",
+                b.seq
+            ),
+        ));
+    }
+    place
+        .turn()
+        .await
+        .map_err(|e| stalled(shared, &b.lease, e))?;
     hops::mark(hop, "order");
     stamp(Point::BatchInOrder);
     let r = run_batch(shared, who, b, wire, data, hop, turn).await;
     // Sent again with its sources, the batch keeps its place.
-    if !matches!(&r, Err(reply) if reply.status == Status::UnknownModule) {
-        slot.next_seq.send_if_modified(|n| {
-            let advance = *n <= b.seq;
-            if advance {
-                *n = after;
-            }
-            advance
-        });
+    if matches!(&r, Err(reply) if reply.status == Status::UnknownModule) {
+        place.withdraw();
     }
     r
+}
+
+/// The reply to a request whose wait for the lease's order ended without
+/// its predecessors.
+pub(super) fn stalled(shared: &Shared, lease: &LeaseId, e: Stalled) -> Reply {
+    match e {
+        Stalled::Ended => match shared.table().get(lease, shared.now()) {
+            Err(te) => te.into(),
+            Ok(_) => Reply::err(Status::LeaseNotFound, format!("lease {lease} ended")),
+        },
+        Stalled::Disconnected { missing } => Reply::err(
+            Status::BadRequest,
+            format!(
+                "batch {missing} of the lease never came: the connection that carried \
+                 the lease's batches closed"
+            ),
+        ),
+    }
 }
 
 /// Runs `b`, whose commands encode to `wire` (forwarded to the worker as

@@ -71,10 +71,6 @@ pub struct NodeConfig {
     /// a streamed one); after that the reply is dropped and its stream
     /// reset, so unread replies never hold the node's memory.
     pub reply_timeout: Duration,
-    /// Longest a numbered batch waits for its lease's earlier numbers to
-    /// arrive before it runs anyway (a client that dropped a batch before
-    /// sending it leaves a gap).
-    pub reorder_window: Duration,
     /// Most streams one lease may use (made on demand).
     pub max_streams_per_lease: usize,
     /// Most live ids (buffers and events) one lease may hold.
@@ -192,7 +188,6 @@ impl NodeConfig {
             max_submits_per_principal: 1,
             max_requests_per_principal: 512,
             max_bytes_per_principal: 1 << 30,
-            reorder_window: Duration::from_secs(2),
             max_streams_per_lease: 8,
             max_ids_per_lease: 1 << 16,
             module_cache_bytes: 64 << 20,

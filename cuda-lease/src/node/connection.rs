@@ -64,6 +64,11 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) 
                 }
             }
             peer.end();
+            // Batches that never arrived on it never will.
+            let id = peer.conn_id();
+            for (_, slot) in shared.table().payloads() {
+                slot.order.update(|o| o.closed(id));
+            }
         });
     }
 }

@@ -92,7 +92,7 @@ pub(super) async fn dispatch_inner(
             let m: IdOp = from_body(&f.body)?;
             single(shared, &who, m.lease, Op::Free { id: m.id }).await
         }
-        Opcode::Batch => batch(shared, &who, f, turn).await,
+        Opcode::Batch => batch(shared, &who, peer.conn_id(), f, turn).await,
         Opcode::GpuSubmit => gpu_submit(shared, &who, f, turn).await,
     }
 }
@@ -159,6 +159,7 @@ fn lease_renew(shared: &Shared, who: &Principal, f: &Frame) -> Result<Reply, Rep
 async fn batch(
     shared: &Arc<Shared>,
     who: &Principal,
+    conn: usize,
     f: &Frame,
     turn: Option<&mut BudgetTurn>,
 ) -> Result<Reply, Reply> {
@@ -174,7 +175,7 @@ async fn batch(
         .metrics
         .batch_commands
         .fetch_add(b.commands.len() as u64, Ordering::Relaxed);
-    let (reply, data) = run_in_order(shared, who, &b, wire, &f.data, &mut hop, turn).await?;
+    let (reply, data) = run_in_order(shared, who, conn, &b, wire, &f.data, &mut hop, turn).await?;
     let body = to_body(&reply);
     hops::mark(&mut hop, "reply");
     Ok(Reply {
@@ -306,7 +307,7 @@ pub(super) async fn lease_alloc(
         worker,
         exec: tokio::sync::Mutex::new(()),
         state: StdMutex::new(LeaseState::default()),
-        next_seq: tokio::sync::watch::Sender::new(1),
+        order: super::order::LeaseOrder::default(),
     });
     let now = shared.now();
     let ttl = Duration::from_secs(u64::from(req.ttl_secs));
@@ -350,7 +351,9 @@ pub(super) async fn lease_free(shared: &Arc<Shared>, id: &LeaseId) -> Result<Rep
     let removed = shared.table().remove(id, now);
     match removed {
         Some(slot) => {
-            // Wait for the exit so the memory is back when the reply arrives.
+            // Waiting requests fail now; wait for the exit so the memory
+            // is back when the reply arrives.
+            slot.order.update(super::order::OrderState::end);
             slot.worker.kill_and_wait().await;
             Metrics::inc(&shared.metrics.lease_dropped);
             info!(lease = %id, "lease freed");

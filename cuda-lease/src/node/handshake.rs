@@ -283,6 +283,11 @@ impl Peer {
         lock(&self.waiting).take();
     }
 
+    /// The connection's id, unique among the node's open connections.
+    pub(super) fn conn_id(&self) -> usize {
+        self.conn.stable_id()
+    }
+
     /// The peer's address.
     pub(super) fn remote(&self) -> std::net::SocketAddr {
         self.conn.remote_address()

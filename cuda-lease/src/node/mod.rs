@@ -29,6 +29,7 @@ mod config;
 mod connection;
 mod dispatch;
 mod handshake;
+mod order;
 mod plan;
 mod stream;
 mod submit;
@@ -108,11 +109,18 @@ struct LeaseSlot {
     /// Serializes a lease's requests: plan, run on the worker, commit.
     exec: tokio::sync::Mutex<()>,
     state: StdMutex<LeaseState>,
-    /// The next batch number to run (see [`Batch::seq`]).
-    next_seq: tokio::sync::watch::Sender<u64>,
+    /// The order of its numbered batches (see [`Batch::seq`]).
+    order: order::LeaseOrder,
 }
 
 impl LeaseSlot {
+    /// The lease is gone (freed, expired or failed): its worker is ended
+    /// and every request waiting for its order fails now.
+    fn end(&self) {
+        self.order.update(order::OrderState::end);
+        self.worker.kill();
+    }
+
     fn state(&self) -> std::sync::MutexGuard<'_, LeaseState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -606,6 +614,7 @@ impl Node {
         let now = self.shared.now();
         let leases = self.shared.table().drain(now);
         for (id, slot) in leases {
+            slot.order.update(order::OrderState::end);
             slot.worker.kill_and_wait().await;
             Metrics::inc(&self.shared.metrics.lease_dropped);
             info!(lease = %id, "lease freed at shutdown");
@@ -632,7 +641,7 @@ impl Drop for Node {
         }
         let now = self.shared.now();
         for (_, slot) in self.shared.table().drain(now) {
-            slot.worker.kill();
+            slot.end();
         }
         if let Ok(mut p) = self.shared.prestarted.try_lock() {
             p.clear();
@@ -756,7 +765,7 @@ async fn reaper(shared: Arc<Shared>) {
         for (id, slot) in expired {
             // Same step that marked it dead: end the worker, which frees
             // its memory, modules and context.
-            slot.worker.kill();
+            slot.end();
             Metrics::inc(&shared.metrics.lease_dropped);
             info!(lease = %id, "lease expired; worker ended");
         }
@@ -776,7 +785,7 @@ async fn reaper(shared: Arc<Shared>) {
 fn fail_lease(shared: &Shared, id: &LeaseId, reason: &str) {
     let now = shared.now();
     if let Some(slot) = shared.table().poison(id, reason, now) {
-        slot.worker.kill();
+        slot.end();
         Metrics::inc(&shared.metrics.lease_dropped);
         warn!(lease = %id, reason, "lease failed");
     }

@@ -24,7 +24,7 @@ use tokio::sync::mpsc;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 
 use super::auth::{lease_of, principal};
-use super::batch::worker_lost;
+use super::batch::{stalled, worker_lost};
 use super::handshake::Peer;
 use super::{fail_lease, IdKind, Reply, Shared, Slot as LeaseRef};
 use crate::hops::{self, Hop, HopTimer};
@@ -354,9 +354,10 @@ async fn check_read(
 }
 
 /// Waits until the lease's numbered batch `after` has run (see
-/// [`MemWrite::after`]; 0: at once), at most the reorder window: a batch
-/// that does not come by then fails the transfer, which would otherwise
-/// name buffers the batch creates, or read what it has not computed yet.
+/// [`MemWrite::after`]; 0: at once), however long it takes: a transfer
+/// that ran earlier would name buffers the batch creates, or read what it
+/// has not computed yet. Only the end of the lease, or a batch that can
+/// never come, ends the wait with an error.
 async fn follow(
     shared: &Shared,
     who: &Principal,
@@ -367,22 +368,10 @@ async fn follow(
         return Ok(());
     }
     let slot = lease_of(shared, who, lease)?;
-    let mut next = slot.next_seq.subscribe();
-    let window = shared.cfg.reorder_window;
-    let ran = tokio::time::timeout(window, next.wait_for(|n| *n > after))
+    slot.order
+        .reached(after.saturating_add(1))
         .await
-        .is_ok_and(|r| r.is_ok());
-    if ran {
-        Ok(())
-    } else {
-        Err(Reply::err(
-            Status::BadRequest,
-            format!(
-                "batch {after} of the lease, which this transfer follows, did not run within \
-                 the reorder window ({window:?})"
-            ),
-        ))
-    }
+        .map_err(|e| stalled(shared, lease, e))
 }
 
 /// Most chunks of a MEM_READ filled in one worker call: the slots stay

@@ -276,9 +276,13 @@ pub struct Batch<'a> {
     pub lease: LeaseId,
     /// The batch's place in its lease's order (1, 2, 3, ...; 0: none). The
     /// node runs a lease's numbered batches in this order, whatever order
-    /// they arrive in over QUIC's independent streams (it waits a bounded
-    /// time for a missing one), so a batch sent before the reply to its
-    /// predecessor can name what the predecessor creates.
+    /// they arrive in over QUIC's independent streams (a batch waits for
+    /// its predecessors as long as they can still come: until the lease
+    /// ends or the connection that carries its batches closes), so a batch
+    /// sent before the reply to its predecessor can name what the
+    /// predecessor creates. An empty batch of a number that ran, or is on
+    /// the node, is answered at once: a client fills the number of a
+    /// message it dropped with one.
     pub seq: u64,
     /// Modules the launches name (at most [`MAX_BATCH_MODULES`]).
     #[serde(deserialize_with = "bounded::modules")]

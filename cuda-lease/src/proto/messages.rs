@@ -380,9 +380,9 @@ pub struct MemWrite {
     /// Byte offset into it.
     pub offset: u64,
     /// The lease's numbered batch ([`Batch::seq`](super::Batch::seq))
-    /// this write follows (0: none): the node waits, at most its reorder
-    /// window, until that batch has run, so a client sends the batch that
-    /// allocates `buf` and this write at once.
+    /// this write follows (0: none): the node waits until that batch has
+    /// run (as long as it can still come), so a client sends the batch
+    /// that allocates `buf` and this write at once.
     pub after: u64,
 }
 

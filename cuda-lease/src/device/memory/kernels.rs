@@ -84,6 +84,11 @@ pub(super) fn host_kernel(
                 put(store, iy, v.to_le_bytes());
             }
         }
+        ("delay", [ms]) => {
+            // Slow work on purpose: the "kernel" takes `ms` milliseconds.
+            let ms = u64::from(u32::from_le_bytes(scalar(ms)));
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
         ("copy", [src, dst, count]) => {
             for i in 0..n(count) {
                 let (Some(is), Some(id)) = (at(store, src, i), at(store, dst, i)) else {
@@ -138,6 +143,7 @@ pub(super) fn host_kernel_shape(kernel: &str) -> Option<&'static str> {
         "fill" => "mss",
         "axpy" => "smms",
         "copy" => "mms",
+        "delay" => "s",
         "spin" | "__fault" | "__hang" | "__exit" => "",
         _ => return None,
     })

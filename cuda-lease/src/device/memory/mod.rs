@@ -32,7 +32,8 @@ use scheduler::{Queued, Work};
 /// `iota(u32* out, u32 n)`: `out[i] = i`; `vadd(f32* a, f32* b, f32* c,
 /// u32 n)`: `c = a + b`; `fill(f32* out, f32 v, u32 n)`; `axpy(f32 a,
 /// f32* x, f32* y, u32 n)`: `y = a * x + y`; `copy(f32* src, f32* dst,
-/// u32 n)`. `spin` does nothing. An access outside a buffer faults the
+/// u32 n)`; `delay(u32 ms)` takes `ms` milliseconds (slow work on
+/// purpose). `spin` does nothing. An access outside a buffer faults the
 /// "device" like an illegal address (sticky, at the next finish).
 ///
 /// For tests of the supervisor it understands three magic kernel names:
