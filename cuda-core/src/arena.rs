@@ -27,7 +27,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::buffer::{check_range, DeviceBuffer};
 use crate::device::Device;
@@ -71,6 +71,34 @@ pub struct StagingArena {
     /// The streams of the copies since the last successful synchronize:
     /// while it is not empty, copies may still use the block.
     streams: Vec<Arc<CudaStream>>,
+    /// [`StagingArena::mark_end`] closed the epoch: nothing is handed out
+    /// until [`StagingArena::settle`].
+    ended: bool,
+}
+
+/// Events recorded after every copy of one epoch of a [`StagingArena`]
+/// ([`StagingArena::mark_end`]); [`StagingArena::settle`] waits for them.
+#[derive(Debug)]
+#[must_use = "an arena whose end is dropped hands nothing out again"]
+pub struct ArenaEnd {
+    epoch: u64,
+    events: Vec<CudaEvent>,
+}
+
+impl ArenaEnd {
+    /// Whether every copy of the epoch is done (never waits).
+    ///
+    /// # Errors
+    /// The driver's error naming `cuEventQuery` (a sticky fault of earlier
+    /// work is [`Error::Poisoned`]).
+    pub fn is_done(&self) -> Result<bool> {
+        for e in &self.events {
+            if !e.try_is_complete().call("cuEventQuery")? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
 }
 
 impl fmt::Debug for StagingArena {
@@ -224,6 +252,7 @@ impl StagingArena {
             ctx,
             bump: Bump::new(len),
             streams: Vec::new(),
+            ended: false,
         })
     }
 
@@ -246,7 +275,53 @@ impl StagingArena {
     /// `None` when they do not fit before the next synchronize. A
     /// reservation ends the reads of the last synchronize: read them first.
     pub fn reserve(&mut self, len: usize) -> Option<ArenaSlot> {
+        if self.ended {
+            return None;
+        }
         self.bump.reserve(len)
+    }
+
+    /// Records an event after this epoch's copies on every stream they ran
+    /// on, and closes the epoch: nothing is handed out until
+    /// [`StagingArena::settle`] waited for the events. Unlike
+    /// [`StagingArena::synchronize`], this lets the streams run on with
+    /// later work while the copies complete.
+    ///
+    /// # Errors
+    /// The driver's error naming `cuEventRecord` (the epoch stays open).
+    pub fn mark_end(&mut self) -> Result<ArenaEnd> {
+        let mut events = Vec::with_capacity(self.streams.len());
+        for s in &self.streams {
+            events.push(s.record_event(None).call("cuEventRecord")?);
+        }
+        self.ended = true;
+        Ok(ArenaEnd {
+            epoch: self.bump.epoch,
+            events,
+        })
+    }
+
+    /// Waits for the events of `end` (at once when
+    /// [`ArenaEnd::is_done`]); then the epoch's downloads can be read and
+    /// ranges are handed out from the front again.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for the end of another arena or epoch;
+    /// the first failed wait, naming `cuEventSynchronize` (the arena then
+    /// holds on to its ranges, and leaks its block when dropped).
+    pub fn settle(&mut self, end: ArenaEnd) -> Result<()> {
+        if !self.ended || end.epoch != self.bump.epoch {
+            return Err(Error::InvalidArgument(
+                "a staging arena settled with the end of another arena or epoch".into(),
+            ));
+        }
+        for e in &end.events {
+            e.synchronize().call("cuEventSynchronize")?;
+        }
+        self.streams.clear();
+        self.bump.settle();
+        self.ended = false;
+        Ok(())
     }
 
     /// Copies `data` into `slot` (a host memcpy), then enqueues on `stream`
@@ -387,6 +462,7 @@ impl StagingArena {
         }
         self.streams.clear();
         self.bump.settle();
+        self.ended = false;
         Ok(())
     }
 

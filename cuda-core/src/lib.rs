@@ -41,7 +41,7 @@ pub mod shared_pinned;
 pub mod staging;
 mod tracking;
 
-pub use arena::{ArenaRead, ArenaSlot, StagingArena, ARENA_ALIGN};
+pub use arena::{ArenaEnd, ArenaRead, ArenaSlot, StagingArena, ARENA_ALIGN};
 pub use args::{ArgList, Args};
 pub use buffer::{AnyBitPattern, DeviceBuffer};
 pub use callback::{launch_host_callback, launch_host_fn_borrowed};

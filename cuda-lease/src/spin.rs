@@ -55,7 +55,7 @@ mod sys {
 /// Whether `fd` can be read without blocking now (data, end of file or an
 /// error all count: the read that follows reports them).
 #[cfg(target_os = "linux")]
-fn ready_now(fd: std::os::fd::RawFd) -> bool {
+pub(crate) fn ready_now(fd: std::os::fd::RawFd) -> bool {
     let mut p = sys::PollFd {
         fd,
         events: sys::POLLIN,
@@ -69,7 +69,7 @@ fn ready_now(fd: std::os::fd::RawFd) -> bool {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn ready_now(_fd: std::os::fd::RawFd) -> bool {
+pub(crate) fn ready_now(_fd: std::os::fd::RawFd) -> bool {
     // Not implemented here: spinning would only burn the budget.
     true
 }
@@ -98,6 +98,27 @@ pub(crate) fn readable_within(fd: std::os::fd::RawFd, budget: Duration) -> bool 
         }
         std::hint::spin_loop();
     }
+}
+
+/// Waits (sleeping, not spinning) until `fd` is readable or about a
+/// millisecond has passed; returns whether it is readable.
+#[cfg(target_os = "linux")]
+pub(crate) fn readable_soon(fd: std::os::fd::RawFd) -> bool {
+    let mut p = sys::PollFd {
+        fd,
+        events: sys::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: as in `ready_now`; a 1 ms timeout blocks at most that long.
+    let n = unsafe { sys::poll(&mut p, 1, 1) };
+    n != 0 && (n < 0 || p.revents != 0)
+}
+
+/// Not implemented here: sleeps a millisecond and says readable.
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn readable_soon(_fd: std::os::fd::RawFd) -> bool {
+    std::thread::sleep(Duration::from_millis(1));
+    true
 }
 
 /// [`readable_within`] for a tokio task: it yields between polls, so the

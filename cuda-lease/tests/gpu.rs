@@ -1681,3 +1681,52 @@ async fn downloads_behind_a_five_second_kernel_see_its_writes() {
     eprintln!("a 5 s kernel and two downloads behind it: {took:?}");
     fx.shutdown().await;
 }
+
+/// Two tokio tasks' independent 1 s kernels on one lease (4 streams) run
+/// side by side on its GPU, as they do on two streams of a local pool: the
+/// pair takes about as long as one kernel, not two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an NVIDIA GPU"]
+async fn two_tasks_one_second_kernels_overlap_on_one_lease() {
+    use cuda_async::prelude::*;
+    let fx = Fixture::with_config(gpu_config())
+        .lease_with(Lease::builder().min_vram(256 << 20))
+        .start()
+        .await;
+    let policy = Arc::new(fx.policy());
+    let kernel = cuda_async::Module::cuda(SLOW_KERNEL, &[])
+        .unwrap()
+        .kernel("slow_fill")
+        .unwrap();
+    let one = cuda_async::LaunchConfig::for_num_elems(1);
+    let run = |ms: u32| {
+        let (kernel, policy) = (kernel.clone(), policy.clone());
+        async move {
+            let out = h2d(vec![0.0f32; 1]).schedule(&*policy)?.await?;
+            // SAFETY: `slow_fill` writes out[0..1) of a 1-float buffer.
+            unsafe { launch(&kernel, one, (ms, out, 1u32)) }
+                .schedule(&*policy)?
+                .await
+                .map(drop)
+        }
+    };
+    // The module is compiled and loaded before the clock starts.
+    run(0).await.unwrap();
+    let t = std::time::Instant::now();
+    run(1000).await.unwrap();
+    let single = t.elapsed();
+    let t = std::time::Instant::now();
+    let (a, b) = tokio::join!(tokio::spawn(run(1000)), tokio::spawn(run(1000)));
+    let pair = t.elapsed();
+    a.unwrap().unwrap();
+    b.unwrap().unwrap();
+    eprintln!(
+        "one 1 s kernel on a lease: {single:?}; two tasks' at once: {pair:?} ({:.2}x)",
+        pair.as_secs_f64() / single.as_secs_f64()
+    );
+    assert!(
+        pair.as_secs_f64() <= 1.1 * single.as_secs_f64(),
+        "two tasks' 1 s kernels took {pair:?} on one lease, one took {single:?}: they did not overlap"
+    );
+    fx.shutdown().await;
+}

@@ -331,3 +331,34 @@ async fn freeing_a_lease_fails_what_is_in_flight_and_what_follows_at_once() {
     assert!(e.remote_kind().is_some(), "{e}");
     fx.shutdown().await;
 }
+
+/// Two tasks' independent slow kernels on one lease overlap, as they do on
+/// two streams of a local pool: the node plans and sends the second while
+/// the first runs, and the worker answers each when its own work is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_tasks_slow_kernels_overlap_on_one_lease() {
+    let fx = Fixture::memory(1 << 30).start().await;
+    let (_lease, remote) = on(&fx.node).await;
+    let (delay, _) = kernels();
+    let one = LaunchConfig::for_num_elems(1);
+    let run = |ms: u32| {
+        // SAFETY: the in-memory device's `delay` touches no memory.
+        unsafe { launch(&delay, one, (ms,)) }
+            .schedule(&remote)
+            .unwrap()
+    };
+    // The module is on the node before the clock starts.
+    run(0).await.unwrap();
+    let slow = Duration::from_millis(1000);
+    let t = Instant::now();
+    let (a, b) = tokio::join!(run(1000), run(1000));
+    let wall = t.elapsed();
+    a.unwrap();
+    b.unwrap();
+    assert!(wall >= slow, "{wall:?}");
+    assert!(
+        wall < slow.mul_f32(1.5),
+        "two independent 1 s kernels took {wall:?} on one lease: they did not overlap"
+    );
+    fx.shutdown().await;
+}

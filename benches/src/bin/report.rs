@@ -8,10 +8,11 @@
 //! Environment:
 //! - `REPORT_SCALE` (default 1): multiplies every rep count (0.1 for a
 //!   quick look; counts have floors).
-//! - `REPORT_ONLY` (default all but `remote_chain,remote_launch`):
+//! - `REPORT_ONLY` (default all but `remote_chain,remote_launch,remote_pool`):
 //!   comma-separated topics among
 //!   `overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu,mem_pools`
-//!   (local: GPU 0 here) and `remote_alloc,remote,remote_chain,remote_launch`
+//!   (local: GPU 0 here) and
+//!   `remote_alloc,remote,remote_chain,remote_launch,remote_pool`
 //!   (a lease node embedded in this process, on loopback; see
 //!   `benches::remote`). A run of remote topics alone needs no GPU here.
 //! - `REPORT_REMOTE_DEVICE` (default `cuda`): `memory` has the node's
@@ -43,7 +44,7 @@ use benches::{Config, Fixture, Result, Row};
 const USAGE: &str = "usage: bench-report [--no-fail] OUT.json   \
     (exits 1 when a row fails its goal or could not be measured, unless --no-fail) \
     (env: REPORT_SCALE=1, REPORT_ONLY=overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu,mem_pools,\
-    remote_alloc,remote[,remote_chain,remote_launch], REPORT_REMOTE_DEVICE=cuda|memory, \
+    remote_alloc,remote[,remote_chain,remote_launch,remote_pool], REPORT_REMOTE_DEVICE=cuda|memory, \
     REPORT_REMOTE_SPIN_US, REPORT_REMOTE_IN_TASK=1, REPORT_TRANSPORT=loopback|default|datacenter|wan, \
     REPORT_STRIPES=4, REPORT_TIMEOUT_S=300)";
 

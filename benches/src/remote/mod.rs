@@ -20,6 +20,12 @@
 //!   buffers, remote and local, interleaved with the raw 64 B round trip:
 //!   a submission's fixed cost, with no bulk bytes; and what one more
 //!   launch in a submission costs, remote against local.
+//! - `remote_pool` (only when named): whether a lease behaves like a local
+//!   stream pool for many tokio tasks: two tasks' independent ~1 s kernels
+//!   against one alone, 64 tasks' pipelines of 1 MiB (kernel only; up,
+//!   kernel, down; transfers only), lease against local, and those tasks'
+//!   1 MiB transfers against one bulk `h2d` and `d2h` on the lease
+//!   ([`PoolConfig`] sets the sizes).
 //!
 //! With [`DeviceSpec::Memory`] (`REPORT_REMOTE_DEVICE=memory`) the workers
 //! drive the in-memory test double instead of a GPU, so the node, QUIC and
@@ -37,7 +43,10 @@
 
 mod baselines;
 mod chain;
+mod pool;
 mod transfers;
+
+pub use pool::PoolConfig;
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -55,11 +64,17 @@ use crate::stats::Summary;
 use crate::Result;
 
 /// The remote topics, in the order they run.
-pub const TOPICS: [&str; 4] = ["remote_alloc", "remote", "remote_chain", "remote_launch"];
+pub const TOPICS: [&str; 5] = [
+    "remote_alloc",
+    "remote",
+    "remote_chain",
+    "remote_launch",
+    "remote_pool",
+];
 
 /// Remote topics that run only when `REPORT_ONLY` names them (each repeats
 /// a part of `remote` on its own).
-pub const ON_REQUEST: [&str; 2] = ["remote_chain", "remote_launch"];
+pub const ON_REQUEST: [&str; 3] = ["remote_chain", "remote_launch", "remote_pool"];
 
 /// Bytes of the bulk transfers (MEM_WRITE / MEM_READ, raw, `h2d` / `d2h`)
 /// in the report.
@@ -102,6 +117,9 @@ pub struct RemoteConfig {
     /// (`cuda_lease::hops::stamps`: one clock read per point, about 20 per
     /// submission); on unless `REPORT_STAMPS=0`.
     pub stamps: bool,
+    /// The sizes of `remote_pool` ([`PoolConfig::new`] at the report's
+    /// scale).
+    pub pool: PoolConfig,
 }
 
 impl RemoteConfig {
@@ -165,6 +183,7 @@ impl RemoteConfig {
             refill: Duration::from_secs(2),
             in_task: std::env::var_os("REPORT_REMOTE_IN_TASK").is_some_and(|v| v == "1"),
             stamps: std::env::var_os("REPORT_STAMPS").is_none_or(|v| v != "0"),
+            pool: PoolConfig::new(cfg),
         })
     }
 
@@ -285,7 +304,8 @@ impl Bench {
                 "remote_alloc" => transfers::alloc_rows(&ctx).await,
                 "remote" => remote_rows(&ctx).await,
                 "remote_chain" => chain::chain_only(&ctx).await,
-                _ => chain::launch_only(&ctx).await,
+                "remote_launch" => chain::launch_only(&ctx).await,
+                _ => pool::pool_rows(&ctx).await,
             }
         };
         self.block_on(fut)

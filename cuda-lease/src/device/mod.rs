@@ -274,4 +274,21 @@ pub trait Device {
     ///
     /// LAUNCH_FAILED (sticky) when a kernel faulted.
     fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError>;
+    /// Seals what was enqueued since the last seal (or finish) as one
+    /// batch whose reads fill `out_len` bytes, without waiting for it: its
+    /// work runs on while later commands are enqueued (after it, by
+    /// stream, event and buffer order, as always), and
+    /// [`Device::poll_sealed`] says when it is done.
+    fn seal(&mut self, out_len: usize) -> Ticket;
+    /// The reads of sealed batch `ticket` once its work is done (the
+    /// ticket is then spent), `None` while it runs.
+    ///
+    /// # Errors
+    ///
+    /// LAUNCH_FAILED (sticky) when a kernel faulted; a driver error.
+    fn poll_sealed(&mut self, ticket: Ticket) -> Option<Result<Vec<u8>, DeviceError>>;
 }
+
+/// A sealed batch of a [`Device`] (see [`Device::seal`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Ticket(pub u64);

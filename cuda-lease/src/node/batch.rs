@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::auth::lease_of;
-use super::order::{Arrival, Stalled};
+use super::order::{Arrival, Place, Stalled};
 use super::plan::{plan, Charges, Effect, GraphChange, Plan, PlanLimits};
 use super::submit::BudgetTurn;
 use super::{fail_lease, IdKind, LeaseSlot, LeaseState, ModuleSource, Reply, Shared};
@@ -16,7 +16,7 @@ use crate::proto::{
     self, from_body, Batch, BatchReply, LeaseId, ModuleHash, Op, OpError, Opcode, SourceKind,
     Status,
 };
-use crate::worker::{WorkerBatchReply, WorkerError, WorkerLoad, WorkerProcess};
+use crate::worker::{SentRequest, WorkerBatchReply, WorkerError, WorkerLoad, WorkerProcess};
 
 /// The reply for a lease whose worker died or hung during a request: the
 /// lease's own error if it expired or was freed meanwhile, else the lease is
@@ -131,7 +131,7 @@ pub(super) async fn run_in_order(
     if b.seq == 0 {
         hops::mark(hop, "order");
         stamp(Point::BatchInOrder);
-        return run_batch(shared, who, b, wire, data, hop, turn).await;
+        return run_batch(shared, who, b, wire, data, hop, turn, None).await;
     }
     if b.seq == u64::MAX {
         return Err(Reply::err(
@@ -166,12 +166,7 @@ pub(super) async fn run_in_order(
         .map_err(|e| stalled(shared, &b.lease, e))?;
     hops::mark(hop, "order");
     stamp(Point::BatchInOrder);
-    let r = run_batch(shared, who, b, wire, data, hop, turn).await;
-    // Sent again with its sources, the batch keeps its place.
-    if matches!(&r, Err(reply) if reply.status == Status::UnknownModule) {
-        place.withdraw();
-    }
-    r
+    run_batch(shared, who, b, wire, data, hop, turn, Some(place)).await
 }
 
 /// The reply to a request whose wait for the lease's order ended without
@@ -195,6 +190,13 @@ pub(super) fn stalled(shared: &Shared, lease: &LeaseId, e: Stalled) -> Reply {
 /// Runs `b`, whose commands encode to `wire` (forwarded to the worker as
 /// they are when the node accepts every one of them). The bytes its reads
 /// return are charged to `turn` as they are planned.
+///
+/// The lease's exec lock is held to plan the batch and send it to the
+/// worker, not while its work runs: what it creates exists for the batches
+/// planned after it at once, and `place` (its place in the lease's order)
+/// is given up once it is sent. Its reply comes when its own work is done;
+/// what did not run is then undone.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn run_batch(
     shared: &Arc<Shared>,
     who: &Principal,
@@ -203,15 +205,26 @@ pub(super) async fn run_batch(
     data: &[u8],
     hop: &mut Option<HopTimer>,
     turn: Option<&mut BudgetTurn>,
+    place: Option<Place<'_>>,
 ) -> Result<(BatchReply, Vec<u8>), Reply> {
     let lease = &b.lease;
     let slot = lease_of(shared, who, lease)?;
-    let _exec = slot.exec.lock().await;
+    let exec = slot.exec.lock().await;
     hops::mark(hop, "lock");
     stamp(Point::BatchLocked);
     // Re-check: the lease may have died while we waited.
     shared.table().get(lease, shared.now())?;
-    let (loads, writes, p) = prepare(shared, &slot.state(), b, data, turn)?;
+    let prepared = prepare(shared, &slot.state(), b, data, turn);
+    let (loads, writes, p) = match prepared {
+        Ok(prepared) => prepared,
+        Err(reply) => {
+            // Sent again with its sources, the batch keeps its place.
+            if let (Some(place), Status::UnknownModule) = (place, reply.status) {
+                place.withdraw();
+            }
+            return Err(reply);
+        }
+    };
     hops::mark(hop, "plan");
     stamp(Point::BatchPlanned);
     let ran = if loads.len() + p.effects.len() > 0 {
@@ -222,11 +235,30 @@ pub(super) async fn run_batch(
             writes: &writes[..p.write_bytes],
             planned: p.effects.len(),
         };
-        call_worker(shared, &slot, who, &work, hop).await?
+        apply_planned(&slot, b, &loads, &p);
+        let sent = send_work(shared, &slot, &work, hop).await;
+        // The next batch plans and goes to the worker while this one runs.
+        drop(place);
+        drop(exec);
+        let ran = match sent {
+            Ok(sent) => receive_work(shared, who, &work, sent, hop).await,
+            Err(e) => Err(e),
+        };
+        undo_unrun(
+            shared,
+            &slot,
+            b,
+            &loads,
+            &p,
+            ran.as_ref().unwrap_or(&Ran::default()),
+        );
+        ran?
     } else {
+        drop(place);
+        drop(exec);
+        undo_unrun(shared, &slot, b, &loads, &p, &Ran::default());
         Ran::default()
     };
-    commit(shared, &slot, b, &loads, &p, &ran);
     hops::mark(hop, "commit");
     stamp(Point::NodeCommitted);
     Ok((
@@ -300,15 +332,14 @@ struct Ran {
     error: Option<OpError>,
 }
 
-/// Sends the work to the lease's worker and reads what ran; modules it
-/// loaded enter the node's cache.
-async fn call_worker(
+/// Sends the work to the lease's worker (in the lease's order: the caller
+/// holds its exec lock).
+async fn send_work<'s>(
     shared: &Arc<Shared>,
-    slot: &LeaseSlot,
-    who: &Principal,
+    slot: &'s LeaseSlot,
     w: &Work<'_>,
     hop: &mut Option<HopTimer>,
-) -> Result<Ran, Reply> {
+) -> Result<SentRequest<'s>, Reply> {
     let lease = &w.b.lease;
     let n_loads = w.loads.len();
     let mut parts: Vec<&[u8]> = Vec::with_capacity(n_loads + 1);
@@ -334,12 +365,32 @@ async fn call_worker(
         proto::encode_commands(&mut body, accepted.len(), accepted);
     }
     hops::mark(hop, "encode");
-    let res = slot
-        .worker
-        .call_parts(Opcode::Batch, &body, &parts, shared.cfg.op_timeout)
-        .await;
+    slot.worker
+        .send(Opcode::Batch, &body, &parts, shared.cfg.op_timeout)
+        .await
+        .map_err(|e| worker_lost(shared, lease, &e))
+}
+
+/// Reads what the worker ran of the work; modules it loaded enter the
+/// node's cache.
+async fn receive_work(
+    shared: &Arc<Shared>,
+    who: &Principal,
+    w: &Work<'_>,
+    sent: SentRequest<'_>,
+    hop: &mut Option<HopTimer>,
+) -> Result<Ran, Reply> {
+    let lease = &w.b.lease;
+    let n_loads = w.loads.len();
+    let res = sent.reply().await;
     hops::mark(hop, "worker");
     let frame = res.map_err(|e| worker_lost(shared, lease, &e))?;
+    if frame.header.status != Status::Ok {
+        let f = from_body::<crate::worker::WorkerFailure>(&frame.body)
+            .map(|f| f.message)
+            .unwrap_or_default();
+        return Err(Reply::err(frame.header.status, format!("worker: {f}")));
+    }
     let reply: WorkerBatchReply = from_body(&frame.body)
         .map_err(|e| Reply::err(Status::Internal, format!("worker reply: {e}")))?;
     let done = reply.completed as usize;
@@ -401,18 +452,46 @@ fn keep_modules(
     }
 }
 
-/// Commits what ran to the lease's state; gives back the charges of what
-/// did not.
-fn commit(shared: &Shared, slot: &LeaseSlot, b: &Batch<'_>, loads: &[Load], p: &Plan, ran: &Ran) {
-    let lease = &b.lease;
-    let mut table = shared.table();
+/// What a batch sent to the worker will make, in the lease's state now:
+/// the batches planned after it may name it (if it does not run, they fail
+/// on the worker, naming it). Frees wait for the reply ([`undo_unrun`]).
+fn apply_planned(slot: &LeaseSlot, b: &Batch<'_>, loads: &[Load], p: &Plan) {
     let mut state = slot.state();
+    for l in loads {
+        state.modules.insert(l.hash, l.source.1.len() as u64);
+    }
+    for (c, effect) in b.commands.iter().zip(&p.effects) {
+        state.streams.insert(c.stream);
+        if let Effect::Create(id, k) = *effect {
+            state.ids.insert(id, k);
+        }
+    }
+    for (_, change) in &p.graphs {
+        if let GraphChange::Made(g, ids) = change {
+            state.graphs.insert(*g, ids.clone());
+        }
+    }
+}
+
+/// Once the worker answered: undoes what [`apply_planned`] made and did
+/// not run (giving its charges back), and applies the frees that ran.
+fn undo_unrun(
+    shared: &Shared,
+    slot: &LeaseSlot,
+    b: &Batch<'_>,
+    loads: &[Load],
+    p: &Plan,
+    ran: &Ran,
+) {
+    let lease = &b.lease;
+    // A lease's state, then the table: the order `prepare` takes them in
+    // (the table is charged while the state is held).
+    let mut state = slot.state();
+    let mut table = shared.table();
     for (i, l) in loads.iter().enumerate() {
-        let len = l.source.1.len() as u64;
-        if i < ran.loaded {
-            state.modules.insert(l.hash, len);
-        } else {
-            table.credit(lease, len);
+        if i >= ran.loaded {
+            state.modules.remove(&l.hash);
+            table.credit(lease, l.source.1.len() as u64);
         }
     }
     for (i, size) in &p.charged {
@@ -420,26 +499,29 @@ fn commit(shared: &Shared, slot: &LeaseSlot, b: &Batch<'_>, loads: &[Load], p: &
             table.credit(lease, *size);
         }
     }
-    for (c, effect) in b.commands.iter().zip(&p.effects).take(ran.completed) {
-        state.streams.insert(c.stream);
+    // In command order: a batch may free an id and make it again.
+    for (i, effect) in p.effects.iter().enumerate() {
         match *effect {
+            Effect::Create(id, _) if i >= ran.completed => {
+                state.ids.remove(&id);
+            }
             Effect::Create(id, k) => {
                 state.ids.insert(id, k);
             }
-            Effect::Free(id) => {
+            Effect::Free(id) if i < ran.completed => {
                 if let Some(IdKind::Buffer(n)) = state.ids.remove(&id) {
                     table.credit(lease, n);
                 }
             }
-            Effect::None => {}
+            _ => {}
         }
     }
     for (i, change) in &p.graphs {
         match change {
             // Not made: its kept bytes' charge goes back.
-            GraphChange::Made(_, ids) if *i >= ran.completed => table.credit(lease, ids.kept),
-            GraphChange::Made(g, ids) => {
-                state.graphs.insert(*g, ids.clone());
+            GraphChange::Made(g, ids) if *i >= ran.completed => {
+                state.graphs.remove(g);
+                table.credit(lease, ids.kept);
             }
             GraphChange::Freed(g) if *i < ran.completed => {
                 if let Some(ids) = state.graphs.remove(g) {
@@ -451,7 +533,7 @@ fn commit(shared: &Shared, slot: &LeaseSlot, b: &Batch<'_>, loads: &[Load], p: &
                     }
                 }
             }
-            GraphChange::Freed(_) => {}
+            _ => {}
         }
     }
 }

@@ -222,7 +222,7 @@ pub(super) async fn single(
     };
     batch.validate(0)?;
     let wire = to_body(&batch.commands);
-    let (reply, _) = run_batch(shared, who, &batch, &wire, &[], &mut None, None).await?;
+    let (reply, _) = run_batch(shared, who, &batch, &wire, &[], &mut None, None, None).await?;
     match reply.error {
         Some(e) => Err(Reply::err(e.status, e.message)),
         None => Ok(Reply::empty()),

@@ -106,8 +106,11 @@ pub struct LeaseUsage {
 
 struct LeaseSlot {
     worker: WorkerProcess,
-    /// Serializes a lease's requests: plan, run on the worker, commit.
+    /// Serializes a lease's requests from planning to sending them to the
+    /// worker (never held while their work runs).
     exec: tokio::sync::Mutex<()>,
+    /// What the lease holds. Lock order: a lease's state, then the node's
+    /// lease table (never the other way round).
     state: StdMutex<LeaseState>,
     /// The order of its numbered batches (see [`Batch::seq`]).
     order: order::LeaseOrder,

@@ -29,9 +29,11 @@ use super::handshake::Peer;
 use super::{fail_lease, IdKind, Reply, Shared, Slot as LeaseRef};
 use crate::hops::{self, Hop, HopTimer};
 use crate::lease_table::Principal;
-use crate::proto::{self, from_body, Header, Id, LeaseId, MemRead, MemWrite, Opcode, Status};
+use crate::proto::{
+    self, from_body, to_body, Header, Id, LeaseId, MemRead, MemWrite, Opcode, Status,
+};
 use crate::shm::{ShmRing, Slot, SLOTS, SLOT_BYTES};
-use crate::worker::{ChunkOp, ChunkOps, MAX_CHUNKS_PER_CALL};
+use crate::worker::{chunks_outcome, ChunkOp, ChunkOps, MAX_CHUNKS_PER_CALL};
 
 /// Serves one MEM_WRITE or MEM_READ whose header and body have been read;
 /// `recv` holds the data that follows (MEM_WRITE).
@@ -183,7 +185,9 @@ fn check(
     Ok(slot)
 }
 
-/// Chunks on the worker, in one call under the lease's exec lock.
+/// Chunks on the worker, in one call sent under the lease's exec lock
+/// (after every batch sent before it; the lock is not held while the
+/// copies run).
 async fn chunks(
     shared: &Shared,
     lease: &LeaseId,
@@ -191,14 +195,19 @@ async fn chunks(
     opcode: Opcode,
     ops: ChunkOps,
 ) -> Result<(), Reply> {
-    let _exec = slot.exec.lock().await;
+    let exec = slot.exec.lock().await;
     // The lease may have died while we waited.
     shared.table().get(lease, shared.now())?;
-    match slot
+    let sent = slot
         .worker
-        .chunks(opcode, &ops, shared.cfg.op_timeout)
-        .await
-    {
+        .send(opcode, &to_body(&ops), &[], shared.cfg.op_timeout)
+        .await;
+    drop(exec);
+    let done = match sent {
+        Ok(sent) => sent.reply().await.map(|f| chunks_outcome(&f)),
+        Err(e) => Err(e),
+    };
+    match done {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => {
             if e.sticky {

@@ -11,7 +11,7 @@ use super::messages::{
     ChunkOps, WorkerBatch, WorkerBatchReply, WorkerFailure, MAX_CHUNKS_PER_CALL,
 };
 use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
-use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice};
+use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice, Ticket};
 use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{
     self, from_body, to_body, Frame, GpuSubmit, Header, Id, KernelArg, LaunchSpec, ModuleHash, Op,
@@ -75,10 +75,27 @@ pub(super) fn run_worker(spec: &str) -> i32 {
         .ok()
         .and_then(|v| v.parse().ok())
         .map_or(Duration::ZERO, Duration::from_micros);
+    // Sealed batches whose work runs on while the next requests are read.
+    let mut running: Vec<Running> = Vec::new();
+    let stdin_fd = {
+        use std::os::fd::AsRawFd;
+        std::io::stdin().as_raw_fd()
+    };
     loop {
+        if answer_done(device.as_mut(), &mut running, &mut output).is_err() {
+            return 1;
+        }
         if input.buffer().is_empty() {
-            use std::os::fd::AsRawFd;
-            crate::spin::readable_within(std::io::stdin().as_raw_fd(), spin);
+            if running.is_empty() {
+                crate::spin::readable_within(stdin_fd, spin);
+            } else {
+                match wait_for_work(device.as_mut(), &mut running, &mut output, stdin_fd, spin) {
+                    Ok(true) => {}
+                    // Every running batch answered: back to waiting for a request.
+                    Ok(false) => continue,
+                    Err(()) => return 1,
+                }
+            }
         }
         let header = match proto::read_header_blocking(&mut input, &WORKER_LIMITS) {
             Ok(h) => h,
@@ -91,6 +108,36 @@ pub(super) fn run_worker(spec: &str) -> i32 {
             Err(_) => return 0,
         };
         hops::mark(&mut hop, "pipe_read");
+        if frame.header.opcode == Opcode::Batch {
+            // Enqueued and sealed now, answered when its work is done.
+            match from_body::<WorkerBatch<'_>>(&frame.body) {
+                Ok(b) => {
+                    let enqueued =
+                        enqueue_batch(device.as_mut(), &mut graphs, &compiler, &b, &frame.data);
+                    let ticket = device.seal(enqueued.read_at);
+                    running.push(Running {
+                        request: frame.header,
+                        ticket,
+                        enqueued,
+                        hop,
+                    });
+                    continue;
+                }
+                Err(e) => {
+                    let f = WorkerFailure {
+                        status: Status::BadRequest,
+                        message: e.to_string(),
+                        sticky: false,
+                    };
+                    let body = to_body(&f);
+                    let h = Header::reply(&frame.header, f.status, body.len() as u32, 0);
+                    if proto::write_frame_blocking(&mut output, &h, &body, &[]).is_err() {
+                        return 1;
+                    }
+                    continue;
+                }
+            }
+        }
         let (status, body, data) = match frame.header.opcode {
             Opcode::MemWrite | Opcode::MemRead => serve_chunk(device.as_mut(), &mut ring, &frame),
             _ => serve(
@@ -112,6 +159,68 @@ pub(super) fn run_worker(spec: &str) -> i32 {
         hops::mark(&mut hop, "pipe_write");
         if let Some(t) = LAST_TRACE.with(|l| l.borrow_mut().take()) {
             t.close();
+        }
+    }
+}
+
+/// A sealed batch whose work may still run, and the request it answers.
+struct Running {
+    request: Header,
+    ticket: Ticket,
+    enqueued: Enqueued,
+    hop: Option<HopTimer>,
+}
+
+/// Answers every running batch whose work is done, in the order they
+/// finish. `Err` when the node's pipe broke.
+fn answer_done(
+    dev: &mut dyn Device,
+    running: &mut Vec<Running>,
+    output: &mut impl std::io::Write,
+) -> Result<(), ()> {
+    let mut i = 0;
+    while i < running.len() {
+        let Some(finished) = dev.poll_sealed(running[i].ticket) else {
+            i += 1;
+            continue;
+        };
+        let r = running.remove(i);
+        let mut hop = r.hop;
+        let (reply, out) = r.enqueued.reply(finished, &mut hop);
+        let body = to_body(&reply);
+        let h = Header::reply(&r.request, Status::Ok, body.len() as u32, out.len() as u32);
+        proto::write_frame_blocking(output, &h, &body, &out).map_err(|_| ())?;
+        hops::mark(&mut hop, "pipe_write");
+        if let Some(t) = LAST_TRACE.with(|l| l.borrow_mut().take()) {
+            t.close();
+        }
+    }
+    Ok(())
+}
+
+/// While batches run: polls them and the node's pipe, spinning for
+/// `spin`, then sleeping a millisecond at a time between polls. `Ok(true)`
+/// once a request can be read, `Ok(false)` once every batch is answered.
+fn wait_for_work(
+    dev: &mut dyn Device,
+    running: &mut Vec<Running>,
+    output: &mut impl std::io::Write,
+    fd: std::os::fd::RawFd,
+    spin: Duration,
+) -> Result<bool, ()> {
+    let start = std::time::Instant::now();
+    loop {
+        answer_done(dev, running, output)?;
+        if running.is_empty() {
+            return Ok(false);
+        }
+        if start.elapsed() < spin {
+            if crate::spin::ready_now(fd) {
+                return Ok(true);
+            }
+            std::hint::spin_loop();
+        } else if crate::spin::readable_soon(fd) {
+            return Ok(true);
         }
     }
 }
@@ -264,6 +373,57 @@ thread_local! {
     static LAST_TRACE: std::cell::RefCell<Option<BatchTrace>> = const { std::cell::RefCell::new(None) };
 }
 
+/// What enqueueing a batch did: the modules it compiled, the first
+/// failure (by step: loads, then commands), where its reads end, and its
+/// trace.
+pub(super) struct Enqueued {
+    failed: Option<(usize, DeviceError)>,
+    compiled: Vec<(ModuleHash, String)>,
+    steps: usize,
+    /// Bytes of the reads (and timers) in the reply's data.
+    pub(super) read_at: usize,
+    trace: Option<(HopTimer, Vec<(&'static str, std::time::Duration)>)>,
+}
+
+impl Enqueued {
+    /// The reply once the batch's work finished (`finished`: its reads,
+    /// or the failure found waiting for it).
+    fn reply(
+        self,
+        finished: Result<Vec<u8>, DeviceError>,
+        _hop: &mut Option<HopTimer>,
+    ) -> (WorkerBatchReply, Vec<u8>) {
+        let (finished, out) = match finished {
+            Ok(out) => (Ok(()), out),
+            Err(e) => (Err(e), Vec::new()),
+        };
+        if let Some((mut hop, spans)) = self.trace {
+            hop.mark("finish");
+            // Recorded and closed after the reply is written (off its path).
+            let t = BatchTrace {
+                hop,
+                ops: self.steps,
+                spans,
+            };
+            LAST_TRACE.with(|l| *l.borrow_mut() = Some(t));
+        }
+        let (completed, error) = match (self.failed, finished) {
+            // A fault while waiting outranks an enqueue error: it is sticky.
+            (Some((i, _)), Err(e)) if e.sticky => (i, Some(e)),
+            (Some((i, e)), _) => (i, Some(e)),
+            (None, Err(e)) => (self.steps, Some(e)),
+            (None, Ok(())) => (self.steps, None),
+        };
+        let reply = WorkerBatchReply {
+            completed: completed as u32,
+            compiled: self.compiled,
+            error: error.map(Into::into),
+        };
+        (reply, out)
+    }
+}
+
+/// Runs a batch to its end: enqueues it and waits for its work.
 pub(super) fn run_batch(
     dev: &mut dyn Device,
     graphs: &mut Graphs,
@@ -272,6 +432,24 @@ pub(super) fn run_batch(
     data: &[u8],
     out: &mut Vec<u8>,
 ) -> WorkerBatchReply {
+    let e = enqueue_batch(dev, graphs, compiler, batch, data);
+    out.resize(e.read_at, 0);
+    let finished = dev.finish(out).map(|()| std::mem::take(out));
+    let (reply, bytes) = e.reply(finished, &mut None);
+    *out = bytes;
+    reply
+}
+
+/// Loads a batch's modules and enqueues its commands, stopping at the
+/// first failure; what was enqueued runs to its end (a failure stops only
+/// what comes after it).
+pub(super) fn enqueue_batch(
+    dev: &mut dyn Device,
+    graphs: &mut Graphs,
+    compiler: &Compiler,
+    batch: &WorkerBatch<'_>,
+    data: &[u8],
+) -> Enqueued {
     let mut payload = Payload { data, cursor: 0 };
     let mut read_at = 0usize;
     let mut failed = None;
@@ -318,32 +496,13 @@ pub(super) fn run_batch(
             break;
         }
     }
-    // What was enqueued runs to its end (a failure stops only what comes
-    // after it), and the reads of it land.
-    out.resize(read_at, 0);
     hops::mark(&mut hop, "enqueue");
-    let finished = dev.finish(out);
-    if let Some(mut hop) = hop {
-        hop.mark("finish");
-        // Recorded and closed after the reply is written (off its path).
-        let t = BatchTrace {
-            hop,
-            ops: steps,
-            spans,
-        };
-        LAST_TRACE.with(|l| *l.borrow_mut() = Some(t));
-    }
-    let (completed, error) = match (failed, finished) {
-        // A fault while waiting outranks an enqueue error: it is sticky.
-        (Some((i, _)), Err(e)) if e.sticky => (i, Some(e)),
-        (Some((i, e)), _) => (i, Some(e)),
-        (None, Err(e)) => (steps, Some(e)),
-        (None, Ok(())) => (steps, None),
-    };
-    WorkerBatchReply {
-        completed: completed as u32,
+    Enqueued {
+        failed,
         compiled,
-        error: error.map(Into::into),
+        steps,
+        read_at,
+        trace: hop.map(|h| (h, spans)),
     }
 }
 

@@ -36,7 +36,7 @@ pub(crate) use self::messages::{
     ChunkOp, ChunkOps, WorkerBatchReply, WorkerFailure, WorkerLoad, MAX_CHUNKS_PER_CALL,
 };
 pub use self::process::PIPE_BUFFER_BYTES;
-pub(crate) use self::process::{WorkerError, WorkerProcess};
+pub(crate) use self::process::{chunks_outcome, SentRequest, WorkerError, WorkerProcess};
 
 /// Environment variable that turns a process into a worker. Its value names
 /// the device: `cuda:<ordinal>` or `memory:<capacity bytes>`.

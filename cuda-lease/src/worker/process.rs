@@ -9,11 +9,11 @@ use std::time::Duration;
 use tokio::io::BufReader;
 use tokio::process::{Child, ChildStdin, Command};
 
-use super::messages::{ChunkOps, WorkerFailure};
+use super::messages::WorkerFailure;
 use super::{WorkerSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::hops::stamps::{stamp, Point};
 use crate::hops::{self, Hop, HopTimer};
-use crate::proto::{self, from_body, to_body, DeviceInfo, Frame, Header, Opcode, Status};
+use crate::proto::{self, from_body, DeviceInfo, Frame, Header, Opcode, Status};
 use crate::shm::{ShmRing, SHM_ENV};
 
 /// Kernel buffer size requested for each pipe between the node and a worker.
@@ -79,10 +79,23 @@ pub(crate) enum WorkerError {
     Hung(Duration),
 }
 
+/// The request side of the pipes: requests reach the worker in the order
+/// they are written here.
 pub(super) struct WorkerIo {
     stdin: ChildStdin,
-    stdout: BufReader<PipeReader>,
     next_id: u64,
+}
+
+/// Requests sent and not yet answered: where each reply goes, by request
+/// id. The worker answers a batch when its work is done, so replies come
+/// in any order; whichever caller holds the reply side reads them and
+/// hands each to its request.
+#[derive(Default)]
+struct Waiting {
+    replies: std::collections::HashMap<u64, tokio::sync::oneshot::Sender<Frame>>,
+    /// The reply side broke (the worker died, or a reply was cut short):
+    /// no reply comes any more.
+    broken: Option<String>,
 }
 
 /// The read end of the worker's stdout, read with the `read` call first
@@ -158,6 +171,9 @@ impl tokio::io::AsyncRead for PipeReader {
 /// The node's side of one worker process.
 pub(crate) struct WorkerProcess {
     io: tokio::sync::Mutex<WorkerIo>,
+    /// The reply side of the pipes, read by one caller at a time.
+    replies: tokio::sync::Mutex<BufReader<PipeReader>>,
+    waiting: StdMutex<Waiting>,
     child: StdMutex<Option<Child>>,
     info: DeviceInfo,
     pid: Option<u32>,
@@ -239,11 +255,9 @@ impl WorkerProcess {
         ring.unlink();
         Ok(Self {
             ring: Arc::new(ring),
-            io: tokio::sync::Mutex::new(WorkerIo {
-                stdin,
-                stdout,
-                next_id: 1,
-            }),
+            io: tokio::sync::Mutex::new(WorkerIo { stdin, next_id: 1 }),
+            replies: tokio::sync::Mutex::new(stdout),
+            waiting: StdMutex::new(Waiting::default()),
             child: StdMutex::new(Some(child)),
             info,
             pid,
@@ -254,29 +268,6 @@ impl WorkerProcess {
     /// The bulk-data ring shared with this worker.
     pub(crate) fn ring(&self) -> &Arc<ShmRing> {
         &self.ring
-    }
-
-    /// Sends chunks of a streamed transfer (`opcode` MEM_WRITE or
-    /// MEM_READ, the data in the slots of [`WorkerProcess::ring`] they
-    /// name), done in order; the outer error is the worker's death or hang,
-    /// the inner one a chunk's failure.
-    pub(crate) async fn chunks(
-        &self,
-        opcode: Opcode,
-        ops: &ChunkOps,
-        timeout: Duration,
-    ) -> Result<Result<(), WorkerFailure>, WorkerError> {
-        let f = self.call(opcode, &to_body(ops), &[], timeout).await?;
-        if f.header.status == Status::Ok {
-            return Ok(Ok(()));
-        }
-        Ok(Err(from_body::<WorkerFailure>(&f.body).unwrap_or_else(
-            |e| WorkerFailure {
-                status: Status::Internal,
-                message: format!("bad worker reply: {e}"),
-                sticky: false,
-            },
-        )))
     }
 
     /// The device as reported at start-up.
@@ -305,40 +296,124 @@ impl WorkerProcess {
         parts: &[&[u8]],
         timeout: Duration,
     ) -> Result<Frame, WorkerError> {
-        let mut io = self.io.lock().await;
-        let io = &mut *io;
-        io.next_id += 1;
+        self.send(opcode, body, parts, timeout).await?.reply().await
+    }
+
+    /// Sends one request; [`SentRequest::reply`] waits for its reply (up
+    /// to `timeout` from now; then the worker is killed). Requests reach
+    /// the worker in the order of these calls, and their replies may come
+    /// in any order: a caller need not wait for one reply before it sends
+    /// the next request.
+    pub(crate) async fn send(
+        &self,
+        opcode: Opcode,
+        body: &[u8],
+        parts: &[&[u8]],
+        timeout: Duration,
+    ) -> Result<SentRequest<'_>, WorkerError> {
+        let deadline = tokio::time::Instant::now() + timeout;
         let len: usize = parts.iter().map(|p| p.len()).sum();
-        let h = Header::request(opcode, io.next_id, body.len() as u32, len as u32);
-        let exchange = async {
-            let mut hop = HopTimer::start(Hop::NodeWorker, opcode, len as u64);
-            stamp(Point::WorkerCall);
-            proto::write_frame_parts(&mut io.stdin, &h, body, parts).await?;
-            hops::mark(&mut hop, "pipe_send");
-            stamp(Point::PipeSent);
-            if io.stdout.buffer().is_empty() {
+        let mut hop = HopTimer::start(Hop::NodeWorker, opcode, len as u64);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let mut io = self.io.lock().await;
+        io.next_id += 1;
+        let id = io.next_id;
+        {
+            let mut w = lock(&self.waiting);
+            if let Some(why) = &w.broken {
+                return Err(WorkerError::Dead(why.clone()));
+            }
+            w.replies.insert(id, tx);
+        }
+        let h = Header::request(opcode, id, body.len() as u32, len as u32);
+        stamp(Point::WorkerCall);
+        let written = tokio::time::timeout_at(
+            deadline,
+            proto::write_frame_parts(&mut io.stdin, &h, body, parts),
+        )
+        .await;
+        drop(io);
+        match written {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                self.break_replies(&e.to_string());
+                self.kill();
+                return Err(WorkerError::Dead(e.to_string()));
+            }
+            Err(_) => {
+                // Part of a request may be in the pipe: nothing after it
+                // could be read right.
+                self.break_replies("a request was cut short");
+                self.kill();
+                return Err(WorkerError::Hung(timeout));
+            }
+        }
+        hops::mark(&mut hop, "pipe_send");
+        stamp(Point::PipeSent);
+        Ok(SentRequest {
+            worker: self,
+            id,
+            rx,
+            deadline,
+            timeout,
+            hop,
+            opcode,
+            len,
+        })
+    }
+
+    /// No reply comes any more (`why`): every waiting request fails.
+    fn break_replies(&self, why: &str) {
+        let mut w = lock(&self.waiting);
+        if w.broken.is_none() {
+            w.broken = Some(why.to_owned());
+        }
+        // Dropped senders: their requests see the break.
+        w.replies.clear();
+    }
+
+    /// Why no reply comes any more.
+    fn broken(&self) -> WorkerError {
+        let why = lock(&self.waiting)
+            .broken
+            .clone()
+            .unwrap_or_else(|| "the worker's replies stopped".into());
+        WorkerError::Dead(why)
+    }
+
+    /// Reads replies (holding the reply side) until request `id`'s, handing
+    /// the others to their requests.
+    async fn read_until(
+        &self,
+        id: u64,
+        mut stdout: tokio::sync::MutexGuard<'_, BufReader<PipeReader>>,
+    ) -> Result<Frame, WorkerError> {
+        // A reply cut short by a drop of this future would leave the pipe
+        // mid-frame: the worker is then killed.
+        let mut guard = KillUnlessDone(Some(self));
+        loop {
+            if stdout.buffer().is_empty() {
                 use std::os::fd::AsRawFd;
-                let fd = io.stdout.get_ref().as_raw_fd();
+                let fd = stdout.get_ref().as_raw_fd();
                 crate::spin::readable_within_async(fd, self.spin).await;
             }
             stamp(Point::PipeReply);
-            let f = proto::read_frame(&mut io.stdout, &WORKER_LIMITS).await;
-            stamp(Point::WorkerReplied);
-            if let (Some(t), Ok(f)) = (&mut hop, &f) {
-                t.mark("pipe_reply");
-                t.set_op(opcode, len.max(f.data.len()) as u64);
+            let f = match proto::read_frame(&mut *stdout, &WORKER_LIMITS).await {
+                Ok(f) => f,
+                Err(e) => {
+                    guard.0 = None;
+                    self.break_replies(&e.to_string());
+                    self.kill();
+                    return Err(WorkerError::Dead(e.to_string()));
+                }
+            };
+            let to = lock(&self.waiting).replies.remove(&f.header.request_id);
+            if f.header.request_id == id {
+                guard.0 = None;
+                return Ok(f);
             }
-            f
-        };
-        match tokio::time::timeout(timeout, exchange).await {
-            Ok(Ok(f)) => Ok(f),
-            Ok(Err(e)) => {
-                self.kill();
-                Err(WorkerError::Dead(e.to_string()))
-            }
-            Err(_) => {
-                self.kill();
-                Err(WorkerError::Hung(timeout))
+            if let Some(tx) = to {
+                let _ = tx.send(f);
             }
         }
     }
@@ -377,6 +452,93 @@ impl WorkerProcess {
             },
         }
     }
+}
+
+/// What the worker made of a call of chunks: done, or the first failure.
+pub(crate) fn chunks_outcome(f: &Frame) -> Result<(), WorkerFailure> {
+    if f.header.status == Status::Ok {
+        return Ok(());
+    }
+    Err(
+        from_body::<WorkerFailure>(&f.body).unwrap_or_else(|e| WorkerFailure {
+            status: Status::Internal,
+            message: format!("bad worker reply: {e}"),
+            sticky: false,
+        }),
+    )
+}
+
+/// A request written to a worker, whose reply is yet to come.
+pub(crate) struct SentRequest<'a> {
+    worker: &'a WorkerProcess,
+    id: u64,
+    rx: tokio::sync::oneshot::Receiver<Frame>,
+    deadline: tokio::time::Instant,
+    timeout: Duration,
+    hop: Option<HopTimer>,
+    opcode: Opcode,
+    len: usize,
+}
+
+impl SentRequest<'_> {
+    /// Waits for the reply, until the request's deadline (then the worker
+    /// is killed).
+    pub(crate) async fn reply(mut self) -> Result<Frame, WorkerError> {
+        let worker = self.worker;
+        let id = self.id;
+        let rx = &mut self.rx;
+        let exchange = async {
+            loop {
+                tokio::select! {
+                    biased;
+                    r = &mut *rx => return r.map_err(|_| worker.broken()),
+                    stdout = worker.replies.lock() => {
+                        // Handed over (or broken) while we waited for the
+                        // reply side: the receiver has it.
+                        if !lock(&worker.waiting).replies.contains_key(&id) {
+                            continue;
+                        }
+                        return worker.read_until(id, stdout).await;
+                    }
+                }
+            }
+        };
+        let r = tokio::time::timeout_at(self.deadline, exchange).await;
+        stamp(Point::WorkerReplied);
+        match r {
+            Ok(Ok(f)) => {
+                if let Some(t) = &mut self.hop {
+                    t.mark("pipe_reply");
+                    t.set_op(self.opcode, self.len.max(f.data.len()) as u64);
+                }
+                Ok(f)
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => {
+                lock(&worker.waiting).replies.remove(&id);
+                worker.kill();
+                Err(WorkerError::Hung(self.timeout))
+            }
+        }
+    }
+}
+
+/// Kills the worker when dropped while armed (a reply read cut short).
+struct KillUnlessDone<'a>(Option<&'a WorkerProcess>);
+
+impl Drop for KillUnlessDone<'_> {
+    fn drop(&mut self) {
+        if let Some(w) = self.0.take() {
+            w.break_replies("a reply was cut short");
+            w.kill();
+        }
+    }
+}
+
+/// Locks a std mutex, through a poisoning (the data stays consistent:
+/// every update is one insert or remove).
+fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Drop for WorkerProcess {

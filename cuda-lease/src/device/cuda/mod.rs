@@ -7,7 +7,7 @@ use cuda_async::{CudaStream, DeviceBuffer, Kernel, Module, PinnedBuffer};
 use cuda_core::{ArenaRead, ArgList, CudaEvent, ParamClass, StagingArena};
 
 use super::error::{check_fresh, driver, map, not_found, range};
-use super::{Device, DeviceArg, DeviceError, LaunchDims};
+use super::{Device, DeviceArg, DeviceError, LaunchDims, Ticket};
 use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
 use crate::sandbox::Compiler;
 
@@ -15,6 +15,7 @@ mod buffers;
 mod copies;
 mod graphs;
 mod launch;
+mod sealed;
 mod staging;
 mod streams;
 
@@ -88,6 +89,11 @@ pub struct CudaDevice {
     /// A graph's body is being captured: writes bypass the batch arena
     /// (reused after the batch, which a replay would read).
     capturing: bool,
+    /// Arenas of batches that are done, for the next batches.
+    spare_arenas: Vec<StagingArena>,
+    /// Sealed batches, running on (see `Device::seal`).
+    sealed: HashMap<Ticket, Result<sealed::InFlight, DeviceError>>,
+    next_ticket: u64,
 }
 
 impl CudaDevice {
@@ -147,6 +153,9 @@ impl CudaDevice {
             graphs: HashMap::new(),
             capture_alloc: None,
             capturing: false,
+            spare_arenas: Vec::new(),
+            sealed: HashMap::new(),
+            next_ticket: 0,
         })
     }
 
@@ -508,6 +517,14 @@ impl Device for CudaDevice {
     fn free_graph(&mut self, graph: Id) {
         // Released after its last replay, on the reclaimer thread.
         self.graphs.remove(&graph);
+    }
+
+    fn seal(&mut self, out_len: usize) -> Ticket {
+        self.seal_batch(out_len)
+    }
+
+    fn poll_sealed(&mut self, ticket: Ticket) -> Option<Result<Vec<u8>, DeviceError>> {
+        self.poll_batch(ticket)
     }
 
     fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError> {

@@ -77,7 +77,19 @@ impl SpareBuffers {
     /// batch's frees can be handed out; else they are dropped (each a
     /// free ordered after its recorded uses, or leaked).
     pub(super) fn settle(&mut self, done: bool) {
-        for b in std::mem::take(&mut self.freed) {
+        let freed = self.take_freed();
+        self.settle_these(freed, done);
+    }
+
+    /// This batch's frees, for [`SpareBuffers::settle_these`] once the
+    /// batch (sealed, running on) is done.
+    pub(super) fn take_freed(&mut self) -> Vec<DeviceBuffer<u8>> {
+        std::mem::take(&mut self.freed)
+    }
+
+    /// [`SpareBuffers::settle`] for frees taken from a batch earlier.
+    pub(super) fn settle_these(&mut self, freed: Vec<DeviceBuffer<u8>>, done: bool) {
+        for b in freed {
             if done {
                 self.by_len.entry(b.len()).or_default().push(b);
             } else {

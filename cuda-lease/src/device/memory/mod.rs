@@ -1,9 +1,10 @@
 //! The in-memory test double of a device, [`MemoryDevice`].
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use super::error::{check_fresh, not_found, range, same_buffer, too_many_streams};
-use super::{Device, DeviceArg, DeviceError, LaunchDims, MAX_DEVICE_STREAMS};
+use super::{Device, DeviceArg, DeviceError, LaunchDims, Ticket, MAX_DEVICE_STREAMS};
 use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
 
 mod kernels;
@@ -63,6 +64,14 @@ pub struct MemoryDevice {
     /// Per storage slot: the last queued write and the reads since.
     hazards: HashMap<usize, (Option<usize>, Vec<usize>)>,
     faulted: bool,
+    /// When each stream's, storage slot's and event's last work is done,
+    /// on the test double's clock (see the scheduler).
+    stream_clock: HashMap<StreamId, Instant>,
+    slot_clock: HashMap<usize, Instant>,
+    event_clock: HashMap<Id, Instant>,
+    /// Sealed batches: when they are done, and their reads (or fault).
+    sealed: HashMap<Ticket, (Instant, Result<Vec<u8>, DeviceError>)>,
+    next_ticket: u64,
 }
 
 impl MemoryDevice {
@@ -83,6 +92,11 @@ impl MemoryDevice {
             tails: HashMap::new(),
             hazards: HashMap::new(),
             faulted: false,
+            stream_clock: HashMap::new(),
+            slot_clock: HashMap::new(),
+            event_clock: HashMap::new(),
+            sealed: HashMap::new(),
+            next_ticket: 0,
         }
     }
 
@@ -147,6 +161,7 @@ impl Device for MemoryDevice {
     fn free(&mut self, stream: StreamId, id: Id) -> Result<(), DeviceError> {
         self.check_stream(stream)?;
         if self.events.remove(&id).is_some() || self.timers.remove(&id).is_some() {
+            self.event_clock.remove(&id);
             return Ok(());
         }
         let (slot, len) = self
@@ -245,6 +260,10 @@ impl Device for MemoryDevice {
         let (slot, size) = self.slot(id)?;
         let r = range(size, offset, out.len() as u64)?;
         self.finish(&mut [])?;
+        // After the buffer's last use, on the test double's clock.
+        if let Some(t) = self.slot_clock.get(&slot) {
+            sleep_until(*t);
+        }
         out.copy_from_slice(&self.store[&slot][r]);
         Ok(())
     }
@@ -378,6 +397,7 @@ impl Device for MemoryDevice {
         }
         let i = self.enqueue(stream, Work::Nothing, &[], &[], None);
         self.events.insert(event, Some(i));
+        self.event_clock.insert(event, self.queue[i].ready());
         Ok(())
     }
 
@@ -387,7 +407,8 @@ impl Device for MemoryDevice {
             .events
             .get(&event)
             .ok_or_else(|| not_found("event", event))?;
-        self.enqueue(stream, Work::Nothing, &[], &[], last);
+        let at = self.event_clock.get(&event).copied();
+        self.enqueue_after(stream, Work::Nothing, &[], &[], last, at);
         Ok(())
     }
 
@@ -415,7 +436,37 @@ impl Device for MemoryDevice {
     }
 
     fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError> {
-        self.drain(out);
+        let until = self.drain(out);
+        sleep_until(until);
         self.check_fault()
+    }
+
+    fn seal(&mut self, out_len: usize) -> Ticket {
+        let mut out = vec![0; out_len];
+        let until = self.drain(&mut out);
+        let result = self.check_fault().map(|()| out);
+        let ticket = Ticket(self.next_ticket);
+        self.next_ticket += 1;
+        self.sealed.insert(ticket, (until, result));
+        ticket
+    }
+
+    fn poll_sealed(&mut self, ticket: Ticket) -> Option<Result<Vec<u8>, DeviceError>> {
+        match self.sealed.get(&ticket) {
+            Some((until, _)) if Instant::now() < *until => None,
+            Some(_) => self.sealed.remove(&ticket).map(|(_, r)| r),
+            None => Some(Err(DeviceError::new(
+                Status::Internal,
+                format!("no sealed batch {}", ticket.0),
+            ))),
+        }
+    }
+}
+
+/// Sleeps until `t` (at once if it has passed).
+fn sleep_until(t: Instant) {
+    let left = t.saturating_duration_since(Instant::now());
+    if !left.is_zero() {
+        std::thread::sleep(left);
     }
 }

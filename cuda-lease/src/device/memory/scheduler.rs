@@ -1,7 +1,14 @@
 //! The test double's deterministic scheduler: enqueued commands with their
-//! dependencies, run at [`Device::finish`](crate::device::Device::finish).
+//! dependencies, run at [`Device::finish`](crate::device::Device::finish)
+//! or [`Device::seal`](crate::device::Device::seal), and the test double's
+//! clock: each command is done at a time after its stream's, its buffers'
+//! and its dependencies' earlier work, plus what it takes (only the
+//! `delay(ms)` kernel takes time), so streams overlap in time as a GPU's
+//! do.
 
-use super::kernels::{host_kernel, HostArg};
+use std::time::{Duration, Instant};
+
+use super::kernels::{host_kernel, host_kernel_time, HostArg};
 use super::MemoryDevice;
 use crate::proto::StreamId;
 
@@ -11,6 +18,8 @@ pub(super) struct Queued {
     deps: Vec<usize>,
     work: Work,
     done: bool,
+    /// When it is done, on the test double's clock.
+    ready: Instant,
 }
 
 #[derive(Debug)]
@@ -56,6 +65,13 @@ pub(super) enum Work {
     Nothing,
 }
 
+impl Queued {
+    /// When it is done, on the test double's clock.
+    pub(super) fn ready(&self) -> Instant {
+        self.ready
+    }
+}
+
 impl MemoryDevice {
     /// Queues `work` on `stream` after `extra` and the conflicting uses of
     /// the slots it reads and writes.
@@ -66,6 +82,20 @@ impl MemoryDevice {
         reads: &[usize],
         writes: &[usize],
         extra: Option<usize>,
+    ) -> usize {
+        self.enqueue_after(stream, work, reads, writes, extra, None)
+    }
+
+    /// [`MemoryDevice::enqueue`], done no earlier than `not_before` (an
+    /// event recorded by an earlier batch).
+    pub(super) fn enqueue_after(
+        &mut self,
+        stream: StreamId,
+        work: Work,
+        reads: &[usize],
+        writes: &[usize],
+        extra: Option<usize>,
+        not_before: Option<Instant>,
     ) -> usize {
         let i = self.queue.len();
         let mut deps: Vec<usize> = self.tails.get(&stream).copied().into_iter().collect();
@@ -83,21 +113,49 @@ impl MemoryDevice {
         }
         // A buffer named twice would otherwise depend on itself.
         deps.retain(|&d| d < i);
+        let takes = match &work {
+            Work::Launch { kernel, args, .. } => host_kernel_time(kernel, args),
+            _ => Duration::ZERO,
+        };
+        let slots = reads.iter().chain(writes);
+        let start = std::iter::once(Instant::now())
+            .chain(self.stream_clock.get(&stream).copied())
+            .chain(
+                slots
+                    .clone()
+                    .filter_map(|s| self.slot_clock.get(s).copied()),
+            )
+            .chain(deps.iter().map(|&d| self.queue[d].ready))
+            .chain(not_before)
+            .max()
+            .unwrap_or_else(Instant::now);
+        let ready = start + takes;
+        self.stream_clock.insert(stream, ready);
+        for s in slots {
+            self.slot_clock.insert(*s, ready);
+        }
         self.tails.insert(stream, i);
         self.queue.push(Queued {
             stream,
             deps,
             work,
             done: false,
+            ready,
         });
         i
     }
 
     /// Runs every queued command, honouring its dependencies; among ready
-    /// commands, the one of the highest stream id goes first.
-    pub(super) fn drain(&mut self, out: &mut [u8]) {
+    /// commands, the one of the highest stream id goes first. Returns when
+    /// the last of them is done on the test double's clock.
+    pub(super) fn drain(&mut self, out: &mut [u8]) -> Instant {
         let queue = std::mem::take(&mut self.queue);
         let mut queue = queue;
+        let until = queue
+            .iter()
+            .map(|q| q.ready)
+            .max()
+            .unwrap_or_else(Instant::now);
         let mut left = queue.len();
         while left > 0 {
             let next = (0..queue.len())
@@ -119,6 +177,7 @@ impl MemoryDevice {
         for last in self.events.values_mut() {
             *last = None;
         }
+        until
     }
 
     fn run(&mut self, work: Work, out: &mut [u8]) {
@@ -151,6 +210,7 @@ impl MemoryDevice {
             }
             Work::Free { slot } => {
                 self.store.remove(&slot);
+                self.slot_clock.remove(&slot);
             }
             Work::TimerStart { key } => {
                 self.stamps.insert(key, std::time::Instant::now());

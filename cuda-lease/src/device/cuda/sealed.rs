@@ -1,0 +1,221 @@
+//! Sealed batches: a batch's work left running on its streams while the
+//! worker reads and enqueues the next, and its completion found later by
+//! events, never by waiting for the streams (later batches' work runs on
+//! them too).
+
+use cuda_async::{DeviceBuffer, PinnedBuffer};
+use cuda_core::{ArenaEnd, ArenaRead, CudaEvent, StagingArena};
+
+use super::CudaDevice;
+use crate::device::error::{driver, map};
+use crate::device::{DeviceError, Ticket};
+use crate::proto::Status;
+
+/// Most spare arenas a device keeps for the batches after the ones in
+/// flight (each holds [`super::staging::ARENA_BYTES`] of page-locked
+/// memory).
+const SPARE_ARENAS: usize = 8;
+
+/// A sealed batch's staging arena: the arena, the end of its epoch, and
+/// where each of its downloads goes in the reply's data.
+type SealedArena = (StagingArena, ArenaEnd, Vec<(usize, ArenaRead)>);
+
+/// A sealed batch whose work may still run.
+#[derive(Debug)]
+pub(super) struct InFlight {
+    /// Recorded after the batch's work on every stream it touched.
+    done: Vec<CudaEvent>,
+    /// Where its reads land in its reply's data: pinned downloads,
+    /// timers, and (with its arena) the arena's downloads.
+    reads: Vec<(PinnedBuffer<u8>, usize)>,
+    timers: Vec<(CudaEvent, CudaEvent, usize)>,
+    arena: Option<SealedArena>,
+    /// Buffers it freed: spare once it is done.
+    freed: Vec<DeviceBuffer<u8>>,
+    out_len: usize,
+}
+
+impl CudaDevice {
+    /// Seals what was enqueued since the last seal (see `Device::seal`).
+    pub(super) fn seal_batch(&mut self, out_len: usize) -> Ticket {
+        let ticket = Ticket(self.next_ticket);
+        self.next_ticket += 1;
+        let sealed = self.in_flight_batch(out_len);
+        self.sealed.insert(ticket, sealed);
+        ticket
+    }
+
+    fn in_flight_batch(&mut self, out_len: usize) -> Result<InFlight, DeviceError> {
+        let touched = std::mem::take(&mut self.touched);
+        let reads = std::mem::take(&mut self.reads);
+        let timers = std::mem::take(&mut self.timer_reads);
+        let arena_reads = std::mem::take(&mut self.arena_reads);
+        let freed = self.spare.take_freed();
+        let mut done = Vec::with_capacity(touched.len());
+        let mut failed = None;
+        for s in &touched {
+            match s.record_event(None) {
+                Ok(e) => done.push(e),
+                Err(e) => {
+                    failed = Some(sync_failed(driver(Status::Internal, "cuEventRecord", e)));
+                    break;
+                }
+            }
+        }
+        // The arena goes with the batch (its copies may still run); the
+        // next batch takes a spare one, or makes one on first use.
+        let arena = match self.arena.take() {
+            Some(mut a) if a.used() > 0 && failed.is_none() => match a.mark_end() {
+                Ok(end) => {
+                    self.arena = self.spare_arenas.pop();
+                    Some((a, end, arena_reads))
+                }
+                Err(e) => {
+                    std::mem::forget(a);
+                    failed = Some(sync_failed(map(Status::Internal, "cuEventRecord", e)));
+                    None
+                }
+            },
+            Some(a) if a.used() > 0 => {
+                // Copies may still use it: never reuse or free it.
+                std::mem::forget(a);
+                None
+            }
+            other => {
+                self.arena = other;
+                None
+            }
+        };
+        if let Some(e) = failed {
+            self.spare.settle_these(freed, false);
+            self.flush_pending();
+            return Err(e);
+        }
+        Ok(InFlight {
+            done,
+            reads,
+            timers,
+            arena,
+            freed,
+            out_len,
+        })
+    }
+
+    /// Polls sealed batch `ticket` (see `Device::poll_sealed`).
+    pub(super) fn poll_batch(&mut self, ticket: Ticket) -> Option<Result<Vec<u8>, DeviceError>> {
+        let Some(entry) = self.sealed.get(&ticket) else {
+            return Some(Err(DeviceError::new(
+                Status::Internal,
+                format!("no sealed batch {}", ticket.0),
+            )));
+        };
+        if let Ok(f) = entry {
+            match f.is_done() {
+                Ok(false) => return None,
+                Ok(true) => {}
+                Err(e) => {
+                    let f = match self.sealed.remove(&ticket) {
+                        Some(Ok(f)) => f,
+                        _ => return Some(Err(e)),
+                    };
+                    self.abandon(f);
+                    return Some(Err(e));
+                }
+            }
+        }
+        match self.sealed.remove(&ticket)? {
+            Ok(f) => Some(self.complete(f)),
+            Err(e) => Some(Err(e)),
+        }
+    }
+
+    /// A done batch: its reads delivered, its arena and frees reusable.
+    fn complete(&mut self, f: InFlight) -> Result<Vec<u8>, DeviceError> {
+        let mut out = vec![0u8; f.out_len];
+        if let Some((mut arena, end, arena_reads)) = f.arena {
+            if let Err(e) = arena.settle(end) {
+                std::mem::forget(arena);
+                self.spare.settle_these(f.freed, false);
+                return Err(sync_failed(map(
+                    Status::LaunchFailed,
+                    "cuEventSynchronize",
+                    e,
+                )));
+            }
+            for (at, read) in arena_reads {
+                let bytes = arena
+                    .read(read)
+                    .map_err(|e| map(Status::ReadFailed, "device-to-host copy", e))?;
+                if let Some(dst) = out.get_mut(at..at + bytes.len()) {
+                    dst.copy_from_slice(bytes);
+                }
+            }
+            if self.spare_arenas.len() < SPARE_ARENAS {
+                self.spare_arenas.push(arena);
+            }
+        }
+        self.spare.settle_these(f.freed, true);
+        for (host, at) in f.reads {
+            let bytes = host
+                .as_slice()
+                .map_err(|e| map(Status::ReadFailed, "device-to-host copy", e))?;
+            if let Some(dst) = out.get_mut(at..at + bytes.len()) {
+                dst.copy_from_slice(bytes);
+            }
+        }
+        for (start, end, at) in f.timers {
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(|e| driver(Status::Internal, "cuEventElapsedTime", e))?;
+            let ns = (f64::from(ms.max(0.0)) * 1e6) as u64;
+            if let Some(dst) = out.get_mut(at..at + 8) {
+                dst.copy_from_slice(&ns.to_le_bytes());
+            }
+        }
+        Ok(out)
+    }
+
+    /// A batch whose wait failed (a sticky fault): nothing of it is reused
+    /// or freed under copies that may still run.
+    fn abandon(&mut self, f: InFlight) {
+        if let Some((arena, _, _)) = f.arena {
+            std::mem::forget(arena);
+        }
+        self.spare.settle_these(f.freed, false);
+        self.flush_pending();
+    }
+
+    /// Records every buffer's pending uses in its use events (or, on a
+    /// dead context, marks it broken), so that no free runs before them.
+    pub(super) fn flush_pending(&mut self) {
+        let ids: Vec<_> = self.pending.keys().copied().collect();
+        for id in ids {
+            let _ = self.flush_use(id);
+        }
+    }
+}
+
+impl InFlight {
+    /// Whether every stream it touched has passed it (never waits).
+    fn is_done(&self) -> Result<bool, DeviceError> {
+        for e in &self.done {
+            match e.try_is_complete() {
+                Ok(true) => {}
+                Ok(false) => return Ok(false),
+                Err(e) => return Err(sync_failed(driver(Status::LaunchFailed, "cuEventQuery", e))),
+            }
+        }
+        match &self.arena {
+            Some((_, end, _)) => end
+                .is_done()
+                .map_err(|e| sync_failed(map(Status::LaunchFailed, "cuEventQuery", e))),
+            None => Ok(true),
+        }
+    }
+}
+
+/// A failed wait or record: sticky (a kernel fault poisons the context).
+fn sync_failed(mut e: DeviceError) -> DeviceError {
+    e.sticky = true;
+    e
+}
