@@ -43,11 +43,12 @@ use cuda_async::{ModuleSource, RemoteSession};
 use std::net::SocketAddr;
 
 mod ids;
+mod reading;
 mod streamed;
 mod wire;
 
 use ids::{IdBook, Ran, Sent};
-use streamed::Gate;
+use reading::Reading;
 use wire::WireCommands;
 
 /// How long a queued free waits for a message to ride on before it is
@@ -66,9 +67,9 @@ pub struct LeaseSession {
     /// module's docs).
     ids: Mutex<IdBook>,
     flush_scheduled: AtomicBool,
-    /// Submissions held back while one with transfers on the data path
-    /// runs its steps (see [`streamed`](self::streamed)).
-    gate: Mutex<Gate>,
+    /// Buffers that streamed downloads are reading (see
+    /// [`reading`](self::reading)).
+    reading: Mutex<Reading>,
     /// Modules seen, by the address of their `cuda-core` description, so a
     /// module's source is hashed once.
     modules: Mutex<Vec<(cuda_async::Module, Module)>>,
@@ -90,7 +91,7 @@ impl LeaseSession {
             name,
             ids: Mutex::new(IdBook::default()),
             flush_scheduled: AtomicBool::new(false),
-            gate: Mutex::new(Gate::default()),
+            reading: Mutex::new(Reading::default()),
             modules: Mutex::new(Vec::new()),
         })
     }
@@ -154,6 +155,10 @@ impl LeaseSession {
         self.ids.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn reading(&self) -> std::sync::MutexGuard<'_, Reading> {
+        self.reading.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Sends the queued frees (unless `keep_frees`), then `commands`, as
     /// one BATCH with `writes` as its payloads; the reads land in `dests`
     /// (one per read command). When the reply (or the failure) comes, what
@@ -186,6 +191,40 @@ impl LeaseSession {
     where
         D: AsMut<[u8]> + Send + 'static,
     {
+        self.send_as(true, commands, keep_frees, writes, dests)
+    }
+
+    /// [`LeaseSession::send`] of a batch outside the lease's order (see
+    /// `Message::unnumbered`): the allocations of fresh buffers alone.
+    fn send_unnumbered(
+        &self,
+        allocs: &[RemoteCommand],
+    ) -> impl Future<Output = Result<(Submitted, Vec<Vec<u8>>), Error>> + Send + 'static {
+        debug_assert!(allocs
+            .iter()
+            .all(|c| matches!(c, RemoteCommand::Alloc { .. })));
+        self.send_as(false, allocs, true, Vec::new(), Vec::new()).1
+    }
+
+    /// A BATCH numbered in the lease's order (`numbered`) or outside it;
+    /// returns its number (0 outside) and the future that sends it. A
+    /// future dropped before its first poll sends nothing: its number's
+    /// place is filled by an empty batch, and the id book learns that
+    /// nothing of it ran.
+    fn send_as<D>(
+        &self,
+        numbered: bool,
+        commands: &[RemoteCommand],
+        keep_frees: bool,
+        writes: Vec<u8>,
+        dests: Vec<D>,
+    ) -> (
+        u64,
+        impl Future<Output = Result<(Submitted, Vec<D>), Error>> + Send + 'static,
+    )
+    where
+        D: AsMut<[u8]> + Send + 'static,
+    {
         let (frees, sent) = {
             let mut book = self.ids();
             let frees = if keep_frees {
@@ -203,15 +242,25 @@ impl LeaseSession {
             commands,
             launches: &launches,
         };
-        // The reads' slots are not needed: their bytes land in `dests`.
-        let message = self.session.message(&modules, commands, writes);
+        let message = if numbered {
+            self.session.message(&modules, commands, writes)
+        } else {
+            self.session.message_unnumbered(&modules, commands, writes)
+        };
         let seq = message.seq();
+        // The reads' slots are not needed: their bytes land in `dests`.
         let reply = message.send_into(Some(Vec::new()), dests);
-        let me = self.me.clone();
+        let mut unsent = SettleUnsent {
+            me: self.me.clone(),
+            sent: Some(sent),
+        };
         let settled = async move {
+            let (sent, me) = (unsent.sent.take(), unsent.me.clone());
             let r = reply.await;
-            if let (false, Some(me)) = (sent.is_empty(), me.upgrade()) {
-                me.settle(&sent, r.as_ref().ok().map(|(s, _)| s));
+            if let (Some(sent), Some(me)) = (sent, me.upgrade()) {
+                if !sent.is_empty() {
+                    me.settle(&sent, r.as_ref().ok().map(|(s, _)| s));
+                }
             }
             r
         };
@@ -249,14 +298,7 @@ impl LeaseSession {
             tokio::time::sleep(FREE_FLUSH_DELAY).await;
             this.flush_scheduled.store(false, Ordering::Release);
             let queued = this.ids().has_queued();
-            // While a streamed submission runs its steps, its last one may
-            // still use what these frees free: they wait for its end
-            // (which flushes them).
-            let reply = {
-                let gate = this.gate();
-                (queued && !gate.active)
-                    .then(|| this.send(&[], false, Vec::new(), Vec::<Vec<u8>>::new()))
-            };
+            let reply = queued.then(|| this.send(&[], false, Vec::new(), Vec::<Vec<u8>>::new()));
             if let Some(reply) = reply {
                 // A free that fails (the lease is gone) has nothing to free.
                 let _ = reply.await;
@@ -288,14 +330,7 @@ impl RemoteSession for LeaseSession {
             lease: self.session.lease_id(),
             node: self.session.node_addr(),
         };
-        let mut gate = self.gate();
-        if gate.active {
-            gate.held.push_back((recording, done));
-            return;
-        }
-        // Numbered under the gate, so no streamed submission starts
-        // between this call and this message's number.
-        self.submit_or_stream(&mut gate, recording, done);
+        self.submit_or_stream(recording, done);
     }
 
     fn free(&self, id: u64) {
@@ -337,8 +372,14 @@ impl LeaseSession {
         // the writes' payloads go out as recorded (not copied again).
         let bufs: Vec<_> = recording.reads().iter().map(|s| s.buffer()).collect();
         let writes = recording.take_data();
-        // Encoded and numbered now, in the order of these calls.
-        let reply = self.send(recording.commands(), false, writes, bufs);
+        // Encoded and numbered now, in the order of these calls; it waits
+        // for the streamed downloads numbered before it of the buffers it
+        // uses (numbered and registered under one lock: see `reading`).
+        let (reply, waits) = {
+            let reading = self.reading();
+            let reply = self.send(recording.commands(), false, writes, bufs);
+            (reply, reading.conflicts(recording.commands()))
+        };
         hops::mark(&mut hop, "encode");
         let mut task = Box::pin(async move {
             let (done, mut hop) = (done, hop);
@@ -358,6 +399,13 @@ impl LeaseSession {
             done.finish(r);
             hops::mark(&mut hop, "complete");
         });
+        if !waits.is_empty() {
+            self.runtime.spawn(async move {
+                reading::done(waits).await;
+                task.await;
+            });
+            return;
+        }
         // The first poll runs here, on the submitting thread: it opens the
         // QUIC stream and writes the message, so the request leaves without
         // first waking a runtime worker for it (a cross-thread wake-up on
@@ -402,6 +450,24 @@ impl Drop for FailOnDrop {
                 "the lease was freed or dropped before the reply came",
             );
             done.fail(to_cuda_error(e.with_lease(self.lease).with_node(self.node)));
+        }
+    }
+}
+
+/// The ids of a message whose future was dropped before its first poll:
+/// nothing of it ran (its place in the order is filled by an empty batch),
+/// so its frees are asked again and its creations never existed.
+struct SettleUnsent {
+    me: Weak<LeaseSession>,
+    sent: Option<Sent>,
+}
+
+impl Drop for SettleUnsent {
+    fn drop(&mut self) {
+        if let (Some(sent), Some(me)) = (self.sent.take(), self.me.upgrade()) {
+            if !sent.is_empty() {
+                me.settle(&sent, None);
+            }
         }
     }
 }

@@ -90,14 +90,15 @@ async fn a_large_upload_leaves_the_message_and_a_small_one_does_not() {
     let (back, sent) = sent_by(&fx.node, round_trip(&small, &remote)).await;
     assert_eq!(back, small);
     assert_eq!(sent, (1, 4));
-    // Large upload alone: its allocation is the only command; the bytes
-    // go as MEM_WRITEs.
+    // Large upload alone: its allocation goes alone, the bytes as
+    // MEM_WRITEs, then an empty BATCH takes the upload's place in the
+    // lease's order.
     let big = random_bytes(3 << 20, 2);
     let (buf, sent) = sent_by(&fx.node, async {
         h2d(big.clone()).schedule(&remote).unwrap().await.unwrap()
     })
     .await;
-    assert_eq!(sent, (1, 1));
+    assert_eq!(sent, (2, 1));
     // Large download alone: an empty BATCH orders it after the lease's
     // earlier submissions, then MEM_READs; the buffer's free follows
     // (with a later message, or alone).
@@ -448,5 +449,39 @@ async fn timed_ops_are_timed_by_the_node_between_the_reads_around_them() {
             .unwrap();
         t.elapsed().unwrap();
     }
+    fx.shutdown().await;
+}
+
+/// Many tasks' streamed pipelines at once on one lease (uploads on the
+/// bulk-data channel): the client opens no more connections than its
+/// pool allows (the node refuses a principal's connections past its
+/// limit), the others wait for a turn, and every pipeline gets its own
+/// bytes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_tasks_streamed_pipelines_share_the_bulk_channel() {
+    let fx = Fixture::memory(1 << 30).start().await;
+    let (lease, remote) = {
+        let lease = lease_of(&client(&fx.node, 1 << 20, 2).await, 512 << 20).await;
+        let policy = policy_of(&lease);
+        (lease, Arc::new(policy))
+    };
+    let tasks: Vec<_> = (0..48u64)
+        .map(|t| {
+            let remote = remote.clone();
+            tokio::spawn(async move {
+                for round in 0..2 {
+                    let bytes = random_bytes(1 << 20, t * 10 + round);
+                    assert!(
+                        round_trip(&bytes, &remote).await == bytes,
+                        "task {t} round {round}"
+                    );
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    drop(lease);
     fx.shutdown().await;
 }

@@ -28,7 +28,33 @@ use crate::tls;
 
 /// Read through a buffer: rustls reads 4 KiB at a time, so without one a
 /// 2 MiB chunk costs 512 system calls.
-type Conn = TlsStream<tokio::io::BufReader<TcpStream>>;
+type Tls = TlsStream<tokio::io::BufReader<TcpStream>>;
+
+/// A bulk-data connection taken from the pool, with its turn: at most
+/// [`BulkChannel::most`] are taken at once, so the client never opens more
+/// connections than that however many transfers run at once (the others
+/// wait for a turn).
+pub(super) struct Conn {
+    tls: Tls,
+    _turn: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl std::ops::Deref for Conn {
+    type Target = Tls;
+    fn deref(&self) -> &Tls {
+        &self.tls
+    }
+}
+
+impl std::ops::DerefMut for Conn {
+    fn deref_mut(&mut self) -> &mut Tls {
+        &mut self.tls
+    }
+}
+
+/// Bulk-data connections a client opens at most: its stripes, and at
+/// least this many (a node allows 16 per principal by default).
+pub(super) const MIN_BULK_CONNECTIONS: usize = 8;
 
 /// The read buffer under each bulk connection's TLS.
 const READ_BUFFER: usize = 256 << 10;
@@ -42,7 +68,11 @@ pub(super) struct BulkChannel {
     addr: SocketAddr,
     connector: TlsConnector,
     name: ServerName<'static>,
-    idle: StdMutex<Vec<(Conn, Instant)>>,
+    /// Idle connections (no turn held), newest last.
+    idle: StdMutex<Vec<(Tls, Instant)>>,
+    /// The turns of taken connections.
+    turns: Arc<tokio::sync::Semaphore>,
+    most: usize,
 }
 
 impl std::fmt::Debug for BulkChannel {
@@ -101,11 +131,13 @@ impl Client {
             None => lost(&self.conn, format!("bulk-data connection: {e}")),
         };
         let h = Header::request(opcode, id, body.len() as u32, data.len() as u32);
-        proto::write_frame(conn, &h, body, data)
+        proto::write_frame(&mut conn.tls, &h, body, data)
             .await
             .map_err(lost)?;
         conn.flush().await.map_err(lost)?;
-        let (header, reply_body) = proto::read_head(conn, &self.limits).await.map_err(lost)?;
+        let (header, reply_body) = proto::read_head(&mut conn.tls, &self.limits)
+            .await
+            .map_err(lost)?;
         if header.request_id != id || !header.is_reply() {
             return Err(protocol_error("bulk-data reply does not match the request"));
         }
@@ -166,49 +198,76 @@ impl BulkChannel {
             tls::bulk_client_config(client.config.trust())
                 .map_err(|e| config_error(e.to_string()))?,
         );
+        let stripes = client.config.stripes.max(1);
+        let most = stripes.max(MIN_BULK_CONNECTIONS);
         let mut bulk = BulkChannel {
             addr: client.addr,
             connector,
             name,
             idle: StdMutex::new(Vec::new()),
+            turns: Arc::new(tokio::sync::Semaphore::new(most)),
+            most,
         };
-        let first = bulk.connect(client, client.config.stripes.max(1)).await?;
+        let first = bulk.connect(client, stripes).await?;
         let now = Instant::now();
         *bulk.idle.get_mut().unwrap_or_else(|e| e.into_inner()) =
             first.into_iter().map(|c| (c, now)).collect();
         Ok(bulk)
     }
 
-    /// `n` connections: pooled ones first, new ones for the rest.
+    /// `n` connections (at most [`BulkChannel::most`]), once that many
+    /// turns are free: pooled ones first, new ones for the rest.
     pub(super) async fn take(&self, client: &Client, n: usize) -> Result<Vec<Conn>, Error> {
-        let mut out = Vec::with_capacity(n);
+        let n = n.clamp(1, self.most);
+        // All of a transfer's turns at once: two transfers never hold part
+        // of what each needs.
+        let turns = self
+            .turns
+            .clone()
+            .acquire_many_owned(n as u32)
+            .await
+            .map_err(|_| protocol_error("the bulk-data pool is closed"))?;
+        let mut tls = Vec::with_capacity(n);
         {
             let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
             idle.retain(|(_, since)| since.elapsed() < REUSE_WITHIN);
-            while out.len() < n {
+            while tls.len() < n {
                 match idle.pop() {
-                    Some((c, _)) => out.push(c),
+                    Some((c, _)) => tls.push(c),
                     None => break,
                 }
             }
         }
-        if out.len() < n {
-            let more = self.connect(client, n - out.len()).await?;
-            out.extend(more);
+        if tls.len() < n {
+            let more = self.connect(client, n - tls.len()).await?;
+            tls.extend(more);
+        }
+        // One turn with each connection.
+        let count = tls.len();
+        let mut rest = Some(turns);
+        let mut out = Vec::with_capacity(count);
+        for (i, tls) in tls.into_iter().enumerate() {
+            let turn = match rest.as_mut() {
+                Some(r) if i + 1 < count => r.split(1),
+                _ => rest.take(),
+            };
+            let turn = turn.ok_or_else(|| protocol_error("a bulk-data turn went missing"))?;
+            out.push(Conn { tls, _turn: turn });
         }
         Ok(out)
     }
 
+    /// A connection back into the pool (its turn is free again).
     fn give_back(&self, conn: Conn) {
         self.idle
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push((conn, Instant::now()));
+            .push((conn.tls, Instant::now()));
     }
 
     /// Opens `n` new connections: tickets in one BULK_OPEN, then the
     /// connections at once, within the client's connect timeout.
-    async fn connect(&self, client: &Client, n: usize) -> Result<Vec<Conn>, Error> {
+    async fn connect(&self, client: &Client, n: usize) -> Result<Vec<Tls>, Error> {
         let n = n.clamp(1, usize::from(MAX_BULK_TICKETS));
         let t: BulkTickets = client
             .call(Opcode::BulkOpen, &BulkOpen { count: n as u8 })

@@ -44,6 +44,30 @@ impl Message {
         writes: Vec<u8>,
     ) -> Message {
         let seq = inner.next_seq.fetch_add(1, Ordering::Relaxed);
+        Self::with_seq(inner, seq, modules, commands, writes)
+    }
+
+    /// A BATCH outside the lease's order (number 0): the node runs it when
+    /// it arrives, before or after the numbered ones. Only for commands
+    /// that depend on nothing sent before them and that nothing sent
+    /// before them names (the allocations of fresh buffers).
+    #[cfg(feature = "backend")]
+    pub(super) fn unnumbered<C: EncodeCommands>(
+        inner: &Arc<LeaseInner>,
+        modules: &[Module],
+        commands: C,
+        writes: Vec<u8>,
+    ) -> Message {
+        Self::with_seq(inner, 0, modules, commands, writes)
+    }
+
+    fn with_seq<C: EncodeCommands>(
+        inner: &Arc<LeaseInner>,
+        seq: u64,
+        modules: &[Module],
+        commands: C,
+        writes: Vec<u8>,
+    ) -> Message {
         let mut data = Vec::new();
         let uses: Vec<ModuleUse> = inner.client.with_known_modules(|known| {
             modules
@@ -80,7 +104,8 @@ impl Message {
             data,
             modules: modules.to_vec(),
             writes: len,
-            answered: std::sync::atomic::AtomicBool::new(false),
+            // An unnumbered message holds no place in the order.
+            answered: std::sync::atomic::AtomicBool::new(seq == 0),
         }
     }
 
@@ -170,6 +195,9 @@ impl Message {
     /// of the same number takes its place.
     async fn fill_place(&self) {
         self.answered.store(true, Ordering::Release);
+        if self.seq == 0 {
+            return;
+        }
         fill_place(&self.inner, self.seq).await;
     }
 }

@@ -93,6 +93,18 @@ impl Session {
         Message::numbered(&self.inner, modules, commands, writes)
     }
 
+    /// [`Session::message`] outside the lease's order (see
+    /// `Message::unnumbered`).
+    #[cfg(feature = "backend")]
+    pub(crate) fn message_unnumbered<C: EncodeCommands>(
+        &self,
+        modules: &[Module],
+        commands: C,
+        writes: Vec<u8>,
+    ) -> Message {
+        Message::unnumbered(&self.inner, modules, commands, writes)
+    }
+
     /// Allocates `size` zeroed bytes (one request).
     ///
     /// # Errors
@@ -156,15 +168,6 @@ impl Session {
                     .write_shared(self.target(buf, offset, after), bytes),
             )
             .await
-    }
-
-    /// The number of the lease's last numbered batch so far (0: none).
-    #[cfg(feature = "backend")]
-    pub(crate) fn last_seq(&self) -> u64 {
-        self.inner
-            .next_seq
-            .load(std::sync::atomic::Ordering::Relaxed)
-            .saturating_sub(1)
     }
 
     fn target(&self, buf: Id, offset: u64, after: u64) -> super::stripe::Target {

@@ -3,18 +3,24 @@
 //! streamed, striped MEM_WRITEs and MEM_READs instead (pure planning over
 //! the commands, unit-tested below; the session runs the plan).
 //!
-//! A submission with such a transfer runs in up to two round trips, while
-//! the session holds its later submissions back (so nothing submitted
-//! after it can run on the node between them):
+//! Such a submission takes its place in the lease's order when it is
+//! made, like any other: its commands' BATCH is numbered then, and the
+//! submissions made after it wait on the node for that number. Its steps:
 //!
-//! 1. a BATCH of the allocations of the buffers its large writes fill, and
-//!    at once those writes as MEM_WRITEs that the node runs after that
-//!    batch ([`MemWrite::after`]; a write into a buffer of an earlier
-//!    submission runs after the last batch sent before it);
-//! 2. once the writes are in, the BATCH of every other command, and at
-//!    once the large reads as MEM_READs that the node runs after it.
+//! 1. at once, a BATCH outside the order with the allocations of the
+//!    fresh buffers its large writes fill (nothing else can name them
+//!    yet), and the writes into buffers of earlier submissions as
+//!    MEM_WRITEs that the node runs after the batch numbered before the
+//!    commands' ([`MemWrite::after`]);
+//! 2. once the allocations are answered, the writes into fresh buffers;
+//! 3. once every write is in, the commands' BATCH (with every other
+//!    command, also when there is none), and at once the large reads as
+//!    MEM_READs that the node runs after it.
 //!
-//! An upload alone (`h2d`) or a download alone (`d2h`) is one round trip.
+//! So many streamed submissions move their bytes at the same time, and
+//! the node still applies them in the order they were made. The buffers
+//! of the transfers are held in the id book while they move: a free asked
+//! meanwhile waits for the end of the steps.
 //!
 //! A write moves only when nothing before it in the recording uses its
 //! buffer (a buffer the recording allocates, or one of an earlier
@@ -26,7 +32,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use cuda_async::remote::{Recording, RemoteCommand};
+use cuda_async::remote::{ReadBuf, Recording, RemoteCommand};
 
 use super::{FailOnDrop, LeaseSession};
 use crate::client::{protocol_error, Error, Submitted};
@@ -216,121 +222,39 @@ pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<Strea
     Some(p)
 }
 
-// The session's side: the gate that holds later submissions back, and
-// the steps.
-
-/// Submissions held back while a streamed one runs its steps, in the
-/// order of their calls.
-#[derive(Debug, Default)]
-pub(super) struct Gate {
-    pub(super) active: bool,
-    pub(super) held: std::collections::VecDeque<(Recording, FailOnDrop)>,
-}
+// The session's side: the steps.
 
 impl LeaseSession {
-    pub(super) fn gate(&self) -> std::sync::MutexGuard<'_, Gate> {
-        self.gate.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Sends `recording` now as one message, or starts it on the data path
-    /// (closing `gate` until it ends).
-    pub(super) fn submit_or_stream(&self, gate: &mut Gate, recording: Recording, done: FailOnDrop) {
+    /// Sends `recording` now as one message, or starts it on the data path.
+    pub(super) fn submit_or_stream(&self, recording: Recording, done: FailOnDrop) {
         match plan(recording.commands(), self.session.stream_min_bytes()) {
-            Some(plan) => {
-                gate.active = true;
-                self.start_streamed(recording, plan, done);
-            }
+            Some(plan) => self.start_streamed(recording, plan, done),
             None => self.submit_now(recording, done),
         }
     }
 
-    /// After a streamed submission: sends the submissions held back, in
-    /// order, until one of them streams again (or none is left).
-    fn release(&self) {
-        {
-            let mut gate = self.gate();
-            gate.active = false;
-            while let Some((recording, done)) = gate.held.pop_front() {
-                self.submit_or_stream(&mut gate, recording, done);
-                if gate.active {
-                    return;
-                }
-            }
-        }
-        if self.ids().has_queued() {
-            self.schedule_flush();
-        }
-    }
-
     /// Starts a submission whose large transfers take the data path (see
-    /// the module docs): its allocations go now, numbered in the order of the
-    /// calls; its other steps follow on the session's runtime, and the
-    /// gate opens when it ends, however it ends.
+    /// the module docs): the allocations of its fresh buffers go now,
+    /// outside the lease's order; its commands' message is numbered now
+    /// (so the submissions made after it run after it) and goes once its
+    /// writes are in; its other steps follow on the session's runtime.
     fn start_streamed(&self, recording: Recording, plan: StreamPlan, done: FailOnDrop) {
         let Some(this) = self.me.upgrade() else {
             // The session is going away: `done` fails as dropped.
             return;
         };
-        let allocs = (!plan.allocs.is_empty())
-            .then(|| self.send_numbered(&plan.allocs, false, Vec::new(), Vec::<Vec<u8>>::new()));
-        let recording = Arc::new(recording);
-        self.runtime.spawn(async move {
-            let r = this.run_streamed(allocs, &recording, &plan).await;
-            // Whatever happened: the id book sends only frees of ids that
-            // exist (and they go once the gate opens).
-            for &id in &plan.frees_after {
-                this.ids().free(id);
-            }
-            done.finish(r);
-            this.release();
-        });
-    }
-
-    /// The steps of a streamed submission (see the module docs): the
-    /// allocations' batch (numbered `allocs.0`) and the writes at once, then
-    /// the commands' batch and the reads at once.
-    async fn run_streamed(
-        &self,
-        allocs: Option<(
-            u64,
-            impl Future<Output = Result<(Submitted, Vec<Vec<u8>>), Error>> + Send + 'static,
-        )>,
-        recording: &Arc<Recording>,
-        plan: &StreamPlan,
-    ) -> Result<(), Error> {
-        // The writes follow the allocations' message, or (into buffers of
-        // earlier submissions) the last message sent before them.
-        let (after, allocs) = match allocs {
-            Some((seq, reply)) => (seq, Some(reply)),
-            None => (self.session.last_seq(), None),
-        };
-        let allocated = async {
-            match allocs {
-                Some(reply) => reply.await?.0.ok().map(drop),
-                None => Ok(()),
-            }
-        };
-        let written = async {
-            for w in &plan.writes {
-                let payload = PayloadOf {
-                    recording: recording.clone(),
-                    write: w.write,
-                };
-                self.session
-                    .write_id_shared(Id(w.id), w.offset, after, Arc::new(payload))
-                    .await?;
-            }
-            Ok::<_, Error>(())
-        };
-        let (allocated, written) = tokio::join!(allocated, written);
-        // The allocations' failure explains the writes'.
-        allocated?;
-        written?;
-        // The commands' message, also when empty if reads follow: its
-        // reply says every earlier submission of the lease has run.
-        if plan.commands.is_empty() && plan.reads.is_empty() {
-            return Ok(());
-        }
+        let fresh: Vec<u64> = plan
+            .allocs
+            .iter()
+            .filter_map(|c| match *c {
+                RemoteCommand::Alloc { id, .. } => Some(id),
+                _ => None,
+            })
+            .collect();
+        let allocs = (!plan.allocs.is_empty()).then(|| self.send_unnumbered(&plan.allocs));
+        // The commands' message, also when empty: its number holds the
+        // later submissions until the writes are in, and its reply says
+        // every earlier submission of the lease has run.
         let slots = recording.reads();
         let mut writes =
             Vec::with_capacity(plan.data.iter().map(|&i| recording.payload(i).len()).sum());
@@ -338,7 +262,99 @@ impl LeaseSession {
             writes.extend_from_slice(recording.payload(i));
         }
         let bufs: Vec<_> = plan.slots.iter().map(|&i| slots[i].buffer()).collect();
-        let (seq, reply) = self.send_numbered(&plan.commands, true, writes, bufs);
+        // Numbered, checked against the downloads before it and its own
+        // downloads registered, under one lock (see `reading`).
+        let (commands, waits, reads) = {
+            let mut reading = self.reading();
+            let commands = self.send_numbered(&plan.commands, false, writes, bufs);
+            let waits = reading.conflicts(recording.commands());
+            let reads = reading.start(plan.reads.iter().map(|r| r.id).collect());
+            (commands, waits, reads)
+        };
+        // The transfers' buffers are not freed while they move (a free
+        // sent meanwhile could reach the node first).
+        let moving: Vec<u64> = plan
+            .writes
+            .iter()
+            .map(|w| w.id)
+            .chain(plan.reads.iter().map(|r| r.id))
+            .collect();
+        self.ids().hold(&moving);
+        let recording = Arc::new(recording);
+        self.runtime.spawn(async move {
+            let r = this
+                .run_streamed(allocs, &fresh, waits, commands, &recording, &plan)
+                .await;
+            if let Some(reads) = reads {
+                this.reading().end(reads);
+            }
+            // Whatever happened: the id book sends only frees of ids that
+            // exist.
+            let mut queued = false;
+            {
+                let mut ids = this.ids();
+                for &id in &plan.frees_after {
+                    queued |= ids.free(id);
+                }
+                queued |= ids.release(&moving);
+            }
+            done.finish(r);
+            if queued || this.ids().has_queued() {
+                this.schedule_flush();
+            }
+        });
+    }
+
+    /// The steps of a streamed submission (see the module docs): the
+    /// writes into fresh buffers once their allocations are answered, the
+    /// other writes at once (after the lease's batches numbered before
+    /// the commands'), then the commands' batch and the reads at once.
+    async fn run_streamed(
+        &self,
+        allocs: Option<impl Future<Output = Result<(Submitted, Vec<Vec<u8>>), Error>>>,
+        fresh: &[u64],
+        waits: Vec<tokio::sync::watch::Receiver<()>>,
+        commands: (
+            u64,
+            impl Future<Output = Result<(Submitted, Vec<ReadBuf>), Error>>,
+        ),
+        recording: &Arc<Recording>,
+        plan: &StreamPlan,
+    ) -> Result<(), Error> {
+        let (seq, commands) = commands;
+        let write = |w: &StreamedWrite, after: u64| {
+            let payload = PayloadOf {
+                recording: recording.clone(),
+                write: w.write,
+            };
+            self.session
+                .write_id_shared(Id(w.id), w.offset, after, Arc::new(payload))
+        };
+        let into_fresh = async {
+            if let Some(reply) = allocs {
+                reply.await?.0.ok()?;
+            }
+            for w in plan.writes.iter().filter(|w| fresh.contains(&w.id)) {
+                write(w, 0).await?;
+            }
+            Ok::<_, Error>(())
+        };
+        // The earlier submissions' downloads of the buffers it uses are
+        // done before it writes any of them (and before its commands go:
+        // they follow every write).
+        let into_earlier = async {
+            super::reading::done(waits).await;
+            for w in plan.writes.iter().filter(|w| !fresh.contains(&w.id)) {
+                write(w, seq - 1).await?;
+            }
+            Ok::<_, Error>(())
+        };
+        let (into_fresh, into_earlier) = tokio::join!(into_fresh, into_earlier);
+        // The allocations' failure explains the writes'. A failure drops
+        // the commands' message unsent (its number's place is filled).
+        into_fresh?;
+        into_earlier?;
+        let slots = recording.reads();
         let read = async {
             let mut bufs = Vec::with_capacity(plan.reads.len());
             for r in &plan.reads {
@@ -351,7 +367,7 @@ impl LeaseSession {
             }
             Ok::<_, Error>(bufs)
         };
-        let (reply, read) = tokio::join!(reply, read);
+        let (reply, read) = tokio::join!(commands, read);
         // The batch's failure explains the reads'.
         let (reply, bufs) = reply?;
         reply.ok()?;

@@ -118,7 +118,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                     running.push(Running {
                         request: frame.header,
                         ticket,
-                        enqueued,
+                        work: Sealed::Batch(enqueued),
                         hop,
                     });
                     continue;
@@ -138,16 +138,31 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                 }
             }
         }
-        let (status, body, data) = match frame.header.opcode {
-            Opcode::MemWrite | Opcode::MemRead => serve_chunk(device.as_mut(), &mut ring, &frame),
-            _ => serve(
-                device.as_mut(),
-                &mut graphs,
-                &compiler,
-                &mut submit_modules,
-                &frame,
-            ),
-        };
+        if matches!(frame.header.opcode, Opcode::MemWrite | Opcode::MemRead) {
+            // Enqueued and sealed now, answered when the copies are done
+            // (the node reuses or sends the ring's slots only then).
+            if let Some((status, body)) = enqueue_chunks(device.as_mut(), &mut ring, &frame) {
+                let h = Header::reply(&frame.header, status, body.len() as u32, 0);
+                if proto::write_frame_blocking(&mut output, &h, &body, &[]).is_err() {
+                    return 1;
+                }
+                continue;
+            }
+            running.push(Running {
+                request: frame.header,
+                ticket: device.seal(0),
+                work: Sealed::Chunks,
+                hop,
+            });
+            continue;
+        }
+        let (status, body, data) = serve(
+            device.as_mut(),
+            &mut graphs,
+            &compiler,
+            &mut submit_modules,
+            &frame,
+        );
         if let Some(t) = &mut hop {
             t.mark("device");
             t.set_op(frame.header.opcode, frame.data.len().max(data.len()) as u64);
@@ -163,12 +178,20 @@ pub(super) fn run_worker(spec: &str) -> i32 {
     }
 }
 
-/// A sealed batch whose work may still run, and the request it answers.
+/// Sealed work that may still run, and the request it answers.
 struct Running {
     request: Header,
     ticket: Ticket,
-    enqueued: Enqueued,
+    work: Sealed,
     hop: Option<HopTimer>,
+}
+
+/// What a [`Running`] answers when its work is done.
+enum Sealed {
+    /// A batch: its reads and what ran of it.
+    Batch(Enqueued),
+    /// A call of streamed chunks: done, or the failure.
+    Chunks,
 }
 
 /// Answers every running batch whose work is done, in the order they
@@ -186,9 +209,20 @@ fn answer_done(
         };
         let r = running.remove(i);
         let mut hop = r.hop;
-        let (reply, out) = r.enqueued.reply(finished, &mut hop);
-        let body = to_body(&reply);
-        let h = Header::reply(&r.request, Status::Ok, body.len() as u32, out.len() as u32);
+        let (status, body, out) = match r.work {
+            Sealed::Batch(enqueued) => {
+                let (reply, out) = enqueued.reply(finished, &mut hop);
+                (Status::Ok, to_body(&reply), out)
+            }
+            Sealed::Chunks => match finished {
+                Ok(_) => (Status::Ok, Vec::new(), Vec::new()),
+                Err(e) => {
+                    let e = WorkerFailure::from(e);
+                    (e.status, to_body(&e), Vec::new())
+                }
+            },
+        };
+        let h = Header::reply(&r.request, status, body.len() as u32, out.len() as u32);
         proto::write_frame_blocking(output, &h, &body, &out).map_err(|_| ())?;
         hops::mark(&mut hop, "pipe_write");
         if let Some(t) = LAST_TRACE.with(|l| l.borrow_mut().take()) {
@@ -225,20 +259,22 @@ fn wait_for_work(
     }
 }
 
-/// Chunks of a streamed transfer, through the shared ring, in order; stops
-/// at the first that fails.
-pub(super) fn serve_chunk(
+/// Enqueues the chunks of a streamed transfer, through the shared ring,
+/// in order; stops at the first that fails, and then waits for what was
+/// enqueued and answers the failure (`Some`). `None`: every chunk is
+/// enqueued, to be sealed and answered when its copies are done.
+pub(super) fn enqueue_chunks(
     dev: &mut dyn Device,
     ring: &mut Option<std::io::Result<WorkerRing>>,
     f: &Frame,
-) -> (Status, Vec<u8>, Vec<u8>) {
+) -> Option<(Status, Vec<u8>)> {
     let fail = |status: Status, message: String| {
         let e = WorkerFailure {
             status,
             message,
             sticky: false,
         };
-        (e.status, to_body(&e), Vec::new())
+        Some((e.status, to_body(&e)))
     };
     let ring = match ring {
         Some(Ok(r)) => r,
@@ -261,7 +297,8 @@ pub(super) fn serve_chunk(
             Err(e) => return fail(Status::BadRequest, e),
         };
         let r = if f.header.opcode == Opcode::MemWrite {
-            // Stream 0; the buffer orders later uses on any stream after it.
+            // A copy stream; the buffer orders it after its earlier uses
+            // and later uses on any stream after it.
             dev.write_chunk(op.id, op.offset, slot)
         } else {
             dev.read_chunk(op.id, op.offset, slot)
@@ -270,17 +307,10 @@ pub(super) fn serve_chunk(
             // What was enqueued is waited for before the slots go back.
             let _ = dev.chunks_done();
             let e = WorkerFailure::from(e);
-            return (e.status, to_body(&e), Vec::new());
+            return Some((e.status, to_body(&e)));
         }
     }
-    // The copies are done before the node reuses (or sends) the slots.
-    match dev.chunks_done() {
-        Ok(()) => (Status::Ok, Vec::new(), Vec::new()),
-        Err(e) => {
-            let e = WorkerFailure::from(e);
-            (e.status, to_body(&e), Vec::new())
-        }
-    }
+    None
 }
 
 pub(super) fn serve(

@@ -96,6 +96,10 @@ pub struct CudaDevice {
     next_ticket: u64,
 }
 
+/// The stream of streamed uploads' chunks (downloads' take
+/// `StreamId::MAX`): ids no lease's commands use.
+const UPLOAD_STREAM: StreamId = StreamId::MAX - 1;
+
 impl CudaDevice {
     /// Opens device `ordinal`: its primary context, bound to this
     /// thread. Streams are made on first use.
@@ -320,11 +324,12 @@ impl Device for CudaDevice {
     }
 
     fn write_chunk(&mut self, id: Id, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        // On a stream of its own (the buffer orders it after its earlier
+        // uses), not behind the lease's other work on its streams.
         if !self.ring.as_ref().is_some_and(|r| r.contains(data)) {
-            return self.write(0, id, offset, data);
+            return self.write(UPLOAD_STREAM, id, offset, data);
         }
-        let sid: StreamId = 0;
-        let stream = self.stream(sid)?;
+        let stream = self.stream(UPLOAD_STREAM)?;
         self.flush_use(id)?;
         let buf = self
             .buffers
@@ -531,16 +536,17 @@ impl Device for CudaDevice {
         // Waits for the copies (and surfaces kernel faults here).
         let synced = self.sync_touched();
         self.spare.settle(synced.is_ok());
-        if synced.is_ok() {
+        if synced.is_ok() && self.sealed.is_empty() {
             // Every use is done: nothing needs their events.
             self.pending.clear();
         } else {
-            // Recorded (or, on a dead context, the buffers marked broken
-            // and leaked when freed), never freed before their uses.
-            let ids: Vec<Id> = self.pending.keys().copied().collect();
-            for id in ids {
-                let _ = self.flush_use(id);
-            }
+            // Sealed batches may still use them (`sync_touched` waited
+            // only for the streams touched since the last seal): their
+            // uses go into their events, so that later copies, frees and
+            // other streams wait for them. (On a dead context the buffers
+            // are marked broken and leaked when freed, never freed before
+            // their uses.)
+            self.flush_pending();
         }
         let reads = std::mem::take(&mut self.reads);
         let timers = std::mem::take(&mut self.timer_reads);
