@@ -29,6 +29,9 @@ pub struct Client {
     pub(super) config: ClientConfig,
     /// The extra connections of striped transfers, opened on first use.
     pub(super) stripe_conns: tokio::sync::OnceCell<Vec<quinn::Connection>>,
+    /// The stripe connection the next one-stripe transfer on the data
+    /// path takes (they take every stripe connection in turn).
+    pub(super) next_stripe: std::sync::atomic::AtomicUsize,
     /// The node's bulk-data channel, asked for on the first large
     /// transfer (`None`: off, or the node has none).
     pub(super) bulk: tokio::sync::OnceCell<Option<super::bulk::BulkChannel>>,
@@ -100,6 +103,7 @@ impl Client {
             addr,
             config: config.clone(),
             stripe_conns: tokio::sync::OnceCell::new(),
+            next_stripe: std::sync::atomic::AtomicUsize::new(0),
             bulk: tokio::sync::OnceCell::new(),
             known_modules: std::sync::Mutex::default(),
         };

@@ -11,14 +11,27 @@ use super::{Client, Error};
 use crate::proto::{to_body, Id, LeaseId, MemRead, MemWrite, Opcode};
 
 impl Client {
-    /// The connections a transfer of `len` bytes is striped over: just the
-    /// main one below the threshold; else the main one and the extra ones,
-    /// opened and authenticated on first use.
+    /// The connections a transfer of `len` bytes is striped over: the main
+    /// one below the data path's threshold; one of the main one and the
+    /// extra ones, in turn, below the striping threshold (so many tasks'
+    /// mid-size transfers spread over every connection); else the main
+    /// one and the extra ones. The extra ones are opened and authenticated
+    /// on first use.
     async fn stripe_set(&self, len: usize) -> Result<Vec<&quinn::Connection>, Error> {
         let n = self.config.stripes.max(1);
-        if n == 1 || len < self.config.stripe_min_bytes.max(1) {
+        if n == 1 || len < self.config.data_path_min_bytes.max(1) {
             return Ok(vec![&self.conn]);
         }
+        let all = self.stripe_conns_all(n).await?;
+        if len < self.config.stripe_min_bytes.max(1) {
+            let i = self.next_stripe.fetch_add(1, Ordering::Relaxed) % all.len();
+            return Ok(vec![all[i]]);
+        }
+        Ok(all)
+    }
+
+    /// The main connection and the `n - 1` extra ones.
+    async fn stripe_conns_all(&self, n: usize) -> Result<Vec<&quinn::Connection>, Error> {
         let extra = self
             .stripe_conns
             .get_or_try_init(|| async {
