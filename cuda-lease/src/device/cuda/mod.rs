@@ -559,33 +559,9 @@ impl Device for CudaDevice {
         if let Some(arena) = &self.arena {
             // Every copy of the batch is done (the arena waited for them
             // in `sync_touched`).
-            for (at, read) in arena_reads {
-                let bytes = arena
-                    .read(read)
-                    .map_err(|e| map(Status::ReadFailed, "device-to-host copy", e))?;
-                if let Some(dst) = out.get_mut(at..at + bytes.len()) {
-                    dst.copy_from_slice(bytes);
-                }
-            }
+            sealed::arena_reads_into(out, arena, arena_reads)?;
         }
-        for (host, at) in reads {
-            let bytes = host
-                .as_slice()
-                .map_err(|e| map(Status::ReadFailed, "device-to-host copy", e))?;
-            if let Some(dst) = out.get_mut(at..at + bytes.len()) {
-                dst.copy_from_slice(bytes);
-            }
-        }
-        for (start, end, at) in timers {
-            // Both recorded on streams the batch's end waited for.
-            let ms = start
-                .elapsed_ms(&end)
-                .map_err(|e| driver(Status::Internal, "cuEventElapsedTime", e))?;
-            let ns = (f64::from(ms.max(0.0)) * 1e6) as u64;
-            if let Some(dst) = out.get_mut(at..at + 8) {
-                dst.copy_from_slice(&ns.to_le_bytes());
-            }
-        }
+        sealed::reads_into(out, reads, timers)?;
         Ok(())
     }
 }

@@ -142,36 +142,13 @@ impl CudaDevice {
                     e,
                 )));
             }
-            for (at, read) in arena_reads {
-                let bytes = arena
-                    .read(read)
-                    .map_err(|e| map(Status::ReadFailed, "device-to-host copy", e))?;
-                if let Some(dst) = out.get_mut(at..at + bytes.len()) {
-                    dst.copy_from_slice(bytes);
-                }
-            }
+            arena_reads_into(&mut out, &arena, arena_reads)?;
             if self.spare_arenas.len() < SPARE_ARENAS {
                 self.spare_arenas.push(arena);
             }
         }
         self.spare.settle_these(f.freed, true);
-        for (host, at) in f.reads {
-            let bytes = host
-                .as_slice()
-                .map_err(|e| map(Status::ReadFailed, "device-to-host copy", e))?;
-            if let Some(dst) = out.get_mut(at..at + bytes.len()) {
-                dst.copy_from_slice(bytes);
-            }
-        }
-        for (start, end, at) in f.timers {
-            let ms = start
-                .elapsed_ms(&end)
-                .map_err(|e| driver(Status::Internal, "cuEventElapsedTime", e))?;
-            let ns = (f64::from(ms.max(0.0)) * 1e6) as u64;
-            if let Some(dst) = out.get_mut(at..at + 8) {
-                dst.copy_from_slice(&ns.to_le_bytes());
-            }
-        }
+        reads_into(&mut out, f.reads, f.timers)?;
         Ok(out)
     }
 
@@ -212,6 +189,53 @@ impl InFlight {
             None => Ok(true),
         }
     }
+}
+
+/// Copies a batch's arena downloads (each to its place in the reply's
+/// data) once the arena's copies are done.
+pub(super) fn arena_reads_into(
+    out: &mut [u8],
+    arena: &StagingArena,
+    reads: Vec<(usize, ArenaRead)>,
+) -> Result<(), DeviceError> {
+    for (at, read) in reads {
+        let bytes = arena
+            .read(read)
+            .map_err(|e| map(Status::ReadFailed, "device-to-host copy", e))?;
+        if let Some(dst) = out.get_mut(at..at + bytes.len()) {
+            dst.copy_from_slice(bytes);
+        }
+    }
+    Ok(())
+}
+
+/// Copies a batch's pinned downloads and its timers' readings (in
+/// nanoseconds) to their places in the reply's data, once the batch is
+/// done.
+pub(super) fn reads_into(
+    out: &mut [u8],
+    reads: Vec<(PinnedBuffer<u8>, usize)>,
+    timers: Vec<(CudaEvent, CudaEvent, usize)>,
+) -> Result<(), DeviceError> {
+    for (host, at) in reads {
+        let bytes = host
+            .as_slice()
+            .map_err(|e| map(Status::ReadFailed, "device-to-host copy", e))?;
+        if let Some(dst) = out.get_mut(at..at + bytes.len()) {
+            dst.copy_from_slice(bytes);
+        }
+    }
+    for (start, end, at) in timers {
+        // Both recorded on streams the batch's end waited for.
+        let ms = start
+            .elapsed_ms(&end)
+            .map_err(|e| driver(Status::Internal, "cuEventElapsedTime", e))?;
+        let ns = (f64::from(ms.max(0.0)) * 1e6) as u64;
+        if let Some(dst) = out.get_mut(at..at + 8) {
+            dst.copy_from_slice(&ns.to_le_bytes());
+        }
+    }
+    Ok(())
 }
 
 /// A failed wait or record: sticky (a kernel fault poisons the context).
