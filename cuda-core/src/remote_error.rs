@@ -72,6 +72,10 @@ pub enum Disconnect {
     Network,
     /// No node answered at the address within the connect timeout.
     ConnectTimeout,
+    /// The node kept refusing the connection before its handshake for the
+    /// whole connect timeout: too many handshakes were waiting (from this
+    /// address, or node-wide).
+    NodeBusy,
 }
 
 /// A failure of remote lease execution: its [`kind`](Self::kind), the
@@ -156,7 +160,9 @@ impl RemoteError {
         matches!(
             self.kind,
             RemoteErrorKind::Capacity
-                | RemoteErrorKind::Disconnected(Disconnect::Network | Disconnect::ConnectTimeout)
+                | RemoteErrorKind::Disconnected(
+                    Disconnect::Network | Disconnect::ConnectTimeout | Disconnect::NodeBusy
+                )
         )
     }
 
@@ -189,6 +195,9 @@ impl RemoteError {
             K::Disconnected(Disconnect::ConnectTimeout) => {
                 "no node answered: check the address and that the node is running"
             }
+            K::Disconnected(Disconnect::NodeBusy) => {
+                "the node is busy with handshakes: retry later, or open fewer connections at once"
+            }
             K::Protocol => "a bug or a version mismatch between client and node: report it",
             K::InvalidRequest => "fix the command the message names",
             K::LoadFailed => "fix the module: the compiler's log is above",
@@ -212,6 +221,7 @@ impl RemoteError {
             K::Disconnected(Disconnect::NodeShutdown) => "disconnected: the node shut down",
             K::Disconnected(Disconnect::Network) => "disconnected",
             K::Disconnected(Disconnect::ConnectTimeout) => "connect timed out",
+            K::Disconnected(Disconnect::NodeBusy) => "node busy",
             K::Protocol => "protocol error",
             K::InvalidRequest => "request refused",
             K::LoadFailed => "module load failed",
@@ -263,6 +273,7 @@ mod tests {
             (K::Disconnected(Disconnect::NodeShutdown), false),
             (K::Disconnected(Disconnect::Network), true),
             (K::Disconnected(Disconnect::ConnectTimeout), true),
+            (K::Disconnected(Disconnect::NodeBusy), true),
             (K::Protocol, false),
             (K::InvalidRequest, false),
             (K::LoadFailed, false),

@@ -97,6 +97,16 @@ pub struct Metrics {
     /// Data bytes of the MEM_WRITE and MEM_READ requests served over the
     /// bulk-data channel (counted when each is taken up).
     pub bulk_bytes: Counter,
+    /// Connections that waited in the handshake queue for a place among
+    /// those waiting for HELLO.
+    pub handshakes_queued: Counter,
+    /// Connections refused before their handshake (the queue was full,
+    /// or no place came by the HELLO deadline).
+    pub handshakes_refused: Counter,
+    /// Lease worker processes started (one per granted LEASE_ALLOC).
+    pub worker_starts: Counter,
+    /// LEASE_ALLOCs refused over their principal's worker-start rate.
+    pub worker_starts_refused: Counter,
     vram_allocated: GaugeU64,
     lease_active: GaugeU64,
     registry: Registry,
@@ -122,6 +132,10 @@ impl Metrics {
             modules_compiled: Counter::default(),
             bulk_connections: Counter::default(),
             bulk_bytes: Counter::default(),
+            handshakes_queued: Counter::default(),
+            handshakes_refused: Counter::default(),
+            worker_starts: Counter::default(),
+            worker_starts_refused: Counter::default(),
             vram_allocated: GaugeU64::default(),
             lease_active: GaugeU64::default(),
             registry: Registry::default(),
@@ -165,6 +179,26 @@ impl Metrics {
                 "gpu_bulk_connections",
                 "Connections of the bulk-data channel (TLS over TCP) opened with a ticket.",
                 &self.bulk_connections,
+            ),
+            (
+                "gpu_handshakes_queued",
+                "Connections that waited in the handshake queue for a place among those waiting for HELLO.",
+                &self.handshakes_queued,
+            ),
+            (
+                "gpu_handshakes_refused",
+                "Connections refused before their handshake (queue full, or no place by the HELLO deadline).",
+                &self.handshakes_refused,
+            ),
+            (
+                "gpu_worker_starts",
+                "Lease worker processes taken for granted LEASE_ALLOCs.",
+                &self.worker_starts,
+            ),
+            (
+                "gpu_worker_starts_refused",
+                "LEASE_ALLOCs refused over their principal's worker-start rate.",
+                &self.worker_starts_refused,
             ),
         ];
         for (name, help, c) in counters {

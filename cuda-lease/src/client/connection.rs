@@ -69,21 +69,16 @@ impl Client {
             .endpoint(bind, None)
             .map_err(disconnected)?;
         endpoint.set_default_client_config(qcfg);
-        let connecting = endpoint
-            .connect(addr, &config.server_name)
-            .map_err(|e| config_error(e).with_node(addr))?;
         let timeout = config.connect_timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let refused = std::sync::atomic::AtomicU32::new(0);
         let connect = async {
-            let conn = connecting.await.map_err(disconnected)?;
-            Self::logged_in(endpoint, conn, addr, config).await
+            let conn = dial(&endpoint, addr, &config.server_name, &refused).await?;
+            Self::logged_in(endpoint.clone(), conn, addr, config).await
         };
-        match tokio::time::timeout(timeout, connect).await {
+        match tokio::time::timeout_at(deadline, connect).await {
             Ok(r) => r.map_err(|e| e.with_node(addr)),
-            Err(_) => Err(Error::new(
-                ErrorKind::Disconnected(Disconnect::ConnectTimeout),
-                format!("no node answered at {addr} within {timeout:?}"),
-            )
-            .with_node(addr)),
+            Err(_) => Err(connect_timed_out(addr, timeout, refused.into_inner())),
         }
     }
 
@@ -380,4 +375,64 @@ pub(super) async fn exchange_into(
         t.set_op(opcode, (data.len() + header.data_len as usize) as u64);
     }
     Ok((reply_body, owned))
+}
+
+/// The error of a connect that did not finish within `timeout`, after
+/// `refused` refusals before the handshake (the node was busy).
+pub(super) fn connect_timed_out(
+    addr: SocketAddr,
+    timeout: std::time::Duration,
+    refused: u32,
+) -> Error {
+    let e = if refused > 0 {
+        Error::new(
+            ErrorKind::Disconnected(Disconnect::NodeBusy),
+            format!(
+                "node busy: too many handshakes from this address; {addr} refused the \
+                 connection {refused} times within {timeout:?}"
+            ),
+        )
+    } else {
+        Error::new(
+            ErrorKind::Disconnected(Disconnect::ConnectTimeout),
+            format!("no node answered at {addr} within {timeout:?}"),
+        )
+    };
+    e.with_node(addr)
+}
+
+/// A QUIC connection to `addr`, made again with backoff (20 ms doubling
+/// to 1 s, with jitter) each time the node refuses it before its
+/// handshake: a node refuses when its queue of handshakes is full, and
+/// serves the connection once earlier ones are through. The caller
+/// bounds the time (its connect timeout); `refused` counts the refusals.
+pub(super) async fn dial(
+    endpoint: &quinn::Endpoint,
+    addr: SocketAddr,
+    server_name: &str,
+    refused: &std::sync::atomic::AtomicU32,
+) -> Result<quinn::Connection, Error> {
+    let mut backoff = std::time::Duration::from_millis(20);
+    loop {
+        let connecting = endpoint
+            .connect(addr, server_name)
+            .map_err(|e| config_error(e).with_node(addr))?;
+        match connecting.await {
+            Ok(conn) => return Ok(conn),
+            Err(quinn::ConnectionError::ConnectionClosed(c))
+                if c.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED =>
+            {
+                refused.fetch_add(1, Ordering::Relaxed);
+                // Jitter of up to half the backoff, so a burst of clients
+                // refused together does not come back together.
+                let nanos = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.subsec_nanos());
+                let jitter = backoff.mul_f64(f64::from(nanos % 1000) / 2000.0);
+                tokio::time::sleep(backoff + jitter).await;
+                backoff = (backoff * 2).min(std::time::Duration::from_secs(1));
+            }
+            Err(e) => return Err(disconnected(e)),
+        }
+    }
 }

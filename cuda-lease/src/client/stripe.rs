@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::connection::exchange;
+use super::connection::{connect_timed_out, dial, exchange};
 use super::error::{disconnected, protocol_error};
 use super::{Client, Error};
 use crate::proto::{to_body, Id, LeaseId, MemRead, MemWrite, Opcode};
@@ -36,15 +36,27 @@ impl Client {
             .stripe_conns
             .get_or_try_init(|| async {
                 let mut v = Vec::with_capacity(n - 1);
-                for _ in 1..n {
-                    let conn = self
-                        .endpoint
-                        .connect(self.addr, &self.config.server_name)
-                        .map_err(disconnected)?
-                        .await
-                        .map_err(disconnected)?;
-                    self.hello(&conn).await?;
-                    v.push(conn);
+                let timeout = self.config.connect_timeout;
+                let refused = std::sync::atomic::AtomicU32::new(0);
+                let open = async {
+                    for _ in 1..n {
+                        let conn = dial(
+                            &self.endpoint,
+                            self.addr,
+                            &self.config.server_name,
+                            &refused,
+                        )
+                        .await?;
+                        self.hello(&conn).await?;
+                        v.push(conn);
+                    }
+                    Ok::<_, Error>(())
+                };
+                match tokio::time::timeout(timeout, open).await {
+                    Ok(r) => r?,
+                    Err(_) => {
+                        return Err(connect_timed_out(self.addr, timeout, refused.into_inner()))
+                    }
                 }
                 Ok::<_, Error>(v)
             })

@@ -28,7 +28,7 @@ use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, warn};
 
-use super::handshake::Source;
+use super::handshake::{Admission, Source};
 use super::stream::{serve_request, DataIn, DataOut};
 use super::submit::BudgetTurn;
 use super::{Reply, Shared};
@@ -168,17 +168,29 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener, acce
                 continue;
             }
         };
-        // Counted with the connections that have not said HELLO.
-        let Some(waiting) = shared.handshakes.wait(Source::of(from.ip())) else {
-            debug!(%from, "bulk-data connection refused: too many unauthenticated");
+        // Counted with the connections that have not said HELLO (and
+        // queued with them for a place).
+        let admission = shared.handshakes.wait(Source::of(from.ip()));
+        if let Admission::Busy = admission {
+            debug!(%from, "bulk-data connection refused: the handshake queue is full");
             continue;
-        };
+        }
         let shared = shared.clone();
         let acceptor = acceptor.clone();
         tokio::spawn(async move {
-            let opened =
-                tokio::time::timeout(shared.cfg.hello_timeout, redeem(&shared, &acceptor, tcp))
-                    .await;
+            let deadline = tokio::time::Instant::now() + shared.cfg.hello_timeout;
+            let waiting = match admission {
+                Admission::Now(place) => place,
+                Admission::Queued(q) => match q.place(deadline).await {
+                    Some(place) => place,
+                    None => {
+                        debug!(%from, "bulk-data connection refused: no place by the deadline");
+                        return;
+                    }
+                },
+                Admission::Busy => return,
+            };
+            let opened = tokio::time::timeout_at(deadline, redeem(&shared, &acceptor, tcp)).await;
             drop(waiting);
             let (tls, open) = match opened {
                 Ok(Ok(x)) => x,

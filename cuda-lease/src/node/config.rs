@@ -57,6 +57,13 @@ pub struct NodeConfig {
     pub max_leases: usize,
     /// Most live leases one principal may hold.
     pub max_leases_per_principal: usize,
+    /// Lease worker processes one principal may have started per second
+    /// (a token bucket, refilled at this rate); a LEASE_ALLOC past it is
+    /// refused as CAPACITY_EXCEEDED saying so, before a worker is taken.
+    pub worker_starts_per_principal_per_second: f64,
+    /// The bucket's size: lease worker starts one principal may make at
+    /// once after a pause.
+    pub worker_start_burst_per_principal: u32,
     /// Most GPU_SUBMITs one principal may have in flight at once (more wait
     /// for their turn), so one tenant cannot occupy every submit worker.
     pub max_submits_per_principal: usize,
@@ -88,9 +95,18 @@ pub struct NodeConfig {
     /// more are refused before their TLS handshake.
     pub max_unauthenticated: usize,
     /// Most connections waiting for HELLO from one source address (an IPv4
-    /// address or an IPv6 /64); more are refused before their TLS
-    /// handshake.
+    /// address or an IPv6 /64); more wait for a place, before their TLS
+    /// handshake, in the handshake queue.
     pub max_unauthenticated_per_source: usize,
+    /// Most connections waiting in the handshake queue for a place among
+    /// those waiting for HELLO, node-wide. A queued connection waits at
+    /// most `hello_timeout` from its arrival (the same deadline as its
+    /// HELLO); one arriving when the queue is full is refused at once, and
+    /// the client names it "node busy" and retries within its connect
+    /// timeout.
+    pub max_queued_handshakes: usize,
+    /// Most connections from one source address in the handshake queue.
+    pub max_queued_handshakes_per_source: usize,
     /// Failed HELLOs (tokens checked and found wrong) allowed per second
     /// from one source address, and at most that many at once; over it a
     /// HELLO is answered UNAUTHORIZED without its token being checked. Each
@@ -184,6 +200,8 @@ impl NodeConfig {
             admins: Vec::new(),
             max_leases: 256,
             max_leases_per_principal: 16,
+            worker_starts_per_principal_per_second: 20.0,
+            worker_start_burst_per_principal: 40,
             reply_timeout: Duration::from_secs(30),
             max_submits_per_principal: 1,
             max_requests_per_principal: 512,
@@ -195,6 +213,8 @@ impl NodeConfig {
             hello_timeout: Duration::from_secs(5),
             max_unauthenticated: 256,
             max_unauthenticated_per_source: 32,
+            max_queued_handshakes: 4096,
+            max_queued_handshakes_per_source: 1024,
             max_failed_hellos_per_source: 5,
             allow_anonymous: false,
             tls: TlsSource::SelfSigned {

@@ -9,26 +9,43 @@ use tracing::debug;
 
 use super::auth::cert_principal;
 use super::dispatch::dispatch;
-use super::handshake::{Peer, Source};
+use super::handshake::{Admission, Peer, Source};
 use super::submit::BudgetTurn;
 use super::{Reply, Shared};
 use crate::hops::stamps::{stamp, Point};
 use crate::hops::{self, Hop, HopTimer};
+use crate::metrics::Metrics;
 use crate::proto::{self, Frame, Header, Opcode, Status};
 
 pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) {
     while let Some(incoming) = endpoint.accept().await {
         let remote = incoming.remote_address();
-        // A place among the connections waiting for HELLO, before the TLS
-        // handshake costs anything.
-        let Some(place) = shared.handshakes.wait(Source::of(remote.ip())) else {
-            debug!(%remote, "refused: too many connections waiting for HELLO");
+        // A place among the connections waiting for HELLO (or in the
+        // queue for one) before the TLS handshake costs anything.
+        let admission = shared.handshakes.wait(Source::of(remote.ip()));
+        if let Admission::Busy = admission {
+            debug!(%remote, "refused: the handshake queue is full");
+            Metrics::inc(&shared.metrics.handshakes_refused);
             incoming.refuse();
             continue;
-        };
+        }
         let shared = shared.clone();
         tokio::spawn(async move {
             let deadline = tokio::time::Instant::now() + shared.cfg.hello_timeout;
+            let place = match admission {
+                Admission::Now(place) => place,
+                Admission::Queued(queued) => {
+                    Metrics::inc(&shared.metrics.handshakes_queued);
+                    let Some(place) = queued.place(deadline).await else {
+                        debug!(%remote, "refused: no place by the HELLO deadline");
+                        Metrics::inc(&shared.metrics.handshakes_refused);
+                        incoming.refuse();
+                        return;
+                    };
+                    place
+                }
+                Admission::Busy => return,
+            };
             let conn = match tokio::time::timeout_at(deadline, incoming).await {
                 Ok(Ok(c)) => c,
                 Ok(Err(e)) => {

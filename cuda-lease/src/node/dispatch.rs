@@ -298,6 +298,8 @@ pub(super) async fn lease_alloc(
         t.check_fits(req.min_vram)?;
         lease_limits(shared, &t, who)?;
     }
+    shared.take_worker_start(who)?;
+    Metrics::inc(&shared.metrics.worker_starts);
     let worker = take_worker(shared)
         .await
         .map_err(|e| Reply::err(Status::Internal, e.to_string()))?;

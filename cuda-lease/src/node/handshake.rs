@@ -7,7 +7,12 @@
 //!   closed (the TLS handshake counts against the same deadline);
 //! * at most `max_unauthenticated` connections wait for HELLO node-wide,
 //!   and `max_unauthenticated_per_source` from one source address; more
-//!   are refused before their TLS handshake;
+//!   wait for a place, before their TLS handshake, in the handshake queue
+//!   (first come, first served), at most until their HELLO deadline;
+//! * at most `max_queued_handshakes` connections are in that queue, and
+//!   `max_queued_handshakes_per_source` from one source; more are refused
+//!   at once (the client reads this as "node busy" and retries with
+//!   backoff within its connect timeout);
 //! * a failed HELLO closes its connection (after its reply is written);
 //! * each source address may have `max_failed_hellos_per_source` tokens
 //!   checked and found wrong per second: over it a HELLO is answered
@@ -23,7 +28,10 @@ use std::net::{IpAddr, Ipv6Addr};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::warn;
+
+use super::bucket::TokenBucket;
 
 use crate::lease_table::Principal;
 
@@ -74,31 +82,39 @@ impl std::fmt::Display for Source {
 pub(super) struct HandshakeLimits {
     pub(super) max_unauthenticated: usize,
     pub(super) max_unauthenticated_per_source: usize,
+    pub(super) max_queued: usize,
+    pub(super) max_queued_per_source: usize,
     pub(super) max_failed_hellos_per_source: u32,
 }
 
-/// Connections waiting for HELLO, failed-HELLO allowances and the log
-/// limiter, node-wide.
+/// Connections waiting for HELLO and in the handshake queue,
+/// failed-HELLO allowances and the log limiter, node-wide.
 #[derive(Debug)]
 pub(super) struct Handshakes {
     limits: HandshakeLimits,
+    /// Places among the connections waiting for HELLO, node-wide (a
+    /// queued connection takes its source's place first, then one of
+    /// these; both queues are first come, first served).
+    places: Arc<Semaphore>,
     waiting: Mutex<Waiting>,
-    failed: Mutex<HashMap<Source, Allowance>>,
+    failed: Mutex<HashMap<Source, TokenBucket>>,
     log: Mutex<RejectedLog>,
 }
 
 #[derive(Debug, Default)]
 struct Waiting {
-    total: usize,
-    per_source: HashMap<Source, usize>,
+    sources: HashMap<Source, SourceWaiting>,
+    /// Connections in the handshake queue, node-wide.
+    queued: usize,
 }
 
-/// A token bucket of failed HELLOs: `max_failed_hellos_per_source` per
-/// second, at most that many at once.
-#[derive(Debug, Clone, Copy)]
-struct Allowance {
-    left: f64,
-    at: Instant,
+/// One source's connections waiting for HELLO or queued for a place.
+#[derive(Debug)]
+struct SourceWaiting {
+    places: Arc<Semaphore>,
+    /// Places held and connections queued: the entry goes at zero.
+    users: usize,
+    queued: usize,
 }
 
 #[derive(Debug, Default)]
@@ -107,9 +123,18 @@ struct RejectedLog {
     suppressed: u64,
 }
 
+/// What a new connection gets: a place now, a place in the queue, or
+/// nothing (the queue is full: refuse it).
+pub(super) enum Admission {
+    Now(WaitingPlace),
+    Queued(QueuedHandshake),
+    Busy,
+}
+
 impl Handshakes {
     pub(super) fn new(limits: HandshakeLimits) -> Arc<Self> {
         Arc::new(Self {
+            places: Arc::new(Semaphore::new(limits.max_unauthenticated)),
             limits,
             waiting: Mutex::default(),
             failed: Mutex::default(),
@@ -117,29 +142,63 @@ impl Handshakes {
         })
     }
 
-    /// A place among the connections waiting for HELLO, or `None` when the
-    /// node's or the source's are all taken.
-    pub(super) fn wait(self: &Arc<Self>, source: Source) -> Option<WaitingPlace> {
+    /// A place among the connections waiting for HELLO for a connection
+    /// from `source`, or a place in the queue for one, or `Busy` when the
+    /// queue (node-wide or the source's) is full.
+    pub(super) fn wait(self: &Arc<Self>, source: Source) -> Admission {
         let mut w = lock(&self.waiting);
-        let mine = w.per_source.get(&source).copied().unwrap_or(0);
-        if w.total >= self.limits.max_unauthenticated
-            || mine >= self.limits.max_unauthenticated_per_source
-        {
-            return None;
+        let Waiting { sources, queued } = &mut *w;
+        let per_source = self.limits.max_unauthenticated_per_source;
+        let s = sources.entry(source).or_insert_with(|| SourceWaiting {
+            places: Arc::new(Semaphore::new(per_source)),
+            users: 0,
+            queued: 0,
+        });
+        // (A released permit goes to a queued connection first: nobody
+        // arriving later takes it from them.)
+        if let Ok(mine) = s.places.clone().try_acquire_owned() {
+            if let Ok(node) = self.places.clone().try_acquire_owned() {
+                s.users += 1;
+                return Admission::Now(WaitingPlace {
+                    handshakes: self.clone(),
+                    source,
+                    _permits: (mine, node),
+                });
+            }
         }
-        w.total += 1;
-        w.per_source.insert(source, mine + 1);
-        Some(WaitingPlace {
+        if *queued >= self.limits.max_queued || s.queued >= self.limits.max_queued_per_source {
+            if s.users == 0 {
+                sources.remove(&source);
+            }
+            return Admission::Busy;
+        }
+        s.users += 1;
+        s.queued += 1;
+        *queued += 1;
+        Admission::Queued(QueuedHandshake {
             handshakes: self.clone(),
             source,
+            places: s.places.clone(),
+            dequeued: false,
         })
     }
 
-    fn refill(&self, a: &mut Allowance, now: Instant) {
-        let rate = f64::from(self.limits.max_failed_hellos_per_source);
-        let dt = now.saturating_duration_since(a.at).as_secs_f64();
-        a.left = (a.left + dt * rate).min(rate);
-        a.at = now;
+    /// Counts off one user of `source`'s entry (and one queued connection
+    /// when `queued`).
+    fn leave(&self, source: Source, queued: bool) {
+        let mut w = lock(&self.waiting);
+        if queued {
+            w.queued -= 1;
+        }
+        if let Some(s) = w.sources.get_mut(&source) {
+            s.users -= 1;
+            if queued {
+                s.queued -= 1;
+            }
+            if s.users == 0 {
+                w.sources.remove(&source);
+            }
+        }
     }
 
     /// Takes one failed HELLO of `source`'s allowance before its token is
@@ -150,30 +209,19 @@ impl Handshakes {
         let rate = f64::from(self.limits.max_failed_hellos_per_source);
         let mut m = lock(&self.failed);
         if m.len() >= MAX_TRACKED_SOURCES && !m.contains_key(&source) {
-            m.retain(|_, a| {
-                let dt = now.saturating_duration_since(a.at).as_secs_f64();
-                a.left + dt * rate < rate
-            });
+            m.retain(|_, a| !a.is_full(rate, rate, now));
         }
-        let a = m.entry(source).or_insert(Allowance {
-            left: rate,
-            at: now,
-        });
-        self.refill(a, now);
-        if a.left < 1.0 {
-            return false;
-        }
-        a.left -= 1.0;
-        true
+        m.entry(source)
+            .or_insert(TokenBucket::full(rate, now))
+            .take(rate, rate, now)
+            .is_ok()
     }
 
     /// Gives back what [`Handshakes::take_check`] took: the HELLO was good.
     pub(super) fn authenticated(&self, source: Source) {
-        let now = Instant::now();
-        let mut m = lock(&self.failed);
-        if let Some(a) = m.get_mut(&source) {
-            self.refill(a, now);
-            a.left = (a.left + 1.0).min(f64::from(self.limits.max_failed_hellos_per_source));
+        let rate = f64::from(self.limits.max_failed_hellos_per_source);
+        if let Some(a) = lock(&self.failed).get_mut(&source) {
+            a.give_back(rate, rate, Instant::now());
         }
     }
 
@@ -229,18 +277,62 @@ impl Handshakes {
 pub(super) struct WaitingPlace {
     handshakes: Arc<Handshakes>,
     source: Source,
+    /// The source's place and the node's (released after `drop`).
+    _permits: (OwnedSemaphorePermit, OwnedSemaphorePermit),
 }
 
 impl Drop for WaitingPlace {
     fn drop(&mut self) {
-        let mut w = lock(&self.handshakes.waiting);
-        w.total -= 1;
-        if let Some(n) = w.per_source.get_mut(&self.source) {
-            *n -= 1;
-            if *n == 0 {
-                w.per_source.remove(&self.source);
+        self.handshakes.leave(self.source, false);
+    }
+}
+
+/// A connection's place in the handshake queue; leaves the queue when
+/// dropped.
+#[derive(Debug)]
+pub(super) struct QueuedHandshake {
+    handshakes: Arc<Handshakes>,
+    source: Source,
+    places: Arc<Semaphore>,
+    /// It left the queue for a place.
+    dequeued: bool,
+}
+
+impl QueuedHandshake {
+    /// Waits for a place among the connections waiting for HELLO (the
+    /// source's, then the node's) until `deadline`; `None` then.
+    pub(super) async fn place(mut self, deadline: tokio::time::Instant) -> Option<WaitingPlace> {
+        let take = async {
+            let mine = self.places.clone().acquire_owned().await.ok()?;
+            let node = self.handshakes.places.clone().acquire_owned().await.ok()?;
+            Some((mine, node))
+        };
+        let permits = tokio::time::timeout_at(deadline, take)
+            .await
+            .ok()
+            .flatten()?;
+        // Out of the queue; the place becomes a user of the source's
+        // entry before this handle stops being one (when it drops).
+        {
+            let mut w = lock(&self.handshakes.waiting);
+            w.queued -= 1;
+            if let Some(s) = w.sources.get_mut(&self.source) {
+                s.queued -= 1;
+                s.users += 1;
             }
         }
+        self.dequeued = true;
+        Some(WaitingPlace {
+            handshakes: self.handshakes.clone(),
+            source: self.source,
+            _permits: permits,
+        })
+    }
+}
+
+impl Drop for QueuedHandshake {
+    fn drop(&mut self) {
+        self.handshakes.leave(self.source, !self.dequeued);
     }
 }
 

@@ -24,6 +24,7 @@ use tracing::{info, warn};
 
 mod auth;
 mod batch;
+mod bucket;
 mod bulk;
 mod config;
 mod connection;
@@ -246,6 +247,8 @@ struct Shared {
     device: StdMutex<DeviceInfo>,
     /// GPU_SUBMIT turns per principal.
     submits: StdMutex<HashMap<Principal, Arc<tokio::sync::Semaphore>>>,
+    /// Lease worker starts per principal (a token bucket each).
+    worker_starts: StdMutex<HashMap<Principal, bucket::TokenBucket>>,
     /// Requests and bytes in flight per principal.
     budgets: StdMutex<HashMap<Principal, (usize, u64)>>,
     modules: StdMutex<ModuleCache>,
@@ -263,6 +266,35 @@ impl Shared {
 
     fn table(&self) -> std::sync::MutexGuard<'_, LeaseTable<Slot>> {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes one of `who`'s lease worker starts, or says why not (the
+    /// principal is over its rate).
+    fn take_worker_start(&self, who: &Principal) -> Result<(), Reply> {
+        let rate = self.cfg.worker_starts_per_principal_per_second;
+        let burst = f64::from(self.cfg.worker_start_burst_per_principal);
+        let now = std::time::Instant::now();
+        let mut m = self.worker_starts.lock().unwrap_or_else(|e| e.into_inner());
+        if m.len() >= 4096 && !m.contains_key(who) {
+            m.retain(|_, b| !b.is_full(rate, burst, now));
+        }
+        let taken = m
+            .entry(who.clone())
+            .or_insert(bucket::TokenBucket::full(burst, now))
+            .take(rate, burst, now);
+        drop(m);
+        taken.map_err(|wait| {
+            Metrics::inc(&self.metrics.worker_starts_refused);
+            Reply::err(
+                Status::CapacityExceeded,
+                format!(
+                    "principal {who} is starting lease workers faster than the node allows \
+                     (worker_starts_per_principal_per_second: {rate}, burst {burst}): \
+                     try again in {} ms",
+                    wait.as_millis().max(1)
+                ),
+            )
+        })
     }
 }
 
@@ -437,11 +469,14 @@ impl Shared {
             refilling: AtomicBool::new(false),
             device: StdMutex::new(info),
             submits: StdMutex::default(),
+            worker_starts: StdMutex::default(),
             budgets: StdMutex::default(),
             modules: StdMutex::default(),
             handshakes: Handshakes::new(HandshakeLimits {
                 max_unauthenticated: cfg.max_unauthenticated,
                 max_unauthenticated_per_source: cfg.max_unauthenticated_per_source,
+                max_queued: cfg.max_queued_handshakes,
+                max_queued_per_source: cfg.max_queued_handshakes_per_source,
                 max_failed_hellos_per_source: cfg.max_failed_hellos_per_source,
             }),
             bulk: bulk::Tickets::default(),

@@ -9,6 +9,7 @@ use std::time::Duration;
 use cuda_lease::client::{Client, ClientConfig, Lease, LeaseBuilder, Session};
 use cuda_lease::clock::ManualClock;
 use cuda_lease::node::{Node, NodeConfig};
+use cuda_lease::proto::{self, Header, Opcode, Status};
 use cuda_lease::remote::LeaseSession;
 use cuda_lease::worker::{DeviceSpec, WorkerSpec};
 
@@ -487,4 +488,57 @@ pub fn batches(node: &Node) -> (u64, u64) {
         metric(&t, "gpu_batch_total").expect("gpu_batch_total"),
         metric(&t, "gpu_batch_commands_total").expect("gpu_batch_commands_total"),
     )
+}
+
+/// A QUIC client endpoint on `ip` (all of 127.0.0.0/8 is loopback), so a
+/// test can choose the source address the node sees.
+pub fn endpoint_on(node: &Node, ip: [u8; 4]) -> quinn::Endpoint {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(node.cert_der().clone()).unwrap();
+    let mut tls = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![proto::ALPN.to_vec()];
+    let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut ep = quinn::Endpoint::client((ip, 0).into()).unwrap();
+    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(qc)));
+    ep
+}
+
+/// A new connection from `ep` to the node.
+pub async fn dial(
+    ep: &quinn::Endpoint,
+    node: &Node,
+) -> Result<quinn::Connection, quinn::ConnectionError> {
+    ep.connect(node.addr(), "localhost").unwrap().await
+}
+
+/// Sends HELLO with `token` on a new stream: the reply's status and
+/// message, or `None` when the connection ended without one.
+pub async fn hello(conn: &quinn::Connection, token: &str) -> Option<(Status, String)> {
+    let body = proto::to_body(&proto::Hello {
+        token: token.into(),
+        client: "hardening test".into(),
+    });
+    let (mut send, mut recv) = conn.open_bi().await.ok()?;
+    let h = Header::request(Opcode::Hello, 1, body.len() as u32, 0);
+    proto::write_frame(&mut send, &h, &body, &[]).await.ok()?;
+    let _ = send.finish();
+    let f = tokio::time::timeout(
+        Duration::from_secs(5),
+        proto::read_frame(&mut recv, &proto::Limits::default()),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    let message = proto::from_body::<proto::ErrorBody>(&f.body)
+        .map(|e| e.message)
+        .unwrap_or_default();
+    Some((f.header.status, message))
+}
+
+/// Whether `conn` was closed by the node within `limit`.
+pub async fn closed_within(conn: &quinn::Connection, limit: Duration) -> bool {
+    tokio::time::timeout(limit, conn.closed()).await.is_ok()
 }
