@@ -109,6 +109,8 @@ pub struct Metrics {
     pub worker_starts_refused: Counter,
     vram_allocated: GaugeU64,
     lease_active: GaugeU64,
+    /// Connections holding a place among those waiting for HELLO.
+    pub handshakes_waiting: GaugeU64,
     registry: Registry,
 }
 
@@ -138,6 +140,7 @@ impl Metrics {
             worker_starts_refused: Counter::default(),
             vram_allocated: GaugeU64::default(),
             lease_active: GaugeU64::default(),
+            handshakes_waiting: GaugeU64::default(),
             registry: Registry::default(),
         };
         m.registered()
@@ -226,6 +229,11 @@ impl Metrics {
             "gpu_lease_active",
             "Leases alive now.",
             self.lease_active.clone(),
+        );
+        r.register(
+            "gpu_handshakes_waiting",
+            "Connections between arrival and HELLO holding a place now (the queue not counted).",
+            self.handshakes_waiting.clone(),
         );
         let build = Family::<[(&'static str, &'static str); 1], GaugeU64>::default();
         build

@@ -1203,3 +1203,89 @@ async fn gpu_submit_outputs_count_against_the_principals_byte_budget() {
     assert_eq!(metric(&node.metrics_text(), "gpu_submit_total"), Some(1));
     fx.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_unread_large_batch_reply_holds_a_window_on_the_node_not_its_data() {
+    // Measured before: on a 1 MiB lease, 4 BATCHes of 256 reads of the
+    // same 1 MiB buffer, never read, made the node hold 1,024 MiB. Now
+    // the lease's worker keeps a large reply's data and the node reads it
+    // a part at a time as the client takes it. Scaled: 4 x 64 x 1 MiB.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(64 << 20);
+    cfg.reply_timeout = Duration::from_secs(20);
+    let fx = Fixture::with_config(cfg).start().await;
+    let node = &fx.node;
+    let a = connect(node).await;
+    let lease = lease_of(&a, 1 << 20).await;
+    let buf = proto::Id(1);
+    let pattern: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+    let fill = vec![
+        proto::Command {
+            stream: 0,
+            op: proto::Op::Alloc { buf, size: 1 << 20 },
+        },
+        proto::Command {
+            stream: 0,
+            op: proto::Op::Write {
+                buf,
+                offset: 0,
+                len: 1 << 20,
+            },
+        },
+    ];
+    a.request(
+        Opcode::Batch,
+        &numbered_batch(lease.id(), 0, fill),
+        &pattern,
+    )
+    .await
+    .unwrap();
+    let read = proto::Command {
+        stream: 0,
+        op: proto::Op::Read {
+            buf,
+            offset: 0,
+            len: 1 << 20,
+        },
+    };
+    let reads = numbered_batch(lease.id(), 0, vec![read; 64]);
+    let conn = raw_authed_conn(node).await;
+    let peak = PeakRss::start();
+    let mut unread = Vec::new();
+    for i in 0..4 {
+        unread.push(send_unread(&conn, Opcode::Batch, 100 + i, &reads, &[]).await);
+    }
+    // Every reply has started (its head is here): the worker has run the
+    // batch, and what the node holds for it, it holds now.
+    for (i, r) in unread.iter_mut().enumerate() {
+        let (h, _) = tokio::time::timeout(
+            Duration::from_secs(20),
+            proto::read_head(r, &proto::Limits::default()),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("batch {i} not answered within 20 s"))
+        .unwrap();
+        assert_eq!((h.status, h.data_len), (Status::Ok, 64 << 20));
+    }
+    // Time for the node to fill whatever it would buffer.
+    let settled = metric(&node.metrics_text(), "gpu_batch_total");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let grown = peak.stop();
+    eprintln!(
+        "4 unread BATCH replies of 64 x 1 MiB reads: node RSS peak +{} KiB (batches {settled:?})",
+        grown / 1024
+    );
+    assert!(grown < 64 << 20, "RSS grew by {grown} bytes");
+    // A reply read to its end is whole and right.
+    let mut r = unread.pop().unwrap();
+    let mut data = vec![0u8; 64 << 20];
+    tokio::io::AsyncReadExt::read_exact(&mut r, &mut data)
+        .await
+        .unwrap();
+    for (k, part) in data.chunks(1 << 20).enumerate() {
+        assert!(part == &pattern[..], "read {k} differs");
+    }
+    drop(unread);
+    lease.free().await.unwrap();
+    fx.shutdown().await;
+}

@@ -7,7 +7,7 @@ use super::auth::lease_of;
 use super::order::{Arrival, Place, Stalled};
 use super::plan::{plan, Charges, Effect, GraphChange, Plan, PlanLimits};
 use super::submit::BudgetTurn;
-use super::{fail_lease, IdKind, LeaseSlot, LeaseState, ModuleSource, Reply, Shared};
+use super::{fail_lease, HeldData, IdKind, LeaseSlot, LeaseState, ModuleSource, Reply, Shared};
 use crate::hops::stamps::{stamp, Point};
 use crate::hops::{self, HopTimer};
 use crate::lease_table::Principal;
@@ -16,7 +16,9 @@ use crate::proto::{
     self, from_body, Batch, BatchReply, LeaseId, ModuleHash, Op, OpError, Opcode, SourceKind,
     Status,
 };
-use crate::worker::{SentRequest, WorkerBatchReply, WorkerError, WorkerLoad, WorkerProcess};
+use crate::worker::{
+    SentRequest, WorkerBatchReply, WorkerError, WorkerLoad, WorkerProcess, FLAG_HELD,
+};
 
 /// The reply for a lease whose worker died or hung during a request: the
 /// lease's own error if it expired or was freed meanwhile, else the lease is
@@ -127,7 +129,7 @@ pub(super) async fn run_in_order(
     data: &[u8],
     hop: &mut Option<HopTimer>,
     turn: Option<&mut BudgetTurn>,
-) -> Result<(BatchReply, Vec<u8>), Reply> {
+) -> Result<BatchOut, Reply> {
     if b.seq == 0 {
         hops::mark(hop, "order");
         stamp(Point::BatchInOrder);
@@ -150,7 +152,7 @@ pub(super) async fn run_in_order(
                 completed: 0,
                 error: None,
             };
-            return Ok((empty, Vec::new()));
+            return Ok((empty, Vec::new(), None));
         }
         return Err(Reply::err(
             Status::BadRequest,
@@ -187,6 +189,9 @@ pub(super) fn stalled(shared: &Shared, lease: &LeaseId, e: Stalled) -> Reply {
     }
 }
 
+/// A batch's reply, its reads' bytes, or the worker's hold of them.
+pub(super) type BatchOut = (BatchReply, Vec<u8>, Option<HeldData>);
+
 /// Runs `b`, whose commands encode to `wire` (forwarded to the worker as
 /// they are when the node accepts every one of them). The bytes its reads
 /// return are charged to `turn` as they are planned.
@@ -206,7 +211,7 @@ pub(super) async fn run_batch(
     hop: &mut Option<HopTimer>,
     turn: Option<&mut BudgetTurn>,
     place: Option<Place<'_>>,
-) -> Result<(BatchReply, Vec<u8>), Reply> {
+) -> Result<BatchOut, Reply> {
     let lease = &b.lease;
     let slot = lease_of(shared, who, lease)?;
     let exec = slot.exec.lock().await;
@@ -261,12 +266,19 @@ pub(super) async fn run_batch(
     };
     hops::mark(hop, "commit");
     stamp(Point::NodeCommitted);
+    let held = ran.held.map(|(request, len)| HeldData {
+        slot: slot.clone(),
+        request,
+        len,
+        read: 0,
+    });
     Ok((
         BatchReply {
             completed: ran.completed as u32,
             error: ran.error.or(p.error),
         },
         ran.out,
+        held,
     ))
 }
 
@@ -328,6 +340,9 @@ struct Ran {
     completed: usize,
     /// The reads' bytes.
     out: Vec<u8>,
+    /// Or, for a large reply, their length and the worker request whose
+    /// reply the worker keeps them for.
+    held: Option<(u64, u64)>,
     /// The worker's failure, by the command (or module) it names.
     error: Option<OpError>,
 }
@@ -417,10 +432,13 @@ async fn receive_work(
             }
         }
     });
+    let held = (frame.header.flags & FLAG_HELD != 0)
+        .then(|| (frame.header.request_id, u64::from(frame.header.data_len)));
     Ok(Ran {
         loaded,
         completed,
         out: frame.data,
+        held,
         error,
     })
 }

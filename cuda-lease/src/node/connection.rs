@@ -147,8 +147,8 @@ pub(super) async fn serve_stream(
         Err(elapsed) => Err(elapsed),
     };
     stamp(Point::NodeRead);
-    let answer = answer(&shared, &peer, read, turn.as_mut(), &mut hop).await;
-    write_reply(&shared, &mut send, &answer, &mut hop).await;
+    let mut answer = answer(&shared, &peer, read, turn.as_mut(), &mut hop).await;
+    write_reply(&shared, &mut send, &mut answer, &mut hop).await;
     if answer.failed_hello {
         close_after_failed_hello(&shared, &peer, &mut send).await;
     }
@@ -309,29 +309,34 @@ async fn answer(
 }
 
 /// Writes the answer within the reply timeout; a reply nobody reads by
-/// then is reset, the client's loss, not the node's memory.
+/// then is reset, the client's loss, not the node's memory. A reply whose
+/// data a lease's worker keeps is read from the worker a part at a time,
+/// as the stream takes it: an unread reply holds a part on the node, not
+/// its whole data.
 async fn write_reply(
     shared: &Shared,
     send: &mut quinn::SendStream,
-    a: &Answer,
+    a: &mut Answer,
     hop: &mut Option<HopTimer>,
 ) {
-    let reply = &a.reply;
-    let h = Header::reply(
-        &a.req,
-        reply.status,
-        reply.body.len() as u32,
-        reply.data.len() as u32,
-    );
+    let reply = &mut a.reply;
+    let data_len = match &reply.held {
+        Some(held) => held.len as u32,
+        None => reply.data.len() as u32,
+    };
+    let h = Header::reply(&a.req, reply.status, reply.body.len() as u32, data_len);
     let sent = tokio::time::timeout(shared.cfg.reply_timeout, async {
-        let written = match a.reply_version {
-            Some(v) => {
+        let written = match (a.reply_version, reply.held.as_mut()) {
+            (Some(v), _) => {
                 let mut frame = h.encode().to_vec();
                 frame[4] = v;
                 frame.extend_from_slice(&reply.body);
                 tokio::io::AsyncWriteExt::write_all(send, &frame).await
             }
-            None => proto::write_frame(send, &h, &reply.body, &reply.data).await,
+            (None, None) => proto::write_frame(send, &h, &reply.body, &reply.data).await,
+            (None, Some(held)) => {
+                write_held(send, &h, &reply.body, held, shared.cfg.op_timeout).await
+            }
         };
         if written.is_ok() {
             let _ = send.finish();
@@ -339,12 +344,38 @@ async fn write_reply(
             stamp(Point::NodeReplied);
             let _ = send.stopped().await;
         }
+        written
     })
     .await;
-    if sent.is_err() {
-        debug!("reply not read within the reply timeout: dropped");
-        let _ = send.reset(0u32.into());
+    match sent {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            debug!(error = %e, "reply not written: reset");
+            let _ = send.reset(0u32.into());
+        }
+        Err(_) => {
+            debug!("reply not read within the reply timeout: dropped");
+            let _ = send.reset(0u32.into());
+        }
     }
+}
+
+/// Writes a reply's header and body, then its data as the worker that
+/// keeps it hands it over, a part at a time.
+async fn write_held(
+    send: &mut quinn::SendStream,
+    h: &Header,
+    body: &[u8],
+    held: &mut super::HeldData,
+    timeout: Duration,
+) -> std::io::Result<()> {
+    send.write_all(&h.encode()).await?;
+    send.write_all(body).await?;
+    while let Some(part) = held.next(timeout).await {
+        send.write_all(&part.map_err(std::io::Error::other)?)
+            .await?;
+    }
+    Ok(())
 }
 
 /// Closes a connection whose HELLO failed, once its reply has arrived (or

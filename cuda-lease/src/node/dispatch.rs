@@ -175,13 +175,15 @@ async fn batch(
         .metrics
         .batch_commands
         .fetch_add(b.commands.len() as u64, Ordering::Relaxed);
-    let (reply, data) = run_in_order(shared, who, conn, &b, wire, &f.data, &mut hop, turn).await?;
+    let (reply, data, held) =
+        run_in_order(shared, who, conn, &b, wire, &f.data, &mut hop, turn).await?;
     let body = to_body(&reply);
     hops::mark(&mut hop, "reply");
     Ok(Reply {
         status: Status::Ok,
         body,
         data,
+        held,
     })
 }
 
@@ -222,7 +224,7 @@ pub(super) async fn single(
     };
     batch.validate(0)?;
     let wire = to_body(&batch.commands);
-    let (reply, _) = run_batch(shared, who, &batch, &wire, &[], &mut None, None, None).await?;
+    let (reply, _, _) = run_batch(shared, who, &batch, &wire, &[], &mut None, None, None).await?;
     match reply.error {
         Some(e) => Err(Reply::err(e.status, e.message)),
         None => Ok(Reply::empty()),

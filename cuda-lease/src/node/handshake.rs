@@ -183,6 +183,11 @@ impl Handshakes {
         })
     }
 
+    /// Connections holding a place among those waiting for HELLO now.
+    pub(super) fn waiting(&self) -> usize {
+        self.limits.max_unauthenticated - self.places.available_permits()
+    }
+
     /// Counts off one user of `source`'s entry (and one queued connection
     /// when `queued`).
     fn leave(&self, source: Source, queued: bool) {

@@ -327,6 +327,70 @@ struct Reply {
     status: Status,
     body: Vec<u8>,
     data: Vec<u8>,
+    /// Data a lease's worker keeps for this reply (then `data` is empty),
+    /// read from it as the client takes the reply.
+    held: Option<HeldData>,
+}
+
+/// How much of a held reply the node reads from the worker at a time:
+/// what an unread reply holds on the node, beside what the connection
+/// has buffered.
+const HELD_CHUNK: u32 = 1 << 20;
+
+/// A reply's data kept in a lease's worker ([`crate::worker::FLAG_HELD`]);
+/// dropped there when this is dropped before it was all read.
+struct HeldData {
+    slot: Slot,
+    /// The worker request whose reply it is.
+    request: u64,
+    len: u64,
+    /// Bytes read from the worker so far (the worker drops its copy once
+    /// its last byte is read).
+    read: u64,
+}
+
+impl HeldData {
+    /// The next part (at most [`HELD_CHUNK`] bytes), or `None` at the end.
+    async fn next(&mut self, timeout: Duration) -> Option<Result<Vec<u8>, WorkerError>> {
+        if self.read >= self.len {
+            return None;
+        }
+        let n = (self.len - self.read).min(u64::from(HELD_CHUNK)) as u32;
+        let part = self
+            .slot
+            .worker
+            .read_held(self.request, self.read, n, timeout)
+            .await;
+        Some(match part {
+            Ok(p) if p.len() == n as usize => {
+                self.read += u64::from(n);
+                Ok(p)
+            }
+            Ok(p) => Err(WorkerError::Dead(format!(
+                "held reply {}: {} bytes where {n} were asked for",
+                self.request,
+                p.len()
+            ))),
+            Err(e) => Err(e),
+        })
+    }
+}
+
+impl Drop for HeldData {
+    fn drop(&mut self) {
+        if self.read >= self.len {
+            return;
+        }
+        let (slot, request) = (self.slot.clone(), self.request);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = slot
+                    .worker
+                    .read_held(request, 0, 0, Duration::from_secs(60))
+                    .await;
+            });
+        }
+    }
 }
 
 impl Reply {
@@ -335,6 +399,7 @@ impl Reply {
             status: Status::Ok,
             body: to_body(msg),
             data: Vec::new(),
+            held: None,
         }
     }
     fn empty() -> Self {
@@ -342,6 +407,7 @@ impl Reply {
             status: Status::Ok,
             body: Vec::new(),
             data: Vec::new(),
+            held: None,
         }
     }
     fn err(status: Status, message: impl Into<String>) -> Self {
@@ -351,6 +417,7 @@ impl Reply {
                 message: message.into(),
             }),
             data: Vec::new(),
+            held: None,
         }
     }
 }
@@ -487,6 +554,9 @@ impl Shared {
 
     /// The metrics text now, with the gauges read from the lease table.
     fn render_metrics(&self) -> String {
+        self.metrics
+            .handshakes_waiting
+            .set(self.handshakes.waiting() as u64);
         let t = self.table();
         self.metrics.render(t.allocated_total(), t.len() as u64)
     }

@@ -170,6 +170,7 @@ pub(super) async fn submit_inner(shared: &Arc<Shared>, f: &Frame) -> Result<Repl
             status: Status::Ok,
             body: Vec::new(),
             data: frame.data,
+            held: None,
         }),
         Ok(frame) => {
             let fail: WorkerFailure = from_body(&frame.body).unwrap_or(WorkerFailure {

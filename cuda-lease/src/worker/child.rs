@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use super::graphs::Graphs;
 use super::messages::{
-    ChunkOps, WorkerBatch, WorkerBatchReply, WorkerFailure, MAX_CHUNKS_PER_CALL,
+    ChunkOps, HeldRead, WorkerBatch, WorkerBatchReply, WorkerFailure, FLAG_HELD, HELD_MIN,
+    MAX_CHUNKS_PER_CALL,
 };
 use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice, Ticket};
@@ -77,19 +78,28 @@ pub(super) fn run_worker(spec: &str) -> i32 {
         .map_or(Duration::ZERO, Duration::from_micros);
     // Sealed batches whose work runs on while the next requests are read.
     let mut running: Vec<Running> = Vec::new();
+    // Large replies' data, read by the node as its clients take it.
+    let mut held = Held::default();
     let stdin_fd = {
         use std::os::fd::AsRawFd;
         std::io::stdin().as_raw_fd()
     };
     loop {
-        if answer_done(device.as_mut(), &mut running, &mut output).is_err() {
+        if answer_done(device.as_mut(), &mut running, &mut held, &mut output).is_err() {
             return 1;
         }
         if input.buffer().is_empty() {
             if running.is_empty() {
                 crate::spin::readable_within(stdin_fd, spin);
             } else {
-                match wait_for_work(device.as_mut(), &mut running, &mut output, stdin_fd, spin) {
+                match wait_for_work(
+                    device.as_mut(),
+                    &mut running,
+                    &mut held,
+                    &mut output,
+                    stdin_fd,
+                    spin,
+                ) {
                     Ok(true) => {}
                     // Every running batch answered: back to waiting for a request.
                     Ok(false) => continue,
@@ -108,6 +118,12 @@ pub(super) fn run_worker(spec: &str) -> i32 {
             Err(_) => return 0,
         };
         hops::mark(&mut hop, "pipe_read");
+        if frame.header.flags & FLAG_HELD != 0 {
+            if held.read(&mut output, &frame).is_err() {
+                return 1;
+            }
+            continue;
+        }
         if frame.header.opcode == Opcode::Batch {
             // Enqueued and sealed now, answered when its work is done.
             match from_body::<WorkerBatch<'_>>(&frame.body) {
@@ -178,6 +194,57 @@ pub(super) fn run_worker(spec: &str) -> i32 {
     }
 }
 
+/// Batch replies' data kept for the node to read as its clients take it
+/// ([`FLAG_HELD`]), by request id.
+#[derive(Default)]
+struct Held(std::collections::HashMap<u64, Vec<u8>>);
+
+impl Held {
+    /// Writes the reply to `request`: with its data, or, past
+    /// [`HELD_MIN`], keeping the data here and saying how long it is.
+    fn reply(
+        &mut self,
+        output: &mut impl std::io::Write,
+        request: &Header,
+        status: Status,
+        body: &[u8],
+        data: Vec<u8>,
+    ) -> std::io::Result<()> {
+        let mut h = Header::reply(request, status, body.len() as u32, data.len() as u32);
+        if data.len() <= HELD_MIN {
+            return proto::write_frame_blocking(output, &h, body, &data);
+        }
+        h.flags |= FLAG_HELD;
+        self.0.insert(request.request_id, data);
+        proto::write_frame_blocking(output, &h, body, &[])
+    }
+
+    /// Answers a [`HeldRead`] with the part of the held data it asks for
+    /// (none if the reply is not held, or the read is past its end).
+    fn read(&mut self, output: &mut impl std::io::Write, f: &Frame) -> std::io::Result<()> {
+        let mut part: &[u8] = &[];
+        let mut done = true;
+        if let Ok(r) = from_body::<HeldRead>(&f.body) {
+            if let Some(data) = self.0.get(&r.request) {
+                let start = usize::try_from(r.offset)
+                    .unwrap_or(usize::MAX)
+                    .min(data.len());
+                let end = start.saturating_add(r.len as usize).min(data.len());
+                part = &data[start..end];
+                done = r.len == 0 || end == data.len();
+            }
+        }
+        let h = Header::reply(&f.header, Status::Ok, 0, part.len() as u32);
+        let written = proto::write_frame_blocking(output, &h, &[], part);
+        if done {
+            if let Ok(r) = from_body::<HeldRead>(&f.body) {
+                self.0.remove(&r.request);
+            }
+        }
+        written
+    }
+}
+
 /// Sealed work that may still run, and the request it answers.
 struct Running {
     request: Header,
@@ -199,6 +266,7 @@ enum Sealed {
 fn answer_done(
     dev: &mut dyn Device,
     running: &mut Vec<Running>,
+    held: &mut Held,
     output: &mut impl std::io::Write,
 ) -> Result<(), ()> {
     let mut i = 0;
@@ -222,8 +290,8 @@ fn answer_done(
                 }
             },
         };
-        let h = Header::reply(&r.request, status, body.len() as u32, out.len() as u32);
-        proto::write_frame_blocking(output, &h, &body, &out).map_err(|_| ())?;
+        held.reply(output, &r.request, status, &body, out)
+            .map_err(|_| ())?;
         hops::mark(&mut hop, "pipe_write");
         if let Some(t) = LAST_TRACE.with(|l| l.borrow_mut().take()) {
             t.close();
@@ -238,13 +306,14 @@ fn answer_done(
 fn wait_for_work(
     dev: &mut dyn Device,
     running: &mut Vec<Running>,
+    held: &mut Held,
     output: &mut impl std::io::Write,
     fd: std::os::fd::RawFd,
     spin: Duration,
 ) -> Result<bool, ()> {
     let start = std::time::Instant::now();
     loop {
-        answer_done(dev, running, output)?;
+        answer_done(dev, running, held, output)?;
         if running.is_empty() {
             return Ok(false);
         }

@@ -88,4 +88,24 @@ pub(crate) struct ChunkOps {
 /// Most chunks in one [`ChunkOps`] call.
 pub(crate) const MAX_CHUNKS_PER_CALL: usize = 8;
 
-proto::postcard_codec!(ChunkOp, ChunkOps, WorkerFailure, WorkerBatchReply);
+/// A worker reply flag (on BATCH replies): the reply's `data_len` bytes stay in the worker,
+/// under the request's id, and the frame carries none of them; the node
+/// reads them with [`HeldRead`] requests as its client takes them. A
+/// request with this flag is a [`HeldRead`].
+pub(crate) const FLAG_HELD: u16 = 0x8000;
+
+/// Replies with more data than this keep it in the worker
+/// ([`FLAG_HELD`]); smaller ones carry it.
+pub(crate) const HELD_MIN: usize = 4 << 20;
+
+/// Node -> worker: up to `len` bytes of reply `request`'s held data from
+/// `offset` (the reply's data is that part); `len` 0 drops the rest. The
+/// part that reaches the end drops it too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct HeldRead {
+    pub(crate) request: u64,
+    pub(crate) offset: u64,
+    pub(crate) len: u32,
+}
+
+proto::postcard_codec!(ChunkOp, ChunkOps, WorkerFailure, WorkerBatchReply, HeldRead);

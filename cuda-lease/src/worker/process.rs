@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::io::BufReader;
 use tokio::process::{Child, ChildStdin, Command};
 
-use super::messages::WorkerFailure;
+use super::messages::{HeldRead, WorkerFailure, FLAG_HELD};
 use super::{WorkerSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::hops::stamps::{stamp, Point};
 use crate::hops::{self, Hop, HopTimer};
@@ -311,6 +311,40 @@ impl WorkerProcess {
         parts: &[&[u8]],
         timeout: Duration,
     ) -> Result<SentRequest<'_>, WorkerError> {
+        self.send_flagged(opcode, 0, body, parts, timeout).await
+    }
+
+    /// Up to `len` bytes, from `offset`, of the data the worker kept for
+    /// its reply to request `request` ([`FLAG_HELD`]); `len` 0 drops it
+    /// (so does reading its last byte).
+    pub(crate) async fn read_held(
+        &self,
+        request: u64,
+        offset: u64,
+        len: u32,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, WorkerError> {
+        let body = proto::to_body(&HeldRead {
+            request,
+            offset,
+            len,
+        });
+        let f = self
+            .send_flagged(Opcode::Batch, FLAG_HELD, &body, &[], timeout)
+            .await?
+            .reply()
+            .await?;
+        Ok(f.data)
+    }
+
+    async fn send_flagged(
+        &self,
+        opcode: Opcode,
+        flags: u16,
+        body: &[u8],
+        parts: &[&[u8]],
+        timeout: Duration,
+    ) -> Result<SentRequest<'_>, WorkerError> {
         let deadline = tokio::time::Instant::now() + timeout;
         let len: usize = parts.iter().map(|p| p.len()).sum();
         let mut hop = HopTimer::start(Hop::NodeWorker, opcode, len as u64);
@@ -325,7 +359,8 @@ impl WorkerProcess {
             }
             w.replies.insert(id, tx);
         }
-        let h = Header::request(opcode, id, body.len() as u32, len as u32);
+        let mut h = Header::request(opcode, id, body.len() as u32, len as u32);
+        h.flags |= flags;
         stamp(Point::WorkerCall);
         let written = tokio::time::timeout_at(
             deadline,
@@ -398,7 +433,7 @@ impl WorkerProcess {
                 crate::spin::readable_within_async(fd, self.spin).await;
             }
             stamp(Point::PipeReply);
-            let f = match proto::read_frame(&mut *stdout, &WORKER_LIMITS).await {
+            let f = match read_reply(&mut *stdout).await {
                 Ok(f) => f,
                 Err(e) => {
                     guard.0 = None;
@@ -521,6 +556,22 @@ impl SentRequest<'_> {
             }
         }
     }
+}
+
+/// Reads a worker's reply: a held one ([`FLAG_HELD`]) has no data on the
+/// pipe (its `data_len` says how much the worker keeps).
+async fn read_reply<R>(r: &mut R) -> std::io::Result<Frame>
+where
+    R: tokio::io::AsyncRead + Unpin,
+{
+    use tokio::io::AsyncReadExt;
+    let (header, body) = proto::read_head(r, &WORKER_LIMITS).await?;
+    let mut data = Vec::new();
+    if header.flags & FLAG_HELD == 0 {
+        data.resize(header.data_len as usize, 0);
+        r.read_exact(&mut data).await?;
+    }
+    Ok(Frame { header, body, data })
 }
 
 /// Kills the worker when dropped while armed (a reply read cut short).
