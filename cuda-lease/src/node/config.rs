@@ -88,6 +88,10 @@ pub struct NodeConfig {
     /// Most bytes of the node's module cache one principal's modules may
     /// hold; past it the principal's own oldest entries go.
     pub module_cache_bytes_per_principal: u64,
+    /// Longest a request's data may stop arriving before the request is
+    /// dropped with what it held (its whole data must arrive within 60 s
+    /// in any case).
+    pub payload_stall_timeout: Duration,
     /// Longest a connection may go without a principal (its TLS handshake
     /// and HELLO); then it is closed.
     pub hello_timeout: Duration,
@@ -210,6 +214,7 @@ impl NodeConfig {
             max_ids_per_lease: 1 << 16,
             module_cache_bytes: 64 << 20,
             module_cache_bytes_per_principal: 16 << 20,
+            payload_stall_timeout: Duration::from_secs(10),
             hello_timeout: Duration::from_secs(5),
             max_unauthenticated: 256,
             max_unauthenticated_per_source: 32,
