@@ -40,6 +40,26 @@ impl TokenBucket {
         Err(Duration::try_from_secs_f64(wait).unwrap_or(Duration::MAX))
     }
 
+    /// Takes a token now, or the next one to come if it comes within
+    /// `max_wait`: `Ok` with how long to wait for it (reserved: the bucket
+    /// goes into debt), or `Err` with how long until one is free.
+    pub(super) fn take_within(
+        &mut self,
+        rate: f64,
+        burst: f64,
+        now: Instant,
+        max_wait: Duration,
+    ) -> Result<Duration, Duration> {
+        match self.take(rate, burst, now) {
+            Ok(()) => Ok(Duration::ZERO),
+            Err(wait) if wait <= max_wait => {
+                self.left -= 1.0;
+                Ok(wait)
+            }
+            Err(wait) => Err(wait),
+        }
+    }
+
     /// Gives a token back (up to `burst`).
     pub(super) fn give_back(&mut self, rate: f64, burst: f64, now: Instant) {
         self.refill(rate, burst, now);
@@ -76,5 +96,20 @@ mod tests {
         b.take(10.0, 3.0, t1).unwrap();
         assert!(!b.is_full(10.0, 3.0, t1));
         assert!(b.is_full(10.0, 3.0, t1 + Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn a_token_within_the_wait_is_reserved_and_later_ones_wait_longer() {
+        let t0 = Instant::now();
+        let mut b = TokenBucket::full(1.0, t0);
+        let max = Duration::from_millis(250);
+        assert_eq!(b.take_within(10.0, 1.0, t0, max), Ok(Duration::ZERO));
+        let w1 = b.take_within(10.0, 1.0, t0, max).unwrap();
+        let w2 = b.take_within(10.0, 1.0, t0, max).unwrap();
+        assert!((w1.as_secs_f64() - 0.1).abs() < 1e-9, "{w1:?}");
+        assert!((w2.as_secs_f64() - 0.2).abs() < 1e-9, "{w2:?}");
+        // The next would wait 0.3 s: refused, told when to retry.
+        let e = b.take_within(10.0, 1.0, t0, max).unwrap_err();
+        assert!((e.as_secs_f64() - 0.3).abs() < 1e-9, "{e:?}");
     }
 }

@@ -300,7 +300,7 @@ pub(super) async fn lease_alloc(
         t.check_fits(req.min_vram)?;
         lease_limits(shared, &t, who)?;
     }
-    shared.take_worker_start(who)?;
+    shared.take_worker_start(who).await?;
     Metrics::inc(&shared.metrics.worker_starts);
     let worker = take_worker(shared)
         .await
