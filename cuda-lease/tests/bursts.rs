@@ -173,7 +173,7 @@ async fn a_full_handshake_queue_is_node_busy_and_the_client_retries_until_served
     let mut cfg = memory_config(1 << 20);
     cfg.max_unauthenticated_per_source = 2;
     cfg.max_queued_handshakes_per_source = 1;
-    cfg.hello_timeout = Duration::from_millis(1500);
+    cfg.hello_timeout = Duration::from_secs(4);
     let fx = Fixture::with_config(cfg).start().await;
     let node = &fx.node;
     // Two idle connections hold 127.0.0.1's places; a third waits in its
@@ -192,7 +192,7 @@ async fn a_full_handshake_queue_is_node_busy_and_the_client_retries_until_served
     })
     .await;
     // A client with a short connect timeout is told why.
-    let short = client_config(node).connect_timeout(Duration::from_millis(300));
+    let short = client_config(node).connect_timeout(Duration::from_secs(1));
     let e = Client::connect(node.addr(), &short).await.unwrap_err();
     eprintln!("connect against a full handshake queue: {e}");
     assert_eq!(
