@@ -31,8 +31,6 @@ fn main() {
         eprintln!("remote_lease: unknown argument {arg} (it takes none; --help says what it does)");
         std::process::exit(2);
     }
-    // Hop spans (CUDA_LEASE_HOP_TIMES=1, or RUST_LOG=cuda_lease::hop=trace).
-    cuda_lease::hops::init_from_env();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

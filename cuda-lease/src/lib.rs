@@ -23,10 +23,9 @@
 //! Test and measurement helpers, behind the `test-util` feature (not part
 //! of the API): `ptx`, hand-written test kernels (iota, vector add, a
 //! faulting kernel); `baseline` (with `node`), raw quinn with the node's
-//! settings, the ceiling every remote measurement is a ratio to. The hop
-//! timings are `tracing` spans at the target `cuda_lease::hop` (on with
-//! `RUST_LOG=cuda_lease::hop=trace` or `CUDA_LEASE_HOP_TIMES=1`), printed
-//! by the hidden `hops` module's layer.
+//! settings, the ceiling every remote measurement is a ratio to. The
+//! `stamps` module times fixed points of a submission's path for the bench
+//! report's remote rows.
 //!
 //! # Features
 //!
@@ -70,15 +69,10 @@ pub mod config_file;
 pub mod device;
 #[cfg(feature = "fleet")]
 pub mod fleet;
-// Public for the programs that print the hop spans (`layer`,
-// `init_from_env`: the binaries, examples and benches) and for
-// the bench report's remote rows (`benches/src/remote/`), which mark their own requests on the hop time
-// line (`enabled`, `emit`, `now_us`). Not API: the hop timings' interface
-// is the `cuda_lease::hop` tracing target and the lines its layer prints.
-#[doc(hidden)]
-pub mod hops;
 #[cfg(feature = "node")]
 pub mod lease_table;
+#[cfg(any(feature = "node", feature = "cli"))]
+pub mod log;
 #[cfg(feature = "node")]
 pub mod metrics;
 #[cfg(feature = "node")]
@@ -94,6 +88,10 @@ pub mod sandbox;
 mod shm;
 #[cfg(feature = "node")]
 pub mod spin;
+// Public for the bench report's remote rows (`benches/src/remote/`), which
+// take the stamps of their submissions. Not API.
+#[doc(hidden)]
+pub mod stamps;
 pub mod tls;
 pub mod transport;
 pub mod units;

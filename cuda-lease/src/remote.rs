@@ -34,10 +34,9 @@ use std::time::Duration;
 use crate::client::{
     config_error, protocol_error, Error, ErrorKind, Lease, Module, Session, Submitted,
 };
-use crate::hops::stamps::{stamp, Point};
-use crate::hops::{self, Hop, HopTimer};
 use crate::proto::LeaseId;
-use crate::proto::{ModuleHash, Opcode};
+use crate::proto::ModuleHash;
+use crate::stamps::{stamp, Point};
 use cuda_async::remote::{Recording, RemoteCommand, RemoteCompletion};
 use cuda_async::{ModuleSource, RemoteSession};
 use std::net::SocketAddr;
@@ -365,8 +364,6 @@ impl LeaseSession {
     /// Sends `recording` as one message (the path of every submission
     /// without a transfer on the data path).
     fn submit_now(&self, mut recording: Recording, done: FailOnDrop) {
-        // With hop timings on: this side's share, printed when it is done.
-        let mut hop = HopTimer::start(Hop::ClientSubmit, Opcode::Batch, 0);
         stamp(Point::ClientSubmit);
         // The reads are received straight into their slots' storage, and
         // the writes' payloads go out as recorded (not copied again).
@@ -380,12 +377,10 @@ impl LeaseSession {
             let reply = self.send(recording.commands(), false, writes, bufs);
             (reply, reading.conflicts(recording.commands()))
         };
-        hops::mark(&mut hop, "encode");
         let mut task = Box::pin(async move {
-            let (done, mut hop) = (done, hop);
+            let done = done;
             let outcome = async {
                 let (reply, bufs) = reply.await?;
-                hops::mark(&mut hop, "reply");
                 stamp(Point::ClientReplyRead);
                 reply.ok()?;
                 for (slot, buf) in recording.reads().iter().zip(bufs) {
@@ -397,7 +392,6 @@ impl LeaseSession {
             let r = outcome.await;
             stamp(Point::ClientDone);
             done.finish(r);
-            hops::mark(&mut hop, "complete");
         });
         if !waits.is_empty() {
             self.runtime.spawn(async move {

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use cuda_async::prelude::*;
-use cuda_lease::hops::stamps::{self, Point, POINTS};
+use cuda_lease::stamps::{self, Point, POINTS};
 
 #[test]
 fn one_awaited_op_reaches_every_point_in_order() {

@@ -20,9 +20,6 @@
 //! - `REPORT_REMOTE_SPIN_US`: the workers' pipe spin budget.
 //! - `REPORT_REMOTE_IN_TASK=1`: measure the remote rows from a task on the
 //!   runtime instead of `block_on`'s thread.
-//! - `CUDA_LEASE_HOP_TIMES=1` (or `RUST_LOG=cuda_lease::hop=trace`): the
-//!   remote requests' hop spans on stderr, with a `hop=bench-remote` mark
-//!   per timed chain and launch (`cuda-lease/scripts/hop-timeline`).
 //! - `REPORT_TIMEOUT_S` (default 300): past this, the report prints and
 //!   writes what it has and exits with status 3.
 //!
@@ -51,9 +48,6 @@ const USAGE: &str = "usage: bench-report [--no-fail] OUT.json   \
 fn main() -> ExitCode {
     // The remote topics' node starts its workers from this program.
     cuda_lease::main_if_worker();
-    // Hop spans of the remote topics (CUDA_LEASE_HOP_TIMES=1, or
-    // RUST_LOG=cuda_lease::hop=trace).
-    cuda_lease::hops::init_from_env();
     let mut args: Vec<_> = std::env::args_os().skip(1).collect();
     let no_fail = args.first().is_some_and(|a| a == "--no-fail");
     if no_fail {

@@ -7,7 +7,6 @@
 //! request/reply of the chain's sizes) interleaved with the remote and the
 //! local path, in blocks of each in turn, so all of them see the same host.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,9 +14,8 @@ use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, HostBuffer, Kernel, Module, RemotePolicy, StreamPoolRoundRobin};
 use cuda_lease::baseline::RawQuinn;
 use cuda_lease::client::{Client, Lease};
-use cuda_lease::hops;
-use cuda_lease::hops::stamps::{self, stamp, Point};
 use cuda_lease::remote::LeaseSession;
+use cuda_lease::stamps::{self, stamp, Point};
 
 use super::baselines::Raw;
 use super::{detail, detail_steps, difference, rates, size_label, times, Ctx};
@@ -91,11 +89,7 @@ async fn one_replay<P: SchedulingPolicy + ?Sized>(
         .launch()
         .then(|()| d2h(&graph.output().1))
         .schedule(policy)?;
-    let out = if hops::enabled() {
-        timed(op, &format!("replay-{label}")).await?
-    } else {
-        op.await?
-    };
+    let out = op.await?;
     let d = t.elapsed();
     stamp(Point::End);
     if out.as_slice()?[1] != 17.0 * 0.5 * x[1] {
@@ -133,7 +127,7 @@ async fn time_one_op<P: SchedulingPolicy>(
     axpy: &Kernel,
     iters: usize,
 ) -> Result<Vec<Duration>> {
-    let mut kept = KeptLaunch::new("op", policy, axpy).await?;
+    let mut kept = KeptLaunch::new(policy, axpy).await?;
     let mut v = Vec::with_capacity(iters);
     for i in 0..iters + 50 {
         let d = kept.time(policy).await?;
@@ -146,8 +140,6 @@ async fn time_one_op<P: SchedulingPolicy>(
 
 /// One `axpy` launch on buffers made beforehand, timed awaited.
 struct KeptLaunch {
-    /// `remote` or `local`: the hop time line's label.
-    label: &'static str,
     axpy: Kernel,
     x: Arc<DeviceBuffer<f32>>,
     y: Option<DeviceBuffer<f32>>,
@@ -156,14 +148,9 @@ struct KeptLaunch {
 impl KeptLaunch {
     const N: u32 = 256;
 
-    async fn new<P: SchedulingPolicy + ?Sized>(
-        label: &'static str,
-        policy: &P,
-        axpy: &Kernel,
-    ) -> Result<Self> {
+    async fn new<P: SchedulingPolicy + ?Sized>(policy: &P, axpy: &Kernel) -> Result<Self> {
         let n = Self::N as usize;
         Ok(KeptLaunch {
-            label,
             axpy: axpy.clone(),
             x: Arc::new(h2d(vec![1.0f32; n]).schedule(policy)?.await?),
             y: Some(zeros::<f32>(n).schedule(policy)?.await?),
@@ -182,11 +169,7 @@ impl KeptLaunch {
             )
         }
         .schedule(policy)?;
-        let (_, _, back, _) = if hops::enabled() {
-            timed(fut, self.label).await?
-        } else {
-            fut.await?
-        };
+        let (_, _, back, _) = fut.await?;
         let d = t.elapsed();
         stamp(Point::End);
         self.y = Some(back);
@@ -233,9 +216,9 @@ async fn per_launch_times(
     axpy: &Kernel,
     iters: usize,
 ) -> Result<[Vec<Duration>; 4]> {
-    let mut on_remote = KeptLaunch::new("remote", remote, axpy).await?;
+    let mut on_remote = KeptLaunch::new(remote, axpy).await?;
     let mut on_local = match local {
-        Some(l) => Some(KeptLaunch::new("local", l, axpy).await?),
+        Some(l) => Some(KeptLaunch::new(l, axpy).await?),
         None => None,
     };
     let mut v: [Vec<Duration>; 4] = Default::default();
@@ -378,11 +361,7 @@ async fn one_chain<P: SchedulingPolicy + ?Sized>(
 ) -> Result<Duration> {
     stamp(Point::Start);
     let t = Instant::now();
-    let out = if hops::enabled() {
-        timed(chain(axpy, x.clone()).schedule(policy)?, label).await?
-    } else {
-        chain(axpy, x.clone()).schedule(policy)?.await?
-    };
+    let out = chain(axpy, x.clone()).schedule(policy)?.await?;
     let d = t.elapsed();
     stamp(Point::End);
     if out.as_slice()?[1] != 17.0 * 0.5 * x[1] {
@@ -480,29 +459,6 @@ async fn chain_times(
     })
 }
 
-/// Awaits `fut`, printing a `hop=bench-LABEL` line (with hop timings on):
-/// its start on the host's clock, then the first poll (which records and
-/// sends the op) and the wait from it to the output, so
-/// `cuda-lease/scripts/hop-timeline` can lay the other hops out around it.
-async fn timed<F: Future + Unpin>(mut fut: F, label: &str) -> F::Output {
-    let at = hops::now_us();
-    let t = Instant::now();
-    let mut first = None;
-    let out = std::future::poll_fn(|cx| {
-        let r = std::pin::Pin::new(&mut fut).poll(cx);
-        first.get_or_insert_with(|| t.elapsed());
-        r
-    })
-    .await;
-    let first = first.unwrap_or_default();
-    hops::emit(format!(
-        "hop=bench-{label} op=Chain bytes=0 at_us={at} first_poll_us={} wait_us={}",
-        first.as_micros(),
-        t.elapsed().saturating_sub(first).as_micros()
-    ));
-    out
-}
-
 /// `remote_chain`: the raw 64 B round trip and the chain rows alone (no
 /// bulk transfers), e.g. to profile the node's command path.
 pub(super) async fn chain_only(ctx: &Ctx) -> Result<Vec<Row>> {
@@ -525,9 +481,9 @@ pub(super) async fn launch_only(ctx: &Ctx) -> Result<Vec<Row>> {
     let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
     let local = local_policy(&axpy, ctx.cfg.memory())?;
     let raw = RawQuinn::start(1).await?;
-    let mut on_remote = KeptLaunch::new("remote", &remote, &axpy).await?;
+    let mut on_remote = KeptLaunch::new(&remote, &axpy).await?;
     let mut on_local = match &local {
-        Some(l) => Some(KeptLaunch::new("local", l.as_ref(), &axpy).await?),
+        Some(l) => Some(KeptLaunch::new(l.as_ref(), &axpy).await?),
         None => None,
     };
     let mut v: [Vec<Duration>; 3] = Default::default();

@@ -114,7 +114,7 @@ pub struct RemoteConfig {
     pub stripes: usize,
     /// Stamp the points of the awaited launch's, the chain's and the
     /// replay's paths and print where their time went, step by step
-    /// (`cuda_lease::hops::stamps`: one clock read per point, about 20 per
+    /// (`cuda_lease::stamps`: one clock read per point, about 20 per
     /// submission); on unless `REPORT_STAMPS=0`.
     pub stamps: bool,
     /// The sizes of `remote_pool` ([`PoolConfig::new`] at the report's
@@ -241,7 +241,7 @@ impl Bench {
         }
         detail(format_args!("worker pipe spin: {:?}", worker.spin));
         detail(format_args!("transport settings: {}", cfg.transport.0));
-        cuda_lease::hops::stamps::set_enabled(cfg.stamps);
+        cuda_lease::stamps::set_enabled(cfg.stamps);
         let mut node_cfg = NodeConfig::new(worker);
         node_cfg.transport = cfg.transport.1.clone();
         node_cfg.tokens = vec!["bench".into()];
@@ -357,9 +357,9 @@ fn detail(line: std::fmt::Arguments<'_>) {
 
 /// Where `name`'s time went, step by step, on stderr: for each point of
 /// the path its submissions reached, the median time from the point
-/// before it (`cuda_lease::hops::stamps`), and their sum.
-fn detail_steps(name: &str, runs: &[cuda_lease::hops::stamps::Stamps]) {
-    let steps = cuda_lease::hops::stamps::steps(runs);
+/// before it (`cuda_lease::stamps`), and their sum.
+fn detail_steps(name: &str, runs: &[cuda_lease::stamps::Stamps]) {
+    let steps = cuda_lease::stamps::steps(runs);
     if steps.is_empty() {
         return;
     }

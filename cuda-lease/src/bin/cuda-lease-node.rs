@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{CommandFactory, Parser};
-use cuda_lease::hops;
+use cuda_lease::log;
 use cuda_lease::node::{Node, NodeConfig, TlsSource};
 use cuda_lease::transport::cli::TransportArgs;
 use cuda_lease::worker::{main_if_worker, DeviceSpec, WorkerSpec};
@@ -112,8 +112,8 @@ struct Args {
     worker_spin_us: Option<u64>,
     /// Log lines: `text` (in colour only on a terminal) or `json` (one
     /// object per line, for a log collector).
-    #[arg(long, value_enum, default_value_t = hops::LogFormat::Text, env = "CUDA_LEASE_NODE_LOG_FORMAT")]
-    log_format: hops::LogFormat,
+    #[arg(long, value_enum, default_value_t = log::LogFormat::Text, env = "CUDA_LEASE_NODE_LOG_FORMAT")]
+    log_format: log::LogFormat,
     /// A TOML file of settings: each a flag's long name (`memory-device =
     /// "1G"`, `admin = ["ops"]`). A flag beats its environment variable,
     /// which beats the file.
@@ -185,9 +185,8 @@ fn main() {
         std::process::exit(2);
     }
     let args = Args::parse();
-    // The log at RUST_LOG's levels (default info) and, if turned on
-    // (`RUST_LOG=info,cuda_lease::hop=trace`), the hop spans.
-    hops::init_log_as("info", args.log_format);
+    // The log at RUST_LOG's levels (default info).
+    log::init_log_as("info", args.log_format);
     if let Err(e) = run(args) {
         eprintln!("cuda-lease-node: {e}");
         std::process::exit(1);

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use cuda_lease::client::{Client, ClientConfig, GpuCall, Lease};
-use cuda_lease::hops;
+use cuda_lease::log;
 use cuda_lease::proto::KernelArg;
 use cuda_lease::transport::cli::TransportArgs;
 
@@ -141,9 +141,8 @@ fn dims(s: &str) -> Result<[u32; 3], String> {
 }
 
 fn main() {
-    // The log at RUST_LOG's levels (default info) and, if turned on
-    // (`RUST_LOG=info,cuda_lease::hop=trace`), the hop spans.
-    hops::init_log("info");
+    // The log at RUST_LOG's levels (default info).
+    log::init_log("info");
     let args = Args::parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -8,12 +8,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::error::{config_error, disconnected, from_status, lost, protocol_error};
 use super::{ClientConfig, Error, GpuCall};
 use super::{Credentials, Disconnect, ErrorKind};
-use crate::hops::stamps::{stamp, Point};
-use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{
     self, from_body, to_body, Codec, ErrorBody, GpuSubmit, Header, Hello, HelloOk, Inventory,
     LeaseId, LeaseRef, Limits, ModuleHash, Opcode, Status,
 };
+use crate::stamps::{stamp, Point};
 use crate::tls;
 
 /// A connection to a node. Requests may run concurrently (one QUIC stream each).
@@ -306,7 +305,6 @@ pub(super) async fn exchange_into(
     data: &[u8],
     into: ReplyInto<'_, '_>,
 ) -> Result<(Vec<u8>, Vec<u8>), Error> {
-    let mut hop = HopTimer::start(Hop::Client, opcode, data.len() as u64);
     let lost = |e: &dyn std::fmt::Display| lost(conn, e);
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| lost(&e))?;
     let h = Header::request(opcode, id, body.len() as u32, data.len() as u32);
@@ -314,7 +312,6 @@ pub(super) async fn exchange_into(
         .await
         .map_err(|e| lost(&e))?;
     send.finish().map_err(|e| lost(&e))?;
-    hops::mark(&mut hop, "send");
     stamp(Point::ClientSent);
     let read_err = |e: std::io::Error| match proto::proto_error(&e) {
         Some(p) => protocol_error(p.to_string()),
@@ -369,10 +366,6 @@ pub(super) async fn exchange_into(
                 left -= part.len();
             }
         }
-    }
-    if let Some(t) = &mut hop {
-        t.mark("reply");
-        t.set_op(opcode, (data.len() + header.data_len as usize) as u64);
     }
     Ok((reply_body, owned))
 }

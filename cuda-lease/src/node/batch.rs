@@ -8,14 +8,13 @@ use super::order::{Arrival, Place, Stalled};
 use super::plan::{plan, Charges, Effect, GraphChange, Plan, PlanLimits};
 use super::submit::BudgetTurn;
 use super::{fail_lease, HeldData, IdKind, LeaseSlot, LeaseState, ModuleSource, Reply, Shared};
-use crate::hops::stamps::{stamp, Point};
-use crate::hops::{self, HopTimer};
 use crate::lease_table::Principal;
 use crate::metrics::Metrics;
 use crate::proto::{
     self, from_body, Batch, BatchReply, LeaseId, ModuleHash, Op, OpError, Opcode, SourceKind,
     Status,
 };
+use crate::stamps::{stamp, Point};
 use crate::worker::{
     SentRequest, WorkerBatchReply, WorkerError, WorkerLoad, WorkerProcess, FLAG_HELD,
 };
@@ -127,13 +126,11 @@ pub(super) async fn run_in_order(
     b: &Batch<'_>,
     wire: &[u8],
     data: &[u8],
-    hop: &mut Option<HopTimer>,
     turn: Option<&mut BudgetTurn>,
 ) -> Result<BatchOut, Reply> {
     if b.seq == 0 {
-        hops::mark(hop, "order");
         stamp(Point::BatchInOrder);
-        return run_batch(shared, who, b, wire, data, hop, turn, None).await;
+        return run_batch(shared, who, b, wire, data, turn, None).await;
     }
     if b.seq == u64::MAX {
         return Err(Reply::err(
@@ -166,9 +163,8 @@ pub(super) async fn run_in_order(
         .turn()
         .await
         .map_err(|e| stalled(shared, &b.lease, e))?;
-    hops::mark(hop, "order");
     stamp(Point::BatchInOrder);
-    run_batch(shared, who, b, wire, data, hop, turn, Some(place)).await
+    run_batch(shared, who, b, wire, data, turn, Some(place)).await
 }
 
 /// The reply to a request whose wait for the lease's order ended without
@@ -208,14 +204,12 @@ pub(super) async fn run_batch(
     b: &Batch<'_>,
     wire: &[u8],
     data: &[u8],
-    hop: &mut Option<HopTimer>,
     turn: Option<&mut BudgetTurn>,
     place: Option<Place<'_>>,
 ) -> Result<BatchOut, Reply> {
     let lease = &b.lease;
     let slot = lease_of(shared, who, lease)?;
     let exec = slot.exec.lock().await;
-    hops::mark(hop, "lock");
     stamp(Point::BatchLocked);
     // Re-check: the lease may have died while we waited.
     shared.table().get(lease, shared.now())?;
@@ -230,7 +224,6 @@ pub(super) async fn run_batch(
             return Err(reply);
         }
     };
-    hops::mark(hop, "plan");
     stamp(Point::BatchPlanned);
     let ran = if loads.len() + p.effects.len() > 0 {
         let work = Work {
@@ -241,12 +234,12 @@ pub(super) async fn run_batch(
             planned: p.effects.len(),
         };
         apply_planned(&slot, b, &loads, &p);
-        let sent = send_work(shared, &slot, &work, hop).await;
+        let sent = send_work(shared, &slot, &work).await;
         // The next batch plans and goes to the worker while this one runs.
         drop(place);
         drop(exec);
         let ran = match sent {
-            Ok(sent) => receive_work(shared, who, &work, sent, hop).await,
+            Ok(sent) => receive_work(shared, who, &work, sent).await,
             Err(e) => Err(e),
         };
         undo_unrun(
@@ -264,7 +257,6 @@ pub(super) async fn run_batch(
         undo_unrun(shared, &slot, b, &loads, &p, &Ran::default());
         Ran::default()
     };
-    hops::mark(hop, "commit");
     stamp(Point::NodeCommitted);
     let held = ran.held.map(|(request, len)| HeldData {
         slot: slot.clone(),
@@ -353,7 +345,6 @@ async fn send_work<'s>(
     shared: &Arc<Shared>,
     slot: &'s LeaseSlot,
     w: &Work<'_>,
-    hop: &mut Option<HopTimer>,
 ) -> Result<SentRequest<'s>, Reply> {
     let lease = &w.b.lease;
     let n_loads = w.loads.len();
@@ -379,7 +370,6 @@ async fn send_work<'s>(
         let accepted = &w.b.commands[..w.planned];
         proto::encode_commands(&mut body, accepted.len(), accepted);
     }
-    hops::mark(hop, "encode");
     slot.worker
         .send(Opcode::Batch, &body, &parts, shared.cfg.op_timeout)
         .await
@@ -393,12 +383,10 @@ async fn receive_work(
     who: &Principal,
     w: &Work<'_>,
     sent: SentRequest<'_>,
-    hop: &mut Option<HopTimer>,
 ) -> Result<Ran, Reply> {
     let lease = &w.b.lease;
     let n_loads = w.loads.len();
     let res = sent.reply().await;
-    hops::mark(hop, "worker");
     let frame = res.map_err(|e| worker_lost(shared, lease, &e))?;
     if frame.header.status != Status::Ok {
         let f = from_body::<crate::worker::WorkerFailure>(&frame.body)

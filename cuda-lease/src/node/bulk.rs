@@ -32,7 +32,6 @@ use super::handshake::{Admission, Source};
 use super::stream::{serve_request, DataIn, DataOut};
 use super::submit::BudgetTurn;
 use super::{Reply, Shared};
-use crate::hops::{Hop, HopTimer};
 use crate::lease_table::Principal;
 use crate::metrics::Metrics;
 use crate::proto::{self, BulkOpen, BulkTickets, Header, Opcode, Status, BULK_TICKET_LEN};
@@ -315,7 +314,6 @@ async fn serve(shared: &Arc<Shared>, who: &Principal, tls: TlsStream<Tcp>) {
             let _ = reply_and_flush(&mut out, &header, &reply).await;
             break;
         }
-        let mut hop = HopTimer::start(Hop::Node, header.opcode, u64::from(header.data_len));
         let turn = BudgetTurn::take(shared, who, u64::from(header.body_len));
         let mut body = vec![0u8; header.body_len as usize];
         if input.r.read_exact(&mut body).await.is_err() {
@@ -332,7 +330,7 @@ async fn serve(shared: &Arc<Shared>, who: &Principal, tls: TlsStream<Tcp>) {
                     _ => u64::from(header.data_len),
                 };
                 shared.metrics.bulk_bytes.inc_by(asked);
-                serve_request(shared, who, &header, &body, &mut out, &mut input, &mut hop).await
+                serve_request(shared, who, &header, &body, &mut out, &mut input).await
                     && out.flush().await.is_ok()
             }
             Err(reply) => {

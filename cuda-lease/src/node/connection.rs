@@ -12,10 +12,9 @@ use super::dispatch::dispatch;
 use super::handshake::{Admission, Peer, Source};
 use super::submit::BudgetTurn;
 use super::{Reply, Shared};
-use crate::hops::stamps::{stamp, Point};
-use crate::hops::{self, Hop, HopTimer};
 use crate::metrics::Metrics;
 use crate::proto::{self, Frame, Header, Opcode, Status};
+use crate::stamps::{stamp, Point};
 
 pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) {
     while let Some(incoming) = endpoint.accept().await {
@@ -116,7 +115,6 @@ pub(super) async fn serve_stream(
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
 ) {
-    let mut hop = HopTimer::start(Hop::Node, Opcode::Hello, 0);
     stamp(Point::NodeStart);
     // Held until the reply has been written or dropped: it also carries
     // the bytes of the reply (charged by `dispatch` before the work runs).
@@ -139,7 +137,7 @@ pub(super) async fn serve_stream(
             if !header.is_reply()
                 && matches!(header.opcode, Opcode::MemWrite | Opcode::MemRead) =>
         {
-            super::stream::serve(&shared, &peer, header, body, send, recv, hop).await;
+            super::stream::serve(&shared, &peer, header, body, send, recv).await;
             return;
         }
         Ok(Ok(Head::Read(header, body))) => {
@@ -149,8 +147,8 @@ pub(super) async fn serve_stream(
         Err(elapsed) => Err(elapsed),
     };
     stamp(Point::NodeRead);
-    let mut answer = answer(&shared, &peer, read, turn.as_mut(), &mut hop).await;
-    write_reply(&shared, &mut send, &mut answer, &mut hop).await;
+    let mut answer = answer(&shared, &peer, read, turn.as_mut()).await;
+    write_reply(&shared, &mut send, &mut answer).await;
     if answer.failed_hello {
         close_after_failed_hello(&shared, &peer, &mut send).await;
     }
@@ -275,7 +273,6 @@ async fn answer(
     peer: &Peer,
     read: Result<std::io::Result<Frame>, tokio::time::error::Elapsed>,
     turn: Option<&mut BudgetTurn>,
-    hop: &mut Option<HopTimer>,
 ) -> Answer {
     let refused = |msg: String| Answer {
         req: Header::request(Opcode::Hello, 0, 0, 0),
@@ -285,19 +282,10 @@ async fn answer(
     };
     match read {
         Ok(Ok(frame)) => {
-            if let Some(t) = hop {
-                t.mark("read");
-                t.set_op(frame.header.opcode, frame.data.len() as u64);
-            }
             let reply = dispatch(shared, peer, &frame, turn).await;
             let failed_hello = frame.header.opcode == Opcode::Hello
                 && reply.status != Status::Ok
                 && peer.get().is_none();
-            if let Some(t) = hop {
-                t.mark("dispatch");
-                let bytes = frame.data.len().max(reply.data.len()) as u64;
-                t.set_op(frame.header.opcode, bytes);
-            }
             Answer {
                 req: frame.header,
                 reply,
@@ -337,12 +325,7 @@ async fn answer(
 /// data a lease's worker keeps is read from the worker a part at a time,
 /// as the stream takes it: an unread reply holds a part on the node, not
 /// its whole data.
-async fn write_reply(
-    shared: &Shared,
-    send: &mut quinn::SendStream,
-    a: &mut Answer,
-    hop: &mut Option<HopTimer>,
-) {
+async fn write_reply(shared: &Shared, send: &mut quinn::SendStream, a: &mut Answer) {
     let reply = &mut a.reply;
     let data_len = match &reply.held {
         Some(held) => held.len as u32,
@@ -364,7 +347,6 @@ async fn write_reply(
         };
         if written.is_ok() {
             let _ = send.finish();
-            hops::mark(hop, "reply");
             stamp(Point::NodeReplied);
             let _ = send.stopped().await;
         }

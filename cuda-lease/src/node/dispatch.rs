@@ -12,14 +12,13 @@ use super::batch::{ensure_worker, run_batch, run_in_order};
 use super::handshake::Peer;
 use super::submit::{submit, submit_turn, BudgetTurn};
 use super::{take_worker, LeaseSlot, LeaseState, Reply, Shared, Slot};
-use crate::hops::stamps::{stamp, Point};
-use crate::hops::{self, Hop, HopTimer};
 use crate::lease_table::{LeaseTable, Principal};
 use crate::metrics::Metrics;
 use crate::proto::{
     from_body, to_body, Batch, Command, DeviceInfo, Frame, GpuSubmit, Hello, HelloOk, IdOp,
     Inventory, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, MemAlloc, Op, Opcode, Status,
 };
+use crate::stamps::{stamp, Point};
 
 /// Serves one request; `turn` (the principal's budget turn of this
 /// request) is charged the bytes of the reply before the work that makes
@@ -163,22 +162,16 @@ async fn batch(
     f: &Frame,
     turn: Option<&mut BudgetTurn>,
 ) -> Result<Reply, Reply> {
-    let op = f.header.opcode;
-    // With hop timings on: the node's phases of this batch.
-    let mut hop = HopTimer::start(Hop::NodeBatch, op, f.data.len() as u64);
     let (b, wire) = Batch::decode_keeping_wire(&f.body)?;
     b.validate(f.data.len())?;
-    hops::mark(&mut hop, "decode");
     stamp(Point::BatchDecoded);
     Metrics::inc(&shared.metrics.batch_total);
     shared
         .metrics
         .batch_commands
         .fetch_add(b.commands.len() as u64, Ordering::Relaxed);
-    let (reply, data, held) =
-        run_in_order(shared, who, conn, &b, wire, &f.data, &mut hop, turn).await?;
+    let (reply, data, held) = run_in_order(shared, who, conn, &b, wire, &f.data, turn).await?;
     let body = to_body(&reply);
-    hops::mark(&mut hop, "reply");
     Ok(Reply {
         status: Status::Ok,
         body,
@@ -224,7 +217,7 @@ pub(super) async fn single(
     };
     batch.validate(0)?;
     let wire = to_body(&batch.commands);
-    let (reply, _, _) = run_batch(shared, who, &batch, &wire, &[], &mut None, None, None).await?;
+    let (reply, _, _) = run_batch(shared, who, &batch, &wire, &[], None, None).await?;
     match reply.error {
         Some(e) => Err(Reply::err(e.status, e.message)),
         None => Ok(Reply::empty()),

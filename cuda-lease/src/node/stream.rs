@@ -27,7 +27,6 @@ use super::auth::{lease_of, principal};
 use super::batch::{stalled, worker_lost};
 use super::handshake::Peer;
 use super::{fail_lease, IdKind, Reply, Shared, Slot as LeaseRef};
-use crate::hops::{self, Hop, HopTimer};
 use crate::lease_table::Principal;
 use crate::proto::{
     self, from_body, to_body, Header, Id, LeaseId, MemRead, MemWrite, Opcode, Status,
@@ -44,14 +43,9 @@ pub(super) async fn serve(
     body: Vec<u8>,
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
-    mut hop: Option<HopTimer>,
 ) {
-    if let Some(t) = &mut hop {
-        t.mark("read");
-        t.set_op(header.opcode, u64::from(header.data_len));
-    }
     let done = match principal(peer) {
-        Ok(who) => serve_request(shared, who, &header, &body, &mut send, &mut recv, &mut hop).await,
+        Ok(who) => serve_request(shared, who, &header, &body, &mut send, &mut recv).await,
         Err(reply) => {
             recv.refuse(u64::from(header.data_len)).await;
             send_reply(&mut send, &header, &reply).await
@@ -59,8 +53,6 @@ pub(super) async fn serve(
     };
     if done {
         let _ = send.finish();
-        hops::mark(&mut hop, "reply");
-        drop(hop);
         if tokio::time::timeout(shared.cfg.reply_timeout, send.stopped())
             .await
             .is_err()
@@ -80,13 +72,11 @@ pub(super) async fn serve_request(
     body: &[u8],
     send: &mut impl DataOut,
     recv: &mut impl DataIn,
-    hop: &mut Option<HopTimer>,
 ) -> bool {
     if header.opcode == Opcode::MemWrite {
         let reply = match write(shared, who, header, body, recv).await {
             Ok(r) | Err(r) => r,
         };
-        hops::mark(hop, "dispatch");
         send_reply(send, header, &reply).await
     } else if header.data_len != 0 {
         // Nothing follows a MEM_READ request.
@@ -94,10 +84,6 @@ pub(super) async fn serve_request(
         let reply = Reply::err(Status::BadRequest, "MemRead takes no data");
         send_reply(send, header, &reply).await
     } else {
-        if let Some(t) = hop {
-            let len = from_body::<MemRead>(body).map(|m| m.len).unwrap_or(0);
-            t.set_op(header.opcode, u64::from(len));
-        }
         read(shared, who, header, body, send).await
     }
 }
@@ -464,7 +450,6 @@ where
     };
     let consumer = async {
         while let Some((s, n)) = rx.recv().await {
-            let mut hop = HopTimer::start(Hop::NodeSend, Opcode::MemRead, u64::from(n));
             // A client that stops reading loses the reply after the reply
             // timeout, instead of holding the lease's ring slots.
             let wrote = tokio::time::timeout(
@@ -477,7 +462,6 @@ where
                 send.abort();
                 return false;
             }
-            hops::mark(&mut hop, "quic");
         }
         true
     };

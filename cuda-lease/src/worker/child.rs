@@ -13,7 +13,6 @@ use super::messages::{
 };
 use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice, Ticket};
-use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{
     self, from_body, to_body, Frame, GpuSubmit, Header, Id, KernelArg, LaunchSpec, ModuleHash, Op,
     Opcode, SourceKind, Status, StreamId, TIMER_BYTES,
@@ -22,8 +21,6 @@ use crate::sandbox::{CompileSandbox, Compiler};
 use crate::shm::{WorkerRing, SHM_ENV};
 
 pub(super) fn run_worker(spec: &str) -> i32 {
-    // The hop spans, printed if the node's environment turns them on.
-    hops::init_from_env();
     // The node's shared ring for streamed transfers (absent: they fail),
     // mapped before we report ready: the node removes its file then.
     let mut ring = std::env::var_os(SHM_ENV).map(|p| WorkerRing::open(std::path::Path::new(&p)));
@@ -112,12 +109,10 @@ pub(super) fn run_worker(spec: &str) -> i32 {
             // End of file: the node is gone or done with us.
             Err(_) => return 0,
         };
-        let mut hop = HopTimer::start(Hop::Worker, header.opcode, u64::from(header.data_len));
         let frame = match proto::read_rest_blocking(&mut input, header) {
             Ok(f) => f,
             Err(_) => return 0,
         };
-        hops::mark(&mut hop, "pipe_read");
         if frame.header.flags & FLAG_HELD != 0 {
             if held.read(&mut output, &frame).is_err() {
                 return 1;
@@ -135,7 +130,6 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                         request: frame.header,
                         ticket,
                         work: Sealed::Batch(enqueued),
-                        hop,
                     });
                     continue;
                 }
@@ -168,7 +162,6 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                 request: frame.header,
                 ticket: device.seal(0),
                 work: Sealed::Chunks,
-                hop,
             });
             continue;
         }
@@ -179,17 +172,9 @@ pub(super) fn run_worker(spec: &str) -> i32 {
             &mut submit_modules,
             &frame,
         );
-        if let Some(t) = &mut hop {
-            t.mark("device");
-            t.set_op(frame.header.opcode, frame.data.len().max(data.len()) as u64);
-        }
         let h = Header::reply(&frame.header, status, body.len() as u32, data.len() as u32);
         if proto::write_frame_blocking(&mut output, &h, &body, &data).is_err() {
             return 1;
-        }
-        hops::mark(&mut hop, "pipe_write");
-        if let Some(t) = LAST_TRACE.with(|l| l.borrow_mut().take()) {
-            t.close();
         }
     }
 }
@@ -250,7 +235,6 @@ struct Running {
     request: Header,
     ticket: Ticket,
     work: Sealed,
-    hop: Option<HopTimer>,
 }
 
 /// What a [`Running`] answers when its work is done.
@@ -276,10 +260,9 @@ fn answer_done(
             continue;
         };
         let r = running.remove(i);
-        let mut hop = r.hop;
         let (status, body, out) = match r.work {
             Sealed::Batch(enqueued) => {
-                let (reply, out) = enqueued.reply(finished, &mut hop);
+                let (reply, out) = enqueued.reply(finished);
                 (Status::Ok, to_body(&reply), out)
             }
             Sealed::Chunks => match finished {
@@ -292,10 +275,6 @@ fn answer_done(
         };
         held.reply(output, &r.request, status, &body, out)
             .map_err(|_| ())?;
-        hops::mark(&mut hop, "pipe_write");
-        if let Some(t) = LAST_TRACE.with(|l| l.borrow_mut().take()) {
-            t.close();
-        }
     }
     Ok(())
 }
@@ -426,86 +405,24 @@ pub(super) fn serve(
     }
 }
 
-pub(super) fn op_name(op: &Op<'_>) -> &'static str {
-    match op {
-        Op::Alloc { .. } => "alloc",
-        Op::Write { .. } => "write",
-        Op::Read { .. } => "read",
-        Op::Free { .. } => "free",
-        Op::Launch(_) => "launch",
-        Op::Record { .. } => "record",
-        Op::Wait { .. } => "wait",
-        Op::Fill { .. } => "fill",
-        Op::Copy { .. } => "copy",
-        Op::TimerStart { .. } => "timer start",
-        Op::TimerEnd { .. } => "timer end",
-        Op::GraphBegin { .. } => "graph begin",
-        Op::GraphEnd { .. } => "graph end",
-        Op::GraphLaunch { .. } => "graph launch",
-    }
-}
-
-/// The hop span of the last batch (`worker-batch`) and its commands'
-/// enqueue times, recorded and closed once its reply is written.
-pub(super) struct BatchTrace {
-    hop: HopTimer,
-    ops: usize,
-    spans: Vec<(&'static str, std::time::Duration)>,
-}
-
-impl BatchTrace {
-    /// Records the commands' enqueue times (`steps`) and closes the span.
-    fn close(self) {
-        let mut steps = String::new();
-        for (name, d) in &self.spans {
-            if !steps.is_empty() {
-                steps.push(' ');
-            }
-            steps.push_str(&format!("{name}:{}", d.as_micros()));
-        }
-        self.hop.span().record("ops", self.ops);
-        self.hop.span().record("steps", steps.as_str());
-    }
-}
-
-thread_local! {
-    static LAST_TRACE: std::cell::RefCell<Option<BatchTrace>> = const { std::cell::RefCell::new(None) };
-}
-
 /// What enqueueing a batch did: the modules it compiled, the first
-/// failure (by step: loads, then commands), where its reads end, and its
-/// trace.
+/// failure (by step: loads, then commands) and where its reads end.
 pub(super) struct Enqueued {
     failed: Option<(usize, DeviceError)>,
     compiled: Vec<(ModuleHash, String)>,
     steps: usize,
     /// Bytes of the reads (and timers) in the reply's data.
     pub(super) read_at: usize,
-    trace: Option<(HopTimer, Vec<(&'static str, std::time::Duration)>)>,
 }
 
 impl Enqueued {
     /// The reply once the batch's work finished (`finished`: its reads,
     /// or the failure found waiting for it).
-    fn reply(
-        self,
-        finished: Result<Vec<u8>, DeviceError>,
-        _hop: &mut Option<HopTimer>,
-    ) -> (WorkerBatchReply, Vec<u8>) {
+    fn reply(self, finished: Result<Vec<u8>, DeviceError>) -> (WorkerBatchReply, Vec<u8>) {
         let (finished, out) = match finished {
             Ok(out) => (Ok(()), out),
             Err(e) => (Err(e), Vec::new()),
         };
-        if let Some((mut hop, spans)) = self.trace {
-            hop.mark("finish");
-            // Recorded and closed after the reply is written (off its path).
-            let t = BatchTrace {
-                hop,
-                ops: self.steps,
-                spans,
-            };
-            LAST_TRACE.with(|l| *l.borrow_mut() = Some(t));
-        }
         let (completed, error) = match (self.failed, finished) {
             // A fault while waiting outranks an enqueue error: it is sticky.
             (Some((i, _)), Err(e)) if e.sticky => (i, Some(e)),
@@ -534,7 +451,7 @@ pub(super) fn run_batch(
     let e = enqueue_batch(dev, graphs, compiler, batch, data);
     out.resize(e.read_at, 0);
     let finished = dev.finish(out).map(|()| std::mem::take(out));
-    let (reply, bytes) = e.reply(finished, &mut None);
+    let (reply, bytes) = e.reply(finished);
     *out = bytes;
     reply
 }
@@ -553,13 +470,9 @@ pub(super) fn enqueue_batch(
     let mut read_at = 0usize;
     let mut failed = None;
     let mut compiled = Vec::new();
-    let mut hop = HopTimer::start(Hop::WorkerBatch, Opcode::Batch, data.len() as u64);
-    let trace = hop.is_some();
-    let mut spans: Vec<(&'static str, std::time::Duration)> = Vec::new();
     let loads = batch.loads.len();
     let steps = loads + batch.commands.len();
     for (i, l) in batch.loads.iter().enumerate() {
-        let ts = std::time::Instant::now();
         let r = payload
             .take(l.len)
             .and_then(|d| {
@@ -567,9 +480,6 @@ pub(super) fn enqueue_batch(
                 dev.load_module(l.hash, &l.kind, d)
             })
             .map(|ptx| compiled.extend(ptx.map(|p| (l.hash, p))));
-        if trace {
-            spans.push(("load", ts.elapsed()));
-        }
         if let Err(e) = r {
             failed = Some((i, e));
             break;
@@ -581,27 +491,21 @@ pub(super) fn enqueue_batch(
         &[]
     };
     for (i, c) in commands.iter().enumerate() {
-        let ts = std::time::Instant::now();
         let op = &c.op;
         let r = match graphs.intercept(dev, c, &mut payload) {
             Some(r) => r,
             None => enqueue(dev, c.stream, op, &mut payload, &mut read_at),
         };
-        if trace {
-            spans.push((op_name(op), ts.elapsed()));
-        }
         if let Err(e) = r {
             failed = Some((loads + i, e));
             break;
         }
     }
-    hops::mark(&mut hop, "enqueue");
     Enqueued {
         failed,
         compiled,
         steps,
         read_at,
-        trace: hop.map(|h| (h, spans)),
     }
 }
 

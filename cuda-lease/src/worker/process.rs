@@ -11,17 +11,16 @@ use tokio::process::{Child, ChildStdin, Command};
 
 use super::messages::{HeldRead, WorkerFailure, FLAG_HELD};
 use super::{WorkerSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
-use crate::hops::stamps::{stamp, Point};
-use crate::hops::{self, Hop, HopTimer};
 use crate::proto::{self, from_body, DeviceInfo, Frame, Header, Opcode, Status};
 use crate::shm::{ShmRing, SHM_ENV};
+use crate::stamps::{stamp, Point};
 
 /// Kernel buffer size requested for each pipe between the node and a worker.
 ///
 /// Linux pipes default to 64 KiB, so a 256 MiB MEM_WRITE or MEM_READ crossed
 /// the pipe in 4096 fills, each one a wake-up of the reader and a round trip
-/// through the node's tokio reactor; on a 2-core machine that hop alone took
-/// 0.5 to 1.3 s. 1 MiB is the largest size an unprivileged process may ask
+/// through the node's tokio reactor (0.5 to 1.3 s for that step alone on a
+/// 2-core machine). 1 MiB is the largest size an unprivileged process may ask
 /// for by default (`/proc/sys/fs/pipe-max-size`).
 pub const PIPE_BUFFER_BYTES: usize = 1 << 20;
 
@@ -104,9 +103,8 @@ struct Waiting {
 /// Tokio's own pipe waits for the reactor to report the pipe readable
 /// again after every read that emptied it, even when the bytes are there
 /// by now (the node spins for the worker's reply, so they usually are):
-/// one reactor turn and one task wake-up on every reply's path, about 20 us
-/// of a chain's round trip on an H100 host (2026-11-23,
-/// `cuda-lease/scripts/hop-timeline`).
+/// one reactor turn and one task wake-up on every reply's path (about
+/// 20 us of a chain's round trip on an H100 host).
 pub(super) struct PipeReader(tokio::io::unix::AsyncFd<std::fs::File>);
 
 impl PipeReader {
@@ -347,7 +345,6 @@ impl WorkerProcess {
     ) -> Result<SentRequest<'_>, WorkerError> {
         let deadline = tokio::time::Instant::now() + timeout;
         let len: usize = parts.iter().map(|p| p.len()).sum();
-        let mut hop = HopTimer::start(Hop::NodeWorker, opcode, len as u64);
         let (tx, rx) = tokio::sync::oneshot::channel();
         let mut io = self.io.lock().await;
         io.next_id += 1;
@@ -383,7 +380,6 @@ impl WorkerProcess {
                 return Err(WorkerError::Hung(timeout));
             }
         }
-        hops::mark(&mut hop, "pipe_send");
         stamp(Point::PipeSent);
         Ok(SentRequest {
             worker: self,
@@ -391,9 +387,6 @@ impl WorkerProcess {
             rx,
             deadline,
             timeout,
-            hop,
-            opcode,
-            len,
         })
     }
 
@@ -510,9 +503,6 @@ pub(crate) struct SentRequest<'a> {
     rx: tokio::sync::oneshot::Receiver<Frame>,
     deadline: tokio::time::Instant,
     timeout: Duration,
-    hop: Option<HopTimer>,
-    opcode: Opcode,
-    len: usize,
 }
 
 impl SentRequest<'_> {
@@ -541,13 +531,7 @@ impl SentRequest<'_> {
         let r = tokio::time::timeout_at(self.deadline, exchange).await;
         stamp(Point::WorkerReplied);
         match r {
-            Ok(Ok(f)) => {
-                if let Some(t) = &mut self.hop {
-                    t.mark("pipe_reply");
-                    t.set_op(self.opcode, self.len.max(f.data.len()) as u64);
-                }
-                Ok(f)
-            }
+            Ok(Ok(f)) => Ok(f),
             Ok(Err(e)) => Err(e),
             Err(_) => {
                 lock(&worker.waiting).replies.remove(&id);

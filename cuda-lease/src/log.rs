@@ -1,0 +1,52 @@
+//! The log of the node and of the client program: `tracing` events on
+//! stderr at `RUST_LOG`'s levels, as text or JSON lines.
+
+use tracing_subscriber::filter::EnvFilter;
+use tracing_subscriber::layer::{Layer, SubscriberExt};
+use tracing_subscriber::util::SubscriberInitExt;
+
+/// How a program writes its log lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+pub enum LogFormat {
+    /// Human-readable lines (in colour only on a terminal).
+    #[default]
+    Text,
+    /// One JSON object per line, for a log collector.
+    Json,
+}
+
+/// The filter of a program's log lines: `RUST_LOG`, or `default` without
+/// it (or with it empty).
+pub fn log_filter(default: &str) -> EnvFilter {
+    let directives = std::env::var(EnvFilter::DEFAULT_ENV)
+        .ok()
+        .filter(|d| !d.trim().is_empty())
+        .unwrap_or_else(|| default.to_owned());
+    EnvFilter::builder().parse_lossy(directives)
+}
+
+/// Installs the global subscriber of a program with a log of its own (the
+/// node, the client program): text lines on stderr at [`log_filter`]'s
+/// levels.
+pub fn init_log(default: &str) {
+    init_log_as(default, LogFormat::Text);
+}
+
+/// [`init_log`] with the log lines in `format`.
+pub fn init_log_as(default: &str, format: LogFormat) {
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let log = match format {
+        // Colour only on a terminal: a log file or journal gets plain text.
+        LogFormat::Text => fmt
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_filter(log_filter(default))
+            .boxed(),
+        LogFormat::Json => fmt
+            .json()
+            .with_ansi(false)
+            .with_filter(log_filter(default))
+            .boxed(),
+    };
+    tracing_subscriber::registry().with(log).init();
+}
