@@ -20,10 +20,9 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 #[tokio::test]
 async fn unauthenticated_payloads_are_never_read_or_allocated() {
     let _one = ONE_AT_A_TIME.lock().await;
-    // Attack 1 of the hardening issue: 8 streams of a connection that never
-    // authenticated, each declaring a 512 MiB payload and sending 64 MiB.
-    // Before: the node allocated and read all of it (RSS +524 MB). Now it
-    // refuses on the header and reads nothing declared.
+    // 8 streams of a connection that never authenticated, each declaring a
+    // 512 MiB payload and sending 64 MiB: the node refuses each on its
+    // header and reads nothing declared.
     let fx = Fixture::memory(1 << 20).start().await;
     let node = &fx.node;
     let peak = PeakRss::start();

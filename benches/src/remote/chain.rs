@@ -25,7 +25,7 @@ use crate::Result;
 
 /// About the bytes the 20-op chain's message carries (29 commands, 1267 B
 /// of body, plus 1 KiB written and the header) and its reply (1 KiB read,
-/// plus the reply's header and body), measured 2026-11-23.
+/// plus the reply's header and body).
 const CHAIN_OUT: usize = 2320;
 const CHAIN_BACK: usize = 1060;
 /// Runs of one path in a row in the chain rows' measurement.

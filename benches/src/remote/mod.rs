@@ -37,9 +37,8 @@
 //! [`cuda_lease::main_if_worker`] first thing (`bench-report` does).
 //! Everything is measured from `block_on`'s thread of the topic's runtime;
 //! with [`RemoteConfig::in_task`] from a task on it instead (as a tokio
-//! service awaits its ops). On an H100 host (2026-11-23) that made the raw
-//! round trip faster (79-88 us against 121 us) but not the remote chain,
-//! so the chain row's ratio was higher there (2.15-2.82 against 2.61).
+//! service awaits its ops); that makes the raw round trip faster but not
+//! the remote chain, so the chain row's ratio is higher there.
 
 mod baselines;
 mod chain;

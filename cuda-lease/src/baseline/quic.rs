@@ -185,8 +185,8 @@ async fn serve(mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
         drain(&mut recv).await?;
         let mut left = u64::from_le_bytes(want);
         // No larger than the reply: a 64 B reply fills 64 bytes, not a
-        // whole chunk (filling 1 MiB per request, as this did until
-        // 2026-11-24, added its time to every raw round trip).
+        // whole chunk (filling 1 MiB per request would add its time to
+        // every raw round trip, which no lease request pays).
         let chunk = vec![0xA5u8; (left as usize).min(CHUNK)];
         while left > 0 {
             let n = (left as usize).min(CHUNK);

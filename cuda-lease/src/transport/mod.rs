@@ -37,7 +37,7 @@ pub const MIN_MTU: u16 = 1200;
 
 /// The largest [`TransportSettings::initial_mtu`] accepted. An initial MTU
 /// of 12,000 bytes or more never finished the handshake on loopback (an
-/// H100 host, 2026-11-24); start at this or lower and let MTU discovery
+/// H100 host); start at this or lower and let MTU discovery
 /// raise it.
 pub const MAX_INITIAL_MTU: u16 = 9000;
 
@@ -150,7 +150,7 @@ impl TransportSettings {
     /// stream, 8 MiB per connection, 16 MiB of unacknowledged writes).
     ///
     /// Measured on loopback with raw quinn, one connection, 128 MiB each
-    /// way (a 2-core machine, 2026-11-24): 3.0 to 3.7 GiB/s against 0.9 to
+    /// way (a 2-core machine): 3.0 to 3.7 GiB/s against 0.9 to
     /// 1.2 with [`TransportSettings::default`] (TCP in the same runs: 4.3
     /// to 6.9). Larger windows lost datagrams in the receiving socket:
     /// with 8 MiB per stream the same machine under load moved 1.3 GiB/s
@@ -181,7 +181,7 @@ impl TransportSettings {
     ///
     /// Offload with 6,550-byte datagrams beat the full jumbo frame without
     /// it: measured on loopback with raw quinn, one connection, 128 MiB
-    /// each way (a 2-core machine, 2026-11-24), 1.5 to 2.0 GiB/s against
+    /// each way (a 2-core machine), 1.5 to 2.0 GiB/s against
     /// 1.1 to 1.4 with discovery up to 8,952 bytes and offload off
     /// (`mtu_discovery_max: Some(8952), segmentation_offload: false`, the
     /// alternative where sends cost less than on that machine).
