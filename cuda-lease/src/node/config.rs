@@ -205,7 +205,7 @@ impl NodeConfig {
             max_leases: 256,
             max_leases_per_principal: 16,
             worker_starts_per_principal_per_second: 10.0,
-            worker_start_burst_per_principal: 20,
+            worker_start_burst_per_principal: 40,
             reply_timeout: Duration::from_secs(30),
             max_submits_per_principal: 1,
             max_requests_per_principal: 512,
