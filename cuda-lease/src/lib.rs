@@ -22,10 +22,10 @@
 //!
 //! Test and measurement helpers, behind the `test-util` feature (not part
 //! of the API): `ptx`, hand-written test kernels (iota, vector add, a
-//! faulting kernel); `baseline` (with `node`), raw quinn with the node's
-//! settings, the ceiling every remote measurement is a ratio to. The
-//! `stamps` module times fixed points of a submission's path for the bench
-//! report's remote rows.
+//! faulting kernel). The `stamps` module times fixed points of a
+//! submission's path for the bench report's remote rows (whose raw
+//! transports, the ceilings every remote row is a ratio to, are in the
+//! `benches` crate).
 //!
 //! # Features
 //!
@@ -35,8 +35,8 @@
 //! tracing-subscriber). A client-only user sets `default-features = false`
 //! and keeps [`client`], [`proto`] and [`tls`]: no CUDA layer, no process
 //! supervision, no certificate generation.
-//! `test-util`: the test kernels and the transport baseline above, for this
-//! crate's tests, examples and benchmarks.
+//! `test-util`: the test kernels above, for this crate's tests, examples
+//! and benchmarks.
 //!
 //! # Examples
 //!
@@ -59,8 +59,6 @@
 //! # Ok(()) }
 //! ```
 
-#[cfg(all(feature = "node", feature = "test-util"))]
-pub mod baseline;
 pub mod client;
 pub mod clock;
 #[cfg(feature = "cli")]

@@ -132,7 +132,7 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 /// certificates verified against `client_ca` when given (optional, so bearer
 /// tokens keep working), and `transport`'s settings.
 #[cfg(feature = "node")]
-pub(crate) fn server_config(
+pub fn server_config(
     identity: &Identity,
     client_ca: Option<&[CertificateDer<'static>]>,
     transport: &TransportSettings,
@@ -177,9 +177,11 @@ pub(crate) fn server_config(
 /// one of `roots` for the server name, or, when `sha256` is given, exactly
 /// the certificate with that SHA-256 (DER), whatever its names.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct ServerTrust<'a> {
-    pub(crate) roots: &'a [CertificateDer<'static>],
-    pub(crate) sha256: Option<[u8; 32]>,
+pub struct ServerTrust<'a> {
+    /// Certificates (or their issuers) to accept.
+    pub roots: &'a [CertificateDer<'static>],
+    /// The one certificate to accept, by the SHA-256 of its DER.
+    pub sha256: Option<[u8; 32]>,
 }
 
 impl ServerTrust<'_> {
@@ -274,7 +276,7 @@ impl rustls::client::danger::ServerCertVerifier for Sha256Pin {
 /// The QUIC client configuration: trusts what `trust` says (pin the node's
 /// certificate by passing just it as the roots, or by its SHA-256),
 /// presents `identity` for mutual TLS, and uses `transport`'s settings.
-pub(crate) fn client_config(
+pub fn client_config(
     trust: ServerTrust<'_>,
     identity: Option<&Identity>,
     transport: &TransportSettings,

@@ -7,7 +7,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use cuda_lease::baseline::{RawQuinn, RawTcp};
+use super::raw::{RawQuinn, RawTcp};
 use cuda_lease::TransportSettings;
 
 use super::{detail, detail_times, gib_s, rates, size_label, times, Ctx};
@@ -46,7 +46,7 @@ pub(super) struct OneWay {
 async fn round_trips<F, Fut>(iters: usize, mut f: F) -> Result<Vec<Duration>>
 where
     F: FnMut() -> Fut,
-    Fut: Future<Output = std::result::Result<Duration, cuda_lease::baseline::BoxError>>,
+    Fut: Future<Output = std::result::Result<Duration, super::raw::BoxError>>,
 {
     for _ in 0..100 {
         f().await?;
@@ -63,7 +63,7 @@ where
 async fn transfers<F, Fut>(ctx: &Ctx, what: &str, mut f: F) -> Result<Vec<Duration>>
 where
     F: FnMut() -> Fut,
-    Fut: Future<Output = std::result::Result<Duration, cuda_lease::baseline::BoxError>>,
+    Fut: Future<Output = std::result::Result<Duration, super::raw::BoxError>>,
 {
     let size = ctx.cfg.bytes;
     f().await?; // warm-up

@@ -10,9 +10,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::raw::RawQuinn;
 use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, HostBuffer, Kernel, Module, RemotePolicy, StreamPoolRoundRobin};
-use cuda_lease::baseline::RawQuinn;
 use cuda_lease::client::{Client, Lease};
 use cuda_lease::remote::LeaseSession;
 use cuda_lease::stamps::{self, stamp, Point};

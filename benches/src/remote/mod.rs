@@ -43,6 +43,7 @@
 mod baselines;
 mod chain;
 mod pool;
+pub mod raw;
 mod transfers;
 
 pub use pool::PoolConfig;

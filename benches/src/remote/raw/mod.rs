@@ -4,7 +4,7 @@
 //!
 //! - [`RawQuinn`]: raw quinn with exactly the node's TLS and, by default,
 //!   its transport settings ([`RawQuinn::start_with`] takes others, e.g.
-//!   [`TransportSettings::loopback`](crate::TransportSettings::loopback)).
+//!   [`TransportSettings::loopback`](cuda_lease::TransportSettings::loopback)).
 //!   An echo-style server on 127.0.0.1:0 and `n` client connections to it.
 //!   Requests are a bidirectional stream each (as the node's are): an
 //!   8-byte little-endian count of bytes wanted back, then any payload; the
@@ -19,12 +19,12 @@
 //! # Examples
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), cuda_lease::baseline::BoxError> {
-//! let raw = cuda_lease::baseline::RawQuinn::start(1).await?;
+//! # async fn demo() -> Result<(), benches::remote::raw::BoxError> {
+//! let raw = benches::remote::raw::RawQuinn::start(1).await?;
 //! let rtt = raw.round_trip(64).await?; // 64 B out, 64 B back, a new stream
 //! let up = raw.send(256 << 20, 1).await?; // 256 MiB client -> server
 //! println!("{rtt:?}, {:.2} GiB/s", (256u64 << 20) as f64 / up.as_secs_f64() / (1u64 << 30) as f64);
-//! let tcp = cuda_lease::baseline::RawTcp::start().await?;
+//! let tcp = benches::remote::raw::RawTcp::start().await?;
 //! let down = tcp.receive(256 << 20).await?; // 256 MiB server -> client
 //! # Ok(()) }
 //! ```
@@ -44,7 +44,7 @@ const CHUNK: usize = 1 << 20;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::TransportSettings;
+    use cuda_lease::TransportSettings;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn raw_tcp_moves_what_it_says() {

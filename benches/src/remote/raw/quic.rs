@@ -4,8 +4,8 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use super::{BoxError, CHUNK};
-use crate::tls::{client_config, server_config, Identity};
-use crate::transport::TransportSettings;
+use cuda_lease::tls::{client_config, server_config, Identity, ServerTrust};
+use cuda_lease::TransportSettings;
 
 /// A raw quinn server and `n` connections to it (see the module docs).
 #[derive(Debug)]
@@ -53,7 +53,7 @@ impl RawQuinn {
         });
         let mut client = transport.endpoint(local, None)?;
         client.set_default_client_config(client_config(
-            crate::tls::ServerTrust {
+            ServerTrust {
                 roots: &[id.leaf().clone()],
                 sha256: None,
             },

@@ -1,5 +1,5 @@
 //! [`RawTcp`]: one plain TCP connection on loopback and its echo-style
-//! server (see the module docs of [`crate::baseline`]).
+//! server (see the module docs of [`super`]).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
