@@ -1,5 +1,6 @@
 //! A leased GPU as a backend of `cuda-async`: [`LeaseSession`] implements
-//! [`cuda_async::RemoteSession`] on a [`Session`] of protocol 2.
+//! [`cuda_async::RemoteSession`] on a [`Session`] of the lease protocol
+//! ([`proto::VERSION`](crate::proto::VERSION)).
 //!
 //! A [`Recording`] of `cuda-async` becomes one BATCH, encoded straight
 //! from the recording (the same bytes as the
