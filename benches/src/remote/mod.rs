@@ -1,7 +1,7 @@
 //! The remote rows: a lease node embedded in this process, on loopback,
 //! against the raw transport measured in the same run (quinn with the
 //! node's TLS and transport settings, no protocol:
-//! [`cuda_lease::baseline`]).
+//! [`raw`]).
 //!
 //! Topics ([`TOPICS`]):
 //! - `remote_alloc`: lease-allocation latency, with a pre-started worker
