@@ -291,6 +291,51 @@ async fn a_thousand_idle_unauthenticated_connections_are_capped_and_end_at_the_d
     fx.shutdown().await;
 }
 
+/// `tasks` tasks per client looping LEASE_ALLOC + LEASE_FREE until
+/// `until`: the leases granted, and the LEASE_ALLOCs refused over the
+/// principal's worker-start rate.
+async fn churn(clients: Vec<Arc<Client>>, tasks: usize, until: Instant) -> (u32, u32) {
+    let loops: Vec<_> = (0..tasks)
+        .flat_map(|_| clients.iter().cloned())
+        .map(|c| {
+            tokio::spawn(async move {
+                let (mut granted, mut limited) = (0u32, 0u32);
+                while Instant::now() < until {
+                    match cuda_lease::client::Lease::builder()
+                        .min_vram(4096)
+                        .auto_renew(false)
+                        .on(c.clone())
+                        .await
+                    {
+                        Ok(l) => {
+                            granted += 1;
+                            l.free().await.unwrap();
+                        }
+                        Err(e) => {
+                            assert_eq!(e.kind(), ErrorKind::Capacity, "{e}");
+                            assert!(
+                                e.to_string()
+                                    .contains("worker_starts_per_principal_per_second"),
+                                "{e}"
+                            );
+                            limited += 1;
+                            tokio::task::yield_now().await;
+                        }
+                    }
+                }
+                (granted, limited)
+            })
+        })
+        .collect();
+    let (mut granted, mut limited) = (0, 0);
+    for l in loops {
+        let (g, r) = l.await.unwrap();
+        granted += g;
+        limited += r;
+    }
+    (granted, limited)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn lease_worker_starts_are_rate_limited_per_principal() {
     // Measured without the limit: two principals looping LEASE_ALLOC +
@@ -305,45 +350,9 @@ async fn lease_worker_starts_are_rate_limited_per_principal() {
     let (a, b) = (connect_as(node, "ta").await, connect_as(node, "tb").await);
     let run = Duration::from_secs(2);
     let t = Instant::now();
-    let churn = |c: Arc<Client>| async move {
-        let (mut granted, mut limited) = (0u32, 0u32);
-        while t.elapsed() < run {
-            match cuda_lease::client::Lease::builder()
-                .min_vram(4096)
-                .auto_renew(false)
-                .on(c.clone())
-                .await
-            {
-                Ok(l) => {
-                    granted += 1;
-                    l.free().await.unwrap();
-                }
-                Err(e) => {
-                    assert_eq!(e.kind(), ErrorKind::Capacity, "{e}");
-                    assert!(
-                        e.to_string()
-                            .contains("worker_starts_per_principal_per_second"),
-                        "{e}"
-                    );
-                    limited += 1;
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-            }
-        }
-        (granted, limited)
-    };
     // (16 tasks each: more than the starts a principal may wait for, a
     // second's worth, so some are refused)
-    let tasks: Vec<_> = (0..16)
-        .flat_map(|_| [a.clone(), b.clone()])
-        .map(|c| tokio::spawn(churn(c)))
-        .collect();
-    let (mut granted, mut limited) = (0, 0);
-    for task in tasks {
-        let (g, l) = task.await.unwrap();
-        granted += g;
-        limited += l;
-    }
+    let (granted, limited) = churn(vec![a, b], 16, t + run).await;
     let secs = t.elapsed().as_secs_f64();
     let starts = metric(&node.metrics_text(), "gpu_worker_starts_total").unwrap_or(0);
     eprintln!(
@@ -400,36 +409,9 @@ async fn lease_churn_at_the_default_rate_leaves_another_tenant_its_latency() {
     let mut idle = canary(&s, Instant::now() + Duration::from_millis(1500)).await;
     let run = Duration::from_secs(4);
     let t = Instant::now();
-    let churn = |c: Arc<Client>| async move {
-        let mut granted = 0u32;
-        while t.elapsed() < run {
-            match cuda_lease::client::Lease::builder()
-                .min_vram(4096)
-                .auto_renew(false)
-                .on(c.clone())
-                .await
-            {
-                Ok(l) => {
-                    granted += 1;
-                    l.free().await.unwrap();
-                }
-                Err(e) => {
-                    assert_eq!(e.kind(), ErrorKind::Capacity, "{e}");
-                    tokio::task::yield_now().await;
-                }
-            }
-        }
-        granted
-    };
-    let tasks: Vec<_> = (0..8)
-        .flat_map(|_| [a.clone(), b.clone()])
-        .map(|c| tokio::spawn(churn(c)))
-        .collect();
+    let churning = tokio::spawn(churn(vec![a, b], 8, t + run));
     let mut busy = canary(&s, t + run).await;
-    let mut granted = 0;
-    for task in tasks {
-        granted += task.await.unwrap();
-    }
+    let (granted, _) = churning.await.unwrap();
     let secs = t.elapsed().as_secs_f64();
     let refused = metric(&node.metrics_text(), "gpu_worker_starts_refused_total").unwrap_or(0);
     let (idle50, idle99) = (quantile(&mut idle, 0.5), quantile(&mut idle, 0.99));

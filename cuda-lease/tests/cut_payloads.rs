@@ -35,22 +35,10 @@ fn cut_at(r: usize, k: usize) -> usize {
 /// shorter one holds): a connection whose close the node never got ends
 /// there, not after a minute. A live connection sends keep-alives.
 fn endpoint(node: &Node) -> quinn::Endpoint {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(node.cert_der().clone()).unwrap();
-    let mut tls = rustls::ClientConfig::builder()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    tls.alpn_protocols = vec![proto::ALPN.to_vec()];
-    let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
     let mut transport = quinn::TransportConfig::default();
     transport.max_idle_timeout(Some(Duration::from_secs(3).try_into().unwrap()));
     transport.keep_alive_interval(Some(Duration::from_millis(500)));
-    let mut cfg = quinn::ClientConfig::new(Arc::new(qc));
-    cfg.transport_config(Arc::new(transport));
-    let mut ep = quinn::Endpoint::client(([127, 0, 0, 1], 0).into()).unwrap();
-    ep.set_default_client_config(cfg);
-    ep
+    endpoint_with(node, [127, 0, 0, 1], Some(transport))
 }
 
 /// A new connection from `ep`, authenticated with the test token.

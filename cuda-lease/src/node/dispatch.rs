@@ -362,3 +362,47 @@ pub(super) async fn lease_free(shared: &Arc<Shared>, id: &LeaseId) -> Result<Rep
         },
     }
 }
+
+impl Shared {
+    /// Takes one of `who`'s lease worker starts: at once, or after a wait
+    /// of at most [`WORKER_START_WAIT`] for the next one; past that, says
+    /// why not (the principal is over its rate).
+    pub(super) async fn take_worker_start(&self, who: &Principal) -> Result<(), Reply> {
+        let rate = self.cfg.worker_starts_per_principal_per_second;
+        let burst = f64::from(self.cfg.worker_start_burst_per_principal);
+        let now = std::time::Instant::now();
+        let taken = {
+            let mut m = self.worker_starts.lock().unwrap_or_else(|e| e.into_inner());
+            if m.len() >= 4096 && !m.contains_key(who) {
+                m.retain(|_, b| !b.is_full(rate, burst, now));
+            }
+            m.entry(who.clone())
+                .or_insert(super::bucket::TokenBucket::full(burst, now))
+                .take_within(rate, burst, now, WORKER_START_WAIT)
+        };
+        match taken {
+            Ok(wait) => {
+                if !wait.is_zero() {
+                    tokio::time::sleep(wait).await;
+                }
+                Ok(())
+            }
+            Err(wait) => {
+                Metrics::inc(&self.metrics.worker_starts_refused);
+                Err(Reply::err(
+                    Status::CapacityExceeded,
+                    format!(
+                        "principal {who} is starting lease workers faster than the node allows \
+                         (worker_starts_per_principal_per_second: {rate}, burst {burst}): \
+                         try again in {} ms",
+                        wait.as_millis().max(1)
+                    ),
+                ))
+            }
+        }
+    }
+}
+
+/// Longest a LEASE_ALLOC over its principal's worker-start rate waits for
+/// the next start before it is refused.
+const WORKER_START_WAIT: Duration = Duration::from_secs(1);

@@ -30,6 +30,7 @@ mod config;
 mod connection;
 mod dispatch;
 mod handshake;
+mod held;
 mod order;
 mod plan;
 mod stream;
@@ -49,6 +50,7 @@ use crate::proto::{
 use crate::tls::{self, Identity};
 use crate::worker::{WorkerError, WorkerProcess};
 use handshake::{HandshakeLimits, Handshakes};
+use held::HeldData;
 
 /// What a client-named id of a lease is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -267,49 +269,7 @@ impl Shared {
     fn table(&self) -> std::sync::MutexGuard<'_, LeaseTable<Slot>> {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
-
-    /// Takes one of `who`'s lease worker starts: at once, or after a wait
-    /// of at most [`WORKER_START_WAIT`] for the next one; past that, says
-    /// why not (the principal is over its rate).
-    async fn take_worker_start(&self, who: &Principal) -> Result<(), Reply> {
-        let rate = self.cfg.worker_starts_per_principal_per_second;
-        let burst = f64::from(self.cfg.worker_start_burst_per_principal);
-        let now = std::time::Instant::now();
-        let taken = {
-            let mut m = self.worker_starts.lock().unwrap_or_else(|e| e.into_inner());
-            if m.len() >= 4096 && !m.contains_key(who) {
-                m.retain(|_, b| !b.is_full(rate, burst, now));
-            }
-            m.entry(who.clone())
-                .or_insert(bucket::TokenBucket::full(burst, now))
-                .take_within(rate, burst, now, WORKER_START_WAIT)
-        };
-        match taken {
-            Ok(wait) => {
-                if !wait.is_zero() {
-                    tokio::time::sleep(wait).await;
-                }
-                Ok(())
-            }
-            Err(wait) => {
-                Metrics::inc(&self.metrics.worker_starts_refused);
-                Err(Reply::err(
-                    Status::CapacityExceeded,
-                    format!(
-                        "principal {who} is starting lease workers faster than the node allows \
-                         (worker_starts_per_principal_per_second: {rate}, burst {burst}): \
-                         try again in {} ms",
-                        wait.as_millis().max(1)
-                    ),
-                ))
-            }
-        }
-    }
 }
-
-/// Longest a LEASE_ALLOC over its principal's worker-start rate waits for
-/// the next start before it is refused.
-const WORKER_START_WAIT: Duration = Duration::from_secs(1);
 
 /// A running node. Dropping it stops serving and kills every worker;
 /// [`Node::shutdown`] does the same and waits for the workers to exit.
@@ -343,67 +303,6 @@ struct Reply {
     /// Data a lease's worker keeps for this reply (then `data` is empty),
     /// read from it as the client takes the reply.
     held: Option<HeldData>,
-}
-
-/// How much of a held reply the node reads from the worker at a time:
-/// what an unread reply holds on the node, beside what the connection
-/// has buffered.
-const HELD_CHUNK: u32 = 1 << 20;
-
-/// A reply's data kept in a lease's worker ([`crate::worker::FLAG_HELD`]);
-/// dropped there when this is dropped before it was all read.
-struct HeldData {
-    slot: Slot,
-    /// The worker request whose reply it is.
-    request: u64,
-    len: u64,
-    /// Bytes read from the worker so far (the worker drops its copy once
-    /// its last byte is read).
-    read: u64,
-}
-
-impl HeldData {
-    /// The next part (at most [`HELD_CHUNK`] bytes), or `None` at the end.
-    async fn next(&mut self, timeout: Duration) -> Option<Result<Vec<u8>, WorkerError>> {
-        if self.read >= self.len {
-            return None;
-        }
-        let n = (self.len - self.read).min(u64::from(HELD_CHUNK)) as u32;
-        let part = self
-            .slot
-            .worker
-            .read_held(self.request, self.read, n, timeout)
-            .await;
-        Some(match part {
-            Ok(p) if p.len() == n as usize => {
-                self.read += u64::from(n);
-                Ok(p)
-            }
-            Ok(p) => Err(WorkerError::Dead(format!(
-                "held reply {}: {} bytes where {n} were asked for",
-                self.request,
-                p.len()
-            ))),
-            Err(e) => Err(e),
-        })
-    }
-}
-
-impl Drop for HeldData {
-    fn drop(&mut self) {
-        if self.read >= self.len {
-            return;
-        }
-        let (slot, request) = (self.slot.clone(), self.request);
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                let _ = slot
-                    .worker
-                    .read_held(request, 0, 0, Duration::from_secs(60))
-                    .await;
-            });
-        }
-    }
 }
 
 impl Reply {

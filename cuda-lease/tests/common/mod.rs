@@ -358,16 +358,7 @@ pub async fn raw_authed_conn(node: &Node) -> quinn::Connection {
 
 /// A raw QUIC connection that never authenticates.
 pub async fn raw_unauthed_conn(node: &Node) -> quinn::Connection {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(node.cert_der().clone()).unwrap();
-    let mut tls = rustls::ClientConfig::builder()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    tls.alpn_protocols = vec![cuda_lease::proto::ALPN.to_vec()];
-    let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
-    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(qc)));
+    let ep = endpoint_on(node, [127, 0, 0, 1]);
     let conn = ep.connect(node.addr(), "localhost").unwrap().await.unwrap();
     std::mem::forget(ep);
     conn
@@ -493,6 +484,16 @@ pub fn batches(node: &Node) -> (u64, u64) {
 /// A QUIC client endpoint on `ip` (all of 127.0.0.0/8 is loopback), so a
 /// test can choose the source address the node sees.
 pub fn endpoint_on(node: &Node, ip: [u8; 4]) -> quinn::Endpoint {
+    endpoint_with(node, ip, None)
+}
+
+/// [`endpoint_on`], its connections with `transport`'s settings (quinn's
+/// defaults without).
+pub fn endpoint_with(
+    node: &Node,
+    ip: [u8; 4],
+    transport: Option<quinn::TransportConfig>,
+) -> quinn::Endpoint {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let mut roots = rustls::RootCertStore::empty();
     roots.add(node.cert_der().clone()).unwrap();
@@ -501,8 +502,12 @@ pub fn endpoint_on(node: &Node, ip: [u8; 4]) -> quinn::Endpoint {
         .with_no_client_auth();
     tls.alpn_protocols = vec![proto::ALPN.to_vec()];
     let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut cfg = quinn::ClientConfig::new(Arc::new(qc));
+    if let Some(t) = transport {
+        cfg.transport_config(Arc::new(t));
+    }
     let mut ep = quinn::Endpoint::client((ip, 0).into()).unwrap();
-    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(qc)));
+    ep.set_default_client_config(cfg);
     ep
 }
 
