@@ -58,7 +58,13 @@ async fn bursts_of_300_and_600_honest_clients_from_one_address_are_all_served() 
     // Measured against a node with the cap and no queue: of 300 clients
     // connecting at once from one address, 113 were refused.
     let _one = ONE_AT_A_TIME.lock().await;
-    let fx = Fixture::memory(1 << 20).start().await;
+    let mut cfg = memory_config(1 << 20);
+    // The clients share this process's cores with the node: on a loaded
+    // 2-core machine in a debug build, one of 600 was seen to get its
+    // HELLO through only after the default 5 s deadline (a release build
+    // serves all 600 in about 3.5 s with the defaults).
+    cfg.hello_timeout = Duration::from_secs(30);
+    let fx = Fixture::with_config(cfg).start().await;
     let node = &fx.node;
     for n in [300, 600] {
         let (ok, first_error, took) = burst(node, n).await;
@@ -360,7 +366,9 @@ async fn lease_worker_starts_are_rate_limited_per_principal() {
          {granted} granted ({starts} worker starts), {limited} refused over the rate"
     );
     // Each principal: its burst, then its rate.
-    let most = 2.0 * (10.0 + 10.0 * secs);
+    // (plus one each: the timer that ends a wait for a token may fire a
+    // hair after the bound is read)
+    let most = 2.0 * (10.0 + 10.0 * secs) + 2.0;
     assert!(
         f64::from(granted) <= most,
         "{granted} leases in {secs:.1} s (at most {most})"

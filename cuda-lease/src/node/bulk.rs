@@ -177,10 +177,10 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener, acce
         let shared = shared.clone();
         let acceptor = acceptor.clone();
         tokio::spawn(async move {
-            let deadline = tokio::time::Instant::now() + shared.cfg.hello_timeout;
+            let queue_deadline = tokio::time::Instant::now() + shared.cfg.hello_timeout;
             let waiting = match admission {
                 Admission::Now(place) => place,
-                Admission::Queued(q) => match q.place(deadline).await {
+                Admission::Queued(q) => match q.place(queue_deadline).await {
                     Some(place) => place,
                     None => {
                         debug!(%from, "bulk-data connection refused: no place by the deadline");
@@ -189,7 +189,10 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener, acce
                 },
                 Admission::Busy => return,
             };
-            let opened = tokio::time::timeout_at(deadline, redeem(&shared, &acceptor, tcp)).await;
+            // (the place is held at most the HELLO timeout from now)
+            let opened =
+                tokio::time::timeout(shared.cfg.hello_timeout, redeem(&shared, &acceptor, tcp))
+                    .await;
             drop(waiting);
             let (tls, open) = match opened {
                 Ok(Ok(x)) => x,

@@ -104,8 +104,8 @@ pub struct NodeConfig {
     pub max_unauthenticated_per_source: usize,
     /// Most connections waiting in the handshake queue for a place among
     /// those waiting for HELLO, node-wide. A queued connection waits at
-    /// most `hello_timeout` from its arrival (the same deadline as its
-    /// HELLO); one arriving when the queue is full is refused at once, and
+    /// most `hello_timeout` for a place, then has `hello_timeout` from
+    /// then for its handshake and HELLO; one arriving when the queue is full is refused at once, and
     /// the client names it "node busy" and retries within its connect
     /// timeout.
     pub max_queued_handshakes: usize,

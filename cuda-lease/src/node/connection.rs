@@ -30,12 +30,12 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) 
         }
         let shared = shared.clone();
         tokio::spawn(async move {
-            let deadline = tokio::time::Instant::now() + shared.cfg.hello_timeout;
+            let queue_deadline = tokio::time::Instant::now() + shared.cfg.hello_timeout;
             let place = match admission {
                 Admission::Now(place) => place,
                 Admission::Queued(queued) => {
                     Metrics::inc(&shared.metrics.handshakes_queued);
-                    let Some(place) = queued.place(deadline).await else {
+                    let Some(place) = queued.place(queue_deadline).await else {
                         debug!(%remote, "refused: no place by the HELLO deadline");
                         Metrics::inc(&shared.metrics.handshakes_refused);
                         incoming.refuse();
@@ -45,6 +45,11 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) 
                 }
                 Admission::Busy => return,
             };
+            // A place is held at most the HELLO timeout, from when it is
+            // taken: a connection that waited in the queue gets the whole
+            // time for its handshake (cut short, its client would see the
+            // handshake time out, not a refusal it retries).
+            let deadline = tokio::time::Instant::now() + shared.cfg.hello_timeout;
             let conn = match tokio::time::timeout_at(deadline, incoming).await {
                 Ok(Ok(c)) => c,
                 Ok(Err(e)) => {

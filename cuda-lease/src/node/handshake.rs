@@ -8,7 +8,8 @@
 //! * at most `max_unauthenticated` connections wait for HELLO node-wide,
 //!   and `max_unauthenticated_per_source` from one source address; more
 //!   wait for a place, before their TLS handshake, in the handshake queue
-//!   (first come, first served), at most until their HELLO deadline;
+//!   (first come, first served), at most `hello_timeout`; a place is held
+//!   at most `hello_timeout` from when it is taken;
 //! * at most `max_queued_handshakes` connections are in that queue, and
 //!   `max_queued_handshakes_per_source` from one source; more are refused
 //!   at once (the client reads this as "node busy" and retries with
