@@ -137,7 +137,7 @@ async fn a_lease_reports_its_memory_as_a_pool_does() {
         .unwrap()
         .await
         .unwrap();
-    let s = lease.query().await.unwrap().mem_stats();
+    let s = lease.mem_stats().await.unwrap();
     let peak = base.allocated + (4 << 20);
     assert_eq!((s.used, s.used_high), (peak, peak), "{s:?}");
     assert_eq!(
@@ -152,7 +152,7 @@ async fn a_lease_reports_its_memory_as_a_pool_does() {
         || async { lease.query().await.unwrap().allocated == after },
     )
     .await;
-    let s = lease.query().await.unwrap().mem_stats();
+    let s = lease.mem_stats().await.unwrap();
     assert_eq!((s.used, s.used_high), (after, peak), "{s:?}");
     drop(a);
     fx.shutdown().await;

@@ -203,6 +203,25 @@ impl Lease {
         from_body(&b).map_err(|e| protocol_error(e.to_string()))
     }
 
+    /// The lease's memory in the form of a local pool's statistics
+    /// ([`MemPool::stats`](cuda_core::MemPool::stats)), from
+    /// [`Lease::query`]: `used` and `used_high` are the bytes allocated now
+    /// and at most; `reserved` and `reserved_high` the lease's reservation
+    /// (the node holds it whole from the grant on).
+    ///
+    /// # Errors
+    ///
+    /// As [`Lease::query`].
+    pub async fn mem_stats(&self) -> Result<cuda_core::MemPoolStats, Error> {
+        let st = self.query().await?;
+        Ok(cuda_core::MemPoolStats {
+            used: st.allocated,
+            used_high: st.allocated_high,
+            reserved: st.reserved,
+            reserved_high: st.reserved,
+        })
+    }
+
     /// A session on this lease's stream.
     pub fn session(&self) -> Session {
         Session {

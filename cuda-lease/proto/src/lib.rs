@@ -1,4 +1,7 @@
-//! The wire protocol: a fixed, versioned header, a `postcard` body and raw bytes.
+//! The wire protocol of `cuda-lease`, without I/O: its messages and
+//! commands, their encoding and the frame around them.
+//!
+//! A fixed, versioned header, a `postcard` body and raw bytes.
 //!
 //! Every message (request or reply) is one frame:
 //!
@@ -34,15 +37,14 @@ mod messages;
 pub use batch::{
     Batch, Command, ModuleText, ModuleUse, Op, FIRST_NODE_ID, MAX_BATCH_MODULES, TIMER_BYTES,
 };
-#[cfg(feature = "node")]
-pub(crate) use codec::postcard_codec;
 pub use codec::Codec;
-pub(crate) use codec::{encode_batch_head, encode_commands, postcard_decode, postcard_encode};
+#[doc(hidden)]
+pub use codec::{encode_batch_head, encode_commands, postcard_decode, postcard_encode};
 pub use frame::{
-    from_body, proto_error, read_frame, read_frame_blocking, read_head, read_header,
-    read_header_blocking, read_rest_blocking, to_body, write_frame, write_frame_blocking,
-    write_frame_parts, Frame, Header, Limits, Opcode, ProtoError, Status, ALPN, BULK_ALPN,
-    CLOSE_NODE_SHUTDOWN, FLAG_REPLY, HEADER_LEN, MAGIC, SMALL_FRAME, VERSION,
+    from_body, invalid_data, proto_error, read_frame_blocking, read_header_blocking,
+    read_rest_blocking, to_body, write_frame_blocking, Frame, Header, Limits, Opcode, ProtoError,
+    Status, ALPN, BULK_ALPN, CLOSE_NODE_SHUTDOWN, FLAG_REPLY, HEADER_LEN, MAGIC, SMALL_FRAME,
+    VERSION,
 };
 pub use messages::{
     BatchReply, BulkOpen, BulkTickets, DeviceInfo, DeviceLimits, ErrorBody, GpuSubmit, Hello,

@@ -326,39 +326,6 @@ pub struct LeaseStatus {
     pub state: LeaseState,
 }
 
-impl LeaseStatus {
-    /// The lease's memory in the form of a local pool's statistics
-    /// ([`MemPool::stats`](cuda_core::MemPool::stats)): `used` and
-    /// `used_high` are the bytes allocated now and at most; `reserved` and
-    /// `reserved_high` the lease's reservation (the node holds it whole
-    /// from the grant on).
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use cuda_lease::proto::{LeaseId, LeaseState, LeaseStatus};
-    /// let st = LeaseStatus {
-    ///     lease: LeaseId([1; 16]),
-    ///     generation: 1,
-    ///     reserved: 64 << 20,
-    ///     allocated: 4 << 20,
-    ///     allocated_high: 16 << 20,
-    ///     remaining_ms: 1000,
-    ///     state: LeaseState::Active,
-    /// };
-    /// let s = st.mem_stats();
-    /// assert_eq!((s.used, s.used_high, s.reserved), (4 << 20, 16 << 20, 64 << 20));
-    /// ```
-    pub fn mem_stats(&self) -> cuda_core::MemPoolStats {
-        cuda_core::MemPoolStats {
-            used: self.allocated,
-            used_high: self.allocated_high,
-            reserved: self.reserved,
-            reserved_high: self.reserved,
-        }
-    }
-}
-
 /// MEM_ALLOC request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemAlloc {

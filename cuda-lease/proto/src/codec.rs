@@ -33,7 +33,7 @@ pub trait Codec<'a>: Sized {
 }
 
 /// Appends `msg` as postcard writes it.
-pub(crate) fn postcard_encode<T: serde::Serialize + ?Sized>(msg: &T, out: &mut Vec<u8>) {
+pub fn postcard_encode<T: serde::Serialize + ?Sized>(msg: &T, out: &mut Vec<u8>) {
     // Serializing our own plain-data types into a Vec cannot fail.
     if let Ok(v) = postcard::to_extend(msg, std::mem::take(out)) {
         *out = v;
@@ -41,29 +41,27 @@ pub(crate) fn postcard_encode<T: serde::Serialize + ?Sized>(msg: &T, out: &mut V
 }
 
 /// Decodes one postcard value from the front of `buf`.
-pub(crate) fn postcard_decode<'a, T: serde::Deserialize<'a>>(
-    buf: &mut &'a [u8],
-) -> Result<T, ProtoError> {
+pub fn postcard_decode<'a, T: serde::Deserialize<'a>>(buf: &mut &'a [u8]) -> Result<T, ProtoError> {
     let (v, rest) = postcard::take_from_bytes(buf).map_err(|e| ProtoError::Body(e.to_string()))?;
     *buf = rest;
     Ok(v)
 }
 
 /// Implements [`Codec`] through postcard for plain-data messages.
+#[doc(hidden)]
+#[macro_export]
 macro_rules! postcard_codec {
     ($($t:ty),* $(,)?) => {$(
-        impl<'a> $crate::proto::Codec<'a> for $t {
+        impl<'a> $crate::Codec<'a> for $t {
             fn encode(&self, out: &mut Vec<u8>) {
-                $crate::proto::postcard_encode(self, out)
+                $crate::postcard_encode(self, out)
             }
-            fn decode(buf: &mut &'a [u8]) -> Result<Self, $crate::proto::ProtoError> {
-                $crate::proto::postcard_decode(buf)
+            fn decode(buf: &mut &'a [u8]) -> Result<Self, $crate::ProtoError> {
+                $crate::postcard_decode(buf)
             }
         }
     )*};
 }
-#[cfg(feature = "node")]
-pub(crate) use postcard_codec;
 
 postcard_codec!(
     (),
@@ -162,12 +160,7 @@ impl<'a> Codec<'a> for Batch<'a> {
 }
 
 /// Appends a BATCH body's fields before its commands.
-pub(crate) fn encode_batch_head(
-    out: &mut Vec<u8>,
-    lease: LeaseId,
-    seq: u64,
-    modules: &[ModuleUse],
-) {
+pub fn encode_batch_head(out: &mut Vec<u8>, lease: LeaseId, seq: u64, modules: &[ModuleUse]) {
     #[derive(serde::Serialize)]
     struct HeadRef<'m> {
         lease: LeaseId,
@@ -184,7 +177,6 @@ pub(crate) fn encode_batch_head(
     );
 }
 
-#[cfg(feature = "node")]
 impl<'a> Batch<'a> {
     /// Decodes a BATCH body, and returns with it the bytes of its
     /// command list as they came: a node forwards them to its worker
@@ -193,7 +185,8 @@ impl<'a> Batch<'a> {
     /// # Errors
     ///
     /// [`ProtoError::Body`] as [`from_body`](super::from_body).
-    pub(crate) fn decode_keeping_wire(mut body: &'a [u8]) -> Result<(Self, &'a [u8]), ProtoError> {
+    #[doc(hidden)]
+    pub fn decode_keeping_wire(mut body: &'a [u8]) -> Result<(Self, &'a [u8]), ProtoError> {
         let head: BatchHead = postcard_decode(&mut body)?;
         let wire = body;
         let commands = super::from_body(wire)?;
@@ -210,7 +203,7 @@ impl<'a> Batch<'a> {
 /// Appends `commands` (`n` of them) to `out` as a command list: the
 /// client streams a submission's commands straight into its BATCH
 /// through this, without collecting them first.
-pub(crate) fn encode_commands<'c, 'a: 'c>(
+pub fn encode_commands<'c, 'a: 'c>(
     out: &mut Vec<u8>,
     n: usize,
     commands: impl IntoIterator<Item = impl std::borrow::Borrow<Command<'a>>>,
@@ -543,12 +536,12 @@ impl<'a> WireReader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::{from_body, to_body};
+    use crate::{from_body, to_body};
 
     /// The serde derive's reading of a command list, the reference.
     #[derive(Debug, serde::Deserialize)]
     struct SerdeCommands<'a>(
-        #[serde(borrow, deserialize_with = "crate::proto::bounded::commands")] Vec<Command<'a>>,
+        #[serde(borrow, deserialize_with = "crate::bounded::commands")] Vec<Command<'a>>,
     );
 
     fn serde_decode(wire: &[u8]) -> Result<Vec<Command<'_>>, String> {
@@ -727,7 +720,6 @@ mod tests {
         let body = to_body(&batch);
         assert_eq!(body, postcard::to_allocvec(&batch).unwrap());
         assert_eq!(from_body::<Batch<'_>>(&body).unwrap(), batch);
-        #[cfg(feature = "node")]
         {
             let (back, wire) = Batch::decode_keeping_wire(&body).unwrap();
             assert_eq!(back, batch);
