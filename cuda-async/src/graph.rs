@@ -77,7 +77,7 @@ use crate::context::ExecutionContext;
 use crate::exec::{check_poison, execute_guarded, note};
 use crate::op::{DeviceOp, DeviceOpExt};
 use crate::policy::default_device;
-use crate::remote::{CaptureRemote, RemoteCommand, RemoteGraph, RemotePolicy};
+use crate::remote::{CaptureRemote, Id, Op, RemoteGraph, RemotePolicy};
 use crate::stream_pool::{StreamPool, DEFAULT_POOL_STREAMS};
 
 /// A captured op: an instantiated CUDA graph that owns the op's output and
@@ -438,10 +438,8 @@ impl<T: Send + Sync> DeviceOp for GraphLaunch<'_, T> {
             return match &self.graph.home {
                 GraphHome::Remote { graph, .. } if same_session(&graph.session, r.session()) => {
                     let stream = r.stream();
-                    r.recording().push(RemoteCommand::GraphLaunch {
-                        stream,
-                        graph: graph.id,
-                    });
+                    let graph = Id(graph.id);
+                    r.recording().push(stream, Op::GraphLaunch { graph });
                     Ok(())
                 }
                 _ => Err(wrong_home(

@@ -9,7 +9,10 @@ use cuda_core::{DeviceRepr, Error, Kernel, ParamClass, Result};
 use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
 use crate::op::{impl_into_future, DeviceOp};
-use crate::remote::{RemoteArg, RemoteCommand, RemoteContext};
+use crate::remote::{proto, Id, RemoteContext};
+
+/// A kernel argument as a remote launch carries it (the protocol's).
+type WireArg = proto::KernelArg<'static>;
 use crate::view::{DeviceSlice, DeviceSliceMut};
 
 /// One kernel argument: how it is passed and what it looks like to the
@@ -54,7 +57,7 @@ pub trait KernelArg: Send {
     /// A buffer that does not live on `ctx`'s session
     /// ([`Error::WrongHome`]); by default, [`Error::InvalidArgument`]: the
     /// argument type does not say how it travels.
-    fn remote(&self, _ctx: &RemoteContext) -> Result<RemoteArg> {
+    fn remote(&self, _ctx: &RemoteContext) -> Result<WireArg> {
         Err(Error::InvalidArgument(format!(
             "a kernel argument of type `{}` cannot be passed to a remote GPU",
             self.spec().2
@@ -71,8 +74,8 @@ macro_rules! scalar_arg {
             fn push<'a>(&'a mut self, args: &mut LaunchArgs<'a>) {
                 args.arg(&*self);
             }
-            fn remote(&self, _ctx: &RemoteContext) -> Result<RemoteArg> {
-                Ok(RemoteArg::Bytes(self.to_le_bytes().to_vec()))
+            fn remote(&self, _ctx: &RemoteContext) -> Result<WireArg> {
+                Ok(WireArg::bytes(self.to_le_bytes()))
             }
         }
     )*};
@@ -97,7 +100,7 @@ impl<T: DeviceRepr + Send> KernelArg for DeviceBuffer<T> {
     fn after(&self, stream: &CudaStream) -> Result<()> {
         self.expect_local().after_write(stream)
     }
-    fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
+    fn remote(&self, ctx: &RemoteContext) -> Result<WireArg> {
         buffer_arg(self, ctx)
     }
 }
@@ -115,7 +118,7 @@ impl<T: DeviceRepr + Sync> KernelArg for &DeviceBuffer<T> {
     fn after(&self, stream: &CudaStream) -> Result<()> {
         self.expect_local().after_read(stream)
     }
-    fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
+    fn remote(&self, ctx: &RemoteContext) -> Result<WireArg> {
         buffer_arg(self, ctx)
     }
 }
@@ -133,7 +136,7 @@ impl<T: DeviceRepr + Send> KernelArg for &mut DeviceBuffer<T> {
     fn after(&self, stream: &CudaStream) -> Result<()> {
         self.expect_local().after_write(stream)
     }
-    fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
+    fn remote(&self, ctx: &RemoteContext) -> Result<WireArg> {
         buffer_arg(self, ctx)
     }
 }
@@ -151,7 +154,7 @@ impl<T: DeviceRepr + Send + Sync> KernelArg for Arc<DeviceBuffer<T>> {
     fn after(&self, stream: &CudaStream) -> Result<()> {
         self.expect_local().after_read(stream)
     }
-    fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
+    fn remote(&self, ctx: &RemoteContext) -> Result<WireArg> {
         buffer_arg(self, ctx)
     }
 }
@@ -184,9 +187,9 @@ macro_rules! view_arg {
                     .expect_local()
                     .$after(stream, self.start..self.start + self.len)
             }
-            fn remote(&self, ctx: &RemoteContext) -> Result<RemoteArg> {
-                Ok(RemoteArg::Buffer {
-                    id: ctx.id_of(self.buf)?,
+            fn remote(&self, ctx: &RemoteContext) -> Result<WireArg> {
+                Ok(WireArg::Mem {
+                    buf: Id(ctx.id_of(self.buf)?),
                     offset: (self.start * std::mem::size_of::<T>()) as u64,
                 })
             }
@@ -226,9 +229,9 @@ impl<T: DeviceRepr + Send> BufferOut<T> for DeviceBuffer<T> {}
 impl<T: DeviceRepr + Send> BufferOut<T> for &mut DeviceBuffer<T> {}
 impl<T: DeviceRepr + Send + Sync> BufferOut<T> for DeviceSliceMut<'_, T> {}
 
-fn buffer_arg<T>(b: &DeviceBuffer<T>, ctx: &RemoteContext) -> Result<RemoteArg> {
-    Ok(RemoteArg::Buffer {
-        id: ctx.id_of(b)?,
+fn buffer_arg<T>(b: &DeviceBuffer<T>, ctx: &RemoteContext) -> Result<WireArg> {
+    Ok(WireArg::Mem {
+        buf: Id(ctx.id_of(b)?),
         offset: 0,
     })
 }
@@ -262,7 +265,7 @@ pub trait KernelArgs: Send {
     /// # Errors
     /// The first argument's error; by default, [`Error::InvalidArgument`]
     /// (an argument list that does not say how it travels).
-    fn remote_all(&self, _ctx: &RemoteContext) -> Result<Vec<RemoteArg>> {
+    fn remote_all(&self, _ctx: &RemoteContext) -> Result<Vec<WireArg>> {
         Err(Error::InvalidArgument(
             "these kernel arguments cannot be passed to a remote GPU".into(),
         ))
@@ -291,7 +294,7 @@ macro_rules! kernel_args {
                 first
             }
             #[allow(unused_variables)]
-            fn remote_all(&self, ctx: &RemoteContext) -> Result<Vec<RemoteArg>> {
+            fn remote_all(&self, ctx: &RemoteContext) -> Result<Vec<WireArg>> {
                 Ok(vec![$(self.$idx.remote(ctx)?),*])
             }
         }
@@ -491,16 +494,16 @@ impl KernelArgs for DynArgs<'_> {
         }
         first
     }
-    fn remote_all(&self, ctx: &RemoteContext) -> Result<Vec<RemoteArg>> {
+    fn remote_all(&self, ctx: &RemoteContext) -> Result<Vec<WireArg>> {
         self.slots
             .iter()
             .map(|s| match s {
                 DynSlot::Bytes { words, len } => {
                     let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-                    Ok(RemoteArg::Bytes(bytes[..*len].to_vec()))
+                    Ok(WireArg::bytes(&bytes[..*len]))
                 }
-                DynSlot::Buffer { buffer, offset, .. } => Ok(RemoteArg::Buffer {
-                    id: ctx.id_of(buffer)?,
+                DynSlot::Buffer { buffer, offset, .. } => Ok(WireArg::Mem {
+                    buf: Id(ctx.id_of(buffer)?),
                     offset: *offset as u64,
                 }),
             })
@@ -631,12 +634,8 @@ impl<A: KernelArgs> DeviceOp for Launch<A> {
             }
             let args = self.args.remote_all(r)?;
             let stream = r.stream();
-            r.recording().push(RemoteCommand::Launch {
-                stream,
-                kernel: self.kernel,
-                config: self.config,
-                args,
-            });
+            r.recording()
+                .launch(stream, &self.kernel, &self.config, args);
             return Ok(self.args);
         }
         // Resolved for the context's device: compiled or loaded there on

@@ -16,7 +16,7 @@ use crate::context::ExecutionContext;
 use crate::host::HostBuffer;
 use crate::op::{impl_into_future, DeviceOp};
 use crate::pinned_host::PinnedHost;
-use crate::remote::RemoteCommand;
+use crate::remote::{Id, Op};
 use crate::view::{DeviceSource, DeviceTarget};
 
 /// The bytes of `v` (what a copy to the device transfers).
@@ -532,12 +532,16 @@ fn enqueue_d2d<T>(
     if let Some(r) = ctx.as_remote() {
         let (stream, sid, did) = (r.stream(), r.id_of(src)?, r.id_of(dst)?);
         if bytes > 0 {
-            r.recording().push(RemoteCommand::Copy {
+            r.recording().push(
                 stream,
-                src: (sid, src_at),
-                dst: (did, dst_at),
-                len: bytes,
-            });
+                Op::Copy {
+                    src: Id(sid),
+                    src_offset: src_at,
+                    dst: Id(did),
+                    dst_offset: dst_at,
+                    len: bytes,
+                },
+            );
         }
         return Ok(());
     }
@@ -678,13 +682,15 @@ impl<T: AnyBitPattern, B: DeviceTarget<T>> DeviceOp for Memset<T, B> {
         if let Some(r) = ctx.as_remote() {
             let (stream, id) = (r.stream(), r.id_of(target)?);
             if bytes > 0 {
-                r.recording().push(RemoteCommand::Fill {
+                r.recording().push(
                     stream,
-                    id,
-                    offset: at,
-                    len: bytes,
-                    value: self.byte,
-                });
+                    Op::Fill {
+                        buf: Id(id),
+                        offset: at,
+                        len: bytes,
+                        value: self.byte,
+                    },
+                );
             }
             return Ok(self.buf);
         }

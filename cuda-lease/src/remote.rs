@@ -1,6 +1,6 @@
 //! A leased GPU as a backend of `cuda-async`: [`LeaseSession`] implements
 //! [`cuda_async::RemoteSession`] on a [`Session`] of the lease protocol
-//! ([`proto::VERSION`](crate::proto::VERSION)).
+//! ([`proto::VERSION`]).
 //!
 //! A [`Recording`] of `cuda-async` becomes one BATCH, encoded straight
 //! from the recording (the same bytes as the
@@ -27,33 +27,53 @@
 //! where the reply says, and the lease's accounting on the node is what
 //! the commands that ran left.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use crate::client::{
-    config_error, protocol_error, Error, ErrorKind, Lease, Module, Session, Submitted,
+    config_error, protocol_error, EncodeCommands, Error, ErrorKind, Lease, Module, Session,
+    Submitted,
 };
-use crate::proto::LeaseId;
-use crate::proto::ModuleHash;
+use crate::proto::{self, Command, Id, LeaseId, Op};
 use crate::stamps::{stamp, Point};
-use cuda_async::remote::{Recording, RemoteCommand, RemoteCompletion};
-use cuda_async::{ModuleSource, RemoteSession};
+use cuda_async::remote::{Recording, RemoteCompletion};
+use cuda_async::RemoteSession;
 use std::net::SocketAddr;
 
 mod ids;
 mod reading;
 mod streamed;
-mod wire;
 
 use ids::{IdBook, Ran, Sent};
 use reading::Reading;
-use wire::WireCommands;
 
 /// How long a queued free waits for a message to ride on before it is
 /// sent alone.
 const FREE_FLUSH_DELAY: Duration = Duration::from_millis(2);
+
+/// A BATCH's commands: the queued frees (on stream 0), then a recording's
+/// commands, encoded in turn without collecting them.
+struct AfterFrees<'a> {
+    frees: &'a [u64],
+    commands: &'a [Command<'static>],
+}
+
+impl EncodeCommands for AfterFrees<'_> {
+    fn encode_into(&self, out: &mut Vec<u8>) {
+        let frees = self.frees.iter().map(|&id| {
+            Cow::Owned(Command {
+                stream: 0,
+                op: Op::Free { id: Id(id) },
+            })
+        });
+        let commands = self.commands.iter().map(Cow::Borrowed);
+        let n = self.frees.len() + self.commands.len();
+        proto::encode_commands(out, n, frees.chain(commands));
+    }
+}
 
 /// A lease as a remote session of `cuda-async`. Cheap to share
 /// (`Arc<LeaseSession>`); its I/O runs on the tokio runtime it was made on.
@@ -70,9 +90,6 @@ pub struct LeaseSession {
     /// Buffers that streamed downloads are reading (see
     /// [`reading`](self::reading)).
     reading: Mutex<Reading>,
-    /// Modules seen, by the address of their `cuda-core` description, so a
-    /// module's source is hashed once.
-    modules: Mutex<Vec<(cuda_async::Module, Module)>>,
 }
 
 impl LeaseSession {
@@ -92,7 +109,6 @@ impl LeaseSession {
             ids: Mutex::new(IdBook::default()),
             flush_scheduled: AtomicBool::new(false),
             reading: Mutex::new(Reading::default()),
-            modules: Mutex::new(Vec::new()),
         })
     }
 
@@ -105,52 +121,6 @@ impl LeaseSession {
         Self::new(session, tokio::runtime::Handle::current())
     }
 
-    /// The wire form of a `cuda-core` module (hashed once per module).
-    fn module(&self, m: &cuda_async::Module) -> Module {
-        let mut seen = self.modules.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, w)) = seen.iter().find(|(k, _)| k == m) {
-            return w.clone();
-        }
-        let wire = match m.source() {
-            ModuleSource::Cuda { source, options } => {
-                let opts: Vec<&str> = options.iter().map(String::as_str).collect();
-                Module::cuda(source.as_str(), &opts)
-            }
-            other => Module::ptx(other.text()),
-        };
-        seen.push((m.clone(), wire.clone()));
-        wire
-    }
-
-    /// The modules `recording` launches from (each once, in order of first
-    /// use) and the module of each of its launches, in order.
-    fn modules_of(&self, commands: &[RemoteCommand]) -> (Vec<Module>, Vec<ModuleHash>) {
-        let mut modules: Vec<Module> = Vec::new();
-        let mut launches = Vec::new();
-        let mut last: Option<(&cuda_async::Module, ModuleHash)> = None;
-        for c in commands {
-            let RemoteCommand::Launch { kernel, .. } = c else {
-                continue;
-            };
-            let m = kernel.module();
-            let hash = match last {
-                // A chain's launches mostly share one module.
-                Some((prev, hash)) if prev == m => hash,
-                _ => {
-                    let wire = self.module(m);
-                    let hash = wire.hash();
-                    if !modules.iter().any(|w| w.hash() == hash) {
-                        modules.push(wire);
-                    }
-                    last = Some((m, hash));
-                    hash
-                }
-            };
-            launches.push(hash);
-        }
-        (modules, launches)
-    }
-
     fn ids(&self) -> std::sync::MutexGuard<'_, IdBook> {
         self.ids.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -159,13 +129,15 @@ impl LeaseSession {
         self.reading.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Sends the queued frees (unless `keep_frees`), then `commands`, as
-    /// one BATCH with `writes` as its payloads; the reads land in `dests`
-    /// (one per read command). When the reply (or the failure) comes, what
-    /// ran is settled in the id book before the returned future is ready.
+    /// Sends the queued frees (unless `keep_frees`), then `commands`
+    /// (launching from `modules`), as one BATCH with `writes` as its
+    /// payloads; the reads land in `dests` (one per read command). When
+    /// the reply (or the failure) comes, what ran is settled in the id book
+    /// before the returned future is ready.
     fn send<D>(
         &self,
-        commands: &[RemoteCommand],
+        commands: &[Command<'static>],
+        modules: &[Module],
         keep_frees: bool,
         writes: Vec<u8>,
         dests: Vec<D>,
@@ -173,14 +145,16 @@ impl LeaseSession {
     where
         D: AsMut<[u8]> + Send + 'static,
     {
-        self.send_numbered(commands, keep_frees, writes, dests).1
+        self.send_numbered(commands, modules, keep_frees, writes, dests)
+            .1
     }
 
     /// [`LeaseSession::send`], with the batch's number in the lease's
     /// order (fixed now, whenever the future is polled).
     fn send_numbered<D>(
         &self,
-        commands: &[RemoteCommand],
+        commands: &[Command<'static>],
+        modules: &[Module],
         keep_frees: bool,
         writes: Vec<u8>,
         dests: Vec<D>,
@@ -191,19 +165,18 @@ impl LeaseSession {
     where
         D: AsMut<[u8]> + Send + 'static,
     {
-        self.send_as(true, commands, keep_frees, writes, dests)
+        self.send_as(true, commands, modules, keep_frees, writes, dests)
     }
 
     /// [`LeaseSession::send`] of a batch outside the lease's order (see
     /// `Message::unnumbered`): the allocations of fresh buffers alone.
     fn send_unnumbered(
         &self,
-        allocs: &[RemoteCommand],
+        allocs: &[Command<'static>],
     ) -> impl Future<Output = Result<(Submitted, Vec<Vec<u8>>), Error>> + Send + 'static {
-        debug_assert!(allocs
-            .iter()
-            .all(|c| matches!(c, RemoteCommand::Alloc { .. })));
-        self.send_as(false, allocs, true, Vec::new(), Vec::new()).1
+        debug_assert!(allocs.iter().all(|c| matches!(c.op, Op::Alloc { .. })));
+        self.send_as(false, allocs, &[], true, Vec::new(), Vec::new())
+            .1
     }
 
     /// A BATCH numbered in the lease's order (`numbered`) or outside it;
@@ -214,7 +187,8 @@ impl LeaseSession {
     fn send_as<D>(
         &self,
         numbered: bool,
-        commands: &[RemoteCommand],
+        commands: &[Command<'static>],
+        modules: &[Module],
         keep_frees: bool,
         writes: Vec<u8>,
         dests: Vec<D>,
@@ -236,16 +210,14 @@ impl LeaseSession {
             book.sending(&sent);
             (frees, sent)
         };
-        let (modules, launches) = self.modules_of(commands);
-        let commands = WireCommands {
+        let commands = AfterFrees {
             frees: &frees,
             commands,
-            launches: &launches,
         };
         let message = if numbered {
-            self.session.message(&modules, commands, writes)
+            self.session.message(modules, commands, writes)
         } else {
-            self.session.message_unnumbered(&modules, commands, writes)
+            self.session.message_unnumbered(modules, commands, writes)
         };
         let seq = message.seq();
         // The reads' slots are not needed: their bytes land in `dests`.
@@ -298,7 +270,8 @@ impl LeaseSession {
             tokio::time::sleep(FREE_FLUSH_DELAY).await;
             this.flush_scheduled.store(false, Ordering::Release);
             let queued = this.ids().has_queued();
-            let reply = queued.then(|| this.send(&[], false, Vec::new(), Vec::<Vec<u8>>::new()));
+            let reply =
+                queued.then(|| this.send(&[], &[], false, Vec::new(), Vec::<Vec<u8>>::new()));
             if let Some(reply) = reply {
                 // A free that fails (the lease is gone) has nothing to free.
                 let _ = reply.await;
@@ -375,7 +348,13 @@ impl LeaseSession {
         // uses (numbered and registered under one lock: see `reading`).
         let (reply, waits) = {
             let reading = self.reading();
-            let reply = self.send(recording.commands(), false, writes, bufs);
+            let reply = self.send(
+                recording.commands(),
+                recording.modules(),
+                false,
+                writes,
+                bufs,
+            );
             (reply, reading.conflicts(recording.commands()))
         };
         let mut task = Box::pin(async move {
@@ -600,5 +579,40 @@ impl Drop for RemoteLease {
         } else {
             end();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::to_body;
+
+    /// The queued frees lead a BATCH on stream 0, then the recording's
+    /// commands: the bytes postcard writes for the same command list.
+    #[test]
+    fn a_batch_carries_the_queued_frees_then_the_recording() {
+        let mut rec = Recording::new();
+        rec.push(
+            3,
+            Op::Alloc {
+                buf: Id(9),
+                size: 8,
+            },
+        );
+        rec.write(3, 9, 0, &[1, 2]);
+        let _slot = rec.read(1, 9, 0, 2);
+        let mut bytes = Vec::new();
+        AfterFrees {
+            frees: &[5, 6],
+            commands: rec.commands(),
+        }
+        .encode_into(&mut bytes);
+        let free = |id| Command {
+            stream: 0,
+            op: Op::Free { id: Id(id) },
+        };
+        let mut expected = vec![free(5), free(6)];
+        expected.extend(rec.commands().iter().cloned());
+        assert_eq!(bytes, to_body(&expected));
     }
 }

@@ -138,7 +138,7 @@ async fn memory_after_cut_payloads_levels_off() {
         .request(Opcode::Batch, &alloc, &[])
         .await
         .unwrap();
-    let len = DECLARED as u32;
+    let len = DECLARED as u64;
     let write = Arc::new(batch(proto::Op::Write {
         buf,
         offset: 0,

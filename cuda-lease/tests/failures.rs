@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use common::*;
 use cuda_async::prelude::*;
-use cuda_async::remote::{Recording, RemoteCommand, RemoteCompletion};
+use cuda_async::remote::{Id, Op, Recording, RemoteCompletion};
 use cuda_async::{
     DeviceBuffer, Kernel, LaunchConfig, Module, RemoteErrorKind as ErrorKind, RemotePolicy,
     RemoteSession,
@@ -228,19 +228,25 @@ async fn an_out_of_range_copy_keeps_what_ran_before_it() {
     let (a, b) = (session.fresh_id(), session.fresh_id());
     let mut rec = Recording::new();
     for id in [a, b] {
-        rec.push(RemoteCommand::Alloc {
-            stream: 0,
-            id,
-            bytes: 64,
-        });
+        rec.push(
+            0,
+            Op::Alloc {
+                buf: Id(id),
+                size: 64,
+            },
+        );
     }
-    rec.push(RemoteCommand::Copy {
-        stream: 0,
-        src: (a, 32),
-        dst: (b, 0),
-        len: 64,
-    });
-    rec.push(RemoteCommand::Free { stream: 0, id: a });
+    rec.push(
+        0,
+        Op::Copy {
+            src: Id(a),
+            src_offset: 32,
+            dst: Id(b),
+            dst_offset: 0,
+            len: 64,
+        },
+    );
+    rec.push(0, Op::Free { id: Id(a) });
     let done = RemoteCompletion::new();
     session.submit(rec, done.clone());
     let r = wait(&done).await;

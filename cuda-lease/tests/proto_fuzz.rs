@@ -132,9 +132,9 @@ proptest! {
                     0 => Op::Alloc { buf, size: u64::from(len) + 1 },
                     1 => {
                         need += len as usize;
-                        Op::Write { buf, offset: 0, len }
+                        Op::Write { buf, offset: 0, len: len.into() }
                     }
-                    2 => Op::Read { buf, offset: u64::from(n), len },
+                    2 => Op::Read { buf, offset: u64::from(n), len: len.into() },
                     3 => Op::Free { id: buf },
                     4 => Op::Record { event: buf },
                     5 => Op::Wait { event: buf },

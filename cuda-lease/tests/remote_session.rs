@@ -9,7 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use cuda_async::remote::{Recording, RemoteArg, RemoteCommand, RemoteCompletion};
+use cuda_async::remote::{proto::KernelArg, Id, Op, Recording, RemoteCompletion};
 use cuda_async::{HostBuffer, LaunchConfig, RemoteSession};
 use cuda_lease::client::Lease;
 use cuda_lease::remote::LeaseSession;
@@ -63,32 +63,31 @@ async fn a_recording_is_one_batch_and_its_reads_land_in_host_buffers() {
     let (bx, by) = (session.fresh_id(), session.fresh_id());
     let size = u64::from(n) * 4;
     for id in [bx, by] {
-        rec.push(RemoteCommand::Alloc {
-            stream: 0,
-            id,
-            bytes: size,
-        });
+        rec.push(0, Op::Alloc { buf: Id(id), size });
     }
     rec.write(0, bx, 0, &bytes(&x));
-    let buf = |id| RemoteArg::Buffer { id, offset: 0 };
-    let scalar = |b: [u8; 4]| RemoteArg::Bytes(b.to_vec());
-    rec.push(RemoteCommand::Launch {
-        stream: 0,
-        kernel: fill,
-        config: config(n),
-        args: vec![buf(by), scalar(1f32.to_le_bytes()), scalar(n.to_le_bytes())],
-    });
-    rec.push(RemoteCommand::Launch {
-        stream: 0,
-        kernel: axpy,
-        config: config(n),
-        args: vec![
+    let buf = |id| KernelArg::Mem {
+        buf: Id(id),
+        offset: 0,
+    };
+    let scalar = |b: [u8; 4]| KernelArg::bytes(b);
+    rec.launch(
+        0,
+        &fill,
+        &config(n),
+        vec![buf(by), scalar(1f32.to_le_bytes()), scalar(n.to_le_bytes())],
+    );
+    rec.launch(
+        0,
+        &axpy,
+        &config(n),
+        vec![
             scalar(4f32.to_le_bytes()),
             buf(bx),
             buf(by),
             scalar(n.to_le_bytes()),
         ],
-    });
+    );
     let slot = rec.read(0, by, 0, size);
     let y = HostBuffer::<f32>::remote(slot).unwrap();
     assert!(y.as_slice().is_err(), "no data before the reply");
@@ -140,11 +139,13 @@ async fn failures_come_back_as_cuda_async_remote_errors() {
     };
     // Beyond the reservation.
     let mut rec = Recording::new();
-    rec.push(RemoteCommand::Alloc {
-        stream: 0,
-        id: session.fresh_id(),
-        bytes: 1 << 20,
-    });
+    rec.push(
+        0,
+        Op::Alloc {
+            buf: Id(session.fresh_id()),
+            size: 1 << 20,
+        },
+    );
     let e = run(rec).await.unwrap_err();
     assert!(
         matches!(e.remote_kind(), Some(cuda_async::RemoteErrorKind::Capacity)),
@@ -153,12 +154,7 @@ async fn failures_come_back_as_cuda_async_remote_errors() {
     // A module that does not compile: the node's log.
     let bad = cuda_async::Module::cuda("#error no\n__global__ void k() {}", &[]).unwrap();
     let mut rec = Recording::new();
-    rec.push(RemoteCommand::Launch {
-        stream: 0,
-        kernel: bad.kernel("k").unwrap(),
-        config: config(1),
-        args: vec![],
-    });
+    rec.launch(0, &bad.kernel("k").unwrap(), &config(1), vec![]);
     let e = run(rec).await.unwrap_err();
     assert!(
         matches!(e.remote(), Some(e) if matches!(e.kind(), cuda_async::RemoteErrorKind::LoadFailed) && e.message().contains("NVRTC log")),
@@ -167,12 +163,7 @@ async fn failures_come_back_as_cuda_async_remote_errors() {
     // A kernel fault.
     let kernels = cuda_async::Module::cuda(KERNELS, &[]).unwrap();
     let mut rec = Recording::new();
-    rec.push(RemoteCommand::Launch {
-        stream: 0,
-        kernel: kernels.kernel("__fault").unwrap(),
-        config: config(1),
-        args: vec![],
-    });
+    rec.launch(0, &kernels.kernel("__fault").unwrap(), &config(1), vec![]);
     let e = run(rec).await.unwrap_err();
     assert!(
         matches!(
@@ -192,11 +183,13 @@ async fn failures_come_back_as_cuda_async_remote_errors() {
     let session = LeaseSession::current(lease.session());
     clock.advance(Duration::from_secs(6));
     let mut rec = Recording::new();
-    rec.push(RemoteCommand::Alloc {
-        stream: 0,
-        id: session.fresh_id(),
-        bytes: 4,
-    });
+    rec.push(
+        0,
+        Op::Alloc {
+            buf: Id(session.fresh_id()),
+            size: 4,
+        },
+    );
     let done = RemoteCompletion::new();
     session.submit(rec, done.clone());
     let e = outcome(&done).await.unwrap_err();
@@ -223,18 +216,22 @@ fn a_plain_fn_main_leases_records_and_waits_with_no_runtime_of_its_own() {
     let session = remote.session();
     let mut rec = Recording::new();
     let id = session.fresh_id();
-    rec.push(RemoteCommand::Alloc {
-        stream: 0,
-        id,
-        bytes: 16,
-    });
-    rec.push(RemoteCommand::Fill {
-        stream: 0,
-        id,
-        offset: 4,
-        len: 8,
-        value: 7,
-    });
+    rec.push(
+        0,
+        Op::Alloc {
+            buf: Id(id),
+            size: 16,
+        },
+    );
+    rec.push(
+        0,
+        Op::Fill {
+            buf: Id(id),
+            offset: 4,
+            len: 8,
+            value: 7,
+        },
+    );
     let host = HostBuffer::<u32>::remote(rec.read(0, id, 0, 16)).unwrap();
     let done = RemoteCompletion::new();
     session.submit(rec, done.clone());

@@ -11,7 +11,7 @@ use cuda_core::cudarc::driver::{sys, CudaEvent};
 use crate::context::ExecutionContext;
 use crate::host::ReadSlot;
 use crate::op::{impl_into_future, DeviceOp};
-use crate::remote::RemoteCommand;
+use crate::remote::{Id, Op};
 use crate::{Error, Result};
 
 /// An op that also measures, on the GPU, the time its work takes:
@@ -91,7 +91,7 @@ impl<A: DeviceOp> DeviceOp for Timed<A> {
             // timer and puts the nanoseconds in the reply.
             let (stream, timer) = (r.stream(), r.session().fresh_id());
             r.recording()
-                .push(RemoteCommand::TimerStart { stream, timer });
+                .push(stream, Op::TimerStart { timer: Id(timer) });
             // SAFETY: same context and caller contract, forwarded.
             let out = unsafe { self.op.execute(ctx) }?;
             let r = ctx

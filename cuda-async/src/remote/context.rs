@@ -11,7 +11,8 @@ use cuda_core::{Error, Result};
 use crate::buffer::DeviceBuffer;
 
 use super::frees::free_remote;
-use super::recording::{Recording, RemoteCommand, RemoteStream};
+use super::proto::{Id, Op};
+use super::recording::{Recording, RemoteStream};
 use super::session::RemoteSession;
 
 /// A stream of a remote session being recorded onto: what an op sees
@@ -20,13 +21,13 @@ use super::session::RemoteSession;
 /// The ops of this crate record through it; a hand-written op can too:
 ///
 /// ```
-/// use cuda_async::remote::{RemoteCommand, RemoteContext};
+/// use cuda_async::remote::{Id, Op, RemoteContext};
 /// use cuda_async::{DeviceBuffer, Result};
 /// // A remote "fill with 0xff" of a buffer, as `memset` records it.
 /// fn record_ones(r: &mut RemoteContext, buf: &DeviceBuffer<u8>) -> Result<()> {
-///     let id = r.id_of(buf)?;
-///     let stream = r.stream();
-///     r.recording().push(RemoteCommand::Fill { stream, id, offset: 0, len: buf.len() as u64, value: 0xff });
+///     let (stream, len) = (r.stream(), buf.len() as u64);
+///     let buf = Id(r.id_of(buf)?);
+///     r.recording().push(stream, Op::Fill { buf, offset: 0, len, value: 0xff });
 ///     Ok(())
 /// }
 /// ```
@@ -118,11 +119,9 @@ impl RemoteContext {
         let id = self.session.fresh_id();
         // A node refuses empty allocations; an empty buffer still needs an
         // id (later ops may name it), so it holds one byte there.
-        self.recording.push(RemoteCommand::Alloc {
-            stream: self.stream,
-            id,
-            bytes: bytes.max(1) as u64,
-        });
+        let size = bytes.max(1) as u64;
+        self.recording
+            .push(self.stream, Op::Alloc { buf: Id(id), size });
         Ok(DeviceBuffer::remote(self.session.clone(), id, len))
     }
 
@@ -134,10 +133,8 @@ impl RemoteContext {
     /// (through the session) when dropped.
     pub(crate) fn record_event(&mut self) -> RemoteEvent {
         let id = self.session.fresh_id();
-        self.recording.push(RemoteCommand::Record {
-            stream: self.stream,
-            event: id,
-        });
+        self.recording
+            .push(self.stream, Op::Record { event: Id(id) });
         RemoteEvent {
             id,
             stream: self.stream,
@@ -149,10 +146,8 @@ impl RemoteContext {
     /// this stream: stream order covers it).
     pub(crate) fn wait_event(&mut self, ev: &RemoteEvent) {
         if ev.stream != self.stream {
-            self.recording.push(RemoteCommand::Wait {
-                stream: self.stream,
-                event: ev.id,
-            });
+            self.recording
+                .push(self.stream, Op::Wait { event: Id(ev.id) });
         }
     }
 
@@ -168,15 +163,11 @@ impl RemoteContext {
         }
         let ev = *fork_event.get_or_insert_with(|| {
             let ev = self.session.fresh_id();
-            self.recording.push(RemoteCommand::Record {
-                stream: self.stream,
-                event: ev,
-            });
+            self.recording
+                .push(self.stream, Op::Record { event: Id(ev) });
             ev
         });
-        child
-            .recording
-            .push(RemoteCommand::Wait { stream, event: ev });
+        child.recording.push(stream, Op::Wait { event: Id(ev) });
         child
     }
 
@@ -187,10 +178,8 @@ impl RemoteContext {
             return None;
         }
         let ev = self.session.fresh_id();
-        self.recording.push(RemoteCommand::Record {
-            stream: self.stream,
-            event: ev,
-        });
+        self.recording
+            .push(self.stream, Op::Record { event: Id(ev) });
         Some(ev)
     }
 
@@ -199,10 +188,10 @@ impl RemoteContext {
     pub(crate) fn join_arms(&mut self, fork_event: Option<u64>, joins: &[u64]) {
         let stream = self.stream;
         for &event in joins {
-            self.recording.push(RemoteCommand::Wait { stream, event });
+            self.recording.push(stream, Op::Wait { event: Id(event) });
         }
         for id in fork_event.into_iter().chain(joins.iter().copied()) {
-            self.recording.push(RemoteCommand::Free { stream, id });
+            self.recording.push(stream, Op::Free { id: Id(id) });
         }
     }
 

@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use super::context::RemoteContext;
-use super::recording::RemoteCommand;
+use super::proto::{Id, Op};
 use super::session::RemoteSession;
 
 /// Frees of remote buffers dropped while a submission of their session is
@@ -100,7 +100,7 @@ impl RecordingFrame {
                 continue;
             }
             let stream = ctx.stream();
-            ctx.recording().push(RemoteCommand::Free { stream, id });
+            ctx.recording().push(stream, Op::Free { id: Id(id) });
         }
         std::mem::forget(self);
     }

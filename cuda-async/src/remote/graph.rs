@@ -14,7 +14,7 @@ use std::sync::Arc;
 use cuda_core::{Error, Result};
 
 use super::frees::RecordingFrame;
-use super::recording::{RemoteArg, RemoteCommand};
+use super::proto::{Command, Id, Op};
 use super::session::RemoteSession;
 use crate::context::ExecutionContext;
 use crate::op::DeviceOp;
@@ -76,7 +76,7 @@ impl<O: DeviceOp> DeviceOp for CaptureRemote<O> {
         let (stream, graph) = (r.stream(), session.fresh_id());
         let begin = r.recording().commands().len();
         r.recording()
-            .push(RemoteCommand::GraphBegin { stream, graph });
+            .push(stream, Op::GraphBegin { graph: Id(graph) });
         // Buffers dropped during the capture are freed in the body: the
         // node keeps them for the graph.
         let frame = RecordingFrame::push_capture(&session);
@@ -96,10 +96,10 @@ impl<O: DeviceOp> DeviceOp for CaptureRemote<O> {
         let (held, buffers) = names(body);
         let commands = body
             .iter()
-            .filter(|c| !matches!(c, RemoteCommand::Alloc { .. } | RemoteCommand::Free { .. }))
+            .filter(|c| !matches!(c.op, Op::Alloc { .. } | Op::Free { .. }))
             .count();
         r.recording()
-            .push(RemoteCommand::GraphEnd { stream, graph });
+            .push(stream, Op::GraphEnd { graph: Id(graph) });
         session.hold(&held);
         let graph = RemoteGraph {
             session,
@@ -115,49 +115,33 @@ impl<O: DeviceOp> DeviceOp for CaptureRemote<O> {
 crate::op::impl_into_future!(impl[O] for CaptureRemote<O> where O: DeviceOp);
 
 /// What a body cannot hold, named.
-fn uncapturable(c: &RemoteCommand) -> Option<&'static str> {
-    match c {
-        RemoteCommand::Read { .. } => Some("a download (d2h, copy_d2h)"),
-        RemoteCommand::TimerStart { .. } | RemoteCommand::TimerEnd { .. } => Some("timed()"),
-        RemoteCommand::GraphBegin { .. } | RemoteCommand::GraphEnd { .. } => {
-            Some("another capture")
-        }
-        RemoteCommand::GraphLaunch { .. } => Some("a graph's launch"),
+fn uncapturable(c: &Command<'_>) -> Option<&'static str> {
+    match c.op {
+        Op::Read { .. } => Some("a download (d2h, copy_d2h)"),
+        Op::TimerStart { .. } | Op::TimerEnd { .. } => Some("timed()"),
+        Op::GraphBegin { .. } | Op::GraphEnd { .. } => Some("another capture"),
+        Op::GraphLaunch { .. } => Some("a graph's launch"),
         _ => None,
     }
 }
 
 /// The ids `body` names (held while the graph lives), and the buffers it
 /// uses and writes.
-fn names(body: &[RemoteCommand]) -> (Vec<u64>, (usize, usize)) {
+fn names(body: &[Command<'_>]) -> (Vec<u64>, (usize, usize)) {
     let (mut ids, mut buffers, mut written) = (HashSet::new(), HashSet::new(), HashSet::new());
     for c in body {
-        match c {
-            RemoteCommand::Alloc { id, .. } | RemoteCommand::Read { id, .. } => {
-                buffers.insert(*id);
+        c.op.buffers(|id, writes| {
+            buffers.insert(id.0);
+            if writes {
+                written.insert(id.0);
             }
-            RemoteCommand::Write { id, .. } | RemoteCommand::Fill { id, .. } => {
-                buffers.insert(*id);
-                written.insert(*id);
+        });
+        match c.op {
+            Op::Free { id } => {
+                ids.insert(id.0);
             }
-            RemoteCommand::Copy { src, dst, .. } => {
-                buffers.insert(src.0);
-                buffers.insert(dst.0);
-                written.insert(dst.0);
-            }
-            RemoteCommand::Launch { args, .. } => {
-                for a in args {
-                    if let RemoteArg::Buffer { id, .. } = a {
-                        buffers.insert(*id);
-                        written.insert(*id);
-                    }
-                }
-            }
-            RemoteCommand::Free { id, .. } => {
-                ids.insert(*id);
-            }
-            RemoteCommand::Record { event, .. } | RemoteCommand::Wait { event, .. } => {
-                ids.insert(*event);
+            Op::Record { event } | Op::Wait { event } => {
+                ids.insert(event.0);
             }
             _ => {}
         }

@@ -2,7 +2,8 @@
 //! the trait of the session that sends it.
 //!
 //! A remote context does not enqueue work on a CUDA stream: it records
-//! [`RemoteCommand`]s into a [`Recording`], naming buffers and events with
+//! the protocol's [`Command`]s ([`proto`], the wire protocol of
+//! `cuda-lease`) into a [`Recording`], naming buffers and events with
 //! ids the client picks ([`RemoteSession::fresh_id`]), so a whole chain is
 //! recorded without waiting for any reply. When the submission's future is
 //! first polled (or its blocking call is made), the recording goes to the
@@ -13,7 +14,7 @@
 //! variants.
 //!
 //! `cuda-async` defines this seam and nothing of the transport: it has no
-//! QUIC, TLS or async-runtime dependency. `cuda-lease` implements
+//! QUIC, TLS or async-runtime dependency (the protocol crate does no I/O). `cuda-lease` implements
 //! [`RemoteSession`] for a leased GPU.
 //!
 //! Every op of this crate records onto a remote context
@@ -34,21 +35,25 @@
 //! ```
 
 // One concern a file: `session` the seam a transport implements,
-// `recording` what is recorded, `context` the remote execution context,
-// `frees` where frees of dropped remote buffers go, `policy` the remote
-// policy and the sending of a submission. The host memory that remote
+// `recording` what is recorded, `modules` the protocol's form of a module,
+// `context` the remote execution context, `frees` where frees of dropped
+// remote buffers go, `policy` the remote policy and the sending of a
+// submission. The host memory that remote
 // reads land in (`HostBuffer`, `ReadSlot`) is in `crate::host`.
 mod context;
 mod frees;
 mod graph;
+mod modules;
 mod policy;
 mod recording;
 mod session;
 
 pub use crate::host::{HostBuffer, ReadBuf, ReadSlot};
 pub use context::RemoteContext;
+pub use cuda_lease_proto as proto;
 pub use policy::{RemotePolicy, DEFAULT_REMOTE_STREAMS};
-pub use recording::{KeptBytes, Recording, RemoteArg, RemoteCommand, RemoteStream};
+pub use proto::{Command, Id, Op};
+pub use recording::{KeptBytes, Recording, RemoteStream};
 pub use session::{AsRemoteSession, RemoteCompletion, RemoteSession};
 
 pub(crate) use context::{OnReply, RemoteEvent};
@@ -86,11 +91,13 @@ mod tests {
     #[test]
     fn a_remote_host_buffer_is_an_error_until_its_bytes_arrive() {
         let mut rec = Recording::new();
-        rec.push(RemoteCommand::Alloc {
-            stream: 0,
-            id: 1,
-            bytes: 12,
-        });
+        rec.push(
+            0,
+            Op::Alloc {
+                buf: Id(1),
+                size: 12,
+            },
+        );
         rec.write(0, 1, 0, &[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]);
         let slot = rec.read(0, 1, 0, 12);
         assert_eq!(rec.commands().len(), 3);
@@ -128,7 +135,7 @@ mod tests {
     #[derive(Debug, Default)]
     struct Capture {
         next: std::sync::atomic::AtomicU64,
-        sent: std::sync::Mutex<Vec<Vec<RemoteCommand>>>,
+        sent: std::sync::Mutex<Vec<Vec<Command<'static>>>>,
         freed: std::sync::Mutex<Vec<u64>>,
     }
 
@@ -155,25 +162,21 @@ mod tests {
         }
     }
 
-    fn streams_and_kinds(cmds: &[RemoteCommand]) -> Vec<(RemoteStream, &'static str)> {
-        cmds.iter()
-            .map(|c| match c {
-                RemoteCommand::Alloc { stream, .. } => (*stream, "alloc"),
-                RemoteCommand::Write { stream, .. } => (*stream, "write"),
-                RemoteCommand::Read { stream, .. } => (*stream, "read"),
-                RemoteCommand::Fill { stream, .. } => (*stream, "fill"),
-                RemoteCommand::Copy { stream, .. } => (*stream, "copy"),
-                RemoteCommand::Free { stream, .. } => (*stream, "free"),
-                RemoteCommand::Launch { stream, .. } => (*stream, "launch"),
-                RemoteCommand::Record { stream, .. } => (*stream, "record"),
-                RemoteCommand::Wait { stream, .. } => (*stream, "wait"),
-                RemoteCommand::TimerStart { stream, .. } => (*stream, "timer start"),
-                RemoteCommand::TimerEnd { stream, .. } => (*stream, "timer end"),
-                RemoteCommand::GraphBegin { stream, .. } => (*stream, "graph begin"),
-                RemoteCommand::GraphEnd { stream, .. } => (*stream, "graph end"),
-                RemoteCommand::GraphLaunch { stream, .. } => (*stream, "graph launch"),
-            })
-            .collect()
+    /// Each command's stream and kind ("alloc", "timer start"...).
+    fn streams_and_kinds(cmds: &[Command<'_>]) -> Vec<(RemoteStream, &'static str)> {
+        let kind = |op: &Op<'_>| {
+            let debug = format!("{op:?}");
+            let name = debug.split([' ', '(']).next().unwrap_or_default();
+            let mut out = String::new();
+            for (i, ch) in name.chars().enumerate() {
+                if ch.is_uppercase() && i > 0 {
+                    out.push(' ');
+                }
+                out.push(ch.to_ascii_lowercase());
+            }
+            &*Box::leak(out.into_boxed_str())
+        };
+        cmds.iter().map(|c| (c.stream, kind(&c.op))).collect()
     }
 
     #[test]
@@ -276,11 +279,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "use Recording::write")]
     fn writes_go_through_write() {
-        Recording::new().push(RemoteCommand::Write {
-            stream: 0,
-            id: 1,
-            offset: 0,
-            len: 4,
-        });
+        let (buf, offset, len) = (Id(1), 0, 4);
+        Recording::new().push(0, Op::Write { buf, offset, len });
     }
 }

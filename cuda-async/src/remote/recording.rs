@@ -1,161 +1,19 @@
-//! What a remote context records: [`RemoteCommand`]s (with their
-//! [`RemoteArg`]s, on client-named [`RemoteStream`]s) into a
-//! [`Recording`], with the write payloads and the read slots of one
-//! submission.
+//! What a remote context records: the protocol's [`Command`]s (on
+//! client-named streams) into a [`Recording`], with the modules its
+//! launches use, the write payloads and the read slots of one submission.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use cuda_core::{Kernel, LaunchConfig};
 
 use crate::host::ReadSlot;
 
+use super::modules::wire_module;
+use super::proto::{self, Command, Id, LaunchSpec, ModuleHash, Op};
+
 /// A client-named stream of a remote session.
-pub type RemoteStream = u32;
-
-/// One recorded command.
-#[derive(Debug, Clone)]
-pub enum RemoteCommand {
-    /// Allocate `bytes` zeroed bytes as buffer `id`.
-    Alloc {
-        /// Stream.
-        stream: RemoteStream,
-        /// New buffer id.
-        id: u64,
-        /// Size in bytes.
-        bytes: u64,
-    },
-    /// Write the next `len` bytes of the recording's data at `offset`.
-    Write {
-        /// Stream.
-        stream: RemoteStream,
-        /// Target buffer.
-        id: u64,
-        /// Byte offset.
-        offset: u64,
-        /// Bytes: the write's payload ([`Recording::payload`]).
-        len: u64,
-    },
-    /// Read `len` bytes at `offset` into the next [`ReadSlot`].
-    Read {
-        /// Stream.
-        stream: RemoteStream,
-        /// Source buffer.
-        id: u64,
-        /// Byte offset.
-        offset: u64,
-        /// Bytes.
-        len: u64,
-    },
-    /// Set `len` bytes at `offset` to `value`.
-    Fill {
-        /// Stream.
-        stream: RemoteStream,
-        /// Target buffer.
-        id: u64,
-        /// Byte offset.
-        offset: u64,
-        /// Bytes.
-        len: u64,
-        /// The byte.
-        value: u8,
-    },
-    /// Copy `len` bytes between two buffers.
-    Copy {
-        /// Stream.
-        stream: RemoteStream,
-        /// Source buffer and byte offset.
-        src: (u64, u64),
-        /// Destination buffer and byte offset.
-        dst: (u64, u64),
-        /// Bytes.
-        len: u64,
-    },
-    /// Free a buffer or an event after its queued uses.
-    Free {
-        /// Stream.
-        stream: RemoteStream,
-        /// The buffer or event.
-        id: u64,
-    },
-    /// Launch a kernel (a description: its module's source travels).
-    Launch {
-        /// Stream.
-        stream: RemoteStream,
-        /// The kernel.
-        kernel: Kernel,
-        /// Grid, block and shared memory.
-        config: LaunchConfig,
-        /// Arguments in order.
-        args: Vec<RemoteArg>,
-    },
-    /// Record event `event` on the stream.
-    Record {
-        /// Stream.
-        stream: RemoteStream,
-        /// The event.
-        event: u64,
-    },
-    /// Make the stream wait for the last record of `event`.
-    Wait {
-        /// Stream.
-        stream: RemoteStream,
-        /// The event.
-        event: u64,
-    },
-    /// Start timer `timer` (a fresh id) on the stream.
-    TimerStart {
-        /// Stream.
-        stream: RemoteStream,
-        /// The timer.
-        timer: u64,
-    },
-    /// End timer `timer` on the stream: the GPU time since its start, in
-    /// nanoseconds (a little-endian `u64`), goes into the next
-    /// [`ReadSlot`], as a read's bytes do. The node forgets the timer.
-    TimerEnd {
-        /// Stream.
-        stream: RemoteStream,
-        /// The timer.
-        timer: u64,
-    },
-    /// Begin the body of graph `graph` (a fresh id): the commands up to
-    /// its [`RemoteCommand::GraphEnd`] are kept on the node and run at
-    /// each [`RemoteCommand::GraphLaunch`] (their allocations at once).
-    GraphBegin {
-        /// Stream.
-        stream: RemoteStream,
-        /// The graph.
-        graph: u64,
-    },
-    /// End the body of graph `graph`.
-    GraphEnd {
-        /// Stream.
-        stream: RemoteStream,
-        /// The graph.
-        graph: u64,
-    },
-    /// Replay graph `graph` on the stream.
-    GraphLaunch {
-        /// Stream.
-        stream: RemoteStream,
-        /// The graph.
-        graph: u64,
-    },
-}
-
-/// A kernel argument of a remote launch.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RemoteArg {
-    /// Bytes passed by value.
-    Bytes(Vec<u8>),
-    /// The address of a remote buffer plus a byte offset.
-    Buffer {
-        /// The buffer.
-        id: u64,
-        /// Byte offset.
-        offset: u64,
-    },
-}
+pub type RemoteStream = proto::StreamId;
 
 /// Bytes a recording keeps for a write instead of copying them (the
 /// `Vec` an `h2d` was given, say).
@@ -167,10 +25,16 @@ enum Payload {
     Kept(KeptBytes),
 }
 
-/// Commands of one submission, their write payloads and their read slots.
+/// Commands of one submission, the modules they launch from, their write
+/// payloads and their read slots.
 #[derive(Default)]
 pub struct Recording {
-    commands: Vec<RemoteCommand>,
+    commands: Vec<Command<'static>>,
+    /// Each module a launch uses, once, in order of first use.
+    modules: Vec<proto::Module>,
+    /// The module of the last launch, so a chain's launches from one
+    /// module look it up once.
+    last_module: Option<(cuda_core::Module, ModuleHash)>,
     data: Vec<u8>,
     payloads: Vec<Payload>,
     reads: Vec<Arc<ReadSlot>>,
@@ -180,6 +44,7 @@ impl std::fmt::Debug for Recording {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Recording")
             .field("commands", &self.commands)
+            .field("modules", &self.modules.len())
             .field(
                 "data_bytes",
                 &self.payloads().map(<[u8]>::len).sum::<usize>(),
@@ -195,22 +60,24 @@ impl Recording {
         Self::default()
     }
 
-    /// Appends a command that carries no data.
+    /// Appends `op` on `stream`: a command that carries no data and
+    /// launches nothing.
     ///
     /// # Panics
     ///
-    /// For [`RemoteCommand::Write`] and [`RemoteCommand::Read`]: use
-    /// [`Recording::write`] and [`Recording::read`], which keep the data
-    /// and the slots in step.
-    pub fn push(&mut self, command: RemoteCommand) {
+    /// For [`Op::Write`], [`Op::Read`], [`Op::TimerEnd`] and
+    /// [`Op::Launch`]: use [`Recording::write`], [`Recording::read`],
+    /// [`Recording::timer_end`] and [`Recording::launch`], which keep the
+    /// data, the read slots and the modules in step.
+    pub fn push(&mut self, stream: RemoteStream, op: Op<'static>) {
         assert!(
             !matches!(
-                command,
-                RemoteCommand::Write { .. } | RemoteCommand::Read { .. }
+                op,
+                Op::Write { .. } | Op::Read { .. } | Op::TimerEnd { .. } | Op::Launch(_)
             ),
-            "use Recording::write / Recording::read"
+            "use Recording::write / read / timer_end / launch"
         );
-        self.commands.push(command);
+        self.commands.push(Command { stream, op });
     }
 
     /// Appends a write of `bytes` (copied into the recording now).
@@ -218,26 +85,25 @@ impl Recording {
         let start = self.data.len();
         self.data.extend_from_slice(bytes);
         self.payloads.push(Payload::Copied(start..self.data.len()));
-        self.commands.push(RemoteCommand::Write {
-            stream,
-            id,
-            offset,
-            len: bytes.len() as u64,
-        });
+        self.push_write(stream, id, offset, bytes.len());
     }
 
     /// Appends a write of `bytes`, which the recording keeps (no copy):
     /// what an `h2d` of an owned `Vec` records, so a large upload is never
     /// held twice on the client.
     pub fn write_kept(&mut self, stream: RemoteStream, id: u64, offset: u64, bytes: KeptBytes) {
-        let len = (*bytes).as_ref().len() as u64;
+        let len = (*bytes).as_ref().len();
         self.payloads.push(Payload::Kept(bytes));
-        self.commands.push(RemoteCommand::Write {
-            stream,
-            id,
+        self.push_write(stream, id, offset, len);
+    }
+
+    fn push_write(&mut self, stream: RemoteStream, id: u64, offset: u64, len: usize) {
+        let op = Op::Write {
+            buf: Id(id),
             offset,
-            len,
-        });
+            len: len as u64,
+        };
+        self.commands.push(Command { stream, op });
     }
 
     /// Appends a read of `len` bytes; the returned slot receives them. An
@@ -250,29 +116,71 @@ impl Recording {
         }
         let slot = Arc::new(ReadSlot::new(len as usize));
         self.reads.push(slot.clone());
-        self.commands.push(RemoteCommand::Read {
-            stream,
-            id,
+        let op = Op::Read {
+            buf: Id(id),
             offset,
             len,
-        });
+        };
+        self.commands.push(Command { stream, op });
         slot
     }
 
-    /// Appends the end of timer `timer` (started by a
-    /// [`RemoteCommand::TimerStart`] on the same stream); the returned
-    /// slot receives its 8 bytes.
+    /// Appends the end of timer `timer` (started by an [`Op::TimerStart`]
+    /// on the same stream); the returned slot receives its 8 bytes.
     pub fn timer_end(&mut self, stream: RemoteStream, timer: u64) -> Arc<ReadSlot> {
-        let slot = Arc::new(ReadSlot::new(8));
+        let slot = Arc::new(ReadSlot::new(proto::TIMER_BYTES));
         self.reads.push(slot.clone());
-        self.commands
-            .push(RemoteCommand::TimerEnd { stream, timer });
+        let op = Op::TimerEnd { timer: Id(timer) };
+        self.commands.push(Command { stream, op });
         slot
+    }
+
+    /// Appends a launch of `kernel` (a description: its module's source
+    /// travels with the submission, named by its hash).
+    pub fn launch(
+        &mut self,
+        stream: RemoteStream,
+        kernel: &Kernel,
+        config: &LaunchConfig,
+        args: Vec<proto::KernelArg<'static>>,
+    ) {
+        let module = self.module_of(kernel.module());
+        let c = config;
+        let op = Op::Launch(LaunchSpec {
+            module,
+            kernel: Cow::Owned(kernel.name().to_owned()),
+            grid: [c.grid_dim.0, c.grid_dim.1, c.grid_dim.2],
+            block: [c.block_dim.0, c.block_dim.1, c.block_dim.2],
+            shared_mem: c.shared_mem_bytes,
+            args,
+        });
+        self.commands.push(Command { stream, op });
+    }
+
+    /// The hash of `m`, listed in [`Recording::modules`] from now on.
+    fn module_of(&mut self, m: &cuda_core::Module) -> ModuleHash {
+        if let Some((last, hash)) = &self.last_module {
+            if last == m {
+                return *hash;
+            }
+        }
+        let wire = wire_module(m);
+        let hash = wire.hash();
+        if !self.modules.iter().any(|w| w.hash() == hash) {
+            self.modules.push(wire);
+        }
+        self.last_module = Some((m.clone(), hash));
+        hash
     }
 
     /// The commands, in order.
-    pub fn commands(&self) -> &[RemoteCommand] {
+    pub fn commands(&self) -> &[Command<'static>] {
         &self.commands
+    }
+
+    /// The modules the launches use, each once, in order of first use.
+    pub fn modules(&self) -> &[proto::Module] {
+        &self.modules
     }
 
     /// The bytes of each write, in command order.
@@ -331,6 +239,8 @@ impl Recording {
         }
         Recording {
             commands: self.commands.clone(),
+            modules: self.modules.clone(),
+            last_module: self.last_module.clone(),
             data,
             payloads,
             reads: self.reads.clone(),
@@ -352,6 +262,11 @@ impl Recording {
     /// Appends `other`'s commands, data and read slots after this one's.
     pub fn append(&mut self, other: Recording) {
         self.commands.extend(other.commands);
+        for m in other.modules {
+            if !self.modules.iter().any(|w| w.hash() == m.hash()) {
+                self.modules.push(m);
+            }
+        }
         let base = self.data.len();
         self.data.extend_from_slice(&other.data);
         self.payloads

@@ -64,7 +64,7 @@ pub enum Op<'a> {
         /// Byte offset.
         offset: u64,
         /// Bytes taken from the batch data.
-        len: u32,
+        len: u64,
     },
     /// Read `len` bytes of `buf` at `offset`; they are appended to the
     /// reply data, in command order.
@@ -74,7 +74,7 @@ pub enum Op<'a> {
         /// Byte offset.
         offset: u64,
         /// Bytes.
-        len: u32,
+        len: u64,
     },
     /// Free a buffer (after every use of it queued on any stream) or an
     /// event.
@@ -159,6 +159,28 @@ pub enum Op<'a> {
 }
 
 impl Op<'_> {
+    /// Calls `f` with each buffer the op uses and whether it may write it
+    /// (a launch may write every buffer it is passed). A `Free` is not a
+    /// use: its id may name an event or a graph as well.
+    pub fn buffers(&self, mut f: impl FnMut(Id, bool)) {
+        match self {
+            Op::Alloc { buf, .. } | Op::Read { buf, .. } => f(*buf, false),
+            Op::Write { buf, .. } | Op::Fill { buf, .. } => f(*buf, true),
+            Op::Copy { src, dst, .. } => {
+                f(*src, false);
+                f(*dst, true);
+            }
+            Op::Launch(l) => {
+                for a in &l.args {
+                    if let KernelArg::Mem { buf, .. } = a {
+                        f(*buf, true);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
     /// The same op owning its launch's name and scalars (a graph's body
     /// outlives the message it came in).
     pub fn to_static(&self) -> Op<'static> {
@@ -336,7 +358,7 @@ fn validate_batch(
                     "command {i}: zero-sized allocation"
                 )))
             }
-            Op::Write { len, .. } => need += u64::from(*len),
+            Op::Write { len, .. } => need += *len,
             Op::Launch(spec) => {
                 spec.validate(false)
                     .map_err(|e| ProtoError::Invalid(format!("command {i}: {e}")))?;

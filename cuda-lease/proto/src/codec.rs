@@ -240,13 +240,13 @@ fn encode_command(out: &mut Vec<u8>, c: &Command<'_>) {
             v(out, 1);
             v(out, buf.0);
             v(out, *offset);
-            v(out, (*len).into());
+            v(out, *len);
         }
         Op::Read { buf, offset, len } => {
             v(out, 2);
             v(out, buf.0);
             v(out, *offset);
-            v(out, (*len).into());
+            v(out, *len);
         }
         Op::Free { id } => {
             v(out, 3);
@@ -364,12 +364,12 @@ fn decode_command<'a>(r: &mut WireReader<'a>) -> Result<Command<'a>, ProtoError>
         1 => Op::Write {
             buf: Id(r.u64()?),
             offset: r.u64()?,
-            len: r.u32()?,
+            len: r.u64()?,
         },
         2 => Op::Read {
             buf: Id(r.u64()?),
             offset: r.u64()?,
-            len: r.u32()?,
+            len: r.u64()?,
         },
         3 => Op::Free { id: Id(r.u64()?) },
         4 => Op::Launch(decode_launch(r)?),
@@ -568,7 +568,7 @@ mod tests {
             Op::Write {
                 buf: id(1),
                 offset: big,
-                len: u32::MAX,
+                len: u64::MAX,
             },
             Op::Read {
                 buf: id(300),

@@ -360,7 +360,8 @@ pub struct Frame {
 
 impl Frame {
     /// Decodes a frame held entirely in `bytes` (used by tests and fuzzing;
-    /// streams use [`read_frame`]). Trailing bytes are an error.
+    /// streams use `cuda-lease`'s async `read_frame`). Trailing bytes are
+    /// an error.
     ///
     /// # Errors
     ///
@@ -413,15 +414,18 @@ pub fn from_body<'a, T: Codec<'a>>(mut body: &'a [u8]) -> Result<T, ProtoError> 
     Ok(msg)
 }
 
-/// Frames up to this size are written by [`write_frame_parts`] in one write
+/// Frames up to this size are written by `cuda-lease`'s async
+/// `write_frame_parts` in one write
 /// (copied together first); larger ones part by part, never joined.
 pub const SMALL_FRAME: usize = 64 << 10;
 
-/// Blocking [`read_frame`] for the worker process.
+/// Reads one frame from a blocking reader (the worker process's pipe),
+/// checking limits before allocating.
 ///
 /// # Errors
 ///
-/// As [`read_frame`].
+/// `InvalidData` wrapping a [`ProtoError`] for bad frames; other I/O
+/// errors as they come.
 pub fn read_frame_blocking<R: std::io::Read + ?Sized>(
     r: &mut R,
     limits: &Limits,
@@ -434,7 +438,8 @@ pub fn read_frame_blocking<R: std::io::Read + ?Sized>(
 ///
 /// # Errors
 ///
-/// As [`read_frame`].
+/// `InvalidData` wrapping a [`ProtoError`] for bad frames; other I/O
+/// errors as they come.
 pub fn read_header_blocking<R: std::io::Read + ?Sized>(
     r: &mut R,
     limits: &Limits,
@@ -461,7 +466,7 @@ pub fn read_rest_blocking<R: std::io::Read + ?Sized>(
     Ok(Frame { header, body, data })
 }
 
-/// Blocking [`write_frame`] for the worker process.
+/// Writes one frame to a blocking writer (the worker process's pipe).
 ///
 /// # Errors
 ///

@@ -33,6 +33,7 @@ mod bounded;
 mod codec;
 mod frame;
 mod messages;
+mod module;
 
 pub use batch::{
     Batch, Command, ModuleText, ModuleUse, Op, FIRST_NODE_ID, MAX_BATCH_MODULES, TIMER_BYTES,
@@ -52,6 +53,7 @@ pub use messages::{
     LeaseRenew, LeaseState, LeaseStatus, MemAlloc, MemRead, MemWrite, ModuleHash, OpError,
     SourceKind, StreamId, BULK_TICKET_LEN, MAX_BULK_TICKETS, MAX_MODULE_OPTIONS, MAX_OPTION_LEN,
 };
+pub use module::Module;
 
 /// Most kernel arguments a launch may carry.
 pub const MAX_KERNEL_ARGS: usize = 64;

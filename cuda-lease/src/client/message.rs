@@ -73,16 +73,16 @@ impl Message {
             modules
                 .iter()
                 .map(|m| {
-                    let send = !known.contains(&m.hash);
+                    let send = !known.contains(&m.hash());
                     let source = send.then(|| {
-                        data.extend_from_slice(m.text.as_bytes());
+                        data.extend_from_slice(m.text().as_bytes());
                         ModuleText {
-                            kind: m.kind.clone(),
-                            len: m.text.len() as u32,
+                            kind: m.kind().clone(),
+                            len: m.text().len() as u32,
                         }
                     });
                     ModuleUse {
-                        hash: m.hash,
+                        hash: m.hash(),
                         source,
                     }
                 })
@@ -183,7 +183,7 @@ impl Message {
         };
         self.answered.store(true, Ordering::Release);
         let reply: BatchReply = from_body(&reply).map_err(|e| protocol_error(e.to_string()))?;
-        let learned = self.modules.iter().map(|m| m.hash);
+        let learned = self.modules.iter().map(|m| m.hash());
         self.inner.client.learn_modules(learned);
         Ok((reply, data))
     }
@@ -263,10 +263,10 @@ fn with_every_source(
     let mut batch: Batch<'_> = from_body(body).map_err(|e| protocol_error(e.to_string()))?;
     let mut data = Vec::with_capacity(writes.len());
     for (u, m) in batch.modules.iter_mut().zip(modules) {
-        data.extend_from_slice(m.text.as_bytes());
+        data.extend_from_slice(m.text().as_bytes());
         u.source = Some(ModuleText {
-            kind: m.kind.clone(),
-            len: m.text.len() as u32,
+            kind: m.kind().clone(),
+            len: m.text().len() as u32,
         });
     }
     data.extend_from_slice(writes);

@@ -7,7 +7,7 @@
 // HELLO, one request per stream and its reply), `stripe` (transfers striped
 // over several connections), `gpu_call` (GpuCall), `lease` (LeaseBuilder,
 // Lease, renewal, the state a lease's handles share), `session` (Session,
-// DeviceBuffer, single requests), `module` (Module), `recorder` (Recorder,
+// DeviceBuffer, single requests), `recorder` (Recorder,
 // ReadSlot, Submitted), `message` (a numbered BATCH on the wire).
 
 mod bulk;
@@ -17,7 +17,6 @@ mod error;
 mod gpu_call;
 mod lease;
 mod message;
-mod module;
 mod recorder;
 mod session;
 mod stripe;
@@ -35,9 +34,9 @@ pub use error::{Credentials, Disconnect, Error, ErrorKind};
 pub use gpu_call::GpuCall;
 pub use lease::{Lease, LeaseBuilder};
 // Named outside the client only by `remote` (the `backend` feature).
+pub use crate::proto::Module;
 #[cfg(feature = "backend")]
 pub(crate) use message::EncodeCommands;
 pub(crate) use message::Message;
-pub use module::Module;
 pub use recorder::{ReadSlot, Recorder, Submitted};
 pub use session::{DeviceBuffer, Session};

@@ -11,7 +11,7 @@ use crate::proto::{Command, Id, KernelArg, LaunchSpec, Op, OpError, StreamId};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReadSlot {
     command: usize,
-    len: u32,
+    len: u64,
 }
 
 /// Records commands on client-named streams of a lease and sends them as
@@ -75,7 +75,7 @@ impl Recorder {
     /// Writes `bytes` into `buf` at `offset` (copied into the message now).
     pub fn write(&mut self, stream: StreamId, buf: Id, offset: u64, bytes: &[u8]) -> &mut Self {
         self.writes.extend_from_slice(bytes);
-        let len = bytes.len() as u32;
+        let len = bytes.len() as u64;
         self.push(stream, Op::Write { buf, offset, len });
         self
     }
@@ -83,6 +83,7 @@ impl Recorder {
     /// Reads `len` bytes of `buf` at `offset`; the bytes are in the reply
     /// ([`Submitted::read`]).
     pub fn read(&mut self, stream: StreamId, buf: Id, offset: u64, len: u32) -> ReadSlot {
+        let len = u64::from(len);
         self.push(stream, Op::Read { buf, offset, len });
         ReadSlot {
             command: self.commands.len() - 1,
@@ -111,7 +112,7 @@ impl Recorder {
             stream,
             module,
             LaunchSpec {
-                module: module.hash,
+                module: module.hash(),
                 kernel: kernel.to_owned().into(),
                 grid,
                 block,
@@ -129,7 +130,7 @@ impl Recorder {
         module: &Module,
         mut spec: LaunchSpec<'static>,
     ) -> &mut Self {
-        spec.module = module.hash;
+        spec.module = module.hash();
         self.use_module(module);
         self.push(stream, Op::Launch(spec));
         self
@@ -138,7 +139,7 @@ impl Recorder {
     /// Lists `module` in the message (a launch does this itself; alone, it
     /// loads the module, so a bad one fails now with its log).
     pub fn use_module(&mut self, module: &Module) -> &mut Self {
-        if !self.modules.iter().any(|m| m.hash == module.hash) {
+        if !self.modules.iter().any(|m| m.hash() == module.hash()) {
             self.modules.push(module.clone());
         }
         self
@@ -243,7 +244,7 @@ impl Recorder {
                 Op::Read { len, .. } => Some(ReadSlot { command: i, len }),
                 Op::TimerEnd { .. } => Some(ReadSlot {
                     command: i,
-                    len: crate::proto::TIMER_BYTES as u32,
+                    len: crate::proto::TIMER_BYTES as u64,
                 }),
                 _ => None,
             })

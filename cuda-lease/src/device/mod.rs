@@ -94,7 +94,7 @@ pub trait Device {
         stream: StreamId,
         id: Id,
         offset: u64,
-        len: u32,
+        len: u64,
         at: usize,
     ) -> Result<(), DeviceError>;
     /// Reads `out.len()` bytes of buffer `id` at `offset` now, after every

@@ -261,17 +261,17 @@ impl Planner<'_> {
         &mut self,
         buf: Id,
         offset: u64,
-        len: u32,
+        len: u64,
         charges: &mut dyn Charges,
     ) -> Result<(), Refusal> {
-        in_range(self.buffer(buf)?, offset, u64::from(len))?;
+        in_range(self.buffer(buf)?, offset, len)?;
         self.reply_bytes(len, charges)
     }
 
     /// `len` bytes of reply data: within the reply's data limit and the
     /// principal's byte budget.
-    fn reply_bytes(&mut self, len: u32, charges: &mut dyn Charges) -> Result<(), Refusal> {
-        self.read_total += u64::from(len);
+    fn reply_bytes(&mut self, len: u64, charges: &mut dyn Charges) -> Result<(), Refusal> {
+        self.read_total = self.read_total.saturating_add(len);
         if self.read_total > self.limits.max_read {
             return Err((
                 Status::BadRequest,
@@ -279,7 +279,7 @@ impl Planner<'_> {
             ));
         }
         charges
-            .reply(u64::from(len))
+            .reply(len)
             .map_err(|m| (Status::CapacityExceeded, format!("read: {m}")))
     }
 
@@ -320,7 +320,7 @@ impl Planner<'_> {
                 }
             }
             Op::Write { buf, offset, len } => {
-                in_range(self.buffer(*buf)?, *offset, u64::from(*len))?;
+                in_range(self.buffer(*buf)?, *offset, *len)?;
                 Step {
                     write_bytes: *len as usize,
                     ..Step::effect(Effect::None)
@@ -384,7 +384,7 @@ impl Planner<'_> {
                     Some(_) => return Err((Status::BadRequest, format!("{timer} is not a timer"))),
                     None => return Err((Status::NotFound, format!("unknown id {timer}"))),
                 }
-                self.reply_bytes(TIMER_BYTES as u32, charges)?;
+                self.reply_bytes(TIMER_BYTES as u64, charges)?;
                 Step::effect(Effect::Free(*timer))
             }
             // Planned by `graph_step`.

@@ -20,7 +20,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use cuda_async::remote::RemoteCommand;
+use cuda_async::remote::{Command, Op};
 
 /// A sent BATCH's ids, by their command's index in it.
 #[derive(Debug, Default)]
@@ -33,7 +33,7 @@ pub(super) struct Sent {
 
 impl Sent {
     /// The ids of a BATCH of `frees` (stream 0, first), then `commands`.
-    pub(super) fn of(frees: &[u64], commands: &[RemoteCommand]) -> Self {
+    pub(super) fn of(frees: &[u64], commands: &[Command<'_>]) -> Self {
         let mut s = Sent {
             created: Vec::new(),
             freed: frees
@@ -45,17 +45,15 @@ impl Sent {
         let base = frees.len();
         for (i, c) in commands.iter().enumerate() {
             let at = (base + i) as u32;
-            match *c {
-                RemoteCommand::Alloc { id, .. } => s.created.push((at, id)),
+            match c.op {
+                Op::Alloc { buf, .. } => s.created.push((at, buf.0)),
                 // An event is created by its first record (a session's
                 // events are fresh ids: cuda-async records each once).
-                RemoteCommand::Record { event, .. }
-                    if !s.created.iter().any(|&(_, e)| e == event) =>
-                {
-                    s.created.push((at, event));
+                Op::Record { event } if !s.created.iter().any(|&(_, e)| e == event.0) => {
+                    s.created.push((at, event.0));
                 }
-                RemoteCommand::GraphBegin { graph, .. } => s.created.push((at, graph)),
-                RemoteCommand::Free { id, .. } => s.freed.push((at, id)),
+                Op::GraphBegin { graph } => s.created.push((at, graph.0)),
+                Op::Free { id } => s.freed.push((at, id.0)),
                 _ => {}
             }
         }
@@ -199,20 +197,25 @@ impl IdBook {
 mod tests {
     use super::*;
 
-    fn alloc(id: u64) -> RemoteCommand {
-        RemoteCommand::Alloc {
-            stream: 0,
-            id,
-            bytes: 4,
-        }
+    use cuda_async::remote::Id;
+
+    fn on_stream_0(op: Op<'static>) -> Command<'static> {
+        Command { stream: 0, op }
     }
 
-    fn free(id: u64) -> RemoteCommand {
-        RemoteCommand::Free { stream: 0, id }
+    fn alloc(id: u64) -> Command<'static> {
+        on_stream_0(Op::Alloc {
+            buf: Id(id),
+            size: 4,
+        })
     }
 
-    fn record(event: u64) -> RemoteCommand {
-        RemoteCommand::Record { stream: 0, event }
+    fn free(id: u64) -> Command<'static> {
+        on_stream_0(Op::Free { id: Id(id) })
+    }
+
+    fn record(event: u64) -> Command<'static> {
+        on_stream_0(Op::Record { event: Id(event) })
     }
 
     fn all(n: u32) -> Ran {

@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 
-use cuda_async::remote::{RemoteArg, RemoteCommand};
+use cuda_async::remote::{Command, Op};
 use tokio::sync::watch;
 
 /// The streamed reads in flight, by buffer id.
@@ -67,7 +67,7 @@ impl Reading {
     /// What a submission of `commands` waits for before it is sent: the
     /// reads in flight of the buffers it uses (every read in flight when
     /// it replays a graph, whose buffers the commands do not name).
-    pub(super) fn conflicts(&self, commands: &[RemoteCommand]) -> Vec<watch::Receiver<()>> {
+    pub(super) fn conflicts(&self, commands: &[Command<'_>]) -> Vec<watch::Receiver<()>> {
         if self.by_id.is_empty() {
             return Vec::new();
         }
@@ -78,29 +78,14 @@ impl Reading {
             }
         };
         for c in commands {
-            match c {
-                RemoteCommand::Alloc { id, .. }
-                | RemoteCommand::Write { id, .. }
-                | RemoteCommand::Read { id, .. }
-                | RemoteCommand::Fill { id, .. }
-                | RemoteCommand::Free { id, .. } => of(*id),
-                RemoteCommand::Copy { src, dst, .. } => {
-                    of(src.0);
-                    of(dst.0);
-                }
-                RemoteCommand::Launch { args, .. } => {
-                    for a in args {
-                        if let RemoteArg::Buffer { id, .. } = a {
-                            of(*id);
-                        }
-                    }
-                }
-                RemoteCommand::GraphLaunch { .. } => {
+            match c.op {
+                Op::Free { id } => of(id.0),
+                Op::GraphLaunch { .. } => {
                     for &id in self.by_id.keys() {
                         of(id);
                     }
                 }
-                _ => {}
+                ref op => op.buffers(|id, _| of(id.0)),
             }
         }
         waits
@@ -119,12 +104,11 @@ pub(super) async fn done(waits: Vec<watch::Receiver<()>>) {
 mod tests {
     use super::*;
 
-    fn read(id: u64) -> RemoteCommand {
-        RemoteCommand::Read {
+    fn read(id: u64) -> Command<'static> {
+        let (buf, offset, len) = (cuda_async::remote::Id(id), 0, 4);
+        Command {
             stream: 0,
-            id,
-            offset: 0,
-            len: 4,
+            op: Op::Read { buf, offset, len },
         }
     }
 

@@ -32,7 +32,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use cuda_async::remote::{ReadBuf, Recording, RemoteCommand};
+use cuda_async::remote::{Command, Op, ReadBuf, Recording};
 
 use super::{FailOnDrop, LeaseSession};
 use crate::client::{protocol_error, Error, Submitted};
@@ -64,10 +64,10 @@ pub(super) struct StreamedRead {
 #[derive(Debug, Default)]
 pub(super) struct StreamPlan {
     /// Step 1: the allocations of the streamed writes' buffers.
-    pub(super) allocs: Vec<RemoteCommand>,
+    pub(super) allocs: Vec<Command<'static>>,
     pub(super) writes: Vec<StreamedWrite>,
     /// Step 3: every other command, in order.
-    pub(super) commands: Vec<RemoteCommand>,
+    pub(super) commands: Vec<Command<'static>>,
     /// The payloads of the writes left in `commands` (indices among the
     /// recording's writes), in order.
     pub(super) data: Vec<usize>,
@@ -78,28 +78,21 @@ pub(super) struct StreamPlan {
     pub(super) frees_after: Vec<u64>,
 }
 
-/// The buffer ids a command uses (a launch's buffer arguments included).
-fn uses(c: &RemoteCommand, id: u64) -> bool {
-    use cuda_async::remote::RemoteArg;
-    match c {
-        RemoteCommand::Alloc { id: x, .. }
-        | RemoteCommand::Write { id: x, .. }
-        | RemoteCommand::Read { id: x, .. }
-        | RemoteCommand::Fill { id: x, .. }
-        | RemoteCommand::Free { id: x, .. } => *x == id,
-        RemoteCommand::Copy { src, dst, .. } => src.0 == id || dst.0 == id,
-        RemoteCommand::Launch { args, .. } => args
-            .iter()
-            .any(|a| matches!(a, RemoteArg::Buffer { id: x, .. } if *x == id)),
-        // Events are ids of their own kind, never a buffer's.
-        _ => false,
+/// Whether a command uses buffer `id` (a launch's buffer arguments and a
+/// free included).
+fn uses(c: &Command<'_>, id: u64) -> bool {
+    if let Op::Free { id: x } = c.op {
+        return x.0 == id;
     }
+    let mut used = false;
+    c.op.buffers(|b, _| used |= b.0 == id);
+    used
 }
 
 /// Splits `commands` when a write or a read of at least `threshold` bytes
 /// (and at least one byte) can take the data path; `None` when none can
 /// (the whole recording goes as one message).
-pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<StreamPlan> {
+pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<StreamPlan> {
     /// Where a command goes.
     #[derive(Clone, Copy, PartialEq, Eq)]
     enum Route {
@@ -112,29 +105,30 @@ pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<Strea
     }
     let threshold = threshold.max(1) as u64;
     // The common case, on every submission's path: nothing large.
-    if !commands.iter().any(|c| {
-        matches!(*c, RemoteCommand::Write { len, .. } | RemoteCommand::Read { len, .. }
-            if len >= threshold)
-    }) {
+    if !commands
+        .iter()
+        .any(|c| matches!(c.op, Op::Write { len, .. } | Op::Read { len, .. } if len >= threshold))
+    {
         return None;
     }
     let mut route = vec![Route::Message; commands.len()];
     // A graph's body stays whole in the message: the node keeps it.
     let mut in_body = false;
     for (i, c) in commands.iter().enumerate() {
-        match *c {
-            RemoteCommand::GraphBegin { .. } => in_body = true,
-            RemoteCommand::GraphEnd { .. } => in_body = false,
+        match c.op {
+            Op::GraphBegin { .. } => in_body = true,
+            Op::GraphEnd { .. } => in_body = false,
             _ => {}
         }
         if in_body {
             continue;
         }
-        match *c {
-            RemoteCommand::Write { id, len, .. } if len >= threshold => {
+        match c.op {
+            Op::Write { buf, len, .. } if len >= threshold => {
+                let id = buf.0;
                 let alloc = commands[..i]
                     .iter()
-                    .rposition(|p| matches!(*p, RemoteCommand::Alloc { id: a, .. } if a == id));
+                    .rposition(|p| matches!(p.op, Op::Alloc { buf: a, .. } if a == buf));
                 match alloc {
                     // Allocated here, and not used between its allocation
                     // and this write.
@@ -157,15 +151,15 @@ pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<Strea
             }
             // Its buffer's free (a `d2h` consumes its buffer) waits for the
             // MEM_READ; any other later use keeps the read in the message.
-            RemoteCommand::Read { id, len, .. }
+            Op::Read { buf, len, .. }
                 if len >= threshold
                     && !commands[i + 1..]
                         .iter()
-                        .any(|p| uses(p, id) && !matches!(p, RemoteCommand::Free { .. })) =>
+                        .any(|p| uses(p, buf.0) && !matches!(p.op, Op::Free { .. })) =>
             {
                 route[i] = Route::Streamed;
                 for (j, p) in commands.iter().enumerate().skip(i + 1) {
-                    if uses(p, id) {
+                    if uses(p, buf.0) {
                         route[j] = Route::FreeAfter;
                     }
                 }
@@ -179,11 +173,12 @@ pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<Strea
     let mut p = StreamPlan::default();
     let (mut write, mut slot) = (0usize, 0usize);
     for (c, &r) in commands.iter().zip(&route) {
-        match (c, r) {
-            (&RemoteCommand::Free { id, .. }, Route::FreeAfter) => p.frees_after.push(id),
-            (RemoteCommand::Alloc { .. }, Route::Hoisted) => p.allocs.push(c.clone()),
-            (&RemoteCommand::Write { id, offset, .. }, _) => {
+        match (&c.op, r) {
+            (Op::Free { id }, Route::FreeAfter) => p.frees_after.push(id.0),
+            (Op::Alloc { .. }, Route::Hoisted) => p.allocs.push(c.clone()),
+            (&Op::Write { buf, offset, .. }, _) => {
                 if r == Route::Streamed {
+                    let id = buf.0;
                     p.writes.push(StreamedWrite { id, offset, write });
                 } else {
                     p.data.push(write);
@@ -191,15 +186,10 @@ pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<Strea
                 }
                 write += 1;
             }
-            (
-                &RemoteCommand::Read {
-                    id, offset, len, ..
-                },
-                _,
-            ) => {
+            (&Op::Read { buf, offset, len }, _) => {
                 if r == Route::Streamed {
                     p.reads.push(StreamedRead {
-                        id,
+                        id: buf.0,
                         offset,
                         len,
                         slot,
@@ -211,7 +201,7 @@ pub(super) fn plan(commands: &[RemoteCommand], threshold: usize) -> Option<Strea
                 slot += 1;
             }
             // A timer's end is a small read of the message's reply.
-            (RemoteCommand::TimerEnd { .. }, _) => {
+            (Op::TimerEnd { .. }, _) => {
                 p.slots.push(slot);
                 p.commands.push(c.clone());
                 slot += 1;
@@ -246,8 +236,8 @@ impl LeaseSession {
         let fresh: Vec<u64> = plan
             .allocs
             .iter()
-            .filter_map(|c| match *c {
-                RemoteCommand::Alloc { id, .. } => Some(id),
+            .filter_map(|c| match c.op {
+                Op::Alloc { buf, .. } => Some(buf.0),
                 _ => None,
             })
             .collect();
@@ -266,7 +256,8 @@ impl LeaseSession {
         // downloads registered, under one lock (see `reading`).
         let (commands, waits, reads) = {
             let mut reading = self.reading();
-            let commands = self.send_numbered(&plan.commands, false, writes, bufs);
+            let commands =
+                self.send_numbered(&plan.commands, recording.modules(), false, writes, bufs);
             let waits = reading.conflicts(recording.commands());
             let reads = reading.start(plan.reads.iter().map(|r| r.id).collect());
             (commands, waits, reads)
@@ -400,39 +391,34 @@ impl AsRef<[u8]> for PayloadOf {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cuda_async::remote::RemoteCommand as C;
+    use cuda_async::remote::Id;
 
+    type C = Command<'static>;
+
+    fn on_0(op: Op<'static>) -> C {
+        Command { stream: 0, op }
+    }
     fn alloc(id: u64) -> C {
-        C::Alloc {
-            stream: 0,
-            id,
-            bytes: 1 << 20,
-        }
+        on_0(Op::Alloc {
+            buf: Id(id),
+            size: 1 << 20,
+        })
     }
     fn write(id: u64, len: u64) -> C {
-        C::Write {
-            stream: 0,
-            id,
-            offset: 0,
-            len,
-        }
+        let (buf, offset) = (Id(id), 0);
+        on_0(Op::Write { buf, offset, len })
     }
     fn read(id: u64, len: u64) -> C {
-        C::Read {
-            stream: 0,
-            id,
-            offset: 0,
-            len,
-        }
+        let (buf, offset) = (Id(id), 0);
+        on_0(Op::Read { buf, offset, len })
     }
     fn fill(id: u64) -> C {
-        C::Fill {
-            stream: 0,
-            id,
+        on_0(Op::Fill {
+            buf: Id(id),
             offset: 0,
             len: 4,
             value: 1,
-        }
+        })
     }
 
     #[test]
@@ -458,7 +444,7 @@ mod tests {
         ];
         let p = plan(&cmds, 100).unwrap();
         assert_eq!(p.allocs.len(), 1);
-        assert!(matches!(p.allocs[0], C::Alloc { id: 2, .. }));
+        assert!(matches!(p.allocs[0].op, Op::Alloc { buf: Id(2), .. }));
         assert_eq!(
             p.writes,
             vec![StreamedWrite {
@@ -480,7 +466,7 @@ mod tests {
         assert_eq!(p.slots, vec![1]);
         // alloc 1, write 1, fill 2, read 1.
         assert_eq!(p.commands.len(), 4);
-        assert!(matches!(p.commands[2], C::Fill { id: 2, .. }));
+        assert!(matches!(p.commands[2].op, Op::Fill { buf: Id(2), .. }));
     }
 
     #[test]
@@ -503,15 +489,16 @@ mod tests {
     #[test]
     fn a_read_followed_by_a_use_of_its_buffer_stays() {
         assert!(plan(&[read(1, 100), fill(1)], 1).is_none());
-        let launch_like = C::Copy {
-            stream: 0,
-            src: (2, 0),
-            dst: (1, 0),
+        let launch_like = on_0(Op::Copy {
+            src: Id(2),
+            src_offset: 0,
+            dst: Id(1),
+            dst_offset: 0,
             len: 4,
-        };
+        });
         assert!(plan(&[read(1, 100), launch_like], 1).is_none());
         // A free of it waits for the read.
-        let free = C::Free { stream: 0, id: 1 };
+        let free = on_0(Op::Free { id: Id(1) });
         let p = plan(&[read(1, 100), free.clone(), fill(2)], 1).unwrap();
         assert_eq!(p.frees_after, vec![1]);
         assert_eq!(p.commands.len(), 1);

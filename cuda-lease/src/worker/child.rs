@@ -474,7 +474,7 @@ pub(super) fn enqueue_batch(
     let steps = loads + batch.commands.len();
     for (i, l) in batch.loads.iter().enumerate() {
         let r = payload
-            .take(l.len)
+            .take(l.len.into())
             .and_then(|d| {
                 check_module(compiler, &l.kind, d)?;
                 dev.load_module(l.hash, &l.kind, d)
@@ -579,7 +579,7 @@ pub(super) fn submit(
         };
         dev.launch(0, module, &s.kernel, d, &args)?;
         let mut out = vec![0u8; s.output_size as usize];
-        dev.read(0, output, 0, s.output_size, 0)?;
+        dev.read(0, output, 0, s.output_size.into(), 0)?;
         dev.finish(&mut out)?;
         Ok(out)
     })();
@@ -601,13 +601,14 @@ impl<'d> Payload<'d> {
         Payload { data, cursor: 0 }
     }
 
-    pub(super) fn take(&mut self, len: u32) -> Result<&'d [u8], DeviceError> {
-        let end = self.cursor + len as usize;
-        let s = self
-            .data
-            .get(self.cursor..end)
+    pub(super) fn take(&mut self, len: u64) -> Result<&'d [u8], DeviceError> {
+        let end = usize::try_from(len)
+            .ok()
+            .and_then(|len| self.cursor.checked_add(len));
+        let s = end
+            .and_then(|end| self.data.get(self.cursor..end))
             .ok_or_else(|| DeviceError::new(Status::BadRequest, "batch data too short"))?;
-        self.cursor = end;
+        self.cursor += s.len();
         Ok(s)
     }
 }

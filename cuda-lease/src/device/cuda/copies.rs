@@ -68,12 +68,12 @@ impl CudaDevice {
         stream: StreamId,
         id: Id,
         offset: u64,
-        len: u32,
+        len: u64,
         at: usize,
     ) -> Result<(), DeviceError> {
         let sid = stream;
         let stream = self.stream(stream)?;
-        let r = range(self.buffer(id)?.len(), offset, u64::from(len))?;
+        let r = range(self.buffer(id)?.len(), offset, len)?;
         if r.is_empty() {
             return Ok(());
         }

@@ -281,7 +281,7 @@ impl Device for CudaDevice {
         stream: StreamId,
         id: Id,
         offset: u64,
-        len: u32,
+        len: u64,
         at: usize,
     ) -> Result<(), DeviceError> {
         self.enqueue_read(stream, id, offset, len, at)
@@ -364,10 +364,8 @@ impl Device for CudaDevice {
     }
 
     fn read_now(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
-        let len = u32::try_from(out.len())
-            .map_err(|_| DeviceError::new(Status::BadRequest, "read too large"))?;
         // On a stream of its own (the buffer orders it after its writes).
-        self.read(StreamId::MAX, id, offset, len, 0)?;
+        self.read(StreamId::MAX, id, offset, out.len() as u64, 0)?;
         self.finish(out)
     }
 

@@ -198,13 +198,13 @@ impl Device for MemoryDevice {
         stream: StreamId,
         id: Id,
         offset: u64,
-        len: u32,
+        len: u64,
         at: usize,
     ) -> Result<(), DeviceError> {
         self.check_fault()?;
         self.check_stream(stream)?;
         let (slot, size) = self.slot(id)?;
-        let range = range(size, offset, u64::from(len))?;
+        let range = range(size, offset, len)?;
         self.enqueue(stream, Work::Read { slot, range, at }, &[slot], &[], None);
         Ok(())
     }

@@ -150,7 +150,7 @@ impl Planner<'_> {
             }
             _ => {
                 if let Op::Write { len, .. } = c.op {
-                    ids.kept += u64::from(len);
+                    ids.kept += len;
                 }
                 c.op.for_each_id(|id| {
                     ids.uses.insert(id);

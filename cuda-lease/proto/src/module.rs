@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::proto::{ModuleHash, SourceKind};
+use crate::{ModuleHash, SourceKind};
 
 /// A module as a description: its source (PTX, or CUDA C with NVRTC
 /// options) and its content hash. It belongs to no node: a batch that
@@ -10,9 +10,9 @@ use crate::proto::{ModuleHash, SourceKind};
 /// compiles CUDA C with its own NVRTC for its own GPU. Cheap to clone.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Module {
-    pub(super) hash: ModuleHash,
-    pub(super) kind: SourceKind,
-    pub(super) text: Arc<str>,
+    hash: ModuleHash,
+    kind: SourceKind,
+    text: Arc<str>,
 }
 
 impl Module {

@@ -1,0 +1,36 @@
+//! The protocol's form of a `cuda-core` module (its source named by its
+//! content hash), made once per module: a chain's launches name their
+//! module by hash, and hashing a module's text on every submission would
+//! cost more than recording the submission.
+
+use std::sync::Mutex;
+
+use cuda_core::{Module, ModuleSource};
+
+use super::proto;
+
+/// Modules whose protocol form is kept; past this the oldest is made again
+/// when next used.
+const KEPT: usize = 64;
+
+static MODULES: Mutex<Vec<(Module, proto::Module)>> = Mutex::new(Vec::new());
+
+/// `m` as the protocol describes it: its source and its content hash.
+pub(crate) fn wire_module(m: &Module) -> proto::Module {
+    let mut kept = MODULES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, w)) = kept.iter().find(|(k, _)| k == m) {
+        return w.clone();
+    }
+    let wire = match m.source() {
+        ModuleSource::Cuda { source, options } => {
+            let opts: Vec<&str> = options.iter().map(String::as_str).collect();
+            proto::Module::cuda(source.as_str(), &opts)
+        }
+        other => proto::Module::ptx(other.text()),
+    };
+    if kept.len() == KEPT {
+        kept.remove(0);
+    }
+    kept.push((m.clone(), wire.clone()));
+    wire
+}
