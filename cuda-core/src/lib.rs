@@ -29,6 +29,7 @@ pub mod error;
 mod global;
 pub mod graph;
 pub mod hostmem;
+pub mod mapped;
 pub mod mempool;
 pub mod module;
 pub mod peer;
@@ -52,6 +53,7 @@ pub use device::{
 pub use error::{is_sticky, panic_message, Error, Result};
 pub use global::ModuleGlobal;
 pub use graph::{Graph, GraphUpdate, TrackedGraph};
+pub use mapped::MappedHostMemory;
 pub use mempool::{MemPool, MemPoolOptions, MemPoolStats};
 pub use module::{
     compile_ptx, fnv1a64, nvrtc_compilations, parse_ptx_entries, Kernel, Module, ModuleSource,
