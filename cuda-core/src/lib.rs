@@ -40,6 +40,7 @@ pub mod registered;
 pub mod remote_error;
 pub mod shared_pinned;
 pub mod staging;
+pub mod stream_memop;
 mod tracking;
 
 pub use arena::{ArenaEnd, ArenaRead, ArenaSlot, StagingArena, ARENA_ALIGN};
@@ -65,6 +66,7 @@ pub use raw::stream_error;
 pub use registered::HostRegistration;
 pub use remote_error::{Credentials, Disconnect, RemoteError, RemoteErrorKind};
 pub use shared_pinned::SharedPinnedBuffer;
+pub use stream_memop::stream_write_value_64;
 
 /// The cudarc crate this is built on, for interop.
 pub use cudarc;

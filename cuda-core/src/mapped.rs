@@ -119,7 +119,7 @@ impl MappedHostMemory {
     }
 
     /// The address the device reaches it at, for kernels and stream memory
-    /// operations.
+    /// operations ([`stream_write_value_64`](crate::stream_write_value_64)).
     pub fn device_ptr(&self) -> sys::CUdeviceptr {
         self.dptr
     }
