@@ -10,7 +10,7 @@
 use std::fmt;
 use std::marker::PhantomData;
 
-use cuda_core::cudarc::driver::{sys, DeviceRepr};
+use cuda_core::cudarc::driver::DeviceRepr;
 use cuda_core::{AnyBitPattern, Error, Module, ModuleGlobal, PinnedBuffer, Result};
 
 use crate::context::ExecutionContext;
@@ -88,30 +88,15 @@ impl<T: AnyBitPattern> DeviceOp for ReadGlobal<T> {
             )));
         }
         let stream = ctx.cuda_stream()?.clone();
-        // SAFETY: the copy enqueued below overwrites every element, and
-        // host access waits for its recorded use.
+        // SAFETY: the copy enqueued below overwrites every element (it
+        // refuses a buffer of another size than the global), and host
+        // access waits for its recorded use; on error the buffer is dropped
+        // unread.
         let mut dst = unsafe { PinnedBuffer::<T>::uninit(ctx.device()?, g.bytes() / size) }?;
         if g.bytes() == 0 {
             return Ok(dst.into());
         }
-        // SAFETY: the copy below writes the buffer's bytes, only on
-        // `stream`, and `record_use` follows it.
-        let host = unsafe { dst.begin_use(&stream) }?;
-        // SAFETY: `host` holds `g.bytes()` pinned bytes untouched until the
-        // recorded use completes; the global's address and size come from
-        // the driver for a module that stays loaded.
-        let copied = unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                host as *mut std::ffi::c_void,
-                g.device_ptr(),
-                g.bytes(),
-                stream.cu_stream(),
-            )
-        }
-        .result()
-        .map_err(|e| Error::driver("cuMemcpyDtoHAsync", e));
-        dst.record_use(&stream)?;
-        copied?;
+        dst.download_from_global(&g, &stream)?;
         Ok(dst.into())
     }
 }
@@ -173,24 +158,8 @@ impl<T: DeviceRepr + Copy + Send + Sync + 'static> DeviceOp for WriteGlobal<T> {
         }
         let stream = ctx.cuda_stream()?.clone();
         let mut src = PinnedBuffer::from_slice(ctx.device()?, &self.values)?;
-        // SAFETY: the copy below reads the buffer's bytes, only on
-        // `stream`, and `record_use` follows it.
-        let host = unsafe { src.begin_use(&stream) }?;
-        // SAFETY: `host` holds `bytes` pinned bytes that the buffer keeps
-        // (its drop waits for the recorded use); the global's address and
-        // size come from the driver for a module that stays loaded.
-        let copied = unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                g.device_ptr(),
-                host as *const std::ffi::c_void,
-                bytes,
-                stream.cu_stream(),
-            )
-        }
-        .result()
-        .map_err(|e| Error::driver("cuMemcpyHtoDAsync", e));
-        src.record_use(&stream)?;
-        copied
+        // The buffer's drop waits for the copy's recorded use.
+        src.upload_to_global(&g, &stream)
     }
 }
 impl_into_future!(impl[T: DeviceRepr + Copy + Send + Sync + 'static] for WriteGlobal<T>);

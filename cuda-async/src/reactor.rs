@@ -24,7 +24,7 @@ use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use cuda_core::cudarc::driver::{sys, CudaStream};
-use cuda_core::{Device, Error, Result};
+use cuda_core::{Device, Error, MappedHostMemory, Result};
 
 use crate::completion::Completion;
 use crate::handoff::{IdleGate, SeqQueue};
@@ -134,11 +134,7 @@ impl StreamSlot {
     /// values from a stream or mapped memory cannot be had (then the
     /// callback is used).
     pub(crate) fn new(device: &Device, stream: &Arc<CudaStream>) -> Option<Arc<StreamSlot>> {
-        let ok = device
-            .context()
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)
-            .map(|v| v != 0)
-            .unwrap_or(false);
+        let ok = device.can_use_64_bit_stream_mem_ops().unwrap_or(false);
         if !ok {
             return None;
         }
@@ -166,12 +162,11 @@ impl StreamSlot {
     pub(crate) fn signal(&self, completion: &Arc<Completion>) -> Result<u64> {
         let mut q = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let seq = q.next_seq();
-        // SAFETY: `dptr` is the device address of a live mapped pinned word
-        // (never freed); the stream is live (we hold its Arc).
-        let rc =
-            unsafe { sys::cuStreamWriteValue64_v2(self.stream.cu_stream(), self.dptr, seq, 0) };
-        rc.result()
-            .map_err(|e| Error::driver("cuStreamWriteValue64", e))?;
+        // SAFETY: `dptr` is the device address of an 8-byte aligned word of
+        // pinned memory mapped for the stream's device (portable to all its
+        // contexts) that is never freed (`words`), and the host only reads
+        // it atomically (`word`).
+        unsafe { cuda_core::stream_write_value_64(&self.stream, self.dptr, seq) }?;
         q.push(seq, completion.clone());
         drop(q);
         self.pending.fetch_add(1, Ordering::AcqRel);
@@ -213,13 +208,13 @@ impl StreamSlot {
 }
 
 /// Pinned, device-mapped words, carved 64 bytes apart (one cache line each)
-/// from 4 KiB pages that live for the rest of the process.
+/// from 4 KiB pages that live for the rest of the process
+/// ([`MappedHostMemory::leak`]: a stream may write a word at any later time).
 mod words {
     use super::*;
 
     struct Page {
-        host: usize,
-        dptr: sys::CUdeviceptr,
+        mem: &'static MappedHostMemory,
         used: usize,
         ordinal: usize,
     }
@@ -236,32 +231,8 @@ mod words {
         {
             Some(i) => i,
             None => {
-                device
-                    .context()
-                    .bind_to_thread()
-                    .map_err(|e| Error::driver("cuCtxSetCurrent", e))?;
-                let mut host = std::ptr::null_mut();
-                // SAFETY: plain allocation of one page of pinned memory,
-                // mapped into the device's address space.
-                unsafe {
-                    sys::cuMemHostAlloc(
-                        &mut host,
-                        PAGE,
-                        sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
-                    )
-                }
-                .result()
-                .map_err(|e| Error::driver("cuMemHostAlloc", e))?;
-                // SAFETY: `host` is a fresh allocation of PAGE bytes.
-                unsafe { std::ptr::write_bytes(host as *mut u8, 0, PAGE) };
-                let mut dptr = 0;
-                // SAFETY: `host` is mapped pinned memory of this context.
-                unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, host, 0) }
-                    .result()
-                    .map_err(|e| Error::driver("cuMemHostGetDevicePointer", e))?;
                 pages.push(Page {
-                    host: host as usize,
-                    dptr,
+                    mem: MappedHostMemory::zeroed(device, PAGE)?.leak(),
                     used: 0,
                     ordinal: device.ordinal(),
                 });
@@ -271,11 +242,10 @@ mod words {
         let p = &mut pages[idx];
         let off = p.used;
         p.used += STRIDE;
-        // SAFETY: the page is never freed, `off` is 64-byte aligned inside
-        // it, and the word is only accessed atomically by the host (the GPU
-        // writes it whole, 8-byte aligned).
-        let word = unsafe { &*((p.host + off) as *const AtomicU64) };
-        Ok((word, p.dptr + off as u64))
+        // The host only accesses the word atomically; the GPU writes it
+        // whole (`off` is 64-byte aligned inside the page).
+        let word = p.mem.atomic_u64(off)?;
+        Ok((word, p.mem.device_ptr() + off as u64))
     }
 }
 

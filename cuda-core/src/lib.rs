@@ -29,6 +29,7 @@ pub mod error;
 mod global;
 pub mod graph;
 pub mod hostmem;
+pub mod mapped;
 pub mod mempool;
 pub mod module;
 pub mod peer;
@@ -39,6 +40,7 @@ pub mod registered;
 pub mod remote_error;
 pub mod shared_pinned;
 pub mod staging;
+pub mod stream_memop;
 mod tracking;
 
 pub use arena::{ArenaEnd, ArenaRead, ArenaSlot, StagingArena, ARENA_ALIGN};
@@ -52,6 +54,7 @@ pub use device::{
 pub use error::{is_sticky, panic_message, Error, Result};
 pub use global::ModuleGlobal;
 pub use graph::{Graph, GraphUpdate, TrackedGraph};
+pub use mapped::MappedHostMemory;
 pub use mempool::{MemPool, MemPoolOptions, MemPoolStats};
 pub use module::{
     compile_ptx, fnv1a64, nvrtc_compilations, parse_ptx_entries, Kernel, Module, ModuleSource,
@@ -63,6 +66,7 @@ pub use raw::stream_error;
 pub use registered::HostRegistration;
 pub use remote_error::{Credentials, Disconnect, RemoteError, RemoteErrorKind};
 pub use shared_pinned::SharedPinnedBuffer;
+pub use stream_memop::stream_write_value_64;
 
 /// The cudarc crate this is built on, for interop.
 pub use cudarc;

@@ -1,5 +1,6 @@
-//! GPU tests of `cuda-core`'s graphs, and of its ranged memsets, staging arena and
-//! run-time argument launches (ignored without a GPU; the bundle runs
+//! GPU tests of `cuda-core`'s graphs, and of its ranged memsets, staging arena,
+//! run-time argument launches, mapped host memory with stream writes, and
+//! copies to and from module globals (ignored without a GPU; the bundle runs
 //! them: `scripts/gpu-bundle`, then `target/gpu-bundle/run`).
 //!
 //! The buffers here are plain cudarc slices and the context's cudarc event
@@ -602,4 +603,59 @@ fn device_info_reports_the_numbers_programs_size_work_by() {
         .attribute(A::CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT)
         .unwrap();
     assert!(engines >= 1, "{engines} copy engines");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_stream_writes_values_into_mapped_host_memory() {
+    use std::sync::atomic::Ordering;
+    let dev = Device::new(0).unwrap();
+    assert!(matches!(
+        cuda_core::MappedHostMemory::zeroed(&dev, 0),
+        Err(Error::InvalidArgument(_))
+    ));
+    let mem = cuda_core::MappedHostMemory::zeroed(&dev, 4096).unwrap();
+    assert_eq!(mem.bytes(), 4096);
+    for bad in [4, 4092, 4096, usize::MAX] {
+        assert!(mem.atomic_u64(bad).is_err(), "offset {bad}");
+    }
+    let (first, word) = (mem.atomic_u64(0).unwrap(), mem.atomic_u64(64).unwrap());
+    assert_eq!(word.load(Ordering::Acquire), 0, "zeroed");
+    if !dev.can_use_64_bit_stream_mem_ops().unwrap() {
+        println!("no 64-bit stream memory operations on this device");
+        return;
+    }
+    let s = dev.new_stream().unwrap();
+    // SAFETY: an aligned word of mapped memory that outlives the write
+    // (the stream is synchronized below), read only atomically.
+    unsafe { cuda_core::stream_write_value_64(&s, mem.device_ptr() + 64, 7) }.unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(word.load(Ordering::Acquire), 7);
+    assert_eq!(first.load(Ordering::Acquire), 0, "only the addressed word");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn pinned_buffers_copy_to_and_from_module_globals() {
+    use cuda_core::PinnedBuffer;
+    let dev = Device::new(0).unwrap();
+    let m = Module::cuda(
+        "__device__ unsigned g[4]; extern \"C\" __global__ void k() {}",
+        &[],
+    )
+    .unwrap();
+    let g = m.global_on(&dev, "g").unwrap();
+    let s = dev.new_stream().unwrap();
+    let mut src = PinnedBuffer::from_slice(&dev, &[1u32, 2, 3, 4]).unwrap();
+    src.upload_to_global(&g, &s).unwrap();
+    // SAFETY: the download below overwrites all 4 elements before any read.
+    let mut dst = unsafe { PinnedBuffer::<u32>::uninit(&dev, 4) }.unwrap();
+    dst.download_from_global(&g, &s).unwrap();
+    assert_eq!(dst.as_slice().unwrap(), &[1, 2, 3, 4], "waits for the copy");
+    // Another size than the global's: refused, nothing enqueued.
+    let mut short = PinnedBuffer::filled(&dev, 3, 9u32).unwrap();
+    let e = short.download_from_global(&g, &s).unwrap_err().to_string();
+    assert!(e.contains("16 bytes"), "{e}");
+    assert!(short.upload_to_global(&g, &s).is_err());
+    assert_eq!(short.as_slice().unwrap(), &[9, 9, 9]);
 }
