@@ -15,7 +15,10 @@ fn unhex(s: &str) -> Vec<u8> {
 /// `msg` encodes to `hex` and decodes back. (The bytes are leaked so that
 /// a message that borrows from its body can be decoded as its `'static`
 /// owned form; it is a test.)
-fn golden<T: Codec<'static> + PartialEq + Debug>(msg: T, hex: &str) {
+fn golden<T: serde::Serialize + serde::Deserialize<'static> + PartialEq + Debug>(
+    msg: T,
+    hex: &str,
+) {
     let bytes: &'static [u8] = unhex(hex).leak();
     assert_eq!(to_body(&msg), bytes, "encoding of {msg:?}");
     assert_eq!(from_body::<T>(bytes).unwrap(), msg);

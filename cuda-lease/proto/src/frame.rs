@@ -5,8 +5,6 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use super::Codec;
-
 // Named by the docs of `Opcode`.
 #[cfg(doc)]
 use super::{
@@ -394,20 +392,20 @@ impl Frame {
     }
 }
 
-/// Encodes a message body ([`Codec::encode`]).
-pub fn to_body<'a, T: Codec<'a>>(msg: &T) -> Vec<u8> {
+/// Encodes a message body (postcard).
+pub fn to_body<T: Serialize + ?Sized>(msg: &T) -> Vec<u8> {
     let mut out = Vec::new();
-    msg.encode(&mut out);
+    super::postcard_encode(msg, &mut out);
     out
 }
 
-/// Decodes a body ([`Codec::decode`]), rejecting trailing bytes.
+/// Decodes a body (postcard), rejecting trailing bytes.
 ///
 /// # Errors
 ///
 /// [`ProtoError::Body`] when the bytes are not exactly one `T`.
-pub fn from_body<'a, T: Codec<'a>>(mut body: &'a [u8]) -> Result<T, ProtoError> {
-    let msg = T::decode(&mut body)?;
+pub fn from_body<'a, T: Deserialize<'a>>(mut body: &'a [u8]) -> Result<T, ProtoError> {
+    let msg: T = super::postcard_decode(&mut body)?;
     if !body.is_empty() {
         return Err(ProtoError::Body(format!("{} trailing bytes", body.len())));
     }

@@ -38,9 +38,9 @@ mod module;
 pub use batch::{
     Batch, Command, ModuleText, ModuleUse, Op, FIRST_NODE_ID, MAX_BATCH_MODULES, TIMER_BYTES,
 };
-pub use codec::Codec;
-#[doc(hidden)]
-pub use codec::{encode_batch_head, encode_commands, postcard_decode, postcard_encode};
+pub use codec::{
+    encode_batch_head, encode_commands, postcard_decode, postcard_encode, CommandList,
+};
 pub use frame::{
     from_body, invalid_data, proto_error, read_frame_blocking, read_header_blocking,
     read_rest_blocking, to_body, write_frame_blocking, Frame, Header, Limits, Opcode, ProtoError,

@@ -9,8 +9,8 @@ use super::error::{config_error, disconnected, from_status, lost, protocol_error
 use super::{ClientConfig, Error, GpuCall};
 use super::{Credentials, Disconnect, ErrorKind};
 use crate::proto::{
-    self, from_body, to_body, Codec, ErrorBody, GpuSubmit, Header, Hello, HelloOk, Inventory,
-    LeaseId, LeaseRef, Limits, ModuleHash, Opcode, Status,
+    self, from_body, to_body, ErrorBody, GpuSubmit, Header, Hello, HelloOk, Inventory, LeaseId,
+    LeaseRef, Limits, ModuleHash, Opcode, Status,
 };
 use crate::stamps::{stamp, Point};
 use crate::tls;
@@ -172,7 +172,7 @@ impl Client {
             .map_err(|e| e.with_node(self.addr))
     }
 
-    pub(crate) async fn call<Req: Codec<'static>, Rep: for<'b> Codec<'b>>(
+    pub(crate) async fn call<Req: serde::Serialize, Rep: serde::de::DeserializeOwned>(
         &self,
         op: Opcode,
         req: &Req,

@@ -306,7 +306,7 @@ struct Reply {
 }
 
 impl Reply {
-    fn ok<T: crate::proto::Codec<'static>>(msg: &T) -> Self {
+    fn ok<T: serde::Serialize>(msg: &T) -> Self {
         Self {
             status: Status::Ok,
             body: to_body(msg),

@@ -471,7 +471,7 @@ pub(super) fn enqueue_batch(
     let mut failed = None;
     let mut compiled = Vec::new();
     let loads = batch.loads.len();
-    let steps = loads + batch.commands.len();
+    let steps = loads + batch.commands.0.len();
     for (i, l) in batch.loads.iter().enumerate() {
         let r = payload
             .take(l.len.into())
@@ -486,7 +486,7 @@ pub(super) fn enqueue_batch(
         }
     }
     let commands = if failed.is_none() {
-        &batch.commands[..]
+        &batch.commands.0[..]
     } else {
         &[]
     };

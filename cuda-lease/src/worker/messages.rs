@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::device::DeviceError;
-use crate::proto::{self, Codec, Command, Id, ModuleHash, SourceKind, Status};
+use crate::proto::{CommandList, Id, ModuleHash, SourceKind, Status};
 
 /// A module a worker loads before a batch's commands; its source is the
 /// next `len` bytes of the call's data.
@@ -29,24 +29,11 @@ pub(crate) struct ChunkOp {
 /// A batch for a worker: the modules to load, then the client's commands
 /// (checked by the node, and forwarded as the client encoded them). The
 /// call's data holds the module sources, then the writes' payloads.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct WorkerBatch<'a> {
     pub(crate) loads: Vec<WorkerLoad>,
-    pub(crate) commands: Vec<Command<'a>>,
-}
-
-impl<'a> Codec<'a> for WorkerBatch<'a> {
-    fn encode(&self, out: &mut Vec<u8>) {
-        proto::postcard_encode(&self.loads, out);
-        self.commands.encode(out);
-    }
-
-    fn decode(buf: &mut &'a [u8]) -> Result<Self, proto::ProtoError> {
-        Ok(WorkerBatch {
-            loads: proto::postcard_decode(buf)?,
-            commands: Codec::decode(buf)?,
-        })
-    }
+    #[serde(borrow)]
+    pub(crate) commands: CommandList<'a>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -107,5 +94,3 @@ pub(crate) struct HeldRead {
     pub(crate) offset: u64,
     pub(crate) len: u32,
 }
-
-proto::postcard_codec!(ChunkOp, ChunkOps, WorkerFailure, WorkerBatchReply, HeldRead);
