@@ -159,6 +159,16 @@ pub enum Op<'a> {
 }
 
 impl Op<'_> {
+    /// Bytes the op adds to the reply's data: a read's, or a timer's
+    /// nanoseconds ([`TIMER_BYTES`]).
+    pub fn reply_len(&self) -> u64 {
+        match self {
+            Op::Read { len, .. } => *len,
+            Op::TimerEnd { .. } => TIMER_BYTES as u64,
+            _ => 0,
+        }
+    }
+
     /// Calls `f` with each buffer the op uses and whether it may write it
     /// (a launch may write every buffer it is passed). A `Free` is not a
     /// use: its id may name an event or a graph as well.

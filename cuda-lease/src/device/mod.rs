@@ -1,7 +1,9 @@
 //! The device layer a worker process drives: the [`Device`] trait, the real
 //! [`CudaDevice`] and the in-memory test double [`MemoryDevice`].
 
-use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
+use crate::proto::{
+    Command, DeviceInfo, Id, KernelArg, LaunchSpec, ModuleHash, Op, SourceKind, Status, StreamId,
+};
 
 mod cuda;
 mod error;
@@ -287,6 +289,72 @@ pub trait Device {
     ///
     /// LAUNCH_FAILED (sticky) when a kernel faulted; a driver error.
     fn poll_sealed(&mut self, ticket: Ticket) -> Option<Result<Vec<u8>, DeviceError>>;
+
+    /// Enqueues command `c` through the method of its op: `data` is a
+    /// write's bytes; a read's bytes (or a timer's nanoseconds) land at
+    /// `at` in the output of the next [`Device::finish`]. The one place a
+    /// protocol command becomes device calls.
+    ///
+    /// # Errors
+    ///
+    /// The op's method's; BAD_REQUEST for a graph command (the worker
+    /// runs those) or a GPU_SUBMIT argument in a launch.
+    fn enqueue(&mut self, c: &Command<'_>, data: &[u8], at: usize) -> Result<(), DeviceError> {
+        let s = c.stream;
+        match &c.op {
+            Op::Alloc { buf, size } => self.alloc(s, *buf, *size),
+            Op::Write { buf, offset, .. } => self.write(s, *buf, *offset, data),
+            Op::Read { buf, offset, len } => self.read(s, *buf, *offset, *len, at),
+            Op::Free { id } => self.free(s, *id),
+            Op::Launch(spec) => {
+                let dims = LaunchDims {
+                    grid: spec.grid,
+                    block: spec.block,
+                    shared_mem: spec.shared_mem,
+                };
+                self.launch(s, spec.module, &spec.kernel, dims, &launch_args(spec)?)
+            }
+            Op::Record { event } => self.record(s, *event),
+            Op::Wait { event } => self.wait(s, *event),
+            Op::Fill {
+                buf,
+                offset,
+                len,
+                value,
+            } => self.fill(s, *buf, *offset, *len, *value),
+            Op::Copy {
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                len,
+            } => self.copy(s, (*src, *src_offset), (*dst, *dst_offset), *len),
+            Op::TimerStart { timer } => self.timer_start(s, *timer),
+            Op::TimerEnd { timer } => self.timer_end(s, *timer, at),
+            // The worker's graphs run them.
+            Op::GraphBegin { .. } | Op::GraphEnd { .. } | Op::GraphLaunch { .. } => Err(
+                DeviceError::new(Status::BadRequest, "a graph command out of place"),
+            ),
+        }
+    }
+}
+
+/// A launch's arguments as the device takes them.
+fn launch_args<'a>(spec: &'a LaunchSpec<'_>) -> Result<Vec<DeviceArg<'a>>, DeviceError> {
+    spec.args
+        .iter()
+        .map(|a| match a {
+            KernelArg::Scalar(b) => Ok(DeviceArg::Scalar(b)),
+            KernelArg::Mem { buf, offset } => Ok(DeviceArg::Mem {
+                id: *buf,
+                offset: *offset,
+            }),
+            KernelArg::Input(_) | KernelArg::Output => Err(DeviceError::new(
+                Status::BadRequest,
+                "Input/Output are for GPU_SUBMIT",
+            )),
+        })
+        .collect()
 }
 
 /// A sealed batch of a [`Device`] (see [`Device::seal`]).

@@ -14,8 +14,8 @@ use super::messages::{
 use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice, Ticket};
 use crate::proto::{
-    self, from_body, to_body, Frame, GpuSubmit, Header, Id, KernelArg, LaunchSpec, ModuleHash, Op,
-    Opcode, SourceKind, Status, StreamId, TIMER_BYTES,
+    self, from_body, to_body, Command, Frame, GpuSubmit, Header, Id, KernelArg, ModuleHash, Op,
+    Opcode, SourceKind, Status,
 };
 use crate::sandbox::{CompileSandbox, Compiler};
 use crate::shm::{WorkerRing, SHM_ENV};
@@ -491,10 +491,9 @@ pub(super) fn enqueue_batch(
         &[]
     };
     for (i, c) in commands.iter().enumerate() {
-        let op = &c.op;
         let r = match graphs.intercept(dev, c, &mut payload) {
             Some(r) => r,
-            None => enqueue(dev, c.stream, op, &mut payload, &mut read_at),
+            None => enqueue(dev, c, &mut payload, &mut read_at),
         };
         if let Err(e) = r {
             failed = Some((loads + i, e));
@@ -613,75 +612,22 @@ impl<'d> Payload<'d> {
     }
 }
 
-/// Enqueues one command on the device; a read lands at `read_at` in the
-/// reply's data, which it advances.
+/// Enqueues command `c` on the device, its write's bytes taken from
+/// `payload`; a read lands at `read_at` in the reply's data, which it
+/// advances.
 pub(super) fn enqueue(
     dev: &mut dyn Device,
-    stream: StreamId,
-    op: &Op<'_>,
+    c: &Command<'_>,
     payload: &mut Payload<'_>,
     read_at: &mut usize,
 ) -> Result<(), DeviceError> {
-    match op {
-        Op::Alloc { buf, size } => dev.alloc(stream, *buf, *size),
-        Op::Write { buf, offset, len } => payload
-            .take(*len)
-            .and_then(|d| dev.write(stream, *buf, *offset, d)),
-        Op::Read { buf, offset, len } => dev
-            .read(stream, *buf, *offset, *len, *read_at)
-            .map(|()| *read_at += *len as usize),
-        Op::Free { id } => dev.free(stream, *id),
-        Op::Launch(spec) => {
-            let args = launch_args(spec)?;
-            let dims = LaunchDims {
-                grid: spec.grid,
-                block: spec.block,
-                shared_mem: spec.shared_mem,
-            };
-            dev.launch(stream, spec.module, &spec.kernel, dims, &args)
-        }
-        Op::Record { event } => dev.record(stream, *event),
-        Op::Wait { event } => dev.wait(stream, *event),
-        Op::Fill {
-            buf,
-            offset,
-            len,
-            value,
-        } => dev.fill(stream, *buf, *offset, *len, *value),
-        Op::Copy {
-            src,
-            src_offset,
-            dst,
-            dst_offset,
-            len,
-        } => dev.copy(stream, (*src, *src_offset), (*dst, *dst_offset), *len),
-        Op::TimerStart { timer } => dev.timer_start(stream, *timer),
-        Op::TimerEnd { timer } => dev
-            .timer_end(stream, *timer, *read_at)
-            .map(|()| *read_at += TIMER_BYTES),
-        // `Graphs::intercept` runs them.
-        Op::GraphBegin { .. } | Op::GraphEnd { .. } | Op::GraphLaunch { .. } => Err(
-            DeviceError::new(Status::BadRequest, "a graph command out of place"),
-        ),
-    }
-}
-
-/// A launch's arguments as the device takes them.
-fn launch_args<'a>(spec: &'a LaunchSpec<'_>) -> Result<Vec<DeviceArg<'a>>, DeviceError> {
-    spec.args
-        .iter()
-        .map(|a| match a {
-            KernelArg::Scalar(b) => Ok(DeviceArg::Scalar(b)),
-            KernelArg::Mem { buf, offset } => Ok(DeviceArg::Mem {
-                id: *buf,
-                offset: *offset,
-            }),
-            KernelArg::Input(_) | KernelArg::Output => Err(DeviceError::new(
-                Status::BadRequest,
-                "Input/Output are for GPU_SUBMIT",
-            )),
-        })
-        .collect()
+    let data = match c.op {
+        Op::Write { len, .. } => payload.take(len)?,
+        _ => &[],
+    };
+    dev.enqueue(c, data, *read_at)?;
+    *read_at += c.op.reply_len() as usize;
+    Ok(())
 }
 
 /// Refuses a CUDA C module whose options or includes could reach the

@@ -168,5 +168,5 @@ fn enqueue_body(dev: &mut dyn Device, body: &Body) -> Result<(), DeviceError> {
     let mut read_at = 0;
     body.commands
         .iter()
-        .try_for_each(|c| enqueue(dev, c.stream, &c.op, &mut payload, &mut read_at))
+        .try_for_each(|c| enqueue(dev, c, &mut payload, &mut read_at))
 }
