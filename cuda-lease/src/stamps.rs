@@ -54,7 +54,8 @@ pub enum Point {
     /// The lease's session takes the recording (the op's first poll has
     /// recorded it).
     ClientSubmit,
-    /// The request is written on its QUIC stream and the stream finished.
+    /// The request is written on its QUIC stream and the stream finished
+    /// (the node may have started on it already: another thread sends).
     ClientSent,
     /// The node's task for the request's stream starts: the request has
     /// crossed the wire.
