@@ -12,7 +12,7 @@
 //! budget and GPU_SUBMIT); this file holds the shared state, the node's
 //! start and shutdown, the worker pool and the reaper.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
@@ -31,6 +31,8 @@ mod connection;
 mod dispatch;
 mod handshake;
 mod held;
+mod lease;
+mod modules;
 mod order;
 mod plan;
 mod stream;
@@ -44,195 +46,14 @@ pub use handshake::REJECTED_LOG_INTERVAL;
 
 use crate::lease_table::{LeaseTable, Principal, TableError};
 use crate::metrics::Metrics;
-use crate::proto::{
-    self, to_body, DeviceInfo, ErrorBody, Id, LeaseId, ModuleHash, SourceKind, Status, StreamId,
-};
+use crate::proto::{self, to_body, DeviceInfo, ErrorBody, LeaseId, Status};
 use crate::tls::{self, Identity};
 use crate::worker::{WorkerError, WorkerProcess};
 use handshake::{HandshakeLimits, Handshakes};
 use held::HeldData;
-
-/// What a client-named id of a lease is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum IdKind {
-    /// A buffer of this many bytes (charged to the lease).
-    Buffer(u64),
-    /// An event.
-    Event,
-    /// A started timer.
-    Timer,
-    /// A graph (its body is in [`LeaseState::graphs`]).
-    Graph,
-}
-
-/// What a graph of a lease holds on to.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-struct GraphIds {
-    /// The ids its body names: none of them can be freed while it lives.
-    uses: HashSet<Id>,
-    /// The frees its body asked for, run with its own.
-    frees: Vec<Id>,
-    /// Its body's upload bytes, kept by the worker for its replays and
-    /// charged to the lease's reservation.
-    kept: u64,
-}
-
-/// A lease's client-named objects, as the node tracks them.
-#[derive(Debug, Default)]
-struct LeaseState {
-    ids: HashMap<Id, IdKind>,
-    /// Modules loaded in the lease's worker, with the source bytes charged
-    /// to the lease for each (a loaded module costs device memory too).
-    modules: HashMap<ModuleHash, u64>,
-    /// Streams the lease has used.
-    streams: HashSet<StreamId>,
-    /// The lease's live graphs.
-    graphs: HashMap<Id, GraphIds>,
-}
-
-/// What a node holds for one lease ([`Node::lease_usage`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LeaseUsage {
-    /// Bytes charged to the lease (buffers and loaded modules' sources).
-    pub allocated: u64,
-    /// Live buffers.
-    pub buffers: usize,
-    /// Live events.
-    pub events: usize,
-    /// Live graphs.
-    pub graphs: usize,
-    /// Streams the lease has used.
-    pub streams: usize,
-    /// Modules loaded in the lease's worker.
-    pub modules: usize,
-}
-
-struct LeaseSlot {
-    worker: WorkerProcess,
-    /// Serializes a lease's requests from planning to sending them to the
-    /// worker (never held while their work runs).
-    exec: tokio::sync::Mutex<()>,
-    /// What the lease holds. Lock order: a lease's state, then the node's
-    /// lease table (never the other way round).
-    state: StdMutex<LeaseState>,
-    /// The order of its numbered batches (see [`Batch::seq`]).
-    order: order::LeaseOrder,
-}
-
-impl LeaseSlot {
-    /// The lease is gone (freed, expired or failed): its worker is ended
-    /// and every request waiting for its order fails now.
-    fn end(&self) {
-        self.order.update(order::OrderState::end);
-        self.worker.kill();
-    }
-
-    fn state(&self) -> std::sync::MutexGuard<'_, LeaseState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// A module's source (or the PTX compiled from it).
-type ModuleSource = Arc<(SourceKind, Vec<u8>)>;
-
-/// Module sources loaded by leases, by content hash, so a lease need not
-/// resend what another lease (or an earlier one) sent. Each entry belongs
-/// to the principal whose lease was charged for it and loaded it. Bounded
-/// in bytes node-wide and per principal: a principal over its share
-/// evicts its own oldest entries, and when the node is full the oldest
-/// entries of the largest holder go, so one tenant's modules never evict a
-/// smaller holder's.
-#[derive(Debug, Default)]
-struct ModuleCache {
-    map: HashMap<ModuleHash, (ModuleSource, Principal)>,
-    /// Each principal's entries, oldest first, and their bytes.
-    shares: HashMap<Principal, (std::collections::VecDeque<ModuleHash>, u64)>,
-    bytes: u64,
-}
-
-impl ModuleCache {
-    fn get(&self, hash: &ModuleHash) -> Option<ModuleSource> {
-        self.map.get(hash).map(|(s, _)| s.clone())
-    }
-
-    fn remove(&mut self, hash: &ModuleHash) {
-        let Some((source, owner)) = self.map.remove(hash) else {
-            return;
-        };
-        let len = source.1.len() as u64;
-        self.bytes -= len;
-        if let Some((order, bytes)) = self.shares.get_mut(&owner) {
-            order.retain(|h| h != hash);
-            *bytes -= len;
-            if order.is_empty() {
-                self.shares.remove(&owner);
-            }
-        }
-    }
-
-    /// Evicts `owner`'s oldest entry; false if it has none.
-    fn evict_oldest_of(&mut self, owner: &Principal) -> bool {
-        let oldest = self.shares.get(owner).and_then(|(o, _)| o.front().copied());
-        match oldest {
-            Some(h) => {
-                self.remove(&h);
-                true
-            }
-            None => false,
-        }
-    }
-
-    fn share(&self, owner: &Principal) -> u64 {
-        self.shares.get(owner).map_or(0, |(_, b)| *b)
-    }
-
-    /// Keeps `entry` for `hash` as `owner`'s (replacing what was kept:
-    /// compiled PTX replaces the CUDA C it came from), within `cap` bytes
-    /// node-wide and `share_cap` for `owner`.
-    fn insert(
-        &mut self,
-        hash: ModuleHash,
-        entry: ModuleSource,
-        owner: &Principal,
-        cap: u64,
-        share_cap: u64,
-    ) {
-        let len = entry.1.len() as u64;
-        let share_cap = share_cap.min(cap);
-        if len > share_cap {
-            return;
-        }
-        self.remove(&hash);
-        while self.share(owner) + len > share_cap {
-            if !self.evict_oldest_of(owner) {
-                break;
-            }
-        }
-        while self.bytes + len > cap {
-            let largest = self
-                .shares
-                .iter()
-                .max_by_key(|(_, (_, b))| *b)
-                .map(|(p, _)| p.clone());
-            if !largest.is_some_and(|p| self.evict_oldest_of(&p)) {
-                break;
-            }
-        }
-        self.bytes += len;
-        let (order, bytes) = self.shares.entry(owner.clone()).or_default();
-        order.push_back(hash);
-        *bytes += len;
-        self.map.insert(hash, (entry, owner.clone()));
-    }
-}
-
-impl std::fmt::Debug for LeaseSlot {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LeaseSlot")
-            .field("worker", &self.worker)
-            .finish_non_exhaustive()
-    }
-}
+pub use lease::LeaseUsage;
+use lease::{GraphIds, IdKind, LeaseSlot, LeaseState};
+use modules::{ModuleCache, ModuleSource};
 
 type Slot = Arc<LeaseSlot>;
 
