@@ -153,10 +153,10 @@ pub use cuda_core::GraphUpdate;
 pub use cuda_core::{
     auto_peer_access, can_access_peer, cudarc, device_count, devices, driver_present,
     enable_peer_access, hardware_queues, nvrtc_compilations, set_auto_peer_access,
-    set_hardware_queues, Credentials, CudaStream, Device, DeviceAttribute, DeviceInfo, DeviceRepr,
-    Disconnect, Error, Kernel, LaunchConfig, MemPool, MemPoolOptions, MemPoolStats, Module,
-    ModuleSource, PinnedBuffer, RemoteError, RemoteErrorKind, Result, SharedPinnedBuffer,
-    ValidAsZeroBits, DEFAULT_HARDWARE_QUEUES, MAX_HARDWARE_QUEUES,
+    set_hardware_queues, CudaStream, Device, DeviceAttribute, DeviceInfo, DeviceRepr, Error,
+    Kernel, LaunchConfig, MemPool, MemPoolOptions, MemPoolStats, Module, ModuleSource,
+    PinnedBuffer, RemoteFailure, Result, SharedPinnedBuffer, ValidAsZeroBits,
+    DEFAULT_HARDWARE_QUEUES, MAX_HARDWARE_QUEUES,
 };
 pub use future::{run_on, DeviceFuture};
 pub use globals::{read_global, write_global, ReadGlobal, WriteGlobal};
@@ -178,6 +178,8 @@ pub use policy::{
     StreamPoolRoundRobin, WithMemPool,
 };
 pub use reactor::CompletionMode;
+pub use remote::proto::{Credentials, Disconnect, RemoteError, RemoteErrorKind};
+pub use remote::RemoteErrorExt;
 pub use remote::{HostBuffer, RemotePolicy, RemoteSession};
 pub use view::{DeviceSlice, DeviceSliceMut, DeviceSource, DeviceTarget};
 
@@ -188,5 +190,5 @@ pub mod prelude {
     pub use crate::memory::{copy_d2d, copy_d2h, copy_h2d, d2d, d2h, h2d, memset, zeros};
     pub use crate::op::{DeviceOp, DeviceOpExt};
     pub use crate::policy::{SchedulingPolicy, SingleStream, StreamPoolRoundRobin};
-    pub use crate::remote::RemotePolicy;
+    pub use crate::remote::{RemoteErrorExt, RemotePolicy};
 }

@@ -4,7 +4,7 @@
 //! kernel's PTX parameters first.
 //!
 //! For callers that learn a kernel's arguments only at run time and launch
-//! many times (a lease node's worker); `cuda-async`'s `DynArgs` builds such
+//! many times (a server that runs kernels others describe); `cuda-async`'s `DynArgs` builds such
 //! a list per launch and orders its buffers itself.
 
 use std::ffi::c_void;

@@ -257,7 +257,7 @@ impl Device {
     /// every synchronization, so the first allocation after one maps memory
     /// again (about 140 us for a small buffer on an H100, against 20 us
     /// from a warm pool). A long-lived process that allocates and
-    /// synchronizes in a loop (a lease node's worker) keeps it instead; the
+    /// synchronizes in a loop (a server of remote GPUs) keeps it instead; the
     /// memory stays reserved to this process until it exits or the
     /// threshold is lowered.
     ///

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys::CUresult, DriverError};
 
-use crate::RemoteError;
+use crate::RemoteFailure;
 
 /// A `Result` whose error is [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -78,11 +78,10 @@ pub enum Error {
     Capture(String),
     /// Any other error, boxed.
     Other(Arc<dyn std::error::Error + Send + Sync>),
-    /// Remote lease execution failed: the lease is gone, the node refused
-    /// or lost the request, a module or a launch failed on the node. The
-    /// [`RemoteError`]'s [`kind`](RemoteError::kind) says which; it is the
-    /// error `cuda-lease`'s client returned, as it was.
-    Remote(RemoteError),
+    /// Work run on another machine's GPU failed. The [`RemoteFailure`]
+    /// carries the backend's own error as it was; the backend's crate reads
+    /// it back by type (`cuda-async`'s `RemoteErrorExt`).
+    Remote(RemoteFailure),
     /// An op needs a local CUDA stream (a hand-written op calling
     /// `cuda_stream()`, interop) but runs on a remote context.
     NeedsLocalStream {
@@ -92,7 +91,7 @@ pub enum Error {
         context: String,
     },
     /// A buffer is used where it does not live: a local buffer in a remote
-    /// op, a remote buffer in a local op, or another lease's buffer.
+    /// op, a remote buffer in a local op, or a buffer of another remote GPU.
     WrongHome {
         /// Where the buffer lives.
         buffer: String,
@@ -129,33 +128,13 @@ pub enum Error {
     },
 }
 
-impl From<RemoteError> for Error {
-    fn from(e: RemoteError) -> Self {
-        Error::Remote(e)
-    }
-}
-
 impl Error {
     /// The remote failure this is, if it is one.
-    pub fn remote(&self) -> Option<&RemoteError> {
+    pub fn remote_failure(&self) -> Option<&RemoteFailure> {
         match self {
             Error::Remote(e) => Some(e),
             _ => None,
         }
-    }
-
-    /// The kind of the remote failure this is, if it is one.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use cuda_core::{Error, RemoteError, RemoteErrorKind};
-    /// let e = Error::from(RemoteError::new(RemoteErrorKind::LeaseExpired, "ttl"));
-    /// assert_eq!(e.remote_kind(), Some(RemoteErrorKind::LeaseExpired));
-    /// assert_eq!(Error::InvalidArgument("n".into()).remote_kind(), None);
-    /// ```
-    pub fn remote_kind(&self) -> Option<crate::RemoteErrorKind> {
-        self.remote().map(RemoteError::kind)
     }
 
     /// Wraps a driver error with the name of the call that produced it.
@@ -193,9 +172,8 @@ impl Error {
 
     /// Whether this error leaves the process's CUDA state unusable: every
     /// later CUDA call of this process fails, so a service should restart
-    /// the process (a remote lease's fault is an [`Error::Remote`] of kind
-    /// [`LeasePoisoned`](crate::RemoteErrorKind::LeasePoisoned) instead: it
-    /// ends that lease's worker, not this process).
+    /// the process (a fault on another machine's GPU is an
+    /// [`Error::Remote`] instead: it does not touch this process).
     ///
     /// # Examples
     ///
@@ -210,13 +188,11 @@ impl Error {
     }
 
     /// Whether the same op may succeed if run again later, unchanged, in
-    /// this process: out of device memory (locally, or the lease's
-    /// reservation or the node's capacity), or a lost connection to a node
-    /// (reconnect, then retry). Everything else needs a change first: a
-    /// fix to the call (arguments, kernels, modules), an install (driver,
-    /// NVRTC), a new lease (an expired lease, a remote fault: see
-    /// [`RemoteError::is_retryable`]), or a
-    /// new process ([`Error::is_sticky`]).
+    /// this process: out of device memory, or a remote failure its backend
+    /// calls retryable ([`RemoteFailure::is_retryable`]: a lost connection,
+    /// say). Everything else needs a change first: a fix to the call
+    /// (arguments, kernels, modules), an install (driver, NVRTC), or a new
+    /// process ([`Error::is_sticky`]).
     ///
     /// # Examples
     ///
@@ -394,7 +370,7 @@ impl std::error::Error for Error {
         match self {
             Error::Driver { code, .. } | Error::Poisoned { code } => Some(code),
             Error::Other(e) => Some(&**e),
-            Error::Remote(e) => Some(e),
+            Error::Remote(e) => Some(e.cause()),
             _ => None,
         }
     }
@@ -468,9 +444,16 @@ mod tests {
 
     #[test]
     fn every_error_says_what_to_do_and_whether_to_retry() {
-        use crate::RemoteErrorKind as K;
         let s = |v: &str| v.to_string();
-        let remote = |k| Error::Remote(RemoteError::new(k, "lease 1"));
+        #[derive(Debug)]
+        struct Far(&'static str);
+        impl fmt::Display for Far {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.0)
+            }
+        }
+        impl std::error::Error for Far {}
+        let remote = |words, retry| Error::Remote(RemoteFailure::new(Far(words), retry));
         let oom = Error::driver(
             "cuMemAllocAsync",
             DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY),
@@ -496,23 +479,12 @@ mod tests {
                 "argument 2",
                 false,
             ),
-            (remote(K::LeaseExpired), "lease again", false),
-            (remote(K::Capacity), "lease more", true),
-            (
-                remote(K::Disconnected(crate::Disconnect::Network)),
-                "reconnect",
-                true,
-            ),
-            (
-                remote(K::Unauthorized(crate::Credentials::Refused)),
-                "check the token",
-                false,
-            ),
-            (remote(K::LeasePoisoned), "lease again", false),
+            (remote("gone: start over", false), "start over", false),
+            (remote("lost: reconnect", true), "reconnect", true),
             (
                 Error::NeedsLocalStream {
                     op: s("interop"),
-                    context: s("stream 0 of lease 1"),
+                    context: s("remote stream 0"),
                 },
                 "local policy",
                 false,
@@ -520,7 +492,7 @@ mod tests {
             (
                 Error::WrongHome {
                     buffer: s("local GPU 0"),
-                    context: s("stream 0 of lease 1"),
+                    context: s("remote stream 0"),
                 },
                 "move the data",
                 false,

@@ -37,7 +37,7 @@ pub mod pinned;
 mod raw;
 pub mod reclaim;
 pub mod registered;
-pub mod remote_error;
+pub mod remote;
 pub mod shared_pinned;
 pub mod staging;
 pub mod stream_memop;
@@ -64,7 +64,7 @@ pub use peer::{auto_peer_access, can_access_peer, enable_peer_access, set_auto_p
 pub use pinned::PinnedBuffer;
 pub use raw::stream_error;
 pub use registered::HostRegistration;
-pub use remote_error::{Credentials, Disconnect, RemoteError, RemoteErrorKind};
+pub use remote::RemoteFailure;
 pub use shared_pinned::SharedPinnedBuffer;
 pub use stream_memop::stream_write_value_64;
 

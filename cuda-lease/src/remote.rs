@@ -40,7 +40,7 @@ use crate::client::{
 use crate::proto::{self, Command, Id, LeaseId, Op};
 use crate::stamps::{stamp, Point};
 use cuda_async::remote::{Recording, RemoteCompletion};
-use cuda_async::RemoteSession;
+use cuda_async::{RemoteErrorExt, RemoteSession};
 use std::net::SocketAddr;
 
 mod ids;
@@ -281,9 +281,9 @@ impl LeaseSession {
 }
 
 /// The `cuda-async` error of a failed request or command: the same
-/// [`RemoteError`](cuda_core::RemoteError), as [`cuda_async::Error::Remote`].
+/// [`RemoteError`](crate::proto::RemoteError), as [`cuda_async::Error::Remote`].
 pub fn to_cuda_error(e: Error) -> cuda_async::Error {
-    cuda_async::Error::Remote(e)
+    cuda_async::Error::from_remote(e)
 }
 
 impl RemoteSession for LeaseSession {

@@ -235,9 +235,9 @@ fn run_until(
                     )
                     .await
                     .expect("a pipeline hung");
-                    let kind = r.err().map(|e| match e {
-                        cuda_async::Error::Remote(r) => r.kind(),
-                        other => panic!("pipeline failed with {other}"),
+                    let kind = r.err().map(|e| match e.remote_kind() {
+                        Some(kind) => kind,
+                        None => panic!("pipeline failed with {e}"),
                     });
                     out.push((start, Instant::now(), kind));
                     i += 1;
@@ -362,7 +362,7 @@ async fn a_buffer_on_a_dead_node_fails_naming_the_node_and_the_buffer() {
     let text = e.to_string();
     println!("{text}");
     assert!(
-        matches!(&e, cuda_async::Error::Remote(r) if matches!(r.kind(), RemoteErrorKind::Disconnected(_))),
+        matches!(e.remote_kind(), Some(RemoteErrorKind::Disconnected(_))),
         "{e}"
     );
     assert!(
@@ -412,10 +412,7 @@ async fn without_a_node_submissions_wait_for_one_then_time_out() {
     let e = round_trip(&policy, 2).await.unwrap_err();
     let waited = t.elapsed();
     println!("with no node a submission waited {waited:?}, then: {e}");
-    assert!(
-        matches!(&e, cuda_async::Error::Remote(r) if r.kind() == RemoteErrorKind::Capacity),
-        "{e}"
-    );
+    assert!(e.remote_kind() == Some(RemoteErrorKind::Capacity), "{e}");
     assert!(
         waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
         "{waited:?}"

@@ -6,6 +6,7 @@
 
 mod common;
 
+use cuda_async::RemoteErrorExt;
 use std::time::Duration;
 
 use common::*;

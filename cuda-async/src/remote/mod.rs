@@ -35,12 +35,14 @@
 //! ```
 
 // One concern a file: `session` the seam a transport implements,
-// `recording` what is recorded, `modules` the protocol's form of a module,
+// `recording` what is recorded, `error` the lease's failures as this
+// crate's error, `modules` the protocol's form of a module,
 // `context` the remote execution context, `frees` where frees of dropped
 // remote buffers go, `policy` the remote policy and the sending of a
 // submission. The host memory that remote
 // reads land in (`HostBuffer`, `ReadSlot`) is in `crate::host`.
 mod context;
+mod error;
 mod frees;
 mod graph;
 mod modules;
@@ -51,6 +53,7 @@ mod session;
 pub use crate::host::{HostBuffer, ReadBuf, ReadSlot};
 pub use context::RemoteContext;
 pub use cuda_lease_proto as proto;
+pub use error::RemoteErrorExt;
 pub use policy::{RemotePolicy, DEFAULT_REMOTE_STREAMS};
 pub use proto::{Command, Id, Op};
 pub use recording::{KeptBytes, Recording, RemoteStream};
@@ -125,10 +128,10 @@ mod tests {
             crate::RemoteErrorKind::Disconnected(crate::Disconnect::NodeShutdown),
             "node gone",
         );
-        done.clone().fail(gone.clone().into());
+        done.clone().fail(Error::from_remote(gone.clone()));
         done.complete();
         assert!(done.is_finished());
-        assert!(matches!(done.outcome(), Some(Err(Error::Remote(e))) if e == gone));
+        assert!(matches!(done.outcome(), Some(Err(e)) if e.remote() == Some(&gone)));
     }
 
     /// A session that keeps what it is sent and answers at once.

@@ -72,7 +72,7 @@ impl ModuleSource {
 /// and the content hash, bound to no device. Cheap to clone.
 ///
 /// Making a module needs no driver and no NVRTC, so a machine without a GPU
-/// can build kernel values (to send to a leased GPU, say). The module is
+/// can build kernel values (to send to another machine's GPU, say). The module is
 /// compiled and loaded per device when a kernel of it first runs there, or
 /// when [`Module::load_on`] asks for it.
 ///
@@ -278,7 +278,7 @@ impl Module {
     /// the driver unloads it once no [`Kernel`] value that resolved it there
     /// is left (each holds the loaded module), and the next use loads it
     /// again. For long-lived processes that load many distinct modules (a
-    /// lease node's workers).
+    /// server that runs kernels others send).
     ///
     /// # Safety
     /// No kernel of this module may still be running or queued on `device`
@@ -349,7 +349,7 @@ impl Module {
     /// The module's PTX for `device`: its text for a PTX module; for CUDA C,
     /// NVRTC's output for the device's architecture (compiled now, outside
     /// the cache: a caller that keeps PTX for later processes, such as a
-    /// lease node, loads it with [`Module::ptx`]).
+    /// server of remote GPUs, loads it with [`Module::ptx`]).
     ///
     /// # Errors
     ///

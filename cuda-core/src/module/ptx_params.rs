@@ -69,7 +69,7 @@ pub fn parse_ptx_entries(ptx: &str) -> HashMap<String, Vec<ParamSpec>> {
         let name = rest[..open].trim().to_string();
         let body_start = open + 1;
         // A kernel with no parameters may omit the parentheses entirely;
-        // then the next token is `{` before any `(`.
+        // then the next symbol is `{` before any `(`.
         if let Some(brace) = rest.find('{') {
             if brace < open {
                 let name = rest[..brace].trim().to_string();

@@ -1,10 +1,10 @@
 //! The failures of remote lease execution, one type for every layer.
 //!
-//! `cuda-lease`'s client returns [`RemoteError`] itself, and `cuda-core`'s
-//! (and so `cuda-async`'s) [`Error`](crate::Error) carries it whole as
-//! [`Error::Remote`](crate::Error::Remote): a remote failure is never
-//! mapped from one type to another, so its kind, its words and where it
-//! happened reach the user as the client saw them.
+//! `cuda-lease`'s client returns [`RemoteError`] itself, and `cuda-async`'s
+//! `Error` carries it whole as `Error::Remote` (read it back with
+//! `cuda_async::RemoteErrorExt`): a remote failure is never mapped from one
+//! type to another, so its kind, its words and where it happened reach the
+//! user as the client saw them.
 
 use std::fmt;
 
@@ -85,7 +85,7 @@ pub enum Disconnect {
 /// # Examples
 ///
 /// ```
-/// use cuda_core::{RemoteError, RemoteErrorKind};
+/// use cuda_lease_proto::{RemoteError, RemoteErrorKind};
 /// let e = RemoteError::new(RemoteErrorKind::LeaseExpired, "ttl ran out")
 ///     .with_lease("9f2c")
 ///     .with_node("10.0.0.7:4433");

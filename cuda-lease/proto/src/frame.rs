@@ -31,7 +31,7 @@ pub const BULK_ALPN: &[u8] = b"cuda-lease-bulk/1";
 
 /// The QUIC application close code a node closes its connections with when
 /// it shuts down (or is dropped): a client reports the connection lost as
-/// `Disconnect::NodeShutdown` (a `cuda-core` error).
+/// [`Disconnect::NodeShutdown`](crate::Disconnect::NodeShutdown).
 pub const CLOSE_NODE_SHUTDOWN: u32 = 0x501;
 
 /// Size limits enforced by frame readers before they allocate.

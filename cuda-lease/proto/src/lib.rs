@@ -31,6 +31,7 @@
 mod batch;
 mod bounded;
 mod codec;
+mod error;
 mod frame;
 mod messages;
 mod module;
@@ -41,6 +42,7 @@ pub use batch::{
 pub use codec::{
     encode_batch_head, encode_commands, postcard_decode, postcard_encode, CommandList,
 };
+pub use error::{Credentials, Disconnect, RemoteError, RemoteErrorKind};
 pub use frame::{
     from_body, invalid_data, proto_error, read_frame_blocking, read_header_blocking,
     read_rest_blocking, to_body, write_frame_blocking, Frame, Header, Limits, Opcode, ProtoError,

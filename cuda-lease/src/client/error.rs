@@ -1,8 +1,10 @@
-//! Client-side errors: `cuda-core`'s [`RemoteError`](cuda_core::RemoteError)
-//! itself (`cuda-async` carries the same value as `Error::Remote`), and the
-//! mapping of reply statuses to its kinds.
+//! Client-side errors: the protocol's [`RemoteError`](crate::proto::RemoteError)
+//! itself (`cuda-async` carries the same value in its `Error::Remote`), and
+//! the mapping of reply statuses to its kinds.
 
-pub use cuda_core::{Credentials, Disconnect, RemoteError as Error, RemoteErrorKind as ErrorKind};
+pub use crate::proto::{
+    Credentials, Disconnect, RemoteError as Error, RemoteErrorKind as ErrorKind,
+};
 
 use crate::proto::Status;
 

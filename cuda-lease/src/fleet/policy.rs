@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use cuda_async::remote::{Recording, RemoteCompletion};
-use cuda_async::{ExecutionContext, RemoteSession, SchedulingPolicy};
+use cuda_async::{ExecutionContext, RemoteErrorExt, RemoteSession, SchedulingPolicy};
 use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
@@ -413,26 +413,25 @@ impl Shared {
 /// Whether `e` says the submission's node or lease is gone (not the
 /// submission's own fault).
 fn lost(e: &cuda_async::Error) -> bool {
-    match e {
-        cuda_async::Error::Remote(r) => matches!(
-            r.kind(),
+    matches!(
+        e.remote_kind(),
+        Some(
             ErrorKind::Disconnected(_)
                 | ErrorKind::LeaseExpired
                 | ErrorKind::LeaseFreed
                 | ErrorKind::LeaseNotFound
                 | ErrorKind::LeasePoisoned
-        ),
-        _ => false,
-    }
+        )
+    )
 }
 
 /// The error of work in flight on a node the policy gave up: the
 /// disconnected kind (whatever the lease's session saw as the connection
 /// was closed under it), naming the node.
 fn node_lost(m: &Member, e: cuda_async::Error) -> cuda_async::Error {
-    match &e {
-        cuda_async::Error::Remote(r) if matches!(r.kind(), ErrorKind::Disconnected(_)) => e,
-        _ => cuda_async::Error::Remote(
+    match e.remote_kind() {
+        Some(ErrorKind::Disconnected(_)) => e,
+        _ => cuda_async::Error::from_remote(
             Error::new(
                 ErrorKind::Disconnected(Disconnect::Network),
                 format!(
@@ -584,7 +583,7 @@ impl Placement {
             ),
         )
         .with_node(m.node.address);
-        cuda_async::Error::Remote(e)
+        cuda_async::Error::from_remote(e)
     }
 }
 
@@ -732,7 +731,7 @@ async fn place_later(
                     shared.cfg.wait
                 ),
             );
-            done.fail(cuda_async::Error::Remote(e));
+            done.fail(cuda_async::Error::from_remote(e));
             return;
         }
     }
