@@ -10,12 +10,10 @@
 //! buffer's node). Ids are the policy's, unique over all its leases, so a
 //! recording is valid on any of them until it is placed.
 
-use std::any::Any;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use cuda_async::remote::{Recording, RemoteCompletion};
 use cuda_async::{ExecutionContext, RemoteErrorExt, RemoteSession, SchedulingPolicy};
 use tokio::sync::Notify;
 use tracing::{debug, info, warn};
@@ -24,10 +22,13 @@ use super::placement::rank;
 use super::{Fleet, FleetError, NodeRecord};
 use crate::client::{Disconnect, Error, ErrorKind, Lease};
 use crate::remote::LeaseSession;
+use submission::Placement;
 
 /// The first id a fleet policy hands out: far above the ids a lease's own
 /// session counts from 1, so the two never meet on a node.
 const FIRST_ID: u64 = 1 << 62;
+
+mod submission;
 
 /// How a [`FleetPolicy`] leases and places.
 #[derive(Debug, Clone)]
@@ -283,11 +284,7 @@ impl FleetPolicy {
 
 impl SchedulingPolicy for FleetPolicy {
     fn select(&self) -> cuda_async::Result<ExecutionContext> {
-        let slot: Arc<dyn RemoteSession> = Arc::new(Placement {
-            shared: self.shared.clone(),
-            at: Arc::new(Mutex::new(None)),
-            adopted: Mutex::new(Vec::new()),
-        });
+        let slot: Arc<dyn RemoteSession> = Arc::new(Placement::new(self.shared.clone()));
         let streams = self.shared.cfg.streams;
         let stream =
             (self.shared.next_stream.fetch_add(1, Ordering::Relaxed) % streams as usize) as u32;
@@ -538,201 +535,5 @@ impl Drop for Shared {
     fn drop(&mut self) {
         // The supervisor ends on its next look.
         self.wake.notify_one();
-    }
-}
-
-/// Where a submission runs, once placed (shared with the tasks that run
-/// and retry it).
-type At = Arc<Mutex<Option<Arc<Member>>>>;
-
-fn set(at: &At, m: &Arc<Member>) {
-    *at.lock().unwrap_or_else(|e| e.into_inner()) = Some(m.clone());
-}
-
-/// One submission's session: records anywhere, runs where it is placed.
-#[derive(Debug)]
-struct Placement {
-    shared: Arc<Shared>,
-    /// The lease it runs on, once placed.
-    at: At,
-    /// Ids of earlier submissions' buffers it uses.
-    adopted: Mutex<Vec<u64>>,
-}
-
-impl Placement {
-    fn at(&self) -> Option<Arc<Member>> {
-        self.at.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    fn adopted(&self) -> Vec<u64> {
-        self.adopted
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// The error of a submission whose buffers are on a dead node.
-    fn lost_buffers(&self, m: &Member) -> cuda_async::Error {
-        let ids: Vec<String> = self.adopted().iter().map(|i| format!("#{i}")).collect();
-        let e = Error::new(
-            ErrorKind::Disconnected(Disconnect::Network),
-            format!(
-                "node {} is gone, and with it the buffers {} this submission uses",
-                m.node.name,
-                ids.join(", ")
-            ),
-        )
-        .with_node(m.node.address);
-        cuda_async::Error::from_remote(e)
-    }
-}
-
-impl RemoteSession for Placement {
-    fn describe(&self) -> String {
-        match self.at() {
-            Some(m) => format!("{} (fleet policy)", m.session.describe()),
-            None => "a fleet policy's submission, not placed yet".into(),
-        }
-    }
-
-    fn fresh_id(&self) -> u64 {
-        self.shared.next_id.fetch_add(1, Ordering::Relaxed)
-    }
-
-    fn submit(&self, recording: Recording, done: RemoteCompletion) {
-        let shared = self.shared.clone();
-        let adopted = !self.adopted().is_empty();
-        match self.at() {
-            Some(m) if !m.is_live() => done.fail(self.lost_buffers(&m)),
-            Some(m) => run_on(shared, self.at.clone(), m, recording, done, 0, adopted),
-            None => {
-                // The least loaded live lease; with none, wait for one.
-                let at = self.at.clone();
-                match shared.least_loaded() {
-                    Some(m) => run_on(shared, at, m, recording, done, 0, adopted),
-                    None => {
-                        let rt = shared.runtime.clone();
-                        rt.spawn(place_later(shared, at, recording, done, 0));
-                    }
-                }
-            }
-        }
-    }
-
-    fn free(&self, id: u64) {
-        if let Some(m) = self.at() {
-            if m.is_live() {
-                m.session.free(id);
-            }
-        }
-    }
-
-    fn accepts(&self, owner: &Arc<dyn RemoteSession>, id: u64) -> bool {
-        let Some(other) = owner.as_any().and_then(|a| a.downcast_ref::<Placement>()) else {
-            return false;
-        };
-        if !Arc::ptr_eq(&other.shared, &self.shared) {
-            return false;
-        }
-        let Some(there) = other.at() else {
-            return false;
-        };
-        let mut at = self.at.lock().unwrap_or_else(|e| e.into_inner());
-        match &*at {
-            Some(here) if !Arc::ptr_eq(here, &there) => return false,
-            Some(_) => {}
-            None => *at = Some(there),
-        }
-        self.adopted
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(id);
-        true
-    }
-
-    fn as_any(&self) -> Option<&dyn Any> {
-        Some(self)
-    }
-}
-
-/// Sends `recording` on `m` and forwards the outcome to `done`; when the
-/// node failed and the submission may run again, runs it on another live
-/// lease.
-fn run_on(
-    shared: Arc<Shared>,
-    at: At,
-    m: Arc<Member>,
-    recording: Recording,
-    done: RemoteCompletion,
-    attempt: u32,
-    adopted: bool,
-) {
-    set(&at, &m);
-    let again = (!adopted && attempt < shared.cfg.retry).then(|| recording.duplicate());
-    let inner = RemoteCompletion::new();
-    m.in_flight.fetch_add(1, Ordering::AcqRel);
-    m.given.fetch_add(1, Ordering::Relaxed);
-    m.session.submit(recording, inner.clone());
-    let rt = shared.runtime.clone();
-    rt.spawn(async move {
-        let r = inner.finished().await;
-        m.in_flight.fetch_sub(1, Ordering::AcqRel);
-        shared.count(&m.node.name, r.is_ok());
-        match r {
-            Ok(()) => {
-                if attempt > 0 {
-                    let mut first = shared
-                        .first_retry_done
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner());
-                    first.get_or_insert_with(std::time::Instant::now);
-                }
-                done.complete();
-            }
-            Err(e) if lost(&e) => {
-                shared.bury(&m, &e.to_string());
-                match again {
-                    Some(rec) => {
-                        shared.retries.fetch_add(1, Ordering::Relaxed);
-                        place_later(shared, at, rec, done, attempt + 1).await;
-                    }
-                    None => done.fail(node_lost(&m, e)),
-                }
-            }
-            Err(e) => done.fail(e),
-        }
-    });
-}
-
-/// Places `recording` on the first live lease (the policy had none when
-/// it was submitted, or its node failed and it runs again), waiting at most
-/// [`FleetPolicyConfig::wait`] for one.
-async fn place_later(
-    shared: Arc<Shared>,
-    at: At,
-    recording: Recording,
-    done: RemoteCompletion,
-    attempt: u32,
-) {
-    let deadline = tokio::time::Instant::now() + shared.cfg.wait;
-    loop {
-        let signals = shared.clone();
-        let added = signals.added.notified();
-        if let Some(m) = shared.least_loaded() {
-            run_on(shared, at, m, recording, done, attempt, false);
-            return;
-        }
-        let closed = shared.closed.load(Ordering::Acquire);
-        if closed || tokio::time::timeout_at(deadline, added).await.is_err() {
-            let e = Error::new(
-                ErrorKind::Capacity,
-                format!(
-                    "no lease of the fleet policy took the submission within {:?}",
-                    shared.cfg.wait
-                ),
-            );
-            done.fail(cuda_async::Error::from_remote(e));
-            return;
-        }
     }
 }

@@ -1,0 +1,300 @@
+//! The planner's rules, without a node or a worker.
+
+use super::*;
+
+/// Charges against a reservation and a reply budget, in bytes.
+struct Budget {
+    reservation: u64,
+    reply: u64,
+}
+
+impl Charges for Budget {
+    fn alloc(&mut self, bytes: u64) -> Result<(), (Status, String)> {
+        self.reservation = self
+            .reservation
+            .checked_sub(bytes)
+            .ok_or((Status::CapacityExceeded, "reservation".to_string()))?;
+        Ok(())
+    }
+    fn reply(&mut self, bytes: u64) -> Result<(), String> {
+        self.reply = self.reply.checked_sub(bytes).ok_or("budget")?;
+        Ok(())
+    }
+}
+
+const LIMITS: PlanLimits = PlanLimits {
+    max_ids: 4,
+    max_streams: 2,
+    max_read: 1 << 20,
+};
+
+fn budget() -> Budget {
+    Budget {
+        reservation: 1000,
+        reply: 1000,
+    }
+}
+
+fn cmd(stream: StreamId, op: Op<'static>) -> Command<'static> {
+    Command { stream, op }
+}
+
+fn run(state: &LeaseState, commands: &[Command<'_>], b: &mut Budget) -> Plan {
+    plan(LIMITS, state, commands, b)
+}
+
+#[test]
+fn a_chain_plans_whole_and_charges_its_allocations() {
+    let state = LeaseState::default();
+    let (a, e) = (Id(1), Id(2));
+    let cmds = [
+        cmd(0, Op::Alloc { buf: a, size: 100 }),
+        cmd(
+            0,
+            Op::Write {
+                buf: a,
+                offset: 0,
+                len: 100,
+            },
+        ),
+        cmd(0, Op::Record { event: e }),
+        cmd(1, Op::Wait { event: e }),
+        cmd(
+            1,
+            Op::Read {
+                buf: a,
+                offset: 50,
+                len: 50,
+            },
+        ),
+        cmd(1, Op::Free { id: a }),
+    ];
+    let mut b = budget();
+    let p = run(&state, &cmds, &mut b);
+    assert!(p.error.is_none(), "{:?}", p.error);
+    assert_eq!(p.effects.len(), 6);
+    assert_eq!(p.effects[0], Effect::Create(a, IdKind::Buffer(100)));
+    assert_eq!(p.effects[2], Effect::Create(e, IdKind::Event));
+    assert_eq!(p.effects[5], Effect::Free(a));
+    assert_eq!((p.write_bytes, p.charged.clone()), (100, vec![(0, 100)]));
+    assert_eq!((b.reservation, b.reply), (900, 950));
+}
+
+#[test]
+fn the_first_refused_command_ends_the_plan_and_is_named() {
+    let state = LeaseState::default();
+    let a = Id(1);
+    let cases: Vec<(Command<'static>, Status, &str)> = vec![
+        (
+            cmd(
+                0,
+                Op::Read {
+                    buf: a,
+                    offset: 90,
+                    len: 20,
+                },
+            ),
+            Status::BadRequest,
+            "range 90+20",
+        ),
+        (
+            cmd(
+                0,
+                Op::Read {
+                    buf: Id(9),
+                    offset: 0,
+                    len: 1,
+                },
+            ),
+            Status::NotFound,
+            "unknown id",
+        ),
+        (
+            cmd(0, Op::Alloc { buf: a, size: 1 }),
+            Status::BadRequest,
+            "already in use",
+        ),
+        (
+            cmd(
+                0,
+                Op::Alloc {
+                    buf: Id(3),
+                    size: 5000,
+                },
+            ),
+            Status::CapacityExceeded,
+            "reservation",
+        ),
+        (
+            cmd(0, Op::Wait { event: a }),
+            Status::BadRequest,
+            "a buffer, not an event",
+        ),
+        (
+            cmd(0, Op::Wait { event: Id(8) }),
+            Status::NotFound,
+            "unknown id",
+        ),
+        (
+            cmd(5, Op::Free { id: a }),
+            Status::CapacityExceeded,
+            "limit of 2 streams",
+        ),
+        (
+            cmd(
+                0,
+                Op::Copy {
+                    src: a,
+                    src_offset: 0,
+                    dst: a,
+                    dst_offset: 50,
+                    len: 10,
+                },
+            ),
+            Status::BadRequest,
+            "to itself",
+        ),
+        (
+            cmd(
+                0,
+                Op::Read {
+                    buf: a,
+                    offset: 0,
+                    len: 100,
+                },
+            ),
+            Status::BadRequest,
+            "reads exceed",
+        ),
+    ];
+    for (bad, status, text) in cases {
+        let cmds = [
+            cmd(0, Op::Alloc { buf: a, size: 100 }),
+            cmd(
+                1,
+                Op::Fill {
+                    buf: a,
+                    offset: 0,
+                    len: 100,
+                    value: 0,
+                },
+            ),
+            bad.clone(),
+            cmd(0, Op::Free { id: a }),
+        ];
+        let mut b = budget();
+        let limits = PlanLimits {
+            max_read: 99,
+            ..LIMITS
+        };
+        let p = plan(limits, &state, &cmds, &mut b);
+        let e = p.error.expect("refused");
+        assert_eq!((e.index, e.status), (2, status), "{bad:?}: {}", e.message);
+        assert!(e.message.starts_with("command 2: "), "{}", e.message);
+        assert!(e.message.contains(text), "{bad:?}: {}", e.message);
+        assert_eq!(p.effects.len(), 2, "{bad:?}");
+    }
+}
+
+#[test]
+fn ids_are_limited_and_a_free_makes_room() {
+    let state = LeaseState::default();
+    let mut cmds: Vec<Command<'static>> = (1..=4)
+        .map(|i| {
+            cmd(
+                0,
+                Op::Alloc {
+                    buf: Id(i),
+                    size: 1,
+                },
+            )
+        })
+        .collect();
+    cmds.push(cmd(0, Op::Record { event: Id(5) }));
+    let p = run(&state, &cmds, &mut budget());
+    let e = p.error.expect("refused");
+    assert_eq!(
+        (e.index, e.status),
+        (4, Status::CapacityExceeded),
+        "{}",
+        e.message
+    );
+    cmds.insert(4, cmd(0, Op::Free { id: Id(1) }));
+    let p = run(&state, &cmds, &mut budget());
+    assert!(p.error.is_none(), "{:?}", p.error);
+}
+
+#[test]
+fn reads_over_the_reply_budget_are_refused() {
+    let mut state = LeaseState::default();
+    state.ids.insert(Id(1), IdKind::Buffer(800));
+    let cmds = [
+        cmd(
+            0,
+            Op::Read {
+                buf: Id(1),
+                offset: 0,
+                len: 800,
+            },
+        ),
+        cmd(
+            0,
+            Op::Read {
+                buf: Id(1),
+                offset: 0,
+                len: 800,
+            },
+        ),
+    ];
+    let p = run(&state, &cmds, &mut budget());
+    let e = p.error.expect("refused");
+    assert_eq!((e.index, e.status), (1, Status::CapacityExceeded));
+    assert!(e.message.contains("read: budget"), "{}", e.message);
+}
+
+#[test]
+fn timers_are_ids_of_their_own_kind_and_end_once() {
+    let state = LeaseState::default();
+    let t = Id(1);
+    let start = cmd(0, Op::TimerStart { timer: t });
+    let end = cmd(0, Op::TimerEnd { timer: t });
+    let p = run(&state, &[start.clone(), end.clone()], &mut budget());
+    assert!(p.error.is_none(), "{:?}", p.error);
+    assert_eq!(
+        p.effects,
+        [Effect::Create(t, IdKind::Timer), Effect::Free(t)]
+    );
+    // A timer is neither an event nor a buffer.
+    let p = run(
+        &state,
+        &[start.clone(), cmd(1, Op::Wait { event: t })],
+        &mut budget(),
+    );
+    let e = p.error.expect("refused");
+    assert_eq!((e.index, e.status), (1, Status::BadRequest));
+    assert!(e.message.contains("is a timer"), "{}", e.message);
+    // Ended once: a second end names an unknown id.
+    let p = run(
+        &state,
+        &[start.clone(), end.clone(), end.clone()],
+        &mut budget(),
+    );
+    let e = p.error.expect("refused");
+    assert_eq!((e.index, e.status), (2, Status::NotFound));
+    // An event is not a timer.
+    let p = run(
+        &state,
+        &[cmd(0, Op::Record { event: t }), end.clone()],
+        &mut budget(),
+    );
+    let e = p.error.expect("refused");
+    assert!(e.message.contains("not a timer"), "{}", e.message);
+    // Its 8 bytes count against the reply budget.
+    let mut small = Budget {
+        reservation: 1000,
+        reply: 7,
+    };
+    let p = run(&state, &[start, end], &mut small);
+    let e = p.error.expect("refused");
+    assert_eq!((e.index, e.status), (1, Status::CapacityExceeded));
+}
