@@ -50,10 +50,13 @@ mod book {
     #[doc = include_str!("../../book/src/scheduling.md")]
     struct Scheduling;
 }
+#[cfg(feature = "blas")]
+pub mod blas;
 mod buffer;
 mod completion;
 mod context;
 mod exec;
+pub mod foreign;
 mod future;
 mod globals;
 pub mod graph;
@@ -153,9 +156,9 @@ pub use cuda_core::GraphUpdate;
 pub use cuda_core::{
     auto_peer_access, can_access_peer, cudarc, device_count, devices, driver_present,
     enable_peer_access, hardware_queues, nvrtc_compilations, set_auto_peer_access,
-    set_hardware_queues, CudaStream, Device, DeviceAttribute, DeviceInfo, DeviceRepr, Error,
-    Kernel, LaunchConfig, MemPool, MemPoolOptions, MemPoolStats, Module, ModuleSource,
-    PinnedBuffer, RemoteFailure, Result, SharedPinnedBuffer, ValidAsZeroBits,
+    set_hardware_queues, AnyBitPattern, CudaStream, Device, DeviceAttribute, DeviceInfo,
+    DeviceRepr, Error, Kernel, LaunchConfig, MemPool, MemPoolOptions, MemPoolStats, Module,
+    ModuleSource, PinnedBuffer, RemoteFailure, Result, SharedPinnedBuffer, ValidAsZeroBits,
     DEFAULT_HARDWARE_QUEUES, MAX_HARDWARE_QUEUES,
 };
 pub use future::{run_on, DeviceFuture};

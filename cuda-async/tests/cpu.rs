@@ -261,3 +261,37 @@ fn kernels_macro_generates_a_typed_launcher_per_kernel_of_the_file() {
     assert!(matches!(m.source(), cuda_async::ModuleSource::Ptx(_)));
     assert_eq!(m.kernel("scale").unwrap().params().map(<[_]>::len), Some(4));
 }
+
+/// Library ops check their shapes before anything runs, and name
+/// themselves when they need a local stream (a remote context has none).
+#[test]
+fn library_and_foreign_ops_check_shapes_first_and_need_a_local_stream() {
+    use cuda_async::blas::{gemm, Gemm};
+    use cuda_async::foreign::{on_stream, reads, writes};
+    let session = Arc::new(Counting::default());
+    let remote = RemotePolicy::new(&session);
+    let buf = |n| zeros::<f32>(n).sync_with(&remote).unwrap();
+    let (a, b, c) = (buf(12), buf(5), buf(8));
+    let e = gemm(Gemm::new(4, 2, 3), &a, &b, c)
+        .sync_with(&remote)
+        .unwrap_err();
+    assert!(
+        matches!(&e, cuda_async::Error::InvalidArgument(m) if m.contains("B holds 5 elements")),
+        "{e}"
+    );
+    let (b, c) = (buf(6), buf(8));
+    let e = gemm(Gemm::new(4, 2, 3), &a, &b, c)
+        .sync_with(&remote)
+        .unwrap_err();
+    assert!(
+        matches!(&e, cuda_async::Error::NeedsLocalStream { op, .. } if op == "gemm"),
+        "{e}"
+    );
+    let e = on_stream("cusparse spmv", (reads(&a), writes(buf(4))), |_, _| Ok(()))
+        .sync_with(&remote)
+        .unwrap_err();
+    assert!(
+        matches!(&e, cuda_async::Error::NeedsLocalStream { op, .. } if op == "cusparse spmv"),
+        "{e}"
+    );
+}

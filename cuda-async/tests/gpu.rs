@@ -23,6 +23,7 @@ use cuda_async::cudarc::driver::{sys, CudaStream, LaunchConfig};
 use cuda_async::prelude::*;
 use cuda_async::{Device, Error, Module, PinnedBuffer};
 
+mod blas;
 mod graph;
 mod suite;
 use suite::{cfg, dev, Kernels, Rng, KERNELS};

@@ -118,6 +118,19 @@ pub enum Error {
         /// The driver's status code.
         code: DriverError,
     },
+    /// A CUDA library (cuBLAS, say) could not be loaded: it is not
+    /// installed where the dynamic loader looks.
+    NoLibrary {
+        /// The library (`cuBLAS (libcublas)`).
+        library: &'static str,
+    },
+    /// A CUDA library call returned an error status.
+    Library {
+        /// The library call (`cublasSgemm_v2`).
+        call: &'static str,
+        /// The library's status, by name.
+        status: String,
+    },
     /// A host step's closure (`host_step`, `host_step_with`) panicked; the
     /// stream went on after it.
     HostStep {
@@ -315,6 +328,15 @@ impl fmt::Display for Error {
                  parameter list declares)"
             ),
             Error::InvalidArgument(what) => write!(f, "invalid argument: {what}"),
+            Error::NoLibrary { library } => write!(
+                f,
+                "{library} not found: it could not be loaded (install the CUDA toolkit's \
+                 library, or add its folder to LD_LIBRARY_PATH)"
+            ),
+            Error::Library { call, status } => write!(
+                f,
+                "{call} failed: {status} (check the call's sizes and leading dimensions)"
+            ),
             Error::Capture(what) => write!(
                 f,
                 "graph capture failed: {what} (capture only stream-ordered work: kernels, \

@@ -22,6 +22,8 @@
 
 pub mod arena;
 pub mod args;
+#[cfg(feature = "blas")]
+pub mod blas;
 pub mod buffer;
 pub mod callback;
 pub mod device;

@@ -1,0 +1,125 @@
+//! cuBLAS matrix products as ops (feature `blas`): ordered against every
+//! other use of their buffers, on the op's stream, with the stream's
+//! cuBLAS handle made once ([`cuda_core::blas::blas_handle`]).
+//!
+//! Matrices are column-major, as cuBLAS takes them. A row-major
+//! `C = A * B` (`A` of `m` x `k`) is the column-major `C^T = B^T * A^T`:
+//! `gemm(Gemm::new(n, m, k), b, a, c)`.
+
+use std::fmt;
+use std::marker::PhantomData;
+
+use cuda_core::blas::blas_handle;
+pub use cuda_core::blas::{BlasScalar, Gemm};
+use cuda_core::Result;
+
+use crate::context::ExecutionContext;
+use crate::foreign::{reads, run_foreign, writes, Reads, StreamUses, Writes};
+use crate::op::{impl_into_future, DeviceOp};
+use crate::view::{DeviceSource, DeviceTarget};
+
+/// Op for [`gemm`].
+#[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
+pub struct GemmOp<T, A, B, C> {
+    g: Gemm<T>,
+    a: A,
+    b: B,
+    c: C,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T: fmt::Debug, A, B, C> fmt::Debug for GemmOp<T, A, B, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GemmOp")
+            .field("gemm", &self.g)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `C = alpha * op(A) * op(B) + beta * C` with cuBLAS on the op's stream
+/// (or a strided batch of such products: [`Gemm::batched`]); yields
+/// `(a, b, c)` back.
+///
+/// `a` and `b` are buffers, `&` buffers or views; `c` an owned buffer,
+/// `&mut` one or a writable view. The shapes are checked against their
+/// lengths before anything runs (an error names the matrix that does not
+/// fit). `f32` and `f64`.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](cuda_core::Error::InvalidArgument) for a
+/// shape that does not fit its buffer;
+/// [`Error::NoLibrary`](cuda_core::Error::NoLibrary) when cuBLAS cannot be
+/// loaded; [`Error::NeedsLocalStream`](cuda_core::Error::NeedsLocalStream)
+/// on a remote context.
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_async::blas::{gemm, Gemm};
+/// use cuda_async::prelude::*;
+///
+/// // (2x3) * (3x2), column-major.
+/// let a = h2d(vec![1.0f32, 4.0, 2.0, 5.0, 3.0, 6.0]);
+/// let b = h2d(vec![1.0f32, 0.0, 1.0, 0.0, 1.0, 0.0]);
+/// let c = a
+///     .zip(b)
+///     .zip(zeros::<f32>(4))
+///     .then(|((a, b), c)| gemm(Gemm::new(2, 2, 3), a, b, c))
+///     .then(|(_, _, c)| d2h(c))
+///     .sync()?;
+/// assert_eq!(c.to_vec()?, [4.0, 10.0, 2.0, 5.0]);
+/// # Ok::<(), cuda_async::Error>(())
+/// ```
+pub fn gemm<T, A, B, C>(g: Gemm<T>, a: A, b: B, c: C) -> GemmOp<T, A, B, C>
+where
+    T: BlasScalar,
+    A: DeviceSource<T>,
+    B: DeviceSource<T>,
+    C: DeviceTarget<T>,
+{
+    GemmOp {
+        g,
+        a,
+        b,
+        c,
+        _t: PhantomData,
+    }
+}
+
+impl<T, A, B, C> DeviceOp for GemmOp<T, A, B, C>
+where
+    T: BlasScalar,
+    A: DeviceSource<T>,
+    B: DeviceSource<T>,
+    C: DeviceTarget<T>,
+{
+    type Output = (A, B, C);
+
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<(A, B, C)> {
+        let g = self.g;
+        g.check(
+            self.a.range().len(),
+            self.b.range().len(),
+            self.c.range().len(),
+        )?;
+        let uses: (Reads<T, A>, Reads<T, B>, Writes<T, C>) =
+            (reads(self.a), reads(self.b), writes(self.c));
+        run_foreign(ctx, "gemm", &uses, |stream, (a, b, c)| {
+            let handle = blas_handle(stream)?;
+            let mut handle = handle.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: the addresses hold what `g` reads and writes (checked
+            // above against the uses' lengths), on the stream the handle is
+            // bound to, ordered against their other uses by `run_foreign`;
+            // the stream's context is current.
+            unsafe { handle.gemm(&g, a.addr(), b.addr(), c.addr()) }
+        })?;
+        Ok(uses.into_inner())
+    }
+}
+impl_into_future!(impl[T, A, B, C] for GemmOp<T, A, B, C> where
+    T: BlasScalar,
+    A: DeviceSource<T>,
+    B: DeviceSource<T>,
+    C: DeviceTarget<T>,
+);

@@ -1,0 +1,254 @@
+//! cuBLAS products as ops and the foreign-call op, against CPU references:
+//! every transpose with alpha and beta, f32 and f64, views, strided
+//! batches, products in `zip` arms on two streams, a captured graph of
+//! products, and a foreign call's write seen by an op on another stream.
+
+use std::sync::Arc;
+
+use cuda_async::blas::{gemm, BlasScalar, Gemm};
+use cuda_async::cudarc::driver::result;
+use cuda_async::foreign::{on_stream, reads, writes};
+use cuda_async::prelude::*;
+use cuda_async::{AnyBitPattern, DeviceBuffer, Error};
+
+use crate::suite::{cfg, dev, Rng};
+
+/// `C = alpha * op(A) * op(B) + beta * C`, column-major, on the CPU (in
+/// f64, whatever `T`).
+fn reference<T: BlasScalar + Into<f64>>(g: &Gemm<T>, a: &[T], b: &[T], c: &[T]) -> Vec<f64> {
+    let mut out: Vec<f64> = c.iter().map(|v| (*v).into()).collect();
+    for batch in 0..g.batch {
+        let (oa, ob, oc) = (batch * g.stride_a, batch * g.stride_b, batch * g.stride_c);
+        for j in 0..g.n {
+            for i in 0..g.m {
+                let mut sum = 0.0f64;
+                for l in 0..g.k {
+                    let av = if g.transpose_a {
+                        a[oa + l + i * g.lda]
+                    } else {
+                        a[oa + i + l * g.lda]
+                    };
+                    let bv = if g.transpose_b {
+                        b[ob + j + l * g.ldb]
+                    } else {
+                        b[ob + l + j * g.ldb]
+                    };
+                    sum += av.into() * bv.into();
+                }
+                let at = oc + i + j * g.ldc;
+                out[at] = g.alpha.into() * sum + g.beta.into() * out[at];
+            }
+        }
+    }
+    out
+}
+
+fn close(got: &[f64], want: &[f64], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-3 * (1.0 + w.abs()),
+            "{what}: element {i} is {g}, the CPU says {w}"
+        );
+    }
+}
+
+fn upload<T: cuda_async::DeviceRepr + Copy + Send + Sync + 'static>(v: &[T]) -> DeviceBuffer<T> {
+    h2d(v.to_vec()).sync().expect("h2d")
+}
+
+fn download<T: AnyBitPattern>(b: &DeviceBuffer<T>) -> Vec<T> {
+    d2h(b).sync().expect("d2h").to_vec().expect("host read")
+}
+
+fn random<T: From<f32>>(rng: &mut Rng, n: usize) -> Vec<T> {
+    rng.f32s(n)
+        .into_iter()
+        .map(|v| T::from(v / 100.0))
+        .collect()
+}
+
+fn every_transpose<T>(rng: &mut Rng)
+where
+    T: BlasScalar + Into<f64> + From<f32> + AnyBitPattern,
+{
+    let (m, n, k) = (37, 29, 41);
+    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+        let mut g = Gemm::<T>::new(m, n, k)
+            .alpha(T::from(1.5))
+            .beta(T::from(-0.5));
+        if ta {
+            g = g.transpose_a();
+        }
+        if tb {
+            g = g.transpose_b();
+        }
+        let (av, bv, cv) = (
+            random::<T>(rng, m * k),
+            random::<T>(rng, k * n),
+            random::<T>(rng, m * n),
+        );
+        let (a, b, c) = (upload(&av), upload(&bv), upload(&cv));
+        let (_, _, c) = gemm(g, &a, &b, c).sync().expect("gemm");
+        let got: Vec<f64> = download(&c).into_iter().map(Into::into).collect();
+        close(
+            &got,
+            &reference(&g, &av, &bv, &cv),
+            &format!("transposes {ta}/{tb}"),
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gemm_f32_and_f64_match_the_cpu_for_every_transpose() {
+    let mut rng = Rng::new();
+    every_transpose::<f32>(&mut rng);
+    every_transpose::<f64>(&mut rng);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gemm_writes_a_view_and_runs_strided_batches() {
+    let mut rng = Rng::new();
+    // C is the middle 4x4 of a 32-element buffer; the rest stays.
+    let g = Gemm::<f32>::new(4, 4, 8);
+    let (av, bv) = (random::<f32>(&mut rng, 32), random::<f32>(&mut rng, 32));
+    let (a, b) = (upload(&av), upload(&bv));
+    let mut c = upload(&[9.0f32; 32]);
+    let view = c.slice_mut(8..24).unwrap();
+    gemm(g, &a, &b, view).sync().expect("gemm into a view");
+    let got = download(&c);
+    assert!(
+        got[..8].iter().chain(&got[24..]).all(|v| *v == 9.0),
+        "outside the view"
+    );
+    let want = reference(&g, &av, &bv, &[0.0f32; 16]);
+    close(
+        &got[8..24].iter().map(|v| f64::from(*v)).collect::<Vec<_>>(),
+        &want,
+        "view",
+    );
+    // 5 products of 6x3 by 3x7, one call.
+    let g = Gemm::<f64>::new(6, 7, 3).batched(5);
+    let (av, bv) = (
+        random::<f64>(&mut rng, 5 * 18),
+        random::<f64>(&mut rng, 5 * 21),
+    );
+    let (_, _, c) = gemm(
+        g,
+        upload(&av),
+        upload(&bv),
+        zeros::<f64>(5 * 42).sync().unwrap(),
+    )
+    .sync()
+    .expect("batched gemm");
+    close(
+        &download(&c),
+        &reference(&g, &av, &bv, &[0.0; 5 * 42]),
+        "batched",
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gemms_in_zip_arms_run_on_two_streams_and_both_match() {
+    let mut rng = Rng::new();
+    let g = Gemm::<f32>::new(64, 64, 64);
+    let (av, bv) = (random::<f32>(&mut rng, 4096), random::<f32>(&mut rng, 4096));
+    let (a, b) = (Arc::new(upload(&av)), Arc::new(upload(&bv)));
+    let arm = |x: &Arc<DeviceBuffer<f32>>, y: &Arc<DeviceBuffer<f32>>| {
+        let (x, y) = (x.clone(), y.clone());
+        zeros::<f32>(4096)
+            .then(move |c| gemm(g, x, y, c))
+            .map(|(_, _, c)| c)
+    };
+    let (ab, ba) = arm(&a, &b).zip(arm(&b, &a)).sync().expect("zip of gemms");
+    let z = [0.0f32; 4096];
+    close(
+        &download(&ab)
+            .iter()
+            .map(|v| f64::from(*v))
+            .collect::<Vec<_>>(),
+        &reference(&g, &av, &bv, &z),
+        "A*B",
+    );
+    close(
+        &download(&ba)
+            .iter()
+            .map(|v| f64::from(*v))
+            .collect::<Vec<_>>(),
+        &reference(&g, &bv, &av, &z),
+        "B*A",
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_captured_graph_of_gemms_replays() {
+    let mut rng = Rng::new();
+    let g = Gemm::<f32>::new(16, 16, 16).beta(1.0);
+    let (av, bv) = (random::<f32>(&mut rng, 256), random::<f32>(&mut rng, 256));
+    let (a, b) = (Arc::new(upload(&av)), Arc::new(upload(&bv)));
+    // C += A * B, twice a replay.
+    let graph = zeros::<f32>(256)
+        .then(move |c| gemm(g, a.clone(), b.clone(), c).then(move |(a, b, c)| gemm(g, a, b, c)))
+        .map(|(_, _, c)| c)
+        .graph()
+        .expect("gemm captures");
+    for _ in 0..3 {
+        graph.launch().sync().expect("replay");
+    }
+    let mut want = vec![0.0f32; 256];
+    for _ in 0..6 {
+        want = reference(&g, &av, &bv, &want)
+            .into_iter()
+            .map(|v| v as f32)
+            .collect();
+    }
+    close(
+        &download(graph.output())
+            .iter()
+            .map(|v| f64::from(*v))
+            .collect::<Vec<_>>(),
+        &want.iter().map(|v| f64::from(*v)).collect::<Vec<_>>(),
+        "six products from three replays",
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_foreign_write_is_seen_by_an_op_on_another_stream() {
+    let ks = crate::kernels();
+    let d = dev();
+    let (sa, sb) = (d.new_stream().unwrap(), d.new_stream().unwrap());
+    let n = 1 << 20;
+    for round in 0..3 {
+        let src = upload(&vec![round as u8 + 1; n]);
+        let dst = zeros::<u8>(n).sync().unwrap();
+        let stamps = zeros::<u64>(2).sync().unwrap();
+        let spin = ks.spin.clone();
+        // On stream a: 20 ms of spinning, then the "library" copies.
+        // SAFETY: spin writes stamps[0..2).
+        let op = unsafe { launch(&spin, cfg(1), (20_000_000u64, stamps)) }.then(move |_| {
+            on_stream("copy", (reads(src), writes(dst)), |stream, (s, d)| {
+                // SAFETY: both addresses hold `n` bytes, ordered on `stream`.
+                unsafe {
+                    result::memcpy_dtod_async(d.addr(), s.addr(), s.len(), stream.cu_stream())
+                }
+                .map_err(|e| Error::driver("cuMemcpyDtoDAsync", e))
+            })
+        });
+        // SAFETY: the outputs order their own later uses; no host read.
+        let ((_src, dst), ()) = unsafe { op.async_on(&sa) }.unwrap();
+        // On stream b, with no host wait: after the copy, by dst's events.
+        let out = d2h(&dst).sync_on(&sb).unwrap();
+        assert!(
+            out.as_slice()
+                .unwrap()
+                .iter()
+                .all(|v| *v == round as u8 + 1),
+            "round {round}: stream b read before the foreign call wrote"
+        );
+    }
+}

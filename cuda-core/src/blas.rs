@@ -1,0 +1,504 @@
+//! cuBLAS: matrix products on a stream (feature `blas`).
+//!
+//! [`Gemm`] describes one product (or a strided batch of them) and checks
+//! it against the lengths of its buffers before anything runs;
+//! [`blas_handle`] gives the cuBLAS handle of a stream, made and bound to
+//! it on first use and kept for the process's life (a handle costs a
+//! creation of about a millisecond; a product on a warm one costs the
+//! library call). The raw calls are here; `cuda-async`'s `blas` module
+//! orders them against every other use of their buffers.
+//!
+//! Matrices are column-major, as cuBLAS takes them: element `(i, j)` of a
+//! matrix with leading dimension `ld` is at `i + j * ld`.
+
+use std::collections::HashMap;
+use std::ffi::{c_int, c_longlong};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::cublas::{result, sys};
+use cudarc::driver::{CudaStream, DeviceRepr};
+
+use crate::{Error, Result};
+
+/// The library's name in errors.
+const CUBLAS: &str = "cuBLAS (libcublas)";
+
+/// Whether cuBLAS can be loaded on this machine.
+pub fn blas_present() -> bool {
+    // SAFETY: only tries to load the library; no cuBLAS call is made.
+    unsafe { sys::is_culib_present() }
+}
+
+/// An element type cuBLAS multiplies: `f32` and `f64`.
+pub trait BlasScalar: DeviceRepr + Copy + Send + Sync + PartialEq + 'static {
+    /// Zero.
+    const ZERO: Self;
+    /// One.
+    const ONE: Self;
+
+    /// One product (`batch` is 1) or a strided batch; pointers are device
+    /// addresses of the first elements.
+    ///
+    /// # Safety
+    ///
+    /// `a`, `b` and `c` address live device memory of the handle's
+    /// context holding what `g` reads and writes ([`Gemm::check`] passed
+    /// for their lengths), and nothing else uses `c` meanwhile.
+    #[doc(hidden)]
+    unsafe fn gemm(h: sys::cublasHandle_t, g: &Gemm<Self>, a: u64, b: u64, c: u64) -> Result<()>;
+}
+
+fn op(transpose: bool) -> sys::cublasOperation_t {
+    if transpose {
+        sys::cublasOperation_t::CUBLAS_OP_T
+    } else {
+        sys::cublasOperation_t::CUBLAS_OP_N
+    }
+}
+
+fn failed(call: &'static str, e: result::CublasError) -> Error {
+    Error::Library {
+        call,
+        status: format!("{:?}", e.0),
+    }
+}
+
+macro_rules! blas_scalar {
+    ($t:ty, $one:literal, $gemm:ident, $batched:ident, $call:literal, $batched_call:literal) => {
+        impl BlasScalar for $t {
+            const ZERO: Self = 0.0;
+            const ONE: Self = $one;
+
+            unsafe fn gemm(
+                h: sys::cublasHandle_t,
+                g: &Gemm<Self>,
+                a: u64,
+                b: u64,
+                c: u64,
+            ) -> Result<()> {
+                let (ta, tb) = (op(g.transpose_a), op(g.transpose_b));
+                let [m, n, k, lda, ldb, ldc] = g.dims_c_int()?;
+                if g.batch == 1 {
+                    // SAFETY: the caller's contract; alpha and beta are host
+                    // values (the handle's pointer mode is host).
+                    unsafe {
+                        result::$gemm(
+                            h,
+                            ta,
+                            tb,
+                            m,
+                            n,
+                            k,
+                            &g.alpha,
+                            a as *const $t,
+                            lda,
+                            b as *const $t,
+                            ldb,
+                            &g.beta,
+                            c as *mut $t,
+                            ldc,
+                        )
+                    }
+                    .map_err(|e| failed($call, e))
+                } else {
+                    let [sa, sb, sc] = g.strides_c_longlong()?;
+                    let batch = c_int::try_from(g.batch)
+                        .map_err(|_| too_large("the batch count", g.batch))?;
+                    // SAFETY: as above, for every matrix of the batch.
+                    unsafe {
+                        result::$batched(
+                            h,
+                            ta,
+                            tb,
+                            m,
+                            n,
+                            k,
+                            &g.alpha,
+                            a as *const $t,
+                            lda,
+                            sa,
+                            b as *const $t,
+                            ldb,
+                            sb,
+                            &g.beta,
+                            c as *mut $t,
+                            ldc,
+                            sc,
+                            batch,
+                        )
+                    }
+                    .map_err(|e| failed($batched_call, e))
+                }
+            }
+        }
+    };
+}
+
+blas_scalar!(
+    f32,
+    1.0,
+    sgemm,
+    sgemm_strided_batched,
+    "cublasSgemm_v2",
+    "cublasSgemmStridedBatched"
+);
+blas_scalar!(
+    f64,
+    1.0,
+    dgemm,
+    dgemm_strided_batched,
+    "cublasDgemm_v2",
+    "cublasDgemmStridedBatched"
+);
+
+fn too_large(what: &str, v: usize) -> Error {
+    Error::InvalidArgument(format!("{what} ({v}) is beyond what cuBLAS takes (i32)"))
+}
+
+/// A matrix product `C = alpha * op(A) * op(B) + beta * C`, column-major,
+/// with `op(A)` of `m` x `k`, `op(B)` of `k` x `n` and `C` of `m` x `n`;
+/// or a batch of them, each matrix `stride` elements after the last.
+///
+/// # Examples
+///
+/// ```
+/// use cuda_core::blas::Gemm;
+/// // A 4x3 (column-major) times B 3x2 into C 4x2.
+/// let g = Gemm::<f32>::new(4, 2, 3);
+/// assert_eq!((g.lda, g.ldb, g.ldc), (4, 3, 4));
+/// g.check(12, 6, 8).unwrap();
+/// let e = g.check(12, 5, 8).unwrap_err();
+/// assert!(e.to_string().contains("B holds 5 elements"), "{e}");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gemm<T> {
+    /// Rows of `op(A)` and of `C`.
+    pub m: usize,
+    /// Columns of `op(B)` and of `C`.
+    pub n: usize,
+    /// Columns of `op(A)`, rows of `op(B)`.
+    pub k: usize,
+    /// `op(A)` is `A` transposed (`A` is `k` x `m`).
+    pub transpose_a: bool,
+    /// `op(B)` is `B` transposed (`B` is `n` x `k`).
+    pub transpose_b: bool,
+    /// The product's factor.
+    pub alpha: T,
+    /// `C`'s factor (zero: `C` is only written).
+    pub beta: T,
+    /// Leading dimension of `A` (at least its rows).
+    pub lda: usize,
+    /// Leading dimension of `B`.
+    pub ldb: usize,
+    /// Leading dimension of `C` (at least `m`).
+    pub ldc: usize,
+    /// How many products (1: one).
+    pub batch: usize,
+    /// Elements from one `A` of the batch to the next.
+    pub stride_a: usize,
+    /// Elements from one `B` of the batch to the next.
+    pub stride_b: usize,
+    /// Elements from one `C` of the batch to the next.
+    pub stride_c: usize,
+}
+
+impl<T: BlasScalar> Gemm<T> {
+    /// `C = A * B` with `A` of `m` x `k`, `B` of `k` x `n`, packed (each
+    /// leading dimension is its matrix's rows).
+    pub fn new(m: usize, n: usize, k: usize) -> Self {
+        Gemm {
+            m,
+            n,
+            k,
+            transpose_a: false,
+            transpose_b: false,
+            alpha: T::ONE,
+            beta: T::ZERO,
+            lda: m.max(1),
+            ldb: k.max(1),
+            ldc: m.max(1),
+            batch: 1,
+            stride_a: m * k,
+            stride_b: k * n,
+            stride_c: m * n,
+        }
+    }
+
+    /// `op(A)` is `A` transposed: `A` is stored `k` x `m` (its leading
+    /// dimension becomes `k`, packed).
+    #[must_use]
+    pub fn transpose_a(mut self) -> Self {
+        self.transpose_a = true;
+        self.lda = self.k.max(1);
+        self
+    }
+
+    /// `op(B)` is `B` transposed: `B` is stored `n` x `k` (its leading
+    /// dimension becomes `n`, packed).
+    #[must_use]
+    pub fn transpose_b(mut self) -> Self {
+        self.transpose_b = true;
+        self.ldb = self.n.max(1);
+        self
+    }
+
+    /// Sets `alpha`.
+    #[must_use]
+    pub fn alpha(mut self, alpha: T) -> Self {
+        self.alpha = alpha;
+        self
+    }
+
+    /// Sets `beta` (non-zero: `C` is read too).
+    #[must_use]
+    pub fn beta(mut self, beta: T) -> Self {
+        self.beta = beta;
+        self
+    }
+
+    /// `count` products of packed matrices stored one after another.
+    #[must_use]
+    pub fn batched(mut self, count: usize) -> Self {
+        self.batch = count;
+        self.stride_a = self.lda * self.a_cols();
+        self.stride_b = self.ldb * self.b_cols();
+        self.stride_c = self.ldc * self.n;
+        self
+    }
+
+    /// Rows and columns of `A` as stored.
+    fn a_shape(&self) -> (usize, usize) {
+        if self.transpose_a {
+            (self.k, self.m)
+        } else {
+            (self.m, self.k)
+        }
+    }
+
+    fn a_cols(&self) -> usize {
+        self.a_shape().1
+    }
+
+    /// Rows and columns of `B` as stored.
+    fn b_shape(&self) -> (usize, usize) {
+        if self.transpose_b {
+            (self.n, self.k)
+        } else {
+            (self.k, self.n)
+        }
+    }
+
+    fn b_cols(&self) -> usize {
+        self.b_shape().1
+    }
+
+    /// Whether `C` is read (`beta` is not zero).
+    pub fn reads_c(&self) -> bool {
+        self.beta != T::ZERO
+    }
+
+    /// Floating-point operations of the whole call (`2 m n k` a product).
+    pub fn flops(&self) -> f64 {
+        2.0 * self.m as f64 * self.n as f64 * self.k as f64 * self.batch as f64
+    }
+
+    /// Checks the call against buffers of `a`, `b` and `c` elements: every
+    /// leading dimension covers its matrix's rows, and every matrix of the
+    /// batch lies inside its buffer.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the argument that does not fit.
+    pub fn check(&self, a: usize, b: usize, c: usize) -> Result<()> {
+        let bad = |what: String| Err(Error::InvalidArgument(format!("gemm: {what}")));
+        if self.batch == 0 {
+            return bad("a batch of 0 products".into());
+        }
+        let mats = [
+            ("A", self.a_shape(), self.lda, self.stride_a, a),
+            ("B", self.b_shape(), self.ldb, self.stride_b, b),
+            ("C", (self.m, self.n), self.ldc, self.stride_c, c),
+        ];
+        for (name, (rows, cols), ld, stride, len) in mats {
+            if ld < rows.max(1) {
+                return bad(format!(
+                    "the leading dimension of {name} is {ld}, below its {rows} rows"
+                ));
+            }
+            let one = if rows == 0 || cols == 0 {
+                0
+            } else {
+                ld * (cols - 1) + rows
+            };
+            let need = if self.batch > 1 && one > 0 {
+                if stride < one && name == "C" {
+                    return bad(format!(
+                        "the stride of C ({stride}) makes its {} matrices overlap (each spans {one})",
+                        self.batch
+                    ));
+                }
+                stride * (self.batch - 1) + one
+            } else {
+                one
+            };
+            if len < need {
+                return bad(format!(
+                    "{name} holds {len} elements, the call reads {need} ({rows}x{cols}, leading \
+                     dimension {ld}{})",
+                    if self.batch > 1 {
+                        format!(", {} matrices {stride} apart", self.batch)
+                    } else {
+                        String::new()
+                    }
+                ));
+            }
+        }
+        self.dims_c_int()?;
+        if self.batch > 1 {
+            self.strides_c_longlong()?;
+        }
+        Ok(())
+    }
+
+    fn dims_c_int(&self) -> Result<[c_int; 6]> {
+        let named = [
+            ("m", self.m),
+            ("n", self.n),
+            ("k", self.k),
+            ("lda", self.lda),
+            ("ldb", self.ldb),
+            ("ldc", self.ldc),
+        ];
+        let mut out = [0; 6];
+        for (o, (name, v)) in out.iter_mut().zip(named) {
+            *o = c_int::try_from(v).map_err(|_| too_large(name, v))?;
+        }
+        Ok(out)
+    }
+
+    fn strides_c_longlong(&self) -> Result<[c_longlong; 3]> {
+        let named = [
+            ("stride_a", self.stride_a),
+            ("stride_b", self.stride_b),
+            ("stride_c", self.stride_c),
+        ];
+        let mut out = [0; 3];
+        for (o, (name, v)) in out.iter_mut().zip(named) {
+            *o = c_longlong::try_from(v).map_err(|_| too_large(name, v))?;
+        }
+        Ok(out)
+    }
+}
+
+/// A cuBLAS handle bound to one stream ([`blas_handle`]).
+#[derive(Debug)]
+pub struct BlasHandle {
+    handle: sys::cublasHandle_t,
+}
+
+// SAFETY: a cuBLAS handle may be used from any thread as long as calls on
+// it do not overlap; every `BlasHandle` lives behind a `Mutex`
+// (`blas_handle` hands out `Arc<Mutex<BlasHandle>>` only), so they never do.
+unsafe impl Send for BlasHandle {}
+
+impl BlasHandle {
+    /// Enqueues `g` on the handle's stream.
+    ///
+    /// # Safety
+    ///
+    /// As [`BlasScalar::gemm`]: the addresses hold what `g` reads and
+    /// writes, in the handle's context, and are ordered against their
+    /// other uses by the caller; the handle's context is current.
+    pub unsafe fn gemm<T: BlasScalar>(
+        &mut self,
+        g: &Gemm<T>,
+        a: u64,
+        b: u64,
+        c: u64,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { T::gemm(self.handle, g, a, b, c) }
+    }
+}
+
+type Handles = Mutex<HashMap<(usize, usize), Arc<Mutex<BlasHandle>>>>;
+
+/// The cuBLAS handle of `stream`, made on its first use and bound to it;
+/// one per stream for the process's life (never destroyed: a destroy
+/// would synchronize the device).
+///
+/// # Errors
+///
+/// [`Error::NoLibrary`] when cuBLAS cannot be loaded; a cuBLAS status if
+/// the handle cannot be made.
+pub fn blas_handle(stream: &CudaStream) -> Result<Arc<Mutex<BlasHandle>>> {
+    static HANDLES: OnceLock<Handles> = OnceLock::new();
+    if !blas_present() {
+        return Err(Error::NoLibrary { library: CUBLAS });
+    }
+    let key = (
+        stream.context().cu_ctx() as usize,
+        stream.cu_stream() as usize,
+    );
+    let handles = HANDLES.get_or_init(Handles::default);
+    let mut map = handles.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(h) = map.get(&key) {
+        return Ok(h.clone());
+    }
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| Error::driver("cuCtxSetCurrent", e))?;
+    let handle = result::create_handle().map_err(|e| failed("cublasCreate_v2", e))?;
+    // SAFETY: `handle` was just made; the stream belongs to the current
+    // context and lives at least as long as the pool or user that owns it
+    // (a handle of a stream that is gone is never used: its key names that
+    // stream).
+    if let Err(e) = unsafe { result::set_stream(handle, stream.cu_stream() as _) } {
+        // SAFETY: made above, used by nothing else.
+        let _ = unsafe { result::destroy_handle(handle) };
+        return Err(failed("cublasSetStream_v2", e));
+    }
+    let h = Arc::new(Mutex::new(BlasHandle { handle }));
+    map.insert(key, h.clone());
+    Ok(h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_are_checked_before_any_call() {
+        let g = Gemm::<f32>::new(4, 2, 3);
+        g.check(12, 6, 8).unwrap();
+        let e = |r: Result<()>| r.unwrap_err().to_string();
+        assert!(e(g.check(11, 6, 8)).contains("A holds 11"));
+        assert!(e(g.check(12, 6, 7)).contains("C holds 7"));
+        let t = Gemm::<f32>::new(4, 2, 3).transpose_a().transpose_b();
+        assert_eq!((t.lda, t.ldb), (3, 2));
+        t.check(12, 6, 8).unwrap();
+        let mut ld = Gemm::<f64>::new(4, 2, 3);
+        ld.lda = 3;
+        assert!(e(ld.check(12, 6, 8)).contains("leading dimension of A is 3, below its 4 rows"));
+        let b = Gemm::<f32>::new(2, 2, 2).batched(3);
+        assert_eq!((b.stride_a, b.stride_c), (4, 4));
+        b.check(12, 12, 12).unwrap();
+        assert!(e(b.check(12, 12, 11)).contains("3 matrices 4 apart"));
+        let mut overlap = b;
+        overlap.stride_c = 2;
+        assert!(e(overlap.check(12, 12, 12)).contains("overlap"));
+        assert!(e(Gemm::<f32>::new(2, 2, 2).batched(0).check(4, 4, 4)).contains("batch of 0"));
+        let huge = Gemm::<f32>::new(1 << 31, 1, 1);
+        assert!(e(huge.check(1 << 31, 1, 1 << 31)).contains("m (2147483648)"));
+    }
+
+    #[test]
+    fn flops_and_whether_c_is_read() {
+        let g = Gemm::<f32>::new(4, 2, 3);
+        assert_eq!(g.flops(), 48.0);
+        assert!(!g.reads_c());
+        assert!(g.beta(1.0).reads_c());
+        assert_eq!(g.batched(2).flops(), 96.0);
+    }
+}
