@@ -39,6 +39,58 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     // And back: hand our buffer to their API.
     let back = theirs.clone_dtoh(ours.local()?.as_cuda_slice())?;
     assert_eq!(back, got);
-    println!("interop: ops ran on a cudarc stream and its data round-tripped");
+
+    let uniform = random_fill()?;
+    println!(
+        "interop: ops ran on a cudarc stream and its data round-tripped; cuRAND filled {uniform} \
+         floats in a pipeline"
+    );
     Ok(())
+}
+
+/// Another library inside a pipeline: cuRAND fills a buffer through
+/// `on_stream`, then our ops read it on whatever stream they run.
+fn random_fill() -> Result<usize, Box<dyn std::error::Error>> {
+    use cuda_async::cudarc::curand::{result as curand, sys};
+    use cuda_async::foreign::{on_stream, writes};
+    // SAFETY: only loads the library.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("cuRAND (libcurand) not found: install the CUDA toolkit's cuRAND".into());
+    }
+    /// A cuRAND generator handle, used by one call at a time.
+    struct Generator(sys::curandGenerator_t);
+    // SAFETY: cuRAND generators may move between threads; this one is used
+    // by one call at a time (the op below, then the destroy after it).
+    unsafe impl Send for Generator {}
+
+    let generator = Generator(curand::create_generator()?);
+    let n = 1 << 16;
+    // ANCHOR: foreign
+    let fill = zeros::<f32>(n).then(move |buf| {
+        on_stream("curandGenerateUniform", writes(buf), move |stream, out| {
+            // SAFETY: `out` addresses `n` floats, ordered on `stream`; the
+            // generator comes back with the op's output and is destroyed
+            // after its work (the sync below).
+            unsafe {
+                curand::set_stream(generator.0, stream.cu_stream() as _).and_then(|()| {
+                    curand::generate::uniform_f32(generator.0, out.addr() as *mut f32, out.len())
+                })
+            }
+            .map_err(|e| cuda_async::Error::Library {
+                call: "curandGenerateUniform",
+                status: format!("{:?}", e.0),
+            })?;
+            Ok(generator)
+        })
+    });
+    let (buf, generator) = fill.sync()?;
+    let host = d2h(buf).sync()?;
+    // ANCHOR_END: foreign
+    // SAFETY: its work is done (synchronized above); used by nothing else.
+    unsafe { curand::destroy_generator(generator.0) }?;
+    let v = host.to_vec()?;
+    if !v.iter().all(|x| *x > 0.0 && *x <= 1.0) || v.windows(2).all(|w| w[0] == w[1]) {
+        return Err("cuRAND's uniform fill is not in (0, 1]".into());
+    }
+    Ok(v.len())
 }

@@ -11,6 +11,8 @@
 //! - [`measure`]: interleaved timing (warm-up, then the raw and library
 //!   paths alternated rep by rep), the throughput drivers, and the report's
 //!   comparisons, topic by topic.
+//! - [`library`]: the `blas` topic: cuBLAS products as ops against
+//!   cudarc's `CudaBlas` calls.
 //! - [`remote`]: the remote topics: an embedded lease node on loopback
 //!   (GPU 0, or the in-memory device) against raw quinn.
 //! - [`report`]: rows, goals, the markdown table and the JSON file.
@@ -22,6 +24,7 @@
 
 pub mod fixture;
 pub mod kernels;
+pub mod library;
 pub mod measure;
 pub mod raw;
 pub mod remote;

@@ -37,7 +37,7 @@ pub const COPY_BYTES: usize = 256 << 20;
 pub const MULTI_KERNELS: usize = 16;
 
 /// The report's local topics (they need a GPU here), in the order they run.
-pub const LOCAL_GROUPS: [&str; 9] = [
+pub const LOCAL_GROUPS: [&str; 10] = [
     "overhead",
     "await_latency",
     "throughput",
@@ -47,6 +47,7 @@ pub const LOCAL_GROUPS: [&str; 9] = [
     "copies",
     "multi_gpu",
     "mem_pools",
+    "blas",
 ];
 
 /// Every topic of the report, in the order they run: the local ones

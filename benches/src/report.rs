@@ -26,6 +26,8 @@ pub enum Unit {
     GiBps,
     /// Percent of one CPU core (lower is better).
     PercentCore,
+    /// Tera floating-point operations per second (higher is better).
+    TflopsPerSec,
     /// Mebibytes (2^20 bytes) of memory (lower is better).
     MiB,
 }
@@ -33,7 +35,10 @@ pub enum Unit {
 impl Unit {
     /// Whether a larger value is better (a rate).
     pub fn higher_is_better(self) -> bool {
-        matches!(self, Unit::OpsPerSec | Unit::GBps | Unit::GiBps)
+        matches!(
+            self,
+            Unit::OpsPerSec | Unit::GBps | Unit::GiBps | Unit::TflopsPerSec
+        )
     }
 
     /// The unit's short name (in the JSON file).
@@ -44,6 +49,7 @@ impl Unit {
             Unit::OpsPerSec => "ops/s",
             Unit::GBps => "GB/s",
             Unit::GiBps => "GiB/s",
+            Unit::TflopsPerSec => "TFLOP/s",
             Unit::PercentCore => "% of a core",
             Unit::MiB => "MiB",
         }
@@ -65,6 +71,7 @@ impl Unit {
             Unit::OpsPerSec => format!("{v:.0} ops/s"),
             Unit::GBps => format!("{v:.2} GB/s"),
             Unit::GiBps => format!("{v:.2} GiB/s"),
+            Unit::TflopsPerSec => format!("{v:.1} TFLOP/s"),
             Unit::PercentCore => format!("{v:.3} % of a core"),
             Unit::MiB => format!("{v:.2} MiB"),
             Unit::Micros | Unit::Millis if v >= 100.0 => format!("{v:.1} {}", self.name()),

@@ -279,6 +279,7 @@ fn run_group(
         "copies" => measure::copies(fx, cfg),
         "multi_gpu" => measure::multi_gpu(fx, rt, cfg),
         "mem_pools" => measure::mem_pools(fx, cfg),
+        "blas" => benches::library::blas(fx, cfg),
         other => Err(format!("unknown topic `{other}`").into()),
     }
 }
