@@ -3,9 +3,8 @@
 //! [`Gemm`] describes one product (or a strided batch of them) and checks
 //! it against the lengths of its buffers before anything runs;
 //! [`blas_handle`] gives the cuBLAS handle of a stream, made and bound to
-//! it on first use and kept for the process's life (a handle costs a
-//! creation of about a millisecond; a product on a warm one costs the
-//! library call). The raw calls are here; `cuda-async`'s `blas` module
+//! it on first use and kept (a product on a kept handle costs the library
+//! call, not a handle's creation). The raw calls are here; `cuda-async`'s `blas` module
 //! orders them against every other use of their buffers.
 //!
 //! Matrices are column-major, as cuBLAS takes them: element `(i, j)` of a
@@ -23,10 +22,12 @@ use crate::{Error, Result};
 /// The library's name in errors.
 const CUBLAS: &str = "cuBLAS (libcublas)";
 
-/// Whether cuBLAS can be loaded on this machine.
+/// Whether cuBLAS can be loaded on this machine (asked once: the answer
+/// is kept).
 pub fn blas_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
     // SAFETY: only tries to load the library; no cuBLAS call is made.
-    unsafe { sys::is_culib_present() }
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
 }
 
 /// An element type cuBLAS multiplies: `f32` and `f64`.
@@ -421,18 +422,60 @@ impl BlasHandle {
     }
 }
 
-type Handles = Mutex<HashMap<(usize, usize), Arc<Mutex<BlasHandle>>>>;
+impl Drop for BlasHandle {
+    fn drop(&mut self) {
+        // `cublasDestroy` synchronizes the device (its work may still use
+        // the handle's workspace): on the reclaimer thread, never here.
+        let handle = self.handle as usize;
+        crate::reclaim::defer(move || {
+            // SAFETY: the last owner of the handle let it go; nothing else
+            // holds it.
+            let _ = unsafe { result::destroy_handle(handle as sys::cublasHandle_t) };
+        });
+    }
+}
 
-/// The cuBLAS handle of `stream`, made on its first use and bound to it;
-/// one per stream for the process's life (never destroyed: a destroy
-/// would synchronize the device).
+/// Most handles kept at once: past it, the least recently used one is
+/// let go (a stream made for one graph capture, say, is rarely used again).
+pub const MAX_BLAS_HANDLES: usize = 64;
+
+/// A handle as [`blas_handle`] hands it out.
+type SharedHandle = Arc<Mutex<BlasHandle>>;
+
+/// The kept handles by (context, stream), with when each was last used.
+#[derive(Default)]
+struct Handles {
+    map: HashMap<(usize, usize), (SharedHandle, u64)>,
+    clock: u64,
+}
+
+/// Runs `f` with this thread's stream-capture mode relaxed (and restores
+/// it): cuBLAS allocates a handle's workspace when it makes it, which a
+/// thread capturing a graph may not do otherwise.
+fn relaxed<R>(f: impl FnOnce() -> R) -> Result<R> {
+    use cudarc::driver::sys as driver;
+    let mut mode = driver::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: exchanges this thread's mode through a valid pointer.
+    unsafe { driver::cuThreadExchangeStreamCaptureMode(&mut mode) }
+        .result()
+        .map_err(|e| Error::driver("cuThreadExchangeStreamCaptureMode", e))?;
+    let r = f();
+    // SAFETY: as above; puts the thread's own mode back.
+    let _ = unsafe { driver::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    Ok(r)
+}
+
+/// The cuBLAS handle of `stream`, made on its first use and bound to it
+/// (also while the stream is being captured into a graph). Handles are
+/// kept per stream, [`MAX_BLAS_HANDLES`] at most; one let go is destroyed
+/// on the reclaimer thread.
 ///
 /// # Errors
 ///
 /// [`Error::NoLibrary`] when cuBLAS cannot be loaded; a cuBLAS status if
 /// the handle cannot be made.
 pub fn blas_handle(stream: &CudaStream) -> Result<Arc<Mutex<BlasHandle>>> {
-    static HANDLES: OnceLock<Handles> = OnceLock::new();
+    static HANDLES: OnceLock<Mutex<Handles>> = OnceLock::new();
     if !blas_present() {
         return Err(Error::NoLibrary { library: CUBLAS });
     }
@@ -440,27 +483,36 @@ pub fn blas_handle(stream: &CudaStream) -> Result<Arc<Mutex<BlasHandle>>> {
         stream.context().cu_ctx() as usize,
         stream.cu_stream() as usize,
     );
-    let handles = HANDLES.get_or_init(Handles::default);
-    let mut map = handles.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(h) = map.get(&key) {
+    let handles = HANDLES.get_or_init(Mutex::default);
+    let mut kept = handles.lock().unwrap_or_else(|e| e.into_inner());
+    kept.clock += 1;
+    let now = kept.clock;
+    if let Some((h, used)) = kept.map.get_mut(&key) {
+        *used = now;
         return Ok(h.clone());
     }
     stream
         .context()
         .bind_to_thread()
         .map_err(|e| Error::driver("cuCtxSetCurrent", e))?;
-    let handle = result::create_handle().map_err(|e| failed("cublasCreate_v2", e))?;
-    // SAFETY: `handle` was just made; the stream belongs to the current
-    // context and lives at least as long as the pool or user that owns it
-    // (a handle of a stream that is gone is never used: its key names that
-    // stream).
-    if let Err(e) = unsafe { result::set_stream(handle, stream.cu_stream() as _) } {
-        // SAFETY: made above, used by nothing else.
-        let _ = unsafe { result::destroy_handle(handle) };
-        return Err(failed("cublasSetStream_v2", e));
-    }
+    let handle = relaxed(result::create_handle)?.map_err(|e| failed("cublasCreate_v2", e))?;
     let h = Arc::new(Mutex::new(BlasHandle { handle }));
-    map.insert(key, h.clone());
+    // SAFETY: `handle` was just made; the stream belongs to the current
+    // context. A handle is used only for the stream of its key (a stream
+    // made later at a freed one's address is that stream).
+    unsafe { result::set_stream(handle, stream.cu_stream() as _) }
+        .map_err(|e| failed("cublasSetStream_v2", e))?;
+    if kept.map.len() >= MAX_BLAS_HANDLES {
+        let oldest = kept
+            .map
+            .iter()
+            .min_by_key(|(_, (_, used))| *used)
+            .map(|(k, _)| *k);
+        if let Some(k) = oldest {
+            kept.map.remove(&k);
+        }
+    }
+    kept.map.insert(key, (h.clone(), now));
     Ok(h)
 }
 

@@ -190,8 +190,10 @@ fn a_captured_graph_of_gemms_replays() {
     let g = Gemm::<f32>::new(16, 16, 16).beta(1.0);
     let (av, bv) = (random::<f32>(&mut rng, 256), random::<f32>(&mut rng, 256));
     let (a, b) = (Arc::new(upload(&av)), Arc::new(upload(&bv)));
-    // C += A * B, twice a replay.
-    let graph = zeros::<f32>(256)
+    // C += A * B, twice a replay: C is made before the capture, so the
+    // replays add up.
+    let c = zeros::<f32>(256).sync().unwrap();
+    let graph = value(c)
         .then(move |c| gemm(g, a.clone(), b.clone(), c).then(move |(a, b, c)| gemm(g, a, b, c)))
         .map(|(_, _, c)| c)
         .graph()
