@@ -35,7 +35,8 @@ pub(crate) unsafe fn execute_guarded<O: DeviceOp>(
         None => run(),
     };
     if let (Some(frame), Some(r)) = (frame, ctx.as_remote()) {
-        frame.finish(r);
+        let stream = r.stream();
+        frame.finish(r.recording(), stream);
     }
     match result {
         Ok(r) => r,

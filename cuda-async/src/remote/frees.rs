@@ -5,8 +5,8 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use super::context::RemoteContext;
 use super::proto::{Id, Op};
+use super::recording::{Recording, RemoteStream};
 use super::session::RemoteSession;
 
 /// Frees of remote buffers dropped while a submission of their session is
@@ -90,17 +90,16 @@ impl RecordingFrame {
         }
     }
 
-    /// Ends the frame: its frees are recorded at the end of `ctx`, except
-    /// those of ids a graph holds, which go to the session (it frees them
-    /// once the graph lets go).
-    pub(crate) fn finish(self, ctx: &mut RemoteContext) {
+    /// Ends the frame: its frees are recorded at the end of `recording`
+    /// on `stream`, except those of ids a graph holds, which go to the
+    /// session (it frees them once the graph lets go).
+    pub(crate) fn finish(self, recording: &mut Recording, stream: RemoteStream) {
         for id in self.pop() {
             if self.session.is_held(id) {
                 self.session.free(id);
                 continue;
             }
-            let stream = ctx.stream();
-            ctx.recording().push(stream, Op::Free { id: Id(id) });
+            recording.push(stream, Op::Free { id: Id(id) });
         }
         std::mem::forget(self);
     }

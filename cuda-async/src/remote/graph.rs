@@ -85,7 +85,8 @@ impl<O: DeviceOp> DeviceOp for CaptureRemote<O> {
         let r = ctx
             .as_remote()
             .ok_or_else(|| Error::InvalidArgument("the capture left the lease".into()))?;
-        frame.finish(r);
+        let stream = r.stream();
+        frame.finish(r.recording(), stream);
         let body = &r.recording().commands()[begin + 1..];
         if let Some(what) = body.iter().find_map(uncapturable) {
             return Err(Error::Capture(format!(
