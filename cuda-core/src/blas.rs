@@ -15,7 +15,7 @@ use std::ffi::{c_int, c_longlong};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::{result, sys};
-use cudarc::driver::{CudaStream, DeviceRepr};
+use cudarc::driver::{CudaContext, CudaStream, DeviceRepr};
 
 use crate::{Error, Result};
 
@@ -395,6 +395,8 @@ impl<T: BlasScalar> Gemm<T> {
 #[derive(Debug)]
 pub struct BlasHandle {
     handle: sys::cublasHandle_t,
+    /// The context it was made in (current again for its destroy).
+    context: Arc<CudaContext>,
 }
 
 // SAFETY: a cuBLAS handle may be used from any thread as long as calls on
@@ -426,10 +428,14 @@ impl Drop for BlasHandle {
     fn drop(&mut self) {
         // `cublasDestroy` synchronizes the device (its work may still use
         // the handle's workspace): on the reclaimer thread, never here.
-        let handle = self.handle as usize;
+        let (handle, context) = (self.handle as usize, self.context.clone());
         crate::reclaim::defer(move || {
+            if context.bind_to_thread().is_err() {
+                // No context to free it in: leak it rather than guess.
+                return;
+            }
             // SAFETY: the last owner of the handle let it go; nothing else
-            // holds it.
+            // holds it, and its context is current.
             let _ = unsafe { result::destroy_handle(handle as sys::cublasHandle_t) };
         });
     }
@@ -496,7 +502,10 @@ pub fn blas_handle(stream: &CudaStream) -> Result<Arc<Mutex<BlasHandle>>> {
         .bind_to_thread()
         .map_err(|e| Error::driver("cuCtxSetCurrent", e))?;
     let handle = relaxed(result::create_handle)?.map_err(|e| failed("cublasCreate_v2", e))?;
-    let h = Arc::new(Mutex::new(BlasHandle { handle }));
+    let h = Arc::new(Mutex::new(BlasHandle {
+        handle,
+        context: stream.context().clone(),
+    }));
     // SAFETY: `handle` was just made; the stream belongs to the current
     // context. A handle is used only for the stream of its key (a stream
     // made later at a freed one's address is that stream).
