@@ -10,7 +10,7 @@ use std::fmt;
 use std::marker::PhantomData;
 
 use cuda_core::blas::blas_handle;
-pub use cuda_core::blas::{BlasScalar, Gemm, MAX_BLAS_HANDLES};
+pub use cuda_core::blas::{BlasScalar, Gemm};
 use cuda_core::Result;
 
 use crate::context::ExecutionContext;

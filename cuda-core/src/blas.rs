@@ -3,8 +3,8 @@
 //! [`Gemm`] describes one product (or a strided batch of them) and checks
 //! it against the lengths of its buffers before anything runs;
 //! [`blas_handle`] gives the cuBLAS handle of a stream, made and bound to
-//! it on first use and kept (a product on a kept handle costs the library
-//! call, not a handle's creation). The raw calls are here; `cuda-async`'s `blas` module
+//! it on first use and kept (a product costs the library call, not a
+//! handle's creation). The raw calls are here; `cuda-async`'s `blas` module
 //! orders them against every other use of their buffers.
 //!
 //! Matrices are column-major, as cuBLAS takes them: element `(i, j)` of a
@@ -15,7 +15,7 @@ use std::ffi::{c_int, c_longlong};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::{result, sys};
-use cudarc::driver::{CudaContext, CudaStream, DeviceRepr};
+use cudarc::driver::{CudaStream, DeviceRepr};
 
 use crate::{Error, Result};
 
@@ -395,8 +395,6 @@ impl<T: BlasScalar> Gemm<T> {
 #[derive(Debug)]
 pub struct BlasHandle {
     handle: sys::cublasHandle_t,
-    /// The context it was made in (current again for its destroy).
-    context: Arc<CudaContext>,
 }
 
 // SAFETY: a cuBLAS handle may be used from any thread as long as calls on
@@ -424,36 +422,8 @@ impl BlasHandle {
     }
 }
 
-impl Drop for BlasHandle {
-    fn drop(&mut self) {
-        // `cublasDestroy` synchronizes the device (its work may still use
-        // the handle's workspace): on the reclaimer thread, never here.
-        let (handle, context) = (self.handle as usize, self.context.clone());
-        crate::reclaim::defer(move || {
-            if context.bind_to_thread().is_err() {
-                // No context to free it in: leak it rather than guess.
-                return;
-            }
-            // SAFETY: the last owner of the handle let it go; nothing else
-            // holds it, and its context is current.
-            let _ = unsafe { result::destroy_handle(handle as sys::cublasHandle_t) };
-        });
-    }
-}
-
-/// Most handles kept at once: past it, the least recently used one is
-/// let go (a stream made for one graph capture, say, is rarely used again).
-pub const MAX_BLAS_HANDLES: usize = 64;
-
-/// A handle as [`blas_handle`] hands it out.
-type SharedHandle = Arc<Mutex<BlasHandle>>;
-
-/// The kept handles by (context, stream), with when each was last used.
-#[derive(Default)]
-struct Handles {
-    map: HashMap<(usize, usize), (SharedHandle, u64)>,
-    clock: u64,
-}
+/// The kept handles by (context, stream).
+type Handles = HashMap<(usize, usize), Arc<Mutex<BlasHandle>>>;
 
 /// Runs `f` with this thread's stream-capture mode relaxed (and restores
 /// it): cuBLAS allocates a handle's workspace when it makes it, which a
@@ -472,9 +442,11 @@ fn relaxed<R>(f: impl FnOnce() -> R) -> Result<R> {
 }
 
 /// The cuBLAS handle of `stream`, made on its first use and bound to it
-/// (also while the stream is being captured into a graph). Handles are
-/// kept per stream, [`MAX_BLAS_HANDLES`] at most; one let go is destroyed
-/// on the reclaimer thread.
+/// (also while the stream is being captured into a graph), then kept for
+/// the process's life: one per stream a product ran on. Handles are never
+/// destroyed: `cublasDestroy` synchronizes the device, and run on a
+/// background thread it made the process crash at exit under
+/// compute-sanitizer.
 ///
 /// # Errors
 ///
@@ -491,10 +463,7 @@ pub fn blas_handle(stream: &CudaStream) -> Result<Arc<Mutex<BlasHandle>>> {
     );
     let handles = HANDLES.get_or_init(Mutex::default);
     let mut kept = handles.lock().unwrap_or_else(|e| e.into_inner());
-    kept.clock += 1;
-    let now = kept.clock;
-    if let Some((h, used)) = kept.map.get_mut(&key) {
-        *used = now;
+    if let Some(h) = kept.get(&key) {
         return Ok(h.clone());
     }
     stream
@@ -502,26 +471,13 @@ pub fn blas_handle(stream: &CudaStream) -> Result<Arc<Mutex<BlasHandle>>> {
         .bind_to_thread()
         .map_err(|e| Error::driver("cuCtxSetCurrent", e))?;
     let handle = relaxed(result::create_handle)?.map_err(|e| failed("cublasCreate_v2", e))?;
-    let h = Arc::new(Mutex::new(BlasHandle {
-        handle,
-        context: stream.context().clone(),
-    }));
+    let h = Arc::new(Mutex::new(BlasHandle { handle }));
     // SAFETY: `handle` was just made; the stream belongs to the current
     // context. A handle is used only for the stream of its key (a stream
     // made later at a freed one's address is that stream).
     unsafe { result::set_stream(handle, stream.cu_stream() as _) }
         .map_err(|e| failed("cublasSetStream_v2", e))?;
-    if kept.map.len() >= MAX_BLAS_HANDLES {
-        let oldest = kept
-            .map
-            .iter()
-            .min_by_key(|(_, (_, used))| *used)
-            .map(|(k, _)| *k);
-        if let Some(k) = oldest {
-            kept.map.remove(&k);
-        }
-    }
-    kept.map.insert(key, (h.clone(), now));
+    kept.insert(key, h.clone());
     Ok(h)
 }
 
