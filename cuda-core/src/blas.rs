@@ -152,6 +152,16 @@ blas_scalar!(
     "cublasDgemmStridedBatched"
 );
 
+/// The stored shape of an operand that is `rows` x `cols` once applied:
+/// swapped when it is transposed.
+fn stored(transpose: bool, rows: usize, cols: usize) -> (usize, usize) {
+    if transpose {
+        (cols, rows)
+    } else {
+        (rows, cols)
+    }
+}
+
 fn too_large(what: &str, v: usize) -> Error {
     Error::InvalidArgument(format!("{what} ({v}) is beyond what cuBLAS takes (i32)"))
 }
@@ -261,36 +271,20 @@ impl<T: BlasScalar> Gemm<T> {
     #[must_use]
     pub fn batched(mut self, count: usize) -> Self {
         self.batch = count;
-        self.stride_a = self.lda * self.a_cols();
-        self.stride_b = self.ldb * self.b_cols();
+        self.stride_a = self.lda * self.a_shape().1;
+        self.stride_b = self.ldb * self.b_shape().1;
         self.stride_c = self.ldc * self.n;
         self
     }
 
     /// Rows and columns of `A` as stored.
     fn a_shape(&self) -> (usize, usize) {
-        if self.transpose_a {
-            (self.k, self.m)
-        } else {
-            (self.m, self.k)
-        }
-    }
-
-    fn a_cols(&self) -> usize {
-        self.a_shape().1
+        stored(self.transpose_a, self.m, self.k)
     }
 
     /// Rows and columns of `B` as stored.
     fn b_shape(&self) -> (usize, usize) {
-        if self.transpose_b {
-            (self.n, self.k)
-        } else {
-            (self.k, self.n)
-        }
-    }
-
-    fn b_cols(&self) -> usize {
-        self.b_shape().1
+        stored(self.transpose_b, self.k, self.n)
     }
 
     /// Whether `C` is read (`beta` is not zero).

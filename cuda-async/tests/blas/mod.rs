@@ -43,6 +43,10 @@ fn reference<T: BlasScalar + Into<f64>>(g: &Gemm<T>, a: &[T], b: &[T], c: &[T]) 
     out
 }
 
+fn wide(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|x| f64::from(*x)).collect()
+}
+
 fn close(got: &[f64], want: &[f64], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -124,11 +128,7 @@ fn gemm_writes_a_view_and_runs_strided_batches() {
         "outside the view"
     );
     let want = reference(&g, &av, &bv, &[0.0f32; 16]);
-    close(
-        &got[8..24].iter().map(|v| f64::from(*v)).collect::<Vec<_>>(),
-        &want,
-        "view",
-    );
+    close(&wide(&got[8..24]), &want, "view");
     // 5 products of 6x3 by 3x7, one call.
     let g = Gemm::<f64>::new(6, 7, 3).batched(5);
     let (av, bv) = (
@@ -165,22 +165,8 @@ fn gemms_in_zip_arms_run_on_two_streams_and_both_match() {
     };
     let (ab, ba) = arm(&a, &b).zip(arm(&b, &a)).sync().expect("zip of gemms");
     let z = [0.0f32; 4096];
-    close(
-        &download(&ab)
-            .iter()
-            .map(|v| f64::from(*v))
-            .collect::<Vec<_>>(),
-        &reference(&g, &av, &bv, &z),
-        "A*B",
-    );
-    close(
-        &download(&ba)
-            .iter()
-            .map(|v| f64::from(*v))
-            .collect::<Vec<_>>(),
-        &reference(&g, &bv, &av, &z),
-        "B*A",
-    );
+    close(&wide(&download(&ab)), &reference(&g, &av, &bv, &z), "A*B");
+    close(&wide(&download(&ba)), &reference(&g, &bv, &av, &z), "B*A");
 }
 
 #[test]
@@ -209,11 +195,8 @@ fn a_captured_graph_of_gemms_replays() {
             .collect();
     }
     close(
-        &download(graph.output())
-            .iter()
-            .map(|v| f64::from(*v))
-            .collect::<Vec<_>>(),
-        &want.iter().map(|v| f64::from(*v)).collect::<Vec<_>>(),
+        &wide(&download(graph.output())),
+        &wide(&want),
         "six products from three replays",
     );
 }
