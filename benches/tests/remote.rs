@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use benches::remote::{self, Bench, PoolConfig, RemoteConfig};
 use benches::report::{Goal, Report};
-use cuda_lease::worker::DeviceSpec;
+use cuda_lease_node::worker::DeviceSpec;
 
 /// Tiny sizes and counts: seconds, not minutes.
 fn tiny() -> RemoteConfig {

@@ -6,7 +6,7 @@
 //!
 //! The ops and combinators tests live in `suite/mod.rs`, parameterised by
 //! the policy: this file runs them on the local GPU and
-//! `cuda-lease/tests/gpu.rs` runs the same functions on a leased GPU. The
+//! `cuda-lease/node/tests/gpu.rs` runs the same functions on a leased GPU. The
 //! tests kept here are local by nature: device inventory, NVRTC compiles and
 //! their cache in this process, interop with a cudarc stream, the stream
 //! gate used to hold local work in flight while a future is dropped or
@@ -26,6 +26,14 @@ use cuda_async::{Device, Error, Module, PinnedBuffer};
 mod blas;
 mod graph;
 mod suite;
+
+/// The suite's typed launchers (`suite::typed`).
+mod suite_kernels {
+    pub(crate) mod typed {
+        cuda_async::kernels!("tests/kernels/typed.cu");
+    }
+}
+
 use suite::{cfg, dev, Kernels, Rng, KERNELS};
 
 /// The local backend: the default device's round-robin policy.

@@ -1,42 +1,34 @@
-//! Remote lease execution: a GPU node that leases VRAM slices over QUIC, and
-//! the client that uses them.
+//! Remote lease execution, the client's side: leases of GPUs on cuda-lease
+//! nodes over QUIC, and a leased GPU as a backend of cuda-async's ops.
 //!
-//! - [`proto`]: the versioned wire format (fixed header, postcard bodies,
-//!   raw byte payloads, typed status codes).
-//! - [`node`]: the node (QUIC + TLS 1.3, bearer tokens or mutual TLS, lease
-//!   table with TTL reaper, one worker process per lease, Prometheus
-//!   metrics). Also embeddable: [`node::Node::spawn_local`].
-//! - [`worker`]: the worker processes that own CUDA contexts, and the
-//!   [`worker::main_if_worker`] hook every worker executable calls first.
-//! - [`sandbox`]: tenants' CUDA C checked (options, includes) and compiled
-//!   in a confined child process that cannot read the node's files.
-//! - [`spin`]: bounded busy-polling of the worker pipes (latency), and the
-//!   default of [`WorkerSpec::spin`].
-//! - [`device`]: the device layer ([`device::CudaDevice`] and the in-memory
-//!   test double [`device::MemoryDevice`]).
+//! The node that serves leases (and the command-line programs) is the
+//! `cuda-lease-node` crate; this crate needs no GPU, driver or CUDA toolkit.
+//!
 //! - [`client`]: [`client::Lease`], [`client::Session`], batches and the
 //!   one-shot [`client::Client::gpu_call`].
-//! - [`lease_table`] and [`clock`]: lease bookkeeping on an injectable
-//!   monotonic clock ([`NodeConfig::clock`]; [`clock::ManualClock`] moves
-//!   it by hand in tests).
+//! - [`remote`]: a lease as a cuda-async backend (`RemotePolicy` runs the
+//!   same `DeviceOp`s on a leased GPU).
+//! - [`proto`]: the versioned wire format (fixed header, postcard bodies,
+//!   raw byte payloads, typed status codes), re-exported from
+//!   `cuda-lease-proto`.
+//! - [`tls`] and [`transport`]: TLS 1.3 trust and the QUIC settings, both
+//!   ends' types.
+//! - [`clock`]: the injectable monotonic clock leases are timed on
+//!   ([`clock::ManualClock`] moves it by hand in tests).
+//! - `fleet` (feature): discovery of nodes registered in etcd, placement,
+//!   and a policy that spreads submissions over leases on several nodes.
 //!
-//! Test and measurement helpers, behind the `test-util` feature (not part
-//! of the API): `ptx`, hand-written test kernels (iota, vector add, a
-//! faulting kernel). The `stamps` module times fixed points of a
-//! submission's path for the bench report's remote rows (whose raw
-//! transports, the ceilings every remote row is a ratio to, are in the
-//! `benches` crate).
+//! Test and measurement helpers, not part of the API: `ptx` (feature
+//! `test-util`), hand-written test kernels (iota, vector add, a faulting
+//! kernel); `stamps`, fixed points of a submission's path for the bench
+//! report's remote rows.
 //!
 //! # Features
 //!
-//! `node` (default): the node, its workers and device layer (on `cuda-core`
-//! and `cuda-async`), the lease table and metrics.
-//! `cli` (default): the `cuda-lease-node` and `cuda-lease` programs (clap,
-//! tracing-subscriber). A client-only user sets `default-features = false`
-//! and keeps [`client`], [`proto`] and [`tls`]: no CUDA layer, no process
-//! supervision, no certificate generation.
-//! `test-util`: the test kernels above, for this crate's tests, examples
-//! and benchmarks.
+//! `backend` (default): the cuda-async backend ([`remote`]). Without it the
+//! crate is the plain client, without cuda-async.
+//! `fleet`: the fleet client (etcd; needs `protoc` at build time).
+//! `test-util`: the test kernels above, for tests, examples and benchmarks.
 //!
 //! # Examples
 //!
@@ -61,59 +53,25 @@
 
 pub mod client;
 pub mod clock;
-#[cfg(feature = "cli")]
-pub mod config_file;
-#[cfg(feature = "node")]
-pub mod device;
 #[cfg(feature = "fleet")]
 pub mod fleet;
-#[cfg(feature = "node")]
-pub mod lease_table;
-#[cfg(any(feature = "node", feature = "cli"))]
-pub mod log;
-#[cfg(feature = "node")]
-pub mod metrics;
-#[cfg(feature = "node")]
-pub mod node;
 pub mod proto;
 #[cfg(feature = "test-util")]
 pub mod ptx;
 #[cfg(feature = "backend")]
 pub mod remote;
-#[cfg(feature = "node")]
-pub mod sandbox;
-#[cfg(feature = "node")]
-mod shm;
-#[cfg(feature = "node")]
-pub mod spin;
-// Public for the bench report's remote rows (`benches/src/remote/`), which
-// take the stamps of their submissions. Not API.
+// Public for the node and the bench report's remote rows, which take the
+// stamps of their submissions. Not API.
 #[doc(hidden)]
 pub mod stamps;
 pub mod tls;
 pub mod transport;
 pub mod units;
-#[cfg(feature = "node")]
-pub mod worker;
 
 pub use client::{Client, ClientConfig, Error, GpuCall, Lease, Session};
-#[cfg(feature = "node")]
-pub use node::{Node, NodeConfig};
 pub use transport::TransportSettings;
-#[cfg(feature = "node")]
-pub use worker::{main_if_worker, DeviceSpec, WorkerSpec};
 
 /// Compiles the README's Rust snippets as doctests.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
-
-/// Compiles the book's fleet chapter as doctests.
-#[cfg(all(doctest, feature = "fleet", feature = "backend"))]
-#[doc = include_str!("../../book/src/fleet.md")]
-pub struct BookFleetDoctests;
-
-/// Compiles the book's remote chapter as doctests (it uses both crates).
-#[cfg(all(doctest, feature = "backend"))]
-#[doc = include_str!("../../book/src/remote.md")]
-pub struct BookRemoteDoctests;

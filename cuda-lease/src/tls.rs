@@ -1,5 +1,5 @@
-//! TLS 1.3 set-up for both ends (rustls with the `ring` provider), self-signed
-//! development certificates (rcgen) and PEM files.
+//! TLS 1.3 set-up of the client (rustls with the `ring` provider), the
+//! identity type both ends use, and PEM files.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -39,22 +39,6 @@ impl Clone for Identity {
 }
 
 impl Identity {
-    /// A fresh self-signed certificate for `names` (DNS names or IP addresses).
-    ///
-    /// # Errors
-    ///
-    /// When rcgen rejects a name.
-    #[cfg(feature = "node")]
-    pub fn self_signed(names: &[String]) -> Result<Self, TlsError> {
-        let ck = rcgen::generate_simple_self_signed(names.to_vec()).map_err(err)?;
-        Ok(Self {
-            chain: vec![ck.cert.der().clone()],
-            key: PrivateKeyDer::Pkcs8(rustls::pki_types::PrivatePkcs8KeyDer::from(
-                ck.key_pair.serialize_der(),
-            )),
-        })
-    }
-
     /// Loads a PEM certificate chain and a PEM private key.
     ///
     /// # Errors
@@ -126,51 +110,6 @@ pub fn cert_pem(cert: &CertificateDer<'_>) -> String {
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
-}
-
-/// The QUIC server configuration: TLS 1.3 only, our ALPN, client
-/// certificates verified against `client_ca` when given (optional, so bearer
-/// tokens keep working), and `transport`'s settings.
-#[cfg(feature = "node")]
-pub fn server_config(
-    identity: &Identity,
-    client_ca: Option<&[CertificateDer<'static>]>,
-    transport: &TransportSettings,
-) -> Result<quinn::ServerConfig, TlsError> {
-    let builder = rustls::ServerConfig::builder_with_provider(provider())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(err)?;
-    let builder = match client_ca {
-        Some(cas) => {
-            let mut roots = rustls::RootCertStore::empty();
-            for c in cas {
-                roots.add(c.clone()).map_err(err)?;
-            }
-            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-                Arc::new(roots),
-                provider(),
-            )
-            .allow_unauthenticated()
-            .build()
-            .map_err(err)?;
-            builder.with_client_cert_verifier(verifier)
-        }
-        None => builder.with_no_client_auth(),
-    };
-    let mut tls = builder
-        .with_single_cert(identity.chain.clone(), identity.key.clone_key())
-        .map_err(err)?;
-    tls.alpn_protocols = vec![ALPN.to_vec()];
-    tls.max_early_data_size = 0;
-    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(err)?;
-    let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-    let mut transport = transport.quinn_config().map_err(err)?;
-    transport
-        .max_concurrent_bidi_streams(256u32.into())
-        .max_concurrent_uni_streams(0u32.into())
-        .max_idle_timeout(Some(Duration::from_secs(60).try_into().map_err(err)?));
-    cfg.transport_config(Arc::new(transport));
-    Ok(cfg)
 }
 
 /// Which node certificates a client accepts: one signed by (or equal to)
@@ -299,23 +238,6 @@ pub fn client_config(
     Ok(cfg)
 }
 
-/// The bulk-data channel's TLS server configuration: TLS 1.3, its own
-/// ALPN, the node's identity, no client certificates (a ticket that came
-/// over the authenticated QUIC connection names the principal).
-#[cfg(feature = "node")]
-pub(crate) fn bulk_server_config(
-    identity: &Identity,
-) -> Result<Arc<rustls::ServerConfig>, TlsError> {
-    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(err)?
-        .with_no_client_auth()
-        .with_single_cert(identity.chain.clone(), identity.key.clone_key())
-        .map_err(err)?;
-    tls.alpn_protocols = vec![crate::proto::BULK_ALPN.to_vec()];
-    Ok(Arc::new(tls))
-}
-
 /// The bulk-data channel's TLS client configuration: trusts what the
 /// QUIC connection trusts.
 pub(crate) fn bulk_client_config(
@@ -324,17 +246,4 @@ pub(crate) fn bulk_client_config(
     let mut tls = trust.builder()?.with_no_client_auth();
     tls.alpn_protocols = vec![crate::proto::BULK_ALPN.to_vec()];
     Ok(Arc::new(tls))
-}
-
-#[cfg(all(test, feature = "node"))]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn pem_round_trip() {
-        let id = Identity::self_signed(&["localhost".into()]).unwrap();
-        let pem = cert_pem(id.leaf());
-        let back = CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
-        assert_eq!(&back, id.leaf());
-    }
 }

@@ -47,7 +47,7 @@ const USAGE: &str = "usage: bench-report [--no-fail] OUT.json   \
 
 fn main() -> ExitCode {
     // The remote topics' node starts its workers from this program.
-    cuda_lease::main_if_worker();
+    cuda_lease_node::main_if_worker();
     let mut args: Vec<_> = std::env::args_os().skip(1).collect();
     let no_fail = args.first().is_some_and(|a| a == "--no-fail");
     if no_fail {

@@ -34,7 +34,7 @@
 //! say so.
 //!
 //! Workers are processes of [`RemoteConfig::worker`], which must call
-//! [`cuda_lease::main_if_worker`] first thing (`bench-report` does).
+//! [`cuda_lease_node::main_if_worker`] first thing (`bench-report` does).
 //! Everything is measured from `block_on`'s thread of the topic's runtime;
 //! with [`RemoteConfig::in_task`] from a task on it instead (as a tokio
 //! service awaits its ops); that makes the raw round trip faster but not
@@ -54,8 +54,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cuda_lease::client::{BulkUse, Client, ClientConfig};
-use cuda_lease::node::{Node, NodeConfig};
-use cuda_lease::worker::{DeviceSpec, WorkerSpec};
+use cuda_lease_node::node::{Node, NodeConfig};
+use cuda_lease_node::worker::{DeviceSpec, WorkerSpec};
 use tokio::runtime::Runtime;
 
 use crate::measure::Config;
@@ -89,10 +89,10 @@ pub const MEMORY_CAPACITY: u64 = 2 << 30;
 pub struct RemoteConfig {
     /// The device the node's workers drive: GPU 0, or the in-memory device.
     pub device: DeviceSpec,
-    /// The worker executable (it calls [`cuda_lease::main_if_worker`]).
+    /// The worker executable (it calls [`cuda_lease_node::main_if_worker`]).
     pub worker: PathBuf,
     /// The workers' pipe spin budget; `None`: the node's default
-    /// (`cuda_lease::spin::default_spin`).
+    /// (`cuda_lease_node::spin::default_spin`).
     pub spin: Option<Duration>,
     /// Round trips per latency row (2000 in the report; the chain rows
     /// keep at most 500).

@@ -1,6 +1,6 @@
 //! The op suite both backends run: each test takes the policy it runs
 //! under, a local GPU's (`cuda-async/tests/gpu.rs`) or a leased GPU's
-//! through an embedded node (`cuda-lease/tests/gpu.rs`), with the same
+//! through an embedded node (`cuda-lease/node/tests/gpu.rs`), with the same
 //! inputs and checks. Included by path from both test crates.
 
 #![allow(dead_code, unreachable_pub)]
@@ -507,20 +507,10 @@ pub fn tokio_64_tasks_x_1000_awaited_ops_are_all_correct(p: Arc<dyn SchedulingPo
     );
 }
 
-/// The typed launchers `kernels!` generates for `tests/kernels/typed.cu`
-/// (the path is relative to each test crate's directory, both siblings of
-/// `cuda-async/`).
-pub mod typed {
-    cuda_async::kernels!("../cuda-async/tests/kernels/typed.cu");
-}
-
-/// `scale.cu`'s launcher over its precompiled PTX (`ptx =`: no NVRTC).
-pub mod typed_ptx {
-    cuda_async::kernels!(
-        "../cuda-async/tests/kernels/scale.cu",
-        ptx = "../cuda-async/tests/kernels/scale.ptx"
-    );
-}
+/// The typed launchers `kernels!` generates for `tests/kernels/typed.cu`.
+/// Each test crate that includes the suite defines them (`kernels!` paths
+/// are relative to the calling crate's directory).
+pub(crate) use crate::suite_kernels::typed;
 
 /// Four kernels of a `.cu` file launched through their generated typed
 /// functions (a saxpy, a block reduction with dynamic shared memory, a 2-D

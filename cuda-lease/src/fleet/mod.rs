@@ -10,7 +10,7 @@
 //! most once per [`RegistryConfig::min_update_interval`]). A node that dies
 //! leaves the registry when its etcd lease runs out; a node that loses etcd
 //! keeps serving its leases and registers again when etcd is back; a node
-//! shut down with [`Node::shutdown`](crate::node::Node::shutdown) leaves at
+//! shut down with `cuda_lease_node::Node::shutdown` leaves at
 //! once.
 //!
 //! A client's [`Fleet`] reads the registry once, then follows it with an
@@ -51,8 +51,6 @@ mod placement;
 #[cfg(feature = "backend")]
 mod policy;
 mod record;
-#[cfg(feature = "node")]
-pub(crate) mod registrar;
 
 pub use discovery::{Fleet, FleetConfig, FleetError};
 pub use placement::Need;

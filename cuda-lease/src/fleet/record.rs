@@ -109,7 +109,7 @@ pub(crate) fn nodes_prefix(prefix: &str) -> String {
 }
 
 /// How a node registers itself in etcd
-/// ([`NodeConfig::registry`](crate::node::NodeConfig::registry)).
+/// (`cuda_lease_node::NodeConfig::registry`).
 #[derive(Debug, Clone)]
 pub struct RegistryConfig {
     /// etcd endpoints (`http://127.0.0.1:2379`).

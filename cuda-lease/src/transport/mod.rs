@@ -4,7 +4,7 @@
 //! socket and quinn endpoint built from them.
 //!
 //! Both ends take the settings: the node's on
-//! [`NodeConfig::transport`](crate::node::NodeConfig::transport), a
+//! `cuda_lease_node::NodeConfig::transport`, a
 //! client's on [`ClientConfig::transport`](crate::ClientConfig::transport).
 //! Each end's settings govern what it sends and how much it lets its peer
 //! send, so the two ends need not agree: mismatched settings still connect,
@@ -21,9 +21,6 @@
 //! // A preset by name, as the command-line programs' `--transport` takes it.
 //! assert_eq!(TransportSettings::preset("loopback"), Some(lo));
 //! ```
-
-#[cfg(feature = "cli")]
-pub mod cli;
 
 use std::io;
 use std::net::SocketAddr;

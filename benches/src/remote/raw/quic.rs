@@ -4,8 +4,9 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use super::{BoxError, CHUNK};
-use cuda_lease::tls::{client_config, server_config, Identity, ServerTrust};
+use cuda_lease::tls::{client_config, ServerTrust};
 use cuda_lease::TransportSettings;
+use cuda_lease_node::tls::{self_signed, server_config};
 
 /// A raw quinn server and `n` connections to it (see the module docs).
 #[derive(Debug)]
@@ -36,7 +37,7 @@ impl RawQuinn {
         connections: usize,
         transport: &TransportSettings,
     ) -> Result<Self, BoxError> {
-        let id = Identity::self_signed(&["localhost".into()])?;
+        let id = self_signed(&["localhost".into()])?;
         let local = SocketAddr::from(([127, 0, 0, 1], 0));
         let server = transport.endpoint(local, Some(server_config(&id, None, transport)?))?;
         let addr = server.local_addr()?;

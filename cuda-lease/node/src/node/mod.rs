@@ -1,0 +1,633 @@
+//! The node: QUIC endpoint, auth, lease table, reaper, worker supervision and
+//! metrics. The node process never touches CUDA; each lease's work runs in its
+//! own worker process ([`crate::worker`]).
+//!
+//! Where each part lives: `config` (what an operator sets), `connection`
+//! (accepting, the pre-authentication gate, one request's read and reply),
+//! `handshake` (bounds on connections that have not authenticated), `auth`
+//! (principals and the owner check), `dispatch` (requests by opcode),
+//! `plan` (what a BATCH does to its lease, decided before it runs), `batch`
+//! (running a BATCH on the lease's worker), `stream` (MEM_WRITE / MEM_READ
+//! through the worker's shared ring), `submit` (the per-principal byte
+//! budget and GPU_SUBMIT); this file holds the shared state, the node's
+//! start and shutdown, the worker pool and the reaper.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use rustls::pki_types::CertificateDer;
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+mod auth;
+mod batch;
+mod bucket;
+mod bulk;
+mod config;
+mod connection;
+mod dispatch;
+mod handshake;
+mod held;
+mod lease;
+mod modules;
+mod order;
+mod plan;
+mod stream;
+mod submit;
+
+use self::connection::accept_loop;
+pub use config::{BulkListen, NodeConfig, NodeError, TlsSource};
+pub use connection::PREAUTH_MAX_BODY;
+
+pub use handshake::REJECTED_LOG_INTERVAL;
+
+use crate::lease_table::{LeaseTable, Principal, TableError};
+use crate::metrics::Metrics;
+use crate::proto::{self, to_body, DeviceInfo, ErrorBody, LeaseId, Status};
+use crate::tls::{self, Identity};
+use crate::worker::{WorkerError, WorkerProcess};
+use handshake::{HandshakeLimits, Handshakes};
+use held::HeldData;
+pub use lease::LeaseUsage;
+use lease::{GraphIds, IdKind, LeaseSlot, LeaseState};
+use modules::{ModuleCache, ModuleSource};
+
+type Slot = Arc<LeaseSlot>;
+
+struct Shared {
+    cfg: NodeConfig,
+    /// Secret and principal of every accepted token.
+    tokens: Vec<(Vec<u8>, Principal)>,
+    table: StdMutex<LeaseTable<Slot>>,
+    submit: Vec<tokio::sync::Mutex<Option<WorkerProcess>>>,
+    submit_next: AtomicUsize,
+    prestarted: tokio::sync::Mutex<Vec<WorkerProcess>>,
+    refilling: AtomicBool,
+    /// The latest device figures (from the probe, then from idle workers).
+    device: StdMutex<DeviceInfo>,
+    /// GPU_SUBMIT turns per principal.
+    submits: StdMutex<HashMap<Principal, Arc<tokio::sync::Semaphore>>>,
+    /// Lease worker starts per principal (a token bucket each).
+    worker_starts: StdMutex<HashMap<Principal, bucket::TokenBucket>>,
+    /// Requests and bytes in flight per principal.
+    budgets: StdMutex<HashMap<Principal, (usize, u64)>>,
+    modules: StdMutex<ModuleCache>,
+    /// Connections waiting for HELLO and failed HELLOs.
+    handshakes: Arc<Handshakes>,
+    /// The bulk-data channel's port and tickets.
+    bulk: bulk::Tickets,
+    metrics: Metrics,
+}
+
+impl Shared {
+    fn now(&self) -> Duration {
+        self.cfg.clock.now()
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, LeaseTable<Slot>> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A running node. Dropping it stops serving and kills every worker;
+/// [`Node::shutdown`] does the same and waits for the workers to exit.
+pub struct Node {
+    addr: SocketAddr,
+    bulk_addr: Option<SocketAddr>,
+    metrics_addr: Option<SocketAddr>,
+    cert: CertificateDer<'static>,
+    endpoint: quinn::Endpoint,
+    shared: Arc<Shared>,
+    tasks: Vec<JoinHandle<()>>,
+    /// The registration in a fleet's registry, if configured.
+    #[cfg(feature = "fleet")]
+    registrar: Option<crate::registrar::Registrar>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("addr", &self.addr)
+            .field("metrics_addr", &self.metrics_addr)
+            .finish()
+    }
+}
+
+/// A server reply before framing.
+struct Reply {
+    status: Status,
+    body: Vec<u8>,
+    data: Vec<u8>,
+    /// Data a lease's worker keeps for this reply (then `data` is empty),
+    /// read from it as the client takes the reply.
+    held: Option<HeldData>,
+}
+
+impl Reply {
+    fn ok<T: serde::Serialize>(msg: &T) -> Self {
+        Self {
+            status: Status::Ok,
+            body: to_body(msg),
+            data: Vec::new(),
+            held: None,
+        }
+    }
+    fn empty() -> Self {
+        Self {
+            status: Status::Ok,
+            body: Vec::new(),
+            data: Vec::new(),
+            held: None,
+        }
+    }
+    fn err(status: Status, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            body: to_body(&ErrorBody {
+                message: message.into(),
+            }),
+            data: Vec::new(),
+            held: None,
+        }
+    }
+}
+
+impl From<TableError> for Reply {
+    fn from(e: TableError) -> Self {
+        Reply::err(e.status, e.message)
+    }
+}
+
+impl From<proto::ProtoError> for Reply {
+    /// A request that does not parse is malformed (a client's bug); one
+    /// that parses but breaks a rule of the protocol is a bad request.
+    fn from(e: proto::ProtoError) -> Self {
+        let status = match e {
+            proto::ProtoError::Invalid(_) => Status::BadRequest,
+            _ => Status::Malformed,
+        };
+        Reply::err(status, e.to_string())
+    }
+}
+
+/// The node's TLS identity and QUIC server configuration; refuses a
+/// configuration without any credentials.
+fn tls_setup(cfg: &NodeConfig) -> Result<(Identity, quinn::ServerConfig), NodeError> {
+    // (The bulk-data channel's TLS configuration is made from the same
+    // identity in `Node::start`.)
+    let identity = match &cfg.tls {
+        TlsSource::SelfSigned { names, write_pem } => {
+            let id = tls::self_signed(names)?;
+            if let Some(p) = write_pem {
+                tls::write_cert_pem(p, id.leaf())?;
+                info!(path = %p.display(), "wrote self-signed certificate for clients to pin");
+            }
+            id
+        }
+        TlsSource::Files { cert, key } => Identity::from_pem_files(cert, key)?,
+        TlsSource::Identity(id) => id.clone(),
+    };
+    let client_ca = cfg.client_ca.as_deref().map(tls::load_certs).transpose()?;
+    if cfg.tokens.is_empty()
+        && cfg.named_tokens.is_empty()
+        && client_ca.is_none()
+        && !cfg.allow_anonymous
+    {
+        return Err(NodeError::Config(
+            "no credentials: configure tokens, a client CA, or allow anonymous access".into(),
+        ));
+    }
+    cfg.transport
+        .validate()
+        .map_err(|e| NodeError::Config(e.to_string()))?;
+    let server_cfg = tls::server_config(&identity, client_ca.as_deref(), &cfg.transport)?;
+    Ok((identity, server_cfg))
+}
+
+/// The submit worker pool.
+type SubmitWorkers = Vec<tokio::sync::Mutex<Option<WorkerProcess>>>;
+
+/// Probes the device through a worker and starts every submit worker (the
+/// probe becomes the first). Returns the device figures, the capacity
+/// leases may use, and the pool.
+async fn start_workers(cfg: &NodeConfig) -> Result<(DeviceInfo, u64, SubmitWorkers), NodeError> {
+    let probe = WorkerProcess::spawn(&cfg.worker, cfg.worker_start_timeout)
+        .await
+        .map_err(|e| NodeError::Device(e.to_string()))?;
+    let info = probe.info().clone();
+    let capacity = cfg
+        .capacity
+        .unwrap_or(info.free_bytes.saturating_sub(cfg.headroom));
+    info!(device = %info.name, total = info.total_bytes, free = info.free_bytes, capacity, "device probed");
+    // Start every submit worker now, so that their contexts are already
+    // counted in the device's free memory when leases are measured.
+    let mut submit = Vec::new();
+    let mut probe = Some(probe);
+    for _ in 0..cfg.submit_workers {
+        let w = match probe.take() {
+            Some(p) => p,
+            None => WorkerProcess::spawn(&cfg.worker, cfg.worker_start_timeout)
+                .await
+                .map_err(|e| NodeError::Device(e.to_string()))?,
+        };
+        submit.push(tokio::sync::Mutex::new(Some(w)));
+    }
+    if let Some(p) = probe {
+        p.kill_and_wait().await;
+    }
+    Ok((info, capacity, submit))
+}
+
+impl Shared {
+    /// The node's state at start: `capacity` bytes for leases on the
+    /// device described by `info`, served by the `submit` pool.
+    fn new(cfg: NodeConfig, capacity: u64, info: DeviceInfo, submit: SubmitWorkers) -> Self {
+        Shared {
+            tokens: cfg
+                .tokens
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    (
+                        t.as_bytes().to_vec(),
+                        Principal::from(format!("token-{}", i + 1)),
+                    )
+                })
+                .chain(
+                    cfg.named_tokens
+                        .iter()
+                        .map(|(n, t)| (t.as_bytes().to_vec(), Principal::from(n.as_str()))),
+                )
+                .collect(),
+            table: StdMutex::new(LeaseTable::new(capacity, cfg.max_ttl)),
+            submit,
+            submit_next: AtomicUsize::new(0),
+            prestarted: tokio::sync::Mutex::new(Vec::new()),
+            refilling: AtomicBool::new(false),
+            device: StdMutex::new(info),
+            submits: StdMutex::default(),
+            worker_starts: StdMutex::default(),
+            budgets: StdMutex::default(),
+            modules: StdMutex::default(),
+            handshakes: Handshakes::new(HandshakeLimits {
+                max_unauthenticated: cfg.max_unauthenticated,
+                max_unauthenticated_per_source: cfg.max_unauthenticated_per_source,
+                max_queued: cfg.max_queued_handshakes,
+                max_queued_per_source: cfg.max_queued_handshakes_per_source,
+                max_failed_hellos_per_source: cfg.max_failed_hellos_per_source,
+            }),
+            bulk: bulk::Tickets::default(),
+            metrics: Metrics::default(),
+            cfg,
+        }
+    }
+
+    /// The metrics text now, with the gauges read from the lease table.
+    fn render_metrics(&self) -> String {
+        self.metrics
+            .handshakes_waiting
+            .set(self.handshakes.waiting() as u64);
+        let t = self.table();
+        self.metrics.render(t.allocated_total(), t.len() as u64)
+    }
+}
+
+/// Binds the metrics port, if one is configured, and starts its HTTP server.
+async fn serve_metrics(
+    shared: &Arc<Shared>,
+) -> Result<Option<(SocketAddr, JoinHandle<()>)>, NodeError> {
+    let Some(m) = shared.cfg.metrics_listen else {
+        return Ok(None);
+    };
+    let listener = tokio::net::TcpListener::bind(m).await?;
+    let addr = listener.local_addr()?;
+    let s = shared.clone();
+    let task = tokio::spawn(crate::metrics::serve(listener, move || s.render_metrics()));
+    Ok(Some((addr, task)))
+}
+
+impl Node {
+    /// Starts a node as configured: probes the device through a worker,
+    /// binds the QUIC endpoint and the metrics port, and starts the reaper.
+    /// Must be called inside a tokio runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`NodeError`]; a machine without a driver gives
+    /// `NodeError::Device("... no NVIDIA driver found")` for a CUDA device.
+    pub async fn start(cfg: NodeConfig) -> Result<Node, NodeError> {
+        let (identity, server_cfg) = tls_setup(&cfg)?;
+        let (info, capacity, submit) = start_workers(&cfg).await?;
+        let endpoint = cfg.transport.endpoint(cfg.listen, Some(server_cfg))?;
+        let addr = endpoint.local_addr()?;
+        #[cfg(feature = "fleet")]
+        let advertise = registry_address(&cfg, addr)?;
+        let shared = Arc::new(Shared::new(cfg, capacity, info, submit));
+        let mut tasks = Vec::new();
+        let metrics_addr = match serve_metrics(&shared).await? {
+            Some((a, task)) => {
+                tasks.push(task);
+                Some(a)
+            }
+            None => None,
+        };
+        let bulk_addr = match bulk::bind(&shared, addr).await? {
+            Some(listener) => {
+                let bulk_addr = listener.local_addr()?;
+                let acceptor = tokio_rustls::TlsAcceptor::from(tls::bulk_server_config(&identity)?);
+                tasks.push(tokio::spawn(bulk::accept_loop(
+                    shared.clone(),
+                    listener,
+                    acceptor,
+                )));
+                Some(bulk_addr)
+            }
+            None => None,
+        };
+        tasks.push(tokio::spawn(reaper(shared.clone())));
+        tasks.push(tokio::spawn(accept_loop(shared.clone(), endpoint.clone())));
+        refill(shared.clone());
+        info!(%addr, ?bulk_addr, ?metrics_addr, "node listening");
+        Ok(Node {
+            addr,
+            bulk_addr,
+            metrics_addr,
+            cert: identity.leaf().clone(),
+            endpoint,
+            #[cfg(feature = "fleet")]
+            registrar: advertise.map(|a| register(&shared, a, identity.leaf())),
+            shared,
+            tasks,
+        })
+    }
+
+    /// Runs a node inside this process on 127.0.0.1:0 with a fresh
+    /// self-signed certificate (for tests, examples and demos). The listen
+    /// address, TLS source and metrics address of `cfg` are overridden; the
+    /// metrics endpoint is on 127.0.0.1:0.
+    ///
+    /// Workers are separate processes even here: `cfg.worker.program` must
+    /// call [`crate::worker::main_if_worker`] (use the `cuda-lease-node`
+    /// binary, or the current executable if its `main` calls it).
+    ///
+    /// # Errors
+    ///
+    /// As [`Node::start`].
+    pub async fn spawn_local(mut cfg: NodeConfig) -> Result<Node, NodeError> {
+        cfg.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+        cfg.metrics_listen = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
+        cfg.tls = TlsSource::SelfSigned {
+            names: vec!["localhost".into(), "127.0.0.1".into()],
+            write_pem: None,
+        };
+        Node::start(cfg).await
+    }
+
+    /// The QUIC address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The bulk-data channel's TCP address, if it is on.
+    pub fn bulk_addr(&self) -> Option<SocketAddr> {
+        self.bulk_addr
+    }
+
+    /// The metrics HTTP address, if any.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// The node's TLS certificate (DER), for clients to pin.
+    pub fn cert_der(&self) -> &CertificateDer<'static> {
+        &self.cert
+    }
+
+    /// The rendered metrics.
+    pub fn metrics_text(&self) -> String {
+        self.shared.render_metrics()
+    }
+
+    /// What the node holds for lease `id` now: its allocated bytes, live
+    /// buffers and events, streams used and modules loaded (`None` once
+    /// the lease is gone). A failed submission leaves this as the commands
+    /// that ran left it (see [`cuda_lease::remote`]).
+    pub fn lease_usage(&self, id: &LeaseId) -> Option<LeaseUsage> {
+        let (slot, allocated) = {
+            let mut t = self.shared.table();
+            let now = self.shared.now();
+            let allocated = t.status(id, now).ok()?.allocated;
+            (t.get(id, now).ok()?, allocated)
+        };
+        let state = slot.state();
+        let buffers = state
+            .ids
+            .values()
+            .filter(|k| matches!(k, IdKind::Buffer(_)))
+            .count();
+        let graphs = state.graphs.len();
+        Some(LeaseUsage {
+            allocated,
+            buffers,
+            events: state.ids.len() - buffers - graphs,
+            graphs,
+            streams: state.streams.len(),
+            modules: state.modules.len(),
+        })
+    }
+
+    /// Stops accepting, frees every lease (ending its worker) and waits for
+    /// the workers to exit.
+    pub async fn shutdown(mut self) {
+        #[cfg(feature = "fleet")]
+        if let Some(r) = self.registrar.take() {
+            // Leave the registry first, so no client is sent here any more.
+            r.leave().await;
+        }
+        self.endpoint
+            .close(proto::CLOSE_NODE_SHUTDOWN.into(), b"node shutting down");
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+        let now = self.shared.now();
+        let leases = self.shared.table().drain(now);
+        for (id, slot) in leases {
+            slot.order.update(order::OrderState::end);
+            slot.worker.kill_and_wait().await;
+            Metrics::inc(&self.shared.metrics.lease_dropped);
+            info!(lease = %id, "lease freed at shutdown");
+        }
+        for w in self.shared.prestarted.lock().await.drain(..) {
+            w.kill_and_wait().await;
+        }
+        for s in &self.shared.submit {
+            if let Some(w) = s.lock().await.take() {
+                w.kill_and_wait().await;
+            }
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        info!("node stopped");
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.endpoint
+            .close(proto::CLOSE_NODE_SHUTDOWN.into(), b"node dropped");
+        for t in &self.tasks {
+            t.abort();
+        }
+        let now = self.shared.now();
+        for (_, slot) in self.shared.table().drain(now) {
+            slot.end();
+        }
+        if let Ok(mut p) = self.shared.prestarted.try_lock() {
+            p.clear();
+        }
+        for s in &self.shared.submit {
+            if let Ok(mut w) = s.try_lock() {
+                w.take();
+            }
+        }
+    }
+}
+
+/// The address the node's registry record gives, when the node registers:
+/// the configured one, or the QUIC address, which must then be one a
+/// client can reach.
+#[cfg(feature = "fleet")]
+fn registry_address(
+    cfg: &NodeConfig,
+    addr: SocketAddr,
+) -> Result<Option<(SocketAddr, crate::fleet::RegistryConfig)>, NodeError> {
+    let Some(r) = &cfg.registry else {
+        return Ok(None);
+    };
+    if cfg.name.is_empty() || cfg.name.contains('/') {
+        return Err(NodeError::Config(format!(
+            "a registered node needs a name without '/' (got {:?})",
+            cfg.name
+        )));
+    }
+    let a = r.advertise.unwrap_or(addr);
+    if a.ip().is_unspecified() || a.port() == 0 {
+        return Err(NodeError::Config(format!(
+            "the registry needs an address clients can reach, and the node listens on {addr}: set the address to advertise (`--advertise HOST:PORT`)"
+        )));
+    }
+    Ok(Some((a, r.clone())))
+}
+
+/// Starts writing the node's record, as `address`, to the registry.
+#[cfg(feature = "fleet")]
+fn register(
+    shared: &Arc<Shared>,
+    (address, cfg): (SocketAddr, crate::fleet::RegistryConfig),
+    cert: &CertificateDer<'static>,
+) -> crate::registrar::Registrar {
+    use crate::fleet::{fingerprint, DeviceRecord, NodeRecord};
+    let cert_sha256 = fingerprint(cert);
+    let labels = cfg.labels.clone();
+    let s = shared.clone();
+    let snapshot = Arc::new(move || {
+        let d = s.device.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let t = s.table();
+        NodeRecord {
+            name: s.cfg.name.clone(),
+            address,
+            cert_sha256: cert_sha256.clone(),
+            devices: vec![DeviceRecord {
+                ordinal: d.ordinal,
+                name: d.name,
+                total_bytes: d.total_bytes,
+                compute_capability: d.compute_capability,
+            }],
+            capacity_bytes: t.capacity(),
+            reservable_bytes: t.reservable(),
+            active_leases: u32::try_from(t.len()).unwrap_or(u32::MAX),
+            protocol: proto::VERSION,
+            labels: labels.clone(),
+        }
+    });
+    crate::registrar::spawn(cfg, snapshot)
+}
+
+fn refill(shared: Arc<Shared>) {
+    if shared.cfg.prestart_workers == 0 || shared.refilling.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    tokio::spawn(async move {
+        loop {
+            if shared.prestarted.lock().await.len() >= shared.cfg.prestart_workers {
+                break;
+            }
+            match WorkerProcess::spawn(&shared.cfg.worker, shared.cfg.worker_start_timeout).await {
+                Ok(w) => shared.prestarted.lock().await.push(w),
+                Err(e) => {
+                    warn!(error = %e, "could not pre-start a worker");
+                    break;
+                }
+            }
+        }
+        shared.refilling.store(false, Ordering::SeqCst);
+    });
+}
+
+async fn take_worker(shared: &Arc<Shared>) -> Result<WorkerProcess, WorkerError> {
+    let ready = {
+        let mut pool = shared.prestarted.lock().await;
+        let mut found = None;
+        while let Some(w) = pool.pop() {
+            if w.exited().is_none() {
+                found = Some(w);
+                break;
+            }
+        }
+        found
+    };
+    refill(shared.clone());
+    match ready {
+        Some(w) => Ok(w),
+        None => WorkerProcess::spawn(&shared.cfg.worker, shared.cfg.worker_start_timeout).await,
+    }
+}
+
+async fn reaper(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(shared.cfg.reaper_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        shared.handshakes.flush_log();
+        let now = shared.now();
+        let expired = shared.table().expire(now);
+        for (id, slot) in expired {
+            // Same step that marked it dead: end the worker, which frees
+            // its memory, modules and context.
+            slot.end();
+            Metrics::inc(&shared.metrics.lease_dropped);
+            info!(lease = %id, "lease expired; worker ended");
+        }
+        let live = shared.table().payloads();
+        for (id, slot) in live {
+            // Idle workers only: a busy one is watched by its call's timeout.
+            let Ok(_guard) = slot.exec.try_lock() else {
+                continue;
+            };
+            if let Some(why) = slot.worker.exited() {
+                fail_lease(&shared, &id, &format!("worker {why}"));
+            }
+        }
+    }
+}
+
+fn fail_lease(shared: &Shared, id: &LeaseId, reason: &str) {
+    let now = shared.now();
+    if let Some(slot) = shared.table().poison(id, reason, now) {
+        slot.end();
+        Metrics::inc(&shared.metrics.lease_dropped);
+        warn!(lease = %id, reason, "lease failed");
+    }
+}
