@@ -15,8 +15,6 @@
 //!   ends' types.
 //! - [`clock`]: the injectable monotonic clock leases are timed on
 //!   ([`clock::ManualClock`] moves it by hand in tests).
-//! - `fleet` (feature): discovery of nodes registered in etcd, placement,
-//!   and a policy that spreads submissions over leases on several nodes.
 //!
 //! Test and measurement helpers, not part of the API: `ptx` (feature
 //! `test-util`), hand-written test kernels (iota, vector add, a faulting
@@ -27,7 +25,6 @@
 //!
 //! `backend` (default): the cuda-async backend ([`remote`]). Without it the
 //! crate is the plain client, without cuda-async.
-//! `fleet`: the fleet client (etcd; needs `protoc` at build time).
 //! `test-util`: the test kernels above, for tests, examples and benchmarks.
 //!
 //! # Examples
@@ -53,8 +50,6 @@
 
 pub mod client;
 pub mod clock;
-#[cfg(feature = "fleet")]
-pub mod fleet;
 pub mod proto;
 #[cfg(feature = "test-util")]
 pub mod ptx;

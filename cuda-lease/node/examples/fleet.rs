@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use cuda_async::prelude::*;
 use cuda_async::{HostBuffer, Kernel, LaunchConfig, Module};
 use cuda_lease::client::ClientConfig;
-use cuda_lease::fleet::{Fleet, FleetConfig, FleetPolicy, FleetPolicyConfig, RegistryConfig};
+use cuda_lease_fleet::{Fleet, FleetConfig, FleetPolicy, FleetPolicyConfig, RegistryConfig};
 use cuda_lease_node::node::{Node, NodeConfig, TlsSource};
 use cuda_lease_node::worker::{main_if_worker, DeviceSpec, WorkerSpec};
 

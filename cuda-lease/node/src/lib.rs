@@ -72,9 +72,9 @@ pub mod transport_args;
 pub mod worker;
 
 // The client crate's modules the node's code names as its own.
-#[cfg(feature = "fleet")]
-use cuda_lease::fleet;
 use cuda_lease::{clock, proto, stamps, transport};
+#[cfg(feature = "fleet")]
+use cuda_lease_fleet as fleet;
 
 pub use node::{Node, NodeConfig};
 pub use worker::{main_if_worker, DeviceSpec, WorkerSpec};

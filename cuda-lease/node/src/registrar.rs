@@ -11,7 +11,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
-use cuda_lease::fleet::{NodeRecord, RegistryConfig};
+use cuda_lease_fleet::{NodeRecord, RegistryConfig};
 
 /// What the node holds now, as a record.
 pub(crate) type Snapshot = Arc<dyn Fn() -> NodeRecord + Send + Sync>;

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::etcd::*;
 use common::*;
 use cuda_lease::client::{ClientConfig, ErrorKind, Lease};
-use cuda_lease::fleet::{fingerprint, Fleet, FleetConfig, FleetError, NodeRecord};
+use cuda_lease_fleet::{fingerprint, Fleet, FleetConfig, FleetError, NodeRecord};
 use cuda_lease_node::node::{Node, NodeConfig};
 
 const MIB: u64 = 1 << 20;

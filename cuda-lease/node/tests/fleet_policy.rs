@@ -15,7 +15,7 @@ use common::etcd::*;
 use common::*;
 use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, RemoteErrorKind};
-use cuda_lease::fleet::{Fleet, FleetPolicy, FleetPolicyConfig};
+use cuda_lease_fleet::{Fleet, FleetPolicy, FleetPolicyConfig};
 use cuda_lease_node::node::Node;
 
 const MIB: u64 = 1 << 20;

@@ -1374,7 +1374,7 @@ where
 #[ignore = "needs an NVIDIA GPU"]
 async fn a_fleet_policy_over_two_gpu_nodes_keeps_pace_and_survives_a_killed_node() {
     use common::etcd::*;
-    use cuda_lease::fleet::{FleetPolicy, FleetPolicyConfig};
+    use cuda_lease_fleet::{FleetPolicy, FleetPolicyConfig};
     let etcd = Etcd::start().await;
     let dir = std::env::temp_dir().join(format!("cuda-lease-gpu-fleet-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

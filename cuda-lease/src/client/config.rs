@@ -132,7 +132,7 @@ impl ClientConfig {
 
     /// Trusts exactly the certificate whose SHA-256 (over its DER) is
     /// `sha256`, instead of the roots and server name: a pin by
-    /// fingerprint (`cuda_lease::fleet::fingerprint` writes one), for a
+    /// fingerprint (`cuda_lease_fleet::fingerprint` writes one), for a
     /// node whose certificate the client has not seen but whose
     /// fingerprint it got from a source it trusts.
     ///

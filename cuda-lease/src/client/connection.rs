@@ -10,7 +10,7 @@ use super::{ClientConfig, Error, GpuCall};
 use super::{Credentials, Disconnect, ErrorKind};
 use crate::proto::{
     self, from_body, to_body, ErrorBody, GpuSubmit, Header, Hello, HelloOk, Inventory, LeaseId,
-    LeaseRef, Limits, ModuleHash, Opcode, Status,
+    LeaseRef, LeaseStatus, Limits, ModuleHash, Opcode, Status,
 };
 use crate::stamps::{stamp, Point};
 use crate::tls;
@@ -214,6 +214,18 @@ impl Client {
         self.request(Opcode::LeaseFree, &to_body(&LeaseRef { lease }), &[])
             .await
             .map(drop)
+    }
+
+    /// A lease's state by id (one LEASE_QUERY on this connection): what
+    /// [`Lease::query`](crate::client::Lease::query) asks, for a caller that
+    /// holds only the connection.
+    ///
+    /// # Errors
+    ///
+    /// [`ErrorKind::LeaseNotFound`](crate::client::ErrorKind::LeaseNotFound) for an unknown lease or one of
+    /// another principal; as [`Client::request`].
+    pub async fn query_lease(&self, lease: LeaseId) -> Result<LeaseStatus, Error> {
+        self.call(Opcode::LeaseQuery, &LeaseRef { lease }).await
     }
 
     /// Runs a kernel as a pure function: inputs in, output bytes out, nothing

@@ -285,9 +285,8 @@ async fn renew(inner: &LeaseInner) -> Result<LeaseGrant, Error> {
 }
 
 impl LeaseBuilder {
-    /// The VRAM this builder reserves.
-    #[cfg_attr(not(feature = "fleet"), allow(dead_code))]
-    pub(crate) fn vram(&self) -> u64 {
+    /// The VRAM this builder reserves (what a fleet places by).
+    pub fn vram(&self) -> u64 {
         self.min_vram
     }
 

@@ -26,7 +26,7 @@ pub use config::{
     DEFAULT_STRIPE_MIN_BYTES,
 };
 pub use connection::Client;
-#[cfg(any(feature = "backend", feature = "fleet"))]
+#[cfg(feature = "backend")]
 pub(crate) use error::config_error;
 #[cfg(feature = "backend")]
 pub(crate) use error::protocol_error;

@@ -135,7 +135,7 @@ struct RegistryArgs {
     #[arg(long, env = "CUDA_LEASE_NODE_ETCD", value_delimiter = ',')]
     etcd: Vec<String>,
     /// The fleet's key prefix in etcd.
-    #[arg(long, default_value = cuda_lease::fleet::DEFAULT_PREFIX, env = "CUDA_LEASE_NODE_ETCD_PREFIX")]
+    #[arg(long, default_value = cuda_lease_fleet::DEFAULT_PREFIX, env = "CUDA_LEASE_NODE_ETCD_PREFIX")]
     etcd_prefix: String,
     /// The address clients reach this node at, as the registry gives it
     /// (default: `--listen`, which must then not be `0.0.0.0`).
@@ -154,11 +154,11 @@ struct RegistryArgs {
 #[cfg(feature = "fleet")]
 impl RegistryArgs {
     /// The registration these flags ask for (`None` without `--etcd`).
-    fn config(self) -> Result<Option<cuda_lease::fleet::RegistryConfig>, String> {
+    fn config(self) -> Result<Option<cuda_lease_fleet::RegistryConfig>, String> {
         if self.etcd.is_empty() {
             return Ok(None);
         }
-        let mut r = cuda_lease::fleet::RegistryConfig::new(self.etcd);
+        let mut r = cuda_lease_fleet::RegistryConfig::new(self.etcd);
         r.prefix = self.etcd_prefix;
         r.advertise = self.advertise;
         r.ttl = self.registry_ttl;

@@ -104,7 +104,7 @@ struct FleetArgs {
     #[arg(long, env = "CUDA_LEASE_ETCD", value_delimiter = ',', required = true)]
     etcd: Vec<String>,
     /// The fleet's key prefix in etcd.
-    #[arg(long, default_value = cuda_lease::fleet::DEFAULT_PREFIX, env = "CUDA_LEASE_ETCD_PREFIX")]
+    #[arg(long, default_value = cuda_lease_fleet::DEFAULT_PREFIX, env = "CUDA_LEASE_ETCD_PREFIX")]
     etcd_prefix: String,
     /// Trust each node's certificate by the fingerprint in its registry
     /// record, instead of `--cert` (only if the registry is as trusted as
@@ -208,7 +208,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
 mod fleet {
     use super::{FleetArgs, FleetCmd};
     use cuda_lease::client::ClientConfig;
-    use cuda_lease::fleet::{Fleet, FleetConfig, NodeRecord};
+    use cuda_lease_fleet::{Fleet, FleetConfig, NodeRecord};
 
     pub(super) async fn run(
         at: FleetArgs,

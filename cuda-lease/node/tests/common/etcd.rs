@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use cuda_lease::client::ClientConfig;
-use cuda_lease::fleet::{Fleet, FleetConfig, NodeRecord, RegistryConfig};
+use cuda_lease_fleet::{Fleet, FleetConfig, NodeRecord, RegistryConfig};
 
 use super::TOKEN;
 

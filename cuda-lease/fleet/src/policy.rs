@@ -20,8 +20,8 @@ use tracing::{debug, info, warn};
 
 use super::placement::rank;
 use super::{Fleet, FleetError, NodeRecord};
-use crate::client::{Disconnect, Error, ErrorKind, Lease};
-use crate::remote::LeaseSession;
+use cuda_lease::client::{Disconnect, Error, ErrorKind, Lease};
+use cuda_lease::remote::LeaseSession;
 use submission::Placement;
 
 /// The first id a fleet policy hands out: far above the ids a lease's own
@@ -104,9 +104,9 @@ pub struct NodeStats {
 /// for one (at most [`FleetPolicyConfig::wait`]).
 ///
 /// ```no_run
-/// # async fn demo(fleet: cuda_lease::fleet::Fleet) -> Result<(), Box<dyn std::error::Error>> {
+/// # async fn demo(fleet: cuda_lease_fleet::Fleet) -> Result<(), Box<dyn std::error::Error>> {
 /// use cuda_async::prelude::*;
-/// use cuda_lease::fleet::{FleetPolicy, FleetPolicyConfig};
+/// use cuda_lease_fleet::{FleetPolicy, FleetPolicyConfig};
 ///
 /// let cfg = FleetPolicyConfig { leases: 3, retry: 1, ..FleetPolicyConfig::default() };
 /// let policy = FleetPolicy::new(&fleet, cfg).await?;
@@ -173,9 +173,7 @@ impl Member {
             }
         };
         let (client, id) = client;
-        let query = crate::proto::LeaseRef { lease: id };
-        let probe =
-            client.call::<_, crate::proto::LeaseStatus>(crate::proto::Opcode::LeaseQuery, &query);
+        let probe = client.query_lease(id);
         matches!(tokio::time::timeout(PROBE_TIMEOUT, probe).await, Ok(Ok(_)))
     }
 }

@@ -31,7 +31,7 @@ pub struct NodeRecord {
     pub reservable_bytes: u64,
     /// Leases alive on it.
     pub active_leases: u32,
-    /// The protocol version it speaks ([`crate::proto::VERSION`]).
+    /// The protocol version it speaks ([`cuda_lease::proto::VERSION`]).
     pub protocol: u8,
     /// The operator's labels (`zone=a`, `gpu=h100`, ...).
     #[serde(default)]
@@ -167,7 +167,7 @@ mod tests {
             capacity_bytes: 79 << 30,
             reservable_bytes: 40 << 30,
             active_leases: 3,
-            protocol: crate::proto::VERSION,
+            protocol: cuda_lease::proto::VERSION,
             labels: [("zone".to_string(), "a".to_string())].into(),
         }
     }

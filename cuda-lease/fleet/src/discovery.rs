@@ -13,7 +13,7 @@ use tracing::{debug, warn};
 use super::placement::{rank, Need};
 use super::record::nodes_prefix;
 use super::{NodeRecord, DEFAULT_PREFIX};
-use crate::client::{Client, ClientConfig, Error, ErrorKind, Lease, LeaseBuilder};
+use cuda_lease::client::{Client, ClientConfig, Error, ErrorKind, Lease, LeaseBuilder};
 
 /// How a client finds the fleet and trusts its nodes
 /// ([`Fleet::connect`]).
@@ -324,16 +324,21 @@ impl Fleet {
     fn config_for(&self, node: &NodeRecord) -> Result<ClientConfig, Error> {
         let cfg = &self.inner.cfg;
         if !cfg.trust_registry {
-            return cfg
-                .client
-                .clone()
-                .ok_or_else(|| crate::client::config_error("the fleet has no ClientConfig"));
+            return cfg.client.clone().ok_or_else(|| {
+                cuda_lease::client::Error::new(
+                    cuda_lease::client::ErrorKind::Config,
+                    "the fleet has no ClientConfig",
+                )
+            });
         }
         let sha = node.fingerprint_bytes().ok_or_else(|| {
-            crate::client::config_error(format!(
-                "node {}: the registry's certificate fingerprint {:?} is not a SHA-256",
-                node.name, node.cert_sha256
-            ))
+            cuda_lease::client::Error::new(
+                cuda_lease::client::ErrorKind::Config,
+                format!(
+                    "node {}: the registry's certificate fingerprint {:?} is not a SHA-256",
+                    node.name, node.cert_sha256
+                ),
+            )
         })?;
         Ok(match &cfg.client {
             Some(c) => c.clone().pin_sha256(sha),

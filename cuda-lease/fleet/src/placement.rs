@@ -20,7 +20,7 @@ impl Need {
     /// speaks this client's protocol, has `min_vram` bytes reservable and
     /// carries every label.
     pub fn fits(&self, node: &NodeRecord) -> bool {
-        node.protocol == crate::proto::VERSION
+        node.protocol == cuda_lease::proto::VERSION
             && node.reservable_bytes >= self.min_vram
             && self
                 .labels
@@ -56,7 +56,7 @@ mod tests {
             capacity_bytes: 1 << 40,
             reservable_bytes: reservable,
             active_leases: leases,
-            protocol: crate::proto::VERSION,
+            protocol: cuda_lease::proto::VERSION,
             labels: BTreeMap::new(),
         }
     }
@@ -85,7 +85,7 @@ mod tests {
         let mut a = node("a", 100, 0);
         a.labels.insert("zone".into(), "x".into());
         let mut old = node("old", 100, 0);
-        old.protocol = crate::proto::VERSION - 1;
+        old.protocol = cuda_lease::proto::VERSION - 1;
         old.labels.insert("zone".into(), "x".into());
         let b = node("b", 100, 0);
         let need = Need {

@@ -19,8 +19,15 @@
 //! client's protocol version, the labels asked for), least loaded first,
 //! and moves on to the next on a full node or one that does not answer;
 //! [`Fleet::lease_placed`] takes the order from a function of the user's.
-//! The [`Lease`](crate::client::Lease) it returns is the one every remote
+//! The [`Lease`](cuda_lease::client::Lease) it returns is the one every remote
 //! policy takes.
+//!
+//! # Features
+//!
+//! `backend` (default): [`FleetPolicy`], cuda-async's ops over leases on
+//! several nodes. Without it the crate is discovery and placement over the
+//! plain client. Building needs `protoc` (Debian: `protobuf-compiler`):
+//! `etcd-client` generates its gRPC code at build time.
 //!
 //! # Trust
 //!
@@ -29,13 +36,13 @@
 //! clients at another address, so a client trusts a node's certificate
 //! from the registry's fingerprint only when told to
 //! ([`FleetConfig::trust_registry`]); otherwise it checks every node
-//! against its own [`ClientConfig`](crate::client::ClientConfig) roots, as
+//! against its own [`ClientConfig`](cuda_lease::client::ClientConfig) roots, as
 //! a client of one node does.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! use cuda_lease::client::{ClientConfig, Lease};
-//! use cuda_lease::fleet::{Fleet, FleetConfig};
+//! use cuda_lease_fleet::{Fleet, FleetConfig};
 //!
 //! let roots = ClientConfig::from_pem_file("ca.pem".as_ref())?.token("secret");
 //! let fleet = Fleet::connect(FleetConfig::new(["http://127.0.0.1:2379"]).client(roots)).await?;

@@ -9,7 +9,7 @@ use cuda_async::remote::{Recording, RemoteCompletion};
 use cuda_async::{RemoteErrorExt, RemoteSession};
 
 use super::{lost, node_lost, Member, Shared};
-use crate::client::{Disconnect, Error, ErrorKind};
+use cuda_lease::client::{Disconnect, Error, ErrorKind};
 
 /// Where a submission runs, once placed (shared with the tasks that run
 /// and retry it).
