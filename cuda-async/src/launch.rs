@@ -12,7 +12,7 @@ use crate::op::{impl_into_future, DeviceOp};
 use crate::remote::{proto, Id, RemoteContext};
 
 /// A kernel argument as a remote launch carries it (the protocol's).
-type WireArg = proto::KernelArg<'static>;
+type WireArg = proto::LaunchArg<'static>;
 use crate::view::{DeviceSlice, DeviceSliceMut};
 
 /// One kernel argument: how it is passed and what it looks like to the

@@ -151,7 +151,7 @@ proptest! {
                         grid: [1, 1, 1],
                         block: [32, 1, 1],
                         shared_mem: 0,
-                        args: vec![KernelArg::mem(buf), KernelArg::u32(n)],
+                        args: vec![LaunchArg::mem(buf), LaunchArg::u32(n)],
                     }),
                 };
                 Command { stream, op }

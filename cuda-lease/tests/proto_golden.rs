@@ -265,7 +265,7 @@ fn bodies_golden() {
                         grid: [2, 1, 1],
                         block: [128, 1, 1],
                         shared_mem: 0,
-                        args: vec![KernelArg::u32(5), KernelArg::Mem { buf: B, offset: 8 }],
+                        args: vec![LaunchArg::u32(5), LaunchArg::Mem { buf: B, offset: 8 }],
                     }),
                 },
                 Command {
@@ -375,7 +375,7 @@ fn bodies_golden() {
             grid: [1, 1, 1],
             block: [256, 1, 1],
             shared_mem: 0,
-            args: vec![KernelArg::Output, KernelArg::Input(0), KernelArg::f32(1.5)],
+            args: vec![LaunchArg::Output, LaunchArg::Input(0), LaunchArg::f32(1.5)],
             ptx_len: 10,
             input_lens: vec![16],
             output_size: 1024,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cuda_lease::client::{Client, Lease, Session};
-use cuda_lease::proto::KernelArg;
+use cuda_lease::proto::LaunchArg;
 use cuda_lease::ptx::TEST_KERNELS;
 
 use super::baselines::Raw;
@@ -95,7 +95,7 @@ pub(super) async fn lease_rows(ctx: &Ctx) -> Result<LeaseRows> {
         "iota",
         [1, 1, 1],
         [256, 1, 1],
-        vec![out.arg(), KernelArg::u32(256)],
+        vec![out.arg(), LaunchArg::u32(256)],
     );
     for _ in 0..100 {
         batch.submit().await?.ok()?;

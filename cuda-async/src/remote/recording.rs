@@ -142,7 +142,7 @@ impl Recording {
         stream: RemoteStream,
         kernel: &Kernel,
         config: &LaunchConfig,
-        args: Vec<proto::KernelArg<'static>>,
+        args: Vec<proto::LaunchArg<'static>>,
     ) {
         let module = self.module_of(kernel.module());
         let c = config;

@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use cuda_lease::client::{ClientConfig, Lease, Module};
-use cuda_lease::proto::KernelArg;
+use cuda_lease::proto::LaunchArg;
 use cuda_lease::ptx::{grid_for, BLOCK, TEST_KERNELS};
 use cuda_lease_node::node::{Node, NodeConfig};
 use cuda_lease_node::worker::{main_if_worker, DeviceSpec, WorkerSpec};
@@ -86,10 +86,10 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         [grid_for(n), 1, 1],
         [BLOCK, 1, 1],
         vec![
-            KernelArg::mem(da),
-            KernelArg::mem(db),
-            KernelArg::mem(dc),
-            KernelArg::u32(n),
+            LaunchArg::mem(da),
+            LaunchArg::mem(db),
+            LaunchArg::mem(dc),
+            LaunchArg::u32(n),
         ],
     );
     let read = rec.read(0, dc, 0, bytes as u32);

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use common::*;
 use cuda_lease::client::{ErrorKind, GpuCall, Lease, LeaseBuilder, Module};
-use cuda_lease::proto::{KernelArg, LeaseState};
+use cuda_lease::proto::{LaunchArg, LeaseState};
 use cuda_lease::ptx::{grid_for, BLOCK, TEST_KERNELS};
 use cuda_lease_node::node::{Node, NodeConfig};
 use cuda_lease_node::worker::{DeviceSpec, WorkerSpec};
@@ -381,8 +381,8 @@ fn bytes_u32(b: &[u8]) -> Vec<u32> {
 
 fn iota_call(n: u32) -> GpuCall {
     let mut call = GpuCall::new(TEST_KERNELS, "iota", grid_for(n), BLOCK, n * 4)
-        .arg(KernelArg::Output)
-        .arg(KernelArg::u32(n));
+        .arg(LaunchArg::Output)
+        .arg(LaunchArg::u32(n));
     call.output_fill = 0xFF; // poison: any element not written reads 0xFFFFFFFF
     call
 }
@@ -417,8 +417,8 @@ async fn submit_iota_and_vadd() {
     let mut call = GpuCall::new(TEST_KERNELS, "vadd", grid_for(n), BLOCK, n * 4)
         .input(f32_bytes(&a))
         .input(f32_bytes(&b))
-        .arg(KernelArg::Output)
-        .arg(KernelArg::u32(n));
+        .arg(LaunchArg::Output)
+        .arg(LaunchArg::u32(n));
     call.output_fill = 0xFF;
     let c = bytes_f32(&client.gpu_call(&call).await.unwrap());
     for i in 0..n as usize {
@@ -458,7 +458,7 @@ async fn session_batch_iota_and_vadd() {
     batch.write(0, db, 0, &f32_bytes(&b));
     batch.write(0, dc, 0, &vec![0xFF; bytes as usize]);
     batch.write(0, di, 0, &vec![0xFF; bytes as usize]);
-    let mem = KernelArg::mem;
+    let mem = LaunchArg::mem;
     let (grid, block) = ([grid_for(n), 1, 1], [BLOCK, 1, 1]);
     batch.launch(
         0,
@@ -466,9 +466,9 @@ async fn session_batch_iota_and_vadd() {
         "vadd",
         grid,
         block,
-        vec![mem(da), mem(db), mem(dc), KernelArg::u32(n)],
+        vec![mem(da), mem(db), mem(dc), LaunchArg::u32(n)],
     );
-    batch.launch(0, &m, "iota", grid, block, vec![mem(di), KernelArg::u32(n)]);
+    batch.launch(0, &m, "iota", grid, block, vec![mem(di), LaunchArg::u32(n)]);
     let rc = batch.read(0, dc, 0, bytes as u32);
     let ri = batch.read(0, di, 0, bytes as u32);
     let out = batch.submit().await.unwrap().ok().unwrap();
@@ -487,7 +487,7 @@ async fn session_batch_iota_and_vadd() {
         "iota",
         [grid_for(n), 1, 1],
         [BLOCK, 1, 1],
-        vec![buf.arg(), KernelArg::u32(n)],
+        vec![buf.arg(), LaunchArg::u32(n)],
     )
     .await
     .unwrap();
@@ -584,7 +584,7 @@ async fn fault_in_one_lease_leaves_others_correct() {
                 "vadd",
                 [grid_for(n), 1, 1],
                 [BLOCK, 1, 1],
-                vec![dx.arg(), dy.arg(), dz.arg(), KernelArg::u32(n)],
+                vec![dx.arg(), dy.arg(), dz.arg(), LaunchArg::u32(n)],
             );
             let r = batch.read(0, dz.id(), 0, bytes as u32);
             let out = batch.submit().await.unwrap().ok().unwrap();
@@ -841,10 +841,10 @@ async fn v2_cuda_c_compiled_on_the_node_and_random_data_round_trips() {
         [n.div_ceil(256), 1, 1],
         [256, 1, 1],
         vec![
-            KernelArg::f32(2.5),
-            KernelArg::mem(dx),
-            KernelArg::mem(dy),
-            KernelArg::u32(n),
+            LaunchArg::f32(2.5),
+            LaunchArg::mem(dx),
+            LaunchArg::mem(dy),
+            LaunchArg::u32(n),
         ],
     );
     let ry = rec.read(1, dy, 0, bytes as u32);
@@ -907,7 +907,7 @@ async fn v2_cuda_c_compiled_on_the_node_and_random_data_round_trips() {
         &[],
     );
     let mut rec = s.recorder();
-    rec.launch(0, &bad, "k", [1, 1, 1], [1, 1, 1], vec![KernelArg::mem(dx)]);
+    rec.launch(0, &bad, "k", [1, 1, 1], [1, 1, 1], vec![LaunchArg::mem(dx)]);
     let reply = rec.submit().await.unwrap();
     let e = reply.error().unwrap();
     eprintln!("compile error: {}", e.message);
@@ -939,7 +939,7 @@ async fn v2_three_streams_of_a_lease_overlap_on_the_gpu() {
                 "spin",
                 [1, 1, 1],
                 [1, 1, 1],
-                vec![KernelArg::u64(SPIN_NS), KernelArg::mem(out)],
+                vec![LaunchArg::u64(SPIN_NS), LaunchArg::mem(out)],
             );
             reads.push(rec.read(stream, out, 0, 16));
             rec.free(stream, out);
@@ -1004,9 +1004,9 @@ async fn v2_buffers_order_their_uses_across_streams_without_events() {
             grid,
             [256, 1, 1],
             vec![
-                KernelArg::u64(2_000_000),
-                KernelArg::mem(y),
-                KernelArg::u32(n),
+                LaunchArg::u64(2_000_000),
+                LaunchArg::mem(y),
+                LaunchArg::u32(n),
             ],
         );
         // Stream 1 reads y: z = 2 y + 0.
@@ -1018,10 +1018,10 @@ async fn v2_buffers_order_their_uses_across_streams_without_events() {
                 grid,
                 [256, 1, 1],
                 vec![
-                    KernelArg::f32(0.0),
-                    KernelArg::mem(z),
-                    KernelArg::mem(z),
-                    KernelArg::u32(n),
+                    LaunchArg::f32(0.0),
+                    LaunchArg::mem(z),
+                    LaunchArg::mem(z),
+                    LaunchArg::u32(n),
                 ],
             );
         }
@@ -1032,10 +1032,10 @@ async fn v2_buffers_order_their_uses_across_streams_without_events() {
             grid,
             [256, 1, 1],
             vec![
-                KernelArg::f32(2.0),
-                KernelArg::mem(y),
-                KernelArg::mem(z),
-                KernelArg::u32(n),
+                LaunchArg::f32(2.0),
+                LaunchArg::mem(y),
+                LaunchArg::mem(z),
+                LaunchArg::u32(n),
             ],
         );
         // Stream 2 overwrites y only after stream 1 has read it.
@@ -1067,9 +1067,9 @@ async fn v2_buffers_order_their_uses_across_streams_without_events() {
             [1, 1, 1],
             [256, 1, 1],
             vec![
-                KernelArg::u64(2_000_000),
-                KernelArg::mem(a),
-                KernelArg::u32(256),
+                LaunchArg::u64(2_000_000),
+                LaunchArg::mem(a),
+                LaunchArg::u32(256),
             ],
         );
         let ra = first.read(0, a, 0, 1024);

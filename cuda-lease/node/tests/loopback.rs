@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use common::*;
 use cuda_lease::client::{
-    Client, ClientConfig, DeviceBuffer, ErrorKind, GpuCall, Lease, Module, Session,
+    Client, ClientConfig, ErrorKind, GpuCall, Lease, LeaseBuffer, Module, Session,
 };
-use cuda_lease::proto::{self, Header, KernelArg, LeaseState, Opcode, Status};
+use cuda_lease::proto::{self, Header, LaunchArg, LeaseState, Opcode, Status};
 
 const PTX: &str = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry iota(.param .u64 out, .param .u32 n)\n{\n ret;\n}\n.visible .entry __fault()\n{\n ret;\n}\n.visible .entry __exit()\n{\n ret;\n}\n.visible .entry __hang()\n{\n ret;\n}\n";
 
@@ -330,7 +330,7 @@ async fn batch_runs_in_order_with_one_reply() {
         "iota",
         [1, 1, 1],
         [32, 1, 1],
-        vec![KernelArg::mem(x), KernelArg::u32(16)],
+        vec![LaunchArg::mem(x), LaunchArg::u32(16)],
     );
     let r = b.read(0, x, 8, 8);
     let out = b.submit().await.unwrap().ok().unwrap();
@@ -541,8 +541,8 @@ async fn gpu_submit_on_test_double() {
     let fx = Fixture::memory(1 << 20).client().start().await;
     let client = fx.client();
     let call = GpuCall::new(PTX, "iota", 1, 32, 20)
-        .arg(KernelArg::Output)
-        .arg(KernelArg::u32(4));
+        .arg(LaunchArg::Output)
+        .arg(LaunchArg::u32(4));
     let mut call = call;
     call.output_fill = 0xAB;
     // The test double runs `iota` on the host: 4 words, then the fill.
@@ -554,7 +554,7 @@ async fn gpu_submit_on_test_double() {
         client.gpu_call(&bad).await,
         Err(ref e) if matches!(e.kind(), ErrorKind::LoadFailed)
     ));
-    let bad_input = GpuCall::new(PTX, "iota", 1, 1, 4).arg(KernelArg::Input(3));
+    let bad_input = GpuCall::new(PTX, "iota", 1, 1, 4).arg(LaunchArg::Input(3));
     assert!(matches!(
         client.gpu_call(&bad_input).await,
         Err(ref e) if matches!(e.kind(), ErrorKind::InvalidRequest)
@@ -693,7 +693,7 @@ fn taken_up_to(cut: usize) -> usize {
 /// QUIC flow-control credit for this stream (MAX_STREAM_DATA), which it
 /// sends once it has read an eighth of the stream's window, well under
 /// the 1 MiB sent.
-async fn wait_midway(s: &Session, buf: &DeviceBuffer, conn: &quinn::Connection, part: &[u8]) {
+async fn wait_midway(s: &Session, buf: &LeaseBuffer, conn: &quinn::Connection, part: &[u8]) {
     let at = taken_up_to(part.len());
     if at > 0 {
         let tail = &part[at - 8..at];
@@ -940,15 +940,15 @@ async fn the_test_double_runs_the_test_kernels_so_data_flow_is_checked_without_a
     b.write(0, x, 0, &bytes(&a));
     let grid = [cuda_lease::ptx::grid_for(n), 1, 1];
     let block = [cuda_lease::ptx::BLOCK, 1, 1];
-    let mem = KernelArg::mem;
-    b.launch(0, &m, "iota", grid, block, vec![mem(y), KernelArg::u32(n)]);
+    let mem = LaunchArg::mem;
+    b.launch(0, &m, "iota", grid, block, vec![mem(y), LaunchArg::u32(n)]);
     b.launch(
         0,
         &m,
         "vadd",
         grid,
         block,
-        vec![mem(x), mem(x), mem(z), KernelArg::u32(n)],
+        vec![mem(x), mem(x), mem(z), LaunchArg::u32(n)],
     );
     let ry = b.read(0, y, 0, n * 4);
     let rz = b.read(0, z, 0, n * 4);
@@ -976,7 +976,7 @@ async fn the_test_double_runs_the_test_kernels_so_data_flow_is_checked_without_a
         "iota",
         grid,
         block,
-        vec![mem(small), KernelArg::u32(64)],
+        vec![mem(small), LaunchArg::u32(64)],
     );
     assert!(bad.submit().await.unwrap().ok().is_err());
     assert_eq!(lease.query().await.unwrap().state, LeaseState::Poisoned);

@@ -14,7 +14,7 @@ use common::*;
 use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, Kernel, LaunchConfig, Module, RemotePolicy};
 use cuda_lease::client::{Client, Lease};
-use cuda_lease::proto::{self, Id, KernelArg, LaunchSpec, ModuleHash, Op, Opcode, SourceKind};
+use cuda_lease::proto::{self, Id, LaunchArg, LaunchSpec, ModuleHash, Op, Opcode, SourceKind};
 use cuda_lease_node::node::Node;
 
 /// How long the slow work takes: longer than any reorder window a timer
@@ -232,7 +232,7 @@ async fn a_batch_and_transfers_behind_a_slow_batch_use_its_ids() {
                 grid: [1, 1, 1],
                 block: [1, 1, 1],
                 shared_mem: 0,
-                args: vec![KernelArg::Scalar(Cow::Borrowed(&ms))],
+                args: vec![LaunchArg::Scalar(Cow::Borrowed(&ms))],
             }),
             Op::Fill {
                 buf: Id(7),

@@ -9,7 +9,7 @@ use common::*;
 use cuda_lease::client::{Error, ErrorKind, Module, Session};
 
 use cuda_lease::proto::{
-    self, Batch, Command, Id, KernelArg, ModuleHash, ModuleUse, Op, Opcode, SourceKind, Status,
+    self, Batch, Command, Id, LaunchArg, ModuleHash, ModuleUse, Op, Opcode, SourceKind, Status,
 };
 
 /// CUDA C for the in-memory device's host kernels (it compiles nothing:
@@ -51,7 +51,7 @@ fn fill(rec: &mut cuda_lease::client::Recorder, stream: u32, m: &Module, buf: Id
         "fill",
         GRID,
         BLOCK,
-        vec![KernelArg::mem(buf), KernelArg::f32(v), KernelArg::u32(N)],
+        vec![LaunchArg::mem(buf), LaunchArg::f32(v), LaunchArg::u32(N)],
     );
 }
 
@@ -63,10 +63,10 @@ fn axpy(rec: &mut cuda_lease::client::Recorder, stream: u32, m: &Module, a: f32,
         GRID,
         BLOCK,
         vec![
-            KernelArg::f32(a),
-            KernelArg::mem(x),
-            KernelArg::mem(y),
-            KernelArg::u32(N),
+            LaunchArg::f32(a),
+            LaunchArg::mem(x),
+            LaunchArg::mem(y),
+            LaunchArg::u32(N),
         ],
     );
 }
@@ -105,7 +105,7 @@ async fn a_twenty_command_pipeline_in_two_submissions_sent_without_waiting_is_on
         "copy",
         GRID,
         BLOCK,
-        vec![KernelArg::mem(x), KernelArg::mem(z), KernelArg::u32(N)],
+        vec![LaunchArg::mem(x), LaunchArg::mem(z), LaunchArg::u32(N)],
     ); // 3: z = x
     let y_done = second.record(1); // 4
     second.wait(2, y_done); // 5

@@ -10,7 +10,7 @@ use cuda_async::RemoteErrorExt;
 use std::time::Duration;
 
 use common::*;
-use cuda_async::remote::{proto::KernelArg, Id, Op, Recording, RemoteCompletion};
+use cuda_async::remote::{proto::LaunchArg, Id, Op, Recording, RemoteCompletion};
 use cuda_async::{HostBuffer, LaunchConfig, RemoteSession};
 use cuda_lease::client::Lease;
 use cuda_lease::remote::LeaseSession;
@@ -67,11 +67,11 @@ async fn a_recording_is_one_batch_and_its_reads_land_in_host_buffers() {
         rec.push(0, Op::Alloc { buf: Id(id), size });
     }
     rec.write(0, bx, 0, &bytes(&x));
-    let buf = |id| KernelArg::Mem {
+    let buf = |id| LaunchArg::Mem {
         buf: Id(id),
         offset: 0,
     };
-    let scalar = |b: [u8; 4]| KernelArg::bytes(b);
+    let scalar = |b: [u8; 4]| LaunchArg::bytes(b);
     rec.launch(
         0,
         &fill,

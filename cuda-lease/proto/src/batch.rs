@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 #[cfg(doc)]
 use super::Status;
 use super::{
-    bounded, Id, KernelArg, LaunchSpec, LeaseId, ModuleHash, ProtoError, SourceKind, StreamId,
+    bounded, Id, LaunchArg, LaunchSpec, LeaseId, ModuleHash, ProtoError, SourceKind, StreamId,
     MAX_BATCH_OPS,
 };
 
@@ -182,7 +182,7 @@ impl Op<'_> {
             }
             Op::Launch(l) => {
                 for a in &l.args {
-                    if let KernelArg::Mem { buf, .. } = a {
+                    if let LaunchArg::Mem { buf, .. } = a {
                         f(*buf, true);
                     }
                 }
@@ -205,13 +205,13 @@ impl Op<'_> {
                     .args
                     .iter()
                     .map(|a| match a {
-                        KernelArg::Scalar(b) => KernelArg::Scalar(Cow::Owned(b.to_vec())),
-                        KernelArg::Mem { buf, offset } => KernelArg::Mem {
+                        LaunchArg::Scalar(b) => LaunchArg::Scalar(Cow::Owned(b.to_vec())),
+                        LaunchArg::Mem { buf, offset } => LaunchArg::Mem {
                             buf: *buf,
                             offset: *offset,
                         },
-                        KernelArg::Input(n) => KernelArg::Input(*n),
-                        KernelArg::Output => KernelArg::Output,
+                        LaunchArg::Input(n) => LaunchArg::Input(*n),
+                        LaunchArg::Output => LaunchArg::Output,
                     })
                     .collect(),
             }),
@@ -268,7 +268,7 @@ impl Op<'_> {
             }
             Op::Launch(l) => {
                 for a in &l.args {
-                    if let KernelArg::Mem { buf, .. } = a {
+                    if let LaunchArg::Mem { buf, .. } = a {
                         f(*buf);
                     }
                 }

@@ -8,7 +8,7 @@ use std::marker::PhantomData;
 use serde::de::{Deserialize, Deserializer, Error, SeqAccess, Visitor};
 
 use super::{
-    Command, KernelArg, ModuleUse, MAX_BATCH_MODULES, MAX_BATCH_OPS, MAX_KERNEL_ARGS,
+    Command, LaunchArg, ModuleUse, MAX_BATCH_MODULES, MAX_BATCH_OPS, MAX_KERNEL_ARGS,
     MAX_SCALAR_ARG,
 };
 
@@ -56,7 +56,7 @@ pub(super) fn modules<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<ModuleUse>,
 
 pub(super) fn kernel_args<'de: 'a, 'a, D: Deserializer<'de>>(
     d: D,
-) -> Result<Vec<KernelArg<'a>>, D::Error> {
+) -> Result<Vec<LaunchArg<'a>>, D::Error> {
     at_most(d, MAX_KERNEL_ARGS)
 }
 

@@ -115,7 +115,7 @@ pub fn encode_commands<'a, C: Borrow<Command<'a>>>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{from_body, to_body, Id, KernelArg, LaunchSpec, ModuleHash, Op};
+    use crate::{from_body, to_body, Id, LaunchArg, LaunchSpec, ModuleHash, Op};
 
     /// One command of every kind, and a launch with every kind of argument.
     fn every_command() -> Vec<Command<'static>> {
@@ -144,15 +144,15 @@ mod tests {
                 block: [128, 1, 1],
                 shared_mem: 49_152,
                 args: vec![
-                    KernelArg::bytes([1, 2, 3, 4, 5, 6, 7, 8, 9]),
-                    KernelArg::mem(id(1)),
-                    KernelArg::Mem {
+                    LaunchArg::bytes([1, 2, 3, 4, 5, 6, 7, 8, 9]),
+                    LaunchArg::mem(id(1)),
+                    LaunchArg::Mem {
                         buf: id(2),
                         offset: big,
                     },
-                    KernelArg::Input(3),
-                    KernelArg::Output,
-                    KernelArg::bytes([]),
+                    LaunchArg::Input(3),
+                    LaunchArg::Output,
+                    LaunchArg::bytes([]),
                 ],
             }),
             Op::Record { event: id(9) },

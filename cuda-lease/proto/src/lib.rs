@@ -51,7 +51,7 @@ pub use frame::{
 };
 pub use messages::{
     BatchReply, BulkOpen, BulkTickets, DeviceInfo, DeviceLimits, ErrorBody, GpuSubmit, Hello,
-    HelloOk, Id, IdOp, Inventory, KernelArg, LaunchSpec, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef,
+    HelloOk, Id, IdOp, Inventory, LaunchArg, LaunchSpec, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef,
     LeaseRenew, LeaseState, LeaseStatus, MemAlloc, MemRead, MemWrite, ModuleHash, OpError,
     SourceKind, StreamId, BULK_TICKET_LEN, MAX_BULK_TICKETS, MAX_MODULE_OPTIONS, MAX_OPTION_LEN,
 };

@@ -380,9 +380,9 @@ pub struct IdOp {
 }
 
 /// One kernel argument. Decoded from a message, its bytes borrow from
-/// the message (`KernelArg<'static>` owns them).
+/// the message (`LaunchArg<'static>` owns them).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum KernelArg<'a> {
+pub enum LaunchArg<'a> {
     /// Bytes passed by value (an `int`, a `float`, a small struct; at most
     /// [`MAX_SCALAR_ARG`]).
     Scalar(#[serde(borrow, deserialize_with = "bounded::scalar")] Cow<'a, [u8]>),
@@ -399,10 +399,10 @@ pub enum KernelArg<'a> {
     Output,
 }
 
-impl KernelArg<'static> {
+impl LaunchArg<'static> {
     /// Bytes passed by value.
     pub fn bytes(b: impl Into<Vec<u8>>) -> Self {
-        KernelArg::Scalar(Cow::Owned(b.into()))
+        LaunchArg::Scalar(Cow::Owned(b.into()))
     }
     /// A 32-bit scalar.
     pub fn u32(v: u32) -> Self {
@@ -418,7 +418,7 @@ impl KernelArg<'static> {
     }
     /// The address of a buffer.
     pub fn mem(buf: Id) -> Self {
-        KernelArg::Mem { buf, offset: 0 }
+        LaunchArg::Mem { buf, offset: 0 }
     }
 }
 
@@ -441,7 +441,7 @@ pub struct LaunchSpec<'a> {
     /// Arguments in order (at most [`MAX_KERNEL_ARGS`], refused on the
     /// length prefix).
     #[serde(borrow, deserialize_with = "bounded::kernel_args")]
-    pub args: Vec<KernelArg<'a>>,
+    pub args: Vec<LaunchArg<'a>>,
 }
 
 impl LaunchSpec<'_> {
@@ -459,7 +459,7 @@ fn validate_launch(
     kernel: &str,
     grid: [u32; 3],
     block: [u32; 3],
-    args: &[KernelArg<'_>],
+    args: &[LaunchArg<'_>],
     submit: bool,
 ) -> Result<(), ProtoError> {
     let bad = |m: &str| Err(ProtoError::Invalid(m.into()));
@@ -474,13 +474,13 @@ fn validate_launch(
     }
     for a in args {
         match a {
-            KernelArg::Scalar(b) if b.is_empty() || b.len() > MAX_SCALAR_ARG => {
+            LaunchArg::Scalar(b) if b.is_empty() || b.len() > MAX_SCALAR_ARG => {
                 return bad("scalar arguments must be 1..=4096 bytes")
             }
-            KernelArg::Input(_) | KernelArg::Output if !submit => {
+            LaunchArg::Input(_) | LaunchArg::Output if !submit => {
                 return bad("Input/Output arguments are for GPU_SUBMIT only")
             }
-            KernelArg::Mem { .. } if submit => return bad("GPU_SUBMIT has no lease memory"),
+            LaunchArg::Mem { .. } if submit => return bad("GPU_SUBMIT has no lease memory"),
             _ => {}
         }
     }
@@ -525,9 +525,9 @@ pub struct GpuSubmit<'a> {
     pub block: [u32; 3],
     /// Dynamic shared memory bytes.
     pub shared_mem: u32,
-    /// Arguments; [`KernelArg::Input`] and [`KernelArg::Output`] name buffers.
+    /// Arguments; [`LaunchArg::Input`] and [`LaunchArg::Output`] name buffers.
     #[serde(borrow, deserialize_with = "bounded::kernel_args")]
-    pub args: Vec<KernelArg<'a>>,
+    pub args: Vec<LaunchArg<'a>>,
     /// PTX length at the start of the data.
     pub ptx_len: u32,
     /// Input lengths, in order, after the PTX.
@@ -556,7 +556,7 @@ impl GpuSubmit<'_> {
             ));
         }
         for a in &self.args {
-            if let KernelArg::Input(n) = a {
+            if let LaunchArg::Input(n) = a {
                 if *n as usize >= self.input_lens.len() {
                     return Err(ProtoError::Invalid(format!("no input {n}")));
                 }

@@ -1,6 +1,6 @@
 //! [`GpuCall`]: the description of a stateless kernel call.
 
-use crate::proto::KernelArg;
+use crate::proto::LaunchArg;
 
 /// A stateless kernel call for [`Client::gpu_call`](super::Client::gpu_call).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -15,8 +15,8 @@ pub struct GpuCall {
     pub block: [u32; 3],
     /// Dynamic shared memory.
     pub shared_mem: u32,
-    /// Arguments; use [`KernelArg::Input`] and [`KernelArg::Output`] for buffers.
-    pub args: Vec<KernelArg<'static>>,
+    /// Arguments; use [`LaunchArg::Input`] and [`LaunchArg::Output`] for buffers.
+    pub args: Vec<LaunchArg<'static>>,
     /// Input buffers.
     pub inputs: Vec<Vec<u8>>,
     /// Output size in bytes.
@@ -48,7 +48,7 @@ impl GpuCall {
     }
 
     /// Appends an argument.
-    pub fn arg(mut self, a: KernelArg<'static>) -> Self {
+    pub fn arg(mut self, a: LaunchArg<'static>) -> Self {
         self.args.push(a);
         self
     }
@@ -57,7 +57,7 @@ impl GpuCall {
     pub fn input(mut self, bytes: Vec<u8>) -> Self {
         let n = self.inputs.len() as u32;
         self.inputs.push(bytes);
-        self.args.push(KernelArg::Input(n));
+        self.args.push(LaunchArg::Input(n));
         self
     }
 }

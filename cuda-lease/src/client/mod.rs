@@ -7,7 +7,7 @@
 // HELLO, one request per stream and its reply), `stripe` (transfers striped
 // over several connections), `gpu_call` (GpuCall), `lease` (LeaseBuilder,
 // Lease, renewal, the state a lease's handles share), `session` (Session,
-// DeviceBuffer, single requests), `recorder` (Recorder,
+// LeaseBuffer, single requests), `recorder` (Recorder,
 // ReadSlot, Submitted), `message` (a numbered BATCH on the wire).
 
 mod bulk;
@@ -39,4 +39,4 @@ pub use crate::proto::Module;
 pub(crate) use message::EncodeCommands;
 pub(crate) use message::Message;
 pub use recorder::{ReadSlot, Recorder, Submitted};
-pub use session::{DeviceBuffer, Session};
+pub use session::{LeaseBuffer, Session};

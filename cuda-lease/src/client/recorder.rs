@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::lease::LeaseInner;
 use super::{Error, Message, Module};
-use crate::proto::{Command, Id, KernelArg, LaunchSpec, Op, OpError, StreamId};
+use crate::proto::{Command, Id, LaunchArg, LaunchSpec, Op, OpError, StreamId};
 
 /// A read recorded in a [`Recorder`]: where its bytes are in the reply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,7 +23,7 @@ pub struct ReadSlot {
 /// ```no_run
 /// # async fn demo(session: cuda_lease::Session) -> Result<(), cuda_lease::Error> {
 /// use cuda_lease::client::Module;
-/// use cuda_lease::proto::KernelArg;
+/// use cuda_lease::proto::LaunchArg;
 /// let module = Module::cuda(
 ///     r#"extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {
 ///         unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -38,7 +38,7 @@ pub struct ReadSlot {
 /// let ready = rec.record(0); // stream 1 waits for stream 0's upload
 /// rec.wait(1, ready);
 /// rec.launch(1, &module, "axpy", [1, 1, 1], [256, 1, 1], vec![
-///     KernelArg::f32(2.0), KernelArg::mem(bx), KernelArg::mem(by), KernelArg::u32(256),
+///     LaunchArg::f32(2.0), LaunchArg::mem(bx), LaunchArg::mem(by), LaunchArg::u32(256),
 /// ]);
 /// let y = rec.read(1, by, 0, 1024);
 /// let reply = rec.submit().await?.ok()?;
@@ -106,7 +106,7 @@ impl Recorder {
         kernel: &str,
         grid: [u32; 3],
         block: [u32; 3],
-        args: Vec<KernelArg<'static>>,
+        args: Vec<LaunchArg<'static>>,
     ) -> &mut Self {
         self.launch_spec(
             stream,

@@ -1,4 +1,4 @@
-//! [`Session`]: work on a lease, with RAII [`DeviceBuffer`]s and single
+//! [`Session`]: work on a lease, with RAII [`LeaseBuffer`]s and single
 //! requests (alloc, write, read, load, launch).
 
 use std::sync::Arc;
@@ -7,7 +7,7 @@ use super::lease::LeaseInner;
 use super::{Client, Error, Module, Recorder};
 #[cfg(feature = "backend")]
 use super::{EncodeCommands, Message};
-use crate::proto::{to_body, Id, KernelArg, LeaseId, MemAlloc, Opcode};
+use crate::proto::{to_body, Id, LaunchArg, LeaseId, MemAlloc, Opcode};
 
 /// Work on a lease: RAII buffers, single requests, and the [`Recorder`]
 /// for whole pipelines in one message. Cheap to clone.
@@ -19,13 +19,13 @@ pub struct Session {
 /// A buffer in a lease, named by a client-picked id; freed (in the
 /// background, after every queued use) when dropped.
 #[derive(Debug)]
-pub struct DeviceBuffer {
+pub struct LeaseBuffer {
     inner: Arc<LeaseInner>,
     id: Id,
     size: u64,
 }
 
-impl DeviceBuffer {
+impl LeaseBuffer {
     /// The buffer's id (for kernel arguments and recorded commands).
     pub fn id(&self) -> Id {
         self.id
@@ -37,12 +37,12 @@ impl DeviceBuffer {
     }
 
     /// This buffer as a kernel argument.
-    pub fn arg(&self) -> KernelArg<'static> {
-        KernelArg::mem(self.id)
+    pub fn arg(&self) -> LaunchArg<'static> {
+        LaunchArg::mem(self.id)
     }
 }
 
-impl Drop for DeviceBuffer {
+impl Drop for LeaseBuffer {
     fn drop(&mut self) {
         self.inner.free_in_background(self.id);
     }
@@ -110,7 +110,7 @@ impl Session {
     /// # Errors
     ///
     /// [`ErrorKind::Capacity`](crate::client::ErrorKind::Capacity) beyond the reservation.
-    pub async fn alloc(&self, size: u64) -> Result<DeviceBuffer, Error> {
+    pub async fn alloc(&self, size: u64) -> Result<LeaseBuffer, Error> {
         let buf = self.inner.fresh_id();
         let body = to_body(&MemAlloc {
             lease: self.inner.id,
@@ -118,7 +118,7 @@ impl Session {
             size,
         });
         self.inner.req(Opcode::MemAlloc, &body, &[]).await?;
-        Ok(DeviceBuffer {
+        Ok(LeaseBuffer {
             inner: self.inner.clone(),
             id: buf,
             size,
@@ -130,7 +130,7 @@ impl Session {
     /// # Errors
     ///
     /// [`ErrorKind::InvalidRequest`](crate::client::ErrorKind::InvalidRequest) out of bounds.
-    pub async fn write(&self, buf: &DeviceBuffer, offset: u64, bytes: &[u8]) -> Result<(), Error> {
+    pub async fn write(&self, buf: &LeaseBuffer, offset: u64, bytes: &[u8]) -> Result<(), Error> {
         self.write_id(buf.id, offset, bytes).await
     }
 
@@ -184,7 +184,7 @@ impl Session {
     /// # Errors
     ///
     /// [`ErrorKind::InvalidRequest`](crate::client::ErrorKind::InvalidRequest), [`ErrorKind::InvalidRequest`](crate::client::ErrorKind::InvalidRequest).
-    pub async fn read(&self, buf: &DeviceBuffer, offset: u64, len: u32) -> Result<Vec<u8>, Error> {
+    pub async fn read(&self, buf: &LeaseBuffer, offset: u64, len: u32) -> Result<Vec<u8>, Error> {
         self.read_id(buf.id, offset, len).await
     }
 
@@ -281,7 +281,7 @@ impl Session {
         kernel: &str,
         grid: [u32; 3],
         block: [u32; 3],
-        args: Vec<KernelArg<'static>>,
+        args: Vec<LaunchArg<'static>>,
     ) -> Result<(), Error> {
         let mut rec = self.recorder();
         rec.launch(0, module, kernel, grid, block, args);

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use cuda_lease::client::{Client, ClientConfig, GpuCall, Lease};
-use cuda_lease::proto::KernelArg;
+use cuda_lease::proto::LaunchArg;
 use cuda_lease_node::log;
 use cuda_lease_node::transport_args::TransportArgs;
 
@@ -356,12 +356,12 @@ fn gpu_call(
     for a in kargs {
         let (kind, v) = a.split_once(':').unwrap_or((a.as_str(), ""));
         call = match kind {
-            "out" => call.arg(KernelArg::Output),
+            "out" => call.arg(LaunchArg::Output),
             "in" => call.input(std::fs::read(v).map_err(|e| format!("{v}: {e}"))?),
-            "u32" => call.arg(KernelArg::u32(v.parse()?)),
-            "i32" => call.arg(KernelArg::bytes(v.parse::<i32>()?.to_le_bytes())),
-            "u64" => call.arg(KernelArg::u64(v.parse()?)),
-            "f32" => call.arg(KernelArg::f32(v.parse()?)),
+            "u32" => call.arg(LaunchArg::u32(v.parse()?)),
+            "i32" => call.arg(LaunchArg::bytes(v.parse::<i32>()?.to_le_bytes())),
+            "u64" => call.arg(LaunchArg::u64(v.parse()?)),
+            "f32" => call.arg(LaunchArg::f32(v.parse()?)),
             _ => return Err(format!("unknown argument {a:?}").into()),
         };
     }

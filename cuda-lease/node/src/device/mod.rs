@@ -1,8 +1,8 @@
-//! The device layer a worker process drives: the [`Device`] trait, the real
+//! The device layer a worker process drives: the [`LeaseDevice`] trait, the real
 //! [`CudaDevice`] and the in-memory test double [`MemoryDevice`].
 
 use crate::proto::{
-    Command, DeviceInfo, Id, KernelArg, LaunchSpec, ModuleHash, Op, SourceKind, Status, StreamId,
+    Command, DeviceInfo, Id, LaunchArg, LaunchSpec, ModuleHash, Op, SourceKind, Status, StreamId,
 };
 
 mod cuda;
@@ -46,13 +46,13 @@ pub const MAX_DEVICE_STREAMS: usize = 64;
 /// demand and named by the lease's client.
 ///
 /// Commands are enqueued: each runs after the earlier commands of its
-/// stream, after the event record a [`Device::wait`] names, and after the
+/// stream, after the event record a [`LeaseDevice::wait`] names, and after the
 /// earlier commands on any stream that used the same buffer in a
 /// conflicting way (a write against any use), as `cuda-core` buffers order
 /// themselves; otherwise streams run concurrently. Errors returned at
 /// enqueue (unknown ids, bounds, arguments) leave nothing enqueued; a kernel
-/// fault is sticky and surfaces at [`Device::finish`].
-pub trait Device {
+/// fault is sticky and surfaces at [`LeaseDevice::finish`].
+pub trait LeaseDevice {
     /// Describes the device, with free memory measured now.
     ///
     /// # Errors
@@ -86,7 +86,7 @@ pub trait Device {
         data: &[u8],
     ) -> Result<(), DeviceError>;
     /// Enqueues a read of `len` bytes of buffer `id` at `offset`; they land
-    /// in `out[at..at + len]` of the next [`Device::finish`].
+    /// in `out[at..at + len]` of the next [`LeaseDevice::finish`].
     ///
     /// # Errors
     ///
@@ -104,13 +104,13 @@ pub trait Device {
     ///
     /// # Errors
     ///
-    /// As [`Device::read`], and a sticky fault of earlier work.
+    /// As [`LeaseDevice::read`], and a sticky fault of earlier work.
     fn read_now(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError>;
     /// Registers `len` bytes at `ptr` (the node's ring, mapped for the
-    /// worker's life) so that [`Device::write_chunk`] and
-    /// [`Device::read_chunk`] copy straight from and to it; whether it
+    /// worker's life) so that [`LeaseDevice::write_chunk`] and
+    /// [`LeaseDevice::read_chunk`] copy straight from and to it; whether it
     /// did. By default nothing is registered and chunks go through
-    /// [`Device::write`] and [`Device::read_now`].
+    /// [`LeaseDevice::write`] and [`LeaseDevice::read_now`].
     ///
     /// # Safety
     /// The memory stays mapped as long as the device lives.
@@ -119,22 +119,22 @@ pub trait Device {
     }
     /// A chunk of a streamed MEM_WRITE: copies `data` (in the ring) into
     /// buffer `id` at `offset`. Done, and `data` free, once
-    /// [`Device::chunks_done`] has returned.
+    /// [`LeaseDevice::chunks_done`] has returned.
     ///
     /// # Errors
     ///
-    /// As [`Device::write`].
+    /// As [`LeaseDevice::write`].
     fn write_chunk(&mut self, id: Id, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
         self.write(0, id, offset, data)
     }
     /// A chunk of a streamed MEM_READ: copies `out.len()` bytes of buffer
     /// `id` at `offset` into `out` (in the ring). The bytes are there only
-    /// once [`Device::chunks_done`] has returned; until then nothing may
+    /// once [`LeaseDevice::chunks_done`] has returned; until then nothing may
     /// touch `out`.
     ///
     /// # Errors
     ///
-    /// As [`Device::read_now`].
+    /// As [`LeaseDevice::read_now`].
     fn read_chunk(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
         self.read_now(id, offset, out)
     }
@@ -194,7 +194,7 @@ pub trait Device {
     /// Captures graph `graph` natively: `enqueue` enqueues its body's
     /// commands on this device while `streams` (the body's, its first
     /// stream first) capture. `Ok(true)` when the device keeps the graph
-    /// ([`Device::launch_graph`] replays it), `Ok(false)` when it does not
+    /// ([`LeaseDevice::launch_graph`] replays it), `Ok(false)` when it does not
     /// capture (the worker replays the commands instead).
     ///
     /// # Errors
@@ -204,12 +204,12 @@ pub trait Device {
         &mut self,
         graph: Id,
         streams: &[StreamId],
-        enqueue: &mut dyn FnMut(&mut dyn Device) -> Result<(), DeviceError>,
+        enqueue: &mut dyn FnMut(&mut dyn LeaseDevice) -> Result<(), DeviceError>,
     ) -> Result<bool, DeviceError> {
         let _ = (graph, streams, enqueue);
         Ok(false)
     }
-    /// Replays a graph [`Device::capture_graph`] kept, after the work on
+    /// Replays a graph [`LeaseDevice::capture_graph`] kept, after the work on
     /// `stream` so far.
     ///
     /// # Errors
@@ -222,7 +222,7 @@ pub trait Device {
             format!("no graph {graph} on this device"),
         ))
     }
-    /// Lets go of a graph [`Device::capture_graph`] kept (after its
+    /// Lets go of a graph [`LeaseDevice::capture_graph`] kept (after its
     /// replays).
     fn free_graph(&mut self, graph: Id) {
         let _ = graph;
@@ -235,7 +235,7 @@ pub trait Device {
     fn timer_start(&mut self, stream: StreamId, timer: Id) -> Result<(), DeviceError>;
     /// Ends timer `timer` where `stream` is now: the nanoseconds between
     /// its start and its end, a little-endian `u64`, land in
-    /// `out[at..at + 8]` of the next [`Device::finish`]. The timer is gone
+    /// `out[at..at + 8]` of the next [`LeaseDevice::finish`]. The timer is gone
     /// after.
     ///
     /// # Errors
@@ -280,7 +280,7 @@ pub trait Device {
     /// batch whose reads fill `out_len` bytes, without waiting for it: its
     /// work runs on while later commands are enqueued (after it, by
     /// stream, event and buffer order, as always), and
-    /// [`Device::poll_sealed`] says when it is done.
+    /// [`LeaseDevice::poll_sealed`] says when it is done.
     fn seal(&mut self, out_len: usize) -> Ticket;
     /// The reads of sealed batch `ticket` once its work is done (the
     /// ticket is then spent), `None` while it runs.
@@ -292,7 +292,7 @@ pub trait Device {
 
     /// Enqueues command `c` through the method of its op: `data` is a
     /// write's bytes; a read's bytes (or a timer's nanoseconds) land at
-    /// `at` in the output of the next [`Device::finish`]. The one place a
+    /// `at` in the output of the next [`LeaseDevice::finish`]. The one place a
     /// protocol command becomes device calls.
     ///
     /// # Errors
@@ -344,12 +344,12 @@ fn launch_args<'a>(spec: &'a LaunchSpec<'_>) -> Result<Vec<DeviceArg<'a>>, Devic
     spec.args
         .iter()
         .map(|a| match a {
-            KernelArg::Scalar(b) => Ok(DeviceArg::Scalar(b)),
-            KernelArg::Mem { buf, offset } => Ok(DeviceArg::Mem {
+            LaunchArg::Scalar(b) => Ok(DeviceArg::Scalar(b)),
+            LaunchArg::Mem { buf, offset } => Ok(DeviceArg::Mem {
                 id: *buf,
                 offset: *offset,
             }),
-            KernelArg::Input(_) | KernelArg::Output => Err(DeviceError::new(
+            LaunchArg::Input(_) | LaunchArg::Output => Err(DeviceError::new(
                 Status::BadRequest,
                 "Input/Output are for GPU_SUBMIT",
             )),
@@ -357,6 +357,6 @@ fn launch_args<'a>(spec: &'a LaunchSpec<'_>) -> Result<Vec<DeviceArg<'a>>, Devic
         .collect()
 }
 
-/// A sealed batch of a [`Device`] (see [`Device::seal`]).
+/// A sealed batch of a [`LeaseDevice`] (see [`LeaseDevice::seal`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Ticket(pub u64);

@@ -11,7 +11,7 @@ use super::{GraphIds, IdKind, LeaseState};
 
 mod graphs;
 use crate::proto::{
-    Command, Id, KernelArg, Op, OpError, Status, StreamId, FIRST_NODE_ID, TIMER_BYTES,
+    Command, Id, LaunchArg, Op, OpError, Status, StreamId, FIRST_NODE_ID, TIMER_BYTES,
 };
 
 /// A command's effect on the lease's ids, applied when it ran.
@@ -285,12 +285,12 @@ impl Planner<'_> {
 
     /// A launch's buffer arguments name buffers of the lease, at offsets
     /// within them.
-    fn launch_args(&self, args: &[KernelArg<'_>]) -> Result<(), Refusal> {
+    fn launch_args(&self, args: &[LaunchArg<'_>]) -> Result<(), Refusal> {
         for a in args {
             match a {
-                KernelArg::Scalar(_) => {}
-                KernelArg::Mem { buf, offset } => in_range(self.buffer(*buf)?, *offset, 0)?,
-                KernelArg::Input(_) | KernelArg::Output => {
+                LaunchArg::Scalar(_) => {}
+                LaunchArg::Mem { buf, offset } => in_range(self.buffer(*buf)?, *offset, 0)?,
+                LaunchArg::Input(_) | LaunchArg::Output => {
                     return Err((Status::BadRequest, "Input/Output are for GPU_SUBMIT".into()))
                 }
             }

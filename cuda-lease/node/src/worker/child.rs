@@ -12,9 +12,11 @@ use super::messages::{
     MAX_CHUNKS_PER_CALL,
 };
 use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
-use crate::device::{CudaDevice, Device, DeviceArg, DeviceError, LaunchDims, MemoryDevice, Ticket};
+use crate::device::{
+    CudaDevice, DeviceArg, DeviceError, LaunchDims, LeaseDevice, MemoryDevice, Ticket,
+};
 use crate::proto::{
-    self, from_body, to_body, Command, Frame, GpuSubmit, Header, Id, KernelArg, ModuleHash, Op,
+    self, from_body, to_body, Command, Frame, GpuSubmit, Header, Id, LaunchArg, ModuleHash, Op,
     Opcode, SourceKind, Status,
 };
 use crate::sandbox::{CompileSandbox, Compiler};
@@ -31,10 +33,10 @@ pub(super) fn run_worker(spec: &str) -> i32 {
     let ready = Header::request(Opcode::GetInventory, 0, 0, 0);
     // Tenants' CUDA C is checked here and compiled in a confined child.
     let compiler = Arc::new(Compiler::new(CompileSandbox::from_env()));
-    let device: Result<Box<dyn Device>, DeviceError> = match DeviceSpec::parse(spec) {
+    let device: Result<Box<dyn LeaseDevice>, DeviceError> = match DeviceSpec::parse(spec) {
         Some(DeviceSpec::Cuda { ordinal }) => CudaDevice::open(ordinal).map(|mut d| {
             d.set_compiler(compiler.clone());
-            Box::new(d) as Box<dyn Device>
+            Box::new(d) as Box<dyn LeaseDevice>
         }),
         Some(DeviceSpec::Memory { capacity }) => Ok(Box::new(MemoryDevice::new(capacity))),
         None => Err(DeviceError::new(
@@ -248,7 +250,7 @@ enum Sealed {
 /// Answers every running batch whose work is done, in the order they
 /// finish. `Err` when the node's pipe broke.
 fn answer_done(
-    dev: &mut dyn Device,
+    dev: &mut dyn LeaseDevice,
     running: &mut Vec<Running>,
     held: &mut Held,
     output: &mut impl std::io::Write,
@@ -283,7 +285,7 @@ fn answer_done(
 /// `spin`, then sleeping a millisecond at a time between polls. `Ok(true)`
 /// once a request can be read, `Ok(false)` once every batch is answered.
 fn wait_for_work(
-    dev: &mut dyn Device,
+    dev: &mut dyn LeaseDevice,
     running: &mut Vec<Running>,
     held: &mut Held,
     output: &mut impl std::io::Write,
@@ -312,7 +314,7 @@ fn wait_for_work(
 /// enqueued and answers the failure (`Some`). `None`: every chunk is
 /// enqueued, to be sealed and answered when its copies are done.
 pub(super) fn enqueue_chunks(
-    dev: &mut dyn Device,
+    dev: &mut dyn LeaseDevice,
     ring: &mut Option<std::io::Result<WorkerRing>>,
     f: &Frame,
 ) -> Option<(Status, Vec<u8>)> {
@@ -362,7 +364,7 @@ pub(super) fn enqueue_chunks(
 }
 
 pub(super) fn serve(
-    dev: &mut dyn Device,
+    dev: &mut dyn LeaseDevice,
     graphs: &mut Graphs,
     compiler: &Compiler,
     cache: &mut HashSet<ModuleHash>,
@@ -441,7 +443,7 @@ impl Enqueued {
 
 /// Runs a batch to its end: enqueues it and waits for its work.
 pub(super) fn run_batch(
-    dev: &mut dyn Device,
+    dev: &mut dyn LeaseDevice,
     graphs: &mut Graphs,
     compiler: &Compiler,
     batch: &WorkerBatch<'_>,
@@ -460,7 +462,7 @@ pub(super) fn run_batch(
 /// first failure; what was enqueued runs to its end (a failure stops only
 /// what comes after it).
 pub(super) fn enqueue_batch(
-    dev: &mut dyn Device,
+    dev: &mut dyn LeaseDevice,
     graphs: &mut Graphs,
     compiler: &Compiler,
     batch: &WorkerBatch<'_>,
@@ -509,7 +511,7 @@ pub(super) fn enqueue_batch(
 }
 
 pub(super) fn submit(
-    dev: &mut dyn Device,
+    dev: &mut dyn LeaseDevice,
     cache: &mut HashSet<ModuleHash>,
     s: &GpuSubmit<'_>,
     data: &[u8],
@@ -534,7 +536,7 @@ pub(super) fn submit(
     let mut owned: Vec<Id> = Vec::new();
     let result = (|| {
         let mut next = 0u64;
-        let mut fresh = |dev: &mut dyn Device, size: u64| -> Result<Id, DeviceError> {
+        let mut fresh = |dev: &mut dyn LeaseDevice, size: u64| -> Result<Id, DeviceError> {
             let id = Id(next);
             next += 1;
             dev.alloc(0, id, size)?;
@@ -562,13 +564,13 @@ pub(super) fn submit(
             .args
             .iter()
             .map(|a| match a {
-                KernelArg::Scalar(b) => Ok(DeviceArg::Scalar(b)),
-                KernelArg::Input(n) => inputs
+                LaunchArg::Scalar(b) => Ok(DeviceArg::Scalar(b)),
+                LaunchArg::Input(n) => inputs
                     .get(*n as usize)
                     .map(|id| mem(*id))
                     .ok_or_else(|| bad("no such input")),
-                KernelArg::Output => Ok(mem(output)),
-                KernelArg::Mem { .. } => Err(bad("GPU_SUBMIT has no lease memory")),
+                LaunchArg::Output => Ok(mem(output)),
+                LaunchArg::Mem { .. } => Err(bad("GPU_SUBMIT has no lease memory")),
             })
             .collect::<Result<_, _>>()?;
         let d = LaunchDims {
@@ -616,7 +618,7 @@ impl<'d> Payload<'d> {
 /// `payload`; a read lands at `read_at` in the reply's data, which it
 /// advances.
 pub(super) fn enqueue(
-    dev: &mut dyn Device,
+    dev: &mut dyn LeaseDevice,
     c: &Command<'_>,
     payload: &mut Payload<'_>,
     read_at: &mut usize,

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use super::child::{enqueue, Payload};
-use crate::device::{Device, DeviceError};
+use crate::device::{DeviceError, LeaseDevice};
 use crate::proto::{Command, Id, Op, Status, StreamId, FIRST_NODE_ID};
 
 /// A recorded body.
@@ -45,7 +45,7 @@ impl Graphs {
     /// command.
     pub(super) fn intercept(
         &mut self,
-        dev: &mut dyn Device,
+        dev: &mut dyn LeaseDevice,
         c: &Command<'_>,
         payload: &mut Payload<'_>,
     ) -> Option<Result<(), DeviceError>> {
@@ -124,7 +124,7 @@ impl Graphs {
 /// Asks the device to capture `body` natively; whether it does. A capture
 /// that fails leaves the commands to be replayed one by one (any error
 /// they have shows at a launch).
-fn capture(dev: &mut dyn Device, graph: Id, body: &Body) -> bool {
+fn capture(dev: &mut dyn LeaseDevice, graph: Id, body: &Body) -> bool {
     match dev.capture_graph(graph, &body.streams, &mut |dev| enqueue_body(dev, body)) {
         Ok(native) => native,
         Err(e) => {
@@ -141,7 +141,7 @@ fn capture(dev: &mut dyn Device, graph: Id, body: &Body) -> bool {
 
 /// Enqueues the body's commands again, after the work on `stream` so far
 /// and before what follows it there.
-fn replay(dev: &mut dyn Device, stream: StreamId, body: &Body) -> Result<(), DeviceError> {
+fn replay(dev: &mut dyn LeaseDevice, stream: StreamId, body: &Body) -> Result<(), DeviceError> {
     let others: Vec<StreamId> = body
         .streams
         .iter()
@@ -163,7 +163,7 @@ fn replay(dev: &mut dyn Device, stream: StreamId, body: &Body) -> Result<(), Dev
 }
 
 /// Enqueues the body's kept commands, with their upload bytes.
-fn enqueue_body(dev: &mut dyn Device, body: &Body) -> Result<(), DeviceError> {
+fn enqueue_body(dev: &mut dyn LeaseDevice, body: &Body) -> Result<(), DeviceError> {
     let mut payload = Payload::new(&body.data);
     let mut read_at = 0;
     body.commands

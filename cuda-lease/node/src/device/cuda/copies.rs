@@ -23,7 +23,7 @@ impl CudaDevice {
         Ok(self.arena.as_mut().and_then(|a| a.reserve(len)))
     }
 
-    /// `Device::write` on this device: small writes staged in the batch
+    /// `LeaseDevice::write` on this device: small writes staged in the batch
     /// arena, larger ones through `cuda-core`'s pooled staging.
     pub(super) fn enqueue_write(
         &mut self,
@@ -61,7 +61,7 @@ impl CudaDevice {
             .map_err(|e| map(Status::BadRequest, "host-to-device copy", e))
     }
 
-    /// `Device::read` on this device: small reads land in the batch arena,
+    /// `LeaseDevice::read` on this device: small reads land in the batch arena,
     /// larger ones in a pooled `PinnedBuffer`; both are delivered at finish.
     pub(super) fn enqueue_read(
         &mut self,
@@ -106,7 +106,7 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// `Device::fill` on this device: a memset ordered by the buffer.
+    /// `LeaseDevice::fill` on this device: a memset ordered by the buffer.
     pub(super) fn enqueue_fill(
         &mut self,
         stream: StreamId,
@@ -136,7 +136,7 @@ impl CudaDevice {
         after.map_err(|e| map(st, "fill", e))
     }
 
-    /// `Device::copy` on this device: a device-to-device copy ordered by
+    /// `LeaseDevice::copy` on this device: a device-to-device copy ordered by
     /// both buffers.
     pub(super) fn enqueue_copy(
         &mut self,

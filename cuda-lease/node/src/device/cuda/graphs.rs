@@ -9,7 +9,7 @@ use cuda_core::TrackedGraph;
 
 use super::CudaDevice;
 use crate::device::error::map;
-use crate::device::{Device, DeviceError};
+use crate::device::{DeviceError, LeaseDevice};
 use crate::proto::{Id, Status, StreamId};
 
 impl CudaDevice {
@@ -36,12 +36,12 @@ impl CudaDevice {
         Ok(s)
     }
 
-    /// `Device::capture_graph` on this device.
+    /// `LeaseDevice::capture_graph` on this device.
     pub(super) fn capture_native(
         &mut self,
         graph: Id,
         streams: &[StreamId],
-        enqueue: &mut dyn FnMut(&mut dyn Device) -> Result<(), DeviceError>,
+        enqueue: &mut dyn FnMut(&mut dyn LeaseDevice) -> Result<(), DeviceError>,
     ) -> Result<bool, DeviceError> {
         let Some((&first, rest)) = streams.split_first() else {
             return Ok(false);
@@ -75,7 +75,7 @@ impl CudaDevice {
         Ok(true)
     }
 
-    /// `Device::launch_graph` on this device.
+    /// `LeaseDevice::launch_graph` on this device.
     pub(super) fn launch_native(&mut self, stream: StreamId, graph: Id) -> Result<(), DeviceError> {
         let stream = self.stream(stream)?;
         // Pending uses elsewhere are recorded, so the replay waits for them.

@@ -86,7 +86,7 @@ impl CudaDevice {
         Ok(k)
     }
 
-    /// `Device::launch` on this device: the arguments checked against the
+    /// `LeaseDevice::launch` on this device: the arguments checked against the
     /// kernel's PTX parameters (`launchable`), each buffer's use ordered
     /// (`use_on`), and the values laid out for the driver in storage reused by
     /// every launch (`cuda-core`'s `ArgList`).

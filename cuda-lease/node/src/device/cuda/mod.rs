@@ -7,7 +7,7 @@ use cuda_async::{CudaStream, DeviceBuffer, Kernel, Module, PinnedBuffer};
 use cuda_core::{ArenaRead, ArgList, CudaEvent, ParamClass, StagingArena};
 
 use super::error::{check_fresh, driver, map, not_found, range};
-use super::{Device, DeviceArg, DeviceError, LaunchDims, Ticket};
+use super::{DeviceArg, DeviceError, LaunchDims, LeaseDevice, Ticket};
 use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
 use crate::sandbox::Compiler;
 
@@ -91,7 +91,7 @@ pub struct CudaDevice {
     capturing: bool,
     /// Arenas of batches that are done, for the next batches.
     spare_arenas: Vec<StagingArena>,
-    /// Sealed batches, running on (see `Device::seal`).
+    /// Sealed batches, running on (see `LeaseDevice::seal`).
     sealed: HashMap<Ticket, Result<sealed::InFlight, DeviceError>>,
     next_ticket: u64,
 }
@@ -170,7 +170,7 @@ impl CudaDevice {
     }
 }
 
-impl Device for CudaDevice {
+impl LeaseDevice for CudaDevice {
     fn info(&mut self) -> Result<DeviceInfo, DeviceError> {
         let st = Status::Internal;
         let info = self.device.info().map_err(|e| map(st, "device info", e))?;
@@ -508,7 +508,7 @@ impl Device for CudaDevice {
         &mut self,
         graph: Id,
         streams: &[StreamId],
-        enqueue: &mut dyn FnMut(&mut dyn Device) -> Result<(), DeviceError>,
+        enqueue: &mut dyn FnMut(&mut dyn LeaseDevice) -> Result<(), DeviceError>,
     ) -> Result<bool, DeviceError> {
         self.capture_native(graph, streams, enqueue)
     }

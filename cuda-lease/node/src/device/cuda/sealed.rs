@@ -36,7 +36,7 @@ pub(super) struct InFlight {
 }
 
 impl CudaDevice {
-    /// Seals what was enqueued since the last seal (see `Device::seal`).
+    /// Seals what was enqueued since the last seal (see `LeaseDevice::seal`).
     pub(super) fn seal_batch(&mut self, out_len: usize) -> Ticket {
         let ticket = Ticket(self.next_ticket);
         self.next_ticket += 1;
@@ -101,7 +101,7 @@ impl CudaDevice {
         })
     }
 
-    /// Polls sealed batch `ticket` (see `Device::poll_sealed`).
+    /// Polls sealed batch `ticket` (see `LeaseDevice::poll_sealed`).
     pub(super) fn poll_batch(&mut self, ticket: Ticket) -> Option<Result<Vec<u8>, DeviceError>> {
         let Some(entry) = self.sealed.get(&ticket) else {
             return Some(Err(DeviceError::new(

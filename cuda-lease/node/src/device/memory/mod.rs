@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use super::error::{check_fresh, not_found, range, same_buffer, too_many_streams};
-use super::{Device, DeviceArg, DeviceError, LaunchDims, Ticket, MAX_DEVICE_STREAMS};
+use super::{DeviceArg, DeviceError, LaunchDims, LeaseDevice, Ticket, MAX_DEVICE_STREAMS};
 use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
 
 mod kernels;
@@ -22,7 +22,7 @@ use scheduler::{Queued, Work};
 ///
 /// Enqueued commands wait in a queue with their dependencies (the earlier
 /// command of their stream, the record a wait names, conflicting earlier
-/// uses of their buffers); [`Device::finish`] runs them, each time picking a
+/// uses of their buffers); [`LeaseDevice::finish`] runs them, each time picking a
 /// ready command of the stream with the highest id, so independent streams
 /// do not simply run in submission order, and a missing dependency shows up
 /// as wrong data.
@@ -125,7 +125,7 @@ impl MemoryDevice {
     }
 }
 
-impl Device for MemoryDevice {
+impl LeaseDevice for MemoryDevice {
     fn info(&mut self) -> Result<DeviceInfo, DeviceError> {
         Ok(DeviceInfo {
             ordinal: 0,

@@ -1,6 +1,6 @@
 //! The test double's deterministic scheduler: enqueued commands with their
-//! dependencies, run at [`Device::finish`](crate::device::Device::finish)
-//! or [`Device::seal`](crate::device::Device::seal), and the test double's
+//! dependencies, run at [`LeaseDevice::finish`](crate::device::LeaseDevice::finish)
+//! or [`LeaseDevice::seal`](crate::device::LeaseDevice::seal), and the test double's
 //! clock: each command is done at a time after its stream's, its buffers'
 //! and its dependencies' earlier work, plus what it takes (only the
 //! `delay(ms)` kernel takes time), so streams overlap in time as a GPU's
