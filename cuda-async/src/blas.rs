@@ -1,4 +1,5 @@
-//! cuBLAS matrix products as ops (feature `blas`): ordered against every
+//! cuBLAS matrix products ([`gemm`]) and matrix-vector products ([`gemv`])
+//! as ops (feature `blas`): ordered against every
 //! other use of their buffers, on the op's stream, with the stream's
 //! cuBLAS handle made once ([`cuda_core::blas::blas_handle`]).
 //!
@@ -10,7 +11,7 @@ use std::fmt;
 use std::marker::PhantomData;
 
 use cuda_core::blas::blas_handle;
-pub use cuda_core::blas::{BlasScalar, Gemm};
+pub use cuda_core::blas::{BlasScalar, Gemm, Gemv};
 use cuda_core::Result;
 
 use crate::context::ExecutionContext;
@@ -122,4 +123,103 @@ impl_into_future!(impl[T, A, B, C] for GemmOp<T, A, B, C> where
     A: DeviceSource<T>,
     B: DeviceSource<T>,
     C: DeviceTarget<T>,
+);
+
+/// Op for [`gemv`].
+#[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
+pub struct GemvOp<T, A, X, Y> {
+    g: Gemv<T>,
+    a: A,
+    x: X,
+    y: Y,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T: fmt::Debug, A, X, Y> fmt::Debug for GemvOp<T, A, X, Y> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GemvOp")
+            .field("gemv", &self.g)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `y = alpha * op(A) * x + beta * y` with cuBLAS on the op's stream;
+/// yields `(a, x, y)` back.
+///
+/// `a` and `x` are buffers, `&` buffers or views; `y` an owned buffer,
+/// `&mut` one or a writable view. The shapes are checked against their
+/// lengths before anything runs. `f32` and `f64`.
+///
+/// # Errors
+///
+/// As [`gemm`].
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_async::blas::{gemv, Gemv};
+/// use cuda_async::prelude::*;
+///
+/// // A 2x3 (column-major) times x = (1, 1, 1).
+/// let a = h2d(vec![1.0f32, 4.0, 2.0, 5.0, 3.0, 6.0]);
+/// let y = a
+///     .zip(h2d(vec![1.0f32; 3]))
+///     .zip(zeros::<f32>(2))
+///     .then(|((a, x), y)| gemv(Gemv::new(2, 3), a, x, y))
+///     .then(|(_, _, y)| d2h(y))
+///     .sync()?;
+/// assert_eq!(y.to_vec()?, [6.0, 15.0]);
+/// # Ok::<(), cuda_async::Error>(())
+/// ```
+pub fn gemv<T, A, X, Y>(g: Gemv<T>, a: A, x: X, y: Y) -> GemvOp<T, A, X, Y>
+where
+    T: BlasScalar,
+    A: DeviceSource<T>,
+    X: DeviceSource<T>,
+    Y: DeviceTarget<T>,
+{
+    GemvOp {
+        g,
+        a,
+        x,
+        y,
+        _t: PhantomData,
+    }
+}
+
+impl<T, A, X, Y> DeviceOp for GemvOp<T, A, X, Y>
+where
+    T: BlasScalar,
+    A: DeviceSource<T>,
+    X: DeviceSource<T>,
+    Y: DeviceTarget<T>,
+{
+    type Output = (A, X, Y);
+
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<(A, X, Y)> {
+        let g = self.g;
+        g.check(
+            self.a.range().len(),
+            self.x.range().len(),
+            self.y.range().len(),
+        )?;
+        let uses: (Reads<T, A>, Reads<T, X>, Writes<T, Y>) =
+            (reads(self.a), reads(self.x), writes(self.y));
+        run_foreign(ctx, "gemv", &uses, |stream, (a, x, y)| {
+            let handle = blas_handle(stream)?;
+            let mut handle = handle.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: the addresses hold what `g` reads and writes (checked
+            // above against the uses' lengths), on the stream the handle is
+            // bound to, ordered against their other uses by `run_foreign`;
+            // the stream's context is current.
+            unsafe { handle.gemv(&g, a.addr(), x.addr(), y.addr()) }
+        })?;
+        Ok(uses.into_inner())
+    }
+}
+impl_into_future!(impl[T, A, X, Y] for GemvOp<T, A, X, Y> where
+    T: BlasScalar,
+    A: DeviceSource<T>,
+    X: DeviceSource<T>,
+    Y: DeviceTarget<T>,
 );

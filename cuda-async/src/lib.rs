@@ -70,6 +70,8 @@ mod multi;
 mod op;
 mod pinned_host;
 pub mod policy;
+#[cfg(feature = "rand")]
+pub mod rand;
 mod reactor;
 pub mod remote;
 mod spread;

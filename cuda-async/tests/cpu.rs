@@ -294,4 +294,32 @@ fn library_and_foreign_ops_check_shapes_first_and_need_a_local_stream() {
         matches!(&e, cuda_async::Error::NeedsLocalStream { op, .. } if op == "cusparse spmv"),
         "{e}"
     );
+    use cuda_async::blas::{gemv, Gemv};
+    let e = gemv(Gemv::new(4, 3), &a, buf(2), buf(4))
+        .sync_with(&remote)
+        .unwrap_err();
+    assert!(
+        matches!(&e, cuda_async::Error::InvalidArgument(m) if m.contains("x holds 2 elements")),
+        "{e}"
+    );
+    let e = gemv(Gemv::new(4, 3), &a, buf(3), buf(4))
+        .sync_with(&remote)
+        .unwrap_err();
+    assert!(
+        matches!(&e, cuda_async::Error::NeedsLocalStream { op, .. } if op == "gemv"),
+        "{e}"
+    );
+    use cuda_async::rand::{normal, uniform};
+    let e = normal(1, 0.0f32, 1.0, buf(7))
+        .sync_with(&remote)
+        .unwrap_err();
+    assert!(
+        matches!(&e, cuda_async::Error::InvalidArgument(m) if m.contains("7 elements")),
+        "{e}"
+    );
+    let e = uniform(1, buf(7)).sync_with(&remote).unwrap_err();
+    assert!(
+        matches!(&e, cuda_async::Error::NeedsLocalStream { op, .. } if op == "random fill"),
+        "{e}"
+    );
 }

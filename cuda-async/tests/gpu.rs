@@ -25,6 +25,7 @@ use cuda_async::{Device, Error, Module, PinnedBuffer};
 
 mod blas;
 mod graph;
+mod rand;
 mod suite;
 
 /// The suite's typed launchers (`suite::typed`).

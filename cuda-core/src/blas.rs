@@ -10,13 +10,13 @@
 //! Matrices are column-major, as cuBLAS takes them: element `(i, j)` of a
 //! matrix with leading dimension `ld` is at `i + j * ld`.
 
-use std::collections::HashMap;
 use std::ffi::{c_int, c_longlong};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::{result, sys};
 use cudarc::driver::{CudaStream, DeviceRepr};
 
+use crate::per_stream::{failed, PerStream};
 use crate::{Error, Result};
 
 /// The library's name in errors.
@@ -47,6 +47,17 @@ pub trait BlasScalar: DeviceRepr + Copy + Send + Sync + PartialEq + 'static {
     /// for their lengths), and nothing else uses `c` meanwhile.
     #[doc(hidden)]
     unsafe fn gemm(h: sys::cublasHandle_t, g: &Gemm<Self>, a: u64, b: u64, c: u64) -> Result<()>;
+
+    /// One matrix-vector product; pointers are device addresses of the
+    /// first elements.
+    ///
+    /// # Safety
+    ///
+    /// `a`, `x` and `y` address live device memory of the handle's
+    /// context holding what `g` reads and writes ([`Gemv::check`] passed
+    /// for their lengths), and nothing else uses `y` meanwhile.
+    #[doc(hidden)]
+    unsafe fn gemv(h: sys::cublasHandle_t, g: &Gemv<Self>, a: u64, x: u64, y: u64) -> Result<()>;
 }
 
 fn op(transpose: bool) -> sys::cublasOperation_t {
@@ -57,15 +68,8 @@ fn op(transpose: bool) -> sys::cublasOperation_t {
     }
 }
 
-fn failed(call: &'static str, e: result::CublasError) -> Error {
-    Error::Library {
-        call,
-        status: format!("{:?}", e.0),
-    }
-}
-
 macro_rules! blas_scalar {
-    ($t:ty, $one:literal, $gemm:ident, $batched:ident, $call:literal, $batched_call:literal) => {
+    ($t:ty, $one:literal, $gemm:ident, $batched:ident, $gemv:ident, $call:literal, $batched_call:literal, $gemv_call:literal) => {
         impl BlasScalar for $t {
             const ZERO: Self = 0.0;
             const ONE: Self = $one;
@@ -100,7 +104,7 @@ macro_rules! blas_scalar {
                             ldc,
                         )
                     }
-                    .map_err(|e| failed($call, e))
+                    .map_err(|e| failed($call, e.0))
                 } else {
                     let [sa, sb, sc] = g.strides_c_longlong()?;
                     let batch = c_int::try_from(g.batch)
@@ -128,8 +132,38 @@ macro_rules! blas_scalar {
                             batch,
                         )
                     }
-                    .map_err(|e| failed($batched_call, e))
+                    .map_err(|e| failed($batched_call, e.0))
                 }
+            }
+
+            unsafe fn gemv(
+                h: sys::cublasHandle_t,
+                g: &Gemv<Self>,
+                a: u64,
+                x: u64,
+                y: u64,
+            ) -> Result<()> {
+                let [m, n, lda] = g.dims_c_int()?;
+                // SAFETY: the caller's contract; alpha and beta are host
+                // values (the handle's pointer mode is host); the vectors
+                // are contiguous.
+                unsafe {
+                    result::$gemv(
+                        h,
+                        op(g.transpose),
+                        m,
+                        n,
+                        &g.alpha,
+                        a as *const $t,
+                        lda,
+                        x as *const $t,
+                        1,
+                        &g.beta,
+                        y as *mut $t,
+                        1,
+                    )
+                }
+                .map_err(|e| failed($gemv_call, e.0))
             }
         }
     };
@@ -140,16 +174,20 @@ blas_scalar!(
     1.0,
     sgemm,
     sgemm_strided_batched,
+    sgemv,
     "cublasSgemm_v2",
-    "cublasSgemmStridedBatched"
+    "cublasSgemmStridedBatched",
+    "cublasSgemv_v2"
 );
 blas_scalar!(
     f64,
     1.0,
     dgemm,
     dgemm_strided_batched,
+    dgemv,
     "cublasDgemm_v2",
-    "cublasDgemmStridedBatched"
+    "cublasDgemmStridedBatched",
+    "cublasDgemv_v2"
 );
 
 /// The stored shape of an operand that is `rows` x `cols` once applied:
@@ -385,6 +423,136 @@ impl<T: BlasScalar> Gemm<T> {
     }
 }
 
+/// A matrix-vector product `y = alpha * op(A) * x + beta * y`,
+/// column-major, with `A` of `m` x `n` (leading dimension `lda`) and `x`,
+/// `y` contiguous: `x` of `n` elements and `y` of `m` (the other way round
+/// when `A` is transposed).
+///
+/// # Examples
+///
+/// ```
+/// use cuda_core::blas::Gemv;
+/// // A 4x3 times x of 3 into y of 4.
+/// let g = Gemv::<f32>::new(4, 3);
+/// g.check(12, 3, 4).unwrap();
+/// let e = g.check(12, 2, 4).unwrap_err();
+/// assert!(e.to_string().contains("x holds 2 elements"), "{e}");
+/// // Transposed: x of 4, y of 3.
+/// g.transpose().check(12, 4, 3).unwrap();
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gemv<T> {
+    /// Rows of `A` as stored.
+    pub m: usize,
+    /// Columns of `A` as stored.
+    pub n: usize,
+    /// Leading dimension of `A` (at least `m`).
+    pub lda: usize,
+    /// Whether `A` is used transposed.
+    pub transpose: bool,
+    /// The product's factor.
+    pub alpha: T,
+    /// `y`'s factor (zero: `y` is not read).
+    pub beta: T,
+}
+
+impl<T: BlasScalar> Gemv<T> {
+    /// `y = A * x` with `A` of `m` x `n`, tightly packed.
+    pub fn new(m: usize, n: usize) -> Self {
+        Self {
+            m,
+            n,
+            lda: m,
+            transpose: false,
+            alpha: T::ONE,
+            beta: T::ZERO,
+        }
+    }
+
+    /// Uses `A` transposed: `y = A^T * x`.
+    pub fn transpose(mut self) -> Self {
+        self.transpose = true;
+        self
+    }
+
+    /// Sets the leading dimension of `A`.
+    pub fn lda(mut self, lda: usize) -> Self {
+        self.lda = lda;
+        self
+    }
+
+    /// Sets `alpha`.
+    pub fn alpha(mut self, alpha: T) -> Self {
+        self.alpha = alpha;
+        self
+    }
+
+    /// Sets `beta`.
+    pub fn beta(mut self, beta: T) -> Self {
+        self.beta = beta;
+        self
+    }
+
+    /// Elements of `x` and of `y` the call uses.
+    pub fn vector_lens(&self) -> (usize, usize) {
+        if self.transpose {
+            (self.m, self.n)
+        } else {
+            (self.n, self.m)
+        }
+    }
+
+    /// Floating-point operations of the call (`2 m n`).
+    pub fn flops(&self) -> f64 {
+        2.0 * self.m as f64 * self.n as f64
+    }
+
+    /// Checks the call against buffers of `a`, `x` and `y` elements.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the argument that does not fit.
+    pub fn check(&self, a: usize, x: usize, y: usize) -> Result<()> {
+        let bad = |what: String| Err(Error::InvalidArgument(format!("gemv: {what}")));
+        let (m, n, ld) = (self.m, self.n, self.lda);
+        if ld < m.max(1) {
+            return bad(format!(
+                "the leading dimension of A is {ld}, below its {m} rows"
+            ));
+        }
+        let need = if m == 0 || n == 0 {
+            0
+        } else {
+            ld * (n - 1) + m
+        };
+        if a < need {
+            return bad(format!(
+                "A holds {a} elements, the call reads {need} ({m}x{n}, leading dimension {ld})"
+            ));
+        }
+        let (nx, ny) = self.vector_lens();
+        for (name, len, need) in [("x", x, nx), ("y", y, ny)] {
+            if len < need {
+                return bad(format!(
+                    "{name} holds {len} elements, the call uses {need} (A is {m}x{n}{})",
+                    if self.transpose { ", transposed" } else { "" }
+                ));
+            }
+        }
+        self.dims_c_int()?;
+        Ok(())
+    }
+
+    fn dims_c_int(&self) -> Result<[c_int; 3]> {
+        let named = [("m", self.m), ("n", self.n), ("lda", self.lda)];
+        let mut out = [0; 3];
+        for (o, (name, v)) in out.iter_mut().zip(named) {
+            *o = c_int::try_from(v).map_err(|_| too_large(name, v))?;
+        }
+        Ok(out)
+    }
+}
+
 /// A cuBLAS handle bound to one stream ([`blas_handle`]).
 #[derive(Debug)]
 pub struct BlasHandle {
@@ -414,25 +582,24 @@ impl BlasHandle {
         // SAFETY: the caller's contract.
         unsafe { T::gemm(self.handle, g, a, b, c) }
     }
-}
 
-/// The kept handles by (context, stream).
-type Handles = HashMap<(usize, usize), Arc<Mutex<BlasHandle>>>;
-
-/// Runs `f` with this thread's stream-capture mode relaxed (and restores
-/// it): cuBLAS allocates a handle's workspace when it makes it, which a
-/// thread capturing a graph may not do otherwise.
-fn relaxed<R>(f: impl FnOnce() -> R) -> Result<R> {
-    use cudarc::driver::sys as driver;
-    let mut mode = driver::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-    // SAFETY: exchanges this thread's mode through a valid pointer.
-    unsafe { driver::cuThreadExchangeStreamCaptureMode(&mut mode) }
-        .result()
-        .map_err(|e| Error::driver("cuThreadExchangeStreamCaptureMode", e))?;
-    let r = f();
-    // SAFETY: as above; puts the thread's own mode back.
-    let _ = unsafe { driver::cuThreadExchangeStreamCaptureMode(&mut mode) };
-    Ok(r)
+    /// Enqueues `g` on the handle's stream.
+    ///
+    /// # Safety
+    ///
+    /// As [`BlasScalar::gemv`]: the addresses hold what `g` reads and
+    /// writes, in the handle's context, and are ordered against their
+    /// other uses by the caller; the handle's context is current.
+    pub unsafe fn gemv<T: BlasScalar>(
+        &mut self,
+        g: &Gemv<T>,
+        a: u64,
+        x: u64,
+        y: u64,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { T::gemv(self.handle, g, a, x, y) }
+    }
 }
 
 /// The cuBLAS handle of `stream`, made on its first use and bound to it
@@ -447,32 +614,19 @@ fn relaxed<R>(f: impl FnOnce() -> R) -> Result<R> {
 /// [`Error::NoLibrary`] when cuBLAS cannot be loaded; a cuBLAS status if
 /// the handle cannot be made.
 pub fn blas_handle(stream: &CudaStream) -> Result<Arc<Mutex<BlasHandle>>> {
-    static HANDLES: OnceLock<Mutex<Handles>> = OnceLock::new();
+    static HANDLES: OnceLock<PerStream<BlasHandle>> = OnceLock::new();
     if !blas_present() {
         return Err(Error::NoLibrary { library: CUBLAS });
     }
-    let key = (
-        stream.context().cu_ctx() as usize,
-        stream.cu_stream() as usize,
-    );
-    let handles = HANDLES.get_or_init(Mutex::default);
-    let mut kept = handles.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(h) = kept.get(&key) {
-        return Ok(h.clone());
-    }
-    stream
-        .context()
-        .bind_to_thread()
-        .map_err(|e| Error::driver("cuCtxSetCurrent", e))?;
-    let handle = relaxed(result::create_handle)?.map_err(|e| failed("cublasCreate_v2", e))?;
-    let h = Arc::new(Mutex::new(BlasHandle { handle }));
-    // SAFETY: `handle` was just made; the stream belongs to the current
-    // context. A handle is used only for the stream of its key (a stream
-    // made later at a freed one's address is that stream).
-    unsafe { result::set_stream(handle, stream.cu_stream() as _) }
-        .map_err(|e| failed("cublasSetStream_v2", e))?;
-    kept.insert(key, h.clone());
-    Ok(h)
+    HANDLES.get_or_init(PerStream::new).get(stream, || {
+        let handle = result::create_handle().map_err(|e| failed("cublasCreate_v2", e.0))?;
+        // SAFETY: `handle` was just made; the stream belongs to the current
+        // context. A handle is used only for the stream of its key (a
+        // stream made later at a freed one's address is that stream).
+        unsafe { result::set_stream(handle, stream.cu_stream() as _) }
+            .map_err(|e| failed("cublasSetStream_v2", e.0))?;
+        Ok(BlasHandle { handle })
+    })
 }
 
 #[cfg(test)]

@@ -35,7 +35,11 @@ pub mod mapped;
 pub mod mempool;
 pub mod module;
 pub mod peer;
+#[cfg(any(feature = "blas", feature = "rand"))]
+mod per_stream;
 pub mod pinned;
+#[cfg(feature = "rand")]
+pub mod rand;
 mod raw;
 pub mod reclaim;
 pub mod registered;

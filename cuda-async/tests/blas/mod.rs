@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use cuda_async::blas::{gemm, BlasScalar, Gemm};
+use cuda_async::blas::{gemm, gemv, BlasScalar, Gemm, Gemv};
 use cuda_async::cudarc::driver::result;
 use cuda_async::foreign::{on_stream, reads, writes};
 use cuda_async::prelude::*;
@@ -257,4 +257,69 @@ fn seventy_streams_each_get_a_handle_and_multiply_right() {
             close(&got, &want, &format!("round {round}, stream {i}"));
         }
     }
+}
+
+/// `y = alpha * op(A) * x + beta * y` on the CPU, in f64.
+fn gemv_reference<T: BlasScalar + Into<f64>>(g: &Gemv<T>, a: &[T], x: &[T], y: &[T]) -> Vec<f64> {
+    let (_, ny) = g.vector_lens();
+    (0..ny)
+        .map(|i| {
+            let sum: f64 = if g.transpose {
+                (0..g.m)
+                    .map(|l| a[l + i * g.lda].into() * x[l].into())
+                    .sum()
+            } else {
+                (0..g.n)
+                    .map(|l| a[i + l * g.lda].into() * x[l].into())
+                    .sum()
+            };
+            g.alpha.into() * sum + g.beta.into() * y[i].into()
+        })
+        .collect()
+}
+
+fn gemv_both_ways<T>(rng: &mut Rng)
+where
+    T: BlasScalar + Into<f64> + From<f32> + AnyBitPattern,
+{
+    let (m, n, lda) = (37, 23, 40);
+    for transpose in [false, true] {
+        let mut g = Gemv::<T>::new(m, n)
+            .lda(lda)
+            .alpha(T::from(1.5))
+            .beta(T::from(-0.5));
+        if transpose {
+            g = g.transpose();
+        }
+        let (nx, ny) = g.vector_lens();
+        let (av, xv) = (random::<T>(rng, lda * n), random::<T>(rng, nx));
+        // y is the middle of a larger buffer; the rest stays.
+        let yv = random::<T>(rng, ny + 8);
+        let (a, x) = (upload(&av), upload(&xv));
+        let mut y = upload(&yv);
+        let view = y.slice_mut(4..4 + ny).unwrap();
+        gemv(g, &a, &x, view).sync().expect("gemv");
+        let got: Vec<f64> = download(&y).into_iter().map(Into::into).collect();
+        let want = gemv_reference(&g, &av, &xv, &yv[4..4 + ny]);
+        close(
+            &got[4..4 + ny],
+            &want,
+            &format!("gemv, transposed {transpose}"),
+        );
+        let around: Vec<f64> = yv[..4]
+            .iter()
+            .chain(&yv[4 + ny..])
+            .map(|v| (*v).into())
+            .collect();
+        let got_around: Vec<f64> = got[..4].iter().chain(&got[4 + ny..]).copied().collect();
+        assert_eq!(got_around, around, "outside the view of y");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gemv_f32_and_f64_match_the_cpu_both_ways_into_a_view() {
+    let mut rng = Rng::new();
+    gemv_both_ways::<f32>(&mut rng);
+    gemv_both_ways::<f64>(&mut rng);
 }

@@ -1,0 +1,80 @@
+//! What the CUDA libraries' ops share (features `blas`, `rand`): a library
+//! handle kept per stream, made on the stream's first use with the thread's
+//! capture mode relaxed, and the library errors.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::CudaStream;
+
+use crate::{Error, Result};
+
+/// Handles of one library, one per (context, stream), kept for the
+/// process's life: destroying a library handle synchronizes the device,
+/// and run on a background thread it made the process crash at exit under
+/// compute-sanitizer.
+#[derive(Debug)]
+pub(crate) struct PerStream<H> {
+    kept: Mutex<Kept<H>>,
+}
+
+/// The handles by (context, stream).
+type Kept<H> = HashMap<(usize, usize), Arc<Mutex<H>>>;
+
+impl<H> PerStream<H> {
+    pub(crate) fn new() -> Self {
+        Self {
+            kept: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The handle of `stream`, or a new one from `make` (run with the
+    /// stream's context current and the thread's capture mode relaxed, so
+    /// that a handle is made also while the stream is being captured into a
+    /// graph), kept for later calls on that stream.
+    pub(crate) fn get(
+        &self,
+        stream: &CudaStream,
+        make: impl FnOnce() -> Result<H>,
+    ) -> Result<Arc<Mutex<H>>> {
+        let key = (
+            stream.context().cu_ctx() as usize,
+            stream.cu_stream() as usize,
+        );
+        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(h) = kept.get(&key) {
+            return Ok(h.clone());
+        }
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::driver("cuCtxSetCurrent", e))?;
+        let h = Arc::new(Mutex::new(relaxed(make)??));
+        kept.insert(key, h.clone());
+        Ok(h)
+    }
+}
+
+/// Runs `f` with this thread's stream-capture mode relaxed (and restores
+/// it): a library allocates a handle's workspace when it makes it, which a
+/// thread capturing a graph may not do otherwise.
+fn relaxed<R>(f: impl FnOnce() -> R) -> Result<R> {
+    use cudarc::driver::sys as driver;
+    let mut mode = driver::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: exchanges this thread's mode through a valid pointer.
+    unsafe { driver::cuThreadExchangeStreamCaptureMode(&mut mode) }
+        .result()
+        .map_err(|e| Error::driver("cuThreadExchangeStreamCaptureMode", e))?;
+    let r = f();
+    // SAFETY: as above; puts the thread's own mode back.
+    let _ = unsafe { driver::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    Ok(r)
+}
+
+/// A library call's failure status as an [`Error`].
+pub(crate) fn failed(call: &'static str, status: impl std::fmt::Debug) -> Error {
+    Error::Library {
+        call,
+        status: format!("{status:?}"),
+    }
+}
