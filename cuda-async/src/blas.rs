@@ -7,17 +7,41 @@
 //! `C = A * B` (`A` of `m` x `k`) is the column-major `C^T = B^T * A^T`:
 //! `gemm(Gemm::new(n, m, k), b, a, c)`.
 
+use std::any::TypeId;
 use std::fmt;
 use std::marker::PhantomData;
+use std::ops::Range;
 
 use cuda_core::blas::blas_handle;
 pub use cuda_core::blas::{BlasScalar, Gemm, Gemv};
 use cuda_core::Result;
 
+use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
 use crate::foreign::{reads, run_foreign, writes, Reads, StreamUses, Writes};
 use crate::op::{impl_into_future, DeviceOp};
+use crate::remote::proto::{Dtype, GemmSpec, Operand};
+use crate::remote::{Id, Op, RemoteContext};
 use crate::view::{DeviceSource, DeviceTarget};
+
+/// The protocol's element type of `T` (`f32` or `f64`, the only
+/// [`BlasScalar`]s).
+fn dtype<T: BlasScalar>() -> Dtype {
+    if TypeId::of::<T>() == TypeId::of::<f32>() {
+        Dtype::F32
+    } else {
+        Dtype::F64
+    }
+}
+
+/// A matrix on a remote context: its buffer's id there and the byte offset
+/// of its first element.
+fn operand<T>(r: &RemoteContext, buf: &DeviceBuffer<T>, at: Range<usize>) -> Result<Operand> {
+    Ok(Operand {
+        buf: Id(r.id_of(buf)?),
+        offset: (at.start * std::mem::size_of::<T>()) as u64,
+    })
+}
 
 /// Op for [`gemm`].
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
@@ -51,8 +75,11 @@ impl<T: fmt::Debug, A, B, C> fmt::Debug for GemmOp<T, A, B, C> {
 /// [`Error::InvalidArgument`](cuda_core::Error::InvalidArgument) for a
 /// shape that does not fit its buffer;
 /// [`Error::NoLibrary`](cuda_core::Error::NoLibrary) when cuBLAS cannot be
-/// loaded; [`Error::NeedsLocalStream`](cuda_core::Error::NeedsLocalStream)
-/// on a remote context.
+/// loaded.
+///
+/// On a remote context the product is one command that the node runs with
+/// its own cuBLAS (no kernel is shipped), after checking the shapes against
+/// the buffers again.
 ///
 /// # Examples
 ///
@@ -104,6 +131,28 @@ where
             self.b.range().len(),
             self.c.range().len(),
         )?;
+        if let Some(r) = ctx.as_remote() {
+            // The node runs it with its own cuBLAS (and checks the shapes
+            // against the buffers again); the buffers order themselves
+            // there, as a launch's do.
+            let spec = GemmSpec {
+                dtype: dtype::<T>(),
+                a: operand(r, self.a.buffer(), self.a.range())?,
+                b: operand(r, self.b.buffer(), self.b.range())?,
+                c: operand(r, self.c.buffer(), self.c.range())?,
+                m: g.m as u64,
+                n: g.n as u64,
+                k: g.k as u64,
+                ld: [g.lda, g.ldb, g.ldc].map(|v| v as u64),
+                transpose: [g.transpose_a, g.transpose_b],
+                scalars: [g.alpha.to_f64().to_bits(), g.beta.to_f64().to_bits()],
+                batch: g.batch as u64,
+                strides: [g.stride_a, g.stride_b, g.stride_c].map(|v| v as u64),
+            };
+            let stream = r.stream();
+            r.recording().push(stream, Op::Gemm(spec));
+            return Ok((self.a, self.b, self.c));
+        }
         let uses: (Reads<T, A>, Reads<T, B>, Writes<T, C>) =
             (reads(self.a), reads(self.b), writes(self.c));
         run_foreign(ctx, "gemm", &uses, |stream, (a, b, c)| {
@@ -152,7 +201,9 @@ impl<T: fmt::Debug, A, X, Y> fmt::Debug for GemvOp<T, A, X, Y> {
 ///
 /// # Errors
 ///
-/// As [`gemm`].
+/// As [`gemm`], and
+/// [`Error::NeedsLocalStream`](cuda_core::Error::NeedsLocalStream) on a
+/// remote context.
 ///
 /// # Examples
 ///

@@ -262,10 +262,11 @@ fn kernels_macro_generates_a_typed_launcher_per_kernel_of_the_file() {
     assert_eq!(m.kernel("scale").unwrap().params().map(<[_]>::len), Some(4));
 }
 
-/// Library ops check their shapes before anything runs, and name
-/// themselves when they need a local stream (a remote context has none).
+/// Library ops check their shapes before anything runs; a GEMM is one
+/// command on a remote context, and the others name themselves when they
+/// need a local stream (a remote context has none).
 #[test]
-fn library_and_foreign_ops_check_shapes_first_and_need_a_local_stream() {
+fn library_and_foreign_ops_check_shapes_first_and_run_remotely_or_need_a_local_stream() {
     use cuda_async::blas::{gemm, Gemm};
     use cuda_async::foreign::{on_stream, reads, writes};
     let session = Arc::new(Counting::default());
@@ -279,14 +280,14 @@ fn library_and_foreign_ops_check_shapes_first_and_need_a_local_stream() {
         matches!(&e, cuda_async::Error::InvalidArgument(m) if m.contains("B holds 5 elements")),
         "{e}"
     );
+    // A product that fits is one command on a remote context: the node
+    // runs it with its own cuBLAS.
     let (b, c) = (buf(6), buf(8));
-    let e = gemm(Gemm::new(4, 2, 3), &a, &b, c)
+    let before = session.seen().2;
+    gemm(Gemm::new(4, 2, 3), &a, &b, c)
         .sync_with(&remote)
-        .unwrap_err();
-    assert!(
-        matches!(&e, cuda_async::Error::NeedsLocalStream { op, .. } if op == "gemm"),
-        "{e}"
-    );
+        .expect("a remote gemm is recorded");
+    assert_eq!(session.seen().2, before + 1, "one command");
     let e = on_stream("cusparse spmv", (reads(&a), writes(buf(4))), |_, _| Ok(()))
         .sync_with(&remote)
         .unwrap_err();

@@ -37,6 +37,10 @@ pub trait BlasScalar: DeviceRepr + Copy + Send + Sync + PartialEq + 'static {
     /// One.
     const ONE: Self;
 
+    /// The value as `f64` (exact for both types).
+    #[doc(hidden)]
+    fn to_f64(self) -> f64;
+
     /// One product (`batch` is 1) or a strided batch; pointers are device
     /// addresses of the first elements.
     ///
@@ -73,6 +77,10 @@ macro_rules! blas_scalar {
         impl BlasScalar for $t {
             const ZERO: Self = 0.0;
             const ONE: Self = $one;
+
+            fn to_f64(self) -> f64 {
+                f64::from(self)
+            }
 
             unsafe fn gemm(
                 h: sys::cublasHandle_t,

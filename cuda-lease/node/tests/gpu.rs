@@ -136,6 +136,100 @@ mod over_a_lease {
         );
     }
 
+    /// A GEMM on a lease runs by the node's cuBLAS and gives the same bits
+    /// as the same call locally on this GPU: f32 with transposes, alpha and
+    /// beta, an f64 strided batch, and a product inside a remote graph.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn a_gemm_on_a_lease_matches_the_local_one_bit_for_bit() {
+        use cuda_async::blas::{gemm, Gemm};
+        use cuda_async::prelude::*;
+        let backend = RemoteBackend::start();
+        let remote = &backend.policy;
+        let local =
+            cuda_async::StreamPoolRoundRobin::new(&cuda_async::Device::new(0).unwrap(), 2).unwrap();
+        let (m, n, k) = (96, 80, 112);
+        let g = Gemm::<f32>::new(m, n, k)
+            .transpose_a()
+            .alpha(1.25)
+            .beta(-0.5);
+        let (av, bv, cv) = (
+            random_f32(m * k, 1),
+            random_f32(k * n, 2),
+            random_f32(m * n, 3),
+        );
+        let op = || {
+            let (a, b, c) = (av.clone(), bv.clone(), cv.clone());
+            h2d(a)
+                .zip(h2d(b))
+                .zip(h2d(c))
+                .then(move |((a, b), c)| gemm(g, a, b, c))
+                .then(|(_, _, c)| d2h(c))
+        };
+        let here = op().sync_with(&local).unwrap().to_vec().unwrap();
+        let there = op().sync_with(remote).unwrap().to_vec().unwrap();
+        assert!(here.iter().any(|v| *v != 0.0));
+        assert_eq!(
+            here.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            there.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "f32, A transposed"
+        );
+        let g = Gemm::<f64>::new(16, 24, 8).transpose_b().batched(4);
+        let av: Vec<f64> = random_f32(4 * 16 * 8, 4)
+            .into_iter()
+            .map(f64::from)
+            .collect();
+        let bv: Vec<f64> = random_f32(4 * 24 * 8, 5)
+            .into_iter()
+            .map(f64::from)
+            .collect();
+        let op = || {
+            let (a, b) = (av.clone(), bv.clone());
+            h2d(a)
+                .zip(h2d(b))
+                .zip(zeros::<f64>(4 * 16 * 24))
+                .then(move |((a, b), c)| gemm(g, a, b, c))
+                .then(|(_, _, c)| d2h(c))
+        };
+        let here = op().sync_with(&local).unwrap().to_vec().unwrap();
+        let there = op().sync_with(remote).unwrap().to_vec().unwrap();
+        assert_eq!(
+            here.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            there.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "f64, a strided batch"
+        );
+        // Captured on the lease, replayed twice: C += A * B each time.
+        let g = Gemm::<f32>::new(32, 32, 32).beta(1.0);
+        let (a, b) = (random_f32(1024, 6), random_f32(1024, 7));
+        let a = Arc::new(h2d(a).sync_with(remote).unwrap());
+        let b = Arc::new(h2d(b).sync_with(remote).unwrap());
+        let c = zeros::<f32>(1024).sync_with(remote).unwrap();
+        let graph = value(c)
+            .then(move |c| gemm(g, a.clone(), b.clone(), c))
+            .map(|(_, _, c)| c)
+            .graph_with(remote)
+            .expect("a gemm captures on a lease");
+        graph.launch().sync_with(remote).expect("replay 1");
+        let once = d2h(graph.output())
+            .sync_with(remote)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        graph.launch().sync_with(remote).expect("replay 2");
+        let twice = d2h(graph.output())
+            .sync_with(remote)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        for (i, (o, t)) in once.iter().zip(&twice).enumerate() {
+            assert!(
+                (2.0 * o - t).abs() <= 1e-4 * (1.0 + t.abs()),
+                "element {i}: one replay {o}, two {t}"
+            );
+        }
+        assert!(once.iter().any(|v| *v != 0.0));
+    }
+
     /// Bytes the lease has allocated on the node now.
     fn allocated(backend: &RemoteBackend) -> u64 {
         let lease = backend.lease.as_ref().unwrap().lease();

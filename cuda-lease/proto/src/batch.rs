@@ -7,8 +7,8 @@ use serde::{Deserialize, Serialize};
 #[cfg(doc)]
 use super::Status;
 use super::{
-    bounded, Id, LaunchArg, LaunchSpec, LeaseId, ModuleHash, ProtoError, SourceKind, StreamId,
-    MAX_BATCH_OPS,
+    bounded, GemmSpec, Id, LaunchArg, LaunchSpec, LeaseId, ModuleHash, ProtoError, SourceKind,
+    StreamId, MAX_BATCH_OPS,
 };
 
 /// Bytes an [`Op::TimerEnd`] adds to the reply data (a little-endian
@@ -156,6 +156,10 @@ pub enum Op<'a> {
         /// The graph.
         graph: Id,
     },
+    /// A matrix product by the node's cuBLAS (no kernel shipped): reads
+    /// `A` and `B`, writes `C` (reads it too unless `beta` is zero). The
+    /// node checks the shapes against the buffers' sizes.
+    Gemm(GemmSpec),
 }
 
 impl Op<'_> {
@@ -186,6 +190,11 @@ impl Op<'_> {
                         f(*buf, true);
                     }
                 }
+            }
+            Op::Gemm(g) => {
+                f(g.a.buf, false);
+                f(g.b.buf, false);
+                f(g.c.buf, true);
             }
             _ => {}
         }
@@ -250,6 +259,7 @@ impl Op<'_> {
             Op::GraphBegin { graph } => Op::GraphBegin { graph },
             Op::GraphEnd { graph } => Op::GraphEnd { graph },
             Op::GraphLaunch { graph } => Op::GraphLaunch { graph },
+            Op::Gemm(g) => Op::Gemm(g),
         }
     }
 
@@ -277,6 +287,11 @@ impl Op<'_> {
             Op::TimerStart { timer } | Op::TimerEnd { timer } => f(*timer),
             Op::GraphBegin { graph } | Op::GraphEnd { graph } | Op::GraphLaunch { graph } => {
                 f(*graph)
+            }
+            Op::Gemm(g) => {
+                f(g.a.buf);
+                f(g.b.buf);
+                f(g.c.buf);
             }
         }
     }

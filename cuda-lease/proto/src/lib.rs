@@ -33,6 +33,7 @@ mod bounded;
 mod codec;
 mod error;
 mod frame;
+mod gemm;
 mod messages;
 mod module;
 
@@ -49,6 +50,7 @@ pub use frame::{
     Status, ALPN, BULK_ALPN, CLOSE_NODE_SHUTDOWN, FLAG_REPLY, HEADER_LEN, MAGIC, SMALL_FRAME,
     VERSION,
 };
+pub use gemm::{Dtype, GemmSpec, Operand};
 pub use messages::{
     BatchReply, BulkOpen, BulkTickets, DeviceInfo, DeviceLimits, ErrorBody, GpuSubmit, Hello,
     HelloOk, Id, IdOp, Inventory, LaunchArg, LaunchSpec, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef,

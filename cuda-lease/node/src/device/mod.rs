@@ -2,7 +2,8 @@
 //! [`CudaDevice`] and the in-memory test double [`MemoryDevice`].
 
 use crate::proto::{
-    Command, DeviceInfo, Id, LaunchArg, LaunchSpec, ModuleHash, Op, SourceKind, Status, StreamId,
+    Command, DeviceInfo, GemmSpec, Id, LaunchArg, LaunchSpec, ModuleHash, Op, SourceKind, Status,
+    StreamId,
 };
 
 mod cuda;
@@ -269,6 +270,14 @@ pub trait LeaseDevice {
         dst: (Id, u64),
         len: u64,
     ) -> Result<(), DeviceError>;
+    /// Enqueues a matrix product by the device's own BLAS (cuBLAS on a
+    /// GPU), ordered like a launch that reads `A` and `B` and writes `C`.
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND, BAD_REQUEST for a shape outside its buffers, or the
+    /// library's error.
+    fn gemm(&mut self, stream: StreamId, spec: &GemmSpec) -> Result<(), DeviceError>;
     /// Waits for everything enqueued on every stream and delivers the
     /// enqueued reads into `out`.
     ///
@@ -331,6 +340,7 @@ pub trait LeaseDevice {
             } => self.copy(s, (*src, *src_offset), (*dst, *dst_offset), *len),
             Op::TimerStart { timer } => self.timer_start(s, *timer),
             Op::TimerEnd { timer } => self.timer_end(s, *timer, at),
+            Op::Gemm(g) => self.gemm(s, g),
             // The worker's graphs run them.
             Op::GraphBegin { .. } | Op::GraphEnd { .. } | Op::GraphLaunch { .. } => Err(
                 DeviceError::new(Status::BadRequest, "a graph command out of place"),

@@ -11,7 +11,7 @@ use super::{GraphIds, IdKind, LeaseState};
 
 mod graphs;
 use crate::proto::{
-    Command, Id, LaunchArg, Op, OpError, Status, StreamId, FIRST_NODE_ID, TIMER_BYTES,
+    Command, GemmSpec, Id, LaunchArg, Op, OpError, Status, StreamId, FIRST_NODE_ID, TIMER_BYTES,
 };
 
 /// A command's effect on the lease's ids, applied when it ran.
@@ -298,6 +298,37 @@ impl Planner<'_> {
         Ok(())
     }
 
+    /// Checks a GEMM's shapes against its buffers: each matrix lies in its
+    /// buffer at an offset of whole elements, and `C` overlaps neither `A`
+    /// nor `B`.
+    fn gemm(&self, g: &GemmSpec) -> Result<(), Refusal> {
+        let bad = |m: String| (Status::BadRequest, m);
+        let extents = g.extents().map_err(bad)?;
+        let size = g.dtype.size();
+        let mut spans = [(Id(0), 0u64, 0u64); 3];
+        for (i, (name, o, _)) in g.operands().into_iter().enumerate() {
+            if o.offset % size != 0 {
+                return Err(bad(format!(
+                    "gemm: {name} starts at byte {}, not at a whole element of {size} bytes",
+                    o.offset
+                )));
+            }
+            let bytes = extents[i]
+                .checked_mul(size)
+                .ok_or_else(|| bad(format!("gemm: {name} spans more than 2^64 bytes")))?;
+            in_range(self.buffer(o.buf)?, o.offset, bytes)
+                .map_err(|(s, m)| (s, format!("gemm: {name}: {m}")))?;
+            spans[i] = (o.buf, o.offset, o.offset + bytes);
+        }
+        let c = spans[2];
+        for (name, s) in [("A", spans[0]), ("B", spans[1])] {
+            if s.0 == c.0 && s.1 < c.2 && c.1 < s.2 {
+                return Err(bad(format!("gemm: C overlaps {name} in buffer {}", c.0)));
+            }
+        }
+        Ok(())
+    }
+
     fn step(&mut self, c: &Command<'_>, charges: &mut dyn Charges) -> Result<Step, Refusal> {
         let stream = c.stream;
         if !self.streams.contains(&stream) && self.streams.len() >= self.limits.max_streams {
@@ -386,6 +417,10 @@ impl Planner<'_> {
                 }
                 self.reply_bytes(TIMER_BYTES as u64, charges)?;
                 Step::effect(Effect::Free(*timer))
+            }
+            Op::Gemm(g) => {
+                self.gemm(g)?;
+                Step::effect(Effect::None)
             }
             // Planned by `graph_step`.
             Op::GraphBegin { .. } | Op::GraphEnd { .. } | Op::GraphLaunch { .. } => {

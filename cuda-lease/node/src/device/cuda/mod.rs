@@ -8,9 +8,10 @@ use cuda_core::{ArenaRead, ArgList, CudaEvent, ParamClass, StagingArena};
 
 use super::error::{check_fresh, driver, map, not_found, range};
 use super::{DeviceArg, DeviceError, LaunchDims, LeaseDevice, Ticket};
-use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
+use crate::proto::{DeviceInfo, GemmSpec, Id, ModuleHash, SourceKind, Status, StreamId};
 use crate::sandbox::Compiler;
 
+mod blas;
 mod buffers;
 mod copies;
 mod graphs;
@@ -306,6 +307,10 @@ impl LeaseDevice for CudaDevice {
         len: u64,
     ) -> Result<(), DeviceError> {
         self.enqueue_copy(stream, src, dst, len)
+    }
+
+    fn gemm(&mut self, stream: StreamId, spec: &GemmSpec) -> Result<(), DeviceError> {
+        self.enqueue_gemm(stream, spec)
     }
 
     unsafe fn register_ring(&mut self, ptr: *mut u8, len: usize) -> bool {

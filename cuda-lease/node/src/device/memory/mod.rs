@@ -5,8 +5,9 @@ use std::time::Instant;
 
 use super::error::{check_fresh, not_found, range, same_buffer, too_many_streams};
 use super::{DeviceArg, DeviceError, LaunchDims, LeaseDevice, Ticket, MAX_DEVICE_STREAMS};
-use crate::proto::{DeviceInfo, Id, ModuleHash, SourceKind, Status, StreamId};
+use crate::proto::{DeviceInfo, GemmSpec, Id, ModuleHash, SourceKind, Status, StreamId};
 
+mod gemm;
 mod kernels;
 mod scheduler;
 #[cfg(test)]
@@ -253,6 +254,23 @@ impl LeaseDevice for MemoryDevice {
             len: rs.len(),
         };
         self.enqueue(stream, work, &[s], &[d], None);
+        Ok(())
+    }
+
+    fn gemm(&mut self, stream: StreamId, g: &GemmSpec) -> Result<(), DeviceError> {
+        self.check_fault()?;
+        self.check_stream(stream)?;
+        let extents = g
+            .extents()
+            .map_err(|e| DeviceError::new(Status::BadRequest, e))?;
+        let mut slots = [0; 3];
+        for (i, (_, o, _)) in g.operands().into_iter().enumerate() {
+            let (slot, size) = self.slot(o.buf)?;
+            range(size, o.offset, extents[i].saturating_mul(g.dtype.size()))?;
+            slots[i] = slot;
+        }
+        let work = Work::Gemm { spec: *g, slots };
+        self.enqueue(stream, work, &slots[..2], &slots[2..], None);
         Ok(())
     }
 

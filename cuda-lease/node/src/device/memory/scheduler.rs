@@ -62,6 +62,11 @@ pub(super) enum Work {
         threads: u64,
         args: Vec<HostArg>,
     },
+    /// A matrix product on the buffers of `slots` (`A`, `B`, `C`).
+    Gemm {
+        spec: crate::proto::GemmSpec,
+        slots: [usize; 3],
+    },
     Nothing,
 }
 
@@ -199,6 +204,15 @@ impl MemoryDevice {
                     .map(|b| b[src.1..src.1 + len].to_vec());
                 if let (Some(bytes), Some(d)) = (bytes, self.store.get_mut(&dst.0)) {
                     d[dst.1..dst.1 + len].copy_from_slice(&bytes);
+                }
+            }
+            Work::Gemm { spec, slots } => {
+                let tail = |slot: usize, offset: u64| {
+                    self.store.get(&slot).map(|b| b[offset as usize..].to_vec())
+                };
+                let (a, b) = (tail(slots[0], spec.a.offset), tail(slots[1], spec.b.offset));
+                if let (Some(a), Some(b), Some(c)) = (a, b, self.store.get_mut(&slots[2])) {
+                    super::gemm::host_gemm(&spec, &a, &b, &mut c[spec.c.offset as usize..]);
                 }
             }
             Work::Read { slot, range, at } => {

@@ -39,6 +39,26 @@ fn cmd(stream: StreamId, op: Op<'static>) -> Command<'static> {
     Command { stream, op }
 }
 
+/// A 2x2x2 f32 product with all three matrices in `buf`, at these byte
+/// offsets and leading dimensions.
+fn gemm_in(buf: Id, offsets: [u64; 3], ld: [u64; 3]) -> Op<'static> {
+    let at = |offset| crate::proto::Operand { buf, offset };
+    Op::Gemm(crate::proto::GemmSpec {
+        dtype: crate::proto::Dtype::F32,
+        a: at(offsets[0]),
+        b: at(offsets[1]),
+        c: at(offsets[2]),
+        m: 2,
+        n: 2,
+        k: 2,
+        ld,
+        transpose: [false; 2],
+        scalars: [1f64.to_bits(), 0],
+        batch: 1,
+        strides: [0; 3],
+    })
+}
+
 fn run(state: &LeaseState, commands: &[Command<'_>], b: &mut Budget) -> Plan {
     plan(LIMITS, state, commands, b)
 }
@@ -165,6 +185,26 @@ fn the_first_refused_command_ends_the_plan_and_is_named() {
             ),
             Status::BadRequest,
             "reads exceed",
+        ),
+        (
+            cmd(0, gemm_in(a, [96, 0, 32], [2, 2, 2])),
+            Status::BadRequest,
+            "gemm: A: range 96+16",
+        ),
+        (
+            cmd(0, gemm_in(a, [0, 16, 8], [2, 2, 2])),
+            Status::BadRequest,
+            "C overlaps A",
+        ),
+        (
+            cmd(0, gemm_in(a, [0, 16, 34], [2, 2, 2])),
+            Status::BadRequest,
+            "not at a whole element",
+        ),
+        (
+            cmd(0, gemm_in(a, [0, 16, 32], [1, 2, 2])),
+            Status::BadRequest,
+            "leading dimension of A is 1",
         ),
     ];
     for (bad, status, text) in cases {
