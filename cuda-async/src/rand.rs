@@ -60,8 +60,10 @@ impl<T: fmt::Debug, D> fmt::Debug for FillOp<T, D> {
 /// [`Error::InvalidArgument`](cuda_core::Error::InvalidArgument) for a
 /// fill that does not fit its buffer (a normal fill of an odd length);
 /// [`Error::NoLibrary`](cuda_core::Error::NoLibrary) when cuRAND cannot be
-/// loaded; [`Error::NeedsLocalStream`](cuda_core::Error::NeedsLocalStream)
-/// on a remote context.
+/// loaded; [`Error::Capture`](cuda_core::Error::Capture) inside a graph
+/// capture (cuRAND's host API fails there: fill before capturing);
+/// [`Error::NeedsLocalStream`](cuda_core::Error::NeedsLocalStream) on a
+/// remote context.
 ///
 /// # Examples
 ///

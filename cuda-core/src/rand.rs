@@ -5,7 +5,8 @@
 //! [`rand_generator`] gives the cuRAND generator of a stream, made and
 //! bound to it on first use and kept. A fill restarts the generator at its
 //! seed, so the same seed gives the same values whatever ran before it and
-//! on whichever stream. The raw calls are here; `cuda-async`'s `rand`
+//! on whichever stream. Fills cannot be captured into graphs: cuRAND's
+//! host API fails inside a stream capture, so [`rand_generator`] refuses. The raw calls are here; `cuda-async`'s `rand`
 //! module orders them against every other use of their buffers.
 
 use std::fmt;
@@ -109,8 +110,8 @@ pub enum Distribution<T> {
 }
 
 /// One random fill of a buffer: a seed and a [`Distribution`]. The
-/// generator is cuRAND's default pseudo-random one (XORWOW), restarted at
-/// the seed for every fill.
+/// generator is cuRAND's Philox4x32-10, restarted at the seed for every
+/// fill.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Fill<T> {
     seed: u64,
@@ -203,29 +204,39 @@ impl RandGenerator {
     }
 }
 
-/// The cuRAND generator of `stream`, made on its first use and bound to it
-/// (also while the stream is being captured into a graph), then kept for
-/// the process's life: one per stream a fill ran on.
+/// The cuRAND generator of `stream`, made on its first use and bound to it,
+/// then kept for the process's life: one per stream a fill ran on.
 ///
 /// # Errors
 ///
-/// [`Error::NoLibrary`] when cuRAND cannot be loaded; a cuRAND status if
-/// the generator cannot be made.
+/// [`Error::NoLibrary`] when cuRAND cannot be loaded; [`Error::Capture`]
+/// on a stream being captured into a graph (cuRAND's host API fails
+/// there); a cuRAND status if the generator cannot be made.
 pub fn rand_generator(stream: &CudaStream) -> Result<Arc<Mutex<RandGenerator>>> {
     static GENERATORS: OnceLock<PerStream<RandGenerator>> = OnceLock::new();
     if !rand_present() {
         return Err(Error::NoLibrary { library: CURAND });
     }
-    GENERATORS.get_or_init(PerStream::new).get(stream, || {
+    let make = || {
+        // Philox: counter-based, so a seed needs no state set-up kernel.
         let generator =
-            result::create_generator().map_err(|e| failed("curandCreateGenerator", e.0))?;
+            result::create_generator_kind(sys::curandRngType_t::CURAND_RNG_PSEUDO_PHILOX4_32_10)
+                .map_err(|e| failed("curandCreateGenerator", e.0))?;
         // SAFETY: `generator` was just made; the stream belongs to the
-        // current context. A generator is used only for the stream of its
-        // key.
+        // current context. A generator is used only for the stream it was
+        // made for.
         unsafe { result::set_stream(generator, stream.cu_stream() as _) }
             .map_err(|e| failed("curandSetStream", e.0))?;
         Ok(RandGenerator { generator })
-    })
+    };
+    if crate::graph::is_capturing(stream)? {
+        return Err(Error::Capture(
+            "a cuRAND fill cannot be captured (cuRAND's host API fails inside a stream \
+             capture): fill the buffer before capturing"
+                .into(),
+        ));
+    }
+    GENERATORS.get_or_init(PerStream::new).get(stream, make)
 }
 
 #[cfg(test)]
