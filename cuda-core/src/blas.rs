@@ -212,6 +212,34 @@ fn too_large(what: &str, v: usize) -> Error {
     Error::InvalidArgument(format!("{what} ({v}) is beyond what cuBLAS takes (i32)"))
 }
 
+/// The named sizes as cuBLAS's integer type `I`.
+fn fits<I, const N: usize>(named: [(&str, usize); N]) -> Result<[I; N]>
+where
+    I: TryFrom<usize> + Copy + Default,
+{
+    let mut out = [I::default(); N];
+    for (o, (name, v)) in out.iter_mut().zip(named) {
+        *o = I::try_from(v).map_err(|_| too_large(name, v))?;
+    }
+    Ok(out)
+}
+
+/// The elements a `rows` x `cols` matrix with leading dimension `ld`
+/// spans, or why it cannot be.
+fn span(name: &str, rows: usize, cols: usize, ld: usize) -> std::result::Result<usize, String> {
+    if ld < rows.max(1) {
+        return Err(format!(
+            "the leading dimension of {name} is {ld}, below its {rows} rows"
+        ));
+    }
+    if rows == 0 || cols == 0 {
+        return Ok(0);
+    }
+    ld.checked_mul(cols - 1)
+        .and_then(|v| v.checked_add(rows))
+        .ok_or_else(|| format!("{name} spans more elements than there are"))
+}
+
 /// A matrix product `C = alpha * op(A) * op(B) + beta * C`, column-major,
 /// with `op(A)` of `m` x `k`, `op(B)` of `k` x `n` and `C` of `m` x `n`;
 /// or a batch of them, each matrix `stride` elements after the last.
@@ -343,91 +371,98 @@ impl<T: BlasScalar> Gemm<T> {
         2.0 * self.m as f64 * self.n as f64 * self.k as f64 * self.batch as f64
     }
 
-    /// Checks the call against buffers of `a`, `b` and `c` elements: every
-    /// leading dimension covers its matrix's rows, and every matrix of the
-    /// batch lies inside its buffer.
+    /// The elements each of `A`, `B` and `C` spans from its first one (a
+    /// whole batch), checked: every leading dimension covers its matrix's
+    /// rows, `C`'s matrices do not overlap, and every size fits cuBLAS's
+    /// integers (the arithmetic is checked too: the sizes may come from
+    /// another machine).
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] naming the argument that does not fit.
-    pub fn check(&self, a: usize, b: usize, c: usize) -> Result<()> {
-        let bad = |what: String| Err(Error::InvalidArgument(format!("gemm: {what}")));
+    /// [`Error::InvalidArgument`] naming what does not fit.
+    pub fn extents(&self) -> Result<[usize; 3]> {
+        let bad = |what: String| Error::InvalidArgument(format!("gemm: {what}"));
         if self.batch == 0 {
-            return bad("a batch of 0 products".into());
-        }
-        let mats = [
-            ("A", self.a_shape(), self.lda, self.stride_a, a),
-            ("B", self.b_shape(), self.ldb, self.stride_b, b),
-            ("C", (self.m, self.n), self.ldc, self.stride_c, c),
-        ];
-        for (name, (rows, cols), ld, stride, len) in mats {
-            if ld < rows.max(1) {
-                return bad(format!(
-                    "the leading dimension of {name} is {ld}, below its {rows} rows"
-                ));
-            }
-            let one = if rows == 0 || cols == 0 {
-                0
-            } else {
-                ld * (cols - 1) + rows
-            };
-            let need = if self.batch > 1 && one > 0 {
-                if stride < one && name == "C" {
-                    return bad(format!(
-                        "the stride of C ({stride}) makes its {} matrices overlap (each spans {one})",
-                        self.batch
-                    ));
-                }
-                stride * (self.batch - 1) + one
-            } else {
-                one
-            };
-            if len < need {
-                return bad(format!(
-                    "{name} holds {len} elements, the call reads {need} ({rows}x{cols}, leading \
-                     dimension {ld}{})",
-                    if self.batch > 1 {
-                        format!(", {} matrices {stride} apart", self.batch)
-                    } else {
-                        String::new()
-                    }
-                ));
-            }
+            return Err(bad("a batch of 0 products".into()));
         }
         self.dims_c_int()?;
         if self.batch > 1 {
             self.strides_c_longlong()?;
         }
+        let mut out = [0; 3];
+        for (i, (name, (rows, cols), ld, stride)) in self.matrices().into_iter().enumerate() {
+            let one = span(name, rows, cols, ld).map_err(bad)?;
+            out[i] = if self.batch > 1 && one > 0 {
+                if stride < one && name == "C" {
+                    return Err(bad(format!(
+                        "the stride of C ({stride}) makes its {} matrices overlap (each spans {one})",
+                        self.batch
+                    )));
+                }
+                stride
+                    .checked_mul(self.batch - 1)
+                    .and_then(|v| v.checked_add(one))
+                    .ok_or_else(|| bad(format!("{name} spans more elements than there are")))?
+            } else {
+                one
+            };
+        }
+        Ok(out)
+    }
+
+    /// `A`, `B` and `C`: name, stored shape, leading dimension, stride.
+    fn matrices(&self) -> [(&'static str, (usize, usize), usize, usize); 3] {
+        [
+            ("A", self.a_shape(), self.lda, self.stride_a),
+            ("B", self.b_shape(), self.ldb, self.stride_b),
+            ("C", (self.m, self.n), self.ldc, self.stride_c),
+        ]
+    }
+
+    /// Checks the call against buffers of `a`, `b` and `c` elements: every
+    /// matrix of the batch lies inside its buffer, as [`Gemm::extents`]
+    /// has it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the argument that does not fit.
+    pub fn check(&self, a: usize, b: usize, c: usize) -> Result<()> {
+        let extents = self.extents()?;
+        for (((name, (rows, cols), ld, stride), need), len) in
+            self.matrices().into_iter().zip(extents).zip([a, b, c])
+        {
+            if len < need {
+                return Err(Error::InvalidArgument(format!(
+                    "gemm: {name} holds {len} elements, the call reads {need} ({rows}x{cols}, \
+                     leading dimension {ld}{})",
+                    if self.batch > 1 {
+                        format!(", {} matrices {stride} apart", self.batch)
+                    } else {
+                        String::new()
+                    }
+                )));
+            }
+        }
         Ok(())
     }
 
     fn dims_c_int(&self) -> Result<[c_int; 6]> {
-        let named = [
+        fits([
             ("m", self.m),
             ("n", self.n),
             ("k", self.k),
             ("lda", self.lda),
             ("ldb", self.ldb),
             ("ldc", self.ldc),
-        ];
-        let mut out = [0; 6];
-        for (o, (name, v)) in out.iter_mut().zip(named) {
-            *o = c_int::try_from(v).map_err(|_| too_large(name, v))?;
-        }
-        Ok(out)
+        ])
     }
 
     fn strides_c_longlong(&self) -> Result<[c_longlong; 3]> {
-        let named = [
+        fits([
             ("stride_a", self.stride_a),
             ("stride_b", self.stride_b),
             ("stride_c", self.stride_c),
-        ];
-        let mut out = [0; 3];
-        for (o, (name, v)) in out.iter_mut().zip(named) {
-            *o = c_longlong::try_from(v).map_err(|_| too_large(name, v))?;
-        }
-        Ok(out)
+        ])
     }
 }
 
@@ -523,16 +558,7 @@ impl<T: BlasScalar> Gemv<T> {
     pub fn check(&self, a: usize, x: usize, y: usize) -> Result<()> {
         let bad = |what: String| Err(Error::InvalidArgument(format!("gemv: {what}")));
         let (m, n, ld) = (self.m, self.n, self.lda);
-        if ld < m.max(1) {
-            return bad(format!(
-                "the leading dimension of A is {ld}, below its {m} rows"
-            ));
-        }
-        let need = if m == 0 || n == 0 {
-            0
-        } else {
-            ld * (n - 1) + m
-        };
+        let need = span("A", m, n, ld).map_err(|e| Error::InvalidArgument(format!("gemv: {e}")))?;
         if a < need {
             return bad(format!(
                 "A holds {a} elements, the call reads {need} ({m}x{n}, leading dimension {ld})"
@@ -552,12 +578,7 @@ impl<T: BlasScalar> Gemv<T> {
     }
 
     fn dims_c_int(&self) -> Result<[c_int; 3]> {
-        let named = [("m", self.m), ("n", self.n), ("lda", self.lda)];
-        let mut out = [0; 3];
-        for (o, (name, v)) in out.iter_mut().zip(named) {
-            *o = c_int::try_from(v).map_err(|_| too_large(name, v))?;
-        }
-        Ok(out)
+        fits([("m", self.m), ("n", self.n), ("lda", self.lda)])
     }
 }
 
@@ -664,6 +685,11 @@ mod tests {
         assert!(e(Gemm::<f32>::new(2, 2, 2).batched(0).check(4, 4, 4)).contains("batch of 0"));
         let huge = Gemm::<f32>::new(1 << 31, 1, 1);
         assert!(e(huge.check(1 << 31, 1, 1 << 31)).contains("m (2147483648)"));
+        // A stride whose batch spans more than there are elements is an
+        // error, not a wrapped extent that small buffers would pass.
+        let mut wraps = Gemm::<f32>::new(2, 2, 2).batched(5);
+        wraps.stride_a = 1 << 62;
+        assert!(e(wraps.check(8, 20, 20)).contains("A spans more elements"));
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! The device layer a worker process drives: the [`LeaseDevice`] trait, the real
 //! [`CudaDevice`] and the in-memory test double [`MemoryDevice`].
 
+use cuda_core::blas::{BlasScalar, Gemm};
+
 use crate::proto::{
     Command, DeviceInfo, GemmSpec, Id, LaunchArg, LaunchSpec, ModuleHash, Op, SourceKind, Status,
     StreamId,
@@ -347,6 +349,36 @@ pub trait LeaseDevice {
             ),
         }
     }
+}
+
+/// `g` as `cuda-core` describes a product, in `T`.
+pub(crate) fn core_gemm<T: BlasScalar>(g: &GemmSpec, scalar: impl Fn(f64) -> T) -> Gemm<T> {
+    let mut c = Gemm::<T>::new(g.m as usize, g.n as usize, g.k as usize);
+    [c.lda, c.ldb, c.ldc] = g.ld.map(|v| v as usize);
+    [c.transpose_a, c.transpose_b] = g.transpose;
+    c.alpha = scalar(g.alpha());
+    c.beta = scalar(g.beta());
+    c.batch = g.batch as usize;
+    [c.stride_a, c.stride_b, c.stride_c] = g.strides.map(|v| v as usize);
+    c
+}
+
+/// The bytes each of `A`, `B` and `C` of `g` spans from its offset, by
+/// `cuda-core`'s rules for a product (leading dimensions, `C`'s batch not
+/// overlapping, sizes cuBLAS takes), or why it cannot run.
+pub(crate) fn gemm_spans(g: &GemmSpec) -> Result<[u64; 3], String> {
+    let extents = core_gemm(g, |v| v).extents().map_err(|e| match e {
+        cuda_core::Error::InvalidArgument(m) => m,
+        e => e.to_string(),
+    })?;
+    let size = g.dtype.size();
+    let mut out = [0; 3];
+    for ((o, e), (name, _)) in out.iter_mut().zip(extents).zip(g.operands()) {
+        *o = (e as u64)
+            .checked_mul(size)
+            .ok_or_else(|| format!("gemm: {name} spans more than 2^64 bytes"))?;
+    }
+    Ok(out)
 }
 
 /// A launch's arguments as the device takes them.

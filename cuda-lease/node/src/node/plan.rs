@@ -8,6 +8,7 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{GraphIds, IdKind, LeaseState};
+use crate::device::gemm_spans;
 
 mod graphs;
 use crate::proto::{
@@ -303,22 +304,19 @@ impl Planner<'_> {
     /// nor `B`.
     fn gemm(&self, g: &GemmSpec) -> Result<(), Refusal> {
         let bad = |m: String| (Status::BadRequest, m);
-        let extents = g.extents().map_err(bad)?;
+        let bytes = gemm_spans(g).map_err(bad)?;
         let size = g.dtype.size();
         let mut spans = [(Id(0), 0u64, 0u64); 3];
-        for (i, (name, o, _)) in g.operands().into_iter().enumerate() {
+        for (i, (name, o)) in g.operands().into_iter().enumerate() {
             if o.offset % size != 0 {
                 return Err(bad(format!(
                     "gemm: {name} starts at byte {}, not at a whole element of {size} bytes",
                     o.offset
                 )));
             }
-            let bytes = extents[i]
-                .checked_mul(size)
-                .ok_or_else(|| bad(format!("gemm: {name} spans more than 2^64 bytes")))?;
-            in_range(self.buffer(o.buf)?, o.offset, bytes)
+            in_range(self.buffer(o.buf)?, o.offset, bytes[i])
                 .map_err(|(s, m)| (s, format!("gemm: {name}: {m}")))?;
-            spans[i] = (o.buf, o.offset, o.offset + bytes);
+            spans[i] = (o.buf, o.offset, o.offset + bytes[i]);
         }
         let c = spans[2];
         for (name, s) in [("A", spans[0]), ("B", spans[1])] {

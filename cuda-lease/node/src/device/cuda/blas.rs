@@ -1,25 +1,13 @@
 //! Matrix products by the node's cuBLAS (`LeaseDevice::gemm`): a tenant
 //! ships no kernel for them.
 
-use cuda_core::blas::{blas_handle, BlasScalar, Gemm};
+use cuda_core::blas::blas_handle;
 use cuda_core::cudarc::driver::DevicePtr;
 
 use super::CudaDevice;
 use crate::device::error::{driver, map, range};
-use crate::device::DeviceError;
+use crate::device::{core_gemm, gemm_spans, DeviceError};
 use crate::proto::{Dtype, GemmSpec, Status, StreamId};
-
-/// `g` as `cuda-core` takes it, in `T`.
-fn core_gemm<T: BlasScalar>(g: &GemmSpec, scalar: impl Fn(f64) -> T) -> Gemm<T> {
-    let mut c = Gemm::<T>::new(g.m as usize, g.n as usize, g.k as usize);
-    [c.lda, c.ldb, c.ldc] = g.ld.map(|v| v as usize);
-    [c.transpose_a, c.transpose_b] = g.transpose;
-    c.alpha = scalar(g.alpha());
-    c.beta = scalar(g.beta());
-    c.batch = g.batch as usize;
-    [c.stride_a, c.stride_b, c.stride_c] = g.strides.map(|v| v as usize);
-    c
-}
 
 impl CudaDevice {
     /// `LeaseDevice::gemm` on this device: the operands' ranges checked,
@@ -32,21 +20,15 @@ impl CudaDevice {
     ) -> Result<(), DeviceError> {
         let sid = stream;
         let stream = self.stream(stream)?;
-        let extents = g
-            .extents()
-            .map_err(|e| DeviceError::new(Status::BadRequest, e))?;
-        for (i, (_, o, _)) in g.operands().into_iter().enumerate() {
-            range(
-                self.buffer(o.buf)?.len(),
-                o.offset,
-                extents[i].saturating_mul(g.dtype.size()),
-            )?;
+        let bytes = gemm_spans(g).map_err(|e| DeviceError::new(Status::BadRequest, e))?;
+        for (i, (_, o)) in g.operands().into_iter().enumerate() {
+            range(self.buffer(o.buf)?.len(), o.offset, bytes[i])?;
         }
-        for (_, o, _) in g.operands() {
+        for (_, o) in g.operands() {
             self.use_on(o.buf, sid, &stream)?;
         }
         let mut addrs = [0u64; 3];
-        for (addr, (_, o, _)) in addrs.iter_mut().zip(g.operands()) {
+        for (addr, (_, o)) in addrs.iter_mut().zip(g.operands()) {
             let (base, _use) = Self::raw(self.buffer(o.buf)?)
                 .as_cuda_slice()
                 .device_ptr(&stream);

@@ -4,7 +4,9 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use super::error::{check_fresh, not_found, range, same_buffer, too_many_streams};
-use super::{DeviceArg, DeviceError, LaunchDims, LeaseDevice, Ticket, MAX_DEVICE_STREAMS};
+use super::{
+    gemm_spans, DeviceArg, DeviceError, LaunchDims, LeaseDevice, Ticket, MAX_DEVICE_STREAMS,
+};
 use crate::proto::{DeviceInfo, GemmSpec, Id, ModuleHash, SourceKind, Status, StreamId};
 
 mod gemm;
@@ -260,13 +262,11 @@ impl LeaseDevice for MemoryDevice {
     fn gemm(&mut self, stream: StreamId, g: &GemmSpec) -> Result<(), DeviceError> {
         self.check_fault()?;
         self.check_stream(stream)?;
-        let extents = g
-            .extents()
-            .map_err(|e| DeviceError::new(Status::BadRequest, e))?;
+        let bytes = gemm_spans(g).map_err(|e| DeviceError::new(Status::BadRequest, e))?;
         let mut slots = [0; 3];
-        for (i, (_, o, _)) in g.operands().into_iter().enumerate() {
+        for (i, (_, o)) in g.operands().into_iter().enumerate() {
             let (slot, size) = self.slot(o.buf)?;
-            range(size, o.offset, extents[i].saturating_mul(g.dtype.size()))?;
+            range(size, o.offset, bytes[i])?;
             slots[i] = slot;
         }
         let work = Work::Gemm { spec: *g, slots };
