@@ -199,7 +199,10 @@ impl LeaseSession {
     where
         D: AsMut<[u8]> + Send + 'static,
     {
-        let (frees, sent) = {
+        // The frees are taken and the message numbered under the book's
+        // lock: frees taken in one order reach the node in that order (a
+        // graph's free before the frees it held back).
+        let (sent, message) = {
             let mut book = self.ids();
             let frees = if keep_frees {
                 Vec::new()
@@ -208,16 +211,16 @@ impl LeaseSession {
             };
             let sent = Sent::of(&frees, commands);
             book.sending(&sent);
-            (frees, sent)
-        };
-        let commands = AfterFrees {
-            frees: &frees,
-            commands,
-        };
-        let message = if numbered {
-            self.session.message(modules, commands, writes)
-        } else {
-            self.session.message_unnumbered(modules, commands, writes)
+            let commands = AfterFrees {
+                frees: &frees,
+                commands,
+            };
+            let message = if numbered {
+                self.session.message(modules, commands, writes)
+            } else {
+                self.session.message_unnumbered(modules, commands, writes)
+            };
+            (sent, message)
         };
         let seq = message.seq();
         // The reads' slots are not needed: their bytes land in `dests`.
@@ -323,8 +326,8 @@ impl RemoteSession for LeaseSession {
         self.ids().hold(ids);
     }
 
-    fn release(&self, ids: &[u64]) {
-        if self.ids().release(ids) {
+    fn free_graph(&self, graph: u64, held: &[u64]) {
+        if self.ids().free_graph(graph, held.to_vec()) {
             self.schedule_flush();
         }
     }

@@ -46,8 +46,7 @@ impl Drop for RemoteGraph {
     fn drop(&mut self) {
         // Straight to the session (never into a submission being recorded):
         // the graph's free must reach the node before the frees it held.
-        self.session.free(self.id);
-        self.session.release(&self.held);
+        self.session.free_graph(self.id, &self.held);
     }
 }
 

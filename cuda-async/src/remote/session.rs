@@ -54,22 +54,25 @@ pub trait RemoteSession: Send + Sync + fmt::Debug {
     }
 
     /// Whether the session keeps graphs on its node (and implements
-    /// [`RemoteSession::hold`] and [`RemoteSession::release`]); a remote
-    /// capture is refused otherwise.
+    /// [`RemoteSession::hold`] and [`RemoteSession::free_graph`]); a
+    /// remote capture is refused otherwise.
     fn keeps_graphs(&self) -> bool {
         false
     }
 
     /// Holds `ids` (what a graph kept on the node uses): a free of one of
-    /// them asked for meanwhile waits for its [`RemoteSession::release`].
+    /// them asked for meanwhile waits for the graph's
+    /// [`RemoteSession::free_graph`].
     fn hold(&self, ids: &[u64]) {
         let _ = ids;
     }
 
-    /// Lets go of `ids` held by [`RemoteSession::hold`] (once per hold):
-    /// the frees they waited for are queued, after anything queued before.
-    fn release(&self, ids: &[u64]) {
-        let _ = ids;
+    /// Queues the free of `graph`, then lets go of `held` (its
+    /// [`RemoteSession::hold`]): the frees they waited for are queued
+    /// after the graph's own, once that is queued (the node refuses to
+    /// free what a live graph uses).
+    fn free_graph(&self, graph: u64, held: &[u64]) {
+        let _ = (graph, held);
     }
 
     /// Whether `id` is held ([`RemoteSession::hold`]).

@@ -96,6 +96,10 @@ pub(super) struct IdBook {
     held: HashMap<u64, u32>,
     /// Frees asked for held ids: queued when the last hold goes.
     deferred: HashSet<u64>,
+    /// Graphs freed whose free is not queued yet, with the ids they hold:
+    /// let go once it is (or once the graph is known never to have
+    /// existed), so the node sees the graph's free first.
+    after: HashMap<u64, Vec<u64>>,
 }
 
 impl IdBook {
@@ -128,10 +132,32 @@ impl IdBook {
             return false;
         }
         if self.unborn.remove(&id) {
-            return false;
+            return self.let_go(id);
         }
+        self.queue(id)
+    }
+
+    /// Frees `graph`, then lets go of the ids it held (as
+    /// [`IdBook::release`]) once its free is queued: their frees follow
+    /// it, whenever its creation is answered. True when frees were queued.
+    pub(super) fn free_graph(&mut self, graph: u64, held: Vec<u64>) -> bool {
+        self.after.insert(graph, held);
+        self.free(graph)
+    }
+
+    /// Queues the free of `id`, then the frees a graph `id` held back.
+    fn queue(&mut self, id: u64) -> bool {
         self.queued.push(id);
+        self.let_go(id);
         true
+    }
+
+    /// Lets go of what graph `id` held, if it was freed holding some.
+    fn let_go(&mut self, id: u64) -> bool {
+        match self.after.remove(&id) {
+            Some(held) => self.release(&held),
+            None => false,
+        }
     }
 
     /// A graph holds `ids`: their frees wait for [`IdBook::release`].
@@ -173,12 +199,9 @@ impl IdBook {
         for &(at, id) in &sent.created {
             let freed = self.pending.remove(&id).unwrap_or(false);
             match (at < ran.completed, freed) {
-                (true, true) => {
-                    self.queued.push(id);
-                    queued = true;
-                }
+                (true, true) => queued |= self.queue(id),
                 (true, false) => {}
-                (false, true) => {}
+                (false, true) => queued |= self.let_go(id),
                 (false, false) => {
                     self.unborn.insert(id);
                 }
@@ -320,5 +343,38 @@ mod tests {
         book.hold(&[3]);
         assert!(!book.release(&[3]));
         assert!(book.take_queued().is_empty());
+    }
+
+    fn graph(id: u64) -> Command<'static> {
+        on_stream_0(Op::GraphBegin { graph: Id(id) })
+    }
+
+    #[test]
+    fn the_frees_a_graph_held_follow_the_graphs_own_free() {
+        let mut book = IdBook::default();
+        // Graph 2, capture unanswered, holds buffer 5 (freed meanwhile).
+        let sent = Sent::of(&[], &[graph(2)]);
+        book.sending(&sent);
+        book.hold(&[5]);
+        assert!(!book.free(5));
+        // Dropped before its capture's reply: nothing may go yet, 5 least
+        // of all (the node refuses to free what a live graph uses).
+        assert!(!book.free_graph(2, vec![5]));
+        assert!(book.take_queued().is_empty());
+        assert!(book.settle(&sent, all(1)));
+        assert_eq!(book.take_queued(), [2, 5]);
+        // Settled first: both go at once, the graph first.
+        book.hold(&[6]);
+        assert!(!book.free(6));
+        assert!(book.free_graph(2, vec![6]));
+        assert_eq!(book.take_queued(), [2, 6]);
+        // A graph whose capture did not run held nothing on the node.
+        let sent = Sent::of(&[], &[graph(3)]);
+        book.sending(&sent);
+        book.hold(&[7]);
+        assert!(!book.free(7));
+        assert!(!book.free_graph(3, vec![7]));
+        assert!(book.settle(&sent, Ran::NOTHING));
+        assert_eq!(book.take_queued(), [7]);
     }
 }
