@@ -8,13 +8,11 @@
 //! own etcd on free loopback ports with a temporary data directory, and
 //! stops every process it started by its PID.
 
-mod common;
-
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::etcd::*;
-use common::*;
+use crate::common::etcd::*;
+use crate::common::*;
 use cuda_lease::client::{ClientConfig, ErrorKind, Lease};
 use cuda_lease_fleet::{fingerprint, Fleet, FleetConfig, FleetError, NodeRecord};
 use cuda_lease_node::node::{Node, NodeConfig};

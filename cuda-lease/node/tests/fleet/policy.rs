@@ -3,16 +3,14 @@
 //! fails (or runs again elsewhere) and never hangs, a fleet without room
 //! makes submissions wait, a node shut down hands its work over.
 //!
-//! Needs an `etcd` binary, as `fleet.rs` does (`common::etcd`).
-
-mod common;
+//! Needs an `etcd` binary, as `nodes.rs` does (`common::etcd`).
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::etcd::*;
-use common::*;
+use crate::common::etcd::*;
+use crate::common::*;
 use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, RemoteErrorKind};
 use cuda_lease_fleet::{Fleet, FleetPolicy, FleetPolicyConfig};

@@ -4,11 +4,9 @@
 //! only for its own principal, and a refused request leaves the connection
 //! working. In-memory device, no GPU.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use cuda_lease::client::{BulkUse, Client, ErrorKind, Session};
 use cuda_lease::proto::{
     self, from_body, to_body, BulkOpen, BulkTickets, Header, Limits, MemRead, Opcode, Status,

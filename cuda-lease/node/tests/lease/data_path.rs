@@ -4,11 +4,9 @@
 //! order with the lease's other submissions, and a failure leaves the
 //! lease working. In-memory device, no GPU.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, Kernel, LaunchConfig, Module, RemotePolicy};
 use cuda_lease::client::{Client, Lease};

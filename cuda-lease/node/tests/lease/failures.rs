@@ -9,12 +9,10 @@
 //! after a failed submission is what those commands created and did not
 //! free, and the client frees only that.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use cuda_async::prelude::*;
 use cuda_async::remote::{Id, Op, Recording, RemoteCompletion};
 use cuda_async::{

@@ -4,11 +4,9 @@
 //! within its timeout, naming the address; missing and refused
 //! credentials are told apart.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use cuda_async::prelude::*;
 use cuda_async::{
     Disconnect, Error, HostBuffer, Kernel, LaunchConfig, Module, RemoteErrorKind as Kind,

@@ -2,12 +2,10 @@
 //! ([`cuda_lease_node::device::MemoryDevice`]): kernels are not run here, but every
 //! lease still gets its own worker process.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use cuda_lease::client::{
     Client, ClientConfig, ErrorKind, GpuCall, Lease, LeaseBuffer, Module, Session,
 };

@@ -4,13 +4,11 @@
 //! behind it then sees its writes; a freed lease fails what waits on it at
 //! once. In-memory device (its `delay(ms)` kernel), no GPU.
 
-mod common;
-
 use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, Kernel, LaunchConfig, Module, RemotePolicy};
 use cuda_lease::client::{Client, Lease};

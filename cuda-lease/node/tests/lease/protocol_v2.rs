@@ -3,9 +3,7 @@
 //! pipeline in one message, client-named ids, streams and events, modules
 //! by content, failures that keep what ran.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use cuda_lease::client::{Error, ErrorKind, Module, Session};
 
 use cuda_lease::proto::{

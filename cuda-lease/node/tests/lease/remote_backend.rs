@@ -2,12 +2,10 @@
 //! once, runs through a `RemotePolicy` against an embedded node with the
 //! in-memory device and its host test kernels, one message per submission.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use cuda_async::blas::{gemm, Gemm};
 use cuda_async::prelude::*;
 use cuda_async::{

@@ -4,12 +4,10 @@
 //! queued frees reach the node, and failures come back as `cuda-async`'s
 //! remote error variants.
 
-mod common;
-
 use cuda_async::RemoteErrorExt;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use cuda_async::remote::{proto::LaunchArg, Id, Op, Recording, RemoteCompletion};
 use cuda_async::{HostBuffer, LaunchConfig, RemoteSession};
 use cuda_lease::client::Lease;

@@ -1,11 +1,9 @@
 //! Tenants' CUDA C cannot reach the node's files (CPU: the in-memory
 //! device, loopback, and the confined compiler child of the node binary).
 
-mod common;
-
 use std::path::PathBuf;
 
-use common::*;
+use crate::common::*;
 use cuda_lease::client::{ErrorKind, Module};
 use cuda_lease_node::sandbox::{self, CompileSandbox, Confinement};
 

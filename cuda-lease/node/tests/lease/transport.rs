@@ -3,11 +3,9 @@
 //! move bytes exactly, on one connection and striped; settings known to
 //! fail are refused before anything is bound.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use cuda_lease::client::{Client, ErrorKind};
 use cuda_lease::TransportSettings;
 use cuda_lease_node::node::{Node, NodeError};
