@@ -56,6 +56,8 @@ mod buffer;
 mod completion;
 mod context;
 mod exec;
+#[cfg(feature = "fft")]
+pub mod fft;
 pub mod foreign;
 mod future;
 mod globals;

@@ -24,6 +24,7 @@ use cuda_async::prelude::*;
 use cuda_async::{Device, Error, Module, PinnedBuffer};
 
 mod blas;
+mod fft;
 mod graph;
 mod rand;
 mod suite;

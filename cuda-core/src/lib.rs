@@ -28,6 +28,8 @@ pub mod buffer;
 pub mod callback;
 pub mod device;
 pub mod error;
+#[cfg(feature = "fft")]
+pub mod fft;
 mod global;
 pub mod graph;
 pub mod hostmem;
@@ -35,7 +37,7 @@ pub mod mapped;
 pub mod mempool;
 pub mod module;
 pub mod peer;
-#[cfg(any(feature = "blas", feature = "rand"))]
+#[cfg(any(feature = "blas", feature = "rand", feature = "fft"))]
 mod per_stream;
 pub mod pinned;
 #[cfg(feature = "rand")]

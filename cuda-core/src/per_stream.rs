@@ -1,45 +1,63 @@
-//! What the CUDA libraries' ops share (features `blas`, `rand`): a library
-//! handle kept per stream, made on the stream's first use with the thread's
-//! capture mode relaxed, and the library errors.
+//! What the CUDA libraries' ops share (features `blas`, `rand`, `fft`): a
+//! library handle kept per stream (and per key, for a library with one
+//! handle per shape of call), made on the stream's first use with the
+//! thread's capture mode relaxed, and the library errors.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaStream;
 
 use crate::{Error, Result};
 
-/// Handles of one library, one per (context, stream), kept for the
+/// Handles of one library, one per (context, stream, key), kept for the
 /// process's life: destroying a library handle synchronizes the device,
 /// and run on a background thread it made the process crash at exit under
-/// compute-sanitizer.
+/// compute-sanitizer. `K` tells apart the handles of one stream (a cuFFT
+/// plan per transform shape); a library with one handle per stream keeps
+/// `()`.
 #[derive(Debug)]
-pub(crate) struct PerStream<H> {
-    kept: Mutex<Kept<H>>,
+pub(crate) struct PerStream<H, K = ()> {
+    kept: Mutex<Kept<H, K>>,
 }
 
-/// The handles by (context, stream).
-type Kept<H> = HashMap<(usize, usize), Arc<Mutex<H>>>;
+/// The handles by (context, stream, key).
+type Kept<H, K> = HashMap<(usize, usize, K), Arc<Mutex<H>>>;
 
+#[cfg(any(feature = "blas", feature = "rand"))]
 impl<H> PerStream<H> {
+    /// The handle of `stream`: [`PerStream::get_keyed`] with no key.
+    pub(crate) fn get(
+        &self,
+        stream: &CudaStream,
+        make: impl FnOnce() -> Result<H>,
+    ) -> Result<Arc<Mutex<H>>> {
+        self.get_keyed(stream, (), make)
+    }
+}
+
+impl<H, K: Eq + Hash> PerStream<H, K> {
     pub(crate) fn new() -> Self {
         Self {
             kept: Mutex::new(HashMap::new()),
         }
     }
 
-    /// The handle of `stream`, or a new one from `make` (run with the
-    /// stream's context current and the thread's capture mode relaxed, so
-    /// that a handle is made also while the stream is being captured into a
-    /// graph), kept for later calls on that stream.
-    pub(crate) fn get(
+    /// The handle of `stream` for `key`, or a new one from `make` (run with
+    /// the stream's context current and the thread's capture mode relaxed,
+    /// so that a handle is made also while the stream is being captured
+    /// into a graph), kept for later calls on that stream with that key.
+    pub(crate) fn get_keyed(
         &self,
         stream: &CudaStream,
+        key: K,
         make: impl FnOnce() -> Result<H>,
     ) -> Result<Arc<Mutex<H>>> {
         let key = (
             stream.context().cu_ctx() as usize,
             stream.cu_stream() as usize,
+            key,
         );
         let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(h) = kept.get(&key) {
