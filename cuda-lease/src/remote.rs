@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use crate::client::{
-    config_error, protocol_error, EncodeCommands, Error, ErrorKind, Lease, Module, Session,
+    config_error, protocol_error, EncodeCommands, Error, ErrorKind, Lease, ModuleSpec, Session,
     Submitted,
 };
 use crate::proto::{self, Command, Id, LeaseId, Op};
@@ -137,7 +137,7 @@ impl LeaseSession {
     fn send<D>(
         &self,
         commands: &[Command<'static>],
-        modules: &[Module],
+        modules: &[ModuleSpec],
         keep_frees: bool,
         writes: Vec<u8>,
         dests: Vec<D>,
@@ -154,7 +154,7 @@ impl LeaseSession {
     fn send_numbered<D>(
         &self,
         commands: &[Command<'static>],
-        modules: &[Module],
+        modules: &[ModuleSpec],
         keep_frees: bool,
         writes: Vec<u8>,
         dests: Vec<D>,
@@ -188,7 +188,7 @@ impl LeaseSession {
         &self,
         numbered: bool,
         commands: &[Command<'static>],
-        modules: &[Module],
+        modules: &[ModuleSpec],
         keep_frees: bool,
         writes: Vec<u8>,
         dests: Vec<D>,

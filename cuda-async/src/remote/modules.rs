@@ -13,10 +13,10 @@ use super::proto;
 /// when next used.
 const KEPT: usize = 64;
 
-static MODULES: Mutex<Vec<(Module, proto::Module)>> = Mutex::new(Vec::new());
+static MODULES: Mutex<Vec<(Module, proto::ModuleSpec)>> = Mutex::new(Vec::new());
 
 /// `m` as the protocol describes it: its source and its content hash.
-pub(crate) fn wire_module(m: &Module) -> proto::Module {
+pub(crate) fn wire_module(m: &Module) -> proto::ModuleSpec {
     let mut kept = MODULES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, w)) = kept.iter().find(|(k, _)| k == m) {
         return w.clone();
@@ -24,9 +24,9 @@ pub(crate) fn wire_module(m: &Module) -> proto::Module {
     let wire = match m.source() {
         ModuleSource::Cuda { source, options } => {
             let opts: Vec<&str> = options.iter().map(String::as_str).collect();
-            proto::Module::cuda(source.as_str(), &opts)
+            proto::ModuleSpec::cuda(source.as_str(), &opts)
         }
-        other => proto::Module::ptx(other.text()),
+        other => proto::ModuleSpec::ptx(other.text()),
     };
     if kept.len() == KEPT {
         kept.remove(0);

@@ -31,7 +31,7 @@ enum Payload {
 pub struct Recording {
     commands: Vec<Command<'static>>,
     /// Each module a launch uses, once, in order of first use.
-    modules: Vec<proto::Module>,
+    modules: Vec<proto::ModuleSpec>,
     /// The module of the last launch, so a chain's launches from one
     /// module look it up once.
     last_module: Option<(cuda_core::Module, ModuleHash)>,
@@ -179,7 +179,7 @@ impl Recording {
     }
 
     /// The modules the launches use, each once, in order of first use.
-    pub fn modules(&self) -> &[proto::Module] {
+    pub fn modules(&self) -> &[proto::ModuleSpec] {
         &self.modules
     }
 

@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use cuda_lease::client::{ClientConfig, Lease, Module};
+use cuda_lease::client::{ClientConfig, Lease, ModuleSpec};
 use cuda_lease::proto::LaunchArg;
 use cuda_lease::ptx::{grid_for, BLOCK, TEST_KERNELS};
 use cuda_lease_node::node::{Node, NodeConfig};
@@ -70,7 +70,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
 
     // One round trip: the module (by content; its PTX goes along the first
     // time), allocations, uploads, the launch and the download.
-    let module = Module::ptx(TEST_KERNELS);
+    let module = ModuleSpec::ptx(TEST_KERNELS);
     let mut rec = lease.session().recorder();
     let (da, db, dc) = (
         rec.alloc(0, bytes),

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use cuda_lease::client::{ErrorKind, GpuCall, Lease, LeaseBuilder, Module};
+use cuda_lease::client::{ErrorKind, GpuCall, Lease, LeaseBuilder, ModuleSpec};
 use cuda_lease::proto::{LaunchArg, LeaseState};
 use cuda_lease::ptx::{grid_for, BLOCK, TEST_KERNELS};
 use cuda_lease_node::node::{Node, NodeConfig};
@@ -542,7 +542,7 @@ async fn session_batch_iota_and_vadd() {
     let s = fx.session();
     let a = random_f32(n as usize, 3);
     let b = random_f32(n as usize, 4);
-    let m = Module::ptx(TEST_KERNELS);
+    let m = ModuleSpec::ptx(TEST_KERNELS);
     let mut batch = s.recorder();
     let da = batch.alloc(0, bytes);
     let db = batch.alloc(0, bytes);
@@ -911,7 +911,7 @@ extern "C" __global__ void spin(unsigned long long ns, unsigned long long* out) 
 async fn v2_cuda_c_compiled_on_the_node_and_random_data_round_trips() {
     let fx = gpu_lease(64 << 20).await;
     let (node, client, s) = (&fx.node, fx.client(), fx.session());
-    let m = Module::cuda(CUDA_KERNELS, &[]);
+    let m = ModuleSpec::cuda(CUDA_KERNELS, &[]);
     let n: u32 = 1_000_003;
     let bytes = u64::from(n) * 4;
     let x = random_f32(n as usize, 11);
@@ -996,7 +996,7 @@ async fn v2_cuda_c_compiled_on_the_node_and_random_data_round_trips() {
     assert!(s.read(&b, 0, big.len() as u32).await.unwrap() == big);
     drop(b);
     // A compile error comes back with NVRTC's log, naming the launch.
-    let bad = Module::cuda(
+    let bad = ModuleSpec::cuda(
         "extern \"C\" __global__ void k(float* p) { p[0] = undeclared_thing; }",
         &[],
     );
@@ -1018,7 +1018,7 @@ async fn v2_cuda_c_compiled_on_the_node_and_random_data_round_trips() {
 async fn v2_three_streams_of_a_lease_overlap_on_the_gpu() {
     let fx = gpu_lease(16 << 20).await;
     let s = fx.session();
-    let m = Module::cuda(CUDA_KERNELS, &[]);
+    let m = ModuleSpec::cuda(CUDA_KERNELS, &[]);
     s.load(&m).await.unwrap(); // compile outside the measurement
     const SPIN_NS: u64 = 1_000_000;
     let mut best = None;
@@ -1081,7 +1081,7 @@ async fn v2_three_streams_of_a_lease_overlap_on_the_gpu() {
 async fn v2_buffers_order_their_uses_across_streams_without_events() {
     let fx = gpu_lease(16 << 20).await;
     let s = fx.session();
-    let m = Module::cuda(CUDA_KERNELS, &[]);
+    let m = ModuleSpec::cuda(CUDA_KERNELS, &[]);
     s.load(&m).await.unwrap();
     let n: u32 = 65_536;
     let bytes = u64::from(n) * 4;
@@ -1236,7 +1236,7 @@ async fn tenant_cuda_c_cannot_read_the_nodes_files_and_compiles_are_time_bounded
         ("#include <passwd>\n", &["-I/etc"]),
     ];
     for (head, options) in attacks {
-        let m = Module::cuda(format!("{head}{kernel}"), options);
+        let m = ModuleSpec::cuda(format!("{head}{kernel}"), options);
         let t = std::time::Instant::now();
         let e = s.load(&m).await.unwrap_err();
         let text = e.to_string();
@@ -1249,13 +1249,16 @@ async fn tenant_cuda_c_cannot_read_the_nodes_files_and_compiles_are_time_bounded
     }
     // A compile that would never end is stopped at the bound.
     let t = std::time::Instant::now();
-    let e = s.load(&Module::cuda(TEMPLATE_BOMB, &[])).await.unwrap_err();
+    let e = s
+        .load(&ModuleSpec::cuda(TEMPLATE_BOMB, &[]))
+        .await
+        .unwrap_err();
     eprintln!("template bomb: {:?}: {e}", t.elapsed());
     assert!(e.to_string().contains("did not finish within 3s"), "{e}");
     assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
     // The headers the node offers still compile, and run.
     let dir = include.expect("no CUDA include folder with cuda_fp16.h on this host");
-    let fp16 = Module::cuda(
+    let fp16 = ModuleSpec::cuda(
         "#include <cuda_fp16.h>\n\
          extern \"C\" __global__ void k(float* p) { p[0] = __half2float(__float2half(1.5f)); }\n",
         &["--std=c++17"],

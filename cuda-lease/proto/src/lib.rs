@@ -57,7 +57,7 @@ pub use messages::{
     LeaseRenew, LeaseState, LeaseStatus, MemAlloc, MemRead, MemWrite, ModuleHash, OpError,
     SourceKind, StreamId, BULK_TICKET_LEN, MAX_BULK_TICKETS, MAX_MODULE_OPTIONS, MAX_OPTION_LEN,
 };
-pub use module::Module;
+pub use module::ModuleSpec;
 
 /// Most kernel arguments a launch may carry.
 pub const MAX_KERNEL_ARGS: usize = 64;

@@ -1,4 +1,4 @@
-//! [`Module`]: a module as a description (source and content hash).
+//! [`ModuleSpec`]: a module as a description (source and content hash).
 
 use std::sync::Arc;
 
@@ -9,13 +9,13 @@ use crate::{ModuleHash, SourceKind};
 /// uses it carries the source the first time a node needs it, and the node
 /// compiles CUDA C with its own NVRTC for its own GPU. Cheap to clone.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Module {
+pub struct ModuleSpec {
     hash: ModuleHash,
     kind: SourceKind,
     text: Arc<str>,
 }
 
-impl Module {
+impl ModuleSpec {
     /// A PTX module.
     pub fn ptx(text: impl Into<Arc<str>>) -> Self {
         Self::new(SourceKind::Ptx, text.into())

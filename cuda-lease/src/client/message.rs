@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::connection::ReplyInto;
 use super::lease::LeaseInner;
-use super::{Error, Module, ReadSlot, Submitted};
+use super::{Error, ModuleSpec, ReadSlot, Submitted};
 use crate::proto::{
     self, from_body, to_body, Batch, BatchReply, Command, ModuleText, ModuleUse, Opcode,
 };
@@ -25,7 +25,7 @@ pub(crate) struct Message {
     seq: u64,
     body: Vec<u8>,
     data: Vec<u8>,
-    modules: Vec<Module>,
+    modules: Vec<ModuleSpec>,
     writes: usize,
     /// The node answered it (or its number was filled).
     answered: std::sync::atomic::AtomicBool,
@@ -39,7 +39,7 @@ impl Message {
     /// sources of modules the node may lack go first in the data.
     pub(super) fn numbered<C: EncodeCommands>(
         inner: &Arc<LeaseInner>,
-        modules: &[Module],
+        modules: &[ModuleSpec],
         commands: C,
         writes: Vec<u8>,
     ) -> Message {
@@ -54,7 +54,7 @@ impl Message {
     #[cfg(feature = "backend")]
     pub(super) fn unnumbered<C: EncodeCommands>(
         inner: &Arc<LeaseInner>,
-        modules: &[Module],
+        modules: &[ModuleSpec],
         commands: C,
         writes: Vec<u8>,
     ) -> Message {
@@ -64,7 +64,7 @@ impl Message {
     fn with_seq<C: EncodeCommands>(
         inner: &Arc<LeaseInner>,
         seq: u64,
-        modules: &[Module],
+        modules: &[ModuleSpec],
         commands: C,
         writes: Vec<u8>,
     ) -> Message {
@@ -257,7 +257,7 @@ fn holds_a_place(e: &Error) -> bool {
 /// source of every module.
 fn with_every_source(
     body: &[u8],
-    modules: &[Module],
+    modules: &[ModuleSpec],
     writes: &[u8],
 ) -> Result<(Vec<u8>, Vec<u8>), Error> {
     let mut batch: Batch<'_> = from_body(body).map_err(|e| protocol_error(e.to_string()))?;

@@ -34,7 +34,7 @@ pub use error::{Credentials, Disconnect, Error, ErrorKind};
 pub use gpu_call::GpuCall;
 pub use lease::{Lease, LeaseBuilder};
 // Named outside the client only by `remote` (the `backend` feature).
-pub use crate::proto::Module;
+pub use crate::proto::ModuleSpec;
 #[cfg(feature = "backend")]
 pub(crate) use message::EncodeCommands;
 pub(crate) use message::Message;

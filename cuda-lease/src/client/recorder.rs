@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::lease::LeaseInner;
-use super::{Error, Message, Module};
+use super::{Error, Message, ModuleSpec};
 use crate::proto::{Command, Id, LaunchArg, LaunchSpec, Op, OpError, StreamId};
 
 /// A read recorded in a [`Recorder`]: where its bytes are in the reply.
@@ -22,9 +22,9 @@ pub struct ReadSlot {
 ///
 /// ```no_run
 /// # async fn demo(session: cuda_lease::Session) -> Result<(), cuda_lease::Error> {
-/// use cuda_lease::client::Module;
+/// use cuda_lease::client::ModuleSpec;
 /// use cuda_lease::proto::LaunchArg;
-/// let module = Module::cuda(
+/// let module = ModuleSpec::cuda(
 ///     r#"extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {
 ///         unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
 ///         if (i < n) y[i] = a * x[i] + y[i];
@@ -48,7 +48,7 @@ pub struct ReadSlot {
 #[derive(Debug)]
 pub struct Recorder {
     pub(super) inner: Arc<LeaseInner>,
-    pub(super) modules: Vec<Module>,
+    pub(super) modules: Vec<ModuleSpec>,
     pub(super) commands: Vec<Command<'static>>,
     pub(super) writes: Vec<u8>,
 }
@@ -102,7 +102,7 @@ impl Recorder {
     pub fn launch(
         &mut self,
         stream: StreamId,
-        module: &Module,
+        module: &ModuleSpec,
         kernel: &str,
         grid: [u32; 3],
         block: [u32; 3],
@@ -127,7 +127,7 @@ impl Recorder {
     pub fn launch_spec(
         &mut self,
         stream: StreamId,
-        module: &Module,
+        module: &ModuleSpec,
         mut spec: LaunchSpec<'static>,
     ) -> &mut Self {
         spec.module = module.hash();
@@ -138,7 +138,7 @@ impl Recorder {
 
     /// Lists `module` in the message (a launch does this itself; alone, it
     /// loads the module, so a bad one fails now with its log).
-    pub fn use_module(&mut self, module: &Module) -> &mut Self {
+    pub fn use_module(&mut self, module: &ModuleSpec) -> &mut Self {
         if !self.modules.iter().any(|m| m.hash() == module.hash()) {
             self.modules.push(module.clone());
         }

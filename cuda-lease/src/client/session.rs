@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::lease::LeaseInner;
-use super::{Client, Error, Module, Recorder};
+use super::{Client, Error, ModuleSpec, Recorder};
 #[cfg(feature = "backend")]
 use super::{EncodeCommands, Message};
 use crate::proto::{to_body, Id, LaunchArg, LeaseId, MemAlloc, Opcode};
@@ -86,7 +86,7 @@ impl Session {
     #[cfg(feature = "backend")]
     pub(crate) fn message<C: EncodeCommands>(
         &self,
-        modules: &[Module],
+        modules: &[ModuleSpec],
         commands: C,
         writes: Vec<u8>,
     ) -> Message {
@@ -98,7 +98,7 @@ impl Session {
     #[cfg(feature = "backend")]
     pub(crate) fn message_unnumbered<C: EncodeCommands>(
         &self,
-        modules: &[Module],
+        modules: &[ModuleSpec],
         commands: C,
         writes: Vec<u8>,
     ) -> Message {
@@ -252,8 +252,8 @@ impl Session {
     /// # Errors
     ///
     /// [`ErrorKind::LoadFailed`](crate::client::ErrorKind::LoadFailed) with the JIT log.
-    pub async fn load_module(&self, ptx: &str) -> Result<Module, Error> {
-        let module = Module::ptx(ptx);
+    pub async fn load_module(&self, ptx: &str) -> Result<ModuleSpec, Error> {
+        let module = ModuleSpec::ptx(ptx);
         self.load(&module).await?;
         Ok(module)
     }
@@ -263,7 +263,7 @@ impl Session {
     /// # Errors
     ///
     /// [`ErrorKind::LoadFailed`](crate::client::ErrorKind::LoadFailed) with the compile or JIT log.
-    pub async fn load(&self, module: &Module) -> Result<(), Error> {
+    pub async fn load(&self, module: &ModuleSpec) -> Result<(), Error> {
         let mut rec = self.recorder();
         rec.use_module(module);
         rec.submit().await?.ok().map(drop)
@@ -277,7 +277,7 @@ impl Session {
     /// [`ErrorKind::InvalidRequest`](crate::client::ErrorKind::InvalidRequest) for an unknown kernel.
     pub async fn launch(
         &self,
-        module: &Module,
+        module: &ModuleSpec,
         kernel: &str,
         grid: [u32; 3],
         block: [u32; 3],

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::common::*;
 use cuda_lease::client::{
-    Client, ClientConfig, ErrorKind, GpuCall, Lease, LeaseBuffer, Module, Session,
+    Client, ClientConfig, ErrorKind, GpuCall, Lease, LeaseBuffer, ModuleSpec, Session,
 };
 use cuda_lease::proto::{self, Header, LaunchArg, LeaseState, Opcode, Status};
 
@@ -318,7 +318,7 @@ async fn cross_lease_access_denied() {
 async fn batch_runs_in_order_with_one_reply() {
     let fx = Fixture::memory(1 << 20).lease(1 << 16).start().await;
     let s = fx.session();
-    let m = Module::ptx(PTX);
+    let m = ModuleSpec::ptx(PTX);
     let mut b = s.recorder();
     let x = b.alloc(0, 64);
     b.write(0, x, 0, &[7u8; 64]);
@@ -930,7 +930,7 @@ async fn the_test_double_runs_the_test_kernels_so_data_flow_is_checked_without_a
     let n = 1000u32;
     let a: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
     let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    let m = Module::ptx(cuda_lease::ptx::TEST_KERNELS);
+    let m = ModuleSpec::ptx(cuda_lease::ptx::TEST_KERNELS);
     let mut b = s.recorder();
     let x = b.alloc(0, u64::from(n) * 4);
     let y = b.alloc(0, u64::from(n) * 4);

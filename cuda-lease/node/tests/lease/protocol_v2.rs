@@ -4,7 +4,7 @@
 //! by content, failures that keep what ran.
 
 use crate::common::*;
-use cuda_lease::client::{Error, ErrorKind, Module, Session};
+use cuda_lease::client::{Error, ErrorKind, ModuleSpec, Session};
 
 use cuda_lease::proto::{
     self, Batch, Command, Id, LaunchArg, ModuleHash, ModuleUse, Op, Opcode, SourceKind, Status,
@@ -42,7 +42,7 @@ fn float_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-fn fill(rec: &mut cuda_lease::client::Recorder, stream: u32, m: &Module, buf: Id, v: f32) {
+fn fill(rec: &mut cuda_lease::client::Recorder, stream: u32, m: &ModuleSpec, buf: Id, v: f32) {
     rec.launch(
         stream,
         m,
@@ -53,7 +53,7 @@ fn fill(rec: &mut cuda_lease::client::Recorder, stream: u32, m: &Module, buf: Id
     );
 }
 
-fn axpy(rec: &mut cuda_lease::client::Recorder, stream: u32, m: &Module, a: f32, x: Id, y: Id) {
+fn axpy(rec: &mut cuda_lease::client::Recorder, stream: u32, m: &ModuleSpec, a: f32, x: Id, y: Id) {
     rec.launch(
         stream,
         m,
@@ -74,7 +74,7 @@ async fn a_twenty_command_pipeline_in_two_submissions_sent_without_waiting_is_on
 {
     let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
     let s = fx.session();
-    let m = Module::cuda(KERNELS, &[]);
+    let m = ModuleSpec::cuda(KERNELS, &[]);
     let x0: Vec<f32> = (0..N).map(|i| i as f32).collect();
     let before = batches(&fx.node);
 
@@ -137,7 +137,7 @@ async fn a_twenty_command_pipeline_in_two_submissions_sent_without_waiting_is_on
 async fn two_streams_with_an_event_between_them_give_the_right_data() {
     let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
     let s = fx.session();
-    let m = Module::cuda(KERNELS, &[]);
+    let m = ModuleSpec::cuda(KERNELS, &[]);
     let mut rec = s.recorder();
     let x = rec.alloc(0, BYTES);
     let y = rec.alloc(1, BYTES);
@@ -161,7 +161,7 @@ async fn two_streams_with_an_event_between_them_give_the_right_data() {
 async fn a_failing_command_reports_its_index_and_keeps_what_ran_before_it() {
     let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
     let s = fx.session();
-    let m = Module::cuda(KERNELS, &[]);
+    let m = ModuleSpec::cuda(KERNELS, &[]);
     let mut rec = s.recorder();
     let a = rec.alloc(0, 8); // 0
     rec.write(0, a, 0, &float_bytes(&[4.0, 2.0])); // 1
@@ -283,7 +283,7 @@ async fn modules_travel_by_content_and_bad_sources_come_back_with_their_log() {
     let lease_a = fx.take_lease();
     let lease_b = fx.another_lease(1 << 20).await;
     let client = fx.client();
-    let m = Module::cuda(KERNELS, &["-default-device"]);
+    let m = ModuleSpec::cuda(KERNELS, &["-default-device"]);
     assert_eq!(
         m.hash(),
         ModuleHash::of(
@@ -312,7 +312,7 @@ async fn modules_travel_by_content_and_bad_sources_come_back_with_their_log() {
     assert_eq!(run(lease_b.session()).await.unwrap(), 9.0);
     // A raw batch naming a module nobody sent is refused with that status,
     // and nothing of it runs.
-    let other = Module::cuda(format!("{KERNELS}// other"), &[]);
+    let other = ModuleSpec::cuda(format!("{KERNELS}// other"), &[]);
     let raw = Batch {
         lease: lease_b.id(),
         seq: 0,
@@ -351,7 +351,7 @@ async fn modules_travel_by_content_and_bad_sources_come_back_with_their_log() {
         "{err:?}"
     );
     // A compile error names the launch and carries the compiler's log.
-    let bad = Module::cuda("#error boom\n__global__ void k() {}", &[]);
+    let bad = ModuleSpec::cuda("#error boom\n__global__ void k() {}", &[]);
     let mut rec = lease_a.session().recorder();
     rec.alloc(0, 4);
     rec.launch(0, &bad, "k", [1, 1, 1], [1, 1, 1], vec![]);
@@ -413,7 +413,14 @@ async fn reads_can_land_straight_in_the_callers_buffers() {
     rec.write(0, a, 0, &[1, 2, 3, 4, 5, 6, 7, 8]);
     rec.read(0, a, 0, 8);
     rec.read(0, a, 2, 3);
-    rec.launch(0, &Module::cuda(KERNELS, &[]), "nope", GRID, BLOCK, vec![]);
+    rec.launch(
+        0,
+        &ModuleSpec::cuda(KERNELS, &[]),
+        "nope",
+        GRID,
+        BLOCK,
+        vec![],
+    );
     rec.read(0, a, 0, 1);
     let dests = vec![vec![0u8; 8], vec![0u8; 3], vec![0xEEu8; 1]];
     let (reply, dests) = rec.submit_into(dests).await.unwrap();
@@ -441,7 +448,7 @@ async fn a_graph_recorded_once_replays_with_inputs_changed_between_launches() {
     let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
     let usage = || -> LeaseUsage { fx.node.lease_usage(&fx.lease().id()).expect("alive") };
     let s = fx.session();
-    let m = Module::cuda(KERNELS, &[]);
+    let m = ModuleSpec::cuda(KERNELS, &[]);
     let mut rec = s.recorder();
     let x = rec.alloc(0, BYTES);
     let y = rec.alloc(0, BYTES);

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use crate::common::*;
-use cuda_lease::client::{ErrorKind, Module};
+use cuda_lease::client::{ErrorKind, ModuleSpec};
 use cuda_lease_node::sandbox::{self, CompileSandbox, Confinement};
 
 const KERNEL: &str = "extern \"C\" __global__ void fill(float* out, float v, unsigned n) {}\n";
@@ -47,7 +47,7 @@ async fn tenant_sources_that_name_the_nodes_files_are_refused_without_quoting_th
         ("#define P \"/etc/passwd\"\n#include P\n", &[]),
     ];
     for (head, options) in attacks {
-        let m = Module::cuda(format!("{head}{KERNEL}"), options);
+        let m = ModuleSpec::cuda(format!("{head}{KERNEL}"), options);
         let e = s.load(&m).await.unwrap_err();
         let text = e.to_string();
         assert!(
@@ -63,7 +63,7 @@ async fn tenant_sources_that_name_the_nodes_files_are_refused_without_quoting_th
         }
     }
     // What the node offers still loads, and the lease is still usable.
-    let ok = Module::cuda(
+    let ok = ModuleSpec::cuda(
         format!("#include \"offered.h\"\n{KERNEL}"),
         &["--std=c++17"],
     );
