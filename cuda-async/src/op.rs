@@ -426,7 +426,7 @@ pub trait DeviceOpExt: DeviceOp {
     /// ([`RemotePolicy`](crate::RemotePolicy)), with no async runtime
     /// needed for either. Inside an async runtime use
     /// `.schedule(&policy)?.await`: blocking a runtime thread that also
-    /// drives a remote session's I/O would wait forever (a `RemoteLease`
+    /// drives a remote session's I/O would wait forever (a `BlockingLease`
     /// of `cuda-lease` owns its own I/O thread and is safe here).
     ///
     /// # Errors

@@ -1,4 +1,4 @@
-//! A leased GPU as a backend of `cuda-async`: [`LeaseSession`] implements
+//! A leased GPU as a backend of `cuda-async`: [`LeaseBackend`] implements
 //! [`cuda_async::RemoteSession`] on a [`Session`] of the lease protocol
 //! ([`proto::VERSION`]).
 //!
@@ -76,10 +76,10 @@ impl EncodeCommands for AfterFrees<'_> {
 }
 
 /// A lease as a remote session of `cuda-async`. Cheap to share
-/// (`Arc<LeaseSession>`); its I/O runs on the tokio runtime it was made on.
+/// (`Arc<LeaseBackend>`); its I/O runs on the tokio runtime it was made on.
 #[derive(Debug)]
-pub struct LeaseSession {
-    me: Weak<LeaseSession>,
+pub struct LeaseBackend {
+    me: Weak<LeaseBackend>,
     session: Session,
     runtime: tokio::runtime::Handle,
     name: String,
@@ -92,7 +92,7 @@ pub struct LeaseSession {
     reading: Mutex<Reading>,
 }
 
-impl LeaseSession {
+impl LeaseBackend {
     /// A session on `session`'s lease whose I/O runs on `runtime`.
     pub fn new(session: Session, runtime: tokio::runtime::Handle) -> Arc<Self> {
         let id = session.lease_id().to_string();
@@ -101,7 +101,7 @@ impl LeaseSession {
             &id[..8],
             session.client().node_name()
         );
-        Arc::new_cyclic(|me| LeaseSession {
+        Arc::new_cyclic(|me| LeaseBackend {
             me: me.clone(),
             session,
             runtime,
@@ -149,7 +149,7 @@ impl LeaseSession {
             .1
     }
 
-    /// [`LeaseSession::send`], with the batch's number in the lease's
+    /// [`LeaseBackend::send`], with the batch's number in the lease's
     /// order (fixed now, whenever the future is polled).
     fn send_numbered<D>(
         &self,
@@ -168,7 +168,7 @@ impl LeaseSession {
         self.send_as(true, commands, modules, keep_frees, writes, dests)
     }
 
-    /// [`LeaseSession::send`] of a batch outside the lease's order (see
+    /// [`LeaseBackend::send`] of a batch outside the lease's order (see
     /// `Message::unnumbered`): the allocations of fresh buffers alone.
     fn send_unnumbered(
         &self,
@@ -289,7 +289,7 @@ pub fn to_cuda_error(e: Error) -> cuda_async::Error {
     cuda_async::Error::from_remote(e)
 }
 
-impl RemoteSession for LeaseSession {
+impl RemoteSession for LeaseBackend {
     fn describe(&self) -> String {
         self.name.clone()
     }
@@ -337,7 +337,7 @@ impl RemoteSession for LeaseSession {
     }
 }
 
-impl LeaseSession {
+impl LeaseBackend {
     /// Sends `recording` as one message (the path of every submission
     /// without a transfer on the data path).
     fn submit_now(&self, mut recording: Recording, done: FailOnDrop) {
@@ -435,7 +435,7 @@ impl Drop for FailOnDrop {
 /// nothing of it ran (its place in the order is filled by an empty batch),
 /// so its frees are asked again and its creations never existed.
 struct SettleUnsent {
-    me: Weak<LeaseSession>,
+    me: Weak<LeaseBackend>,
     sent: Option<Sent>,
 }
 
@@ -449,7 +449,7 @@ impl Drop for SettleUnsent {
     }
 }
 
-impl cuda_async::remote::AsRemoteSession for RemoteLease {
+impl cuda_async::remote::AsRemoteSession for BlockingLease {
     fn remote_session(&self) -> Arc<dyn RemoteSession> {
         self.session.clone()
     }
@@ -459,28 +459,28 @@ impl cuda_async::remote::AsRemoteSession for RemoteLease {
 /// plain `fn main` leases, records and waits without tokio in sight.
 ///
 /// The lease is renewed in the background (as [`Lease`] does) and freed
-/// when this is dropped or [`RemoteLease::free`]d.
+/// when this is dropped or [`BlockingLease::free`]d.
 ///
 /// ```no_run
 /// # fn main() -> Result<(), cuda_lease::Error> {
 /// use cuda_lease::client::{ClientConfig, Lease};
-/// use cuda_lease::remote::RemoteLease;
+/// use cuda_lease::remote::BlockingLease;
 /// let config = ClientConfig::from_pem_file("node-cert.pem".as_ref())?.token("...");
 /// let builder = Lease::builder().min_vram(64 << 20).config(config);
-/// let remote = RemoteLease::connect_blocking(builder, "10.0.0.5:7070".parse().unwrap())?;
+/// let remote = BlockingLease::connect(builder, "10.0.0.5:7070".parse().unwrap())?;
 /// let session = remote.session(); // a cuda_async::RemoteSession
 /// # let _ = session;
 /// remote.free()?;
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
-pub struct RemoteLease {
-    session: Arc<LeaseSession>,
+pub struct BlockingLease {
+    session: Arc<LeaseBackend>,
     lease: Option<Lease>,
     runtime: Option<tokio::runtime::Runtime>,
 }
 
-impl RemoteLease {
+impl BlockingLease {
     /// Connects and leases as `builder` says, on new I/O threads owned by
     /// the returned value (up to four, as many as the host has cores: a
     /// striped transfer's connections move data in parallel; on one
@@ -494,8 +494,8 @@ impl RemoteLease {
     /// Called inside an async runtime, it works too: it then blocks the
     /// calling thread until the lease is granted (the I/O runs on its own
     /// thread); inside a runtime, [`LeaseBuilder::connect`](crate::client::LeaseBuilder::connect)
-    /// and [`LeaseSession::current`] do not block.
-    pub fn connect_blocking(
+    /// and [`LeaseBackend::current`] do not block.
+    pub fn connect(
         builder: crate::client::LeaseBuilder,
         addr: std::net::SocketAddr,
     ) -> Result<Self, Error> {
@@ -517,8 +517,8 @@ impl RemoteLease {
                 return Err(e);
             }
         };
-        let session = LeaseSession::new(lease.session(), runtime.handle().clone());
-        Ok(RemoteLease {
+        let session = LeaseBackend::new(lease.session(), runtime.handle().clone());
+        Ok(BlockingLease {
             session,
             lease: Some(lease),
             runtime: Some(runtime),
@@ -526,7 +526,7 @@ impl RemoteLease {
     }
 
     /// The remote session of `cuda-async` on this lease.
-    pub fn session(&self) -> Arc<LeaseSession> {
+    pub fn session(&self) -> Arc<LeaseBackend> {
         self.session.clone()
     }
 
@@ -564,7 +564,7 @@ fn blocking<T: Send>(f: impl FnOnce() -> T + Send) -> T {
     })
 }
 
-impl Drop for RemoteLease {
+impl Drop for BlockingLease {
     fn drop(&mut self) {
         let Some(rt) = self.runtime.take() else {
             return;

@@ -14,7 +14,7 @@ use super::raw::RawQuinn;
 use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, HostBuffer, Kernel, Module, RemotePolicy, StreamPoolRoundRobin};
 use cuda_lease::client::{Client, Lease};
-use cuda_lease::remote::LeaseSession;
+use cuda_lease::remote::LeaseBackend;
 use cuda_lease::stamps::{self, stamp, Point};
 
 use super::baselines::Raw;
@@ -283,7 +283,7 @@ async fn transfer_ops(
         .ttl(Duration::from_secs(120))
         .on(client.clone())
         .await?;
-    let policy = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let policy = RemotePolicy::new(&LeaseBackend::current(lease.session()));
     let remote = &policy;
     let data = vec![7u8; size as usize];
     let (mut up, mut down) = (Vec::new(), Vec::new());
@@ -478,7 +478,7 @@ pub(super) async fn launch_only(ctx: &Ctx) -> Result<Vec<Row>> {
         .ttl(Duration::from_secs(120))
         .on(ctx.client.clone())
         .await?;
-    let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+    let remote = RemotePolicy::new(&LeaseBackend::current(lease.session()));
     let local = local_policy(&axpy, ctx.cfg.memory())?;
     let raw = RawQuinn::start(1).await?;
     let mut on_remote = KeptLaunch::new(&remote, &axpy).await?;
@@ -577,7 +577,7 @@ impl ChainSetup {
             .ttl(Duration::from_secs(120))
             .on(ctx.client.clone())
             .await?;
-        let remote = RemotePolicy::new(&LeaseSession::current(lease.session()));
+        let remote = RemotePolicy::new(&LeaseBackend::current(lease.session()));
         let local = local_policy(&axpy, ctx.cfg.memory())?;
         let times = chain_times(&remote, local.as_deref(), &axpy, iters).await?;
         Ok(ChainSetup {

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, HostBuffer, Kernel, LaunchConfig, Module, StreamPoolRoundRobin};
 use cuda_lease::client::Lease;
-use cuda_lease::remote::LeaseSession;
+use cuda_lease::remote::LeaseBackend;
 use tokio::task::JoinHandle;
 
 use super::{detail, gib_s, size_label, times, Ctx};
@@ -120,7 +120,7 @@ pub(super) async fn pool_rows(ctx: &Ctx) -> Result<Vec<Row>> {
         .ttl(Duration::from_secs(120))
         .on(ctx.striped.clone())
         .await?;
-    let remote = Arc::new(RemotePolicy::new(&LeaseSession::current(lease.session())));
+    let remote = Arc::new(RemotePolicy::new(&LeaseBackend::current(lease.session())));
     let local = if memory {
         None
     } else {

@@ -21,7 +21,7 @@ use tracing::{debug, info, warn};
 use super::placement::rank;
 use super::{Fleet, FleetError, NodeRecord};
 use cuda_lease::client::{Disconnect, Error, ErrorKind, Lease};
-use cuda_lease::remote::LeaseSession;
+use cuda_lease::remote::LeaseBackend;
 use submission::Placement;
 
 /// The first id a fleet policy hands out: far above the ids a lease's own
@@ -147,7 +147,7 @@ struct Shared {
 struct Member {
     node: NodeRecord,
     lease: Mutex<Option<Lease>>,
-    session: Arc<LeaseSession>,
+    session: Arc<LeaseBackend>,
     in_flight: AtomicUsize,
     /// Submissions given to it in all.
     given: AtomicU64,
@@ -376,7 +376,7 @@ impl Shared {
             .into_iter()
             .find(|n| n.address == addr)
             .ok_or_else(|| FleetError::Config(format!("the node at {addr} left the registry")))?;
-        let session = LeaseSession::new(lease.session(), self.runtime.clone());
+        let session = LeaseBackend::new(lease.session(), self.runtime.clone());
         info!(node = %node.name, lease = %lease.id(), "fleet policy: leased");
         self.members().push(Arc::new(Member {
             node,

@@ -22,7 +22,7 @@ use cuda_async::blas::{gemm, Gemm};
 use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, HostBuffer, Kernel, LaunchConfig, Module, SchedulingPolicy};
 use cuda_lease::client::{ClientConfig, Lease};
-use cuda_lease::remote::RemoteLease;
+use cuda_lease::remote::BlockingLease;
 use cuda_lease_node::{main_if_worker, DeviceSpec, Node, NodeConfig, WorkerSpec};
 
 /// Inputs, hidden units, classes, samples.
@@ -190,7 +190,7 @@ fn run() -> Result<(), Box<dyn Error>> {
     cfg.tokens = vec!["demo-token".into()];
     let node = rt.block_on(Node::spawn_local(cfg))?;
     let config = ClientConfig::pinned(node.cert_der().clone()).token("demo-token");
-    let lease = RemoteLease::connect_blocking(
+    let lease = BlockingLease::connect(
         Lease::builder().min_vram(64 << 20).config(config),
         node.addr(),
     )?;

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use cuda_async::prelude::*;
 use cuda_async::{HostBuffer, Kernel, LaunchConfig, Module, RemotePolicy};
 use cuda_lease::client::{ClientConfig, Lease};
-use cuda_lease::remote::RemoteLease;
+use cuda_lease::remote::BlockingLease;
 use cuda_lease_node::node::{Node, NodeConfig};
 use cuda_lease_node::worker::{main_if_worker, DeviceSpec, WorkerSpec};
 
@@ -201,7 +201,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         }
     };
     // A lease with its own I/O thread: this `fn main` has no async runtime.
-    let lease = RemoteLease::connect_blocking(builder.min_vram(64 << 20), addr)?;
+    let lease = BlockingLease::connect(builder.min_vram(64 << 20), addr)?;
     let remote = RemotePolicy::new(&lease);
     let (out, remote_t) = time(10, || {
         Ok(pipeline(x.clone(), y.clone(), a, &axpy).sync_with(&remote)?)

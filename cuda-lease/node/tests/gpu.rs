@@ -39,7 +39,7 @@ mod suite_kernels {
 /// blocking calls.
 struct RemoteBackend {
     policy: cuda_async::RemotePolicy,
-    lease: Option<cuda_lease::remote::RemoteLease>,
+    lease: Option<cuda_lease::remote::BlockingLease>,
     fixture: Option<Fixture>,
     rt: tokio::runtime::Runtime,
 }
@@ -59,8 +59,7 @@ impl RemoteBackend {
                 .min_vram(256 << 20)
                 .config(client_config(node)),
         );
-        let lease =
-            cuda_lease::remote::RemoteLease::connect_blocking(builder, node.addr()).unwrap();
+        let lease = cuda_lease::remote::BlockingLease::connect(builder, node.addr()).unwrap();
         RemoteBackend {
             policy: cuda_async::RemotePolicy::new(&lease),
             lease: Some(lease),
@@ -775,7 +774,7 @@ fn a_gib_through_h2d_and_d2h_on_a_lease_is_byte_exact_and_streamed() {
     let builder = Lease::builder()
         .min_vram(1 << 31)
         .config(client_config(node));
-    let lease = cuda_lease::remote::RemoteLease::connect_blocking(builder, node.addr()).unwrap();
+    let lease = cuda_lease::remote::BlockingLease::connect(builder, node.addr()).unwrap();
     let policy = cuda_async::RemotePolicy::new(&lease);
     let n = 1usize << 30;
     let bytes = random_bytes(n, 0x1_0000_0001);
@@ -1678,7 +1677,7 @@ fn a_large_copy_into_a_kept_remote_buffer_takes_the_data_path() {
     let builder = Lease::builder()
         .min_vram(256 << 20)
         .config(client_config(node));
-    let lease = cuda_lease::remote::RemoteLease::connect_blocking(builder, node.addr()).unwrap();
+    let lease = cuda_lease::remote::BlockingLease::connect(builder, node.addr()).unwrap();
     let policy = cuda_async::RemotePolicy::new(&lease);
     let n = 64usize << 20;
     let bytes = random_bytes(n, 0x64);

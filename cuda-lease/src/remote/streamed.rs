@@ -34,7 +34,7 @@ use std::sync::Arc;
 
 use cuda_async::remote::{Command, Op, ReadBuf, Recording};
 
-use super::{FailOnDrop, LeaseSession};
+use super::{FailOnDrop, LeaseBackend};
 use crate::client::{protocol_error, Error, Submitted};
 use crate::proto::Id;
 #[cfg(doc)]
@@ -214,7 +214,7 @@ pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<St
 
 // The session's side: the steps.
 
-impl LeaseSession {
+impl LeaseBackend {
     /// Sends `recording` now as one message, or starts it on the data path.
     pub(super) fn submit_or_stream(&self, recording: Recording, done: FailOnDrop) {
         match plan(recording.commands(), self.session.stream_min_bytes()) {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use cuda_lease::client::{Client, ClientConfig, Lease, LeaseBuilder, Session};
 use cuda_lease::clock::ManualClock;
 use cuda_lease::proto::{self, Header, Opcode, Status};
-use cuda_lease::remote::LeaseSession;
+use cuda_lease::remote::LeaseBackend;
 use cuda_lease_node::node::{Node, NodeConfig};
 use cuda_lease_node::worker::{DeviceSpec, WorkerSpec};
 
@@ -211,7 +211,7 @@ pub async fn lease_on(node: &Node, vram: u64) -> Lease {
 
 /// A `cuda-async` policy that runs ops on `lease`.
 pub fn policy_of(lease: &Lease) -> cuda_async::RemotePolicy {
-    cuda_async::RemotePolicy::new(&LeaseSession::current(lease.session()))
+    cuda_async::RemotePolicy::new(&LeaseBackend::current(lease.session()))
 }
 
 /// The worker executable: `$CUDA_LEASE_WORKER_EXE`, else `cuda-lease-node`

@@ -13,7 +13,7 @@ use cuda_async::{
     RemoteErrorKind as ErrorKind,
 };
 use cuda_lease::client::Lease;
-use cuda_lease::remote::{LeaseSession, RemoteLease};
+use cuda_lease::remote::{BlockingLease, LeaseBackend};
 use cuda_lease_node::node::Node;
 
 const KERNELS: &str = r#"
@@ -454,8 +454,8 @@ async fn a_buffer_of_another_lease_is_an_error_naming_both() {
     let fx = Fixture::memory(1 << 22).lease(1 << 16).start().await;
     let (a, b) = (fx.lease(), lease_on(&fx.node, 1 << 16).await);
     let (sa, sb) = (
-        LeaseSession::current(a.session()),
-        LeaseSession::current(b.session()),
+        LeaseBackend::current(a.session()),
+        LeaseBackend::current(b.session()),
     );
     let on_a = RemotePolicy::new(&sa);
     let on_b = RemotePolicy::new(&sb);
@@ -544,7 +544,7 @@ fn a_plain_fn_main_runs_the_pipeline_blocking_and_sees_the_node_go() {
     let builder = Lease::builder()
         .min_vram(1 << 20)
         .config(client_config(node));
-    let lease = RemoteLease::connect_blocking(builder, node.addr()).unwrap();
+    let lease = BlockingLease::connect(builder, node.addr()).unwrap();
     let remote = RemotePolicy::new(&lease).with_streams(2);
     let k = kernels();
     let (x, y) = (random_f32(300, 1), random_f32(300, 2));
@@ -651,7 +651,7 @@ async fn short_lease(node: &Node, vram: u64) -> (Lease, RemotePolicy) {
         .on(connect(node).await)
         .await
         .unwrap();
-    let policy = RemotePolicy::new(&LeaseSession::current(short.session()));
+    let policy = RemotePolicy::new(&LeaseBackend::current(short.session()));
     (short, policy)
 }
 
@@ -931,7 +931,7 @@ fn a_blocking_wait_with_a_timeout_returns_while_the_submission_still_runs() {
     let builder = Lease::builder()
         .min_vram(1 << 20)
         .config(client_config(node));
-    let lease = RemoteLease::connect_blocking(builder, node.addr()).unwrap();
+    let lease = BlockingLease::connect(builder, node.addr()).unwrap();
     let remote = RemotePolicy::new(&lease);
     // Done in time: the output, as with `sync_with`.
     let v = h2d(vec![5u8; 64])
@@ -1048,7 +1048,7 @@ fn a_graph_captured_on_a_lease_is_kept_by_the_node_and_launched_in_one_command()
         let builder = Lease::builder()
             .min_vram(1 << 20)
             .config(client_config(node));
-        RemoteLease::connect_blocking(builder, node.addr()).unwrap()
+        BlockingLease::connect(builder, node.addr()).unwrap()
     };
     let (lease, other) = (connect(), connect());
     let remote = RemotePolicy::new(&lease).with_streams(2);

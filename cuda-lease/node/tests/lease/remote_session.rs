@@ -1,4 +1,4 @@
-//! The lease as a `cuda-async` remote session ([`LeaseSession`]), against an
+//! The lease as a `cuda-async` remote session ([`LeaseBackend`]), against an
 //! embedded node with the in-memory device: a `cuda-async` recording goes
 //! out as one BATCH, its reads land in host buffers that need no driver,
 //! queued frees reach the node, and failures come back as `cuda-async`'s
@@ -11,7 +11,7 @@ use crate::common::*;
 use cuda_async::remote::{proto::LaunchArg, Id, Op, Recording, RemoteCompletion};
 use cuda_async::{HostBuffer, LaunchConfig, RemoteSession};
 use cuda_lease::client::Lease;
-use cuda_lease::remote::LeaseSession;
+use cuda_lease::remote::LeaseBackend;
 
 const KERNELS: &str = r#"
 extern "C" __global__ void fill(float* out, float v, unsigned n) {}
@@ -45,7 +45,7 @@ fn bytes(v: &[f32]) -> Vec<u8> {
 async fn a_recording_is_one_batch_and_its_reads_land_in_host_buffers() {
     let fx = Fixture::memory(1 << 20).lease(1 << 16).start().await;
     let (node, lease) = (&fx.node, fx.lease());
-    let session = LeaseSession::current(lease.session());
+    let session = LeaseBackend::current(lease.session());
     assert!(
         session.describe().starts_with("lease "),
         "{}",
@@ -127,7 +127,7 @@ async fn failures_come_back_as_cuda_async_remote_errors() {
         .start()
         .await;
     let (client, lease, clock) = (fx.client(), fx.lease(), fx.clock());
-    let session = LeaseSession::current(lease.session());
+    let session = LeaseBackend::current(lease.session());
     let run = |rec: Recording| {
         let session = session.clone();
         async move {
@@ -179,7 +179,7 @@ async fn failures_come_back_as_cuda_async_remote_errors() {
         .on(client.clone())
         .await
         .unwrap();
-    let session = LeaseSession::current(lease.session());
+    let session = LeaseBackend::current(lease.session());
     clock.advance(Duration::from_secs(6));
     let mut rec = Recording::new();
     rec.push(
@@ -211,7 +211,7 @@ fn a_plain_fn_main_leases_records_and_waits_with_no_runtime_of_its_own() {
     let builder = Lease::builder()
         .min_vram(1 << 16)
         .config(client_config(node));
-    let remote = cuda_lease::remote::RemoteLease::connect_blocking(builder, node.addr()).unwrap();
+    let remote = cuda_lease::remote::BlockingLease::connect(builder, node.addr()).unwrap();
     let session = remote.session();
     let mut rec = Recording::new();
     let id = session.fresh_id();
@@ -250,7 +250,7 @@ fn a_plain_fn_main_leases_records_and_waits_with_no_runtime_of_its_own() {
             let b = Lease::builder()
                 .min_vram(1 << 16)
                 .config(client_config(node));
-            let remote = cuda_lease::remote::RemoteLease::connect_blocking(b, node.addr()).unwrap();
+            let remote = cuda_lease::remote::BlockingLease::connect(b, node.addr()).unwrap();
             if free {
                 remote.free().unwrap();
             } else {
