@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaStream;
 
+use crate::tracking::{keep_with_graph, search_kept};
 use crate::{Error, Result};
 
 /// Handles of one library, one per (context, stream, key), kept for the
@@ -16,7 +17,9 @@ use crate::{Error, Result};
 /// and run on a background thread it made the process crash at exit under
 /// compute-sanitizer. `K` tells apart the handles of one stream (a cuFFT
 /// plan per transform shape); a library with one handle per stream keeps
-/// `()`.
+/// `()`. A handle made while its stream is captured into a graph is kept
+/// by the graph instead (see [`PerStream::get_keyed`]); it is not destroyed
+/// either.
 #[derive(Debug)]
 pub(crate) struct PerStream<H, K = ()> {
     kept: Mutex<Kept<H, K>>,
@@ -26,7 +29,7 @@ pub(crate) struct PerStream<H, K = ()> {
 type Kept<H, K> = HashMap<(usize, usize, K), Arc<Mutex<H>>>;
 
 #[cfg(any(feature = "blas", feature = "rand"))]
-impl<H> PerStream<H> {
+impl<H: Send + 'static> PerStream<H> {
     /// The handle of `stream`: [`PerStream::get_keyed`] with no key.
     pub(crate) fn get(
         &self,
@@ -37,7 +40,7 @@ impl<H> PerStream<H> {
     }
 }
 
-impl<H, K: Eq + Hash> PerStream<H, K> {
+impl<H: Send + 'static, K: Eq + Hash + Send + 'static> PerStream<H, K> {
     pub(crate) fn new() -> Self {
         Self {
             kept: Mutex::new(HashMap::new()),
@@ -54,6 +57,37 @@ impl<H, K: Eq + Hash> PerStream<H, K> {
         key: K,
         make: impl FnOnce() -> Result<H>,
     ) -> Result<Arc<Mutex<H>>> {
+        // A capture's stream: its handle is kept by the graph (the replays
+        // use its workspace) and never enters the cache, where a stream
+        // made later at the same address would find it and share that
+        // workspace with the replays.
+        let raw = stream.cu_stream() as usize;
+        let captured = search_kept(stream, |kept| {
+            kept.iter().find_map(|v| {
+                v.downcast_ref::<Captured<H, K>>()
+                    .filter(|c| c.stream == raw && c.key == key)
+                    .map(|c| c.handle.clone())
+            })
+        });
+        match captured {
+            Some(Some(h)) => return Ok(h),
+            Some(None) => {
+                let h = made(stream, make)?;
+                let kept = Captured {
+                    stream: raw,
+                    key,
+                    handle: h.clone(),
+                };
+                if keep_with_graph(stream, kept).is_err() {
+                    return Err(Error::Capture(
+                        "a library handle made for a capture could not be kept with its graph"
+                            .into(),
+                    ));
+                }
+                return Ok(h);
+            }
+            None => {}
+        }
         let key = (
             stream.context().cu_ctx() as usize,
             stream.cu_stream() as usize,
@@ -63,14 +97,28 @@ impl<H, K: Eq + Hash> PerStream<H, K> {
         if let Some(h) = kept.get(&key) {
             return Ok(h.clone());
         }
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| Error::driver("cuCtxSetCurrent", e))?;
-        let h = Arc::new(Mutex::new(relaxed(make)??));
+        let h = made(stream, make)?;
         kept.insert(key, h.clone());
         Ok(h)
     }
+}
+
+/// A handle made for a capture, kept by its graph: for one of the
+/// capture's streams and one key.
+struct Captured<H, K> {
+    stream: usize,
+    key: K,
+    handle: Arc<Mutex<H>>,
+}
+
+/// A new handle from `make`, run with `stream`'s context current and the
+/// thread's capture mode relaxed.
+fn made<H>(stream: &CudaStream, make: impl FnOnce() -> Result<H>) -> Result<Arc<Mutex<H>>> {
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| Error::driver("cuCtxSetCurrent", e))?;
+    Ok(Arc::new(Mutex::new(relaxed(make)??)))
 }
 
 /// Runs `f` with this thread's stream-capture mode relaxed (and restores

@@ -360,6 +360,16 @@ pub(crate) fn keep_with_graph<V: Send + 'static>(
     }
 }
 
+/// While `stream` captures for a [`TrackedGraph`](crate::TrackedGraph)
+/// on this thread: `Some` with what `find` gives for the values the graph
+/// keeps; `None` otherwise.
+pub(crate) fn search_kept<R>(
+    stream: &CudaStream,
+    find: impl FnOnce(&[Box<dyn Any + Send>]) -> R,
+) -> Option<R> {
+    with_log(stream, |l| find(&l.keep))
+}
+
 /// Removes the log when the capture ends, however it ends.
 struct LogGuard;
 

@@ -659,3 +659,35 @@ fn pinned_buffers_copy_to_and_from_module_globals() {
     assert!(short.upload_to_global(&g, &s).is_err());
     assert_eq!(short.as_slice().unwrap(), &[9, 9, 9]);
 }
+
+/// A library handle made while its stream is captured is the graph's: the
+/// same stream outside the capture, or in another capture, gets another
+/// one (sharing it would share its workspace with the graph's replays).
+#[cfg(feature = "blas")]
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_blas_handle_made_inside_a_capture_stays_with_its_graph() {
+    use cuda_core::blas::blas_handle;
+    use cuda_core::TrackedGraph;
+    let fx = fixture();
+    let (stream, alloc) = (fx.dev.new_stream().unwrap(), fx.dev.new_stream().unwrap());
+    let capture = || {
+        let mut inside = Vec::new();
+        let graph = TrackedGraph::capture(&stream, &[], &alloc, |s| {
+            inside.push(blas_handle(s)?);
+            inside.push(blas_handle(s)?);
+            Ok(())
+        })
+        .unwrap();
+        (graph, inside)
+    };
+    let (graph, first) = capture();
+    assert!(Arc::ptr_eq(&first[0], &first[1]), "one handle a capture");
+    let outside = blas_handle(&stream).unwrap();
+    assert!(!Arc::ptr_eq(&first[0], &outside));
+    assert!(Arc::ptr_eq(&outside, &blas_handle(&stream).unwrap()));
+    let (again, second) = capture();
+    assert!(!Arc::ptr_eq(&first[0], &second[0]));
+    assert!(!Arc::ptr_eq(&outside, &second[0]));
+    drop((graph, again));
+}
