@@ -1,4 +1,5 @@
-//! The lease table with an injected clock: grant, renew, expiry, generation, capacity.
+//! The lease table with an injected clock: grant, renew, expiry,
+//! generation, capacity.
 
 use std::time::Duration;
 
