@@ -10,8 +10,8 @@
 //! Matrices are column-major, as cuBLAS takes them: element `(i, j)` of a
 //! matrix with leading dimension `ld` is at `i + j * ld`.
 //!
-//! With the `half` feature, [`half::bf16`](crate::half::bf16) and
-//! [`half::f16`](crate::half::f16) are elements too: `A`, `B` and `C` are
+//! With the `half` feature, `half::bf16` and `half::f16` (re-exported as
+//! `cuda_core::half`) are elements too: `A`, `B` and `C` are
 //! held in the half type, and cuBLAS (`cublasGemmEx`) multiplies and
 //! accumulates in `f32`, rounding `C` to the half type once. `alpha` and
 //! `beta` are given in the element type and passed to cuBLAS as `f32`
