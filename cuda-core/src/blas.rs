@@ -238,9 +238,11 @@ macro_rules! half_scalar {
             ) -> Result<()> {
                 let (ta, tb) = (op(g.transpose_a), op(g.transpose_b));
                 let [m, n, k, lda, ldb, ldc] = g.dims_c_int()?;
-                // `CUBLAS_COMPUTE_32F` takes `f32` scalars.
-                let (alpha, beta) = (g.alpha.to_f32(), g.beta.to_f32());
-                let (alpha, beta) = (ptr::from_ref(&alpha).cast(), ptr::from_ref(&beta).cast());
+                // `CUBLAS_COMPUTE_32F` takes `f32` scalars; these live to
+                // the end of the call.
+                let (alpha_f32, beta_f32) = (g.alpha.to_f32(), g.beta.to_f32());
+                let alpha = ptr::from_ref(&alpha_f32).cast::<c_void>();
+                let beta = ptr::from_ref(&beta_f32).cast::<c_void>();
                 let data = sys::cudaDataType::$data;
                 let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
                 let algo = sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
