@@ -1,15 +1,16 @@
 //! `blas`: cuBLAS products as ops against cudarc's own `CudaBlas` calls on
-//! a stream: one large product, a chain of small ones, and that chain
-//! replayed from a graph.
+//! a stream: one large product in f32 and in bf16, a chain of small ones,
+//! and that chain replayed from a graph.
 
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use cuda_async::blas::{gemm, Gemm};
-use cuda_async::cudarc::cublas::{self, CudaBlas, Gemm as _};
+use cuda_async::blas::{gemm, BlasScalar, Gemm};
+use cuda_async::cudarc::cublas::{self, CudaBlas};
 use cuda_async::cudarc::driver::CudaSlice;
+use cuda_async::half::bf16;
 use cuda_async::prelude::*;
-use cuda_async::DeviceBuffer;
+use cuda_async::{DeviceBuffer, ValidAsZeroBits};
 
 use crate::fixture::Fixture;
 use crate::measure::{interleaved, Config};
@@ -25,7 +26,7 @@ pub const SMALL: usize = 64;
 pub const CHAIN: usize = 1000;
 
 /// cudarc's configuration of the same product as `g`.
-fn raw_cfg(g: &Gemm<f32>) -> cublas::GemmConfig<f32> {
+fn raw_cfg<T: BlasScalar>(g: &Gemm<T>) -> cublas::GemmConfig<T> {
     cublas::GemmConfig {
         transa: cublas::sys::cublasOperation_t::CUBLAS_OP_N,
         transb: cublas::sys::cublasOperation_t::CUBLAS_OP_N,
@@ -40,47 +41,70 @@ fn raw_cfg(g: &Gemm<f32>) -> cublas::GemmConfig<f32> {
     }
 }
 
-/// Square operands of `n` x `n` for both sides: cudarc slices for the raw
-/// path, buffers for the ops.
-struct Operands {
-    raw: (CudaSlice<f32>, CudaSlice<f32>, RefCell<CudaSlice<f32>>),
-    a: Arc<DeviceBuffer<f32>>,
-    b: Arc<DeviceBuffer<f32>>,
-    c: RefCell<DeviceBuffer<f32>>,
+/// An element type both sides multiply: an op's ([`BlasScalar`]) that
+/// cudarc's `CudaBlas` multiplies too (`CudaBlas: cublas::Gemm<T>`).
+trait Element: BlasScalar + ValidAsZeroBits {
+    /// `v` in this type.
+    fn of(v: f32) -> Self;
 }
 
-impl Operands {
+impl Element for f32 {
+    fn of(v: f32) -> Self {
+        v
+    }
+}
+
+impl Element for bf16 {
+    fn of(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+/// Square operands of `n` x `n` for both sides: cudarc slices for the raw
+/// path, buffers for the ops.
+struct Operands<T> {
+    raw: (CudaSlice<T>, CudaSlice<T>, RefCell<CudaSlice<T>>),
+    a: Arc<DeviceBuffer<T>>,
+    b: Arc<DeviceBuffer<T>>,
+    c: RefCell<DeviceBuffer<T>>,
+}
+
+impl<T: Element> Operands<T>
+where
+    CudaBlas: cublas::Gemm<T>,
+{
     fn new(fx: &Fixture, n: usize) -> Result<Self> {
         let s = &fx.stream;
-        let x: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 * 0.25).collect();
+        // Quarters up to 1.5: exact in every element type.
+        let x: Vec<T> = (0..n * n).map(|i| T::of((i % 7) as f32 * 0.25)).collect();
         let raw = (
             s.clone_htod(&x)?,
             s.clone_htod(&x)?,
-            RefCell::new(s.alloc_zeros::<f32>(n * n)?),
+            RefCell::new(s.alloc_zeros::<T>(n * n)?),
         );
-        let up = |v: &[f32]| h2d(v.to_vec()).sync_on(s);
+        let up = |v: &[T]| h2d(v.to_vec()).sync_on(s);
         Ok(Operands {
             raw,
             a: Arc::new(up(&x)?),
             b: Arc::new(up(&x)?),
-            c: RefCell::new(zeros::<f32>(n * n).sync_on(s)?),
+            c: RefCell::new(zeros::<T>(n * n).sync_on(s)?),
         })
     }
 
     /// `count` raw products on the fixture's stream, then one synchronize.
-    fn raw(&self, fx: &Fixture, blas: &CudaBlas, g: &Gemm<f32>, count: usize) -> Result<()> {
+    fn raw(&self, fx: &Fixture, blas: &CudaBlas, g: &Gemm<T>, count: usize) -> Result<()> {
         let (a, b, c) = (&self.raw.0, &self.raw.1, &mut *self.raw.2.borrow_mut());
         for _ in 0..count {
             // SAFETY: the slices hold n x n elements each, as `g` reads and
             // writes.
-            unsafe { blas.gemm(raw_cfg(g), a, b, c) }?;
+            unsafe { cublas::Gemm::gemm(blas, raw_cfg(g), a, b, c) }?;
         }
         fx.stream.synchronize()?;
         Ok(())
     }
 
     /// `count` products as ops chained with `then`, then `sync_on`.
-    fn ops(&self, fx: &Fixture, g: Gemm<f32>, count: usize) -> Result<()> {
+    fn ops(&self, fx: &Fixture, g: Gemm<T>, count: usize) -> Result<()> {
         let mut c = self.c.borrow_mut();
         chain(&self.a, &self.b, &mut c, g, count).sync_on(&fx.stream)?;
         Ok(())
@@ -88,11 +112,11 @@ impl Operands {
 }
 
 /// `count` products `c = a * b` as one op.
-fn chain<'a>(
-    a: &'a Arc<DeviceBuffer<f32>>,
-    b: &'a Arc<DeviceBuffer<f32>>,
-    c: &'a mut DeviceBuffer<f32>,
-    g: Gemm<f32>,
+fn chain<'a, T: BlasScalar>(
+    a: &'a Arc<DeviceBuffer<T>>,
+    b: &'a Arc<DeviceBuffer<T>>,
+    c: &'a mut DeviceBuffer<T>,
+    g: Gemm<T>,
     count: usize,
 ) -> BoxedOp<'a, ()> {
     let mut op = value((&**a, &**b, c)).boxed();
@@ -106,6 +130,29 @@ fn per(v: &[f64], k: usize) -> Option<Summary> {
     Summary::of(v).map(|s| s.scaled(1.0 / k as f64))
 }
 
+/// One `LARGE`^3 product of `T`, raw and as an op, interleaved: the
+/// TFLOP/s of each (raw first).
+fn large<T: Element>(fx: &Fixture, cfg: &Config, blas: &CudaBlas) -> Result<[Option<Summary>; 2]>
+where
+    CudaBlas: cublas::Gemm<T>,
+{
+    let ops = Operands::<T>::new(fx, LARGE)?;
+    let g = Gemm::<T>::new(LARGE, LARGE, LARGE);
+    let t = interleaved(
+        cfg.reps(3, 1),
+        cfg.reps(20, 3),
+        &mut [&mut || ops.raw(fx, blas, &g, 1), &mut || ops.ops(fx, g, 1)],
+    )?;
+    let tflops = |v: &Vec<f64>| {
+        Summary::of(
+            &v.iter()
+                .map(|us| g.flops() / (us * 1e-6) / 1e12)
+                .collect::<Vec<_>>(),
+        )
+    };
+    Ok([tflops(&t[0]), tflops(&t[1])])
+}
+
 /// The `blas` topic's rows.
 ///
 /// # Errors
@@ -113,26 +160,11 @@ fn per(v: &[f64], k: usize) -> Option<Summary> {
 pub fn blas(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
     let g = "blas";
     let blas = CudaBlas::new(fx.stream.clone())?;
-    // One large product.
-    let large = Operands::new(fx, LARGE)?;
-    let gl = Gemm::<f32>::new(LARGE, LARGE, LARGE);
-    let t = interleaved(
-        cfg.reps(3, 1),
-        cfg.reps(20, 3),
-        &mut [&mut || large.raw(fx, &blas, &gl, 1), &mut || {
-            large.ops(fx, gl, 1)
-        }],
-    )?;
-    drop(large);
-    let tflops = |v: &Vec<f64>| {
-        Summary::of(
-            &v.iter()
-                .map(|us| gl.flops() / (us * 1e-6) / 1e12)
-                .collect::<Vec<_>>(),
-        )
-    };
+    // One large product in f32, then in bf16 (each freed before the next).
+    let [f32_raw, f32_lib] = large::<f32>(fx, cfg, &blas)?;
+    let [bf16_raw, bf16_lib] = large::<bf16>(fx, cfg, &blas)?;
     // A chain of small products, eager and replayed.
-    let small = Operands::new(fx, SMALL)?;
+    let small = Operands::<f32>::new(fx, SMALL)?;
     let gs = Gemm::<f32>::new(SMALL, SMALL, SMALL);
     let graph = {
         let (a, b) = (small.a.clone(), small.b.clone());
@@ -158,8 +190,16 @@ pub fn blas(fx: &Fixture, cfg: &Config) -> Result<Vec<Row>> {
             "GEMM 4096^3 f32, TFLOP/s: `blas::gemm` op vs cudarc's `CudaBlas::gemm` on a stream",
             Unit::TflopsPerSec,
         )
-        .raw(tflops(&t[0]))
-        .lib(tflops(&t[1]))
+        .raw(f32_raw)
+        .lib(f32_lib)
+        .goal(Goal::AtLeast(0.98)),
+        Row::new(
+            g,
+            "GEMM 4096^3 bf16 (f32 compute), TFLOP/s: `blas::gemm` op vs cudarc's `CudaBlas::gemm` on a stream",
+            Unit::TflopsPerSec,
+        )
+        .raw(bf16_raw)
+        .lib(bf16_lib)
         .goal(Goal::AtLeast(0.98)),
         Row::new(
             g,

@@ -14,7 +14,7 @@ use std::ops::Range;
 
 use cuda_core::blas::blas_handle;
 pub use cuda_core::blas::{BlasScalar, Gemm, Gemv};
-use cuda_core::Result;
+use cuda_core::{Error, Result};
 
 use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
@@ -24,13 +24,16 @@ use crate::remote::proto::{Dtype, GemmSpec, Operand};
 use crate::remote::{Id, Op, RemoteContext};
 use crate::view::{DeviceSource, DeviceTarget};
 
-/// The protocol's element type of `T` (`f32` or `f64`, the only
-/// [`BlasScalar`]s).
-fn dtype<T: BlasScalar>() -> Dtype {
-    if TypeId::of::<T>() == TypeId::of::<f32>() {
-        Dtype::F32
+/// The protocol's element type of `T`: `f32` and `f64` have one, the
+/// half types (feature `half`) none.
+fn dtype<T: BlasScalar>() -> Option<Dtype> {
+    let t = TypeId::of::<T>();
+    if t == TypeId::of::<f32>() {
+        Some(Dtype::F32)
+    } else if t == TypeId::of::<f64>() {
+        Some(Dtype::F64)
     } else {
-        Dtype::F64
+        None
     }
 }
 
@@ -68,18 +71,21 @@ impl<T: fmt::Debug, A, B, C> fmt::Debug for GemmOp<T, A, B, C> {
 /// `a` and `b` are buffers, `&` buffers or views; `c` an owned buffer,
 /// `&mut` one or a writable view. The shapes are checked against their
 /// lengths before anything runs (an error names the matrix that does not
-/// fit). `f32` and `f64`.
+/// fit). `f32` and `f64`; with the `half` feature also `half::bf16` and
+/// `half::f16` (`cublasGemmEx`: the product is accumulated in `f32` and
+/// `C` rounded to the half type once; `alpha` and `beta` reach cuBLAS as
+/// `f32`).
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`](cuda_core::Error::InvalidArgument) for a
-/// shape that does not fit its buffer;
-/// [`Error::NoLibrary`](cuda_core::Error::NoLibrary) when cuBLAS cannot be
-/// loaded.
+/// [`Error::InvalidArgument`] for a shape that does not fit its buffer;
+/// [`Error::NoLibrary`] when cuBLAS cannot be loaded;
+/// [`Error::NeedsLocalStream`] for a half-precision product on a remote
+/// context (the error names the type).
 ///
-/// On a remote context the product is one command that the node runs with
-/// its own cuBLAS (no kernel is shipped), after checking the shapes against
-/// the buffers again.
+/// On a remote context an `f32` or `f64` product is one command that the
+/// node runs with its own cuBLAS (no kernel is shipped), after checking the
+/// shapes against the buffers again.
 ///
 /// # Examples
 ///
@@ -134,9 +140,19 @@ where
         if let Some(r) = ctx.as_remote() {
             // The node runs it with its own cuBLAS (and checks the shapes
             // against the buffers again); the buffers order themselves
-            // there, as a launch's do.
+            // there, as a launch's do. The protocol carries f32 and f64
+            // products only.
+            let Some(dtype) = dtype::<T>() else {
+                return Err(Error::NeedsLocalStream {
+                    op: format!(
+                        "gemm of {} (a lease's node multiplies f32 and f64 only)",
+                        T::NAME
+                    ),
+                    context: r.describe(),
+                });
+            };
             let spec = GemmSpec {
-                dtype: dtype::<T>(),
+                dtype,
                 a: operand(r, self.a.buffer(), self.a.range())?,
                 b: operand(r, self.b.buffer(), self.b.range())?,
                 c: operand(r, self.c.buffer(), self.c.range())?,
@@ -197,13 +213,13 @@ impl<T: fmt::Debug, A, X, Y> fmt::Debug for GemvOp<T, A, X, Y> {
 ///
 /// `a` and `x` are buffers, `&` buffers or views; `y` an owned buffer,
 /// `&mut` one or a writable view. The shapes are checked against their
-/// lengths before anything runs. `f32` and `f64`.
+/// lengths before anything runs. `f32` and `f64`; with the `half`
+/// feature also `half::bf16` and `half::f16`, as a one-column
+/// `cublasGemmEx` (cuBLAS has no half-precision gemv; `f32` accumulation).
 ///
 /// # Errors
 ///
-/// As [`gemm`], and
-/// [`Error::NeedsLocalStream`](cuda_core::Error::NeedsLocalStream) on a
-/// remote context.
+/// As [`gemm`], and [`Error::NeedsLocalStream`] on a remote context.
 ///
 /// # Examples
 ///

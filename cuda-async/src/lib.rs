@@ -156,6 +156,10 @@ pub use context::ExecutionContext;
 /// # Ok::<(), cuda_async::Error>(())
 /// ```
 pub use cuda_async_macros::kernels;
+/// The half-precision types (`half::bf16`, `half::f16`) that buffers hold
+/// and, with `blas`, `blas::gemm` multiplies (feature `half`).
+#[cfg(feature = "half")]
+pub use cuda_core::half;
 pub use cuda_core::GraphUpdate;
 pub use cuda_core::{
     auto_peer_access, can_access_peer, cudarc, device_count, devices, driver_present,

@@ -9,9 +9,19 @@
 //!
 //! Matrices are column-major, as cuBLAS takes them: element `(i, j)` of a
 //! matrix with leading dimension `ld` is at `i + j * ld`.
+//!
+//! With the `half` feature, `half::bf16` and `half::f16` (re-exported as
+//! `cuda_core::half`) are elements too: `A`, `B` and `C` are
+//! held in the half type, and cuBLAS (`cublasGemmEx`) multiplies and
+//! accumulates in `f32`, rounding `C` to the half type once. `alpha` and
+//! `beta` are given in the element type and passed to cuBLAS as `f32`
+//! (exactly: every half value is an `f32`), as its `f32` compute type
+//! requires.
 
 use std::ffi::{c_int, c_longlong};
 use std::sync::{Arc, Mutex, OnceLock};
+#[cfg(feature = "half")]
+use std::{ffi::c_void, ptr};
 
 use cudarc::cublas::{result, sys};
 use cudarc::driver::{CudaStream, DeviceRepr};
@@ -30,14 +40,19 @@ pub fn blas_present() -> bool {
     *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
 }
 
-/// An element type cuBLAS multiplies: `f32` and `f64`.
+/// An element type cuBLAS multiplies: `f32` and `f64`; with the `half`
+/// feature also `half::bf16` and `half::f16` (`f32` accumulation, see the
+/// [module](self)).
 pub trait BlasScalar: DeviceRepr + Copy + Send + Sync + PartialEq + 'static {
     /// Zero.
     const ZERO: Self;
     /// One.
     const ONE: Self;
+    /// The type's name in errors (`"f32"`, `"bf16"`, ...).
+    #[doc(hidden)]
+    const NAME: &'static str;
 
-    /// The value as `f64` (exact for both types).
+    /// The value as `f64` (exact for every type).
     #[doc(hidden)]
     fn to_f64(self) -> f64;
 
@@ -73,10 +88,11 @@ fn op(transpose: bool) -> sys::cublasOperation_t {
 }
 
 macro_rules! blas_scalar {
-    ($t:ty, $one:literal, $gemm:ident, $batched:ident, $gemv:ident, $call:literal, $batched_call:literal, $gemv_call:literal) => {
+    ($t:ident, $one:literal, $gemm:ident, $batched:ident, $gemv:ident, $call:literal, $batched_call:literal, $gemv_call:literal) => {
         impl BlasScalar for $t {
             const ZERO: Self = 0.0;
             const ONE: Self = $one;
+            const NAME: &'static str = stringify!($t);
 
             fn to_f64(self) -> f64 {
                 f64::from(self)
@@ -197,6 +213,126 @@ blas_scalar!(
     "cublasDgemmStridedBatched",
     "cublasDgemv_v2"
 );
+
+/// `A`, `B` and `C` in a half type, `f32` compute: `cublasGemmEx` and
+/// `cublasGemmStridedBatchedEx` for products, and the same call with one
+/// column for matrix-vector products (cuBLAS has no half-precision gemv).
+#[cfg(feature = "half")]
+macro_rules! half_scalar {
+    ($t:ident, $data:ident) => {
+        impl BlasScalar for half::$t {
+            const ZERO: Self = half::$t::ZERO;
+            const ONE: Self = half::$t::ONE;
+            const NAME: &'static str = stringify!($t);
+
+            fn to_f64(self) -> f64 {
+                f64::from(self.to_f32())
+            }
+
+            unsafe fn gemm(
+                h: sys::cublasHandle_t,
+                g: &Gemm<Self>,
+                a: u64,
+                b: u64,
+                c: u64,
+            ) -> Result<()> {
+                let (ta, tb) = (op(g.transpose_a), op(g.transpose_b));
+                let [m, n, k, lda, ldb, ldc] = g.dims_c_int()?;
+                // `CUBLAS_COMPUTE_32F` takes `f32` scalars; these live to
+                // the end of the call.
+                let (alpha_f32, beta_f32) = (g.alpha.to_f32(), g.beta.to_f32());
+                let alpha = ptr::from_ref(&alpha_f32).cast::<c_void>();
+                let beta = ptr::from_ref(&beta_f32).cast::<c_void>();
+                let data = sys::cudaDataType::$data;
+                let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+                let algo = sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
+                if g.batch == 1 {
+                    // SAFETY: the caller's contract; alpha and beta are host
+                    // `f32`s (the handle's pointer mode is host) that outlive
+                    // the call, as the compute type requires.
+                    unsafe {
+                        result::gemm_ex(
+                            h,
+                            ta,
+                            tb,
+                            m,
+                            n,
+                            k,
+                            alpha,
+                            a as *const c_void,
+                            data,
+                            lda,
+                            b as *const c_void,
+                            data,
+                            ldb,
+                            beta,
+                            c as *mut c_void,
+                            data,
+                            ldc,
+                            compute,
+                            algo,
+                        )
+                    }
+                    .map_err(|e| failed("cublasGemmEx", e.0))
+                } else {
+                    let [sa, sb, sc] = g.strides_c_longlong()?;
+                    let batch = c_int::try_from(g.batch)
+                        .map_err(|_| too_large("the batch count", g.batch))?;
+                    // SAFETY: as above, for every matrix of the batch.
+                    unsafe {
+                        result::gemm_strided_batched_ex(
+                            h,
+                            ta,
+                            tb,
+                            m,
+                            n,
+                            k,
+                            alpha,
+                            a as *const c_void,
+                            data,
+                            lda,
+                            sa,
+                            b as *const c_void,
+                            data,
+                            ldb,
+                            sb,
+                            beta,
+                            c as *mut c_void,
+                            data,
+                            ldc,
+                            sc,
+                            batch,
+                            compute,
+                            algo,
+                        )
+                    }
+                    .map_err(|e| failed("cublasGemmStridedBatchedEx", e.0))
+                }
+            }
+
+            unsafe fn gemv(
+                h: sys::cublasHandle_t,
+                g: &Gemv<Self>,
+                a: u64,
+                x: u64,
+                y: u64,
+            ) -> Result<()> {
+                let Some(p) = g.as_gemm() else {
+                    return Ok(());
+                };
+                // SAFETY: the caller's contract, which the product meets:
+                // `A` is the same matrix, and `x` and `y` are its
+                // one-column `B` and `C` (contiguous, as gemv's are).
+                unsafe { Self::gemm(h, &p, a, x, y) }
+            }
+        }
+    };
+}
+
+#[cfg(feature = "half")]
+half_scalar!(bf16, CUDA_R_16BF);
+#[cfg(feature = "half")]
+half_scalar!(f16, CUDA_R_16F);
 
 /// The stored shape of an operand that is `rows` x `cols` once applied:
 /// swapped when it is transposed.
@@ -580,6 +716,27 @@ impl<T: BlasScalar> Gemv<T> {
     fn dims_c_int(&self) -> Result<[c_int; 3]> {
         fits([("m", self.m), ("n", self.n), ("lda", self.lda)])
     }
+
+    /// The same product as a one-column [`Gemm`] (`x` is its `B`, `y` its
+    /// `C`), or `None` when nothing is multiplied (`m` or `n` is 0: `y` is
+    /// left as it is, as cuBLAS's gemv leaves it).
+    #[cfg(feature = "half")]
+    fn as_gemm(&self) -> Option<Gemm<T>> {
+        if self.m == 0 || self.n == 0 {
+            return None;
+        }
+        let (rows, k) = if self.transpose {
+            (self.n, self.m)
+        } else {
+            (self.m, self.n)
+        };
+        let mut p = Gemm::new(rows, 1, k).alpha(self.alpha).beta(self.beta);
+        if self.transpose {
+            p = p.transpose_a();
+        }
+        p.lda = self.lda;
+        Some(p)
+    }
 }
 
 /// A cuBLAS handle bound to one stream ([`blas_handle`]).
@@ -699,5 +856,58 @@ mod tests {
         assert!(!g.reads_c());
         assert!(g.beta(1.0).reads_c());
         assert_eq!(g.batched(2).flops(), 96.0);
+    }
+
+    #[cfg(feature = "half")]
+    #[test]
+    fn half_types_widen_exactly_and_read_c_only_for_a_nonzero_beta() {
+        use half::{bf16, f16};
+        assert_eq!((bf16::NAME, f16::NAME, f32::NAME), ("bf16", "f16", "f32"));
+        assert_eq!(bf16::ONE.to_f64(), 1.0);
+        assert_eq!(f16::ZERO.to_f64(), 0.0);
+        // bf16 keeps 8 significant bits, f16 11: both are f32s exactly.
+        assert_eq!(bf16::from_f32(1.5).to_f64(), 1.5);
+        assert_eq!(f16::from_f32(-0.333_251_95).to_f64(), -0.333_251_953_125);
+        let g = Gemm::<bf16>::new(64, 48, 80);
+        assert!(!g.reads_c());
+        assert!(!g.beta(bf16::NEG_ZERO).reads_c(), "-0 is zero");
+        assert!(g.beta(bf16::from_f32(-0.5)).reads_c());
+        let b = Gemm::<f16>::new(64, 48, 80).batched(3);
+        assert_eq!(
+            b.extents().unwrap(),
+            [3 * 64 * 80, 3 * 80 * 48, 3 * 64 * 48]
+        );
+    }
+
+    #[cfg(feature = "half")]
+    #[test]
+    fn a_half_gemv_is_a_one_column_gemm_over_the_same_buffers() {
+        use half::bf16;
+        let (m, n, lda) = (37, 23, 40);
+        let alpha = bf16::from_f32(1.5);
+        let v = Gemv::<bf16>::new(m, n)
+            .lda(lda)
+            .alpha(alpha)
+            .beta(bf16::ONE);
+        let p = v.as_gemm().unwrap();
+        assert_eq!((p.m, p.n, p.k, p.lda, p.ldb, p.ldc), (m, 1, n, lda, n, m));
+        assert!(!p.transpose_a && !p.transpose_b);
+        assert_eq!((p.alpha, p.beta, p.batch), (alpha, bf16::ONE, 1));
+        // The product reads exactly what the gemv checks: A, x, y.
+        let a = lda * (n - 1) + m;
+        v.check(a, n, m).unwrap();
+        p.check(a, n, m).unwrap();
+        assert!(p.check(a - 1, n, m).is_err());
+        assert!(p.check(a, n - 1, m).is_err());
+        assert!(p.check(a, n, m - 1).is_err());
+        // Transposed: y = A^T x, x of m and y of n.
+        let t = v.transpose().as_gemm().unwrap();
+        assert_eq!((t.m, t.n, t.k, t.lda, t.ldb, t.ldc), (n, 1, m, lda, m, n));
+        assert!(t.transpose_a && !t.transpose_b);
+        t.check(a, m, n).unwrap();
+        assert!(t.check(a, m, n - 1).is_err());
+        // Nothing to multiply: no call, y stays.
+        assert!(Gemv::<bf16>::new(0, 3).as_gemm().is_none());
+        assert!(Gemv::<bf16>::new(3, 0).transpose().as_gemm().is_none());
     }
 }

@@ -500,6 +500,13 @@ macro_rules! any_bit_pattern {
     )*};
 }
 any_bit_pattern!(u8, i8, u16, i16, u32, i32, u64, i64, u128, i128, usize, isize, f32, f64);
+// SAFETY: 16 bits with no padding; every bit pattern is a half-precision
+// value (NaNs included).
+#[cfg(feature = "half")]
+unsafe impl AnyBitPattern for half::f16 {}
+// SAFETY: as `f16`.
+#[cfg(feature = "half")]
+unsafe impl AnyBitPattern for half::bf16 {}
 // SAFETY: an array of values with any bit pattern has any bit pattern.
 unsafe impl<T: AnyBitPattern, const N: usize> AnyBitPattern for [T; N] {}
 

@@ -81,3 +81,7 @@ pub use cudarc;
 pub use cudarc::driver::{
     CudaEvent, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
+/// The half-precision types (`half::bf16`, `half::f16`) that buffers hold
+/// and, with `blas`, GEMM multiplies (feature `half`).
+#[cfg(feature = "half")]
+pub use half;

@@ -1,6 +1,6 @@
 //! cuBLAS products as ops and the foreign-call op, against CPU references:
-//! every transpose with alpha and beta, f32 and f64, views, strided
-//! batches, products in `zip` arms on two streams, a captured graph of
+//! every transpose with alpha and beta, f32, f64, bf16 and f16, views,
+//! strided batches, products in `zip` arms on two streams, a captured graph of
 //! products, and a foreign call's write seen by an op on another stream.
 
 use std::sync::Arc;
@@ -322,4 +322,126 @@ fn gemv_f32_and_f64_match_the_cpu_both_ways_into_a_view() {
     let mut rng = Rng::new();
     gemv_both_ways::<f32>(&mut rng);
     gemv_both_ways::<f64>(&mut rng);
+}
+
+/// Half-precision results against the CPU: cuBLAS accumulates in f32 and
+/// rounds each output to the half type once (a relative error up to 2^-8
+/// for bf16, 2^-11 for f16), so every element is within 1e-2 of the
+/// result's largest magnitude.
+fn close_half(got: &[f64], want: &[f64], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let scale = want.iter().fold(1e-6f64, |m, w| m.max(w.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-2 * scale,
+            "{what}: element {i} is {g}, the CPU says {w} (largest {scale})"
+        );
+    }
+}
+
+/// `n` values in [-1, 1] rounded to the half type: the CPU reference
+/// multiplies the same rounded values the GPU reads.
+fn halves<T>(rng: &mut Rng, n: usize, from: fn(f32) -> T) -> Vec<T> {
+    rng.f32s(n).into_iter().map(|v| from(v / 100.0)).collect()
+}
+
+fn half_products<T>(rng: &mut Rng, from: fn(f32) -> T)
+where
+    T: BlasScalar + Into<f64> + AnyBitPattern,
+{
+    let (m, n, k) = (64, 48, 80);
+    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+        let mut g = Gemm::<T>::new(m, n, k).alpha(from(1.5)).beta(from(-0.5));
+        if ta {
+            g = g.transpose_a();
+        }
+        if tb {
+            g = g.transpose_b();
+        }
+        let (av, bv, cv) = (
+            halves(rng, m * k, from),
+            halves(rng, k * n, from),
+            halves(rng, m * n, from),
+        );
+        let (a, b, c) = (upload(&av), upload(&bv), upload(&cv));
+        let (_, _, c) = gemm(g, &a, &b, c).sync().expect("half gemm");
+        let got: Vec<f64> = download(&c).into_iter().map(Into::into).collect();
+        close_half(
+            &got,
+            &reference(&g, &av, &bv, &cv),
+            &format!("{} transposes {ta}/{tb}", T::NAME),
+        );
+    }
+    // 3 products in one call (`cublasGemmStridedBatchedEx`), C read too.
+    let g = Gemm::<T>::new(m, n, k).batched(3).beta(T::ONE);
+    let (av, bv, cv) = (
+        halves(rng, 3 * m * k, from),
+        halves(rng, 3 * k * n, from),
+        halves(rng, 3 * m * n, from),
+    );
+    let (_, _, c) = gemm(g, upload(&av), upload(&bv), upload(&cv))
+        .sync()
+        .expect("batched half gemm");
+    let got: Vec<f64> = download(&c).into_iter().map(Into::into).collect();
+    close_half(
+        &got,
+        &reference(&g, &av, &bv, &cv),
+        &format!("{} batch of 3", T::NAME),
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gemm_bf16_and_f16_match_the_cpu_for_every_transpose_and_a_batch() {
+    use cuda_async::half::{bf16, f16};
+    let mut rng = Rng::new();
+    half_products::<bf16>(&mut rng, bf16::from_f32);
+    half_products::<f16>(&mut rng, f16::from_f32);
+}
+
+fn half_gemv_both_ways<T>(rng: &mut Rng, from: fn(f32) -> T)
+where
+    T: BlasScalar + Into<f64> + AnyBitPattern,
+{
+    let (m, n, lda) = (37, 23, 40);
+    for transpose in [false, true] {
+        let mut g = Gemv::<T>::new(m, n)
+            .lda(lda)
+            .alpha(from(1.5))
+            .beta(from(-0.5));
+        if transpose {
+            g = g.transpose();
+        }
+        let (nx, ny) = g.vector_lens();
+        let (av, xv) = (halves(rng, lda * n, from), halves(rng, nx, from));
+        // y is the middle of a larger buffer; the rest stays.
+        let yv = halves(rng, ny + 8, from);
+        let (a, x) = (upload(&av), upload(&xv));
+        let mut y = upload(&yv);
+        let view = y.slice_mut(4..4 + ny).unwrap();
+        gemv(g, &a, &x, view).sync().expect("half gemv");
+        let got: Vec<f64> = download(&y).into_iter().map(Into::into).collect();
+        let want = gemv_reference(&g, &av, &xv, &yv[4..4 + ny]);
+        close_half(
+            &got[4..4 + ny],
+            &want,
+            &format!("{} gemv, transposed {transpose}", T::NAME),
+        );
+        let around: Vec<f64> = yv[..4]
+            .iter()
+            .chain(&yv[4 + ny..])
+            .map(|v| (*v).into())
+            .collect();
+        let got_around: Vec<f64> = got[..4].iter().chain(&got[4 + ny..]).copied().collect();
+        assert_eq!(got_around, around, "outside the view of y");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gemv_bf16_and_f16_match_the_cpu_both_ways_into_a_view() {
+    use cuda_async::half::{bf16, f16};
+    let mut rng = Rng::new();
+    half_gemv_both_ways::<bf16>(&mut rng, bf16::from_f32);
+    half_gemv_both_ways::<f16>(&mut rng, f16::from_f32);
 }
