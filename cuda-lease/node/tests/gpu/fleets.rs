@@ -1,11 +1,11 @@
-//! GPU nodes found through etcd, and a fleet policy over two of them.
+//! GPU nodes found through etcd, and a fleet policy over two of them
+//! (feature `fleet`).
 
 use super::*;
 
 /// Two nodes on this GPU register in a real etcd (the bundle carries one:
 /// `$CUDA_LEASE_TEST_ETCD`); a client finds both through the registry,
 /// with the GPU's own inventory, and runs one pipeline on a lease of each.
-#[cfg(feature = "fleet")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an NVIDIA GPU"]
 async fn two_gpu_nodes_found_through_etcd_run_a_pipeline_each() {
@@ -56,7 +56,6 @@ async fn two_gpu_nodes_found_through_etcd_run_a_pipeline_each() {
 }
 
 /// `y = 2x + 1` on `x`, downloaded.
-#[cfg(feature = "fleet")]
 fn axpb_op(
     k: &cuda_async::Kernel,
     x: Vec<f32>,
@@ -74,7 +73,6 @@ fn axpb_op(
 
 /// `count` pipelines of `axpb_op` over `tasks` tasks, task `t` on
 /// `policies[t % len]`, each checked; their wall time.
-#[cfg(feature = "fleet")]
 async fn axpb_pipelines<P>(policies: &[Arc<P>], count: usize, tasks: usize) -> Duration
 where
     P: cuda_async::SchedulingPolicy + Send + Sync + 'static,
@@ -130,7 +128,6 @@ where
 /// through one `RemotePolicy` per node driven by hand (printed: the ratio
 /// of their throughputs), and a run with one node killed midway completes,
 /// every result right.
-#[cfg(feature = "fleet")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs an NVIDIA GPU"]
 async fn a_fleet_policy_over_two_gpu_nodes_keeps_pace_and_survives_a_killed_node() {

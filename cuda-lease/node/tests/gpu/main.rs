@@ -561,5 +561,6 @@ async fn good_pipeline_on(policy: &cuda_async::RemotePolicy) {
 }
 
 mod cuda_c;
+#[cfg(feature = "fleet")]
 mod fleets;
 mod order;
