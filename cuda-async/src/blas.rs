@@ -10,18 +10,16 @@
 use std::any::TypeId;
 use std::fmt;
 use std::marker::PhantomData;
-use std::ops::Range;
 
 use cuda_core::blas::blas_handle;
 pub use cuda_core::blas::{BlasScalar, Gemm, Gemv};
 use cuda_core::{Error, Result};
 
-use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
 use crate::foreign::{reads, run_foreign, writes, Reads, StreamUses, Writes};
 use crate::op::{impl_into_future, DeviceOp};
-use crate::remote::proto::{Dtype, GemmSpec, Operand};
-use crate::remote::{Id, Op, RemoteContext};
+use crate::remote::proto::{Dtype, GemmSpec};
+use crate::remote::Op;
 use crate::view::{DeviceSource, DeviceTarget};
 
 /// The protocol's element type of `T`: `f32` and `f64` have one, the
@@ -35,15 +33,6 @@ fn dtype<T: BlasScalar>() -> Option<Dtype> {
     } else {
         None
     }
-}
-
-/// A matrix on a remote context: its buffer's id there and the byte offset
-/// of its first element.
-fn operand<T>(r: &RemoteContext, buf: &DeviceBuffer<T>, at: Range<usize>) -> Result<Operand> {
-    Ok(Operand {
-        buf: Id(r.id_of(buf)?),
-        offset: (at.start * std::mem::size_of::<T>()) as u64,
-    })
 }
 
 /// Op for [`gemm`].
@@ -153,9 +142,9 @@ where
             };
             let spec = GemmSpec {
                 dtype,
-                a: operand(r, self.a.buffer(), self.a.range())?,
-                b: operand(r, self.b.buffer(), self.b.range())?,
-                c: operand(r, self.c.buffer(), self.c.range())?,
+                a: r.operand(self.a.buffer(), self.a.range())?,
+                b: r.operand(self.b.buffer(), self.b.range())?,
+                c: r.operand(self.c.buffer(), self.c.range())?,
                 m: g.m as u64,
                 n: g.n as u64,
                 k: g.k as u64,

@@ -35,6 +35,10 @@ pub trait RandScalar: DeviceRepr + Copy + Send + Sync + PartialEq + fmt::Debug +
     #[doc(hidden)]
     fn finite(self) -> bool;
 
+    /// The value as `f64` (exact for both types).
+    #[doc(hidden)]
+    fn to_f64(self) -> f64;
+
     /// Fills `n` elements at device address `out` from generator `g`.
     ///
     /// # Safety
@@ -55,6 +59,10 @@ macro_rules! rand_scalar {
         impl RandScalar for $t {
             fn finite(self) -> bool {
                 self.is_finite()
+            }
+
+            fn to_f64(self) -> f64 {
+                f64::from(self)
             }
 
             unsafe fn fill(

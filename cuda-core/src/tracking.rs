@@ -363,6 +363,7 @@ pub(crate) fn keep_with_graph<V: Send + 'static>(
 /// While `stream` captures for a [`TrackedGraph`](crate::TrackedGraph)
 /// on this thread: `Some` with what `find` gives for the values the graph
 /// keeps; `None` otherwise.
+#[cfg(any(feature = "blas", feature = "rand", feature = "fft"))]
 pub(crate) fn search_kept<R>(
     stream: &CudaStream,
     find: impl FnOnce(&[Box<dyn Any + Send>]) -> R,

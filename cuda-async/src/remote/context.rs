@@ -110,6 +110,22 @@ impl RemoteContext {
         buf.remote_id(&self.session)
     }
 
+    /// Elements `at` of `buf` as a library command names them: the
+    /// buffer's id here and the byte offset of the first element.
+    ///
+    /// # Errors
+    /// As [`RemoteContext::id_of`].
+    pub(crate) fn operand<T>(
+        &self,
+        buf: &DeviceBuffer<T>,
+        at: std::ops::Range<usize>,
+    ) -> Result<super::proto::Operand> {
+        Ok(super::proto::Operand {
+            buf: Id(self.id_of(buf)?),
+            offset: (at.start * size_of::<T>()) as u64,
+        })
+    }
+
     /// Records the allocation of `len` zeroed elements and returns the
     /// buffer (its free is queued when it is dropped).
     pub fn alloc<T>(&mut self, len: usize) -> Result<DeviceBuffer<T>> {

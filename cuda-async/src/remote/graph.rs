@@ -121,6 +121,7 @@ fn uncapturable(c: &Command<'_>) -> Option<&'static str> {
         Op::TimerStart { .. } | Op::TimerEnd { .. } => Some("timed()"),
         Op::GraphBegin { .. } | Op::GraphEnd { .. } => Some("another capture"),
         Op::GraphLaunch { .. } => Some("a graph's launch"),
+        Op::RandFill(_) => Some("a cuRAND fill (fill before capturing, as locally)"),
         _ => None,
     }
 }

@@ -7,8 +7,8 @@ use serde::{Deserialize, Serialize};
 #[cfg(doc)]
 use super::Status;
 use super::{
-    bounded, GemmSpec, Id, LaunchArg, LaunchSpec, LeaseId, ModuleHash, ProtoError, SourceKind,
-    StreamId, MAX_BATCH_OPS,
+    bounded, GemmSpec, Id, LaunchArg, LaunchSpec, LeaseId, ModuleHash, ProtoError, RandSpec,
+    SourceKind, StreamId, MAX_BATCH_OPS,
 };
 
 /// Bytes an [`Op::TimerEnd`] adds to the reply data (a little-endian
@@ -160,6 +160,9 @@ pub enum Op<'a> {
     /// `A` and `B`, writes `C` (reads it too unless `beta` is zero). The
     /// node checks the shapes against the buffers' sizes.
     Gemm(GemmSpec),
+    /// Random values by the node's cuRAND (no kernel shipped): writes
+    /// `len` elements at `dst`. The node checks them against the buffer.
+    RandFill(RandSpec),
 }
 
 impl Op<'_> {
@@ -196,6 +199,7 @@ impl Op<'_> {
                 f(g.b.buf, false);
                 f(g.c.buf, true);
             }
+            Op::RandFill(r) => f(r.dst.buf, true),
             _ => {}
         }
     }
@@ -260,6 +264,7 @@ impl Op<'_> {
             Op::GraphEnd { graph } => Op::GraphEnd { graph },
             Op::GraphLaunch { graph } => Op::GraphLaunch { graph },
             Op::Gemm(g) => Op::Gemm(g),
+            Op::RandFill(r) => Op::RandFill(r),
         }
     }
 
@@ -293,6 +298,7 @@ impl Op<'_> {
                 f(g.b.buf);
                 f(g.c.buf);
             }
+            Op::RandFill(r) => f(r.dst.buf),
         }
     }
 }

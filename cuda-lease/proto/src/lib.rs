@@ -36,6 +36,7 @@ mod frame;
 mod gemm;
 mod messages;
 mod module;
+mod rand;
 
 pub use batch::{
     Batch, Command, ModuleText, ModuleUse, Op, FIRST_NODE_ID, MAX_BATCH_MODULES, TIMER_BYTES,
@@ -58,6 +59,7 @@ pub use messages::{
     SourceKind, StreamId, BULK_TICKET_LEN, MAX_BULK_TICKETS, MAX_MODULE_OPTIONS, MAX_OPTION_LEN,
 };
 pub use module::ModuleSpec;
+pub use rand::{RandDist, RandSpec};
 
 /// Most kernel arguments a launch may carry.
 pub const MAX_KERNEL_ARGS: usize = 64;

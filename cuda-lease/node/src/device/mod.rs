@@ -2,10 +2,11 @@
 //! [`CudaDevice`] and the in-memory test double [`MemoryDevice`].
 
 use cuda_core::blas::{BlasScalar, Gemm};
+use cuda_core::rand::{Fill, RandScalar};
 
 use crate::proto::{
-    Command, DeviceInfo, GemmSpec, Id, LaunchArg, LaunchSpec, ModuleHash, Op, SourceKind, Status,
-    StreamId,
+    Command, DeviceInfo, Dtype, GemmSpec, Id, LaunchArg, LaunchSpec, ModuleHash, Op, RandDist,
+    RandSpec, SourceKind, Status, StreamId,
 };
 
 mod cuda;
@@ -280,6 +281,15 @@ pub trait LeaseDevice {
     /// NOT_FOUND, BAD_REQUEST for a shape outside its buffers, or the
     /// library's error.
     fn gemm(&mut self, stream: StreamId, spec: &GemmSpec) -> Result<(), DeviceError>;
+    /// Enqueues a random fill by the device's own generator (cuRAND's
+    /// Philox on a GPU, restarted at the spec's seed), ordered like a
+    /// launch that writes its buffer.
+    ///
+    /// # Errors
+    ///
+    /// NOT_FOUND, BAD_REQUEST for a fill outside its buffer or an odd
+    /// normal one, or the library's error.
+    fn rand_fill(&mut self, stream: StreamId, spec: &RandSpec) -> Result<(), DeviceError>;
     /// Waits for everything enqueued on every stream and delivers the
     /// enqueued reads into `out`.
     ///
@@ -343,6 +353,7 @@ pub trait LeaseDevice {
             Op::TimerStart { timer } => self.timer_start(s, *timer),
             Op::TimerEnd { timer } => self.timer_end(s, *timer, at),
             Op::Gemm(g) => self.gemm(s, g),
+            Op::RandFill(r) => self.rand_fill(s, r),
             // The worker's graphs run them.
             Op::GraphBegin { .. } | Op::GraphEnd { .. } | Op::GraphLaunch { .. } => Err(
                 DeviceError::new(Status::BadRequest, "a graph command out of place"),
@@ -379,6 +390,34 @@ pub(crate) fn gemm_spans(g: &GemmSpec) -> Result<[u64; 3], String> {
             .ok_or_else(|| format!("gemm: {name} spans more than 2^64 bytes"))?;
     }
     Ok(out)
+}
+
+/// `r` as `cuda-core` describes a fill, in `T`.
+pub(crate) fn core_fill<T: RandScalar>(r: &RandSpec, scalar: impl Fn(f64) -> T) -> Fill<T> {
+    match r.dist {
+        RandDist::Uniform => Fill::uniform(r.seed),
+        RandDist::Normal { mean, std_dev } => Fill::normal(
+            r.seed,
+            scalar(f64::from_bits(mean)),
+            scalar(f64::from_bits(std_dev)),
+        ),
+    }
+}
+
+/// The bytes `r` writes from its offset, by `cuda-core`'s rules for a
+/// fill (a normal one in pairs, finite parameters), or why it cannot run.
+pub(crate) fn fill_bytes(r: &RandSpec) -> Result<u64, String> {
+    let len = usize::try_from(r.len).map_err(|_| format!("random fill: {} elements", r.len))?;
+    let checked = match r.dtype {
+        Dtype::F32 => core_fill(r, |v| v as f32).check(len),
+        Dtype::F64 => core_fill(r, |v| v).check(len),
+    };
+    checked.map_err(|e| match e {
+        cuda_core::Error::InvalidArgument(m) => m,
+        e => e.to_string(),
+    })?;
+    r.bytes()
+        .ok_or_else(|| format!("random fill: {} elements span more than 2^64 bytes", r.len))
 }
 
 /// A launch's arguments as the device takes them.

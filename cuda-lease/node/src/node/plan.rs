@@ -8,11 +8,12 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{GraphIds, IdKind, LeaseState};
-use crate::device::gemm_spans;
+use crate::device::{fill_bytes, gemm_spans};
 
 mod graphs;
 use crate::proto::{
-    Command, GemmSpec, Id, LaunchArg, Op, OpError, Status, StreamId, FIRST_NODE_ID, TIMER_BYTES,
+    Command, GemmSpec, Id, LaunchArg, Op, OpError, RandSpec, Status, StreamId, FIRST_NODE_ID,
+    TIMER_BYTES,
 };
 
 /// A command's effect on the lease's ids, applied when it ran.
@@ -327,6 +328,23 @@ impl Planner<'_> {
         Ok(())
     }
 
+    /// Checks a random fill against its buffer: it lies inside it, at an
+    /// offset of whole elements.
+    fn rand_fill(&self, r: &RandSpec) -> Result<(), Refusal> {
+        let bad = |m: String| (Status::BadRequest, m);
+        let bytes = fill_bytes(r).map_err(bad)?;
+        let size = r.dtype.size();
+        if !r.dst.offset.is_multiple_of(size) {
+            return Err(bad(format!(
+                "random fill: starts at byte {}, not at a whole element of {size} bytes",
+                r.dst.offset
+            )));
+        }
+        in_range(self.buffer(r.dst.buf)?, r.dst.offset, bytes)
+            .map_err(|(s, m)| (s, format!("random fill: {m}")))?;
+        Ok(())
+    }
+
     fn step(&mut self, c: &Command<'_>, charges: &mut dyn Charges) -> Result<Step, Refusal> {
         let stream = c.stream;
         if !self.streams.contains(&stream) && self.streams.len() >= self.limits.max_streams {
@@ -418,6 +436,10 @@ impl Planner<'_> {
             }
             Op::Gemm(g) => {
                 self.gemm(g)?;
+                Step::effect(Effect::None)
+            }
+            Op::RandFill(r) => {
+                self.rand_fill(r)?;
                 Step::effect(Effect::None)
             }
             // Planned by `graph_step`.

@@ -55,6 +55,50 @@ fn a_remote_policy_refuses_a_local_memory_pool() {
     );
 }
 
+/// A random fill on a lease runs by the node's cuRAND and gives the same
+/// bits as the same fill locally on this GPU (Philox restarted at the
+/// seed): f32 uniform, f64 normal; a fill inside a remote
+/// capture is refused by name, as locally.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_random_fill_on_a_lease_matches_the_local_one_bit_for_bit() {
+    use cuda_async::prelude::*;
+    use cuda_async::rand::{normal, uniform};
+    let backend = RemoteBackend::start();
+    let remote = &backend.policy;
+    let local =
+        cuda_async::StreamPoolRoundRobin::new(&cuda_async::Device::new(0).unwrap(), 2).unwrap();
+    let uniform_op = || zeros::<f32>(4096).then(|x| uniform(11, x)).then(d2h);
+    let here = uniform_op().sync_with(&local).unwrap().to_vec().unwrap();
+    let there = uniform_op().sync_with(remote).unwrap().to_vec().unwrap();
+    assert!(here.iter().all(|v| *v > 0.0 && *v <= 1.0));
+    assert_eq!(
+        here.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        there.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        "f32 uniform"
+    );
+    let normal_op = || {
+        zeros::<f64>(10_000)
+            .then(|x| normal(5, 1.0, 2.0, x))
+            .then(d2h)
+    };
+    let here = normal_op().sync_with(&local).unwrap().to_vec().unwrap();
+    let there = normal_op().sync_with(remote).unwrap().to_vec().unwrap();
+    assert_eq!(
+        here.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        there.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        "f64 normal"
+    );
+    let e = zeros::<f32>(64)
+        .then(|x| uniform(1, x))
+        .graph_with(remote)
+        .unwrap_err();
+    assert!(
+        matches!(&e, cuda_async::Error::Capture(m) if m.contains("cuRAND")),
+        "{e}"
+    );
+}
+
 /// A GEMM on a lease runs by the node's cuBLAS and gives the same bits
 /// as the same call locally on this GPU: f32 with transposes, alpha and
 /// beta, an f64 strided batch, and a product inside a remote graph.

@@ -8,7 +8,7 @@ use cuda_core::{ArenaRead, ArgList, CudaEvent, ParamClass, StagingArena};
 
 use super::error::{check_fresh, driver, map, not_found, range};
 use super::{DeviceArg, DeviceError, LaunchDims, LeaseDevice, Ticket};
-use crate::proto::{DeviceInfo, GemmSpec, Id, ModuleHash, SourceKind, Status, StreamId};
+use crate::proto::{DeviceInfo, GemmSpec, Id, ModuleHash, RandSpec, SourceKind, Status, StreamId};
 use crate::sandbox::Compiler;
 
 mod blas;
@@ -16,6 +16,7 @@ mod buffers;
 mod copies;
 mod graphs;
 mod launch;
+mod rand;
 mod sealed;
 mod staging;
 mod streams;
@@ -311,6 +312,10 @@ impl LeaseDevice for CudaDevice {
 
     fn gemm(&mut self, stream: StreamId, spec: &GemmSpec) -> Result<(), DeviceError> {
         self.enqueue_gemm(stream, spec)
+    }
+
+    fn rand_fill(&mut self, stream: StreamId, spec: &RandSpec) -> Result<(), DeviceError> {
+        self.enqueue_rand_fill(stream, spec)
     }
 
     unsafe fn register_ring(&mut self, ptr: *mut u8, len: usize) -> bool {

@@ -5,12 +5,13 @@ use std::time::Instant;
 
 use super::error::{check_fresh, not_found, range, same_buffer, too_many_streams};
 use super::{
-    gemm_spans, DeviceArg, DeviceError, LaunchDims, LeaseDevice, Ticket, MAX_DEVICE_STREAMS,
+    fill_bytes, gemm_spans, DeviceArg, DeviceError, LaunchDims, LeaseDevice, Ticket,
+    MAX_DEVICE_STREAMS,
 };
-use crate::proto::{DeviceInfo, GemmSpec, Id, ModuleHash, SourceKind, Status, StreamId};
+use crate::proto::{DeviceInfo, GemmSpec, Id, ModuleHash, RandSpec, SourceKind, Status, StreamId};
 
-mod gemm;
 mod kernels;
+mod library;
 mod scheduler;
 #[cfg(test)]
 mod tests;
@@ -271,6 +272,17 @@ impl LeaseDevice for MemoryDevice {
         }
         let work = Work::Gemm { spec: *g, slots };
         self.enqueue(stream, work, &slots[..2], &slots[2..], None);
+        Ok(())
+    }
+
+    fn rand_fill(&mut self, stream: StreamId, r: &RandSpec) -> Result<(), DeviceError> {
+        self.check_fault()?;
+        self.check_stream(stream)?;
+        let bytes = fill_bytes(r).map_err(|e| DeviceError::new(Status::BadRequest, e))?;
+        let (slot, size) = self.slot(r.dst.buf)?;
+        range(size, r.dst.offset, bytes)?;
+        let work = Work::RandFill { spec: *r, slot };
+        self.enqueue(stream, work, &[], &[slot], None);
         Ok(())
     }
 

@@ -67,6 +67,11 @@ pub(super) enum Work {
         spec: crate::proto::GemmSpec,
         slots: [usize; 3],
     },
+    /// A random fill of the buffer of `slot`.
+    RandFill {
+        spec: crate::proto::RandSpec,
+        slot: usize,
+    },
     Nothing,
 }
 
@@ -212,7 +217,12 @@ impl MemoryDevice {
                 };
                 let (a, b) = (tail(slots[0], spec.a.offset), tail(slots[1], spec.b.offset));
                 if let (Some(a), Some(b), Some(c)) = (a, b, self.store.get_mut(&slots[2])) {
-                    super::gemm::host_gemm(&spec, &a, &b, &mut c[spec.c.offset as usize..]);
+                    super::library::host_gemm(&spec, &a, &b, &mut c[spec.c.offset as usize..]);
+                }
+            }
+            Work::RandFill { spec, slot } => {
+                if let Some(b) = self.store.get_mut(&slot) {
+                    super::library::host_fill(&spec, &mut b[spec.dst.offset as usize..]);
                 }
             }
             Work::Read { slot, range, at } => {

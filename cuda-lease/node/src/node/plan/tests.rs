@@ -59,6 +59,25 @@ fn gemm_in(buf: Id, offsets: [u64; 3], ld: [u64; 3]) -> Op<'static> {
     })
 }
 
+/// A random f32 fill of `len` elements of `buf` at byte `offset`.
+fn fill_in(buf: Id, offset: u64, len: u64, normal: bool) -> Op<'static> {
+    let dist = if normal {
+        crate::proto::RandDist::Normal {
+            mean: 0,
+            std_dev: 1f64.to_bits(),
+        }
+    } else {
+        crate::proto::RandDist::Uniform
+    };
+    Op::RandFill(crate::proto::RandSpec {
+        dtype: crate::proto::Dtype::F32,
+        dst: crate::proto::Operand { buf, offset },
+        len,
+        seed: 1,
+        dist,
+    })
+}
+
 fn run(state: &LeaseState, commands: &[Command<'_>], b: &mut Budget) -> Plan {
     plan(LIMITS, state, commands, b)
 }
@@ -205,6 +224,21 @@ fn the_first_refused_command_ends_the_plan_and_is_named() {
             cmd(0, gemm_in(a, [0, 16, 32], [1, 2, 2])),
             Status::BadRequest,
             "leading dimension of A is 1",
+        ),
+        (
+            cmd(0, fill_in(a, 64, 10, false)),
+            Status::BadRequest,
+            "random fill: range 64+40",
+        ),
+        (
+            cmd(0, fill_in(a, 2, 4, false)),
+            Status::BadRequest,
+            "random fill: starts at byte 2",
+        ),
+        (
+            cmd(0, fill_in(a, 0, 7, true)),
+            Status::BadRequest,
+            "in pairs",
         ),
     ];
     for (bad, status, text) in cases {

@@ -1,4 +1,5 @@
-//! GEMM on a lease, run by the node's library, against a CPU product.
+//! Library calls on a lease, run by the node's libraries: GEMM against a
+//! CPU product, and random fills.
 
 use super::*;
 
@@ -149,5 +150,64 @@ async fn a_gemm_runs_on_a_lease_by_the_nodes_library() {
         close(&got, &want, &format!("replay {replay}"));
     }
     drop(graph);
+    fx.shutdown().await;
+}
+
+/// A random fill on a lease is one command the node's generator runs (the
+/// in-memory device's host generator here): values in range, the same
+/// seed gives the same values, a normal fill has about its mean and
+/// deviation, a view's fill leaves the rest of its buffer alone, and a
+/// fill the node finds outside its buffer is refused by name.
+#[tokio::test]
+async fn a_random_fill_runs_on_a_lease_by_the_nodes_library() {
+    use cuda_async::rand::{normal, uniform};
+    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let remote = fx.policy();
+    let filled = |seed: u64| {
+        let remote = &remote;
+        async move {
+            zeros::<f32>(1000)
+                .then(move |x| uniform(seed, x))
+                .then(d2h)
+                .schedule(remote)
+                .unwrap()
+                .await
+                .unwrap()
+                .to_vec()
+                .unwrap()
+        }
+    };
+    let u = filled(7).await;
+    assert!(u.iter().all(|v| *v > 0.0 && *v <= 1.0), "{:?}", &u[..4]);
+    assert_eq!(filled(7).await, u, "the same seed, the same values");
+    assert_ne!(filled(8).await, u);
+    let n = zeros::<f64>(20_000)
+        .then(|x| normal(3, 2.0, 0.5, x))
+        .then(d2h)
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    let mean = n.iter().sum::<f64>() / n.len() as f64;
+    let var = n.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n.len() as f64;
+    assert!((mean - 2.0).abs() < 0.02, "mean {mean}");
+    assert!((var.sqrt() - 0.5).abs() < 0.02, "deviation {}", var.sqrt());
+    let mut x = zeros::<f32>(30).schedule(&remote).unwrap().await.unwrap();
+    uniform(1, x.slice_mut(10..20).unwrap())
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    let x = d2h(&x)
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    assert!(x[..10].iter().chain(&x[20..]).all(|v| *v == 0.0));
+    assert!(x[10..20].iter().all(|v| *v > 0.0));
     fx.shutdown().await;
 }

@@ -1,7 +1,9 @@
-//! The test double's matrix product: [`GemmSpec`] computed on the host, in
-//! `f64`, stored as the spec's element type.
+//! The test double's library calls, on the host: a matrix product
+//! ([`GemmSpec`], computed in `f64`, stored as the spec's element type) and
+//! random fills ([`RandSpec`], from a host generator: the same seed gives
+//! the same values here, not cuRAND's).
 
-use crate::proto::{Dtype, GemmSpec};
+use crate::proto::{Dtype, GemmSpec, RandDist, RandSpec};
 
 /// Element `i` of `bytes` as `f64`.
 fn load(d: Dtype, bytes: &[u8], i: u64) -> f64 {
@@ -54,6 +56,47 @@ pub(super) fn host_gemm(g: &GemmSpec, a: &[u8], b: &[u8], c: &mut [u8]) {
                     beta * load(d, c, at)
                 };
                 store(d, c, at, alpha * sum + old);
+            }
+        }
+    }
+}
+
+/// The next number of a SplitMix64 sequence at `state`.
+fn next(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A value uniform on `(0, 1]`.
+fn unit(state: &mut u64) -> f64 {
+    ((next(state) >> 11) + 1) as f64 / (1u64 << 53) as f64
+}
+
+/// Writes the `r.len` values of `r` into `out` (which starts at its first
+/// element): uniform, or normal in pairs (Box-Muller), from a generator
+/// started at the seed.
+pub(super) fn host_fill(r: &RandSpec, out: &mut [u8]) {
+    let mut state = r.seed;
+    let mut i = 0;
+    while i < r.len {
+        match r.dist {
+            RandDist::Uniform => {
+                store(r.dtype, out, i, unit(&mut state));
+                i += 1;
+            }
+            RandDist::Normal { mean, std_dev } => {
+                let (mean, std_dev) = (f64::from_bits(mean), f64::from_bits(std_dev));
+                let (u, v) = (unit(&mut state), unit(&mut state));
+                let radius = (-2.0 * u.ln()).sqrt() * std_dev;
+                let angle = std::f64::consts::TAU * v;
+                store(r.dtype, out, i, mean + radius * angle.cos());
+                if i + 1 < r.len {
+                    store(r.dtype, out, i + 1, mean + radius * angle.sin());
+                }
+                i += 2;
             }
         }
     }
