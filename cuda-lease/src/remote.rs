@@ -34,8 +34,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use crate::client::{
-    config_error, protocol_error, EncodeCommands, Error, ErrorKind, Lease, ModuleSpec, Session,
-    Submitted,
+    config_error, protocol_error, EncodeCommands, Error, ErrorKind, Lease, Message, ModuleSpec,
+    Session, Submitted,
 };
 use crate::proto::{self, Command, Id, LeaseId, Op};
 use crate::stamps::{stamp, Point};
@@ -222,6 +222,50 @@ impl LeaseBackend {
             };
             (sent, message)
         };
+        self.sent_message(sent, message, dests)
+    }
+
+    /// The queued frees alone, as one numbered BATCH; `None` when none are
+    /// queued. Checked, taken and numbered under the book's lock: a
+    /// message that took them first leaves nothing to send (not an empty
+    /// batch).
+    fn send_queued_frees(&self) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let (sent, message) = {
+            let mut book = self.ids();
+            if !book.has_queued() {
+                return None;
+            }
+            let frees = book.take_queued();
+            let sent = Sent::of(&frees, &[]);
+            book.sending(&sent);
+            let commands = AfterFrees {
+                frees: &frees,
+                commands: &[],
+            };
+            (sent, self.session.message(&[], commands, Vec::new()))
+        };
+        let reply = self.sent_message(sent, message, Vec::<Vec<u8>>::new()).1;
+        // A free that fails (the lease is gone) has nothing to free.
+        Some(async move {
+            let _ = reply.await;
+        })
+    }
+
+    /// Sends `message` (whose ids are `sent`): its number, and the future
+    /// of its reply, which settles `sent` in the id book before it is
+    /// ready (see [`LeaseBackend::send_as`]).
+    fn sent_message<D>(
+        &self,
+        sent: Sent,
+        message: Message,
+        dests: Vec<D>,
+    ) -> (
+        u64,
+        impl Future<Output = Result<(Submitted, Vec<D>), Error>> + Send + 'static,
+    )
+    where
+        D: AsMut<[u8]> + Send + 'static,
+    {
         let seq = message.seq();
         // The reads' slots are not needed: their bytes land in `dests`.
         let reply = message.send_into(Some(Vec::new()), dests);
@@ -272,12 +316,8 @@ impl LeaseBackend {
         self.runtime.spawn(async move {
             tokio::time::sleep(FREE_FLUSH_DELAY).await;
             this.flush_scheduled.store(false, Ordering::Release);
-            let queued = this.ids().has_queued();
-            let reply =
-                queued.then(|| this.send(&[], &[], false, Vec::new(), Vec::<Vec<u8>>::new()));
-            if let Some(reply) = reply {
-                // A free that fails (the lease is gone) has nothing to free.
-                let _ = reply.await;
+            if let Some(reply) = this.send_queued_frees() {
+                reply.await;
             }
         });
     }

@@ -115,6 +115,7 @@ impl RemoteContext {
     ///
     /// # Errors
     /// As [`RemoteContext::id_of`].
+    #[cfg(any(feature = "blas", feature = "rand"))]
     pub(crate) fn operand<T>(
         &self,
         buf: &DeviceBuffer<T>,

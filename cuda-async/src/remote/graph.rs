@@ -88,6 +88,9 @@ impl<O: DeviceOp> DeviceOp for CaptureRemote<O> {
         frame.finish(r.recording(), stream);
         let body = &r.recording().commands()[begin + 1..];
         if let Some(what) = body.iter().find_map(uncapturable) {
+            // Nothing of the body is sent (the frees of what it was handed
+            // are).
+            r.recording().abandon_from(begin);
             return Err(Error::Capture(format!(
                 "{what} cannot be captured into a graph kept on a node: read the graph's \
                  output with an op after a launch"

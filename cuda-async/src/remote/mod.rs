@@ -92,6 +92,49 @@ mod tests {
     }
 
     #[test]
+    fn an_abandoned_tail_keeps_only_the_frees_of_older_ids() {
+        let mut rec = Recording::new();
+        rec.push(
+            0,
+            Op::Alloc {
+                buf: Id(1),
+                size: 4,
+            },
+        );
+        rec.write(0, 1, 0, &[1; 4]);
+        let begin = rec.commands().len();
+        rec.push(0, Op::GraphBegin { graph: Id(9) });
+        rec.push(
+            0,
+            Op::Alloc {
+                buf: Id(2),
+                size: 4,
+            },
+        );
+        rec.write(0, 2, 0, &[2; 4]);
+        let _slot = rec.read(0, 2, 0, 4);
+        rec.push(0, Op::Free { id: Id(2) });
+        rec.push(0, Op::Free { id: Id(1) });
+        rec.abandon_from(begin);
+        let kinds: Vec<String> = rec
+            .commands()
+            .iter()
+            .map(|c| format!("{:?}", c.op))
+            .collect();
+        assert_eq!(kinds.len(), 3, "{kinds:?}");
+        assert!(
+            matches!(rec.commands()[2].op, Op::Free { id: Id(1) }),
+            "{kinds:?}"
+        );
+        assert_eq!(
+            rec.payloads().map(<[u8]>::to_vec).collect::<Vec<_>>(),
+            [vec![1; 4]]
+        );
+        assert!(rec.reads().is_empty());
+        assert_eq!(rec.take_data(), [1; 4]);
+    }
+
+    #[test]
     fn a_remote_host_buffer_is_an_error_until_its_bytes_arrive() {
         let mut rec = Recording::new();
         rec.push(

@@ -256,6 +256,44 @@ impl Recording {
     pub fn is_empty(&self) -> bool {
         self.commands.is_empty()
     }
+
+    /// Drops the commands from index `start` on (with their payloads and
+    /// read slots), except the frees of ids created before `start`: what a
+    /// refused capture recorded never reaches the node, and the buffers it
+    /// was handed are still freed.
+    pub(crate) fn abandon_from(&mut self, start: usize) {
+        let tail = self.commands.split_off(start.min(self.commands.len()));
+        let mut made = std::collections::HashSet::new();
+        let (mut writes, mut reads) = (0, 0);
+        let mut kept = Vec::new();
+        for c in tail {
+            match c.op {
+                Op::Alloc { buf, .. } => {
+                    made.insert(buf);
+                }
+                Op::Record { event } => {
+                    made.insert(event);
+                }
+                Op::GraphBegin { graph } => {
+                    made.insert(graph);
+                }
+                Op::TimerStart { timer } => {
+                    made.insert(timer);
+                }
+                Op::Write { .. } => writes += 1,
+                Op::Read { .. } | Op::TimerEnd { .. } => reads += 1,
+                Op::Free { id } if !made.contains(&id) => kept.push(c),
+                _ => {}
+            }
+        }
+        for _ in 0..writes {
+            if let Some(Payload::Copied(r)) = self.payloads.pop() {
+                self.data.truncate(r.start);
+            }
+        }
+        self.reads.truncate(self.reads.len().saturating_sub(reads));
+        self.commands.extend(kept);
+    }
 }
 
 impl Recording {

@@ -9,11 +9,15 @@
 //! - an id whose creating command (`Alloc`, the first `Record` of an
 //!   event) has not been answered yet is *pending*: its free waits for
 //!   that reply;
-//! - an id whose creating command did not run is *unborn*: it is
-//!   forgotten, and its free is dropped, never sent;
+//! - an id whose creating command ran is *born*, until a free of it is
+//!   queued or runs;
+//! - any other id does not exist on the node (its creating command did
+//!   not run, or was never sent: a recording dropped on an error): its
+//!   free is dropped, never sent;
 //! - a free that did not run (a queued one leading the batch, or one the
-//!   recording holds) is queued again, unless its id is unborn, or it is
-//!   the command the node refused (that free could not run).
+//!   recording holds) is queued again, unless its id was created by a
+//!   command of that batch that did not run, or it is the command the
+//!   node refused (that free could not run).
 //!
 //! A request the node refused whole, or one whose reply never came, ran
 //! nothing as far as this client knows.
@@ -90,8 +94,8 @@ pub(super) struct IdBook {
     queued: Vec<u64>,
     /// Ids created by submissions not answered yet: true once freed.
     pending: HashMap<u64, bool>,
-    /// Ids whose creating command did not run.
-    unborn: HashSet<u64>,
+    /// Ids whose creating command ran, not freed since.
+    born: HashSet<u64>,
     /// Ids graphs hold, with how many hold each.
     held: HashMap<u64, u32>,
     /// Frees asked for held ids: queued when the last hold goes.
@@ -131,10 +135,11 @@ impl IdBook {
             *freed = true;
             return false;
         }
-        if self.unborn.remove(&id) {
-            return self.let_go(id);
+        if self.born.remove(&id) {
+            return self.queue(id);
         }
-        self.queue(id)
+        // It does not exist (a graph so freed lets go of what it held).
+        self.let_go(id)
     }
 
     /// Frees `graph`, then lets go of the ids it held (as
@@ -191,24 +196,33 @@ impl IdBook {
         self.held.contains_key(&id)
     }
 
-    /// The reply of `sent` says `ran`: creations that ran exist (their
-    /// frees asked meanwhile are queued), the others are unborn; frees
-    /// that did not run are asked again. True when frees were queued.
+    /// The reply of `sent` says `ran`: creations that ran are born (their
+    /// frees asked meanwhile are queued), the others never existed; frees
+    /// that ran are gone, those that did not are asked again. True when
+    /// frees were queued.
     pub(super) fn settle(&mut self, sent: &Sent, ran: Ran) -> bool {
         let mut queued = false;
+        let mut never = HashSet::new();
         for &(at, id) in &sent.created {
             let freed = self.pending.remove(&id).unwrap_or(false);
             match (at < ran.completed, freed) {
                 (true, true) => queued |= self.queue(id),
-                (true, false) => {}
-                (false, true) => queued |= self.let_go(id),
-                (false, false) => {
-                    self.unborn.insert(id);
+                (true, false) => {
+                    self.born.insert(id);
+                }
+                (false, _) => {
+                    never.insert(id);
+                    if freed {
+                        queued |= self.let_go(id);
+                    }
                 }
             }
         }
         for &(at, id) in &sent.freed {
-            if at >= ran.completed && Some(at) != ran.refused {
+            if at < ran.completed {
+                self.born.remove(&id);
+            } else if Some(at) != ran.refused && !never.contains(&id) {
+                self.born.insert(id);
                 queued |= self.free(id);
             }
         }
@@ -248,6 +262,14 @@ mod tests {
         }
     }
 
+    /// `ids` made by a batch that ran.
+    fn born(book: &mut IdBook, ids: &[u64]) {
+        let allocs: Vec<_> = ids.iter().map(|&id| alloc(id)).collect();
+        let sent = Sent::of(&[], &allocs);
+        book.sending(&sent);
+        assert!(!book.settle(&sent, all(ids.len() as u32)));
+    }
+
     #[test]
     fn a_submission_that_ran_leaves_its_ids_and_frees_them_once() {
         let mut book = IdBook::default();
@@ -258,9 +280,14 @@ mod tests {
         assert!(book.take_queued().is_empty());
         assert!(book.settle(&sent, all(3)));
         assert_eq!(book.take_queued(), [1]);
-        // Later frees go straight out.
+        // Later frees go straight out, once.
+        born(&mut book, &[7]);
         assert!(book.free(7));
         assert_eq!(book.take_queued(), [7]);
+        assert!(!book.free(7));
+        // 2 was freed by its batch: nothing more to send.
+        assert!(!book.free(2));
+        assert!(book.take_queued().is_empty());
     }
 
     #[test]
@@ -274,13 +301,16 @@ mod tests {
         assert!(!book.free(1));
         assert!(!book.free(2));
         assert!(book.take_queued().is_empty());
-        // Forgotten once dropped: a reused number is an id again.
-        assert!(book.free(1));
+        // Never sent at all (a recording dropped on an error): its free
+        // is not sent either.
+        assert!(!book.free(40));
+        assert!(book.take_queued().is_empty());
     }
 
     #[test]
     fn a_batch_stopped_midway_keeps_what_ran_and_asks_its_frees_again() {
         let mut book = IdBook::default();
+        born(&mut book, &[10, 11, 12]);
         book.free(10);
         book.free(11);
         let queued = book.take_queued();
@@ -301,6 +331,7 @@ mod tests {
     #[test]
     fn frees_leading_a_refused_batch_are_sent_again_but_not_the_refused_one() {
         let mut book = IdBook::default();
+        born(&mut book, &[10, 11, 12]);
         for id in [10, 11, 12] {
             book.free(id);
         }
@@ -329,6 +360,7 @@ mod tests {
     #[test]
     fn a_held_id_is_freed_when_its_last_hold_goes() {
         let mut book = IdBook::default();
+        born(&mut book, &[1, 2, 3]);
         book.hold(&[1, 2]);
         book.hold(&[1]);
         assert!(!book.free(1), "held: the free waits");
@@ -352,6 +384,7 @@ mod tests {
     #[test]
     fn the_frees_a_graph_held_follow_the_graphs_own_free() {
         let mut book = IdBook::default();
+        born(&mut book, &[5, 6, 7]);
         // Graph 2, capture unanswered, holds buffer 5 (freed meanwhile).
         let sent = Sent::of(&[], &[graph(2)]);
         book.sending(&sent);
@@ -364,10 +397,11 @@ mod tests {
         assert!(book.settle(&sent, all(1)));
         assert_eq!(book.take_queued(), [2, 5]);
         // Settled first: both go at once, the graph first.
+        born(&mut book, &[4]);
         book.hold(&[6]);
         assert!(!book.free(6));
-        assert!(book.free_graph(2, vec![6]));
-        assert_eq!(book.take_queued(), [2, 6]);
+        assert!(book.free_graph(4, vec![6]));
+        assert_eq!(book.take_queued(), [4, 6]);
         // A graph whose capture did not run held nothing on the node.
         let sent = Sent::of(&[], &[graph(3)]);
         book.sending(&sent);
