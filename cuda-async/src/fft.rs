@@ -243,7 +243,6 @@ mod tests {
         fn submit(&self, _: Recording, done: RemoteCompletion) {
             done.complete();
         }
-        fn free(&self, _: u64) {}
     }
 
     fn invalid(e: Error) -> String {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::task::Poll;
 
 use cuda_async::prelude::*;
-use cuda_async::remote::{Recording, RemoteCompletion};
+use cuda_async::remote::{Op, Recording, RemoteCompletion};
 use cuda_async::{DeviceBuffer, DeviceFuture, Error, PinnedBuffer, RemoteSession};
 use static_assertions::{assert_impl_all, assert_not_impl_any};
 
@@ -119,11 +119,13 @@ impl RemoteSession for Counting {
             .unwrap();
         }
         self.commands.fetch_add(r.commands().len(), SeqCst);
+        let frees = r
+            .commands()
+            .iter()
+            .filter(|c| matches!(c.op, Op::Free { .. }));
+        self.frees.fetch_add(frees.count(), SeqCst);
         self.submissions.fetch_add(1, SeqCst);
         done.complete();
-    }
-    fn free(&self, _id: u64) {
-        self.frees.fetch_add(1, SeqCst);
     }
 }
 

@@ -29,9 +29,7 @@
 
 use std::borrow::Cow;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
 
 use crate::client::{
     config_error, protocol_error, EncodeCommands, Error, ErrorKind, Lease, Message, ModuleSpec,
@@ -39,20 +37,14 @@ use crate::client::{
 };
 use crate::proto::{self, Command, Id, LeaseId, Op};
 use crate::stamps::{stamp, Point};
-use cuda_async::remote::{Recording, RemoteCompletion};
+use cuda_async::remote::{Ledger, Ran, Recording, RemoteCompletion, Sent};
 use cuda_async::{RemoteErrorExt, RemoteSession};
 use std::net::SocketAddr;
 
-mod ids;
 mod reading;
 mod streamed;
 
-use ids::{IdBook, Ran, Sent};
 use reading::Reading;
-
-/// How long a queued free waits for a message to ride on before it is
-/// sent alone.
-const FREE_FLUSH_DELAY: Duration = Duration::from_millis(2);
 
 /// A BATCH's commands: the queued frees (on stream 0), then a recording's
 /// commands, encoded in turn without collecting them.
@@ -85,8 +77,7 @@ pub struct LeaseBackend {
     name: String,
     /// Queued frees, and the ids they wait for or forget (see the
     /// module's docs).
-    ids: Mutex<IdBook>,
-    flush_scheduled: AtomicBool,
+    ledger: Arc<Ledger>,
     /// Buffers that streamed downloads are reading (see
     /// [`reading`](self::reading)).
     reading: Mutex<Reading>,
@@ -106,8 +97,7 @@ impl LeaseBackend {
             session,
             runtime,
             name,
-            ids: Mutex::new(IdBook::default()),
-            flush_scheduled: AtomicBool::new(false),
+            ledger: Arc::new(Ledger::new()),
             reading: Mutex::new(Reading::default()),
         })
     }
@@ -119,10 +109,6 @@ impl LeaseBackend {
     /// Outside a tokio runtime.
     pub fn current(session: Session) -> Arc<Self> {
         Self::new(session, tokio::runtime::Handle::current())
-    }
-
-    fn ids(&self) -> std::sync::MutexGuard<'_, IdBook> {
-        self.ids.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn reading(&self) -> std::sync::MutexGuard<'_, Reading> {
@@ -199,56 +185,44 @@ impl LeaseBackend {
     where
         D: AsMut<[u8]> + Send + 'static,
     {
-        // The frees are taken and the message numbered under the book's
+        // The frees are taken and the message numbered under the ledger's
         // lock: frees taken in one order reach the node in that order (a
         // graph's free before the frees it held back).
-        let (sent, message) = {
-            let mut book = self.ids();
-            let frees = if keep_frees {
-                Vec::new()
-            } else {
-                book.take_queued()
-            };
-            let sent = Sent::of(&frees, commands);
-            book.sending(&sent);
-            let commands = AfterFrees {
-                frees: &frees,
-                commands,
-            };
-            let message = if numbered {
+        let (sent, message) = self.ledger.send(keep_frees, commands, |frees| {
+            let commands = AfterFrees { frees, commands };
+            if numbered {
                 self.session.message(modules, commands, writes)
             } else {
                 self.session.message_unnumbered(modules, commands, writes)
-            };
-            (sent, message)
-        };
+            }
+        });
         self.sent_message(sent, message, dests)
     }
 
     /// The queued frees alone, as one numbered BATCH; `None` when none are
-    /// queued. Checked, taken and numbered under the book's lock: a
-    /// message that took them first leaves nothing to send (not an empty
-    /// batch).
+    /// queued (a message that took them first leaves nothing to send, not
+    /// an empty batch).
     fn send_queued_frees(&self) -> Option<impl Future<Output = ()> + Send + 'static> {
-        let (sent, message) = {
-            let mut book = self.ids();
-            if !book.has_queued() {
-                return None;
-            }
-            let frees = book.take_queued();
-            let sent = Sent::of(&frees, &[]);
-            book.sending(&sent);
+        let (sent, message) = self.ledger.send_frees(|frees| {
             let commands = AfterFrees {
-                frees: &frees,
+                frees,
                 commands: &[],
             };
-            (sent, self.session.message(&[], commands, Vec::new()))
-        };
+            self.session.message(&[], commands, Vec::new())
+        })?;
         let reply = self.sent_message(sent, message, Vec::<Vec<u8>>::new()).1;
         // A free that fails (the lease is gone) has nothing to free.
         Some(async move {
             let _ = reply.await;
         })
+    }
+
+    /// Sends the queued frees alone, now, as a task of the session's
+    /// runtime.
+    fn spawn_queued_frees(&self) {
+        if let Some(reply) = self.send_queued_frees() {
+            self.runtime.spawn(reply);
+        }
     }
 
     /// Sends `message` (whose ids are `sent`): its number, and the future
@@ -269,57 +243,30 @@ impl LeaseBackend {
         let seq = message.seq();
         // The reads' slots are not needed: their bytes land in `dests`.
         let reply = message.send_into(Some(Vec::new()), dests);
-        let mut unsent = SettleUnsent {
+        let mut settle = Settle {
             me: self.me.clone(),
             sent: Some(sent),
+            polled: false,
         };
         let settled = async move {
-            let (sent, me) = (unsent.sent.take(), unsent.me.clone());
+            settle.polled = true;
             let r = reply.await;
-            if let (Some(sent), Some(me)) = (sent, me.upgrade()) {
-                if !sent.is_empty() {
-                    me.settle(&sent, r.as_ref().ok().map(|(s, _)| s));
-                }
-            }
+            settle.reply(r.as_ref().ok().map(|(s, _)| s));
             r
         };
         (seq, settled)
     }
 
-    /// Settles what ran of `sent` (`None`: nothing the client knows of).
-    /// Frees asked again go with the next message; they go alone shortly
-    /// only after a reply that names what ran (so a lease that refuses
-    /// every request does not loop on them).
+    /// Settles what ran of `sent` (`None`: nothing the client knows of),
+    /// and sends the queued frees when the ledger says they should go.
     fn settle(&self, sent: &Sent, reply: Option<&Submitted>) {
-        let ran = match reply {
-            Some(s) => Ran {
-                completed: s.completed() as u32,
-                refused: s.error().map(|e| e.index),
-            },
-            None => Ran::NOTHING,
-        };
-        let queued = self.ids().settle(sent, ran);
-        if queued && reply.is_some() {
-            self.schedule_flush();
-        }
-    }
-
-    /// Sends the queued frees alone, soon, unless a message takes them
-    /// first.
-    fn schedule_flush(&self) {
-        if self.flush_scheduled.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let Some(this) = self.me.upgrade() else {
-            return;
-        };
-        self.runtime.spawn(async move {
-            tokio::time::sleep(FREE_FLUSH_DELAY).await;
-            this.flush_scheduled.store(false, Ordering::Release);
-            if let Some(reply) = this.send_queued_frees() {
-                reply.await;
-            }
+        let ran = reply.map(|s| Ran {
+            completed: s.completed() as u32,
+            refused: s.error().map(|e| e.index),
         });
+        if self.ledger.settle(sent, ran) {
+            self.spawn_queued_frees();
+        }
     }
 }
 
@@ -346,34 +293,24 @@ impl RemoteSession for LeaseBackend {
             lease: self.session.lease_id(),
             node: self.session.node_addr(),
         };
+        if recording.is_empty() {
+            // The ledger's call for the queued frees, alone.
+            match self.send_queued_frees() {
+                Some(reply) => {
+                    self.runtime.spawn(async move {
+                        reply.await;
+                        done.finish(Ok(()));
+                    });
+                }
+                None => done.finish(Ok(())),
+            }
+            return;
+        }
         self.submit_or_stream(recording, done);
     }
 
-    fn free(&self, id: u64) {
-        // Rides on the next submission, or goes alone shortly; nothing
-        // for an id that never existed, and later for one whose creation
-        // is not answered yet.
-        if self.ids().free(id) {
-            self.schedule_flush();
-        }
-    }
-
-    fn keeps_graphs(&self) -> bool {
-        true
-    }
-
-    fn hold(&self, ids: &[u64]) {
-        self.ids().hold(ids);
-    }
-
-    fn free_graph(&self, graph: u64, held: &[u64]) {
-        if self.ids().free_graph(graph, held.to_vec()) {
-            self.schedule_flush();
-        }
-    }
-
-    fn is_held(&self, id: u64) -> bool {
-        self.ids().is_held(id)
+    fn ledger(&self) -> Option<Arc<Ledger>> {
+        Some(self.ledger.clone())
     }
 }
 
@@ -471,20 +408,35 @@ impl Drop for FailOnDrop {
     }
 }
 
-/// The ids of a message whose future was dropped before its first poll:
-/// nothing of it ran (its place in the order is filled by an empty batch),
-/// so its frees are asked again and its creations never existed.
-struct SettleUnsent {
+/// Settles a sent message's ids in the ledger exactly once: with its
+/// reply, or when its future is dropped. Dropped before its first poll,
+/// nothing of it ran (its place in the order is filled by an empty batch):
+/// its frees are asked again and its creations never existed. Dropped
+/// after it was sent, its reply is never read: the ledger forgets it
+/// (what it created is never freed).
+struct Settle {
     me: Weak<LeaseBackend>,
     sent: Option<Sent>,
+    polled: bool,
 }
 
-impl Drop for SettleUnsent {
-    fn drop(&mut self) {
+impl Settle {
+    fn reply(&mut self, reply: Option<&Submitted>) {
         if let (Some(sent), Some(me)) = (self.sent.take(), self.me.upgrade()) {
-            if !sent.is_empty() {
-                me.settle(&sent, None);
-            }
+            me.settle(&sent, reply);
+        }
+    }
+}
+
+impl Drop for Settle {
+    fn drop(&mut self) {
+        let Some(me) = self.me.upgrade() else {
+            return;
+        };
+        match self.sent.take() {
+            Some(sent) if self.polled => me.ledger.forget(sent),
+            Some(sent) => me.settle(&sent, None),
+            None => {}
         }
     }
 }

@@ -1,13 +1,14 @@
 //! Where the free of a remote buffer or event goes: into the submission
 //! of its session being recorded on this thread, if there is one (after
-//! every use it records), otherwise straight to the session.
+//! every use it records), otherwise to the session's
+//! [`Ledger`](super::Ledger).
 
 use std::cell::RefCell;
 use std::sync::Arc;
 
 use super::proto::{Id, Op};
 use super::recording::{Recording, RemoteStream};
-use super::session::RemoteSession;
+use super::session::{RemoteCompletion, RemoteSession};
 
 /// Frees of remote buffers dropped while a submission of their session is
 /// being recorded on this thread: they join the end of that submission,
@@ -52,8 +53,26 @@ pub(crate) fn free_remote(session: &Arc<dyn RemoteSession>, id: u64) {
         })
         .unwrap_or(false);
     if !taken {
-        session.free(id);
+        free_through_ledger(session, id);
     }
+}
+
+/// Frees `id` through `session`'s ledger (a session without one frees
+/// nothing outside its recordings), and has the queued frees sent now
+/// when the ledger says so.
+pub(crate) fn free_through_ledger(session: &Arc<dyn RemoteSession>, id: u64) {
+    if let Some(ledger) = session.ledger() {
+        if ledger.free(id) {
+            send_frees(session);
+        }
+    }
+}
+
+/// Has `session` send its queued frees now: an empty submission, which
+/// the session sends as its queued frees alone (or not at all, when a
+/// message took them first).
+pub(crate) fn send_frees(session: &Arc<dyn RemoteSession>) {
+    session.submit(Recording::new(), RemoteCompletion::new());
 }
 
 /// While alive, frees of `session`'s buffers dropped on this thread are
@@ -94,9 +113,10 @@ impl RecordingFrame {
     /// on `stream`, except those of ids a graph holds, which go to the
     /// session (it frees them once the graph lets go).
     pub(crate) fn finish(self, recording: &mut Recording, stream: RemoteStream) {
+        let ledger = self.session.ledger();
         for id in self.pop() {
-            if self.session.is_held(id) {
-                self.session.free(id);
+            if ledger.as_ref().is_some_and(|l| l.is_held(id)) {
+                free_through_ledger(&self.session, id);
                 continue;
             }
             recording.push(stream, Op::Free { id: Id(id) });
@@ -122,7 +142,7 @@ impl Drop for RecordingFrame {
     fn drop(&mut self) {
         // Not finished (a panic): the frees go out through the session.
         for id in self.pop() {
-            self.session.free(id);
+            free_through_ledger(&self.session, id);
         }
     }
 }

@@ -4,8 +4,8 @@
 //!
 //! What the body names stays alive on the node as long as the graph: the
 //! body's own frees (buffers dropped during the capture) wait on the node
-//! for the graph's free, and frees asked for later are held by the session
-//! ([`RemoteSession::hold`]) until the graph is dropped.
+//! for the graph's free, and frees asked for later are held by the
+//! session's [`Ledger`](super::Ledger) until the graph is dropped.
 
 use std::collections::HashSet;
 use std::fmt;
@@ -46,7 +46,11 @@ impl Drop for RemoteGraph {
     fn drop(&mut self) {
         // Straight to the session (never into a submission being recorded):
         // the graph's free must reach the node before the frees it held.
-        self.session.free_graph(self.id, &self.held);
+        if let Some(ledger) = self.session.ledger() {
+            if ledger.free_graph(self.id, std::mem::take(&mut self.held)) {
+                super::frees::send_frees(&self.session);
+            }
+        }
     }
 }
 
@@ -66,12 +70,12 @@ impl<O: DeviceOp> DeviceOp for CaptureRemote<O> {
             ))
         })?;
         let session = r.session().clone();
-        if !session.keeps_graphs() {
+        let Some(ledger) = session.ledger() else {
             return Err(Error::InvalidArgument(format!(
                 "{} cannot keep graphs on its node",
                 session.describe()
             )));
-        }
+        };
         let (stream, graph) = (r.stream(), session.fresh_id());
         let begin = r.recording().commands().len();
         r.recording()
@@ -103,7 +107,7 @@ impl<O: DeviceOp> DeviceOp for CaptureRemote<O> {
             .count();
         r.recording()
             .push(stream, Op::GraphEnd { graph: Id(graph) });
-        session.hold(&held);
+        ledger.hold(&held);
         let graph = RemoteGraph {
             session,
             id: graph,

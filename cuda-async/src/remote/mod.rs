@@ -38,13 +38,15 @@
 // `recording` what is recorded, `error` the lease's failures as this
 // crate's error, `modules` the protocol's form of a module,
 // `context` the remote execution context, `frees` where frees of dropped
-// remote buffers go, `policy` the remote policy and the sending of a
+// remote buffers go, `ledger` which ids exist on the node and the frees
+// waiting to go, `policy` the remote policy and the sending of a
 // submission. The host memory that remote
 // reads land in (`HostBuffer`, `ReadSlot`) is in `crate::host`.
 mod context;
 mod error;
 mod frees;
 mod graph;
+mod ledger;
 mod modules;
 mod policy;
 mod recording;
@@ -54,6 +56,7 @@ pub use crate::host::{HostBuffer, ReadBuf, ReadSlot};
 pub use context::RemoteContext;
 pub use cuda_lease_proto as proto;
 pub use error::RemoteErrorExt;
+pub use ledger::{Ledger, Ran, Sent};
 pub use policy::{RemotePolicy, DEFAULT_REMOTE_STREAMS};
 pub use proto::{Command, Id, Op};
 pub use recording::{KeptBytes, Recording, RemoteStream};
@@ -177,10 +180,12 @@ mod tests {
         assert!(matches!(done.outcome(), Some(Err(e)) if e.remote() == Some(&gone)));
     }
 
-    /// A session that keeps what it is sent and answers at once.
+    /// A session that keeps what it is sent and answers at once; its
+    /// ledger is kept as a transport keeps one.
     #[derive(Debug, Default)]
     struct Capture {
         next: std::sync::atomic::AtomicU64,
+        ledger: Arc<Ledger>,
         sent: std::sync::Mutex<Vec<Vec<Command<'static>>>>,
         freed: std::sync::Mutex<Vec<u64>>,
     }
@@ -200,11 +205,25 @@ mod tests {
                 })
                 .unwrap();
             }
-            self.sent.lock().unwrap().push(r.commands().to_vec());
+            // Numbered through the ledger, led by the queued frees; every
+            // command runs.
+            let (sent, frees) = self.ledger.send(false, r.commands(), |frees| {
+                self.freed.lock().unwrap().extend(frees);
+                frees.len()
+            });
+            if !r.is_empty() {
+                self.sent.lock().unwrap().push(r.commands().to_vec());
+            }
+            if self
+                .ledger
+                .settle(&sent, Some(Ran::all(frees + r.commands().len())))
+            {
+                self.submit(Recording::new(), RemoteCompletion::new());
+            }
             done.complete();
         }
-        fn free(&self, id: u64) {
-            self.freed.lock().unwrap().push(id);
+        fn ledger(&self) -> Option<Arc<Ledger>> {
+            Some(self.ledger.clone())
         }
     }
 

@@ -9,6 +9,7 @@ use cuda_core::{Error, Result};
 
 use crate::completion::Completion;
 
+use super::ledger::Ledger;
 use super::recording::Recording;
 
 /// A session with a remote GPU: the transport behind remote contexts.
@@ -27,13 +28,20 @@ pub trait RemoteSession: Send + Sync + fmt::Debug {
     /// are delivered into their slots ([`ReadSlot::receive`](crate::remote::ReadSlot::receive)), then `done`
     /// is completed; any failure (a command's, the connection's, the
     /// lease's) fails `done` with the matching [`Error`] variant instead.
-    /// Submissions run on the remote GPU in the order of these calls.
+    /// Submissions run on the remote GPU in the order of these calls. An
+    /// empty recording asks for the session's queued frees to be sent (see
+    /// [`RemoteSession::ledger`]); with none queued it sends nothing.
     fn submit(&self, recording: Recording, done: RemoteCompletion);
 
-    /// Queues the free of buffer `id`: it reaches the node with the next
-    /// message (or a background flush) and runs after every use of the
-    /// buffer submitted before it.
-    fn free(&self, id: u64);
+    /// The session's [`Ledger`]: which of its ids exist on the node and
+    /// the frees waiting to go. `cuda-async` frees dropped buffers, events
+    /// and graphs through it, and when it says the frees should go now,
+    /// submits an empty [`Recording`]: the session then sends the queued
+    /// frees alone (none left: nothing). Default: `None`, a session that
+    /// frees nothing outside its recordings and keeps no graphs.
+    fn ledger(&self) -> Option<Arc<Ledger>> {
+        None
+    }
 
     /// Whether an op recorded on this session may use buffer `id` of
     /// `owner`, another session handle (a buffer of this very handle is
@@ -51,34 +59,6 @@ pub trait RemoteSession: Send + Sync + fmt::Debug {
     /// `None`.
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         None
-    }
-
-    /// Whether the session keeps graphs on its node (and implements
-    /// [`RemoteSession::hold`] and [`RemoteSession::free_graph`]); a
-    /// remote capture is refused otherwise.
-    fn keeps_graphs(&self) -> bool {
-        false
-    }
-
-    /// Holds `ids` (what a graph kept on the node uses): a free of one of
-    /// them asked for meanwhile waits for the graph's
-    /// [`RemoteSession::free_graph`].
-    fn hold(&self, ids: &[u64]) {
-        let _ = ids;
-    }
-
-    /// Queues the free of `graph`, then lets go of `held` (its
-    /// [`RemoteSession::hold`]): the frees they waited for are queued
-    /// after the graph's own, once that is queued (the node refuses to
-    /// free what a live graph uses).
-    fn free_graph(&self, graph: u64, held: &[u64]) {
-        let _ = (graph, held);
-    }
-
-    /// Whether `id` is held ([`RemoteSession::hold`]).
-    fn is_held(&self, id: u64) -> bool {
-        let _ = id;
-        false
     }
 }
 

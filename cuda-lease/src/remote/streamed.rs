@@ -270,7 +270,7 @@ impl LeaseBackend {
             .map(|w| w.id)
             .chain(plan.reads.iter().map(|r| r.id))
             .collect();
-        self.ids().hold(&moving);
+        self.ledger.hold(&moving);
         let recording = Arc::new(recording);
         self.runtime.spawn(async move {
             let r = this
@@ -279,19 +279,12 @@ impl LeaseBackend {
             if let Some(reads) = reads {
                 this.reading().end(reads);
             }
-            // Whatever happened: the id book sends only frees of ids that
+            // Whatever happened: the ledger sends only frees of ids that
             // exist.
-            let mut queued = false;
-            {
-                let mut ids = this.ids();
-                for &id in &plan.frees_after {
-                    queued |= ids.free(id);
-                }
-                queued |= ids.release(&moving);
-            }
+            let flush = this.ledger.free_and_release(&plan.frees_after, &moving);
             done.finish(r);
-            if queued || this.ids().has_queued() {
-                this.schedule_flush();
+            if flush {
+                this.spawn_queued_frees();
             }
         });
     }

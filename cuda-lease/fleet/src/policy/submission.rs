@@ -5,7 +5,7 @@ use std::any::Any;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use cuda_async::remote::{Recording, RemoteCompletion};
+use cuda_async::remote::{Ledger, Recording, RemoteCompletion};
 use cuda_async::{RemoteErrorExt, RemoteSession};
 
 use super::{lost, node_lost, Member, Shared};
@@ -79,6 +79,14 @@ impl RemoteSession for Placement {
     }
 
     fn submit(&self, recording: Recording, done: RemoteCompletion) {
+        if recording.is_empty() {
+            // The ledger's call for the queued frees: its lease's.
+            match self.at() {
+                Some(m) if m.is_live() => m.session.submit(recording, done),
+                _ => done.complete(),
+            }
+            return;
+        }
         let shared = self.shared.clone();
         let adopted = !self.adopted().is_empty();
         match self.at() {
@@ -98,12 +106,11 @@ impl RemoteSession for Placement {
         }
     }
 
-    fn free(&self, id: u64) {
-        if let Some(m) = self.at() {
-            if m.is_live() {
-                m.session.free(id);
-            }
-        }
+    fn ledger(&self) -> Option<Arc<Ledger>> {
+        // Its buffers live on the lease it was placed on.
+        self.at()
+            .filter(|m| m.is_live())
+            .and_then(|m| m.session.ledger())
     }
 
     fn accepts(&self, owner: &Arc<dyn RemoteSession>, id: u64) -> bool {

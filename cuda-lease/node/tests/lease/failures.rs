@@ -255,8 +255,9 @@ async fn an_out_of_range_copy_keeps_what_ran_before_it() {
     );
     // Both buffers exist (their allocations ran): the recording's free of
     // `a` did not run, so the session sends it again; `b`'s owner drops
-    // it, as a failed pipeline drops its buffers.
-    session.free(b);
+    // it, as a failed pipeline drops its buffers (queued in the ledger:
+    // it leads the next message).
+    session.ledger().unwrap().free(b);
     works_and_holds(&fx, &remote, before).await;
     fx.free_and_shutdown().await;
 }
@@ -309,7 +310,7 @@ async fn a_free_racing_a_use_stops_the_use_and_keeps_the_free() {
     let id = buf.remote_id(&session).unwrap();
     // Its free is queued (it leads the next message), and a raw recording
     // races it with a read of the buffer: the free runs, the read does not.
-    session.free(id);
+    session.ledger().unwrap().free(id);
     let mut rec = Recording::new();
     let _slot = rec.read(0, id, 0, 16);
     let done = RemoteCompletion::new();

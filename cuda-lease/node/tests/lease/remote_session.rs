@@ -98,12 +98,17 @@ async fn a_recording_is_one_batch_and_its_reads_land_in_host_buffers() {
     let after = metric(&node.metrics_text(), "gpu_batch_total").unwrap();
     assert_eq!(after - before, 1, "one message for the whole recording");
 
-    // Dropped buffers: their frees reach the node (alone, shortly).
-    // (The lease also holds the module's source bytes.)
+    // Dropped buffers: their frees reach the node (alone, at once: no
+    // message is in flight). (The lease also holds the module's source
+    // bytes.)
     let held = lease.query().await.unwrap().allocated;
     assert_eq!(held, 2 * size + KERNELS.len() as u64);
-    session.free(bx);
-    session.free(by);
+    let ledger = session.ledger().unwrap();
+    for id in [bx, by] {
+        if ledger.free(id) {
+            session.submit(Recording::new(), RemoteCompletion::new());
+        }
+    }
     assert!(
         eventually(Duration::from_secs(5), || async {
             lease.query().await.unwrap().allocated == held - 2 * size

@@ -1,0 +1,647 @@
+//! A session's ledger of ids: which of its buffers, events and graphs
+//! exist on the node, as far as frees need to know, and the frees waiting
+//! to be sent. Pure bookkeeping over the commands sent and the replies'
+//! counts of commands that ran, with no I/O (unit-tested below): a
+//! transport keeps one ([`RemoteSession::ledger`](super::RemoteSession::ledger))
+//! and numbers each message through it ([`Ledger::send`]); `cuda-async`
+//! asks it for frees, graph holds and graph frees.
+//!
+//! The rule: a BATCH reply says which commands ran (`0..completed`), so
+//! what exists after a failed submission is exactly what those commands
+//! created and did not free. A free is sent only for an id that exists:
+//!
+//! - an id whose creating command (`Alloc`, the first `Record` of an
+//!   event, `GraphBegin`) has not been answered yet is *pending*: its free
+//!   waits for that reply;
+//! - an id whose creating command ran is *born*, until a free of it is
+//!   queued or runs;
+//! - any other id does not exist on the node (its creating command did
+//!   not run, or was never sent: a recording dropped on an error): its
+//!   free is dropped, never sent;
+//! - a free that did not run (a queued one leading the batch, or one the
+//!   recording holds) is queued again, unless its id was created by a
+//!   command of that batch that did not run, or it is the command the
+//!   node refused (that free could not run).
+//!
+//! A request the node refused whole, or one whose reply never came, ran
+//! nothing as far as this client knows.
+//!
+//! When queued frees go: with the next message the transport numbers, or,
+//! when no message is in flight, at once, alone (a free asked while
+//! messages are in flight waits for the last of their replies and then
+//! goes, unless a message took it first). No timer decides either.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::proto::{Command, Op};
+
+/// A sent BATCH's ids, by their command's index in it: what its reply
+/// settles ([`Ledger::settle`]).
+#[derive(Debug, Default)]
+pub struct Sent {
+    /// Commands that create an id.
+    created: Vec<(u32, u64)>,
+    /// Frees: the queued ones leading the batch, then the recording's.
+    freed: Vec<(u32, u64)>,
+}
+
+impl Sent {
+    /// The ids of a BATCH of `frees` (stream 0, first), then `commands`.
+    fn of(frees: &[u64], commands: &[Command<'_>]) -> Self {
+        let mut s = Sent {
+            created: Vec::new(),
+            freed: frees
+                .iter()
+                .enumerate()
+                .map(|(i, id)| (i as u32, *id))
+                .collect(),
+        };
+        let base = frees.len();
+        for (i, c) in commands.iter().enumerate() {
+            let at = (base + i) as u32;
+            match c.op {
+                Op::Alloc { buf, .. } => s.created.push((at, buf.0)),
+                // An event is created by its first record (a session's
+                // events are fresh ids: cuda-async records each once).
+                Op::Record { event } if !s.created.iter().any(|&(_, e)| e == event.0) => {
+                    s.created.push((at, event.0));
+                }
+                Op::GraphBegin { graph } => s.created.push((at, graph.0)),
+                Op::Free { id } => s.freed.push((at, id.0)),
+                _ => {}
+            }
+        }
+        s
+    }
+}
+
+/// What ran of a sent BATCH, from its reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ran {
+    /// Commands `0..completed` ran.
+    pub completed: u32,
+    /// The command the node refused, if any.
+    pub refused: Option<u32>,
+}
+
+impl Ran {
+    /// Nothing ran (a request refused whole, or no reply).
+    pub const NOTHING: Ran = Ran {
+        completed: 0,
+        refused: None,
+    };
+
+    /// All `n` commands ran.
+    pub fn all(n: usize) -> Ran {
+        Ran {
+            completed: u32::try_from(n).unwrap_or(u32::MAX),
+            refused: None,
+        }
+    }
+}
+
+/// A session's ids and queued frees (see the module's docs). Shared by
+/// the transport (which numbers messages through it) and `cuda-async`
+/// (which frees, holds and lets go of ids).
+#[derive(Debug, Default)]
+pub struct Ledger {
+    book: Mutex<Book>,
+    /// Notified when a message is settled.
+    settled: Condvar,
+}
+
+impl Ledger {
+    /// An empty ledger.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn book(&self) -> MutexGuard<'_, Book> {
+        self.book.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A message goes out: takes the queued frees to lead it (unless
+    /// `keep_frees`), notes its ids and calls `number` with the frees,
+    /// all under the ledger's lock. A transport numbers the message in
+    /// `number`, so frees taken in one order reach the node in that order
+    /// (a graph's free before the frees it held back). Every message sent
+    /// this way is settled once ([`Ledger::settle`] or
+    /// [`Ledger::forget`]).
+    pub fn send<R>(
+        &self,
+        keep_frees: bool,
+        commands: &[Command<'_>],
+        number: impl FnOnce(&[u64]) -> R,
+    ) -> (Sent, R) {
+        let mut book = self.book();
+        let frees = if keep_frees {
+            Vec::new()
+        } else {
+            std::mem::take(&mut book.queued)
+        };
+        let sent = Sent::of(&frees, commands);
+        book.sending(&sent);
+        let r = number(&frees);
+        (sent, r)
+    }
+
+    /// The queued frees alone, as [`Ledger::send`] of no commands; `None`
+    /// when none are queued (a message took them first: nothing to send).
+    pub fn send_frees<R>(&self, number: impl FnOnce(&[u64]) -> R) -> Option<(Sent, R)> {
+        let mut book = self.book();
+        if book.queued.is_empty() {
+            return None;
+        }
+        let frees = std::mem::take(&mut book.queued);
+        let sent = Sent::of(&frees, &[]);
+        book.sending(&sent);
+        let r = number(&frees);
+        Some((sent, r))
+    }
+
+    /// The reply of `sent` says what `ran` (`None`: no reply, or a request
+    /// refused whole: nothing ran). True when the transport should send
+    /// the queued frees now ([`Ledger::send_frees`]): frees are queued, no
+    /// message is in flight, and the reply named what ran (so a lease that
+    /// refuses every request does not loop on its frees; they ride on the
+    /// next message).
+    pub fn settle(&self, sent: &Sent, ran: Option<Ran>) -> bool {
+        let mut book = self.book();
+        book.in_flight = book.in_flight.saturating_sub(1);
+        book.settle(sent, ran.unwrap_or(Ran::NOTHING));
+        self.settled.notify_all();
+        ran.is_some() && book.flush_due()
+    }
+
+    /// A message whose reply will never be read (its future was dropped
+    /// after it was sent): it no longer counts as in flight; its ids stay
+    /// as they are (what it created is never freed: a leak, never a free
+    /// of something in use).
+    pub fn forget(&self, sent: Sent) {
+        let _ = sent;
+        let mut book = self.book();
+        book.in_flight = book.in_flight.saturating_sub(1);
+        self.settled.notify_all();
+    }
+
+    /// Blocks until no message is in flight and no free is queued (every
+    /// free asked so far has reached the node, or is held, or waits for
+    /// nothing), or `limit` passes; true when it is so.
+    pub fn wait_idle(&self, limit: Duration) -> bool {
+        let end = Instant::now() + limit;
+        let mut book = self.book();
+        while book.in_flight > 0 || !book.queued.is_empty() {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            book = self
+                .settled
+                .wait_timeout(book, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        true
+    }
+
+    /// Whether frees are queued while no message is in flight: they should
+    /// go now, alone.
+    pub fn flush_due(&self) -> bool {
+        self.book().flush_due()
+    }
+
+    /// The free of `id` (a dropped buffer or event). True when the caller
+    /// should have the queued frees sent now (see [`Ledger::flush_due`]);
+    /// otherwise it rides on a later message, waits for the reply that
+    /// creates `id`, waits for the graphs that hold `id`, or is dropped
+    /// (`id` never existed).
+    pub fn free(&self, id: u64) -> bool {
+        let mut book = self.book();
+        book.free(id) && book.flush_due()
+    }
+
+    /// Frees graph `graph`, then lets go of the ids it held
+    /// ([`Ledger::hold`]) once a reply says its free ran: their frees
+    /// follow it in a later message (the node refuses to free what a live
+    /// graph uses). True as [`Ledger::free`].
+    pub fn free_graph(&self, graph: u64, held: Vec<u64>) -> bool {
+        let mut book = self.book();
+        book.after.insert(graph, held);
+        book.free(graph) && book.flush_due()
+    }
+
+    /// Holds `ids` (what a graph kept on the node uses, or what a transfer
+    /// moves): a free of one of them asked for meanwhile waits for
+    /// [`Ledger::release`].
+    pub fn hold(&self, ids: &[u64]) {
+        self.book().hold(ids);
+    }
+
+    /// Lets go of `ids` ([`Ledger::hold`]): the frees asked for meanwhile
+    /// of those nothing else holds are queued. True as [`Ledger::free`].
+    pub fn release(&self, ids: &[u64]) -> bool {
+        let mut book = self.book();
+        book.release(ids) && book.flush_due()
+    }
+
+    /// Frees `ids` and lets go of `held` in one step: the end of a
+    /// transfer that moved `held` and dropped `frees`. True as
+    /// [`Ledger::free`].
+    pub fn free_and_release(&self, frees: &[u64], held: &[u64]) -> bool {
+        let mut book = self.book();
+        for &id in frees {
+            book.free(id);
+        }
+        book.release(held);
+        book.flush_due()
+    }
+
+    /// Whether `id` is held ([`Ledger::hold`]).
+    pub fn is_held(&self, id: u64) -> bool {
+        self.book().held.contains_key(&id)
+    }
+}
+
+/// The ledger's state, behind its lock.
+#[derive(Debug, Default)]
+struct Book {
+    /// Frees to send with the next message.
+    queued: Vec<u64>,
+    /// Messages sent and not settled yet.
+    in_flight: usize,
+    /// Ids created by submissions not answered yet: true once freed.
+    pending: HashMap<u64, bool>,
+    /// Ids whose creating command ran, not freed since.
+    born: HashSet<u64>,
+    /// Ids graphs hold, with how many hold each.
+    held: HashMap<u64, u32>,
+    /// Frees asked for held ids: queued when the last hold goes.
+    deferred: HashSet<u64>,
+    /// Graphs freed whose free has not run yet, with the ids they hold:
+    /// let go once a reply says it ran (or once the graph is known never
+    /// to have existed). The node applies a batch's frees when the batch
+    /// has run, so a free of a held id sent while the graph's free is
+    /// still in flight would find the graph alive and be refused.
+    after: HashMap<u64, Vec<u64>>,
+}
+
+impl Book {
+    fn flush_due(&self) -> bool {
+        self.in_flight == 0 && !self.queued.is_empty()
+    }
+
+    /// `sent` goes out now: its creations are pending until its reply.
+    fn sending(&mut self, sent: &Sent) {
+        self.in_flight += 1;
+        for &(_, id) in &sent.created {
+            self.pending.insert(id, false);
+        }
+    }
+
+    /// The free of `id`: true when it was queued (it exists), false when
+    /// it waits for a reply or was dropped (the id never existed).
+    fn free(&mut self, id: u64) -> bool {
+        if self.held.contains_key(&id) {
+            self.deferred.insert(id);
+            return false;
+        }
+        if let Some(freed) = self.pending.get_mut(&id) {
+            *freed = true;
+            return false;
+        }
+        if self.born.remove(&id) {
+            return self.queue(id);
+        }
+        // It does not exist (a graph so freed lets go of what it held).
+        self.let_go(id)
+    }
+
+    /// Queues the free of `id`.
+    fn queue(&mut self, id: u64) -> bool {
+        self.queued.push(id);
+        true
+    }
+
+    /// Lets go of what graph `id` held, if it was freed holding some.
+    fn let_go(&mut self, id: u64) -> bool {
+        match self.after.remove(&id) {
+            Some(held) => self.release(&held),
+            None => false,
+        }
+    }
+
+    /// A graph holds `ids`: their frees wait for [`Book::release`].
+    fn hold(&mut self, ids: &[u64]) {
+        for id in ids {
+            *self.held.entry(*id).or_insert(0) += 1;
+        }
+    }
+
+    /// A graph lets go of `ids`: the frees asked for meanwhile of those no
+    /// other graph holds go now. True when frees were queued.
+    fn release(&mut self, ids: &[u64]) -> bool {
+        let mut queued = false;
+        for id in ids {
+            let Some(n) = self.held.get_mut(id) else {
+                continue;
+            };
+            *n -= 1;
+            if *n == 0 {
+                self.held.remove(id);
+                if self.deferred.remove(id) {
+                    queued |= self.free(*id);
+                }
+            }
+        }
+        queued
+    }
+
+    /// The reply of `sent` says `ran`: creations that ran are born (their
+    /// frees asked meanwhile are queued), the others never existed; frees
+    /// that ran are gone, those that did not are asked again. True when
+    /// frees were queued.
+    fn settle(&mut self, sent: &Sent, ran: Ran) -> bool {
+        let mut queued = false;
+        let mut never = HashSet::new();
+        for &(at, id) in &sent.created {
+            let freed = self.pending.remove(&id).unwrap_or(false);
+            match (at < ran.completed, freed) {
+                (true, true) => queued |= self.queue(id),
+                (true, false) => {
+                    self.born.insert(id);
+                }
+                (false, _) => {
+                    never.insert(id);
+                    if freed {
+                        queued |= self.let_go(id);
+                    }
+                }
+            }
+        }
+        for &(at, id) in &sent.freed {
+            if at < ran.completed {
+                self.born.remove(&id);
+                // A graph's free ran: what it held may go now.
+                queued |= self.let_go(id);
+            } else if Some(at) != ran.refused && !never.contains(&id) {
+                self.born.insert(id);
+                queued |= self.free(id);
+            }
+        }
+        queued
+    }
+}
+
+#[cfg(test)]
+impl Book {
+    fn take_queued(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.queued)
+    }
+
+    fn free_graph(&mut self, graph: u64, held: Vec<u64>) -> bool {
+        self.after.insert(graph, held);
+        self.free(graph)
+    }
+
+    fn is_held(&self, id: u64) -> bool {
+        self.held.contains_key(&id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::remote::proto::Id;
+
+    fn on_stream_0(op: Op<'static>) -> Command<'static> {
+        Command { stream: 0, op }
+    }
+
+    fn alloc(id: u64) -> Command<'static> {
+        on_stream_0(Op::Alloc {
+            buf: Id(id),
+            size: 4,
+        })
+    }
+
+    fn free(id: u64) -> Command<'static> {
+        on_stream_0(Op::Free { id: Id(id) })
+    }
+
+    fn record(event: u64) -> Command<'static> {
+        on_stream_0(Op::Record { event: Id(event) })
+    }
+
+    fn all(n: u32) -> Ran {
+        Ran {
+            completed: n,
+            refused: None,
+        }
+    }
+
+    /// `ids` made by a batch that ran.
+    fn born(book: &mut Book, ids: &[u64]) {
+        let allocs: Vec<_> = ids.iter().map(|&id| alloc(id)).collect();
+        let sent = Sent::of(&[], &allocs);
+        book.sending(&sent);
+        assert!(!book.settle(&sent, all(ids.len() as u32)));
+    }
+
+    #[test]
+    fn a_submission_that_ran_leaves_its_ids_and_frees_them_once() {
+        let mut book = Book::default();
+        let sent = Sent::of(&[], &[alloc(1), alloc(2), free(2)]);
+        book.sending(&sent);
+        // Dropped before the reply: the free waits for it.
+        assert!(!book.free(1));
+        assert!(book.take_queued().is_empty());
+        assert!(book.settle(&sent, all(3)));
+        assert_eq!(book.take_queued(), [1]);
+        // Later frees go straight out, once.
+        born(&mut book, &[7]);
+        assert!(book.free(7));
+        assert_eq!(book.take_queued(), [7]);
+        assert!(!book.free(7));
+        // 2 was freed by its batch: nothing more to send.
+        assert!(!book.free(2));
+        assert!(book.take_queued().is_empty());
+    }
+
+    #[test]
+    fn ids_whose_creation_did_not_run_are_never_freed() {
+        let mut book = Book::default();
+        // A batch refused whole (a module that does not compile).
+        let sent = Sent::of(&[], &[alloc(1), record(2), alloc(3)]);
+        book.sending(&sent);
+        assert!(!book.free(3), "waits for the reply");
+        assert!(!book.settle(&sent, Ran::NOTHING));
+        assert!(!book.free(1));
+        assert!(!book.free(2));
+        assert!(book.take_queued().is_empty());
+        // Never sent at all (a recording dropped on an error): its free
+        // is not sent either.
+        assert!(!book.free(40));
+        assert!(book.take_queued().is_empty());
+    }
+
+    #[test]
+    fn a_batch_stopped_midway_keeps_what_ran_and_asks_its_frees_again() {
+        let mut book = Book::default();
+        born(&mut book, &[10, 11, 12]);
+        book.free(10);
+        book.free(11);
+        let queued = book.take_queued();
+        // Free 10, free 11, alloc 1, alloc 2 (refused), free 1, free 12.
+        let sent = Sent::of(&queued, &[alloc(1), alloc(2), free(1), free(12)]);
+        book.sending(&sent);
+        let ran = Ran {
+            completed: 3,
+            refused: Some(3),
+        };
+        assert!(book.settle(&sent, ran));
+        // 1 exists (its free did not run), 12 exists; 2 never did.
+        assert_eq!(book.take_queued(), [1, 12]);
+        assert!(!book.free(2));
+        assert!(book.take_queued().is_empty());
+    }
+
+    #[test]
+    fn frees_leading_a_refused_batch_are_sent_again_but_not_the_refused_one() {
+        let mut book = Book::default();
+        born(&mut book, &[10, 11, 12]);
+        for id in [10, 11, 12] {
+            book.free(id);
+        }
+        let queued = book.take_queued();
+        let sent = Sent::of(&queued, &[]);
+        // Free 11 was refused: 10 ran, 11 cannot run, 12 must go again.
+        let ran = Ran {
+            completed: 1,
+            refused: Some(1),
+        };
+        assert!(book.settle(&sent, ran));
+        assert_eq!(book.take_queued(), [12]);
+        // Nothing ran at all: all of them again.
+        let sent = Sent::of(&[12], &[]);
+        assert!(book.settle(&sent, Ran::NOTHING));
+        assert_eq!(book.take_queued(), [12]);
+    }
+
+    #[test]
+    fn an_event_is_created_by_its_first_record() {
+        let sent = Sent::of(&[5], &[record(1), record(1), free(1)]);
+        assert_eq!(sent.created, [(1, 1)]);
+        assert_eq!(sent.freed, [(0, 5), (3, 1)]);
+    }
+
+    #[test]
+    fn a_held_id_is_freed_when_its_last_hold_goes() {
+        let mut book = Book::default();
+        born(&mut book, &[1, 2, 3]);
+        book.hold(&[1, 2]);
+        book.hold(&[1]);
+        assert!(!book.free(1), "held: the free waits");
+        assert!(!book.free(2));
+        assert!(book.take_queued().is_empty());
+        assert!(book.release(&[1, 2]), "2 goes; 1 is still held once");
+        assert_eq!(book.take_queued(), [2]);
+        assert!(book.is_held(1));
+        assert!(book.release(&[1]));
+        assert_eq!(book.take_queued(), [1]);
+        // Not asked for: nothing to send.
+        book.hold(&[3]);
+        assert!(!book.release(&[3]));
+        assert!(book.take_queued().is_empty());
+    }
+
+    fn graph(id: u64) -> Command<'static> {
+        on_stream_0(Op::GraphBegin { graph: Id(id) })
+    }
+
+    #[test]
+    fn the_frees_a_graph_held_follow_the_graphs_own_free_once_it_ran() {
+        let mut book = Book::default();
+        born(&mut book, &[5, 6, 7]);
+        // Graph 2, capture unanswered, holds buffer 5 (freed meanwhile).
+        let sent = Sent::of(&[], &[graph(2)]);
+        book.sending(&sent);
+        book.hold(&[5]);
+        assert!(!book.free(5));
+        // Dropped before its capture's reply: nothing may go yet, 5 least
+        // of all (the node refuses to free what a live graph uses).
+        assert!(!book.free_graph(2, vec![5]));
+        assert!(book.take_queued().is_empty());
+        assert!(book.settle(&sent, all(1)));
+        assert_eq!(book.take_queued(), [2]);
+        // 5 waits until the graph's free has run: the node applies a
+        // batch's frees when it has run, so 5's free in a batch sent
+        // while the graph's is in flight would be refused.
+        let free_2 = Sent::of(&[2], &[]);
+        book.sending(&free_2);
+        assert!(book.is_held(5));
+        assert!(book.settle(&free_2, all(1)));
+        assert_eq!(book.take_queued(), [5]);
+        // A graph's free that did not run is sent again; what it holds
+        // still waits.
+        born(&mut book, &[4]);
+        book.hold(&[6]);
+        assert!(!book.free(6));
+        assert!(book.free_graph(4, vec![6]));
+        assert_eq!(book.take_queued(), [4]);
+        let lost = Sent::of(&[4], &[]);
+        book.sending(&lost);
+        assert!(book.settle(&lost, Ran::NOTHING));
+        assert_eq!(book.take_queued(), [4], "asked again; 6 still held");
+        let free_4 = Sent::of(&[4], &[]);
+        book.sending(&free_4);
+        assert!(book.settle(&free_4, all(1)));
+        assert_eq!(book.take_queued(), [6]);
+        // A graph whose capture did not run held nothing on the node.
+        let sent = Sent::of(&[], &[graph(3)]);
+        book.sending(&sent);
+        book.hold(&[7]);
+        assert!(!book.free(7));
+        assert!(!book.free_graph(3, vec![7]));
+        assert!(book.settle(&sent, Ran::NOTHING));
+        assert_eq!(book.take_queued(), [7]);
+    }
+
+    /// Frees go alone at once only when nothing is in flight; otherwise
+    /// they wait for the last reply (or ride on the next message).
+    #[test]
+    fn frees_go_alone_only_when_no_message_is_in_flight() {
+        let ledger = Ledger::new();
+        let (made, ()) = ledger.send(false, &[alloc(1), alloc(2), alloc(3)], |_| ());
+        assert!(!ledger.settle(&made, Some(Ran::all(3))));
+        // Idle: the free should go now.
+        assert!(ledger.free(1));
+        let (frees, taken) = ledger.send_frees(<[u64]>::to_vec).unwrap();
+        assert_eq!(taken, [1]);
+        // In flight: the next free waits.
+        assert!(!ledger.free(2), "a message is in flight");
+        // A message numbered meanwhile takes it.
+        let (other, led) = ledger.send(false, &[], <[u64]>::to_vec);
+        assert_eq!(led, [2]);
+        assert!(
+            ledger.send_frees(|_| ()).is_none(),
+            "nothing left: no empty batch"
+        );
+        assert!(!ledger.free(3));
+        assert!(
+            !ledger.settle(&frees, Some(Ran::all(1))),
+            "one still in flight"
+        );
+        assert!(
+            ledger.settle(&other, Some(Ran::all(1))),
+            "the last reply sends 3"
+        );
+        assert!(ledger.flush_due());
+        // A reply that names nothing leaves the frees for the next message.
+        let (lost, _) = ledger.send_frees(|_| ()).unwrap();
+        assert!(!ledger.settle(&lost, None));
+        assert!(ledger.flush_due(), "3 was asked again");
+    }
+}
