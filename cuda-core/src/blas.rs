@@ -22,10 +22,10 @@ use std::ffi::{c_int, c_longlong};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::{result, sys};
-use cudarc::driver::{CudaStream, DeviceRepr};
+use cudarc::driver::{CudaStream, DevicePtr, DeviceRepr};
 
 use crate::per_stream::{failed, PerStream};
-use crate::{Error, Result};
+use crate::{DeviceBuffer, Error, Result};
 
 /// The library's name in errors.
 const CUBLAS: &str = "cuBLAS (libcublas)";
@@ -620,10 +620,15 @@ impl<T: BlasScalar> Gemv<T> {
     }
 }
 
-/// A cuBLAS handle bound to one stream ([`blas_handle`]).
+/// A cuBLAS handle bound to one stream ([`blas_handle`]), with the
+/// workspace it was given.
 #[derive(Debug)]
 pub struct BlasHandle {
     handle: sys::cublasHandle_t,
+    /// Its workspace (`cublasSetWorkspace`): used by the handle's calls
+    /// only, all on its stream; freed only if the handle is dropped (a
+    /// handle a graph kept, once its replays are done).
+    workspace: DeviceBuffer<u8>,
 }
 
 // SAFETY: a cuBLAS handle may be used from any thread as long as calls on
@@ -632,6 +637,11 @@ pub struct BlasHandle {
 unsafe impl Send for BlasHandle {}
 
 impl BlasHandle {
+    /// The bytes of the handle's workspace.
+    pub fn workspace_bytes(&self) -> usize {
+        self.workspace.len()
+    }
+
     /// Enqueues `g` on the handle's stream.
     ///
     /// # Safety
@@ -676,11 +686,20 @@ impl BlasHandle {
 /// background thread it made the process crash at exit under
 /// compute-sanitizer.
 ///
+/// The handle's workspace is allocated when the handle is made, from the
+/// memory pool the stream's allocations use then (a
+/// [`MemPool::allocate_in`](crate::MemPool::allocate_in) scope's, or the
+/// device's), stream-ordered, and given to cuBLAS
+/// (`cublasSetWorkspace`), so cuBLAS allocates none of its own, inside a
+/// graph capture either: [`BLAS_WORKSPACE_HOPPER`] on devices of compute
+/// capability 9.0 and later, [`BLAS_WORKSPACE`] before (NVIDIA's
+/// recommended sizes).
+///
 /// # Errors
 ///
 /// [`Error::NoLibrary`] when cuBLAS cannot be loaded; a cuBLAS status if
 /// the handle cannot be made.
-pub fn blas_handle(stream: &CudaStream) -> Result<Arc<Mutex<BlasHandle>>> {
+pub fn blas_handle(stream: &Arc<CudaStream>) -> Result<Arc<Mutex<BlasHandle>>> {
     static HANDLES: OnceLock<PerStream<BlasHandle>> = OnceLock::new();
     if !blas_present() {
         return Err(Error::NoLibrary { library: CUBLAS });
@@ -692,8 +711,39 @@ pub fn blas_handle(stream: &CudaStream) -> Result<Arc<Mutex<BlasHandle>>> {
         // stream made later at a freed one's address is that stream).
         unsafe { result::set_stream(handle, stream.cu_stream() as _) }
             .map_err(|e| failed("cublasSetStream_v2", e.0))?;
-        Ok(BlasHandle { handle })
+        let workspace = workspace_for(stream)?;
+        let ptr = workspace.as_cuda_slice().device_ptr(stream).0;
+        // SAFETY: the workspace is device memory of the stream's context,
+        // allocated before any of the handle's calls in the stream's order,
+        // and lives as long as the handle (kept in it).
+        unsafe { sys::cublasSetWorkspace_v2(handle, ptr as *mut _, workspace.len()) }
+            .result()
+            .map_err(|e| failed("cublasSetWorkspace_v2", e.0))?;
+        Ok(BlasHandle { handle, workspace })
     })
+}
+
+/// The workspace of a cuBLAS handle on devices of compute capability 9.0
+/// and later (bytes).
+pub const BLAS_WORKSPACE_HOPPER: usize = 32 << 20;
+
+/// The workspace of a cuBLAS handle on earlier devices (bytes).
+pub const BLAS_WORKSPACE: usize = 4 << 20;
+
+/// A workspace for a handle of `stream`, sized for its device.
+fn workspace_for(stream: &Arc<CudaStream>) -> Result<DeviceBuffer<u8>> {
+    let (major, _) = stream
+        .context()
+        .compute_capability()
+        .map_err(|e| Error::driver("cuDeviceGetAttribute", e))?;
+    let bytes = if major >= 9 {
+        BLAS_WORKSPACE_HOPPER
+    } else {
+        BLAS_WORKSPACE
+    };
+    // SAFETY: cuBLAS writes a workspace before it reads it; nothing else
+    // reads it.
+    unsafe { DeviceBuffer::<u8>::uninit(stream, bytes) }
 }
 
 #[cfg(test)]

@@ -660,6 +660,35 @@ fn pinned_buffers_copy_to_and_from_module_globals() {
     assert_eq!(short.as_slice().unwrap(), &[9, 9, 9]);
 }
 
+/// A stream's cuBLAS handle gets its workspace when it is made, from the
+/// memory pool in scope then (cuBLAS allocates none of its own), sized for
+/// the device.
+#[cfg(feature = "blas")]
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_blas_handles_workspace_comes_from_the_pool_in_scope() {
+    use cuda_core::blas::{blas_handle, BLAS_WORKSPACE, BLAS_WORKSPACE_HOPPER};
+    use cuda_core::{MemPool, MemPoolOptions};
+    let fx = fixture();
+    let pool = MemPool::new(&fx.dev, MemPoolOptions::default()).unwrap();
+    let stream = fx.dev.new_stream().unwrap();
+    let before = pool.stats().unwrap().used;
+    let handle = pool.allocate_in(|| blas_handle(&stream)).unwrap();
+    stream.synchronize().unwrap();
+    let bytes = handle.lock().unwrap().workspace_bytes();
+    let want = if fx.dev.compute_capability().unwrap().0 >= 9 {
+        BLAS_WORKSPACE_HOPPER
+    } else {
+        BLAS_WORKSPACE
+    };
+    assert_eq!(bytes, want);
+    let used = pool.stats().unwrap().used;
+    assert!(
+        used >= before + bytes as u64,
+        "the pool in scope holds {used} bytes (was {before}); the workspace is {bytes}"
+    );
+}
+
 /// A library handle made while its stream is captured is the graph's: the
 /// same stream outside the capture, or in another capture, gets another
 /// one (sharing it would share its workspace with the graph's replays).
