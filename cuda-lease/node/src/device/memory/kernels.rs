@@ -93,6 +93,37 @@ pub(super) fn host_kernel(
                 put(store, id, v);
             }
         }
+        ("bias_relu", [h, b, rows, cols]) => {
+            // h (rows x cols, column-major) = max(h + b[row], 0)
+            let (r, c) = (u64::from(u32::from_le_bytes(scalar(rows))), n(cols));
+            for i in 0..(r * c).min(threads) {
+                let (Some(ih), Some(ib)) = (at(store, h, i), at(store, b, i % r)) else {
+                    return true;
+                };
+                let v = f32::from_le_bytes(get(store, ih)) + f32::from_le_bytes(get(store, ib));
+                put(store, ih, v.max(0.0).to_le_bytes());
+            }
+        }
+        ("softmax_columns", [z, rows, cols]) => {
+            // Each column of z (rows x cols) becomes its softmax.
+            let r = u64::from(u32::from_le_bytes(scalar(rows)));
+            for j in 0..n(cols) {
+                let Some(at_i): Option<Vec<_>> = (0..r).map(|i| at(store, z, j * r + i)).collect()
+                else {
+                    return true;
+                };
+                let v: Vec<f32> = at_i
+                    .iter()
+                    .map(|&p| f32::from_le_bytes(get(store, p)))
+                    .collect();
+                let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let e: Vec<f32> = v.iter().map(|x| (x - m).exp()).collect();
+                let sum: f32 = e.iter().sum();
+                for (p, x) in at_i.into_iter().zip(e) {
+                    put(store, p, (x / sum).to_le_bytes());
+                }
+            }
+        }
         _ => {}
     }
     false
@@ -150,6 +181,8 @@ pub(super) fn host_kernel_shape(kernel: &str) -> Option<&'static str> {
         "fill" => "mss",
         "axpy" => "smms",
         "copy" => "mms",
+        "bias_relu" => "mmss",
+        "softmax_columns" => "mss",
         "delay" => "s",
         "spin" | "__fault" | "__hang" | "__exit" => "",
         _ => return None,

@@ -37,7 +37,10 @@ use scheduler::{Queued, Work};
 /// `iota(u32* out, u32 n)`: `out[i] = i`; `vadd(f32* a, f32* b, f32* c,
 /// u32 n)`: `c = a + b`; `fill(f32* out, f32 v, u32 n)`; `axpy(f32 a,
 /// f32* x, f32* y, u32 n)`: `y = a * x + y`; `copy(f32* src, f32* dst,
-/// u32 n)`; `delay(u32 ms)` takes `ms` milliseconds (slow work on
+/// u32 n)`; `bias_relu(f32* h, f32* b, u32 rows, u32 cols)`: `h =
+/// max(h + b[row], 0)`, column-major; `softmax_columns(f32* z, u32 rows,
+/// u32 cols)`: each column its softmax (the MLP's kernels, one thread a
+/// column); `delay(u32 ms)` takes `ms` milliseconds (slow work on
 /// purpose). `spin` does nothing. An access outside a buffer faults the
 /// "device" like an illegal address (sticky, at the next finish).
 ///

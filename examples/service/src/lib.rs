@@ -1,0 +1,450 @@
+//! An HTTP inference service built on `cuda-async` ops: `POST /infer`
+//! runs the MLP forward pass of [`model`] on the samples of a request (or
+//! of a batch of requests, with dynamic batching on) as one pipeline, and
+//! answers with each sample's class probabilities.
+//!
+//! - **Bodies.** JSON `{"inputs": [[f32; 512], ...]}` answered with
+//!   `{"outputs": [[f32; 10], ...]}`; or, with `Content-Type:
+//!   application/octet-stream`, the samples' `f32`s little-endian end to
+//!   end, answered the same way in binary. A body that is not that is a
+//!   400 naming what is wrong.
+//! - **Back-pressure.** At most [`Options::queue`] requests are admitted
+//!   (waiting or running); one more is answered 503 at once.
+//! - **Dynamic batching** ([`Options::batch_window`] above zero): requests
+//!   arriving within the window are run as one pipeline of up to
+//!   [`Options::max_batch`] samples (one GEMM for all of them), and each
+//!   response gets its rows.
+//! - **Errors.** A failed pipeline is a 500 with the error; a sticky GPU
+//!   fault (the context is lost) also stops the service (see
+//!   [`Service::fatal`]), which exits non-zero.
+//! - **Metrics.** `GET /metrics`: Prometheus text, request latency and GPU
+//!   time per pipeline (histograms) and responses by status.
+
+pub mod model;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use cuda_async::prelude::*;
+use cuda_async::SchedulingPolicy;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+
+use model::{Model, CLASSES, D_IN};
+
+/// How the service runs requests.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Requests admitted at once (waiting or running); more are answered
+    /// 503.
+    pub queue: usize,
+    /// Requests arriving within this window run as one batch; zero: each
+    /// request runs alone.
+    pub batch_window: Duration,
+    /// Samples a batch (and a request) at most.
+    pub max_batch: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            queue: 1024,
+            batch_window: Duration::ZERO,
+            max_batch: 256,
+        }
+    }
+}
+
+/// A request's samples on their way to a batch, and where its rows go.
+struct Job {
+    x: Vec<f32>,
+    n: usize,
+    reply: oneshot::Sender<Result<Vec<f32>, String>>,
+}
+
+/// The service: the model on its backend, the admission bound, the batcher
+/// and the metrics.
+pub struct Service {
+    model: Model,
+    policy: Arc<dyn SchedulingPolicy>,
+    options: Options,
+    admission: Arc<Semaphore>,
+    batcher: Option<mpsc::UnboundedSender<Job>>,
+    metrics: Metrics,
+    fatal: tokio::sync::watch::Sender<Option<String>>,
+    stopping: AtomicBool,
+}
+
+impl std::fmt::Debug for Service {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Service")
+            .field("policy", &self.policy)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Service {
+    /// A service of `model`, whose weights live where `policy` runs ops.
+    /// With batching on, its batcher runs on the current tokio runtime.
+    ///
+    /// # Panics
+    ///
+    /// With batching on, outside a tokio runtime.
+    pub fn new(model: Model, policy: Arc<dyn SchedulingPolicy>, options: Options) -> Arc<Self> {
+        let (batcher, jobs) = if options.batch_window.is_zero() {
+            (None, None)
+        } else {
+            let (tx, rx) = mpsc::unbounded_channel();
+            (Some(tx), Some(rx))
+        };
+        let service = Arc::new(Service {
+            model,
+            policy,
+            admission: Arc::new(Semaphore::new(options.queue)),
+            options,
+            batcher,
+            metrics: Metrics::new(),
+            fatal: tokio::sync::watch::channel(None).0,
+            stopping: AtomicBool::new(false),
+        });
+        if let Some(jobs) = jobs {
+            tokio::spawn(batch_loop(Arc::downgrade(&service), jobs));
+        }
+        service
+    }
+
+    /// Admits one request, or `None` when [`Options::queue`] are in
+    /// already. The request is admitted while the permit lives.
+    pub fn try_admit(&self) -> Option<OwnedSemaphorePermit> {
+        self.admission.clone().try_acquire_owned().ok()
+    }
+
+    /// Becomes `Some(error)` when a sticky GPU fault lost the service's
+    /// context: the service should stop (and exit non-zero).
+    pub fn fatal(&self) -> tokio::sync::watch::Receiver<Option<String>> {
+        self.fatal.subscribe()
+    }
+
+    /// Runs `n` samples: in a batch, or as a pipeline of their own.
+    async fn infer(self: &Arc<Self>, x: Vec<f32>, n: usize) -> Result<Vec<f32>, String> {
+        match &self.batcher {
+            Some(batcher) => {
+                let (reply, rows) = oneshot::channel();
+                batcher
+                    .send(Job { x, n, reply })
+                    .map_err(|_| "the batcher stopped".to_string())?;
+                rows.await
+                    .map_err(|_| "the batch was dropped".to_string())?
+            }
+            None => self.run(x, n).await,
+        }
+    }
+
+    /// One pipeline of `n` samples, timed on the GPU.
+    async fn run(&self, x: Vec<f32>, n: usize) -> Result<Vec<f32>, String> {
+        let run = async {
+            let (out, t) = self
+                .model
+                .forward(x, n)
+                .timed()
+                .schedule(&*self.policy)?
+                .await?;
+            if let Ok(gpu) = t.elapsed() {
+                self.metrics.gpu.observe(gpu.as_secs_f64());
+            }
+            out.to_vec()
+        };
+        run.await.map_err(|e: cuda_async::Error| {
+            if e.is_sticky() && !self.stopping.swap(true, Ordering::AcqRel) {
+                eprintln!("service: the GPU context is lost, stopping: {e}");
+                let _ = self.fatal.send(Some(e.to_string()));
+            }
+            e.to_string()
+        })
+    }
+}
+
+/// Collects jobs arriving within the window into batches of up to
+/// `max_batch` samples and runs each batch as one pipeline (batches run
+/// at once, each as its own task). The window sets how long the first
+/// job of a batch waits for company; it decides nothing else.
+async fn batch_loop(service: std::sync::Weak<Service>, mut jobs: mpsc::UnboundedReceiver<Job>) {
+    let mut next: Option<Job> = None;
+    loop {
+        let first = match next.take() {
+            Some(j) => j,
+            None => match jobs.recv().await {
+                Some(j) => j,
+                None => return,
+            },
+        };
+        let Some(svc) = service.upgrade() else {
+            return;
+        };
+        let (window, max) = (svc.options.batch_window, svc.options.max_batch);
+        let deadline = tokio::time::Instant::now() + window;
+        let mut rows = first.n;
+        let mut batch = vec![first];
+        while rows < max {
+            match tokio::time::timeout_at(deadline, jobs.recv()).await {
+                Ok(Some(j)) if rows + j.n <= max => {
+                    rows += j.n;
+                    batch.push(j);
+                }
+                Ok(Some(j)) => {
+                    next = Some(j);
+                    break;
+                }
+                Ok(None) | Err(_) => break,
+            }
+        }
+        tokio::spawn(async move {
+            let mut x = Vec::with_capacity(rows * D_IN);
+            for j in &mut batch {
+                x.append(&mut j.x);
+            }
+            let out = svc.run(x, rows).await;
+            let mut at = 0;
+            for j in batch {
+                let mine = match &out {
+                    Ok(all) => Ok(all[at * CLASSES..(at + j.n) * CLASSES].to_vec()),
+                    Err(e) => Err(e.clone()),
+                };
+                at += j.n;
+                let _ = j.reply.send(mine);
+            }
+        });
+    }
+}
+
+/// The service's routes: `POST /infer`, `GET /metrics`, `GET /healthz`.
+pub fn router(service: Arc<Service>) -> Router {
+    Router::new()
+        .route("/infer", post(infer))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .with_state(service)
+}
+
+/// The body's form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Form {
+    Json,
+    Binary,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JsonRequest {
+    inputs: Vec<Vec<f32>>,
+}
+
+#[derive(serde::Serialize)]
+struct JsonResponse {
+    outputs: Vec<Vec<f32>>,
+}
+
+/// The samples of a body, end to end, and how many: or what is wrong.
+fn parse(form: Form, body: &[u8], max: usize) -> Result<(Vec<f32>, usize), String> {
+    let (x, n) = match form {
+        Form::Binary => {
+            let row = D_IN * 4;
+            if body.is_empty() || !body.len().is_multiple_of(row) {
+                return Err(format!(
+                    "body: {} bytes is not a whole number of samples of {D_IN} f32s ({row} bytes)",
+                    body.len()
+                ));
+            }
+            let x: Vec<f32> = body
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (x, body.len() / row)
+        }
+        Form::Json => {
+            let req: JsonRequest =
+                serde_json::from_slice(body).map_err(|e| format!("body: {e}"))?;
+            if let Some((i, r)) = req.inputs.iter().enumerate().find(|(_, r)| r.len() != D_IN) {
+                return Err(format!(
+                    "inputs[{i}]: {} values, a sample has {D_IN}",
+                    r.len()
+                ));
+            }
+            let n = req.inputs.len();
+            (req.inputs.concat(), n)
+        }
+    };
+    if n == 0 {
+        return Err("inputs: no samples".into());
+    }
+    if n > max {
+        return Err(format!("inputs: {n} samples, at most {max} a request"));
+    }
+    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+        return Err(format!(
+            "inputs[{}][{}]: not a finite number",
+            i / D_IN,
+            i % D_IN
+        ));
+    }
+    Ok((x, n))
+}
+
+async fn infer(State(svc): State<Arc<Service>>, headers: HeaderMap, body: Bytes) -> Response {
+    let start = Instant::now();
+    let (status, response) = answer(&svc, &headers, &body).await;
+    svc.metrics.latency.observe(start.elapsed().as_secs_f64());
+    svc.metrics.count(status);
+    (status, response).into_response()
+}
+
+async fn answer(svc: &Arc<Service>, headers: &HeaderMap, body: &[u8]) -> (StatusCode, Response) {
+    let Some(_admitted) = svc.try_admit() else {
+        let busy = format!("busy: {} requests in already\n", svc.options.queue);
+        return (StatusCode::SERVICE_UNAVAILABLE, busy.into_response());
+    };
+    let binary = headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/octet-stream"));
+    let form = if binary { Form::Binary } else { Form::Json };
+    let (x, n) = match parse(form, body, svc.options.max_batch) {
+        Ok(v) => v,
+        Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n").into_response()),
+    };
+    let out = match svc.infer(x, n).await {
+        Ok(out) => out,
+        Err(e) => {
+            let msg = format!("the pipeline failed: {e}\n");
+            return (StatusCode::INTERNAL_SERVER_ERROR, msg.into_response());
+        }
+    };
+    let response = match form {
+        Form::Binary => {
+            let bytes: Vec<u8> = out.iter().flat_map(|v| v.to_le_bytes()).collect();
+            ([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response()
+        }
+        Form::Json => {
+            let outputs = out.chunks_exact(CLASSES).map(<[f32]>::to_vec).collect();
+            axum::Json(JsonResponse { outputs }).into_response()
+        }
+    };
+    (StatusCode::OK, response)
+}
+
+async fn metrics(State(svc): State<Arc<Service>>) -> Response {
+    let mut text = String::new();
+    match prometheus_client::encoding::text::encode(&mut text, &svc.metrics.registry) {
+        Ok(()) => (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+/// The service's metrics.
+struct Metrics {
+    registry: Registry,
+    latency: Histogram,
+    gpu: Histogram,
+    ok: Counter,
+    bad: Counter,
+    busy: Counter,
+    failed: Counter,
+}
+
+impl Metrics {
+    fn new() -> Self {
+        let mut registry = Registry::with_prefix("service");
+        let latency = Histogram::new(exponential_buckets(0.000_1, 2.0, 18));
+        let gpu = Histogram::new(exponential_buckets(0.000_01, 2.0, 20));
+        let (ok, bad, busy, failed): (Counter, Counter, Counter, Counter) = Default::default();
+        registry.register_with_unit(
+            "request",
+            "Time from a request's body read to its response",
+            Unit::Seconds,
+            latency.clone(),
+        );
+        registry.register_with_unit(
+            "gpu_pipeline",
+            "GPU time of one pipeline (a request, or a batch of them)",
+            Unit::Seconds,
+            gpu.clone(),
+        );
+        for (name, help, c) in [
+            ("responses_ok", "Requests answered 200", &ok),
+            ("responses_bad_request", "Requests answered 400", &bad),
+            (
+                "responses_busy",
+                "Requests answered 503 (queue full)",
+                &busy,
+            ),
+            ("responses_failed", "Requests answered 500", &failed),
+        ] {
+            registry.register(name, help, c.clone());
+        }
+        Metrics {
+            registry,
+            latency,
+            gpu,
+            ok,
+            bad,
+            busy,
+            failed,
+        }
+    }
+
+    fn count(&self, status: StatusCode) {
+        let c = match status {
+            StatusCode::OK => &self.ok,
+            StatusCode::BAD_REQUEST => &self.bad,
+            StatusCode::SERVICE_UNAVAILABLE => &self.busy,
+            _ => &self.failed,
+        };
+        c.inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_are_checked_with_errors_naming_the_field() {
+        let row = vec![0.5f32; D_IN];
+        let json = serde_json::to_vec(&serde_json::json!({ "inputs": [row, row] })).unwrap();
+        let (x, n) = parse(Form::Json, &json, 4).unwrap();
+        assert_eq!((x.len(), n), (2 * D_IN, 2));
+        let short = serde_json::json!({ "inputs": [row, vec![1.0f32; 3]] });
+        let e = parse(Form::Json, &serde_json::to_vec(&short).unwrap(), 4).unwrap_err();
+        assert!(e.starts_with("inputs[1]: 3 values"), "{e}");
+        let e = parse(Form::Json, b"{\"input\": []}", 4).unwrap_err();
+        assert!(e.contains("unknown field `input`"), "{e}");
+        let e = parse(Form::Json, b"{\"inputs\": []}", 4).unwrap_err();
+        assert!(e.starts_with("inputs: no samples"), "{e}");
+        let e = parse(Form::Json, &json, 1).unwrap_err();
+        assert!(e.contains("at most 1"), "{e}");
+        let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(parse(Form::Binary, &bytes, 4).unwrap().1, 1);
+        let e = parse(Form::Binary, &bytes[..100], 4).unwrap_err();
+        assert!(e.starts_with("body: 100 bytes"), "{e}");
+        let mut nan = bytes.clone();
+        nan[8..12].copy_from_slice(&f32::NAN.to_le_bytes());
+        let e = parse(Form::Binary, &nan, 4).unwrap_err();
+        assert!(e.starts_with("inputs[0][2]"), "{e}");
+    }
+}

@@ -1,0 +1,174 @@
+//! `service`: the MLP inference service over HTTP (see the crate's docs).
+//!
+//! ```text
+//! cargo run --release -p cuda-async-service -- --listen 127.0.0.1:8080
+//! curl -s 127.0.0.1:8080/metrics
+//! ```
+//!
+//! The first line it prints is `listening on ADDR`. SIGTERM (or Ctrl-C)
+//! stops it after the requests in flight are answered; it exits 0, or 1
+//! after a sticky GPU fault lost its context.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use cuda_async::{Device, RemotePolicy, SchedulingPolicy, StreamPoolRoundRobin};
+use cuda_async_service::model::{HostWeights, Model};
+use cuda_async_service::{router, Options, Service};
+use cuda_lease::client::{ClientConfig, Lease};
+use cuda_lease::remote::LeaseBackend;
+use cuda_lease_node::{DeviceSpec, Node, NodeConfig, WorkerSpec};
+
+/// The MLP inference service: POST /infer, GET /metrics, GET /healthz.
+#[derive(Debug, Parser)]
+#[command(name = "service", version)]
+struct Args {
+    /// Address to listen on (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Streams of the local pool (the local GPU, device 0).
+    #[arg(long, default_value_t = 4)]
+    streams: usize,
+    /// Run on a leased GPU: a node's address, or `embedded` for a node
+    /// this process starts on 127.0.0.1.
+    #[arg(long)]
+    lease: Option<String>,
+    /// The embedded node's device: `cuda` (GPU 0) or `memory` (the
+    /// in-memory test device, which computes on the host).
+    #[arg(long, default_value = "cuda")]
+    embedded_device: String,
+    /// The node's certificate (PEM), for `--lease ADDR`.
+    #[arg(long)]
+    cert: Option<PathBuf>,
+    /// The token the node knows this tenant by, for `--lease ADDR`.
+    #[arg(long, env = "CUDA_LEASE_TOKEN")]
+    token: Option<String>,
+    /// Requests admitted at once; more are answered 503.
+    #[arg(long, default_value_t = 1024)]
+    queue: usize,
+    /// Dynamic batching: requests arriving within this many microseconds
+    /// run as one batch (0: each request alone).
+    #[arg(long, default_value_t = 0)]
+    batch_window_us: u64,
+    /// Samples a batch (and a request) at most.
+    #[arg(long, default_value_t = 256)]
+    max_batch: usize,
+    /// The weights' seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+/// What must live as long as the service: an embedded node, a lease.
+#[derive(Default)]
+struct Keep {
+    node: Option<Node>,
+    lease: Option<Lease>,
+}
+
+fn main() {
+    cuda_lease_node::main_if_worker();
+    let args = Args::parse();
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("service: starting the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let code = match rt.block_on(run(args)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("service: {e}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+async fn run(args: Args) -> Result<i32, Box<dyn std::error::Error>> {
+    let mut keep = Keep::default();
+    let policy = policy(&args, &mut keep).await?;
+    let weights = HostWeights::random(args.seed);
+    let model = Model::upload(&weights, &*policy).await?;
+    let options = Options {
+        queue: args.queue,
+        batch_window: Duration::from_micros(args.batch_window_us),
+        max_batch: args.max_batch,
+    };
+    let service = Service::new(model, policy, options);
+    let mut fatal = service.fatal();
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    println!("listening on {}", listener.local_addr()?);
+    let stop = async move {
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = term => {}
+            _ = tokio::signal::ctrl_c() => {}
+            _ = fatal.wait_for(Option::is_some) => {}
+        }
+    };
+    axum::serve(listener, router(service.clone()))
+        .with_graceful_shutdown(stop)
+        .await?;
+    let failed = service.fatal().borrow().is_some();
+    drop(service);
+    if let Some(lease) = keep.lease.take() {
+        let _ = lease.free().await;
+    }
+    if let Some(node) = keep.node.take() {
+        node.shutdown().await;
+    }
+    Ok(i32::from(failed))
+}
+
+/// The policy the flags ask for.
+async fn policy(
+    args: &Args,
+    keep: &mut Keep,
+) -> Result<Arc<dyn SchedulingPolicy>, Box<dyn std::error::Error>> {
+    let Some(at) = &args.lease else {
+        let pool = StreamPoolRoundRobin::new(&Device::new(0)?, args.streams)?;
+        return Ok(Arc::new(pool));
+    };
+    let (addr, config) = if at == "embedded" {
+        let device = match args.embedded_device.as_str() {
+            "cuda" => DeviceSpec::Cuda { ordinal: 0 },
+            "memory" => DeviceSpec::Memory { capacity: 1 << 30 },
+            other => return Err(format!("--embedded-device {other}: cuda or memory").into()),
+        };
+        let mut cfg = NodeConfig::new(WorkerSpec::current_exe(device)?);
+        cfg.tokens = vec!["service".into()];
+        let node = Node::spawn_local(cfg).await?;
+        let config = ClientConfig::pinned(node.cert_der().clone()).token("service");
+        let addr = node.addr();
+        keep.node = Some(node);
+        (addr, config)
+    } else {
+        let addr: SocketAddr = at.parse().map_err(|e| format!("--lease {at}: {e}"))?;
+        let cert = args.cert.as_ref().ok_or("--lease ADDR needs --cert")?;
+        let token = args.token.as_ref().ok_or("--lease ADDR needs --token")?;
+        (
+            addr,
+            ClientConfig::from_pem_file(cert)?.token(token.clone()),
+        )
+    };
+    let lease = Lease::builder()
+        .min_vram(256 << 20)
+        .config(config)
+        .connect(addr)
+        .await?;
+    let backend = LeaseBackend::current(lease.session());
+    keep.lease = Some(lease);
+    let streams = u32::try_from(args.streams).map_err(|_| "--streams: too many")?;
+    Ok(Arc::new(RemotePolicy::new(&backend).with_streams(streams)))
+}
