@@ -2,123 +2,20 @@
 //! answered correctly (JSON and binary), a bad body answered 400, a full
 //! queue answered 503, metrics, and a clean stop on SIGTERM.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::*;
 use cuda_async::RemotePolicy;
 use cuda_async_service::model::{random, HostWeights, Model, CLASSES, D_IN};
 use cuda_async_service::{router, Options, Service};
 use cuda_lease::client::{ClientConfig, Lease};
 use cuda_lease::remote::LeaseBackend;
 use cuda_lease_node::{DeviceSpec, Node, NodeConfig, WorkerSpec};
-
-const SERVICE: &str = env!("CARGO_BIN_EXE_service");
-
-/// The service binary on an embedded node with the in-memory device.
-struct Running {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Running {
-    fn start(extra: &[&str]) -> Running {
-        let mut child = Command::new(SERVICE)
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--lease",
-                "embedded",
-                "--embedded-device",
-                "memory",
-                "--streams",
-                "2",
-            ])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("the service starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("first line: {line:?}"))
-            .parse()
-            .unwrap();
-        Running { child, addr }
-    }
-
-    fn stop(mut self) -> std::process::ExitStatus {
-        sigterm(&self.child);
-        self.child.wait().unwrap()
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn sigterm(child: &Child) {
-    let ok = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill -TERM");
-}
-
-/// The head of an HTTP/1.1 request with `body`'s length.
-fn head(method: &str, path: &str, content_type: &str, body: &[u8]) -> Vec<u8> {
-    format!(
-        "{method} {path} HTTP/1.1\r\nhost: test\r\ncontent-type: {content_type}\r\n\
-         content-length: {}\r\nconnection: close\r\n\r\n",
-        body.len()
-    )
-    .into_bytes()
-}
-
-/// The status and body of the response read to its end from `s`.
-fn response(mut s: TcpStream) -> (u16, Vec<u8>) {
-    let mut all = Vec::new();
-    s.read_to_end(&mut all).unwrap();
-    let split = all
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .expect("a head");
-    let head = String::from_utf8_lossy(&all[..split]).to_string();
-    let status = head[9..12].parse().unwrap();
-    (status, all[split + 4..].to_vec())
-}
-
-/// One request on a fresh connection.
-fn request(addr: SocketAddr, method: &str, path: &str, ct: &str, body: &[u8]) -> (u16, Vec<u8>) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    s.write_all(&head(method, path, ct, body)).unwrap();
-    s.write_all(body).unwrap();
-    response(s)
-}
-
-fn json_body(x: &[f32]) -> Vec<u8> {
-    let rows: Vec<&[f32]> = x.chunks(D_IN).collect();
-    serde_json::to_vec(&serde_json::json!({ "inputs": rows })).unwrap()
-}
-
-fn assert_close(got: &[f32], want: &[f64]) {
-    assert_eq!(got.len(), want.len());
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let err = (f64::from(*g) - w).abs() / w.abs().max(1e-6);
-        assert!(err < 1e-3, "output {i}: {g} against {w}");
-    }
-}
 
 #[test]
 fn a_request_is_answered_a_bad_body_is_a_400_and_sigterm_stops_it_cleanly() {
@@ -247,7 +144,7 @@ fn a_full_queue_is_answered_503_at_once() {
         // The node's workers run the service binary (it starts as a
         // worker when the node asks it to).
         let mut cfg = NodeConfig::new(WorkerSpec {
-            program: SERVICE.into(),
+            program: service_exe(),
             ..WorkerSpec::current_exe(DeviceSpec::Memory { capacity: 1 << 28 }).unwrap()
         });
         cfg.tokens = vec!["t".into()];

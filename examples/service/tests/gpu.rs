@@ -1,0 +1,47 @@
+//! The service on a GPU (ignored here; the GPU bundle runs them): the
+//! local pool, with and without batching, and a lease on an embedded node
+//! of the same GPU, against the CPU reference and bit for bit against each
+//! other.
+
+mod common;
+
+use common::*;
+use cuda_async_service::model::{random, HostWeights, CLASSES, D_IN};
+
+/// 64 samples through a running service, binary: the outputs.
+fn outputs(svc: &Running, x: &[f32]) -> Vec<f32> {
+    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let (status, body) = request(
+        svc.addr,
+        "POST",
+        "/infer",
+        "application/octet-stream",
+        &bytes,
+    );
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    body.chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn the_service_answers_on_the_local_gpu_and_on_a_lease_of_it_with_the_same_bits() {
+    let n = 64;
+    let x = random(n * D_IN, 9, 1.0);
+    let want = HostWeights::random(1).reference(&x, n);
+    let local = Running::with(&[]);
+    let here = outputs(&local, &x);
+    assert_eq!(here.len(), n * CLASSES);
+    assert_close(&here, &want);
+    assert!(local.stop().success());
+
+    let batched = Running::with(&["--batch-window-us", "500"]);
+    assert_close(&outputs(&batched, &x), &want);
+    assert!(batched.stop().success());
+
+    let leased = Running::with(&["--lease", "embedded", "--embedded-device", "cuda"]);
+    let there = outputs(&leased, &x);
+    assert_eq!(here, there, "local and leased differ");
+    assert!(leased.stop().success());
+}
