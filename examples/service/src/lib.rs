@@ -19,7 +19,11 @@
 //!   [`Service::fatal`]), which exits non-zero.
 //! - **Metrics.** `GET /metrics`: Prometheus text, request latency and GPU
 //!   time per pipeline (histograms) and responses by status.
+//! - **Backends** ([`Backend`]): the ops on any scheduling policy (the
+//!   local pool, a lease), or the [`baseline`]: the same math with cudarc
+//!   called from `spawn_blocking`.
 
+pub mod baseline;
 pub mod model;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -71,11 +75,32 @@ struct Job {
     reply: oneshot::Sender<Result<Vec<f32>, String>>,
 }
 
+/// What runs a pipeline.
+pub enum Backend {
+    /// The model's ops, scheduled on `policy` (where its weights live).
+    Ops {
+        /// The model, uploaded through `policy`.
+        model: Model,
+        /// Where its pipelines run.
+        policy: Arc<dyn SchedulingPolicy>,
+    },
+    /// cudarc from `spawn_blocking` ([`baseline`]).
+    Blocking(Arc<baseline::Baseline>),
+}
+
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Backend::Ops { policy, .. } => write!(f, "ops on {policy:?}"),
+            Backend::Blocking(_) => f.write_str("cudarc from spawn_blocking"),
+        }
+    }
+}
+
 /// The service: the model on its backend, the admission bound, the batcher
 /// and the metrics.
 pub struct Service {
-    model: Model,
-    policy: Arc<dyn SchedulingPolicy>,
+    backend: Backend,
     options: Options,
     admission: Arc<Semaphore>,
     batcher: Option<mpsc::UnboundedSender<Job>>,
@@ -87,20 +112,20 @@ pub struct Service {
 impl std::fmt::Debug for Service {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Service")
-            .field("policy", &self.policy)
+            .field("backend", &self.backend)
             .field("options", &self.options)
             .finish_non_exhaustive()
     }
 }
 
 impl Service {
-    /// A service of `model`, whose weights live where `policy` runs ops.
-    /// With batching on, its batcher runs on the current tokio runtime.
+    /// A service running pipelines on `backend`. With batching on, its
+    /// batcher runs on the current tokio runtime.
     ///
     /// # Panics
     ///
     /// With batching on, outside a tokio runtime.
-    pub fn new(model: Model, policy: Arc<dyn SchedulingPolicy>, options: Options) -> Arc<Self> {
+    pub fn new(backend: Backend, options: Options) -> Arc<Self> {
         let (batcher, jobs) = if options.batch_window.is_zero() {
             (None, None)
         } else {
@@ -108,8 +133,7 @@ impl Service {
             (Some(tx), Some(rx))
         };
         let service = Arc::new(Service {
-            model,
-            policy,
+            backend,
             admission: Arc::new(Semaphore::new(options.queue)),
             options,
             batcher,
@@ -150,15 +174,19 @@ impl Service {
         }
     }
 
-    /// One pipeline of `n` samples, timed on the GPU.
+    /// One pipeline of `n` samples (timed on the GPU, on ops).
     async fn run(&self, x: Vec<f32>, n: usize) -> Result<Vec<f32>, String> {
+        let (model, policy) = match &self.backend {
+            Backend::Ops { model, policy } => (model, policy),
+            Backend::Blocking(b) => {
+                let b = b.clone();
+                return tokio::task::spawn_blocking(move || b.forward(&x, n))
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+        };
         let run = async {
-            let (out, t) = self
-                .model
-                .forward(x, n)
-                .timed()
-                .schedule(&*self.policy)?
-                .await?;
+            let (out, t) = model.forward(x, n).timed().schedule(&**policy)?.await?;
             if let Ok(gpu) = t.elapsed() {
                 self.metrics.gpu.observe(gpu.as_secs_f64());
             }

@@ -16,8 +16,9 @@ use std::time::Duration;
 
 use clap::Parser;
 use cuda_async::{Device, RemotePolicy, SchedulingPolicy, StreamPoolRoundRobin};
+use cuda_async_service::baseline::Baseline;
 use cuda_async_service::model::{HostWeights, Model};
-use cuda_async_service::{router, Options, Service};
+use cuda_async_service::{router, Backend, Options, Service};
 use cuda_lease::client::{ClientConfig, Lease};
 use cuda_lease::remote::LeaseBackend;
 use cuda_lease_node::{DeviceSpec, Node, NodeConfig, WorkerSpec};
@@ -59,6 +60,10 @@ struct Args {
     /// The weights' seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Serve with the baseline instead of the ops: cudarc called from
+    /// `spawn_blocking`, one stream per blocking thread (GPU 0).
+    #[arg(long, conflicts_with = "lease")]
+    baseline: bool,
 }
 
 /// What must live as long as the service: an embedded node, a lease.
@@ -90,15 +95,20 @@ fn main() {
 
 async fn run(args: Args) -> Result<i32, Box<dyn std::error::Error>> {
     let mut keep = Keep::default();
-    let policy = policy(&args, &mut keep).await?;
     let weights = HostWeights::random(args.seed);
-    let model = Model::upload(&weights, &*policy).await?;
+    let backend = if args.baseline {
+        Backend::Blocking(Baseline::new(&weights)?)
+    } else {
+        let policy = policy(&args, &mut keep).await?;
+        let model = Model::upload(&weights, &*policy).await?;
+        Backend::Ops { model, policy }
+    };
     let options = Options {
         queue: args.queue,
         batch_window: Duration::from_micros(args.batch_window_us),
         max_batch: args.max_batch,
     };
-    let service = Service::new(model, policy, options);
+    let service = Service::new(backend, options);
     let mut fatal = service.fatal();
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     println!("listening on {}", listener.local_addr()?);

@@ -1,5 +1,5 @@
 //! The service on a GPU (ignored here; the GPU bundle runs them): the
-//! local pool, with and without batching, and a lease on an embedded node
+//! local pool, with and without batching, the cudarc baseline, and a lease on an embedded node
 //! of the same GPU, against the CPU reference and bit for bit against each
 //! other.
 
@@ -39,6 +39,10 @@ fn the_service_answers_on_the_local_gpu_and_on_a_lease_of_it_with_the_same_bits(
     let batched = Running::with(&["--batch-window-us", "500"]);
     assert_close(&outputs(&batched, &x), &want);
     assert!(batched.stop().success());
+
+    let baseline = Running::with(&["--baseline"]);
+    assert_close(&outputs(&baseline, &x), &want);
+    assert!(baseline.stop().success());
 
     let leased = Running::with(&["--lease", "embedded", "--embedded-device", "cuda"]);
     let there = outputs(&leased, &x);

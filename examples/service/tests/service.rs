@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::*;
 use cuda_async::RemotePolicy;
 use cuda_async_service::model::{random, HostWeights, Model, CLASSES, D_IN};
-use cuda_async_service::{router, Options, Service};
+use cuda_async_service::{router, Backend, Options, Service};
 use cuda_lease::client::{ClientConfig, Lease};
 use cuda_lease::remote::LeaseBackend;
 use cuda_lease_node::{DeviceSpec, Node, NodeConfig, WorkerSpec};
@@ -165,7 +165,11 @@ fn a_full_queue_is_answered_503_at_once() {
             queue: 1,
             ..Options::default()
         };
-        let service = Service::new(model, remote, options);
+        let backend = Backend::Ops {
+            model,
+            policy: remote,
+        };
+        let service = Service::new(backend, options);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let app = router(service.clone());
