@@ -34,7 +34,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
 use crate::device::Device;
 use crate::error::{DriverResultExt, Error, Result};
 use crate::raw::{check_same_context, set_current};
-use crate::tracking::{Span, UseRecord, WHOLE};
+use crate::tracking::{Span, UseMark, UseRecord, WHOLE};
 
 /// A typed buffer in device memory.
 ///
@@ -228,13 +228,15 @@ impl<T> DeviceBuffer<T> {
     }
 
     /// Records a read enqueued on `stream` (later writes and the free wait
-    /// for it).
+    /// for it): [`DeviceBuffer::after_read_with`] a mark of its own, so
+    /// it records one event. An op that uses several buffers marks them
+    /// all with one [`UseMark`] instead.
     ///
     /// # Errors
     /// A driver error if the event cannot be created or recorded; the
     /// buffer is then never freed (it cannot know when the read ends).
     pub fn after_read(&self, stream: &CudaStream) -> Result<()> {
-        self.after(stream, false, WHOLE)
+        self.after(&UseMark::new(stream), false, WHOLE)
     }
 
     /// Records a write enqueued on `stream`. Earlier reads are ordered
@@ -243,7 +245,27 @@ impl<T> DeviceBuffer<T> {
     /// # Errors
     /// As [`DeviceBuffer::after_read`].
     pub fn after_write(&self, stream: &CudaStream) -> Result<()> {
-        self.after(stream, true, WHOLE)
+        self.after(&UseMark::new(stream), true, WHOLE)
+    }
+
+    /// [`DeviceBuffer::after_read`] of a read enqueued on `mark`'s stream,
+    /// marked by `mark`'s event, which the op's other uses share (see
+    /// [`UseMark`] for when to call it).
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::after_read`] (a mark whose event could not be
+    /// recorded fails every use it marks).
+    pub fn after_read_with(&self, mark: &UseMark<'_>) -> Result<()> {
+        self.after(mark, false, WHOLE)
+    }
+
+    /// [`DeviceBuffer::after_write`] of a write enqueued on `mark`'s
+    /// stream, marked by `mark`'s event (see [`UseMark`]).
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::after_read_with`].
+    pub fn after_write_with(&self, mark: &UseMark<'_>) -> Result<()> {
+        self.after(mark, true, WHOLE)
     }
 
     /// [`DeviceBuffer::before_read`] of elements `range` only: ordered
@@ -276,8 +298,7 @@ impl<T> DeviceBuffer<T> {
     /// # Errors
     /// As [`DeviceBuffer::before_read_range`].
     pub fn after_read_range(&self, stream: &CudaStream, range: Range<usize>) -> Result<()> {
-        let span = self.span(&range)?;
-        self.after(stream, false, span)
+        self.after_read_range_with(&UseMark::new(stream), range)
     }
 
     /// [`DeviceBuffer::after_write`] of elements `range`: it forgets the
@@ -286,8 +307,28 @@ impl<T> DeviceBuffer<T> {
     /// # Errors
     /// As [`DeviceBuffer::before_read_range`].
     pub fn after_write_range(&self, stream: &CudaStream, range: Range<usize>) -> Result<()> {
+        self.after_write_range_with(&UseMark::new(stream), range)
+    }
+
+    /// [`DeviceBuffer::after_read_range`] marked by `mark` (see
+    /// [`UseMark`]).
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::before_read_range`] and
+    /// [`DeviceBuffer::after_read_with`].
+    pub fn after_read_range_with(&self, mark: &UseMark<'_>, range: Range<usize>) -> Result<()> {
         let span = self.span(&range)?;
-        self.after(stream, true, span)
+        self.after(mark, false, span)
+    }
+
+    /// [`DeviceBuffer::after_write_range`] marked by `mark` (see
+    /// [`UseMark`]).
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::after_read_range_with`].
+    pub fn after_write_range_with(&self, mark: &UseMark<'_>, range: Range<usize>) -> Result<()> {
+        let span = self.span(&range)?;
+        self.after(mark, true, span)
     }
 
     /// Elements `range` as bytes, checked.
@@ -304,14 +345,14 @@ impl<T> DeviceBuffer<T> {
         Ok(range.start * size..range.end * size)
     }
 
-    fn after(&self, stream: &CudaStream, write: bool, span: Span) -> Result<()> {
-        if crate::tracking::is_capture_stream(stream) {
+    fn after(&self, mark: &UseMark<'_>, write: bool, span: Span) -> Result<()> {
+        if crate::tracking::is_capture_stream(mark.stream()) {
             // Captured: each replay records the use (of the whole buffer)
             // instead.
             crate::tracking::log_use(&self.uses, write);
             return Ok(());
         }
-        self.uses.record(stream, write, span)
+        self.uses.record(mark, write, span)
     }
 }
 
@@ -429,8 +470,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         copied
             .result()
             .map_err(|e| Error::driver("cuMemcpyPeerAsync", e))?;
-        let read = self.uses.record(stream, false, WHOLE);
-        dst.after_write(stream)?;
+        let mark = UseMark::new(stream);
+        let read = self.uses.record(&mark, false, WHOLE);
+        dst.after_write_with(&mark)?;
         read?;
         Ok(dst)
     }

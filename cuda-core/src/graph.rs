@@ -40,13 +40,13 @@ use std::cell::Cell;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
 
 use crate::error::{Error, Result};
-use crate::raw::{check_same_context, set_current, RawEvent};
-use crate::tracking::{is_capture_stream, with_capture_log, UseRecord};
+use crate::raw::{check_same_context, set_current, SharedEvent};
+use crate::tracking::{is_capture_stream, with_capture_log, UseMark, UseRecord};
 
 /// How [`Graph::recapture`] applied the new work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -404,8 +404,9 @@ pub struct TrackedGraph {
     /// (the order every launch takes their gates in).
     gates: Vec<Arc<UseRecord>>,
     keep: Vec<Box<dyn Any + Send>>,
-    /// Recorded after each replay (`None` only while dropping).
-    last: Option<RawEvent>,
+    /// The event recorded after the last replay, which the buffers' use
+    /// records share (`None` before the first replay).
+    last: Mutex<Option<SharedEvent>>,
     replayed: AtomicBool,
     /// Set when a replay's end could not be recorded: kept values leak.
     broken: AtomicBool,
@@ -436,14 +437,13 @@ impl TrackedGraph {
         alloc: &Arc<CudaStream>,
         f: impl FnOnce(&Arc<CudaStream>) -> Result<()>,
     ) -> Result<TrackedGraph> {
-        let last = RawEvent::new(stream.context())?;
         let (graph, log) = with_capture_log(stream, side, alloc, || Graph::capture(stream, f))?;
         Ok(TrackedGraph {
             graph,
             gates: gates_of(&log.uses),
             uses: log.uses,
             keep: log.keep,
-            last: Some(last),
+            last: Mutex::new(None),
             replayed: AtomicBool::new(false),
             broken: AtomicBool::new(false),
         })
@@ -476,19 +476,27 @@ impl TrackedGraph {
         }
         self.graph.launch_on(stream)?;
         self.replayed.store(true, Ordering::Release);
-        let recorded = match &self.last {
-            Some(ev) => ev.record(stream),
-            None => Ok(()),
-        };
+        // One event after the replay, shared by every buffer's use record
+        // (and kept as the graph's last replay).
+        let mark = UseMark::new(stream);
+        let recorded = mark.event().map(|ev| {
+            *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(ev.clone());
+        });
         if recorded.is_err() {
             // Nothing can tell when this replay ends: keep what it reads
             // forever rather than release it early.
             self.broken.store(true, Ordering::Release);
         }
+        // Every buffer's use is recorded, even after one fails (a failed
+        // mark breaks each record: those buffers are never freed).
+        let mut first = Ok(());
         for (u, write) in &self.uses {
-            u.record(stream, *write, crate::tracking::WHOLE)?;
+            let r = u.record(&mark, *write, crate::tracking::WHOLE);
+            if first.is_ok() {
+                first = r;
+            }
         }
-        recorded
+        recorded.and(first)
     }
 
     /// Captures new work for the same graph, as [`TrackedGraph::capture`]
@@ -506,7 +514,6 @@ impl TrackedGraph {
         alloc: &Arc<CudaStream>,
         f: impl FnOnce(&Arc<CudaStream>) -> Result<()>,
     ) -> Result<GraphUpdate> {
-        let fresh_last = RawEvent::new(self.graph.context())?;
         let graph = &mut self.graph;
         let (how, log) = with_capture_log(stream, side, alloc, || graph.recapture(stream, f))?;
         // The old work's buffers: each record orders its own free after the
@@ -514,7 +521,11 @@ impl TrackedGraph {
         self.gates = gates_of(&log.uses);
         self.uses = log.uses;
         let old_keep = std::mem::replace(&mut self.keep, log.keep);
-        let old_last = self.last.replace(fresh_last);
+        let old_last = self
+            .last
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         let replayed = self.replayed.swap(false, Ordering::AcqRel);
         if self.broken.load(Ordering::Acquire) {
             std::mem::forget(old_keep);
@@ -555,7 +566,11 @@ fn gates_of(uses: &[(Arc<UseRecord>, bool)]) -> Vec<Arc<UseRecord>> {
 
 /// Releases `keep` once the replays before `last`'s record are done (or at
 /// once, without blocking, if there were none).
-fn release_after_replays(keep: Vec<Box<dyn Any + Send>>, last: Option<RawEvent>, replayed: bool) {
+fn release_after_replays(
+    keep: Vec<Box<dyn Any + Send>>,
+    last: Option<SharedEvent>,
+    replayed: bool,
+) {
     if keep.is_empty() {
         return;
     }
@@ -577,7 +592,12 @@ impl Drop for TrackedGraph {
             return;
         }
         let replayed = self.replayed.load(Ordering::Acquire);
-        release_after_replays(keep, self.last.take(), replayed);
+        let last = self
+            .last
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        release_after_replays(keep, last, replayed);
     }
 }
 

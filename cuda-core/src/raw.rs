@@ -4,6 +4,9 @@
 //! context, so a wait issued through it can silently not happen. Ordering
 //! that memory safety depends on goes through here instead.
 
+use std::mem::ManuallyDrop;
+use std::sync::{Arc, Mutex};
+
 use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
 
 use crate::error::{Error, Result};
@@ -103,6 +106,105 @@ impl Drop for RawEvent {
         // event with pending records or waits is allowed (released later).
         unsafe { sys::cuEventDestroy_v2(self.0) };
     }
+}
+
+/// An event shared by the uses it marks (see [`crate::UseMark`]), taken
+/// from its context's pool and given back to it, not destroyed, when the
+/// last share is dropped; so marking an op's uses creates no event in the
+/// steady state.
+///
+/// A shared event is recorded once, before it is shared, and never again
+/// while shared: a record would move every share's point in the stream.
+#[derive(Debug)]
+pub(crate) struct PooledEvent {
+    ev: ManuallyDrop<RawEvent>,
+    /// The event's context, retained while the event lives (so the pool
+    /// never keeps or hands out an event of a destroyed context).
+    ctx: Arc<CudaContext>,
+}
+
+/// An event shared by several uses.
+pub(crate) type SharedEvent = Arc<PooledEvent>;
+
+impl std::ops::Deref for PooledEvent {
+    type Target = RawEvent;
+
+    fn deref(&self) -> &RawEvent {
+        &self.ev
+    }
+}
+
+impl PooledEvent {
+    /// An event of `ctx`: a pooled one, or a new one when the pool has none.
+    /// Its last record (if any) is of an earlier use that nothing refers to
+    /// any more; the caller records it before sharing it.
+    pub(crate) fn take(ctx: &Arc<CudaContext>) -> Result<PooledEvent> {
+        let pooled = lock_pool().take(ctx.cu_ctx() as usize);
+        let ev = match pooled {
+            Some(ev) => ev,
+            None => RawEvent::new(ctx)?,
+        };
+        Ok(PooledEvent {
+            ev: ManuallyDrop::new(ev),
+            ctx: ctx.clone(),
+        })
+    }
+}
+
+impl Drop for PooledEvent {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here; `self.ev` is not used again.
+        let ev = unsafe { ManuallyDrop::take(&mut self.ev) };
+        // A pending record or wait is fine: the next owner's record
+        // replaces the event's state, and waits enqueued before it keep the
+        // state they saw.
+        lock_pool().give(&self.ctx, ev);
+    }
+}
+
+/// Most idle events a context's pool keeps; more are destroyed.
+const POOL_MAX: usize = 1024;
+
+/// Idle events by context: each entry holds its context, so its handle
+/// cannot be reused by another context while the entry exists. An entry
+/// whose context nothing else holds is emptied and dropped (its events
+/// destroyed, then its context released) the next time the pool is used.
+#[derive(Default)]
+struct EventPool {
+    /// (Events first: a dropped entry destroys them before it releases
+    /// their context.)
+    by_ctx: Vec<(Vec<RawEvent>, Arc<CudaContext>)>,
+}
+
+impl EventPool {
+    fn take(&mut self, ctx: usize) -> Option<RawEvent> {
+        self.by_ctx
+            .iter_mut()
+            .find(|(_, c)| c.cu_ctx() as usize == ctx)
+            .and_then(|(evs, _)| evs.pop())
+    }
+
+    fn give(&mut self, ctx: &Arc<CudaContext>, ev: RawEvent) {
+        let raw = ctx.cu_ctx() as usize;
+        // Contexts only the pool still holds: no stream or event of theirs
+        // is left (each holds its context), so their idle events go.
+        self.by_ctx
+            .retain(|(_, c)| c.cu_ctx() as usize == raw || Arc::strong_count(c) > 1);
+        match self
+            .by_ctx
+            .iter_mut()
+            .find(|(_, c)| c.cu_ctx() as usize == raw)
+        {
+            Some((evs, _)) if evs.len() < POOL_MAX => evs.push(ev),
+            Some(_) => drop(ev),
+            None => self.by_ctx.push((vec![ev], ctx.clone())),
+        }
+    }
+}
+
+fn lock_pool() -> std::sync::MutexGuard<'static, EventPool> {
+    static POOL: Mutex<EventPool> = Mutex::new(EventPool { by_ctx: Vec::new() });
+    POOL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The error of a stream whose work will not complete normally (a sticky

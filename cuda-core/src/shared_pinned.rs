@@ -197,7 +197,7 @@ impl<T: Send + 'static> SharedPinnedBuffer<T> {
         let ptr = unsafe { buf.begin_use(stream) }?;
         let out = enqueue(ptr);
         let own = buf.record_use(stream);
-        let shared = uses.record(stream, gpu_writes, WHOLE);
+        let shared = uses.record(&crate::UseMark::new(stream), gpu_writes, WHOLE);
         let out = out?;
         own.and(shared)?;
         Ok(out)

@@ -6,13 +6,14 @@
 //! it, and it imports neither.
 
 use std::any::Any;
-use std::cell::RefCell;
+use std::cell::{OnceCell, RefCell};
+use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use crate::error::{Error, Result};
-use crate::raw::{set_current, RawEvent};
+use crate::raw::{set_current, PooledEvent, RawEvent, SharedEvent};
 
 /// A buffer's uses, shared by its handle and by every graph that captured a
 /// use of it (see [`crate::graph`]). When the handle is dropped while a
@@ -41,11 +42,13 @@ pub(crate) const WHOLE: Span = 0..usize::MAX;
 const PER_STREAM: usize = 8;
 
 /// A recorded use: its stream (the handle's address, identity only), the
-/// bytes it touches and the event recorded after it.
-struct Entry {
+/// bytes it touches and the event recorded after it (`E`: a
+/// [`SharedEvent`], shared with the other uses of the same op; the tests
+/// use plain values).
+struct Entry<E> {
     stream: usize,
     span: Span,
-    ev: RawEvent,
+    ev: E,
 }
 
 fn overlaps(a: &Span, b: &Span) -> bool {
@@ -61,56 +64,178 @@ fn within(a: &Span, b: &Span) -> bool {
 /// waits only for the entries that overlap it (a read for writes; a write
 /// for both), so uses of disjoint parts of a buffer on two streams run at
 /// once.
-#[derive(Default)]
-struct Uses {
-    reads: Vec<Entry>,
-    writes: Vec<Entry>,
+///
+/// An entry's event is shared (one per op, see [`UseMark`]) and never
+/// re-recorded: a newer use replaces an entry's event instead.
+struct Uses<E = SharedEvent> {
+    reads: Vec<Entry<E>>,
+    writes: Vec<Entry<E>>,
     /// Set when a use could not be recorded: the buffer can no longer tell
     /// when the GPU is done with it, so it is never freed.
     broken: bool,
 }
 
-impl Uses {
-    /// Records a use on `stream` (raw handle `raw`) of `span` in `list`:
-    /// re-recording the stream's entry of the same span, or merging the
-    /// stream's entries into one once it has [`PER_STREAM`] (an event
-    /// recorded now follows all of the stream's earlier work, so the merged
-    /// entry's span is their hull).
-    fn push(
-        list: &mut Vec<Entry>,
-        stream: &CudaStream,
-        raw: usize,
-        span: Span,
-        spare: Option<RawEvent>,
-    ) -> Result<()> {
-        if let Some(e) = list.iter_mut().find(|e| e.stream == raw && e.span == span) {
-            return e.ev.record(stream);
+impl<E> Default for Uses<E> {
+    fn default() -> Self {
+        Uses {
+            reads: Vec::new(),
+            writes: Vec::new(),
+            broken: false,
         }
-        let mut span = span;
-        let mut ev = spare;
-        if list.iter().filter(|e| e.stream == raw).count() >= PER_STREAM {
-            let mut i = 0;
-            while i < list.len() {
-                if list[i].stream == raw {
-                    let e = list.swap_remove(i);
-                    span = span.start.min(e.span.start)..span.end.max(e.span.end);
-                    ev = ev.or(Some(e.ev));
-                } else {
-                    i += 1;
-                }
+    }
+}
+
+impl<E: Clone> Uses<E> {
+    /// Notes a use of `span` on stream `raw` whose op is marked by `ev`
+    /// (recorded on that stream after the op's work).
+    ///
+    /// A write first forgets the uses inside its span, on any stream: it
+    /// was ordered after them, so whatever overlaps them overlaps it and
+    /// waits for it. Then the use joins its list: the stream's entries of
+    /// that list inside `span` are dropped (`ev` follows them on the same
+    /// stream, and whatever overlaps them overlaps `span`), and once the
+    /// stream has [`PER_STREAM`] entries they merge into one, of their
+    /// hull, marked by `ev` (which follows all of the stream's earlier
+    /// work).
+    fn note(&mut self, raw: usize, write: bool, span: Span, ev: &E) {
+        if write {
+            for list in [&mut self.reads, &mut self.writes] {
+                list.retain(|e| !within(&e.span, &span));
             }
         }
-        let ev = match ev {
-            Some(ev) => ev,
-            None => RawEvent::new(stream.context())?,
+        let list = if write {
+            &mut self.writes
+        } else {
+            &mut self.reads
         };
-        let recorded = ev.record(stream);
+        list.retain(|e| !(e.stream == raw && within(&e.span, &span)));
+        let mut span = span;
+        if list.iter().filter(|e| e.stream == raw).count() >= PER_STREAM {
+            list.retain(|e| {
+                if e.stream != raw {
+                    return true;
+                }
+                span = span.start.min(e.span.start)..span.end.max(e.span.end);
+                false
+            });
+        }
         list.push(Entry {
             stream: raw,
             span,
-            ev,
+            ev: ev.clone(),
         });
-        recorded
+    }
+
+    /// The events a use of `span` on stream `raw` waits for: those of the
+    /// other streams' entries that overlap it (writes, for a read; reads
+    /// and writes, for a write).
+    fn conflicts(&self, raw: usize, write: bool, span: Span) -> impl Iterator<Item = &E> {
+        let reads = if write { &self.reads[..] } else { &[] };
+        reads
+            .iter()
+            .chain(&self.writes)
+            .filter(move |e| e.stream != raw && overlaps(&e.span, &span))
+            .map(|e| &e.ev)
+    }
+}
+
+/// Calls `f` once for each event of `evs`, skipping an event equal to the
+/// one just before it (the entries of one op share theirs).
+fn each_event<'a>(
+    evs: impl Iterator<Item = &'a SharedEvent>,
+    mut f: impl FnMut(&RawEvent) -> Result<()>,
+) -> Result<()> {
+    let mut last: Option<&SharedEvent> = None;
+    for ev in evs {
+        if last.is_some_and(|l| Arc::ptr_eq(l, ev)) {
+            continue;
+        }
+        f(ev)?;
+        last = Some(ev);
+    }
+    Ok(())
+}
+
+/// The mark of one op's uses of buffers on one stream: one event, recorded
+/// on the stream once, after the op's work, and shared by the use record
+/// of every buffer the op used ([`DeviceBuffer::after_read_with`] and its
+/// kin). An op on three buffers records one event, not three.
+///
+/// The event is recorded when the mark is first used (a mark never used
+/// records nothing, and on a stream capturing a
+/// [`TrackedGraph`](crate::TrackedGraph) the uses are logged instead and
+/// nothing is recorded). So every use a mark records must be enqueued
+/// before its first use, and nothing that uses those buffers may be
+/// enqueued on the stream between its first and last use: make the mark
+/// after enqueuing the op's work and record all of the op's uses with it
+/// at once, as [`DeviceBuffer::after_read`] does for a single use. A use
+/// enqueued later than the event is not waited for by the buffer's later
+/// users or its free.
+///
+/// Events come from a pool per context, so marking an op creates no event
+/// once the pool has some to spare.
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_core::{Device, DeviceBuffer, UseMark};
+/// let dev = Device::new(0)?;
+/// let stream = dev.new_stream()?;
+/// let src = DeviceBuffer::<f32>::zeros(&stream, 256)?;
+/// let mut dst = DeviceBuffer::<f32>::zeros(&stream, 256)?;
+/// src.before_read(&stream)?;
+/// dst.before_write(&stream)?;
+/// stream
+///     .memcpy_dtod(src.as_cuda_slice(), dst.as_cuda_slice_mut())
+///     .map_err(|e| cuda_core::Error::driver("cuMemcpyDtoDAsync", e))?;
+/// // Right after the copy: one event marks both uses.
+/// let mark = UseMark::new(&stream);
+/// src.after_read_with(&mark)?;
+/// dst.after_write_with(&mark)?;
+/// # Ok::<(), cuda_core::Error>(())
+/// ```
+///
+/// [`DeviceBuffer::after_read_with`]: crate::DeviceBuffer::after_read_with
+/// [`DeviceBuffer::after_read`]: crate::DeviceBuffer::after_read
+pub struct UseMark<'s> {
+    stream: &'s CudaStream,
+    ev: OnceCell<Result<SharedEvent>>,
+}
+
+impl fmt::Debug for UseMark<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UseMark")
+            .field("stream", &(self.stream.cu_stream() as usize))
+            .field("recorded", &matches!(self.ev.get(), Some(Ok(_))))
+            .finish()
+    }
+}
+
+impl<'s> UseMark<'s> {
+    /// A mark for uses enqueued on `stream`; nothing is recorded yet.
+    pub fn new(stream: &'s CudaStream) -> Self {
+        UseMark {
+            stream,
+            ev: OnceCell::new(),
+        }
+    }
+
+    /// The stream the marked uses were enqueued on.
+    pub fn stream(&self) -> &'s CudaStream {
+        self.stream
+    }
+
+    /// The mark's event, recorded on its stream on the first call (a
+    /// failure is kept: every later call fails alike).
+    pub(crate) fn event(&self) -> Result<&SharedEvent> {
+        self.ev
+            .get_or_init(|| {
+                let ev = PooledEvent::take(self.stream.context())?;
+                ev.record(self.stream)?;
+                Ok(Arc::new(ev))
+            })
+            .as_ref()
+            .map_err(Clone::clone)
     }
 }
 
@@ -148,11 +273,10 @@ impl UseRecord {
             ));
         }
         let reads = if write { &u.reads[..] } else { &[] };
-        for e in reads.iter().chain(&u.writes) {
-            e.ev.synchronize()
-                .map_err(|e| Error::driver("cuEventSynchronize", e))?;
-        }
-        Ok(())
+        each_event(reads.iter().chain(&u.writes).map(|e| &e.ev), |ev| {
+            ev.synchronize()
+                .map_err(|e| Error::driver("cuEventSynchronize", e))
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Uses> {
@@ -171,47 +295,31 @@ impl UseRecord {
         }
         let u = self.lock();
         let raw = stream.cu_stream() as usize;
-        let reads = if write { &u.reads[..] } else { &[] };
-        for e in reads.iter().chain(&u.writes) {
-            if e.stream != raw && overlaps(&e.span, &span) {
-                e.ev.wait_on(stream)
-                    .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
-            }
-        }
-        Ok(())
+        each_event(u.conflicts(raw, write, span), |ev| {
+            ev.wait_on(stream)
+                .map_err(|e| Error::driver("cuStreamWaitEvent", e))
+        })
     }
 
-    /// Records a use of `span` enqueued on `stream`. A write forgets the
-    /// uses inside its span: it was ordered after them, so whatever
-    /// overlaps them overlaps it and waits for it.
-    pub(crate) fn record(&self, stream: &CudaStream, write: bool, span: Span) -> Result<()> {
+    /// Records a use of `span` enqueued on `mark`'s stream, marked by its
+    /// event (recorded now if it is the mark's first use). A write forgets
+    /// the uses inside its span: it was ordered after them, so whatever
+    /// overlaps them overlaps it and waits for it. If the mark's event
+    /// cannot be recorded the record breaks (the memory is never freed).
+    pub(crate) fn record(&self, mark: &UseMark<'_>, write: bool, span: Span) -> Result<()> {
         if span.is_empty() {
             return Ok(());
         }
-        let mut guard = self.lock();
-        let u = &mut *guard;
-        let raw = stream.cu_stream() as usize;
-        let r = if write {
-            let mut spare = None;
-            for list in [&mut u.reads, &mut u.writes] {
-                let mut i = 0;
-                while i < list.len() {
-                    if within(&list[i].span, &span) {
-                        let e = list.swap_remove(i);
-                        spare = spare.or(Some(e.ev));
-                    } else {
-                        i += 1;
-                    }
-                }
+        let ev = match mark.event() {
+            Ok(ev) => ev,
+            Err(e) => {
+                self.lock().broken = true;
+                return Err(e);
             }
-            Uses::push(&mut u.writes, stream, raw, span, spare)
-        } else {
-            Uses::push(&mut u.reads, stream, raw, span, None)
         };
-        if r.is_err() {
-            u.broken = true;
-        }
-        r
+        let raw = mark.stream().cu_stream() as usize;
+        self.lock().note(raw, write, span, ev);
+        Ok(())
     }
 
     /// Takes over the memory of a buffer whose handle is dropped while a
@@ -232,11 +340,10 @@ impl UseRecord {
             return Ok(());
         }
         set_current(home.context())?;
-        for e in u.reads.iter().chain(&u.writes) {
-            e.ev.wait_on(home)
-                .map_err(|e| Error::driver("cuStreamWaitEvent", e))?;
-        }
-        Ok(())
+        each_event(u.reads.iter().chain(&u.writes).map(|e| &e.ev), |ev| {
+            ev.wait_on(home)
+                .map_err(|e| Error::driver("cuStreamWaitEvent", e))
+        })
     }
 }
 
@@ -437,6 +544,115 @@ pub(crate) fn with_capture_log<R>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A mark's event in the tests: a shared value, so a test sees when an
+    /// entry lets go of it (`Arc::strong_count`).
+    type Ev = Arc<u32>;
+
+    fn entries(list: &[Entry<Ev>]) -> Vec<(usize, Span, u32)> {
+        let mut v: Vec<_> = list
+            .iter()
+            .map(|e| (e.stream, e.span.clone(), *e.ev))
+            .collect();
+        v.sort_by_key(|(s, sp, _)| (*s, sp.start, sp.end));
+        v
+    }
+
+    #[test]
+    fn one_op_on_three_buffers_shares_one_event() {
+        let (mut a, mut b, mut c) = (Uses::<Ev>::default(), Uses::default(), Uses::default());
+        let ev = Arc::new(1);
+        a.note(1, false, WHOLE, &ev);
+        b.note(1, false, 0..64, &ev);
+        c.note(1, true, WHOLE, &ev);
+        // The op's own handle and one share per use record.
+        assert_eq!(Arc::strong_count(&ev), 4);
+        assert_eq!(entries(&a.reads), vec![(1, WHOLE, 1)]);
+        assert_eq!(entries(&c.writes), vec![(1, WHOLE, 1)]);
+        // A later op on the same stream replaces each share with its own;
+        // the first event is let go (back to its pool), not re-recorded.
+        let next = Arc::new(2);
+        for u in [&mut a, &mut b, &mut c] {
+            u.note(1, true, WHOLE, &next);
+        }
+        assert_eq!(Arc::strong_count(&ev), 1);
+        assert_eq!(*ev, 1);
+        for u in [&a, &b, &c] {
+            assert!(u.reads.is_empty());
+            assert_eq!(entries(&u.writes), vec![(1, WHOLE, 2)]);
+        }
+    }
+
+    #[test]
+    fn a_use_of_the_same_span_on_the_same_stream_replaces_the_event() {
+        let mut u = Uses::<Ev>::default();
+        let (e1, e2) = (Arc::new(1), Arc::new(2));
+        u.note(7, false, 0..8, &e1);
+        u.note(7, false, 0..8, &e2);
+        assert_eq!(entries(&u.reads), vec![(7, 0..8, 2)]);
+        assert_eq!(Arc::strong_count(&e1), 1);
+        // Another stream's read of the same span is its own entry.
+        u.note(8, false, 0..8, &e1);
+        assert_eq!(entries(&u.reads), vec![(7, 0..8, 2), (8, 0..8, 1)]);
+        // A read on stream 7 covering its earlier one replaces it.
+        u.note(7, false, 0..16, &e1);
+        assert_eq!(entries(&u.reads), vec![(7, 0..16, 1), (8, 0..8, 1)]);
+    }
+
+    #[test]
+    fn a_streams_entries_merge_into_their_hull_with_the_newest_event() {
+        let mut u = Uses::<Ev>::default();
+        let old = Arc::new(0);
+        for i in 0..PER_STREAM {
+            u.note(3, false, i * 10..i * 10 + 5, &old);
+        }
+        u.note(4, false, 0..1000, &old);
+        assert_eq!(u.reads.len(), PER_STREAM + 1);
+        let newest = Arc::new(9);
+        u.note(3, false, 500..505, &newest);
+        assert_eq!(entries(&u.reads), vec![(3, 0..505, 9), (4, 0..1000, 0)]);
+        // Stream 4's entry and the test's handle keep the old event.
+        assert_eq!(Arc::strong_count(&old), 2);
+    }
+
+    #[test]
+    fn a_write_forgets_the_uses_within_its_span_on_every_stream() {
+        let mut u = Uses::<Ev>::default();
+        let ev = Arc::new(1);
+        u.note(1, false, 0..10, &ev);
+        u.note(2, false, 5..15, &ev);
+        u.note(2, true, 20..30, &ev);
+        u.note(3, false, 40..60, &ev);
+        let w = Arc::new(2);
+        u.note(4, true, 0..30, &w);
+        // Within 0..30: forgotten (any stream, reads and writes); 40..60
+        // is apart.
+        assert_eq!(entries(&u.reads), vec![(3, 40..60, 1)]);
+        assert_eq!(entries(&u.writes), vec![(4, 0..30, 2)]);
+        // Overlapping but not within: kept.
+        u.note(5, true, 50..70, &w);
+        assert_eq!(entries(&u.reads), vec![(3, 40..60, 1)]);
+        assert_eq!(entries(&u.writes), vec![(4, 0..30, 2), (5, 50..70, 2)]);
+    }
+
+    #[test]
+    fn a_read_waits_for_overlapping_writes_a_write_for_every_overlapping_use() {
+        let mut u = Uses::<Ev>::default();
+        u.note(1, true, 0..10, &Arc::new(1));
+        u.note(2, false, 0..10, &Arc::new(2));
+        u.note(3, true, 20..30, &Arc::new(3));
+        let waits = |u: &Uses<Ev>, raw, write, span| {
+            let mut v: Vec<u32> = u.conflicts(raw, write, span).map(|e| **e).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(waits(&u, 9, false, 5..25), vec![1, 3]);
+        assert_eq!(waits(&u, 9, true, 5..25), vec![1, 2, 3]);
+        assert_eq!(waits(&u, 9, true, 10..20), Vec::<u32>::new());
+        // Never for the stream's own uses (the stream orders them).
+        assert_eq!(waits(&u, 1, true, 0..10), vec![2]);
+        assert_eq!(waits(&u, 2, true, 0..10), vec![1]);
+    }
 
     #[test]
     fn outside_a_capture_allocations_run_inline() {
