@@ -9,7 +9,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use cuda_core::cudarc::driver::{CudaStream, DevicePtr as _};
-use cuda_core::{Error, Result};
+use cuda_core::{Error, Result, UseMark};
 
 use crate::context::ExecutionContext;
 use crate::op::{impl_into_future, DeviceOp};
@@ -74,9 +74,10 @@ pub trait StreamUses: Send {
     fn begin(&self, stream: &CudaStream) -> Result<Self::Ptrs>;
 
     /// Records the uses, so later conflicting uses wait for the call's
-    /// work.
+    /// work: all of them marked by `mark`, one event recorded on its
+    /// stream right after the call.
     #[doc(hidden)]
-    fn end(&self, stream: &CudaStream) -> Result<()>;
+    fn end(&self, mark: &UseMark<'_>) -> Result<()>;
 
     /// The buffers or views back.
     #[doc(hidden)]
@@ -151,9 +152,10 @@ impl<T, S: DeviceSource<T>> StreamUses for Reads<T, S> {
         ptr_of(buf, stream, &range)
     }
 
-    fn end(&self, stream: &CudaStream) -> Result<()> {
+    fn end(&self, mark: &UseMark<'_>) -> Result<()> {
         let (buf, range) = (self.src.buffer(), self.src.range());
-        buf.local_on(stream)?.after_read_range(stream, range)
+        buf.local_on(mark.stream())?
+            .after_read_range_with(mark, range)
     }
 
     fn into_inner(self) -> S {
@@ -172,9 +174,10 @@ impl<T, D: DeviceTarget<T>> StreamUses for Writes<T, D> {
         ptr_of(buf, stream, &range)
     }
 
-    fn end(&self, stream: &CudaStream) -> Result<()> {
+    fn end(&self, mark: &UseMark<'_>) -> Result<()> {
         let (buf, range) = (self.dst.buffer(), self.dst.range());
-        buf.local_on(stream)?.after_write_range(stream, range)
+        buf.local_on(mark.stream())?
+            .after_write_range_with(mark, range)
     }
 
     fn into_inner(self) -> D {
@@ -192,12 +195,12 @@ macro_rules! stream_uses_tuple {
                 Ok(($(self.$i.begin(stream)?,)+))
             }
 
-            fn end(&self, stream: &CudaStream) -> Result<()> {
+            fn end(&self, mark: &UseMark<'_>) -> Result<()> {
                 // Every use is recorded, even after one fails: the call's
                 // work may be enqueued.
                 let mut first = Ok(());
                 $(
-                    let r = self.$i.end(stream);
+                    let r = self.$i.end(mark);
                     if first.is_ok() {
                         first = r;
                     }
@@ -293,7 +296,8 @@ pub(crate) fn run_foreign<U: StreamUses, R>(
         .map_err(|e| Error::driver("cuCtxSetCurrent", e))?;
     let ptrs = uses.begin(stream)?;
     let r = call(stream, ptrs);
-    let recorded = uses.end(stream);
+    // One event after the call marks every buffer's use.
+    let recorded = uses.end(&UseMark::new(stream));
     let r = r?;
     recorded?;
     Ok(r)

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use cuda_core::cudarc::driver::{CudaStream, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
-use cuda_core::{DeviceRepr, Error, Kernel, ParamClass, Result};
+use cuda_core::{DeviceRepr, Error, Kernel, ParamClass, Result, UseMark};
 
 use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
@@ -42,11 +42,13 @@ pub trait KernelArg: Send {
         Ok(())
     }
 
-    /// Records the launch as a use (buffers); called after it is enqueued.
+    /// Records the launch as a use (buffers); called right after it is
+    /// enqueued on `mark`'s stream, with the mark every argument of the
+    /// launch shares (one event for the launch: see [`UseMark`]).
     ///
     /// # Errors
     /// A driver error (the buffer then leaks rather than free early).
-    fn after(&self, _stream: &CudaStream) -> Result<()> {
+    fn after(&self, _mark: &UseMark<'_>) -> Result<()> {
         Ok(())
     }
 
@@ -97,8 +99,8 @@ impl<T: DeviceRepr + Send> KernelArg for DeviceBuffer<T> {
     fn before(&self, stream: &CudaStream) -> Result<()> {
         self.local_on(stream)?.before_write(stream)
     }
-    fn after(&self, stream: &CudaStream) -> Result<()> {
-        self.expect_local().after_write(stream)
+    fn after(&self, mark: &UseMark<'_>) -> Result<()> {
+        self.expect_local().after_write_with(mark)
     }
     fn remote(&self, ctx: &RemoteContext) -> Result<WireArg> {
         buffer_arg(self, ctx)
@@ -115,8 +117,8 @@ impl<T: DeviceRepr + Sync> KernelArg for &DeviceBuffer<T> {
     fn before(&self, stream: &CudaStream) -> Result<()> {
         self.local_on(stream)?.before_read(stream)
     }
-    fn after(&self, stream: &CudaStream) -> Result<()> {
-        self.expect_local().after_read(stream)
+    fn after(&self, mark: &UseMark<'_>) -> Result<()> {
+        self.expect_local().after_read_with(mark)
     }
     fn remote(&self, ctx: &RemoteContext) -> Result<WireArg> {
         buffer_arg(self, ctx)
@@ -133,8 +135,8 @@ impl<T: DeviceRepr + Send> KernelArg for &mut DeviceBuffer<T> {
     fn before(&self, stream: &CudaStream) -> Result<()> {
         self.local_on(stream)?.before_write(stream)
     }
-    fn after(&self, stream: &CudaStream) -> Result<()> {
-        self.expect_local().after_write(stream)
+    fn after(&self, mark: &UseMark<'_>) -> Result<()> {
+        self.expect_local().after_write_with(mark)
     }
     fn remote(&self, ctx: &RemoteContext) -> Result<WireArg> {
         buffer_arg(self, ctx)
@@ -151,8 +153,8 @@ impl<T: DeviceRepr + Send + Sync> KernelArg for Arc<DeviceBuffer<T>> {
     fn before(&self, stream: &CudaStream) -> Result<()> {
         self.local_on(stream)?.before_read(stream)
     }
-    fn after(&self, stream: &CudaStream) -> Result<()> {
-        self.expect_local().after_read(stream)
+    fn after(&self, mark: &UseMark<'_>) -> Result<()> {
+        self.expect_local().after_read_with(mark)
     }
     fn remote(&self, ctx: &RemoteContext) -> Result<WireArg> {
         buffer_arg(self, ctx)
@@ -182,10 +184,10 @@ macro_rules! view_arg {
                     .local_on(stream)?
                     .$before(stream, self.start..self.start + self.len)
             }
-            fn after(&self, stream: &CudaStream) -> Result<()> {
+            fn after(&self, mark: &UseMark<'_>) -> Result<()> {
                 self.buf
                     .expect_local()
-                    .$after(stream, self.start..self.start + self.len)
+                    .$after(mark, self.start..self.start + self.len)
             }
             fn remote(&self, ctx: &RemoteContext) -> Result<WireArg> {
                 Ok(WireArg::Mem {
@@ -196,8 +198,8 @@ macro_rules! view_arg {
         }
     };
 }
-view_arg!(DeviceSlice, before_read_range, after_read_range);
-view_arg!(DeviceSliceMut, before_write_range, after_write_range);
+view_arg!(DeviceSlice, before_read_range, after_read_range_with);
+view_arg!(DeviceSliceMut, before_write_range, after_write_range_with);
 
 /// A buffer argument a kernel only reads (`const T*` in CUDA C): any
 /// handle to a [`DeviceBuffer<T>`]. The typed launchers of
@@ -253,12 +255,12 @@ pub trait KernelArgs: Send {
     /// The first argument's error.
     fn before_all(&self, stream: &CudaStream) -> Result<()>;
 
-    /// [`KernelArg::after`] for every argument (all of them, even after an
-    /// error).
+    /// [`KernelArg::after`] for every argument, with one mark (all of
+    /// them, even after an error).
     ///
     /// # Errors
     /// The first argument's error.
-    fn after_all(&self, stream: &CudaStream) -> Result<()>;
+    fn after_all(&self, mark: &UseMark<'_>) -> Result<()>;
 
     /// [`KernelArg::remote`] for every argument, in order.
     ///
@@ -288,9 +290,9 @@ macro_rules! kernel_args {
                 Ok(())
             }
             #[allow(unused_variables, unused_mut)]
-            fn after_all(&self, stream: &CudaStream) -> Result<()> {
+            fn after_all(&self, mark: &UseMark<'_>) -> Result<()> {
                 let mut first = Ok(());
-                $( if let Err(e) = self.$idx.after(stream) { if first.is_ok() { first = Err(e); } } )*
+                $( if let Err(e) = self.$idx.after(mark) { if first.is_ok() { first = Err(e); } } )*
                 first
             }
             #[allow(unused_variables)]
@@ -483,10 +485,10 @@ impl KernelArgs for DynArgs<'_> {
         self.buffers()
             .try_for_each(|b| b.local_on(stream)?.before_write(stream))
     }
-    fn after_all(&self, stream: &CudaStream) -> Result<()> {
+    fn after_all(&self, mark: &UseMark<'_>) -> Result<()> {
         let mut first = Ok(());
         for b in self.buffers() {
-            if let Err(e) = b.expect_local().after_write(stream) {
+            if let Err(e) = b.expect_local().after_write_with(mark) {
                 if first.is_ok() {
                     first = Err(e);
                 }
@@ -659,7 +661,8 @@ impl<A: KernelArgs> DeviceOp for Launch<A> {
         // cudarc can fail after `cuLaunchKernel` enqueued the kernel (its
         // event records come after), so record the uses either way; a
         // buffer whose use cannot be recorded leaks instead of freeing early.
-        let recorded = self.args.after_all(&stream);
+        // One event after the launch marks every buffer's use.
+        let recorded = self.args.after_all(&UseMark::new(&stream));
         launched?;
         recorded?;
         Ok(self.args)

@@ -166,8 +166,8 @@ pub use cuda_core::{
     enable_peer_access, hardware_queues, nvrtc_compilations, set_auto_peer_access,
     set_hardware_queues, AnyBitPattern, CudaStream, Device, DeviceAttribute, DeviceInfo,
     DeviceRepr, Error, Kernel, LaunchConfig, MemPool, MemPoolOptions, MemPoolStats, Module,
-    ModuleSource, PinnedBuffer, RemoteFailure, Result, SharedPinnedBuffer, ValidAsZeroBits,
-    DEFAULT_HARDWARE_QUEUES, MAX_HARDWARE_QUEUES,
+    ModuleSource, PinnedBuffer, RemoteFailure, Result, SharedPinnedBuffer, UseMark,
+    ValidAsZeroBits, DEFAULT_HARDWARE_QUEUES, MAX_HARDWARE_QUEUES,
 };
 pub use future::{run_on, DeviceFuture};
 pub use globals::{read_global, write_global, ReadGlobal, WriteGlobal};

@@ -569,8 +569,10 @@ fn enqueue_d2d<T>(
         }
         .map_err(|e| Error::driver("cuMemcpyDtoDAsync", e))?;
     }
-    let read = src.after_read_range(stream, from);
-    dst.after_write_range(stream, to)?;
+    // One event after the copy marks both uses.
+    let mark = cuda_core::UseMark::new(stream);
+    let read = src.after_read_range_with(&mark, from);
+    dst.after_write_range_with(&mark, to)?;
     read
 }
 
