@@ -720,3 +720,71 @@ fn a_blas_handle_made_inside_a_capture_stays_with_its_graph() {
     assert!(!Arc::ptr_eq(&outside, &second[0]));
     drop((graph, again));
 }
+
+// One event marks all of an op's buffer uses (`UseMark`).
+
+const SLOW3_SRC: &str = r#"
+extern "C" __global__ void slow3(const unsigned char* a, unsigned char* b, unsigned char* c,
+                                 unsigned n, long long spin) {
+    long long t0 = clock64();
+    while (clock64() - t0 < spin) {}
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { b[i] = a[i] + 1; c[i] = a[i] + 2; }
+}
+"#;
+
+/// An op that reads `a` and writes `b` and `c` on one stream, recorded
+/// with one mark: another stream's write of `a` still waits for the read,
+/// and its reads of `b` and `c` for the writes (the kernel spins first, so
+/// an unordered use would see old bytes or change what the op reads).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn one_mark_orders_another_streams_uses_of_each_of_three_buffers() {
+    use cuda_core::{DeviceBuffer, UseMark};
+    let dev = Device::new(0).unwrap();
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let k = Module::cuda(SLOW3_SRC, &[])
+        .unwrap()
+        .kernel("slow3")
+        .unwrap();
+    k.load_on(&dev).unwrap();
+    dev.context().bind_to_thread().unwrap();
+    let n = 1usize << 16;
+    for round in 0..3u8 {
+        let v = 10 * (round + 1);
+        let mut a = DeviceBuffer::<u8>::zeros(&s1, n).unwrap();
+        a.before_write(&s1).unwrap();
+        a.memset_unordered(0..n, v, &s1).unwrap();
+        a.after_write(&s1).unwrap();
+        let mut b = DeviceBuffer::<u8>::zeros(&s1, n).unwrap();
+        let mut c = DeviceBuffer::<u8>::zeros(&s1, n).unwrap();
+        a.before_read(&s1).unwrap();
+        b.before_write(&s1).unwrap();
+        c.before_write(&s1).unwrap();
+        {
+            let f = k.function_on(&dev).unwrap();
+            let (nn, spin) = (n as u32, 100_000_000i64);
+            let mut l = s1.launch_builder(f);
+            l.arg(a.as_cuda_slice())
+                .arg(b.as_cuda_slice_mut())
+                .arg(c.as_cuda_slice_mut())
+                .arg(&nn)
+                .arg(&spin);
+            // SAFETY: slow3 reads a[0..n) and writes b[0..n), c[0..n) of
+            // three n-byte buffers; recorded just below.
+            unsafe { l.launch(LaunchConfig::for_num_elems(nn)) }.unwrap();
+        }
+        let mark = UseMark::new(&s1);
+        a.after_read_with(&mark).unwrap();
+        b.after_write_with(&mark).unwrap();
+        c.after_write_with(&mark).unwrap();
+        assert!(format!("{mark:?}").contains("recorded: true"), "{mark:?}");
+        // On stream 2, with no host wait.
+        a.before_write(&s2).unwrap();
+        a.memset_unordered(0..n, 0, &s2).unwrap();
+        a.after_write(&s2).unwrap();
+        assert_eq!(bytes_of(&dev, &b, &s2), vec![v + 1; n], "round {round}: b");
+        assert_eq!(bytes_of(&dev, &c, &s2), vec![v + 2; n], "round {round}: c");
+        assert_eq!(bytes_of(&dev, &a, &s2), vec![0; n], "round {round}: a");
+    }
+}

@@ -238,6 +238,46 @@ fn a_foreign_write_is_seen_by_an_op_on_another_stream() {
     }
 }
 
+/// A GEMM marks its three buffers with one event: another stream's later
+/// uses of each still wait for it (writes of `A` and `B` for its reads, a
+/// read of `C` for its write), behind 20 ms of spinning before it.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn each_buffer_of_a_gemm_orders_another_streams_later_use() {
+    let ks = crate::kernels();
+    let d = dev();
+    let (sa, sb) = (d.new_stream().unwrap(), d.new_stream().unwrap());
+    let mut rng = Rng::new();
+    let g = Gemm::<f32>::new(64, 64, 64);
+    for round in 0..3 {
+        let (av, bv) = (random::<f32>(&mut rng, 4096), random::<f32>(&mut rng, 4096));
+        let (a, b) = (upload(&av), upload(&bv));
+        let c = zeros::<f32>(4096).sync().unwrap();
+        let stamps = zeros::<u64>(2).sync().unwrap();
+        let spin = ks.spin.clone();
+        // On stream a: 20 ms of spinning, then the product.
+        // SAFETY: spin writes stamps[0..2).
+        let op = unsafe { launch(&spin, cfg(1), (20_000_000u64, stamps)) }
+            .then(move |_| gemm(g, a, b, c));
+        // SAFETY: the outputs order their own later uses; no host read.
+        let (a, b, c) = unsafe { op.async_on(&sa) }.unwrap();
+        // On stream b, with no host wait: zeroing A and B must wait for
+        // the product's reads, and reading C for its write.
+        let ((a, b), out) = memset(a, 0)
+            .zip(memset(b, 0))
+            .zip(d2h(&c))
+            .sync_on(&sb)
+            .unwrap();
+        let z = [0.0f32; 4096];
+        close(
+            &wide(out.as_slice().unwrap()),
+            &reference(&g, &av, &bv, &z),
+            &format!("round {round}: C read on stream b"),
+        );
+        assert!(download(&a).iter().chain(&download(&b)).all(|v| *v == 0.0));
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn seventy_streams_each_get_a_handle_and_multiply_right() {
