@@ -7,7 +7,9 @@
 //! waits go through a context-binding call that silently skips them when an
 //! earlier error is pending. So the buffer keeps its own events, through raw
 //! driver calls: one per stream that read it since the last write, and one
-//! for the last write. Every use through this crate waits for what it must
+//! for the last write (per range, for ranged uses). An event is shared by
+//! every buffer one op used: the op records one, after its work, and each
+//! buffer's use record keeps a share of it ([`UseMark`]). Every use through this crate waits for what it must
 //! (a read for the last write; a write for the last write and every read)
 //! and records itself; the destructor makes the buffer's home stream wait
 //! for all of them before the stream-ordered free (`cuMemFreeAsync`), and
