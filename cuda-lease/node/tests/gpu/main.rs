@@ -460,6 +460,13 @@ fn a_gib_through_h2d_and_d2h_on_a_lease_is_byte_exact_and_streamed() {
         down = t.elapsed();
     });
     let back = back.unwrap();
+    // The buffer's free goes alone once the download is done: counted
+    // once every free has reached the node.
+    let ledger = cuda_async::RemoteSession::ledger(&*lease.session()).unwrap();
+    assert!(
+        ledger.wait_idle(Duration::from_secs(30)),
+        "frees still going"
+    );
     let msgs = batches(node).0 - b0;
     let bulk = bulk_bytes() - bulk0;
     let gib = |d: Duration| n as f64 / d.as_secs_f64() / (1u64 << 30) as f64;
@@ -477,9 +484,10 @@ fn a_gib_through_h2d_and_d2h_on_a_lease_is_byte_exact_and_streamed() {
         back.as_slice().unwrap() == &bytes[..],
         "the bytes came back changed"
     );
-    // The allocation, then the empty message ordering the download (and
-    // perhaps the buffer's free, alone, after it).
-    assert!((2..=3).contains(&msgs), "{msgs} BATCH messages");
+    // The upload's allocation (outside the order) and its empty message
+    // (its place in the order), the download's empty message ordering it,
+    // and the buffer's free, alone, after it.
+    assert_eq!(msgs, 4, "BATCH messages");
     assert_eq!(bulk, n as u64, "the upload over the bulk-data channel");
     // Beyond the input (given to the op, which keeps it without a copy) or
     // the output: at most the node's ring and 64 MiB for the client and 64

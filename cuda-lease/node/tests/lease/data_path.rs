@@ -98,13 +98,19 @@ async fn a_large_upload_leaves_the_message_and_a_small_one_does_not() {
     .await;
     assert_eq!(sent, (2, 1));
     // Large download alone: an empty BATCH orders it after the lease's
-    // earlier submissions, then MEM_READs; the buffer's free follows
-    // (with a later message, or alone).
+    // earlier submissions, then MEM_READs; the buffer's free follows alone
+    // once the download is done (no other message is in flight).
+    let ledger = remote.session().ledger().unwrap();
     let (back, sent) = sent_by(&fx.node, async {
-        d2h(buf).schedule(&remote).unwrap().await.unwrap()
+        let back = d2h(buf).schedule(&remote).unwrap().await.unwrap();
+        let idle = tokio::task::spawn_blocking(move || {
+            ledger.wait_idle(std::time::Duration::from_secs(10))
+        });
+        assert!(idle.await.unwrap(), "frees still going");
+        back
     })
     .await;
-    assert_eq!(sent, (1, 0));
+    assert_eq!(sent, (2, 1));
     assert!(back.to_vec().unwrap() == big);
     // Nothing left behind.
     wait_until(
