@@ -99,6 +99,28 @@ impl<O: DeviceOp> DeviceFuture<O> {
         )
     }
 
+    /// Enqueues the op now, on this thread, without waiting for it: what
+    /// the first poll does, minus the wait (an inline spin, if the mode has
+    /// one, is left to the first poll). A later poll, on any thread, waits.
+    pub(crate) fn enqueue(&mut self) -> Result<()> {
+        loop {
+            match std::mem::replace(&mut self.state, State::Complete) {
+                State::Lazy(op) => {
+                    let ctx = default_policy().and_then(|p| p.select())?;
+                    self.state = State::Ready(op, ctx);
+                }
+                State::Ready(op, ctx) => {
+                    self.state = Self::submit(op, ctx)?;
+                    return Ok(());
+                }
+                other => {
+                    self.state = other;
+                    return Ok(());
+                }
+            }
+        }
+    }
+
     /// Records the op on a remote context and sends it as one message; the
     /// reply completes the same `Completion` the local modes complete.
     fn submit_remote(op: O, mut ctx: ExecutionContext) -> Result<State<O>> {

@@ -78,6 +78,7 @@ mod reactor;
 pub mod remote;
 mod spread;
 mod stream_pool;
+mod submit;
 mod sync;
 mod view;
 mod waker;
@@ -192,6 +193,7 @@ pub use reactor::CompletionMode;
 pub use remote::proto::{Credentials, Disconnect, RemoteError, RemoteErrorKind};
 pub use remote::RemoteErrorExt;
 pub use remote::{HostBuffer, RemotePolicy, RemoteSession};
+pub use submit::{Enqueued, SubmitThread};
 pub use view::{DeviceSlice, DeviceSliceMut, DeviceSource, DeviceTarget};
 
 /// Everything needed to build and run ops: `use cuda_async::prelude::*;`.

@@ -89,6 +89,9 @@ struct Counting {
     submissions: AtomicUsize,
     commands: AtomicUsize,
     frees: AtomicUsize,
+    /// Per submission: the thread that submitted it and the sizes it
+    /// allocated.
+    submitted: std::sync::Mutex<Vec<(Option<String>, Vec<u64>)>>,
 }
 
 impl Counting {
@@ -125,6 +128,14 @@ impl RemoteSession for Counting {
             .filter(|c| matches!(c.op, Op::Free { .. }));
         self.frees.fetch_add(frees.count(), SeqCst);
         self.submissions.fetch_add(1, SeqCst);
+        let allocs = r.commands().iter().filter_map(|c| match c.op {
+            Op::Alloc { size, .. } => Some(size),
+            _ => None,
+        });
+        self.submitted.lock().unwrap().push((
+            std::thread::current().name().map(str::to_owned),
+            allocs.collect(),
+        ));
         done.complete();
     }
 }
@@ -376,5 +387,48 @@ fn a_half_gemm_on_a_remote_context_names_its_type_and_records_nothing() {
     assert!(
         matches!(&e, Error::NeedsLocalStream { op, .. } if op == "gemv"),
         "{e}"
+    );
+}
+
+#[test]
+fn a_submit_thread_enqueues_ops_in_the_order_handed_and_they_finish_where_awaited() {
+    let session = Arc::new(Counting::default());
+    let remote = RemotePolicy::new(&session);
+    // (Allocated on this thread: the first submission.)
+    let a = zeros::<f32>(1).sync_with(&remote).unwrap();
+    let submit = cuda_async::SubmitThread::new().unwrap();
+    let op = |i: usize| h2d(vec![1.0f32; i + 1]).then(d2h).map(|h| h.len());
+    // Scheduled on this thread: nothing is sent before the thread has it.
+    let futs: Vec<_> = (0..32)
+        .map(|i| submit.enqueue(op(i).schedule(&remote).unwrap()))
+        .collect();
+    // Handed over and dropped at once: enqueued all the same.
+    drop(submit.enqueue(op(32).schedule(&remote).unwrap()));
+    // An op that fails when enqueued fails its future.
+    let reads = (cuda_async::foreign::reads(a),);
+    let local_only = cuda_async::foreign::on_stream("cusparse spmv", reads, |_, _| Ok(()));
+    let failed = submit.enqueue(local_only.schedule(&remote).unwrap());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let lens = rt.block_on(async {
+        let mut lens = Vec::new();
+        for f in futs {
+            lens.push(f.await.unwrap());
+        }
+        let e = failed.await.unwrap_err();
+        assert!(matches!(&e, Error::NeedsLocalStream { .. }), "{e}");
+        lens
+    });
+    assert_eq!(lens, (1..=32).collect::<Vec<_>>());
+    drop(submit);
+    // (Then the free of `a`, which the failed op dropped.)
+    let submitted = &session.submitted.lock().unwrap()[1..34];
+    let sizes: Vec<Vec<u64>> = submitted.iter().map(|s| s.1.clone()).collect();
+    let expected: Vec<Vec<u64>> = (1..=33).map(|n| vec![4 * n]).collect();
+    assert_eq!(sizes, expected, "in the order handed, the dropped one too");
+    assert!(
+        submitted
+            .iter()
+            .all(|(t, _)| t.as_deref() == Some("cuda-async-submit")),
+        "{submitted:?}"
     );
 }

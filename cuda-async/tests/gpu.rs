@@ -354,6 +354,43 @@ fn sync_on_and_async_on_a_stream_made_by_cudarc_directly() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
+fn tasks_on_many_threads_enqueue_through_one_submit_thread_and_get_their_own_results() {
+    let add = kernels().add_u32;
+    let pool = local();
+    let submit = Arc::new(cuda_async::SubmitThread::new().unwrap());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(8)
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let tasks: Vec<_> = (0..64u32)
+            .map(|t| {
+                let (k, pool, submit) = (add.clone(), pool.clone(), submit.clone());
+                tokio::spawn(async move {
+                    for i in 0..50u32 {
+                        let x: Vec<u32> = (0..1000).map(|j| j * 7 + t).collect();
+                        let add = k.clone();
+                        let op = h2d(x.clone())
+                            // SAFETY: add_u32 touches x[0..1000) of a 1000-element buffer.
+                            .then(move |b| unsafe { launch(&add, cfg(1000), (b, i, 1000u32)) })
+                            .then(|(b, _, _)| d2h(b))
+                            .schedule(&*pool)
+                            .unwrap();
+                        let out = submit.enqueue(op).await.unwrap();
+                        let want: Vec<u32> = x.iter().map(|v| v + i).collect();
+                        assert_eq!(out.as_slice().unwrap(), &want[..], "task {t}, pass {i}");
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
 fn tokio_64_tasks_x_1000_awaited_ops_are_all_correct() {
     let _ = kernels();
     suite::tokio_64_tasks_x_1000_awaited_ops_are_all_correct(local());

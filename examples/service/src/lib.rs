@@ -83,6 +83,11 @@ pub enum Backend {
         model: Model,
         /// Where its pipelines run.
         policy: Arc<dyn SchedulingPolicy>,
+        /// The thread that enqueues every pipeline (`None`: each request's
+        /// task enqueues its own). One thread making the driver calls
+        /// serves more requests than every executor thread making them at
+        /// once (the CUDA driver serializes them).
+        submit: Option<Arc<cuda_async::SubmitThread>>,
     },
     /// cudarc from `spawn_blocking` ([`baseline`]).
     Blocking(Arc<baseline::Baseline>),
@@ -176,8 +181,12 @@ impl Service {
 
     /// One pipeline of `n` samples (timed on the GPU, on ops).
     async fn run(&self, x: Vec<f32>, n: usize) -> Result<Vec<f32>, String> {
-        let (model, policy) = match &self.backend {
-            Backend::Ops { model, policy } => (model, policy),
+        let (model, policy, submit) = match &self.backend {
+            Backend::Ops {
+                model,
+                policy,
+                submit,
+            } => (model, policy, submit),
             Backend::Blocking(b) => {
                 let b = b.clone();
                 return tokio::task::spawn_blocking(move || b.forward(&x, n))
@@ -186,7 +195,11 @@ impl Service {
             }
         };
         let run = async {
-            let (out, t) = model.forward(x, n).timed().schedule(&**policy)?.await?;
+            let op = model.forward(x, n).timed().schedule(&**policy)?;
+            let (out, t) = match submit {
+                Some(s) => s.enqueue(op).await?,
+                None => op.await?,
+            };
             if let Ok(gpu) = t.elapsed() {
                 self.metrics.gpu.observe(gpu.as_secs_f64());
             }

@@ -60,6 +60,13 @@ struct Args {
     /// The weights' seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Enqueue every pipeline from one thread (`false`: from the task of
+    /// each request, on any runtime thread).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    submit_thread: bool,
+    /// Runtime threads (default: one a core).
+    #[arg(long)]
+    workers: Option<usize>,
     /// Serve with the baseline instead of the ops: cudarc called from
     /// `spawn_blocking`, one stream per blocking thread (GPU 0).
     #[arg(long, conflicts_with = "lease")]
@@ -76,7 +83,11 @@ struct Keep {
 fn main() {
     cuda_lease_node::main_if_worker();
     let args = Args::parse();
-    let rt = match tokio::runtime::Runtime::new() {
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = args.workers {
+        rt.worker_threads(n);
+    }
+    let rt = match rt.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("service: starting the runtime: {e}");
@@ -101,7 +112,16 @@ async fn run(args: Args) -> Result<i32, Box<dyn std::error::Error>> {
     } else {
         let policy = policy(&args, &mut keep).await?;
         let model = Model::upload(&weights, &*policy).await?;
-        Backend::Ops { model, policy }
+        let submit = if args.submit_thread {
+            Some(Arc::new(cuda_async::SubmitThread::new()?))
+        } else {
+            None
+        };
+        Backend::Ops {
+            model,
+            policy,
+            submit,
+        }
     };
     let options = Options {
         queue: args.queue,
