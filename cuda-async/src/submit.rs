@@ -6,7 +6,8 @@ use std::fmt;
 use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex, TryLockError};
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 
@@ -31,6 +32,9 @@ type Job = Box<dyn FnOnce() + Send>;
 /// What moves to the thread is what the first poll of a
 /// [`DeviceFuture`] does: choosing nothing (the policy chose the stream
 /// at `schedule`), enqueuing the op's work and its completion signal.
+/// Ops are enqueued one at a time, in the order handed; when the thread
+/// has nothing to do, the caller enqueues its op itself at once (no hop
+/// to the thread and back for a lone request).
 /// Waiting, an inline spin of [`CompletionMode::ReactorInlineSpin`](crate::CompletionMode::ReactorInlineSpin)
 /// included, stays with the awaiting task. Buffers an op returns are
 /// dropped (and freed) wherever the caller drops them.
@@ -58,6 +62,16 @@ type Job = Box<dyn FnOnce() + Send>;
 pub struct SubmitThread {
     jobs: Option<mpsc::Sender<Job>>,
     thread: Option<JoinHandle<()>>,
+    shared: Arc<Shared>,
+}
+
+/// What the thread and the callers share: enqueuing happens under `lock`
+/// (on the thread, or inline when it is idle), and `pending` counts the
+/// jobs handed to the thread and not yet run.
+#[derive(Default)]
+struct Shared {
+    lock: Mutex<()>,
+    pending: AtomicUsize,
 }
 
 impl fmt::Debug for SubmitThread {
@@ -73,6 +87,7 @@ impl SubmitThread {
     /// [`Error::Other`] when the thread cannot be started.
     pub fn new() -> Result<Self> {
         let (jobs, rx) = mpsc::channel::<Job>();
+        let shared = Arc::new(Shared::default());
         let thread = std::thread::Builder::new()
             .name("cuda-async-submit".into())
             .spawn(move || {
@@ -84,27 +99,56 @@ impl SubmitThread {
         Ok(SubmitThread {
             jobs: Some(jobs),
             thread: Some(thread),
+            shared,
         })
     }
 
     /// Has the thread enqueue `op`'s work; the future waits for the GPU.
-    /// Ops reach the thread, and are enqueued, in the order of these calls.
+    /// Ops are enqueued in the order of these calls, one at a time. When
+    /// the thread is idle (nothing handed to it is waiting or running),
+    /// the calling thread enqueues `op` itself, at once: a lone request
+    /// pays no hop to the thread and back.
     ///
     /// Dropping the returned future does not take the op back: it is
     /// enqueued all the same, and its work runs to completion (as for a
     /// [`DeviceFuture`] dropped after its first poll).
-    pub fn enqueue<O: DeviceOp + 'static>(&self, op: DeviceFuture<O>) -> Enqueued<O> {
+    pub fn enqueue<O: DeviceOp + 'static>(&self, mut op: DeviceFuture<O>) -> Enqueued<O> {
+        let shared = &self.shared;
+        if shared.pending.load(Ordering::Acquire) == 0 {
+            let guard = match shared.lock.try_lock() {
+                Ok(g) => Some(g),
+                Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                Err(TryLockError::WouldBlock) => None,
+            };
+            // Nothing handed over before this call is still to run: going
+            // first keeps the order.
+            if guard.is_some() && shared.pending.load(Ordering::Acquire) == 0 {
+                let r = catch_unwind(AssertUnwindSafe(|| op.enqueue()))
+                    .unwrap_or_else(|_| Err(panicked()));
+                drop(guard);
+                let state = match r {
+                    Ok(()) => Step::Running(Box::new(op)),
+                    Err(e) => Step::Failed(e),
+                };
+                return Enqueued { state };
+            }
+        }
         let hand = Arc::new(Hand::default());
-        let back = hand.clone();
+        let (back, shared) = (hand.clone(), self.shared.clone());
         let job: Job = Box::new(move || {
             let mut op = op;
+            let guard = shared.lock.lock().unwrap_or_else(|e| e.into_inner());
             let r = catch_unwind(AssertUnwindSafe(|| op.enqueue()))
                 .unwrap_or_else(|_| Err(panicked()))
                 .map(|()| op);
+            shared.pending.fetch_sub(1, Ordering::AcqRel);
+            drop(guard);
             back.put(r);
         });
+        self.shared.pending.fetch_add(1, Ordering::AcqRel);
         let sent = self.jobs.as_ref().map(|tx| tx.send(job));
         if !matches!(sent, Some(Ok(()))) {
+            self.shared.pending.fetch_sub(1, Ordering::AcqRel);
             hand.put(Err(panicked()));
         }
         Enqueued {
@@ -138,6 +182,8 @@ enum Step<O: DeviceOp> {
     Handed(Arc<Hand<O>>),
     /// Enqueued: waiting for the GPU.
     Running(Box<DeviceFuture<O>>),
+    /// Enqueuing it failed.
+    Failed(Error),
     Done,
 }
 
@@ -146,6 +192,7 @@ impl<O: DeviceOp> fmt::Debug for Enqueued<O> {
         let s = match &self.state {
             Step::Handed(_) => "Handed",
             Step::Running(_) => "Running",
+            Step::Failed(_) => "Failed",
             Step::Done => "Done",
         };
         f.debug_struct("Enqueued").field("state", &s).finish()
@@ -216,6 +263,7 @@ impl<O: DeviceOp> Future for Enqueued<O> {
                         ready => ready,
                     }
                 }
+                Step::Failed(e) => return Poll::Ready(Err(e)),
                 Step::Done => {
                     return Poll::Ready(Err(Error::InvalidArgument(
                         "Enqueued polled after it completed".into(),

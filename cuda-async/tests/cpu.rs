@@ -391,14 +391,58 @@ fn a_half_gemm_on_a_remote_context_names_its_type_and_records_nothing() {
 }
 
 #[test]
-fn a_submit_thread_enqueues_ops_in_the_order_handed_and_they_finish_where_awaited() {
+fn an_idle_submit_thread_lets_the_caller_enqueue_at_once_in_order() {
+    let session = Arc::new(Counting::default());
+    let remote = RemotePolicy::new(&session);
+    let submit = cuda_async::SubmitThread::new().unwrap();
+    let me = std::thread::current().name().map(str::to_owned);
+    let futs: Vec<_> = (0..8usize)
+        .map(|i| {
+            let f = submit.enqueue(
+                h2d(vec![1.0f32; i + 1])
+                    .then(d2h)
+                    .schedule(&remote)
+                    .unwrap(),
+            );
+            // Sent before `enqueue` returned, from this thread.
+            assert_eq!(session.seen().1, i + 1);
+            f
+        })
+        .collect();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        for (i, f) in futs.into_iter().enumerate() {
+            assert_eq!(f.await.unwrap().len(), i + 1);
+        }
+    });
+    let submitted = session.submitted.lock().unwrap();
+    let expected: Vec<_> = (1..=8).map(|n| (me.clone(), vec![4 * n])).collect();
+    assert_eq!(*submitted, expected);
+}
+
+#[test]
+fn a_busy_submit_thread_enqueues_what_it_is_handed_in_order() {
     let session = Arc::new(Counting::default());
     let remote = RemotePolicy::new(&session);
     // (Allocated on this thread: the first submission.)
     let a = zeros::<f32>(1).sync_with(&remote).unwrap();
-    let submit = cuda_async::SubmitThread::new().unwrap();
+    let submit = Arc::new(cuda_async::SubmitThread::new().unwrap());
+    // An op that holds the enqueuing (inline, on another thread) until
+    // released: what is handed over meanwhile goes to the thread.
+    let (started, wait_started) = std::sync::mpsc::channel();
+    let (release, gate) = std::sync::mpsc::channel::<()>();
+    let blocker = h2d(vec![0.0f32; 100]).then(move |b| {
+        started.send(()).unwrap();
+        gate.recv().unwrap();
+        d2h(b)
+    });
+    let blocker = blocker.schedule(&remote).unwrap();
+    let holder = {
+        let submit = submit.clone();
+        std::thread::spawn(move || submit.enqueue(blocker))
+    };
+    wait_started.recv().unwrap();
     let op = |i: usize| h2d(vec![1.0f32; i + 1]).then(d2h).map(|h| h.len());
-    // Scheduled on this thread: nothing is sent before the thread has it.
     let futs: Vec<_> = (0..32)
         .map(|i| submit.enqueue(op(i).schedule(&remote).unwrap()))
         .collect();
@@ -408,8 +452,12 @@ fn a_submit_thread_enqueues_ops_in_the_order_handed_and_they_finish_where_awaite
     let reads = (cuda_async::foreign::reads(a),);
     let local_only = cuda_async::foreign::on_stream("cusparse spmv", reads, |_, _| Ok(()));
     let failed = submit.enqueue(local_only.schedule(&remote).unwrap());
+    assert_eq!(session.seen().1, 1, "only the allocation was sent");
+    release.send(()).unwrap();
+    let blocked = holder.join().unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let lens = rt.block_on(async {
+        assert_eq!(blocked.await.unwrap().len(), 100);
         let mut lens = Vec::new();
         for f in futs {
             lens.push(f.await.unwrap());
@@ -421,12 +469,13 @@ fn a_submit_thread_enqueues_ops_in_the_order_handed_and_they_finish_where_awaite
     assert_eq!(lens, (1..=32).collect::<Vec<_>>());
     drop(submit);
     // (Then the free of `a`, which the failed op dropped.)
-    let submitted = &session.submitted.lock().unwrap()[1..34];
+    let submitted = &session.submitted.lock().unwrap()[1..35];
     let sizes: Vec<Vec<u64>> = submitted.iter().map(|s| s.1.clone()).collect();
-    let expected: Vec<Vec<u64>> = (1..=33).map(|n| vec![4 * n]).collect();
+    let mut expected = vec![vec![400]];
+    expected.extend((1..=33).map(|n| vec![4 * n]));
     assert_eq!(sizes, expected, "in the order handed, the dropped one too");
     assert!(
-        submitted
+        submitted[1..]
             .iter()
             .all(|(t, _)| t.as_deref() == Some("cuda-async-submit")),
         "{submitted:?}"

@@ -11,9 +11,12 @@
 //! - **Back-pressure.** At most [`Options::queue`] requests are admitted
 //!   (waiting or running); one more is answered 503 at once.
 //! - **Dynamic batching** ([`Options::batch_window`] above zero): requests
-//!   arriving within the window are run as one pipeline of up to
-//!   [`Options::max_batch`] samples (one GEMM for all of them), and each
-//!   response gets its rows.
+//!   are run as one pipeline of up to [`Options::max_batch`] samples (one
+//!   GEMM for all of them), and each response gets its rows. A batch goes
+//!   at once with the requests that have arrived while fewer than
+//!   [`Options::batches_in_flight`] batches run; otherwise it waits for
+//!   company until one of them ends, it is full, or the window has passed
+//!   since its first request.
 //! - **Errors.** A failed pipeline is a 500 with the error; a sticky GPU
 //!   fault (the context is lost) also stops the service (see
 //!   [`Service::fatal`]), which exits non-zero.
@@ -26,7 +29,7 @@
 pub mod baseline;
 pub mod model;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -41,7 +44,7 @@ use cuda_async::SchedulingPolicy;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 
 use model::{Model, CLASSES, D_IN};
 
@@ -56,6 +59,9 @@ pub struct Options {
     pub batch_window: Duration,
     /// Samples a batch (and a request) at most.
     pub max_batch: usize,
+    /// Batches running at once before a new one waits for company (at
+    /// most the window).
+    pub batches_in_flight: usize,
 }
 
 impl Default for Options {
@@ -64,6 +70,7 @@ impl Default for Options {
             queue: 1024,
             batch_window: Duration::ZERO,
             max_batch: 256,
+            batches_in_flight: 1,
         }
     }
 }
@@ -215,12 +222,15 @@ impl Service {
     }
 }
 
-/// Collects jobs arriving within the window into batches of up to
-/// `max_batch` samples and runs each batch as one pipeline (batches run
-/// at once, each as its own task). The window sets how long the first
-/// job of a batch waits for company; it decides nothing else.
+/// Collects jobs into batches of up to `max_batch` samples and runs each
+/// batch as one pipeline, as its own task. A batch goes at once with the
+/// jobs already queued while fewer than `batches_in_flight` run; else it
+/// waits for more until a running batch ends, it is full, or the window
+/// has passed since its first job.
 async fn batch_loop(service: std::sync::Weak<Service>, mut jobs: mpsc::UnboundedReceiver<Job>) {
     let mut next: Option<Job> = None;
+    let running = Arc::new(AtomicUsize::new(0));
+    let ended = Arc::new(Notify::new());
     loop {
         let first = match next.take() {
             Some(j) => j,
@@ -232,29 +242,43 @@ async fn batch_loop(service: std::sync::Weak<Service>, mut jobs: mpsc::Unbounded
         let Some(svc) = service.upgrade() else {
             return;
         };
-        let (window, max) = (svc.options.batch_window, svc.options.max_batch);
-        let deadline = tokio::time::Instant::now() + window;
+        let o = &svc.options;
+        let (max, busy) = (o.max_batch, o.batches_in_flight.max(1));
+        let deadline = tokio::time::Instant::now() + o.batch_window;
         let mut rows = first.n;
         let mut batch = vec![first];
-        while rows < max {
-            match tokio::time::timeout_at(deadline, jobs.recv()).await {
-                Ok(Some(j)) if rows + j.n <= max => {
-                    rows += j.n;
-                    batch.push(j);
-                }
-                Ok(Some(j)) => {
-                    next = Some(j);
-                    break;
-                }
-                Ok(None) | Err(_) => break,
+        // What has arrived already.
+        while next.is_none() && rows < max {
+            match jobs.try_recv() {
+                Ok(j) => add(&mut batch, &mut rows, max, j, &mut next),
+                Err(_) => break,
             }
         }
+        // The GPU is busy: company, until a batch ends or the window passes.
+        while next.is_none() && rows < max && running.load(Ordering::Acquire) >= busy {
+            let end = ended.notified();
+            if running.load(Ordering::Acquire) < busy {
+                break;
+            }
+            tokio::select! {
+                j = jobs.recv() => match j {
+                    Some(j) => add(&mut batch, &mut rows, max, j, &mut next),
+                    None => break,
+                },
+                () = end => {}
+                () = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        running.fetch_add(1, Ordering::AcqRel);
+        let (running, ended) = (running.clone(), ended.clone());
         tokio::spawn(async move {
             let mut x = Vec::with_capacity(rows * D_IN);
             for j in &mut batch {
                 x.append(&mut j.x);
             }
             let out = svc.run(x, rows).await;
+            running.fetch_sub(1, Ordering::AcqRel);
+            ended.notify_one();
             let mut at = 0;
             for j in batch {
                 let mine = match &out {
@@ -265,6 +289,16 @@ async fn batch_loop(service: std::sync::Weak<Service>, mut jobs: mpsc::Unbounded
                 let _ = j.reply.send(mine);
             }
         });
+    }
+}
+
+/// Adds `j` to `batch` if its rows fit, else keeps it for the next one.
+fn add(batch: &mut Vec<Job>, rows: &mut usize, max: usize, j: Job, next: &mut Option<Job>) {
+    if *rows + j.n <= max {
+        *rows += j.n;
+        batch.push(j);
+    } else {
+        *next = Some(j);
     }
 }
 

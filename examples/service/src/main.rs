@@ -50,10 +50,14 @@ struct Args {
     /// Requests admitted at once; more are answered 503.
     #[arg(long, default_value_t = 1024)]
     queue: usize,
-    /// Dynamic batching: requests arriving within this many microseconds
-    /// run as one batch (0: each request alone).
+    /// Dynamic batching: how long a batch waits for company at most while
+    /// the GPU is busy (0: each request alone).
     #[arg(long, default_value_t = 0)]
     batch_window_us: u64,
+    /// Batches running at once before a new batch waits for company (for
+    /// at most the window).
+    #[arg(long, default_value_t = 1)]
+    batches_in_flight: usize,
     /// Samples a batch (and a request) at most.
     #[arg(long, default_value_t = 256)]
     max_batch: usize,
@@ -127,6 +131,7 @@ async fn run(args: Args) -> Result<i32, Box<dyn std::error::Error>> {
         queue: args.queue,
         batch_window: Duration::from_micros(args.batch_window_us),
         max_batch: args.max_batch,
+        batches_in_flight: args.batches_in_flight,
     };
     let service = Service::new(backend, options);
     let mut fatal = service.fatal();
