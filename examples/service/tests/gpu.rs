@@ -10,18 +10,9 @@ use cuda_async_service::model::{random, HostWeights, CLASSES, D_IN};
 
 /// 64 samples through a running service, binary: the outputs.
 fn outputs(svc: &Running, x: &[f32]) -> Vec<f32> {
-    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let (status, body) = request(
-        svc.addr,
-        "POST",
-        "/infer",
-        "application/octet-stream",
-        &bytes,
-    );
+    let (status, floats, body) = infer_binary(svc.addr, x);
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
-    body.chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect()
+    floats
 }
 
 #[test]

@@ -46,19 +46,8 @@ fn a_request_is_answered_a_bad_body_is_a_400_and_sigterm_stops_it_cleanly() {
         .collect();
     assert_close(&got, &want);
 
-    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let (status, body) = request(
-        svc.addr,
-        "POST",
-        "/infer",
-        "application/octet-stream",
-        &bytes,
-    );
+    let (status, got, _) = infer_binary(svc.addr, &x);
     assert_eq!(status, 200);
-    let got: Vec<f32> = body
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
     assert_eq!(got.len(), 3 * CLASSES);
     assert_close(&got, &want);
 
@@ -117,14 +106,8 @@ fn with_batching_on_each_request_gets_its_own_rows() {
             let x = random(n * D_IN, 100 + k, 1.0);
             let want = weights.reference(&x, n);
             std::thread::spawn(move || {
-                let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-                let (status, body) =
-                    request(addr, "POST", "/infer", "application/octet-stream", &bytes);
+                let (status, got, body) = infer_binary(addr, &x);
                 assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
-                let got: Vec<f32> = body
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect();
                 assert_close(&got, &want);
             })
         })

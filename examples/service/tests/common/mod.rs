@@ -119,6 +119,21 @@ pub fn request(
     response(s)
 }
 
+/// `POST /infer` of the samples `x`, binary: the status and the body's
+/// `f32`s (none unless 200).
+pub fn infer_binary(addr: SocketAddr, x: &[f32]) -> (u16, Vec<f32>, Vec<u8>) {
+    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let (status, body) = request(addr, "POST", "/infer", "application/octet-stream", &bytes);
+    let floats = if status == 200 {
+        body.chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    (status, floats, body)
+}
+
 pub fn json_body(x: &[f32]) -> Vec<u8> {
     let rows: Vec<&[f32]> = x.chunks(D_IN).collect();
     serde_json::to_vec(&serde_json::json!({ "inputs": rows })).unwrap()
