@@ -17,7 +17,11 @@ use super::recording::Recording;
 /// Implementations must not block in any method: [`RemoteSession::submit`]
 /// hands the recording to the session's own I/O (a thread or a runtime
 /// task) and returns at once.
-pub trait RemoteSession: Send + Sync + fmt::Debug {
+///
+/// A session is [`Any`](std::any::Any): one that recognises its siblings
+/// in [`RemoteSession::accepts`] downcasts `owner` (`&**owner as &dyn
+/// Any`).
+pub trait RemoteSession: std::any::Any + Send + Sync + fmt::Debug {
     /// Names the session for errors, e.g. `lease 1a2b... on node gpu-7`.
     fn describe(&self) -> String;
 
@@ -52,13 +56,6 @@ pub trait RemoteSession: Send + Sync + fmt::Debug {
     fn accepts(&self, owner: &Arc<dyn RemoteSession>, id: u64) -> bool {
         let _ = (owner, id);
         false
-    }
-
-    /// The session as [`Any`](std::any::Any), for a session that
-    /// recognises its siblings in [`RemoteSession::accepts`]. Default:
-    /// `None`.
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        None
     }
 }
 

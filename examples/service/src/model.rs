@@ -23,6 +23,7 @@ pub const HIDDEN: usize = 256;
 /// Classes (outputs a sample).
 pub const CLASSES: usize = 10;
 
+// ANCHOR: kernels
 /// The model's two kernels, in CUDA C (compiled by NVRTC locally, by the
 /// node on a lease).
 pub const KERNELS: &str = r#"
@@ -43,6 +44,7 @@ extern "C" __global__ void softmax_columns(float* z, unsigned rows, unsigned col
     for (unsigned i = 0; i < rows; i++) c[i] /= sum;
 }
 "#;
+// ANCHOR_END: kernels
 
 /// The weights on the host, pseudo-random from a seed.
 #[derive(Debug, Clone)]
@@ -139,6 +141,7 @@ impl Model {
         })
     }
 
+    // ANCHOR: forward
     /// The forward pass of `n` samples (`x`: `D_IN` floats each, end to
     /// end), downloaded: `CLASSES` probabilities a sample.
     pub fn forward(&self, x: Vec<f32>, n: usize) -> impl DeviceOp<Output = HostBuffer<f32>> {
@@ -169,4 +172,5 @@ impl Model {
             })
             .then(|(z, _, _)| d2h(z))
     }
+    // ANCHOR_END: forward
 }

@@ -114,7 +114,8 @@ impl RemoteSession for Placement {
     }
 
     fn accepts(&self, owner: &Arc<dyn RemoteSession>, id: u64) -> bool {
-        let Some(other) = owner.as_any().and_then(|a| a.downcast_ref::<Placement>()) else {
+        let owner: &dyn Any = &**owner;
+        let Some(other) = owner.downcast_ref::<Placement>() else {
             return false;
         };
         if !Arc::ptr_eq(&other.shared, &self.shared) {
@@ -134,10 +135,6 @@ impl RemoteSession for Placement {
             .unwrap_or_else(|e| e.into_inner())
             .push(id);
         true
-    }
-
-    fn as_any(&self) -> Option<&dyn Any> {
-        Some(self)
     }
 }
 
