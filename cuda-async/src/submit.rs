@@ -149,7 +149,9 @@ impl SubmitThread {
         let sent = self.jobs.as_ref().map(|tx| tx.send(job));
         if !matches!(sent, Some(Ok(()))) {
             self.shared.pending.fetch_sub(1, Ordering::AcqRel);
-            hand.put(Err(panicked()));
+            hand.put(Err(Error::InvalidArgument(
+                "the submit thread is gone: the op was not enqueued".into(),
+            )));
         }
         Enqueued {
             state: Step::Handed(hand),
