@@ -295,7 +295,7 @@ impl BulkChannel {
         });
         let all = tokio::time::timeout(
             client.config.connect_timeout,
-            futures_join_all(opens.collect()),
+            futures::future::join_all(opens),
         )
         .await
         .map_err(|_| {
@@ -315,4 +315,3 @@ impl BulkChannel {
 #[cfg_attr(not(feature = "backend"), allow(dead_code))]
 pub(crate) type SharedBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;
 
-use super::stripe::join_all as futures_join_all;

@@ -90,7 +90,7 @@ impl Client {
                 });
                 self.bulk_run(conn, pieces)
             });
-            return first_error(join_all(futs.collect()).await);
+            return first_error(futures::future::join_all(futs).await);
         }
         let conns = self.stripe_set(bytes.len()).await?;
         let parts = stripe_bounds(bytes.len(), conns.len());
@@ -103,7 +103,7 @@ impl Client {
             }
             Ok::<_, Error>(())
         });
-        first_error(join_all(futs.collect()).await)
+        first_error(futures::future::join_all(futs).await)
     }
 
     /// [`Client::striped_write`] of bytes the stripes share, so that over
@@ -388,31 +388,6 @@ fn stripe_bounds(len: usize, n: usize) -> Vec<std::ops::Range<usize>> {
             return out;
         }
     }
-}
-
-/// Polls every future on this task until all are done (no spawning, so
-/// they may borrow).
-pub(super) async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
-    let mut futs: Vec<std::pin::Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
-    let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
-            if o.is_none() {
-                match f.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => *o = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    out.into_iter().flatten().collect()
 }
 
 #[cfg(test)]

@@ -15,9 +15,7 @@ use crate::proto::{
     Status,
 };
 use crate::stamps::{stamp, Point};
-use crate::worker::{
-    SentRequest, WorkerBatchReply, WorkerError, WorkerLoad, WorkerProcess, FLAG_HELD,
-};
+use crate::worker::{SentRequest, WorkerBatchReply, WorkerError, WorkerLoad, FLAG_HELD};
 
 /// The reply for a lease whose worker died or hung during a request: the
 /// lease's own error if it expired or was freed meanwhile, else the lease is
@@ -542,21 +540,6 @@ fn undo_unrun(
             _ => {}
         }
     }
-}
-
-pub(super) async fn ensure_worker<'a>(
-    shared: &Shared,
-    slot: &'a mut Option<WorkerProcess>,
-) -> Result<&'a WorkerProcess, WorkerError> {
-    if slot.as_ref().is_some_and(|w| w.exited().is_some()) {
-        *slot = None;
-    }
-    if slot.is_none() {
-        *slot =
-            Some(WorkerProcess::spawn(&shared.cfg.worker, shared.cfg.worker_start_timeout).await?);
-    }
-    slot.as_ref()
-        .ok_or_else(|| WorkerError::Start("no worker".into()))
 }
 
 /// What a plan charges on the node: allocations to the lease's reservation

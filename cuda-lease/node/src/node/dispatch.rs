@@ -8,7 +8,7 @@ use std::time::Duration;
 use tracing::{debug, info};
 
 use super::auth::{owner_filter, principal, token_principal};
-use super::batch::{ensure_worker, run_batch, run_in_order};
+use super::batch::{run_batch, run_in_order};
 use super::handshake::Peer;
 use super::submit::{submit, submit_turn, BudgetTurn};
 use super::{take_worker, LeaseSlot, LeaseState, Reply, Shared, Slot};
@@ -19,6 +19,7 @@ use crate::proto::{
     Inventory, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, MemAlloc, Op, Opcode, Status,
 };
 use crate::stamps::{stamp, Point};
+use crate::worker::WorkerProcess;
 
 /// Serves one request; `turn` (the principal's budget turn of this
 /// request) is charged the bytes of the reply before the work that makes
@@ -230,7 +231,13 @@ pub(super) async fn inventory(shared: &Arc<Shared>) -> Result<Reply, Reply> {
     // then the last figures seen are served.
     let idle = shared.submit.iter().find_map(|m| m.try_lock().ok());
     if let Some(mut slot) = idle {
-        if let Ok(w) = ensure_worker(shared, &mut slot).await {
+        if let Ok(w) = WorkerProcess::ensure(
+            &mut slot,
+            &shared.cfg.worker,
+            shared.cfg.worker_start_timeout,
+        )
+        .await
+        {
             if let Ok(f) = w
                 .call(Opcode::GetInventory, &[], &[], shared.cfg.op_timeout)
                 .await

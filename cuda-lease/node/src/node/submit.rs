@@ -4,12 +4,11 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::batch::ensure_worker;
 use super::{Reply, Shared};
 use crate::lease_table::Principal;
 use crate::metrics::Metrics;
 use crate::proto::{from_body, Frame, GpuSubmit, Opcode, Status};
-use crate::worker::WorkerFailure;
+use crate::worker::{WorkerFailure, WorkerProcess};
 
 /// One request of a principal in flight, with the bytes it holds in the
 /// node (body and unstreamed data, then the reply's data); given back when
@@ -159,9 +158,13 @@ pub(super) async fn submit_inner(shared: &Arc<Shared>, f: &Frame) -> Result<Repl
         Some(g) => g,
         None => shared.submit[start % n].lock().await,
     };
-    let w = ensure_worker(shared, &mut guard)
-        .await
-        .map_err(|e| Reply::err(Status::Internal, e.to_string()))?;
+    let w = WorkerProcess::ensure(
+        &mut guard,
+        &shared.cfg.worker,
+        shared.cfg.worker_start_timeout,
+    )
+    .await
+    .map_err(|e| Reply::err(Status::Internal, e.to_string()))?;
     match w
         .call(Opcode::GpuSubmit, &f.body, &f.data, shared.cfg.op_timeout)
         .await

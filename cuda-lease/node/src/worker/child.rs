@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::enqueue::{enqueue, Payload};
 use super::graphs::Graphs;
 use super::messages::{
     ChunkOps, HeldRead, WorkerBatch, WorkerBatchReply, WorkerFailure, FLAG_HELD, HELD_MIN,
@@ -16,8 +17,8 @@ use crate::device::{
     CudaDevice, DeviceArg, DeviceError, LaunchDims, LeaseDevice, MemoryDevice, Ticket,
 };
 use crate::proto::{
-    self, from_body, to_body, Command, Frame, GpuSubmit, Header, Id, LaunchArg, ModuleHash, Op,
-    Opcode, SourceKind, Status,
+    self, from_body, to_body, Frame, GpuSubmit, Header, Id, LaunchArg, ModuleHash, Opcode,
+    SourceKind, Status,
 };
 use crate::sandbox::{CompileSandbox, Compiler};
 use crate::shm::{WorkerRing, SHM_ENV};
@@ -468,7 +469,7 @@ pub(super) fn enqueue_batch(
     batch: &WorkerBatch<'_>,
     data: &[u8],
 ) -> Enqueued {
-    let mut payload = Payload { data, cursor: 0 };
+    let mut payload = Payload::new(data);
     let mut read_at = 0usize;
     let mut failed = None;
     let mut compiled = Vec::new();
@@ -589,47 +590,6 @@ pub(super) fn submit(
     }
     // The frees run before the next call's work (same stream).
     result
-}
-
-/// The batch's data, taken front to back by its module sources and writes.
-pub(super) struct Payload<'d> {
-    data: &'d [u8],
-    cursor: usize,
-}
-
-impl<'d> Payload<'d> {
-    pub(super) fn new(data: &'d [u8]) -> Self {
-        Payload { data, cursor: 0 }
-    }
-
-    pub(super) fn take(&mut self, len: u64) -> Result<&'d [u8], DeviceError> {
-        let end = usize::try_from(len)
-            .ok()
-            .and_then(|len| self.cursor.checked_add(len));
-        let s = end
-            .and_then(|end| self.data.get(self.cursor..end))
-            .ok_or_else(|| DeviceError::new(Status::BadRequest, "batch data too short"))?;
-        self.cursor += s.len();
-        Ok(s)
-    }
-}
-
-/// Enqueues command `c` on the device, its write's bytes taken from
-/// `payload`; a read lands at `read_at` in the reply's data, which it
-/// advances.
-pub(super) fn enqueue(
-    dev: &mut dyn LeaseDevice,
-    c: &Command<'_>,
-    payload: &mut Payload<'_>,
-    read_at: &mut usize,
-) -> Result<(), DeviceError> {
-    let data = match c.op {
-        Op::Write { len, .. } => payload.take(len)?,
-        _ => &[],
-    };
-    dev.enqueue(c, data, *read_at)?;
-    *read_at += c.op.reply_len() as usize;
-    Ok(())
 }
 
 /// Refuses a CUDA C module whose options or includes could reach the

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use super::child::{enqueue, Payload};
+use super::enqueue::{enqueue, Payload};
 use crate::device::{DeviceError, LeaseDevice};
 use crate::proto::{Command, Id, Op, Status, StreamId, FIRST_NODE_ID};
 

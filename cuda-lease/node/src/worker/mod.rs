@@ -16,7 +16,8 @@
 //! Where each part lives: `process` (the node's side: starting a worker,
 //! its pipes and shared ring, requests with a time bound, the kill),
 //! `child` (the worker process's loop and what it runs), `messages` (what
-//! the two say to each other beyond the wire's own messages); this file
+//! the two say to each other beyond the wire's own messages), `enqueue` (a
+//! batch's commands onto the device, for batches and graph bodies); this file
 //! holds how a worker is started ([`WorkerSpec`], [`DeviceSpec`]) and the
 //! [`main_if_worker`] hook.
 
@@ -28,6 +29,7 @@ use crate::proto::Limits;
 use crate::sandbox::CompileSandbox;
 
 mod child;
+mod enqueue;
 mod graphs;
 mod messages;
 mod process;

@@ -190,6 +190,22 @@ impl std::fmt::Debug for WorkerProcess {
 }
 
 impl WorkerProcess {
+    /// The worker in `slot`, started (up to `timeout`) when the slot is
+    /// empty or its worker has exited.
+    pub(crate) async fn ensure<'a>(
+        slot: &'a mut Option<WorkerProcess>,
+        spec: &WorkerSpec,
+        timeout: Duration,
+    ) -> Result<&'a WorkerProcess, WorkerError> {
+        if slot.as_ref().is_some_and(|w| w.exited().is_some()) {
+            *slot = None;
+        }
+        match slot {
+            Some(w) => Ok(w),
+            None => Ok(slot.insert(WorkerProcess::spawn(spec, timeout).await?)),
+        }
+    }
+
     /// Starts a worker and waits (up to `timeout`) for it to report its device.
     pub(crate) async fn spawn(spec: &WorkerSpec, timeout: Duration) -> Result<Self, WorkerError> {
         let ring = ShmRing::create()
