@@ -29,8 +29,9 @@
 pub mod baseline;
 pub mod model;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
@@ -46,7 +47,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 
-use model::{Model, CLASSES, D_IN};
+use model::{ForwardGraph, Model, CLASSES, D_IN};
 
 /// How the service runs requests.
 #[derive(Debug, Clone)]
@@ -95,6 +96,9 @@ pub enum Backend {
         /// serves more requests than every executor thread making them at
         /// once (the CUDA driver serializes them).
         submit: Option<Arc<cuda_async::SubmitThread>>,
+        /// Forward passes captured as CUDA graphs, by batch size (`None`:
+        /// every pipeline is enqueued op by op). Local pool only.
+        graphs: Option<Graphs>,
     },
     /// cudarc from `spawn_blocking` ([`baseline`]).
     Blocking(Arc<baseline::Baseline>),
@@ -188,12 +192,13 @@ impl Service {
 
     /// One pipeline of `n` samples (timed on the GPU, on ops).
     async fn run(&self, x: Vec<f32>, n: usize) -> Result<Vec<f32>, String> {
-        let (model, policy, submit) = match &self.backend {
+        let (model, policy, submit, graphs) = match &self.backend {
             Backend::Ops {
                 model,
                 policy,
                 submit,
-            } => (model, policy, submit),
+                graphs,
+            } => (model, policy, submit, graphs),
             Backend::Blocking(b) => {
                 let b = b.clone();
                 return tokio::task::spawn_blocking(move || b.forward(&x, n))
@@ -202,6 +207,21 @@ impl Service {
             }
         };
         let run = async {
+            if let Some(graphs) = graphs {
+                if let Some(mut lent) = graphs.lend(model, n).await? {
+                    let (out, t) = match lent.graph().run(&x, &**policy).await {
+                        Ok(r) => r,
+                        Err(e) => {
+                            lent.discard();
+                            return Err(e);
+                        }
+                    };
+                    if let Ok(gpu) = t.elapsed() {
+                        self.metrics.gpu.observe(gpu.as_secs_f64());
+                    }
+                    return Ok(out);
+                }
+            }
             let op = model.forward(x, n).timed().schedule(&**policy)?;
             let (out, t) = match submit {
                 Some(s) => s.enqueue(op).await?,
@@ -219,6 +239,103 @@ impl Service {
             }
             e.to_string()
         })
+    }
+}
+
+/// Forward graphs ([`Model::capture`]) by batch size, a request's size
+/// rounded up to a power of two (its padding columns are zeros and their
+/// outputs dropped), so a service keeps a few sizes. A graph serves one
+/// request at a time; a size has at most `per_size` graphs, captured on
+/// first need, and a request finding every one of its size busy runs op by
+/// op.
+#[derive(Debug)]
+pub struct Graphs {
+    /// By size: the graphs not in use, and how many exist.
+    sizes: Mutex<HashMap<usize, (Vec<ForwardGraph>, usize)>>,
+    per_size: usize,
+}
+
+impl Graphs {
+    /// At most `per_size` graphs a batch size.
+    pub fn new(per_size: usize) -> Self {
+        Graphs {
+            sizes: Mutex::default(),
+            per_size,
+        }
+    }
+
+    fn sizes(&self) -> std::sync::MutexGuard<'_, HashMap<usize, (Vec<ForwardGraph>, usize)>> {
+        self.sizes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A graph for `n` samples, captured now if its size has fewer than
+    /// `per_size`; `None` when all of its size are in use.
+    async fn lend(&self, model: &Model, n: usize) -> cuda_async::Result<Option<Lent<'_>>> {
+        let size = n.max(1).next_power_of_two();
+        {
+            let mut sizes = self.sizes();
+            let (free, made) = sizes.entry(size).or_default();
+            if let Some(g) = free.pop() {
+                return Ok(Some(Lent {
+                    graphs: self,
+                    graph: Some(g),
+                }));
+            }
+            if *made >= self.per_size {
+                return Ok(None);
+            }
+            *made += 1;
+        }
+        let model = model.clone();
+        let captured = tokio::task::spawn_blocking(move || model.capture(size))
+            .await
+            .unwrap_or_else(|e| Err(cuda_async::Error::InvalidArgument(e.to_string())));
+        match captured {
+            Ok(g) => Ok(Some(Lent {
+                graphs: self,
+                graph: Some(g),
+            })),
+            Err(e) => {
+                self.forget(size);
+                Err(e)
+            }
+        }
+    }
+
+    fn forget(&self, size: usize) {
+        if let Some((_, made)) = self.sizes().get_mut(&size) {
+            *made -= 1;
+        }
+    }
+}
+
+/// A graph lent to one request: back to its size's free list when
+/// dropped (also mid-request: a later request's input write waits for the
+/// replays launched before it), or gone after [`Lent::discard`].
+struct Lent<'a> {
+    graphs: &'a Graphs,
+    graph: Option<ForwardGraph>,
+}
+
+impl Lent<'_> {
+    fn graph(&self) -> &ForwardGraph {
+        self.graph.as_ref().expect("lent until dropped")
+    }
+
+    /// Drops the graph (its replay failed) instead of giving it back.
+    fn discard(&mut self) {
+        if let Some(g) = self.graph.take() {
+            self.graphs.forget(g.samples());
+        }
+    }
+}
+
+impl Drop for Lent<'_> {
+    fn drop(&mut self) {
+        if let Some(g) = self.graph.take() {
+            let mut sizes = self.graphs.sizes();
+            sizes.entry(g.samples()).or_default().0.push(g);
+        }
     }
 }
 

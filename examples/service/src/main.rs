@@ -18,7 +18,7 @@ use clap::Parser;
 use cuda_async::{Device, RemotePolicy, SchedulingPolicy, StreamPoolRoundRobin};
 use cuda_async_service::baseline::Baseline;
 use cuda_async_service::model::{HostWeights, Model};
-use cuda_async_service::{router, Backend, Options, Service};
+use cuda_async_service::{router, Backend, Graphs, Options, Service};
 use cuda_lease::client::{ClientConfig, Lease};
 use cuda_lease::remote::LeaseBackend;
 use cuda_lease_node::{DeviceSpec, Node, NodeConfig, WorkerSpec};
@@ -68,6 +68,12 @@ struct Args {
     /// each request, on any runtime thread).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     submit_thread: bool,
+    /// CUDA graphs a batch size (sizes rounded up to a power of two): a
+    /// request replays a captured forward pass instead of enqueuing its
+    /// ops one by one; 0: no graphs. Local pool only (default there: 8;
+    /// on a lease: none).
+    #[arg(long)]
+    graphs: Option<usize>,
     /// Runtime threads (default: one a core).
     #[arg(long)]
     workers: Option<usize>,
@@ -111,6 +117,7 @@ fn main() {
 async fn run(args: Args) -> Result<i32, Box<dyn std::error::Error>> {
     let mut keep = Keep::default();
     let weights = HostWeights::random(args.seed);
+    let graphs = graphs(&args)?;
     let backend = if args.baseline {
         Backend::Blocking(Baseline::new(&weights)?)
     } else {
@@ -125,6 +132,7 @@ async fn run(args: Args) -> Result<i32, Box<dyn std::error::Error>> {
             model,
             policy,
             submit,
+            graphs,
         }
     };
     let options = Options {
@@ -164,6 +172,18 @@ async fn run(args: Args) -> Result<i32, Box<dyn std::error::Error>> {
         node.shutdown().await;
     }
     Ok(i32::from(failed))
+}
+
+/// Graphs a batch size, as the flags ask: 8 by default on the local pool,
+/// none on a lease (its graphs would live on the node, and the service's
+/// graphs upload from and download into this host's pinned memory).
+fn graphs(args: &Args) -> Result<Option<Graphs>, String> {
+    match (args.graphs, &args.lease) {
+        (Some(0), _) | (None, Some(_)) => Ok(None),
+        (Some(_), Some(_)) => Err("--graphs: the local pool only (not with --lease)".into()),
+        (Some(n), None) => Ok(Some(Graphs::new(n))),
+        (None, None) => Ok(Some(Graphs::new(8))),
+    }
 }
 
 /// The policy the flags ask for.

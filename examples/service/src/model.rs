@@ -13,7 +13,8 @@ use std::sync::Arc;
 use cuda_async::blas::{gemm, Gemm};
 use cuda_async::prelude::*;
 use cuda_async::{
-    DeviceBuffer, HostBuffer, Kernel, LaunchConfig, Module, Result, SchedulingPolicy,
+    CudaGraph, Device, DeviceBuffer, GpuTime, HostBuffer, Kernel, LaunchConfig, Module, Result,
+    SchedulingPolicy, SharedPinnedBuffer,
 };
 
 /// Inputs a sample.
@@ -111,7 +112,7 @@ pub fn random(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 }
 
 /// The model on one backend: its weights uploaded once, its kernels.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Model {
     w1: Arc<DeviceBuffer<f32>>,
     b1: Arc<DeviceBuffer<f32>>,
@@ -145,11 +146,20 @@ impl Model {
     /// The forward pass of `n` samples (`x`: `D_IN` floats each, end to
     /// end), downloaded: `CLASSES` probabilities a sample.
     pub fn forward(&self, x: Vec<f32>, n: usize) -> impl DeviceOp<Output = HostBuffer<f32>> {
+        self.layers(h2d(x), n).then(d2h)
+    }
+
+    /// The layers on the `D_IN` x `n` input `x` makes: the `CLASSES` x `n`
+    /// output, on the device.
+    fn layers(
+        &self,
+        x: impl DeviceOp<Output = DeviceBuffer<f32>>,
+        n: usize,
+    ) -> impl DeviceOp<Output = DeviceBuffer<f32>> {
         let (w1, b1, w2) = (self.w1.clone(), self.b1.clone(), self.w2.clone());
         let (bias_relu, softmax) = (self.bias_relu.clone(), self.softmax.clone());
         let (h, c, cols) = (HIDDEN as u32, CLASSES as u32, n as u32);
-        h2d(x)
-            .zip(zeros::<f32>(HIDDEN * n))
+        x.zip(zeros::<f32>(HIDDEN * n))
             // H = W1 * X
             .then(move |(x, hid)| gemm(Gemm::new(HIDDEN, n, D_IN), w1, x, hid))
             // SAFETY: bias_relu touches hid[0..h*cols) and b1[0..h); they
@@ -170,7 +180,86 @@ impl Model {
             .then(move |(_, _, z)| unsafe {
                 launch(&softmax, LaunchConfig::for_num_elems(cols), (z, c, cols))
             })
-            .then(|(z, _, _)| d2h(z))
+            .map(|(z, _, _)| z)
     }
     // ANCHOR_END: forward
+}
+
+impl Model {
+    /// The forward pass of `n` samples captured as a CUDA graph on the
+    /// default device (where [`Model::upload`] put the weights on the
+    /// local pool): each replay uploads what the host last wrote into the
+    /// graph's input, runs the layers and downloads into its output. A
+    /// request then costs one graph launch instead of an enqueue per op.
+    ///
+    /// # Errors
+    ///
+    /// Pinned memory, the capture's or an op's errors.
+    pub fn capture(&self, n: usize) -> Result<ForwardGraph> {
+        let device = Device::new(0)?;
+        let input = SharedPinnedBuffer::filled(&device, D_IN * n, 0.0f32)?;
+        let output = SharedPinnedBuffer::filled(&device, CLASSES * n, 0.0f32)?;
+        let (inp, out) = (input.clone(), output.clone());
+        let x = zeros::<f32>(D_IN * n)
+            .then(move |x| copy_h2d(inp, x))
+            .map(|(_, x)| x);
+        let graph = self
+            .layers(x, n)
+            .then(move |z| copy_d2h(z, out))
+            .map(|_| ())
+            .graph()?;
+        Ok(ForwardGraph {
+            n,
+            graph,
+            input,
+            output,
+        })
+    }
+}
+
+/// A forward pass captured for `n` samples ([`Model::capture`]). Its
+/// replays share its input and output memory, so it serves one request
+/// at a time.
+#[derive(Debug)]
+pub struct ForwardGraph {
+    n: usize,
+    graph: CudaGraph<()>,
+    input: SharedPinnedBuffer<f32>,
+    output: SharedPinnedBuffer<f32>,
+}
+
+impl ForwardGraph {
+    /// The samples a replay runs.
+    pub fn samples(&self) -> usize {
+        self.n
+    }
+
+    /// Runs `x` (`D_IN` values a sample, at most [`ForwardGraph::samples`]
+    /// samples; the rest of the input is zeros) on `policy`: the first
+    /// `CLASSES` values a sample of the output, and the replay's GPU time.
+    ///
+    /// # Errors
+    ///
+    /// `x` longer than the graph's input; the replay's errors.
+    pub async fn run(
+        &self,
+        x: &[f32],
+        policy: &dyn SchedulingPolicy,
+    ) -> Result<(Vec<f32>, GpuTime)> {
+        let samples = x.len() / D_IN;
+        if !x.len().is_multiple_of(D_IN) || samples > self.n {
+            return Err(cuda_async::Error::InvalidArgument(format!(
+                "{} inputs for a graph of {} samples of {D_IN}",
+                x.len(),
+                self.n
+            )));
+        }
+        self.input.write(|v| {
+            v[..x.len()].copy_from_slice(x);
+            v[x.len()..].fill(0.0);
+        })?;
+        let ((), t) = self.graph.launch().timed().schedule(policy)?.await?;
+        let out = self.output.read(|v| v[..samples * CLASSES].to_vec())?;
+        Ok((out, t))
+    }
 }

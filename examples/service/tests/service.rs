@@ -152,6 +152,7 @@ fn a_full_queue_is_answered_503_at_once() {
             model,
             policy: remote,
             submit: Some(Arc::new(cuda_async::SubmitThread::new().unwrap())),
+            graphs: None,
         };
         let service = Service::new(backend, options);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
