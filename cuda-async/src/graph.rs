@@ -240,6 +240,31 @@ impl<T> CudaGraph<T> {
         GraphLaunch { graph: self }
     }
 
+    /// [`CudaGraph::launch`] as an op that holds the graph by `Arc`, so it
+    /// is `'static`: it can be handed to another thread (a
+    /// [`SubmitThread`](crate::SubmitThread), a spawned task) while other
+    /// tasks share the graph. Replays are ordered as
+    /// [`CudaGraph::launch`]'s are.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use cuda_async::prelude::*;
+    /// use cuda_async::SubmitThread;
+    /// # async fn f() -> cuda_async::Result<()> {
+    /// let graph = Arc::new(zeros::<f32>(1024).graph()?);
+    /// let submit = SubmitThread::new()?;
+    /// let pool = StreamPoolRoundRobin::new(&cuda_async::Device::new(0)?, 4)?;
+    /// submit.enqueue(graph.launch_owned().schedule(&pool)?).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn launch_owned(self: &Arc<Self>) -> OwnedGraphLaunch<T> {
+        OwnedGraphLaunch {
+            graph: self.clone(),
+        }
+    }
+
     /// The captured op's output (for instance the buffers it produced):
     /// what each replay recomputes. Ops that use it are ordered after the
     /// replays launched before them.
@@ -462,6 +487,32 @@ impl<T: Send + Sync> DeviceOp for GraphLaunch<'_, T> {
 }
 
 crate::op::impl_into_future!(impl['g, T: Send + Sync] for GraphLaunch<'g, T>);
+
+/// One replay of a [`CudaGraph`] shared by `Arc`, as an op (see
+/// [`CudaGraph::launch_owned`]).
+#[must_use = "ops do nothing until they are run (.sync(), .await, ...)"]
+pub struct OwnedGraphLaunch<T> {
+    graph: Arc<CudaGraph<T>>,
+}
+
+impl<T> fmt::Debug for OwnedGraphLaunch<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OwnedGraphLaunch")
+            .field("graph", &*self.graph)
+            .finish()
+    }
+}
+
+impl<T: Send + Sync> DeviceOp for OwnedGraphLaunch<T> {
+    type Output = ();
+
+    unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<()> {
+        // SAFETY: the caller's contract, passed on; the graph lives (by
+        // this op's `Arc`) as long as the borrowed launch.
+        unsafe { self.graph.launch().execute(ctx) }
+    }
+}
+crate::op::impl_into_future!(impl[T: Send + Sync] for OwnedGraphLaunch<T>);
 
 /// Writes new inputs into a graph's output (see [`CudaGraph::update`]).
 #[must_use = "ops do nothing until they are run (.sync(), .await, ...)"]

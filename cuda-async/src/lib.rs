@@ -172,7 +172,7 @@ pub use cuda_core::{
 };
 pub use future::{run_on, DeviceFuture};
 pub use globals::{read_global, write_global, ReadGlobal, WriteGlobal};
-pub use graph::{CudaGraph, DeviceScalar, GraphLaunch, SetScalar, UpdateOutput};
+pub use graph::{CudaGraph, DeviceScalar, GraphLaunch, OwnedGraphLaunch, SetScalar, UpdateOutput};
 pub use host_step::{
     host_step, host_step_each, host_step_with, HostResult, HostStep, HostStepEach, HostStepWith,
 };

@@ -209,7 +209,7 @@ impl Service {
         let run = async {
             if let Some(graphs) = graphs {
                 if let Some(mut lent) = graphs.lend(model, n).await? {
-                    let (out, t) = match lent.graph().run(&x, &**policy).await {
+                    let (out, t) = match lent.graph().run(&x, &**policy, submit.as_deref()).await {
                         Ok(r) => r,
                         Err(e) => {
                             lent.discard();

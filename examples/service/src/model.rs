@@ -14,7 +14,7 @@ use cuda_async::blas::{gemm, Gemm};
 use cuda_async::prelude::*;
 use cuda_async::{
     CudaGraph, Device, DeviceBuffer, GpuTime, HostBuffer, Kernel, LaunchConfig, Module, Result,
-    SchedulingPolicy, SharedPinnedBuffer,
+    SchedulingPolicy, SharedPinnedBuffer, SubmitThread,
 };
 
 /// Inputs a sample.
@@ -210,7 +210,7 @@ impl Model {
             .graph()?;
         Ok(ForwardGraph {
             n,
-            graph,
+            graph: Arc::new(graph),
             input,
             output,
         })
@@ -223,7 +223,7 @@ impl Model {
 #[derive(Debug)]
 pub struct ForwardGraph {
     n: usize,
-    graph: CudaGraph<()>,
+    graph: Arc<CudaGraph<()>>,
     input: SharedPinnedBuffer<f32>,
     output: SharedPinnedBuffer<f32>,
 }
@@ -235,8 +235,9 @@ impl ForwardGraph {
     }
 
     /// Runs `x` (`D_IN` values a sample, at most [`ForwardGraph::samples`]
-    /// samples; the rest of the input is zeros) on `policy`: the first
-    /// `CLASSES` values a sample of the output, and the replay's GPU time.
+    /// samples; the rest of the input is zeros) on `policy`, the replay
+    /// launched by `submit` when given: the first `CLASSES` values a
+    /// sample of the output, and the replay's GPU time.
     ///
     /// # Errors
     ///
@@ -245,6 +246,7 @@ impl ForwardGraph {
         &self,
         x: &[f32],
         policy: &dyn SchedulingPolicy,
+        submit: Option<&SubmitThread>,
     ) -> Result<(Vec<f32>, GpuTime)> {
         let samples = x.len() / D_IN;
         if !x.len().is_multiple_of(D_IN) || samples > self.n {
@@ -258,7 +260,11 @@ impl ForwardGraph {
             v[..x.len()].copy_from_slice(x);
             v[x.len()..].fill(0.0);
         })?;
-        let ((), t) = self.graph.launch().timed().schedule(policy)?.await?;
+        let replay = self.graph.launch_owned().timed().schedule(policy)?;
+        let ((), t) = match submit {
+            Some(s) => s.enqueue(replay).await?,
+            None => replay.await?,
+        };
         let out = self.output.read(|v| v[..samples * CLASSES].to_vec())?;
         Ok((out, t))
     }

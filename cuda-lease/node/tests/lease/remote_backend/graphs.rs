@@ -278,3 +278,52 @@ async fn a_graph_kept_on_the_node_goes_with_its_lease() {
     drop(graph);
     fx.shutdown().await;
 }
+
+/// A graph shared by `Arc` replays from spawned tasks, directly and
+/// through a `SubmitThread` (`launch_owned` is a `'static` op): every
+/// replay runs once, each after the one before (y += x at each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graph_shared_by_arc_replays_from_other_tasks_and_a_submit_thread() {
+    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let remote = Arc::new(fx.policy());
+    let k = kernels();
+    let up = |v: Vec<f32>| h2d(v).schedule(&*remote).unwrap();
+    let (x, y) = (
+        up(vec![1.0; 4]).await.unwrap(),
+        up(vec![0.0; 4]).await.unwrap(),
+    );
+    // SAFETY: axpy touches x and y [0..4); both hold 4 floats.
+    let graph = unsafe { launch(&k.axpy, cfg(4), (1.0f32, x, y, 4u32)) }
+        .graph_with_async(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    let graph = Arc::new(graph);
+    let submit = Arc::new(cuda_async::SubmitThread::new().unwrap());
+    let tasks: Vec<_> = (0..4)
+        .map(|t| {
+            let (graph, remote, submit) = (graph.clone(), remote.clone(), submit.clone());
+            tokio::spawn(async move {
+                for _ in 0..5 {
+                    let op = graph.launch_owned().schedule(&*remote).unwrap();
+                    if t % 2 == 0 {
+                        submit.enqueue(op).await.unwrap();
+                    } else {
+                        op.await.unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let y = d2h(&graph.output().2)
+        .schedule(&*remote)
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(y.to_vec().unwrap(), [20.0; 4]);
+    drop(graph);
+    fx.free_and_shutdown().await;
+}
