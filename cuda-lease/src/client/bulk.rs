@@ -314,4 +314,3 @@ impl BulkChannel {
 /// read from several threads.
 #[cfg_attr(not(feature = "backend"), allow(dead_code))]
 pub(crate) type SharedBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;
-
