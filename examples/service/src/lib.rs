@@ -207,30 +207,28 @@ impl Service {
             }
         };
         let run = async {
-            if let Some(graphs) = graphs {
-                if let Some(mut lent) = graphs.lend(model, n).await? {
-                    let (out, t) = match lent.graph().run(&x, &**policy, submit.as_deref()).await {
-                        Ok(r) => r,
-                        Err(e) => {
-                            lent.discard();
-                            return Err(e);
-                        }
-                    };
-                    if let Ok(gpu) = t.elapsed() {
-                        self.metrics.gpu.observe(gpu.as_secs_f64());
+            let lent = match graphs {
+                Some(graphs) => graphs.lend(model, n).await?,
+                None => None,
+            };
+            let (out, t) = match lent {
+                Some(mut lent) => match lent.graph().run(&x, &**policy, submit.as_deref()).await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        lent.discard();
+                        return Err(e);
                     }
-                    return Ok(out);
+                },
+                None => {
+                    let op = model.forward(x, n).timed().schedule(&**policy)?;
+                    let (out, t) = model::enqueue(submit.as_deref(), op).await?;
+                    (out.to_vec()?, t)
                 }
-            }
-            let op = model.forward(x, n).timed().schedule(&**policy)?;
-            let (out, t) = match submit {
-                Some(s) => s.enqueue(op).await?,
-                None => op.await?,
             };
             if let Ok(gpu) = t.elapsed() {
                 self.metrics.gpu.observe(gpu.as_secs_f64());
             }
-            out.to_vec()
+            Ok(out)
         };
         run.await.map_err(|e: cuda_async::Error| {
             if e.is_sticky() && !self.stopping.swap(true, Ordering::AcqRel) {

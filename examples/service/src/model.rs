@@ -13,8 +13,8 @@ use std::sync::Arc;
 use cuda_async::blas::{gemm, Gemm};
 use cuda_async::prelude::*;
 use cuda_async::{
-    CudaGraph, Device, DeviceBuffer, GpuTime, HostBuffer, Kernel, LaunchConfig, Module, Result,
-    SchedulingPolicy, SharedPinnedBuffer, SubmitThread,
+    CudaGraph, Device, DeviceBuffer, DeviceFuture, GpuTime, HostBuffer, Kernel, LaunchConfig,
+    Module, Result, SchedulingPolicy, SharedPinnedBuffer, SubmitThread,
 };
 
 /// Inputs a sample.
@@ -261,11 +261,24 @@ impl ForwardGraph {
             v[x.len()..].fill(0.0);
         })?;
         let replay = self.graph.launch_owned().timed().schedule(policy)?;
-        let ((), t) = match submit {
-            Some(s) => s.enqueue(replay).await?,
-            None => replay.await?,
-        };
+        let ((), t) = enqueue(submit, replay).await?;
         let out = self.output.read(|v| v[..samples * CLASSES].to_vec())?;
         Ok((out, t))
+    }
+}
+
+/// Runs a scheduled op: enqueued by `submit` when given, else by the
+/// awaiting task; its output once the GPU is done.
+///
+/// # Errors
+///
+/// The op's.
+pub async fn enqueue<O: DeviceOp + 'static>(
+    submit: Option<&SubmitThread>,
+    op: DeviceFuture<O>,
+) -> Result<<O as DeviceOp>::Output> {
+    match submit {
+        Some(s) => s.enqueue(op).await,
+        None => op.await,
     }
 }
