@@ -27,6 +27,8 @@
 //!   called from `spawn_blocking`.
 
 pub mod baseline;
+#[cfg(feature = "fleet")]
+pub mod fleet;
 pub mod model;
 
 use std::collections::HashMap;
@@ -100,6 +102,16 @@ pub enum Backend {
         /// every pipeline is enqueued op by op). Local pool only.
         graphs: Option<Graphs>,
     },
+    /// The model's ops on leases of a fleet, each with its own copy of the
+    /// weights ([`fleet`]): a pipeline runs on the lease with the fewest
+    /// in flight, and again on another when its node is lost.
+    #[cfg(feature = "fleet")]
+    Fleet {
+        /// The leases.
+        replicas: Arc<fleet::Replicas>,
+        /// As for [`Backend::Ops`].
+        submit: Option<Arc<cuda_async::SubmitThread>>,
+    },
     /// cudarc from `spawn_blocking` ([`baseline`]).
     Blocking(Arc<baseline::Baseline>),
 }
@@ -108,6 +120,8 @@ impl std::fmt::Debug for Backend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Backend::Ops { policy, .. } => write!(f, "ops on {policy:?}"),
+            #[cfg(feature = "fleet")]
+            Backend::Fleet { replicas, .. } => write!(f, "ops on {:?}", replicas.nodes()),
             Backend::Blocking(_) => f.write_str("cudarc from spawn_blocking"),
         }
     }
@@ -192,13 +206,38 @@ impl Service {
 
     /// One pipeline of `n` samples (timed on the GPU, on ops).
     async fn run(&self, x: Vec<f32>, n: usize) -> Result<Vec<f32>, String> {
-        let (model, policy, submit, graphs) = match &self.backend {
+        let out = match &self.backend {
             Backend::Ops {
                 model,
                 policy,
                 submit,
                 graphs,
-            } => (model, policy, submit, graphs),
+            } => {
+                self.ops(model, &**policy, submit.as_deref(), graphs.as_ref(), x, n)
+                    .await
+            }
+            #[cfg(feature = "fleet")]
+            Backend::Fleet { replicas, submit } => {
+                // Each lost lease leaves the rotation: at most as many
+                // tries as leases were held, and one more.
+                let mut tries = replicas.count() + 1;
+                loop {
+                    let Some(r) = replicas.pick() else {
+                        return Err("no lease of the fleet is alive".into());
+                    };
+                    let (model, policy) = (r.model(), r.policy());
+                    match self
+                        .ops(model, policy, submit.as_deref(), None, x.clone(), n)
+                        .await
+                    {
+                        Err(e) if fleet::Replicas::is_lost(&e) && tries > 1 => {
+                            replicas.lose(&r, &e);
+                            tries -= 1;
+                        }
+                        out => break out,
+                    }
+                }
+            }
             Backend::Blocking(b) => {
                 let b = b.clone();
                 return tokio::task::spawn_blocking(move || b.forward(&x, n))
@@ -206,37 +245,48 @@ impl Service {
                     .map_err(|e| e.to_string())?;
             }
         };
-        let run = async {
-            let lent = match graphs {
-                Some(graphs) => graphs.lend(model, n).await?,
-                None => None,
-            };
-            let (out, t) = match lent {
-                Some(mut lent) => match lent.graph().run(&x, &**policy, submit.as_deref()).await {
-                    Ok(r) => r,
-                    Err(e) => {
-                        lent.discard();
-                        return Err(e);
-                    }
-                },
-                None => {
-                    let op = model.forward(x, n).timed().schedule(&**policy)?;
-                    let (out, t) = model::enqueue(submit.as_deref(), op).await?;
-                    (out.to_vec()?, t)
-                }
-            };
-            if let Ok(gpu) = t.elapsed() {
-                self.metrics.gpu.observe(gpu.as_secs_f64());
-            }
-            Ok(out)
-        };
-        run.await.map_err(|e: cuda_async::Error| {
+        out.map_err(|e: cuda_async::Error| {
             if e.is_sticky() && !self.stopping.swap(true, Ordering::AcqRel) {
                 eprintln!("service: the GPU context is lost, stopping: {e}");
                 let _ = self.fatal.send(Some(e.to_string()));
             }
             e.to_string()
         })
+    }
+
+    /// The forward pass of `n` samples on `model`'s ops: a lent graph's
+    /// replay, or the ops enqueued one by one.
+    async fn ops(
+        &self,
+        model: &Model,
+        policy: &dyn SchedulingPolicy,
+        submit: Option<&cuda_async::SubmitThread>,
+        graphs: Option<&Graphs>,
+        x: Vec<f32>,
+        n: usize,
+    ) -> cuda_async::Result<Vec<f32>> {
+        let lent = match graphs {
+            Some(graphs) => graphs.lend(model, n).await?,
+            None => None,
+        };
+        let (out, t) = match lent {
+            Some(mut lent) => match lent.graph().run(&x, policy, submit).await {
+                Ok(r) => r,
+                Err(e) => {
+                    lent.discard();
+                    return Err(e);
+                }
+            },
+            None => {
+                let op = model.forward(x, n).timed().schedule(policy)?;
+                let (out, t) = model::enqueue(submit, op).await?;
+                (out.to_vec()?, t)
+            }
+        };
+        if let Ok(gpu) = t.elapsed() {
+            self.metrics.gpu.observe(gpu.as_secs_f64());
+        }
+        Ok(out)
     }
 }
 

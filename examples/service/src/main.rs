@@ -41,10 +41,24 @@ struct Args {
     /// in-memory test device, which computes on the host).
     #[arg(long, default_value = "cuda")]
     embedded_device: String,
-    /// The node's certificate (PEM), for `--lease ADDR`.
+    /// Run on leases of a fleet whose nodes register in etcd at these
+    /// endpoints (comma-separated): `--fleet-leases` leases, one a node,
+    /// the weights on each. Needs the `fleet` feature.
+    #[arg(long, value_delimiter = ',', conflicts_with = "lease")]
+    etcd: Vec<String>,
+    /// Leases held on the fleet (`--etcd`), each on another node.
+    #[arg(long, default_value_t = 2)]
+    fleet_leases: usize,
+    /// Trust a fleet's nodes by the certificate fingerprints in its
+    /// registry (`--etcd`) instead of `--cert`'s roots.
+    #[arg(long)]
+    trust_registry: bool,
+    /// The node's certificate (PEM), for `--lease ADDR`; the roots the
+    /// nodes' certificates chain to, for `--etcd`.
     #[arg(long)]
     cert: Option<PathBuf>,
-    /// The token the node knows this tenant by, for `--lease ADDR`.
+    /// The token the node knows this tenant by, for `--lease ADDR` and
+    /// `--etcd`.
     #[arg(long, env = "CUDA_LEASE_TOKEN")]
     token: Option<String>,
     /// Requests admitted at once; more are answered 503.
@@ -79,15 +93,18 @@ struct Args {
     workers: Option<usize>,
     /// Serve with the baseline instead of the ops: cudarc called from
     /// `spawn_blocking`, one stream per blocking thread (GPU 0).
-    #[arg(long, conflicts_with = "lease")]
+    #[arg(long, conflicts_with_all = ["lease", "etcd"])]
     baseline: bool,
 }
 
-/// What must live as long as the service: an embedded node, a lease.
+/// What must live as long as the service: an embedded node, a lease, the
+/// fleet's leases.
 #[derive(Default)]
 struct Keep {
     node: Option<Node>,
     lease: Option<Lease>,
+    #[cfg(feature = "fleet")]
+    fleet: Option<Arc<cuda_async_service::fleet::Replicas>>,
 }
 
 fn main() {
@@ -118,16 +135,18 @@ async fn run(args: Args) -> Result<i32, Box<dyn std::error::Error>> {
     let mut keep = Keep::default();
     let weights = HostWeights::random(args.seed);
     let graphs = graphs(&args)?;
+    let submit = if args.submit_thread && !args.baseline {
+        Some(Arc::new(cuda_async::SubmitThread::new()?))
+    } else {
+        None
+    };
     let backend = if args.baseline {
         Backend::Blocking(Baseline::new(&weights)?)
+    } else if !args.etcd.is_empty() {
+        fleet(&args, weights, submit, &mut keep).await?
     } else {
         let policy = policy(&args, &mut keep).await?;
         let model = Model::upload(&weights, &*policy).await?;
-        let submit = if args.submit_thread {
-            Some(Arc::new(cuda_async::SubmitThread::new()?))
-        } else {
-            None
-        };
         Backend::Ops {
             model,
             policy,
@@ -168,6 +187,10 @@ async fn run(args: Args) -> Result<i32, Box<dyn std::error::Error>> {
     if let Some(lease) = keep.lease.take() {
         let _ = lease.free().await;
     }
+    #[cfg(feature = "fleet")]
+    if let Some(fleet) = keep.fleet.take() {
+        fleet.free().await;
+    }
     if let Some(node) = keep.node.take() {
         node.shutdown().await;
     }
@@ -178,12 +201,55 @@ async fn run(args: Args) -> Result<i32, Box<dyn std::error::Error>> {
 /// none on a lease (its graphs would live on the node, and the service's
 /// graphs upload from and download into this host's pinned memory).
 fn graphs(args: &Args) -> Result<Option<Graphs>, String> {
-    match (args.graphs, &args.lease) {
-        (Some(0), _) | (None, Some(_)) => Ok(None),
-        (Some(_), Some(_)) => Err("--graphs: the local pool only (not with --lease)".into()),
-        (Some(n), None) => Ok(Some(Graphs::new(n))),
-        (None, None) => Ok(Some(Graphs::new(8))),
+    let remote = args.lease.is_some() || !args.etcd.is_empty();
+    match (args.graphs, remote) {
+        (Some(0), _) | (None, true) => Ok(None),
+        (Some(_), true) => Err("--graphs: the local pool only (not with --lease or --etcd)".into()),
+        (Some(n), false) => Ok(Some(Graphs::new(n))),
+        (None, false) => Ok(Some(Graphs::new(8))),
     }
+}
+
+/// The ops on leases of the fleet `--etcd` names.
+#[cfg(feature = "fleet")]
+async fn fleet(
+    args: &Args,
+    weights: HostWeights,
+    submit: Option<Arc<cuda_async::SubmitThread>>,
+    keep: &mut Keep,
+) -> Result<Backend, Box<dyn std::error::Error>> {
+    use cuda_async_service::fleet::{FleetOptions, Replicas};
+    use cuda_lease_fleet::{Fleet, FleetConfig};
+
+    let token = args.token.as_ref().ok_or("--etcd needs --token")?;
+    let client = match (&args.cert, args.trust_registry) {
+        (Some(cert), _) => ClientConfig::from_pem_file(cert)?,
+        // Replaced per node by the registry's fingerprint.
+        (None, true) => ClientConfig::pinned_sha256([0; 32]),
+        (None, false) => return Err("--etcd needs --cert or --trust-registry".into()),
+    };
+    let config = FleetConfig::new(args.etcd.iter().cloned())
+        .client(client.token(token.clone()))
+        .trust_registry(args.trust_registry);
+    let fleet = Fleet::connect(config).await?;
+    let options = FleetOptions {
+        leases: args.fleet_leases.max(1),
+        vram: 256 << 20,
+        streams: u32::try_from(args.streams).map_err(|_| "--streams: too many")?,
+    };
+    let replicas = Replicas::start(fleet, options, weights).await?;
+    keep.fleet = Some(replicas.clone());
+    Ok(Backend::Fleet { replicas, submit })
+}
+
+#[cfg(not(feature = "fleet"))]
+async fn fleet(
+    _: &Args,
+    _: HostWeights,
+    _: Option<Arc<cuda_async::SubmitThread>>,
+    _: &mut Keep,
+) -> Result<Backend, Box<dyn std::error::Error>> {
+    Err("--etcd: this service was built without the fleet (cargo build -p cuda-async-service --features fleet)".into())
 }
 
 /// The policy the flags ask for.
