@@ -62,5 +62,5 @@ mod record;
 pub use discovery::{Fleet, FleetConfig, FleetError};
 pub use placement::Need;
 #[cfg(feature = "backend")]
-pub use policy::{FleetPolicy, FleetPolicyConfig, NodeStats};
+pub use policy::{lost, FleetPolicy, FleetPolicyConfig, NodeStats};
 pub use record::{fingerprint, DeviceRecord, NodeRecord, RegistryConfig, DEFAULT_PREFIX};

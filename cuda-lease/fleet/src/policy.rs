@@ -405,9 +405,10 @@ impl Shared {
     }
 }
 
-/// Whether `e` says the submission's node or lease is gone (not the
-/// submission's own fault).
-fn lost(e: &cuda_async::Error) -> bool {
+/// Whether `e` says the node or the lease that ran the work is gone
+/// (disconnected; the lease expired, freed, not found or poisoned), not
+/// the work's own fault: the work may run again on another lease.
+pub fn lost(e: &cuda_async::Error) -> bool {
     matches!(
         e.remote_kind(),
         Some(

@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use cuda_async::{RemoteErrorExt, RemotePolicy, SchedulingPolicy};
-use cuda_lease::client::{ErrorKind, Lease};
+use cuda_async::{RemotePolicy, SchedulingPolicy};
+use cuda_lease::client::Lease;
 use cuda_lease::remote::LeaseBackend;
 use cuda_lease_fleet::{Fleet, FleetError};
 use tokio::sync::Notify;
@@ -163,22 +163,6 @@ impl Replicas {
             .clone();
         r.in_flight.fetch_add(1, Ordering::AcqRel);
         Some(Picked(r))
-    }
-
-    /// Whether `e` says the replica's node or lease is gone (not the
-    /// pipeline's own fault): then [`Replicas::lose`] it and run the
-    /// pipeline elsewhere.
-    pub fn is_lost(e: &cuda_async::Error) -> bool {
-        matches!(
-            e.remote_kind(),
-            Some(
-                ErrorKind::Disconnected(_)
-                    | ErrorKind::LeaseExpired
-                    | ErrorKind::LeaseFreed
-                    | ErrorKind::LeaseNotFound
-                    | ErrorKind::LeasePoisoned
-            )
-        )
     }
 
     /// Takes `r` out of the rotation and has a replacement leased.

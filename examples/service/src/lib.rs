@@ -230,7 +230,7 @@ impl Service {
                         .ops(model, policy, submit.as_deref(), None, x.clone(), n)
                         .await
                     {
-                        Err(e) if fleet::Replicas::is_lost(&e) && tries > 1 => {
+                        Err(e) if cuda_lease_fleet::lost(&e) && tries > 1 => {
                             replicas.lose(&r, &e);
                             tries -= 1;
                         }
