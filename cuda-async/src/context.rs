@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cuda_core::cudarc::driver::CudaStream;
-use cuda_core::{Device, Error, MemPool, Result};
+use cuda_core::{Device, Error, MarkScope, MemPool, Result, UseMark};
 
 use crate::reactor::{CompletionMode, StreamSlot};
 use crate::remote::RemoteContext;
@@ -30,6 +30,9 @@ pub struct ExecutionContext {
     /// Whether an op asked for the local stream (to enqueue on it): if none
     /// did, the executors return without synchronizing or signalling.
     touched: AtomicBool,
+    /// The use marks of this execution's ops: one event a stream, recorded
+    /// after the last of them when the execution ends.
+    marks: MarkScope,
 }
 
 enum Backend {
@@ -83,6 +86,7 @@ impl ExecutionContext {
             }),
             retained: Vec::new(),
             touched: AtomicBool::new(false),
+            marks: MarkScope::new(),
         }
     }
 
@@ -107,6 +111,7 @@ impl ExecutionContext {
             backend: Backend::Remote(remote),
             retained: Vec::new(),
             touched: AtomicBool::new(false),
+            marks: MarkScope::new(),
         }
     }
 
@@ -339,6 +344,20 @@ impl ExecutionContext {
 
     /// Moves a finished arm's retained values (and, remotely, its recorded
     /// commands) into this context.
+    /// A mark for an op's uses of buffers on `stream`, enqueued by this
+    /// execution: the marks of one stream share one event, recorded after
+    /// the last of them ([`Self::flush_marks`]) or when something needs
+    /// it first.
+    pub(crate) fn mark<'s>(&'s self, stream: &'s Arc<CudaStream>) -> UseMark<'s> {
+        self.marks.mark(stream)
+    }
+
+    /// Records the events of this execution's marks (when its ops are
+    /// enqueued, before its streams are joined or synchronized).
+    pub(crate) fn flush_marks(&self) -> Result<()> {
+        self.marks.flush()
+    }
+
     pub(crate) fn absorb(&mut self, mut other: ExecutionContext) {
         self.retained.append(&mut other.retained);
         if other.touched() {

@@ -34,12 +34,18 @@ pub(crate) unsafe fn execute_guarded<O: DeviceOp>(
         Some(pool) => pool.allocate_in(run),
         None => run(),
     };
+    // The ops' use marks: recorded once the whole op is enqueued.
+    let flushed = ctx.flush_marks();
     if let (Some(frame), Some(r)) = (frame, ctx.as_remote()) {
         let stream = r.stream();
         frame.finish(r.recording(), stream);
     }
     match result {
-        Ok(r) => r,
+        Ok(r) => {
+            let r = r?;
+            flushed?;
+            Ok(r)
+        }
         Err(panic) => {
             // What was recorded before the panic is sent as enqueued work is
             // left enqueued locally: the ids it names stay consistent.

@@ -297,7 +297,7 @@ pub(crate) fn run_foreign<U: StreamUses, R>(
     let ptrs = uses.begin(stream)?;
     let r = call(stream, ptrs);
     // One event after the call marks every buffer's use.
-    let recorded = uses.end(&UseMark::new(stream));
+    let recorded = uses.end(&ctx.mark(stream));
     let r = r?;
     recorded?;
     Ok(r)

@@ -662,7 +662,7 @@ impl<A: KernelArgs> DeviceOp for Launch<A> {
         // event records come after), so record the uses either way; a
         // buffer whose use cannot be recorded leaks instead of freeing early.
         // One event after the launch marks every buffer's use.
-        let recorded = self.args.after_all(&UseMark::new(&stream));
+        let recorded = self.args.after_all(&ctx.mark(&stream));
         launched?;
         recorded?;
         Ok(self.args)

@@ -130,6 +130,40 @@ fn shared_runs_once_and_consumers_on_other_streams_see_its_result() {
     suite::shared_runs_once_and_consumers_on_other_streams_see_its_result(&*local());
 }
 
+/// The ops of one execution on one stream share one use event, recorded
+/// after the last of them; a read of a buffer they wrote on another stream
+/// before the execution ends (here a blocking `d2h` from a `map` closure)
+/// waits for them: the event is recorded the moment the read needs it. The
+/// writer spins 2 ms first, so a read that did not wait would see zeros.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_read_on_another_stream_waits_for_writes_earlier_in_the_execution() {
+    let k = kernels();
+    let n = 1 << 16;
+    let other = dev().context().new_stream().unwrap();
+    for _ in 0..5 {
+        let (spin, ca, other) = (k.spin.clone(), k.copy_add.clone(), other.clone());
+        let host = zeros::<u64>(2)
+            .zip(h2d(vec![1.0f32; n]))
+            .zip(zeros::<f32>(n))
+            .then(move |((s, ones), x)| {
+                // SAFETY: spin writes stamps[0..2) of a 2-element buffer.
+                unsafe { launch(&spin, cfg(1), (2_000_000u64, s)) }.map(move |_| (ones, x))
+            })
+            .then(move |(ones, x)| {
+                // SAFETY: copy_add reads src[0..n) and writes dst[0..n); both
+                // have n elements.
+                unsafe { launch(&ca, cfg(n as u32), (ones, x, 1.0f32, n as u32)) }
+            })
+            .map(move |(_, x, _, _)| d2h(&x).sync_on(&other))
+            .sync_with(&*local())
+            .unwrap()
+            .unwrap();
+        let y = host.to_vec().unwrap();
+        assert!(y.iter().all(|v| *v == 2.0), "the read saw {:?}...", &y[..4]);
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn value_with_context_and_boxed_compose() {

@@ -75,7 +75,7 @@ pub use registered::HostRegistration;
 pub use remote::RemoteFailure;
 pub use shared_pinned::SharedPinnedBuffer;
 pub use stream_memop::stream_write_value_64;
-pub use tracking::UseMark;
+pub use tracking::{MarkScope, UseMark};
 
 /// The cudarc crate this is built on, for interop.
 pub use cudarc;

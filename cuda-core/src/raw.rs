@@ -113,8 +113,8 @@ impl Drop for RawEvent {
 /// last share is dropped; so marking an op's uses creates no event in the
 /// steady state.
 ///
-/// A shared event is recorded once, before it is shared, and never again
-/// while shared: a record would move every share's point in the stream.
+/// A shared event is recorded once ([`MarkEvent`]) and never again while
+/// shared: a record would move every share's point in the stream.
 #[derive(Debug)]
 pub(crate) struct PooledEvent {
     ev: ManuallyDrop<RawEvent>,
@@ -124,7 +124,86 @@ pub(crate) struct PooledEvent {
 }
 
 /// An event shared by several uses.
-pub(crate) type SharedEvent = Arc<PooledEvent>;
+pub(crate) type SharedEvent = Arc<MarkEvent>;
+
+/// The event of a [`crate::UseMark`]: recorded when it is made, or, for a
+/// mark of a [`crate::MarkScope`], deferred: recorded on its stream when
+/// the scope is flushed or the moment anything needs it
+/// ([`MarkEvent::event`]), whichever comes first. A deferred record comes
+/// after every use it marks (each was enqueued before the mark was used),
+/// so waiting for it waits for them. Never recorded twice.
+#[derive(Debug)]
+pub(crate) struct MarkEvent {
+    ev: PooledEvent,
+    /// Where a deferred record goes (kept alive while the event lives).
+    stream: Option<Arc<CudaStream>>,
+    recorded: std::sync::OnceLock<Result<()>>,
+}
+
+impl MarkEvent {
+    /// An event of `stream`'s context, recorded on it now.
+    pub(crate) fn recorded(stream: &CudaStream) -> Result<MarkEvent> {
+        let ev = PooledEvent::take(stream.context())?;
+        ev.record(stream)?;
+        Ok(MarkEvent {
+            ev,
+            stream: None,
+            recorded: std::sync::OnceLock::from(Ok(())),
+        })
+    }
+
+    /// An event of `stream`'s context, to be recorded on it later.
+    pub(crate) fn deferred(stream: &Arc<CudaStream>) -> Result<MarkEvent> {
+        Ok(MarkEvent {
+            ev: PooledEvent::take(stream.context())?,
+            stream: Some(stream.clone()),
+            recorded: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// Whether the event is recorded (or its record failed).
+    pub(crate) fn is_recorded(&self) -> bool {
+        self.recorded.get().is_some()
+    }
+
+    /// The stream of a deferred event.
+    pub(crate) fn deferred_on(&self) -> Option<&Arc<CudaStream>> {
+        self.stream.as_ref()
+    }
+
+    /// The event, recorded (now, if it was deferred and is not yet). A
+    /// failed record fails every call: nothing may take an event never
+    /// recorded for one that was.
+    pub(crate) fn event(&self) -> Result<&RawEvent> {
+        let r = self.recorded.get_or_init(|| match &self.stream {
+            Some(s) => self.ev.record(s),
+            None => Err(Error::InvalidArgument("an event never recorded".into())),
+        });
+        r.clone().map(|()| &*self.ev)
+    }
+
+    /// Makes `stream` wait for the event.
+    pub(crate) fn wait_on(&self, stream: &CudaStream) -> Result<()> {
+        self.event()?
+            .wait_on(stream)
+            .map_err(|e| Error::driver("cuStreamWaitEvent", e))
+    }
+
+    /// Blocks until the work before the event is done.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.event()?
+            .synchronize()
+            .map_err(|e| Error::driver("cuEventSynchronize", e))
+    }
+
+    /// [`RawEvent::readiness`]; failed when the event could not be recorded.
+    pub(crate) fn readiness(&self) -> crate::reclaim::Readiness {
+        match self.event() {
+            Ok(ev) => ev.readiness(),
+            Err(_) => crate::reclaim::Readiness::Failed,
+        }
+    }
+}
 
 impl std::ops::Deref for PooledEvent {
     type Target = RawEvent;

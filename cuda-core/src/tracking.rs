@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use crate::error::{Error, Result};
-use crate::raw::{set_current, PooledEvent, RawEvent, SharedEvent};
+use crate::raw::{set_current, MarkEvent, SharedEvent};
 
 /// A buffer's uses, shared by its handle and by every graph that captured a
 /// use of it (see [`crate::graph`]). When the handle is dropped while a
@@ -143,7 +143,7 @@ impl<E: Clone> Uses<E> {
 /// one just before it (the entries of one op share theirs).
 fn each_event<'a>(
     evs: impl Iterator<Item = &'a SharedEvent>,
-    mut f: impl FnMut(&RawEvent) -> Result<()>,
+    mut f: impl FnMut(&MarkEvent) -> Result<()>,
 ) -> Result<()> {
     let mut last: Option<&SharedEvent> = None;
     for ev in evs {
@@ -199,6 +199,8 @@ fn each_event<'a>(
 /// [`DeviceBuffer::after_read`]: crate::DeviceBuffer::after_read
 pub struct UseMark<'s> {
     stream: &'s CudaStream,
+    /// A mark of a scope: its event is the scope's for the stream.
+    scope: Option<(&'s MarkScope, &'s Arc<CudaStream>)>,
     ev: OnceCell<Result<SharedEvent>>,
 }
 
@@ -206,7 +208,11 @@ impl fmt::Debug for UseMark<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("UseMark")
             .field("stream", &(self.stream.cu_stream() as usize))
-            .field("recorded", &matches!(self.ev.get(), Some(Ok(_))))
+            .field(
+                "recorded",
+                &matches!(self.ev.get(), Some(Ok(e)) if e.is_recorded()),
+            )
+            .field("scoped", &self.scope.is_some())
             .finish()
     }
 }
@@ -216,6 +222,7 @@ impl<'s> UseMark<'s> {
     pub fn new(stream: &'s CudaStream) -> Self {
         UseMark {
             stream,
+            scope: None,
             ev: OnceCell::new(),
         }
     }
@@ -229,13 +236,116 @@ impl<'s> UseMark<'s> {
     /// failure is kept: every later call fails alike).
     pub(crate) fn event(&self) -> Result<&SharedEvent> {
         self.ev
-            .get_or_init(|| {
-                let ev = PooledEvent::take(self.stream.context())?;
-                ev.record(self.stream)?;
-                Ok(Arc::new(ev))
+            .get_or_init(|| match self.scope {
+                Some((scope, stream)) => scope.event_for(stream),
+                None => MarkEvent::recorded(self.stream).map(Arc::new),
             })
             .as_ref()
             .map_err(Clone::clone)
+    }
+}
+
+/// Use marks whose events are deferred: the marks a scope makes on one
+/// stream share one event, recorded once after all of their uses, when the
+/// scope is flushed (or dropped), or earlier, the moment anything needs it
+/// (another stream's wait, a host access, a free); a mark made after that
+/// gets a new event. So a chain of ops on one stream records one event,
+/// not one an op. Waiting for a deferred event waits for everything its
+/// stream ran up to its record: never less than the uses it marks.
+///
+/// A scope is for one execution: flush it before its streams are handed
+/// on (a graph capture of a stream with an event pending would capture
+/// its record).
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_core::{Device, DeviceBuffer, MarkScope};
+/// let dev = Device::new(0)?;
+/// let stream = dev.new_stream()?;
+/// let mut buf = DeviceBuffer::<f32>::zeros(&stream, 256)?;
+/// let scope = MarkScope::new();
+/// for _ in 0..10 {
+///     buf.before_write(&stream)?;
+///     // ... enqueue a write of `buf` on `stream` ...
+///     buf.after_write_with(&scope.mark(&stream))?;
+/// }
+/// scope.flush()?; // one event, recorded after the ten writes
+/// # Ok::<(), cuda_core::Error>(())
+/// ```
+#[derive(Debug, Default)]
+pub struct MarkScope {
+    /// The events not yet recorded, one a stream (boxed: a scope that
+    /// marks nothing stays small and allocates nothing).
+    pending: Mutex<Option<Box<Pending>>>,
+}
+
+/// A scope's events not yet recorded.
+#[derive(Debug, Default)]
+struct Pending(Vec<SharedEvent>);
+
+impl MarkScope {
+    /// A scope with nothing pending.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A mark for uses enqueued on `stream`, sharing the scope's event for
+    /// the stream (see [`UseMark`] for when to make and use it).
+    pub fn mark<'s>(&'s self, stream: &'s Arc<CudaStream>) -> UseMark<'s> {
+        UseMark {
+            stream,
+            scope: Some((self, stream)),
+            ev: OnceCell::new(),
+        }
+    }
+
+    /// The pending event of `stream`, or a new one. Called when a mark is
+    /// first used, after the uses it marks are enqueued: an event still
+    /// pending now is recorded later, after them.
+    fn event_for(&self, stream: &Arc<CudaStream>) -> Result<SharedEvent> {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let pending = &mut pending.get_or_insert_with(Box::default).0;
+        pending.retain(|e| !e.is_recorded());
+        let raw = stream.cu_stream();
+        let found = pending
+            .iter()
+            .find(|e| e.deferred_on().is_some_and(|s| s.cu_stream() == raw));
+        if let Some(ev) = found {
+            return Ok(ev.clone());
+        }
+        let ev = Arc::new(MarkEvent::deferred(stream)?);
+        pending.push(ev.clone());
+        Ok(ev)
+    }
+
+    /// Records every pending event on its stream.
+    ///
+    /// # Errors
+    ///
+    /// The first record that failed (each is tried); the uses it marks then
+    /// fail their waits, and their buffers are leaked rather than freed.
+    pub fn flush(&self) -> Result<()> {
+        let pending = self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let mut first = Ok(());
+        for ev in pending.into_iter().flat_map(|p| p.0) {
+            if let Err(e) = ev.event() {
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        first
+    }
+}
+
+impl Drop for MarkScope {
+    fn drop(&mut self) {
+        let _ = self.flush();
     }
 }
 
@@ -275,7 +385,6 @@ impl UseRecord {
         let reads = if write { &u.reads[..] } else { &[] };
         each_event(reads.iter().chain(&u.writes).map(|e| &e.ev), |ev| {
             ev.synchronize()
-                .map_err(|e| Error::driver("cuEventSynchronize", e))
         })
     }
 
@@ -295,10 +404,7 @@ impl UseRecord {
         }
         let u = self.lock();
         let raw = stream.cu_stream() as usize;
-        each_event(u.conflicts(raw, write, span), |ev| {
-            ev.wait_on(stream)
-                .map_err(|e| Error::driver("cuStreamWaitEvent", e))
-        })
+        each_event(u.conflicts(raw, write, span), |ev| ev.wait_on(stream))
     }
 
     /// Records a use of `span` enqueued on `mark`'s stream, marked by its
@@ -342,7 +448,6 @@ impl UseRecord {
         set_current(home.context())?;
         each_event(u.reads.iter().chain(&u.writes).map(|e| &e.ev), |ev| {
             ev.wait_on(home)
-                .map_err(|e| Error::driver("cuStreamWaitEvent", e))
         })
     }
 }

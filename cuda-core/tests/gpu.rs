@@ -740,7 +740,7 @@ extern "C" __global__ void slow3(const unsigned char* a, unsigned char* b, unsig
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn one_mark_orders_another_streams_uses_of_each_of_three_buffers() {
-    use cuda_core::{DeviceBuffer, UseMark};
+    use cuda_core::{DeviceBuffer, MarkScope, UseMark};
     let dev = Device::new(0).unwrap();
     let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
     let k = Module::cuda(SLOW3_SRC, &[])
@@ -750,8 +750,11 @@ fn one_mark_orders_another_streams_uses_of_each_of_three_buffers() {
     k.load_on(&dev).unwrap();
     dev.context().bind_to_thread().unwrap();
     let n = 1usize << 16;
-    for round in 0..3u8 {
-        let v = 10 * (round + 1);
+    // Rounds 3-5 with a scope's mark: its event is recorded only when
+    // stream 2's first use needs it, still after the kernel.
+    for round in 0..6u8 {
+        let scope = MarkScope::new();
+        let v = 10 * (round % 3 + 1);
         let mut a = DeviceBuffer::<u8>::zeros(&s1, n).unwrap();
         a.before_write(&s1).unwrap();
         a.memset_unordered(0..n, v, &s1).unwrap();
@@ -774,11 +777,17 @@ fn one_mark_orders_another_streams_uses_of_each_of_three_buffers() {
             // three n-byte buffers; recorded just below.
             unsafe { l.launch(LaunchConfig::for_num_elems(nn)) }.unwrap();
         }
-        let mark = UseMark::new(&s1);
+        let scoped = round >= 3;
+        let mark = if scoped {
+            scope.mark(&s1)
+        } else {
+            UseMark::new(&s1)
+        };
         a.after_read_with(&mark).unwrap();
         b.after_write_with(&mark).unwrap();
         c.after_write_with(&mark).unwrap();
-        assert!(format!("{mark:?}").contains("recorded: true"), "{mark:?}");
+        let recorded = format!("recorded: {}", !scoped);
+        assert!(format!("{mark:?}").contains(&recorded), "{mark:?}");
         // On stream 2, with no host wait.
         a.before_write(&s2).unwrap();
         a.memset_unordered(0..n, 0, &s2).unwrap();

@@ -89,6 +89,10 @@ impl Fork {
     /// arm's retained values are leaked (nothing can order their release
     /// after the arm's work) and [`Fork::join`] reports the error.
     pub(crate) fn end(&mut self, parent: &mut ExecutionContext, mut child: ExecutionContext) {
+        // The arm's use marks, before its stream is joined.
+        if let Err(e) = child.flush_marks() {
+            self.error.get_or_insert(e);
+        }
         if let Some(arm) = child.as_remote() {
             if let Some(ev) = parent.remote_ref().and_then(|p| arm.end_arm(p.stream())) {
                 self.remote_joins.push(ev);
