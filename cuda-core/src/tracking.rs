@@ -424,7 +424,17 @@ impl UseRecord {
             }
         };
         let raw = mark.stream().cu_stream() as usize;
-        self.lock().note(raw, write, span, ev);
+        let mut u = self.lock();
+        // A chain of ops on one stream shares its event (a `MarkScope`'s):
+        // a use its entry already covers changes nothing that orders later
+        // uses (a write would only forget entries, which is never needed).
+        let list = if write { &u.writes } else { &u.reads };
+        let covered = list
+            .iter()
+            .any(|e| e.stream == raw && Arc::ptr_eq(&e.ev, ev) && within(&span, &e.span));
+        if !covered {
+            u.note(raw, write, span, ev);
+        }
         Ok(())
     }
 
