@@ -20,6 +20,9 @@ use crate::Result;
 pub(super) struct Raw {
     /// The node's settings, a new stream per request.
     pub(super) rtt: Vec<Duration>,
+    /// The same, the server relaying each request through a child process
+    /// and back ([`RawQuinn::start_relayed`]).
+    pub(super) relayed: Vec<Duration>,
     /// The node's settings, one connection, client -> server.
     pub(super) up1: Vec<Duration>,
     /// The node's settings, one connection, server -> client.
@@ -109,6 +112,13 @@ pub(super) async fn raw_baseline(ctx: &Ctx) -> Result<Raw> {
         );
     }
     raw.close().await;
+    let relay = RawQuinn::start_relayed(1, &ctx.cfg.transport.1).await?;
+    let relayed = round_trips(iters, || relay.round_trip(64)).await?;
+    relay.close().await;
+    detail_times(
+        "raw quinn 64 B request/reply relayed through a child process",
+        &relayed,
+    );
     let [up1, down1, up4, down4] = <[Vec<Duration>; 4]>::try_from(runs).expect("four runs");
 
     let mut one_way = Vec::new();
@@ -148,6 +158,7 @@ pub(super) async fn raw_baseline(ctx: &Ctx) -> Result<Raw> {
     detail_times("TCP on loopback, 64 B request/reply", &tcp.rtt);
     Ok(Raw {
         rtt,
+        relayed,
         up1,
         down1,
         up4,
@@ -174,6 +185,20 @@ pub(super) fn raw_striping_row(ctx: &Ctx, raw: &Raw, up: bool) -> Row {
     .raw(rates(size, one))
     .lib(rates(size, four))
     .note("both sides raw quinn: what striping can reach (>= 2x one connection)")
+}
+
+/// Raw quinn whose server relays each request through a child process
+/// (`cat`, pipes both ways) against raw quinn direct: what crossing a
+/// process boundary costs with no protocol on top (raw against raw).
+pub(super) fn relay_row(raw: &Raw) -> Row {
+    Row::new(
+        "remote",
+        "raw quinn 64 B request/reply: the server relaying through a child process (pipe both ways) vs direct",
+        Unit::Micros,
+    )
+    .raw(times(Unit::Micros, &raw.rtt))
+    .lib(times(Unit::Micros, &raw.relayed))
+    .note("both sides raw quinn with the node's settings: the cost of a process boundary, as a lease's worker adds")
 }
 
 /// The transports against each other, one connection each: quinn with

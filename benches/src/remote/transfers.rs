@@ -205,6 +205,14 @@ pub(super) fn rows(
         .lib(times(Unit::Micros, &lease.batch))
         .goal(Goal::AtMost(1.2))
         .goal_from("issue 19"),
+        Row::new(
+            "remote",
+            "one-kernel BATCH p50 vs raw quinn 64 B request/reply relayed through a child process",
+            Unit::Micros,
+        )
+        .raw(times(Unit::Micros, &raw.relayed))
+        .lib(times(Unit::Micros, &lease.batch))
+        .note("the raw side crosses a process boundary both ways, as the lease's worker does"),
         rate(
             format!("MEM_WRITE {mib} vs raw one connection up"),
             &raw.up1,

@@ -9,7 +9,10 @@
 //!   Requests are a bidirectional stream each (as the node's are): an
 //!   8-byte little-endian count of bytes wanted back, then any payload; the
 //!   server reads the stream to its end, then writes the wanted number of
-//!   bytes and finishes.
+//!   bytes and finishes. [`RawQuinn::start_relayed`]'s server first sends
+//!   the whole request through a child process (`cat`, on pipes) and reads
+//!   it back: the cost of crossing a process boundary both ways, as a
+//!   lease's requests cross to its worker process and its replies back.
 //! - [`RawTcp`]: one plain TCP connection (`tokio::net`, no TLS) to an
 //!   echo-style server on 127.0.0.1:0, the host's reference for bulk
 //!   bytes. A request is a 16-byte header (the bytes that follow and the
@@ -69,5 +72,16 @@ mod tests {
             q.receive((2 << 20) + 3, 1).await.unwrap();
             q.close().await;
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn raw_quinn_relayed_through_a_child_moves_what_it_says() {
+        let q = RawQuinn::start_relayed(1, &TransportSettings::default())
+            .await
+            .unwrap();
+        for (out, back) in [(64, 64), (2320, 1060), ((1 << 20) + 9, 3)] {
+            q.request_reply(out, back).await.unwrap();
+        }
+        q.close().await;
     }
 }

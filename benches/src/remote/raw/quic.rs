@@ -1,7 +1,11 @@
 //! [`RawQuinn`]: raw quinn, an echo-style server and its connections.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::Mutex;
 
 use super::{BoxError, CHUNK};
 use cuda_lease::tls::{client_config, ServerTrust};
@@ -15,6 +19,58 @@ pub struct RawQuinn {
     client: quinn::Endpoint,
     conns: Vec<quinn::Connection>,
     task: tokio::task::JoinHandle<()>,
+    relay: Option<Arc<Relay>>,
+}
+
+/// A child process the server relays each request through: the request
+/// (its 8-byte count and payload) down the child's stdin and the same
+/// bytes back from its stdout (`cat`: an echo that only crosses the
+/// process boundary both ways, as a lease's commands cross to its worker
+/// and its replies back), before the server replies.
+#[derive(Debug)]
+struct Relay {
+    child: std::sync::Mutex<tokio::process::Child>,
+    pipes: Mutex<(tokio::process::ChildStdin, tokio::process::ChildStdout)>,
+}
+
+impl Relay {
+    fn start() -> Result<Relay, BoxError> {
+        let mut child = tokio::process::Command::new("cat")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("starting `cat` for the relay: {e}"))?;
+        let stdin = child.stdin.take().ok_or("no stdin")?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        Ok(Relay {
+            child: std::sync::Mutex::new(child),
+            pipes: Mutex::new((stdin, stdout)),
+        })
+    }
+
+    /// `msg` to the child and back (written and read at once: a message
+    /// larger than the pipes would block otherwise).
+    async fn echo(&self, msg: &[u8]) -> Result<Vec<u8>, BoxError> {
+        let mut pipes = self.pipes.lock().await;
+        let (stdin, stdout) = &mut *pipes;
+        let mut back = vec![0u8; msg.len()];
+        tokio::try_join!(
+            async {
+                stdin.write_all(msg).await?;
+                stdin.flush().await
+            },
+            stdout.read_exact(&mut back),
+        )?;
+        Ok(back)
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        let child = self.child.get_mut().unwrap_or_else(|e| e.into_inner());
+        let _ = child.start_kill();
+    }
 }
 
 impl RawQuinn {
@@ -37,17 +93,41 @@ impl RawQuinn {
         connections: usize,
         transport: &TransportSettings,
     ) -> Result<Self, BoxError> {
+        Self::start_inner(connections, transport, None).await
+    }
+
+    /// As [`RawQuinn::start_with`], with a server that relays each request
+    /// through a child process and back before replying (see the module
+    /// docs): the raw reference that crosses a process boundary, as a
+    /// lease's requests cross to its worker.
+    ///
+    /// # Errors
+    /// As [`RawQuinn::start_with`], or `cat` cannot be started.
+    pub async fn start_relayed(
+        connections: usize,
+        transport: &TransportSettings,
+    ) -> Result<Self, BoxError> {
+        Self::start_inner(connections, transport, Some(Arc::new(Relay::start()?))).await
+    }
+
+    async fn start_inner(
+        connections: usize,
+        transport: &TransportSettings,
+        relay: Option<Arc<Relay>>,
+    ) -> Result<Self, BoxError> {
         let id = self_signed(&["localhost".into()])?;
         let local = SocketAddr::from(([127, 0, 0, 1], 0));
         let server = transport.endpoint(local, Some(server_config(&id, None, transport)?))?;
         let addr = server.local_addr()?;
         let accept = server.clone();
+        let relayed = relay.clone();
         let task = tokio::spawn(async move {
             while let Some(incoming) = accept.accept().await {
+                let relay = relayed.clone();
                 tokio::spawn(async move {
                     let Ok(conn) = incoming.await else { return };
                     while let Ok((send, recv)) = conn.accept_bi().await {
-                        tokio::spawn(serve(send, recv));
+                        tokio::spawn(serve(send, recv, relay.clone()));
                     }
                 });
             }
@@ -70,6 +150,7 @@ impl RawQuinn {
             client,
             conns,
             task,
+            relay,
         })
     }
 
@@ -143,6 +224,7 @@ impl RawQuinn {
         self.client.wait_idle().await;
         self.server.close(0u32.into(), b"done");
         self.task.abort();
+        drop(self.relay);
     }
 }
 
@@ -179,11 +261,28 @@ async fn drain(recv: &mut quinn::RecvStream) -> Result<u64, BoxError> {
     Ok(n)
 }
 
-async fn serve(mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
+async fn serve(
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    relay: Option<Arc<Relay>>,
+) {
     let result: Result<(), BoxError> = async {
         let mut want = [0u8; 8];
         recv.read_exact(&mut want).await?;
-        drain(&mut recv).await?;
+        match &relay {
+            // The whole request through the child and back.
+            Some(relay) => {
+                let mut msg = want.to_vec();
+                while let Some(c) = recv.read_chunk(CHUNK, true).await? {
+                    msg.extend_from_slice(&c.bytes);
+                }
+                let back = relay.echo(&msg).await?;
+                want.copy_from_slice(&back[..8]);
+            }
+            None => {
+                drain(&mut recv).await?;
+            }
+        }
         let mut left = u64::from_le_bytes(want);
         // No larger than the reply: a 64 B reply fills 64 bytes, not a
         // whole chunk (filling 1 MiB per request would add its time to
