@@ -82,9 +82,15 @@ fn every_remote_topic_runs_on_the_memory_device() {
     // launch, one more launch in a submission, h2d and d2h each against
     // raw quinn and TCP, h2d and d2h over the bulk-data channel against
     // QUIC, raw striping up and down, the raw transports against each
-    // other (6); no spins.
+    // other (6), raw quinn relayed through a child process against direct
+    // and the BATCH against it; no spins.
     let remote: Vec<_> = rows.iter().filter(|r| r.group == "remote").collect();
-    assert_eq!(remote.len(), 23, "{remote:#?}");
+    assert_eq!(remote.len(), 25, "{remote:#?}");
+    assert_eq!(
+        remote.iter().filter(|r| r.metric.contains("relay")).count(),
+        2,
+        "{remote:#?}"
+    );
     assert!(remote
         .iter()
         .any(|r| r.metric.starts_with("one more launch in a submission")));
