@@ -88,7 +88,6 @@ pub struct Replicas {
     live: Mutex<Vec<Arc<Replica>>>,
     /// Wakes the task that replaces lost leases.
     lost: Arc<Notify>,
-    replaced: AtomicUsize,
     turn: AtomicUsize,
 }
 
@@ -111,7 +110,6 @@ impl Replicas {
             weights,
             live: Mutex::default(),
             lost: Arc::default(),
-            replaced: AtomicUsize::new(0),
             turn: AtomicUsize::new(0),
         });
         let mut why = String::from("no node registered");
@@ -144,11 +142,6 @@ impl Replicas {
     /// The nodes leased now.
     pub fn nodes(&self) -> Vec<String> {
         self.live().iter().map(|r| r.node.clone()).collect()
-    }
-
-    /// Leases that replaced a lost one so far.
-    pub fn replaced(&self) -> usize {
-        self.replaced.load(Ordering::Acquire)
     }
 
     /// The replica with the fewest pipelines in flight (ties taken in
@@ -256,9 +249,7 @@ async fn keep_up(replicas: Weak<Replicas>) {
             continue;
         }
         match r.add().await {
-            Ok(true) => {
-                r.replaced.fetch_add(1, Ordering::AcqRel);
-            }
+            Ok(true) => {}
             Ok(false) => {
                 let used = r.nodes();
                 let need = r.options.vram;
@@ -276,6 +267,9 @@ async fn keep_up(replicas: Weak<Replicas>) {
             Err(e) => {
                 eprintln!("service: leasing a replacement: {e}");
                 drop(r);
+                // A back-off, not an order: a node that refused (full,
+                // unreachable) is not asked again at once; nothing waits
+                // on this but the next try.
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }

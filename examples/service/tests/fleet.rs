@@ -8,93 +8,22 @@
 //! `$CUDA_LEASE_TEST_ETCD`, else `etcd` on the `PATH`.
 
 mod common;
+// The node tests' etcd helper (a real etcd per test, the fleet followed on
+// its watch), shared by path as `cuda-async/tests/suite` is.
+#[path = "../../../cuda-lease/node/tests/common/etcd.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod etcd;
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use cuda_async_service::model::{random, HostWeights, CLASSES, D_IN};
-use cuda_lease::client::ClientConfig;
-use cuda_lease_fleet::{Fleet, FleetConfig, NodeRecord, RegistryConfig};
+use cuda_lease_fleet::NodeRecord;
 use cuda_lease_node::{DeviceSpec, Node, NodeConfig, WorkerSpec};
+use etcd::{follow, registry, until, Etcd};
 
+/// The token the nodes know the service by (`etcd::Etcd::fleet_config`'s).
 const TOKEN: &str = "fleet-test";
-/// Longest a registry change may take to reach the test.
-const PROMPT: Duration = Duration::from_secs(20);
-
-/// A real etcd on free loopback ports with its own data directory,
-/// stopped (by its PID) when dropped.
-struct Etcd {
-    child: Child,
-    dir: PathBuf,
-    url: String,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-impl Etcd {
-    fn start() -> Etcd {
-        let bin = std::env::var_os("CUDA_LEASE_TEST_ETCD")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from("etcd"));
-        let dir = std::env::temp_dir().join(format!("service-fleet-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let url = format!("http://127.0.0.1:{}", free_port());
-        let peer = format!("http://127.0.0.1:{}", free_port());
-        let child = Command::new(bin)
-            .args(["--name", "service-test", "--data-dir"])
-            .arg(dir.join("data"))
-            .args([
-                "--listen-client-urls",
-                &url,
-                "--advertise-client-urls",
-                &url,
-            ])
-            .args([
-                "--listen-peer-urls",
-                &peer,
-                "--initial-advertise-peer-urls",
-                &peer,
-            ])
-            .args(["--initial-cluster", &format!("service-test={peer}")])
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("etcd.log")).unwrap())
-            .spawn()
-            .expect("start etcd (Debian: etcd-server; or set CUDA_LEASE_TEST_ETCD)");
-        Etcd { child, dir, url }
-    }
-
-    /// The fleet as a client sees it, once etcd answers.
-    async fn follow(&self) -> Fleet {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            let cfg = FleetConfig::new([self.url.clone()])
-                .trust_registry(true)
-                .client(ClientConfig::pinned_sha256([0; 32]).token(TOKEN));
-            match Fleet::connect(cfg).await {
-                Ok(f) => return f,
-                Err(e) => assert!(Instant::now() < deadline, "etcd does not answer: {e}"),
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 /// A node on the in-memory device (its worker is the service binary),
 /// registered in `etcd` as `name`.
@@ -108,10 +37,7 @@ async fn node(etcd: &Etcd, name: &str) -> Node {
     });
     cfg.name = name.into();
     cfg.tokens = vec![TOKEN.into()];
-    let mut r = RegistryConfig::new([etcd.url.clone()]);
-    r.ttl = Duration::from_secs(5);
-    r.min_update_interval = Duration::from_millis(50);
-    cfg.registry = Some(r);
+    cfg.registry = Some(registry(etcd, Duration::from_secs(5)));
     Node::start(cfg).await.expect("start a node")
 }
 
@@ -124,15 +50,6 @@ fn leased(nodes: &[NodeRecord]) -> Vec<String> {
         .collect();
     v.sort();
     v
-}
-
-/// Waits (on the registry's watch) until `pred` holds.
-async fn until(fleet: &Fleet, what: &str, pred: impl FnMut(&[NodeRecord]) -> bool) {
-    assert!(
-        fleet.wait_until(PROMPT, pred).await,
-        "waited {PROMPT:?} for {what}; the fleet shows {:?}",
-        fleet.nodes()
-    );
 }
 
 /// `rounds` requests of 3 samples, each answered 200 with the model's
@@ -160,8 +77,8 @@ async fn answers(svc: std::net::SocketAddr, rounds: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_service_leases_two_nodes_and_replaces_one_that_shuts_down() {
-    let etcd = Etcd::start();
-    let fleet = etcd.follow().await;
+    let etcd = Etcd::start().await;
+    let fleet = follow(&etcd).await;
     let mut nodes = Vec::new();
     for name in ["a", "b", "c"] {
         nodes.push((name, node(&etcd, name).await));
@@ -170,7 +87,7 @@ async fn the_service_leases_two_nodes_and_replaces_one_that_shuts_down() {
 
     let svc = Running::with(&[
         "--etcd",
-        &etcd.url,
+        &etcd.url(),
         "--trust-registry",
         "--token",
         TOKEN,

@@ -19,7 +19,6 @@ pub struct RawQuinn {
     client: quinn::Endpoint,
     conns: Vec<quinn::Connection>,
     task: tokio::task::JoinHandle<()>,
-    relay: Option<Arc<Relay>>,
 }
 
 /// A child process the server relays each request through: the request
@@ -29,7 +28,8 @@ pub struct RawQuinn {
 /// and its replies back), before the server replies.
 #[derive(Debug)]
 struct Relay {
-    child: std::sync::Mutex<tokio::process::Child>,
+    /// Killed when the relay is dropped (`kill_on_drop`).
+    _child: tokio::process::Child,
     pipes: Mutex<(tokio::process::ChildStdin, tokio::process::ChildStdout)>,
 }
 
@@ -44,7 +44,7 @@ impl Relay {
         let stdin = child.stdin.take().ok_or("no stdin")?;
         let stdout = child.stdout.take().ok_or("no stdout")?;
         Ok(Relay {
-            child: std::sync::Mutex::new(child),
+            _child: child,
             pipes: Mutex::new((stdin, stdout)),
         })
     }
@@ -63,13 +63,6 @@ impl Relay {
             stdout.read_exact(&mut back),
         )?;
         Ok(back)
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        let child = self.child.get_mut().unwrap_or_else(|e| e.into_inner());
-        let _ = child.start_kill();
     }
 }
 
@@ -120,10 +113,10 @@ impl RawQuinn {
         let server = transport.endpoint(local, Some(server_config(&id, None, transport)?))?;
         let addr = server.local_addr()?;
         let accept = server.clone();
-        let relayed = relay.clone();
+        // The server's tasks own the relay: its child goes with them.
         let task = tokio::spawn(async move {
             while let Some(incoming) = accept.accept().await {
-                let relay = relayed.clone();
+                let relay = relay.clone();
                 tokio::spawn(async move {
                     let Ok(conn) = incoming.await else { return };
                     while let Ok((send, recv)) = conn.accept_bi().await {
@@ -150,7 +143,6 @@ impl RawQuinn {
             client,
             conns,
             task,
-            relay,
         })
     }
 
@@ -224,7 +216,6 @@ impl RawQuinn {
         self.client.wait_idle().await;
         self.server.close(0u32.into(), b"done");
         self.task.abort();
-        drop(self.relay);
     }
 }
 
