@@ -23,6 +23,7 @@ assert_impl_all!(DeviceFuture<cuda_async::combinators::Value<i32>>: Send, Unpin)
 assert_impl_all!(cuda_async::combinators::Value<i32>: Send);
 assert_impl_all!(cuda_async::combinators::Shared<cuda_async::combinators::Value<i32>>: Send, Sync, Clone);
 assert_impl_all!(BoxedOp<'static, i32>: Send);
+assert_not_impl_any!(BoxedOp<'static, i32>: Sync);
 assert_impl_all!(dyn cuda_async::SchedulingPolicy: Send, Sync);
 assert_impl_all!(Error: Send, Sync, Clone, std::error::Error);
 // Kernels are descriptions: shared across threads, cloned into closures.
@@ -189,6 +190,120 @@ fn ops_are_lazy_values_that_live_in_collections_and_cross_threads() {
     assert_eq!(outs, [2, 4, 6, 8]);
     assert_eq!(ran.load(SeqCst), 4);
     assert_eq!(session.seen().1, 1, "{:?}", session.seen());
+}
+
+/// Runs `f` on a thread with a 256 KiB stack: a chain that recursed per
+/// link would overflow it within a few thousand links.
+fn on_a_small_stack<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::Builder::new()
+        .stack_size(256 << 10)
+        .spawn(f)
+        .unwrap()
+        .join()
+        .unwrap()
+}
+
+#[test]
+fn a_boxed_chain_built_in_a_loop_runs_and_drops_without_recursing() {
+    let links = 200_000u64;
+    let sum = on_a_small_stack(move || {
+        let session = Arc::new(Counting::default());
+        let remote = RemotePolicy::new(&session);
+        let chain = || {
+            let mut op = value(0u64).boxed();
+            for i in 1..=links {
+                op = if i % 2 == 0 {
+                    op.then(move |x| value(x + i)).boxed()
+                } else {
+                    op.map(move |x| x + i).boxed()
+                };
+            }
+            op
+        };
+        // Built and dropped unrun: its steps are dropped in a loop too.
+        drop(chain());
+        chain().sync_with(&remote).unwrap()
+    });
+    assert_eq!(sum, links * (links + 1) / 2);
+}
+
+/// A value that counts itself in its `Arc`.
+#[derive(Clone, Debug)]
+struct Counted<const N: usize>(Arc<()>, [u64; N]);
+
+/// A closure capture aligned beyond the chain's buffer.
+#[derive(Clone, Copy)]
+#[repr(align(64))]
+struct Wide(u64);
+
+/// An op that fails, naming its step.
+struct Fails(&'static str);
+
+impl DeviceOp for Fails {
+    type Output = Counted<1>;
+
+    unsafe fn execute(
+        self,
+        _ctx: &mut cuda_async::ExecutionContext,
+    ) -> cuda_async::Result<Counted<1>> {
+        Err(Error::InvalidArgument(self.0.into()))
+    }
+}
+cuda_async::awaitable!(Fails);
+
+#[test]
+fn a_boxed_chain_that_fails_or_panics_midway_drops_each_value_once() {
+    let session = Arc::new(Counting::default());
+    let remote = RemotePolicy::new(&session);
+    let tok = Arc::new(());
+    // Values in the slot and out of it (16 elements: 136 bytes), captures
+    // in place and boxed (over-aligned), then a failure or a panic with
+    // steps left to run, each holding a count.
+    let chain = |end: u8| {
+        let (t1, t2, t3, t4) = (tok.clone(), tok.clone(), tok.clone(), tok.clone());
+        let wide = Wide(5);
+        let op = value(Counted(tok.clone(), [1; 1]))
+            .boxed()
+            .map(move |c| Counted(t1, [c.1[0] + wide.0; 16]))
+            .then(move |c| {
+                drop(t2);
+                value(Counted(c.0, [c.1[15]; 1]))
+            })
+            .then(move |c: Counted<1>| {
+                let _held = t4;
+                assert!(end != b'p', "the step panics");
+                drop(c);
+                Fails(if end == b'e' { "step 3" } else { "never" })
+            });
+        let rest = op.map(move |c| (t3, c));
+        assert_eq!(Arc::strong_count(&tok), 6, "the built chain holds five");
+        rest
+    };
+    let err = chain(b'e').sync_with(&remote).unwrap_err();
+    assert!(err.to_string().contains("step 3"), "{err}");
+    assert_eq!(
+        Arc::strong_count(&tok),
+        1,
+        "a value leaked or dropped twice"
+    );
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        chain(b'p').sync_with(&remote)
+    }));
+    assert!(panicked.is_err());
+    assert_eq!(
+        Arc::strong_count(&tok),
+        1,
+        "a value leaked or dropped twice"
+    );
+    drop(chain(b'e'));
+    assert_eq!(Arc::strong_count(&tok), 1, "an unrun chain leaked");
+    // And one that runs to the end hands out its value with its counts.
+    let ok = value(Counted(tok.clone(), [2; 16]))
+        .boxed()
+        .map(|c| Counted(c.0, [c.1[3] + Wide(1).0; 3]))
+        .sync_with(&remote)
+        .unwrap();
+    assert_eq!((Arc::strong_count(&tok), ok.1), (2, [3; 3]));
 }
 
 /// Kernel values are made with no driver and no GPU (a GPU-less client can
