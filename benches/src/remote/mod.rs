@@ -120,6 +120,8 @@ pub struct RemoteConfig {
     /// The sizes of `remote_pool` ([`PoolConfig::new`] at the report's
     /// scale).
     pub pool: PoolConfig,
+    /// Cores the workers are pinned to (`taskset -c` runs them), or none.
+    pub worker_cpus: Option<String>,
 }
 
 impl RemoteConfig {
@@ -129,7 +131,9 @@ impl RemoteConfig {
     /// `REPORT_REMOTE_SPIN_US` for their spin, `REPORT_REMOTE_IN_TASK=1`
     /// to measure from a task, `REPORT_TRANSPORT` for the transport preset,
     /// `REPORT_STRIPES` for the striped client's connections and
-    /// `REPORT_STAMPS=0` to leave the paths unstamped.
+    /// `REPORT_STAMPS=0` to leave the paths unstamped, and
+    /// `REPORT_REMOTE_WORKER_CPUS` (a `taskset -c` list) to start the
+    /// workers pinned to those cores.
     ///
     /// # Errors
     /// If a variable has a value it cannot take, or the current
@@ -181,6 +185,7 @@ impl RemoteConfig {
             xfer_iters: cfg.reps(5, 1),
             bytes: XFER_BYTES,
             refill: Duration::from_secs(2),
+            worker_cpus: std::env::var("REPORT_REMOTE_WORKER_CPUS").ok(),
             in_task: std::env::var_os("REPORT_REMOTE_IN_TASK").is_some_and(|v| v == "1"),
             stamps: std::env::var_os("REPORT_STAMPS").is_none_or(|v| v != "0"),
             pool: PoolConfig::new(cfg),
@@ -236,6 +241,15 @@ impl Bench {
             .build()?;
         let mut worker = WorkerSpec::current_exe(cfg.device.clone())?;
         worker.program = cfg.worker.clone();
+        if let Some(cpus) = &cfg.worker_cpus {
+            worker.args = [cpus.into(), worker.program.clone().into_os_string()]
+                .into_iter()
+                .chain(worker.args)
+                .collect();
+            worker.args.insert(0, "-c".into());
+            worker.program = "taskset".into();
+            detail(format_args!("workers pinned to cores {cpus}"));
+        }
         if let Some(spin) = cfg.spin {
             worker.spin = spin;
         }
