@@ -100,23 +100,35 @@ pub(crate) fn readable_within(fd: std::os::fd::RawFd, budget: Duration) -> bool 
     }
 }
 
-/// Waits (sleeping, not spinning) until `fd` is readable or about a
-/// millisecond has passed; returns whether it is readable.
+/// Waits (sleeping, not spinning) until `fd` is readable, `wake` (an
+/// eventfd) counts, or about a millisecond has passed; returns whether
+/// `fd` is readable. A count of `wake` is taken.
 #[cfg(target_os = "linux")]
-pub(crate) fn readable_soon(fd: std::os::fd::RawFd) -> bool {
-    let mut p = sys::PollFd {
+pub(crate) fn readable_soon(fd: std::os::fd::RawFd, wake: Option<std::os::fd::RawFd>) -> bool {
+    let poll_fd = |fd| sys::PollFd {
         fd,
         events: sys::POLLIN,
         revents: 0,
     };
-    // SAFETY: as in `ready_now`; a 1 ms timeout blocks at most that long.
-    let n = unsafe { sys::poll(&mut p, 1, 1) };
-    n != 0 && (n < 0 || p.revents != 0)
+    let mut p = [poll_fd(fd), poll_fd(wake.unwrap_or(-1))];
+    // SAFETY: as in `ready_now`, for the two `pollfd`s (a negative fd is
+    // ignored by `poll`); a 1 ms timeout blocks at most that long.
+    let n = unsafe { sys::poll(p.as_mut_ptr(), 2, 1) };
+    if n < 0 {
+        return true;
+    }
+    if let (Some(w), true) = (wake, p[1].revents != 0) {
+        let mut count = 0u64;
+        // SAFETY: reads at most 8 bytes into `count` from the
+        // non-blocking eventfd the caller owns; a failed read leaves it.
+        let _ = unsafe { libc::read(w, (&raw mut count).cast(), 8) };
+    }
+    p[0].revents != 0
 }
 
 /// Not implemented here: sleeps a millisecond and says readable.
 #[cfg(not(target_os = "linux"))]
-pub(crate) fn readable_soon(_fd: std::os::fd::RawFd) -> bool {
+pub(crate) fn readable_soon(_fd: std::os::fd::RawFd, _wake: Option<std::os::fd::RawFd>) -> bool {
     std::thread::sleep(Duration::from_millis(1));
     true
 }

@@ -310,6 +310,14 @@ pub trait LeaseDevice {
     ///
     /// LAUNCH_FAILED (sticky) when a kernel faulted; a driver error.
     fn poll_sealed(&mut self, ticket: Ticket) -> Option<Result<Vec<u8>, DeviceError>>;
+    /// Arms a wake-up for sealed batch `ticket`: the descriptor returned
+    /// becomes readable once its work is done (the caller drains it, then
+    /// polls the batch). `None` when the device cannot (the default), or
+    /// for a batch that needs no wait: the caller polls the batch instead.
+    fn wake_when_done(&mut self, ticket: Ticket) -> Option<std::os::fd::RawFd> {
+        let _ = ticket;
+        None
+    }
 
     /// Enqueues command `c` through the method of its op: `data` is a
     /// write's bytes; a read's bytes (or a timer's nanoseconds) land at

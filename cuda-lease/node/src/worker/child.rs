@@ -80,6 +80,8 @@ pub(super) fn run_worker(spec: &str) -> i32 {
     let mut running: Vec<Running> = Vec::new();
     // Large replies' data, read by the node as its clients take it.
     let mut held = Held::default();
+    // The device's wake-up descriptor, once it has armed one.
+    let mut wake = None;
     let stdin_fd = {
         use std::os::fd::AsRawFd;
         std::io::stdin().as_raw_fd()
@@ -99,6 +101,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                     &mut output,
                     stdin_fd,
                     spin,
+                    &mut wake,
                 ) {
                     Ok(true) => {}
                     // Every running batch answered: back to waiting for a request.
@@ -133,6 +136,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                         request: frame.header,
                         ticket,
                         work: Sealed::Batch(enqueued),
+                        armed: false,
                     });
                     continue;
                 }
@@ -165,6 +169,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                 request: frame.header,
                 ticket: device.seal(0),
                 work: Sealed::Chunks,
+                armed: false,
             });
             continue;
         }
@@ -238,6 +243,8 @@ struct Running {
     request: Header,
     ticket: Ticket,
     work: Sealed,
+    /// Its wake-up is armed (see `LeaseDevice::wake_when_done`).
+    armed: bool,
 }
 
 /// What a [`Running`] answers when its work is done.
@@ -283,8 +290,11 @@ fn answer_done(
 }
 
 /// While batches run: polls them and the node's pipe, spinning for
-/// `spin`, then sleeping a millisecond at a time between polls. `Ok(true)`
-/// once a request can be read, `Ok(false)` once every batch is answered.
+/// `spin`; past that, sleeps until the pipe is readable or the device
+/// wakes it for a done batch (each batch's wake-up armed then), or a
+/// millisecond has passed (what notices a batch the device could not arm
+/// or a context that died). `Ok(true)` once a request can be read,
+/// `Ok(false)` once every batch is answered.
 fn wait_for_work(
     dev: &mut dyn LeaseDevice,
     running: &mut Vec<Running>,
@@ -292,6 +302,7 @@ fn wait_for_work(
     output: &mut impl std::io::Write,
     fd: std::os::fd::RawFd,
     spin: Duration,
+    wake: &mut Option<std::os::fd::RawFd>,
 ) -> Result<bool, ()> {
     let start = std::time::Instant::now();
     loop {
@@ -304,7 +315,15 @@ fn wait_for_work(
                 return Ok(true);
             }
             std::hint::spin_loop();
-        } else if crate::spin::readable_soon(fd) {
+            continue;
+        }
+        for r in running.iter_mut().filter(|r| !r.armed) {
+            r.armed = true;
+            if let Some(w) = dev.wake_when_done(r.ticket) {
+                *wake = Some(w);
+            }
+        }
+        if crate::spin::readable_soon(fd, *wake) {
             return Ok(true);
         }
     }

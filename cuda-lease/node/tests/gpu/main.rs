@@ -572,3 +572,4 @@ mod cuda_c;
 #[cfg(feature = "fleet")]
 mod fleets;
 mod order;
+mod wake;

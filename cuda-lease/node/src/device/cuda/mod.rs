@@ -20,6 +20,7 @@ mod rand;
 mod sealed;
 mod staging;
 mod streams;
+mod wake;
 
 use launch::LastKernel;
 
@@ -96,6 +97,8 @@ pub struct CudaDevice {
     /// Sealed batches, running on (see `LeaseDevice::seal`).
     sealed: HashMap<Ticket, Result<sealed::InFlight, DeviceError>>,
     next_ticket: u64,
+    /// Wakes the worker when an armed batch is done (made on first use).
+    wake: Option<wake::Wake>,
 }
 
 /// The stream of streamed uploads' chunks (downloads' take
@@ -162,6 +165,7 @@ impl CudaDevice {
             spare_arenas: Vec::new(),
             sealed: HashMap::new(),
             next_ticket: 0,
+            wake: None,
         })
     }
 
@@ -538,6 +542,10 @@ impl LeaseDevice for CudaDevice {
 
     fn poll_sealed(&mut self, ticket: Ticket) -> Option<Result<Vec<u8>, DeviceError>> {
         self.poll_batch(ticket)
+    }
+
+    fn wake_when_done(&mut self, ticket: Ticket) -> Option<std::os::fd::RawFd> {
+        self.arm_wake(ticket)
     }
 
     fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError> {

@@ -35,6 +35,13 @@ pub(super) struct InFlight {
     out_len: usize,
 }
 
+impl InFlight {
+    /// Its done events, one per stream it touched.
+    pub(super) fn done(&self) -> &[CudaEvent] {
+        &self.done
+    }
+}
+
 impl CudaDevice {
     /// Seals what was enqueued since the last seal (see `LeaseDevice::seal`).
     pub(super) fn seal_batch(&mut self, out_len: usize) -> Ticket {

@@ -1,0 +1,84 @@
+//! Waking the worker when a sealed batch is done, so that a worker past
+//! its spin budget sleeps until then instead of polling on a timer.
+//!
+//! An armed batch's done events are waited for on a stream of the wake's
+//! own, followed by a host function that counts one on an `eventfd`: the
+//! lease's streams never wait for a host function, and the worker polls
+//! the descriptor beside its pipe.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
+
+use cuda_async::CudaStream;
+use cuda_core::CudaEvent;
+
+use super::{driver, map, CudaDevice};
+use crate::device::{DeviceError, Ticket};
+use crate::proto::Status;
+
+/// The descriptor and the stream of a device's wake-ups.
+#[derive(Debug)]
+pub(super) struct Wake {
+    /// Counts one per armed batch done; kept open by the host functions
+    /// not yet run.
+    fd: Arc<OwnedFd>,
+    stream: Arc<CudaStream>,
+}
+
+impl Wake {
+    fn new(device: &cuda_async::Device) -> Result<Self, DeviceError> {
+        // SAFETY: `eventfd` takes two integers and returns a new
+        // descriptor or -1.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(DeviceError::new(
+                Status::Internal,
+                format!("eventfd: {}", std::io::Error::last_os_error()),
+            ));
+        }
+        // SAFETY: `raw` is a new descriptor that nothing else owns.
+        let fd = Arc::new(unsafe { OwnedFd::from_raw_fd(raw) });
+        let stream = device
+            .context()
+            .new_stream()
+            .map_err(|e| driver(Status::Internal, "cuStreamCreate", e))?;
+        Ok(Wake { fd, stream })
+    }
+
+    /// Counts one on the descriptor once every event in `done` has
+    /// completed.
+    fn arm(&self, done: &[CudaEvent]) -> Result<(), DeviceError> {
+        for e in done {
+            self.stream
+                .wait(e)
+                .map_err(|e| driver(Status::Internal, "cuStreamWaitEvent", e))?;
+        }
+        let fd = self.fd.clone();
+        cuda_core::launch_host_callback(&self.stream, move || {
+            let one = 1u64;
+            // SAFETY: writes the 8 bytes of `one` to the eventfd, which
+            // `fd` keeps open; a full counter only fails the write (the
+            // reader is due anyway).
+            let _ = unsafe { libc::write(fd.as_raw_fd(), (&raw const one).cast(), 8) };
+        })
+        .map_err(|e| map(Status::Internal, "cuLaunchHostFunc", e))
+    }
+}
+
+impl CudaDevice {
+    /// Arms a wake-up for sealed batch `ticket` (see
+    /// `LeaseDevice::wake_when_done`).
+    pub(super) fn arm_wake(&mut self, ticket: Ticket) -> Option<RawFd> {
+        // A failed batch is answered at its first poll: nothing to wait for.
+        let Some(Ok(batch)) = self.sealed.get(&ticket) else {
+            return None;
+        };
+        if self.wake.is_none() {
+            self.wake = Wake::new(&self.device).ok();
+        }
+        let wake = self.wake.as_ref()?;
+        // Not armed (a dead context, say): the worker polls instead.
+        wake.arm(batch.done()).ok()?;
+        Some(wake.fd.as_raw_fd())
+    }
+}
