@@ -131,27 +131,8 @@ impl LeaseBackend {
     where
         D: AsMut<[u8]> + Send + 'static,
     {
-        self.send_numbered(commands, modules, keep_frees, writes, dests)
-            .1
-    }
-
-    /// [`LeaseBackend::send`], with the batch's number in the lease's
-    /// order (fixed now, whenever the future is polled).
-    fn send_numbered<D>(
-        &self,
-        commands: &[Command<'static>],
-        modules: &[ModuleSpec],
-        keep_frees: bool,
-        writes: Vec<u8>,
-        dests: Vec<D>,
-    ) -> (
-        u64,
-        impl Future<Output = Result<(Submitted, Vec<D>), Error>> + Send + 'static,
-    )
-    where
-        D: AsMut<[u8]> + Send + 'static,
-    {
         self.send_as(true, commands, modules, keep_frees, writes, dests)
+            .1
     }
 
     /// [`LeaseBackend::send`] of a batch outside the lease's order (see
@@ -166,10 +147,10 @@ impl LeaseBackend {
     }
 
     /// A BATCH numbered in the lease's order (`numbered`) or outside it;
-    /// returns its number (0 outside) and the future that sends it. A
-    /// future dropped before its first poll sends nothing: its number's
-    /// place is filled by an empty batch, and the id book learns that
-    /// nothing of it ran.
+    /// returns its number (0 outside; fixed now, whenever the future is
+    /// polled) and the future that sends it. A future dropped before its
+    /// first poll sends nothing: its number's place is filled by an empty
+    /// batch, and the id book learns that nothing of it ran.
     fn send_as<D>(
         &self,
         numbered: bool,

@@ -167,6 +167,7 @@ impl Client {
         into: Option<&mut [u8]>,
     ) -> Result<(Vec<u8>, Vec<u8>), Error> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let into = into.map_or(ReplyInto::Owned, ReplyInto::Exact);
         exchange(conn, &self.limits, id, opcode, body, data, into)
             .await
             .map_err(|e| e.with_node(self.addr))
@@ -291,24 +292,8 @@ pub(super) enum ReplyInto<'a, 'b> {
 }
 
 /// One request on a new stream of `conn` and its reply (see
-/// [`Client::request`]); with `into`, the reply's data lands there.
+/// [`Client::request`]); the reply's data lands as `into` says.
 pub(super) async fn exchange(
-    conn: &quinn::Connection,
-    limits: &Limits,
-    id: u64,
-    opcode: Opcode,
-    body: &[u8],
-    data: &[u8],
-    into: Option<&mut [u8]>,
-) -> Result<(Vec<u8>, Vec<u8>), Error> {
-    let into = match into {
-        Some(out) => ReplyInto::Exact(out),
-        None => ReplyInto::Owned,
-    };
-    exchange_into(conn, limits, id, opcode, body, data, into).await
-}
-
-pub(super) async fn exchange_into(
     conn: &quinn::Connection,
     limits: &Limits,
     id: u64,

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
-use super::connection::{exchange_into, ReplyInto};
+use super::connection::{exchange, ReplyInto};
 use super::{Client, ClientConfig, Error, Session};
 use crate::proto::{
     from_body, to_body, Id, IdOp, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew,
@@ -68,7 +68,7 @@ impl LeaseInner {
     ) -> Result<(Vec<u8>, Vec<u8>), Error> {
         let client = &self.client;
         let id = client.next_id.fetch_add(1, Ordering::Relaxed);
-        let r = exchange_into(&client.conn, &client.limits, id, op, body, data, into);
+        let r = exchange(&client.conn, &client.limits, id, op, body, data, into);
         self.guard(r).await
     }
 

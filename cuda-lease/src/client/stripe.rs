@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::connection::{connect_timed_out, dial, exchange};
+use super::connection::{connect_timed_out, dial, exchange, ReplyInto};
 use super::error::{disconnected, protocol_error};
 use super::{Client, Error};
 use crate::proto::{to_body, Id, LeaseId, MemRead, MemWrite, Opcode};
@@ -208,9 +208,8 @@ impl Client {
                         // SAFETY: the stripes' ranges are disjoint (from
                         // `stripe_bounds`), their requests' too, and this
                         // task alone touches this range, one piece at a time.
-                        let part = unsafe { out.range_mut(r) };
-                        exchange(&conn, &limits, id, Opcode::MemRead, &body, &[], Some(part))
-                            .await?;
+                        let part = ReplyInto::Exact(unsafe { out.range_mut(r) });
+                        exchange(&conn, &limits, id, Opcode::MemRead, &body, &[], part).await?;
                     }
                     Ok::<_, Error>(())
                 })

@@ -256,8 +256,8 @@ impl LeaseBackend {
         // downloads registered, under one lock (see `reading`).
         let (commands, waits, reads) = {
             let mut reading = self.reading();
-            let commands =
-                self.send_numbered(&plan.commands, recording.modules(), false, writes, bufs);
+            let sent = &plan.commands;
+            let commands = self.send_as(true, sent, recording.modules(), false, writes, bufs);
             let waits = reading.conflicts(recording.commands());
             let reads = reading.start(plan.reads.iter().map(|r| r.id).collect());
             (commands, waits, reads)
