@@ -345,31 +345,6 @@ impl<W: Clone> LeaseTable<W> {
         Ok(())
     }
 
-    /// Checks that `bytes` more would fit the lease's reservation, without
-    /// charging them (to refuse a request before reading its payload).
-    ///
-    /// # Errors
-    ///
-    /// As [`LeaseTable::charge`].
-    pub fn check_room(
-        &mut self,
-        id: &LeaseId,
-        bytes: u64,
-        now: Duration,
-    ) -> Result<(), TableError> {
-        let e = self.entry_mut(id, now)?;
-        if e.allocated.saturating_add(bytes) > e.reserved {
-            return Err(TableError::new(
-                Status::CapacityExceeded,
-                format!(
-                    "lease reserved {} bytes, {} allocated, {bytes} more asked",
-                    e.reserved, e.allocated
-                ),
-            ));
-        }
-        Ok(())
-    }
-
     /// Returns `bytes` of allocation to a live lease (no-op for dead ones).
     pub fn credit(&mut self, id: &LeaseId, bytes: u64) {
         if let Some(e) = self.live.get_mut(id) {

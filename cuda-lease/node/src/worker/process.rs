@@ -298,19 +298,10 @@ impl WorkerProcess {
         data: &[u8],
         timeout: Duration,
     ) -> Result<Frame, WorkerError> {
-        self.call_parts(opcode, body, &[data], timeout).await
-    }
-
-    /// [`WorkerProcess::call`] with the data in parts, written back to
-    /// back (never joined in memory).
-    pub(crate) async fn call_parts(
-        &self,
-        opcode: Opcode,
-        body: &[u8],
-        parts: &[&[u8]],
-        timeout: Duration,
-    ) -> Result<Frame, WorkerError> {
-        self.send(opcode, body, parts, timeout).await?.reply().await
+        self.send(opcode, body, &[data], timeout)
+            .await?
+            .reply()
+            .await
     }
 
     /// Sends one request; [`SentRequest::reply`] waits for its reply (up
