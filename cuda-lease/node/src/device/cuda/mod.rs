@@ -207,12 +207,8 @@ impl LeaseDevice for CudaDevice {
     }
 
     fn alloc(&mut self, stream: StreamId, id: Id, size: u64) -> Result<(), DeviceError> {
-        if self.buffers.contains_key(&id) || self.events.contains_key(&id) {
-            return Err(DeviceError::new(
-                Status::BadRequest,
-                format!("id {id} is in use"),
-            ));
-        }
+        let taken = self.buffers.contains_key(&id) || self.events.contains_key(&id);
+        check_fresh(taken, id)?;
         let sid = stream;
         let stream = self.stream(stream)?;
         let n = usize::try_from(size)

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use super::error::{check_fresh, not_found, range, same_buffer, too_many_streams};
+use super::error::{check_fresh, mem_arg, not_found, range, same_buffer, too_many_streams};
 use super::{
     fill_bytes, gemm_spans, DeviceArg, DeviceError, LaunchDims, LeaseDevice, Ticket,
     MAX_DEVICE_STREAMS,
@@ -147,12 +147,8 @@ impl LeaseDevice for MemoryDevice {
     fn alloc(&mut self, stream: StreamId, id: Id, size: u64) -> Result<(), DeviceError> {
         self.check_fault()?;
         self.check_stream(stream)?;
-        if self.buffers.contains_key(&id) || self.events.contains_key(&id) {
-            return Err(DeviceError::new(
-                Status::BadRequest,
-                format!("id {id} is in use"),
-            ));
-        }
+        let taken = self.buffers.contains_key(&id) || self.events.contains_key(&id);
+        check_fresh(taken, id)?;
         if size > self.capacity - self.used {
             return Err(DeviceError::new(Status::CapacityExceeded, "out of memory"));
         }
@@ -375,13 +371,7 @@ impl LeaseDevice for MemoryDevice {
             host.push(match a {
                 DeviceArg::Scalar(b) => HostArg::Scalar(b.to_vec()),
                 DeviceArg::Mem { id, offset } => {
-                    let (slot, len) = self.slot(*id)?;
-                    if *offset > len as u64 {
-                        return Err(DeviceError::new(
-                            Status::BadRequest,
-                            "argument offset past buffer end",
-                        ));
-                    }
+                    let &(slot, _) = mem_arg(&self.buffers, *id, *offset, |b| b.1)?;
                     touched.push(slot);
                     HostArg::Mem {
                         slot,
