@@ -79,6 +79,12 @@ use cuda_lease_fleet as fleet;
 pub use node::{Node, NodeConfig};
 pub use worker::{main_if_worker, DeviceSpec, WorkerSpec};
 
+/// Locks a std mutex, taking it over from a holder that panicked (every
+/// lock of the node does so: no update of its state is left half done).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Compiles the README's Rust snippets as doctests.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

@@ -22,6 +22,8 @@ use std::sync::{Arc, Mutex};
 use memmap2::MmapRaw;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::lock;
+
 /// Bytes per slot: the chunk size of streamed transfers.
 pub(crate) const SLOT_BYTES: usize = 2 << 20;
 /// Slots per ring (per worker).
@@ -127,10 +129,7 @@ impl ShmRing {
     }
 
     fn slot_of(self: &Arc<Self>, permit: OwnedSemaphorePermit) -> Slot {
-        let index = self
-            .free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        let index = lock(&self.free)
             .pop()
             .expect("a permit implies a free slot");
         Slot {
@@ -193,11 +192,7 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.ring
-            .free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(self.index);
+        lock(&self.ring.free).push(self.index);
     }
 }
 

@@ -9,6 +9,7 @@ use super::plan::{plan, Charges, Effect, GraphChange, Plan, PlanLimits};
 use super::submit::BudgetTurn;
 use super::{fail_lease, HeldData, IdKind, LeaseSlot, LeaseState, ModuleSource, Reply, Shared};
 use crate::lease_table::Principal;
+use crate::lock;
 use crate::metrics::Metrics;
 use crate::proto::{
     self, from_body, Batch, BatchReply, LeaseId, ModuleHash, Op, OpError, Opcode, SourceKind,
@@ -77,11 +78,7 @@ pub(super) fn modules_to_load<'d>(
             continue;
         }
         // What the node keeps (perhaps already compiled) wins.
-        let kept = shared
-            .modules
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&m.hash);
+        let kept = lock(&shared.modules).get(&m.hash);
         let (source, sent) = match (kept, given) {
             (Some(k), _) => (Some(k), false),
             (None, g) => (g, true),
@@ -437,7 +434,7 @@ fn keep_modules(
     loaded: &[Load],
     compiled: Vec<(ModuleHash, String)>,
 ) {
-    let mut cache = shared.modules.lock().unwrap_or_else(|e| e.into_inner());
+    let mut cache = lock(&shared.modules);
     let (cap, share) = (
         shared.cfg.module_cache_bytes,
         shared.cfg.module_cache_bytes_per_principal,

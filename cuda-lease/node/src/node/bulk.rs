@@ -33,6 +33,7 @@ use super::stream::{serve_request, DataIn, DataOut};
 use super::submit::BudgetTurn;
 use super::{Reply, Shared};
 use crate::lease_table::Principal;
+use crate::lock;
 use crate::metrics::Metrics;
 use crate::proto::{self, BulkOpen, BulkTickets, Header, Opcode, Status, BULK_TICKET_LEN};
 
@@ -68,7 +69,7 @@ struct TicketState {
 
 impl Tickets {
     fn state(&self) -> std::sync::MutexGuard<'_, TicketState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     fn port(&self) -> u16 {

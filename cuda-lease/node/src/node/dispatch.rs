@@ -13,6 +13,7 @@ use super::handshake::Peer;
 use super::submit::{submit, submit_turn, BudgetTurn};
 use super::{take_worker, LeaseSlot, LeaseState, Reply, Shared, Slot};
 use crate::lease_table::{LeaseTable, Principal};
+use crate::lock;
 use crate::metrics::Metrics;
 use crate::proto::{
     from_body, to_body, Batch, Command, DeviceInfo, Frame, GpuSubmit, Hello, HelloOk, IdOp,
@@ -243,16 +244,12 @@ pub(super) async fn inventory(shared: &Arc<Shared>) -> Result<Reply, Reply> {
                 .await
             {
                 if let Ok(info) = from_body::<DeviceInfo>(&f.body) {
-                    *shared.device.lock().unwrap_or_else(|e| e.into_inner()) = info;
+                    *lock(&shared.device) = info;
                 }
             }
         }
     }
-    let device = shared
-        .device
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone();
+    let device = lock(&shared.device).clone();
     let t = shared.table();
     Ok(Reply::ok(&Inventory {
         node: shared.cfg.name.clone(),
@@ -379,7 +376,7 @@ impl Shared {
         let burst = f64::from(self.cfg.worker_start_burst_per_principal);
         let now = std::time::Instant::now();
         let taken = {
-            let mut m = self.worker_starts.lock().unwrap_or_else(|e| e.into_inner());
+            let mut m = lock(&self.worker_starts);
             if m.len() >= 4096 && !m.contains_key(who) {
                 m.retain(|_, b| !b.is_full(rate, burst, now));
             }

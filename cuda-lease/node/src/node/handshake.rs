@@ -26,7 +26,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv6Addr};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -35,6 +35,7 @@ use tracing::warn;
 use super::bucket::TokenBucket;
 
 use crate::lease_table::Principal;
+use crate::lock;
 
 /// The shortest time between two log lines about rejected credentials.
 pub const REJECTED_LOG_INTERVAL: Duration = Duration::from_secs(10);
@@ -46,10 +47,6 @@ pub(super) const CLOSE_UNAUTHENTICATED: u32 = 0x401;
 /// Most source addresses whose failed HELLOs are remembered; past it the
 /// addresses whose allowance has fully refilled are forgotten.
 const MAX_TRACKED_SOURCES: usize = 4096;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// A source address as the limits count it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -5,6 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Mutex as StdMutex;
 
 use super::order;
+use crate::lock;
 use crate::proto::{Id, ModuleHash, StreamId};
 use crate::worker::WorkerProcess;
 
@@ -84,7 +85,7 @@ impl LeaseSlot {
     }
 
     pub(super) fn state(&self) -> std::sync::MutexGuard<'_, LeaseState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 }
 

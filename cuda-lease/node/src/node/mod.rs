@@ -45,6 +45,7 @@ pub use connection::PREAUTH_MAX_BODY;
 pub use handshake::REJECTED_LOG_INTERVAL;
 
 use crate::lease_table::{LeaseTable, Principal, TableError};
+use crate::lock;
 use crate::metrics::Metrics;
 use crate::proto::{self, to_body, DeviceInfo, ErrorBody, LeaseId, Status};
 use crate::tls::{self, Identity};
@@ -88,7 +89,7 @@ impl Shared {
     }
 
     fn table(&self) -> std::sync::MutexGuard<'_, LeaseTable<Slot>> {
-        self.table.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.table)
     }
 }
 
@@ -533,7 +534,7 @@ fn register(
     let labels = cfg.labels.clone();
     let s = shared.clone();
     let snapshot = Arc::new(move || {
-        let d = s.device.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let d = lock(&s.device).clone();
         let t = s.table();
         NodeRecord {
             name: s.cfg.name.clone(),

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use super::{Reply, Shared};
 use crate::lease_table::Principal;
+use crate::lock;
 use crate::metrics::Metrics;
 use crate::proto::{from_body, Frame, GpuSubmit, Opcode, Status};
 use crate::worker::{WorkerFailure, WorkerProcess};
@@ -37,7 +38,7 @@ pub(super) fn over_bytes(
 
 impl BudgetTurn {
     pub(super) fn take(shared: &Arc<Shared>, who: &Principal, bytes: u64) -> Result<Self, Reply> {
-        let mut m = shared.budgets.lock().unwrap_or_else(|e| e.into_inner());
+        let mut m = lock(&shared.budgets);
         let (requests, held) = m.entry(who.clone()).or_insert((0, 0));
         if *requests >= shared.cfg.max_requests_per_principal {
             return Err(Reply::err(
@@ -63,11 +64,7 @@ impl BudgetTurn {
     /// Charges `more` bytes to this request (the reply's data, before the
     /// work that makes it runs); the reason if they do not fit.
     pub(super) fn grow(&mut self, more: u64) -> Result<(), String> {
-        let mut m = self
-            .shared
-            .budgets
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut m = lock(&self.shared.budgets);
         let Some((_, held)) = m.get_mut(&self.who) else {
             return Err(format!("principal {} has no budget entry", self.who));
         };
@@ -82,11 +79,7 @@ impl BudgetTurn {
 
 impl Drop for BudgetTurn {
     fn drop(&mut self) {
-        let mut m = self
-            .shared
-            .budgets
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut m = lock(&self.shared.budgets);
         if let Some((requests, held)) = m.get_mut(&self.who) {
             *requests -= 1;
             *held -= self.bytes;
@@ -104,10 +97,7 @@ pub(super) async fn submit_turn(
     shared: &Shared,
     who: &Principal,
 ) -> tokio::sync::OwnedSemaphorePermit {
-    let sem = shared
-        .submits
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+    let sem = lock(&shared.submits)
         .entry(who.clone())
         .or_insert_with(|| {
             Arc::new(tokio::sync::Semaphore::new(

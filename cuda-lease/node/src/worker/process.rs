@@ -11,6 +11,7 @@ use tokio::process::{Child, ChildStdin, Command};
 
 use super::messages::{HeldRead, WorkerFailure, FLAG_HELD};
 use super::{WorkerSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
+use crate::lock;
 use crate::proto::{self, from_body, DeviceInfo, Frame, Header, Opcode, Status};
 use crate::shm::{ShmRing, SHM_ENV};
 use crate::stamps::{stamp, Point};
@@ -455,7 +456,7 @@ impl WorkerProcess {
 
     /// Kills the process (idempotent); the exit is reaped in the background.
     pub(crate) fn kill(&self) {
-        let child = self.child.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let child = lock(&self.child).take();
         if let Some(mut child) = child {
             let _ = child.start_kill();
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
@@ -468,7 +469,7 @@ impl WorkerProcess {
 
     /// Kills the process and waits until it has exited (so its GPU memory is back).
     pub(crate) async fn kill_and_wait(&self) {
-        let child = self.child.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let child = lock(&self.child).take();
         if let Some(mut child) = child {
             let _ = child.start_kill();
             let _ = child.wait().await;
@@ -477,7 +478,7 @@ impl WorkerProcess {
 
     /// `Some(reason)` when the process has exited or was killed.
     pub(crate) fn exited(&self) -> Option<String> {
-        let mut guard = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = lock(&self.child);
         match guard.as_mut() {
             None => Some("killed".into()),
             Some(c) => match c.try_wait() {
@@ -575,12 +576,6 @@ impl Drop for KillUnlessDone<'_> {
             w.kill();
         }
     }
-}
-
-/// Locks a std mutex, through a poisoning (the data stays consistent:
-/// every update is one insert or remove).
-fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Drop for WorkerProcess {

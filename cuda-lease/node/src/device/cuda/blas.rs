@@ -7,6 +7,7 @@ use cuda_core::cudarc::driver::DevicePtr;
 use super::CudaDevice;
 use crate::device::error::{driver, map, range};
 use crate::device::{core_gemm, gemm_spans, DeviceError};
+use crate::lock;
 use crate::proto::{Dtype, GemmSpec, Status, StreamId};
 
 impl CudaDevice {
@@ -39,7 +40,7 @@ impl CudaDevice {
             .bind_to_thread()
             .map_err(|e| driver(Status::Internal, "cuCtxSetCurrent", e))?;
         let handle = blas_handle(&stream).map_err(|e| map(Status::LaunchFailed, "gemm", e))?;
-        let mut handle = handle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut handle = lock(&handle);
         let [a, b, c] = addrs;
         // SAFETY: the addresses are this context's live buffers at offsets
         // whose matrices lie inside them (checked above against the spec's

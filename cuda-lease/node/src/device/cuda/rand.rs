@@ -7,6 +7,7 @@ use cuda_core::rand::rand_generator;
 use super::CudaDevice;
 use crate::device::error::{driver, map, range};
 use crate::device::{core_fill, fill_bytes, DeviceError};
+use crate::lock;
 use crate::proto::{Dtype, RandSpec, Status, StreamId};
 
 impl CudaDevice {
@@ -33,7 +34,7 @@ impl CudaDevice {
             .map_err(|e| driver(Status::Internal, "cuCtxSetCurrent", e))?;
         let generator =
             rand_generator(&stream).map_err(|e| map(Status::LaunchFailed, "random fill", e))?;
-        let mut generator = generator.lock().unwrap_or_else(|e| e.into_inner());
+        let mut generator = lock(&generator);
         let len = r.len as usize;
         // SAFETY: the address is this context's live buffer at an offset
         // whose `len` elements lie inside it (checked above, as the node's
