@@ -136,7 +136,7 @@ impl LeaseBackend {
     }
 
     /// [`LeaseBackend::send`] of a batch outside the lease's order (see
-    /// `Message::unnumbered`): the allocations of fresh buffers alone.
+    /// `Message::new`): the allocations of fresh buffers alone.
     fn send_unnumbered(
         &self,
         allocs: &[Command<'static>],
@@ -171,11 +171,7 @@ impl LeaseBackend {
         // graph's free before the frees it held back).
         let (sent, message) = self.ledger.send(keep_frees, commands, |frees| {
             let commands = AfterFrees { frees, commands };
-            if numbered {
-                self.session.message(modules, commands, writes)
-            } else {
-                self.session.message_unnumbered(modules, commands, writes)
-            }
+            self.session.message(numbered, modules, commands, writes)
         });
         self.sent_message(sent, message, dests)
     }
@@ -189,7 +185,7 @@ impl LeaseBackend {
                 frees,
                 commands: &[],
             };
-            self.session.message(&[], commands, Vec::new())
+            self.session.message(true, &[], commands, Vec::new())
         })?;
         let reply = self.sent_message(sent, message, Vec::<Vec<u8>>::new()).1;
         // A free that fails (the lease is gone) has nothing to free.

@@ -34,40 +34,25 @@ pub(crate) struct Message {
 impl Message {
     /// The BATCH of `commands` (encoded as [`Batch`] encodes its
     /// `Vec<Command>`), launching from `modules`, with `writes` as its
-    /// payloads; numbered now: the node runs a lease's batches in the order
-    /// of these calls, whatever order they are polled or arrive in. The
-    /// sources of modules the node may lack go first in the data.
-    pub(super) fn numbered<C: EncodeCommands>(
+    /// payloads. The sources of modules the node may lack go first in the
+    /// data. `numbered`: numbered now; the node runs a lease's batches in
+    /// the order of these calls, whatever order they are polled or arrive
+    /// in. Otherwise outside the lease's order (number 0): the node runs it
+    /// when it arrives, before or after the numbered ones; only for
+    /// commands that depend on nothing sent before them and that nothing
+    /// sent before them names (the allocations of fresh buffers).
+    pub(super) fn new<C: EncodeCommands>(
         inner: &Arc<LeaseInner>,
+        numbered: bool,
         modules: &[ModuleSpec],
         commands: C,
         writes: Vec<u8>,
     ) -> Message {
-        let seq = inner.next_seq.fetch_add(1, Ordering::Relaxed);
-        Self::with_seq(inner, seq, modules, commands, writes)
-    }
-
-    /// A BATCH outside the lease's order (number 0): the node runs it when
-    /// it arrives, before or after the numbered ones. Only for commands
-    /// that depend on nothing sent before them and that nothing sent
-    /// before them names (the allocations of fresh buffers).
-    #[cfg(feature = "backend")]
-    pub(super) fn unnumbered<C: EncodeCommands>(
-        inner: &Arc<LeaseInner>,
-        modules: &[ModuleSpec],
-        commands: C,
-        writes: Vec<u8>,
-    ) -> Message {
-        Self::with_seq(inner, 0, modules, commands, writes)
-    }
-
-    fn with_seq<C: EncodeCommands>(
-        inner: &Arc<LeaseInner>,
-        seq: u64,
-        modules: &[ModuleSpec],
-        commands: C,
-        writes: Vec<u8>,
-    ) -> Message {
+        let seq = if numbered {
+            inner.next_seq.fetch_add(1, Ordering::Relaxed)
+        } else {
+            0
+        };
         let mut data = Vec::new();
         let uses: Vec<ModuleUse> = inner.client.with_known_modules(|known| {
             modules

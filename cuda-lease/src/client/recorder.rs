@@ -328,8 +328,9 @@ impl Recorder {
     /// The message, numbered now: the node runs the lease's batches in the
     /// order of these calls, whatever order they are polled or arrive in.
     fn numbered(&self) -> Message {
-        Message::numbered(
+        Message::new(
             &self.inner,
+            true,
             &self.modules,
             &self.commands[..],
             self.writes.clone(),

@@ -81,28 +81,18 @@ impl Session {
 
     /// The BATCH of `commands` (they serialize as the protocol's
     /// `Vec<Command>` does), launching from `modules`, with `writes` as the
-    /// writes' payloads, numbered now (see [`Recorder::submit`]); send it
+    /// writes' payloads, numbered now (see [`Recorder::submit`]) or, not
+    /// `numbered`, outside the lease's order (see `Message::new`); send it
     /// with [`Message::send_into`].
     #[cfg(feature = "backend")]
     pub(crate) fn message<C: EncodeCommands>(
         &self,
+        numbered: bool,
         modules: &[ModuleSpec],
         commands: C,
         writes: Vec<u8>,
     ) -> Message {
-        Message::numbered(&self.inner, modules, commands, writes)
-    }
-
-    /// [`Session::message`] outside the lease's order (see
-    /// `Message::unnumbered`).
-    #[cfg(feature = "backend")]
-    pub(crate) fn message_unnumbered<C: EncodeCommands>(
-        &self,
-        modules: &[ModuleSpec],
-        commands: C,
-        writes: Vec<u8>,
-    ) -> Message {
-        Message::unnumbered(&self.inner, modules, commands, writes)
+        Message::new(&self.inner, numbered, modules, commands, writes)
     }
 
     /// Allocates `size` zeroed bytes (one request).
