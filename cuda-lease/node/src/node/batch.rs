@@ -366,7 +366,7 @@ async fn send_work<'s>(
         proto::encode_commands(&mut body, accepted.len(), accepted);
     }
     slot.worker
-        .send(Opcode::Batch, &body, &parts, shared.cfg.op_timeout)
+        .send(Opcode::Batch, 0, &body, &parts, shared.cfg.op_timeout)
         .await
         .map_err(|e| worker_lost(shared, lease, &e))
 }

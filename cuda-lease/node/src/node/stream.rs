@@ -186,7 +186,7 @@ async fn chunks(
     shared.table().get(lease, shared.now())?;
     let sent = slot
         .worker
-        .send(opcode, &to_body(&ops), &[], shared.cfg.op_timeout)
+        .send(opcode, 0, &to_body(&ops), &[], shared.cfg.op_timeout)
         .await;
     drop(exec);
     let done = match sent {

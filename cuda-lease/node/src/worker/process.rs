@@ -299,25 +299,10 @@ impl WorkerProcess {
         data: &[u8],
         timeout: Duration,
     ) -> Result<Frame, WorkerError> {
-        self.send(opcode, body, &[data], timeout)
+        self.send(opcode, 0, body, &[data], timeout)
             .await?
             .reply()
             .await
-    }
-
-    /// Sends one request; [`SentRequest::reply`] waits for its reply (up
-    /// to `timeout` from now; then the worker is killed). Requests reach
-    /// the worker in the order of these calls, and their replies may come
-    /// in any order: a caller need not wait for one reply before it sends
-    /// the next request.
-    pub(crate) async fn send(
-        &self,
-        opcode: Opcode,
-        body: &[u8],
-        parts: &[&[u8]],
-        timeout: Duration,
-    ) -> Result<SentRequest<'_>, WorkerError> {
-        self.send_flagged(opcode, 0, body, parts, timeout).await
     }
 
     /// Up to `len` bytes, from `offset`, of the data the worker kept for
@@ -336,14 +321,19 @@ impl WorkerProcess {
             len,
         });
         let f = self
-            .send_flagged(Opcode::Batch, FLAG_HELD, &body, &[], timeout)
+            .send(Opcode::Batch, FLAG_HELD, &body, &[], timeout)
             .await?
             .reply()
             .await?;
         Ok(f.data)
     }
 
-    async fn send_flagged(
+    /// Sends one request with header flags `flags`; [`SentRequest::reply`]
+    /// waits for its reply (up to `timeout` from now; then the worker is
+    /// killed). Requests reach the worker in the order of these calls, and
+    /// their replies may come in any order: a caller need not wait for one
+    /// reply before it sends the next request.
+    pub(crate) async fn send(
         &self,
         opcode: Opcode,
         flags: u16,
