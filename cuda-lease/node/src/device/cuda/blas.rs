@@ -4,8 +4,8 @@
 use cuda_core::blas::blas_handle;
 use cuda_core::cudarc::driver::DevicePtr;
 
-use super::CudaDevice;
-use crate::device::error::{driver, map, range};
+use super::{bind, CudaDevice};
+use crate::device::error::{map, range};
 use crate::device::{core_gemm, gemm_spans, DeviceError};
 use crate::lock;
 use crate::proto::{Dtype, GemmSpec, Status, StreamId};
@@ -35,10 +35,7 @@ impl CudaDevice {
                 .device_ptr(&stream);
             *addr = base + o.offset;
         }
-        self.device
-            .context()
-            .bind_to_thread()
-            .map_err(|e| driver(Status::Internal, "cuCtxSetCurrent", e))?;
+        bind(&self.device)?;
         let handle = blas_handle(&stream).map_err(|e| map(Status::LaunchFailed, "gemm", e))?;
         let mut handle = lock(&handle);
         let [a, b, c] = addrs;

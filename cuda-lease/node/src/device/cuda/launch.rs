@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use cuda_async::{check_launch_config, DeviceBuffer, Error, Kernel, LaunchConfig};
 use cuda_core::{Args, ParamClass};
 
-use super::CudaDevice;
-use crate::device::error::{driver, map, mem_arg, not_found};
+use super::{bind, CudaDevice};
+use crate::device::error::{map, mem_arg, not_found};
 use crate::device::{DeviceArg, DeviceError, LaunchDims};
 use crate::proto::{Id, ModuleHash, Status, StreamId};
 
@@ -112,10 +112,7 @@ impl CudaDevice {
         // every launch (no allocation once it has grown).
         let mut list = self.arg_list.start(&stream);
         Self::push_args(&self.buffers, &mut list, args)?;
-        self.device
-            .context()
-            .bind_to_thread()
-            .map_err(|e| driver(Status::Internal, "cuCtxSetCurrent", e))?;
+        bind(&self.device)?;
         let kernel = &self.last_kernel.as_ref().expect("set by launchable").kernel;
         // SAFETY: the kernel is the client's code, launched with the
         // arguments the client gave, which `cuda-core` checks against its

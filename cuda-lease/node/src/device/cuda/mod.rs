@@ -105,6 +105,14 @@ pub struct CudaDevice {
 /// `StreamId::MAX`): ids no lease's commands use.
 const UPLOAD_STREAM: StreamId = StreamId::MAX - 1;
 
+/// Makes `device`'s primary context current on this thread.
+fn bind(device: &cuda_async::Device) -> Result<(), DeviceError> {
+    device
+        .context()
+        .bind_to_thread()
+        .map_err(|e| driver(Status::Internal, "cuCtxSetCurrent", e))
+}
+
 impl CudaDevice {
     /// Opens device `ordinal`: its primary context, bound to this
     /// thread. Streams are made on first use.
@@ -118,10 +126,7 @@ impl CudaDevice {
         let device = cuda_async::Device::new(ordinal)
             .map_err(|e| map(st, &format!("opening device {ordinal}"), e))?;
         // The worker's one thread drives this context from now on.
-        device
-            .context()
-            .bind_to_thread()
-            .map_err(|e| driver(st, "cuCtxSetCurrent", e))?;
+        bind(&device)?;
         // Every buffer of this device is a `cuda-core` buffer, used only
         // by the commands below, each of which orders itself with the
         // buffer's own use events (`before_*`/`after_*`, and the drop

@@ -4,8 +4,8 @@
 use cuda_core::cudarc::driver::DevicePtr;
 use cuda_core::rand::rand_generator;
 
-use super::CudaDevice;
-use crate::device::error::{driver, map, range};
+use super::{bind, CudaDevice};
+use crate::device::error::{map, range};
 use crate::device::{core_fill, fill_bytes, DeviceError};
 use crate::lock;
 use crate::proto::{Dtype, RandSpec, Status, StreamId};
@@ -28,10 +28,7 @@ impl CudaDevice {
             .as_cuda_slice()
             .device_ptr(&stream);
         let addr = base + r.dst.offset;
-        self.device
-            .context()
-            .bind_to_thread()
-            .map_err(|e| driver(Status::Internal, "cuCtxSetCurrent", e))?;
+        bind(&self.device)?;
         let generator =
             rand_generator(&stream).map_err(|e| map(Status::LaunchFailed, "random fill", e))?;
         let mut generator = lock(&generator);
