@@ -173,12 +173,10 @@ async fn batch(
         .batch_commands
         .fetch_add(b.commands.len() as u64, Ordering::Relaxed);
     let (reply, data, held) = run_in_order(shared, who, conn, &b, wire, &f.data, turn).await?;
-    let body = to_body(&reply);
     Ok(Reply {
-        status: Status::Ok,
-        body,
         data,
         held,
+        ..Reply::ok(&reply)
     })
 }
 

@@ -128,31 +128,24 @@ struct Reply {
 }
 
 impl Reply {
-    fn ok<T: serde::Serialize>(msg: &T) -> Self {
-        Self {
-            status: Status::Ok,
-            body: to_body(msg),
-            data: Vec::new(),
-            held: None,
-        }
-    }
-    fn empty() -> Self {
-        Self {
-            status: Status::Ok,
-            body: Vec::new(),
-            data: Vec::new(),
-            held: None,
-        }
-    }
-    fn err(status: Status, message: impl Into<String>) -> Self {
+    /// A reply of `status` with `body` and no data.
+    fn new(status: Status, body: Vec<u8>) -> Self {
         Self {
             status,
-            body: to_body(&ErrorBody {
-                message: message.into(),
-            }),
+            body,
             data: Vec::new(),
             held: None,
         }
+    }
+    fn ok<T: serde::Serialize>(msg: &T) -> Self {
+        Self::new(Status::Ok, to_body(msg))
+    }
+    fn empty() -> Self {
+        Self::new(Status::Ok, Vec::new())
+    }
+    fn err(status: Status, message: impl Into<String>) -> Self {
+        let message = message.into();
+        Self::new(status, to_body(&ErrorBody { message }))
     }
 }
 

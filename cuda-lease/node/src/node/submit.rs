@@ -160,10 +160,8 @@ pub(super) async fn submit_inner(shared: &Arc<Shared>, f: &Frame) -> Result<Repl
         .await
     {
         Ok(frame) if frame.header.status == Status::Ok => Ok(Reply {
-            status: Status::Ok,
-            body: Vec::new(),
             data: frame.data,
-            held: None,
+            ..Reply::empty()
         }),
         Ok(frame) => {
             let fail: WorkerFailure = from_body(&frame.body).unwrap_or(WorkerFailure {
