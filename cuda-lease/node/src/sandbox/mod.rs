@@ -216,11 +216,9 @@ impl Compiler {
             probe: Vec::new(),
         };
         let reply = run_child(self.program.as_deref(), &request, &self.settings)?;
-        reply.result.map_err(|log| self.bound_log(log))
-    }
-
-    fn bound_log(&self, log: String) -> String {
-        bound(log, self.settings.max_log_bytes)
+        reply
+            .result
+            .map_err(|log| bound(log, self.settings.max_log_bytes))
     }
 }
 
