@@ -25,7 +25,9 @@ pub(crate) unsafe fn execute_guarded<O: DeviceOp>(
 ) -> Result<<O as DeviceOp>::Output> {
     // Remotely, buffers dropped while recording are freed at the end of
     // this submission.
-    let frame = ctx.remote_ref().map(|r| RecordingFrame::push(r.session()));
+    let frame = ctx
+        .remote_ref()
+        .map(|r| RecordingFrame::push(r.session(), false));
     // A policy's chosen pool serves the op's allocations on its device.
     let pool = ctx.mem_pool().cloned();
     // SAFETY: forwarded to our caller.

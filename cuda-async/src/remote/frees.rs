@@ -83,17 +83,10 @@ pub(crate) struct RecordingFrame {
 }
 
 impl RecordingFrame {
-    pub(crate) fn push(session: &Arc<dyn RemoteSession>) -> Self {
-        Self::push_frame(session, false)
-    }
-
-    /// A frame for a graph's capture: the session's frees on this thread
-    /// go to it while it is alive (see [`Frame::capture`]).
-    pub(crate) fn push_capture(session: &Arc<dyn RemoteSession>) -> Self {
-        Self::push_frame(session, true)
-    }
-
-    fn push_frame(session: &Arc<dyn RemoteSession>, capture: bool) -> Self {
+    /// A frame for `session`'s frees on this thread; `capture`: for a
+    /// graph's capture, whose frees go to it while it is alive (see
+    /// [`Frame::capture`]).
+    pub(crate) fn push(session: &Arc<dyn RemoteSession>, capture: bool) -> Self {
         let depth = FRAMES.with(|f| {
             let mut frames = f.borrow_mut();
             frames.push(Frame {

@@ -82,7 +82,7 @@ impl<O: DeviceOp> DeviceOp for CaptureRemote<O> {
             .push(stream, Op::GraphBegin { graph: Id(graph) });
         // Buffers dropped during the capture are freed in the body: the
         // node keeps them for the graph.
-        let frame = RecordingFrame::push_capture(&session);
+        let frame = RecordingFrame::push(&session, true);
         // SAFETY: same context and caller contract, forwarded.
         let out = unsafe { self.op.execute(ctx) }?;
         let r = ctx

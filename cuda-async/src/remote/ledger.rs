@@ -228,8 +228,7 @@ impl Ledger {
     /// graph uses). True as [`Ledger::free`].
     pub fn free_graph(&self, graph: u64, held: Vec<u64>) -> bool {
         let mut book = self.book();
-        book.after.insert(graph, held);
-        book.free(graph) && book.flush_due()
+        book.free_graph(graph, held) && book.flush_due()
     }
 
     /// Holds `ids` (what a graph kept on the node uses, or what a transfer
@@ -260,7 +259,7 @@ impl Ledger {
 
     /// Whether `id` is held ([`Ledger::hold`]).
     pub fn is_held(&self, id: u64) -> bool {
-        self.book().held.contains_key(&id)
+        self.book().is_held(id)
     }
 }
 
@@ -298,6 +297,16 @@ impl Book {
         for &(_, id) in &sent.created {
             self.pending.insert(id, false);
         }
+    }
+
+    /// Frees `graph`, then `held` once that ran (see [`Ledger::free_graph`]).
+    fn free_graph(&mut self, graph: u64, held: Vec<u64>) -> bool {
+        self.after.insert(graph, held);
+        self.free(graph)
+    }
+
+    fn is_held(&self, id: u64) -> bool {
+        self.held.contains_key(&id)
     }
 
     /// The free of `id`: true when it was queued (it exists), false when
@@ -398,15 +407,6 @@ impl Book {
 impl Book {
     fn take_queued(&mut self) -> Vec<u64> {
         std::mem::take(&mut self.queued)
-    }
-
-    fn free_graph(&mut self, graph: u64, held: Vec<u64>) -> bool {
-        self.after.insert(graph, held);
-        self.free(graph)
-    }
-
-    fn is_held(&self, id: u64) -> bool {
-        self.held.contains_key(&id)
     }
 }
 
