@@ -22,6 +22,18 @@ pub(super) enum IdKind {
     Graph,
 }
 
+impl IdKind {
+    /// What it is, for messages: "a buffer", "an event"...
+    pub(super) fn noun(self) -> &'static str {
+        match self {
+            IdKind::Buffer(_) => "a buffer",
+            IdKind::Event => "an event",
+            IdKind::Timer => "a timer",
+            IdKind::Graph => "a graph",
+        }
+    }
+}
+
 /// What a graph of a lease holds on to.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub(super) struct GraphIds {

@@ -201,16 +201,10 @@ impl Planner<'_> {
     fn buffer(&self, id: Id) -> Result<u64, Refusal> {
         match self.kind(id) {
             Some(IdKind::Buffer(n)) => Ok(n),
-            Some(IdKind::Event) => Err((
+            Some(k) => Err((
                 Status::BadRequest,
-                format!("{id} is an event, not a buffer"),
+                format!("{id} is {}, not a buffer", k.noun()),
             )),
-            Some(IdKind::Timer) => {
-                Err((Status::BadRequest, format!("{id} is a timer, not a buffer")))
-            }
-            Some(IdKind::Graph) => {
-                Err((Status::BadRequest, format!("{id} is a graph, not a buffer")))
-            }
             None => Err((Status::NotFound, format!("unknown id {id}"))),
         }
     }
@@ -220,17 +214,9 @@ impl Planner<'_> {
     fn event(&self, event: Id) -> Result<bool, Refusal> {
         match self.kind(event) {
             Some(IdKind::Event) => Ok(true),
-            Some(IdKind::Buffer(_)) => Err((
+            Some(k) => Err((
                 Status::BadRequest,
-                format!("{event} is a buffer, not an event"),
-            )),
-            Some(IdKind::Timer) => Err((
-                Status::BadRequest,
-                format!("{event} is a timer, not an event"),
-            )),
-            Some(IdKind::Graph) => Err((
-                Status::BadRequest,
-                format!("{event} is a graph, not an event"),
+                format!("{event} is {}, not an event", k.noun()),
             )),
             None => Ok(false),
         }

@@ -149,16 +149,9 @@ fn check(
     let slot = lease_of(shared, who, lease)?;
     let size = match slot.state().ids.get(&buf) {
         Some(IdKind::Buffer(size)) => *size,
-        Some(k @ (IdKind::Event | IdKind::Timer | IdKind::Graph)) => {
-            let what = match k {
-                IdKind::Event => "an event",
-                IdKind::Timer => "a timer",
-                _ => "a graph",
-            };
-            return Err(Reply::err(
-                Status::BadRequest,
-                format!("{buf} is {what}, not a buffer"),
-            ));
+        Some(k) => {
+            let why = format!("{buf} is {}, not a buffer", k.noun());
+            return Err(Reply::err(Status::BadRequest, why));
         }
         None => return Err(Reply::err(Status::NotFound, format!("no buffer {buf}"))),
     };
