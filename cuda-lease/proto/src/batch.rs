@@ -272,33 +272,14 @@ impl Op<'_> {
     /// included), for `f`.
     pub fn for_each_id(&self, mut f: impl FnMut(Id)) {
         match self {
-            Op::Alloc { buf, .. }
-            | Op::Write { buf, .. }
-            | Op::Read { buf, .. }
-            | Op::Fill { buf, .. } => f(*buf),
             Op::Free { id } => f(*id),
-            Op::Copy { src, dst, .. } => {
-                f(*src);
-                f(*dst);
-            }
-            Op::Launch(l) => {
-                for a in &l.args {
-                    if let LaunchArg::Mem { buf, .. } = a {
-                        f(*buf);
-                    }
-                }
-            }
             Op::Record { event } | Op::Wait { event } => f(*event),
             Op::TimerStart { timer } | Op::TimerEnd { timer } => f(*timer),
             Op::GraphBegin { graph } | Op::GraphEnd { graph } | Op::GraphLaunch { graph } => {
                 f(*graph)
             }
-            Op::Gemm(g) => {
-                f(g.a.buf);
-                f(g.b.buf);
-                f(g.c.buf);
-            }
-            Op::RandFill(r) => f(r.dst.buf),
+            // Every other op names buffers alone.
+            _ => self.buffers(|id, _| f(id)),
         }
     }
 }
