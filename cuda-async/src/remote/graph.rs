@@ -145,11 +145,8 @@ fn names(body: &[Command<'_>]) -> (Vec<u64>, (usize, usize)) {
             }
         });
         match c.op {
-            Op::Free { id } => {
+            Op::Free { id } | Op::Record { event: id } | Op::Wait { event: id } => {
                 ids.insert(id.0);
-            }
-            Op::Record { event } | Op::Wait { event } => {
-                ids.insert(event.0);
             }
             _ => {}
         }

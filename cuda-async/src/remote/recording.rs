@@ -268,17 +268,11 @@ impl Recording {
         let mut kept = Vec::new();
         for c in tail {
             match c.op {
-                Op::Alloc { buf, .. } => {
-                    made.insert(buf);
-                }
-                Op::Record { event } => {
-                    made.insert(event);
-                }
-                Op::GraphBegin { graph } => {
-                    made.insert(graph);
-                }
-                Op::TimerStart { timer } => {
-                    made.insert(timer);
+                Op::Alloc { buf: id, .. }
+                | Op::Record { event: id }
+                | Op::GraphBegin { graph: id }
+                | Op::TimerStart { timer: id } => {
+                    made.insert(id);
                 }
                 Op::Write { .. } => writes += 1,
                 Op::Read { .. } | Op::TimerEnd { .. } => reads += 1,
