@@ -19,7 +19,7 @@
 //! | `cuda_lease_build_info{version="..."}` | gauge, always 1 |
 
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,10 +38,8 @@ use tracing::debug;
 pub const CONTENT_TYPE_OPENMETRICS: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// A monotonic counter, registered in the node's registry.
-///
-/// It dereferences to its atomic, so that a hot path adds to it with one
-/// relaxed `fetch_add` (no lock, no allocation); only ever add to it.
+/// A monotonic counter, registered in the node's registry: adding to it is
+/// one relaxed atomic add (no lock, no allocation).
 #[derive(Debug, Default)]
 pub struct Counter(prometheus_client::metrics::counter::Counter<u64, AtomicU64>);
 
@@ -59,14 +57,6 @@ impl Counter {
     /// The current value.
     pub fn get(&self) -> u64 {
         self.0.get()
-    }
-}
-
-impl std::ops::Deref for Counter {
-    type Target = AtomicU64;
-
-    fn deref(&self) -> &AtomicU64 {
-        self.0.inner()
     }
 }
 
@@ -247,11 +237,6 @@ impl Metrics {
         self
     }
 
-    /// Adds one to a counter (a relaxed atomic add).
-    pub fn inc(c: &AtomicU64) {
-        c.fetch_add(1, Ordering::Relaxed);
-    }
-
     /// Renders all metrics in the OpenMetrics text format
     /// ([`CONTENT_TYPE_OPENMETRICS`]); `vram_allocated` and `active_leases`
     /// are the gauges' values now.
@@ -334,8 +319,8 @@ mod tests {
     #[test]
     fn exposed_names() {
         let m = Metrics::new();
-        Metrics::inc(&m.lease_acquired);
-        m.submit_output_bytes.fetch_add(20, Ordering::Relaxed);
+        m.lease_acquired.inc();
+        m.submit_output_bytes.inc_by(20);
         m.batch_commands.inc_by(3);
         let t = m.render(512, 1);
         for line in [

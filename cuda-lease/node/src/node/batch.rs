@@ -10,7 +10,6 @@ use super::submit::BudgetTurn;
 use super::{fail_lease, HeldData, IdKind, LeaseSlot, LeaseState, ModuleSource, Reply, Shared};
 use crate::lease_table::Principal;
 use crate::lock;
-use crate::metrics::Metrics;
 use crate::proto::{
     self, from_body, Batch, BatchReply, LeaseId, ModuleHash, Op, OpError, Opcode, SourceKind,
     Status,
@@ -445,7 +444,7 @@ fn keep_modules(
         }
     }
     for (hash, ptx) in compiled {
-        Metrics::inc(&shared.metrics.modules_compiled);
+        shared.metrics.modules_compiled.inc();
         if loaded.iter().any(|l| l.hash == hash) {
             let entry = Arc::new((SourceKind::Ptx, ptx.into_bytes()));
             cache.insert(hash, entry, who, cap, share);

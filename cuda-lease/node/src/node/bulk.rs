@@ -34,7 +34,6 @@ use super::submit::BudgetTurn;
 use super::{Reply, Shared};
 use crate::lease_table::Principal;
 use crate::lock;
-use crate::metrics::Metrics;
 use crate::proto::{self, BulkOpen, BulkTickets, Header, Opcode, Status, BULK_TICKET_LEN};
 
 /// How long a ticket opens a connection.
@@ -206,7 +205,7 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener, acce
                     return;
                 }
             };
-            Metrics::inc(&shared.metrics.bulk_connections);
+            shared.metrics.bulk_connections.inc();
             serve(&shared, &open.who, tls).await;
         });
     }

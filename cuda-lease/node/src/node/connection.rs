@@ -12,7 +12,6 @@ use super::dispatch::dispatch;
 use super::handshake::{Admission, Peer, Source};
 use super::submit::BudgetTurn;
 use super::{Reply, Shared};
-use crate::metrics::Metrics;
 use crate::proto::{self, Frame, Header, Opcode, Status};
 use crate::stamps::{stamp, Point};
 
@@ -24,7 +23,7 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) 
         let admission = shared.handshakes.wait(Source::of(remote.ip()));
         if let Admission::Busy = admission {
             debug!(%remote, "refused: the handshake queue is full");
-            Metrics::inc(&shared.metrics.handshakes_refused);
+            shared.metrics.handshakes_refused.inc();
             incoming.refuse();
             continue;
         }
@@ -34,10 +33,10 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) 
             let place = match admission {
                 Admission::Now(place) => place,
                 Admission::Queued(queued) => {
-                    Metrics::inc(&shared.metrics.handshakes_queued);
+                    shared.metrics.handshakes_queued.inc();
                     let Some(place) = queued.place(queue_deadline).await else {
                         debug!(%remote, "refused: no place by the HELLO deadline");
-                        Metrics::inc(&shared.metrics.handshakes_refused);
+                        shared.metrics.handshakes_refused.inc();
                         incoming.refuse();
                         return;
                     };

@@ -1,7 +1,6 @@
 //! Requests by opcode: HELLO, inventory, lease allocation, renewal and free,
 //! and the single lease operations.
 
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
@@ -14,7 +13,6 @@ use super::submit::{submit, submit_turn, BudgetTurn};
 use super::{take_worker, LeaseSlot, LeaseState, Reply, Shared, Slot};
 use crate::lease_table::{LeaseTable, Principal};
 use crate::lock;
-use crate::metrics::Metrics;
 use crate::proto::{
     from_body, to_body, Batch, Command, DeviceInfo, Frame, GpuSubmit, Hello, HelloOk, IdOp,
     Inventory, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, MemAlloc, Op, Opcode, Status,
@@ -167,11 +165,9 @@ async fn batch(
     let (b, wire) = Batch::decode_keeping_wire(&f.body)?;
     b.validate(f.data.len())?;
     stamp(Point::BatchDecoded);
-    Metrics::inc(&shared.metrics.batch_total);
-    shared
-        .metrics
-        .batch_commands
-        .fetch_add(b.commands.len() as u64, Ordering::Relaxed);
+    shared.metrics.batch_total.inc();
+    let commands = b.commands.len() as u64;
+    shared.metrics.batch_commands.inc_by(commands);
     let (reply, data, held) = run_in_order(shared, who, conn, &b, wire, &f.data, turn).await?;
     Ok(Reply {
         data,
@@ -296,7 +292,7 @@ pub(super) async fn lease_alloc(
         lease_limits(shared, &t, who)?;
     }
     shared.take_worker_start(who).await?;
-    Metrics::inc(&shared.metrics.worker_starts);
+    shared.metrics.worker_starts.inc();
     let worker = take_worker(shared)
         .await
         .map_err(|e| Reply::err(Status::Internal, e.to_string()))?;
@@ -329,7 +325,7 @@ pub(super) async fn lease_alloc(
     };
     match granted {
         Ok(g) => {
-            Metrics::inc(&shared.metrics.lease_acquired);
+            shared.metrics.lease_acquired.inc();
             info!(lease = %id, principal = %who, reserved = g.reserved, ttl = ?ttl, "lease granted");
             Ok(Reply::ok(&LeaseGrant {
                 lease: id,
@@ -354,7 +350,7 @@ pub(super) async fn lease_free(shared: &Arc<Shared>, id: &LeaseId) -> Result<Rep
             // is back when the reply arrives.
             slot.order.update(super::order::OrderState::end);
             slot.worker.kill_and_wait().await;
-            Metrics::inc(&shared.metrics.lease_dropped);
+            shared.metrics.lease_dropped.inc();
             info!(lease = %id, "lease freed");
             Ok(Reply::empty())
         }
@@ -390,7 +386,7 @@ impl Shared {
                 Ok(())
             }
             Err(wait) => {
-                Metrics::inc(&self.metrics.worker_starts_refused);
+                self.metrics.worker_starts_refused.inc();
                 Err(Reply::err(
                     Status::CapacityExceeded,
                     format!(

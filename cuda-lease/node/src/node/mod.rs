@@ -451,7 +451,7 @@ impl Node {
         for (id, slot) in leases {
             slot.order.update(order::OrderState::end);
             slot.worker.kill_and_wait().await;
-            Metrics::inc(&self.shared.metrics.lease_dropped);
+            self.shared.metrics.lease_dropped.inc();
             info!(lease = %id, "lease freed at shutdown");
         }
         for w in self.shared.prestarted.lock().await.drain(..) {
@@ -601,7 +601,7 @@ async fn reaper(shared: Arc<Shared>) {
             // Same step that marked it dead: end the worker, which frees
             // its memory, modules and context.
             slot.end();
-            Metrics::inc(&shared.metrics.lease_dropped);
+            shared.metrics.lease_dropped.inc();
             info!(lease = %id, "lease expired; worker ended");
         }
         let live = shared.table().payloads();
@@ -621,7 +621,7 @@ fn fail_lease(shared: &Shared, id: &LeaseId, reason: &str) {
     let now = shared.now();
     if let Some(slot) = shared.table().poison(id, reason, now) {
         slot.end();
-        Metrics::inc(&shared.metrics.lease_dropped);
+        shared.metrics.lease_dropped.inc();
         warn!(lease = %id, reason, "lease failed");
     }
 }

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use super::{Reply, Shared};
 use crate::lease_table::Principal;
 use crate::lock;
-use crate::metrics::Metrics;
 use crate::proto::{from_body, Frame, GpuSubmit, Opcode, Status};
 use crate::worker::{WorkerFailure, WorkerProcess};
 
@@ -111,16 +110,14 @@ pub(super) async fn submit_turn(
 }
 
 pub(super) async fn submit(shared: &Arc<Shared>, f: &Frame) -> Result<Reply, Reply> {
-    Metrics::inc(&shared.metrics.submit_total);
+    shared.metrics.submit_total.inc();
     let r = submit_inner(shared, f).await;
     match &r {
-        Ok(reply) => {
-            shared
-                .metrics
-                .submit_output_bytes
-                .fetch_add(reply.data.len() as u64, Ordering::Relaxed);
-        }
-        Err(_) => Metrics::inc(&shared.metrics.submit_errors),
+        Ok(reply) => shared
+            .metrics
+            .submit_output_bytes
+            .inc_by(reply.data.len() as u64),
+        Err(_) => shared.metrics.submit_errors.inc(),
     }
     r
 }
