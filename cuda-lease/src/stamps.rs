@@ -160,11 +160,6 @@ pub fn set_enabled(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
 }
 
-/// Whether stamping is on.
-pub fn enabled() -> bool {
-    ENABLED.load(Ordering::Relaxed)
-}
-
 /// Records that a submission reached `point` now (when stamping is on).
 #[inline]
 pub fn stamp(point: Point) {

@@ -53,11 +53,6 @@ impl Counter {
     pub fn inc_by(&self, v: u64) {
         self.0.inc_by(v);
     }
-
-    /// The current value.
-    pub fn get(&self) -> u64 {
-        self.0.get()
-    }
 }
 
 type GaugeU64 = Gauge<u64, AtomicU64>;

@@ -417,21 +417,6 @@ pub fn from_body<'a, T: Deserialize<'a>>(mut body: &'a [u8]) -> Result<T, ProtoE
 /// (copied together first); larger ones part by part, never joined.
 pub const SMALL_FRAME: usize = 64 << 10;
 
-/// Reads one frame from a blocking reader (the worker process's pipe),
-/// checking limits before allocating.
-///
-/// # Errors
-///
-/// `InvalidData` wrapping a [`ProtoError`] for bad frames; other I/O
-/// errors as they come.
-pub fn read_frame_blocking<R: std::io::Read + ?Sized>(
-    r: &mut R,
-    limits: &Limits,
-) -> std::io::Result<Frame> {
-    let header = read_header_blocking(r, limits)?;
-    read_rest_blocking(r, header)
-}
-
 /// Blocking read of a frame's header alone, checked against `limits`.
 ///
 /// # Errors

@@ -46,10 +46,9 @@ pub use codec::{
 };
 pub use error::{Credentials, Disconnect, RemoteError, RemoteErrorKind};
 pub use frame::{
-    from_body, invalid_data, proto_error, read_frame_blocking, read_header_blocking,
-    read_rest_blocking, to_body, write_frame_blocking, Frame, Header, Limits, Opcode, ProtoError,
-    Status, ALPN, BULK_ALPN, CLOSE_NODE_SHUTDOWN, FLAG_REPLY, HEADER_LEN, MAGIC, SMALL_FRAME,
-    VERSION,
+    from_body, invalid_data, proto_error, read_header_blocking, read_rest_blocking, to_body,
+    write_frame_blocking, Frame, Header, Limits, Opcode, ProtoError, Status, ALPN, BULK_ALPN,
+    CLOSE_NODE_SHUTDOWN, FLAG_REPLY, HEADER_LEN, MAGIC, SMALL_FRAME, VERSION,
 };
 pub use gemm::{Dtype, GemmSpec, Operand};
 pub use messages::{
