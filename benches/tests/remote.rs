@@ -23,6 +23,7 @@ fn tiny() -> RemoteConfig {
         bytes: 64 << 10,
         refill: Duration::from_millis(20),
         in_task: false,
+        worker_cpus: None,
         transport: ("loopback".into(), cuda_lease::TransportSettings::loopback()),
         stripes: cuda_lease::client::DEFAULT_STRIPES,
         stamps: true,
