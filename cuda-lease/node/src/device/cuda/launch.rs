@@ -6,10 +6,10 @@ use std::collections::HashMap;
 use cuda_async::{check_launch_config, DeviceBuffer, Error, Kernel, LaunchConfig};
 use cuda_core::{Args, ParamClass};
 
-use super::{bind, CudaDevice};
+use super::CudaDevice;
 use crate::device::error::{map, mem_arg, not_found};
 use crate::device::{DeviceArg, DeviceError, LaunchDims};
-use crate::proto::{Id, ModuleHash, Status, StreamId};
+use crate::proto::{Id, ModuleHash, Status};
 
 /// The kernel of the last launch, resolved on this device (its `Kernel`
 /// keeps its module loaded).
@@ -17,7 +17,7 @@ use crate::proto::{Id, ModuleHash, Status, StreamId};
 pub(super) struct LastKernel {
     module: ModuleHash,
     name: String,
-    kernel: Kernel,
+    pub(super) kernel: Kernel,
 }
 
 impl CudaDevice {
@@ -26,7 +26,7 @@ impl CudaDevice {
     /// argument's size, and that buffers go where pointers do. The
     /// last kernel launched is kept at hand, so a chain of launches of
     /// one kernel looks nothing up in a map.
-    fn launchable(
+    pub(super) fn launchable(
         &mut self,
         module: ModuleHash,
         name: &str,
@@ -86,52 +86,9 @@ impl CudaDevice {
         Ok(k)
     }
 
-    /// `LeaseDevice::launch` on this device: the arguments checked against the
-    /// kernel's PTX parameters (`launchable`), each buffer's use ordered
-    /// (`use_on`), and the values laid out for the driver in storage reused by
-    /// every launch (`cuda-core`'s `ArgList`).
-    pub(super) fn enqueue_launch(
-        &mut self,
-        stream: StreamId,
-        module: ModuleHash,
-        kernel: &str,
-        dims: LaunchDims,
-        args: &[DeviceArg<'_>],
-    ) -> Result<(), DeviceError> {
-        let sid = stream;
-        let stream = self.stream(stream)?;
-        let config = launch_config(dims)?;
-        self.launchable(module, kernel, args)?;
-        // Ordered here, buffer by buffer (see `flush_use`).
-        for a in args {
-            if let DeviceArg::Mem { id, .. } = a {
-                self.use_on(*id, sid, &stream)?;
-            }
-        }
-        // The values, each in 8-byte aligned words of storage reused by
-        // every launch (no allocation once it has grown).
-        let mut list = self.arg_list.start(&stream);
-        Self::push_args(&self.buffers, &mut list, args)?;
-        bind(&self.device)?;
-        let kernel = &self.last_kernel.as_ref().expect("set by launchable").kernel;
-        // SAFETY: the kernel is the client's code, launched with the
-        // arguments the client gave, which `cuda-core` checks against its
-        // PTX parameter list (as `launchable` did); what it does with
-        // memory is the client's business: a fault poisons only this
-        // worker process, whose context serves one lease. Buffer addresses
-        // come from this context's live buffers, whose uses on other
-        // streams this launch waits for (`use_on` above, `before_write`)
-        // and whose frees come after it (`use_on` marks it pending,
-        // recorded in the buffer's events by `flush_use` before anything
-        // could depend on them: a use on another stream, a copy, the free,
-        // the end of the batch).
-        let launched = unsafe { kernel.launch_with(&self.device, &config, list) };
-        launched.map_err(|e| map(Status::LaunchFailed, "cuLaunchKernel", e))
-    }
-
     /// `args`' values pushed onto `list`, a buffer's as its address at its
     /// offset (the buffer one of `buffers`).
-    fn push_args<'a>(
+    pub(super) fn push_args<'a>(
         buffers: &'a HashMap<Id, DeviceBuffer<u8>>,
         list: &mut Args<'a>,
         args: &[DeviceArg<'_>],
@@ -154,7 +111,7 @@ impl CudaDevice {
 
 /// A launch's grid, block and shared memory as a [`LaunchConfig`], checked
 /// as `cuda-async` checks every launch's.
-fn launch_config(dims: LaunchDims) -> Result<LaunchConfig, DeviceError> {
+pub(super) fn launch_config(dims: LaunchDims) -> Result<LaunchConfig, DeviceError> {
     let config = LaunchConfig {
         grid_dim: (dims.grid[0], dims.grid[1], dims.grid[2]),
         block_dim: (dims.block[0], dims.block[1], dims.block[2]),

@@ -4,8 +4,9 @@
 use std::collections::HashMap;
 
 use cuda_async::DeviceBuffer;
-use cuda_core::StagingArena;
+use cuda_core::{ArenaSlot, StagingArena};
 
+use super::CudaDevice;
 use crate::device::error::map;
 use crate::device::DeviceError;
 use crate::proto::Status;
@@ -96,5 +97,19 @@ impl SpareBuffers {
                 self.bytes -= b.len();
             }
         }
+    }
+}
+
+impl CudaDevice {
+    /// `len` bytes of the batch arena, or `None` when they do not fit
+    /// (the caller takes the pooled path).
+    pub(super) fn arena_take(&mut self, len: usize) -> Result<Option<ArenaSlot>, DeviceError> {
+        if len > ARENA_BYTES / 4 || self.capturing {
+            return Ok(None);
+        }
+        if self.arena.is_none() {
+            self.arena = Some(new_arena(&self.device)?);
+        }
+        Ok(self.arena.as_mut().and_then(|a| a.reserve(len)))
     }
 }
