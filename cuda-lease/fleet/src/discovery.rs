@@ -12,7 +12,7 @@ use tracing::{debug, warn};
 
 use super::placement::{rank, Need};
 use super::record::nodes_prefix;
-use super::{NodeRecord, DEFAULT_PREFIX};
+use super::{lock, NodeRecord, DEFAULT_PREFIX};
 use cuda_lease::client::{Client, ClientConfig, Error, ErrorKind, Lease, LeaseBuilder};
 
 /// How a client finds the fleet and trusts its nodes
@@ -289,7 +289,7 @@ impl Fleet {
         match builder.clone().on(client).await {
             Err(e) if !fresh && matches!(e.kind(), ErrorKind::Disconnected(_)) => {
                 // The cached connection died under us: once more, anew.
-                self.forget(&node.name);
+                lock(&self.inner.clients).remove(&node.name);
                 let (client, _) = self.client_of(node).await?;
                 builder.on(client).await
             }
@@ -299,7 +299,7 @@ impl Fleet {
 
     /// The connection to `node`, and whether it was just made.
     async fn client_of(&self, node: &NodeRecord) -> Result<(Arc<Client>, bool), Error> {
-        if let Some((rec, c)) = self.clients().get(&node.name) {
+        if let Some((rec, c)) = lock(&self.inner.clients).get(&node.name) {
             if rec.address == node.address && rec.cert_sha256 == node.cert_sha256 && !c.is_closed()
             {
                 return Ok((c.clone(), false));
@@ -307,33 +307,22 @@ impl Fleet {
         }
         let config = self.config_for(node)?;
         let client = Arc::new(Client::connect(node.address, &config).await?);
-        self.clients()
-            .insert(node.name.clone(), (node.clone(), client.clone()));
+        lock(&self.inner.clients).insert(node.name.clone(), (node.clone(), client.clone()));
         Ok((client, true))
-    }
-
-    fn forget(&self, name: &str) {
-        self.clients().remove(name);
-    }
-
-    fn clients(&self) -> std::sync::MutexGuard<'_, HashMap<String, (NodeRecord, Arc<Client>)>> {
-        self.inner.clients.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// How this client connects to `node`.
     fn config_for(&self, node: &NodeRecord) -> Result<ClientConfig, Error> {
         let cfg = &self.inner.cfg;
         if !cfg.trust_registry {
-            return cfg.client.clone().ok_or_else(|| {
-                cuda_lease::client::Error::new(
-                    cuda_lease::client::ErrorKind::Config,
-                    "the fleet has no ClientConfig",
-                )
-            });
+            return cfg
+                .client
+                .clone()
+                .ok_or_else(|| Error::new(ErrorKind::Config, "the fleet has no ClientConfig"));
         }
         let sha = node.fingerprint_bytes().ok_or_else(|| {
-            cuda_lease::client::Error::new(
-                cuda_lease::client::ErrorKind::Config,
+            Error::new(
+                ErrorKind::Config,
                 format!(
                     "node {}: the registry's certificate fingerprint {:?} is not a SHA-256",
                     node.name, node.cert_sha256

@@ -64,3 +64,9 @@ pub use placement::Need;
 #[cfg(feature = "backend")]
 pub use policy::{lost, FleetPolicy, FleetPolicyConfig, NodeStats};
 pub use record::{fingerprint, DeviceRecord, NodeRecord, RegistryConfig, DEFAULT_PREFIX};
+
+/// Locks a std mutex, taking it over from a holder that panicked (every
+/// lock of the fleet does so: no update of its state is left half done).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

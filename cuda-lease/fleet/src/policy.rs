@@ -19,7 +19,7 @@ use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
 use super::placement::rank;
-use super::{Fleet, FleetError, NodeRecord};
+use super::{lock, Fleet, FleetError, NodeRecord};
 use cuda_lease::client::{Disconnect, Error, ErrorKind, Lease};
 use cuda_lease::remote::LeaseBackend;
 use submission::Placement;
@@ -163,16 +163,22 @@ impl Member {
         !self.dead.load(Ordering::Acquire)
     }
 
+    /// The disconnected kind, naming this lease's node: "node NAME
+    /// `what`".
+    fn gone(&self, what: std::fmt::Arguments<'_>) -> cuda_async::Error {
+        let message = format!("node {} {what}", self.node.name);
+        let e = Error::new(ErrorKind::Disconnected(Disconnect::Network), message);
+        cuda_async::Error::from_remote(e.with_node(self.node.address))
+    }
+
     /// Whether the lease's node answers a query within [`PROBE_TIMEOUT`].
     async fn answers(&self) -> bool {
-        let client = {
-            let lease = self.lease.lock().unwrap_or_else(|e| e.into_inner());
-            match lease.as_ref() {
-                Some(l) => (l.client().clone(), l.id()),
-                None => return false,
-            }
+        let lease = lock(&self.lease)
+            .as_ref()
+            .map(|l| (l.client().clone(), l.id()));
+        let Some((client, id)) = lease else {
+            return false;
         };
-        let (client, id) = client;
         let probe = client.query_lease(id);
         matches!(tokio::time::timeout(PROBE_TIMEOUT, probe).await, Ok(Ok(_)))
     }
@@ -243,7 +249,7 @@ impl FleetPolicy {
     /// What ran where: one entry per node the policy ever leased on.
     pub fn stats(&self) -> Vec<NodeStats> {
         let live = self.nodes();
-        let mut s = self.shared.stats().clone();
+        let mut s = lock(&self.shared.stats).clone();
         for n in &mut s {
             n.live = live.contains(&n.node);
         }
@@ -258,21 +264,17 @@ impl FleetPolicy {
     /// When the first submission that ran again on another lease
     /// completed (`None` until one did).
     pub fn first_retry_done(&self) -> Option<std::time::Instant> {
-        *self
-            .shared
-            .first_retry_done
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        *lock(&self.shared.first_retry_done)
     }
 
     /// Frees every lease; submissions made afterwards fail.
     pub async fn close(&self) {
         self.shared.closed.store(true, Ordering::Release);
         self.shared.wake.notify_one();
-        let members: Vec<_> = std::mem::take(&mut *self.shared.members());
+        let members: Vec<_> = std::mem::take(&mut *lock(&self.shared.members));
         for m in members {
             m.dead.store(true, Ordering::Release);
-            let lease = m.lease.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let lease = lock(&m.lease).take();
             if let Some(l) = lease {
                 let _ = l.free().await;
             }
@@ -291,16 +293,8 @@ impl SchedulingPolicy for FleetPolicy {
 }
 
 impl Shared {
-    fn members(&self) -> std::sync::MutexGuard<'_, Vec<Arc<Member>>> {
-        self.members.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn stats(&self) -> std::sync::MutexGuard<'_, Vec<NodeStats>> {
-        self.stats.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     fn live(&self) -> Vec<Arc<Member>> {
-        self.members()
+        lock(&self.members)
             .iter()
             .filter(|m| m.is_live())
             .cloned()
@@ -308,7 +302,7 @@ impl Shared {
     }
 
     fn count(&self, node: &str, ok: bool) {
-        let mut s = self.stats();
+        let mut s = lock(&self.stats);
         let i = match s.iter().position(|n| n.node == node) {
             Some(i) => i,
             None => {
@@ -329,7 +323,7 @@ impl Shared {
     /// The live lease with the least work in flight; asks the supervisor
     /// to grow when even that one has `grow_at` submissions in flight.
     fn least_loaded(&self) -> Option<Arc<Member>> {
-        let members = self.members();
+        let members = lock(&self.members);
         // Among the leases with at most four rounds of their streams more in
         // flight than the least loaded, the one given the least so far: equal
         // nodes share evenly, and one that falls behind by more gets nothing
@@ -378,7 +372,7 @@ impl Shared {
             .ok_or_else(|| FleetError::Config(format!("the node at {addr} left the registry")))?;
         let session = LeaseBackend::new(lease.session(), self.runtime.clone());
         info!(node = %node.name, lease = %lease.id(), "fleet policy: leased");
-        self.members().push(Arc::new(Member {
+        lock(&self.members).push(Arc::new(Member {
             node,
             lease: Mutex::new(Some(lease)),
             session,
@@ -398,7 +392,7 @@ impl Shared {
             return;
         }
         warn!(node = %m.node.name, why, "fleet policy: lease lost; replacing it");
-        if let Some(l) = m.lease.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        if let Some(l) = lock(&m.lease).as_ref() {
             l.client().close();
         }
         self.wake.notify_one();
@@ -427,16 +421,7 @@ pub fn lost(e: &cuda_async::Error) -> bool {
 fn node_lost(m: &Member, e: cuda_async::Error) -> cuda_async::Error {
     match e.remote_kind() {
         Some(ErrorKind::Disconnected(_)) => e,
-        _ => cuda_async::Error::from_remote(
-            Error::new(
-                ErrorKind::Disconnected(Disconnect::Network),
-                format!(
-                    "node {} was lost with this submission in flight: {e}",
-                    m.node.name
-                ),
-            )
-            .with_node(m.node.address),
-        ),
+        _ => m.gone(format_args!("was lost with this submission in flight: {e}")),
     }
 }
 
@@ -503,13 +488,13 @@ impl Shared {
         // Dead leases go: their node is gone or unreachable, so its TTL
         // ends them there.
         let dead: Vec<Arc<Member>> = {
-            let mut members = self.members();
+            let mut members = lock(&self.members);
             let (dead, live): (Vec<_>, Vec<_>) = members.drain(..).partition(|m| !m.is_live());
             *members = live;
             dead
         };
         for m in dead {
-            let lease = m.lease.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let lease = lock(&m.lease).take();
             if let Some(mut l) = lease {
                 l.stop_renewing();
                 l.leak();

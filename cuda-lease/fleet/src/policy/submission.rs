@@ -9,15 +9,12 @@ use cuda_async::remote::{Ledger, Recording, RemoteCompletion};
 use cuda_async::{RemoteErrorExt, RemoteSession};
 
 use super::{lost, node_lost, Member, Shared};
-use cuda_lease::client::{Disconnect, Error, ErrorKind};
+use crate::lock;
+use cuda_lease::client::{Error, ErrorKind};
 
 /// Where a submission runs, once placed (shared with the tasks that run
 /// and retry it).
 type At = Arc<Mutex<Option<Arc<Member>>>>;
-
-fn set(at: &At, m: &Arc<Member>) {
-    *at.lock().unwrap_or_else(|e| e.into_inner()) = Some(m.clone());
-}
 
 /// One submission's session: records anywhere, runs where it is placed.
 #[derive(Debug)]
@@ -40,29 +37,19 @@ impl Placement {
     }
 
     fn at(&self) -> Option<Arc<Member>> {
-        self.at.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    fn adopted(&self) -> Vec<u64> {
-        self.adopted
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        lock(&self.at).clone()
     }
 
     /// The error of a submission whose buffers are on a dead node.
     fn lost_buffers(&self, m: &Member) -> cuda_async::Error {
-        let ids: Vec<String> = self.adopted().iter().map(|i| format!("#{i}")).collect();
-        let e = Error::new(
-            ErrorKind::Disconnected(Disconnect::Network),
-            format!(
-                "node {} is gone, and with it the buffers {} this submission uses",
-                m.node.name,
-                ids.join(", ")
-            ),
-        )
-        .with_node(m.node.address);
-        cuda_async::Error::from_remote(e)
+        let ids: Vec<String> = lock(&self.adopted)
+            .iter()
+            .map(|i| format!("#{i}"))
+            .collect();
+        m.gone(format_args!(
+            "is gone, and with it the buffers {} this submission uses",
+            ids.join(", ")
+        ))
     }
 }
 
@@ -88,7 +75,7 @@ impl RemoteSession for Placement {
             return;
         }
         let shared = self.shared.clone();
-        let adopted = !self.adopted().is_empty();
+        let adopted = !lock(&self.adopted).is_empty();
         match self.at() {
             Some(m) if !m.is_live() => done.fail(self.lost_buffers(&m)),
             Some(m) => run_on(shared, self.at.clone(), m, recording, done, 0, adopted),
@@ -124,16 +111,13 @@ impl RemoteSession for Placement {
         let Some(there) = other.at() else {
             return false;
         };
-        let mut at = self.at.lock().unwrap_or_else(|e| e.into_inner());
+        let mut at = lock(&self.at);
         match &*at {
             Some(here) if !Arc::ptr_eq(here, &there) => return false,
             Some(_) => {}
             None => *at = Some(there),
         }
-        self.adopted
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(id);
+        lock(&self.adopted).push(id);
         true
     }
 }
@@ -150,7 +134,7 @@ fn run_on(
     attempt: u32,
     adopted: bool,
 ) {
-    set(&at, &m);
+    *lock(&at) = Some(m.clone());
     let again = (!adopted && attempt < shared.cfg.retry).then(|| recording.duplicate());
     let inner = RemoteCompletion::new();
     m.in_flight.fetch_add(1, Ordering::AcqRel);
@@ -164,10 +148,7 @@ fn run_on(
         match r {
             Ok(()) => {
                 if attempt > 0 {
-                    let mut first = shared
-                        .first_retry_done
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner());
+                    let mut first = lock(&shared.first_retry_done);
                     first.get_or_insert_with(std::time::Instant::now);
                 }
                 done.complete();
