@@ -165,11 +165,6 @@ impl Lease {
         self.inner.generation.load(Ordering::SeqCst)
     }
 
-    /// True once the node reported the lease expired.
-    pub fn is_expired(&self) -> bool {
-        self.inner.expired.load(Ordering::SeqCst)
-    }
-
     /// The connection this lease uses.
     pub fn client(&self) -> &Arc<Client> {
         &self.inner.client

@@ -195,12 +195,6 @@ impl Recorder {
         event
     }
 
-    /// Records `event` again on `stream` (waits name the latest record).
-    pub fn record_again(&mut self, stream: StreamId, event: Id) -> &mut Self {
-        self.push(stream, Op::Record { event });
-        self
-    }
-
     /// Makes `stream` wait for the last record of `event`.
     pub fn wait(&mut self, stream: StreamId, event: Id) -> &mut Self {
         self.push(stream, Op::Wait { event });

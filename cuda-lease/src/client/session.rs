@@ -195,20 +195,9 @@ impl Session {
 
     /// Reads as many bytes of buffer `buf` at `offset` as `out` holds,
     /// straight into `out` (streamed, striped when large), and gives it
-    /// back.
-    ///
-    /// # Errors
-    ///
-    /// As [`Session::read`].
-    pub async fn read_id_to<B>(&self, buf: Id, offset: u64, out: B) -> Result<B, Error>
-    where
-        B: AsMut<[u8]> + Send + 'static,
-    {
-        self.read_id_after(buf, offset, 0, out).await
-    }
-
-    /// [`Session::read_id_to`] on the node after the lease's batch number
-    /// `after` (0: none; see [`MemRead::after`](crate::proto::MemRead::after)).
+    /// back, on the node after the lease's batch number `after` (0: none;
+    /// see [`MemRead::after`](crate::proto::MemRead::after)).
+    #[cfg(feature = "backend")]
     pub(crate) async fn read_id_after<B>(
         &self,
         buf: Id,
