@@ -172,7 +172,7 @@ impl LeaseDevice for MemoryDevice {
             .remove(&id)
             .ok_or_else(|| not_found("buffer", id))?;
         self.used -= len as u64;
-        self.enqueue(stream, Work::Free { slot }, &[], &[slot], None);
+        self.enqueue(stream, Work::Free { slot }, &[], &[slot], None, None);
         Ok(())
     }
 
@@ -192,7 +192,7 @@ impl LeaseDevice for MemoryDevice {
             at: r.start,
             data: data.to_vec(),
         };
-        self.enqueue(stream, work, &[], &[slot], None);
+        self.enqueue(stream, work, &[], &[slot], None, None);
         Ok(())
     }
 
@@ -208,7 +208,8 @@ impl LeaseDevice for MemoryDevice {
         self.check_stream(stream)?;
         let (slot, size) = self.slot(id)?;
         let range = range(size, offset, len)?;
-        self.enqueue(stream, Work::Read { slot, range, at }, &[slot], &[], None);
+        let work = Work::Read { slot, range, at };
+        self.enqueue(stream, work, &[slot], &[], None, None);
         Ok(())
     }
 
@@ -229,6 +230,7 @@ impl LeaseDevice for MemoryDevice {
             Work::Fill { slot, range, value },
             &[],
             &[slot],
+            None,
             None,
         );
         Ok(())
@@ -255,7 +257,7 @@ impl LeaseDevice for MemoryDevice {
             dst: (d, rd.start),
             len: rs.len(),
         };
-        self.enqueue(stream, work, &[s], &[d], None);
+        self.enqueue(stream, work, &[s], &[d], None, None);
         Ok(())
     }
 
@@ -270,7 +272,7 @@ impl LeaseDevice for MemoryDevice {
             slots[i] = slot;
         }
         let work = Work::Gemm { spec: *g, slots };
-        self.enqueue(stream, work, &slots[..2], &slots[2..], None);
+        self.enqueue(stream, work, &slots[..2], &slots[2..], None, None);
         Ok(())
     }
 
@@ -281,7 +283,7 @@ impl LeaseDevice for MemoryDevice {
         let (slot, size) = self.slot(r.dst.buf)?;
         range(size, r.dst.offset, bytes)?;
         let work = Work::RandFill { spec: *r, slot };
-        self.enqueue(stream, work, &[], &[slot], None);
+        self.enqueue(stream, work, &[], &[slot], None, None);
         Ok(())
     }
 
@@ -406,7 +408,7 @@ impl LeaseDevice for MemoryDevice {
             args: host,
         };
         // Every memory argument may be written.
-        self.enqueue(stream, work, &[], &touched, None);
+        self.enqueue(stream, work, &[], &touched, None, None);
         Ok(())
     }
 
@@ -418,7 +420,7 @@ impl LeaseDevice for MemoryDevice {
                 format!("{event} is a buffer, not an event"),
             ));
         }
-        let i = self.enqueue(stream, Work::Nothing, &[], &[], None);
+        let i = self.enqueue(stream, Work::Nothing, &[], &[], None, None);
         self.events.insert(event, Some(i));
         self.event_clock.insert(event, self.queue[i].ready());
         Ok(())
@@ -431,7 +433,7 @@ impl LeaseDevice for MemoryDevice {
             .get(&event)
             .ok_or_else(|| not_found("event", event))?;
         let at = self.event_clock.get(&event).copied();
-        self.enqueue_after(stream, Work::Nothing, &[], &[], last, at);
+        self.enqueue(stream, Work::Nothing, &[], &[], last, at);
         Ok(())
     }
 
@@ -444,7 +446,7 @@ impl LeaseDevice for MemoryDevice {
         let key = self.next_timer;
         self.next_timer += 1;
         self.timers.insert(timer, key);
-        self.enqueue(stream, Work::TimerStart { key }, &[], &[], None);
+        self.enqueue(stream, Work::TimerStart { key }, &[], &[], None, None);
         Ok(())
     }
 
@@ -454,7 +456,7 @@ impl LeaseDevice for MemoryDevice {
             .timers
             .remove(&timer)
             .ok_or_else(|| not_found("timer", timer))?;
-        self.enqueue(stream, Work::TimerEnd { key, at }, &[], &[], None);
+        self.enqueue(stream, Work::TimerEnd { key, at }, &[], &[], None, None);
         Ok(())
     }
 

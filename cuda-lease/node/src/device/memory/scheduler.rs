@@ -84,21 +84,9 @@ impl Queued {
 
 impl MemoryDevice {
     /// Queues `work` on `stream` after `extra` and the conflicting uses of
-    /// the slots it reads and writes.
-    pub(super) fn enqueue(
-        &mut self,
-        stream: StreamId,
-        work: Work,
-        reads: &[usize],
-        writes: &[usize],
-        extra: Option<usize>,
-    ) -> usize {
-        self.enqueue_after(stream, work, reads, writes, extra, None)
-    }
-
-    /// [`MemoryDevice::enqueue`], done no earlier than `not_before` (an
+    /// the slots it reads and writes, done no earlier than `not_before` (an
     /// event recorded by an earlier batch).
-    pub(super) fn enqueue_after(
+    pub(super) fn enqueue(
         &mut self,
         stream: StreamId,
         work: Work,
