@@ -225,14 +225,8 @@ impl LeaseDevice for MemoryDevice {
         self.check_stream(stream)?;
         let (slot, size) = self.slot(id)?;
         let range = range(size, offset, len)?;
-        self.enqueue(
-            stream,
-            Work::Fill { slot, range, value },
-            &[],
-            &[slot],
-            None,
-            None,
-        );
+        let work = Work::Fill { slot, range, value };
+        self.enqueue(stream, work, &[], &[slot], None, None);
         Ok(())
     }
 
