@@ -265,7 +265,7 @@ impl RemoteSession for LeaseBackend {
     fn submit(&self, recording: Recording, done: RemoteCompletion) {
         // A submission dropped unsent or unanswered (its runtime shut down
         // with the lease) fails instead of staying pending forever.
-        let done = FailOnDrop {
+        let mut done = FailOnDrop {
             done: Some(done),
             lease: self.session.lease_id(),
             node: self.session.node_addr(),
@@ -315,7 +315,7 @@ impl LeaseBackend {
             (reply, reading.conflicts(recording.commands()))
         };
         let mut task = Box::pin(async move {
-            let done = done;
+            let mut done = done;
             let outcome = async {
                 let (reply, bufs) = reply.await?;
                 stamp(Point::ClientReplyRead);
@@ -361,13 +361,12 @@ struct FailOnDrop {
 
 impl FailOnDrop {
     /// Completes the submission with `r` (an error names the lease and
-    /// the node).
-    fn finish(mut self, r: Result<(), Error>) {
-        let r = r.map_err(|e| to_cuda_error(e.with_lease(self.lease).with_node(self.node)));
+    /// the node), unless it is completed already.
+    fn finish(&mut self, r: Result<(), Error>) {
         if let Some(done) = self.done.take() {
             match r {
                 Ok(()) => done.complete(),
-                Err(e) => done.fail(e),
+                Err(e) => done.fail(to_cuda_error(e.with_lease(self.lease).with_node(self.node))),
             }
         }
     }
@@ -375,13 +374,10 @@ impl FailOnDrop {
 
 impl Drop for FailOnDrop {
     fn drop(&mut self) {
-        if let Some(done) = self.done.take() {
-            let e = Error::new(
-                ErrorKind::LeaseFreed,
-                "the lease was freed or dropped before the reply came",
-            );
-            done.fail(to_cuda_error(e.with_lease(self.lease).with_node(self.node)));
-        }
+        self.finish(Err(Error::new(
+            ErrorKind::LeaseFreed,
+            "the lease was freed or dropped before the reply came",
+        )));
     }
 }
 

@@ -121,22 +121,18 @@ impl Client {
         };
         let parts = stripe_bounds(len, self.stripe_count(len));
         let conns = bulk.take(self, parts.len()).await?;
-        let tasks: Vec<_> = conns
-            .into_iter()
-            .zip(parts)
-            .map(|(conn, r)| {
-                let client = self.clone();
-                let bytes = bytes.clone();
-                tokio::spawn(async move {
-                    let data = (*bytes).as_ref();
-                    let pieces = requests(r).map(|r| {
-                        let body = write_body(to, &r);
-                        (Opcode::MemWrite, body, &data[r], &mut [][..])
-                    });
-                    client.bulk_run(conn, pieces).await
-                })
-            })
-            .collect();
+        let tasks = conns.into_iter().zip(parts).map(|(conn, r)| {
+            let client = self.clone();
+            let bytes = bytes.clone();
+            async move {
+                let data = (*bytes).as_ref();
+                let pieces = requests(r).map(|r| {
+                    let body = write_body(to, &r);
+                    (Opcode::MemWrite, body, &data[r], &mut [][..])
+                });
+                client.bulk_run(conn, pieces).await
+            }
+        });
         join_tasks(tasks).await
     }
 
@@ -190,35 +186,29 @@ impl Client {
         // four stripes got 1.7x one connection; a task per stripe reading
         // into its own buffer and a concatenation, 1.6 to 1.8x.
         let out = Arc::new(StripeBuffer::over(out));
-        let tasks: Vec<_> = conns
-            .iter()
-            .zip(&parts)
-            .map(|(conn, r)| {
-                let conn = (*conn).clone();
-                let limits = self.limits;
-                let pieces: Vec<_> = requests(r.clone())
-                    .map(|r| {
-                        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                        (r.clone(), id, request(&r))
-                    })
-                    .collect();
-                let out = out.clone();
-                tokio::spawn(async move {
-                    for (r, id, body) in pieces {
-                        // SAFETY: the stripes' ranges are disjoint (from
-                        // `stripe_bounds`), their requests' too, and this
-                        // task alone touches this range, one piece at a time.
-                        let part = ReplyInto::Exact(unsafe { out.range_mut(r) });
-                        exchange(&conn, &limits, id, Opcode::MemRead, &body, &[], part).await?;
-                    }
-                    Ok::<_, Error>(())
+        let tasks = conns.iter().zip(&parts).map(|(conn, r)| {
+            let conn = (*conn).clone();
+            let limits = self.limits;
+            let pieces: Vec<_> = requests(r.clone())
+                .map(|r| {
+                    let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                    (r.clone(), id, request(&r))
                 })
-            })
-            .collect();
+                .collect();
+            let out = out.clone();
+            async move {
+                for (r, id, body) in pieces {
+                    // SAFETY: the stripes' ranges are disjoint (from
+                    // `stripe_bounds`), their requests' too, and this
+                    // task alone touches this range, one piece at a time.
+                    let part = ReplyInto::Exact(unsafe { out.range_mut(r) });
+                    exchange(&conn, &limits, id, Opcode::MemRead, &body, &[], part).await?;
+                }
+                Ok::<_, Error>(())
+            }
+        });
         join_tasks(tasks).await?;
-        Arc::try_unwrap(out)
-            .map(StripeBuffer::into_inner)
-            .map_err(|_| protocol_error("a stripe task outlived its transfer"))
+        StripeBuffer::into_inner(out)
     }
 
     /// [`Client::striped_read_to`] over the bulk-data channel: one task per
@@ -237,30 +227,24 @@ impl Client {
         let conns = bulk.take(self, parts.len()).await?;
         // One task per stripe, one stripe for a small transfer.
         let out = Arc::new(StripeBuffer::over(out));
-        let tasks: Vec<_> = conns
-            .into_iter()
-            .zip(parts)
-            .map(|(conn, r)| {
-                let out = out.clone();
-                let client = self.clone();
-                tokio::spawn(async move {
-                    let pieces = requests(r).map(|r| {
-                        let body = read_body(to, &r);
-                        // SAFETY: the stripes' ranges are disjoint (from
-                        // `stripe_bounds`), their requests' too, and this
-                        // task alone touches this range, one piece at a
-                        // time.
-                        let part = unsafe { out.range_mut(r) };
-                        (Opcode::MemRead, body, &[][..], part)
-                    });
-                    client.bulk_run(conn, pieces).await
-                })
-            })
-            .collect();
+        let tasks = conns.into_iter().zip(parts).map(|(conn, r)| {
+            let out = out.clone();
+            let client = self.clone();
+            async move {
+                let pieces = requests(r).map(|r| {
+                    let body = read_body(to, &r);
+                    // SAFETY: the stripes' ranges are disjoint (from
+                    // `stripe_bounds`), their requests' too, and this
+                    // task alone touches this range, one piece at a
+                    // time.
+                    let part = unsafe { out.range_mut(r) };
+                    (Opcode::MemRead, body, &[][..], part)
+                });
+                client.bulk_run(conn, pieces).await
+            }
+        });
         join_tasks(tasks).await?;
-        Arc::try_unwrap(out)
-            .map(StripeBuffer::into_inner)
-            .map_err(|_| protocol_error("a stripe task outlived its transfer"))
+        StripeBuffer::into_inner(out)
     }
 }
 
@@ -299,9 +283,14 @@ fn first_error(results: Vec<Result<(), Error>>) -> Result<(), Error> {
     results.into_iter().collect()
 }
 
-/// Waits for every stripe task (all of them, even after one failed, so none
-/// outlives the transfer) and returns the first error.
-async fn join_tasks(tasks: Vec<tokio::task::JoinHandle<Result<(), Error>>>) -> Result<(), Error> {
+/// Runs each stripe's future as a task of its own, waits for every task
+/// (all of them, even after one failed, so none outlives the transfer) and
+/// returns the first error.
+async fn join_tasks<F>(tasks: impl IntoIterator<Item = F>) -> Result<(), Error>
+where
+    F: std::future::Future<Output = Result<(), Error>> + Send + 'static,
+{
+    let tasks: Vec<_> = tasks.into_iter().map(tokio::spawn).collect();
     let mut first_err = None;
     for t in tasks {
         let r = t
@@ -356,8 +345,11 @@ impl<B: AsMut<[u8]>> StripeBuffer<B> {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len()) }
     }
 
-    fn into_inner(self) -> B {
-        *self.buf.into_inner()
+    /// The buffer, once every stripe task has let go of it.
+    fn into_inner(this: Arc<Self>) -> Result<B, Error> {
+        let this = Arc::try_unwrap(this)
+            .map_err(|_| protocol_error("a stripe task outlived its transfer"))?;
+        Ok(*this.buf.into_inner())
     }
 }
 

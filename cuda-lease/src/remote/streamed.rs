@@ -228,7 +228,7 @@ impl LeaseBackend {
     /// outside the lease's order; its commands' message is numbered now
     /// (so the submissions made after it run after it) and goes once its
     /// writes are in; its other steps follow on the session's runtime.
-    fn start_streamed(&self, recording: Recording, plan: StreamPlan, done: FailOnDrop) {
+    fn start_streamed(&self, recording: Recording, plan: StreamPlan, mut done: FailOnDrop) {
         let Some(this) = self.me.upgrade() else {
             // The session is going away: `done` fails as dropped.
             return;
