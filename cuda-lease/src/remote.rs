@@ -117,40 +117,14 @@ impl LeaseBackend {
 
     /// Sends the queued frees (unless `keep_frees`), then `commands`
     /// (launching from `modules`), as one BATCH with `writes` as its
-    /// payloads; the reads land in `dests` (one per read command). When
-    /// the reply (or the failure) comes, what ran is settled in the id book
-    /// before the returned future is ready.
-    fn send<D>(
-        &self,
-        commands: &[Command<'static>],
-        modules: &[ModuleSpec],
-        keep_frees: bool,
-        writes: Vec<u8>,
-        dests: Vec<D>,
-    ) -> impl Future<Output = Result<(Submitted, Vec<D>), Error>> + Send + 'static
-    where
-        D: AsMut<[u8]> + Send + 'static,
-    {
-        self.send_as(true, commands, modules, keep_frees, writes, dests)
-            .1
-    }
-
-    /// [`LeaseBackend::send`] of a batch outside the lease's order (see
-    /// `Message::new`): the allocations of fresh buffers alone.
-    fn send_unnumbered(
-        &self,
-        allocs: &[Command<'static>],
-    ) -> impl Future<Output = Result<(Submitted, Vec<Vec<u8>>), Error>> + Send + 'static {
-        debug_assert!(allocs.iter().all(|c| matches!(c.op, Op::Alloc { .. })));
-        self.send_as(false, allocs, &[], true, Vec::new(), Vec::new())
-            .1
-    }
-
-    /// A BATCH numbered in the lease's order (`numbered`) or outside it;
-    /// returns its number (0 outside; fixed now, whenever the future is
-    /// polled) and the future that sends it. A future dropped before its
-    /// first poll sends nothing: its number's place is filled by an empty
-    /// batch, and the id book learns that nothing of it ran.
+    /// payloads, numbered in the lease's order (`numbered`) or outside it
+    /// (see `Message::new`: the allocations of fresh buffers alone); the
+    /// reads land in `dests` (one per read command). Returns its number (0
+    /// outside; fixed now, whenever the future is polled) and the future
+    /// that sends it. When the reply (or the failure) comes, what ran is
+    /// settled in the id book before the future is ready. A future dropped
+    /// before its first poll sends nothing: its number's place is filled by
+    /// an empty batch, and the id book learns that nothing of it ran.
     fn send_as<D>(
         &self,
         numbered: bool,
@@ -305,14 +279,9 @@ impl LeaseBackend {
         // uses (numbered and registered under one lock: see `reading`).
         let (reply, waits) = {
             let reading = self.reading();
-            let reply = self.send(
-                recording.commands(),
-                recording.modules(),
-                false,
-                writes,
-                bufs,
-            );
-            (reply, reading.conflicts(recording.commands()))
+            let commands = recording.commands();
+            let (_, reply) = self.send_as(true, commands, recording.modules(), false, writes, bufs);
+            (reply, reading.conflicts(commands))
         };
         let mut task = Box::pin(async move {
             let mut done = done;

@@ -241,7 +241,11 @@ impl LeaseBackend {
                 _ => None,
             })
             .collect();
-        let allocs = (!plan.allocs.is_empty()).then(|| self.send_unnumbered(&plan.allocs));
+        debug_assert!(plan.allocs.iter().all(|c| matches!(c.op, Op::Alloc { .. })));
+        let allocs = (!plan.allocs.is_empty()).then(|| {
+            self.send_as(false, &plan.allocs, &[], true, Vec::new(), Vec::new())
+                .1
+        });
         // The commands' message, also when empty: its number holds the
         // later submissions until the writes are in, and its reply says
         // every earlier submission of the lease has run.
