@@ -435,19 +435,12 @@ mod tests {
         on_stream_0(Op::Record { event: Id(event) })
     }
 
-    fn all(n: u32) -> Ran {
-        Ran {
-            completed: n,
-            refused: None,
-        }
-    }
-
     /// `ids` made by a batch that ran.
     fn born(book: &mut Book, ids: &[u64]) {
         let allocs: Vec<_> = ids.iter().map(|&id| alloc(id)).collect();
         let sent = Sent::of(&[], &allocs);
         book.sending(&sent);
-        assert!(!book.settle(&sent, all(ids.len() as u32)));
+        assert!(!book.settle(&sent, Ran::all(ids.len())));
     }
 
     #[test]
@@ -458,7 +451,7 @@ mod tests {
         // Dropped before the reply: the free waits for it.
         assert!(!book.free(1));
         assert!(book.take_queued().is_empty());
-        assert!(book.settle(&sent, all(3)));
+        assert!(book.settle(&sent, Ran::all(3)));
         assert_eq!(book.take_queued(), [1]);
         // Later frees go straight out, once.
         born(&mut book, &[7]);
@@ -574,7 +567,7 @@ mod tests {
         // of all (the node refuses to free what a live graph uses).
         assert!(!book.free_graph(2, vec![5]));
         assert!(book.take_queued().is_empty());
-        assert!(book.settle(&sent, all(1)));
+        assert!(book.settle(&sent, Ran::all(1)));
         assert_eq!(book.take_queued(), [2]);
         // 5 waits until the graph's free has run: the node applies a
         // batch's frees when it has run, so 5's free in a batch sent
@@ -582,7 +575,7 @@ mod tests {
         let free_2 = Sent::of(&[2], &[]);
         book.sending(&free_2);
         assert!(book.is_held(5));
-        assert!(book.settle(&free_2, all(1)));
+        assert!(book.settle(&free_2, Ran::all(1)));
         assert_eq!(book.take_queued(), [5]);
         // A graph's free that did not run is sent again; what it holds
         // still waits.
@@ -597,7 +590,7 @@ mod tests {
         assert_eq!(book.take_queued(), [4], "asked again; 6 still held");
         let free_4 = Sent::of(&[4], &[]);
         book.sending(&free_4);
-        assert!(book.settle(&free_4, all(1)));
+        assert!(book.settle(&free_4, Ran::all(1)));
         assert_eq!(book.take_queued(), [6]);
         // A graph whose capture did not run held nothing on the node.
         let sent = Sent::of(&[], &[graph(3)]);
