@@ -45,21 +45,14 @@ pub(super) fn run_worker(spec: &str) -> i32 {
             format!("bad {WORKER_ENV} value {spec:?}"),
         )),
     };
-    let mut device = match device.and_then(|mut d| d.info().map(|i| (d, i))) {
-        Ok((d, info)) => {
-            let body = to_body(&info);
-            let h = Header::reply(&ready, Status::Ok, body.len() as u32, 0);
-            if proto::write_frame_blocking(&mut output, &h, &body, &[]).is_err() {
-                return 1;
-            }
-            d
-        }
-        Err(e) => {
-            let body = to_body(&WorkerFailure::from(e));
-            let h = Header::reply(&ready, Status::Internal, body.len() as u32, 0);
-            let _ = proto::write_frame_blocking(&mut output, &h, &body, &[]);
-            return 1;
-        }
+    let (status, body, device) = match device.and_then(|mut d| d.info().map(|i| (d, i))) {
+        Ok((d, info)) => (Status::Ok, to_body(&info), Some(d)),
+        Err(e) => (Status::Internal, to_body(&WorkerFailure::from(e)), None),
+    };
+    let h = Header::reply(&ready, status, body.len() as u32, 0);
+    let wrote = proto::write_frame_blocking(&mut output, &h, &body, &[]);
+    let (Some(mut device), Ok(())) = (device, wrote) else {
+        return 1;
     };
     // Chunks copied straight from and to the ring where the device can.
     if let Some(Ok(r)) = &mut ring {
@@ -125,7 +118,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
             }
             continue;
         }
-        if frame.header.opcode == Opcode::Batch {
+        let (status, body, data) = if frame.header.opcode == Opcode::Batch {
             // Enqueued and sealed now, answered when its work is done.
             match from_body::<WorkerBatch<'_>>(&frame.body) {
                 Ok(b) => {
@@ -146,40 +139,33 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                         message: e.to_string(),
                         sticky: false,
                     };
-                    let body = to_body(&f);
-                    let h = Header::reply(&frame.header, f.status, body.len() as u32, 0);
-                    if proto::write_frame_blocking(&mut output, &h, &body, &[]).is_err() {
-                        return 1;
-                    }
+                    (f.status, to_body(&f), Vec::new())
+                }
+            }
+        } else if matches!(frame.header.opcode, Opcode::MemWrite | Opcode::MemRead) {
+            // Enqueued and sealed now, answered when the copies are done
+            // (the node reuses or sends the ring's slots only then).
+            match enqueue_chunks(device.as_mut(), &mut ring, &frame) {
+                Some((status, body)) => (status, body, Vec::new()),
+                None => {
+                    running.push(Running {
+                        request: frame.header,
+                        ticket: device.seal(0),
+                        work: Sealed::Chunks,
+                        armed: false,
+                    });
                     continue;
                 }
             }
-        }
-        if matches!(frame.header.opcode, Opcode::MemWrite | Opcode::MemRead) {
-            // Enqueued and sealed now, answered when the copies are done
-            // (the node reuses or sends the ring's slots only then).
-            if let Some((status, body)) = enqueue_chunks(device.as_mut(), &mut ring, &frame) {
-                let h = Header::reply(&frame.header, status, body.len() as u32, 0);
-                if proto::write_frame_blocking(&mut output, &h, &body, &[]).is_err() {
-                    return 1;
-                }
-                continue;
-            }
-            running.push(Running {
-                request: frame.header,
-                ticket: device.seal(0),
-                work: Sealed::Chunks,
-                armed: false,
-            });
-            continue;
-        }
-        let (status, body, data) = serve(
-            device.as_mut(),
-            &mut graphs,
-            &compiler,
-            &mut submit_modules,
-            &frame,
-        );
+        } else {
+            serve(
+                device.as_mut(),
+                &mut graphs,
+                &compiler,
+                &mut submit_modules,
+                &frame,
+            )
+        };
         let h = Header::reply(&frame.header, status, body.len() as u32, data.len() as u32);
         if proto::write_frame_blocking(&mut output, &h, &body, &data).is_err() {
             return 1;

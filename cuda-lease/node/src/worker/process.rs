@@ -365,16 +365,11 @@ impl WorkerProcess {
         drop(io);
         match written {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                self.break_replies(&e.to_string());
-                self.kill();
-                return Err(WorkerError::Dead(e.to_string()));
-            }
+            Ok(Err(e)) => return Err(self.give_up(&e.to_string())),
             Err(_) => {
                 // Part of a request may be in the pipe: nothing after it
                 // could be read right.
-                self.break_replies("a request was cut short");
-                self.kill();
+                self.give_up("a request was cut short");
                 return Err(WorkerError::Hung(timeout));
             }
         }
@@ -388,14 +383,19 @@ impl WorkerProcess {
         })
     }
 
-    /// No reply comes any more (`why`): every waiting request fails.
-    fn break_replies(&self, why: &str) {
-        let mut w = lock(&self.waiting);
-        if w.broken.is_none() {
-            w.broken = Some(why.to_owned());
+    /// No reply comes any more (`why`): every waiting request fails, and
+    /// the process is killed. Returns the error a request sees.
+    fn give_up(&self, why: &str) -> WorkerError {
+        {
+            let mut w = lock(&self.waiting);
+            if w.broken.is_none() {
+                w.broken = Some(why.to_owned());
+            }
+            // Dropped senders: their requests see the break.
+            w.replies.clear();
         }
-        // Dropped senders: their requests see the break.
-        w.replies.clear();
+        self.kill();
+        WorkerError::Dead(why.to_owned())
     }
 
     /// Why no reply comes any more.
@@ -428,9 +428,7 @@ impl WorkerProcess {
                 Ok(f) => f,
                 Err(e) => {
                     guard.0 = None;
-                    self.break_replies(&e.to_string());
-                    self.kill();
-                    return Err(WorkerError::Dead(e.to_string()));
+                    return Err(self.give_up(&e.to_string()));
                 }
             };
             let to = lock(&self.waiting).replies.remove(&f.header.request_id);
@@ -562,8 +560,7 @@ struct KillUnlessDone<'a>(Option<&'a WorkerProcess>);
 impl Drop for KillUnlessDone<'_> {
     fn drop(&mut self) {
         if let Some(w) = self.0.take() {
-            w.break_replies("a reply was cut short");
-            w.kill();
+            w.give_up("a reply was cut short");
         }
     }
 }
