@@ -161,11 +161,8 @@ pub(super) async fn submit_inner(shared: &Arc<Shared>, f: &Frame) -> Result<Repl
             ..Reply::empty()
         }),
         Ok(frame) => {
-            let fail: WorkerFailure = from_body(&frame.body).unwrap_or(WorkerFailure {
-                status: frame.header.status,
-                message: "worker error".into(),
-                sticky: false,
-            });
+            let fail: WorkerFailure = from_body(&frame.body)
+                .unwrap_or(WorkerFailure::new(frame.header.status, "worker error"));
             if fail.sticky {
                 // The worker's context is poisoned: replace it.
                 if let Some(w) = guard.take() {

@@ -134,11 +134,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                     continue;
                 }
                 Err(e) => {
-                    let f = WorkerFailure {
-                        status: Status::BadRequest,
-                        message: e.to_string(),
-                        sticky: false,
-                    };
+                    let f = WorkerFailure::new(Status::BadRequest, e.to_string());
                     (f.status, to_body(&f), Vec::new())
                 }
             }
@@ -324,14 +320,8 @@ pub(super) fn enqueue_chunks(
     ring: &mut Option<std::io::Result<WorkerRing>>,
     f: &Frame,
 ) -> Option<(Status, Vec<u8>)> {
-    let fail = |status: Status, message: String| {
-        let e = WorkerFailure {
-            status,
-            message,
-            sticky: false,
-        };
-        Some((e.status, to_body(&e)))
-    };
+    let fail =
+        |status, message: String| Some((status, to_body(&WorkerFailure::new(status, message))));
     let ring = match ring {
         Some(Ok(r)) => r,
         Some(Err(e)) => return fail(Status::Internal, format!("shared ring: {e}")),
@@ -388,28 +378,19 @@ pub(super) fn serve(
                 let reply = run_batch(dev, graphs, compiler, &b, &f.data, &mut out);
                 (Status::Ok, to_body(&reply), out)
             }
-            Err(e) => fail(WorkerFailure {
-                status: Status::BadRequest,
-                message: e.to_string(),
-                sticky: false,
-            }),
+            Err(e) => fail(WorkerFailure::new(Status::BadRequest, e.to_string())),
         },
         Opcode::GpuSubmit => match from_body::<GpuSubmit<'_>>(&f.body) {
             Ok(s) => match submit(dev, cache, &s, &f.data) {
                 Ok(out) => (Status::Ok, Vec::new(), out),
                 Err(e) => fail(e.into()),
             },
-            Err(e) => fail(WorkerFailure {
-                status: Status::BadRequest,
-                message: e.to_string(),
-                sticky: false,
-            }),
+            Err(e) => fail(WorkerFailure::new(Status::BadRequest, e.to_string())),
         },
-        op => fail(WorkerFailure {
-            status: Status::BadRequest,
-            message: format!("worker does not serve {op:?}"),
-            sticky: false,
-        }),
+        op => fail(WorkerFailure::new(
+            Status::BadRequest,
+            format!("worker does not serve {op:?}"),
+        )),
     }
 }
 

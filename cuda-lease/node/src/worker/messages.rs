@@ -43,6 +43,17 @@ pub(crate) struct WorkerFailure {
     pub(crate) sticky: bool,
 }
 
+impl WorkerFailure {
+    /// A failure that leaves the worker's context usable (not sticky).
+    pub(crate) fn new(status: Status, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            sticky: false,
+        }
+    }
+}
+
 impl From<DeviceError> for WorkerFailure {
     fn from(e: DeviceError) -> Self {
         Self {

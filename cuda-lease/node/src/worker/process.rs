@@ -483,13 +483,8 @@ pub(crate) fn chunks_outcome(f: &Frame) -> Result<(), WorkerFailure> {
     if f.header.status == Status::Ok {
         return Ok(());
     }
-    Err(
-        from_body::<WorkerFailure>(&f.body).unwrap_or_else(|e| WorkerFailure {
-            status: Status::Internal,
-            message: format!("bad worker reply: {e}"),
-            sticky: false,
-        }),
-    )
+    Err(from_body::<WorkerFailure>(&f.body)
+        .unwrap_or_else(|e| WorkerFailure::new(Status::Internal, format!("bad worker reply: {e}"))))
 }
 
 /// A request written to a worker, whose reply is yet to come.
