@@ -8,8 +8,9 @@ use cuda_async::Error;
 use super::MAX_DEVICE_STREAMS;
 use crate::proto::{Id, Status};
 
-/// A failed device operation.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// A failed device operation (also what a worker's failed request
+/// answers the node).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 #[error("{status}: {message}")]
 pub struct DeviceError {
     /// Status to report.

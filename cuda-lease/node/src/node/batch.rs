@@ -383,7 +383,7 @@ async fn receive_work(
     let res = sent.reply().await;
     let frame = res.map_err(|e| worker_lost(shared, lease, &e))?;
     if frame.header.status != Status::Ok {
-        let f = from_body::<crate::worker::WorkerFailure>(&frame.body)
+        let f = from_body::<crate::device::DeviceError>(&frame.body)
             .map(|f| f.message)
             .unwrap_or_default();
         return Err(Reply::err(frame.header.status, format!("worker: {f}")));

@@ -5,10 +5,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::{Reply, Shared};
+use crate::device::DeviceError;
 use crate::lease_table::Principal;
 use crate::lock;
 use crate::proto::{from_body, Frame, GpuSubmit, Opcode, Status};
-use crate::worker::{WorkerFailure, WorkerProcess};
+use crate::worker::WorkerProcess;
 
 /// One request of a principal in flight, with the bytes it holds in the
 /// node (body and unstreamed data, then the reply's data); given back when
@@ -161,8 +162,8 @@ pub(super) async fn submit_inner(shared: &Arc<Shared>, f: &Frame) -> Result<Repl
             ..Reply::empty()
         }),
         Ok(frame) => {
-            let fail: WorkerFailure = from_body(&frame.body)
-                .unwrap_or(WorkerFailure::new(frame.header.status, "worker error"));
+            let fail: DeviceError = from_body(&frame.body)
+                .unwrap_or(DeviceError::new(frame.header.status, "worker error"));
             if fail.sticky {
                 // The worker's context is poisoned: replace it.
                 if let Some(w) = guard.take() {

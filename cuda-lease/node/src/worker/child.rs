@@ -9,8 +9,7 @@ use std::time::Duration;
 use super::enqueue::{enqueue, Payload};
 use super::graphs::Graphs;
 use super::messages::{
-    ChunkOps, HeldRead, WorkerBatch, WorkerBatchReply, WorkerFailure, FLAG_HELD, HELD_MIN,
-    MAX_CHUNKS_PER_CALL,
+    ChunkOps, HeldRead, WorkerBatch, WorkerBatchReply, FLAG_HELD, HELD_MIN, MAX_CHUNKS_PER_CALL,
 };
 use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::device::{
@@ -47,7 +46,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
     };
     let (status, body, device) = match device.and_then(|mut d| d.info().map(|i| (d, i))) {
         Ok((d, info)) => (Status::Ok, to_body(&info), Some(d)),
-        Err(e) => (Status::Internal, to_body(&WorkerFailure::from(e)), None),
+        Err(e) => (Status::Internal, to_body(&e), None),
     };
     let h = Header::reply(&ready, status, body.len() as u32, 0);
     let wrote = proto::write_frame_blocking(&mut output, &h, &body, &[]);
@@ -134,7 +133,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                     continue;
                 }
                 Err(e) => {
-                    let f = WorkerFailure::new(Status::BadRequest, e.to_string());
+                    let f = DeviceError::new(Status::BadRequest, e.to_string());
                     (f.status, to_body(&f), Vec::new())
                 }
             }
@@ -259,10 +258,7 @@ fn answer_done(
             }
             Sealed::Chunks => match finished {
                 Ok(_) => (Status::Ok, Vec::new(), Vec::new()),
-                Err(e) => {
-                    let e = WorkerFailure::from(e);
-                    (e.status, to_body(&e), Vec::new())
-                }
+                Err(e) => (e.status, to_body(&e), Vec::new()),
             },
         };
         held.reply(output, &r.request, status, &body, out)
@@ -321,7 +317,7 @@ pub(super) fn enqueue_chunks(
     f: &Frame,
 ) -> Option<(Status, Vec<u8>)> {
     let fail =
-        |status, message: String| Some((status, to_body(&WorkerFailure::new(status, message))));
+        |status, message: String| Some((status, to_body(&DeviceError::new(status, message))));
     let ring = match ring {
         Some(Ok(r)) => r,
         Some(Err(e)) => return fail(Status::Internal, format!("shared ring: {e}")),
@@ -352,7 +348,6 @@ pub(super) fn enqueue_chunks(
         if let Err(e) = r {
             // What was enqueued is waited for before the slots go back.
             let _ = dev.chunks_done();
-            let e = WorkerFailure::from(e);
             return Some((e.status, to_body(&e)));
         }
     }
@@ -366,11 +361,11 @@ pub(super) fn serve(
     cache: &mut HashSet<ModuleHash>,
     f: &Frame,
 ) -> (Status, Vec<u8>, Vec<u8>) {
-    let fail = |e: WorkerFailure| (e.status, to_body(&e), Vec::new());
+    let fail = |e: DeviceError| (e.status, to_body(&e), Vec::new());
     match f.header.opcode {
         Opcode::GetInventory => match dev.info() {
             Ok(info) => (Status::Ok, to_body(&info), Vec::new()),
-            Err(e) => fail(e.into()),
+            Err(e) => fail(e),
         },
         Opcode::Batch => match from_body::<WorkerBatch<'_>>(&f.body) {
             Ok(b) => {
@@ -378,16 +373,16 @@ pub(super) fn serve(
                 let reply = run_batch(dev, graphs, compiler, &b, &f.data, &mut out);
                 (Status::Ok, to_body(&reply), out)
             }
-            Err(e) => fail(WorkerFailure::new(Status::BadRequest, e.to_string())),
+            Err(e) => fail(DeviceError::new(Status::BadRequest, e.to_string())),
         },
         Opcode::GpuSubmit => match from_body::<GpuSubmit<'_>>(&f.body) {
             Ok(s) => match submit(dev, cache, &s, &f.data) {
                 Ok(out) => (Status::Ok, Vec::new(), out),
-                Err(e) => fail(e.into()),
+                Err(e) => fail(e),
             },
-            Err(e) => fail(WorkerFailure::new(Status::BadRequest, e.to_string())),
+            Err(e) => fail(DeviceError::new(Status::BadRequest, e.to_string())),
         },
-        op => fail(WorkerFailure::new(
+        op => fail(DeviceError::new(
             Status::BadRequest,
             format!("worker does not serve {op:?}"),
         )),
@@ -422,7 +417,7 @@ impl Enqueued {
         let reply = WorkerBatchReply {
             completed: completed as u32,
             compiled: self.compiled,
-            error: error.map(Into::into),
+            error,
         };
         (reply, out)
     }

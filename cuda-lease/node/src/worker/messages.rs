@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::device::DeviceError;
-use crate::proto::{CommandList, Id, ModuleHash, SourceKind, Status};
+use crate::proto::{CommandList, Id, ModuleHash, SourceKind};
 
 /// A module a worker loads before a batch's commands; its source is the
 /// next `len` bytes of the call's data.
@@ -37,34 +37,6 @@ pub(crate) struct WorkerBatch<'a> {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct WorkerFailure {
-    pub(crate) status: Status,
-    pub(crate) message: String,
-    pub(crate) sticky: bool,
-}
-
-impl WorkerFailure {
-    /// A failure that leaves the worker's context usable (not sticky).
-    pub(crate) fn new(status: Status, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            message: message.into(),
-            sticky: false,
-        }
-    }
-}
-
-impl From<DeviceError> for WorkerFailure {
-    fn from(e: DeviceError) -> Self {
-        Self {
-            status: e.status,
-            message: e.message,
-            sticky: e.sticky,
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct WorkerBatchReply {
     /// Commands enqueued; with `error` and `completed == ops.len()`, the
     /// failure came when waiting for them (a kernel fault).
@@ -72,7 +44,7 @@ pub(crate) struct WorkerBatchReply {
     /// PTX that CUDA C modules of the batch compiled to, for the node's
     /// cache.
     pub(crate) compiled: Vec<(ModuleHash, String)>,
-    pub(crate) error: Option<WorkerFailure>,
+    pub(crate) error: Option<DeviceError>,
 }
 
 /// Chunks of one streamed transfer handed to the worker in one call, done

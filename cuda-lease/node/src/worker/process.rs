@@ -9,8 +9,9 @@ use std::time::Duration;
 use tokio::io::BufReader;
 use tokio::process::{Child, ChildStdin, Command};
 
-use super::messages::{HeldRead, WorkerFailure, FLAG_HELD};
+use super::messages::{HeldRead, FLAG_HELD};
 use super::{WorkerSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
+use crate::device::DeviceError;
 use crate::lock;
 use crate::proto::{self, from_body, DeviceInfo, Frame, Header, Opcode, Status};
 use crate::shm::{ShmRing, SHM_ENV};
@@ -258,7 +259,7 @@ impl WorkerProcess {
             Ok(Ok(f)) => f,
         };
         if frame.header.status != Status::Ok {
-            let msg = from_body::<WorkerFailure>(&frame.body)
+            let msg = from_body::<DeviceError>(&frame.body)
                 .map(|f| f.message)
                 .unwrap_or_default();
             let _ = child.start_kill();
@@ -479,12 +480,12 @@ impl WorkerProcess {
 }
 
 /// What the worker made of a call of chunks: done, or the first failure.
-pub(crate) fn chunks_outcome(f: &Frame) -> Result<(), WorkerFailure> {
+pub(crate) fn chunks_outcome(f: &Frame) -> Result<(), DeviceError> {
     if f.header.status == Status::Ok {
         return Ok(());
     }
-    Err(from_body::<WorkerFailure>(&f.body)
-        .unwrap_or_else(|e| WorkerFailure::new(Status::Internal, format!("bad worker reply: {e}"))))
+    Err(from_body::<DeviceError>(&f.body)
+        .unwrap_or_else(|e| DeviceError::new(Status::Internal, format!("bad worker reply: {e}"))))
 }
 
 /// A request written to a worker, whose reply is yet to come.
