@@ -289,18 +289,21 @@ impl Shared {
     }
 }
 
-/// Binds the metrics port, if one is configured, and starts its HTTP server.
+/// Binds the metrics port, if one is configured, and starts its HTTP
+/// server among `tasks`; its address.
 async fn serve_metrics(
     shared: &Arc<Shared>,
-) -> Result<Option<(SocketAddr, JoinHandle<()>)>, NodeError> {
+    tasks: &mut Vec<JoinHandle<()>>,
+) -> Result<Option<SocketAddr>, NodeError> {
     let Some(m) = shared.cfg.metrics_listen else {
         return Ok(None);
     };
     let listener = tokio::net::TcpListener::bind(m).await?;
     let addr = listener.local_addr()?;
     let s = shared.clone();
-    let task = tokio::spawn(crate::metrics::serve(listener, move || s.render_metrics()));
-    Ok(Some((addr, task)))
+    let serve = crate::metrics::serve(listener, move || s.render_metrics());
+    tasks.push(tokio::spawn(serve));
+    Ok(Some(addr))
 }
 
 impl Node {
@@ -321,26 +324,14 @@ impl Node {
         let advertise = registry_address(&cfg, addr)?;
         let shared = Arc::new(Shared::new(cfg, capacity, info, submit));
         let mut tasks = Vec::new();
-        let metrics_addr = match serve_metrics(&shared).await? {
-            Some((a, task)) => {
-                tasks.push(task);
-                Some(a)
-            }
-            None => None,
-        };
-        let bulk_addr = match bulk::bind(&shared, addr).await? {
-            Some(listener) => {
-                let bulk_addr = listener.local_addr()?;
-                let acceptor = tokio_rustls::TlsAcceptor::from(tls::bulk_server_config(&identity)?);
-                tasks.push(tokio::spawn(bulk::accept_loop(
-                    shared.clone(),
-                    listener,
-                    acceptor,
-                )));
-                Some(bulk_addr)
-            }
-            None => None,
-        };
+        let metrics_addr = serve_metrics(&shared, &mut tasks).await?;
+        let bulk_tcp = bulk::bind(&shared, addr).await?;
+        let bulk_addr = bulk_tcp.as_ref().map(|l| l.local_addr()).transpose()?;
+        if let Some(listener) = bulk_tcp {
+            let acceptor = tokio_rustls::TlsAcceptor::from(tls::bulk_server_config(&identity)?);
+            let accept = bulk::accept_loop(shared.clone(), listener, acceptor);
+            tasks.push(tokio::spawn(accept));
+        }
         tasks.push(tokio::spawn(reaper(shared.clone())));
         tasks.push(tokio::spawn(accept_loop(shared.clone(), endpoint.clone())));
         refill(shared.clone());
