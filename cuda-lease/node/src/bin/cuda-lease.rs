@@ -161,24 +161,19 @@ fn main() {
 }
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    #[cfg(feature = "fleet")]
-    if let Cmd::Fleet { at, cmd } = args.cmd {
-        let base = if at.trust_registry {
-            // The pin is the registry's, node by node.
-            ClientConfig::pinned_sha256([0; 32])
-        } else {
-            ClientConfig::from_pem_file(&args.cert)?.server_name(args.server_name)
-        };
-        let mut config = base;
-        config.token = args.token;
-        config.connect_timeout = args.connect_timeout_ms;
-        config.transport = args.transport.settings()?;
-        return fleet::run(at, cmd, config).await;
-    }
-    let mut config = ClientConfig::from_pem_file(&args.cert)?.server_name(args.server_name);
+    let mut config = match &args.cmd {
+        // The pin is the registry's, node by node.
+        #[cfg(feature = "fleet")]
+        Cmd::Fleet { at, .. } if at.trust_registry => ClientConfig::pinned_sha256([0; 32]),
+        _ => ClientConfig::from_pem_file(&args.cert)?.server_name(args.server_name),
+    };
     config.token = args.token;
     config.connect_timeout = args.connect_timeout_ms;
     config.transport = args.transport.settings()?;
+    #[cfg(feature = "fleet")]
+    if let Cmd::Fleet { at, cmd } = args.cmd {
+        return fleet::run(at, cmd, config).await;
+    }
     let client = std::sync::Arc::new(Client::connect(args.addr, &config).await?);
     match args.cmd {
         Cmd::Inventory => inventory(&client).await?,
