@@ -54,8 +54,9 @@ pub enum Point {
     /// The lease's session takes the recording (the op's first poll has
     /// recorded it).
     ClientSubmit,
-    /// The request is written on its QUIC stream and the stream finished
-    /// (the node may have started on it already: another thread sends).
+    /// The request's stream is open and its write starts (stamped before
+    /// the write, so that every node point follows it: once written, the
+    /// bytes may reach the node before the client's task runs again).
     ClientSent,
     /// The node's task for the request's stream starts: the request has
     /// crossed the wire.
@@ -84,7 +85,8 @@ pub enum Point {
     WorkerReplied,
     /// The node has committed the batch's effects to the lease's state.
     NodeCommitted,
-    /// The node has written its reply on QUIC and finished the stream.
+    /// The node's reply is encoded and its write on QUIC starts (stamped
+    /// before the write, for the reason given at [`Point::ClientSent`]).
     NodeReplied,
     /// The client has read the reply's header: the reply has crossed the
     /// wire.

@@ -305,11 +305,11 @@ pub(super) async fn exchange(
     let lost = |e: &dyn std::fmt::Display| lost(conn, e);
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| lost(&e))?;
     let h = Header::request(opcode, id, body.len() as u32, data.len() as u32);
+    stamp(Point::ClientSent);
     proto::write_frame(&mut send, &h, body, data)
         .await
         .map_err(|e| lost(&e))?;
     send.finish().map_err(|e| lost(&e))?;
-    stamp(Point::ClientSent);
     let read_err = |e: std::io::Error| match proto::proto_error(&e) {
         Some(p) => protocol_error(p.to_string()),
         None => lost(&e),

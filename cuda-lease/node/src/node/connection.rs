@@ -336,6 +336,7 @@ async fn write_reply(shared: &Shared, send: &mut quinn::SendStream, a: &mut Answ
         None => reply.data.len() as u32,
     };
     let h = Header::reply(&a.req, reply.status, reply.body.len() as u32, data_len);
+    stamp(Point::NodeReplied);
     let sent = tokio::time::timeout(shared.cfg.reply_timeout, async {
         let written = match (a.reply_version, reply.held.as_mut()) {
             (Some(v), _) => {
@@ -351,7 +352,6 @@ async fn write_reply(shared: &Shared, send: &mut quinn::SendStream, a: &mut Answ
         };
         if written.is_ok() {
             let _ = send.finish();
-            stamp(Point::NodeReplied);
             let _ = send.stopped().await;
         }
         written
