@@ -5,9 +5,11 @@
 //! Each [`Point`] keeps the last time any submission of the process
 //! reached it, so the stamps describe one submission when the process
 //! runs one at a time with the client and the node in it (the bench
-//! report's remote rows, a test with an embedded node); the worker's own
-//! steps are one step here (from [`Point::PipeSent`] to
-//! [`Point::PipeReply`]), since the worker is another process. A
+//! report's remote rows, a test with an embedded node). The lease's worker
+//! is another process: it stamps its own points of a batch (from
+//! [`Point::WorkerRead`] to [`Point::WorkerReplying`]) on the same clock
+//! when the node's request asks for them, and sends them back with its
+//! reply, where the node enters them ([`stamp_at`]). A
 //! measurement turns stamping on ([`set_enabled`]), [`clear`]s before
 //! each submission, stamps [`Point::Start`] and [`Point::End`] itself
 //! around it, [`take`]s the stamps, and summarises many with [`steps`].
@@ -33,8 +35,9 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-/// Nanoseconds on the host's monotonic clock (`CLOCK_MONOTONIC`).
-fn now_ns() -> u64 {
+/// Nanoseconds on the host's monotonic clock (`CLOCK_MONOTONIC`): the
+/// clock of every stamp, the same in every process of the host.
+pub fn now_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -76,10 +79,18 @@ pub enum Point {
     /// The node's call to the lease's worker starts: the planned commands
     /// are encoded for the worker.
     WorkerCall,
-    /// The worker's message is in its pipe.
-    PipeSent,
-    /// The worker's reply is readable in its pipe: the worker read the
-    /// message, ran the commands, waited for them and wrote the reply.
+    /// The worker has read the batch's header from its pipe (stamped by
+    /// the worker).
+    WorkerRead,
+    /// The worker has enqueued the batch's commands on the device and
+    /// sealed them (stamped by the worker).
+    WorkerEnqueued,
+    /// The worker has seen the batch's work done (stamped by the worker).
+    WorkerDone,
+    /// The worker's reply is being encoded and written (stamped by the
+    /// worker, before the write).
+    WorkerReplying,
+    /// The node has read a reply of the worker from its pipe.
     PipeReply,
     /// The node has read the worker's reply.
     WorkerReplied,
@@ -117,7 +128,10 @@ impl Point {
         Point::BatchLocked,
         Point::BatchPlanned,
         Point::WorkerCall,
-        Point::PipeSent,
+        Point::WorkerRead,
+        Point::WorkerEnqueued,
+        Point::WorkerDone,
+        Point::WorkerReplying,
         Point::PipeReply,
         Point::WorkerReplied,
         Point::NodeCommitted,
@@ -141,7 +155,10 @@ impl Point {
             Point::BatchLocked => "batch-locked",
             Point::BatchPlanned => "batch-planned",
             Point::WorkerCall => "worker-call",
-            Point::PipeSent => "pipe-sent",
+            Point::WorkerRead => "worker-read",
+            Point::WorkerEnqueued => "worker-enqueued",
+            Point::WorkerDone => "worker-done",
+            Point::WorkerReplying => "worker-replying",
             Point::PipeReply => "pipe-reply",
             Point::WorkerReplied => "worker-replied",
             Point::NodeCommitted => "node-committed",
@@ -168,6 +185,19 @@ pub fn stamp(point: Point) {
     if ENABLED.load(Ordering::Relaxed) {
         // Never 0: 0 means not reached.
         AT[point as usize].store(now_ns().max(1), Ordering::Relaxed);
+    }
+}
+
+/// Whether stamping is on in this process.
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// Records that a submission reached `point` at `ns` (a [`now_ns`] time,
+/// taken by another process of the host), when stamping is on.
+pub fn stamp_at(point: Point, ns: u64) {
+    if enabled() {
+        AT[point as usize].store(ns.max(1), Ordering::Relaxed);
     }
 }
 

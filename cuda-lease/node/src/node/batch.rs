@@ -14,8 +14,10 @@ use crate::proto::{
     self, from_body, Batch, BatchReply, LeaseId, ModuleHash, Op, OpError, Opcode, SourceKind,
     Status,
 };
-use crate::stamps::{stamp, Point};
-use crate::worker::{SentRequest, WorkerBatchReply, WorkerError, WorkerLoad, FLAG_HELD};
+use crate::stamps::{self, stamp, Point};
+use crate::worker::{
+    SentRequest, WorkerBatchReply, WorkerError, WorkerLoad, FLAG_HELD, FLAG_STAMPS,
+};
 
 /// The reply for a lease whose worker died or hung during a request: the
 /// lease's own error if it expired or was freed meanwhile, else the lease is
@@ -364,8 +366,9 @@ async fn send_work<'s>(
         let accepted = &w.b.commands[..w.planned];
         proto::encode_commands(&mut body, accepted.len(), accepted);
     }
+    let flags = if stamps::enabled() { FLAG_STAMPS } else { 0 };
     slot.worker
-        .send(Opcode::Batch, 0, &body, &parts, shared.cfg.op_timeout)
+        .send(Opcode::Batch, flags, &body, &parts, shared.cfg.op_timeout)
         .await
         .map_err(|e| worker_lost(shared, lease, &e))
 }
@@ -390,6 +393,17 @@ async fn receive_work(
     }
     let reply: WorkerBatchReply = from_body(&frame.body)
         .map_err(|e| Reply::err(Status::Internal, format!("worker reply: {e}")))?;
+    if let Some(times) = reply.stamps {
+        let points = [
+            Point::WorkerRead,
+            Point::WorkerEnqueued,
+            Point::WorkerDone,
+            Point::WorkerReplying,
+        ];
+        for (p, t) in points.into_iter().zip(times) {
+            stamps::stamp_at(p, t);
+        }
+    }
     let done = reply.completed as usize;
     let loaded = done.min(n_loads);
     keep_modules(shared, who, &w.loads[..loaded], reply.compiled);

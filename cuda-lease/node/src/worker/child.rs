@@ -9,8 +9,10 @@ use std::time::Duration;
 use super::enqueue::{enqueue, Payload};
 use super::graphs::Graphs;
 use super::messages::{
-    ChunkOps, HeldRead, WorkerBatch, WorkerBatchReply, FLAG_HELD, HELD_MIN, MAX_CHUNKS_PER_CALL,
+    ChunkOps, HeldRead, WorkerBatch, WorkerBatchReply, FLAG_HELD, FLAG_STAMPS, HELD_MIN,
+    MAX_CHUNKS_PER_CALL,
 };
+use crate::stamps::now_ns;
 use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::device::{
     CudaDevice, DeviceArg, DeviceError, LaunchDims, LeaseDevice, MemoryDevice, Ticket,
@@ -107,6 +109,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
             // End of file: the node is gone or done with us.
             Err(_) => return 0,
         };
+        let read_at = (header.flags & FLAG_STAMPS != 0).then(now_ns);
         let frame = match proto::read_rest_blocking(&mut input, header) {
             Ok(f) => f,
             Err(_) => return 0,
@@ -129,6 +132,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                         ticket,
                         work: Sealed::Batch(enqueued),
                         armed: false,
+                        stamps: read_at.map(|t| [t, now_ns()]),
                     });
                     continue;
                 }
@@ -148,6 +152,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                         ticket: device.seal(0),
                         work: Sealed::Chunks,
                         armed: false,
+                        stamps: None,
                     });
                     continue;
                 }
@@ -226,6 +231,9 @@ struct Running {
     work: Sealed,
     /// Its wake-up is armed (see `LeaseDevice::wake_when_done`).
     armed: bool,
+    /// When it was read and enqueued, for a request that asked for
+    /// stamps ([`FLAG_STAMPS`]).
+    stamps: Option<[u64; 2]>,
 }
 
 /// What a [`Running`] answers when its work is done.
@@ -251,9 +259,13 @@ fn answer_done(
             continue;
         };
         let r = running.remove(i);
+        let done = r.stamps.map(|_| now_ns());
         let (status, body, out) = match r.work {
             Sealed::Batch(enqueued) => {
-                let (reply, out) = enqueued.reply(finished);
+                let (mut reply, out) = enqueued.reply(finished);
+                if let (Some([read, enqueued]), Some(done)) = (r.stamps, done) {
+                    reply.stamps = Some([read, enqueued, done, now_ns()]);
+                }
                 (Status::Ok, to_body(&reply), out)
             }
             Sealed::Chunks => match finished {
@@ -418,6 +430,7 @@ impl Enqueued {
             completed: completed as u32,
             compiled: self.compiled,
             error,
+            stamps: None,
         };
         (reply, out)
     }

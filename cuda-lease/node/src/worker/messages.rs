@@ -45,7 +45,15 @@ pub(crate) struct WorkerBatchReply {
     /// cache.
     pub(crate) compiled: Vec<(ModuleHash, String)>,
     pub(crate) error: Option<DeviceError>,
+    /// The worker's stamps of the batch ([`FLAG_STAMPS`]): when it read
+    /// the request, enqueued it, saw it done and wrote this reply
+    /// (`cuda_lease::stamps::now_ns` times).
+    pub(crate) stamps: Option<[u64; 4]>,
 }
+
+/// A worker request flag (on BATCH requests): the node is stamping, so
+/// the worker stamps the batch too and sends its stamps in the reply.
+pub(crate) const FLAG_STAMPS: u16 = 0x4000;
 
 /// Chunks of one streamed transfer handed to the worker in one call, done
 /// in order (a call per chunk would pay a pipe round trip, and the node's

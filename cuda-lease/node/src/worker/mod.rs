@@ -35,7 +35,7 @@ mod messages;
 mod process;
 
 pub(crate) use self::messages::{
-    ChunkOp, ChunkOps, WorkerBatchReply, WorkerLoad, FLAG_HELD, MAX_CHUNKS_PER_CALL,
+    ChunkOp, ChunkOps, WorkerBatchReply, WorkerLoad, FLAG_HELD, FLAG_STAMPS, MAX_CHUNKS_PER_CALL,
 };
 pub use self::process::PIPE_BUFFER_BYTES;
 pub(crate) use self::process::{chunks_outcome, SentRequest, WorkerError, WorkerProcess};

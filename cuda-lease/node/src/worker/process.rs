@@ -374,7 +374,6 @@ impl WorkerProcess {
                 return Err(WorkerError::Hung(timeout));
             }
         }
-        stamp(Point::PipeSent);
         Ok(SentRequest {
             worker: self,
             id,
@@ -424,7 +423,6 @@ impl WorkerProcess {
                 let fd = stdout.get_ref().as_raw_fd();
                 crate::spin::readable_within_async(fd, self.spin).await;
             }
-            stamp(Point::PipeReply);
             let f = match read_reply(&mut *stdout).await {
                 Ok(f) => f,
                 Err(e) => {
@@ -432,6 +430,7 @@ impl WorkerProcess {
                     return Err(self.give_up(&e.to_string()));
                 }
             };
+            stamp(Point::PipeReply);
             let to = lock(&self.waiting).replies.remove(&f.header.request_id);
             if f.header.request_id == id {
                 guard.0 = None;
