@@ -12,7 +12,6 @@ use super::messages::{
     ChunkOps, HeldRead, WorkerBatch, WorkerBatchReply, FLAG_HELD, FLAG_STAMPS, HELD_MIN,
     MAX_CHUNKS_PER_CALL,
 };
-use crate::stamps::now_ns;
 use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::device::{
     CudaDevice, DeviceArg, DeviceError, LaunchDims, LeaseDevice, MemoryDevice, Ticket,
@@ -23,6 +22,7 @@ use crate::proto::{
 };
 use crate::sandbox::{CompileSandbox, Compiler};
 use crate::shm::{WorkerRing, SHM_ENV};
+use crate::stamps::now_ns;
 
 pub(super) fn run_worker(spec: &str) -> i32 {
     // The node's shared ring for streamed transfers (absent: they fail),

@@ -149,7 +149,8 @@ async fn failed_hellos_are_rate_limited_per_source() {
     let allowed = 5 + (5.0 * ran.as_secs_f64()).ceil() as u64 + 1;
     assert!(checked <= allowed, "{checked} tokens checked in {ran:?}");
     assert!(unchecked > 0);
-    assert!(served < Duration::from_secs(2), "{served:?}");
+    // Served while the flood goes on (it stops only once the tenant is).
+    assert!(served < Duration::from_secs(5), "{served:?}");
     fx.shutdown().await;
 }
 

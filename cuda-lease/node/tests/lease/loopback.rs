@@ -213,13 +213,14 @@ async fn expiry_tears_down_with_injected_clock() {
     // The same pass left the 10 s lease alone.
     assert_eq!(lease.query().await.unwrap().state, LeaseState::Active);
     clock.advance(Duration::from_secs(1));
-    // Dead at once for requests, and torn down by the reaper within a second.
+    // Dead at once for requests, and torn down by the reaper (its worker
+    // killed and reaped) soon after.
     assert!(matches!(
         s.read(&buf, 0, 4).await,
         Err(ref e) if matches!(e.kind(), ErrorKind::LeaseExpired)
     ));
     assert!(
-        eventually(Duration::from_secs(1), || async {
+        eventually(Duration::from_secs(10), || async {
             let m = node.metrics_text();
             metric(&m, "gpu_lease_dropped_total") == Some(2)
                 && metric(&m, "gpu_vram_allocated_bytes") == Some(0)
@@ -413,7 +414,7 @@ async fn kernel_fault_poisons_only_that_lease() {
 #[tokio::test]
 async fn dead_and_hung_workers_fail_their_lease() {
     let fx = Fixture::memory(1 << 20)
-        .config(|cfg| cfg.op_timeout = Duration::from_millis(800))
+        .config(|cfg| cfg.op_timeout = Duration::from_secs(3))
         .lease(4096)
         .start()
         .await;

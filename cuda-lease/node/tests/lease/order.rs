@@ -287,7 +287,8 @@ async fn an_empty_batch_fills_a_number_in_turn_and_passes_a_number_that_ran() {
 
 /// Freeing a lease while a streamed pipeline (a large upload, a slow
 /// kernel, a large download) is in flight: the pipeline and a submission
-/// made after the free fail within a second, as freed.
+/// made after the free fail as freed, long before the 60 s kernel could
+/// end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn freeing_a_lease_fails_what_is_in_flight_and_what_follows_at_once() {
     let fx = Fixture::memory(1 << 30).start().await;
@@ -319,14 +320,14 @@ async fn freeing_a_lease_fails_what_is_in_flight_and_what_follows_at_once() {
         .unwrap()
         .await
         .unwrap_err();
-    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
     assert_eq!(
         e.remote_kind(),
         Some(cuda_async::RemoteErrorKind::LeaseFreed),
         "{e}"
     );
     let e = in_flight.await.unwrap().unwrap_err();
-    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
     assert!(e.remote_kind().is_some(), "{e}");
     fx.shutdown().await;
 }
@@ -348,16 +349,18 @@ async fn two_tasks_slow_kernels_overlap_on_one_lease() {
     };
     // The module is on the node before the clock starts.
     run(0).await.unwrap();
-    let slow = Duration::from_millis(1000);
+    // Run one after the other they take at least 6 s; overlapped, 3 s and
+    // what the loaded machine adds.
+    let slow = Duration::from_millis(3000);
     let t = Instant::now();
-    let (a, b) = tokio::join!(run(1000), run(1000));
+    let (a, b) = tokio::join!(run(3000), run(3000));
     let wall = t.elapsed();
     a.unwrap();
     b.unwrap();
     assert!(wall >= slow, "{wall:?}");
     assert!(
-        wall < slow.mul_f32(1.5),
-        "two independent 1 s kernels took {wall:?} on one lease: they did not overlap"
+        wall < Duration::from_secs(5),
+        "two independent 3 s kernels took {wall:?} on one lease: they did not overlap"
     );
     fx.shutdown().await;
 }
