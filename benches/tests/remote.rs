@@ -24,6 +24,7 @@ fn tiny() -> RemoteConfig {
         refill: Duration::from_millis(20),
         in_task: false,
         worker_cpus: None,
+        server_threads: None,
         transport: ("loopback".into(), cuda_lease::TransportSettings::loopback()),
         stripes: cuda_lease::client::DEFAULT_STRIPES,
         stamps: true,

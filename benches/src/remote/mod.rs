@@ -122,6 +122,10 @@ pub struct RemoteConfig {
     pub pool: PoolConfig,
     /// Cores the workers are pinned to (`taskset -c` runs them), or none.
     pub worker_cpus: Option<String>,
+    /// Worker threads of a runtime of their own for the node and the raw
+    /// servers (as a node process has its own), or none: the servers share
+    /// the report's runtime with the clients.
+    pub server_threads: Option<usize>,
 }
 
 impl RemoteConfig {
@@ -133,7 +137,9 @@ impl RemoteConfig {
     /// `REPORT_STRIPES` for the striped client's connections and
     /// `REPORT_STAMPS=0` to leave the paths unstamped, and
     /// `REPORT_REMOTE_WORKER_CPUS` (a `taskset -c` list) to start the
-    /// workers pinned to those cores.
+    /// workers pinned to those cores, and `REPORT_SERVER_THREADS` to run
+    /// the node and the raw servers on a runtime of their own with that
+    /// many worker threads.
     ///
     /// # Errors
     /// If a variable has a value it cannot take, or the current
@@ -186,6 +192,12 @@ impl RemoteConfig {
             bytes: XFER_BYTES,
             refill: Duration::from_secs(2),
             worker_cpus: std::env::var("REPORT_REMOTE_WORKER_CPUS").ok(),
+            server_threads: match std::env::var("REPORT_SERVER_THREADS") {
+                Ok(s) => Some(s.parse().ok().filter(|&n: &usize| n > 0).ok_or_else(|| {
+                    format!("REPORT_SERVER_THREADS must be a positive number of threads, got `{s}`")
+                })?),
+                Err(_) => None,
+            },
             in_task: std::env::var_os("REPORT_REMOTE_IN_TASK").is_some_and(|v| v == "1"),
             stamps: std::env::var_os("REPORT_STAMPS").is_none_or(|v| v != "0"),
             pool: PoolConfig::new(cfg),
@@ -224,6 +236,9 @@ struct Ctx {
 #[derive(Debug)]
 pub struct Bench {
     rt: Runtime,
+    /// The node's and the raw servers' own runtime
+    /// ([`RemoteConfig::server_threads`]), if any.
+    servers: Option<Runtime>,
     node: Option<Node>,
     ctx: Arc<Ctx>,
     device: String,
@@ -261,8 +276,27 @@ impl Bench {
         node_cfg.tokens = vec!["bench".into()];
         node_cfg.submit_workers = 1;
         node_cfg.prestart_workers = 1;
-        let (node, ctx, device) = rt.block_on(async {
-            let node = Node::spawn_local(node_cfg).await?;
+        let servers = match cfg.server_threads {
+            Some(n) => {
+                detail(format_args!(
+                    "the node and the raw servers on {n} runtime threads of their own"
+                ));
+                Some(
+                    tokio::runtime::Builder::new_multi_thread()
+                        .worker_threads(n)
+                        .thread_name("bench-server")
+                        .enable_all()
+                        .build()?,
+                )
+            }
+            None => None,
+        };
+        raw::serve_on(servers.as_ref().map(|s| s.handle().clone()));
+        let node = match &servers {
+            Some(s) => s.block_on(Node::spawn_local(node_cfg))?,
+            None => rt.block_on(Node::spawn_local(node_cfg))?,
+        };
+        let (ctx, device) = rt.block_on(async {
             let config = ClientConfig::pinned(node.cert_der().clone())
                 .token("bench")
                 .transport(cfg.transport.1.clone())
@@ -288,10 +322,11 @@ impl Bench {
                 bulk_all,
                 stripes: config.stripes,
             };
-            Ok::<_, crate::BenchError>((node, ctx, dev.name.clone()))
+            Ok::<_, crate::BenchError>((ctx, dev.name.clone()))
         })?;
         Ok(Bench {
             rt,
+            servers,
             node: Some(node),
             ctx: Arc::new(ctx),
             device,
@@ -343,8 +378,12 @@ impl Bench {
     /// Shuts the node down (its workers exit).
     pub fn shutdown(mut self) {
         if let Some(node) = self.node.take() {
-            self.rt.block_on(node.shutdown());
+            match &self.servers {
+                Some(s) => s.block_on(node.shutdown()),
+                None => self.rt.block_on(node.shutdown()),
+            }
         }
+        raw::serve_on(None);
     }
 }
 

@@ -44,6 +44,21 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// A chunk of bulk data written or read per call.
 const CHUNK: usize = 1 << 20;
 
+/// The runtime the raw servers start on (see [`serve_on`]).
+static SERVERS: std::sync::Mutex<Option<tokio::runtime::Handle>> = std::sync::Mutex::new(None);
+
+/// Starts the raw servers made from now on on `servers` (as the bench runs
+/// its lease node on a runtime of its own, as a node process has), or,
+/// with `None`, on the runtime of the caller of `start` (the default).
+pub fn serve_on(servers: Option<tokio::runtime::Handle>) {
+    *SERVERS.lock().unwrap_or_else(|e| e.into_inner()) = servers;
+}
+
+/// The runtime [`serve_on`] names, if any.
+fn servers() -> Option<tokio::runtime::Handle> {
+    SERVERS.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -110,21 +110,28 @@ impl RawQuinn {
     ) -> Result<Self, BoxError> {
         let id = self_signed(&["localhost".into()])?;
         let local = SocketAddr::from(([127, 0, 0, 1], 0));
-        let server = transport.endpoint(local, Some(server_config(&id, None, transport)?))?;
-        let addr = server.local_addr()?;
-        let accept = server.clone();
-        // The server's tasks own the relay: its child goes with them.
-        let task = tokio::spawn(async move {
-            while let Some(incoming) = accept.accept().await {
-                let relay = relay.clone();
-                tokio::spawn(async move {
-                    let Ok(conn) = incoming.await else { return };
-                    while let Ok((send, recv)) = conn.accept_bi().await {
-                        tokio::spawn(serve(send, recv, relay.clone()));
-                    }
-                });
-            }
-        });
+        let (server, addr, task) = {
+            // The server's endpoint and tasks on the servers' runtime, if
+            // one is named (`serve_on`).
+            let servers = super::servers();
+            let _on = servers.as_ref().map(tokio::runtime::Handle::enter);
+            let server = transport.endpoint(local, Some(server_config(&id, None, transport)?))?;
+            let addr = server.local_addr()?;
+            let accept = server.clone();
+            // The server's tasks own the relay: its child goes with them.
+            let task = tokio::spawn(async move {
+                while let Some(incoming) = accept.accept().await {
+                    let relay = relay.clone();
+                    tokio::spawn(async move {
+                        let Ok(conn) = incoming.await else { return };
+                        while let Ok((send, recv)) = conn.accept_bi().await {
+                            tokio::spawn(serve(send, recv, relay.clone()));
+                        }
+                    });
+                }
+            });
+            (server, addr, task)
+        };
         let mut client = transport.endpoint(local, None)?;
         client.set_default_client_config(client_config(
             ServerTrust {

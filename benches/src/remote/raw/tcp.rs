@@ -25,13 +25,20 @@ impl RawTcp {
     /// # Errors
     /// Socket errors.
     pub async fn start() -> Result<Self, BoxError> {
-        let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+        let listener = std::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+        listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
-        let task = tokio::spawn(async move {
-            while let Ok((stream, _)) = listener.accept().await {
-                tokio::spawn(serve(stream));
-            }
-        });
+        let task = {
+            // On the servers' runtime, if one is named (`serve_on`).
+            let servers = super::servers();
+            let _on = servers.as_ref().map(tokio::runtime::Handle::enter);
+            let listener = TcpListener::from_std(listener)?;
+            tokio::spawn(async move {
+                while let Ok((stream, _)) = listener.accept().await {
+                    tokio::spawn(serve(stream));
+                }
+            })
+        };
         let conn = TcpStream::connect(addr).await?;
         conn.set_nodelay(true)?;
         Ok(RawTcp {
