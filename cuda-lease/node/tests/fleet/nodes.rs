@@ -105,7 +105,9 @@ async fn three_nodes_register_their_inventory_and_leave_at_shutdown() {
     until(&fleet, "b gone", |n| n.iter().all(|r| r.name != "b")).await;
     let gone = t.elapsed();
     println!("a shut-down node left the registry in {gone:?}");
-    assert!(gone < Duration::from_secs(3), "{gone:?}");
+    // Before the 5 s TTL could have run out (etcd expires a lease at its
+    // TTL at the earliest), with room for a loaded machine's shutdown.
+    assert!(gone < Duration::from_millis(4500), "{gone:?}");
     a.shutdown().await;
     c.shutdown().await;
 }
