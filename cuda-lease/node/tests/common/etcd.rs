@@ -150,11 +150,20 @@ pub fn registry(etcd: &Etcd, ttl: Duration) -> RegistryConfig {
 }
 
 /// A client of the fleet in `etcd`, trusting the registry's fingerprints,
-/// with the test token.
+/// with the test token. Connecting is tried again for up to 20 s: each try
+/// has the test configuration's short etcd timeout, which a loaded machine
+/// can miss.
 pub async fn follow(etcd: &Etcd) -> Fleet {
-    Fleet::connect(etcd.fleet_config())
-        .await
-        .expect("follow the fleet")
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match Fleet::connect(etcd.fleet_config()).await {
+            Ok(fleet) => return fleet,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("following the fleet failed ({e}); trying again");
+            }
+            Err(e) => panic!("follow the fleet: {e}"),
+        }
+    }
 }
 
 /// Waits until the fleet's view satisfies `pred`; panics naming `what`.
