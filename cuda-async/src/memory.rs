@@ -8,7 +8,8 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use cuda_core::cudarc::driver::{result, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use cuda_core::copy;
+use cuda_core::cudarc::driver::{CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use cuda_core::{AnyBitPattern, Error, PinnedBuffer, Result};
 
 use crate::buffer::DeviceBuffer;
@@ -310,14 +311,7 @@ fn enqueue_d2h<T: AnyBitPattern, H: PinnedHost<T>>(
         // SAFETY: `host` addresses `range.len()` pinned elements that no
         // host code touches until the recorded use is done; `dptr + at` as
         // many inside `src`; `T` accepts any bits.
-        unsafe {
-            result::memcpy_dtoh_async(
-                std::slice::from_raw_parts_mut(host.cast::<u8>(), bytes as usize),
-                dptr + at,
-                stream.cu_stream(),
-            )
-        }
-        .map_err(|e| Error::driver("cuMemcpyDtoHAsync", e))
+        unsafe { copy::dtoh_async(host.cast::<u8>(), dptr + at, bytes as usize, stream) }
     };
     // SAFETY: the copy writes `range.len()` elements on `stream`.
     let copied = unsafe { dst.enqueue_use(stream, true, &mut copy) };
@@ -445,14 +439,7 @@ impl<T: DeviceRepr + Send, D: DeviceTarget<T>, H: PinnedHost<T>> DeviceOp for Co
                 // use completes; `dptr + at` addresses as many inside the
                 // buffer (`range` lies inside it), held exclusively by this
                 // op; live stream.
-                unsafe {
-                    result::memcpy_htod_async(
-                        dptr + at,
-                        std::slice::from_raw_parts(host.cast::<u8>(), bytes as usize),
-                        stream.cu_stream(),
-                    )
-                }
-                .map_err(|e| Error::driver("cuMemcpyHtoDAsync", e))
+                unsafe { copy::htod_async(dptr + at, host.cast::<u8>(), bytes as usize, stream) }
             };
             // SAFETY: the copy reads `range.len()` elements on `stream`.
             let copied = unsafe { self.src.enqueue_use(stream, false, &mut copy) };
@@ -559,15 +546,7 @@ fn enqueue_d2d<T>(
         // SAFETY: both ranges lie inside their buffers (checked by the
         // range calls above), the destination's held exclusively by the
         // op; a live stream.
-        unsafe {
-            result::memcpy_dtod_async(
-                dptr + dst_at,
-                sptr + src_at,
-                bytes as usize,
-                stream.cu_stream(),
-            )
-        }
-        .map_err(|e| Error::driver("cuMemcpyDtoDAsync", e))?;
+        unsafe { copy::dtod_async(dptr + dst_at, sptr + src_at, bytes as usize, stream) }?;
     }
     // One event after the copy marks both uses.
     let mark = cuda_core::UseMark::new(stream);
@@ -708,15 +687,7 @@ impl<T: AnyBitPattern, B: DeviceTarget<T>> DeviceOp for Memset<T, B> {
                 // allocation (`range` lies inside the buffer), which this op
                 // holds exclusively (an owned buffer, `&mut` or a writable
                 // view).
-                unsafe {
-                    result::memset_d8_async(
-                        dptr + at,
-                        self.byte,
-                        bytes as usize,
-                        stream.cu_stream(),
-                    )
-                }
-                .map_err(|e| Error::driver("cuMemsetD8Async", e))?;
+                unsafe { copy::memset_d8_async(dptr + at, self.byte, bytes as usize, stream) }?;
             }
             buf.after_write_range(stream, range)?;
         }

@@ -27,7 +27,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::buffer::{check_range, DeviceBuffer};
 use crate::device::Device;
@@ -377,16 +377,7 @@ impl StagingArena {
         // and unwritten until the copy is done: the arena hands the range
         // out again, or frees the block, only after `synchronize` waited
         // for `stream` (noted above).
-        unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                dptr + range.start as u64,
-                host as *const std::ffi::c_void,
-                slot.len,
-                stream.cu_stream(),
-            )
-        }
-        .result()
-        .call("cuMemcpyHtoDAsync")
+        unsafe { crate::copy::htod_async(dptr + range.start as u64, host, slot.len, stream) }
     }
 
     /// Enqueues on `stream` a copy of `src[offset..offset + slot.len()]`
@@ -417,7 +408,7 @@ impl StagingArena {
         if slot.len == 0 {
             return Ok(read);
         }
-        let host = (self.addr + slot.start) as *mut std::ffi::c_void;
+        let host = (self.addr + slot.start) as *mut u8;
         self.note_stream(stream);
         let (dptr, _read) = src.as_cuda_slice().device_ptr(stream);
         // SAFETY: `host` addresses `slot.len` bytes of this arena's block
@@ -427,16 +418,7 @@ impl StagingArena {
         // above); `dptr + range.start` addresses as many bytes inside a
         // live allocation of `stream`'s context (checked above). Any byte
         // pattern is a valid `u8`.
-        unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                host,
-                dptr + range.start as u64,
-                slot.len,
-                stream.cu_stream(),
-            )
-        }
-        .result()
-        .call("cuMemcpyDtoHAsync")?;
+        unsafe { crate::copy::dtoh_async(host, dptr + range.start as u64, slot.len, stream) }?;
         Ok(read)
     }
 

@@ -26,6 +26,7 @@ pub mod args;
 pub mod blas;
 pub mod buffer;
 pub mod callback;
+pub mod copy;
 pub mod device;
 pub mod error;
 #[cfg(feature = "fft")]

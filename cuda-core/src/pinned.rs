@@ -347,16 +347,7 @@ impl<T: AnyBitPattern> PinnedBuffer<T> {
             // addresses as many inside `src` (range checked above); `T`
             // accepts any bit pattern, so whatever the GPU wrote is a valid
             // `T`.
-            unsafe {
-                cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
-                    host as *mut std::ffi::c_void,
-                    dptr,
-                    bytes,
-                    stream.cu_stream(),
-                )
-            }
-            .result()
-            .call("cuMemcpyDtoHAsync")
+            unsafe { crate::copy::dtoh_async(host.cast::<u8>(), dptr, bytes, stream) }
         };
         let read = src.after_read_range(stream, range);
         self.record_use(stream)?;

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::buffer::DeviceBuffer;
+use crate::copy;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::raw::set_current;
@@ -111,16 +112,7 @@ impl HostRegistration {
             // SAFETY: `dptr + offset` addresses `src.len()` bytes inside
             // `dst` (checked); `src` is registered host memory the caller
             // leaves alone until the stream passes the copy.
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    dptr + offset as u64,
-                    src.as_ptr() as *const std::ffi::c_void,
-                    src.len(),
-                    stream.cu_stream(),
-                )
-            }
-            .result()
-            .map_err(|e| Error::driver("cuMemcpyHtoDAsync", e))
+            unsafe { copy::htod_async(dptr + offset as u64, src.as_ptr(), src.len(), stream) }
         };
         let written = dst.after_write(stream);
         copied.and(written)
@@ -155,16 +147,7 @@ impl HostRegistration {
             // SAFETY: `dptr + offset` addresses `dst.len()` bytes inside
             // `src` (checked); `dst` is registered host memory the caller
             // leaves alone until the stream passes the copy.
-            unsafe {
-                sys::cuMemcpyDtoHAsync_v2(
-                    dst.as_mut_ptr() as *mut std::ffi::c_void,
-                    dptr + offset as u64,
-                    dst.len(),
-                    stream.cu_stream(),
-                )
-            }
-            .result()
-            .map_err(|e| Error::driver("cuMemcpyDtoHAsync", e))
+            unsafe { copy::dtoh_async(dst.as_mut_ptr(), dptr + offset as u64, dst.len(), stream) }
         };
         let read = src.after_read(stream);
         copied.and(read)

@@ -14,7 +14,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{result, sys, CudaContext, CudaStream, DevicePtrMut, DeviceRepr};
+use cudarc::driver::{result, CudaContext, CudaStream, DevicePtrMut, DeviceRepr};
 
 use crate::buffer::DeviceBuffer;
 use crate::error::{Error, Result};
@@ -185,16 +185,7 @@ pub fn upload_at<T: DeviceRepr + Copy>(
         // SAFETY: `dptr` addresses `bytes` bytes inside a live allocation
         // (range checked above); the pinned source stays allocated until the
         // copy is done (below).
-        unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                dptr,
-                block.addr as *const std::ffi::c_void,
-                bytes,
-                stream.cu_stream(),
-            )
-        }
-        .result()
-        .map_err(|e| Error::driver("cuMemcpyHtoDAsync", e))
+        unsafe { crate::copy::htod_async(dptr, block.addr as *const u8, bytes, stream) }
     };
     if let Err(e) = enqueued {
         // Nothing was enqueued: the block is idle.
