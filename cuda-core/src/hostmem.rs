@@ -2,10 +2,8 @@
 //!
 //! A transfer into freshly allocated host memory pays a page fault per
 //! 4 KiB page the first time each page is written. In a virtual machine
-//! that is most of the cost: filling a fresh 256 MiB took 139-166 ms with
-//! 4 KiB pages and 56-65 ms with 2 MiB pages on an H100 host (a Firecracker
-//! guest), against 30 ms for memory already faulted in; one connection's
-//! 256 MiB MEM_READ went from 0.96 to 1.36 GiB/s in the same run.
+//! that is most of the cost of filling fresh memory, several times the
+//! cost with 2 MiB pages.
 //! [`prefer_huge_pages`] asks the kernel to back a large buffer with
 //! transparent huge pages, one fault per 2 MiB.
 

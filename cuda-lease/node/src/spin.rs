@@ -2,9 +2,8 @@
 //!
 //! A batch crosses two pipes (node to worker, worker to node). A thread
 //! blocked in `read(2)` on an idle core, or a tokio task woken through the
-//! I/O driver, costs tens of microseconds per crossing on a GPU host
-//! (measured on an H100 host: about 66 us for the two crossings of a
-//! 29-command batch). For a short, bounded time after each message both
+//! I/O driver, costs tens of microseconds per crossing on a GPU host.
+//! For a short, bounded time after each message both
 //! sides instead poll the pipe with a zero timeout, so a reply or the next
 //! batch is picked up by a thread that is already running. Past the budget
 //! they fall back to blocking, so an idle lease costs one budget of CPU

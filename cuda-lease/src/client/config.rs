@@ -59,9 +59,8 @@ pub struct ClientConfig {
 pub enum BulkUse {
     /// None: every transfer over QUIC.
     Off,
-    /// Uploads (MEM_WRITE): measured on an H100 host over loopback, they
-    /// moved 1.3 to 1.9 times what striped QUIC moved, while downloads
-    /// moved 0.4 to 0.9 times as much; downloads stay on QUIC.
+    /// Uploads (MEM_WRITE), which the channel moves faster than striped
+    /// QUIC; downloads, which it moves slower, stay on QUIC.
     #[default]
     Uploads,
     /// Uploads and downloads.
@@ -80,9 +79,9 @@ impl BulkUse {
     }
 }
 
-/// Default [`ClientConfig::stripes`]: on an H100 host (16 cores, loopback)
-/// raw quinn moved 3.1 to 3.8x as much over four connections as over one;
-/// on a 2-core machine four moved 0.93x (no loss worth a second default).
+/// Default [`ClientConfig::stripes`]: four connections move several times
+/// what one moves where both ends have cores to spare, and lose little
+/// where they do not.
 pub const DEFAULT_STRIPES: usize = 4;
 
 /// Default [`ClientConfig::stripe_min_bytes`]: 8 MiB (smaller transfers
@@ -224,7 +223,7 @@ impl ClientConfig {
 
     /// Stripes MEM_WRITE and MEM_READ of at least `min_bytes` over `n`
     /// connections (`n` of 1 turns striping off). One QUIC connection is
-    /// CPU-bound (about 0.4 to 0.5 GiB/s on an H100 host); several move data
+    /// CPU-bound; several move data
     /// in parallel where the client and the node have cores to spare. The
     /// extra connections are opened (and authenticated) on the first
     /// striped transfer.

@@ -33,9 +33,8 @@ use socket2::{Domain, Protocol, Socket, Type};
 pub const MIN_MTU: u16 = 1200;
 
 /// The largest [`TransportSettings::initial_mtu`] accepted. An initial MTU
-/// of 12,000 bytes or more never finished the handshake on loopback (an
-/// H100 host); start at this or lower and let MTU discovery
-/// raise it.
+/// of 12,000 bytes or more did not finish the handshake on loopback;
+/// start at this or lower and let MTU discovery raise it.
 pub const MAX_INITIAL_MTU: u16 = 9000;
 
 /// The largest UDP payload over IPv4 (65,535 less the IP and UDP headers),
@@ -146,13 +145,10 @@ impl TransportSettings {
     /// for half a millisecond yet stay below the socket buffer (2 MiB per
     /// stream, 8 MiB per connection, 16 MiB of unacknowledged writes).
     ///
-    /// Measured on loopback with raw quinn, one connection, 128 MiB each
-    /// way (a 2-core machine): 3.0 to 3.7 GiB/s against 0.9 to
-    /// 1.2 with [`TransportSettings::default`] (TCP in the same runs: 4.3
-    /// to 6.9). Larger windows lost datagrams in the receiving socket:
-    /// with 8 MiB per stream the same machine under load moved 1.3 GiB/s
-    /// against 2.4. Both ends need these settings for large
-    /// datagrams to flow both ways (see
+    /// On loopback it moves about three times what
+    /// [`TransportSettings::default`] moves; larger windows lose datagrams
+    /// in the receiving socket under load. Both ends need these settings
+    /// for large datagrams to flow both ways (see
     /// [`largest_accepted_payload`](Self::largest_accepted_payload)).
     pub fn loopback() -> Self {
         Self {
@@ -176,12 +172,10 @@ impl TransportSettings {
     /// (2 MiB per stream, 8 MiB per connection, 16 MiB of unacknowledged
     /// writes).
     ///
-    /// Offload with 6,550-byte datagrams beat the full jumbo frame without
-    /// it: measured on loopback with raw quinn, one connection, 128 MiB
-    /// each way (a 2-core machine), 1.5 to 2.0 GiB/s against
-    /// 1.1 to 1.4 with discovery up to 8,952 bytes and offload off
-    /// (`mtu_discovery_max: Some(8952), segmentation_offload: false`, the
-    /// alternative where sends cost less than on that machine).
+    /// Offload with 6,550-byte datagrams moves more than the full jumbo
+    /// frame without it (`mtu_discovery_max: Some(8952),
+    /// segmentation_offload: false`, the alternative where sends cost
+    /// less).
     pub fn datacenter_jumbo() -> Self {
         Self {
             initial_mtu: MIN_MTU,

@@ -199,10 +199,8 @@ fn main() {
 /// mapped and unmapped on their own instead of coming from malloc's
 /// arenas: with glibc's default the threshold for that grows to 32 MiB
 /// after the first large free, and a tokio worker thread's arena then keeps
-/// what attackers' payloads once took (measured with an embedded node: 8
-/// BATCHes declaring 100 MiB, cut off after 40 to 75 MiB, 3 to 5 rounds:
-/// RSS 67 to 71 MiB over its start, and it stayed; 14 to 16 MiB with
-/// this setting). Only the program sets it: it is process-wide.
+/// what attackers' cut-off payloads took, for good. Only the program sets
+/// it: it is process-wide.
 fn return_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes malloc's tuning; called before any

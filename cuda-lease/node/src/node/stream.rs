@@ -364,9 +364,8 @@ async fn follow(
 
 /// Most chunks of a MEM_READ filled in one worker call: the slots stay
 /// held until each is sent, so a larger group holds more of the ring from
-/// the lease's other stripes. Measured on an H100 host (4 stripes over
-/// QUIC, 256 MiB): groups of 1, 2, 4 and 8 moved 2.30, 3.15, 3.46 and
-/// 2.76 GiB/s.
+/// the lease's other stripes (groups of 4 moved the most of 1, 2, 4 and
+/// 8).
 const READ_GROUP: usize = 4;
 
 /// Has the worker fill ring slots with the chunks of `m` (`len` bytes in

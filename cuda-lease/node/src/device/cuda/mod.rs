@@ -130,8 +130,7 @@ impl CudaDevice {
         // buffer's own use events (`before_*`/`after_*`, and the drop
         // orders the free after them). cudarc's per-slice events would
         // repeat that work: two more event records and waits per buffer
-        // argument of every launch (about 5 us of the 8 us a launch
-        // took here on an H100). `cuda-core`'s `Device::new` opened this
+        // argument of every launch. `cuda-core`'s `Device::new` opened this
         // context with cudarc's tracking off, before it allocated any
         // slice; this process has no other CUDA user.
         // A batch allocates, synchronizes and frees: keep a little freed

@@ -41,8 +41,7 @@ const SPARE_BUFFER_MAX: usize = 1 << 20;
 /// Freed buffers of up to [`SPARE_BUFFER_MAX`] bytes, [`SPARE_BYTES`]
 /// in all, by size. A chain allocates and frees the same small sizes
 /// batch after batch; handing a freed buffer out again skips
-/// `cuMemAllocAsync` and `cuMemFreeAsync` (together about 10 us of a
-/// batch's allocation on an H100).
+/// `cuMemAllocAsync` and `cuMemFreeAsync`.
 ///
 /// A buffer freed in a batch is handed out only from the next batch on,
 /// once the batch's end has waited for every use of it: reused in the

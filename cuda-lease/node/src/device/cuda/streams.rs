@@ -40,9 +40,8 @@ impl CudaDevice {
     /// Waits for the streams this batch enqueued work on (every
     /// earlier batch's work was waited for at its own end), and
     /// forgets them; a failure is sticky (a kernel fault). An idle
-    /// stream's synchronize costs about 1.3 us on an H100 host, and a
-    /// lease's round-robin policy keeps four streams, one busy per
-    /// submission.
+    /// stream's synchronize is not free, and a lease's round-robin policy
+    /// keeps four streams, one busy per submission.
     ///
     /// With a batch arena, the arena makes the waits (the same ones, in
     /// the same order): it then knows its copies are done, so its
