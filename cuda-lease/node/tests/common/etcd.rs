@@ -150,13 +150,18 @@ pub fn registry(etcd: &Etcd, ttl: Duration) -> RegistryConfig {
 }
 
 /// A client of the fleet in `etcd`, trusting the registry's fingerprints,
-/// with the test token. Connecting is tried again for up to 20 s: each try
-/// has the test configuration's short etcd timeout, which a loaded machine
-/// can miss.
+/// with the test token ([`follow_with`]).
 pub async fn follow(etcd: &Etcd) -> Fleet {
+    follow_with(etcd.fleet_config()).await
+}
+
+/// A client of the fleet as `cfg` says. Connecting is tried again for up
+/// to 20 s: each try has the test configuration's short etcd timeout,
+/// which a loaded machine can miss.
+pub async fn follow_with(cfg: FleetConfig) -> Fleet {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        match Fleet::connect(etcd.fleet_config()).await {
+        match Fleet::connect(cfg.clone()).await {
             Ok(fleet) => return fleet,
             Err(e) if Instant::now() < deadline => {
                 eprintln!("following the fleet failed ({e}); trying again");

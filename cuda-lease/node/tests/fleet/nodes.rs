@@ -185,9 +185,7 @@ async fn placement_follows_reservable_vram_and_moves_past_a_full_node() {
     }
 
     // Labels: only labelled nodes are chosen.
-    let labelled = Fleet::connect(etcd.fleet_config().label("gpu", "h100"))
-        .await
-        .unwrap();
+    let labelled = follow_with(etcd.fleet_config().label("gpu", "h100")).await;
     assert!(matches!(
         labelled.lease(Lease::builder().min_vram(MIB)).await,
         Err(FleetError::NoNodeFits { .. })
@@ -207,9 +205,7 @@ async fn an_untrusted_registry_pins_nothing_and_a_pinned_fingerprint_must_match(
     let n = node(&etcd, "n", 64 * MIB, |_| {}).await;
     // Without trusting the registry, the client's own roots decide: this
     // node's own certificate works...
-    let own = Fleet::connect(FleetConfig::new([etcd.url()]).client(client_config(&n)))
-        .await
-        .unwrap();
+    let own = follow_with(FleetConfig::new([etcd.url()]).client(client_config(&n))).await;
     until(&own, "the node", |r| r.len() == 1).await;
     own.lease(Lease::builder().min_vram(MIB))
         .await
@@ -219,12 +215,11 @@ async fn an_untrusted_registry_pins_nothing_and_a_pinned_fingerprint_must_match(
         .unwrap();
     // ...another certificate does not.
     let other = cuda_lease_node::tls::self_signed(&["localhost".into()]).unwrap();
-    let stranger = Fleet::connect(
+    let stranger = follow_with(
         FleetConfig::new([etcd.url()])
             .client(ClientConfig::pinned(other.leaf().clone()).token(TOKEN)),
     )
-    .await
-    .unwrap();
+    .await;
     until(&stranger, "the node", |r| r.len() == 1).await;
     let e = stranger
         .lease(Lease::builder().min_vram(MIB))
@@ -366,7 +361,7 @@ async fn thirty_two_clients_lease_twenty_times_each_over_three_nodes_none_lost()
     for _ in 0..CLIENTS {
         let cfg = etcd.fleet_config();
         tasks.push(tokio::spawn(async move {
-            let fleet = Fleet::connect(cfg).await.unwrap();
+            let fleet = follow_with(cfg).await;
             assert!(fleet.wait_until(PROMPT, |n| n.len() == 3).await);
             let mut placed = Vec::new();
             for _ in 0..LEASES {
