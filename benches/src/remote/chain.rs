@@ -375,10 +375,8 @@ async fn one_chain<P: SchedulingPolicy + ?Sized>(
 /// the chain on the lease and (with a GPU) on the local GPU. Each round
 /// runs a block of [`CHAIN_BLOCK`] of each path, in rotating order, and
 /// drops the first [`CHAIN_SETTLE`] of each block: one of each in turn
-/// made every path pay for the one before it (on an H100 host the local
-/// chain took 0.21 ms instead of 0.12-0.15, the raw round trip 0.15-0.18 ms
-/// instead of 0.1-0.12: the GPU switching between the worker's and this
-/// process's contexts, and the worker's pipe spin).
+/// made every path pay for the one before it (the GPU switching between
+/// the worker's and this process's contexts, and the worker's pipe spin).
 #[derive(Debug)]
 struct ChainTimes {
     rtt: Vec<Duration>,
