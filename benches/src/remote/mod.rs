@@ -292,10 +292,10 @@ impl Bench {
             None => None,
         };
         raw::serve_on(servers.as_ref().map(|s| s.handle().clone()));
-        let node = match &servers {
-            Some(s) => s.block_on(Node::spawn_local(node_cfg))?,
-            None => rt.block_on(Node::spawn_local(node_cfg))?,
-        };
+        let node = servers
+            .as_ref()
+            .unwrap_or(&rt)
+            .block_on(Node::spawn_local(node_cfg))?;
         let (ctx, device) = rt.block_on(async {
             let config = ClientConfig::pinned(node.cert_der().clone())
                 .token("bench")
@@ -378,11 +378,18 @@ impl Bench {
     /// Shuts the node down (its workers exit).
     pub fn shutdown(mut self) {
         if let Some(node) = self.node.take() {
-            match &self.servers {
-                Some(s) => s.block_on(node.shutdown()),
-                None => self.rt.block_on(node.shutdown()),
-            }
+            self.servers
+                .as_ref()
+                .unwrap_or(&self.rt)
+                .block_on(node.shutdown());
         }
+    }
+}
+
+impl Drop for Bench {
+    fn drop(&mut self) {
+        // Raw servers made later start on their caller's runtime again:
+        // this bench's server runtime goes with it.
         raw::serve_on(None);
     }
 }
