@@ -8,6 +8,7 @@
 use std::any::Any;
 use std::cell::{OnceCell, RefCell};
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -19,9 +20,14 @@ use crate::raw::{set_current, MarkEvent, SharedEvent};
 /// use of it (see [`crate::graph`]). When the handle is dropped while a
 /// graph still shares this, the memory moves here (as bytes) and is freed,
 /// ordered after every recorded use, when the last graph lets go.
-#[derive(Default)]
 pub(crate) struct UseRecord {
     uses: Mutex<Uses>,
+    /// What [`Uses::sole`] was after the last change of `uses`, published
+    /// under its lock: a use on that stream (or on any, where there are no
+    /// entries) has nothing to wait for, and [`UseRecord::before`] skips the
+    /// lock. A use that conflicts with an entry was handed its buffer after
+    /// that entry was recorded, so it sees the value published then.
+    sole: [AtomicUsize; 2],
     /// The memory of a dropped handle, and its pool's handle (if a
     /// [`MemPool`](crate::MemPool) scope chose it).
     orphan: Mutex<Option<(CudaSlice<u8>, Option<crate::MemPool>)>>,
@@ -37,6 +43,12 @@ pub(crate) type Span = std::ops::Range<usize>;
 
 /// Every byte of a buffer.
 pub(crate) const WHOLE: Span = 0..usize::MAX;
+
+/// [`Uses::sole`] of no entries.
+const NO_STREAM: usize = usize::MAX;
+
+/// [`Uses::sole`] of entries of more than one stream.
+const MANY_STREAMS: usize = usize::MAX - 1;
 
 /// Most entries of one stream in one list before they merge into one.
 const PER_STREAM: usize = 8;
@@ -124,6 +136,22 @@ impl<E: Clone> Uses<E> {
             span,
             ev: ev.clone(),
         });
+    }
+
+    /// The one stream of the writes, then of the reads and writes together
+    /// ([`NO_STREAM`] where there are none, [`MANY_STREAMS`] where there
+    /// are several): a read on the first, or a write on the second, waits
+    /// for nothing ([`Uses::conflicts`] is empty).
+    fn sole(&self) -> [usize; 2] {
+        let of = |list: &[Entry<E>], init: usize| {
+            list.iter().fold(init, |s, e| match s {
+                NO_STREAM => e.stream,
+                s if s == e.stream => s,
+                _ => MANY_STREAMS,
+            })
+        };
+        let writes = of(&self.writes, NO_STREAM);
+        [writes, of(&self.reads, writes)]
     }
 
     /// The events a use of `span` on stream `raw` waits for: those of the
@@ -349,14 +377,25 @@ impl Drop for MarkScope {
     }
 }
 
+impl Default for UseRecord {
+    fn default() -> Self {
+        UseRecord::new(None)
+    }
+}
+
 impl UseRecord {
-    /// The record of host memory the host also reaches: with a gate.
-    pub(crate) fn with_gate() -> UseRecord {
+    fn new(gate: Option<Mutex<()>>) -> UseRecord {
         UseRecord {
             uses: Mutex::default(),
+            sole: [AtomicUsize::new(NO_STREAM), AtomicUsize::new(NO_STREAM)],
             orphan: Mutex::new(None),
-            gate: Some(Mutex::new(())),
+            gate,
         }
+    }
+
+    /// The record of host memory the host also reaches: with a gate.
+    pub(crate) fn with_gate() -> UseRecord {
+        UseRecord::new(Some(Mutex::new(())))
     }
 
     /// Holds the gate, if the record has one.
@@ -402,8 +441,12 @@ impl UseRecord {
             // buffer's other uses when it is launched.
             return Ok(());
         }
-        let u = self.lock();
         let raw = stream.cu_stream() as usize;
+        let sole = self.sole[usize::from(write)].load(Ordering::Acquire);
+        if sole == NO_STREAM || sole == raw {
+            return Ok(());
+        }
+        let u = self.lock();
         each_event(u.conflicts(raw, write, span), |ev| ev.wait_on(stream))
     }
 
@@ -434,6 +477,9 @@ impl UseRecord {
             .any(|e| e.stream == raw && Arc::ptr_eq(&e.ev, ev) && within(&span, &e.span));
         if !covered {
             u.note(raw, write, span, ev);
+            for (sole, now) in self.sole.iter().zip(u.sole()) {
+                sole.store(now, Ordering::Release);
+            }
         }
         Ok(())
     }
@@ -767,6 +813,47 @@ mod tests {
         // Never for the stream's own uses (the stream orders them).
         assert_eq!(waits(&u, 1, true, 0..10), vec![2]);
         assert_eq!(waits(&u, 2, true, 0..10), vec![1]);
+    }
+
+    #[test]
+    fn a_use_skips_the_lock_only_where_it_waits_for_nothing() {
+        // Random uses of three streams over a buffer of 64 bytes; after
+        // each, every use that `sole` lets skip the lock (`before`) has no
+        // conflict, and one stream's uses alone let it skip.
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let mut skipped = [0, 0];
+        for _ in 0..200 {
+            let mut u = Uses::<Ev>::default();
+            assert_eq!(u.sole(), [NO_STREAM, NO_STREAM]);
+            for i in 0..12u32 {
+                let (a, b) = (next(64) as usize, next(64) as usize);
+                let span = a.min(b)..a.max(b) + 1;
+                u.note(next(3) as usize, next(2) == 1, span, &Arc::new(i));
+                let sole = u.sole();
+                for raw in 0..3 {
+                    for write in [false, true] {
+                        if sole[usize::from(write)] == NO_STREAM || sole[usize::from(write)] == raw
+                        {
+                            skipped[usize::from(write)] += 1;
+                            assert_eq!(u.conflicts(raw, write, WHOLE).count(), 0);
+                        }
+                    }
+                }
+            }
+        }
+        assert!(skipped[0] > 0 && skipped[1] > 0);
+        let mut u = Uses::<Ev>::default();
+        u.note(5, false, 0..8, &Arc::new(1));
+        u.note(5, true, 8..16, &Arc::new(2));
+        assert_eq!(u.sole(), [5, 5]);
+        u.note(6, false, 0..8, &Arc::new(3));
+        assert_eq!(u.sole(), [5, MANY_STREAMS]);
     }
 
     #[test]
