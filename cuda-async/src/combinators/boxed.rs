@@ -21,7 +21,10 @@ use crate::op::{impl_into_future, DeviceOp};
 const ALIGN: usize = 16;
 
 /// Bytes of a value kept in the slot in place; a larger one is boxed.
-const SLOT_BYTES: usize = 64;
+/// Three owned buffers fit (a library op's output), so a chain of steps
+/// that hand buffers on allocates nothing between them.
+const SLOT_BYTES: usize = 256;
+const _: () = assert!(3 * size_of::<crate::DeviceBuffer<f32>>() <= SLOT_BYTES);
 
 /// One aligned unit of the step buffer and the slot.
 #[derive(Clone, Copy)]
