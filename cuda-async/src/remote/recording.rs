@@ -3,7 +3,9 @@
 //! launches use, the write payloads and the read slots of one submission.
 
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::cell::Cell;
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
 
 use cuda_core::{Kernel, LaunchConfig};
 
@@ -14,6 +16,31 @@ use super::proto::{self, Command, Id, LaunchSpec, ModuleHash, Op};
 
 /// A client-named stream of a remote session.
 pub type RemoteStream = proto::StreamId;
+
+/// A kernel name kept for the life of the process, once per distinct
+/// name, so that each launch's command borrows it rather than copying it.
+/// The thread's last name is at hand: a chain of launches of one kernel
+/// takes no lock.
+fn interned(name: &str) -> &'static str {
+    static NAMES: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
+    thread_local! {
+        static LAST: Cell<Option<&'static str>> = const { Cell::new(None) };
+    }
+    if let Some(last) = LAST.get().filter(|last| *last == name) {
+        return last;
+    }
+    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    let kept = match names.get(name) {
+        Some(kept) => *kept,
+        None => {
+            let kept: &'static str = Box::leak(name.into());
+            names.insert(kept);
+            kept
+        }
+    };
+    LAST.set(Some(kept));
+    kept
+}
 
 /// Bytes a recording keeps for a write instead of copying them (the
 /// `Vec` an `h2d` was given, say).
@@ -148,7 +175,7 @@ impl Recording {
         let c = config;
         let op = Op::Launch(LaunchSpec {
             module,
-            kernel: Cow::Owned(kernel.name().to_owned()),
+            kernel: Cow::Borrowed(interned(kernel.name())),
             grid: [c.grid_dim.0, c.grid_dim.1, c.grid_dim.2],
             block: [c.block_dim.0, c.block_dim.1, c.block_dim.2],
             shared_mem: c.shared_mem_bytes,
@@ -307,5 +334,23 @@ impl Recording {
                 kept => kept,
             }));
         self.reads.extend(other.reads);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::interned;
+
+    #[test]
+    fn a_kernel_name_is_kept_once_and_found_again_after_another() {
+        let a = interned("kept_once_a");
+        assert!(std::ptr::eq(a, interned(&String::from("kept_once_a"))));
+        let b = interned("kept_once_b");
+        assert_eq!(b, "kept_once_b");
+        assert!(std::ptr::eq(interned("kept_once_a"), a));
+        let elsewhere = std::thread::spawn(|| interned("kept_once_b"))
+            .join()
+            .unwrap();
+        assert!(std::ptr::eq(elsewhere, b));
     }
 }

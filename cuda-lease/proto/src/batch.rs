@@ -218,7 +218,7 @@ impl Op<'_> {
                     .args
                     .iter()
                     .map(|a| match a {
-                        LaunchArg::Scalar(b) => LaunchArg::Scalar(Cow::Owned(b.to_vec())),
+                        LaunchArg::Scalar(b) => LaunchArg::Scalar(b.to_static()),
                         LaunchArg::Mem { buf, offset } => LaunchArg::Mem {
                             buf: *buf,
                             offset: *offset,

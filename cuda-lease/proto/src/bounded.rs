@@ -2,13 +2,12 @@
 //! before decoding (or allocating for) any element: a 1 MiB body of
 //! one-byte entries cannot make the node decode a million of them.
 
-use std::borrow::Cow;
 use std::marker::PhantomData;
 
 use serde::de::{Deserialize, Deserializer, Error, SeqAccess, Visitor};
 
 use super::{
-    Command, LaunchArg, ModuleUse, MAX_BATCH_MODULES, MAX_BATCH_OPS, MAX_KERNEL_ARGS,
+    Command, LaunchArg, ModuleUse, ScalarBytes, MAX_BATCH_MODULES, MAX_BATCH_OPS, MAX_KERNEL_ARGS,
     MAX_SCALAR_ARG,
 };
 
@@ -74,10 +73,10 @@ pub(super) fn options<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D:
 
 /// A scalar argument's bytes, borrowed from the message (nothing is
 /// allocated, so the length is checked once they are in hand).
-pub(super) fn scalar<'de: 'a, 'a, D: Deserializer<'de>>(d: D) -> Result<Cow<'a, [u8]>, D::Error> {
+pub(super) fn scalar<'de: 'a, 'a, D: Deserializer<'de>>(d: D) -> Result<ScalarBytes<'a>, D::Error> {
     let b = <&'de [u8]>::deserialize(d)?;
     if b.len() > MAX_SCALAR_ARG {
         return Err(D::Error::invalid_length(b.len(), &"at most 4096 bytes"));
     }
-    Ok(Cow::Borrowed(b))
+    Ok(ScalarBytes::borrowed(b))
 }

@@ -37,6 +37,7 @@ mod gemm;
 mod messages;
 mod module;
 mod rand;
+mod scalar;
 
 pub use batch::{
     Batch, Command, ModuleText, ModuleUse, Op, FIRST_NODE_ID, MAX_BATCH_MODULES, TIMER_BYTES,
@@ -59,6 +60,7 @@ pub use messages::{
 };
 pub use module::ModuleSpec;
 pub use rand::{RandDist, RandSpec};
+pub use scalar::ScalarBytes;
 
 /// Most kernel arguments a launch may carry.
 pub const MAX_KERNEL_ARGS: usize = 64;

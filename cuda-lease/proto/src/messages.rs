@@ -6,7 +6,8 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    bounded, Limits, ProtoError, Status, MAX_KERNEL_ARGS, MAX_KERNEL_NAME, MAX_SCALAR_ARG,
+    bounded, Limits, ProtoError, ScalarBytes, Status, MAX_KERNEL_ARGS, MAX_KERNEL_NAME,
+    MAX_SCALAR_ARG,
 };
 
 macro_rules! id_type {
@@ -385,7 +386,7 @@ pub struct IdOp {
 pub enum LaunchArg<'a> {
     /// Bytes passed by value (an `int`, a `float`, a small struct; at most
     /// [`MAX_SCALAR_ARG`]).
-    Scalar(#[serde(borrow, deserialize_with = "bounded::scalar")] Cow<'a, [u8]>),
+    Scalar(#[serde(borrow, deserialize_with = "bounded::scalar")] ScalarBytes<'a>),
     /// The device address of a buffer of the lease plus a byte offset.
     Mem {
         /// The buffer.
@@ -400,9 +401,10 @@ pub enum LaunchArg<'a> {
 }
 
 impl LaunchArg<'static> {
-    /// Bytes passed by value.
-    pub fn bytes(b: impl Into<Vec<u8>>) -> Self {
-        LaunchArg::Scalar(Cow::Owned(b.into()))
+    /// Bytes passed by value (copied; up to 16 bytes without an
+    /// allocation).
+    pub fn bytes(b: impl AsRef<[u8]>) -> Self {
+        LaunchArg::Scalar(ScalarBytes::copied(b.as_ref()))
     }
     /// A 32-bit scalar.
     pub fn u32(v: u32) -> Self {

@@ -12,7 +12,9 @@ use crate::common::*;
 use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, Kernel, LaunchConfig, Module, RemotePolicy};
 use cuda_lease::client::{Client, Lease};
-use cuda_lease::proto::{self, Id, LaunchArg, LaunchSpec, ModuleHash, Op, Opcode, SourceKind};
+use cuda_lease::proto::{
+    self, Id, LaunchArg, LaunchSpec, ModuleHash, Op, Opcode, ScalarBytes, SourceKind,
+};
 use cuda_lease_node::node::Node;
 
 /// How long the slow work takes: longer than any reorder window a timer
@@ -230,7 +232,7 @@ async fn a_batch_and_transfers_behind_a_slow_batch_use_its_ids() {
                 grid: [1, 1, 1],
                 block: [1, 1, 1],
                 shared_mem: 0,
-                args: vec![LaunchArg::Scalar(Cow::Borrowed(&ms))],
+                args: vec![LaunchArg::Scalar(ScalarBytes::borrowed(&ms))],
             }),
             Op::Fill {
                 buf: Id(7),
