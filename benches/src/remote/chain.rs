@@ -23,7 +23,7 @@ use crate::report::{Goal, Row, Unit};
 use crate::stats::Summary;
 use crate::Result;
 
-/// About the bytes the 20-op chain's message carries (29 commands, 1267 B
+/// About the bytes the 20-op chain's message carries (29 commands, about 1.3 kB
 /// of body, plus 1 KiB written and the header) and its reply (1 KiB read,
 /// plus the reply's header and body).
 const CHAIN_OUT: usize = 2320;

@@ -113,8 +113,50 @@ pub enum SourceKind {
 /// ([`ModuleHash::of`]). A collision-resistant hash, because the node caches
 /// modules node-wide by it: naming a hash is only useful to a client that
 /// knows the source.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+///
+/// On the wire it is a byte string (a length, 32, and the bytes), which
+/// postcard writes and reads in one copy: every launch names its module.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ModuleHash(pub [u8; 32]);
+
+impl Serialize for ModuleHash {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for ModuleHash {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Bytes;
+        impl<'de> serde::de::Visitor<'de> for Bytes {
+            type Value = ModuleHash;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("32 bytes")
+            }
+            fn visit_bytes<E: serde::de::Error>(self, b: &[u8]) -> Result<ModuleHash, E> {
+                b.try_into()
+                    .map(ModuleHash)
+                    .map_err(|_| E::invalid_length(b.len(), &self))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<ModuleHash, A::Error> {
+                let mut out = [0u8; 32];
+                for (i, b) in out.iter_mut().enumerate() {
+                    *b = seq
+                        .next_element()?
+                        .ok_or_else(|| serde::de::Error::invalid_length(i, &self))?;
+                }
+                if seq.next_element::<u8>()?.is_some() {
+                    return Err(serde::de::Error::invalid_length(33, &self));
+                }
+                Ok(ModuleHash(out))
+            }
+        }
+        d.deserialize_bytes(Bytes)
+    }
+}
 
 impl ModuleHash {
     /// The hash of a module: SHA-256 over a tag for the kind, each option

@@ -498,7 +498,7 @@ async fn garbage_on_the_wire_leaves_node_serving() {
     let mut body = vec![0u8; h.body_len as usize];
     recv.read_exact(&mut body).await.unwrap();
     let msg = proto::from_body::<proto::ErrorBody>(&body).unwrap().message;
-    assert_eq!(msg, "unsupported protocol version 1: this node speaks 5");
+    assert_eq!(msg, "unsupported protocol version 1: this node speaks 6");
     // The attacker's own authenticated connection and the victim still work.
     assert!(attacker.inventory().await.is_ok());
     let s = lease.session();
