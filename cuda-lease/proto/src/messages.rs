@@ -627,4 +627,22 @@ mod tests {
         assert_eq!(id.to_string().parse::<LeaseId>().unwrap(), id);
         assert_ne!(LeaseId::random(), LeaseId::random());
     }
+
+    #[test]
+    fn a_module_hash_is_one_byte_string_of_32() {
+        let h = ModuleHash::of(&SourceKind::Ptx, "// a module");
+        let wire = postcard::to_allocvec(&h).unwrap();
+        assert_eq!(wire.len(), 33);
+        assert_eq!((wire[0], &wire[1..]), (32, &h.0[..]));
+        assert_eq!(postcard::from_bytes::<ModuleHash>(&wire).unwrap(), h);
+        // Another length is refused.
+        let mut short = wire.clone();
+        short[0] = 31;
+        short.pop();
+        assert!(postcard::from_bytes::<ModuleHash>(&short).is_err());
+        let mut long = wire;
+        long[0] = 33;
+        long.push(0);
+        assert!(postcard::from_bytes::<ModuleHash>(&long).is_err());
+    }
 }
