@@ -138,21 +138,6 @@ impl<'de> Deserialize<'de> for ModuleHash {
                     .map(ModuleHash)
                     .map_err(|_| E::invalid_length(b.len(), &self))
             }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                mut seq: A,
-            ) -> Result<ModuleHash, A::Error> {
-                let mut out = [0u8; 32];
-                for (i, b) in out.iter_mut().enumerate() {
-                    *b = seq
-                        .next_element()?
-                        .ok_or_else(|| serde::de::Error::invalid_length(i, &self))?;
-                }
-                if seq.next_element::<u8>()?.is_some() {
-                    return Err(serde::de::Error::invalid_length(33, &self));
-                }
-                Ok(ModuleHash(out))
-            }
         }
         d.deserialize_bytes(Bytes)
     }
