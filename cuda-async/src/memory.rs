@@ -17,6 +17,7 @@ use crate::context::ExecutionContext;
 use crate::host::HostBuffer;
 use crate::op::{impl_into_future, DeviceOp};
 use crate::pinned_host::PinnedHost;
+use crate::remote::proto::Operand;
 use crate::remote::{Id, Op};
 use crate::view::{DeviceSource, DeviceTarget};
 
@@ -522,10 +523,8 @@ fn enqueue_d2d<T>(
             r.recording().push(
                 stream,
                 Op::Copy {
-                    src: Id(sid),
-                    src_offset: src_at,
-                    dst: Id(did),
-                    dst_offset: dst_at,
+                    src: Operand::new(Id(sid), src_at),
+                    dst: Operand::new(Id(did), dst_at),
                     len: bytes,
                 },
             );

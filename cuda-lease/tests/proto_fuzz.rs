@@ -139,7 +139,7 @@ proptest! {
                     4 => Op::Record { event: buf },
                     5 => Op::Wait { event: buf },
                     6 => Op::Fill { buf, offset: u64::from(n), len: u64::from(len), value: n as u8 },
-                    7 => Op::Copy { src: buf, src_offset: 0, dst: Id(id + 1), dst_offset: u64::from(n), len: u64::from(len) },
+                    7 => Op::Copy { src: Operand::new(buf, 0), dst: Operand::new(Id(id + 1), u64::from(n)), len: u64::from(len) },
                     8 => Op::TimerStart { timer: buf },
                     9 => Op::TimerEnd { timer: buf },
                     10 => Op::GraphBegin { graph: buf },

@@ -307,10 +307,8 @@ fn bodies_golden() {
         Command {
             stream: 0,
             op: Op::Copy {
-                src: B,
-                src_offset: 1,
-                dst: E,
-                dst_offset: 2,
+                src: Operand::new(B, 1),
+                dst: Operand::new(E, 2),
                 len: 300,
             },
         },

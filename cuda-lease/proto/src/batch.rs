@@ -1,14 +1,12 @@
 //! BATCH: the modules it names, its commands and their ops, and its checks.
 
-use std::borrow::Cow;
-
 use serde::{Deserialize, Serialize};
 
 #[cfg(doc)]
 use super::Status;
 use super::{
-    bounded, GemmSpec, Id, LaunchArg, LaunchSpec, LeaseId, ModuleHash, ProtoError, RandSpec,
-    SourceKind, StreamId, MAX_BATCH_OPS,
+    bounded, GemmSpec, Id, LaunchArg, LaunchSpec, LeaseId, ModuleHash, Operand, ProtoError,
+    RandSpec, SourceKind, StreamId, MAX_BATCH_OPS,
 };
 
 /// Bytes an [`Op::TimerEnd`] adds to the reply data (a little-endian
@@ -105,17 +103,12 @@ pub enum Op<'a> {
         /// The byte.
         value: u8,
     },
-    /// Copy `len` bytes from `src` at `src_offset` to another buffer `dst`
-    /// at `dst_offset`.
+    /// Copy `len` bytes from `src` to another buffer's `dst`.
     Copy {
         /// Source.
-        src: Id,
-        /// Byte offset in the source.
-        src_offset: u64,
-        /// Destination (not `src`).
-        dst: Id,
-        /// Byte offset in the destination.
-        dst_offset: u64,
+        src: Operand,
+        /// Destination (in a buffer other than `src`'s).
+        dst: Operand,
         /// Bytes.
         len: u64,
     },
@@ -184,8 +177,8 @@ impl Op<'_> {
             Op::Alloc { buf, .. } | Op::Read { buf, .. } => f(*buf, false),
             Op::Write { buf, .. } | Op::Fill { buf, .. } => f(*buf, true),
             Op::Copy { src, dst, .. } => {
-                f(*src, false);
-                f(*dst, true);
+                f(src.buf, false);
+                f(dst.buf, true);
             }
             Op::Launch(l) => {
                 for a in &l.args {
@@ -201,70 +194,6 @@ impl Op<'_> {
             }
             Op::RandFill(r) => f(r.dst.buf, true),
             _ => {}
-        }
-    }
-
-    /// The same op owning its launch's name and scalars (a graph's body
-    /// outlives the message it came in).
-    pub fn to_static(&self) -> Op<'static> {
-        match *self {
-            Op::Launch(ref l) => Op::Launch(LaunchSpec {
-                module: l.module,
-                kernel: Cow::Owned(l.kernel.to_string()),
-                grid: l.grid,
-                block: l.block,
-                shared_mem: l.shared_mem,
-                args: l
-                    .args
-                    .iter()
-                    .map(|a| match a {
-                        LaunchArg::Scalar(b) => LaunchArg::Scalar(b.to_static()),
-                        LaunchArg::Mem { buf, offset } => LaunchArg::Mem {
-                            buf: *buf,
-                            offset: *offset,
-                        },
-                        LaunchArg::Input(n) => LaunchArg::Input(*n),
-                        LaunchArg::Output => LaunchArg::Output,
-                    })
-                    .collect(),
-            }),
-            Op::Alloc { buf, size } => Op::Alloc { buf, size },
-            Op::Write { buf, offset, len } => Op::Write { buf, offset, len },
-            Op::Read { buf, offset, len } => Op::Read { buf, offset, len },
-            Op::Free { id } => Op::Free { id },
-            Op::Record { event } => Op::Record { event },
-            Op::Wait { event } => Op::Wait { event },
-            Op::Fill {
-                buf,
-                offset,
-                len,
-                value,
-            } => Op::Fill {
-                buf,
-                offset,
-                len,
-                value,
-            },
-            Op::Copy {
-                src,
-                src_offset,
-                dst,
-                dst_offset,
-                len,
-            } => Op::Copy {
-                src,
-                src_offset,
-                dst,
-                dst_offset,
-                len,
-            },
-            Op::TimerStart { timer } => Op::TimerStart { timer },
-            Op::TimerEnd { timer } => Op::TimerEnd { timer },
-            Op::GraphBegin { graph } => Op::GraphBegin { graph },
-            Op::GraphEnd { graph } => Op::GraphEnd { graph },
-            Op::GraphLaunch { graph } => Op::GraphLaunch { graph },
-            Op::Gemm(g) => Op::Gemm(g),
-            Op::RandFill(r) => Op::RandFill(r),
         }
     }
 

@@ -115,7 +115,7 @@ pub fn encode_commands<'a, C: Borrow<Command<'a>>>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{from_body, to_body, Id, LaunchArg, LaunchSpec, ModuleHash, Op};
+    use crate::{from_body, to_body, Id, LaunchArg, LaunchSpec, ModuleHash, Op, Operand};
 
     /// One command of every kind, and a launch with every kind of argument.
     fn every_command() -> Vec<Command<'static>> {
@@ -164,10 +164,8 @@ mod tests {
                 value: 0xfe,
             },
             Op::Copy {
-                src: id(1),
-                src_offset: 1,
-                dst: id(2),
-                dst_offset: 2,
+                src: Operand::new(id(1), 1),
+                dst: Operand::new(id(2), 2),
                 len: 3,
             },
             Op::TimerStart { timer: id(11) },

@@ -28,14 +28,21 @@ impl Dtype {
     }
 }
 
-/// A matrix of a [`GemmSpec`]: a buffer of the lease and the byte offset
-/// of its first element.
+/// A place in a buffer of the lease: the buffer and a byte offset (a
+/// matrix of a [`GemmSpec`] and its first element, or an end of a copy).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Operand {
     /// The buffer.
     pub buf: Id,
-    /// Byte offset of the first element.
+    /// Byte offset (of the first element).
     pub offset: u64,
+}
+
+impl Operand {
+    /// `offset` bytes into `buf`.
+    pub fn new(buf: Id, offset: u64) -> Self {
+        Operand { buf, offset }
+    }
 }
 
 /// `C = alpha * op(A) * op(B) + beta * C`, column-major as cuBLAS takes

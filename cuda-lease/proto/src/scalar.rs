@@ -27,11 +27,6 @@ impl<'a> ScalarBytes<'a> {
     pub fn borrowed(b: &'a [u8]) -> Self {
         ScalarBytes(Repr::Cow(Cow::Borrowed(b)))
     }
-
-    /// The same bytes, owned: inline up to 16 bytes, else copied once.
-    pub fn to_static(&self) -> ScalarBytes<'static> {
-        ScalarBytes::copied(self)
-    }
 }
 
 impl ScalarBytes<'static> {
@@ -95,7 +90,6 @@ mod tests {
             // The wire form is that of the byte string it replaced.
             let as_bytes = postcard::to_allocvec(&Cow::<[u8]>::Borrowed(&b)).unwrap();
             assert_eq!(postcard::to_allocvec(&s).unwrap(), as_bytes);
-            assert_eq!(postcard::to_allocvec(&s.to_static()).unwrap(), as_bytes);
         }
     }
 }

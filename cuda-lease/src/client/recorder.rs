@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::lease::LeaseInner;
 use super::{Error, Message, ModuleSpec};
-use crate::proto::{Command, Id, LaunchArg, LaunchSpec, Op, OpError, StreamId};
+use crate::proto::{Command, Id, LaunchArg, LaunchSpec, Op, OpError, Operand, StreamId};
 
 /// A read recorded in a [`Recorder`]: where its bytes are in the reply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,25 +166,17 @@ impl Recorder {
         self
     }
 
-    /// Copies `len` bytes from `src` at `src_offset` to another buffer
-    /// `dst` at `dst_offset`.
+    /// Copies `len` bytes from `src` (a buffer and a byte offset) to
+    /// another buffer's `dst`.
     pub fn copy(
         &mut self,
         stream: StreamId,
-        (src, src_offset): (Id, u64),
-        (dst, dst_offset): (Id, u64),
+        (src, src_at): (Id, u64),
+        (dst, dst_at): (Id, u64),
         len: u64,
     ) -> &mut Self {
-        self.push(
-            stream,
-            Op::Copy {
-                src,
-                src_offset,
-                dst,
-                dst_offset,
-                len,
-            },
-        );
+        let (src, dst) = (Operand::new(src, src_at), Operand::new(dst, dst_at));
+        self.push(stream, Op::Copy { src, dst, len });
         self
     }
 

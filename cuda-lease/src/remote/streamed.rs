@@ -487,10 +487,8 @@ mod tests {
     fn a_read_followed_by_a_use_of_its_buffer_stays() {
         assert!(plan(&[read(1, 100), fill(1)], 1).is_none());
         let launch_like = on_0(Op::Copy {
-            src: Id(2),
-            src_offset: 0,
-            dst: Id(1),
-            dst_offset: 0,
+            src: crate::proto::Operand::new(Id(2), 0),
+            dst: crate::proto::Operand::new(Id(1), 0),
             len: 4,
         });
         assert!(plan(&[read(1, 100), launch_like], 1).is_none());

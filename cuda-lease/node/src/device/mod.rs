@@ -351,13 +351,9 @@ pub trait LeaseDevice {
                 len,
                 value,
             } => self.fill(s, *buf, *offset, *len, *value),
-            Op::Copy {
-                src,
-                src_offset,
-                dst,
-                dst_offset,
-                len,
-            } => self.copy(s, (*src, *src_offset), (*dst, *dst_offset), *len),
+            Op::Copy { src, dst, len } => {
+                self.copy(s, (src.buf, src.offset), (dst.buf, dst.offset), *len)
+            }
             Op::TimerStart { timer } => self.timer_start(s, *timer),
             Op::TimerEnd { timer } => self.timer_end(s, *timer, at),
             Op::Gemm(g) => self.gemm(s, g),

@@ -379,16 +379,11 @@ impl Planner<'_> {
                 in_range(self.buffer(*buf)?, *offset, *len)?;
                 Step::effect(Effect::None)
             }
-            Op::Copy {
-                src,
-                src_offset,
-                dst,
-                dst_offset,
-                len,
-            } => {
-                in_range(self.buffer(*src)?, *src_offset, *len)?;
-                in_range(self.buffer(*dst)?, *dst_offset, *len)?;
-                if src == dst {
+            Op::Copy { src, dst, len } => {
+                in_range(self.buffer(src.buf)?, src.offset, *len)?;
+                in_range(self.buffer(dst.buf)?, dst.offset, *len)?;
+                if src.buf == dst.buf {
+                    let src = src.buf;
                     return Err((Status::BadRequest, format!("a copy from {src} to itself")));
                 }
                 Step::effect(Effect::None)

@@ -1,7 +1,8 @@
 //! A lease's graphs on its worker: a body recorded between `GraphBegin`
 //! and `GraphEnd` (its allocations made at once and zeroed again at each
-//! replay, its other commands and their upload bytes kept), replayed at each `GraphLaunch` by enqueuing
-//! the kept commands again, and freed with the body's own frees.
+//! replay, its other commands kept in their wire form with their upload
+//! bytes), replayed at each `GraphLaunch` by enqueuing the kept commands
+//! again, and freed with the body's own frees.
 //!
 //! The node's plan has checked every command already (ids, ranges, the
 //! body's rules): what reaches here is well formed.
@@ -10,12 +11,16 @@ use std::collections::HashMap;
 
 use super::enqueue::{enqueue, Payload};
 use crate::device::{DeviceError, LeaseDevice};
-use crate::proto::{Command, Id, Op, Status, StreamId, FIRST_NODE_ID};
+use crate::proto::{
+    postcard_decode, postcard_encode, Command, Id, Op, Status, StreamId, FIRST_NODE_ID,
+};
 
 /// A recorded body.
 #[derive(Default)]
 struct Body {
-    commands: Vec<Command<'static>>,
+    /// The body's commands as postcard writes them (a body outlives the
+    /// message its commands came in; they are decoded again at a replay).
+    commands: Vec<u8>,
     /// The body's upload bytes, in command order.
     data: Vec<u8>,
     /// Ids the body freed: freed with the graph.
@@ -24,6 +29,12 @@ struct Body {
     streams: Vec<StreamId>,
     /// The device keeps it as a native graph (else the commands replay).
     native: bool,
+}
+
+impl Body {
+    fn keep(&mut self, c: &Command<'_>) {
+        postcard_encode(c, &mut self.commands);
+    }
 }
 
 /// The lease's graphs, and the one being recorded.
@@ -64,14 +75,15 @@ impl Graphs {
                 // The graph's buffers exist from its capture; each replay
                 // zeroes them again (as a local graph's `zeros` does).
                 Op::Alloc { buf, size } => dev.alloc(c.stream, buf, size).map(|()| {
-                    body.commands.push(Command {
+                    let zero = Op::Fill {
+                        buf,
+                        offset: 0,
+                        len: size,
+                        value: 0,
+                    };
+                    body.keep(&Command {
                         stream: c.stream,
-                        op: Op::Fill {
-                            buf,
-                            offset: 0,
-                            len: size,
-                            value: 0,
-                        },
+                        op: zero,
                     });
                 }),
                 Op::Free { id } => {
@@ -80,16 +92,10 @@ impl Graphs {
                 }
                 Op::Write { len, .. } => payload.take(len).map(|d| {
                     body.data.extend_from_slice(d);
-                    body.commands.push(Command {
-                        stream: c.stream,
-                        op: c.op.to_static(),
-                    });
+                    body.keep(c);
                 }),
                 _ => {
-                    body.commands.push(Command {
-                        stream: c.stream,
-                        op: c.op.to_static(),
-                    });
+                    body.keep(c);
                     Ok(())
                 }
             };
@@ -166,7 +172,12 @@ fn replay(dev: &mut dyn LeaseDevice, stream: StreamId, body: &Body) -> Result<()
 fn enqueue_body(dev: &mut dyn LeaseDevice, body: &Body) -> Result<(), DeviceError> {
     let mut payload = Payload::new(&body.data);
     let mut read_at = 0;
-    body.commands
-        .iter()
-        .try_for_each(|c| enqueue(dev, c, &mut payload, &mut read_at))
+    let mut wire = &body.commands[..];
+    while !wire.is_empty() {
+        // The worker encoded these bytes itself.
+        let c: Command<'_> = postcard_decode(&mut wire)
+            .map_err(|e| DeviceError::new(Status::Internal, e.to_string()))?;
+        enqueue(dev, &c, &mut payload, &mut read_at)?;
+    }
+    Ok(())
 }

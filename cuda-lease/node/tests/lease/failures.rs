@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use crate::common::*;
 use cuda_async::prelude::*;
+use cuda_async::remote::proto::Operand;
 use cuda_async::remote::{Id, Op, Recording, RemoteCompletion};
 use cuda_async::{
     DeviceBuffer, Kernel, LaunchConfig, Module, RemoteErrorKind as ErrorKind, RemotePolicy,
@@ -237,10 +238,8 @@ async fn an_out_of_range_copy_keeps_what_ran_before_it() {
     rec.push(
         0,
         Op::Copy {
-            src: Id(a),
-            src_offset: 32,
-            dst: Id(b),
-            dst_offset: 0,
+            src: Operand::new(Id(a), 32),
+            dst: Operand::new(Id(b), 0),
             len: 64,
         },
     );

@@ -13,7 +13,7 @@ use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, Kernel, LaunchConfig, Module, RemotePolicy};
 use cuda_lease::client::{Client, Lease};
 use cuda_lease::proto::{
-    self, Id, LaunchArg, LaunchSpec, ModuleHash, Op, Opcode, ScalarBytes, SourceKind,
+    self, Id, LaunchArg, LaunchSpec, ModuleHash, Op, Opcode, Operand, ScalarBytes, SourceKind,
 };
 use cuda_lease_node::node::Node;
 
@@ -205,10 +205,8 @@ async fn a_batch_and_transfers_behind_a_slow_batch_use_its_ids() {
                     size: 64,
                 },
                 Op::Copy {
-                    src: Id(7),
-                    src_offset: 0,
-                    dst: Id(8),
-                    dst_offset: 0,
+                    src: Operand::new(Id(7), 0),
+                    dst: Operand::new(Id(8), 0),
                     len: 64,
                 },
             ],

@@ -183,10 +183,8 @@ fn the_first_refused_command_ends_the_plan_and_is_named() {
             cmd(
                 0,
                 Op::Copy {
-                    src: a,
-                    src_offset: 0,
-                    dst: a,
-                    dst_offset: 50,
+                    src: crate::proto::Operand::new(a, 0),
+                    dst: crate::proto::Operand::new(a, 50),
                     len: 10,
                 },
             ),
