@@ -5,6 +5,7 @@
 //! that memory safety depends on goes through here instead.
 
 use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
@@ -126,6 +127,28 @@ pub(crate) struct PooledEvent {
 /// An event shared by several uses.
 pub(crate) type SharedEvent = Arc<MarkEvent>;
 
+/// One clock of [`tick`]s (a cache line each, so that streams of other
+/// shards do not share it).
+#[repr(align(128))]
+struct Clock(AtomicU64);
+
+/// The clocks of [`tick`]: a stream's is one of these, chosen by its
+/// handle's address.
+static CLOCKS: [Clock; 64] = [const { Clock(AtomicU64::new(0)) }; 64];
+
+/// The next tick of `stream`'s clock (`stream`: the handle's address). Two
+/// ticks of one stream are ordered as they were taken, and what the
+/// thread that took the smaller did before it happens before what the
+/// thread that took the larger does after it: a use noted at one tick was
+/// enqueued before an event whose record was enqueued after a later one.
+pub(crate) fn tick(stream: usize) -> u64 {
+    let shard = (stream as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58;
+    CLOCKS[shard as usize].0.fetch_add(1, Ordering::AcqRel)
+}
+
+/// [`MarkEvent::from`] of an event whose record is not enqueued yet.
+const NOT_YET: u64 = u64::MAX;
+
 /// The event of a [`crate::UseMark`]: recorded when it is made, or, for a
 /// mark of a [`crate::MarkScope`], deferred: recorded on its stream when
 /// the scope is flushed or the moment anything needs it
@@ -138,17 +161,22 @@ pub(crate) struct MarkEvent {
     /// Where a deferred record goes (kept alive while the event lives).
     stream: Option<Arc<CudaStream>>,
     recorded: std::sync::OnceLock<Result<()>>,
+    /// The [`tick`] of its stream taken just before its record was
+    /// enqueued; [`NOT_YET`] before.
+    from: AtomicU64,
 }
 
 impl MarkEvent {
     /// An event of `stream`'s context, recorded on it now.
     pub(crate) fn recorded(stream: &CudaStream) -> Result<MarkEvent> {
         let ev = PooledEvent::take(stream.context())?;
+        let from = tick(stream.cu_stream() as usize);
         ev.record(stream)?;
         Ok(MarkEvent {
             ev,
             stream: None,
             recorded: std::sync::OnceLock::from(Ok(())),
+            from: AtomicU64::new(from),
         })
     }
 
@@ -158,7 +186,22 @@ impl MarkEvent {
             ev: PooledEvent::take(stream.context())?,
             stream: Some(stream.clone()),
             recorded: std::sync::OnceLock::new(),
+            from: AtomicU64::new(NOT_YET),
         })
+    }
+
+    /// Whether the event's record is enqueued on its stream after the work
+    /// of a use of that stream noted at its tick `noted` (taken after the
+    /// use was enqueued), so that waiting for the event waits for that
+    /// use: its record was enqueued after a later tick, or is still to
+    /// come. Another thread may enqueue a use on the stream between an
+    /// event's record and the notes of the uses it marks; that use is not
+    /// followed.
+    pub(crate) fn follows(&self, noted: u64) -> bool {
+        // A read-modify-write: a record not yet begun is ordered after it,
+        // so after the noted use.
+        let from = self.from.fetch_add(0, Ordering::AcqRel);
+        from == NOT_YET || from > noted
     }
 
     /// Whether the event is recorded (or its record failed).
@@ -176,7 +219,11 @@ impl MarkEvent {
     /// recorded for one that was.
     pub(crate) fn event(&self) -> Result<&RawEvent> {
         let r = self.recorded.get_or_init(|| match &self.stream {
-            Some(s) => self.ev.record(s),
+            Some(s) => {
+                self.from
+                    .swap(tick(s.cu_stream() as usize), Ordering::AcqRel);
+                self.ev.record(s)
+            }
             None => Err(Error::InvalidArgument("an event never recorded".into())),
         });
         r.clone().map(|()| &*self.ev)

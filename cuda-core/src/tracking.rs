@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use crate::error::{Error, Result};
-use crate::raw::{set_current, MarkEvent, SharedEvent};
+use crate::raw::{set_current, tick, MarkEvent, SharedEvent};
 
 /// A buffer's uses, shared by its handle and by every graph that captured a
 /// use of it (see [`crate::graph`]). When the handle is dropped while a
@@ -61,13 +61,27 @@ const MANY_STREAMS: usize = usize::MAX - 1;
 const PER_STREAM: usize = 8;
 
 /// A recorded use: its stream (the handle's address, identity only), the
-/// bytes it touches and the event recorded after it (`E`: a
-/// [`SharedEvent`], shared with the other uses of the same op; the tests
-/// use plain values).
+/// bytes it touches, the event recorded after it (`E`: a [`SharedEvent`],
+/// shared with the other uses of the same op; the tests use plain values)
+/// and the [`tick`] of its stream when it was noted.
 struct Entry<E> {
     stream: usize,
     span: Span,
     ev: E,
+    noted: u64,
+}
+
+/// What [`Uses`] asks of an entry's event.
+trait Mark: Clone {
+    /// Whether waiting for the event waits for a use of its stream noted
+    /// at `noted` ([`MarkEvent::follows`]).
+    fn follows(&self, noted: u64) -> bool;
+}
+
+impl Mark for SharedEvent {
+    fn follows(&self, noted: u64) -> bool {
+        MarkEvent::follows(self, noted)
+    }
 }
 
 fn overlaps(a: &Span, b: &Span) -> bool {
@@ -104,19 +118,21 @@ impl<E> Default for Uses<E> {
     }
 }
 
-impl<E: Clone> Uses<E> {
-    /// Notes a use of `span` on stream `raw` whose op is marked by `ev`
-    /// (recorded on that stream after the op's work).
+impl<E: Mark> Uses<E> {
+    /// Notes, at tick `now` of stream `raw`, a use of `span` on that
+    /// stream whose op is marked by `ev` (recorded on the stream after the
+    /// op's work).
     ///
     /// A write first forgets the uses inside its span, on any stream: it
     /// was ordered after them, so whatever overlaps them overlaps it and
     /// waits for it. Then the use joins its list: the stream's entries of
-    /// that list inside `span` are dropped (`ev` follows them on the same
-    /// stream, and whatever overlaps them overlaps `span`), and once the
-    /// stream has [`PER_STREAM`] entries they merge into one, of their
-    /// hull, marked by `ev` (which follows all of the stream's earlier
-    /// work).
-    fn note(&mut self, raw: usize, write: bool, span: Span, ev: &E) {
+    /// that list inside `span` that `ev` [follows](Mark::follows) are
+    /// dropped (whatever overlaps them overlaps `span` and waits for
+    /// `ev`), and once the stream has [`PER_STREAM`] entries those that
+    /// `ev` follows merge into one, of their hull, marked by `ev`. An
+    /// entry that `ev` does not follow (a use another thread enqueued on
+    /// the stream after `ev` was recorded and noted before this) stays.
+    fn note(&mut self, raw: usize, write: bool, span: Span, ev: &E, now: u64) {
         if write {
             for list in [&mut self.reads, &mut self.writes] {
                 list.retain(|e| !within(&e.span, &span));
@@ -127,11 +143,12 @@ impl<E: Clone> Uses<E> {
         } else {
             &mut self.reads
         };
-        list.retain(|e| !(e.stream == raw && within(&e.span, &span)));
+        let followed = |e: &Entry<E>| e.stream == raw && ev.follows(e.noted);
+        list.retain(|e| !(within(&e.span, &span) && followed(e)));
         let mut span = span;
         if list.iter().filter(|e| e.stream == raw).count() >= PER_STREAM {
             list.retain(|e| {
-                if e.stream != raw {
+                if !followed(e) {
                     return true;
                 }
                 span = span.start.min(e.span.start)..span.end.max(e.span.end);
@@ -142,6 +159,7 @@ impl<E: Clone> Uses<E> {
             stream: raw,
             span,
             ev: ev.clone(),
+            noted: now,
         });
     }
 
@@ -220,12 +238,12 @@ fn each_event<'a>(
 /// records nothing, and on a stream capturing a
 /// [`TrackedGraph`](crate::TrackedGraph) the uses are logged instead and
 /// nothing is recorded). So every use a mark records must be enqueued
-/// before its first use, and nothing that uses those buffers may be
-/// enqueued on the stream between its first and last use: make the mark
-/// after enqueuing the op's work and record all of the op's uses with it
-/// at once, as [`DeviceBuffer::after_read`] does for a single use. A use
-/// enqueued later than the event is not waited for by the buffer's later
-/// users or its free.
+/// before its first use: make the mark after enqueuing the op's work and
+/// record all of the op's uses with it, as [`DeviceBuffer::after_read`]
+/// does for a single use. A use enqueued later than the event is not
+/// waited for by the buffer's later users or its free. Uses that other ops
+/// or threads enqueue on the stream between the mark's first and last use
+/// keep their own record: the mark's later uses do not replace it.
 ///
 /// Events come from a pool per context, so marking an op creates no event
 /// once the pool has some to spare.
@@ -508,7 +526,7 @@ impl UseRecord {
             for cover in &self.cover {
                 cover.store(std::ptr::null_mut(), Ordering::Release);
             }
-            u.note(raw, write, span, ev);
+            u.note(raw, write, span, ev, tick(raw));
             for (sole, now) in self.sole.iter().zip(u.sole()) {
                 sole.store(now, Ordering::Release);
             }
@@ -746,6 +764,14 @@ mod tests {
     /// entry lets go of it (`Arc::strong_count`).
     type Ev = Arc<u32>;
 
+    /// These events follow every use noted before them (as a scope's
+    /// deferred event does).
+    impl Mark for Ev {
+        fn follows(&self, _noted: u64) -> bool {
+            true
+        }
+    }
+
     fn entries(list: &[Entry<Ev>]) -> Vec<(usize, Span, u32)> {
         let mut v: Vec<_> = list
             .iter()
@@ -759,9 +785,9 @@ mod tests {
     fn one_op_on_three_buffers_shares_one_event() {
         let (mut a, mut b, mut c) = (Uses::<Ev>::default(), Uses::default(), Uses::default());
         let ev = Arc::new(1);
-        a.note(1, false, WHOLE, &ev);
-        b.note(1, false, 0..64, &ev);
-        c.note(1, true, WHOLE, &ev);
+        a.note(1, false, WHOLE, &ev, 0);
+        b.note(1, false, 0..64, &ev, 0);
+        c.note(1, true, WHOLE, &ev, 0);
         // The op's own handle and one share per use record.
         assert_eq!(Arc::strong_count(&ev), 4);
         assert_eq!(entries(&a.reads), vec![(1, WHOLE, 1)]);
@@ -770,7 +796,7 @@ mod tests {
         // the first event is let go (back to its pool), not re-recorded.
         let next = Arc::new(2);
         for u in [&mut a, &mut b, &mut c] {
-            u.note(1, true, WHOLE, &next);
+            u.note(1, true, WHOLE, &next, 0);
         }
         assert_eq!(Arc::strong_count(&ev), 1);
         assert_eq!(*ev, 1);
@@ -784,15 +810,15 @@ mod tests {
     fn a_use_of_the_same_span_on_the_same_stream_replaces_the_event() {
         let mut u = Uses::<Ev>::default();
         let (e1, e2) = (Arc::new(1), Arc::new(2));
-        u.note(7, false, 0..8, &e1);
-        u.note(7, false, 0..8, &e2);
+        u.note(7, false, 0..8, &e1, 0);
+        u.note(7, false, 0..8, &e2, 0);
         assert_eq!(entries(&u.reads), vec![(7, 0..8, 2)]);
         assert_eq!(Arc::strong_count(&e1), 1);
         // Another stream's read of the same span is its own entry.
-        u.note(8, false, 0..8, &e1);
+        u.note(8, false, 0..8, &e1, 0);
         assert_eq!(entries(&u.reads), vec![(7, 0..8, 2), (8, 0..8, 1)]);
         // A read on stream 7 covering its earlier one replaces it.
-        u.note(7, false, 0..16, &e1);
+        u.note(7, false, 0..16, &e1, 0);
         assert_eq!(entries(&u.reads), vec![(7, 0..16, 1), (8, 0..8, 1)]);
     }
 
@@ -801,12 +827,12 @@ mod tests {
         let mut u = Uses::<Ev>::default();
         let old = Arc::new(0);
         for i in 0..PER_STREAM {
-            u.note(3, false, i * 10..i * 10 + 5, &old);
+            u.note(3, false, i * 10..i * 10 + 5, &old, 0);
         }
-        u.note(4, false, 0..1000, &old);
+        u.note(4, false, 0..1000, &old, 0);
         assert_eq!(u.reads.len(), PER_STREAM + 1);
         let newest = Arc::new(9);
-        u.note(3, false, 500..505, &newest);
+        u.note(3, false, 500..505, &newest, 0);
         assert_eq!(entries(&u.reads), vec![(3, 0..505, 9), (4, 0..1000, 0)]);
         // Stream 4's entry and the test's handle keep the old event.
         assert_eq!(Arc::strong_count(&old), 2);
@@ -816,18 +842,18 @@ mod tests {
     fn a_write_forgets_the_uses_within_its_span_on_every_stream() {
         let mut u = Uses::<Ev>::default();
         let ev = Arc::new(1);
-        u.note(1, false, 0..10, &ev);
-        u.note(2, false, 5..15, &ev);
-        u.note(2, true, 20..30, &ev);
-        u.note(3, false, 40..60, &ev);
+        u.note(1, false, 0..10, &ev, 0);
+        u.note(2, false, 5..15, &ev, 0);
+        u.note(2, true, 20..30, &ev, 0);
+        u.note(3, false, 40..60, &ev, 0);
         let w = Arc::new(2);
-        u.note(4, true, 0..30, &w);
+        u.note(4, true, 0..30, &w, 0);
         // Within 0..30: forgotten (any stream, reads and writes); 40..60
         // is apart.
         assert_eq!(entries(&u.reads), vec![(3, 40..60, 1)]);
         assert_eq!(entries(&u.writes), vec![(4, 0..30, 2)]);
         // Overlapping but not within: kept.
-        u.note(5, true, 50..70, &w);
+        u.note(5, true, 50..70, &w, 0);
         assert_eq!(entries(&u.reads), vec![(3, 40..60, 1)]);
         assert_eq!(entries(&u.writes), vec![(4, 0..30, 2), (5, 50..70, 2)]);
     }
@@ -835,9 +861,9 @@ mod tests {
     #[test]
     fn a_read_waits_for_overlapping_writes_a_write_for_every_overlapping_use() {
         let mut u = Uses::<Ev>::default();
-        u.note(1, true, 0..10, &Arc::new(1));
-        u.note(2, false, 0..10, &Arc::new(2));
-        u.note(3, true, 20..30, &Arc::new(3));
+        u.note(1, true, 0..10, &Arc::new(1), 0);
+        u.note(2, false, 0..10, &Arc::new(2), 0);
+        u.note(3, true, 20..30, &Arc::new(3), 0);
         let waits = |u: &Uses<Ev>, raw, write, span| {
             let mut v: Vec<u32> = u.conflicts(raw, write, span).map(|e| **e).collect();
             v.sort();
@@ -870,7 +896,7 @@ mod tests {
             for i in 0..12u32 {
                 let (a, b) = (next(64) as usize, next(64) as usize);
                 let span = a.min(b)..a.max(b) + 1;
-                u.note(next(3) as usize, next(2) == 1, span, &Arc::new(i));
+                u.note(next(3) as usize, next(2) == 1, span, &Arc::new(i), 0);
                 let sole = u.sole();
                 for raw in 0..3 {
                     for write in [false, true] {
@@ -885,10 +911,10 @@ mod tests {
         }
         assert!(skipped[0] > 0 && skipped[1] > 0);
         let mut u = Uses::<Ev>::default();
-        u.note(5, false, 0..8, &Arc::new(1));
-        u.note(5, true, 8..16, &Arc::new(2));
+        u.note(5, false, 0..8, &Arc::new(1), 0);
+        u.note(5, true, 8..16, &Arc::new(2), 0);
         assert_eq!(u.sole(), [5, 5]);
-        u.note(6, false, 0..8, &Arc::new(3));
+        u.note(6, false, 0..8, &Arc::new(3), 0);
         assert_eq!(u.sole(), [5, MANY_STREAMS]);
     }
 
@@ -928,7 +954,7 @@ mod tests {
                     _ => Arc::new(i),
                 };
                 made.push((raw, ev.clone()));
-                u.note(raw, next(2) == 1, span, &ev);
+                u.note(raw, next(2) == 1, span, &ev, 0);
                 let cover = u.cover();
                 for (raw, ev) in &made {
                     for write in [false, true] {
@@ -944,6 +970,61 @@ mod tests {
             }
         }
         assert!(skipped[0] > 0 && skipped[1] > 0);
+    }
+
+    /// An event whose record was enqueued after tick `.1` of its stream
+    /// (`u64::MAX`: not yet), named `.0`.
+    #[derive(Clone)]
+    struct At(u32, u64);
+
+    impl Mark for At {
+        fn follows(&self, noted: u64) -> bool {
+            self.1 == u64::MAX || self.1 > noted
+        }
+    }
+
+    fn names(list: &[Entry<At>]) -> Vec<u32> {
+        let mut v: Vec<u32> = list.iter().map(|e| e.ev.0).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_use_enqueued_after_an_events_record_outlives_that_events_later_note() {
+        // An op's event is recorded at tick 10 of stream 1; before the op
+        // notes its read, another thread enqueues a read of the same bytes
+        // on the stream and notes it (tick 12, its event recorded at 11).
+        let mut u = Uses::<At>::default();
+        u.note(1, false, WHOLE, &At(2, 11), 12);
+        u.note(1, false, WHOLE, &At(1, 10), 13);
+        // Waiting for event 1 would not wait for that read: both stay.
+        assert_eq!(names(&u.reads), vec![1, 2]);
+        // An event recorded after both notes follows both; so does one
+        // still to be recorded.
+        u.note(1, false, 0..8, &At(3, 14), 15);
+        assert_eq!(names(&u.reads), vec![1, 2, 3]);
+        u.note(1, false, WHOLE, &At(4, 16), 17);
+        assert_eq!(names(&u.reads), vec![4]);
+        u.note(1, false, WHOLE, &At(5, u64::MAX), 18);
+        assert_eq!(names(&u.reads), vec![5]);
+        // Merging keeps apart the entries the new event does not follow.
+        let mut u = Uses::<At>::default();
+        for i in 0..PER_STREAM {
+            let t = i as u64;
+            u.note(
+                1,
+                false,
+                i * 10..i * 10 + 5,
+                &At(i as u32, 2 * t),
+                2 * t + 1,
+            );
+        }
+        u.note(1, false, 500..505, &At(99, 8), 100);
+        let list: Vec<(u32, Span)> = u.reads.iter().map(|e| (e.ev.0, e.span.clone())).collect();
+        // Events 0-3 were noted at ticks 1-7, before event 99's record
+        // (8): they merge into its entry; 4-7 stay.
+        assert_eq!(names(&u.reads), vec![4, 5, 6, 7, 99]);
+        assert!(list.contains(&(99, 0..505)));
     }
 
     #[test]

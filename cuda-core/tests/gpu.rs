@@ -733,6 +733,69 @@ extern "C" __global__ void slow3(const unsigned char* a, unsigned char* b, unsig
 }
 "#;
 
+/// Another thread's read enqueued on the stream after an op's mark was
+/// recorded, and noted before the op's own read of the same buffer, is
+/// still waited for: a later write on another stream does not overwrite
+/// the buffer under it. (The interleaving of two threads on one stream,
+/// played on one: the mark of op B is recorded first, then op A runs and
+/// notes its read, then B notes its read of the same buffer.)
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_read_noted_after_another_ops_mark_was_recorded_is_still_waited_for() {
+    use cuda_core::{DeviceBuffer, UseMark};
+    let dev = Device::new(0).unwrap();
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let k = Module::cuda(SLOW3_SRC, &[])
+        .unwrap()
+        .kernel("slow3")
+        .unwrap();
+    k.load_on(&dev).unwrap();
+    dev.context().bind_to_thread().unwrap();
+    let n = 1usize << 16;
+    let x = DeviceBuffer::<u8>::zeros(&s1, n).unwrap();
+    let mut y = DeviceBuffer::<u8>::zeros(&s1, n).unwrap();
+    y.before_write(&s1).unwrap();
+    y.memset_unordered(0..n, 40, &s1).unwrap();
+    y.after_write(&s1).unwrap();
+    let mut b = DeviceBuffer::<u8>::zeros(&s1, n).unwrap();
+    let mut c = DeviceBuffer::<u8>::zeros(&s1, n).unwrap();
+    // Op B reads `x` and `y`: its mark's event is recorded at its first
+    // use.
+    x.before_read(&s1).unwrap();
+    y.before_read(&s1).unwrap();
+    let mark_b = UseMark::new(&s1);
+    x.after_read_with(&mark_b).unwrap();
+    // Op A reads `y` (after a spin) into `b` and `c`, and notes it.
+    y.before_read(&s1).unwrap();
+    b.before_write(&s1).unwrap();
+    c.before_write(&s1).unwrap();
+    {
+        let f = k.function_on(&dev).unwrap();
+        let (nn, spin) = (n as u32, 100_000_000i64);
+        let mut l = s1.launch_builder(f);
+        l.arg(y.as_cuda_slice())
+            .arg(b.as_cuda_slice_mut())
+            .arg(c.as_cuda_slice_mut())
+            .arg(&nn)
+            .arg(&spin);
+        // SAFETY: slow3 reads y[0..n) and writes b[0..n), c[0..n) of three
+        // n-byte buffers; recorded just below.
+        unsafe { l.launch(LaunchConfig::for_num_elems(nn)) }.unwrap();
+    }
+    let mark_a = UseMark::new(&s1);
+    y.after_read_with(&mark_a).unwrap();
+    b.after_write_with(&mark_a).unwrap();
+    c.after_write_with(&mark_a).unwrap();
+    // Op B notes its read of `y` now: its event comes before A's read.
+    y.after_read_with(&mark_b).unwrap();
+    // A write of `y` on stream 2 waits for A's read, with no host wait.
+    y.before_write(&s2).unwrap();
+    y.memset_unordered(0..n, 0, &s2).unwrap();
+    y.after_write(&s2).unwrap();
+    assert_eq!(bytes_of(&dev, &b, &s2), vec![41; n], "b");
+    assert_eq!(bytes_of(&dev, &y, &s2), vec![0; n], "y");
+}
+
 /// An op that reads `a` and writes `b` and `c` on one stream, recorded
 /// with one mark: another stream's write of `a` still waits for the read,
 /// and its reads of `b` and `c` for the writes (the kernel spins first, so
