@@ -8,7 +8,7 @@
 use std::any::Any;
 use std::cell::{OnceCell, RefCell};
 use std::fmt;
-use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -28,13 +28,6 @@ pub(crate) struct UseRecord {
     /// lock. A use that conflicts with an entry was handed its buffer after
     /// that entry was recorded, so it sees the value published then.
     sole: [AtomicUsize; 2],
-    /// The event of an entry of every byte in the reads and in the writes
-    /// ([`Uses::cover`]; null where there is none), published under the
-    /// lock after each change of `uses` and cleared before it, so it is
-    /// never the address of an event already let go. A use marked by that
-    /// event is covered by the entry (an event marks the uses of one
-    /// stream) and [`UseRecord::record`] skips the lock.
-    cover: [AtomicPtr<MarkEvent>; 2],
     /// The memory of a dropped handle, and its pool's handle (if a
     /// [`MemPool`](crate::MemPool) scope chose it).
     orphan: Mutex<Option<(CudaSlice<u8>, Option<crate::MemPool>)>>,
@@ -177,16 +170,6 @@ impl<E: Mark> Uses<E> {
         };
         let writes = of(&self.writes, NO_STREAM);
         [writes, of(&self.reads, writes)]
-    }
-
-    /// The event of the last entry of every byte ([`WHOLE`]) of the reads,
-    /// then of the writes: a use of the entry's stream marked by that event
-    /// is [`Uses::covered`], whatever its span.
-    fn cover(&self) -> [Option<&E>; 2] {
-        fn of<E>(list: &[Entry<E>]) -> Option<&E> {
-            list.iter().rev().find(|e| e.span == WHOLE).map(|e| &e.ev)
-        }
-        [of(&self.reads), of(&self.writes)]
     }
 
     /// Whether a use of `span` on stream `raw` marked by an event `same` as
@@ -433,7 +416,6 @@ impl UseRecord {
         UseRecord {
             uses: Mutex::default(),
             sole: [AtomicUsize::new(NO_STREAM), AtomicUsize::new(NO_STREAM)],
-            cover: [AtomicPtr::default(), AtomicPtr::default()],
             orphan: Mutex::new(None),
             gate,
         }
@@ -512,27 +494,14 @@ impl UseRecord {
                 return Err(e);
             }
         };
-        // A chain of ops on one stream shares its event (a `MarkScope`'s):
-        // a use its entry already covers changes nothing.
-        let key = Arc::as_ptr(ev).cast_mut();
-        if self.cover[usize::from(write)].load(Ordering::Acquire) == key {
-            return Ok(());
-        }
         let raw = mark.stream().cu_stream() as usize;
         let mut u = self.lock();
+        // A chain of ops on one stream shares its event (a `MarkScope`'s):
+        // a use its entry already covers changes nothing.
         if !u.covered(raw, write, &span, |e| Arc::ptr_eq(e, ev)) {
-            // Cleared first: the change may let go of the published event,
-            // and a new one may be made at its address.
-            for cover in &self.cover {
-                cover.store(std::ptr::null_mut(), Ordering::Release);
-            }
             u.note(raw, write, span, ev, tick(raw));
             for (sole, now) in self.sole.iter().zip(u.sole()) {
                 sole.store(now, Ordering::Release);
-            }
-            for (cover, now) in self.cover.iter().zip(u.cover()) {
-                let now = now.map_or(std::ptr::null_mut(), |e| Arc::as_ptr(e).cast_mut());
-                cover.store(now, Ordering::Release);
             }
         }
         Ok(())
@@ -916,60 +885,6 @@ mod tests {
         assert_eq!(u.sole(), [5, 5]);
         u.note(6, false, 0..8, &Arc::new(3), 0);
         assert_eq!(u.sole(), [5, MANY_STREAMS]);
-    }
-
-    #[test]
-    fn a_use_skips_the_lock_of_its_record_only_where_an_entry_covers_it() {
-        // Random uses of three streams over a buffer of 64 bytes, some of
-        // every byte; each marked by a new event or by an earlier one of
-        // its stream (as a scope's ops share theirs). After each, every
-        // use that `cover` lets skip the lock (`record`) is covered.
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
-        let mut skipped = [0, 0];
-        for _ in 0..200 {
-            let mut u = Uses::<Ev>::default();
-            let mut made: Vec<(usize, Ev)> = Vec::new();
-            for i in 0..16u32 {
-                let raw = next(3) as usize;
-                let span = match next(3) {
-                    0 => WHOLE,
-                    _ => {
-                        let (a, b) = (next(64) as usize, next(64) as usize);
-                        a.min(b)..a.max(b) + 1
-                    }
-                };
-                let earlier: Vec<Ev> = made
-                    .iter()
-                    .filter(|(s, _)| *s == raw)
-                    .map(|(_, e)| e.clone())
-                    .collect();
-                let ev = match earlier.len() {
-                    n if n > 0 && next(2) == 1 => earlier[next(n as u64) as usize].clone(),
-                    _ => Arc::new(i),
-                };
-                made.push((raw, ev.clone()));
-                u.note(raw, next(2) == 1, span, &ev, 0);
-                let cover = u.cover();
-                for (raw, ev) in &made {
-                    for write in [false, true] {
-                        if cover[usize::from(write)].is_some_and(|c| Arc::ptr_eq(c, ev)) {
-                            skipped[usize::from(write)] += 1;
-                            let (a, b) = (next(64) as usize, next(64) as usize);
-                            for span in [WHOLE, a.min(b)..a.max(b) + 1] {
-                                assert!(u.covered(*raw, write, &span, |e| Arc::ptr_eq(e, ev)));
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        assert!(skipped[0] > 0 && skipped[1] > 0);
     }
 
     /// An event whose record was enqueued after tick `.1` of its stream
