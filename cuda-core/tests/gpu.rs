@@ -733,6 +733,44 @@ extern "C" __global__ void slow3(const unsigned char* a, unsigned char* b, unsig
 }
 "#;
 
+/// Device 0, two streams of it and `slow3` loaded there (its context
+/// current).
+fn slow3_on_two_streams() -> (Device, Arc<CudaStream>, Arc<CudaStream>, Kernel) {
+    let dev = Device::new(0).unwrap();
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let k = Module::cuda(SLOW3_SRC, &[])
+        .unwrap()
+        .kernel("slow3")
+        .unwrap();
+    k.load_on(&dev).unwrap();
+    dev.context().bind_to_thread().unwrap();
+    (dev, s1, s2, k)
+}
+
+/// Launches `slow3` on `s`: it spins about 100M clocks, then writes
+/// `b = a + 1` and `c = a + 2` over the buffers' common length. The caller
+/// orders and records the uses.
+fn launch_slow3(
+    k: &Kernel,
+    dev: &Device,
+    s: &Arc<CudaStream>,
+    a: &cuda_core::DeviceBuffer<u8>,
+    b: &mut cuda_core::DeviceBuffer<u8>,
+    c: &mut cuda_core::DeviceBuffer<u8>,
+) {
+    let f = k.function_on(dev).unwrap();
+    let (n, spin) = (a.len().min(b.len()).min(c.len()) as u32, 100_000_000i64);
+    let mut l = s.launch_builder(f);
+    l.arg(a.as_cuda_slice())
+        .arg(b.as_cuda_slice_mut())
+        .arg(c.as_cuda_slice_mut())
+        .arg(&n)
+        .arg(&spin);
+    // SAFETY: slow3 reads a[0..n) and writes b[0..n), c[0..n), within the
+    // three buffers' lengths.
+    unsafe { l.launch(LaunchConfig::for_num_elems(n)) }.unwrap();
+}
+
 /// Another thread's read enqueued on the stream after an op's mark was
 /// recorded, and noted before the op's own read of the same buffer, is
 /// still waited for: a later write on another stream does not overwrite
@@ -743,14 +781,7 @@ extern "C" __global__ void slow3(const unsigned char* a, unsigned char* b, unsig
 #[ignore = "needs an NVIDIA GPU"]
 fn a_read_noted_after_another_ops_mark_was_recorded_is_still_waited_for() {
     use cuda_core::{DeviceBuffer, UseMark};
-    let dev = Device::new(0).unwrap();
-    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
-    let k = Module::cuda(SLOW3_SRC, &[])
-        .unwrap()
-        .kernel("slow3")
-        .unwrap();
-    k.load_on(&dev).unwrap();
-    dev.context().bind_to_thread().unwrap();
+    let (dev, s1, s2, k) = slow3_on_two_streams();
     let n = 1usize << 16;
     let x = DeviceBuffer::<u8>::zeros(&s1, n).unwrap();
     let mut y = DeviceBuffer::<u8>::zeros(&s1, n).unwrap();
@@ -769,19 +800,7 @@ fn a_read_noted_after_another_ops_mark_was_recorded_is_still_waited_for() {
     y.before_read(&s1).unwrap();
     b.before_write(&s1).unwrap();
     c.before_write(&s1).unwrap();
-    {
-        let f = k.function_on(&dev).unwrap();
-        let (nn, spin) = (n as u32, 100_000_000i64);
-        let mut l = s1.launch_builder(f);
-        l.arg(y.as_cuda_slice())
-            .arg(b.as_cuda_slice_mut())
-            .arg(c.as_cuda_slice_mut())
-            .arg(&nn)
-            .arg(&spin);
-        // SAFETY: slow3 reads y[0..n) and writes b[0..n), c[0..n) of three
-        // n-byte buffers; recorded just below.
-        unsafe { l.launch(LaunchConfig::for_num_elems(nn)) }.unwrap();
-    }
+    launch_slow3(&k, &dev, &s1, &y, &mut b, &mut c);
     let mark_a = UseMark::new(&s1);
     y.after_read_with(&mark_a).unwrap();
     b.after_write_with(&mark_a).unwrap();
@@ -804,14 +823,7 @@ fn a_read_noted_after_another_ops_mark_was_recorded_is_still_waited_for() {
 #[ignore = "needs an NVIDIA GPU"]
 fn one_mark_orders_another_streams_uses_of_each_of_three_buffers() {
     use cuda_core::{DeviceBuffer, MarkScope, UseMark};
-    let dev = Device::new(0).unwrap();
-    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
-    let k = Module::cuda(SLOW3_SRC, &[])
-        .unwrap()
-        .kernel("slow3")
-        .unwrap();
-    k.load_on(&dev).unwrap();
-    dev.context().bind_to_thread().unwrap();
+    let (dev, s1, s2, k) = slow3_on_two_streams();
     let n = 1usize << 16;
     // Rounds 3-5 with a scope's mark: its event is recorded only when
     // stream 2's first use needs it, still after the kernel.
@@ -827,19 +839,7 @@ fn one_mark_orders_another_streams_uses_of_each_of_three_buffers() {
         a.before_read(&s1).unwrap();
         b.before_write(&s1).unwrap();
         c.before_write(&s1).unwrap();
-        {
-            let f = k.function_on(&dev).unwrap();
-            let (nn, spin) = (n as u32, 100_000_000i64);
-            let mut l = s1.launch_builder(f);
-            l.arg(a.as_cuda_slice())
-                .arg(b.as_cuda_slice_mut())
-                .arg(c.as_cuda_slice_mut())
-                .arg(&nn)
-                .arg(&spin);
-            // SAFETY: slow3 reads a[0..n) and writes b[0..n), c[0..n) of
-            // three n-byte buffers; recorded just below.
-            unsafe { l.launch(LaunchConfig::for_num_elems(nn)) }.unwrap();
-        }
+        launch_slow3(&k, &dev, &s1, &a, &mut b, &mut c);
         let scoped = round >= 3;
         let mark = if scoped {
             scope.mark(&s1)
