@@ -155,7 +155,7 @@ where
                 strides: [g.stride_a, g.stride_b, g.stride_c].map(|v| v as u64),
             };
             let stream = r.stream();
-            r.recording().push(stream, Op::Gemm(spec));
+            r.recording().push(stream, Op::Gemm(Box::new(spec)));
             return Ok((self.a, self.b, self.c));
         }
         let uses: (Reads<T, A>, Reads<T, B>, Writes<T, C>) =

@@ -152,7 +152,7 @@ pub enum Op<'a> {
     /// A matrix product by the node's cuBLAS (no kernel shipped): reads
     /// `A` and `B`, writes `C` (reads it too unless `beta` is zero). The
     /// node checks the shapes against the buffers' sizes.
-    Gemm(GemmSpec),
+    Gemm(Box<GemmSpec>),
     /// Random values by the node's cuRAND (no kernel shipped): writes
     /// `len` elements at `dst`. The node checks them against the buffer.
     RandFill(RandSpec),

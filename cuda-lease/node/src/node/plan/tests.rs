@@ -43,7 +43,7 @@ fn cmd(stream: StreamId, op: Op<'static>) -> Command<'static> {
 /// offsets and leading dimensions.
 fn gemm_in(buf: Id, offsets: [u64; 3], ld: [u64; 3]) -> Op<'static> {
     let at = |offset| crate::proto::Operand { buf, offset };
-    Op::Gemm(crate::proto::GemmSpec {
+    Op::Gemm(Box::new(crate::proto::GemmSpec {
         dtype: crate::proto::Dtype::F32,
         a: at(offsets[0]),
         b: at(offsets[1]),
@@ -56,7 +56,7 @@ fn gemm_in(buf: Id, offsets: [u64; 3], ld: [u64; 3]) -> Op<'static> {
         scalars: [1f64.to_bits(), 0],
         batch: 1,
         strides: [0; 3],
-    })
+    }))
 }
 
 /// A random f32 fill of `len` elements of `buf` at byte `offset`.
