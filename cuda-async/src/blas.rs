@@ -1,7 +1,9 @@
 //! cuBLAS matrix products ([`gemm`]) and matrix-vector products ([`gemv`])
 //! as ops (feature `blas`): ordered against every
 //! other use of their buffers, on the op's stream, with the stream's
-//! cuBLAS handle made once ([`cuda_core::blas::blas_handle`]).
+//! cuBLAS handle made once ([`cuda_core::blas::blas_handle`]). Products
+//! run through cuBLASLt with one plan per shape, made on its first product
+//! and kept by the handle ([`cuda_core::blas::BlasHandle::gemm`]).
 //!
 //! Matrices are column-major, as cuBLAS takes them. A row-major
 //! `C = A * B` (`A` of `m` x `k`) is the column-major `C^T = B^T * A^T`:

@@ -50,6 +50,10 @@ pub trait BlasScalar: DeviceRepr + Copy + Send + Sync + PartialEq + 'static {
     #[doc(hidden)]
     const NAME: &'static str;
 
+    /// Which element it is (for the cuBLASLt types of its products).
+    #[doc(hidden)]
+    const ELEMENT: Element;
+
     /// The value as `f64` (exact for every type).
     #[doc(hidden)]
     fn to_f64(self) -> f64;
@@ -77,6 +81,20 @@ pub trait BlasScalar: DeviceRepr + Copy + Send + Sync + PartialEq + 'static {
     unsafe fn gemv(h: sys::cublasHandle_t, g: &Gemv<Self>, a: u64, x: u64, y: u64) -> Result<()>;
 }
 
+/// The element types of [`BlasScalar`].
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Element {
+    /// `f32`.
+    F32,
+    /// `f64`.
+    F64,
+    /// `half::bf16`.
+    Bf16,
+    /// `half::f16`.
+    F16,
+}
+
 fn op(transpose: bool) -> sys::cublasOperation_t {
     if transpose {
         sys::cublasOperation_t::CUBLAS_OP_T
@@ -86,11 +104,12 @@ fn op(transpose: bool) -> sys::cublasOperation_t {
 }
 
 macro_rules! blas_scalar {
-    ($t:ident, $one:literal, $gemm:ident, $batched:ident, $gemv:ident, $call:literal, $batched_call:literal, $gemv_call:literal) => {
+    ($t:ident, $element:ident, $one:literal, $gemm:ident, $batched:ident, $gemv:ident, $call:literal, $batched_call:literal, $gemv_call:literal) => {
         impl BlasScalar for $t {
             const ZERO: Self = 0.0;
             const ONE: Self = $one;
             const NAME: &'static str = stringify!($t);
+            const ELEMENT: Element = Element::$element;
 
             fn to_f64(self) -> f64 {
                 f64::from(self)
@@ -193,6 +212,7 @@ macro_rules! blas_scalar {
 
 blas_scalar!(
     f32,
+    F32,
     1.0,
     sgemm,
     sgemm_strided_batched,
@@ -203,6 +223,7 @@ blas_scalar!(
 );
 blas_scalar!(
     f64,
+    F64,
     1.0,
     dgemm,
     dgemm_strided_batched,
@@ -214,6 +235,7 @@ blas_scalar!(
 
 #[cfg(feature = "half")]
 mod half_gemm;
+mod lt;
 
 /// The stored shape of an operand that is `rows` x `cols` once applied:
 /// swapped when it is transposed.
@@ -621,7 +643,9 @@ impl<T: BlasScalar> Gemv<T> {
 }
 
 /// A cuBLAS handle bound to one stream ([`blas_handle`]), with the
-/// workspace it was given.
+/// workspace it was given and the stream's cuBLASLt plans (products run
+/// through `cublasLtMatmul` with each shape's algorithm chosen once; see
+/// [`BlasHandle::gemm`]).
 #[derive(Debug)]
 pub struct BlasHandle {
     handle: sys::cublasHandle_t,
@@ -629,6 +653,12 @@ pub struct BlasHandle {
     /// only, all on its stream; freed only if the handle is dropped (a
     /// handle a graph kept, once its replays are done).
     workspace: DeviceBuffer<u8>,
+    /// The workspace's device address.
+    workspace_at: u64,
+    /// The stream the handle is bound to.
+    stream: cudarc::driver::sys::CUstream,
+    /// `None` where cuBLASLt is missing.
+    lt: Option<lt::Lt>,
 }
 
 // SAFETY: a cuBLAS handle may be used from any thread as long as calls on
@@ -642,7 +672,12 @@ impl BlasHandle {
         self.workspace.len()
     }
 
-    /// Enqueues `g` on the handle's stream.
+    /// Enqueues `g` on the handle's stream: through cuBLASLt with the
+    /// plan of its shape (made on the shape's first product and kept:
+    /// its descriptors and the algorithm cuBLASLt's heuristic picks for
+    /// it, the addresses' alignment and the workspace), else (no
+    /// cuBLASLt, an empty product, a shape it has no algorithm for, more
+    /// than 256 shapes) through the legacy call (`cublasSgemm_v2`, ...).
     ///
     /// # Safety
     ///
@@ -656,8 +691,23 @@ impl BlasHandle {
         b: u64,
         c: u64,
     ) -> Result<()> {
+        if let Some(lt) = &mut self.lt {
+            let workspace = (self.workspace_at, self.workspace.len());
+            // SAFETY: the caller's contract; the workspace is this
+            // handle's, used only on its stream, one call at a time (the
+            // handle is behind a lock).
+            let done = unsafe { lt.gemm(g, [a, b, c], workspace, self.stream as _) };
+            if let Some(r) = done {
+                return r;
+            }
+        }
         // SAFETY: the caller's contract.
         unsafe { T::gemm(self.handle, g, a, b, c) }
+    }
+
+    /// The product shapes the handle has cuBLASLt plans for.
+    pub fn planned_shapes(&self) -> usize {
+        self.lt.as_ref().map_or(0, lt::Lt::planned)
     }
 
     /// Enqueues `g` on the handle's stream.
@@ -719,7 +769,13 @@ pub fn blas_handle(stream: &Arc<CudaStream>) -> Result<Arc<Mutex<BlasHandle>>> {
         unsafe { sys::cublasSetWorkspace_v2(handle, ptr as *mut _, workspace.len()) }
             .result()
             .map_err(|e| failed("cublasSetWorkspace_v2", e.0))?;
-        Ok(BlasHandle { handle, workspace })
+        Ok(BlasHandle {
+            handle,
+            workspace,
+            workspace_at: ptr,
+            stream: stream.cu_stream(),
+            lt: lt::Lt::new(),
+        })
     })
 }
 

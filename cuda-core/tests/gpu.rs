@@ -721,6 +721,54 @@ fn a_blas_handle_made_inside_a_capture_stays_with_its_graph() {
     drop((graph, again));
 }
 
+/// A handle runs each product shape through a cuBLASLt plan made on the
+/// shape's first product and kept; an address aligned less than the plan
+/// assumed gets a plan of its own, and both multiply right.
+#[cfg(feature = "blas")]
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_blas_handle_plans_each_shape_once_and_multiplies_right_at_any_alignment() {
+    use cuda_core::blas::{blas_handle, Gemm};
+    use cuda_core::cudarc::driver::DevicePtr;
+    let fx = fixture();
+    let stream = fx.dev.new_stream().unwrap();
+    let (m, n, k) = (33, 17, 9);
+    let g = Gemm::<f32>::new(m, n, k).alpha(0.5);
+    // One element more than a product needs: the second runs one element
+    // in, at 4-byte alignment.
+    let a_host: Vec<f32> = (0..=m * k).map(|i| (i % 5) as f32 - 2.0).collect();
+    let b_host: Vec<f32> = (0..=k * n).map(|i| (i % 7) as f32 * 0.25).collect();
+    let (a, b) = (fx.upload(&stream, &a_host), fx.upload(&stream, &b_host));
+    let c = stream.alloc_zeros::<f32>(m * n + 1).unwrap();
+    let handle = blas_handle(&stream).unwrap();
+    let addr = |x: &CudaSlice<f32>, at: u64| x.device_ptr(&stream).0 + 4 * at;
+    let product = |at: u64| {
+        let mut h = handle.lock().unwrap();
+        // SAFETY: each buffer holds its matrix from element `at` on; the
+        // stream orders the calls; the device's context is current.
+        unsafe { h.gemm(&g, addr(&a, at), addr(&b, at), addr(&c, at)) }.unwrap();
+        let got = fx.download(&stream, &c);
+        let at = at as usize;
+        for j in 0..n {
+            for i in 0..m {
+                let want: f32 = (0..k)
+                    .map(|l| a_host[at + i + l * m] * b_host[at + l + j * k])
+                    .sum::<f32>()
+                    * 0.5;
+                let v = got[at + i + j * m];
+                assert!(
+                    (v - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "C[{i},{j}] = {v}, want {want}"
+                );
+            }
+        }
+        h.planned_shapes()
+    };
+    assert_eq!(product(0), 1, "the first product makes the shape's plan");
+    assert_eq!(product(1), 2, "a less aligned address is another plan");
+    assert_eq!(product(0), 2, "the first plan is kept");
+}
+
 // One event marks all of an op's buffer uses (`UseMark`).
 
 const SLOW3_SRC: &str = r#"

@@ -10,11 +10,12 @@ use super::*;
 /// `cublasGemmStridedBatchedEx` for products, and the same call with one
 /// column for matrix-vector products (cuBLAS has no half-precision gemv).
 macro_rules! half_scalar {
-    ($t:ident, $data:ident) => {
+    ($t:ident, $element:ident, $data:ident) => {
         impl BlasScalar for half::$t {
             const ZERO: Self = half::$t::ZERO;
             const ONE: Self = half::$t::ONE;
             const NAME: &'static str = stringify!($t);
+            const ELEMENT: Element = Element::$element;
 
             fn to_f64(self) -> f64 {
                 f64::from(self.to_f32())
@@ -120,5 +121,5 @@ macro_rules! half_scalar {
     };
 }
 
-half_scalar!(bf16, CUDA_R_16BF);
-half_scalar!(f16, CUDA_R_16F);
+half_scalar!(bf16, Bf16, CUDA_R_16BF);
+half_scalar!(f16, F16, CUDA_R_16F);
