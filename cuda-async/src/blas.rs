@@ -9,13 +9,12 @@
 //! `C = A * B` (`A` of `m` x `k`) is the column-major `C^T = B^T * A^T`:
 //! `gemm(Gemm::new(n, m, k), b, a, c)`.
 
-use std::any::TypeId;
 use std::fmt;
 use std::marker::PhantomData;
 
-use cuda_core::blas::blas_handle;
+use cuda_core::blas::{blas_handle, Element};
 pub use cuda_core::blas::{BlasScalar, Gemm, Gemv};
-use cuda_core::{Error, Result};
+use cuda_core::Result;
 
 use crate::context::ExecutionContext;
 use crate::foreign::{reads, run_foreign, writes, Reads, StreamUses, Writes};
@@ -24,16 +23,13 @@ use crate::remote::proto::{Dtype, GemmSpec};
 use crate::remote::Op;
 use crate::view::{DeviceSource, DeviceTarget};
 
-/// The protocol's element type of `T`: `f32` and `f64` have one, the
-/// half types (feature `half`) none.
-fn dtype<T: BlasScalar>() -> Option<Dtype> {
-    let t = TypeId::of::<T>();
-    if t == TypeId::of::<f32>() {
-        Some(Dtype::F32)
-    } else if t == TypeId::of::<f64>() {
-        Some(Dtype::F64)
-    } else {
-        None
+/// The lease protocol's name of `T`.
+fn dtype<T: BlasScalar>() -> Dtype {
+    match T::ELEMENT {
+        Element::F32 => Dtype::F32,
+        Element::F64 => Dtype::F64,
+        Element::Bf16 => Dtype::Bf16,
+        Element::F16 => Dtype::F16,
     }
 }
 
@@ -131,19 +127,9 @@ where
         if let Some(r) = ctx.as_remote() {
             // The node runs it with its own cuBLAS (and checks the shapes
             // against the buffers again); the buffers order themselves
-            // there, as a launch's do. The protocol carries f32 and f64
-            // products only.
-            let Some(dtype) = dtype::<T>() else {
-                return Err(Error::NeedsLocalStream {
-                    op: format!(
-                        "gemm of {} (a lease's node multiplies f32 and f64 only)",
-                        T::NAME
-                    ),
-                    context: r.describe(),
-                });
-            };
+            // there, as a launch's do.
             let spec = GemmSpec {
-                dtype,
+                dtype: dtype::<T>(),
                 a: r.operand(self.a.buffer(), self.a.range())?,
                 b: r.operand(self.b.buffer(), self.b.range())?,
                 c: r.operand(self.c.buffer(), self.c.range())?,

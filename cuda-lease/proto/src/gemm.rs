@@ -9,13 +9,18 @@ use serde::{Deserialize, Serialize};
 
 use crate::Id;
 
-/// The element type of a [`GemmSpec`].
+/// The element type of a [`GemmSpec`] or a random fill
+/// ([`RandSpec`](crate::RandSpec): `f32` and `f64` only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Dtype {
     /// `f32`.
     F32,
     /// `f64`.
     F64,
+    /// `bf16` (a product accumulates in `f32`, as `cuda-core`'s does).
+    Bf16,
+    /// `f16` (a product accumulates in `f32`).
+    F16,
 }
 
 impl Dtype {
@@ -24,6 +29,17 @@ impl Dtype {
         match self {
             Dtype::F32 => 4,
             Dtype::F64 => 8,
+            Dtype::Bf16 | Dtype::F16 => 2,
+        }
+    }
+
+    /// The type's name (`"bf16"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::F64 => "f64",
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
         }
     }
 }
@@ -69,8 +85,9 @@ pub struct GemmSpec {
     pub ld: [u64; 3],
     /// Whether `A` and `B` are used transposed.
     pub transpose: [bool; 2],
-    /// `alpha` and `beta` as `f64` bits (`f64::to_bits`; an `f32` call
-    /// takes them as `f32`).
+    /// `alpha` and `beta` as `f64` bits (`f64::to_bits`; a call of
+    /// another type takes them as its element type: exact for values of
+    /// that type).
     pub scalars: [u64; 2],
     /// Products in the call (1: one).
     pub batch: u64,

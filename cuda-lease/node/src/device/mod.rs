@@ -415,6 +415,12 @@ pub(crate) fn fill_bytes(r: &RandSpec) -> Result<u64, String> {
     let checked = match r.dtype {
         Dtype::F32 => core_fill(r, |v| v as f32).check(len),
         Dtype::F64 => core_fill(r, |v| v).check(len),
+        Dtype::Bf16 | Dtype::F16 => {
+            return Err(format!(
+                "random fill: cuRAND fills f32 and f64, not {}",
+                r.dtype.name()
+            ))
+        }
     };
     checked.map_err(|e| match e {
         cuda_core::Error::InvalidArgument(m) => m,

@@ -101,7 +101,8 @@ fn a_random_fill_on_a_lease_matches_the_local_one_bit_for_bit() {
 
 /// A GEMM on a lease runs by the node's cuBLAS and gives the same bits
 /// as the same call locally on this GPU: f32 with transposes, alpha and
-/// beta, an f64 strided batch, and a product inside a remote graph.
+/// beta, an f64 strided batch, a bf16 product, and a product inside a
+/// remote graph.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_gemm_on_a_lease_matches_the_local_one_bit_for_bit() {
@@ -160,6 +161,31 @@ fn a_gemm_on_a_lease_matches_the_local_one_bit_for_bit() {
         here.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
         there.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
         "f64, a strided batch"
+    );
+    use cuda_async::half::bf16;
+    let g = Gemm::<bf16>::new(64, 48, 80).alpha(bf16::from_f32(0.5));
+    let half = |n, seed| -> Vec<bf16> {
+        random_f32(n, seed)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect()
+    };
+    let (av, bv) = (half(64 * 80, 8), half(80 * 48, 9));
+    let op = || {
+        let (a, b) = (av.clone(), bv.clone());
+        h2d(a)
+            .zip(h2d(b))
+            .zip(zeros::<bf16>(64 * 48))
+            .then(move |((a, b), c)| gemm(g, a, b, c))
+            .then(|(_, _, c)| d2h(c))
+    };
+    let here = op().sync_with(&local).unwrap().to_vec().unwrap();
+    let there = op().sync_with(remote).unwrap().to_vec().unwrap();
+    assert!(here.iter().any(|v| v.to_f32() != 0.0));
+    assert_eq!(
+        here.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        there.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        "bf16"
     );
     // Captured on the lease, replayed twice: C += A * B each time.
     let g = Gemm::<f32>::new(32, 32, 32).beta(1.0);

@@ -4,6 +4,7 @@
 use cuda_async::{Module, PinnedBuffer};
 use cuda_core::blas::blas_handle;
 use cuda_core::cudarc::driver::DevicePtr;
+use cuda_core::half::{bf16, f16};
 use cuda_core::rand::rand_generator;
 use cuda_core::{HostRegistration, TrackedGraph};
 
@@ -302,6 +303,8 @@ impl LeaseDevice for CudaDevice {
             match g.dtype {
                 Dtype::F32 => handle.gemm(&core_gemm(g, |v| v as f32), a, b, c),
                 Dtype::F64 => handle.gemm(&core_gemm(g, |v| v), a, b, c),
+                Dtype::Bf16 => handle.gemm(&core_gemm(g, bf16::from_f64), a, b, c),
+                Dtype::F16 => handle.gemm(&core_gemm(g, f16::from_f64), a, b, c),
             }
         };
         done.map_err(|e| map(Status::LaunchFailed, "gemm", e))
@@ -334,6 +337,11 @@ impl LeaseDevice for CudaDevice {
             match r.dtype {
                 Dtype::F32 => generator.fill(&core_fill(r, |v| v as f32), addr, len),
                 Dtype::F64 => generator.fill(&core_fill(r, |v| v), addr, len),
+                // Refused by `fill_bytes` above.
+                Dtype::Bf16 | Dtype::F16 => Err(cuda_core::Error::InvalidArgument(format!(
+                    "cuRAND fills f32 and f64, not {}",
+                    r.dtype.name()
+                ))),
             }
         };
         done.map_err(|e| map(Status::LaunchFailed, "random fill", e))

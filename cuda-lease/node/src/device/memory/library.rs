@@ -1,16 +1,22 @@
 //! The test double's library calls, on the host: a matrix product
-//! ([`GemmSpec`], computed in `f64`, stored as the spec's element type) and
+//! ([`GemmSpec`], computed in `f64`, rounded once to the spec's element
+//! type) and
 //! random fills ([`RandSpec`], from a host generator: the same seed gives
 //! the same values here, not cuRAND's).
+
+use cuda_core::half::{bf16, f16};
 
 use crate::proto::{Dtype, GemmSpec, RandDist, RandSpec};
 
 /// Element `i` of `bytes` as `f64`.
 fn load(d: Dtype, bytes: &[u8], i: u64) -> f64 {
     let at = (i * d.size()) as usize;
+    let two = || [bytes[at], bytes[at + 1]];
     match d {
         Dtype::F32 => f64::from(f32::from_le_bytes(bytes[at..at + 4].try_into().unwrap())),
         Dtype::F64 => f64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()),
+        Dtype::Bf16 => bf16::from_le_bytes(two()).to_f64(),
+        Dtype::F16 => f16::from_le_bytes(two()).to_f64(),
     }
 }
 
@@ -19,6 +25,8 @@ fn store(d: Dtype, bytes: &mut [u8], i: u64, v: f64) {
     match d {
         Dtype::F32 => bytes[at..at + 4].copy_from_slice(&(v as f32).to_le_bytes()),
         Dtype::F64 => bytes[at..at + 8].copy_from_slice(&v.to_le_bytes()),
+        Dtype::Bf16 => bytes[at..at + 2].copy_from_slice(&bf16::from_f64(v).to_le_bytes()),
+        Dtype::F16 => bytes[at..at + 2].copy_from_slice(&f16::from_f64(v).to_le_bytes()),
     }
 }
 

@@ -238,6 +238,17 @@ fn the_first_refused_command_ends_the_plan_and_is_named() {
             Status::BadRequest,
             "in pairs",
         ),
+        (
+            cmd(0, {
+                let mut f = fill_in(a, 0, 8, false);
+                if let Op::RandFill(r) = &mut f {
+                    r.dtype = crate::proto::Dtype::Bf16;
+                }
+                f
+            }),
+            Status::BadRequest,
+            "cuRAND fills f32 and f64, not bf16",
+        ),
     ];
     for (bad, status, text) in cases {
         let cmds = [

@@ -153,6 +153,66 @@ async fn a_gemm_runs_on_a_lease_by_the_nodes_library() {
     fx.shutdown().await;
 }
 
+/// A bf16 and an f16 GEMM on a lease are one command each, multiplied by
+/// the node's library as the CPU does, up to one rounding of C to the
+/// half type.
+#[tokio::test]
+async fn a_half_gemm_runs_on_a_lease_by_the_nodes_library() {
+    use cuda_async::half::{bf16, f16};
+    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let (node, remote) = (&fx.node, fx.policy());
+    let (m, n, k) = (7, 5, 3);
+    let g = Gemm::<bf16>::new(m, n, k)
+        .transpose_a()
+        .alpha(bf16::from_f32(1.5))
+        .beta(bf16::from_f32(-0.5));
+    let half = |n, seed| -> Vec<bf16> {
+        random_f32(n, seed)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect()
+    };
+    let (av, bv, cv) = (half(m * k, 1), half(k * n, 2), half(m * n, 3));
+    let before = batches(node);
+    let got = h2d(av.clone())
+        .zip(h2d(bv.clone()))
+        .zip(h2d(cv.clone()))
+        .then(move |((a, b), c)| gemm(g, a, b, c))
+        .then(|(_, _, c)| d2h(c))
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(batches(node).0 - before.0, 1, "one message");
+    let got: Vec<f64> = got.to_vec().unwrap().into_iter().map(f64::from).collect();
+    let want = cpu_gemm(&g, &av, &bv, &cv);
+    for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+        // bf16 keeps 8 significant bits: one rounding is within 2^-8.
+        assert!(
+            (got - want).abs() <= 4e-3 * want.abs() + 1e-6,
+            "bf16 element {i} is {got}, the CPU says {want}"
+        );
+    }
+    // Two f16 products of 2x2.
+    let g = Gemm::<f16>::new(2, 2, 2).batched(2);
+    let av: Vec<f16> = [1.0, 2.0, 3.0, 4.0, 0.5, 0.25, -1.0, 2.0]
+        .map(f16::from_f32)
+        .into();
+    let got = h2d(av.clone())
+        .zip(h2d(av.clone()))
+        .zip(zeros::<f16>(8))
+        .then(move |((a, b), c)| gemm(g, a, b, c))
+        .then(|(_, _, c)| d2h(c))
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    let got: Vec<f64> = got.to_vec().unwrap().into_iter().map(f64::from).collect();
+    // Exact in f16: small integers and quarters.
+    assert_eq!(got, cpu_gemm(&g, &av, &av, &[f16::ZERO; 8]));
+    fx.shutdown().await;
+}
+
 /// A random fill on a lease is one command the node's generator runs (the
 /// in-memory device's host generator here): values in range, the same
 /// seed gives the same values, a normal fill has about its mean and
