@@ -59,20 +59,20 @@ impl<T: fmt::Debug, A, B, C> fmt::Debug for GemmOp<T, A, B, C> {
 /// `&mut` one or a writable view. The shapes are checked against their
 /// lengths before anything runs (an error names the matrix that does not
 /// fit). `f32` and `f64`; with the `half` feature also `half::bf16` and
-/// `half::f16` (`cublasGemmEx`: the product is accumulated in `f32` and
-/// `C` rounded to the half type once; `alpha` and `beta` reach cuBLAS as
-/// `f32`).
+/// `half::f16` (the product is accumulated in `f32` and `C` rounded to
+/// the half type once; `alpha` and `beta` reach cuBLAS as `f32`).
 ///
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for a shape that does not fit its buffer;
-/// [`Error::NoLibrary`] when cuBLAS cannot be loaded;
-/// [`Error::NeedsLocalStream`] for a half-precision product on a remote
-/// context (the error names the type).
+/// [`Error::NoLibrary`] when cuBLAS cannot be loaded.
 ///
-/// On a remote context an `f32` or `f64` product is one command that the
-/// node runs with its own cuBLAS (no kernel is shipped), after checking the
-/// shapes against the buffers again.
+/// On a remote context a product (of any of the four element types) is
+/// one command that the node runs with its own cuBLAS (no kernel is
+/// shipped), after checking the shapes against the buffers again.
+///
+/// [`Error::InvalidArgument`]: cuda_core::Error::InvalidArgument
+/// [`Error::NoLibrary`]: cuda_core::Error::NoLibrary
 ///
 /// # Examples
 ///
@@ -197,6 +197,8 @@ impl<T: fmt::Debug, A, X, Y> fmt::Debug for GemvOp<T, A, X, Y> {
 /// # Errors
 ///
 /// As [`gemm`], and [`Error::NeedsLocalStream`] on a remote context.
+///
+/// [`Error::NeedsLocalStream`]: cuda_core::Error::NeedsLocalStream
 ///
 /// # Examples
 ///
