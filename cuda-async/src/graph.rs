@@ -223,7 +223,10 @@ impl<T> CudaGraph<T> {
     /// driver call), ordered against every other use of the graph's
     /// buffers. Run it like any op: `.sync()`, `.await`, `.then(..)`,
     /// `.schedule(&policy)` with a local policy. The same graph can be
-    /// launched any number of times, from any thread.
+    /// launched any number of times, from any thread. A use of the graph's
+    /// buffers (its output, say) that another thread enqueues while a
+    /// replay is being enqueued is not ordered against that replay: await
+    /// the replay first (see [`cuda_core::TrackedGraph`]).
     ///
     /// # Examples
     ///

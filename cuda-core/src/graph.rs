@@ -384,6 +384,13 @@ impl Drop for Graph {
 /// it), and their memory lives as long as the graph (dropping a buffer's
 /// handle after the capture is safe).
 ///
+/// A replay's uses are recorded once it is enqueued. A use of one of its
+/// buffers that another thread enqueues at the same time (between the
+/// replay's ordering and its record) is not ordered against that replay,
+/// in either direction: the values may race (the memory is never freed
+/// early). Order such a use after the replay (await or synchronize it
+/// first) or before it.
+///
 /// During the capture, buffer uses on the capture's streams record no
 /// events (they are logged instead), allocations go to a stream outside the
 /// capture (the zeroing of `zeros` is captured), and staging memory that
