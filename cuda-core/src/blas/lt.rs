@@ -9,6 +9,7 @@
 //! legacy call instead, with the same results up to the algorithm's
 //! rounding.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::fmt;
@@ -40,9 +41,8 @@ fn lt_present() -> bool {
 pub(super) struct Key {
     element: Element,
     transpose: [bool; 2],
-    /// `m`, `n`, `k`.
-    dims: [u64; 3],
-    /// Stored rows, columns and leading dimension of `A`, `B` and `C`.
+    /// Stored rows, columns and leading dimension of `A`, `B` and `C`
+    /// (which give `m`, `n` and `k`).
     layouts: [(u64, u64, i64); 3],
     batch: i32,
     strides: [i64; 3],
@@ -66,7 +66,6 @@ impl Key {
         Some(Key {
             element: T::ELEMENT,
             transpose: [g.transpose_a, g.transpose_b],
-            dims: [u(g.m)?, u(g.n)?, u(g.k)?],
             layouts: [
                 layout(g.a_shape(), g.lda)?,
                 layout(g.b_shape(), g.ldb)?,
@@ -305,14 +304,14 @@ impl Lt {
         stream: sys::cudaStream_t,
     ) -> Option<Result<()>> {
         let key = Key::of(g, a, b, c)?;
-        if !self.plans.contains_key(&key) {
-            if self.plans.len() >= MAX_PLANS {
-                return None;
-            }
-            let made = plan(self.handle, &key, workspace.1).ok();
-            self.plans.insert(key, made);
-        }
-        let p = self.plans.get(&key)?.as_ref()?;
+        // One lookup for a shape already planned.
+        let full = self.plans.len() >= MAX_PLANS;
+        let p = match self.plans.entry(key) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(_) if full => return None,
+            Entry::Vacant(e) => e.insert(plan(self.handle, &key, workspace.1).ok()),
+        };
+        let p = p.as_ref()?;
         // `f64` products take `f64` scalars; every other element `f32`
         // ones (exact: each of their values is an `f32`).
         let scalars = match key.element {
