@@ -65,6 +65,11 @@ impl EncodeCommands for AfterFrees<'_> {
         let n = self.frees.len() + self.commands.len();
         proto::encode_commands(out, n, frees.chain(commands));
     }
+
+    fn reply_bytes(&self) -> u64 {
+        // Frees read nothing.
+        proto::reply_bytes(self.commands)
+    }
 }
 
 /// A lease as a remote session of `cuda-async`. Cheap to share

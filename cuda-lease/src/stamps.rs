@@ -66,18 +66,18 @@ pub enum Point {
     NodeStart,
     /// The node has read the request whole.
     NodeRead,
-    /// The node has decoded the BATCH and checked its shape.
+    /// The node has decoded the BATCH's head and checked its modules.
     BatchDecoded,
     /// The lease's earlier batches have been run (the batch's turn in the
     /// lease's order).
     BatchInOrder,
     /// The node holds the lease's execution lock.
     BatchLocked,
-    /// The node has planned the batch: every command checked against the
-    /// lease's ids, streams, bounds and reservation.
-    BatchPlanned,
-    /// The node's call to the lease's worker starts: the planned commands
-    /// are encoded for the worker.
+    /// The node has settled the batch's modules and held its reply's
+    /// bytes (the lease's worker checks and plans its commands).
+    BatchPrepared,
+    /// The node's call to the lease's worker starts: the batch goes to the
+    /// worker with its commands as they came.
     WorkerCall,
     /// The worker has read the batch's header from its pipe (stamped by
     /// the worker).
@@ -126,7 +126,7 @@ impl Point {
         Point::BatchDecoded,
         Point::BatchInOrder,
         Point::BatchLocked,
-        Point::BatchPlanned,
+        Point::BatchPrepared,
         Point::WorkerCall,
         Point::WorkerRead,
         Point::WorkerEnqueued,
@@ -153,7 +153,7 @@ impl Point {
             Point::BatchDecoded => "batch-decoded",
             Point::BatchInOrder => "batch-in-order",
             Point::BatchLocked => "batch-locked",
-            Point::BatchPlanned => "batch-planned",
+            Point::BatchPrepared => "batch-prepared",
             Point::WorkerCall => "worker-call",
             Point::WorkerRead => "worker-read",
             Point::WorkerEnqueued => "worker-enqueued",

@@ -41,7 +41,7 @@ fn header_golden() {
     let h = Header::request(Opcode::Batch, 0x0102030405060708, 9, 10);
     assert_eq!(
         h.encode().to_vec(),
-        unhex("43554c5306170000000000000807060504030201090000000a000000")
+        unhex("43554c5307170000000000000807060504030201090000000a000000")
     );
     let r = Header::reply(
         &Header::request(Opcode::MemRead, 7, 0, 0),
@@ -49,7 +49,7 @@ fn header_golden() {
         5,
         0,
     );
-    let bytes = unhex("43554c53061201000800000007000000000000000500000000000000");
+    let bytes = unhex("43554c53071201000800000007000000000000000500000000000000");
     assert_eq!(r.encode().to_vec(), bytes);
     assert_eq!(Header::decode(&bytes, &Limits::default()).unwrap(), r);
     assert!(r.is_reply());
@@ -92,7 +92,7 @@ fn unknown_version_and_opcode_rejected() {
     assert_eq!(e, ProtoError::UnsupportedVersion(1));
     assert_eq!(
         e.to_string(),
-        "unsupported protocol version 1: this node speaks 6"
+        "unsupported protocol version 1: this node speaks 7"
     );
     let mut b = Header::request(Opcode::Hello, 1, 0, 0).encode();
     b[5] = 99;
@@ -285,8 +285,10 @@ fn bodies_golden() {
         concat!(
             "1111111111111111111111111111111105022033333333333333333333333333",
             "33333333333333333333333333333333333333010101022d4705203333333333",
-            "3333333333333333333333333333333333333333333333333333330007000022",
-            "4000012200040005030106030104203333333333333333333333333333333333",
+            // the modules, then the reply's bytes (4: one read), then the
+            // commands (7)
+            "333333333333333333333333333333333333333333333333333333000407",
+            "0000224000012200040005030106030104203333333333333333333333333333333333",
             "333333333333333333333333333333016b020101800101010002000405000000",
             "0122080102220004020322"
         ),

@@ -345,6 +345,24 @@ impl<W: Clone> LeaseTable<W> {
         Ok(())
     }
 
+    /// The bytes a live lease reserved.
+    ///
+    /// # Errors
+    ///
+    /// As [`LeaseTable::get`].
+    pub fn reservation(&mut self, id: &LeaseId, now: Duration) -> Result<u64, TableError> {
+        self.entry_mut(id, now).map(|e| e.reserved)
+    }
+
+    /// Sets what a live lease has allocated, as its worker reported it
+    /// (no-op for dead ones).
+    pub fn set_allocated(&mut self, id: &LeaseId, bytes: u64) {
+        if let Some(e) = self.live.get_mut(id) {
+            e.allocated = bytes;
+            e.allocated_high = e.allocated_high.max(bytes);
+        }
+    }
+
     /// Returns `bytes` of allocation to a live lease (no-op for dead ones).
     pub fn credit(&mut self, id: &LeaseId, bytes: u64) {
         if let Some(e) = self.live.get_mut(id) {

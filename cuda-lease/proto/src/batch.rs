@@ -233,7 +233,13 @@ pub struct Command<'a> {
 /// BATCH request: a pipeline in one message. The frame's data holds the
 /// module sources (in `modules` order) and then the `Write` payloads (in
 /// command order), back to back. The reply comes when every command ran.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// On the wire the fields come in this order with the bytes the commands'
+/// reads return ([`Op::reply_len`], summed) between `modules` and
+/// `commands`: the node reads the part before the commands
+/// ([`BatchHead`]), budgets the reply by it and hands the commands to the
+/// lease's worker as they came, which holds the reads to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Batch<'a> {
     /// The lease.
     pub lease: LeaseId,
@@ -248,12 +254,100 @@ pub struct Batch<'a> {
     /// message it dropped with one.
     pub seq: u64,
     /// Modules the launches name (at most [`MAX_BATCH_MODULES`]).
-    #[serde(deserialize_with = "bounded::modules")]
     pub modules: Vec<ModuleUse>,
     /// Commands (at most [`MAX_BATCH_OPS`]: a longer list is refused on
     /// its length prefix, before any command is decoded).
-    #[serde(borrow, deserialize_with = "bounded::commands")]
     pub commands: Vec<Command<'a>>,
+}
+
+/// The bytes `commands` add to their reply's data (see [`Op::reply_len`]).
+pub fn reply_bytes<'c, 'a: 'c>(commands: impl IntoIterator<Item = &'c Command<'a>>) -> u64 {
+    commands
+        .into_iter()
+        .fold(0u64, |n, c| n.saturating_add(c.op.reply_len()))
+}
+
+/// A [`Batch`] as the wire carries it.
+#[derive(Serialize)]
+struct BatchOut<'r, 'a> {
+    lease: LeaseId,
+    seq: u64,
+    modules: &'r [ModuleUse],
+    reply_bytes: u64,
+    commands: &'r [Command<'a>],
+}
+
+/// A [`Batch`] as it comes off the wire.
+#[derive(Deserialize)]
+struct BatchIn<'a> {
+    lease: LeaseId,
+    seq: u64,
+    #[serde(deserialize_with = "bounded::modules")]
+    modules: Vec<ModuleUse>,
+    // Derived from the commands: a decoded batch holds them.
+    _reply_bytes: u64,
+    #[serde(borrow, deserialize_with = "bounded::commands")]
+    commands: Vec<Command<'a>>,
+}
+
+impl Serialize for Batch<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        BatchOut {
+            lease: self.lease,
+            seq: self.seq,
+            modules: &self.modules,
+            reply_bytes: reply_bytes(&self.commands),
+            commands: &self.commands,
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Batch<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let b = BatchIn::deserialize(d)?;
+        Ok(Batch {
+            lease: b.lease,
+            seq: b.seq,
+            modules: b.modules,
+            commands: b.commands,
+        })
+    }
+}
+
+/// The fields of a BATCH before its commands, in the wire's order: what
+/// the node reads of it ([`BatchHead::decode`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchHead {
+    /// [`Batch::lease`].
+    pub lease: LeaseId,
+    /// [`Batch::seq`].
+    pub seq: u64,
+    /// [`Batch::modules`].
+    #[serde(deserialize_with = "bounded::modules")]
+    pub modules: Vec<ModuleUse>,
+    /// The bytes the commands' reads return: what the node holds for the
+    /// reply (the worker refuses the read that would pass it).
+    pub reply_bytes: u64,
+}
+
+impl BatchHead {
+    /// Checks the modules (none listed twice) and that their sources fit
+    /// in the `data_len` bytes of data; returns the sources' bytes (the
+    /// writes' payloads follow them).
+    ///
+    /// # Errors
+    ///
+    /// [`ProtoError::Invalid`].
+    pub fn validate(&self, data_len: usize) -> Result<usize, ProtoError> {
+        let sources = validate_modules(&self.modules)?;
+        if sources > data_len as u64 {
+            return Err(ProtoError::Invalid(format!(
+                "batch data is {data_len} bytes but its modules' sources take {sources}"
+            )));
+        }
+        Ok(sources as usize)
+    }
 }
 
 impl Batch<'_> {
@@ -268,19 +362,13 @@ impl Batch<'_> {
     }
 }
 
-/// [`Batch::validate`] of a batch's modules and commands.
-fn validate_batch(
-    modules: &[ModuleUse],
-    commands: &[Command<'_>],
-    data_len: usize,
-) -> Result<(), ProtoError> {
-    if commands.len() > MAX_BATCH_OPS {
-        return Err(ProtoError::Invalid("too many commands".into()));
-    }
+/// Checks a batch's module list: at most [`MAX_BATCH_MODULES`], none
+/// listed twice; returns the bytes of the sources it carries.
+fn validate_modules(modules: &[ModuleUse]) -> Result<u64, ProtoError> {
     if modules.len() > MAX_BATCH_MODULES {
         return Err(ProtoError::Invalid("too many modules".into()));
     }
-    let mut need: u64 = 0;
+    let mut sources: u64 = 0;
     for (i, m) in modules.iter().enumerate() {
         if modules[..i].iter().any(|o| o.hash == m.hash) {
             return Err(ProtoError::Invalid(format!(
@@ -289,9 +377,28 @@ fn validate_batch(
             )));
         }
         if let Some(t) = &m.source {
-            need += u64::from(t.len);
+            sources += u64::from(t.len);
         }
     }
+    Ok(sources)
+}
+
+/// Checks a batch's commands: their count, no zero-sized allocation,
+/// launches well formed and naming one of `modules`, and the writes'
+/// payloads taking `writes_len` bytes, the data after the modules' sources.
+///
+/// # Errors
+///
+/// [`ProtoError::Invalid`].
+pub fn validate_commands(
+    modules: &[ModuleHash],
+    commands: &[Command<'_>],
+    writes_len: u64,
+) -> Result<(), ProtoError> {
+    if commands.len() > MAX_BATCH_OPS {
+        return Err(ProtoError::Invalid("too many commands".into()));
+    }
+    let mut need: u64 = 0;
     for (i, c) in commands.iter().enumerate() {
         match &c.op {
             Op::Alloc { size: 0, .. } => {
@@ -299,11 +406,11 @@ fn validate_batch(
                     "command {i}: zero-sized allocation"
                 )))
             }
-            Op::Write { len, .. } => need += *len,
+            Op::Write { len, .. } => need = need.saturating_add(*len),
             Op::Launch(spec) => {
                 spec.validate(false)
                     .map_err(|e| ProtoError::Invalid(format!("command {i}: {e}")))?;
-                if !modules.iter().any(|m| m.hash == spec.module) {
+                if !modules.contains(&spec.module) {
                     return Err(ProtoError::Invalid(format!(
                         "command {i}: module {} is not in the batch's modules",
                         spec.module
@@ -313,10 +420,26 @@ fn validate_batch(
             _ => {}
         }
     }
-    if need != data_len as u64 {
+    if need != writes_len {
         return Err(ProtoError::Invalid(format!(
-            "batch data is {data_len} bytes but its modules and writes take {need}"
+            "the batch's writes take {need} bytes but {writes_len} follow its modules' sources"
         )));
     }
     Ok(())
+}
+
+/// [`Batch::validate`] of a batch's modules and commands.
+fn validate_batch(
+    modules: &[ModuleUse],
+    commands: &[Command<'_>],
+    data_len: usize,
+) -> Result<(), ProtoError> {
+    let sources = validate_modules(modules)?;
+    let hashes: Vec<ModuleHash> = modules.iter().map(|m| m.hash).collect();
+    let writes = (data_len as u64).checked_sub(sources).ok_or_else(|| {
+        ProtoError::Invalid(format!(
+            "batch data is {data_len} bytes but its modules' sources take {sources}"
+        ))
+    })?;
+    validate_commands(&hashes, commands, writes)
 }

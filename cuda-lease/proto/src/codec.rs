@@ -2,7 +2,7 @@
 //! pipe's: postcard through serde, one codec for all. A command list is
 //! streamed into a BATCH without collecting it first
 //! ([`encode_commands`]), and a node forwards a BATCH's command list to its
-//! worker as it came ([`Batch::decode_keeping_wire`]).
+//! worker as it came ([`BatchHead::decode`]).
 
 use std::borrow::Borrow;
 use std::cell::Cell;
@@ -10,7 +10,7 @@ use std::cell::Cell;
 use serde::ser::{Serialize, SerializeSeq, Serializer};
 use serde::Deserialize;
 
-use super::{Batch, Command, LeaseId, ModuleUse, ProtoError};
+use super::{Batch, BatchHead, Command, LeaseId, ModuleUse, ProtoError};
 
 /// Appends `msg` as postcard writes it.
 pub fn postcard_encode<T: Serialize + ?Sized>(msg: &T, out: &mut Vec<u8>) {
@@ -40,44 +40,75 @@ pub struct CommandList<'a>(
     #[serde(borrow, deserialize_with = "super::bounded::commands")] pub Vec<Command<'a>>,
 );
 
-/// The fields of [`Batch`] before its commands, in its order.
-#[derive(Deserialize)]
-struct BatchHead {
+/// Appends a BATCH body's fields before its commands ([`BatchHead`]).
+pub fn encode_batch_head(
+    out: &mut Vec<u8>,
     lease: LeaseId,
     seq: u64,
-    #[serde(deserialize_with = "super::bounded::modules")]
-    modules: Vec<ModuleUse>,
-}
-
-/// Appends a BATCH body's fields before its commands.
-pub fn encode_batch_head(out: &mut Vec<u8>, lease: LeaseId, seq: u64, modules: &[ModuleUse]) {
+    modules: &[ModuleUse],
+    reply_bytes: u64,
+) {
     #[derive(serde::Serialize)]
     struct HeadRef<'m> {
         lease: LeaseId,
         seq: u64,
         modules: &'m [ModuleUse],
+        reply_bytes: u64,
     }
     postcard_encode(
         &HeadRef {
             lease,
             seq,
             modules,
+            reply_bytes,
         },
         out,
     );
 }
 
-impl<'a> Batch<'a> {
-    /// Decodes a BATCH body, and returns with it the bytes of its
-    /// command list as they came: a node forwards them to its worker
-    /// without encoding them again.
+impl BatchHead {
+    /// Decodes the part of a BATCH body before its commands, and returns
+    /// with it the bytes of its command list as they came (a
+    /// [`CommandList`]): a node hands them to its worker without decoding
+    /// them.
     ///
     /// # Errors
     ///
     /// [`ProtoError::Body`] as [`from_body`](super::from_body).
-    pub fn decode_keeping_wire(mut body: &'a [u8]) -> Result<(Self, &'a [u8]), ProtoError> {
+    pub fn decode(mut body: &[u8]) -> Result<(Self, &[u8]), ProtoError> {
         let head: BatchHead = postcard_decode(&mut body)?;
-        let wire = body;
+        Ok((head, body))
+    }
+}
+
+/// The number of commands an encoded [`CommandList`] says it holds (its
+/// length prefix), without decoding them.
+///
+/// # Errors
+///
+/// [`ProtoError::Body`] when the prefix is not a count, or counts more
+/// than [`MAX_BATCH_OPS`](super::MAX_BATCH_OPS) (as decoding the list
+/// would refuse it).
+pub fn command_count(mut wire: &[u8]) -> Result<u64, ProtoError> {
+    let n = postcard_decode::<u64>(&mut wire)?;
+    let max = super::MAX_BATCH_OPS;
+    if n > max as u64 {
+        return Err(ProtoError::Body(format!(
+            "invalid length {n}, expected a sequence of at most {max} elements"
+        )));
+    }
+    Ok(n)
+}
+
+impl<'a> Batch<'a> {
+    /// Decodes a BATCH body, and returns with it the bytes of its
+    /// command list as they came.
+    ///
+    /// # Errors
+    ///
+    /// [`ProtoError::Body`] as [`from_body`](super::from_body).
+    pub fn decode_keeping_wire(body: &'a [u8]) -> Result<(Self, &'a [u8]), ProtoError> {
+        let (head, wire) = BatchHead::decode(body)?;
         let CommandList(commands) = super::from_body(wire)?;
         let batch = Batch {
             lease: head.lease,
@@ -211,6 +242,25 @@ mod tests {
             long.push(0);
             assert!(Batch::decode_keeping_wire(&long).is_err());
         }
+        // The node's part: the head, with the bytes the reads return
+        // (one 128-byte read and one timer), and the count of commands.
+        let (head, wire) = BatchHead::decode(&body).unwrap();
+        assert_eq!((head.lease, head.seq), (batch.lease, batch.seq));
+        assert_eq!(head.modules, batch.modules);
+        assert_eq!(head.reply_bytes, 128 + crate::TIMER_BYTES as u64);
+        assert_eq!(command_count(wire).unwrap(), batch.commands.len() as u64);
+        let long = to_body(&vec![batch.commands[0].clone(); crate::MAX_BATCH_OPS + 1]);
+        assert!(command_count(&long).is_err());
+        let mut again = Vec::new();
+        encode_batch_head(
+            &mut again,
+            batch.lease,
+            batch.seq,
+            &batch.modules,
+            head.reply_bytes,
+        );
+        encode_commands(&mut again, batch.commands.len(), &batch.commands);
+        assert_eq!(again, body);
     }
 
     #[test]

@@ -15,7 +15,7 @@ use super::{
 /// The four magic bytes that open every frame.
 pub const MAGIC: [u8; 4] = *b"CULS";
 /// The protocol version this crate speaks.
-pub const VERSION: u8 = 6;
+pub const VERSION: u8 = 7;
 /// Size of the fixed header in bytes.
 pub const HEADER_LEN: usize = 28;
 /// Header flag set on replies.

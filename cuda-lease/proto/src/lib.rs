@@ -40,10 +40,12 @@ mod rand;
 mod scalar;
 
 pub use batch::{
-    Batch, Command, ModuleText, ModuleUse, Op, FIRST_NODE_ID, MAX_BATCH_MODULES, TIMER_BYTES,
+    reply_bytes, validate_commands, Batch, BatchHead, Command, ModuleText, ModuleUse, Op,
+    FIRST_NODE_ID, MAX_BATCH_MODULES, TIMER_BYTES,
 };
 pub use codec::{
-    encode_batch_head, encode_commands, postcard_decode, postcard_encode, CommandList,
+    command_count, encode_batch_head, encode_commands, postcard_decode, postcard_encode,
+    CommandList,
 };
 pub use error::{Credentials, Disconnect, RemoteError, RemoteErrorKind};
 pub use frame::{

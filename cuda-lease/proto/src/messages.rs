@@ -344,9 +344,11 @@ pub struct LeaseStatus {
     pub generation: u64,
     /// Reserved bytes.
     pub reserved: u64,
-    /// Bytes allocated now.
+    /// Bytes allocated (buffers, loaded modules' sources, graphs' kept
+    /// uploads), as the lease's worker reported them with its last
+    /// answered batch: a batch still running is not in it yet.
     pub allocated: u64,
-    /// The most bytes the lease has had allocated at once.
+    /// The most bytes the lease has had allocated at once, as reported.
     pub allocated_high: u64,
     /// Milliseconds left before expiry.
     pub remaining_ms: u64,

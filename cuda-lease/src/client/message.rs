@@ -74,7 +74,7 @@ impl Message {
                 .collect()
         });
         let mut body = Vec::new();
-        proto::encode_batch_head(&mut body, inner.id, seq, &uses);
+        proto::encode_batch_head(&mut body, inner.id, seq, &uses, commands.reply_bytes());
         commands.encode_into(&mut body);
         let len = writes.len();
         if data.is_empty() {
@@ -210,7 +210,7 @@ impl Drop for Message {
 /// is over the principal's budget.
 async fn fill_place(inner: &LeaseInner, seq: u64) {
     let mut body = Vec::new();
-    proto::encode_batch_head(&mut body, inner.id, seq, &[]);
+    proto::encode_batch_head(&mut body, inner.id, seq, &[], 0);
     let none: &[Command<'_>] = &[];
     none.encode_into(&mut body);
     for pause_ms in [0u64, 20, 200, 1000] {
@@ -264,11 +264,17 @@ fn with_every_source(
 pub(crate) trait EncodeCommands {
     /// Appends the commands to `out`.
     fn encode_into(&self, out: &mut Vec<u8>);
+    /// The bytes their reads return ([`proto::reply_bytes`]).
+    fn reply_bytes(&self) -> u64;
 }
 
 impl EncodeCommands for &[Command<'_>] {
     fn encode_into(&self, out: &mut Vec<u8>) {
         proto::encode_commands(out, self.len(), *self);
+    }
+
+    fn reply_bytes(&self) -> u64 {
+        proto::reply_bytes(*self)
     }
 }
 
@@ -304,7 +310,8 @@ mod batch_ref_tests {
             commands: commands.clone(),
         };
         let mut borrowed = Vec::new();
-        proto::encode_batch_head(&mut borrowed, lease, 42, &modules);
+        let reads = (&commands[..]).reply_bytes();
+        proto::encode_batch_head(&mut borrowed, lease, 42, &modules, reads);
         (&commands[..]).encode_into(&mut borrowed);
         assert_eq!(borrowed, to_body(&owned));
         assert_eq!(from_body::<Batch<'_>>(&borrowed).unwrap(), owned);

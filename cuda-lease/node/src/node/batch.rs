@@ -1,22 +1,23 @@
-//! Running a BATCH: the modules it loads, its place in the lease's order, the
-//! worker call and the commit of its effects.
+//! Running a BATCH: the modules it loads, its reply's budget, its place in
+//! the lease's order and the worker call. The node reads the batch's head
+//! alone; its commands go to the lease's worker as the client encoded
+//! them, and the worker checks, plans and runs them against the lease.
 
 use std::sync::Arc;
 
 use super::auth::lease_of;
 use super::order::{Arrival, Place, Stalled};
-use super::plan::{plan, Charges, Effect, GraphChange, Plan, PlanLimits};
 use super::submit::BudgetTurn;
-use super::{fail_lease, HeldData, IdKind, LeaseSlot, LeaseState, ModuleSource, Reply, Shared};
+use super::{fail_lease, HeldData, LeaseSlot, LeaseState, ModuleSource, Reply, Shared};
 use crate::lease_table::Principal;
 use crate::lock;
 use crate::proto::{
-    self, from_body, Batch, BatchReply, LeaseId, ModuleHash, Op, OpError, Opcode, SourceKind,
-    Status,
+    from_body, BatchHead, BatchReply, LeaseId, ModuleHash, Opcode, SourceKind, Status,
 };
 use crate::stamps::{self, stamp, Point};
 use crate::worker::{
-    SentRequest, WorkerBatchReply, WorkerError, WorkerLoad, FLAG_HELD, FLAG_STAMPS,
+    encode_worker_batch, BatchLimits, SentRequest, WorkerBatchReply, WorkerError, WorkerLoad,
+    FLAG_HELD, FLAG_STAMPS,
 };
 
 /// The reply for a lease whose worker died or hung during a request: the
@@ -51,7 +52,7 @@ pub(super) struct Load {
 pub(super) fn modules_to_load<'d>(
     shared: &Shared,
     state: &LeaseState,
-    b: &Batch<'_>,
+    b: &BatchHead,
     data: &'d [u8],
 ) -> Result<(Vec<Load>, &'d [u8]), Reply> {
     let mut rest = data;
@@ -102,45 +103,45 @@ pub(super) fn modules_to_load<'d>(
     Ok((loads, rest))
 }
 
-/// Index of the first command of `b` that launches `hash` (0 if none).
-pub(super) fn first_use(b: &Batch<'_>, hash: ModuleHash) -> u32 {
-    b.commands
-        .iter()
-        .position(|c| matches!(&c.op, Op::Launch(s) if s.module == hash))
-        .unwrap_or(0) as u32
+/// A BATCH as the node reads it: its head, its command list as it came
+/// (with the count its prefix gives) and its data.
+pub(super) struct Incoming<'a> {
+    pub(super) head: &'a BatchHead,
+    pub(super) wire: &'a [u8],
+    pub(super) commands: u64,
+    pub(super) data: &'a [u8],
 }
 
 /// Runs a batch after its lease's earlier numbered batches (see
-/// [`Batch::seq`]), however long they take: only the end of the lease, or
-/// of the connection that carries its batches with one of them missing,
-/// ends the wait. `conn` is the connection `b` came on.
-#[allow(clippy::too_many_arguments)]
+/// [`Batch::seq`](crate::proto::Batch::seq)), however long they take: only the
+/// end of the lease, or of the connection that carries its batches with
+/// one of them missing, ends the wait. `conn` is the connection `b` came
+/// on.
 pub(super) async fn run_in_order(
     shared: &Arc<Shared>,
     who: &Principal,
     conn: usize,
-    b: &Batch<'_>,
-    wire: &[u8],
-    data: &[u8],
+    b: &Incoming<'_>,
     turn: Option<&mut BudgetTurn>,
 ) -> Result<BatchOut, Reply> {
-    if b.seq == 0 {
+    let (lease, seq) = (&b.head.lease, b.head.seq);
+    if seq == 0 {
         stamp(Point::BatchInOrder);
-        return run_batch(shared, who, b, wire, data, turn, None).await;
+        return run_batch(shared, who, b, turn, None).await;
     }
-    if b.seq == u64::MAX {
+    if seq == u64::MAX {
         return Err(Reply::err(
             Status::BadRequest,
-            format!("batch number {} has no successor: numbers wrap", b.seq),
+            format!("batch number {seq} has no successor: numbers wrap"),
         ));
     }
-    let slot = lease_of(shared, who, &b.lease)?;
-    let (arrival, mut place) = slot.order.arrive(b.seq, conn);
+    let slot = lease_of(shared, who, lease)?;
+    let (arrival, mut place) = slot.order.arrive(seq, conn);
     if arrival == Arrival::Passed {
         // A client fills a number the node may not have seen (a message
         // refused before it was read, or dropped in flight) with an empty
         // batch: answered at once if the number ran or is on the node.
-        if b.commands.is_empty() && b.modules.is_empty() {
+        if b.commands == 0 && b.head.modules.is_empty() {
             let empty = BatchReply {
                 completed: 0,
                 error: None,
@@ -149,18 +150,12 @@ pub(super) async fn run_in_order(
         }
         return Err(Reply::err(
             Status::BadRequest,
-            format!(
-                "batch number {} of the lease has run already, or is on the node",
-                b.seq
-            ),
+            format!("batch number {seq} of the lease has run already, or is on the node"),
         ));
     }
-    place
-        .turn()
-        .await
-        .map_err(|e| stalled(shared, &b.lease, e))?;
+    place.turn().await.map_err(|e| stalled(shared, lease, e))?;
     stamp(Point::BatchInOrder);
-    run_batch(shared, who, b, wire, data, turn, Some(place)).await
+    run_batch(shared, who, b, turn, Some(place)).await
 }
 
 /// The reply to a request whose wait for the lease's order ended without
@@ -184,33 +179,31 @@ pub(super) fn stalled(shared: &Shared, lease: &LeaseId, e: Stalled) -> Reply {
 /// A batch's reply, its reads' bytes, or the worker's hold of them.
 pub(super) type BatchOut = (BatchReply, Vec<u8>, Option<HeldData>);
 
-/// Runs `b`, whose commands encode to `wire` (forwarded to the worker as
-/// they are when the node accepts every one of them). The bytes its reads
-/// return are charged to `turn` as they are planned.
+/// Runs `b`: the modules it needs and its reply's bytes (charged to
+/// `turn`, the principal's budget) are settled here, then its commands go
+/// to the lease's worker as they came, which checks and plans them
+/// against the lease before it enqueues them.
 ///
-/// The lease's exec lock is held to plan the batch and send it to the
-/// worker, not while its work runs: what it creates exists for the batches
-/// planned after it at once, and `place` (its place in the lease's order)
-/// is given up once it is sent. Its reply comes when its own work is done;
-/// what did not run is then undone.
-#[allow(clippy::too_many_arguments)]
+/// The lease's exec lock is held to send the batch to the worker, not
+/// while its work runs: the worker plans batches in the order they are
+/// sent, so what one creates exists for the batches sent after it, and
+/// `place` (its place in the lease's order) is given up once it is sent.
+/// Its reply comes when its own work is done.
 pub(super) async fn run_batch(
     shared: &Arc<Shared>,
     who: &Principal,
-    b: &Batch<'_>,
-    wire: &[u8],
-    data: &[u8],
+    b: &Incoming<'_>,
     turn: Option<&mut BudgetTurn>,
     place: Option<Place<'_>>,
 ) -> Result<BatchOut, Reply> {
-    let lease = &b.lease;
+    let lease = &b.head.lease;
     let slot = lease_of(shared, who, lease)?;
     let exec = slot.exec.lock().await;
     stamp(Point::BatchLocked);
     // Re-check: the lease may have died while we waited.
-    shared.table().get(lease, shared.now())?;
-    let prepared = prepare(shared, &slot.state(), b, data, turn);
-    let (loads, writes, p) = match prepared {
+    let reserved = shared.table().reservation(lease, shared.now())?;
+    let prepared = prepare(shared, &slot, b, turn);
+    let (loads, writes, reply_bytes) = match prepared {
         Ok(prepared) => prepared,
         Err(reply) => {
             // Sent again with its sources, the batch keeps its place.
@@ -220,39 +213,37 @@ pub(super) async fn run_batch(
             return Err(reply);
         }
     };
-    stamp(Point::BatchPlanned);
-    let ran = if loads.len() + p.effects.len() > 0 {
-        let work = Work {
-            b,
-            wire,
-            loads: &loads,
-            writes: &writes[..p.write_bytes],
-            planned: p.effects.len(),
-        };
-        apply_planned(&slot, b, &loads, &p);
-        let sent = send_work(shared, &slot, &work).await;
-        // The next batch plans and goes to the worker while this one runs.
-        drop(place);
-        drop(exec);
-        let ran = match sent {
-            Ok(sent) => receive_work(shared, who, &work, sent).await,
-            Err(e) => Err(e),
-        };
-        undo_unrun(
-            shared,
-            &slot,
-            b,
-            &loads,
-            &p,
-            ran.as_ref().unwrap_or(&Ran::default()),
-        );
-        ran?
-    } else {
-        drop(place);
-        drop(exec);
-        undo_unrun(shared, &slot, b, &loads, &p, &Ran::default());
-        Ran::default()
+    stamp(Point::BatchPrepared);
+    let limits = BatchLimits {
+        reserved,
+        max_ids: shared.cfg.max_ids_per_lease as u32,
+        max_streams: shared.cfg.max_streams_per_lease as u32,
+        max_read: u64::from(shared.cfg.limits.max_data),
+        reply_bytes,
     };
+    let work = Work {
+        b,
+        loads: &loads,
+        writes,
+        limits,
+    };
+    let sent = send_work(shared, &slot, &work).await;
+    // The next batch goes to the worker while this one runs.
+    drop(place);
+    drop(exec);
+    let ran = match sent {
+        Ok(sent) => receive_work(shared, who, &slot, &work, sent).await,
+        Err(e) => Err(e),
+    };
+    if !matches!(&ran, Ok(r) if r.loaded == loads.len()) {
+        // Modules the worker did not load are not the lease's.
+        let loaded = ran.as_ref().map_or(0, |r| r.loaded);
+        let mut state = slot.state();
+        for l in &loads[loaded..] {
+            state.modules.remove(&l.hash);
+        }
+    }
+    let ran = ran?;
     stamp(Point::NodeCommitted);
     let held = ran.held.map(|(request, len)| HeldData {
         slot: slot.clone(),
@@ -260,79 +251,55 @@ pub(super) async fn run_batch(
         len,
         read: 0,
     });
-    Ok((
-        BatchReply {
-            completed: ran.completed as u32,
-            error: ran.error.or(p.error),
-        },
-        ran.out,
-        held,
-    ))
+    Ok((ran.reply, ran.out, held))
 }
 
-/// The modules a batch loads (charged to the lease's reservation before
-/// anything runs), the data its writes take, and the plan of its commands.
+/// The modules a batch loads (marked loaded in the lease's state, so the
+/// batches after it do not load them again), the data its writes take and
+/// the bytes held for its reply: what its commands declared, as far as the
+/// reply data limit and the principal's budget (`turn`) allow (the worker
+/// refuses the read that would pass them; the commands before it run).
 fn prepare<'d>(
     shared: &Shared,
-    state: &LeaseState,
-    b: &Batch<'_>,
-    data: &'d [u8],
+    slot: &LeaseSlot,
+    b: &Incoming<'d>,
     turn: Option<&mut BudgetTurn>,
-) -> Result<(Vec<Load>, &'d [u8], Plan), Reply> {
-    let lease = &b.lease;
-    let (loads, writes) = modules_to_load(shared, state, b, data)?;
-    let mut charged = 0u64;
+) -> Result<(Vec<Load>, &'d [u8], u64), Reply> {
+    let mut state = slot.state();
+    let (loads, writes) = modules_to_load(shared, &state, b.head, b.data)?;
+    let want = b
+        .head
+        .reply_bytes
+        .min(u64::from(shared.cfg.limits.max_data));
+    let held = match turn {
+        Some(t) => t.grow_up_to(want),
+        None => want,
+    };
     for l in &loads {
-        let len = l.source.1.len() as u64;
-        let r = shared.table().charge(lease, len, shared.now());
-        if let Err(e) = r {
-            shared.table().credit(lease, charged);
-            return Err(Reply::err(
-                e.status,
-                format!("module {}: {}", l.hash, e.message),
-            ));
-        }
-        charged += len;
+        state.modules.insert(l.hash, l.source.1.len() as u64);
     }
-    let limits = PlanLimits {
-        max_ids: shared.cfg.max_ids_per_lease,
-        max_streams: shared.cfg.max_streams_per_lease,
-        max_read: u64::from(shared.cfg.limits.max_data),
-    };
-    let mut charges = NodeCharges {
-        shared,
-        lease,
-        now: shared.now(),
-        turn,
-    };
-    let p = plan(limits, state, &b.commands, &mut charges);
-    Ok((loads, writes, p))
+    Ok((loads, writes, held))
 }
 
-/// What goes to the worker: the loads, then the planned commands.
+/// What goes to the worker: the loads, the lease's limits, then the
+/// batch's commands.
 struct Work<'a> {
-    b: &'a Batch<'a>,
-    wire: &'a [u8],
+    b: &'a Incoming<'a>,
     loads: &'a [Load],
     writes: &'a [u8],
-    /// How many of the batch's commands were planned (the rest refused).
-    planned: usize,
+    limits: BatchLimits,
 }
 
 /// What the worker ran.
-#[derive(Default)]
 struct Ran {
     /// Modules loaded.
     loaded: usize,
-    /// Commands completed.
-    completed: usize,
+    reply: BatchReply,
     /// The reads' bytes.
     out: Vec<u8>,
     /// Or, for a large reply, their length and the worker request whose
     /// reply the worker keeps them for.
     held: Option<(u64, u64)>,
-    /// The worker's failure, by the command (or module) it names.
-    error: Option<OpError>,
 }
 
 /// Sends the work to the lease's worker (in the lease's order: the caller
@@ -342,7 +309,7 @@ async fn send_work<'s>(
     slot: &'s LeaseSlot,
     w: &Work<'_>,
 ) -> Result<SentRequest<'s>, Reply> {
-    let lease = &w.b.lease;
+    let lease = &w.b.head.lease;
     let n_loads = w.loads.len();
     let mut parts: Vec<&[u8]> = Vec::with_capacity(n_loads + 1);
     let mut worker_loads = Vec::with_capacity(n_loads);
@@ -355,17 +322,9 @@ async fn send_work<'s>(
         parts.push(&l.source.1);
     }
     parts.push(w.writes);
-    // The worker's message is the loads, then the commands as the client
-    // encoded them (the same postcard as `WorkerBatch`); only a batch the
-    // node stops early has its accepted part encoded anew.
-    let mut body = Vec::new();
-    proto::postcard_encode(&worker_loads, &mut body);
-    if w.planned == w.b.commands.len() {
-        body.extend_from_slice(w.wire);
-    } else {
-        let accepted = &w.b.commands[..w.planned];
-        proto::encode_commands(&mut body, accepted.len(), accepted);
-    }
+    let modules: Vec<ModuleHash> = w.b.head.modules.iter().map(|m| m.hash).collect();
+    let mut body = Vec::with_capacity(w.b.wire.len() + 64);
+    encode_worker_batch(&mut body, &worker_loads, &w.limits, &modules, w.b.wire);
     let flags = if stamps::enabled() { FLAG_STAMPS } else { 0 };
     slot.worker
         .send(Opcode::Batch, flags, &body, &parts, shared.cfg.op_timeout)
@@ -374,22 +333,23 @@ async fn send_work<'s>(
 }
 
 /// Reads what the worker ran of the work; modules it loaded enter the
-/// node's cache.
+/// node's cache, and the lease's usage is what the worker reports.
 async fn receive_work(
     shared: &Arc<Shared>,
     who: &Principal,
+    slot: &LeaseSlot,
     w: &Work<'_>,
     sent: SentRequest<'_>,
 ) -> Result<Ran, Reply> {
-    let lease = &w.b.lease;
-    let n_loads = w.loads.len();
+    let lease = &w.b.head.lease;
     let res = sent.reply().await;
     let frame = res.map_err(|e| worker_lost(shared, lease, &e))?;
     if frame.header.status != Status::Ok {
-        let f = from_body::<crate::device::DeviceError>(&frame.body)
+        // Refused whole: nothing of it ran.
+        let message = from_body::<crate::device::DeviceError>(&frame.body)
             .map(|f| f.message)
             .unwrap_or_default();
-        return Err(Reply::err(frame.header.status, format!("worker: {f}")));
+        return Err(Reply::err(frame.header.status, message));
     }
     let reply: WorkerBatchReply = from_body(&frame.body)
         .map_err(|e| Reply::err(Status::Internal, format!("worker reply: {e}")))?;
@@ -404,38 +364,38 @@ async fn receive_work(
             stamps::stamp_at(p, t);
         }
     }
-    let done = reply.completed as usize;
-    let loaded = done.min(n_loads);
+    // The reply's bytes were budgeted: a worker that returns more is not
+    // believed.
+    let len = u64::from(frame.header.data_len);
+    if len > w.limits.reply_bytes {
+        let e = WorkerError::Dead(format!(
+            "it answered {len} reply bytes to a batch held {}",
+            w.limits.reply_bytes
+        ));
+        return Err(worker_lost(shared, lease, &e));
+    }
+    let loaded = (reply.loaded as usize).min(w.loads.len());
     keep_modules(shared, who, &w.loads[..loaded], reply.compiled);
-    let completed = done.saturating_sub(n_loads).min(w.planned);
-    let error = reply.error.map(|e| {
-        if e.sticky {
+    {
+        let mut state = slot.state();
+        state.usage = reply.usage;
+        shared.table().set_allocated(lease, reply.usage.allocated);
+    }
+    if reply.sticky {
+        if let Some(e) = &reply.error {
             fail_lease(shared, lease, &e.message);
         }
-        if done < n_loads {
-            // A module failed to load: nothing of the batch ran.
-            let hash = w.loads[done].hash;
-            OpError {
-                index: first_use(w.b, hash),
-                status: e.status,
-                message: format!("module {hash}: {}", e.message),
-            }
-        } else {
-            OpError {
-                index: completed as u32,
-                status: e.status,
-                message: format!("command {completed}: {}", e.message),
-            }
-        }
-    });
+    }
     let held = (frame.header.flags & FLAG_HELD != 0)
         .then(|| (frame.header.request_id, u64::from(frame.header.data_len)));
     Ok(Ran {
         loaded,
-        completed,
+        reply: BatchReply {
+            completed: reply.completed,
+            error: reply.error,
+        },
         out: frame.data,
         held,
-        error,
     })
 }
 
@@ -462,117 +422,6 @@ fn keep_modules(
         if loaded.iter().any(|l| l.hash == hash) {
             let entry = Arc::new((SourceKind::Ptx, ptx.into_bytes()));
             cache.insert(hash, entry, who, cap, share);
-        }
-    }
-}
-
-/// What a batch sent to the worker will make, in the lease's state now:
-/// the batches planned after it may name it (if it does not run, they fail
-/// on the worker, naming it). Frees wait for the reply ([`undo_unrun`]).
-fn apply_planned(slot: &LeaseSlot, b: &Batch<'_>, loads: &[Load], p: &Plan) {
-    let mut state = slot.state();
-    for l in loads {
-        state.modules.insert(l.hash, l.source.1.len() as u64);
-    }
-    for (c, effect) in b.commands.iter().zip(&p.effects) {
-        state.streams.insert(c.stream);
-        if let Effect::Create(id, k) = *effect {
-            state.ids.insert(id, k);
-        }
-    }
-    for (_, change) in &p.graphs {
-        if let GraphChange::Made(g, ids) = change {
-            state.graphs.insert(*g, ids.clone());
-        }
-    }
-}
-
-/// Once the worker answered: undoes what [`apply_planned`] made and did
-/// not run (giving its charges back), and applies the frees that ran.
-fn undo_unrun(
-    shared: &Shared,
-    slot: &LeaseSlot,
-    b: &Batch<'_>,
-    loads: &[Load],
-    p: &Plan,
-    ran: &Ran,
-) {
-    let lease = &b.lease;
-    // A lease's state, then the table: the order `prepare` takes them in
-    // (the table is charged while the state is held).
-    let mut state = slot.state();
-    let mut table = shared.table();
-    for (i, l) in loads.iter().enumerate() {
-        if i >= ran.loaded {
-            state.modules.remove(&l.hash);
-            table.credit(lease, l.source.1.len() as u64);
-        }
-    }
-    for (i, size) in &p.charged {
-        if *i >= ran.completed {
-            table.credit(lease, *size);
-        }
-    }
-    // In command order: a batch may free an id and make it again.
-    for (i, effect) in p.effects.iter().enumerate() {
-        match *effect {
-            Effect::Create(id, _) if i >= ran.completed => {
-                state.ids.remove(&id);
-            }
-            Effect::Create(id, k) => {
-                state.ids.insert(id, k);
-            }
-            Effect::Free(id) if i < ran.completed => {
-                if let Some(IdKind::Buffer(n)) = state.ids.remove(&id) {
-                    table.credit(lease, n);
-                }
-            }
-            _ => {}
-        }
-    }
-    for (i, change) in &p.graphs {
-        match change {
-            // Not made: its kept bytes' charge goes back.
-            GraphChange::Made(g, ids) if *i >= ran.completed => {
-                state.graphs.remove(g);
-                table.credit(lease, ids.kept);
-            }
-            GraphChange::Freed(g) if *i < ran.completed => {
-                if let Some(ids) = state.graphs.remove(g) {
-                    table.credit(lease, ids.kept);
-                    for f in ids.frees {
-                        if let Some(IdKind::Buffer(n)) = state.ids.remove(&f) {
-                            table.credit(lease, n);
-                        }
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
-}
-
-/// What a plan charges on the node: allocations to the lease's reservation
-/// in the lease table, read bytes to the principal's byte budget.
-struct NodeCharges<'a, 't> {
-    shared: &'a Shared,
-    lease: &'a LeaseId,
-    now: std::time::Duration,
-    turn: Option<&'t mut BudgetTurn>,
-}
-
-impl Charges for NodeCharges<'_, '_> {
-    fn alloc(&mut self, bytes: u64) -> Result<(), (Status, String)> {
-        self.shared
-            .table()
-            .charge(self.lease, bytes, self.now)
-            .map_err(|e| (e.status, e.message))
-    }
-
-    fn reply(&mut self, bytes: u64) -> Result<(), String> {
-        match self.turn.as_deref_mut() {
-            Some(t) => t.grow(bytes),
-            None => Ok(()),
         }
     }
 }

@@ -7,15 +7,16 @@ use std::time::Duration;
 use tracing::{debug, info};
 
 use super::auth::{owner_filter, principal, token_principal};
-use super::batch::{run_batch, run_in_order};
+use super::batch::{run_batch, run_in_order, Incoming};
 use super::handshake::Peer;
 use super::submit::{submit, submit_turn, BudgetTurn};
 use super::{take_worker, LeaseSlot, LeaseState, Reply, Shared, Slot};
 use crate::lease_table::{LeaseTable, Principal};
 use crate::lock;
 use crate::proto::{
-    from_body, to_body, Batch, Command, DeviceInfo, Frame, GpuSubmit, Hello, HelloOk, IdOp,
-    Inventory, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, MemAlloc, Op, Opcode, Status,
+    self, from_body, to_body, BatchHead, Command, DeviceInfo, Frame, GpuSubmit, Hello, HelloOk,
+    IdOp, Inventory, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, MemAlloc, Op, Opcode,
+    Status,
 };
 use crate::stamps::{stamp, Point};
 use crate::worker::WorkerProcess;
@@ -54,7 +55,6 @@ pub(super) async fn dispatch_inner(
         return hello(shared, peer, f);
     }
     let who = principal(peer)?.clone();
-    let now = shared.now();
     match op {
         Opcode::Hello => unreachable!("handled above"),
         Opcode::LeaseFree => {
@@ -72,7 +72,7 @@ pub(super) async fn dispatch_inner(
             let r: LeaseRef = from_body(&f.body)?;
             let t = shared.table();
             t.check_owner(&r.lease, Some(&who))?;
-            Ok(Reply::ok(&t.status(&r.lease, now)?))
+            Ok(Reply::ok(&t.status(&r.lease, shared.now())?))
         }
         Opcode::MemAlloc => {
             let m: MemAlloc = from_body(&f.body)?;
@@ -154,7 +154,8 @@ fn lease_renew(shared: &Shared, who: &Principal, f: &Frame) -> Result<Reply, Rep
     }))
 }
 
-/// BATCH: decoded, checked, run in the lease's order.
+/// BATCH: its head decoded and checked, run in the lease's order (its
+/// commands are decoded and checked by the lease's worker).
 async fn batch(
     shared: &Arc<Shared>,
     who: &Principal,
@@ -162,13 +163,20 @@ async fn batch(
     f: &Frame,
     turn: Option<&mut BudgetTurn>,
 ) -> Result<Reply, Reply> {
-    let (b, wire) = Batch::decode_keeping_wire(&f.body)?;
-    b.validate(f.data.len())?;
+    let (head, wire) = BatchHead::decode(&f.body)?;
+    head.validate(f.data.len())?;
+    // (refused on its count, before the worker decodes any)
+    let commands = proto::command_count(wire)?;
     stamp(Point::BatchDecoded);
     shared.metrics.batch_total.inc();
-    let commands = b.commands.len() as u64;
     shared.metrics.batch_commands.inc_by(commands);
-    let (reply, data, held) = run_in_order(shared, who, conn, &b, wire, &f.data, turn).await?;
+    let b = Incoming {
+        head: &head,
+        wire,
+        commands,
+        data: &f.data,
+    };
+    let (reply, data, held) = run_in_order(shared, who, conn, &b, turn).await?;
     Ok(Reply {
         data,
         held,
@@ -205,15 +213,21 @@ pub(super) async fn single(
     lease: LeaseId,
     op: Op<'_>,
 ) -> Result<Reply, Reply> {
-    let batch = Batch {
+    let commands = [Command { stream: 0, op }];
+    let head = BatchHead {
         lease,
         seq: 0,
         modules: Vec::new(),
-        commands: vec![Command { stream: 0, op }],
+        reply_bytes: proto::reply_bytes(&commands),
     };
-    batch.validate(0)?;
-    let wire = to_body(&batch.commands);
-    let (reply, _, _) = run_batch(shared, who, &batch, &wire, &[], None, None).await?;
+    let wire = to_body(&commands[..]);
+    let b = Incoming {
+        head: &head,
+        wire: &wire,
+        commands: 1,
+        data: &[],
+    };
+    let (reply, _, _) = run_batch(shared, who, &b, None, None).await?;
     match reply.error {
         Some(e) => Err(Reply::err(e.status, e.message)),
         None => Ok(Reply::empty()),

@@ -1,62 +1,25 @@
-//! What the node holds for one lease: its worker, the ids its client named,
+//! What the node holds for one lease: its worker, the modules it loaded,
 //! and the order of its batches.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Mutex as StdMutex;
 
 use super::order;
 use crate::lock;
-use crate::proto::{Id, ModuleHash, StreamId};
-use crate::worker::WorkerProcess;
+use crate::proto::ModuleHash;
+use crate::worker::{Usage, WorkerProcess};
 
-/// What a client-named id of a lease is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum IdKind {
-    /// A buffer of this many bytes (charged to the lease).
-    Buffer(u64),
-    /// An event.
-    Event,
-    /// A started timer.
-    Timer,
-    /// A graph (its body is in [`LeaseState::graphs`]).
-    Graph,
-}
-
-impl IdKind {
-    /// What it is, for messages: "a buffer", "an event"...
-    pub(super) fn noun(self) -> &'static str {
-        match self {
-            IdKind::Buffer(_) => "a buffer",
-            IdKind::Event => "an event",
-            IdKind::Timer => "a timer",
-            IdKind::Graph => "a graph",
-        }
-    }
-}
-
-/// What a graph of a lease holds on to.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub(super) struct GraphIds {
-    /// The ids its body names: none of them can be freed while it lives.
-    pub(super) uses: HashSet<Id>,
-    /// The frees its body asked for, run with its own.
-    pub(super) frees: Vec<Id>,
-    /// Its body's upload bytes, kept by the worker for its replays and
-    /// charged to the lease's reservation.
-    pub(super) kept: u64,
-}
-
-/// A lease's client-named objects, as the node tracks them.
+/// What the node keeps of a lease's state: the modules it loaded (the
+/// node decides what a batch loads) and what it held at its worker's last
+/// reply (the worker keeps its ids, streams and graphs, and checks every
+/// command against them).
 #[derive(Debug, Default)]
 pub(super) struct LeaseState {
-    pub(super) ids: HashMap<Id, IdKind>,
     /// Modules loaded in the lease's worker, with the source bytes charged
     /// to the lease for each (a loaded module costs device memory too).
     pub(super) modules: HashMap<ModuleHash, u64>,
-    /// Streams the lease has used.
-    pub(super) streams: HashSet<StreamId>,
-    /// The lease's live graphs.
-    pub(super) graphs: HashMap<Id, GraphIds>,
+    /// What the lease held when its worker last answered a batch.
+    pub(super) usage: Usage,
 }
 
 /// What a node holds for one lease ([`Node::lease_usage`](super::Node::lease_usage)).
@@ -78,11 +41,11 @@ pub struct LeaseUsage {
 
 pub(super) struct LeaseSlot {
     pub(super) worker: WorkerProcess,
-    /// Serializes a lease's requests from planning to sending them to the
-    /// worker (never held while their work runs).
+    /// Serializes a lease's requests to its worker: a batch is planned
+    /// there in the order it was sent (never held while their work runs).
     pub(super) exec: tokio::sync::Mutex<()>,
-    /// What the lease holds. Lock order: a lease's state, then the node's
-    /// lease table (never the other way round).
+    /// What the node keeps of the lease. Lock order: a lease's state,
+    /// then the node's lease table (never the other way round).
     pub(super) state: StdMutex<LeaseState>,
     /// The order of its numbered batches (see [`Batch::seq`](crate::proto::Batch::seq)).
     pub(super) order: order::LeaseOrder,

@@ -6,8 +6,8 @@
 //! (accepting, the pre-authentication gate, one request's read and reply),
 //! `handshake` (bounds on connections that have not authenticated), `auth`
 //! (principals and the owner check), `dispatch` (requests by opcode),
-//! `plan` (what a BATCH does to its lease, decided before it runs), `batch`
-//! (running a BATCH on the lease's worker), `stream` (MEM_WRITE / MEM_READ
+//! `batch` (a BATCH's modules and reply budget, then its commands handed
+//! undecoded to the lease's worker, which plans and runs them), `stream` (MEM_WRITE / MEM_READ
 //! through the worker's shared ring), `submit` (the per-principal byte
 //! budget and GPU_SUBMIT); this file holds the shared state, the node's
 //! start and shutdown, the worker pool and the reaper.
@@ -34,7 +34,6 @@ mod held;
 mod lease;
 mod modules;
 mod order;
-mod plan;
 mod stream;
 mod submit;
 
@@ -53,7 +52,7 @@ use crate::worker::{WorkerError, WorkerProcess};
 use handshake::{HandshakeLimits, Handshakes};
 use held::HeldData;
 pub use lease::LeaseUsage;
-use lease::{GraphIds, IdKind, LeaseSlot, LeaseState};
+use lease::{LeaseSlot, LeaseState};
 use modules::{ModuleCache, ModuleSource};
 
 type Slot = Arc<LeaseSlot>;
@@ -396,10 +395,11 @@ impl Node {
         self.shared.render_metrics()
     }
 
-    /// What the node holds for lease `id` now: its allocated bytes, live
-    /// buffers and events, streams used and modules loaded (`None` once
-    /// the lease is gone). A failed submission leaves this as the commands
-    /// that ran left it (see [`cuda_lease::remote`]).
+    /// What the node holds for lease `id`: its allocated bytes, live
+    /// buffers and events, streams used and modules loaded, as of the
+    /// lease's last answered batch (`None` once the lease is gone). A
+    /// failed submission leaves this as the commands that ran left it (see
+    /// [`cuda_lease::remote`]).
     pub fn lease_usage(&self, id: &LeaseId) -> Option<LeaseUsage> {
         let (slot, allocated) = {
             let mut t = self.shared.table();
@@ -408,18 +408,13 @@ impl Node {
             (t.get(id, now).ok()?, allocated)
         };
         let state = slot.state();
-        let buffers = state
-            .ids
-            .values()
-            .filter(|k| matches!(k, IdKind::Buffer(_)))
-            .count();
-        let graphs = state.graphs.len();
+        let u = state.usage;
         Some(LeaseUsage {
             allocated,
-            buffers,
-            events: state.ids.len() - buffers - graphs,
-            graphs,
-            streams: state.streams.len(),
+            buffers: u.buffers as usize,
+            events: u.events as usize,
+            graphs: u.graphs as usize,
+            streams: u.streams as usize,
             modules: state.modules.len(),
         })
     }

@@ -3,7 +3,8 @@
 //! chunk k+1 overlaps the worker's copy of chunk k (and, reading, the
 //! worker fills chunk k+1 while chunk k goes out on QUIC). The node holds at
 //! most the worker's ring, whatever the size. Header and body are checked
-//! (authentication, lease, handle, range) before any data is read.
+//! (authentication, lease) before any data is read; the lease's worker
+//! checks the handle and range with the first chunk, before it copies any.
 //!
 //! The chunks ready at once (up to [`MAX_CHUNKS_PER_CALL`]) go to the
 //! worker in one short call under the lease's exec lock, so concurrent
@@ -26,11 +27,9 @@ use tokio::io::{AsyncWrite, AsyncWriteExt};
 use super::auth::{lease_of, principal};
 use super::batch::{stalled, worker_lost};
 use super::handshake::Peer;
-use super::{fail_lease, IdKind, Reply, Shared, Slot as LeaseRef};
+use super::{fail_lease, Reply, Shared, Slot as LeaseRef};
 use crate::lease_table::Principal;
-use crate::proto::{
-    self, from_body, to_body, Header, Id, LeaseId, MemRead, MemWrite, Opcode, Status,
-};
+use crate::proto::{self, from_body, to_body, Header, LeaseId, MemRead, MemWrite, Opcode, Status};
 use crate::shm::{ShmRing, Slot, SLOTS, SLOT_BYTES};
 use crate::worker::{chunks_outcome, ChunkOp, ChunkOps, MAX_CHUNKS_PER_CALL};
 
@@ -136,34 +135,6 @@ async fn send_reply(send: &mut impl DataOut, req: &Header, reply: &Reply) -> boo
         .is_ok()
 }
 
-/// Checks authentication, the lease and the buffer, and that
-/// `offset + len` lies inside it.
-fn check(
-    shared: &Shared,
-    who: &Principal,
-    lease: &LeaseId,
-    buf: Id,
-    offset: u64,
-    len: u64,
-) -> Result<LeaseRef, Reply> {
-    let slot = lease_of(shared, who, lease)?;
-    let size = match slot.state().ids.get(&buf) {
-        Some(IdKind::Buffer(size)) => *size,
-        Some(k) => {
-            let why = format!("{buf} is {}, not a buffer", k.noun());
-            return Err(Reply::err(Status::BadRequest, why));
-        }
-        None => return Err(Reply::err(Status::NotFound, format!("no buffer {buf}"))),
-    };
-    if offset.checked_add(len).is_none_or(|end| end > size) {
-        return Err(Reply::err(
-            Status::BadRequest,
-            format!("range {offset}+{len} is outside a buffer of {size} bytes"),
-        ));
-    }
-    Ok(slot)
-}
-
 /// Chunks on the worker, in one call sent under the lease's exec lock
 /// (after every batch sent before it; the lock is not held while the
 /// copies run).
@@ -209,7 +180,7 @@ async fn write(
     let checked = match from_body::<MemWrite>(body) {
         Ok(m) => follow(shared, who, &m.lease, m.after)
             .await
-            .and_then(|()| check(shared, who, &m.lease, m.buf, m.offset, len))
+            .and_then(|()| lease_of(shared, who, &m.lease))
             .map(|s| (m, s)),
         Err(e) => Err(Reply::from(e)),
     };
@@ -221,6 +192,14 @@ async fn write(
             return Err(r);
         }
     };
+    // The lease's worker checks the range with the first chunk (alone
+    // when there is none).
+    let range = Some((m.buf, m.offset, len));
+    if len == 0 {
+        let ops = ChunkOps { range, ops: vec![] };
+        chunks(shared, &m.lease, &slot, Opcode::MemWrite, ops).await?;
+        return Ok(Reply::empty());
+    }
     let ring = slot.worker.ring().clone();
     let failed = AtomicBool::new(false);
     let (tx, mut rx) = mpsc::channel::<(Slot, u64, u32)>(SLOTS);
@@ -248,6 +227,7 @@ async fn write(
     };
     let forwarder = async {
         let mut result = Ok(());
+        let mut range = range;
         let mut group = Vec::with_capacity(MAX_CHUNKS_PER_CALL);
         while let Some(first) = rx.recv().await {
             // The first chunk and every other one already received.
@@ -268,7 +248,11 @@ async fn write(
                         len: *n,
                     })
                     .collect();
-                result = chunks(shared, &m.lease, &slot, Opcode::MemWrite, ChunkOps { ops }).await;
+                let ops = ChunkOps {
+                    range: range.take(),
+                    ops,
+                };
+                result = chunks(shared, &m.lease, &slot, Opcode::MemWrite, ops).await;
                 if result.is_err() {
                     failed.store(true, Ordering::Relaxed);
                 }
@@ -301,6 +285,15 @@ async fn read(
     let fill = |at: u64| fill_chunks(shared, &ring, &slot, &m, len, at);
     // The first chunks before the header, so an early failure is a reply.
     let first = if len == 0 {
+        // The lease's worker checks the range (with the first chunks
+        // otherwise).
+        let ops = ChunkOps {
+            range: Some((m.buf, m.offset, 0)),
+            ops: vec![],
+        };
+        if let Err(r) = chunks(shared, &m.lease, &slot, Opcode::MemRead, ops).await {
+            return send_reply(send, header, &r).await;
+        }
         None
     } else {
         match fill(0).await {
@@ -319,8 +312,8 @@ async fn read(
 }
 
 /// A MEM_READ's body, decoded and checked (size limit; then, once the
-/// batch it follows has run, lease, handle and range), with the lease it
-/// reads.
+/// batch it follows has run, the lease), with the lease it reads (its
+/// worker checks the handle and range).
 async fn check_read(
     shared: &Shared,
     who: &Principal,
@@ -337,7 +330,7 @@ async fn check_read(
         ));
     }
     follow(shared, who, &m.lease, m.after).await?;
-    let slot = check(shared, who, &m.lease, m.buf, m.offset, u64::from(m.len))?;
+    let slot = lease_of(shared, who, &m.lease)?;
     Ok((m, slot))
 }
 
@@ -402,9 +395,17 @@ async fn fill_chunks(
         out.push((s, n));
         next += u64::from(n);
     }
-    chunks(shared, &m.lease, slot, Opcode::MemRead, ChunkOps { ops })
-        .await
-        .map(|()| out)
+    // The transfer's range is checked with its first chunks.
+    let range = (at == 0).then_some((m.buf, m.offset, len));
+    chunks(
+        shared,
+        &m.lease,
+        slot,
+        Opcode::MemRead,
+        ChunkOps { range, ops },
+    )
+    .await
+    .map(|()| out)
 }
 
 /// Sends a MEM_READ's data after its header, `first` (the first chunks)

@@ -77,6 +77,26 @@ impl BudgetTurn {
     }
 }
 
+impl BudgetTurn {
+    /// Charges up to `want` more bytes to this request, as many as fit in
+    /// the principal's budget now; returns how many.
+    pub(super) fn grow_up_to(&mut self, want: u64) -> u64 {
+        let mut m = lock(&self.shared.budgets);
+        let Some((_, held)) = m.get_mut(&self.who) else {
+            return 0;
+        };
+        let left = self
+            .shared
+            .cfg
+            .max_bytes_per_principal
+            .saturating_sub(*held);
+        let more = want.min(left);
+        *held += more;
+        self.bytes += more;
+        more
+    }
+}
+
 impl Drop for BudgetTurn {
     fn drop(&mut self) {
         let mut m = lock(&self.shared.budgets);

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use super::enqueue::{enqueue, Payload};
 use super::graphs::Graphs;
+use super::lease::{Lease, Planned};
 use super::messages::{
     ChunkOps, HeldRead, WorkerBatch, WorkerBatchReply, FLAG_HELD, FLAG_STAMPS, HELD_MIN,
     MAX_CHUNKS_PER_CALL,
@@ -17,8 +18,8 @@ use crate::device::{
     CudaDevice, DeviceArg, DeviceError, LaunchDims, LeaseDevice, MemoryDevice, Ticket,
 };
 use crate::proto::{
-    self, from_body, to_body, Frame, GpuSubmit, Header, Id, LaunchArg, ModuleHash, Opcode,
-    SourceKind, Status,
+    self, from_body, to_body, Command, Frame, GpuSubmit, Header, Id, LaunchArg, ModuleHash, Op,
+    OpError, Opcode, SourceKind, Status,
 };
 use crate::sandbox::{CompileSandbox, Compiler};
 use crate::shm::{WorkerRing, SHM_ENV};
@@ -64,6 +65,8 @@ pub(super) fn run_worker(spec: &str) -> i32 {
     }
     let mut submit_modules: HashSet<ModuleHash> = HashSet::new();
     let mut graphs = Graphs::default();
+    // The lease this worker serves (a submit worker serves none).
+    let mut lease = Lease::default();
     // How long to poll for the next request before blocking (the node
     // passes its budget; absent: block at once).
     let spin = std::env::var(SPIN_ENV)
@@ -81,7 +84,15 @@ pub(super) fn run_worker(spec: &str) -> i32 {
         std::io::stdin().as_raw_fd()
     };
     loop {
-        if answer_done(device.as_mut(), &mut running, &mut held, &mut output).is_err() {
+        if answer_done(
+            device.as_mut(),
+            &mut lease,
+            &mut running,
+            &mut held,
+            &mut output,
+        )
+        .is_err()
+        {
             return 1;
         }
         if input.buffer().is_empty() {
@@ -90,6 +101,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
             } else {
                 match wait_for_work(
                     device.as_mut(),
+                    &mut lease,
                     &mut running,
                     &mut held,
                     &mut output,
@@ -121,30 +133,33 @@ pub(super) fn run_worker(spec: &str) -> i32 {
             continue;
         }
         let (status, body, data) = if frame.header.opcode == Opcode::Batch {
-            // Enqueued and sealed now, answered when its work is done.
-            match from_body::<WorkerBatch<'_>>(&frame.body) {
-                Ok(b) => {
-                    let enqueued =
-                        enqueue_batch(device.as_mut(), &mut graphs, &compiler, &b, &frame.data);
+            // Planned, enqueued and sealed now, answered when its work is
+            // done; refused whole at once.
+            let batch = from_body::<WorkerBatch<'_>>(&frame.body)
+                .map_err(|e| DeviceError::new(Status::BadRequest, e.to_string()));
+            let mut dev = Dev {
+                dev: device.as_mut(),
+                graphs: &mut graphs,
+                compiler: &compiler,
+            };
+            match batch.and_then(|b| enqueue_batch(&mut dev, &mut lease, &b, &frame.data)) {
+                Ok(enqueued) => {
                     let ticket = device.seal(enqueued.read_at);
                     running.push(Running {
                         request: frame.header,
                         ticket,
-                        work: Sealed::Batch(enqueued),
+                        work: Sealed::Batch(Box::new(enqueued)),
                         armed: false,
                         stamps: read_at.map(|t| [t, now_ns()]),
                     });
                     continue;
                 }
-                Err(e) => {
-                    let f = DeviceError::new(Status::BadRequest, e.to_string());
-                    (f.status, to_body(&f), Vec::new())
-                }
+                Err(f) => (f.status, to_body(&f), Vec::new()),
             }
         } else if matches!(frame.header.opcode, Opcode::MemWrite | Opcode::MemRead) {
             // Enqueued and sealed now, answered when the copies are done
             // (the node reuses or sends the ring's slots only then).
-            match enqueue_chunks(device.as_mut(), &mut ring, &frame) {
+            match enqueue_chunks(device.as_mut(), &lease, &mut ring, &frame) {
                 Some((status, body)) => (status, body, Vec::new()),
                 None => {
                     running.push(Running {
@@ -158,13 +173,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                 }
             }
         } else {
-            serve(
-                device.as_mut(),
-                &mut graphs,
-                &compiler,
-                &mut submit_modules,
-                &frame,
-            )
+            serve(device.as_mut(), &mut submit_modules, &frame)
         };
         let h = Header::reply(&frame.header, status, body.len() as u32, data.len() as u32);
         if proto::write_frame_blocking(&mut output, &h, &body, &data).is_err() {
@@ -239,7 +248,7 @@ struct Running {
 /// What a [`Running`] answers when its work is done.
 enum Sealed {
     /// A batch: its reads and what ran of it.
-    Batch(Enqueued),
+    Batch(Box<Enqueued>),
     /// A call of streamed chunks: done, or the failure.
     Chunks,
 }
@@ -248,6 +257,7 @@ enum Sealed {
 /// finish. `Err` when the node's pipe broke.
 fn answer_done(
     dev: &mut dyn LeaseDevice,
+    lease: &mut Lease,
     running: &mut Vec<Running>,
     held: &mut Held,
     output: &mut impl std::io::Write,
@@ -262,7 +272,7 @@ fn answer_done(
         let done = r.stamps.map(|_| now_ns());
         let (status, body, out) = match r.work {
             Sealed::Batch(enqueued) => {
-                let (mut reply, out) = enqueued.reply(finished);
+                let (mut reply, out) = enqueued.reply(lease, finished);
                 if let (Some([read, enqueued]), Some(done)) = (r.stamps, done) {
                     reply.stamps = Some([read, enqueued, done, now_ns()]);
                 }
@@ -285,8 +295,10 @@ fn answer_done(
 /// millisecond has passed (what notices a batch the device could not arm
 /// or a context that died). `Ok(true)` once a request can be read,
 /// `Ok(false)` once every batch is answered.
+#[allow(clippy::too_many_arguments)]
 fn wait_for_work(
     dev: &mut dyn LeaseDevice,
+    lease: &mut Lease,
     running: &mut Vec<Running>,
     held: &mut Held,
     output: &mut impl std::io::Write,
@@ -296,7 +308,7 @@ fn wait_for_work(
 ) -> Result<bool, ()> {
     let start = std::time::Instant::now();
     loop {
-        answer_done(dev, running, held, output)?;
+        answer_done(dev, lease, running, held, output)?;
         if running.is_empty() {
             return Ok(false);
         }
@@ -325,16 +337,12 @@ fn wait_for_work(
 /// enqueued, to be sealed and answered when its copies are done.
 pub(super) fn enqueue_chunks(
     dev: &mut dyn LeaseDevice,
+    lease: &Lease,
     ring: &mut Option<std::io::Result<WorkerRing>>,
     f: &Frame,
 ) -> Option<(Status, Vec<u8>)> {
     let fail =
         |status, message: String| Some((status, to_body(&DeviceError::new(status, message))));
-    let ring = match ring {
-        Some(Ok(r)) => r,
-        Some(Err(e)) => return fail(Status::Internal, format!("shared ring: {e}")),
-        None => return fail(Status::Internal, "no shared ring".into()),
-    };
     let ops: ChunkOps = match from_body(&f.body) {
         Ok(ops) => ops,
         Err(e) => return fail(Status::BadRequest, e.to_string()),
@@ -345,6 +353,25 @@ pub(super) fn enqueue_chunks(
             format!("{} chunks in one call", ops.ops.len()),
         );
     }
+    // The transfer's range, then each chunk's, inside the lease's buffer.
+    let ranges = ops.range.into_iter();
+    let chunks = ops
+        .ops
+        .iter()
+        .map(|op| (op.id, op.offset, u64::from(op.len)));
+    for (id, offset, len) in ranges.chain(chunks) {
+        if let Err(e) = lease.check_range(id, offset, len) {
+            return Some((e.status, to_body(&e)));
+        }
+    }
+    if ops.ops.is_empty() {
+        return None;
+    }
+    let ring = match ring {
+        Some(Ok(r)) => r,
+        Some(Err(e)) => return fail(Status::Internal, format!("shared ring: {e}")),
+        None => return fail(Status::Internal, "no shared ring".into()),
+    };
     for op in ops.ops {
         let slot = match ring.slot(op.slot, op.len) {
             Ok(s) => s,
@@ -366,10 +393,9 @@ pub(super) fn enqueue_chunks(
     None
 }
 
+/// Serves a request that is answered at once (the inventory, GPU_SUBMIT).
 pub(super) fn serve(
     dev: &mut dyn LeaseDevice,
-    graphs: &mut Graphs,
-    compiler: &Compiler,
     cache: &mut HashSet<ModuleHash>,
     f: &Frame,
 ) -> (Status, Vec<u8>, Vec<u8>) {
@@ -378,14 +404,6 @@ pub(super) fn serve(
         Opcode::GetInventory => match dev.info() {
             Ok(info) => (Status::Ok, to_body(&info), Vec::new()),
             Err(e) => fail(e),
-        },
-        Opcode::Batch => match from_body::<WorkerBatch<'_>>(&f.body) {
-            Ok(b) => {
-                let mut out = Vec::new();
-                let reply = run_batch(dev, graphs, compiler, &b, &f.data, &mut out);
-                (Status::Ok, to_body(&reply), out)
-            }
-            Err(e) => fail(DeviceError::new(Status::BadRequest, e.to_string())),
         },
         Opcode::GpuSubmit => match from_body::<GpuSubmit<'_>>(&f.body) {
             Ok(s) => match submit(dev, cache, &s, &f.data) {
@@ -401,108 +419,151 @@ pub(super) fn serve(
     }
 }
 
-/// What enqueueing a batch did: the modules it compiled, the first
-/// failure (by step: loads, then commands) and where its reads end.
+/// A worker's device and what runs beside it.
+pub(super) struct Dev<'a> {
+    pub(super) dev: &'a mut dyn LeaseDevice,
+    pub(super) graphs: &'a mut Graphs,
+    pub(super) compiler: &'a Compiler,
+}
+
+/// What enqueueing a batch did: its plan, the modules it compiled, the
+/// first failure and where its reads end.
 pub(super) struct Enqueued {
+    planned: Planned,
+    /// Modules to load and commands planned.
+    loads: usize,
+    commands: usize,
+    /// A module that failed to load (nothing of the batch ran), as the
+    /// client sees it: by the first command that launches it.
+    load_failed: Option<(usize, OpError, bool)>,
+    /// A command that failed to enqueue (the ones before it run).
     failed: Option<(usize, DeviceError)>,
     compiled: Vec<(ModuleHash, String)>,
-    steps: usize,
     /// Bytes of the reads (and timers) in the reply's data.
     pub(super) read_at: usize,
 }
 
 impl Enqueued {
     /// The reply once the batch's work finished (`finished`: its reads,
-    /// or the failure found waiting for it).
-    fn reply(self, finished: Result<Vec<u8>, DeviceError>) -> (WorkerBatchReply, Vec<u8>) {
+    /// or the failure found waiting for it); the lease is settled.
+    fn reply(
+        self,
+        lease: &mut Lease,
+        finished: Result<Vec<u8>, DeviceError>,
+    ) -> (WorkerBatchReply, Vec<u8>) {
         let (finished, out) = match finished {
             Ok(out) => (Ok(()), out),
             Err(e) => (Err(e), Vec::new()),
         };
-        let (completed, error) = match (self.failed, finished) {
-            // A fault while waiting outranks an enqueue error: it is sticky.
-            (Some((i, _)), Err(e)) if e.sticky => (i, Some(e)),
-            (Some((i, e)), _) => (i, Some(e)),
-            (None, Err(e)) => (self.steps, Some(e)),
-            (None, Ok(())) => (self.steps, None),
+        let (loaded, completed, error, sticky) = if let Some((i, e, sticky)) = self.load_failed {
+            (i, 0, Some(e), sticky)
+        } else {
+            let (completed, failure) = match (self.failed, finished) {
+                // A fault while waiting outranks an enqueue error: it is sticky.
+                (Some((i, _)), Err(e)) if e.sticky => (i, Some(e)),
+                (Some((i, e)), _) => (i, Some(e)),
+                (None, Err(e)) => (self.commands, Some(e)),
+                (None, Ok(())) => (self.commands, None),
+            };
+            let sticky = failure.as_ref().is_some_and(|e| e.sticky);
+            let error = failure.map(|e| OpError {
+                index: completed as u32,
+                status: e.status,
+                message: format!("command {completed}: {}", e.message),
+            });
+            // What the plan refused comes after what ran.
+            let error = error.or_else(|| self.planned.plan.error.clone());
+            (self.loads, completed, error, sticky)
         };
+        lease.settle(&self.planned, loaded, completed);
         let reply = WorkerBatchReply {
+            loaded: loaded as u32,
             completed: completed as u32,
             compiled: self.compiled,
             error,
+            sticky,
+            usage: lease.usage(),
             stamps: None,
         };
         (reply, out)
     }
 }
 
-/// Runs a batch to its end: enqueues it and waits for its work.
-pub(super) fn run_batch(
-    dev: &mut dyn LeaseDevice,
-    graphs: &mut Graphs,
-    compiler: &Compiler,
-    batch: &WorkerBatch<'_>,
-    data: &[u8],
-    out: &mut Vec<u8>,
-) -> WorkerBatchReply {
-    let e = enqueue_batch(dev, graphs, compiler, batch, data);
-    out.resize(e.read_at, 0);
-    let finished = dev.finish(out).map(|()| std::mem::take(out));
-    let (reply, bytes) = e.reply(finished);
-    *out = bytes;
-    reply
-}
-
-/// Loads a batch's modules and enqueues its commands, stopping at the
-/// first failure; what was enqueued runs to its end (a failure stops only
-/// what comes after it).
+/// Checks and plans a batch against the lease, loads its modules and
+/// enqueues its planned commands, stopping at the first failure; what was
+/// enqueued runs to its end (a failure stops only what comes after it).
+/// `Err`: the batch is refused whole, nothing of it charged or run.
 pub(super) fn enqueue_batch(
-    dev: &mut dyn LeaseDevice,
-    graphs: &mut Graphs,
-    compiler: &Compiler,
+    d: &mut Dev<'_>,
+    lease: &mut Lease,
     batch: &WorkerBatch<'_>,
     data: &[u8],
-) -> Enqueued {
+) -> Result<Enqueued, DeviceError> {
+    let commands = &batch.commands.0[..];
+    let sources: u64 = batch.loads.iter().map(|l| u64::from(l.len)).sum();
+    let writes_len = (data.len() as u64).checked_sub(sources).ok_or_else(|| {
+        DeviceError::new(Status::BadRequest, "the modules' sources pass the data")
+    })?;
+    let loads: Vec<(ModuleHash, u64)> = batch
+        .loads
+        .iter()
+        .map(|l| (l.hash, u64::from(l.len)))
+        .collect();
+    let planned = lease.plan(&batch.limits, &batch.modules, &loads, commands, writes_len)?;
     let mut payload = Payload::new(data);
     let mut read_at = 0usize;
-    let mut failed = None;
     let mut compiled = Vec::new();
-    let loads = batch.loads.len();
-    let steps = loads + batch.commands.0.len();
+    let mut e = Enqueued {
+        loads: loads.len(),
+        commands: planned.plan.effects.len(),
+        planned,
+        load_failed: None,
+        failed: None,
+        compiled: Vec::new(),
+        read_at: 0,
+    };
     for (i, l) in batch.loads.iter().enumerate() {
         let r = payload
             .take(l.len.into())
-            .and_then(|d| {
-                check_module(compiler, &l.kind, d)?;
-                dev.load_module(l.hash, &l.kind, d)
+            .and_then(|src| {
+                check_module(d.compiler, &l.kind, src)?;
+                d.dev.load_module(l.hash, &l.kind, src)
             })
             .map(|ptx| compiled.extend(ptx.map(|p| (l.hash, p))));
-        if let Err(e) = r {
-            failed = Some((i, e));
-            break;
+        if let Err(err) = r {
+            let index = first_use(commands, l.hash);
+            let message = format!("module {}: {}", l.hash, err.message);
+            let error = OpError {
+                index,
+                status: err.status,
+                message,
+            };
+            e.load_failed = Some((i, error, err.sticky));
+            e.compiled = compiled;
+            return Ok(e);
         }
     }
-    let commands = if failed.is_none() {
-        &batch.commands.0[..]
-    } else {
-        &[]
-    };
-    for (i, c) in commands.iter().enumerate() {
-        let r = match graphs.intercept(dev, c, &mut payload) {
+    for (i, c) in commands[..e.commands].iter().enumerate() {
+        let r = match d.graphs.intercept(d.dev, c, &mut payload) {
             Some(r) => r,
-            None => enqueue(dev, c, &mut payload, &mut read_at),
+            None => enqueue(d.dev, c, &mut payload, &mut read_at),
         };
-        if let Err(e) = r {
-            failed = Some((loads + i, e));
+        if let Err(err) = r {
+            e.failed = Some((i, err));
             break;
         }
     }
-    Enqueued {
-        failed,
-        compiled,
-        steps,
-        read_at,
-    }
+    e.compiled = compiled;
+    e.read_at = read_at;
+    Ok(e)
+}
+
+/// Index of the first command that launches `hash` (0 if none).
+fn first_use(commands: &[Command<'_>], hash: ModuleHash) -> u32 {
+    commands
+        .iter()
+        .position(|c| matches!(&c.op, Op::Launch(s) if s.module == hash))
+        .unwrap_or(0) as u32
 }
 
 pub(super) fn submit(

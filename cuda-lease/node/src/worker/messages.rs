@@ -3,8 +3,10 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::lease::{BatchLimits, Usage};
+#[cfg(doc)]
 use crate::device::DeviceError;
-use crate::proto::{CommandList, Id, ModuleHash, SourceKind};
+use crate::proto::{CommandList, Id, ModuleHash, OpError, SourceKind};
 
 /// A module a worker loads before a batch's commands; its source is the
 /// next `len` bytes of the call's data.
@@ -26,25 +28,87 @@ pub(crate) struct ChunkOp {
     pub(crate) len: u32,
 }
 
-/// A batch for a worker: the modules to load, then the client's commands
-/// (checked by the node, and forwarded as the client encoded them). The
-/// call's data holds the module sources, then the writes' payloads.
+/// A batch for a worker: the modules to load, the lease's limits, the
+/// batch's module list, then the client's commands as the client encoded
+/// them (the node forwards them undecoded; the worker checks and plans
+/// them against its lease). The call's data holds the sources of the
+/// modules to load, then the writes' payloads.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct WorkerBatch<'a> {
     pub(crate) loads: Vec<WorkerLoad>,
+    pub(crate) limits: BatchLimits,
+    /// Every module the batch names (its launches may name only these).
+    pub(crate) modules: Vec<ModuleHash>,
     #[serde(borrow)]
     pub(crate) commands: CommandList<'a>,
 }
 
+/// Appends a [`WorkerBatch`] whose commands are `wire`, a command list as
+/// a client encoded it (the node does not decode it).
+pub(crate) fn encode_worker_batch(
+    out: &mut Vec<u8>,
+    loads: &[WorkerLoad],
+    limits: &BatchLimits,
+    modules: &[ModuleHash],
+    wire: &[u8],
+) {
+    crate::proto::postcard_encode(&(loads, limits, modules), out);
+    out.extend_from_slice(wire);
+}
+
+#[cfg(test)]
+#[test]
+fn a_worker_batch_is_its_head_then_the_commands_as_they_came() {
+    use crate::proto::{to_body, Command, Op};
+    let commands = vec![Command {
+        stream: 3,
+        op: Op::Read {
+            buf: Id(7),
+            offset: 1,
+            len: 9,
+        },
+    }];
+    let loads = vec![WorkerLoad {
+        hash: ModuleHash([1; 32]),
+        kind: SourceKind::Ptx,
+        len: 5,
+    }];
+    let limits = BatchLimits {
+        reserved: 1 << 30,
+        max_ids: 4,
+        max_streams: 2,
+        max_read: 1 << 20,
+        reply_bytes: 9,
+    };
+    let modules = vec![ModuleHash([1; 32]), ModuleHash([2; 32])];
+    let mut body = Vec::new();
+    let wire = to_body(&commands);
+    encode_worker_batch(&mut body, &loads, &limits, &modules, &wire);
+    let b: WorkerBatch<'_> = crate::proto::from_body(&body).unwrap();
+    assert_eq!(b.loads, loads);
+    assert_eq!(b.limits, limits);
+    assert_eq!(b.modules, modules);
+    assert_eq!(b.commands.0, commands);
+}
+
+/// What a worker ran of a batch. A batch the worker refuses whole (its
+/// commands malformed, its modules over the reservation) is answered with
+/// the [`DeviceError`] as the status and body instead.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct WorkerBatchReply {
-    /// Commands enqueued; with `error` and `completed == ops.len()`, the
-    /// failure came when waiting for them (a kernel fault).
+    /// Modules loaded.
+    pub(crate) loaded: u32,
+    /// Commands that ran.
     pub(crate) completed: u32,
     /// PTX that CUDA C modules of the batch compiled to, for the node's
     /// cache.
     pub(crate) compiled: Vec<(ModuleHash, String)>,
-    pub(crate) error: Option<DeviceError>,
+    /// The first failure, by the command (or module) it names.
+    pub(crate) error: Option<OpError>,
+    /// The failure poisoned the lease's context.
+    pub(crate) sticky: bool,
+    /// What the lease holds once the batch settled.
+    pub(crate) usage: Usage,
     /// The worker's stamps of the batch ([`FLAG_STAMPS`]): when it read
     /// the request, enqueued it, saw it done and wrote this reply
     /// (`cuda_lease::stamps::now_ns` times).
@@ -60,6 +124,10 @@ pub(crate) const FLAG_STAMPS: u16 = 0x4000;
 /// wake-up, per 2 MiB).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct ChunkOps {
+    /// The transfer's whole range (buffer, offset, bytes), checked
+    /// against the lease before any chunk: sent with a transfer's first
+    /// call (alone for an empty transfer).
+    pub(crate) range: Option<(Id, u64, u64)>,
     pub(crate) ops: Vec<ChunkOp>,
 }
 

@@ -16,7 +16,10 @@
 //! Where each part lives: `process` (the node's side: starting a worker,
 //! its pipes and shared ring, requests with a time bound, the kill),
 //! `child` (the worker process's loop and what it runs), `messages` (what
-//! the two say to each other beyond the wire's own messages), `enqueue` (a
+//! the two say to each other beyond the wire's own messages), `lease` (the
+//! lease's ids, streams, graphs and reservation as its worker keeps them),
+//! `plan` (what a batch does to the lease, checked before anything of it
+//! is enqueued), `enqueue` (a
 //! batch's commands onto the device, for batches and graph bodies); this file
 //! holds how a worker is started ([`WorkerSpec`], [`DeviceSpec`]) and the
 //! [`main_if_worker`] hook.
@@ -31,11 +34,15 @@ use crate::sandbox::CompileSandbox;
 mod child;
 mod enqueue;
 mod graphs;
+mod lease;
 mod messages;
+mod plan;
 mod process;
 
+pub(crate) use self::lease::{BatchLimits, Usage};
 pub(crate) use self::messages::{
-    ChunkOp, ChunkOps, WorkerBatchReply, WorkerLoad, FLAG_HELD, FLAG_STAMPS, MAX_CHUNKS_PER_CALL,
+    encode_worker_batch, ChunkOp, ChunkOps, WorkerBatchReply, WorkerLoad, FLAG_HELD, FLAG_STAMPS,
+    MAX_CHUNKS_PER_CALL,
 };
 pub use self::process::PIPE_BUFFER_BYTES;
 pub(crate) use self::process::{chunks_outcome, SentRequest, WorkerError, WorkerProcess};

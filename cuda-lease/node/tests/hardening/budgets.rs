@@ -469,3 +469,56 @@ async fn an_unread_large_batch_reply_holds_a_window_on_the_node_not_its_data() {
     lease.free().await.unwrap();
     fx.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_batch_reads_no_more_than_its_head_declared() {
+    // The node holds what a BATCH's head declares for its reply (it does
+    // not decode the commands); the lease's worker refuses the read that
+    // would pass it, and the commands before it run.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let fx = Fixture::memory(1 << 20).lease(4096).start().await;
+    let (client, lease) = (fx.client(), fx.lease());
+    let buf = proto::Id(1);
+    let commands = [
+        proto::Op::Alloc { buf, size: 16 },
+        proto::Op::Read {
+            buf,
+            offset: 0,
+            len: 4,
+        },
+        proto::Op::Read {
+            buf,
+            offset: 4,
+            len: 8,
+        },
+    ]
+    .map(|op| proto::Command { stream: 0, op });
+    // (bytes declared, commands that run, bytes they read)
+    for (declared, completed, read) in [(12, 3, 12), (11, 2, 4), (0, 1, 0)] {
+        let mut body = Vec::new();
+        proto::encode_batch_head(&mut body, lease.id(), 0, &[], declared);
+        proto::encode_commands(&mut body, commands.len(), &commands);
+        let (reply, data) = client.request(Opcode::Batch, &body, &[]).await.unwrap();
+        let reply: proto::BatchReply = proto::from_body(&reply).unwrap();
+        assert_eq!(reply.completed, completed, "{declared} declared: {reply:?}");
+        assert_eq!(data.len(), read, "{declared} declared");
+        if let Some(e) = reply.error {
+            assert_eq!(e.index, completed, "{e:?}");
+            assert_eq!(e.status, Status::CapacityExceeded, "{e:?}");
+            assert!(
+                e.message.contains(&format!("holds {declared} bytes")),
+                "{e:?}"
+            );
+        }
+        // The buffer made by the batch goes with it (the next makes it again).
+        let free = [proto::Command {
+            stream: 0,
+            op: proto::Op::Free { id: buf },
+        }];
+        let mut body = Vec::new();
+        proto::encode_batch_head(&mut body, lease.id(), 0, &[], 0);
+        proto::encode_commands(&mut body, 1, &free);
+        client.request(Opcode::Batch, &body, &[]).await.unwrap();
+    }
+    fx.free_and_shutdown().await;
+}

@@ -316,6 +316,55 @@ async fn cross_lease_access_denied() {
 }
 
 #[tokio::test]
+async fn a_transfer_is_checked_against_the_lease_whatever_its_length() {
+    // The lease's worker checks a streamed transfer's buffer and whole
+    // range before it copies anything: an empty one too (which the client
+    // never sends, and copies nothing).
+    let fx = Fixture::memory(1 << 20).lease(4096).start().await;
+    let (client, lease) = (fx.client().clone(), fx.lease().id());
+    let s = fx.lease().session();
+    let buf = s.alloc(16).await.unwrap();
+    let transfer = |id: u64, offset: u64, len: usize| {
+        let client = client.clone();
+        async move {
+            let (buf, after) = (proto::Id(id), 0);
+            let write = proto::MemWrite {
+                lease,
+                buf,
+                offset,
+                after,
+            };
+            let (body, data) = (proto::to_body(&write), vec![1; len]);
+            let w = client.request(Opcode::MemWrite, &body, &data).await;
+            let read = proto::MemRead {
+                lease,
+                buf,
+                offset,
+                len: len as u32,
+                after,
+            };
+            let r = client
+                .request(Opcode::MemRead, &proto::to_body(&read), &[])
+                .await;
+            (w.map(|_| ()), r.map(|_| ()))
+        }
+    };
+    for len in [0, 4] {
+        for (id, offset, why) in [(999, 0, "no buffer #999"), (buf.id().0, 17, "range 17+")] {
+            let (w, r) = transfer(id, offset, len).await;
+            for e in [w.unwrap_err(), r.unwrap_err()] {
+                assert!(e.to_string().contains(why), "{len} bytes: {e}");
+            }
+        }
+        let (w, r) = transfer(buf.id().0, 12, len).await;
+        w.unwrap();
+        r.unwrap();
+    }
+    drop(buf);
+    fx.free_and_shutdown().await;
+}
+
+#[tokio::test]
 async fn batch_runs_in_order_with_one_reply() {
     let fx = Fixture::memory(1 << 20).lease(1 << 16).start().await;
     let s = fx.session();
@@ -498,7 +547,11 @@ async fn garbage_on_the_wire_leaves_node_serving() {
     let mut body = vec![0u8; h.body_len as usize];
     recv.read_exact(&mut body).await.unwrap();
     let msg = proto::from_body::<proto::ErrorBody>(&body).unwrap().message;
-    assert_eq!(msg, "unsupported protocol version 1: this node speaks 6");
+    let speaks = format!(
+        "unsupported protocol version 1: this node speaks {}",
+        proto::VERSION
+    );
+    assert_eq!(msg, speaks);
     // The attacker's own authenticated connection and the victim still work.
     assert!(attacker.inventory().await.is_ok());
     let s = lease.session();

@@ -20,7 +20,7 @@ async fn a_remote_future_dropped_in_flight_frees_only_after_the_node_s_work() {
         .lease(1 << 21)
         .start()
         .await;
-    let (node, lease, remote) = (&fx.node, fx.lease(), fx.policy());
+    let (node, remote) = (&fx.node, fx.policy());
     let hang = Module::cuda(HANG, &[]).unwrap().kernel("__hang").unwrap();
     let bytes = 1usize << 20;
     let vram_before = vram_allocated(node);
@@ -57,11 +57,6 @@ async fn a_remote_future_dropped_in_flight_frees_only_after_the_node_s_work() {
         batches(node),
         (sent.0 + 1, sent.1 + 1),
         "the dropped buffer's free went out before the work was over"
-    );
-    let allocated = lease.query().await.unwrap().allocated;
-    assert!(
-        allocated >= bytes as u64,
-        "freed early: {allocated} bytes left"
     );
     // Once the work is over (the hang times out after 10 s, which fails the
     // lease), the buffer is freed: the node's accounting is back where it

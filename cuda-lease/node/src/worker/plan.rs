@@ -1,13 +1,13 @@
 //! The batch planner: what a BATCH's commands do to its lease's ids,
-//! streams and reservation, decided before any of them runs. Pure logic
-//! over the lease's state: what it charges (allocations to the lease's
-//! reservation, read bytes to the principal's budget) goes through
-//! [`Charges`], so the rules are unit-tested without QUIC, processes or a
-//! lease table.
+//! streams and reservation, decided in the lease's worker before any of
+//! them is enqueued. Pure logic over the lease's state: what it charges
+//! (allocations to the lease's reservation, read bytes to what the batch
+//! declared) goes through [`Charges`], so the rules are unit-tested
+//! without QUIC, processes or a device.
 
 use std::collections::{HashMap, HashSet};
 
-use super::{GraphIds, IdKind, LeaseState};
+use super::lease::{GraphIds, IdKind, LeaseState};
 use crate::device::{fill_bytes, gemm_spans};
 
 mod graphs;
@@ -24,8 +24,8 @@ pub(super) enum Effect {
     Free(Id),
 }
 
-/// What a batch's commands do to the lease, up to the first command the
-/// node refuses (the commands before it go to the worker).
+/// What a batch's commands do to the lease, up to the first command
+/// refused (the commands before it are enqueued).
 #[derive(Debug)]
 pub(super) struct Plan {
     pub(super) effects: Vec<Effect>,
@@ -60,7 +60,8 @@ pub(super) struct PlanLimits {
 pub(super) trait Charges {
     /// An allocation of `bytes`, to the lease's reservation.
     fn alloc(&mut self, bytes: u64) -> Result<(), (Status, String)>;
-    /// `bytes` of reply data, to the principal's byte budget.
+    /// `bytes` of reply data, to what the batch declared (the node holds
+    /// that much of the principal's byte budget for its reply).
     fn reply(&mut self, bytes: u64) -> Result<(), String>;
 }
 

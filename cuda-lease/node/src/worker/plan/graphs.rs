@@ -2,8 +2,8 @@
 //! its launches and its free, and the rule that keeps what a live graph
 //! uses alive.
 
+use super::super::lease::{GraphIds, IdKind};
 use super::{Charges, Effect, GraphChange, Planner, Refusal, Step};
-use crate::node::{GraphIds, IdKind};
 use crate::proto::{Command, Id, Op, Status};
 
 /// Refuses a `GraphBegin` at `i` whose body does not end in the batch
