@@ -57,6 +57,7 @@
 #[cfg(feature = "cli")]
 pub mod config_file;
 pub mod device;
+mod ids;
 pub mod lease_table;
 pub mod log;
 pub mod metrics;

@@ -90,8 +90,8 @@ pub(super) fn too_many_streams() -> DeviceError {
 
 /// The buffer a memory kernel argument names, with its offset checked
 /// against the buffer's length (shared by every device implementation).
-pub(super) fn mem_arg<B>(
-    buffers: &HashMap<Id, B>,
+pub(super) fn mem_arg<B, S: std::hash::BuildHasher>(
+    buffers: &HashMap<Id, B, S>,
     id: Id,
     offset: u64,
     len: impl Fn(&B) -> usize,

@@ -7,8 +7,6 @@
 //! The node's plan has checked every command already (ids, ranges, the
 //! body's rules): what reaches here is well formed.
 
-use std::collections::HashMap;
-
 use super::enqueue::{enqueue, Payload};
 use crate::device::{DeviceError, LeaseDevice};
 use crate::proto::{
@@ -40,7 +38,7 @@ impl Body {
 /// The lease's graphs, and the one being recorded.
 #[derive(Default)]
 pub(super) struct Graphs {
-    live: HashMap<Id, Body>,
+    live: crate::ids::IdMap<Id, Body>,
     open: Option<(Id, Body)>,
 }
 

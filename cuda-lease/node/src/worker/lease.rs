@@ -4,12 +4,11 @@
 //! ([`Lease::plan`]); what did not run is undone once its work is done
 //! ([`Lease::settle`]).
 
-use std::collections::{HashMap, HashSet};
-
 use serde::{Deserialize, Serialize};
 
 use super::plan::{plan, Charges, Effect, GraphChange, Plan, PlanLimits};
 use crate::device::DeviceError;
+pub(super) use crate::ids::{IdMap, IdSet};
 use crate::proto::{validate_commands, Command, Id, ModuleHash, Status, StreamId};
 
 /// What a client-named id of a lease is.
@@ -41,7 +40,7 @@ impl IdKind {
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub(super) struct GraphIds {
     /// The ids its body names: none of them can be freed while it lives.
-    pub(super) uses: HashSet<Id>,
+    pub(super) uses: IdSet<Id>,
     /// The frees its body asked for, run with its own.
     pub(super) frees: Vec<Id>,
     /// Its body's upload bytes, kept by the worker for its replays and
@@ -52,7 +51,7 @@ pub(super) struct GraphIds {
 /// A lease's live ids, with a count of its buffers.
 #[derive(Debug, Default)]
 pub(super) struct Ids {
-    map: HashMap<Id, IdKind>,
+    map: IdMap<Id, IdKind>,
     buffers: u32,
 }
 
@@ -88,9 +87,9 @@ impl Ids {
 pub(super) struct LeaseState {
     pub(super) ids: Ids,
     /// Streams the lease has used.
-    pub(super) streams: HashSet<StreamId>,
+    pub(super) streams: IdSet<StreamId>,
     /// The lease's live graphs.
-    pub(super) graphs: HashMap<Id, GraphIds>,
+    pub(super) graphs: IdMap<Id, GraphIds>,
 }
 
 /// What a lease holds, as its worker reports it with each batch's reply.

@@ -5,9 +5,7 @@
 //! declared) goes through [`Charges`], so the rules are unit-tested
 //! without QUIC, processes or a device.
 
-use std::collections::{HashMap, HashSet};
-
-use super::lease::{GraphIds, IdKind, LeaseState};
+use super::lease::{GraphIds, IdKind, IdMap, IdSet, LeaseState};
 use crate::device::{fill_bytes, gemm_spans};
 
 mod graphs;
@@ -68,7 +66,7 @@ pub(super) trait Charges {
 /// What `id` is after the commands planned so far: the batch's own
 /// creations and frees over the lease's state.
 pub(super) fn kind_of(
-    overlay: &HashMap<Id, Option<IdKind>>,
+    overlay: &IdMap<Id, Option<IdKind>>,
     state: &LeaseState,
     id: Id,
 ) -> Option<IdKind> {
@@ -90,12 +88,12 @@ pub(super) fn plan(
     let mut planner = Planner {
         limits,
         state,
-        overlay: HashMap::new(),
+        overlay: IdMap::default(),
         live: state.ids.len(),
         streams: state.streams.clone(),
         read_total: 0,
         open: None,
-        graph_overlay: HashMap::new(),
+        graph_overlay: IdMap::default(),
         graph_changes: Vec::new(),
     };
     let mut p = Plan {
@@ -167,14 +165,14 @@ struct Planner<'s> {
     limits: PlanLimits,
     state: &'s LeaseState,
     /// The batch's own creations (`Some`) and frees (`None`).
-    overlay: HashMap<Id, Option<IdKind>>,
+    overlay: IdMap<Id, Option<IdKind>>,
     live: usize,
-    streams: HashSet<StreamId>,
+    streams: IdSet<StreamId>,
     read_total: u64,
     /// The graph whose body is being planned.
     open: Option<(Id, GraphIds)>,
     /// The batch's own graphs (`Some`) and graph frees (`None`).
-    graph_overlay: HashMap<Id, Option<GraphIds>>,
+    graph_overlay: IdMap<Id, Option<GraphIds>>,
     graph_changes: Vec<(usize, GraphChange)>,
 }
 

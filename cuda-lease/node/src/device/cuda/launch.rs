@@ -1,8 +1,6 @@
 //! Kernel launches: kernels resolved and checked against their PTX
 //! parameters, and run-time argument lists laid out for the driver.
 
-use std::collections::HashMap;
-
 use cuda_async::{check_launch_config, DeviceBuffer, Error, Kernel, LaunchConfig};
 use cuda_core::{Args, ParamClass};
 
@@ -89,7 +87,7 @@ impl CudaDevice {
     /// `args`' values pushed onto `list`, a buffer's as its address at its
     /// offset (the buffer one of `buffers`).
     pub(super) fn push_args<'a>(
-        buffers: &'a HashMap<Id, DeviceBuffer<u8>>,
+        buffers: &'a crate::ids::IdMap<Id, DeviceBuffer<u8>>,
         list: &mut Args<'a>,
         args: &[DeviceArg<'_>],
     ) -> Result<(), DeviceError> {

@@ -1,6 +1,8 @@
 //! The real device, [`CudaDevice`], on `cuda-core` and `cuda-async`.
 
 use std::collections::HashMap;
+
+use crate::ids::IdMap;
 use std::sync::Arc;
 
 use cuda_async::{CudaStream, DeviceBuffer, Kernel, Module, PinnedBuffer};
@@ -44,23 +46,23 @@ use staging::SpareBuffers;
 #[derive(Debug)]
 pub struct CudaDevice {
     device: cuda_async::Device,
-    streams: HashMap<StreamId, Arc<CudaStream>>,
-    buffers: HashMap<Id, DeviceBuffer<u8>>,
-    events: HashMap<Id, CudaEvent>,
+    streams: IdMap<StreamId, Arc<CudaStream>>,
+    buffers: IdMap<Id, DeviceBuffer<u8>>,
+    events: IdMap<Id, CudaEvent>,
     /// Started timers: their start events (timing enabled).
-    timers: HashMap<Id, CudaEvent>,
+    timers: IdMap<Id, CudaEvent>,
     /// Timers ended since the last finish: start, end, where the
     /// nanoseconds land.
     timer_reads: Vec<(CudaEvent, CudaEvent, usize)>,
-    modules: HashMap<ModuleHash, Module>,
+    modules: IdMap<ModuleHash, Module>,
     /// Kernels resolved so far, by module and name.
-    kernels: HashMap<ModuleHash, HashMap<String, Kernel>>,
+    kernels: IdMap<ModuleHash, IdMap<String, Kernel>>,
     /// Reads enqueued since the last finish: where they land.
     reads: Vec<(PinnedBuffer<u8>, usize)>,
     /// Buffers whose latest uses, on the stream named here, are not
     /// recorded in the buffer's own use events yet (see
     /// [`CudaDevice::flush_use`]).
-    pending: HashMap<Id, StreamId>,
+    pending: IdMap<Id, StreamId>,
     /// Small freed buffers kept for the next allocation of their size.
     spare: SpareBuffers,
     /// Where small writes are staged and small reads land (made on
@@ -84,7 +86,7 @@ pub struct CudaDevice {
     /// The node's ring, registered for direct copies (`register_ring`).
     ring: Option<cuda_core::HostRegistration>,
     /// Graphs captured natively, by id.
-    graphs: HashMap<Id, cuda_core::TrackedGraph>,
+    graphs: IdMap<Id, cuda_core::TrackedGraph>,
     /// Where a capture's allocations go (made on first capture).
     capture_alloc: Option<Arc<CudaStream>>,
     /// A graph's body is being captured: writes bypass the batch arena
@@ -143,15 +145,15 @@ impl CudaDevice {
             .map_err(|e| map(st, "memory pool", e))?;
         Ok(Self {
             device,
-            streams: HashMap::new(),
-            buffers: HashMap::new(),
-            events: HashMap::new(),
-            timers: HashMap::new(),
+            streams: IdMap::default(),
+            buffers: IdMap::default(),
+            events: IdMap::default(),
+            timers: IdMap::default(),
             timer_reads: Vec::new(),
-            modules: HashMap::new(),
-            kernels: HashMap::new(),
+            modules: IdMap::default(),
+            kernels: IdMap::default(),
             reads: Vec::new(),
-            pending: HashMap::new(),
+            pending: IdMap::default(),
             spare: SpareBuffers::default(),
             arena: None,
             arena_reads: Vec::new(),
@@ -161,7 +163,7 @@ impl CudaDevice {
             arg_list: ArgList::new(),
             compiler: Arc::default(),
             ring: None,
-            graphs: HashMap::new(),
+            graphs: IdMap::default(),
             capture_alloc: None,
             capturing: false,
             spare_arenas: Vec::new(),
