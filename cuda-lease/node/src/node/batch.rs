@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::auth::lease_of;
 use super::order::{Arrival, Place, Stalled};
 use super::submit::BudgetTurn;
-use super::{fail_lease, HeldData, LeaseSlot, LeaseState, ModuleSource, Reply, Shared};
+use super::{fail_lease, HeldData, LeaseSlot, LeaseView, ModuleSource, Reply, Shared};
 use crate::lease_table::Principal;
 use crate::lock;
 use crate::proto::{
@@ -51,7 +51,7 @@ pub(super) struct Load {
 /// the node's cache here.
 pub(super) fn modules_to_load<'d>(
     shared: &Shared,
-    state: &LeaseState,
+    state: &LeaseView,
     b: &BatchHead,
     data: &'d [u8],
 ) -> Result<(Vec<Load>, &'d [u8]), Reply> {

@@ -10,7 +10,7 @@ use super::auth::{owner_filter, principal, token_principal};
 use super::batch::{run_batch, run_in_order, Incoming};
 use super::handshake::Peer;
 use super::submit::{submit, submit_turn, BudgetTurn};
-use super::{take_worker, LeaseSlot, LeaseState, Reply, Shared, Slot};
+use super::{take_worker, LeaseSlot, LeaseView, Reply, Shared, Slot};
 use crate::lease_table::{LeaseTable, Principal};
 use crate::lock;
 use crate::proto::{
@@ -315,7 +315,7 @@ pub(super) async fn lease_alloc(
     let slot = Arc::new(LeaseSlot {
         worker,
         exec: tokio::sync::Mutex::new(()),
-        state: StdMutex::new(LeaseState::default()),
+        state: StdMutex::new(LeaseView::default()),
         order: super::order::LeaseOrder::default(),
     });
     let now = shared.now();

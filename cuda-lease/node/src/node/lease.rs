@@ -14,7 +14,7 @@ use crate::worker::{Usage, WorkerProcess};
 /// reply (the worker keeps its ids, streams and graphs, and checks every
 /// command against them).
 #[derive(Debug, Default)]
-pub(super) struct LeaseState {
+pub(super) struct LeaseView {
     /// Modules loaded in the lease's worker, with the source bytes charged
     /// to the lease for each (a loaded module costs device memory too).
     pub(super) modules: HashMap<ModuleHash, u64>,
@@ -46,7 +46,7 @@ pub(super) struct LeaseSlot {
     pub(super) exec: tokio::sync::Mutex<()>,
     /// What the node keeps of the lease. Lock order: a lease's state,
     /// then the node's lease table (never the other way round).
-    pub(super) state: StdMutex<LeaseState>,
+    pub(super) state: StdMutex<LeaseView>,
     /// The order of its numbered batches (see [`Batch::seq`](crate::proto::Batch::seq)).
     pub(super) order: order::LeaseOrder,
 }
@@ -59,7 +59,7 @@ impl LeaseSlot {
         self.worker.kill();
     }
 
-    pub(super) fn state(&self) -> std::sync::MutexGuard<'_, LeaseState> {
+    pub(super) fn state(&self) -> std::sync::MutexGuard<'_, LeaseView> {
         lock(&self.state)
     }
 }

@@ -52,7 +52,7 @@ use crate::worker::{WorkerError, WorkerProcess};
 use handshake::{HandshakeLimits, Handshakes};
 use held::HeldData;
 pub use lease::LeaseUsage;
-use lease::{LeaseSlot, LeaseState};
+use lease::{LeaseSlot, LeaseView};
 use modules::{ModuleCache, ModuleSource};
 
 type Slot = Arc<LeaseSlot>;

@@ -20,7 +20,7 @@ pub(super) enum IdKind {
     Event,
     /// A started timer.
     Timer,
-    /// A graph (its body is in [`LeaseState::graphs`]).
+    /// A graph (its body is in [`LeaseObjects::graphs`]).
     Graph,
 }
 
@@ -82,9 +82,9 @@ impl Ids {
     }
 }
 
-/// A lease's client-named objects.
+/// A lease's client-named objects: its ids, streams and graphs.
 #[derive(Debug, Default)]
-pub(super) struct LeaseState {
+pub(super) struct LeaseObjects {
     pub(super) ids: Ids,
     /// Streams the lease has used.
     pub(super) streams: IdSet<StreamId>,
@@ -130,7 +130,7 @@ pub(crate) struct BatchLimits {
 /// The lease of a worker.
 #[derive(Debug, Default)]
 pub(super) struct Lease {
-    pub(super) state: LeaseState,
+    objects: LeaseObjects,
     /// Bytes charged to the reservation.
     allocated: u64,
 }
@@ -219,7 +219,7 @@ impl Lease {
             held: limits.reply_bytes,
             read: 0,
         };
-        let plan = plan(plan_limits, &self.state, commands, &mut charges);
+        let plan = plan(plan_limits, &self.objects, commands, &mut charges);
         self.apply(commands, &plan);
         Ok(Planned {
             loads: loads.iter().map(|(_, len)| *len).collect(),
@@ -231,7 +231,7 @@ impl Lease {
     /// batches planned after it may name it (if it does not run, they fail
     /// on the device, naming it). Frees wait for [`Lease::settle`].
     fn apply(&mut self, commands: &[Command<'_>], p: &Plan) {
-        let state = &mut self.state;
+        let state = &mut self.objects;
         for (c, effect) in commands.iter().zip(&p.effects) {
             state.streams.insert(c.stream);
             if let Effect::Create(id, k) = *effect {
@@ -251,7 +251,7 @@ impl Lease {
     /// that ran.
     pub(super) fn settle(&mut self, planned: &Planned, loaded: usize, completed: usize) {
         let p = &planned.plan;
-        let state = &mut self.state;
+        let state = &mut self.objects;
         let mut credit = |n: u64| self.allocated = self.allocated.saturating_sub(n);
         for len in planned.loads.iter().skip(loaded) {
             credit(*len);
@@ -303,7 +303,7 @@ impl Lease {
     /// Checks that `offset + len` lies inside buffer `buf` (a streamed
     /// transfer's range).
     pub(super) fn check_range(&self, buf: Id, offset: u64, len: u64) -> Result<(), DeviceError> {
-        let size = match self.state.ids.get(&buf) {
+        let size = match self.objects.ids.get(&buf) {
             Some(IdKind::Buffer(size)) => *size,
             Some(k) => {
                 let why = format!("{buf} is {}, not a buffer", k.noun());
@@ -327,7 +327,7 @@ impl Lease {
 
     /// What the lease holds now.
     pub(super) fn usage(&self) -> Usage {
-        let s = &self.state;
+        let s = &self.objects;
         let (ids, buffers, graphs) = (s.ids.len() as u32, s.ids.buffers, s.graphs.len() as u32);
         Usage {
             allocated: self.allocated,

@@ -5,7 +5,7 @@
 //! declared) goes through [`Charges`], so the rules are unit-tested
 //! without QUIC, processes or a device.
 
-use super::lease::{GraphIds, IdKind, IdMap, IdSet, LeaseState};
+use super::lease::{GraphIds, IdKind, IdMap, IdSet, LeaseObjects};
 use crate::device::{fill_bytes, gemm_spans};
 
 mod graphs;
@@ -67,7 +67,7 @@ pub(super) trait Charges {
 /// creations and frees over the lease's state.
 pub(super) fn kind_of(
     overlay: &IdMap<Id, Option<IdKind>>,
-    state: &LeaseState,
+    state: &LeaseObjects,
     id: Id,
 ) -> Option<IdKind> {
     match overlay.get(&id) {
@@ -81,7 +81,7 @@ pub(super) fn kind_of(
 /// refused ends the plan with its error.
 pub(super) fn plan(
     limits: PlanLimits,
-    state: &LeaseState,
+    state: &LeaseObjects,
     commands: &[Command<'_>],
     charges: &mut dyn Charges,
 ) -> Plan {
@@ -163,7 +163,7 @@ type Refusal = (Status, String);
 /// The lease as the commands planned so far leave it.
 struct Planner<'s> {
     limits: PlanLimits,
-    state: &'s LeaseState,
+    state: &'s LeaseObjects,
     /// The batch's own creations (`Some`) and frees (`None`).
     overlay: IdMap<Id, Option<IdKind>>,
     live: usize,

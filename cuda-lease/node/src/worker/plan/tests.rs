@@ -78,13 +78,13 @@ fn fill_in(buf: Id, offset: u64, len: u64, normal: bool) -> Op<'static> {
     })
 }
 
-fn run(state: &LeaseState, commands: &[Command<'_>], b: &mut Budget) -> Plan {
+fn run(state: &LeaseObjects, commands: &[Command<'_>], b: &mut Budget) -> Plan {
     plan(LIMITS, state, commands, b)
 }
 
 #[test]
 fn a_chain_plans_whole_and_charges_its_allocations() {
-    let state = LeaseState::default();
+    let state = LeaseObjects::default();
     let (a, e) = (Id(1), Id(2));
     let cmds = [
         cmd(0, Op::Alloc { buf: a, size: 100 }),
@@ -121,7 +121,7 @@ fn a_chain_plans_whole_and_charges_its_allocations() {
 
 #[test]
 fn the_first_refused_command_ends_the_plan_and_is_named() {
-    let state = LeaseState::default();
+    let state = LeaseObjects::default();
     let a = Id(1);
     let cases: Vec<(Command<'static>, Status, &str)> = vec![
         (
@@ -281,7 +281,7 @@ fn the_first_refused_command_ends_the_plan_and_is_named() {
 
 #[test]
 fn ids_are_limited_and_a_free_makes_room() {
-    let state = LeaseState::default();
+    let state = LeaseObjects::default();
     let mut cmds: Vec<Command<'static>> = (1..=4)
         .map(|i| {
             cmd(
@@ -309,7 +309,7 @@ fn ids_are_limited_and_a_free_makes_room() {
 
 #[test]
 fn reads_over_the_reply_budget_are_refused() {
-    let mut state = LeaseState::default();
+    let mut state = LeaseObjects::default();
     state.ids.insert(Id(1), IdKind::Buffer(800));
     let cmds = [
         cmd(
@@ -337,7 +337,7 @@ fn reads_over_the_reply_budget_are_refused() {
 
 #[test]
 fn timers_are_ids_of_their_own_kind_and_end_once() {
-    let state = LeaseState::default();
+    let state = LeaseObjects::default();
     let t = Id(1);
     let start = cmd(0, Op::TimerStart { timer: t });
     let end = cmd(0, Op::TimerEnd { timer: t });
