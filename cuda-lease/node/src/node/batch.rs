@@ -193,7 +193,7 @@ pub(super) async fn run_batch(
     shared: &Arc<Shared>,
     who: &Principal,
     b: &Incoming<'_>,
-    turn: Option<&mut BudgetTurn>,
+    mut turn: Option<&mut BudgetTurn>,
     place: Option<Place<'_>>,
 ) -> Result<BatchOut, Reply> {
     let lease = &b.head.lease;
@@ -202,7 +202,7 @@ pub(super) async fn run_batch(
     stamp(Point::BatchLocked);
     // Re-check: the lease may have died while we waited.
     let reserved = shared.table().reservation(lease, shared.now())?;
-    let prepared = prepare(shared, &slot, b, turn);
+    let prepared = prepare(shared, &slot, b, turn.as_deref_mut());
     let (loads, writes, reply_bytes) = match prepared {
         Ok(prepared) => prepared,
         Err(reply) => {
@@ -235,6 +235,12 @@ pub(super) async fn run_batch(
         Ok(sent) => receive_work(shared, who, &slot, &work, sent).await,
         Err(e) => Err(e),
     };
+    if let Some(t) = turn {
+        // What the reply does not hold goes back to the principal's budget
+        // (a read refused past the budget leaves part of it unused).
+        let used = ran.as_ref().map_or(0, |r| r.len);
+        t.release(reply_bytes.saturating_sub(used));
+    }
     if !matches!(&ran, Ok(r) if r.loaded == loads.len()) {
         // Modules the worker did not load are not the lease's.
         let loaded = ran.as_ref().map_or(0, |r| r.loaded);
@@ -294,6 +300,8 @@ struct Work<'a> {
 struct Ran {
     /// Modules loaded.
     loaded: usize,
+    /// Bytes of the reply's data (held in the worker, or in `out`).
+    len: u64,
     reply: BatchReply,
     /// The reads' bytes.
     out: Vec<u8>,
@@ -390,6 +398,7 @@ async fn receive_work(
         .then(|| (frame.header.request_id, u64::from(frame.header.data_len)));
     Ok(Ran {
         loaded,
+        len,
         reply: BatchReply {
             completed: reply.completed,
             error: reply.error,

@@ -95,6 +95,17 @@ impl BudgetTurn {
         self.bytes += more;
         more
     }
+
+    /// Gives `bytes` of this request's charge back to the principal's
+    /// budget (held for a reply that turned out smaller).
+    pub(super) fn release(&mut self, bytes: u64) {
+        let bytes = bytes.min(self.bytes);
+        let mut m = lock(&self.shared.budgets);
+        if let Some((_, held)) = m.get_mut(&self.who) {
+            *held -= bytes;
+            self.bytes -= bytes;
+        }
+    }
 }
 
 impl Drop for BudgetTurn {

@@ -522,3 +522,66 @@ async fn a_batch_reads_no_more_than_its_head_declared() {
     }
     fx.free_and_shutdown().await;
 }
+
+#[tokio::test]
+async fn a_batch_reply_holds_only_the_bytes_it_carries() {
+    // The node holds a batch's declared reply bytes, as far as the
+    // principal's budget allows, before it runs; once the reply is made,
+    // what it does not carry (the reads refused past the budget) goes back
+    // to the budget, even while the reply itself is unread.
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut cfg = memory_config(64 << 20);
+    cfg.max_bytes_per_principal = 16 << 20;
+    cfg.reply_timeout = Duration::from_secs(30);
+    let fx = Fixture::with_config(cfg).lease(8 << 20).start().await;
+    let (client, lease) = (fx.client(), fx.lease());
+    let buf = proto::Id(1);
+    let alloc = proto::Command {
+        stream: 0,
+        op: proto::Op::Alloc { buf, size: 8 << 20 },
+    };
+    client
+        .request(
+            Opcode::Batch,
+            &numbered_batch(lease.id(), 0, vec![alloc]),
+            &[],
+        )
+        .await
+        .unwrap();
+    // Two reads of 8 MiB: the budget holds 16 MiB less the request's own
+    // bytes, so the first runs and the second is refused.
+    let read = proto::Command {
+        stream: 0,
+        op: proto::Op::Read {
+            buf,
+            offset: 0,
+            len: 8 << 20,
+        },
+    };
+    let reads = numbered_batch(lease.id(), 0, vec![read; 2]);
+    let conn = raw_conn_as(&fx.node, TOKEN).await;
+    let mut unread = send_unread(&conn, Opcode::Batch, 7, &reads, &[]).await;
+    let (header, body) = proto::read_head(&mut unread, &proto::Limits::default())
+        .await
+        .unwrap();
+    let reply: proto::BatchReply = proto::from_body(&body).unwrap();
+    assert_eq!(reply.completed, 1, "{reply:?}");
+    assert_eq!(header.data_len, 8 << 20);
+    // Its 8 MiB stay held while unread; the rest of the budget is free: a
+    // 4 MiB write fits beside it.
+    let write = proto::Command {
+        stream: 0,
+        op: proto::Op::Write {
+            buf,
+            offset: 0,
+            len: 4 << 20,
+        },
+    };
+    let batch = numbered_batch(lease.id(), 0, vec![write]);
+    let r = client
+        .request(Opcode::Batch, &batch, &vec![3u8; 4 << 20])
+        .await;
+    assert!(r.is_ok(), "{r:?}");
+    drop(unread);
+    fx.free_and_shutdown().await;
+}
