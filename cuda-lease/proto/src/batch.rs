@@ -267,36 +267,42 @@ pub fn reply_bytes<'c, 'a: 'c>(commands: impl IntoIterator<Item = &'c Command<'a
         .fold(0u64, |n, c| n.saturating_add(c.op.reply_len()))
 }
 
+/// A BATCH's head as it is written ([`BatchHead`] as it is read). On
+/// the wire a nested struct is its fields in order, so a batch is its head
+/// and then its command list.
+#[derive(Serialize)]
+pub(crate) struct HeadRef<'m> {
+    pub(crate) lease: LeaseId,
+    pub(crate) seq: u64,
+    pub(crate) modules: &'m [ModuleUse],
+    pub(crate) reply_bytes: u64,
+}
+
 /// A [`Batch`] as the wire carries it.
 #[derive(Serialize)]
 struct BatchOut<'r, 'a> {
-    lease: LeaseId,
-    seq: u64,
-    modules: &'r [ModuleUse],
-    reply_bytes: u64,
+    head: HeadRef<'r>,
     commands: &'r [Command<'a>],
 }
 
-/// A [`Batch`] as it comes off the wire.
+/// A [`Batch`] as it comes off the wire (its head's reply bytes are
+/// derived from the commands, which a decoded batch holds).
 #[derive(Deserialize)]
 struct BatchIn<'a> {
-    lease: LeaseId,
-    seq: u64,
-    #[serde(deserialize_with = "bounded::modules")]
-    modules: Vec<ModuleUse>,
-    // Derived from the commands: a decoded batch holds them.
-    _reply_bytes: u64,
-    #[serde(borrow, deserialize_with = "bounded::commands")]
-    commands: Vec<Command<'a>>,
+    head: BatchHead,
+    #[serde(borrow)]
+    commands: super::CommandList<'a>,
 }
 
 impl Serialize for Batch<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         BatchOut {
-            lease: self.lease,
-            seq: self.seq,
-            modules: &self.modules,
-            reply_bytes: reply_bytes(&self.commands),
+            head: HeadRef {
+                lease: self.lease,
+                seq: self.seq,
+                modules: &self.modules,
+                reply_bytes: reply_bytes(&self.commands),
+            },
             commands: &self.commands,
         }
         .serialize(s)
@@ -305,12 +311,12 @@ impl Serialize for Batch<'_> {
 
 impl<'de: 'a, 'a> Deserialize<'de> for Batch<'a> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let b = BatchIn::deserialize(d)?;
+        let BatchIn { head, commands } = BatchIn::deserialize(d)?;
         Ok(Batch {
-            lease: b.lease,
-            seq: b.seq,
-            modules: b.modules,
-            commands: b.commands,
+            lease: head.lease,
+            seq: head.seq,
+            modules: head.modules,
+            commands: commands.0,
         })
     }
 }

@@ -10,6 +10,7 @@ use std::cell::Cell;
 use serde::ser::{Serialize, SerializeSeq, Serializer};
 use serde::Deserialize;
 
+use super::batch::HeadRef;
 use super::{Batch, BatchHead, Command, LeaseId, ModuleUse, ProtoError};
 
 /// Appends `msg` as postcard writes it.
@@ -48,13 +49,6 @@ pub fn encode_batch_head(
     modules: &[ModuleUse],
     reply_bytes: u64,
 ) {
-    #[derive(serde::Serialize)]
-    struct HeadRef<'m> {
-        lease: LeaseId,
-        seq: u64,
-        modules: &'m [ModuleUse],
-        reply_bytes: u64,
-    }
     postcard_encode(
         &HeadRef {
             lease,

@@ -353,13 +353,9 @@ pub(super) fn enqueue_chunks(
             format!("{} chunks in one call", ops.ops.len()),
         );
     }
-    // The transfer's range, then each chunk's, inside the lease's buffer.
-    let ranges = ops.range.into_iter();
-    let chunks = ops
-        .ops
-        .iter()
-        .map(|op| (op.id, op.offset, u64::from(op.len)));
-    for (id, offset, len) in ranges.chain(chunks) {
+    // The transfer's range lies inside the lease's buffer (its chunks,
+    // which the node cuts from it, the device checks as it copies).
+    if let Some((id, offset, len)) = ops.range {
         if let Err(e) = lease.check_range(id, offset, len) {
             return Some((e.status, to_body(&e)));
         }
@@ -430,9 +426,6 @@ pub(super) struct Dev<'a> {
 /// first failure and where its reads end.
 pub(super) struct Enqueued {
     planned: Planned,
-    /// Modules to load and commands planned.
-    loads: usize,
-    commands: usize,
     /// A module that failed to load (nothing of the batch ran), as the
     /// client sees it: by the first command that launches it.
     load_failed: Option<(usize, OpError, bool)>,
@@ -462,8 +455,8 @@ impl Enqueued {
                 // A fault while waiting outranks an enqueue error: it is sticky.
                 (Some((i, _)), Err(e)) if e.sticky => (i, Some(e)),
                 (Some((i, e)), _) => (i, Some(e)),
-                (None, Err(e)) => (self.commands, Some(e)),
-                (None, Ok(())) => (self.commands, None),
+                (None, Err(e)) => (self.planned.commands(), Some(e)),
+                (None, Ok(())) => (self.planned.commands(), None),
             };
             let sticky = failure.as_ref().is_some_and(|e| e.sticky);
             let error = failure.map(|e| OpError {
@@ -473,7 +466,7 @@ impl Enqueued {
             });
             // What the plan refused comes after what ran.
             let error = error.or_else(|| self.planned.plan.error.clone());
-            (self.loads, completed, error, sticky)
+            (self.planned.loads.len(), completed, error, sticky)
         };
         lease.settle(&self.planned, loaded, completed);
         let reply = WorkerBatchReply {
@@ -504,18 +497,17 @@ pub(super) fn enqueue_batch(
     let writes_len = (data.len() as u64).checked_sub(sources).ok_or_else(|| {
         DeviceError::new(Status::BadRequest, "the modules' sources pass the data")
     })?;
-    let loads: Vec<(ModuleHash, u64)> = batch
-        .loads
-        .iter()
-        .map(|l| (l.hash, u64::from(l.len)))
-        .collect();
-    let planned = lease.plan(&batch.limits, &batch.modules, &loads, commands, writes_len)?;
+    let planned = lease.plan(
+        &batch.limits,
+        &batch.modules,
+        &batch.loads,
+        commands,
+        writes_len,
+    )?;
     let mut payload = Payload::new(data);
     let mut read_at = 0usize;
     let mut compiled = Vec::new();
     let mut e = Enqueued {
-        loads: loads.len(),
-        commands: planned.plan.effects.len(),
         planned,
         load_failed: None,
         failed: None,
@@ -543,7 +535,7 @@ pub(super) fn enqueue_batch(
             return Ok(e);
         }
     }
-    for (i, c) in commands[..e.commands].iter().enumerate() {
+    for (i, c) in commands[..e.planned.commands()].iter().enumerate() {
         let r = match d.graphs.intercept(d.dev, c, &mut payload) {
             Some(r) => r,
             None => enqueue(d.dev, c, &mut payload, &mut read_at),

@@ -6,7 +6,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::plan::{plan, Charges, Effect, GraphChange, Plan, PlanLimits};
+use super::messages::WorkerLoad;
+use super::plan::{in_range, plan, Charges, Effect, GraphChange, Plan, PlanLimits};
 use crate::device::DeviceError;
 pub(super) use crate::ids::{IdMap, IdSet};
 use crate::proto::{validate_commands, Command, Id, ModuleHash, Status, StreamId};
@@ -185,27 +186,34 @@ fn charge(allocated: &mut u64, reserved: u64, bytes: u64) -> Result<(), (Status,
     Ok(())
 }
 
+impl Planned {
+    /// Commands planned (the ones after them refused).
+    pub(super) fn commands(&self) -> usize {
+        self.plan.effects.len()
+    }
+}
+
 impl Lease {
     /// Checks a batch (its commands against its module list and the
     /// `writes_len` bytes of its writes' payloads), charges its modules'
-    /// sources (`loads`: hash and bytes) and plans its commands: what the
+    /// sources (`loads`) and plans its commands: what the
     /// plan creates exists for the batches after it at once. `Err` refuses
     /// the whole batch, nothing of it charged.
     pub(super) fn plan(
         &mut self,
         limits: &BatchLimits,
         modules: &[ModuleHash],
-        loads: &[(ModuleHash, u64)],
+        loads: &[WorkerLoad],
         commands: &[Command<'_>],
         writes_len: u64,
     ) -> Result<Planned, DeviceError> {
         validate_commands(modules, commands, writes_len)
             .map_err(|e| DeviceError::new(Status::BadRequest, e.to_string()))?;
         let before = self.allocated;
-        for (hash, len) in loads {
-            if let Err((status, m)) = charge(&mut self.allocated, limits.reserved, *len) {
+        for l in loads {
+            if let Err((status, m)) = charge(&mut self.allocated, limits.reserved, l.len.into()) {
                 self.allocated = before;
-                return Err(DeviceError::new(status, format!("module {hash}: {m}")));
+                return Err(DeviceError::new(status, format!("module {}: {m}", l.hash)));
             }
         }
         let plan_limits = PlanLimits {
@@ -222,7 +230,7 @@ impl Lease {
         let plan = plan(plan_limits, &self.objects, commands, &mut charges);
         self.apply(commands, &plan);
         Ok(Planned {
-            loads: loads.iter().map(|(_, len)| *len).collect(),
+            loads: loads.iter().map(|l| u64::from(l.len)).collect(),
             plan,
         })
     }
@@ -316,13 +324,7 @@ impl Lease {
                 ))
             }
         };
-        if offset.checked_add(len).is_none_or(|end| end > size) {
-            return Err(DeviceError::new(
-                Status::BadRequest,
-                format!("range {offset}+{len} is outside a buffer of {size} bytes"),
-            ));
-        }
-        Ok(())
+        in_range(size, offset, len).map_err(|(status, m)| DeviceError::new(status, m))
     }
 
     /// What the lease holds now.

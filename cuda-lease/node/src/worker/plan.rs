@@ -431,7 +431,7 @@ impl Planner<'_> {
 }
 
 /// Checks that `offset + len` lies within a buffer of `size` bytes.
-fn in_range(size: u64, offset: u64, len: u64) -> Result<(), Refusal> {
+pub(super) fn in_range(size: u64, offset: u64, len: u64) -> Result<(), Refusal> {
     if offset.checked_add(len).is_none_or(|end| end > size) {
         return Err((
             Status::BadRequest,
