@@ -94,11 +94,6 @@ impl<W: Clone> LeaseTable<W> {
         self.capacity
     }
 
-    /// Bytes reserved by live leases.
-    pub fn reserved_total(&self) -> u64 {
-        self.reserved_total
-    }
-
     /// Bytes still reservable.
     pub fn reservable(&self) -> u64 {
         self.capacity - self.reserved_total
@@ -322,29 +317,6 @@ impl<W: Clone> LeaseTable<W> {
         })
     }
 
-    /// Charges `bytes` of allocation to a lease.
-    ///
-    /// # Errors
-    ///
-    /// CAPACITY_EXCEEDED when the lease's reservation would be exceeded, or as
-    /// [`LeaseTable::get`].
-    pub fn charge(&mut self, id: &LeaseId, bytes: u64, now: Duration) -> Result<(), TableError> {
-        let e = self.entry_mut(id, now)?;
-        let after = e.allocated.saturating_add(bytes);
-        if after > e.reserved {
-            return Err(TableError::new(
-                Status::CapacityExceeded,
-                format!(
-                    "lease reserved {} bytes, {} allocated, {bytes} more asked",
-                    e.reserved, e.allocated
-                ),
-            ));
-        }
-        e.allocated = after;
-        e.allocated_high = e.allocated_high.max(after);
-        Ok(())
-    }
-
     /// The bytes a live lease reserved.
     ///
     /// # Errors
@@ -360,13 +332,6 @@ impl<W: Clone> LeaseTable<W> {
         if let Some(e) = self.live.get_mut(id) {
             e.allocated = bytes;
             e.allocated_high = e.allocated_high.max(bytes);
-        }
-    }
-
-    /// Returns `bytes` of allocation to a live lease (no-op for dead ones).
-    pub fn credit(&mut self, id: &LeaseId, bytes: u64) {
-        if let Some(e) = self.live.get_mut(id) {
-            e.allocated = e.allocated.saturating_sub(bytes);
         }
     }
 

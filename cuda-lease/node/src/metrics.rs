@@ -2,21 +2,7 @@
 //! [`prometheus_client`] registry, encoded in the OpenMetrics text format and
 //! served on `GET /metrics` by a hyper HTTP/1.1 server.
 //!
-//! Exposed names (counters get their `_total` suffix from the encoder):
-//!
-//! | name | type |
-//! |---|---|
-//! | `gpu_lease_acquired_total` | counter |
-//! | `gpu_lease_dropped_total` | counter |
-//! | `gpu_submit_total` | counter |
-//! | `gpu_submit_errors_total` | counter |
-//! | `gpu_submit_output_bytes_total` | counter |
-//! | `gpu_batch_total` | counter |
-//! | `gpu_batch_commands_total` | counter |
-//! | `gpu_modules_compiled_total` | counter |
-//! | `gpu_vram_allocated_bytes` | gauge |
-//! | `gpu_lease_active` | gauge |
-//! | `cuda_lease_build_info{version="..."}` | gauge, always 1 |
+//! The exposed names are listed in the crate's README.
 
 use std::convert::Infallible;
 use std::sync::atomic::AtomicU64;
@@ -40,20 +26,7 @@ pub const CONTENT_TYPE_OPENMETRICS: &str =
 
 /// A monotonic counter, registered in the node's registry: adding to it is
 /// one relaxed atomic add (no lock, no allocation).
-#[derive(Debug, Default)]
-pub struct Counter(prometheus_client::metrics::counter::Counter<u64, AtomicU64>);
-
-impl Counter {
-    /// Adds one.
-    pub fn inc(&self) {
-        self.0.inc();
-    }
-
-    /// Adds `v`.
-    pub fn inc_by(&self, v: u64) {
-        self.0.inc_by(v);
-    }
-}
+pub type Counter = prometheus_client::metrics::counter::Counter<u64, AtomicU64>;
 
 type GaugeU64 = Gauge<u64, AtomicU64>;
 
@@ -190,19 +163,19 @@ impl Metrics {
             ),
         ];
         for (name, help, c) in counters {
-            r.register(name, help, c.0.clone());
+            r.register(name, help, c.clone());
         }
         r.register_with_unit(
             "gpu_submit_output",
             "Output bytes returned by GPU_SUBMIT.",
             Unit::Bytes,
-            self.submit_output_bytes.0.clone(),
+            self.submit_output_bytes.clone(),
         );
         r.register_with_unit(
             "gpu_bulk_data",
             "Data of MEM_WRITE and MEM_READ requests served over the bulk-data channel.",
             Unit::Bytes,
-            self.bulk_bytes.0.clone(),
+            self.bulk_bytes.clone(),
         );
         r.register_with_unit(
             "gpu_vram_allocated",

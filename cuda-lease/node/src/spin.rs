@@ -30,47 +30,23 @@ pub fn default_spin() -> Duration {
     }
 }
 
-#[cfg(target_os = "linux")]
-mod sys {
-    use std::ffi::{c_int, c_short, c_ulong};
-
-    /// `struct pollfd` of `<poll.h>`.
-    #[repr(C)]
-    pub(super) struct PollFd {
-        pub(super) fd: c_int,
-        pub(super) events: c_short,
-        pub(super) revents: c_short,
-    }
-
-    pub(super) const POLLIN: c_short = 0x1;
-
-    unsafe extern "C" {
-        /// `poll(2)` from the C library std already links (`nfds_t` is
-        /// `unsigned long` on Linux).
-        pub(super) fn poll(fds: *mut PollFd, nfds: c_ulong, timeout: c_int) -> c_int;
+/// Whether `fd` can be read without blocking now (data, end of file or an
+/// error all count: the read that follows reports them).
+fn poll_in(fd: std::os::fd::RawFd) -> libc::pollfd {
+    libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
     }
 }
 
-/// Whether `fd` can be read without blocking now (data, end of file or an
-/// error all count: the read that follows reports them).
-#[cfg(target_os = "linux")]
 pub(crate) fn ready_now(fd: std::os::fd::RawFd) -> bool {
-    let mut p = sys::PollFd {
-        fd,
-        events: sys::POLLIN,
-        revents: 0,
-    };
+    let mut p = poll_in(fd);
     // SAFETY: `p` is one valid `pollfd` that lives across the call; a zero
     // timeout never blocks; `poll` only writes `p.revents`. A closed `fd`
     // is reported in `revents` (POLLNVAL), not undefined behaviour.
-    let n = unsafe { sys::poll(&mut p, 1, 0) };
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
     n != 0 && (n < 0 || p.revents != 0)
-}
-
-#[cfg(not(target_os = "linux"))]
-pub(crate) fn ready_now(_fd: std::os::fd::RawFd) -> bool {
-    // Not implemented here: spinning would only burn the budget.
-    true
 }
 
 /// One poll of a spin that started at `start`: `Some(readable)` when it
@@ -102,17 +78,11 @@ pub(crate) fn readable_within(fd: std::os::fd::RawFd, budget: Duration) -> bool 
 /// Waits (sleeping, not spinning) until `fd` is readable, `wake` (an
 /// eventfd) counts, or about a millisecond has passed; returns whether
 /// `fd` is readable. A count of `wake` is taken.
-#[cfg(target_os = "linux")]
 pub(crate) fn readable_soon(fd: std::os::fd::RawFd, wake: Option<std::os::fd::RawFd>) -> bool {
-    let poll_fd = |fd| sys::PollFd {
-        fd,
-        events: sys::POLLIN,
-        revents: 0,
-    };
-    let mut p = [poll_fd(fd), poll_fd(wake.unwrap_or(-1))];
+    let mut p = [poll_in(fd), poll_in(wake.unwrap_or(-1))];
     // SAFETY: as in `ready_now`, for the two `pollfd`s (a negative fd is
     // ignored by `poll`); a 1 ms timeout blocks at most that long.
-    let n = unsafe { sys::poll(p.as_mut_ptr(), 2, 1) };
+    let n = unsafe { libc::poll(p.as_mut_ptr(), 2, 1) };
     if n < 0 {
         return true;
     }
@@ -123,13 +93,6 @@ pub(crate) fn readable_soon(fd: std::os::fd::RawFd, wake: Option<std::os::fd::Ra
         let _ = unsafe { libc::read(w, (&raw mut count).cast(), 8) };
     }
     p[0].revents != 0
-}
-
-/// Not implemented here: sleeps a millisecond and says readable.
-#[cfg(not(target_os = "linux"))]
-pub(crate) fn readable_soon(_fd: std::os::fd::RawFd, _wake: Option<std::os::fd::RawFd>) -> bool {
-    std::thread::sleep(Duration::from_millis(1));
-    true
 }
 
 /// [`readable_within`] for a tokio task: it yields between polls, so the

@@ -150,7 +150,7 @@ pub(super) async fn submit(shared: &Arc<Shared>, f: &Frame) -> Result<Reply, Rep
             .submit_output_bytes
             .inc_by(reply.data.len() as u64),
         Err(_) => shared.metrics.submit_errors.inc(),
-    }
+    };
     r
 }
 

@@ -26,35 +26,17 @@ use crate::stamps::{stamp, Point};
 /// for by default (`/proc/sys/fs/pipe-max-size`).
 pub const PIPE_BUFFER_BYTES: usize = 1 << 20;
 
-/// The two Linux-only `fcntl` commands for pipe buffers, declared here
-/// rather than pulling in a crate for them (`F_LINUX_SPECIFIC_BASE` + 7 and
-/// + 8 in `<linux/fcntl.h>`, the same on every architecture).
-#[cfg(target_os = "linux")]
-mod pipe_fcntl {
-    use std::ffi::c_int;
-
-    pub(super) const F_SETPIPE_SZ: c_int = 1031;
-    #[cfg(test)]
-    pub(super) const F_GETPIPE_SZ: c_int = 1032;
-
-    unsafe extern "C" {
-        /// `fcntl(2)` from the C library std already links.
-        pub(super) fn fcntl(fd: c_int, cmd: c_int, ...) -> c_int;
-    }
-}
-
 /// Grows the kernel buffer of the pipe behind `fd` to [`PIPE_BUFFER_BYTES`]
 /// (best effort: a smaller system limit only costs throughput).
-#[cfg(target_os = "linux")]
 fn grow_pipe(fd: std::os::fd::BorrowedFd<'_>) {
     use std::os::fd::AsRawFd;
     // SAFETY: `fd` is borrowed, so it is open for the whole call;
     // F_SETPIPE_SZ takes one `int` argument, which we pass, and touches no
     // memory of ours.
     let r = unsafe {
-        pipe_fcntl::fcntl(
+        libc::fcntl(
             fd.as_raw_fd(),
-            pipe_fcntl::F_SETPIPE_SZ,
+            libc::F_SETPIPE_SZ,
             PIPE_BUFFER_BYTES as std::ffi::c_int,
         )
     };
@@ -230,12 +212,8 @@ impl WorkerProcess {
         let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
             return Err(WorkerError::Start("no pipes".into()));
         };
-        #[cfg(target_os = "linux")]
-        {
-            use std::os::fd::AsFd;
-            grow_pipe(stdin.as_fd());
-            grow_pipe(stdout.as_fd());
-        }
+        grow_pipe(std::os::fd::AsFd::as_fd(&stdin));
+        grow_pipe(std::os::fd::AsFd::as_fd(&stdout));
         let stdout = stdout
             .into_owned_fd()
             .and_then(PipeReader::new)
@@ -595,7 +573,7 @@ mod tests {
     fn pipe_size(fd: std::os::fd::BorrowedFd<'_>) -> std::ffi::c_int {
         // SAFETY: `fd` is borrowed and open for the call; F_GETPIPE_SZ
         // takes no argument and touches no memory of ours.
-        unsafe { pipe_fcntl::fcntl(fd.as_raw_fd(), pipe_fcntl::F_GETPIPE_SZ) }
+        unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETPIPE_SZ) }
     }
 
     #[test]

@@ -40,7 +40,7 @@ fn grant_renew_generation_and_expiry() {
         Status::LeaseExpired
     );
     assert_eq!(t.expire(clock.now()), vec![(id, 7)]);
-    assert_eq!(t.reserved_total(), 0);
+    assert_eq!(t.reservable(), 1000);
     assert_eq!(
         t.renew(&id, S, clock.now()).unwrap_err().status,
         Status::LeaseExpired
@@ -79,13 +79,7 @@ fn capacity_of_table_and_lease() {
         .unwrap_err();
     assert_eq!(err.status, Status::CapacityExceeded);
     assert_eq!(t.reservable(), 400);
-    t.charge(&a, 600, clock.now()).unwrap();
-    assert_eq!(
-        t.charge(&a, 1, clock.now()).unwrap_err().status,
-        Status::CapacityExceeded
-    );
-    t.credit(&a, 100);
-    t.charge(&a, 100, clock.now()).unwrap();
+    t.set_allocated(&a, 600);
     assert_eq!(t.allocated_total(), 600);
     assert_eq!(
         t.grant(LeaseId::random(), 0, S, clock.now(), None, None, 3)
@@ -125,7 +119,7 @@ fn reservations_never_exceed_device_free_memory() {
     )
     .unwrap();
     // Once A allocates, its memory is no longer free on the device nor outstanding.
-    t.charge(&a, 300, clock.now()).unwrap();
+    t.set_allocated(&a, 300);
     assert_eq!(t.outstanding(), 200);
 }
 
@@ -137,7 +131,7 @@ fn poison_remove_and_tombstones() {
     t.grant(a, 100, 10 * S, clock.now(), None, None, 1).unwrap();
     t.grant(b, 100, 10 * S, clock.now(), None, None, 2).unwrap();
     assert_eq!(t.poison(&a, "illegal address", clock.now()), Some(1));
-    assert_eq!(t.reserved_total(), 100);
+    assert_eq!(t.reservable(), 900);
     let err = t.get(&a, clock.now()).unwrap_err();
     assert_eq!(err.status, Status::LeasePoisoned);
     assert!(err.message.contains("lease poisoned: illegal address"));
