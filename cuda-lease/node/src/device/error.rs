@@ -74,6 +74,23 @@ pub(super) fn check_fresh(taken: bool, id: impl std::fmt::Display) -> Result<(),
     Ok(())
 }
 
+/// Refuses a GPU_SUBMIT argument (an input or the output) in a lease's
+/// launch.
+pub(super) fn submit_only() -> DeviceError {
+    DeviceError::new(Status::BadRequest, "Input/Output are for GPU_SUBMIT")
+}
+
+/// Refuses an event id that names a buffer.
+pub(super) fn check_event(is_buffer: bool, event: Id) -> Result<(), DeviceError> {
+    if is_buffer {
+        return Err(DeviceError::new(
+            Status::BadRequest,
+            format!("{event} is a buffer, not an event"),
+        ));
+    }
+    Ok(())
+}
+
 pub(super) fn same_buffer() -> DeviceError {
     DeviceError::new(
         Status::BadRequest,

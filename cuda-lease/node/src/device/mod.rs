@@ -5,8 +5,8 @@ use cuda_core::blas::{BlasScalar, Gemm};
 use cuda_core::rand::{Fill, RandScalar};
 
 use crate::proto::{
-    Command, DeviceInfo, Dtype, GemmSpec, Id, LaunchArg, LaunchSpec, ModuleHash, Op, RandDist,
-    RandSpec, SourceKind, Status, StreamId,
+    Command, DeviceInfo, Dtype, GemmSpec, Id, LaunchSpec, ModuleHash, Op, RandDist, RandSpec,
+    SourceKind, Status, StreamId,
 };
 
 mod cuda;
@@ -16,31 +16,6 @@ mod memory;
 pub use cuda::CudaDevice;
 pub use error::DeviceError;
 pub use memory::MemoryDevice;
-
-/// Launch geometry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LaunchDims {
-    /// Grid dimensions.
-    pub grid: [u32; 3],
-    /// Block dimensions.
-    pub block: [u32; 3],
-    /// Dynamic shared memory bytes.
-    pub shared_mem: u32,
-}
-
-/// A kernel argument with ids resolved by the worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceArg<'a> {
-    /// Bytes passed by value.
-    Scalar(&'a [u8]),
-    /// The address of buffer `id` plus `offset`.
-    Mem {
-        /// The buffer.
-        id: Id,
-        /// Byte offset.
-        offset: u64,
-    },
-}
 
 /// Most streams one device context makes (the node's per-lease limit is
 /// lower; this bounds a worker whatever it is sent).
@@ -170,19 +145,14 @@ pub trait LeaseDevice {
     ///
     /// NOT_FOUND.
     fn unload_module(&mut self, hash: ModuleHash) -> Result<(), DeviceError>;
-    /// Enqueues a kernel launch.
+    /// Enqueues a kernel launch (its memory arguments the lease's
+    /// buffers).
     ///
     /// # Errors
     ///
-    /// NOT_FOUND (module, kernel or memory), BAD_REQUEST, LAUNCH_FAILED.
-    fn launch(
-        &mut self,
-        stream: StreamId,
-        module: ModuleHash,
-        kernel: &str,
-        dims: LaunchDims,
-        args: &[DeviceArg<'_>],
-    ) -> Result<(), DeviceError>;
+    /// NOT_FOUND (module, kernel or memory), BAD_REQUEST (a GPU_SUBMIT
+    /// argument among them), LAUNCH_FAILED.
+    fn launch(&mut self, stream: StreamId, spec: &LaunchSpec<'_>) -> Result<(), DeviceError>;
     /// Records event `event` on `stream` (made on first use).
     ///
     /// # Errors
@@ -327,7 +297,7 @@ pub trait LeaseDevice {
     /// # Errors
     ///
     /// The op's method's; BAD_REQUEST for a graph command (the worker
-    /// runs those) or a GPU_SUBMIT argument in a launch.
+    /// runs those).
     fn enqueue(&mut self, c: &Command<'_>, data: &[u8], at: usize) -> Result<(), DeviceError> {
         let s = c.stream;
         match &c.op {
@@ -335,14 +305,7 @@ pub trait LeaseDevice {
             Op::Write { buf, offset, .. } => self.write(s, *buf, *offset, data),
             Op::Read { buf, offset, len } => self.read(s, *buf, *offset, *len, at),
             Op::Free { id } => self.free(s, *id),
-            Op::Launch(spec) => {
-                let dims = LaunchDims {
-                    grid: spec.grid,
-                    block: spec.block,
-                    shared_mem: spec.shared_mem,
-                };
-                self.launch(s, spec.module, &spec.kernel, dims, &launch_args(spec)?)
-            }
+            Op::Launch(spec) => self.launch(s, spec),
             Op::Record { event } => self.record(s, *event),
             Op::Wait { event } => self.wait(s, *event),
             Op::Fill {
@@ -428,24 +391,6 @@ pub(crate) fn fill_bytes(r: &RandSpec) -> Result<u64, String> {
     })?;
     r.bytes()
         .ok_or_else(|| format!("random fill: {} elements span more than 2^64 bytes", r.len))
-}
-
-/// A launch's arguments as the device takes them.
-fn launch_args<'a>(spec: &'a LaunchSpec<'_>) -> Result<Vec<DeviceArg<'a>>, DeviceError> {
-    spec.args
-        .iter()
-        .map(|a| match a {
-            LaunchArg::Scalar(b) => Ok(DeviceArg::Scalar(b)),
-            LaunchArg::Mem { buf, offset } => Ok(DeviceArg::Mem {
-                id: *buf,
-                offset: *offset,
-            }),
-            LaunchArg::Input(_) | LaunchArg::Output => Err(DeviceError::new(
-                Status::BadRequest,
-                "Input/Output are for GPU_SUBMIT",
-            )),
-        })
-        .collect()
 }
 
 /// A sealed batch of a [`LeaseDevice`] (see [`LeaseDevice::seal`]).

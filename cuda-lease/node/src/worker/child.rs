@@ -14,12 +14,10 @@ use super::messages::{
     MAX_CHUNKS_PER_CALL,
 };
 use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
-use crate::device::{
-    CudaDevice, DeviceArg, DeviceError, LaunchDims, LeaseDevice, MemoryDevice, Ticket,
-};
+use crate::device::{CudaDevice, DeviceError, LeaseDevice, MemoryDevice, Ticket};
 use crate::proto::{
-    self, from_body, to_body, Command, Frame, GpuSubmit, Header, Id, LaunchArg, ModuleHash, Op,
-    OpError, Opcode, SourceKind, Status,
+    self, from_body, to_body, Command, Frame, GpuSubmit, Header, Id, LaunchArg, LaunchSpec,
+    ModuleHash, Op, OpError, Opcode, SourceKind, Status,
 };
 use crate::sandbox::{CompileSandbox, Compiler};
 use crate::shm::{WorkerRing, SHM_ENV};
@@ -607,26 +605,29 @@ pub(super) fn submit(
         if s.output_fill != 0 {
             dev.write(0, output, 0, &vec![s.output_fill; s.output_size as usize])?;
         }
-        let mem = |id: Id| DeviceArg::Mem { id, offset: 0 };
-        let args: Vec<DeviceArg<'_>> = s
+        // The inputs and the output become this call's buffers.
+        let args = s
             .args
             .iter()
             .map(|a| match a {
-                LaunchArg::Scalar(b) => Ok(DeviceArg::Scalar(b)),
+                LaunchArg::Scalar(b) => Ok(LaunchArg::Scalar(b.clone())),
                 LaunchArg::Input(n) => inputs
                     .get(*n as usize)
-                    .map(|id| mem(*id))
+                    .map(|id| LaunchArg::mem(*id))
                     .ok_or_else(|| bad("no such input")),
-                LaunchArg::Output => Ok(mem(output)),
+                LaunchArg::Output => Ok(LaunchArg::mem(output)),
                 LaunchArg::Mem { .. } => Err(bad("GPU_SUBMIT has no lease memory")),
             })
             .collect::<Result<_, _>>()?;
-        let d = LaunchDims {
+        let spec = LaunchSpec {
+            module,
+            kernel: std::borrow::Cow::Borrowed(&s.kernel),
             grid: s.grid,
             block: s.block,
             shared_mem: s.shared_mem,
+            args,
         };
-        dev.launch(0, module, &s.kernel, d, &args)?;
+        dev.launch(0, &spec)?;
         let mut out = vec![0u8; s.output_size as usize];
         dev.read(0, output, 0, s.output_size.into(), 0)?;
         dev.finish(&mut out)?;

@@ -4,8 +4,8 @@
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
-use cuda_lease::proto::{ModuleHash, SourceKind};
-use cuda_lease_node::device::{CudaDevice, DeviceArg, LaunchDims, LeaseDevice};
+use cuda_lease::proto::{LaunchArg, LaunchSpec, ModuleHash, SourceKind};
+use cuda_lease_node::device::{CudaDevice, LeaseDevice};
 
 /// Spins until `%globaltimer` has moved on `ns` nanoseconds.
 const SPIN_PTX: &str = r"
@@ -46,15 +46,16 @@ fn a_sealed_batch_wakes_its_descriptor_once_its_work_is_done_and_not_before() {
     let hash = ModuleHash::of(&kind, SPIN_PTX);
     dev.load_module(hash, &kind, SPIN_PTX.as_bytes())
         .expect("the spin PTX loads");
-    let dims = LaunchDims {
-        grid: [1, 1, 1],
-        block: [1, 1, 1],
-        shared_mem: 0,
-    };
     let spin = |dev: &mut CudaDevice, stream, ms: u64| {
-        let ns = (ms * 1_000_000).to_le_bytes();
-        dev.launch(stream, hash, "spin", dims, &[DeviceArg::Scalar(&ns)])
-            .expect("the spin launches");
+        let spec = LaunchSpec {
+            module: hash,
+            kernel: "spin".into(),
+            grid: [1, 1, 1],
+            block: [1, 1, 1],
+            shared_mem: 0,
+            args: vec![LaunchArg::u64(ms * 1_000_000)],
+        };
+        dev.launch(stream, &spec).expect("the spin launches");
     };
     // A batch on two streams, one kernel of 300 ms on the second.
     spin(&mut dev, 0, 1);

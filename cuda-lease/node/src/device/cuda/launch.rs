@@ -5,9 +5,9 @@ use cuda_async::{check_launch_config, DeviceBuffer, Error, Kernel, LaunchConfig}
 use cuda_core::{Args, ParamClass};
 
 use super::CudaDevice;
-use crate::device::error::{map, mem_arg, not_found};
-use crate::device::{DeviceArg, DeviceError, LaunchDims};
-use crate::proto::{Id, ModuleHash, Status};
+use crate::device::error::{map, mem_arg, not_found, submit_only};
+use crate::device::DeviceError;
+use crate::proto::{Id, LaunchArg, LaunchSpec, ModuleHash, Status};
 
 /// The kernel of the last launch, resolved on this device (its `Kernel`
 /// keeps its module loaded).
@@ -28,7 +28,7 @@ impl CudaDevice {
         &mut self,
         module: ModuleHash,
         name: &str,
-        args: &[DeviceArg<'_>],
+        args: &[LaunchArg<'_>],
     ) -> Result<&Kernel, DeviceError> {
         let hit = matches!(&self.last_kernel, Some(l) if l.module == module && l.name == name);
         if !hit {
@@ -55,10 +55,13 @@ impl CudaDevice {
         // `cuda-core`'s own check, on a list reused by every launch.
         let specs = &mut self.arg_specs;
         specs.clear();
-        specs.extend(args.iter().map(|a| match a {
-            DeviceArg::Scalar(b) => (b.len(), ParamClass::Bits, "bytes"),
-            DeviceArg::Mem { .. } => (8, ParamClass::Int, "device address"),
-        }));
+        for a in args {
+            specs.push(match a {
+                LaunchArg::Scalar(b) => (b.len(), ParamClass::Bits, "bytes"),
+                LaunchArg::Mem { .. } => (8, ParamClass::Int, "device address"),
+                LaunchArg::Input(_) | LaunchArg::Output => return Err(submit_only()),
+            });
+        }
         last.kernel.check_args(specs).map_err(bad)?;
         Ok(&last.kernel)
     }
@@ -89,18 +92,19 @@ impl CudaDevice {
     pub(super) fn push_args<'a>(
         buffers: &'a crate::ids::IdMap<Id, DeviceBuffer<u8>>,
         list: &mut Args<'a>,
-        args: &[DeviceArg<'_>],
+        args: &[LaunchArg<'_>],
     ) -> Result<(), DeviceError> {
         for a in args {
             match a {
-                DeviceArg::Scalar(b) => list.push_bytes(b),
-                DeviceArg::Mem { id, offset } => {
-                    let buffer = mem_arg(buffers, *id, *offset, DeviceBuffer::len)?;
+                LaunchArg::Scalar(b) => list.push_bytes(b),
+                LaunchArg::Mem { buf, offset } => {
+                    let buffer = mem_arg(buffers, *buf, *offset, DeviceBuffer::len)?;
                     // At most the buffer's length (checked by `mem_arg`).
                     let offset = *offset as usize;
                     list.push_buffer(Self::raw(buffer), offset)
                         .map_err(|e| map(Status::BadRequest, "kernel arguments", e))?;
                 }
+                LaunchArg::Input(_) | LaunchArg::Output => return Err(submit_only()),
             }
         }
         Ok(())
@@ -109,11 +113,12 @@ impl CudaDevice {
 
 /// A launch's grid, block and shared memory as a [`LaunchConfig`], checked
 /// as `cuda-async` checks every launch's.
-pub(super) fn launch_config(dims: LaunchDims) -> Result<LaunchConfig, DeviceError> {
+pub(super) fn launch_config(spec: &LaunchSpec<'_>) -> Result<LaunchConfig, DeviceError> {
+    let [g, b] = [spec.grid, spec.block];
     let config = LaunchConfig {
-        grid_dim: (dims.grid[0], dims.grid[1], dims.grid[2]),
-        block_dim: (dims.block[0], dims.block[1], dims.block[2]),
-        shared_mem_bytes: dims.shared_mem,
+        grid_dim: (g[0], g[1], g[2]),
+        block_dim: (b[0], b[1], b[2]),
+        shared_mem_bytes: spec.shared_mem,
     };
     check_launch_config(&config).map_err(|e| map(Status::BadRequest, "launch", e))?;
     Ok(config)

@@ -10,15 +10,14 @@ use cuda_core::{HostRegistration, TrackedGraph};
 
 use super::launch::launch_config;
 use super::{bind, sealed, CudaDevice, TIMING, UPLOAD_STREAM};
-use crate::device::error::{check_fresh, driver, map, not_found, range, same_buffer};
+use crate::device::error::{check_event, check_fresh, driver, map, not_found, range, same_buffer};
 use crate::device::{
-    core_fill, core_gemm, fill_bytes, gemm_spans, DeviceArg, DeviceError, LaunchDims, LeaseDevice,
-    Ticket,
+    core_fill, core_gemm, fill_bytes, gemm_spans, DeviceError, LeaseDevice, Ticket,
 };
 use crate::lock;
 use crate::proto::{
-    DeviceInfo, DeviceLimits, Dtype, GemmSpec, Id, ModuleHash, RandSpec, SourceKind, Status,
-    StreamId,
+    DeviceInfo, DeviceLimits, Dtype, GemmSpec, Id, LaunchArg, LaunchSpec, ModuleHash, RandSpec,
+    SourceKind, Status, StreamId,
 };
 
 impl LeaseDevice for CudaDevice {
@@ -475,22 +474,16 @@ impl LeaseDevice for CudaDevice {
     /// (`launchable`), each buffer's use ordered (`use_on`), and the values
     /// laid out for the driver in storage reused by every launch
     /// (`cuda-core`'s `ArgList`).
-    fn launch(
-        &mut self,
-        stream: StreamId,
-        module: ModuleHash,
-        kernel: &str,
-        dims: LaunchDims,
-        args: &[DeviceArg<'_>],
-    ) -> Result<(), DeviceError> {
+    fn launch(&mut self, stream: StreamId, spec: &LaunchSpec<'_>) -> Result<(), DeviceError> {
         let sid = stream;
         let stream = self.stream(stream)?;
-        let config = launch_config(dims)?;
-        self.launchable(module, kernel, args)?;
+        let config = launch_config(spec)?;
+        let args = &spec.args;
+        self.launchable(spec.module, &spec.kernel, args)?;
         // Ordered here, buffer by buffer (see `flush_use`).
         for a in args {
-            if let DeviceArg::Mem { id, .. } = a {
-                self.use_on(*id, sid, &stream)?;
+            if let LaunchArg::Mem { buf, .. } = a {
+                self.use_on(*buf, sid, &stream)?;
             }
         }
         // The values, each in 8-byte aligned words of storage reused by
@@ -515,12 +508,7 @@ impl LeaseDevice for CudaDevice {
     }
 
     fn record(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError> {
-        if self.buffers.contains_key(&event) {
-            return Err(DeviceError::new(
-                Status::BadRequest,
-                format!("{event} is a buffer, not an event"),
-            ));
-        }
+        check_event(self.buffers.contains_key(&event), event)?;
         let stream = self.stream(stream)?;
         let st = Status::Internal;
         match self.events.get(&event) {

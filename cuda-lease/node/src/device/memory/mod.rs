@@ -3,12 +3,14 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use super::error::{check_fresh, mem_arg, not_found, range, same_buffer, too_many_streams};
-use super::{
-    fill_bytes, gemm_spans, DeviceArg, DeviceError, LaunchDims, LeaseDevice, Ticket,
-    MAX_DEVICE_STREAMS,
+use super::error::{
+    check_event, check_fresh, mem_arg, not_found, range, same_buffer, submit_only, too_many_streams,
 };
-use crate::proto::{DeviceInfo, GemmSpec, Id, ModuleHash, RandSpec, SourceKind, Status, StreamId};
+use super::{fill_bytes, gemm_spans, DeviceError, LeaseDevice, Ticket, MAX_DEVICE_STREAMS};
+use crate::proto::{
+    DeviceInfo, GemmSpec, Id, LaunchArg, LaunchSpec, ModuleHash, RandSpec, SourceKind, Status,
+    StreamId,
+};
 
 mod kernels;
 mod library;
@@ -341,39 +343,34 @@ impl LeaseDevice for MemoryDevice {
             .ok_or_else(|| not_found("module", hash))
     }
 
-    fn launch(
-        &mut self,
-        stream: StreamId,
-        module: ModuleHash,
-        kernel: &str,
-        dims: LaunchDims,
-        args: &[DeviceArg<'_>],
-    ) -> Result<(), DeviceError> {
+    fn launch(&mut self, stream: StreamId, spec: &LaunchSpec<'_>) -> Result<(), DeviceError> {
         self.check_fault()?;
         self.check_stream(stream)?;
+        let (args, kernel) = (&spec.args, &*spec.kernel);
         let entries = self
             .modules
-            .get(&module)
-            .ok_or_else(|| not_found("module", module))?;
+            .get(&spec.module)
+            .ok_or_else(|| not_found("module", spec.module))?;
         if !entries.iter().any(|e| e == kernel) {
             return Err(DeviceError::new(
                 Status::NotFound,
-                format!("no kernel {kernel} in module {module}"),
+                format!("no kernel {kernel} in module {}", spec.module),
             ));
         }
         let mut host = Vec::with_capacity(args.len());
         let mut touched = Vec::new();
         for a in args {
             host.push(match a {
-                DeviceArg::Scalar(b) => HostArg::Scalar(b.to_vec()),
-                DeviceArg::Mem { id, offset } => {
-                    let &(slot, _) = mem_arg(&self.buffers, *id, *offset, |b| b.1)?;
+                LaunchArg::Scalar(b) => HostArg::Scalar(b.to_vec()),
+                LaunchArg::Mem { buf, offset } => {
+                    let &(slot, _) = mem_arg(&self.buffers, *buf, *offset, |b| b.1)?;
                     touched.push(slot);
                     HostArg::Mem {
                         slot,
                         offset: *offset as usize,
                     }
                 }
+                LaunchArg::Input(_) | LaunchArg::Output => return Err(submit_only()),
             });
         }
         if let Some(shape) = host_kernel_shape(kernel) {
@@ -390,10 +387,10 @@ impl LeaseDevice for MemoryDevice {
                 ));
             }
         }
-        let threads = dims
+        let threads = spec
             .grid
             .iter()
-            .chain(&dims.block)
+            .chain(&spec.block)
             .map(|&d| u64::from(d))
             .product::<u64>();
         let work = Work::Launch {
@@ -408,12 +405,7 @@ impl LeaseDevice for MemoryDevice {
 
     fn record(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError> {
         self.check_stream(stream)?;
-        if self.buffers.contains_key(&event) {
-            return Err(DeviceError::new(
-                Status::BadRequest,
-                format!("{event} is a buffer, not an event"),
-            ));
-        }
+        check_event(self.buffers.contains_key(&event), event)?;
         let i = self.enqueue(stream, Work::Nothing, &[], &[], None, None);
         self.events.insert(event, Some(i));
         self.event_clock.insert(event, self.queue[i].ready());

@@ -14,12 +14,24 @@ const CU: &str = "extern \"C\" __global__ void fill(float* out, float v, unsigne
                   extern \"C\" __global__ void axpy(float a, const float* x, float* y, unsigned n) {}\n\
                   extern \"C\" __global__ void copy(const float* s, float* d, unsigned n) {}\n";
 
-fn dims(n: u32) -> LaunchDims {
-    LaunchDims {
+/// Launches `kernel` of `m` on `n` threads.
+fn launch(
+    d: &mut MemoryDevice,
+    stream: StreamId,
+    m: ModuleHash,
+    kernel: &str,
+    n: u32,
+    args: Vec<LaunchArg<'static>>,
+) -> Result<(), DeviceError> {
+    let spec = LaunchSpec {
+        module: m,
+        kernel: kernel.to_owned().into(),
         grid: [n.div_ceil(32), 1, 1],
         block: [32, 1, 1],
         shared_mem: 0,
-    }
+        args,
+    };
+    d.launch(stream, &spec)
 }
 
 fn device() -> (MemoryDevice, ModuleHash) {
@@ -50,49 +62,14 @@ fn two_streams_ordered_by_an_event_give_the_right_data() {
     let (x, y) = (Id(1), Id(2));
     d.alloc(0, x, 400).unwrap();
     d.alloc(1, y, 400).unwrap();
-    let mem = |id| DeviceArg::Mem { id, offset: 0 };
-    let two = 2f32.to_le_bytes();
-    let n_b = n.to_le_bytes();
+    let (mem, f32, u32) = (LaunchArg::mem, LaunchArg::f32, LaunchArg::u32);
     // stream 0: x = 3; record e. stream 1: y = 1; wait e; y = 2x + y.
-    d.launch(
-        0,
-        m,
-        "fill",
-        dims(n),
-        &[
-            mem(x),
-            DeviceArg::Scalar(&3f32.to_le_bytes()),
-            DeviceArg::Scalar(&n_b),
-        ],
-    )
-    .unwrap();
+    launch(&mut d, 0, m, "fill", n, vec![mem(x), f32(3.0), u32(n)]).unwrap();
     d.record(0, Id(9)).unwrap();
-    d.launch(
-        1,
-        m,
-        "fill",
-        dims(n),
-        &[
-            mem(y),
-            DeviceArg::Scalar(&1f32.to_le_bytes()),
-            DeviceArg::Scalar(&n_b),
-        ],
-    )
-    .unwrap();
+    launch(&mut d, 1, m, "fill", n, vec![mem(y), f32(1.0), u32(n)]).unwrap();
     d.wait(1, Id(9)).unwrap();
-    d.launch(
-        1,
-        m,
-        "axpy",
-        dims(n),
-        &[
-            DeviceArg::Scalar(&two),
-            mem(x),
-            mem(y),
-            DeviceArg::Scalar(&n_b),
-        ],
-    )
-    .unwrap();
+    let args = vec![f32(2.0), mem(x), mem(y), u32(n)];
+    launch(&mut d, 1, m, "axpy", n, args).unwrap();
     d.read(1, y, 0, 400, 0).unwrap();
     let mut out = vec![0u8; 400];
     d.finish(&mut out).unwrap();
@@ -122,22 +99,12 @@ fn a_free_waits_for_queued_uses_and_the_id_can_be_named_again() {
     d.read(1, Id(1), 0, 8, 0).unwrap();
     d.free(2, Id(1)).unwrap();
     d.alloc(2, Id(1), 8).unwrap();
-    let n = 2u32.to_le_bytes();
-    d.launch(
-        2,
-        m,
-        "fill",
-        dims(2),
-        &[
-            DeviceArg::Mem {
-                id: Id(1),
-                offset: 0,
-            },
-            DeviceArg::Scalar(&9f32.to_le_bytes()),
-            DeviceArg::Scalar(&n),
-        ],
-    )
-    .unwrap();
+    let args = vec![
+        LaunchArg::mem(Id(1)),
+        LaunchArg::f32(9.0),
+        LaunchArg::u32(2),
+    ];
+    launch(&mut d, 2, m, "fill", 2, args).unwrap();
     d.read(2, Id(1), 0, 8, 8).unwrap();
     let mut out = vec![0u8; 16];
     d.finish(&mut out).unwrap();
@@ -150,24 +117,9 @@ fn a_buffer_named_twice_in_one_launch_does_not_wait_for_itself() {
     let (mut d, m) = device();
     d.alloc(0, Id(1), 8).unwrap();
     d.write(0, Id(1), 0, &f32s(&[1.0, 2.0])).unwrap();
-    let x = DeviceArg::Mem {
-        id: Id(1),
-        offset: 0,
-    };
-    let n = 2u32.to_le_bytes();
-    d.launch(
-        0,
-        m,
-        "axpy",
-        dims(2),
-        &[
-            DeviceArg::Scalar(&1f32.to_le_bytes()),
-            x,
-            x,
-            DeviceArg::Scalar(&n),
-        ],
-    )
-    .unwrap();
+    let x = LaunchArg::mem(Id(1));
+    let args = vec![LaunchArg::f32(1.0), x.clone(), x, LaunchArg::u32(2)];
+    launch(&mut d, 0, m, "axpy", 2, args).unwrap();
     d.read(0, Id(1), 0, 8, 0).unwrap();
     let mut out = vec![0u8; 8];
     d.finish(&mut out).unwrap();
@@ -212,36 +164,18 @@ fn unknown_ids_wrong_arguments_and_faults_are_errors() {
     d.alloc(0, Id(1), 4).unwrap();
     assert_eq!(d.alloc(0, Id(1), 4).unwrap_err().status, Status::BadRequest);
     assert_eq!(d.record(0, Id(1)).unwrap_err().status, Status::BadRequest);
-    let e = d
-        .launch(
-            0,
-            m,
-            "fill",
-            dims(1),
-            &[DeviceArg::Mem {
-                id: Id(1),
-                offset: 0,
-            }],
-        )
-        .unwrap_err();
+    let e = launch(&mut d, 0, m, "fill", 1, vec![LaunchArg::mem(Id(1))]).unwrap_err();
     assert_eq!(e.status, Status::BadRequest);
+    let e = launch(&mut d, 0, m, "fill", 1, vec![LaunchArg::Output]).unwrap_err();
+    assert_eq!(e.status, Status::BadRequest);
+    assert!(e.message.contains("GPU_SUBMIT"), "{e}");
     // Writing 8 floats into a 1-float buffer faults at finish, sticky.
-    let n = 8u32.to_le_bytes();
-    d.launch(
-        0,
-        m,
-        "fill",
-        dims(8),
-        &[
-            DeviceArg::Mem {
-                id: Id(1),
-                offset: 0,
-            },
-            DeviceArg::Scalar(&[0; 4]),
-            DeviceArg::Scalar(&n),
-        ],
-    )
-    .unwrap();
+    let args = vec![
+        LaunchArg::mem(Id(1)),
+        LaunchArg::f32(0.0),
+        LaunchArg::u32(8),
+    ];
+    launch(&mut d, 0, m, "fill", 8, args).unwrap();
     let e = d.finish(&mut []).unwrap_err();
     assert!(e.sticky && e.status == Status::LaunchFailed, "{e}");
 }
