@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::messages::WorkerLoad;
-use super::plan::{in_range, plan, Charges, Effect, GraphChange, Plan, PlanLimits};
+use super::plan::{in_range, plan, Charges, Effect, GraphChange, Plan};
 use crate::device::DeviceError;
 pub(super) use crate::ids::{IdMap, IdSet};
 use crate::proto::{validate_commands, Command, Id, ModuleHash, Status, StreamId};
@@ -144,48 +144,6 @@ pub(super) struct Planned {
     pub(super) plan: Plan,
 }
 
-/// A plan's charges in the worker: allocations to the lease's reservation,
-/// reads to the bytes the node holds for the reply.
-struct LeaseCharges<'a> {
-    allocated: &'a mut u64,
-    reserved: u64,
-    held: u64,
-    read: u64,
-}
-
-impl Charges for LeaseCharges<'_> {
-    fn alloc(&mut self, bytes: u64) -> Result<(), (Status, String)> {
-        charge(self.allocated, self.reserved, bytes)
-    }
-
-    fn reply(&mut self, bytes: u64) -> Result<(), String> {
-        self.read = self.read.saturating_add(bytes);
-        if self.read > self.held {
-            return Err(format!(
-                "the node holds {} bytes for this batch's reply (the reads the batch \
-                 declared, as far as the principal's max_bytes_per_principal allows); \
-                 its reads pass them",
-                self.held
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// Charges `bytes` to a reservation of `reserved` bytes with `allocated`
-/// of it taken.
-fn charge(allocated: &mut u64, reserved: u64, bytes: u64) -> Result<(), (Status, String)> {
-    let after = allocated.saturating_add(bytes);
-    if after > reserved {
-        return Err((
-            Status::CapacityExceeded,
-            format!("lease reserved {reserved} bytes, {allocated} allocated, {bytes} more asked"),
-        ));
-    }
-    *allocated = after;
-    Ok(())
-}
-
 impl Planned {
     /// Commands planned (the ones after them refused).
     pub(super) fn commands(&self) -> usize {
@@ -209,25 +167,19 @@ impl Lease {
     ) -> Result<Planned, DeviceError> {
         validate_commands(modules, commands, writes_len)
             .map_err(|e| DeviceError::new(Status::BadRequest, e.to_string()))?;
-        let before = self.allocated;
-        for l in loads {
-            if let Err((status, m)) = charge(&mut self.allocated, limits.reserved, l.len.into()) {
-                self.allocated = before;
-                return Err(DeviceError::new(status, format!("module {}: {m}", l.hash)));
-            }
-        }
-        let plan_limits = PlanLimits {
-            max_ids: limits.max_ids as usize,
-            max_streams: limits.max_streams as usize,
-            max_read: limits.max_read,
-        };
-        let mut charges = LeaseCharges {
-            allocated: &mut self.allocated,
+        let mut charges = Charges {
+            allocated: self.allocated,
             reserved: limits.reserved,
             held: limits.reply_bytes,
             read: 0,
         };
-        let plan = plan(plan_limits, &self.objects, commands, &mut charges);
+        for l in loads {
+            charges.alloc(l.len.into()).map_err(|(status, m)| {
+                DeviceError::new(status, format!("module {}: {m}", l.hash))
+            })?;
+        }
+        let plan = plan(limits, &self.objects, commands, &mut charges);
+        self.allocated = charges.allocated;
         self.apply(commands, &plan);
         Ok(Planned {
             loads: loads.iter().map(|l| u64::from(l.len)).collect(),

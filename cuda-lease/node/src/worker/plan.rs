@@ -1,11 +1,9 @@
 //! The batch planner: what a BATCH's commands do to its lease's ids,
 //! streams and reservation, decided in the lease's worker before any of
-//! them is enqueued. Pure logic over the lease's state: what it charges
-//! (allocations to the lease's reservation, read bytes to what the batch
-//! declared) goes through [`Charges`], so the rules are unit-tested
-//! without QUIC, processes or a device.
+//! them is enqueued. Pure logic over the lease's state and its
+//! [`Charges`], unit-tested without QUIC, processes or a device.
 
-use super::lease::{GraphIds, IdKind, IdMap, IdSet, LeaseObjects};
+use super::lease::{BatchLimits, GraphIds, IdKind, IdMap, IdSet, LeaseObjects};
 use crate::device::{fill_bytes, gemm_spans};
 
 mod graphs;
@@ -27,8 +25,6 @@ pub(super) enum Effect {
 #[derive(Debug)]
 pub(super) struct Plan {
     pub(super) effects: Vec<Effect>,
-    /// Bytes of the batch's write payloads the planned commands take.
-    pub(super) write_bytes: usize,
     /// Allocations charged to the lease, by command index.
     pub(super) charged: Vec<(usize, u64)>,
     /// Graphs made and freed, by command index.
@@ -43,24 +39,55 @@ pub(super) enum GraphChange {
     Freed(Id),
 }
 
-/// The lease's limits a plan keeps.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct PlanLimits {
-    /// Most live ids (buffers and events) in the lease.
-    pub(super) max_ids: usize,
-    /// Most streams the lease may use.
-    pub(super) max_streams: usize,
-    /// Most bytes the batch's reads may return (the reply's data limit).
-    pub(super) max_read: u64,
+/// What a plan charges as it goes: allocations to the lease's reservation,
+/// reads to the bytes the node holds for the batch's reply (what the batch
+/// declared, as far as the principal's byte budget allows). A refusal
+/// fails the command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Charges {
+    /// Bytes of the reservation taken.
+    pub(super) allocated: u64,
+    /// The lease's reservation.
+    pub(super) reserved: u64,
+    /// Bytes held for the reply.
+    pub(super) held: u64,
+    /// Bytes the batch's reads took of them.
+    pub(super) read: u64,
 }
 
-/// What a plan charges as it goes; a refusal fails the command.
-pub(super) trait Charges {
-    /// An allocation of `bytes`, to the lease's reservation.
-    fn alloc(&mut self, bytes: u64) -> Result<(), (Status, String)>;
-    /// `bytes` of reply data, to what the batch declared (the node holds
-    /// that much of the principal's byte budget for its reply).
-    fn reply(&mut self, bytes: u64) -> Result<(), String>;
+impl Charges {
+    /// An allocation of `bytes`, to the reservation.
+    pub(super) fn alloc(&mut self, bytes: u64) -> Result<(), Refusal> {
+        let after = self.allocated.saturating_add(bytes);
+        if after > self.reserved {
+            return Err((
+                Status::CapacityExceeded,
+                format!(
+                    "lease reserved {} bytes, {} allocated, {bytes} more asked",
+                    self.reserved, self.allocated
+                ),
+            ));
+        }
+        self.allocated = after;
+        Ok(())
+    }
+
+    /// `bytes` of reply data, to the bytes held.
+    fn reply(&mut self, bytes: u64) -> Result<(), Refusal> {
+        self.read = self.read.saturating_add(bytes);
+        if self.read > self.held {
+            return Err((
+                Status::CapacityExceeded,
+                format!(
+                    "read: the node holds {} bytes for this batch's reply (the reads the \
+                     batch declared, as far as the principal's max_bytes_per_principal \
+                     allows); its reads pass them",
+                    self.held
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// What `id` is after the commands planned so far: the batch's own
@@ -80,14 +107,15 @@ pub(super) fn kind_of(
 /// ids, streams and limits left by the commands before it; the first one
 /// refused ends the plan with its error.
 pub(super) fn plan(
-    limits: PlanLimits,
+    limits: &BatchLimits,
     state: &LeaseObjects,
     commands: &[Command<'_>],
-    charges: &mut dyn Charges,
+    charges: &mut Charges,
 ) -> Plan {
     let mut planner = Planner {
         limits,
         state,
+        charges,
         overlay: IdMap::default(),
         live: state.ids.len(),
         streams: state.streams.clone(),
@@ -98,7 +126,6 @@ pub(super) fn plan(
     };
     let mut p = Plan {
         effects: Vec::with_capacity(commands.len()),
-        write_bytes: 0,
         charged: Vec::new(),
         graphs: Vec::new(),
         error: None,
@@ -110,10 +137,10 @@ pub(super) fn plan(
             Some(_) => Ok(()),
         };
         let step = ends.and_then(|()| {
-            let step = planner.graph_step(i, c, charges)?;
+            let step = planner.graph_step(i, c)?;
             match step {
                 Some(s) => Ok(s),
-                None => planner.step(c, charges),
+                None => planner.step(c),
             }
         });
         match step {
@@ -122,7 +149,6 @@ pub(super) fn plan(
                 if let Some(size) = step.charged {
                     p.charged.push((i, size));
                 }
-                p.write_bytes += step.write_bytes;
                 p.effects.push(step.effect);
             }
             Err((status, message)) => {
@@ -144,8 +170,6 @@ struct Step {
     effect: Effect,
     /// An allocation charged to the lease.
     charged: Option<u64>,
-    /// Bytes of write payload it takes.
-    write_bytes: usize,
 }
 
 impl Step {
@@ -153,7 +177,6 @@ impl Step {
         Step {
             effect,
             charged: None,
-            write_bytes: 0,
         }
     }
 }
@@ -162,8 +185,9 @@ type Refusal = (Status, String);
 
 /// The lease as the commands planned so far leave it.
 struct Planner<'s> {
-    limits: PlanLimits,
+    limits: &'s BatchLimits,
     state: &'s LeaseObjects,
+    charges: &'s mut Charges,
     /// The batch's own creations (`Some`) and frees (`None`).
     overlay: IdMap<Id, Option<IdKind>>,
     live: usize,
@@ -232,7 +256,7 @@ impl Planner<'_> {
         if self.kind(id).is_some() {
             return Err((Status::BadRequest, format!("id {id} is already in use")));
         }
-        if self.live >= self.limits.max_ids {
+        if self.live >= self.limits.max_ids as usize {
             return Err((
                 Status::CapacityExceeded,
                 format!("more than {} live ids in one lease", self.limits.max_ids),
@@ -244,20 +268,14 @@ impl Planner<'_> {
     /// A read of `len` bytes: within the buffer, the reply's data limit and
     /// the principal's byte budget (the bytes are held for the reply until
     /// it is taken, so they are charged before they are read).
-    fn read(
-        &mut self,
-        buf: Id,
-        offset: u64,
-        len: u64,
-        charges: &mut dyn Charges,
-    ) -> Result<(), Refusal> {
+    fn read(&mut self, buf: Id, offset: u64, len: u64) -> Result<(), Refusal> {
         in_range(self.buffer(buf)?, offset, len)?;
-        self.reply_bytes(len, charges)
+        self.reply_bytes(len)
     }
 
     /// `len` bytes of reply data: within the reply's data limit and the
     /// principal's byte budget.
-    fn reply_bytes(&mut self, len: u64, charges: &mut dyn Charges) -> Result<(), Refusal> {
+    fn reply_bytes(&mut self, len: u64) -> Result<(), Refusal> {
         self.read_total = self.read_total.saturating_add(len);
         if self.read_total > self.limits.max_read {
             return Err((
@@ -265,9 +283,7 @@ impl Planner<'_> {
                 "reads exceed the reply data limit".into(),
             ));
         }
-        charges
-            .reply(len)
-            .map_err(|m| (Status::CapacityExceeded, format!("read: {m}")))
+        self.charges.reply(len)
     }
 
     /// A launch's buffer arguments name buffers of the lease, at offsets
@@ -330,9 +346,10 @@ impl Planner<'_> {
         Ok(())
     }
 
-    fn step(&mut self, c: &Command<'_>, charges: &mut dyn Charges) -> Result<Step, Refusal> {
+    fn step(&mut self, c: &Command<'_>) -> Result<Step, Refusal> {
         let stream = c.stream;
-        if !self.streams.contains(&stream) && self.streams.len() >= self.limits.max_streams {
+        if !self.streams.contains(&stream) && self.streams.len() >= self.limits.max_streams as usize
+        {
             return Err((
                 Status::CapacityExceeded,
                 format!(
@@ -344,22 +361,18 @@ impl Planner<'_> {
         Ok(match &c.op {
             Op::Alloc { buf, size } => {
                 self.fresh(*buf)?;
-                charges.alloc(*size)?;
+                self.charges.alloc(*size)?;
                 Step {
                     effect: Effect::Create(*buf, IdKind::Buffer(*size)),
                     charged: Some(*size),
-                    write_bytes: 0,
                 }
             }
             Op::Write { buf, offset, len } => {
                 in_range(self.buffer(*buf)?, *offset, *len)?;
-                Step {
-                    write_bytes: *len as usize,
-                    ..Step::effect(Effect::None)
-                }
+                Step::effect(Effect::None)
             }
             Op::Read { buf, offset, len } => {
-                self.read(*buf, *offset, *len, charges)?;
+                self.read(*buf, *offset, *len)?;
                 Step::effect(Effect::None)
             }
             Op::Free { id } => {
@@ -411,7 +424,7 @@ impl Planner<'_> {
                     Some(_) => return Err((Status::BadRequest, format!("{timer} is not a timer"))),
                     None => return Err((Status::NotFound, format!("unknown id {timer}"))),
                 }
-                self.reply_bytes(TIMER_BYTES as u64, charges)?;
+                self.reply_bytes(TIMER_BYTES as u64)?;
                 Step::effect(Effect::Free(*timer))
             }
             Op::Gemm(g) => {

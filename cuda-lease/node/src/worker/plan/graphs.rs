@@ -3,7 +3,7 @@
 //! uses alive.
 
 use super::super::lease::{GraphIds, IdKind};
-use super::{Charges, Effect, GraphChange, Planner, Refusal, Step};
+use super::{Effect, GraphChange, Planner, Refusal, Step};
 use crate::proto::{Command, Id, Op, Status};
 
 /// Refuses a `GraphBegin` at `i` whose body does not end in the batch
@@ -60,10 +60,9 @@ impl Planner<'_> {
         &mut self,
         i: usize,
         c: &Command<'_>,
-        charges: &mut dyn Charges,
     ) -> Result<Option<Step>, Refusal> {
         if let Some((graph, mut ids)) = self.open.take() {
-            let step = self.body_step(i, c, charges, graph, &mut ids);
+            let step = self.body_step(i, c, graph, &mut ids);
             if !matches!(c.op, Op::GraphEnd { graph: g } if g == graph) || step.is_err() {
                 self.open = Some((graph, ids));
             }
@@ -111,7 +110,6 @@ impl Planner<'_> {
         &mut self,
         i: usize,
         c: &Command<'_>,
-        charges: &mut dyn Charges,
         graph: Id,
         ids: &mut GraphIds,
     ) -> Result<Option<Step>, Refusal> {
@@ -129,7 +127,7 @@ impl Planner<'_> {
             Op::GraphBegin { .. } => refuse("begin another graph"),
             Op::GraphLaunch { .. } => refuse("launch a graph"),
             Op::GraphEnd { graph: g } if g == graph => {
-                charges.alloc(ids.kept)?;
+                self.charges.alloc(ids.kept)?;
                 self.graph_overlay.insert(graph, Some(ids.clone()));
                 self.graph_changes
                     .push((i, GraphChange::Made(graph, ids.clone())));

@@ -2,36 +2,20 @@
 
 use super::*;
 
-/// Charges against a reservation and a reply budget, in bytes.
-struct Budget {
-    reservation: u64,
-    reply: u64,
-}
-
-impl Charges for Budget {
-    fn alloc(&mut self, bytes: u64) -> Result<(), (Status, String)> {
-        self.reservation = self
-            .reservation
-            .checked_sub(bytes)
-            .ok_or((Status::CapacityExceeded, "reservation".to_string()))?;
-        Ok(())
-    }
-    fn reply(&mut self, bytes: u64) -> Result<(), String> {
-        self.reply = self.reply.checked_sub(bytes).ok_or("budget")?;
-        Ok(())
-    }
-}
-
-const LIMITS: PlanLimits = PlanLimits {
+const LIMITS: BatchLimits = BatchLimits {
+    reserved: 1000,
     max_ids: 4,
     max_streams: 2,
     max_read: 1 << 20,
+    reply_bytes: 1000,
 };
 
-fn budget() -> Budget {
-    Budget {
-        reservation: 1000,
-        reply: 1000,
+fn budget() -> Charges {
+    Charges {
+        allocated: 0,
+        reserved: 1000,
+        held: 1000,
+        read: 0,
     }
 }
 
@@ -78,8 +62,8 @@ fn fill_in(buf: Id, offset: u64, len: u64, normal: bool) -> Op<'static> {
     })
 }
 
-fn run(state: &LeaseObjects, commands: &[Command<'_>], b: &mut Budget) -> Plan {
-    plan(LIMITS, state, commands, b)
+fn run(state: &LeaseObjects, commands: &[Command<'_>], b: &mut Charges) -> Plan {
+    plan(&LIMITS, state, commands, b)
 }
 
 #[test]
@@ -115,8 +99,8 @@ fn a_chain_plans_whole_and_charges_its_allocations() {
     assert_eq!(p.effects[0], Effect::Create(a, IdKind::Buffer(100)));
     assert_eq!(p.effects[2], Effect::Create(e, IdKind::Event));
     assert_eq!(p.effects[5], Effect::Free(a));
-    assert_eq!((p.write_bytes, p.charged.clone()), (100, vec![(0, 100)]));
-    assert_eq!((b.reservation, b.reply), (900, 950));
+    assert_eq!(p.charged, [(0, 100)]);
+    assert_eq!((b.allocated, b.read), (100, 50));
 }
 
 #[test]
@@ -162,7 +146,7 @@ fn the_first_refused_command_ends_the_plan_and_is_named() {
                 },
             ),
             Status::CapacityExceeded,
-            "reservation",
+            "lease reserved 1000 bytes, 100 allocated, 5000 more asked",
         ),
         (
             cmd(0, Op::Wait { event: a }),
@@ -266,11 +250,11 @@ fn the_first_refused_command_ends_the_plan_and_is_named() {
             cmd(0, Op::Free { id: a }),
         ];
         let mut b = budget();
-        let limits = PlanLimits {
+        let limits = BatchLimits {
             max_read: 99,
             ..LIMITS
         };
-        let p = plan(limits, &state, &cmds, &mut b);
+        let p = plan(&limits, &state, &cmds, &mut b);
         let e = p.error.expect("refused");
         assert_eq!((e.index, e.status), (2, status), "{bad:?}: {}", e.message);
         assert!(e.message.starts_with("command 2: "), "{}", e.message);
@@ -332,7 +316,11 @@ fn reads_over_the_reply_budget_are_refused() {
     let p = run(&state, &cmds, &mut budget());
     let e = p.error.expect("refused");
     assert_eq!((e.index, e.status), (1, Status::CapacityExceeded));
-    assert!(e.message.contains("read: budget"), "{}", e.message);
+    assert!(
+        e.message.contains("read: the node holds 1000 bytes"),
+        "{}",
+        e.message
+    );
 }
 
 #[test]
@@ -373,9 +361,9 @@ fn timers_are_ids_of_their_own_kind_and_end_once() {
     let e = p.error.expect("refused");
     assert!(e.message.contains("not a timer"), "{}", e.message);
     // Its 8 bytes count against the reply budget.
-    let mut small = Budget {
-        reservation: 1000,
-        reply: 7,
+    let mut small = Charges {
+        held: 7,
+        ..budget()
     };
     let p = run(&state, &[start, end], &mut small);
     let e = p.error.expect("refused");
