@@ -137,7 +137,7 @@ pub trait LeaseDevice {
         &mut self,
         hash: ModuleHash,
         kind: &SourceKind,
-        text: &[u8],
+        text: &str,
     ) -> Result<Option<String>, DeviceError>;
     /// Unloads a module after everything enqueued.
     ///

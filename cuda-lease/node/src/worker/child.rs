@@ -208,24 +208,25 @@ impl Held {
     /// Answers a [`HeldRead`] with the part of the held data it asks for
     /// (none if the reply is not held, or the read is past its end).
     fn read(&mut self, output: &mut impl std::io::Write, f: &Frame) -> std::io::Result<()> {
+        let r = from_body::<HeldRead>(&f.body).ok();
         let mut part: &[u8] = &[];
         let mut done = true;
-        if let Ok(r) = from_body::<HeldRead>(&f.body) {
-            if let Some(data) = self.0.get(&r.request) {
-                let start = usize::try_from(r.offset)
-                    .unwrap_or(usize::MAX)
-                    .min(data.len());
-                let end = start.saturating_add(r.len as usize).min(data.len());
-                part = &data[start..end];
-                done = r.len == 0 || end == data.len();
-            }
+        if let Some(data) = r
+            .as_ref()
+            .and_then(|r| self.0.get(&r.request).map(|d| (r, d)))
+        {
+            let (r, data) = data;
+            let start = usize::try_from(r.offset)
+                .unwrap_or(usize::MAX)
+                .min(data.len());
+            let end = start.saturating_add(r.len as usize).min(data.len());
+            part = &data[start..end];
+            done = r.len == 0 || end == data.len();
         }
         let h = Header::reply(&f.header, Status::Ok, 0, part.len() as u32);
         let written = proto::write_frame_blocking(output, &h, &[], part);
-        if done {
-            if let Ok(r) = from_body::<HeldRead>(&f.body) {
-                self.0.remove(&r.request);
-            }
+        if let (true, Some(r)) = (done, r) {
+            self.0.remove(&r.request);
         }
         written
     }
@@ -503,8 +504,6 @@ pub(super) fn enqueue_batch(
         writes_len,
     )?;
     let mut payload = Payload::new(data);
-    let mut read_at = 0usize;
-    let mut compiled = Vec::new();
     let mut e = Enqueued {
         planned,
         load_failed: None,
@@ -516,10 +515,11 @@ pub(super) fn enqueue_batch(
         let r = payload
             .take(l.len.into())
             .and_then(|src| {
-                check_module(d.compiler, &l.kind, src)?;
-                d.dev.load_module(l.hash, &l.kind, src)
+                let text = module_text(src)?;
+                check_module(d.compiler, &l.kind, text)?;
+                d.dev.load_module(l.hash, &l.kind, text)
             })
-            .map(|ptx| compiled.extend(ptx.map(|p| (l.hash, p))));
+            .map(|ptx| e.compiled.extend(ptx.map(|p| (l.hash, p))));
         if let Err(err) = r {
             let index = first_use(commands, l.hash);
             let message = format!("module {}: {}", l.hash, err.message);
@@ -529,22 +529,19 @@ pub(super) fn enqueue_batch(
                 message,
             };
             e.load_failed = Some((i, error, err.sticky));
-            e.compiled = compiled;
             return Ok(e);
         }
     }
     for (i, c) in commands[..e.planned.commands()].iter().enumerate() {
         let r = match d.graphs.intercept(d.dev, c, &mut payload) {
             Some(r) => r,
-            None => enqueue(d.dev, c, &mut payload, &mut read_at),
+            None => enqueue(d.dev, c, &mut payload, &mut e.read_at),
         };
         if let Err(err) = r {
             e.failed = Some((i, err));
             break;
         }
     }
-    e.compiled = compiled;
-    e.read_at = read_at;
     Ok(e)
 }
 
@@ -566,8 +563,7 @@ pub(super) fn submit(
     let ptx = data
         .get(..s.ptx_len as usize)
         .ok_or_else(|| bad("data too short"))?;
-    let text = std::str::from_utf8(ptx)
-        .map_err(|_| DeviceError::new(Status::LoadFailed, "module text is not UTF-8"))?;
+    let text = module_text(ptx)?;
     let module = ModuleHash::of(&SourceKind::Ptx, text);
     if !cache.contains(&module) {
         if cache.len() >= 32 {
@@ -575,7 +571,7 @@ pub(super) fn submit(
                 let _ = dev.unload_module(m);
             }
         }
-        dev.load_module(module, &SourceKind::Ptx, ptx)?;
+        dev.load_module(module, &SourceKind::Ptx, text)?;
         cache.insert(module);
     }
     // Buffer ids of this call alone (a submit worker serves no lease).
@@ -640,18 +636,22 @@ pub(super) fn submit(
     result
 }
 
+/// A module's text as the devices take it.
+fn module_text(src: &[u8]) -> Result<&str, DeviceError> {
+    std::str::from_utf8(src)
+        .map_err(|_| DeviceError::new(Status::LoadFailed, "module text is not UTF-8"))
+}
+
 /// Refuses a CUDA C module whose options or includes could reach the
 /// node's files ([`crate::sandbox`]), before any device sees it.
 pub(super) fn check_module(
     compiler: &Compiler,
     kind: &SourceKind,
-    text: &[u8],
+    text: &str,
 ) -> Result<(), DeviceError> {
     let SourceKind::Cuda { options } = kind else {
         return Ok(());
     };
-    let text = std::str::from_utf8(text)
-        .map_err(|_| DeviceError::new(Status::LoadFailed, "module text is not UTF-8"))?;
     compiler
         .check(text, options)
         .map_err(|e| DeviceError::new(Status::LoadFailed, format!("module refused: {e}")))

@@ -44,7 +44,7 @@ fn a_sealed_batch_wakes_its_descriptor_once_its_work_is_done_and_not_before() {
     let mut dev = CudaDevice::open(0).expect("device 0");
     let kind = SourceKind::Ptx;
     let hash = ModuleHash::of(&kind, SPIN_PTX);
-    dev.load_module(hash, &kind, SPIN_PTX.as_bytes())
+    dev.load_module(hash, &kind, SPIN_PTX)
         .expect("the spin PTX loads");
     let spin = |dev: &mut CudaDevice, stream, ms: u64| {
         let spec = LaunchSpec {

@@ -14,7 +14,6 @@ use crate::proto::{Id, ModuleHash, Status, StreamId};
 use crate::sandbox::Compiler;
 
 mod buffers;
-mod graphs;
 mod launch;
 mod ops;
 mod sealed;

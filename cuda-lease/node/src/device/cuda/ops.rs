@@ -336,11 +336,7 @@ impl LeaseDevice for CudaDevice {
             match r.dtype {
                 Dtype::F32 => generator.fill(&core_fill(r, |v| v as f32), addr, len),
                 Dtype::F64 => generator.fill(&core_fill(r, |v| v), addr, len),
-                // Refused by `fill_bytes` above.
-                Dtype::Bf16 | Dtype::F16 => Err(cuda_core::Error::InvalidArgument(format!(
-                    "cuRAND fills f32 and f64, not {}",
-                    r.dtype.name()
-                ))),
+                Dtype::Bf16 | Dtype::F16 => unreachable!("refused by `fill_bytes` above"),
             }
         };
         done.map_err(|e| map(Status::LaunchFailed, "random fill", e))
@@ -411,14 +407,12 @@ impl LeaseDevice for CudaDevice {
         &mut self,
         hash: ModuleHash,
         kind: &SourceKind,
-        text: &[u8],
+        text: &str,
     ) -> Result<Option<String>, DeviceError> {
         if self.modules.contains_key(&hash) {
             return Ok(None);
         }
         let st = Status::LoadFailed;
-        let text = std::str::from_utf8(text)
-            .map_err(|_| DeviceError::new(st, "module text is not UTF-8"))?;
         let name = format!("module {hash}");
         // CUDA C is compiled by this node's NVRTC for this GPU, and the
         // PTX goes back to the node for other workers.
@@ -647,7 +641,7 @@ impl LeaseDevice for CudaDevice {
             // other streams wait for them. (On a dead context the buffers
             // are marked broken and leaked when freed, never freed before
             // their uses.)
-            self.flush_pending();
+            let _ = self.flush_all();
         }
         let reads = std::mem::take(&mut self.reads);
         let timers = std::mem::take(&mut self.timer_reads);

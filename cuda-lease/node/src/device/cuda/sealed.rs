@@ -95,7 +95,7 @@ impl CudaDevice {
         };
         if let Some(e) = failed {
             self.spare.settle_these(freed, false);
-            self.flush_pending();
+            let _ = self.flush_all();
             return Err(e);
         }
         Ok(InFlight {
@@ -166,16 +166,22 @@ impl CudaDevice {
             std::mem::forget(arena);
         }
         self.spare.settle_these(f.freed, false);
-        self.flush_pending();
+        let _ = self.flush_all();
     }
 
     /// Records every buffer's pending uses in its use events (or, on a
-    /// dead context, marks it broken), so that no free runs before them.
-    pub(super) fn flush_pending(&mut self) {
+    /// dead context, marks it broken), so that no free runs before them;
+    /// the first failure, once every buffer has been tried.
+    pub(super) fn flush_all(&mut self) -> Result<(), DeviceError> {
         let ids: Vec<_> = self.pending.keys().copied().collect();
+        let mut first = Ok(());
         for id in ids {
-            let _ = self.flush_use(id);
+            let r = self.flush_use(id);
+            if first.is_ok() {
+                first = r;
+            }
         }
+        first
     }
 }
 

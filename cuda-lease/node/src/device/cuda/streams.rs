@@ -17,16 +17,28 @@ impl CudaDevice {
                 if self.streams.len() >= MAX_DEVICE_STREAMS {
                     return Err(too_many_streams());
                 }
-                let s = self
-                    .device
-                    .new_stream()
-                    .map_err(|e| map(Status::Internal, "creating a stream", e))?;
+                let s = self.new_stream()?;
                 self.streams.insert(id, s.clone());
                 s
             }
         };
         self.touch(&s);
         Ok(s)
+    }
+
+    fn new_stream(&self) -> Result<Arc<CudaStream>, DeviceError> {
+        self.device
+            .new_stream()
+            .map_err(|e| map(Status::Internal, "creating a stream", e))
+    }
+
+    /// The stream a graph capture's allocations go to (outside the
+    /// capture).
+    pub(super) fn capture_alloc_stream(&mut self) -> Result<Arc<CudaStream>, DeviceError> {
+        if self.capture_alloc.is_none() {
+            self.capture_alloc = Some(self.new_stream()?);
+        }
+        Ok(self.capture_alloc.clone().expect("set above"))
     }
 
     /// Notes that this batch enqueues work on `s` (see

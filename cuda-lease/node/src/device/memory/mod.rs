@@ -49,7 +49,7 @@ use scheduler::{Queued, Work};
 /// For tests of the supervisor it understands three magic kernel names:
 /// `__fault` fails like an illegal address (sticky LAUNCH_FAILED at the next
 /// finish), `__hang` never returns and `__exit` ends the worker process.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct MemoryDevice {
     capacity: u64,
     used: u64,
@@ -88,24 +88,7 @@ impl MemoryDevice {
     pub fn new(capacity: u64) -> Self {
         Self {
             capacity,
-            used: 0,
-            buffers: HashMap::new(),
-            store: HashMap::new(),
-            next_slot: 0,
-            events: HashMap::new(),
-            timers: HashMap::new(),
-            next_timer: 0,
-            stamps: HashMap::new(),
-            modules: HashMap::new(),
-            queue: Vec::new(),
-            tails: HashMap::new(),
-            hazards: HashMap::new(),
-            faulted: false,
-            stream_clock: HashMap::new(),
-            slot_clock: HashMap::new(),
-            event_clock: HashMap::new(),
-            sealed: HashMap::new(),
-            next_ticket: 0,
+            ..Self::default()
         }
     }
 
@@ -117,6 +100,12 @@ impl MemoryDevice {
             ));
         }
         Ok(())
+    }
+
+    /// Refuses work after a fault, and a stream past the limit.
+    fn ready(&self, stream: StreamId) -> Result<(), DeviceError> {
+        self.check_fault()?;
+        self.check_stream(stream)
     }
 
     fn check_stream(&self, stream: StreamId) -> Result<(), DeviceError> {
@@ -147,8 +136,7 @@ impl LeaseDevice for MemoryDevice {
     }
 
     fn alloc(&mut self, stream: StreamId, id: Id, size: u64) -> Result<(), DeviceError> {
-        self.check_fault()?;
-        self.check_stream(stream)?;
+        self.ready(stream)?;
         let taken = self.buffers.contains_key(&id) || self.events.contains_key(&id);
         check_fresh(taken, id)?;
         if size > self.capacity - self.used {
@@ -185,8 +173,7 @@ impl LeaseDevice for MemoryDevice {
         offset: u64,
         data: &[u8],
     ) -> Result<(), DeviceError> {
-        self.check_fault()?;
-        self.check_stream(stream)?;
+        self.ready(stream)?;
         let (slot, len) = self.slot(id)?;
         let r = range(len, offset, data.len() as u64)?;
         let work = Work::Write {
@@ -206,8 +193,7 @@ impl LeaseDevice for MemoryDevice {
         len: u64,
         at: usize,
     ) -> Result<(), DeviceError> {
-        self.check_fault()?;
-        self.check_stream(stream)?;
+        self.ready(stream)?;
         let (slot, size) = self.slot(id)?;
         let range = range(size, offset, len)?;
         let work = Work::Read { slot, range, at };
@@ -223,8 +209,7 @@ impl LeaseDevice for MemoryDevice {
         len: u64,
         value: u8,
     ) -> Result<(), DeviceError> {
-        self.check_fault()?;
-        self.check_stream(stream)?;
+        self.ready(stream)?;
         let (slot, size) = self.slot(id)?;
         let range = range(size, offset, len)?;
         let work = Work::Fill { slot, range, value };
@@ -239,8 +224,7 @@ impl LeaseDevice for MemoryDevice {
         dst: (Id, u64),
         len: u64,
     ) -> Result<(), DeviceError> {
-        self.check_fault()?;
-        self.check_stream(stream)?;
+        self.ready(stream)?;
         if src.0 == dst.0 {
             return Err(same_buffer());
         }
@@ -258,8 +242,7 @@ impl LeaseDevice for MemoryDevice {
     }
 
     fn gemm(&mut self, stream: StreamId, g: &GemmSpec) -> Result<(), DeviceError> {
-        self.check_fault()?;
-        self.check_stream(stream)?;
+        self.ready(stream)?;
         let bytes = gemm_spans(g).map_err(|e| DeviceError::new(Status::BadRequest, e))?;
         let mut slots = [0; 3];
         for (i, (_, o)) in g.operands().into_iter().enumerate() {
@@ -273,8 +256,7 @@ impl LeaseDevice for MemoryDevice {
     }
 
     fn rand_fill(&mut self, stream: StreamId, r: &RandSpec) -> Result<(), DeviceError> {
-        self.check_fault()?;
-        self.check_stream(stream)?;
+        self.ready(stream)?;
         let bytes = fill_bytes(r).map_err(|e| DeviceError::new(Status::BadRequest, e))?;
         let (slot, size) = self.slot(r.dst.buf)?;
         range(size, r.dst.offset, bytes)?;
@@ -299,13 +281,11 @@ impl LeaseDevice for MemoryDevice {
         &mut self,
         hash: ModuleHash,
         kind: &SourceKind,
-        text: &[u8],
+        text: &str,
     ) -> Result<Option<String>, DeviceError> {
         if self.modules.contains_key(&hash) {
             return Ok(None);
         }
-        let text = std::str::from_utf8(text)
-            .map_err(|_| DeviceError::new(Status::LoadFailed, "module text is not UTF-8"))?;
         let log = match kind {
             SourceKind::Ptx if !text.contains(".entry") => {
                 Some("ptxas fatal: no .entry in module (test double JIT log)".to_owned())
@@ -344,8 +324,7 @@ impl LeaseDevice for MemoryDevice {
     }
 
     fn launch(&mut self, stream: StreamId, spec: &LaunchSpec<'_>) -> Result<(), DeviceError> {
-        self.check_fault()?;
-        self.check_stream(stream)?;
+        self.ready(stream)?;
         let (args, kernel) = (&spec.args, &*spec.kernel);
         let entries = self
             .modules

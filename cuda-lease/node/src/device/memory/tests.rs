@@ -38,7 +38,7 @@ fn device() -> (MemoryDevice, ModuleHash) {
     let mut d = MemoryDevice::new(1 << 20);
     let kind = SourceKind::Cuda { options: vec![] };
     let h = ModuleHash::of(&kind, CU);
-    assert_eq!(d.load_module(h, &kind, CU.as_bytes()).unwrap(), None);
+    assert_eq!(d.load_module(h, &kind, CU).unwrap(), None);
     (d, h)
 }
 
@@ -49,7 +49,7 @@ fn cuda_c_entries_are_found_and_bad_sources_fail_with_a_log() {
     let mut d = MemoryDevice::new(1 << 10);
     let bad = "#error nope\n__global__ void k() {}";
     let e = d
-        .load_module(ModuleHash::of(&kind, bad), &kind, bad.as_bytes())
+        .load_module(ModuleHash::of(&kind, bad), &kind, bad)
         .unwrap_err();
     assert_eq!(e.status, Status::LoadFailed);
     assert!(e.message.contains("NVRTC log"), "{e}");
