@@ -150,7 +150,7 @@ impl LeaseBackend {
         // graph's free before the frees it held back).
         let (sent, message) = self.ledger.send(keep_frees, commands, |frees| {
             let commands = AfterFrees { frees, commands };
-            self.session.message(numbered, modules, commands, writes)
+            Message::new(&self.session.inner, numbered, modules, commands, writes)
         });
         self.sent_message(sent, message, dests)
     }
@@ -164,7 +164,7 @@ impl LeaseBackend {
                 frees,
                 commands: &[],
             };
-            self.session.message(true, &[], commands, Vec::new())
+            Message::new(&self.session.inner, true, &[], commands, Vec::new())
         })?;
         let reply = self.sent_message(sent, message, Vec::<Vec<u8>>::new()).1;
         // A free that fails (the lease is gone) has nothing to free.

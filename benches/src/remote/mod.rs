@@ -44,6 +44,7 @@ mod baselines;
 mod chain;
 mod pool;
 pub mod raw;
+mod steps;
 mod transfers;
 
 pub use pool::PoolConfig;
@@ -420,7 +421,7 @@ fn detail(line: std::fmt::Arguments<'_>) {
 /// the path its submissions reached, the median time from the point
 /// before it (`cuda_lease::stamps`), and their sum.
 fn detail_steps(name: &str, runs: &[cuda_lease::stamps::Stamps]) {
-    let steps = cuda_lease::stamps::steps(runs);
+    let steps = steps::steps(runs);
     if steps.is_empty() {
         return;
     }

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use cuda_async::prelude::*;
-use cuda_lease::stamps::{self, Point, POINTS};
+use cuda_lease::stamps::{self, Point};
 
 #[test]
 fn one_awaited_op_reaches_every_point_in_order() {
@@ -44,14 +44,6 @@ fn one_awaited_op_reaches_every_point_in_order() {
                 w[1].name()
             );
         }
-        let steps = stamps::steps(&[s]);
-        assert_eq!(steps.len(), POINTS - 1, "{steps:?}");
-        let sum: f64 = steps.iter().map(|st| st.median_us).sum();
-        let whole = (s.at(Point::End).unwrap() - s.at(Point::Start).unwrap()) as f64 / 1000.0;
-        assert!(
-            (sum - whole).abs() < 0.01,
-            "steps sum to {sum} us, the whole took {whole} us"
-        );
         fx.free_and_shutdown().await;
     });
 }

@@ -25,7 +25,7 @@ pub struct LeaseBuilder {
     config: Option<ClientConfig>,
 }
 
-pub(super) struct LeaseInner {
+pub(crate) struct LeaseInner {
     pub(super) client: Arc<Client>,
     pub(super) id: LeaseId,
     reserved: u64,

@@ -41,7 +41,7 @@ impl Message {
     /// when it arrives, before or after the numbered ones; only for
     /// commands that depend on nothing sent before them and that nothing
     /// sent before them names (the allocations of fresh buffers).
-    pub(super) fn new<C: EncodeCommands>(
+    pub(crate) fn new<C: EncodeCommands>(
         inner: &Arc<LeaseInner>,
         numbered: bool,
         modules: &[ModuleSpec],
@@ -275,45 +275,5 @@ impl EncodeCommands for &[Command<'_>] {
 
     fn reply_bytes(&self) -> u64 {
         proto::reply_bytes(*self)
-    }
-}
-
-#[cfg(test)]
-mod batch_ref_tests {
-    use super::*;
-    use crate::proto::{Id, LeaseId, ModuleHash, Op};
-
-    #[test]
-    fn a_borrowed_batch_encodes_to_the_same_bytes_as_a_batch() {
-        let commands = vec![
-            Command {
-                stream: 1,
-                op: Op::Alloc {
-                    buf: Id(7),
-                    size: 64,
-                },
-            },
-            Command {
-                stream: 2,
-                op: Op::Free { id: Id(7) },
-            },
-        ];
-        let modules = vec![ModuleUse {
-            hash: ModuleHash([3; 32]),
-            source: None,
-        }];
-        let lease = LeaseId([9; 16]);
-        let owned = Batch {
-            lease,
-            seq: 42,
-            modules: modules.clone(),
-            commands: commands.clone(),
-        };
-        let mut borrowed = Vec::new();
-        let reads = (&commands[..]).reply_bytes();
-        proto::encode_batch_head(&mut borrowed, lease, 42, &modules, reads);
-        (&commands[..]).encode_into(&mut borrowed);
-        assert_eq!(borrowed, to_body(&owned));
-        assert_eq!(from_body::<Batch<'_>>(&borrowed).unwrap(), owned);
     }
 }

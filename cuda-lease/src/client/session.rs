@@ -5,15 +5,13 @@ use std::sync::Arc;
 
 use super::lease::LeaseInner;
 use super::{Client, Error, ModuleSpec, Recorder};
-#[cfg(feature = "backend")]
-use super::{EncodeCommands, Message};
 use crate::proto::{to_body, Id, LaunchArg, LeaseId, MemAlloc, Opcode};
 
 /// Work on a lease: RAII buffers, single requests, and the [`Recorder`]
 /// for whole pipelines in one message. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Session {
-    pub(super) inner: Arc<LeaseInner>,
+    pub(crate) inner: Arc<LeaseInner>,
 }
 
 /// A buffer in a lease, named by a client-picked id; freed (in the
@@ -77,22 +75,6 @@ impl Session {
             commands: Vec::new(),
             writes: Vec::new(),
         }
-    }
-
-    /// The BATCH of `commands` (they serialize as the protocol's
-    /// `Vec<Command>` does), launching from `modules`, with `writes` as the
-    /// writes' payloads, numbered now (see [`Recorder::submit`]) or, not
-    /// `numbered`, outside the lease's order (see `Message::new`); send it
-    /// with [`Message::send_into`].
-    #[cfg(feature = "backend")]
-    pub(crate) fn message<C: EncodeCommands>(
-        &self,
-        numbered: bool,
-        modules: &[ModuleSpec],
-        commands: C,
-        writes: Vec<u8>,
-    ) -> Message {
-        Message::new(&self.inner, numbered, modules, commands, writes)
     }
 
     /// Allocates `size` zeroed bytes (one request).
