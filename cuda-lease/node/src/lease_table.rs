@@ -197,11 +197,11 @@ impl<W: Clone> LeaseTable<W> {
         })
     }
 
-    fn entry_mut(&mut self, id: &LeaseId, now: Duration) -> Result<&mut Entry<W>, TableError> {
+    fn entry(&self, id: &LeaseId, now: Duration) -> Result<&Entry<W>, TableError> {
         if let Some(t) = self.dead.get(id) {
             return Err(TableError::new(t.status, t.reason.clone()));
         }
-        match self.live.get_mut(id) {
+        match self.live.get(id) {
             None => Err(TableError::new(
                 Status::LeaseNotFound,
                 format!("no lease {id}"),
@@ -212,6 +212,11 @@ impl<W: Clone> LeaseTable<W> {
             )),
             Some(e) => Ok(e),
         }
+    }
+
+    fn entry_mut(&mut self, id: &LeaseId, now: Duration) -> Result<&mut Entry<W>, TableError> {
+        self.entry(id, now)?;
+        Ok(self.live.get_mut(id).expect("live, checked above"))
     }
 
     /// Checks that lease `id` (live or recently dead) is `who`'s: a lease of
@@ -250,8 +255,8 @@ impl<W: Clone> LeaseTable<W> {
     /// # Errors
     ///
     /// NOT_FOUND, LEASE_EXPIRED (also before the reaper ran) or LEASE_POISONED.
-    pub fn get(&mut self, id: &LeaseId, now: Duration) -> Result<W, TableError> {
-        self.entry_mut(id, now).map(|e| e.payload.clone())
+    pub fn get(&self, id: &LeaseId, now: Duration) -> Result<W, TableError> {
+        self.entry(id, now).map(|e| e.payload.clone())
     }
 
     /// Extends a lease to `now + ttl` and bumps its generation.
@@ -282,30 +287,22 @@ impl<W: Clone> LeaseTable<W> {
     ///
     /// NOT_FOUND, LEASE_EXPIRED. A poisoned lease is reported, not refused.
     pub fn status(&self, id: &LeaseId, now: Duration) -> Result<LeaseStatus, TableError> {
-        if let Some(t) = self.dead.get(id) {
-            if t.status == Status::LeasePoisoned {
-                return Ok(LeaseStatus {
-                    lease: *id,
-                    generation: 0,
-                    reserved: 0,
-                    allocated: 0,
-                    allocated_high: 0,
-                    remaining_ms: 0,
-                    state: LeaseState::Poisoned,
-                });
-            }
-            return Err(TableError::new(t.status, t.reason.clone()));
-        }
-        let e = self
-            .live
+        if self
+            .dead
             .get(id)
-            .ok_or_else(|| TableError::new(Status::LeaseNotFound, format!("no lease {id}")))?;
-        if e.deadline <= now {
-            return Err(TableError::new(
-                Status::LeaseExpired,
-                format!("lease {id} expired"),
-            ));
+            .is_some_and(|t| t.status == Status::LeasePoisoned)
+        {
+            return Ok(LeaseStatus {
+                lease: *id,
+                generation: 0,
+                reserved: 0,
+                allocated: 0,
+                allocated_high: 0,
+                remaining_ms: 0,
+                state: LeaseState::Poisoned,
+            });
         }
+        let e = self.entry(id, now)?;
         Ok(LeaseStatus {
             lease: *id,
             generation: e.generation,
@@ -322,8 +319,8 @@ impl<W: Clone> LeaseTable<W> {
     /// # Errors
     ///
     /// As [`LeaseTable::get`].
-    pub fn reservation(&mut self, id: &LeaseId, now: Duration) -> Result<u64, TableError> {
-        self.entry_mut(id, now).map(|e| e.reserved)
+    pub fn reservation(&self, id: &LeaseId, now: Duration) -> Result<u64, TableError> {
+        self.entry(id, now).map(|e| e.reserved)
     }
 
     /// Sets what a live lease has allocated, as its worker reported it

@@ -27,13 +27,8 @@ pub fn log_filter(default: &str) -> EnvFilter {
 }
 
 /// Installs the global subscriber of a program with a log of its own (the
-/// node, the client program): text lines on stderr at [`log_filter`]'s
-/// levels.
-pub fn init_log(default: &str) {
-    init_log_as(default, LogFormat::Text);
-}
-
-/// [`init_log`] with the log lines in `format`.
+/// node, the client program): lines in `format` on stderr at
+/// [`log_filter`]'s levels.
 pub fn init_log_as(default: &str, format: LogFormat) {
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let log = match format {

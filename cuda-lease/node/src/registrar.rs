@@ -19,15 +19,10 @@ pub(crate) type Snapshot = Arc<dyn Fn() -> NodeRecord + Send + Sync>;
 /// The running registration. Dropping it stops the task (the record then
 /// leaves the registry when its etcd lease runs out); [`Registrar::leave`]
 /// revokes the lease first, so the record goes at once.
+#[derive(Debug)]
 pub(crate) struct Registrar {
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<()>,
-}
-
-impl std::fmt::Debug for Registrar {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Registrar").finish_non_exhaustive()
-    }
 }
 
 /// Starts registering the node that `snapshot` describes.

@@ -142,7 +142,7 @@ fn dims(s: &str) -> Result<[u32; 3], String> {
 
 fn main() {
     // The log at RUST_LOG's levels (default info).
-    log::init_log("info");
+    log::init_log_as("info", log::LogFormat::Text);
     let args = Args::parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

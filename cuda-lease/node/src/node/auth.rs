@@ -59,7 +59,7 @@ pub(super) fn owner_filter<'a>(shared: &Shared, who: &'a Principal) -> Option<&'
 /// The slot of lease `id` if it is `who`'s (else NOT_FOUND, as for an
 /// unknown id) and usable.
 pub(super) fn lease_of(shared: &Shared, who: &Principal, id: &LeaseId) -> Result<Slot, Reply> {
-    let mut t = shared.table();
+    let t = shared.table();
     t.check_owner(id, Some(who))?;
     Ok(t.get(id, shared.now())?)
 }

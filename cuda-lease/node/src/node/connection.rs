@@ -286,7 +286,7 @@ async fn answer(
     };
     match read {
         Ok(Ok(frame)) => {
-            let reply = dispatch(shared, peer, &frame, turn).await;
+            let (Ok(reply) | Err(reply)) = dispatch(shared, peer, &frame, turn).await;
             let failed_hello = frame.header.opcode == Opcode::Hello
                 && reply.status != Status::Ok
                 && peer.get().is_none();

@@ -21,21 +21,10 @@ use crate::proto::{
 use crate::stamps::{stamp, Point};
 use crate::worker::WorkerProcess;
 
-/// Serves one request; `turn` (the principal's budget turn of this
-/// request) is charged the bytes of the reply before the work that makes
-/// them runs.
+/// Serves one request (`Ok` or `Err`, its reply); `turn` (the principal's
+/// budget turn of this request) is charged the bytes of the reply before
+/// the work that makes them runs.
 pub(super) async fn dispatch(
-    shared: &Arc<Shared>,
-    peer: &Peer,
-    f: &Frame,
-    turn: Option<&mut BudgetTurn>,
-) -> Reply {
-    match dispatch_inner(shared, peer, f, turn).await {
-        Ok(r) | Err(r) => r,
-    }
-}
-
-pub(super) async fn dispatch_inner(
     shared: &Arc<Shared>,
     peer: &Peer,
     f: &Frame,

@@ -402,7 +402,7 @@ impl Node {
     /// [`cuda_lease::remote`]).
     pub fn lease_usage(&self, id: &LeaseId) -> Option<LeaseUsage> {
         let (slot, allocated) = {
-            let mut t = self.shared.table();
+            let t = self.shared.table();
             let now = self.shared.now();
             let allocated = t.status(id, now).ok()?.allocated;
             (t.get(id, now).ok()?, allocated)
