@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::connection::ReplyInto;
 use super::lease::LeaseInner;
-use super::{Error, ModuleSpec, ReadSlot, Submitted};
+use super::{Error, ModuleSpec, RecordedRead, Submitted};
 use crate::proto::{
     self, from_body, to_body, Batch, BatchReply, Command, ModuleText, ModuleUse, Opcode,
 };
@@ -104,7 +104,7 @@ impl Message {
     /// per read of `reads`, which is `None` when they do not match).
     pub(crate) async fn send_into<D>(
         self,
-        reads: Option<Vec<ReadSlot>>,
+        reads: Option<Vec<RecordedRead>>,
         mut dests: Vec<D>,
     ) -> Result<(Submitted, Vec<D>), Error>
     where

@@ -8,7 +8,7 @@
 // over several connections), `gpu_call` (GpuCall), `lease` (LeaseBuilder,
 // Lease, renewal, the state a lease's handles share), `session` (Session,
 // LeaseBuffer, single requests), `recorder` (Recorder,
-// ReadSlot, Submitted), `message` (a numbered BATCH on the wire).
+// RecordedRead, Submitted), `message` (a numbered BATCH on the wire).
 
 mod bulk;
 mod config;
@@ -38,5 +38,5 @@ pub use crate::proto::ModuleSpec;
 #[cfg(feature = "backend")]
 pub(crate) use message::EncodeCommands;
 pub(crate) use message::Message;
-pub use recorder::{ReadSlot, Recorder, Submitted};
+pub use recorder::{RecordedRead, Recorder, Submitted};
 pub use session::{LeaseBuffer, Session};

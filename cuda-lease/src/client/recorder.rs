@@ -9,7 +9,7 @@ use crate::proto::{Command, Id, LaunchArg, LaunchSpec, Op, OpError, Operand, Str
 
 /// A read recorded in a [`Recorder`]: where its bytes are in the reply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReadSlot {
+pub struct RecordedRead {
     command: usize,
     len: u64,
 }
@@ -82,10 +82,10 @@ impl Recorder {
 
     /// Reads `len` bytes of `buf` at `offset`; the bytes are in the reply
     /// ([`Submitted::read`]).
-    pub fn read(&mut self, stream: StreamId, buf: Id, offset: u64, len: u32) -> ReadSlot {
+    pub fn read(&mut self, stream: StreamId, buf: Id, offset: u64, len: u32) -> RecordedRead {
         let len = u64::from(len);
         self.push(stream, Op::Read { buf, offset, len });
-        ReadSlot {
+        RecordedRead {
             command: self.commands.len() - 1,
             len,
         }
@@ -221,14 +221,14 @@ impl Recorder {
         self
     }
 
-    /// The slots of the reads recorded so far, in order.
-    pub fn read_slots(&self) -> Vec<ReadSlot> {
+    /// The reads recorded so far (timers' ends among them), in order.
+    pub fn reads(&self) -> Vec<RecordedRead> {
         self.commands
             .iter()
             .enumerate()
             .filter_map(|(i, c)| match c.op {
-                Op::Read { len, .. } => Some(ReadSlot { command: i, len }),
-                Op::TimerEnd { .. } => Some(ReadSlot {
+                Op::Read { len, .. } => Some(RecordedRead { command: i, len }),
+                Op::TimerEnd { .. } => Some(RecordedRead {
                     command: i,
                     len: crate::proto::TIMER_BYTES as u64,
                 }),
@@ -274,7 +274,7 @@ impl Recorder {
         &self,
     ) -> impl std::future::Future<Output = Result<Submitted, Error>> + Send + 'static {
         let message = self.numbered();
-        let reads = self.read_slots();
+        let reads = self.reads();
         async move {
             let (reply, data) = message.send(None).await?;
             Ok(Submitted {
@@ -302,7 +302,7 @@ impl Recorder {
     where
         D: AsMut<[u8]> + Send + 'static,
     {
-        let reads = self.read_slots();
+        let reads = self.reads();
         let shape_ok = reads.len() == dests.len()
             && reads
                 .iter()
@@ -329,7 +329,7 @@ impl Recorder {
 pub struct Submitted {
     pub(super) completed: usize,
     pub(super) error: Option<OpError>,
-    pub(super) reads: Vec<ReadSlot>,
+    pub(super) reads: Vec<RecordedRead>,
     pub(super) data: Vec<u8>,
 }
 
@@ -360,7 +360,7 @@ impl Submitted {
 
     /// The bytes of a read, if its command ran (they were received
     /// straight into the reply's one buffer: no copy here).
-    pub fn read(&self, slot: ReadSlot) -> Option<&[u8]> {
+    pub fn read(&self, slot: RecordedRead) -> Option<&[u8]> {
         if slot.command >= self.completed {
             return None;
         }

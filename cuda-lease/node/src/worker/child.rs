@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::enqueue::{enqueue, Payload};
 use super::graphs::Graphs;
-use super::lease::{Lease, Planned};
+use super::lease::{Planned, WorkerLease};
 use super::messages::{
     ChunkOps, HeldRead, WorkerBatch, WorkerBatchReply, FLAG_HELD, FLAG_STAMPS, HELD_MIN,
     MAX_CHUNKS_PER_CALL,
@@ -64,7 +64,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
     let mut submit_modules: HashSet<ModuleHash> = HashSet::new();
     let mut graphs = Graphs::default();
     // The lease this worker serves (a submit worker serves none).
-    let mut lease = Lease::default();
+    let mut lease = WorkerLease::default();
     // How long to poll for the next request before blocking (the node
     // passes its budget; absent: block at once).
     let spin = std::env::var(SPIN_ENV)
@@ -256,7 +256,7 @@ enum Sealed {
 /// finish. `Err` when the node's pipe broke.
 fn answer_done(
     dev: &mut dyn LeaseDevice,
-    lease: &mut Lease,
+    lease: &mut WorkerLease,
     running: &mut Vec<Running>,
     held: &mut Held,
     output: &mut impl std::io::Write,
@@ -297,7 +297,7 @@ fn answer_done(
 #[allow(clippy::too_many_arguments)]
 fn wait_for_work(
     dev: &mut dyn LeaseDevice,
-    lease: &mut Lease,
+    lease: &mut WorkerLease,
     running: &mut Vec<Running>,
     held: &mut Held,
     output: &mut impl std::io::Write,
@@ -336,7 +336,7 @@ fn wait_for_work(
 /// enqueued, to be sealed and answered when its copies are done.
 pub(super) fn enqueue_chunks(
     dev: &mut dyn LeaseDevice,
-    lease: &Lease,
+    lease: &WorkerLease,
     ring: &mut Option<std::io::Result<WorkerRing>>,
     f: &Frame,
 ) -> Option<(Status, Vec<u8>)> {
@@ -440,7 +440,7 @@ impl Enqueued {
     /// or the failure found waiting for it); the lease is settled.
     fn reply(
         self,
-        lease: &mut Lease,
+        lease: &mut WorkerLease,
         finished: Result<Vec<u8>, DeviceError>,
     ) -> (WorkerBatchReply, Vec<u8>) {
         let (finished, out) = match finished {
@@ -487,7 +487,7 @@ impl Enqueued {
 /// `Err`: the batch is refused whole, nothing of it charged or run.
 pub(super) fn enqueue_batch(
     d: &mut Dev<'_>,
-    lease: &mut Lease,
+    lease: &mut WorkerLease,
     batch: &WorkerBatch<'_>,
     data: &[u8],
 ) -> Result<Enqueued, DeviceError> {

@@ -1,8 +1,8 @@
 //! The lease as its worker holds it: the ids its client named, its streams
 //! and graphs, and what it has allocated of its reservation. A batch is
 //! checked and planned against it before anything of it is enqueued
-//! ([`Lease::plan`]); what did not run is undone once its work is done
-//! ([`Lease::settle`]).
+//! ([`WorkerLease::plan`]); what did not run is undone once its work is done
+//! ([`WorkerLease::settle`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -130,7 +130,7 @@ pub(crate) struct BatchLimits {
 
 /// The lease of a worker.
 #[derive(Debug, Default)]
-pub(super) struct Lease {
+pub(super) struct WorkerLease {
     objects: LeaseObjects,
     /// Bytes charged to the reservation.
     allocated: u64,
@@ -151,7 +151,7 @@ impl Planned {
     }
 }
 
-impl Lease {
+impl WorkerLease {
     /// Checks a batch (its commands against its module list and the
     /// `writes_len` bytes of its writes' payloads), charges its modules'
     /// sources (`loads`) and plans its commands: what the
@@ -189,7 +189,7 @@ impl Lease {
 
     /// What a planned batch will make, in the lease's state now: the
     /// batches planned after it may name it (if it does not run, they fail
-    /// on the device, naming it). Frees wait for [`Lease::settle`].
+    /// on the device, naming it). Frees wait for [`WorkerLease::settle`].
     fn apply(&mut self, commands: &[Command<'_>], p: &Plan) {
         let state = &mut self.objects;
         for (c, effect) in commands.iter().zip(&p.effects) {
@@ -206,7 +206,7 @@ impl Lease {
     }
 
     /// Once a batch's work is done (`loaded` of its modules loaded,
-    /// `completed` of its commands run): undoes what [`Lease::plan`] made
+    /// `completed` of its commands run): undoes what [`WorkerLease::plan`] made
     /// and did not run, giving its charges back, and applies the frees
     /// that ran.
     pub(super) fn settle(&mut self, planned: &Planned, loaded: usize, completed: usize) {
