@@ -226,12 +226,6 @@ impl LeaseBackend {
     }
 }
 
-/// The `cuda-async` error of a failed request or command: the same
-/// [`RemoteError`](crate::proto::RemoteError), as [`cuda_async::Error::Remote`].
-pub fn to_cuda_error(e: Error) -> cuda_async::Error {
-    cuda_async::Error::from_remote(e)
-}
-
 impl RemoteSession for LeaseBackend {
     fn describe(&self) -> String {
         self.name.clone()
@@ -340,7 +334,9 @@ impl FailOnDrop {
         if let Some(done) = self.done.take() {
             match r {
                 Ok(()) => done.complete(),
-                Err(e) => done.fail(to_cuda_error(e.with_lease(self.lease).with_node(self.node))),
+                Err(e) => done.fail(cuda_async::Error::from_remote(
+                    e.with_lease(self.lease).with_node(self.node),
+                )),
             }
         }
     }

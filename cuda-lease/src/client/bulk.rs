@@ -39,19 +39,6 @@ pub(super) struct Conn {
     _turn: tokio::sync::OwnedSemaphorePermit,
 }
 
-impl std::ops::Deref for Conn {
-    type Target = Tls;
-    fn deref(&self) -> &Tls {
-        &self.tls
-    }
-}
-
-impl std::ops::DerefMut for Conn {
-    fn deref_mut(&mut self) -> &mut Tls {
-        &mut self.tls
-    }
-}
-
 /// Bulk-data connections a client opens at most: its stripes, and at
 /// least this many (a node allows 16 per principal by default).
 pub(super) const MIN_BULK_CONNECTIONS: usize = 8;
@@ -134,7 +121,7 @@ impl Client {
         proto::write_frame(&mut conn.tls, &h, body, data)
             .await
             .map_err(lost)?;
-        conn.flush().await.map_err(lost)?;
+        conn.tls.flush().await.map_err(lost)?;
         let (header, reply_body) = proto::read_head(&mut conn.tls, &self.limits)
             .await
             .map_err(lost)?;
@@ -157,7 +144,7 @@ impl Client {
                 into.len()
             )));
         }
-        conn.read_exact(into).await.map_err(lost)?;
+        conn.tls.read_exact(into).await.map_err(lost)?;
         Ok(Ok(()))
     }
 

@@ -1,7 +1,7 @@
 //! Leases: [`LeaseBuilder`], [`Lease`] with its background renewal, and the
 //! state a lease's sessions, buffers and batches share.
 
-use super::error::{config_error, protocol_error, ErrorKind};
+use super::error::{config_error, ErrorKind};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -12,8 +12,7 @@ use tokio::task::JoinHandle;
 use super::connection::{exchange, ReplyInto};
 use super::{Client, ClientConfig, Error, Session};
 use crate::proto::{
-    from_body, to_body, Id, IdOp, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew,
-    LeaseStatus, Opcode,
+    to_body, Id, IdOp, LeaseAlloc, LeaseGrant, LeaseId, LeaseRenew, LeaseStatus, Opcode,
 };
 
 /// Builds a [`Lease`].
@@ -185,17 +184,8 @@ impl Lease {
     ///
     /// As [`Client::request`].
     pub async fn query(&self) -> Result<LeaseStatus, Error> {
-        let (b, _) = self
-            .inner
-            .req(
-                Opcode::LeaseQuery,
-                &to_body(&LeaseRef {
-                    lease: self.inner.id,
-                }),
-                &[],
-            )
-            .await?;
-        from_body(&b).map_err(|e| protocol_error(e.to_string()))
+        let inner = &self.inner;
+        inner.guard(inner.client.query_lease(inner.id)).await
     }
 
     /// The lease's memory in the form of a local pool's statistics
@@ -269,12 +259,13 @@ impl Drop for Lease {
 
 async fn renew(inner: &LeaseInner) -> Result<LeaseGrant, Error> {
     let ttl_secs = inner.ttl.as_secs().max(1) as u32;
-    let body = to_body(&LeaseRenew {
+    let renew = LeaseRenew {
         lease: inner.id,
         ttl_secs,
-    });
-    let (b, _) = inner.req(Opcode::LeaseRenew, &body, &[]).await?;
-    let g: LeaseGrant = from_body(&b).map_err(|e| protocol_error(e.to_string()))?;
+    };
+    let g: LeaseGrant = inner
+        .guard(inner.client.call(Opcode::LeaseRenew, &renew))
+        .await?;
     inner.generation.store(g.generation, Ordering::SeqCst);
     Ok(g)
 }

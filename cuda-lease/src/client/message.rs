@@ -12,13 +12,6 @@ use crate::proto::{
     self, from_body, to_body, Batch, BatchReply, Command, ModuleText, ModuleUse, Opcode,
 };
 
-fn into<'a, 'b>(parts: Option<&'a mut [&'b mut [u8]]>) -> ReplyInto<'a, 'b> {
-    match parts {
-        Some(p) => ReplyInto::Parts(p),
-        None => ReplyInto::Owned,
-    }
-}
-
 /// One numbered BATCH, with what a resend with every source needs.
 pub(crate) struct Message {
     inner: Arc<LeaseInner>,
@@ -138,7 +131,14 @@ impl Message {
         let (body, data) = (&self.body, &self.data);
         let r = self
             .inner
-            .req_with(Opcode::Batch, body, data, into(parts.as_deref_mut()))
+            .req_with(
+                Opcode::Batch,
+                body,
+                data,
+                parts
+                    .as_deref_mut()
+                    .map_or(ReplyInto::Owned, ReplyInto::Parts),
+            )
             .await;
         let r = match r {
             Err(e) if e.kind() == ErrorKind::ModuleUnknown => {
@@ -148,7 +148,12 @@ impl Message {
                 match with_every_source(body, &self.modules, writes) {
                     Ok((body, all)) => {
                         self.inner
-                            .req_with(Opcode::Batch, &body, &all, into(parts))
+                            .req_with(
+                                Opcode::Batch,
+                                &body,
+                                &all,
+                                parts.map_or(ReplyInto::Owned, ReplyInto::Parts),
+                            )
                             .await
                     }
                     Err(e) => Err(e),
@@ -159,10 +164,15 @@ impl Message {
         let (reply, data) = match r {
             Ok(r) => r,
             Err(e) => {
-                if holds_a_place(&e) {
-                    self.fill_place().await;
-                }
+                // Answered now: a drop while the place is filled sends no
+                // second empty batch.
                 self.answered.store(true, Ordering::Release);
+                if holds_a_place(&e) && self.seq != 0 {
+                    // The node may not have read this message, and the
+                    // lease's later messages wait for its number: an empty
+                    // batch of the same number takes its place.
+                    fill_place(&self.inner, self.seq).await;
+                }
                 return Err(e);
             }
         };
@@ -171,19 +181,6 @@ impl Message {
         let learned = self.modules.iter().map(|m| m.hash());
         self.inner.client.learn_modules(learned);
         Ok((reply, data))
-    }
-}
-
-impl Message {
-    /// After a failed request the node may not have read this message,
-    /// and the lease's later messages wait for its number: an empty batch
-    /// of the same number takes its place.
-    async fn fill_place(&self) {
-        self.answered.store(true, Ordering::Release);
-        if self.seq == 0 {
-            return;
-        }
-        fill_place(&self.inner, self.seq).await;
     }
 }
 

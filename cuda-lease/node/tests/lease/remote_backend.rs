@@ -290,7 +290,7 @@ async fn every_remote_failure_is_a_matchable_error() {
     let e = cuda_lease::client::Client::connect(node.addr(), &bad)
         .await
         .map(|_| ())
-        .map_err(cuda_lease::remote::to_cuda_error)
+        .map_err(cuda_async::Error::from_remote)
         .unwrap_err();
     assert!(
         matches!(e.remote_kind(), Some(ErrorKind::Unauthorized(_))),
