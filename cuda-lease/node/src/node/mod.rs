@@ -1,16 +1,6 @@
 //! The node: QUIC endpoint, auth, lease table, reaper, worker supervision and
 //! metrics. The node process never touches CUDA; each lease's work runs in its
 //! own worker process ([`crate::worker`]).
-//!
-//! Where each part lives: `config` (what an operator sets), `connection`
-//! (accepting, the pre-authentication gate, one request's read and reply),
-//! `handshake` (bounds on connections that have not authenticated), `auth`
-//! (principals and the owner check), `dispatch` (requests by opcode),
-//! `batch` (a BATCH's modules and reply budget, then its commands handed
-//! undecoded to the lease's worker, which plans and runs them), `stream` (MEM_WRITE / MEM_READ
-//! through the worker's shared ring), `submit` (the per-principal byte
-//! budget and GPU_SUBMIT); this file holds the shared state, the node's
-//! start and shutdown, the worker pool and the reaper.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

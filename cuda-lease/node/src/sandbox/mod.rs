@@ -163,11 +163,6 @@ impl Compiler {
         self
     }
 
-    /// The settings.
-    pub fn settings(&self) -> &CompileSandbox {
-        &self.settings
-    }
-
     /// The header names a source may include: every regular file under the
     /// include directories, by its path relative to its directory (a
     /// symbolic link counts only if it resolves inside that directory).

@@ -12,17 +12,6 @@
 //! When the node goes away the worker reads end-of-file and exits; when the
 //! lease ends the node kills it. Either way the driver frees everything the
 //! worker held.
-//!
-//! Where each part lives: `process` (the node's side: starting a worker,
-//! its pipes and shared ring, requests with a time bound, the kill),
-//! `child` (the worker process's loop and what it runs), `messages` (what
-//! the two say to each other beyond the wire's own messages), `lease` (the
-//! lease's ids, streams, graphs and reservation as its worker keeps them),
-//! `plan` (what a batch does to the lease, checked before anything of it
-//! is enqueued), `enqueue` (a
-//! batch's commands onto the device, for batches and graph bodies); this file
-//! holds how a worker is started ([`WorkerSpec`], [`DeviceSpec`]) and the
-//! [`main_if_worker`] hook.
 
 use std::ffi::OsString;
 use std::path::PathBuf;

@@ -90,19 +90,6 @@ impl Charges {
     }
 }
 
-/// What `id` is after the commands planned so far: the batch's own
-/// creations and frees over the lease's state.
-pub(super) fn kind_of(
-    overlay: &IdMap<Id, Option<IdKind>>,
-    state: &LeaseObjects,
-    id: Id,
-) -> Option<IdKind> {
-    match overlay.get(&id) {
-        Some(k) => *k,
-        None => state.ids.get(&id).copied(),
-    }
-}
-
 /// Plans `commands` over `state`: each command is checked against the
 /// ids, streams and limits left by the commands before it; the first one
 /// refused ends the plan with its error.
@@ -201,8 +188,13 @@ struct Planner<'s> {
 }
 
 impl Planner<'_> {
+    /// What `id` is after the commands planned so far: the batch's own
+    /// creations and frees over the lease's state.
     fn kind(&self, id: Id) -> Option<IdKind> {
-        kind_of(&self.overlay, self.state, id)
+        match self.overlay.get(&id) {
+            Some(k) => *k,
+            None => self.state.ids.get(&id).copied(),
+        }
     }
 
     fn apply(&mut self, effect: Effect, stream: StreamId) {

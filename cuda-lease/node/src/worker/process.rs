@@ -19,11 +19,9 @@ use crate::stamps::{stamp, Point};
 
 /// Kernel buffer size requested for each pipe between the node and a worker.
 ///
-/// Linux pipes default to 64 KiB, so a 256 MiB MEM_WRITE or MEM_READ crossed
-/// the pipe in 4096 fills, each one a wake-up of the reader and a round trip
-/// through the node's tokio reactor (0.5 to 1.3 s for that step alone on a
-/// 2-core machine). 1 MiB is the largest size an unprivileged process may ask
-/// for by default (`/proc/sys/fs/pipe-max-size`).
+/// Linux pipes default to 64 KiB: a large transfer would cross in that many
+/// fills, each a wake-up of the reader. 1 MiB is the most an unprivileged
+/// process may ask for by default (`/proc/sys/fs/pipe-max-size`).
 pub const PIPE_BUFFER_BYTES: usize = 1 << 20;
 
 /// Grows the kernel buffer of the pipe behind `fd` to [`PIPE_BUFFER_BYTES`]

@@ -126,14 +126,6 @@ impl CudaDevice {
             .map_err(|e| map(st, &format!("opening device {ordinal}"), e))?;
         // The worker's one thread drives this context from now on.
         bind(&device)?;
-        // Every buffer of this device is a `cuda-core` buffer, used only
-        // by the commands below, each of which orders itself with the
-        // buffer's own use events (`before_*`/`after_*`, and the drop
-        // orders the free after them). cudarc's per-slice events would
-        // repeat that work: two more event records and waits per buffer
-        // argument of every launch. `cuda-core`'s `Device::new` opened this
-        // context with cudarc's tracking off, before it allocated any
-        // slice; this process has no other CUDA user.
         // A batch allocates, synchronizes and frees: keep a little freed
         // memory in the pool, or every batch's first allocation maps it
         // again. Bounded (32 MiB per worker), so a lease's freed memory

@@ -24,7 +24,7 @@ type SealedArena = (StagingArena, ArenaEnd, Vec<(usize, ArenaRead)>);
 #[derive(Debug)]
 pub(super) struct InFlight {
     /// Recorded after the batch's work on every stream it touched.
-    done: Vec<CudaEvent>,
+    pub(super) done: Vec<CudaEvent>,
     /// Where its reads land in its reply's data: pinned downloads,
     /// timers, and (with its arena) the arena's downloads.
     reads: Vec<(PinnedBuffer<u8>, usize)>,
@@ -33,13 +33,6 @@ pub(super) struct InFlight {
     /// Buffers it freed: spare once it is done.
     freed: Vec<DeviceBuffer<u8>>,
     out_len: usize,
-}
-
-impl InFlight {
-    /// Its done events, one per stream it touched.
-    pub(super) fn done(&self) -> &[CudaEvent] {
-        &self.done
-    }
 }
 
 impl CudaDevice {

@@ -78,7 +78,7 @@ impl CudaDevice {
         }
         let wake = self.wake.as_ref()?;
         // Not armed (a dead context, say): the worker polls instead.
-        wake.arm(batch.done()).ok()?;
+        wake.arm(&batch.done).ok()?;
         Some(wake.fd.as_raw_fd())
     }
 }

@@ -387,7 +387,7 @@ impl LeaseDevice for MemoryDevice {
         check_event(self.buffers.contains_key(&event), event)?;
         let i = self.enqueue(stream, Work::Nothing, &[], &[], None, None);
         self.events.insert(event, Some(i));
-        self.event_clock.insert(event, self.queue[i].ready());
+        self.event_clock.insert(event, self.queue[i].ready);
         Ok(())
     }
 

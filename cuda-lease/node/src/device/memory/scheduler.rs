@@ -19,7 +19,7 @@ pub(super) struct Queued {
     work: Work,
     done: bool,
     /// When it is done, on the test double's clock.
-    ready: Instant,
+    pub(super) ready: Instant,
 }
 
 #[derive(Debug)]
@@ -73,13 +73,6 @@ pub(super) enum Work {
         slot: usize,
     },
     Nothing,
-}
-
-impl Queued {
-    /// When it is done, on the test double's clock.
-    pub(super) fn ready(&self) -> Instant {
-        self.ready
-    }
 }
 
 impl MemoryDevice {
