@@ -15,22 +15,19 @@ use super::record::nodes_prefix;
 use super::{lock, NodeRecord, DEFAULT_PREFIX};
 use cuda_lease::client::{Client, ClientConfig, Error, ErrorKind, Lease, LeaseBuilder};
 
-/// How a client finds the fleet and trusts its nodes
-/// ([`Fleet::connect`]).
+/// How a client finds the fleet and trusts its nodes ([`Fleet::connect`]).
 #[derive(Debug, Clone)]
 pub struct FleetConfig {
     /// etcd endpoints (`http://127.0.0.1:2379`).
     pub endpoints: Vec<String>,
     /// The registry's key prefix ([`DEFAULT_PREFIX`]).
     pub prefix: String,
-    /// How to trust and authenticate to every node: roots (a CA that
-    /// signed the nodes' certificates), server name, token. With
-    /// [`FleetConfig::trust_registry`] the roots are replaced, per node,
-    /// by the registry's fingerprint.
+    /// How to trust and authenticate to every node: roots (the nodes' CA),
+    /// server name, token. With [`FleetConfig::trust_registry`] the
+    /// registry's fingerprint replaces the roots, per node.
     pub client: Option<ClientConfig>,
-    /// Trust each node's certificate by the SHA-256 its record carries.
-    /// Off by default: whoever can write the registry's prefix could
-    /// then send this client to a node of their own.
+    /// Trust each node's certificate by its record's SHA-256. Off by default:
+    /// whoever can write the registry's prefix could send this client to their node.
     pub trust_registry: bool,
     /// Labels a node must carry to be chosen.
     pub labels: BTreeMap<String, String>,
@@ -69,8 +66,7 @@ impl FleetConfig {
         self
     }
 
-    /// Places leases only on nodes labelled `key=value` (call again for
-    /// more labels).
+    /// Places leases only on nodes labelled `key=value` (repeat for more).
     pub fn label(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.labels.insert(key.into(), value.into());
         self
@@ -94,9 +90,8 @@ pub enum FleetError {
         /// Nodes in the registry.
         registered: usize,
     },
-    /// Every node that fits was tried and none took the lease (each full
-    /// or unreachable): the node names with their errors, in the order
-    /// tried.
+    /// Every fitting node was tried and none took the lease (full or
+    /// unreachable): node names with their errors, in the order tried.
     #[error("no node took the lease: {}", summary(.0))]
     Exhausted(Vec<(String, Error)>),
     /// A node refused the lease for a reason the next node would share
@@ -125,12 +120,10 @@ fn etcd(e: etcd_client::Error) -> FleetError {
 
 type View = Arc<BTreeMap<String, NodeRecord>>;
 
-/// The fleet as the registry describes it, kept current by an etcd watch,
-/// and the place to lease from. Cheap to clone (all clones share one
-/// view, one watch and the connections to nodes).
-///
-/// The view is what etcd said last: while etcd is unreachable it stays as
-/// it was, and the follower reads the registry again once etcd is back.
+/// The fleet as the registry describes it, and the place to lease from. The
+/// view is what etcd said last, kept current by a watch (unchanged while etcd
+/// is unreachable, read anew once it is back). Cheap to clone: clones share
+/// one view, one watch and the node connections.
 #[derive(Debug, Clone)]
 pub struct Fleet {
     inner: Arc<Inner>,
@@ -152,8 +145,7 @@ impl Drop for Inner {
 }
 
 impl Fleet {
-    /// Reads the registry and starts following it. Must be called inside a
-    /// tokio runtime.
+    /// Reads the registry and starts following it; call inside a tokio runtime.
     ///
     /// # Errors
     ///
@@ -194,8 +186,8 @@ impl Fleet {
         self.inner.view.borrow().get(name).cloned()
     }
 
-    /// Waits until `pred` holds for the registered nodes, at most
-    /// `timeout`; whether it held. Woken by the watch, not by polling.
+    /// Waits (woken by the watch) at most `timeout` for `pred` to hold for
+    /// the registered nodes; whether it held.
     pub async fn wait_until(
         &self,
         timeout: Duration,
@@ -216,11 +208,10 @@ impl Fleet {
         tokio::time::timeout(timeout, check).await.unwrap_or(false)
     }
 
-    /// Leases on a node that fits `builder` (its VRAM; this client's
-    /// protocol version; the configured labels), least loaded first (fewest
-    /// leases, then most reservable VRAM), trying the next node when one
-    /// is full or does not answer. The builder's own client configuration,
-    /// if any, is replaced by the fleet's.
+    /// Leases on a node that fits `builder` (its VRAM, this client's protocol
+    /// version, the configured labels), least loaded first (fewest leases,
+    /// then most reservable VRAM), moving on when a node is full or silent.
+    /// The fleet's client configuration replaces the builder's.
     ///
     /// # Errors
     ///
@@ -234,10 +225,9 @@ impl Fleet {
         .await
     }
 
-    /// As [`Fleet::lease`], with the nodes to try, in order, named by
-    /// `place` from the registered nodes and what the lease needs (the
-    /// escape hatch for a placement of the user's own; [`Need::fits`] is
-    /// the default's filter). Names not registered are skipped.
+    /// As [`Fleet::lease`], trying in order the nodes `place` names given the
+    /// registered nodes and the lease's need ([`Need::fits`] is the default's
+    /// filter). Unregistered names are skipped.
     ///
     /// # Errors
     ///
@@ -282,8 +272,7 @@ impl Fleet {
         Err(FleetError::Exhausted(tried))
     }
 
-    /// Leases on `node` over this fleet's connection to it (made on first
-    /// use, made again once lost).
+    /// Leases on `node` over the fleet's connection (made on first use and once lost).
     async fn lease_on(&self, node: &NodeRecord, builder: LeaseBuilder) -> Result<Lease, Error> {
         let (client, fresh) = self.client_of(node).await?;
         match builder.clone().on(client).await {
@@ -336,8 +325,7 @@ impl Fleet {
     }
 }
 
-/// Whether another node may take a lease this one refused: it was full,
-/// or it could not be reached.
+/// Whether another node may take a lease this one refused (full or unreachable).
 fn next_may_work(e: &Error) -> bool {
     matches!(e.kind(), ErrorKind::Capacity | ErrorKind::Disconnected(_))
 }
@@ -386,9 +374,9 @@ fn parse(key: &[u8], value: &[u8], prefix: &str) -> Option<NodeRecord> {
     }
 }
 
-/// Follows the registry from `revision`: applies each watch event to the
-/// view; when the watch fails (etcd gone, history compacted), connects
-/// again, reads the registry anew and watches from there.
+/// Follows the registry from `revision`, applying watch events to the view;
+/// when the watch fails (etcd gone, history compacted), reconnects, rereads
+/// the registry and watches from there.
 async fn follow(
     cfg: FleetConfig,
     mut client: etcd_client::Client,

@@ -4,9 +4,9 @@ use std::collections::BTreeMap;
 
 use super::NodeRecord;
 
-/// What a lease needs of a node: the builder's VRAM, and labels the node
-/// must carry ([`Fleet::lease`](super::Fleet::lease) fills in the VRAM;
-/// labels come from [`FleetConfig::labels`](super::FleetConfig::labels)).
+/// What a lease needs of a node: VRAM (from the builder, filled in by
+/// [`Fleet::lease`](super::Fleet::lease)) and labels (from
+/// [`FleetConfig::labels`](super::FleetConfig::labels)).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Need {
     /// Bytes the lease reserves.
@@ -16,9 +16,8 @@ pub struct Need {
 }
 
 impl Need {
-    /// Whether `node` can take the lease, as far as its record says: it
-    /// speaks this client's protocol, has `min_vram` bytes reservable and
-    /// carries every label.
+    /// Whether `node`'s record says it can take the lease: this client's
+    /// protocol, `min_vram` bytes reservable and every label.
     pub fn fits(&self, node: &NodeRecord) -> bool {
         node.protocol == cuda_lease::proto::VERSION
             && node.reservable_bytes >= self.min_vram
@@ -30,8 +29,7 @@ impl Need {
 }
 
 /// The nodes that fit `need`, least loaded first: fewest live leases, then
-/// most reservable bytes, then by name (so that equal nodes are tried in
-/// a stable order).
+/// most reservable bytes, then by name (a stable order).
 pub(crate) fn rank(nodes: &[NodeRecord], need: &Need) -> Vec<NodeRecord> {
     let mut fit: Vec<NodeRecord> = nodes.iter().filter(|n| need.fits(n)).cloned().collect();
     fit.sort_by(|a, b| {

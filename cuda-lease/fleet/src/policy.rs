@@ -1,14 +1,11 @@
 //! One `cuda-async` policy over leases on several nodes of a fleet
-//! ([`FleetPolicy`]): independent submissions spread over the leases,
-//! buffers keep their work on their node, a dead node's leases are
-//! replaced, and submissions can be run again elsewhere.
+//! ([`FleetPolicy`]).
 //!
-//! Each [`select`](SchedulingPolicy::select) makes a *placement*: a remote
-//! session of its own that records without a node, and chooses one when
-//! its submission is sent (the live lease with the least work in flight),
-//! or earlier when an op uses a buffer of an earlier submission (then the
-//! buffer's node). Ids are the policy's, unique over all its leases, so a
-//! recording is valid on any of them until it is placed.
+//! Each [`select`](SchedulingPolicy::select) makes a *placement*: a session
+//! of its own that records without a node and picks one when its submission
+//! is sent, or earlier when an op uses an earlier submission's buffer. Ids
+//! are the policy's, unique over all its leases, so a recording is valid on
+//! any of them until placed.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -24,8 +21,8 @@ use cuda_lease::client::{Disconnect, Error, ErrorKind, Lease};
 use cuda_lease::remote::LeaseBackend;
 use submission::Placement;
 
-/// The first id a fleet policy hands out: far above the ids a lease's own
-/// session counts from 1, so the two never meet on a node.
+/// A fleet policy's first id: far above a lease session's own (counted from
+/// 1), so the two never meet on a node.
 const FIRST_ID: u64 = 1 << 62;
 
 mod submission;
@@ -33,31 +30,27 @@ mod submission;
 /// How a [`FleetPolicy`] leases and places.
 #[derive(Debug, Clone)]
 pub struct FleetPolicyConfig {
-    /// Leases held at once when the fleet has room (each on another node
-    /// while there are nodes enough); a dead node's lease is replaced to
-    /// keep this many (default 2).
+    /// Leases held when the fleet has room, on distinct nodes while there are
+    /// enough; dead ones are replaced to keep this many (default 2).
     pub leases: usize,
-    /// Most leases: when every lease has [`FleetPolicyConfig::grow_at`]
-    /// submissions in flight, one more is taken, up to this (default:
-    /// `leases`).
+    /// Most leases: one more is taken when every lease has
+    /// [`FleetPolicyConfig::grow_at`] submissions in flight (default: `leases`).
     pub max_leases: usize,
-    /// Submissions in flight on every lease at which the policy grows.
+    /// Submissions in flight on every lease at which the policy grows (default 8).
     pub grow_at: usize,
     /// VRAM of each lease (default 256 MiB).
     pub vram: u64,
     /// TTL of each lease (renewed in the background; default 60 s).
     pub ttl: Duration,
-    /// Streams of each lease that submissions and concurrent arms spread
-    /// over (default 4).
+    /// Streams per lease that submissions and concurrent arms spread over (default 4).
     pub streams: u32,
     /// Longest a submission waits for a lease when the policy has none
     /// alive (then it fails with the capacity kind; default 30 s).
     pub wait: Duration,
-    /// How many times a submission that failed with its node (the
-    /// disconnected or lease kinds) runs again on another lease, when it
-    /// uses no buffer of an earlier submission (default 0: never). With
-    /// retry on, each such submission keeps a copy of its upload bytes
-    /// until it completes.
+    /// How often a submission that failed with its node (disconnected or
+    /// lease kinds) runs again on another lease, if it uses no earlier
+    /// submission's buffer (default 0: never). With retry on, each such
+    /// submission keeps a copy of its upload bytes until it completes.
     pub retry: u32,
 }
 
@@ -96,12 +89,11 @@ pub struct NodeStats {
 /// `RemotePolicy`.
 ///
 /// When a node dies (its record leaves the registry, or a submission fails
-/// with the disconnected or lease kinds), its lease is dropped, its work in
-/// flight fails (or runs again elsewhere, with
-/// [`FleetPolicyConfig::retry`]), and a replacement is leased on another
-/// node. A submission that uses a buffer on a dead node fails with an error
-/// naming the node and the buffers. With no live lease, submissions wait
-/// for one (at most [`FleetPolicyConfig::wait`]).
+/// with the disconnected or lease kinds), its lease is replaced on another
+/// node and its work in flight fails (or runs elsewhere, per
+/// [`FleetPolicyConfig::retry`]); a submission using a buffer there fails
+/// naming the node and buffers. With no live lease, submissions wait (at
+/// most [`FleetPolicyConfig::wait`]).
 ///
 /// ```no_run
 /// # async fn demo(fleet: cuda_lease_fleet::Fleet) -> Result<(), Box<dyn std::error::Error>> {
@@ -125,19 +117,16 @@ struct Shared {
     cfg: FleetPolicyConfig,
     runtime: tokio::runtime::Handle,
     members: Mutex<Vec<Arc<Member>>>,
-    /// Per node: what ran there.
     stats: Mutex<Vec<NodeStats>>,
     /// A lease was added (waiting submissions look again).
     added: Notify,
-    /// Something for the supervisor: a death, a reason to grow, or the
-    /// policy's end (shared with the supervisor, which holds the policy
-    /// only weakly).
+    /// Wakes the supervisor (a death, a reason to grow, the policy's end);
+    /// shared with it, as it holds the policy only weakly.
     wake: Arc<Notify>,
     grow: AtomicBool,
     next_id: AtomicU64,
     next_stream: AtomicUsize,
     retries: AtomicU64,
-    /// When the first submission that ran again completed.
     first_retry_done: Mutex<Option<std::time::Instant>>,
     closed: AtomicBool,
 }
@@ -154,8 +143,7 @@ struct Member {
     dead: AtomicBool,
 }
 
-/// How long a node that left the registry has to answer before its lease
-/// is given up.
+/// How long a node that left the registry has to answer before its lease goes.
 const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 
 impl Member {
@@ -163,8 +151,7 @@ impl Member {
         !self.dead.load(Ordering::Acquire)
     }
 
-    /// The disconnected kind, naming this lease's node: "node NAME
-    /// `what`".
+    /// The disconnected kind, naming this lease's node: "node NAME `what`".
     fn gone(&self, what: std::fmt::Arguments<'_>) -> cuda_async::Error {
         let message = format!("node {} {what}", self.node.name);
         let e = Error::new(ErrorKind::Disconnected(Disconnect::Network), message);
@@ -185,10 +172,8 @@ impl Member {
 }
 
 impl FleetPolicy {
-    /// Leases [`FleetPolicyConfig::leases`] leases on the fleet's nodes
-    /// (each on another node while there are nodes enough) and starts
-    /// looking after them. Must be called inside a tokio runtime, whose
-    /// tasks then do the policy's I/O.
+    /// Leases [`FleetPolicyConfig::leases`] leases and starts looking after
+    /// them. Must be called inside a tokio runtime, whose tasks do the I/O.
     ///
     /// # Errors
     ///
@@ -261,8 +246,7 @@ impl FleetPolicy {
         self.shared.retries.load(Ordering::Relaxed)
     }
 
-    /// When the first submission that ran again on another lease
-    /// completed (`None` until one did).
+    /// When the first retried submission completed (`None` until one did).
     pub fn first_retry_done(&self) -> Option<std::time::Instant> {
         *lock(&self.shared.first_retry_done)
     }
@@ -320,14 +304,13 @@ impl Shared {
         }
     }
 
-    /// The live lease with the least work in flight; asks the supervisor
-    /// to grow when even that one has `grow_at` submissions in flight.
+    /// The live lease to place on: among those with at most four rounds of
+    /// streams more in flight than the least loaded, the one given the least
+    /// so far (equal nodes share evenly; one further behind gets nothing until
+    /// it catches up). Asks the supervisor to grow when it has `grow_at` in
+    /// flight.
     fn least_loaded(&self) -> Option<Arc<Member>> {
         let members = lock(&self.members);
-        // Among the leases with at most four rounds of their streams more in
-        // flight than the least loaded, the one given the least so far: equal
-        // nodes share evenly, and one that falls behind by more gets nothing
-        // until it catches up.
         let live = members.iter().filter(|m| m.is_live());
         let least = live
             .clone()
@@ -349,8 +332,7 @@ impl Shared {
         best
     }
 
-    /// Leases once more, on a node the policy does not use yet if one fits,
-    /// else on any that fits.
+    /// Leases once more, preferring a node the policy does not use yet.
     async fn add_member(&self) -> Result<(), FleetError> {
         let used: Vec<String> = self.live().iter().map(|m| m.node.name.clone()).collect();
         let builder = Lease::builder().min_vram(self.cfg.vram).ttl(self.cfg.ttl);
@@ -384,9 +366,8 @@ impl Shared {
         Ok(())
     }
 
-    /// Marks `m` dead: no new work goes there, its connection is closed
-    /// (so its work in flight fails now, not at the network's timeout), and
-    /// the supervisor replaces it.
+    /// Marks `m` dead (no new work; the supervisor replaces it) and closes its
+    /// connection, so its work in flight fails now, not at the network's timeout.
     fn bury(&self, m: &Member, why: &str) {
         if m.dead.swap(true, Ordering::AcqRel) {
             return;
@@ -399,9 +380,9 @@ impl Shared {
     }
 }
 
-/// Whether `e` says the node or the lease that ran the work is gone
-/// (disconnected; the lease expired, freed, not found or poisoned), not
-/// the work's own fault: the work may run again on another lease.
+/// Whether `e` says the node or lease that ran the work is gone
+/// (disconnected; lease expired, freed, not found or poisoned), not the
+/// work's own fault: the work may run again on another lease.
 pub fn lost(e: &cuda_async::Error) -> bool {
     matches!(
         e.remote_kind(),
@@ -416,8 +397,7 @@ pub fn lost(e: &cuda_async::Error) -> bool {
 }
 
 /// The error of work in flight on a node the policy gave up: the
-/// disconnected kind (whatever the lease's session saw as the connection
-/// was closed under it), naming the node.
+/// disconnected kind naming the node, whatever the session saw.
 fn node_lost(m: &Member, e: cuda_async::Error) -> cuda_async::Error {
     match e.remote_kind() {
         Some(ErrorKind::Disconnected(_)) => e,
@@ -425,9 +405,9 @@ fn node_lost(m: &Member, e: cuda_async::Error) -> cuda_async::Error {
     }
 }
 
-/// Keeps the policy's leases: buries the leases of nodes that left the
-/// registry, drops dead ones, and replaces them (or grows on demand) up to
-/// the configured count. Holds the policy weakly: it ends with it.
+/// Keeps the policy's leases: buries those of nodes that left the registry,
+/// drops dead ones and replaces them (or grows on demand) up to the
+/// configured count. Holds the policy weakly and ends with it.
 async fn supervise(shared: Weak<Shared>, wake: Arc<Notify>, fleet: Fleet) {
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -459,17 +439,13 @@ async fn supervise(shared: Weak<Shared>, wake: Arc<Notify>, fleet: Fleet) {
 }
 
 impl Shared {
-    /// One round of the supervisor; whether to look again soon (a lease it
-    /// wanted could not be had, or a node that left the registry still
-    /// answers).
+    /// One supervisor round; whether to look again soon (a wanted lease
+    /// could not be had, or a node that left the registry still answers).
     async fn tend(&self) -> bool {
-        // A node that left the registry is asked directly: a node that
-        // died does not answer (its work in flight would otherwise wait for
-        // the network's timeout), one that is fine answers (etcd lost its
-        // data, say, and the node registers again).
-        // One that answers is asked again soon, until it is listed again
-        // or stops answering (a node shutting down answers until it has
-        // left the registry).
+        // A node that left the registry is asked directly: a dead one does
+        // not answer (else its work in flight waits for the network's
+        // timeout); a live one does (etcd lost its data, say, or it is
+        // shutting down) and is asked again soon, until listed again or silent.
         let registered = self.fleet.nodes();
         let mut look_again = false;
         for m in self.live() {
@@ -485,8 +461,7 @@ impl Shared {
                 self.bury(&m, "its node left the registry and does not answer");
             }
         }
-        // Dead leases go: their node is gone or unreachable, so its TTL
-        // ends them there.
+        // Dead leases are leaked: their node's TTL ends them there.
         let dead: Vec<Arc<Member>> = {
             let mut members = lock(&self.members);
             let (dead, live): (Vec<_>, Vec<_>) = members.drain(..).partition(|m| !m.is_live());

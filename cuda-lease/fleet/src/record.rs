@@ -8,8 +8,7 @@ use std::time::Duration;
 use rustls::pki_types::CertificateDer;
 use serde::{Deserialize, Serialize};
 
-/// The registry's default key prefix: records live under
-/// `/cuda-lease/nodes/`.
+/// The registry's default key prefix (records under `/cuda-lease/nodes/`).
 pub const DEFAULT_PREFIX: &str = "/cuda-lease/";
 
 /// One node as the registry holds it (JSON under `PREFIX/nodes/NAME`):
@@ -20,8 +19,7 @@ pub struct NodeRecord {
     pub name: String,
     /// Where clients reach its QUIC endpoint.
     pub address: SocketAddr,
-    /// SHA-256 of its TLS certificate (DER), lowercase hex
-    /// ([`fingerprint`]).
+    /// SHA-256 of its TLS certificate (DER), lowercase hex ([`fingerprint`]).
     pub cert_sha256: String,
     /// Its devices.
     pub devices: Vec<DeviceRecord>,
@@ -71,8 +69,7 @@ impl NodeRecord {
         serde_json::from_slice(value)
     }
 
-    /// The certificate fingerprint as bytes (`None` if the record's is not
-    /// 64 hex digits).
+    /// The certificate fingerprint as bytes (`None` unless 64 hex digits).
     pub fn fingerprint_bytes(&self) -> Option<[u8; 32]> {
         let s = self.cert_sha256.as_bytes();
         if s.len() != 64 {
@@ -87,8 +84,7 @@ impl NodeRecord {
     }
 }
 
-/// The SHA-256 of a certificate (DER) in lowercase hex, as records carry
-/// it.
+/// The SHA-256 of a certificate (DER) in lowercase hex, as records carry it.
 pub fn fingerprint(cert: &CertificateDer<'_>) -> String {
     ring::digest::digest(&ring::digest::SHA256, cert.as_ref())
         .as_ref()
@@ -97,8 +93,7 @@ pub fn fingerprint(cert: &CertificateDer<'_>) -> String {
         .collect()
 }
 
-/// Where the records of `prefix` live: `PREFIX/nodes/` (the prefix
-/// given a trailing `/` when it has none).
+/// Where `prefix`'s records live: `PREFIX/nodes/` (adding a missing `/`).
 pub(crate) fn nodes_prefix(prefix: &str) -> String {
     let mut p = prefix.to_string();
     if !p.ends_with('/') {
@@ -108,17 +103,16 @@ pub(crate) fn nodes_prefix(prefix: &str) -> String {
     p
 }
 
-/// How a node registers itself in etcd
-/// (`cuda_lease_node::NodeConfig::registry`).
+/// How a node registers itself in etcd (`cuda_lease_node::NodeConfig::registry`).
 #[derive(Debug, Clone)]
 pub struct RegistryConfig {
     /// etcd endpoints (`http://127.0.0.1:2379`).
     pub endpoints: Vec<String>,
     /// Key prefix ([`DEFAULT_PREFIX`]).
     pub prefix: String,
-    /// TTL of the node's etcd lease: a node that dies leaves the registry
-    /// this long after its last keep-alive (at least 1 s; default 10 s).
-    /// Keep-alives go at a third of it.
+    /// TTL of the node's etcd lease (at least 1 s; default 10 s): a dead node
+    /// leaves the registry this long after its last keep-alive, sent every
+    /// third of it.
     pub ttl: Duration,
     /// The address written in the record. `None`: the node's QUIC
     /// address, which must then not be unspecified (`0.0.0.0`).
@@ -128,14 +122,12 @@ pub struct RegistryConfig {
     /// Least time between two writes of the record (default 500 ms): a
     /// change waits at most this long to reach the registry.
     pub min_update_interval: Duration,
-    /// How long connecting to etcd may take before the node tries again
-    /// (default 2 s).
+    /// How long connecting to etcd may take before the node retries (default 2 s).
     pub connect_timeout: Duration,
 }
 
 impl RegistryConfig {
-    /// Registration with etcd at `endpoints` under [`DEFAULT_PREFIX`], with
-    /// the defaults above.
+    /// Registration with etcd at `endpoints`, with the defaults above.
     pub fn new<S: Into<String>>(endpoints: impl IntoIterator<Item = S>) -> Self {
         Self {
             endpoints: endpoints.into_iter().map(Into::into).collect(),

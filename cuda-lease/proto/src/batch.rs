@@ -9,8 +9,7 @@ use super::{
     RandSpec, SourceKind, StreamId, MAX_BATCH_OPS,
 };
 
-/// Bytes an [`Op::TimerEnd`] adds to the reply data (a little-endian
-/// `u64` of nanoseconds).
+/// Bytes an [`Op::TimerEnd`] adds to the reply data.
 pub const TIMER_BYTES: usize = 8;
 
 /// Most modules one batch may name.
@@ -30,21 +29,17 @@ pub struct ModuleText {
 pub struct ModuleUse {
     /// Its content hash ([`ModuleHash::of`] the source).
     pub hash: ModuleHash,
-    /// The source, the first time this node sees the module (the node
-    /// checks that it hashes to `hash`); `None` when the client believes
-    /// the node has it, which the node answers with
-    /// [`Status::UnknownModule`] if it does not.
+    /// The source, the first time this node sees the module (checked
+    /// against `hash`); `None` when the client believes the node has it
+    /// (else the node answers [`Status::UnknownModule`]).
     pub source: Option<ModuleText>,
 }
 
-/// What one command does. Ids are client-named: a command that creates
-/// (`Alloc`, the first `Record` of an event) names an id not in use in the
-/// lease; the others name one created by an earlier command of this or an
-/// earlier batch.
-///
-/// This is the one command type of the protocol: the client encodes it,
-/// the node checks and plans it, the worker runs it. Decoded from a
-/// message, a launch's name and scalars borrow from the message
+/// What one command does: the protocol's one command type (client encodes,
+/// node checks, worker runs). Ids are client-named: a creating command
+/// (`Alloc`, an event's first `Record`) names an id unused in the lease; the
+/// others name one made by an earlier command of this or an earlier batch.
+/// Decoded, a launch's name and scalars borrow from the message
 /// (`Op<'static>` owns them).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Op<'a> {
@@ -64,8 +59,7 @@ pub enum Op<'a> {
         /// Bytes taken from the batch data.
         len: u64,
     },
-    /// Read `len` bytes of `buf` at `offset`; they are appended to the
-    /// reply data, in command order.
+    /// Read `len` bytes of `buf` at `offset` into the reply data, in command order.
     Read {
         /// Source.
         buf: Id,
@@ -74,8 +68,7 @@ pub enum Op<'a> {
         /// Bytes.
         len: u64,
     },
-    /// Free a buffer (after every use of it queued on any stream) or an
-    /// event.
+    /// Free a buffer (after its queued uses, on any stream) or an event.
     Free {
         /// The buffer or event.
         id: Id,
@@ -112,25 +105,22 @@ pub enum Op<'a> {
         /// Bytes.
         len: u64,
     },
-    /// Start timer `timer` (a new id): the GPU notes when the command's
-    /// stream reaches this point.
+    /// Start timer `timer` (a new id) when the GPU reaches this point.
     TimerStart {
         /// New timer id.
         timer: Id,
     },
-    /// End timer `timer` on the command's stream: the nanoseconds since
-    /// its start, as the GPU measured them (a little-endian `u64`), are
-    /// appended to the reply data in command order, as a read's bytes
-    /// are. The timer is gone after.
+    /// End timer `timer`: the GPU-measured nanoseconds since its start (a
+    /// little-endian `u64`) go to the reply data in command order, as a
+    /// read's bytes do. The timer is gone after.
     TimerEnd {
         /// A started timer.
         timer: Id,
     },
     /// Begin graph `graph` (a new id): the batch's next commands, on any
-    /// stream, up to [`Op::GraphEnd`] are its body. In a body, `Alloc`s
-    /// run now (the graph's buffers exist from its capture) and `Free`s
-    /// wait for the graph's own free; every other command is kept and runs
-    /// at each [`Op::GraphLaunch`], not now. A body cannot read
+    /// stream, up to [`Op::GraphEnd`] are its body. In a body `Alloc`s run
+    /// now, `Free`s wait for the graph's own free, and every other command
+    /// runs at each [`Op::GraphLaunch`], not now. A body cannot read
     /// (`Read`, timers) or begin or launch a graph.
     GraphBegin {
         /// New graph id.
@@ -141,26 +131,21 @@ pub enum Op<'a> {
         /// The graph being recorded.
         graph: Id,
     },
-    /// Replay graph `graph`: its body runs after the work enqueued on the
-    /// command's stream so far, and later work on that stream runs after
-    /// it. A buffer a live graph uses cannot be freed (free the graph
-    /// first: `Free { id: graph }`, which also runs the body's frees).
+    /// Replay graph `graph` in order on the command's stream. A buffer a
+    /// live graph uses cannot be freed: free the graph first
+    /// (`Free { id: graph }`, which also runs the body's frees).
     GraphLaunch {
         /// The graph.
         graph: Id,
     },
-    /// A matrix product by the node's cuBLAS (no kernel shipped): reads
-    /// `A` and `B`, writes `C` (reads it too unless `beta` is zero). The
-    /// node checks the shapes against the buffers' sizes.
+    /// A matrix product by the node's cuBLAS (no kernel shipped).
     Gemm(Box<GemmSpec>),
-    /// Random values by the node's cuRAND (no kernel shipped): writes
-    /// `len` elements at `dst`. The node checks them against the buffer.
+    /// Random values by the node's cuRAND (no kernel shipped).
     RandFill(RandSpec),
 }
 
 impl Op<'_> {
-    /// Bytes the op adds to the reply's data: a read's, or a timer's
-    /// nanoseconds ([`TIMER_BYTES`]).
+    /// Bytes the op adds to the reply data (a read's, or [`TIMER_BYTES`]).
     pub fn reply_len(&self) -> u64 {
         match self {
             Op::Read { len, .. } => *len,
@@ -169,9 +154,9 @@ impl Op<'_> {
         }
     }
 
-    /// Calls `f` with each buffer the op uses and whether it may write it
-    /// (a launch may write every buffer it is passed). A `Free` is not a
-    /// use: its id may name an event or a graph as well.
+    /// Calls `f` with each buffer the op uses and whether it may write it (a
+    /// launch may write all its buffers). A `Free` is not a use (its id may
+    /// name an event or a graph).
     pub fn buffers(&self, mut f: impl FnMut(Id, bool)) {
         match self {
             Op::Alloc { buf, .. } | Op::Read { buf, .. } => f(*buf, false),
@@ -197,8 +182,7 @@ impl Op<'_> {
         }
     }
 
-    /// The buffer and event ids the op names (a launch's buffer arguments
-    /// included), for `f`.
+    /// Calls `f` with each id the op names (a launch's buffers included).
     pub fn for_each_id(&self, mut f: impl FnMut(Id)) {
         match self {
             Op::Free { id } => f(*id),
@@ -217,46 +201,39 @@ impl Op<'_> {
 pub const FIRST_NODE_ID: u64 = 1 << 63;
 
 /// One command of a batch: an op on a client-named stream of the lease.
-/// Each stream runs its commands in order; different streams run
-/// concurrently, ordered by events and by the buffers they share (a use
-/// that conflicts with an earlier one, a write against any use, runs after
-/// it, whatever the streams).
+/// Each stream runs its commands in order; streams run concurrently, ordered
+/// by events and shared buffers (a write runs after any earlier use of its
+/// buffer, and any use after an earlier write, whatever the streams).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Command<'a> {
-    /// The stream (made on first use, up to the node's per-lease limit).
+    /// The stream.
     pub stream: StreamId,
     /// What to do.
     #[serde(borrow)]
     pub op: Op<'a>,
 }
 
-/// BATCH request: a pipeline in one message. The frame's data holds the
-/// module sources (in `modules` order) and then the `Write` payloads (in
-/// command order), back to back. The reply comes when every command ran.
-///
-/// On the wire the fields come in this order with the bytes the commands'
-/// reads return ([`Op::reply_len`], summed) between `modules` and
-/// `commands`: the node reads the part before the commands
-/// ([`BatchHead`]), budgets the reply by it and hands the commands to the
-/// lease's worker as they came, which holds the reads to it.
+/// BATCH request: a pipeline in one message, answered when every command ran.
+/// The frame's data holds the module sources (in `modules` order), then the
+/// `Write` payloads (in command order). On the wire the summed
+/// [`Op::reply_len`] comes between `modules` and `commands`: the node reads up
+/// to it ([`BatchHead`]), budgets the reply by it and forwards the commands
+/// undecoded to the worker, which holds the reads to it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Batch<'a> {
     /// The lease.
     pub lease: LeaseId,
     /// The batch's place in its lease's order (1, 2, 3, ...; 0: none). The
-    /// node runs a lease's numbered batches in this order, whatever order
-    /// they arrive in over QUIC's independent streams (a batch waits for
-    /// its predecessors as long as they can still come: until the lease
-    /// ends or the connection that carries its batches closes), so a batch
-    /// sent before the reply to its predecessor can name what the
-    /// predecessor creates. An empty batch of a number that ran, or is on
-    /// the node, is answered at once: a client fills the number of a
-    /// message it dropped with one.
+    /// node runs numbered batches in this order whatever order they arrive
+    /// in, a batch waiting for its predecessors while they can still come
+    /// (until the lease ends or their connection closes); so a batch may name
+    /// what an unanswered predecessor creates. An empty batch of a number
+    /// that ran or is on the node is answered at once: a client fills the
+    /// number of a message it dropped with one.
     pub seq: u64,
     /// Modules the launches name (at most [`MAX_BATCH_MODULES`]).
     pub modules: Vec<ModuleUse>,
-    /// Commands (at most [`MAX_BATCH_OPS`]: a longer list is refused on
-    /// its length prefix, before any command is decoded).
+    /// Commands (at most [`MAX_BATCH_OPS`], refused on the length prefix).
     pub commands: Vec<Command<'a>>,
 }
 
@@ -267,9 +244,8 @@ pub fn reply_bytes<'c, 'a: 'c>(commands: impl IntoIterator<Item = &'c Command<'a
         .fold(0u64, |n, c| n.saturating_add(c.op.reply_len()))
 }
 
-/// A BATCH's head as it is written ([`BatchHead`] as it is read). On
-/// the wire a nested struct is its fields in order, so a batch is its head
-/// and then its command list.
+/// A BATCH's head as written ([`BatchHead`] as read). A nested struct is
+/// its fields in order on the wire, so a batch is its head, then its commands.
 #[derive(Serialize)]
 pub(crate) struct HeadRef<'m> {
     pub(crate) lease: LeaseId,
@@ -285,8 +261,7 @@ struct BatchOut<'r, 'a> {
     commands: &'r [Command<'a>],
 }
 
-/// A [`Batch`] as it comes off the wire (its head's reply bytes are
-/// derived from the commands, which a decoded batch holds).
+/// A [`Batch`] as read (the head's reply bytes dropped: the commands give them).
 #[derive(Deserialize)]
 struct BatchIn<'a> {
     head: BatchHead,
@@ -321,8 +296,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for Batch<'a> {
     }
 }
 
-/// The fields of a BATCH before its commands, in the wire's order: what
-/// the node reads of it ([`BatchHead::decode`]).
+/// A BATCH's fields before its commands ([`BatchHead::decode`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BatchHead {
     /// [`Batch::lease`].
@@ -338,9 +312,8 @@ pub struct BatchHead {
 }
 
 impl BatchHead {
-    /// Checks the modules (none listed twice) and that their sources fit
-    /// in the `data_len` bytes of data; returns the sources' bytes (the
-    /// writes' payloads follow them).
+    /// Checks the modules (none twice) and that their sources fit in
+    /// `data_len`; returns the sources' bytes (the writes' payloads follow).
     ///
     /// # Errors
     ///
@@ -357,8 +330,7 @@ impl BatchHead {
 }
 
 impl Batch<'_> {
-    /// Checks counts, launches, module names and that the data length
-    /// matches.
+    /// Checks counts, launches, module names and the data length.
     ///
     /// # Errors
     ///
@@ -368,8 +340,7 @@ impl Batch<'_> {
     }
 }
 
-/// Checks a batch's module list: at most [`MAX_BATCH_MODULES`], none
-/// listed twice; returns the bytes of the sources it carries.
+/// Checks a module list (count, no duplicates); returns its sources' bytes.
 fn validate_modules(modules: &[ModuleUse]) -> Result<u64, ProtoError> {
     if modules.len() > MAX_BATCH_MODULES {
         return Err(ProtoError::Invalid("too many modules".into()));
@@ -389,9 +360,8 @@ fn validate_modules(modules: &[ModuleUse]) -> Result<u64, ProtoError> {
     Ok(sources)
 }
 
-/// Checks a batch's commands: their count, no zero-sized allocation,
-/// launches well formed and naming one of `modules`, and the writes'
-/// payloads taking `writes_len` bytes, the data after the modules' sources.
+/// Checks commands: count, no zero-sized allocation, valid launches naming one
+/// of `modules`, writes' payloads totalling `writes_len` (the data after sources).
 ///
 /// # Errors
 ///

@@ -1,6 +1,5 @@
 //! Deserializers that check a sequence's length prefix against its limit
-//! before decoding (or allocating for) any element: a 1 MiB body of
-//! one-byte entries cannot make the node decode a million of them.
+//! before decoding (or allocating for) any element.
 
 use std::marker::PhantomData;
 
@@ -71,8 +70,7 @@ pub(super) fn options<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D:
     Ok(v)
 }
 
-/// A scalar argument's bytes, borrowed from the message (nothing is
-/// allocated, so the length is checked once they are in hand).
+/// A scalar's bytes, borrowed (nothing allocated, so checked once in hand).
 pub(super) fn scalar<'de: 'a, 'a, D: Deserializer<'de>>(d: D) -> Result<ScalarBytes<'a>, D::Error> {
     let b = <&'de [u8]>::deserialize(d)?;
     if b.len() > MAX_SCALAR_ARG {

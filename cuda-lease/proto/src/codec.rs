@@ -1,8 +1,5 @@
-//! The encoding of every message body, the protocol's and the node's
-//! pipe's: postcard through serde, one codec for all. A command list is
-//! streamed into a BATCH without collecting it first
-//! ([`encode_commands`]), and a node forwards a BATCH's command list to its
-//! worker as it came ([`BatchHead::decode`]).
+//! The one encoding of every message body, the protocol's and the node's
+//! pipe's: postcard through serde.
 
 use std::borrow::Borrow;
 use std::cell::Cell;
@@ -21,8 +18,7 @@ pub fn postcard_encode<T: Serialize + ?Sized>(msg: &T, out: &mut Vec<u8>) {
     }
 }
 
-/// Decodes one postcard value from the front of `buf`, advancing `buf`
-/// past it.
+/// Decodes one postcard value off the front of `buf`, advancing `buf`.
 ///
 /// # Errors
 ///
@@ -33,9 +29,8 @@ pub fn postcard_decode<'a, T: Deserialize<'a>>(buf: &mut &'a [u8]) -> Result<T, 
     Ok(v)
 }
 
-/// A command list as a BATCH or a worker's batch carries it: its length,
-/// then each command (refused over [`MAX_BATCH_OPS`](super::MAX_BATCH_OPS)
-/// on the length prefix, before any command is decoded).
+/// A BATCH's or worker batch's command list: a length (refused over
+/// [`MAX_BATCH_OPS`](super::MAX_BATCH_OPS) before decoding), then commands.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, Deserialize)]
 pub struct CommandList<'a>(
     #[serde(borrow, deserialize_with = "super::bounded::commands")] pub Vec<Command<'a>>,
@@ -61,10 +56,8 @@ pub fn encode_batch_head(
 }
 
 impl BatchHead {
-    /// Decodes the part of a BATCH body before its commands, and returns
-    /// with it the bytes of its command list as they came (a
-    /// [`CommandList`]): a node hands them to its worker without decoding
-    /// them.
+    /// Decodes a BATCH body up to its commands; returns with it the bytes
+    /// of its [`CommandList`] as they came, for the node to forward undecoded.
     ///
     /// # Errors
     ///
@@ -75,14 +68,12 @@ impl BatchHead {
     }
 }
 
-/// The number of commands an encoded [`CommandList`] says it holds (its
-/// length prefix), without decoding them.
+/// An encoded [`CommandList`]'s length prefix, without decoding the commands.
 ///
 /// # Errors
 ///
-/// [`ProtoError::Body`] when the prefix is not a count, or counts more
-/// than [`MAX_BATCH_OPS`](super::MAX_BATCH_OPS) (as decoding the list
-/// would refuse it).
+/// [`ProtoError::Body`] when the prefix is not a count or exceeds
+/// [`MAX_BATCH_OPS`](super::MAX_BATCH_OPS).
 pub fn command_count(mut wire: &[u8]) -> Result<u64, ProtoError> {
     let n = postcard_decode::<u64>(&mut wire)?;
     let max = super::MAX_BATCH_OPS;
@@ -95,8 +86,7 @@ pub fn command_count(mut wire: &[u8]) -> Result<u64, ProtoError> {
 }
 
 impl<'a> Batch<'a> {
-    /// Decodes a BATCH body, and returns with it the bytes of its
-    /// command list as they came.
+    /// Decodes a BATCH body; returns with it its command list's bytes as sent.
     ///
     /// # Errors
     ///
@@ -114,10 +104,8 @@ impl<'a> Batch<'a> {
     }
 }
 
-/// Appends `commands` (`n` of them) to `out` as a command list (as
-/// postcard writes a `Vec<Command>`): the client streams a submission's
-/// commands straight into its BATCH through this, without collecting them
-/// first.
+/// Appends `commands` (`n` of them) to `out` as postcard writes a
+/// `Vec<Command>`, without collecting them first.
 pub fn encode_commands<'a, C: Borrow<Command<'a>>>(
     out: &mut Vec<u8>,
     n: usize,

@@ -1,24 +1,19 @@
-//! The failures of remote lease execution, one type for every layer.
-//!
-//! `cuda-lease`'s client returns [`RemoteError`] itself, and `cuda-async`'s
-//! `Error` carries it whole as `Error::Remote` (read it back with
-//! `cuda_async::RemoteErrorExt`): a remote failure is never mapped from one
-//! type to another, so its kind, its words and where it happened reach the
-//! user as the client saw them.
+//! The failures of remote lease execution: one type, [`RemoteError`], for
+//! every layer. `cuda-lease`'s client returns it and `cuda-async`'s `Error`
+//! carries it whole as `Error::Remote` (`cuda_async::RemoteErrorExt` reads it
+//! back), so kind, words and place reach the user unmapped.
 
 use std::fmt;
 
-/// Why the node or the client refused or lost a remote request.
-///
-/// New kinds may be added: match with a wildcard arm.
+/// Why the node or the client refused or lost a remote request. New kinds
+/// may be added: match with a wildcard arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum RemoteErrorKind {
-    /// The node does not know the lease: it was freed (by any client of its
-    /// principal), it expired and was reaped, or it was never granted.
+    /// The node does not know the lease: freed (by any client of its
+    /// principal), expired and reaped, or never granted.
     LeaseNotFound,
-    /// This client freed or dropped the lease while the request was in
-    /// flight.
+    /// This client freed or dropped the lease with the request in flight.
     LeaseFreed,
     /// The lease's TTL ran out; everything in it is gone.
     LeaseExpired,
@@ -32,19 +27,15 @@ pub enum RemoteErrorKind {
     Unauthorized(Credentials),
     /// The connection to the node is gone, or could not be made.
     Disconnected(Disconnect),
-    /// The node called a request malformed, or replied with something this
-    /// client does not understand: a bug in the library (or a version
-    /// mismatch), not in the caller's program.
+    /// The node called a request malformed, or its reply is not understood:
+    /// a library bug (or version mismatch), not the caller's.
     Protocol,
-    /// The node refused one command of a submission: an unknown buffer,
-    /// event or kernel, an out-of-range copy or read, arguments that do not
-    /// fit the kernel.
+    /// The node refused one command of a submission (unknown buffer, event
+    /// or kernel, out-of-range copy or read, arguments unfit for the kernel).
     InvalidRequest,
-    /// A module did not compile or load on the node; the message holds the
-    /// compiler's or the JIT's log.
+    /// A module did not compile or load on the node; the message holds the log.
     LoadFailed,
-    /// The node does not have a module and was not sent its source (the
-    /// client sends it again with the source by itself).
+    /// The node lacks a module and was not sent its source (the client resends it).
     ModuleUnknown,
     /// A launch failed on the node, or a kernel faulted.
     LaunchFailed,
@@ -72,15 +63,13 @@ pub enum Disconnect {
     Network,
     /// No node answered at the address within the connect timeout.
     ConnectTimeout,
-    /// The node kept refusing the connection before its handshake for the
-    /// whole connect timeout: too many handshakes were waiting (from this
-    /// address, or node-wide).
+    /// The node refused connections before the handshake for the whole connect
+    /// timeout: too many handshakes waiting (from this address, or node-wide).
     NodeBusy,
 }
 
 /// A failure of remote lease execution: its [`kind`](Self::kind), the
-/// node's or the client's words, and where it happened (the lease and
-/// the node, when known).
+/// node's or client's words, and the lease and node, when known.
 ///
 /// # Examples
 ///
@@ -151,11 +140,10 @@ impl RemoteError {
         self.node.as_deref()
     }
 
-    /// Whether the same request can succeed if sent again later, unchanged
-    /// (after reconnecting, for a lost connection): true for capacity and
-    /// for a connection lost to the network or a node that did not answer.
-    /// A lease that is gone, expired or poisoned needs a new lease first;
-    /// a refused or malformed request needs a change.
+    /// Whether the same request, sent again later unchanged (after
+    /// reconnecting), can succeed: capacity, or a connection lost to the
+    /// network or to a node that did not answer. A gone, expired or poisoned
+    /// lease needs a new lease; a refused or malformed request, a change.
     pub fn is_retryable(&self) -> bool {
         matches!(
             self.kind,

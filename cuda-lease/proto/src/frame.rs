@@ -1,5 +1,5 @@
-//! Framing: the fixed header, whole frames, postcard bodies, and frame
-//! I/O on async streams and on blocking pipes.
+//! Framing: the fixed header, whole frames, postcard bodies and blocking
+//! frame I/O.
 
 use std::fmt;
 
@@ -20,18 +20,16 @@ pub const VERSION: u8 = 7;
 pub const HEADER_LEN: usize = 28;
 /// Header flag set on replies.
 pub const FLAG_REPLY: u16 = 1;
-/// ALPN protocol id used on the QUIC connection. It names the framing (the
-/// fixed header's layout, unchanged since version 1), not the protocol
-/// version: a peer of another version still connects and gets a clear
-/// error from the header's version byte.
+/// ALPN of the QUIC connection. It names the framing (the header's layout),
+/// not the protocol version: a peer of another version still connects and
+/// gets a clear error from the header's version byte.
 pub const ALPN: &[u8] = b"cuda-lease/1";
 
 /// ALPN of the bulk-data channel (TLS over TCP).
 pub const BULK_ALPN: &[u8] = b"cuda-lease-bulk/1";
 
-/// The QUIC application close code a node closes its connections with when
-/// it shuts down (or is dropped): a client reports the connection lost as
-/// [`Disconnect::NodeShutdown`](crate::Disconnect::NodeShutdown).
+/// QUIC close code of a node shutting down (or dropped); a client reports it
+/// as [`Disconnect::NodeShutdown`](crate::Disconnect::NodeShutdown).
 pub const CLOSE_NODE_SHUTDOWN: u32 = 0x501;
 
 /// Size limits enforced by frame readers before they allocate.
@@ -68,8 +66,7 @@ pub enum Opcode {
     LeaseFree = 5,
     /// Describe a lease ([`LeaseRef`] -> [`LeaseStatus`]).
     LeaseQuery = 6,
-    /// Tickets for connections of the bulk-data channel, TLS over TCP
-    /// ([`BulkOpen`] -> [`BulkTickets`]).
+    /// Bulk-data connection tickets, TLS over TCP ([`BulkOpen`] -> [`BulkTickets`]).
     BulkOpen = 7,
     /// Allocate device memory under a client-named id ([`MemAlloc`]).
     MemAlloc = 16,
@@ -79,8 +76,7 @@ pub enum Opcode {
     MemRead = 18,
     /// Free a buffer or an event ([`IdOp`]).
     MemFree = 19,
-    /// Run a pipeline: commands on several streams, one reply when they
-    /// are done ([`Batch`] -> [`BatchReply`]).
+    /// Run a pipeline, one reply when done ([`Batch`] -> [`BatchReply`]).
     Batch = 23,
     /// Stateless one-shot kernel call ([`GpuSubmit`]); the reply's data is the output.
     GpuSubmit = 32,
@@ -137,15 +133,12 @@ pub enum Status {
     LeasePoisoned = 9,
     /// A node-side failure not caused by the request.
     Internal = 10,
-    /// A batch names a module the node does not have and carries no
-    /// source for it: nothing ran; send it again with the source.
+    /// A batch names a module the node lacks, without its source: nothing ran.
     UnknownModule = 11,
-    /// The node has no such lease: it was freed, or it expired and was
-    /// reaped, or it was never granted.
+    /// No such lease: freed, expired and reaped, or never granted.
     LeaseNotFound = 12,
-    /// The request does not parse (a truncated or oversized frame, an
-    /// unknown version or opcode, a body that does not decode): a bug of
-    /// the client, not of its caller.
+    /// The request does not parse (truncated or oversized frame, unknown
+    /// version or opcode, undecodable body): a client bug, not its caller's.
     Malformed = 13,
 }
 
@@ -291,8 +284,7 @@ impl Header {
         b
     }
 
-    /// Decodes and checks a header: magic, version, opcode, reserved bits and
-    /// both lengths against `limits`.
+    /// Decodes a header, checking magic, version, opcode, reserved bits and limits.
     ///
     /// # Errors
     ///
@@ -357,9 +349,7 @@ pub struct Frame {
 }
 
 impl Frame {
-    /// Decodes a frame held entirely in `bytes` (used by tests and fuzzing;
-    /// streams use `cuda-lease`'s async `read_frame`). Trailing bytes are
-    /// an error.
+    /// Decodes a frame that is all of `bytes` (tests, fuzzing): trailing bytes fail.
     ///
     /// # Errors
     ///
@@ -412,17 +402,15 @@ pub fn from_body<'a, T: Deserialize<'a>>(mut body: &'a [u8]) -> Result<T, ProtoE
     Ok(msg)
 }
 
-/// Frames up to this size are written by `cuda-lease`'s async
-/// `write_frame_parts` in one write
-/// (copied together first); larger ones part by part, never joined.
+/// Frames up to this size are copied together and written in one write by
+/// `cuda-lease`'s `write_frame_parts`; larger ones part by part.
 pub const SMALL_FRAME: usize = 64 << 10;
 
 /// Blocking read of a frame's header alone, checked against `limits`.
 ///
 /// # Errors
 ///
-/// `InvalidData` wrapping a [`ProtoError`] for bad frames; other I/O
-/// errors as they come.
+/// `InvalidData` wrapping a [`ProtoError`] for bad frames; other I/O errors as is.
 pub fn read_header_blocking<R: std::io::Read + ?Sized>(
     r: &mut R,
     limits: &Limits,
@@ -466,8 +454,7 @@ pub fn write_frame_blocking<W: std::io::Write + ?Sized>(
     w.flush()
 }
 
-/// An I/O error of kind `InvalidData` carrying `e` (what the frame
-/// readers return for a bad frame; [`proto_error`] extracts it).
+/// The `InvalidData` I/O error carrying `e` ([`proto_error`] extracts it).
 pub fn invalid_data(e: ProtoError) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, e)
 }

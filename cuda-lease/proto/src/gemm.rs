@@ -1,7 +1,5 @@
-//! A matrix product the node runs with its own cuBLAS ([`Op::Gemm`]): the
-//! tenant ships no kernel, and the node checks the shapes against the
-//! buffers' sizes (by `cuda-core`'s rules for a product) as it checks
-//! every command's ranges.
+//! A matrix product by the node's own cuBLAS ([`Op::Gemm`]; no kernel
+//! shipped). The node checks shapes against buffer sizes by `cuda-core`'s rules.
 //!
 //! [`Op::Gemm`]: crate::Op::Gemm
 
@@ -44,8 +42,7 @@ impl Dtype {
     }
 }
 
-/// A place in a buffer of the lease: the buffer and a byte offset (a
-/// matrix of a [`GemmSpec`] and its first element, or an end of a copy).
+/// A buffer of the lease and a byte offset (a [`GemmSpec`] matrix, a copy's end).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Operand {
     /// The buffer.
@@ -61,10 +58,8 @@ impl Operand {
     }
 }
 
-/// `C = alpha * op(A) * op(B) + beta * C`, column-major as cuBLAS takes
-/// it, with `op(A)` of `m` x `k`, `op(B)` of `k` x `n` and `C` of `m` x
-/// `n`; or `batch` such products, each matrix `stride` elements after the
-/// last.
+/// `C = alpha * op(A) * op(B) + beta * C`, column-major as cuBLAS takes it;
+/// or `batch` such products, each matrix `strides` elements after the last.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct GemmSpec {
     /// The element type.
@@ -85,9 +80,8 @@ pub struct GemmSpec {
     pub ld: [u64; 3],
     /// Whether `A` and `B` are used transposed.
     pub transpose: [bool; 2],
-    /// `alpha` and `beta` as `f64` bits (`f64::to_bits`; a call of
-    /// another type takes them as its element type: exact for values of
-    /// that type).
+    /// `alpha` and `beta` as `f64::to_bits`, converted to the element type
+    /// (exact for values of that type).
     pub scalars: [u64; 2],
     /// Products in the call (1: one).
     pub batch: u64,

@@ -1,9 +1,8 @@
-//! The wire protocol of `cuda-lease`, without I/O: its messages and
-//! commands, their encoding and the frame around them.
+//! The wire protocol of `cuda-lease`, without I/O: messages, commands, their
+//! encoding and framing.
 //!
-//! A fixed, versioned header, a `postcard` body and raw bytes.
-//!
-//! Every message (request or reply) is one frame:
+//! Every message (request or reply) is one frame: this fixed, versioned
+//! header, a `postcard` body, then raw bytes (PTX, buffer contents) as-is.
 //!
 //! | offset | size | field |
 //! | --- | --- | --- |
@@ -17,16 +16,13 @@
 //! | 20 | 4 | body length (postcard bytes) |
 //! | 24 | 4 | data length (raw bytes: PTX, buffers) |
 //!
-//! All integers are little-endian. The body and data lengths are checked
-//! against [`Limits`] *before* anything is allocated, so a hostile length can
-//! never make the reader allocate more than the limits allow. Raw payloads
-//! (PTX text, buffer contents) travel after the body as-is, never through
-//! serde. Unknown versions and opcodes are rejected with
-//! [`Status::BadRequest`].
+//! Integers are little-endian. Both lengths are checked against [`Limits`]
+//! *before* anything is allocated. Unknown versions and opcodes are rejected
+//! with [`Status::BadRequest`].
 //!
-//! Over QUIC, each request uses its own bidirectional stream: the client
-//! writes one frame and finishes, the node answers with one frame. The node
-//! and its worker processes speak the same framing over pipes.
+//! Over QUIC each request has its own bidirectional stream: the client writes
+//! one frame and finishes; the node answers with one. Node and workers use
+//! the same framing over pipes.
 
 mod batch;
 mod bounded;

@@ -63,14 +63,13 @@ macro_rules! id_type {
 }
 
 id_type!(
-    /// A 128-bit random, unguessable lease id. Knowing it is the capability
-    /// to use (and always to free) the lease.
+    /// A random, unguessable 128-bit lease id: the capability to use (and
+    /// always to free) the lease.
     LeaseId
 );
 
-/// A client-named id of a buffer or an event in a lease. The client picks
-/// it (a per-lease counter); ids are names, not secrets: a lease is usable
-/// only by the principal that made it.
+/// A buffer or event id in a lease, picked by the client (a per-lease
+/// counter). A name, not a secret: only the lease's principal may use it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Id(pub u64);
 
@@ -86,8 +85,7 @@ impl fmt::Display for Id {
     }
 }
 
-/// A client-named stream of a lease; the node makes streams on demand, up
-/// to its per-lease limit.
+/// A client-named stream of a lease, made on demand up to the node's limit.
 pub type StreamId = u32;
 
 /// Most options one CUDA C module may carry.
@@ -110,12 +108,9 @@ pub enum SourceKind {
 }
 
 /// A module's name on the wire: the SHA-256 of its kind, options and text
-/// ([`ModuleHash::of`]). A collision-resistant hash, because the node caches
-/// modules node-wide by it: naming a hash is only useful to a client that
-/// knows the source.
-///
-/// On the wire it is a byte string (a length, 32, and the bytes), which
-/// postcard writes and reads in one copy: every launch names its module.
+/// ([`ModuleHash::of`]). Collision-resistant, as the node caches modules
+/// node-wide by it: naming one is useful only to a client knowing the source.
+/// Encoded as a byte string (length 32, then the bytes), copied in one go.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ModuleHash(pub [u8; 32]);
 
@@ -210,17 +205,16 @@ pub const BULK_TICKET_LEN: usize = 32;
 /// Most tickets one BULK_OPEN asks for.
 pub const MAX_BULK_TICKETS: u8 = 16;
 
-/// BULK_OPEN request: tickets for `count` connections of the bulk-data
-/// channel (at most [`MAX_BULK_TICKETS`]).
+/// BULK_OPEN request: tickets for `count` bulk-data connections.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BulkOpen {
-    /// Connections the client will open.
+    /// Connections the client will open (at most [`MAX_BULK_TICKETS`]).
     pub count: u8,
 }
 
-/// BULK_OPEN reply: where the channel listens (TCP, on the node's
-/// address) and one single-use ticket per connection. A ticket opens a
-/// connection as the principal that asked for it, within a short time.
+/// BULK_OPEN reply: the channel's TCP port (on the node's address) and one
+/// single-use ticket per connection, opening it as the asking principal
+/// within a short time.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BulkTickets {
     /// The channel's TCP port.
@@ -242,13 +236,12 @@ pub struct DeviceInfo {
     pub free_bytes: u64,
     /// Compute capability (major, minor).
     pub compute_capability: (u32, u32),
-    /// The numbers programs size their work by.
+    /// Its limits.
     pub limits: DeviceLimits,
 }
 
 /// The numbers programs size their work by, as a node's device reports
-/// them (`cuda_core::DeviceInfo`'s); 0 for what is not known (the
-/// in-memory device knows none).
+/// them (`cuda_core::DeviceInfo`'s); 0 where unknown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceLimits {
     /// Streaming multiprocessors.
@@ -345,8 +338,7 @@ pub struct LeaseStatus {
     /// Reserved bytes.
     pub reserved: u64,
     /// Bytes allocated (buffers, loaded modules' sources, graphs' kept
-    /// uploads), as the lease's worker reported them with its last
-    /// answered batch: a batch still running is not in it yet.
+    /// uploads) as of the worker's last answered batch.
     pub allocated: u64,
     /// The most bytes the lease has had allocated at once, as reported.
     pub allocated_high: u64,
@@ -376,10 +368,9 @@ pub struct MemWrite {
     pub buf: Id,
     /// Byte offset into it.
     pub offset: u64,
-    /// The lease's numbered batch ([`Batch::seq`](super::Batch::seq))
-    /// this write follows (0: none): the node waits until that batch has
-    /// run (as long as it can still come), so a client sends the batch
-    /// that allocates `buf` and this write at once.
+    /// The numbered batch ([`Batch::seq`](super::Batch::seq)) this write
+    /// follows (0: none): the node waits for it while it can still come, so
+    /// a client may send the batch allocating `buf` and this write at once.
     pub after: u64,
 }
 
@@ -394,9 +385,7 @@ pub struct MemRead {
     pub offset: u64,
     /// Bytes to read.
     pub len: u32,
-    /// The lease's numbered batch this read follows (0: none), as in
-    /// [`MemWrite::after`]: a client sends a batch and the reads of what it
-    /// computes at once.
+    /// The numbered batch this read follows (0: none), as [`MemWrite::after`].
     pub after: u64,
 }
 
@@ -409,12 +398,10 @@ pub struct IdOp {
     pub id: Id,
 }
 
-/// One kernel argument. Decoded from a message, its bytes borrow from
-/// the message (`LaunchArg<'static>` owns them).
+/// One kernel argument; decoded, its bytes borrow (`LaunchArg<'static>` owns them).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LaunchArg<'a> {
-    /// Bytes passed by value (an `int`, a `float`, a small struct; at most
-    /// [`MAX_SCALAR_ARG`]).
+    /// Bytes passed by value (at most [`MAX_SCALAR_ARG`]).
     Scalar(#[serde(borrow, deserialize_with = "bounded::scalar")] ScalarBytes<'a>),
     /// The device address of a buffer of the lease plus a byte offset.
     Mem {
@@ -430,8 +417,7 @@ pub enum LaunchArg<'a> {
 }
 
 impl LaunchArg<'static> {
-    /// Bytes passed by value (copied; up to 16 bytes without an
-    /// allocation).
+    /// Bytes passed by value (copied; inline up to 16 bytes).
     pub fn bytes(b: impl AsRef<[u8]>) -> Self {
         LaunchArg::Scalar(ScalarBytes::copied(b.as_ref()))
     }
@@ -453,12 +439,11 @@ impl LaunchArg<'static> {
     }
 }
 
-/// Launch geometry and arguments. Decoded from a message, its name and
-/// scalars borrow from the message (`LaunchSpec<'static>` owns them).
+/// Launch geometry and arguments. Decoded, its name and scalars borrow from
+/// the message (`LaunchSpec<'static>` owns them).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LaunchSpec<'a> {
-    /// Module holding the kernel, by content (listed in the batch's
-    /// `modules`).
+    /// Module holding the kernel (listed in the batch's `modules`).
     pub module: ModuleHash,
     /// Kernel (entry) name.
     #[serde(borrow)]
@@ -469,8 +454,7 @@ pub struct LaunchSpec<'a> {
     pub block: [u32; 3],
     /// Dynamic shared memory bytes.
     pub shared_mem: u32,
-    /// Arguments in order (at most [`MAX_KERNEL_ARGS`], refused on the
-    /// length prefix).
+    /// Arguments in order (at most [`MAX_KERNEL_ARGS`], refused on the length prefix).
     #[serde(borrow, deserialize_with = "bounded::kernel_args")]
     pub args: Vec<LaunchArg<'a>>,
 }
@@ -536,10 +520,9 @@ pub struct BatchReply {
     /// Commands that ran (`0..completed`); what they created stays valid.
     /// The reply data holds the reads among them, in order.
     pub completed: u32,
-    /// The command that stopped the batch, if any: commands after it did
-    /// not run. `index == completed`, except for a kernel fault found when
-    /// waiting for the batch (`completed` is then every command enqueued,
-    /// and the lease is poisoned).
+    /// The command that stopped the batch, if any; later ones did not run.
+    /// `index == completed`, except for a kernel fault found when waiting
+    /// (then `completed` counts every enqueued command; the lease is poisoned).
     pub error: Option<OpError>,
 }
 

@@ -4,10 +4,9 @@ use std::sync::Arc;
 
 use crate::{ModuleHash, SourceKind};
 
-/// A module as a description: its source (PTX, or CUDA C with NVRTC
-/// options) and its content hash. It belongs to no node: a batch that
-/// uses it carries the source the first time a node needs it, and the node
-/// compiles CUDA C with its own NVRTC for its own GPU. Cheap to clone.
+/// A module's source (PTX, or CUDA C with NVRTC options) and content hash,
+/// bound to no node: a batch carries the source the first time a node needs
+/// it. Cheap to clone.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModuleSpec {
     hash: ModuleHash,

@@ -1,6 +1,5 @@
-//! A random fill the node runs with its own cuRAND ([`Op::RandFill`]): the
-//! tenant ships no kernel, and the node checks the fill against its
-//! buffer as it checks every command's ranges.
+//! A random fill by the node's own cuRAND ([`Op::RandFill`]; no kernel
+//! shipped), checked against its buffer like every command's ranges.
 //!
 //! [`Op::RandFill`]: crate::Op::RandFill
 

@@ -1,6 +1,5 @@
-//! A kernel argument's bytes passed by value ([`ScalarBytes`]): borrowed
-//! from a decoded message, held inline when a client records a small one
-//! (every `int`, `float` or pointer-sized value), owned otherwise.
+//! A by-value kernel argument's bytes ([`ScalarBytes`]): borrowed from a
+//! decoded message, inline when small (up to 16 bytes), owned otherwise.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -11,8 +10,7 @@ use serde::{Serialize, Serializer};
 /// Bytes held inline by a recorded scalar.
 const INLINE: usize = 16;
 
-/// A scalar argument's bytes. On the wire they are a length-prefixed byte
-/// string, as postcard writes a `&[u8]`.
+/// A scalar argument's bytes; on the wire a byte string, as postcard writes `&[u8]`.
 #[derive(Clone)]
 pub struct ScalarBytes<'a>(Repr<'a>);
 

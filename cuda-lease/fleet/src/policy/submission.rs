@@ -12,15 +12,13 @@ use super::{lost, node_lost, Member, Shared};
 use crate::lock;
 use cuda_lease::client::{Error, ErrorKind};
 
-/// Where a submission runs, once placed (shared with the tasks that run
-/// and retry it).
+/// Where a submission runs once placed (shared with the tasks running it).
 type At = Arc<Mutex<Option<Arc<Member>>>>;
 
 /// One submission's session: records anywhere, runs where it is placed.
 #[derive(Debug)]
 pub(super) struct Placement {
     shared: Arc<Shared>,
-    /// The lease it runs on, once placed.
     at: At,
     /// Ids of earlier submissions' buffers it uses.
     adopted: Mutex<Vec<u64>>,
@@ -80,7 +78,6 @@ impl RemoteSession for Placement {
             Some(m) if !m.is_live() => done.fail(self.lost_buffers(&m)),
             Some(m) => run_on(shared, self.at.clone(), m, recording, done, 0, adopted),
             None => {
-                // The least loaded live lease; with none, wait for one.
                 let at = self.at.clone();
                 match shared.least_loaded() {
                     Some(m) => run_on(shared, at, m, recording, done, 0, adopted),
@@ -122,9 +119,8 @@ impl RemoteSession for Placement {
     }
 }
 
-/// Sends `recording` on `m` and forwards the outcome to `done`; when the
-/// node failed and the submission may run again, runs it on another live
-/// lease.
+/// Sends `recording` on `m`, forwarding the outcome to `done`; if the node
+/// failed and the submission may run again, runs it on another live lease.
 fn run_on(
     shared: Arc<Shared>,
     at: At,
@@ -168,9 +164,8 @@ fn run_on(
     });
 }
 
-/// Places `recording` on the first live lease (the policy had none when
-/// it was submitted, or its node failed and it runs again), waiting at most
-/// [`FleetPolicyConfig::wait`] for one.
+/// Places `recording` once the policy has a live lease (it had none, or the
+/// submission runs again), waiting at most the configured `wait`.
 async fn place_later(
     shared: Arc<Shared>,
     at: At,
