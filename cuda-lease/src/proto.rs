@@ -1,18 +1,15 @@
 //! The wire protocol ([`cuda_lease_proto`], re-exported here) and its
 //! async frame I/O over tokio streams.
+//!
+//! Lengths are checked against the [`Limits`] before anything is
+//! allocated. A read fails with `io::ErrorKind::InvalidData` wrapping a
+//! [`ProtoError`] for a bad frame, and other I/O errors as they come. No
+//! function here is cancel safe: a dropped read or write leaves the stream
+//! mid-frame.
 
 pub use cuda_lease_proto::*;
 
-/// Reads one frame from an async stream, checking limits before allocating.
-///
-/// # Errors
-///
-/// `io::ErrorKind::InvalidData` wrapping a [`ProtoError`] for bad frames;
-/// other I/O errors as they come.
-///
-/// # Cancel safety
-///
-/// Not cancel safe: a dropped read leaves the stream mid-frame.
+/// Reads one frame from an async stream.
 pub async fn read_frame<R>(r: &mut R, limits: &Limits) -> std::io::Result<Frame>
 where
     R: tokio::io::AsyncRead + Unpin + ?Sized,
@@ -25,16 +22,7 @@ where
 }
 
 /// Reads a frame's header and body, leaving its data in the stream (for
-/// readers that stream the data on); the lengths are checked against
-/// `limits` before anything is allocated.
-///
-/// # Errors
-///
-/// As [`read_frame`].
-///
-/// # Cancel safety
-///
-/// Not cancel safe: a dropped read loses the bytes read so far.
+/// readers that stream the data on).
 pub async fn read_head<R>(r: &mut R, limits: &Limits) -> std::io::Result<(Header, Vec<u8>)>
 where
     R: tokio::io::AsyncRead + Unpin + ?Sized,
@@ -46,15 +34,7 @@ where
     Ok((header, body))
 }
 
-/// Reads a frame's fixed header alone, checked against `limits`.
-///
-/// # Errors
-///
-/// As [`read_frame`].
-///
-/// # Cancel safety
-///
-/// Not cancel safe: a dropped read loses the bytes read so far.
+/// Reads a frame's fixed header alone.
 pub async fn read_header<R>(r: &mut R, limits: &Limits) -> std::io::Result<Header>
 where
     R: tokio::io::AsyncRead + Unpin + ?Sized,
@@ -66,14 +46,6 @@ where
 }
 
 /// Writes one frame to an async stream without joining its parts.
-///
-/// # Errors
-///
-/// I/O errors of the stream.
-///
-/// # Cancel safety
-///
-/// Not cancel safe: a dropped write leaves a partial frame.
 pub async fn write_frame<W>(
     w: &mut W,
     header: &Header,
@@ -88,14 +60,6 @@ where
 
 /// [`write_frame`] with the data in parts, written back to back (never
 /// joined in memory unless the whole frame is small).
-///
-/// # Errors
-///
-/// I/O errors of the stream.
-///
-/// # Cancel safety
-///
-/// Not cancel safe: a dropped write leaves a partial frame.
 pub async fn write_frame_parts<W>(
     w: &mut W,
     header: &Header,

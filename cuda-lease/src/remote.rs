@@ -2,30 +2,25 @@
 //! [`cuda_async::RemoteSession`] on a [`Session`] of the lease protocol
 //! ([`proto::VERSION`]).
 //!
-//! A [`Recording`] of `cuda-async` becomes one BATCH, encoded straight
-//! from the recording (the same bytes as the
-//! [`Recorder`](crate::client::Recorder)'s commands, without building
-//! them): its client-named ids and streams map one to one, kernels travel as descriptions (the
-//! `cuda-core` module's source, named by its SHA-256; the node compiles
-//! CUDA C), and the frees of dropped buffers queued since the last message
-//! go first. The reply's reads land in the recording's
-//! [`ReadSlot`](cuda_async::remote::ReadSlot)s, then the submission's
-//! [`RemoteCompletion`] completes; a failure fails it with the matching
-//! `cuda-async` error.
+//! A [`Recording`] of `cuda-async` becomes one BATCH, encoded straight from
+//! it (the bytes of the [`Recorder`](crate::client::Recorder)'s commands,
+//! without building them): client-named ids and streams map one to one,
+//! kernels travel as descriptions (the `cuda-core` module's source, named by
+//! its SHA-256; the node compiles CUDA C), and the frees of dropped buffers
+//! queued since the last message go first. The reply's reads land in the
+//! recording's [`ReadSlot`](cuda_async::remote::ReadSlot)s, then the
+//! submission's [`RemoteCompletion`] completes; a failure fails it with the
+//! matching `cuda-async` error.
 //!
 //! # What a failed submission leaves behind
 //!
-//! The reply says which commands ran (`0..completed`); what exists on the
-//! node after a failed submission is exactly what those commands created
-//! and did not free, and the session sends frees only for ids that exist.
-//! A buffer or event whose creating command did not run (a module that
-//! does not compile refuses the whole batch; a refused command stops it
-//! there) is forgotten: dropping it sends nothing. A free that did not run
-//! is sent again with the next message. A free asked while the submission
-//! that creates its id is unanswered waits for that reply. So the
-//! submission after a failed one runs as if the failed one had stopped
-//! where the reply says, and the lease's accounting on the node is what
-//! the commands that ran left.
+//! Exactly what the commands that ran (`0..completed`, from the reply)
+//! created and did not free; frees follow `cuda_async::remote::Ledger`. A
+//! buffer or event whose creating command did not run (a module that does
+//! not compile refuses the whole batch; a refused command stops it there) is
+//! forgotten: dropping it sends nothing; a free that did not run is sent
+//! again. So the next submission, and the lease's accounting on the node,
+//! see the failed one stopped where the reply says.
 
 use std::borrow::Cow;
 use std::future::Future;
@@ -80,11 +75,9 @@ pub struct LeaseBackend {
     session: Session,
     runtime: tokio::runtime::Handle,
     name: String,
-    /// Queued frees, and the ids they wait for or forget (see the
-    /// module's docs).
+    /// Queued frees and the ids they wait for or forget (see the module's docs).
     ledger: Arc<Ledger>,
-    /// Buffers that streamed downloads are reading (see
-    /// [`reading`](self::reading)).
+    /// Buffers that streamed downloads are reading (see [`reading`](self::reading)).
     reading: Mutex<Reading>,
 }
 
@@ -120,16 +113,13 @@ impl LeaseBackend {
         self.reading.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Sends the queued frees (unless `keep_frees`), then `commands`
-    /// (launching from `modules`), as one BATCH with `writes` as its
-    /// payloads, numbered in the lease's order (`numbered`) or outside it
-    /// (see `Message::new`: the allocations of fresh buffers alone); the
-    /// reads land in `dests` (one per read command). Returns its number (0
-    /// outside; fixed now, whenever the future is polled) and the future
-    /// that sends it. When the reply (or the failure) comes, what ran is
-    /// settled in the id book before the future is ready. A future dropped
-    /// before its first poll sends nothing: its number's place is filled by
-    /// an empty batch, and the id book learns that nothing of it ran.
+    /// Sends the queued frees (unless `keep_frees`), then `commands` (launching
+    /// from `modules`), as one BATCH with `writes` as payloads, numbered in the
+    /// lease's order (`numbered`) or outside it (see `Message::new`: only the
+    /// allocations of fresh buffers); the reads land in `dests` (one per read
+    /// command). Returns its number (0 outside; fixed now, whenever the future
+    /// is polled) and the future that sends it, which settles what ran in the
+    /// ledger before it is ready (for a dropped future, see `Settle`).
     fn send_as<D>(
         &self,
         numbered: bool,
@@ -145,9 +135,7 @@ impl LeaseBackend {
     where
         D: AsMut<[u8]> + Send + 'static,
     {
-        // The frees are taken and the message numbered under the ledger's
-        // lock: frees taken in one order reach the node in that order (a
-        // graph's free before the frees it held back).
+        // Frees taken and message numbered under one lock: see `Ledger::send`.
         let (sent, message) = self.ledger.send(keep_frees, commands, |frees| {
             let commands = AfterFrees { frees, commands };
             Message::new(&self.session.inner, numbered, modules, commands, writes)
@@ -156,8 +144,7 @@ impl LeaseBackend {
     }
 
     /// The queued frees alone, as one numbered BATCH; `None` when none are
-    /// queued (a message that took them first leaves nothing to send, not
-    /// an empty batch).
+    /// queued (a message took them first: no empty batch is sent).
     fn send_queued_frees(&self) -> Option<impl Future<Output = ()> + Send + 'static> {
         let (sent, message) = self.ledger.send_frees(|frees| {
             let commands = AfterFrees {
@@ -173,17 +160,15 @@ impl LeaseBackend {
         })
     }
 
-    /// Sends the queued frees alone, now, as a task of the session's
-    /// runtime.
+    /// Sends the queued frees alone, now, as a task of the session's runtime.
     fn spawn_queued_frees(&self) {
         if let Some(reply) = self.send_queued_frees() {
             self.runtime.spawn(reply);
         }
     }
 
-    /// Sends `message` (whose ids are `sent`): its number, and the future
-    /// of its reply, which settles `sent` in the id book before it is
-    /// ready (see [`LeaseBackend::send_as`]).
+    /// Sends `message` (whose ids are `sent`): its number, and its reply's
+    /// future, which settles `sent` first (see [`LeaseBackend::send_as`]).
     fn sent_message<D>(
         &self,
         sent: Sent,
@@ -265,17 +250,15 @@ impl RemoteSession for LeaseBackend {
 }
 
 impl LeaseBackend {
-    /// Sends `recording` as one message (the path of every submission
-    /// without a transfer on the data path).
+    /// Sends `recording` as one message (no transfer on the data path).
     fn submit_now(&self, mut recording: Recording, done: FailOnDrop) {
         stamp(Point::ClientSubmit);
-        // The reads are received straight into their slots' storage, and
-        // the writes' payloads go out as recorded (not copied again).
+        // Reads land straight in their slots' storage; writes go out as recorded.
         let bufs: Vec<_> = recording.reads().iter().map(|s| s.buffer()).collect();
         let writes = recording.take_data();
-        // Encoded and numbered now, in the order of these calls; it waits
-        // for the streamed downloads numbered before it of the buffers it
-        // uses (numbered and registered under one lock: see `reading`).
+        // Numbered now, in call order; it waits for the earlier streamed
+        // downloads of buffers it uses (numbered and checked under one lock:
+        // see `reading`).
         let (reply, waits) = {
             let reading = self.reading();
             let commands = recording.commands();
@@ -306,10 +289,8 @@ impl LeaseBackend {
             return;
         }
         // The first poll runs here, on the submitting thread: it opens the
-        // QUIC stream and writes the message, so the request leaves without
-        // first waking a runtime worker for it (a cross-thread wake-up on
-        // the round trip's path). Waiting for the reply goes on as a task of
-        // the session's runtime, which polls again with its own waker.
+        // QUIC stream and writes the message with no cross-thread wake-up of
+        // a runtime worker. The reply is awaited as a task of the runtime.
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         if task.as_mut().poll(&mut cx).is_pending() {
             self.runtime.spawn(task);
@@ -317,9 +298,8 @@ impl LeaseBackend {
     }
 }
 
-/// A submission's completion, failed as [`ErrorKind::LeaseFreed`] if
-/// dropped before it was finished (the session's I/O stopped because this
-/// client freed or dropped the lease).
+/// A submission's completion, failed as [`ErrorKind::LeaseFreed`] if dropped
+/// unfinished (the lease was freed or dropped, stopping the session's I/O).
 #[derive(Debug)]
 struct FailOnDrop {
     done: Option<RemoteCompletion>,
@@ -328,8 +308,8 @@ struct FailOnDrop {
 }
 
 impl FailOnDrop {
-    /// Completes the submission with `r` (an error names the lease and
-    /// the node), unless it is completed already.
+    /// Completes the submission with `r` (an error names the lease and the
+    /// node), unless it is completed already.
     fn finish(&mut self, r: Result<(), Error>) {
         if let Some(done) = self.done.take() {
             match r {
@@ -351,12 +331,11 @@ impl Drop for FailOnDrop {
     }
 }
 
-/// Settles a sent message's ids in the ledger exactly once: with its
-/// reply, or when its future is dropped. Dropped before its first poll,
-/// nothing of it ran (its place in the order is filled by an empty batch):
-/// its frees are asked again and its creations never existed. Dropped
-/// after it was sent, its reply is never read: the ledger forgets it
-/// (what it created is never freed).
+/// Settles a sent message's ids in the ledger exactly once: with its reply,
+/// or when its future is dropped. Dropped before its first poll, nothing of
+/// it ran (an empty batch fills its place in the order): its frees are asked
+/// again and its creations never existed. Dropped after it was sent, its
+/// reply is never read: the ledger forgets it (its creations are never freed).
 struct Settle {
     me: Weak<LeaseBackend>,
     sent: Option<Sent>,
@@ -390,11 +369,9 @@ impl cuda_async::remote::AsRemoteSession for BlockingLease {
     }
 }
 
-/// A lease with its own I/O thread, for programs with no async runtime: a
-/// plain `fn main` leases, records and waits without tokio in sight.
-///
-/// The lease is renewed in the background (as [`Lease`] does) and freed
-/// when this is dropped or [`BlockingLease::free`]d.
+/// A lease with its own I/O thread, for programs with no async runtime (a
+/// plain `fn main`). The lease is renewed in the background (as [`Lease`]
+/// does) and freed when this is dropped or [`BlockingLease::free`]d.
 ///
 /// ```no_run
 /// # fn main() -> Result<(), cuda_lease::Error> {
@@ -416,20 +393,18 @@ pub struct BlockingLease {
 }
 
 impl BlockingLease {
-    /// Connects and leases as `builder` says, on new I/O threads owned by
-    /// the returned value (up to four, as many as the host has cores: a
-    /// striped transfer's connections move data in parallel; on one
-    /// thread they share one core's speed).
+    /// Connects and leases as `builder` says, on new I/O threads owned by the
+    /// returned value (up to four, as many as the host has cores: a striped
+    /// transfer's connections move data in parallel).
+    ///
+    /// Inside an async runtime it blocks the calling thread until the lease
+    /// is granted; there [`LeaseBuilder::connect`](crate::client::LeaseBuilder::connect)
+    /// and [`LeaseBackend::current`] do not block.
     ///
     /// # Errors
     ///
     /// [`ErrorKind::Config`] when the I/O thread cannot start; otherwise as
     /// [`LeaseBuilder::connect`](crate::client::LeaseBuilder::connect).
-    ///
-    /// Called inside an async runtime, it works too: it then blocks the
-    /// calling thread until the lease is granted (the I/O runs on its own
-    /// thread); inside a runtime, [`LeaseBuilder::connect`](crate::client::LeaseBuilder::connect)
-    /// and [`LeaseBackend::current`] do not block.
     pub fn connect(
         builder: crate::client::LeaseBuilder,
         addr: std::net::SocketAddr,
@@ -446,8 +421,7 @@ impl BlockingLease {
         let lease = match blocking(|| runtime.block_on(builder.connect(addr))) {
             Ok(lease) => lease,
             Err(e) => {
-                // (Dropping a runtime blocks, which an async caller's thread
-                // may not do.)
+                // Dropping a runtime blocks, which an async caller's thread must not.
                 runtime.shutdown_background();
                 return Err(e);
             }
@@ -470,10 +444,9 @@ impl BlockingLease {
         self.lease.as_ref().expect("present until dropped")
     }
 
-    /// Frees the lease and waits for the node's answer. Submissions still
-    /// in flight fail as [`ErrorKind::LeaseFreed`]. Called inside an async
-    /// runtime, it works too: it then blocks the calling thread until the
-    /// node answers.
+    /// Frees the lease and waits for the node's answer (inside an async
+    /// runtime, blocking the calling thread). Submissions still in flight
+    /// fail as [`ErrorKind::LeaseFreed`].
     ///
     /// # Errors
     ///

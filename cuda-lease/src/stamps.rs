@@ -1,20 +1,16 @@
-//! Time stamps at fixed points of a submission's path, cheap enough to
-//! leave on while measuring: a stamp is one clock read and one atomic
-//! store, so the figures are barely moved by taking them.
+//! Time stamps at fixed points of a submission's path, cheap enough to leave
+//! on while measuring: a stamp is one clock read and one atomic store; off
+//! (the default), a point costs one relaxed load of a flag.
 //!
-//! Each [`Point`] keeps the last time any submission of the process
-//! reached it, so the stamps describe one submission when the process
-//! runs one at a time with the client and the node in it (the bench
-//! report's remote rows, a test with an embedded node). The lease's worker
-//! is another process: it stamps its own points of a batch (from
-//! [`Point::WorkerRead`] to [`Point::WorkerReplying`]) on the same clock
-//! when the node's request asks for them, and sends them back with its
-//! reply, where the node enters them ([`stamp_at`]). A
-//! measurement turns stamping on ([`set_enabled`]), [`clear`]s before
-//! each submission, stamps [`Point::Start`] and [`Point::End`] itself
-//! around it, and [`take`]s the stamps.
-//!
-//! Off (the default), a point costs one relaxed load of a flag.
+//! Each [`Point`] keeps the last time any submission of the process reached
+//! it, so the stamps describe one submission when the process runs one at a
+//! time with the client and the node in it (an embedded node). The lease's
+//! worker, another process, stamps its own points of a batch (from
+//! [`Point::WorkerRead`] to [`Point::WorkerReplying`]) on the same clock when
+//! the node's request asks, and returns them with its reply; the node enters
+//! them ([`stamp_at`]). A measurement turns stamping on ([`set_enabled`]),
+//! [`clear`]s before each submission, stamps [`Point::Start`] and
+//! [`Point::End`] itself around it, and [`take`]s the stamps.
 //!
 //! ```
 //! use cuda_lease::stamps::{self, Point};
@@ -47,47 +43,38 @@ pub fn now_ns() -> u64 {
     u64::try_from(ts.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(ts.tv_nsec).unwrap_or(0)
 }
 
-/// The points of a submission's path, in the order a submission reaches
-/// them.
+/// The points of a submission's path, in the order a submission reaches them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Point {
     /// The measurement's own start (stamped by the caller).
     Start,
-    /// The lease's session takes the recording (the op's first poll has
-    /// recorded it).
+    /// The lease's session takes the recording (the op's first poll recorded it).
     ClientSubmit,
-    /// The request's stream is open and its write starts (stamped before
-    /// the write, so that every node point follows it: once written, the
-    /// bytes may reach the node before the client's task runs again).
+    /// The request's stream is open and its write starts (stamped before the
+    /// write so every node point follows it: the bytes may reach the node first).
     ClientSent,
-    /// The node's task for the request's stream starts: the request has
-    /// crossed the wire.
+    /// The node's task for the request's stream starts (the request crossed the wire).
     NodeStart,
     /// The node has read the request whole.
     NodeRead,
     /// The node has decoded the BATCH's head and checked its modules.
     BatchDecoded,
-    /// The lease's earlier batches have been run (the batch's turn in the
-    /// lease's order).
+    /// The lease's earlier batches have run (the batch's turn in the lease's order).
     BatchInOrder,
     /// The node holds the lease's execution lock.
     BatchLocked,
     /// The node has settled the batch's modules and held its reply's
     /// bytes (the lease's worker checks and plans its commands).
     BatchPrepared,
-    /// The node's call to the lease's worker starts: the batch goes to the
-    /// worker with its commands as they came.
+    /// The node's call to the lease's worker starts (the batch's commands as they came).
     WorkerCall,
-    /// The worker has read the batch's header from its pipe (stamped by
-    /// the worker).
+    /// The worker has read the batch's header from its pipe (stamped by the worker).
     WorkerRead,
-    /// The worker has enqueued the batch's commands on the device and
-    /// sealed them (stamped by the worker).
+    /// The worker has enqueued and sealed the batch's commands (stamped by the worker).
     WorkerEnqueued,
     /// The worker has seen the batch's work done (stamped by the worker).
     WorkerDone,
-    /// The worker's reply is being encoded and written (stamped by the
-    /// worker, before the write).
+    /// The worker starts encoding and writing its reply (stamped by the worker).
     WorkerReplying,
     /// The node has read a reply of the worker from its pipe.
     PipeReply,
@@ -95,19 +82,15 @@ pub enum Point {
     WorkerReplied,
     /// The node has committed the batch's effects to the lease's state.
     NodeCommitted,
-    /// The node's reply is encoded and its write on QUIC starts (stamped
-    /// before the write, for the reason given at [`Point::ClientSent`]).
+    /// The node's reply is encoded and its QUIC write starts (see [`Point::ClientSent`]).
     NodeReplied,
-    /// The client has read the reply's header: the reply has crossed the
-    /// wire.
+    /// The client has read the reply's header (the reply crossed the wire).
     ClientReply,
     /// The client has read and checked the whole reply.
     ClientReplyRead,
-    /// The submission's reads are delivered; its completion is signalled
-    /// next (which wakes the task awaiting it).
+    /// The submission's reads are delivered; its completion is signalled next.
     ClientDone,
-    /// The measurement's end: the awaited output is in hand (stamped by
-    /// the caller).
+    /// The measurement's end: the awaited output is in hand (stamped by the caller).
     End,
 }
 

@@ -149,9 +149,8 @@ impl ServerTrust<'_> {
     }
 }
 
-/// Accepts exactly the certificate whose SHA-256 is `want` (a pin by
-/// fingerprint, as a fleet's registry gives one), and checks that the
-/// server holds its key (the handshake's signature).
+/// Accepts exactly the certificate whose SHA-256 is `want` (a fingerprint pin,
+/// as a fleet's registry gives) and checks the handshake's signature with it.
 #[derive(Debug)]
 struct Sha256Pin {
     want: [u8; 32],
@@ -238,8 +237,7 @@ pub fn client_config(
     Ok(cfg)
 }
 
-/// The bulk-data channel's TLS client configuration: trusts what the
-/// QUIC connection trusts.
+/// The bulk-data channel's TLS config: trusts what the QUIC connection trusts.
 pub(crate) fn bulk_client_config(
     trust: ServerTrust<'_>,
 ) -> Result<Arc<rustls::ClientConfig>, TlsError> {

@@ -40,9 +40,8 @@ pub struct RemoteContext {
     on_reply: OnReply,
 }
 
-/// Host-side steps run once a submission's reply has arrived, before its
-/// output is handed out (e.g. copying a read into a caller's pinned
-/// buffer).
+/// Host steps run once a submission's reply has arrived, before its output
+/// is handed out (e.g. copying a read into a caller's pinned buffer).
 #[derive(Default)]
 pub(crate) struct OnReply(Vec<Box<dyn FnOnce() + Send>>);
 
@@ -75,8 +74,7 @@ impl RemoteContext {
         }
     }
 
-    /// Runs `f` on the host once the reply has arrived, before the output
-    /// is handed out.
+    /// Adds a host step to run on reply (see `OnReply`).
     pub(crate) fn on_reply(&mut self, f: impl FnOnce() + Send + 'static) {
         self.on_reply.0.push(Box::new(f));
     }
@@ -146,8 +144,7 @@ impl RemoteContext {
         Self::new(self.session.clone(), self.stream, self.streams)
     }
 
-    /// Records a fresh event on this stream; the returned handle frees it
-    /// (through the session) when dropped.
+    /// Records a fresh event on this stream; the handle frees it when dropped.
     pub(crate) fn record_event(&mut self) -> RemoteEvent {
         let id = self.session.fresh_id();
         self.recording
@@ -159,8 +156,7 @@ impl RemoteContext {
         }
     }
 
-    /// Makes this stream wait for `ev` (nothing when `ev` was recorded on
-    /// this stream: stream order covers it).
+    /// Makes this stream wait for `ev` (nothing when `ev` is on this stream).
     pub(crate) fn wait_event(&mut self, ev: &RemoteEvent) {
         if ev.stream != self.stream {
             self.recording
@@ -169,9 +165,8 @@ impl RemoteContext {
     }
 
     /// The context of concurrent arm `arm` (>= 1): a fresh recording on
-    /// another stream of the policy that starts by waiting for the fork
-    /// event (recorded here once, in `fork_event`). With one stream, the
-    /// arm records on this stream, in order.
+    /// another stream of the policy, first waiting for the fork event
+    /// (recorded here once, in `fork_event`). One stream: this one, in order.
     pub(crate) fn fork_arm(&mut self, arm: usize, fork_event: &mut Option<u64>) -> Self {
         let stream = (self.stream + (arm % self.streams as usize) as u32) % self.streams;
         let mut child = Self::new(self.session.clone(), stream, self.streams);
@@ -200,8 +195,7 @@ impl RemoteContext {
         Some(ev)
     }
 
-    /// Joins the arms back: this stream waits for each join event, then
-    /// every event of the fork is freed.
+    /// Waits for each join event, then frees every event of the fork.
     pub(crate) fn join_arms(&mut self, fork_event: Option<u64>, joins: &[u64]) {
         let stream = self.stream;
         for &event in joins {

@@ -7,7 +7,6 @@ use cuda_core::{Error, RemoteFailure};
 use super::proto::{RemoteError, RemoteErrorKind};
 
 /// Reads a leased GPU's [`RemoteError`] out of an [`Error`], and makes one.
-///
 /// In the prelude.
 ///
 /// # Examples

@@ -1,7 +1,6 @@
-//! Where the free of a remote buffer or event goes: into the submission
-//! of its session being recorded on this thread, if there is one (after
-//! every use it records), otherwise to the session's
-//! [`Ledger`](super::Ledger).
+//! Where the free of a remote buffer or event goes: into the submission of
+//! its session being recorded on this thread, if any (after every use it
+//! records), otherwise to the session's [`Ledger`](super::Ledger).
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -10,15 +9,13 @@ use super::proto::{Id, Op};
 use super::recording::{Recording, RemoteStream};
 use super::session::{RemoteCompletion, RemoteSession};
 
-/// Frees of remote buffers dropped while a submission of their session is
-/// being recorded on this thread: they join the end of that submission,
-/// after every use it records, instead of racing it to the node.
+/// Frees of a session's buffers dropped while one of its submissions is
+/// recorded on this thread, to join that submission's end.
 struct Frame {
     session: *const (),
     frees: Vec<u64>,
-    /// A graph's capture: frees of the session go into its body (where
-    /// the node keeps them for the graph's own free), not the outermost
-    /// frame's end.
+    /// A graph's capture: the session's frees go into its body (the node
+    /// keeps them until the graph's free), not to the outermost frame's end.
     capture: bool,
 }
 
@@ -57,9 +54,8 @@ pub(crate) fn free_remote(session: &Arc<dyn RemoteSession>, id: u64) {
     }
 }
 
-/// Frees `id` through `session`'s ledger (a session without one frees
-/// nothing outside its recordings), and has the queued frees sent now
-/// when the ledger says so.
+/// Frees `id` through `session`'s ledger (none: nothing outside recordings is
+/// freed), sending the queued frees now when the ledger says so.
 pub(crate) fn free_through_ledger(session: &Arc<dyn RemoteSession>, id: u64) {
     if let Some(ledger) = session.ledger() {
         if ledger.free(id) {
@@ -68,9 +64,7 @@ pub(crate) fn free_through_ledger(session: &Arc<dyn RemoteSession>, id: u64) {
     }
 }
 
-/// Has `session` send its queued frees now: an empty submission, which
-/// the session sends as its queued frees alone (or not at all, when a
-/// message took them first).
+/// Has `session` send its queued frees now, as an empty submission.
 pub(crate) fn send_frees(session: &Arc<dyn RemoteSession>) {
     session.submit(Recording::new(), RemoteCompletion::new());
 }
@@ -83,9 +77,8 @@ pub(crate) struct RecordingFrame {
 }
 
 impl RecordingFrame {
-    /// A frame for `session`'s frees on this thread; `capture`: for a
-    /// graph's capture, whose frees go to it while it is alive (see
-    /// [`Frame::capture`]).
+    /// A frame for `session`'s frees on this thread; `capture` for a graph's
+    /// capture (see [`Frame::capture`]).
     pub(crate) fn push(session: &Arc<dyn RemoteSession>, capture: bool) -> Self {
         let depth = FRAMES.with(|f| {
             let mut frames = f.borrow_mut();

@@ -2,9 +2,8 @@
 //! once, between `GraphBegin` and `GraphEnd` (the node makes the body's
 //! allocations and keeps the rest); each launch is one `GraphLaunch`.
 //!
-//! What the body names stays alive on the node as long as the graph: the
-//! body's own frees (buffers dropped during the capture) wait on the node
-//! for the graph's free, and frees asked for later are held by the
+//! What the body names lives on the node as long as the graph: the body's
+//! own frees wait on the node for the graph's free, later ones in the
 //! session's [`Ledger`](super::Ledger) until the graph is dropped.
 
 use std::collections::HashSet;
@@ -80,8 +79,7 @@ impl<O: DeviceOp> DeviceOp for CaptureRemote<O> {
         let begin = r.recording().commands().len();
         r.recording()
             .push(stream, Op::GraphBegin { graph: Id(graph) });
-        // Buffers dropped during the capture are freed in the body: the
-        // node keeps them for the graph.
+        // Buffers dropped during the capture are freed in the body.
         let frame = RecordingFrame::push(&session, true);
         // SAFETY: same context and caller contract, forwarded.
         let out = unsafe { self.op.execute(ctx) }?;
@@ -92,8 +90,7 @@ impl<O: DeviceOp> DeviceOp for CaptureRemote<O> {
         frame.finish(r.recording(), stream);
         let body = &r.recording().commands()[begin + 1..];
         if let Some(what) = body.iter().find_map(uncapturable) {
-            // Nothing of the body is sent (the frees of what it was handed
-            // are).
+            // Nothing of the body is sent (the frees of what it was handed are).
             r.recording().abandon_from(begin);
             return Err(Error::Capture(format!(
                 "{what} cannot be captured into a graph kept on a node: read the graph's \

@@ -1,35 +1,29 @@
-//! A session's ledger of ids: which of its buffers, events and graphs
-//! exist on the node, as far as frees need to know, and the frees waiting
-//! to be sent. Pure bookkeeping over the commands sent and the replies'
-//! counts of commands that ran, with no I/O (unit-tested below): a
-//! transport keeps one ([`RemoteSession::ledger`](super::RemoteSession::ledger))
-//! and numbers each message through it ([`Ledger::send`]); `cuda-async`
-//! asks it for frees, graph holds and graph frees.
+//! A session's ledger of ids: which of its buffers, events and graphs exist
+//! on the node, as far as frees need to know, and the frees waiting to be
+//! sent. Pure bookkeeping over the commands sent and the replies' counts of
+//! commands that ran, with no I/O: a transport keeps one
+//! ([`RemoteSession::ledger`](super::RemoteSession::ledger)) and numbers
+//! each message through it ([`Ledger::send`]); `cuda-async` asks it for
+//! frees, graph holds and graph frees.
 //!
-//! The rule: a BATCH reply says which commands ran (`0..completed`), so
-//! what exists after a failed submission is exactly what those commands
-//! created and did not free. A free is sent only for an id that exists:
+//! A BATCH reply says which commands ran (`0..completed`), so what exists
+//! after a failed submission is exactly what those commands created and did
+//! not free. A free is sent only for an id that exists:
 //!
-//! - an id whose creating command (`Alloc`, the first `Record` of an
-//!   event, `GraphBegin`) has not been answered yet is *pending*: its free
-//!   waits for that reply;
-//! - an id whose creating command ran is *born*, until a free of it is
-//!   queued or runs;
-//! - any other id does not exist on the node (its creating command did
-//!   not run, or was never sent: a recording dropped on an error): its
-//!   free is dropped, never sent;
-//! - a free that did not run (a queued one leading the batch, or one the
-//!   recording holds) is queued again, unless its id was created by a
-//!   command of that batch that did not run, or it is the command the
-//!   node refused (that free could not run).
+//! - *pending*: its creating command (`Alloc`, an event's first `Record`,
+//!   `GraphBegin`) is unanswered; its free waits for that reply;
+//! - *born*: its creating command ran, and no free of it is queued or ran;
+//! - any other id does not exist (its creating command did not run or was
+//!   never sent, e.g. a recording dropped on an error): its free is dropped;
+//! - a free that did not run (a queued one leading the batch, or one of the
+//!   recording) is queued again, unless its id was created by a command of
+//!   that batch that did not run, or it is the command the node refused.
 //!
-//! A request the node refused whole, or one whose reply never came, ran
-//! nothing as far as this client knows.
+//! A request refused whole, or one whose reply never came, ran nothing.
 //!
-//! When queued frees go: with the next message the transport numbers, or,
-//! when no message is in flight, at once, alone (a free asked while
-//! messages are in flight waits for the last of their replies and then
-//! goes, unless a message took it first). No timer decides either.
+//! Queued frees go with the next message the transport numbers or, when none
+//! is in flight, at once, alone; a free asked meanwhile waits for the last
+//! reply, unless a message takes it first. No timer decides either.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -63,8 +57,8 @@ impl Sent {
             let at = (base + i) as u32;
             match c.op {
                 Op::Alloc { buf, .. } => s.created.push((at, buf.0)),
-                // An event is created by its first record (a session's
-                // events are fresh ids: cuda-async records each once).
+                // An event is created by its first record (cuda-async records
+                // each of its fresh event ids once).
                 Op::Record { event } if !s.created.iter().any(|&(_, e)| e == event.0) => {
                     s.created.push((at, event.0));
                 }
@@ -102,9 +96,8 @@ impl Ran {
     }
 }
 
-/// A session's ids and queued frees (see the module's docs). Shared by
-/// the transport (which numbers messages through it) and `cuda-async`
-/// (which frees, holds and lets go of ids).
+/// A session's ids and queued frees (see the module's docs), shared by the
+/// transport and `cuda-async`.
 #[derive(Debug, Default)]
 pub struct Ledger {
     book: Mutex<Book>,
@@ -123,12 +116,11 @@ impl Ledger {
     }
 
     /// A message goes out: takes the queued frees to lead it (unless
-    /// `keep_frees`), notes its ids and calls `number` with the frees,
-    /// all under the ledger's lock. A transport numbers the message in
-    /// `number`, so frees taken in one order reach the node in that order
-    /// (a graph's free before the frees it held back). Every message sent
-    /// this way is settled once ([`Ledger::settle`] or
-    /// [`Ledger::forget`]).
+    /// `keep_frees`), notes its ids and calls `number` with the frees, all
+    /// under the ledger's lock. A transport numbers the message in `number`,
+    /// so frees reach the node in the order taken (a graph's free before the
+    /// frees it held back). Settle each message sent this way once
+    /// ([`Ledger::settle`] or [`Ledger::forget`]).
     pub fn send<R>(
         &self,
         keep_frees: bool,
@@ -162,11 +154,10 @@ impl Ledger {
     }
 
     /// The reply of `sent` says what `ran` (`None`: no reply, or a request
-    /// refused whole: nothing ran). True when the transport should send
-    /// the queued frees now ([`Ledger::send_frees`]): frees are queued, no
-    /// message is in flight, and the reply named what ran (so a lease that
-    /// refuses every request does not loop on its frees; they ride on the
-    /// next message).
+    /// refused whole: nothing ran). True when the transport should send the
+    /// queued frees now ([`Ledger::send_frees`]): some are queued, no message
+    /// is in flight, and the reply named what ran (so a lease that refuses
+    /// every request does not loop on its frees; they ride on the next one).
     pub fn settle(&self, sent: &Sent, ran: Option<Ran>) -> bool {
         let mut book = self.book();
         book.in_flight = book.in_flight.saturating_sub(1);
@@ -175,10 +166,9 @@ impl Ledger {
         ran.is_some() && book.flush_due()
     }
 
-    /// A message whose reply will never be read (its future was dropped
-    /// after it was sent): it no longer counts as in flight; its ids stay
-    /// as they are (what it created is never freed: a leak, never a free
-    /// of something in use).
+    /// A message whose reply will never be read (its future dropped after it
+    /// was sent): no longer in flight; its ids stay as they are (what it
+    /// created leaks, never a free of something in use).
     pub fn forget(&self, sent: Sent) {
         let _ = sent;
         let mut book = self.book();
@@ -186,9 +176,8 @@ impl Ledger {
         self.settled.notify_all();
     }
 
-    /// Blocks until no message is in flight and no free is queued (every
-    /// free asked so far has reached the node, or is held, or waits for
-    /// nothing), or `limit` passes; true when it is so.
+    /// Blocks until no message is in flight and no free is queued, or `limit`
+    /// passes; true when idle.
     pub fn wait_idle(&self, limit: Duration) -> bool {
         let end = Instant::now() + limit;
         let mut book = self.book();
@@ -206,34 +195,30 @@ impl Ledger {
         true
     }
 
-    /// Whether frees are queued while no message is in flight: they should
-    /// go now, alone.
+    /// Whether frees are queued and no message is in flight: they go now, alone.
     pub fn flush_due(&self) -> bool {
         self.book().flush_due()
     }
 
     /// The free of `id` (a dropped buffer or event). True when the caller
-    /// should have the queued frees sent now (see [`Ledger::flush_due`]);
-    /// otherwise it rides on a later message, waits for the reply that
-    /// creates `id`, waits for the graphs that hold `id`, or is dropped
-    /// (`id` never existed).
+    /// should have the queued frees sent now ([`Ledger::flush_due`]); else it
+    /// rides on a later message, waits for the reply creating `id` or for the
+    /// graphs holding `id`, or is dropped (`id` never existed).
     pub fn free(&self, id: u64) -> bool {
         let mut book = self.book();
         book.free(id) && book.flush_due()
     }
 
-    /// Frees graph `graph`, then lets go of the ids it held
-    /// ([`Ledger::hold`]) once a reply says its free ran: their frees
-    /// follow it in a later message (the node refuses to free what a live
-    /// graph uses). True as [`Ledger::free`].
+    /// Frees graph `graph`; once a reply says that free ran, lets go of the ids
+    /// it held ([`Ledger::hold`]), whose frees follow in a later message (the
+    /// node refuses to free what a live graph uses). True as [`Ledger::free`].
     pub fn free_graph(&self, graph: u64, held: Vec<u64>) -> bool {
         let mut book = self.book();
         book.free_graph(graph, held) && book.flush_due()
     }
 
-    /// Holds `ids` (what a graph kept on the node uses, or what a transfer
-    /// moves): a free of one of them asked for meanwhile waits for
-    /// [`Ledger::release`].
+    /// Holds `ids` (what a graph kept on the node uses, or a transfer moves):
+    /// their frees asked for meanwhile wait for [`Ledger::release`].
     pub fn hold(&self, ids: &[u64]) {
         self.book().hold(ids);
     }
@@ -245,9 +230,8 @@ impl Ledger {
         book.release(ids) && book.flush_due()
     }
 
-    /// Frees `ids` and lets go of `held` in one step: the end of a
-    /// transfer that moved `held` and dropped `frees`. True as
-    /// [`Ledger::free`].
+    /// Frees `frees` and lets go of `held` in one step (the end of a transfer).
+    /// True as [`Ledger::free`].
     pub fn free_and_release(&self, frees: &[u64], held: &[u64]) -> bool {
         let mut book = self.book();
         for &id in frees {
@@ -278,11 +262,9 @@ struct Book {
     held: HashMap<u64, u32>,
     /// Frees asked for held ids: queued when the last hold goes.
     deferred: HashSet<u64>,
-    /// Graphs freed whose free has not run yet, with the ids they hold:
-    /// let go once a reply says it ran (or once the graph is known never
-    /// to have existed). The node applies a batch's frees when the batch
-    /// has run, so a free of a held id sent while the graph's free is
-    /// still in flight would find the graph alive and be refused.
+    /// Freed graphs whose free has not run yet, with the ids they hold: let go
+    /// once a reply says it ran, or the graph never existed (the node would
+    /// refuse a held id's free sent while the graph's is in flight).
     after: HashMap<u64, Vec<u64>>,
 }
 
@@ -327,7 +309,6 @@ impl Book {
         self.let_go(id)
     }
 
-    /// Queues the free of `id`.
     fn queue(&mut self, id: u64) -> bool {
         self.queued.push(id);
         true
@@ -367,10 +348,9 @@ impl Book {
         queued
     }
 
-    /// The reply of `sent` says `ran`: creations that ran are born (their
-    /// frees asked meanwhile are queued), the others never existed; frees
-    /// that ran are gone, those that did not are asked again. True when
-    /// frees were queued.
+    /// The reply of `sent` says `ran`: creations that ran are born (frees
+    /// asked meanwhile are queued), the others never existed; frees that ran
+    /// are gone, the others are asked again. True when frees were queued.
     fn settle(&mut self, sent: &Sent, ran: Ran) -> bool {
         let mut queued = false;
         let mut never = HashSet::new();
@@ -474,8 +454,7 @@ mod tests {
         assert!(!book.free(1));
         assert!(!book.free(2));
         assert!(book.take_queued().is_empty());
-        // Never sent at all (a recording dropped on an error): its free
-        // is not sent either.
+        // Never sent (a recording dropped on an error): nor is its free.
         assert!(!book.free(40));
         assert!(book.take_queued().is_empty());
     }
@@ -563,22 +542,18 @@ mod tests {
         book.sending(&sent);
         book.hold(&[5]);
         assert!(!book.free(5));
-        // Dropped before its capture's reply: nothing may go yet, 5 least
-        // of all (the node refuses to free what a live graph uses).
+        // Dropped before its capture's reply: nothing may go yet (5 in use).
         assert!(!book.free_graph(2, vec![5]));
         assert!(book.take_queued().is_empty());
         assert!(book.settle(&sent, Ran::all(1)));
         assert_eq!(book.take_queued(), [2]);
-        // 5 waits until the graph's free has run: the node applies a
-        // batch's frees when it has run, so 5's free in a batch sent
-        // while the graph's is in flight would be refused.
+        // 5 waits until the graph's free has run (see `Book::after`).
         let free_2 = Sent::of(&[2], &[]);
         book.sending(&free_2);
         assert!(book.is_held(5));
         assert!(book.settle(&free_2, Ran::all(1)));
         assert_eq!(book.take_queued(), [5]);
-        // A graph's free that did not run is sent again; what it holds
-        // still waits.
+        // A graph's free that did not run goes again; what it holds waits.
         born(&mut book, &[4]);
         book.hold(&[6]);
         assert!(!book.free(6));
@@ -602,8 +577,6 @@ mod tests {
         assert_eq!(book.take_queued(), [7]);
     }
 
-    /// Frees go alone at once only when nothing is in flight; otherwise
-    /// they wait for the last reply (or ride on the next message).
     #[test]
     fn frees_go_alone_only_when_no_message_is_in_flight() {
         let ledger = Ledger::new();
@@ -613,7 +586,6 @@ mod tests {
         assert!(ledger.free(1));
         let (frees, taken) = ledger.send_frees(<[u64]>::to_vec).unwrap();
         assert_eq!(taken, [1]);
-        // In flight: the next free waits.
         assert!(!ledger.free(2), "a message is in flight");
         // A message numbered meanwhile takes it.
         let (other, led) = ledger.send(false, &[], <[u64]>::to_vec);

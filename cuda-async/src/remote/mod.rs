@@ -1,26 +1,22 @@
 //! The remote backend's seam: what a remote execution context records and
 //! the trait of the session that sends it.
 //!
-//! A remote context does not enqueue work on a CUDA stream: it records
-//! the protocol's [`Command`]s ([`proto`], the wire protocol of
-//! `cuda-lease`) into a [`Recording`], naming buffers and events with
-//! ids the client picks ([`RemoteSession::fresh_id`]), so a whole chain is
-//! recorded without waiting for any reply. When the submission's future is
-//! first polled (or its blocking call is made), the recording goes to the
-//! [`RemoteSession`] as one message; the session delivers the reads of the
-//! reply into their [`ReadSlot`]s and then completes the submission's
-//! [`RemoteCompletion`] (the same completion state the local modes
-//! complete), or fails it with one of the remote [`Error`](crate::Error)
-//! variants.
+//! A remote context records the protocol's [`Command`]s ([`proto`], the wire
+//! protocol of `cuda-lease`) into a [`Recording`] instead of enqueueing on a
+//! CUDA stream, naming buffers and events with ids the client picks
+//! ([`RemoteSession::fresh_id`]), so a whole chain is recorded without
+//! waiting for a reply. On the submission's first poll (or its blocking
+//! call) the recording goes to the [`RemoteSession`] as one message; the
+//! session delivers the reply's reads into their [`ReadSlot`]s, then
+//! completes the submission's [`RemoteCompletion`], or fails it with a
+//! remote [`Error`](crate::Error) variant.
 //!
-//! `cuda-async` defines this seam and nothing of the transport: it has no
-//! QUIC, TLS or async-runtime dependency (the protocol crate does no I/O). `cuda-lease` implements
-//! [`RemoteSession`] for a leased GPU.
+//! `cuda-async` has none of the transport (no QUIC, TLS or async-runtime
+//! dependency); `cuda-lease` implements [`RemoteSession`] for a leased GPU.
 //!
 //! Every op of this crate records onto a remote context
 //! ([`ExecutionContext::as_remote`](crate::ExecutionContext::as_remote));
-//! [`RemotePolicy`] hands out such contexts, round-robin over k streams of
-//! a session:
+//! [`RemotePolicy`] hands them out, round-robin over k streams of a session:
 //!
 //! ```no_run
 //! # fn f(session: std::sync::Arc<dyn cuda_async::RemoteSession>) -> cuda_async::Result<()> {
@@ -34,14 +30,6 @@
 //! # Ok(()) }
 //! ```
 
-// One concern a file: `session` the seam a transport implements,
-// `recording` what is recorded, `error` the lease's failures as this
-// crate's error, `modules` the protocol's form of a module,
-// `context` the remote execution context, `frees` where frees of dropped
-// remote buffers go, `ledger` which ids exist on the node and the frees
-// waiting to go, `policy` the remote policy and the sending of a
-// submission. The host memory that remote
-// reads land in (`HostBuffer`, `ReadSlot`) is in `crate::host`.
 mod context;
 mod error;
 mod frees;
@@ -180,8 +168,8 @@ mod tests {
         assert!(matches!(done.outcome(), Some(Err(e)) if e.remote() == Some(&gone)));
     }
 
-    /// A session that keeps what it is sent and answers at once; its
-    /// ledger is kept as a transport keeps one.
+    /// A session that keeps what it is sent and answers at once, keeping its
+    /// ledger as a transport does.
     #[derive(Debug, Default)]
     struct Capture {
         next: std::sync::atomic::AtomicU64,
@@ -205,8 +193,7 @@ mod tests {
                 })
                 .unwrap();
             }
-            // Numbered through the ledger, led by the queued frees; every
-            // command runs.
+            // Numbered through the ledger, led by the queued frees; all run.
             let (sent, frees) = self.ledger.send(false, r.commands(), |frees| {
                 self.freed.lock().unwrap().extend(frees);
                 frees.len()
@@ -280,8 +267,7 @@ mod tests {
         zeros::<u8>(4).zip(zeros::<u8>(4)).sync_with(&one).unwrap();
         let sent = capture.sent.lock().unwrap();
         assert_eq!(streams_and_kinds(&sent[1]), [(0, "alloc"), (0, "alloc")]);
-        // Buffers dropped after their submission are freed through the
-        // session.
+        // Buffers dropped after their submission are freed through the session.
         assert_eq!(capture.freed.lock().unwrap().len(), 2);
         drop(sent);
         // A shared op: its consumer on another stream waits on the event

@@ -1,7 +1,6 @@
-//! The protocol's form of a `cuda-core` module (its source named by its
-//! content hash), made once per module: a chain's launches name their
-//! module by hash, and hashing a module's text on every submission would
-//! cost more than recording the submission.
+//! The protocol's form of a `cuda-core` module (its source, named by its
+//! content hash), made once per module: launches name their module by hash,
+//! and hashing its text on every submission would cost more than recording it.
 
 use std::sync::Mutex;
 
@@ -9,8 +8,7 @@ use cuda_core::{Module, ModuleSource};
 
 use super::proto;
 
-/// Modules whose protocol form is kept; past this the oldest is made again
-/// when next used.
+/// Modules whose protocol form is kept; past this the oldest goes (remade on use).
 const KEPT: usize = 64;
 
 static MODULES: Mutex<Vec<(Module, proto::ModuleSpec)>> = Mutex::new(Vec::new());

@@ -13,12 +13,10 @@ use super::context::{OnReply, RemoteContext};
 use super::recording::RemoteStream;
 use super::session::{AsRemoteSession, RemoteCompletion, RemoteSession};
 
-/// The default number of streams a [`RemotePolicy`] spreads submissions
-/// over.
+/// The default number of streams a [`RemotePolicy`] spreads submissions over.
 pub const DEFAULT_REMOTE_STREAMS: u32 = 4;
 
-/// Submissions on a remote session's GPU, round-robin over k of its
-/// streams (4 by default).
+/// Submissions on a remote session's GPU, round-robin over k of its streams.
 ///
 /// The same op runs locally or remotely; only the policy changes:
 ///
@@ -30,10 +28,9 @@ pub const DEFAULT_REMOTE_STREAMS: u32 = 4;
 /// | one call | [`run_on(op, &local).await`](crate::run_on) | `run_on(op, &remote).await` |
 ///
 /// A submission (everything one executor call runs) is recorded without
-/// waiting for anything and sent as one message when its future is first
-/// polled (or the blocking call is made); the node's reply completes it.
-/// Submissions run on the remote GPU in the order they are sent; buffers
-/// carry their ordering across streams on the node as they do locally.
+/// waiting and sent as one message on its first poll (or its blocking call);
+/// the node's reply completes it. Submissions run on the remote GPU in the
+/// order sent; buffers carry their ordering across streams as they do locally.
 #[derive(Debug)]
 pub struct RemotePolicy {
     session: Arc<dyn RemoteSession>,
@@ -42,8 +39,7 @@ pub struct RemotePolicy {
 }
 
 impl RemotePolicy {
-    /// A policy over [`DEFAULT_REMOTE_STREAMS`] streams of `target`'s
-    /// session.
+    /// A policy over [`DEFAULT_REMOTE_STREAMS`] streams of `target`'s session.
     pub fn new(target: &impl AsRemoteSession) -> Self {
         RemotePolicy {
             session: target.remote_session(),

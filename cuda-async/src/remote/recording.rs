@@ -17,10 +17,9 @@ use super::proto::{self, Command, Id, LaunchSpec, ModuleHash, Op};
 /// A client-named stream of a remote session.
 pub type RemoteStream = proto::StreamId;
 
-/// A kernel name kept for the life of the process, once per distinct
-/// name, so that each launch's command borrows it rather than copying it.
-/// The thread's last name is at hand: a chain of launches of one kernel
-/// takes no lock.
+/// `name`, kept for the life of the process once per distinct name, so each
+/// launch's command borrows it; the thread's last name is checked first, so
+/// a chain of launches of one kernel takes no lock.
 fn interned(name: &str) -> &'static str {
     static NAMES: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
     thread_local! {
@@ -59,8 +58,7 @@ pub struct Recording {
     commands: Vec<Command<'static>>,
     /// Each module a launch uses, once, in order of first use.
     modules: Vec<proto::ModuleSpec>,
-    /// The module of the last launch, so a chain's launches from one
-    /// module look it up once.
+    /// The module of the last launch: a chain from one module looks it up once.
     last_module: Option<(cuda_core::Module, ModuleHash)>,
     data: Vec<u8>,
     payloads: Vec<Payload>,
@@ -87,8 +85,7 @@ impl Recording {
         Self::default()
     }
 
-    /// Appends `op` on `stream`: a command that carries no data and
-    /// launches nothing.
+    /// Appends `op` on `stream`: a command with no data that launches nothing.
     ///
     /// # Panics
     ///
@@ -115,9 +112,8 @@ impl Recording {
         self.push_write(stream, id, offset, bytes.len());
     }
 
-    /// Appends a write of `bytes`, which the recording keeps (no copy):
-    /// what an `h2d` of an owned `Vec` records, so a large upload is never
-    /// held twice on the client.
+    /// Appends a write of `bytes`, kept without a copy (what an `h2d` of an
+    /// owned `Vec` records: a large upload is never held twice on the client).
     pub fn write_kept(&mut self, stream: RemoteStream, id: u64, offset: u64, bytes: KeptBytes) {
         let len = (*bytes).as_ref().len();
         self.payloads.push(Payload::Kept(bytes));
@@ -231,9 +227,8 @@ impl Recording {
         }
     }
 
-    /// Takes the write payloads out, back to back in command order, for a
-    /// session that sends them in one message: without copying when every
-    /// write was copied in; the payloads are empty afterwards.
+    /// Takes the write payloads out, back to back in command order (no copy
+    /// when every write was copied in); the payloads are empty afterwards.
     pub fn take_data(&mut self) -> Vec<u8> {
         let data = if self
             .payloads
@@ -253,9 +248,8 @@ impl Recording {
         data
     }
 
-    /// A copy to send again (a retry elsewhere): the same commands and
-    /// read slots (the copy's reads land where the original's would),
-    /// every payload copied.
+    /// A copy to send again (a retry elsewhere): the same commands and read
+    /// slots (its reads land where the original's would), payloads copied.
     pub fn duplicate(&self) -> Recording {
         let mut data = Vec::with_capacity(self.payloads().map(<[u8]>::len).sum());
         let mut payloads = Vec::with_capacity(self.payloads.len());
@@ -284,10 +278,9 @@ impl Recording {
         self.commands.is_empty()
     }
 
-    /// Drops the commands from index `start` on (with their payloads and
-    /// read slots), except the frees of ids created before `start`: what a
-    /// refused capture recorded never reaches the node, and the buffers it
-    /// was handed are still freed.
+    /// Drops the commands from index `start` on, with their payloads and read
+    /// slots, but keeps the frees of ids created before `start`: a refused
+    /// capture never reaches the node, yet the buffers it was handed are freed.
     pub(crate) fn abandon_from(&mut self, start: usize) {
         let tail = self.commands.split_off(start.min(self.commands.len()));
         let mut made = std::collections::HashSet::new();

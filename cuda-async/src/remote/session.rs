@@ -14,13 +14,11 @@ use super::recording::Recording;
 
 /// A session with a remote GPU: the transport behind remote contexts.
 ///
-/// Implementations must not block in any method: [`RemoteSession::submit`]
-/// hands the recording to the session's own I/O (a thread or a runtime
-/// task) and returns at once.
+/// No method may block: [`RemoteSession::submit`] hands the recording to the
+/// session's own I/O (a thread or a runtime task) and returns at once.
 ///
-/// A session is [`Any`](std::any::Any): one that recognises its siblings
-/// in [`RemoteSession::accepts`] downcasts `owner` (`&**owner as &dyn
-/// Any`).
+/// A session is [`Any`](std::any::Any), so [`RemoteSession::accepts`] can
+/// downcast `owner` (`&**owner as &dyn Any`) to recognise a sibling.
 pub trait RemoteSession: std::any::Any + Send + Sync + fmt::Debug {
     /// Names the session for errors, e.g. `lease 1a2b... on node gpu-7`.
     fn describe(&self) -> String;
@@ -28,31 +26,29 @@ pub trait RemoteSession: std::any::Any + Send + Sync + fmt::Debug {
     /// A fresh id for a buffer or an event (never handed out twice).
     fn fresh_id(&self) -> u64;
 
-    /// Sends `recording` as one message. When the reply arrives, the reads
-    /// are delivered into their slots ([`ReadSlot::receive`](crate::remote::ReadSlot::receive)), then `done`
-    /// is completed; any failure (a command's, the connection's, the
+    /// Sends `recording` as one message. On reply, delivers the reads into
+    /// their slots ([`ReadSlot::receive`](crate::remote::ReadSlot::receive)),
+    /// then completes `done`; any failure (a command's, the connection's, the
     /// lease's) fails `done` with the matching [`Error`] variant instead.
     /// Submissions run on the remote GPU in the order of these calls. An
-    /// empty recording asks for the session's queued frees to be sent (see
-    /// [`RemoteSession::ledger`]); with none queued it sends nothing.
+    /// empty recording sends the queued frees alone ([`RemoteSession::ledger`]),
+    /// or nothing when none are queued.
     fn submit(&self, recording: Recording, done: RemoteCompletion);
 
-    /// The session's [`Ledger`]: which of its ids exist on the node and
-    /// the frees waiting to go. `cuda-async` frees dropped buffers, events
-    /// and graphs through it, and when it says the frees should go now,
-    /// submits an empty [`Recording`]: the session then sends the queued
-    /// frees alone (none left: nothing). Default: `None`, a session that
-    /// frees nothing outside its recordings and keeps no graphs.
+    /// The session's [`Ledger`]: which of its ids exist on the node and the
+    /// frees waiting to go. `cuda-async` frees dropped buffers, events and
+    /// graphs through it and, when it says the frees should go now, submits
+    /// an empty [`Recording`]. Default: `None`, a session that frees nothing
+    /// outside its recordings and keeps no graphs.
     fn ledger(&self) -> Option<Arc<Ledger>> {
         None
     }
 
-    /// Whether an op recorded on this session may use buffer `id` of
-    /// `owner`, another session handle (a buffer of this very handle is
-    /// always accepted). Default: no, and the op fails with
-    /// [`Error::WrongHome`]. A session that chooses its node late (one
-    /// submission of a fleet, say) accepts a sibling's buffer here and
-    /// then goes where that buffer lives.
+    /// Whether an op recorded on this session may use buffer `id` of `owner`,
+    /// another session handle (this handle's own buffers are always accepted).
+    /// Default: no, and the op fails with [`Error::WrongHome`]. A session that
+    /// picks its node late (one submission of a fleet) accepts a sibling's
+    /// buffer here and then goes where that buffer lives.
     fn accepts(&self, owner: &Arc<dyn RemoteSession>, id: u64) -> bool {
         let _ = (owner, id);
         false
@@ -72,8 +68,7 @@ impl Default for RemoteCompletion {
 }
 
 impl RemoteCompletion {
-    /// A pending completion (a remote future makes one per submission;
-    /// tests of a session make their own).
+    /// A pending completion.
     pub fn new() -> Self {
         RemoteCompletion(Arc::new(Completion::new()))
     }
@@ -104,10 +99,9 @@ impl RemoteCompletion {
 }
 
 impl RemoteCompletion {
-    /// `Ready` with the outcome once completed or failed; otherwise wakes
-    /// `cx`'s waker when it is (one waiter at a time: the last one
-    /// registered). For a session that wraps another: it hands the inner
-    /// session a completion of its own and forwards the outcome.
+    /// `Ready` with the outcome once finished; otherwise wakes `cx`'s waker
+    /// when it is (one waiter: the last registered). For a session wrapping
+    /// another, to forward the inner completion's outcome.
     pub fn poll_outcome(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<()>> {
         match self.0.poll_status(cx.waker()) {
             crate::completion::Status::Pending => std::task::Poll::Pending,
@@ -126,9 +120,8 @@ impl RemoteCompletion {
     }
 }
 
-/// Something that provides a remote session (a lease, or the session
-/// itself): what
-/// [`RemotePolicy::new`](crate::remote::RemotePolicy::new) takes.
+/// What [`RemotePolicy::new`](crate::remote::RemotePolicy::new) takes: a
+/// session, or something that provides one (a lease).
 pub trait AsRemoteSession {
     /// The session.
     fn remote_session(&self) -> Arc<dyn RemoteSession>;

@@ -1,13 +1,13 @@
 //! Buffers that streamed downloads are reading. The node runs a streamed
 //! download (a MEM_READ after its submission's batch) beside the lease's
-//! later batches, so a later submission that uses such a buffer (and may
-//! overwrite it) is numbered when it is made but sent only once those
-//! reads are done: the download sees the buffer as its own submission
-//! left it. Submissions that use other buffers go at once.
+//! later batches, so a later submission that uses (and may overwrite) such a
+//! buffer is numbered when made but sent only once those reads are done: the
+//! download sees the buffer as its own submission left it. Submissions that
+//! use other buffers go at once.
 //!
-//! A session numbers a submission and registers (or checks) its reads
-//! under the lock of its [`Reading`], so a submission waits only for
-//! reads numbered before it: never for a later one, which waits for it.
+//! A session numbers a submission and registers (or checks) its reads under
+//! the lock of its [`Reading`], so a submission waits only for reads
+//! numbered before it, never for a later one (which waits for it).
 
 use std::collections::HashMap;
 
@@ -21,9 +21,8 @@ pub(super) struct Reading {
     next: u64,
 }
 
-/// The reads of one streamed submission, registered in a [`Reading`]
-/// until [`Reading::end`]; the waiters of its buffers wake when this is
-/// dropped.
+/// The reads of one streamed submission, registered in a [`Reading`] until
+/// [`Reading::end`]; its buffers' waiters wake when this is dropped.
 #[derive(Debug)]
 pub(super) struct Reads {
     ticket: u64,

@@ -1,33 +1,30 @@
-//! Large transfers of a submission on the data path: which of a
-//! recording's writes and reads leave the BATCH message and travel as
-//! streamed, striped MEM_WRITEs and MEM_READs instead (pure planning over
-//! the commands, unit-tested below; the session runs the plan).
+//! Large transfers of a submission on the data path: which of a recording's
+//! writes and reads leave the BATCH and travel as streamed, striped
+//! MEM_WRITEs and MEM_READs (pure planning over the commands; the session
+//! runs the plan).
 //!
-//! Such a submission takes its place in the lease's order when it is
-//! made, like any other: its commands' BATCH is numbered then, and the
-//! submissions made after it wait on the node for that number. Its steps:
+//! Such a submission takes its place in the lease's order when made: its
+//! commands' BATCH is numbered then, and later submissions wait on the node
+//! for that number. Its steps:
 //!
-//! 1. at once, a BATCH outside the order with the allocations of the
-//!    fresh buffers its large writes fill (nothing else can name them
-//!    yet), and the writes into buffers of earlier submissions as
-//!    MEM_WRITEs that the node runs after the batch numbered before the
-//!    commands' ([`MemWrite::after`]);
+//! 1. at once, a BATCH outside the order with the allocations of the fresh
+//!    buffers its large writes fill (nothing else can name them yet), and
+//!    the writes into buffers of earlier submissions as MEM_WRITEs the node
+//!    runs after the batch numbered before the commands' ([`MemWrite::after`]);
 //! 2. once the allocations are answered, the writes into fresh buffers;
-//! 3. once every write is in, the commands' BATCH (with every other
-//!    command, also when there is none), and at once the large reads as
-//!    MEM_READs that the node runs after it.
+//! 3. once every write is in, the commands' BATCH (with every other command,
+//!    even when there is none), and at once the large reads as MEM_READs the
+//!    node runs after it.
 //!
-//! So many streamed submissions move their bytes at the same time, and
-//! the node still applies them in the order they were made. The buffers
-//! of the transfers are held in the id book while they move: a free asked
-//! meanwhile waits for the end of the steps.
+//! So streamed submissions move their bytes concurrently, yet the node
+//! applies them in the order made. The transfers' buffers are held in the
+//! ledger while they move: a free asked meanwhile waits for the last step.
 //!
 //! A write moves only when nothing before it in the recording uses its
-//! buffer (a buffer the recording allocates, or one of an earlier
-//! submission); a read only when nothing after
-//! it in the recording touches its buffer but a free (which then waits
-//! for the MEM_READ, queued like a dropped buffer's). Any other transfer stays in the
-//! message, as do transfers below the threshold.
+//! buffer (one the recording allocates, or one of an earlier submission); a
+//! read only when nothing after it touches its buffer but a free (which then
+//! waits for the MEM_READ, queued like a dropped buffer's). Other transfers,
+//! and those below the threshold, stay in the message.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -89,9 +86,8 @@ fn uses(c: &Command<'_>, id: u64) -> bool {
     used
 }
 
-/// Splits `commands` when a write or a read of at least `threshold` bytes
-/// (and at least one byte) can take the data path; `None` when none can
-/// (the whole recording goes as one message).
+/// Splits `commands` when a write or a read of at least `threshold` bytes (and
+/// at least one byte) can take the data path; `None` when none can.
 pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<StreamPlan> {
     /// Where a command goes.
     #[derive(Clone, Copy, PartialEq, Eq)]
@@ -130,8 +126,7 @@ pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<St
                     .iter()
                     .rposition(|p| matches!(p.op, Op::Alloc { buf: a, .. } if a == buf));
                 match alloc {
-                    // Allocated here, and not used between its allocation
-                    // and this write.
+                    // Allocated here, unused between its allocation and this write.
                     Some(a) => {
                         if !commands[a + 1..i].iter().any(|p| uses(p, id))
                             && route[a] == Route::Message
@@ -223,11 +218,8 @@ impl LeaseBackend {
         }
     }
 
-    /// Starts a submission whose large transfers take the data path (see
-    /// the module docs): the allocations of its fresh buffers go now,
-    /// outside the lease's order; its commands' message is numbered now
-    /// (so the submissions made after it run after it) and goes once its
-    /// writes are in; its other steps follow on the session's runtime.
+    /// Starts a submission whose large transfers take the data path (see the
+    /// module docs); the steps after the first run on the session's runtime.
     fn start_streamed(&self, recording: Recording, plan: StreamPlan, mut done: FailOnDrop) {
         let Some(this) = self.me.upgrade() else {
             // The session is going away: `done` fails as dropped.
@@ -283,8 +275,7 @@ impl LeaseBackend {
             if let Some(reads) = reads {
                 this.reading().end(reads);
             }
-            // Whatever happened: the ledger sends only frees of ids that
-            // exist.
+            // Whatever happened: the ledger frees only ids that exist.
             let flush = this.ledger.free_and_release(&plan.frees_after, &moving);
             done.finish(r);
             if flush {
@@ -293,10 +284,7 @@ impl LeaseBackend {
         });
     }
 
-    /// The steps of a streamed submission (see the module docs): the
-    /// writes into fresh buffers once their allocations are answered, the
-    /// other writes at once (after the lease's batches numbered before
-    /// the commands'), then the commands' batch and the reads at once.
+    /// Runs the steps of a streamed submission (see the module docs).
     async fn run_streamed(
         &self,
         allocs: Option<impl Future<Output = Result<(Submitted, Vec<Vec<u8>>), Error>>>,
@@ -327,9 +315,8 @@ impl LeaseBackend {
             }
             Ok::<_, Error>(())
         };
-        // The earlier submissions' downloads of the buffers it uses are
-        // done before it writes any of them (and before its commands go:
-        // they follow every write).
+        // The earlier submissions' downloads of the buffers it uses end before
+        // it writes any of them (so before its commands go).
         let into_earlier = async {
             super::reading::done(waits).await;
             for w in plan.writes.iter().filter(|w| !fresh.contains(&w.id)) {

@@ -1,14 +1,12 @@
 //! How QUIC uses the network: [`TransportSettings`] (MTU, segmentation
-//! offload, socket buffers, flow-control windows), with presets for
-//! loopback, a datacenter network with jumbo frames and a WAN, and the UDP
-//! socket and quinn endpoint built from them.
+//! offload, socket buffers, flow-control windows), with presets for loopback,
+//! a datacenter network with jumbo frames and a WAN, and the UDP socket and
+//! quinn endpoint built from them.
 //!
-//! Both ends take the settings: the node's on
-//! `cuda_lease_node::NodeConfig::transport`, a
-//! client's on [`ClientConfig::transport`](crate::ClientConfig::transport).
-//! Each end's settings govern what it sends and how much it lets its peer
-//! send, so the two ends need not agree: mismatched settings still connect,
-//! at the speed of the more limited side.
+//! Both ends take the settings: the node's `cuda_lease_node::NodeConfig::transport`,
+//! a client's [`ClientConfig::transport`](crate::ClientConfig::transport). Each
+//! end's settings govern what it sends and how much it lets its peer send, so
+//! mismatched settings still connect, at the speed of the more limited side.
 //!
 //! # Examples
 //!
@@ -32,34 +30,30 @@ use socket2::{Domain, Protocol, Socket, Type};
 /// The smallest UDP payload QUIC allows, and quinn's default initial MTU.
 pub const MIN_MTU: u16 = 1200;
 
-/// The largest [`TransportSettings::initial_mtu`] accepted. An initial MTU
-/// of 12,000 bytes or more did not finish the handshake on loopback;
-/// start at this or lower and let MTU discovery raise it.
+/// The largest [`TransportSettings::initial_mtu`] accepted (larger ones can
+/// fail the handshake); start at this or lower and let MTU discovery raise it.
 pub const MAX_INITIAL_MTU: u16 = 9000;
 
 /// The largest UDP payload over IPv4 (65,535 less the IP and UDP headers),
 /// the MTU discovery bound of [`TransportSettings::loopback`].
 pub const MAX_UDP_PAYLOAD_V4: u16 = 65_507;
 
-/// The largest MTU usable with segmentation offload on. quinn hands the
-/// kernel up to 10 datagrams in one send, and the kernel refuses a batch
-/// over 64 KiB: above this MTU the send fails, quinn drops the error,
-/// judges the path a black hole and falls back to 1,200 bytes.
+/// The largest MTU usable with segmentation offload on: quinn sends up to 10
+/// datagrams at once and the kernel refuses a batch over 64 KiB, after which
+/// quinn judges the path a black hole and falls back to 1,200 bytes.
 pub const MAX_MTU_WITH_SEGMENTATION_OFFLOAD: u16 = MAX_UDP_PAYLOAD_V4 / 10;
 
 /// How one end of a connection uses the network (see the module docs).
 ///
-/// [`TransportSettings::default`] is quinn's own defaults with the
-/// operating system's socket buffers: what the node and the client used
-/// before these settings existed. The presets ([`loopback`], [`datacenter_jumbo`],
-/// [`wan`]) are starting points measured or reasoned for their network;
-/// [`TransportSettings::validate`] refuses combinations known to fail.
+/// [`TransportSettings::default`] is quinn's defaults with the system's
+/// socket buffers. The presets ([`loopback`], [`datacenter_jumbo`], [`wan`])
+/// are starting points for their network; [`TransportSettings::validate`]
+/// refuses combinations known to fail.
 ///
-/// Memory: a connection may hold up to [`send_window`](Self::send_window)
-/// bytes of unacknowledged writes and up to
-/// [`connection_receive_window`](Self::connection_receive_window) bytes its
-/// peer sent ahead of the reader, so a node's worst case grows with these
-/// windows times its connections.
+/// Memory: a connection may hold [`send_window`](Self::send_window) bytes of
+/// unacknowledged writes plus
+/// [`connection_receive_window`](Self::connection_receive_window) bytes sent
+/// ahead of the reader; a node's worst case is that times its connections.
 ///
 /// [`loopback`]: TransportSettings::loopback
 /// [`datacenter_jumbo`]: TransportSettings::datacenter_jumbo
@@ -70,30 +64,22 @@ pub struct TransportSettings {
     /// ([`MIN_MTU`] to [`MAX_INITIAL_MTU`]). A path that cannot carry it
     /// loses packets until quinn falls back to [`MIN_MTU`].
     pub initial_mtu: u16,
-    /// The largest UDP payload MTU discovery probes for, in bytes; `None`
-    /// turns discovery off (the connection keeps
-    /// [`initial_mtu`](Self::initial_mtu)). quinn's default is 1,452
-    /// (Ethernet's 1,500 less the IPv6 and UDP headers). It is also the
-    /// largest payload this end accepts
-    /// ([`largest_accepted_payload`](Self::largest_accepted_payload)), so
-    /// datagrams above 1,472 bytes flow only towards an end whose settings
-    /// allow them.
+    /// The largest UDP payload MTU discovery probes for, in bytes; `None` turns
+    /// discovery off (the connection keeps [`initial_mtu`](Self::initial_mtu)).
+    /// quinn's default is 1,452. It also bounds the largest payload this end
+    /// accepts ([`largest_accepted_payload`](Self::largest_accepted_payload)).
     pub mtu_discovery_max: Option<u16>,
-    /// UDP generic segmentation offload (several datagrams handed to the
-    /// kernel in one send), where the kernel has it. Needs an MTU of at
-    /// most [`MAX_MTU_WITH_SEGMENTATION_OFFLOAD`].
+    /// UDP generic segmentation offload (several datagrams per send) where the
+    /// kernel has it; needs an MTU of at most [`MAX_MTU_WITH_SEGMENTATION_OFFLOAD`].
     pub segmentation_offload: bool,
-    /// The UDP socket's send buffer (`SO_SNDBUF`), in bytes; `None` keeps
-    /// the system's default. The kernel caps it at `net.core.wmem_max`
-    /// (a warning is logged when it does).
+    /// The UDP socket's send buffer (`SO_SNDBUF`) in bytes, or `None` for the
+    /// system's default; capped by the kernel at `net.core.wmem_max` (logged).
     pub socket_send_buffer: Option<usize>,
-    /// The UDP socket's receive buffer (`SO_RCVBUF`), in bytes; `None`
-    /// keeps the system's default. The kernel caps it at
-    /// `net.core.rmem_max` (a warning is logged when it does).
+    /// The UDP socket's receive buffer (`SO_RCVBUF`) in bytes, or `None` for
+    /// the system's default; capped by the kernel at `net.core.rmem_max` (logged).
     pub socket_receive_buffer: Option<usize>,
-    /// Bytes the peer may send on one stream ahead of the reader (quinn's
-    /// default 1,250,000: 100 Mbit/s for 100 ms). One stream moves at most
-    /// this window per round trip.
+    /// Bytes the peer may send on one stream ahead of the reader, so at most
+    /// this per stream per round trip (quinn's default: 1,250,000).
     pub stream_receive_window: u64,
     /// Bytes the peer may send on all streams of a connection ahead of the
     /// readers (quinn's default: 2^62 - 1, no limit beyond the streams').
@@ -114,15 +100,11 @@ pub const PRESETS: [&str; 4] = ["default", "loopback", "datacenter", "wan"];
 /// quinn's default stream receive window (100 Mbit/s for 100 ms).
 const QUINN_STREAM_WINDOW: u64 = 1_250_000;
 
-/// quinn's default largest UDP payload accepted from a peer (Ethernet's
-/// 1,500 less the IPv4 and UDP headers).
+/// quinn's default largest UDP payload accepted from a peer.
 const QUINN_MAX_UDP_PAYLOAD: u16 = 1472;
 
 impl Default for TransportSettings {
-    /// quinn's defaults and the system's socket buffers: an initial MTU of
-    /// 1,200 bytes, discovery up to 1,452, segmentation offload on, a
-    /// 1.25 MB stream window, no connection window beyond the streams',
-    /// a 10 MB send window.
+    /// quinn's defaults with the system's socket buffers.
     fn default() -> Self {
         Self {
             initial_mtu: MIN_MTU,
@@ -138,18 +120,13 @@ impl Default for TransportSettings {
 }
 
 impl TransportSettings {
-    /// Both ends on one host (loopback, whose MTU is 64 KiB): start at
-    /// 9,000 bytes and let discovery raise the MTU to the largest IPv4 UDP
-    /// payload (65,507), segmentation offload off (it cannot carry such
-    /// datagrams), 4 MiB socket buffers, and windows that cover a few GiB/s
-    /// for half a millisecond yet stay below the socket buffer (2 MiB per
-    /// stream, 8 MiB per connection, 16 MiB of unacknowledged writes).
-    ///
-    /// On loopback it moves about three times what
-    /// [`TransportSettings::default`] moves; larger windows lose datagrams
-    /// in the receiving socket under load. Both ends need these settings
-    /// for large datagrams to flow both ways (see
-    /// [`largest_accepted_payload`](Self::largest_accepted_payload)).
+    /// Both ends on one host (loopback, MTU 64 KiB): start at 9,000 bytes and
+    /// let discovery reach the largest IPv4 UDP payload (65,507), offload off
+    /// (it cannot carry such datagrams), 4 MiB socket buffers, and windows for
+    /// a few GiB/s over half a millisecond that stay below the socket buffer
+    /// (2 MiB per stream, 8 MiB per connection, 16 MiB unacknowledged); larger
+    /// windows lose datagrams in the receiving socket under load. Large
+    /// datagrams flow only towards an end with these settings too.
     pub fn loopback() -> Self {
         Self {
             initial_mtu: MAX_INITIAL_MTU,
@@ -163,19 +140,11 @@ impl TransportSettings {
         }
     }
 
-    /// A datacenter network with jumbo frames (a 9,000-byte MTU) end to
-    /// end: start at 1,200 bytes and let discovery find up to
-    /// [`MAX_MTU_WITH_SEGMENTATION_OFFLOAD`] (6,550; a path without jumbo
-    /// frames keeps what it carries) with segmentation offload on, 4 MiB
-    /// socket buffers, and windows for 25 Gbit/s over half a millisecond
-    /// that stay below the socket buffer, as [`TransportSettings::loopback`]'s
-    /// (2 MiB per stream, 8 MiB per connection, 16 MiB of unacknowledged
-    /// writes).
-    ///
-    /// Offload with 6,550-byte datagrams moves more than the full jumbo
-    /// frame without it (`mtu_discovery_max: Some(8952),
-    /// segmentation_offload: false`, the alternative where sends cost
-    /// less).
+    /// A datacenter network with jumbo frames (a 9,000-byte MTU) end to end:
+    /// start at 1,200 bytes and let discovery find up to
+    /// [`MAX_MTU_WITH_SEGMENTATION_OFFLOAD`] (a path without jumbo frames keeps
+    /// what it carries) with offload on, and [`TransportSettings::loopback`]'s
+    /// socket buffers and windows (25 Gbit/s over half a millisecond).
     pub fn datacenter_jumbo() -> Self {
         Self {
             initial_mtu: MIN_MTU,
@@ -185,10 +154,8 @@ impl TransportSettings {
         }
     }
 
-    /// A wide-area network: quinn's MTU defaults (1,200 bytes, discovery up
-    /// to 1,452) with segmentation offload, 4 MiB socket buffers for
-    /// bursts, and windows for 1 Gbit/s over 100 ms (16 MiB per stream,
-    /// 64 MiB per connection and for unacknowledged writes).
+    /// A wide-area network: quinn's MTU defaults with offload, 4 MiB socket
+    /// buffers for bursts, and windows for 1 Gbit/s over 100 ms.
     pub fn wan() -> Self {
         Self {
             socket_send_buffer: Some(4 << 20),
@@ -200,8 +167,7 @@ impl TransportSettings {
         }
     }
 
-    /// The preset named `name` (one of [`PRESETS`]: `default`, `loopback`,
-    /// `datacenter`, `wan`), or `None`.
+    /// The preset named `name` (one of [`PRESETS`]), or `None`.
     pub fn preset(name: &str) -> Option<Self> {
         match name {
             "default" => Some(Self::default()),
@@ -331,11 +297,10 @@ impl TransportSettings {
         quinn::Endpoint::new(config, server, socket, runtime)
     }
 
-    /// The largest UDP payload this end accepts, as it tells its peer
-    /// (quinn's `max_udp_payload_size`): the largest MTU these settings may
-    /// reach, and never below quinn's default of 1,472. A peer sends no
-    /// larger datagrams whatever its own settings, so a large MTU needs it
-    /// on both ends.
+    /// The largest UDP payload this end accepts, as it tells its peer (quinn's
+    /// `max_udp_payload_size`): the largest MTU these settings may reach, at
+    /// least quinn's default of 1,472. A peer sends no larger datagrams, so a
+    /// large MTU needs these settings on both ends.
     pub fn largest_accepted_payload(&self) -> u16 {
         self.mtu_discovery_max
             .unwrap_or(self.initial_mtu)
