@@ -1,17 +1,14 @@
 //! The programs' TOML config file: each setting is a flag's long name
-//! (`listen = "0.0.0.0:7070"`, `memory-device = "1G"`, `admin = ["ops"]`),
-//! handed to the flag through its environment variable, so a flag given on
-//! the command line beats its environment variable, which beats the file.
+//! (`listen = "0.0.0.0:7070"`, `admin = ["ops"]`), passed through the
+//! flag's environment variable. Precedence: command line, environment, file.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-/// Reads the config file named by `--config FILE` (or `--config=FILE`) in
-/// `args`, else by the environment variable `env`, and sets, for each of
-/// its settings, the environment variable of the flag of that long name in
-/// `cmd` (`-` and `_` alike), unless the environment sets it already.
-/// Returns the file read, if any. Call it first thing in `main`, before
-/// any thread starts (it sets environment variables).
+/// Reads the file named by `--config FILE` (or `--config=FILE`) in `args`,
+/// else by variable `env`, and sets each setting's flag's environment
+/// variable in `cmd` (`-` and `_` alike) unless already set. Returns the
+/// file read, if any. Call it first in `main`, before any thread starts.
 ///
 /// # Errors
 /// The file cannot be read or is not TOML; a setting names no flag, or a

@@ -1,6 +1,6 @@
 //! The lease table: grants, renewals, expiry, generations and capacity
-//! accounting. Pure bookkeeping with the time passed in, so it is tested with
-//! an injected clock; the node wraps it in a mutex and acts on what it returns.
+//! accounting. Pure bookkeeping with the time passed in; the node wraps it
+//! in a mutex and acts on what it returns.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -122,7 +122,6 @@ impl<W: Clone> LeaseTable<W> {
     /// Checks that `min_vram` fits, without granting.
     ///
     /// # Errors
-    ///
     /// CAPACITY_EXCEEDED when it does not fit, BAD_REQUEST for zero.
     pub fn check_fits(&self, min_vram: u64) -> Result<(), TableError> {
         if min_vram == 0 {
@@ -143,13 +142,11 @@ impl<W: Clone> LeaseTable<W> {
         Ok(())
     }
 
-    /// Grants a lease of `min_vram` bytes for `ttl` from `now`. `device_free`
-    /// is the device's free memory as measured now (by the lease's fresh
-    /// worker): the new reservation plus what other leases reserved but have
-    /// not allocated yet must fit in it.
+    /// Grants a lease of `min_vram` bytes for `ttl` from `now`. The new
+    /// reservation plus other leases' unallocated reservations must fit in
+    /// `device_free` (measured now by the lease's fresh worker).
     ///
     /// # Errors
-    ///
     /// CAPACITY_EXCEEDED or BAD_REQUEST.
     #[allow(clippy::too_many_arguments)] // each is one fact of the grant
     pub fn grant(
@@ -219,13 +216,11 @@ impl<W: Clone> LeaseTable<W> {
         Ok(self.live.get_mut(id).expect("live, checked above"))
     }
 
-    /// Checks that lease `id` (live or recently dead) is `who`'s: a lease of
-    /// another principal is reported exactly as an unknown one. `who` of
-    /// `None` (the node itself, an admin) may see every lease, and so may
-    /// anyone a lease granted without an owner.
+    /// Checks that lease `id` (live or recently dead) is `who`'s; another
+    /// principal's lease is reported exactly as an unknown one. `who` of
+    /// `None` (node, admin) sees every lease; an ownerless lease is anyone's.
     ///
     /// # Errors
-    ///
     /// NOT_FOUND, as for an id that does not exist.
     pub fn check_owner(&self, id: &LeaseId, who: Option<&str>) -> Result<(), TableError> {
         let owner = match (self.live.get(id), self.dead.get(id)) {
@@ -253,7 +248,6 @@ impl<W: Clone> LeaseTable<W> {
     /// The payload of a usable lease.
     ///
     /// # Errors
-    ///
     /// NOT_FOUND, LEASE_EXPIRED (also before the reaper ran) or LEASE_POISONED.
     pub fn get(&self, id: &LeaseId, now: Duration) -> Result<W, TableError> {
         self.entry(id, now).map(|e| e.payload.clone())
@@ -262,7 +256,6 @@ impl<W: Clone> LeaseTable<W> {
     /// Extends a lease to `now + ttl` and bumps its generation.
     ///
     /// # Errors
-    ///
     /// As [`LeaseTable::get`].
     pub fn renew(
         &mut self,
@@ -284,7 +277,6 @@ impl<W: Clone> LeaseTable<W> {
     /// Describes a lease.
     ///
     /// # Errors
-    ///
     /// NOT_FOUND, LEASE_EXPIRED. A poisoned lease is reported, not refused.
     pub fn status(&self, id: &LeaseId, now: Duration) -> Result<LeaseStatus, TableError> {
         if self
@@ -317,14 +309,12 @@ impl<W: Clone> LeaseTable<W> {
     /// The bytes a live lease reserved.
     ///
     /// # Errors
-    ///
     /// As [`LeaseTable::get`].
     pub fn reservation(&self, id: &LeaseId, now: Duration) -> Result<u64, TableError> {
         self.entry(id, now).map(|e| e.reserved)
     }
 
-    /// Sets what a live lease has allocated, as its worker reported it
-    /// (no-op for dead ones).
+    /// Sets a live lease's allocated bytes as its worker reported (no-op if dead).
     pub fn set_allocated(&mut self, id: &LeaseId, bytes: u64) {
         if let Some(e) = self.live.get_mut(id) {
             e.allocated = bytes;
@@ -363,7 +353,7 @@ impl<W: Clone> LeaseTable<W> {
         )
     }
 
-    /// Fails a lease: its reservation is released and later requests get
+    /// Fails a lease: releases its reservation; later requests get
     /// LEASE_POISONED with `reason` until it is freed or forgotten.
     pub fn poison(&mut self, id: &LeaseId, reason: &str, now: Duration) -> Option<W> {
         self.bury(
@@ -374,12 +364,10 @@ impl<W: Clone> LeaseTable<W> {
         )
     }
 
-    /// LEASE_FREE of a lease that is no longer live: a poisoned lease's
-    /// tombstone is forgotten (`Ok(true)`); an expired or freed one is
-    /// reported as such; an unknown id gives `Ok(false)`.
+    /// LEASE_FREE of a dead lease: forgets a poisoned tombstone (`Ok(true)`),
+    /// reports an expired or freed one; an unknown id is `Ok(false)`.
     ///
     /// # Errors
-    ///
     /// LEASE_EXPIRED or NOT_FOUND from the tombstone.
     pub fn forget(&mut self, id: &LeaseId) -> Result<bool, TableError> {
         match self.dead.get(id) {

@@ -1,38 +1,26 @@
-//! The cuda-lease node: a QUIC server that leases slices of its GPUs, each
-//! lease served by a worker process of its own, and the command-line
-//! programs (`cuda-lease-node`, `cuda-lease`).
+//! The cuda-lease node: a QUIC server that leases slices of its GPUs, one
+//! worker process per lease, and the `cuda-lease-node` and `cuda-lease`
+//! programs. The client, wire protocol and cuda-async backend are the
+//! `cuda-lease` crate.
 //!
-//! The client, the wire protocol and the cuda-async backend are the
-//! `cuda-lease` crate; this crate is what runs on a GPU host.
-//!
-//! - [`node`]: the node (QUIC + TLS 1.3, bearer tokens or mutual TLS, lease
-//!   table with TTL reaper, one worker process per lease, Prometheus
-//!   metrics). Also embeddable: [`Node::spawn_local`].
-//! - [`worker`]: the worker processes that own CUDA contexts, and the
-//!   [`main_if_worker`] hook every worker executable calls first.
-//! - [`sandbox`]: tenants' CUDA C checked (options, includes) and compiled
-//!   in a confined child process that cannot read the node's files.
-//! - [`spin`]: bounded busy-polling of the worker pipes (latency), and the
-//!   default of [`WorkerSpec::spin`].
-//! - [`device`]: the device layer ([`device::CudaDevice`] and the in-memory
-//!   test double [`device::MemoryDevice`]).
-//! - [`lease_table`]: lease bookkeeping on an injectable monotonic clock
-//!   ([`NodeConfig::clock`]; `cuda_lease::clock::ManualClock` moves it by
-//!   hand in tests).
+//! - [`node`]: QUIC + TLS 1.3, tokens or mutual TLS, TTL reaper, metrics;
+//!   embeddable via [`Node::spawn_local`].
+//! - [`worker`]: CUDA-owning workers; their executables call [`main_if_worker`] first.
+//! - [`sandbox`]: tenants' CUDA C compiled in a child that cannot read the node's files.
+//! - [`spin`]: bounded busy-polling of worker pipes ([`WorkerSpec::spin`]).
+//! - [`device`]: [`device::CudaDevice`] and the test double [`device::MemoryDevice`].
+//! - [`lease_table`]: lease bookkeeping on an injectable clock ([`NodeConfig::clock`]).
 //! - [`tls`]: the node's certificates and server configurations.
 //!
 //! # Features
 //!
-//! `cli` (default): the `cuda-lease-node` and `cuda-lease` programs (clap)
-//! and their `--config` files.
-//! `fleet`: the node registers itself in etcd (`NodeConfig::registry`),
-//! and the `cuda-lease` program lists and leases on a fleet. Needs `protoc`
-//! at build time.
+//! `cli` (default): the two programs (clap) and their `--config` files.
+//! `fleet`: the node registers in etcd (`NodeConfig::registry`) and
+//! `cuda-lease` lists and leases on a fleet; needs `protoc` to build.
 //!
 //! # Examples
 //!
-//! An embedded node on 127.0.0.1 with the in-memory test device, and a lease
-//! on it:
+//! An embedded node on 127.0.0.1 with the in-memory device, and a lease:
 //!
 //! ```no_run
 //! use cuda_lease::client::{ClientConfig, Lease};
@@ -72,7 +60,7 @@ pub mod tls;
 pub mod transport_args;
 pub mod worker;
 
-// The client crate's modules the node's code names as its own.
+// Client-crate modules used as the node's own.
 use cuda_lease::{clock, proto, stamps, transport};
 #[cfg(feature = "fleet")]
 use cuda_lease_fleet as fleet;
@@ -80,8 +68,8 @@ use cuda_lease_fleet as fleet;
 pub use node::{Node, NodeConfig};
 pub use worker::{main_if_worker, DeviceSpec, WorkerSpec};
 
-/// Locks a std mutex, taking it over from a holder that panicked (every
-/// lock of the node does so: no update of its state is left half done).
+/// Locks a std mutex, recovering it from a panicked holder (the node's
+/// updates are never left half done).
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -96,8 +84,7 @@ pub struct ReadmeDoctests;
 #[doc = include_str!("../../../book/src/fleet.md")]
 pub struct BookFleetDoctests;
 
-/// Compiles the book's remote chapter as doctests (it uses the client, the
-/// node and cuda-async).
+/// Compiles the book's remote chapter as doctests.
 #[cfg(doctest)]
 #[doc = include_str!("../../../book/src/remote.md")]
 pub struct BookRemoteDoctests;

@@ -1,5 +1,5 @@
-//! The log of the node and of the client program: `tracing` events on
-//! stderr at `RUST_LOG`'s levels, as text or JSON lines.
+//! Program logs: `tracing` events on stderr at `RUST_LOG`'s levels, as
+//! text or JSON lines.
 
 use tracing_subscriber::filter::EnvFilter;
 use tracing_subscriber::layer::{Layer, SubscriberExt};
@@ -16,8 +16,7 @@ pub enum LogFormat {
     Json,
 }
 
-/// The filter of a program's log lines: `RUST_LOG`, or `default` without
-/// it (or with it empty).
+/// `RUST_LOG`, or `default` when unset or empty.
 pub fn log_filter(default: &str) -> EnvFilter {
     let directives = std::env::var(EnvFilter::DEFAULT_ENV)
         .ok()
@@ -26,13 +25,11 @@ pub fn log_filter(default: &str) -> EnvFilter {
     EnvFilter::builder().parse_lossy(directives)
 }
 
-/// Installs the global subscriber of a program with a log of its own (the
-/// node, the client program): lines in `format` on stderr at
+/// Installs the global subscriber: lines in `format` on stderr at
 /// [`log_filter`]'s levels.
 pub fn init_log_as(default: &str, format: LogFormat) {
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let log = match format {
-        // Colour only on a terminal: a log file or journal gets plain text.
         LogFormat::Text => fmt
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_filter(log_filter(default))

@@ -1,8 +1,6 @@
 //! Prometheus metrics: the node's counters and gauges in a
-//! [`prometheus_client`] registry, encoded in the OpenMetrics text format and
-//! served on `GET /metrics` by a hyper HTTP/1.1 server.
-//!
-//! The exposed names are listed in the crate's README.
+//! [`prometheus_client`] registry, served as OpenMetrics text on
+//! `GET /metrics`. The crate's README lists the names.
 
 use std::convert::Infallible;
 use std::sync::atomic::AtomicU64;
@@ -24,14 +22,13 @@ use tracing::debug;
 pub const CONTENT_TYPE_OPENMETRICS: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// A monotonic counter, registered in the node's registry: adding to it is
-/// one relaxed atomic add (no lock, no allocation).
+/// A monotonic counter; adding is one relaxed atomic add.
 pub type Counter = prometheus_client::metrics::counter::Counter<u64, AtomicU64>;
 
 type GaugeU64 = Gauge<u64, AtomicU64>;
 
-/// The node's metrics and the registry that exposes them. Gauges computed
-/// from the lease table are passed to [`Metrics::render`].
+/// The node's metrics and registry; lease-table gauges are passed to
+/// [`Metrics::render`].
 #[derive(Debug)]
 pub struct Metrics {
     /// Leases granted.
@@ -52,14 +49,11 @@ pub struct Metrics {
     pub modules_compiled: Counter,
     /// Connections of the bulk-data channel opened with a ticket.
     pub bulk_connections: Counter,
-    /// Data bytes of the MEM_WRITE and MEM_READ requests served over the
-    /// bulk-data channel (counted when each is taken up).
+    /// MEM_WRITE / MEM_READ data bytes on the bulk-data channel (counted at start).
     pub bulk_bytes: Counter,
-    /// Connections that waited in the handshake queue for a place among
-    /// those waiting for HELLO.
+    /// Connections that waited in the handshake queue for a HELLO place.
     pub handshakes_queued: Counter,
-    /// Connections refused before their handshake (the queue was full,
-    /// or no place came by the HELLO deadline).
+    /// Connections refused pre-handshake (queue full, or no place in time).
     pub handshakes_refused: Counter,
     /// Lease worker processes started (one per granted LEASE_ALLOC).
     pub worker_starts: Counter,
@@ -67,7 +61,7 @@ pub struct Metrics {
     pub worker_starts_refused: Counter,
     vram_allocated: GaugeU64,
     lease_active: GaugeU64,
-    /// Connections holding a place among those waiting for HELLO.
+    /// Connections holding a HELLO place.
     pub handshakes_waiting: GaugeU64,
     registry: Registry,
 }
@@ -106,8 +100,7 @@ impl Metrics {
 
     fn registered(mut self) -> Self {
         let r = &mut self.registry;
-        // Counters under their base names: the encoder appends `_total`
-        // (and the unit before it).
+        // Base names: the encoder appends the unit and `_total`.
         let counters = [
             (
                 "gpu_lease_acquired",
@@ -205,9 +198,7 @@ impl Metrics {
         self
     }
 
-    /// Renders all metrics in the OpenMetrics text format
-    /// ([`CONTENT_TYPE_OPENMETRICS`]); `vram_allocated` and `active_leases`
-    /// are the gauges' values now.
+    /// Renders all metrics as [`CONTENT_TYPE_OPENMETRICS`], with the gauges' values.
     pub fn render(&self, vram_allocated: u64, active_leases: u64) -> String {
         self.vram_allocated.set(vram_allocated);
         self.lease_active.set(active_leases);
@@ -221,9 +212,8 @@ impl Metrics {
 /// How long a client may take to send a request's headers.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Serves `GET /metrics` (and `HEAD`) over HTTP/1.1 on `listener` until the
-/// task is aborted; `render` produces the body. Other paths get 404, other
-/// methods 405.
+/// Serves `GET`/`HEAD /metrics` over HTTP/1.1 until aborted; `render`
+/// produces the body. Other paths get 404, other methods 405.
 pub(crate) async fn serve<F>(listener: TcpListener, render: F)
 where
     F: Fn() -> String + Send + Sync + 'static,
@@ -255,7 +245,6 @@ where
     }
 }
 
-/// The reply to one request.
 fn respond<B>(req: &Request<B>, render: &dyn Fn() -> String) -> Response<Full<Bytes>> {
     let reply = |status: StatusCode, body: String| {
         let mut r = Response::new(Full::new(Bytes::from(body)));

@@ -1,7 +1,6 @@
-//! The node's side of the registry: one task that keeps the node's record
-//! in etcd under a kept-alive etcd lease, writes it again when it changes,
-//! survives etcd going away and coming back, and revokes the lease when
-//! the node shuts down.
+//! The node's registry task: keeps the node's record in etcd under a
+//! kept-alive etcd lease, rewrites it on change, survives etcd outages, and
+//! revokes the lease on shutdown.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,9 +15,8 @@ use cuda_lease_fleet::{NodeRecord, RegistryConfig};
 /// What the node holds now, as a record.
 pub(crate) type Snapshot = Arc<dyn Fn() -> NodeRecord + Send + Sync>;
 
-/// The running registration. Dropping it stops the task (the record then
-/// leaves the registry when its etcd lease runs out); [`Registrar::leave`]
-/// revokes the lease first, so the record goes at once.
+/// The running registration. Dropping it stops the task and the record
+/// expires with its etcd lease; [`Registrar::leave`] removes it at once.
 #[derive(Debug)]
 pub(crate) struct Registrar {
     stop: Option<oneshot::Sender<()>>,
@@ -36,8 +34,7 @@ pub(crate) fn spawn(cfg: RegistryConfig, snapshot: Snapshot) -> Registrar {
 }
 
 impl Registrar {
-    /// Removes the record now (revokes the etcd lease), waiting at most
-    /// 2 s for etcd.
+    /// Removes the record now (revokes the etcd lease), waiting at most 2 s.
     pub(crate) async fn leave(mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
@@ -68,7 +65,6 @@ async fn run(cfg: RegistryConfig, snapshot: Snapshot, mut stop: oneshot::Receive
         )
         .await
         {
-            // The node left (its etcd lease revoked, or etcd could not be told).
             Ok(()) => return,
             Err(e) => {
                 // Loud once, then quiet until it works again.
@@ -88,9 +84,8 @@ async fn run(cfg: RegistryConfig, snapshot: Snapshot, mut stop: oneshot::Receive
     }
 }
 
-/// One connection to etcd: grant a lease, write the record under it, then
-/// keep the lease alive and the record current until etcd fails (`Err`)
-/// or the node leaves (`Ok`).
+/// One etcd connection: grants a lease, writes the record under it and keeps
+/// both current until etcd fails (`Err`) or the node leaves (`Ok`).
 async fn session(
     cfg: &RegistryConfig,
     key: &str,
@@ -121,7 +116,7 @@ async fn session(
     }
     client.put(key, record.to_json(), put()).await?;
     if let Some(old) = prev_lease.replace(lease) {
-        // The record moved to the new lease; the old one holds nothing now.
+        // The record moved to the new lease.
         let _ = client.lease_revoke(old).await;
     }
     if *failures > 0 {

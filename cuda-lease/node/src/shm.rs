@@ -1,18 +1,12 @@
 //! The bulk-data ring a node shares with one worker process.
 //!
-//! MEM_WRITE and MEM_READ data does not cross the node-worker pipe: the node
-//! maps a file of [`SLOTS`] slots of [`SLOT_BYTES`] each (in `/dev/shm`
-//! where it exists), the worker maps the same file, and each chunk of a
-//! transfer travels as a slot number in a small pipe message. The node
-//! reads a chunk from QUIC straight into a slot (or sends it from one), so
-//! a transfer streams: QUIC, the worker's copy and the GPU work on
-//! different chunks at once, and the node never holds more than the ring,
-//! whatever the transfer's size.
+//! MEM_WRITE and MEM_READ data skips the pipe: both sides map a file of
+//! [`SLOTS`] slots of [`SLOT_BYTES`] (in `/dev/shm` where it exists), and
+//! each chunk travels as a slot number in a pipe message.
 //!
-//! A slot is held by one [`Slot`] guard on the node side (taken from a free
-//! list behind a semaphore). The worker touches a slot only while it serves
-//! a message naming it, and the node keeps the guard until the worker's
-//! reply: the pipe's write and read order the two processes' accesses.
+//! On the node a slot is held by one [`Slot`] guard until the worker's
+//! reply; the worker touches a slot only while serving a message naming it.
+//! The pipe orders the accesses.
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
@@ -59,9 +53,8 @@ impl std::fmt::Debug for ShmRing {
 }
 
 impl ShmRing {
-    /// Creates and maps a new ring file, readable only by this user. The
-    /// file is removed when the ring is dropped (or earlier, with
-    /// [`ShmRing::unlink`], once the worker has mapped it).
+    /// Creates and maps a ring file readable only by this user; removed on
+    /// drop, or by [`ShmRing::unlink`] once the worker mapped it.
     pub(crate) fn create() -> std::io::Result<Self> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let dir = if Path::new("/dev/shm").is_dir() {
@@ -101,7 +94,6 @@ impl ShmRing {
         })
     }
 
-    /// The ring file's path (for the worker's environment).
     pub(crate) fn path(&self) -> &Path {
         &self.path
     }
@@ -111,7 +103,6 @@ impl ShmRing {
         let _ = std::fs::remove_file(&self.path);
     }
 
-    /// Waits for a free slot.
     pub(crate) async fn acquire(self: &Arc<Self>) -> Slot {
         let permit = self
             .permits
@@ -122,7 +113,6 @@ impl ShmRing {
         self.slot_of(permit)
     }
 
-    /// A free slot now, if there is one.
     pub(crate) fn try_acquire(self: &Arc<Self>) -> Option<Slot> {
         let permit = self.permits.clone().try_acquire_owned().ok()?;
         Some(self.slot_of(permit))
@@ -155,12 +145,11 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
-    /// The slot's number (what the worker is told).
+    /// The slot's number, as told to the worker.
     pub(crate) fn index(&self) -> u32 {
         self.index
     }
 
-    /// The slot's bytes.
     pub(crate) fn bytes(&self) -> &[u8] {
         // SAFETY: the slot lies inside the mapping (index < SLOTS, which is
         // RING_BYTES long); this guard is its only holder in this process,
@@ -174,7 +163,6 @@ impl Slot {
         }
     }
 
-    /// The slot's bytes, writable.
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as in `bytes`; `&mut self` makes this the only reference
         // in this process.
@@ -213,8 +201,7 @@ impl WorkerRing {
         (self.map.as_mut_ptr(), RING_BYTES)
     }
 
-    /// The first `len` bytes of slot `index`, for the duration of one
-    /// message from the node that names it.
+    /// The first `len` bytes of slot `index`, while serving a message naming it.
     ///
     /// # Errors
     /// A slot number or length out of range.

@@ -1,17 +1,12 @@
 //! Waiting for a worker pipe without sleeping, for a bounded time.
 //!
-//! A batch crosses two pipes (node to worker, worker to node). A thread
-//! blocked in `read(2)` on an idle core, or a tokio task woken through the
-//! I/O driver, costs tens of microseconds per crossing on a GPU host.
-//! For a short, bounded time after each message both
-//! sides instead poll the pipe with a zero timeout, so a reply or the next
-//! batch is picked up by a thread that is already running. Past the budget
-//! they fall back to blocking, so an idle lease costs one budget of CPU
-//! time per message, not a core.
+//! Waking a blocked thread costs latency on each pipe crossing, so after
+//! each message both sides poll with a zero timeout for a bounded budget,
+//! then block: an idle lease costs one budget of CPU per message.
 //!
 //! The budget is [`WorkerSpec::spin`](crate::worker::WorkerSpec::spin);
-//! [`default_spin`] turns it off on small machines, where the spinning
-//! thread would take the core the other side needs.
+//! [`default_spin`] turns it off on small machines, where the spinner would
+//! take the core the other side needs.
 
 use std::time::{Duration, Instant};
 
@@ -19,8 +14,7 @@ use std::time::{Duration, Instant};
 /// worker each want a core while a batch is in flight.
 pub const SPIN_MIN_CORES: usize = 8;
 
-/// The default spin budget: 1 ms on a machine with at least
-/// [`SPIN_MIN_CORES`] cores, zero (block at once) below that.
+/// The default spin budget: 1 ms with at least [`SPIN_MIN_CORES`] cores, else 0.
 pub fn default_spin() -> Duration {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     if cores >= SPIN_MIN_CORES {
@@ -30,8 +24,6 @@ pub fn default_spin() -> Duration {
     }
 }
 
-/// Whether `fd` can be read without blocking now (data, end of file or an
-/// error all count: the read that follows reports them).
 fn poll_in(fd: std::os::fd::RawFd) -> libc::pollfd {
     libc::pollfd {
         fd,
@@ -40,6 +32,8 @@ fn poll_in(fd: std::os::fd::RawFd) -> libc::pollfd {
     }
 }
 
+/// Whether `fd` can be read without blocking now (data, end of file or an
+/// error all count: the read that follows reports them).
 pub(crate) fn ready_now(fd: std::os::fd::RawFd) -> bool {
     let mut p = poll_in(fd);
     // SAFETY: `p` is one valid `pollfd` that lives across the call; a zero
@@ -49,8 +43,7 @@ pub(crate) fn ready_now(fd: std::os::fd::RawFd) -> bool {
     n != 0 && (n < 0 || p.revents != 0)
 }
 
-/// One poll of a spin that started at `start`: `Some(readable)` when it
-/// ends (data, or the budget is spent), `None` to poll again.
+/// One poll of a spin begun at `start`: `Some(readable)` when done, else `None`.
 fn spin_step(fd: std::os::fd::RawFd, start: Instant, budget: Duration) -> Option<bool> {
     if budget.is_zero() {
         Some(false)
@@ -63,8 +56,8 @@ fn spin_step(fd: std::os::fd::RawFd, start: Instant, budget: Duration) -> Option
     }
 }
 
-/// Polls `fd` without sleeping until it is readable or `budget` has passed;
-/// returns whether it became readable. A zero budget returns at once.
+/// Polls `fd` without sleeping until readable or `budget` passed; returns
+/// whether it became readable. A zero budget returns at once.
 pub(crate) fn readable_within(fd: std::os::fd::RawFd, budget: Duration) -> bool {
     let start = Instant::now();
     loop {
@@ -75,9 +68,8 @@ pub(crate) fn readable_within(fd: std::os::fd::RawFd, budget: Duration) -> bool 
     }
 }
 
-/// Waits (sleeping, not spinning) until `fd` is readable, `wake` (an
-/// eventfd) counts, or about a millisecond has passed; returns whether
-/// `fd` is readable. A count of `wake` is taken.
+/// Sleeps until `fd` is readable, `wake` (an eventfd, whose count is
+/// taken) fires, or about 1 ms passes; returns whether `fd` is readable.
 pub(crate) fn readable_soon(fd: std::os::fd::RawFd, wake: Option<std::os::fd::RawFd>) -> bool {
     let mut p = [poll_in(fd), poll_in(wake.unwrap_or(-1))];
     // SAFETY: as in `ready_now`, for the two `pollfd`s (a negative fd is
@@ -95,8 +87,7 @@ pub(crate) fn readable_soon(fd: std::os::fd::RawFd, wake: Option<std::os::fd::Ra
     p[0].revents != 0
 }
 
-/// [`readable_within`] for a tokio task: it yields between polls, so the
-/// runtime's other tasks (and its I/O driver) keep running on this thread.
+/// [`readable_within`] for a tokio task, yielding between polls.
 pub(crate) async fn readable_within_async(fd: std::os::fd::RawFd, budget: Duration) -> bool {
     let start = Instant::now();
     loop {

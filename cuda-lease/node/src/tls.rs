@@ -1,7 +1,6 @@
-//! The node's side of TLS 1.3: a self-signed development identity (rcgen)
-//! and the server configurations of the QUIC endpoint and the bulk-data
-//! channel, beside the client's side and the [`Identity`] both ends use
-//! (`cuda_lease::tls`, re-exported here).
+//! The node's side of TLS 1.3: a self-signed development identity and the
+//! server configurations of the QUIC endpoint and bulk-data channel. The
+//! client's side and [`Identity`] are `cuda_lease::tls`, re-exported here.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +22,6 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 /// A fresh self-signed certificate for `names` (DNS names or IP addresses).
 ///
 /// # Errors
-///
 /// When rcgen rejects a name.
 pub fn self_signed(names: &[String]) -> Result<Identity, TlsError> {
     let ck = rcgen::generate_simple_self_signed(names.to_vec()).map_err(err)?;
@@ -35,9 +33,8 @@ pub fn self_signed(names: &[String]) -> Result<Identity, TlsError> {
     })
 }
 
-/// The QUIC server configuration: TLS 1.3 only, our ALPN, client
-/// certificates verified against `client_ca` when given (optional, so bearer
-/// tokens keep working), and `transport`'s settings.
+/// The QUIC server configuration: TLS 1.3, our ALPN, `transport`'s settings,
+/// and optional client certificates checked against `client_ca`.
 pub fn server_config(
     identity: &Identity,
     client_ca: Option<&[CertificateDer<'static>]>,
@@ -79,9 +76,8 @@ pub fn server_config(
     Ok(cfg)
 }
 
-/// The bulk-data channel's TLS server configuration: TLS 1.3, its own
-/// ALPN, the node's identity, no client certificates (a ticket that came
-/// over the authenticated QUIC connection names the principal).
+/// The bulk-data channel's TLS server configuration: TLS 1.3, its own ALPN,
+/// no client certificates (the QUIC-issued ticket names the principal).
 pub(crate) fn bulk_server_config(
     identity: &Identity,
 ) -> Result<Arc<rustls::ServerConfig>, TlsError> {

@@ -104,7 +104,6 @@ impl TransportArgs {
     /// The preset with the overrides applied, validated.
     ///
     /// # Errors
-    ///
     /// [`TransportSettings::validate`]'s.
     pub fn settings(&self) -> Result<TransportSettings, TransportSettingsError> {
         let mut s = self.transport.settings();

@@ -175,8 +175,7 @@ impl RegistryArgs {
 fn main() {
     main_if_worker();
     return_freed_memory();
-    // Before any thread starts: the file's settings become environment
-    // variables of their flags.
+    // Before any thread starts (it sets environment variables).
     let argv: Vec<_> = std::env::args_os().collect();
     if let Err(e) = cuda_lease_node::config_file::load_into_env(
         &Args::command(),
@@ -187,7 +186,6 @@ fn main() {
         std::process::exit(2);
     }
     let args = Args::parse();
-    // The log at RUST_LOG's levels (default info).
     log::init_log_as("info", args.log_format);
     if let Err(e) = run(args) {
         eprintln!("cuda-lease-node: {e}");
@@ -195,12 +193,10 @@ fn main() {
     }
 }
 
-/// Large buffers (request bodies and payloads, often cut off by a peer) are
-/// mapped and unmapped on their own instead of coming from malloc's
-/// arenas: with glibc's default the threshold for that grows to 32 MiB
-/// after the first large free, and a tokio worker thread's arena then keeps
-/// what attackers' cut-off payloads took, for good. Only the program sets
-/// it: it is process-wide.
+/// Maps large buffers (often payloads a peer cut off) individually rather
+/// than from malloc's arenas, where glibc's growing threshold would let a
+/// tokio thread's arena keep them for good. Process-wide, so only the
+/// program sets it.
 fn return_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes malloc's tuning; called before any

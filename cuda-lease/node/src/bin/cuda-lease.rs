@@ -141,7 +141,6 @@ fn dims(s: &str) -> Result<[u32; 3], String> {
 }
 
 fn main() {
-    // The log at RUST_LOG's levels (default info).
     log::init_log_as("info", log::LogFormat::Text);
     let args = Args::parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -334,8 +333,8 @@ impl Hold {
     }
 }
 
-/// `submit`'s call: the PTX read from `ptx`, the dimensions and the
-/// arguments (`kind:value`) parsed, inputs read from their files.
+/// `submit`'s call: PTX from `ptx`, parsed dimensions and `kind:value`
+/// arguments, inputs read from their files.
 fn gpu_call(
     ptx: &Path,
     kernel: String,
@@ -363,8 +362,7 @@ fn gpu_call(
     Ok(call)
 }
 
-/// `submit`'s output: written to `out`, or printed in hex, 32 bytes a
-/// line.
+/// Writes `submit`'s output to `out`, or prints it in hex, 32 bytes a line.
 fn write_output(out: Option<PathBuf>, bytes: &[u8]) -> Result<(), Box<dyn std::error::Error>> {
     match out {
         Some(p) => std::fs::write(p, bytes)?,

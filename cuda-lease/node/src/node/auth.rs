@@ -1,5 +1,5 @@
-//! Who is asking: principals from tokens and client certificates, and the owner
-//! check on every lease request.
+//! Principals from tokens and client certificates, and the owner check on
+//! every lease request.
 
 use rustls::pki_types::CertificateDer;
 
@@ -8,8 +8,7 @@ use super::{Reply, Shared, Slot};
 use crate::lease_table::Principal;
 use crate::proto::{LeaseId, Status};
 
-/// The principal of `token`, comparing against every token without early
-/// exit on content.
+/// The principal of `token`, compared with every token without early exit.
 pub(super) fn token_principal(shared: &Shared, token: &str) -> Option<Principal> {
     let t = token.as_bytes();
     let mut found = None;
@@ -25,8 +24,7 @@ pub(super) fn token_principal(shared: &Shared, token: &str) -> Option<Principal>
     found
 }
 
-/// The principal of a client certificate: `cert-` and the first 16 hex
-/// digits of its SHA-256.
+/// A client certificate's principal: `cert-` and 16 hex digits of its SHA-256.
 pub(super) fn cert_principal(conn: &quinn::Connection) -> Option<Principal> {
     let certs = conn
         .peer_identity()?
@@ -56,8 +54,7 @@ pub(super) fn owner_filter<'a>(shared: &Shared, who: &'a Principal) -> Option<&'
     }
 }
 
-/// The slot of lease `id` if it is `who`'s (else NOT_FOUND, as for an
-/// unknown id) and usable.
+/// The slot of lease `id` if usable and `who`'s (else NOT_FOUND, as unknown).
 pub(super) fn lease_of(shared: &Shared, who: &Principal, id: &LeaseId) -> Result<Slot, Reply> {
     let t = shared.table();
     t.check_owner(id, Some(who))?;

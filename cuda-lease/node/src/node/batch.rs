@@ -1,7 +1,6 @@
-//! Running a BATCH: the modules it loads, its reply's budget, its place in
-//! the lease's order and the worker call. The node reads the batch's head
-//! alone; its commands go to the lease's worker as the client encoded
-//! them, and the worker checks, plans and runs them against the lease.
+//! Running a BATCH: its modules, reply budget, place in the lease's order
+//! and the worker call. The node reads only the head; the commands go to
+//! the worker as encoded, which checks, plans and runs them.
 
 use std::sync::Arc;
 
@@ -20,15 +19,13 @@ use crate::worker::{
     FLAG_HELD, FLAG_STAMPS,
 };
 
-/// The reply for a lease whose worker died or hung during a request: the
-/// lease's own error if it expired or was freed meanwhile, else the lease is
-/// failed.
+/// The reply when a lease's worker died or hung mid-request: the lease's
+/// own error if it expired or was freed meanwhile, else the lease fails.
 pub(super) fn worker_lost(shared: &Shared, lease: &LeaseId, e: &WorkerError) -> Reply {
     let status = match e {
         WorkerError::Hung(_) => Status::LaunchFailed,
         _ => Status::LeasePoisoned,
     };
-    // Expired or freed meanwhile (the reaper ended the worker)?
     if let Err(te) = shared.table().get(lease, shared.now()) {
         return te.into();
     }
@@ -40,15 +37,12 @@ pub(super) fn worker_lost(shared: &Shared, lease: &LeaseId, e: &WorkerError) -> 
 pub(super) struct Load {
     pub(super) hash: ModuleHash,
     pub(super) source: ModuleSource,
-    /// The source came with the batch (not from the node's cache): it is
-    /// cached once the lease was charged for it and loaded it.
+    /// Sent with the batch; cached once the lease was charged and loaded it.
     pub(super) sent: bool,
 }
 
-/// The modules of `b` the lease has not loaded, with their sources (from
-/// the batch, checked against their hashes, or the node's cache); the
-/// batch's data after its module sources is returned too. Nothing enters
-/// the node's cache here.
+/// The modules of `b` the lease lacks, with sources (from the batch,
+/// hash-checked, or the cache), and the data after them. Caches nothing.
 pub(super) fn modules_to_load<'d>(
     shared: &Shared,
     state: &LeaseView,
@@ -103,8 +97,7 @@ pub(super) fn modules_to_load<'d>(
     Ok((loads, rest))
 }
 
-/// A BATCH as the node reads it: its head, its command list as it came
-/// (with the count its prefix gives) and its data.
+/// A BATCH as read: head, command list as sent (with its count) and data.
 pub(super) struct Incoming<'a> {
     pub(super) head: &'a BatchHead,
     pub(super) wire: &'a [u8],
@@ -113,10 +106,9 @@ pub(super) struct Incoming<'a> {
 }
 
 /// Runs a batch after its lease's earlier numbered batches (see
-/// [`Batch::seq`](crate::proto::Batch::seq)), however long they take: only the
-/// end of the lease, or of the connection that carries its batches with
-/// one of them missing, ends the wait. `conn` is the connection `b` came
-/// on.
+/// [`Batch::seq`](crate::proto::Batch::seq)), however long they take; only
+/// the lease ending, or the carrying connection closing with one missing,
+/// ends the wait. `conn` is `b`'s connection.
 pub(super) async fn run_in_order(
     shared: &Arc<Shared>,
     who: &Principal,
@@ -138,8 +130,7 @@ pub(super) async fn run_in_order(
     let slot = lease_of(shared, who, lease)?;
     let (arrival, mut place) = slot.order.arrive(seq, conn);
     if arrival == Arrival::Passed {
-        // A client fills a number the node may not have seen (a message
-        // refused before it was read, or dropped in flight) with an empty
+        // A client fills a number the node may not have seen with an empty
         // batch: answered at once if the number ran or is on the node.
         if b.commands == 0 && b.head.modules.is_empty() {
             let empty = BatchReply {
@@ -158,8 +149,7 @@ pub(super) async fn run_in_order(
     run_batch(shared, who, b, turn, Some(place)).await
 }
 
-/// The reply to a request whose wait for the lease's order ended without
-/// its predecessors.
+/// The reply when a wait for the lease's order ended unfulfilled.
 pub(super) fn stalled(shared: &Shared, lease: &LeaseId, e: Stalled) -> Reply {
     match e {
         Stalled::Ended => match shared.table().get(lease, shared.now()) {
@@ -179,16 +169,12 @@ pub(super) fn stalled(shared: &Shared, lease: &LeaseId, e: Stalled) -> Reply {
 /// A batch's reply, its reads' bytes, or the worker's hold of them.
 pub(super) type BatchOut = (BatchReply, Vec<u8>, Option<HeldData>);
 
-/// Runs `b`: the modules it needs and its reply's bytes (charged to
-/// `turn`, the principal's budget) are settled here, then its commands go
-/// to the lease's worker as they came, which checks and plans them
-/// against the lease before it enqueues them.
+/// Runs `b`: settles its modules and reply bytes (charged to `turn`), then
+/// sends its commands to the worker, which checks and plans them.
 ///
-/// The lease's exec lock is held to send the batch to the worker, not
-/// while its work runs: the worker plans batches in the order they are
-/// sent, so what one creates exists for the batches sent after it, and
-/// `place` (its place in the lease's order) is given up once it is sent.
-/// Its reply comes when its own work is done.
+/// The exec lock is held only to send: the worker plans in send order, so
+/// what one batch creates exists for later ones, and `place` is given up
+/// once sent. The reply comes when its own work is done.
 pub(super) async fn run_batch(
     shared: &Arc<Shared>,
     who: &Principal,
@@ -200,7 +186,6 @@ pub(super) async fn run_batch(
     let slot = lease_of(shared, who, lease)?;
     let exec = slot.exec.lock().await;
     stamp(Point::BatchLocked);
-    // Re-check: the lease may have died while we waited.
     let reserved = shared.table().reservation(lease, shared.now())?;
     let prepared = prepare(shared, &slot, b, turn.as_deref_mut());
     let (loads, writes, reply_bytes) = match prepared {
@@ -228,7 +213,6 @@ pub(super) async fn run_batch(
         limits,
     };
     let sent = send_work(shared, &slot, &work).await;
-    // The next batch goes to the worker while this one runs.
     drop(place);
     drop(exec);
     let ran = match sent {
@@ -236,8 +220,7 @@ pub(super) async fn run_batch(
         Err(e) => Err(e),
     };
     if let Some(t) = turn {
-        // What the reply does not hold goes back to the principal's budget
-        // (a read refused past the budget leaves part of it unused).
+        // Unused reply bytes go back to the principal's budget.
         let used = ran.as_ref().map_or(0, |r| r.len);
         t.release(reply_bytes.saturating_sub(used));
     }
@@ -260,11 +243,9 @@ pub(super) async fn run_batch(
     Ok((ran.reply, ran.out, held))
 }
 
-/// The modules a batch loads (marked loaded in the lease's state, so the
-/// batches after it do not load them again), the data its writes take and
-/// the bytes held for its reply: what its commands declared, as far as the
-/// reply data limit and the principal's budget (`turn`) allow (the worker
-/// refuses the read that would pass them; the commands before it run).
+/// The modules a batch loads (marked loaded so later batches skip them),
+/// its writes' data, and its reply bytes as declared, capped by the data
+/// limit and `turn` (the worker refuses a read past them).
 fn prepare<'d>(
     shared: &Shared,
     slot: &LeaseSlot,
@@ -287,8 +268,7 @@ fn prepare<'d>(
     Ok((loads, writes, held))
 }
 
-/// What goes to the worker: the loads, the lease's limits, then the
-/// batch's commands.
+/// What goes to the worker: loads, the lease's limits, then commands.
 struct Work<'a> {
     b: &'a Incoming<'a>,
     loads: &'a [Load],
@@ -298,20 +278,17 @@ struct Work<'a> {
 
 /// What the worker ran.
 struct Ran {
-    /// Modules loaded.
     loaded: usize,
     /// Bytes of the reply's data (held in the worker, or in `out`).
     len: u64,
     reply: BatchReply,
     /// The reads' bytes.
     out: Vec<u8>,
-    /// Or, for a large reply, their length and the worker request whose
-    /// reply the worker keeps them for.
+    /// Or, for a large reply, their length and the holding worker request.
     held: Option<(u64, u64)>,
 }
 
-/// Sends the work to the lease's worker (in the lease's order: the caller
-/// holds its exec lock).
+/// Sends the work to the lease's worker; the caller holds the exec lock.
 async fn send_work<'s>(
     shared: &Arc<Shared>,
     slot: &'s LeaseSlot,
@@ -340,8 +317,7 @@ async fn send_work<'s>(
         .map_err(|e| worker_lost(shared, lease, &e))
 }
 
-/// Reads what the worker ran of the work; modules it loaded enter the
-/// node's cache, and the lease's usage is what the worker reports.
+/// Reads what the worker ran; caches loaded modules, updates usage.
 async fn receive_work(
     shared: &Arc<Shared>,
     who: &Principal,
@@ -372,8 +348,7 @@ async fn receive_work(
             stamps::stamp_at(p, t);
         }
     }
-    // The reply's bytes were budgeted: a worker that returns more is not
-    // believed.
+    // Reply bytes were budgeted: a worker returning more is not believed.
     let len = u64::from(frame.header.data_len);
     if len > w.limits.reply_bytes {
         let e = WorkerError::Dead(format!(
@@ -408,8 +383,8 @@ async fn receive_work(
     })
 }
 
-/// Modules loaded and charged to this lease: now the node may keep them
-/// for everyone, as this principal's (compiled PTX replaces its CUDA C).
+/// Caches modules the lease loaded and paid for, as `who`'s (PTX replaces
+/// its CUDA C).
 fn keep_modules(
     shared: &Shared,
     who: &Principal,

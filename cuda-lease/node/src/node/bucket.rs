@@ -1,5 +1,4 @@
-//! A token bucket: what the node's per-source and per-principal rate
-//! limits count with.
+//! The token bucket behind per-source and per-principal rate limits.
 
 use std::time::{Duration, Instant};
 
@@ -40,9 +39,8 @@ impl TokenBucket {
         Err(Duration::try_from_secs_f64(wait).unwrap_or(Duration::MAX))
     }
 
-    /// Takes a token now, or the next one to come if it comes within
-    /// `max_wait`: `Ok` with how long to wait for it (reserved: the bucket
-    /// goes into debt), or `Err` with how long until one is free.
+    /// Takes a token now or reserves one due within `max_wait` (going into
+    /// debt): `Ok(wait)`, or `Err` with how long until one is free.
     pub(super) fn take_within(
         &mut self,
         rate: f64,
@@ -66,8 +64,7 @@ impl TokenBucket {
         self.left = (self.left + 1.0).min(burst);
     }
 
-    /// Whether the bucket is full at `now` (it can be forgotten: a new
-    /// full one is the same).
+    /// Whether the bucket is full at `now` (so it can be forgotten).
     pub(super) fn is_full(&self, rate: f64, burst: f64, now: Instant) -> bool {
         let dt = now.saturating_duration_since(self.at).as_secs_f64();
         self.left + dt * rate >= burst

@@ -1,19 +1,16 @@
 //! The bulk-data channel: MEM_WRITE and MEM_READ over TLS on TCP.
 //!
-//! QUIC keeps every control message; large transfers go here because TCP
-//! on the same host moves several times what a QUIC connection does (the
-//! kernel does segmentation, acknowledgement and pacing that quinn does in
-//! user space). A client asks for tickets with BULK_OPEN on its
-//! authenticated QUIC connection; each ticket opens one TLS connection as
-//! that principal, once, within [`TICKET_TTL`]. The connection then carries
-//! MEM_WRITE / MEM_READ frames one after another, served by the same code
-//! as on QUIC ([`super::stream`]), under the same checks and budgets.
+//! Large transfers use TCP (kernel segmentation and pacing); control stays
+//! on QUIC. BULK_OPEN on the authenticated QUIC connection yields tickets;
+//! each opens one TLS connection as that principal, once, within
+//! [`TICKET_TTL`], carrying MEM_WRITE / MEM_READ frames in turn, served by
+//! [`super::stream`] under the same checks and budgets.
 //!
-//! Bounds: connections without a redeemed ticket are counted with those
-//! waiting for HELLO (`max_unauthenticated`) and closed after
-//! `hello_timeout`; each principal holds at most
-//! `max_bulk_connections_per_principal` connections and twice that many
-//! unused tickets; an idle connection closes after [`IDLE_TIMEOUT`].
+//! Bounds: connections without a redeemed ticket count as waiting for
+//! HELLO (`max_unauthenticated`) and close after `hello_timeout`; each
+//! principal holds at most `max_bulk_connections_per_principal` connections
+//! and twice that many unused tickets; idle connections close after
+//! [`IDLE_TIMEOUT`].
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -43,8 +40,7 @@ pub(super) const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 
 type Ticket = [u8; BULK_TICKET_LEN];
 
-/// A bulk connection's socket, read through a buffer: rustls reads 4 KiB
-/// at a time, so without one a 2 MiB chunk costs 512 system calls.
+/// A bulk connection's socket, buffered (rustls reads 4 KiB at a time).
 type Tcp = tokio::io::BufReader<TcpStream>;
 
 /// The read buffer under each bulk connection's TLS.
@@ -62,7 +58,6 @@ pub(super) struct Tickets {
 struct TicketState {
     /// Unused tickets: whose, and until when.
     unused: HashMap<Ticket, (Principal, Duration)>,
-    /// Open connections per principal.
     open: HashMap<Principal, usize>,
 }
 
@@ -122,8 +117,7 @@ pub(super) fn open(shared: &Shared, who: &Principal, body: &[u8]) -> Result<Repl
     Ok(Reply::ok(&BulkTickets { port, tickets }))
 }
 
-/// Binds the channel's listener as configured (`quic` is the QUIC
-/// endpoint's address); `None` when it is off.
+/// Binds the channel's listener (`quic`: the QUIC address); `None` if off.
 pub(super) async fn bind(
     shared: &Shared,
     quic: SocketAddr,
@@ -167,8 +161,7 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener, acce
                 continue;
             }
         };
-        // Counted with the connections that have not said HELLO (and
-        // queued with them for a place).
+        // Counted and queued with connections awaiting HELLO.
         let admission = shared.handshakes.wait(Source::of(from.ip()));
         if let Admission::Busy = admission {
             debug!(%from, "bulk-data connection refused: the handshake queue is full");
@@ -189,7 +182,6 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener, acce
                 },
                 Admission::Busy => return,
             };
-            // (the place is held at most the HELLO timeout from now)
             let opened =
                 tokio::time::timeout(shared.cfg.hello_timeout, redeem(&shared, &acceptor, tcp))
                     .await;
@@ -211,8 +203,7 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener, acce
     }
 }
 
-/// One of a principal's open bulk-data connections: counted against its
-/// limit while this lives.
+/// An open bulk-data connection, counted against its principal's limit.
 struct OpenConn<'a> {
     tickets: &'a Tickets,
     who: Principal,
@@ -230,9 +221,8 @@ impl Drop for OpenConn<'_> {
     }
 }
 
-/// The TLS handshake, then the ticket: the connection's principal, counted
-/// as one of its open connections, or why not. Answers one byte: 0 for
-/// accepted, else the connection closes after it.
+/// The TLS handshake, then the ticket: the connection's principal (counted
+/// as open) or why not. Answers one byte: 0 accepted, else it closes.
 async fn redeem<'a>(
     shared: &'a Shared,
     acceptor: &TlsAcceptor,
@@ -286,9 +276,8 @@ async fn redeem<'a>(
     }
 }
 
-/// Serves `who`'s requests on one connection, in turn, until it closes,
-/// breaks, idles out or sends something that is not a MEM_WRITE or
-/// MEM_READ request.
+/// Serves `who`'s requests in turn until the connection closes, breaks,
+/// idles out or sends anything but MEM_WRITE or MEM_READ.
 async fn serve(shared: &Arc<Shared>, who: &Principal, tls: TlsStream<Tcp>) {
     let (r, w) = tokio::io::split(tls);
     let mut input = BulkIn {
@@ -324,8 +313,7 @@ async fn serve(shared: &Arc<Shared>, who: &Principal, tls: TlsStream<Tcp>) {
         }
         let done = match turn {
             Ok(_turn) => {
-                // Counted before the reply, so a client that has it sees
-                // the count.
+                // Counted before the reply so the client sees it.
                 let asked = match header.opcode {
                     Opcode::MemRead => proto::from_body::<proto::MemRead>(&body)
                         .map(|m| u64::from(m.len))
@@ -353,7 +341,6 @@ async fn reply_and_flush(out: &mut BulkOut, req: &Header, reply: &Reply) -> bool
     proto::write_frame(out, &h, &reply.body, &[]).await.is_ok() && out.flush().await.is_ok()
 }
 
-/// A bulk connection's reading half.
 struct BulkIn {
     r: ReadHalf<TlsStream<Tcp>>,
     /// Longest a refused request's data may take to drain.
@@ -366,8 +353,7 @@ impl DataIn for BulkIn {
     }
 
     async fn refuse(&mut self, remaining: u64) {
-        // TCP cannot stop one request's data: read and drop it, so the
-        // reply (and the next request) can follow.
+        // TCP cannot stop one request's data: drain it so replies follow.
         let mut rest = (&mut self.r).take(remaining);
         let _ = tokio::time::timeout(
             self.timeout,
@@ -377,7 +363,6 @@ impl DataIn for BulkIn {
     }
 }
 
-/// A bulk connection's writing half.
 struct BulkOut {
     w: WriteHalf<TlsStream<Tcp>>,
     /// A reply was cut off: the connection closes after this request.

@@ -1,5 +1,4 @@
-//! The node's configuration: [`NodeConfig`], where its certificate comes from,
-//! and why it could not start.
+//! The node's configuration, certificate source and start-up errors.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -15,9 +14,8 @@ use crate::worker::WorkerSpec;
 /// Where the node's TLS certificate comes from.
 #[derive(Debug, Clone)]
 pub enum TlsSource {
-    /// Generate a self-signed certificate for these names at start-up;
-    /// clients pin it ([`Node::cert_der`](crate::node::Node::cert_der), or the PEM file written to
-    /// `write_pem`).
+    /// A self-signed certificate generated at start-up; clients pin it
+    /// ([`Node::cert_der`](crate::node::Node::cert_der) or `write_pem`).
     SelfSigned {
         /// DNS names / IP addresses in the certificate.
         names: Vec<String>,
@@ -44,89 +42,71 @@ pub struct NodeConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// Name reported to clients.
     pub name: String,
-    /// Accepted bearer tokens, each its own principal, named `token-1`,
-    /// `token-2`, ... in order (names are what logs show; never secrets).
+    /// Accepted bearer tokens, each its own principal named `token-1`,
+    /// `token-2`, ... (logs show names, never secrets).
     pub tokens: Vec<String>,
-    /// Accepted bearer tokens with the names of their principals
-    /// `(name, secret)`.
+    /// Accepted bearer tokens with principal names, `(name, secret)`.
     pub named_tokens: Vec<(String, String)>,
-    /// Principals that may free any lease (operators); everyone else may
-    /// free and use only the leases they made.
+    /// Principals that may free any lease; others use and free only their own.
     pub admins: Vec<String>,
     /// Most live leases (and so lease worker processes) on the node.
     pub max_leases: usize,
     /// Most live leases one principal may hold.
     pub max_leases_per_principal: usize,
-    /// Lease worker processes one principal may have started per second
-    /// (a token bucket, refilled at this rate); a LEASE_ALLOC past it is
-    /// refused as CAPACITY_EXCEEDED saying so, before a worker is taken.
+    /// Lease worker starts per second per principal (bucket refill rate); a
+    /// LEASE_ALLOC past it gets CAPACITY_EXCEEDED before a worker is taken.
     pub worker_starts_per_principal_per_second: f64,
-    /// The bucket's size: lease worker starts one principal may make at
-    /// once after a pause.
+    /// The bucket's size: worker starts one principal may burst.
     pub worker_start_burst_per_principal: u32,
-    /// Most GPU_SUBMITs one principal may have in flight at once (more wait
-    /// for their turn), so one tenant cannot occupy every submit worker.
+    /// Most GPU_SUBMITs in flight per principal (more wait), so one tenant
+    /// cannot occupy every submit worker.
     pub max_submits_per_principal: usize,
-    /// Most requests one principal may have in flight at once, over all
-    /// its connections (more are refused).
+    /// Most requests in flight per principal, all connections (more refused).
     pub max_requests_per_principal: usize,
-    /// Most request bytes (bodies and unstreamed data) one principal may
-    /// have in the node at once; a request that would pass it is refused on
-    /// its header, before anything it declares is allocated.
+    /// Most request bytes (bodies, unstreamed data) per principal in the
+    /// node; a request past it is refused on its header, before allocation.
     pub max_bytes_per_principal: u64,
-    /// Longest the node waits for a client to take a reply (or a chunk of
-    /// a streamed one); after that the reply is dropped and its stream
-    /// reset, so unread replies never hold the node's memory.
+    /// Longest the node waits for a client to take a reply (or chunk);
+    /// then the reply is dropped and its stream reset.
     pub reply_timeout: Duration,
     /// Most streams one lease may use (made on demand).
     pub max_streams_per_lease: usize,
     /// Most live ids (buffers and events) one lease may hold.
     pub max_ids_per_lease: usize,
-    /// Bytes of module source the node keeps, node-wide, by content hash
-    /// (a module enters it once a lease was charged for it and loaded it).
+    /// Bytes of module source cached node-wide by content hash (entered
+    /// once a lease was charged for and loaded it).
     pub module_cache_bytes: u64,
-    /// Most bytes of the node's module cache one principal's modules may
-    /// hold; past it the principal's own oldest entries go.
+    /// Module cache bytes per principal; past it its oldest entries go.
     pub module_cache_bytes_per_principal: u64,
-    /// Longest a request's data may stop arriving before the request is
-    /// dropped with what it held (its whole data must arrive within 60 s
-    /// in any case).
+    /// Longest a request's data may stall before the request is dropped
+    /// (all its data must arrive within 60 s regardless).
     pub payload_stall_timeout: Duration,
-    /// Longest a connection may go without a principal (its TLS handshake
-    /// and HELLO); then it is closed.
+    /// Longest a connection may lack a principal (TLS handshake, HELLO); then closed.
     pub hello_timeout: Duration,
-    /// Most connections waiting for HELLO (no principal yet) on the node;
-    /// more are refused before their TLS handshake.
+    /// Most connections waiting for HELLO node-wide; more are refused pre-TLS.
     pub max_unauthenticated: usize,
-    /// Most connections waiting for HELLO from one source address (an IPv4
-    /// address or an IPv6 /64); more wait for a place, before their TLS
-    /// handshake, in the handshake queue.
+    /// Most connections waiting for HELLO per source (IPv4 address or IPv6
+    /// /64); more wait in the handshake queue before their TLS handshake.
     pub max_unauthenticated_per_source: usize,
-    /// Most connections waiting in the handshake queue for a place among
-    /// those waiting for HELLO, node-wide. A queued connection waits at
-    /// most `hello_timeout` for a place, then has `hello_timeout` from
-    /// then for its handshake and HELLO; one arriving when the queue is full is refused at once, and
-    /// the client names it "node busy" and retries within its connect
-    /// timeout.
+    /// Most connections in the handshake queue node-wide; more are refused
+    /// ("node busy": the client retries within its connect timeout). A queued
+    /// one waits up to `hello_timeout` for a place, then has `hello_timeout`
+    /// for its handshake and HELLO.
     pub max_queued_handshakes: usize,
     /// Most connections from one source address in the handshake queue.
     pub max_queued_handshakes_per_source: usize,
-    /// Failed HELLOs (tokens checked and found wrong) allowed per second
-    /// from one source address, and at most that many at once; over it a
-    /// HELLO is answered UNAUTHORIZED without its token being checked. Each
-    /// failed HELLO closes its connection.
+    /// Wrong-token HELLOs per second per source (burst the same); past it
+    /// HELLO gets UNAUTHORIZED unchecked. A failed HELLO closes its connection.
     pub max_failed_hellos_per_source: u32,
     /// Accept clients without credentials (development only).
     pub allow_anonymous: bool,
     /// TLS certificate.
     pub tls: TlsSource,
-    /// CA certificates (PEM file) for mutual TLS: a client presenting a
-    /// certificate signed by one of them needs no token.
+    /// CA certificates (PEM) for mutual TLS; clients they certify need no token.
     pub client_ca: Option<PathBuf>,
     /// How worker processes are started.
     pub worker: WorkerSpec,
-    /// Bytes leases may reserve in total. `None`: the device's free memory at
-    /// start-up minus `headroom`.
+    /// Bytes leases may reserve (`None`: free memory at start-up minus `headroom`).
     pub capacity: Option<u64>,
     /// Bytes kept back from the device's free memory (contexts of workers).
     pub headroom: u64,
@@ -140,25 +120,19 @@ pub struct NodeConfig {
     pub worker_start_timeout: Duration,
     /// Worker processes serving GPU_SUBMIT and inventory.
     pub submit_workers: usize,
-    /// Workers started ahead of time so LEASE_ALLOC need not wait for a
-    /// context to be created.
+    /// Workers pre-started so LEASE_ALLOC need not wait for a context.
     pub prestart_workers: usize,
     /// Frame size limits.
     pub limits: Limits,
-    /// How the node's QUIC endpoint uses the network (MTU, segmentation
-    /// offload, socket buffers, windows); default: quinn's defaults. The
-    /// windows bound what each connection may hold in the node.
+    /// QUIC settings (default: quinn's); its windows bound each connection's memory.
     pub transport: TransportSettings,
-    /// Where the bulk-data channel listens: large MEM_WRITE / MEM_READ
-    /// over TLS on TCP, which moves several times what QUIC does on the
-    /// same host. Default [`BulkListen::SamePort`].
+    /// Where the bulk-data channel listens (default [`BulkListen::SamePort`]).
     pub bulk: BulkListen,
     /// Most bulk-data connections one principal may hold open.
     pub max_bulk_connections_per_principal: usize,
     /// Monotonic clock for TTLs (inject a [`crate::clock::ManualClock`] in tests).
     pub clock: Arc<dyn Clock>,
-    /// Register the node in a fleet's etcd registry (`None`: no
-    /// registration).
+    /// The fleet's etcd registry to register in (`None`: none).
     #[cfg(feature = "fleet")]
     pub registry: Option<crate::fleet::RegistryConfig>,
 }
@@ -168,8 +142,8 @@ pub struct NodeConfig {
 pub enum BulkListen {
     /// No bulk-data channel: transfers stay on QUIC.
     Off,
-    /// TCP on the QUIC listen address and port (for a node on port 0, the
-    /// port QUIC got, or another free one if TCP has that one taken).
+    /// TCP on the QUIC address and port (on port 0: QUIC's port, or another
+    /// free one if TCP's is taken).
     SamePort,
     /// TCP on this address.
     At(SocketAddr),

@@ -1,6 +1,5 @@
-//! Connections and their streams: accepting, the pre-authentication gate,
-//! reading a request within its budget, writing the reply within the reply
-//! timeout.
+//! Connections and streams: accepting, the pre-authentication gate, reading
+//! requests within budget, writing replies within the reply timeout.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,8 +17,7 @@ use crate::stamps::{stamp, Point};
 pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) {
     while let Some(incoming) = endpoint.accept().await {
         let remote = incoming.remote_address();
-        // A place among the connections waiting for HELLO (or in the
-        // queue for one) before the TLS handshake costs anything.
+        // Take a HELLO place (or queue) before the TLS handshake costs anything.
         let admission = shared.handshakes.wait(Source::of(remote.ip()));
         if let Admission::Busy = admission {
             debug!(%remote, "refused: the handshake queue is full");
@@ -44,10 +42,8 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) 
                 }
                 Admission::Busy => return,
             };
-            // A place is held at most the HELLO timeout, from when it is
-            // taken: a connection that waited in the queue gets the whole
-            // time for its handshake (cut short, its client would see the
-            // handshake time out, not a refusal it retries).
+            // The HELLO timeout runs from taking the place: a cut-short
+            // handshake looks like a timeout, not a refusal clients retry.
             let deadline = tokio::time::Instant::now() + shared.cfg.hello_timeout;
             let conn = match tokio::time::timeout_at(deadline, incoming).await {
                 Ok(Ok(c)) => c,
@@ -93,8 +89,7 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) 
     }
 }
 
-/// Answers a request refused on its header (and body), telling the peer to
-/// stop sending the rest: nothing more of it is read.
+/// Answers a request refused on its header (and body); the rest is not read.
 pub(super) async fn refuse(
     send: &mut quinn::SendStream,
     recv: &mut quinn::RecvStream,
@@ -108,9 +103,8 @@ pub(super) async fn refuse(
     }
 }
 
-/// The largest HELLO body the node reads from a connection that has not
-/// authenticated; such a connection may send nothing else, and nothing it
-/// declares beyond this is allocated or read.
+/// The largest HELLO body read before authentication (nothing else is
+/// accepted then, and nothing beyond it allocated or read).
 pub const PREAUTH_MAX_BODY: u32 = 4096;
 
 pub(super) async fn serve_stream(
@@ -120,8 +114,8 @@ pub(super) async fn serve_stream(
     mut recv: quinn::RecvStream,
 ) {
     stamp(Point::NodeStart);
-    // Held until the reply has been written or dropped: it also carries
-    // the bytes of the reply (charged by `dispatch` before the work runs).
+    // Held until the reply is written or dropped; also carries the reply's
+    // bytes (charged by `dispatch` before the work runs).
     let mut turn = None;
     let head = tokio::time::timeout(
         Duration::from_secs(60),
@@ -166,9 +160,8 @@ enum Head {
     Refused(Header, Reply),
 }
 
-/// Reads a request's header and body. Without a principal only a small
-/// HELLO is read; with one, the principal's budget is taken (into `turn`)
-/// before anything declared is allocated.
+/// Reads a request's header and body: without a principal only a small
+/// HELLO; with one, after taking the budget into `turn`.
 async fn read_head(
     shared: &Arc<Shared>,
     peer: &Peer,
@@ -210,22 +203,16 @@ async fn read_head(
     Ok(Head::Read(header, body))
 }
 
-/// Reads a request's data (within 60 s) into memory that is resident only
-/// as the bytes arrive: its first MiB, then, once that is full, the rest
-/// of the declared length in one reservation (charged to the budget on
-/// the header already) whose pages the arriving bytes fill.
+/// Reads a request's data (within 60 s) into memory resident only as bytes
+/// arrive: the first MiB, then the rest of the declared (already budgeted)
+/// length in one reservation.
 ///
-/// Never grown by doubling: cut-off payloads then free blocks of 1 to
-/// 32 MiB, glibc raises its mmap threshold to each such block's size (up
-/// to 32 MiB) and serves those sizes from the tokio threads' arenas, which
-/// keep what later cut-off payloads free (an embedded node: RSS 85 to
-/// 120-180 MiB over 10 rounds of 5, with under 5 MiB in use). A block of
-/// the declared length over 32 MiB is always mapped, and unmapped whole
-/// when dropped.
+/// Never grown by doubling: freed 1-32 MiB blocks raise glibc's mmap
+/// threshold and stay in the tokio threads' arenas. A block over 32 MiB is
+/// always mapped, and unmapped whole when dropped.
 ///
-/// A payload that stops arriving for `stall` is dropped with what it held
-/// (a client gone without its close reaching the node would otherwise
-/// hold it until the connection's idle timeout).
+/// A payload stalled for `stall` is dropped with what it held (else a
+/// vanished client would hold it until the connection's idle timeout).
 async fn read_data(
     recv: &mut quinn::RecvStream,
     header: Header,
@@ -263,9 +250,7 @@ async fn read_data(
 struct Answer {
     req: Header,
     reply: Reply,
-    /// A peer of another protocol version gets its answer in its own
-    /// version's header (the layout is the same), so it can read the
-    /// reason.
+    /// A peer of another version gets its own version's header, to read why.
     reply_version: Option<u8>,
     /// A HELLO that failed: the connection closes after the reply.
     failed_hello: bool,
@@ -301,7 +286,7 @@ async fn answer(
             let mut reply_version = None;
             let msg = match proto::proto_error(&e) {
                 Some(p) => {
-                    // Version 1 had this header layout; later ones may not.
+                    // Version 1 shares this header layout.
                     if let proto::ProtoError::UnsupportedVersion(1) = p {
                         reply_version = Some(1);
                     }
@@ -315,7 +300,7 @@ async fn answer(
                 ..refused(msg)
             };
             if reply_version.is_some() {
-                // A status an older peer knows (MALFORMED came later).
+                // Version 1 peers do not know MALFORMED.
                 answer.reply.status = Status::BadRequest;
             }
             answer
@@ -324,11 +309,8 @@ async fn answer(
     }
 }
 
-/// Writes the answer within the reply timeout; a reply nobody reads by
-/// then is reset, the client's loss, not the node's memory. A reply whose
-/// data a lease's worker keeps is read from the worker a part at a time,
-/// as the stream takes it: an unread reply holds a part on the node, not
-/// its whole data.
+/// Writes the answer within the reply timeout, else resets it; held data is
+/// read from the worker one part at a time as the stream takes it.
 async fn write_reply(shared: &Shared, send: &mut quinn::SendStream, a: &mut Answer) {
     let reply = &mut a.reply;
     let data_len = match &reply.held {
@@ -370,8 +352,7 @@ async fn write_reply(shared: &Shared, send: &mut quinn::SendStream, a: &mut Answ
     }
 }
 
-/// Writes a reply's header and body, then its data as the worker that
-/// keeps it hands it over, a part at a time.
+/// Writes a reply's header and body, then its held data part by part.
 async fn write_held(
     send: &mut quinn::SendStream,
     h: &Header,
@@ -388,8 +369,7 @@ async fn write_held(
     Ok(())
 }
 
-/// Closes a connection whose HELLO failed, once its reply has arrived (or
-/// after a short wait): a connection gets one try.
+/// Closes a connection once its failed HELLO's reply arrived (or soon after).
 pub(super) async fn close_after_failed_hello(
     shared: &Shared,
     peer: &Peer,

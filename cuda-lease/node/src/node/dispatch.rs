@@ -1,5 +1,5 @@
-//! Requests by opcode: HELLO, inventory, lease allocation, renewal and free,
-//! and the single lease operations.
+//! Requests by opcode: HELLO, inventory, lease alloc/renew/free, and
+//! single lease operations.
 
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
@@ -21,9 +21,8 @@ use crate::proto::{
 use crate::stamps::{stamp, Point};
 use crate::worker::WorkerProcess;
 
-/// Serves one request (`Ok` or `Err`, its reply); `turn` (the principal's
-/// budget turn of this request) is charged the bytes of the reply before
-/// the work that makes them runs.
+/// Serves one request (`Ok` or `Err` is the reply); `turn` is charged the
+/// reply's bytes before the work runs.
 pub(super) async fn dispatch(
     shared: &Arc<Shared>,
     peer: &Peer,
@@ -85,8 +84,7 @@ pub(super) async fn dispatch(
     }
 }
 
-/// HELLO: authenticates the connection by token (checks rationed per
-/// source address), or confirms it already is.
+/// HELLO: authenticates the connection by token, or confirms it is.
 fn hello(shared: &Shared, peer: &Peer, f: &Frame) -> Result<Reply, Reply> {
     let h: Hello = from_body(&f.body)?;
     // Client-supplied: escaped before it reaches a log line.
@@ -99,7 +97,6 @@ fn hello(shared: &Shared, peer: &Peer, f: &Frame) -> Result<Reply, Reply> {
     if peer.get().is_some() {
         return hello_ok();
     }
-    // Token checks are rationed per source address.
     if !shared.handshakes.take_check(peer.source) {
         shared.handshakes.rejected(&client, peer.remote(), false);
         return Err(Reply::err(
@@ -143,8 +140,7 @@ fn lease_renew(shared: &Shared, who: &Principal, f: &Frame) -> Result<Reply, Rep
     }))
 }
 
-/// BATCH: its head decoded and checked, run in the lease's order (its
-/// commands are decoded and checked by the lease's worker).
+/// BATCH: checks its head and runs it in the lease's order.
 async fn batch(
     shared: &Arc<Shared>,
     who: &Principal,
@@ -154,7 +150,7 @@ async fn batch(
 ) -> Result<Reply, Reply> {
     let (head, wire) = BatchHead::decode(&f.body)?;
     head.validate(f.data.len())?;
-    // (refused on its count, before the worker decodes any)
+    // Refused on its count before the worker decodes any.
     let commands = proto::command_count(wire)?;
     stamp(Point::BatchDecoded);
     shared.metrics.batch_total.inc();
@@ -194,8 +190,7 @@ pub(super) fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// A single session op: a one-command batch on stream 0 whose failure
-/// becomes the reply status.
+/// A single session op: a one-command batch on stream 0; failure is the status.
 pub(super) async fn single(
     shared: &Arc<Shared>,
     who: &Principal,
@@ -224,9 +219,8 @@ pub(super) async fn single(
 }
 
 pub(super) async fn inventory(shared: &Arc<Shared>) -> Result<Reply, Reply> {
-    // Fresh figures from an idle submit worker; never wait for a busy one
-    // (a tenant's slow GPU_SUBMIT must not delay anyone else's inventory):
-    // then the last figures seen are served.
+    // Fresh figures from an idle submit worker, else the last seen: a slow
+    // GPU_SUBMIT must not delay anyone's inventory.
     let idle = shared.submit.iter().find_map(|m| m.try_lock().ok());
     if let Some(mut slot) = idle {
         if let Ok(w) = WorkerProcess::ensure(
@@ -310,8 +304,7 @@ pub(super) async fn lease_alloc(
     let now = shared.now();
     let ttl = Duration::from_secs(u64::from(req.ttl_secs));
     let granted = {
-        // Checked again under the lock that grants: concurrent requests
-        // cannot pass the limits together.
+        // Re-checked under the granting lock against concurrent requests.
         let mut t = shared.table();
         lease_limits(shared, &t, who).and_then(|()| {
             t.grant(
@@ -349,8 +342,7 @@ pub(super) async fn lease_free(shared: &Arc<Shared>, id: &LeaseId) -> Result<Rep
     let removed = shared.table().remove(id, now);
     match removed {
         Some(slot) => {
-            // Waiting requests fail now; wait for the exit so the memory
-            // is back when the reply arrives.
+            // Wait for the exit so the memory is back by the reply.
             slot.order.update(super::order::OrderState::end);
             slot.worker.kill_and_wait().await;
             shared.metrics.lease_dropped.inc();
@@ -365,9 +357,8 @@ pub(super) async fn lease_free(shared: &Arc<Shared>, id: &LeaseId) -> Result<Rep
 }
 
 impl Shared {
-    /// Takes one of `who`'s lease worker starts: at once, or after a wait
-    /// of at most [`WORKER_START_WAIT`] for the next one; past that, says
-    /// why not (the principal is over its rate).
+    /// Takes one of `who`'s worker starts, waiting at most
+    /// [`WORKER_START_WAIT`]; else says the principal is over its rate.
     pub(super) async fn take_worker_start(&self, who: &Principal) -> Result<(), Reply> {
         let rate = self.cfg.worker_starts_per_principal_per_second;
         let burst = f64::from(self.cfg.worker_start_burst_per_principal);
@@ -404,6 +395,5 @@ impl Shared {
     }
 }
 
-/// Longest a LEASE_ALLOC over its principal's worker-start rate waits for
-/// the next start before it is refused.
+/// Longest a LEASE_ALLOC over its worker-start rate waits before refusal.
 const WORKER_START_WAIT: Duration = Duration::from_secs(1);

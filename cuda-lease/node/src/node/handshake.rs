@@ -1,28 +1,17 @@
-//! Bounds on connections that have not authenticated. Such a connection
-//! costs the node a TLS session and a task while it waits for HELLO, and
-//! each HELLO with a token costs a comparison against every token and, when
-//! it fails, a log line. So:
+//! Bounds on unauthenticated connections, which cost a TLS session, a task
+//! and, per HELLO, a token comparison (and a log line on failure). Limits:
+//! `NodeConfig`'s `hello_timeout`, `max_unauthenticated*`,
+//! `max_queued_handshakes*` and `max_failed_hellos_per_source`.
 //!
-//! * a connection with no principal `hello_timeout` after it arrived is
-//!   closed (the TLS handshake counts against the same deadline);
-//! * at most `max_unauthenticated` connections wait for HELLO node-wide,
-//!   and `max_unauthenticated_per_source` from one source address; more
-//!   wait for a place, before their TLS handshake, in the handshake queue
-//!   (first come, first served), at most `hello_timeout`; a place is held
-//!   at most `hello_timeout` from when it is taken;
-//! * at most `max_queued_handshakes` connections are in that queue, and
-//!   `max_queued_handshakes_per_source` from one source; more are refused
-//!   at once (the client reads this as "node busy" and retries with
-//!   backoff within its connect timeout);
-//! * a failed HELLO closes its connection (after its reply is written);
-//! * each source address may have `max_failed_hellos_per_source` tokens
-//!   checked and found wrong per second: over it a HELLO is answered
-//!   UNAUTHORIZED and its connection closed without checking the token;
+//! * the TLS handshake counts against `hello_timeout`, which runs from when
+//!   a HELLO place is taken; the queue for places is first come, first
+//!   served, before the TLS handshake;
+//! * a failed HELLO closes its connection after the reply; past the
+//!   failed-HELLO rate, HELLO gets UNAUTHORIZED without a token check;
 //! * failed HELLOs are logged at most once per [`REJECTED_LOG_INTERVAL`],
-//!   with the count of those not logged since the last line.
+//!   with the count skipped since.
 //!
-//! A source address is an IPv4 address, or the /64 prefix of an IPv6 one
-//! (what one host usually holds).
+//! A source is an IPv4 address or an IPv6 /64.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv6Addr};
@@ -40,12 +29,10 @@ use crate::lock;
 /// The shortest time between two log lines about rejected credentials.
 pub const REJECTED_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
-/// The application close code of a connection closed for want of a
-/// principal (no HELLO in time, or a failed HELLO).
+/// Close code for a connection without a principal (no or failed HELLO).
 pub(super) const CLOSE_UNAUTHENTICATED: u32 = 0x401;
 
-/// Most source addresses whose failed HELLOs are remembered; past it the
-/// addresses whose allowance has fully refilled are forgotten.
+/// Most sources with failed HELLOs remembered; past it full ones are forgotten.
 const MAX_TRACKED_SOURCES: usize = 4096;
 
 /// A source address as the limits count it.
@@ -85,14 +72,11 @@ pub(super) struct HandshakeLimits {
     pub(super) max_failed_hellos_per_source: u32,
 }
 
-/// Connections waiting for HELLO and in the handshake queue,
-/// failed-HELLO allowances and the log limiter, node-wide.
+/// HELLO places, handshake queue, failed-HELLO allowances and log limiter.
 #[derive(Debug)]
 pub(super) struct Handshakes {
     limits: HandshakeLimits,
-    /// Places among the connections waiting for HELLO, node-wide (a
-    /// queued connection takes its source's place first, then one of
-    /// these; both queues are first come, first served).
+    /// Node-wide HELLO places (taken after the source's).
     places: Arc<Semaphore>,
     waiting: Mutex<Waiting>,
     failed: Mutex<HashMap<Source, TokenBucket>>,
@@ -121,8 +105,7 @@ struct RejectedLog {
     suppressed: u64,
 }
 
-/// What a new connection gets: a place now, a place in the queue, or
-/// nothing (the queue is full: refuse it).
+/// What a new connection gets: a place, a queue slot, or `Busy` (refuse it).
 pub(super) enum Admission {
     Now(WaitingPlace),
     Queued(QueuedHandshake),
@@ -140,9 +123,7 @@ impl Handshakes {
         })
     }
 
-    /// A place among the connections waiting for HELLO for a connection
-    /// from `source`, or a place in the queue for one, or `Busy` when the
-    /// queue (node-wide or the source's) is full.
+    /// A HELLO place for `source`, else a queue slot, else `Busy` (queue full).
     pub(super) fn wait(self: &Arc<Self>, source: Source) -> Admission {
         let mut w = lock(&self.waiting);
         let Waiting { sources, queued } = &mut *w;
@@ -152,8 +133,7 @@ impl Handshakes {
             users: 0,
             queued: 0,
         });
-        // (A released permit goes to a queued connection first: nobody
-        // arriving later takes it from them.)
+        // A released permit goes to a queued connection before a later one.
         if let Ok(mine) = s.places.clone().try_acquire_owned() {
             if let Ok(node) = self.places.clone().try_acquire_owned() {
                 s.users += 1;
@@ -186,8 +166,7 @@ impl Handshakes {
         self.limits.max_unauthenticated - self.places.available_permits()
     }
 
-    /// Counts off one user of `source`'s entry (and one queued connection
-    /// when `queued`).
+    /// Counts off one user of `source`'s entry (and one queued, if `queued`).
     fn leave(&self, source: Source, queued: bool) {
         let mut w = lock(&self.waiting);
         if queued {
@@ -204,9 +183,8 @@ impl Handshakes {
         }
     }
 
-    /// Takes one failed HELLO of `source`'s allowance before its token is
-    /// checked (given back by [`Handshakes::authenticated`]); false when
-    /// none is left: the token must not be checked.
+    /// Takes one failed HELLO of `source`'s allowance before a token check
+    /// (given back by [`Handshakes::authenticated`]); false: do not check.
     pub(super) fn take_check(&self, source: Source) -> bool {
         let now = Instant::now();
         let rate = f64::from(self.limits.max_failed_hellos_per_source);
@@ -228,9 +206,8 @@ impl Handshakes {
         }
     }
 
-    /// Logs a rejected HELLO (`checked`: its token was compared and found
-    /// wrong; else it was refused over the source's allowance), at most
-    /// one line per [`REJECTED_LOG_INTERVAL`].
+    /// Logs a rejected HELLO (`checked`: wrong token; else over the
+    /// source's allowance), at most once per [`REJECTED_LOG_INTERVAL`].
     pub(super) fn rejected(&self, client: &str, remote: std::net::SocketAddr, checked: bool) {
         let now = Instant::now();
         let mut log = lock(&self.log);
@@ -252,8 +229,7 @@ impl Handshakes {
         warn!(%client, %remote, why, suppressed, "rejected credentials");
     }
 
-    /// Logs the count of rejected HELLOs not logged, once the interval
-    /// since the last line has passed (the reaper calls this).
+    /// Logs the count of skipped rejections once the interval passed (reaper).
     pub(super) fn flush_log(&self) {
         let now = Instant::now();
         let mut log = lock(&self.log);
@@ -274,8 +250,7 @@ impl Handshakes {
     }
 }
 
-/// A connection's place among those waiting for HELLO; given back when
-/// dropped.
+/// A connection's HELLO place; given back on drop.
 #[derive(Debug)]
 pub(super) struct WaitingPlace {
     handshakes: Arc<Handshakes>,
@@ -290,8 +265,7 @@ impl Drop for WaitingPlace {
     }
 }
 
-/// A connection's place in the handshake queue; leaves the queue when
-/// dropped.
+/// A connection's slot in the handshake queue; left on drop.
 #[derive(Debug)]
 pub(super) struct QueuedHandshake {
     handshakes: Arc<Handshakes>,
@@ -302,8 +276,7 @@ pub(super) struct QueuedHandshake {
 }
 
 impl QueuedHandshake {
-    /// Waits for a place among the connections waiting for HELLO (the
-    /// source's, then the node's) until `deadline`; `None` then.
+    /// Waits until `deadline` for a HELLO place (source's, then node's).
     pub(super) async fn place(mut self, deadline: tokio::time::Instant) -> Option<WaitingPlace> {
         let take = async {
             let mine = self.places.clone().acquire_owned().await.ok()?;
@@ -314,8 +287,8 @@ impl QueuedHandshake {
             .await
             .ok()
             .flatten()?;
-        // Out of the queue; the place becomes a user of the source's
-        // entry before this handle stops being one (when it drops).
+        // The place becomes a user of the source's entry before this
+        // handle stops being one.
         {
             let mut w = lock(&self.handshakes.waiting);
             w.queued -= 1;
@@ -339,8 +312,7 @@ impl Drop for QueuedHandshake {
     }
 }
 
-/// Who is on a connection (set once, by a client certificate or HELLO),
-/// and the connection itself.
+/// A connection and its principal (set once, by client certificate or HELLO).
 #[derive(Debug)]
 pub(crate) struct Peer {
     principal: OnceLock<Principal>,
@@ -359,21 +331,18 @@ impl Peer {
         }
     }
 
-    /// The connection's principal, if it has one.
     pub(super) fn get(&self) -> Option<&Principal> {
         self.principal.get()
     }
 
-    /// Sets the connection's principal (the first one set stays) and gives
-    /// back its place among the connections waiting for HELLO.
+    /// Sets the principal (the first stays) and gives back the HELLO place.
     pub(super) fn authenticate(&self, who: Principal) -> &Principal {
         let p = self.principal.get_or_init(|| who);
         self.end();
         p
     }
 
-    /// Gives back the connection's place among those waiting for HELLO
-    /// (it authenticated, or ended).
+    /// Gives back the HELLO place (authenticated or ended).
     pub(super) fn end(&self) {
         lock(&self.waiting).take();
     }
@@ -383,7 +352,6 @@ impl Peer {
         self.conn.stable_id()
     }
 
-    /// The peer's address.
     pub(super) fn remote(&self) -> std::net::SocketAddr {
         self.conn.remote_address()
     }

@@ -1,25 +1,22 @@
-//! Replies whose data a lease's worker keeps ([`crate::worker::FLAG_HELD`]),
-//! read from it a part at a time as the client takes the reply.
+//! Replies whose data the worker keeps ([`crate::worker::FLAG_HELD`]), read
+//! part by part as the client takes them.
 
 use std::time::Duration;
 
 use super::Slot;
 use crate::worker::WorkerError;
 
-/// How much of a held reply the node reads from the worker at a time:
-/// what an unread reply holds on the node, beside what the connection
-/// has buffered.
+/// Bytes of a held reply read from the worker at a time (what an unread
+/// reply holds on the node, beside the connection's buffers).
 const HELD_CHUNK: u32 = 1 << 20;
 
-/// A reply's data kept in a lease's worker ([`crate::worker::FLAG_HELD`]);
-/// dropped there when this is dropped before it was all read.
+/// A reply's data kept in the worker; dropped there if this drops unread.
 pub(super) struct HeldData {
     pub(super) slot: Slot,
     /// The worker request whose reply it is.
     pub(super) request: u64,
     pub(super) len: u64,
-    /// Bytes read from the worker so far (the worker drops its copy once
-    /// its last byte is read).
+    /// Bytes read so far (the worker drops its copy after the last).
     pub(super) read: u64,
 }
 

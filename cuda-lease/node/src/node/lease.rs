@@ -1,5 +1,4 @@
-//! What the node holds for one lease: its worker, the modules it loaded,
-//! and the order of its batches.
+//! What the node holds for one lease: worker, loaded modules, batch order.
 
 use std::collections::HashMap;
 use std::sync::Mutex as StdMutex;
@@ -9,14 +8,12 @@ use crate::lock;
 use crate::proto::ModuleHash;
 use crate::worker::{Usage, WorkerProcess};
 
-/// What the node keeps of a lease's state: the modules it loaded (the
-/// node decides what a batch loads) and what it held at its worker's last
-/// reply (the worker keeps its ids, streams and graphs, and checks every
-/// command against them).
+/// A lease's loaded modules (the node decides what a batch loads) and its
+/// holdings at the worker's last reply (the worker keeps the ids, streams
+/// and graphs, and checks every command against them).
 #[derive(Debug, Default)]
 pub(super) struct LeaseView {
-    /// Modules loaded in the lease's worker, with the source bytes charged
-    /// to the lease for each (a loaded module costs device memory too).
+    /// Loaded modules, each with the source bytes charged to the lease.
     pub(super) modules: HashMap<ModuleHash, u64>,
     /// What the lease held when its worker last answered a batch.
     pub(super) usage: Usage,
@@ -41,19 +38,16 @@ pub struct LeaseUsage {
 
 pub(super) struct LeaseSlot {
     pub(super) worker: WorkerProcess,
-    /// Serializes a lease's requests to its worker: a batch is planned
-    /// there in the order it was sent (never held while their work runs).
+    /// Serializes sends to the worker (not the work) so batches plan in order.
     pub(super) exec: tokio::sync::Mutex<()>,
-    /// What the node keeps of the lease. Lock order: a lease's state,
-    /// then the node's lease table (never the other way round).
+    /// Lock order: a lease's state, then the lease table, never the reverse.
     pub(super) state: StdMutex<LeaseView>,
     /// The order of its numbered batches (see [`Batch::seq`](crate::proto::Batch::seq)).
     pub(super) order: order::LeaseOrder,
 }
 
 impl LeaseSlot {
-    /// The lease is gone (freed, expired or failed): its worker is ended
-    /// and every request waiting for its order fails now.
+    /// The lease is gone: ends its worker and fails its order's waiters.
     pub(super) fn end(&self) {
         self.order.update(order::OrderState::end);
         self.worker.kill();

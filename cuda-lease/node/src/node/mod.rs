@@ -1,6 +1,5 @@
-//! The node: QUIC endpoint, auth, lease table, reaper, worker supervision and
-//! metrics. The node process never touches CUDA; each lease's work runs in its
-//! own worker process ([`crate::worker`]).
+//! The node: QUIC endpoint, auth, lease table, reaper, workers and metrics.
+//! It never touches CUDA; each lease has its own worker ([`crate::worker`]).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -111,13 +110,11 @@ struct Reply {
     status: Status,
     body: Vec<u8>,
     data: Vec<u8>,
-    /// Data a lease's worker keeps for this reply (then `data` is empty),
-    /// read from it as the client takes the reply.
+    /// Data the worker keeps for this reply, read as the client takes it.
     held: Option<HeldData>,
 }
 
 impl Reply {
-    /// A reply of `status` with `body` and no data.
     fn new(status: Status, body: Vec<u8>) -> Self {
         Self {
             status,
@@ -145,8 +142,7 @@ impl From<TableError> for Reply {
 }
 
 impl From<proto::ProtoError> for Reply {
-    /// A request that does not parse is malformed (a client's bug); one
-    /// that parses but breaks a rule of the protocol is a bad request.
+    /// Unparsable: MALFORMED; parsable but breaking a protocol rule: BAD_REQUEST.
     fn from(e: proto::ProtoError) -> Self {
         let status = match e {
             proto::ProtoError::Invalid(_) => Status::BadRequest,
@@ -156,11 +152,9 @@ impl From<proto::ProtoError> for Reply {
     }
 }
 
-/// The node's TLS identity and QUIC server configuration; refuses a
-/// configuration without any credentials.
+/// The node's TLS identity (also the bulk channel's) and QUIC server
+/// configuration; refuses a configuration without any credentials.
 fn tls_setup(cfg: &NodeConfig) -> Result<(Identity, quinn::ServerConfig), NodeError> {
-    // (The bulk-data channel's TLS configuration is made from the same
-    // identity in `Node::start`.)
     let identity = match &cfg.tls {
         TlsSource::SelfSigned { names, write_pem } => {
             let id = tls::self_signed(names)?;
@@ -190,12 +184,10 @@ fn tls_setup(cfg: &NodeConfig) -> Result<(Identity, quinn::ServerConfig), NodeEr
     Ok((identity, server_cfg))
 }
 
-/// The submit worker pool.
 type SubmitWorkers = Vec<tokio::sync::Mutex<Option<WorkerProcess>>>;
 
-/// Probes the device through a worker and starts every submit worker (the
-/// probe becomes the first). Returns the device figures, the capacity
-/// leases may use, and the pool.
+/// Probes the device through a worker (kept as the first submit worker) and
+/// starts the pool; returns the device figures, lease capacity and pool.
 async fn start_workers(cfg: &NodeConfig) -> Result<(DeviceInfo, u64, SubmitWorkers), NodeError> {
     let probe = WorkerProcess::spawn(&cfg.worker, cfg.worker_start_timeout)
         .await
@@ -205,8 +197,8 @@ async fn start_workers(cfg: &NodeConfig) -> Result<(DeviceInfo, u64, SubmitWorke
         .capacity
         .unwrap_or(info.free_bytes.saturating_sub(cfg.headroom));
     info!(device = %info.name, total = info.total_bytes, free = info.free_bytes, capacity, "device probed");
-    // Start every submit worker now, so that their contexts are already
-    // counted in the device's free memory when leases are measured.
+    // All submit workers start now so their contexts are already counted
+    // in the free memory leases are measured against.
     let mut submit = Vec::new();
     let mut probe = Some(probe);
     for _ in 0..cfg.submit_workers {
@@ -225,8 +217,7 @@ async fn start_workers(cfg: &NodeConfig) -> Result<(DeviceInfo, u64, SubmitWorke
 }
 
 impl Shared {
-    /// The node's state at start: `capacity` bytes for leases on the
-    /// device described by `info`, served by the `submit` pool.
+    /// The node's state at start: `capacity` lease bytes on `info`'s device.
     fn new(cfg: NodeConfig, capacity: u64, info: DeviceInfo, submit: SubmitWorkers) -> Self {
         Shared {
             tokens: cfg
@@ -278,8 +269,7 @@ impl Shared {
     }
 }
 
-/// Binds the metrics port, if one is configured, and starts its HTTP
-/// server among `tasks`; its address.
+/// Binds the configured metrics port, serving it among `tasks`; its address.
 async fn serve_metrics(
     shared: &Arc<Shared>,
     tasks: &mut Vec<JoinHandle<()>>,
@@ -296,12 +286,10 @@ async fn serve_metrics(
 }
 
 impl Node {
-    /// Starts a node as configured: probes the device through a worker,
-    /// binds the QUIC endpoint and the metrics port, and starts the reaper.
-    /// Must be called inside a tokio runtime.
+    /// Starts a node: probes the device, binds the QUIC endpoint and metrics
+    /// port, and starts the reaper. Needs a tokio runtime.
     ///
     /// # Errors
-    ///
     /// [`NodeError`]; a machine without a driver gives
     /// `NodeError::Device("... no NVIDIA driver found")` for a CUDA device.
     pub async fn start(cfg: NodeConfig) -> Result<Node, NodeError> {
@@ -338,17 +326,11 @@ impl Node {
         })
     }
 
-    /// Runs a node inside this process on 127.0.0.1:0 with a fresh
-    /// self-signed certificate (for tests, examples and demos). The listen
-    /// address, TLS source and metrics address of `cfg` are overridden; the
-    /// metrics endpoint is on 127.0.0.1:0.
-    ///
-    /// Workers are separate processes even here: `cfg.worker.program` must
-    /// call [`crate::worker::main_if_worker`] (use the `cuda-lease-node`
-    /// binary, or the current executable if its `main` calls it).
+    /// Runs a node in this process on 127.0.0.1:0 (metrics too) with a fresh
+    /// self-signed certificate, for tests and demos. Workers are still
+    /// processes: `cfg.worker.program` must call [`crate::worker::main_if_worker`].
     ///
     /// # Errors
-    ///
     /// As [`Node::start`].
     pub async fn spawn_local(mut cfg: NodeConfig) -> Result<Node, NodeError> {
         cfg.listen = SocketAddr::from(([127, 0, 0, 1], 0));
@@ -385,11 +367,9 @@ impl Node {
         self.shared.render_metrics()
     }
 
-    /// What the node holds for lease `id`: its allocated bytes, live
-    /// buffers and events, streams used and modules loaded, as of the
-    /// lease's last answered batch (`None` once the lease is gone). A
-    /// failed submission leaves this as the commands that ran left it (see
-    /// [`cuda_lease::remote`]).
+    /// What the node holds for lease `id` as of its last answered batch
+    /// (`None` once gone); after a failed submission, what the commands that
+    /// ran left (see [`cuda_lease::remote`]).
     pub fn lease_usage(&self, id: &LeaseId) -> Option<LeaseUsage> {
         let (slot, allocated) = {
             let t = self.shared.table();
@@ -409,12 +389,11 @@ impl Node {
         })
     }
 
-    /// Stops accepting, frees every lease (ending its worker) and waits for
-    /// the workers to exit.
+    /// Stops accepting, frees every lease and waits for the workers to exit.
     pub async fn shutdown(mut self) {
         #[cfg(feature = "fleet")]
         if let Some(r) = self.registrar.take() {
-            // Leave the registry first, so no client is sent here any more.
+            // Leave the registry first so no client is sent here.
             r.leave().await;
         }
         self.endpoint
@@ -465,9 +444,8 @@ impl Drop for Node {
     }
 }
 
-/// The address the node's registry record gives, when the node registers:
-/// the configured one, or the QUIC address, which must then be one a
-/// client can reach.
+/// The address the registry record gives: the configured one, or the QUIC
+/// address, which must then be reachable by clients.
 #[cfg(feature = "fleet")]
 fn registry_address(
     cfg: &NodeConfig,
@@ -574,8 +552,7 @@ async fn reaper(shared: Arc<Shared>) {
         let now = shared.now();
         let expired = shared.table().expire(now);
         for (id, slot) in expired {
-            // Same step that marked it dead: end the worker, which frees
-            // its memory, modules and context.
+            // Ending the worker frees its memory, modules and context.
             slot.end();
             shared.metrics.lease_dropped.inc();
             info!(lease = %id, "lease expired; worker ended");

@@ -1,5 +1,4 @@
-//! The node's cache of module sources, shared by leases and bounded per
-//! principal.
+//! The node's module source cache, shared by leases, bounded per principal.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -10,13 +9,11 @@ use crate::proto::{ModuleHash, SourceKind};
 /// A module's source (or the PTX compiled from it).
 pub(super) type ModuleSource = Arc<(SourceKind, Vec<u8>)>;
 
-/// Module sources loaded by leases, by content hash, so a lease need not
-/// resend what another lease (or an earlier one) sent. Each entry belongs
-/// to the principal whose lease was charged for it and loaded it. Bounded
-/// in bytes node-wide and per principal: a principal over its share
-/// evicts its own oldest entries, and when the node is full the oldest
-/// entries of the largest holder go, so one tenant's modules never evict a
-/// smaller holder's.
+/// Module sources loaded by leases, by content hash, so no lease resends
+/// what any lease sent. Each entry belongs to the principal whose lease was
+/// charged for and loaded it. Bounded in bytes node-wide and per principal:
+/// a principal over its share evicts its own oldest entries; a full node
+/// evicts the largest holder's oldest, never a smaller holder's.
 #[derive(Debug, Default)]
 pub(super) struct ModuleCache {
     map: HashMap<ModuleHash, (ModuleSource, Principal)>,
@@ -61,9 +58,8 @@ impl ModuleCache {
         self.shares.get(owner).map_or(0, |(_, b)| *b)
     }
 
-    /// Keeps `entry` for `hash` as `owner`'s (replacing what was kept:
-    /// compiled PTX replaces the CUDA C it came from), within `cap` bytes
-    /// node-wide and `share_cap` for `owner`.
+    /// Keeps `entry` for `hash` as `owner`'s (compiled PTX replaces its CUDA
+    /// C), within `cap` bytes node-wide and `share_cap` for `owner`.
     pub(super) fn insert(
         &mut self,
         hash: ModuleHash,

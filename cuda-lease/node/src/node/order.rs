@@ -1,14 +1,9 @@
 //! A lease's order of numbered batches ([`Batch::seq`](crate::proto::Batch)):
-//! each runs after every lower number has run, whatever order they arrive
-//! in. Order comes from the channel, never from a clock: a batch (or a
-//! transfer that follows one) waits as long as its predecessors can still
-//! come, and fails only when they cannot: the lease ended, or the
-//! connection that carries the lease's batches closed with a predecessor
-//! missing (requests the node has read always run to their end, so only a
-//! number that never arrived can stall the order).
-//!
-//! The state is a plain value ([`OrderState`]), unit-tested without QUIC;
-//! [`LeaseOrder`] shares it with the waiters through a `watch` channel.
+//! each runs after every lower number, whatever the arrival order. No
+//! clock: a batch (or a transfer following one) waits while its
+//! predecessors can still come, and fails only when the lease ended or the
+//! carrying connection closed with a predecessor missing (read requests
+//! always run to their end, so only a number that never arrived stalls).
 
 use std::collections::BTreeSet;
 
@@ -19,8 +14,7 @@ use tokio::sync::watch;
 pub(super) struct OrderState {
     /// The next number to run: every lower one has run.
     next: u64,
-    /// Numbers at or above `next` that are on the node (read, waiting or
-    /// running).
+    /// Numbers at or above `next` on the node (read, waiting or running).
     arrived: BTreeSet<u64>,
     /// The connection that carries the lease's batches.
     session: Session,
@@ -44,8 +38,7 @@ enum Session {
 pub(super) enum Stalled {
     /// The lease is gone.
     Ended,
-    /// Batch `missing` never arrived and the connection that carried the
-    /// lease's batches closed.
+    /// Batch `missing` never arrived and the carrying connection closed.
     Disconnected {
         /// The first number that never came.
         missing: u64,
@@ -57,8 +50,7 @@ pub(super) enum Stalled {
 pub(super) enum Arrival {
     /// The number is ahead (or next): the batch waits for its turn.
     InLine,
-    /// The number has run already, or another batch of it is on the
-    /// node.
+    /// The number has run, or another batch of it is on the node.
     Passed,
 }
 
@@ -85,9 +77,8 @@ impl OrderState {
         Arrival::InLine
     }
 
-    /// Batch `seq` leaves the node: it ran (or was refused) in its turn
-    /// when `ran`, and the order moves on; otherwise (it will be sent
-    /// again, or could not run) it no longer counts as arrived.
+    /// Batch `seq` leaves. With `ran` (ran or refused in its turn) the order
+    /// moves on; otherwise it no longer counts as arrived.
     pub(super) fn leave(&mut self, seq: u64, ran: bool) {
         self.arrived.remove(&seq);
         if ran && self.next == seq {
@@ -97,7 +88,6 @@ impl OrderState {
         }
     }
 
-    /// Connection `conn` closed.
     pub(super) fn closed(&mut self, conn: usize) {
         if self.session == Session::Open(conn) {
             self.session = Session::Closed;
@@ -156,13 +146,11 @@ impl LeaseOrder {
         self.0.send_modify(f);
     }
 
-    /// Waits until every number below `upto` has run, with no time bound:
-    /// only the end of the lease or of its batches' connection ends it.
+    /// Waits, unbounded, until every number below `upto` has run.
     pub(super) async fn reached(&self, upto: u64) -> Result<(), Stalled> {
         let mut rx = self.0.subscribe();
         let mut outcome = Ok(());
-        // `wait_for` returns once the closure says so; the sender lives as
-        // long as `self`, so it cannot close under us.
+        // The sender lives as long as `self`, so it cannot close under us.
         let _ = rx
             .wait_for(|s| match s.reached(upto) {
                 Ok(done) => done,
@@ -175,8 +163,7 @@ impl LeaseOrder {
         outcome
     }
 
-    /// Batch `seq` arrived on `conn`: its place in the order, held until
-    /// the returned [`Place`] is dropped (or withdrawn).
+    /// Batch `seq` arrived on `conn`: its [`Place`], held until dropped.
     pub(super) fn arrive(&self, seq: u64, conn: usize) -> (Arrival, Place<'_>) {
         let mut arrival = Arrival::Passed;
         self.update(|s| arrival = s.arrive(seq, conn));
@@ -190,8 +177,7 @@ impl LeaseOrder {
     }
 }
 
-/// A batch's place in its lease's order; dropped, the batch leaves (the
-/// order moves on if it was the batch's turn and it ran).
+/// A batch's place in its lease's order; on drop the batch leaves.
 #[derive(Debug)]
 pub(super) struct Place<'a> {
     order: &'a LeaseOrder,
@@ -201,15 +187,13 @@ pub(super) struct Place<'a> {
 }
 
 impl Place<'_> {
-    /// Waits for the batch's turn.
     pub(super) async fn turn(&mut self) -> Result<(), Stalled> {
         self.order.reached(self.seq).await?;
         self.ran = true;
         Ok(())
     }
 
-    /// The batch will come again (with its modules' sources): it gives up
-    /// its turn and no longer counts as arrived.
+    /// The batch will be resent: gives up its turn and its arrival.
     pub(super) fn withdraw(mut self) {
         self.ran = false;
     }

@@ -1,20 +1,15 @@
-//! MEM_WRITE and MEM_READ as streams: the data moves in chunks of one ring
-//! slot ([`SLOT_BYTES`]) between QUIC and the lease's worker, so receiving
-//! chunk k+1 overlaps the worker's copy of chunk k (and, reading, the
-//! worker fills chunk k+1 while chunk k goes out on QUIC). The node holds at
-//! most the worker's ring, whatever the size. Header and body are checked
-//! (authentication, lease) before any data is read; the lease's worker
-//! checks the handle and range with the first chunk, before it copies any.
+//! MEM_WRITE and MEM_READ as streams: data moves in ring-slot chunks
+//! ([`SLOT_BYTES`]) between the network and the lease's worker, overlapping
+//! transfer and copy; the node holds at most the worker's ring. Header and
+//! body (authentication, lease) are checked before any data is read; the
+//! worker checks handle and range with the first chunk, before copying.
 //!
-//! The chunks ready at once (up to [`MAX_CHUNKS_PER_CALL`]) go to the
-//! worker in one short call under the lease's exec lock, so concurrent
-//! transfers on one lease (stripes over several connections) interleave a
-//! few chunks at a time instead of waiting for each other, and a pipe
-//! round trip (with the node's wake-up) is paid per group, not per chunk.
+//! Chunks ready at once (up to [`MAX_CHUNKS_PER_CALL`]) go to the worker in
+//! one short call under the exec lock, so concurrent stripes on one lease
+//! interleave, and a pipe round trip is paid per group, not per chunk.
 //!
-//! The same code serves a QUIC stream ([`serve`]) and a connection of the
-//! bulk-data channel ([`super::bulk`]): both are a [`DataIn`] and a
-//! [`DataOut`].
+//! Serves both QUIC streams ([`serve`]) and bulk-data connections
+//! ([`super::bulk`]) through [`DataIn`] and [`DataOut`].
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,8 +28,7 @@ use crate::proto::{self, from_body, to_body, Header, LeaseId, MemRead, MemWrite,
 use crate::shm::{ShmRing, Slot, SLOTS, SLOT_BYTES};
 use crate::worker::{chunks_outcome, ChunkOp, ChunkOps, MAX_CHUNKS_PER_CALL};
 
-/// Serves one MEM_WRITE or MEM_READ whose header and body have been read;
-/// `recv` holds the data that follows (MEM_WRITE).
+/// Serves one MEM_WRITE or MEM_READ whose header and body were read.
 pub(super) async fn serve(
     shared: &Arc<Shared>,
     peer: &Peer,
@@ -61,9 +55,8 @@ pub(super) async fn serve(
     }
 }
 
-/// Serves one MEM_WRITE or MEM_READ of `who` whose header and body have
-/// been read (a MEM_WRITE's data follows on `recv`). Returns whether the
-/// reply went out whole.
+/// [`serve`] for principal `who` on any [`DataIn`] / [`DataOut`]; returns
+/// whether the reply went out whole.
 pub(super) async fn serve_request(
     shared: &Arc<Shared>,
     who: &Principal,
@@ -89,17 +82,14 @@ pub(super) async fn serve_request(
 
 /// Where a MEM_WRITE's data comes from.
 pub(super) trait DataIn: Send {
-    /// Fills `buf` whole.
     fn read_exact(&mut self, buf: &mut [u8]) -> impl Future<Output = std::io::Result<()>> + Send;
-    /// Declines the `remaining` bytes of data not read (after a refusal or
-    /// a failure), so the reply can follow.
+    /// Declines the `remaining` unread bytes so the reply can follow.
     fn refuse(&mut self, remaining: u64) -> impl Future<Output = ()> + Send;
 }
 
 /// Where a reply (and a MEM_READ's data) goes.
 pub(super) trait DataOut: AsyncWrite + Unpin + Send {
-    /// Ends a reply whose header promised data that will not come: the
-    /// client sees the transfer cut off.
+    /// Cuts off a reply whose promised data will not come.
     fn abort(&mut self);
 }
 
@@ -111,7 +101,7 @@ impl DataIn for quinn::RecvStream {
     }
 
     async fn refuse(&mut self, _remaining: u64) {
-        // QUIC tells the peer to stop sending instead of reading the rest.
+        // QUIC can tell the peer to stop sending.
         let _ = self.stop(0u32.into());
     }
 }
@@ -135,9 +125,7 @@ async fn send_reply(send: &mut impl DataOut, req: &Header, reply: &Reply) -> boo
         .is_ok()
 }
 
-/// Chunks on the worker, in one call sent under the lease's exec lock
-/// (after every batch sent before it; the lock is not held while the
-/// copies run).
+/// Chunks on the worker in one call, sent (not run) under the exec lock.
 async fn chunks(
     shared: &Shared,
     lease: &LeaseId,
@@ -146,7 +134,6 @@ async fn chunks(
     ops: ChunkOps,
 ) -> Result<(), Reply> {
     let exec = slot.exec.lock().await;
-    // The lease may have died while we waited.
     shared.table().get(lease, shared.now())?;
     let sent = slot
         .worker
@@ -187,13 +174,11 @@ async fn write(
     let (m, slot) = match checked {
         Ok(x) => x,
         Err(r) => {
-            // Refuse the data instead of reading it.
             recv.refuse(len).await;
             return Err(r);
         }
     };
-    // The lease's worker checks the range with the first chunk (alone
-    // when there is none).
+    // The worker checks the range with the first chunk (alone if none).
     let range = Some((m.buf, m.offset, len));
     if len == 0 {
         let ops = ChunkOps { range, ops: vec![] };
@@ -230,7 +215,6 @@ async fn write(
         let mut range = range;
         let mut group = Vec::with_capacity(MAX_CHUNKS_PER_CALL);
         while let Some(first) = rx.recv().await {
-            // The first chunk and every other one already received.
             group.push(first);
             while group.len() < MAX_CHUNKS_PER_CALL {
                 match rx.try_recv() {
@@ -257,7 +241,7 @@ async fn write(
                     failed.store(true, Ordering::Relaxed);
                 }
             }
-            // The slots go back to the ring once the worker has copied them.
+            // Slots return to the ring once copied.
             group.clear();
         }
         result
@@ -285,8 +269,7 @@ async fn read(
     let fill = |at: u64| fill_chunks(shared, &ring, &slot, &m, len, at);
     // The first chunks before the header, so an early failure is a reply.
     let first = if len == 0 {
-        // The lease's worker checks the range (with the first chunks
-        // otherwise).
+        // The worker checks the range (else with the first chunks).
         let ops = ChunkOps {
             range: Some((m.buf, m.offset, 0)),
             ops: vec![],
@@ -311,9 +294,8 @@ async fn read(
     send_chunks(shared, send, first, len, fill).await
 }
 
-/// A MEM_READ's body, decoded and checked (size limit; then, once the
-/// batch it follows has run, the lease), with the lease it reads (its
-/// worker checks the handle and range).
+/// A MEM_READ's body and lease, checked (size, then the lease once its
+/// `after` batch ran); the worker checks handle and range.
 async fn check_read(
     shared: &Shared,
     who: &Principal,
@@ -334,11 +316,9 @@ async fn check_read(
     Ok((m, slot))
 }
 
-/// Waits until the lease's numbered batch `after` has run (see
-/// [`MemWrite::after`]; 0: at once), however long it takes: a transfer
-/// that ran earlier would name buffers the batch creates, or read what it
-/// has not computed yet. Only the end of the lease, or a batch that can
-/// never come, ends the wait with an error.
+/// Waits, unbounded, until the lease's batch `after` has run (see
+/// [`MemWrite::after`]; 0: no wait). Fails only if the lease ends or the batch
+/// can never come.
 async fn follow(
     shared: &Shared,
     who: &Principal,
@@ -355,16 +335,13 @@ async fn follow(
         .map_err(|e| stalled(shared, lease, e))
 }
 
-/// Most chunks of a MEM_READ filled in one worker call: the slots stay
-/// held until each is sent, so a larger group holds more of the ring from
-/// the lease's other stripes (groups of 4 moved the most of 1, 2, 4 and
-/// 8).
+/// Most chunks of a MEM_READ filled per worker call; slots stay held until
+/// sent, so larger groups starve the lease's other stripes.
 const READ_GROUP: usize = 4;
 
-/// Has the worker fill ring slots with the chunks of `m` (`len` bytes in
-/// all) from `at` bytes in, in one call: a slot it waits for, and as many
-/// more as are free now (up to [`READ_GROUP`] and the end).
-/// Returns the slots and their chunks' lengths, in order.
+/// Has the worker fill `m`'s chunks from offset `at` in one call: one
+/// awaited slot plus those free now (up to [`READ_GROUP`]). Returns the
+/// slots and chunk lengths in order.
 async fn fill_chunks(
     shared: &Shared,
     ring: &Arc<ShmRing>,
@@ -395,7 +372,6 @@ async fn fill_chunks(
         out.push((s, n));
         next += u64::from(n);
     }
-    // The transfer's range is checked with its first chunks.
     let range = (at == 0).then_some((m.buf, m.offset, len));
     chunks(
         shared,
@@ -408,9 +384,8 @@ async fn fill_chunks(
     .map(|()| out)
 }
 
-/// Sends a MEM_READ's data after its header, `first` (the first chunks)
-/// already filled: `fill` fills the next chunks while the earlier ones go
-/// out. Returns whether the data went out whole.
+/// Sends a MEM_READ's data: `first` is filled, `fill` fills more while
+/// earlier chunks go out. Returns whether all went out.
 async fn send_chunks<F, Fut>(
     shared: &Shared,
     send: &mut impl DataOut,
@@ -443,8 +418,7 @@ where
     };
     let consumer = async {
         while let Some((s, n)) = rx.recv().await {
-            // A client that stops reading loses the reply after the reply
-            // timeout, instead of holding the lease's ring slots.
+            // A client that stops reading must not hold the ring.
             let wrote = tokio::time::timeout(
                 shared.cfg.reply_timeout,
                 send.write_all(&s.bytes()[..n as usize]),
@@ -462,8 +436,7 @@ where
     match produced {
         Ok(()) => sent,
         Err(r) => {
-            // The header promised the data: end the stream with an error
-            // the client sees as a reset.
+            // The header promised the data: reset the stream.
             tracing::debug!(status = ?r.status, "MEM_READ failed mid-stream");
             send.abort();
             false

@@ -1,5 +1,4 @@
-//! The per-principal byte budget and GPU_SUBMIT, the one-shot kernel call
-//! served by the submit workers.
+//! The per-principal byte budget, and GPU_SUBMIT on the submit workers.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -11,9 +10,8 @@ use crate::lock;
 use crate::proto::{from_body, Frame, GpuSubmit, Opcode, Status};
 use crate::worker::WorkerProcess;
 
-/// One request of a principal in flight, with the bytes it holds in the
-/// node (body and unstreamed data, then the reply's data); given back when
-/// dropped, after the reply was written or dropped.
+/// One in-flight request of a principal and the bytes it holds in the node
+/// (body and unstreamed data, then reply data); given back on drop.
 pub(super) struct BudgetTurn {
     pub(super) shared: Arc<Shared>,
     pub(super) who: Principal,
@@ -61,8 +59,7 @@ impl BudgetTurn {
         })
     }
 
-    /// Charges `more` bytes to this request (the reply's data, before the
-    /// work that makes it runs); the reason if they do not fit.
+    /// Charges `more` reply bytes before the work runs; the reason if no fit.
     pub(super) fn grow(&mut self, more: u64) -> Result<(), String> {
         let mut m = lock(&self.shared.budgets);
         let Some((_, held)) = m.get_mut(&self.who) else {
@@ -78,8 +75,7 @@ impl BudgetTurn {
 }
 
 impl BudgetTurn {
-    /// Charges up to `want` more bytes to this request, as many as fit in
-    /// the principal's budget now; returns how many.
+    /// Charges as many of `want` bytes as fit now; returns how many.
     pub(super) fn grow_up_to(&mut self, want: u64) -> u64 {
         let mut m = lock(&self.shared.budgets);
         let Some((_, held)) = m.get_mut(&self.who) else {
@@ -96,8 +92,7 @@ impl BudgetTurn {
         more
     }
 
-    /// Gives `bytes` of this request's charge back to the principal's
-    /// budget (held for a reply that turned out smaller).
+    /// Gives back `bytes` of this request's charge.
     pub(super) fn release(&mut self, bytes: u64) {
         let bytes = bytes.min(self.bytes);
         let mut m = lock(&self.shared.budgets);
@@ -121,9 +116,8 @@ impl Drop for BudgetTurn {
     }
 }
 
-/// Waits for one of the principal's GPU_SUBMIT turns (at most
-/// `max_submits_per_principal` in flight): a tenant's extra submits queue
-/// behind its own, never taking every submit worker from other tenants.
+/// Waits for one of the principal's `max_submits_per_principal` GPU_SUBMIT
+/// turns, so one tenant never takes every submit worker.
 pub(super) async fn submit_turn(
     shared: &Shared,
     who: &Principal,
