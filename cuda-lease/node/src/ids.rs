@@ -1,7 +1,6 @@
-//! The hasher of a lease worker's maps. Their keys are the tenant's own
-//! ids, streams and module hashes, in the tenant's own worker process (a
-//! tenant that picks colliding ids slows only itself), so a multiply per
-//! word replaces SipHash on every command's lookups.
+//! The hasher of a lease worker's maps: a multiply per word, not SipHash.
+//! Keys are the tenant's own ids, streams and module hashes in its own
+//! worker, so colliding ids slow only that tenant.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};

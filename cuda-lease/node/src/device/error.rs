@@ -8,8 +8,7 @@ use cuda_async::Error;
 use super::MAX_DEVICE_STREAMS;
 use crate::proto::{Id, Status};
 
-/// A failed device operation (also what a worker's failed request
-/// answers the node).
+/// A failed device operation, also a worker's answer to a failed request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 #[error("{status}: {message}")]
 pub struct DeviceError {
@@ -74,8 +73,7 @@ pub(super) fn check_fresh(taken: bool, id: impl std::fmt::Display) -> Result<(),
     Ok(())
 }
 
-/// Refuses a GPU_SUBMIT argument (an input or the output) in a lease's
-/// launch.
+/// Refuses a GPU_SUBMIT argument (input or output) in a lease's launch.
 pub(super) fn submit_only() -> DeviceError {
     DeviceError::new(Status::BadRequest, "Input/Output are for GPU_SUBMIT")
 }
@@ -105,8 +103,8 @@ pub(super) fn too_many_streams() -> DeviceError {
     )
 }
 
-/// The buffer a memory kernel argument names, with its offset checked
-/// against the buffer's length (shared by every device implementation).
+/// The buffer a memory kernel argument names, its offset checked against
+/// the buffer's length.
 pub(super) fn mem_arg<B, S: std::hash::BuildHasher>(
     buffers: &HashMap<Id, B, S>,
     id: Id,
@@ -123,9 +121,8 @@ pub(super) fn mem_arg<B, S: std::hash::BuildHasher>(
     Ok(b)
 }
 
-/// Maps a `cuda-core` error: sticky ones (kernel faults) become sticky
-/// LAUNCH_FAILED whatever the op; the rest get a status by kind, or
-/// `status`.
+/// Maps a `cuda-core` error: a sticky one (kernel fault) becomes sticky
+/// LAUNCH_FAILED whatever the op; the rest get a status by kind, or `status`.
 pub(super) fn map(status: Status, what: &str, e: Error) -> DeviceError {
     let status = match &e {
         e if e.is_sticky() => {

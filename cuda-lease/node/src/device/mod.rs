@@ -21,41 +21,34 @@ pub use memory::MemoryDevice;
 /// lower; this bounds a worker whatever it is sent).
 pub const MAX_DEVICE_STREAMS: usize = 64;
 
-/// One device context owned by one worker process, with streams made on
-/// demand and named by the lease's client.
+/// One device context, owned by one worker process; streams are made on demand.
 ///
 /// Commands are enqueued: each runs after the earlier commands of its
-/// stream, after the event record a [`LeaseDevice::wait`] names, and after the
-/// earlier commands on any stream that used the same buffer in a
-/// conflicting way (a write against any use), as `cuda-core` buffers order
-/// themselves; otherwise streams run concurrently. Errors returned at
-/// enqueue (unknown ids, bounds, arguments) leave nothing enqueued; a kernel
-/// fault is sticky and surfaces at [`LeaseDevice::finish`].
+/// stream, the event record a [`LeaseDevice::wait`] names, and the earlier
+/// conflicting uses (a write against any use) of the same buffer on any
+/// stream; otherwise streams run concurrently. Errors at enqueue (unknown
+/// ids, bounds, arguments) leave nothing enqueued; a kernel fault is sticky
+/// and surfaces at [`LeaseDevice::finish`].
 pub trait LeaseDevice {
     /// Describes the device, with free memory measured now.
     ///
     /// # Errors
-    ///
     /// A driver error.
     fn info(&mut self) -> Result<DeviceInfo, DeviceError>;
     /// Allocates `size` zeroed bytes as buffer `id`, ordered on `stream`.
     ///
     /// # Errors
-    ///
-    /// CAPACITY_EXCEEDED when the device is out of memory; BAD_REQUEST for
-    /// an id in use.
+    /// CAPACITY_EXCEEDED when out of memory; BAD_REQUEST for an id in use.
     fn alloc(&mut self, stream: StreamId, id: Id, size: u64) -> Result<(), DeviceError>;
     /// Frees buffer or event `id` after every enqueued use of it.
     ///
     /// # Errors
-    ///
     /// NOT_FOUND for an unknown id.
     fn free(&mut self, stream: StreamId, id: Id) -> Result<(), DeviceError>;
     /// Enqueues a copy of `data` into buffer `id` at `offset`; `data` is
-    /// not needed once this returns.
+    /// free once this returns.
     ///
     /// # Errors
-    ///
     /// NOT_FOUND, BAD_REQUEST when out of bounds, or a driver error.
     fn write(
         &mut self,
@@ -68,7 +61,6 @@ pub trait LeaseDevice {
     /// in `out[at..at + len]` of the next [`LeaseDevice::finish`].
     ///
     /// # Errors
-    ///
     /// NOT_FOUND, BAD_REQUEST when out of bounds, READ_FAILED.
     fn read(
         &mut self,
@@ -82,37 +74,31 @@ pub trait LeaseDevice {
     /// enqueued write of it (the streamed MEM_READ path).
     ///
     /// # Errors
-    ///
     /// As [`LeaseDevice::read`], and a sticky fault of earlier work.
     fn read_now(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError>;
-    /// Registers `len` bytes at `ptr` (the node's ring, mapped for the
-    /// worker's life) so that [`LeaseDevice::write_chunk`] and
-    /// [`LeaseDevice::read_chunk`] copy straight from and to it; whether it
-    /// did. By default nothing is registered and chunks go through
-    /// [`LeaseDevice::write`] and [`LeaseDevice::read_now`].
+    /// Registers `len` bytes at `ptr` (the node's ring) for
+    /// [`LeaseDevice::write_chunk`] and [`LeaseDevice::read_chunk`] to copy
+    /// straight from and to; whether it did (by default not).
     ///
     /// # Safety
     /// The memory stays mapped as long as the device lives.
     unsafe fn register_ring(&mut self, _ptr: *mut u8, _len: usize) -> bool {
         false
     }
-    /// A chunk of a streamed MEM_WRITE: copies `data` (in the ring) into
-    /// buffer `id` at `offset`. Done, and `data` free, once
+    /// A streamed MEM_WRITE chunk: copies `data` (in the ring) into buffer
+    /// `id` at `offset`; done, and `data` free, once
     /// [`LeaseDevice::chunks_done`] has returned.
     ///
     /// # Errors
-    ///
     /// As [`LeaseDevice::write`].
     fn write_chunk(&mut self, id: Id, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
         self.write(0, id, offset, data)
     }
-    /// A chunk of a streamed MEM_READ: copies `out.len()` bytes of buffer
-    /// `id` at `offset` into `out` (in the ring). The bytes are there only
-    /// once [`LeaseDevice::chunks_done`] has returned; until then nothing may
-    /// touch `out`.
+    /// A chunk of a streamed MEM_READ: copies `out.len()` bytes of buffer `id`
+    /// at `offset` into `out` (in the ring), which nothing may touch until
+    /// [`LeaseDevice::chunks_done`] has returned.
     ///
     /// # Errors
-    ///
     /// As [`LeaseDevice::read_now`].
     fn read_chunk(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
         self.read_now(id, offset, out)
@@ -120,18 +106,15 @@ pub trait LeaseDevice {
     /// Waits for the chunks since the last call.
     ///
     /// # Errors
-    ///
     /// A sticky fault of earlier work.
     fn chunks_done(&mut self) -> Result<(), DeviceError> {
         Ok(())
     }
     /// Loads a module (PTX: JIT; CUDA C: compiled by NVRTC for this device)
-    /// under its content hash, and returns the PTX it compiled CUDA C to
-    /// (so the node can keep it and spare other workers the compile).
-    /// Loading a hash already loaded is a no-op.
+    /// under its content hash, returning the PTX compiled from CUDA C (the node
+    /// keeps it to spare other workers the compile). A loaded hash is a no-op.
     ///
     /// # Errors
-    ///
     /// LOAD_FAILED with the JIT or compile log.
     fn load_module(
         &mut self,
@@ -142,37 +125,31 @@ pub trait LeaseDevice {
     /// Unloads a module after everything enqueued.
     ///
     /// # Errors
-    ///
     /// NOT_FOUND.
     fn unload_module(&mut self, hash: ModuleHash) -> Result<(), DeviceError>;
-    /// Enqueues a kernel launch (its memory arguments the lease's
-    /// buffers).
+    /// Enqueues a kernel launch; its memory arguments are the lease's buffers.
     ///
     /// # Errors
-    ///
     /// NOT_FOUND (module, kernel or memory), BAD_REQUEST (a GPU_SUBMIT
     /// argument among them), LAUNCH_FAILED.
     fn launch(&mut self, stream: StreamId, spec: &LaunchSpec<'_>) -> Result<(), DeviceError>;
     /// Records event `event` on `stream` (made on first use).
     ///
     /// # Errors
-    ///
     /// BAD_REQUEST when `event` names a buffer.
     fn record(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError>;
     /// Makes `stream` wait for the last record of `event`.
     ///
     /// # Errors
-    ///
     /// NOT_FOUND for an event never recorded.
     fn wait(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError>;
-    /// Captures graph `graph` natively: `enqueue` enqueues its body's
-    /// commands on this device while `streams` (the body's, its first
-    /// stream first) capture. `Ok(true)` when the device keeps the graph
-    /// ([`LeaseDevice::launch_graph`] replays it), `Ok(false)` when it does not
-    /// capture (the worker replays the commands instead).
+    /// Captures graph `graph` natively: `enqueue` enqueues the body's
+    /// commands while `streams` (the body's, its first stream first)
+    /// capture. `Ok(true)`: the device keeps the graph for
+    /// [`LeaseDevice::launch_graph`]; `Ok(false)`: it does not capture (the
+    /// worker replays the commands).
     ///
     /// # Errors
-    ///
     /// A command's error, or the capture's.
     fn capture_graph(
         &mut self,
@@ -183,11 +160,10 @@ pub trait LeaseDevice {
         let _ = (graph, streams, enqueue);
         Ok(false)
     }
-    /// Replays a graph [`LeaseDevice::capture_graph`] kept, after the work on
-    /// `stream` so far.
+    /// Replays a graph [`LeaseDevice::capture_graph`] kept, after the work
+    /// on `stream` so far.
     ///
     /// # Errors
-    ///
     /// NOT_FOUND for a graph it does not keep; a driver error.
     fn launch_graph(&mut self, stream: StreamId, graph: Id) -> Result<(), DeviceError> {
         let _ = stream;
@@ -196,30 +172,25 @@ pub trait LeaseDevice {
             format!("no graph {graph} on this device"),
         ))
     }
-    /// Lets go of a graph [`LeaseDevice::capture_graph`] kept (after its
-    /// replays).
+    /// Frees a graph [`LeaseDevice::capture_graph`] kept, after its replays.
     fn free_graph(&mut self, graph: Id) {
         let _ = graph;
     }
     /// Starts timer `timer` (a new id) where `stream` is now.
     ///
     /// # Errors
-    ///
     /// BAD_REQUEST when `timer` is in use; a driver error.
     fn timer_start(&mut self, stream: StreamId, timer: Id) -> Result<(), DeviceError>;
-    /// Ends timer `timer` where `stream` is now: the nanoseconds between
-    /// its start and its end, a little-endian `u64`, land in
-    /// `out[at..at + 8]` of the next [`LeaseDevice::finish`]. The timer is gone
-    /// after.
+    /// Ends timer `timer` where `stream` is now, removing it: the nanoseconds
+    /// since its start, a little-endian `u64`, land in `out[at..at + 8]` of the
+    /// next [`LeaseDevice::finish`].
     ///
     /// # Errors
-    ///
     /// NOT_FOUND for a timer never started; a driver error.
     fn timer_end(&mut self, stream: StreamId, timer: Id, at: usize) -> Result<(), DeviceError>;
     /// Enqueues setting `len` bytes of buffer `id` at `offset` to `value`.
     ///
     /// # Errors
-    ///
     /// NOT_FOUND, BAD_REQUEST when out of bounds, or a driver error.
     fn fill(
         &mut self,
@@ -229,13 +200,11 @@ pub trait LeaseDevice {
         len: u64,
         value: u8,
     ) -> Result<(), DeviceError>;
-    /// Enqueues a copy of `len` bytes from `(buffer, offset)` `src` to
-    /// another buffer's `dst`.
+    /// Enqueues a copy of `len` bytes from `src` to `dst` (buffer, offset).
     ///
     /// # Errors
-    ///
-    /// NOT_FOUND, BAD_REQUEST when out of bounds or both are one buffer,
-    /// or a driver error.
+    /// NOT_FOUND, BAD_REQUEST when out of bounds or both are one buffer, or a
+    /// driver error.
     fn copy(
         &mut self,
         stream: StreamId,
@@ -247,57 +216,46 @@ pub trait LeaseDevice {
     /// GPU), ordered like a launch that reads `A` and `B` and writes `C`.
     ///
     /// # Errors
-    ///
-    /// NOT_FOUND, BAD_REQUEST for a shape outside its buffers, or the
-    /// library's error.
+    /// NOT_FOUND, BAD_REQUEST (a shape outside its buffers), a library error.
     fn gemm(&mut self, stream: StreamId, spec: &GemmSpec) -> Result<(), DeviceError>;
-    /// Enqueues a random fill by the device's own generator (cuRAND's
-    /// Philox on a GPU, restarted at the spec's seed), ordered like a
-    /// launch that writes its buffer.
+    /// Enqueues a random fill by the device's own generator (cuRAND's Philox
+    /// on a GPU, restarted at the spec's seed), ordered like a launch writing
+    /// its buffer.
     ///
     /// # Errors
-    ///
     /// NOT_FOUND, BAD_REQUEST for a fill outside its buffer or an odd
     /// normal one, or the library's error.
     fn rand_fill(&mut self, stream: StreamId, spec: &RandSpec) -> Result<(), DeviceError>;
-    /// Waits for everything enqueued on every stream and delivers the
-    /// enqueued reads into `out`.
+    /// Waits for all enqueued work and delivers the enqueued reads into `out`.
     ///
     /// # Errors
-    ///
     /// LAUNCH_FAILED (sticky) when a kernel faulted.
     fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError>;
-    /// Seals what was enqueued since the last seal (or finish) as one
-    /// batch whose reads fill `out_len` bytes, without waiting for it: its
-    /// work runs on while later commands are enqueued (after it, by
-    /// stream, event and buffer order, as always), and
-    /// [`LeaseDevice::poll_sealed`] says when it is done.
+    /// Seals what was enqueued since the last seal (or finish) as one batch
+    /// whose reads fill `out_len` bytes, without waiting: later commands
+    /// enqueue while it runs (ordered by stream, event and buffer, as always)
+    /// and [`LeaseDevice::poll_sealed`] says when it is done.
     fn seal(&mut self, out_len: usize) -> Ticket;
     /// The reads of sealed batch `ticket` once its work is done (the
     /// ticket is then spent), `None` while it runs.
     ///
     /// # Errors
-    ///
     /// LAUNCH_FAILED (sticky) when a kernel faulted; a driver error.
     fn poll_sealed(&mut self, ticket: Ticket) -> Option<Result<Vec<u8>, DeviceError>>;
-    /// Arms a wake-up for sealed batch `ticket`: the descriptor returned
-    /// becomes readable once its work is done (the caller drains it, then
-    /// polls the batch). `None` when the device cannot (the default), or
-    /// for a batch that needs no wait: the caller polls the batch instead.
+    /// Arms a wake-up for sealed batch `ticket`: the descriptor returned turns
+    /// readable once its work is done (the caller drains it, then polls). `None`
+    /// (the default) when the device cannot or the batch needs no wait: poll it.
     fn wake_when_done(&mut self, ticket: Ticket) -> Option<std::os::fd::RawFd> {
         let _ = ticket;
         None
     }
 
-    /// Enqueues command `c` through the method of its op: `data` is a
-    /// write's bytes; a read's bytes (or a timer's nanoseconds) land at
-    /// `at` in the output of the next [`LeaseDevice::finish`]. The one place a
-    /// protocol command becomes device calls.
+    /// Enqueues command `c` through its op's method: `data` is a write's bytes;
+    /// a read's bytes (or a timer's nanoseconds) land at `at` in the output of
+    /// the next [`LeaseDevice::finish`].
     ///
     /// # Errors
-    ///
-    /// The op's method's; BAD_REQUEST for a graph command (the worker
-    /// runs those).
+    /// The op's method's; BAD_REQUEST for a graph command (the worker's).
     fn enqueue(&mut self, c: &Command<'_>, data: &[u8], at: usize) -> Result<(), DeviceError> {
         let s = c.stream;
         match &c.op {
@@ -321,7 +279,6 @@ pub trait LeaseDevice {
             Op::TimerEnd { timer } => self.timer_end(s, *timer, at),
             Op::Gemm(g) => self.gemm(s, g),
             Op::RandFill(r) => self.rand_fill(s, r),
-            // The worker's graphs run them.
             Op::GraphBegin { .. } | Op::GraphEnd { .. } | Op::GraphLaunch { .. } => Err(
                 DeviceError::new(Status::BadRequest, "a graph command out of place"),
             ),

@@ -1,22 +1,13 @@
-//! The checks before a compile: NVRTC options against the allow-list, and
-//! a source's includes against the headers the node offers (layers 1 and 2
-//! of the module docs).
+//! Layers 1 and 2 of the module docs: NVRTC options against the allow-list,
+//! a source's includes against the headers the node offers.
 
 use std::collections::BTreeSet;
 
-/// Checks NVRTC options against the allow-list: architecture
-/// (`--gpu-architecture=compute_90`, `-arch=sm_90a`), language standard
-/// (`--std=c++17`), macros (`-DNAME`, `-DNAME=value`, `-UNAME` and their
-/// long forms), and code generation (`--use_fast_math`, `--ftz=`,
-/// `--prec-div=`, `--prec-sqrt=`, `--fmad=`, `--maxrregcount=`,
-/// `--device-debug`, `--generate-line-info`, `--dopt=`,
-/// `--relocatable-device-code=`, `--extra-device-vectorization`,
-/// `--restrict`, `--device-as-default-execution-space`, `--device-int128`,
-/// `--disable-warnings`, `--builtin-move-forward=`,
-/// `--builtin-initializer-list=`, and the short spellings NVRTC accepts).
+/// Checks NVRTC options against the allow-list: architecture, language
+/// standard, macros (`-D`, `-U`) and code-generation switches, in the long
+/// and short spellings NVRTC accepts.
 ///
 /// # Errors
-///
 /// A message naming the first option refused.
 pub fn check_options(options: &[String]) -> Result<(), String> {
     for o in options {
@@ -73,13 +64,12 @@ const BOOLS: [&str; 14] = [
     "-builtin-initializer-list=",
 ];
 
-/// An option that takes a value: its spellings, each a prefix up to the
-/// value, and the check of the value.
+/// An option that takes a value: its spellings (prefixes up to the value)
+/// and the value's check.
 type ValueRule = (&'static [&'static str], fn(&str) -> bool);
 
-/// The options that take a value, as rules: each one's spellings (prefixes
-/// up to the value) and the check of the value. The first rule with a
-/// prefix the option starts with decides.
+/// The options that take a value; the first rule with a prefix the option
+/// starts with decides.
 const VALUED: [ValueRule; 7] = [
     (&BOOLS, |v| v == "true" || v == "false"),
     (&["--dopt=", "-dopt="], |v| v == "on" || v == "off"),
@@ -110,8 +100,7 @@ fn option_allowed(o: &str) -> bool {
         .unwrap_or(false)
 }
 
-/// An architecture, `compute_` or `sm_` then two or three digits and
-/// perhaps an `a` or `f`.
+/// `compute_` or `sm_`, then two or three digits, perhaps an `a` or `f`.
 fn architecture_allowed(v: &str) -> bool {
     let Some(num) = v.strip_prefix("compute_").or_else(|| v.strip_prefix("sm_")) else {
         return false;
@@ -147,10 +136,9 @@ fn identifiers(text: &str) -> impl Iterator<Item = &str> {
         .filter(|w| !w.is_empty())
 }
 
-/// The text as the preprocessor's first phases see it, for checking:
-/// trigraphs replaced, `%:` (the digraph of `#`) replaced by `#`, carriage
-/// returns taken as line ends, and line splices (a backslash, optional
-/// blanks, a line end) joined. Over-approximates: it may turn text inside
+/// The text as the preprocessor's first phases see it: trigraphs and `%:`
+/// replaced, carriage returns as line ends, line splices (a backslash,
+/// optional blanks, a line end) joined. It may also rewrite text inside
 /// literals, which only makes the check stricter.
 fn normalized(text: &str) -> String {
     let mut s = text.replace("\r\n", "\n").replace('\r', "\n");
@@ -168,7 +156,6 @@ fn normalized(text: &str) -> String {
         s = s.replace(tri, c);
     }
     s = s.replace("%:", "#");
-    // Line splices: `\`, then blanks, then a line end.
     let mut out = String::with_capacity(s.len());
     let mut rest = s.as_str();
     while let Some(i) = rest.find('\\') {
@@ -188,17 +175,15 @@ fn normalized(text: &str) -> String {
 
 /// Checks that a CUDA C source names no file but the headers in `headers`.
 ///
-/// Accepted: `#include <name>` and `#include "name"` alone on their line
-/// (blanks and a trailing `//` comment allowed), where `name` is in
-/// `headers`. Refused: any other occurrence of `include`, `include_next`,
-/// `import`, `embed` or `__has_include` (in code, strings or block
-/// comments: a comment before `#` can still start a directive), a
-/// directive `#line` or a line marker `# 1 "file"` (they rename the file
-/// that diagnostics quote), and a NUL byte. A line whose text starts with
-/// `//` is a comment and is not checked.
+/// Accepted: `#include <name>` or `#include "name"` alone on its line
+/// (blanks and a trailing `//` comment allowed), `name` in `headers`.
+/// Refused: any other `include`, `include_next`, `import`, `embed` or
+/// `__has_include`, even in strings or block comments (a comment before `#`
+/// can still start a directive); `#line` or a line marker `# 1 "file"` (they
+/// rename the file diagnostics quote); a NUL byte. Lines starting with `//`
+/// are not checked.
 ///
 /// # Errors
-///
 /// A message naming the line and what was refused.
 pub fn check_source(source: &str, headers: &BTreeSet<String>) -> Result<(), String> {
     if source.contains('\0') {

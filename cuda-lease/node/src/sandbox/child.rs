@@ -1,6 +1,4 @@
-//! The compiler child (layer 3 of the module docs): started by the worker
-//! with an empty environment, killed at the time bound; inside, it loads
-//! NVRTC, confines itself with Landlock, then compiles.
+//! The compiler child: layer 3 of the module docs.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -29,7 +27,7 @@ pub(crate) struct ChildRequest {
 /// The child's answer.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct ChildReply {
-    /// How the child was confined ([`Confinement`]).
+    /// How the child was confined.
     pub(super) confinement: Confinement,
     /// For each probe path: whether it opened.
     pub(super) probed: Vec<bool>,
@@ -94,9 +92,8 @@ pub(super) fn run_child(
 /// `max_out` bytes), killing it at `timeout`.
 ///
 /// # Errors
-///
-/// When it cannot start, is killed at the time bound, writes more than
-/// `max_out` bytes, or exits with a failure.
+/// When it cannot start, is killed, writes more than `max_out` bytes, or
+/// exits with a failure.
 pub(crate) fn run_bounded(
     mut cmd: Command,
     input: &[u8],
@@ -165,14 +162,12 @@ pub(crate) fn run_bounded(
     Ok(out)
 }
 
-/// Checks that a confined compiler child can open only what it should:
-/// runs `program` (which must call [`crate::worker::main_if_worker`]
-/// first, as the node binary does) as a child with no source, `readable`
-/// directories allowed, tries to open each `probe` path, and returns its
+/// Checks what a confined compiler child can open: runs `program` (which
+/// must call [`crate::worker::main_if_worker`] first) with no source and
+/// `readable` allowed, tries to open each `probe` path, and returns its
 /// confinement and, per path, whether it opened.
 ///
 /// # Errors
-///
 /// When the child cannot run.
 pub fn probe(
     program: &Path,
@@ -190,10 +185,9 @@ pub fn probe(
     Ok((reply.confinement, reply.probed))
 }
 
-/// The compiler child's `main` (entered by [`crate::worker::main_if_worker`]
-/// when [`COMPILER_ENV`] is set): reads a request from stdin, loads NVRTC,
-/// confines itself, compiles, writes the answer to stdout. Returns the exit
-/// code.
+/// The compiler child's `main`, entered when [`COMPILER_ENV`] is set: reads
+/// a request from stdin, loads NVRTC, confines itself, compiles, writes the
+/// answer to stdout; returns the exit code.
 pub(crate) fn child_main() -> i32 {
     let mut input = Vec::new();
     if std::io::stdin().read_to_end(&mut input).is_err() {
@@ -203,8 +197,8 @@ pub(crate) fn child_main() -> i32 {
         return 2;
     };
     limit_resources();
-    // NVRTC and its built-ins are loaded by a first compile, before the
-    // process loses access to the library directories.
+    // A first compile loads NVRTC and its built-ins while the library
+    // directories are still readable.
     if !req.source.is_empty() {
         let arch: Vec<String> = req
             .options
@@ -360,8 +354,8 @@ pub(super) fn confine(readable: &[PathBuf]) -> Result<Confinement, String> {
             allowed_access: landlock::ACCESS_FS_READ_FILE | landlock::ACCESS_FS_READ_DIR,
             parent_fd: dfd.as_raw_fd(),
         };
-        // SAFETY: `rule` is a valid path-beneath attribute and both
-        // descriptors are open for the duration of the call.
+        // SAFETY: `rule` is a valid path-beneath attribute; both descriptors
+        // stay open for the call.
         let r = unsafe {
             libc::syscall(
                 libc::SYS_landlock_add_rule,

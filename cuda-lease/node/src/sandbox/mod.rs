@@ -1,35 +1,28 @@
 //! Tenants' CUDA C, compiled without reaching the node's files.
 //!
-//! A tenant's module is source text and NVRTC options. NVRTC is a C++
-//! compiler: left alone it opens any file a source names (`#include
-//! "/etc/passwd"`, `/proc/self/environ`) and quotes it in the log that goes
-//! back to the tenant. Three layers keep it to what the node offers:
+//! NVRTC opens any file a source names (`#include "/etc/passwd"`,
+//! `/proc/self/environ`) and quotes it in the log returned to the tenant.
+//! Three layers keep it to the headers the node offers
+//! ([`CompileSandbox::include_dirs`]):
 //!
-//! 1. **Options are allow-listed** ([`check_options`]): architecture,
-//!    optimization and code-generation switches, the language standard,
-//!    macro definitions. No include path, pre-include, response file or
-//!    output file option reaches the compiler; the node adds `-I` for the
-//!    CUDA header directories it offers ([`CompileSandbox::include_dirs`]).
-//! 2. **Includes are checked before compiling** ([`check_source`]): the
-//!    only way a source may name a file is a plain `#include <name>` or
-//!    `#include "name"` line whose name is a header found under those
-//!    directories (no absolute path, no `..`, no symbolic link leading
-//!    out). Any other appearance of `include`, `include_next`, `import`,
-//!    `embed`, `__has_include`, a `#line` directive or a line marker, in
-//!    any spelling (line splices, trigraphs, digraphs), refuses the module
-//!    with a message naming the line.
-//! 3. **The compiler runs in a confined child process** ([`Compiler::compile`]): the
-//!    worker re-executes its own program with [`COMPILER_ENV`] set, an
-//!    empty environment (only the library search variables pass, and
-//!    compute-sanitizer's own where a sanitizer runs the node) and no
-//!    arguments. The child loads NVRTC, then forbids itself every file
-//!    access but reading the header directories (Landlock, where the kernel
-//!    has it, with `no_new_privs`), then compiles. The worker kills it after
+//! 1. **Options are allow-listed** ([`check_options`]): no include path,
+//!    pre-include, response file or output file option reaches the compiler;
+//!    the node adds `-I` for the header directories itself.
+//! 2. **Includes are checked before compiling** ([`check_source`]): a source
+//!    names only those headers, by relative name, in plain `#include` lines;
+//!    any other route to a file, in any spelling (line splices, trigraphs,
+//!    digraphs), refuses the module.
+//! 3. **The compiler runs in a confined child** ([`Compiler::compile`]): the
+//!    worker re-executes its program with [`COMPILER_ENV`] set, no arguments
+//!    and only the library search (and compute-sanitizer) variables. The
+//!    child loads NVRTC, forbids itself all file access but reading the
+//!    header directories (Landlock where the kernel has it, with
+//!    `no_new_privs`), then compiles. The worker kills it after
 //!    [`CompileSandbox::timeout`] and keeps at most
 //!    [`CompileSandbox::max_log_bytes`] of its log.
 //!
-//! Layers 1 and 2 hold on any kernel and are what the in-memory test device
-//! checks too; layer 3 holds even if the source check has a gap.
+//! Layers 1 and 2 hold on any kernel and on the in-memory test device too;
+//! layer 3 holds even if the source check has a gap.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -48,14 +41,12 @@ use self::child::{run_child, ChildRequest};
 /// compiler (see [`crate::worker::main_if_worker`]).
 pub const COMPILER_ENV: &str = "CUDA_LEASE_COMPILER";
 
-/// Environment variables the node passes the sandbox's settings to its
-/// workers in.
+/// Variables carrying the sandbox's settings to a worker.
 const INCLUDE_ENV: &str = "CUDA_LEASE_INCLUDE";
 const TIMEOUT_ENV: &str = "CUDA_LEASE_COMPILE_TIMEOUT_MS";
 const LOG_ENV: &str = "CUDA_LEASE_COMPILE_LOG_BYTES";
 
-/// Variables the compiler child keeps (where to find `libnvrtc`); every
-/// other variable of the node is cleared.
+/// Variables the compiler child keeps (to find `libnvrtc`); others are cleared.
 const KEPT_ENV: [&str; 5] = [
     "LD_LIBRARY_PATH",
     "CUDA_PATH",
@@ -64,13 +55,11 @@ const KEPT_ENV: [&str; 5] = [
     "CUDA_TOOLKIT_ROOT_DIR",
 ];
 
-/// Prefixes of the variables compute-sanitizer starts a process tree with
-/// (`--target-processes all`): the compiler child keeps them, since the
-/// sanitizer injects itself into the child whatever its environment, and
-/// without them the child waits for a sanitizer it cannot reach (seen with
-/// compute-sanitizer 2025.3: blocked at startup until the compile time
-/// limit). Absent unless a sanitizer runs the node; they carry nothing
-/// of the node's.
+/// Prefixes of the variables compute-sanitizer gives a process tree
+/// (`--target-processes all`). The compiler child keeps them: the sanitizer
+/// injects itself whatever the environment, and without them the child
+/// blocks waiting for it until the compile time limit. Present only under a
+/// sanitizer; they carry nothing of the node's.
 const SANITIZER_ENV_PREFIXES: [&str; 3] = [
     "NV_SANITIZER_",
     "NVIDIA_PROCESS_INJECTION_",
@@ -83,14 +72,12 @@ const MAX_PTX_BYTES: usize = 256 << 20;
 /// How the node compiles tenants' CUDA C.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CompileSandbox {
-    /// Directories of headers tenants may include (for example the CUDA
-    /// toolkit's `include`): the compiler may read these and nothing else.
-    /// Empty: no `#include` compiles.
+    /// Header directories tenants may include from (e.g. the toolkit's
+    /// `include`): the only files the compiler may read. Empty: no `#include`.
     pub include_dirs: Vec<PathBuf>,
     /// Longest one compile may take; the compiler is killed after it.
     pub timeout: Duration,
-    /// Most bytes of compiler log returned to a tenant (the rest is cut,
-    /// with a note saying how much).
+    /// Most bytes of compiler log returned to a tenant (the rest is cut, noted).
     pub max_log_bytes: usize,
 }
 
@@ -134,14 +121,12 @@ impl CompileSandbox {
     }
 }
 
-/// A worker's compiler: the sandbox's settings and the headers found under
-/// its directories (listed on first use).
+/// A worker's compiler: its settings and their headers (listed on first use).
 #[derive(Debug, Default)]
 pub struct Compiler {
     settings: CompileSandbox,
     headers: OnceLock<BTreeSet<String>>,
-    /// The program run as the compiler child (`None`: this process's own
-    /// executable, as in a worker).
+    /// The compiler child's program (`None`: this process's own executable).
     program: Option<PathBuf>,
 }
 
@@ -156,38 +141,34 @@ impl Compiler {
     }
 
     /// Runs `program` as the compiler child instead of this process's own
-    /// executable; it must call [`crate::worker::main_if_worker`] first
-    /// (the `cuda-lease-node` binary does).
+    /// executable; it must call [`crate::worker::main_if_worker`] first.
     pub fn with_program(mut self, program: PathBuf) -> Self {
         self.program = Some(program);
         self
     }
 
-    /// The header names a source may include: every regular file under the
-    /// include directories, by its path relative to its directory (a
-    /// symbolic link counts only if it resolves inside that directory).
+    /// The header names a source may include: each regular file under the
+    /// include directories, by relative path (a symbolic link only if it
+    /// resolves inside its directory).
     pub fn headers(&self) -> &BTreeSet<String> {
         self.headers
             .get_or_init(|| list_headers(&self.settings.include_dirs))
     }
 
-    /// Checks a CUDA C module's options and source (layers 1 and 2 of the
-    /// module docs).
+    /// Checks a module's options and source (layers 1 and 2 of the module docs).
     ///
     /// # Errors
-    ///
     /// A message naming the refused option or line.
     pub fn check(&self, source: &str, options: &[String]) -> Result<(), String> {
         check_options(options)?;
         check_source(source, self.headers())
     }
 
-    /// Compiles `source` with `options` (already checked) in a confined
-    /// child process, adding `-I` for the include directories and
-    /// `--gpu-architecture=<arch>` unless the options name one.
+    /// Compiles `source` with `options` (already checked) in a confined child,
+    /// adding `-I` for the include directories and `--gpu-architecture=<arch>`
+    /// unless the options name one.
     ///
     /// # Errors
-    ///
     /// The compiler's log (bounded), or why the child failed or was killed.
     pub fn compile(
         &self,
@@ -217,8 +198,7 @@ impl Compiler {
     }
 }
 
-/// `text` cut to at most `max` bytes (on a character boundary) with a note
-/// saying how many were cut.
+/// `text` cut to at most `max` bytes, on a character boundary, with a note.
 fn bound(mut text: String, max: usize) -> String {
     if text.len() <= max {
         return text;

@@ -1,6 +1,5 @@
-//! The worker process itself: it opens its device, then serves the node's
-//! requests from its stdin (batches, streamed chunks, GPU_SUBMIT), checking
-//! tenants' CUDA C before any device sees it.
+//! The worker process: opens its device, then serves the node's requests
+//! from its stdin (batches, streamed chunks, GPU_SUBMIT).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -65,8 +64,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
     let mut graphs = Graphs::default();
     // The lease this worker serves (a submit worker serves none).
     let mut lease = WorkerLease::default();
-    // How long to poll for the next request before blocking (the node
-    // passes its budget; absent: block at once).
+    // The node's spin budget (absent: block at once).
     let spin = std::env::var(SPIN_ENV)
         .ok()
         .and_then(|v| v.parse().ok())
@@ -239,8 +237,7 @@ struct Running {
     work: Sealed,
     /// Its wake-up is armed (see `LeaseDevice::wake_when_done`).
     armed: bool,
-    /// When it was read and enqueued, for a request that asked for
-    /// stamps ([`FLAG_STAMPS`]).
+    /// When it was read and enqueued, if the request asked ([`FLAG_STAMPS`]).
     stamps: Option<[u64; 2]>,
 }
 
@@ -288,12 +285,11 @@ fn answer_done(
     Ok(())
 }
 
-/// While batches run: polls them and the node's pipe, spinning for
-/// `spin`; past that, sleeps until the pipe is readable or the device
-/// wakes it for a done batch (each batch's wake-up armed then), or a
-/// millisecond has passed (what notices a batch the device could not arm
-/// or a context that died). `Ok(true)` once a request can be read,
-/// `Ok(false)` once every batch is answered.
+/// While batches run: polls them and the pipe, spinning for `spin`, then
+/// sleeps until the pipe is readable, the device wakes it for a done batch
+/// (wake-ups armed then), or a millisecond passes (for a batch the device
+/// could not arm, or a dead context). `Ok(true)`: a request can be read;
+/// `Ok(false)`: every batch is answered.
 #[allow(clippy::too_many_arguments)]
 fn wait_for_work(
     dev: &mut dyn LeaseDevice,

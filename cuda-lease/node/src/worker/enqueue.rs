@@ -1,6 +1,5 @@
-//! A batch's commands onto the device: its data taken front to back
-//! ([`Payload`]) and each command enqueued through [`LeaseDevice::enqueue`]
-//! ([`enqueue`]); shared by the worker's batches and its graphs' bodies.
+//! A batch's commands onto the device, for the worker's batches and its
+//! graphs' bodies.
 
 use crate::device::{DeviceError, LeaseDevice};
 use crate::proto::{Command, Op, Status};
@@ -28,9 +27,8 @@ impl<'d> Payload<'d> {
     }
 }
 
-/// Enqueues command `c` on the device, its write's bytes taken from
-/// `payload`; a read lands at `read_at` in the reply's data, which it
-/// advances.
+/// Enqueues `c`, its write's bytes taken from `payload`; a read lands at
+/// `read_at` in the reply's data, which it advances.
 pub(super) fn enqueue(
     dev: &mut dyn LeaseDevice,
     c: &Command<'_>,

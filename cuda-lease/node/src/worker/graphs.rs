@@ -1,11 +1,8 @@
-//! A lease's graphs on its worker: a body recorded between `GraphBegin`
-//! and `GraphEnd` (its allocations made at once and zeroed again at each
-//! replay, its other commands kept in their wire form with their upload
-//! bytes), replayed at each `GraphLaunch` by enqueuing the kept commands
-//! again, and freed with the body's own frees.
-//!
-//! The node's plan has checked every command already (ids, ranges, the
-//! body's rules): what reaches here is well formed.
+//! A lease's graphs on its worker: a body recorded between `GraphBegin` and
+//! `GraphEnd` (allocations made at once and zeroed again at each replay,
+//! other commands kept in wire form with their upload bytes), replayed at
+//! each `GraphLaunch`, and freed with the body's own frees. The lease's plan
+//! has checked every command already (ids, ranges, the body's rules).
 
 use super::enqueue::{enqueue, Payload};
 use crate::device::{DeviceError, LeaseDevice};
@@ -16,8 +13,7 @@ use crate::proto::{
 /// A recorded body.
 #[derive(Default)]
 struct Body {
-    /// The body's commands as postcard writes them (a body outlives the
-    /// message its commands came in; they are decoded again at a replay).
+    /// The body's commands, postcard-encoded (they outlive their message).
     commands: Vec<u8>,
     /// The body's upload bytes, in command order.
     data: Vec<u8>,
@@ -49,9 +45,8 @@ fn fence(k: usize) -> Id {
 }
 
 impl Graphs {
-    /// Runs `c` when graphs decide it (a body's command, a graph command,
-    /// a graph's free): `Some` with its result, `None` for an ordinary
-    /// command.
+    /// Runs `c` when graphs decide it (a body's command, a graph command, a
+    /// graph's free): `Some` with its result, `None` for an ordinary command.
     pub(super) fn intercept(
         &mut self,
         dev: &mut dyn LeaseDevice,
@@ -70,8 +65,6 @@ impl Graphs {
                 body.streams.push(c.stream);
             }
             let r = match c.op {
-                // The graph's buffers exist from its capture; each replay
-                // zeroes them again (as a local graph's `zeros` does).
                 Op::Alloc { buf, size } => dev.alloc(c.stream, buf, size).map(|()| {
                     let zero = Op::Fill {
                         buf,

@@ -1,8 +1,5 @@
 //! The lease as its worker holds it: the ids its client named, its streams
-//! and graphs, and what it has allocated of its reservation. A batch is
-//! checked and planned against it before anything of it is enqueued
-//! ([`WorkerLease::plan`]); what did not run is undone once its work is done
-//! ([`WorkerLease::settle`]).
+//! and graphs, and what it has allocated of its reservation.
 
 use serde::{Deserialize, Serialize};
 
@@ -153,10 +150,9 @@ impl Planned {
 
 impl WorkerLease {
     /// Checks a batch (its commands against its module list and the
-    /// `writes_len` bytes of its writes' payloads), charges its modules'
-    /// sources (`loads`) and plans its commands: what the
-    /// plan creates exists for the batches after it at once. `Err` refuses
-    /// the whole batch, nothing of it charged.
+    /// `writes_len` bytes of its writes), charges its modules' sources
+    /// (`loads`) and plans its commands; what the plan creates exists at once
+    /// for later batches. `Err` refuses the whole batch, nothing charged.
     pub(super) fn plan(
         &mut self,
         limits: &BatchLimits,
@@ -205,10 +201,9 @@ impl WorkerLease {
         }
     }
 
-    /// Once a batch's work is done (`loaded` of its modules loaded,
-    /// `completed` of its commands run): undoes what [`WorkerLease::plan`] made
-    /// and did not run, giving its charges back, and applies the frees
-    /// that ran.
+    /// Once a batch's work is done (`loaded` modules loaded, `completed`
+    /// commands run): undoes what [`WorkerLease::plan`] made that did not run,
+    /// giving its charges back, and applies the frees that ran.
     pub(super) fn settle(&mut self, planned: &Planned, loaded: usize, completed: usize) {
         let p = &planned.plan;
         let state = &mut self.objects;
@@ -260,8 +255,7 @@ impl WorkerLease {
         }
     }
 
-    /// Checks that `offset + len` lies inside buffer `buf` (a streamed
-    /// transfer's range).
+    /// Checks that a streamed transfer's `offset + len` lies in buffer `buf`.
     pub(super) fn check_range(&self, buf: Id, offset: u64, len: u64) -> Result<(), DeviceError> {
         let size = match self.objects.ids.get(&buf) {
             Some(IdKind::Buffer(size)) => *size,
@@ -286,7 +280,6 @@ impl WorkerLease {
         Usage {
             allocated: self.allocated,
             buffers,
-            // Events and started timers.
             events: ids.saturating_sub(buffers + graphs),
             graphs,
             streams: s.streams.len() as u32,

@@ -29,10 +29,9 @@ pub(crate) struct ChunkOp {
 }
 
 /// A batch for a worker: the modules to load, the lease's limits, the
-/// batch's module list, then the client's commands as the client encoded
-/// them (the node forwards them undecoded; the worker checks and plans
-/// them against its lease). The call's data holds the sources of the
-/// modules to load, then the writes' payloads.
+/// batch's module list, then the client's commands as it encoded them
+/// (undecoded by the node; the worker checks and plans them). The call's
+/// data holds the sources of the modules to load, then the writes' payloads.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct WorkerBatch<'a> {
     pub(crate) loads: Vec<WorkerLoad>,
@@ -100,8 +99,7 @@ pub(crate) struct WorkerBatchReply {
     pub(crate) loaded: u32,
     /// Commands that ran.
     pub(crate) completed: u32,
-    /// PTX that CUDA C modules of the batch compiled to, for the node's
-    /// cache.
+    /// PTX the batch's CUDA C modules compiled to, for the node's cache.
     pub(crate) compiled: Vec<(ModuleHash, String)>,
     /// The first failure, by the command (or module) it names.
     pub(crate) error: Option<OpError>,
@@ -109,9 +107,8 @@ pub(crate) struct WorkerBatchReply {
     pub(crate) sticky: bool,
     /// What the lease holds once the batch settled.
     pub(crate) usage: Usage,
-    /// The worker's stamps of the batch ([`FLAG_STAMPS`]): when it read
-    /// the request, enqueued it, saw it done and wrote this reply
-    /// (`cuda_lease::stamps::now_ns` times).
+    /// The worker's stamps ([`FLAG_STAMPS`], `cuda_lease::stamps::now_ns`
+    /// times): when it read the request, enqueued it, saw it done and replied.
     pub(crate) stamps: Option<[u64; 4]>,
 }
 
@@ -119,9 +116,8 @@ pub(crate) struct WorkerBatchReply {
 /// the worker stamps the batch too and sends its stamps in the reply.
 pub(crate) const FLAG_STAMPS: u16 = 0x4000;
 
-/// Chunks of one streamed transfer handed to the worker in one call, done
-/// in order (a call per chunk would pay a pipe round trip, and the node's
-/// wake-up, per 2 MiB).
+/// Chunks of one streamed transfer handed to the worker in one call (saving
+/// a pipe round trip and a node wake-up per chunk), done in order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct ChunkOps {
     /// The transfer's whole range (buffer, offset, bytes), checked
@@ -134,10 +130,10 @@ pub(crate) struct ChunkOps {
 /// Most chunks in one [`ChunkOps`] call.
 pub(crate) const MAX_CHUNKS_PER_CALL: usize = 8;
 
-/// A worker reply flag (on BATCH replies): the reply's `data_len` bytes stay in the worker,
-/// under the request's id, and the frame carries none of them; the node
-/// reads them with [`HeldRead`] requests as its client takes them. A
-/// request with this flag is a [`HeldRead`].
+/// A worker reply flag (on BATCH replies): the reply's `data_len` bytes stay
+/// in the worker under the request's id, the frame carrying none; the node
+/// reads them with [`HeldRead`] requests as its client takes them. A request
+/// with this flag is a [`HeldRead`].
 pub(crate) const FLAG_HELD: u16 = 0x8000;
 
 /// Replies with more data than this keep it in the worker
@@ -145,8 +141,8 @@ pub(crate) const FLAG_HELD: u16 = 0x8000;
 pub(crate) const HELD_MIN: usize = 4 << 20;
 
 /// Node -> worker: up to `len` bytes of reply `request`'s held data from
-/// `offset` (the reply's data is that part); `len` 0 drops the rest. The
-/// part that reaches the end drops it too.
+/// `offset`, sent as the reply's data; `len` 0, or a part reaching the end,
+/// drops what is held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct HeldRead {
     pub(crate) request: u64,

@@ -1,17 +1,14 @@
 //! Worker processes: one per lease (plus a small pool for GPU_SUBMIT), each
 //! owning one CUDA context and stream.
 //!
-//! A kernel fault poisons every CUDA context of the process that made it, so
-//! the node never touches CUDA itself: it starts a worker by re-executing a
-//! program (by default its own executable) with the environment variable
-//! [`WORKER_ENV`] set, and talks to it over the child's stdin/stdout with the
-//! same framing as the wire ([`crate::proto`]). The program must call
-//! [`main_if_worker`] first thing in `main`; the `cuda-lease-node` binary
-//! does, so any process may point [`WorkerSpec::program`] at it.
-//!
-//! When the node goes away the worker reads end-of-file and exits; when the
-//! lease ends the node kills it. Either way the driver frees everything the
-//! worker held.
+//! A kernel fault poisons every CUDA context of its process, so the node
+//! never touches CUDA: it re-executes a program (by default its own
+//! executable) with [`WORKER_ENV`] set and talks to it over the child's
+//! stdin/stdout in the wire's framing ([`crate::proto`]). The program must
+//! call [`main_if_worker`] first thing in `main`; the `cuda-lease-node`
+//! binary does. A worker exits at end-of-file when the node goes away and
+//! is killed when its lease ends; either way the driver frees everything
+//! it held.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -52,8 +49,7 @@ pub enum DeviceSpec {
         /// CUDA ordinal.
         ordinal: usize,
     },
-    /// The in-memory test double ([`MemoryDevice`](crate::device::MemoryDevice)): host memory, real
-    /// streams and events, a few test kernels run on the host.
+    /// The in-memory test double ([`MemoryDevice`](crate::device::MemoryDevice)).
     Memory {
         /// Bytes of "device" memory per worker.
         capacity: u64,
@@ -85,19 +81,16 @@ impl DeviceSpec {
 /// How to start a worker process.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerSpec {
-    /// Executable that calls [`main_if_worker`] at start-up (for example the
-    /// `cuda-lease-node` binary, or the current executable).
+    /// Executable that calls [`main_if_worker`] at start-up.
     pub program: PathBuf,
     /// Extra arguments.
     pub args: Vec<OsString>,
     /// Device to drive.
     pub device: DeviceSpec,
-    /// How long the worker, after each reply, and the node, after each
-    /// request, poll the pipe without sleeping before they block (see
-    /// [`crate::spin`]); zero blocks at once.
+    /// How long the worker after each reply, and the node after each request,
+    /// poll the pipe before blocking (see [`crate::spin`]); zero blocks at once.
     pub spin: Duration,
-    /// How workers compile tenants' CUDA C: the headers offered, the time
-    /// and log bounds ([`crate::sandbox`]).
+    /// How workers compile tenants' CUDA C ([`crate::sandbox`]).
     pub compile: CompileSandbox,
 }
 
@@ -105,7 +98,6 @@ impl WorkerSpec {
     /// Workers run the current executable, which must call [`main_if_worker`].
     ///
     /// # Errors
-    ///
     /// When the current executable's path is unknown.
     pub fn current_exe(device: DeviceSpec) -> std::io::Result<Self> {
         Ok(Self {

@@ -1,7 +1,6 @@
 //! The batch planner: what a BATCH's commands do to its lease's ids,
-//! streams and reservation, decided in the lease's worker before any of
-//! them is enqueued. Pure logic over the lease's state and its
-//! [`Charges`], unit-tested without QUIC, processes or a device.
+//! streams and reservation, decided in the worker before any is enqueued;
+//! pure logic over the lease's state and its [`Charges`].
 
 use super::lease::{BatchLimits, GraphIds, IdKind, IdMap, IdSet, LeaseObjects};
 use crate::device::{fill_bytes, gemm_spans};
@@ -40,9 +39,8 @@ pub(super) enum GraphChange {
 }
 
 /// What a plan charges as it goes: allocations to the lease's reservation,
-/// reads to the bytes the node holds for the batch's reply (what the batch
-/// declared, as far as the principal's byte budget allows). A refusal
-/// fails the command.
+/// reads to the bytes the node holds for the batch's reply. A refusal fails
+/// the command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Charges {
     /// Bytes of the reservation taken.
@@ -257,9 +255,8 @@ impl Planner<'_> {
         Ok(())
     }
 
-    /// A read of `len` bytes: within the buffer, the reply's data limit and
-    /// the principal's byte budget (the bytes are held for the reply until
-    /// it is taken, so they are charged before they are read).
+    /// A read of `len` bytes within the buffer, charged as reply data before it
+    /// is read (the bytes are held until the reply is taken).
     fn read(&mut self, buf: Id, offset: u64, len: u64) -> Result<(), Refusal> {
         in_range(self.buffer(buf)?, offset, len)?;
         self.reply_bytes(len)

@@ -17,20 +17,17 @@ use crate::proto::{self, from_body, DeviceInfo, Frame, Header, Opcode, Status};
 use crate::shm::{ShmRing, SHM_ENV};
 use crate::stamps::{stamp, Point};
 
-/// Kernel buffer size requested for each pipe between the node and a worker.
-///
-/// Linux pipes default to 64 KiB: a large transfer would cross in that many
-/// fills, each a wake-up of the reader. 1 MiB is the most an unprivileged
-/// process may ask for by default (`/proc/sys/fs/pipe-max-size`).
+/// Kernel buffer size requested for each pipe between node and worker: the
+/// default `/proc/sys/fs/pipe-max-size`, so a large transfer wakes the
+/// reader less often than with Linux's 64 KiB default.
 pub const PIPE_BUFFER_BYTES: usize = 1 << 20;
 
 /// Grows the kernel buffer of the pipe behind `fd` to [`PIPE_BUFFER_BYTES`]
 /// (best effort: a smaller system limit only costs throughput).
 fn grow_pipe(fd: std::os::fd::BorrowedFd<'_>) {
     use std::os::fd::AsRawFd;
-    // SAFETY: `fd` is borrowed, so it is open for the whole call;
-    // F_SETPIPE_SZ takes one `int` argument, which we pass, and touches no
-    // memory of ours.
+    // SAFETY: `fd` is borrowed, so open for the call; F_SETPIPE_SZ takes one
+    // `int`, which we pass, and touches no memory of ours.
     let r = unsafe {
         libc::fcntl(
             fd.as_raw_fd(),
@@ -67,10 +64,9 @@ pub(super) struct WorkerIo {
     next_id: u64,
 }
 
-/// Requests sent and not yet answered: where each reply goes, by request
-/// id. The worker answers a batch when its work is done, so replies come
-/// in any order; whichever caller holds the reply side reads them and
-/// hands each to its request.
+/// Requests sent and not yet answered, by request id. Replies come in any
+/// order (a batch is answered when its work is done); whichever caller
+/// holds the reply side reads them and hands each to its request.
 #[derive(Default)]
 struct Waiting {
     replies: std::collections::HashMap<u64, tokio::sync::oneshot::Sender<Frame>>,
@@ -79,13 +75,10 @@ struct Waiting {
     broken: Option<String>,
 }
 
-/// The read end of the worker's stdout, read with the `read` call first
-/// and the reactor's readiness only when that finds nothing.
-///
-/// Tokio's own pipe waits for the reactor to report the pipe readable
-/// again after every read that emptied it, even when the bytes are there
-/// by now (the node spins for the worker's reply, so they usually are):
-/// one reactor turn and one task wake-up on every reply's path.
+/// The read end of the worker's stdout, read with `read` first and the
+/// reactor's readiness only when that finds nothing (Tokio's own pipe waits
+/// for the reactor after each read that emptied it, even with the next
+/// reply already there: a reactor turn and a task wake-up per reply).
 pub(super) struct PipeReader(tokio::io::unix::AsyncFd<std::fs::File>);
 
 impl PipeReader {
@@ -306,9 +299,8 @@ impl WorkerProcess {
 
     /// Sends one request with header flags `flags`; [`SentRequest::reply`]
     /// waits for its reply (up to `timeout` from now; then the worker is
-    /// killed). Requests reach the worker in the order of these calls, and
-    /// their replies may come in any order: a caller need not wait for one
-    /// reply before it sends the next request.
+    /// killed). Requests reach the worker in the order of these calls; replies
+    /// may come in any order, so a caller may send before the last reply.
     pub(crate) async fn send(
         &self,
         opcode: Opcode,
@@ -472,8 +464,7 @@ pub(crate) struct SentRequest<'a> {
 }
 
 impl SentRequest<'_> {
-    /// Waits for the reply, until the request's deadline (then the worker
-    /// is killed).
+    /// Waits for the reply until the request's deadline, then kills the worker.
     pub(crate) async fn reply(mut self) -> Result<Frame, WorkerError> {
         let worker = self.worker;
         let id = self.id;

@@ -22,17 +22,15 @@ impl CudaDevice {
         self.buffers.get(&id).ok_or_else(|| not_found("buffer", id))
     }
 
-    /// Records the deferred uses of buffer `id` (if any) in its use
-    /// events, on the stream they were enqueued on.
+    /// Records the deferred uses of buffer `id` (if any) in its use events, on
+    /// the stream they were enqueued on.
     ///
-    /// Allocations and launches do not record an event per buffer per
-    /// command: a buffer's uses on one stream are ordered by the stream
-    /// itself, so they are marked pending and recorded once, before
-    /// anything could depend on the events: a use on another stream, a
-    /// copy, read, write or fill (which order themselves by those
-    /// events), the free, or the end of the batch. Recording later on
-    /// the same stream covers every earlier use; a wait on it may wait
-    /// for more of that stream than needed, never less.
+    /// A buffer's uses on one stream are ordered by the stream, so they are
+    /// marked pending and recorded once, before anything could depend on the
+    /// events: a use on another stream, a copy, read, write or fill (which
+    /// order themselves by those events), the free, or the batch's end. A later
+    /// record on the same stream covers every earlier use: a wait may wait for
+    /// more of that stream than needed, never less.
     pub(super) fn flush_use(&mut self, id: Id) -> Result<(), DeviceError> {
         let Some(s) = self.pending.remove(&id) else {
             return Ok(());

@@ -20,10 +20,9 @@ pub(super) struct LastKernel {
 
 impl CudaDevice {
     /// Kernel `name` of `module`, resolved on this device, after checking
-    /// `args` against its PTX parameter list: their count, each
-    /// argument's size, and that buffers go where pointers do. The
-    /// last kernel launched is kept at hand, so a chain of launches of
-    /// one kernel looks nothing up in a map.
+    /// `args` against its PTX parameters: their count, each one's size, and
+    /// that buffers go where pointers do. The last kernel launched is kept at
+    /// hand, so a chain of its launches looks nothing up.
     pub(super) fn launchable(
         &mut self,
         module: ModuleHash,

@@ -28,20 +28,18 @@ const TIMING: cuda_core::cudarc::driver::sys::CUevent_flags =
     cuda_core::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 use staging::SpareBuffers;
 
-/// A real device, driven through `cuda-core` and `cuda-async`: the
-/// device's primary context (the worker process owns it alone) and
-/// streams made on demand, named by the lease's client. Memory is
-/// `cuda-core` device buffers, which order their uses across streams
-/// and their frees after every use; copies go through pinned staging
-/// memory, never a pageable copy; kernels are `cuda-core` modules (PTX
-/// JIT-loaded, CUDA C compiled by NVRTC for this device, once per
-/// content), launched with run-time argument lists checked against
-/// their PTX parameters.
+/// A real device: the device's primary context (owned by the worker process
+/// alone) and streams made on demand. Memory is `cuda-core` device buffers,
+/// which order their uses across streams and their frees after every use;
+/// copies go through pinned staging memory, never pageable; kernels are
+/// `cuda-core` modules (PTX JIT-loaded, CUDA C compiled by NVRTC once per
+/// content) launched with argument lists checked against their PTX
+/// parameters.
 ///
-/// A batch's launches cost one driver call each: a buffer's uses on one
-/// stream are recorded in its use events once, when something could
-/// depend on them (a use on another stream, a copy, the free, the end
-/// of the batch), not after every launch; see `flush_use`.
+/// A launch costs one driver call: a buffer's uses on one stream are
+/// recorded in its use events only when something could depend on them (a
+/// use on another stream, a copy, the free, the batch's end); see
+/// `flush_use`.
 #[derive(Debug)]
 pub struct CudaDevice {
     device: cuda_async::Device,
@@ -50,25 +48,21 @@ pub struct CudaDevice {
     events: IdMap<Id, CudaEvent>,
     /// Started timers: their start events (timing enabled).
     timers: IdMap<Id, CudaEvent>,
-    /// Timers ended since the last finish: start, end, where the
-    /// nanoseconds land.
+    /// Timers ended since the last finish: start, end, where the result lands.
     timer_reads: Vec<(CudaEvent, CudaEvent, usize)>,
     modules: IdMap<ModuleHash, Module>,
     /// Kernels resolved so far, by module and name.
     kernels: IdMap<ModuleHash, IdMap<String, Kernel>>,
     /// Reads enqueued since the last finish: where they land.
     reads: Vec<(PinnedBuffer<u8>, usize)>,
-    /// Buffers whose latest uses, on the stream named here, are not
-    /// recorded in the buffer's own use events yet (see
-    /// [`CudaDevice::flush_use`]).
+    /// Buffers whose latest uses, on the stream named, are not yet recorded in
+    /// their use events (see [`CudaDevice::flush_use`]).
     pending: IdMap<Id, StreamId>,
     /// Small freed buffers kept for the next allocation of their size.
     spare: SpareBuffers,
-    /// Where small writes are staged and small reads land (made on
-    /// first use; see `staging::new_arena`).
+    /// Where small writes are staged and small reads land (made on first use).
     arena: Option<StagingArena>,
-    /// Reads into the arena since the last finish: (where in the
-    /// reply, where in the arena).
+    /// Reads into the arena since the last finish: (reply offset, arena read).
     arena_reads: Vec<(usize, ArenaRead)>,
     /// The kernel of the last launch (see [`CudaDevice::launchable`]).
     last_kernel: Option<LastKernel>,
@@ -77,8 +71,7 @@ pub struct CudaDevice {
     touched: Vec<Arc<CudaStream>>,
     /// A launch's argument kinds, for the parameter check (reused).
     arg_specs: Vec<(usize, ParamClass, &'static str)>,
-    /// A launch's argument values and the driver's parameter array
-    /// (reused: no allocation per launch once it has grown).
+    /// A launch's argument values and the driver's parameter array (reused).
     arg_list: ArgList,
     /// Compiles tenants' CUDA C in a confined child process.
     compiler: Arc<Compiler>,
@@ -113,11 +106,9 @@ fn bind(device: &cuda_async::Device) -> Result<(), DeviceError> {
 }
 
 impl CudaDevice {
-    /// Opens device `ordinal`: its primary context, bound to this
-    /// thread. Streams are made on first use.
+    /// Opens device `ordinal`'s primary context, bound to this thread.
     ///
     /// # Errors
-    ///
     /// "no NVIDIA driver found" when libcuda cannot be loaded, or the
     /// driver's error.
     pub fn open(ordinal: usize) -> Result<Self, DeviceError> {
@@ -126,11 +117,10 @@ impl CudaDevice {
             .map_err(|e| map(st, &format!("opening device {ordinal}"), e))?;
         // The worker's one thread drives this context from now on.
         bind(&device)?;
-        // A batch allocates, synchronizes and frees: keep a little freed
-        // memory in the pool, or every batch's first allocation maps it
-        // again. Bounded (32 MiB per worker), so a lease's freed memory
-        // goes back for other leases' workers; the node's headroom
-        // covers it.
+        // Batches allocate, synchronize and free: keep a little freed
+        // memory pooled so a batch's first allocation need not map it
+        // again, but bounded so freed memory goes back to other leases (the
+        // node's headroom covers it).
         device
             .set_mem_pool_release_threshold(32 << 20)
             .map_err(|e| map(st, "memory pool", e))?;

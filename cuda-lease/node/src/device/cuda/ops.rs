@@ -95,17 +95,15 @@ impl LeaseDevice for CudaDevice {
             // The driver releases a pending event when it completes.
             return Ok(());
         }
-        // Stream-ordered after every use of the buffer, on any stream
-        // (its events are complete or recorded before it is dropped or
-        // handed out again).
+        // Freed after every use on any stream: its events are recorded
+        // before it is dropped or handed out again.
         self.flush_use(id)?;
         let buf = self
             .buffers
             .remove(&id)
             .ok_or_else(|| not_found("buffer", id))?;
-        // A buffer not kept is freed on its home stream, which the
-        // batch's end then waits for (as for every other stream it
-        // touched), so the memory is back in the pool by the reply.
+        // A buffer not kept is freed on its home stream, which the batch's end
+        // waits for, so the memory is back in the pool by the reply.
         let home = Self::raw(&buf).home_stream().clone();
         self.touch(&home);
         self.spare.keep(buf);
@@ -131,10 +129,9 @@ impl LeaseDevice for CudaDevice {
             self.use_on(id, sid, &stream)?;
             let buf = Self::raw_mut(self.buffers.get_mut(&id).expect("checked above"));
             let arena = self.arena.as_mut().expect("made by arena_take");
-            // A host memcpy into the arena, then an asynchronous copy of
-            // `r.len()` bytes into the buffer at `r.start` (range checked),
-            // ordered after its other uses (`use_on`); the arena's bytes
-            // stay untouched until the batch's end has waited for it.
+            // A host memcpy, then an async copy to `r.start` (range checked)
+            // after the buffer's other uses (`use_on`); the arena's bytes
+            // stay untouched until the batch's end has waited for the copy.
             return arena
                 .upload(slot, data, buf, r.start, &stream)
                 .map_err(|e| map(Status::Internal, "cuMemcpyHtoDAsync", e));
@@ -144,8 +141,6 @@ impl LeaseDevice for CudaDevice {
             .buffers
             .get_mut(&id)
             .ok_or_else(|| not_found("buffer", id))?;
-        // Staged through pooled pinned memory: a host memcpy, then an
-        // asynchronous copy; `data` is free once this returns.
         cuda_core::staging::upload_at(data, Self::raw_mut(buf), r.start, &stream)
             .map_err(|e| map(Status::BadRequest, "host-to-device copy", e))
     }
@@ -174,9 +169,8 @@ impl LeaseDevice for CudaDevice {
                 .get(&id)
                 .ok_or_else(|| not_found("buffer", id))?;
             let arena = self.arena.as_mut().expect("made by arena_take");
-            // `r.len()` bytes of the buffer at `r.start` (range checked),
-            // ordered after its writes (`use_on`), into the arena, read
-            // only after the batch's end waited for the copy.
+            // Range checked, after the buffer's writes (`use_on`); the arena
+            // is read only after the batch's end waited for the copy.
             let read = arena
                 .download(slot, Self::raw(buf), r.start, &stream)
                 .map_err(|e| map(st, "cuMemcpyDtoHAsync", e))?;
@@ -269,9 +263,8 @@ impl LeaseDevice for CudaDevice {
         r
     }
 
-    /// By the node's cuBLAS (a tenant ships no kernel for it): the
-    /// operands' ranges checked, their uses ordered like a launch's
-    /// (`use_on`), and the product enqueued on the stream's cuBLAS handle.
+    /// By the node's cuBLAS: the operands' ranges checked, their uses ordered
+    /// like a launch's (`use_on`), the product enqueued on the stream's handle.
     fn gemm(&mut self, stream: StreamId, g: &GemmSpec) -> Result<(), DeviceError> {
         let sid = stream;
         let stream = self.stream(stream)?;
@@ -293,11 +286,9 @@ impl LeaseDevice for CudaDevice {
         let handle = blas_handle(&stream).map_err(|e| map(Status::LaunchFailed, "gemm", e))?;
         let mut handle = lock(&handle);
         let [a, b, c] = addrs;
-        // SAFETY: the addresses are this context's live buffers at offsets
-        // whose matrices lie inside them (checked above against the spec's
-        // extents, as the node's plan did), on the stream the handle is
-        // bound to; their uses on other streams are ordered before this
-        // product and their frees after it (`use_on`, as for a launch).
+        // SAFETY: live buffers of this context at offsets whose matrices lie
+        // inside them (checked above, as the worker's plan did), on the handle's
+        // stream; their uses elsewhere come before and frees after (`use_on`).
         let done = unsafe {
             match g.dtype {
                 Dtype::F32 => handle.gemm(&core_gemm(g, |v| v as f32), a, b, c),
@@ -309,9 +300,8 @@ impl LeaseDevice for CudaDevice {
         done.map_err(|e| map(Status::LaunchFailed, "gemm", e))
     }
 
-    /// By the node's cuRAND (a tenant ships no kernel for it): the range
-    /// checked, the buffer's uses ordered like a launch's (`use_on`), and
-    /// the fill enqueued on the stream's generator.
+    /// By the node's cuRAND: the range checked, the buffer's uses ordered like
+    /// a launch's (`use_on`), the fill enqueued on the stream's generator.
     fn rand_fill(&mut self, stream: StreamId, r: &RandSpec) -> Result<(), DeviceError> {
         let sid = stream;
         let stream = self.stream(stream)?;
@@ -327,11 +317,9 @@ impl LeaseDevice for CudaDevice {
             rand_generator(&stream).map_err(|e| map(Status::LaunchFailed, "random fill", e))?;
         let mut generator = lock(&generator);
         let len = r.len as usize;
-        // SAFETY: the address is this context's live buffer at an offset
-        // whose `len` elements lie inside it (checked above, as the node's
-        // plan did), on the stream the generator is bound to; the buffer's
-        // uses on other streams are ordered before this fill and its free
-        // after it (`use_on`, as for a launch).
+        // SAFETY: a live buffer of this context, its `len` elements inside it
+        // (checked above, as the worker's plan did), on the generator's stream;
+        // its uses elsewhere come before and its free after (`use_on`).
         let done = unsafe {
             match r.dtype {
                 Dtype::F32 => generator.fill(&core_fill(r, |v| v as f32), addr, len),
@@ -414,14 +402,10 @@ impl LeaseDevice for CudaDevice {
         }
         let st = Status::LoadFailed;
         let name = format!("module {hash}");
-        // CUDA C is compiled by this node's NVRTC for this GPU, and the
-        // PTX goes back to the node for other workers.
         let (ptx, compiled) = match kind {
             SourceKind::Ptx => (text.to_owned(), false),
             SourceKind::Cuda { options } => {
-                // In a confined child process (`crate::sandbox`): the
-                // compiler reads no file of this machine but the
-                // offered headers, and is killed at its time bound.
+                // In a confined child process (`crate::sandbox`).
                 let (major, minor) = self
                     .device
                     .compute_capability()
@@ -464,39 +448,34 @@ impl LeaseDevice for CudaDevice {
         Ok(())
     }
 
-    /// The arguments checked against the kernel's PTX parameters
-    /// (`launchable`), each buffer's use ordered (`use_on`), and the values
-    /// laid out for the driver in storage reused by every launch
-    /// (`cuda-core`'s `ArgList`).
+    /// Arguments checked against the kernel's PTX parameters (`launchable`),
+    /// each buffer's use ordered (`use_on`), values laid out in `ArgList`
+    /// storage reused by every launch.
     fn launch(&mut self, stream: StreamId, spec: &LaunchSpec<'_>) -> Result<(), DeviceError> {
         let sid = stream;
         let stream = self.stream(stream)?;
         let config = launch_config(spec)?;
         let args = &spec.args;
         self.launchable(spec.module, &spec.kernel, args)?;
-        // Ordered here, buffer by buffer (see `flush_use`).
         for a in args {
             if let LaunchArg::Mem { buf, .. } = a {
                 self.use_on(*buf, sid, &stream)?;
             }
         }
-        // The values, each in 8-byte aligned words of storage reused by
-        // every launch (no allocation once it has grown).
+        // 8-byte aligned words; no allocation once the storage has grown.
         let mut list = self.arg_list.start(&stream);
         Self::push_args(&self.buffers, &mut list, args)?;
         bind(&self.device)?;
         let kernel = &self.last_kernel.as_ref().expect("set by launchable").kernel;
-        // SAFETY: the kernel is the client's code, launched with the
-        // arguments the client gave, which `cuda-core` checks against its
-        // PTX parameter list (as `launchable` did); what it does with
-        // memory is the client's business: a fault poisons only this
-        // worker process, whose context serves one lease. Buffer addresses
-        // come from this context's live buffers, whose uses on other
-        // streams this launch waits for (`use_on` above, `before_write`)
-        // and whose frees come after it (`use_on` marks it pending,
-        // recorded in the buffer's events by `flush_use` before anything
-        // could depend on them: a use on another stream, a copy, the free,
-        // the end of the batch).
+        // SAFETY: the client's kernel, launched with the client's arguments
+        // as `cuda-core` checks them against its PTX parameters (as
+        // `launchable` did); what it does with memory is the client's
+        // business: a fault poisons only this worker, whose context serves
+        // one lease. Buffer addresses are this context's live buffers, whose
+        // uses on other streams this launch waits for (`use_on`,
+        // `before_write`) and whose frees come after it (`use_on` marks the
+        // use pending; `flush_use` records it before anything could depend
+        // on it).
         let launched = unsafe { kernel.launch_with(&self.device, &config, list) };
         launched.map_err(|e| map(Status::LaunchFailed, "cuLaunchKernel", e))
     }
@@ -557,9 +536,8 @@ impl LeaseDevice for CudaDevice {
         Ok(())
     }
 
-    /// Captured once into a CUDA graph (`cuda-core`'s `TrackedGraph`,
-    /// which logs the buffers it uses and orders each replay as a use of
-    /// each).
+    /// Captured once into a `cuda-core` `TrackedGraph`, which logs the buffers
+    /// it uses and orders each replay as a use of each.
     fn capture_graph(
         &mut self,
         graph: Id,
@@ -636,11 +614,10 @@ impl LeaseDevice for CudaDevice {
             self.pending.clear();
         } else {
             // Sealed batches may still use them (`sync_touched` waited
-            // only for the streams touched since the last seal): their
-            // uses go into their events, so that later copies, frees and
-            // other streams wait for them. (On a dead context the buffers
-            // are marked broken and leaked when freed, never freed before
-            // their uses.)
+            // only for streams touched since the last seal): record their
+            // uses so later copies, frees and other streams wait for them.
+            // (On a dead context the buffers are marked broken and leaked
+            // when freed, never freed before their uses.)
             let _ = self.flush_all();
         }
         let reads = std::mem::take(&mut self.reads);
@@ -652,8 +629,7 @@ impl LeaseDevice for CudaDevice {
         }
         synced?;
         if let Some(arena) = &self.arena {
-            // Every copy of the batch is done (the arena waited for them
-            // in `sync_touched`).
+            // The arena waited for every copy of the batch in `sync_touched`.
             sealed::arena_reads_into(out, arena, arena_reads)?;
         }
         sealed::reads_into(out, reads, timers)?;

@@ -1,7 +1,6 @@
-//! Sealed batches: a batch's work left running on its streams while the
-//! worker reads and enqueues the next, and its completion found later by
-//! events, never by waiting for the streams (later batches' work runs on
-//! them too).
+//! Sealed batches: a batch's work left running while the worker enqueues
+//! the next, its completion found by events, never by waiting for the
+//! streams (later batches run on them too).
 
 use cuda_async::{DeviceBuffer, PinnedBuffer};
 use cuda_core::{ArenaEnd, ArenaRead, CudaEvent, StagingArena};
@@ -11,9 +10,8 @@ use crate::device::error::{driver, map};
 use crate::device::{DeviceError, Ticket};
 use crate::proto::Status;
 
-/// Most spare arenas a device keeps for the batches after the ones in
-/// flight (each holds [`super::staging::ARENA_BYTES`] of page-locked
-/// memory).
+/// Most spare arenas a device keeps (each holds
+/// [`super::staging::ARENA_BYTES`] of page-locked memory).
 const SPARE_ARENAS: usize = 8;
 
 /// A sealed batch's staging arena: the arena, the end of its epoch, and
@@ -215,9 +213,8 @@ pub(super) fn arena_reads_into(
     Ok(())
 }
 
-/// Copies a batch's pinned downloads and its timers' readings (in
-/// nanoseconds) to their places in the reply's data, once the batch is
-/// done.
+/// Copies a batch's pinned downloads and timer readings (nanoseconds) to
+/// their places in the reply's data, once the batch is done.
 pub(super) fn reads_into(
     out: &mut [u8],
     reads: Vec<(PinnedBuffer<u8>, usize)>,

@@ -11,22 +11,18 @@ use crate::device::error::map;
 use crate::device::DeviceError;
 use crate::proto::Status;
 
-/// Bytes of page-locked memory a worker stages a batch's small writes
-/// and reads in.
+/// Page-locked bytes a worker stages a batch's small writes and reads in.
 pub(super) const ARENA_BYTES: usize = 1 << 20;
 
-/// Page-locked host memory that a batch's small writes are staged in and
-/// its small reads land in: a `cuda-core` [`StagingArena`], handed out front
-/// to back and reused after each batch's end, which waits for every copy
-/// (the arena waits for the batch's streams itself, see `sync_touched`). A
-/// write or read that does not fit takes the pooled path (`cuda-core`'s
-/// staging and `PinnedBuffer`s). Staging here skips, per copy, a pool
-/// lookup, an event and a hand-off to `cuda-core`'s reclaimer thread.
+/// Page-locked memory for a batch's small writes and reads: a `cuda-core`
+/// [`StagingArena`], handed out front to back, skipping per copy a pool
+/// lookup, an event and a hand-off to the reclaimer thread; what does not
+/// fit takes the pooled path (`cuda-core`'s staging and `PinnedBuffer`s).
 ///
-/// The arena's copies are not recorded in events (that is the per-copy
-/// event this avoids): its ranges are reused, and its downloads read, only
-/// after a wait for every stream its copies ran on; an arena whose wait
-/// failed is leaked.
+/// Its copies are recorded in no event: its ranges are reused, and its
+/// downloads read, only after a wait for every stream its copies ran on
+/// (the arena makes it, see `sync_touched`); an arena whose wait failed is
+/// leaked.
 pub(super) fn new_arena(device: &cuda_async::Device) -> Result<StagingArena, DeviceError> {
     StagingArena::new(device, ARENA_BYTES)
         .map_err(|e| map(Status::Internal, "pinned allocation", e))
@@ -38,15 +34,14 @@ pub(super) fn new_arena(device: &cuda_async::Device) -> Result<StagingArena, Dev
 const SPARE_BYTES: usize = 8 << 20;
 const SPARE_BUFFER_MAX: usize = 1 << 20;
 
-/// Freed buffers of up to [`SPARE_BUFFER_MAX`] bytes, [`SPARE_BYTES`]
-/// in all, by size. A chain allocates and frees the same small sizes
-/// batch after batch; handing a freed buffer out again skips
-/// `cuMemAllocAsync` and `cuMemFreeAsync`.
+/// Freed buffers of up to [`SPARE_BUFFER_MAX`] bytes, [`SPARE_BYTES`] in
+/// all, by size: handing one out again skips `cuMemAllocAsync` and
+/// `cuMemFreeAsync` for the small sizes a chain allocates every batch.
 ///
 /// A buffer freed in a batch is handed out only from the next batch on,
-/// once the batch's end has waited for every use of it: reused in the
-/// same batch, its new owner on another stream would wait for its old
-/// uses, and streams that ran concurrently would run one after another.
+/// once the batch's end has waited for its uses: reused in the same batch,
+/// its new owner on another stream would wait for its old uses, serializing
+/// streams that ran concurrently.
 #[derive(Debug, Default)]
 pub(super) struct SpareBuffers {
     by_len: HashMap<usize, Vec<DeviceBuffer<u8>>>,

@@ -32,8 +32,7 @@ impl CudaDevice {
             .map_err(|e| map(Status::Internal, "creating a stream", e))
     }
 
-    /// The stream a graph capture's allocations go to (outside the
-    /// capture).
+    /// The stream a graph capture's allocations go to (outside the capture).
     pub(super) fn capture_alloc_stream(&mut self) -> Result<Arc<CudaStream>, DeviceError> {
         if self.capture_alloc.is_none() {
             self.capture_alloc = Some(self.new_stream()?);
@@ -49,15 +48,13 @@ impl CudaDevice {
         }
     }
 
-    /// Waits for the streams this batch enqueued work on (every
-    /// earlier batch's work was waited for at its own end), and
-    /// forgets them; a failure is sticky (a kernel fault). An idle
-    /// stream's synchronize is not free, and a lease's round-robin policy
-    /// keeps four streams, one busy per submission.
+    /// Waits for, and forgets, the streams this batch enqueued work on (earlier
+    /// batches' work was waited for at their ends); a failure is sticky (a
+    /// kernel fault). Only these: an idle stream's synchronize is not free, and
+    /// a lease's round-robin policy keeps four streams, one busy per submission.
     ///
-    /// With a batch arena, the arena makes the waits (the same ones, in
-    /// the same order): it then knows its copies are done, so its
-    /// downloads can be read and its bytes reused.
+    /// With a batch arena, the arena makes the same waits in the same order, so
+    /// it knows its copies are done (downloads readable, bytes reusable).
     pub(super) fn sync_touched(&mut self) -> Result<(), DeviceError> {
         let touched = std::mem::take(&mut self.touched);
         match &mut self.arena {

@@ -1,10 +1,8 @@
-//! Waking the worker when a sealed batch is done, so that a worker past
-//! its spin budget sleeps until then instead of polling on a timer.
-//!
-//! An armed batch's done events are waited for on a stream of the wake's
-//! own, followed by a host function that counts one on an `eventfd`: the
-//! lease's streams never wait for a host function, and the worker polls
-//! the descriptor beside its pipe.
+//! Waking the worker when a sealed batch is done, so a worker past its spin
+//! budget sleeps instead of polling on a timer: an armed batch's done events
+//! are waited for on the wake's own stream, followed by a host function that
+//! counts one on an `eventfd` the worker polls beside its pipe. The lease's
+//! streams never wait for a host function.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
@@ -45,8 +43,7 @@ impl Wake {
         Ok(Wake { fd, stream })
     }
 
-    /// Counts one on the descriptor once every event in `done` has
-    /// completed.
+    /// Counts one on the descriptor once every event in `done` has completed.
     fn arm(&self, done: &[CudaEvent]) -> Result<(), DeviceError> {
         for e in done {
             self.stream

@@ -6,8 +6,7 @@ use std::collections::HashMap;
 use crate::proto::SourceKind;
 
 /// The entry names of a module's text: `.entry NAME` in PTX,
-/// `__global__ ... NAME(` in CUDA C (for the in-memory device, which runs
-/// no compiler).
+/// `__global__ ... NAME(` in CUDA C.
 pub(super) fn entry_names(kind: &SourceKind, text: &str) -> Vec<String> {
     let ident = |rest: &str| -> Option<String> {
         let name: String = rest
@@ -160,9 +159,8 @@ fn put(store: &mut HashMap<usize, Vec<u8>>, (s, p): (usize, usize), v: [u8; 4]) 
     }
 }
 
-/// How long a launch of `kernel` with `args` takes on the test double's
-/// clock: `delay(ms)` takes `ms` milliseconds of its stream's time, every
-/// other kernel none.
+/// How long a launch of `kernel` takes on the test double's clock:
+/// `delay(ms)` takes `ms` milliseconds of its stream's time, others none.
 pub(super) fn host_kernel_time(kernel: &str, args: &[HostArg]) -> std::time::Duration {
     match (kernel, args) {
         ("delay", [ms]) => {
@@ -172,8 +170,7 @@ pub(super) fn host_kernel_time(kernel: &str, args: &[HostArg]) -> std::time::Dur
     }
 }
 
-/// The argument shapes of the host test kernels: `m` memory, `s` a 4-byte
-/// scalar.
+/// The host test kernels' argument shapes: `m` memory, `s` a 4-byte scalar.
 pub(super) fn host_kernel_shape(kernel: &str) -> Option<&'static str> {
     Some(match kernel {
         "iota" => "ms",

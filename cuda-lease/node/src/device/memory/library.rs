@@ -1,8 +1,7 @@
 //! The test double's library calls, on the host: a matrix product
 //! ([`GemmSpec`], computed in `f64`, rounded once to the spec's element
-//! type) and
-//! random fills ([`RandSpec`], from a host generator: the same seed gives
-//! the same values here, not cuRAND's).
+//! type) and random fills ([`RandSpec`], from a host generator: the same
+//! seed gives the same values here, not cuRAND's).
 
 use cuda_core::half::{bf16, f16};
 

@@ -22,33 +22,27 @@ use kernels::{entry_names, host_kernel_shape, HostArg};
 use scheduler::{Queued, Work};
 
 /// The in-memory test double of a device: memory is host `Vec`s, streams
-/// and events are real (a deterministic scheduler, see below), and a few
-/// named test kernels run on the host, so data flow, ordering and failures
-/// are testable without a GPU.
+/// and events are real, and a few named test kernels run on the host, so
+/// data flow, ordering and failures are testable without a GPU.
 ///
-/// Enqueued commands wait in a queue with their dependencies (the earlier
-/// command of their stream, the record a wait names, conflicting earlier
-/// uses of their buffers); [`LeaseDevice::finish`] runs them, each time picking a
-/// ready command of the stream with the highest id, so independent streams
-/// do not simply run in submission order, and a missing dependency shows up
-/// as wrong data.
+/// Enqueued commands wait with their dependencies (the earlier command of
+/// their stream, the record a wait names, conflicting earlier uses of their
+/// buffers); [`LeaseDevice::finish`] runs them, each time picking a ready
+/// command of the highest stream id, so independent streams do not simply
+/// run in submission order and a missing dependency shows up as wrong data.
 ///
-/// Modules: PTX must hold `.entry`; CUDA C must hold `__global__` (else a
-/// fake compile log comes back in LOAD_FAILED; `#error` in the text also
-/// fails). Host kernels, one element per thread (`i < n`):
-/// `iota(u32* out, u32 n)`: `out[i] = i`; `vadd(f32* a, f32* b, f32* c,
-/// u32 n)`: `c = a + b`; `fill(f32* out, f32 v, u32 n)`; `axpy(f32 a,
-/// f32* x, f32* y, u32 n)`: `y = a * x + y`; `copy(f32* src, f32* dst,
-/// u32 n)`; `bias_relu(f32* h, f32* b, u32 rows, u32 cols)`: `h =
-/// max(h + b[row], 0)`, column-major; `softmax_columns(f32* z, u32 rows,
-/// u32 cols)`: each column its softmax (the MLP's kernels, one thread a
-/// column); `delay(u32 ms)` takes `ms` milliseconds (slow work on
-/// purpose). `spin` does nothing. An access outside a buffer faults the
-/// "device" like an illegal address (sticky, at the next finish).
-///
-/// For tests of the supervisor it understands three magic kernel names:
-/// `__fault` fails like an illegal address (sticky LAUNCH_FAILED at the next
-/// finish), `__hang` never returns and `__exit` ends the worker process.
+/// Modules: PTX must hold `.entry`, CUDA C `__global__` and no `#error`
+/// (else LOAD_FAILED with a fake log). Host kernels, one element per thread
+/// (`i < n`): `iota(u32* out, u32 n)`: `out[i] = i`; `vadd(f32* a, f32* b,
+/// f32* c, u32 n)`: `c = a + b`; `fill(f32* out, f32 v, u32 n)`;
+/// `axpy(f32 a, f32* x, f32* y, u32 n)`: `y = a * x + y`; `copy(f32* src,
+/// f32* dst, u32 n)`; `bias_relu(f32* h, f32* b, u32 rows, u32 cols)`:
+/// `h = max(h + b[row], 0)`, column-major; `softmax_columns(f32* z, u32
+/// rows, u32 cols)`: each column its softmax (one thread a column);
+/// `delay(u32 ms)` takes `ms` milliseconds; `spin` does nothing. An access
+/// outside a buffer faults like an illegal address (sticky LAUNCH_FAILED at
+/// the next finish). Magic names for supervisor tests: `__fault` faults
+/// likewise, `__hang` never returns, `__exit` ends the worker process.
 #[derive(Debug, Default)]
 pub struct MemoryDevice {
     capacity: u64,
@@ -291,9 +285,8 @@ impl LeaseDevice for MemoryDevice {
                 Some("ptxas fatal: no .entry in module (test double JIT log)".to_owned())
             }
             SourceKind::Cuda { .. } if text.contains("#error") || !text.contains("__global__") => {
-                // As NVRTC does, the log quotes the source's `#error` line
-                // with its line number (so tests can see the user's own text
-                // reach them).
+                // Like NVRTC's, the log quotes the `#error` line and its number
+                // (tests see the user's own text reach them).
                 let quoted = text
                     .lines()
                     .enumerate()
@@ -312,7 +305,6 @@ impl LeaseDevice for MemoryDevice {
             return Err(DeviceError::new(Status::LoadFailed, log));
         }
         self.modules.insert(hash, entry_names(kind, text));
-        // Nothing is compiled here.
         Ok(None)
     }
 

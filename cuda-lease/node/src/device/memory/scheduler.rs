@@ -1,10 +1,9 @@
 //! The test double's deterministic scheduler: enqueued commands with their
 //! dependencies, run at [`LeaseDevice::finish`](crate::device::LeaseDevice::finish)
-//! or [`LeaseDevice::seal`](crate::device::LeaseDevice::seal), and the test double's
-//! clock: each command is done at a time after its stream's, its buffers'
-//! and its dependencies' earlier work, plus what it takes (only the
-//! `delay(ms)` kernel takes time), so streams overlap in time as a GPU's
-//! do.
+//! or [`LeaseDevice::seal`](crate::device::LeaseDevice::seal), and its
+//! clock: a command is done after its stream's, buffers' and dependencies'
+//! earlier work plus what it takes (only `delay(ms)` takes time), so
+//! streams overlap in time as a GPU's do.
 
 use std::time::{Duration, Instant};
 
@@ -47,8 +46,7 @@ pub(super) enum Work {
     Free {
         slot: usize,
     },
-    /// A timer's start: when the scheduler runs it (the in-memory device
-    /// has no GPU clock).
+    /// A timer's start: when the scheduler runs it (there is no GPU clock).
     TimerStart {
         key: u64,
     },

@@ -78,10 +78,9 @@ fn two_streams_ordered_by_an_event_give_the_right_data() {
 
 #[test]
 fn the_scheduler_runs_a_higher_stream_first_when_nothing_orders_them() {
-    // Independent streams do not run in submission order: stream 1's
-    // read of `x` goes before stream 0's write of another buffer, and
-    // a read on stream 1 that conflicts with a write on stream 0 still
-    // waits for it (buffers order themselves, as on the GPU).
+    // Independent streams do not run in submission order: stream 1's read of
+    // `x` goes before stream 0's write of another buffer, yet a read on stream
+    // 1 conflicting with a write on stream 0 still waits for it.
     let (mut d, _) = device();
     d.alloc(0, Id(1), 4).unwrap();
     d.write(0, Id(1), 0, &f32s(&[5.0])).unwrap();

@@ -7,8 +7,7 @@ use super::{Effect, GraphChange, Planner, Refusal, Step};
 use crate::proto::{Command, Id, Op, Status};
 
 /// Refuses a `GraphBegin` at `i` whose body does not end in the batch
-/// (nothing of it would ever run, and its allocations would be
-/// unreachable).
+/// (nothing of it would run; its allocations would be unreachable).
 pub(super) fn body_ends(commands: &[Command<'_>], i: usize) -> Result<(), Refusal> {
     let Op::GraphBegin { graph } = commands[i].op else {
         return Ok(());
