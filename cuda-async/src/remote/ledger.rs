@@ -25,7 +25,7 @@
 //! is in flight, at once, alone; a free asked meanwhile waits for the last
 //! reply, unless a message takes it first. No timer decides either.
 
-use std::collections::{HashMap, HashSet};
+use super::proto::{IdMap, IdSet};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -255,17 +255,17 @@ struct Book {
     /// Messages sent and not settled yet.
     in_flight: usize,
     /// Ids created by submissions not answered yet: true once freed.
-    pending: HashMap<u64, bool>,
+    pending: IdMap<u64, bool>,
     /// Ids whose creating command ran, not freed since.
-    born: HashSet<u64>,
+    born: IdSet<u64>,
     /// Ids graphs hold, with how many hold each.
-    held: HashMap<u64, u32>,
+    held: IdMap<u64, u32>,
     /// Frees asked for held ids: queued when the last hold goes.
-    deferred: HashSet<u64>,
+    deferred: IdSet<u64>,
     /// Freed graphs whose free has not run yet, with the ids they hold: let go
     /// once a reply says it ran, or the graph never existed (the node would
     /// refuse a held id's free sent while the graph's is in flight).
-    after: HashMap<u64, Vec<u64>>,
+    after: IdMap<u64, Vec<u64>>,
 }
 
 impl Book {
@@ -353,7 +353,7 @@ impl Book {
     /// are gone, the others are asked again. True when frees were queued.
     fn settle(&mut self, sent: &Sent, ran: Ran) -> bool {
         let mut queued = false;
-        let mut never = HashSet::new();
+        let mut never = IdSet::default();
         for &(at, id) in &sent.created {
             let freed = self.pending.remove(&id).unwrap_or(false);
             match (at < ran.completed, freed) {

@@ -45,7 +45,6 @@
 #[cfg(feature = "cli")]
 pub mod config_file;
 pub mod device;
-mod ids;
 pub mod lease_table;
 pub mod log;
 pub mod metrics;

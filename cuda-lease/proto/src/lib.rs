@@ -30,6 +30,7 @@ mod codec;
 mod error;
 mod frame;
 mod gemm;
+mod ids;
 mod messages;
 mod module;
 mod rand;
@@ -50,6 +51,7 @@ pub use frame::{
     CLOSE_NODE_SHUTDOWN, FLAG_REPLY, HEADER_LEN, MAGIC, SMALL_FRAME, VERSION,
 };
 pub use gemm::{Dtype, GemmSpec, Operand};
+pub use ids::{IdHasher, IdMap, IdSet};
 pub use messages::{
     BatchReply, BulkOpen, BulkTickets, DeviceInfo, DeviceLimits, ErrorBody, GpuSubmit, Hello,
     HelloOk, Id, IdOp, Inventory, LaunchArg, LaunchSpec, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef,

@@ -36,7 +36,7 @@ pub struct Client {
     pub(super) bulk: tokio::sync::OnceCell<Option<super::bulk::BulkChannel>>,
     /// Modules this node was sent (or had) in a batch that it accepted:
     /// later batches name them by hash alone.
-    known_modules: std::sync::Mutex<std::collections::HashSet<ModuleHash>>,
+    known_modules: std::sync::Mutex<crate::proto::IdSet<ModuleHash>>,
 }
 
 impl Client {
@@ -185,7 +185,7 @@ impl Client {
     /// `f` of the modules this client believes the node has.
     pub(super) fn with_known_modules<R>(
         &self,
-        f: impl FnOnce(&std::collections::HashSet<ModuleHash>) -> R,
+        f: impl FnOnce(&crate::proto::IdSet<ModuleHash>) -> R,
     ) -> R {
         f(&self.known_modules.lock().unwrap_or_else(|e| e.into_inner()))
     }

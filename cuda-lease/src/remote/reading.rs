@@ -9,15 +9,14 @@
 //! the lock of its [`Reading`], so a submission waits only for reads
 //! numbered before it, never for a later one (which waits for it).
 
-use std::collections::HashMap;
-
+use cuda_async::remote::proto::IdMap;
 use cuda_async::remote::{Command, Op};
 use tokio::sync::watch;
 
 /// The streamed reads in flight, by buffer id.
 #[derive(Debug, Default)]
 pub(super) struct Reading {
-    by_id: HashMap<u64, Vec<(u64, watch::Receiver<()>)>>,
+    by_id: IdMap<u64, Vec<(u64, watch::Receiver<()>)>>,
     next: u64,
 }
 

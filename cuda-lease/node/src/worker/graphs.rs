@@ -34,7 +34,7 @@ impl Body {
 /// The lease's graphs, and the one being recorded.
 #[derive(Default)]
 pub(super) struct Graphs {
-    live: crate::ids::IdMap<Id, Body>,
+    live: crate::proto::IdMap<Id, Body>,
     open: Option<(Id, Body)>,
 }
 

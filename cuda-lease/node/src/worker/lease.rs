@@ -6,8 +6,8 @@ use serde::{Deserialize, Serialize};
 use super::messages::WorkerLoad;
 use super::plan::{in_range, plan, Charges, Effect, GraphChange, Plan};
 use crate::device::DeviceError;
-pub(super) use crate::ids::{IdMap, IdSet};
 use crate::proto::{validate_commands, Command, Id, ModuleHash, Status, StreamId};
+pub(super) use crate::proto::{IdMap, IdSet};
 
 /// What a client-named id of a lease is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -89,7 +89,7 @@ impl CudaDevice {
     /// `args`' values pushed onto `list`, a buffer's as its address at its
     /// offset (the buffer one of `buffers`).
     pub(super) fn push_args<'a>(
-        buffers: &'a crate::ids::IdMap<Id, DeviceBuffer<u8>>,
+        buffers: &'a crate::proto::IdMap<Id, DeviceBuffer<u8>>,
         list: &mut Args<'a>,
         args: &[LaunchArg<'_>],
     ) -> Result<(), DeviceError> {

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use crate::ids::IdMap;
+use crate::proto::IdMap;
 use std::sync::Arc;
 
 use cuda_async::{CudaStream, DeviceBuffer, Kernel, Module, PinnedBuffer};

@@ -1,13 +1,14 @@
-//! The hasher of a lease worker's maps: a multiply per word, not SipHash.
-//! Keys are the tenant's own ids, streams and module hashes in its own
-//! worker, so colliding ids slow only that tenant.
+//! The hasher of maps keyed by a lease's ids, streams and module hashes: a
+//! multiply per word, not SipHash. A map of one client's ids lives in that
+//! client, or in its lease's worker, so colliding ids slow only their
+//! owner.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 
 /// A multiply-and-rotate hasher over 8-byte words.
 #[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct IdHasher(u64);
+pub struct IdHasher(u64);
 
 impl Hasher for IdHasher {
     fn finish(&self) -> u64 {
@@ -40,9 +41,9 @@ impl Hasher for IdHasher {
 }
 
 /// A map keyed by a lease's ids, streams or modules.
-pub(crate) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
+pub type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 /// A set of a lease's ids, streams or modules.
-pub(crate) type IdSet<K> = HashSet<K, BuildHasherDefault<IdHasher>>;
+pub type IdSet<K> = HashSet<K, BuildHasherDefault<IdHasher>>;
 
 #[cfg(test)]
 #[test]
@@ -51,9 +52,7 @@ fn ids_spread_over_the_top_and_bottom_bits() {
     // hashbrown picks a bucket by the low bits and tags it with the top
     // seven: both must tell sequential ids apart.
     let b = BuildHasherDefault::<IdHasher>::default();
-    let hashes: Vec<u64> = (0..256u64)
-        .map(|i| b.hash_one(crate::proto::Id(i)))
-        .collect();
+    let hashes: Vec<u64> = (0..256u64).map(|i| b.hash_one(crate::Id(i))).collect();
     let low: HashSet<u64> = hashes.iter().map(|h| h & 0xff).collect();
     let top: HashSet<u64> = hashes.iter().map(|h| h >> 57).collect();
     assert!(low.len() > 128, "{} low bytes", low.len());
