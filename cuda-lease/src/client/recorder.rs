@@ -226,13 +226,10 @@ impl Recorder {
         self.commands
             .iter()
             .enumerate()
-            .filter_map(|(i, c)| match c.op {
-                Op::Read { len, .. } => Some(RecordedRead { command: i, len }),
-                Op::TimerEnd { .. } => Some(RecordedRead {
-                    command: i,
-                    len: crate::proto::TIMER_BYTES as u64,
-                }),
-                _ => None,
+            .filter(|(_, c)| matches!(c.op, Op::Read { .. } | Op::TimerEnd { .. }))
+            .map(|(i, c)| RecordedRead {
+                command: i,
+                len: c.op.reply_len(),
             })
             .collect()
     }
