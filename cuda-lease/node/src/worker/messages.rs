@@ -3,7 +3,6 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::lease::{BatchLimits, Usage};
 #[cfg(doc)]
 use crate::device::DeviceError;
 use crate::proto::{CommandList, Id, ModuleHash, OpError, SourceKind};
@@ -148,4 +147,39 @@ pub(crate) struct HeldRead {
     pub(crate) request: u64,
     pub(crate) offset: u64,
     pub(crate) len: u32,
+}
+
+/// What a lease holds, as its worker reports it with each batch's reply.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Usage {
+    /// Bytes charged to the reservation: buffers, modules' sources and
+    /// graphs' kept uploads.
+    pub(crate) allocated: u64,
+    /// Live buffers.
+    pub(crate) buffers: u32,
+    /// Live events and started timers.
+    pub(crate) events: u32,
+    /// Live graphs.
+    pub(crate) graphs: u32,
+    /// Streams used.
+    pub(crate) streams: u32,
+}
+
+/// The lease's limits and budgets, as the node gives them with each batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct BatchLimits {
+    /// The lease's reservation, in bytes.
+    pub(crate) reserved: u64,
+    /// Most live ids (buffers and events) in the lease.
+    pub(crate) max_ids: u32,
+    /// Most streams the lease may use.
+    pub(crate) max_streams: u32,
+    /// Most bytes one batch's reads may return.
+    pub(crate) max_read: u64,
+    /// The bytes the node holds for the batch's reply: what the batch
+    /// declared ([`BatchHead::reply_bytes`]) as far as the principal's
+    /// budget allows. Its reads may take no more.
+    ///
+    /// [`BatchHead::reply_bytes`]: crate::proto::BatchHead::reply_bytes
+    pub(crate) reply_bytes: u64,
 }

@@ -22,14 +22,15 @@ mod enqueue;
 mod graphs;
 mod lease;
 mod messages;
+mod objects;
 mod plan;
 mod process;
 
-pub(crate) use self::lease::{BatchLimits, Usage};
 pub(crate) use self::messages::{
     encode_worker_batch, ChunkOp, ChunkOps, WorkerBatchReply, WorkerLoad, FLAG_HELD, FLAG_STAMPS,
     MAX_CHUNKS_PER_CALL,
 };
+pub(crate) use self::messages::{BatchLimits, Usage};
 pub use self::process::PIPE_BUFFER_BYTES;
 pub(crate) use self::process::{chunks_outcome, SentRequest, WorkerError, WorkerProcess};
 

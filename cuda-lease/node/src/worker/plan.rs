@@ -2,8 +2,10 @@
 //! streams and reservation, decided in the worker before any is enqueued;
 //! pure logic over the lease's state and its [`Charges`].
 
-use super::lease::{BatchLimits, GraphIds, IdKind, IdMap, IdSet, LeaseObjects};
+use super::messages::BatchLimits;
+use super::objects::{GraphIds, IdKind, LeaseObjects};
 use crate::device::{fill_bytes, gemm_spans};
+use crate::proto::{IdMap, IdSet};
 
 mod graphs;
 use crate::proto::{

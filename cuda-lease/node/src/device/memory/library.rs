@@ -31,7 +31,7 @@ fn store(d: Dtype, bytes: &mut [u8], i: u64, v: f64) {
 
 /// `C = alpha * op(A) * op(B) + beta * C` for every product of `g`; `a`,
 /// `b` and `c` start at their operands' first elements and span what
-/// [`GemmSpec::extents`] says (checked by the caller).
+/// [`gemm_spans`](crate::device::gemm_spans) says (checked by the caller).
 pub(super) fn host_gemm(g: &GemmSpec, a: &[u8], b: &[u8], c: &mut [u8]) {
     let d = g.dtype;
     let [lda, ldb, ldc] = g.ld;

@@ -2,7 +2,7 @@
 //! its launches and its free, and the rule that keeps what a live graph
 //! uses alive.
 
-use super::super::lease::{GraphIds, IdKind};
+use super::super::objects::{GraphIds, IdKind};
 use super::{Effect, GraphChange, Planner, Refusal, Step};
 use crate::proto::{Command, Id, Op, Status};
 
