@@ -207,20 +207,17 @@ impl Held {
     /// (none if the reply is not held, or the read is past its end).
     fn read(&mut self, output: &mut impl std::io::Write, f: &Frame) -> std::io::Result<()> {
         let r = from_body::<HeldRead>(&f.body).ok();
-        let mut part: &[u8] = &[];
-        let mut done = true;
-        if let Some(data) = r
-            .as_ref()
-            .and_then(|r| self.0.get(&r.request).map(|d| (r, d)))
-        {
-            let (r, data) = data;
-            let start = usize::try_from(r.offset)
-                .unwrap_or(usize::MAX)
-                .min(data.len());
-            let end = start.saturating_add(r.len as usize).min(data.len());
-            part = &data[start..end];
-            done = r.len == 0 || end == data.len();
-        }
+        let held = r.as_ref().and_then(|r| Some((r, self.0.get(&r.request)?)));
+        let (part, done) = match held {
+            Some((r, data)) => {
+                let start = usize::try_from(r.offset)
+                    .unwrap_or(usize::MAX)
+                    .min(data.len());
+                let end = start.saturating_add(r.len as usize).min(data.len());
+                (&data[start..end], r.len == 0 || end == data.len())
+            }
+            None => (&[][..], true),
+        };
         let h = Header::reply(&f.header, Status::Ok, 0, part.len() as u32);
         let written = proto::write_frame_blocking(output, &h, &[], part);
         if let (true, Some(r)) = (done, r) {

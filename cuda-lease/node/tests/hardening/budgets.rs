@@ -4,6 +4,20 @@
 use super::*;
 
 /// A BATCH of `commands` numbered `seq` in `lease`, with no data.
+/// `op` on stream 0.
+fn on0(op: proto::Op<'static>) -> proto::Command<'static> {
+    proto::Command { stream: 0, op }
+}
+
+/// A read of the first `len` bytes of `buf`.
+fn read_of(buf: proto::Id, len: u64) -> proto::Command<'static> {
+    on0(proto::Op::Read {
+        buf,
+        offset: 0,
+        len,
+    })
+}
+
 fn numbered_batch(lease: proto::LeaseId, seq: u64, commands: Vec<proto::Command<'_>>) -> Vec<u8> {
     proto::to_body(&proto::Batch {
         lease,
@@ -23,13 +37,10 @@ async fn batch_numbers_that_would_wrap_are_refused() {
     let last = numbered_batch(lease.id(), u64::MAX, vec![]);
     let refused = client.request(Opcode::Batch, &last, &[]).await;
     // The owner's next batch runs at once.
-    let alloc = proto::Command {
-        stream: 0,
-        op: proto::Op::Alloc {
-            buf: proto::Id(1),
-            size: 64,
-        },
-    };
+    let alloc = on0(proto::Op::Alloc {
+        buf: proto::Id(1),
+        size: 64,
+    });
     let t = std::time::Instant::now();
     let next = client
         .request(
@@ -238,10 +249,7 @@ async fn batch_replies_count_against_the_principals_byte_budget() {
     let b = connect_as(node, "tb").await;
     let lease = lease_of(&a, 1 << 20).await;
     let buf = proto::Id(1);
-    let alloc = proto::Command {
-        stream: 0,
-        op: proto::Op::Alloc { buf, size: 1 << 20 },
-    };
+    let alloc = on0(proto::Op::Alloc { buf, size: 1 << 20 });
     a.request(
         Opcode::Batch,
         &numbered_batch(lease.id(), 0, vec![alloc]),
@@ -249,15 +257,7 @@ async fn batch_replies_count_against_the_principals_byte_budget() {
     )
     .await
     .unwrap();
-    let read = proto::Command {
-        stream: 0,
-        op: proto::Op::Read {
-            buf,
-            offset: 0,
-            len: 1 << 20,
-        },
-    };
-    let reads = numbered_batch(lease.id(), 0, vec![read; 32]);
+    let reads = numbered_batch(lease.id(), 0, vec![read_of(buf, 1 << 20); 32]);
     let conn = raw_conn_as(node, "ta").await;
     let peak = PeakRss::start();
     let mut unread = Vec::new();
@@ -393,18 +393,12 @@ async fn an_unread_large_batch_reply_holds_a_window_on_the_node_not_its_data() {
     let buf = proto::Id(1);
     let pattern: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
     let fill = vec![
-        proto::Command {
-            stream: 0,
-            op: proto::Op::Alloc { buf, size: 1 << 20 },
-        },
-        proto::Command {
-            stream: 0,
-            op: proto::Op::Write {
-                buf,
-                offset: 0,
-                len: 1 << 20,
-            },
-        },
+        on0(proto::Op::Alloc { buf, size: 1 << 20 }),
+        on0(proto::Op::Write {
+            buf,
+            offset: 0,
+            len: 1 << 20,
+        }),
     ];
     a.request(
         Opcode::Batch,
@@ -413,15 +407,7 @@ async fn an_unread_large_batch_reply_holds_a_window_on_the_node_not_its_data() {
     )
     .await
     .unwrap();
-    let read = proto::Command {
-        stream: 0,
-        op: proto::Op::Read {
-            buf,
-            offset: 0,
-            len: 1 << 20,
-        },
-    };
-    let reads = numbered_batch(lease.id(), 0, vec![read; 256]);
+    let reads = numbered_batch(lease.id(), 0, vec![read_of(buf, 1 << 20); 256]);
     let conn = raw_authed_conn(node).await;
     let peak = PeakRss::start();
     let mut unread = Vec::new();
@@ -492,7 +478,7 @@ async fn a_batch_reads_no_more_than_its_head_declared() {
             len: 8,
         },
     ]
-    .map(|op| proto::Command { stream: 0, op });
+    .map(on0);
     // (bytes declared, commands that run, bytes they read)
     for (declared, completed, read) in [(12, 3, 12), (11, 2, 4), (0, 1, 0)] {
         let mut body = Vec::new();
@@ -511,10 +497,7 @@ async fn a_batch_reads_no_more_than_its_head_declared() {
             );
         }
         // The buffer made by the batch goes with it (the next makes it again).
-        let free = [proto::Command {
-            stream: 0,
-            op: proto::Op::Free { id: buf },
-        }];
+        let free = [on0(proto::Op::Free { id: buf })];
         let mut body = Vec::new();
         proto::encode_batch_head(&mut body, lease.id(), 0, &[], 0);
         proto::encode_commands(&mut body, 1, &free);
@@ -536,10 +519,7 @@ async fn a_batch_reply_holds_only_the_bytes_it_carries() {
     let fx = Fixture::with_config(cfg).lease(8 << 20).start().await;
     let (client, lease) = (fx.client(), fx.lease());
     let buf = proto::Id(1);
-    let alloc = proto::Command {
-        stream: 0,
-        op: proto::Op::Alloc { buf, size: 8 << 20 },
-    };
+    let alloc = on0(proto::Op::Alloc { buf, size: 8 << 20 });
     client
         .request(
             Opcode::Batch,
@@ -550,15 +530,7 @@ async fn a_batch_reply_holds_only_the_bytes_it_carries() {
         .unwrap();
     // Two reads of 8 MiB: the budget holds 16 MiB less the request's own
     // bytes, so the first runs and the second is refused.
-    let read = proto::Command {
-        stream: 0,
-        op: proto::Op::Read {
-            buf,
-            offset: 0,
-            len: 8 << 20,
-        },
-    };
-    let reads = numbered_batch(lease.id(), 0, vec![read; 2]);
+    let reads = numbered_batch(lease.id(), 0, vec![read_of(buf, 8 << 20); 2]);
     let conn = raw_conn_as(&fx.node, TOKEN).await;
     let mut unread = send_unread(&conn, Opcode::Batch, 7, &reads, &[]).await;
     let (header, body) = proto::read_head(&mut unread, &proto::Limits::default())
@@ -569,14 +541,11 @@ async fn a_batch_reply_holds_only_the_bytes_it_carries() {
     assert_eq!(header.data_len, 8 << 20);
     // Its 8 MiB stay held while unread; the rest of the budget is free: a
     // 4 MiB write fits beside it.
-    let write = proto::Command {
-        stream: 0,
-        op: proto::Op::Write {
-            buf,
-            offset: 0,
-            len: 4 << 20,
-        },
-    };
+    let write = on0(proto::Op::Write {
+        buf,
+        offset: 0,
+        len: 4 << 20,
+    });
     let batch = numbered_batch(lease.id(), 0, vec![write]);
     let r = client
         .request(Opcode::Batch, &batch, &vec![3u8; 4 << 20])

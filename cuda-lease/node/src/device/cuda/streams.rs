@@ -34,10 +34,12 @@ impl CudaDevice {
 
     /// The stream a graph capture's allocations go to (outside the capture).
     pub(super) fn capture_alloc_stream(&mut self) -> Result<Arc<CudaStream>, DeviceError> {
-        if self.capture_alloc.is_none() {
-            self.capture_alloc = Some(self.new_stream()?);
+        if let Some(s) = &self.capture_alloc {
+            return Ok(s.clone());
         }
-        Ok(self.capture_alloc.clone().expect("set above"))
+        let s = self.new_stream()?;
+        self.capture_alloc = Some(s.clone());
+        Ok(s)
     }
 
     /// Notes that this batch enqueues work on `s` (see
