@@ -254,39 +254,24 @@ pub(crate) struct HeadRef<'m> {
     pub(crate) reply_bytes: u64,
 }
 
-/// A [`Batch`] as the wire carries it.
-#[derive(Serialize)]
-struct BatchOut<'r, 'a> {
-    head: HeadRef<'r>,
-    commands: &'r [Command<'a>],
-}
-
-/// A [`Batch`] as read (the head's reply bytes dropped: the commands give them).
-#[derive(Deserialize)]
-struct BatchIn<'a> {
-    head: BatchHead,
-    #[serde(borrow)]
-    commands: super::CommandList<'a>,
-}
-
+// A batch is its head, then its commands: postcard writes a tuple as its
+// fields in order, as it does a struct.
 impl Serialize for Batch<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        BatchOut {
-            head: HeadRef {
-                lease: self.lease,
-                seq: self.seq,
-                modules: &self.modules,
-                reply_bytes: reply_bytes(&self.commands),
-            },
-            commands: &self.commands,
-        }
-        .serialize(s)
+        let head = HeadRef {
+            lease: self.lease,
+            seq: self.seq,
+            modules: &self.modules,
+            reply_bytes: reply_bytes(&self.commands),
+        };
+        (head, &self.commands).serialize(s)
     }
 }
 
 impl<'de: 'a, 'a> Deserialize<'de> for Batch<'a> {
+    /// The head's reply bytes are dropped: the commands give them.
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let BatchIn { head, commands } = BatchIn::deserialize(d)?;
+        let (head, commands) = <(BatchHead, super::CommandList<'a>)>::deserialize(d)?;
         Ok(Batch {
             lease: head.lease,
             seq: head.seq,
@@ -320,11 +305,7 @@ impl BatchHead {
     /// [`ProtoError::Invalid`].
     pub fn validate(&self, data_len: usize) -> Result<usize, ProtoError> {
         let sources = validate_modules(&self.modules)?;
-        if sources > data_len as u64 {
-            return Err(ProtoError::Invalid(format!(
-                "batch data is {data_len} bytes but its modules' sources take {sources}"
-            )));
-        }
+        writes_len(sources, data_len)?;
         Ok(sources as usize)
     }
 }
@@ -336,7 +317,9 @@ impl Batch<'_> {
     ///
     /// [`ProtoError::Invalid`].
     pub fn validate(&self, data_len: usize) -> Result<(), ProtoError> {
-        validate_batch(&self.modules, &self.commands, data_len)
+        let sources = validate_modules(&self.modules)?;
+        let hashes: Vec<ModuleHash> = self.modules.iter().map(|m| m.hash).collect();
+        validate_commands(&hashes, &self.commands, writes_len(sources, data_len)?)
     }
 }
 
@@ -404,18 +387,11 @@ pub fn validate_commands(
     Ok(())
 }
 
-/// [`Batch::validate`] of a batch's modules and commands.
-fn validate_batch(
-    modules: &[ModuleUse],
-    commands: &[Command<'_>],
-    data_len: usize,
-) -> Result<(), ProtoError> {
-    let sources = validate_modules(modules)?;
-    let hashes: Vec<ModuleHash> = modules.iter().map(|m| m.hash).collect();
-    let writes = (data_len as u64).checked_sub(sources).ok_or_else(|| {
+/// The bytes of a batch's data after its modules' `sources`.
+fn writes_len(sources: u64, data_len: usize) -> Result<u64, ProtoError> {
+    (data_len as u64).checked_sub(sources).ok_or_else(|| {
         ProtoError::Invalid(format!(
             "batch data is {data_len} bytes but its modules' sources take {sources}"
         ))
-    })?;
-    validate_commands(&hashes, commands, writes)
+    })
 }

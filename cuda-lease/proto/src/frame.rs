@@ -464,15 +464,3 @@ pub fn proto_error(e: &std::io::Error) -> Option<&ProtoError> {
     e.get_ref()
         .and_then(|inner| inner.downcast_ref::<ProtoError>())
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn limits_checked_in_header() {
-        let h = Header::request(Opcode::MemWrite, 1, 0, u32::MAX);
-        let err = Header::decode(&h.encode(), &Limits::default()).unwrap_err();
-        assert!(matches!(err, ProtoError::DataTooLarge { .. }));
-    }
-}

@@ -10,74 +10,59 @@ use super::{
     MAX_SCALAR_ARG,
 };
 
-macro_rules! id_type {
-    ($(#[$m:meta])* $name:ident) => {
-        $(#[$m])*
-        #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-        pub struct $name(pub [u8; 16]);
+/// A random, unguessable 128-bit lease id: the capability to use (and
+/// always to free) the lease.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct LeaseId(pub [u8; 16]);
 
-        impl $name {
-            /// A fresh 128-bit id from the operating system's random source.
-            ///
-            /// # Panics
-            ///
-            /// If the operating system has no random source.
-            pub fn random() -> Self {
-                let mut b = [0u8; 16];
-                getrandom::fill(&mut b).expect("operating system random source");
-                Self(b)
-            }
-        }
-
-        impl fmt::Debug for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                write!(f, "{}({self})", stringify!($name))
-            }
-        }
-
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                for b in self.0 {
-                    write!(f, "{b:02x}")?;
-                }
-                Ok(())
-            }
-        }
-
-        impl std::str::FromStr for $name {
-            type Err = ProtoError;
-            fn from_str(s: &str) -> Result<Self, ProtoError> {
-                let s = s.trim();
-                if s.len() != 32 || !s.is_ascii() {
-                    return Err(ProtoError::Invalid("expected 32 hex digits".into()));
-                }
-                let mut b = [0u8; 16];
-                for (i, byte) in b.iter_mut().enumerate() {
-                    *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16)
-                        .map_err(|e| ProtoError::Invalid(e.to_string()))?;
-                }
-                Ok(Self(b))
-            }
-        }
-    };
+impl LeaseId {
+    /// A fresh 128-bit id from the operating system's random source.
+    ///
+    /// # Panics
+    ///
+    /// If the operating system has no random source.
+    pub fn random() -> Self {
+        let mut b = [0u8; 16];
+        getrandom::fill(&mut b).expect("operating system random source");
+        Self(b)
+    }
 }
 
-id_type!(
-    /// A random, unguessable 128-bit lease id: the capability to use (and
-    /// always to free) the lease.
-    LeaseId
-);
+impl fmt::Debug for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "LeaseId({self})")
+    }
+}
+
+impl fmt::Display for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::str::FromStr for LeaseId {
+    type Err = ProtoError;
+    fn from_str(s: &str) -> Result<Self, ProtoError> {
+        let s = s.trim();
+        if s.len() != 32 || !s.is_ascii() {
+            return Err(ProtoError::Invalid("expected 32 hex digits".into()));
+        }
+        let mut b = [0u8; 16];
+        for (i, byte) in b.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16)
+                .map_err(|e| ProtoError::Invalid(e.to_string()))?;
+        }
+        Ok(Self(b))
+    }
+}
 
 /// A buffer or event id in a lease, picked by the client (a per-lease
 /// counter). A name, not a secret: only the lease's principal may use it.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Id(pub u64);
-
-impl fmt::Debug for Id {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Id({})", self.0)
-    }
-}
 
 impl fmt::Display for Id {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
