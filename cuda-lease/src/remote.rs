@@ -1,6 +1,6 @@
 //! A leased GPU as a backend of `cuda-async`: [`LeaseBackend`] implements
 //! [`cuda_async::RemoteSession`] on a [`Session`] of the lease protocol
-//! ([`proto::VERSION`]).
+//! ([`proto::VERSION`](crate::proto::VERSION)).
 //!
 //! A [`Recording`] of `cuda-async` becomes one BATCH, encoded straight from
 //! it (the bytes of the [`Recorder`](crate::client::Recorder)'s commands,
@@ -22,15 +22,13 @@
 //! again. So the next submission, and the lease's accounting on the node,
 //! see the failed one stopped where the reply says.
 
-use std::borrow::Cow;
 use std::future::Future;
 use std::sync::{Arc, Mutex, Weak};
 
 use crate::client::{
-    config_error, protocol_error, EncodeCommands, Error, ErrorKind, Lease, Message, ModuleSpec,
-    Session, Submitted,
+    config_error, protocol_error, Error, ErrorKind, Lease, Message, ModuleSpec, Session, Submitted,
 };
-use crate::proto::{self, Command, Id, LeaseId, Op};
+use crate::proto::{Command, LeaseId};
 use crate::stamps::{stamp, Point};
 use cuda_async::remote::{Ledger, Ran, Recording, RemoteCompletion, Sent};
 use cuda_async::{RemoteErrorExt, RemoteSession};
@@ -40,32 +38,6 @@ mod reading;
 mod streamed;
 
 use reading::Reading;
-
-/// A BATCH's commands: the queued frees (on stream 0), then a recording's
-/// commands, encoded in turn without collecting them.
-struct AfterFrees<'a> {
-    frees: &'a [u64],
-    commands: &'a [Command<'static>],
-}
-
-impl EncodeCommands for AfterFrees<'_> {
-    fn encode_into(&self, out: &mut Vec<u8>) {
-        let frees = self.frees.iter().map(|&id| {
-            Cow::Owned(Command {
-                stream: 0,
-                op: Op::Free { id: Id(id) },
-            })
-        });
-        let commands = self.commands.iter().map(Cow::Borrowed);
-        let n = self.frees.len() + self.commands.len();
-        proto::encode_commands(out, n, frees.chain(commands));
-    }
-
-    fn reply_bytes(&self) -> u64 {
-        // Frees read nothing.
-        proto::reply_bytes(self.commands)
-    }
-}
 
 /// A lease as a remote session of `cuda-async`. Cheap to share
 /// (`Arc<LeaseBackend>`); its I/O runs on the tokio runtime it was made on.
@@ -137,8 +109,14 @@ impl LeaseBackend {
     {
         // Frees taken and message numbered under one lock: see `Ledger::send`.
         let (sent, message) = self.ledger.send(keep_frees, commands, |frees| {
-            let commands = AfterFrees { frees, commands };
-            Message::new(&self.session.inner, numbered, modules, commands, writes)
+            Message::new(
+                &self.session.inner,
+                numbered,
+                modules,
+                frees,
+                commands,
+                writes,
+            )
         });
         self.sent_message(sent, message, dests)
     }
@@ -147,11 +125,7 @@ impl LeaseBackend {
     /// queued (a message took them first: no empty batch is sent).
     fn send_queued_frees(&self) -> Option<impl Future<Output = ()> + Send + 'static> {
         let (sent, message) = self.ledger.send_frees(|frees| {
-            let commands = AfterFrees {
-                frees,
-                commands: &[],
-            };
-            Message::new(&self.session.inner, true, &[], commands, Vec::new())
+            Message::new(&self.session.inner, true, &[], frees, &[], Vec::new())
         })?;
         let reply = self.sent_message(sent, message, Vec::<Vec<u8>>::new()).1;
         // A free that fails (the lease is gone) has nothing to free.
@@ -496,7 +470,8 @@ impl Drop for BlockingLease {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::to_body;
+    use crate::client::encode_commands;
+    use crate::proto::{to_body, Id, Op};
 
     /// The queued frees lead a BATCH on stream 0, then the recording's
     /// commands: the bytes postcard writes for the same command list.
@@ -513,11 +488,7 @@ mod tests {
         rec.write(3, 9, 0, &[1, 2]);
         let _slot = rec.read(1, 9, 0, 2);
         let mut bytes = Vec::new();
-        AfterFrees {
-            frees: &[5, 6],
-            commands: rec.commands(),
-        }
-        .encode_into(&mut bytes);
+        encode_commands(&mut bytes, &[5, 6], rec.commands());
         let free = |id| Command {
             stream: 0,
             op: Op::Free { id: Id(id) },

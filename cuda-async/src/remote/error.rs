@@ -50,7 +50,6 @@ mod sealed {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Credentials, Disconnect};
 
     #[test]
     fn a_remote_error_keeps_its_words_its_hint_and_its_retry_answer() {
@@ -58,13 +57,6 @@ mod tests {
         let cases = [
             (K::LeaseExpired, "lease again", false),
             (K::Capacity, "lease more", true),
-            (K::Disconnected(Disconnect::Network), "reconnect", true),
-            (
-                K::Unauthorized(Credentials::Refused),
-                "check the token",
-                false,
-            ),
-            (K::LeasePoisoned, "lease again", false),
         ];
         for (kind, advice, retry) in cases {
             let inner = RemoteError::new(kind, "lease 1").with_node("n");

@@ -218,16 +218,9 @@ impl Ledger {
     }
 
     /// Holds `ids` (what a graph kept on the node uses, or a transfer moves):
-    /// their frees asked for meanwhile wait for [`Ledger::release`].
+    /// their frees asked for meanwhile wait for [`Ledger::free_and_release`].
     pub fn hold(&self, ids: &[u64]) {
         self.book().hold(ids);
-    }
-
-    /// Lets go of `ids` ([`Ledger::hold`]): the frees asked for meanwhile
-    /// of those nothing else holds are queued. True as [`Ledger::free`].
-    pub fn release(&self, ids: &[u64]) -> bool {
-        let mut book = self.book();
-        book.release(ids) && book.flush_due()
     }
 
     /// Frees `frees` and lets go of `held` in one step (the end of a transfer).

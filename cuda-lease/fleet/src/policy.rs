@@ -384,16 +384,7 @@ impl Shared {
 /// (disconnected; lease expired, freed, not found or poisoned), not the
 /// work's own fault: the work may run again on another lease.
 pub fn lost(e: &cuda_async::Error) -> bool {
-    matches!(
-        e.remote_kind(),
-        Some(
-            ErrorKind::Disconnected(_)
-                | ErrorKind::LeaseExpired
-                | ErrorKind::LeaseFreed
-                | ErrorKind::LeaseNotFound
-                | ErrorKind::LeasePoisoned
-        )
-    )
+    e.remote().is_some_and(Error::lease_gone)
 }
 
 /// The error of work in flight on a node the policy gave up: the

@@ -154,6 +154,20 @@ impl RemoteError {
         )
     }
 
+    /// Whether the node or the lease is gone (disconnected; the lease
+    /// expired, freed, not found or poisoned): nothing more runs on this
+    /// lease, and the failure was not the request's own.
+    pub fn lease_gone(&self) -> bool {
+        matches!(
+            self.kind,
+            RemoteErrorKind::Disconnected(_)
+                | RemoteErrorKind::LeaseExpired
+                | RemoteErrorKind::LeaseFreed
+                | RemoteErrorKind::LeaseNotFound
+                | RemoteErrorKind::LeasePoisoned
+        )
+    }
+
     /// What to do about it, in a few words.
     pub fn hint(&self) -> &'static str {
         use RemoteErrorKind as K;

@@ -48,16 +48,8 @@ impl std::fmt::Debug for LeaseInner {
 }
 
 impl LeaseInner {
-    pub(super) async fn req(
-        &self,
-        op: Opcode,
-        body: &[u8],
-        data: &[u8],
-    ) -> Result<(Vec<u8>, Vec<u8>), Error> {
-        self.guard(self.client.request(op, body, data)).await
-    }
-
-    /// [`LeaseInner::req`] with the reply's data going where `into` says.
+    /// One request of this lease ([`LeaseInner::guard`]), the reply's data
+    /// going where `into` says.
     pub(super) async fn req_with(
         &self,
         op: Opcode,
@@ -123,7 +115,9 @@ impl LeaseInner {
                 lease: inner.id,
                 id,
             });
-            let _ = inner.req(Opcode::MemFree, &body, &[]).await;
+            let _ = inner
+                .req_with(Opcode::MemFree, &body, &[], ReplyInto::Owned)
+                .await;
         });
     }
 }

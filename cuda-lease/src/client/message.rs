@@ -9,8 +9,9 @@ use super::connection::ReplyInto;
 use super::lease::LeaseInner;
 use super::{Error, ModuleSpec, RecordedRead, Submitted};
 use crate::proto::{
-    self, from_body, to_body, Batch, BatchReply, Command, ModuleText, ModuleUse, Opcode,
+    self, from_body, to_body, Batch, BatchReply, Command, Id, ModuleText, ModuleUse, Op, Opcode,
 };
+use std::borrow::Cow;
 
 /// One numbered BATCH, with what a resend with every source needs.
 pub(crate) struct Message {
@@ -25,8 +26,8 @@ pub(crate) struct Message {
 }
 
 impl Message {
-    /// The BATCH of `commands` (encoded as [`Batch`] encodes its
-    /// `Vec<Command>`), launching from `modules`, with `writes` as its
+    /// The BATCH of `frees` (as FREE commands on stream 0), then
+    /// `commands`, launching from `modules`, with `writes` as its
     /// payloads. The sources of modules the node may lack go first in the
     /// data. `numbered`: numbered now; the node runs a lease's batches in
     /// the order of these calls, whatever order they are polled or arrive
@@ -34,11 +35,12 @@ impl Message {
     /// when it arrives, before or after the numbered ones; only for
     /// commands that depend on nothing sent before them and that nothing
     /// sent before them names (the allocations of fresh buffers).
-    pub(crate) fn new<C: EncodeCommands>(
+    pub(crate) fn new(
         inner: &Arc<LeaseInner>,
         numbered: bool,
         modules: &[ModuleSpec],
-        commands: C,
+        frees: &[u64],
+        commands: &[Command<'_>],
         writes: Vec<u8>,
     ) -> Message {
         let seq = if numbered {
@@ -67,8 +69,10 @@ impl Message {
                 .collect()
         });
         let mut body = Vec::new();
-        proto::encode_batch_head(&mut body, inner.id, seq, &uses, commands.reply_bytes());
-        commands.encode_into(&mut body);
+        // Frees read nothing.
+        let reply_bytes = proto::reply_bytes(commands);
+        proto::encode_batch_head(&mut body, inner.id, seq, &uses, reply_bytes);
+        encode_commands(&mut body, frees, commands);
         let len = writes.len();
         if data.is_empty() {
             data = writes;
@@ -129,38 +133,25 @@ impl Message {
         mut parts: Option<&mut [&mut [u8]]>,
     ) -> Result<(BatchReply, Vec<u8>), Error> {
         let (body, data) = (&self.body, &self.data);
-        let r = self
+        fn into<'a, 'b>(parts: Option<&'a mut [&'b mut [u8]]>) -> ReplyInto<'a, 'b> {
+            parts.map_or(ReplyInto::Owned, ReplyInto::Parts)
+        }
+        let mut r = self
             .inner
-            .req_with(
-                Opcode::Batch,
-                body,
-                data,
-                parts
-                    .as_deref_mut()
-                    .map_or(ReplyInto::Owned, ReplyInto::Parts),
-            )
+            .req_with(Opcode::Batch, body, data, into(parts.as_deref_mut()))
             .await;
-        let r = match r {
-            Err(e) if e.kind() == ErrorKind::ModuleUnknown => {
-                // The node lost (or never had) a module: send the same
-                // message again with every source.
-                let writes = &data[data.len() - self.writes..];
-                match with_every_source(body, &self.modules, writes) {
-                    Ok((body, all)) => {
-                        self.inner
-                            .req_with(
-                                Opcode::Batch,
-                                &body,
-                                &all,
-                                parts.map_or(ReplyInto::Owned, ReplyInto::Parts),
-                            )
-                            .await
-                    }
-                    Err(e) => Err(e),
-                }
+        if matches!(&r, Err(e) if e.kind() == ErrorKind::ModuleUnknown) {
+            // The node lost (or never had) a module: send the same
+            // message again with every source.
+            let writes = &data[data.len() - self.writes..];
+            r = async {
+                let (body, all) = with_every_source(body, &self.modules, writes)?;
+                self.inner
+                    .req_with(Opcode::Batch, &body, &all, into(parts))
+                    .await
             }
-            r => r,
-        };
+            .await;
+        }
         let (reply, data) = match r {
             Ok(r) => r,
             Err(e) => {
@@ -208,8 +199,7 @@ impl Drop for Message {
 async fn fill_place(inner: &LeaseInner, seq: u64) {
     let mut body = Vec::new();
     proto::encode_batch_head(&mut body, inner.id, seq, &[], 0);
-    let none: &[Command<'_>] = &[];
-    none.encode_into(&mut body);
+    encode_commands(&mut body, &[], &[]);
     for pause_ms in [0u64, 20, 200, 1000] {
         tokio::time::sleep(std::time::Duration::from_millis(pause_ms)).await;
         let r = inner
@@ -225,14 +215,7 @@ async fn fill_place(inner: &LeaseInner, seq: u64) {
 /// order: not when the lease or the connection is gone (nothing follows
 /// it then).
 fn holds_a_place(e: &Error) -> bool {
-    !matches!(
-        e.kind(),
-        ErrorKind::Disconnected(_)
-            | ErrorKind::LeaseFreed
-            | ErrorKind::LeaseExpired
-            | ErrorKind::LeaseNotFound
-            | ErrorKind::LeasePoisoned
-    )
+    !e.lease_gone()
 }
 
 /// A batch message (`body`, its data ending in `writes`) again, with the
@@ -255,22 +238,16 @@ fn with_every_source(
     Ok((to_body(&batch), data))
 }
 
-/// Commands a BATCH carries without owning them, appended to its body in
-/// the protocol's encoding (as postcard encodes the `Vec<Command>` of the
-/// same commands).
-pub(crate) trait EncodeCommands {
-    /// Appends the commands to `out`.
-    fn encode_into(&self, out: &mut Vec<u8>);
-    /// The bytes their reads return ([`proto::reply_bytes`]).
-    fn reply_bytes(&self) -> u64;
-}
-
-impl EncodeCommands for &[Command<'_>] {
-    fn encode_into(&self, out: &mut Vec<u8>) {
-        proto::encode_commands(out, self.len(), *self);
-    }
-
-    fn reply_bytes(&self) -> u64 {
-        proto::reply_bytes(*self)
-    }
+/// Appends `frees` (as FREE commands on stream 0), then `commands`, as
+/// postcard encodes the `Vec<Command>` of the same commands, without
+/// collecting them.
+pub(crate) fn encode_commands(out: &mut Vec<u8>, frees: &[u64], commands: &[Command<'_>]) {
+    let frees = frees.iter().map(|&id| {
+        Cow::Owned(Command {
+            stream: 0,
+            op: Op::Free { id: Id(id) },
+        })
+    });
+    let n = frees.len() + commands.len();
+    proto::encode_commands(out, n, frees.chain(commands.iter().map(Cow::Borrowed)));
 }

@@ -315,6 +315,7 @@ impl Recorder {
             &self.inner,
             true,
             &self.modules,
+            &[],
             &self.commands[..],
             self.writes.clone(),
         )

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use super::connection::ReplyInto;
 use super::lease::LeaseInner;
 use super::{Client, Error, ModuleSpec, Recorder};
 use crate::proto::{to_body, Id, LaunchArg, LeaseId, MemAlloc, Opcode};
@@ -89,7 +90,9 @@ impl Session {
             buf,
             size,
         });
-        self.inner.req(Opcode::MemAlloc, &body, &[]).await?;
+        self.inner
+            .req_with(Opcode::MemAlloc, &body, &[], ReplyInto::Owned)
+            .await?;
         Ok(LeaseBuffer {
             inner: self.inner.clone(),
             id: buf,
