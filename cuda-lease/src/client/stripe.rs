@@ -2,10 +2,11 @@
 //! connections ([`ClientConfig::stripes`](super::ClientConfig::stripes)),
 //! the reads landing in one [`StripeBuffer`].
 
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::connection::{connect_timed_out, dial, exchange, ReplyInto};
+use super::connection::{connect_timed_out, dial};
 use super::error::{disconnected, protocol_error};
 use super::{Client, Error};
 use crate::proto::{to_body, Id, LeaseId, MemRead, MemWrite, Opcode};
@@ -74,63 +75,79 @@ impl Client {
         }
     }
 
-    /// Writes `bytes` to memory at `offset`, striped over the connections
-    /// of [`ClientConfig::stripes`](super::ClientConfig::stripes) when large enough
-    /// (bulk-data connections when the node has them).
-    pub(super) async fn striped_write(&self, to: Target, bytes: &[u8]) -> Result<(), Error> {
-        if let Some(bulk) = self.bulk_for(true, bytes.len()).await {
-            // One task polls every stripe (the bytes are borrowed), so the
-            // encryption runs on one thread: `write_shared` spreads it.
-            let parts = stripe_bounds(bytes.len(), self.stripe_count(bytes.len()));
-            let conns = bulk.take(self, parts.len()).await?;
-            let futs = conns.into_iter().zip(&parts).map(|(conn, r)| {
-                let pieces = requests(r.clone()).map(|r| {
-                    let body = write_body(to, &r);
-                    (Opcode::MemWrite, body, &bytes[r], &mut [][..])
-                });
-                self.bulk_run(conn, pieces)
-            });
-            return first_error(futures::future::join_all(futs).await);
-        }
-        let conns = self.stripe_set(bytes.len()).await?;
-        let parts = stripe_bounds(bytes.len(), conns.len());
-        let futs = conns.iter().zip(&parts).map(|(conn, r)| async move {
-            // A stripe larger than a request may be goes as several, in turn.
-            for r in requests(r.clone()) {
-                let body = write_body(to, &r);
-                self.request_on(conn, Opcode::MemWrite, &body, &bytes[r], None)
-                    .await?;
+    /// The connections a transfer of `len` bytes goes over, each with its
+    /// part: bulk-data ones when the node has the channel and the transfer
+    /// is large enough (`up`: a write), else QUIC ones ([`Client::stripe_set`]).
+    async fn lanes(&self, up: bool, len: usize) -> Result<Vec<(Lane, Range<usize>)>, Error> {
+        let (lanes, parts): (Vec<Lane>, _) = match self.bulk_for(up, len).await {
+            Some(bulk) => {
+                let parts = stripe_bounds(len, self.stripe_count(len));
+                let conns = bulk.take(self, parts.len()).await?;
+                (conns.into_iter().map(Lane::Bulk).collect(), parts)
             }
-            Ok::<_, Error>(())
-        });
-        first_error(futures::future::join_all(futs).await)
+            None => {
+                let conns = self.stripe_set(len).await?;
+                let parts = stripe_bounds(len, conns.len());
+                (
+                    conns.into_iter().map(|c| Lane::Quic(c.clone())).collect(),
+                    parts,
+                )
+            }
+        };
+        Ok(lanes.into_iter().zip(parts).collect())
     }
 
-    /// [`Client::striped_write`] of bytes the stripes share, so that over
-    /// the bulk-data channel each stripe runs (and encrypts) on its own
-    /// task.
+    /// Runs `pieces` (opcode, body, data, where a read's data lands) in
+    /// turn on `lane`.
+    async fn run_lane<'a>(
+        &self,
+        lane: Lane,
+        pieces: impl IntoIterator<Item = (Opcode, Vec<u8>, &'a [u8], &'a mut [u8])>,
+    ) -> Result<(), Error> {
+        match lane {
+            Lane::Bulk(conn) => self.bulk_run(conn, pieces).await,
+            Lane::Quic(conn) => {
+                for (op, body, data, into) in pieces {
+                    let into = (op == Opcode::MemRead).then_some(into);
+                    self.request_on(&conn, op, &body, data, into).await?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Writes `bytes` to memory at `offset`, striped over the connections
+    /// of [`ClientConfig::stripes`](super::ClientConfig::stripes) when large enough
+    /// (bulk-data connections when the node has them). One task polls
+    /// every stripe (the bytes are borrowed), so a bulk-data channel's
+    /// encryption runs on one thread: `write_shared` spreads it.
+    pub(super) async fn striped_write(&self, to: Target, bytes: &[u8]) -> Result<(), Error> {
+        let lanes = self.lanes(true, bytes.len()).await?;
+        let futs = lanes.into_iter().map(|(lane, r)| {
+            let pieces =
+                requests(r).map(|r| (Opcode::MemWrite, write_body(to, &r), &bytes[r], &mut [][..]));
+            self.run_lane(lane, pieces)
+        });
+        futures::future::join_all(futs).await.into_iter().collect()
+    }
+
+    /// [`Client::striped_write`] of bytes the stripes share, each stripe
+    /// running (and encrypting) on its own task.
     #[cfg(feature = "backend")]
     pub(crate) async fn write_shared(
         self: &Arc<Self>,
         to: Target,
         bytes: super::bulk::SharedBytes,
     ) -> Result<(), Error> {
-        let len = (*bytes).as_ref().len();
-        let Some(bulk) = self.bulk_for(true, len).await else {
-            return self.striped_write(to, (*bytes).as_ref()).await;
-        };
-        let parts = stripe_bounds(len, self.stripe_count(len));
-        let conns = bulk.take(self, parts.len()).await?;
-        let tasks = conns.into_iter().zip(parts).map(|(conn, r)| {
+        let lanes = self.lanes(true, (*bytes).as_ref().len()).await?;
+        let tasks = lanes.into_iter().map(|(lane, r)| {
             let client = self.clone();
             let bytes = bytes.clone();
             async move {
                 let data = (*bytes).as_ref();
-                let pieces = requests(r).map(|r| {
-                    let body = write_body(to, &r);
-                    (Opcode::MemWrite, body, &data[r], &mut [][..])
-                });
-                client.bulk_run(conn, pieces).await
+                let pieces = requests(r)
+                    .map(|r| (Opcode::MemWrite, write_body(to, &r), &data[r], &mut [][..]));
+                client.run_lane(lane, pieces).await
             }
         });
         join_tasks(tasks).await
@@ -160,23 +177,14 @@ impl Client {
         B: AsMut<[u8]> + Send + 'static,
     {
         let len = out.as_mut().len();
-        if let Some(bulk) = self.bulk_for(false, len).await {
-            return self.bulk_read_to(bulk, to, out).await;
-        }
-        let conns = self.stripe_set(len).await?;
-        let parts = stripe_bounds(len, conns.len());
-        let request = |r: &std::ops::Range<usize>| read_body(to, r);
-        if parts.len() == 1 {
+        let lanes = self.lanes(false, len).await?;
+        if let [(Lane::Quic(conn), _)] = &lanes[..] {
+            // One stripe: its reads in turn, on this task.
             for r in requests(0..len) {
-                let body = request(&r);
-                self.request_on(
-                    conns[0],
-                    Opcode::MemRead,
-                    &body,
-                    &[],
-                    Some(&mut out.as_mut()[r]),
-                )
-                .await?;
+                let body = read_body(to, &r);
+                let into = Some(&mut out.as_mut()[r]);
+                self.request_on(conn, Opcode::MemRead, &body, &[], into)
+                    .await?;
             }
             return Ok(out);
         }
@@ -184,66 +192,32 @@ impl Client {
         // the page faults of a fresh buffer) run on several threads, all
         // into one buffer, with no concatenation after.
         let out = Arc::new(StripeBuffer::over(out));
-        let tasks = conns.iter().zip(&parts).map(|(conn, r)| {
-            let conn = (*conn).clone();
-            let limits = self.limits;
-            let pieces: Vec<_> = requests(r.clone())
-                .map(|r| {
-                    let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                    (r.clone(), id, request(&r))
-                })
-                .collect();
-            let out = out.clone();
-            async move {
-                for (r, id, body) in pieces {
-                    // SAFETY: the stripes' ranges are disjoint (from
-                    // `stripe_bounds`), their requests' too, and this
-                    // task alone touches this range, one piece at a time.
-                    let part = ReplyInto::Exact(unsafe { out.range_mut(r) });
-                    exchange(&conn, &limits, id, Opcode::MemRead, &body, &[], part).await?;
-                }
-                Ok::<_, Error>(())
-            }
-        });
-        join_tasks(tasks).await?;
-        StripeBuffer::into_inner(out)
-    }
-
-    /// [`Client::striped_read_to`] over the bulk-data channel: one task per
-    /// stripe (one connection each), all into `out`.
-    async fn bulk_read_to<B>(
-        self: &Arc<Self>,
-        bulk: &super::bulk::BulkChannel,
-        to: Target,
-        mut out: B,
-    ) -> Result<B, Error>
-    where
-        B: AsMut<[u8]> + Send + 'static,
-    {
-        let len = out.as_mut().len();
-        let parts = stripe_bounds(len, self.stripe_count(len));
-        let conns = bulk.take(self, parts.len()).await?;
-        // One task per stripe, one stripe for a small transfer.
-        let out = Arc::new(StripeBuffer::over(out));
-        let tasks = conns.into_iter().zip(parts).map(|(conn, r)| {
-            let out = out.clone();
+        let tasks = lanes.into_iter().map(|(lane, r)| {
             let client = self.clone();
+            let out = out.clone();
             async move {
                 let pieces = requests(r).map(|r| {
                     let body = read_body(to, &r);
                     // SAFETY: the stripes' ranges are disjoint (from
                     // `stripe_bounds`), their requests' too, and this
-                    // task alone touches this range, one piece at a
-                    // time.
+                    // task alone touches this range, one piece at a time.
                     let part = unsafe { out.range_mut(r) };
                     (Opcode::MemRead, body, &[][..], part)
                 });
-                client.bulk_run(conn, pieces).await
+                client.run_lane(lane, pieces).await
             }
         });
         join_tasks(tasks).await?;
         StripeBuffer::into_inner(out)
     }
+}
+
+/// A connection a stripe of a transfer goes over.
+// A few per transfer, moved once each: not worth a box.
+#[allow(clippy::large_enum_variant)]
+enum Lane {
+    Quic(quinn::Connection),
+    Bulk(super::bulk::Conn),
 }
 
 /// Where a streamed transfer goes: a lease's buffer from a byte offset,
@@ -274,11 +248,6 @@ fn read_body(to: Target, r: &std::ops::Range<usize>) -> Vec<u8> {
         len: r.len() as u32,
         after: to.after,
     })
-}
-
-/// The first error of `results`, if any.
-fn first_error(results: Vec<Result<(), Error>>) -> Result<(), Error> {
-    results.into_iter().collect()
 }
 
 /// Runs each stripe's future as a task of its own, waits for every task
