@@ -29,7 +29,7 @@ type GaugeU64 = Gauge<u64, AtomicU64>;
 
 /// The node's metrics and registry; lease-table gauges are passed to
 /// [`Metrics::render`].
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Metrics {
     /// Leases granted.
     pub lease_acquired: Counter,
@@ -63,43 +63,14 @@ pub struct Metrics {
     lease_active: GaugeU64,
     /// Connections holding a HELLO place.
     pub handshakes_waiting: GaugeU64,
-    registry: Registry,
-}
-
-impl Default for Metrics {
-    fn default() -> Self {
-        Self::new()
-    }
+    /// Every metric above, registered on the first render.
+    registry: std::sync::OnceLock<Registry>,
 }
 
 impl Metrics {
-    /// Fresh metrics, all zero, registered in a new registry.
-    pub fn new() -> Self {
-        let m = Metrics {
-            lease_acquired: Counter::default(),
-            lease_dropped: Counter::default(),
-            submit_total: Counter::default(),
-            submit_errors: Counter::default(),
-            submit_output_bytes: Counter::default(),
-            batch_total: Counter::default(),
-            batch_commands: Counter::default(),
-            modules_compiled: Counter::default(),
-            bulk_connections: Counter::default(),
-            bulk_bytes: Counter::default(),
-            handshakes_queued: Counter::default(),
-            handshakes_refused: Counter::default(),
-            worker_starts: Counter::default(),
-            worker_starts_refused: Counter::default(),
-            vram_allocated: GaugeU64::default(),
-            lease_active: GaugeU64::default(),
-            handshakes_waiting: GaugeU64::default(),
-            registry: Registry::default(),
-        };
-        m.registered()
-    }
-
-    fn registered(mut self) -> Self {
-        let r = &mut self.registry;
+    fn registry(&self) -> Registry {
+        let mut registry = Registry::default();
+        let r = &mut registry;
         // Base names: the encoder appends the unit and `_total`.
         let counters = [
             (
@@ -195,7 +166,7 @@ impl Metrics {
             "The cuda-lease version of this node (always 1).",
             build,
         );
-        self
+        registry
     }
 
     /// Renders all metrics as [`CONTENT_TYPE_OPENMETRICS`], with the gauges' values.
@@ -203,7 +174,8 @@ impl Metrics {
         self.vram_allocated.set(vram_allocated);
         self.lease_active.set(active_leases);
         let mut s = String::new();
-        prometheus_client::encoding::text::encode(&mut s, &self.registry)
+        let registry = self.registry.get_or_init(|| self.registry());
+        prometheus_client::encoding::text::encode(&mut s, registry)
             .expect("writing to a String does not fail");
         s
     }
@@ -275,7 +247,7 @@ mod tests {
 
     #[test]
     fn exposed_names() {
-        let m = Metrics::new();
+        let m = Metrics::default();
         m.lease_acquired.inc();
         m.submit_output_bytes.inc_by(20);
         m.batch_commands.inc_by(3);
@@ -318,7 +290,7 @@ mod tests {
     async fn http_server() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let m = Arc::new(Metrics::new());
+        let m = Arc::new(Metrics::default());
         let task = tokio::spawn(serve(listener, move || m.render(0, 0)));
 
         let get = http(

@@ -39,17 +39,12 @@ fn map(file: &File) -> std::io::Result<MmapRaw> {
 }
 
 /// The node's side of a ring: the mapping and the free slots.
+#[derive(Debug)]
 pub(crate) struct ShmRing {
     map: MmapRaw,
     path: PathBuf,
     free: Mutex<Vec<u32>>,
     permits: Arc<Semaphore>,
-}
-
-impl std::fmt::Debug for ShmRing {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShmRing").field("path", &self.path).finish()
-    }
 }
 
 impl ShmRing {

@@ -339,27 +339,4 @@ mod tests {
         let e = Args::try_parse_from(["cuda-lease-node", "--dev", "--max-ttl", "1w"]).unwrap_err();
         assert!(e.to_string().contains("unknown duration unit"), "{e}");
     }
-
-    #[test]
-    fn transport_flags_reach_the_settings() {
-        let a = Args::parse_from(["cuda-lease-node", "--dev"]);
-        assert_eq!(
-            a.transport.settings().unwrap(),
-            cuda_lease::TransportSettings::default()
-        );
-        let a = Args::parse_from([
-            "cuda-lease-node",
-            "--dev",
-            "--transport",
-            "loopback",
-            "--stream-window-bytes",
-            "8388608",
-        ]);
-        let s = a.transport.settings().unwrap();
-        assert_eq!(s.stream_receive_window, 8 << 20);
-        assert_eq!(
-            s.mtu_discovery_max,
-            cuda_lease::TransportSettings::loopback().mtu_discovery_max
-        );
-    }
 }

@@ -399,30 +399,4 @@ mod tests {
         let a = Args::parse_from(["cuda-lease", "--connect-timeout-ms", "750", "inventory"]);
         assert_eq!(a.connect_timeout_ms, std::time::Duration::from_millis(750));
     }
-
-    #[test]
-    fn transport_flags_reach_the_settings() {
-        let a = Args::parse_from(["cuda-lease", "inventory"]);
-        assert_eq!(
-            a.transport.settings().unwrap(),
-            cuda_lease::TransportSettings::default()
-        );
-        let a = Args::parse_from([
-            "cuda-lease",
-            "--transport",
-            "datacenter",
-            "--mtu-max",
-            "off",
-            "--socket-buffer-bytes",
-            "2097152",
-            "inventory",
-        ]);
-        let s = a.transport.settings().unwrap();
-        assert_eq!(s.mtu_discovery_max, None);
-        assert_eq!(s.socket_receive_buffer, Some(2 << 20));
-        assert_eq!(
-            s.send_window,
-            cuda_lease::TransportSettings::datacenter_jumbo().send_window
-        );
-    }
 }

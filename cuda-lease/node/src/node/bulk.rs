@@ -14,24 +14,22 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex as StdMutex};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, warn};
 
 use super::handshake::{Admission, Source};
-use super::stream::{serve_request, DataIn, DataOut};
+use super::stream::{send_reply, serve_request, DataIn, DataOut};
 use super::submit::BudgetTurn;
 use super::{Reply, Shared};
 use crate::lease_table::Principal;
 use crate::lock;
-use crate::proto::{self, BulkOpen, BulkTickets, Header, Opcode, Status, BULK_TICKET_LEN};
+use crate::proto::{self, BulkOpen, BulkTickets, Opcode, Status, BULK_TICKET_LEN};
 
 /// How long a ticket opens a connection.
 pub(super) const TICKET_TTL: Duration = Duration::from_secs(30);
@@ -284,7 +282,7 @@ async fn serve(shared: &Arc<Shared>, who: &Principal, tls: TlsStream<Tcp>) {
         r,
         timeout: shared.cfg.reply_timeout,
     };
-    let mut out = BulkOut { w, broken: false };
+    let mut out = w;
     loop {
         let header = match tokio::time::timeout(
             IDLE_TIMEOUT,
@@ -303,7 +301,7 @@ async fn serve(shared: &Arc<Shared>, who: &Principal, tls: TlsStream<Tcp>) {
                     header.opcode
                 ),
             );
-            let _ = reply_and_flush(&mut out, &header, &reply).await;
+            let _ = send_reply(&mut out, &header, &reply).await && out.flush().await.is_ok();
             break;
         }
         let turn = BudgetTurn::take(shared, who, u64::from(header.body_len));
@@ -326,19 +324,14 @@ async fn serve(shared: &Arc<Shared>, who: &Principal, tls: TlsStream<Tcp>) {
             }
             Err(reply) => {
                 input.refuse(u64::from(header.data_len)).await;
-                reply_and_flush(&mut out, &header, &reply).await
+                send_reply(&mut out, &header, &reply).await && out.flush().await.is_ok()
             }
         };
-        if !done || out.broken {
+        if !done {
             break;
         }
     }
-    let _ = out.w.shutdown().await;
-}
-
-async fn reply_and_flush(out: &mut BulkOut, req: &Header, reply: &Reply) -> bool {
-    let h = Header::reply(req, reply.status, reply.body.len() as u32, 0);
-    proto::write_frame(out, &h, &reply.body, &[]).await.is_ok() && out.flush().await.is_ok()
+    let _ = out.shutdown().await;
 }
 
 struct BulkIn {
@@ -363,32 +356,8 @@ impl DataIn for BulkIn {
     }
 }
 
-struct BulkOut {
-    w: WriteHalf<TlsStream<Tcp>>,
-    /// A reply was cut off: the connection closes after this request.
-    broken: bool,
-}
-
-impl DataOut for BulkOut {
-    fn abort(&mut self) {
-        self.broken = true;
-    }
-}
-
-impl AsyncWrite for BulkOut {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.w).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.w).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.w).poll_shutdown(cx)
-    }
+/// A reply cut off ends the connection: the request's serving returns
+/// false, and the loop stops.
+impl DataOut for WriteHalf<TlsStream<Tcp>> {
+    fn abort(&mut self) {}
 }

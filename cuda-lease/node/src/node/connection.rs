@@ -97,8 +97,7 @@ pub(super) async fn refuse(
     reply: &Reply,
 ) {
     let _ = recv.stop(0u32.into());
-    let h = Header::reply(req, reply.status, reply.body.len() as u32, 0);
-    if proto::write_frame(send, &h, &reply.body, &[]).await.is_ok() {
+    if super::stream::send_reply(send, req, reply).await {
         let _ = send.finish();
     }
 }

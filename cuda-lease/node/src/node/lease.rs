@@ -36,6 +36,7 @@ pub struct LeaseUsage {
     pub modules: usize,
 }
 
+#[derive(Debug)]
 pub(super) struct LeaseSlot {
     pub(super) worker: WorkerProcess,
     /// Serializes sends to the worker (not the work) so batches plan in order.
@@ -55,13 +56,5 @@ impl LeaseSlot {
 
     pub(super) fn state(&self) -> std::sync::MutexGuard<'_, LeaseView> {
         lock(&self.state)
-    }
-}
-
-impl std::fmt::Debug for LeaseSlot {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LeaseSlot")
-            .field("worker", &self.worker)
-            .finish_non_exhaustive()
     }
 }

@@ -131,14 +131,8 @@ impl OrderState {
 }
 
 /// A lease's [`OrderState`], shared with the requests that wait on it.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(super) struct LeaseOrder(watch::Sender<OrderState>);
-
-impl Default for LeaseOrder {
-    fn default() -> Self {
-        LeaseOrder(watch::Sender::new(OrderState::default()))
-    }
-}
 
 impl LeaseOrder {
     /// Changes the state and wakes the waiters.

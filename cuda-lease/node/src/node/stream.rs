@@ -113,7 +113,7 @@ impl DataOut for quinn::SendStream {
 }
 
 /// Writes a whole reply frame; false if the stream broke.
-async fn send_reply(send: &mut impl DataOut, req: &Header, reply: &Reply) -> bool {
+pub(super) async fn send_reply(send: &mut impl DataOut, req: &Header, reply: &Reply) -> bool {
     let h = Header::reply(
         req,
         reply.status,

@@ -210,27 +210,20 @@ impl WorkerProcess {
             .and_then(PipeReader::new)
             .map_err(|e| WorkerError::Start(format!("the worker's stdout: {e}")))?;
         let mut stdout = BufReader::with_capacity(PIPE_BUFFER_BYTES, stdout);
-        let ready =
-            tokio::time::timeout(timeout, proto::read_frame(&mut stdout, &WORKER_LIMITS)).await;
-        let frame = match ready {
-            Err(_) => {
-                let _ = child.start_kill();
-                return Err(WorkerError::Start(format!("no answer within {timeout:?}")));
-            }
-            Ok(Err(e)) => {
-                let _ = child.start_kill();
-                return Err(WorkerError::Start(format!(
+        // A worker that fails to start is killed as `child` drops.
+        let frame = tokio::time::timeout(timeout, proto::read_frame(&mut stdout, &WORKER_LIMITS))
+            .await
+            .map_err(|_| WorkerError::Start(format!("no answer within {timeout:?}")))?
+            .map_err(|e| {
+                WorkerError::Start(format!(
                     "{e} (does {} call cuda_lease_node::worker::main_if_worker()?)",
                     spec.program.display()
-                )));
-            }
-            Ok(Ok(f)) => f,
-        };
+                ))
+            })?;
         if frame.header.status != Status::Ok {
             let msg = from_body::<DeviceError>(&frame.body)
                 .map(|f| f.message)
                 .unwrap_or_default();
-            let _ = child.start_kill();
             return Err(WorkerError::Start(msg));
         }
         let info: DeviceInfo = from_body(&frame.body)
@@ -487,15 +480,11 @@ impl SentRequest<'_> {
         };
         let r = tokio::time::timeout_at(self.deadline, exchange).await;
         stamp(Point::WorkerReplied);
-        match r {
-            Ok(Ok(f)) => Ok(f),
-            Ok(Err(e)) => Err(e),
-            Err(_) => {
-                lock(&worker.waiting).replies.remove(&id);
-                worker.kill();
-                Err(WorkerError::Hung(self.timeout))
-            }
-        }
+        r.unwrap_or_else(|_| {
+            lock(&worker.waiting).replies.remove(&id);
+            worker.kill();
+            Err(WorkerError::Hung(self.timeout))
+        })
     }
 }
 

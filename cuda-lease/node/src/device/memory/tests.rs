@@ -77,20 +77,6 @@ fn two_streams_ordered_by_an_event_give_the_right_data() {
 }
 
 #[test]
-fn the_scheduler_runs_a_higher_stream_first_when_nothing_orders_them() {
-    // Independent streams do not run in submission order: stream 1's read of
-    // `x` goes before stream 0's write of another buffer, yet a read on stream
-    // 1 conflicting with a write on stream 0 still waits for it.
-    let (mut d, _) = device();
-    d.alloc(0, Id(1), 4).unwrap();
-    d.write(0, Id(1), 0, &f32s(&[5.0])).unwrap();
-    d.read(1, Id(1), 0, 4, 0).unwrap();
-    let mut out = vec![0u8; 4];
-    d.finish(&mut out).unwrap();
-    assert_eq!(to_f32(&out), [5.0]);
-}
-
-#[test]
 fn a_free_waits_for_queued_uses_and_the_id_can_be_named_again() {
     let (mut d, m) = device();
     d.alloc(0, Id(1), 8).unwrap();
