@@ -158,7 +158,8 @@ impl Session {
     ///
     /// # Errors
     ///
-    /// [`ErrorKind::InvalidRequest`](crate::client::ErrorKind::InvalidRequest), [`ErrorKind::InvalidRequest`](crate::client::ErrorKind::InvalidRequest).
+    /// [`ErrorKind::InvalidRequest`](crate::client::ErrorKind::InvalidRequest)
+    /// for a range outside the buffer.
     pub async fn read(&self, buf: &LeaseBuffer, offset: u64, len: u32) -> Result<Vec<u8>, Error> {
         self.read_id(buf.id, offset, len).await
     }
@@ -178,11 +179,33 @@ impl Session {
             .await
     }
 
-    /// Reads as many bytes of buffer `buf` at `offset` as `out` holds,
-    /// straight into `out` (streamed, striped when large), and gives it
-    /// back, on the node after the lease's batch number `after` (0: none;
-    /// see [`MemRead::after`](crate::proto::MemRead::after)).
-    #[cfg(feature = "backend")]
+    /// Reads as many bytes of `buf` at `offset` as `out` holds, straight
+    /// into `out`, and gives it back: a destination used again skips the
+    /// page faults and zeroing of a fresh one, which a large [`Session::read`]
+    /// pays on each call.
+    ///
+    /// ```no_run
+    /// # async fn f(s: &cuda_lease::client::Session, big: &cuda_lease::client::LeaseBuffer) -> Result<(), cuda_lease::client::Error> {
+    /// let mut out = vec![0u8; 64 << 20];
+    /// for _ in 0..10 {
+    ///     out = s.read_into(big, 0, out).await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`Session::read`].
+    pub async fn read_into<B>(&self, buf: &LeaseBuffer, offset: u64, out: B) -> Result<B, Error>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        self.read_id_after(buf.id, offset, 0, out).await
+    }
+
+    /// [`Session::read_into`] of buffer `buf`, on the node after the
+    /// lease's batch number `after` (0: none; see
+    /// [`MemRead::after`](crate::proto::MemRead::after)).
     pub(crate) async fn read_id_after<B>(
         &self,
         buf: Id,

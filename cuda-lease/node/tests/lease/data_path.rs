@@ -78,6 +78,30 @@ async fn uploads_and_downloads_on_the_data_path_are_byte_exact() {
     fx.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_read_lands_in_the_buffer_it_is_given_used_again() {
+    let fx = Fixture::memory(1 << 30).start().await;
+    for stripes in [1, 4] {
+        let lease = lease_of(&client(&fx.node, 1, stripes).await, 64 << 20).await;
+        let s = lease.session();
+        let n = (8 << 20) + 5;
+        let buf = s.alloc(n as u64).await.unwrap();
+        let mut out = vec![0u8; n];
+        for seed in [1, 2] {
+            let bytes = random_bytes(n, seed);
+            s.write(&buf, 0, &bytes).await.unwrap();
+            out = s.read_into(&buf, 0, out).await.unwrap();
+            assert!(out == bytes, "seed {seed}, {stripes} stripe(s)");
+        }
+        // From an offset, into a shorter buffer.
+        let tail = s.read_into(&buf, 3, vec![0u8; 16]).await.unwrap();
+        assert_eq!(tail, out[3..19]);
+        drop(buf);
+        lease.free().await.unwrap();
+    }
+    fx.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_large_upload_leaves_the_message_and_a_small_one_does_not() {
     let fx = Fixture::memory(1 << 28).start().await;
