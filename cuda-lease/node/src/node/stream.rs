@@ -266,7 +266,6 @@ async fn read(
     };
     let len = u64::from(m.len);
     let ring = slot.worker.ring().clone();
-    let fill = |at: u64| fill_chunks(shared, &ring, &slot, &m, len, at);
     // The first chunks before the header, so an early failure is a reply.
     let first = if len == 0 {
         // The worker checks the range (else with the first chunks).
@@ -279,7 +278,7 @@ async fn read(
         }
         None
     } else {
-        match fill(0).await {
+        match fill_chunks(shared, &ring, &slot, &m, len, 0).await {
             Ok(c) => Some(c),
             Err(r) => return send_reply(send, header, &r).await,
         }
@@ -291,7 +290,13 @@ async fn read(
     let Some(first) = first else {
         return true;
     };
-    send_chunks(shared, send, first, len, fill).await
+    let fills = Fills {
+        shared: shared.clone(),
+        ring,
+        slot,
+        m,
+    };
+    send_chunks(shared, send, first, fills).await
 }
 
 /// A MEM_READ's body and lease, checked (size, then the lease once its
@@ -384,60 +389,72 @@ async fn fill_chunks(
     .map(|()| out)
 }
 
-/// Sends a MEM_READ's data: `first` is filled, `fill` fills more while
-/// earlier chunks go out. Returns whether all went out.
-async fn send_chunks<F, Fut>(
+/// What a MEM_READ's chunks after its first are filled with.
+struct Fills {
+    shared: Arc<Shared>,
+    ring: Arc<ShmRing>,
+    slot: LeaseRef,
+    m: MemRead,
+}
+
+/// Sends a MEM_READ's data: `first` is filled; a task of its own fills the
+/// rest while this one writes earlier chunks, so the next fill is asked
+/// for as soon as the last is done, however long a write (and, on the
+/// bulk-data channel, its encryption) takes. Returns whether all went out.
+async fn send_chunks(
     shared: &Shared,
     send: &mut impl DataOut,
     first: Vec<(Slot, u32)>,
-    len: u64,
-    fill: F,
-) -> bool
-where
-    F: Fn(u64) -> Fut,
-    Fut: Future<Output = Result<Vec<(Slot, u32)>, Reply>>,
-{
+    fills: Fills,
+) -> bool {
     let (tx, mut rx) = mpsc::channel::<(Slot, u32)>(SLOTS);
-    let stop = AtomicBool::new(false);
-    let producer = async {
-        let tx = tx;
+    let producer = tokio::spawn(async move {
+        let Fills {
+            shared,
+            ring,
+            slot,
+            m,
+        } = fills;
+        let len = u64::from(m.len);
         let mut group = first;
         let mut at = 0u64;
         loop {
             for c in group {
                 at += u64::from(c.1);
+                // The writer stopped: no more fills.
                 if tx.send(c).await.is_err() {
                     return Ok(());
                 }
             }
-            if at >= len || stop.load(Ordering::Relaxed) {
+            if at >= len {
                 return Ok::<(), Reply>(());
             }
-            group = fill(at).await?;
+            group = fill_chunks(&shared, &ring, &slot, &m, len, at).await?;
         }
-    };
-    let consumer = async {
-        while let Some((s, n)) = rx.recv().await {
-            // A client that stops reading must not hold the ring.
-            let wrote = tokio::time::timeout(
-                shared.cfg.reply_timeout,
-                send.write_all(&s.bytes()[..n as usize]),
-            )
-            .await;
-            if !matches!(wrote, Ok(Ok(()))) {
-                stop.store(true, Ordering::Relaxed);
-                send.abort();
-                return false;
-            }
+    });
+    while let Some((s, n)) = rx.recv().await {
+        // A client that stops reading must not hold the ring.
+        let wrote = tokio::time::timeout(
+            shared.cfg.reply_timeout,
+            send.write_all(&s.bytes()[..n as usize]),
+        )
+        .await;
+        if !matches!(wrote, Ok(Ok(()))) {
+            // Dropping the receiver ends the fills (and frees their slots).
+            send.abort();
+            return false;
         }
-        true
-    };
-    let (produced, sent) = tokio::join!(producer, consumer);
-    match produced {
-        Ok(()) => sent,
-        Err(r) => {
+    }
+    match producer.await {
+        Ok(Ok(())) => true,
+        Ok(Err(r)) => {
             // The header promised the data: reset the stream.
             tracing::debug!(status = ?r.status, "MEM_READ failed mid-stream");
+            send.abort();
+            false
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "a MEM_READ's fills ended abnormally");
             send.abort();
             false
         }
