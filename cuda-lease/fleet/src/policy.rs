@@ -461,8 +461,7 @@ impl Shared {
         };
         for m in dead {
             let lease = lock(&m.lease).take();
-            if let Some(mut l) = lease {
-                l.stop_renewing();
+            if let Some(l) = lease {
                 l.leak();
             }
         }

@@ -389,13 +389,13 @@ impl<W: Clone> LeaseTable<W> {
             .filter(|(_, e)| e.deadline <= now)
             .map(|(id, _)| *id)
             .collect();
-        let mut out = Vec::with_capacity(ids.len());
-        for id in ids {
-            if let Some(w) = self.bury(id, Status::LeaseExpired, format!("lease {id} expired"), now)
-            {
-                out.push((id, w));
-            }
-        }
+        let out = ids
+            .into_iter()
+            .filter_map(|id| {
+                let w = self.bury(id, Status::LeaseExpired, format!("lease {id} expired"), now)?;
+                Some((id, w))
+            })
+            .collect();
         self.dead.retain(|_, t| t.until > now);
         out
     }

@@ -11,11 +11,7 @@ use crate::proto::Status;
 /// The error of a reply whose status is not OK, or of the command of a
 /// batch that failed (the reply's `OpError`, whose message names it).
 pub(crate) fn from_status(status: Status, message: String) -> Error {
-    Error::new(kind_of(status), message)
-}
-
-fn kind_of(status: Status) -> ErrorKind {
-    match status {
+    let kind = match status {
         Status::Unauthorized => ErrorKind::Unauthorized(Credentials::Refused),
         Status::LoadFailed => ErrorKind::LoadFailed,
         Status::LaunchFailed => ErrorKind::LaunchFailed,
@@ -27,7 +23,8 @@ fn kind_of(status: Status) -> ErrorKind {
         Status::UnknownModule => ErrorKind::ModuleUnknown,
         Status::Malformed => ErrorKind::Protocol,
         Status::Ok | Status::Internal => ErrorKind::NodeInternal,
-    }
+    };
+    Error::new(kind, message)
 }
 
 /// A reply this client does not understand.

@@ -143,17 +143,12 @@ fn dims(s: &str) -> Result<[u32; 3], String> {
 fn main() {
     log::init_log_as("info", log::LogFormat::Text);
     let args = Args::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
+    let r = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("cuda-lease: {e}");
-            std::process::exit(1);
-        }
-    };
-    if let Err(e) = rt.block_on(run(args)) {
+        .map_err(Box::from)
+        .and_then(|rt| rt.block_on(run(args)));
+    if let Err(e) = r {
         eprintln!("cuda-lease: {e}");
         std::process::exit(1);
     }

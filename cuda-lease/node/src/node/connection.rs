@@ -282,24 +282,13 @@ async fn answer(
             }
         }
         Ok(Err(e)) => {
-            let mut reply_version = None;
-            let msg = match proto::proto_error(&e) {
-                Some(p) => {
-                    // Version 1 shares this header layout.
-                    if let proto::ProtoError::UnsupportedVersion(1) = p {
-                        reply_version = Some(1);
-                    }
-                    p.to_string()
-                }
-                None => format!("bad frame: {e}"),
-            };
+            let p = proto::proto_error(&e);
+            let msg = p.map_or_else(|| format!("bad frame: {e}"), ToString::to_string);
             debug!(error = %msg, "rejected frame");
-            let mut answer = Answer {
-                reply_version,
-                ..refused(msg)
-            };
-            if reply_version.is_some() {
-                // Version 1 peers do not know MALFORMED.
+            let mut answer = refused(msg);
+            // Version 1 shares this header layout; its peers do not know MALFORMED.
+            if let Some(proto::ProtoError::UnsupportedVersion(1)) = p {
+                answer.reply_version = Some(1);
                 answer.reply.status = Status::BadRequest;
             }
             answer

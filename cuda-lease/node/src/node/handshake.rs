@@ -105,6 +105,20 @@ struct RejectedLog {
     suppressed: u64,
 }
 
+impl RejectedLog {
+    /// The rejections skipped since the last line, if a line is due now
+    /// (the interval passed); the count starts again.
+    fn take_due(&mut self, now: Instant) -> Option<u64> {
+        let due = self
+            .last
+            .is_none_or(|t| now.saturating_duration_since(t) >= REJECTED_LOG_INTERVAL);
+        due.then(|| {
+            self.last = Some(now);
+            std::mem::take(&mut self.suppressed)
+        })
+    }
+}
+
 /// What a new connection gets: a place, a queue slot, or `Busy` (refuse it).
 pub(super) enum Admission {
     Now(WaitingPlace),
@@ -209,17 +223,11 @@ impl Handshakes {
     /// Logs a rejected HELLO (`checked`: wrong token; else over the
     /// source's allowance), at most once per [`REJECTED_LOG_INTERVAL`].
     pub(super) fn rejected(&self, client: &str, remote: std::net::SocketAddr, checked: bool) {
-        let now = Instant::now();
         let mut log = lock(&self.log);
-        let due = log
-            .last
-            .is_none_or(|t| now.saturating_duration_since(t) >= REJECTED_LOG_INTERVAL);
-        if !due {
+        let Some(suppressed) = log.take_due(Instant::now()) else {
             log.suppressed += 1;
             return;
-        }
-        let suppressed = std::mem::take(&mut log.suppressed);
-        log.last = Some(now);
+        };
         drop(log);
         let why = if checked {
             "invalid token"
@@ -231,17 +239,13 @@ impl Handshakes {
 
     /// Logs the count of skipped rejections once the interval passed (reaper).
     pub(super) fn flush_log(&self) {
-        let now = Instant::now();
         let mut log = lock(&self.log);
-        if log.suppressed == 0
-            || log
-                .last
-                .is_some_and(|t| now.saturating_duration_since(t) < REJECTED_LOG_INTERVAL)
-        {
+        if log.suppressed == 0 {
             return;
         }
-        let suppressed = std::mem::take(&mut log.suppressed);
-        log.last = Some(now);
+        let Some(suppressed) = log.take_due(Instant::now()) else {
+            return;
+        };
         drop(log);
         warn!(
             suppressed,

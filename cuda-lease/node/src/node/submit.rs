@@ -160,14 +160,8 @@ pub(super) async fn submit_inner(shared: &Arc<Shared>, f: &Frame) -> Result<Repl
     // Prefer an idle worker, else wait on the next in turn.
     let n = shared.submit.len();
     let start = shared.submit_next.fetch_add(1, Ordering::Relaxed);
-    let mut guard = None;
-    for k in 0..n {
-        if let Ok(g) = shared.submit[(start + k) % n].try_lock() {
-            guard = Some(g);
-            break;
-        }
-    }
-    let mut guard = match guard {
+    let idle = (0..n).find_map(|k| shared.submit[(start + k) % n].try_lock().ok());
+    let mut guard = match idle {
         Some(g) => g,
         None => shared.submit[start % n].lock().await,
     };
