@@ -49,7 +49,7 @@ pub struct ClientConfig {
     pub transport: TransportSettings,
     /// Which transfers of at least [`ClientConfig::data_path_min_bytes`]
     /// take the node's bulk-data channel (TLS over TCP) when the node has
-    /// one; default [`BulkUse::All`]. See [`ClientConfig::bulk`].
+    /// one; default [`BulkUse::Uploads`]. See [`ClientConfig::bulk`].
     pub bulk: BulkUse,
 }
 
@@ -59,11 +59,14 @@ pub struct ClientConfig {
 pub enum BulkUse {
     /// None: every transfer over QUIC.
     Off,
-    /// Uploads (MEM_WRITE); downloads stay on QUIC.
-    Uploads,
-    /// Uploads and downloads, which the channel moves faster than
-    /// striped QUIC.
+    /// Uploads (MEM_WRITE), which the channel moves faster than striped
+    /// QUIC. Downloads stay on QUIC, where many tasks' downloads share
+    /// connections without waiting for one.
     #[default]
+    Uploads,
+    /// Uploads and downloads. A large download moves faster over the
+    /// channel; transfers at once share at most the client's stripe count
+    /// or 8 of its connections, and wait for one beyond that.
     All,
 }
 
@@ -113,7 +116,7 @@ impl ClientConfig {
             data_path_min_bytes: DEFAULT_DATA_PATH_MIN_BYTES,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             transport: TransportSettings::default(),
-            bulk: BulkUse::All,
+            bulk: BulkUse::Uploads,
         }
     }
 
@@ -184,10 +187,9 @@ impl ClientConfig {
     }
 
     /// Chooses which large transfers take the node's bulk-data channel.
-    /// By default ([`BulkUse::All`]) large MEM_WRITEs and MEM_READs (every
-    /// transfer of a submission's data path, and
-    /// [`Session::write`](crate::client::Session::write) and
-    /// [`Session::read`](crate::client::Session::read) of at least
+    /// By default ([`BulkUse::Uploads`]) large MEM_WRITEs (every upload of
+    /// a submission's data path, and
+    /// [`Session::write`](crate::client::Session::write) of at least
     /// [`ClientConfig::data_path_min_bytes`]) go over TLS on TCP to the
     /// node's bulk port, striped over [`ClientConfig::stripes`]
     /// connections, while every other message stays on QUIC. The
