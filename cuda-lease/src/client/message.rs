@@ -158,10 +158,11 @@ impl Message {
                 // Answered now: a drop while the place is filled sends no
                 // second empty batch.
                 self.answered.store(true, Ordering::Release);
-                if holds_a_place(&e) && self.seq != 0 {
+                if !e.lease_gone() && self.seq != 0 {
                     // The node may not have read this message, and the
                     // lease's later messages wait for its number: an empty
-                    // batch of the same number takes its place.
+                    // batch of the same number takes its place (not when
+                    // the lease or the connection is gone: nothing follows).
                     fill_place(&self.inner, self.seq).await;
                 }
                 return Err(e);
@@ -209,13 +210,6 @@ async fn fill_place(inner: &LeaseInner, seq: u64) {
             return;
         }
     }
-}
-
-/// Whether a message that failed with `e` may leave a gap in its lease's
-/// order: not when the lease or the connection is gone (nothing follows
-/// it then).
-fn holds_a_place(e: &Error) -> bool {
-    !e.lease_gone()
 }
 
 /// A batch message (`body`, its data ending in `writes`) again, with the

@@ -290,13 +290,7 @@ async fn read(
     let Some(first) = first else {
         return true;
     };
-    let fills = Fills {
-        shared: shared.clone(),
-        ring,
-        slot,
-        m,
-    };
-    send_chunks(shared, send, first, fills).await
+    send_chunks(shared, send, first, ring, slot, m).await
 }
 
 /// A MEM_READ's body and lease, checked (size, then the lease once its
@@ -389,32 +383,22 @@ async fn fill_chunks(
     .map(|()| out)
 }
 
-/// What a MEM_READ's chunks after its first are filled with.
-struct Fills {
-    shared: Arc<Shared>,
-    ring: Arc<ShmRing>,
-    slot: LeaseRef,
-    m: MemRead,
-}
-
 /// Sends a MEM_READ's data: `first` is filled; a task of its own fills the
 /// rest while this one writes earlier chunks, so the next fill is asked
 /// for as soon as the last is done, however long a write (and, on the
 /// bulk-data channel, its encryption) takes. Returns whether all went out.
 async fn send_chunks(
-    shared: &Shared,
+    shared: &Arc<Shared>,
     send: &mut impl DataOut,
     first: Vec<(Slot, u32)>,
-    fills: Fills,
+    ring: Arc<ShmRing>,
+    slot: LeaseRef,
+    m: MemRead,
 ) -> bool {
     let (tx, mut rx) = mpsc::channel::<(Slot, u32)>(SLOTS);
+    let filler = shared.clone();
     let producer = tokio::spawn(async move {
-        let Fills {
-            shared,
-            ring,
-            slot,
-            m,
-        } = fills;
+        let shared = filler;
         let len = u64::from(m.len);
         let mut group = first;
         let mut at = 0u64;
