@@ -85,7 +85,7 @@ impl LeaseBackend {
         self.reading.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Sends the queued frees (unless `keep_frees`), then `commands` (launching
+    /// Sends the queued frees (when `numbered`), then `commands` (launching
     /// from `modules`), as one BATCH with `writes` as payloads, numbered in the
     /// lease's order (`numbered`) or outside it (see `Message::new`: only the
     /// allocations of fresh buffers); the reads land in `dests` (one per read
@@ -97,7 +97,6 @@ impl LeaseBackend {
         numbered: bool,
         commands: &[Command<'static>],
         modules: &[ModuleSpec],
-        keep_frees: bool,
         writes: Vec<u8>,
         dests: Vec<D>,
     ) -> (
@@ -108,7 +107,7 @@ impl LeaseBackend {
         D: AsMut<[u8]> + Send + 'static,
     {
         // Frees taken and message numbered under one lock: see `Ledger::send`.
-        let (sent, message) = self.ledger.send(keep_frees, commands, |frees| {
+        let (sent, message) = self.ledger.send(!numbered, commands, |frees| {
             Message::new(
                 &self.session.inner,
                 numbered,
@@ -236,7 +235,7 @@ impl LeaseBackend {
         let (reply, waits) = {
             let reading = self.reading();
             let commands = recording.commands();
-            let (_, reply) = self.send_as(true, commands, recording.modules(), false, writes, bufs);
+            let (_, reply) = self.send_as(true, commands, recording.modules(), writes, bufs);
             (reply, reading.conflicts(commands))
         };
         let mut task = Box::pin(async move {
@@ -464,37 +463,5 @@ impl Drop for BlockingLease {
         } else {
             end();
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::client::encode_commands;
-    use crate::proto::{to_body, Id, Op};
-
-    /// The queued frees lead a BATCH on stream 0, then the recording's
-    /// commands: the bytes postcard writes for the same command list.
-    #[test]
-    fn a_batch_carries_the_queued_frees_then_the_recording() {
-        let mut rec = Recording::new();
-        rec.push(
-            3,
-            Op::Alloc {
-                buf: Id(9),
-                size: 8,
-            },
-        );
-        rec.write(3, 9, 0, &[1, 2]);
-        let _slot = rec.read(1, 9, 0, 2);
-        let mut bytes = Vec::new();
-        encode_commands(&mut bytes, &[5, 6], rec.commands());
-        let free = |id| Command {
-            stream: 0,
-            op: Op::Free { id: Id(id) },
-        };
-        let mut expected = vec![free(5), free(6)];
-        expected.extend(rec.commands().iter().cloned());
-        assert_eq!(bytes, to_body(&expected));
     }
 }

@@ -43,115 +43,80 @@ pub fn now_ns() -> u64 {
     u64::try_from(ts.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(ts.tv_nsec).unwrap_or(0)
 }
 
-/// The points of a submission's path, in the order a submission reaches them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Point {
+/// Declares [`Point`], its [`Point::ALL`] and its [`Point::name`]s.
+macro_rules! points {
+    ($($(#[$doc:meta])* $point:ident = $name:literal,)*) => {
+        /// The points of a submission's path, in the order a submission reaches them.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub enum Point {
+            $($(#[$doc])* $point,)*
+        }
+
+        impl Point {
+            /// Every point, in path order.
+            pub const ALL: [Point; POINTS] = [$(Point::$point,)*];
+
+            /// A short name (`node-read`, say).
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Point::$point => $name,)*
+                }
+            }
+        }
+    };
+}
+
+points! {
     /// The measurement's own start (stamped by the caller).
-    Start,
+    Start = "start",
     /// The lease's session takes the recording (the op's first poll recorded it).
-    ClientSubmit,
+    ClientSubmit = "client-submit",
     /// The request's stream is open and its write starts (stamped before the
     /// write so every node point follows it: the bytes may reach the node first).
-    ClientSent,
+    ClientSent = "client-sent",
     /// The node's task for the request's stream starts (the request crossed the wire).
-    NodeStart,
+    NodeStart = "node-start",
     /// The node has read the request whole.
-    NodeRead,
+    NodeRead = "node-read",
     /// The node has decoded the BATCH's head and checked its modules.
-    BatchDecoded,
+    BatchDecoded = "batch-decoded",
     /// The lease's earlier batches have run (the batch's turn in the lease's order).
-    BatchInOrder,
+    BatchInOrder = "batch-in-order",
     /// The node holds the lease's execution lock.
-    BatchLocked,
+    BatchLocked = "batch-locked",
     /// The node has settled the batch's modules and held its reply's
     /// bytes (the lease's worker checks and plans its commands).
-    BatchPrepared,
+    BatchPrepared = "batch-prepared",
     /// The node's call to the lease's worker starts (the batch's commands as they came).
-    WorkerCall,
+    WorkerCall = "worker-call",
     /// The worker has read the batch's header from its pipe (stamped by the worker).
-    WorkerRead,
+    WorkerRead = "worker-read",
     /// The worker has enqueued and sealed the batch's commands (stamped by the worker).
-    WorkerEnqueued,
+    WorkerEnqueued = "worker-enqueued",
     /// The worker has seen the batch's work done (stamped by the worker).
-    WorkerDone,
+    WorkerDone = "worker-done",
     /// The worker starts encoding and writing its reply (stamped by the worker).
-    WorkerReplying,
+    WorkerReplying = "worker-replying",
     /// The node has read a reply of the worker from its pipe.
-    PipeReply,
+    PipeReply = "pipe-reply",
     /// The node has read the worker's reply.
-    WorkerReplied,
+    WorkerReplied = "worker-replied",
     /// The node has committed the batch's effects to the lease's state.
-    NodeCommitted,
+    NodeCommitted = "node-committed",
     /// The node's reply is encoded and its QUIC write starts (see [`Point::ClientSent`]).
-    NodeReplied,
+    NodeReplied = "node-replied",
     /// The client has read the reply's header (the reply crossed the wire).
-    ClientReply,
+    ClientReply = "client-reply",
     /// The client has read and checked the whole reply.
-    ClientReplyRead,
+    ClientReplyRead = "client-reply-read",
     /// The submission's reads are delivered; its completion is signalled next.
-    ClientDone,
+    ClientDone = "client-done",
     /// The measurement's end: the awaited output is in hand (stamped by the caller).
-    End,
+    End = "end",
 }
 
 /// How many [`Point`]s there are.
 pub const POINTS: usize = Point::End as usize + 1;
-
-impl Point {
-    /// Every point, in path order.
-    pub const ALL: [Point; POINTS] = [
-        Point::Start,
-        Point::ClientSubmit,
-        Point::ClientSent,
-        Point::NodeStart,
-        Point::NodeRead,
-        Point::BatchDecoded,
-        Point::BatchInOrder,
-        Point::BatchLocked,
-        Point::BatchPrepared,
-        Point::WorkerCall,
-        Point::WorkerRead,
-        Point::WorkerEnqueued,
-        Point::WorkerDone,
-        Point::WorkerReplying,
-        Point::PipeReply,
-        Point::WorkerReplied,
-        Point::NodeCommitted,
-        Point::NodeReplied,
-        Point::ClientReply,
-        Point::ClientReplyRead,
-        Point::ClientDone,
-        Point::End,
-    ];
-
-    /// A short name (`node-read`, say).
-    pub fn name(self) -> &'static str {
-        match self {
-            Point::Start => "start",
-            Point::ClientSubmit => "client-submit",
-            Point::ClientSent => "client-sent",
-            Point::NodeStart => "node-start",
-            Point::NodeRead => "node-read",
-            Point::BatchDecoded => "batch-decoded",
-            Point::BatchInOrder => "batch-in-order",
-            Point::BatchLocked => "batch-locked",
-            Point::BatchPrepared => "batch-prepared",
-            Point::WorkerCall => "worker-call",
-            Point::WorkerRead => "worker-read",
-            Point::WorkerEnqueued => "worker-enqueued",
-            Point::WorkerDone => "worker-done",
-            Point::WorkerReplying => "worker-replying",
-            Point::PipeReply => "pipe-reply",
-            Point::WorkerReplied => "worker-replied",
-            Point::NodeCommitted => "node-committed",
-            Point::NodeReplied => "node-replied",
-            Point::ClientReply => "client-reply",
-            Point::ClientReplyRead => "client-reply-read",
-            Point::ClientDone => "client-done",
-            Point::End => "end",
-        }
-    }
-}
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static AT: [AtomicU64; POINTS] = [const { AtomicU64::new(0) }; POINTS];

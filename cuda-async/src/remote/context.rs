@@ -146,11 +146,8 @@ impl RemoteContext {
 
     /// Records a fresh event on this stream; the handle frees it when dropped.
     pub(crate) fn record_event(&mut self) -> RemoteEvent {
-        let id = self.session.fresh_id();
-        self.recording
-            .push(self.stream, Op::Record { event: Id(id) });
         RemoteEvent {
-            id,
+            id: self.record_fresh(),
             stream: self.stream,
             session: self.session.clone(),
         }
@@ -173,12 +170,7 @@ impl RemoteContext {
         if stream == self.stream {
             return child;
         }
-        let ev = *fork_event.get_or_insert_with(|| {
-            let ev = self.session.fresh_id();
-            self.recording
-                .push(self.stream, Op::Record { event: Id(ev) });
-            ev
-        });
+        let ev = *fork_event.get_or_insert_with(|| self.record_fresh());
         child.recording.push(stream, Op::Wait { event: Id(ev) });
         child
     }
@@ -186,13 +178,15 @@ impl RemoteContext {
     /// Ends an arm forked from a context on `parent_stream`: records its
     /// join event (returned) when it ran on another stream.
     pub(crate) fn end_arm(&mut self, parent_stream: RemoteStream) -> Option<u64> {
-        if self.stream == parent_stream {
-            return None;
-        }
-        let ev = self.session.fresh_id();
+        (self.stream != parent_stream).then(|| self.record_fresh())
+    }
+
+    /// Records a fresh event id on this stream.
+    fn record_fresh(&mut self) -> u64 {
+        let id = self.session.fresh_id();
         self.recording
-            .push(self.stream, Op::Record { event: Id(ev) });
-        Some(ev)
+            .push(self.stream, Op::Record { event: Id(id) });
+        id
     }
 
     /// Waits for each join event, then frees every event of the fork.

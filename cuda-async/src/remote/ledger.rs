@@ -417,63 +417,6 @@ mod tests {
     }
 
     #[test]
-    fn a_submission_that_ran_leaves_its_ids_and_frees_them_once() {
-        let mut book = Book::default();
-        let sent = Sent::of(&[], &[alloc(1), alloc(2), free(2)]);
-        book.sending(&sent);
-        // Dropped before the reply: the free waits for it.
-        assert!(!book.free(1));
-        assert!(book.take_queued().is_empty());
-        assert!(book.settle(&sent, Ran::all(3)));
-        assert_eq!(book.take_queued(), [1]);
-        // Later frees go straight out, once.
-        born(&mut book, &[7]);
-        assert!(book.free(7));
-        assert_eq!(book.take_queued(), [7]);
-        assert!(!book.free(7));
-        // 2 was freed by its batch: nothing more to send.
-        assert!(!book.free(2));
-        assert!(book.take_queued().is_empty());
-    }
-
-    #[test]
-    fn ids_whose_creation_did_not_run_are_never_freed() {
-        let mut book = Book::default();
-        // A batch refused whole (a module that does not compile).
-        let sent = Sent::of(&[], &[alloc(1), record(2), alloc(3)]);
-        book.sending(&sent);
-        assert!(!book.free(3), "waits for the reply");
-        assert!(!book.settle(&sent, Ran::NOTHING));
-        assert!(!book.free(1));
-        assert!(!book.free(2));
-        assert!(book.take_queued().is_empty());
-        // Never sent (a recording dropped on an error): nor is its free.
-        assert!(!book.free(40));
-        assert!(book.take_queued().is_empty());
-    }
-
-    #[test]
-    fn a_batch_stopped_midway_keeps_what_ran_and_asks_its_frees_again() {
-        let mut book = Book::default();
-        born(&mut book, &[10, 11, 12]);
-        book.free(10);
-        book.free(11);
-        let queued = book.take_queued();
-        // Free 10, free 11, alloc 1, alloc 2 (refused), free 1, free 12.
-        let sent = Sent::of(&queued, &[alloc(1), alloc(2), free(1), free(12)]);
-        book.sending(&sent);
-        let ran = Ran {
-            completed: 3,
-            refused: Some(3),
-        };
-        assert!(book.settle(&sent, ran));
-        // 1 exists (its free did not run), 12 exists; 2 never did.
-        assert_eq!(book.take_queued(), [1, 12]);
-        assert!(!book.free(2));
-        assert!(book.take_queued().is_empty());
-    }
-
-    #[test]
     fn frees_leading_a_refused_batch_are_sent_again_but_not_the_refused_one() {
         let mut book = Book::default();
         born(&mut book, &[10, 11, 12]);

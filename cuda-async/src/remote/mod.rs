@@ -60,8 +60,6 @@ mod tests {
     use std::sync::atomic::Ordering;
     use std::sync::Arc;
 
-    use cuda_core::Error;
-
     use super::*;
 
     #[test]
@@ -153,21 +151,6 @@ mod tests {
         assert!(HostBuffer::<u64>::remote(Arc::new(ReadSlot::new(12))).is_err());
     }
 
-    #[test]
-    fn a_remote_completion_completes_once_and_the_first_outcome_wins() {
-        let done = RemoteCompletion::new();
-        assert!(!done.is_finished());
-        assert!(done.outcome().is_none());
-        let gone = crate::RemoteError::new(
-            crate::RemoteErrorKind::Disconnected(crate::Disconnect::NodeShutdown),
-            "node gone",
-        );
-        done.clone().fail(Error::from_remote(gone.clone()));
-        done.complete();
-        assert!(done.is_finished());
-        assert!(matches!(done.outcome(), Some(Err(e)) if e.remote() == Some(&gone)));
-    }
-
     /// A session that keeps what it is sent and answers at once, keeping its
     /// ledger as a transport does.
     #[derive(Debug, Default)]
@@ -214,19 +197,11 @@ mod tests {
         }
     }
 
-    /// Each command's stream and kind ("alloc", "timer start"...).
+    /// Each command's stream and op's name ("Alloc", "TimerStart"...).
     fn streams_and_kinds(cmds: &[Command<'_>]) -> Vec<(RemoteStream, &'static str)> {
         let kind = |op: &Op<'_>| {
             let debug = format!("{op:?}");
-            let name = debug.split([' ', '(']).next().unwrap_or_default();
-            let mut out = String::new();
-            for (i, ch) in name.chars().enumerate() {
-                if ch.is_uppercase() && i > 0 {
-                    out.push(' ');
-                }
-                out.push(ch.to_ascii_lowercase());
-            }
-            &*Box::leak(out.into_boxed_str())
+            &*Box::leak(debug.split([' ', '(']).next().unwrap_or_default().into())
         };
         cmds.iter().map(|c| (c.stream, kind(&c.op))).collect()
     }
@@ -247,18 +222,18 @@ mod tests {
         assert_eq!(
             streams_and_kinds(&sent[0]),
             [
-                (0, "record"), // the fork, before arm 0
-                (0, "alloc"),
-                (0, "read"),
-                (1, "wait"), // arm 1 starts after the fork
-                (1, "alloc"),
-                (1, "read"),
-                (1, "record"), // arm 1's end
-                (0, "wait"),   // the join
-                (0, "free"),   // the fork and join events
-                (0, "free"),
-                (0, "free"), // the two buffers, dropped while recording
-                (0, "free"),
+                (0, "Record"), // the fork, before arm 0
+                (0, "Alloc"),
+                (0, "Read"),
+                (1, "Wait"), // arm 1 starts after the fork
+                (1, "Alloc"),
+                (1, "Read"),
+                (1, "Record"), // arm 1's end
+                (0, "Wait"),   // the join
+                (0, "Free"),   // the fork and join events
+                (0, "Free"),
+                (0, "Free"), // the two buffers, dropped while recording
+                (0, "Free"),
             ]
         );
         drop(sent);
@@ -266,7 +241,7 @@ mod tests {
         let one = RemotePolicy::new(&capture).with_streams(1);
         zeros::<u8>(4).zip(zeros::<u8>(4)).sync_with(&one).unwrap();
         let sent = capture.sent.lock().unwrap();
-        assert_eq!(streams_and_kinds(&sent[1]), [(0, "alloc"), (0, "alloc")]);
+        assert_eq!(streams_and_kinds(&sent[1]), [(0, "Alloc"), (0, "Alloc")]);
         // Buffers dropped after their submission are freed through the session.
         assert_eq!(capture.freed.lock().unwrap().len(), 2);
         drop(sent);
@@ -281,16 +256,16 @@ mod tests {
         assert_eq!(
             kinds[..6],
             [
-                (1, "record"), // fork
-                (1, "alloc"),  // the producer, in arm 0
-                (1, "record"), // the shared op's event
-                (0, "wait"),   // arm 1 after the fork
-                (0, "wait"),   // and after the producer
-                (0, "record"), // arm 1's end
+                (1, "Record"), // fork
+                (1, "Alloc"),  // the producer, in arm 0
+                (1, "Record"), // the shared op's event
+                (0, "Wait"),   // arm 1 after the fork
+                (0, "Wait"),   // and after the producer
+                (0, "Record"), // arm 1's end
             ]
         );
         assert_eq!(
-            kinds.iter().filter(|k| k.1 == "free").count(),
+            kinds.iter().filter(|k| k.1 == "Free").count(),
             3,
             "the fork, join and shared events: {kinds:?}"
         );
@@ -320,10 +295,10 @@ mod tests {
             .unwrap();
         let sent = capture.sent.lock().unwrap();
         assert_eq!(sent.len(), 2);
-        assert_eq!(streams_and_kinds(&sent[0]), [(0, "alloc"), (0, "read")]);
+        assert_eq!(streams_and_kinds(&sent[0]), [(0, "Alloc"), (0, "Read")]);
         assert_eq!(
             streams_and_kinds(&sent[1]),
-            [(0, "alloc"), (0, "free"), (0, "free")]
+            [(0, "Alloc"), (0, "Free"), (0, "Free")]
         );
     }
 

@@ -411,21 +411,17 @@ async fn supervise(shared: Weak<Shared>, wake: Arc<Notify>, fleet: Fleet) {
         };
         let before = fleet.nodes();
         let changed = fleet.wait_until(Duration::from_secs(3600), |n| n != before.as_slice());
-        if soon {
-            // Again soon, or as soon as something changes.
-            tokio::select! {
-                _ = tokio::time::sleep(backoff) => {}
-                _ = wake.notified() => {}
-                _ = changed => {}
-            }
-            backoff = (backoff * 2).min(Duration::from_secs(2));
-        } else {
-            backoff = Duration::from_millis(100);
-            tokio::select! {
-                _ = wake.notified() => {}
-                _ = changed => {}
-            }
+        // Again soon (after `backoff`, doubling), or as soon as something changes.
+        tokio::select! {
+            _ = tokio::time::sleep(backoff), if soon => {}
+            _ = wake.notified() => {}
+            _ = changed => {}
         }
+        backoff = if soon {
+            (backoff * 2).min(Duration::from_secs(2))
+        } else {
+            Duration::from_millis(100)
+        };
     }
 }
 

@@ -145,15 +145,16 @@ mod tests {
         transport: TransportArgs,
     }
 
-    fn parse(args: &[&str]) -> Result<TransportSettings, String> {
-        let a = Args::try_parse_from(std::iter::once("prog").chain(args.iter().copied()))
+    /// The settings of `args`, flags separated by spaces.
+    fn parse(args: &str) -> Result<TransportSettings, String> {
+        let a = Args::try_parse_from(std::iter::once("prog").chain(args.split_whitespace()))
             .map_err(|e| e.to_string())?;
         a.transport.settings().map_err(|e| e.to_string())
     }
 
     #[test]
     fn no_flags_are_the_defaults() {
-        assert_eq!(parse(&[]).unwrap(), TransportSettings::default());
+        assert_eq!(parse("").unwrap(), TransportSettings::default());
     }
 
     #[test]
@@ -164,32 +165,22 @@ mod tests {
             ("datacenter", TransportSettings::datacenter_jumbo()),
             ("wan", TransportSettings::wan()),
         ] {
-            assert_eq!(parse(&["--transport", name]).unwrap(), want, "{name}");
+            assert_eq!(
+                parse(&format!("--transport {name}")).unwrap(),
+                want,
+                "{name}"
+            );
             assert_eq!(TransportSettings::preset(name), Some(want));
         }
-        assert!(parse(&["--transport", "fast"]).is_err());
+        assert!(parse("--transport fast").is_err());
     }
 
     #[test]
     fn overrides_apply_over_the_preset() {
-        let s = parse(&[
-            "--transport",
-            "loopback",
-            "--mtu",
-            "4000",
-            "--mtu-max",
-            "off",
-            "--gso",
-            "on",
-            "--socket-buffer-bytes",
-            "1048576",
-            "--stream-window-bytes",
-            "1000",
-            "--conn-window-bytes",
-            "2000",
-            "--send-window-bytes",
-            "3000",
-        ])
+        let s = parse(
+            "--transport loopback --mtu 4000 --mtu-max off --gso on --socket-buffer-bytes 1048576 \
+             --stream-window-bytes 1000 --conn-window-bytes 2000 --send-window-bytes 3000",
+        )
         .unwrap();
         assert_eq!(
             s,
@@ -204,7 +195,7 @@ mod tests {
                 send_window: 3000,
             }
         );
-        let s = parse(&["--mtu-max", "6000", "--gso", "off"]).unwrap();
+        let s = parse("--mtu-max 6000 --gso off").unwrap();
         assert_eq!(s.mtu_discovery_max, Some(6000));
         assert!(!s.segmentation_offload);
     }
@@ -212,10 +203,10 @@ mod tests {
     #[test]
     fn impossible_combinations_are_refused() {
         // The loopback preset's 65,507-byte bound with offload on.
-        let e = parse(&["--transport", "loopback", "--gso", "on"]).unwrap_err();
+        let e = parse("--transport loopback --gso on").unwrap_err();
         assert!(e.contains("segmentation offload off"), "{e}");
-        assert!(parse(&["--mtu", "12000"]).is_err());
-        assert!(parse(&["--mtu-max", "big"]).is_err());
-        assert!(parse(&["--gso", "maybe"]).is_err());
+        assert!(parse("--mtu 12000").is_err());
+        assert!(parse("--mtu-max big").is_err());
+        assert!(parse("--gso maybe").is_err());
     }
 }

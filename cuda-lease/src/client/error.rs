@@ -58,20 +58,3 @@ pub(super) fn lost(conn: &quinn::Connection, e: impl std::fmt::Display) -> Error
     };
     Error::new(ErrorKind::Disconnected(cause), e.to_string())
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_malformed_request_is_a_protocol_error_and_a_refused_one_the_callers() {
-        let frame = from_status(Status::Malformed, "bad header".into());
-        assert_eq!(frame.kind(), ErrorKind::Protocol);
-        let refused = from_status(Status::BadRequest, "no input 3".into());
-        assert_eq!(refused.kind(), ErrorKind::InvalidRequest);
-        let command = from_status(Status::NotFound, "command 3: unknown id #1".into());
-        assert_eq!(command.kind(), ErrorKind::InvalidRequest);
-        let gone = from_status(Status::LeaseNotFound, "no lease 7".into());
-        assert_eq!(gone.kind(), ErrorKind::LeaseNotFound);
-    }
-}

@@ -35,8 +35,6 @@ pub use gpu_call::GpuCall;
 pub use lease::{Lease, LeaseBuilder};
 // Named outside the client only by `remote` (the `backend` feature).
 pub use crate::proto::ModuleSpec;
-#[cfg(all(test, feature = "backend"))]
-pub(crate) use message::encode_commands;
 pub(crate) use message::Message;
 pub use recorder::{RecordedRead, Recorder, Submitted};
 pub use session::{LeaseBuffer, Session};

@@ -115,12 +115,9 @@ impl Session {
     ///
     /// As [`Session::write`].
     pub async fn write_id(&self, buf: Id, offset: u64, bytes: &[u8]) -> Result<(), Error> {
+        let to = self.target(buf, offset, 0);
         self.inner
-            .guard(
-                self.inner
-                    .client
-                    .striped_write(self.target(buf, offset, 0), bytes),
-            )
+            .guard(self.inner.client.striped_write(to, bytes))
             .await
     }
 
@@ -136,12 +133,9 @@ impl Session {
         after: u64,
         bytes: super::bulk::SharedBytes,
     ) -> Result<(), Error> {
+        let to = self.target(buf, offset, after);
         self.inner
-            .guard(
-                self.inner
-                    .client
-                    .write_shared(self.target(buf, offset, after), bytes),
-            )
+            .guard(self.inner.client.write_shared(to, bytes))
             .await
     }
 
@@ -170,13 +164,9 @@ impl Session {
     ///
     /// As [`Session::read`].
     pub async fn read_id(&self, buf: Id, offset: u64, len: u32) -> Result<Vec<u8>, Error> {
-        self.inner
-            .guard(
-                self.inner
-                    .client
-                    .striped_read(self.target(buf, offset, 0), len),
-            )
-            .await
+        let out = vec![0u8; len as usize];
+        cuda_core::hostmem::prefer_huge_pages(&out);
+        self.read_id_after(buf, offset, 0, out).await
     }
 
     /// Reads as many bytes of `buf` at `offset` as `out` holds, straight
@@ -216,12 +206,9 @@ impl Session {
     where
         B: AsMut<[u8]> + Send + 'static,
     {
+        let to = self.target(buf, offset, after);
         self.inner
-            .guard(
-                self.inner
-                    .client
-                    .striped_read_to(self.target(buf, offset, after), out),
-            )
+            .guard(self.inner.client.striped_read_to(to, out))
             .await
     }
 

@@ -53,12 +53,9 @@ impl Client {
                     }
                     Ok::<_, Error>(())
                 };
-                match tokio::time::timeout(timeout, open).await {
-                    Ok(r) => r?,
-                    Err(_) => {
-                        return Err(connect_timed_out(self.addr, timeout, refused.into_inner()))
-                    }
-                }
+                tokio::time::timeout(timeout, open)
+                    .await
+                    .map_err(|_| connect_timed_out(self.addr, timeout, refused.into_inner()))??;
                 Ok::<_, Error>(v)
             })
             .await?;
@@ -151,18 +148,6 @@ impl Client {
             }
         });
         join_tasks(tasks).await
-    }
-
-    /// Reads `len` bytes of memory at `offset`, striped like
-    /// [`Client::striped_write`], into one buffer.
-    pub(super) async fn striped_read(
-        self: &Arc<Self>,
-        to: Target,
-        len: u32,
-    ) -> Result<Vec<u8>, Error> {
-        let out = vec![0u8; len as usize];
-        cuda_core::hostmem::prefer_huge_pages(&out);
-        self.striped_read_to(to, out).await
     }
 
     /// Reads `out.as_mut().len()` bytes of memory at `offset` straight

@@ -235,7 +235,7 @@ impl LeaseBackend {
             .collect();
         debug_assert!(plan.allocs.iter().all(|c| matches!(c.op, Op::Alloc { .. })));
         let allocs = (!plan.allocs.is_empty()).then(|| {
-            self.send_as(false, &plan.allocs, &[], true, Vec::new(), Vec::new())
+            self.send_as(false, &plan.allocs, &[], Vec::new(), Vec::new())
                 .1
         });
         // The commands' message, also when empty: its number holds the
@@ -253,7 +253,7 @@ impl LeaseBackend {
         let (commands, waits, reads) = {
             let mut reading = self.reading();
             let sent = &plan.commands;
-            let commands = self.send_as(true, sent, recording.modules(), false, writes, bufs);
+            let commands = self.send_as(true, sent, recording.modules(), writes, bufs);
             let waits = reading.conflicts(recording.commands());
             let reads = reading.start(plan.reads.iter().map(|r| r.id).collect());
             (commands, waits, reads)
@@ -412,45 +412,6 @@ mod tests {
         assert!(plan(&cmds, 99).is_some());
         // Zero bytes never stream, whatever the threshold.
         assert!(plan(&[alloc(1), write(1, 0), read(1, 0)], 0).is_none());
-    }
-
-    #[test]
-    fn an_upload_then_a_download_leave_the_message() {
-        // h2d(a) (small), h2d(b) (large), fill b, d2h(b) (large), d2h(a).
-        let cmds = [
-            alloc(1),
-            write(1, 8),
-            alloc(2),
-            write(2, 100),
-            fill(2),
-            read(2, 100),
-            read(1, 8),
-        ];
-        let p = plan(&cmds, 100).unwrap();
-        assert_eq!(p.allocs.len(), 1);
-        assert!(matches!(p.allocs[0].op, Op::Alloc { buf: Id(2), .. }));
-        assert_eq!(
-            p.writes,
-            vec![StreamedWrite {
-                id: 2,
-                offset: 0,
-                write: 1
-            }]
-        );
-        assert_eq!(p.data, vec![0]);
-        assert_eq!(
-            p.reads,
-            vec![StreamedRead {
-                id: 2,
-                offset: 0,
-                len: 100,
-                slot: 0
-            }]
-        );
-        assert_eq!(p.slots, vec![1]);
-        // alloc 1, write 1, fill 2, read 1.
-        assert_eq!(p.commands.len(), 4);
-        assert!(matches!(p.commands[2].op, Op::Fill { buf: Id(2), .. }));
     }
 
     #[test]

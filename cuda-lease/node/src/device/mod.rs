@@ -29,27 +29,24 @@ pub const MAX_DEVICE_STREAMS: usize = 64;
 /// stream; otherwise streams run concurrently. Errors at enqueue (unknown
 /// ids, bounds, arguments) leave nothing enqueued; a kernel fault is sticky
 /// and surfaces at [`LeaseDevice::finish`].
+///
+/// # Errors
+///
+/// Every method's: NOT_FOUND for an unknown id, module, kernel, graph or
+/// timer; BAD_REQUEST for a range outside its buffer, a copy within one
+/// buffer, an id in use or of another kind, or bad arguments;
+/// CAPACITY_EXCEEDED when out of memory; LOAD_FAILED for a module that does
+/// not load; else a driver or library error. A kernel fault is sticky:
+/// LAUNCH_FAILED at [`LeaseDevice::finish`] and [`LeaseDevice::poll_sealed`].
 pub trait LeaseDevice {
     /// Describes the device, with free memory measured now.
-    ///
-    /// # Errors
-    /// A driver error.
     fn info(&mut self) -> Result<DeviceInfo, DeviceError>;
     /// Allocates `size` zeroed bytes as buffer `id`, ordered on `stream`.
-    ///
-    /// # Errors
-    /// CAPACITY_EXCEEDED when out of memory; BAD_REQUEST for an id in use.
     fn alloc(&mut self, stream: StreamId, id: Id, size: u64) -> Result<(), DeviceError>;
     /// Frees buffer or event `id` after every enqueued use of it.
-    ///
-    /// # Errors
-    /// NOT_FOUND for an unknown id.
     fn free(&mut self, stream: StreamId, id: Id) -> Result<(), DeviceError>;
     /// Enqueues a copy of `data` into buffer `id` at `offset`; `data` is
     /// free once this returns.
-    ///
-    /// # Errors
-    /// NOT_FOUND, BAD_REQUEST when out of bounds, or a driver error.
     fn write(
         &mut self,
         stream: StreamId,
@@ -59,9 +56,6 @@ pub trait LeaseDevice {
     ) -> Result<(), DeviceError>;
     /// Enqueues a read of `len` bytes of buffer `id` at `offset`; they land
     /// in `out[at..at + len]` of the next [`LeaseDevice::finish`].
-    ///
-    /// # Errors
-    /// NOT_FOUND, BAD_REQUEST when out of bounds, READ_FAILED.
     fn read(
         &mut self,
         stream: StreamId,
@@ -71,10 +65,8 @@ pub trait LeaseDevice {
         at: usize,
     ) -> Result<(), DeviceError>;
     /// Reads `out.len()` bytes of buffer `id` at `offset` now, after every
-    /// enqueued write of it (the streamed MEM_READ path).
-    ///
-    /// # Errors
-    /// As [`LeaseDevice::read`], and a sticky fault of earlier work.
+    /// enqueued write of it (the streamed MEM_READ path); a sticky fault
+    /// of earlier work is its error.
     fn read_now(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError>;
     /// Registers `len` bytes at `ptr` (the node's ring) for
     /// [`LeaseDevice::write_chunk`] and [`LeaseDevice::read_chunk`] to copy
@@ -88,34 +80,23 @@ pub trait LeaseDevice {
     /// A streamed MEM_WRITE chunk: copies `data` (in the ring) into buffer
     /// `id` at `offset`; done, and `data` free, once
     /// [`LeaseDevice::chunks_done`] has returned.
-    ///
-    /// # Errors
-    /// As [`LeaseDevice::write`].
     fn write_chunk(&mut self, id: Id, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
         self.write(0, id, offset, data)
     }
     /// A chunk of a streamed MEM_READ: copies `out.len()` bytes of buffer `id`
     /// at `offset` into `out` (in the ring), which nothing may touch until
     /// [`LeaseDevice::chunks_done`] has returned.
-    ///
-    /// # Errors
-    /// As [`LeaseDevice::read_now`].
     fn read_chunk(&mut self, id: Id, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
         self.read_now(id, offset, out)
     }
     /// Waits for the chunks since the last call.
-    ///
-    /// # Errors
-    /// A sticky fault of earlier work.
     fn chunks_done(&mut self) -> Result<(), DeviceError> {
         Ok(())
     }
     /// Loads a module (PTX: JIT; CUDA C: compiled by NVRTC for this device)
     /// under its content hash, returning the PTX compiled from CUDA C (the node
-    /// keeps it to spare other workers the compile). A loaded hash is a no-op.
-    ///
-    /// # Errors
-    /// LOAD_FAILED with the JIT or compile log.
+    /// keeps it to spare other workers the compile). A loaded hash is a no-op;
+    /// LOAD_FAILED carries the JIT or compile log.
     fn load_module(
         &mut self,
         hash: ModuleHash,
@@ -123,34 +104,19 @@ pub trait LeaseDevice {
         text: &str,
     ) -> Result<Option<String>, DeviceError>;
     /// Unloads a module after everything enqueued.
-    ///
-    /// # Errors
-    /// NOT_FOUND.
     fn unload_module(&mut self, hash: ModuleHash) -> Result<(), DeviceError>;
-    /// Enqueues a kernel launch; its memory arguments are the lease's buffers.
-    ///
-    /// # Errors
-    /// NOT_FOUND (module, kernel or memory), BAD_REQUEST (a GPU_SUBMIT
-    /// argument among them), LAUNCH_FAILED.
+    /// Enqueues a kernel launch; its memory arguments are the lease's buffers
+    /// (BAD_REQUEST for a GPU_SUBMIT argument among them).
     fn launch(&mut self, stream: StreamId, spec: &LaunchSpec<'_>) -> Result<(), DeviceError>;
     /// Records event `event` on `stream` (made on first use).
-    ///
-    /// # Errors
-    /// BAD_REQUEST when `event` names a buffer.
     fn record(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError>;
     /// Makes `stream` wait for the last record of `event`.
-    ///
-    /// # Errors
-    /// NOT_FOUND for an event never recorded.
     fn wait(&mut self, stream: StreamId, event: Id) -> Result<(), DeviceError>;
     /// Captures graph `graph` natively: `enqueue` enqueues the body's
     /// commands while `streams` (the body's, its first stream first)
     /// capture. `Ok(true)`: the device keeps the graph for
     /// [`LeaseDevice::launch_graph`]; `Ok(false)`: it does not capture (the
     /// worker replays the commands).
-    ///
-    /// # Errors
-    /// A command's error, or the capture's.
     fn capture_graph(
         &mut self,
         graph: Id,
@@ -162,9 +128,6 @@ pub trait LeaseDevice {
     }
     /// Replays a graph [`LeaseDevice::capture_graph`] kept, after the work
     /// on `stream` so far.
-    ///
-    /// # Errors
-    /// NOT_FOUND for a graph it does not keep; a driver error.
     fn launch_graph(&mut self, stream: StreamId, graph: Id) -> Result<(), DeviceError> {
         let _ = stream;
         Err(DeviceError::new(
@@ -177,21 +140,12 @@ pub trait LeaseDevice {
         let _ = graph;
     }
     /// Starts timer `timer` (a new id) where `stream` is now.
-    ///
-    /// # Errors
-    /// BAD_REQUEST when `timer` is in use; a driver error.
     fn timer_start(&mut self, stream: StreamId, timer: Id) -> Result<(), DeviceError>;
     /// Ends timer `timer` where `stream` is now, removing it: the nanoseconds
     /// since its start, a little-endian `u64`, land in `out[at..at + 8]` of the
     /// next [`LeaseDevice::finish`].
-    ///
-    /// # Errors
-    /// NOT_FOUND for a timer never started; a driver error.
     fn timer_end(&mut self, stream: StreamId, timer: Id, at: usize) -> Result<(), DeviceError>;
     /// Enqueues setting `len` bytes of buffer `id` at `offset` to `value`.
-    ///
-    /// # Errors
-    /// NOT_FOUND, BAD_REQUEST when out of bounds, or a driver error.
     fn fill(
         &mut self,
         stream: StreamId,
@@ -201,10 +155,6 @@ pub trait LeaseDevice {
         value: u8,
     ) -> Result<(), DeviceError>;
     /// Enqueues a copy of `len` bytes from `src` to `dst` (buffer, offset).
-    ///
-    /// # Errors
-    /// NOT_FOUND, BAD_REQUEST when out of bounds or both are one buffer, or a
-    /// driver error.
     fn copy(
         &mut self,
         stream: StreamId,
@@ -214,21 +164,12 @@ pub trait LeaseDevice {
     ) -> Result<(), DeviceError>;
     /// Enqueues a matrix product by the device's own BLAS (cuBLAS on a
     /// GPU), ordered like a launch that reads `A` and `B` and writes `C`.
-    ///
-    /// # Errors
-    /// NOT_FOUND, BAD_REQUEST (a shape outside its buffers), a library error.
     fn gemm(&mut self, stream: StreamId, spec: &GemmSpec) -> Result<(), DeviceError>;
     /// Enqueues a random fill by the device's own generator (cuRAND's Philox
     /// on a GPU, restarted at the spec's seed), ordered like a launch writing
     /// its buffer.
-    ///
-    /// # Errors
-    /// NOT_FOUND, BAD_REQUEST for a fill outside its buffer or an odd
-    /// normal one, or the library's error.
     fn rand_fill(&mut self, stream: StreamId, spec: &RandSpec) -> Result<(), DeviceError>;
-    /// Waits for all enqueued work and delivers the enqueued reads into `out`.
-    ///
-    /// # Errors
+    /// Waits for all enqueued work and delivers the enqueued reads into `out`;
     /// LAUNCH_FAILED (sticky) when a kernel faulted.
     fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError>;
     /// Seals what was enqueued since the last seal (or finish) as one batch
@@ -238,9 +179,6 @@ pub trait LeaseDevice {
     fn seal(&mut self, out_len: usize) -> Ticket;
     /// The reads of sealed batch `ticket` once its work is done (the
     /// ticket is then spent), `None` while it runs.
-    ///
-    /// # Errors
-    /// LAUNCH_FAILED (sticky) when a kernel faulted; a driver error.
     fn poll_sealed(&mut self, ticket: Ticket) -> Option<Result<Vec<u8>, DeviceError>>;
     /// Arms a wake-up for sealed batch `ticket`: the descriptor returned turns
     /// readable once its work is done (the caller drains it, then polls). `None`

@@ -168,34 +168,25 @@ async fn read_head(
     turn: &mut Option<BudgetTurn>,
 ) -> std::io::Result<Head> {
     let header = proto::read_header(recv, &shared.cfg.limits).await?;
-    let Some(who) = peer.get() else {
-        if header.opcode == Opcode::Hello
-            && !header.is_reply()
-            && header.body_len <= PREAUTH_MAX_BODY
-            && header.data_len == 0
-        {
-            let mut body = vec![0u8; header.body_len as usize];
-            tokio::io::AsyncReadExt::read_exact(recv, &mut body).await?;
-            return Ok(Head::Read(header, body));
+    if let Some(who) = peer.get() {
+        // Streamed transfers hold only the worker's ring.
+        let streamed = matches!(header.opcode, Opcode::MemWrite | Opcode::MemRead);
+        let data = if streamed { 0 } else { header.data_len };
+        match BudgetTurn::take(shared, who, u64::from(header.body_len) + u64::from(data)) {
+            Ok(t) => *turn = Some(t),
+            Err(r) => return Ok(Head::Refused(header, r)),
         }
+    } else if header.opcode != Opcode::Hello
+        || header.is_reply()
+        || header.body_len > PREAUTH_MAX_BODY
+        || header.data_len != 0
+    {
         let msg = if header.opcode == Opcode::Hello {
             format!("HELLO over {PREAUTH_MAX_BODY} bytes, or with data")
         } else {
             "send HELLO with a valid token first".to_string()
         };
         return Ok(Head::Refused(header, Reply::err(Status::Unauthorized, msg)));
-    };
-    // Streamed transfers hold only the worker's ring.
-    let streamed = matches!(header.opcode, Opcode::MemWrite | Opcode::MemRead);
-    let bytes = u64::from(header.body_len)
-        + if streamed {
-            0
-        } else {
-            u64::from(header.data_len)
-        };
-    match BudgetTurn::take(shared, who, bytes) {
-        Ok(t) => *turn = Some(t),
-        Err(r) => return Ok(Head::Refused(header, r)),
     }
     let mut body = vec![0u8; header.body_len as usize];
     tokio::io::AsyncReadExt::read_exact(recv, &mut body).await?;

@@ -525,16 +525,10 @@ fn refill(shared: Arc<Shared>) {
 }
 
 async fn take_worker(shared: &Arc<Shared>) -> Result<WorkerProcess, WorkerError> {
+    // Exited workers are popped and dropped (which kills them).
     let ready = {
         let mut pool = shared.prestarted.lock().await;
-        let mut found = None;
-        while let Some(w) = pool.pop() {
-            if w.exited().is_none() {
-                found = Some(w);
-                break;
-            }
-        }
-        found
+        std::iter::from_fn(|| pool.pop()).find(|w| w.exited().is_none())
     };
     refill(shared.clone());
     match ready {

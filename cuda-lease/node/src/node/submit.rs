@@ -72,9 +72,7 @@ impl BudgetTurn {
         self.bytes += more;
         Ok(())
     }
-}
 
-impl BudgetTurn {
     /// Charges as many of `want` bytes as fit now; returns how many.
     pub(super) fn grow_up_to(&mut self, want: u64) -> u64 {
         let mut m = lock(&self.shared.budgets);

@@ -331,10 +331,7 @@ pub(super) fn confine(readable: &[PathBuf]) -> Result<Confinement, String> {
         )
     };
     if fd < 0 {
-        return Err(format!(
-            "landlock_create_ruleset: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(os_error("landlock_create_ruleset"));
     }
     // SAFETY: the call returned a new descriptor that nothing else owns.
     let ruleset = unsafe { OwnedFd::from_raw_fd(fd as i32) };
@@ -366,26 +363,28 @@ pub(super) fn confine(readable: &[PathBuf]) -> Result<Confinement, String> {
             )
         };
         if r < 0 {
-            return Err(format!(
-                "landlock_add_rule({}): {}",
-                dir.display(),
-                std::io::Error::last_os_error()
-            ));
+            return Err(os_error(format_args!(
+                "landlock_add_rule({})",
+                dir.display()
+            )));
         }
     }
     // SAFETY: PR_SET_NO_NEW_PRIVS takes plain integers.
     if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
-        return Err(format!("no_new_privs: {}", std::io::Error::last_os_error()));
+        return Err(os_error("no_new_privs"));
     }
     // SAFETY: the ruleset descriptor is open for the duration of the call.
     let r = unsafe { libc::syscall(libc::SYS_landlock_restrict_self, ruleset.as_raw_fd(), 0u32) };
     if r < 0 {
-        return Err(format!(
-            "landlock_restrict_self: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(os_error("landlock_restrict_self"));
     }
     Ok(Confinement::Landlock(abi))
+}
+
+/// `what` failed: the OS's error for the last call.
+fn os_error(what: impl std::fmt::Display) -> String {
+    let e = std::io::Error::last_os_error();
+    format!("{what}: {e}")
 }
 
 #[cfg(test)]

@@ -54,41 +54,6 @@ pub(crate) fn encode_worker_batch(
     out.extend_from_slice(wire);
 }
 
-#[cfg(test)]
-#[test]
-fn a_worker_batch_is_its_head_then_the_commands_as_they_came() {
-    use crate::proto::{to_body, Command, Op};
-    let commands = vec![Command {
-        stream: 3,
-        op: Op::Read {
-            buf: Id(7),
-            offset: 1,
-            len: 9,
-        },
-    }];
-    let loads = vec![WorkerLoad {
-        hash: ModuleHash([1; 32]),
-        kind: SourceKind::Ptx,
-        len: 5,
-    }];
-    let limits = BatchLimits {
-        reserved: 1 << 30,
-        max_ids: 4,
-        max_streams: 2,
-        max_read: 1 << 20,
-        reply_bytes: 9,
-    };
-    let modules = vec![ModuleHash([1; 32]), ModuleHash([2; 32])];
-    let mut body = Vec::new();
-    let wire = to_body(&commands);
-    encode_worker_batch(&mut body, &loads, &limits, &modules, &wire);
-    let b: WorkerBatch<'_> = crate::proto::from_body(&body).unwrap();
-    assert_eq!(b.loads, loads);
-    assert_eq!(b.limits, limits);
-    assert_eq!(b.modules, modules);
-    assert_eq!(b.commands.0, commands);
-}
-
 /// What a worker ran of a batch. A batch the worker refuses whole (its
 /// commands malformed, its modules over the reservation) is answered with
 /// the [`DeviceError`] as the status and body instead.

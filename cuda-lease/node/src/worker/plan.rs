@@ -349,39 +349,27 @@ impl Planner<'_> {
                 ),
             ));
         }
-        Ok(match &c.op {
+        let effect = match &c.op {
             Op::Alloc { buf, size } => {
                 self.fresh(*buf)?;
                 self.charges.alloc(*size)?;
-                Step {
+                return Ok(Step {
                     effect: Effect::Create(*buf, IdKind::Buffer(*size)),
                     charged: Some(*size),
-                }
+                });
             }
-            Op::Write { buf, offset, len } => {
-                in_range(self.buffer(*buf)?, *offset, *len)?;
-                Step::effect(Effect::None)
-            }
-            Op::Read { buf, offset, len } => {
-                self.read(*buf, *offset, *len)?;
-                Step::effect(Effect::None)
-            }
-            Op::Free { id } => {
-                if self.kind(*id).is_none() {
-                    return Err((Status::NotFound, format!("unknown id {id}")));
-                }
-                Step::effect(Effect::Free(*id))
-            }
-            Op::Launch(spec) => {
-                self.launch_args(&spec.args)?;
-                Step::effect(Effect::None)
-            }
-            Op::Fill {
+            Op::Write { buf, offset, len }
+            | Op::Fill {
                 buf, offset, len, ..
-            } => {
-                in_range(self.buffer(*buf)?, *offset, *len)?;
-                Step::effect(Effect::None)
+            } => in_range(self.buffer(*buf)?, *offset, *len).map(|()| Effect::None)?,
+            Op::Read { buf, offset, len } => {
+                self.read(*buf, *offset, *len).map(|()| Effect::None)?
             }
+            Op::Free { id } if self.kind(*id).is_none() => {
+                return Err((Status::NotFound, format!("unknown id {id}")))
+            }
+            Op::Free { id } => Effect::Free(*id),
+            Op::Launch(spec) => self.launch_args(&spec.args).map(|()| Effect::None)?,
             Op::Copy { src, dst, len } => {
                 in_range(self.buffer(src.buf)?, src.offset, *len)?;
                 in_range(self.buffer(dst.buf)?, dst.offset, *len)?;
@@ -389,26 +377,19 @@ impl Planner<'_> {
                     let src = src.buf;
                     return Err((Status::BadRequest, format!("a copy from {src} to itself")));
                 }
-                Step::effect(Effect::None)
+                Effect::None
             }
-            Op::Record { event } => {
-                if self.event(*event)? {
-                    Step::effect(Effect::None)
-                } else {
-                    self.fresh(*event)?;
-                    Step::effect(Effect::Create(*event, IdKind::Event))
-                }
+            Op::Record { event } if self.event(*event)? => Effect::None,
+            Op::Record { event } => self
+                .fresh(*event)
+                .map(|()| Effect::Create(*event, IdKind::Event))?,
+            Op::Wait { event } if !self.event(*event)? => {
+                return Err((Status::NotFound, format!("unknown id {event}")))
             }
-            Op::Wait { event } => {
-                if !self.event(*event)? {
-                    return Err((Status::NotFound, format!("unknown id {event}")));
-                }
-                Step::effect(Effect::None)
-            }
-            Op::TimerStart { timer } => {
-                self.fresh(*timer)?;
-                Step::effect(Effect::Create(*timer, IdKind::Timer))
-            }
+            Op::Wait { .. } => Effect::None,
+            Op::TimerStart { timer } => self
+                .fresh(*timer)
+                .map(|()| Effect::Create(*timer, IdKind::Timer))?,
             Op::TimerEnd { timer } => {
                 match self.kind(*timer) {
                     Some(IdKind::Timer) => {}
@@ -416,21 +397,16 @@ impl Planner<'_> {
                     None => return Err((Status::NotFound, format!("unknown id {timer}"))),
                 }
                 self.reply_bytes(TIMER_BYTES as u64)?;
-                Step::effect(Effect::Free(*timer))
+                Effect::Free(*timer)
             }
-            Op::Gemm(g) => {
-                self.gemm(g)?;
-                Step::effect(Effect::None)
-            }
-            Op::RandFill(r) => {
-                self.rand_fill(r)?;
-                Step::effect(Effect::None)
-            }
+            Op::Gemm(g) => self.gemm(g).map(|()| Effect::None)?,
+            Op::RandFill(r) => self.rand_fill(r).map(|()| Effect::None)?,
             // Planned by `graph_step`.
             Op::GraphBegin { .. } | Op::GraphEnd { .. } | Op::GraphLaunch { .. } => {
                 return Err((Status::Internal, "a graph command planned twice".into()))
             }
-        })
+        };
+        Ok(Step::effect(effect))
     }
 }
 

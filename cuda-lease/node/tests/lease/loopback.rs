@@ -70,7 +70,24 @@ async fn metrics_endpoint() {
     )
     .await;
     assert!(post.starts_with("HTTP/1.1 405 "), "{post}");
+    assert!(
+        post.to_ascii_lowercase().contains("allow: get, head"),
+        "{post}"
+    );
     assert!(!post.contains("# TYPE"), "{post}");
+    assert!(get.contains("application/openmetrics-text"), "{get}");
+    assert!(
+        get.contains("\n# UNIT gpu_submit_output_bytes bytes\n"),
+        "{get}"
+    );
+    assert_eq!(metric(&get, "gpu_modules_compiled_total"), Some(0), "{get}");
+    let head = metrics_request(&fx.node, &format!("HEAD /metrics HTTP/1.1\r\n{close}\r\n")).await;
+    assert!(
+        head.starts_with("HTTP/1.1 200 ") && !head.contains("# TYPE"),
+        "{head}"
+    );
+    let junk = metrics_request(&fx.node, "NOT HTTP\r\n\r\n").await;
+    assert!(!junk.contains("# TYPE"), "{junk}");
     fx.shutdown().await;
 }
 

@@ -107,24 +107,18 @@ impl CudaDevice {
                 format!("no sealed batch {}", ticket.0),
             )));
         };
-        if let Ok(f) = entry {
-            match f.is_done() {
-                Ok(false) => return None,
-                Ok(true) => {}
-                Err(e) => {
-                    let f = match self.sealed.remove(&ticket) {
-                        Some(Ok(f)) => f,
-                        _ => return Some(Err(e)),
-                    };
-                    self.abandon(f);
-                    return Some(Err(e));
-                }
+        let done = entry.as_ref().map_or(Ok(true), InFlight::is_done);
+        if matches!(done, Ok(false)) {
+            return None;
+        }
+        Some(match (self.sealed.remove(&ticket)?, done) {
+            (Ok(f), Ok(_)) => self.complete(f),
+            (Ok(f), Err(e)) => {
+                self.abandon(f);
+                Err(e)
             }
-        }
-        match self.sealed.remove(&ticket)? {
-            Ok(f) => Some(self.complete(f)),
-            Err(e) => Some(Err(e)),
-        }
+            (Err(e), _) => Err(e),
+        })
     }
 
     /// A done batch: its reads delivered, its arena and frees reusable.

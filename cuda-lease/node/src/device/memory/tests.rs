@@ -43,40 +43,6 @@ fn device() -> (MemoryDevice, ModuleHash) {
 }
 
 #[test]
-fn cuda_c_entries_are_found_and_bad_sources_fail_with_a_log() {
-    let kind = SourceKind::Cuda { options: vec![] };
-    assert_eq!(entry_names(&kind, CU), ["fill", "axpy", "copy"]);
-    let mut d = MemoryDevice::new(1 << 10);
-    let bad = "#error nope\n__global__ void k() {}";
-    let e = d
-        .load_module(ModuleHash::of(&kind, bad), &kind, bad)
-        .unwrap_err();
-    assert_eq!(e.status, Status::LoadFailed);
-    assert!(e.message.contains("NVRTC log"), "{e}");
-}
-
-#[test]
-fn two_streams_ordered_by_an_event_give_the_right_data() {
-    let (mut d, m) = device();
-    let n = 100u32;
-    let (x, y) = (Id(1), Id(2));
-    d.alloc(0, x, 400).unwrap();
-    d.alloc(1, y, 400).unwrap();
-    let (mem, f32, u32) = (LaunchArg::mem, LaunchArg::f32, LaunchArg::u32);
-    // stream 0: x = 3; record e. stream 1: y = 1; wait e; y = 2x + y.
-    launch(&mut d, 0, m, "fill", n, vec![mem(x), f32(3.0), u32(n)]).unwrap();
-    d.record(0, Id(9)).unwrap();
-    launch(&mut d, 1, m, "fill", n, vec![mem(y), f32(1.0), u32(n)]).unwrap();
-    d.wait(1, Id(9)).unwrap();
-    let args = vec![f32(2.0), mem(x), mem(y), u32(n)];
-    launch(&mut d, 1, m, "axpy", n, args).unwrap();
-    d.read(1, y, 0, 400, 0).unwrap();
-    let mut out = vec![0u8; 400];
-    d.finish(&mut out).unwrap();
-    assert_eq!(to_f32(&out), vec![7.0; 100]);
-}
-
-#[test]
 fn a_free_waits_for_queued_uses_and_the_id_can_be_named_again() {
     let (mut d, m) = device();
     d.alloc(0, Id(1), 8).unwrap();

@@ -66,30 +66,24 @@ fn run(state: &LeaseObjects, commands: &[Command<'_>], b: &mut Charges) -> Plan 
     plan(&LIMITS, state, commands, b)
 }
 
+fn read(buf: Id, offset: u64, len: u64) -> Op<'static> {
+    Op::Read { buf, offset, len }
+}
+
+fn write(buf: Id, offset: u64, len: u64) -> Op<'static> {
+    Op::Write { buf, offset, len }
+}
+
 #[test]
 fn a_chain_plans_whole_and_charges_its_allocations() {
     let state = LeaseObjects::default();
     let (a, e) = (Id(1), Id(2));
     let cmds = [
         cmd(0, Op::Alloc { buf: a, size: 100 }),
-        cmd(
-            0,
-            Op::Write {
-                buf: a,
-                offset: 0,
-                len: 100,
-            },
-        ),
+        cmd(0, write(a, 0, 100)),
         cmd(0, Op::Record { event: e }),
         cmd(1, Op::Wait { event: e }),
-        cmd(
-            1,
-            Op::Read {
-                buf: a,
-                offset: 50,
-                len: 50,
-            },
-        ),
+        cmd(1, read(a, 50, 50)),
         cmd(1, Op::Free { id: a }),
     ];
     let mut b = budget();
@@ -105,134 +99,37 @@ fn a_chain_plans_whole_and_charges_its_allocations() {
 
 #[test]
 fn the_first_refused_command_ends_the_plan_and_is_named() {
+    use crate::proto::Operand;
+    use Status::{BadRequest as Bad, CapacityExceeded as Over, NotFound};
     let state = LeaseObjects::default();
     let a = Id(1);
+    let bf16 = {
+        let mut f = fill_in(a, 0, 8, false);
+        if let Op::RandFill(r) = &mut f {
+            r.dtype = crate::proto::Dtype::Bf16;
+        }
+        f
+    };
+    let (src, dst) = (Operand::new(a, 0), Operand::new(a, 50));
+    #[rustfmt::skip]
     let cases: Vec<(Command<'static>, Status, &str)> = vec![
-        (
-            cmd(
-                0,
-                Op::Read {
-                    buf: a,
-                    offset: 90,
-                    len: 20,
-                },
-            ),
-            Status::BadRequest,
-            "range 90+20",
-        ),
-        (
-            cmd(
-                0,
-                Op::Read {
-                    buf: Id(9),
-                    offset: 0,
-                    len: 1,
-                },
-            ),
-            Status::NotFound,
-            "unknown id",
-        ),
-        (
-            cmd(0, Op::Alloc { buf: a, size: 1 }),
-            Status::BadRequest,
-            "already in use",
-        ),
-        (
-            cmd(
-                0,
-                Op::Alloc {
-                    buf: Id(3),
-                    size: 5000,
-                },
-            ),
-            Status::CapacityExceeded,
-            "lease reserved 1000 bytes, 100 allocated, 5000 more asked",
-        ),
-        (
-            cmd(0, Op::Wait { event: a }),
-            Status::BadRequest,
-            "a buffer, not an event",
-        ),
-        (
-            cmd(0, Op::Wait { event: Id(8) }),
-            Status::NotFound,
-            "unknown id",
-        ),
-        (
-            cmd(5, Op::Free { id: a }),
-            Status::CapacityExceeded,
-            "limit of 2 streams",
-        ),
-        (
-            cmd(
-                0,
-                Op::Copy {
-                    src: crate::proto::Operand::new(a, 0),
-                    dst: crate::proto::Operand::new(a, 50),
-                    len: 10,
-                },
-            ),
-            Status::BadRequest,
-            "to itself",
-        ),
-        (
-            cmd(
-                0,
-                Op::Read {
-                    buf: a,
-                    offset: 0,
-                    len: 100,
-                },
-            ),
-            Status::BadRequest,
-            "reads exceed",
-        ),
-        (
-            cmd(0, gemm_in(a, [96, 0, 32], [2, 2, 2])),
-            Status::BadRequest,
-            "gemm: A: range 96+16",
-        ),
-        (
-            cmd(0, gemm_in(a, [0, 16, 8], [2, 2, 2])),
-            Status::BadRequest,
-            "C overlaps A",
-        ),
-        (
-            cmd(0, gemm_in(a, [0, 16, 34], [2, 2, 2])),
-            Status::BadRequest,
-            "not at a whole element",
-        ),
-        (
-            cmd(0, gemm_in(a, [0, 16, 32], [1, 2, 2])),
-            Status::BadRequest,
-            "leading dimension of A is 1",
-        ),
-        (
-            cmd(0, fill_in(a, 64, 10, false)),
-            Status::BadRequest,
-            "random fill: range 64+40",
-        ),
-        (
-            cmd(0, fill_in(a, 2, 4, false)),
-            Status::BadRequest,
-            "random fill: starts at byte 2",
-        ),
-        (
-            cmd(0, fill_in(a, 0, 7, true)),
-            Status::BadRequest,
-            "in pairs",
-        ),
-        (
-            cmd(0, {
-                let mut f = fill_in(a, 0, 8, false);
-                if let Op::RandFill(r) = &mut f {
-                    r.dtype = crate::proto::Dtype::Bf16;
-                }
-                f
-            }),
-            Status::BadRequest,
-            "cuRAND fills f32 and f64, not bf16",
-        ),
+        (cmd(0, read(a, 90, 20)), Bad, "range 90+20"),
+        (cmd(0, read(Id(9), 0, 1)), NotFound, "unknown id"),
+        (cmd(0, Op::Alloc { buf: a, size: 1 }), Bad, "already in use"),
+        (cmd(0, Op::Alloc { buf: Id(3), size: 5000 }), Over, "reserved 1000 bytes, 100 allocated, 5000 more"),
+        (cmd(0, Op::Wait { event: a }), Bad, "a buffer, not an event"),
+        (cmd(0, Op::Wait { event: Id(8) }), NotFound, "unknown id"),
+        (cmd(5, Op::Free { id: a }), Over, "limit of 2 streams"),
+        (cmd(0, Op::Copy { src, dst, len: 10 }), Bad, "to itself"),
+        (cmd(0, read(a, 0, 100)), Bad, "reads exceed"),
+        (cmd(0, gemm_in(a, [96, 0, 32], [2, 2, 2])), Bad, "gemm: A: range 96+16"),
+        (cmd(0, gemm_in(a, [0, 16, 8], [2, 2, 2])), Bad, "C overlaps A"),
+        (cmd(0, gemm_in(a, [0, 16, 34], [2, 2, 2])), Bad, "not at a whole element"),
+        (cmd(0, gemm_in(a, [0, 16, 32], [1, 2, 2])), Bad, "leading dimension of A is 1"),
+        (cmd(0, fill_in(a, 64, 10, false)), Bad, "random fill: range 64+40"),
+        (cmd(0, fill_in(a, 2, 4, false)), Bad, "random fill: starts at byte 2"),
+        (cmd(0, fill_in(a, 0, 7, true)), Bad, "in pairs"),
+        (cmd(0, bf16), Bad, "cuRAND fills f32 and f64, not bf16"),
     ];
     for (bad, status, text) in cases {
         let cmds = [
@@ -249,12 +146,11 @@ fn the_first_refused_command_ends_the_plan_and_is_named() {
             bad.clone(),
             cmd(0, Op::Free { id: a }),
         ];
-        let mut b = budget();
         let limits = BatchLimits {
             max_read: 99,
             ..LIMITS
         };
-        let p = plan(&limits, &state, &cmds, &mut b);
+        let p = plan(&limits, &state, &cmds, &mut budget());
         let e = p.error.expect("refused");
         assert_eq!((e.index, e.status), (2, status), "{bad:?}: {}", e.message);
         assert!(e.message.starts_with("command 2: "), "{}", e.message);
@@ -266,20 +162,18 @@ fn the_first_refused_command_ends_the_plan_and_is_named() {
 #[test]
 fn ids_are_limited_and_a_free_makes_room() {
     let state = LeaseObjects::default();
-    let mut cmds: Vec<Command<'static>> = (1..=4)
-        .map(|i| {
-            cmd(
-                0,
-                Op::Alloc {
-                    buf: Id(i),
-                    size: 1,
-                },
-            )
-        })
-        .collect();
+    let alloc = |i| {
+        cmd(
+            0,
+            Op::Alloc {
+                buf: Id(i),
+                size: 1,
+            },
+        )
+    };
+    let mut cmds: Vec<Command<'static>> = (1..=4).map(alloc).collect();
     cmds.push(cmd(0, Op::Record { event: Id(5) }));
-    let p = run(&state, &cmds, &mut budget());
-    let e = p.error.expect("refused");
+    let e = run(&state, &cmds, &mut budget()).error.expect("refused");
     assert_eq!(
         (e.index, e.status),
         (4, Status::CapacityExceeded),
@@ -295,26 +189,8 @@ fn ids_are_limited_and_a_free_makes_room() {
 fn reads_over_the_reply_budget_are_refused() {
     let mut state = LeaseObjects::default();
     state.ids.insert(Id(1), IdKind::Buffer(800));
-    let cmds = [
-        cmd(
-            0,
-            Op::Read {
-                buf: Id(1),
-                offset: 0,
-                len: 800,
-            },
-        ),
-        cmd(
-            0,
-            Op::Read {
-                buf: Id(1),
-                offset: 0,
-                len: 800,
-            },
-        ),
-    ];
-    let p = run(&state, &cmds, &mut budget());
-    let e = p.error.expect("refused");
+    let cmds = [cmd(0, read(Id(1), 0, 800)), cmd(0, read(Id(1), 0, 800))];
+    let e = run(&state, &cmds, &mut budget()).error.expect("refused");
     assert_eq!((e.index, e.status), (1, Status::CapacityExceeded));
     assert!(
         e.message.contains("read: the node holds 1000 bytes"),
