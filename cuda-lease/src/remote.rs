@@ -182,6 +182,52 @@ impl LeaseBackend {
             self.spawn_queued_frees();
         }
     }
+
+    /// Sends `recording` as one message (no transfer on the data path).
+    fn submit_now(&self, mut recording: Recording, done: FailOnDrop) {
+        stamp(Point::ClientSubmit);
+        // Reads land straight in their slots' storage; writes go out as recorded.
+        let bufs: Vec<_> = recording.reads().iter().map(|s| s.buffer()).collect();
+        let writes = recording.take_data();
+        // Numbered now, in call order; it waits for the earlier streamed
+        // downloads of buffers it uses (numbered and checked under one lock:
+        // see `reading`).
+        let (reply, waits) = {
+            let reading = self.reading();
+            let commands = recording.commands();
+            let (_, reply) = self.send_as(true, commands, recording.modules(), writes, bufs);
+            (reply, reading.conflicts(commands))
+        };
+        let mut task = Box::pin(async move {
+            let mut done = done;
+            let outcome = async {
+                let (reply, bufs) = reply.await?;
+                stamp(Point::ClientReplyRead);
+                reply.ok()?;
+                for (slot, buf) in recording.reads().iter().zip(bufs) {
+                    slot.commit(buf).map_err(protocol_error)?;
+                }
+                Ok::<(), Error>(())
+            };
+            let r = outcome.await;
+            stamp(Point::ClientDone);
+            done.finish(r);
+        });
+        if !waits.is_empty() {
+            self.runtime.spawn(async move {
+                reading::done(waits).await;
+                task.await;
+            });
+            return;
+        }
+        // The first poll runs here, on the submitting thread: it opens the
+        // QUIC stream and writes the message with no cross-thread wake-up of
+        // a runtime worker. The reply is awaited as a task of the runtime.
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        if task.as_mut().poll(&mut cx).is_pending() {
+            self.runtime.spawn(task);
+        }
+    }
 }
 
 impl RemoteSession for LeaseBackend {
@@ -219,55 +265,6 @@ impl RemoteSession for LeaseBackend {
 
     fn ledger(&self) -> Option<Arc<Ledger>> {
         Some(self.ledger.clone())
-    }
-}
-
-impl LeaseBackend {
-    /// Sends `recording` as one message (no transfer on the data path).
-    fn submit_now(&self, mut recording: Recording, done: FailOnDrop) {
-        stamp(Point::ClientSubmit);
-        // Reads land straight in their slots' storage; writes go out as recorded.
-        let bufs: Vec<_> = recording.reads().iter().map(|s| s.buffer()).collect();
-        let writes = recording.take_data();
-        // Numbered now, in call order; it waits for the earlier streamed
-        // downloads of buffers it uses (numbered and checked under one lock:
-        // see `reading`).
-        let (reply, waits) = {
-            let reading = self.reading();
-            let commands = recording.commands();
-            let (_, reply) = self.send_as(true, commands, recording.modules(), writes, bufs);
-            (reply, reading.conflicts(commands))
-        };
-        let mut task = Box::pin(async move {
-            let mut done = done;
-            let outcome = async {
-                let (reply, bufs) = reply.await?;
-                stamp(Point::ClientReplyRead);
-                reply.ok()?;
-                for (slot, buf) in recording.reads().iter().zip(bufs) {
-                    slot.commit(buf)
-                        .map_err(|e| protocol_error(e.to_string()))?;
-                }
-                Ok::<(), Error>(())
-            };
-            let r = outcome.await;
-            stamp(Point::ClientDone);
-            done.finish(r);
-        });
-        if !waits.is_empty() {
-            self.runtime.spawn(async move {
-                reading::done(waits).await;
-                task.await;
-            });
-            return;
-        }
-        // The first poll runs here, on the submitting thread: it opens the
-        // QUIC stream and writes the message with no cross-thread wake-up of
-        // a runtime worker. The reply is awaited as a task of the runtime.
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        if task.as_mut().poll(&mut cx).is_pending() {
-            self.runtime.spawn(task);
-        }
     }
 }
 

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::{client::WantsClientCert, ConfigBuilder};
 
 use crate::proto::ALPN;
 use crate::transport::TransportSettings;
@@ -124,12 +125,7 @@ pub struct ServerTrust<'a> {
 }
 
 impl ServerTrust<'_> {
-    fn builder(
-        self,
-    ) -> Result<
-        rustls::ConfigBuilder<rustls::ClientConfig, rustls::client::WantsClientCert>,
-        TlsError,
-    > {
+    fn builder(self) -> Result<ConfigBuilder<rustls::ClientConfig, WantsClientCert>, TlsError> {
         let builder = rustls::ClientConfig::builder_with_provider(provider())
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(err)?;
@@ -138,7 +134,7 @@ impl ServerTrust<'_> {
                 .dangerous()
                 .with_custom_certificate_verifier(Arc::new(Sha256Pin {
                     want,
-                    provider: provider(),
+                    algs: provider().signature_verification_algorithms,
                 })));
         }
         let mut store = rustls::RootCertStore::empty();
@@ -154,7 +150,7 @@ impl ServerTrust<'_> {
 #[derive(Debug)]
 struct Sha256Pin {
     want: [u8; 32],
-    provider: Arc<rustls::crypto::CryptoProvider>,
+    algs: rustls::crypto::WebPkiSupportedAlgorithms,
 }
 
 impl rustls::client::danger::ServerCertVerifier for Sha256Pin {
@@ -182,12 +178,7 @@ impl rustls::client::danger::ServerCertVerifier for Sha256Pin {
         cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algs)
     }
 
     fn verify_tls13_signature(
@@ -196,18 +187,11 @@ impl rustls::client::danger::ServerCertVerifier for Sha256Pin {
         cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algs)
     }
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.provider
-            .signature_verification_algorithms
-            .supported_schemes()
+        self.algs.supported_schemes()
     }
 }
 

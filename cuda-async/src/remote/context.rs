@@ -36,8 +36,9 @@ pub struct RemoteContext {
     stream: RemoteStream,
     /// The policy's streams (`0..streams`), which concurrent arms fork onto.
     streams: u32,
-    recording: Recording,
-    on_reply: OnReply,
+    pub(super) recording: Recording,
+    /// The steps to run on reply recorded so far (taken by `send`).
+    pub(super) on_reply: OnReply,
 }
 
 /// Host steps run once a submission's reply has arrived, before its output
@@ -203,15 +204,6 @@ impl RemoteContext {
     pub(crate) fn absorb(&mut self, arm: RemoteContext) {
         self.recording.append(arm.recording);
         self.on_reply.0.extend(arm.on_reply.0);
-    }
-
-    pub(crate) fn take_recording(&mut self) -> Recording {
-        std::mem::take(&mut self.recording)
-    }
-
-    /// Takes out the steps to run on reply recorded so far (for `send`).
-    pub(super) fn take_on_reply(&mut self) -> OnReply {
-        std::mem::take(&mut self.on_reply)
     }
 }
 

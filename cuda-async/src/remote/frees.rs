@@ -40,13 +40,8 @@ pub(crate) fn free_remote(session: &Arc<dyn RemoteSession>, id: u64) {
                 .iter()
                 .rposition(|fr| fr.session == addr && fr.capture);
             let at = capture.or_else(|| frames.iter().position(|fr| fr.session == addr));
-            match at.and_then(|i| frames.get_mut(i)) {
-                Some(fr) => {
-                    fr.frees.push(id);
-                    true
-                }
-                None => false,
-            }
+            let frame = at.and_then(|i| frames.get_mut(i));
+            frame.map(|fr| fr.frees.push(id)).is_some()
         })
         .unwrap_or(false);
     if !taken {

@@ -81,8 +81,8 @@ impl SchedulingPolicy for RemotePolicy {
 /// on reply. An empty recording is complete at once (no message): `None`.
 pub(crate) fn send(ctx: &mut ExecutionContext) -> Option<(RemoteCompletion, OnReply)> {
     let remote = ctx.as_remote()?;
-    let recording = remote.take_recording();
-    let on_reply = remote.take_on_reply();
+    let recording = std::mem::take(&mut remote.recording);
+    let on_reply = std::mem::take(&mut remote.on_reply);
     if recording.is_empty() {
         return None;
     }

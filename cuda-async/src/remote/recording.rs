@@ -237,11 +237,7 @@ impl Recording {
         {
             std::mem::take(&mut self.data)
         } else {
-            let mut out = Vec::with_capacity(self.payloads().map(<[u8]>::len).sum());
-            for bytes in self.payloads() {
-                out.extend_from_slice(bytes);
-            }
-            out
+            self.payloads().collect::<Vec<_>>().concat()
         };
         self.payloads.clear();
         self.data = Vec::new();
@@ -308,9 +304,7 @@ impl Recording {
         self.reads.truncate(self.reads.len().saturating_sub(reads));
         self.commands.extend(kept);
     }
-}
 
-impl Recording {
     /// Appends `other`'s commands, data and read slots after this one's.
     pub fn append(&mut self, other: Recording) {
         self.commands.extend(other.commands);

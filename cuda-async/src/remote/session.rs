@@ -96,9 +96,7 @@ impl RemoteCompletion {
             crate::completion::Status::Failed => Some(Err(self.0.error())),
         }
     }
-}
 
-impl RemoteCompletion {
     /// `Ready` with the outcome once finished; otherwise wakes `cx`'s waker
     /// when it is (one waiter: the last registered). For a session wrapping
     /// another, to forward the inner completion's outcome.

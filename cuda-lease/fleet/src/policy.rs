@@ -378,54 +378,7 @@ impl Shared {
         }
         self.wake.notify_one();
     }
-}
 
-/// Whether `e` says the node or lease that ran the work is gone
-/// (disconnected; lease expired, freed, not found or poisoned), not the
-/// work's own fault: the work may run again on another lease.
-pub fn lost(e: &cuda_async::Error) -> bool {
-    e.remote().is_some_and(Error::lease_gone)
-}
-
-/// The error of work in flight on a node the policy gave up: the
-/// disconnected kind naming the node, whatever the session saw.
-fn node_lost(m: &Member, e: cuda_async::Error) -> cuda_async::Error {
-    match e.remote_kind() {
-        Some(ErrorKind::Disconnected(_)) => e,
-        _ => m.gone(format_args!("was lost with this submission in flight: {e}")),
-    }
-}
-
-/// Keeps the policy's leases: buries those of nodes that left the registry,
-/// drops dead ones and replaces them (or grows on demand) up to the
-/// configured count. Holds the policy weakly and ends with it.
-async fn supervise(shared: Weak<Shared>, wake: Arc<Notify>, fleet: Fleet) {
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        let soon = {
-            let Some(s) = shared.upgrade() else { return };
-            if s.closed.load(Ordering::Acquire) {
-                return;
-            }
-            s.tend().await
-        };
-        let before = fleet.nodes();
-        let changed = fleet.wait_until(Duration::from_secs(3600), |n| n != before.as_slice());
-        // Again soon (after `backoff`, doubling), or as soon as something changes.
-        tokio::select! {
-            _ = tokio::time::sleep(backoff), if soon => {}
-            _ = wake.notified() => {}
-            _ = changed => {}
-        }
-        backoff = if soon {
-            (backoff * 2).min(Duration::from_secs(2))
-        } else {
-            Duration::from_millis(100)
-        };
-    }
-}
-
-impl Shared {
     /// One supervisor round; whether to look again soon (a wanted lease
     /// could not be had, or a node that left the registry still answers).
     async fn tend(&self) -> bool {
@@ -473,6 +426,51 @@ impl Shared {
             }
         }
         look_again
+    }
+}
+
+/// Whether `e` says the node or lease that ran the work is gone
+/// (disconnected; lease expired, freed, not found or poisoned), not the
+/// work's own fault: the work may run again on another lease.
+pub fn lost(e: &cuda_async::Error) -> bool {
+    e.remote().is_some_and(Error::lease_gone)
+}
+
+/// The error of work in flight on a node the policy gave up: the
+/// disconnected kind naming the node, whatever the session saw.
+fn node_lost(m: &Member, e: cuda_async::Error) -> cuda_async::Error {
+    match e.remote_kind() {
+        Some(ErrorKind::Disconnected(_)) => e,
+        _ => m.gone(format_args!("was lost with this submission in flight: {e}")),
+    }
+}
+
+/// Keeps the policy's leases: buries those of nodes that left the registry,
+/// drops dead ones and replaces them (or grows on demand) up to the
+/// configured count. Holds the policy weakly and ends with it.
+async fn supervise(shared: Weak<Shared>, wake: Arc<Notify>, fleet: Fleet) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let soon = {
+            let Some(s) = shared.upgrade() else { return };
+            if s.closed.load(Ordering::Acquire) {
+                return;
+            }
+            s.tend().await
+        };
+        let before = fleet.nodes();
+        let changed = fleet.wait_until(Duration::from_secs(3600), |n| n != before.as_slice());
+        // Again soon (after `backoff`, doubling), or as soon as something changes.
+        tokio::select! {
+            _ = tokio::time::sleep(backoff), if soon => {}
+            _ = wake.notified() => {}
+            _ = changed => {}
+        }
+        backoff = if soon {
+            (backoff * 2).min(Duration::from_secs(2))
+        } else {
+            Duration::from_millis(100)
+        };
     }
 }
 

@@ -95,12 +95,7 @@ pub fn fingerprint(cert: &CertificateDer<'_>) -> String {
 
 /// Where `prefix`'s records live: `PREFIX/nodes/` (adding a missing `/`).
 pub(crate) fn nodes_prefix(prefix: &str) -> String {
-    let mut p = prefix.to_string();
-    if !p.ends_with('/') {
-        p.push('/');
-    }
-    p.push_str("nodes/");
-    p
+    format!("{}/nodes/", prefix.strip_suffix('/').unwrap_or(prefix))
 }
 
 /// How a node registers itself in etcd (`cuda_lease_node::NodeConfig::registry`).

@@ -289,7 +289,7 @@ pub struct BatchHead {
     /// [`Batch::seq`].
     pub seq: u64,
     /// [`Batch::modules`].
-    #[serde(deserialize_with = "bounded::modules")]
+    #[serde(deserialize_with = "bounded::at_most::<_, _, MAX_BATCH_MODULES>")]
     pub modules: Vec<ModuleUse>,
     /// The bytes the commands' reads return: what the node holds for the
     /// reply (the worker refuses the read that would pass it).

@@ -5,10 +5,7 @@ use std::marker::PhantomData;
 
 use serde::de::{Deserialize, Deserializer, Error, SeqAccess, Visitor};
 
-use super::{
-    Command, LaunchArg, ModuleUse, ScalarBytes, MAX_BATCH_MODULES, MAX_BATCH_OPS, MAX_KERNEL_ARGS,
-    MAX_SCALAR_ARG,
-};
+use super::{ScalarBytes, MAX_SCALAR_ARG};
 
 struct Bounded<T>(usize, PhantomData<T>);
 
@@ -35,35 +32,15 @@ impl<'de, T: Deserialize<'de>> Visitor<'de> for Bounded<T> {
     }
 }
 
-fn at_most<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+/// A sequence of at most `N` elements.
+pub(super) fn at_most<'de, D: Deserializer<'de>, T: Deserialize<'de>, const N: usize>(
     d: D,
-    max: usize,
 ) -> Result<Vec<T>, D::Error> {
-    d.deserialize_seq(Bounded(max, PhantomData))
-}
-
-pub(super) fn commands<'de: 'a, 'a, D: Deserializer<'de>>(
-    d: D,
-) -> Result<Vec<Command<'a>>, D::Error> {
-    at_most(d, MAX_BATCH_OPS)
-}
-
-pub(super) fn modules<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<ModuleUse>, D::Error> {
-    at_most(d, MAX_BATCH_MODULES)
-}
-
-pub(super) fn kernel_args<'de: 'a, 'a, D: Deserializer<'de>>(
-    d: D,
-) -> Result<Vec<LaunchArg<'a>>, D::Error> {
-    at_most(d, MAX_KERNEL_ARGS)
-}
-
-pub(super) fn input_lens<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
-    at_most(d, MAX_KERNEL_ARGS)
+    d.deserialize_seq(Bounded(N, PhantomData))
 }
 
 pub(super) fn options<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
-    let v: Vec<String> = at_most(d, super::MAX_MODULE_OPTIONS)?;
+    let v: Vec<String> = at_most::<_, _, { super::MAX_MODULE_OPTIONS }>(d)?;
     if v.iter().any(|o| o.len() > super::MAX_OPTION_LEN) {
         return Err(D::Error::custom("NVRTC option too long"));
     }

@@ -33,7 +33,11 @@ pub fn postcard_decode<'a, T: Deserialize<'a>>(buf: &mut &'a [u8]) -> Result<T, 
 /// [`MAX_BATCH_OPS`](super::MAX_BATCH_OPS) before decoding), then commands.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, Deserialize)]
 pub struct CommandList<'a>(
-    #[serde(borrow, deserialize_with = "super::bounded::commands")] pub Vec<Command<'a>>,
+    #[serde(
+        borrow,
+        deserialize_with = "super::bounded::at_most::<_, _, { super::MAX_BATCH_OPS }>"
+    )]
+    pub Vec<Command<'a>>,
 );
 
 /// Appends a BATCH body's fields before its commands ([`BatchHead`]).

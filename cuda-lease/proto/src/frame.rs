@@ -374,11 +374,7 @@ impl Frame {
 
     /// Encodes to one contiguous buffer.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(HEADER_LEN + self.body.len() + self.data.len());
-        out.extend_from_slice(&self.header.encode());
-        out.extend_from_slice(&self.body);
-        out.extend_from_slice(&self.data);
-        out
+        [&self.header.encode()[..], &self.body, &self.data].concat()
     }
 }
 

@@ -36,10 +36,7 @@ impl fmt::Debug for LeaseId {
 
 impl fmt::Display for LeaseId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for b in self.0 {
-            write!(f, "{b:02x}")?;
-        }
-        Ok(())
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
     }
 }
 
@@ -155,10 +152,7 @@ impl fmt::Debug for ModuleHash {
 impl fmt::Display for ModuleHash {
     /// The first 16 hex digits (enough to tell modules apart in messages).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for b in &self.0[..8] {
-            write!(f, "{b:02x}")?;
-        }
-        Ok(())
+        self.0[..8].iter().try_for_each(|b| write!(f, "{b:02x}"))
     }
 }
 
@@ -440,7 +434,7 @@ pub struct LaunchSpec<'a> {
     /// Dynamic shared memory bytes.
     pub shared_mem: u32,
     /// Arguments in order (at most [`MAX_KERNEL_ARGS`], refused on the length prefix).
-    #[serde(borrow, deserialize_with = "bounded::kernel_args")]
+    #[serde(borrow, deserialize_with = "bounded::at_most::<_, _, MAX_KERNEL_ARGS>")]
     pub args: Vec<LaunchArg<'a>>,
 }
 
@@ -500,7 +494,7 @@ pub struct OpError {
 
 /// BATCH reply (status OK whenever the batch was accepted; a command's
 /// failure is in `error`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BatchReply {
     /// Commands that ran (`0..completed`); what they created stays valid.
     /// The reply data holds the reads among them, in order.
@@ -525,12 +519,12 @@ pub struct GpuSubmit<'a> {
     /// Dynamic shared memory bytes.
     pub shared_mem: u32,
     /// Arguments; [`LaunchArg::Input`] and [`LaunchArg::Output`] name buffers.
-    #[serde(borrow, deserialize_with = "bounded::kernel_args")]
+    #[serde(borrow, deserialize_with = "bounded::at_most::<_, _, MAX_KERNEL_ARGS>")]
     pub args: Vec<LaunchArg<'a>>,
     /// PTX length at the start of the data.
     pub ptx_len: u32,
     /// Input lengths, in order, after the PTX.
-    #[serde(deserialize_with = "bounded::input_lens")]
+    #[serde(deserialize_with = "bounded::at_most::<_, _, MAX_KERNEL_ARGS>")]
     pub input_lens: Vec<u32>,
     /// Output buffer size; the reply's data.
     pub output_size: u32,
@@ -545,14 +539,13 @@ impl GpuSubmit<'_> {
     ///
     /// [`ProtoError::Invalid`].
     pub fn validate(&self, data_len: usize, limits: &Limits) -> Result<(), ProtoError> {
+        let bad = |m: &str| Err(ProtoError::Invalid(m.into()));
         validate_launch(&self.kernel, self.grid, self.block, &self.args, true)?;
         if self.input_lens.len() > MAX_KERNEL_ARGS {
-            return Err(ProtoError::Invalid("too many inputs".into()));
+            return bad("too many inputs");
         }
         if self.output_size == 0 || self.output_size > limits.max_data {
-            return Err(ProtoError::Invalid(
-                "output size must be 1..=max_data".into(),
-            ));
+            return bad("output size must be 1..=max_data");
         }
         for a in &self.args {
             if let LaunchArg::Input(n) = a {
@@ -564,9 +557,7 @@ impl GpuSubmit<'_> {
         let need: u64 =
             u64::from(self.ptx_len) + self.input_lens.iter().map(|l| u64::from(*l)).sum::<u64>();
         if need != data_len as u64 {
-            return Err(ProtoError::Invalid(
-                "data length does not match ptx + inputs".into(),
-            ));
+            return bad("data length does not match ptx + inputs");
         }
         Ok(())
     }

@@ -182,8 +182,7 @@ impl BulkChannel {
         let name = ServerName::try_from(client.config.server_name.clone())
             .map_err(|e| config_error(format!("server name for the bulk-data channel: {e}")))?;
         let connector = TlsConnector::from(
-            tls::bulk_client_config(client.config.trust())
-                .map_err(|e| config_error(e.to_string()))?,
+            tls::bulk_client_config(client.config.trust()).map_err(config_error)?,
         );
         let stripes = client.config.stripes.max(1);
         let most = stripes.max(MIN_BULK_CONNECTIONS);

@@ -126,7 +126,7 @@ impl ClientConfig {
     ///
     /// [`ErrorKind::Config`](crate::client::ErrorKind::Config) when the file cannot be read.
     pub fn from_pem_file(path: &Path) -> Result<Self, Error> {
-        let mut certs = tls::load_certs(path).map_err(|e| config_error(e.to_string()))?;
+        let mut certs = tls::load_certs(path).map_err(config_error)?;
         let mut c = Self::pinned(certs.remove(0));
         c.roots.extend(certs);
         Ok(c)

@@ -51,12 +51,9 @@ impl Client {
     ///
     /// Cancelling drops the half-made connection; nothing is leased.
     pub async fn connect(addr: SocketAddr, config: &ClientConfig) -> Result<Client, Error> {
-        config
-            .transport
-            .validate()
-            .map_err(|e| config_error(e.to_string()))?;
+        config.transport.validate().map_err(config_error)?;
         let qcfg = tls::client_config(config.trust(), config.identity.as_ref(), &config.transport)
-            .map_err(|e| config_error(e.to_string()))?;
+            .map_err(config_error)?;
         let bind: SocketAddr = if addr.is_ipv6() {
             "[::]:0".parse()
         } else {
@@ -127,7 +124,7 @@ impl Client {
         let (body, _) = self
             .request_on(conn, Opcode::Hello, &to_body(&hello), &[], None)
             .await?;
-        from_body(&body).map_err(|e| protocol_error(e.to_string()))
+        from_body(&body).map_err(protocol_error)
     }
 
     /// The node's name.
@@ -179,22 +176,14 @@ impl Client {
         req: &Req,
     ) -> Result<Rep, Error> {
         let (body, _) = self.request(op, &to_body(req), &[]).await?;
-        from_body(&body).map_err(|e| protocol_error(e.to_string()))
+        from_body(&body).map_err(protocol_error)
     }
 
-    /// `f` of the modules this client believes the node has.
-    pub(super) fn with_known_modules<R>(
+    /// The modules this client believes the node has.
+    pub(super) fn known_modules(
         &self,
-        f: impl FnOnce(&crate::proto::IdSet<ModuleHash>) -> R,
-    ) -> R {
-        f(&self.known_modules.lock().unwrap_or_else(|e| e.into_inner()))
-    }
-
-    pub(super) fn learn_modules(&self, hashes: impl IntoIterator<Item = ModuleHash>) {
-        self.known_modules
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .extend(hashes);
+    ) -> std::sync::MutexGuard<'_, crate::proto::IdSet<ModuleHash>> {
+        self.known_modules.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The node's devices and free capacity.

@@ -46,15 +46,13 @@ pub(super) fn disconnected(e: impl std::fmt::Display) -> Error {
 /// the node shut down if it closed the connection saying so, the network
 /// otherwise.
 pub(super) fn lost(conn: &quinn::Connection, e: impl std::fmt::Display) -> Error {
-    let shutdown = matches!(
-        conn.close_reason(),
+    let cause = match conn.close_reason() {
         Some(quinn::ConnectionError::ApplicationClosed(c))
-            if c.error_code == crate::proto::CLOSE_NODE_SHUTDOWN.into()
-    );
-    let cause = if shutdown {
-        Disconnect::NodeShutdown
-    } else {
-        Disconnect::Network
+            if c.error_code == crate::proto::CLOSE_NODE_SHUTDOWN.into() =>
+        {
+            Disconnect::NodeShutdown
+        }
+        _ => Disconnect::Network,
     };
     Error::new(ErrorKind::Disconnected(cause), e.to_string())
 }

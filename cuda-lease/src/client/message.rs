@@ -49,25 +49,24 @@ impl Message {
             0
         };
         let mut data = Vec::new();
-        let uses: Vec<ModuleUse> = inner.client.with_known_modules(|known| {
-            modules
-                .iter()
-                .map(|m| {
-                    let send = !known.contains(&m.hash());
-                    let source = send.then(|| {
-                        data.extend_from_slice(m.text().as_bytes());
-                        ModuleText {
-                            kind: m.kind().clone(),
-                            len: m.text().len() as u32,
-                        }
-                    });
-                    ModuleUse {
-                        hash: m.hash(),
-                        source,
+        let known = inner.client.known_modules();
+        let uses: Vec<ModuleUse> = modules
+            .iter()
+            .map(|m| {
+                let source = (!known.contains(&m.hash())).then(|| {
+                    data.extend_from_slice(m.text().as_bytes());
+                    ModuleText {
+                        kind: m.kind().clone(),
+                        len: m.text().len() as u32,
                     }
-                })
-                .collect()
-        });
+                });
+                ModuleUse {
+                    hash: m.hash(),
+                    source,
+                }
+            })
+            .collect();
+        drop(known);
         let mut body = Vec::new();
         // Frees read nothing.
         let reply_bytes = proto::reply_bytes(commands);
@@ -169,9 +168,9 @@ impl Message {
             }
         };
         self.answered.store(true, Ordering::Release);
-        let reply: BatchReply = from_body(&reply).map_err(|e| protocol_error(e.to_string()))?;
+        let reply: BatchReply = from_body(&reply).map_err(protocol_error)?;
         let learned = self.modules.iter().map(|m| m.hash());
-        self.inner.client.learn_modules(learned);
+        self.inner.client.known_modules().extend(learned);
         Ok((reply, data))
     }
 }
@@ -219,7 +218,7 @@ fn with_every_source(
     modules: &[ModuleSpec],
     writes: &[u8],
 ) -> Result<(Vec<u8>, Vec<u8>), Error> {
-    let mut batch: Batch<'_> = from_body(body).map_err(|e| protocol_error(e.to_string()))?;
+    let mut batch: Batch<'_> = from_body(body).map_err(protocol_error)?;
     let mut data = Vec::with_capacity(writes.len());
     for (u, m) in batch.modules.iter_mut().zip(modules) {
         data.extend_from_slice(m.text().as_bytes());

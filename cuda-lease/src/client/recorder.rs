@@ -54,10 +54,6 @@ pub struct Recorder {
 }
 
 impl Recorder {
-    fn push(&mut self, stream: StreamId, op: Op<'static>) {
-        self.commands.push(Command { stream, op });
-    }
-
     /// A fresh id of this lease (for [`Op::Alloc`] or a first
     /// [`Op::Record`] pushed by hand).
     pub fn fresh_id(&self) -> Id {
@@ -68,7 +64,7 @@ impl Recorder {
     /// (it is not freed by itself: record [`Recorder::free`]).
     pub fn alloc(&mut self, stream: StreamId, size: u64) -> Id {
         let buf = self.fresh_id();
-        self.push(stream, Op::Alloc { buf, size });
+        self.command(stream, Op::Alloc { buf, size });
         buf
     }
 
@@ -76,15 +72,14 @@ impl Recorder {
     pub fn write(&mut self, stream: StreamId, buf: Id, offset: u64, bytes: &[u8]) -> &mut Self {
         self.writes.extend_from_slice(bytes);
         let len = bytes.len() as u64;
-        self.push(stream, Op::Write { buf, offset, len });
-        self
+        self.command(stream, Op::Write { buf, offset, len })
     }
 
     /// Reads `len` bytes of `buf` at `offset`; the bytes are in the reply
     /// ([`Submitted::read`]).
     pub fn read(&mut self, stream: StreamId, buf: Id, offset: u64, len: u32) -> RecordedRead {
         let len = u64::from(len);
-        self.push(stream, Op::Read { buf, offset, len });
+        self.command(stream, Op::Read { buf, offset, len });
         RecordedRead {
             command: self.commands.len() - 1,
             len,
@@ -93,8 +88,7 @@ impl Recorder {
 
     /// Frees a buffer (after every queued use of it) or an event.
     pub fn free(&mut self, stream: StreamId, id: Id) -> &mut Self {
-        self.push(stream, Op::Free { id });
-        self
+        self.command(stream, Op::Free { id })
     }
 
     /// Launches `kernel` of `module`; the module's source goes with this
@@ -132,8 +126,7 @@ impl Recorder {
     ) -> &mut Self {
         spec.module = module.hash();
         self.use_module(module);
-        self.push(stream, Op::Launch(spec));
-        self
+        self.command(stream, Op::Launch(spec))
     }
 
     /// Lists `module` in the message (a launch does this itself; alone, it
@@ -154,7 +147,7 @@ impl Recorder {
         len: u64,
         value: u8,
     ) -> &mut Self {
-        self.push(
+        self.command(
             stream,
             Op::Fill {
                 buf,
@@ -162,8 +155,7 @@ impl Recorder {
                 len,
                 value,
             },
-        );
-        self
+        )
     }
 
     /// Copies `len` bytes from `src` (a buffer and a byte offset) to
@@ -176,21 +168,19 @@ impl Recorder {
         len: u64,
     ) -> &mut Self {
         let (src, dst) = (Operand::new(src, src_at), Operand::new(dst, dst_at));
-        self.push(stream, Op::Copy { src, dst, len });
-        self
+        self.command(stream, Op::Copy { src, dst, len })
     }
 
     /// Records a new event on `stream` and returns it.
     pub fn record(&mut self, stream: StreamId) -> Id {
         let event = self.fresh_id();
-        self.push(stream, Op::Record { event });
+        self.command(stream, Op::Record { event });
         event
     }
 
     /// Makes `stream` wait for the last record of `event`.
     pub fn wait(&mut self, stream: StreamId, event: Id) -> &mut Self {
-        self.push(stream, Op::Wait { event });
-        self
+        self.command(stream, Op::Wait { event })
     }
 
     /// Begins recording graph (returned) on `stream`: the commands recorded
@@ -199,25 +189,23 @@ impl Recorder {
     /// each [`Recorder::graph_launch`].
     pub fn graph_begin(&mut self, stream: StreamId) -> Id {
         let graph = self.fresh_id();
-        self.push(stream, Op::GraphBegin { graph });
+        self.command(stream, Op::GraphBegin { graph });
         graph
     }
 
     /// Ends the body of `graph`.
     pub fn graph_end(&mut self, stream: StreamId, graph: Id) -> &mut Self {
-        self.push(stream, Op::GraphEnd { graph });
-        self
+        self.command(stream, Op::GraphEnd { graph })
     }
 
     /// Replays `graph` on `stream`.
     pub fn graph_launch(&mut self, stream: StreamId, graph: Id) -> &mut Self {
-        self.push(stream, Op::GraphLaunch { graph });
-        self
+        self.command(stream, Op::GraphLaunch { graph })
     }
 
     /// Appends a command built by hand.
     pub fn command(&mut self, stream: StreamId, op: Op<'static>) -> &mut Self {
-        self.push(stream, op);
+        self.commands.push(Command { stream, op });
         self
     }
 

@@ -242,17 +242,9 @@ async fn join_tasks<F>(tasks: impl IntoIterator<Item = F>) -> Result<(), Error>
 where
     F: std::future::Future<Output = Result<(), Error>> + Send + 'static,
 {
-    let tasks: Vec<_> = tasks.into_iter().map(tokio::spawn).collect();
-    let mut first_err = None;
-    for t in tasks {
-        let r = t
-            .await
-            .unwrap_or_else(|e| Err(disconnected(format!("stripe task: {e}"))));
-        if let Err(e) = r {
-            first_err.get_or_insert(e);
-        }
-    }
-    first_err.map_or(Ok(()), Err)
+    let tasks = tasks.into_iter().map(tokio::spawn);
+    let mut done = futures::future::join_all(tasks).await.into_iter();
+    done.try_for_each(|r| r.unwrap_or_else(|e| Err(disconnected(format!("stripe task: {e}")))))
 }
 
 /// One buffer that several stripe tasks fill, each in its own range.
@@ -321,16 +313,10 @@ fn requests(r: std::ops::Range<usize>) -> impl Iterator<Item = std::ops::Range<u
 fn stripe_bounds(len: usize, n: usize) -> Vec<std::ops::Range<usize>> {
     const ALIGN: usize = 2 << 20;
     let per = len.div_ceil(n.max(1)).div_ceil(ALIGN).max(1) * ALIGN;
-    let mut out = Vec::new();
-    let mut start = 0;
-    loop {
-        let end = (start + per).min(len);
-        out.push(start..end);
-        start = end;
-        if start >= len {
-            return out;
-        }
-    }
+    (0..len.max(1))
+        .step_by(per)
+        .map(|start| start..(start + per).min(len))
+        .collect()
 }
 
 #[cfg(test)]

@@ -225,15 +225,11 @@ impl LeaseBackend {
             // The session is going away: `done` fails as dropped.
             return;
         };
-        let fresh: Vec<u64> = plan
-            .allocs
-            .iter()
-            .filter_map(|c| match c.op {
-                Op::Alloc { buf, .. } => Some(buf.0),
-                _ => None,
-            })
-            .collect();
-        debug_assert!(plan.allocs.iter().all(|c| matches!(c.op, Op::Alloc { .. })));
+        // The hoisted allocations' buffers.
+        let mut fresh = Vec::new();
+        for c in &plan.allocs {
+            c.op.buffers(|id, _| fresh.push(id.0));
+        }
         let allocs = (!plan.allocs.is_empty()).then(|| {
             self.send_as(false, &plan.allocs, &[], Vec::new(), Vec::new())
                 .1
@@ -242,11 +238,8 @@ impl LeaseBackend {
         // later submissions until the writes are in, and its reply says
         // every earlier submission of the lease has run.
         let slots = recording.reads();
-        let mut writes =
-            Vec::with_capacity(plan.data.iter().map(|&i| recording.payload(i).len()).sum());
-        for &i in &plan.data {
-            writes.extend_from_slice(recording.payload(i));
-        }
+        let parts: Vec<&[u8]> = plan.data.iter().map(|&i| recording.payload(i)).collect();
+        let writes = parts.concat();
         let bufs: Vec<_> = plan.slots.iter().map(|&i| slots[i].buffer()).collect();
         // Numbered, checked against the downloads before it and its own
         // downloads registered, under one lock (see `reading`).
@@ -347,14 +340,10 @@ impl LeaseBackend {
         let (reply, bufs) = reply?;
         reply.ok()?;
         for (&i, buf) in plan.slots.iter().zip(bufs) {
-            slots[i]
-                .commit(buf)
-                .map_err(|e| protocol_error(e.to_string()))?;
+            slots[i].commit(buf).map_err(protocol_error)?;
         }
         for (r, buf) in plan.reads.iter().zip(read?) {
-            slots[r.slot]
-                .commit(buf)
-                .map_err(|e| protocol_error(e.to_string()))?;
+            slots[r.slot].commit(buf).map_err(protocol_error)?;
         }
         Ok(())
     }

@@ -72,21 +72,18 @@ impl RemoteSession for Placement {
             }
             return;
         }
-        let shared = self.shared.clone();
+        let (shared, at) = (self.shared.clone(), self.at.clone());
         let adopted = !lock(&self.adopted).is_empty();
         match self.at() {
             Some(m) if !m.is_live() => done.fail(self.lost_buffers(&m)),
-            Some(m) => run_on(shared, self.at.clone(), m, recording, done, 0, adopted),
-            None => {
-                let at = self.at.clone();
-                match shared.least_loaded() {
-                    Some(m) => run_on(shared, at, m, recording, done, 0, adopted),
-                    None => {
-                        let rt = shared.runtime.clone();
-                        rt.spawn(place_later(shared, at, recording, done, 0));
-                    }
+            Some(m) => run_on(shared, at, m, recording, done, 0, adopted),
+            None => match shared.least_loaded() {
+                Some(m) => run_on(shared, at, m, recording, done, 0, adopted),
+                None => {
+                    let rt = shared.runtime.clone();
+                    rt.spawn(place_later(shared, at, recording, done, 0));
                 }
-            }
+            },
         }
     }
 

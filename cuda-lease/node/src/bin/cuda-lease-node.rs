@@ -276,10 +276,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         }
         _ => return Err("give --cert and --key, or --dev for a self-signed certificate".into()),
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(async move {
+    tokio::runtime::Runtime::new()?.block_on(async move {
         let node = Node::start(cfg).await?;
         match node.bulk_addr() {
             Some(b) => eprintln!(
@@ -297,16 +294,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
 
 async fn wait_for_signal() {
     use tokio::signal::unix::{signal, SignalKind};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
+    // Without a SIGTERM handler, Ctrl-C alone.
+    let mut term = signal(SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        Some(_) = async { term.as_mut()?.recv().await } => {}
     }
 }
 

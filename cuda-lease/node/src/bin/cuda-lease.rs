@@ -143,9 +143,7 @@ fn dims(s: &str) -> Result<[u32; 3], String> {
 fn main() {
     log::init_log_as("info", log::LogFormat::Text);
     let args = Args::parse();
-    let r = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
+    let r = tokio::runtime::Runtime::new()
         .map_err(Box::from)
         .and_then(|rt| rt.block_on(run(args)));
     if let Err(e) = r {

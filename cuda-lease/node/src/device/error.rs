@@ -58,7 +58,7 @@ pub(super) fn range(
     Ok(offset as usize..end as usize)
 }
 
-pub(super) fn not_found(what: &str, id: impl std::fmt::Display) -> DeviceError {
+pub(crate) fn not_found(what: &str, id: impl std::fmt::Display) -> DeviceError {
     DeviceError::new(Status::NotFound, format!("no {what} {id}"))
 }
 

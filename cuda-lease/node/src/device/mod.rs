@@ -14,6 +14,7 @@ mod error;
 mod memory;
 
 pub use cuda::CudaDevice;
+pub(crate) use error::not_found;
 pub use error::DeviceError;
 pub use memory::MemoryDevice;
 

@@ -75,11 +75,8 @@ pub(super) fn modules_to_load<'d>(
         }
         // What the node keeps (perhaps already compiled) wins.
         let kept = lock(&shared.modules).get(&m.hash);
-        let (source, sent) = match (kept, given) {
-            (Some(k), _) => (Some(k), false),
-            (None, g) => (g, true),
-        };
-        let Some(source) = source else {
+        let sent = kept.is_none();
+        let Some(source) = kept.or(given) else {
             return Err(Reply::err(
                 Status::UnknownModule,
                 format!(
@@ -133,11 +130,7 @@ pub(super) async fn run_in_order(
         // A client fills a number the node may not have seen with an empty
         // batch: answered at once if the number ran or is on the node.
         if b.commands == 0 && b.head.modules.is_empty() {
-            let empty = BatchReply {
-                completed: 0,
-                error: None,
-            };
-            return Ok((empty, Vec::new(), None));
+            return Ok((BatchReply::default(), Vec::new(), None));
         }
         return Err(Reply::err(
             Status::BadRequest,
@@ -364,10 +357,8 @@ async fn receive_work(
         state.usage = reply.usage;
         shared.table().set_allocated(lease, reply.usage.allocated);
     }
-    if reply.sticky {
-        if let Some(e) = &reply.error {
-            fail_lease(shared, lease, &e.message);
-        }
+    if let (true, Some(e)) = (reply.sticky, &reply.error) {
+        fail_lease(shared, lease, &e.message);
     }
     let held = (frame.header.flags & FLAG_HELD != 0)
         .then(|| (frame.header.request_id, u64::from(frame.header.data_len)));

@@ -89,19 +89,6 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, endpoint: quinn::Endpoint) 
     }
 }
 
-/// Answers a request refused on its header (and body); the rest is not read.
-pub(super) async fn refuse(
-    send: &mut quinn::SendStream,
-    recv: &mut quinn::RecvStream,
-    req: &Header,
-    reply: &Reply,
-) {
-    let _ = recv.stop(0u32.into());
-    if super::stream::send_reply(send, req, reply).await {
-        let _ = send.finish();
-    }
-}
-
 /// The largest HELLO body read before authentication (nothing else is
 /// accepted then, and nothing beyond it allocated or read).
 pub const PREAUTH_MAX_BODY: u32 = 4096;
@@ -123,7 +110,11 @@ pub(super) async fn serve_stream(
     .await;
     let read = match head {
         Ok(Ok(Head::Refused(header, reply))) => {
-            refuse(&mut send, &mut recv, &header, &reply).await;
+            // Refused on its header (and body): the rest is not read.
+            let _ = recv.stop(0u32.into());
+            if super::stream::send_reply(&mut send, &header, &reply).await {
+                let _ = send.finish();
+            }
             if header.opcode == Opcode::Hello && peer.get().is_none() {
                 close_after_failed_hello(&shared, &peer, &mut send).await;
             }
@@ -319,16 +310,11 @@ async fn write_reply(shared: &Shared, send: &mut quinn::SendStream, a: &mut Answ
     })
     .await;
     match sent {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            debug!(error = %e, "reply not written: reset");
-            let _ = send.reset(0u32.into());
-        }
-        Err(_) => {
-            debug!("reply not read within the reply timeout: dropped");
-            let _ = send.reset(0u32.into());
-        }
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => debug!(error = %e, "reply not written: reset"),
+        Err(_) => debug!("reply not read within the reply timeout: dropped"),
     }
+    let _ = send.reset(0u32.into());
 }
 
 /// Writes a reply's header and body, then its held data part by part.

@@ -372,26 +372,22 @@ impl Shared {
                 .or_insert(super::bucket::TokenBucket::full(burst, now))
                 .take_within(rate, burst, now, WORKER_START_WAIT)
         };
-        match taken {
-            Ok(wait) => {
-                if !wait.is_zero() {
-                    tokio::time::sleep(wait).await;
-                }
-                Ok(())
-            }
-            Err(wait) => {
-                self.metrics.worker_starts_refused.inc();
-                Err(Reply::err(
-                    Status::CapacityExceeded,
-                    format!(
-                        "principal {who} is starting lease workers faster than the node allows \
-                         (worker_starts_per_principal_per_second: {rate}, burst {burst}): \
-                         try again in {} ms",
-                        wait.as_millis().max(1)
-                    ),
-                ))
-            }
+        let wait = taken.map_err(|wait| {
+            self.metrics.worker_starts_refused.inc();
+            Reply::err(
+                Status::CapacityExceeded,
+                format!(
+                    "principal {who} is starting lease workers faster than the node allows \
+                     (worker_starts_per_principal_per_second: {rate}, burst {burst}): \
+                     try again in {} ms",
+                    wait.as_millis().max(1)
+                ),
+            )
+        })?;
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
         }
+        Ok(())
     }
 }
 

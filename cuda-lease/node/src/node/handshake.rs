@@ -42,11 +42,9 @@ pub(super) struct Source(IpAddr);
 impl Source {
     pub(super) fn of(ip: IpAddr) -> Self {
         match ip.to_canonical() {
+            // Its /64.
             IpAddr::V6(v6) => {
-                let s = v6.segments();
-                Source(IpAddr::V6(Ipv6Addr::new(
-                    s[0], s[1], s[2], s[3], 0, 0, 0, 0,
-                )))
+                Source(Ipv6Addr::from_bits(v6.to_bits() & !(u64::MAX as u128)).into())
             }
             v4 => Source(v4),
         }
@@ -239,14 +237,13 @@ impl Handshakes {
 
     /// Logs the count of skipped rejections once the interval passed (reaper).
     pub(super) fn flush_log(&self) {
-        let mut log = lock(&self.log);
-        if log.suppressed == 0 {
-            return;
-        }
-        let Some(suppressed) = log.take_due(Instant::now()) else {
-            return;
+        let due = {
+            let mut log = lock(&self.log);
+            (log.suppressed > 0)
+                .then(|| log.take_due(Instant::now()))
+                .flatten()
         };
-        drop(log);
+        let Some(suppressed) = due else { return };
         warn!(
             suppressed,
             "rejected credentials: {suppressed} more HELLOs since the last line"
@@ -366,4 +363,12 @@ impl Peer {
             .close(CLOSE_UNAUTHENTICATED.into(), reason.as_bytes());
         self.end();
     }
+}
+
+#[cfg(test)]
+#[test]
+fn an_ipv6_source_is_its_64_and_an_ipv4_one_its_address() {
+    let of = |s: &str| Source::of(s.parse().unwrap()).to_string();
+    assert_eq!(of("2001:db8:1:2:3:4:5:6"), "2001:db8:1:2::/64");
+    assert_eq!(of("::ffff:10.0.0.7"), "10.0.0.7");
 }

@@ -71,16 +71,6 @@ struct Shared {
     metrics: Metrics,
 }
 
-impl Shared {
-    fn now(&self) -> Duration {
-        self.cfg.clock.now()
-    }
-
-    fn table(&self) -> std::sync::MutexGuard<'_, LeaseTable<Slot>> {
-        lock(&self.table)
-    }
-}
-
 /// A running node. Dropping it stops serving and kills every worker;
 /// [`Node::shutdown`] does the same and waits for the workers to exit.
 pub struct Node {
@@ -217,6 +207,14 @@ async fn start_workers(cfg: &NodeConfig) -> Result<(DeviceInfo, u64, SubmitWorke
 }
 
 impl Shared {
+    fn now(&self) -> Duration {
+        self.cfg.clock.now()
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, LeaseTable<Slot>> {
+        lock(&self.table)
+    }
+
     /// The node's state at start: `capacity` lease bytes on `info`'s device.
     fn new(cfg: NodeConfig, capacity: u64, info: DeviceInfo, submit: SubmitWorkers) -> Self {
         Shared {
@@ -398,9 +396,7 @@ impl Node {
         }
         self.endpoint
             .close(proto::CLOSE_NODE_SHUTDOWN.into(), b"node shutting down");
-        for t in self.tasks.drain(..) {
-            t.abort();
-        }
+        self.tasks.drain(..).for_each(|t| t.abort());
         let now = self.shared.now();
         let leases = self.shared.table().drain(now);
         for (id, slot) in leases {
@@ -426,9 +422,7 @@ impl Drop for Node {
     fn drop(&mut self) {
         self.endpoint
             .close(proto::CLOSE_NODE_SHUTDOWN.into(), b"node dropped");
-        for t in &self.tasks {
-            t.abort();
-        }
+        self.tasks.iter().for_each(JoinHandle::abort);
         let now = self.shared.now();
         for (_, slot) in self.shared.table().drain(now) {
             slot.end();
@@ -508,10 +502,7 @@ fn refill(shared: Arc<Shared>) {
         return;
     }
     tokio::spawn(async move {
-        loop {
-            if shared.prestarted.lock().await.len() >= shared.cfg.prestart_workers {
-                break;
-            }
+        while shared.prestarted.lock().await.len() < shared.cfg.prestart_workers {
             match WorkerProcess::spawn(&shared.cfg.worker, shared.cfg.worker_start_timeout).await {
                 Ok(w) => shared.prestarted.lock().await.push(w),
                 Err(e) => {

@@ -23,10 +23,11 @@ use super::auth::{lease_of, principal};
 use super::batch::{stalled, worker_lost};
 use super::handshake::Peer;
 use super::{fail_lease, Reply, Shared, Slot as LeaseRef};
+use crate::device::DeviceError;
 use crate::lease_table::Principal;
 use crate::proto::{self, from_body, to_body, Header, LeaseId, MemRead, MemWrite, Opcode, Status};
 use crate::shm::{ShmRing, Slot, SLOTS, SLOT_BYTES};
-use crate::worker::{chunks_outcome, ChunkOp, ChunkOps, MAX_CHUNKS_PER_CALL};
+use crate::worker::{ChunkOp, ChunkOps, MAX_CHUNKS_PER_CALL};
 
 /// Serves one MEM_WRITE or MEM_READ whose header and body were read.
 pub(super) async fn serve(
@@ -140,20 +141,18 @@ async fn chunks(
         .send(opcode, 0, &to_body(&ops), &[], shared.cfg.op_timeout)
         .await;
     drop(exec);
-    let done = match sent {
-        Ok(sent) => sent.reply().await.map(|f| chunks_outcome(&f)),
-        Err(e) => Err(e),
-    };
-    match done {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => {
-            if e.sticky {
-                fail_lease(shared, lease, &e.message);
-            }
-            Err(Reply::err(e.status, e.message))
-        }
-        Err(e) => Err(worker_lost(shared, lease, &e)),
+    let f = async { sent?.reply().await }
+        .await
+        .map_err(|e| worker_lost(shared, lease, &e))?;
+    if f.header.status == Status::Ok {
+        return Ok(());
     }
+    let e = from_body::<DeviceError>(&f.body)
+        .unwrap_or_else(|e| DeviceError::new(Status::Internal, format!("bad worker reply: {e}")));
+    if e.sticky {
+        fail_lease(shared, lease, &e.message);
+    }
+    Err(Reply::err(e.status, e.message))
 }
 
 async fn write(
@@ -216,12 +215,7 @@ async fn write(
         let mut group = Vec::with_capacity(MAX_CHUNKS_PER_CALL);
         while let Some(first) = rx.recv().await {
             group.push(first);
-            while group.len() < MAX_CHUNKS_PER_CALL {
-                match rx.try_recv() {
-                    Ok(c) => group.push(c),
-                    Err(_) => break,
-                }
-            }
+            group.extend(std::iter::from_fn(|| rx.try_recv().ok()).take(MAX_CHUNKS_PER_CALL - 1));
             if result.is_ok() {
                 let ops = group
                     .iter()
@@ -351,12 +345,8 @@ async fn fill_chunks(
 ) -> Result<Vec<(Slot, u32)>, Reply> {
     let mut group = vec![ring.acquire().await];
     let chunks_left = (len - at).div_ceil(SLOT_BYTES as u64);
-    while (group.len() as u64) < chunks_left.min(READ_GROUP as u64) {
-        match ring.try_acquire() {
-            Some(s) => group.push(s),
-            None => break,
-        }
-    }
+    let more = chunks_left.min(READ_GROUP as u64) as usize - 1;
+    group.extend(std::iter::from_fn(|| ring.try_acquire()).take(more));
     let mut out = Vec::with_capacity(group.len());
     let mut ops = Vec::with_capacity(group.len());
     let mut next = at;
@@ -371,16 +361,13 @@ async fn fill_chunks(
         out.push((s, n));
         next += u64::from(n);
     }
-    let range = (at == 0).then_some((m.buf, m.offset, len));
-    chunks(
-        shared,
-        &m.lease,
-        slot,
-        Opcode::MemRead,
-        ChunkOps { range, ops },
-    )
-    .await
-    .map(|()| out)
+    let ops = ChunkOps {
+        range: (at == 0).then_some((m.buf, m.offset, len)),
+        ops,
+    };
+    chunks(shared, &m.lease, slot, Opcode::MemRead, ops)
+        .await
+        .map(|()| out)
 }
 
 /// Sends a MEM_READ's data: `first` is filled; a task of its own fills the
@@ -430,17 +417,11 @@ async fn send_chunks(
         }
     }
     match producer.await {
-        Ok(Ok(())) => true,
-        Ok(Err(r)) => {
-            // The header promised the data: reset the stream.
-            tracing::debug!(status = ?r.status, "MEM_READ failed mid-stream");
-            send.abort();
-            false
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "a MEM_READ's fills ended abnormally");
-            send.abort();
-            false
-        }
+        Ok(Ok(())) => return true,
+        Ok(Err(r)) => tracing::debug!(status = ?r.status, "MEM_READ failed mid-stream"),
+        Err(e) => tracing::warn!(error = %e, "a MEM_READ's fills ended abnormally"),
     }
+    // The header promised the data: reset the stream.
+    send.abort();
+    false
 }

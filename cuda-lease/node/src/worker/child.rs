@@ -15,8 +15,8 @@ use super::messages::{
 use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::device::{CudaDevice, DeviceError, LeaseDevice, MemoryDevice, Ticket};
 use crate::proto::{
-    self, from_body, to_body, Command, Frame, GpuSubmit, Header, Id, LaunchArg, LaunchSpec,
-    ModuleHash, Op, OpError, Opcode, SourceKind, Status,
+    self, from_body, to_body, Frame, GpuSubmit, Header, Id, LaunchArg, LaunchSpec, ModuleHash, Op,
+    OpError, Opcode, SourceKind, Status,
 };
 use crate::sandbox::{CompileSandbox, Compiler};
 use crate::shm::{WorkerRing, SHM_ENV};
@@ -75,10 +75,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
     let mut held = Held::default();
     // The device's wake-up descriptor, once it has armed one.
     let mut wake = None;
-    let stdin_fd = {
-        use std::os::fd::AsRawFd;
-        std::io::stdin().as_raw_fd()
-    };
+    let stdin_fd = std::os::fd::AsRawFd::as_raw_fd(&std::io::stdin());
     loop {
         if answer_done(
             device.as_mut(),
@@ -112,15 +109,13 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                 }
             }
         }
-        let header = match proto::read_header_blocking(&mut input, &WORKER_LIMITS) {
-            Ok(h) => h,
-            // End of file: the node is gone or done with us.
-            Err(_) => return 0,
+        // End of file: the node is gone or done with us.
+        let Ok(header) = proto::read_header_blocking(&mut input, &WORKER_LIMITS) else {
+            return 0;
         };
         let read_at = (header.flags & FLAG_STAMPS != 0).then(now_ns);
-        let frame = match proto::read_rest_blocking(&mut input, header) {
-            Ok(f) => f,
-            Err(_) => return 0,
+        let Ok(frame) = proto::read_rest_blocking(&mut input, header) else {
+            return 0;
         };
         if frame.header.flags & FLAG_HELD != 0 {
             if held.read(&mut output, &frame).is_err() {
@@ -514,7 +509,11 @@ pub(super) fn enqueue_batch(
             })
             .map(|ptx| e.compiled.extend(ptx.map(|p| (l.hash, p))));
         if let Err(err) = r {
-            let index = first_use(commands, l.hash);
+            // The first command that launches the module (0 if none).
+            let index = commands
+                .iter()
+                .position(|c| matches!(&c.op, Op::Launch(s) if s.module == l.hash))
+                .unwrap_or(0) as u32;
             let message = format!("module {}: {}", l.hash, err.message);
             let error = OpError {
                 index,
@@ -536,14 +535,6 @@ pub(super) fn enqueue_batch(
         }
     }
     Ok(e)
-}
-
-/// Index of the first command that launches `hash` (0 if none).
-fn first_use(commands: &[Command<'_>], hash: ModuleHash) -> u32 {
-    commands
-        .iter()
-        .position(|c| matches!(&c.op, Op::Launch(s) if s.module == hash))
-        .unwrap_or(0) as u32
 }
 
 pub(super) fn submit(

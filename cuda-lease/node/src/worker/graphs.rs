@@ -100,10 +100,7 @@ impl Graphs {
             Op::GraphLaunch { graph } => Some(match self.live.get(&graph) {
                 Some(body) if body.native => dev.launch_graph(c.stream, graph),
                 Some(body) => replay(dev, c.stream, body),
-                None => Err(DeviceError::new(
-                    Status::NotFound,
-                    format!("no graph {graph}"),
-                )),
+                None => Err(crate::device::not_found("graph", graph)),
             }),
             Op::Free { id } => {
                 let body = self.live.remove(&id)?;

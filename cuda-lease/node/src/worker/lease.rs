@@ -145,12 +145,7 @@ impl WorkerLease {
                 let why = format!("{buf} is {}, not a buffer", k.noun());
                 return Err(DeviceError::new(Status::BadRequest, why));
             }
-            None => {
-                return Err(DeviceError::new(
-                    Status::NotFound,
-                    format!("no buffer {buf}"),
-                ))
-            }
+            None => return Err(crate::device::not_found("buffer", buf)),
         };
         in_range(size, offset, len).map_err(|(status, m)| DeviceError::new(status, m))
     }

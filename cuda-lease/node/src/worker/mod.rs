@@ -32,7 +32,7 @@ pub(crate) use self::messages::{
 };
 pub(crate) use self::messages::{BatchLimits, Usage};
 pub use self::process::PIPE_BUFFER_BYTES;
-pub(crate) use self::process::{chunks_outcome, SentRequest, WorkerError, WorkerProcess};
+pub(crate) use self::process::{SentRequest, WorkerError, WorkerProcess};
 
 /// Environment variable that turns a process into a worker. Its value names
 /// the device: `cuda:<ordinal>` or `memory:<capacity bytes>`.

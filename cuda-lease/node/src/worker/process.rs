@@ -102,12 +102,6 @@ impl PipeReader {
     }
 }
 
-impl std::os::fd::AsRawFd for PipeReader {
-    fn as_raw_fd(&self) -> std::os::fd::RawFd {
-        self.0.as_raw_fd()
-    }
-}
-
 impl tokio::io::AsyncRead for PipeReader {
     fn poll_read(
         self: std::pin::Pin<&mut Self>,
@@ -348,9 +342,7 @@ impl WorkerProcess {
     fn give_up(&self, why: &str) -> WorkerError {
         {
             let mut w = lock(&self.waiting);
-            if w.broken.is_none() {
-                w.broken = Some(why.to_owned());
-            }
+            w.broken.get_or_insert_with(|| why.to_owned());
             // Dropped senders: their requests see the break.
             w.replies.clear();
         }
@@ -380,7 +372,7 @@ impl WorkerProcess {
         loop {
             if stdout.buffer().is_empty() {
                 use std::os::fd::AsRawFd;
-                let fd = stdout.get_ref().as_raw_fd();
+                let fd = stdout.get_ref().0.as_raw_fd();
                 crate::spin::readable_within_async(fd, self.spin).await;
             }
             let f = match read_reply(&mut *stdout).await {
@@ -436,15 +428,6 @@ impl WorkerProcess {
             },
         }
     }
-}
-
-/// What the worker made of a call of chunks: done, or the first failure.
-pub(crate) fn chunks_outcome(f: &Frame) -> Result<(), DeviceError> {
-    if f.header.status == Status::Ok {
-        return Ok(());
-    }
-    Err(from_body::<DeviceError>(&f.body)
-        .unwrap_or_else(|e| DeviceError::new(Status::Internal, format!("bad worker reply: {e}"))))
 }
 
 /// A request written to a worker, whose reply is yet to come.

@@ -137,10 +137,7 @@ impl LeaseDevice for CudaDevice {
                 .map_err(|e| map(Status::Internal, "cuMemcpyHtoDAsync", e));
         }
         self.flush_use(id)?;
-        let buf = self
-            .buffers
-            .get_mut(&id)
-            .ok_or_else(|| not_found("buffer", id))?;
+        let buf = self.buffers.get_mut(&id).expect("checked above");
         cuda_core::staging::upload_at(data, Self::raw_mut(buf), r.start, &stream)
             .map_err(|e| map(Status::BadRequest, "host-to-device copy", e))
     }
@@ -164,10 +161,7 @@ impl LeaseDevice for CudaDevice {
         let st = Status::ReadFailed;
         if let Some(slot) = self.arena_take(r.len())? {
             self.use_on(id, sid, &stream)?;
-            let buf = self
-                .buffers
-                .get(&id)
-                .ok_or_else(|| not_found("buffer", id))?;
+            let buf = &self.buffers[&id];
             let arena = self.arena.as_mut().expect("made by arena_take");
             // Range checked, after the buffer's writes (`use_on`); the arena
             // is read only after the batch's end waited for the copy.
@@ -239,10 +233,7 @@ impl LeaseDevice for CudaDevice {
             return Ok(());
         }
         // Out of the map while borrowed mutably next to the source.
-        let mut to = self
-            .buffers
-            .remove(&dst.0)
-            .ok_or_else(|| not_found("buffer", dst.0))?;
+        let mut to = self.buffers.remove(&dst.0).expect("checked above");
         let from = Self::raw(&self.buffers[&src.0]);
         let st = Status::Internal;
         let r = (|| {

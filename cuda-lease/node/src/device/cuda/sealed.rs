@@ -159,14 +159,8 @@ impl CudaDevice {
     /// the first failure, once every buffer has been tried.
     pub(super) fn flush_all(&mut self) -> Result<(), DeviceError> {
         let ids: Vec<_> = self.pending.keys().copied().collect();
-        let mut first = Ok(());
-        for id in ids {
-            let r = self.flush_use(id);
-            if first.is_ok() {
-                first = r;
-            }
-        }
-        first
+        let flushed = ids.into_iter().map(|id| self.flush_use(id));
+        flushed.fold(Ok(()), Result::and)
     }
 }
 

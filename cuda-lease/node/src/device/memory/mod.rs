@@ -265,7 +265,7 @@ impl LeaseDevice for MemoryDevice {
         self.finish(&mut [])?;
         // After the buffer's last use, on the test double's clock.
         if let Some(t) = self.slot_clock.get(&slot) {
-            sleep_until(*t);
+            std::thread::sleep(t.saturating_duration_since(Instant::now()));
         }
         out.copy_from_slice(&self.store[&slot][r]);
         Ok(())
@@ -419,7 +419,7 @@ impl LeaseDevice for MemoryDevice {
 
     fn finish(&mut self, out: &mut [u8]) -> Result<(), DeviceError> {
         let until = self.drain(out);
-        sleep_until(until);
+        std::thread::sleep(until.saturating_duration_since(Instant::now()));
         self.check_fault()
     }
 
@@ -442,13 +442,5 @@ impl LeaseDevice for MemoryDevice {
                 format!("no sealed batch {}", ticket.0),
             ))),
         }
-    }
-}
-
-/// Sleeps until `t` (at once if it has passed).
-fn sleep_until(t: Instant) {
-    let left = t.saturating_duration_since(Instant::now());
-    if !left.is_zero() {
-        std::thread::sleep(left);
     }
 }

@@ -138,15 +138,13 @@ impl MemoryDevice {
     /// commands, the one of the highest stream id goes first. Returns when
     /// the last of them is done on the test double's clock.
     pub(super) fn drain(&mut self, out: &mut [u8]) -> Instant {
-        let queue = std::mem::take(&mut self.queue);
-        let mut queue = queue;
+        let mut queue = std::mem::take(&mut self.queue);
         let until = queue
             .iter()
             .map(|q| q.ready)
             .max()
             .unwrap_or_else(Instant::now);
-        let mut left = queue.len();
-        while left > 0 {
+        for _ in 0..queue.len() {
             let next = (0..queue.len())
                 .filter(|&i| !queue[i].done && queue[i].deps.iter().all(|&d| queue[d].done))
                 .max_by_key(|&i| (queue[i].stream, std::cmp::Reverse(i)));
@@ -159,7 +157,6 @@ impl MemoryDevice {
             let work = std::mem::replace(&mut queue[i].work, Work::Nothing);
             self.run(work, out);
             queue[i].done = true;
-            left -= 1;
         }
         self.tails.clear();
         self.hazards.clear();
