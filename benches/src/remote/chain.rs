@@ -106,13 +106,13 @@ pub(super) struct ChainRows {
     times: ChainTimes,
     spins: Option<(Vec<Duration>, Vec<Duration>)>,
     /// The bulk size and the times of awaited `h2d` and `d2h` of it: with
-    /// the default client (uploads over the bulk-data channel, downloads
-    /// over QUIC), uploads with the channel off, downloads with it on.
+    /// the default client (both over the bulk-data channel), then with the
+    /// channel off (both over striped QUIC).
     bytes: u64,
     up: Vec<Duration>,
     down: Vec<Duration>,
     up_quic: Vec<Duration>,
-    down_bulk: Vec<Duration>,
+    down_quic: Vec<Duration>,
     /// One awaited launch on kept buffers: remote, and local with a GPU.
     op_remote: Vec<Duration>,
     op_local: Option<Vec<Duration>>,
@@ -731,12 +731,11 @@ pub(super) fn rows(group: &'static str, c: &ChainRows, raw: &Raw) -> Vec<Row> {
             .goal_from("issue 39"),
         );
     }
-    // The two data paths against each other: what decides
-    // `BulkUse::Uploads`, the default.
-    for (op, quic, bulk, note) in [
-        ("h2d", &c.up_quic, &c.up, "both sides cuda-lease: the default client in the cuda-async column, the same with `BulkUse::Off` in the raw column"),
-        ("d2h", &c.down, &c.down_bulk, "both sides cuda-lease: the default client in the raw column, the same with `BulkUse::All` in the cuda-async column"),
-    ] {
+    // The two data paths against each other: what decides the default
+    // `BulkUse::Large` for transfers of this size.
+    let note = "both sides cuda-lease: the default client in the cuda-async column, the same with \
+                `BulkUse::Off` in the raw column";
+    for (op, quic, bulk) in [("h2d", &c.up_quic, &c.up), ("d2h", &c.down_quic, &c.down)] {
         rows.push(
             Row::new(
                 group,
@@ -780,8 +779,7 @@ pub(super) async fn chain_bench(ctx: &Ctx) -> Result<ChainRows> {
         times,
     } = ChainSetup::new(ctx, 2 * bytes + (64 << 20), iters.min(CHAIN_ITERS)).await?;
     let (up, down) = transfer_ops(&ctx.striped, bytes, 3).await?;
-    let (up_quic, _) = transfer_ops(&ctx.quic_striped, bytes, 3).await?;
-    let (_, down_bulk) = transfer_ops(&ctx.bulk_all, bytes, 3).await?;
+    let (up_quic, down_quic) = transfer_ops(&ctx.quic_striped, bytes, 3).await?;
     let op_remote = time_one_op(&remote, &axpy, iters).await?;
     let spins = if memory {
         None
@@ -803,7 +801,7 @@ pub(super) async fn chain_bench(ctx: &Ctx) -> Result<ChainRows> {
         up,
         down,
         up_quic,
-        down_bulk,
+        down_quic,
         op_remote,
         op_local,
         per_launch,

@@ -223,11 +223,8 @@ struct Ctx {
     /// gets, the `h2d` / `d2h` rows.
     striped: Arc<Client>,
     /// Striped over QUIC alone (the bulk-data channel off): the striped
-    /// MEM rows, and the `h2d` comparison of the two paths.
+    /// MEM rows, and the comparison of the two paths.
     quic_striped: Arc<Client>,
-    /// The bulk-data channel both ways: the `d2h` comparison of the two
-    /// paths.
-    bulk_all: Arc<Client>,
     /// How many stripes `striped` uses.
     stripes: usize,
 }
@@ -307,8 +304,6 @@ impl Bench {
             let striped = Arc::new(Client::connect(node.addr(), &config).await?);
             let quic_striped =
                 Arc::new(Client::connect(node.addr(), &config.clone().bulk(BulkUse::Off)).await?);
-            let bulk_all =
-                Arc::new(Client::connect(node.addr(), &config.clone().bulk(BulkUse::All)).await?);
             let inv = client.inventory().await?;
             let dev = inv.devices.first().ok_or("the node reports no device")?;
             detail(format_args!(
@@ -320,7 +315,6 @@ impl Bench {
                 client,
                 striped,
                 quic_striped,
-                bulk_all,
                 stripes: config.stripes,
             };
             Ok::<_, crate::BenchError>((ctx, dev.name.clone()))

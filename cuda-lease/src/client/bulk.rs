@@ -77,10 +77,11 @@ impl Client {
     /// when [`ClientConfig::bulk`](super::ClientConfig::bulk) leaves that
     /// direction on QUIC, or when the node has no channel (asked once).
     pub(super) async fn bulk_for(&self, up: bool, len: usize) -> Option<&BulkChannel> {
+        let bulk = self.config.bulk;
         let wanted = if up {
-            self.config.bulk.uploads()
+            bulk.uploads()
         } else {
-            self.config.bulk.downloads()
+            bulk.downloads(len, self.config.stripe_min_bytes.max(1))
         };
         if !wanted || len < self.config.data_path_min_bytes.max(1) {
             return None;

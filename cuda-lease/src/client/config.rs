@@ -49,36 +49,44 @@ pub struct ClientConfig {
     pub transport: TransportSettings,
     /// Which transfers of at least [`ClientConfig::data_path_min_bytes`]
     /// take the node's bulk-data channel (TLS over TCP) when the node has
-    /// one; default [`BulkUse::Uploads`]. See [`ClientConfig::bulk`].
+    /// one; default [`BulkUse::Large`]. See [`ClientConfig::bulk`].
     pub bulk: BulkUse,
 }
 
 /// Which large transfers a client moves over a node's bulk-data channel
-/// (TLS over TCP) instead of QUIC ([`ClientConfig::bulk`]).
+/// (TLS over TCP) instead of QUIC ([`ClientConfig::bulk`]). The channel
+/// moves one large transfer faster than striped QUIC; QUIC gives each of
+/// many tasks' mid-size transfers a stream of its own, where the channel's
+/// transfers at once share at most the client's stripe count or 8
+/// connections and wait for one beyond that.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum BulkUse {
     /// None: every transfer over QUIC.
     Off,
-    /// Uploads (MEM_WRITE), which the channel moves faster than striped
-    /// QUIC. Downloads stay on QUIC, where many tasks' downloads share
-    /// connections without waiting for one.
-    #[default]
+    /// Uploads (MEM_WRITE) only; every download over QUIC.
     Uploads,
-    /// Uploads and downloads. A large download moves faster over the
-    /// channel; transfers at once share at most the client's stripe count
-    /// or 8 of its connections, and wait for one beyond that.
+    /// Uploads, and downloads large enough to be striped (at least
+    /// [`ClientConfig::stripe_min_bytes`]); smaller downloads over QUIC.
+    #[default]
+    Large,
+    /// Uploads and downloads.
     All,
 }
 
 impl BulkUse {
-    /// Whether uploads take the channel.
+    /// Whether an upload takes the channel.
     pub fn uploads(self) -> bool {
         self != BulkUse::Off
     }
 
-    /// Whether downloads take the channel.
-    pub fn downloads(self) -> bool {
-        self == BulkUse::All
+    /// Whether a download of `len` bytes takes the channel, downloads of
+    /// at least `striped` bytes being striped.
+    pub fn downloads(self, len: usize, striped: usize) -> bool {
+        match self {
+            BulkUse::Off | BulkUse::Uploads => false,
+            BulkUse::Large => len >= striped,
+            BulkUse::All => true,
+        }
     }
 }
 
@@ -116,7 +124,7 @@ impl ClientConfig {
             data_path_min_bytes: DEFAULT_DATA_PATH_MIN_BYTES,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             transport: TransportSettings::default(),
-            bulk: BulkUse::Uploads,
+            bulk: BulkUse::Large,
         }
     }
 
@@ -187,12 +195,13 @@ impl ClientConfig {
     }
 
     /// Chooses which large transfers take the node's bulk-data channel.
-    /// By default ([`BulkUse::Uploads`]) large MEM_WRITEs (every upload of
+    /// By default ([`BulkUse::Large`]) large MEM_WRITEs (every upload of
     /// a submission's data path, and
     /// [`Session::write`](crate::client::Session::write) of at least
-    /// [`ClientConfig::data_path_min_bytes`]) go over TLS on TCP to the
-    /// node's bulk port, striped over [`ClientConfig::stripes`]
-    /// connections, while every other message stays on QUIC. The
+    /// [`ClientConfig::data_path_min_bytes`]) and the MEM_READs large
+    /// enough to be striped go over TLS on TCP to the node's bulk port,
+    /// striped over [`ClientConfig::stripes`] connections, while every
+    /// other message stays on QUIC. The
     /// connections are opened on first use with single-use tickets the
     /// node gives over the authenticated QUIC connection, and kept for
     /// later transfers. A node without the channel moves everything over

@@ -488,7 +488,11 @@ fn a_gib_through_h2d_and_d2h_on_a_lease_is_byte_exact_and_streamed() {
     // (its place in the order), the download's empty message ordering it,
     // and the buffer's free, alone, after it.
     assert_eq!(msgs, 4, "BATCH messages");
-    assert_eq!(bulk, n as u64, "the upload over the bulk-data channel");
+    assert_eq!(
+        bulk,
+        2 * n as u64,
+        "the upload and the download over the bulk-data channel"
+    );
     // Beyond the input (given to the op, which keeps it without a copy) or
     // the output: at most the node's ring and 64 MiB for the client and 64
     // for the node.

@@ -92,6 +92,26 @@ async fn transfers_on_the_bulk_channel_are_byte_exact_and_counted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_only_downloads_large_enough_to_stripe_take_the_channel() {
+    let fx = Fixture::memory(1 << 30).start().await;
+    let cfg = client_config(&fx.node).stripes(4, 16 << 20);
+    assert_eq!(cfg.bulk, BulkUse::Large);
+    let c = Arc::new(
+        Client::connect(fx.node.addr(), &cfg)
+            .await
+            .expect("connect"),
+    );
+    let lease = lease_of(&c, 256 << 20).await;
+    // The write each time, the read only at 16 MiB and up.
+    for (n, ways) in [(CHUNK + 1, 1), ((16 << 20) + 5, 2)] {
+        let before = bulk_counts(&fx.node).1;
+        write_read(&lease.session(), n, 3).await;
+        let moved = bulk_counts(&fx.node).1 - before;
+        assert_eq!(moved, ways * n as u64, "{n} bytes over the channel");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_channel_off_on_either_side_transfers_stay_on_quic() {
     let fx = Fixture::memory(1 << 30)
         .config(|c| c.bulk = BulkListen::Off)
