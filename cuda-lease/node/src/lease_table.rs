@@ -119,10 +119,8 @@ impl<W: Clone> LeaseTable<W> {
         self.live.is_empty()
     }
 
-    /// Checks that `min_vram` fits, without granting.
-    ///
-    /// # Errors
-    /// CAPACITY_EXCEEDED when it does not fit, BAD_REQUEST for zero.
+    /// Checks that `min_vram` fits, without granting: CAPACITY_EXCEEDED
+    /// when it does not, BAD_REQUEST for zero.
     pub fn check_fits(&self, min_vram: u64) -> Result<(), TableError> {
         if min_vram == 0 {
             return Err(TableError::new(
@@ -144,10 +142,8 @@ impl<W: Clone> LeaseTable<W> {
 
     /// Grants a lease of `min_vram` bytes for `ttl` from `now`. The new
     /// reservation plus other leases' unallocated reservations must fit in
-    /// `device_free` (measured now by the lease's fresh worker).
-    ///
-    /// # Errors
-    /// CAPACITY_EXCEEDED or BAD_REQUEST.
+    /// `device_free` (measured now by the lease's fresh worker); errors as
+    /// [`LeaseTable::check_fits`].
     #[allow(clippy::too_many_arguments)] // each is one fact of the grant
     pub fn grant(
         &mut self,
@@ -219,9 +215,7 @@ impl<W: Clone> LeaseTable<W> {
     /// Checks that lease `id` (live or recently dead) is `who`'s; another
     /// principal's lease is reported exactly as an unknown one. `who` of
     /// `None` (node, admin) sees every lease; an ownerless lease is anyone's.
-    ///
-    /// # Errors
-    /// NOT_FOUND, as for an id that does not exist.
+    /// NOT_FOUND otherwise, as for an id that does not exist.
     pub fn check_owner(&self, id: &LeaseId, who: Option<&str>) -> Result<(), TableError> {
         let owner = match (self.live.get(id), self.dead.get(id)) {
             (Some(e), _) => e.owner.as_deref(),
@@ -245,18 +239,14 @@ impl<W: Clone> LeaseTable<W> {
             .count()
     }
 
-    /// The payload of a usable lease.
-    ///
-    /// # Errors
-    /// NOT_FOUND, LEASE_EXPIRED (also before the reaper ran) or LEASE_POISONED.
+    /// The payload of a usable lease; NOT_FOUND, LEASE_EXPIRED (also
+    /// before the reaper ran) or LEASE_POISONED for another.
     pub fn get(&self, id: &LeaseId, now: Duration) -> Result<W, TableError> {
         self.entry(id, now).map(|e| e.payload.clone())
     }
 
-    /// Extends a lease to `now + ttl` and bumps its generation.
-    ///
-    /// # Errors
-    /// As [`LeaseTable::get`].
+    /// Extends a lease to `now + ttl` and bumps its generation (errors as
+    /// [`LeaseTable::get`]).
     pub fn renew(
         &mut self,
         id: &LeaseId,
@@ -274,10 +264,8 @@ impl<W: Clone> LeaseTable<W> {
         })
     }
 
-    /// Describes a lease.
-    ///
-    /// # Errors
-    /// NOT_FOUND, LEASE_EXPIRED. A poisoned lease is reported, not refused.
+    /// Describes a lease: NOT_FOUND, LEASE_EXPIRED; a poisoned lease is
+    /// reported, not refused.
     pub fn status(&self, id: &LeaseId, now: Duration) -> Result<LeaseStatus, TableError> {
         if self
             .dead
@@ -306,10 +294,7 @@ impl<W: Clone> LeaseTable<W> {
         })
     }
 
-    /// The bytes a live lease reserved.
-    ///
-    /// # Errors
-    /// As [`LeaseTable::get`].
+    /// The bytes a live lease reserved (errors as [`LeaseTable::get`]).
     pub fn reservation(&self, id: &LeaseId, now: Duration) -> Result<u64, TableError> {
         self.entry(id, now).map(|e| e.reserved)
     }
@@ -365,10 +350,8 @@ impl<W: Clone> LeaseTable<W> {
     }
 
     /// LEASE_FREE of a dead lease: forgets a poisoned tombstone (`Ok(true)`),
-    /// reports an expired or freed one; an unknown id is `Ok(false)`.
-    ///
-    /// # Errors
-    /// LEASE_EXPIRED or NOT_FOUND from the tombstone.
+    /// reports an expired or freed one (LEASE_EXPIRED or NOT_FOUND from the
+    /// tombstone); an unknown id is `Ok(false)`.
     pub fn forget(&mut self, id: &LeaseId) -> Result<bool, TableError> {
         match self.dead.get(id) {
             None => Ok(false),
