@@ -80,14 +80,14 @@ fn every_remote_topic_runs_on_the_memory_device() {
         }
     }
     // The remote topic's rows: BATCH, 4 transfers, the chain (no local GPU:
-    // one row), the chain replayed from a graph kept on the node, one
-    // launch, one more launch in a submission, h2d and d2h each against
+    // one row), the chain replayed from a graph kept on the node, the
+    // chain run again as a prepared submission, one launch, one more launch in a submission, h2d and d2h each against
     // raw quinn and TCP, h2d and d2h over the bulk-data channel against
     // QUIC, raw striping up and down, the raw transports against each
     // other (6), raw quinn relayed through a child process against direct
     // and the BATCH against it; no spins.
     let remote: Vec<_> = rows.iter().filter(|r| r.group == "remote").collect();
-    assert_eq!(remote.len(), 25, "{remote:#?}");
+    assert_eq!(remote.len(), 26, "{remote:#?}");
     assert_eq!(
         remote.iter().filter(|r| r.metric.contains("relay")).count(),
         2,
@@ -99,6 +99,9 @@ fn every_remote_topic_runs_on_the_memory_device() {
     assert!(remote
         .iter()
         .any(|r| r.metric.contains("replayed from a graph kept on the node")));
+    assert!(remote
+        .iter()
+        .any(|r| r.metric.contains("run again as a prepared submission")));
     assert!(remote.iter().any(|r| r
         .metric
         .contains("bulk-data channel (TLS over TCP) vs QUIC")));

@@ -421,6 +421,35 @@ pub trait DeviceOpExt: DeviceOp {
         crate::graph::capture_remote_async(self, policy)
     }
 
+    /// The op that keeps this op on a remote session's node as a
+    /// [`Prepared`](crate::remote::Prepared) submission: recorded and
+    /// checked once, then run by id with new bytes for its uploads, its
+    /// downloads returned at each run (see
+    /// [`Prepared::run`](crate::remote::Prepared::run)). Run it with a
+    /// [`RemotePolicy`](crate::RemotePolicy): nothing but the body's
+    /// allocations runs now. The op's output is dropped (the buffers in it
+    /// live, and are freed, with the prepared submission).
+    ///
+    /// # Errors
+    /// On a local context, [`Error::InvalidArgument`](crate::Error::InvalidArgument);
+    /// [`Error::Capture`](crate::Error::Capture) for what a prepared body
+    /// cannot hold (`timed`, a host step or a copy into host memory, a
+    /// graph, a cuRAND fill); whatever the submission fails with.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn f(remote: &cuda_async::RemotePolicy) -> cuda_async::Result<()> {
+    /// use cuda_async::prelude::*;
+    /// let echo = h2d(vec![0u32; 4]).then(d2h).prepare().sync_with(remote)?;
+    /// let out = echo.run(&[&[1u32, 2, 3, 4][..]])?.sync_with(remote)?;
+    /// assert_eq!(out.to_vec::<u32>(0)?, [1, 2, 3, 4]);
+    /// # Ok(()) }
+    /// ```
+    fn prepare(self) -> crate::remote::Prepare<Self> {
+        crate::remote::Prepare { op: self }
+    }
+
     /// Runs the op on a context `policy` picks and blocks the calling
     /// thread until it is done: a local GPU's policy or a remote session's
     /// ([`RemotePolicy`](crate::RemotePolicy)), with no async runtime

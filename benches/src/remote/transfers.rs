@@ -223,8 +223,8 @@ pub(super) fn rows(
         )
         .raw(times(Unit::Micros, &raw.rtt))
         .lib(times(Unit::Micros, &lease.batch))
-        .goal(Goal::AtMost(1.2))
-        .goal_from("issue 19"),
+        .goal(Goal::AtMost(1.25))
+        .goal_from("issue 61"),
         Row::new(
             "remote",
             "one-kernel BATCH p50 vs raw quinn 64 B request/reply relayed through a child process",

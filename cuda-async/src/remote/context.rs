@@ -47,6 +47,10 @@ pub struct RemoteContext {
 pub(crate) struct OnReply(Vec<Box<dyn FnOnce() + Send>>);
 
 impl OnReply {
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
+    }
+
     pub(crate) fn run(self) {
         for f in self.0 {
             f();

@@ -62,69 +62,133 @@ impl<O: DeviceOp> DeviceOp for CaptureRemote<O> {
     type Output = (<O as DeviceOp>::Output, RemoteGraph);
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<<Self as DeviceOp>::Output> {
-        let here = ctx.describe();
-        let r = ctx.as_remote().ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "graph_with: the policy runs ops on {here}, not on a remote session"
-            ))
-        })?;
-        let session = r.session().clone();
-        let Some(ledger) = session.ledger() else {
-            return Err(Error::InvalidArgument(format!(
-                "{} cannot keep graphs on its node",
-                session.describe()
-            )));
-        };
-        let (stream, graph) = (r.stream(), session.fresh_id());
-        let begin = r.recording().commands().len();
-        r.recording()
-            .push(stream, Op::GraphBegin { graph: Id(graph) });
-        // Buffers dropped during the capture are freed in the body.
-        let frame = RecordingFrame::push(&session, true);
-        // SAFETY: same context and caller contract, forwarded.
-        let out = unsafe { self.op.execute(ctx) }?;
-        let r = ctx
-            .as_remote()
-            .ok_or_else(|| Error::InvalidArgument("the capture left the lease".into()))?;
-        let stream = r.stream();
-        frame.finish(r.recording(), stream);
-        let body = &r.recording().commands()[begin + 1..];
-        if let Some(what) = body.iter().find_map(uncapturable) {
-            // Nothing of the body is sent (the frees of what it was handed are).
-            r.recording().abandon_from(begin);
-            return Err(Error::Capture(format!(
-                "{what} cannot be captured into a graph kept on a node: read the graph's \
-                 output with an op after a launch"
-            )));
-        }
-        let (held, buffers) = names(body);
-        let commands = body
-            .iter()
-            .filter(|c| !matches!(c.op, Op::Alloc { .. } | Op::Free { .. }))
-            .count();
-        r.recording()
-            .push(stream, Op::GraphEnd { graph: Id(graph) });
-        ledger.hold(&held);
-        let graph = RemoteGraph {
-            session,
-            id: graph,
-            held,
-            commands,
-            buffers,
-        };
+        // SAFETY: the caller's contract, forwarded.
+        let (out, graph, _) = unsafe { capture(self.op, ctx, false, |out| out) }?;
         Ok((out, graph))
     }
 }
 
+/// Records `op` as the body of a graph kept on the context's node, or of a
+/// prepared submission (`prepared`); `keep` makes what the caller keeps of
+/// the op's output inside the body (what it drops is freed with the
+/// graph). Returns that, the graph, and for a prepared submission the byte
+/// counts of its body's writes and reads, in order.
+///
+/// # Safety
+///
+/// As [`DeviceOp::execute`].
+pub(super) unsafe fn capture<O: DeviceOp, R>(
+    op: O,
+    ctx: &mut ExecutionContext,
+    prepared: bool,
+    keep: impl FnOnce(<O as DeviceOp>::Output) -> R,
+) -> Result<(R, RemoteGraph, Io)> {
+    let what = if prepared { "prepare" } else { "graph_with" };
+    let here = ctx.describe();
+    let r = ctx.as_remote().ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "{what}: the policy runs ops on {here}, not on a remote session"
+        ))
+    })?;
+    let session = r.session().clone();
+    let Some(ledger) = session.ledger() else {
+        return Err(Error::InvalidArgument(format!(
+            "{} cannot keep graphs or prepared submissions on its node",
+            session.describe()
+        )));
+    };
+    let (stream, graph) = (r.stream(), session.fresh_id());
+    let begin = r.recording().commands().len();
+    let steps = r.on_reply.len();
+    let begin_op = match prepared {
+        true => Op::PrepareBegin {
+            prepared: Id(graph),
+        },
+        false => Op::GraphBegin { graph: Id(graph) },
+    };
+    r.recording().push(stream, begin_op);
+    // Buffers dropped during the capture are freed in the body.
+    let frame = RecordingFrame::push(&session, true);
+    // SAFETY: same context and caller contract, forwarded.
+    let out = unsafe { op.execute(ctx) }.map(keep)?;
+    let r = ctx
+        .as_remote()
+        .ok_or_else(|| Error::InvalidArgument("the capture left the lease".into()))?;
+    let stream = r.stream();
+    frame.finish(r.recording(), stream);
+    let stepped = r.on_reply.len() > steps;
+    let body = &r.recording().commands()[begin + 1..];
+    let refused = match body.iter().find_map(|c| uncapturable(c, prepared)) {
+        Some(what) => Some(what),
+        None if prepared && stepped => {
+            Some("a step on the client (a host step, or a copy into host memory)")
+        }
+        None => None,
+    };
+    if let Some(what) = refused {
+        // Nothing of the body is sent (the frees of what it was handed are).
+        r.recording().abandon_from(begin);
+        let (into, then) = match prepared {
+            true => (
+                "a prepared submission",
+                "its downloads come back in each run's outputs",
+            ),
+            false => (
+                "a graph kept on a node",
+                "read the graph's output with an op after a launch",
+            ),
+        };
+        return Err(Error::Capture(format!(
+            "{what} cannot be captured into {into}: {then}"
+        )));
+    }
+    let (held, buffers) = names(body);
+    let commands = body
+        .iter()
+        .filter(|c| !matches!(c.op, Op::Alloc { .. } | Op::Free { .. }))
+        .count();
+    let mut io = Io::default();
+    for c in body.iter().filter(|_| prepared) {
+        match c.op {
+            Op::Write { len, .. } => io.inputs.push(len),
+            Op::Read { len, .. } => io.outputs.push(len),
+            _ => {}
+        }
+    }
+    // Their reads return nothing now.
+    r.recording().forget_reads(io.outputs.len());
+    r.recording()
+        .push(stream, Op::GraphEnd { graph: Id(graph) });
+    ledger.hold(&held);
+    let graph = RemoteGraph {
+        session,
+        id: graph,
+        held,
+        commands,
+        buffers,
+    };
+    Ok((out, graph, io))
+}
+
+/// A prepared submission's byte counts at each run: its body's writes' and
+/// reads', in body order.
+#[derive(Debug, Default, Clone)]
+pub(super) struct Io {
+    pub(super) inputs: Vec<u64>,
+    pub(super) outputs: Vec<u64>,
+}
+
 crate::op::impl_into_future!(impl[O] for CaptureRemote<O> where O: DeviceOp);
 
-/// What a body cannot hold, named.
-fn uncapturable(c: &Command<'_>) -> Option<&'static str> {
+/// What a body cannot hold, named (a prepared one may download).
+fn uncapturable(c: &Command<'_>, prepared: bool) -> Option<&'static str> {
     match c.op {
-        Op::Read { .. } => Some("a download (d2h, copy_d2h)"),
+        Op::Read { .. } if !prepared => Some("a download (d2h, copy_d2h)"),
         Op::TimerStart { .. } | Op::TimerEnd { .. } => Some("timed()"),
-        Op::GraphBegin { .. } | Op::GraphEnd { .. } => Some("another capture"),
-        Op::GraphLaunch { .. } => Some("a graph's launch"),
+        Op::GraphBegin { .. } | Op::GraphEnd { .. } | Op::PrepareBegin { .. } => {
+            Some("another capture")
+        }
+        Op::GraphLaunch { .. } | Op::Run { .. } => Some("a graph's launch or a prepared run"),
         Op::RandFill(_) => Some("a cuRAND fill (fill before capturing, as locally)"),
         _ => None,
     }

@@ -11,7 +11,7 @@
 //! not free. A free is sent only for an id that exists:
 //!
 //! - *pending*: its creating command (`Alloc`, an event's first `Record`,
-//!   `GraphBegin`) is unanswered; its free waits for that reply;
+//!   `GraphBegin`, `PrepareBegin`) is unanswered; its free waits for that reply;
 //! - *born*: its creating command ran, and no free of it is queued or ran;
 //! - any other id does not exist (its creating command did not run or was
 //!   never sent, e.g. a recording dropped on an error): its free is dropped;
@@ -62,7 +62,9 @@ impl Sent {
                 Op::Record { event } if !s.created.iter().any(|&(_, e)| e == event.0) => {
                     s.created.push((at, event.0));
                 }
-                Op::GraphBegin { graph } => s.created.push((at, graph.0)),
+                Op::GraphBegin { graph } | Op::PrepareBegin { prepared: graph } => {
+                    s.created.push((at, graph.0))
+                }
                 Op::Free { id } => s.freed.push((at, id.0)),
                 _ => {}
             }

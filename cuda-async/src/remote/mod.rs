@@ -37,6 +37,7 @@ mod graph;
 mod ledger;
 mod modules;
 mod policy;
+mod prepared;
 mod recording;
 mod session;
 
@@ -46,6 +47,7 @@ pub use cuda_lease_proto as proto;
 pub use error::RemoteErrorExt;
 pub use ledger::{Ledger, Ran, Sent};
 pub use policy::{RemotePolicy, DEFAULT_REMOTE_STREAMS};
+pub use prepared::{Outputs, Prepare, Prepared, Run};
 pub use proto::{Command, Id, Op};
 pub use recording::{KeptBytes, Recording, RemoteStream};
 pub use session::{AsRemoteSession, RemoteCompletion, RemoteSession};

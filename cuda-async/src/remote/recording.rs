@@ -89,17 +89,22 @@ impl Recording {
     ///
     /// # Panics
     ///
-    /// For [`Op::Write`], [`Op::Read`], [`Op::TimerEnd`] and
+    /// For [`Op::Write`], [`Op::Read`], [`Op::TimerEnd`], [`Op::Run`] and
     /// [`Op::Launch`]: use [`Recording::write`], [`Recording::read`],
-    /// [`Recording::timer_end`] and [`Recording::launch`], which keep the
-    /// data, the read slots and the modules in step.
+    /// [`Recording::timer_end`], [`Recording::run`] and
+    /// [`Recording::launch`], which keep the data, the read slots and the
+    /// modules in step.
     pub fn push(&mut self, stream: RemoteStream, op: Op<'static>) {
         assert!(
             !matches!(
                 op,
-                Op::Write { .. } | Op::Read { .. } | Op::TimerEnd { .. } | Op::Launch(_)
+                Op::Write { .. }
+                    | Op::Read { .. }
+                    | Op::TimerEnd { .. }
+                    | Op::Run { .. }
+                    | Op::Launch(_)
             ),
-            "use Recording::write / read / timer_end / launch"
+            "use Recording::write / read / timer_end / run / launch"
         );
         self.commands.push(Command { stream, op });
     }
@@ -146,6 +151,41 @@ impl Recording {
         };
         self.commands.push(Command { stream, op });
         slot
+    }
+
+    /// Appends a run of prepared submission `prepared` (see [`Op::Run`]):
+    /// `inputs` are its body's upload bytes, back to back (copied into the
+    /// recording now); the returned slot receives the `outputs` bytes its
+    /// body's reads return, back to back.
+    pub fn run(
+        &mut self,
+        stream: RemoteStream,
+        prepared: u64,
+        inputs: &[u8],
+        outputs: u64,
+    ) -> Arc<ReadSlot> {
+        let start = self.data.len();
+        self.data.extend_from_slice(inputs);
+        self.payloads.push(Payload::Copied(start..self.data.len()));
+        let slot = Arc::new(ReadSlot::new(outputs as usize));
+        if outputs == 0 {
+            let _ = slot.receive(|_| Ok(()));
+        } else {
+            self.reads.push(slot.clone());
+        }
+        let op = Op::Run {
+            prepared: Id(prepared),
+            inputs: inputs.len() as u64,
+            outputs,
+        };
+        self.commands.push(Command { stream, op });
+        slot
+    }
+
+    /// Forgets the last `n` read slots: the reads of a prepared
+    /// submission's body, which return nothing until it runs.
+    pub(crate) fn forget_reads(&mut self, n: usize) {
+        self.reads.truncate(self.reads.len().saturating_sub(n));
     }
 
     /// Appends the end of timer `timer` (started by an [`Op::TimerStart`]
@@ -287,11 +327,16 @@ impl Recording {
                 Op::Alloc { buf: id, .. }
                 | Op::Record { event: id }
                 | Op::GraphBegin { graph: id }
+                | Op::PrepareBegin { prepared: id }
                 | Op::TimerStart { timer: id } => {
                     made.insert(id);
                 }
                 Op::Write { .. } => writes += 1,
                 Op::Read { .. } | Op::TimerEnd { .. } => reads += 1,
+                Op::Run { outputs, .. } => {
+                    writes += 1;
+                    reads += usize::from(outputs > 0);
+                }
                 Op::Free { id } if !made.contains(&id) => kept.push(c),
                 _ => {}
             }

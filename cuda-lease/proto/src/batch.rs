@@ -142,6 +142,30 @@ pub enum Op<'a> {
     Gemm(Box<GemmSpec>),
     /// Random values by the node's cuRAND (no kernel shipped).
     RandFill(RandSpec),
+    /// Begin prepared submission `prepared` (a new id): a body up to the
+    /// [`Op::GraphEnd`] naming it, kept as a graph's is (its `Alloc`s run
+    /// now, its `Free`s wait for its own free, the rest runs at each
+    /// [`Op::Run`]), except that its `Write`s take their bytes from each
+    /// run's data, its `Read`s go to each run's reply, and its commands run
+    /// one by one instead of as a captured graph. The body's `Write` bytes
+    /// sent with it are not kept, and its reads add nothing to this batch's
+    /// reply. A body cannot time itself or begin, launch or run a graph.
+    PrepareBegin {
+        /// New id.
+        prepared: Id,
+    },
+    /// Run prepared submission `prepared` in order on the command's stream,
+    /// its body's writes taking the next `inputs` bytes of the batch's data
+    /// (in body order) and its reads adding `outputs` bytes to the reply.
+    /// Both must equal the body's totals.
+    Run {
+        /// The prepared submission.
+        prepared: Id,
+        /// The bytes its body's writes take.
+        inputs: u64,
+        /// The bytes its body's reads return.
+        outputs: u64,
+    },
 }
 
 impl Op<'_> {
@@ -150,6 +174,7 @@ impl Op<'_> {
         match self {
             Op::Read { len, .. } => *len,
             Op::TimerEnd { .. } => TIMER_BYTES as u64,
+            Op::Run { outputs, .. } => *outputs,
             _ => 0,
         }
     }
@@ -191,6 +216,7 @@ impl Op<'_> {
             Op::GraphBegin { graph } | Op::GraphEnd { graph } | Op::GraphLaunch { graph } => {
                 f(*graph)
             }
+            Op::PrepareBegin { prepared } | Op::Run { prepared, .. } => f(*prepared),
             // Every other op names buffers alone.
             _ => self.buffers(|id, _| f(id)),
         }
@@ -215,7 +241,7 @@ pub struct Command<'a> {
 
 /// BATCH request: a pipeline in one message, answered when every command ran.
 /// The frame's data holds the module sources (in `modules` order), then the
-/// `Write` payloads (in command order). On the wire the summed
+/// `Write` payloads and [`Op::Run`] inputs (in command order). On the wire the summed
 /// [`Op::reply_len`] comes between `modules` and `commands`: the node reads up
 /// to it ([`BatchHead`]), budgets the reply by it and forwards the commands
 /// undecoded to the worker, which holds the reads to it.
@@ -237,11 +263,22 @@ pub struct Batch<'a> {
     pub commands: Vec<Command<'a>>,
 }
 
-/// The bytes `commands` add to their reply's data (see [`Op::reply_len`]).
+/// The bytes `commands` add to their reply's data (see [`Op::reply_len`]);
+/// the reads of a prepared submission's body add nothing until it runs.
 pub fn reply_bytes<'c, 'a: 'c>(commands: impl IntoIterator<Item = &'c Command<'a>>) -> u64 {
-    commands
-        .into_iter()
-        .fold(0u64, |n, c| n.saturating_add(c.op.reply_len()))
+    let mut body = None;
+    commands.into_iter().fold(0u64, |n, c| match (&c.op, body) {
+        (Op::PrepareBegin { prepared }, None) => {
+            body = Some(*prepared);
+            n
+        }
+        (Op::GraphEnd { graph }, Some(p)) if *graph == p => {
+            body = None;
+            n
+        }
+        (_, Some(_)) => n,
+        (op, None) => n.saturating_add(op.reply_len()),
+    })
 }
 
 /// A BATCH's head as written ([`BatchHead`] as read). A nested struct is
@@ -365,7 +402,7 @@ pub fn validate_commands(
                     "command {i}: zero-sized allocation"
                 )))
             }
-            Op::Write { len, .. } => need = need.saturating_add(*len),
+            Op::Write { len, .. } | Op::Run { inputs: len, .. } => need = need.saturating_add(*len),
             Op::Launch(spec) => {
                 spec.validate(false)
                     .map_err(|e| ProtoError::Invalid(format!("command {i}: {e}")))?;

@@ -132,6 +132,7 @@ pub fn encode_commands<'a, C: Borrow<Command<'a>>>(
 #[cfg(test)]
 #[test]
 fn a_batch_written_in_parts_is_the_batch_and_its_head_reads_back() {
+    // (The reply bytes it declares skip a prepared body's reads.)
     use crate::{to_body, Id, ModuleHash, Op};
     let op = |op| Command { stream: 1, op };
     let commands = vec![
@@ -145,6 +146,19 @@ fn a_batch_written_in_parts_is_the_batch_and_its_head_reads_back() {
             len: 128,
         }),
         op(Op::TimerEnd { timer: Id(2) }),
+        // A prepared body's read returns bytes at each run, not now.
+        op(Op::PrepareBegin { prepared: Id(3) }),
+        op(Op::Read {
+            buf: Id(1),
+            offset: 0,
+            len: 1000,
+        }),
+        op(Op::GraphEnd { graph: Id(3) }),
+        op(Op::Run {
+            prepared: Id(3),
+            inputs: 0,
+            outputs: 1000,
+        }),
     ];
     let modules = vec![ModuleUse {
         hash: ModuleHash([3; 32]),
@@ -162,12 +176,12 @@ fn a_batch_written_in_parts_is_the_batch_and_its_head_reads_back() {
         (head.lease, head.seq, &head.modules),
         (batch.lease, 7, &batch.modules)
     );
-    assert_eq!(head.reply_bytes, 128 + crate::TIMER_BYTES as u64);
+    assert_eq!(head.reply_bytes, 128 + crate::TIMER_BYTES as u64 + 1000);
     assert_eq!(wire, &to_body(&batch.commands)[..]);
-    assert_eq!(command_count(wire).unwrap(), 3);
+    assert_eq!(command_count(wire).unwrap(), 7);
     let mut again = Vec::new();
     encode_batch_head(&mut again, batch.lease, 7, &batch.modules, head.reply_bytes);
-    encode_commands(&mut again, 3, &batch.commands);
+    encode_commands(&mut again, 7, &batch.commands);
     assert_eq!(again, body);
     let long = to_body(&vec![batch.commands[0].clone(); crate::MAX_BATCH_OPS + 1]);
     assert!(command_count(&long).is_err());

@@ -64,7 +64,8 @@ impl Reading {
 
     /// What a submission of `commands` waits for before it is sent: the
     /// reads in flight of the buffers it uses (every read in flight when
-    /// it replays a graph, whose buffers the commands do not name).
+    /// it replays a graph or runs a prepared submission, whose buffers the
+    /// commands do not name).
     pub(super) fn conflicts(&self, commands: &[Command<'_>]) -> Vec<watch::Receiver<()>> {
         if self.by_id.is_empty() {
             return Vec::new();
@@ -78,7 +79,7 @@ impl Reading {
         for c in commands {
             match c.op {
                 Op::Free { id } => of(id.0),
-                Op::GraphLaunch { .. } => {
+                Op::GraphLaunch { .. } | Op::Run { .. } => {
                     for &id in self.by_id.keys() {
                         of(id);
                     }

@@ -108,11 +108,12 @@ pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<St
         return None;
     }
     let mut route = vec![Route::Message; commands.len()];
-    // A graph's body stays whole in the message: the node keeps it.
+    // A graph's or prepared submission's body stays whole in the message:
+    // the node keeps it.
     let mut in_body = false;
     for (i, c) in commands.iter().enumerate() {
         match c.op {
-            Op::GraphBegin { .. } => in_body = true,
+            Op::GraphBegin { .. } | Op::PrepareBegin { .. } => in_body = true,
             Op::GraphEnd { .. } => in_body = false,
             _ => {}
         }
@@ -167,8 +168,28 @@ pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<St
     }
     let mut p = StreamPlan::default();
     let (mut write, mut slot) = (0usize, 0usize);
+    // A prepared body's reads have no slots: they return nothing now.
+    let mut prepared_body = false;
     for (c, &r) in commands.iter().zip(&route) {
         match (&c.op, r) {
+            (Op::PrepareBegin { .. }, _) => {
+                prepared_body = true;
+                p.commands.push(c.clone());
+            }
+            (Op::GraphEnd { .. }, _) => {
+                prepared_body = false;
+                p.commands.push(c.clone());
+            }
+            (Op::Read { .. }, _) if prepared_body => p.commands.push(c.clone()),
+            (&Op::Run { outputs, .. }, _) => {
+                p.data.push(write);
+                write += 1;
+                if outputs > 0 {
+                    p.slots.push(slot);
+                    slot += 1;
+                }
+                p.commands.push(c.clone());
+            }
             (Op::Free { id }, Route::FreeAfter) => p.frees_after.push(id.0),
             (Op::Alloc { .. }, Route::Hoisted) => p.allocs.push(c.clone()),
             (&Op::Write { buf, offset, .. }, _) => {

@@ -218,9 +218,14 @@ pub trait LeaseDevice {
             Op::TimerEnd { timer } => self.timer_end(s, *timer, at),
             Op::Gemm(g) => self.gemm(s, g),
             Op::RandFill(r) => self.rand_fill(s, r),
-            Op::GraphBegin { .. } | Op::GraphEnd { .. } | Op::GraphLaunch { .. } => Err(
-                DeviceError::new(Status::BadRequest, "a graph command out of place"),
-            ),
+            Op::GraphBegin { .. }
+            | Op::GraphEnd { .. }
+            | Op::GraphLaunch { .. }
+            | Op::PrepareBegin { .. }
+            | Op::Run { .. } => Err(DeviceError::new(
+                Status::BadRequest,
+                "a graph command out of place",
+            )),
         }
     }
 }

@@ -525,7 +525,7 @@ pub(super) fn enqueue_batch(
         }
     }
     for (i, c) in commands[..e.planned.commands()].iter().enumerate() {
-        let r = match d.graphs.intercept(d.dev, c, &mut payload) {
+        let r = match d.graphs.intercept(d.dev, c, &mut payload, &mut e.read_at) {
             Some(r) => r,
             None => enqueue(d.dev, c, &mut payload, &mut e.read_at),
         };

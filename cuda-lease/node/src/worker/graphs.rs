@@ -1,8 +1,11 @@
 //! A lease's graphs on its worker: a body recorded between `GraphBegin` and
 //! `GraphEnd` (allocations made at once and zeroed again at each replay,
 //! other commands kept in wire form with their upload bytes), replayed at
-//! each `GraphLaunch`, and freed with the body's own frees. The lease's plan
-//! has checked every command already (ids, ranges, the body's rules).
+//! each `GraphLaunch`, and freed with the body's own frees. A prepared
+//! submission's body (from `PrepareBegin`) is kept the same way without its
+//! upload bytes: each `Run` brings them, and its reads go to that batch's
+//! reply. The lease's plan has checked every command already (ids, ranges,
+//! the body's rules, a run's byte counts).
 
 use super::enqueue::{enqueue, Payload};
 use crate::device::{DeviceError, LeaseDevice};
@@ -23,6 +26,8 @@ struct Body {
     streams: Vec<StreamId>,
     /// The device keeps it as a native graph (else the commands replay).
     native: bool,
+    /// A prepared submission's: its writes' bytes come with each run.
+    prepared: bool,
 }
 
 impl Body {
@@ -47,16 +52,18 @@ fn fence(k: usize) -> Id {
 impl Graphs {
     /// Runs `c` when graphs decide it (a body's command, a graph command, a
     /// graph's free): `Some` with its result, `None` for an ordinary command.
+    /// A run's reads land at `read_at` in the reply's data, which they advance.
     pub(super) fn intercept(
         &mut self,
         dev: &mut dyn LeaseDevice,
         c: &Command<'_>,
         payload: &mut Payload<'_>,
+        read_at: &mut usize,
     ) -> Option<Result<(), DeviceError>> {
         let ends = |g: &Id| matches!(c.op, Op::GraphEnd { graph } if graph == *g);
         if self.open.as_ref().is_some_and(|(g, _)| ends(g)) {
             let (id, mut body) = self.open.take().expect("open");
-            body.native = capture(dev, id, &body);
+            body.native = !body.prepared && capture(dev, id, &body);
             self.live.insert(id, body);
             return Some(Ok(()));
         }
@@ -82,7 +89,9 @@ impl Graphs {
                     Ok(())
                 }
                 Op::Write { len, .. } => payload.take(len).map(|d| {
-                    body.data.extend_from_slice(d);
+                    if !body.prepared {
+                        body.data.extend_from_slice(d);
+                    }
                     body.keep(c);
                 }),
                 _ => {
@@ -93,14 +102,27 @@ impl Graphs {
             return Some(r);
         }
         match c.op {
-            Op::GraphBegin { graph } => {
-                self.open = Some((graph, Body::default()));
+            Op::GraphBegin { graph } | Op::PrepareBegin { prepared: graph } => {
+                let prepared = matches!(c.op, Op::PrepareBegin { .. });
+                let body = Body {
+                    prepared,
+                    ..Body::default()
+                };
+                self.open = Some((graph, body));
                 Some(Ok(()))
             }
             Op::GraphLaunch { graph } => Some(match self.live.get(&graph) {
                 Some(body) if body.native => dev.launch_graph(c.stream, graph),
-                Some(body) => replay(dev, c.stream, body),
+                Some(body) => replay(dev, c.stream, body, Payload::new(&body.data), read_at),
                 None => Err(crate::device::not_found("graph", graph)),
+            }),
+            Op::Run {
+                prepared, inputs, ..
+            } => Some(match self.live.get(&prepared) {
+                Some(body) => payload
+                    .take(inputs)
+                    .and_then(|d| replay(dev, c.stream, body, Payload::new(d), read_at)),
+                None => Err(crate::device::not_found("prepared submission", prepared)),
             }),
             Op::Free { id } => {
                 let body = self.live.remove(&id)?;
@@ -119,7 +141,11 @@ impl Graphs {
 /// that fails leaves the commands to be replayed one by one (any error
 /// they have shows at a launch).
 fn capture(dev: &mut dyn LeaseDevice, graph: Id, body: &Body) -> bool {
-    match dev.capture_graph(graph, &body.streams, &mut |dev| enqueue_body(dev, body)) {
+    let mut enqueue = |dev: &mut dyn LeaseDevice| {
+        // A graph's body reads nothing.
+        enqueue_body(dev, body, Payload::new(&body.data), &mut 0)
+    };
+    match dev.capture_graph(graph, &body.streams, &mut enqueue) {
         Ok(native) => native,
         Err(e) => {
             // (Workers have no log of their own: their stderr is the node's.)
@@ -134,8 +160,15 @@ fn capture(dev: &mut dyn LeaseDevice, graph: Id, body: &Body) -> bool {
 }
 
 /// Enqueues the body's commands again, after the work on `stream` so far
-/// and before what follows it there.
-fn replay(dev: &mut dyn LeaseDevice, stream: StreamId, body: &Body) -> Result<(), DeviceError> {
+/// and before what follows it there; its writes take `data`, its reads land
+/// at `read_at`.
+fn replay(
+    dev: &mut dyn LeaseDevice,
+    stream: StreamId,
+    body: &Body,
+    data: Payload<'_>,
+    read_at: &mut usize,
+) -> Result<(), DeviceError> {
     let others: Vec<StreamId> = body
         .streams
         .iter()
@@ -148,7 +181,7 @@ fn replay(dev: &mut dyn LeaseDevice, stream: StreamId, body: &Body) -> Result<()
             dev.wait(*s, fence(0))?;
         }
     }
-    enqueue_body(dev, body)?;
+    enqueue_body(dev, body, data, read_at)?;
     for (k, s) in others.iter().enumerate() {
         dev.record(*s, fence(k + 1))?;
         dev.wait(stream, fence(k + 1))?;
@@ -156,16 +189,20 @@ fn replay(dev: &mut dyn LeaseDevice, stream: StreamId, body: &Body) -> Result<()
     Ok(())
 }
 
-/// Enqueues the body's kept commands, with their upload bytes.
-fn enqueue_body(dev: &mut dyn LeaseDevice, body: &Body) -> Result<(), DeviceError> {
-    let mut payload = Payload::new(&body.data);
-    let mut read_at = 0;
+/// Enqueues the body's kept commands, their writes taking `payload`, their
+/// reads landing at `read_at`.
+fn enqueue_body(
+    dev: &mut dyn LeaseDevice,
+    body: &Body,
+    mut payload: Payload<'_>,
+    read_at: &mut usize,
+) -> Result<(), DeviceError> {
     let mut wire = &body.commands[..];
     while !wire.is_empty() {
         // The worker encoded these bytes itself.
         let c: Command<'_> = postcard_decode(&mut wire)
             .map_err(|e| DeviceError::new(Status::Internal, e.to_string()))?;
-        enqueue(dev, &c, &mut payload, &mut read_at)?;
+        enqueue(dev, &c, &mut payload, read_at)?;
     }
     Ok(())
 }

@@ -38,6 +38,16 @@ pub(super) struct GraphIds {
     /// Its body's upload bytes, kept by the worker for its replays and
     /// charged to the lease's reservation.
     pub(super) kept: u64,
+    /// A prepared submission's: the bytes its writes take from each run's
+    /// data and its reads return (a graph has none).
+    pub(super) prepared: Option<Io>,
+}
+
+/// A prepared submission's bytes in and out at each run.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Io {
+    pub(super) inputs: u64,
+    pub(super) outputs: u64,
 }
 
 /// A lease's live ids, with a count of its buffers.

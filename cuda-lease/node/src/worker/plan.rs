@@ -402,7 +402,11 @@ impl Planner<'_> {
             Op::Gemm(g) => self.gemm(g).map(|()| Effect::None)?,
             Op::RandFill(r) => self.rand_fill(r).map(|()| Effect::None)?,
             // Planned by `graph_step`.
-            Op::GraphBegin { .. } | Op::GraphEnd { .. } | Op::GraphLaunch { .. } => {
+            Op::GraphBegin { .. }
+            | Op::GraphEnd { .. }
+            | Op::GraphLaunch { .. }
+            | Op::PrepareBegin { .. }
+            | Op::Run { .. } => {
                 return Err((Status::Internal, "a graph command planned twice".into()))
             }
         };

@@ -418,3 +418,79 @@ fn a_buffer_used_where_it_does_not_live_is_an_error_naming_both_homes() {
         .unwrap_err();
     assert!(matches!(e, cuda_async::Error::WrongHome { .. }), "{e}");
 }
+
+/// A prepared submission of two uploads, two arms on two streams, a join
+/// and a download runs with new inputs bit-identical to the same op run
+/// eagerly on this GPU, from one thread and from four at once (the runs
+/// share the body's buffers: each must see its own inputs).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_prepared_submission_runs_with_new_inputs_bit_identical_to_eager_runs() {
+    use cuda_async::prelude::*;
+    let backend = RemoteBackend::start();
+    let remote = cuda_async::RemotePolicy::new(backend.lease.as_ref().unwrap()).with_streams(2);
+    let local = cuda_async::default_policy().unwrap();
+    let k = suite::kernels();
+    let n = 1 << 14;
+    let m = n as u32;
+    // y1 = 1.5 x1, y2 = -0.5 x2, then y2 = 2 y1 + y2; y2 downloaded.
+    let op = move |a: Vec<f32>, b: Vec<f32>| {
+        let (ka, kb, kc) = (k.axpy.clone(), k.axpy.clone(), k.axpy.clone());
+        h2d(a)
+            .zip(h2d(b))
+            .zip(zeros::<f32>(n).zip(zeros::<f32>(n)))
+            .then(move |((x1, x2), (y1, y2))| {
+                // SAFETY: axpy touches x and y [0..m); all hold m floats.
+                let arm1 = unsafe { launch(&ka, suite::cfg(m), (1.5f32, x1, y1, m)) };
+                // SAFETY: as above.
+                let arm2 = unsafe { launch(&kb, suite::cfg(m), (-0.5f32, x2, y2, m)) };
+                arm1.zip(arm2)
+            })
+            // SAFETY: as above.
+            .then(move |((_, _, y1, _), (_, _, y2, _))| unsafe {
+                launch(&kc, suite::cfg(m), (2.0f32, y1, y2, m))
+            })
+            .then(|(_, _, y2, _)| d2h(y2))
+    };
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let prepared = op(vec![0.0; n], vec![0.0; n])
+        .prepare()
+        .sync_with(&remote)
+        .unwrap();
+    assert_eq!(prepared.inputs(), [4 * n as u64, 4 * n as u64]);
+    assert_eq!(prepared.outputs(), [4 * n as u64]);
+    let mut rng = suite::Rng::new();
+    let cases: Vec<(Vec<f32>, Vec<f32>)> = (0..12).map(|_| (rng.f32s(n), rng.f32s(n))).collect();
+    let want: Vec<Vec<u32>> = cases
+        .iter()
+        .map(|(a, b)| {
+            let y = op(a.clone(), b.clone()).sync_with(&*local).unwrap();
+            bits(&y.to_vec().unwrap())
+        })
+        .collect();
+    assert!(want[0] != want[1]);
+    let run = |i: usize| {
+        let (a, b) = &cases[i];
+        let out = prepared
+            .run(&[&a[..], &b[..]])
+            .unwrap()
+            .sync_with(&remote)
+            .unwrap();
+        assert!(bits(&out.to_vec::<f32>(0).unwrap()) == want[i], "run {i}");
+    };
+    for i in 0..4 {
+        let t = std::time::Instant::now();
+        run(i);
+        eprintln!("prepared run {i}, awaited: {:?}", t.elapsed());
+    }
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let run = &run;
+            s.spawn(move || {
+                for r in 0..2 {
+                    run(4 + 2 * t + r);
+                }
+            });
+        }
+    });
+}

@@ -547,3 +547,4 @@ async fn a_pending_submission_fails_when_its_lease_expires_or_its_node_goes() {
 mod gemm;
 mod graphs;
 mod in_flight;
+mod prepared;

@@ -2,14 +2,14 @@
 //! its launches and its free, and the rule that keeps what a live graph
 //! uses alive.
 
-use super::super::objects::{GraphIds, IdKind};
+use super::super::objects::{GraphIds, IdKind, Io};
 use super::{Effect, GraphChange, Planner, Refusal, Step};
 use crate::proto::{Command, Id, Op, Status};
 
 /// Refuses a `GraphBegin` at `i` whose body does not end in the batch
 /// (nothing of it would run; its allocations would be unreachable).
 pub(super) fn body_ends(commands: &[Command<'_>], i: usize) -> Result<(), Refusal> {
-    let Op::GraphBegin { graph } = commands[i].op else {
+    let (Op::GraphBegin { graph } | Op::PrepareBegin { prepared: graph }) = commands[i].op else {
         return Ok(());
     };
     let ends = commands[i + 1..]
@@ -32,6 +32,12 @@ impl Planner<'_> {
             Some(g) => g.as_ref(),
             None => self.state.graphs.get(&id),
         }
+    }
+
+    /// What a live prepared submission writes and reads at each run
+    /// (`None` for a graph).
+    fn io_of(&self, id: Id) -> Option<Io> {
+        self.graph(id)?.prepared
     }
 
     /// The live graph that uses `id`, if one does.
@@ -68,9 +74,14 @@ impl Planner<'_> {
             return step;
         }
         match c.op {
-            Op::GraphBegin { graph } => {
+            Op::GraphBegin { graph } | Op::PrepareBegin { prepared: graph } => {
                 self.fresh(graph)?;
-                self.open = Some((graph, GraphIds::default()));
+                let prepared = matches!(c.op, Op::PrepareBegin { .. }).then(Io::default);
+                let ids = GraphIds {
+                    prepared,
+                    ..GraphIds::default()
+                };
+                self.open = Some((graph, ids));
                 Ok(Some(Step::effect(Effect::Create(graph, IdKind::Graph))))
             }
             Op::GraphEnd { graph } => Err((
@@ -78,10 +89,43 @@ impl Planner<'_> {
                 format!("graph {graph} has no body being recorded"),
             )),
             Op::GraphLaunch { graph } => match self.kind(graph) {
+                Some(IdKind::Graph) if self.io_of(graph).is_some() => Err((
+                    Status::BadRequest,
+                    format!("{graph} is a prepared submission: run it with Run"),
+                )),
                 Some(IdKind::Graph) => Ok(Some(Step::effect(Effect::None))),
                 Some(_) => Err((Status::BadRequest, format!("{graph} is not a graph"))),
                 None => Err((Status::NotFound, format!("unknown id {graph}"))),
             },
+            Op::Run {
+                prepared,
+                inputs,
+                outputs,
+            } => {
+                let io = match self.kind(prepared) {
+                    Some(IdKind::Graph) => self.io_of(prepared).ok_or_else(|| {
+                        let m = format!("{prepared} is a graph: launch it with GraphLaunch");
+                        (Status::BadRequest, m)
+                    })?,
+                    Some(k) => {
+                        let m = format!("{prepared} is {}, not a prepared submission", k.noun());
+                        return Err((Status::BadRequest, m));
+                    }
+                    None => return Err((Status::NotFound, format!("unknown id {prepared}"))),
+                };
+                if (inputs, outputs) != (io.inputs, io.outputs) {
+                    return Err((
+                        Status::BadRequest,
+                        format!(
+                            "prepared submission {prepared} writes {} bytes and reads {}; the \
+                             run gives {inputs} and asks {outputs}",
+                            io.inputs, io.outputs
+                        ),
+                    ));
+                }
+                self.reply_bytes(outputs)?;
+                Ok(Some(Step::effect(Effect::None)))
+            }
             Op::Free { id } if self.kind(id) == Some(IdKind::Graph) => {
                 // Its body's frees run with it.
                 let frees = self.graph(id).map(|g| g.frees.clone()).unwrap_or_default();
@@ -118,13 +162,35 @@ impl Planner<'_> {
                 format!("the body of graph {graph} cannot {what}"),
             ))
         };
+        match (&c.op, &mut ids.prepared) {
+            (&Op::Read { buf, offset, len }, Some(io)) => {
+                super::in_range(self.buffer(buf)?, offset, len)?;
+                io.outputs = io.outputs.saturating_add(len);
+                if io.outputs > self.limits.max_read {
+                    return Err((
+                        Status::BadRequest,
+                        "the body's reads exceed the reply data limit".into(),
+                    ));
+                }
+                ids.uses.insert(buf);
+                return Ok(Some(Step::effect(Effect::None)));
+            }
+            (&Op::Write { len, .. }, Some(io)) => {
+                io.inputs = io.inputs.saturating_add(len);
+                c.op.for_each_id(|id| {
+                    ids.uses.insert(id);
+                });
+                return Ok(None);
+            }
+            _ => {}
+        }
         match c.op {
             Op::Read { .. } => {
                 refuse("read into the reply: read the graph's output after a launch")
             }
             Op::TimerStart { .. } | Op::TimerEnd { .. } => refuse("time itself"),
-            Op::GraphBegin { .. } => refuse("begin another graph"),
-            Op::GraphLaunch { .. } => refuse("launch a graph"),
+            Op::GraphBegin { .. } | Op::PrepareBegin { .. } => refuse("begin another graph"),
+            Op::GraphLaunch { .. } | Op::Run { .. } => refuse("launch a graph"),
             Op::GraphEnd { graph: g } if g == graph => {
                 self.charges.alloc(ids.kept)?;
                 self.graph_overlay.insert(graph, Some(ids.clone()));

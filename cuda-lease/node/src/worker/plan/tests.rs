@@ -245,3 +245,82 @@ fn timers_are_ids_of_their_own_kind_and_end_once() {
     let e = p.error.expect("refused");
     assert_eq!((e.index, e.status), (1, Status::CapacityExceeded));
 }
+
+#[test]
+fn a_prepared_body_reads_only_when_run_and_a_run_gives_its_exact_bytes() {
+    use Status::{BadRequest as Bad, CapacityExceeded as Over};
+    let state = LeaseObjects::default();
+    let (p, g, a) = (Id(1), Id(2), Id(3));
+    let body = [
+        cmd(0, Op::PrepareBegin { prepared: p }),
+        cmd(0, Op::Alloc { buf: a, size: 100 }),
+        cmd(0, write(a, 0, 40)),
+        cmd(0, read(a, 10, 60)),
+        cmd(0, Op::GraphEnd { graph: p }),
+        cmd(0, Op::GraphBegin { graph: g }),
+        cmd(0, write(a, 0, 4)),
+        cmd(0, Op::GraphEnd { graph: g }),
+    ];
+    let run_it = |inputs, outputs| {
+        cmd(
+            1,
+            Op::Run {
+                prepared: p,
+                inputs,
+                outputs,
+            },
+        )
+    };
+    let mut b = budget();
+    let plan = run(&state, &[&body[..], &[run_it(40, 60)]].concat(), &mut b);
+    assert!(plan.error.is_none(), "{:?}", plan.error);
+    // The body's read is charged by the run alone; its write keeps nothing.
+    assert_eq!((b.read, b.allocated), (60, 104));
+    #[rustfmt::skip]
+    let cases: Vec<(Command<'static>, Status, &str)> = vec![
+        (run_it(39, 60), Bad, "writes 40 bytes and reads 60; the run gives 39 and asks 60"),
+        (run_it(40, 0), Bad, "the run gives 40 and asks 0"),
+        (cmd(0, Op::GraphLaunch { graph: p }), Bad, "a prepared submission: run it with Run"),
+        (cmd(0, Op::Run { prepared: g, inputs: 4, outputs: 0 }), Bad, "a graph: launch it with GraphLaunch"),
+        (cmd(0, Op::Run { prepared: a, inputs: 0, outputs: 0 }), Bad, "a buffer, not a prepared"),
+        (cmd(0, Op::Free { id: a }), Bad, "used by graph"),
+    ];
+    for (bad, status, text) in cases {
+        let plan = run(
+            &state,
+            &[&body[..], std::slice::from_ref(&bad)].concat(),
+            &mut budget(),
+        );
+        let e = plan.error.expect("refused");
+        assert_eq!((e.index, e.status), (8, status), "{bad:?}: {}", e.message);
+        assert!(e.message.contains(text), "{bad:?}: {}", e.message);
+    }
+    // Runs are charged to the reply like reads.
+    let mut small = Charges {
+        held: 100,
+        ..budget()
+    };
+    let runs = [run_it(40, 60), run_it(40, 60)];
+    let e = run(&state, &[&body[..], &runs[..]].concat(), &mut small)
+        .error
+        .expect("refused");
+    assert_eq!((e.index, e.status), (9, Over), "{}", e.message);
+    // A graph's body still cannot read, and a prepared body cannot time.
+    for (inner, text) in [
+        (read(a, 0, 1), "read into the reply"),
+        (Op::TimerStart { timer: Id(4) }, "time itself"),
+    ] {
+        let (begin, id) = match inner {
+            Op::Read { .. } => (Op::GraphBegin { graph: g }, g),
+            _ => (Op::PrepareBegin { prepared: p }, p),
+        };
+        let cmds = [
+            cmd(0, Op::Alloc { buf: a, size: 100 }),
+            cmd(0, begin),
+            cmd(0, inner),
+            cmd(0, Op::GraphEnd { graph: id }),
+        ];
+        let e = run(&state, &cmds, &mut budget()).error.expect("refused");
+        assert!(e.message.contains(text), "{}", e.message);
+    }
+}
