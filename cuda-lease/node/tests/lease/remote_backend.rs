@@ -548,3 +548,54 @@ mod gemm;
 mod graphs;
 mod in_flight;
 mod prepared;
+
+/// Blocks the calling thread on `f` with no async runtime of its own (a
+/// minimal executor: the waker unparks the thread).
+fn block_on_no_runtime<F: std::future::Future>(f: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let std::task::Poll::Ready(out) = f.as_mut().poll(&mut cx) {
+            return out;
+        }
+        std::thread::park();
+    }
+}
+
+/// An op on a lease completes with its result however it is awaited: on a
+/// thread with no runtime, on another runtime, and on the session's (the
+/// session's runtime reads the reply).
+#[test]
+fn an_op_on_a_lease_completes_awaited_outside_its_sessions_runtime() {
+    let node_rt = tokio::runtime::Runtime::new().unwrap();
+    let fx = node_rt.block_on(Fixture::memory(1 << 22).lease(1 << 20).start());
+    let remote = {
+        let _in = node_rt.enter();
+        fx.policy()
+    };
+    let op = |v: u32| h2d(vec![v; 256]).then(d2h);
+    let check = |v: u32, out: cuda_async::Result<HostBuffer<u32>>| {
+        assert_eq!(out.unwrap().to_vec().unwrap(), vec![v; 256]);
+    };
+    for v in 0..20 {
+        check(v, block_on_no_runtime(op(v).schedule(&remote).unwrap()));
+    }
+    let other = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for v in 20..40 {
+        check(v, other.block_on(op(v).schedule(&remote).unwrap()));
+    }
+    for v in 40..60 {
+        check(v, node_rt.block_on(op(v).schedule(&remote).unwrap()));
+    }
+    node_rt.block_on(fx.free_and_shutdown());
+}
