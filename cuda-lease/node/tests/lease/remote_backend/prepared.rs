@@ -127,3 +127,40 @@ async fn a_prepared_submission_runs_by_id_with_new_inputs_in_one_command() {
     );
     fx.free_and_shutdown().await;
 }
+
+/// A submission that prepares a body with a download and, beside it,
+/// downloads a buffer large enough for the data path: the prepared body's
+/// read takes no place among the submission's reads (it returns nothing
+/// until a run), so the large download lands whole where it belongs.
+#[tokio::test]
+async fn a_prepared_body_beside_a_download_on_the_data_path_keeps_the_reads_apart() {
+    let fx = Fixture::memory(1 << 24).lease(1 << 23).start().await;
+    let remote = fx.policy();
+    let n = 2 << 20;
+    let big = h2d((0..n).map(|i| i as u8).collect::<Vec<_>>())
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    let (prepared, back) = h2d(vec![0u32; 8])
+        .then(d2h)
+        .prepare()
+        .zip(d2h(&big))
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    let back = back.to_vec().unwrap();
+    assert_eq!(back.len(), n);
+    assert!(back.iter().enumerate().all(|(i, &b)| b == i as u8));
+    let out = prepared
+        .run(&[&[5u32; 8][..]])
+        .unwrap()
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(out.to_vec::<u32>(0).unwrap(), [5; 8]);
+    drop((prepared, big));
+    fx.free_and_shutdown().await;
+}
