@@ -203,23 +203,68 @@ impl Recorder {
         self.command(stream, Op::GraphLaunch { graph })
     }
 
+    /// Begins recording a prepared submission (returned) on `stream`: the
+    /// commands recorded next, up to [`Recorder::graph_end`], are its body
+    /// (see [`Op::PrepareBegin`]): its allocations are made now, the rest
+    /// runs at each [`Recorder::run`], its reads then.
+    pub fn prepare_begin(&mut self, stream: StreamId) -> Id {
+        let prepared = self.fresh_id();
+        self.command(stream, Op::PrepareBegin { prepared });
+        prepared
+    }
+
+    /// Runs `prepared` on `stream` with `inputs`, the bytes of its body's
+    /// writes back to back (copied into the message now); its body's
+    /// reads, `outputs` bytes back to back, are one read of the reply.
+    pub fn run(
+        &mut self,
+        stream: StreamId,
+        prepared: Id,
+        inputs: &[u8],
+        outputs: u64,
+    ) -> RecordedRead {
+        self.writes.extend_from_slice(inputs);
+        let inputs = inputs.len() as u64;
+        self.command(
+            stream,
+            Op::Run {
+                prepared,
+                inputs,
+                outputs,
+            },
+        );
+        RecordedRead {
+            command: self.commands.len() - 1,
+            len: outputs,
+        }
+    }
+
     /// Appends a command built by hand.
     pub fn command(&mut self, stream: StreamId, op: Op<'static>) -> &mut Self {
         self.commands.push(Command { stream, op });
         self
     }
 
-    /// The reads recorded so far (timers' ends among them), in order.
+    /// The reads recorded so far (timers' ends and runs of prepared
+    /// submissions among them; a prepared body's reads return nothing
+    /// until it runs), in order.
     pub fn reads(&self) -> Vec<RecordedRead> {
-        self.commands
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| matches!(c.op, Op::Read { .. } | Op::TimerEnd { .. }))
-            .map(|(i, c)| RecordedRead {
-                command: i,
-                len: c.op.reply_len(),
-            })
-            .collect()
+        let mut body = None;
+        let mut reads = Vec::new();
+        for (i, c) in self.commands.iter().enumerate() {
+            match (&c.op, body) {
+                (Op::PrepareBegin { prepared }, None) => body = Some(*prepared),
+                (Op::GraphEnd { graph }, Some(p)) if *graph == p => body = None,
+                (Op::Read { .. } | Op::TimerEnd { .. } | Op::Run { .. }, None) => {
+                    reads.push(RecordedRead {
+                        command: i,
+                        len: c.op.reply_len(),
+                    })
+                }
+                _ => {}
+            }
+        }
+        reads
     }
 
     /// Commands recorded so far.

@@ -513,6 +513,51 @@ async fn a_graph_recorded_once_replays_with_inputs_changed_between_launches() {
     fx.free_and_shutdown().await;
 }
 
+/// A prepared submission recorded by hand: its body's read returns nothing
+/// in the batch that records it (a read after the body is the reply's
+/// first); two runs in one batch each take their own input bytes and
+/// return their own outputs, in order; a run whose byte counts are not
+/// the body's is refused by name.
+#[tokio::test]
+async fn a_prepared_body_runs_twice_in_one_batch_with_its_own_inputs_each() {
+    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let s = fx.session();
+    let m = ModuleSpec::cuda(KERNELS, &[]);
+    let mut rec = s.recorder();
+    // y = 2x + y, x uploaded and y filled with 1 at each run; y read back.
+    let p = rec.prepare_begin(0);
+    let x = rec.alloc(0, BYTES);
+    let y = rec.alloc(0, BYTES);
+    rec.write(0, x, 0, &float_bytes(&vec![0.0; N as usize]));
+    fill(&mut rec, 0, &m, y, 1.0);
+    axpy(&mut rec, 0, &m, 2.0, x, y);
+    rec.read(0, y, 0, 8);
+    rec.graph_end(0, p);
+    let other = rec.alloc(0, 8);
+    rec.write(0, other, 0, &float_bytes(&[7.0, 8.0]));
+    let after = rec.read(0, other, 0, 8);
+    let out = rec.submit().await.unwrap().ok().unwrap();
+    assert_eq!(floats(out.read(after).unwrap()), [7.0, 8.0]);
+
+    let mut rec = s.recorder();
+    let first = rec.run(0, p, &float_bytes(&vec![3.0; N as usize]), 8);
+    let second = rec.run(1, p, &float_bytes(&vec![5.0; N as usize]), 8);
+    let out = rec.submit().await.unwrap().ok().unwrap();
+    assert_eq!(floats(out.read(first).unwrap()), [7.0, 7.0]);
+    assert_eq!(floats(out.read(second).unwrap()), [11.0, 11.0]);
+
+    let mut rec = s.recorder();
+    rec.run(0, p, &[0; 4], 8);
+    let e = rec.submit().await.unwrap().error().unwrap().clone();
+    assert_eq!((e.index, e.status), (0, Status::BadRequest));
+    assert!(
+        e.message.contains("the run gives 4 and asks 8"),
+        "{}",
+        e.message
+    );
+    fx.free_and_shutdown().await;
+}
+
 /// A graph's body cannot read, time itself, nest or stay open; launching
 /// or ending what is not a graph is refused; each refusal names it, and
 /// nothing of a refused body runs.
