@@ -1,6 +1,7 @@
 //! A lease's graphs on its worker: a body recorded between `GraphBegin` and
-//! `GraphEnd` (allocations made at once and zeroed again at each replay,
-//! other commands kept in wire form with their upload bytes), replayed at
+//! `GraphEnd` (allocations made at once and zeroed again at each replay
+//! unless the body's first use of one overwrites all of it, other commands
+//! kept in wire form with their upload bytes), replayed at
 //! each `GraphLaunch`, and freed with the body's own frees. A prepared
 //! submission's body (from `PrepareBegin`) is kept the same way without its
 //! upload bytes: each `Run` brings them, and its reads go to that batch's
@@ -28,11 +29,50 @@ struct Body {
     native: bool,
     /// A prepared submission's: its writes' bytes come with each run.
     prepared: bool,
+    /// The body's allocations (with their size and stream) not zeroed
+    /// yet: each is zeroed again at each replay just before the body's
+    /// first use of it, unless that use overwrites all of it on the same
+    /// stream (an upload's or a fill's).
+    unzeroed: Vec<(Id, u64, StreamId)>,
 }
 
 impl Body {
+    /// Keeps `c`, after the zeroing of the allocations it is the first to use.
     fn keep(&mut self, c: &Command<'_>) {
+        let mut k = 0;
+        while let Some(&(buf, size, stream)) = self.unzeroed.get(k) {
+            let mut uses = false;
+            c.op.buffers(|id, _| uses |= id == buf);
+            if !uses {
+                k += 1;
+                continue;
+            }
+            self.unzeroed.swap_remove(k);
+            let overwrites = c.stream == stream
+                && matches!(c.op, Op::Write { buf: b, offset: 0, len, .. }
+                    | Op::Fill { buf: b, offset: 0, len, .. } if b == buf && len == size);
+            if !overwrites {
+                self.zero(buf, size, stream);
+            }
+        }
         postcard_encode(c, &mut self.commands);
+    }
+
+    fn zero(&mut self, buf: Id, len: u64, stream: StreamId) {
+        let op = Op::Fill {
+            buf,
+            offset: 0,
+            len,
+            value: 0,
+        };
+        postcard_encode(&Command { stream, op }, &mut self.commands);
+    }
+
+    /// The body is complete: what it never used is zeroed at its end.
+    fn close(&mut self) {
+        for (buf, size, stream) in std::mem::take(&mut self.unzeroed) {
+            self.zero(buf, size, stream);
+        }
     }
 }
 
@@ -63,6 +103,7 @@ impl Graphs {
         let ends = |g: &Id| matches!(c.op, Op::GraphEnd { graph } if graph == *g);
         if self.open.as_ref().is_some_and(|(g, _)| ends(g)) {
             let (id, mut body) = self.open.take().expect("open");
+            body.close();
             body.native = !body.prepared && capture(dev, id, &body);
             self.live.insert(id, body);
             return Some(Ok(()));
@@ -72,18 +113,9 @@ impl Graphs {
                 body.streams.push(c.stream);
             }
             let r = match c.op {
-                Op::Alloc { buf, size } => dev.alloc(c.stream, buf, size).map(|()| {
-                    let zero = Op::Fill {
-                        buf,
-                        offset: 0,
-                        len: size,
-                        value: 0,
-                    };
-                    body.keep(&Command {
-                        stream: c.stream,
-                        op: zero,
-                    });
-                }),
+                Op::Alloc { buf, size } => dev
+                    .alloc(c.stream, buf, size)
+                    .map(|()| body.unzeroed.push((buf, size, c.stream))),
                 Op::Free { id } => {
                     body.frees.push(id);
                     Ok(())
