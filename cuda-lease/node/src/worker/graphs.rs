@@ -1,12 +1,12 @@
 //! A lease's graphs on its worker: a body recorded between `GraphBegin` and
-//! `GraphEnd` (allocations made at once and zeroed again at each replay
-//! unless the body's first use of one overwrites all of it, other commands
-//! kept in wire form with their upload bytes), replayed at
+//! `GraphEnd` (allocations made at once and zeroed again at each replay,
+//! other commands kept in wire form with their upload bytes), replayed at
 //! each `GraphLaunch`, and freed with the body's own frees. A prepared
 //! submission's body (from `PrepareBegin`) is kept the same way without its
 //! upload bytes: each `Run` brings them, and its reads go to that batch's
-//! reply. The lease's plan has checked every command already (ids, ranges,
-//! the body's rules, a run's byte counts).
+//! reply; its allocations are zeroed again only where its first use of one
+//! does not overwrite all of it. The lease's plan has checked every command
+//! already (ids, ranges, the body's rules, a run's byte counts).
 
 use super::enqueue::{enqueue, Payload};
 use crate::device::{DeviceError, LeaseDevice};
@@ -29,10 +29,11 @@ struct Body {
     native: bool,
     /// A prepared submission's: its writes' bytes come with each run.
     prepared: bool,
-    /// The body's allocations (with their size and stream) not zeroed
-    /// yet: each is zeroed again at each replay just before the body's
+    /// A prepared body's allocations (with their size and stream) not
+    /// zeroed yet: each is zeroed again at each run just before the body's
     /// first use of it, unless that use overwrites all of it on the same
-    /// stream (an upload's or a fill's).
+    /// stream (an upload's or a fill's). A graph's are zeroed where they
+    /// were made.
     unzeroed: Vec<(Id, u64, StreamId)>,
 }
 
@@ -113,9 +114,14 @@ impl Graphs {
                 body.streams.push(c.stream);
             }
             let r = match c.op {
-                Op::Alloc { buf, size } => dev
-                    .alloc(c.stream, buf, size)
-                    .map(|()| body.unzeroed.push((buf, size, c.stream))),
+                Op::Alloc { buf, size } => dev.alloc(c.stream, buf, size).map(|()| {
+                    body.unzeroed.push((buf, size, c.stream));
+                    if !body.prepared {
+                        // A graph's is zeroed first: its native capture
+                        // starts from the zeroing.
+                        body.close();
+                    }
+                }),
                 Op::Free { id } => {
                     body.frees.push(id);
                     Ok(())
