@@ -263,22 +263,33 @@ pub struct Batch<'a> {
     pub commands: Vec<Command<'a>>,
 }
 
-/// The bytes `commands` add to their reply's data (see [`Op::reply_len`]);
-/// the reads of a prepared submission's body add nothing until it runs.
-pub fn reply_bytes<'c, 'a: 'c>(commands: impl IntoIterator<Item = &'c Command<'a>>) -> u64 {
+/// The commands whose replies come with their batch (with their index):
+/// all but those of a prepared submission's body, which reply at each
+/// [`Op::Run`] instead.
+pub fn replying_now<'c, 'a>(
+    commands: &'c [Command<'a>],
+) -> impl Iterator<Item = (usize, &'c Command<'a>)> {
     let mut body = None;
-    commands.into_iter().fold(0u64, |n, c| match (&c.op, body) {
-        (Op::PrepareBegin { prepared }, None) => {
-            body = Some(*prepared);
-            n
-        }
-        (Op::GraphEnd { graph }, Some(p)) if *graph == p => {
-            body = None;
-            n
-        }
-        (_, Some(_)) => n,
-        (op, None) => n.saturating_add(op.reply_len()),
-    })
+    commands
+        .iter()
+        .enumerate()
+        .filter(move |(_, c)| match (&c.op, body) {
+            (Op::PrepareBegin { prepared }, None) => {
+                body = Some(*prepared);
+                false
+            }
+            (Op::GraphEnd { graph }, Some(p)) if *graph == p => {
+                body = None;
+                false
+            }
+            (_, b) => b.is_none(),
+        })
+}
+
+/// The bytes `commands` add to their reply's data (see [`Op::reply_len`]
+/// and [`replying_now`]).
+pub fn reply_bytes(commands: &[Command<'_>]) -> u64 {
+    replying_now(commands).fold(0u64, |n, (_, c)| n.saturating_add(c.op.reply_len()))
 }
 
 /// A BATCH's head as written ([`BatchHead`] as read). A nested struct is

@@ -249,22 +249,13 @@ impl Recorder {
     /// submissions among them; a prepared body's reads return nothing
     /// until it runs), in order.
     pub fn reads(&self) -> Vec<RecordedRead> {
-        let mut body = None;
-        let mut reads = Vec::new();
-        for (i, c) in self.commands.iter().enumerate() {
-            match (&c.op, body) {
-                (Op::PrepareBegin { prepared }, None) => body = Some(*prepared),
-                (Op::GraphEnd { graph }, Some(p)) if *graph == p => body = None,
-                (Op::Read { .. } | Op::TimerEnd { .. } | Op::Run { .. }, None) => {
-                    reads.push(RecordedRead {
-                        command: i,
-                        len: c.op.reply_len(),
-                    })
-                }
-                _ => {}
-            }
-        }
-        reads
+        crate::proto::replying_now(&self.commands)
+            .filter(|(_, c)| matches!(c.op, Op::Read { .. } | Op::TimerEnd { .. } | Op::Run { .. }))
+            .map(|(i, c)| RecordedRead {
+                command: i,
+                len: c.op.reply_len(),
+            })
+            .collect()
     }
 
     /// Commands recorded so far.

@@ -169,18 +169,13 @@ pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<St
     let mut p = StreamPlan::default();
     let (mut write, mut slot) = (0usize, 0usize);
     // A prepared body's reads have no slots: they return nothing now.
-    let mut prepared_body = false;
-    for (c, &r) in commands.iter().zip(&route) {
+    let mut now = vec![false; commands.len()];
+    for (i, _) in crate::proto::replying_now(commands) {
+        now[i] = true;
+    }
+    for ((c, &r), now) in commands.iter().zip(&route).zip(now) {
         match (&c.op, r) {
-            (Op::PrepareBegin { .. }, _) => {
-                prepared_body = true;
-                p.commands.push(c.clone());
-            }
-            (Op::GraphEnd { .. }, _) => {
-                prepared_body = false;
-                p.commands.push(c.clone());
-            }
-            (Op::Read { .. }, _) if prepared_body => p.commands.push(c.clone()),
+            (Op::Read { .. }, _) if !now => p.commands.push(c.clone()),
             (&Op::Run { outputs, .. }, _) => {
                 p.data.push(write);
                 write += 1;

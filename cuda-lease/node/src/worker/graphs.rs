@@ -115,11 +115,12 @@ impl Graphs {
             }
             let r = match c.op {
                 Op::Alloc { buf, size } => dev.alloc(c.stream, buf, size).map(|()| {
-                    body.unzeroed.push((buf, size, c.stream));
-                    if !body.prepared {
-                        // A graph's is zeroed first: its native capture
-                        // starts from the zeroing.
-                        body.close();
+                    if body.prepared {
+                        body.unzeroed.push((buf, size, c.stream));
+                    } else {
+                        // A graph's is zeroed where it is made: its native
+                        // capture starts from the zeroing.
+                        body.zero(buf, size, c.stream);
                     }
                 }),
                 Op::Free { id } => {
