@@ -127,6 +127,37 @@ pub trait LeaseDevice {
         let _ = (graph, streams, enqueue);
         Ok(false)
     }
+    /// Captures prepared body `graph` natively, as
+    /// [`LeaseDevice::capture_graph`] does, its uploads reading `bytes.0`
+    /// bytes and its downloads writing `bytes.1` bytes that each
+    /// [`LeaseDevice::run_prepared`] brings and takes. `Ok(false)` (the
+    /// default): not captured (the worker replays the commands).
+    fn capture_prepared(
+        &mut self,
+        graph: Id,
+        streams: &[StreamId],
+        bytes: (u64, u64),
+        enqueue: &mut dyn FnMut(&mut dyn LeaseDevice) -> Result<(), DeviceError>,
+    ) -> Result<bool, DeviceError> {
+        let _ = (graph, streams, bytes, enqueue);
+        Ok(false)
+    }
+    /// Runs a prepared body [`LeaseDevice::capture_prepared`] kept, after
+    /// the work on `stream` so far, with `inputs` for its uploads; its
+    /// downloads land at `at` in the output of the batch's end, as reads
+    /// do. `Ok(false)` (the default) when it cannot now (not captured, or
+    /// an earlier run's outputs are not taken yet): the worker replays the
+    /// commands instead.
+    fn run_prepared(
+        &mut self,
+        stream: StreamId,
+        graph: Id,
+        inputs: &[u8],
+        at: usize,
+    ) -> Result<bool, DeviceError> {
+        let _ = (stream, graph, inputs, at);
+        Ok(false)
+    }
     /// Replays a graph [`LeaseDevice::capture_graph`] kept, after the work
     /// on `stream` so far.
     fn launch_graph(&mut self, stream: StreamId, graph: Id) -> Result<(), DeviceError> {
@@ -136,7 +167,8 @@ pub trait LeaseDevice {
             format!("no graph {graph} on this device"),
         ))
     }
-    /// Frees a graph [`LeaseDevice::capture_graph`] kept, after its replays.
+    /// Frees a graph [`LeaseDevice::capture_graph`] (or a prepared body
+    /// [`LeaseDevice::capture_prepared`]) kept, after its replays.
     fn free_graph(&mut self, graph: Id) {
         let _ = graph;
     }

@@ -5,8 +5,11 @@
 //! submission's body (from `PrepareBegin`) is kept the same way without its
 //! upload bytes: each `Run` brings them, and its reads go to that batch's
 //! reply; its allocations are zeroed again only where its first use of one
-//! does not overwrite all of it. The lease's plan has checked every command
-//! already (ids, ranges, the body's rules, a run's byte counts).
+//! does not overwrite all of it. A device may keep either natively (a CUDA
+//! graph, a prepared body's with staging for its uploads and downloads);
+//! otherwise, or while a prepared body's staging serves an earlier run, the
+//! kept commands replay one by one. The lease's plan has checked every
+//! command already (ids, ranges, the body's rules, a run's byte counts).
 
 use super::enqueue::{enqueue, Payload};
 use crate::device::{DeviceError, LeaseDevice};
@@ -29,11 +32,15 @@ struct Body {
     native: bool,
     /// A prepared submission's: its writes' bytes come with each run.
     prepared: bool,
+    /// A prepared body's bytes: its uploads' (each run brings them) and
+    /// its downloads' (each run's reply takes them).
+    inputs: u64,
+    outputs: u64,
     /// A prepared body's allocations (with their size and stream) not
     /// zeroed yet: each is zeroed again at each run just before the body's
-    /// first use of it, unless that use overwrites all of it on the same
-    /// stream (an upload's or a fill's). A graph's are zeroed where they
-    /// were made.
+    /// first use of it, on that use's stream, unless that use overwrites
+    /// all of it (an upload's or a fill's). A graph's are zeroed where
+    /// they were made.
     unzeroed: Vec<(Id, u64, StreamId)>,
 }
 
@@ -41,7 +48,7 @@ impl Body {
     /// Keeps `c`, after the zeroing of the allocations it is the first to use.
     fn keep(&mut self, c: &Command<'_>) {
         let mut k = 0;
-        while let Some(&(buf, size, stream)) = self.unzeroed.get(k) {
+        while let Some(&(buf, size, _)) = self.unzeroed.get(k) {
             let mut uses = false;
             c.op.buffers(|id, _| uses |= id == buf);
             if !uses {
@@ -49,13 +56,16 @@ impl Body {
                 continue;
             }
             self.unzeroed.swap_remove(k);
-            let overwrites = c.stream == stream
-                && matches!(c.op, Op::Write { buf: b, offset: 0, len, .. }
-                    | Op::Fill { buf: b, offset: 0, len, .. } if b == buf && len == size);
+            let overwrites = matches!(c.op, Op::Write { buf: b, offset: 0, len, .. }
+                | Op::Fill { buf: b, offset: 0, len, .. } if b == buf && len == size);
             if !overwrites {
-                self.zero(buf, size, stream);
+                // On the use's stream, just before it: stream-ordered, as a
+                // native capture needs (it keeps no buffer's cross-stream
+                // order, only the body's own events).
+                self.zero(buf, size, c.stream);
             }
         }
+        self.outputs += c.op.reply_len();
         postcard_encode(c, &mut self.commands);
     }
 
@@ -105,7 +115,7 @@ impl Graphs {
         if self.open.as_ref().is_some_and(|(g, _)| ends(g)) {
             let (id, mut body) = self.open.take().expect("open");
             body.close();
-            body.native = !body.prepared && capture(dev, id, &body);
+            body.native = capture(dev, id, &body);
             self.live.insert(id, body);
             return Some(Ok(()));
         }
@@ -128,7 +138,9 @@ impl Graphs {
                     Ok(())
                 }
                 Op::Write { len, .. } => payload.take(len).map(|d| {
-                    if !body.prepared {
+                    if body.prepared {
+                        body.inputs += len;
+                    } else {
                         body.data.extend_from_slice(d);
                     }
                     body.keep(c);
@@ -158,9 +170,14 @@ impl Graphs {
             Op::Run {
                 prepared, inputs, ..
             } => Some(match self.live.get(&prepared) {
-                Some(body) => payload
-                    .take(inputs)
-                    .and_then(|d| replay(dev, c.stream, body, Payload::new(d), read_at)),
+                Some(body) => payload.take(inputs).and_then(|d| {
+                    if body.native && dev.run_prepared(c.stream, prepared, d, *read_at)? {
+                        *read_at += body.outputs as usize;
+                        return Ok(());
+                    }
+                    // Not captured, or its staging is in use: one by one.
+                    replay(dev, c.stream, body, Payload::new(d), read_at)
+                }),
                 None => Err(crate::device::not_found("prepared submission", prepared)),
             }),
             Op::Free { id } => {
@@ -180,11 +197,34 @@ impl Graphs {
 /// that fails leaves the commands to be replayed one by one (any error
 /// they have shows at a launch).
 fn capture(dev: &mut dyn LeaseDevice, graph: Id, body: &Body) -> bool {
+    // A prepared body's uploads are captured from its staging (whose
+    // bytes each run brings), not from these.
+    let inputs = vec![
+        0u8;
+        if body.prepared {
+            body.inputs as usize
+        } else {
+            0
+        }
+    ];
+    let data = if body.prepared { &inputs } else { &body.data };
+    let main = body.streams.first().copied().unwrap_or_default();
     let mut enqueue = |dev: &mut dyn LeaseDevice| {
-        // A graph's body reads nothing.
-        enqueue_body(dev, body, Payload::new(&body.data), &mut 0)
+        // Every stream of the body joins the capture before its first
+        // command (and the first stream waits for each at the end), as a
+        // replay's are ordered. A graph's body reads nothing; a prepared
+        // body's reads land in its staging.
+        fenced(dev, main, body, |dev| {
+            enqueue_body(dev, body, Payload::new(data), &mut 0)
+        })
     };
-    match dev.capture_graph(graph, &body.streams, &mut enqueue) {
+    let captured = if body.prepared {
+        let bytes = (body.inputs, body.outputs);
+        dev.capture_prepared(graph, &body.streams, bytes, &mut enqueue)
+    } else {
+        dev.capture_graph(graph, &body.streams, &mut enqueue)
+    };
+    match captured {
         Ok(native) => native,
         Err(e) => {
             // (Workers have no log of their own: their stderr is the node's.)
@@ -208,6 +248,21 @@ fn replay(
     data: Payload<'_>,
     read_at: &mut usize,
 ) -> Result<(), DeviceError> {
+    fenced(dev, stream, body, |dev| {
+        enqueue_body(dev, body, data, read_at)
+    })
+}
+
+/// Runs `enqueue` (the body's commands) after the work on `stream` so far
+/// and before what follows it there: the body's other streams wait for
+/// `stream` before it (the node's fence events), and `stream` for each of
+/// them after it.
+fn fenced(
+    dev: &mut dyn LeaseDevice,
+    stream: StreamId,
+    body: &Body,
+    enqueue: impl FnOnce(&mut dyn LeaseDevice) -> Result<(), DeviceError>,
+) -> Result<(), DeviceError> {
     let others: Vec<StreamId> = body
         .streams
         .iter()
@@ -220,7 +275,7 @@ fn replay(
             dev.wait(*s, fence(0))?;
         }
     }
-    enqueue_body(dev, body, data, read_at)?;
+    enqueue(dev)?;
     for (k, s) in others.iter().enumerate() {
         dev.record(*s, fence(k + 1))?;
         dev.wait(stream, fence(k + 1))?;
@@ -244,4 +299,74 @@ fn enqueue_body(
         enqueue(dev, &c, &mut payload, read_at)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::{LaunchArg, LaunchSpec, ModuleHash};
+
+    fn kept(body: &Body) -> Vec<Command<'_>> {
+        let mut wire = &body.commands[..];
+        let mut out = Vec::new();
+        while !wire.is_empty() {
+            out.push(postcard_decode(&mut wire).expect("decodes"));
+        }
+        out
+    }
+
+    #[test]
+    fn a_prepared_bodys_zeroing_runs_on_the_stream_of_the_first_use_just_before_it() {
+        let mut body = Body {
+            prepared: true,
+            ..Body::default()
+        };
+        // Made on stream 1, first used by a launch on stream 0; another
+        // made on stream 1 and first overwritten whole on stream 0.
+        body.unzeroed = vec![(Id(8), 64, 1), (Id(9), 64, 1)];
+        let spec = LaunchSpec {
+            module: ModuleHash([0; 32]),
+            kernel: "k".into(),
+            grid: [1, 1, 1],
+            block: [1, 1, 1],
+            shared_mem: 0,
+            args: vec![LaunchArg::Mem {
+                buf: Id(8),
+                offset: 0,
+            }],
+        };
+        body.keep(&Command {
+            stream: 0,
+            op: Op::Launch(spec),
+        });
+        let fill = Op::Fill {
+            buf: Id(9),
+            offset: 0,
+            len: 64,
+            value: 7,
+        };
+        body.keep(&Command {
+            stream: 0,
+            op: fill,
+        });
+        let cmds = kept(&body);
+        assert_eq!(cmds.len(), 3, "{cmds:?}");
+        let zero = Op::Fill {
+            buf: Id(8),
+            offset: 0,
+            len: 64,
+            value: 0,
+        };
+        assert_eq!((cmds[0].stream, &cmds[0].op), (0, &zero));
+        assert!(matches!(cmds[1].op, Op::Launch(_)));
+        assert!(matches!(
+            cmds[2].op,
+            Op::Fill {
+                buf: Id(9),
+                value: 7,
+                ..
+            }
+        ));
+        assert!(body.unzeroed.is_empty());
+    }
 }

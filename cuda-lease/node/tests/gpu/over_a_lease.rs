@@ -483,6 +483,22 @@ fn a_prepared_submission_runs_with_new_inputs_bit_identical_to_eager_runs() {
         run(i);
         eprintln!("prepared run {i}, awaited: {:?}", t.elapsed());
     }
+    // Two runs in one submission: the second finds the first's staging
+    // taken on the node and replays one by one; each gets its own outputs.
+    let ((a0, b0), (a1, b1)) = (&cases[0], &cases[1]);
+    let both = prepared.run(&[&a0[..], &b0[..]]).unwrap();
+    let (o0, o1) = both
+        .zip(prepared.run(&[&a1[..], &b1[..]]).unwrap())
+        .sync_with(&remote)
+        .unwrap();
+    assert!(
+        bits(&o0.to_vec::<f32>(0).unwrap()) == want[0],
+        "zipped run 0"
+    );
+    assert!(
+        bits(&o1.to_vec::<f32>(0).unwrap()) == want[1],
+        "zipped run 1"
+    );
     std::thread::scope(|s| {
         for t in 0..4 {
             let run = &run;

@@ -16,6 +16,7 @@ use crate::sandbox::Compiler;
 mod buffers;
 mod launch;
 mod ops;
+mod prepared;
 mod sealed;
 mod staging;
 mod streams;
@@ -84,6 +85,13 @@ pub struct CudaDevice {
     /// A graph's body is being captured: writes bypass the batch arena
     /// (reused after the batch, which a replay would read).
     capturing: bool,
+    /// Prepared bodies captured natively, by id (see `prepared`).
+    prepared: IdMap<Id, std::rc::Rc<prepared::PreparedGraph>>,
+    /// The staging of the prepared body being captured.
+    staging: Option<prepared::Staging>,
+    /// Runs of prepared bodies since the last seal or finish: their
+    /// outputs' places in the reply's data.
+    prepared_reads: Vec<prepared::PreparedRead>,
     /// Arenas of batches that are done, for the next batches.
     spare_arenas: Vec<StagingArena>,
     /// Sealed batches, running on (see `LeaseDevice::seal`).
@@ -147,6 +155,9 @@ impl CudaDevice {
             graphs: IdMap::default(),
             capture_alloc: None,
             capturing: false,
+            prepared: IdMap::default(),
+            staging: None,
+            prepared_reads: Vec::new(),
             spare_arenas: Vec::new(),
             sealed: HashMap::new(),
             next_ticket: 0,

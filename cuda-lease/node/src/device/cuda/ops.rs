@@ -125,6 +125,9 @@ impl LeaseDevice for CudaDevice {
         if r.is_empty() {
             return Ok(());
         }
+        if let Some(staged) = self.write_staged(sid, id, r.start, r.len()) {
+            return staged;
+        }
         if let Some(slot) = self.arena_take(r.len())? {
             self.use_on(id, sid, &stream)?;
             let buf = Self::raw_mut(self.buffers.get_mut(&id).expect("checked above"));
@@ -159,6 +162,9 @@ impl LeaseDevice for CudaDevice {
             return Ok(());
         }
         let st = Status::ReadFailed;
+        if let Some(staged) = self.read_staged(sid, id, r.start, r.len()) {
+            return staged;
+        }
         if let Some(slot) = self.arena_take(r.len())? {
             self.use_on(id, sid, &stream)?;
             let buf = &self.buffers[&id];
@@ -535,36 +541,33 @@ impl LeaseDevice for CudaDevice {
         streams: &[StreamId],
         enqueue: &mut dyn FnMut(&mut dyn LeaseDevice) -> Result<(), DeviceError>,
     ) -> Result<bool, DeviceError> {
-        let Some((&first, rest)) = streams.split_first() else {
+        let Some(captured) = self.capture_tracked(streams, enqueue)? else {
             return Ok(false);
         };
-        // Made before the capture starts (no stream is created inside it).
-        let main = self.stream(first)?;
-        let side = rest
-            .iter()
-            .map(|s| self.stream(*s))
-            .collect::<Result<Vec<_>, _>>()?;
-        let alloc = self.capture_alloc_stream()?;
-        // Uses before the capture are recorded outside it.
-        self.flush_all()?;
-        let mut failed = None;
-        self.capturing = true;
-        let captured = TrackedGraph::capture(&main, &side, &alloc, |_| {
-            // The body's uses are logged for the graph before it ends.
-            let r = enqueue(self).and_then(|()| self.flush_all());
-            r.map_err(|e| {
-                let message = e.message.clone();
-                failed = Some(e);
-                cuda_core::Error::Capture(message)
-            })
-        });
-        self.capturing = false;
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        let captured = captured.map_err(|e| map(Status::Internal, "graph capture", e))?;
         self.graphs.insert(graph, captured);
         Ok(true)
+    }
+
+    /// Captured as a graph is, its uploads and downloads staged in
+    /// page-locked memory of its own (see `prepared`).
+    fn capture_prepared(
+        &mut self,
+        graph: Id,
+        streams: &[StreamId],
+        bytes: (u64, u64),
+        enqueue: &mut dyn FnMut(&mut dyn LeaseDevice) -> Result<(), DeviceError>,
+    ) -> Result<bool, DeviceError> {
+        self.capture_staged(graph, streams, bytes, enqueue)
+    }
+
+    fn run_prepared(
+        &mut self,
+        stream: StreamId,
+        graph: Id,
+        inputs: &[u8],
+        at: usize,
+    ) -> Result<bool, DeviceError> {
+        self.run_staged(stream, graph, inputs, at)
     }
 
     /// A graph captured natively, replayed with one `cuGraphLaunch`.
@@ -580,8 +583,10 @@ impl LeaseDevice for CudaDevice {
     }
 
     fn free_graph(&mut self, graph: Id) {
-        // Released after its last replay, on the reclaimer thread.
+        // Released after its last replay, on the reclaimer thread (a
+        // prepared body's once its last run's outputs are copied out).
         self.graphs.remove(&graph);
+        self.prepared.remove(&graph);
     }
 
     fn seal(&mut self, out_len: usize) -> Ticket {
@@ -614,6 +619,7 @@ impl LeaseDevice for CudaDevice {
         let reads = std::mem::take(&mut self.reads);
         let timers = std::mem::take(&mut self.timer_reads);
         let arena_reads = std::mem::take(&mut self.arena_reads);
+        let prepared_reads = std::mem::take(&mut self.prepared_reads);
         if synced.is_err() {
             // Copies may still use it: never reuse or free it.
             std::mem::forget(self.arena.take());
@@ -624,6 +630,47 @@ impl LeaseDevice for CudaDevice {
             sealed::arena_reads_into(out, arena, arena_reads)?;
         }
         sealed::reads_into(out, reads, timers)?;
-        Ok(())
+        super::prepared::prepared_reads_into(out, prepared_reads)
+    }
+}
+
+impl CudaDevice {
+    /// Captures what `enqueue` enqueues while `streams` (the first one
+    /// first) capture into a `TrackedGraph`; `None` for a body on no stream.
+    pub(super) fn capture_tracked(
+        &mut self,
+        streams: &[StreamId],
+        enqueue: &mut dyn FnMut(&mut dyn LeaseDevice) -> Result<(), DeviceError>,
+    ) -> Result<Option<TrackedGraph>, DeviceError> {
+        let Some((&first, rest)) = streams.split_first() else {
+            return Ok(None);
+        };
+        // Made before the capture starts (no stream is created inside it).
+        let main = self.stream(first)?;
+        let side = rest
+            .iter()
+            .map(|s| self.stream(*s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let alloc = self.capture_alloc_stream()?;
+        // Uses before the capture are recorded outside it.
+        self.flush_all()?;
+        let mut failed = None;
+        self.capturing = true;
+        let captured = TrackedGraph::capture(&main, &side, &alloc, |_| {
+            // The body's uses are logged for the graph before it ends.
+            let r = enqueue(self).and_then(|()| self.flush_all());
+            r.map_err(|e| {
+                let message = e.message.clone();
+                failed = Some(e);
+                cuda_core::Error::Capture(message)
+            })
+        });
+        self.capturing = false;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        captured
+            .map(Some)
+            .map_err(|e| map(Status::Internal, "graph capture", e))
     }
 }

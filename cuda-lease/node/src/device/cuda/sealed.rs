@@ -28,6 +28,8 @@ pub(super) struct InFlight {
     reads: Vec<(PinnedBuffer<u8>, usize)>,
     timers: Vec<(CudaEvent, CudaEvent, usize)>,
     arena: Option<SealedArena>,
+    /// Its runs of prepared bodies (see `prepared`).
+    prepared: Vec<super::prepared::PreparedRead>,
     /// Buffers it freed: spare once it is done.
     freed: Vec<DeviceBuffer<u8>>,
     out_len: usize,
@@ -48,6 +50,7 @@ impl CudaDevice {
         let reads = std::mem::take(&mut self.reads);
         let timers = std::mem::take(&mut self.timer_reads);
         let arena_reads = std::mem::take(&mut self.arena_reads);
+        let prepared = std::mem::take(&mut self.prepared_reads);
         let freed = self.spare.take_freed();
         let mut done = Vec::with_capacity(touched.len());
         let mut failed = None;
@@ -94,6 +97,7 @@ impl CudaDevice {
             reads,
             timers,
             arena,
+            prepared,
             freed,
             out_len,
         })
@@ -141,6 +145,7 @@ impl CudaDevice {
         }
         self.spare.settle_these(f.freed, true);
         reads_into(&mut out, f.reads, f.timers)?;
+        super::prepared::prepared_reads_into(&mut out, f.prepared)?;
         Ok(out)
     }
 
