@@ -130,8 +130,9 @@ pub trait LeaseDevice {
     /// Captures prepared body `graph` natively, as
     /// [`LeaseDevice::capture_graph`] does, its uploads reading `bytes.0`
     /// bytes and its downloads writing `bytes.1` bytes that each
-    /// [`LeaseDevice::run_prepared`] brings and takes. `Ok(false)` (the
-    /// default): not captured (the worker replays the commands).
+    /// [`LeaseDevice::run_prepared`] brings and takes; called again, it
+    /// captures another instance, for runs in flight together. `Ok(false)`
+    /// (the default): not captured (the worker replays the commands).
     fn capture_prepared(
         &mut self,
         graph: Id,
@@ -146,8 +147,8 @@ pub trait LeaseDevice {
     /// the work on `stream` so far, with `inputs` for its uploads; its
     /// downloads land at `at` in the output of the batch's end, as reads
     /// do. `Ok(false)` (the default) when it cannot now (not captured, or
-    /// an earlier run's outputs are not taken yet): the worker replays the
-    /// commands instead.
+    /// every instance still serves an earlier run): the worker captures
+    /// another instance or replays the commands instead.
     fn run_prepared(
         &mut self,
         stream: StreamId,

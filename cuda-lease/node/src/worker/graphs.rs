@@ -30,6 +30,9 @@ struct Body {
     streams: Vec<StreamId>,
     /// The device keeps it as a native graph (else the commands replay).
     native: bool,
+    /// A prepared body's native instances (one per run in flight together,
+    /// up to [`INSTANCES_MAX`]); past the last one tried, no more.
+    instances: usize,
     /// A prepared submission's: its writes' bytes come with each run.
     prepared: bool,
     /// A prepared body's bytes: its uploads' (each run brings them) and
@@ -87,6 +90,10 @@ impl Body {
     }
 }
 
+/// Most native instances of one prepared body: runs in flight together
+/// beyond these replay one by one.
+const INSTANCES_MAX: usize = 4;
+
 /// The lease's graphs, and the one being recorded.
 #[derive(Default)]
 pub(super) struct Graphs {
@@ -116,6 +123,7 @@ impl Graphs {
             let (id, mut body) = self.open.take().expect("open");
             body.close();
             body.native = capture(dev, id, &body);
+            body.instances = usize::from(body.native);
             self.live.insert(id, body);
             return Some(Ok(()));
         }
@@ -169,13 +177,13 @@ impl Graphs {
             }),
             Op::Run {
                 prepared, inputs, ..
-            } => Some(match self.live.get(&prepared) {
+            } => Some(match self.live.get_mut(&prepared) {
                 Some(body) => payload.take(inputs).and_then(|d| {
-                    if body.native && dev.run_prepared(c.stream, prepared, d, *read_at)? {
+                    if body.native && run_native(dev, c.stream, prepared, body, d, *read_at)? {
                         *read_at += body.outputs as usize;
                         return Ok(());
                     }
-                    // Not captured, or its staging is in use: one by one.
+                    // Not captured, or no instance free: one by one.
                     replay(dev, c.stream, body, Payload::new(d), read_at)
                 }),
                 None => Err(crate::device::not_found("prepared submission", prepared)),
@@ -191,6 +199,31 @@ impl Graphs {
             _ => None,
         }
     }
+}
+
+/// Runs prepared body `id` natively: on a free instance, else on one
+/// captured now (up to [`INSTANCES_MAX`]); whether it ran.
+fn run_native(
+    dev: &mut dyn LeaseDevice,
+    stream: StreamId,
+    id: Id,
+    body: &mut Body,
+    inputs: &[u8],
+    at: usize,
+) -> Result<bool, DeviceError> {
+    if dev.run_prepared(stream, id, inputs, at)? {
+        return Ok(true);
+    }
+    if body.instances >= INSTANCES_MAX {
+        return Ok(false);
+    }
+    if !capture(dev, id, body) {
+        // Not again: the next runs replay one by one.
+        body.instances = INSTANCES_MAX;
+        return Ok(false);
+    }
+    body.instances += 1;
+    dev.run_prepared(stream, id, inputs, at)
 }
 
 /// Asks the device to capture `body` natively; whether it does. A capture

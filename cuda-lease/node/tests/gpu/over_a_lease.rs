@@ -483,22 +483,23 @@ fn a_prepared_submission_runs_with_new_inputs_bit_identical_to_eager_runs() {
         run(i);
         eprintln!("prepared run {i}, awaited: {:?}", t.elapsed());
     }
-    // Two runs in one submission: the second finds the first's staging
-    // taken on the node and replays one by one; each gets its own outputs.
-    let ((a0, b0), (a1, b1)) = (&cases[0], &cases[1]);
-    let both = prepared.run(&[&a0[..], &b0[..]]).unwrap();
-    let (o0, o1) = both
-        .zip(prepared.run(&[&a1[..], &b1[..]]).unwrap())
+    // Five runs in one submission: on a GPU node each of the first four
+    // finds the instances before it taken and captures another (at most
+    // four), and the fifth replays one by one; each gets its own outputs.
+    let one = |i: usize| prepared.run(&[&cases[i].0[..], &cases[i].1[..]]).unwrap();
+    let ((((o0, o1), o2), o3), o4) = one(0)
+        .zip(one(1))
+        .zip(one(2))
+        .zip(one(3))
+        .zip(one(4))
         .sync_with(&remote)
         .unwrap();
-    assert!(
-        bits(&o0.to_vec::<f32>(0).unwrap()) == want[0],
-        "zipped run 0"
-    );
-    assert!(
-        bits(&o1.to_vec::<f32>(0).unwrap()) == want[1],
-        "zipped run 1"
-    );
+    for (i, o) in [o0, o1, o2, o3, o4].iter().enumerate() {
+        assert!(
+            bits(&o.to_vec::<f32>(0).unwrap()) == want[i],
+            "zipped run {i}"
+        );
+    }
     std::thread::scope(|s| {
         for t in 0..4 {
             let run = &run;

@@ -4,12 +4,18 @@
 //! order), so a run is a host copy of its inputs, one `cuGraphLaunch`, and,
 //! once its batch is done, a host copy of its outputs into the reply.
 //!
-//! One run at a time uses a body's staging: from the launch until its
-//! batch has copied the outputs out, the body is busy and another run of it
-//! replays its commands one by one instead (the worker's fallback, which
-//! stages through the batch's own memory). The staging is a
+//! One run at a time uses an instance's staging: from the launch until its
+//! batch has copied the outputs out, the instance is busy. A body may be
+//! captured more than once (each instance with staging of its own), so
+//! runs in flight together each find one; where none is free the worker
+//! captures another or replays the commands one by one (its fallback,
+//! which stages through the batch's own memory). The staging is a
 //! `SharedPinnedBuffer`: the host's copies wait for the replays' copies
 //! they conflict with, and a replay is ordered after the host's copies.
+//!
+//! The staging is page-locked host memory that no lease's reservation
+//! covers: a worker keeps at most [`STAGING_MAX`] bytes of it, and an
+//! instance that would pass that is not captured.
 
 use std::cell::Cell;
 use std::rc::Rc;
@@ -22,7 +28,11 @@ use crate::device::error::{map, not_found};
 use crate::device::DeviceError;
 use crate::proto::{Id, Status, StreamId};
 
-/// A prepared body captured natively.
+/// Most bytes of prepared bodies' staging a worker keeps, all instances
+/// of all bodies together.
+pub(super) const STAGING_MAX: usize = 64 << 20;
+
+/// A prepared body captured natively (one instance).
 #[derive(Debug)]
 pub(super) struct PreparedGraph {
     graph: TrackedGraph,
@@ -69,6 +79,10 @@ impl CudaDevice {
             usize::try_from(inputs).map_err(too_big)?,
             usize::try_from(outputs).map_err(too_big)?,
         );
+        let bytes = staged_bytes(inputs, outputs);
+        if self.staged_bytes.saturating_add(bytes) > STAGING_MAX {
+            return Ok(false);
+        }
         let (input, output) = (
             pinned(&self.device, inputs)?,
             pinned(&self.device, outputs)?,
@@ -103,7 +117,11 @@ impl CudaDevice {
             outputs,
             busy: Cell::new(false),
         };
-        self.prepared.insert(graph, Rc::new(prepared));
+        self.staged_bytes += bytes;
+        self.prepared
+            .entry(graph)
+            .or_default()
+            .push(Rc::new(prepared));
         Ok(true)
     }
 
@@ -204,7 +222,12 @@ impl CudaDevice {
         inputs: &[u8],
         at: usize,
     ) -> Result<bool, DeviceError> {
-        let Some(p) = self.prepared.get(&graph).cloned() else {
+        let Some(instances) = self.prepared.get(&graph) else {
+            return Ok(false);
+        };
+        // A free instance, if any (each is busy until its run's outputs
+        // are copied out).
+        let Some(p) = instances.iter().find(|p| !p.busy.get()).cloned() else {
             return Ok(false);
         };
         if inputs.len() != p.inputs {
@@ -218,10 +241,7 @@ impl CudaDevice {
             ));
         }
         let stream = self.stream(sid)?;
-        if p.busy.replace(true) {
-            // An earlier run's outputs are still to be copied out.
-            return Ok(false);
-        }
+        p.busy.set(true);
         // (Waits for nothing: the last run's batch is done.)
         p.input
             .write(|host| host[..inputs.len()].copy_from_slice(inputs))
@@ -233,6 +253,21 @@ impl CudaDevice {
             .map_err(|e| map(Status::LaunchFailed, "cuGraphLaunch", e))?;
         self.prepared_reads.push((p, at));
         Ok(true)
+    }
+}
+
+/// What an instance's staging holds, in bytes (at least one each way).
+fn staged_bytes(inputs: usize, outputs: usize) -> usize {
+    inputs.max(1).saturating_add(outputs.max(1))
+}
+
+impl CudaDevice {
+    /// Lets go of prepared body `graph`'s instances (each released once its
+    /// last run's outputs are copied out).
+    pub(super) fn free_staged(&mut self, graph: Id) {
+        for p in self.prepared.remove(&graph).unwrap_or_default() {
+            self.staged_bytes -= staged_bytes(p.inputs, p.outputs);
+        }
     }
 }
 
