@@ -1,15 +1,17 @@
 //! A lease's graphs on its worker: a body recorded between `GraphBegin` and
-//! `GraphEnd` (allocations made at once and zeroed again at each replay,
-//! other commands kept in wire form with their upload bytes), replayed at
-//! each `GraphLaunch`, and freed with the body's own frees. A prepared
-//! submission's body (from `PrepareBegin`) is kept the same way without its
-//! upload bytes: each `Run` brings them, and its reads go to that batch's
-//! reply; its allocations are zeroed again only where its first use of one
-//! does not overwrite all of it. A device may keep either natively (a CUDA
-//! graph, a prepared body's with staging for its uploads and downloads);
-//! otherwise, or while a prepared body's staging serves an earlier run, the
-//! kept commands replay one by one. The lease's plan has checked every
-//! command already (ids, ranges, the body's rules, a run's byte counts).
+//! `GraphEnd` (allocations made at once, other commands kept in wire form
+//! with their upload bytes), replayed at each `GraphLaunch`, and freed with
+//! the body's own frees. A prepared submission's body (from `PrepareBegin`)
+//! is kept the same way without its upload bytes: each `Run` brings them,
+//! and its reads go to that batch's reply. A body's allocations are zeroed
+//! again at each replay or run, just before the body's first use of each
+//! and on that use's stream, unless that use overwrites all of it. A device
+//! may keep either natively (a CUDA graph, a prepared body's with staging
+//! for its uploads and downloads, every stream of the body forked from its
+//! first and joined back); otherwise, or while every instance of a prepared
+//! body serves an earlier run, the kept commands replay one by one. The
+//! lease's plan has checked every command already (ids, ranges, the body's
+//! rules, a run's byte counts).
 
 use super::enqueue::{enqueue, Payload};
 use crate::device::{DeviceError, LeaseDevice};
@@ -39,11 +41,11 @@ struct Body {
     /// its downloads' (each run's reply takes them).
     inputs: u64,
     outputs: u64,
-    /// A prepared body's allocations (with their size and stream) not
-    /// zeroed yet: each is zeroed again at each run just before the body's
-    /// first use of it, on that use's stream, unless that use overwrites
-    /// all of it (an upload's or a fill's). A graph's are zeroed where
-    /// they were made.
+    /// The body's allocations (with their size and stream) not zeroed
+    /// yet: each is zeroed again at each replay or run just before the
+    /// body's first use of it, on that use's stream, unless that use
+    /// overwrites all of it (an upload's or a fill's); one the body never
+    /// uses, at the body's end.
     unzeroed: Vec<(Id, u64, StreamId)>,
 }
 
@@ -132,15 +134,9 @@ impl Graphs {
                 body.streams.push(c.stream);
             }
             let r = match c.op {
-                Op::Alloc { buf, size } => dev.alloc(c.stream, buf, size).map(|()| {
-                    if body.prepared {
-                        body.unzeroed.push((buf, size, c.stream));
-                    } else {
-                        // A graph's is zeroed where it is made: its native
-                        // capture starts from the zeroing.
-                        body.zero(buf, size, c.stream);
-                    }
-                }),
+                Op::Alloc { buf, size } => dev
+                    .alloc(c.stream, buf, size)
+                    .map(|()| body.unzeroed.push((buf, size, c.stream))),
                 Op::Free { id } => {
                     body.frees.push(id);
                     Ok(())
@@ -349,9 +345,65 @@ mod tests {
     }
 
     #[test]
-    fn a_prepared_bodys_zeroing_runs_on_the_stream_of_the_first_use_just_before_it() {
+    fn a_bodys_zeroing_runs_on_the_stream_of_the_first_use_just_before_it() {
+        for prepared in [true, false] {
+            zeroing_on_the_first_use(prepared);
+        }
+    }
+
+    #[test]
+    fn a_graphs_allocation_is_zeroed_where_the_body_first_uses_it() {
+        let mut dev = crate::device::MemoryDevice::new(1 << 20);
+        let mut graphs = Graphs::default();
+        let mut run = |c: Command<'_>| {
+            let (mut payload, mut at) = (Payload::new(&[]), 0);
+            let r = graphs.intercept(&mut dev, &c, &mut payload, &mut at);
+            assert!(matches!(r, Some(Ok(()))), "{c:?}: {r:?}");
+        };
+        run(Command {
+            stream: 0,
+            op: Op::GraphBegin { graph: Id(1) },
+        });
+        run(Command {
+            stream: 1,
+            op: Op::Alloc {
+                buf: Id(8),
+                size: 64,
+            },
+        });
+        run(Command {
+            stream: 0,
+            op: Op::Launch(launch_of(Id(8))),
+        });
+        let (_, body) = graphs.open.as_ref().expect("open");
+        let cmds = kept(body);
+        assert_eq!(cmds.len(), 2, "{cmds:?}");
+        assert_eq!((cmds[0].stream, &cmds[0].op), (0, &zero_of(Id(8))));
+    }
+
+    fn launch_of(buf: Id) -> LaunchSpec<'static> {
+        LaunchSpec {
+            module: ModuleHash([0; 32]),
+            kernel: "k".into(),
+            grid: [1, 1, 1],
+            block: [1, 1, 1],
+            shared_mem: 0,
+            args: vec![LaunchArg::Mem { buf, offset: 0 }],
+        }
+    }
+
+    fn zero_of(buf: Id) -> Op<'static> {
+        Op::Fill {
+            buf,
+            offset: 0,
+            len: 64,
+            value: 0,
+        }
+    }
+
+    fn zeroing_on_the_first_use(prepared: bool) {
         let mut body = Body {
-            prepared: true,
+            prepared,
             ..Body::default()
         };
         // Made on stream 1, first used by a launch on stream 0; another
