@@ -125,7 +125,7 @@ impl LeaseDevice for CudaDevice {
         if r.is_empty() {
             return Ok(());
         }
-        if let Some(staged) = self.write_staged(sid, id, r.start, r.len()) {
+        if let Some(staged) = self.copy_staged(sid, id, (r.start, r.len()), false) {
             return staged;
         }
         if let Some(slot) = self.arena_take(r.len())? {
@@ -162,7 +162,7 @@ impl LeaseDevice for CudaDevice {
             return Ok(());
         }
         let st = Status::ReadFailed;
-        if let Some(staged) = self.read_staged(sid, id, r.start, r.len()) {
+        if let Some(staged) = self.copy_staged(sid, id, (r.start, r.len()), true) {
             return staged;
         }
         if let Some(slot) = self.arena_take(r.len())? {

@@ -125,38 +125,27 @@ impl CudaDevice {
         Ok(true)
     }
 
-    /// During a prepared body's capture: the upload of `len` bytes into
-    /// buffer `id` at `start` from the next bytes of the input staging.
-    /// `None` outside one.
-    pub(super) fn write_staged(
+    /// During a prepared body's capture: the copy of `len` bytes between
+    /// buffer `id` at `start` and the next bytes of the staging (out of the
+    /// buffer into the output staging for a `download`, else into it from
+    /// the input staging). `None` outside one.
+    pub(super) fn copy_staged(
         &mut self,
         sid: StreamId,
         id: Id,
-        start: usize,
-        len: usize,
+        (start, len): (usize, usize),
+        download: bool,
     ) -> Option<Result<(), DeviceError>> {
         let staging = self.staging.as_mut()?;
-        let at = staging.in_at;
-        staging.in_at += len;
-        let input = staging.input.clone();
-        Some(self.staged_copy(sid, id, &input, at, start, len, false))
-    }
-
-    /// During a prepared body's capture: the download of `len` bytes of
-    /// buffer `id` at `start` into the next bytes of the output staging.
-    /// `None` outside one.
-    pub(super) fn read_staged(
-        &mut self,
-        sid: StreamId,
-        id: Id,
-        start: usize,
-        len: usize,
-    ) -> Option<Result<(), DeviceError>> {
-        let staging = self.staging.as_mut()?;
-        let at = staging.out_at;
-        staging.out_at += len;
-        let output = staging.output.clone();
-        Some(self.staged_copy(sid, id, &output, at, start, len, true))
+        let (cursor, host) = if download {
+            (&mut staging.out_at, &staging.output)
+        } else {
+            (&mut staging.in_at, &staging.input)
+        };
+        let at = *cursor;
+        *cursor += len;
+        let host = host.clone();
+        Some(self.staged_copy(sid, id, &host, at, start, len, download))
     }
 
     /// A captured copy between `host[at..at + len]` and buffer `id`'s
