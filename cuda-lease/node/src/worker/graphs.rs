@@ -30,10 +30,9 @@ struct Body {
     frees: Vec<Id>,
     /// The streams the body's commands run on, in first-use order.
     streams: Vec<StreamId>,
-    /// The device keeps it as a native graph (else the commands replay).
-    native: bool,
-    /// A prepared body's native instances (one per run in flight together,
-    /// up to [`INSTANCES_MAX`]); past the last one tried, no more.
+    /// How many times the device captured it natively (0: the commands
+    /// replay); a prepared body's once per run in flight together, up to
+    /// [`INSTANCES_MAX`], which a failed capture also sets (no more tries).
     instances: usize,
     /// A prepared submission's: its writes' bytes come with each run.
     prepared: bool,
@@ -84,6 +83,11 @@ impl Body {
         postcard_encode(&Command { stream, op }, &mut self.commands);
     }
 
+    /// The device keeps it as a native graph.
+    fn native(&self) -> bool {
+        self.instances > 0
+    }
+
     /// The body is complete: what it never used is zeroed at its end.
     fn close(&mut self) {
         for (buf, size, stream) in std::mem::take(&mut self.unzeroed) {
@@ -124,8 +128,7 @@ impl Graphs {
         if self.open.as_ref().is_some_and(|(g, _)| ends(g)) {
             let (id, mut body) = self.open.take().expect("open");
             body.close();
-            body.native = capture(dev, id, &body);
-            body.instances = usize::from(body.native);
+            body.instances = usize::from(capture(dev, id, &body));
             self.live.insert(id, body);
             return Some(Ok(()));
         }
@@ -167,7 +170,7 @@ impl Graphs {
                 Some(Ok(()))
             }
             Op::GraphLaunch { graph } => Some(match self.live.get(&graph) {
-                Some(body) if body.native => dev.launch_graph(c.stream, graph),
+                Some(body) if body.native() => dev.launch_graph(c.stream, graph),
                 Some(body) => replay(dev, c.stream, body, Payload::new(&body.data), read_at),
                 None => Err(crate::device::not_found("graph", graph)),
             }),
@@ -175,7 +178,7 @@ impl Graphs {
                 prepared, inputs, ..
             } => Some(match self.live.get_mut(&prepared) {
                 Some(body) => payload.take(inputs).and_then(|d| {
-                    if body.native && run_native(dev, c.stream, prepared, body, d, *read_at)? {
+                    if body.native() && run_native(dev, c.stream, prepared, body, d, *read_at)? {
                         *read_at += body.outputs as usize;
                         return Ok(());
                     }
@@ -186,7 +189,7 @@ impl Graphs {
             }),
             Op::Free { id } => {
                 let body = self.live.remove(&id)?;
-                if body.native {
+                if body.native() {
                     dev.free_graph(id);
                 }
                 // Stream-ordered after the replays' uses, like any free.

@@ -86,9 +86,8 @@ pub struct CudaDevice {
     /// (reused after the batch, which a replay would read).
     capturing: bool,
     /// Prepared bodies captured natively, by id, each body's instances
-    /// (see `prepared`), and the bytes of their staging.
+    /// (see `prepared`).
     prepared: IdMap<Id, Vec<std::rc::Rc<prepared::PreparedGraph>>>,
-    staged_bytes: usize,
     /// The staging of the prepared body being captured.
     staging: Option<prepared::Staging>,
     /// Runs of prepared bodies since the last seal or finish: their
@@ -158,7 +157,6 @@ impl CudaDevice {
             capture_alloc: None,
             capturing: false,
             prepared: IdMap::default(),
-            staged_bytes: 0,
             staging: None,
             prepared_reads: Vec::new(),
             spare_arenas: Vec::new(),

@@ -586,7 +586,7 @@ impl LeaseDevice for CudaDevice {
         // Released after its last replay, on the reclaimer thread (a
         // prepared body's once its last run's outputs are copied out).
         self.graphs.remove(&graph);
-        self.free_staged(graph);
+        self.prepared.remove(&graph);
     }
 
     fn seal(&mut self, out_len: usize) -> Ticket {

@@ -79,8 +79,9 @@ impl CudaDevice {
             usize::try_from(inputs).map_err(too_big)?,
             usize::try_from(outputs).map_err(too_big)?,
         );
-        let bytes = staged_bytes(inputs, outputs);
-        if self.staged_bytes.saturating_add(bytes) > STAGING_MAX {
+        // (Captures are rare: the bodies kept are counted afresh.)
+        let kept: usize = self.prepared.values().flatten().map(|p| p.bytes()).sum();
+        if kept.saturating_add(staged_bytes(inputs, outputs)) > STAGING_MAX {
             return Ok(false);
         }
         let (input, output) = (
@@ -117,7 +118,6 @@ impl CudaDevice {
             outputs,
             busy: Cell::new(false),
         };
-        self.staged_bytes += bytes;
         self.prepared
             .entry(graph)
             .or_default()
@@ -250,13 +250,9 @@ fn staged_bytes(inputs: usize, outputs: usize) -> usize {
     inputs.max(1).saturating_add(outputs.max(1))
 }
 
-impl CudaDevice {
-    /// Lets go of prepared body `graph`'s instances (each released once its
-    /// last run's outputs are copied out).
-    pub(super) fn free_staged(&mut self, graph: Id) {
-        for p in self.prepared.remove(&graph).unwrap_or_default() {
-            self.staged_bytes -= staged_bytes(p.inputs, p.outputs);
-        }
+impl PreparedGraph {
+    fn bytes(&self) -> usize {
+        staged_bytes(self.inputs, self.outputs)
     }
 }
 
