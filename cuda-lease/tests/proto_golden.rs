@@ -58,7 +58,7 @@ fn header_golden() {
 #[test]
 fn opcode_and_status_values_are_stable() {
     let ops: Vec<u8> = Opcode::ALL.iter().map(|o| *o as u8).collect();
-    assert_eq!(ops, vec![1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 23, 32]);
+    assert_eq!(ops, vec![1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 18, 19, 23, 32]);
     for (i, name) in [
         "OK",
         "UNAUTHORIZED",

@@ -7,6 +7,7 @@ pub mod lease_table;
 pub mod log;
 pub mod metrics;
 pub mod node;
+pub(crate) mod order;
 #[cfg(feature = "fleet")]
 mod registrar;
 pub mod sandbox;

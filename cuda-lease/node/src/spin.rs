@@ -32,22 +32,39 @@ fn poll_in(fd: std::os::fd::RawFd) -> libc::pollfd {
     }
 }
 
-/// Whether `fd` can be read without blocking now (data, end of file or an
-/// error all count: the read that follows reports them).
-pub(crate) fn ready_now(fd: std::os::fd::RawFd) -> bool {
-    let mut p = poll_in(fd);
-    // SAFETY: `p` is one valid `pollfd` that lives across the call; a zero
-    // timeout never blocks; `poll` only writes `p.revents`. A closed `fd`
-    // is reported in `revents` (POLLNVAL), not undefined behaviour.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n != 0 && (n < 0 || p.revents != 0)
+/// Polls `fds` (negative ones are ignored) with `timeout_ms` (-1: no
+/// limit); whether any can be read without blocking (data, end of file or
+/// an error all count: the read that follows reports them).
+fn poll_any(fds: &[std::os::fd::RawFd], timeout_ms: libc::c_int) -> bool {
+    let mut p = [poll_in(-1); 3];
+    let n = fds.len().min(p.len());
+    for (slot, fd) in p.iter_mut().zip(&fds[..n]) {
+        *slot = poll_in(*fd);
+    }
+    // SAFETY: `p` holds `n` valid `pollfd`s that live across the call;
+    // `poll` only writes their `revents`. A closed descriptor is reported
+    // in `revents` (POLLNVAL), not undefined behaviour; a negative one is
+    // skipped.
+    let r = unsafe { libc::poll(p.as_mut_ptr(), n as libc::nfds_t, timeout_ms) };
+    r != 0 && (r < 0 || p[..n].iter().any(|p| p.revents != 0))
+}
+
+/// Whether any of `fds` can be read without blocking now.
+pub(crate) fn ready_now(fds: &[std::os::fd::RawFd]) -> bool {
+    poll_any(fds, 0)
+}
+
+/// Blocks until any of `fds` can be read; true (an interrupted wait too).
+pub(crate) fn wait_readable(fds: &[std::os::fd::RawFd]) -> bool {
+    poll_any(fds, -1);
+    true
 }
 
 /// One poll of a spin begun at `start`: `Some(readable)` when done, else `None`.
-fn spin_step(fd: std::os::fd::RawFd, start: Instant, budget: Duration) -> Option<bool> {
+fn spin_step(fds: &[std::os::fd::RawFd], start: Instant, budget: Duration) -> Option<bool> {
     if budget.is_zero() {
         Some(false)
-    } else if ready_now(fd) {
+    } else if ready_now(fds) {
         Some(true)
     } else if start.elapsed() >= budget {
         Some(false)
@@ -56,42 +73,50 @@ fn spin_step(fd: std::os::fd::RawFd, start: Instant, budget: Duration) -> Option
     }
 }
 
-/// Polls `fd` without sleeping until readable or `budget` passed; returns
-/// whether it became readable. A zero budget returns at once.
-pub(crate) fn readable_within(fd: std::os::fd::RawFd, budget: Duration) -> bool {
+/// Polls `fds` without sleeping until one is readable or `budget` passed;
+/// returns whether one became readable. A zero budget returns at once.
+pub(crate) fn readable_within(fds: &[std::os::fd::RawFd], budget: Duration) -> bool {
     let start = Instant::now();
     loop {
-        if let Some(readable) = spin_step(fd, start, budget) {
+        if let Some(readable) = spin_step(fds, start, budget) {
             return readable;
         }
         std::hint::spin_loop();
     }
 }
 
-/// Sleeps until `fd` is readable, `wake` (an eventfd, whose count is
-/// taken) fires, or about 1 ms passes; returns whether `fd` is readable.
-pub(crate) fn readable_soon(fd: std::os::fd::RawFd, wake: Option<std::os::fd::RawFd>) -> bool {
-    let mut p = [poll_in(fd), poll_in(wake.unwrap_or(-1))];
-    // SAFETY: as in `ready_now`, for the two `pollfd`s (a negative fd is
+/// Sleeps until one of `fds` is readable, `wake` (an eventfd, whose count
+/// is taken) fires, or about 1 ms passes; returns whether one of `fds` is
+/// readable.
+pub(crate) fn readable_soon(
+    fds: [std::os::fd::RawFd; 2],
+    wake: Option<std::os::fd::RawFd>,
+) -> bool {
+    let mut p = [
+        poll_in(fds[0]),
+        poll_in(fds[1]),
+        poll_in(wake.unwrap_or(-1)),
+    ];
+    // SAFETY: as in `poll_any`, for the three `pollfd`s (a negative fd is
     // ignored by `poll`); a 1 ms timeout blocks at most that long.
-    let n = unsafe { libc::poll(p.as_mut_ptr(), 2, 1) };
+    let n = unsafe { libc::poll(p.as_mut_ptr(), 3, 1) };
     if n < 0 {
         return true;
     }
-    if let (Some(w), true) = (wake, p[1].revents != 0) {
+    if let (Some(w), true) = (wake, p[2].revents != 0) {
         let mut count = 0u64;
         // SAFETY: reads at most 8 bytes into `count` from the
         // non-blocking eventfd the caller owns; a failed read leaves it.
         let _ = unsafe { libc::read(w, (&raw mut count).cast(), 8) };
     }
-    p[0].revents != 0
+    p[0].revents != 0 || p[1].revents != 0
 }
 
 /// [`readable_within`] for a tokio task, yielding between polls.
 pub(crate) async fn readable_within_async(fd: std::os::fd::RawFd, budget: Duration) -> bool {
     let start = Instant::now();
     loop {
-        if let Some(readable) = spin_step(fd, start, budget) {
+        if let Some(readable) = spin_step(&[fd], start, budget) {
             return readable;
         }
         tokio::task::yield_now().await;
@@ -108,16 +133,16 @@ mod tests {
     fn a_pipe_is_readable_once_written_and_not_before() {
         let (r, mut w) = std::io::pipe().expect("pipe");
         let t = Instant::now();
-        assert!(!readable_within(r.as_raw_fd(), Duration::from_millis(2)));
+        assert!(!readable_within(&[r.as_raw_fd()], Duration::from_millis(2)));
         assert!(t.elapsed() >= Duration::from_millis(2), "spun the budget");
-        assert!(!readable_within(r.as_raw_fd(), Duration::ZERO));
+        assert!(!readable_within(&[r.as_raw_fd()], Duration::ZERO));
         w.write_all(b"x").expect("write");
-        assert!(readable_within(r.as_raw_fd(), Duration::from_millis(2)));
+        assert!(readable_within(&[r.as_raw_fd()], Duration::from_millis(2)));
         drop(w);
         // The end of file counts as readable too.
         let (r2, w2) = std::io::pipe().expect("pipe");
         drop(w2);
-        assert!(readable_within(r2.as_raw_fd(), Duration::from_millis(2)));
+        assert!(readable_within(&[r2.as_raw_fd()], Duration::from_millis(2)));
     }
 
     #[tokio::test]

@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 // Named by the docs of `Opcode`.
 #[cfg(doc)]
 use super::{
-    Batch, BatchReply, BulkOpen, BulkTickets, GpuSubmit, Hello, IdOp, Inventory, LeaseAlloc,
-    LeaseGrant, LeaseRef, LeaseRenew, LeaseStatus, MemAlloc, MemRead, MemWrite,
+    Batch, BatchReply, BulkOpen, BulkTickets, DirectGrant, GpuSubmit, Hello, IdOp, Inventory,
+    LeaseAlloc, LeaseGrant, LeaseRef, LeaseRenew, LeaseStatus, MemAlloc, MemRead, MemWrite,
 };
 
 /// The four magic bytes that open every frame.
@@ -68,6 +68,9 @@ pub enum Opcode {
     LeaseQuery = 6,
     /// Bulk-data connection tickets, TLS over TCP ([`BulkOpen`] -> [`BulkTickets`]).
     BulkOpen = 7,
+    /// Serve a lease's batches from its worker directly ([`LeaseRef`] ->
+    /// [`DirectGrant`]): asked before the lease's first batch.
+    LeaseDirect = 8,
     /// Allocate device memory under a client-named id ([`MemAlloc`]).
     MemAlloc = 16,
     /// Copy data bytes into device memory, streamed ([`MemWrite`]).
@@ -84,7 +87,7 @@ pub enum Opcode {
 
 impl Opcode {
     /// Every opcode, for tests and tables.
-    pub const ALL: [Opcode; 13] = [
+    pub const ALL: [Opcode; 14] = [
         Opcode::Hello,
         Opcode::GetInventory,
         Opcode::LeaseAlloc,
@@ -92,6 +95,7 @@ impl Opcode {
         Opcode::LeaseFree,
         Opcode::LeaseQuery,
         Opcode::BulkOpen,
+        Opcode::LeaseDirect,
         Opcode::MemAlloc,
         Opcode::MemWrite,
         Opcode::MemRead,

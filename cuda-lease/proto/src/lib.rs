@@ -53,10 +53,11 @@ pub use frame::{
 pub use gemm::{Dtype, GemmSpec, Operand};
 pub use ids::{IdHasher, IdMap, IdSet};
 pub use messages::{
-    BatchReply, BulkOpen, BulkTickets, DeviceInfo, DeviceLimits, ErrorBody, GpuSubmit, Hello,
-    HelloOk, Id, IdOp, Inventory, LaunchArg, LaunchSpec, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef,
-    LeaseRenew, LeaseState, LeaseStatus, MemAlloc, MemRead, MemWrite, ModuleHash, OpError,
-    SourceKind, StreamId, BULK_TICKET_LEN, MAX_BULK_TICKETS, MAX_MODULE_OPTIONS, MAX_OPTION_LEN,
+    BatchReply, BulkOpen, BulkTickets, DeviceInfo, DeviceLimits, DirectGrant, DirectHello,
+    ErrorBody, GpuSubmit, Hello, HelloOk, Id, IdOp, Inventory, LaunchArg, LaunchSpec, LeaseAlloc,
+    LeaseGrant, LeaseId, LeaseRef, LeaseRenew, LeaseState, LeaseStatus, MemAlloc, MemRead,
+    MemWrite, ModuleHash, OpError, SourceKind, StreamId, BULK_TICKET_LEN, DIRECT_TICKET_LEN,
+    MAX_BULK_TICKETS, MAX_MODULE_OPTIONS, MAX_OPTION_LEN,
 };
 pub use module::ModuleSpec;
 pub use rand::{RandDist, RandSpec};

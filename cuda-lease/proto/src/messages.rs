@@ -202,6 +202,32 @@ pub struct BulkTickets {
     pub tickets: Vec<[u8; BULK_TICKET_LEN]>,
 }
 
+/// Bytes of a [`DirectGrant::ticket`].
+pub const DIRECT_TICKET_LEN: usize = 32;
+
+/// LEASE_DIRECT reply: where the lease's worker serves the lease's BATCHes
+/// over QUIC. The client pins `cert_der` (a certificate made for this lease
+/// alone) and opens each connection with a HELLO whose token is the ticket
+/// ([`DirectHello`]); the node keeps serving everything else of the lease.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirectGrant {
+    /// The worker's UDP address (`ip:port`).
+    pub addr: String,
+    /// The worker's certificate (DER).
+    pub cert_der: Vec<u8>,
+    /// The connection's credential.
+    pub ticket: [u8; DIRECT_TICKET_LEN],
+}
+
+/// HELLO on a lease's direct connection ([`DirectGrant`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirectHello {
+    /// The lease.
+    pub lease: LeaseId,
+    /// The grant's ticket.
+    pub ticket: [u8; DIRECT_TICKET_LEN],
+}
+
 /// One device as reported by GET_INVENTORY.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceInfo {

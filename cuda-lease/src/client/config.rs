@@ -51,6 +51,13 @@ pub struct ClientConfig {
     /// take the node's bulk-data channel (TLS over TCP) when the node has
     /// one; default [`BulkUse::Large`]. See [`ClientConfig::bulk`].
     pub bulk: BulkUse,
+    /// Ask each lease's node to have the lease's worker serve its BATCHes
+    /// over a QUIC connection of their own (LEASE_DIRECT), off the node's
+    /// path; default off. A node that does not (run without
+    /// `--direct-leases`) serves them itself. See [`Lease::is_direct`].
+    ///
+    /// [`Lease::is_direct`]: crate::client::Lease::is_direct
+    pub direct: bool,
 }
 
 /// Which large transfers a client moves over a node's bulk-data channel
@@ -125,6 +132,7 @@ impl ClientConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             transport: TransportSettings::default(),
             bulk: BulkUse::Large,
+            direct: false,
         }
     }
 
@@ -224,6 +232,12 @@ impl ClientConfig {
     /// Sets the bearer token.
     pub fn token(mut self, token: impl Into<String>) -> Self {
         self.token = Some(token.into());
+        self
+    }
+
+    /// Sets [`ClientConfig::direct`]: leases' BATCHes go to their workers.
+    pub fn direct(mut self, direct: bool) -> Self {
+        self.direct = direct;
         self
     }
 

@@ -36,6 +36,9 @@ pub(crate) struct LeaseInner {
     next_id: AtomicU64,
     /// The next batch number (see [`Batch::seq`](crate::proto::Batch::seq)).
     pub(super) next_seq: AtomicU64,
+    /// The lease's worker's own connection, where its BATCHes go
+    /// ([`ClientConfig::direct`](super::ClientConfig::direct)).
+    direct: Option<quinn::Connection>,
 }
 
 impl std::fmt::Debug for LeaseInner {
@@ -59,7 +62,11 @@ impl LeaseInner {
     ) -> Result<(Vec<u8>, Vec<u8>), Error> {
         let client = &self.client;
         let id = client.next_id.fetch_add(1, Ordering::Relaxed);
-        let r = exchange(&client.conn, &client.limits, id, op, body, data, into);
+        let conn = match (&self.direct, op) {
+            (Some(direct), Opcode::Batch) => direct,
+            _ => &client.conn,
+        };
+        let r = exchange(conn, &client.limits, id, op, body, data, into);
         self.guard(r).await
     }
 
@@ -141,6 +148,12 @@ impl Lease {
             auto_renew: true,
             config: None,
         }
+    }
+
+    /// Whether the lease's worker serves its BATCHes over a connection of
+    /// their own ([`ClientConfig::direct`](super::ClientConfig::direct)).
+    pub fn is_direct(&self) -> bool {
+        self.inner.direct.is_some()
     }
 
     /// The lease id (the capability to use and free it).
@@ -320,6 +333,11 @@ impl LeaseBuilder {
             ttl_secs: self.ttl.as_secs().max(1) as u32,
         };
         let g: LeaseGrant = client.call(Opcode::LeaseAlloc, &req).await?;
+        let direct = if client.config.direct {
+            super::direct::open(&client, g.lease).await?
+        } else {
+            None
+        };
         let inner = Arc::new(LeaseInner {
             client,
             id: g.lease,
@@ -330,6 +348,7 @@ impl LeaseBuilder {
             freed: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
             next_seq: AtomicU64::new(1),
+            direct,
         });
         let renew_task = self.auto_renew.then(|| {
             let weak: Weak<LeaseInner> = Arc::downgrade(&inner);

@@ -13,6 +13,7 @@
 mod bulk;
 mod config;
 mod connection;
+mod direct;
 mod error;
 mod gpu_call;
 mod lease;

@@ -58,7 +58,7 @@ pub const MAX_MTU_WITH_SEGMENTATION_OFFLOAD: u16 = MAX_UDP_PAYLOAD_V4 / 10;
 /// [`loopback`]: TransportSettings::loopback
 /// [`datacenter_jumbo`]: TransportSettings::datacenter_jumbo
 /// [`wan`]: TransportSettings::wan
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TransportSettings {
     /// The UDP payload size a connection starts with, in bytes
     /// ([`MIN_MTU`] to [`MAX_INITIAL_MTU`]). A path that cannot carry it

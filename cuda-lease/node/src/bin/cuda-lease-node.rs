@@ -65,6 +65,11 @@ struct Args {
     /// Accept clients without credentials (development only).
     #[arg(long, env = "CUDA_LEASE_NODE_ALLOW_ANONYMOUS")]
     allow_anonymous: bool,
+    /// Let leases' workers serve their BATCHes over QUIC themselves
+    /// (LEASE_DIRECT; each such lease's worker binds a UDP port of its own
+    /// on the listen address).
+    #[arg(long, env = "CUDA_LEASE_NODE_DIRECT_LEASES")]
+    direct_leases: bool,
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0, env = "CUDA_LEASE_NODE_DEVICE")]
     device: usize,
@@ -225,6 +230,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     cfg.bulk = args.bulk_listen;
     cfg.name = args.name;
     cfg.allow_anonymous = args.allow_anonymous;
+    cfg.direct_leases = args.direct_leases;
     cfg.client_ca = args.client_ca;
     cfg.capacity = args.capacity;
     if args.memory_device.is_some() {

@@ -5,11 +5,11 @@
 use std::sync::Arc;
 
 use super::auth::lease_of;
-use super::order::{Arrival, Place, Stalled};
 use super::submit::BudgetTurn;
 use super::{fail_lease, HeldData, LeaseSlot, LeaseView, ModuleSource, Reply, Shared};
 use crate::lease_table::Principal;
 use crate::lock;
+use crate::order::{Arrival, Place, Stalled};
 use crate::proto::{
     from_body, BatchHead, BatchReply, LeaseId, ModuleHash, Opcode, SourceKind, Status,
 };

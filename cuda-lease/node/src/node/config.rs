@@ -100,6 +100,9 @@ pub struct NodeConfig {
     pub max_failed_hellos_per_source: u32,
     /// Accept clients without credentials (development only).
     pub allow_anonymous: bool,
+    /// Leases may have their worker serve their BATCHes directly
+    /// (LEASE_DIRECT), off the node's path (default off).
+    pub direct_leases: bool,
     /// TLS certificate.
     pub tls: TlsSource,
     /// CA certificates (PEM) for mutual TLS; clients they certify need no token.
@@ -196,6 +199,7 @@ impl NodeConfig {
             max_queued_handshakes_per_source: 1024,
             max_failed_hellos_per_source: 5,
             allow_anonymous: false,
+            direct_leases: false,
             tls: TlsSource::SelfSigned {
                 names: vec!["localhost".into(), "127.0.0.1".into()],
                 write_pem: None,

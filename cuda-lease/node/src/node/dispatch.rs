@@ -54,6 +54,7 @@ pub(super) async fn dispatch(
         }
         Opcode::GetInventory => inventory(shared).await,
         Opcode::BulkOpen => super::bulk::open(shared, &who, &f.body),
+        Opcode::LeaseDirect => super::direct::open(shared, &who, peer, &f.body).await,
         Opcode::LeaseAlloc => lease_alloc(shared, &who, from_body(&f.body)?).await,
         Opcode::LeaseRenew => lease_renew(shared, &who, f),
         Opcode::LeaseQuery => {
@@ -155,6 +156,15 @@ async fn batch(
     stamp(Point::BatchDecoded);
     shared.metrics.batch_total.inc();
     shared.metrics.batch_commands.inc_by(commands);
+    if super::auth::lease_of(shared, who, &head.lease)?.is_direct() {
+        return Err(Reply::err(
+            Status::BadRequest,
+            format!(
+                "lease {}'s BATCHes go to its worker directly (LEASE_DIRECT)",
+                head.lease
+            ),
+        ));
+    }
     let b = Incoming {
         head: &head,
         wire,
@@ -299,7 +309,8 @@ pub(super) async fn lease_alloc(
         worker,
         exec: tokio::sync::Mutex::new(()),
         state: StdMutex::new(LeaseView::default()),
-        order: super::order::LeaseOrder::default(),
+        order: crate::order::LeaseOrder::default(),
+        direct: std::sync::atomic::AtomicBool::new(false),
     });
     let now = shared.now();
     let ttl = Duration::from_secs(u64::from(req.ttl_secs));
@@ -343,7 +354,7 @@ pub(super) async fn lease_free(shared: &Arc<Shared>, id: &LeaseId) -> Result<Rep
     match removed {
         Some(slot) => {
             // Wait for the exit so the memory is back by the reply.
-            slot.order.update(super::order::OrderState::end);
+            slot.order.update(crate::order::OrderState::end);
             slot.worker.kill_and_wait().await;
             shared.metrics.lease_dropped.inc();
             info!(lease = %id, "lease freed");

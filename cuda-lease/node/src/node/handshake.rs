@@ -353,6 +353,11 @@ impl Peer {
         self.conn.stable_id()
     }
 
+    /// The node's address the connection came to, where known.
+    pub(super) fn local_ip(&self) -> Option<std::net::IpAddr> {
+        self.conn.local_ip()
+    }
+
     pub(super) fn remote(&self) -> std::net::SocketAddr {
         self.conn.remote_address()
     }

@@ -3,8 +3,8 @@
 use std::collections::HashMap;
 use std::sync::Mutex as StdMutex;
 
-use super::order;
 use crate::lock;
+use crate::order;
 use crate::proto::ModuleHash;
 use crate::worker::{Usage, WorkerProcess};
 
@@ -45,6 +45,8 @@ pub(super) struct LeaseSlot {
     pub(super) state: StdMutex<LeaseView>,
     /// The order of its numbered batches (see [`Batch::seq`](crate::proto::Batch::seq)).
     pub(super) order: order::LeaseOrder,
+    /// Its worker serves its BATCHes (LEASE_DIRECT): the node takes none.
+    pub(super) direct: std::sync::atomic::AtomicBool,
 }
 
 impl LeaseSlot {
@@ -52,6 +54,11 @@ impl LeaseSlot {
     pub(super) fn end(&self) {
         self.order.update(order::OrderState::end);
         self.worker.kill();
+    }
+
+    /// Whether its worker serves its BATCHes.
+    pub(super) fn is_direct(&self) -> bool {
+        self.direct.load(std::sync::atomic::Ordering::Acquire)
     }
 
     pub(super) fn state(&self) -> std::sync::MutexGuard<'_, LeaseView> {

@@ -17,12 +17,13 @@ mod bucket;
 mod bulk;
 mod config;
 mod connection;
+mod direct;
 mod dispatch;
 mod handshake;
 mod held;
 mod lease;
 mod modules;
-mod order;
+
 mod stream;
 mod submit;
 
@@ -400,7 +401,7 @@ impl Node {
         let now = self.shared.now();
         let leases = self.shared.table().drain(now);
         for (id, slot) in leases {
-            slot.order.update(order::OrderState::end);
+            slot.order.update(crate::order::OrderState::end);
             slot.worker.kill_and_wait().await;
             self.shared.metrics.lease_dropped.inc();
             info!(lease = %id, "lease freed at shutdown");

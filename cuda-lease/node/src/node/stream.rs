@@ -25,9 +25,10 @@ use super::handshake::Peer;
 use super::{fail_lease, Reply, Shared, Slot as LeaseRef};
 use crate::device::DeviceError;
 use crate::lease_table::Principal;
+use crate::order::Stalled;
 use crate::proto::{self, from_body, to_body, Header, LeaseId, MemRead, MemWrite, Opcode, Status};
 use crate::shm::{ShmRing, Slot, SLOTS, SLOT_BYTES};
-use crate::worker::{ChunkOp, ChunkOps, MAX_CHUNKS_PER_CALL};
+use crate::worker::{ChunkOp, ChunkOps, FLAG_AFTER, MAX_CHUNKS_PER_CALL};
 
 /// Serves one MEM_WRITE or MEM_READ whose header and body were read.
 pub(super) async fn serve(
@@ -322,8 +323,26 @@ async fn follow(
         return Ok(());
     }
     let slot = lease_of(shared, who, lease)?;
+    let upto = after.saturating_add(1);
+    if slot.is_direct() {
+        // Its worker orders its batches: it answers once `after` is handed
+        // to its device (or never will be). The worker ends with the lease.
+        let body = to_body(&upto);
+        let f = slot
+            .worker
+            .send(Opcode::Batch, FLAG_AFTER, &body, &[], shared.cfg.max_ttl)
+            .await
+            .map_err(|e| worker_lost(shared, lease, &e))?
+            .reply()
+            .await
+            .map_err(|e| worker_lost(shared, lease, &e))?;
+        return match f.header.status {
+            Status::Ok => Ok(()),
+            _ => Err(stalled(shared, lease, Stalled::Ended)),
+        };
+    }
     slot.order
-        .reached(after.saturating_add(1))
+        .reached(upto)
         .await
         .map_err(|e| stalled(shared, lease, e))
 }

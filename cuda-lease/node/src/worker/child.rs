@@ -5,12 +5,13 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::direct::{Answer, DirectLink, DirectOpen, DirectPort, ToDevice};
 use super::enqueue::{enqueue, Payload};
 use super::graphs::Graphs;
 use super::lease::{Planned, WorkerLease};
 use super::messages::{
-    ChunkOps, HeldRead, WorkerBatch, WorkerBatchReply, FLAG_HELD, FLAG_STAMPS, HELD_MIN,
-    MAX_CHUNKS_PER_CALL,
+    ChunkOps, HeldRead, WorkerBatch, WorkerBatchReply, FLAG_AFTER, FLAG_HELD, FLAG_STAMPS,
+    HELD_MIN, MAX_CHUNKS_PER_CALL,
 };
 use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::device::{CudaDevice, DeviceError, LeaseDevice, MemoryDevice, Ticket};
@@ -76,6 +77,8 @@ pub(super) fn run_worker(spec: &str) -> i32 {
     // The device's wake-up descriptor, once it has armed one.
     let mut wake = None;
     let stdin_fd = std::os::fd::AsRawFd::as_raw_fd(&std::io::stdin());
+    // The lease's direct path, once the node opened it.
+    let mut direct: Option<DirectLink> = None;
     loop {
         if answer_done(
             device.as_mut(),
@@ -88,9 +91,48 @@ pub(super) fn run_worker(spec: &str) -> i32 {
         {
             return 1;
         }
+        if let Some(link) = &direct {
+            for work in link.take() {
+                let answered = match work {
+                    ToDevice::Batch { body, data, answer } => {
+                        let frame = Frame {
+                            header: Header::request(Opcode::Batch, 0, 0, 0),
+                            body,
+                            data,
+                        };
+                        let mut dev = Dev {
+                            dev: device.as_mut(),
+                            graphs: &mut graphs,
+                            compiler: &compiler,
+                        };
+                        if let Err((status, body)) =
+                            start_batch(&mut dev, &mut lease, &frame, None, &mut running)
+                        {
+                            let _ = answer.send(Answer {
+                                status,
+                                body,
+                                data: Vec::new(),
+                            });
+                        } else if let Some(r) = running.last_mut() {
+                            r.to = ReplyTo::Direct(answer);
+                        }
+                        Ok(())
+                    }
+                    ToDevice::Pipe { request, status } => {
+                        let h = Header::reply(&request, status, 0, 0);
+                        proto::write_frame_blocking(&mut output, &h, &[], &[])
+                    }
+                };
+                if answered.is_err() {
+                    return 1;
+                }
+            }
+        }
+        let direct_fd = direct.as_ref().map_or(-1, DirectLink::wake_fd);
         if input.buffer().is_empty() {
-            if running.is_empty() {
-                crate::spin::readable_within(stdin_fd, spin);
+            let readable = if running.is_empty() {
+                crate::spin::readable_within(&[stdin_fd, direct_fd], spin)
+                    || crate::spin::wait_readable(&[stdin_fd, direct_fd])
             } else {
                 match wait_for_work(
                     device.as_mut(),
@@ -98,15 +140,17 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                     &mut running,
                     &mut held,
                     &mut output,
-                    stdin_fd,
+                    [stdin_fd, direct_fd],
                     spin,
                     &mut wake,
                 ) {
-                    Ok(true) => {}
-                    // Every running batch answered: back to waiting for a request.
-                    Ok(false) => continue,
+                    Ok(readable) => readable,
                     Err(()) => return 1,
                 }
+            };
+            // Only what came on the direct path (or every batch answered).
+            if !readable || !crate::spin::ready_now(&[stdin_fd]) {
+                continue;
             }
         }
         // End of file: the node is gone or done with us.
@@ -123,29 +167,36 @@ pub(super) fn run_worker(spec: &str) -> i32 {
             }
             continue;
         }
-        let (status, body, data) = if frame.header.opcode == Opcode::Batch {
+        let (status, body, data) = if frame.header.flags & FLAG_AFTER != 0 {
+            // Answered once the direct path has handed over the numbers
+            // below it (at once with no direct path: the node orders them).
+            match (&direct, from_body::<u64>(&frame.body)) {
+                (Some(link), Ok(upto)) => {
+                    link.after(frame.header, upto);
+                    continue;
+                }
+                (None, Ok(_)) => (Status::Ok, Vec::new(), Vec::new()),
+                (_, Err(e)) => {
+                    let e = DeviceError::new(Status::BadRequest, e.to_string());
+                    (e.status, to_body(&e), Vec::new())
+                }
+            }
+        } else if frame.header.opcode == Opcode::LeaseDirect {
+            match open_direct(&mut direct, &frame.body) {
+                Ok(port) => (Status::Ok, to_body(&DirectPort { port }), Vec::new()),
+                Err(e) => (e.status, to_body(&e), Vec::new()),
+            }
+        } else if frame.header.opcode == Opcode::Batch {
             // Planned, enqueued and sealed now, answered when its work is
             // done; refused whole at once.
-            let batch = from_body::<WorkerBatch<'_>>(&frame.body)
-                .map_err(|e| DeviceError::new(Status::BadRequest, e.to_string()));
             let mut dev = Dev {
                 dev: device.as_mut(),
                 graphs: &mut graphs,
                 compiler: &compiler,
             };
-            match batch.and_then(|b| enqueue_batch(&mut dev, &mut lease, &b, &frame.data)) {
-                Ok(enqueued) => {
-                    let ticket = device.seal(enqueued.read_at);
-                    running.push(Running {
-                        request: frame.header,
-                        ticket,
-                        work: Sealed::Batch(Box::new(enqueued)),
-                        armed: false,
-                        stamps: read_at.map(|t| [t, now_ns()]),
-                    });
-                    continue;
-                }
-                Err(f) => (f.status, to_body(&f), Vec::new()),
+            match start_batch(&mut dev, &mut lease, &frame, read_at, &mut running) {
+                Ok(()) => continue,
+                Err((status, body)) => (status, body, Vec::new()),
             }
         } else if matches!(frame.header.opcode, Opcode::MemWrite | Opcode::MemRead) {
             // Enqueued and sealed now, answered when the copies are done
@@ -155,6 +206,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                 None => {
                     running.push(Running {
                         request: frame.header,
+                        to: ReplyTo::Pipe,
                         ticket: device.seal(0),
                         work: Sealed::Chunks,
                         armed: false,
@@ -170,6 +222,50 @@ pub(super) fn run_worker(spec: &str) -> i32 {
         if proto::write_frame_blocking(&mut output, &h, &body, &data).is_err() {
             return 1;
         }
+    }
+}
+
+/// Opens the lease's direct path (once); the port it serves on.
+fn open_direct(direct: &mut Option<DirectLink>, body: &[u8]) -> Result<u16, DeviceError> {
+    if direct.is_some() {
+        return Err(DeviceError::new(
+            Status::BadRequest,
+            "the lease's direct path is open already",
+        ));
+    }
+    let open: DirectOpen =
+        from_body(body).map_err(|e| DeviceError::new(Status::BadRequest, e.to_string()))?;
+    let (link, port) = DirectLink::open(open)
+        .map_err(|e| DeviceError::new(Status::Internal, format!("opening the direct path: {e}")))?;
+    *direct = Some(link);
+    Ok(port)
+}
+
+/// Plans, enqueues and seals a batch (a [`WorkerBatch`] frame), to be
+/// answered when its work is done; `Err`: refused whole, answered now.
+fn start_batch(
+    dev: &mut Dev<'_>,
+    lease: &mut WorkerLease,
+    frame: &Frame,
+    read_at: Option<u64>,
+    running: &mut Vec<Running>,
+) -> Result<(), (Status, Vec<u8>)> {
+    let batch = from_body::<WorkerBatch<'_>>(&frame.body)
+        .map_err(|e| DeviceError::new(Status::BadRequest, e.to_string()));
+    match batch.and_then(|b| enqueue_batch(dev, lease, &b, &frame.data)) {
+        Ok(enqueued) => {
+            let ticket = dev.dev.seal(enqueued.read_at);
+            running.push(Running {
+                request: frame.header,
+                to: ReplyTo::Pipe,
+                ticket,
+                work: Sealed::Batch(Box::new(enqueued)),
+                armed: false,
+                stamps: read_at.map(|t| [t, now_ns()]),
+            });
+            Ok(())
+        }
+        Err(f) => Err((f.status, to_body(&f))),
     }
 }
 
@@ -225,12 +321,22 @@ impl Held {
 /// Sealed work that may still run, and the request it answers.
 struct Running {
     request: Header,
+    /// Where its answer goes.
+    to: ReplyTo,
     ticket: Ticket,
     work: Sealed,
     /// Its wake-up is armed (see `LeaseDevice::wake_when_done`).
     armed: bool,
     /// When it was read and enqueued, if the request asked ([`FLAG_STAMPS`]).
     stamps: Option<[u64; 2]>,
+}
+
+/// Where a [`Running`]'s answer goes.
+enum ReplyTo {
+    /// The node's pipe.
+    Pipe,
+    /// The lease's direct path.
+    Direct(tokio::sync::oneshot::Sender<Answer>),
 }
 
 /// What a [`Running`] answers when its work is done.
@@ -271,8 +377,18 @@ fn answer_done(
                 Err(e) => (e.status, to_body(&e), Vec::new()),
             },
         };
-        held.reply(output, &r.request, status, &body, out)
-            .map_err(|_| ())?;
+        match r.to {
+            ReplyTo::Pipe => held
+                .reply(output, &r.request, status, &body, out)
+                .map_err(|_| ())?,
+            ReplyTo::Direct(answer) => {
+                let _ = answer.send(Answer {
+                    status,
+                    body,
+                    data: out,
+                });
+            }
+        }
     }
     Ok(())
 }
@@ -289,7 +405,7 @@ fn wait_for_work(
     running: &mut Vec<Running>,
     held: &mut Held,
     output: &mut impl std::io::Write,
-    fd: std::os::fd::RawFd,
+    fds: [std::os::fd::RawFd; 2],
     spin: Duration,
     wake: &mut Option<std::os::fd::RawFd>,
 ) -> Result<bool, ()> {
@@ -300,7 +416,7 @@ fn wait_for_work(
             return Ok(false);
         }
         if start.elapsed() < spin {
-            if crate::spin::ready_now(fd) {
+            if crate::spin::ready_now(&fds) {
                 return Ok(true);
             }
             std::hint::spin_loop();
@@ -312,7 +428,7 @@ fn wait_for_work(
                 *wake = Some(w);
             }
         }
-        if crate::spin::readable_soon(fd, *wake) {
+        if crate::spin::readable_soon(fds, *wake) {
             return Ok(true);
         }
     }

@@ -80,6 +80,12 @@ pub(crate) struct WorkerBatchReply {
 /// the worker stamps the batch too and sends its stamps in the reply.
 pub(crate) const FLAG_STAMPS: u16 = 0x4000;
 
+/// A worker request flag (on BATCH requests): the request is an "after"
+/// (its body a `u64`, `upto`), answered once the lease's direct path has
+/// handed every batch numbered below `upto` to the device (at once when
+/// the lease has none).
+pub(crate) const FLAG_AFTER: u16 = 0x2000;
+
 /// Chunks of one streamed transfer handed to the worker in one call (saving
 /// a pipe round trip and a node wake-up per chunk), done in order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

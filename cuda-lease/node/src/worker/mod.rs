@@ -18,6 +18,7 @@ use crate::proto::Limits;
 use crate::sandbox::CompileSandbox;
 
 mod child;
+mod direct;
 mod enqueue;
 mod graphs;
 mod lease;
@@ -26,11 +27,12 @@ mod objects;
 mod plan;
 mod process;
 
+pub(crate) use self::direct::{DirectLimits, DirectOpen, DirectPort};
 pub(crate) use self::messages::{
     encode_worker_batch, ChunkOp, ChunkOps, WorkerBatchReply, WorkerLoad, FLAG_HELD, FLAG_STAMPS,
     MAX_CHUNKS_PER_CALL,
 };
-pub(crate) use self::messages::{BatchLimits, Usage};
+pub(crate) use self::messages::{BatchLimits, Usage, FLAG_AFTER};
 pub use self::process::PIPE_BUFFER_BYTES;
 pub(crate) use self::process::{SentRequest, WorkerError, WorkerProcess};
 

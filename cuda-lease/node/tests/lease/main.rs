@@ -9,6 +9,7 @@ mod common;
 
 mod bulk;
 mod data_path;
+mod direct;
 mod failures;
 mod lease_end;
 mod lease_table;

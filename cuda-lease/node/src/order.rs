@@ -11,7 +11,7 @@ use tokio::sync::watch;
 
 /// Where a lease's numbered batches stand.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct OrderState {
+pub(crate) struct OrderState {
     /// The next number to run: every lower one has run.
     next: u64,
     /// Numbers at or above `next` on the node (read, waiting or running).
@@ -35,7 +35,7 @@ enum Session {
 
 /// Why a wait for earlier batches ended without them.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Stalled {
+pub(crate) enum Stalled {
     /// The lease is gone.
     Ended,
     /// Batch `missing` never arrived and the carrying connection closed.
@@ -47,7 +47,7 @@ pub(super) enum Stalled {
 
 /// What arriving with a number means.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Arrival {
+pub(crate) enum Arrival {
     /// The number is ahead (or next): the batch waits for its turn.
     InLine,
     /// The number has run, or another batch of it is on the node.
@@ -67,7 +67,7 @@ impl Default for OrderState {
 
 impl OrderState {
     /// Batch `seq` arrived on connection `conn`.
-    pub(super) fn arrive(&mut self, seq: u64, conn: usize) -> Arrival {
+    pub(crate) fn arrive(&mut self, seq: u64, conn: usize) -> Arrival {
         if !self.ended {
             self.session = Session::Open(conn);
         }
@@ -79,7 +79,7 @@ impl OrderState {
 
     /// Batch `seq` leaves. With `ran` (ran or refused in its turn) the order
     /// moves on; otherwise it no longer counts as arrived.
-    pub(super) fn leave(&mut self, seq: u64, ran: bool) {
+    pub(crate) fn leave(&mut self, seq: u64, ran: bool) {
         self.arrived.remove(&seq);
         if ran && self.next == seq {
             self.next = seq + 1;
@@ -88,20 +88,20 @@ impl OrderState {
         }
     }
 
-    pub(super) fn closed(&mut self, conn: usize) {
+    pub(crate) fn closed(&mut self, conn: usize) {
         if self.session == Session::Open(conn) {
             self.session = Session::Closed;
         }
     }
 
     /// The lease is gone: every wait ends.
-    pub(super) fn end(&mut self) {
+    pub(crate) fn end(&mut self) {
         self.ended = true;
     }
 
     /// Whether every number below `upto` has run (`Ok(true)`), may still
     /// (`Ok(false)`), or never will.
-    pub(super) fn reached(&self, upto: u64) -> Result<bool, Stalled> {
+    pub(crate) fn reached(&self, upto: u64) -> Result<bool, Stalled> {
         if self.next >= upto {
             return Ok(true);
         }
@@ -132,16 +132,22 @@ impl OrderState {
 
 /// A lease's [`OrderState`], shared with the requests that wait on it.
 #[derive(Debug, Default)]
-pub(super) struct LeaseOrder(watch::Sender<OrderState>);
+pub(crate) struct LeaseOrder(watch::Sender<OrderState>);
 
 impl LeaseOrder {
+    /// Whether no numbered batch has come yet.
+    pub(crate) fn untouched(&self) -> bool {
+        let s = self.0.borrow();
+        s.next == 1 && s.arrived.is_empty()
+    }
+
     /// Changes the state and wakes the waiters.
-    pub(super) fn update(&self, f: impl FnOnce(&mut OrderState)) {
+    pub(crate) fn update(&self, f: impl FnOnce(&mut OrderState)) {
         self.0.send_modify(f);
     }
 
     /// Waits, unbounded, until every number below `upto` has run.
-    pub(super) async fn reached(&self, upto: u64) -> Result<(), Stalled> {
+    pub(crate) async fn reached(&self, upto: u64) -> Result<(), Stalled> {
         let mut rx = self.0.subscribe();
         let mut outcome = Ok(());
         // The sender lives as long as `self`, so it cannot close under us.
@@ -158,7 +164,7 @@ impl LeaseOrder {
     }
 
     /// Batch `seq` arrived on `conn`: its [`Place`], held until dropped.
-    pub(super) fn arrive(&self, seq: u64, conn: usize) -> (Arrival, Place<'_>) {
+    pub(crate) fn arrive(&self, seq: u64, conn: usize) -> (Arrival, Place<'_>) {
         let mut arrival = Arrival::Passed;
         self.update(|s| arrival = s.arrive(seq, conn));
         let place = Place {
@@ -173,7 +179,7 @@ impl LeaseOrder {
 
 /// A batch's place in its lease's order; on drop the batch leaves.
 #[derive(Debug)]
-pub(super) struct Place<'a> {
+pub(crate) struct Place<'a> {
     order: &'a LeaseOrder,
     seq: u64,
     held: bool,
@@ -181,14 +187,14 @@ pub(super) struct Place<'a> {
 }
 
 impl Place<'_> {
-    pub(super) async fn turn(&mut self) -> Result<(), Stalled> {
+    pub(crate) async fn turn(&mut self) -> Result<(), Stalled> {
         self.order.reached(self.seq).await?;
         self.ran = true;
         Ok(())
     }
 
     /// The batch will be resent: gives up its turn and its arrival.
-    pub(super) fn withdraw(mut self) {
+    pub(crate) fn withdraw(mut self) {
         self.ran = false;
     }
 }

@@ -1,0 +1,623 @@
+//! A lease's BATCHes served by its worker over QUIC, the node off their path.
+//!
+//! The node asks for it (LEASE_DIRECT on the pipe, with a certificate made
+//! for the lease, a ticket and the lease's limits); the worker binds a UDP
+//! socket on the node's address and serves QUIC on a thread of its own
+//! (a current-thread runtime). A connection's first stream must be a HELLO
+//! carrying the lease and the ticket; after it, each stream carries one
+//! BATCH of the lease. The thread checks a batch as the node would (frame
+//! limits, the lease, its modules by hash, the reply bytes), waits for its
+//! turn in the lease's order ([`LeaseOrder`], as the node's), and hands it
+//! to the device loop, which plans and runs it like a batch from the pipe;
+//! the reply goes back the same way.
+//!
+//! Bounds: at most [`DirectLimits::max_requests`] requests read or running
+//! at once, and [`DirectLimits::max_bytes`] of their bodies, data and reply
+//! bytes; a request past either is refused on its header, before its data
+//! is read.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{mpsc, Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{oneshot, Semaphore};
+
+use super::messages::{encode_worker_batch, BatchLimits, WorkerBatchReply, WorkerLoad};
+use crate::device::DeviceError;
+use crate::lock;
+use crate::order::{Arrival, LeaseOrder, Stalled};
+use crate::proto::{
+    self, from_body, to_body, BatchHead, BatchReply, DirectHello, ErrorBody, Header, LeaseId,
+    Limits, ModuleHash, Opcode, Status, DIRECT_TICKET_LEN,
+};
+use crate::transport::TransportSettings;
+
+/// Node -> worker (LEASE_DIRECT on the pipe): serve the lease's batches.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct DirectOpen {
+    /// Where to bind (the node's address, port 0).
+    pub(crate) bind: SocketAddr,
+    /// The lease's certificate and its PKCS#8 key (DER).
+    pub(crate) cert_der: Vec<u8>,
+    pub(crate) key_der: Vec<u8>,
+    pub(crate) ticket: [u8; DIRECT_TICKET_LEN],
+    pub(crate) lease: LeaseId,
+    pub(crate) limits: DirectLimits,
+    pub(crate) transport: TransportSettings,
+}
+
+/// The lease's limits on its direct path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct DirectLimits {
+    /// The lease's reservation, in bytes.
+    pub(crate) reserved: u64,
+    /// Most live ids in the lease.
+    pub(crate) max_ids: u32,
+    /// Most streams the lease may use.
+    pub(crate) max_streams: u32,
+    /// Largest request body and data (the node's frame limits).
+    pub(crate) max_body: u32,
+    pub(crate) max_data: u32,
+    /// Bytes of requests (body and data) and their replies' declared
+    /// bytes held at once.
+    pub(crate) max_bytes: u64,
+    /// Requests read or running at once.
+    pub(crate) max_requests: u32,
+}
+
+/// Worker -> node: the UDP port the lease's batches go to.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub(crate) struct DirectPort {
+    pub(crate) port: u16,
+}
+
+/// What the QUIC thread hands the device loop.
+pub(super) enum ToDevice {
+    /// A batch to plan and run, as the node would send it, and where its
+    /// answer goes.
+    Batch {
+        body: Vec<u8>,
+        data: Vec<u8>,
+        answer: oneshot::Sender<Answer>,
+    },
+    /// An answer to the node's request `request` (an [`after`](DirectLink::after)).
+    Pipe { request: Header, status: Status },
+}
+
+/// A device loop's answer to a batch: as it would write it on the pipe.
+#[derive(Debug)]
+pub(super) struct Answer {
+    pub(super) status: Status,
+    pub(super) body: Vec<u8>,
+    pub(super) data: Vec<u8>,
+}
+
+/// What the device loop asks the QUIC thread.
+enum ToQuic {
+    /// Answer `request` once every batch numbered below `upto` is handed over.
+    After { request: Header, upto: u64 },
+}
+
+/// The device loop's end of a lease's direct path.
+pub(super) struct DirectLink {
+    from_quic: mpsc::Receiver<ToDevice>,
+    /// Counted by the QUIC thread after each hand-over (non-blocking).
+    wake: OwnedFd,
+    to_quic: tokio::sync::mpsc::UnboundedSender<ToQuic>,
+}
+
+fn eventfd() -> std::io::Result<OwnedFd> {
+    // SAFETY: `eventfd` takes two integers and returns a new descriptor
+    // (or -1), owned here from then on.
+    let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+impl DirectLink {
+    /// Binds, starts the QUIC thread and returns the link and the port.
+    pub(super) fn open(o: DirectOpen) -> std::io::Result<(Self, u16)> {
+        let socket = o.transport.bind_udp(o.bind)?;
+        let port = socket.local_addr()?.port();
+        let identity = crate::tls::Identity {
+            chain: vec![o.cert_der.clone().into()],
+            key: rustls::pki_types::PrivateKeyDer::Pkcs8(
+                rustls::pki_types::PrivatePkcs8KeyDer::from(o.key_der.clone()),
+            ),
+        };
+        let server = crate::tls::server_config(&identity, None, &o.transport)
+            .map_err(std::io::Error::other)?;
+        let wake = eventfd()?;
+        let counter = wake.try_clone()?;
+        let (to_device, from_quic) = mpsc::channel();
+        let (to_quic, asks) = tokio::sync::mpsc::unbounded_channel();
+        let limits = o.limits;
+        let served = Served {
+            lease: o.lease,
+            ticket: o.ticket,
+            limits,
+            order: LeaseOrder::default(),
+            known: Mutex::new(HashSet::new()),
+            bytes: Semaphore::new(units(limits.max_bytes) as usize),
+            requests: Semaphore::new(limits.max_requests as usize),
+            poisoned: std::sync::atomic::AtomicBool::new(false),
+            to_device: Mutex::new(to_device),
+            counter,
+        };
+        let largest = o.transport.largest_accepted_payload();
+        std::thread::Builder::new()
+            .name("cuda-lease-direct".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        eprintln!("cuda-lease worker: no runtime for the direct path: {e}");
+                        return;
+                    }
+                };
+                rt.block_on(serve(Arc::new(served), socket, server, largest, asks));
+            })?;
+        let link = DirectLink {
+            from_quic,
+            wake,
+            to_quic,
+        };
+        Ok((link, port))
+    }
+
+    /// The descriptor that becomes readable when something was handed over.
+    pub(super) fn wake_fd(&self) -> RawFd {
+        self.wake.as_raw_fd()
+    }
+
+    /// What was handed over since the last call, in order.
+    pub(super) fn take(&self) -> Vec<ToDevice> {
+        let mut count = 0u64;
+        // SAFETY: reads at most 8 bytes into `count` from the non-blocking
+        // eventfd owned here; nothing to read leaves it (EAGAIN). Read
+        // before the channel: a hand-over after it counts again.
+        let _ = unsafe { libc::read(self.wake.as_raw_fd(), (&raw mut count).cast(), 8) };
+        self.from_quic.try_iter().collect()
+    }
+
+    /// Answers the node's `request` (as a [`ToDevice::Pipe`]) once every
+    /// batch numbered below `upto` has been handed over, or with why none
+    /// will be.
+    pub(super) fn after(&self, request: Header, upto: u64) {
+        let _ = self.to_quic.send(ToQuic::After { request, upto });
+    }
+}
+
+/// Budget units: KiB, so a semaphore counts any byte budget.
+fn units(bytes: u64) -> u32 {
+    u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
+}
+
+/// The QUIC thread's state.
+struct Served {
+    lease: LeaseId,
+    ticket: [u8; DIRECT_TICKET_LEN],
+    limits: DirectLimits,
+    order: LeaseOrder,
+    /// Modules handed to the device loop to load (or loaded).
+    known: Mutex<HashSet<ModuleHash>>,
+    bytes: Semaphore,
+    requests: Semaphore,
+    /// A fault poisoned the lease's context: later batches are refused.
+    poisoned: std::sync::atomic::AtomicBool,
+    to_device: Mutex<mpsc::Sender<ToDevice>>,
+    counter: OwnedFd,
+}
+
+impl Served {
+    fn hand(&self, work: ToDevice) -> bool {
+        if lock(&self.to_device).send(work).is_err() {
+            return false;
+        }
+        let one = 1u64;
+        // SAFETY: writes 8 bytes from `one` to the eventfd owned here.
+        let _ = unsafe { libc::write(self.counter.as_raw_fd(), (&raw const one).cast(), 8) };
+        true
+    }
+
+    fn frame_limits(&self) -> Limits {
+        Limits {
+            max_body: self.limits.max_body,
+            max_data: self.limits.max_data,
+        }
+    }
+}
+
+async fn serve(
+    served: Arc<Served>,
+    socket: std::net::UdpSocket,
+    server: quinn::ServerConfig,
+    largest: u16,
+    mut asks: tokio::sync::mpsc::UnboundedReceiver<ToQuic>,
+) {
+    let runtime: Arc<dyn quinn::Runtime> = Arc::new(quinn::TokioRuntime);
+    let mut config = quinn::EndpointConfig::default();
+    let _ = config.max_udp_payload_size(largest);
+    let endpoint = match quinn::Endpoint::new(config, Some(server), socket, runtime) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("cuda-lease worker: no direct endpoint: {e}");
+            return;
+        }
+    };
+    let answers = {
+        let served = served.clone();
+        async move {
+            while let Some(ToQuic::After { request, upto }) = asks.recv().await {
+                let served = served.clone();
+                tokio::spawn(async move {
+                    let status = match served.order.reached(upto).await {
+                        Ok(()) => Status::Ok,
+                        Err(_) => Status::LeaseNotFound,
+                    };
+                    served.hand(ToDevice::Pipe { request, status });
+                });
+            }
+        }
+    };
+    tokio::spawn(answers);
+    let mut next_conn = 0usize;
+    while let Some(incoming) = endpoint.accept().await {
+        next_conn += 1;
+        tokio::spawn(connection(served.clone(), incoming, next_conn));
+    }
+}
+
+async fn connection(served: Arc<Served>, incoming: quinn::Incoming, id: usize) {
+    let Ok(conn) = incoming.await else {
+        return;
+    };
+    if !hello(&served, &conn).await {
+        conn.close(1u32.into(), b"send HELLO with the lease's ticket first");
+        return;
+    }
+    while let Ok((send, recv)) = conn.accept_bi().await {
+        tokio::spawn(request(served.clone(), send, recv, id));
+    }
+    // Numbers that have not come on it never will.
+    served.order.update(|s| s.closed(id));
+}
+
+/// Reads the connection's first stream: a HELLO with the lease's ticket.
+async fn hello(served: &Served, conn: &quinn::Connection) -> bool {
+    let Ok((mut send, mut recv)) = conn.accept_bi().await else {
+        return false;
+    };
+    let small = Limits {
+        max_body: 256,
+        max_data: 0,
+    };
+    let Ok(h) = proto::read_header(&mut recv, &small).await else {
+        return false;
+    };
+    let mut body = vec![0u8; h.body_len as usize];
+    if tokio::io::AsyncReadExt::read_exact(&mut recv, &mut body)
+        .await
+        .is_err()
+    {
+        return false;
+    }
+    let ok = h.opcode == Opcode::Hello
+        && !h.is_reply()
+        && from_body::<DirectHello>(&body)
+            .is_ok_and(|d| d.lease == served.lease && constant_time_eq(&d.ticket, &served.ticket));
+    let status = if ok { Status::Ok } else { Status::Unauthorized };
+    let reply = if ok {
+        Vec::new()
+    } else {
+        to_body(&ErrorBody {
+            message: "not this lease's ticket".into(),
+        })
+    };
+    let rh = Header::reply(&h, status, reply.len() as u32, 0);
+    let _ = crate::proto::write_frame(&mut send, &rh, &reply, &[]).await;
+    let _ = send.finish();
+    if !ok {
+        // The refusal is read before the connection closes (bounded: a
+        // peer that never reads it is closed on anyway).
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(1), send.stopped()).await;
+    }
+    ok
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// A refusal: status and message.
+type Refusal = (Status, String);
+
+fn refused(status: Status, message: impl Into<String>) -> Refusal {
+    (status, message.into())
+}
+
+/// Serves one stream: one BATCH of the lease.
+async fn request(
+    served: Arc<Served>,
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    conn: usize,
+) {
+    let Ok(h) = proto::read_header(&mut recv, &served.frame_limits()).await else {
+        let _ = send.reset(0u32.into());
+        return;
+    };
+    let r = run(&served, &h, &mut recv, conn).await;
+    let (status, body, data) = match r {
+        Ok((reply, data)) => (Status::Ok, to_body(&reply), data),
+        Err((status, message)) => (status, to_body(&ErrorBody { message }), Vec::new()),
+    };
+    let rh = Header::reply(&h, status, body.len() as u32, data.len() as u32);
+    if crate::proto::write_frame(&mut send, &rh, &body, &data)
+        .await
+        .is_ok()
+    {
+        let _ = send.finish();
+        let _ = send.stopped().await;
+    }
+}
+
+async fn run(
+    served: &Served,
+    h: &Header,
+    recv: &mut quinn::RecvStream,
+    conn: usize,
+) -> Result<(BatchReply, Vec<u8>), Refusal> {
+    if h.opcode != Opcode::Batch || h.is_reply() {
+        return Err(refused(
+            Status::BadRequest,
+            format!(
+                "a lease's direct connection takes BATCH only, not {:?}",
+                h.opcode
+            ),
+        ));
+    }
+    let Ok(_request) = served.requests.try_acquire() else {
+        return Err(refused(
+            Status::CapacityExceeded,
+            format!(
+                "{} requests of the lease are in flight, its limit",
+                served.limits.max_requests
+            ),
+        ));
+    };
+    let over = |what: u64| {
+        refused(
+            Status::CapacityExceeded,
+            format!(
+                "{what} more bytes would pass the lease's {} in flight on its direct path",
+                served.limits.max_bytes
+            ),
+        )
+    };
+    let declared = u64::from(h.body_len) + u64::from(h.data_len);
+    let Ok(_held) = served.bytes.try_acquire_many(units(declared)) else {
+        return Err(over(declared));
+    };
+    let mut body = vec![0u8; h.body_len as usize];
+    let mut data = vec![0u8; h.data_len as usize];
+    let read = async {
+        recv.read_exact(&mut body).await?;
+        recv.read_exact(&mut data).await
+    };
+    read.await
+        .map_err(|e| refused(Status::BadRequest, format!("request cut short: {e}")))?;
+    let (head, wire) = BatchHead::decode(&body).map_err(bad)?;
+    head.validate(data.len()).map_err(bad)?;
+    let commands = proto::command_count(wire).map_err(bad)?;
+    if head.lease != served.lease {
+        return Err(refused(
+            Status::BadRequest,
+            format!(
+                "this connection serves lease {}, not {}",
+                served.lease, head.lease
+            ),
+        ));
+    }
+    if served.poisoned.load(std::sync::atomic::Ordering::Acquire) {
+        return Err(refused(
+            Status::LeasePoisoned,
+            "lease poisoned: a fault ended its context",
+        ));
+    }
+    let reply_bytes = head.reply_bytes.min(u64::from(served.limits.max_data));
+    let Ok(_reply) = served.bytes.try_acquire_many(units(reply_bytes)) else {
+        return Err(over(reply_bytes));
+    };
+    let seq = head.seq;
+    if seq == u64::MAX {
+        return Err(refused(
+            Status::BadRequest,
+            format!("batch number {seq} has no successor: numbers wrap"),
+        ));
+    }
+    let mut place = None;
+    if seq != 0 {
+        let (arrival, p) = served.order.arrive(seq, conn);
+        if arrival == Arrival::Passed {
+            if commands == 0 && head.modules.is_empty() {
+                return Ok((BatchReply::default(), Vec::new()));
+            }
+            return Err(refused(
+                Status::BadRequest,
+                format!("batch number {seq} of the lease has run already, or is here"),
+            ));
+        }
+        place = Some(p);
+    }
+    // Its modules are settled in its turn: the ones before it may load some.
+    if let Some(p) = place.as_mut() {
+        p.turn().await.map_err(stalled)?;
+    }
+    let Settled {
+        loads,
+        sources,
+        writes,
+    } = match modules(served, &head, &data) {
+        Ok(m) => m,
+        Err(r) => {
+            if let (Some(p), Status::UnknownModule) = (place.take(), r.0) {
+                // Sent again with its sources, the batch keeps its place.
+                p.withdraw();
+            }
+            return Err(r);
+        }
+    };
+    let limits = BatchLimits {
+        reserved: served.limits.reserved,
+        max_ids: served.limits.max_ids,
+        max_streams: served.limits.max_streams,
+        max_read: u64::from(served.limits.max_data),
+        reply_bytes,
+    };
+    let hashes: Vec<ModuleHash> = head.modules.iter().map(|m| m.hash).collect();
+    let mut worker_body = Vec::with_capacity(wire.len() + 64);
+    encode_worker_batch(&mut worker_body, &loads, &limits, &hashes, wire);
+    let mut worker_data =
+        Vec::with_capacity(sources.iter().map(|s| s.len()).sum::<usize>() + writes.len());
+    for s in &sources {
+        worker_data.extend_from_slice(s);
+    }
+    worker_data.extend_from_slice(writes);
+    drop(data);
+    let (tx, rx) = oneshot::channel();
+    let handed = served.hand(ToDevice::Batch {
+        body: worker_body,
+        data: worker_data,
+        answer: tx,
+    });
+    // Handed over: the device loop plans in this order.
+    drop(place);
+    if !handed {
+        return Err(refused(
+            Status::Internal,
+            "the worker's device loop is gone",
+        ));
+    }
+    let answer = rx
+        .await
+        .map_err(|_| refused(Status::Internal, "the worker's device loop is gone"))?;
+    if answer.status != Status::Ok {
+        forget(served, &loads);
+        let message = from_body::<DeviceError>(&answer.body)
+            .map(|e| e.message)
+            .unwrap_or_default();
+        return Err((answer.status, message));
+    }
+    let reply: WorkerBatchReply = from_body(&answer.body)
+        .map_err(|e| refused(Status::Internal, format!("worker reply: {e}")))?;
+    let loaded = (reply.loaded as usize).min(loads.len());
+    forget(served, &loads[loaded..]);
+    if reply.sticky && reply.error.is_some() {
+        served
+            .poisoned
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+    Ok((
+        BatchReply {
+            completed: reply.completed,
+            error: reply.error,
+        },
+        answer.data,
+    ))
+}
+
+fn bad(e: impl std::fmt::Display) -> Refusal {
+    refused(Status::BadRequest, e.to_string())
+}
+
+fn stalled(e: Stalled) -> Refusal {
+    match e {
+        Stalled::Ended => refused(Status::LeaseNotFound, "the lease ended"),
+        Stalled::Disconnected { missing } => refused(
+            Status::BadRequest,
+            format!(
+                "batch {missing} of the lease never came: the connection that carried \
+                 the lease's batches closed"
+            ),
+        ),
+    }
+}
+
+/// Modules the device loop did not load are not the lease's.
+fn forget(served: &Served, loads: &[WorkerLoad]) {
+    let mut known = lock(&served.known);
+    for l in loads {
+        known.remove(&l.hash);
+    }
+}
+
+/// A batch's modules to load, their sources, and its writes' data.
+struct Settled<'d> {
+    loads: Vec<WorkerLoad>,
+    sources: Vec<&'d [u8]>,
+    writes: &'d [u8],
+}
+
+/// The modules of `head` the lease lacks (marked known: later batches
+/// skip them), their sources (hash-checked), and the writes' data.
+fn modules<'d>(served: &Served, head: &BatchHead, data: &'d [u8]) -> Result<Settled<'d>, Refusal> {
+    let mut rest = data;
+    let mut loads = Vec::new();
+    let mut sources = Vec::new();
+    let mut known = lock(&served.known);
+    for m in &head.modules {
+        let given = match &m.source {
+            Some(t) => {
+                let (text, tail) = rest.split_at(t.len as usize);
+                rest = tail;
+                let text_str = std::str::from_utf8(text).map_err(|_| {
+                    refused(Status::BadRequest, format!("module {}: not UTF-8", m.hash))
+                })?;
+                let actual = ModuleHash::of(&t.kind, text_str);
+                if actual != m.hash {
+                    return Err(refused(
+                        Status::BadRequest,
+                        format!("module {}: its source hashes to {actual}", m.hash),
+                    ));
+                }
+                Some((t.kind.clone(), text))
+            }
+            None => None,
+        };
+        if known.contains(&m.hash) || loads.iter().any(|l: &WorkerLoad| l.hash == m.hash) {
+            continue;
+        }
+        let Some((kind, text)) = given else {
+            return Err(refused(
+                Status::UnknownModule,
+                format!(
+                    "module {} is not loaded in the lease: send the batch again with its source",
+                    m.hash
+                ),
+            ));
+        };
+        loads.push(WorkerLoad {
+            hash: m.hash,
+            kind,
+            len: text.len() as u32,
+        });
+        sources.push(text);
+    }
+    for l in &loads {
+        known.insert(l.hash);
+    }
+    Ok(Settled {
+        loads,
+        sources,
+        writes: rest,
+    })
+}

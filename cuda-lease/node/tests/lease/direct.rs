@@ -1,0 +1,311 @@
+//! Leases whose worker serves their BATCHes directly (LEASE_DIRECT): the
+//! same pipelines give the same results with no BATCH through the node,
+//! large transfers (still through the node) keep their place in the
+//! lease's order, and the worker takes only the lease's own ticket.
+
+use std::sync::Arc;
+
+use crate::common::*;
+use cuda_async::prelude::*;
+use cuda_async::{DeviceBuffer, Kernel, LaunchConfig, Module, RemotePolicy};
+use cuda_lease::client::{Client, Lease};
+use cuda_lease::proto::{
+    self, from_body, to_body, DirectGrant, DirectHello, Header, LeaseAlloc, LeaseGrant, LeaseRef,
+    Opcode, Status,
+};
+use cuda_lease_node::node::Node;
+
+const KERNELS: &str = r#"
+extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {}
+extern "C" __global__ void fill(float* out, float v, unsigned n) {}
+"#;
+
+fn kernel(name: &str) -> Kernel {
+    Module::cuda(KERNELS, &[]).unwrap().kernel(name).unwrap()
+}
+
+/// A node that serves leases directly.
+async fn direct_node() -> Node {
+    let mut cfg = memory_config(1 << 28);
+    cfg.direct_leases = true;
+    Node::spawn_local(cfg).await.expect("node")
+}
+
+/// A lease on a new client that asks for direct leases; its policy.
+async fn direct_lease(node: &Node, data_path_min: usize) -> (Lease, RemotePolicy) {
+    let cfg = client_config(node)
+        .direct(true)
+        .data_path_min_bytes(data_path_min);
+    let client = Arc::new(Client::connect(node.addr(), &cfg).await.expect("connect"));
+    let lease = lease_of(&client, 64 << 20).await;
+    let policy = policy_of(&lease);
+    (lease, policy)
+}
+
+fn node_batches(node: &Node) -> u64 {
+    metric(&node.metrics_text(), "gpu_batch_total").unwrap_or(0)
+}
+
+/// `y = a*x + y` on the lease, then downloaded.
+async fn axpy(x: Vec<f32>, y: Vec<f32>, a: f32, remote: &RemotePolicy) -> Vec<f32> {
+    let n = x.len() as u32;
+    let k = kernel("axpy");
+    h2d(x)
+        .zip(h2d(y))
+        // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
+        .then(move |(x, y)| unsafe {
+            launch(&k, LaunchConfig::for_num_elems(n), (a, Arc::new(x), y, n))
+        })
+        .then(|(_, _, y, _)| d2h(y))
+        .schedule(remote)
+        .unwrap()
+        .await
+        .unwrap()
+        .to_vec()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_lease_runs_its_pipelines_with_no_batch_through_the_node() {
+    let node = direct_node().await;
+    let (lease, remote) = direct_lease(&node, usize::MAX).await;
+    assert!(lease.is_direct());
+    let before = node_batches(&node);
+    for (n, seed) in [(1000usize, 7u64), (1, 3), (4097, 11)] {
+        let (x, y) = (random_f32(n, seed), random_f32(n, seed * 31));
+        let want: Vec<f32> = x.iter().zip(&y).map(|(x, y)| 1.5 * x + y).collect();
+        assert_eq!(axpy(x, y, 1.5, &remote).await, want, "n = {n}");
+    }
+    // Many tasks at once: each gets its own result.
+    let remote = Arc::new(remote);
+    let tasks: Vec<_> = (0..16u64)
+        .map(|i| {
+            let remote = remote.clone();
+            tokio::spawn(async move {
+                let (x, y) = (random_f32(300, i + 1), random_f32(300, i + 100));
+                let want: Vec<f32> = x.iter().zip(&y).map(|(x, y)| -2.0 * x + y).collect();
+                (axpy(x, y, -2.0, &remote).await, want)
+            })
+        })
+        .collect();
+    for t in tasks {
+        let (got, want) = t.await.unwrap();
+        assert_eq!(got, want);
+    }
+    assert_eq!(node_batches(&node), before, "a BATCH went through the node");
+    // The node still serves the rest of the lease.
+    assert!(lease.query().await.is_ok());
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+/// Large transfers go through the node, after the batches before them:
+/// a download submitted with a kernel still in flight sees its writes, and
+/// a download submitted before a kernel does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_leases_streamed_transfers_keep_their_place_in_its_order() {
+    let node = direct_node().await;
+    let (lease, remote) = direct_lease(&node, 1 << 20).await;
+    assert!(lease.is_direct());
+    let fill = kernel("fill");
+    let n = 1 << 20;
+    let overwrite = |buf: &Arc<DeviceBuffer<f32>>, v: f32| {
+        // SAFETY: the in-memory device's `fill` writes out[0..n) of an n-float buffer.
+        unsafe {
+            launch(
+                &fill,
+                LaunchConfig::for_num_elems(n as u32),
+                (buf.clone(), v, n as u32),
+            )
+        }
+        .schedule(&remote)
+        .unwrap()
+    };
+    for round in 0..3u8 {
+        let floats: Vec<f32> = (0..n)
+            .map(|i| (i % 999) as f32 + f32::from(round))
+            .collect();
+        let buf = Arc::new(
+            h2d(floats.clone())
+                .schedule(&remote)
+                .unwrap()
+                .await
+                .unwrap(),
+        );
+        let read = d2h(buf.clone()).schedule(&remote).unwrap();
+        let (got, done) = tokio::join!(read, overwrite(&buf, -1.0));
+        done.unwrap();
+        assert!(
+            got.unwrap().to_vec().unwrap() == floats,
+            "round {round}: the download saw the later kernel's writes"
+        );
+        // A kernel whose module is new and large (its message takes a
+        // while to arrive), then a download: the download's own requests
+        // would overtake it.
+        let padding = format!("// round {round}\n{}", "// padding\n".repeat(400_000));
+        let slow = Module::cuda(format!("{padding}{KERNELS}"), &[])
+            .unwrap()
+            .kernel("fill")
+            .unwrap();
+        // SAFETY: as `overwrite`'s.
+        let done = unsafe {
+            launch(
+                &slow,
+                LaunchConfig::for_num_elems(n as u32),
+                (buf.clone(), -2.0f32, n as u32),
+            )
+        }
+        .schedule(&remote)
+        .unwrap();
+        let read = d2h(buf).schedule(&remote).unwrap();
+        let (done, got) = tokio::join!(done, read);
+        done.unwrap();
+        assert!(
+            got.unwrap().to_vec().unwrap().iter().all(|v| *v == -2.0),
+            "round {round}: the download ran before the earlier kernel"
+        );
+    }
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+/// A batch that arrives late (a large new module) runs before the later
+/// batch that arrives first: the worker orders them by number.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_leases_batches_run_in_number_order_whatever_order_they_arrive_in() {
+    let node = direct_node().await;
+    let (lease, remote) = direct_lease(&node, usize::MAX).await;
+    assert!(lease.is_direct());
+    let n = 4096usize;
+    for round in 0..3u8 {
+        let buf = Arc::new(
+            h2d(vec![1.0f32; n])
+                .schedule(&remote)
+                .unwrap()
+                .await
+                .unwrap(),
+        );
+        let padding = format!("// round {round}\n{}", "// padding\n".repeat(400_000));
+        let slow = Module::cuda(format!("{padding}{KERNELS}"), &[])
+            .unwrap()
+            .kernel("fill")
+            .unwrap();
+        // SAFETY: the in-memory device's `fill` writes out[0..n) of an n-float buffer.
+        let done = unsafe {
+            launch(
+                &slow,
+                LaunchConfig::for_num_elems(n as u32),
+                (buf.clone(), -3.0f32, n as u32),
+            )
+        }
+        .schedule(&remote)
+        .unwrap();
+        let read = d2h(buf).schedule(&remote).unwrap();
+        let (done, got) = tokio::join!(done, read);
+        done.unwrap();
+        assert!(
+            got.unwrap().to_vec().unwrap().iter().all(|v| *v == -3.0),
+            "round {round}: the download ran before the earlier kernel"
+        );
+    }
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+/// One request on `conn`: its reply's header and body.
+async fn ask(conn: &quinn::Connection, op: Opcode, body: &[u8]) -> (Header, Vec<u8>) {
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let h = Header::request(op, 1, body.len() as u32, 0);
+    proto::write_frame(&mut send, &h, body, &[]).await.unwrap();
+    send.finish().unwrap();
+    let f = proto::read_frame(&mut recv, &proto::Limits::default())
+        .await
+        .unwrap();
+    (f.header, f.body)
+}
+
+/// A QUIC connection to a direct grant's worker, its certificate pinned.
+async fn to_worker(grant: &DirectGrant) -> quinn::Connection {
+    let cert = rustls::pki_types::CertificateDer::from(grant.cert_der.clone());
+    let trust = cuda_lease::tls::ServerTrust {
+        roots: &[cert],
+        sha256: None,
+    };
+    let qcfg = cuda_lease::tls::client_config(trust, None, &Default::default()).unwrap();
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(qcfg);
+    let addr: std::net::SocketAddr = grant.addr.parse().unwrap();
+    let conn = ep.connect(addr, "127.0.0.1").unwrap().await.unwrap();
+    std::mem::forget(ep);
+    conn
+}
+
+#[tokio::test]
+async fn the_worker_takes_only_its_leases_ticket_and_the_node_no_batch_of_it() {
+    let node = direct_node().await;
+    let conn = raw_authed_conn(&node).await;
+    let alloc = to_body(&LeaseAlloc {
+        min_vram: 1 << 20,
+        ttl_secs: 60,
+    });
+    let (h, body) = ask(&conn, Opcode::LeaseAlloc, &alloc).await;
+    assert_eq!(h.status, Status::Ok);
+    let lease = from_body::<LeaseGrant>(&body).unwrap().lease;
+    let (h, body) = ask(&conn, Opcode::LeaseDirect, &to_body(&LeaseRef { lease })).await;
+    assert_eq!(h.status, Status::Ok);
+    let grant: DirectGrant = from_body(&body).unwrap();
+    // Once only.
+    let (h, _) = ask(&conn, Opcode::LeaseDirect, &to_body(&LeaseRef { lease })).await;
+    assert_eq!(h.status, Status::BadRequest);
+    // A wrong ticket, or the right one for another lease: refused.
+    let mut wrong = grant.ticket;
+    wrong[0] ^= 1;
+    let other = cuda_lease::proto::LeaseId::random();
+    for (lease, ticket) in [(lease, wrong), (other, grant.ticket)] {
+        let w = to_worker(&grant).await;
+        let (h, _) = ask(&w, Opcode::Hello, &to_body(&DirectHello { lease, ticket })).await;
+        assert_eq!(h.status, Status::Unauthorized);
+        // And the connection is closed: nothing else is served on it.
+        assert!(w.closed().await.to_string().contains("ticket"));
+    }
+    // A BATCH before the HELLO is refused too.
+    let body = to_body(&proto::Batch {
+        lease,
+        seq: 1,
+        modules: vec![],
+        commands: vec![],
+    });
+    let w = to_worker(&grant).await;
+    let (h, _) = ask(&w, Opcode::Batch, &body).await;
+    assert_eq!(h.status, Status::Unauthorized);
+    // The ticket opens it; the node takes none of the lease's BATCHes.
+    let w = to_worker(&grant).await;
+    let (h, _) = ask(
+        &w,
+        Opcode::Hello,
+        &to_body(&DirectHello {
+            lease,
+            ticket: grant.ticket,
+        }),
+    )
+    .await;
+    assert_eq!(h.status, Status::Ok);
+    let (h, _) = ask(&conn, Opcode::Batch, &body).await;
+    assert_eq!(h.status, Status::BadRequest);
+    // The worker does (an empty batch numbered 1).
+    let (h, _) = ask(&w, Opcode::Batch, &body).await;
+    assert_eq!(h.status, Status::Ok);
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_node_without_direct_leases_serves_a_lease_that_asked_itself() {
+    let node = Node::spawn_local(memory_config(1 << 26)).await.unwrap();
+    let (lease, remote) = direct_lease(&node, usize::MAX).await;
+    assert!(!lease.is_direct());
+    let (x, y) = (random_f32(100, 1), random_f32(100, 2));
+    let want: Vec<f32> = x.iter().zip(&y).map(|(x, y)| 3.0 * x + y).collect();
+    assert_eq!(axpy(x, y, 3.0, &remote).await, want);
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}

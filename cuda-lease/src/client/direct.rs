@@ -1,0 +1,65 @@
+//! A lease's own connection to its worker (LEASE_DIRECT): its BATCHes go
+//! there, everything else of the lease to the node.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+
+use super::connection::{exchange, ReplyInto};
+use super::error::{disconnected, protocol_error};
+use super::{Client, Error, ErrorKind};
+use crate::proto::{to_body, DirectGrant, DirectHello, LeaseId, LeaseRef, Opcode};
+use crate::tls::{self, ServerTrust};
+
+/// Asks the node for `lease`'s direct path and connects to it; `None` when
+/// the node serves the lease's batches itself (it has no direct leases).
+pub(super) async fn open(
+    client: &Client,
+    lease: LeaseId,
+) -> Result<Option<quinn::Connection>, Error> {
+    let grant: DirectGrant = match client.call(Opcode::LeaseDirect, &LeaseRef { lease }).await {
+        Ok(g) => g,
+        Err(e) if matches!(e.kind(), ErrorKind::InvalidRequest | ErrorKind::Protocol) => {
+            tracing::debug!(%lease, error = %e, "the node serves the lease's batches itself");
+            return Ok(None);
+        }
+        Err(e) => return Err(e),
+    };
+    let addr: SocketAddr = grant
+        .addr
+        .parse()
+        .map_err(|e| protocol_error(format!("direct address {:?}: {e}", grant.addr)))?;
+    let digest = ring::digest::digest(&ring::digest::SHA256, &grant.cert_der);
+    let mut sha256 = [0u8; 32];
+    sha256.copy_from_slice(digest.as_ref());
+    let trust = ServerTrust {
+        roots: &[],
+        sha256: Some(sha256),
+    };
+    let qcfg = tls::client_config(trust, None, &client.config.transport)
+        .map_err(super::error::config_error)?;
+    let name = addr.ip().to_string();
+    let connecting = client
+        .endpoint
+        .connect_with(qcfg, addr, &name)
+        .map_err(disconnected)?;
+    let conn = tokio::time::timeout(client.config.connect_timeout, connecting)
+        .await
+        .map_err(|_| disconnected(format!("the lease's worker at {addr} did not answer")))?
+        .map_err(disconnected)?;
+    let hello = DirectHello {
+        lease,
+        ticket: grant.ticket,
+    };
+    let id = client.next_id.fetch_add(1, Ordering::Relaxed);
+    exchange(
+        &conn,
+        &client.limits,
+        id,
+        Opcode::Hello,
+        &to_body(&hello),
+        &[],
+        ReplyInto::Owned,
+    )
+    .await?;
+    Ok(Some(conn))
+}
