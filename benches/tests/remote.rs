@@ -25,6 +25,7 @@ fn tiny() -> RemoteConfig {
         in_task: false,
         worker_cpus: None,
         server_threads: None,
+        direct: false,
         transport: ("loopback".into(), cuda_lease::TransportSettings::loopback()),
         stripes: cuda_lease::client::DEFAULT_STRIPES,
         stamps: true,
@@ -129,6 +130,28 @@ fn every_remote_topic_runs_on_the_memory_device() {
     let md = table.markdown();
     assert!(md.contains("| one-kernel BATCH p50 vs raw quinn 64 B request/reply | "));
     assert!(table.json().contains("\"compute_capability\": null"));
+}
+
+#[test]
+fn the_chain_and_launch_topics_run_on_leases_served_directly() {
+    let bench = Bench::start(RemoteConfig {
+        direct: true,
+        ..tiny()
+    })
+    .expect("an embedded node with direct leases");
+    for topic in ["remote_chain", "remote_launch"] {
+        let got = bench
+            .run(topic)
+            .unwrap_or_else(|e| panic!("topic {topic}: {e}"));
+        assert!(!got.is_empty(), "topic {topic} gave no rows");
+        for r in &got {
+            let lib = r
+                .lib
+                .unwrap_or_else(|| panic!("{}: no measured side", r.metric));
+            assert!(lib.median > 0.0, "{}: {lib:?}", r.metric);
+        }
+    }
+    bench.shutdown();
 }
 
 #[test]

@@ -127,6 +127,9 @@ pub struct RemoteConfig {
     /// servers (as a node process has its own), or none: the servers share
     /// the report's runtime with the clients.
     pub server_threads: Option<usize>,
+    /// Leases' workers serve their BATCHes themselves (`REPORT_DIRECT=1`:
+    /// the node runs with direct leases and the clients ask for them).
+    pub direct: bool,
 }
 
 impl RemoteConfig {
@@ -200,6 +203,7 @@ impl RemoteConfig {
                 Err(_) => None,
             },
             in_task: std::env::var_os("REPORT_REMOTE_IN_TASK").is_some_and(|v| v == "1"),
+            direct: std::env::var_os("REPORT_DIRECT").is_some_and(|v| v == "1"),
             stamps: std::env::var_os("REPORT_STAMPS").is_none_or(|v| v != "0"),
             pool: PoolConfig::new(cfg),
         })
@@ -274,6 +278,10 @@ impl Bench {
         node_cfg.tokens = vec!["bench".into()];
         node_cfg.submit_workers = 1;
         node_cfg.prestart_workers = 1;
+        node_cfg.direct_leases = cfg.direct;
+        if cfg.direct {
+            detail(format_args!("leases served directly by their workers"));
+        }
         let servers = match cfg.server_threads {
             Some(n) => {
                 detail(format_args!(
@@ -298,7 +306,8 @@ impl Bench {
             let config = ClientConfig::pinned(node.cert_der().clone())
                 .token("bench")
                 .transport(cfg.transport.1.clone())
-                .stripes(cfg.stripes, cuda_lease::client::DEFAULT_STRIPE_MIN_BYTES);
+                .stripes(cfg.stripes, cuda_lease::client::DEFAULT_STRIPE_MIN_BYTES)
+                .direct(cfg.direct);
             let single = config.clone().stripes(1, 0).bulk(BulkUse::Off);
             let client = Arc::new(Client::connect(node.addr(), &single).await?);
             let striped = Arc::new(Client::connect(node.addr(), &config).await?);

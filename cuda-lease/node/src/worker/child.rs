@@ -182,7 +182,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                 }
             }
         } else if frame.header.opcode == Opcode::LeaseDirect {
-            match open_direct(&mut direct, &frame.body) {
+            match open_direct(&mut direct, &frame.body, spin) {
                 Ok(port) => (Status::Ok, to_body(&DirectPort { port }), Vec::new()),
                 Err(e) => (e.status, to_body(&e), Vec::new()),
             }
@@ -226,7 +226,11 @@ pub(super) fn run_worker(spec: &str) -> i32 {
 }
 
 /// Opens the lease's direct path (once); the port it serves on.
-fn open_direct(direct: &mut Option<DirectLink>, body: &[u8]) -> Result<u16, DeviceError> {
+fn open_direct(
+    direct: &mut Option<DirectLink>,
+    body: &[u8],
+    spin: Duration,
+) -> Result<u16, DeviceError> {
     if direct.is_some() {
         return Err(DeviceError::new(
             Status::BadRequest,
@@ -235,7 +239,7 @@ fn open_direct(direct: &mut Option<DirectLink>, body: &[u8]) -> Result<u16, Devi
     }
     let open: DirectOpen =
         from_body(body).map_err(|e| DeviceError::new(Status::BadRequest, e.to_string()))?;
-    let (link, port) = DirectLink::open(open)
+    let (link, port) = DirectLink::open(open, spin)
         .map_err(|e| DeviceError::new(Status::Internal, format!("opening the direct path: {e}")))?;
     *direct = Some(link);
     Ok(port)

@@ -121,7 +121,10 @@ fn eventfd() -> std::io::Result<OwnedFd> {
 
 impl DirectLink {
     /// Binds, starts the QUIC thread and returns the link and the port.
-    pub(super) fn open(o: DirectOpen) -> std::io::Result<(Self, u16)> {
+    /// A request's task polls for its batch's answer for `spin` (the
+    /// worker's pipe spin, [`crate::spin`]) before it sleeps: a sleeping
+    /// thread takes a wake-up to write the reply.
+    pub(super) fn open(o: DirectOpen, spin: std::time::Duration) -> std::io::Result<(Self, u16)> {
         let socket = o.transport.bind_udp(o.bind)?;
         let port = socket.local_addr()?.port();
         let identity = crate::tls::Identity {
@@ -148,6 +151,7 @@ impl DirectLink {
             poisoned: std::sync::atomic::AtomicBool::new(false),
             to_device: Mutex::new(to_device),
             counter,
+            spin,
         };
         let largest = o.transport.largest_accepted_payload();
         std::thread::Builder::new()
@@ -215,6 +219,7 @@ struct Served {
     poisoned: std::sync::atomic::AtomicBool,
     to_device: Mutex<mpsc::Sender<ToDevice>>,
     counter: OwnedFd,
+    spin: std::time::Duration,
 }
 
 impl Served {
@@ -507,7 +512,7 @@ async fn run(
             "the worker's device loop is gone",
         ));
     }
-    let answer = rx
+    let answer = answer_within(rx, served.spin)
         .await
         .map_err(|_| refused(Status::Internal, "the worker's device loop is gone"))?;
     if answer.status != Status::Ok {
@@ -533,6 +538,23 @@ async fn run(
         },
         answer.data,
     ))
+}
+
+/// The device loop's answer: polled, yielding between polls, for `spin`,
+/// then awaited.
+async fn answer_within(
+    mut rx: oneshot::Receiver<Answer>,
+    spin: std::time::Duration,
+) -> Result<Answer, oneshot::error::RecvError> {
+    let start = std::time::Instant::now();
+    while start.elapsed() < spin {
+        match rx.try_recv() {
+            Ok(a) => return Ok(a),
+            Err(oneshot::error::TryRecvError::Empty) => tokio::task::yield_now().await,
+            Err(oneshot::error::TryRecvError::Closed) => break,
+        }
+    }
+    rx.await
 }
 
 fn bad(e: impl std::fmt::Display) -> Refusal {
