@@ -12,8 +12,34 @@ use super::handshake::Peer;
 use super::{Reply, Shared};
 use crate::device::DeviceError;
 use crate::lease_table::Principal;
-use crate::proto::{from_body, to_body, DirectGrant, LeaseRef, Opcode, Status, DIRECT_TICKET_LEN};
-use crate::worker::{DirectLimits, DirectOpen, DirectPort};
+use crate::proto::{
+    from_body, to_body, DirectGrant, LeaseId, LeaseRef, Opcode, Status, DIRECT_TICKET_LEN,
+};
+use crate::worker::{DirectLimits, DirectOpen, DirectPort, Usage};
+
+/// Updates what a direct lease holds from its worker (its batches do not
+/// pass the node, whose view is otherwise as of the lease's last node
+/// request); nothing for other leases.
+pub(super) async fn refresh(
+    shared: &Arc<Shared>,
+    who: &Principal,
+    lease: &LeaseId,
+) -> Result<(), Reply> {
+    let slot = lease_of(shared, who, lease)?;
+    if !slot.is_direct() {
+        return Ok(());
+    }
+    let f = slot
+        .worker
+        .call(Opcode::LeaseQuery, &[], &[], shared.cfg.op_timeout)
+        .await
+        .map_err(|e| worker_lost(shared, lease, &e))?;
+    let usage: Usage = from_body(&f.body)
+        .map_err(|e| Reply::err(Status::Internal, format!("worker reply: {e}")))?;
+    slot.state().usage = usage;
+    shared.table().set_allocated(lease, usage.allocated);
+    Ok(())
+}
 
 /// Opens lease `body`'s direct path: before its first BATCH, once.
 pub(super) async fn open(

@@ -59,6 +59,7 @@ pub(super) async fn dispatch(
         Opcode::LeaseRenew => lease_renew(shared, &who, f),
         Opcode::LeaseQuery => {
             let r: LeaseRef = from_body(&f.body)?;
+            super::direct::refresh(shared, &who, &r.lease).await?;
             let t = shared.table();
             t.check_owner(&r.lease, Some(&who))?;
             Ok(Reply::ok(&t.status(&r.lease, shared.now())?))

@@ -181,6 +181,9 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                     (e.status, to_body(&e), Vec::new())
                 }
             }
+        } else if frame.header.opcode == Opcode::LeaseQuery {
+            // What the lease holds now (its batches may not pass the node).
+            (Status::Ok, to_body(&lease.usage()), Vec::new())
         } else if frame.header.opcode == Opcode::LeaseDirect {
             match open_direct(&mut direct, &frame.body, spin) {
                 Ok(port) => (Status::Ok, to_body(&DirectPort { port }), Vec::new()),

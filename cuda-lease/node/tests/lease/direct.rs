@@ -93,8 +93,24 @@ async fn a_direct_lease_runs_its_pipelines_with_no_batch_through_the_node() {
         assert_eq!(got, want);
     }
     assert_eq!(node_batches(&node), before, "a BATCH went through the node");
-    // The node still serves the rest of the lease.
-    assert!(lease.query().await.is_ok());
+    // The node answers for what the lease holds, though its batches did
+    // not pass it: a kept buffer, and the module's source once.
+    let module = KERNELS.len() as u64;
+    let kept = h2d(vec![0f32; 1024])
+        .schedule(&*remote)
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(lease.query().await.unwrap().allocated, module + 4096);
+    drop(kept);
+    assert!(
+        eventually(std::time::Duration::from_secs(5), || async {
+            lease.query().await.unwrap().allocated == module
+        })
+        .await,
+        "{:?}",
+        lease.query().await.unwrap()
+    );
     lease.free().await.unwrap();
     node.shutdown().await;
 }
@@ -242,7 +258,10 @@ async fn to_worker(grant: &DirectGrant) -> quinn::Connection {
 
 #[tokio::test]
 async fn the_worker_takes_only_its_leases_ticket_and_the_node_no_batch_of_it() {
-    let node = direct_node().await;
+    let mut cfg = memory_config(1 << 28);
+    cfg.direct_leases = true;
+    cfg.max_bytes_per_principal = 32 << 20;
+    let node = Node::spawn_local(cfg).await.expect("node");
     let conn = raw_authed_conn(&node).await;
     let alloc = to_body(&LeaseAlloc {
         min_vram: 1 << 20,
@@ -295,6 +314,16 @@ async fn the_worker_takes_only_its_leases_ticket_and_the_node_no_batch_of_it() {
     // The worker does (an empty batch numbered 1).
     let (h, _) = ask(&w, Opcode::Batch, &body).await;
     assert_eq!(h.status, Status::Ok);
+    // A request over the lease's bytes in flight is refused on its header,
+    // its data never read.
+    let (mut send, mut recv) = w.open_bi().await.unwrap();
+    let h = Header::request(Opcode::Batch, 2, body.len() as u32, 64 << 20);
+    proto::write_frame(&mut send, &h, &body, &[]).await.unwrap();
+    send.finish().unwrap();
+    let f = proto::read_frame(&mut recv, &proto::Limits::default())
+        .await
+        .unwrap();
+    assert_eq!(f.header.status, Status::CapacityExceeded);
     node.shutdown().await;
 }
 
