@@ -9,7 +9,7 @@ use std::sync::Arc;
 use super::auth::lease_of;
 use super::batch::worker_lost;
 use super::handshake::Peer;
-use super::{Reply, Shared};
+use super::{fail_lease, Reply, Shared};
 use crate::device::DeviceError;
 use crate::lease_table::Principal;
 use crate::proto::{
@@ -25,19 +25,34 @@ pub(super) async fn refresh(
     who: &Principal,
     lease: &LeaseId,
 ) -> Result<(), Reply> {
-    let slot = lease_of(shared, who, lease)?;
+    // A lease that is gone, failed or not the asker's is the status's to
+    // report.
+    let Ok(slot) = lease_of(shared, who, lease) else {
+        return Ok(());
+    };
     if !slot.is_direct() {
         return Ok(());
     }
-    let f = slot
+    let asked = slot
         .worker
         .call(Opcode::LeaseQuery, &[], &[], shared.cfg.op_timeout)
-        .await
-        .map_err(|e| worker_lost(shared, lease, &e))?;
-    let usage: Usage = from_body(&f.body)
+        .await;
+    let f = match asked {
+        Ok(f) => f,
+        Err(e) => {
+            // The lease fails with its worker; its status says so.
+            worker_lost(shared, lease, &e);
+            return Ok(());
+        }
+    };
+    let (usage, poisoned): (Usage, Option<String>) = from_body(&f.body)
         .map_err(|e| Reply::err(Status::Internal, format!("worker reply: {e}")))?;
     slot.state().usage = usage;
     shared.table().set_allocated(lease, usage.allocated);
+    if let Some(why) = poisoned {
+        // A fault on its direct path: the lease fails as on the node's.
+        fail_lease(shared, lease, &why);
+    }
     Ok(())
 }
 

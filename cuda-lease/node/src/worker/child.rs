@@ -182,8 +182,10 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                 }
             }
         } else if frame.header.opcode == Opcode::LeaseQuery {
-            // What the lease holds now (its batches may not pass the node).
-            (Status::Ok, to_body(&lease.usage()), Vec::new())
+            // What the lease holds now, and whether a fault ended its
+            // context (its batches may not pass the node).
+            let answer = (lease.usage(), lease.poisoned.clone());
+            (Status::Ok, to_body(&answer), Vec::new())
         } else if frame.header.opcode == Opcode::LeaseDirect {
             match open_direct(&mut direct, &frame.body, spin) {
                 Ok(port) => (Status::Ok, to_body(&DirectPort { port }), Vec::new()),
@@ -578,6 +580,9 @@ impl Enqueued {
             let error = error.or_else(|| self.planned.plan.error.clone());
             (self.planned.loads.len(), completed, error, sticky)
         };
+        if let (true, Some(e)) = (sticky, &error) {
+            lease.poisoned.get_or_insert_with(|| e.message.clone());
+        }
         lease.settle(&self.planned, loaded, completed);
         let reply = WorkerBatchReply {
             loaded: loaded as u32,

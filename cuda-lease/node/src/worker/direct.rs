@@ -14,7 +14,8 @@
 //! Bounds: at most [`DirectLimits::max_requests`] requests read or running
 //! at once, and [`DirectLimits::max_bytes`] of their bodies, data and reply
 //! bytes; a request past either is refused on its header, before its data
-//! is read.
+//! is read. At most [`MAX_DIRECT_CONNECTIONS`] connections at once, each
+//! with [`DIRECT_HELLO_TIMEOUT`] for its handshake and HELLO.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -33,6 +34,13 @@ use crate::proto::{
     Limits, ModuleHash, Opcode, Status, DIRECT_TICKET_LEN,
 };
 use crate::transport::TransportSettings;
+
+/// Connections a lease's worker holds open at once (a client needs one;
+/// it may reconnect); more are refused before their handshake.
+pub(crate) const MAX_DIRECT_CONNECTIONS: usize = 8;
+
+/// How long a new connection has for its handshake and its HELLO.
+pub(crate) const DIRECT_HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Node -> worker (LEASE_DIRECT on the pipe): serve the lease's batches.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -275,17 +283,31 @@ async fn serve(
     };
     tokio::spawn(answers);
     let mut next_conn = 0usize;
+    let open = Arc::new(Semaphore::new(MAX_DIRECT_CONNECTIONS));
     while let Some(incoming) = endpoint.accept().await {
+        let Ok(place) = open.clone().try_acquire_owned() else {
+            incoming.refuse();
+            continue;
+        };
         next_conn += 1;
-        tokio::spawn(connection(served.clone(), incoming, next_conn));
+        let served = served.clone();
+        tokio::spawn(async move {
+            connection(served, incoming, next_conn).await;
+            drop(place);
+        });
     }
 }
 
 async fn connection(served: Arc<Served>, incoming: quinn::Incoming, id: usize) {
-    let Ok(conn) = incoming.await else {
+    let opened = async {
+        let conn = incoming.await.ok()?;
+        let ok = hello(&served, &conn).await;
+        Some((conn, ok))
+    };
+    let Ok(Some((conn, ok))) = tokio::time::timeout(DIRECT_HELLO_TIMEOUT, opened).await else {
         return;
     };
-    if !hello(&served, &conn).await {
+    if !ok {
         conn.close(1u32.into(), b"send HELLO with the lease's ticket first");
         return;
     }

@@ -13,6 +13,8 @@ pub(super) struct WorkerLease {
     objects: LeaseObjects,
     /// Bytes charged to the reservation.
     allocated: u64,
+    /// Why its context is dead (a fault's sticky error), once it is.
+    pub(super) poisoned: Option<String>,
 }
 
 /// What a batch was planned to do: the bytes charged for its modules (in

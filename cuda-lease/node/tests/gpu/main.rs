@@ -51,14 +51,19 @@ impl RemoteBackend {
     }
 
     /// With the lease builder adjusted (a TTL, no renewal...).
+    /// With `CUDA_LEASE_TEST_DIRECT=1` the node serves leases directly and
+    /// the client asks for it (the bundle runs the suite both ways).
     fn start_with(adjust: impl FnOnce(LeaseBuilder) -> LeaseBuilder) -> Self {
+        let direct = std::env::var_os("CUDA_LEASE_TEST_DIRECT").is_some_and(|v| v == "1");
         let rt = tokio::runtime::Runtime::new().unwrap();
-        let fixture = rt.block_on(Fixture::with_config(gpu_config()).start());
+        let mut cfg = gpu_config();
+        cfg.direct_leases = direct;
+        let fixture = rt.block_on(Fixture::with_config(cfg).start());
         let node = &fixture.node;
         let builder = adjust(
             Lease::builder()
                 .min_vram(256 << 20)
-                .config(client_config(node)),
+                .config(client_config(node).direct(direct)),
         );
         let lease = cuda_lease::remote::BlockingLease::connect(builder, node.addr()).unwrap();
         RemoteBackend {

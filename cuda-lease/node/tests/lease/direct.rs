@@ -18,6 +18,7 @@ use cuda_lease_node::node::Node;
 const KERNELS: &str = r#"
 extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {}
 extern "C" __global__ void fill(float* out, float v, unsigned n) {}
+extern "C" __global__ void __fault() {}
 "#;
 
 fn kernel(name: &str) -> Kernel {
@@ -228,6 +229,46 @@ async fn a_direct_leases_batches_run_in_number_order_whatever_order_they_arrive_
     node.shutdown().await;
 }
 
+/// A kernel fault on the direct path fails the lease as on the node's:
+/// its later batches are refused, and the node reports it poisoned.
+#[tokio::test]
+async fn a_fault_on_a_direct_lease_poisons_it_for_the_node_too() {
+    let node = direct_node().await;
+    let (lease, remote) = direct_lease(&node, usize::MAX).await;
+    assert!(lease.is_direct());
+    let fault = kernel("__fault");
+    // SAFETY: the in-memory device's fault kernel touches nothing.
+    let e = unsafe { launch(&fault, LaunchConfig::for_num_elems(1), ()) }
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e.remote_kind(),
+            Some(cuda_async::RemoteErrorKind::LaunchFailed)
+        ),
+        "{e}"
+    );
+    let e = h2d(vec![1u8; 16])
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e.remote_kind(),
+            Some(cuda_async::RemoteErrorKind::LeasePoisoned)
+        ),
+        "{e}"
+    );
+    assert_eq!(
+        lease.query().await.unwrap().state,
+        cuda_lease::proto::LeaseState::Poisoned
+    );
+    node.shutdown().await;
+}
+
 /// One request on `conn`: its reply's header and body.
 async fn ask(conn: &quinn::Connection, op: Opcode, body: &[u8]) -> (Header, Vec<u8>) {
     let (mut send, mut recv) = conn.open_bi().await.unwrap();
@@ -242,6 +283,10 @@ async fn ask(conn: &quinn::Connection, op: Opcode, body: &[u8]) -> (Header, Vec<
 
 /// A QUIC connection to a direct grant's worker, its certificate pinned.
 async fn to_worker(grant: &DirectGrant) -> quinn::Connection {
+    to_worker_conn(grant).await.unwrap()
+}
+
+async fn to_worker_conn(grant: &DirectGrant) -> Result<quinn::Connection, quinn::ConnectionError> {
     let cert = rustls::pki_types::CertificateDer::from(grant.cert_der.clone());
     let trust = cuda_lease::tls::ServerTrust {
         roots: &[cert],
@@ -251,7 +296,7 @@ async fn to_worker(grant: &DirectGrant) -> quinn::Connection {
     let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     ep.set_default_client_config(qcfg);
     let addr: std::net::SocketAddr = grant.addr.parse().unwrap();
-    let conn = ep.connect(addr, "127.0.0.1").unwrap().await.unwrap();
+    let conn = ep.connect(addr, "127.0.0.1").unwrap().await;
     std::mem::forget(ep);
     conn
 }
@@ -324,6 +369,11 @@ async fn the_worker_takes_only_its_leases_ticket_and_the_node_no_batch_of_it() {
         .await
         .unwrap();
     assert_eq!(f.header.status, Status::CapacityExceeded);
+    // Eight connections at once (this one and seven that never say
+    // HELLO); a ninth is refused before its handshake.
+    let idle: Vec<_> = futures::future::join_all((0..7).map(|_| to_worker_conn(&grant))).await;
+    assert!(idle.iter().all(Result::is_ok));
+    assert!(to_worker_conn(&grant).await.is_err());
     node.shutdown().await;
 }
 
