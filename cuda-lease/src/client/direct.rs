@@ -10,6 +10,13 @@ use super::{Client, Error, ErrorKind};
 use crate::proto::{to_body, DirectGrant, DirectHello, LeaseId, LeaseRef, Opcode};
 use crate::tls::{self, ServerTrust};
 
+/// How often a lease's worker connection is kept alive.
+const DIRECT_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// How long a lease's worker connection may be silent before it counts as
+/// lost (and a request on it fails with the lease's end, as the node says).
+const DIRECT_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Asks the node for `lease`'s direct path and connects to it; `None` when
 /// the node serves the lease's batches itself (it has no direct leases).
 pub(super) async fn open(
@@ -35,8 +42,23 @@ pub(super) async fn open(
         roots: &[],
         sha256: Some(sha256),
     };
-    let qcfg = tls::client_config(trust, None, &client.config.transport)
+    let mut qcfg = tls::client_config(trust, None, &client.config.transport)
         .map_err(super::error::config_error)?;
+    // A worker that ends (its lease expired, freed or failed) drops the
+    // connection without closing it: noticed within the idle timeout.
+    let mut transport = client
+        .config
+        .transport
+        .quinn_config()
+        .map_err(super::error::config_error)?;
+    transport
+        .keep_alive_interval(Some(DIRECT_KEEP_ALIVE))
+        .max_idle_timeout(Some(
+            DIRECT_IDLE_TIMEOUT
+                .try_into()
+                .map_err(super::error::config_error)?,
+        ));
+    qcfg.transport_config(std::sync::Arc::new(transport));
     let name = addr.ip().to_string();
     let connecting = client
         .endpoint

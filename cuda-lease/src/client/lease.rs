@@ -12,7 +12,7 @@ use tokio::task::JoinHandle;
 use super::connection::{exchange, ReplyInto};
 use super::{Client, ClientConfig, Error, Session};
 use crate::proto::{
-    to_body, Id, IdOp, LeaseAlloc, LeaseGrant, LeaseId, LeaseRenew, LeaseStatus, Opcode,
+    to_body, Id, IdOp, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, LeaseStatus, Opcode,
 };
 
 /// Builds a [`Lease`].
@@ -62,12 +62,43 @@ impl LeaseInner {
     ) -> Result<(Vec<u8>, Vec<u8>), Error> {
         let client = &self.client;
         let id = client.next_id.fetch_add(1, Ordering::Relaxed);
-        let conn = match (&self.direct, op) {
-            (Some(direct), Opcode::Batch) => direct,
-            _ => &client.conn,
+        let (conn, direct) = match (&self.direct, op) {
+            (Some(direct), Opcode::Batch) => (direct, true),
+            _ => (&client.conn, false),
         };
-        let r = exchange(conn, &client.limits, id, op, body, data, into);
+        let r = async {
+            match exchange(conn, &client.limits, id, op, body, data, into).await {
+                Err(e) if direct && matches!(e.kind(), ErrorKind::Disconnected(_)) => {
+                    Err(self.why_direct_lost(e).await)
+                }
+                r => r,
+            }
+        };
         self.guard(r).await
+    }
+
+    /// Why the lease's worker connection was lost: the lease's end as the
+    /// node reports it (its worker ends with it), else `lost` itself.
+    async fn why_direct_lost(&self, lost: Error) -> Error {
+        let asked = self
+            .client
+            .call::<_, LeaseStatus>(Opcode::LeaseQuery, &LeaseRef { lease: self.id })
+            .await;
+        match asked {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::LeaseExpired | ErrorKind::LeaseNotFound | ErrorKind::LeasePoisoned
+                ) =>
+            {
+                e
+            }
+            Ok(s) if s.state == crate::proto::LeaseState::Poisoned => Error::new(
+                ErrorKind::LeasePoisoned,
+                format!("lease {} poisoned: its worker ended", self.id),
+            ),
+            _ => lost,
+        }
     }
 
     /// Runs a request of this lease: refused once the lease was freed, and

@@ -19,6 +19,7 @@ const KERNELS: &str = r#"
 extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {}
 extern "C" __global__ void fill(float* out, float v, unsigned n) {}
 extern "C" __global__ void __fault() {}
+extern "C" __global__ void __hang() {}
 "#;
 
 fn kernel(name: &str) -> Kernel {
@@ -267,6 +268,49 @@ async fn a_fault_on_a_direct_lease_poisons_it_for_the_node_too() {
         cuda_lease::proto::LeaseState::Poisoned
     );
     node.shutdown().await;
+}
+
+/// Work on a direct lease when the lease expires fails as expired, not
+/// as a lost connection (the node ends the worker, whose connection drops
+/// with it).
+#[tokio::test]
+async fn work_in_flight_on_a_direct_lease_fails_as_expired_when_it_expires() {
+    let mut cfg = memory_config(1 << 26);
+    cfg.direct_leases = true;
+    let fx = Fixture::with_config(cfg).manual_clock().start().await;
+    let client = Client::connect(fx.node.addr(), &client_config(&fx.node).direct(true))
+        .await
+        .unwrap();
+    let lease = Lease::builder()
+        .min_vram(1 << 16)
+        .ttl(std::time::Duration::from_secs(5))
+        .auto_renew(false)
+        .on(Arc::new(client))
+        .await
+        .unwrap();
+    assert!(lease.is_direct());
+    let hang = kernel("__hang");
+    let op = h2d(vec![1u8; 64])
+        // SAFETY: `__hang` takes no arguments and touches nothing.
+        .then(move |b| unsafe { launch(&hang, LaunchConfig::for_num_elems(1), ()) }.map(|()| b))
+        .then(d2h);
+    let task = tokio::spawn(op.schedule(&policy_of(&lease)).unwrap());
+    // (Whether its BATCH reached the worker or not: the worker hangs in
+    // it, so nothing there can say; either way it fails as expired.)
+    fx.clock().advance(std::time::Duration::from_secs(6));
+    let e = tokio::time::timeout(std::time::Duration::from_secs(10), task)
+        .await
+        .expect("the in-flight pipeline hung")
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(
+            e.remote_kind(),
+            Some(cuda_async::RemoteErrorKind::LeaseExpired)
+        ),
+        "{e}"
+    );
+    fx.shutdown().await;
 }
 
 /// One request on `conn`: its reply's header and body.
