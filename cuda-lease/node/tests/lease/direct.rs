@@ -44,6 +44,38 @@ async fn direct_lease(node: &Node, data_path_min: usize) -> (Lease, RemotePolicy
     (lease, policy)
 }
 
+/// `fill` writing `v` over all of `buf` (`n` floats) on `remote`, from a
+/// module new to the lease when `padded` names a round (large: its
+/// message takes a while to arrive, so later requests overtake it).
+fn overwrite(
+    buf: &Arc<DeviceBuffer<f32>>,
+    v: f32,
+    n: usize,
+    padded: Option<u8>,
+    remote: &RemotePolicy,
+) -> impl std::future::Future<Output = cuda_async::Result<(Arc<DeviceBuffer<f32>>, f32, u32)>> {
+    let fill = match padded {
+        None => kernel("fill"),
+        Some(round) => {
+            let padding = format!("// round {round}\n{}", "// padding\n".repeat(400_000));
+            Module::cuda(format!("{padding}{KERNELS}"), &[])
+                .unwrap()
+                .kernel("fill")
+                .unwrap()
+        }
+    };
+    // SAFETY: the in-memory device's `fill` writes out[0..n) of an n-float buffer.
+    unsafe {
+        launch(
+            &fill,
+            LaunchConfig::for_num_elems(n as u32),
+            (buf.clone(), v, n as u32),
+        )
+    }
+    .schedule(remote)
+    .unwrap()
+}
+
 fn node_batches(node: &Node) -> u64 {
     metric(&node.metrics_text(), "gpu_batch_total").unwrap_or(0)
 }
@@ -125,20 +157,7 @@ async fn a_direct_leases_streamed_transfers_keep_their_place_in_its_order() {
     let node = direct_node().await;
     let (lease, remote) = direct_lease(&node, 1 << 20).await;
     assert!(lease.is_direct());
-    let fill = kernel("fill");
     let n = 1 << 20;
-    let overwrite = |buf: &Arc<DeviceBuffer<f32>>, v: f32| {
-        // SAFETY: the in-memory device's `fill` writes out[0..n) of an n-float buffer.
-        unsafe {
-            launch(
-                &fill,
-                LaunchConfig::for_num_elems(n as u32),
-                (buf.clone(), v, n as u32),
-            )
-        }
-        .schedule(&remote)
-        .unwrap()
-    };
     for round in 0..3u8 {
         let floats: Vec<f32> = (0..n)
             .map(|i| (i % 999) as f32 + f32::from(round))
@@ -151,30 +170,15 @@ async fn a_direct_leases_streamed_transfers_keep_their_place_in_its_order() {
                 .unwrap(),
         );
         let read = d2h(buf.clone()).schedule(&remote).unwrap();
-        let (got, done) = tokio::join!(read, overwrite(&buf, -1.0));
+        let (got, done) = tokio::join!(read, overwrite(&buf, -1.0, n, None, &remote));
         done.unwrap();
         assert!(
             got.unwrap().to_vec().unwrap() == floats,
             "round {round}: the download saw the later kernel's writes"
         );
-        // A kernel whose module is new and large (its message takes a
-        // while to arrive), then a download: the download's own requests
-        // would overtake it.
-        let padding = format!("// round {round}\n{}", "// padding\n".repeat(400_000));
-        let slow = Module::cuda(format!("{padding}{KERNELS}"), &[])
-            .unwrap()
-            .kernel("fill")
-            .unwrap();
-        // SAFETY: as `overwrite`'s.
-        let done = unsafe {
-            launch(
-                &slow,
-                LaunchConfig::for_num_elems(n as u32),
-                (buf.clone(), -2.0f32, n as u32),
-            )
-        }
-        .schedule(&remote)
-        .unwrap();
+        // A kernel whose message takes a while to arrive, then a
+        // download: the download's own requests would overtake it.
+        let done = overwrite(&buf, -2.0, n, Some(round), &remote);
         let read = d2h(buf).schedule(&remote).unwrap();
         let (done, got) = tokio::join!(done, read);
         done.unwrap();
@@ -203,21 +207,7 @@ async fn a_direct_leases_batches_run_in_number_order_whatever_order_they_arrive_
                 .await
                 .unwrap(),
         );
-        let padding = format!("// round {round}\n{}", "// padding\n".repeat(400_000));
-        let slow = Module::cuda(format!("{padding}{KERNELS}"), &[])
-            .unwrap()
-            .kernel("fill")
-            .unwrap();
-        // SAFETY: the in-memory device's `fill` writes out[0..n) of an n-float buffer.
-        let done = unsafe {
-            launch(
-                &slow,
-                LaunchConfig::for_num_elems(n as u32),
-                (buf.clone(), -3.0f32, n as u32),
-            )
-        }
-        .schedule(&remote)
-        .unwrap();
+        let done = overwrite(&buf, -3.0, n, Some(round), &remote);
         let read = d2h(buf).schedule(&remote).unwrap();
         let (done, got) = tokio::join!(done, read);
         done.unwrap();
