@@ -149,6 +149,25 @@ async fn a_direct_lease_runs_its_pipelines_with_no_batch_through_the_node() {
     node.shutdown().await;
 }
 
+/// A second direct lease of one client names a module the client sent to
+/// the node before by its hash alone: its worker has not loaded it, asks
+/// for the source, and the client sends the batch again with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_module_new_to_a_direct_leases_worker_is_sent_again_with_its_source() {
+    let node = direct_node().await;
+    let cfg = client_config(&node).direct(true);
+    let client = Arc::new(Client::connect(node.addr(), &cfg).await.expect("connect"));
+    for (i, vram) in [(1u64, 1u64 << 20), (2, 1 << 21)] {
+        let lease = lease_of(&client, vram).await;
+        assert!(lease.is_direct());
+        let (x, y) = (random_f32(64, i), random_f32(64, i + 10));
+        let want: Vec<f32> = x.iter().zip(&y).map(|(x, y)| 0.5 * x + y).collect();
+        assert_eq!(axpy(x, y, 0.5, &policy_of(&lease)).await, want, "lease {i}");
+        lease.free().await.unwrap();
+    }
+    node.shutdown().await;
+}
+
 /// Large transfers go through the node, after the batches before them:
 /// a download submitted with a kernel still in flight sees its writes, and
 /// a download submitted before a kernel does not.
