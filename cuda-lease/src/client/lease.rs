@@ -365,7 +365,14 @@ impl LeaseBuilder {
         };
         let g: LeaseGrant = client.call(Opcode::LeaseAlloc, &req).await?;
         let direct = if client.config.direct {
-            super::direct::open(&client, g.lease).await?
+            match super::direct::open(&client, g.lease).await {
+                Ok(direct) => direct,
+                Err(e) => {
+                    // Freed now, not left held until its TTL runs out.
+                    let _ = client.free_lease(g.lease).await;
+                    return Err(e);
+                }
+            }
         } else {
             None
         };
