@@ -92,40 +92,13 @@ pub(super) fn run_worker(spec: &str) -> i32 {
             return 1;
         }
         if let Some(link) = &direct {
-            for work in link.take() {
-                let answered = match work {
-                    ToDevice::Batch { body, data, answer } => {
-                        let frame = Frame {
-                            header: Header::request(Opcode::Batch, 0, 0, 0),
-                            body,
-                            data,
-                        };
-                        let mut dev = Dev {
-                            dev: device.as_mut(),
-                            graphs: &mut graphs,
-                            compiler: &compiler,
-                        };
-                        if let Err((status, body)) =
-                            start_batch(&mut dev, &mut lease, &frame, None, &mut running)
-                        {
-                            let _ = answer.send(Answer {
-                                status,
-                                body,
-                                data: Vec::new(),
-                            });
-                        } else if let Some(r) = running.last_mut() {
-                            r.to = ReplyTo::Direct(answer);
-                        }
-                        Ok(())
-                    }
-                    ToDevice::Pipe { request, status } => {
-                        let h = Header::reply(&request, status, 0, 0);
-                        proto::write_frame_blocking(&mut output, &h, &[], &[])
-                    }
-                };
-                if answered.is_err() {
-                    return 1;
-                }
+            let mut dev = Dev {
+                dev: device.as_mut(),
+                graphs: &mut graphs,
+                compiler: &compiler,
+            };
+            if take_direct(link, &mut dev, &mut lease, &mut running, &mut output).is_err() {
+                return 1;
             }
         }
         let direct_fd = direct.as_ref().map_or(-1, DirectLink::wake_fd);
@@ -199,8 +172,11 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                 graphs: &mut graphs,
                 compiler: &compiler,
             };
-            match start_batch(&mut dev, &mut lease, &frame, read_at, &mut running) {
-                Ok(()) => continue,
+            match start_batch(&mut dev, &mut lease, &frame, read_at) {
+                Ok(r) => {
+                    running.push(r);
+                    continue;
+                }
                 Err((status, body)) => (status, body, Vec::new()),
             }
         } else if matches!(frame.header.opcode, Opcode::MemWrite | Opcode::MemRead) {
@@ -250,32 +226,69 @@ fn open_direct(
     Ok(port)
 }
 
-/// Plans, enqueues and seals a batch (a [`WorkerBatch`] frame), to be
-/// answered when its work is done; `Err`: refused whole, answered now.
+/// Plans, enqueues and seals a batch (a [`WorkerBatch`] frame): its
+/// [`Running`], answered on the pipe when its work is done; `Err`: refused
+/// whole, answered now.
 fn start_batch(
     dev: &mut Dev<'_>,
     lease: &mut WorkerLease,
     frame: &Frame,
     read_at: Option<u64>,
-    running: &mut Vec<Running>,
-) -> Result<(), (Status, Vec<u8>)> {
+) -> Result<Running, (Status, Vec<u8>)> {
     let batch = from_body::<WorkerBatch<'_>>(&frame.body)
         .map_err(|e| DeviceError::new(Status::BadRequest, e.to_string()));
     match batch.and_then(|b| enqueue_batch(dev, lease, &b, &frame.data)) {
-        Ok(enqueued) => {
-            let ticket = dev.dev.seal(enqueued.read_at);
-            running.push(Running {
-                request: frame.header,
-                to: ReplyTo::Pipe,
-                ticket,
-                work: Sealed::Batch(Box::new(enqueued)),
-                armed: false,
-                stamps: read_at.map(|t| [t, now_ns()]),
-            });
-            Ok(())
-        }
+        Ok(enqueued) => Ok(Running {
+            request: frame.header,
+            to: ReplyTo::Pipe,
+            ticket: dev.dev.seal(enqueued.read_at),
+            work: Sealed::Batch(Box::new(enqueued)),
+            armed: false,
+            stamps: read_at.map(|t| [t, now_ns()]),
+        }),
         Err(f) => Err((f.status, to_body(&f))),
     }
+}
+
+/// Starts what the lease's direct path handed over, in order: its batches
+/// (answered on the direct path when done, or now if refused) and its
+/// answers to the node's requests. `Err` when the node's pipe broke.
+fn take_direct(
+    link: &DirectLink,
+    dev: &mut Dev<'_>,
+    lease: &mut WorkerLease,
+    running: &mut Vec<Running>,
+    output: &mut impl std::io::Write,
+) -> Result<(), ()> {
+    for work in link.take() {
+        match work {
+            ToDevice::Batch { body, data, answer } => {
+                let frame = Frame {
+                    header: Header::request(Opcode::Batch, 0, 0, 0),
+                    body,
+                    data,
+                };
+                match start_batch(dev, lease, &frame, None) {
+                    Ok(r) => running.push(Running {
+                        to: ReplyTo::Direct(answer),
+                        ..r
+                    }),
+                    Err((status, body)) => {
+                        let _ = answer.send(Answer {
+                            status,
+                            body,
+                            data: Vec::new(),
+                        });
+                    }
+                }
+            }
+            ToDevice::Pipe { request, status } => {
+                let h = Header::reply(&request, status, 0, 0);
+                proto::write_frame_blocking(output, &h, &[], &[]).map_err(|_| ())?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Batch replies' data kept for the node to read as its clients take it
