@@ -32,6 +32,16 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Whether `given` is the secret `known`, compared without an early exit
+/// (a mismatch takes as long wherever it is).
+pub(crate) fn same_secret(known: &[u8], given: &[u8]) -> bool {
+    let mut diff = u8::from(known.len() != given.len());
+    for (i, b) in known.iter().enumerate() {
+        diff |= b ^ given.get(i).copied().unwrap_or(0);
+    }
+    diff == 0
+}
+
 /// Compiles the book's fleet chapter as doctests.
 #[cfg(all(doctest, feature = "fleet"))]
 #[doc = include_str!("../../../book/src/fleet.md")]

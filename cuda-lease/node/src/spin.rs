@@ -104,23 +104,54 @@ pub(crate) fn readable_soon(
         return true;
     }
     if let (Some(w), true) = (wake, p[2].revents != 0) {
-        let mut count = 0u64;
-        // SAFETY: reads at most 8 bytes into `count` from the
-        // non-blocking eventfd the caller owns; a failed read leaves it.
-        let _ = unsafe { libc::read(w, (&raw mut count).cast(), 8) };
+        take_count(w);
     }
     p[0].revents != 0 || p[1].revents != 0
 }
 
 /// [`readable_within`] for a tokio task, yielding between polls.
 pub(crate) async fn readable_within_async(fd: std::os::fd::RawFd, budget: Duration) -> bool {
+    within_async(budget, || ready_now(&[fd]).then_some(()))
+        .await
+        .is_some()
+}
+
+/// Polls `poll` from a tokio task, yielding between polls, until it gives
+/// a value or `budget` passed (`None`; a zero budget polls not at all).
+pub(crate) async fn within_async<T>(
+    budget: Duration,
+    mut poll: impl FnMut() -> Option<T>,
+) -> Option<T> {
     let start = Instant::now();
-    loop {
-        if let Some(readable) = spin_step(&[fd], start, budget) {
-            return readable;
+    while start.elapsed() < budget {
+        if let Some(v) = poll() {
+            return Some(v);
         }
         tokio::task::yield_now().await;
     }
+    None
+}
+
+/// A new non-blocking eventfd (count 0).
+pub(crate) fn eventfd() -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: `eventfd` takes two integers and returns a new descriptor
+    // (or -1), owned here from then on.
+    let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a fresh descriptor nothing else owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) })
+}
+
+/// Takes (resets) the count of the non-blocking eventfd `fd`; nothing to
+/// take leaves it.
+pub(crate) fn take_count(fd: std::os::fd::RawFd) {
+    let mut count = 0u64;
+    // SAFETY: reads at most 8 bytes into `count` from a non-blocking
+    // eventfd the caller owns; a failed read (EAGAIN) leaves it.
+    let _ = unsafe { libc::read(fd, (&raw mut count).cast(), 8) };
 }
 
 #[cfg(all(test, target_os = "linux"))]

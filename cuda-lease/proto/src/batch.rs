@@ -356,6 +356,44 @@ impl BatchHead {
         writes_len(sources, data_len)?;
         Ok(sources as usize)
     }
+
+    /// Each module's source as the batch carries it in `data` (`None`: named
+    /// by hash alone), checked to be UTF-8 and to hash to its name; then the
+    /// writes' payloads that follow the sources.
+    ///
+    /// # Errors
+    ///
+    /// [`ProtoError::Invalid`], naming the module; the data too short.
+    #[allow(clippy::type_complexity)]
+    pub fn sources<'d>(
+        &self,
+        data: &'d [u8],
+    ) -> Result<(Vec<Option<(&SourceKind, &'d str)>>, &'d [u8]), ProtoError> {
+        let mut rest = data;
+        let mut out = Vec::with_capacity(self.modules.len());
+        for m in &self.modules {
+            let Some(t) = &m.source else {
+                out.push(None);
+                continue;
+            };
+            if rest.len() < t.len as usize {
+                return Err(ProtoError::Invalid("batch data too short".into()));
+            }
+            let (text, tail) = rest.split_at(t.len as usize);
+            rest = tail;
+            let text = std::str::from_utf8(text)
+                .map_err(|_| ProtoError::Invalid(format!("module {}: not UTF-8", m.hash)))?;
+            let actual = ModuleHash::of(&t.kind, text);
+            if actual != m.hash {
+                return Err(ProtoError::Invalid(format!(
+                    "module {}: its source hashes to {actual}",
+                    m.hash
+                )));
+            }
+            out.push(Some((&t.kind, text)));
+        }
+        Ok((out, rest))
+    }
 }
 
 impl Batch<'_> {

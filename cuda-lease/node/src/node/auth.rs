@@ -10,14 +10,9 @@ use crate::proto::{LeaseId, Status};
 
 /// The principal of `token`, compared with every token without early exit.
 pub(super) fn token_principal(shared: &Shared, token: &str) -> Option<Principal> {
-    let t = token.as_bytes();
     let mut found = None;
     for (known, principal) in &shared.tokens {
-        let mut diff = (known.len() != t.len()) as u8;
-        for (i, b) in known.iter().enumerate() {
-            diff |= b ^ t.get(i).copied().unwrap_or(0);
-        }
-        if diff == 0 {
+        if crate::same_secret(known, token.as_bytes()) {
             found = Some(principal.clone());
         }
     }

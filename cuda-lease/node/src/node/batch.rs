@@ -49,33 +49,16 @@ pub(super) fn modules_to_load<'d>(
     b: &BatchHead,
     data: &'d [u8],
 ) -> Result<(Vec<Load>, &'d [u8]), Reply> {
-    let mut rest = data;
+    let (sources, rest) = b.sources(data)?;
     let mut loads = Vec::new();
-    for m in &b.modules {
-        let given = match &m.source {
-            Some(t) => {
-                let (text, tail) = rest.split_at(t.len as usize);
-                rest = tail;
-                let text_str = std::str::from_utf8(text).map_err(|_| {
-                    Reply::err(Status::BadRequest, format!("module {}: not UTF-8", m.hash))
-                })?;
-                let actual = ModuleHash::of(&t.kind, text_str);
-                if actual != m.hash {
-                    return Err(Reply::err(
-                        Status::BadRequest,
-                        format!("module {}: its source hashes to {actual}", m.hash),
-                    ));
-                }
-                Some(Arc::new((t.kind.clone(), text.to_vec())))
-            }
-            None => None,
-        };
+    for (m, given) in b.modules.iter().zip(sources) {
         if state.modules.contains_key(&m.hash) {
             continue;
         }
         // What the node keeps (perhaps already compiled) wins.
         let kept = lock(&shared.modules).get(&m.hash);
         let sent = kept.is_none();
+        let given = given.map(|(kind, text)| Arc::new((kind.clone(), text.as_bytes().to_vec())));
         let Some(source) = kept.or(given) else {
             return Err(Reply::err(
                 Status::UnknownModule,
@@ -114,6 +97,13 @@ pub(super) async fn run_in_order(
     turn: Option<&mut BudgetTurn>,
 ) -> Result<BatchOut, Reply> {
     let (lease, seq) = (&b.head.lease, b.head.seq);
+    let slot = lease_of(shared, who, lease)?;
+    if slot.is_direct() {
+        return Err(Reply::err(
+            Status::BadRequest,
+            format!("lease {lease}'s BATCHes go to its worker directly (LEASE_DIRECT)"),
+        ));
+    }
     if seq == 0 {
         stamp(Point::BatchInOrder);
         return run_batch(shared, who, b, turn, None).await;
@@ -124,7 +114,6 @@ pub(super) async fn run_in_order(
             format!("batch number {seq} has no successor: numbers wrap"),
         ));
     }
-    let slot = lease_of(shared, who, lease)?;
     let (arrival, mut place) = slot.order.arrive(seq, conn);
     if arrival == Arrival::Passed {
         // A client fills a number the node may not have seen with an empty

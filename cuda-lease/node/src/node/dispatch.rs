@@ -157,15 +157,6 @@ async fn batch(
     stamp(Point::BatchDecoded);
     shared.metrics.batch_total.inc();
     shared.metrics.batch_commands.inc_by(commands);
-    if super::auth::lease_of(shared, who, &head.lease)?.is_direct() {
-        return Err(Reply::err(
-            Status::BadRequest,
-            format!(
-                "lease {}'s BATCHes go to its worker directly (LEASE_DIRECT)",
-                head.lease
-            ),
-        ));
-    }
     let b = Incoming {
         head: &head,
         wire,

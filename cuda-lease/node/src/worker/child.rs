@@ -121,8 +121,9 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                     Err(()) => return 1,
                 }
             };
-            // Only what came on the direct path (or every batch answered).
-            if !readable || !crate::spin::ready_now(&[stdin_fd]) {
+            // Only what came on the direct path (or every batch answered);
+            // without one, readable is the pipe's.
+            if !readable || (direct.is_some() && !crate::spin::ready_now(&[stdin_fd])) {
                 continue;
             }
         }

@@ -19,7 +19,7 @@
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{mpsc, Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
@@ -116,17 +116,6 @@ pub(super) struct DirectLink {
     to_quic: tokio::sync::mpsc::UnboundedSender<ToQuic>,
 }
 
-fn eventfd() -> std::io::Result<OwnedFd> {
-    // SAFETY: `eventfd` takes two integers and returns a new descriptor
-    // (or -1), owned here from then on.
-    let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if raw < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `raw` is a fresh descriptor nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
-}
-
 impl DirectLink {
     /// Binds, starts the QUIC thread and returns the link and the port.
     /// A request's task polls for its batch's answer for `spin` (the
@@ -143,7 +132,7 @@ impl DirectLink {
         };
         let server = crate::tls::server_config(&identity, None, &o.transport)
             .map_err(std::io::Error::other)?;
-        let wake = eventfd()?;
+        let wake = crate::spin::eventfd()?;
         let counter = wake.try_clone()?;
         let (to_device, from_quic) = mpsc::channel();
         let (to_quic, asks) = tokio::sync::mpsc::unbounded_channel();
@@ -157,7 +146,7 @@ impl DirectLink {
             bytes: Semaphore::new(units(limits.max_bytes) as usize),
             requests: Semaphore::new(limits.max_requests as usize),
             poisoned: std::sync::atomic::AtomicBool::new(false),
-            to_device: Mutex::new(to_device),
+            to_device,
             counter,
             spin,
         };
@@ -192,11 +181,8 @@ impl DirectLink {
 
     /// What was handed over since the last call, in order.
     pub(super) fn take(&self) -> Vec<ToDevice> {
-        let mut count = 0u64;
-        // SAFETY: reads at most 8 bytes into `count` from the non-blocking
-        // eventfd owned here; nothing to read leaves it (EAGAIN). Read
-        // before the channel: a hand-over after it counts again.
-        let _ = unsafe { libc::read(self.wake.as_raw_fd(), (&raw mut count).cast(), 8) };
+        // Taken before the channel: a hand-over after it counts again.
+        crate::spin::take_count(self.wake.as_raw_fd());
         self.from_quic.try_iter().collect()
     }
 
@@ -225,14 +211,14 @@ struct Served {
     requests: Semaphore,
     /// A fault poisoned the lease's context: later batches are refused.
     poisoned: std::sync::atomic::AtomicBool,
-    to_device: Mutex<mpsc::Sender<ToDevice>>,
+    to_device: mpsc::Sender<ToDevice>,
     counter: OwnedFd,
     spin: std::time::Duration,
 }
 
 impl Served {
     fn hand(&self, work: ToDevice) -> bool {
-        if lock(&self.to_device).send(work).is_err() {
+        if self.to_device.send(work).is_err() {
             return false;
         }
         let one = 1u64;
@@ -327,20 +313,17 @@ async fn hello(served: &Served, conn: &quinn::Connection) -> bool {
         max_body: 256,
         max_data: 0,
     };
-    let Ok(h) = proto::read_header(&mut recv, &small).await else {
+    let Ok(proto::Frame {
+        header: h, body, ..
+    }) = proto::read_frame(&mut recv, &small).await
+    else {
         return false;
     };
-    let mut body = vec![0u8; h.body_len as usize];
-    if tokio::io::AsyncReadExt::read_exact(&mut recv, &mut body)
-        .await
-        .is_err()
-    {
-        return false;
-    }
     let ok = h.opcode == Opcode::Hello
         && !h.is_reply()
-        && from_body::<DirectHello>(&body)
-            .is_ok_and(|d| d.lease == served.lease && constant_time_eq(&d.ticket, &served.ticket));
+        && from_body::<DirectHello>(&body).is_ok_and(|d| {
+            d.lease == served.lease && crate::same_secret(&served.ticket, &d.ticket)
+        });
     let status = if ok { Status::Ok } else { Status::Unauthorized };
     let reply = if ok {
         Vec::new()
@@ -358,10 +341,6 @@ async fn hello(served: &Served, conn: &quinn::Connection) -> bool {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(1), send.stopped()).await;
     }
     ok
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 
 /// A refusal: status and message.
@@ -568,15 +547,16 @@ async fn answer_within(
     mut rx: oneshot::Receiver<Answer>,
     spin: std::time::Duration,
 ) -> Result<Answer, oneshot::error::RecvError> {
-    let start = std::time::Instant::now();
-    while start.elapsed() < spin {
-        match rx.try_recv() {
-            Ok(a) => return Ok(a),
-            Err(oneshot::error::TryRecvError::Empty) => tokio::task::yield_now().await,
-            Err(oneshot::error::TryRecvError::Closed) => break,
-        }
+    let polled = crate::spin::within_async(spin, || match rx.try_recv() {
+        Ok(a) => Some(Some(a)),
+        Err(oneshot::error::TryRecvError::Empty) => None,
+        Err(oneshot::error::TryRecvError::Closed) => Some(None),
+    })
+    .await;
+    match polled {
+        Some(Some(a)) => Ok(a),
+        _ => rx.await,
     }
-    rx.await
 }
 
 fn bad(e: impl std::fmt::Display) -> Refusal {
@@ -614,30 +594,13 @@ struct Settled<'d> {
 /// The modules of `head` the lease lacks (marked known: later batches
 /// skip them), their sources (hash-checked), and the writes' data.
 fn modules<'d>(served: &Served, head: &BatchHead, data: &'d [u8]) -> Result<Settled<'d>, Refusal> {
-    let mut rest = data;
+    let (given, rest) = head.sources(data).map_err(bad)?;
     let mut loads = Vec::new();
     let mut sources = Vec::new();
     let mut known = lock(&served.known);
-    for m in &head.modules {
-        let given = match &m.source {
-            Some(t) => {
-                let (text, tail) = rest.split_at(t.len as usize);
-                rest = tail;
-                let text_str = std::str::from_utf8(text).map_err(|_| {
-                    refused(Status::BadRequest, format!("module {}: not UTF-8", m.hash))
-                })?;
-                let actual = ModuleHash::of(&t.kind, text_str);
-                if actual != m.hash {
-                    return Err(refused(
-                        Status::BadRequest,
-                        format!("module {}: its source hashes to {actual}", m.hash),
-                    ));
-                }
-                Some((t.kind.clone(), text))
-            }
-            None => None,
-        };
-        if known.contains(&m.hash) || loads.iter().any(|l: &WorkerLoad| l.hash == m.hash) {
+    for (m, given) in head.modules.iter().zip(given) {
+        // (A batch names a module once: `BatchHead::validate`.)
+        if known.contains(&m.hash) {
             continue;
         }
         let Some((kind, text)) = given else {
@@ -651,10 +614,10 @@ fn modules<'d>(served: &Served, head: &BatchHead, data: &'d [u8]) -> Result<Sett
         };
         loads.push(WorkerLoad {
             hash: m.hash,
-            kind,
+            kind: kind.clone(),
             len: text.len() as u32,
         });
-        sources.push(text);
+        sources.push(text.as_bytes());
     }
     for l in &loads {
         known.insert(l.hash);

@@ -76,6 +76,24 @@ fn overwrite(
     .unwrap()
 }
 
+/// A kernel whose message takes a while to arrive (a module new to the
+/// lease, large) writing `v` over `buf`, and a download of `buf` submitted
+/// right after it (whose own requests would overtake it): what the
+/// download saw.
+async fn slow_overwrite_then_read(
+    buf: Arc<DeviceBuffer<f32>>,
+    v: f32,
+    n: usize,
+    round: u8,
+    remote: &RemotePolicy,
+) -> Vec<f32> {
+    let done = overwrite(&buf, v, n, Some(round), remote);
+    let read = d2h(buf).schedule(remote).unwrap();
+    let (done, got) = tokio::join!(done, read);
+    done.unwrap();
+    got.unwrap().to_vec().unwrap()
+}
+
 fn node_batches(node: &Node) -> u64 {
     metric(&node.metrics_text(), "gpu_batch_total").unwrap_or(0)
 }
@@ -195,14 +213,9 @@ async fn a_direct_leases_streamed_transfers_keep_their_place_in_its_order() {
             got.unwrap().to_vec().unwrap() == floats,
             "round {round}: the download saw the later kernel's writes"
         );
-        // A kernel whose message takes a while to arrive, then a
-        // download: the download's own requests would overtake it.
-        let done = overwrite(&buf, -2.0, n, Some(round), &remote);
-        let read = d2h(buf).schedule(&remote).unwrap();
-        let (done, got) = tokio::join!(done, read);
-        done.unwrap();
+        let got = slow_overwrite_then_read(buf, -2.0, n, round, &remote).await;
         assert!(
-            got.unwrap().to_vec().unwrap().iter().all(|v| *v == -2.0),
+            got.iter().all(|v| *v == -2.0),
             "round {round}: the download ran before the earlier kernel"
         );
     }
@@ -226,12 +239,9 @@ async fn a_direct_leases_batches_run_in_number_order_whatever_order_they_arrive_
                 .await
                 .unwrap(),
         );
-        let done = overwrite(&buf, -3.0, n, Some(round), &remote);
-        let read = d2h(buf).schedule(&remote).unwrap();
-        let (done, got) = tokio::join!(done, read);
-        done.unwrap();
+        let got = slow_overwrite_then_read(buf, -3.0, n, round, &remote).await;
         assert!(
-            got.unwrap().to_vec().unwrap().iter().all(|v| *v == -3.0),
+            got.iter().all(|v| *v == -3.0),
             "round {round}: the download ran before the earlier kernel"
         );
     }

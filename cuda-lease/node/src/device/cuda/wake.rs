@@ -4,7 +4,7 @@
 //! counts one on an `eventfd` the worker polls beside its pipe. The lease's
 //! streams never wait for a host function.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 use cuda_async::CudaStream;
@@ -25,17 +25,9 @@ pub(super) struct Wake {
 
 impl Wake {
     fn new(device: &cuda_async::Device) -> Result<Self, DeviceError> {
-        // SAFETY: `eventfd` takes two integers and returns a new
-        // descriptor or -1.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(DeviceError::new(
-                Status::Internal,
-                format!("eventfd: {}", std::io::Error::last_os_error()),
-            ));
-        }
-        // SAFETY: `raw` is a new descriptor that nothing else owns.
-        let fd = Arc::new(unsafe { OwnedFd::from_raw_fd(raw) });
+        let fd = crate::spin::eventfd()
+            .map_err(|e| DeviceError::new(Status::Internal, format!("eventfd: {e}")))?;
+        let fd = Arc::new(fd);
         let stream = device
             .context()
             .new_stream()
