@@ -8,7 +8,11 @@
 //! worker, another process, stamps its own points of a batch (from
 //! [`Point::WorkerRead`] to [`Point::WorkerReplying`]) on the same clock when
 //! the node's request asks, and returns them with its reply; the node enters
-//! them ([`stamp_at`]). A measurement turns stamping on ([`set_enabled`]),
+//! them ([`stamp_at`]). A lease its worker serves directly (LEASE_DIRECT)
+//! stamps those and its own points ([`Point::DirectRead`],
+//! [`Point::DirectHanded`], [`Point::DirectAnswered`]) when the client's
+//! request asks ([`FLAG_STAMPS`](crate::proto::FLAG_STAMPS)); the client
+//! enters them. A measurement turns stamping on ([`set_enabled`]),
 //! [`clear`]s before each submission, stamps [`Point::Start`] and
 //! [`Point::End`] itself around it, and [`take`]s the stamps.
 //!
@@ -89,6 +93,12 @@ points! {
     BatchPrepared = "batch-prepared",
     /// The node's call to the lease's worker starts (the batch's commands as they came).
     WorkerCall = "worker-call",
+    /// A lease served by its worker (LEASE_DIRECT): the worker has read
+    /// the request whole (stamped by the worker).
+    DirectRead = "direct-read",
+    /// The worker has checked the batch and handed it to its device loop
+    /// (stamped by the worker, direct leases).
+    DirectHanded = "direct-handed",
     /// The worker has read the batch's header from its pipe (stamped by the worker).
     WorkerRead = "worker-read",
     /// The worker has enqueued and sealed the batch's commands (stamped by the worker).
@@ -97,6 +107,9 @@ points! {
     WorkerDone = "worker-done",
     /// The worker starts encoding and writing its reply (stamped by the worker).
     WorkerReplying = "worker-replying",
+    /// The worker's reply to a batch on its direct path is in hand and its
+    /// write starts (stamped by the worker, direct leases).
+    DirectAnswered = "direct-answered",
     /// The node has read a reply of the worker from its pipe.
     PipeReply = "pipe-reply",
     /// The node has read the worker's reply.

@@ -20,6 +20,18 @@ pub const VERSION: u8 = 7;
 pub const HEADER_LEN: usize = 28;
 /// Header flag set on replies.
 pub const FLAG_REPLY: u16 = 1;
+/// Header flag of a BATCH request: the client is measuring where its time
+/// goes (`cuda_lease::stamps`) and asks the server to stamp the batch too.
+/// A lease's worker serving it directly (LEASE_DIRECT) does, and sets the
+/// flag on its reply, whose body then ends with [`DIRECT_STAMPS`]
+/// little-endian `u64` times (`CLOCK_MONOTONIC` nanoseconds) after the
+/// reply message. A server that does not stamp ignores the flag.
+pub const FLAG_STAMPS: u16 = 0x4000;
+/// The stamps a stamped direct BATCH reply ends with ([`FLAG_STAMPS`]), in
+/// order: the worker has read the request, handed it to its device loop,
+/// the loop took it, enqueued and sealed it, saw it done, answered, and
+/// the reply's write starts.
+pub const DIRECT_STAMPS: usize = 7;
 /// ALPN of the QUIC connection. It names the framing (the header's layout),
 /// not the protocol version: a peer of another version still connects and
 /// gets a clear error from the header's version byte.

@@ -48,7 +48,8 @@ pub use error::{Credentials, Disconnect, RemoteError, RemoteErrorKind};
 pub use frame::{
     from_body, invalid_data, proto_error, read_header_blocking, read_rest_blocking, to_body,
     write_frame_blocking, Frame, Header, Limits, Opcode, ProtoError, Status, ALPN, BULK_ALPN,
-    CLOSE_NODE_SHUTDOWN, FLAG_REPLY, HEADER_LEN, MAGIC, SMALL_FRAME, VERSION,
+    CLOSE_NODE_SHUTDOWN, DIRECT_STAMPS, FLAG_REPLY, FLAG_STAMPS, HEADER_LEN, MAGIC, SMALL_FRAME,
+    VERSION,
 };
 pub use gemm::{Dtype, GemmSpec, Operand};
 pub use ids::{IdHasher, IdMap, IdSet};

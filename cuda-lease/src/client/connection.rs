@@ -10,9 +10,9 @@ use super::{ClientConfig, Error, GpuCall};
 use super::{Credentials, Disconnect, ErrorKind};
 use crate::proto::{
     self, from_body, to_body, ErrorBody, GpuSubmit, Header, Hello, HelloOk, Inventory, LeaseId,
-    LeaseRef, LeaseStatus, Limits, ModuleHash, Opcode, Status,
+    LeaseRef, LeaseStatus, Limits, ModuleHash, Opcode, Status, DIRECT_STAMPS, FLAG_STAMPS,
 };
-use crate::stamps::{stamp, Point};
+use crate::stamps::{self, stamp, stamp_at, Point};
 use crate::tls;
 
 /// A connection to a node. Requests may run concurrently (one QUIC stream each).
@@ -293,7 +293,10 @@ pub(super) async fn exchange(
 ) -> Result<(Vec<u8>, Vec<u8>), Error> {
     let lost = |e: &dyn std::fmt::Display| lost(conn, e);
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| lost(&e))?;
-    let h = Header::request(opcode, id, body.len() as u32, data.len() as u32);
+    let mut h = Header::request(opcode, id, body.len() as u32, data.len() as u32);
+    if opcode == Opcode::Batch && stamps::enabled() {
+        h.flags |= FLAG_STAMPS;
+    }
     stamp(Point::ClientSent);
     proto::write_frame(&mut send, &h, body, data)
         .await
@@ -303,7 +306,7 @@ pub(super) async fn exchange(
         Some(p) => protocol_error(p.to_string()),
         None => lost(&e),
     };
-    let (header, reply_body) = proto::read_head(&mut recv, limits)
+    let (header, mut reply_body) = proto::read_head(&mut recv, limits)
         .await
         .map_err(read_err)?;
     stamp(Point::ClientReply);
@@ -315,6 +318,9 @@ pub(super) async fn exchange(
     }
     if header.request_id != id || !header.is_reply() {
         return Err(protocol_error("reply does not match the request"));
+    }
+    if header.flags & FLAG_STAMPS != 0 {
+        enter_stamps(&mut reply_body)?;
     }
     let mut owned = Vec::new();
     let want = header.data_len as usize;
@@ -354,6 +360,34 @@ pub(super) async fn exchange(
         }
     }
     Ok((reply_body, owned))
+}
+
+/// Enters the worker's stamps that a stamped direct BATCH reply's body
+/// ends with ([`FLAG_STAMPS`]) and cuts them off it.
+fn enter_stamps(body: &mut Vec<u8>) -> Result<(), Error> {
+    const AT: [Point; DIRECT_STAMPS] = [
+        Point::DirectRead,
+        Point::DirectHanded,
+        Point::WorkerRead,
+        Point::WorkerEnqueued,
+        Point::WorkerDone,
+        Point::WorkerReplying,
+        Point::DirectAnswered,
+    ];
+    let Some(start) = body.len().checked_sub(DIRECT_STAMPS * 8) else {
+        return Err(protocol_error("a stamped reply without its stamps"));
+    };
+    for (&point, t) in AT.iter().zip(body[start..].chunks_exact(8)) {
+        let mut ns = [0u8; 8];
+        ns.copy_from_slice(t);
+        // 0: a point the worker did not reach.
+        match u64::from_le_bytes(ns) {
+            0 => {}
+            ns => stamp_at(point, ns),
+        }
+    }
+    body.truncate(start);
+    Ok(())
 }
 
 /// The error of a connect that did not finish within `timeout`, after

@@ -263,13 +263,18 @@ fn take_direct(
 ) -> Result<(), ()> {
     for work in link.take() {
         match work {
-            ToDevice::Batch { body, data, answer } => {
+            ToDevice::Batch {
+                body,
+                data,
+                answer,
+                stamps,
+            } => {
                 let frame = Frame {
                     header: Header::request(Opcode::Batch, 0, 0, 0),
                     body,
                     data,
                 };
-                match start_batch(dev, lease, &frame, None) {
+                match start_batch(dev, lease, &frame, stamps.then(now_ns)) {
                     Ok(r) => running.push(Running {
                         to: ReplyTo::Direct(answer),
                         ..r

@@ -31,8 +31,9 @@ use crate::lock;
 use crate::order::{Arrival, LeaseOrder, Stalled};
 use crate::proto::{
     self, from_body, to_body, BatchHead, BatchReply, DirectHello, ErrorBody, Header, LeaseId,
-    Limits, ModuleHash, Opcode, Status, DIRECT_TICKET_LEN,
+    Limits, ModuleHash, Opcode, Status, DIRECT_STAMPS, DIRECT_TICKET_LEN, FLAG_STAMPS,
 };
+use crate::stamps::now_ns;
 use crate::transport::TransportSettings;
 
 /// Connections a lease's worker holds open at once (a client needs one;
@@ -89,6 +90,8 @@ pub(super) enum ToDevice {
         body: Vec<u8>,
         data: Vec<u8>,
         answer: oneshot::Sender<Answer>,
+        /// The client asked for the batch's stamps ([`FLAG_STAMPS`]).
+        stamps: bool,
     },
     /// An answer to the node's request `request` (an [`after`](DirectLink::after)).
     Pipe { request: Header, status: Status },
@@ -362,12 +365,28 @@ async fn request(
         return;
     };
     let r = run(&served, &h, &mut recv, conn).await;
-    let (status, body, data) = match r {
-        Ok((reply, data)) => (Status::Ok, to_body(&reply), data),
-        Err((status, message)) => (status, to_body(&ErrorBody { message }), Vec::new()),
+    let (status, mut body, data) = match &r {
+        Ok(ran) => (Status::Ok, to_body(&ran.reply), &ran.data[..]),
+        Err((status, message)) => (
+            *status,
+            to_body(&ErrorBody {
+                message: message.clone(),
+            }),
+            &[][..],
+        ),
     };
-    let rh = Header::reply(&h, status, body.len() as u32, data.len() as u32);
-    if crate::proto::write_frame(&mut send, &rh, &body, &data)
+    let stamps = r.as_ref().ok().and_then(|ran| ran.stamps);
+    if let Some(mut stamps) = stamps {
+        stamps[DIRECT_STAMPS - 1] = now_ns();
+        for t in stamps {
+            body.extend_from_slice(&t.to_le_bytes());
+        }
+    }
+    let mut rh = Header::reply(&h, status, body.len() as u32, data.len() as u32);
+    if stamps.is_some() {
+        rh.flags |= FLAG_STAMPS;
+    }
+    if crate::proto::write_frame(&mut send, &rh, &body, data)
         .await
         .is_ok()
     {
@@ -376,12 +395,20 @@ async fn request(
     }
 }
 
+/// A batch that ran: its reply, its reads' data and, if the client asked
+/// ([`FLAG_STAMPS`]), its stamps (the last one taken as the write starts).
+struct Ran {
+    reply: BatchReply,
+    data: Vec<u8>,
+    stamps: Option<[u64; DIRECT_STAMPS]>,
+}
+
 async fn run(
     served: &Served,
     h: &Header,
     recv: &mut quinn::RecvStream,
     conn: usize,
-) -> Result<(BatchReply, Vec<u8>), Refusal> {
+) -> Result<Ran, Refusal> {
     if h.opcode != Opcode::Batch || h.is_reply() {
         return Err(refused(
             Status::BadRequest,
@@ -421,6 +448,7 @@ async fn run(
     };
     read.await
         .map_err(|e| refused(Status::BadRequest, format!("request cut short: {e}")))?;
+    let read_at = (h.flags & FLAG_STAMPS != 0).then(now_ns);
     let (head, wire) = BatchHead::decode(&body).map_err(bad)?;
     head.validate(data.len()).map_err(bad)?;
     let commands = proto::command_count(wire).map_err(bad)?;
@@ -455,7 +483,11 @@ async fn run(
         let (arrival, p) = served.order.arrive(seq, conn);
         if arrival == Arrival::Passed {
             if commands == 0 && head.modules.is_empty() {
-                return Ok((BatchReply::default(), Vec::new()));
+                return Ok(Ran {
+                    reply: BatchReply::default(),
+                    data: Vec::new(),
+                    stamps: None,
+                });
             }
             return Err(refused(
                 Status::BadRequest,
@@ -504,7 +536,9 @@ async fn run(
         body: worker_body,
         data: worker_data,
         answer: tx,
+        stamps: read_at.is_some(),
     });
+    let handed_at = read_at.map(|_| now_ns());
     // Handed over: the device loop plans in this order.
     drop(place);
     if !handed {
@@ -532,13 +566,18 @@ async fn run(
             .poisoned
             .store(true, std::sync::atomic::Ordering::Release);
     }
-    Ok((
-        BatchReply {
+    let stamps = read_at.zip(handed_at).map(|(read, handed)| {
+        let [w0, w1, w2, w3] = reply.stamps.unwrap_or_default();
+        [read, handed, w0, w1, w2, w3, 0]
+    });
+    Ok(Ran {
+        reply: BatchReply {
             completed: reply.completed,
             error: reply.error,
         },
-        answer.data,
-    ))
+        data: answer.data,
+        stamps,
+    })
 }
 
 /// The device loop's answer: polled, yielding between polls, for `spin`,
