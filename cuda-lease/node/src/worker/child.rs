@@ -101,11 +101,13 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                 return 1;
             }
         }
-        let direct_fd = direct.as_ref().map_or(-1, DirectLink::wake_fd);
         if input.buffer().is_empty() {
+            let mut waits = match &mut direct {
+                Some(link) => Waits::Direct(link),
+                None => Waits::Pipe(stdin_fd),
+            };
             let readable = if running.is_empty() {
-                crate::spin::readable_within(&[stdin_fd, direct_fd], spin)
-                    || crate::spin::wait_readable(&[stdin_fd, direct_fd])
+                waits.within(spin) || waits.wait()
             } else {
                 match wait_for_work(
                     device.as_mut(),
@@ -113,7 +115,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                     &mut running,
                     &mut held,
                     &mut output,
-                    [stdin_fd, direct_fd],
+                    &mut waits,
                     spin,
                     &mut wake,
                 ) {
@@ -161,7 +163,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
             let answer = (lease.usage(), lease.poisoned.clone());
             (Status::Ok, to_body(&answer), Vec::new())
         } else if frame.header.opcode == Opcode::LeaseDirect {
-            match open_direct(&mut direct, &frame.body, spin) {
+            match open_direct(&mut direct, &frame.body, stdin_fd) {
                 Ok(port) => (Status::Ok, to_body(&DirectPort { port }), Vec::new()),
                 Err(e) => (e.status, to_body(&e), Vec::new()),
             }
@@ -207,11 +209,12 @@ pub(super) fn run_worker(spec: &str) -> i32 {
     }
 }
 
-/// Opens the lease's direct path (once); the port it serves on.
+/// Opens the lease's direct path (once), which watches the node's `pipe`
+/// too; the port it serves on.
 fn open_direct(
     direct: &mut Option<DirectLink>,
     body: &[u8],
-    spin: Duration,
+    pipe: std::os::fd::RawFd,
 ) -> Result<u16, DeviceError> {
     if direct.is_some() {
         return Err(DeviceError::new(
@@ -221,7 +224,7 @@ fn open_direct(
     }
     let open: DirectOpen =
         from_body(body).map_err(|e| DeviceError::new(Status::BadRequest, e.to_string()))?;
-    let (link, port) = DirectLink::open(open, spin)
+    let (link, port) = DirectLink::open(open, pipe)
         .map_err(|e| DeviceError::new(Status::Internal, format!("opening the direct path: {e}")))?;
     *direct = Some(link);
     Ok(port)
@@ -346,6 +349,51 @@ impl Held {
     }
 }
 
+/// What the device loop waits on between requests: the node's pipe, and
+/// the lease's direct path once it is open (whose tasks run while the
+/// loop waits).
+enum Waits<'a> {
+    Pipe(std::os::fd::RawFd),
+    Direct(&'a mut DirectLink),
+}
+
+impl Waits<'_> {
+    /// Whether a request can be read or was handed over now (without
+    /// sleeping; the direct path's tasks run once).
+    fn ready_now(&mut self) -> bool {
+        match self {
+            Waits::Pipe(fd) => crate::spin::ready_now(&[*fd]),
+            Waits::Direct(link) => link.turn(),
+        }
+    }
+
+    /// [`Waits::ready_now`] until it says yes or `budget` passed.
+    fn within(&mut self, budget: Duration) -> bool {
+        match self {
+            Waits::Pipe(fd) => crate::spin::readable_within(&[*fd], budget),
+            Waits::Direct(link) => link.within(budget),
+        }
+    }
+
+    /// Sleeps until a request can be read or was handed over; true.
+    fn wait(&mut self) -> bool {
+        match self {
+            Waits::Pipe(fd) => crate::spin::wait_readable(&[*fd]),
+            Waits::Direct(link) => link.sleep(None, None),
+        }
+    }
+
+    /// Sleeps until a request can be read or was handed over (true), or
+    /// `wake` (the device's eventfd, whose count is taken) fired or about
+    /// 1 ms passed (false).
+    fn soon(&mut self, wake: Option<std::os::fd::RawFd>) -> bool {
+        match self {
+            Waits::Pipe(fd) => crate::spin::readable_soon([*fd, -1], wake),
+            Waits::Direct(link) => link.sleep(wake, Some(Duration::from_millis(1))),
+        }
+    }
+}
+
 /// Sealed work that may still run, and the request it answers.
 struct Running {
     request: Header,
@@ -433,7 +481,7 @@ fn wait_for_work(
     running: &mut Vec<Running>,
     held: &mut Held,
     output: &mut impl std::io::Write,
-    fds: [std::os::fd::RawFd; 2],
+    waits: &mut Waits<'_>,
     spin: Duration,
     wake: &mut Option<std::os::fd::RawFd>,
 ) -> Result<bool, ()> {
@@ -444,7 +492,7 @@ fn wait_for_work(
             return Ok(false);
         }
         if start.elapsed() < spin {
-            if crate::spin::ready_now(&fds) {
+            if waits.ready_now() {
                 return Ok(true);
             }
             std::hint::spin_loop();
@@ -456,7 +504,7 @@ fn wait_for_work(
                 *wake = Some(w);
             }
         }
-        if crate::spin::readable_soon(fds, *wake) {
+        if waits.soon(*wake) {
             return Ok(true);
         }
     }

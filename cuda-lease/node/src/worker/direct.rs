@@ -2,14 +2,19 @@
 //!
 //! The node asks for it (LEASE_DIRECT on the pipe, with a certificate made
 //! for the lease, a ticket and the lease's limits); the worker binds a UDP
-//! socket on the node's address and serves QUIC on a thread of its own
-//! (a current-thread runtime). A connection's first stream must be a HELLO
-//! carrying the lease and the ticket; after it, each stream carries one
-//! BATCH of the lease. The thread checks a batch as the node would (frame
-//! limits, the lease, its modules by hash, the reply bytes), waits for its
-//! turn in the lease's order ([`LeaseOrder`], as the node's), and hands it
-//! to the device loop, which plans and runs it like a batch from the pipe;
-//! the reply goes back the same way.
+//! socket on the node's address and serves QUIC from its device loop's
+//! thread: a current-thread runtime that the loop runs whenever it waits
+//! ([`DirectLink::turn`] while it spins, [`DirectLink::sleep`] while it
+//! sleeps), so a batch reaches the device and its reply the wire with no
+//! thread's wake-up between them. A connection's first stream must be a
+//! HELLO carrying the lease and the ticket; after it, each stream carries
+//! one BATCH of the lease. Its task checks a batch as the node would
+//! (frame limits, the lease, its modules by hash, the reply bytes), waits
+//! for its turn in the lease's order ([`LeaseOrder`], as the node's), and
+//! hands it to the device loop, which plans and runs it like a batch from
+//! the pipe and answers the task when its work is done. While the loop
+//! works (a module compiling, say) the endpoint waits: a client's packets
+//! queue in the socket.
 //!
 //! Bounds: at most [`DirectLimits::max_requests`] requests read or running
 //! at once, and [`DirectLimits::max_bytes`] of their bodies, data and reply
@@ -19,11 +24,15 @@
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::sync::{mpsc, Arc, Mutex};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tokio::sync::{oneshot, Semaphore};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::sync::{oneshot, Notify, Semaphore};
 
 use super::messages::{encode_worker_batch, BatchLimits, WorkerBatchReply, WorkerLoad};
 use crate::device::DeviceError;
@@ -82,7 +91,7 @@ pub(crate) struct DirectPort {
     pub(crate) port: u16,
 }
 
-/// What the QUIC thread hands the device loop.
+/// What the lease's tasks hand the device loop.
 pub(super) enum ToDevice {
     /// A batch to plan and run, as the node would send it, and where its
     /// answer goes.
@@ -105,26 +114,44 @@ pub(super) struct Answer {
     pub(super) data: Vec<u8>,
 }
 
-/// What the device loop asks the QUIC thread.
-enum ToQuic {
-    /// Answer `request` once every batch numbered below `upto` is handed over.
-    After { request: Header, upto: u64 },
+/// A descriptor the runtime watches (it is owned elsewhere).
+struct Watched(RawFd);
+
+impl AsRawFd for Watched {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
 }
 
-/// The device loop's end of a lease's direct path.
+/// Watches `fd` for reads on the current runtime.
+///
+/// `fd` must stay open while the watch lives: the worker's stdin does for
+/// the worker's life, and the device's wake-up descriptor for the
+/// device's, which the device loop drops after its [`DirectLink`].
+fn watch(fd: RawFd) -> std::io::Result<AsyncFd<Watched>> {
+    // SAFETY: `fd` is open and stays so while the watch lives (above); the
+    // watch only registers it with the runtime's poller.
+    unsafe { AsyncFd::register_with_interest(Watched(fd), Interest::READABLE) }
+        .map_err(|e| e.into_parts().1)
+}
+
+/// The device loop's end of a lease's direct path: the runtime its tasks
+/// run on, which the loop runs while it waits.
 pub(super) struct DirectLink {
-    from_quic: mpsc::Receiver<ToDevice>,
-    /// Counted by the QUIC thread after each hand-over (non-blocking).
-    wake: OwnedFd,
-    to_quic: tokio::sync::mpsc::UnboundedSender<ToQuic>,
+    // (Dropped in this order: the watches before their runtime.)
+    /// The node's pipe (the worker's stdin), watched while the loop sleeps.
+    pipe: AsyncFd<Watched>,
+    /// The device's wake-up descriptor, once it armed one.
+    wake: Option<AsyncFd<Watched>>,
+    served: Arc<Served>,
+    rt: tokio::runtime::Runtime,
 }
 
 impl DirectLink {
-    /// Binds, starts the QUIC thread and returns the link and the port.
-    /// A request's task polls for its batch's answer for `spin` (the
-    /// worker's pipe spin, [`crate::spin`]) before it sleeps: a sleeping
-    /// thread takes a wake-up to write the reply.
-    pub(super) fn open(o: DirectOpen, spin: std::time::Duration) -> std::io::Result<(Self, u16)> {
+    /// Binds, starts serving on a runtime of the calling thread (run by
+    /// the link's waits) and returns the link and the port. `pipe`: the
+    /// node's pipe, which the waits watch too.
+    pub(super) fn open(o: DirectOpen, pipe: RawFd) -> std::io::Result<(Self, u16)> {
         let socket = o.transport.bind_udp(o.bind)?;
         let port = socket.local_addr()?.port();
         let identity = crate::tls::Identity {
@@ -135,10 +162,6 @@ impl DirectLink {
         };
         let server = crate::tls::server_config(&identity, None, &o.transport)
             .map_err(std::io::Error::other)?;
-        let wake = crate::spin::eventfd()?;
-        let counter = wake.try_clone()?;
-        let (to_device, from_quic) = mpsc::channel();
-        let (to_quic, asks) = tokio::sync::mpsc::unbounded_channel();
         let limits = o.limits;
         let served = Served {
             lease: o.lease,
@@ -148,52 +171,133 @@ impl DirectLink {
             known: Mutex::new(HashSet::new()),
             bytes: Semaphore::new(units(limits.max_bytes) as usize),
             requests: Semaphore::new(limits.max_requests as usize),
-            poisoned: std::sync::atomic::AtomicBool::new(false),
-            to_device,
-            counter,
-            spin,
+            poisoned: AtomicBool::new(false),
+            handed: Mutex::new(Vec::new()),
+            any_handed: AtomicBool::new(false),
+            notify: Notify::new(),
         };
-        let largest = o.transport.largest_accepted_payload();
-        std::thread::Builder::new()
-            .name("cuda-lease-direct".into())
-            .spawn(move || {
-                let rt = match tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                {
-                    Ok(rt) => rt,
-                    Err(e) => {
-                        eprintln!("cuda-lease worker: no runtime for the direct path: {e}");
-                        return;
-                    }
-                };
-                rt.block_on(serve(Arc::new(served), socket, server, largest, asks));
-            })?;
+        let served = Arc::new(served);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let runtime: Arc<dyn quinn::Runtime> = Arc::new(quinn::TokioRuntime);
+        let mut config = quinn::EndpointConfig::default();
+        let _ = config.max_udp_payload_size(o.transport.largest_accepted_payload());
+        let (endpoint, pipe) = {
+            let _in = rt.enter();
+            let endpoint = quinn::Endpoint::new(config, Some(server), socket, runtime)?;
+            let pipe = watch(pipe)?;
+            (endpoint, pipe)
+        };
+        rt.spawn(serve(served.clone(), endpoint));
         let link = DirectLink {
-            from_quic,
-            wake,
-            to_quic,
+            pipe,
+            wake: None,
+            served,
+            rt,
         };
         Ok((link, port))
     }
 
-    /// The descriptor that becomes readable when something was handed over.
-    pub(super) fn wake_fd(&self) -> RawFd {
-        self.wake.as_raw_fd()
-    }
-
     /// What was handed over since the last call, in order.
     pub(super) fn take(&self) -> Vec<ToDevice> {
-        // Taken before the channel: a hand-over after it counts again.
-        crate::spin::take_count(self.wake.as_raw_fd());
-        self.from_quic.try_iter().collect()
+        if !self.served.any_handed.swap(false, Ordering::Acquire) {
+            return Vec::new();
+        }
+        std::mem::take(&mut *lock(&self.served.handed))
     }
 
     /// Answers the node's `request` (as a [`ToDevice::Pipe`]) once every
     /// batch numbered below `upto` has been handed over, or with why none
     /// will be.
     pub(super) fn after(&self, request: Header, upto: u64) {
-        let _ = self.to_quic.send(ToQuic::After { request, upto });
+        let served = self.served.clone();
+        self.rt.spawn(async move {
+            let status = match served.order.reached(upto).await {
+                Ok(()) => Status::Ok,
+                Err(_) => Status::LeaseNotFound,
+            };
+            served.hand(ToDevice::Pipe { request, status });
+        });
+    }
+
+    /// Whether the pipe can be read or something was handed over.
+    fn ready(&self) -> bool {
+        self.served.any_handed.load(Ordering::Acquire)
+            || crate::spin::ready_now(&[self.pipe.get_ref().0])
+    }
+
+    /// Runs the lease's tasks that can run and the runtime's I/O once,
+    /// without sleeping; whether the pipe can be read or something was
+    /// handed over.
+    pub(super) fn turn(&self) -> bool {
+        self.rt.block_on(tokio::task::yield_now());
+        self.ready()
+    }
+
+    /// [`DirectLink::turn`]s until one says yes (true) or `budget` passed.
+    pub(super) fn within(&self, budget: Duration) -> bool {
+        let start = std::time::Instant::now();
+        while start.elapsed() < budget {
+            if self.turn() {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Runs the lease's tasks, sleeping while none can run, until the pipe
+    /// can be read or something was handed over (true), or `wake` (an
+    /// eventfd, whose count is taken) fired or `limit` passed (false).
+    pub(super) fn sleep(&mut self, wake: Option<RawFd>, limit: Option<Duration>) -> bool {
+        if let Some(fd) = wake {
+            if self.wake.as_ref().map(|w| w.get_ref().0) != Some(fd) {
+                let _in = self.rt.enter();
+                self.wake = watch(fd).ok();
+            }
+        }
+        let watched = wake.and(self.wake.as_ref());
+        let DirectLink {
+            pipe, served, rt, ..
+        } = &*self;
+        rt.block_on(async {
+            let until = limit.map(|l| tokio::time::Instant::now() + l);
+            loop {
+                if served.any_handed.load(Ordering::Acquire)
+                    || crate::spin::ready_now(&[pipe.get_ref().0])
+                {
+                    return true;
+                }
+                let fired = async {
+                    match watched {
+                        Some(w) => w.readable().await.map(|mut g| {
+                            crate::spin::take_count(w.get_ref().0);
+                            g.clear_ready();
+                        }),
+                        None => std::future::pending().await,
+                    }
+                };
+                let passed = async {
+                    match until {
+                        Some(t) => tokio::time::sleep_until(t).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    biased;
+                    () = served.notify.notified() => {}
+                    r = pipe.readable() => {
+                        // Seen again by the poll above: tokio's readiness
+                        // outlives the node's data, which the loop reads.
+                        if let Ok(mut g) = r {
+                            g.clear_ready();
+                        }
+                    }
+                    _ = fired => return false,
+                    () = passed => return false,
+                }
+            }
+        })
     }
 }
 
@@ -202,7 +306,7 @@ fn units(bytes: u64) -> u32 {
     u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
 }
 
-/// The QUIC thread's state.
+/// The lease's tasks' state.
 struct Served {
     lease: LeaseId,
     ticket: [u8; DIRECT_TICKET_LEN],
@@ -213,21 +317,19 @@ struct Served {
     bytes: Semaphore,
     requests: Semaphore,
     /// A fault poisoned the lease's context: later batches are refused.
-    poisoned: std::sync::atomic::AtomicBool,
-    to_device: mpsc::Sender<ToDevice>,
-    counter: OwnedFd,
-    spin: std::time::Duration,
+    poisoned: AtomicBool,
+    /// What was handed to the device loop and not yet taken, in order;
+    /// `any_handed` says whether there is any, `notify` wakes a sleep.
+    handed: Mutex<Vec<ToDevice>>,
+    any_handed: AtomicBool,
+    notify: Notify,
 }
 
 impl Served {
-    fn hand(&self, work: ToDevice) -> bool {
-        if self.to_device.send(work).is_err() {
-            return false;
-        }
-        let one = 1u64;
-        // SAFETY: writes 8 bytes from `one` to the eventfd owned here.
-        let _ = unsafe { libc::write(self.counter.as_raw_fd(), (&raw const one).cast(), 8) };
-        true
+    fn hand(&self, work: ToDevice) {
+        lock(&self.handed).push(work);
+        self.any_handed.store(true, Ordering::Release);
+        self.notify.notify_one();
     }
 
     fn frame_limits(&self) -> Limits {
@@ -238,39 +340,7 @@ impl Served {
     }
 }
 
-async fn serve(
-    served: Arc<Served>,
-    socket: std::net::UdpSocket,
-    server: quinn::ServerConfig,
-    largest: u16,
-    mut asks: tokio::sync::mpsc::UnboundedReceiver<ToQuic>,
-) {
-    let runtime: Arc<dyn quinn::Runtime> = Arc::new(quinn::TokioRuntime);
-    let mut config = quinn::EndpointConfig::default();
-    let _ = config.max_udp_payload_size(largest);
-    let endpoint = match quinn::Endpoint::new(config, Some(server), socket, runtime) {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("cuda-lease worker: no direct endpoint: {e}");
-            return;
-        }
-    };
-    let answers = {
-        let served = served.clone();
-        async move {
-            while let Some(ToQuic::After { request, upto }) = asks.recv().await {
-                let served = served.clone();
-                tokio::spawn(async move {
-                    let status = match served.order.reached(upto).await {
-                        Ok(()) => Status::Ok,
-                        Err(_) => Status::LeaseNotFound,
-                    };
-                    served.hand(ToDevice::Pipe { request, status });
-                });
-            }
-        }
-    };
-    tokio::spawn(answers);
+async fn serve(served: Arc<Served>, endpoint: quinn::Endpoint) {
     let mut next_conn = 0usize;
     let open = Arc::new(Semaphore::new(MAX_DIRECT_CONNECTIONS));
     while let Some(incoming) = endpoint.accept().await {
@@ -461,7 +531,7 @@ async fn run(
             ),
         ));
     }
-    if served.poisoned.load(std::sync::atomic::Ordering::Acquire) {
+    if served.poisoned.load(Ordering::Acquire) {
         return Err(refused(
             Status::LeasePoisoned,
             "lease poisoned: a fault ended its context",
@@ -532,7 +602,7 @@ async fn run(
     worker_data.extend_from_slice(writes);
     drop(data);
     let (tx, rx) = oneshot::channel();
-    let handed = served.hand(ToDevice::Batch {
+    served.hand(ToDevice::Batch {
         body: worker_body,
         data: worker_data,
         answer: tx,
@@ -541,13 +611,7 @@ async fn run(
     let handed_at = read_at.map(|_| now_ns());
     // Handed over: the device loop plans in this order.
     drop(place);
-    if !handed {
-        return Err(refused(
-            Status::Internal,
-            "the worker's device loop is gone",
-        ));
-    }
-    let answer = answer_within(rx, served.spin)
+    let answer = rx
         .await
         .map_err(|_| refused(Status::Internal, "the worker's device loop is gone"))?;
     if answer.status != Status::Ok {
@@ -562,9 +626,7 @@ async fn run(
     let loaded = (reply.loaded as usize).min(loads.len());
     forget(served, &loads[loaded..]);
     if reply.sticky && reply.error.is_some() {
-        served
-            .poisoned
-            .store(true, std::sync::atomic::Ordering::Release);
+        served.poisoned.store(true, Ordering::Release);
     }
     let stamps = read_at.zip(handed_at).map(|(read, handed)| {
         let [w0, w1, w2, w3] = reply.stamps.unwrap_or_default();
@@ -578,24 +640,6 @@ async fn run(
         data: answer.data,
         stamps,
     })
-}
-
-/// The device loop's answer: polled, yielding between polls, for `spin`,
-/// then awaited.
-async fn answer_within(
-    mut rx: oneshot::Receiver<Answer>,
-    spin: std::time::Duration,
-) -> Result<Answer, oneshot::error::RecvError> {
-    let polled = crate::spin::within_async(spin, || match rx.try_recv() {
-        Ok(a) => Some(Some(a)),
-        Err(oneshot::error::TryRecvError::Empty) => None,
-        Err(oneshot::error::TryRecvError::Closed) => Some(None),
-    })
-    .await;
-    match polled {
-        Some(Some(a)) => Ok(a),
-        _ => rx.await,
-    }
 }
 
 fn bad(e: impl std::fmt::Display) -> Refusal {
