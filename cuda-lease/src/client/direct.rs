@@ -15,7 +15,10 @@ const DIRECT_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(1)
 
 /// How long a lease's worker connection may be silent before it counts as
 /// lost (and a request on it fails with the lease's end, as the node says).
-const DIRECT_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// The worker serves the connection from its device loop's thread, which
+/// does not answer while it compiles a module (for up to the node's
+/// compile limit, 5 s by default): three times that.
+const DIRECT_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// Asks the node for `lease`'s direct path and connects to it; `None` when
 /// the node serves the lease's batches itself (it has no direct leases).

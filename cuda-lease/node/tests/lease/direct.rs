@@ -317,7 +317,8 @@ async fn work_in_flight_on_a_direct_lease_fails_as_expired_when_it_expires() {
     // (Whether its BATCH reached the worker or not: the worker hangs in
     // it, so nothing there can say; either way it fails as expired.)
     fx.clock().advance(std::time::Duration::from_secs(6));
-    let e = tokio::time::timeout(std::time::Duration::from_secs(10), task)
+    // (Noticed within the connection's idle timeout, 15 s.)
+    let e = tokio::time::timeout(std::time::Duration::from_secs(30), task)
         .await
         .expect("the in-flight pipeline hung")
         .unwrap()
