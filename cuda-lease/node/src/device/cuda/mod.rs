@@ -97,6 +97,9 @@ pub struct CudaDevice {
     spare_arenas: Vec<StagingArena>,
     /// Sealed batches, running on (see `LeaseDevice::seal`).
     sealed: HashMap<Ticket, Result<sealed::InFlight, DeviceError>>,
+    /// Done events of batches that are done, recorded again by the next
+    /// seals (no event made and destroyed per batch).
+    spare_events: Vec<cuda_core::CudaEvent>,
     next_ticket: u64,
     /// Wakes the worker when an armed batch is done (made on first use).
     wake: Option<wake::Wake>,
@@ -161,6 +164,7 @@ impl CudaDevice {
             prepared_reads: Vec::new(),
             spare_arenas: Vec::new(),
             sealed: HashMap::new(),
+            spare_events: Vec::new(),
             next_ticket: 0,
             wake: None,
         })

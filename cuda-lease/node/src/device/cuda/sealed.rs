@@ -14,6 +14,9 @@ use crate::proto::Status;
 /// [`super::staging::ARENA_BYTES`] of page-locked memory).
 const SPARE_ARENAS: usize = 8;
 
+/// Most spare done events a device keeps.
+const SPARE_EVENTS: usize = 64;
+
 /// A sealed batch's staging arena: the arena, the end of its epoch, and
 /// where each of its downloads goes in the reply's data.
 type SealedArena = (StagingArena, ArenaEnd, Vec<(usize, ArenaRead)>);
@@ -55,7 +58,11 @@ impl CudaDevice {
         let mut done = Vec::with_capacity(touched.len());
         let mut failed = None;
         for s in &touched {
-            match s.record_event(None) {
+            let event = match self.spare_events.pop() {
+                Some(e) => Ok(e),
+                None => self.device.context().new_event(None),
+            };
+            match event.and_then(|e| e.record(s).map(|()| e)) {
                 Ok(e) => done.push(e),
                 Err(e) => {
                     failed = Some(sync_failed(driver(Status::Internal, "cuEventRecord", e)));
@@ -125,8 +132,13 @@ impl CudaDevice {
         })
     }
 
-    /// A done batch: its reads delivered, its arena and frees reusable.
+    /// A done batch: its reads delivered, its arena, frees and done
+    /// events reusable.
     fn complete(&mut self, f: InFlight) -> Result<Vec<u8>, DeviceError> {
+        // Passed: recorded again, they wait for the next batches' work (a
+        // wait enqueued on one earlier keeps the record it saw).
+        let room = SPARE_EVENTS.saturating_sub(self.spare_events.len());
+        self.spare_events.extend(f.done.into_iter().take(room));
         let mut out = vec![0u8; f.out_len];
         if let Some((mut arena, end, arena_reads)) = f.arena {
             if let Err(e) = arena.settle(end) {
