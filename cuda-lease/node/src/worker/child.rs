@@ -80,18 +80,17 @@ pub(super) fn run_worker(spec: &str) -> i32 {
     // The lease's direct path, once the node opened it.
     let mut direct: Option<DirectLink> = None;
     loop {
-        if answer_done(
+        let Ok(answers) = answer_done(
             device.as_mut(),
             &mut lease,
             &mut running,
             &mut held,
             &mut output,
-        )
-        .is_err()
-        {
+        ) else {
             return 1;
-        }
+        };
         if let Some(link) = &direct {
+            link.deliver(answers);
             let mut dev = Dev {
                 dev: device.as_mut(),
                 graphs: &mut graphs,
@@ -123,9 +122,8 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                     Err(()) => return 1,
                 }
             };
-            // Only what came on the direct path (or every batch answered);
-            // without one, readable is the pipe's.
-            if !readable || (direct.is_some() && !crate::spin::ready_now(&[stdin_fd])) {
+            // Only what came on the direct path (or every batch answered).
+            if !readable || !waits.pipe_ready() {
                 continue;
             }
         }
@@ -358,6 +356,28 @@ enum Waits<'a> {
 }
 
 impl Waits<'_> {
+    /// Delivers answers to the direct path's tasks.
+    fn deliver(&mut self, answers: DirectAnswers) {
+        match self {
+            Waits::Direct(link) => link.deliver(answers),
+            // (None without a direct path.)
+            Waits::Pipe(_) => {
+                for (to, answer) in answers {
+                    let _ = to.send(answer);
+                }
+            }
+        }
+    }
+
+    /// After a wait said yes: whether that was the pipe (not only
+    /// something handed over on the direct path).
+    fn pipe_ready(&self) -> bool {
+        match self {
+            Waits::Pipe(_) => true,
+            Waits::Direct(link) => link.pipe_ready(),
+        }
+    }
+
     /// Whether a request can be read or was handed over now (without
     /// sleeping; the direct path's tasks run once).
     fn ready_now(&mut self) -> bool {
@@ -423,15 +443,21 @@ enum Sealed {
     Chunks,
 }
 
+/// Answers for the lease's direct path, to deliver in its runtime
+/// ([`DirectLink::deliver`]).
+type DirectAnswers = Vec<(tokio::sync::oneshot::Sender<Answer>, Answer)>;
+
 /// Answers every running batch whose work is done, in the order they
-/// finish. `Err` when the node's pipe broke.
+/// finish: on the pipe, or, for the direct path, returned. `Err` when the
+/// node's pipe broke.
 fn answer_done(
     dev: &mut dyn LeaseDevice,
     lease: &mut WorkerLease,
     running: &mut Vec<Running>,
     held: &mut Held,
     output: &mut impl std::io::Write,
-) -> Result<(), ()> {
+) -> Result<DirectAnswers, ()> {
+    let mut direct = Vec::new();
     let mut i = 0;
     while i < running.len() {
         let Some(finished) = dev.poll_sealed(running[i].ticket) else {
@@ -457,16 +483,17 @@ fn answer_done(
             ReplyTo::Pipe => held
                 .reply(output, &r.request, status, &body, out)
                 .map_err(|_| ())?,
-            ReplyTo::Direct(answer) => {
-                let _ = answer.send(Answer {
+            ReplyTo::Direct(answer) => direct.push((
+                answer,
+                Answer {
                     status,
                     body,
                     data: out,
-                });
-            }
+                },
+            )),
         }
     }
-    Ok(())
+    Ok(direct)
 }
 
 /// While batches run: polls them and the pipe, spinning for `spin`, then
@@ -487,7 +514,8 @@ fn wait_for_work(
 ) -> Result<bool, ()> {
     let start = std::time::Instant::now();
     loop {
-        answer_done(dev, lease, running, held, output)?;
+        let answers = answer_done(dev, lease, running, held, output)?;
+        waits.deliver(answers);
         if running.is_empty() {
             return Ok(false);
         }

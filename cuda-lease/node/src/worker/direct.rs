@@ -221,10 +221,50 @@ impl DirectLink {
         });
     }
 
-    /// Whether the pipe can be read or something was handed over.
+    /// Sends the device loop's answers to their tasks from inside the
+    /// runtime (a task woken there costs no system call), which run and
+    /// write their replies before this returns.
+    pub(super) fn deliver(&self, answers: Vec<(oneshot::Sender<Answer>, Answer)>) {
+        if answers.is_empty() {
+            return;
+        }
+        self.rt.block_on(async move {
+            for (to, answer) in answers {
+                let _ = to.send(answer);
+            }
+            // Their tasks run before this yield returns.
+            tokio::task::yield_now().await;
+        });
+    }
+
+    /// Whether the pipe can be read now.
+    pub(super) fn pipe_ready(&self) -> bool {
+        crate::spin::ready_now(&[self.pipe.get_ref().0])
+    }
+
+    /// Whether the pipe could be read when the runtime last polled its I/O
+    /// (a turn's end: no system call while nothing came), checked by a
+    /// poll when so and cleared when stale (the loop reads the pipe
+    /// itself).
+    fn pipe_seen(&self) -> bool {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match self.pipe.poll_read_ready(&mut cx) {
+            std::task::Poll::Pending => false,
+            // The read reports it.
+            std::task::Poll::Ready(Err(_)) => true,
+            std::task::Poll::Ready(Ok(mut seen)) => {
+                let readable = crate::spin::ready_now(&[self.pipe.get_ref().0]);
+                if !readable {
+                    seen.clear_ready();
+                }
+                readable
+            }
+        }
+    }
+
+    /// After a turn: whether the pipe can be read or something was handed over.
     fn ready(&self) -> bool {
-        self.served.any_handed.load(Ordering::Acquire)
-            || crate::spin::ready_now(&[self.pipe.get_ref().0])
+        self.served.any_handed.load(Ordering::Acquire) || self.pipe_seen()
     }
 
     /// Runs the lease's tasks that can run and the runtime's I/O once,
