@@ -30,6 +30,15 @@ pub(super) async fn refresh(
     let Ok(slot) = lease_of(shared, who, lease) else {
         return Ok(());
     };
+    refresh_slot(shared, lease, &slot).await
+}
+
+/// [`refresh`] of `lease` (its `slot`), which the caller may see.
+pub(super) async fn refresh_slot(
+    shared: &Arc<Shared>,
+    lease: &LeaseId,
+    slot: &super::Slot,
+) -> Result<(), Reply> {
     if !slot.is_direct() {
         return Ok(());
     }

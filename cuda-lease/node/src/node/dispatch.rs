@@ -303,6 +303,7 @@ pub(super) async fn lease_alloc(
         state: StdMutex::new(LeaseView::default()),
         order: crate::order::LeaseOrder::default(),
         direct: std::sync::atomic::AtomicBool::new(false),
+        refreshing: std::sync::atomic::AtomicBool::new(false),
     });
     let now = shared.now();
     let ttl = Duration::from_secs(u64::from(req.ttl_secs));

@@ -47,6 +47,9 @@ pub(super) struct LeaseSlot {
     pub(super) order: order::LeaseOrder,
     /// Its worker serves its BATCHes (LEASE_DIRECT): the node takes none.
     pub(super) direct: std::sync::atomic::AtomicBool,
+    /// The reaper is asking its worker what it holds (direct leases: one
+    /// question at a time).
+    pub(super) refreshing: std::sync::atomic::AtomicBool,
 }
 
 impl LeaseSlot {

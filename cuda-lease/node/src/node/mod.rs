@@ -545,6 +545,16 @@ async fn reaper(shared: Arc<Shared>) {
         }
         let live = shared.table().payloads();
         for (id, slot) in live {
+            if slot.is_direct() && !slot.refreshing.swap(true, Ordering::AcqRel) {
+                // A direct lease's batches do not pass the node: what it
+                // holds, and whether a fault ended it, come from its worker.
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    let _ = direct::refresh_slot(&shared, &id, &slot).await;
+                    slot.refreshing.store(false, Ordering::Release);
+                });
+                continue;
+            }
             // Idle workers only: a busy one is watched by its call's timeout.
             let Ok(_guard) = slot.exec.try_lock() else {
                 continue;

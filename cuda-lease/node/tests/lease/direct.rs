@@ -289,6 +289,57 @@ async fn a_fault_on_a_direct_lease_poisons_it_for_the_node_too() {
     node.shutdown().await;
 }
 
+/// The node learns what a direct lease holds, and that a fault ended it,
+/// from the lease's worker, with no request of the lease's client: its
+/// batches do not pass the node.
+#[tokio::test]
+async fn the_node_learns_a_direct_leases_usage_and_fault_unasked() {
+    let node = direct_node().await;
+    let (lease, remote) = direct_lease(&node, usize::MAX).await;
+    let id = lease.id();
+    let kept = h2d(vec![0f32; 1024])
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    until("the node sees the lease's 4096 bytes", || {
+        node.lease_usage(&id).is_some_and(|u| u.allocated == 4096)
+    })
+    .await;
+    let fault = kernel("__fault");
+    // SAFETY: the in-memory device's fault kernel touches nothing.
+    let e = unsafe { launch(&fault, LaunchConfig::for_num_elems(1), ()) }
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e.remote_kind(),
+            Some(cuda_async::RemoteErrorKind::LaunchFailed)
+        ),
+        "{e}"
+    );
+    until("the node fails the lease", || {
+        node.lease_usage(&id).is_none()
+    })
+    .await;
+    drop(kept);
+    node.shutdown().await;
+}
+
+/// Waits until `done` says so, for at most 10 s (then fails, naming `what`).
+async fn until(what: &str, done: impl Fn() -> bool) {
+    let start = std::time::Instant::now();
+    while !done() {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(10),
+            "not within 10 s: {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
 /// Work on a direct lease when the lease expires fails as expired, not
 /// as a lost connection (the node ends the worker, whose connection drops
 /// with it).
