@@ -369,12 +369,13 @@ impl Waits<'_> {
         }
     }
 
-    /// After a wait said yes: whether that was the pipe (not only
-    /// something handed over on the direct path).
+    /// After a wait said yes: whether to read the pipe now (what the
+    /// direct path handed over is taken first; the pipe then waits for
+    /// the next turn of the loop).
     fn pipe_ready(&self) -> bool {
         match self {
             Waits::Pipe(_) => true,
-            Waits::Direct(link) => link.pipe_ready(),
+            Waits::Direct(link) => !link.handed() && link.pipe_ready(),
         }
     }
 
@@ -383,7 +384,7 @@ impl Waits<'_> {
     fn ready_now(&mut self) -> bool {
         match self {
             Waits::Pipe(fd) => crate::spin::ready_now(&[*fd]),
-            Waits::Direct(link) => link.turn(),
+            Waits::Direct(link) => link.turn_due(),
         }
     }
 

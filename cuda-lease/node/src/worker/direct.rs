@@ -123,6 +123,11 @@ impl AsRawFd for Watched {
     }
 }
 
+/// While a batch runs and the device loop spins, it runs the direct path's
+/// tasks at most this often (a turn costs a system call; the loop polls
+/// the batch's GPU work between turns).
+const TURN_GAP: Duration = Duration::from_micros(2);
+
 /// Watches `fd` for reads on the current runtime.
 ///
 /// `fd` must stay open while the watch lives: the worker's stdin does for
@@ -144,6 +149,8 @@ pub(super) struct DirectLink {
     /// The device's wake-up descriptor, once it armed one.
     wake: Option<AsyncFd<Watched>>,
     served: Arc<Served>,
+    /// When [`DirectLink::turn`] last ran.
+    last_turn: std::cell::Cell<std::time::Instant>,
     rt: tokio::runtime::Runtime,
 }
 
@@ -194,6 +201,7 @@ impl DirectLink {
             pipe,
             wake: None,
             served,
+            last_turn: std::cell::Cell::new(std::time::Instant::now()),
             rt,
         };
         Ok((link, port))
@@ -264,7 +272,22 @@ impl DirectLink {
 
     /// After a turn: whether the pipe can be read or something was handed over.
     fn ready(&self) -> bool {
-        self.served.any_handed.load(Ordering::Acquire) || self.pipe_seen()
+        self.handed() || self.pipe_seen()
+    }
+
+    /// Whether something was handed over and not yet taken.
+    pub(super) fn handed(&self) -> bool {
+        self.served.any_handed.load(Ordering::Acquire)
+    }
+
+    /// [`DirectLink::turn`], if [`TURN_GAP`] passed since the last turn
+    /// (while a batch runs, the loop polls its GPU work between turns);
+    /// else whether something was handed over.
+    pub(super) fn turn_due(&self) -> bool {
+        if self.last_turn.get().elapsed() < TURN_GAP {
+            return self.handed();
+        }
+        self.turn()
     }
 
     /// Runs the lease's tasks that can run and the runtime's I/O once,
@@ -272,6 +295,7 @@ impl DirectLink {
     /// handed over.
     pub(super) fn turn(&self) -> bool {
         self.rt.block_on(tokio::task::yield_now());
+        self.last_turn.set(std::time::Instant::now());
         self.ready()
     }
 
