@@ -256,20 +256,7 @@ async fn a_fault_on_a_direct_lease_poisons_it_for_the_node_too() {
     let node = direct_node().await;
     let (lease, remote) = direct_lease(&node, usize::MAX).await;
     assert!(lease.is_direct());
-    let fault = kernel("__fault");
-    // SAFETY: the in-memory device's fault kernel touches nothing.
-    let e = unsafe { launch(&fault, LaunchConfig::for_num_elems(1), ()) }
-        .schedule(&remote)
-        .unwrap()
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            e.remote_kind(),
-            Some(cuda_async::RemoteErrorKind::LaunchFailed)
-        ),
-        "{e}"
-    );
+    fault_on(&remote).await;
     let e = h2d(vec![1u8; 16])
         .schedule(&remote)
         .unwrap()
@@ -306,10 +293,22 @@ async fn the_node_learns_a_direct_leases_usage_and_fault_unasked() {
         node.lease_usage(&id).is_some_and(|u| u.allocated == 4096)
     })
     .await;
+    fault_on(&remote).await;
+    until("the node fails the lease", || {
+        node.lease_usage(&id).is_none()
+    })
+    .await;
+    drop(kept);
+    node.shutdown().await;
+}
+
+/// Launches the in-memory device's fault kernel on `remote`, which fails
+/// it as a launch failure.
+async fn fault_on(remote: &RemotePolicy) {
     let fault = kernel("__fault");
     // SAFETY: the in-memory device's fault kernel touches nothing.
     let e = unsafe { launch(&fault, LaunchConfig::for_num_elems(1), ()) }
-        .schedule(&remote)
+        .schedule(remote)
         .unwrap()
         .await
         .unwrap_err();
@@ -320,12 +319,6 @@ async fn the_node_learns_a_direct_leases_usage_and_fault_unasked() {
         ),
         "{e}"
     );
-    until("the node fails the lease", || {
-        node.lease_usage(&id).is_none()
-    })
-    .await;
-    drop(kept);
-    node.shutdown().await;
 }
 
 /// Waits until `done` says so, for at most 10 s (then fails, naming `what`).
