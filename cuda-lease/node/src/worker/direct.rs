@@ -261,7 +261,7 @@ impl DirectLink {
             // The read reports it.
             std::task::Poll::Ready(Err(_)) => true,
             std::task::Poll::Ready(Ok(mut seen)) => {
-                let readable = crate::spin::ready_now(&[self.pipe.get_ref().0]);
+                let readable = self.pipe_ready();
                 if !readable {
                     seen.clear_ready();
                 }
@@ -320,16 +320,12 @@ impl DirectLink {
                 self.wake = watch(fd).ok();
             }
         }
-        let watched = wake.and(self.wake.as_ref());
-        let DirectLink {
-            pipe, served, rt, ..
-        } = &*self;
-        rt.block_on(async {
+        let this = &*self;
+        let watched = wake.and(this.wake.as_ref());
+        this.rt.block_on(async {
             let until = limit.map(|l| tokio::time::Instant::now() + l);
             loop {
-                if served.any_handed.load(Ordering::Acquire)
-                    || crate::spin::ready_now(&[pipe.get_ref().0])
-                {
+                if this.handed() || this.pipe_ready() {
                     return true;
                 }
                 let fired = async {
@@ -349,8 +345,8 @@ impl DirectLink {
                 };
                 tokio::select! {
                     biased;
-                    () = served.notify.notified() => {}
-                    r = pipe.readable() => {
+                    () = this.served.notify.notified() => {}
+                    r = this.pipe.readable() => {
                         // Seen again by the poll above: tokio's readiness
                         // outlives the node's data, which the loop reads.
                         if let Ok(mut g) = r {
@@ -510,9 +506,9 @@ async fn request(
         ),
     };
     let stamps = r.as_ref().ok().and_then(|ran| ran.stamps);
-    if let Some(mut stamps) = stamps {
-        stamps[DIRECT_STAMPS - 1] = now_ns();
-        for t in stamps {
+    if let Some(stamps) = stamps {
+        // The last: the reply's write starts.
+        for t in stamps.into_iter().chain([now_ns()]) {
             body.extend_from_slice(&t.to_le_bytes());
         }
     }
@@ -530,11 +526,11 @@ async fn request(
 }
 
 /// A batch that ran: its reply, its reads' data and, if the client asked
-/// ([`FLAG_STAMPS`]), its stamps (the last one taken as the write starts).
+/// ([`FLAG_STAMPS`]), its stamps but the last (taken as the reply's write starts).
 struct Ran {
     reply: BatchReply,
     data: Vec<u8>,
-    stamps: Option<[u64; DIRECT_STAMPS]>,
+    stamps: Option<[u64; DIRECT_STAMPS - 1]>,
 }
 
 async fn run(
@@ -694,7 +690,7 @@ async fn run(
     }
     let stamps = read_at.zip(handed_at).map(|(read, handed)| {
         let [w0, w1, w2, w3] = reply.stamps.unwrap_or_default();
-        [read, handed, w0, w1, w2, w3, 0]
+        [read, handed, w0, w1, w2, w3]
     });
     Ok(Ran {
         reply: BatchReply {
