@@ -15,10 +15,8 @@ const DIRECT_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(1)
 
 /// How long a lease's worker connection may be silent before it counts as
 /// lost (and a request on it fails with the lease's end, as the node says).
-/// The worker serves the connection from its device loop's thread, which
-/// does not answer while it compiles a module (for up to the node's
-/// compile limit, 5 s by default): three times that.
-const DIRECT_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
+/// The worker answers while it compiles a module, too.
+const DIRECT_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Asks the node for `lease`'s direct path and connects to it; `None` when
 /// the node serves the lease's batches itself (it has no direct leases).

@@ -173,7 +173,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                 graphs: &mut graphs,
                 compiler: &compiler,
             };
-            match start_batch(&mut dev, &mut lease, &frame, read_at) {
+            match start_batch(&mut dev, &mut lease, &frame, read_at, direct.as_ref()) {
                 Ok(r) => {
                     running.push(r);
                     continue;
@@ -231,15 +231,26 @@ fn open_direct(
 /// Plans, enqueues and seals a batch (a [`WorkerBatch`] frame): its
 /// [`Running`], answered on the pipe when its work is done; `Err`: refused
 /// whole, answered now.
+///
+/// On a lease with a direct path (`link`), a batch that loads modules is
+/// enqueued [beside](DirectLink::beside) the path's tasks.
 fn start_batch(
     dev: &mut Dev<'_>,
     lease: &mut WorkerLease,
     frame: &Frame,
     read_at: Option<u64>,
+    link: Option<&DirectLink>,
 ) -> Result<Running, (Status, Vec<u8>)> {
     let batch = from_body::<WorkerBatch<'_>>(&frame.body)
         .map_err(|e| DeviceError::new(Status::BadRequest, e.to_string()));
-    match batch.and_then(|b| enqueue_batch(dev, lease, &b, &frame.data)) {
+    let enqueued = batch.and_then(|b| {
+        let mut enqueue = || enqueue_batch(dev, lease, &b, &frame.data);
+        match link {
+            Some(link) if !b.loads.is_empty() => link.beside(enqueue),
+            _ => enqueue(),
+        }
+    });
+    match enqueued {
         Ok(enqueued) => Ok(Running {
             request: frame.header,
             to: ReplyTo::Pipe,
@@ -275,7 +286,7 @@ fn take_direct(
                     body,
                     data,
                 };
-                match start_batch(dev, lease, &frame, stamps.then(now_ns)) {
+                match start_batch(dev, lease, &frame, stamps.then(now_ns), Some(link)) {
                     Ok(r) => running.push(Running {
                         to: ReplyTo::Direct(answer),
                         ..r

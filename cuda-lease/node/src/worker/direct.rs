@@ -13,8 +13,9 @@
 //! for its turn in the lease's order ([`LeaseOrder`], as the node's), and
 //! hands it to the device loop, which plans and runs it like a batch from
 //! the pipe and answers the task when its work is done. While the loop
-//! works (a module compiling, say) the endpoint waits: a client's packets
-//! queue in the socket.
+//! loads a batch's modules (a compile may take up to the node's compile
+//! limit) a helper thread runs the tasks instead ([`DirectLink::beside`]),
+//! so the lease's connections keep answering.
 //!
 //! Bounds: at most [`DirectLimits::max_requests`] requests read or running
 //! at once, and [`DirectLimits::max_bytes`] of their bodies, data and reply
@@ -243,6 +244,31 @@ impl DirectLink {
             // Their tasks run before this yield returns.
             tokio::task::yield_now().await;
         });
+    }
+
+    /// Runs `f` (device work that may take long: a module's compile) while
+    /// a helper thread runs the lease's tasks and I/O, so the lease's
+    /// connections keep answering (their keep-alives, new requests, which
+    /// wait their turn) until `f` returns. Without a thread to spare, `f`
+    /// runs alone and the endpoint waits for it.
+    pub(super) fn beside<R>(&self, f: impl FnOnce() -> R) -> R {
+        /// Ends the helper's run when dropped (a panic in `f` too).
+        struct Done<'a>(&'a Notify);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                // A permit: the helper returns even if not waiting yet.
+                self.0.notify_one();
+            }
+        }
+        let done = Notify::new();
+        let rt = &self.rt;
+        std::thread::scope(|s| {
+            let helper = std::thread::Builder::new()
+                .name("direct-beside".into())
+                .spawn_scoped(s, || rt.block_on(done.notified()));
+            let _done = helper.is_ok().then(|| Done(&done));
+            f()
+        })
     }
 
     /// Whether the pipe can be read now.

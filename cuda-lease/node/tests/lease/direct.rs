@@ -186,6 +186,41 @@ async fn a_module_new_to_a_direct_leases_worker_is_sent_again_with_its_source() 
     node.shutdown().await;
 }
 
+/// A batch whose module takes longer to load than the direct
+/// connection may stay silent (a slow compile, 6 s against 5 s) runs: the
+/// worker's endpoint keeps answering while its device loop compiles.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_lease_keeps_its_connection_while_its_worker_compiles() {
+    let node = direct_node().await;
+    let (lease, remote) = direct_lease(&node, usize::MAX).await;
+    assert!(lease.is_direct());
+    // The test double takes 6 s to load this module (`compile-ms`).
+    let slow = Module::cuda(format!("// compile-ms: 6000\n{KERNELS}"), &[])
+        .unwrap()
+        .kernel("fill")
+        .unwrap();
+    let n = 256u32;
+    let out = h2d(vec![0f32; n as usize])
+        // SAFETY: `fill` writes out[0..n) of an n-float buffer.
+        .then(move |b| unsafe { launch(&slow, LaunchConfig::for_num_elems(n), (b, 2.5f32, n)) })
+        .then(|(b, _, _)| d2h(b))
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .expect("the pipeline across the slow compile")
+        .to_vec()
+        .unwrap();
+    assert_eq!(out, vec![2.5f32; n as usize]);
+    // The connection is still the lease's: later batches take it.
+    assert_eq!(
+        axpy(vec![1.0; 8], vec![1.0; 8], 2.0, &remote).await,
+        vec![3.0; 8]
+    );
+    assert_eq!(node_batches(&node), 0, "a batch went through the node");
+    lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
 /// Large transfers go through the node, after the batches before them:
 /// a download submitted with a kernel still in flight sees its writes, and
 /// a download submitted before a kernel does not.
@@ -361,7 +396,7 @@ async fn work_in_flight_on_a_direct_lease_fails_as_expired_when_it_expires() {
     // (Whether its BATCH reached the worker or not: the worker hangs in
     // it, so nothing there can say; either way it fails as expired.)
     fx.clock().advance(std::time::Duration::from_secs(6));
-    // (Noticed within the connection's idle timeout, 15 s.)
+    // (Noticed within the connection's idle timeout, 5 s.)
     let e = tokio::time::timeout(std::time::Duration::from_secs(30), task)
         .await
         .expect("the in-flight pipeline hung")

@@ -5,6 +5,17 @@ use std::collections::HashMap;
 
 use crate::proto::SourceKind;
 
+/// How long loading a CUDA C module takes on the test double: `N` ms for
+/// a line `// compile-ms: N`, else none.
+pub(super) fn compile_time(text: &str) -> std::time::Duration {
+    let ms = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("// compile-ms:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0);
+    std::time::Duration::from_millis(ms)
+}
+
 /// The entry names of a module's text: `.entry NAME` in PTX,
 /// `__global__ ... NAME(` in CUDA C.
 pub(super) fn entry_names(kind: &SourceKind, text: &str) -> Vec<String> {

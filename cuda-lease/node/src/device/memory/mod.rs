@@ -18,7 +18,7 @@ mod scheduler;
 #[cfg(test)]
 mod tests;
 
-use kernels::{entry_names, host_kernel_shape, HostArg};
+use kernels::{compile_time, entry_names, host_kernel_shape, HostArg};
 use scheduler::{Queued, Work};
 
 /// The in-memory test double of a device: memory is host `Vec`s, streams
@@ -39,7 +39,9 @@ use scheduler::{Queued, Work};
 /// f32* dst, u32 n)`; `bias_relu(f32* h, f32* b, u32 rows, u32 cols)`:
 /// `h = max(h + b[row], 0)`, column-major; `softmax_columns(f32* z, u32
 /// rows, u32 cols)`: each column its softmax (one thread a column);
-/// `delay(u32 ms)` takes `ms` milliseconds; `spin` does nothing. An access
+/// `delay(u32 ms)` takes `ms` milliseconds; `spin` does nothing. A CUDA C
+/// module with a line `// compile-ms: N` takes `N` milliseconds to load,
+/// as a slow compile would. An access
 /// outside a buffer faults like an illegal address (sticky LAUNCH_FAILED at
 /// the next finish). Magic names for supervisor tests: `__fault` faults
 /// likewise, `__hang` never returns, `__exit` ends the worker process.
@@ -303,6 +305,9 @@ impl LeaseDevice for MemoryDevice {
         };
         if let Some(log) = log {
             return Err(DeviceError::new(Status::LoadFailed, log));
+        }
+        if let SourceKind::Cuda { .. } = kind {
+            std::thread::sleep(compile_time(text));
         }
         self.modules.insert(hash, entry_names(kind, text));
         Ok(None)
