@@ -26,6 +26,7 @@ fn tiny() -> RemoteConfig {
         worker_cpus: None,
         server_threads: None,
         direct: false,
+        client_spin: false,
         transport: ("loopback".into(), cuda_lease::TransportSettings::loopback()),
         stripes: cuda_lease::client::DEFAULT_STRIPES,
         stamps: true,

@@ -18,6 +18,9 @@
 //! - `REPORT_REMOTE_DEVICE` (default `cuda`): `memory` has the node's
 //!   workers drive the in-memory device instead of GPU 0 (no GPU needed).
 //! - `REPORT_REMOTE_SPIN_US`: the workers' pipe spin budget.
+//! - `REPORT_CLIENT_SPIN=1`: a task on the report's runtime yields in a
+//!   loop for the whole run, so one runtime thread never sleeps (the
+//!   clients' and the raw references' alike).
 //! - `REPORT_REMOTE_IN_TASK=1`: measure the remote rows from a task on the
 //!   runtime instead of `block_on`'s thread.
 //! - `REPORT_TIMEOUT_S` (default 300): past this, the report prints and
@@ -42,8 +45,8 @@ const USAGE: &str = "usage: bench-report [--no-fail] OUT.json   \
     (exits 1 when a row fails its goal or could not be measured, unless --no-fail) \
     (env: REPORT_SCALE=1, REPORT_ONLY=overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu,mem_pools,\
     remote_alloc,remote[,remote_chain,remote_launch,remote_pool], REPORT_REMOTE_DEVICE=cuda|memory, \
-    REPORT_REMOTE_SPIN_US, REPORT_REMOTE_IN_TASK=1, REPORT_TRANSPORT=loopback|default|datacenter|wan, \
-    REPORT_STRIPES=4, REPORT_TIMEOUT_S=300)";
+    REPORT_REMOTE_SPIN_US, REPORT_REMOTE_IN_TASK=1, REPORT_CLIENT_SPIN=1, \
+    REPORT_TRANSPORT=loopback|default|datacenter|wan, REPORT_STRIPES=4, REPORT_TIMEOUT_S=300)";
 
 fn main() -> ExitCode {
     // The remote topics' node starts its workers from this program.

@@ -130,6 +130,11 @@ pub struct RemoteConfig {
     /// Leases' workers serve their BATCHes themselves (`REPORT_DIRECT=1`:
     /// the node runs with direct leases and the clients ask for them).
     pub direct: bool,
+    /// A task on the report's runtime yields in a loop for the whole run
+    /// (`REPORT_CLIENT_SPIN=1`), so one of its threads never sleeps: what
+    /// waking the runtime costs the clients, and the raw references on the
+    /// same runtime.
+    pub client_spin: bool,
 }
 
 impl RemoteConfig {
@@ -204,6 +209,7 @@ impl RemoteConfig {
             },
             in_task: std::env::var_os("REPORT_REMOTE_IN_TASK").is_some_and(|v| v == "1"),
             direct: std::env::var_os("REPORT_DIRECT").is_some_and(|v| v == "1"),
+            client_spin: std::env::var_os("REPORT_CLIENT_SPIN").is_some_and(|v| v == "1"),
             stamps: std::env::var_os("REPORT_STAMPS").is_none_or(|v| v != "0"),
             pool: PoolConfig::new(cfg),
         })
@@ -256,6 +262,13 @@ impl Bench {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()?;
+        if cfg.client_spin {
+            rt.spawn(async {
+                loop {
+                    tokio::task::yield_now().await;
+                }
+            });
+        }
         let mut worker = WorkerSpec::current_exe(cfg.device.clone())?;
         worker.program = cfg.worker.clone();
         if let Some(cpus) = &cfg.worker_cpus {
