@@ -63,17 +63,17 @@ fn assert_path(s: &Stamps, skipped: &[Point]) {
         .into_iter()
         .filter(|p| !skipped.contains(p))
         .collect();
-    let missing: Vec<&str> = path
-        .iter()
-        .filter(|p| s.at(**p).is_none())
-        .map(|p| p.name())
-        .collect();
+    // The names of `points` that were reached (or not).
+    let named = |points: &[Point], reached: bool| -> Vec<&str> {
+        points
+            .iter()
+            .filter(|p| s.at(**p).is_some() == reached)
+            .map(|p| p.name())
+            .collect()
+    };
+    let missing = named(&path, false);
     assert!(missing.is_empty(), "points not reached: {missing:?}");
-    let strays: Vec<&str> = skipped
-        .iter()
-        .filter(|p| s.at(**p).is_some())
-        .map(|p| p.name())
-        .collect();
+    let strays = named(skipped, true);
     assert!(strays.is_empty(), "points off the path reached: {strays:?}");
     for w in path.windows(2) {
         assert!(

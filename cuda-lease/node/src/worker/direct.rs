@@ -263,10 +263,11 @@ impl DirectLink {
         let done = Notify::new();
         let rt = &self.rt;
         std::thread::scope(|s| {
-            let helper = std::thread::Builder::new()
+            // (No helper: `f` runs alone; the permit is never taken.)
+            let _ = std::thread::Builder::new()
                 .name("direct-beside".into())
                 .spawn_scoped(s, || rt.block_on(done.notified()));
-            let _done = helper.is_ok().then(|| Done(&done));
+            let _done = Done(&done);
             f()
         })
     }
@@ -521,17 +522,11 @@ async fn request(
         return;
     };
     let r = run(&served, &h, &mut recv, conn).await;
-    let (status, mut body, data) = match &r {
-        Ok(ran) => (Status::Ok, to_body(&ran.reply), &ran.data[..]),
-        Err((status, message)) => (
-            *status,
-            to_body(&ErrorBody {
-                message: message.clone(),
-            }),
-            &[][..],
-        ),
-    };
     let stamps = r.as_ref().ok().and_then(|ran| ran.stamps);
+    let (status, mut body, data) = match r {
+        Ok(ran) => (Status::Ok, to_body(&ran.reply), ran.data),
+        Err((status, message)) => (status, to_body(&ErrorBody { message }), Vec::new()),
+    };
     if let Some(stamps) = stamps {
         // The last: the reply's write starts.
         for t in stamps.into_iter().chain([now_ns()]) {
@@ -542,7 +537,7 @@ async fn request(
     if stamps.is_some() {
         rh.flags |= FLAG_STAMPS;
     }
-    if crate::proto::write_frame(&mut send, &rh, &body, data)
+    if crate::proto::write_frame(&mut send, &rh, &body, &data)
         .await
         .is_ok()
     {
