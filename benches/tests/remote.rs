@@ -27,6 +27,7 @@ fn tiny() -> RemoteConfig {
         server_threads: None,
         direct: false,
         client_spin: false,
+        busy_poll: None,
         transport: ("loopback".into(), cuda_lease::TransportSettings::loopback()),
         stripes: cuda_lease::client::DEFAULT_STRIPES,
         stamps: true,

@@ -21,6 +21,10 @@
 //! - `REPORT_CLIENT_SPIN=1`: a task on the report's runtime yields in a
 //!   loop for the whole run, so one runtime thread never sleeps (the
 //!   clients' and the raw references' alike).
+//! - `REPORT_BUSY_POLL_US`: the clients' `ClientConfig::busy_poll` in
+//!   microseconds (off by default): each client's endpoint on a thread of
+//!   its own, kept awake while a request of the client is in flight (the
+//!   raw references have none).
 //! - `REPORT_REMOTE_IN_TASK=1`: measure the remote rows from a task on the
 //!   runtime instead of `block_on`'s thread.
 //! - `REPORT_TIMEOUT_S` (default 300): past this, the report prints and
@@ -45,7 +49,7 @@ const USAGE: &str = "usage: bench-report [--no-fail] OUT.json   \
     (exits 1 when a row fails its goal or could not be measured, unless --no-fail) \
     (env: REPORT_SCALE=1, REPORT_ONLY=overhead,await_latency,throughput,completion,zip,graph,copies,multi_gpu,mem_pools,\
     remote_alloc,remote[,remote_chain,remote_launch,remote_pool], REPORT_REMOTE_DEVICE=cuda|memory, \
-    REPORT_REMOTE_SPIN_US, REPORT_REMOTE_IN_TASK=1, REPORT_CLIENT_SPIN=1, \
+    REPORT_REMOTE_SPIN_US, REPORT_REMOTE_IN_TASK=1, REPORT_CLIENT_SPIN=1, REPORT_BUSY_POLL_US, \
     REPORT_TRANSPORT=loopback|default|datacenter|wan, REPORT_STRIPES=4, REPORT_TIMEOUT_S=300)";
 
 fn main() -> ExitCode {

@@ -135,6 +135,11 @@ pub struct RemoteConfig {
     /// waking the runtime costs the clients, and the raw references on the
     /// same runtime.
     pub client_spin: bool,
+    /// The clients' [`ClientConfig::busy_poll`] (`REPORT_BUSY_POLL_US`:
+    /// microseconds; off by default): each client's endpoint on a thread
+    /// of its own, kept awake while a request of the client is in
+    /// flight (the raw references have none).
+    pub busy_poll: Option<Duration>,
 }
 
 impl RemoteConfig {
@@ -148,7 +153,8 @@ impl RemoteConfig {
     /// `REPORT_REMOTE_WORKER_CPUS` (a `taskset -c` list) to start the
     /// workers pinned to those cores, and `REPORT_SERVER_THREADS` to run
     /// the node and the raw servers on a runtime of their own with that
-    /// many worker threads.
+    /// many worker threads, `REPORT_CLIENT_SPIN=1` and
+    /// `REPORT_BUSY_POLL_US` (see their fields).
     ///
     /// # Errors
     /// If a variable has a value it cannot take, or the current
@@ -210,6 +216,12 @@ impl RemoteConfig {
             in_task: std::env::var_os("REPORT_REMOTE_IN_TASK").is_some_and(|v| v == "1"),
             direct: std::env::var_os("REPORT_DIRECT").is_some_and(|v| v == "1"),
             client_spin: std::env::var_os("REPORT_CLIENT_SPIN").is_some_and(|v| v == "1"),
+            busy_poll: match std::env::var("REPORT_BUSY_POLL_US") {
+                Err(_) => None,
+                Ok(s) => Some(Duration::from_micros(s.trim().parse().map_err(|_| {
+                    format!("REPORT_BUSY_POLL_US must be a number of microseconds, got `{s}`")
+                })?)),
+            },
             stamps: std::env::var_os("REPORT_STAMPS").is_none_or(|v| v != "0"),
             pool: PoolConfig::new(cfg),
         })
@@ -320,7 +332,11 @@ impl Bench {
                 .token("bench")
                 .transport(cfg.transport.1.clone())
                 .stripes(cfg.stripes, cuda_lease::client::DEFAULT_STRIPE_MIN_BYTES)
-                .direct(cfg.direct);
+                .direct(cfg.direct)
+                .busy_poll(cfg.busy_poll);
+            if let Some(limit) = cfg.busy_poll {
+                detail(format_args!("clients busy-poll for up to {limit:?}"));
+            }
             let single = config.clone().stripes(1, 0).bulk(BulkUse::Off);
             let client = Arc::new(Client::connect(node.addr(), &single).await?);
             let striped = Arc::new(Client::connect(node.addr(), &config).await?);

@@ -58,6 +58,12 @@ pub struct ClientConfig {
     ///
     /// [`Lease::is_direct`]: crate::client::Lease::is_direct
     pub direct: bool,
+    /// Run the client's endpoint on a thread of its own that keeps
+    /// polling the network while a request is in flight, for at most this
+    /// long after the latest request began; default `None` (off: the
+    /// endpoint runs on the caller's runtime). See
+    /// [`ClientConfig::busy_poll`].
+    pub busy_poll: Option<std::time::Duration>,
 }
 
 /// Which large transfers a client moves over a node's bulk-data channel
@@ -133,6 +139,7 @@ impl ClientConfig {
             transport: TransportSettings::default(),
             bulk: BulkUse::Large,
             direct: false,
+            busy_poll: None,
         }
     }
 
@@ -238,6 +245,35 @@ impl ClientConfig {
     /// Sets [`ClientConfig::direct`]: leases' BATCHes go to their workers.
     pub fn direct(mut self, direct: bool) -> Self {
         self.direct = direct;
+        self
+    }
+
+    /// Sets [`ClientConfig::busy_poll`]: the client's QUIC endpoint runs
+    /// on a thread of its own (`cuda-lease-io`), which keeps polling the
+    /// network while a request is in flight, for at most `limit` after
+    /// the latest request began. `None` or zero turns it off (the
+    /// endpoint runs on the caller's tokio runtime).
+    ///
+    /// A runtime whose threads sleep between requests must wake one to
+    /// send a request and one to take its reply; on a virtual machine each
+    /// wake-up costs several microseconds. The endpoint's thread, kept
+    /// awake, takes both at once. It costs a thread for each client that
+    /// has it on, busy while requests are in flight (and up to `limit` for
+    /// one that takes longer); a lease's requests count on its client. Use
+    /// it where a request's latency matters more than a core, with a
+    /// `limit` around the replies you wait for (a long kernel's reply
+    /// gains nothing from it). With it on, a client can be used from any
+    /// runtime, and outlives the runtime it connected on.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use cuda_lease::client::ClientConfig;
+    /// let config = ClientConfig::pinned_sha256([0x5a; 32])
+    ///     .busy_poll(Some(Duration::from_millis(2)));
+    /// assert_eq!(config.busy_poll, Some(Duration::from_millis(2)));
+    /// ```
+    pub fn busy_poll(mut self, limit: Option<std::time::Duration>) -> Self {
+        self.busy_poll = limit;
         self
     }
 

@@ -37,6 +37,9 @@ pub struct Client {
     /// Modules this node was sent (or had) in a batch that it accepted:
     /// later batches name them by hash alone.
     known_modules: std::sync::Mutex<crate::proto::IdSet<ModuleHash>>,
+    /// Keeps a runtime thread awake while requests are in flight
+    /// ([`ClientConfig::busy_poll`]).
+    pub(super) busy: super::busy::BusyPoll,
 }
 
 impl Client {
@@ -60,9 +63,10 @@ impl Client {
             "0.0.0.0:0".parse()
         }
         .map_err(|e: std::net::AddrParseError| config_error(e.to_string()))?;
+        let busy = super::busy::BusyPoll::new(config.busy_poll).map_err(disconnected)?;
         let mut endpoint = config
             .transport
-            .endpoint(bind, None)
+            .endpoint_on(bind, None, busy.runtime())
             .map_err(disconnected)?;
         endpoint.set_default_client_config(qcfg);
         let timeout = config.connect_timeout;
@@ -70,7 +74,7 @@ impl Client {
         let refused = std::sync::atomic::AtomicU32::new(0);
         let connect = async {
             let conn = dial(&endpoint, addr, &config.server_name, &refused).await?;
-            Self::logged_in(endpoint.clone(), conn, addr, config).await
+            Self::logged_in(endpoint.clone(), conn, addr, config, busy).await
         };
         match tokio::time::timeout_at(deadline, connect).await {
             Ok(r) => r.map_err(|e| e.with_node(addr)),
@@ -84,6 +88,7 @@ impl Client {
         conn: quinn::Connection,
         addr: SocketAddr,
         config: &ClientConfig,
+        busy: super::busy::BusyPoll,
     ) -> Result<Client, Error> {
         let mut client = Client {
             endpoint,
@@ -97,6 +102,7 @@ impl Client {
             next_stripe: std::sync::atomic::AtomicUsize::new(0),
             bulk: tokio::sync::OnceCell::new(),
             known_modules: std::sync::Mutex::default(),
+            busy,
         };
         let ok = client.hello(&client.conn).await;
         let no_credentials = config.token.is_none() && config.identity.is_none();
@@ -165,6 +171,7 @@ impl Client {
     ) -> Result<(Vec<u8>, Vec<u8>), Error> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let into = into.map_or(ReplyInto::Owned, ReplyInto::Exact);
+        let _busy = self.busy.enter();
         exchange(conn, &self.limits, id, opcode, body, data, into)
             .await
             .map_err(|e| e.with_node(self.addr))

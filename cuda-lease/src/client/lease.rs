@@ -67,6 +67,7 @@ impl LeaseInner {
             _ => (&client.conn, false),
         };
         let r = async {
+            let _busy = client.busy.enter();
             match exchange(conn, &client.limits, id, op, body, data, into).await {
                 Err(e) if direct && matches!(e.kind(), ErrorKind::Disconnected(_)) => {
                     Err(self.why_direct_lost(e).await)

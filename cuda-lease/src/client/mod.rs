@@ -11,6 +11,7 @@
 // RecordedRead, Submitted), `message` (a numbered BATCH on the wire).
 
 mod bulk;
+mod busy;
 mod config;
 mod connection;
 mod direct;

@@ -287,9 +287,27 @@ impl TransportSettings {
         addr: SocketAddr,
         server: Option<quinn::ServerConfig>,
     ) -> io::Result<quinn::Endpoint> {
+        self.endpoint_on(addr, server, None)
+    }
+
+    /// [`TransportSettings::endpoint`] whose tasks, socket and timers live
+    /// on `runtime`, or on the current tokio runtime with `None`.
+    ///
+    /// # Errors
+    ///
+    /// As [`TransportSettings::endpoint`].
+    pub fn endpoint_on(
+        &self,
+        addr: SocketAddr,
+        server: Option<quinn::ServerConfig>,
+        runtime: Option<Arc<dyn quinn::Runtime>>,
+    ) -> io::Result<quinn::Endpoint> {
         let socket = self.bind_udp(addr)?;
-        let runtime: Arc<dyn quinn::Runtime> =
-            quinn::default_runtime().ok_or_else(|| io::Error::other("no async runtime found"))?;
+        let runtime = match runtime {
+            Some(r) => r,
+            None => quinn::default_runtime()
+                .ok_or_else(|| io::Error::other("no async runtime found"))?,
+        };
         let mut config = quinn::EndpointConfig::default();
         config
             .max_udp_payload_size(self.largest_accepted_payload())

@@ -250,8 +250,13 @@ pub fn memory_config(capacity: u64) -> NodeConfig {
     cfg
 }
 
+/// The tests' client settings; with `CUDA_LEASE_TEST_BUSY_POLL=1` the
+/// clients busy-poll (`ClientConfig::busy_poll`, 2 ms).
 pub fn client_config(node: &Node) -> ClientConfig {
-    ClientConfig::pinned(node.cert_der().clone()).token(TOKEN)
+    let busy = std::env::var_os("CUDA_LEASE_TEST_BUSY_POLL").is_some_and(|v| v == "1");
+    ClientConfig::pinned(node.cert_der().clone())
+        .token(TOKEN)
+        .busy_poll(busy.then_some(Duration::from_millis(2)))
 }
 
 /// A client authenticated with `token` (not the default test token).

@@ -8,6 +8,7 @@
 mod common;
 
 mod bulk;
+mod busy_poll;
 mod data_path;
 mod direct;
 mod failures;

@@ -1,0 +1,98 @@
+//! Clients with `ClientConfig::busy_poll`: their QUIC endpoint runs on a
+//! thread of their own (a client outlives the runtime it connected on),
+//! and their pipelines run as without it, on the node's path and on a
+//! direct lease, from a runtime of one thread.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::common::*;
+use cuda_async::prelude::*;
+use cuda_async::{Kernel, LaunchConfig, Module};
+use cuda_lease::client::Client;
+use cuda_lease_node::node::Node;
+
+const KERNELS: &str = r#"
+extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {}
+"#;
+
+fn axpy() -> Kernel {
+    Module::cuda(KERNELS, &[]).unwrap().kernel("axpy").unwrap()
+}
+
+/// How many threads of this process are busy-polling clients' endpoints.
+fn io_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|tasks| {
+            tasks
+                .filter_map(Result::ok)
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|name| name.trim() == "cuda-lease-io")
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+async fn pipelines_with_busy_poll(direct: bool) {
+    let mut cfg = memory_config(1 << 28);
+    cfg.direct_leases = direct;
+    let node = Node::spawn_local(cfg).await.expect("node");
+    let config = client_config(&node)
+        .direct(direct)
+        .busy_poll(Some(Duration::from_millis(2)));
+    // Connected on a runtime that is gone before the client is used: the
+    // endpoint lives on its own thread, not on the caller's runtime.
+    let addr = node.addr();
+    let client = tokio::task::spawn_blocking(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(Client::connect(addr, &config))
+    })
+    .await
+    .unwrap()
+    .expect("connect");
+    let client = Arc::new(client);
+    if cfg!(target_os = "linux") {
+        assert!(io_threads() >= 1, "no endpoint thread");
+    }
+    let lease = tokio::time::timeout(Duration::from_secs(30), lease_of(&client, 64 << 20))
+        .await
+        .expect("the lease never came");
+    assert_eq!(lease.is_direct(), direct);
+    let remote = policy_of(&lease);
+    let n = 64u32;
+    for round in 0..20u8 {
+        let a = f32::from(round);
+        let k = axpy();
+        let y = h2d(vec![1.0f32; n as usize])
+            .zip(h2d(vec![2.0f32; n as usize]))
+            // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
+            .then(move |(x, y)| unsafe {
+                launch(&k, LaunchConfig::for_num_elems(n), (a, Arc::new(x), y, n))
+            })
+            .then(|(_, _, y, _)| d2h(y))
+            .schedule(&remote)
+            .unwrap();
+        let y = tokio::time::timeout(Duration::from_secs(30), y)
+            .await
+            .expect("the pipeline never finished")
+            .expect("the pipeline")
+            .to_vec()
+            .unwrap();
+        assert_eq!(y, vec![a + 2.0; n as usize], "round {round}");
+    }
+    lease.free().await.unwrap();
+    drop(client);
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_busy_polling_client_runs_pipelines_through_the_node() {
+    pipelines_with_busy_poll(false).await;
+}
+
+#[tokio::test]
+async fn a_busy_polling_client_runs_pipelines_on_a_direct_lease() {
+    pipelines_with_busy_poll(true).await;
+}

@@ -1,0 +1,305 @@
+//! Busy polling ([`ClientConfig::busy_poll`](super::ClientConfig::busy_poll)):
+//! the client's QUIC endpoint runs on a thread of its own, which keeps
+//! polling the network while a request of the client is in flight instead
+//! of sleeping.
+//!
+//! A sleeping runtime has to be woken twice per request: when the caller
+//! writes a request (the connection's driver task runs on a parked thread)
+//! and when the reply's packet arrives (a thread parked in the OS's poll).
+//! Each wake is a thread's wake-up, which costs several microseconds on a
+//! virtual machine. The endpoint's thread, while it is busy, yields in a
+//! loop: between its tasks it polls the network with no timeout, so it
+//! takes the request's write and the reply's packet as they come, at the
+//! price of one busy core while requests are in flight.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+/// How long the endpoint's thread waits, once its client is gone, for the
+/// endpoint's tasks to end (the connections' close to go out).
+const DRAIN: Duration = Duration::from_secs(3);
+
+/// A client's busy poller: off, or the thread its endpoint runs on (ended
+/// once this is dropped and the endpoint's tasks are through).
+#[derive(Debug)]
+pub(super) struct BusyPoll {
+    /// `None`: off.
+    on: Option<On>,
+}
+
+#[derive(Debug)]
+struct On {
+    state: Arc<State>,
+    /// The endpoint thread's runtime.
+    rt: tokio::runtime::Handle,
+}
+
+#[derive(Debug)]
+struct State {
+    /// How long the poller keeps going after the latest request began.
+    limit: Duration,
+    /// When the poller's clock starts (the requests' start times count
+    /// from it).
+    epoch: Instant,
+    /// Requests in flight.
+    in_flight: AtomicUsize,
+    /// When the latest request began, in ns since `epoch`.
+    latest: AtomicU64,
+    /// The poller is waiting on `wake` (or about to).
+    asleep: AtomicBool,
+    /// The client is gone: the poller ends.
+    closed: AtomicBool,
+    /// Polls the poller made (each a yield): what tests watch.
+    polls: AtomicU64,
+    wake: Notify,
+}
+
+/// One request in flight; dropped when it ends (or is cancelled).
+#[must_use = "the request counts as in flight while this lives"]
+pub(super) struct InFlight<'a>(Option<&'a State>);
+
+impl BusyPoll {
+    /// Busy polling for up to `limit` after each request begins, on a
+    /// thread started now; `None` or zero: off.
+    ///
+    /// # Errors
+    /// If the thread or its runtime cannot be started.
+    pub(super) fn new(limit: Option<Duration>) -> std::io::Result<Self> {
+        let Some(limit) = limit.filter(|d| !d.is_zero()) else {
+            return Ok(Self { on: None });
+        };
+        let state = Arc::new(State {
+            limit,
+            epoch: Instant::now(),
+            in_flight: AtomicUsize::new(0),
+            latest: AtomicU64::new(0),
+            asleep: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            polls: AtomicU64::new(0),
+            wake: Notify::new(),
+        });
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let handle = rt.handle().clone();
+        let polled = Arc::clone(&state);
+        std::thread::Builder::new()
+            .name("cuda-lease-io".into())
+            .spawn(move || {
+                rt.block_on(poll(polled));
+                // The endpoint's tasks end once its connections are closed
+                // and drained; a bounded wait for them.
+                let deadline = Instant::now() + DRAIN;
+                while rt.metrics().num_alive_tasks() > 0 && Instant::now() < deadline {
+                    rt.block_on(async { tokio::time::sleep(Duration::from_millis(1)).await });
+                }
+            })?;
+        Ok(Self {
+            on: Some(On { state, rt: handle }),
+        })
+    }
+
+    /// The quinn runtime of the client's endpoint: the busy thread's, or
+    /// `None` for the caller's.
+    pub(super) fn runtime(&self) -> Option<Arc<dyn quinn::Runtime>> {
+        self.on
+            .as_ref()
+            .map(|on| Arc::new(OnThread(on.rt.clone())) as Arc<dyn quinn::Runtime>)
+    }
+
+    /// Counts a request in flight until the guard is dropped, and wakes
+    /// the poller.
+    pub(super) fn enter(&self) -> InFlight<'_> {
+        let Some(on) = &self.on else {
+            return InFlight(None);
+        };
+        let state = &*on.state;
+        state.in_flight.fetch_add(1, Ordering::SeqCst);
+        state.latest.fetch_max(state.now(), Ordering::SeqCst);
+        if state.asleep.swap(false, Ordering::SeqCst) {
+            state.wake.notify_one();
+        }
+        InFlight(Some(state))
+    }
+
+    /// How many times the poller has yielded so far (0 when off).
+    #[cfg(test)]
+    pub(super) fn polls(&self) -> u64 {
+        self.on
+            .as_ref()
+            .map_or(0, |on| on.state.polls.load(Ordering::SeqCst))
+    }
+}
+
+impl Drop for BusyPoll {
+    fn drop(&mut self) {
+        if let Some(on) = &self.on {
+            on.state.closed.store(true, Ordering::SeqCst);
+            on.state.wake.notify_one();
+        }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if let Some(state) = self.0 {
+            state.in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl State {
+    fn now(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Whether the poller should keep going: a request is in flight and
+    /// the latest began less than `limit` ago.
+    fn busy(&self) -> bool {
+        self.in_flight.load(Ordering::SeqCst) > 0
+            && self
+                .now()
+                .saturating_sub(self.latest.load(Ordering::SeqCst))
+                < u64::try_from(self.limit.as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
+/// The poller: yields while [`State::busy`] (the runtime polls the network
+/// with no timeout between yields), else waits to be woken by the next
+/// request; ends once the client is gone.
+async fn poll(state: Arc<State>) {
+    loop {
+        while state.busy() && !state.closed.load(Ordering::SeqCst) {
+            state.polls.fetch_add(1, Ordering::Relaxed);
+            tokio::task::yield_now().await;
+        }
+        let woken = state.wake.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        state.asleep.store(true, Ordering::SeqCst);
+        if state.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        // A request that began after the loop above looked, before
+        // `asleep` was set, did not wake the poller: look again.
+        if state.busy() {
+            state.asleep.store(false, Ordering::SeqCst);
+            continue;
+        }
+        woken.await;
+    }
+}
+
+/// quinn's tokio runtime on the busy thread's runtime: the endpoint's
+/// tasks, socket and timers live there, whichever runtime calls it.
+#[derive(Debug)]
+struct OnThread(tokio::runtime::Handle);
+
+impl quinn::Runtime for OnThread {
+    fn new_timer(&self, at: Instant) -> Pin<Box<dyn quinn::AsyncTimer>> {
+        let _on = self.0.enter();
+        quinn::TokioRuntime.new_timer(at)
+    }
+
+    fn spawn(&self, future: Pin<Box<dyn Future<Output = ()> + Send>>) {
+        drop(self.0.spawn(future));
+    }
+
+    fn wrap_udp_socket(
+        &self,
+        socket: std::net::UdpSocket,
+    ) -> std::io::Result<Arc<dyn quinn::AsyncUdpSocket>> {
+        let _on = self.0.enter();
+        quinn::TokioRuntime.wrap_udp_socket(socket)
+    }
+
+    fn now(&self) -> Instant {
+        let _on = self.0.enter();
+        quinn::TokioRuntime.now()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Waits (yielding) until `f` holds; a bounded number of tries.
+    async fn until(mut f: impl FnMut() -> bool) {
+        for _ in 0..1_000_000 {
+            if f() {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("the condition never held");
+    }
+
+    fn state(busy: &BusyPoll) -> Arc<State> {
+        Arc::clone(&busy.on.as_ref().expect("on").state)
+    }
+
+    #[tokio::test]
+    async fn polls_while_a_request_is_in_flight_and_sleeps_after() {
+        let busy = BusyPoll::new(Some(Duration::from_secs(60))).expect("thread");
+        let s = state(&busy);
+        until(|| s.asleep.load(Ordering::SeqCst)).await;
+        assert_eq!(busy.polls(), 0, "polled before a request");
+        let request = busy.enter();
+        // It polls while the request is in flight...
+        until(|| busy.polls() > 100).await;
+        drop(request);
+        // ...and goes to sleep once none is: its count stops.
+        until(|| s.asleep.load(Ordering::SeqCst)).await;
+        let asleep_at = busy.polls();
+        for _ in 0..1000 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(busy.polls(), asleep_at, "polled with nothing in flight");
+        // A later request wakes it.
+        let again = busy.enter();
+        until(|| busy.polls() > asleep_at + 100).await;
+        drop(again);
+    }
+
+    #[tokio::test]
+    async fn stops_after_its_limit_with_a_request_still_in_flight() {
+        let busy = BusyPoll::new(Some(Duration::from_millis(1))).expect("thread");
+        let s = state(&busy);
+        let _request = busy.enter();
+        until(|| busy.polls() > 0).await;
+        until(|| s.asleep.load(Ordering::SeqCst)).await;
+        let asleep_at = busy.polls();
+        for _ in 0..1000 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(busy.polls(), asleep_at, "polled past its limit");
+    }
+
+    #[tokio::test]
+    async fn its_thread_ends_when_its_client_is_gone() {
+        let busy = BusyPoll::new(Some(Duration::from_secs(60))).expect("thread");
+        let s = state(&busy);
+        drop(busy.enter());
+        drop(busy);
+        // The thread's poller holds the other reference; it drops it as
+        // it ends.
+        until(|| Arc::strong_count(&s) == 1).await;
+    }
+
+    #[test]
+    fn off_counts_nothing() {
+        let busy = BusyPoll::new(None).expect("off");
+        assert!(busy.runtime().is_none());
+        drop(busy.enter());
+        assert_eq!(busy.polls(), 0);
+        assert!(BusyPoll::new(Some(Duration::ZERO))
+            .expect("off")
+            .on
+            .is_none());
+    }
+}
