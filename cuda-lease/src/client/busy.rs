@@ -228,15 +228,13 @@ impl quinn::Runtime for OnThread {
 mod tests {
     use super::*;
 
-    /// Waits (yielding) until `f` holds; a bounded number of tries.
+    /// Waits until `f` holds (looking every 100 us), failing after 30 s.
     async fn until(mut f: impl FnMut() -> bool) {
-        for _ in 0..1_000_000 {
-            if f() {
-                return;
-            }
-            tokio::task::yield_now().await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !f() {
+            assert!(Instant::now() < deadline, "the condition never held");
+            tokio::time::sleep(Duration::from_micros(100)).await;
         }
-        panic!("the condition never held");
     }
 
     fn state(busy: &BusyPoll) -> Arc<State> {
@@ -270,8 +268,11 @@ mod tests {
     async fn stops_after_its_limit_with_a_request_still_in_flight() {
         let busy = BusyPoll::new(Some(Duration::from_millis(1))).expect("thread");
         let s = state(&busy);
+        until(|| s.asleep.load(Ordering::SeqCst)).await;
+        // The request wakes the poller (`enter` clears `asleep`, which
+        // only the poller sets); the poller sleeps again once the limit
+        // has passed, the request still in flight.
         let _request = busy.enter();
-        until(|| busy.polls() > 0).await;
         until(|| s.asleep.load(Ordering::SeqCst)).await;
         let asleep_at = busy.polls();
         for _ in 0..1000 {

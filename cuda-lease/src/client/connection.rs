@@ -313,9 +313,15 @@ pub(super) async fn exchange(
         Some(p) => protocol_error(p.to_string()),
         None => lost(&e),
     };
-    let (header, mut reply_body) = proto::read_head(&mut recv, limits)
-        .await
-        .map_err(read_err)?;
+    let mut reply = ReplyReader {
+        recv: &mut recv,
+        rest: bytes::Bytes::new(),
+    };
+    let mut hb = [0u8; proto::HEADER_LEN];
+    reply.fill(&mut hb).await.map_err(read_err)?;
+    let header = Header::decode(&hb, limits).map_err(|e| read_err(proto::invalid_data(e)))?;
+    let mut reply_body = vec![0u8; header.body_len as usize];
+    reply.fill(&mut reply_body).await.map_err(read_err)?;
     stamp(Point::ClientReply);
     if header.status != Status::Ok {
         let msg = from_body::<ErrorBody>(&reply_body)
@@ -335,16 +341,12 @@ pub(super) async fn exchange(
         |have: usize| protocol_error(format!("reply has {want} bytes of data, {have} expected"));
     match into {
         ReplyInto::Exact(out) if out.len() == want => {
-            tokio::io::AsyncReadExt::read_exact(&mut recv, out)
-                .await
-                .map_err(read_err)?;
+            reply.fill(out).await.map_err(read_err)?;
         }
         ReplyInto::Exact(out) => return Err(mismatch(out.len())),
         ReplyInto::Owned => {
             owned = vec![0u8; want];
-            tokio::io::AsyncReadExt::read_exact(&mut recv, &mut owned)
-                .await
-                .map_err(read_err)?;
+            reply.fill(&mut owned).await.map_err(read_err)?;
         }
         ReplyInto::Parts(parts) => {
             let room: usize = parts.iter().map(|p| p.len()).sum();
@@ -359,14 +361,56 @@ pub(super) async fn exchange(
                 if part.len() > left {
                     return Err(protocol_error("a read was cut in the reply"));
                 }
-                tokio::io::AsyncReadExt::read_exact(&mut recv, part)
-                    .await
-                    .map_err(read_err)?;
+                reply.fill(part).await.map_err(read_err)?;
                 left -= part.len();
             }
         }
     }
     Ok((reply_body, owned))
+}
+
+/// A reply's stream, read a received chunk at a time: each read takes the
+/// connection's lock once, and a small reply's header, body and data
+/// usually come in one chunk, where reading them field by field would
+/// take the lock (and may wake the connection's driver) once per field.
+struct ReplyReader<'a> {
+    recv: &'a mut quinn::RecvStream,
+    /// What the last chunk held beyond the field it was read for.
+    rest: bytes::Bytes,
+}
+
+impl ReplyReader<'_> {
+    /// Fills `out` from what is left of the last chunk, then from new
+    /// chunks (none larger than what `out` still needs, unless `out` is
+    /// a frame's header: then the chunk's tail is kept for the fields
+    /// after it).
+    async fn fill(&mut self, out: &mut [u8]) -> std::io::Result<()> {
+        let n = self.rest.len().min(out.len());
+        out[..n].copy_from_slice(&self.rest.split_to(n));
+        let mut at = n;
+        while at < out.len() {
+            let hole = out.len() - at;
+            // A header's read takes the whole chunk: the body and data
+            // after it are usually there already.
+            let max = if at == 0 && out.len() == proto::HEADER_LEN {
+                usize::MAX
+            } else {
+                hole
+            };
+            let chunk = match self.recv.read_chunk(max, true).await {
+                Ok(Some(chunk)) => chunk.bytes,
+                Ok(None) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Err(e) => return Err(e.into()),
+            };
+            let k = chunk.len().min(hole);
+            out[at..at + k].copy_from_slice(&chunk[..k]);
+            at += k;
+            if k < chunk.len() {
+                self.rest = chunk.slice(k..);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Enters the worker's stamps that a stamped direct BATCH reply's body
