@@ -40,12 +40,20 @@ mod streamed;
 use reading::Reading;
 
 /// A lease as a remote session of `cuda-async`. Cheap to share
-/// (`Arc<LeaseBackend>`); its I/O runs on the tokio runtime it was made on.
+/// (`Arc<LeaseBackend>`); its I/O runs on the tokio runtime it was made on,
+/// except that a client with [`ClientConfig::busy_poll`] awaits its
+/// submissions' replies on its own endpoint thread.
+///
+/// [`ClientConfig::busy_poll`]: crate::client::ClientConfig::busy_poll
 #[derive(Debug)]
 pub struct LeaseBackend {
     me: Weak<LeaseBackend>,
     session: Session,
     runtime: tokio::runtime::Handle,
+    /// Where a submission's reply is awaited: the client's endpoint
+    /// thread if it busy-polls (the reply wakes the task on the thread
+    /// that took its packet), else `runtime`.
+    replies: tokio::runtime::Handle,
     name: String,
     /// Queued frees and the ids they wait for or forget (see the module's docs).
     ledger: Arc<Ledger>,
@@ -62,10 +70,15 @@ impl LeaseBackend {
             &id[..8],
             session.client().node_name()
         );
+        let replies = session
+            .client()
+            .io_runtime()
+            .unwrap_or_else(|| runtime.clone());
         Arc::new_cyclic(|me| LeaseBackend {
             me: me.clone(),
             session,
             runtime,
+            replies,
             name,
             ledger: Arc::new(Ledger::new()),
             reading: Mutex::new(Reading::default()),
@@ -214,7 +227,7 @@ impl LeaseBackend {
             done.finish(r);
         });
         if !waits.is_empty() {
-            self.runtime.spawn(async move {
+            self.replies.spawn(async move {
                 reading::done(waits).await;
                 task.await;
             });
@@ -222,10 +235,11 @@ impl LeaseBackend {
         }
         // The first poll runs here, on the submitting thread: it opens the
         // QUIC stream and writes the message with no cross-thread wake-up of
-        // a runtime worker. The reply is awaited as a task of the runtime.
+        // a runtime worker. The reply is awaited as a task of the runtime
+        // (of the client's endpoint thread, if it has one).
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         if task.as_mut().poll(&mut cx).is_pending() {
-            self.runtime.spawn(task);
+            self.replies.spawn(task);
         }
     }
 }

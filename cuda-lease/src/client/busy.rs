@@ -112,6 +112,13 @@ impl BusyPoll {
             .map(|on| Arc::new(OnThread(on.rt.clone())) as Arc<dyn quinn::Runtime>)
     }
 
+    /// The busy thread's runtime, if on: where a caller's task that awaits
+    /// replies is woken with no sleeping thread to wake.
+    #[cfg(feature = "backend")]
+    pub(super) fn handle(&self) -> Option<tokio::runtime::Handle> {
+        self.on.as_ref().map(|on| on.rt.clone())
+    }
+
     /// Counts a request in flight until the guard is dropped, and wakes
     /// the poller.
     pub(super) fn enter(&self) -> InFlight<'_> {

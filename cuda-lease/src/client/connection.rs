@@ -133,6 +133,14 @@ impl Client {
         from_body(&body).map_err(protocol_error)
     }
 
+    /// The runtime of the client's own endpoint thread
+    /// ([`ClientConfig::busy_poll`]), if it has one: a task there that
+    /// awaits this client's replies is woken on a thread that is awake.
+    #[cfg(feature = "backend")]
+    pub(crate) fn io_runtime(&self) -> Option<tokio::runtime::Handle> {
+        self.busy.handle()
+    }
+
     /// The node's name.
     pub fn node_name(&self) -> &str {
         &self.node

@@ -10,6 +10,7 @@ use crate::common::*;
 use cuda_async::prelude::*;
 use cuda_async::{Kernel, LaunchConfig, Module};
 use cuda_lease::client::Client;
+use cuda_lease::remote::LeaseBackend;
 use cuda_lease_node::node::Node;
 
 const KERNELS: &str = r#"
@@ -95,4 +96,55 @@ async fn a_busy_polling_client_runs_pipelines_through_the_node() {
 #[tokio::test]
 async fn a_busy_polling_client_runs_pipelines_on_a_direct_lease() {
     pipelines_with_busy_poll(true).await;
+}
+
+/// A busy-polling client's lease awaits its submissions' replies on the
+/// client's endpoint thread: its pipelines finish with the runtime the
+/// backend was made on already shut down.
+#[tokio::test]
+async fn a_busy_polling_lease_awaits_its_replies_on_its_endpoint_thread() {
+    let node = Node::spawn_local(memory_config(1 << 28))
+        .await
+        .expect("node");
+    let config = client_config(&node).busy_poll(Some(Duration::from_millis(2)));
+    let client = Arc::new(
+        Client::connect(node.addr(), &config)
+            .await
+            .expect("connect"),
+    );
+    let lease = lease_of(&client, 64 << 20).await;
+    let gone = tokio::runtime::Runtime::new().unwrap();
+    let handle = gone.handle().clone();
+    // Dropping a runtime blocks, which this runtime's thread must not.
+    tokio::task::spawn_blocking(move || drop(gone))
+        .await
+        .unwrap();
+    let backend = LeaseBackend::new(lease.session(), handle);
+    let remote = cuda_async::RemotePolicy::new(&backend);
+    let n = 64u32;
+    let k = axpy();
+    let y = h2d(vec![1.0f32; n as usize])
+        .zip(h2d(vec![2.0f32; n as usize]))
+        // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
+        .then(move |(x, y)| unsafe {
+            launch(
+                &k,
+                LaunchConfig::for_num_elems(n),
+                (3.0f32, Arc::new(x), y, n),
+            )
+        })
+        .then(|(_, _, y, _)| d2h(y))
+        .schedule(&remote)
+        .unwrap();
+    let y = tokio::time::timeout(Duration::from_secs(30), y)
+        .await
+        .expect("the pipeline never finished")
+        .expect("the pipeline")
+        .to_vec()
+        .unwrap();
+    assert_eq!(y, vec![5.0; n as usize]);
+    drop(remote);
+    drop(backend);
+    lease.free().await.unwrap();
+    node.shutdown().await;
 }
