@@ -114,7 +114,6 @@ impl BusyPoll {
 
     /// The busy thread's runtime, if on: where a caller's task that awaits
     /// replies is woken with no sleeping thread to wake.
-    #[cfg(feature = "backend")]
     pub(super) fn handle(&self) -> Option<tokio::runtime::Handle> {
         self.on.as_ref().map(|on| on.rt.clone())
     }

@@ -136,9 +136,35 @@ impl Client {
     /// The runtime of the client's own endpoint thread
     /// ([`ClientConfig::busy_poll`]), if it has one: a task there that
     /// awaits this client's replies is woken on a thread that is awake.
-    #[cfg(feature = "backend")]
     pub(crate) fn io_runtime(&self) -> Option<tokio::runtime::Handle> {
         self.busy.handle()
+    }
+
+    /// Runs `request` (a whole exchange: written, then its reply read) so
+    /// that, on a client with an endpoint thread of its own, its reply is
+    /// read there: polled once on this thread (the request is written
+    /// with no thread woken), then finished as a task of that thread,
+    /// which wakes the caller once with the result. Without the thread it
+    /// is simply awaited.
+    pub(super) async fn on_io<T: Send + 'static>(
+        &self,
+        request: impl std::future::Future<Output = Result<T, Error>> + Send + 'static,
+    ) -> Result<T, Error> {
+        let Some(rt) = self.io_runtime() else {
+            return request.await;
+        };
+        let mut request = Box::pin(request);
+        let first = request
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+        if let std::task::Poll::Ready(r) = first {
+            return r;
+        }
+        match rt.spawn(request).await {
+            Ok(r) => r,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => Err(disconnected("the client's endpoint thread ended").with_node(self.addr)),
+        }
     }
 
     /// The node's name.

@@ -290,13 +290,16 @@ impl Recorder {
     /// # Cancel safety
     ///
     /// Dropping the future after its first poll abandons the reply; the
-    /// node runs the batch anyway.
+    /// node runs the batch anyway. (On a client with
+    /// [`ClientConfig::busy_poll`](super::ClientConfig::busy_poll), the
+    /// reply is still read, on the client's endpoint thread, and dropped.)
     pub fn submit(
         &self,
     ) -> impl std::future::Future<Output = Result<Submitted, Error>> + Send + 'static {
         let message = self.numbered();
         let reads = self.reads();
-        async move {
+        let client = Arc::clone(&self.inner.client);
+        let request = async move {
             let (reply, data) = message.send(None).await?;
             Ok(Submitted {
                 completed: reply.completed as usize,
@@ -304,7 +307,8 @@ impl Recorder {
                 reads,
                 data,
             })
-        }
+        };
+        async move { client.on_io(request).await }
     }
 
     /// [`Recorder::submit`], with the reads received straight into `dests`
@@ -329,7 +333,9 @@ impl Recorder {
                 .iter()
                 .zip(dests.iter_mut())
                 .all(|(r, d)| d.as_mut().len() == r.len as usize);
-        self.numbered().send_into(shape_ok.then_some(reads), dests)
+        let client = Arc::clone(&self.inner.client);
+        let request = self.numbered().send_into(shape_ok.then_some(reads), dests);
+        async move { client.on_io(request).await }
     }
 
     /// The message, numbered now: the node runs the lease's batches in the
