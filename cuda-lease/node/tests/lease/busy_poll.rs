@@ -36,6 +36,28 @@ fn io_threads() -> usize {
         .unwrap_or(0)
 }
 
+/// `a * 1 + 2` over 64 floats on `remote` (uploaded, `axpy`, downloaded),
+/// failing after 30 s.
+async fn axpy_on(remote: &cuda_async::RemotePolicy, a: f32) -> Vec<f32> {
+    let n = 64u32;
+    let k = axpy();
+    let y = h2d(vec![1.0f32; n as usize])
+        .zip(h2d(vec![2.0f32; n as usize]))
+        // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
+        .then(move |(x, y)| unsafe {
+            launch(&k, LaunchConfig::for_num_elems(n), (a, Arc::new(x), y, n))
+        })
+        .then(|(_, _, y, _)| d2h(y))
+        .schedule(remote)
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(30), y)
+        .await
+        .expect("the pipeline never finished")
+        .expect("the pipeline")
+        .to_vec()
+        .unwrap()
+}
+
 async fn pipelines_with_busy_poll(direct: bool) {
     let mut cfg = memory_config(1 << 28);
     cfg.direct_leases = direct;
@@ -62,26 +84,13 @@ async fn pipelines_with_busy_poll(direct: bool) {
         .expect("the lease never came");
     assert_eq!(lease.is_direct(), direct);
     let remote = policy_of(&lease);
-    let n = 64u32;
     for round in 0..20u8 {
         let a = f32::from(round);
-        let k = axpy();
-        let y = h2d(vec![1.0f32; n as usize])
-            .zip(h2d(vec![2.0f32; n as usize]))
-            // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
-            .then(move |(x, y)| unsafe {
-                launch(&k, LaunchConfig::for_num_elems(n), (a, Arc::new(x), y, n))
-            })
-            .then(|(_, _, y, _)| d2h(y))
-            .schedule(&remote)
-            .unwrap();
-        let y = tokio::time::timeout(Duration::from_secs(30), y)
-            .await
-            .expect("the pipeline never finished")
-            .expect("the pipeline")
-            .to_vec()
-            .unwrap();
-        assert_eq!(y, vec![a + 2.0; n as usize], "round {round}");
+        assert_eq!(
+            axpy_on(&remote, a).await,
+            vec![a + 2.0; 64],
+            "round {round}"
+        );
     }
     lease.free().await.unwrap();
     drop(client);
@@ -121,28 +130,7 @@ async fn a_busy_polling_lease_awaits_its_replies_on_its_endpoint_thread() {
         .unwrap();
     let backend = LeaseBackend::new(lease.session(), handle);
     let remote = cuda_async::RemotePolicy::new(&backend);
-    let n = 64u32;
-    let k = axpy();
-    let y = h2d(vec![1.0f32; n as usize])
-        .zip(h2d(vec![2.0f32; n as usize]))
-        // SAFETY: axpy touches x[0..n) and y[0..n); both hold n floats.
-        .then(move |(x, y)| unsafe {
-            launch(
-                &k,
-                LaunchConfig::for_num_elems(n),
-                (3.0f32, Arc::new(x), y, n),
-            )
-        })
-        .then(|(_, _, y, _)| d2h(y))
-        .schedule(&remote)
-        .unwrap();
-    let y = tokio::time::timeout(Duration::from_secs(30), y)
-        .await
-        .expect("the pipeline never finished")
-        .expect("the pipeline")
-        .to_vec()
-        .unwrap();
-    assert_eq!(y, vec![5.0; n as usize]);
+    assert_eq!(axpy_on(&remote, 3.0).await, vec![5.0; 64]);
     drop(remote);
     drop(backend);
     lease.free().await.unwrap();
