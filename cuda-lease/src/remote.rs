@@ -211,7 +211,7 @@ impl LeaseBackend {
             let (_, reply) = self.send_as(true, commands, recording.modules(), writes, bufs);
             (reply, reading.conflicts(commands))
         };
-        let mut task = Box::pin(async move {
+        let task = Box::pin(async move {
             let mut done = done;
             let outcome = async {
                 let (reply, bufs) = reply.await?;
@@ -237,10 +237,8 @@ impl LeaseBackend {
         // QUIC stream and writes the message with no cross-thread wake-up of
         // a runtime worker. The reply is awaited as a task of the runtime
         // (of the client's endpoint thread, if it has one).
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        if task.as_mut().poll(&mut cx).is_pending() {
-            self.replies.spawn(task);
-        }
+        // A task left running is detached: it finishes `done` itself.
+        drop(crate::client::start_on(&self.replies, task));
     }
 }
 

@@ -107,9 +107,8 @@ impl BusyPoll {
     /// The quinn runtime of the client's endpoint: the busy thread's, or
     /// `None` for the caller's.
     pub(super) fn runtime(&self) -> Option<Arc<dyn quinn::Runtime>> {
-        self.on
-            .as_ref()
-            .map(|on| Arc::new(OnThread(on.rt.clone())) as Arc<dyn quinn::Runtime>)
+        self.handle()
+            .map(|rt| Arc::new(OnThread(rt)) as Arc<dyn quinn::Runtime>)
     }
 
     /// The busy thread's runtime, if on: where a caller's task that awaits
@@ -198,6 +197,21 @@ async fn poll(state: Arc<State>) {
             continue;
         }
         woken.await;
+    }
+}
+
+/// Polls `task` once on this thread (what it writes goes out with no
+/// thread woken), then, if it is not done, spawns the rest on `rt`.
+pub(crate) fn start_on<T: Send + 'static>(
+    rt: &tokio::runtime::Handle,
+    mut task: Pin<Box<dyn Future<Output = T> + Send>>,
+) -> Result<T, tokio::task::JoinHandle<T>> {
+    let first = task
+        .as_mut()
+        .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+    match first {
+        std::task::Poll::Ready(v) => Ok(v),
+        std::task::Poll::Pending => Err(rt.spawn(task)),
     }
 }
 

@@ -37,8 +37,8 @@ pub struct Client {
     /// Modules this node was sent (or had) in a batch that it accepted:
     /// later batches name them by hash alone.
     known_modules: std::sync::Mutex<crate::proto::IdSet<ModuleHash>>,
-    /// Keeps a runtime thread awake while requests are in flight
-    /// ([`ClientConfig::busy_poll`]).
+    /// The endpoint's own thread, kept awake while requests are in flight
+    /// ([`ClientConfig::busy_poll`]), or none.
     pub(super) busy: super::busy::BusyPoll,
 }
 
@@ -153,14 +153,12 @@ impl Client {
         let Some(rt) = self.io_runtime() else {
             return request.await;
         };
-        let mut request = Box::pin(request);
-        let first = request
-            .as_mut()
-            .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
-        if let std::task::Poll::Ready(r) = first {
-            return r;
-        }
-        match rt.spawn(request).await {
+        let started = super::busy::start_on(&rt, Box::pin(request));
+        let task = match started {
+            Ok(r) => return r,
+            Err(task) => task,
+        };
+        match task.await {
             Ok(r) => r,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             Err(_) => Err(disconnected("the client's endpoint thread ended").with_node(self.addr)),
@@ -415,28 +413,19 @@ struct ReplyReader<'a> {
 
 impl ReplyReader<'_> {
     /// Fills `out` from what is left of the last chunk, then from new
-    /// chunks (none larger than what `out` still needs, unless `out` is
-    /// a frame's header: then the chunk's tail is kept for the fields
-    /// after it).
+    /// chunks, keeping what a chunk holds beyond `out` for the next field
+    /// (a small reply's body and data usually come with its header).
     async fn fill(&mut self, out: &mut [u8]) -> std::io::Result<()> {
         let n = self.rest.len().min(out.len());
         out[..n].copy_from_slice(&self.rest.split_to(n));
         let mut at = n;
         while at < out.len() {
-            let hole = out.len() - at;
-            // A header's read takes the whole chunk: the body and data
-            // after it are usually there already.
-            let max = if at == 0 && out.len() == proto::HEADER_LEN {
-                usize::MAX
-            } else {
-                hole
-            };
-            let chunk = match self.recv.read_chunk(max, true).await {
+            let chunk = match self.recv.read_chunk(usize::MAX, true).await {
                 Ok(Some(chunk)) => chunk.bytes,
                 Ok(None) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
                 Err(e) => return Err(e.into()),
             };
-            let k = chunk.len().min(hole);
+            let k = chunk.len().min(out.len() - at);
             out[at..at + k].copy_from_slice(&chunk[..k]);
             at += k;
             if k < chunk.len() {
