@@ -238,7 +238,7 @@ impl LeaseBackend {
         // a runtime worker. The reply is awaited as a task of the runtime
         // (of the client's endpoint thread, if it has one).
         // A task left running is detached: it finishes `done` itself.
-        drop(crate::client::start_on(&self.replies, task));
+        drop(crate::transport::start_on(&self.replies, task));
     }
 }
 

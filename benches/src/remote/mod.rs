@@ -138,7 +138,8 @@ pub struct RemoteConfig {
     /// The clients' [`ClientConfig::busy_poll`] (`REPORT_BUSY_POLL_US`:
     /// microseconds; off by default): each client's endpoint on a thread
     /// of its own, kept awake while a request of the client is in
-    /// flight (the raw references have none).
+    /// flight; the raw quinn references' clients busy-poll the same way
+    /// ([`raw::busy_poll_clients`]).
     pub busy_poll: Option<Duration>,
 }
 
@@ -323,6 +324,7 @@ impl Bench {
             None => None,
         };
         raw::serve_on(servers.as_ref().map(|s| s.handle().clone()));
+        raw::busy_poll_clients(cfg.busy_poll);
         let node = servers
             .as_ref()
             .unwrap_or(&rt)
@@ -335,7 +337,9 @@ impl Bench {
                 .direct(cfg.direct)
                 .busy_poll(cfg.busy_poll);
             if let Some(limit) = cfg.busy_poll {
-                detail(format_args!("clients busy-poll for up to {limit:?}"));
+                detail(format_args!(
+                    "clients busy-poll for up to {limit:?}, the raw quinn references' too"
+                ));
             }
             let single = config.clone().stripes(1, 0).bulk(BulkUse::Off);
             let client = Arc::new(Client::connect(node.addr(), &single).await?);

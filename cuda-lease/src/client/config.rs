@@ -263,7 +263,9 @@ impl ClientConfig {
     /// it where a request's latency matters more than a core, with a
     /// `limit` around the replies you wait for (a long kernel's reply
     /// gains nothing from it). With it on, a client can be used from any
-    /// runtime, and outlives the runtime it connected on.
+    /// runtime, and outlives the runtime it connected on. The same
+    /// poller serves any quinn endpoint:
+    /// [`BusyPoll`](crate::transport::BusyPoll).
     ///
     /// ```
     /// use std::time::Duration;

@@ -39,7 +39,7 @@ pub struct Client {
     known_modules: std::sync::Mutex<crate::proto::IdSet<ModuleHash>>,
     /// The endpoint's own thread, kept awake while requests are in flight
     /// ([`ClientConfig::busy_poll`]), or none.
-    pub(super) busy: super::busy::BusyPoll,
+    pub(super) busy: crate::transport::BusyPoll,
 }
 
 impl Client {
@@ -63,7 +63,7 @@ impl Client {
             "0.0.0.0:0".parse()
         }
         .map_err(|e: std::net::AddrParseError| config_error(e.to_string()))?;
-        let busy = super::busy::BusyPoll::new(config.busy_poll).map_err(disconnected)?;
+        let busy = crate::transport::BusyPoll::new(config.busy_poll).map_err(disconnected)?;
         let mut endpoint = config
             .transport
             .endpoint_on(bind, None, busy.runtime())
@@ -88,7 +88,7 @@ impl Client {
         conn: quinn::Connection,
         addr: SocketAddr,
         config: &ClientConfig,
-        busy: super::busy::BusyPoll,
+        busy: crate::transport::BusyPoll,
     ) -> Result<Client, Error> {
         let mut client = Client {
             endpoint,
@@ -136,6 +136,7 @@ impl Client {
     /// The runtime of the client's own endpoint thread
     /// ([`ClientConfig::busy_poll`]), if it has one: a task there that
     /// awaits this client's replies is woken on a thread that is awake.
+    #[cfg(feature = "backend")]
     pub(crate) fn io_runtime(&self) -> Option<tokio::runtime::Handle> {
         self.busy.handle()
     }
@@ -150,19 +151,10 @@ impl Client {
         &self,
         request: impl std::future::Future<Output = Result<T, Error>> + Send + 'static,
     ) -> Result<T, Error> {
-        let Some(rt) = self.io_runtime() else {
-            return request.await;
-        };
-        let started = super::busy::start_on(&rt, Box::pin(request));
-        let task = match started {
-            Ok(r) => return r,
-            Err(task) => task,
-        };
-        match task.await {
-            Ok(r) => r,
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Err(_) => Err(disconnected("the client's endpoint thread ended").with_node(self.addr)),
-        }
+        self.busy
+            .run(request)
+            .await
+            .unwrap_or_else(|e| Err(disconnected(e).with_node(self.addr)))
     }
 
     /// The node's name.

@@ -11,7 +11,6 @@
 // RecordedRead, Submitted), `message` (a numbered BATCH on the wire).
 
 mod bulk;
-mod busy;
 mod config;
 mod connection;
 mod direct;
@@ -37,8 +36,6 @@ pub use gpu_call::GpuCall;
 pub use lease::{Lease, LeaseBuilder};
 // Named outside the client only by `remote` (the `backend` feature).
 pub use crate::proto::ModuleSpec;
-#[cfg(feature = "backend")]
-pub(crate) use busy::start_on;
 pub(crate) use message::Message;
 pub use recorder::{RecordedRead, Recorder, Submitted};
 pub use session::{LeaseBuffer, Session};

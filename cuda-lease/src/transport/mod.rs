@@ -1,7 +1,8 @@
 //! How QUIC uses the network: [`TransportSettings`] (MTU, segmentation
 //! offload, socket buffers, flow-control windows), with presets for loopback,
 //! a datacenter network with jumbo frames and a WAN, and the UDP socket and
-//! quinn endpoint built from them.
+//! quinn endpoint built from them; [`BusyPoll`], an endpoint on a thread
+//! of its own kept awake while requests are in flight.
 //!
 //! Both ends take the settings: the node's `cuda_lease_node::NodeConfig::transport`,
 //! a client's [`ClientConfig::transport`](crate::ClientConfig::transport). Each
@@ -26,6 +27,12 @@ use std::sync::Arc;
 
 use quinn::VarInt;
 use socket2::{Domain, Protocol, Socket, Type};
+
+mod busy;
+
+#[cfg(feature = "backend")]
+pub(crate) use busy::start_on;
+pub use busy::{BusyPoll, InFlight};
 
 /// The smallest UDP payload QUIC allows, and quinn's default initial MTU.
 pub const MIN_MTU: u16 = 1200;

@@ -59,6 +59,23 @@ fn servers() -> Option<tokio::runtime::Handle> {
     SERVERS.lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
+/// How long the raw quinn clients busy-poll (see [`busy_poll_clients`]).
+static CLIENT_BUSY: std::sync::Mutex<Option<std::time::Duration>> = std::sync::Mutex::new(None);
+
+/// Gives the raw quinn clients made from now on a
+/// [`BusyPoll`](cuda_lease::transport::BusyPoll) of up to `limit`, as a
+/// lease's client has with `ClientConfig::busy_poll`: their endpoint on a
+/// thread of its own, kept awake while a request is in flight, and each
+/// reply read there. `None` (the default): on the caller's runtime.
+pub fn busy_poll_clients(limit: Option<std::time::Duration>) {
+    *CLIENT_BUSY.lock().unwrap_or_else(|e| e.into_inner()) = limit;
+}
+
+/// The limit [`busy_poll_clients`] set, if any.
+fn client_busy() -> Option<std::time::Duration> {
+    *CLIENT_BUSY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -97,6 +114,20 @@ mod tests {
         for (out, back) in [(64, 64), (2320, 1060), ((1 << 20) + 9, 3)] {
             q.request_reply(out, back).await.unwrap();
         }
+        q.close().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn raw_quinn_with_a_busy_polling_client_moves_what_it_says() {
+        busy_poll_clients(Some(std::time::Duration::from_millis(2)));
+        let q = RawQuinn::start(2).await;
+        busy_poll_clients(None);
+        let q = q.unwrap();
+        assert!(q.busy_polls(), "the client did not take the busy poller");
+        q.round_trip(64).await.unwrap();
+        q.request_reply(2320, 1060).await.unwrap();
+        q.send((2 << 20) + 1, 2).await.unwrap();
+        q.receive((2 << 20) + 3, 1).await.unwrap();
         q.close().await;
     }
 }

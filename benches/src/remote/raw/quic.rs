@@ -9,6 +9,7 @@ use tokio::sync::Mutex;
 
 use super::{BoxError, CHUNK};
 use cuda_lease::tls::{client_config, ServerTrust};
+use cuda_lease::transport::BusyPoll;
 use cuda_lease::TransportSettings;
 use cuda_lease_node::tls::{self_signed, server_config};
 
@@ -19,6 +20,9 @@ pub struct RawQuinn {
     client: quinn::Endpoint,
     conns: Vec<quinn::Connection>,
     task: tokio::task::JoinHandle<()>,
+    /// The client endpoint's busy poller ([`super::busy_poll_clients`]),
+    /// or off.
+    busy: BusyPoll,
 }
 
 /// A child process the server relays each request through: the request
@@ -132,7 +136,8 @@ impl RawQuinn {
             });
             (server, addr, task)
         };
-        let mut client = transport.endpoint(local, None)?;
+        let busy = BusyPoll::new(super::client_busy())?;
+        let mut client = transport.endpoint_on(local, None, busy.runtime())?;
         client.set_default_client_config(client_config(
             ServerTrust {
                 roots: &[id.leaf().clone()],
@@ -150,6 +155,7 @@ impl RawQuinn {
             client,
             conns,
             task,
+            busy,
         })
     }
 
@@ -159,9 +165,7 @@ impl RawQuinn {
     /// # Errors
     /// Connection errors.
     pub async fn round_trip(&self, bytes: usize) -> Result<Duration, BoxError> {
-        let t = Instant::now();
-        request(&self.conns[0], bytes as u64, bytes as u64).await?;
-        Ok(t.elapsed())
+        self.request_reply(bytes, bytes).await
     }
 
     /// One request/reply on a new stream of the first connection: `out`
@@ -171,9 +175,17 @@ impl RawQuinn {
     /// # Errors
     /// Connection errors.
     pub async fn request_reply(&self, out: usize, back: usize) -> Result<Duration, BoxError> {
+        let conn = self.conns[0].clone();
         let t = Instant::now();
-        request(&self.conns[0], out as u64, back as u64).await?;
+        self.busy
+            .run(async move { request(&conn, out as u64, back as u64).await })
+            .await??;
         Ok(t.elapsed())
+    }
+
+    /// Whether the client endpoint busy-polls ([`super::busy_poll_clients`]).
+    pub fn busy_polls(&self) -> bool {
+        self.busy.is_on()
     }
 
     /// Sends `total` bytes to the server, split evenly over the first
@@ -196,6 +208,7 @@ impl RawQuinn {
 
     async fn striped(&self, total: u64, stripes: usize, up: bool) -> Result<Duration, BoxError> {
         let n = stripes.clamp(1, self.conns.len());
+        let _in_flight = self.busy.enter();
         let t = Instant::now();
         let mut tasks = Vec::new();
         for (i, conn) in self.conns[..n].iter().enumerate() {

@@ -1,16 +1,5 @@
-//! Busy polling ([`ClientConfig::busy_poll`](super::ClientConfig::busy_poll)):
-//! the client's QUIC endpoint runs on a thread of its own, which keeps
-//! polling the network while a request of the client is in flight instead
-//! of sleeping.
-//!
-//! A sleeping runtime has to be woken twice per request: when the caller
-//! writes a request (the connection's driver task runs on a parked thread)
-//! and when the reply's packet arrives (a thread parked in the OS's poll).
-//! Each wake is a thread's wake-up, which costs several microseconds on a
-//! virtual machine. The endpoint's thread, while it is busy, yields in a
-//! loop: between its tasks it polls the network with no timeout, so it
-//! takes the request's write and the reply's packet as they come, at the
-//! price of one busy core while requests are in flight.
+//! [`BusyPoll`]: a QUIC endpoint on a thread of its own that keeps polling
+//! the network while a request is in flight.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -24,10 +13,58 @@ use tokio::sync::Notify;
 /// endpoint's tasks to end (the connections' close to go out).
 const DRAIN: Duration = Duration::from_secs(3);
 
-/// A client's busy poller: off, or the thread its endpoint runs on (ended
-/// once this is dropped and the endpoint's tasks are through).
+/// A busy poller: a QUIC endpoint on a thread of its own, which keeps
+/// polling the network while a request is in flight instead of sleeping.
+/// It is what [`ClientConfig::busy_poll`](crate::ClientConfig::busy_poll)
+/// gives a client, and it serves any quinn endpoint the same way (the
+/// bench's raw references use it, so that they are measured as the
+/// clients are).
+///
+/// A sleeping runtime has to be woken twice per request: when the caller
+/// writes a request (the connection's driver task runs on a parked thread)
+/// and when the reply's packet arrives (a thread parked in the OS's poll).
+/// Each wake is a thread's wake-up, which costs several microseconds on a
+/// virtual machine. The endpoint's thread, while it is busy, yields in a
+/// loop: between its tasks it polls the network with no timeout, so it
+/// takes the request's write and the reply's packet as they come, at the
+/// price of one busy core while requests are in flight.
+///
+/// # Examples
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use cuda_lease::transport::BusyPoll;
+/// use cuda_lease::TransportSettings;
+///
+/// # async fn demo(conn_to: std::net::SocketAddr) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// // Busy for up to 2 ms after each request begins.
+/// let busy = BusyPoll::new(Some(Duration::from_millis(2)))?;
+/// let endpoint = TransportSettings::default().endpoint_on(
+///     "127.0.0.1:0".parse()?,
+///     None,
+///     busy.runtime(),
+/// )?;
+/// # let config: quinn::ClientConfig = unimplemented!();
+/// let conn = endpoint.connect_with(config, conn_to, "localhost")?.await?;
+/// // One exchange: written from this thread, its reply read on the
+/// // endpoint's thread, which is kept awake until it is done.
+/// let reply = busy
+///     .run(async move {
+///         let (mut send, mut recv) = conn.open_bi().await?;
+///         send.write_all(b"ping").await?;
+///         send.finish()?;
+///         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(recv.read_to_end(64).await?)
+///     })
+///     .await??;
+/// # drop(reply);
+/// # Ok(()) }
+/// ```
+///
+/// Off ([`BusyPoll::new`] with `None`), it starts nothing. On, its thread
+/// ends once this is dropped and the endpoint's tasks are through (up to
+/// 3 s later).
 #[derive(Debug)]
-pub(super) struct BusyPoll {
+pub struct BusyPoll {
     /// `None`: off.
     on: Option<On>,
 }
@@ -59,17 +96,20 @@ struct State {
     wake: Notify,
 }
 
-/// One request in flight; dropped when it ends (or is cancelled).
+/// One request in flight ([`BusyPoll::enter`]); the poller keeps going
+/// while any lives (up to its limit).
 #[must_use = "the request counts as in flight while this lives"]
-pub(super) struct InFlight<'a>(Option<&'a State>);
+#[derive(Debug)]
+pub struct InFlight(Option<Arc<State>>);
 
 impl BusyPoll {
     /// Busy polling for up to `limit` after each request begins, on a
-    /// thread started now; `None` or zero: off.
+    /// thread started now; `None` or zero: off (nothing is started, and
+    /// every method does what it would with no poller).
     ///
     /// # Errors
     /// If the thread or its runtime cannot be started.
-    pub(super) fn new(limit: Option<Duration>) -> std::io::Result<Self> {
+    pub fn new(limit: Option<Duration>) -> std::io::Result<Self> {
         let Some(limit) = limit.filter(|d| !d.is_zero()) else {
             return Ok(Self { on: None });
         };
@@ -104,37 +144,79 @@ impl BusyPoll {
         })
     }
 
-    /// The quinn runtime of the client's endpoint: the busy thread's, or
-    /// `None` for the caller's.
-    pub(super) fn runtime(&self) -> Option<Arc<dyn quinn::Runtime>> {
+    /// The quinn runtime to make the endpoint with (see
+    /// [`TransportSettings::endpoint_on`](super::TransportSettings::endpoint_on)):
+    /// the busy thread's, or `None` (off) for the caller's.
+    pub fn runtime(&self) -> Option<Arc<dyn quinn::Runtime>> {
         self.handle()
             .map(|rt| Arc::new(OnThread(rt)) as Arc<dyn quinn::Runtime>)
     }
 
-    /// The busy thread's runtime, if on: where a caller's task that awaits
-    /// replies is woken with no sleeping thread to wake.
-    pub(super) fn handle(&self) -> Option<tokio::runtime::Handle> {
+    /// The busy thread's runtime, if on: where a task that awaits replies
+    /// is woken with no sleeping thread to wake.
+    pub fn handle(&self) -> Option<tokio::runtime::Handle> {
         self.on.as_ref().map(|on| on.rt.clone())
     }
 
     /// Counts a request in flight until the guard is dropped, and wakes
     /// the poller.
-    pub(super) fn enter(&self) -> InFlight<'_> {
+    pub fn enter(&self) -> InFlight {
         let Some(on) = &self.on else {
             return InFlight(None);
         };
-        let state = &*on.state;
+        let state = &on.state;
         state.in_flight.fetch_add(1, Ordering::SeqCst);
         state.latest.fetch_max(state.now(), Ordering::SeqCst);
         if state.asleep.swap(false, Ordering::SeqCst) {
             state.wake.notify_one();
         }
-        InFlight(Some(state))
+        InFlight(Some(Arc::clone(state)))
+    }
+
+    /// Runs `task` (a whole exchange: a request written, then its reply
+    /// read) as a request in flight, so that its reply is read on the busy
+    /// thread: polled once on this thread (what it writes goes out with no
+    /// thread woken), then finished as a task of the busy thread, which
+    /// wakes the caller once with the result. Off, `task` is simply
+    /// awaited.
+    ///
+    /// # Errors
+    /// If the busy thread's runtime ended before `task` did (it does not
+    /// while `self` lives, unless a task of it panicked the thread).
+    ///
+    /// # Panics
+    /// If `task` panics (the panic is carried to the caller).
+    pub async fn run<T: Send + 'static>(
+        &self,
+        task: impl Future<Output = T> + Send + 'static,
+    ) -> std::io::Result<T> {
+        let Some(rt) = self.handle() else {
+            return Ok(task.await);
+        };
+        let request = self.enter();
+        let task = async move {
+            let _request = request;
+            task.await
+        };
+        let task = match start_on(&rt, Box::pin(task)) {
+            Ok(v) => return Ok(v),
+            Err(task) => task,
+        };
+        match task.await {
+            Ok(v) => Ok(v),
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => Err(std::io::Error::other("the endpoint's busy thread ended")),
+        }
+    }
+
+    /// Whether it is on (a thread was started).
+    pub fn is_on(&self) -> bool {
+        self.on.is_some()
     }
 
     /// How many times the poller has yielded so far (0 when off).
     #[cfg(test)]
-    pub(super) fn polls(&self) -> u64 {
+    fn polls(&self) -> u64 {
         self.on
             .as_ref()
             .map_or(0, |on| on.state.polls.load(Ordering::SeqCst))
@@ -150,9 +232,9 @@ impl Drop for BusyPoll {
     }
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlight {
     fn drop(&mut self) {
-        if let Some(state) = self.0 {
+        if let Some(state) = &self.0 {
             state.in_flight.fetch_sub(1, Ordering::SeqCst);
         }
     }
@@ -310,6 +392,64 @@ mod tests {
         // The thread's poller holds the other reference; it drops it as
         // it ends.
         until(|| Arc::strong_count(&s) == 1).await;
+    }
+
+    /// The name of the thread a task runs on, after a first pending poll.
+    async fn thread_after_a_pending_poll() -> Option<String> {
+        let mut first = true;
+        std::future::poll_fn(|cx| {
+            if std::mem::take(&mut first) {
+                cx.waker().wake_by_ref();
+                std::task::Poll::Pending
+            } else {
+                std::task::Poll::Ready(())
+            }
+        })
+        .await;
+        std::thread::current().name().map(str::to_owned)
+    }
+
+    #[tokio::test]
+    async fn run_finishes_a_pending_task_on_the_busy_thread_counted_in_flight() {
+        let busy = BusyPoll::new(Some(Duration::from_secs(60))).expect("thread");
+        let s = state(&busy);
+        let seen = Arc::clone(&s);
+        let (name, in_flight) = busy
+            .run(async move {
+                let name = thread_after_a_pending_poll().await;
+                (name, seen.in_flight.load(Ordering::SeqCst))
+            })
+            .await
+            .expect("ran");
+        assert_eq!(name.as_deref(), Some("cuda-lease-io"));
+        assert_eq!(in_flight, 1, "the task did not count as in flight");
+        until(|| s.in_flight.load(Ordering::SeqCst) == 0).await;
+        // A task ready at its first poll finishes here.
+        let here = std::thread::current().name().map(str::to_owned);
+        let ready = busy
+            .run(async { std::thread::current().name().map(str::to_owned) })
+            .await
+            .expect("ran");
+        assert_eq!(ready, here);
+    }
+
+    #[tokio::test]
+    async fn run_carries_a_panic_and_off_runs_in_place() {
+        let busy = BusyPoll::new(Some(Duration::from_secs(60))).expect("thread");
+        let caught = tokio::spawn(async move {
+            busy.run(async {
+                thread_after_a_pending_poll().await;
+                panic!("the task's own panic");
+            })
+            .await
+        })
+        .await
+        .expect_err("the panic was not carried");
+        assert!(caught.is_panic());
+        let off = BusyPoll::new(None).expect("off");
+        let here = std::thread::current().name().map(str::to_owned);
+        let name = off.run(thread_after_a_pending_poll()).await.expect("ran");
+        assert_eq!(name, here);
     }
 
     #[test]
