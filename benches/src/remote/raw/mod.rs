@@ -66,7 +66,10 @@ static CLIENT_BUSY: std::sync::Mutex<Option<std::time::Duration>> = std::sync::M
 /// [`BusyPoll`](cuda_lease::transport::BusyPoll) of up to `limit`, as a
 /// lease's client has with `ClientConfig::busy_poll`: their endpoint on a
 /// thread of its own, kept awake while a request is in flight, and each
-/// reply read there. `None` (the default): on the caller's runtime.
+/// reply read there; their servers' endpoint and tasks then run on a
+/// thread kept awake for the server's whole life (as a lease's worker
+/// polls for its spin budget after each message). `None` (the default):
+/// on the callers' runtimes.
 pub fn busy_poll_clients(limit: Option<std::time::Duration>) {
     *CLIENT_BUSY.lock().unwrap_or_else(|e| e.into_inner()) = limit;
 }

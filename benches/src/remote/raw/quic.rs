@@ -23,7 +23,17 @@ pub struct RawQuinn {
     /// The client endpoint's busy poller ([`super::busy_poll_clients`]),
     /// or off.
     busy: BusyPoll,
+    /// With busy-polling clients, the server's endpoint and tasks run on
+    /// a poller held busy for the server's whole life: a lease's worker
+    /// (and its node) keep polling for their spin budget after each
+    /// message, so back-to-back requests find them awake, and the raw
+    /// server is measured the same way. Off otherwise.
+    _awake: (cuda_lease::transport::InFlight, BusyPoll),
 }
+
+/// How long an awake server's poller keeps going after the server starts
+/// (`BusyPoll`'s limit): longer than any report.
+const AWAKE: Duration = Duration::from_secs(24 * 3600);
 
 /// A child process the server relays each request through: the request
 /// (its 8-byte count and payload) down the child's stdin and the same
@@ -114,12 +124,20 @@ impl RawQuinn {
     ) -> Result<Self, BoxError> {
         let id = self_signed(&["localhost".into()])?;
         let local = SocketAddr::from(([127, 0, 0, 1], 0));
+        // With busy-polling clients, a server kept awake as long as it
+        // lives (see `awake`).
+        let awake = BusyPoll::new(super::client_busy().map(|_| AWAKE))?;
+        let awake_now = awake.enter();
         let (server, addr, task) = {
-            // The server's endpoint and tasks on the servers' runtime, if
-            // one is named (`serve_on`).
-            let servers = super::servers();
+            // The server's endpoint and tasks on its awake thread, or the
+            // servers' runtime, if one is named (`serve_on`).
+            let servers = awake.handle().or_else(super::servers);
             let _on = servers.as_ref().map(tokio::runtime::Handle::enter);
-            let server = transport.endpoint(local, Some(server_config(&id, None, transport)?))?;
+            let server = transport.endpoint_on(
+                local,
+                Some(server_config(&id, None, transport)?),
+                awake.runtime(),
+            )?;
             let addr = server.local_addr()?;
             let accept = server.clone();
             // The server's tasks own the relay: its child goes with them.
@@ -156,6 +174,7 @@ impl RawQuinn {
             conns,
             task,
             busy,
+            _awake: (awake_now, awake),
         })
     }
 
