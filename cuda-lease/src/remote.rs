@@ -211,6 +211,7 @@ impl LeaseBackend {
             let (_, reply) = self.send_as(true, commands, recording.modules(), writes, bufs);
             (reply, reading.conflicts(commands))
         };
+        stamp(Point::ClientEncoded);
         let task = Box::pin(async move {
             let mut done = done;
             let outcome = async {

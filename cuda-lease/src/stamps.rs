@@ -75,6 +75,9 @@ points! {
     Start = "start",
     /// The lease's session takes the recording (the op's first poll recorded it).
     ClientSubmit = "client-submit",
+    /// The recording is encoded as one message and numbered in the lease's
+    /// order (its stream is opened next).
+    ClientEncoded = "client-encoded",
     /// The request's stream is open and its write starts (stamped before the
     /// write so every node point follows it: the bytes may reach the node first).
     ClientSent = "client-sent",
