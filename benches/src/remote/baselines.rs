@@ -23,6 +23,10 @@ pub(super) struct Raw {
     /// The same, the server relaying each request through a child process
     /// and back ([`RawQuinn::start_relayed`]).
     pub(super) relayed: Vec<Duration>,
+    /// With busy polling on (`RemoteConfig::busy_poll`), `rtt` is raw
+    /// quinn awake at both ends; this is the same with the threads asleep
+    /// ([`RawQuinn::start_asleep`]). `None` with busy polling off.
+    asleep: Option<Vec<Duration>>,
     /// The node's settings, one connection, client -> server.
     pub(super) up1: Vec<Duration>,
     /// The node's settings, one connection, server -> client.
@@ -112,6 +116,19 @@ pub(super) async fn raw_baseline(ctx: &Ctx) -> Result<Raw> {
         );
     }
     raw.close().await;
+    let asleep = match ctx.cfg.busy_poll {
+        Some(_) => {
+            let q = RawQuinn::start_asleep(1, &ctx.cfg.transport.1).await?;
+            let v = round_trips(iters, || q.round_trip(64)).await?;
+            q.close().await;
+            detail_times(
+                "raw quinn 64 B request/reply, new stream, threads asleep",
+                &v,
+            );
+            Some(v)
+        }
+        None => None,
+    };
     let relay = RawQuinn::start_relayed(1, &ctx.cfg.transport.1).await?;
     let relayed = round_trips(iters, || relay.round_trip(64)).await?;
     relay.close().await;
@@ -159,6 +176,7 @@ pub(super) async fn raw_baseline(ctx: &Ctx) -> Result<Raw> {
     Ok(Raw {
         rtt,
         relayed,
+        asleep,
         up1,
         down1,
         up4,
@@ -199,6 +217,23 @@ pub(super) fn relay_row(raw: &Raw) -> Row {
     .raw(times(Unit::Micros, &raw.rtt))
     .lib(times(Unit::Micros, &raw.relayed))
     .note("both sides raw quinn with the node's settings: the cost of a process boundary, as a lease's worker adds")
+}
+
+/// With busy polling on: raw quinn awake at both ends against raw quinn
+/// whose threads sleep (raw against raw): what the awake threads give raw
+/// quinn, beside what they give the lease.
+pub(super) fn awake_row(raw: &Raw) -> Option<Row> {
+    let asleep = raw.asleep.as_ref()?;
+    Some(
+        Row::new(
+            "remote",
+            "raw quinn 64 B request/reply: awake at both ends (busy polling) vs threads asleep",
+            Unit::Micros,
+        )
+        .raw(times(Unit::Micros, asleep))
+        .lib(times(Unit::Micros, &raw.rtt))
+        .note("both sides raw quinn with the node's settings: the client busy-polls and the server's thread never sleeps"),
+    )
 }
 
 /// The transports against each other, one connection each: quinn with

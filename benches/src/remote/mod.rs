@@ -445,6 +445,7 @@ async fn remote_rows(ctx: &Ctx) -> Result<Vec<Row>> {
     rows.push(baselines::raw_striping_row(ctx, &raw, false));
     rows.extend(baselines::transport_rows(ctx, &raw));
     rows.push(baselines::relay_row(&raw));
+    rows.extend(baselines::awake_row(&raw));
     Ok(rows)
 }
 

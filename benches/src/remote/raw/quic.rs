@@ -100,7 +100,20 @@ impl RawQuinn {
         connections: usize,
         transport: &TransportSettings,
     ) -> Result<Self, BoxError> {
-        Self::start_inner(connections, transport, None).await
+        Self::start_inner(connections, transport, None, super::client_busy()).await
+    }
+
+    /// As [`RawQuinn::start_with`], with no busy polling whatever
+    /// [`super::busy_poll_clients`] says: client and server on the
+    /// callers' runtimes, whose threads sleep between requests.
+    ///
+    /// # Errors
+    /// As [`RawQuinn::start_with`].
+    pub async fn start_asleep(
+        connections: usize,
+        transport: &TransportSettings,
+    ) -> Result<Self, BoxError> {
+        Self::start_inner(connections, transport, None, None).await
     }
 
     /// As [`RawQuinn::start_with`], with a server that relays each request
@@ -114,19 +127,21 @@ impl RawQuinn {
         connections: usize,
         transport: &TransportSettings,
     ) -> Result<Self, BoxError> {
-        Self::start_inner(connections, transport, Some(Arc::new(Relay::start()?))).await
+        let relay = Some(Arc::new(Relay::start()?));
+        Self::start_inner(connections, transport, relay, super::client_busy()).await
     }
 
     async fn start_inner(
         connections: usize,
         transport: &TransportSettings,
         relay: Option<Arc<Relay>>,
+        busy: Option<Duration>,
     ) -> Result<Self, BoxError> {
         let id = self_signed(&["localhost".into()])?;
         let local = SocketAddr::from(([127, 0, 0, 1], 0));
         // With busy-polling clients, a server kept awake as long as it
         // lives (see `awake`).
-        let awake = BusyPoll::new(super::client_busy().map(|_| AWAKE))?;
+        let awake = BusyPoll::new(busy.map(|_| AWAKE))?;
         let awake_now = awake.enter();
         let (server, addr, task) = {
             // The server's endpoint and tasks on its awake thread, or the
@@ -154,7 +169,7 @@ impl RawQuinn {
             });
             (server, addr, task)
         };
-        let busy = BusyPoll::new(super::client_busy())?;
+        let busy = BusyPoll::new(busy)?;
         let mut client = transport.endpoint_on(local, None, busy.runtime())?;
         client.set_default_client_config(client_config(
             ServerTrust {
