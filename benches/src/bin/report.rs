@@ -25,7 +25,8 @@
 //!   microseconds (off by default): each client's endpoint on a thread of
 //!   its own, kept awake while a request of the client is in flight; the
 //!   raw quinn references' clients busy-poll the same way, and their
-//!   servers are kept awake (raw TCP is left as it is).
+//!   servers keep polling for the workers' spin after each request (raw
+//!   TCP is left as it is).
 //! - `REPORT_REMOTE_IN_TASK=1`: measure the remote rows from a task on the
 //!   runtime instead of `block_on`'s thread.
 //! - `REPORT_TIMEOUT_S` (default 300): past this, the report prints and

@@ -65,6 +65,15 @@ where
     Ok(v)
 }
 
+/// `iters` 64 B round trips on `q` (see [`round_trips`]), then `q` closed
+/// and the times printed as `what`.
+async fn closed_round_trips(q: RawQuinn, iters: usize, what: &str) -> Result<Vec<Duration>> {
+    let v = round_trips(iters, || q.round_trip(64)).await?;
+    q.close().await;
+    detail_times(what, &v);
+    Ok(v)
+}
+
 /// `xfer_iters` times of `f` after one unmeasured call, with a progress
 /// line naming `what`.
 async fn transfers<F, Fut>(ctx: &Ctx, what: &str, mut f: F) -> Result<Vec<Duration>>
@@ -117,25 +126,22 @@ pub(super) async fn raw_baseline(ctx: &Ctx) -> Result<Raw> {
     }
     raw.close().await;
     let asleep = match ctx.cfg.busy_poll {
-        Some(_) => {
-            let q = RawQuinn::start_asleep(1, &ctx.cfg.transport.1).await?;
-            let v = round_trips(iters, || q.round_trip(64)).await?;
-            q.close().await;
-            detail_times(
+        Some(_) => Some(
+            closed_round_trips(
+                RawQuinn::start_asleep(1, &ctx.cfg.transport.1).await?,
+                iters,
                 "raw quinn 64 B request/reply, new stream, threads asleep",
-                &v,
-            );
-            Some(v)
-        }
+            )
+            .await?,
+        ),
         None => None,
     };
-    let relay = RawQuinn::start_relayed(1, &ctx.cfg.transport.1).await?;
-    let relayed = round_trips(iters, || relay.round_trip(64)).await?;
-    relay.close().await;
-    detail_times(
+    let relayed = closed_round_trips(
+        RawQuinn::start_relayed(1, &ctx.cfg.transport.1).await?,
+        iters,
         "raw quinn 64 B request/reply relayed through a child process",
-        &relayed,
-    );
+    )
+    .await?;
     let [up1, down1, up4, down4] = <[Vec<Duration>; 4]>::try_from(runs).expect("four runs");
 
     let mut one_way = Vec::new();

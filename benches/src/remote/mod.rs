@@ -139,7 +139,8 @@ pub struct RemoteConfig {
     /// microseconds; off by default): each client's endpoint on a thread
     /// of its own, kept awake while a request of the client is in
     /// flight; the raw quinn references' clients busy-poll the same way
-    /// ([`raw::busy_poll_clients`]).
+    /// ([`raw::busy_poll`]), and their servers keep polling after each
+    /// request for the workers' spin.
     pub busy_poll: Option<Duration>,
 }
 
@@ -324,7 +325,11 @@ impl Bench {
             None => None,
         };
         raw::serve_on(servers.as_ref().map(|s| s.handle().clone()));
-        raw::busy_poll_clients(cfg.busy_poll);
+        // The raw servers spin after each request as the workers do.
+        raw::busy_poll(
+            cfg.busy_poll,
+            cfg.spin.unwrap_or_else(cuda_lease_node::spin::default_spin),
+        );
         let node = servers
             .as_ref()
             .unwrap_or(&rt)
@@ -338,7 +343,7 @@ impl Bench {
                 .busy_poll(cfg.busy_poll);
             if let Some(limit) = cfg.busy_poll {
                 detail(format_args!(
-                    "clients busy-poll for up to {limit:?}, the raw quinn references' too"
+                    "clients busy-poll for up to {limit:?}, the raw quinn references' too (their servers as the workers spin)"
                 ));
             }
             let single = config.clone().stripes(1, 0).bulk(BulkUse::Off);

@@ -59,24 +59,37 @@ fn servers() -> Option<tokio::runtime::Handle> {
     SERVERS.lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
-/// How long the raw quinn clients busy-poll (see [`busy_poll_clients`]).
-static CLIENT_BUSY: std::sync::Mutex<Option<std::time::Duration>> = std::sync::Mutex::new(None);
+/// How the raw quinn references poll (see [`busy_poll`]).
+static BUSY: std::sync::Mutex<Option<Awake>> = std::sync::Mutex::new(None);
 
-/// Gives the raw quinn clients made from now on a
-/// [`BusyPoll`](cuda_lease::transport::BusyPoll) of up to `limit`, as a
-/// lease's client has with `ClientConfig::busy_poll`: their endpoint on a
-/// thread of its own, kept awake while a request is in flight, and each
-/// reply read there; their servers' endpoint and tasks then run on a
-/// thread kept awake for the server's whole life (as a lease's worker
-/// polls for its spin budget after each message). `None` (the default):
-/// on the callers' runtimes.
-pub fn busy_poll_clients(limit: Option<std::time::Duration>) {
-    *CLIENT_BUSY.lock().unwrap_or_else(|e| e.into_inner()) = limit;
+/// Raw quinn kept awake as a lease's ends are (see [`busy_poll`]).
+#[derive(Clone, Copy, Debug)]
+struct Awake {
+    /// The client's `BusyPoll` limit.
+    client: std::time::Duration,
+    /// How long the server keeps polling after each request.
+    server_spin: std::time::Duration,
 }
 
-/// The limit [`busy_poll_clients`] set, if any.
-fn client_busy() -> Option<std::time::Duration> {
-    *CLIENT_BUSY.lock().unwrap_or_else(|e| e.into_inner())
+/// Gives the raw quinn clients made from now on a
+/// [`BusyPoll`](cuda_lease::transport::BusyPoll) of up to `client`, as a
+/// lease's client has with `ClientConfig::busy_poll`: their endpoint on a
+/// thread of its own, kept awake while a request is in flight, and each
+/// reply read there. Their servers' endpoint and tasks then run on a
+/// thread of their own too, which keeps polling while a request is in
+/// flight and for `server_spin` after each one, as a lease's worker polls
+/// for its spin budget after each message (zero: it sleeps between
+/// requests). `None` (the default): on the callers' runtimes.
+pub fn busy_poll(client: Option<std::time::Duration>, server_spin: std::time::Duration) {
+    *BUSY.lock().unwrap_or_else(|e| e.into_inner()) = client.map(|client| Awake {
+        client,
+        server_spin,
+    });
+}
+
+/// What [`busy_poll`] set, if anything.
+fn busy() -> Option<Awake> {
+    *BUSY.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]
@@ -122,9 +135,12 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn raw_quinn_with_a_busy_polling_client_moves_what_it_says() {
-        busy_poll_clients(Some(std::time::Duration::from_millis(2)));
+        busy_poll(
+            Some(std::time::Duration::from_millis(2)),
+            std::time::Duration::from_millis(1),
+        );
         let q = RawQuinn::start(2).await;
-        busy_poll_clients(None);
+        busy_poll(None, std::time::Duration::ZERO);
         let q = q.unwrap();
         assert!(q.busy_polls(), "the client did not take the busy poller");
         q.round_trip(64).await.unwrap();

@@ -20,20 +20,21 @@ pub struct RawQuinn {
     client: quinn::Endpoint,
     conns: Vec<quinn::Connection>,
     task: tokio::task::JoinHandle<()>,
-    /// The client endpoint's busy poller ([`super::busy_poll_clients`]),
-    /// or off.
+    /// The client endpoint's busy poller ([`super::busy_poll`]), or off.
     busy: BusyPoll,
-    /// With busy-polling clients, the server's endpoint and tasks run on
-    /// a poller held busy for the server's whole life: a lease's worker
-    /// (and its node) keep polling for their spin budget after each
-    /// message, so back-to-back requests find them awake, and the raw
-    /// server is measured the same way. Off otherwise.
-    _awake: (cuda_lease::transport::InFlight, BusyPoll),
 }
 
-/// How long an awake server's poller keeps going after the server starts
-/// (`BusyPoll`'s limit): longer than any report.
-const AWAKE: Duration = Duration::from_secs(24 * 3600);
+impl Drop for RawQuinn {
+    fn drop(&mut self) {
+        // The accept loop holds the server's poller: its thread ends once
+        // the loop and the requests' tasks are gone.
+        self.task.abort();
+    }
+}
+
+/// A raw server kept awake as a lease's worker is ([`super::busy_poll`]):
+/// its poller, and how long it keeps polling after each request.
+type Awake = Option<(Arc<BusyPoll>, Duration)>;
 
 /// A child process the server relays each request through: the request
 /// (its 8-byte count and payload) down the child's stdin and the same
@@ -100,11 +101,11 @@ impl RawQuinn {
         connections: usize,
         transport: &TransportSettings,
     ) -> Result<Self, BoxError> {
-        Self::start_inner(connections, transport, None, super::client_busy()).await
+        Self::start_inner(connections, transport, None, super::busy()).await
     }
 
     /// As [`RawQuinn::start_with`], with no busy polling whatever
-    /// [`super::busy_poll_clients`] says: client and server on the
+    /// [`super::busy_poll`] says: client and server on the
     /// callers' runtimes, whose threads sleep between requests.
     ///
     /// # Errors
@@ -128,48 +129,51 @@ impl RawQuinn {
         transport: &TransportSettings,
     ) -> Result<Self, BoxError> {
         let relay = Some(Arc::new(Relay::start()?));
-        Self::start_inner(connections, transport, relay, super::client_busy()).await
+        Self::start_inner(connections, transport, relay, super::busy()).await
     }
 
     async fn start_inner(
         connections: usize,
         transport: &TransportSettings,
         relay: Option<Arc<Relay>>,
-        busy: Option<Duration>,
+        busy: Option<super::Awake>,
     ) -> Result<Self, BoxError> {
         let id = self_signed(&["localhost".into()])?;
         let local = SocketAddr::from(([127, 0, 0, 1], 0));
-        // With busy-polling clients, a server kept awake as long as it
-        // lives (see `awake`).
-        let awake = BusyPoll::new(busy.map(|_| AWAKE))?;
-        let awake_now = awake.enter();
+        // With busy-polling clients, a server on a poller of its own that
+        // keeps going for its spin after each request (the poller's limit
+        // is twice that: it never cuts the spin short).
+        let server_spin = busy.map_or(Duration::ZERO, |b| b.server_spin);
+        let poller = Arc::new(BusyPoll::new(busy.map(|_| 2 * server_spin))?);
+        let awake: Awake = poller.is_on().then(|| (Arc::clone(&poller), server_spin));
         let (server, addr, task) = {
-            // The server's endpoint and tasks on its awake thread, or the
-            // servers' runtime, if one is named (`serve_on`).
-            let servers = awake.handle().or_else(super::servers);
+            // The server's endpoint and tasks on its poller's thread, or
+            // the servers' runtime, if one is named (`serve_on`).
+            let servers = poller.handle().or_else(super::servers);
             let _on = servers.as_ref().map(tokio::runtime::Handle::enter);
             let server = transport.endpoint_on(
                 local,
                 Some(server_config(&id, None, transport)?),
-                awake.runtime(),
+                poller.runtime(),
             )?;
+            drop(poller);
             let addr = server.local_addr()?;
             let accept = server.clone();
             // The server's tasks own the relay: its child goes with them.
             let task = tokio::spawn(async move {
                 while let Some(incoming) = accept.accept().await {
-                    let relay = relay.clone();
+                    let (relay, awake) = (relay.clone(), awake.clone());
                     tokio::spawn(async move {
                         let Ok(conn) = incoming.await else { return };
                         while let Ok((send, recv)) = conn.accept_bi().await {
-                            tokio::spawn(serve(send, recv, relay.clone()));
+                            tokio::spawn(serve(send, recv, relay.clone(), awake.clone()));
                         }
                     });
                 }
             });
             (server, addr, task)
         };
-        let busy = BusyPoll::new(busy)?;
+        let busy = BusyPoll::new(busy.map(|b| b.client))?;
         let mut client = transport.endpoint_on(local, None, busy.runtime())?;
         client.set_default_client_config(client_config(
             ServerTrust {
@@ -189,7 +193,6 @@ impl RawQuinn {
             conns,
             task,
             busy,
-            _awake: (awake_now, awake),
         })
     }
 
@@ -217,7 +220,7 @@ impl RawQuinn {
         Ok(t.elapsed())
     }
 
-    /// Whether the client endpoint busy-polls ([`super::busy_poll_clients`]).
+    /// Whether the client endpoint busy-polls ([`super::busy_poll`]).
     pub fn busy_polls(&self) -> bool {
         self.busy.is_on()
     }
@@ -310,7 +313,9 @@ async fn serve(
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
     relay: Option<Arc<Relay>>,
+    awake: Awake,
 ) {
+    let _in_flight = awake.as_ref().map(|(poller, _)| poller.enter());
     let result: Result<(), BoxError> = async {
         let mut want = [0u8; 8];
         recv.read_exact(&mut want).await?;
@@ -344,4 +349,12 @@ async fn serve(
     }
     .await;
     drop(result);
+    // Polling on for the spin after the request, as a lease's worker.
+    if let Some((poller, spin)) = awake {
+        let after = poller.enter();
+        tokio::spawn(async move {
+            tokio::time::sleep(spin).await;
+            drop(after);
+        });
+    }
 }
