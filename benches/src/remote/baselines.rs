@@ -238,7 +238,7 @@ pub(super) fn awake_row(raw: &Raw) -> Option<Row> {
         )
         .raw(times(Unit::Micros, asleep))
         .lib(times(Unit::Micros, &raw.rtt))
-        .note("both sides raw quinn with the node's settings: the client busy-polls and the server's thread never sleeps"),
+        .note("both sides raw quinn with the node's settings: the client busy-polls and the server keeps polling for the workers' spin after each request"),
     )
 }
 

@@ -186,7 +186,7 @@ impl BusyPoll {
     ///
     /// # Errors
     /// If the busy thread's runtime ended before `task` did (it does not
-    /// while `self` lives, unless a task of it panicked the thread).
+    /// while `self` lives: the thread ends only after `self` is dropped).
     ///
     /// # Panics
     /// If `task` panics (the panic is carried to the caller).

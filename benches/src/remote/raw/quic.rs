@@ -349,7 +349,8 @@ async fn serve(
     }
     .await;
     drop(result);
-    // Polling on for the spin after the request, as a lease's worker.
+    // Polling on for the spin after the request, as a lease's worker does
+    // (the timer only bounds how long a core spins; it orders nothing).
     if let Some((poller, spin)) = awake {
         let after = poller.enter();
         tokio::spawn(async move {
