@@ -199,6 +199,11 @@ impl LeaseBackend {
     /// Sends `recording` as one message (no transfer on the data path).
     fn submit_now(&self, mut recording: Recording, done: FailOnDrop) {
         stamp(Point::ClientSubmit);
+        // Counted in flight from here, not from the write: a busy poller
+        // asleep since the last reply wakes while the message is encoded,
+        // and polls by the time the write needs it (the exchange counts
+        // itself before this is dropped).
+        let _early = self.session.client().busy().enter();
         // Reads land straight in their slots' storage; writes go out as recorded.
         let bufs: Vec<_> = recording.reads().iter().map(|s| s.buffer()).collect();
         let writes = recording.take_data();

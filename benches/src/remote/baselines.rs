@@ -7,6 +7,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use super::raw::legs::{self, Leg};
 use super::raw::{RawQuinn, RawTcp};
 use cuda_lease::TransportSettings;
 
@@ -74,6 +75,39 @@ async fn closed_round_trips(q: RawQuinn, iters: usize, what: &str) -> Result<Vec
     Ok(v)
 }
 
+/// Where a raw 64 B request/reply's time goes, on stderr, in the format of
+/// the lease's steps: `iters` more round trips on `q`, one at a time,
+/// stamped at the points that match a lease's (see [`legs`]); they are
+/// not part of any row.
+async fn raw_legs(q: &RawQuinn, iters: usize) -> Result<()> {
+    legs::set_enabled(true);
+    let mut runs = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        legs::clear();
+        legs::stamp(Leg::Start);
+        let r = q.round_trip(64).await;
+        legs::stamp(Leg::End);
+        if let Err(e) = r {
+            legs::set_enabled(false);
+            return Err(e);
+        }
+        runs.push(legs::take());
+    }
+    legs::set_enabled(false);
+    let steps = legs::medians(&runs);
+    let line: Vec<String> = steps
+        .iter()
+        .filter_map(|(leg, m)| Some(format!("{} +{:.1}", leg.name(), (*m)?)))
+        .collect();
+    let sum: f64 = steps.iter().filter_map(|(_, m)| *m).sum();
+    detail(format_args!(
+        "raw quinn 64 B request/reply, step by step (median us from the point before, n={}): {} (sum {sum:.1})",
+        runs.len(),
+        line.join(", ")
+    ));
+    Ok(())
+}
+
 /// `xfer_iters` times of `f` after one unmeasured call, with a progress
 /// line naming `what`.
 async fn transfers<F, Fut>(ctx: &Ctx, what: &str, mut f: F) -> Result<Vec<Duration>>
@@ -105,6 +139,9 @@ pub(super) async fn raw_baseline(ctx: &Ctx) -> Result<Raw> {
     let quinn = &raw;
     let rtt = round_trips(iters, || raw.round_trip(64)).await?;
     detail_times("raw quinn 64 B request/reply, new stream", &rtt);
+    if ctx.cfg.stamps {
+        raw_legs(&raw, iters).await?;
+    }
     let mut runs = Vec::new();
     for (up, stripes) in [(true, 1), (false, 1), (true, 4), (false, 4)] {
         let dir = if up {

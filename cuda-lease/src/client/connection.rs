@@ -141,6 +141,12 @@ impl Client {
         self.busy.handle()
     }
 
+    /// The client's busy poller ([`ClientConfig::busy_poll`]; off without it).
+    #[cfg(feature = "backend")]
+    pub(crate) fn busy(&self) -> &crate::transport::BusyPoll {
+        &self.busy
+    }
+
     /// Runs `request` (a whole exchange: written, then its reply read) so
     /// that, on a client with an endpoint thread of its own, its reply is
     /// read there: polled once on this thread (the request is written

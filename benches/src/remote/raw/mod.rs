@@ -32,6 +32,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod legs;
 mod quic;
 mod tcp;
 
@@ -120,6 +121,24 @@ mod tests {
             q.receive((2 << 20) + 3, 1).await.unwrap();
             q.close().await;
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_raw_exchange_stamps_every_leg() {
+        use legs::Leg;
+        let q = RawQuinn::start(1).await.unwrap();
+        legs::set_enabled(true);
+        legs::clear();
+        legs::stamp(Leg::Start);
+        let r = q.round_trip(64).await;
+        legs::stamp(Leg::End);
+        let at = legs::take();
+        legs::set_enabled(false);
+        r.unwrap();
+        for leg in Leg::ALL {
+            assert_ne!(at[leg as usize], 0, "{} was not stamped", leg.name());
+        }
+        q.close().await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Mutex;
 
+use super::legs::{self, Leg};
 use super::{BoxError, CHUNK};
 use cuda_lease::tls::{client_config, ServerTrust};
 use cuda_lease::transport::BusyPoll;
@@ -279,6 +280,7 @@ impl RawQuinn {
 /// Sends `out` payload bytes and asks for `back` bytes; reads them all.
 async fn request(conn: &quinn::Connection, out: u64, back: u64) -> Result<(), BoxError> {
     let (mut send, mut recv) = conn.open_bi().await?;
+    legs::stamp(Leg::Sent);
     // The count and the first chunk in one write (as the node's client
     // writes a whole small frame at once), the rest chunk by chunk.
     let first = (out as usize).min(CHUNK);
@@ -294,6 +296,7 @@ async fn request(conn: &quinn::Connection, out: u64, back: u64) -> Result<(), Bo
     }
     send.finish()?;
     let got = drain(&mut recv).await?;
+    legs::stamp(Leg::ClientRead);
     if got != back {
         return Err(format!("asked for {back} bytes, got {got}").into());
     }
@@ -326,11 +329,13 @@ async fn serve(
                 while let Some(c) = recv.read_chunk(CHUNK, true).await? {
                     msg.extend_from_slice(&c.bytes);
                 }
+                legs::stamp(Leg::ServerRead);
                 let back = relay.echo(&msg).await?;
                 want.copy_from_slice(&back[..8]);
             }
             None => {
                 drain(&mut recv).await?;
+                legs::stamp(Leg::ServerRead);
             }
         }
         let mut left = u64::from_le_bytes(want);
@@ -338,6 +343,7 @@ async fn serve(
         // whole chunk (filling 1 MiB per request would add its time to
         // every raw round trip, which no lease request pays).
         let chunk = vec![0xA5u8; (left as usize).min(CHUNK)];
+        legs::stamp(Leg::ServerReplying);
         while left > 0 {
             let n = (left as usize).min(CHUNK);
             send.write_all(&chunk[..n]).await?;
