@@ -104,6 +104,12 @@ points! {
     DirectHanded = "direct-handed",
     /// The worker has read the batch's header from its pipe (stamped by the worker).
     WorkerRead = "worker-read",
+    /// The worker has decoded the batch and planned it against the lease
+    /// (stamped by the worker).
+    WorkerPlanned = "worker-planned",
+    /// The worker has enqueued the batch's commands on the device
+    /// (stamped by the worker; sealing it comes next).
+    WorkerLaunched = "worker-launched",
     /// The worker has enqueued and sealed the batch's commands (stamped by the worker).
     WorkerEnqueued = "worker-enqueued",
     /// The worker has seen the batch's work done (stamped by the worker).

@@ -29,9 +29,9 @@ pub const FLAG_REPLY: u16 = 1;
 pub const FLAG_STAMPS: u16 = 0x4000;
 /// The stamps a stamped direct BATCH reply ends with ([`FLAG_STAMPS`]), in
 /// order: the worker has read the request, handed it to its device loop,
-/// the loop took it, enqueued and sealed it, saw it done, answered, and
-/// the reply's write starts.
-pub const DIRECT_STAMPS: usize = 7;
+/// the loop took it, decoded and planned it, enqueued its commands,
+/// sealed it, saw it done, answered, and the reply's write starts.
+pub const DIRECT_STAMPS: usize = 9;
 /// ALPN of the QUIC connection. It names the framing (the header's layout),
 /// not the protocol version: a peer of another version still connects and
 /// gets a clear error from the header's version byte.

@@ -441,6 +441,8 @@ fn enter_stamps(body: &mut Vec<u8>) -> Result<(), Error> {
         Point::DirectRead,
         Point::DirectHanded,
         Point::WorkerRead,
+        Point::WorkerPlanned,
+        Point::WorkerLaunched,
         Point::WorkerEnqueued,
         Point::WorkerDone,
         Point::WorkerReplying,

@@ -322,11 +322,14 @@ async fn receive_work(
     if let Some(times) = reply.stamps {
         let points = [
             Point::WorkerRead,
+            Point::WorkerPlanned,
+            Point::WorkerLaunched,
             Point::WorkerEnqueued,
             Point::WorkerDone,
             Point::WorkerReplying,
         ];
-        for (p, t) in points.into_iter().zip(times) {
+        // 0: a point the worker did not reach.
+        for (p, t) in points.into_iter().zip(times).filter(|&(_, t)| t != 0) {
             stamps::stamp_at(p, t);
         }
     }

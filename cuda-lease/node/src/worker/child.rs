@@ -244,21 +244,25 @@ fn start_batch(
     let batch = from_body::<WorkerBatch<'_>>(&frame.body)
         .map_err(|e| DeviceError::new(Status::BadRequest, e.to_string()));
     let enqueued = batch.and_then(|b| {
-        let mut enqueue = || enqueue_batch(dev, lease, &b, &frame.data);
+        let mut enqueue = || enqueue_batch(dev, lease, &b, &frame.data, read_at.is_some());
         match link {
             Some(link) if !b.loads.is_empty() => link.beside(enqueue),
             _ => enqueue(),
         }
     });
     match enqueued {
-        Ok(enqueued) => Ok(Running {
-            request: frame.header,
-            to: ReplyTo::Pipe,
-            ticket: dev.dev.seal(enqueued.read_at),
-            work: Sealed::Batch(Box::new(enqueued)),
-            armed: false,
-            stamps: read_at.map(|t| [t, now_ns()]),
-        }),
+        Ok(enqueued) => {
+            let ticket = dev.dev.seal(enqueued.read_at);
+            let [planned, launched] = enqueued.at;
+            Ok(Running {
+                request: frame.header,
+                to: ReplyTo::Pipe,
+                ticket,
+                work: Sealed::Batch(Box::new(enqueued)),
+                armed: false,
+                stamps: read_at.map(|t| [t, planned, launched, now_ns()]),
+            })
+        }
         Err(f) => Err((f.status, to_body(&f))),
     }
 }
@@ -435,8 +439,9 @@ struct Running {
     work: Sealed,
     /// Its wake-up is armed (see `LeaseDevice::wake_when_done`).
     armed: bool,
-    /// When it was read and enqueued, if the request asked ([`FLAG_STAMPS`]).
-    stamps: Option<[u64; 2]>,
+    /// When it was read, planned, its commands enqueued and it was
+    /// sealed, if the request asked ([`FLAG_STAMPS`]).
+    stamps: Option<[u64; 4]>,
 }
 
 /// Where a [`Running`]'s answer goes.
@@ -481,8 +486,8 @@ fn answer_done(
         let (status, body, out) = match r.work {
             Sealed::Batch(enqueued) => {
                 let (mut reply, out) = enqueued.reply(lease, finished);
-                if let (Some([read, enqueued]), Some(done)) = (r.stamps, done) {
-                    reply.stamps = Some([read, enqueued, done, now_ns()]);
+                if let (Some([read, planned, launched, sealed]), Some(done)) = (r.stamps, done) {
+                    reply.stamps = Some([read, planned, launched, sealed, done, now_ns()]);
                 }
                 (Status::Ok, to_body(&reply), out)
             }
@@ -653,6 +658,9 @@ pub(super) struct Enqueued {
     compiled: Vec<(ModuleHash, String)>,
     /// Bytes of the reads (and timers) in the reply's data.
     pub(super) read_at: usize,
+    /// When it was planned and its commands enqueued ([`FLAG_STAMPS`];
+    /// 0 when not stamped).
+    at: [u64; 2],
 }
 
 impl Enqueued {
@@ -713,7 +721,9 @@ pub(super) fn enqueue_batch(
     lease: &mut WorkerLease,
     batch: &WorkerBatch<'_>,
     data: &[u8],
+    stamped: bool,
 ) -> Result<Enqueued, DeviceError> {
+    let now = || if stamped { now_ns() } else { 0 };
     let commands = &batch.commands.0[..];
     let sources: u64 = batch.loads.iter().map(|l| u64::from(l.len)).sum();
     let writes_len = (data.len() as u64).checked_sub(sources).ok_or_else(|| {
@@ -733,6 +743,7 @@ pub(super) fn enqueue_batch(
         failed: None,
         compiled: Vec::new(),
         read_at: 0,
+        at: [now(), 0],
     };
     for (i, l) in batch.loads.iter().enumerate() {
         let r = payload
@@ -769,6 +780,7 @@ pub(super) fn enqueue_batch(
             break;
         }
     }
+    e.at[1] = now();
     Ok(e)
 }
 

@@ -710,8 +710,8 @@ async fn run(
         served.poisoned.store(true, Ordering::Release);
     }
     let stamps = read_at.zip(handed_at).map(|(read, handed)| {
-        let [w0, w1, w2, w3] = reply.stamps.unwrap_or_default();
-        [read, handed, w0, w1, w2, w3]
+        let [w0, w1, w2, w3, w4, w5] = reply.stamps.unwrap_or_default();
+        [read, handed, w0, w1, w2, w3, w4, w5]
     });
     Ok(Ran {
         reply: BatchReply {

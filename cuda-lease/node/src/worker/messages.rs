@@ -72,8 +72,9 @@ pub(crate) struct WorkerBatchReply {
     /// What the lease holds once the batch settled.
     pub(crate) usage: Usage,
     /// The worker's stamps ([`FLAG_STAMPS`], `cuda_lease::stamps::now_ns`
-    /// times): when it read the request, enqueued it, saw it done and replied.
-    pub(crate) stamps: Option<[u64; 4]>,
+    /// times): when it read the request, planned it, enqueued its
+    /// commands, sealed it, saw it done and replied.
+    pub(crate) stamps: Option<[u64; 6]>,
 }
 
 /// A worker request flag (on BATCH requests): the node is stamping, so
