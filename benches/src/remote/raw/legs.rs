@@ -1,7 +1,7 @@
 //! Where a raw quinn request/reply's time goes: time stamps at the points
 //! of [`RawQuinn`](super::RawQuinn)'s exchanges that match a lease's
 //! (`cuda_lease::stamps`), on the same clock
-//! ([`now_ns`](cuda_lease::stamps::now_ns)), so the two paths' wire legs
+//! ([`now_ns`]), so the two paths' wire legs
 //! can be set side by side in one run.
 //!
 //! Off by default (a point then costs one relaxed load). Each [`Leg`]
