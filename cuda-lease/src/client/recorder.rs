@@ -296,9 +296,12 @@ impl Recorder {
     pub fn submit(
         &self,
     ) -> impl std::future::Future<Output = Result<Submitted, Error>> + Send + 'static {
+        let client = Arc::clone(&self.inner.client);
+        // In flight from here (a busy poller wakes while the message is
+        // encoded), until the exchange counts itself.
+        let early = client.busy.enter();
         let message = self.numbered();
         let reads = self.reads();
-        let client = Arc::clone(&self.inner.client);
         let request = async move {
             let (reply, data) = message.send(None).await?;
             Ok(Submitted {
@@ -308,7 +311,10 @@ impl Recorder {
                 data,
             })
         };
-        async move { client.on_io(request).await }
+        async move {
+            let _early = early;
+            client.on_io(request).await
+        }
     }
 
     /// [`Recorder::submit`], with the reads received straight into `dests`
@@ -327,15 +333,20 @@ impl Recorder {
     where
         D: AsMut<[u8]> + Send + 'static,
     {
+        let client = Arc::clone(&self.inner.client);
+        // As in `submit`: in flight from here.
+        let early = client.busy.enter();
         let reads = self.reads();
         let shape_ok = reads.len() == dests.len()
             && reads
                 .iter()
                 .zip(dests.iter_mut())
                 .all(|(r, d)| d.as_mut().len() == r.len as usize);
-        let client = Arc::clone(&self.inner.client);
         let request = self.numbered().send_into(shape_ok.then_some(reads), dests);
-        async move { client.on_io(request).await }
+        async move {
+            let _early = early;
+            client.on_io(request).await
+        }
     }
 
     /// The message, numbered now: the node runs the lease's batches in the
