@@ -94,17 +94,12 @@ async fn raw_legs(q: &RawQuinn, iters: usize) -> Result<()> {
         runs.push(legs::take());
     }
     legs::set_enabled(false);
-    let steps = legs::medians(&runs);
-    let line: Vec<String> = steps
-        .iter()
-        .filter_map(|(leg, m)| Some(format!("{} +{:.1}", leg.name(), (*m)?)))
-        .collect();
-    let sum: f64 = steps.iter().filter_map(|(_, m)| *m).sum();
-    detail(format_args!(
-        "raw quinn 64 B request/reply, step by step (median us from the point before, n={}): {} (sum {sum:.1})",
+    super::print_steps(
+        "raw quinn 64 B request/reply",
         runs.len(),
-        line.join(", ")
-    ));
+        &legs::steps(&runs),
+        Leg::name,
+    );
     Ok(())
 }
 

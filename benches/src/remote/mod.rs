@@ -463,18 +463,27 @@ fn detail(line: std::fmt::Arguments<'_>) {
 /// the path its submissions reached, the median time from the point
 /// before it (`cuda_lease::stamps`), and their sum.
 fn detail_steps(name: &str, runs: &[cuda_lease::stamps::Stamps]) {
-    let steps = steps::steps(runs);
+    print_steps(name, runs.len(), &steps::lease_steps(runs), |p| p.name());
+}
+
+/// `steps` of `n` runs on stderr, as [`detail_steps`] prints them, each
+/// step named by where it ends (`label`).
+fn print_steps<P: Copy>(
+    name: &str,
+    n: usize,
+    steps: &[steps::Step<P>],
+    label: impl Fn(P) -> &'static str,
+) {
     if steps.is_empty() {
         return;
     }
     let line: Vec<String> = steps
         .iter()
-        .map(|s| format!("{} +{:.1}", s.to.name(), s.median_us))
+        .map(|s| format!("{} +{:.1}", label(s.to), s.median_us))
         .collect();
     let sum: f64 = steps.iter().map(|s| s.median_us).sum();
     detail(format_args!(
-        "{name}, step by step (median us from the point before, n={}): {} (sum {sum:.1})",
-        runs.len(),
+        "{name}, step by step (median us from the point before, n={n}): {} (sum {sum:.1})",
         line.join(", ")
     ));
 }

@@ -1,15 +1,16 @@
-//! Where a remote row's time goes: the steps between the points
-//! (`cuda_lease::stamps`) its submissions reached.
+//! Where a remote row's time goes: the steps between the points its
+//! submissions reached (`cuda_lease::stamps` for a lease's, the raw
+//! references' [`legs`](super::raw::legs) for raw quinn's).
 
 use cuda_lease::stamps::{Point, Stamps};
 
-/// The reached points in path order, each with its time. A point
-/// stamped before the one before it (by another submission, say) is
-/// left out.
-fn in_order(s: &Stamps) -> Vec<(Point, u64)> {
-    let mut out: Vec<(Point, u64)> = Vec::new();
-    for p in Point::ALL {
-        if let Some(t) = s.at(p) {
+/// The points a run reached, given in path order with their times (`None`:
+/// not reached), as (point, time) pairs. A point stamped before the one
+/// before it (by another submission, say) is left out.
+pub(super) fn in_order<P>(points: impl IntoIterator<Item = (P, Option<u64>)>) -> Vec<(P, u64)> {
+    let mut out: Vec<(P, u64)> = Vec::new();
+    for (p, t) in points {
+        if let Some(t) = t {
             if out.last().is_none_or(|&(_, last)| t >= last) {
                 out.push((p, t));
             }
@@ -18,28 +19,33 @@ fn in_order(s: &Stamps) -> Vec<(Point, u64)> {
     out
 }
 
+/// A lease submission's reached points ([`in_order`]).
+fn stamped(s: &Stamps) -> Vec<(Point, u64)> {
+    in_order(Point::ALL.map(|p| (p, s.at(p))))
+}
+
 /// One step of a path: from one reached point to the next, its median
 /// over the submissions that reached both in a row.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) struct Step {
+pub(super) struct Step<P> {
     /// Where the step starts.
-    pub(super) from: Point,
+    pub(super) from: P,
     /// Where it ends (the next point the submissions reached).
-    pub(super) to: Point,
+    pub(super) to: P,
     /// The median time between the two, in microseconds.
     pub(super) median_us: f64,
     /// How many submissions had this step.
     pub(super) count: usize,
 }
 
-/// The steps of `runs` in path order: for each pair of consecutive points
-/// the submissions reached, the median time between them. Steps that
-/// fewer than half the runs had are left out (a point another submission
-/// stamped meanwhile, say).
-pub(super) fn steps(runs: &[Stamps]) -> Vec<Step> {
-    let mut by_step: Vec<((Point, Point), Vec<u64>)> = Vec::new();
+/// The steps of `runs` (each its reached points, [`in_order`]) in path
+/// order: for each pair of consecutive points the runs reached, the median
+/// time between them. Steps that fewer than half the runs had are left
+/// out (a point another submission stamped meanwhile, say).
+pub(super) fn steps<P: Copy + Ord>(runs: &[Vec<(P, u64)>]) -> Vec<Step<P>> {
+    let mut by_step: Vec<((P, P), Vec<u64>)> = Vec::new();
     for run in runs {
-        for pair in in_order(run).windows(2) {
+        for pair in run.windows(2) {
             let key = (pair[0].0, pair[1].0);
             let d = pair[1].1 - pair[0].1;
             match by_step.iter_mut().find(|(k, _)| *k == key) {
@@ -48,7 +54,7 @@ pub(super) fn steps(runs: &[Stamps]) -> Vec<Step> {
             }
         }
     }
-    let mut out: Vec<Step> = by_step
+    let mut out: Vec<Step<P>> = by_step
         .into_iter()
         .filter(|(_, v)| v.len() * 2 >= runs.len())
         .map(|((from, to), mut v)| {
@@ -63,6 +69,11 @@ pub(super) fn steps(runs: &[Stamps]) -> Vec<Step> {
         .collect();
     out.sort_by_key(|s| (s.from, s.to));
     out
+}
+
+/// The steps of a lease's stamped submissions ([`steps`]).
+pub(super) fn lease_steps(runs: &[Stamps]) -> Vec<Step<Point>> {
+    steps(&runs.iter().map(stamped).collect::<Vec<_>>())
 }
 
 #[cfg(test)]
@@ -97,7 +108,7 @@ mod tests {
                 (Point::End, 9_000),
             ]),
         ];
-        let s = steps(&runs);
+        let s = lease_steps(&runs);
         assert_eq!(s.len(), 2);
         assert_eq!(
             (s[0].from, s[0].to, s[0].median_us),
@@ -120,11 +131,11 @@ mod tests {
             (Point::End, 40),
         ]);
         assert_eq!(
-            in_order(&odd).iter().map(|p| p.0).collect::<Vec<_>>(),
+            stamped(&odd).iter().map(|p| p.0).collect::<Vec<_>>(),
             [Point::Start, Point::NodeStart, Point::End]
         );
         let plain = run(&[(Point::Start, 0), (Point::End, 7_000)]);
-        let s = steps(&[plain, plain, plain, odd]);
+        let s = lease_steps(&[plain, plain, plain, odd]);
         assert_eq!(s.len(), 1, "{s:?}");
         assert_eq!(
             (s[0].from, s[0].to, s[0].median_us),

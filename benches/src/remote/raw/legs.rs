@@ -24,8 +24,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use cuda_lease::stamps::now_ns;
 
+use super::super::steps::{in_order, Step};
+
 /// The points of a raw exchange, in the order it reaches them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Leg {
     /// The measurement's own start (stamped by the caller).
     Start,
@@ -95,30 +97,27 @@ pub fn take() -> [u64; 6] {
     std::array::from_fn(|i| AT[i].load(Ordering::SeqCst))
 }
 
-/// For each leg after the first, the median time from the leg before it
-/// over the `runs` that reached both in order, in microseconds (`None`
-/// where fewer than half did).
-pub fn medians(runs: &[[u64; 6]]) -> Vec<(Leg, Option<f64>)> {
-    Leg::ALL
-        .windows(2)
-        .map(|w| {
-            let (a, b) = (w[0] as usize, w[1] as usize);
-            let mut d: Vec<u64> = runs
-                .iter()
-                .filter(|r| r[a] != 0 && r[b] >= r[a])
-                .map(|r| r[b] - r[a])
-                .collect();
-            d.sort_unstable();
-            let median = (!d.is_empty() && d.len() * 2 >= runs.len())
-                .then(|| d[d.len() / 2] as f64 / 1000.0);
-            (w[1], median)
-        })
-        .collect()
+/// The steps of `runs` (each a [`take`]): for each leg, the median time
+/// from the leg reached before it (see the report's lease steps).
+pub(in crate::remote) fn steps(runs: &[[u64; 6]]) -> Vec<Step<Leg>> {
+    let reached: Vec<_> = runs
+        .iter()
+        .map(|at| in_order(Leg::ALL.map(|l| (l, Some(at[l as usize]).filter(|&t| t != 0)))))
+        .collect();
+    super::super::steps::steps(&reached)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `(to, median in ns)` of each step.
+    fn ns(runs: &[[u64; 6]]) -> Vec<(Leg, u64)> {
+        steps(runs)
+            .iter()
+            .map(|s| (s.to, (s.median_us * 1000.0).round() as u64))
+            .collect()
+    }
 
     #[test]
     fn medians_take_each_leg_from_the_one_before() {
@@ -127,13 +126,9 @@ mod tests {
             [10, 22, 42, 44, 64, 80],
             [10, 24, 44, 45, 62, 72],
         ];
-        let m = medians(&runs);
-        let us: Vec<_> = m
-            .iter()
-            .map(|(_, v)| v.map(|v| (v * 1000.0).round() as u64))
-            .collect();
-        assert_eq!(us, [Some(12), Some(20), Some(1), Some(19), Some(10)]);
-        assert_eq!(m[1].0, Leg::ServerRead);
+        let us: Vec<_> = ns(&runs).into_iter().map(|(_, v)| v).collect();
+        assert_eq!(us, [12, 20, 1, 19, 10]);
+        assert_eq!(steps(&runs)[1].to, Leg::ServerRead);
     }
 
     #[test]
@@ -143,8 +138,8 @@ mod tests {
             [10, 20, 30, 0, 60, 70],
             [10, 20, 0, 0, 60, 70],
         ];
-        let m = medians(&runs);
-        assert_eq!(m[1].1, None);
-        assert_eq!(m[0].1, Some(0.01));
+        let m = ns(&runs);
+        assert!(m.iter().all(|&(to, _)| to != Leg::ServerRead), "{m:?}");
+        assert_eq!(m[0], (Leg::Sent, 10));
     }
 }
