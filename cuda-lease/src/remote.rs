@@ -61,6 +61,9 @@ pub struct LeaseBackend {
     reading: Mutex<Reading>,
 }
 
+/// Most bytes a submission's future may take (see `submit_now`).
+const TASK_BYTES_MAX: usize = 4096;
+
 impl LeaseBackend {
     /// A session on `session`'s lease whose I/O runs on `runtime`.
     pub fn new(session: Session, runtime: tokio::runtime::Handle) -> Arc<Self> {
@@ -168,16 +171,17 @@ impl LeaseBackend {
         D: AsMut<[u8]> + Send + 'static,
     {
         let seq = message.seq();
-        // The reads' slots are not needed: their bytes land in `dests`.
-        let reply = message.send_into(Some(Vec::new()), dests);
         let mut settle = Settle {
             me: self.me.clone(),
             sent: Some(sent),
             polled: false,
         };
+        // The exchange's future is made in place, not moved in: it is the
+        // bulk of this one's size.
         let settled = async move {
             settle.polled = true;
-            let r = reply.await;
+            // The reads' slots are not needed: their bytes land in `dests`.
+            let r = message.send_into(Some(Vec::new()), dests).await;
             settle.reply(r.as_ref().ok().map(|(s, _)| s));
             r
         };
@@ -217,21 +221,28 @@ impl LeaseBackend {
             (reply, reading.conflicts(commands))
         };
         stamp(Point::ClientEncoded);
-        let task = Box::pin(async move {
+        // `reply` mapped in place: an `async` block awaiting it would hold
+        // a second copy of it, moved whole with the task.
+        let task = Box::pin(futures::FutureExt::map(reply, move |r| {
             let mut done = done;
-            let outcome = async {
-                let (reply, bufs) = reply.await?;
+            let r = r.and_then(|(reply, bufs)| {
                 stamp(Point::ClientReplyRead);
                 reply.ok()?;
                 for (slot, buf) in recording.reads().iter().zip(bufs) {
                     slot.commit(buf).map_err(protocol_error)?;
                 }
                 Ok::<(), Error>(())
-            };
-            let r = outcome.await;
+            });
             stamp(Point::ClientDone);
             done.finish(r);
-        });
+        }));
+        // Every submission moves it whole (into its box, then into a
+        // task): nested `async` wrappers once made it 20 KiB.
+        debug_assert!(
+            std::mem::size_of_val(&*task) <= TASK_BYTES_MAX,
+            "a submission's future grew to {} bytes",
+            std::mem::size_of_val(&*task)
+        );
         if !waits.is_empty() {
             self.replies.spawn(async move {
                 reading::done(waits).await;

@@ -153,14 +153,14 @@ impl Client {
     /// with no thread woken), then finished as a task of that thread,
     /// which wakes the caller once with the result. Without the thread it
     /// is simply awaited.
-    pub(super) async fn on_io<T: Send + 'static>(
+    pub(super) fn on_io<T: Send + 'static>(
         &self,
         request: impl std::future::Future<Output = Result<T, Error>> + Send + 'static,
-    ) -> Result<T, Error> {
-        self.busy
-            .run(request)
-            .await
-            .unwrap_or_else(|e| Err(disconnected(e).with_node(self.addr)))
+    ) -> impl std::future::Future<Output = Result<T, Error>> + Send + 'static {
+        let addr = self.addr;
+        futures::FutureExt::map(self.busy.run(request), move |r| {
+            r.unwrap_or_else(|e| Err(disconnected(e).with_node(addr)))
+        })
     }
 
     /// The node's name.

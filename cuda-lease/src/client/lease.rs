@@ -66,15 +66,18 @@ impl LeaseInner {
             (Some(direct), Opcode::Batch) => (direct, true),
             _ => (&client.conn, false),
         };
-        let r = async {
+        // Pinned here and guarded by reference, and the rare path boxed:
+        // the future is not copied into `guard`'s (a submission's future
+        // is moved whole, so its size is paid on every one).
+        let r = std::pin::pin!(async {
             let _busy = client.busy.enter();
             match exchange(conn, &client.limits, id, op, body, data, into).await {
                 Err(e) if direct && matches!(e.kind(), ErrorKind::Disconnected(_)) => {
-                    Err(self.why_direct_lost(e).await)
+                    Err(Box::pin(self.why_direct_lost(e)).await)
                 }
                 r => r,
             }
-        };
+        });
         self.guard(r).await
     }
 

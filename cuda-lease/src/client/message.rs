@@ -143,12 +143,14 @@ impl Message {
             // The node lost (or never had) a module: send the same
             // message again with every source.
             let writes = &data[data.len() - self.writes..];
-            r = async {
+            // Boxed, as the rare paths below are: each submission's future
+            // is moved whole, so it keeps the common path's size.
+            r = Box::pin(async {
                 let (body, all) = with_every_source(body, &self.modules, writes)?;
                 self.inner
                     .req_with(Opcode::Batch, &body, &all, into(parts))
                     .await
-            }
+            })
             .await;
         }
         let (reply, data) = match r {
@@ -162,7 +164,7 @@ impl Message {
                     // lease's later messages wait for its number: an empty
                     // batch of the same number takes its place (not when
                     // the lease or the connection is gone: nothing follows).
-                    fill_place(&self.inner, self.seq).await;
+                    Box::pin(fill_place(&self.inner, self.seq)).await;
                 }
                 return Err(e);
             }

@@ -296,7 +296,7 @@ impl Recorder {
     pub fn submit(
         &self,
     ) -> impl std::future::Future<Output = Result<Submitted, Error>> + Send + 'static {
-        let client = Arc::clone(&self.inner.client);
+        let client = &self.inner.client;
         // In flight from here (a busy poller wakes while the message is
         // encoded), until the exchange counts itself.
         let early = client.busy.enter();
@@ -311,10 +311,10 @@ impl Recorder {
                 data,
             })
         };
-        async move {
-            let _early = early;
-            client.on_io(request).await
-        }
+        // Counted by the exchange from here on.
+        let submitted = client.on_io(request);
+        drop(early);
+        submitted
     }
 
     /// [`Recorder::submit`], with the reads received straight into `dests`
@@ -333,7 +333,7 @@ impl Recorder {
     where
         D: AsMut<[u8]> + Send + 'static,
     {
-        let client = Arc::clone(&self.inner.client);
+        let client = &self.inner.client;
         // As in `submit`: in flight from here.
         let early = client.busy.enter();
         let reads = self.reads();
@@ -343,10 +343,9 @@ impl Recorder {
                 .zip(dests.iter_mut())
                 .all(|(r, d)| d.as_mut().len() == r.len as usize);
         let request = self.numbered().send_into(shape_ok.then_some(reads), dests);
-        async move {
-            let _early = early;
-            client.on_io(request).await
-        }
+        let submitted = client.on_io(request);
+        drop(early);
+        submitted
     }
 
     /// The message, numbered now: the node runs the lease's batches in the

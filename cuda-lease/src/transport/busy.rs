@@ -178,11 +178,14 @@ impl BusyPoll {
     }
 
     /// Runs `task` (a whole exchange: a request written, then its reply
-    /// read) as a request in flight, so that its reply is read on the busy
-    /// thread: polled once on this thread (what it writes goes out with no
-    /// thread woken), then finished as a task of the busy thread, which
-    /// wakes the caller once with the result. Off, `task` is simply
-    /// awaited.
+    /// read) as a request in flight, counted from this call, so that its
+    /// reply is read on the busy thread: polled once on this thread (what it
+    /// writes goes out with no thread woken), then finished as a task of the
+    /// busy thread, which wakes the caller once with the result. Off, `task`
+    /// is simply awaited.
+    ///
+    /// `task` is not moved again once this returns (boxed when on, mapped
+    /// in place when off): a whole exchange's future is kilobytes.
     ///
     /// # Errors
     /// If the busy thread's runtime ended before `task` did (it does not
@@ -190,27 +193,30 @@ impl BusyPoll {
     ///
     /// # Panics
     /// If `task` panics (the panic is carried to the caller).
-    pub async fn run<T: Send + 'static>(
+    pub fn run<T: Send + 'static>(
         &self,
         task: impl Future<Output = T> + Send + 'static,
-    ) -> std::io::Result<T> {
+    ) -> impl Future<Output = std::io::Result<T>> + Send + 'static {
+        use futures::future::{Either, FutureExt};
         let Some(rt) = self.handle() else {
-            return Ok(task.await);
+            return Either::Left(task.map(Ok));
         };
         let request = self.enter();
-        let task = async move {
-            let _request = request;
-            task.await
-        };
-        let task = match start_on(&rt, Box::pin(task)) {
-            Ok(v) => return Ok(v),
-            Err(task) => task,
-        };
-        match task.await {
-            Ok(v) => Ok(v),
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Err(_) => Err(std::io::Error::other("the endpoint's busy thread ended")),
-        }
+        let task: Pin<Box<dyn Future<Output = T> + Send>> = Box::pin(task.map(move |v| {
+            drop(request);
+            v
+        }));
+        Either::Right(async move {
+            let task = match start_on(&rt, task) {
+                Ok(v) => return Ok(v),
+                Err(task) => task,
+            };
+            match task.await {
+                Ok(v) => Ok(v),
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(_) => Err(std::io::Error::other("the endpoint's busy thread ended")),
+            }
+        })
     }
 
     /// Whether it is on (a thread was started).

@@ -684,3 +684,30 @@ async fn mutual_tls_needs_no_token() {
 
 mod principals;
 mod transfers;
+
+/// A submission's future is moved whole (into the caller's task, into a
+/// box): nested `async` wrappers once made a recorder's 5 KiB.
+#[tokio::test]
+async fn a_recorded_submission_stays_small() {
+    let fx = Fixture::memory(1 << 20).lease(1 << 16).start().await;
+    let s = fx.session();
+    let mut b = s.recorder();
+    let x = b.alloc(0, 64);
+    b.read(0, x, 0, 8);
+    let submitted = b.submit();
+    let size = std::mem::size_of_val(&submitted);
+    assert!(size <= 2048, "Recorder::submit's future is {size} bytes");
+    submitted.await.unwrap().ok().unwrap();
+    let mut b = s.recorder();
+    b.read(0, x, 0, 8);
+    let submitted = b.submit_into(vec![vec![0u8; 8]]);
+    let size = std::mem::size_of_val(&submitted);
+    assert!(
+        size <= 2048,
+        "Recorder::submit_into's future is {size} bytes"
+    );
+    let (reply, dests) = submitted.await.unwrap();
+    reply.ok().unwrap();
+    assert_eq!(dests, vec![vec![0u8; 8]]);
+    fx.free_and_shutdown().await;
+}
