@@ -27,12 +27,12 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::buffer::{check_range, DeviceBuffer};
 use crate::device::Device;
 use crate::error::{DriverResultExt, Error, Result};
-use crate::raw::check_same_context;
+use crate::raw::{check_same_context, MarkEvent};
 
 /// The start of every range a [`StagingArena`] hands out is a multiple of
 /// this many bytes.
@@ -82,7 +82,8 @@ pub struct StagingArena {
 #[must_use = "an arena whose end is dropped hands nothing out again"]
 pub struct ArenaEnd {
     epoch: u64,
-    events: Vec<CudaEvent>,
+    /// Pooled: an arena's end creates and destroys no event.
+    events: Vec<MarkEvent>,
 }
 
 impl ArenaEnd {
@@ -93,7 +94,7 @@ impl ArenaEnd {
     /// work is [`Error::Poisoned`]).
     pub fn is_done(&self) -> Result<bool> {
         for e in &self.events {
-            if !e.try_is_complete().call("cuEventQuery")? {
+            if !e.event()?.query().call("cuEventQuery")? {
                 return Ok(false);
             }
         }
@@ -292,7 +293,7 @@ impl StagingArena {
     pub fn mark_end(&mut self) -> Result<ArenaEnd> {
         let mut events = Vec::with_capacity(self.streams.len());
         for s in &self.streams {
-            events.push(s.record_event(None).call("cuEventRecord")?);
+            events.push(MarkEvent::recorded(s)?);
         }
         self.ended = true;
         Ok(ArenaEnd {
@@ -316,7 +317,7 @@ impl StagingArena {
             ));
         }
         for e in &end.events {
-            e.synchronize().call("cuEventSynchronize")?;
+            e.synchronize()?;
         }
         self.streams.clear();
         self.bump.settle();

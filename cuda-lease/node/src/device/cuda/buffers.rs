@@ -31,6 +31,10 @@ impl CudaDevice {
     /// order themselves by those events), the free, or the batch's end. A later
     /// record on the same stream covers every earlier use: a wait may wait for
     /// more of that stream than needed, never less.
+    ///
+    /// The record is not work the batch's end waits for: the use it marks
+    /// is of this batch (its stream is touched already) or of an earlier
+    /// one, whose own end covers it.
     pub(super) fn flush_use(&mut self, id: Id) -> Result<(), DeviceError> {
         let Some(s) = self.pending.remove(&id) else {
             return Ok(());
@@ -38,12 +42,9 @@ impl CudaDevice {
         let (Some(stream), Some(buf)) = (self.streams.get(&s), self.buffers.get(&id)) else {
             return Ok(());
         };
-        let stream = stream.clone();
         Self::raw(buf)
-            .after_write(&stream)
-            .map_err(|e| map(Status::Internal, "recording a buffer's use", e))?;
-        self.touch(&stream);
-        Ok(())
+            .after_write(stream)
+            .map_err(|e| map(Status::Internal, "recording a buffer's use", e))
     }
 
     /// Orders a use of buffer `id` on `stream` after its uses elsewhere,
