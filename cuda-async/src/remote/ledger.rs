@@ -164,7 +164,7 @@ impl Ledger {
         let mut book = self.book();
         book.in_flight = book.in_flight.saturating_sub(1);
         book.settle(sent, ran.unwrap_or(Ran::NOTHING));
-        self.settled.notify_all();
+        self.notify(&book);
         ran.is_some() && book.flush_due()
     }
 
@@ -175,7 +175,16 @@ impl Ledger {
         let _ = sent;
         let mut book = self.book();
         book.in_flight = book.in_flight.saturating_sub(1);
-        self.settled.notify_all();
+        self.notify(&book);
+    }
+
+    /// Wakes the [`Ledger::wait_idle`] callers, if any: a condition
+    /// variable's notify is a system call even with no one waiting, and
+    /// every reply settles.
+    fn notify(&self, book: &Book) {
+        if book.waiters > 0 {
+            self.settled.notify_all();
+        }
     }
 
     /// Blocks until no message is in flight and no free is queued, or `limit`
@@ -183,18 +192,24 @@ impl Ledger {
     pub fn wait_idle(&self, limit: Duration) -> bool {
         let end = Instant::now() + limit;
         let mut book = self.book();
-        while book.in_flight > 0 || !book.queued.is_empty() {
+        // Counted under the lock, so a settle after this sees it.
+        book.waiters += 1;
+        let idle = loop {
+            if book.in_flight == 0 && book.queued.is_empty() {
+                break true;
+            }
             let left = end.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return false;
+                break false;
             }
             book = self
                 .settled
                 .wait_timeout(book, left)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
-        }
-        true
+        };
+        book.waiters -= 1;
+        idle
     }
 
     /// Whether frees are queued and no message is in flight: they go now, alone.
@@ -249,6 +264,8 @@ struct Book {
     queued: Vec<u64>,
     /// Messages sent and not settled yet.
     in_flight: usize,
+    /// Threads in [`Ledger::wait_idle`].
+    waiters: usize,
     /// Ids created by submissions not answered yet: true once freed.
     pending: IdMap<u64, bool>,
     /// Ids whose creating command ran, not freed since.
@@ -546,5 +563,33 @@ mod tests {
         let (lost, _) = ledger.send_frees(|_| ()).unwrap();
         assert!(!ledger.settle(&lost, None));
         assert!(ledger.flush_due(), "3 was asked again");
+    }
+
+    /// Settles notify only while someone waits: each waiter must still be
+    /// woken by the settle (or forget) that makes the ledger idle.
+    #[test]
+    fn a_waiter_is_woken_by_the_reply_that_makes_the_ledger_idle() {
+        let ledger = std::sync::Arc::new(Ledger::new());
+        for forget in [false, true] {
+            let (sent, ()) = ledger.send(false, &[alloc(1)], |_| ());
+            let waiter = {
+                let ledger = ledger.clone();
+                std::thread::spawn(move || ledger.wait_idle(Duration::from_secs(20)))
+            };
+            // Until the waiter is counted (then it waits, or is about to,
+            // under the lock the settle takes).
+            while ledger.book().waiters == 0 {
+                std::thread::yield_now();
+            }
+            let t = Instant::now();
+            if forget {
+                ledger.forget(sent);
+            } else {
+                ledger.settle(&sent, Some(Ran::all(1)));
+            }
+            assert!(waiter.join().unwrap(), "not woken (forget: {forget})");
+            assert!(t.elapsed() < Duration::from_secs(10));
+            assert_eq!(ledger.book().waiters, 0);
+        }
     }
 }
