@@ -461,7 +461,8 @@ impl<T: Send + Sync> DeviceOp for GraphLaunch<'_, T> {
     type Output = ();
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<()> {
-        let here = ctx.describe();
+        // (Where it runs is described only for an error: a replay formats
+        // nothing.)
         if let Some(r) = ctx.as_remote() {
             return match &self.graph.home {
                 GraphHome::Remote { graph, .. } if same_session(&graph.session, r.session()) => {
@@ -472,14 +473,14 @@ impl<T: Send + Sync> DeviceOp for GraphLaunch<'_, T> {
                 }
                 _ => Err(wrong_home(
                     format!("a graph of {}", self.graph.home()),
-                    &here,
+                    &r.describe(),
                 )),
             };
         }
         let GraphHome::Local { graph, .. } = &self.graph.home else {
             return Err(wrong_home(
                 format!("a graph of {}", self.graph.home()),
-                &here,
+                &ctx.describe(),
             ));
         };
         let stream = ctx.cuda_stream_for("a CUDA graph replay")?;

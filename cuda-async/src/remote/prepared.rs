@@ -153,14 +153,13 @@ impl DeviceOp for Run {
     type Output = Outputs;
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<Outputs> {
-        let here = ctx.describe();
         let graph = &self.kept.graph;
         let Some(r) = ctx
             .as_remote()
             .filter(|r| same_session(&graph.session, r.session()))
         else {
             let what = format!("a prepared submission of {}", graph.session.describe());
-            return Err(wrong_home(what, &here));
+            return Err(wrong_home(what, &ctx.describe()));
         };
         let lens = self.kept.io.outputs.clone();
         let total = lens.iter().sum();
