@@ -140,6 +140,19 @@ points! {
 /// How many [`Point`]s there are.
 pub const POINTS: usize = Point::End as usize + 1;
 
+/// The points a lease's worker stamps a batch at, in the order its reply
+/// carries their times (a time of 0: a point it did not reach). A direct
+/// reply's stamps are these between [`Point::DirectHanded`] and
+/// [`Point::DirectAnswered`].
+pub const WORKER_POINTS: [Point; 6] = [
+    Point::WorkerRead,
+    Point::WorkerPlanned,
+    Point::WorkerLaunched,
+    Point::WorkerEnqueued,
+    Point::WorkerDone,
+    Point::WorkerReplying,
+];
+
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static AT: [AtomicU64; POINTS] = [const { AtomicU64::new(0) }; POINTS];
 

@@ -437,21 +437,15 @@ impl ReplyReader<'_> {
 /// Enters the worker's stamps that a stamped direct BATCH reply's body
 /// ends with ([`FLAG_STAMPS`]) and cuts them off it.
 fn enter_stamps(body: &mut Vec<u8>) -> Result<(), Error> {
-    const AT: [Point; DIRECT_STAMPS] = [
-        Point::DirectRead,
-        Point::DirectHanded,
-        Point::WorkerRead,
-        Point::WorkerPlanned,
-        Point::WorkerLaunched,
-        Point::WorkerEnqueued,
-        Point::WorkerDone,
-        Point::WorkerReplying,
-        Point::DirectAnswered,
-    ];
+    const _: () = assert!(stamps::WORKER_POINTS.len() + 3 == DIRECT_STAMPS);
     let Some(start) = body.len().checked_sub(DIRECT_STAMPS * 8) else {
         return Err(protocol_error("a stamped reply without its stamps"));
     };
-    for (&point, t) in AT.iter().zip(body[start..].chunks_exact(8)) {
+    let at = [Point::DirectRead, Point::DirectHanded]
+        .into_iter()
+        .chain(stamps::WORKER_POINTS)
+        .chain([Point::DirectAnswered]);
+    for (point, t) in at.zip(body[start..].chunks_exact(8)) {
         let mut ns = [0u8; 8];
         ns.copy_from_slice(t);
         // 0: a point the worker did not reach.

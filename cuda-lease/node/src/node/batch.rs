@@ -320,16 +320,9 @@ async fn receive_work(
     let reply: WorkerBatchReply = from_body(&frame.body)
         .map_err(|e| Reply::err(Status::Internal, format!("worker reply: {e}")))?;
     if let Some(times) = reply.stamps {
-        let points = [
-            Point::WorkerRead,
-            Point::WorkerPlanned,
-            Point::WorkerLaunched,
-            Point::WorkerEnqueued,
-            Point::WorkerDone,
-            Point::WorkerReplying,
-        ];
         // 0: a point the worker did not reach.
-        for (p, t) in points.into_iter().zip(times).filter(|&(_, t)| t != 0) {
+        let reached = stamps::WORKER_POINTS.into_iter().zip(times);
+        for (p, t) in reached.filter(|&(_, t)| t != 0) {
             stamps::stamp_at(p, t);
         }
     }

@@ -74,7 +74,7 @@ pub(crate) struct WorkerBatchReply {
     /// The worker's stamps ([`FLAG_STAMPS`], `cuda_lease::stamps::now_ns`
     /// times): when it read the request, planned it, enqueued its
     /// commands, sealed it, saw it done and replied.
-    pub(crate) stamps: Option<[u64; 6]>,
+    pub(crate) stamps: Option<[u64; crate::stamps::WORKER_POINTS.len()]>,
 }
 
 /// A worker request flag (on BATCH requests): the node is stamping, so
