@@ -1,6 +1,7 @@
 //! Which nodes a lease may go to, and in which order ([`Need`], [`rank`]).
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 
 use super::NodeRecord;
 
@@ -41,6 +42,36 @@ pub(crate) fn rank(nodes: &[NodeRecord], need: &Need) -> Vec<NodeRecord> {
     fit
 }
 
+/// The order in which a policy tries `ranked` (least loaded first) for one
+/// more lease: nodes it holds no lease on, then those it does (`used`),
+/// then those whose lease it lost (`lost`, by name and address), each
+/// group in `ranked`'s order. A node that just failed may still be listed
+/// for a while (its record outlives it, or the registry's watch lags): it
+/// is tried last, so a replacement never waits on a dead node while a live
+/// one fits.
+pub(crate) fn fresh_first(
+    ranked: Vec<NodeRecord>,
+    used: &[String],
+    lost: &[(String, SocketAddr)],
+) -> Vec<String> {
+    let group = |n: &NodeRecord| {
+        if lost
+            .iter()
+            .any(|(name, at)| *name == n.name && *at == n.address)
+        {
+            2
+        } else if used.contains(&n.name) {
+            1
+        } else {
+            0
+        }
+    };
+    let mut keyed: Vec<(u8, NodeRecord)> = ranked.into_iter().map(|n| (group(&n), n)).collect();
+    // Stable: within a group, `ranked`'s order stays.
+    keyed.sort_by_key(|(g, _)| *g);
+    keyed.into_iter().map(|(_, n)| n.name).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,6 +107,31 @@ mod tests {
             ..Need::default()
         };
         assert_eq!(names(&rank(&nodes, &need)), ["c", "b", "a"]);
+    }
+
+    #[test]
+    fn fresh_nodes_first_then_used_ones_and_a_lost_one_last() {
+        let mut lost = node("lost", 100, 0);
+        lost.address = "127.0.0.1:2".parse().unwrap();
+        let ranked = vec![
+            lost.clone(),
+            node("used", 100, 0),
+            node("fresh", 50, 1),
+            node("fresh2", 40, 2),
+        ];
+        let used = ["used".to_string(), "lost".to_string()];
+        let gone = [("lost".to_string(), lost.address)];
+        assert_eq!(
+            fresh_first(ranked.clone(), &used, &gone),
+            ["fresh", "fresh2", "used", "lost"]
+        );
+        // The same name at another address (the node came back elsewhere)
+        // is not the lost one.
+        let elsewhere = [("lost".to_string(), "127.0.0.1:3".parse().unwrap())];
+        assert_eq!(
+            fresh_first(ranked, &used, &elsewhere),
+            ["fresh", "fresh2", "lost", "used"]
+        );
     }
 
     #[test]

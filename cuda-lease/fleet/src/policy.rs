@@ -15,7 +15,7 @@ use cuda_async::{ExecutionContext, RemoteErrorExt, RemoteSession, SchedulingPoli
 use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
-use super::placement::rank;
+use super::placement::{fresh_first, rank};
 use super::{lock, Fleet, FleetError, NodeRecord};
 use cuda_lease::client::{Disconnect, Error, ErrorKind, Lease};
 use cuda_lease::remote::LeaseBackend;
@@ -117,6 +117,9 @@ struct Shared {
     cfg: FleetPolicyConfig,
     runtime: tokio::runtime::Handle,
     members: Mutex<Vec<Arc<Member>>>,
+    /// Nodes (name, address) whose lease was buried: placed after every
+    /// other node until a lease there is held again.
+    lost_nodes: Mutex<Vec<(String, std::net::SocketAddr)>>,
     stats: Mutex<Vec<NodeStats>>,
     /// A lease was added (waiting submissions look again).
     added: Notify,
@@ -191,6 +194,7 @@ impl FleetPolicy {
             cfg,
             runtime: tokio::runtime::Handle::current(),
             members: Mutex::new(Vec::new()),
+            lost_nodes: Mutex::new(Vec::new()),
             stats: Mutex::new(Vec::new()),
             added: Notify::new(),
             wake: Arc::new(Notify::new()),
@@ -332,17 +336,16 @@ impl Shared {
         best
     }
 
-    /// Leases once more, preferring a node the policy does not use yet.
+    /// Leases once more, preferring a node the policy does not use yet, and
+    /// trying a node whose lease it lost last ([`fresh_first`]).
     async fn add_member(&self) -> Result<(), FleetError> {
         let used: Vec<String> = self.live().iter().map(|m| m.node.name.clone()).collect();
+        let lost = lock(&self.lost_nodes).clone();
         let builder = Lease::builder().min_vram(self.cfg.vram).ttl(self.cfg.ttl);
         let lease = self
             .fleet
             .lease_placed(builder, |nodes, need| {
-                let ranked = rank(nodes, need);
-                let (fresh, again): (Vec<_>, Vec<_>) =
-                    ranked.into_iter().partition(|n| !used.contains(&n.name));
-                fresh.into_iter().chain(again).map(|n| n.name).collect()
+                fresh_first(rank(nodes, need), &used, &lost)
             })
             .await?;
         let addr = lease.client().addr();
@@ -352,6 +355,7 @@ impl Shared {
             .into_iter()
             .find(|n| n.address == addr)
             .ok_or_else(|| FleetError::Config(format!("the node at {addr} left the registry")))?;
+        lock(&self.lost_nodes).retain(|(name, at)| *name != node.name || *at != node.address);
         let session = LeaseBackend::new(lease.session(), self.runtime.clone());
         info!(node = %node.name, lease = %lease.id(), "fleet policy: leased");
         lock(&self.members).push(Arc::new(Member {
@@ -373,6 +377,13 @@ impl Shared {
             return;
         }
         warn!(node = %m.node.name, why, "fleet policy: lease lost; replacing it");
+        {
+            let mut lost = lock(&self.lost_nodes);
+            let node = (m.node.name.clone(), m.node.address);
+            if !lost.contains(&node) {
+                lost.push(node);
+            }
+        }
         if let Some(l) = lock(&m.lease).as_ref() {
             l.client().close();
         }

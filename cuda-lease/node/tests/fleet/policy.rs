@@ -13,7 +13,10 @@ use crate::common::etcd::*;
 use crate::common::*;
 use cuda_async::prelude::*;
 use cuda_async::{DeviceBuffer, RemoteErrorKind};
-use cuda_lease_fleet::{Fleet, FleetPolicy, FleetPolicyConfig};
+use cuda_lease::client::ClientConfig;
+use cuda_lease_fleet::{
+    fingerprint, Fleet, FleetPolicy, FleetPolicyConfig, NodeRecord, DEFAULT_PREFIX,
+};
 use cuda_lease_node::node::Node;
 
 const MIB: u64 = 1 << 20;
@@ -504,6 +507,86 @@ async fn a_draining_node_hands_its_work_over_and_etcd_may_restart_meanwhile() {
     for n in keep {
         n.shutdown().await;
     }
+}
+
+/// A node whose lease the policy lost can stay listed a while (its record
+/// outlives it, or the registry's watch lags): the replacement goes to a
+/// live node, not first to the dead one. Here node "a"'s record is the
+/// test's own, without a TTL, and a connection attempt waits two minutes:
+/// trying "a" first would hold the replacement past the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_node_still_listed_is_tried_last() {
+    let _together = ALONE.read().await;
+    let etcd = Etcd::start().await;
+    let mut cfg = memory_config(256 * MIB);
+    cfg.name = "a".into();
+    cfg.max_leases_per_principal = 64;
+    let a = Node::start(cfg).await.expect("start a node");
+    let record = NodeRecord {
+        name: "a".into(),
+        address: a.addr(),
+        cert_sha256: fingerprint(a.cert_der()),
+        devices: Vec::new(),
+        // The most room of the three: ranked first while listed.
+        capacity_bytes: 1 << 40,
+        reservable_bytes: 1 << 40,
+        active_leases: 0,
+        protocol: cuda_lease::proto::VERSION,
+        labels: Default::default(),
+    };
+    let mut kv = etcd_client::Client::connect([etcd.url()], None)
+        .await
+        .expect("connect to etcd");
+    kv.put(NodeRecord::key(DEFAULT_PREFIX, "a"), record.to_json(), None)
+        .await
+        .expect("write a's record");
+    let b = node(&etcd, "b").await;
+    let c = node(&etcd, "c").await;
+    let fleet = follow_with(
+        etcd.fleet_config().client(
+            ClientConfig::pinned_sha256([0; 32])
+                .token(TOKEN)
+                .connect_timeout(Duration::from_secs(120)),
+        ),
+    )
+    .await;
+    until(&fleet, "three nodes", |n| n.len() == 3).await;
+    let policy = FleetPolicy::new(
+        &fleet,
+        FleetPolicyConfig {
+            retry: 2,
+            ..config(2)
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(policy.nodes(), ["a", "b"], "placed as ranked");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let tasks = run_until(&policy, 8, stop.clone());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.shutdown().await;
+    assert!(
+        fleet.nodes().iter().any(|n| n.name == "a"),
+        "a's record stays"
+    );
+    replaced(
+        &policy,
+        "a",
+        Duration::from_secs(30),
+        "the lost lease was replaced only after trying the dead node",
+    )
+    .await;
+    assert_eq!(policy.nodes(), ["b", "c"]);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut runs = Vec::new();
+    for t in tasks {
+        runs.extend(t.await.unwrap());
+    }
+    let failed: Vec<_> = runs.iter().filter_map(|r| r.2).collect();
+    assert!(failed.is_empty(), "{failed:?}");
+    policy.close().await;
+    b.shutdown().await;
+    c.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
