@@ -61,17 +61,35 @@ fn main() -> Result<()> {
         (
             "4 streams, 50 us of spinning before each",
             4,
-            Some((gap, false)),
+            Some((gap, Wait::Spin)),
+        ),
+        (
+            "4 streams, 50 us of runtime turns before each",
+            4,
+            Some((gap, Wait::Turns)),
         ),
         (
             "4 streams, the thread asleep 50 us before each",
             4,
-            Some((gap, true)),
+            Some((gap, Wait::Sleep)),
         ),
     ] {
         replays(&mut dev, label, streams, gap, iters)?;
     }
     Ok(())
+}
+
+/// How the thread waits before a replay, as a worker waits for its next batch.
+#[derive(Clone, Copy)]
+enum Wait {
+    /// A spin loop, no system call.
+    Spin,
+    /// Turns of a current-thread tokio runtime (`block_on(yield_now())`,
+    /// each polling its I/O driver: a system call), as a direct lease's
+    /// worker spins between batches.
+    Turns,
+    /// Asleep.
+    Sleep,
 }
 
 /// `y = x + y` over the chain's buffers.
@@ -93,28 +111,36 @@ fn vadd(module: ModuleHash) -> LaunchSpec<'static> {
 
 /// The worker's replay batch, `iters` times: the graph's launch, the
 /// download of `y`, the seal, then polls until the batch is done; after
-/// a pause of `gap.0` each, if given, asleep if `gap.1` (a worker waits
-/// for its next batch, spinning or asleep).
+/// a wait of `gap.0` each, if given, as `gap.1` says.
 fn replays(
     dev: &mut CudaDevice,
     label: &str,
     streams: u32,
-    gap: Option<(std::time::Duration, bool)>,
+    gap: Option<(std::time::Duration, Wait)>,
     iters: usize,
 ) -> Result<()> {
     let mut t = [const { Vec::new() }; 4];
     let warm = iters.min(100);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     for i in 0..iters + warm {
         let s = (i as u32 % streams) as StreamId;
-        match gap {
-            Some((d, true)) => std::thread::sleep(d),
-            Some((d, false)) => {
-                let t = Instant::now();
-                while t.elapsed() < d {
-                    std::hint::spin_loop();
+        if let Some((d, wait)) = gap {
+            let t = Instant::now();
+            match wait {
+                Wait::Sleep => std::thread::sleep(d),
+                Wait::Spin => {
+                    while t.elapsed() < d {
+                        std::hint::spin_loop();
+                    }
+                }
+                Wait::Turns => {
+                    while t.elapsed() < d {
+                        rt.block_on(tokio::task::yield_now());
+                    }
                 }
             }
-            None => {}
         }
         let t0 = Instant::now();
         dev.launch_graph(s, GRAPH).map_err(err)?;
