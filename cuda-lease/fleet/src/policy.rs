@@ -398,6 +398,13 @@ impl Shared {
         // timeout); a live one does (etcd lost its data, say, or it is
         // shutting down) and is asked again soon, until listed again or silent.
         let registered = self.fleet.nodes();
+        // A lost node the registry no longer lists needs no place in the
+        // order: the list stays as long as the registry at most.
+        lock(&self.lost_nodes).retain(|(name, at)| {
+            registered
+                .iter()
+                .any(|n| n.name == *name && n.address == *at)
+        });
         let mut look_again = false;
         for m in self.live() {
             let listed = registered
