@@ -1,7 +1,6 @@
 //! Which nodes a lease may go to, and in which order ([`Need`], [`rank`]).
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 
 use super::NodeRecord;
 
@@ -49,10 +48,11 @@ pub(crate) fn rank(nodes: &[NodeRecord], need: &Need) -> Vec<NodeRecord> {
 /// for a while (its record outlives it, or the registry's watch lags): it
 /// is tried last, so a replacement never waits on a dead node while a live
 /// one fits.
+#[cfg(feature = "backend")]
 pub(crate) fn fresh_first(
     ranked: Vec<NodeRecord>,
     used: &[String],
-    lost: &[(String, SocketAddr)],
+    lost: &[(String, std::net::SocketAddr)],
 ) -> Vec<String> {
     let group = |n: &NodeRecord| {
         if lost
@@ -109,6 +109,7 @@ mod tests {
         assert_eq!(names(&rank(&nodes, &need)), ["c", "b", "a"]);
     }
 
+    #[cfg(feature = "backend")]
     #[test]
     fn fresh_nodes_first_then_used_ones_and_a_lost_one_last() {
         let mut lost = node("lost", 100, 0);
