@@ -249,6 +249,43 @@ fn run_until(
         .collect()
 }
 
+/// A policy of two leases on `fleet` that runs work failed with its node
+/// again (twice), and eight tasks running pipelines on it until `stop`.
+async fn retrying_run(
+    fleet: &Fleet,
+) -> (
+    FleetPolicy,
+    Arc<std::sync::atomic::AtomicBool>,
+    Vec<tokio::task::JoinHandle<Vec<Run>>>,
+) {
+    let policy = FleetPolicy::new(
+        fleet,
+        FleetPolicyConfig {
+            retry: 2,
+            ..config(2)
+        },
+    )
+    .await
+    .unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let tasks = run_until(&policy, 8, stop.clone());
+    (policy, stop, tasks)
+}
+
+/// Stops the tasks of [`retrying_run`]; their runs' failures.
+async fn failures(
+    stop: &std::sync::atomic::AtomicBool,
+    tasks: Vec<tokio::task::JoinHandle<Vec<Run>>>,
+) -> (usize, Vec<RemoteErrorKind>) {
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut runs = Vec::new();
+    for t in tasks {
+        runs.extend(t.await.unwrap());
+    }
+    let failed = runs.iter().filter_map(|r| r.2).collect();
+    (runs.len(), failed)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_node_fails_its_work_without_retry_and_hands_it_over_with_retry() {
     let _together = ALONE.read().await;
@@ -451,17 +488,7 @@ async fn a_draining_node_hands_its_work_over_and_etcd_may_restart_meanwhile() {
     let c = node(&etcd, "c").await;
     let fleet = follow(&etcd).await;
     until(&fleet, "three nodes", |n| n.len() == 3).await;
-    let policy = FleetPolicy::new(
-        &fleet,
-        FleetPolicyConfig {
-            retry: 2,
-            ..config(2)
-        },
-    )
-    .await
-    .unwrap();
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let tasks = run_until(&policy, 8, stop.clone());
+    let (policy, stop, tasks) = retrying_run(&fleet).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     // etcd goes away and comes back empty: the run goes on.
     etcd.restart_empty().await;
@@ -491,15 +518,9 @@ async fn a_draining_node_hands_its_work_over_and_etcd_may_restart_meanwhile() {
         drained.elapsed()
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let mut runs = Vec::new();
-    for t in tasks {
-        runs.extend(t.await.unwrap());
-    }
-    let failed: Vec<_> = runs.iter().filter_map(|r| r.2).collect();
+    let (runs, failed) = failures(&stop, tasks).await;
     println!(
-        "{} pipelines, {} retried, failed: {failed:?}",
-        runs.len(),
+        "{runs} pipelines, {} retried, failed: {failed:?}",
         policy.retries()
     );
     assert!(failed.is_empty(), "{failed:?}");
@@ -551,18 +572,8 @@ async fn a_lost_node_still_listed_is_tried_last() {
     )
     .await;
     until(&fleet, "three nodes", |n| n.len() == 3).await;
-    let policy = FleetPolicy::new(
-        &fleet,
-        FleetPolicyConfig {
-            retry: 2,
-            ..config(2)
-        },
-    )
-    .await
-    .unwrap();
+    let (policy, stop, tasks) = retrying_run(&fleet).await;
     assert_eq!(policy.nodes(), ["a", "b"], "placed as ranked");
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let tasks = run_until(&policy, 8, stop.clone());
     tokio::time::sleep(Duration::from_millis(300)).await;
     a.shutdown().await;
     assert!(
@@ -577,12 +588,7 @@ async fn a_lost_node_still_listed_is_tried_last() {
     )
     .await;
     assert_eq!(policy.nodes(), ["b", "c"]);
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let mut runs = Vec::new();
-    for t in tasks {
-        runs.extend(t.await.unwrap());
-    }
-    let failed: Vec<_> = runs.iter().filter_map(|r| r.2).collect();
+    let (_, failed) = failures(&stop, tasks).await;
     assert!(failed.is_empty(), "{failed:?}");
     policy.close().await;
     b.shutdown().await;
