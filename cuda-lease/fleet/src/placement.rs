@@ -50,7 +50,7 @@ pub(crate) fn rank(nodes: &[NodeRecord], need: &Need) -> Vec<NodeRecord> {
 /// one fits.
 #[cfg(feature = "backend")]
 pub(crate) fn fresh_first(
-    ranked: Vec<NodeRecord>,
+    mut ranked: Vec<NodeRecord>,
     used: &[String],
     lost: &[(String, std::net::SocketAddr)],
 ) -> Vec<String> {
@@ -66,10 +66,9 @@ pub(crate) fn fresh_first(
             0
         }
     };
-    let mut keyed: Vec<(u8, NodeRecord)> = ranked.into_iter().map(|n| (group(&n), n)).collect();
     // Stable: within a group, `ranked`'s order stays.
-    keyed.sort_by_key(|(g, _)| *g);
-    keyed.into_iter().map(|(_, n)| n.name).collect()
+    ranked.sort_by_key(group);
+    ranked.into_iter().map(|n| n.name).collect()
 }
 
 #[cfg(test)]
