@@ -64,8 +64,24 @@ impl Etcd {
             client_port: free_port(),
             peer_port: free_port(),
         };
-        e.run().await;
-        e
+        // A port [`free_port`] found free can be taken again before etcd
+        // binds it (by a connection's own port, say): etcd then exits, and
+        // starts again on others.
+        for _ in 0..4 {
+            if e.run().await {
+                return e;
+            }
+            e.client_port = free_port();
+            e.peer_port = free_port();
+        }
+        panic!("etcd exited at each of 4 starts:\n{}", e.log());
+    }
+
+    /// The tail of etcd's log (its directory goes with it).
+    fn log(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.join("etcd.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(10).collect();
+        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
     }
 
     pub fn url(&self) -> String {
@@ -82,8 +98,9 @@ impl Etcd {
         cfg
     }
 
-    /// Starts the process on this server's ports and data directory.
-    async fn run(&mut self) {
+    /// Starts the process on this server's ports and data directory and
+    /// waits until it answers (true) or exits (false).
+    async fn run(&mut self) -> bool {
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let log = std::fs::File::create(self.dir.join("etcd.log")).unwrap();
         let child = Command::new(etcd_binary())
@@ -104,12 +121,18 @@ impl Etcd {
         loop {
             // Answers once a fleet client can read the registry.
             if Fleet::connect(self.fleet_config()).await.is_ok() {
-                return;
+                return true;
+            }
+            if let Some(c) = self.child.as_mut() {
+                if c.try_wait().is_ok_and(|s| s.is_some()) {
+                    self.child = None;
+                    return false;
+                }
             }
             assert!(
                 Instant::now() < deadline,
-                "etcd did not answer within 15 s (log: {})",
-                self.dir.join("etcd.log").display()
+                "etcd did not answer within 15 s; its log ends:\n{}",
+                self.log()
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -129,7 +152,12 @@ impl Etcd {
     pub async fn restart_empty(&mut self) {
         self.kill();
         std::fs::remove_dir_all(self.dir.join("data")).unwrap();
-        self.run().await;
+        // On the same ports: the nodes and clients know them.
+        assert!(
+            self.run().await,
+            "etcd exited on its restart:\n{}",
+            self.log()
+        );
     }
 }
 
