@@ -69,6 +69,14 @@ impl Completion {
         }
     }
 
+    /// Producer: wakes the registered waker without finishing (it is taken
+    /// out, as a finish takes it): a consumer parked on the submission runs
+    /// again, finds it pending, and registers anew. A spurious wake-up,
+    /// never a lost one: a finish after it wakes whatever is registered then.
+    pub(crate) fn nudge(&self) {
+        self.waker.wake();
+    }
+
     /// Consumer: registers `waker`, then re-checks the flag.
     pub(crate) fn poll_status(&self, waker: &Waker) -> Status {
         let s = self.status();

@@ -81,6 +81,41 @@ fn re_registering_a_new_waker_while_completing_wakes_one_of_them() {
     });
 }
 
+/// A transport's early wake-up (`nudge`, as a reply begins to arrive)
+/// races the completion and the consumer's re-poll after it: the consumer
+/// finds the submission done, or is woken once more after it re-registers.
+#[test]
+fn a_nudge_racing_the_completion_never_loses_the_final_wakeup() {
+    loom::model(|| {
+        let c = Arc::new(Completion::new());
+        let count = std::sync::Arc::new(CountingWaker(StdAtomicUsize::new(0)));
+        let waker = Waker::from(count.clone());
+        assert_eq!(c.poll_status(&waker), Status::Pending);
+        let producer = {
+            let c = c.clone();
+            loom::thread::spawn(move || {
+                c.nudge();
+                c.complete();
+            })
+        };
+        // The consumer polls again whenever it has been woken.
+        let mut seen = 0;
+        loop {
+            let woken = count.0.load(StdOrdering::SeqCst);
+            if woken == seen {
+                loom::thread::yield_now();
+                continue;
+            }
+            seen = woken;
+            if c.poll_status(&waker) == Status::Done {
+                break;
+            }
+        }
+        producer.join().unwrap();
+        assert_eq!(c.status(), Status::Done);
+    });
+}
+
 #[test]
 fn failure_from_the_watchdog_races_the_callback_and_one_outcome_wins() {
     loom::model(|| {

@@ -54,6 +54,8 @@ pub struct LeaseBackend {
     /// thread if it busy-polls (the reply wakes the task on the thread
     /// that took its packet), else `runtime`.
     replies: tokio::runtime::Handle,
+    /// Whether `replies` is the client's endpoint thread.
+    busy_reader: bool,
     name: String,
     /// Queued frees and the ids they wait for or forget (see the module's docs).
     ledger: Arc<Ledger>,
@@ -73,15 +75,15 @@ impl LeaseBackend {
             &id[..8],
             session.client().node_name()
         );
-        let replies = session
-            .client()
-            .io_runtime()
-            .unwrap_or_else(|| runtime.clone());
+        let busy = session.client().io_runtime();
+        let busy_reader = busy.is_some();
+        let replies = busy.unwrap_or_else(|| runtime.clone());
         Arc::new_cyclic(|me| LeaseBackend {
             me: me.clone(),
             session,
             runtime,
             replies,
+            busy_reader,
             name,
             ledger: Arc::new(Ledger::new()),
             reading: Mutex::new(Reading::default()),
@@ -214,6 +216,16 @@ impl LeaseBackend {
         // Numbered now, in call order; it waits for the earlier streamed
         // downloads of buffers it uses (numbered and checked under one lock:
         // see `reading`).
+        // An awaiter on another thread than the reply's reader (outside a
+        // tokio task: `block_on`'s thread, `sync()`'s; or any, when the
+        // client's busy thread reads the reply) is woken as the reply
+        // arrives, not only once it is read. A task of the runtime that
+        // reads it is not: it runs after the reader on the same thread.
+        let elsewhere = self.busy_reader || tokio::task::try_id().is_none();
+        let nudge = match &done.done {
+            Some(d) if elsewhere => Some(Arc::new(Nudge::new(d.clone()))),
+            _ => None,
+        };
         let (reply, waits) = {
             let reading = self.reading();
             let commands = recording.commands();
@@ -255,7 +267,98 @@ impl LeaseBackend {
         // a runtime worker. The reply is awaited as a task of the runtime
         // (of the client's endpoint thread, if it has one).
         // A task left running is detached: it finishes `done` itself.
-        drop(crate::transport::start_on(&self.replies, task));
+        match nudge {
+            Some(nudge) => drop(crate::transport::start_on(
+                &self.replies,
+                Box::pin(Nudging { task, nudge }),
+            )),
+            None => drop(crate::transport::start_on(&self.replies, task)),
+        }
+    }
+}
+
+/// A submission's reply task whose first wake-up after its first poll
+/// (for a message written whole by then: its reply's first bytes) also
+/// nudges the submission's completion ([`RemoteCompletion::nudge`]): a
+/// thread parked on it starts waking while the reply is read, so its
+/// wake-up overlaps the read instead of following it. Later wake-ups are
+/// the task's alone. The task still reads the reply and completes the
+/// submission whoever awaits it (or none).
+struct Nudging {
+    task: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
+    nudge: Arc<Nudge>,
+}
+
+/// The nudge of one submission, given once.
+struct Nudge {
+    done: RemoteCompletion,
+    /// 0: the task's first poll is still to come; 1: armed; 2: given.
+    state: std::sync::atomic::AtomicU8,
+}
+
+impl Nudge {
+    fn new(done: RemoteCompletion) -> Self {
+        Nudge {
+            done,
+            state: std::sync::atomic::AtomicU8::new(0),
+        }
+    }
+}
+
+/// The task's waker while the nudge is armed.
+struct NudgeWaker {
+    nudge: Arc<Nudge>,
+    task: std::task::Waker,
+}
+
+impl std::task::Wake for NudgeWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        use std::sync::atomic::Ordering;
+        // The awaiter's thread starts waking while the task reads.
+        if self
+            .nudge
+            .state
+            .compare_exchange(1, 2, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            self.nudge.done.nudge();
+        }
+        self.task.wake_by_ref();
+    }
+}
+
+impl Future for Nudging {
+    type Output = ();
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        use std::sync::atomic::Ordering;
+        let this = &mut *self;
+        match this.nudge.state.load(Ordering::Acquire) {
+            0 => {
+                // The first poll (on the submitting thread) opens the stream
+                // and writes the message; wake-ups after it are the reply's.
+                let r = this.task.as_mut().poll(cx);
+                this.nudge.state.store(1, Ordering::Release);
+                r
+            }
+            1 => {
+                let waker = std::task::Waker::from(Arc::new(NudgeWaker {
+                    nudge: this.nudge.clone(),
+                    task: cx.waker().clone(),
+                }));
+                this.task
+                    .as_mut()
+                    .poll(&mut std::task::Context::from_waker(&waker))
+            }
+            _ => this.task.as_mut().poll(cx),
+        }
     }
 }
 
@@ -489,5 +592,71 @@ impl Drop for BlockingLease {
         } else {
             end();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::task::{Context, Poll, Wake, Waker};
+
+    /// Records, at each wake-up, whether the submission was still pending.
+    struct Seen(Mutex<Vec<bool>>, RemoteCompletion);
+    impl Wake for Seen {
+        fn wake(self: Arc<Self>) {
+            let pending = self.1.outcome().is_none();
+            self.0.lock().unwrap().push(pending);
+        }
+    }
+
+    #[test]
+    fn a_parked_awaiter_is_woken_when_the_reply_arrives_then_when_it_is_read() {
+        let done = RemoteCompletion::new();
+        let seen = Arc::new(Seen(Mutex::new(Vec::new()), done.clone()));
+        let awaiter = Waker::from(seen.clone());
+        assert!(done
+            .poll_outcome(&mut Context::from_waker(&awaiter))
+            .is_pending());
+        // The reply's task: the reply arrives on `rx`; reading it completes.
+        let (tx, rx) = futures::channel::oneshot::channel::<()>();
+        let d = done.clone();
+        let task = Box::pin(async move {
+            let _ = rx.await;
+            d.complete();
+        });
+        let mut nudging = Box::pin(Nudging {
+            task,
+            nudge: Arc::new(Nudge::new(done.clone())),
+        });
+        // The submitting thread's poll, then the runtime's.
+        let noop = &mut Context::from_waker(Waker::noop());
+        assert!(nudging.as_mut().poll(noop).is_pending());
+        struct Flag(AtomicBool);
+        impl Wake for Flag {
+            fn wake(self: Arc<Self>) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let woken = Arc::new(Flag(AtomicBool::new(false)));
+        let task_waker = Waker::from(woken.clone());
+        assert!(nudging
+            .as_mut()
+            .poll(&mut Context::from_waker(&task_waker))
+            .is_pending());
+        assert!(seen.0.lock().unwrap().is_empty(), "nothing has arrived");
+        tx.send(()).unwrap();
+        // The awaiter was woken with the reply still unread, and the task too.
+        assert_eq!(*seen.0.lock().unwrap(), [true]);
+        assert!(woken.0.load(Ordering::SeqCst));
+        // It polls, finds it pending and waits again; the task reads it.
+        assert!(done
+            .poll_outcome(&mut Context::from_waker(&awaiter))
+            .is_pending());
+        assert_eq!(
+            nudging.as_mut().poll(&mut Context::from_waker(&task_waker)),
+            Poll::Ready(())
+        );
+        assert_eq!(*seen.0.lock().unwrap(), [true, false]);
     }
 }

@@ -696,15 +696,18 @@ fn chain_rows(group: &'static str, t: &ChainTimes) -> Vec<Row> {
 }
 
 /// The chain prepared on the node and run again with its input: remote -
-/// local (the eager chain) or remote alone, against a raw request/reply of
-/// the run's own sizes.
+/// local or remote alone, against a raw request/reply of the run's own
+/// sizes. The local side is the chain's graph replayed and its output
+/// downloaded: the same GPU work at the cost of one launch, as a prepared
+/// run has none of the client's recording; the local eager chain pays its
+/// ops' enqueueing on the host, which the remote side would be credited.
 fn prepared_row(group: &'static str, t: &ChainTimes) -> Row {
     let us = |v: &[Duration]| times(Unit::Micros, v);
     let (sized, remote) = (us(&t.prepared_sized), us(&t.prepared));
     let what = format!(
-        "20-op chain sent again as a prepared submission: remote (prepared) - local (eager) vs a raw request/reply of the run's own sizes ({PREPARED_OUT} B / {CHAIN_BACK} B)"
+        "20-op chain sent again as a prepared submission: remote (prepared) - local (graph replay) vs a raw request/reply of the run's own sizes ({PREPARED_OUT} B / {CHAIN_BACK} B)"
     );
-    match (t.local.as_deref().and_then(us), remote) {
+    match (t.replay_local.as_deref().and_then(us), remote) {
         (Some(l), Some(r)) => Row::new(group, what, Unit::Micros)
             .raw(sized)
             .lib(Some(difference(r, l)))

@@ -83,6 +83,16 @@ impl RemoteCompletion {
         self.0.fail(error);
     }
 
+    /// Wakes whatever awaits the submission now, leaving it pending: for a
+    /// transport whose reply has begun to arrive, so that an awaiting thread
+    /// is awake (a parked thread takes microseconds to run again) by the
+    /// time the reply is read and [`RemoteCompletion::complete`] is called.
+    /// The awaiter polls once, finds the submission pending and waits again;
+    /// nothing is lost whatever the order of the two calls.
+    pub fn nudge(&self) {
+        self.0.nudge();
+    }
+
     /// True once completed or failed.
     pub fn is_finished(&self) -> bool {
         self.0.is_finished()
