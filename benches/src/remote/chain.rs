@@ -434,6 +434,7 @@ async fn chain_times(
     local: Option<&StreamPoolRoundRobin>,
     axpy: &Kernel,
     iters: usize,
+    stamped: bool,
 ) -> Result<ChainTimes> {
     let x = Arc::new(vec![2.0f32; 256]);
     let raw = RawQuinn::start(1).await?;
@@ -447,7 +448,22 @@ async fn chain_times(
     let prepared = chain(axpy, x.clone()).prepare().schedule(remote)?.await?;
     let mut v: [Vec<Duration>; 8] = Default::default();
     let mut steps: [Vec<_>; 3] = Default::default();
-    for (path, keep) in interleaved(iters, 8) {
+    // The timed pass (stamping off), then, if asked, the stamped pass of
+    // the lease's paths alone.
+    let passes = [
+        (false, iters),
+        (true, if stamped { iters.min(CHAIN_ITERS) } else { 0 }),
+    ];
+    for (path, keep, stamping) in passes
+        .into_iter()
+        .flat_map(|(on, n)| interleaved(n, 8).map(move |(p, k)| (p, k, on)))
+    {
+        if stamping != stamps::enabled() {
+            stamps::set_enabled(stamping);
+        }
+        if stamping && ![2, 4, 7].contains(&path) {
+            continue;
+        }
         stamps::clear();
         let d = match (path, local, &local_graph) {
             (0, _, _) => raw.round_trip(64).await?,
@@ -460,16 +476,15 @@ async fn chain_times(
             (7, _, _) => one_prepared(remote, &prepared, &x).await?,
             _ => continue,
         };
-        if keep {
-            v[path].push(d);
-            match path {
-                2 => steps[0].push(stamps::take()),
-                4 => steps[1].push(stamps::take()),
-                7 => steps[2].push(stamps::take()),
-                _ => {}
-            }
+        match (keep, stamping, path) {
+            (true, false, _) => v[path].push(d),
+            (true, true, 2) => steps[0].push(stamps::take()),
+            (true, true, 4) => steps[1].push(stamps::take()),
+            (true, true, 7) => steps[2].push(stamps::take()),
+            _ => {}
         }
     }
+    stamps::set_enabled(false);
     raw.close().await;
     let [chain_steps, replay_steps, prepared_steps] = steps;
     detail_steps("20-op chain awaited on the lease", &chain_steps);
@@ -523,7 +538,22 @@ pub(super) async fn launch_only(ctx: &Ctx) -> Result<Vec<Row>> {
     };
     let mut v: [Vec<Duration>; 3] = Default::default();
     let mut launch_steps = Vec::new();
-    for (path, keep) in interleaved(ctx.cfg.iters, 3) {
+    // Timed without stamping; then, if asked, the remote path stamped.
+    let stamped = if ctx.cfg.stamps {
+        ctx.cfg.iters.min(CHAIN_ITERS)
+    } else {
+        0
+    };
+    for (path, keep, stamping) in [(false, ctx.cfg.iters), (true, stamped)]
+        .into_iter()
+        .flat_map(|(on, n)| interleaved(n, 3).map(move |(p, k)| (p, k, on)))
+    {
+        if stamping != stamps::enabled() {
+            stamps::set_enabled(stamping);
+        }
+        if stamping && path != 1 {
+            continue;
+        }
         stamps::clear();
         let d = match path {
             0 => raw.round_trip(64).await?,
@@ -533,13 +563,13 @@ pub(super) async fn launch_only(ctx: &Ctx) -> Result<Vec<Row>> {
                 _ => continue,
             },
         };
-        if keep {
-            v[path].push(d);
-            if path == 1 {
-                launch_steps.push(stamps::take());
-            }
+        match (keep, stamping) {
+            (true, false) => v[path].push(d),
+            (true, true) => launch_steps.push(stamps::take()),
+            _ => {}
         }
     }
+    stamps::set_enabled(false);
     raw.close().await;
     detail_steps("one awaited launch on the lease", &launch_steps);
     drop((on_remote, on_local));
@@ -614,7 +644,7 @@ impl ChainSetup {
             .await?;
         let remote = RemotePolicy::new(&LeaseBackend::current(lease.session()));
         let local = local_policy(&axpy, ctx.cfg.memory())?;
-        let times = chain_times(&remote, local.as_deref(), &axpy, iters).await?;
+        let times = chain_times(&remote, local.as_deref(), &axpy, iters, ctx.cfg.stamps).await?;
         Ok(ChainSetup {
             axpy,
             lease,

@@ -116,7 +116,8 @@ pub struct RemoteConfig {
     /// Stamp the points of the awaited launch's, the chain's and the
     /// replay's paths and print where their time went, step by step
     /// (`cuda_lease::stamps`: one clock read per point, about 20 per
-    /// submission); on unless `REPORT_STAMPS=0`.
+    /// submission), in a pass of their own after the timed one, which
+    /// runs without stamping; on unless `REPORT_STAMPS=0`.
     pub stamps: bool,
     /// The sizes of `remote_pool` ([`PoolConfig::new`] at the report's
     /// scale).
@@ -299,7 +300,10 @@ impl Bench {
         }
         detail(format_args!("worker pipe spin: {:?}", worker.spin));
         detail(format_args!("transport settings: {}", cfg.transport.0));
-        cuda_lease::stamps::set_enabled(cfg.stamps);
+        // Stamping costs a lease's submissions (about 20 clock reads and
+        // the worker's stamps in each reply): the timed passes run
+        // without it, and the steps come from passes of their own.
+        cuda_lease::stamps::set_enabled(false);
         let mut node_cfg = NodeConfig::new(worker);
         node_cfg.transport = cfg.transport.1.clone();
         node_cfg.tokens = vec!["bench".into()];
