@@ -144,10 +144,28 @@ struct Member {
     /// Submissions given to it in all.
     given: AtomicU64,
     dead: AtomicBool,
+    /// Since when its node, out of the registry, has let every query go
+    /// unanswered (`None`: listed, or it answered the latest).
+    silent_since: Mutex<Option<std::time::Instant>>,
 }
 
-/// How long a node that left the registry has to answer before its lease goes.
+/// How long one query of a node that left the registry is waited for.
 const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// How long a node out of the registry may leave every query unanswered
+/// (two at least) before its lease goes: a live node that is slow for a
+/// moment (a loaded host while etcd is away) keeps it, and gets no new
+/// work meanwhile.
+const SILENCE_MAX: Duration = Duration::from_secs(3);
+
+/// What a node that left the registry said to a query of its lease.
+enum Probe {
+    Answered,
+    /// An error: the lease or the connection is gone.
+    Refused,
+    /// Nothing within [`PROBE_TIMEOUT`].
+    Silent,
+}
 
 impl Member {
     fn is_live(&self) -> bool {
@@ -161,16 +179,24 @@ impl Member {
         cuda_async::Error::from_remote(e.with_node(self.node.address))
     }
 
-    /// Whether the lease's node answers a query within [`PROBE_TIMEOUT`].
-    async fn answers(&self) -> bool {
+    /// Queries the lease's node, waiting at most [`PROBE_TIMEOUT`].
+    async fn probe(&self) -> Probe {
         let lease = lock(&self.lease)
             .as_ref()
             .map(|l| (l.client().clone(), l.id()));
         let Some((client, id)) = lease else {
-            return false;
+            return Probe::Refused;
         };
-        let probe = client.query_lease(id);
-        matches!(tokio::time::timeout(PROBE_TIMEOUT, probe).await, Ok(Ok(_)))
+        match tokio::time::timeout(PROBE_TIMEOUT, client.query_lease(id)).await {
+            Ok(Ok(_)) => Probe::Answered,
+            Ok(Err(_)) => Probe::Refused,
+            Err(_) => Probe::Silent,
+        }
+    }
+
+    /// Whether its node has let a query go unanswered since it last answered.
+    fn is_silent(&self) -> bool {
+        lock(&self.silent_since).is_some()
     }
 }
 
@@ -315,7 +341,11 @@ impl Shared {
     /// flight.
     fn least_loaded(&self) -> Option<Arc<Member>> {
         let members = lock(&self.members);
-        let live = members.iter().filter(|m| m.is_live());
+        // A lease whose node is silent gets work only when every one is.
+        let heard = members.iter().any(|m| m.is_live() && !m.is_silent());
+        let live = members
+            .iter()
+            .filter(|m| m.is_live() && !(heard && m.is_silent()));
         let least = live
             .clone()
             .map(|m| m.in_flight.load(Ordering::Relaxed))
@@ -365,6 +395,7 @@ impl Shared {
             in_flight: AtomicUsize::new(0),
             given: AtomicU64::new(0),
             dead: AtomicBool::new(false),
+            silent_since: Mutex::new(None),
         }));
         self.added.notify_waiters();
         Ok(())
@@ -391,12 +422,16 @@ impl Shared {
     }
 
     /// One supervisor round; whether to look again soon (a wanted lease
-    /// could not be had, or a node that left the registry still answers).
+    /// could not be had, or a node that left the registry still answers or
+    /// has not been silent long).
     async fn tend(&self) -> bool {
         // A node that left the registry is asked directly: a dead one does
         // not answer (else its work in flight waits for the network's
         // timeout); a live one does (etcd lost its data, say, or it is
-        // shutting down) and is asked again soon, until listed again or silent.
+        // shutting down) and is asked again soon, until listed again or
+        // gone. One that refuses (its lease or connection is gone) is
+        // buried now; one that stays silent, once every query it was sent
+        // over `SILENCE_MAX` went unanswered.
         let registered = self.fleet.nodes();
         // A lost node the registry no longer lists needs no place in the
         // order: the list stays as long as the registry at most.
@@ -411,12 +446,24 @@ impl Shared {
                 .iter()
                 .any(|n| n.name == m.node.name && n.address == m.node.address);
             if listed {
+                *lock(&m.silent_since) = None;
                 continue;
             }
-            if m.answers().await {
-                look_again = true;
-            } else {
-                self.bury(&m, "its node left the registry and does not answer");
+            match m.probe().await {
+                Probe::Answered => {
+                    *lock(&m.silent_since) = None;
+                    look_again = true;
+                }
+                Probe::Refused => self.bury(&m, "its node left the registry and refuses queries"),
+                Probe::Silent => {
+                    let now = std::time::Instant::now();
+                    let since = *lock(&m.silent_since).get_or_insert(now);
+                    if now.duration_since(since) >= SILENCE_MAX {
+                        self.bury(&m, "its node left the registry and does not answer");
+                    } else {
+                        look_again = true;
+                    }
+                }
             }
         }
         // Dead leases are leaked: their node's TTL ends them there.

@@ -361,6 +361,52 @@ async fn a_killed_node_fails_its_work_without_retry_and_hands_it_over_with_retry
     kill_all(&mut children);
 }
 
+/// A node that stops answering for a moment (here: stopped with SIGSTOP
+/// past its registry TTL, so it also leaves the registry) keeps its lease
+/// when it answers again: the policy buries a silent node's lease only
+/// after every query over 3 s went unanswered. The node is stopped for
+/// about 1.5 s after its record expires: three of the policy's 0.5 s
+/// queries at least, against the first alone (the policy's rule before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_silent_for_a_moment_keeps_its_lease() {
+    let _together = ALONE.read().await;
+    let (_etcd, mut children, fleet) = process_fleet_of(&["s1", "s2"]).await;
+    let policy = FleetPolicy::new(&fleet, config(2)).await.unwrap();
+    let mut held = policy.nodes();
+    held.sort();
+    assert_eq!(held, ["s1", "s2"]);
+    round_trip(&policy, 1).await.unwrap();
+    let victim = &children[0];
+    let pid = victim.id() as libc::pid_t;
+    // SAFETY: signals to a child process of this test, alive until killed below.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    until(&fleet, "the stopped node out of the registry", |n| {
+        n.iter().all(|r| r.name != "s1")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    until(&fleet, "the node back in the registry", |n| {
+        n.iter().any(|r| r.name == "s1")
+    })
+    .await;
+    let mut held = policy.nodes();
+    held.sort();
+    assert_eq!(held, ["s1", "s2"], "the silent node's lease was dropped");
+    run_tasks(&policy, 4, 10).await;
+    assert!(
+        policy
+            .stats()
+            .iter()
+            .any(|s| s.node == "s1" && s.completed > 1),
+        "the node took work again: {:?}",
+        policy.stats()
+    );
+    policy.close().await;
+    kill_all(&mut children);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_buffer_on_a_dead_node_fails_naming_the_node_and_the_buffer() {
     let _together = ALONE.read().await;
@@ -393,7 +439,8 @@ async fn a_buffer_on_a_dead_node_fails_naming_the_node_and_the_buffer() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
-    tokio::time::timeout(Duration::from_secs(10), gone)
+    // Its record expires after 2 s; its lease goes after 3 s of silence more.
+    tokio::time::timeout(Duration::from_secs(20), gone)
         .await
         .expect("the dead node's lease stayed");
     let e = d2h(kept).schedule(&policy).unwrap().await.unwrap_err();
