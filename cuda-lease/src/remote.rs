@@ -213,9 +213,6 @@ impl LeaseBackend {
         // Reads land straight in their slots' storage; writes go out as recorded.
         let bufs: Vec<_> = recording.reads().iter().map(|s| s.buffer()).collect();
         let writes = recording.take_data();
-        // Numbered now, in call order; it waits for the earlier streamed
-        // downloads of buffers it uses (numbered and checked under one lock:
-        // see `reading`).
         // An awaiter on another thread than the reply's reader (outside a
         // tokio task: `block_on`'s thread, `sync()`'s; or any, when the
         // client's busy thread reads the reply) is woken as the reply
@@ -226,6 +223,9 @@ impl LeaseBackend {
             Some(d) if elsewhere => Some(Arc::new(Nudge::new(d.clone()))),
             _ => None,
         };
+        // Numbered now, in call order; it waits for the earlier streamed
+        // downloads of buffers it uses (numbered and checked under one lock:
+        // see `reading`).
         let (reply, waits) = {
             let reading = self.reading();
             let commands = recording.commands();
