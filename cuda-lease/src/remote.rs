@@ -270,7 +270,11 @@ impl LeaseBackend {
         match nudge {
             Some(nudge) => drop(crate::transport::start_on(
                 &self.replies,
-                Box::pin(Nudging { task, nudge }),
+                Box::pin(Nudging {
+                    task,
+                    nudge: Some(nudge),
+                    polled: false,
+                }),
             )),
             None => drop(crate::transport::start_on(&self.replies, task)),
         }
@@ -286,26 +290,29 @@ impl LeaseBackend {
 /// submission whoever awaits it (or none).
 struct Nudging {
     task: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
-    nudge: Arc<Nudge>,
+    /// Until given.
+    nudge: Option<Arc<Nudge>>,
+    /// Whether the first poll (the submitting thread's: it writes the
+    /// message) is done; wake-ups after it are the reply's.
+    polled: bool,
 }
 
-/// The nudge of one submission, given once.
+/// The nudge of one submission, given once (by whichever wake-up comes first).
 struct Nudge {
     done: RemoteCompletion,
-    /// 0: the task's first poll is still to come; 1: armed; 2: given.
-    state: std::sync::atomic::AtomicU8,
+    given: std::sync::atomic::AtomicBool,
 }
 
 impl Nudge {
     fn new(done: RemoteCompletion) -> Self {
         Nudge {
             done,
-            state: std::sync::atomic::AtomicU8::new(0),
+            given: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }
 
-/// The task's waker while the nudge is armed.
+/// The task's waker while the nudge is not given.
 struct NudgeWaker {
     nudge: Arc<Nudge>,
     task: std::task::Waker,
@@ -317,13 +324,11 @@ impl std::task::Wake for NudgeWaker {
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        use std::sync::atomic::Ordering;
         // The awaiter's thread starts waking while the task reads.
-        if self
+        if !self
             .nudge
-            .state
-            .compare_exchange(1, 2, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
+            .given
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
         {
             self.nudge.done.nudge();
         }
@@ -338,26 +343,28 @@ impl Future for Nudging {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<()> {
-        use std::sync::atomic::Ordering;
         let this = &mut *self;
-        match this.nudge.state.load(Ordering::Acquire) {
-            0 => {
-                // The first poll (on the submitting thread) opens the stream
-                // and writes the message; wake-ups after it are the reply's.
-                let r = this.task.as_mut().poll(cx);
-                this.nudge.state.store(1, Ordering::Release);
-                r
-            }
-            1 => {
+        if this
+            .nudge
+            .as_ref()
+            .is_some_and(|n| n.given.load(std::sync::atomic::Ordering::Acquire))
+        {
+            this.nudge = None;
+        }
+        match &this.nudge {
+            Some(nudge) if this.polled => {
                 let waker = std::task::Waker::from(Arc::new(NudgeWaker {
-                    nudge: this.nudge.clone(),
+                    nudge: nudge.clone(),
                     task: cx.waker().clone(),
                 }));
                 this.task
                     .as_mut()
                     .poll(&mut std::task::Context::from_waker(&waker))
             }
-            _ => this.task.as_mut().poll(cx),
+            _ => {
+                this.polled = true;
+                this.task.as_mut().poll(cx)
+            }
         }
     }
 }
@@ -627,7 +634,8 @@ mod tests {
         });
         let mut nudging = Box::pin(Nudging {
             task,
-            nudge: Arc::new(Nudge::new(done.clone())),
+            nudge: Some(Arc::new(Nudge::new(done.clone()))),
+            polled: false,
         });
         // The submitting thread's poll, then the runtime's.
         let noop = &mut Context::from_waker(Waker::noop());

@@ -429,6 +429,23 @@ fn interleaved(iters: usize, paths: usize) -> impl Iterator<Item = (usize, bool)
     })
 }
 
+/// [`interleaved`] over `paths` paths timed (stamping off), then, when
+/// `stamped`, a shorter pass (at most [`CHAIN_ITERS`]) of the `lease`
+/// paths alone with stamping on, for their steps: `(path, keep, stamping)`.
+fn timed_then_stamped(
+    iters: usize,
+    paths: usize,
+    stamped: bool,
+    lease: &'static [usize],
+) -> impl Iterator<Item = (usize, bool, bool)> {
+    let again = if stamped { iters.min(CHAIN_ITERS) } else { 0 };
+    let timed = interleaved(iters, paths).map(|(p, k)| (p, k, false));
+    let steps = interleaved(again, paths)
+        .filter(move |(p, _)| lease.contains(p))
+        .map(|(p, k)| (p, k, true));
+    timed.chain(steps)
+}
+
 async fn chain_times(
     remote: &RemotePolicy,
     local: Option<&StreamPoolRoundRobin>,
@@ -448,22 +465,8 @@ async fn chain_times(
     let prepared = chain(axpy, x.clone()).prepare().schedule(remote)?.await?;
     let mut v: [Vec<Duration>; 8] = Default::default();
     let mut steps: [Vec<_>; 3] = Default::default();
-    // The timed pass (stamping off), then, if asked, the stamped pass of
-    // the lease's paths alone.
-    let passes = [
-        (false, iters),
-        (true, if stamped { iters.min(CHAIN_ITERS) } else { 0 }),
-    ];
-    for (path, keep, stamping) in passes
-        .into_iter()
-        .flat_map(|(on, n)| interleaved(n, 8).map(move |(p, k)| (p, k, on)))
-    {
-        if stamping != stamps::enabled() {
-            stamps::set_enabled(stamping);
-        }
-        if stamping && ![2, 4, 7].contains(&path) {
-            continue;
-        }
+    for (path, keep, stamping) in timed_then_stamped(iters, 8, stamped, &[2, 4, 7]) {
+        stamps::set_enabled(stamping);
         stamps::clear();
         let d = match (path, local, &local_graph) {
             (0, _, _) => raw.round_trip(64).await?,
@@ -538,22 +541,8 @@ pub(super) async fn launch_only(ctx: &Ctx) -> Result<Vec<Row>> {
     };
     let mut v: [Vec<Duration>; 3] = Default::default();
     let mut launch_steps = Vec::new();
-    // Timed without stamping; then, if asked, the remote path stamped.
-    let stamped = if ctx.cfg.stamps {
-        ctx.cfg.iters.min(CHAIN_ITERS)
-    } else {
-        0
-    };
-    for (path, keep, stamping) in [(false, ctx.cfg.iters), (true, stamped)]
-        .into_iter()
-        .flat_map(|(on, n)| interleaved(n, 3).map(move |(p, k)| (p, k, on)))
-    {
-        if stamping != stamps::enabled() {
-            stamps::set_enabled(stamping);
-        }
-        if stamping && path != 1 {
-            continue;
-        }
+    for (path, keep, stamping) in timed_then_stamped(ctx.cfg.iters, 3, ctx.cfg.stamps, &[1]) {
+        stamps::set_enabled(stamping);
         stamps::clear();
         let d = match path {
             0 => raw.round_trip(64).await?,

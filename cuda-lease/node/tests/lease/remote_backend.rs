@@ -559,7 +559,12 @@ fn block_on_no_runtime<F: std::future::Future>(f: F) -> F::Output {
         }
     }
     let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
-    let mut cx = std::task::Context::from_waker(&waker);
+    block_on_waking(f, &waker)
+}
+
+/// [`block_on_no_runtime`] with `waker`, which must unpark this thread.
+fn block_on_waking<F: std::future::Future>(f: F, waker: &std::task::Waker) -> F::Output {
+    let mut cx = std::task::Context::from_waker(waker);
     let mut f = std::pin::pin!(f);
     loop {
         if let std::task::Poll::Ready(out) = f.as_mut().poll(&mut cx) {
@@ -597,7 +602,7 @@ impl std::task::Wake for Seen {
 fn a_thread_awaiting_a_submission_is_woken_as_its_reply_arrives() {
     use cuda_async::remote::{Id, Op, Recording, RemoteCompletion};
     use cuda_async::RemoteSession;
-    use std::task::{Context, Poll, Waker};
+    use std::task::{Context, Waker};
     let node_rt = tokio::runtime::Runtime::new().unwrap();
     let fx = node_rt.block_on(Fixture::memory(1 << 22).lease(1 << 20).start());
     let backend = {
@@ -625,16 +630,12 @@ fn a_thread_awaiting_a_submission_is_woken_as_its_reply_arrives() {
             thread: std::thread::current(),
         });
         let waker = Waker::from(seen.clone());
-        let mut cx = Context::from_waker(&waker);
         // Registered before the submission: no wake-up can come first.
-        assert!(done.poll_outcome(&mut cx).is_pending());
+        assert!(done
+            .poll_outcome(&mut Context::from_waker(&waker))
+            .is_pending());
         backend.submit(rec, done.clone());
-        loop {
-            match done.poll_outcome(&mut cx) {
-                Poll::Ready(r) => break r.unwrap(),
-                Poll::Pending => std::thread::park(),
-            }
-        }
+        block_on_waking(done.finished(), &waker).unwrap();
         let host = cuda_async::HostBuffer::<u8>::remote(slot).unwrap();
         assert_eq!(host.to_vec().unwrap(), vec![round; 64]);
         // [true]: woken early, the reply read by the time it looked;
