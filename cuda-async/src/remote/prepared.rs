@@ -134,7 +134,10 @@ impl Prepared {
                 "a prepared submission takes inputs of {want:?} bytes; given {given:?}"
             )));
         }
-        let data = inputs.iter().flat_map(|i| as_bytes(i)).copied().collect();
+        let mut data = Vec::with_capacity(want.iter().sum::<u64>() as usize);
+        for i in inputs {
+            data.extend_from_slice(as_bytes(i));
+        }
         Ok(Run {
             kept: self.kept.clone(),
             data,
