@@ -94,7 +94,7 @@ impl ArenaEnd {
     /// work is [`Error::Poisoned`]).
     pub fn is_done(&self) -> Result<bool> {
         for e in &self.events {
-            if !e.event()?.query().call("cuEventQuery")? {
+            if !e.query()? {
                 return Ok(false);
             }
         }

@@ -5,7 +5,7 @@
 //! that memory safety depends on goes through here instead.
 
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
@@ -164,6 +164,10 @@ pub(crate) struct MarkEvent {
     /// The [`tick`] of its stream taken just before its record was
     /// enqueued; [`NOT_YET`] before.
     from: AtomicU64,
+    /// Set once a wait or query saw the record's work done: it stays done
+    /// (the event is not recorded again while this lives), so later waits
+    /// and queries make no driver call.
+    done: AtomicBool,
 }
 
 impl MarkEvent {
@@ -177,6 +181,7 @@ impl MarkEvent {
             stream: None,
             recorded: std::sync::OnceLock::from(Ok(())),
             from: AtomicU64::new(from),
+            done: AtomicBool::new(false),
         })
     }
 
@@ -187,6 +192,7 @@ impl MarkEvent {
             stream: Some(stream.clone()),
             recorded: std::sync::OnceLock::new(),
             from: AtomicU64::new(NOT_YET),
+            done: AtomicBool::new(false),
         })
     }
 
@@ -238,16 +244,40 @@ impl MarkEvent {
 
     /// Blocks until the work before the event is done.
     pub(crate) fn synchronize(&self) -> Result<()> {
+        if self.done.load(Ordering::Acquire) {
+            return Ok(());
+        }
         self.event()?
             .synchronize()
-            .map_err(|e| Error::driver("cuEventSynchronize", e))
+            .map_err(|e| Error::driver("cuEventSynchronize", e))?;
+        self.done.store(true, Ordering::Release);
+        Ok(())
     }
 
-    /// [`RawEvent::readiness`]; failed when the event could not be recorded.
+    /// Whether the work before the event is done (never waits; `Err`: it
+    /// will not complete normally).
+    pub(crate) fn query(&self) -> Result<bool> {
+        if self.done.load(Ordering::Acquire) {
+            return Ok(true);
+        }
+        let done = self
+            .event()?
+            .query()
+            .map_err(|e| Error::driver("cuEventQuery", e))?;
+        if done {
+            self.done.store(true, Ordering::Release);
+        }
+        Ok(done)
+    }
+
+    /// [`MarkEvent::query`] as the reclaimer's readiness; failed when the
+    /// event could not be recorded.
     pub(crate) fn readiness(&self) -> crate::reclaim::Readiness {
-        match self.event() {
-            Ok(ev) => ev.readiness(),
-            Err(_) => crate::reclaim::Readiness::Failed,
+        use crate::reclaim::Readiness;
+        match self.query() {
+            Ok(true) => Readiness::Ready,
+            Ok(false) => Readiness::Pending,
+            Err(_) => Readiness::Failed,
         }
     }
 }
