@@ -142,6 +142,64 @@ extern "C" __global__ void slow_fill(unsigned ms, float* out, unsigned n) {
 }
 "#;
 
+/// A graph replayed on stream 0 right after a kernel that writes the
+/// graph's input on another stream, in the same batch, waits for that
+/// kernel: the worker orders the replay after its buffers' uses on other
+/// streams (on stream 0 itself, the stream's order does).
+#[tokio::test]
+#[ignore = "needs an NVIDIA GPU"]
+async fn a_graph_replay_waits_for_its_input_written_on_another_stream() {
+    let fx = gpu_lease(64 << 20).await;
+    let s = fx.session();
+    let slow = ModuleSpec::cuda(SLOW_KERNEL, &[]);
+    let m = ModuleSpec::ptx(TEST_KERNELS);
+    let n: u32 = 4096;
+    let bytes = u64::from(n) * 4;
+    let mem = LaunchArg::mem;
+    let ones = f32_bytes(&vec![1.0; n as usize]);
+    // The graph: y = x + x.
+    let mut rec = s.recorder();
+    let x = rec.alloc(0, bytes);
+    let y = rec.alloc(0, bytes);
+    rec.write(0, x, 0, &ones);
+    let g = rec.graph_begin(0);
+    rec.launch(
+        0,
+        &m,
+        "vadd",
+        [grid_for(n), 1, 1],
+        [BLOCK, 1, 1],
+        vec![mem(x), mem(x), mem(y), LaunchArg::u32(n)],
+    );
+    rec.graph_end(0, g);
+    rec.submit().await.unwrap().ok().unwrap();
+    for writer in [1, 2, 0] {
+        // x = 1, then (on `writer`) 50 ms later x = -3, then the replay on
+        // stream 0 and the download of y: y = -6 once the replay waits.
+        let mut rec = s.recorder();
+        rec.write(0, x, 0, &ones);
+        rec.launch(
+            writer,
+            &slow,
+            "slow_fill",
+            [8, 1, 1],
+            [256, 1, 1],
+            vec![LaunchArg::u32(50), mem(x), LaunchArg::u32(n)],
+        );
+        rec.graph_launch(0, g);
+        let r = rec.read(0, y, 0, bytes as u32);
+        let out = rec.submit().await.unwrap().ok().unwrap();
+        let got = bytes_f32(out.read(r).unwrap());
+        let early = got.iter().filter(|v| **v != -6.0).count();
+        assert_eq!(
+            early, 0,
+            "x written on stream {writer}: the replay read it early (y[0] = {})",
+            got[0]
+        );
+    }
+    fx.shutdown().await;
+}
+
 /// A 5 s kernel writes a 16 MiB buffer; a small download and a 16 MiB
 /// (data path) download of what it writes, submitted while it runs, wait
 /// for it however long it takes and see its writes.

@@ -572,9 +572,10 @@ impl LeaseDevice for CudaDevice {
 
     /// A graph captured natively, replayed with one `cuGraphLaunch`.
     fn launch_graph(&mut self, stream: StreamId, graph: Id) -> Result<(), DeviceError> {
+        let sid = stream;
         let stream = self.stream(stream)?;
         // Pending uses elsewhere are recorded, so the replay waits for them.
-        self.flush_all()?;
+        self.flush_elsewhere(sid)?;
         let g = self.graphs.get(&graph).ok_or_else(|| {
             DeviceError::new(Status::NotFound, format!("no graph {graph} on this device"))
         })?;

@@ -236,7 +236,7 @@ impl CudaDevice {
             .write(|host| host[..inputs.len()].copy_from_slice(inputs))
             .map_err(|e| map(Status::Internal, "staging a prepared run's inputs", e))?;
         // Pending uses elsewhere are recorded, so the replay waits for them.
-        self.flush_all()?;
+        self.flush_elsewhere(sid)?;
         p.graph
             .launch_on(&stream)
             .map_err(|e| map(Status::LaunchFailed, "cuGraphLaunch", e))?;

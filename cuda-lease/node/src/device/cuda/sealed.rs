@@ -8,7 +8,7 @@ use cuda_core::{ArenaEnd, ArenaRead, CudaEvent, StagingArena};
 use super::CudaDevice;
 use crate::device::error::{driver, map};
 use crate::device::{DeviceError, Ticket};
-use crate::proto::Status;
+use crate::proto::{Status, StreamId};
 
 /// Most spare arenas a device keeps (each holds
 /// [`super::staging::ARENA_BYTES`] of page-locked memory).
@@ -176,6 +176,22 @@ impl CudaDevice {
     /// the first failure, once every buffer has been tried.
     pub(super) fn flush_all(&mut self) -> Result<(), DeviceError> {
         let ids: Vec<_> = self.pending.keys().copied().collect();
+        let flushed = ids.into_iter().map(|id| self.flush_use(id));
+        flushed.fold(Ok(()), Result::and)
+    }
+
+    /// Records the pending uses on other streams than `stream`, before a
+    /// graph's replay there: the replay waits for the recorded uses of its
+    /// buffers, and follows those pending on its own stream in the stream's
+    /// order (recorded later, their events mark a point after the replay:
+    /// what waits for them waits for more, never less).
+    pub(super) fn flush_elsewhere(&mut self, stream: StreamId) -> Result<(), DeviceError> {
+        let ids: Vec<_> = self
+            .pending
+            .iter()
+            .filter(|(_, s)| **s != stream)
+            .map(|(id, _)| *id)
+            .collect();
         let flushed = ids.into_iter().map(|id| self.flush_use(id));
         flushed.fold(Ok(()), Result::and)
     }
