@@ -130,7 +130,7 @@ fn every_remote_topic_runs_on_the_memory_device() {
         rows,
     };
     let md = table.markdown();
-    assert!(md.contains("| one-kernel BATCH p50 vs raw quinn 64 B request/reply | "));
+    assert!(md.contains("| one-kernel BATCH p50 vs raw quinn 64 B request/reply (interleaved) | "));
     assert!(table.json().contains("\"compute_capability\": null"));
 }
 

@@ -420,7 +420,7 @@ struct ChainTimes {
 /// `(path, keep)`; enough rounds to keep `iters` of each. Not kept: the
 /// first round (it warms everything up) and the first [`CHAIN_SETTLE`] of
 /// each block.
-fn interleaved(iters: usize, paths: usize) -> impl Iterator<Item = (usize, bool)> {
+pub(super) fn interleaved(iters: usize, paths: usize) -> impl Iterator<Item = (usize, bool)> {
     let rounds = iters.div_ceil(CHAIN_BLOCK - CHAIN_SETTLE) + 1;
     (0..rounds).flat_map(move |round| {
         (0..paths).flat_map(move |k| {

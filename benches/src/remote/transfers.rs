@@ -9,6 +9,8 @@ use cuda_lease::proto::LaunchArg;
 use cuda_lease::ptx::TEST_KERNELS;
 
 use super::baselines::Raw;
+use super::chain::interleaved;
+use super::raw::RawQuinn;
 use super::{detail, detail_times, gib_s, rates, size_label, times, Ctx};
 use crate::report::{Goal, Row, Unit};
 use crate::Result;
@@ -70,6 +72,8 @@ pub(super) async fn alloc_rows(ctx: &Ctx) -> Result<Vec<Row>> {
 #[derive(Debug)]
 pub(super) struct LeaseRows {
     batch: Vec<Duration>,
+    /// The raw 64 B request/reply, timed interleaved with `batch`.
+    batch_raw: Vec<Duration>,
     write: Vec<Duration>,
     read: Vec<Duration>,
 }
@@ -100,15 +104,32 @@ pub(super) async fn lease_rows(ctx: &Ctx) -> Result<LeaseRows> {
     for _ in 0..100 {
         batch.submit().await?.ok()?;
     }
-    let mut rtt = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let t = Instant::now();
-        batch.submit().await?.ok()?;
-        rtt.push(t.elapsed());
+    // Timed in blocks in turn with its reference, a raw 64 B
+    // request/reply, so that both see the same host.
+    let raw = RawQuinn::start_with(1, &ctx.cfg.transport.1).await?;
+    let (mut rtt, mut raw_rtt) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
+    for (path, keep) in interleaved(iters, 2) {
+        let d = if path == 0 {
+            raw.round_trip(64).await?
+        } else {
+            let t = Instant::now();
+            batch.submit().await?.ok()?;
+            t.elapsed()
+        };
+        match (keep, path) {
+            (false, _) => {}
+            (true, 0) => raw_rtt.push(d),
+            (true, _) => rtt.push(d),
+        }
     }
+    raw.close().await;
     detail_times(
         "one-kernel BATCH (launch, reply when done) round trip",
         &rtt,
+    );
+    detail_times(
+        "raw quinn 64 B request/reply, interleaved with the BATCH",
+        &raw_rtt,
     );
 
     let (write, read) = transfer_rates(&s, "", ctx).await?;
@@ -116,6 +137,7 @@ pub(super) async fn lease_rows(ctx: &Ctx) -> Result<LeaseRows> {
     lease.free().await?;
     Ok(LeaseRows {
         batch: rtt,
+        batch_raw: raw_rtt,
         write,
         read,
     })
@@ -218,10 +240,10 @@ pub(super) fn rows(
     vec![
         Row::new(
             "remote",
-            "one-kernel BATCH p50 vs raw quinn 64 B request/reply",
+            "one-kernel BATCH p50 vs raw quinn 64 B request/reply (interleaved)",
             Unit::Micros,
         )
-        .raw(times(Unit::Micros, &raw.rtt))
+        .raw(times(Unit::Micros, &lease.batch_raw))
         .lib(times(Unit::Micros, &lease.batch))
         .goal(Goal::AtMost(1.25))
         .goal_from("issue 61"),
