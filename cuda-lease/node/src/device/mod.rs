@@ -44,6 +44,19 @@ pub trait LeaseDevice {
     fn info(&mut self) -> Result<DeviceInfo, DeviceError>;
     /// Allocates `size` zeroed bytes as buffer `id`, ordered on `stream`.
     fn alloc(&mut self, stream: StreamId, id: Id, size: u64) -> Result<(), DeviceError>;
+    /// Allocates `size` bytes as buffer `id`, ordered on `stream`, for a
+    /// write of all of them that the caller enqueues next on `stream`; the
+    /// bytes are unspecified until then, and the caller zeroes them
+    /// ([`LeaseDevice::fill`]) if that write is not enqueued. By default
+    /// they are zeroed, as [`LeaseDevice::alloc`] does.
+    fn alloc_overwritten(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        size: u64,
+    ) -> Result<(), DeviceError> {
+        self.alloc(stream, id, size)
+    }
     /// Frees buffer or event `id` after every enqueued use of it.
     fn free(&mut self, stream: StreamId, id: Id) -> Result<(), DeviceError>;
     /// Enqueues a copy of `data` into buffer `id` at `offset`; `data` is

@@ -770,18 +770,54 @@ pub(super) fn enqueue_batch(
             return Ok(e);
         }
     }
-    for (i, c) in commands[..e.planned.commands()].iter().enumerate() {
+    let planned = &commands[..e.planned.commands()];
+    // An allocation that the next command writes whole is not zeroed (one
+    // fill fewer per upload); it is zeroed after all if that write fails.
+    let mut unzeroed = None;
+    for (i, c) in planned.iter().enumerate() {
+        // The allocation just before this command, left for it to write.
+        let to_write = unzeroed.take();
         let r = match d.graphs.intercept(d.dev, c, &mut payload, &mut e.read_at) {
             Some(r) => r,
-            None => enqueue(d.dev, c, &mut payload, &mut e.read_at),
+            None => match c.op {
+                Op::Alloc { buf, size } if overwritten(planned, i) => {
+                    let r = d.dev.alloc_overwritten(c.stream, buf, size);
+                    unzeroed = r.is_ok().then_some((c.stream, buf, size));
+                    r
+                }
+                _ => enqueue(d.dev, c, &mut payload, &mut e.read_at),
+            },
         };
         if let Err(err) = r {
+            if let Some((stream, buf, size)) = to_write {
+                // (A fill fails only on a dead context, which nothing reads.)
+                let _ = d.dev.fill(stream, buf, 0, size, 0);
+            }
             e.failed = Some((i, err));
             break;
         }
     }
     e.at[1] = now();
     Ok(e)
+}
+
+/// Whether command `i` allocates a buffer that command `i + 1` writes
+/// whole, on the same stream, before any other use.
+fn overwritten(commands: &[crate::proto::Command<'_>], i: usize) -> bool {
+    let (Some(a), Some(w)) = (commands.get(i), commands.get(i + 1)) else {
+        return false;
+    };
+    match (&a.op, &w.op) {
+        (
+            Op::Alloc { buf, size },
+            Op::Write {
+                buf: to,
+                offset: 0,
+                len,
+            },
+        ) => a.stream == w.stream && buf == to && size == len,
+        _ => false,
+    }
 }
 
 pub(super) fn submit(

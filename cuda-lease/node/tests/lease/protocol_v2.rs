@@ -618,3 +618,30 @@ async fn graph_bodies_that_break_the_rules_are_refused_by_name() {
     assert!(m.contains("reserved for the node"), "{m}");
     fx.free_and_shutdown().await;
 }
+
+/// An allocation reads as zeros wherever nothing wrote it, also when the
+/// next command writes it: written whole, it reads the write (the worker
+/// then skips its zeroing); written in part, or not at all while the next
+/// command writes another buffer, it reads zeros past the write.
+#[tokio::test]
+async fn an_allocation_reads_zeros_wherever_the_write_after_it_does_not_reach() {
+    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let s = fx.session();
+    let mut rec = s.recorder();
+    let whole = rec.alloc(0, 64);
+    rec.write(0, whole, 0, &[1; 64]);
+    let head = rec.alloc(0, 64);
+    rec.write(0, head, 0, &[2; 32]);
+    let tail = rec.alloc(0, 64);
+    rec.write(0, tail, 32, &[3; 32]);
+    let untouched = rec.alloc(0, 64);
+    rec.write(0, whole, 0, &[4; 64]);
+    let reads = [whole, head, tail, untouched].map(|b| rec.read(0, b, 0, 64));
+    let out = rec.submit().await.unwrap().ok().unwrap();
+    let [whole, head, tail, untouched] = reads.map(|r| out.read(r).unwrap().to_vec());
+    assert_eq!(whole, [4; 64]);
+    assert_eq!(head, [[2; 32], [0; 32]].concat(), "written in part");
+    assert_eq!(tail, [[0; 32], [3; 32]].concat(), "written at an offset");
+    assert_eq!(untouched, [0; 64], "another buffer written after it");
+    fx.free_and_shutdown().await;
+}

@@ -4,7 +4,7 @@
 use cuda_async::{CudaStream, DeviceBuffer};
 
 use super::CudaDevice;
-use crate::device::error::{map, not_found};
+use crate::device::error::{check_fresh, map, not_found};
 use crate::device::DeviceError;
 use crate::proto::{Id, Status, StreamId};
 
@@ -65,5 +65,61 @@ impl CudaDevice {
             .map_err(|e| map(Status::Internal, "ordering a buffer's use", e))?;
         self.pending.insert(id, stream);
         Ok(())
+    }
+
+    /// Allocates `size` bytes as buffer `id` on `stream`: a recycled
+    /// buffer of that size if one is spare, else a new one; zeroed if
+    /// `zero`, else left for the write of all of them that the caller
+    /// enqueues next on `stream` (see `LeaseDevice::alloc_overwritten`).
+    pub(super) fn alloc_zeroed(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        size: u64,
+        zero: bool,
+    ) -> Result<(), DeviceError> {
+        let taken = self.buffers.contains_key(&id) || self.events.contains_key(&id);
+        check_fresh(taken, id)?;
+        let sid = stream;
+        let stream = self.stream(stream)?;
+        let n = usize::try_from(size)
+            .map_err(|_| DeviceError::new(Status::CapacityExceeded, "size too large"))?;
+        if n == 0 {
+            let buf = cuda_core::DeviceBuffer::<u8>::zeros(&stream, n)
+                .map_err(|e| map(Status::CapacityExceeded, "cuMemAllocAsync", e))?;
+            self.buffers.insert(id, buf.into());
+            return Ok(());
+        }
+        match self.spare.take(n) {
+            // A freed buffer of this size: its memset (or the write
+            // that replaces it) waits for its earlier uses like any
+            // other use (`use_on`).
+            Some(buf) => {
+                self.buffers.insert(id, buf);
+                self.use_on(id, sid, &stream)?;
+            }
+            None => {
+                // SAFETY: the memset below, or else the write of every
+                // byte that the caller enqueues next on the allocating
+                // stream (zeroing it if that fails), writes every byte
+                // before anything else can use the buffer (later commands
+                // on this stream follow it; other streams wait for the
+                // use `flush_use` records).
+                let buf = unsafe { cuda_core::DeviceBuffer::<u8>::uninit(&stream, n) }
+                    .map_err(|e| map(Status::CapacityExceeded, "cuMemAllocAsync", e))?;
+                self.buffers.insert(id, buf.into());
+                // Pending even if the memset fails: recorded (or the
+                // buffer leaked) like any other use before it is freed.
+                self.pending.insert(id, sid);
+            }
+        }
+        if !zero {
+            return Ok(());
+        }
+        let buf = Self::raw_mut(self.buffers.get_mut(&id).expect("inserted above"));
+        // All `n` bytes, ordered after the buffer's earlier uses (a
+        // recycled buffer) or its allocation on this stream.
+        buf.memset_unordered(0..n, 0, &stream)
+            .map_err(|e| map(Status::Internal, "cuMemsetD8Async", e))
     }
 }

@@ -51,43 +51,17 @@ impl LeaseDevice for CudaDevice {
     }
 
     fn alloc(&mut self, stream: StreamId, id: Id, size: u64) -> Result<(), DeviceError> {
-        let taken = self.buffers.contains_key(&id) || self.events.contains_key(&id);
-        check_fresh(taken, id)?;
-        let sid = stream;
-        let stream = self.stream(stream)?;
-        let n = usize::try_from(size)
-            .map_err(|_| DeviceError::new(Status::CapacityExceeded, "size too large"))?;
-        if n == 0 {
-            let buf = cuda_core::DeviceBuffer::<u8>::zeros(&stream, n)
-                .map_err(|e| map(Status::CapacityExceeded, "cuMemAllocAsync", e))?;
-            self.buffers.insert(id, buf.into());
-            return Ok(());
-        }
-        match self.spare.take(n) {
-            // A freed buffer of this size: its memset waits for its
-            // earlier uses like any other use (`use_on`).
-            Some(buf) => {
-                self.buffers.insert(id, buf);
-                self.use_on(id, sid, &stream)?;
-            }
-            None => {
-                // SAFETY: the memset below, on the allocating stream,
-                // writes every byte before anything else can use the
-                // buffer (later commands on this stream follow it;
-                // other streams wait for the use `flush_use` records).
-                let buf = unsafe { cuda_core::DeviceBuffer::<u8>::uninit(&stream, n) }
-                    .map_err(|e| map(Status::CapacityExceeded, "cuMemAllocAsync", e))?;
-                self.buffers.insert(id, buf.into());
-                // Pending even if the memset fails: recorded (or the
-                // buffer leaked) like any other use before it is freed.
-                self.pending.insert(id, sid);
-            }
-        }
-        let buf = Self::raw_mut(self.buffers.get_mut(&id).expect("inserted above"));
-        // All `n` bytes, ordered after the buffer's earlier uses (a
-        // recycled buffer) or its allocation on this stream.
-        buf.memset_unordered(0..n, 0, &stream)
-            .map_err(|e| map(Status::Internal, "cuMemsetD8Async", e))
+        self.alloc_zeroed(stream, id, size, true)
+    }
+
+    /// Not zeroed: the write of all its bytes comes next on `stream`.
+    fn alloc_overwritten(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        size: u64,
+    ) -> Result<(), DeviceError> {
+        self.alloc_zeroed(stream, id, size, false)
     }
 
     fn free(&mut self, _stream: StreamId, id: Id) -> Result<(), DeviceError> {

@@ -119,6 +119,34 @@ impl MemoryDevice {
     }
 }
 
+/// What the memory device's [`LeaseDevice::alloc_overwritten`] fills a
+/// buffer with: bytes a GPU would leave unspecified.
+pub(crate) const UNSPECIFIED: u8 = 0xA5;
+
+impl MemoryDevice {
+    fn alloc_filled(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        size: u64,
+        value: u8,
+    ) -> Result<(), DeviceError> {
+        self.ready(stream)?;
+        let taken = self.buffers.contains_key(&id) || self.events.contains_key(&id);
+        check_fresh(taken, id)?;
+        if size > self.capacity - self.used {
+            return Err(DeviceError::new(Status::CapacityExceeded, "out of memory"));
+        }
+        self.used += size;
+        let slot = self.next_slot;
+        self.next_slot += 1;
+        // A fresh slot has no earlier uses: filled now, in order for all.
+        self.store.insert(slot, vec![value; size as usize]);
+        self.buffers.insert(id, (slot, size as usize));
+        Ok(())
+    }
+}
+
 impl LeaseDevice for MemoryDevice {
     fn info(&mut self) -> Result<DeviceInfo, DeviceError> {
         Ok(DeviceInfo {
@@ -132,19 +160,17 @@ impl LeaseDevice for MemoryDevice {
     }
 
     fn alloc(&mut self, stream: StreamId, id: Id, size: u64) -> Result<(), DeviceError> {
-        self.ready(stream)?;
-        let taken = self.buffers.contains_key(&id) || self.events.contains_key(&id);
-        check_fresh(taken, id)?;
-        if size > self.capacity - self.used {
-            return Err(DeviceError::new(Status::CapacityExceeded, "out of memory"));
-        }
-        self.used += size;
-        let slot = self.next_slot;
-        self.next_slot += 1;
-        // A fresh slot has no earlier uses: zeroed now, in order for all.
-        self.store.insert(slot, vec![0; size as usize]);
-        self.buffers.insert(id, (slot, size as usize));
-        Ok(())
+        self.alloc_filled(stream, id, size, 0)
+    }
+
+    /// Filled with [`UNSPECIFIED`], which tests can tell from zeros.
+    fn alloc_overwritten(
+        &mut self,
+        stream: StreamId,
+        id: Id,
+        size: u64,
+    ) -> Result<(), DeviceError> {
+        self.alloc_filled(stream, id, size, UNSPECIFIED)
     }
 
     fn free(&mut self, stream: StreamId, id: Id) -> Result<(), DeviceError> {
