@@ -175,9 +175,7 @@ impl CudaDevice {
     /// dead context, marks it broken), so that no free runs before them;
     /// the first failure, once every buffer has been tried.
     pub(super) fn flush_all(&mut self) -> Result<(), DeviceError> {
-        let ids: Vec<_> = self.pending.keys().copied().collect();
-        let flushed = ids.into_iter().map(|id| self.flush_use(id));
-        flushed.fold(Ok(()), Result::and)
+        self.flush_pending(|_| true)
     }
 
     /// Records the pending uses on other streams than `stream`, before a
@@ -186,10 +184,16 @@ impl CudaDevice {
     /// order (recorded later, their events mark a point after the replay:
     /// what waits for them waits for more, never less).
     pub(super) fn flush_elsewhere(&mut self, stream: StreamId) -> Result<(), DeviceError> {
+        self.flush_pending(|s| s != stream)
+    }
+
+    /// Records the pending uses on the streams `on` picks; the first
+    /// failure, once each of them has been tried.
+    fn flush_pending(&mut self, on: impl Fn(StreamId) -> bool) -> Result<(), DeviceError> {
         let ids: Vec<_> = self
             .pending
             .iter()
-            .filter(|(_, s)| **s != stream)
+            .filter(|(_, s)| on(**s))
             .map(|(id, _)| *id)
             .collect();
         let flushed = ids.into_iter().map(|id| self.flush_use(id));
