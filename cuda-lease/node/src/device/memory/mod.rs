@@ -163,7 +163,7 @@ impl LeaseDevice for MemoryDevice {
         self.alloc_filled(stream, id, size, 0)
     }
 
-    /// Filled with [`UNSPECIFIED`], which tests can tell from zeros.
+    /// Filled with 0xA5 (`UNSPECIFIED`), which tests can tell from zeros.
     fn alloc_overwritten(
         &mut self,
         stream: StreamId,
