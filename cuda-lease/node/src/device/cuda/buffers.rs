@@ -71,7 +71,7 @@ impl CudaDevice {
     /// buffer of that size if one is spare, else a new one; zeroed if
     /// `zero`, else left for the write of all of them that the caller
     /// enqueues next on `stream` (see `LeaseDevice::alloc_overwritten`).
-    pub(super) fn alloc_zeroed(
+    pub(super) fn alloc_buffer(
         &mut self,
         stream: StreamId,
         id: Id,

@@ -51,7 +51,7 @@ impl LeaseDevice for CudaDevice {
     }
 
     fn alloc(&mut self, stream: StreamId, id: Id, size: u64) -> Result<(), DeviceError> {
-        self.alloc_zeroed(stream, id, size, true)
+        self.alloc_buffer(stream, id, size, true)
     }
 
     /// Not zeroed: the write of all its bytes comes next on `stream`.
@@ -61,7 +61,7 @@ impl LeaseDevice for CudaDevice {
         id: Id,
         size: u64,
     ) -> Result<(), DeviceError> {
-        self.alloc_zeroed(stream, id, size, false)
+        self.alloc_buffer(stream, id, size, false)
     }
 
     fn free(&mut self, _stream: StreamId, id: Id) -> Result<(), DeviceError> {

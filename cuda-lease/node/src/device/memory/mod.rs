@@ -117,13 +117,8 @@ impl MemoryDevice {
             .copied()
             .ok_or_else(|| not_found("buffer", id))
     }
-}
 
-/// What the memory device's [`LeaseDevice::alloc_overwritten`] fills a
-/// buffer with: bytes a GPU would leave unspecified.
-pub(crate) const UNSPECIFIED: u8 = 0xA5;
-
-impl MemoryDevice {
+    /// A fresh buffer of `size` bytes of `value`.
     fn alloc_filled(
         &mut self,
         stream: StreamId,
@@ -146,6 +141,10 @@ impl MemoryDevice {
         Ok(())
     }
 }
+
+/// What the memory device's [`LeaseDevice::alloc_overwritten`] fills a
+/// buffer with: bytes a GPU would leave unspecified.
+const UNSPECIFIED: u8 = 0xA5;
 
 impl LeaseDevice for MemoryDevice {
     fn info(&mut self) -> Result<DeviceInfo, DeviceError> {
