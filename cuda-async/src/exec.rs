@@ -204,6 +204,7 @@ fn wait_blocking_until(c: &Arc<Completion>, deadline: Option<std::time::Instant>
     }
     let waker = Waker::from(Arc::new(Unpark(thread::current())));
     loop {
+        c.spin_if_nudged(crate::completion::NUDGE_SPIN);
         match c.poll_status(&waker) {
             Status::Done => return Ok(true),
             Status::Failed => return Err(c.error()),

@@ -357,8 +357,14 @@ impl Signal {
 
     /// Completes `c` if the stream's word shows the work is done; with an
     /// inline spin budget, waits that long for it (first poll only).
+    /// A reply's consumer woken by its transport's nudge (the reply has
+    /// begun to arrive) spins for the finish a little while.
     #[inline]
     fn check(&mut self, c: &Completion) {
+        if let Signal::Reply(_) = self {
+            c.spin_if_nudged(crate::completion::NUDGE_SPIN);
+            return;
+        }
         if let Signal::Reactor { slot, seq, spin } = self {
             if slot.reached() >= *seq {
                 c.complete();

@@ -87,8 +87,9 @@ impl RemoteCompletion {
     /// transport whose reply has begun to arrive, so that an awaiting thread
     /// is awake (a parked thread takes microseconds to run again) by the
     /// time the reply is read and [`RemoteCompletion::complete`] is called.
-    /// The awaiter polls once, finds the submission pending and waits again;
-    /// nothing is lost whatever the order of the two calls.
+    /// The awaiter polls, spins up to 30 us for the completion, and waits
+    /// again if it has not come; nothing is lost whatever the order of the
+    /// two calls.
     pub fn nudge(&self) {
         self.0.nudge();
     }
