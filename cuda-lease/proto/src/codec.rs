@@ -1,14 +1,14 @@
 //! The one encoding of every message body, the protocol's and the node's
-//! pipe's: postcard through serde.
+//! pipe's: postcard, through serde (command lists, the bulk of a BATCH,
+//! through a writer of postcard's format of their own).
 
 use std::borrow::Borrow;
-use std::cell::Cell;
 
-use serde::ser::{Serialize, SerializeSeq, Serializer};
+use serde::ser::Serialize;
 use serde::Deserialize;
 
 use super::batch::HeadRef;
-use super::{Batch, BatchHead, Command, LeaseId, ModuleUse, ProtoError};
+use super::{Batch, BatchHead, Command, LaunchArg, LaunchSpec, LeaseId, ModuleUse, Op, ProtoError};
 
 /// Appends `msg` as postcard writes it.
 pub fn postcard_encode<T: Serialize + ?Sized>(msg: &T, out: &mut Vec<u8>) {
@@ -110,23 +110,120 @@ impl<'a> Batch<'a> {
 
 /// Appends `commands` (`n` of them) to `out` as postcard writes a
 /// `Vec<Command>`, without collecting them first.
+///
+/// The commands a submission carries most are written here field by
+/// field, in postcard's format (varints for integers and lengths, a
+/// variant's index before its fields); the rest (`Gemm`, `RandFill`) go
+/// through serde. Tests check the bytes against postcard's for every op.
 pub fn encode_commands<'a, C: Borrow<Command<'a>>>(
     out: &mut Vec<u8>,
     n: usize,
     commands: impl IntoIterator<Item = C>,
 ) {
-    /// The commands as a sequence of known length, serialized once.
-    struct Seq<I>(usize, Cell<Option<I>>);
-    impl<'a, C: Borrow<Command<'a>>, I: Iterator<Item = C>> Serialize for Seq<I> {
-        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-            let mut seq = s.serialize_seq(Some(self.0))?;
-            for c in self.1.take().into_iter().flatten() {
-                seq.serialize_element(c.borrow())?;
+    varint(out, n as u64);
+    for c in commands {
+        encode_command(out, c.borrow());
+    }
+}
+
+/// Appends `v` as postcard writes an unsigned integer (LEB128).
+fn varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push(v as u8 | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// Appends `b` as postcard writes a byte string or a `str`: its length, then it.
+fn byte_string(out: &mut Vec<u8>, b: &[u8]) {
+    varint(out, b.len() as u64);
+    out.extend_from_slice(b);
+}
+
+/// Appends `c` as postcard writes it (see [`encode_commands`]).
+fn encode_command(out: &mut Vec<u8>, c: &Command<'_>) {
+    // Variant indices: `Op`'s variants in declaration order.
+    let (index, fields): (u64, &[u64]) = match &c.op {
+        Op::Alloc { buf, size } => (0, &[buf.0, *size]),
+        Op::Write { buf, offset, len } => (1, &[buf.0, *offset, *len]),
+        Op::Read { buf, offset, len } => (2, &[buf.0, *offset, *len]),
+        Op::Free { id } => (3, &[id.0]),
+        Op::Launch(spec) => {
+            varint(out, u64::from(c.stream));
+            varint(out, 4);
+            encode_launch(out, spec);
+            return;
+        }
+        Op::Record { event } => (5, &[event.0]),
+        Op::Wait { event } => (6, &[event.0]),
+        Op::Fill {
+            buf,
+            offset,
+            len,
+            value,
+        } => {
+            varint(out, u64::from(c.stream));
+            varint(out, 7);
+            for v in [buf.0, *offset, *len] {
+                varint(out, v);
             }
-            seq.end()
+            // A `u8` is one byte, not a varint.
+            out.push(*value);
+            return;
+        }
+        Op::Copy { src, dst, len } => (8, &[src.buf.0, src.offset, dst.buf.0, dst.offset, *len]),
+        Op::TimerStart { timer } => (9, &[timer.0]),
+        Op::TimerEnd { timer } => (10, &[timer.0]),
+        Op::GraphBegin { graph } => (11, &[graph.0]),
+        Op::GraphEnd { graph } => (12, &[graph.0]),
+        Op::GraphLaunch { graph } => (13, &[graph.0]),
+        Op::Gemm(_) | Op::RandFill(_) => {
+            postcard_encode(c, out);
+            return;
+        }
+        Op::PrepareBegin { prepared } => (16, &[prepared.0]),
+        Op::Run {
+            prepared,
+            inputs,
+            outputs,
+        } => (17, &[prepared.0, *inputs, *outputs]),
+    };
+    varint(out, u64::from(c.stream));
+    varint(out, index);
+    for &v in fields {
+        varint(out, v);
+    }
+}
+
+/// Appends a launch's fields as postcard writes a [`LaunchSpec`].
+fn encode_launch(out: &mut Vec<u8>, spec: &LaunchSpec<'_>) {
+    byte_string(out, &spec.module.0);
+    byte_string(out, spec.kernel.as_bytes());
+    // Arrays are tuples: no length.
+    for d in spec.grid.iter().chain(&spec.block) {
+        varint(out, u64::from(*d));
+    }
+    varint(out, u64::from(spec.shared_mem));
+    varint(out, spec.args.len() as u64);
+    for a in &spec.args {
+        match a {
+            LaunchArg::Scalar(b) => {
+                varint(out, 0);
+                byte_string(out, b);
+            }
+            LaunchArg::Mem { buf, offset } => {
+                varint(out, 1);
+                varint(out, buf.0);
+                varint(out, *offset);
+            }
+            LaunchArg::Input(n) => {
+                varint(out, 2);
+                varint(out, u64::from(*n));
+            }
+            LaunchArg::Output => varint(out, 3),
         }
     }
-    postcard_encode(&Seq(n, Cell::new(Some(commands.into_iter()))), out);
 }
 
 #[cfg(test)]
@@ -185,4 +282,173 @@ fn a_batch_written_in_parts_is_the_batch_and_its_head_reads_back() {
     assert_eq!(again, body);
     let long = to_body(&vec![batch.commands[0].clone(); crate::MAX_BATCH_OPS + 1]);
     assert!(command_count(&long).is_err());
+}
+
+#[cfg(test)]
+mod written_by_hand {
+    use std::borrow::Cow;
+
+    use proptest::prelude::*;
+
+    use super::encode_commands;
+    use crate::{
+        Command, Dtype, GemmSpec, Id, LaunchArg, LaunchSpec, ModuleHash, Op, Operand, RandDist,
+        RandSpec, ScalarBytes,
+    };
+
+    /// Integers of every varint width, the widest and the edges among them.
+    fn int() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            0u64..300,
+            any::<u64>(),
+            (0u32..64).prop_map(|b| 1u64 << b),
+            (1u32..64).prop_map(|b| (1u64 << b) - 1),
+            Just(u64::MAX),
+        ]
+    }
+
+    fn id() -> impl Strategy<Value = Id> {
+        int().prop_map(Id)
+    }
+
+    fn operand() -> impl Strategy<Value = Operand> {
+        (id(), int()).prop_map(|(buf, offset)| Operand { buf, offset })
+    }
+
+    fn arg() -> impl Strategy<Value = LaunchArg<'static>> {
+        prop_oneof![
+            // Inline (up to 16 bytes) and owned scalars.
+            proptest::collection::vec(any::<u8>(), 0..40)
+                .prop_map(|b| LaunchArg::Scalar(ScalarBytes::copied(&b))),
+            (id(), int()).prop_map(|(buf, offset)| LaunchArg::Mem { buf, offset }),
+            any::<u32>().prop_map(LaunchArg::Input),
+            Just(LaunchArg::Output),
+        ]
+    }
+
+    fn launch() -> impl Strategy<Value = Op<'static>> {
+        (
+            any::<[u8; 32]>(),
+            ".{0,200}",
+            any::<[u32; 3]>(),
+            any::<[u32; 3]>(),
+            any::<u32>(),
+            proptest::collection::vec(arg(), 0..20),
+        )
+            .prop_map(|(hash, kernel, grid, block, shared_mem, args)| {
+                Op::Launch(LaunchSpec {
+                    module: ModuleHash(hash),
+                    kernel: Cow::Owned(kernel),
+                    grid,
+                    block,
+                    shared_mem,
+                    args,
+                })
+            })
+    }
+
+    fn library() -> impl Strategy<Value = Op<'static>> {
+        let dtype = prop_oneof![
+            Just(Dtype::F32),
+            Just(Dtype::F64),
+            Just(Dtype::Bf16),
+            Just(Dtype::F16)
+        ];
+        prop_oneof![
+            (
+                dtype.clone(),
+                operand(),
+                operand(),
+                operand(),
+                int(),
+                any::<[bool; 2]>()
+            )
+                .prop_map(|(dtype, a, b, c, m, transpose)| {
+                    Op::Gemm(Box::new(GemmSpec {
+                        dtype,
+                        a,
+                        b,
+                        c,
+                        m,
+                        n: m / 3,
+                        k: m / 7,
+                        ld: [m, 1, 300],
+                        transpose,
+                        scalars: [m, u64::MAX],
+                        batch: 1,
+                        strides: [0, m, 2],
+                    }))
+                }),
+            (
+                dtype,
+                operand(),
+                int(),
+                int(),
+                proptest::option::of((int(), int()))
+            )
+                .prop_map(|(dtype, dst, len, seed, normal)| {
+                    let dist = match normal {
+                        Some((mean, std_dev)) => RandDist::Normal { mean, std_dev },
+                        None => RandDist::Uniform,
+                    };
+                    Op::RandFill(RandSpec {
+                        dtype,
+                        dst,
+                        len,
+                        seed,
+                        dist,
+                    })
+                }),
+        ]
+    }
+
+    fn op() -> impl Strategy<Value = Op<'static>> {
+        prop_oneof![
+            (id(), int()).prop_map(|(buf, size)| Op::Alloc { buf, size }),
+            (id(), int(), int()).prop_map(|(buf, offset, len)| Op::Write { buf, offset, len }),
+            (id(), int(), int()).prop_map(|(buf, offset, len)| Op::Read { buf, offset, len }),
+            id().prop_map(|id| Op::Free { id }),
+            launch(),
+            id().prop_map(|event| Op::Record { event }),
+            id().prop_map(|event| Op::Wait { event }),
+            (id(), int(), int(), any::<u8>()).prop_map(|(buf, offset, len, value)| Op::Fill {
+                buf,
+                offset,
+                len,
+                value
+            }),
+            (operand(), operand(), int()).prop_map(|(src, dst, len)| Op::Copy { src, dst, len }),
+            id().prop_map(|timer| Op::TimerStart { timer }),
+            id().prop_map(|timer| Op::TimerEnd { timer }),
+            id().prop_map(|graph| Op::GraphBegin { graph }),
+            id().prop_map(|graph| Op::GraphEnd { graph }),
+            id().prop_map(|graph| Op::GraphLaunch { graph }),
+            library(),
+            id().prop_map(|prepared| Op::PrepareBegin { prepared }),
+            (id(), int(), int()).prop_map(|(prepared, inputs, outputs)| Op::Run {
+                prepared,
+                inputs,
+                outputs
+            }),
+        ]
+    }
+
+    fn command() -> impl Strategy<Value = Command<'static>> {
+        (prop_oneof![0u32..4, any::<u32>(), Just(u32::MAX)], op())
+            .prop_map(|(stream, op)| Command { stream, op })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// The writer's bytes are postcard's, for every op and list length.
+        #[test]
+        fn a_command_list_is_written_as_postcard_writes_it(
+            commands in proptest::collection::vec(command(), 0..200),
+        ) {
+            let mut hand = Vec::new();
+            encode_commands(&mut hand, commands.len(), &commands);
+            prop_assert_eq!(hand, postcard::to_stdvec(&commands).unwrap());
+        }
+    }
 }

@@ -67,7 +67,9 @@ impl Message {
             })
             .collect();
         drop(known);
-        let mut body = Vec::new();
+        // About a launch's bytes per command: one allocation, not a
+        // doubling per power of two.
+        let mut body = Vec::with_capacity(96 + 64 * (frees.len() + commands.len()));
         // Frees read nothing.
         let reply_bytes = proto::reply_bytes(commands);
         proto::encode_batch_head(&mut body, inner.id, seq, &uses, reply_bytes);
