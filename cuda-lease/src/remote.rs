@@ -245,6 +245,10 @@ impl LeaseBackend {
                 }
                 Ok::<(), Error>(())
             });
+            // Freed before the completion, not after: an awaiter woken by
+            // it builds its next submission at once, and its allocations
+            // would meet these frees.
+            drop(recording);
             stamp(Point::ClientDone);
             done.finish(r);
         }));
