@@ -432,7 +432,7 @@ pub(super) fn interleaved(iters: usize, paths: usize) -> impl Iterator<Item = (u
 /// [`interleaved`] over `paths` paths timed (stamping off), then, when
 /// `stamped`, a shorter pass (at most [`CHAIN_ITERS`]) of the `lease`
 /// paths alone with stamping on, for their steps: `(path, keep, stamping)`.
-fn timed_then_stamped(
+pub(super) fn timed_then_stamped(
     iters: usize,
     paths: usize,
     stamped: bool,

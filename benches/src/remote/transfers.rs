@@ -9,9 +9,11 @@ use cuda_lease::proto::LaunchArg;
 use cuda_lease::ptx::TEST_KERNELS;
 
 use super::baselines::Raw;
-use super::chain::interleaved;
+use cuda_lease::stamps::{self, stamp, Point};
+
+use super::chain::timed_then_stamped;
 use super::raw::RawQuinn;
-use super::{detail, detail_times, gib_s, rates, size_label, times, Ctx};
+use super::{detail, detail_steps, detail_times, gib_s, rates, size_label, times, Ctx};
 use crate::report::{Goal, Row, Unit};
 use crate::Result;
 
@@ -108,21 +110,30 @@ pub(super) async fn lease_rows(ctx: &Ctx) -> Result<LeaseRows> {
     // request/reply, so that both see the same host.
     let raw = RawQuinn::start_with(1, &ctx.cfg.transport.1).await?;
     let (mut rtt, mut raw_rtt) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
-    for (path, keep) in interleaved(iters, 2) {
+    let mut steps = Vec::new();
+    for (path, keep, stamping) in timed_then_stamped(iters, 2, ctx.cfg.stamps, &[1]) {
+        stamps::set_enabled(stamping);
+        stamps::clear();
         let d = if path == 0 {
             raw.round_trip(64).await?
         } else {
+            stamp(Point::Start);
             let t = Instant::now();
             batch.submit().await?.ok()?;
-            t.elapsed()
+            let d = t.elapsed();
+            stamp(Point::End);
+            d
         };
-        match (keep, path) {
-            (false, _) => {}
-            (true, 0) => raw_rtt.push(d),
-            (true, _) => rtt.push(d),
+        match (keep, stamping, path) {
+            (false, _, _) => {}
+            (true, true, _) => steps.push(stamps::take()),
+            (true, false, 0) => raw_rtt.push(d),
+            (true, false, _) => rtt.push(d),
         }
     }
+    stamps::set_enabled(false);
     raw.close().await;
+    detail_steps("one-kernel BATCH", &steps);
     detail_times(
         "one-kernel BATCH (launch, reply when done) round trip",
         &rtt,

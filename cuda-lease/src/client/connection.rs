@@ -396,6 +396,7 @@ pub(super) async fn exchange(
             }
         }
     }
+    reply.end_if_here();
     Ok((reply_body, owned))
 }
 
@@ -431,6 +432,14 @@ impl ReplyReader<'_> {
             }
         }
         Ok(())
+    }
+
+    /// The reply read whole: reads the stream's end if it has come (see
+    /// [`read_end_if_here`](crate::transport::read_end_if_here)).
+    fn end_if_here(&mut self) {
+        if self.rest.is_empty() {
+            crate::transport::read_end_if_here(self.recv);
+        }
     }
 }
 

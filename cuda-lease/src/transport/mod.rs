@@ -34,6 +34,16 @@ mod busy;
 pub(crate) use busy::start_on;
 pub use busy::{BusyPoll, InFlight};
 
+/// Reads `recv`'s end if it has come, without waiting. quinn answers a
+/// receive stream dropped before its end was read with a STOP_SENDING
+/// frame to the peer and a wake-up of the connection's driver, though
+/// every byte the peer sent was read: call this once a message has been
+/// read to its declared length (its end usually comes with its last
+/// bytes). Bytes past that length, if any, are dropped.
+pub fn read_end_if_here(recv: &mut quinn::RecvStream) {
+    let _ = futures::FutureExt::now_or_never(recv.read_chunk(usize::MAX, true));
+}
+
 /// The smallest UDP payload QUIC allows, and quinn's default initial MTU.
 pub const MIN_MTU: u16 = 1200;
 

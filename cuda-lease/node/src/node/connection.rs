@@ -129,7 +129,9 @@ pub(super) async fn serve_stream(
             return;
         }
         Ok(Ok(Head::Read(header, body))) => {
-            read_data(&mut recv, header, body, shared.cfg.payload_stall_timeout).await
+            let read = read_data(&mut recv, header, body, shared.cfg.payload_stall_timeout).await;
+            cuda_lease::transport::read_end_if_here(&mut recv);
+            read
         }
         Ok(Err(e)) => Ok(Err(e)),
         Err(elapsed) => Err(elapsed),

@@ -599,6 +599,7 @@ async fn run(
     };
     read.await
         .map_err(|e| refused(Status::BadRequest, format!("request cut short: {e}")))?;
+    cuda_lease::transport::read_end_if_here(recv);
     let read_at = (h.flags & FLAG_STAMPS != 0).then(now_ns);
     let (head, wire) = BatchHead::decode(&body).map_err(bad)?;
     head.validate(data.len()).map_err(bad)?;
