@@ -356,8 +356,8 @@ impl Signal {
     }
 
     /// Completes `c` if the stream's word shows the work is done; with an
-    /// inline spin budget, waits that long for it (first poll only).
-    /// A reply's consumer woken by its transport's nudge (the reply has
+    /// inline spin budget, waits that long for it (first poll only). For a
+    /// reply: a consumer woken by its transport's nudge (the reply has
     /// begun to arrive) spins for the finish a little while.
     #[inline]
     fn check(&mut self, c: &Completion) {

@@ -7,10 +7,9 @@ use std::time::{Duration, Instant};
 use cuda_lease::client::{Client, Lease, Session};
 use cuda_lease::proto::LaunchArg;
 use cuda_lease::ptx::TEST_KERNELS;
-
-use super::baselines::Raw;
 use cuda_lease::stamps::{self, stamp, Point};
 
+use super::baselines::Raw;
 use super::chain::timed_then_stamped;
 use super::raw::RawQuinn;
 use super::{detail, detail_steps, detail_times, gib_s, rates, size_label, times, Ctx};

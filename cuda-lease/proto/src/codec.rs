@@ -143,35 +143,19 @@ fn byte_string(out: &mut Vec<u8>, b: &[u8]) {
 
 /// Appends `c` as postcard writes it (see [`encode_commands`]).
 fn encode_command(out: &mut Vec<u8>, c: &Command<'_>) {
-    // Variant indices: `Op`'s variants in declaration order.
+    // Variant indices: `Op`'s variants in declaration order; then the
+    // integer fields, then a launch's or a fill's own.
     let (index, fields): (u64, &[u64]) = match &c.op {
         Op::Alloc { buf, size } => (0, &[buf.0, *size]),
         Op::Write { buf, offset, len } => (1, &[buf.0, *offset, *len]),
         Op::Read { buf, offset, len } => (2, &[buf.0, *offset, *len]),
         Op::Free { id } => (3, &[id.0]),
-        Op::Launch(spec) => {
-            varint(out, u64::from(c.stream));
-            varint(out, 4);
-            encode_launch(out, spec);
-            return;
-        }
+        Op::Launch(_) => (4, &[]),
         Op::Record { event } => (5, &[event.0]),
         Op::Wait { event } => (6, &[event.0]),
         Op::Fill {
-            buf,
-            offset,
-            len,
-            value,
-        } => {
-            varint(out, u64::from(c.stream));
-            varint(out, 7);
-            for v in [buf.0, *offset, *len] {
-                varint(out, v);
-            }
-            // A `u8` is one byte, not a varint.
-            out.push(*value);
-            return;
-        }
+            buf, offset, len, ..
+        } => (7, &[buf.0, *offset, *len]),
         Op::Copy { src, dst, len } => (8, &[src.buf.0, src.offset, dst.buf.0, dst.offset, *len]),
         Op::TimerStart { timer } => (9, &[timer.0]),
         Op::TimerEnd { timer } => (10, &[timer.0]),
@@ -193,6 +177,12 @@ fn encode_command(out: &mut Vec<u8>, c: &Command<'_>) {
     varint(out, index);
     for &v in fields {
         varint(out, v);
+    }
+    match &c.op {
+        Op::Launch(spec) => encode_launch(out, spec),
+        // A `u8` is one byte, not a varint.
+        Op::Fill { value, .. } => out.push(*value),
+        _ => {}
     }
 }
 
