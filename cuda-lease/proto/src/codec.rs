@@ -1,6 +1,6 @@
 //! The one encoding of every message body, the protocol's and the node's
 //! pipe's: postcard, through serde (command lists, the bulk of a BATCH,
-//! through a writer of postcard's format of their own).
+//! through a writer and a reader of postcard's format of their own).
 
 use std::borrow::Borrow;
 
@@ -9,6 +9,9 @@ use serde::Deserialize;
 
 use super::batch::HeadRef;
 use super::{Batch, BatchHead, Command, LaunchArg, LaunchSpec, LeaseId, ModuleUse, Op, ProtoError};
+
+mod read;
+pub use read::decode_commands;
 
 /// Appends `msg` as postcard writes it.
 pub fn postcard_encode<T: Serialize + ?Sized>(msg: &T, out: &mut Vec<u8>) {
@@ -39,6 +42,22 @@ pub struct CommandList<'a>(
     )]
     pub Vec<Command<'a>>,
 );
+
+impl<'a> CommandList<'a> {
+    /// Decodes `wire`, a command list and nothing after it, by hand
+    /// ([`decode_commands`]).
+    ///
+    /// # Errors
+    ///
+    /// [`ProtoError::Body`] for bytes that are not one command list.
+    pub fn from_wire(mut wire: &'a [u8]) -> Result<Self, ProtoError> {
+        let commands = decode_commands(&mut wire)?;
+        if !wire.is_empty() {
+            return Err(ProtoError::Body(format!("{} trailing bytes", wire.len())));
+        }
+        Ok(CommandList(commands))
+    }
+}
 
 /// Appends a BATCH body's fields before its commands ([`BatchHead`]).
 pub fn encode_batch_head(
@@ -97,7 +116,7 @@ impl<'a> Batch<'a> {
     /// [`ProtoError::Body`] as [`from_body`](super::from_body).
     pub fn decode_keeping_wire(body: &'a [u8]) -> Result<(Self, &'a [u8]), ProtoError> {
         let (head, wire) = BatchHead::decode(body)?;
-        let CommandList(commands) = super::from_body(wire)?;
+        let CommandList(commands) = CommandList::from_wire(wire)?;
         let batch = Batch {
             lease: head.lease,
             seq: head.seq,
@@ -280,7 +299,7 @@ mod written_by_hand {
 
     use proptest::prelude::*;
 
-    use super::encode_commands;
+    use super::{decode_commands, encode_commands, postcard_decode, CommandList};
     use crate::{
         Command, Dtype, GemmSpec, Id, LaunchArg, LaunchSpec, ModuleHash, Op, Operand, RandDist,
         RandSpec, ScalarBytes,
@@ -440,5 +459,95 @@ mod written_by_hand {
             encode_commands(&mut hand, commands.len(), &commands);
             prop_assert_eq!(hand, postcard::to_stdvec(&commands).unwrap());
         }
+
+        /// The reader gives back every list, and, from the list's bytes
+        /// cut, damaged or lengthened, what serde gives (or refuses them as
+        /// serde does).
+        #[test]
+        fn a_command_list_is_read_as_postcard_reads_it(
+            commands in proptest::collection::vec(command(), 0..200),
+            at in any::<usize>(),
+            how in 0u8..4,
+            byte in any::<u8>(),
+        ) {
+            let bytes = postcard::to_stdvec(&commands).unwrap();
+            prop_assert_eq!(by_hand(&bytes), Some((commands, 0)));
+            let mut bad = bytes;
+            let i = at % (bad.len() + 1);
+            match how {
+                0 => bad.truncate(i),
+                1 if i < bad.len() => bad[i] ^= byte.max(1),
+                2 => bad.insert(i, byte),
+                _ if i < bad.len() => bad[i] = byte,
+                _ => bad.push(byte),
+            }
+            prop_assert_eq!(by_hand(&bad), by_serde(&bad));
+        }
+
+        /// Any bytes after a short count: read as serde reads them, or
+        /// refused as serde refuses them.
+        #[test]
+        fn any_bytes_are_read_or_refused_as_postcard_does(
+            count in 0u8..4,
+            bytes in proptest::collection::vec(any::<u8>(), 0..96),
+        ) {
+            let mut b = vec![count];
+            b.extend_from_slice(&bytes);
+            prop_assert_eq!(by_hand(&b), by_serde(&b));
+        }
+    }
+
+    /// What the reader makes of `b`: the commands and the bytes left after them.
+    fn by_hand(b: &[u8]) -> Option<(Vec<Command<'_>>, usize)> {
+        let mut rest = b;
+        decode_commands(&mut rest).ok().map(|c| (c, rest.len()))
+    }
+
+    /// What serde makes of `b`, as [`by_hand`].
+    fn by_serde(b: &[u8]) -> Option<(Vec<Command<'_>>, usize)> {
+        let mut rest = b;
+        postcard_decode::<CommandList<'_>>(&mut rest)
+            .ok()
+            .map(|c| (c.0, rest.len()))
+    }
+
+    /// Integers at the edges of their varints' widths (overlong, widest,
+    /// one bit over) in a stream (`u32`), an id and a launch's dimension.
+    #[test]
+    fn varints_at_their_edges_are_read_as_postcard_reads_them() {
+        let edges: [&[u8]; 9] = [
+            &[0x00],
+            &[0x80, 0x00],
+            &[0xff, 0xff, 0xff, 0xff, 0x0f],
+            &[0xff, 0xff, 0xff, 0xff, 0x10],
+            &[0x80, 0x80, 0x80, 0x80, 0x00],
+            &[0x80, 0x80, 0x80, 0x80, 0x80, 0x00],
+            &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01],
+            &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02],
+            &[
+                0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x00,
+            ],
+        ];
+        let launch = |dim: &[u8]| {
+            // One launch on stream 0: module, kernel "k", grid (dim, 1, 1).
+            let mut b = vec![1, 0, 4, 32];
+            b.extend_from_slice(&[7; 32]);
+            b.extend_from_slice(&[1, b'k']);
+            b.extend_from_slice(dim);
+            b.extend_from_slice(&[1, 1, 1, 1, 1, 0, 0]);
+            b
+        };
+        let mut read = 0;
+        for e in edges {
+            let stream: Vec<u8> = [&[1][..], e, &[3, 5]].concat();
+            let id: Vec<u8> = [&[1, 0, 3][..], e].concat();
+            for b in [stream, id, launch(e)] {
+                let hand = by_hand(&b);
+                read += usize::from(hand.is_some());
+                assert_eq!(hand, by_serde(&b), "{b:?}");
+            }
+        }
+        // Both accepted and refused cases were met.
+        assert!(read > 5 && read < 27, "{read} read");
     }
 }

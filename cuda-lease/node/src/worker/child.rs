@@ -241,7 +241,7 @@ fn start_batch(
     read_at: Option<u64>,
     link: Option<&DirectLink>,
 ) -> Result<Running, (Status, Vec<u8>)> {
-    let batch = from_body::<WorkerBatch<'_>>(&frame.body)
+    let batch = WorkerBatch::decode(&frame.body)
         .map_err(|e| DeviceError::new(Status::BadRequest, e.to_string()));
     let enqueued = batch.and_then(|b| {
         let mut enqueue = || enqueue_batch(dev, lease, &b, &frame.data, read_at.is_some());

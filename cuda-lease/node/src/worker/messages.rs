@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 #[cfg(doc)]
 use crate::device::DeviceError;
-use crate::proto::{CommandList, Id, ModuleHash, OpError, SourceKind};
+use crate::proto::{postcard_decode, CommandList, Id, ModuleHash, OpError, ProtoError, SourceKind};
 
 /// A module a worker loads before a batch's commands; its source is the
 /// next `len` bytes of the call's data.
@@ -39,6 +39,20 @@ pub(crate) struct WorkerBatch<'a> {
     pub(crate) modules: Vec<ModuleHash>,
     #[serde(borrow)]
     pub(crate) commands: CommandList<'a>,
+}
+
+impl<'a> WorkerBatch<'a> {
+    /// Decodes a worker batch's body: its head through serde, its commands
+    /// by hand ([`CommandList::from_wire`]); what `from_body` decodes.
+    pub(crate) fn decode(mut body: &'a [u8]) -> Result<Self, ProtoError> {
+        let (loads, limits, modules) = postcard_decode(&mut body)?;
+        Ok(WorkerBatch {
+            loads,
+            limits,
+            modules,
+            commands: CommandList::from_wire(body)?,
+        })
+    }
 }
 
 /// Appends a [`WorkerBatch`] whose commands are `wire`, a command list as

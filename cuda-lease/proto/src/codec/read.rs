@@ -1,0 +1,249 @@
+//! Command lists read by hand, as postcard reads them through serde: the
+//! same values from the same bytes, and the same bytes refused (tests
+//! compare the two on valid lists and on cut and damaged ones).
+
+use std::borrow::Cow;
+
+use crate::{
+    Command, Id, LaunchArg, LaunchSpec, ModuleHash, Op, Operand, ProtoError, ScalarBytes,
+    MAX_BATCH_OPS, MAX_KERNEL_ARGS, MAX_SCALAR_ARG,
+};
+
+/// Decodes a [`CommandList`](super::CommandList) off the front of `buf`,
+/// advancing `buf`: what `postcard_decode::<CommandList>` returns, without
+/// serde's generic visitors on the path every submission takes.
+///
+/// Launches, copies, fills and the other plain ops are read field by field;
+/// `Gemm` and `RandFill` go through serde. A list longer than
+/// [`MAX_BATCH_OPS`] is refused on its length prefix, a launch with more
+/// than [`MAX_KERNEL_ARGS`] arguments on its own, before anything is
+/// allocated for them.
+///
+/// # Errors
+///
+/// [`ProtoError::Body`] for bytes that are not one command list.
+pub fn decode_commands<'a>(buf: &mut &'a [u8]) -> Result<Vec<Command<'a>>, ProtoError> {
+    let mut r = Reader { buf };
+    let n = r.len()?;
+    if n > MAX_BATCH_OPS {
+        return Err(too_long(n, MAX_BATCH_OPS));
+    }
+    let mut commands = Vec::with_capacity(n);
+    for _ in 0..n {
+        commands.push(r.command()?);
+    }
+    *buf = r.buf;
+    Ok(commands)
+}
+
+/// The bytes not read yet.
+struct Reader<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    #[inline]
+    fn byte(&mut self) -> Result<u8, ProtoError> {
+        let (&b, rest) = self.buf.split_first().ok_or_else(ended)?;
+        self.buf = rest;
+        Ok(b)
+    }
+
+    /// An unsigned LEB128 integer of at most `bytes` bytes, the last of
+    /// which may carry at most `last` (postcard's bounds for a type).
+    #[inline]
+    fn varint(&mut self, bytes: u32, last: u8) -> Result<u64, ProtoError> {
+        // Most integers of a command list take one byte.
+        if let Some((&b, rest)) = self.buf.split_first() {
+            if b < 0x80 {
+                self.buf = rest;
+                return Ok(u64::from(b));
+            }
+        }
+        self.wide_varint(bytes, last)
+    }
+
+    #[cold]
+    fn wide_varint(&mut self, bytes: u32, last: u8) -> Result<u64, ProtoError> {
+        let mut out = 0u64;
+        for i in 0..bytes {
+            let b = self.byte()?;
+            out |= u64::from(b & 0x7f) << (7 * i);
+            if b & 0x80 == 0 {
+                if i == bytes - 1 && b > last {
+                    break;
+                }
+                return Ok(out);
+            }
+        }
+        Err(ProtoError::Body("a varint out of its type's range".into()))
+    }
+
+    fn u64(&mut self) -> Result<u64, ProtoError> {
+        self.varint(10, 0x01)
+    }
+
+    fn u32(&mut self) -> Result<u32, ProtoError> {
+        // At most 32 bits: checked by the last byte's bound.
+        self.varint(5, 0x0f).map(|v| v as u32)
+    }
+
+    fn id(&mut self) -> Result<Id, ProtoError> {
+        self.u64().map(Id)
+    }
+
+    /// A sequence's or a byte string's length.
+    fn len(&mut self) -> Result<usize, ProtoError> {
+        let n = self.u64()?;
+        usize::try_from(n).map_err(|_| ended())
+    }
+
+    /// A byte string or a `str`'s bytes: its length, then them.
+    fn bytes(&mut self) -> Result<&'a [u8], ProtoError> {
+        let n = self.len()?;
+        if n > self.buf.len() {
+            return Err(ended());
+        }
+        let (b, rest) = self.buf.split_at(n);
+        self.buf = rest;
+        Ok(b)
+    }
+
+    fn operand(&mut self) -> Result<Operand, ProtoError> {
+        Ok(Operand {
+            buf: self.id()?,
+            offset: self.u64()?,
+        })
+    }
+
+    fn command(&mut self) -> Result<Command<'a>, ProtoError> {
+        let start = self.buf;
+        let stream = self.u32()?;
+        // Variant indices: `Op`'s variants in declaration order.
+        let op = match self.u32()? {
+            0 => Op::Alloc {
+                buf: self.id()?,
+                size: self.u64()?,
+            },
+            1 => Op::Write {
+                buf: self.id()?,
+                offset: self.u64()?,
+                len: self.u64()?,
+            },
+            2 => Op::Read {
+                buf: self.id()?,
+                offset: self.u64()?,
+                len: self.u64()?,
+            },
+            3 => Op::Free { id: self.id()? },
+            4 => Op::Launch(self.launch()?),
+            5 => Op::Record { event: self.id()? },
+            6 => Op::Wait { event: self.id()? },
+            7 => Op::Fill {
+                buf: self.id()?,
+                offset: self.u64()?,
+                len: self.u64()?,
+                // A `u8` is one byte, not a varint.
+                value: self.byte()?,
+            },
+            8 => Op::Copy {
+                src: self.operand()?,
+                dst: self.operand()?,
+                len: self.u64()?,
+            },
+            9 => Op::TimerStart { timer: self.id()? },
+            10 => Op::TimerEnd { timer: self.id()? },
+            11 => Op::GraphBegin { graph: self.id()? },
+            12 => Op::GraphEnd { graph: self.id()? },
+            13 => Op::GraphLaunch { graph: self.id()? },
+            14 | 15 => {
+                // `Gemm`, `RandFill`: the whole command again, through serde.
+                self.buf = start;
+                return super::postcard_decode(&mut self.buf);
+            }
+            16 => Op::PrepareBegin {
+                prepared: self.id()?,
+            },
+            17 => Op::Run {
+                prepared: self.id()?,
+                inputs: self.u64()?,
+                outputs: self.u64()?,
+            },
+            v => {
+                return Err(ProtoError::Body(format!(
+                    "unknown op: variant index {v}, expected 0 to 17"
+                )))
+            }
+        };
+        Ok(Command { stream, op })
+    }
+
+    fn launch(&mut self) -> Result<LaunchSpec<'a>, ProtoError> {
+        let hash = self.bytes()?;
+        let module = ModuleHash(hash.try_into().map_err(|_| {
+            ProtoError::Body(format!(
+                "a module hash of {} bytes, expected 32",
+                hash.len()
+            ))
+        })?);
+        let kernel = std::str::from_utf8(self.bytes()?)
+            .map_err(|_| ProtoError::Body("a kernel name that is not UTF-8".into()))?;
+        let mut dims = [0u32; 6];
+        for d in &mut dims {
+            *d = self.u32()?;
+        }
+        let shared_mem = self.u32()?;
+        let n = self.len()?;
+        if n > MAX_KERNEL_ARGS {
+            return Err(too_long(n, MAX_KERNEL_ARGS));
+        }
+        let mut args = Vec::with_capacity(n);
+        for _ in 0..n {
+            args.push(self.arg()?);
+        }
+        Ok(LaunchSpec {
+            module,
+            kernel: Cow::Borrowed(kernel),
+            grid: [dims[0], dims[1], dims[2]],
+            block: [dims[3], dims[4], dims[5]],
+            shared_mem,
+            args,
+        })
+    }
+
+    fn arg(&mut self) -> Result<LaunchArg<'a>, ProtoError> {
+        Ok(match self.u32()? {
+            0 => {
+                let b = self.bytes()?;
+                if b.len() > MAX_SCALAR_ARG {
+                    return Err(ProtoError::Body(format!(
+                        "a scalar argument of {} bytes, at most {MAX_SCALAR_ARG}",
+                        b.len()
+                    )));
+                }
+                LaunchArg::Scalar(ScalarBytes::borrowed(b))
+            }
+            1 => LaunchArg::Mem {
+                buf: self.id()?,
+                offset: self.u64()?,
+            },
+            2 => LaunchArg::Input(self.u32()?),
+            3 => LaunchArg::Output,
+            v => {
+                return Err(ProtoError::Body(format!(
+                    "unknown kernel argument: variant index {v}, expected 0 to 3"
+                )))
+            }
+        })
+    }
+}
+
+fn ended() -> ProtoError {
+    ProtoError::Body("the command list ends early".into())
+}
+
+fn too_long(n: usize, max: usize) -> ProtoError {
+    ProtoError::Body(format!(
+        "invalid length {n}, expected a sequence of at most {max} elements"
+    ))
+}
