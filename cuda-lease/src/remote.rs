@@ -211,7 +211,8 @@ impl LeaseBackend {
         // itself before this is dropped).
         let _early = self.session.client().busy().enter();
         // Reads land straight in their slots' storage; writes go out as recorded.
-        let bufs: Vec<_> = recording.reads().iter().map(|s| s.buffer()).collect();
+        let reads = recording.take_reads();
+        let bufs: Vec<_> = reads.iter().map(|s| s.buffer()).collect();
         let writes = recording.take_data();
         // An awaiter on another thread than the reply's reader (outside a
         // tokio task: `block_on`'s thread, `sync()`'s; or any, when the
@@ -240,15 +241,14 @@ impl LeaseBackend {
             let r = r.and_then(|(reply, bufs)| {
                 stamp(Point::ClientReplyRead);
                 reply.ok()?;
-                for (slot, buf) in recording.reads().iter().zip(bufs) {
+                for (slot, buf) in reads.iter().zip(bufs) {
                     slot.commit(buf).map_err(protocol_error)?;
                 }
                 Ok::<(), Error>(())
             });
             // Freed before the completion, not after: an awaiter woken by
-            // it builds its next submission at once, and its allocations
-            // would meet these frees.
-            drop(recording);
+            // it builds its next submission at once.
+            drop(reads);
             stamp(Point::ClientDone);
             done.finish(r);
         }));
@@ -259,11 +259,17 @@ impl LeaseBackend {
             "a submission's future grew to {} bytes",
             std::mem::size_of_val(&*task)
         );
+        // The rest of the recording (its commands, modules and payloads) is
+        // freed on this thread, the one that recorded it, once its message
+        // is encoded or written: freed by the reply's thread, its memory
+        // would go to that thread's allocator caches, and every submission
+        // recorded here would allocate from the shared heap instead.
         if !waits.is_empty() {
             self.replies.spawn(async move {
                 reading::done(waits).await;
                 task.await;
             });
+            drop(recording);
             return;
         }
         // The first poll runs here, on the submitting thread: it opens the
@@ -282,6 +288,7 @@ impl LeaseBackend {
             )),
             None => drop(crate::transport::start_on(&self.replies, task)),
         }
+        drop(recording);
     }
 }
 

@@ -309,6 +309,14 @@ impl Recording {
         &self.reads
     }
 
+    /// Takes the read slots out (in command order), leaving none: for a
+    /// session that keeps only them until the reply and drops the rest of
+    /// the recording once its message is written, on the thread that
+    /// recorded it.
+    pub fn take_reads(&mut self) -> Vec<Arc<ReadSlot>> {
+        std::mem::take(&mut self.reads)
+    }
+
     /// True when nothing is recorded.
     pub fn is_empty(&self) -> bool {
         self.commands.is_empty()
