@@ -259,10 +259,10 @@ impl LeaseBackend {
             "a submission's future grew to {} bytes",
             std::mem::size_of_val(&*task)
         );
-        // The rest of the recording (its commands, modules and payloads) is
-        // freed on this thread, the one that recorded it, once its message
-        // is encoded or written: freed by the reply's thread, its memory
-        // would go to that thread's allocator caches, and every submission
+        // The rest of the recording (its commands and modules) is freed on
+        // this thread, the one that recorded it, once its message is
+        // encoded or written: freed by the reply's thread, its memory would
+        // go to that thread's allocator caches, and every submission
         // recorded here would allocate from the shared heap instead.
         if !waits.is_empty() {
             self.replies.spawn(async move {

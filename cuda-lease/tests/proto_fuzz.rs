@@ -66,6 +66,11 @@ fn decode_all(bytes: &[u8]) {
     let _ = from_body::<BatchReply>(bytes);
     let _ = from_body::<GpuSubmit<'_>>(bytes).map(|s| s.validate(bytes.len(), &limits));
     let _ = from_body::<ErrorBody>(bytes);
+    // The hand-written command reader: serde's values, serde's refusals.
+    assert_eq!(
+        CommandList::from_wire(bytes).ok(),
+        from_body::<CommandList<'_>>(bytes).ok()
+    );
 }
 
 proptest! {

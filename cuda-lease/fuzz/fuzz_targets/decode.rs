@@ -33,4 +33,9 @@ fuzz_target!(|data: &[u8]| {
     let _ = from_body::<Batch>(data);
     let _ = from_body::<BatchReply>(data);
     let _ = from_body::<GpuSubmit>(data);
+    // The hand-written command reader: serde's values, serde's refusals.
+    assert_eq!(
+        CommandList::from_wire(data).ok(),
+        from_body::<CommandList>(data).ok()
+    );
 });
