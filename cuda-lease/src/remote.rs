@@ -259,35 +259,32 @@ impl LeaseBackend {
             "a submission's future grew to {} bytes",
             std::mem::size_of_val(&*task)
         );
-        // The rest of the recording (its commands and modules) is freed on
-        // this thread, the one that recorded it, once its message is
-        // encoded or written: freed by the reply's thread, its memory would
-        // go to that thread's allocator caches, and every submission
-        // recorded here would allocate from the shared heap instead.
         if !waits.is_empty() {
             self.replies.spawn(async move {
                 reading::done(waits).await;
                 task.await;
             });
-            drop(recording);
-            return;
-        }
-        // The first poll runs here, on the submitting thread: it opens the
-        // QUIC stream and writes the message with no cross-thread wake-up of
-        // a runtime worker. The reply is awaited as a task of the runtime
-        // (of the client's endpoint thread, if it has one).
-        // A task left running is detached: it finishes `done` itself.
-        match nudge {
-            Some(nudge) => drop(crate::transport::start_on(
-                &self.replies,
-                Box::pin(Nudging {
+        } else {
+            // The first poll runs here, on the submitting thread: it opens
+            // the QUIC stream and writes the message with no cross-thread
+            // wake-up of a runtime worker. The reply is awaited as a task of
+            // the runtime (of the client's endpoint thread, if it has one).
+            // A task left running is detached: it finishes `done` itself.
+            let task: std::pin::Pin<Box<dyn Future<Output = ()> + Send>> = match nudge {
+                Some(nudge) => Box::pin(Nudging {
                     task,
                     nudge: Some(nudge),
                     polled: false,
                 }),
-            )),
-            None => drop(crate::transport::start_on(&self.replies, task)),
+                None => task,
+            };
+            drop(crate::transport::start_on(&self.replies, task));
         }
+        // The rest of the recording (its commands and modules) is freed
+        // here, on the thread that recorded it, once its message is encoded
+        // or written: freed by the reply's thread, its memory would go to
+        // that thread's allocator caches, and every submission recorded
+        // here would allocate from the shared heap instead.
         drop(recording);
     }
 }

@@ -11,7 +11,7 @@ use super::batch::HeadRef;
 use super::{Batch, BatchHead, Command, LaunchArg, LaunchSpec, LeaseId, ModuleUse, Op, ProtoError};
 
 mod read;
-pub use read::decode_commands;
+use read::decode_commands;
 
 /// Appends `msg` as postcard writes it.
 pub fn postcard_encode<T: Serialize + ?Sized>(msg: &T, out: &mut Vec<u8>) {
@@ -44,8 +44,14 @@ pub struct CommandList<'a>(
 );
 
 impl<'a> CommandList<'a> {
-    /// Decodes `wire`, a command list and nothing after it, by hand
-    /// ([`decode_commands`]).
+    /// Decodes `wire`, a command list and nothing after it: what
+    /// `from_body::<CommandList>` returns, read field by field in
+    /// postcard's format instead of through serde's generic visitors (the
+    /// path every submission takes). `Gemm` and `RandFill` go through
+    /// serde. A list longer than [`MAX_BATCH_OPS`](super::MAX_BATCH_OPS),
+    /// or a launch with more than [`MAX_KERNEL_ARGS`](super::MAX_KERNEL_ARGS)
+    /// arguments, is refused on its length prefix, before anything is
+    /// allocated for it.
     ///
     /// # Errors
     ///

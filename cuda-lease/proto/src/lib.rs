@@ -41,8 +41,8 @@ pub use batch::{
     Op, FIRST_NODE_ID, MAX_BATCH_MODULES, TIMER_BYTES,
 };
 pub use codec::{
-    command_count, decode_commands, encode_batch_head, encode_commands, postcard_decode,
-    postcard_encode, CommandList,
+    command_count, encode_batch_head, encode_commands, postcard_decode, postcard_encode,
+    CommandList,
 };
 pub use error::{Credentials, Disconnect, RemoteError, RemoteErrorKind};
 pub use frame::{

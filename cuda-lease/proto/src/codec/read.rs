@@ -9,20 +9,9 @@ use crate::{
     MAX_BATCH_OPS, MAX_KERNEL_ARGS, MAX_SCALAR_ARG,
 };
 
-/// Decodes a [`CommandList`](super::CommandList) off the front of `buf`,
-/// advancing `buf`: what `postcard_decode::<CommandList>` returns, without
-/// serde's generic visitors on the path every submission takes.
-///
-/// Launches, copies, fills and the other plain ops are read field by field;
-/// `Gemm` and `RandFill` go through serde. A list longer than
-/// [`MAX_BATCH_OPS`] is refused on its length prefix, a launch with more
-/// than [`MAX_KERNEL_ARGS`] arguments on its own, before anything is
-/// allocated for them.
-///
-/// # Errors
-///
-/// [`ProtoError::Body`] for bytes that are not one command list.
-pub fn decode_commands<'a>(buf: &mut &'a [u8]) -> Result<Vec<Command<'a>>, ProtoError> {
+/// Decodes a command list off the front of `buf`, advancing `buf` (see
+/// [`CommandList::from_wire`](super::CommandList::from_wire)).
+pub(crate) fn decode_commands<'a>(buf: &mut &'a [u8]) -> Result<Vec<Command<'a>>, ProtoError> {
     let mut r = Reader { buf };
     let n = r.len()?;
     if n > MAX_BATCH_OPS {
