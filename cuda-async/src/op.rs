@@ -147,7 +147,12 @@ pub trait DeviceOpExt: DeviceOp {
     /// times the op's commands the same way, with two events on the
     /// lease's stream, and the reply carries the time (transfers that take
     /// the data path, outside the submission's message, are not in it).
-    /// Not inside a graph capture (`Error::Capture`).
+    /// The time is the stream's, from the first event to the second: where
+    /// the GPU waits in between for the host to enqueue the op's next
+    /// command (on an idle GPU, say, while the enqueuing thread is held
+    /// up), the wait is in it. Work already queued ahead of the op keeps
+    /// the GPU busy while the op is enqueued, and the span then holds the
+    /// op's GPU work alone. Not inside a graph capture (`Error::Capture`).
     ///
     /// # Examples
     ///

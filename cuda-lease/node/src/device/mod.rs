@@ -186,6 +186,12 @@ pub trait LeaseDevice {
     fn free_graph(&mut self, graph: Id) {
         let _ = graph;
     }
+    /// Bytes of page-locked host memory kept as the staging of prepared
+    /// bodies [`LeaseDevice::capture_prepared`] captured (no reservation
+    /// covers it; a device bounds it itself). 0 by default.
+    fn staging_bytes(&self) -> u64 {
+        0
+    }
     /// Starts timer `timer` (a new id) where `stream` is now.
     fn timer_start(&mut self, stream: StreamId, timer: Id) -> Result<(), DeviceError>;
     /// Ends timer `timer` where `stream` is now, removing it: the nanoseconds

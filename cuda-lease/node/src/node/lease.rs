@@ -34,6 +34,11 @@ pub struct LeaseUsage {
     pub streams: usize,
     /// Modules loaded in the lease's worker.
     pub modules: usize,
+    /// Page-locked host memory the lease's worker keeps as the staging of
+    /// the lease's prepared submissions, in bytes (on a GPU node; not
+    /// charged to the reservation: a worker keeps at most 64 MiB of it,
+    /// and runs a body it could not stage by replaying its commands).
+    pub staging: u64,
 }
 
 #[derive(Debug)]

@@ -385,6 +385,7 @@ impl Node {
             graphs: u.graphs as usize,
             streams: u.streams as usize,
             modules: state.modules.len(),
+            staging: u.staging,
         })
     }
 

@@ -485,6 +485,7 @@ fn answer_done(
         let done = r.stamps.map(|_| now_ns());
         let (status, body, out) = match r.work {
             Sealed::Batch(enqueued) => {
+                lease.staging = dev.staging_bytes();
                 let (mut reply, out) = enqueued.reply(lease, finished);
                 if let (Some([read, planned, launched, sealed]), Some(done)) = (r.stamps, done) {
                     reply.stamps = Some([read, planned, launched, sealed, done, now_ns()]);

@@ -149,6 +149,9 @@ pub(crate) struct Usage {
     pub(crate) graphs: u32,
     /// Streams used.
     pub(crate) streams: u32,
+    /// Page-locked staging the worker keeps for the lease's prepared
+    /// bodies, in bytes (outside the reservation).
+    pub(crate) staging: u64,
 }
 
 /// The lease's limits and budgets, as the node gives them with each batch.

@@ -419,6 +419,70 @@ fn a_buffer_used_where_it_does_not_live_is_an_error_naming_both_homes() {
     assert!(matches!(e, cuda_async::Error::WrongHome { .. }), "{e}");
 }
 
+/// Prepared bodies' page-locked staging stays within the worker's cap
+/// (64 MiB): a body of 40 MiB of uploads is staged, a second one would
+/// pass the cap and is not (it runs by replaying its commands); both run
+/// right, and the node reports the staging kept.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn prepared_staging_stays_within_the_workers_cap() {
+    use cuda_async::prelude::*;
+    let backend = RemoteBackend::start();
+    let remote = &backend.policy;
+    let k = suite::kernels();
+    let n = 10 << 20; // 40 MiB of f32
+    let m = 16u32;
+    // y[0..16) = 0.5 x[0..16), downloaded; x is uploaded whole.
+    let op = move |x: Vec<f32>| {
+        let axpy = k.axpy.clone();
+        h2d(x)
+            .zip(zeros::<f32>(m as usize))
+            // SAFETY: axpy touches x[0..m) and y[0..m); x holds n >= m
+            // floats, y m.
+            .then(move |(x, y)| unsafe { launch(&axpy, suite::cfg(m), (0.5f32, x, y, m)) })
+            .then(|(_, _, y, _)| d2h(y))
+    };
+    let input = |seed: f32| {
+        (0..n)
+            .map(|i| seed + (i % 977) as f32)
+            .collect::<Vec<f32>>()
+    };
+    let want = |x: &[f32]| {
+        x[..m as usize]
+            .iter()
+            .map(|v| 0.5 * v)
+            .collect::<Vec<f32>>()
+    };
+    let lease = backend.lease.as_ref().unwrap().lease();
+    let node = &backend.fixture.as_ref().unwrap().node;
+    // What the worker keeps once `graphs` prepared bodies are settled (a
+    // query first: on a direct lease it has the node ask the worker).
+    let staging = |graphs: usize| {
+        backend.rt.block_on(lease.query()).unwrap();
+        let u = node.lease_usage(&lease.id()).unwrap();
+        assert_eq!(u.graphs, graphs, "{u:?}");
+        u.staging
+    };
+    let a = op(vec![0.0; n]).prepare().sync_with(remote).unwrap();
+    assert_eq!(a.inputs(), [4 * n as u64]);
+    let one = staging(1);
+    assert!(
+        one >= 4 * n as u64,
+        "a body of 40 MiB of uploads kept {one} bytes"
+    );
+    let b = op(vec![0.0; n]).prepare().sync_with(remote).unwrap();
+    // The second body's staging would pass 64 MiB: it is not kept.
+    let two = staging(2);
+    assert!(two <= 64 << 20, "prepared staging grew to {two} bytes");
+    assert_eq!(two, one);
+    for (i, p) in [&b, &a, &b].into_iter().enumerate() {
+        let x = input(i as f32);
+        let out = p.run(&[&x[..]]).unwrap().sync_with(remote).unwrap();
+        assert_eq!(out.to_vec::<f32>(0).unwrap(), want(&x), "run {i}");
+    }
+    assert_eq!(staging(2), one);
+}
+
 /// A prepared submission of two uploads, two arms on two streams, a join
 /// and a download runs with new inputs bit-identical to the same op run
 /// eagerly on this GPU, from one thread and from four at once (the runs

@@ -564,6 +564,10 @@ impl LeaseDevice for CudaDevice {
         self.prepared.remove(&graph);
     }
 
+    fn staging_bytes(&self) -> u64 {
+        self.staging_kept() as u64
+    }
+
     fn seal(&mut self, out_len: usize) -> Ticket {
         self.seal_batch(out_len)
     }

@@ -66,6 +66,12 @@ fn pinned(device: &cuda_async::Device, len: usize) -> Result<SharedPinnedBuffer<
 }
 
 impl CudaDevice {
+    /// Bytes of staging the prepared bodies' instances keep, all together
+    /// (at most [`STAGING_MAX`]).
+    pub(super) fn staging_kept(&self) -> usize {
+        self.prepared.values().flatten().map(|p| p.bytes()).sum()
+    }
+
     /// Captures prepared body `graph` (see `LeaseDevice::capture_prepared`).
     pub(super) fn capture_staged(
         &mut self,
@@ -80,8 +86,11 @@ impl CudaDevice {
             usize::try_from(outputs).map_err(too_big)?,
         );
         // (Captures are rare: the bodies kept are counted afresh.)
-        let kept: usize = self.prepared.values().flatten().map(|p| p.bytes()).sum();
-        if kept.saturating_add(staged_bytes(inputs, outputs)) > STAGING_MAX {
+        if self
+            .staging_kept()
+            .saturating_add(staged_bytes(inputs, outputs))
+            > STAGING_MAX
+        {
             return Ok(false);
         }
         let (input, output) = (
