@@ -676,12 +676,13 @@ pub fn timed_measures_a_one_ms_spin_on_the_gpu_within_ten_percent(p: &dyn Schedu
     let ms = 1_000_000u64;
     // Warm up (module load, pools).
     let _ = spin_op(&k.spin, 1000).timed().sync_with(p).unwrap();
-    // A 1 ms spin first keeps the GPU busy while the timed op is
+    // A 20 ms spin first keeps the GPU busy while the timed op is
     // enqueued, so the span holds GPU work alone: a host thread held up
-    // between the timer's start and the spin's launch (a preempted
-    // worker, say) would otherwise count as the GPU's idle time.
+    // between the timer's start and the spin's launch (a worker preempted
+    // on a loaded host, for a scheduler's time slice of a few ms) would
+    // otherwise count as the GPU's idle time.
     let timed_spin = k.spin.clone();
-    let (lead, (s, t)) = spin_op(&k.spin, ms)
+    let (lead, (s, t)) = spin_op(&k.spin, 20 * ms)
         .then(move |lead| spin_op(&timed_spin, ms).timed().map(|st| (lead, st)))
         .sync_with(p)
         .unwrap();
