@@ -12,6 +12,7 @@ use super::{Batch, BatchHead, Command, LaunchArg, LaunchSpec, LeaseId, ModuleUse
 
 mod read;
 use read::decode_commands;
+pub use read::CommandSpares;
 
 /// Appends `msg` as postcard writes it.
 pub fn postcard_encode<T: Serialize + ?Sized>(msg: &T, out: &mut Vec<u8>) {
@@ -56,8 +57,23 @@ impl<'a> CommandList<'a> {
     /// # Errors
     ///
     /// [`ProtoError::Body`] for bytes that are not one command list.
-    pub fn from_wire(mut wire: &'a [u8]) -> Result<Self, ProtoError> {
-        let commands = decode_commands(&mut wire)?;
+    pub fn from_wire(wire: &'a [u8]) -> Result<Self, ProtoError> {
+        Self::from_wire_reusing(wire, &mut CommandSpares::new())
+    }
+
+    /// [`CommandList::from_wire`], its lists taken from `spares` where it
+    /// has some (a decoder that gives each list back with
+    /// [`CommandSpares::keep`] once done with it allocates for the first
+    /// lists only).
+    ///
+    /// # Errors
+    ///
+    /// As [`CommandList::from_wire`].
+    pub fn from_wire_reusing(
+        mut wire: &'a [u8],
+        spares: &mut CommandSpares,
+    ) -> Result<Self, ProtoError> {
+        let commands = decode_commands(&mut wire, spares)?;
         if !wire.is_empty() {
             return Err(ProtoError::Body(format!("{} trailing bytes", wire.len())));
         }
@@ -305,7 +321,7 @@ mod written_by_hand {
 
     use proptest::prelude::*;
 
-    use super::{decode_commands, encode_commands, postcard_decode, CommandList};
+    use super::{decode_commands, encode_commands, postcard_decode, CommandList, CommandSpares};
     use crate::{
         Command, Dtype, GemmSpec, Id, LaunchArg, LaunchSpec, ModuleHash, Op, Operand, RandDist,
         RandSpec, ScalarBytes,
@@ -503,10 +519,82 @@ mod written_by_hand {
         }
     }
 
-    /// What the reader makes of `b`: the commands and the bytes left after them.
+    thread_local! {
+        /// The lists of the cases before, for the reader to reuse.
+        static SPARES: std::cell::RefCell<CommandSpares> = Default::default();
+    }
+
+    /// What the reader makes of `b`: the commands and the bytes left after
+    /// them. It reuses the storage of the lists read before (kept back
+    /// after each case), so every case checks that what a reused list
+    /// held does not show in the next.
     fn by_hand(b: &[u8]) -> Option<(Vec<Command<'_>>, usize)> {
-        let mut rest = b;
-        decode_commands(&mut rest).ok().map(|c| (c, rest.len()))
+        SPARES.with_borrow_mut(|spares| {
+            let mut rest = b;
+            let read = decode_commands(&mut rest, spares).ok()?;
+            let copy = read.clone();
+            spares.keep(CommandList(read));
+            Some((copy, rest.len()))
+        })
+    }
+
+    /// A list kept back is decoded into again: the same commands, in the
+    /// lists (the commands' and each launch's arguments') of the one before.
+    #[test]
+    fn a_list_kept_back_is_reused_by_the_next() {
+        let launch = |n: u64| Command {
+            stream: 0,
+            op: Op::Launch(LaunchSpec {
+                module: ModuleHash([3; 32]),
+                kernel: Cow::Borrowed("axpy"),
+                grid: [1, 1, 1],
+                block: [256, 1, 1],
+                shared_mem: 0,
+                args: vec![
+                    LaunchArg::Scalar(ScalarBytes::copied(&0.5f32.to_le_bytes())),
+                    LaunchArg::Mem {
+                        buf: Id(n),
+                        offset: 0,
+                    },
+                    LaunchArg::Mem {
+                        buf: Id(n + 1),
+                        offset: 8,
+                    },
+                ],
+            }),
+        };
+        let first: Vec<Command<'static>> = (0..17).map(launch).collect();
+        let second: Vec<Command<'static>> = (100..117).map(launch).collect();
+        let wire = |c: &[Command<'_>]| {
+            let mut out = Vec::new();
+            encode_commands(&mut out, c.len(), c);
+            out
+        };
+        let (w1, w2) = (wire(&first), wire(&second));
+        let mut spares = CommandSpares::new();
+        let a = CommandList::from_wire_reusing(&w1, &mut spares).unwrap();
+        assert_eq!(a.0, first);
+        let args = |l: &CommandList<'_>| -> Vec<*const LaunchArg<'static>> {
+            let mut p: Vec<_> =
+                l.0.iter()
+                    .filter_map(|c| match &c.op {
+                        Op::Launch(s) => Some(s.args.as_ptr().cast()),
+                        _ => None,
+                    })
+                    .collect();
+            p.sort();
+            p
+        };
+        let (list, kept) = (a.0.as_ptr().cast::<Command<'static>>(), args(&a));
+        spares.keep(a);
+        let b = CommandList::from_wire_reusing(&w2, &mut spares).unwrap();
+        assert_eq!(b.0, second);
+        assert_eq!(b.0.as_ptr().cast(), list, "the list of commands is reused");
+        assert_eq!(
+            args(&b),
+            kept,
+            "each launch's arguments reuse one kept back"
+        );
     }
 
     /// What serde makes of `b`, as [`by_hand`].

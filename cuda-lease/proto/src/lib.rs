@@ -42,7 +42,7 @@ pub use batch::{
 };
 pub use codec::{
     command_count, encode_batch_head, encode_commands, postcard_decode, postcard_encode,
-    CommandList,
+    CommandList, CommandSpares,
 };
 pub use error::{Credentials, Disconnect, RemoteError, RemoteErrorKind};
 pub use frame::{

@@ -16,8 +16,8 @@ use super::messages::{
 use super::{DeviceSpec, SPIN_ENV, WORKER_ENV, WORKER_LIMITS};
 use crate::device::{CudaDevice, DeviceError, LeaseDevice, MemoryDevice, Ticket};
 use crate::proto::{
-    self, from_body, to_body, Frame, GpuSubmit, Header, Id, LaunchArg, LaunchSpec, ModuleHash, Op,
-    OpError, Opcode, SourceKind, Status,
+    self, from_body, to_body, CommandSpares, Frame, GpuSubmit, Header, Id, LaunchArg, LaunchSpec,
+    ModuleHash, Op, OpError, Opcode, SourceKind, Status,
 };
 use crate::sandbox::{CompileSandbox, Compiler};
 use crate::shm::{WorkerRing, SHM_ENV};
@@ -63,6 +63,8 @@ pub(super) fn run_worker(spec: &str) -> i32 {
     }
     let mut submit_modules: HashSet<ModuleHash> = HashSet::new();
     let mut graphs = Graphs::default();
+    // Decoded batches' command lists, reused by the next batches.
+    let mut spares = CommandSpares::new();
     // The lease this worker serves (a submit worker serves none).
     let mut lease = WorkerLease::default();
     // The node's spin budget (absent: block at once).
@@ -95,6 +97,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                 dev: device.as_mut(),
                 graphs: &mut graphs,
                 compiler: &compiler,
+                spares: &mut spares,
             };
             if take_direct(link, &mut dev, &mut lease, &mut running, &mut output).is_err() {
                 return 1;
@@ -172,6 +175,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
                 dev: device.as_mut(),
                 graphs: &mut graphs,
                 compiler: &compiler,
+                spares: &mut spares,
             };
             match start_batch(&mut dev, &mut lease, &frame, read_at, direct.as_ref()) {
                 Ok(r) => {
@@ -241,14 +245,16 @@ fn start_batch(
     read_at: Option<u64>,
     link: Option<&DirectLink>,
 ) -> Result<Running, (Status, Vec<u8>)> {
-    let batch = WorkerBatch::decode(&frame.body)
+    let batch = WorkerBatch::decode_reusing(&frame.body, dev.spares)
         .map_err(|e| DeviceError::new(Status::BadRequest, e.to_string()));
     let enqueued = batch.and_then(|b| {
         let mut enqueue = || enqueue_batch(dev, lease, &b, &frame.data, read_at.is_some());
-        match link {
+        let enqueued = match link {
             Some(link) if !b.loads.is_empty() => link.beside(enqueue),
             _ => enqueue(),
-        }
+        };
+        dev.spares.keep(b.commands);
+        enqueued
     });
     match enqueued {
         Ok(enqueued) => {
@@ -645,6 +651,8 @@ pub(super) struct Dev<'a> {
     pub(super) dev: &'a mut dyn LeaseDevice,
     pub(super) graphs: &'a mut Graphs,
     pub(super) compiler: &'a Compiler,
+    /// The lists of batches decoded before, for the next to reuse.
+    pub(super) spares: &'a mut CommandSpares,
 }
 
 /// What enqueueing a batch did: its plan, the modules it compiled, the

@@ -5,7 +5,9 @@ use serde::{Deserialize, Serialize};
 
 #[cfg(doc)]
 use crate::device::DeviceError;
-use crate::proto::{postcard_decode, CommandList, Id, ModuleHash, OpError, ProtoError, SourceKind};
+use crate::proto::{
+    postcard_decode, CommandList, CommandSpares, Id, ModuleHash, OpError, ProtoError, SourceKind,
+};
 
 /// A module a worker loads before a batch's commands; its source is the
 /// next `len` bytes of the call's data.
@@ -43,14 +45,18 @@ pub(crate) struct WorkerBatch<'a> {
 
 impl<'a> WorkerBatch<'a> {
     /// Decodes a worker batch's body: its head through serde, its commands
-    /// by hand ([`CommandList::from_wire`]); what `from_body` decodes.
-    pub(crate) fn decode(mut body: &'a [u8]) -> Result<Self, ProtoError> {
+    /// by hand, in lists taken from `spares` where it has some
+    /// ([`CommandList::from_wire_reusing`]); what `from_body` decodes.
+    pub(crate) fn decode_reusing(
+        mut body: &'a [u8],
+        spares: &mut CommandSpares,
+    ) -> Result<Self, ProtoError> {
         let (loads, limits, modules) = postcard_decode(&mut body)?;
         Ok(WorkerBatch {
             loads,
             limits,
             modules,
-            commands: CommandList::from_wire(body)?,
+            commands: CommandList::from_wire_reusing(body, spares)?,
         })
     }
 }

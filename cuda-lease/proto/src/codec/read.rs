@@ -10,14 +10,19 @@ use crate::{
 };
 
 /// Decodes a command list off the front of `buf`, advancing `buf` (see
-/// [`CommandList::from_wire`](super::CommandList::from_wire)).
-pub(crate) fn decode_commands<'a>(buf: &mut &'a [u8]) -> Result<Vec<Command<'a>>, ProtoError> {
-    let mut r = Reader { buf };
+/// [`CommandList::from_wire`](super::CommandList::from_wire)); its lists
+/// are taken from `spares` where it has some.
+pub(crate) fn decode_commands<'a>(
+    buf: &mut &'a [u8],
+    spares: &mut CommandSpares,
+) -> Result<Vec<Command<'a>>, ProtoError> {
+    let mut r = Reader { buf, spares };
     let n = r.len()?;
     if n > MAX_BATCH_OPS {
         return Err(too_long(n, MAX_BATCH_OPS));
     }
-    let mut commands = Vec::with_capacity(n);
+    let mut commands = emptied(std::mem::take(&mut r.spares.commands));
+    commands.reserve(n);
     for _ in 0..n {
         commands.push(r.command()?);
     }
@@ -25,12 +30,74 @@ pub(crate) fn decode_commands<'a>(buf: &mut &'a [u8]) -> Result<Vec<Command<'a>>
     Ok(commands)
 }
 
-/// The bytes not read yet.
-struct Reader<'a> {
-    buf: &'a [u8],
+/// Argument lists a [`CommandSpares`] keeps at most.
+const SPARE_ARG_LISTS: usize = 256;
+
+/// Argument lists of at most this capacity are kept (a launch's usual few).
+const SPARE_ARGS_CAPACITY: usize = 16;
+
+/// The emptied lists of decoded command lists, which the next lists
+/// decoded with them reuse instead of allocating their own (see
+/// [`CommandList::from_wire_reusing`](super::CommandList::from_wire_reusing)).
+/// Bounded: at most 256 argument lists of up to 16 arguments each, and
+/// one list of commands.
+#[derive(Debug, Default)]
+pub struct CommandSpares {
+    commands: Vec<Command<'static>>,
+    args: Vec<Vec<LaunchArg<'static>>>,
 }
 
-impl<'a> Reader<'a> {
+impl CommandSpares {
+    /// No spares.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Takes back `list`'s storage; its commands are dropped.
+    pub fn keep(&mut self, list: super::CommandList<'_>) {
+        let mut commands = list.0;
+        for c in commands.drain(..) {
+            if let Op::Launch(spec) = c.op {
+                let args = spec.args;
+                if self.args.len() < SPARE_ARG_LISTS
+                    && (1..=SPARE_ARGS_CAPACITY).contains(&args.capacity())
+                {
+                    self.args.push(emptied(args));
+                }
+            }
+        }
+        if commands.capacity() > self.commands.capacity() {
+            self.commands = emptied(commands);
+        }
+    }
+
+    /// An empty argument list with room for `n`.
+    fn args<'a>(&mut self, n: usize) -> Vec<LaunchArg<'a>> {
+        match self.args.pop() {
+            Some(spare) => {
+                let mut args = emptied(spare);
+                args.reserve(n);
+                args
+            }
+            None => Vec::with_capacity(n),
+        }
+    }
+}
+
+/// `v` emptied, as a list of the same type of another lifetime, in the
+/// same allocation (collected in place: the layouts are the same).
+fn emptied<T, U>(mut v: Vec<T>) -> Vec<U> {
+    v.clear();
+    v.into_iter().filter_map(|_| None).collect()
+}
+
+/// The bytes not read yet.
+struct Reader<'a, 's> {
+    buf: &'a [u8],
+    spares: &'s mut CommandSpares,
+}
+
+impl<'a> Reader<'a, '_> {
     #[inline]
     fn byte(&mut self) -> Result<u8, ProtoError> {
         let (&b, rest) = self.buf.split_first().ok_or_else(ended)?;
@@ -186,7 +253,7 @@ impl<'a> Reader<'a> {
         if n > MAX_KERNEL_ARGS {
             return Err(too_long(n, MAX_KERNEL_ARGS));
         }
-        let mut args = Vec::with_capacity(n);
+        let mut args = self.spares.args(n);
         for _ in 0..n {
             args.push(self.arg()?);
         }
