@@ -161,7 +161,9 @@ pub(super) fn run_worker(spec: &str) -> i32 {
         } else if frame.header.opcode == Opcode::LeaseQuery {
             // What the lease holds now, and whether a fault ended its
             // context (its batches may not pass the node).
-            let answer = (lease.usage(), lease.poisoned.clone());
+            let mut usage = lease.usage();
+            usage.staging = device.staging_bytes();
+            let answer = (usage, lease.poisoned.clone());
             (Status::Ok, to_body(&answer), Vec::new())
         } else if frame.header.opcode == Opcode::LeaseDirect {
             match open_direct(&mut direct, &frame.body, stdin_fd) {
@@ -491,8 +493,8 @@ fn answer_done(
         let done = r.stamps.map(|_| now_ns());
         let (status, body, out) = match r.work {
             Sealed::Batch(enqueued) => {
-                lease.staging = dev.staging_bytes();
                 let (mut reply, out) = enqueued.reply(lease, finished);
+                reply.usage.staging = dev.staging_bytes();
                 if let (Some([read, planned, launched, sealed]), Some(done)) = (r.stamps, done) {
                     reply.stamps = Some([read, planned, launched, sealed, done, now_ns()]);
                 }

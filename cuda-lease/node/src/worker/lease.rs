@@ -15,9 +15,6 @@ pub(super) struct WorkerLease {
     allocated: u64,
     /// Why its context is dead (a fault's sticky error), once it is.
     pub(super) poisoned: Option<String>,
-    /// The device's prepared bodies' staging, in bytes, as of the last
-    /// batch answered.
-    pub(super) staging: u64,
 }
 
 /// What a batch was planned to do: the bytes charged for its modules (in
@@ -165,7 +162,8 @@ impl WorkerLease {
             events: ids.saturating_sub(buffers + graphs),
             graphs,
             streams: s.streams.len() as u32,
-            staging: self.staging,
+            // The device's, filled in by the caller.
+            staging: 0,
         }
     }
 }

@@ -88,6 +88,9 @@ pub struct CudaDevice {
     /// Prepared bodies captured natively, by id, each body's instances
     /// (see `prepared`).
     prepared: IdMap<Id, Vec<std::rc::Rc<prepared::PreparedGraph>>>,
+    /// Bytes of staging `prepared`'s instances keep, all together (at most
+    /// `prepared::STAGING_MAX`).
+    staged: usize,
     /// The staging of the prepared body being captured.
     staging: Option<prepared::Staging>,
     /// Runs of prepared bodies since the last seal or finish: their
@@ -160,6 +163,7 @@ impl CudaDevice {
             capture_alloc: None,
             capturing: false,
             prepared: IdMap::default(),
+            staged: 0,
             staging: None,
             prepared_reads: Vec::new(),
             spare_arenas: Vec::new(),

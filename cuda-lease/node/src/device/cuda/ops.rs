@@ -561,11 +561,11 @@ impl LeaseDevice for CudaDevice {
         // Released after its last replay, on the reclaimer thread (a
         // prepared body's once its last run's outputs are copied out).
         self.graphs.remove(&graph);
-        self.prepared.remove(&graph);
+        self.forget_prepared(graph);
     }
 
     fn staging_bytes(&self) -> u64 {
-        self.staging_kept() as u64
+        self.staged as u64
     }
 
     fn seal(&mut self, out_len: usize) -> Ticket {

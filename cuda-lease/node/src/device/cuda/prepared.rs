@@ -66,10 +66,12 @@ fn pinned(device: &cuda_async::Device, len: usize) -> Result<SharedPinnedBuffer<
 }
 
 impl CudaDevice {
-    /// Bytes of staging the prepared bodies' instances keep, all together
-    /// (at most [`STAGING_MAX`]).
-    pub(super) fn staging_kept(&self) -> usize {
-        self.prepared.values().flatten().map(|p| p.bytes()).sum()
+    /// Forgets prepared body `graph`'s instances (released after their
+    /// last runs), and their staging from the bytes kept.
+    pub(super) fn forget_prepared(&mut self, graph: Id) {
+        if let Some(instances) = self.prepared.remove(&graph) {
+            self.staged -= instances.iter().map(|p| p.bytes()).sum::<usize>();
+        }
     }
 
     /// Captures prepared body `graph` (see `LeaseDevice::capture_prepared`).
@@ -85,12 +87,7 @@ impl CudaDevice {
             usize::try_from(inputs).map_err(too_big)?,
             usize::try_from(outputs).map_err(too_big)?,
         );
-        // (Captures are rare: the bodies kept are counted afresh.)
-        if self
-            .staging_kept()
-            .saturating_add(staged_bytes(inputs, outputs))
-            > STAGING_MAX
-        {
+        if self.staged.saturating_add(staged_bytes(inputs, outputs)) > STAGING_MAX {
             return Ok(false);
         }
         let (input, output) = (
@@ -127,6 +124,7 @@ impl CudaDevice {
             outputs,
             busy: Cell::new(false),
         };
+        self.staged += prepared.bytes();
         self.prepared
             .entry(graph)
             .or_default()
