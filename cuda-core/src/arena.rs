@@ -77,7 +77,8 @@ pub struct StagingArena {
 }
 
 /// Events recorded after every copy of one epoch of a [`StagingArena`]
-/// ([`StagingArena::mark_end`]); [`StagingArena::settle`] waits for them.
+/// ([`StagingArena::mark_end`]; [`StagingArena::mark_end_with`] records
+/// them on more streams); [`StagingArena::settle`] waits for them.
 #[derive(Debug)]
 #[must_use = "an arena whose end is dropped hands nothing out again"]
 pub struct ArenaEnd {
@@ -99,6 +100,16 @@ impl ArenaEnd {
             }
         }
         Ok(true)
+    }
+
+    /// Makes `stream` wait for every copy of the epoch (and, for an end of
+    /// [`StagingArena::mark_end_with`], for the work before it on the
+    /// streams it names): a `cuStreamWaitEvent` per event.
+    ///
+    /// # Errors
+    /// The driver's error naming `cuStreamWaitEvent`.
+    pub fn wait_on(&self, stream: &CudaStream) -> Result<()> {
+        self.events.iter().try_for_each(|e| e.wait_on(stream))
     }
 }
 
@@ -291,9 +302,29 @@ impl StagingArena {
     /// # Errors
     /// The driver's error naming `cuEventRecord` (the epoch stays open).
     pub fn mark_end(&mut self) -> Result<ArenaEnd> {
-        let mut events = Vec::with_capacity(self.streams.len());
+        self.mark_end_with(&[])
+    }
+
+    /// [`StagingArena::mark_end`], the end also recorded on `streams`
+    /// (each stream once, `streams` first): a caller that waits for a
+    /// batch's streams anyway passes them here, and the end marks the
+    /// whole batch on them ([`ArenaEnd::is_done`], [`ArenaEnd::wait_on`])
+    /// with no events of the caller's own.
+    ///
+    /// # Errors
+    /// As [`StagingArena::mark_end`].
+    pub fn mark_end_with(&mut self, streams: &[Arc<CudaStream>]) -> Result<ArenaEnd> {
+        let mut events = Vec::with_capacity(streams.len().max(self.streams.len()));
+        for (i, s) in streams.iter().enumerate() {
+            let again = streams[..i].iter().any(|t| t.cu_stream() == s.cu_stream());
+            if !again {
+                events.push(MarkEvent::recorded(s)?);
+            }
+        }
         for s in &self.streams {
-            events.push(MarkEvent::recorded(s)?);
+            if !streams.iter().any(|t| t.cu_stream() == s.cu_stream()) {
+                events.push(MarkEvent::recorded(s)?);
+            }
         }
         self.ended = true;
         Ok(ArenaEnd {

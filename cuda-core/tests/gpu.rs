@@ -521,6 +521,62 @@ fn a_staging_arena_round_trips_a_batch_and_guards_its_ranges() {
     );
 }
 
+/// An arena's end recorded with a stream its copies did not run on marks
+/// that stream's work too: not done, nor passed by a stream waiting on it,
+/// while a host function holds the stream; `mark_end` alone does not wait
+/// for it.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn an_arena_end_marked_with_more_streams_waits_for_their_work() {
+    let dev = Device::new(0).unwrap();
+    let (a, held, waiter) = (
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+        dev.new_stream().unwrap(),
+    );
+    let mut buf = cuda_core::DeviceBuffer::<u8>::zeros(&a, 64).unwrap();
+    a.synchronize().unwrap();
+    let mut arena = cuda_core::StagingArena::new(&dev, 4096).unwrap();
+    let hold = |s: &CudaStream| {
+        let (release, until) = std::sync::mpsc::channel::<()>();
+        cuda_core::launch_host_callback(s, move || {
+            let _ = until.recv();
+        })
+        .unwrap();
+        release
+    };
+    let mut upload = |arena: &mut cuda_core::StagingArena| {
+        let slot = arena.reserve(8).unwrap();
+        arena.upload(slot, &[7; 8], &mut buf, 0, &a).unwrap();
+    };
+
+    upload(&mut arena);
+    let release = hold(&held);
+    let end = arena.mark_end_with(&[held.clone(), held.clone()]).unwrap();
+    end.wait_on(&waiter).unwrap();
+    let passed = dev.context().new_event(None).unwrap();
+    passed.record(&waiter).unwrap();
+    a.synchronize().unwrap();
+    assert!(!end.is_done().unwrap(), "the held stream's work is marked");
+    assert!(
+        !passed.try_is_complete().unwrap(),
+        "a stream waiting on the end waits for the held stream"
+    );
+    release.send(()).unwrap();
+    arena.settle(end).unwrap();
+    passed.synchronize().unwrap();
+
+    // Without the stream named, the end is the copies' alone.
+    upload(&mut arena);
+    let release = hold(&held);
+    let end = arena.mark_end().unwrap();
+    a.synchronize().unwrap();
+    assert!(end.is_done().unwrap(), "the held stream is not waited for");
+    release.send(()).unwrap();
+    arena.settle(end).unwrap();
+    held.synchronize().unwrap();
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn launches_from_run_time_argument_lists_are_checked_and_reuse_their_storage() {

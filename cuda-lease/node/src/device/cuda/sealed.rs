@@ -24,7 +24,8 @@ type SealedArena = (StagingArena, ArenaEnd, Vec<(usize, ArenaRead)>);
 /// A sealed batch whose work may still run.
 #[derive(Debug)]
 pub(super) struct InFlight {
-    /// Recorded after the batch's work on every stream it touched.
+    /// Recorded after the batch's work on every stream it touched (none
+    /// when its arena's end is: see `in_flight_batch`).
     pub(super) done: Vec<CudaEvent>,
     /// Where its reads land in its reply's data: pinned downloads,
     /// timers, and (with its arena) the arena's downloads.
@@ -55,9 +56,13 @@ impl CudaDevice {
         let arena_reads = std::mem::take(&mut self.arena_reads);
         let prepared = std::mem::take(&mut self.prepared_reads);
         let freed = self.spare.take_freed();
-        let mut done = Vec::with_capacity(touched.len());
+        // A batch with staging copies is marked by its arena's end,
+        // recorded on every stream the batch touched; one without, by done
+        // events of its own.
+        let staged = matches!(&self.arena, Some(a) if a.used() > 0);
+        let mut done = Vec::with_capacity(if staged { 0 } else { touched.len() });
         let mut failed = None;
-        for s in &touched {
+        for s in touched.iter().filter(|_| !staged) {
             let event = match self.spare_events.pop() {
                 Some(e) => Ok(e),
                 None => self.device.context().new_event(None),
@@ -73,7 +78,7 @@ impl CudaDevice {
         // The arena goes with the batch (its copies may still run); the
         // next batch takes a spare one, or makes one on first use.
         let arena = match self.arena.take() {
-            Some(mut a) if a.used() > 0 && failed.is_none() => match a.mark_end() {
+            Some(mut a) if a.used() > 0 && failed.is_none() => match a.mark_end_with(&touched) {
                 Ok(end) => {
                     self.arena = self.spare_arenas.pop();
                     Some((a, end, arena_reads))
@@ -202,6 +207,21 @@ impl CudaDevice {
 }
 
 impl InFlight {
+    /// Makes `stream` wait for every stream the batch touched to pass it.
+    pub(super) fn wait_on(&self, stream: &cuda_async::CudaStream) -> Result<(), DeviceError> {
+        for e in &self.done {
+            stream
+                .wait(e)
+                .map_err(|e| driver(Status::Internal, "cuStreamWaitEvent", e))?;
+        }
+        match &self.arena {
+            Some((_, end, _)) => end
+                .wait_on(stream)
+                .map_err(|e| map(Status::Internal, "cuStreamWaitEvent", e)),
+            None => Ok(()),
+        }
+    }
+
     /// Whether every stream it touched has passed it (never waits).
     fn is_done(&self) -> Result<bool, DeviceError> {
         for e in &self.done {

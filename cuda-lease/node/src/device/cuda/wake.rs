@@ -1,6 +1,7 @@
 //! Waking the worker when a sealed batch is done, so a worker past its spin
-//! budget sleeps instead of polling on a timer: an armed batch's done events
-//! are waited for on the wake's own stream, followed by a host function that
+//! budget sleeps instead of polling on a timer: an armed batch's end (its
+//! done events, or its arena's) is waited for on the wake's own stream,
+//! followed by a host function that
 //! counts one on an `eventfd` the worker polls beside its pipe. The lease's
 //! streams never wait for a host function.
 
@@ -8,8 +9,8 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 use cuda_async::CudaStream;
-use cuda_core::CudaEvent;
 
+use super::sealed::InFlight;
 use super::{driver, map, CudaDevice};
 use crate::device::{DeviceError, Ticket};
 use crate::proto::Status;
@@ -35,13 +36,9 @@ impl Wake {
         Ok(Wake { fd, stream })
     }
 
-    /// Counts one on the descriptor once every event in `done` has completed.
-    fn arm(&self, done: &[CudaEvent]) -> Result<(), DeviceError> {
-        for e in done {
-            self.stream
-                .wait(e)
-                .map_err(|e| driver(Status::Internal, "cuStreamWaitEvent", e))?;
-        }
+    /// Counts one on the descriptor once `batch` is done.
+    fn arm(&self, batch: &InFlight) -> Result<(), DeviceError> {
+        batch.wait_on(&self.stream)?;
         let fd = self.fd.clone();
         cuda_core::launch_host_callback(&self.stream, move || {
             let one = 1u64;
@@ -67,7 +64,7 @@ impl CudaDevice {
         }
         let wake = self.wake.as_ref()?;
         // Not armed (a dead context, say): the worker polls instead.
-        wake.arm(&batch.done).ok()?;
+        wake.arm(batch).ok()?;
         Some(wake.fd.as_raw_fd())
     }
 }
