@@ -1,6 +1,9 @@
 //! What a worker's enqueue costs on this host, call by call: the driver
-//! calls a batch is made of, timed alone, then a graph replay and its
-//! download through [`CudaDevice`] as a lease's worker runs them (each
+//! calls a batch is made of, timed alone; one kernel launch three ways
+//! (`cuLaunchKernel` alone, `cuda-core`'s checked `launch_with`, and
+//! [`CudaDevice`]'s launch command as a lease's worker runs it), in turns
+//! in one thread, so the host's drift over time is the same for all three;
+//! then a graph replay and its download through [`CudaDevice`] (each
 //! replay on the next of four streams, as a lease's round-robin client
 //! sends them, and all on one stream).
 //!
@@ -39,6 +42,7 @@ fn main() -> Result<()> {
         .map_err(err)?;
     dev.alloc(0, X, BYTES).map_err(err)?;
     dev.alloc(0, Y, BYTES).map_err(err)?;
+    launches(&mut dev, hash, iters)?;
     let ones: Vec<u8> = (0..N).flat_map(|_| 1.0f32.to_le_bytes()).collect();
     // The chain's body: the upload, the zeroing, 17 launches of y += x.
     let captured = dev
@@ -76,6 +80,110 @@ fn main() -> Result<()> {
     ] {
         replays(&mut dev, label, streams, gap, iters)?;
     }
+    Ok(())
+}
+
+/// Launches per block in [`launches`]: the report's chain has 17.
+const BLOCK_LAUNCHES: usize = 17;
+
+/// One launch of `vadd` over the chain's buffers, timed three ways in
+/// turns (a block of [`BLOCK_LAUNCHES`] each, then a wait for the GPU):
+/// the driver's call alone on a stream of its own, `cuda-core`'s
+/// `launch_with` (the checks and the argument list the worker's launch
+/// goes through), and the worker's launch command on `dev`'s stream 0
+/// (its lease's checks and its buffers' ordering, sealed as a batch).
+fn launches(dev: &mut CudaDevice, module: ModuleHash, iters: usize) -> Result<()> {
+    let device = cuda_core::Device::new(0)?;
+    let kernel = cuda_core::Module::ptx(TEST_KERNELS)?.kernel("vadd")?;
+    kernel.load_on(&device)?;
+    let func = kernel.function_on(&device)?.cu_function();
+    let stream = device.new_stream()?;
+    let x = cuda_core::DeviceBuffer::<u8>::zeros(&stream, BYTES as usize)?;
+    let y = cuda_core::DeviceBuffer::<u8>::zeros(&stream, BYTES as usize)?;
+    stream.synchronize()?;
+    let config = cuda_core::cudarc::driver::LaunchConfig {
+        grid_dim: (grid_for(N), 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // The driver's own buffers for its launches.
+    let (mut px, mut py) = (0, 0);
+    // SAFETY: allocations and a memset of sizes we own, freed below.
+    unsafe {
+        sys::cuMemAlloc_v2(&raw mut px, BYTES as usize).result()?;
+        sys::cuMemAlloc_v2(&raw mut py, BYTES as usize).result()?;
+        sys::cuMemsetD8_v2(px, 0, BYTES as usize).result()?;
+        sys::cuMemsetD8_v2(py, 0, BYTES as usize).result()?;
+    }
+    let mut storage = cuda_core::ArgList::new();
+    let spec = vadd(module);
+    let blocks = iters.div_ceil(BLOCK_LAUNCHES) + 5;
+    let mut t = [const { Vec::new() }; 3];
+    for b in 0..blocks {
+        for (way, times) in t.iter_mut().enumerate() {
+            for _ in 0..BLOCK_LAUNCHES {
+                let t0 = Instant::now();
+                match way {
+                    0 => {
+                        let n = N;
+                        let mut params = [
+                            (&raw const px).cast_mut().cast::<std::ffi::c_void>(),
+                            (&raw const py).cast_mut().cast(),
+                            (&raw const py).cast_mut().cast(),
+                            (&raw const n).cast_mut().cast(),
+                        ];
+                        // SAFETY: vadd(x, y, out, n) over buffers of n
+                        // floats, live until the stream is waited for below.
+                        unsafe {
+                            sys::cuLaunchKernel(
+                                func,
+                                config.grid_dim.0,
+                                1,
+                                1,
+                                config.block_dim.0,
+                                1,
+                                1,
+                                0,
+                                stream.cu_stream(),
+                                params.as_mut_ptr(),
+                                std::ptr::null_mut(),
+                            )
+                        }
+                        .result()?;
+                    }
+                    1 => {
+                        let mut args = storage.start(&stream);
+                        args.push_buffer(&x, 0)?;
+                        args.push_buffer(&y, 0)?;
+                        args.push_buffer(&y, 0)?;
+                        args.push_bytes(&N.to_le_bytes());
+                        // SAFETY: as above.
+                        unsafe { kernel.launch_with(&device, &config, args) }?;
+                    }
+                    _ => dev.launch(0, &spec).map_err(err)?,
+                }
+                if b >= 5 {
+                    times.push(t0.elapsed());
+                }
+            }
+            if way == 2 {
+                let ticket = dev.seal(0);
+                while dev.poll_sealed(ticket).is_none() {}
+            } else {
+                stream.synchronize()?;
+            }
+        }
+    }
+    // SAFETY: the stream was waited for after the last launch.
+    unsafe {
+        sys::cuMemFree_v2(px).result()?;
+        sys::cuMemFree_v2(py).result()?;
+    }
+    let [raw, core, worker] = t.map(median);
+    println!(
+        "one launch, {BLOCK_LAUNCHES} in a row, in turns: cuLaunchKernel {raw:.2}, \
+         cuda-core launch_with {core:.2}, the worker's launch command {worker:.2}"
+    );
     Ok(())
 }
 
