@@ -315,16 +315,8 @@ impl StagingArena {
     /// As [`StagingArena::mark_end`].
     pub fn mark_end_with(&mut self, streams: &[Arc<CudaStream>]) -> Result<ArenaEnd> {
         let mut events = Vec::with_capacity(streams.len().max(self.streams.len()));
-        for (i, s) in streams.iter().enumerate() {
-            let again = streams[..i].iter().any(|t| t.cu_stream() == s.cu_stream());
-            if !again {
-                events.push(MarkEvent::recorded(s)?);
-            }
-        }
-        for s in &self.streams {
-            if !streams.iter().any(|t| t.cu_stream() == s.cu_stream()) {
-                events.push(MarkEvent::recorded(s)?);
-            }
+        for s in self.with_own(streams) {
+            events.push(MarkEvent::recorded(s)?);
         }
         self.ended = true;
         Ok(ArenaEnd {
@@ -466,13 +458,8 @@ impl StagingArena {
     /// is [`Error::Poisoned`]). The arena then holds on to its ranges (and
     /// leaks its block when dropped) as its copies may still run.
     pub fn synchronize(&mut self, streams: &[Arc<CudaStream>]) -> Result<()> {
-        for s in streams {
+        for s in self.with_own(streams) {
             s.synchronize().call("cuStreamSynchronize")?;
-        }
-        for s in &self.streams {
-            if !streams.iter().any(|t| t.cu_stream() == s.cu_stream()) {
-                s.synchronize().call("cuStreamSynchronize")?;
-            }
         }
         self.streams.clear();
         self.bump.settle();
@@ -495,6 +482,23 @@ impl StagingArena {
         // readability), so no copy touches it while `&self` is borrowed.
         // The download wrote every byte, and any byte is a valid `u8`.
         Ok(unsafe { std::slice::from_raw_parts((self.addr + read.start) as *const u8, read.len) })
+    }
+
+    /// `streams` (each once, in order), then the streams of this epoch's
+    /// copies that `streams` does not name.
+    fn with_own<'a>(
+        &'a self,
+        streams: &'a [Arc<CudaStream>],
+    ) -> impl Iterator<Item = &'a Arc<CudaStream>> {
+        let named = |s: &CudaStream, among: &[Arc<CudaStream>]| {
+            among.iter().any(|t| t.cu_stream() == s.cu_stream())
+        };
+        let given = streams
+            .iter()
+            .enumerate()
+            .filter(move |(i, s)| !named(s, &streams[..*i]))
+            .map(|(_, s)| s);
+        given.chain(self.streams.iter().filter(move |s| !named(s, streams)))
     }
 
     fn check_stream(&self, stream: &CudaStream) -> Result<()> {

@@ -161,9 +161,7 @@ pub(super) fn run_worker(spec: &str) -> i32 {
         } else if frame.header.opcode == Opcode::LeaseQuery {
             // What the lease holds now, and whether a fault ended its
             // context (its batches may not pass the node).
-            let mut usage = lease.usage();
-            usage.staging = device.staging_bytes();
-            let answer = (usage, lease.poisoned.clone());
+            let answer = (lease.usage(device.staging_bytes()), lease.poisoned.clone());
             (Status::Ok, to_body(&answer), Vec::new())
         } else if frame.header.opcode == Opcode::LeaseDirect {
             match open_direct(&mut direct, &frame.body, stdin_fd) {
@@ -493,8 +491,7 @@ fn answer_done(
         let done = r.stamps.map(|_| now_ns());
         let (status, body, out) = match r.work {
             Sealed::Batch(enqueued) => {
-                let (mut reply, out) = enqueued.reply(lease, finished);
-                reply.usage.staging = dev.staging_bytes();
+                let (mut reply, out) = enqueued.reply(lease, finished, dev.staging_bytes());
                 if let (Some([read, planned, launched, sealed]), Some(done)) = (r.stamps, done) {
                     reply.stamps = Some([read, planned, launched, sealed, done, now_ns()]);
                 }
@@ -676,11 +673,13 @@ pub(super) struct Enqueued {
 
 impl Enqueued {
     /// The reply once the batch's work finished (`finished`: its reads,
-    /// or the failure found waiting for it); the lease is settled.
+    /// or the failure found waiting for it; `staging`: the device's
+    /// prepared staging now); the lease is settled.
     fn reply(
         self,
         lease: &mut WorkerLease,
         finished: Result<Vec<u8>, DeviceError>,
+        staging: u64,
     ) -> (WorkerBatchReply, Vec<u8>) {
         let (finished, out) = match finished {
             Ok(out) => (Ok(()), out),
@@ -716,7 +715,7 @@ impl Enqueued {
             compiled: self.compiled,
             error,
             sticky,
-            usage: lease.usage(),
+            usage: lease.usage(staging),
             stamps: None,
         };
         (reply, out)

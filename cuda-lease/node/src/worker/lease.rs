@@ -152,8 +152,9 @@ impl WorkerLease {
         in_range(size, offset, len).map_err(|(status, m)| DeviceError::new(status, m))
     }
 
-    /// What the lease holds now.
-    pub(super) fn usage(&self) -> Usage {
+    /// What the lease holds now, with `staging`, the device's staging of
+    /// its prepared bodies.
+    pub(super) fn usage(&self, staging: u64) -> Usage {
         let s = &self.objects;
         let (ids, buffers, graphs) = (s.ids.len() as u32, s.ids.buffers, s.graphs.len() as u32);
         Usage {
@@ -162,8 +163,7 @@ impl WorkerLease {
             events: ids.saturating_sub(buffers + graphs),
             graphs,
             streams: s.streams.len() as u32,
-            // The device's, filled in by the caller.
-            staging: 0,
+            staging,
         }
     }
 }

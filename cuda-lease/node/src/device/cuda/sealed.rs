@@ -58,47 +58,45 @@ impl CudaDevice {
         let freed = self.spare.take_freed();
         // A batch with staging copies is marked by its arena's end,
         // recorded on every stream the batch touched; one without, by done
-        // events of its own.
-        let staged = matches!(&self.arena, Some(a) if a.used() > 0);
-        let mut done = Vec::with_capacity(if staged { 0 } else { touched.len() });
+        // events of its own. The arena goes with the batch (its copies may
+        // still run); the next batch takes a spare one, or makes one on
+        // first use.
         let mut failed = None;
-        for s in touched.iter().filter(|_| !staged) {
-            let event = match self.spare_events.pop() {
-                Some(e) => Ok(e),
-                None => self.device.context().new_event(None),
-            };
-            match event.and_then(|e| e.record(s).map(|()| e)) {
-                Ok(e) => done.push(e),
-                Err(e) => {
-                    failed = Some(sync_failed(driver(Status::Internal, "cuEventRecord", e)));
-                    break;
-                }
-            }
-        }
-        // The arena goes with the batch (its copies may still run); the
-        // next batch takes a spare one, or makes one on first use.
         let arena = match self.arena.take() {
-            Some(mut a) if a.used() > 0 && failed.is_none() => match a.mark_end_with(&touched) {
+            Some(mut a) if a.used() > 0 => match a.mark_end_with(&touched) {
                 Ok(end) => {
                     self.arena = self.spare_arenas.pop();
                     Some((a, end, arena_reads))
                 }
                 Err(e) => {
+                    // Copies may still use it: never reuse or free it.
                     std::mem::forget(a);
                     failed = Some(sync_failed(map(Status::Internal, "cuEventRecord", e)));
                     None
                 }
             },
-            Some(a) if a.used() > 0 => {
-                // Copies may still use it: never reuse or free it.
-                std::mem::forget(a);
-                None
-            }
             other => {
                 self.arena = other;
                 None
             }
         };
+        let mut done = Vec::new();
+        if arena.is_none() && failed.is_none() {
+            done.reserve(touched.len());
+            for s in &touched {
+                let event = match self.spare_events.pop() {
+                    Some(e) => Ok(e),
+                    None => self.device.context().new_event(None),
+                };
+                match event.and_then(|e| e.record(s).map(|()| e)) {
+                    Ok(e) => done.push(e),
+                    Err(e) => {
+                        failed = Some(sync_failed(driver(Status::Internal, "cuEventRecord", e)));
+                        break;
+                    }
+                }
+            }
+        }
         if let Some(e) = failed {
             self.spare.settle_these(freed, false);
             let _ = self.flush_all();
