@@ -12,26 +12,19 @@
 use std::fmt;
 use std::marker::PhantomData;
 
-use cuda_core::blas::{blas_handle, Element};
+use cuda_core::blas::blas_handle;
 pub use cuda_core::blas::{BlasScalar, Gemm, Gemv};
 use cuda_core::Result;
 
 use crate::context::ExecutionContext;
 use crate::foreign::{reads, run_foreign, writes, Reads, StreamUses, Writes};
 use crate::op::{impl_into_future, DeviceOp};
-use crate::remote::proto::{Dtype, GemmSpec};
-use crate::remote::Op;
+use crate::remote::RemoteContext;
 use crate::view::{DeviceSource, DeviceTarget};
 
 /// The lease protocol's name of `T`.
-fn dtype<T: BlasScalar>() -> Dtype {
-    match T::ELEMENT {
-        Element::F32 => Dtype::F32,
-        Element::F64 => Dtype::F64,
-        Element::Bf16 => Dtype::Bf16,
-        Element::F16 => Dtype::F16,
-    }
-}
+/// What a product reads (`a`, `b`) and writes (`c`).
+type Uses<T, A, B, C> = (Reads<T, A>, Reads<T, B>, Writes<T, C>);
 
 /// Op for [`gemm`].
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
@@ -124,36 +117,17 @@ where
             self.b.range().len(),
             self.c.range().len(),
         )?;
-        if let Some(r) = ctx.as_remote() {
-            // The node runs it with its own cuBLAS (and checks the shapes
-            // against the buffers again); the buffers order themselves
-            // there, as a launch's do.
-            let spec = GemmSpec {
-                dtype: dtype::<T>(),
-                a: r.operand(self.a.buffer(), self.a.range())?,
-                b: r.operand(self.b.buffer(), self.b.range())?,
-                c: r.operand(self.c.buffer(), self.c.range())?,
-                m: g.m as u64,
-                n: g.n as u64,
-                k: g.k as u64,
-                ld: [g.lda, g.ldb, g.ldc].map(|v| v as u64),
-                transpose: [g.transpose_a, g.transpose_b],
-                scalars: [g.alpha.to_f64().to_bits(), g.beta.to_f64().to_bits()],
-                batch: g.batch as u64,
-                strides: [g.stride_a, g.stride_b, g.stride_c].map(|v| v as u64),
-            };
-            let stream = r.stream();
-            r.recording().push(stream, Op::Gemm(Box::new(spec)));
-            return Ok((self.a, self.b, self.c));
-        }
-        let uses: (Reads<T, A>, Reads<T, B>, Writes<T, C>) =
-            (reads(self.a), reads(self.b), writes(self.c));
-        run_foreign(ctx, "gemm", &uses, |stream, (a, b, c)| {
+        let uses: Uses<T, A, B, C> = (reads(self.a), reads(self.b), writes(self.c));
+        let remote = |r: &mut RemoteContext, uses: &Uses<T, A, B, C>| {
+            let (a, b, c) = uses;
+            r.gemm(&g, a.view(), b.view(), c.view())
+        };
+        ctx.library_call("gemm", &uses, remote, |stream, (a, b, c)| {
             let handle = blas_handle(stream)?;
             let mut handle = handle.lock().unwrap_or_else(|e| e.into_inner());
             // SAFETY: the addresses hold what `g` reads and writes (checked
             // above against the uses' lengths), on the stream the handle is
-            // bound to, ordered against their other uses by `run_foreign`;
+            // bound to, ordered against their other uses by the context;
             // the stream's context is current.
             unsafe { handle.gemm(&g, a.addr(), b.addr(), c.addr()) }
         })?;

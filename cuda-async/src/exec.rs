@@ -10,7 +10,7 @@ use cuda_core::{Error, Result};
 use crate::completion::{watchdog, Completion, Status};
 use crate::context::{ExecutionContext, Retained};
 use crate::op::DeviceOp;
-use crate::remote::{self, RecordingFrame};
+use crate::remote;
 
 /// Runs `op.execute(ctx)`. If user code inside it (a `then`/`map` closure)
 /// panics, the work enqueued so far may still be running: what it retained
@@ -25,9 +25,7 @@ pub(crate) unsafe fn execute_guarded<O: DeviceOp>(
 ) -> Result<<O as DeviceOp>::Output> {
     // Remotely, buffers dropped while recording are freed at the end of
     // this submission.
-    let frame = ctx
-        .remote_ref()
-        .map(|r| RecordingFrame::push(r.session(), false));
+    let frame = ctx.open_frame();
     // A policy's chosen pool serves the op's allocations on its device.
     let pool = ctx.mem_pool().cloned();
     // SAFETY: forwarded to our caller.
@@ -38,10 +36,7 @@ pub(crate) unsafe fn execute_guarded<O: DeviceOp>(
     };
     // The ops' use marks: recorded once the whole op is enqueued.
     let flushed = ctx.flush_marks();
-    if let (Some(frame), Some(r)) = (frame, ctx.as_remote()) {
-        let stream = r.stream();
-        frame.finish(r.recording(), stream);
-    }
+    ctx.close_frame(frame);
     match result {
         Ok(r) => {
             let r = r?;

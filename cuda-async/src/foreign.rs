@@ -113,6 +113,22 @@ pub fn writes<T, D: DeviceTarget<T>>(dst: D) -> Writes<T, D> {
     }
 }
 
+impl<T, S: DeviceSource<T>> Reads<T, S> {
+    /// The buffer read and the elements of it.
+    #[cfg(any(feature = "blas", feature = "rand"))]
+    pub(crate) fn view(&self) -> (&crate::DeviceBuffer<T>, std::ops::Range<usize>) {
+        (self.src.buffer(), self.src.range())
+    }
+}
+
+impl<T, D: DeviceTarget<T>> Writes<T, D> {
+    /// The buffer written and the elements of it.
+    #[cfg(any(feature = "blas", feature = "rand"))]
+    pub(crate) fn view(&self) -> (&crate::DeviceBuffer<T>, std::ops::Range<usize>) {
+        (self.dst.buffer(), self.dst.range())
+    }
+}
+
 impl<T, S: DeviceSource<T>> fmt::Debug for Reads<T, S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Reads({:?})", self.src.range())

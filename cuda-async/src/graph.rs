@@ -72,12 +72,13 @@ use std::sync::{Arc, Mutex};
 use cuda_core::cudarc::driver::{CudaStream, DeviceRepr};
 use cuda_core::{AnyBitPattern, Device, GraphUpdate, Result, TrackedGraph};
 
-use crate::buffer::{same_session, wrong_home, DeviceBuffer};
+use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
+use crate::context::GraphRef;
 use crate::exec::{check_poison, execute_guarded, note};
 use crate::op::{DeviceOp, DeviceOpExt};
 use crate::policy::default_device;
-use crate::remote::{CaptureRemote, Id, Op, RemoteGraph, RemotePolicy};
+use crate::remote::{CaptureRemote, RemoteGraph, RemotePolicy};
 use crate::stream_pool::{StreamPool, DEFAULT_POOL_STREAMS};
 
 /// A captured op: an instantiated CUDA graph that owns the op's output and
@@ -461,32 +462,11 @@ impl<T: Send + Sync> DeviceOp for GraphLaunch<'_, T> {
     type Output = ();
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<()> {
-        // (Where it runs is described only for an error: a replay formats
-        // nothing.)
-        if let Some(r) = ctx.as_remote() {
-            return match &self.graph.home {
-                GraphHome::Remote { graph, .. } if same_session(&graph.session, r.session()) => {
-                    let stream = r.stream();
-                    let graph = Id(graph.id);
-                    r.recording().push(stream, Op::GraphLaunch { graph });
-                    Ok(())
-                }
-                _ => Err(wrong_home(
-                    format!("a graph of {}", self.graph.home()),
-                    &r.describe(),
-                )),
-            };
-        }
-        let GraphHome::Local { graph, .. } = &self.graph.home else {
-            return Err(wrong_home(
-                format!("a graph of {}", self.graph.home()),
-                &ctx.describe(),
-            ));
+        let graph = match &self.graph.home {
+            GraphHome::Local { graph, .. } => GraphRef::Local(graph),
+            GraphHome::Remote { graph, .. } => GraphRef::Remote(graph),
         };
-        let stream = ctx.cuda_stream_for("a CUDA graph replay")?;
-        // Ordered against the buffers' other uses, and recorded as a use of
-        // each; what the graph keeps is released after its last replay.
-        lock(graph).launch_on(stream)
+        ctx.launch_graph(graph, || self.graph.home())
     }
 }
 
@@ -601,16 +581,12 @@ impl<T: DeviceRepr + AnyBitPattern> DeviceOp for SetScalar<'_, T> {
     type Output = ();
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<()> {
-        if let Some(r) = ctx.as_remote() {
-            // The value rides in the submission's message.
-            let (stream, id) = (r.stream(), r.id_of(&*self.buf)?);
-            let bytes = crate::memory::as_bytes(std::slice::from_ref(&self.value));
-            r.recording().write(stream, id, 0, bytes);
-            return Ok(());
-        }
-        let stream = ctx.cuda_stream_for("DeviceScalar::set")?;
-        let dst = self.buf.local_mut_on(stream)?;
-        cuda_core::staging::upload_at(std::slice::from_ref(&self.value), dst, 0, stream)
+        ctx.write_elems(
+            "DeviceScalar::set",
+            self.buf,
+            0,
+            std::slice::from_ref(&self.value),
+        )
     }
 }
 

@@ -626,45 +626,7 @@ impl<A: KernelArgs> DeviceOp for Launch<A> {
     type Output = A;
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<A> {
-        check_launch_config(&self.config)?;
-        if let Some(r) = ctx.as_remote() {
-            // Checked here when the parameter list is known (PTX, or a
-            // module this process loaded); the node checks again against
-            // what it compiled.
-            if self.kernel.params().is_some() {
-                self.args.check(&self.kernel)?;
-            }
-            let args = self.args.remote_all(r)?;
-            let stream = r.stream();
-            r.recording()
-                .launch(stream, &self.kernel, &self.config, args);
-            return Ok(self.args);
-        }
-        // Resolved for the context's device: compiled or loaded there on
-        // first use (process-wide cache), two atomic loads afterwards. Its
-        // module stays loaded for the life of the process.
-        let func = self.kernel.function_on(ctx.device()?)?;
-        self.args.check(&self.kernel)?;
-        let stream = ctx.cuda_stream()?.clone();
-        self.args.before_all(&stream)?;
-        let launched = {
-            let mut b = stream.launch_builder(func);
-            self.args.push_all(&mut b);
-            // SAFETY: argument count and sizes match the kernel's PTX
-            // parameters (checked above), so the driver reads valid argument
-            // memory; buffers stay alive until the GPU is done (owned ones in
-            // the output, borrowed ones for the op's lifetime, and every free
-            // is ordered after the uses recorded below); the kernel's own
-            // memory safety is the `launch` caller's contract.
-            unsafe { b.launch(self.config) }.map_err(|e| Error::driver("cuLaunchKernel", e))
-        };
-        // cudarc can fail after `cuLaunchKernel` enqueued the kernel (its
-        // event records come after), so record the uses either way; a
-        // buffer whose use cannot be recorded leaks instead of freeing early.
-        // One event after the launch marks every buffer's use.
-        let recorded = self.args.after_all(&ctx.mark(&stream));
-        launched?;
-        recorded?;
+        ctx.launch(&self.kernel, self.config, &mut self.args)?;
         Ok(self.args)
     }
 }

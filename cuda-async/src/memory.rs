@@ -8,17 +8,14 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use cuda_core::copy;
-use cuda_core::cudarc::driver::{CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
-use cuda_core::{AnyBitPattern, Error, PinnedBuffer, Result};
+use cuda_core::cudarc::driver::{DeviceRepr, ValidAsZeroBits};
+use cuda_core::{AnyBitPattern, PinnedBuffer, Result};
 
 use crate::buffer::DeviceBuffer;
 use crate::context::ExecutionContext;
 use crate::host::HostBuffer;
 use crate::op::{impl_into_future, DeviceOp};
 use crate::pinned_host::PinnedHost;
-use crate::remote::proto::Operand;
-use crate::remote::{Id, Op};
 use crate::view::{DeviceSource, DeviceTarget};
 
 /// The bytes of `v` (what a copy to the device transfers).
@@ -26,23 +23,6 @@ pub(crate) fn as_bytes<T: DeviceRepr>(v: &[T]) -> &[u8] {
     // SAFETY: `DeviceRepr` types are plain data copied to the device byte
     // for byte; the slice covers exactly `v`'s memory, borrowed as long.
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
-}
-
-fn bind(ctx: &ExecutionContext) -> Result<()> {
-    ctx.device()?
-        .context()
-        .bind_to_thread()
-        .map_err(|e| Error::driver("cuCtxSetCurrent", e))
-}
-
-fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
-    if a == b {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument(format!(
-            "{what}: source has {a} elements, destination {b}"
-        )))
-    }
 }
 
 /// Op for [`zeros`].
@@ -82,10 +62,7 @@ impl<T: DeviceRepr + ValidAsZeroBits + Send> DeviceOp for Zeros<T> {
     type Output = DeviceBuffer<T>;
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
-        if let Some(r) = ctx.as_remote() {
-            return r.alloc(self.len);
-        }
-        DeviceBuffer::zeros_local(ctx.cuda_stream()?, self.len)
+        ctx.alloc_zeroed(self.len)
     }
 }
 impl_into_future!(impl[T: DeviceRepr + ValidAsZeroBits + Send] for Zeros<T>);
@@ -192,31 +169,7 @@ impl<T: DeviceRepr + Copy + Send, S: HostSource<T>> DeviceOp for H2D<T, S> {
     type Output = DeviceBuffer<T>;
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
-        if let Some(r) = ctx.as_remote() {
-            // The bytes travel with the submission: owned data is kept by
-            // the recording as it is, borrowed data copied.
-            let len = self.src.host_slice().len();
-            let dst = r.alloc::<T>(len)?;
-            let (stream, id) = (r.stream(), r.id_of(&dst)?);
-            if len != 0 {
-                match self.src.into_kept() {
-                    Ok(bytes) => r.recording().write_kept(stream, id, 0, bytes),
-                    Err(src) => r
-                        .recording()
-                        .write(stream, id, 0, as_bytes(src.host_slice())),
-                }
-            }
-            return Ok(dst);
-        }
-        let src = self.src.host_slice();
-        let stream = ctx.cuda_stream()?;
-        // SAFETY: every element is written by the copy enqueued next, before
-        // any later work on the buffer (its recorded write orders them).
-        let mut dst = unsafe { cuda_core::DeviceBuffer::<T>::uninit(stream, src.len()) }?;
-        // Through pinned staging: never blocks on the stream, and `src`
-        // (even a borrowed slice of pinned memory) is free once this returns.
-        cuda_core::staging::upload(src, &mut dst, stream)?;
-        Ok(dst.into())
+        ctx.upload(self.src)
     }
 }
 impl_into_future!(impl[T: DeviceRepr + Copy + Send, S: HostSource<T>] for H2D<T, S>);
@@ -264,60 +217,15 @@ where
     type Output = HostBuffer<T>;
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<HostBuffer<T>> {
-        let (src, range) = (self.src.buffer(), self.src.range());
-        if let Some(r) = ctx.as_remote() {
-            // Received straight into the result's storage from the reply.
-            let (stream, id) = (r.stream(), r.id_of(src)?);
-            let (at, len) = byte_range::<T>(&range);
-            let slot = r.recording().read(stream, id, at, len);
-            return HostBuffer::remote(slot);
-        }
-        // SAFETY: the copy enqueued next overwrites every element, and host
-        // access to the buffer waits for that copy (its recorded use).
-        let mut dst = unsafe { PinnedBuffer::uninit(ctx.device()?, range.len()) }?;
-        enqueue_d2h(ctx, src, range, &mut dst)?;
-        Ok(dst.into())
+        ctx.download(self.src.buffer(), self.src.range())
     }
 }
 impl_into_future!(impl[T: AnyBitPattern, B: DeviceSource<T>] for D2H<T, B>);
 
 /// Elements `range` of `T`s as (byte offset, bytes).
-fn byte_range<T>(range: &std::ops::Range<usize>) -> (u64, u64) {
+pub(crate) fn byte_range<T>(range: &std::ops::Range<usize>) -> (u64, u64) {
     let size = std::mem::size_of::<T>() as u64;
     (range.start as u64 * size, range.len() as u64 * size)
-}
-
-/// Enqueues the download of elements `range` of `src` into `dst` (a
-/// fresh pinned buffer of `d2h`, or `copy_d2h`'s destination), ordered
-/// after `src`'s overlapping writes and recorded as a read of them and a
-/// use of `dst`.
-fn enqueue_d2h<T: AnyBitPattern, H: PinnedHost<T>>(
-    ctx: &ExecutionContext,
-    src: &DeviceBuffer<T>,
-    range: std::ops::Range<usize>,
-    dst: &mut H,
-) -> Result<()> {
-    same_len("device-to-host copy", range.len(), dst.host_len())?;
-    if range.is_empty() {
-        return Ok(());
-    }
-    let stream = ctx.cuda_stream()?;
-    bind(ctx)?;
-    let src = src.local_on(stream)?;
-    src.before_read_range(stream, range.clone())?;
-    let (at, bytes) = byte_range::<T>(&range);
-    let mut copy = |host: *mut T| {
-        // (cudarc's own tracking sees a read too.)
-        let (dptr, _use) = src.as_cuda_slice().device_ptr(stream);
-        // SAFETY: `host` addresses `range.len()` pinned elements that no
-        // host code touches until the recorded use is done; `dptr + at` as
-        // many inside `src`; `T` accepts any bits.
-        unsafe { copy::dtoh_async(host.cast::<u8>(), dptr + at, bytes as usize, stream) }
-    };
-    // SAFETY: the copy writes `range.len()` elements on `stream`.
-    let copied = unsafe { dst.enqueue_use(stream, true, &mut copy) };
-    let read = src.after_read_range(stream, range);
-    copied.and(read)
 }
 
 /// Op for [`copy_d2h`].
@@ -359,17 +267,7 @@ impl<T: AnyBitPattern, B: DeviceSource<T>, H: PinnedHost<T>> DeviceOp for CopyD2
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<<Self as DeviceOp>::Output> {
         let range = self.src.range();
-        same_len("device-to-host copy", range.len(), self.dst.host_len())?;
-        let src = self.src.buffer();
-        if let Some(r) = ctx.as_remote() {
-            let (stream, id) = (r.stream(), r.id_of(src)?);
-            let (at, len) = byte_range::<T>(&range);
-            let slot = r.recording().read(stream, id, at, len);
-            let fill = self.dst.reply_filler()?;
-            r.on_reply(move || fill(&slot));
-            return Ok((self.src, self.dst));
-        }
-        enqueue_d2h(ctx, src, range, &mut self.dst)?;
+        ctx.download_into(self.src.buffer(), range, &mut self.dst)?;
         Ok((self.src, self.dst))
     }
 }
@@ -416,37 +314,7 @@ impl<T: DeviceRepr + Send, D: DeviceTarget<T>, H: PinnedHost<T>> DeviceOp for Co
 
     unsafe fn execute(mut self, ctx: &mut ExecutionContext) -> Result<<Self as DeviceOp>::Output> {
         let range = self.dst.range();
-        same_len("host-to-device copy", self.src.host_len(), range.len())?;
-        let (at, bytes) = byte_range::<T>(&range);
-        if let Some(r) = ctx.as_remote() {
-            let (stream, id) = (r.stream(), r.id_of(self.dst.buffer())?);
-            if !range.is_empty() {
-                let recording = r.recording();
-                self.src
-                    .with_contents(&mut |v| recording.write(stream, id, at, as_bytes(v)))?;
-            }
-            return Ok((self.src, self.dst));
-        }
-        if !range.is_empty() {
-            let stream = ctx.cuda_stream()?;
-            bind(ctx)?;
-            let dst = self.dst.buffer().local_on(stream)?;
-            dst.before_write_range(stream, range.clone())?;
-            let mut copy = |host: *mut T| {
-                // (cudarc's own tracking sees a read: ours records the write.)
-                let (dptr, _use) = dst.as_cuda_slice().device_ptr(stream);
-                // SAFETY: `host` holds `range.len()` initialised pinned
-                // elements that host code cannot mutate until the recorded
-                // use completes; `dptr + at` addresses as many inside the
-                // buffer (`range` lies inside it), held exclusively by this
-                // op; live stream.
-                unsafe { copy::htod_async(dptr + at, host.cast::<u8>(), bytes as usize, stream) }
-            };
-            // SAFETY: the copy reads `range.len()` elements on `stream`.
-            let copied = unsafe { self.src.enqueue_use(stream, false, &mut copy) };
-            let written = dst.after_write_range(stream, range);
-            copied.and(written)?;
-        }
+        ctx.upload_from(&mut self.src, self.dst.buffer(), range)?;
         Ok((self.src, self.dst))
     }
 }
@@ -489,70 +357,15 @@ impl<T: DeviceRepr + Send, B: DeviceSource<T>> DeviceOp for D2D<T, B> {
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<DeviceBuffer<T>> {
         let (src, range) = (self.src.buffer(), self.src.range());
-        let dst = if let Some(r) = ctx.as_remote() {
-            r.alloc::<T>(range.len())?
-        } else {
-            // (A remote source fails in the copy below, before any use.)
-            let stream = ctx.cuda_stream()?;
-            // SAFETY: fully written by the copy enqueued next.
-            unsafe { cuda_core::DeviceBuffer::<T>::uninit(stream, range.len()) }?.into()
-        };
+        // SAFETY: fully written by the copy enqueued next.
+        let dst = unsafe { ctx.alloc_uninit::<T>(range.len()) }?;
         let len = range.len();
-        enqueue_d2d(ctx, src, range, &dst, 0..len)?;
+        // (A source of another home fails in the copy, before any use.)
+        ctx.copy(src, range, &dst, 0..len)?;
         Ok(dst)
     }
 }
 impl_into_future!(impl[T: DeviceRepr + Send, B: DeviceSource<T>] for D2D<T, B>);
-
-/// Enqueues a copy of elements `from` of `src` into elements `to` of `dst`
-/// (of the same length, checked), ordered after the uses it conflicts with
-/// and recorded as a read of `from` and a write of `to`; remotely, a copy
-/// command.
-fn enqueue_d2d<T>(
-    ctx: &mut ExecutionContext,
-    src: &DeviceBuffer<T>,
-    from: std::ops::Range<usize>,
-    dst: &DeviceBuffer<T>,
-    to: std::ops::Range<usize>,
-) -> Result<()> {
-    same_len("device-to-device copy", from.len(), to.len())?;
-    let ((src_at, bytes), (dst_at, _)) = (byte_range::<T>(&from), byte_range::<T>(&to));
-    if let Some(r) = ctx.as_remote() {
-        let (stream, sid, did) = (r.stream(), r.id_of(src)?, r.id_of(dst)?);
-        if bytes > 0 {
-            r.recording().push(
-                stream,
-                Op::Copy {
-                    src: Operand::new(Id(sid), src_at),
-                    dst: Operand::new(Id(did), dst_at),
-                    len: bytes,
-                },
-            );
-        }
-        return Ok(());
-    }
-    let stream: &Arc<CudaStream> = ctx.cuda_stream()?;
-    let (src, dst) = (src.local_on(stream)?, dst.local_on(stream)?);
-    if bytes == 0 {
-        return Ok(());
-    }
-    src.before_read_range(stream, from.clone())?;
-    dst.before_write_range(stream, to.clone())?;
-    {
-        let (sptr, _read) = src.as_cuda_slice().device_ptr(stream);
-        // (cudarc's own tracking sees a read: ours records the write.)
-        let (dptr, _use) = dst.as_cuda_slice().device_ptr(stream);
-        // SAFETY: both ranges lie inside their buffers (checked by the
-        // range calls above), the destination's held exclusively by the
-        // op; a live stream.
-        unsafe { copy::dtod_async(dptr + dst_at, sptr + src_at, bytes as usize, stream) }?;
-    }
-    // One event after the copy marks both uses.
-    let mark = cuda_core::UseMark::new(stream);
-    let read = src.after_read_range_with(&mark, from);
-    dst.after_write_range_with(&mark, to)?;
-    read
-}
 
 /// Op for [`copy_d2d`].
 #[must_use = "ops do nothing until executed (.sync(), .await, ...)"]
@@ -603,8 +416,7 @@ impl<T: DeviceRepr + Send, S: DeviceSource<T>, D: DeviceTarget<T>> DeviceOp for 
     type Output = (S, D);
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<(S, D)> {
-        enqueue_d2d(
-            ctx,
+        ctx.copy(
             self.src.buffer(),
             self.src.range(),
             self.dst.buffer(),
@@ -656,40 +468,7 @@ impl<T: AnyBitPattern, B: DeviceTarget<T>> DeviceOp for Memset<T, B> {
     type Output = B;
 
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<B> {
-        let range = self.buf.range();
-        let (at, bytes) = byte_range::<T>(&range);
-        let target = self.buf.buffer();
-        if let Some(r) = ctx.as_remote() {
-            let (stream, id) = (r.stream(), r.id_of(target)?);
-            if bytes > 0 {
-                r.recording().push(
-                    stream,
-                    Op::Fill {
-                        buf: Id(id),
-                        offset: at,
-                        len: bytes,
-                        value: self.byte,
-                    },
-                );
-            }
-            return Ok(self.buf);
-        }
-        let stream = ctx.cuda_stream()?;
-        bind(ctx)?;
-        if bytes > 0 {
-            let buf = target.local_on(stream)?;
-            buf.before_write_range(stream, range.clone())?;
-            {
-                // (cudarc's own tracking sees a read: ours records the write.)
-                let (dptr, _use) = buf.as_cuda_slice().device_ptr(stream);
-                // SAFETY: `dptr + at` addresses `bytes` bytes of a live
-                // allocation (`range` lies inside the buffer), which this op
-                // holds exclusively (an owned buffer, `&mut` or a writable
-                // view).
-                unsafe { copy::memset_d8_async(dptr + at, self.byte, bytes as usize, stream) }?;
-            }
-            buf.after_write_range(stream, range)?;
-        }
+        ctx.fill(self.buf.buffer(), self.buf.range(), self.byte)?;
         Ok(self.buf)
     }
 }

@@ -27,17 +27,14 @@
 use std::fmt;
 use std::marker::PhantomData;
 
-use std::any::TypeId;
-
 use cuda_core::rand::rand_generator;
 pub use cuda_core::rand::{Distribution, Fill, RandScalar};
 use cuda_core::Result;
 
 use crate::context::ExecutionContext;
-use crate::foreign::{run_foreign, writes, StreamUses, Writes};
+use crate::foreign::{writes, StreamUses, Writes};
 use crate::op::{impl_into_future, DeviceOp};
-use crate::remote::proto::{Dtype, RandDist, RandSpec};
-use crate::remote::Op;
+use crate::remote::RemoteContext;
 use crate::view::DeviceTarget;
 
 /// Op for [`fill`], [`uniform`] and [`normal`].
@@ -151,46 +148,14 @@ where
     unsafe fn execute(self, ctx: &mut ExecutionContext) -> Result<D> {
         let f = self.f;
         f.check(self.dst.range().len())?;
-        if let Some(r) = ctx.as_remote() {
-            // The node fills it with its own cuRAND; the buffer orders
-            // itself there, as a launch's do.
-            let dtype = if TypeId::of::<T>() == TypeId::of::<f32>() {
-                Dtype::F32
-            } else if TypeId::of::<T>() == TypeId::of::<f64>() {
-                Dtype::F64
-            } else {
-                return Err(cuda_core::Error::NeedsLocalStream {
-                    op: "a random fill of this element type (a lease's node fills f32 and f64)"
-                        .into(),
-                    context: r.describe(),
-                });
-            };
-            let dist = match f.distribution() {
-                Distribution::Uniform => RandDist::Uniform,
-                Distribution::Normal { mean, std_dev } => RandDist::Normal {
-                    mean: mean.to_f64().to_bits(),
-                    std_dev: std_dev.to_f64().to_bits(),
-                },
-            };
-            let range = self.dst.range();
-            let spec = RandSpec {
-                dtype,
-                dst: r.operand(self.dst.buffer(), range.clone())?,
-                len: range.len() as u64,
-                seed: f.seed(),
-                dist,
-            };
-            let stream = r.stream();
-            r.recording().push(stream, Op::RandFill(spec));
-            return Ok(self.dst);
-        }
         let uses: Writes<T, D> = writes(self.dst);
-        run_foreign(ctx, "random fill", &uses, |stream, out| {
+        let remote = |r: &mut RemoteContext, out: &Writes<T, D>| r.rand_fill(&f, out.view());
+        ctx.library_call("random fill", &uses, remote, |stream, out| {
             let generator = rand_generator(stream)?;
             let mut generator = generator.lock().unwrap_or_else(|e| e.into_inner());
             // SAFETY: the address holds `out.len()` elements (checked above
             // against the fill), on the stream the generator is bound to,
-            // ordered against its other uses by `run_foreign`; the stream's
+            // ordered against its other uses by the context; the stream's
             // context is current.
             unsafe { generator.fill(&f, out.addr(), out.len()) }
         })?;

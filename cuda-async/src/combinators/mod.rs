@@ -1,7 +1,6 @@
 //! The combinators, one per file (futures-rs layout).
 
 mod boxed;
-mod fork;
 mod join_all;
 mod map;
 mod shared;

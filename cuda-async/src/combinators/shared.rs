@@ -2,10 +2,9 @@ use std::fmt;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex};
 
-use cuda_core::cudarc::driver::{sys, CudaEvent};
 use cuda_core::{Error, Result};
 
-use crate::context::ExecutionContext;
+use crate::context::{DoneEvent, ExecutionContext};
 use crate::op::{impl_into_future, DeviceOp};
 
 /// A once-cell that runs an initialiser from its stored input the first
@@ -108,17 +107,9 @@ impl<I, T: Clone> SharedCell<I, T> {
     }
 }
 
-/// The event recorded after the producer's work: a local CUDA event, or a
-/// remote one (an id of the session, recorded on `stream`).
-#[derive(Clone)]
-enum Done {
-    Local(Arc<CudaEvent>),
-    Remote(Arc<crate::remote::RemoteEvent>),
-}
-
 /// The producer's output, the event recorded after its work, and the
 /// backend it ran on (its key and name).
-type Produced<T> = (T, Done, (usize, String));
+type Produced<T> = (T, DoneEvent, (usize, String));
 
 /// Op for [`DeviceOpExt::shared`](crate::DeviceOpExt::shared): cloneable,
 /// runs once.
@@ -171,15 +162,8 @@ where
             // consumers wait on the event recorded after it.
             let out = unsafe { op.execute(ctx) }?;
             let home = (ctx.backend_key(), ctx.describe());
-            let ev = match ctx.as_remote() {
-                // An event command; freed when the last clone goes.
-                Some(r) => Done::Remote(Arc::new(r.record_event())),
-                None => Done::Local(Arc::new(
-                    ctx.cuda_stream()?
-                        .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                        .map_err(|e| Error::driver("cuEventRecord", e))?,
-                )),
-            };
+            // Freed (remotely) when the last clone goes.
+            let ev = ctx.record_done()?;
             Ok((out, ev, home))
         })?;
         if home.0 != ctx.backend_key() {
@@ -191,18 +175,9 @@ where
             });
         }
         if !first {
-            match (&ev, ctx.as_remote()) {
-                (Done::Remote(ev), Some(r)) => r.wait_event(ev),
-                // Already finished: nothing to order after (and the
-                // execution may enqueue nothing at all).
-                (Done::Local(ev), None) if ev.is_complete() => {}
-                (Done::Local(ev), None) => ctx
-                    .cuda_stream()?
-                    .wait(ev)
-                    .map_err(|e| Error::driver("cuStreamWaitEvent", e))?,
-                // Another backend: refused above.
-                _ => {}
-            }
+            // (Already finished locally: nothing to order after, and the
+            // execution may enqueue nothing at all.)
+            ctx.wait_done(&ev)?;
         }
         Ok(out)
     }

@@ -2,8 +2,8 @@ use std::fmt;
 
 use cuda_core::Result;
 
-use super::fork::Fork;
 use crate::context::ExecutionContext;
+use crate::context::Fork;
 use crate::op::{impl_into_future, DeviceOp};
 
 /// Concurrent arms ([`DeviceOpExt::zip`](crate::DeviceOpExt::zip),

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use cuda_core::{Error, Result};
 
 use crate::buffer::DeviceBuffer;
+use crate::host::ReadSlot;
 
 use super::frees::free_remote;
 use super::proto::{Id, Op};
@@ -184,6 +185,20 @@ impl RemoteContext {
     /// join event (returned) when it ran on another stream.
     pub(crate) fn end_arm(&mut self, parent_stream: RemoteStream) -> Option<u64> {
         (self.stream != parent_stream).then(|| self.record_fresh())
+    }
+
+    /// Records the start of a fresh timer on this stream; returns its id.
+    pub(crate) fn timer_start(&mut self) -> u64 {
+        let timer = self.session.fresh_id();
+        self.recording
+            .push(self.stream, Op::TimerStart { timer: Id(timer) });
+        timer
+    }
+
+    /// Records the end of `timer` on `stream`: the reply's slot receives
+    /// the nanoseconds between its start and end.
+    pub(crate) fn timer_end(&mut self, stream: RemoteStream, timer: u64) -> Arc<ReadSlot> {
+        self.recording.timer_end(stream, timer)
     }
 
     /// Records a fresh event id on this stream.

@@ -41,6 +41,19 @@ impl fmt::Debug for RemoteGraph {
     }
 }
 
+impl RemoteGraph {
+    /// Records one replay on `r`; false when `r` is another session's.
+    pub(crate) fn record_launch(&self, r: &mut super::RemoteContext) -> bool {
+        if !crate::buffer::same_session(&self.session, r.session()) {
+            return false;
+        }
+        let stream = r.stream();
+        let graph = Id(self.id);
+        r.recording().push(stream, Op::GraphLaunch { graph });
+        true
+    }
+}
+
 impl Drop for RemoteGraph {
     fn drop(&mut self) {
         // Straight to the session (never into a submission being recorded):

@@ -35,11 +35,13 @@ mod error;
 mod frees;
 mod graph;
 mod ledger;
+mod memory;
 mod modules;
 mod policy;
 mod prepared;
 mod recording;
 mod session;
+mod work;
 
 pub use crate::host::{HostBuffer, ReadBuf, ReadSlot};
 pub use context::RemoteContext;

@@ -9,9 +9,20 @@ use cuda_core::cudarc::driver::CudaStream;
 use cuda_core::{Device, Error, MarkScope, MemPool, Result, UseMark};
 
 use crate::reactor::{CompletionMode, StreamSlot};
-use crate::remote::RemoteContext;
+use crate::remote::{RecordingFrame, RemoteContext};
 use crate::spread::Spread;
 use crate::stream_pool::StreamPool;
+
+mod fork;
+#[cfg(any(feature = "blas", feature = "rand"))]
+mod library;
+mod memory;
+mod order;
+mod work;
+
+pub(crate) use fork::Fork;
+pub(crate) use order::{DoneEvent, TimerPoints};
+pub(crate) use work::GraphRef;
 
 /// What an op executes against: a stream of a local GPU (a device, a CUDA
 /// stream on it, and the pool that concurrent combinators fork onto), or a
@@ -388,6 +399,23 @@ impl ExecutionContext {
         match &self.backend {
             Backend::Local(_) => 0,
             Backend::Remote(r) => Arc::as_ptr(r.session()).cast::<()>() as usize,
+        }
+    }
+
+    /// Opens the frame of an op's execution: buffers dropped while a
+    /// remote context records are freed at the end of its submission
+    /// ([`close_frame`](Self::close_frame)); locally, nothing.
+    pub(crate) fn open_frame(&self) -> Option<RecordingFrame> {
+        self.remote_ref()
+            .map(|r| RecordingFrame::push(r.session(), false))
+    }
+
+    /// Closes `frame`: the frees of buffers dropped while recording join
+    /// the recording.
+    pub(crate) fn close_frame(&mut self, frame: Option<RecordingFrame>) {
+        if let (Some(frame), Some(r)) = (frame, self.as_remote()) {
+            let stream = r.stream();
+            frame.finish(r.recording(), stream);
         }
     }
 

@@ -17,7 +17,7 @@
 use cuda_core::cudarc::driver::{sys, CudaEvent, CudaStream};
 use cuda_core::{Error, Result};
 
-use crate::context::ExecutionContext;
+use super::ExecutionContext;
 
 pub(crate) struct Fork {
     fork_event: Option<CudaEvent>,
