@@ -250,7 +250,7 @@ impl<T, B, H: PinnedHost<T>> fmt::Debug for CopyD2H<T, B, H> {
 /// repeat at each replay; yields the source and the destination back.
 ///
 /// # Errors
-/// At execution: [`Error::InvalidArgument`] if the lengths differ.
+/// At execution: [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths differ.
 pub fn copy_d2h<T: AnyBitPattern, B: DeviceSource<T>, H: PinnedHost<T>>(
     src: B,
     dst: H,
@@ -297,7 +297,7 @@ impl<T, D: DeviceTarget<T>, H> fmt::Debug for CopyH2D<T, D, H> {
 /// what the host last wrote there.
 ///
 /// # Errors
-/// At execution: [`Error::InvalidArgument`] if the lengths differ.
+/// At execution: [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths differ.
 pub fn copy_h2d<T: DeviceRepr, D: DeviceTarget<T>, H: PinnedHost<T>>(
     src: H,
     dst: D,
@@ -388,7 +388,7 @@ impl<T, S: DeviceSource<T>, D: DeviceTarget<T>> fmt::Debug for CopyD2D<T, S, D> 
 /// writable view of one, on the same device; yields both back.
 ///
 /// # Errors
-/// At execution: [`Error::InvalidArgument`] if the lengths differ or the
+/// At execution: [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths differ or the
 /// buffers are on different devices (see [`to_device`](crate::to_device)).
 ///
 /// # Examples
