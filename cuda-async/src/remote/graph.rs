@@ -193,18 +193,19 @@ pub(super) struct Io {
 
 crate::op::impl_into_future!(impl[O] for CaptureRemote<O> where O: DeviceOp);
 
-/// What a body cannot hold, named (a prepared one may download).
+/// What a body cannot hold, named (a prepared one may download): the
+/// protocol's one rule ([`Op::allowed_in_body`](super::proto::Op::allowed_in_body)),
+/// in this crate's words.
 fn uncapturable(c: &Command<'_>, prepared: bool) -> Option<&'static str> {
-    match c.op {
-        Op::Read { .. } if !prepared => Some("a download (d2h, copy_d2h)"),
-        Op::TimerStart { .. } | Op::TimerEnd { .. } => Some("timed()"),
-        Op::GraphBegin { .. } | Op::GraphEnd { .. } | Op::PrepareBegin { .. } => {
-            Some("another capture")
-        }
-        Op::GraphLaunch { .. } | Op::Run { .. } => Some("a graph's launch or a prepared run"),
-        Op::RandFill(_) => Some("a cuRAND fill (fill before capturing, as locally)"),
-        _ => None,
-    }
+    use super::proto::NotInBody;
+    let not = c.op.allowed_in_body(prepared).err()?;
+    Some(match not {
+        NotInBody::Read => "a download (d2h, copy_d2h)",
+        NotInBody::Timer => "timed()",
+        NotInBody::Begin => "another capture",
+        NotInBody::Launch => "a graph's launch or a prepared run",
+        NotInBody::RandFill => "a cuRAND fill (fill before capturing, as locally)",
+    })
 }
 
 /// The ids `body` names (held while the graph lives), and the buffers it

@@ -121,7 +121,8 @@ pub enum Op<'a> {
     /// stream, up to [`Op::GraphEnd`] are its body. In a body `Alloc`s run
     /// now, `Free`s wait for the graph's own free, and every other command
     /// runs at each [`Op::GraphLaunch`], not now. A body cannot read
-    /// (`Read`, timers) or begin or launch a graph.
+    /// (`Read`, timers), begin or launch a graph, or fill with cuRAND
+    /// ([`Op::allowed_in_body`]).
     GraphBegin {
         /// New graph id.
         graph: Id,
@@ -149,7 +150,8 @@ pub enum Op<'a> {
     /// run's data, its `Read`s go to each run's reply, and its commands run
     /// one by one instead of as a captured graph. The body's `Write` bytes
     /// sent with it are not kept, and its reads add nothing to this batch's
-    /// reply. A body cannot time itself or begin, launch or run a graph.
+    /// reply. A body cannot time itself, begin, launch or run a graph, or
+    /// fill with cuRAND ([`Op::allowed_in_body`]).
     PrepareBegin {
         /// New id.
         prepared: Id,
@@ -175,7 +177,21 @@ impl Op<'_> {
             Op::Read { len, .. } => *len,
             Op::TimerEnd { .. } => TIMER_BYTES as u64,
             Op::Run { outputs, .. } => *outputs,
-            _ => 0,
+            Op::Alloc { .. }
+            | Op::Write { .. }
+            | Op::Free { .. }
+            | Op::Launch(_)
+            | Op::Record { .. }
+            | Op::Wait { .. }
+            | Op::Fill { .. }
+            | Op::Copy { .. }
+            | Op::TimerStart { .. }
+            | Op::GraphBegin { .. }
+            | Op::GraphEnd { .. }
+            | Op::GraphLaunch { .. }
+            | Op::Gemm(_)
+            | Op::RandFill(_)
+            | Op::PrepareBegin { .. } => 0,
         }
     }
 
@@ -203,7 +219,16 @@ impl Op<'_> {
                 f(g.c.buf, true);
             }
             Op::RandFill(r) => f(r.dst.buf, true),
-            _ => {}
+            Op::Free { .. }
+            | Op::Record { .. }
+            | Op::Wait { .. }
+            | Op::TimerStart { .. }
+            | Op::TimerEnd { .. }
+            | Op::GraphBegin { .. }
+            | Op::GraphEnd { .. }
+            | Op::GraphLaunch { .. }
+            | Op::PrepareBegin { .. }
+            | Op::Run { .. } => {}
         }
     }
 
@@ -217,9 +242,92 @@ impl Op<'_> {
                 f(*graph)
             }
             Op::PrepareBegin { prepared } | Op::Run { prepared, .. } => f(*prepared),
-            // Every other op names buffers alone.
-            _ => self.buffers(|id, _| f(id)),
+            // These name buffers alone.
+            Op::Alloc { .. }
+            | Op::Write { .. }
+            | Op::Read { .. }
+            | Op::Launch(_)
+            | Op::Fill { .. }
+            | Op::Copy { .. }
+            | Op::Gemm(_)
+            | Op::RandFill(_) => self.buffers(|id, _| f(id)),
         }
+    }
+
+    /// What may sit in the body of a graph ([`Op::GraphBegin`]) or, with
+    /// `prepared`, of a prepared submission ([`Op::PrepareBegin`]): the one
+    /// rule, which the client checks as it records a body and the worker as
+    /// it plans one. `Err` names what keeps the op out.
+    ///
+    /// A body is kept and replayed (captured as a CUDA graph where the
+    /// device can), so it cannot
+    /// - read into the reply, unless prepared (each run's reply takes a
+    ///   prepared body's reads; a graph returns nothing),
+    /// - time itself (a timer's end replies now),
+    /// - begin a body (bodies do not nest), launch a graph or run a
+    ///   prepared submission,
+    /// - fill with cuRAND: cuRAND's host API fails inside a stream capture,
+    ///   so a body holding such a fill could never be captured (fill before
+    ///   recording the body, as locally).
+    ///
+    /// A [`Op::GraphEnd`] is allowed: it ends the body (the worker refuses
+    /// one naming another graph). A body's `Free`s run with the body's own
+    /// free.
+    pub fn allowed_in_body(&self, prepared: bool) -> Result<(), NotInBody> {
+        match self {
+            Op::Read { .. } if !prepared => Err(NotInBody::Read),
+            Op::TimerStart { .. } | Op::TimerEnd { .. } => Err(NotInBody::Timer),
+            Op::GraphBegin { .. } | Op::PrepareBegin { .. } => Err(NotInBody::Begin),
+            Op::GraphLaunch { .. } | Op::Run { .. } => Err(NotInBody::Launch),
+            Op::RandFill(_) => Err(NotInBody::RandFill),
+            Op::Alloc { .. }
+            | Op::Write { .. }
+            | Op::Read { .. }
+            | Op::Free { .. }
+            | Op::Launch(_)
+            | Op::Record { .. }
+            | Op::Wait { .. }
+            | Op::Fill { .. }
+            | Op::Copy { .. }
+            | Op::GraphEnd { .. }
+            | Op::Gemm(_) => Ok(()),
+        }
+    }
+}
+
+/// What keeps a command out of a graph's or a prepared submission's body
+/// ([`Op::allowed_in_body`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotInBody {
+    /// A `Read` in a graph's body: a graph returns nothing (read its
+    /// output after a launch).
+    Read,
+    /// `TimerStart`, `TimerEnd`: a timer's end replies now.
+    Timer,
+    /// `GraphBegin`, `PrepareBegin`: bodies do not nest.
+    Begin,
+    /// `GraphLaunch`, `Run`.
+    Launch,
+    /// `RandFill`: cuRAND's host API fails inside a stream capture.
+    RandFill,
+}
+
+impl NotInBody {
+    /// What the body cannot do, as in "the body of graph 7 cannot {what}".
+    pub fn what(self) -> &'static str {
+        match self {
+            NotInBody::Read => "read into the reply: read the graph's output after a launch",
+            NotInBody::Timer => "time itself",
+            NotInBody::Begin => "begin another graph",
+            NotInBody::Launch => "launch a graph",
+            NotInBody::RandFill => "fill with cuRAND: fill before recording the body",
+        }
+    }
+}
+
+impl std::fmt::Display for NotInBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.what())
     }
 }
 
@@ -282,7 +390,27 @@ pub fn replying_now<'c, 'a>(
                 body = None;
                 false
             }
-            (_, b) => b.is_none(),
+            (
+                Op::Alloc { .. }
+                | Op::Write { .. }
+                | Op::Read { .. }
+                | Op::Free { .. }
+                | Op::Launch(_)
+                | Op::Record { .. }
+                | Op::Wait { .. }
+                | Op::Fill { .. }
+                | Op::Copy { .. }
+                | Op::TimerStart { .. }
+                | Op::TimerEnd { .. }
+                | Op::GraphBegin { .. }
+                | Op::GraphEnd { .. }
+                | Op::GraphLaunch { .. }
+                | Op::Gemm(_)
+                | Op::RandFill(_)
+                | Op::PrepareBegin { .. }
+                | Op::Run { .. },
+                b,
+            ) => b.is_none(),
         })
 }
 
@@ -462,7 +590,21 @@ pub fn validate_commands(
                     )));
                 }
             }
-            _ => {}
+            Op::Alloc { .. }
+            | Op::Read { .. }
+            | Op::Free { .. }
+            | Op::Record { .. }
+            | Op::Wait { .. }
+            | Op::Fill { .. }
+            | Op::Copy { .. }
+            | Op::TimerStart { .. }
+            | Op::TimerEnd { .. }
+            | Op::GraphBegin { .. }
+            | Op::GraphEnd { .. }
+            | Op::GraphLaunch { .. }
+            | Op::Gemm(_)
+            | Op::RandFill(_)
+            | Op::PrepareBegin { .. } => {}
         }
     }
     if need != writes_len {
@@ -480,4 +622,142 @@ fn writes_len(sources: u64, data_len: usize) -> Result<u64, ProtoError> {
             "batch data is {data_len} bytes but its modules' sources take {sources}"
         ))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Dtype, RandDist};
+
+    /// One op of each kind, with the rule for a graph's body and a prepared
+    /// one's (`None`: allowed).
+    fn every_op() -> Vec<(Op<'static>, Option<NotInBody>, Option<NotInBody>)> {
+        let (a, b) = (Id(1), Id(2));
+        let at = |buf| Operand::new(buf, 0);
+        let launch = LaunchSpec {
+            module: ModuleHash([0; 32]),
+            kernel: "k".into(),
+            grid: [1; 3],
+            block: [1; 3],
+            shared_mem: 0,
+            args: vec![LaunchArg::Mem { buf: a, offset: 0 }],
+        };
+        let gemm = GemmSpec {
+            dtype: Dtype::F32,
+            a: at(a),
+            b: at(a),
+            c: at(b),
+            m: 1,
+            n: 1,
+            k: 1,
+            ld: [1; 3],
+            transpose: [false; 2],
+            scalars: [1f64.to_bits(), 0],
+            batch: 1,
+            strides: [0; 3],
+        };
+        let rand = RandSpec {
+            dtype: Dtype::F32,
+            dst: at(a),
+            len: 2,
+            seed: 1,
+            dist: RandDist::Uniform,
+        };
+        use NotInBody::{Begin, Launch, RandFill, Read, Timer};
+        vec![
+            (Op::Alloc { buf: a, size: 8 }, None, None),
+            (
+                Op::Write {
+                    buf: a,
+                    offset: 0,
+                    len: 8,
+                },
+                None,
+                None,
+            ),
+            (
+                Op::Read {
+                    buf: a,
+                    offset: 0,
+                    len: 8,
+                },
+                Some(Read),
+                None,
+            ),
+            (Op::Free { id: a }, None, None),
+            (Op::Launch(launch), None, None),
+            (Op::Record { event: b }, None, None),
+            (Op::Wait { event: b }, None, None),
+            (
+                Op::Fill {
+                    buf: a,
+                    offset: 0,
+                    len: 8,
+                    value: 0,
+                },
+                None,
+                None,
+            ),
+            (
+                Op::Copy {
+                    src: at(a),
+                    dst: at(b),
+                    len: 8,
+                },
+                None,
+                None,
+            ),
+            (Op::TimerStart { timer: b }, Some(Timer), Some(Timer)),
+            (Op::TimerEnd { timer: b }, Some(Timer), Some(Timer)),
+            (Op::GraphBegin { graph: b }, Some(Begin), Some(Begin)),
+            (Op::GraphEnd { graph: b }, None, None),
+            (Op::GraphLaunch { graph: b }, Some(Launch), Some(Launch)),
+            (Op::Gemm(Box::new(gemm)), None, None),
+            (Op::RandFill(rand), Some(RandFill), Some(RandFill)),
+            (Op::PrepareBegin { prepared: b }, Some(Begin), Some(Begin)),
+            (
+                Op::Run {
+                    prepared: b,
+                    inputs: 0,
+                    outputs: 0,
+                },
+                Some(Launch),
+                Some(Launch),
+            ),
+        ]
+    }
+
+    #[test]
+    fn a_body_holds_no_read_of_a_graph_timer_nested_body_launch_or_curand_fill() {
+        // One of each kind (a new kind fails to compile here).
+        let kind = |op: &Op<'_>| match op {
+            Op::Alloc { .. } => 0,
+            Op::Write { .. } => 1,
+            Op::Read { .. } => 2,
+            Op::Free { .. } => 3,
+            Op::Launch(_) => 4,
+            Op::Record { .. } => 5,
+            Op::Wait { .. } => 6,
+            Op::Fill { .. } => 7,
+            Op::Copy { .. } => 8,
+            Op::TimerStart { .. } => 9,
+            Op::TimerEnd { .. } => 10,
+            Op::GraphBegin { .. } => 11,
+            Op::GraphEnd { .. } => 12,
+            Op::GraphLaunch { .. } => 13,
+            Op::Gemm(_) => 14,
+            Op::RandFill(_) => 15,
+            Op::PrepareBegin { .. } => 16,
+            Op::Run { .. } => 17,
+        };
+        let ops = every_op();
+        let kinds: Vec<usize> = ops.iter().map(|(op, ..)| kind(op)).collect();
+        assert_eq!(kinds, (0..18).collect::<Vec<_>>());
+        for (op, graph, prepared) in ops {
+            assert_eq!(op.allowed_in_body(false).err(), graph, "{op:?} in a graph");
+            assert_eq!(op.allowed_in_body(true).err(), prepared, "{op:?} prepared");
+        }
+        assert_eq!(NotInBody::RandFill.to_string(), NotInBody::RandFill.what());
+        assert!(NotInBody::RandFill.what().contains("cuRAND"));
+    }
 }

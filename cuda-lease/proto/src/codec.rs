@@ -223,7 +223,23 @@ fn encode_command(out: &mut Vec<u8>, c: &Command<'_>) {
         Op::Launch(spec) => encode_launch(out, spec),
         // A `u8` is one byte, not a varint.
         Op::Fill { value, .. } => out.push(*value),
-        _ => {}
+        // All in the fields above (`Gemm`, `RandFill`: encoded whole).
+        Op::Alloc { .. }
+        | Op::Write { .. }
+        | Op::Read { .. }
+        | Op::Free { .. }
+        | Op::Record { .. }
+        | Op::Wait { .. }
+        | Op::Copy { .. }
+        | Op::TimerStart { .. }
+        | Op::TimerEnd { .. }
+        | Op::GraphBegin { .. }
+        | Op::GraphEnd { .. }
+        | Op::GraphLaunch { .. }
+        | Op::Gemm(_)
+        | Op::RandFill(_)
+        | Op::PrepareBegin { .. }
+        | Op::Run { .. } => {}
     }
 }
 

@@ -38,7 +38,7 @@ mod scalar;
 
 pub use batch::{
     reply_bytes, replying_now, validate_commands, Batch, BatchHead, Command, ModuleText, ModuleUse,
-    Op, FIRST_NODE_ID, MAX_BATCH_MODULES, TIMER_BYTES,
+    NotInBody, Op, FIRST_NODE_ID, MAX_BATCH_MODULES, TIMER_BYTES,
 };
 pub use codec::{
     command_count, encode_batch_head, encode_commands, postcard_decode, postcard_encode,

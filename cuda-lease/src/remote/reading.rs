@@ -84,7 +84,21 @@ impl Reading {
                         of(id);
                     }
                 }
-                ref op => op.buffers(|id, _| of(id.0)),
+                ref op @ (Op::Alloc { .. }
+                | Op::Write { .. }
+                | Op::Read { .. }
+                | Op::Launch(_)
+                | Op::Record { .. }
+                | Op::Wait { .. }
+                | Op::Fill { .. }
+                | Op::Copy { .. }
+                | Op::TimerStart { .. }
+                | Op::TimerEnd { .. }
+                | Op::GraphBegin { .. }
+                | Op::GraphEnd { .. }
+                | Op::Gemm(_)
+                | Op::RandFill(_)
+                | Op::PrepareBegin { .. }) => op.buffers(|id, _| of(id.0)),
             }
         }
         waits

@@ -115,7 +115,21 @@ pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<St
         match c.op {
             Op::GraphBegin { .. } | Op::PrepareBegin { .. } => in_body = true,
             Op::GraphEnd { .. } => in_body = false,
-            _ => {}
+            Op::Alloc { .. }
+            | Op::Write { .. }
+            | Op::Read { .. }
+            | Op::Free { .. }
+            | Op::Launch(_)
+            | Op::Record { .. }
+            | Op::Wait { .. }
+            | Op::Fill { .. }
+            | Op::Copy { .. }
+            | Op::TimerStart { .. }
+            | Op::TimerEnd { .. }
+            | Op::GraphLaunch { .. }
+            | Op::Gemm(_)
+            | Op::RandFill(_)
+            | Op::Run { .. } => {}
         }
         if in_body {
             continue;
@@ -160,7 +174,25 @@ pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<St
                     }
                 }
             }
-            _ => {}
+            // Small, or kept in the message (see above).
+            Op::Write { .. }
+            | Op::Read { .. }
+            | Op::Alloc { .. }
+            | Op::Free { .. }
+            | Op::Launch(_)
+            | Op::Record { .. }
+            | Op::Wait { .. }
+            | Op::Fill { .. }
+            | Op::Copy { .. }
+            | Op::TimerStart { .. }
+            | Op::TimerEnd { .. }
+            | Op::GraphBegin { .. }
+            | Op::GraphEnd { .. }
+            | Op::GraphLaunch { .. }
+            | Op::Gemm(_)
+            | Op::RandFill(_)
+            | Op::PrepareBegin { .. }
+            | Op::Run { .. } => {}
         }
     }
     if !route.contains(&Route::Streamed) {
@@ -217,7 +249,23 @@ pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<St
                 p.commands.push(c.clone());
                 slot += 1;
             }
-            _ => p.commands.push(c.clone()),
+            (
+                Op::Alloc { .. }
+                | Op::Free { .. }
+                | Op::Launch(_)
+                | Op::Record { .. }
+                | Op::Wait { .. }
+                | Op::Fill { .. }
+                | Op::Copy { .. }
+                | Op::TimerStart { .. }
+                | Op::GraphBegin { .. }
+                | Op::GraphEnd { .. }
+                | Op::GraphLaunch { .. }
+                | Op::Gemm(_)
+                | Op::RandFill(_)
+                | Op::PrepareBegin { .. },
+                _,
+            ) => p.commands.push(c.clone()),
         }
     }
     Some(p)

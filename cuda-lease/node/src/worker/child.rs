@@ -795,7 +795,24 @@ pub(super) fn enqueue_batch(
                     unzeroed = r.is_ok().then_some((c.stream, buf, size));
                     r
                 }
-                _ => enqueue(d.dev, c, &mut payload, &mut e.read_at),
+                Op::Alloc { .. }
+                | Op::Write { .. }
+                | Op::Read { .. }
+                | Op::Free { .. }
+                | Op::Launch(_)
+                | Op::Record { .. }
+                | Op::Wait { .. }
+                | Op::Fill { .. }
+                | Op::Copy { .. }
+                | Op::TimerStart { .. }
+                | Op::TimerEnd { .. }
+                | Op::GraphBegin { .. }
+                | Op::GraphEnd { .. }
+                | Op::GraphLaunch { .. }
+                | Op::Gemm(_)
+                | Op::RandFill(_)
+                | Op::PrepareBegin { .. }
+                | Op::Run { .. } => enqueue(d.dev, c, &mut payload, &mut e.read_at),
             },
         };
         if let Err(err) = r {
@@ -826,7 +843,27 @@ fn overwritten(commands: &[crate::proto::Command<'_>], i: usize) -> bool {
                 len,
             },
         ) => a.stream == w.stream && buf == to && size == len,
-        _ => false,
+        (
+            Op::Alloc { .. }
+            | Op::Write { .. }
+            | Op::Read { .. }
+            | Op::Free { .. }
+            | Op::Launch(_)
+            | Op::Record { .. }
+            | Op::Wait { .. }
+            | Op::Fill { .. }
+            | Op::Copy { .. }
+            | Op::TimerStart { .. }
+            | Op::TimerEnd { .. }
+            | Op::GraphBegin { .. }
+            | Op::GraphEnd { .. }
+            | Op::GraphLaunch { .. }
+            | Op::Gemm(_)
+            | Op::RandFill(_)
+            | Op::PrepareBegin { .. }
+            | Op::Run { .. },
+            _,
+        ) => false,
     }
 }
 

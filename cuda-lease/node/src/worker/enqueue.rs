@@ -37,7 +37,23 @@ pub(super) fn enqueue(
 ) -> Result<(), DeviceError> {
     let data = match c.op {
         Op::Write { len, .. } => payload.take(len)?,
-        _ => &[],
+        Op::Alloc { .. }
+        | Op::Read { .. }
+        | Op::Free { .. }
+        | Op::Launch(_)
+        | Op::Record { .. }
+        | Op::Wait { .. }
+        | Op::Fill { .. }
+        | Op::Copy { .. }
+        | Op::TimerStart { .. }
+        | Op::TimerEnd { .. }
+        | Op::GraphBegin { .. }
+        | Op::GraphEnd { .. }
+        | Op::GraphLaunch { .. }
+        | Op::Gemm(_)
+        | Op::RandFill(_)
+        | Op::PrepareBegin { .. }
+        | Op::Run { .. } => &[],
     };
     dev.enqueue(c, data, *read_at)?;
     *read_at += c.op.reply_len() as usize;

@@ -152,7 +152,22 @@ impl Graphs {
                     }
                     body.keep(c);
                 }),
-                _ => {
+                // Kept for each replay (the plan refused what a body cannot hold).
+                Op::Read { .. }
+                | Op::Launch(_)
+                | Op::Record { .. }
+                | Op::Wait { .. }
+                | Op::Fill { .. }
+                | Op::Copy { .. }
+                | Op::TimerStart { .. }
+                | Op::TimerEnd { .. }
+                | Op::GraphBegin { .. }
+                | Op::GraphEnd { .. }
+                | Op::GraphLaunch { .. }
+                | Op::Gemm(_)
+                | Op::RandFill(_)
+                | Op::PrepareBegin { .. }
+                | Op::Run { .. } => {
                     body.keep(c);
                     Ok(())
                 }
@@ -195,7 +210,19 @@ impl Graphs {
                 // Stream-ordered after the replays' uses, like any free.
                 Some(body.frees.iter().try_for_each(|f| dev.free(c.stream, *f)))
             }
-            _ => None,
+            Op::Alloc { .. }
+            | Op::Write { .. }
+            | Op::Read { .. }
+            | Op::Launch(_)
+            | Op::Record { .. }
+            | Op::Wait { .. }
+            | Op::Fill { .. }
+            | Op::Copy { .. }
+            | Op::TimerStart { .. }
+            | Op::TimerEnd { .. }
+            | Op::GraphEnd { .. }
+            | Op::Gemm(_)
+            | Op::RandFill(_) => None,
         }
     }
 }

@@ -143,7 +143,18 @@ impl Planner<'_> {
                 )),
                 None => Ok(None),
             },
-            _ => Ok(None),
+            Op::Alloc { .. }
+            | Op::Write { .. }
+            | Op::Read { .. }
+            | Op::Launch(_)
+            | Op::Record { .. }
+            | Op::Wait { .. }
+            | Op::Fill { .. }
+            | Op::Copy { .. }
+            | Op::TimerStart { .. }
+            | Op::TimerEnd { .. }
+            | Op::Gemm(_)
+            | Op::RandFill(_) => Ok(None),
         }
     }
 
@@ -162,35 +173,38 @@ impl Planner<'_> {
                 format!("the body of graph {graph} cannot {what}"),
             ))
         };
-        match (&c.op, &mut ids.prepared) {
-            (&Op::Read { buf, offset, len }, Some(io)) => {
+        // What a body may hold: the client's rule too.
+        if let Err(not) = c.op.allowed_in_body(ids.prepared.is_some()) {
+            return refuse(not.what());
+        }
+        match c.op {
+            // A prepared body's (the rule refused a graph's): each run's
+            // reply takes its bytes.
+            Op::Read { buf, offset, len } => {
                 super::in_range(self.buffer(buf)?, offset, len)?;
-                io.outputs = io.outputs.saturating_add(len);
-                if io.outputs > self.limits.max_read {
-                    return Err((
-                        Status::BadRequest,
-                        "the body's reads exceed the reply data limit".into(),
-                    ));
+                if let Some(io) = &mut ids.prepared {
+                    io.outputs = io.outputs.saturating_add(len);
+                    if io.outputs > self.limits.max_read {
+                        return Err((
+                            Status::BadRequest,
+                            "the body's reads exceed the reply data limit".into(),
+                        ));
+                    }
                 }
                 ids.uses.insert(buf);
-                return Ok(Some(Step::effect(Effect::None)));
+                Ok(Some(Step::effect(Effect::None)))
             }
-            (&Op::Write { len, .. }, Some(io)) => {
-                io.inputs = io.inputs.saturating_add(len);
+            // A prepared body's bytes come with each run; a graph keeps its own.
+            Op::Write { len, .. } => {
+                match &mut ids.prepared {
+                    Some(io) => io.inputs = io.inputs.saturating_add(len),
+                    None => ids.kept += len,
+                }
                 c.op.for_each_id(|id| {
                     ids.uses.insert(id);
                 });
-                return Ok(None);
+                Ok(None)
             }
-            _ => {}
-        }
-        match c.op {
-            Op::Read { .. } => {
-                refuse("read into the reply: read the graph's output after a launch")
-            }
-            Op::TimerStart { .. } | Op::TimerEnd { .. } => refuse("time itself"),
-            Op::GraphBegin { .. } | Op::PrepareBegin { .. } => refuse("begin another graph"),
-            Op::GraphLaunch { .. } | Op::Run { .. } => refuse("launch a graph"),
             Op::GraphEnd { graph: g } if g == graph => {
                 self.charges.alloc(ids.kept)?;
                 self.graph_overlay.insert(graph, Some(ids.clone()));
@@ -211,10 +225,22 @@ impl Planner<'_> {
                 ids.frees.push(id);
                 Ok(Some(Step::effect(Effect::None)))
             }
-            _ => {
-                if let Op::Write { len, .. } = c.op {
-                    ids.kept += len;
-                }
+            // Kept for each launch or run; what the rule refused above
+            // (timers, nested bodies, launches, cuRAND fills) never gets here.
+            Op::Alloc { .. }
+            | Op::Launch(_)
+            | Op::Record { .. }
+            | Op::Wait { .. }
+            | Op::Fill { .. }
+            | Op::Copy { .. }
+            | Op::TimerStart { .. }
+            | Op::TimerEnd { .. }
+            | Op::GraphBegin { .. }
+            | Op::GraphLaunch { .. }
+            | Op::Gemm(_)
+            | Op::RandFill(_)
+            | Op::PrepareBegin { .. }
+            | Op::Run { .. } => {
                 c.op.for_each_id(|id| {
                     ids.uses.insert(id);
                 });

@@ -324,3 +324,29 @@ fn a_prepared_body_reads_only_when_run_and_a_run_gives_its_exact_bytes() {
         assert!(e.message.contains(text), "{}", e.message);
     }
 }
+
+#[test]
+fn no_body_holds_a_curand_fill() {
+    // The client's rule too (`Op::allowed_in_body`): it cannot be captured.
+    let state = LeaseObjects::default();
+    let (p, g, a) = (Id(1), Id(2), Id(3));
+    for (begin, id) in [
+        (Op::GraphBegin { graph: g }, g),
+        (Op::PrepareBegin { prepared: p }, p),
+    ] {
+        let cmds = [
+            cmd(0, Op::Alloc { buf: a, size: 100 }),
+            cmd(0, begin),
+            cmd(0, fill_in(a, 0, 8, false)),
+            cmd(0, Op::GraphEnd { graph: id }),
+        ];
+        let e = run(&state, &cmds, &mut budget()).error.expect("refused");
+        assert_eq!(
+            (e.index, e.status),
+            (2, Status::BadRequest),
+            "{}",
+            e.message
+        );
+        assert!(e.message.contains("fill with cuRAND"), "{}", e.message);
+    }
+}
