@@ -54,7 +54,11 @@ pub struct ClientConfig {
     /// Ask each lease's node to have the lease's worker serve its BATCHes
     /// over a QUIC connection of their own (LEASE_DIRECT), off the node's
     /// path; default off. A node that does not (run without
-    /// `--direct-leases`) serves them itself. See [`Lease::is_direct`].
+    /// `--direct-leases`) serves them itself; a worker this client
+    /// cannot reach (a firewall in between) costs one wait of at most
+    /// [`DIRECT_CONNECT_TIMEOUT`](crate::client::DIRECT_CONNECT_TIMEOUT),
+    /// after which the client's leases take the node's path. See
+    /// [`Lease::is_direct`].
     ///
     /// [`Lease::is_direct`]: crate::client::Lease::is_direct
     pub direct: bool,

@@ -40,6 +40,9 @@ pub struct Client {
     /// The endpoint's own thread, kept awake while requests are in flight
     /// ([`ClientConfig::busy_poll`]), or none.
     pub(super) busy: crate::transport::BusyPoll,
+    /// Set once a lease's worker could not be reached from here: later
+    /// leases of this client take the node's path.
+    pub(super) workers_unreachable: std::sync::atomic::AtomicBool,
 }
 
 impl Client {
@@ -103,6 +106,7 @@ impl Client {
             bulk: tokio::sync::OnceCell::new(),
             known_modules: std::sync::Mutex::default(),
             busy,
+            workers_unreachable: std::sync::atomic::AtomicBool::new(false),
         };
         let ok = client.hello(&client.conn).await;
         let no_credentials = config.token.is_none() && config.identity.is_none();

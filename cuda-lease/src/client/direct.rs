@@ -13,25 +13,60 @@ use crate::tls::{self, ServerTrust};
 /// How often a lease's worker connection is kept alive.
 const DIRECT_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// The longest a client waits for a lease's worker to answer its
+/// connection (less when [`ClientConfig::connect_timeout`] is less): a
+/// worker's port that cannot be reached from here (a firewall) costs this
+/// once, then the client's leases take the node's path.
+///
+/// [`ClientConfig::connect_timeout`]: super::ClientConfig::connect_timeout
+pub const DIRECT_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How a lease's BATCHes travel ([`open`]).
+pub(super) enum Opened {
+    /// Over the lease's own connection to its worker.
+    Direct(quinn::Connection),
+    /// Through the node: it serves the lease's batches itself.
+    Node,
+    /// The node granted a direct path, but its worker could not be reached
+    /// from here (why): the lease cannot take either path and is freed.
+    Unreachable(Error),
+}
+
 /// How long a lease's worker connection may be silent before it counts as
 /// lost (and a request on it fails with the lease's end, as the node says).
 /// The worker answers while it compiles a module, too.
 const DIRECT_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Asks the node for `lease`'s direct path and connects to it; `None` when
-/// the node serves the lease's batches itself (it has no direct leases).
-pub(super) async fn open(
-    client: &Client,
-    lease: LeaseId,
-) -> Result<Option<quinn::Connection>, Error> {
+/// Asks the node for `lease`'s direct path and connects to it:
+/// [`Opened::Node`] when the node serves the lease's batches itself (it
+/// runs without direct leases, or its worker could not open the path).
+pub(super) async fn open(client: &Client, lease: LeaseId) -> Result<Opened, Error> {
     let grant: DirectGrant = match client.call(Opcode::LeaseDirect, &LeaseRef { lease }).await {
         Ok(g) => g,
-        Err(e) if matches!(e.kind(), ErrorKind::InvalidRequest | ErrorKind::Protocol) => {
+        Err(e)
+            if matches!(
+                e.kind(),
+                ErrorKind::InvalidRequest | ErrorKind::Protocol | ErrorKind::NodeInternal
+            ) =>
+        {
             tracing::debug!(%lease, error = %e, "the node serves the lease's batches itself");
-            return Ok(None);
+            return Ok(Opened::Node);
         }
         Err(e) => return Err(e),
     };
+    match connect(client, lease, grant).await {
+        Ok(conn) => Ok(Opened::Direct(conn)),
+        Err(e) if matches!(e.kind(), ErrorKind::Disconnected(_)) => Ok(Opened::Unreachable(e)),
+        Err(e) => Err(e),
+    }
+}
+
+/// Connects to the worker `grant` names and says HELLO for `lease`.
+async fn connect(
+    client: &Client,
+    lease: LeaseId,
+    grant: DirectGrant,
+) -> Result<quinn::Connection, Error> {
     let addr: SocketAddr = grant
         .addr
         .parse()
@@ -65,7 +100,8 @@ pub(super) async fn open(
         .endpoint
         .connect_with(qcfg, addr, &name)
         .map_err(disconnected)?;
-    let conn = tokio::time::timeout(client.config.connect_timeout, connecting)
+    let wait = client.config.connect_timeout.min(DIRECT_CONNECT_TIMEOUT);
+    let conn = tokio::time::timeout(wait, connecting)
         .await
         .map_err(|_| disconnected(format!("the lease's worker at {addr} did not answer")))?
         .map_err(disconnected)?;
@@ -84,5 +120,5 @@ pub(super) async fn open(
         ReplyInto::Owned,
     )
     .await?;
-    Ok(Some(conn))
+    Ok(conn)
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 
 use super::connection::{exchange, ReplyInto};
+use super::direct::Opened;
 use super::{Client, ClientConfig, Error, Session};
 use crate::proto::{
     to_body, Id, IdOp, LeaseAlloc, LeaseGrant, LeaseId, LeaseRef, LeaseRenew, LeaseStatus, Opcode,
@@ -367,18 +368,32 @@ impl LeaseBuilder {
             min_vram: self.min_vram,
             ttl_secs: self.ttl.as_secs().max(1) as u32,
         };
-        let g: LeaseGrant = client.call(Opcode::LeaseAlloc, &req).await?;
-        let direct = if client.config.direct {
+        let (g, direct) = loop {
+            let g: LeaseGrant = client.call(Opcode::LeaseAlloc, &req).await?;
+            if !client.config.direct || client.workers_unreachable.load(Ordering::Relaxed) {
+                break (g, None);
+            }
             match super::direct::open(&client, g.lease).await {
-                Ok(direct) => direct,
+                Ok(Opened::Direct(conn)) => break (g, Some(conn)),
+                Ok(Opened::Node) => break (g, None),
+                Ok(Opened::Unreachable(e)) => {
+                    // The node serves this lease's batches through its
+                    // worker now, which this client cannot reach (a
+                    // firewall, say): the lease goes, and this client's
+                    // leases take the node's path from now on.
+                    tracing::warn!(
+                        lease = %g.lease, error = %e,
+                        "a lease's worker cannot be reached: leasing again on the node's path"
+                    );
+                    client.workers_unreachable.store(true, Ordering::Relaxed);
+                    let _ = client.free_lease(g.lease).await;
+                }
                 Err(e) => {
                     // Freed now, not left held until its TTL runs out.
                     let _ = client.free_lease(g.lease).await;
                     return Err(e);
                 }
             }
-        } else {
-            None
         };
         let inner = Arc::new(LeaseInner {
             client,

@@ -27,6 +27,7 @@ pub use config::{
     DEFAULT_STRIPE_MIN_BYTES,
 };
 pub use connection::Client;
+pub use direct::DIRECT_CONNECT_TIMEOUT;
 #[cfg(feature = "backend")]
 pub(crate) use error::config_error;
 #[cfg(feature = "backend")]

@@ -67,9 +67,23 @@ struct Args {
     allow_anonymous: bool,
     /// Let leases' workers serve their BATCHes over QUIC themselves
     /// (LEASE_DIRECT; each such lease's worker binds a UDP port of its own
-    /// on the listen address).
-    #[arg(long, env = "CUDA_LEASE_NODE_DIRECT_LEASES")]
+    /// on the listen address; see --direct-ports). Off by default: the
+    /// node serves every BATCH itself; `--direct-leases` or
+    /// `--direct-leases=true` turns it on.
+    #[arg(
+        long,
+        env = "CUDA_LEASE_NODE_DIRECT_LEASES",
+        default_value_t = false,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        action = clap::ArgAction::Set
+    )]
     direct_leases: bool,
+    /// The UDP ports workers bind for direct leases, `FIRST-LAST` (both
+    /// included; default: any free port). A worker that finds none free
+    /// leaves its lease on the node's path.
+    #[arg(long, env = "CUDA_LEASE_NODE_DIRECT_PORTS", value_parser = port_range)]
+    direct_ports: Option<(u16, u16)>,
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0, env = "CUDA_LEASE_NODE_DEVICE")]
     device: usize,
@@ -231,6 +245,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     cfg.name = args.name;
     cfg.allow_anonymous = args.allow_anonymous;
     cfg.direct_leases = args.direct_leases;
+    cfg.direct_ports = args.direct_ports;
     cfg.client_ca = args.client_ca;
     cfg.capacity = args.capacity;
     if args.memory_device.is_some() {
@@ -308,6 +323,21 @@ async fn wait_for_signal() {
     }
 }
 
+/// `FIRST-LAST` (or one port) as an inclusive range of ports.
+fn port_range(s: &str) -> Result<(u16, u16), String> {
+    let (a, b) = s.split_once('-').unwrap_or((s, s));
+    let port = |p: &str| {
+        p.trim()
+            .parse::<u16>()
+            .map_err(|e| format!("{p:?} is not a port: {e}"))
+    };
+    let (first, last) = (port(a)?, port(b)?);
+    if first == 0 || first > last {
+        return Err(format!("{s:?}: FIRST-LAST with 0 < FIRST <= LAST"));
+    }
+    Ok((first, last))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -336,5 +366,26 @@ mod tests {
         assert_eq!(a.compile_timeout_ms, Duration::from_millis(5000));
         let e = Args::try_parse_from(["cuda-lease-node", "--dev", "--max-ttl", "1w"]).unwrap_err();
         assert!(e.to_string().contains("unknown duration unit"), "{e}");
+    }
+
+    #[test]
+    fn direct_leases_are_a_switch_and_their_ports_take_a_range() {
+        let a = Args::parse_from(["cuda-lease-node", "--dev"]);
+        assert!(!a.direct_leases);
+        assert_eq!(a.direct_ports, None);
+        let a = Args::parse_from(["cuda-lease-node", "--dev", "--direct-leases"]);
+        assert!(a.direct_leases);
+        let a = Args::parse_from(["cuda-lease-node", "--dev", "--direct-leases=true"]);
+        assert!(a.direct_leases);
+        let a = Args::parse_from(["cuda-lease-node", "--dev", "--direct-leases=false"]);
+        assert!(!a.direct_leases);
+        let a = Args::parse_from(["cuda-lease-node", "--dev", "--direct-ports", "40000-40099"]);
+        assert_eq!(a.direct_ports, Some((40000, 40099)));
+        let a = Args::parse_from(["cuda-lease-node", "--dev", "--direct-ports", "40000"]);
+        assert_eq!(a.direct_ports, Some((40000, 40000)));
+        for bad in ["40099-40000", "0-10", "a-b", "70000"] {
+            let e = Args::try_parse_from(["cuda-lease-node", "--dev", "--direct-ports", bad]);
+            assert!(e.is_err(), "{bad}");
+        }
     }
 }

@@ -101,8 +101,15 @@ pub struct NodeConfig {
     /// Accept clients without credentials (development only).
     pub allow_anonymous: bool,
     /// Leases may have their worker serve their BATCHes directly
-    /// (LEASE_DIRECT), off the node's path (default off).
+    /// (LEASE_DIRECT), off the node's path (default off: the node serves
+    /// every lease's BATCHes itself).
     pub direct_leases: bool,
+    /// The UDP ports leases' workers bind for their direct path, first to
+    /// last, both included (default `None`: a free port the system picks).
+    /// Open these in a firewall between clients and the node. A worker
+    /// that finds none of them free serves no direct path: its lease's
+    /// BATCHes go through the node.
+    pub direct_ports: Option<(u16, u16)>,
     /// TLS certificate.
     pub tls: TlsSource,
     /// CA certificates (PEM) for mutual TLS; clients they certify need no token.
@@ -200,6 +207,7 @@ impl NodeConfig {
             max_failed_hellos_per_source: 5,
             allow_anonymous: false,
             direct_leases: false,
+            direct_ports: None,
             tls: TlsSource::SelfSigned {
                 names: vec!["localhost".into(), "127.0.0.1".into()],
                 write_pem: None,

@@ -106,6 +106,7 @@ pub(super) async fn open(
     let cert_der = identity.chain[0].to_vec();
     let open = DirectOpen {
         bind: SocketAddr::new(cfg.listen.ip(), 0),
+        ports: cfg.direct_ports,
         cert_der: cert_der.clone(),
         key_der: identity.key.secret_der().to_vec(),
         ticket,

@@ -56,8 +56,10 @@ pub(crate) const DIRECT_HELLO_TIMEOUT: std::time::Duration = std::time::Duration
 /// Node -> worker (LEASE_DIRECT on the pipe): serve the lease's batches.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct DirectOpen {
-    /// Where to bind (the node's address, port 0).
+    /// Where to bind: the node's address, and port 0 (any) unless `ports`.
     pub(crate) bind: SocketAddr,
+    /// The ports to bind from, first to last (the first free one).
+    pub(crate) ports: Option<(u16, u16)>,
     /// The lease's certificate and its PKCS#8 key (DER).
     pub(crate) cert_der: Vec<u8>,
     pub(crate) key_der: Vec<u8>,
@@ -155,12 +157,34 @@ pub(super) struct DirectLink {
     rt: tokio::runtime::Runtime,
 }
 
+/// A UDP socket on `bind`'s address: on `bind`'s port, or on the first
+/// free port of `ports`.
+fn bind_in(
+    transport: &TransportSettings,
+    bind: SocketAddr,
+    ports: Option<(u16, u16)>,
+) -> std::io::Result<std::net::UdpSocket> {
+    let Some((first, last)) = ports else {
+        return transport.bind_udp(bind);
+    };
+    for port in first..=last {
+        match transport.bind_udp(SocketAddr::new(bind.ip(), port)) {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => continue,
+            other => return other,
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        format!("no free UDP port in the direct-lease range {first}-{last}"),
+    ))
+}
+
 impl DirectLink {
     /// Binds, starts serving on a runtime of the calling thread (run by
     /// the link's waits) and returns the link and the port. `pipe`: the
     /// node's pipe, which the waits watch too.
     pub(super) fn open(o: DirectOpen, pipe: RawFd) -> std::io::Result<(Self, u16)> {
-        let socket = o.transport.bind_udp(o.bind)?;
+        let socket = bind_in(&o.transport, o.bind, o.ports)?;
         let port = socket.local_addr()?.port();
         let identity = crate::tls::Identity {
             chain: vec![o.cert_der.clone().into()],

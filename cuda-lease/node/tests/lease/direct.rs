@@ -522,12 +522,51 @@ async fn the_worker_takes_only_its_leases_ticket_and_the_node_no_batch_of_it() {
 
 #[tokio::test]
 async fn a_node_without_direct_leases_serves_a_lease_that_asked_itself() {
-    let node = Node::spawn_local(memory_config(1 << 26)).await.unwrap();
+    let mut cfg = memory_config(1 << 26);
+    cfg.direct_leases = false;
+    let node = Node::spawn_local(cfg).await.unwrap();
     let (lease, remote) = direct_lease(&node, usize::MAX).await;
     assert!(!lease.is_direct());
     let (x, y) = (random_f32(100, 1), random_f32(100, 2));
     let want: Vec<f32> = x.iter().zip(&y).map(|(x, y)| 3.0 * x + y).collect();
     assert_eq!(axpy(x, y, 3.0, &remote).await, want);
     lease.free().await.unwrap();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn direct_leases_workers_bind_in_the_port_range_and_a_lease_without_a_free_port_takes_the_node_path(
+) {
+    // A port free now, for the range of one port.
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .expect("a free port")
+        .port();
+    let mut cfg = memory_config(1 << 28);
+    cfg.direct_leases = true;
+    cfg.direct_ports = Some((port, port));
+    let node = Node::spawn_local(cfg).await.unwrap();
+    let client = Arc::new(
+        Client::connect(node.addr(), &client_config(&node).direct(true))
+            .await
+            .expect("connect"),
+    );
+    let first = lease_of(&client, 16 << 20).await;
+    assert!(first.is_direct());
+    // Its worker holds the range's one port: the next lease's worker finds
+    // none free, and the node serves that lease's batches.
+    let second = lease_of(&client, 16 << 20).await;
+    assert!(
+        !second.is_direct(),
+        "no free port in the range: the node's path"
+    );
+    let (x, y) = (random_f32(100, 1), random_f32(100, 2));
+    let want: Vec<f32> = x.iter().zip(&y).map(|(x, y)| 3.0 * x + y).collect();
+    for lease in [&first, &second] {
+        let remote = policy_of(lease);
+        assert_eq!(axpy(x.clone(), y.clone(), 3.0, &remote).await, want);
+    }
+    first.free().await.unwrap();
+    second.free().await.unwrap();
     node.shutdown().await;
 }
