@@ -45,6 +45,9 @@ pub struct Metrics {
     pub batch_total: Counter,
     /// Commands carried by BATCH requests.
     pub batch_commands: Counter,
+    /// Of `batch_total`, those a lease's worker served on its direct path
+    /// (learned from the worker at the node's next look at the lease).
+    pub batch_direct: Counter,
     /// CUDA C modules compiled by workers (each kept node-wide as PTX).
     pub modules_compiled: Counter,
     /// Connections of the bulk-data channel opened with a ticket.
@@ -94,6 +97,11 @@ impl Metrics {
                 "gpu_batch_commands",
                 "Commands carried by BATCH requests.",
                 &self.batch_commands,
+            ),
+            (
+                "gpu_batch_direct",
+                "Of gpu_batch, those served by a lease's worker directly (LEASE_DIRECT).",
+                &self.batch_direct,
             ),
             (
                 "gpu_modules_compiled",

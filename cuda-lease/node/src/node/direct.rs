@@ -15,7 +15,7 @@ use crate::lease_table::Principal;
 use crate::proto::{
     from_body, to_body, DirectGrant, LeaseId, LeaseRef, Opcode, Status, DIRECT_TICKET_LEN,
 };
-use crate::worker::{DirectLimits, DirectOpen, DirectPort, Usage};
+use crate::worker::{DirectLimits, DirectOpen, DirectPort, DirectServed, Usage};
 
 /// Updates what a direct lease holds from its worker (its batches do not
 /// pass the node, whose view is otherwise as of the lease's last node
@@ -54,8 +54,20 @@ pub(super) async fn refresh_slot(
             return Ok(());
         }
     };
-    let (usage, poisoned): (Usage, Option<String>) = from_body(&f.body)
+    let (usage, poisoned, served): (Usage, Option<String>, DirectServed) = from_body(&f.body)
         .map_err(|e| Reply::err(Status::Internal, format!("worker reply: {e}")))?;
+    // The batches its worker served since the last answer count as the
+    // node's own do.
+    let seen = std::mem::replace(&mut *slot.served(), served);
+    let metrics = &shared.metrics;
+    let batches = served.batches.saturating_sub(seen.batches);
+    // The part first: `gpu_batch` less `gpu_batch_direct` never counts a
+    // direct batch as the node's own, whenever the two are read.
+    metrics.batch_direct.inc_by(batches);
+    metrics.batch_total.inc_by(batches);
+    metrics
+        .batch_commands
+        .inc_by(served.commands.saturating_sub(seen.commands));
     slot.state().usage = usage;
     shared.table().set_allocated(lease, usage.allocated);
     if let Some(why) = poisoned {

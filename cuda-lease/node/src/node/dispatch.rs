@@ -304,6 +304,7 @@ pub(super) async fn lease_alloc(
         order: crate::order::LeaseOrder::default(),
         direct: std::sync::atomic::AtomicBool::new(false),
         refreshing: std::sync::atomic::AtomicBool::new(false),
+        served: StdMutex::default(),
     });
     let now = shared.now();
     let ttl = Duration::from_secs(u64::from(req.ttl_secs));

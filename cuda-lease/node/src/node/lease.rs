@@ -55,6 +55,9 @@ pub(super) struct LeaseSlot {
     /// The reaper is asking its worker what it holds (direct leases: one
     /// question at a time).
     pub(super) refreshing: std::sync::atomic::AtomicBool,
+    /// What its worker's direct path had served at the last refresh
+    /// (counted into the node's metrics by the difference).
+    pub(super) served: StdMutex<crate::worker::DirectServed>,
 }
 
 impl LeaseSlot {
@@ -67,6 +70,10 @@ impl LeaseSlot {
     /// Whether its worker serves its BATCHes.
     pub(super) fn is_direct(&self) -> bool {
         self.direct.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub(super) fn served(&self) -> std::sync::MutexGuard<'_, crate::worker::DirectServed> {
+        self.served.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub(super) fn state(&self) -> std::sync::MutexGuard<'_, LeaseView> {

@@ -161,7 +161,12 @@ pub(super) fn run_worker(spec: &str) -> i32 {
         } else if frame.header.opcode == Opcode::LeaseQuery {
             // What the lease holds now, and whether a fault ended its
             // context (its batches may not pass the node).
-            let answer = (lease.usage(device.staging_bytes()), lease.poisoned.clone());
+            let served = direct.as_ref().map(DirectLink::served).unwrap_or_default();
+            let answer = (
+                lease.usage(device.staging_bytes()),
+                lease.poisoned.clone(),
+                served,
+            );
             (Status::Ok, to_body(&answer), Vec::new())
         } else if frame.header.opcode == Opcode::LeaseDirect {
             match open_direct(&mut direct, &frame.body, stdin_fd) {

@@ -26,7 +26,7 @@
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -67,6 +67,16 @@ pub(crate) struct DirectOpen {
     pub(crate) lease: LeaseId,
     pub(crate) limits: DirectLimits,
     pub(crate) transport: TransportSettings,
+}
+
+/// What a lease's direct path has served since it opened (counts that
+/// only grow), in the worker's answer to LEASE_QUERY.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct DirectServed {
+    /// BATCHes accepted.
+    pub(crate) batches: u64,
+    /// Their commands.
+    pub(crate) commands: u64,
 }
 
 /// The lease's limits on its direct path.
@@ -180,6 +190,16 @@ fn bind_in(
 }
 
 impl DirectLink {
+    /// The BATCHes this path has accepted and their commands, since it
+    /// opened: what the node's `gpu_batch_total` and `gpu_batch_commands`
+    /// count for the lease.
+    pub(crate) fn served(&self) -> DirectServed {
+        DirectServed {
+            batches: self.served.batches.load(Ordering::Relaxed),
+            commands: self.served.commands.load(Ordering::Relaxed),
+        }
+    }
+
     /// Binds, starts serving on a runtime of the calling thread (run by
     /// the link's waits) and returns the link and the port. `pipe`: the
     /// node's pipe, which the waits watch too.
@@ -207,6 +227,8 @@ impl DirectLink {
             handed: Mutex::new(Vec::new()),
             any_handed: AtomicBool::new(false),
             notify: Notify::new(),
+            batches: AtomicU64::new(0),
+            commands: AtomicU64::new(0),
         };
         let served = Arc::new(served);
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -434,6 +456,10 @@ struct Served {
     handed: Mutex<Vec<ToDevice>>,
     any_handed: AtomicBool,
     notify: Notify,
+    /// BATCHes accepted on the path and their commands, since it opened
+    /// (the node adds them to its metrics: [`DirectLink::served`]).
+    batches: AtomicU64,
+    commands: AtomicU64,
 }
 
 impl Served {
@@ -628,6 +654,10 @@ async fn run(
     let (head, wire) = BatchHead::decode(&body).map_err(bad)?;
     head.validate(data.len()).map_err(bad)?;
     let commands = proto::command_count(wire).map_err(bad)?;
+    if head.lease == served.lease {
+        served.batches.fetch_add(1, Ordering::Relaxed);
+        served.commands.fetch_add(commands, Ordering::Relaxed);
+    }
     if head.lease != served.lease {
         return Err(refused(
             Status::BadRequest,

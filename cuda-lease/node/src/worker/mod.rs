@@ -27,7 +27,7 @@ mod objects;
 mod plan;
 mod process;
 
-pub(crate) use self::direct::{DirectLimits, DirectOpen, DirectPort};
+pub(crate) use self::direct::{DirectLimits, DirectOpen, DirectPort, DirectServed};
 pub(crate) use self::messages::{
     encode_worker_batch, ChunkOp, ChunkOps, WorkerBatchReply, WorkerLoad, FLAG_HELD, FLAG_STAMPS,
     MAX_CHUNKS_PER_CALL,

@@ -95,7 +95,10 @@ async fn slow_overwrite_then_read(
 }
 
 fn node_batches(node: &Node) -> u64 {
-    metric(&node.metrics_text(), "gpu_batch_total").unwrap_or(0)
+    let t = node.metrics_text();
+    let all = metric(&t, "gpu_batch_total").unwrap_or(0);
+    // (Read after the total, and counted before it: never above the node's.)
+    all.saturating_sub(metric(&t, "gpu_batch_direct_total").unwrap_or(0))
 }
 
 /// `y = a*x + y` on the lease, then downloaded.
@@ -568,5 +571,31 @@ async fn direct_leases_workers_bind_in_the_port_range_and_a_lease_without_a_free
     }
     first.free().await.unwrap();
     second.free().await.unwrap();
+    node.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_direct_leases_batches_count_in_the_nodes_metrics() {
+    let node = direct_node().await;
+    let (lease, remote) = direct_lease(&node, usize::MAX).await;
+    assert!(lease.is_direct());
+    let before = batches(&node);
+    let out = h2d(vec![1f32; 16])
+        .then(d2h)
+        .schedule(&remote)
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(out.to_vec().unwrap(), vec![1f32; 16]);
+    // The node learns it from the worker at its next reaper tick.
+    until("the node counts the direct lease's batch", || {
+        batches(&node).0 > before.0
+    })
+    .await;
+    let now = batches(&node);
+    assert_eq!(node_batches(&node), 0, "a batch went through the node");
+    // An allocation, its write and its read, and the buffer's free.
+    assert!(now.1 - before.1 >= 3, "{before:?} -> {now:?}");
+    lease.free().await.unwrap();
     node.shutdown().await;
 }
