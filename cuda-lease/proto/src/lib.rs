@@ -33,12 +33,13 @@ mod gemm;
 mod ids;
 mod messages;
 mod module;
+mod op;
 mod rand;
 mod scalar;
 
 pub use batch::{
     reply_bytes, replying_now, validate_commands, Batch, BatchHead, Command, ModuleText, ModuleUse,
-    NotInBody, Op, FIRST_NODE_ID, MAX_BATCH_MODULES, TIMER_BYTES,
+    FIRST_NODE_ID, MAX_BATCH_MODULES, TIMER_BYTES,
 };
 pub use codec::{
     command_count, encode_batch_head, encode_commands, postcard_decode, postcard_encode,
@@ -61,6 +62,7 @@ pub use messages::{
     MAX_BULK_TICKETS, MAX_MODULE_OPTIONS, MAX_OPTION_LEN,
 };
 pub use module::ModuleSpec;
+pub use op::{NotInBody, Op};
 pub use rand::{RandDist, RandSpec};
 pub use scalar::ScalarBytes;
 
