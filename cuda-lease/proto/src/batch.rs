@@ -79,40 +79,20 @@ pub fn replying_now<'c, 'a>(
     commands: &'c [Command<'a>],
 ) -> impl Iterator<Item = (usize, &'c Command<'a>)> {
     let mut body = None;
-    commands
-        .iter()
-        .enumerate()
-        .filter(move |(_, c)| match (&c.op, body) {
-            (Op::PrepareBegin { prepared }, None) => {
-                body = Some(*prepared);
-                false
-            }
-            (Op::GraphEnd { graph }, Some(p)) if *graph == p => {
+    commands.iter().enumerate().filter(move |(_, c)| {
+        // A prepared body runs from its begin to the end naming it.
+        if let (Op::PrepareBegin { prepared }, None) = (&c.op, body) {
+            body = Some(*prepared);
+            return false;
+        }
+        if let (Op::GraphEnd { graph }, Some(p)) = (&c.op, body) {
+            if *graph == p {
                 body = None;
-                false
+                return false;
             }
-            (
-                Op::Alloc { .. }
-                | Op::Write { .. }
-                | Op::Read { .. }
-                | Op::Free { .. }
-                | Op::Launch(_)
-                | Op::Record { .. }
-                | Op::Wait { .. }
-                | Op::Fill { .. }
-                | Op::Copy { .. }
-                | Op::TimerStart { .. }
-                | Op::TimerEnd { .. }
-                | Op::GraphBegin { .. }
-                | Op::GraphEnd { .. }
-                | Op::GraphLaunch { .. }
-                | Op::Gemm(_)
-                | Op::RandFill(_)
-                | Op::PrepareBegin { .. }
-                | Op::Run { .. },
-                b,
-            ) => b.is_none(),
-        })
+        }
+        body.is_none()
+    })
 }
 
 /// The bytes `commands` add to their reply's data (see [`Op::reply_len`]

@@ -794,30 +794,13 @@ pub(super) fn enqueue_batch(
         let to_write = unzeroed.take();
         let r = match d.graphs.intercept(d.dev, c, &mut payload, &mut e.read_at) {
             Some(r) => r,
-            None => match c.op {
-                Op::Alloc { buf, size } if overwritten(planned, i) => {
+            None => match overwritten(planned, i) {
+                Some((buf, size)) => {
                     let r = d.dev.alloc_overwritten(c.stream, buf, size);
                     unzeroed = r.is_ok().then_some((c.stream, buf, size));
                     r
                 }
-                Op::Alloc { .. }
-                | Op::Write { .. }
-                | Op::Read { .. }
-                | Op::Free { .. }
-                | Op::Launch(_)
-                | Op::Record { .. }
-                | Op::Wait { .. }
-                | Op::Fill { .. }
-                | Op::Copy { .. }
-                | Op::TimerStart { .. }
-                | Op::TimerEnd { .. }
-                | Op::GraphBegin { .. }
-                | Op::GraphEnd { .. }
-                | Op::GraphLaunch { .. }
-                | Op::Gemm(_)
-                | Op::RandFill(_)
-                | Op::PrepareBegin { .. }
-                | Op::Run { .. } => enqueue(d.dev, c, &mut payload, &mut e.read_at),
+                None => enqueue(d.dev, c, &mut payload, &mut e.read_at),
             },
         };
         if let Err(err) = r {
@@ -833,43 +816,22 @@ pub(super) fn enqueue_batch(
     Ok(e)
 }
 
-/// Whether command `i` allocates a buffer that command `i + 1` writes
-/// whole, on the same stream, before any other use.
-fn overwritten(commands: &[crate::proto::Command<'_>], i: usize) -> bool {
-    let (Some(a), Some(w)) = (commands.get(i), commands.get(i + 1)) else {
-        return false;
+/// The buffer and size that command `i` allocates when command `i + 1`
+/// writes it whole, on the same stream, before any other use.
+fn overwritten(commands: &[crate::proto::Command<'_>], i: usize) -> Option<(Id, u64)> {
+    let (a, w) = (commands.get(i)?, commands.get(i + 1)?);
+    let Op::Alloc { buf, size } = a.op else {
+        return None;
     };
-    match (&a.op, &w.op) {
-        (
-            Op::Alloc { buf, size },
-            Op::Write {
-                buf: to,
-                offset: 0,
-                len,
-            },
-        ) => a.stream == w.stream && buf == to && size == len,
-        (
-            Op::Alloc { .. }
-            | Op::Write { .. }
-            | Op::Read { .. }
-            | Op::Free { .. }
-            | Op::Launch(_)
-            | Op::Record { .. }
-            | Op::Wait { .. }
-            | Op::Fill { .. }
-            | Op::Copy { .. }
-            | Op::TimerStart { .. }
-            | Op::TimerEnd { .. }
-            | Op::GraphBegin { .. }
-            | Op::GraphEnd { .. }
-            | Op::GraphLaunch { .. }
-            | Op::Gemm(_)
-            | Op::RandFill(_)
-            | Op::PrepareBegin { .. }
-            | Op::Run { .. },
-            _,
-        ) => false,
-    }
+    let Op::Write {
+        buf: to,
+        offset: 0,
+        len,
+    } = w.op
+    else {
+        return None;
+    };
+    (a.stream == w.stream && buf == to && size == len).then_some((buf, size))
 }
 
 pub(super) fn submit(

@@ -35,25 +35,11 @@ pub(super) fn enqueue(
     payload: &mut Payload<'_>,
     read_at: &mut usize,
 ) -> Result<(), DeviceError> {
-    let data = match c.op {
-        Op::Write { len, .. } => payload.take(len)?,
-        Op::Alloc { .. }
-        | Op::Read { .. }
-        | Op::Free { .. }
-        | Op::Launch(_)
-        | Op::Record { .. }
-        | Op::Wait { .. }
-        | Op::Fill { .. }
-        | Op::Copy { .. }
-        | Op::TimerStart { .. }
-        | Op::TimerEnd { .. }
-        | Op::GraphBegin { .. }
-        | Op::GraphEnd { .. }
-        | Op::GraphLaunch { .. }
-        | Op::Gemm(_)
-        | Op::RandFill(_)
-        | Op::PrepareBegin { .. }
-        | Op::Run { .. } => &[],
+    // Only a write carries bytes of the batch's data.
+    let data = if let Op::Write { len, .. } = c.op {
+        payload.take(len)?
+    } else {
+        &[]
     };
     dev.enqueue(c, data, *read_at)?;
     *read_at += c.op.reply_len() as usize;
