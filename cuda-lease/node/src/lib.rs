@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 #[cfg(feature = "cli")]
+pub(crate) mod budget;
 pub mod config_file;
 pub mod device;
 pub mod lease_table;

@@ -1,4 +1,5 @@
-//! The bulk-data ring a node shares with one worker process.
+//! The bulk-data ring a node shares with one worker process, and the
+//! shared files it and the principals' budgets ([`crate::budget`]) live in.
 //!
 //! MEM_WRITE and MEM_READ data skips the pipe: both sides map a file of
 //! [`SLOTS`] slots of [`SLOT_BYTES`] (in `/dev/shm` where it exists), and
@@ -27,11 +28,11 @@ pub(crate) const SHM_ENV: &str = "CUDA_LEASE_WORKER_SHM";
 
 const RING_BYTES: usize = SLOT_BYTES * SLOTS;
 
-fn map(file: &File) -> std::io::Result<MmapRaw> {
+fn map(file: &File, len: usize) -> std::io::Result<MmapRaw> {
     let map = MmapRaw::map_raw(file)?;
-    if map.len() < RING_BYTES {
+    if map.len() < len {
         return Err(std::io::Error::other(format!(
-            "shared ring is {} bytes, expected {RING_BYTES}",
+            "shared file is {} bytes, expected {len}",
             map.len()
         )));
     }
@@ -47,40 +48,53 @@ pub(crate) struct ShmRing {
     permits: Arc<Semaphore>,
 }
 
+/// Creates a file of `len` zero bytes readable only by this user (in
+/// `/dev/shm` where it exists) and maps it; the file is removed again if
+/// it cannot be sized or mapped. The caller removes it when done.
+pub(crate) fn create_shared(len: usize) -> std::io::Result<(MmapRaw, PathBuf)> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let dir = if Path::new("/dev/shm").is_dir() {
+        PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    let mut nonce = [0u8; 8];
+    getrandom::fill(&mut nonce).map_err(|e| std::io::Error::other(e.to_string()))?;
+    let path = dir.join(format!(
+        "cuda-lease-{}-{}-{:016x}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed),
+        u64::from_le_bytes(nonce)
+    ));
+    let mut opts = OpenOptions::new();
+    opts.read(true).write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.mode(0o600);
+    }
+    let file = opts.open(&path)?;
+    match file.set_len(len as u64).and_then(|()| map(&file, len)) {
+        Ok(m) => Ok((m, path)),
+        Err(e) => {
+            let _ = std::fs::remove_file(&path);
+            Err(e)
+        }
+    }
+}
+
+/// Maps the file another process made with [`create_shared`], which must
+/// hold at least `len` bytes.
+pub(crate) fn open_shared(path: &Path, len: usize) -> std::io::Result<MmapRaw> {
+    let file = OpenOptions::new().read(true).write(true).open(path)?;
+    map(&file, len)
+}
+
 impl ShmRing {
     /// Creates and maps a ring file readable only by this user; removed on
     /// drop, or by [`ShmRing::unlink`] once the worker mapped it.
     pub(crate) fn create() -> std::io::Result<Self> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let dir = if Path::new("/dev/shm").is_dir() {
-            PathBuf::from("/dev/shm")
-        } else {
-            std::env::temp_dir()
-        };
-        let mut nonce = [0u8; 8];
-        getrandom::fill(&mut nonce).map_err(|e| std::io::Error::other(e.to_string()))?;
-        let path = dir.join(format!(
-            "cuda-lease-{}-{}-{:016x}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed),
-            u64::from_le_bytes(nonce)
-        ));
-        let mut opts = OpenOptions::new();
-        opts.read(true).write(true).create_new(true);
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::OpenOptionsExt;
-            opts.mode(0o600);
-        }
-        let file = opts.open(&path)?;
-        let made = file.set_len(RING_BYTES as u64).and_then(|()| map(&file));
-        let map = match made {
-            Ok(m) => m,
-            Err(e) => {
-                let _ = std::fs::remove_file(&path);
-                return Err(e);
-            }
-        };
+        let (map, path) = create_shared(RING_BYTES)?;
         Ok(ShmRing {
             map,
             path,
@@ -187,8 +201,9 @@ pub(crate) struct WorkerRing {
 impl WorkerRing {
     /// Maps the ring the node created at `path`.
     pub(crate) fn open(path: &Path) -> std::io::Result<Self> {
-        let file = OpenOptions::new().read(true).write(true).open(path)?;
-        Ok(WorkerRing { map: map(&file)? })
+        Ok(WorkerRing {
+            map: open_shared(path, RING_BYTES)?,
+        })
     }
 
     /// The whole ring's address and length (to register it with a device).

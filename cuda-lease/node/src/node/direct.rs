@@ -114,6 +114,10 @@ pub(super) async fn open(
     let mut ticket = [0u8; DIRECT_TICKET_LEN];
     getrandom::fill(&mut ticket).map_err(|e| internal(format!("random ticket: {e}")))?;
     let reserved = shared.table().reservation(&r.lease, shared.now())?;
+    // Its requests count in its principal's budget beside its other leases'.
+    let seat = super::submit::direct_seat(shared, who)
+        .map_err(|e| internal(format!("the principal's shared budget: {e}")))?
+        .ok_or_else(|| internal(format!("principal {who} has no free budget seat")))?;
     let cfg = &shared.cfg;
     let cert_der = identity.chain[0].to_vec();
     let open = DirectOpen {
@@ -132,6 +136,7 @@ pub(super) async fn open(
             max_bytes: cfg.max_bytes_per_principal,
             max_requests: cfg.max_requests_per_principal as u32,
         },
+        budget: seat.handle(),
         transport: cfg.transport.clone(),
     };
     let f = slot
@@ -147,6 +152,7 @@ pub(super) async fn open(
     }
     let port: DirectPort =
         from_body(&f.body).map_err(|e| internal(format!("worker reply: {e}")))?;
+    *crate::lock(&slot.seat) = Some(seat);
     slot.direct.store(true, Ordering::Release);
     Ok(Reply::ok(&DirectGrant {
         addr: SocketAddr::new(ip, port.port).to_string(),

@@ -305,6 +305,7 @@ pub(super) async fn lease_alloc(
         direct: std::sync::atomic::AtomicBool::new(false),
         refreshing: std::sync::atomic::AtomicBool::new(false),
         served: StdMutex::default(),
+        seat: StdMutex::default(),
     });
     let now = shared.now();
     let ttl = Duration::from_secs(u64::from(req.ttl_secs));

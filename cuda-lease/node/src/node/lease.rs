@@ -58,6 +58,9 @@ pub(super) struct LeaseSlot {
     /// What its worker's direct path had served at the last refresh
     /// (counted into the node's metrics by the difference).
     pub(super) served: StdMutex<crate::worker::DirectServed>,
+    /// Its worker's seat in its principal's shared budget (direct leases;
+    /// after `worker`: given back once the worker is gone).
+    pub(super) seat: StdMutex<Option<crate::budget::Seat>>,
 }
 
 impl LeaseSlot {

@@ -64,6 +64,9 @@ struct Shared {
     worker_starts: StdMutex<HashMap<Principal, bucket::TokenBucket>>,
     /// Requests and bytes in flight per principal.
     budgets: StdMutex<HashMap<Principal, (usize, u64)>>,
+    /// The shared counters of principals with direct leases (lock order:
+    /// `budgets`, then this).
+    direct_budgets: StdMutex<HashMap<Principal, std::sync::Weak<crate::budget::BudgetFile>>>,
     modules: StdMutex<ModuleCache>,
     /// Connections waiting for HELLO and failed HELLOs.
     handshakes: Arc<Handshakes>,
@@ -244,6 +247,7 @@ impl Shared {
             submits: StdMutex::default(),
             worker_starts: StdMutex::default(),
             budgets: StdMutex::default(),
+            direct_budgets: StdMutex::default(),
             modules: StdMutex::default(),
             handshakes: Handshakes::new(HandshakeLimits {
                 max_unauthenticated: cfg.max_unauthenticated,

@@ -4,6 +4,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::{Reply, Shared};
+use crate::budget::{BudgetFile, Seat};
 use crate::device::DeviceError;
 use crate::lease_table::Principal;
 use crate::lock;
@@ -19,19 +20,73 @@ pub(super) struct BudgetTurn {
 }
 
 /// Why `bytes` more do not fit beside the `held` bytes of `who`.
-pub(super) fn over_bytes(
-    shared: &Shared,
-    who: &Principal,
-    held: u64,
-    bytes: u64,
-) -> Option<String> {
-    (held.saturating_add(bytes) > shared.cfg.max_bytes_per_principal).then(|| {
-        format!(
-            "principal {who} has {held} bytes in flight; {bytes} more would pass its limit of {} \
-             (max_bytes_per_principal)",
-            shared.cfg.max_bytes_per_principal
-        )
-    })
+pub(super) fn over_bytes(shared: &Shared, who: &Principal, held: u64, bytes: u64) -> String {
+    format!(
+        "principal {who} has {held} bytes in flight; {bytes} more would pass its limit of {} \
+         (max_bytes_per_principal)",
+        shared.cfg.max_bytes_per_principal
+    )
+}
+
+/// The shared counters of `who`'s direct leases, if it has one (called
+/// under the budgets' lock).
+fn shared_budget(shared: &Shared, who: &Principal) -> Option<Arc<BudgetFile>> {
+    lock(&shared.direct_budgets).get(who)?.upgrade()
+}
+
+/// Charges up to `want` more bytes to `who`, which holds `held` on the
+/// node: all or none, or as many as fit when `partial`; how many. Called
+/// under the budgets' lock. With direct leases the limit is on what the
+/// node and their workers hold together.
+fn charge(shared: &Shared, who: &Principal, held: &mut u64, want: u64, partial: bool) -> u64 {
+    let limit = shared.cfg.max_bytes_per_principal;
+    let took = match shared_budget(shared, who) {
+        Some(file) => file.charge(want, limit, partial),
+        None => {
+            let left = limit.saturating_sub(*held);
+            if partial {
+                want.min(left)
+            } else if want <= left {
+                want
+            } else {
+                0
+            }
+        }
+    };
+    *held += took;
+    took
+}
+
+/// Gives back `bytes` of what `who` holds on the node (under the lock).
+fn give_back(shared: &Shared, who: &Principal, held: &mut u64, bytes: u64) {
+    *held -= bytes;
+    if let Some(file) = shared_budget(shared, who) {
+        file.release(bytes);
+    }
+}
+
+/// What `who` holds, for a refusal's message (under the budgets' lock).
+fn in_flight(shared: &Shared, who: &Principal, held: u64) -> u64 {
+    shared_budget(shared, who).map_or(held, |f| f.total())
+}
+
+/// A seat in `who`'s shared counters for a direct lease's worker, made
+/// with the principal's first direct lease; `None` when all are taken.
+pub(super) fn direct_seat(shared: &Shared, who: &Principal) -> std::io::Result<Option<Seat>> {
+    let budgets = lock(&shared.budgets);
+    let mut files = lock(&shared.direct_budgets);
+    files.retain(|_, f| f.strong_count() > 0);
+    let file = match files.get(who).and_then(std::sync::Weak::upgrade) {
+        Some(f) => f,
+        None => {
+            let held = budgets.get(who).map_or(0, |(_, held)| *held);
+            let seats = shared.cfg.max_leases_per_principal.clamp(1, 1 << 16) as u32 * 2;
+            let f = Arc::new(BudgetFile::create(seats, held)?);
+            files.insert(who.clone(), Arc::downgrade(&f));
+            f
+        }
+    };
+    Ok(file.seat())
 }
 
 impl BudgetTurn {
@@ -47,11 +102,14 @@ impl BudgetTurn {
                 ),
             ));
         }
-        if let Some(why) = over_bytes(shared, who, *held, bytes) {
+        if bytes > 0 && charge(shared, who, held, bytes, false) == 0 {
+            let why = over_bytes(shared, who, in_flight(shared, who, *held), bytes);
+            if *requests == 0 {
+                m.remove(who);
+            }
             return Err(Reply::err(Status::CapacityExceeded, why));
         }
         *requests += 1;
-        *held += bytes;
         Ok(BudgetTurn {
             shared: shared.clone(),
             who: who.clone(),
@@ -65,10 +123,10 @@ impl BudgetTurn {
         let Some((_, held)) = m.get_mut(&self.who) else {
             return Err(format!("principal {} has no budget entry", self.who));
         };
-        if let Some(why) = over_bytes(&self.shared, &self.who, *held, more) {
-            return Err(why);
+        if more > 0 && charge(&self.shared, &self.who, held, more, false) == 0 {
+            let now = in_flight(&self.shared, &self.who, *held);
+            return Err(over_bytes(&self.shared, &self.who, now, more));
         }
-        *held += more;
         self.bytes += more;
         Ok(())
     }
@@ -79,13 +137,7 @@ impl BudgetTurn {
         let Some((_, held)) = m.get_mut(&self.who) else {
             return 0;
         };
-        let left = self
-            .shared
-            .cfg
-            .max_bytes_per_principal
-            .saturating_sub(*held);
-        let more = want.min(left);
-        *held += more;
+        let more = charge(&self.shared, &self.who, held, want, true);
         self.bytes += more;
         more
     }
@@ -95,7 +147,7 @@ impl BudgetTurn {
         let bytes = bytes.min(self.bytes);
         let mut m = lock(&self.shared.budgets);
         if let Some((_, held)) = m.get_mut(&self.who) {
-            *held -= bytes;
+            give_back(&self.shared, &self.who, held, bytes);
             self.bytes -= bytes;
         }
     }
@@ -106,7 +158,7 @@ impl Drop for BudgetTurn {
         let mut m = lock(&self.shared.budgets);
         if let Some((requests, held)) = m.get_mut(&self.who) {
             *requests -= 1;
-            *held -= self.bytes;
+            give_back(&self.shared, &self.who, held, self.bytes);
             if *requests == 0 {
                 m.remove(&self.who);
             }

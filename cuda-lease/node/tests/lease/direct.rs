@@ -599,3 +599,105 @@ async fn a_direct_leases_batches_count_in_the_nodes_metrics() {
     lease.free().await.unwrap();
     node.shutdown().await;
 }
+
+/// Sends a BATCH of `lease` declaring `data` bytes of data on `conn` and
+/// all of them: its reply's status and message.
+async fn batch_with_data(
+    conn: &quinn::Connection,
+    lease: cuda_lease::proto::LeaseId,
+    data: usize,
+) -> (Status, String) {
+    let body = to_body(&proto::Batch {
+        lease,
+        seq: 0,
+        modules: vec![],
+        commands: vec![],
+    });
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let h = Header::request(Opcode::Batch, 1, body.len() as u32, data as u32);
+    let _ = proto::write_frame(&mut send, &h, &body, &vec![0u8; data]).await;
+    let _ = send.finish();
+    let f = proto::read_frame(&mut recv, &proto::Limits::default())
+        .await
+        .unwrap();
+    let message = from_body::<proto::ErrorBody>(&f.body)
+        .map(|e| e.message)
+        .unwrap_or_default();
+    (f.header.status, message)
+}
+
+/// Sends `probe` until its status is (`want`) or is not (`!want`)
+/// CAPACITY_EXCEEDED: another stream's request reached its worker.
+async fn until_capacity<F: std::future::Future<Output = (Status, String)>>(
+    want: bool,
+    probe: impl Fn() -> F,
+) {
+    for _ in 0..1000 {
+        if (probe().await.0 == Status::CapacityExceeded) == want {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("the probe never saw capacity exceeded == {want}");
+}
+
+#[tokio::test]
+async fn a_principals_bytes_in_flight_are_one_budget_across_its_direct_leases_and_the_node() {
+    let mut cfg = memory_config(1 << 28);
+    cfg.direct_leases = true;
+    cfg.max_bytes_per_principal = 8 << 20;
+    let node = Node::spawn_local(cfg).await.expect("node");
+    let conn = raw_authed_conn(&node).await;
+    let mut leases = Vec::new();
+    for _ in 0..3 {
+        let alloc = to_body(&LeaseAlloc {
+            min_vram: 1 << 20,
+            ttl_secs: 60,
+        });
+        let (h, body) = ask(&conn, Opcode::LeaseAlloc, &alloc).await;
+        assert_eq!(h.status, Status::Ok);
+        leases.push(from_body::<LeaseGrant>(&body).unwrap().lease);
+    }
+    // Two leases served by their workers; the third by the node.
+    let mut workers = Vec::new();
+    for &lease in &leases[..2] {
+        let (h, body) = ask(&conn, Opcode::LeaseDirect, &to_body(&LeaseRef { lease })).await;
+        assert_eq!(h.status, Status::Ok);
+        let grant: DirectGrant = from_body(&body).unwrap();
+        let w = to_worker(&grant).await;
+        let hello = to_body(&DirectHello {
+            lease,
+            ticket: grant.ticket,
+        });
+        assert_eq!(ask(&w, Opcode::Hello, &hello).await.0.status, Status::Ok);
+        workers.push(w);
+    }
+    // The first lease's worker holds a request of 6 MiB whose data is still
+    // coming.
+    let body = to_body(&proto::Batch {
+        lease: leases[0],
+        seq: 0,
+        modules: vec![],
+        commands: vec![],
+    });
+    let (mut held, _reply) = workers[0].open_bi().await.unwrap();
+    let h = Header::request(Opcode::Batch, 1, body.len() as u32, 6 << 20);
+    proto::write_frame(&mut held, &h, &body, &[]).await.unwrap();
+    until_capacity(true, || batch_with_data(&workers[0], leases[0], 6 << 20)).await;
+    // The other direct lease and the node's lease see those bytes: 6 MiB
+    // more would pass the principal's 8.
+    let (status, why) = batch_with_data(&workers[1], leases[1], 6 << 20).await;
+    assert_eq!(status, Status::CapacityExceeded, "{why}");
+    assert!(why.contains("max_bytes_per_principal"), "{why}");
+    let (status, why) = batch_with_data(&conn, leases[2], 6 << 20).await;
+    assert_eq!(status, Status::CapacityExceeded, "{why}");
+    // Within the budget, they are served.
+    let (status, why) = batch_with_data(&workers[1], leases[1], 1 << 20).await;
+    assert_ne!(status, Status::CapacityExceeded, "{why}");
+    // Once the held request is cut off, its bytes are given back.
+    held.reset(0u32.into()).unwrap();
+    until_capacity(false, || batch_with_data(&workers[1], leases[1], 6 << 20)).await;
+    let (status, why) = batch_with_data(&conn, leases[2], 6 << 20).await;
+    assert_ne!(status, Status::CapacityExceeded, "{why}");
+    node.shutdown().await;
+}

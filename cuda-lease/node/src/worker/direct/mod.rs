@@ -18,9 +18,10 @@
 //! so the lease's connections keep answering.
 //!
 //! Bounds: at most [`DirectLimits::max_requests`] requests read or running
-//! at once, and [`DirectLimits::max_bytes`] of their bodies, data and reply
-//! bytes; a request past either is refused on its header, before its data
-//! is read. At most [`MAX_DIRECT_CONNECTIONS`] connections at once, each
+//! at once; their bodies, data and reply bytes, until the reply is
+//! written, are charged to the principal's budget (shared with the node
+//! and the principal's other leases' workers, [`crate::budget`]); a
+//! request past either is refused on its header, before its data is read. At most [`MAX_DIRECT_CONNECTIONS`] connections at once, each
 //! with [`DIRECT_HELLO_TIMEOUT`] for its handshake and HELLO.
 
 use std::collections::HashSet;
@@ -35,6 +36,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::{oneshot, Notify, Semaphore};
 
+use crate::budget::{SeatHandle, WorkerBudget};
 use crate::lock;
 use crate::order::LeaseOrder;
 use crate::proto::{Header, LeaseId, Status, DIRECT_TICKET_LEN};
@@ -42,7 +44,7 @@ use crate::transport::TransportSettings;
 
 mod serve;
 
-use serve::{serve, units, Served};
+use serve::{serve, Served};
 
 /// Connections a lease's worker holds open at once (a client needs one;
 /// it may reconnect); more are refused before their handshake.
@@ -64,6 +66,9 @@ pub(crate) struct DirectOpen {
     pub(crate) ticket: [u8; DIRECT_TICKET_LEN],
     pub(crate) lease: LeaseId,
     pub(crate) limits: DirectLimits,
+    /// The lease's seat in its principal's budget, which its requests'
+    /// bytes are charged to (up to `limits.max_bytes`).
+    pub(crate) budget: SeatHandle,
     pub(crate) transport: TransportSettings,
 }
 
@@ -90,7 +95,8 @@ pub(crate) struct DirectLimits {
     pub(crate) max_body: u32,
     pub(crate) max_data: u32,
     /// Bytes of requests (body and data) and their replies' declared
-    /// bytes held at once.
+    /// bytes held at once by all the principal's requests (the node's and
+    /// its direct leases' workers').
     pub(crate) max_bytes: u64,
     /// Requests read or running at once.
     pub(crate) max_requests: u32,
@@ -219,7 +225,7 @@ impl DirectLink {
             limits,
             order: LeaseOrder::default(),
             known: Mutex::new(HashSet::new()),
-            bytes: Semaphore::new(units(limits.max_bytes) as usize),
+            budget: Arc::new(WorkerBudget::open(&o.budget, limits.max_bytes)?),
             requests: Semaphore::new(limits.max_requests as usize),
             poisoned: AtomicBool::new(false),
             handed: Mutex::new(Vec::new()),

@@ -8,6 +8,8 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::{oneshot, Notify, Semaphore};
 
+use crate::budget::{Charged, WorkerBudget};
+
 use super::{DirectLimits, ToDevice, DIRECT_HELLO_TIMEOUT, MAX_DIRECT_CONNECTIONS};
 use crate::device::DeviceError;
 use crate::lock;
@@ -19,11 +21,6 @@ use crate::proto::{
 use crate::stamps::now_ns;
 use crate::worker::messages::{encode_worker_batch, BatchLimits, WorkerBatchReply, WorkerLoad};
 
-/// Budget units: KiB, so a semaphore counts any byte budget.
-pub(super) fn units(bytes: u64) -> u32 {
-    u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
-}
-
 /// The lease's tasks' state.
 pub(super) struct Served {
     pub(super) lease: LeaseId,
@@ -32,7 +29,8 @@ pub(super) struct Served {
     pub(super) order: LeaseOrder,
     /// Modules handed to the device loop to load (or loaded).
     pub(super) known: Mutex<HashSet<ModuleHash>>,
-    pub(super) bytes: Semaphore,
+    /// The principal's budget, which the lease's requests are charged to.
+    pub(super) budget: Arc<WorkerBudget>,
     pub(super) requests: Semaphore,
     /// A fault poisoned the lease's context: later batches are refused.
     pub(super) poisoned: AtomicBool,
@@ -158,9 +156,11 @@ async fn request(
     };
     let r = run(&served, &h, &mut recv, conn).await;
     let stamps = r.as_ref().ok().and_then(|ran| ran.stamps);
-    let (status, mut body, data) = match r {
-        Ok(ran) => (Status::Ok, to_body(&ran.reply), ran.data),
-        Err((status, message)) => (status, to_body(&ErrorBody { message }), Vec::new()),
+    // A reply's bytes stay charged until they are written (or the client
+    // is gone): `_charge` lives to the end.
+    let (status, mut body, data, _charge) = match r {
+        Ok(ran) => (Status::Ok, to_body(&ran.reply), ran.data, ran.charge),
+        Err((status, message)) => (status, to_body(&ErrorBody { message }), Vec::new(), None),
     };
     if let Some(stamps) = stamps {
         // The last: the reply's write starts.
@@ -187,6 +187,8 @@ struct Ran {
     reply: BatchReply,
     data: Vec<u8>,
     stamps: Option<[u64; DIRECT_STAMPS - 1]>,
+    /// Its reply's bytes, charged to the principal.
+    charge: Option<Charged>,
 }
 
 async fn run(
@@ -217,13 +219,14 @@ async fn run(
         refused(
             Status::CapacityExceeded,
             format!(
-                "{what} more bytes would pass the lease's {} in flight on its direct path",
-                served.limits.max_bytes
+                "{what} more bytes would pass its principal's limit of {} in flight \
+                 (max_bytes_per_principal, counted across its leases)",
+                served.budget.limit()
             ),
         )
     };
     let declared = u64::from(h.body_len) + u64::from(h.data_len);
-    let Ok(_held) = served.bytes.try_acquire_many(units(declared)) else {
+    let Some(_held) = served.budget.charge(declared) else {
         return Err(over(declared));
     };
     let mut body = vec![0u8; h.body_len as usize];
@@ -259,7 +262,7 @@ async fn run(
         ));
     }
     let reply_bytes = head.reply_bytes.min(u64::from(served.limits.max_data));
-    let Ok(_reply) = served.bytes.try_acquire_many(units(reply_bytes)) else {
+    let Some(charge) = served.budget.charge(reply_bytes) else {
         return Err(over(reply_bytes));
     };
     let seq = head.seq;
@@ -278,6 +281,7 @@ async fn run(
                     reply: BatchReply::default(),
                     data: Vec::new(),
                     stamps: None,
+                    charge: None,
                 });
             }
             return Err(refused(
@@ -360,6 +364,7 @@ async fn run(
         },
         data: answer.data,
         stamps,
+        charge: Some(charge),
     })
 }
 
