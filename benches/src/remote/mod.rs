@@ -128,8 +128,9 @@ pub struct RemoteConfig {
     /// servers (as a node process has its own), or none: the servers share
     /// the report's runtime with the clients.
     pub server_threads: Option<usize>,
-    /// Leases' workers serve their BATCHes themselves (`REPORT_DIRECT=1`:
-    /// the node runs with direct leases and the clients ask for them).
+    /// Leases' workers serve their BATCHes themselves, the default
+    /// (`REPORT_DIRECT=0`: the node runs without direct leases and serves
+    /// every BATCH).
     pub direct: bool,
     /// A task on the report's runtime yields in a loop for the whole run
     /// (`REPORT_CLIENT_SPIN=1`), so one of its threads never sleeps: what
@@ -217,7 +218,7 @@ impl RemoteConfig {
                 Err(_) => None,
             },
             in_task: std::env::var_os("REPORT_REMOTE_IN_TASK").is_some_and(|v| v == "1"),
-            direct: std::env::var_os("REPORT_DIRECT").is_some_and(|v| v == "1"),
+            direct: std::env::var_os("REPORT_DIRECT").is_none_or(|v| v != "0"),
             client_spin: std::env::var_os("REPORT_CLIENT_SPIN").is_some_and(|v| v == "1"),
             busy_poll: match std::env::var("REPORT_BUSY_POLL_US") {
                 Err(_) => None,
@@ -310,8 +311,10 @@ impl Bench {
         node_cfg.submit_workers = 1;
         node_cfg.prestart_workers = 1;
         node_cfg.direct_leases = cfg.direct;
-        if cfg.direct {
-            detail(format_args!("leases served directly by their workers"));
+        if !cfg.direct {
+            detail(format_args!(
+                "the node serves every BATCH itself (REPORT_DIRECT=0)"
+            ));
         }
         let servers = match cfg.server_threads {
             Some(n) => {

@@ -52,7 +52,13 @@ fn charge(c: &AtomicU64, want: u64, limit: u64, partial: bool) -> u64 {
     let mut took = 0;
     let _ = c.fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
         let left = limit.saturating_sub(now);
-        took = if partial { want.min(left) } else if want <= left { want } else { 0 };
+        took = if partial {
+            want.min(left)
+        } else if want <= left {
+            want
+        } else {
+            0
+        };
         (took > 0).then_some(now + took)
     });
     took
@@ -217,7 +223,11 @@ mod tests {
         let held = wa.charge(600).expect("fits beside the node's 100");
         assert!(wb.charge(400).is_none(), "700 held: 400 more pass 1000");
         let small = wb.charge(300).expect("fits exactly");
-        assert_eq!(file.charge(1, 1000, false), 0, "the node sees the workers' bytes");
+        assert_eq!(
+            file.charge(1, 1000, false),
+            0,
+            "the node sees the workers' bytes"
+        );
         drop(small);
         assert_eq!(file.charge(500, 1000, true), 300, "as much as fits");
         file.release(300);

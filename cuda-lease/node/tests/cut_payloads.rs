@@ -114,7 +114,7 @@ fn malloc_figures() -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn memory_after_cut_payloads_levels_off() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut cfg = memory_config(256 << 20);
+    let mut cfg = node_path_config(256 << 20);
     cfg.max_bytes_per_principal = BUDGET;
     let fx = Fixture::with_config(cfg)
         .lease(DECLARED as u64)
@@ -208,7 +208,7 @@ async fn a_payload_that_stops_arriving_is_dropped_at_the_stall_timeout() {
     // connection alive: the request held its bytes until the 60 s limit
     // on the whole payload (or until the connection's idle timeout, for a
     // client gone without its close reaching the node).
-    let mut cfg = memory_config(64 << 20);
+    let mut cfg = node_path_config(64 << 20);
     // Long enough for the probe below to see the bytes held before they
     // are dropped, on a loaded machine too.
     cfg.payload_stall_timeout = Duration::from_secs(3);

@@ -1,6 +1,6 @@
 //! The stamps of a submission's path: one awaited op on an embedded node
 //! (the memory device) reaches every point of its path, in path order, on
-//! the node's path and on a lease its worker serves directly. Alone in
+//! a lease its worker serves directly (the default) and on the node's path. Alone in
 //! its binary, one test at a time: the stamps are process-wide.
 
 mod common;
@@ -86,11 +86,11 @@ fn assert_path(s: &Stamps, skipped: &[Point]) {
 }
 
 #[test]
-fn one_awaited_op_reaches_every_point_in_order() {
+fn one_awaited_op_on_the_nodes_path_reaches_every_point_in_order() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let fx = Fixture::memory(1 << 20).lease(1 << 16).start().await;
+        let fx = Fixture::node_path(1 << 20).lease(1 << 16).start().await;
         let s = stamped_op(&fx.policy()).await;
         assert_path(&s, &DIRECT_ONLY);
         fx.free_and_shutdown().await;
@@ -102,12 +102,12 @@ fn one_awaited_op_on_a_direct_lease_reaches_its_workers_points_in_order() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let fx = Fixture::memory(1 << 20)
-            .config(|c| c.direct_leases = true)
-            .start()
-            .await;
-        let cfg = client_config(&fx.node).direct(true);
-        let client = Arc::new(Client::connect(fx.node.addr(), &cfg).await.unwrap());
+        let fx = Fixture::memory(1 << 20).start().await;
+        let client = Arc::new(
+            Client::connect(fx.node.addr(), &client_config(&fx.node))
+                .await
+                .unwrap(),
+        );
         let lease = lease_of(&client, 1 << 16).await;
         assert!(lease.is_direct());
         let s = stamped_op(&policy_of(&lease)).await;

@@ -53,8 +53,8 @@ pub struct ClientConfig {
     pub bulk: BulkUse,
     /// Ask each lease's node to have the lease's worker serve its BATCHes
     /// over a QUIC connection of their own (LEASE_DIRECT), off the node's
-    /// path; default off. A node that does not (run without
-    /// `--direct-leases`) serves them itself; a worker this client
+    /// path; default on. A node that does not (run with
+    /// `--direct-leases=false`) serves them itself; a worker this client
     /// cannot reach (a firewall in between) costs one wait of at most
     /// [`DIRECT_CONNECT_TIMEOUT`](crate::client::DIRECT_CONNECT_TIMEOUT),
     /// after which the client's leases take the node's path. See
@@ -142,7 +142,7 @@ impl ClientConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             transport: TransportSettings::default(),
             bulk: BulkUse::Large,
-            direct: false,
+            direct: true,
             busy_poll: None,
         }
     }

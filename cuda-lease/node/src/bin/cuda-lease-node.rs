@@ -67,13 +67,12 @@ struct Args {
     allow_anonymous: bool,
     /// Let leases' workers serve their BATCHes over QUIC themselves
     /// (LEASE_DIRECT; each such lease's worker binds a UDP port of its own
-    /// on the listen address; see --direct-ports). Off by default: the
-    /// node serves every BATCH itself; `--direct-leases` or
-    /// `--direct-leases=true` turns it on.
+    /// on the listen address; see --direct-ports). On by default;
+    /// `--direct-leases=false` has the node serve every BATCH itself.
     #[arg(
         long,
         env = "CUDA_LEASE_NODE_DIRECT_LEASES",
-        default_value_t = false,
+        default_value_t = true,
         num_args = 0..=1,
         default_missing_value = "true",
         action = clap::ArgAction::Set
@@ -371,7 +370,7 @@ mod tests {
     #[test]
     fn direct_leases_are_a_switch_and_their_ports_take_a_range() {
         let a = Args::parse_from(["cuda-lease-node", "--dev"]);
-        assert!(!a.direct_leases);
+        assert!(a.direct_leases);
         assert_eq!(a.direct_ports, None);
         let a = Args::parse_from(["cuda-lease-node", "--dev", "--direct-leases"]);
         assert!(a.direct_leases);

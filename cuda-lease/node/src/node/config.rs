@@ -101,8 +101,9 @@ pub struct NodeConfig {
     /// Accept clients without credentials (development only).
     pub allow_anonymous: bool,
     /// Leases may have their worker serve their BATCHes directly
-    /// (LEASE_DIRECT), off the node's path (default off: the node serves
-    /// every lease's BATCHes itself).
+    /// (LEASE_DIRECT), off the node's path (default on; off: the node
+    /// serves every lease's BATCHes itself). Their requests count in their
+    /// principal's budgets as the node's own do.
     pub direct_leases: bool,
     /// The UDP ports leases' workers bind for their direct path, first to
     /// last, both included (default `None`: a free port the system picks).
@@ -206,7 +207,7 @@ impl NodeConfig {
             max_queued_handshakes_per_source: 1024,
             max_failed_hellos_per_source: 5,
             allow_anonymous: false,
-            direct_leases: false,
+            direct_leases: true,
             direct_ports: None,
             tls: TlsSource::SelfSigned {
                 names: vec!["localhost".into(), "127.0.0.1".into()],

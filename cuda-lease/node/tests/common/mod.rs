@@ -53,6 +53,12 @@ impl Fixture {
         Self::with_config(memory_config(capacity))
     }
 
+    /// [`Fixture::memory`] on a node that serves every BATCH itself
+    /// ([`node_path_config`]).
+    pub fn node_path(capacity: u64) -> FixtureBuilder {
+        Self::with_config(node_path_config(capacity))
+    }
+
     /// A node of `config` (a GPU node, say).
     pub fn with_config(config: NodeConfig) -> FixtureBuilder {
         FixtureBuilder {
@@ -247,6 +253,16 @@ pub fn memory_config(capacity: u64) -> NodeConfig {
     cfg.capacity = Some(capacity);
     cfg.submit_workers = 1;
     cfg.prestart_workers = 0;
+    cfg
+}
+
+/// [`memory_config`] for a node that serves every BATCH itself (run with
+/// `--direct-leases=false`): for tests of what passes through the node (its
+/// raw BATCH handling, its per-batch metrics and stamps); the default path
+/// (leases' workers serve their batches) has its own tests.
+pub fn node_path_config(capacity: u64) -> NodeConfig {
+    let mut cfg = memory_config(capacity);
+    cfg.direct_leases = false;
     cfg
 }
 

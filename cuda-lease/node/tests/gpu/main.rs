@@ -51,10 +51,11 @@ impl RemoteBackend {
     }
 
     /// With the lease builder adjusted (a TTL, no renewal...).
-    /// With `CUDA_LEASE_TEST_DIRECT=1` the node serves leases directly and
-    /// the client asks for it (the bundle runs the suite both ways).
+    /// Leases' workers serve their batches (the default); with
+    /// `CUDA_LEASE_TEST_DIRECT=0` the node does (the bundle runs the suite
+    /// both ways).
     fn start_with(adjust: impl FnOnce(LeaseBuilder) -> LeaseBuilder) -> Self {
-        let direct = std::env::var_os("CUDA_LEASE_TEST_DIRECT").is_some_and(|v| v == "1");
+        let direct = std::env::var_os("CUDA_LEASE_TEST_DIRECT").is_none_or(|v| v != "0");
         let rt = tokio::runtime::Runtime::new().unwrap();
         let mut cfg = gpu_config();
         cfg.direct_leases = direct;

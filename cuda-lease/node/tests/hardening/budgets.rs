@@ -32,7 +32,7 @@ async fn batch_numbers_that_would_wrap_are_refused() {
     // A batch numbered u64::MAX would wrap the lease's next number to 0,
     // and the owner's next batch would wait for numbers that never come.
     let _one = ONE_AT_A_TIME.lock().await;
-    let fx = Fixture::memory(1 << 20).lease(4096).start().await;
+    let fx = Fixture::node_path(1 << 20).lease(4096).start().await;
     let (client, lease) = (fx.client(), fx.lease());
     let last = numbered_batch(lease.id(), u64::MAX, vec![]);
     let refused = client.request(Opcode::Batch, &last, &[]).await;
@@ -112,7 +112,7 @@ async fn refused_modules_are_not_cached_for_other_tenants() {
     // still entered the node-wide cache, and another tenant could then
     // load it by its hash alone.
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut cfg = memory_config(16 << 20);
+    let mut cfg = node_path_config(16 << 20);
     cfg.tokens = vec!["ta".into(), "tb".into()];
     let fx = Fixture::with_config(cfg).start().await;
     let node = &fx.node;
@@ -162,7 +162,7 @@ async fn one_tenants_modules_evict_only_its_own_cache_entries() {
     // tenant's cached module. Scaled: a 4 MiB cache, 1 MiB per principal,
     // and 20 modules of 256 KiB that tenant A pays for and loads.
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut cfg = memory_config(64 << 20);
+    let mut cfg = node_path_config(64 << 20);
     cfg.tokens = vec!["ta".into(), "tb".into()];
     cfg.module_cache_bytes = 4 << 20;
     cfg.module_cache_bytes_per_principal = 1 << 20;
@@ -239,7 +239,7 @@ async fn batch_replies_count_against_the_principals_byte_budget() {
     // is long: the replies are read only after the other tenant is served,
     // and one reset before that would free what the budget counts.)
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut cfg = memory_config(64 << 20);
+    let mut cfg = node_path_config(64 << 20);
     cfg.tokens = vec!["ta".into(), "tb".into()];
     cfg.max_bytes_per_principal = 16 << 20;
     cfg.reply_timeout = Duration::from_secs(30);
@@ -326,7 +326,7 @@ async fn gpu_submit_outputs_count_against_the_principals_byte_budget() {
     // timeout. Four unread submits of 8 MiB outputs against a 12 MiB
     // budget: one runs, three are refused before running.
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut cfg = memory_config(64 << 20);
+    let mut cfg = node_path_config(64 << 20);
     cfg.max_bytes_per_principal = 12 << 20;
     // Long: the first reply's output must stay counted until the last
     // submit is refused.
@@ -384,7 +384,7 @@ async fn an_unread_large_batch_reply_holds_a_window_on_the_node_not_its_data() {
     // the lease's worker keeps a large reply's data and the node reads it
     // a part at a time as the client takes it.
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut cfg = memory_config(64 << 20);
+    let mut cfg = node_path_config(64 << 20);
     cfg.reply_timeout = Duration::from_secs(20);
     let fx = Fixture::with_config(cfg).start().await;
     let node = &fx.node;
@@ -462,7 +462,7 @@ async fn a_batch_reads_no_more_than_its_head_declared() {
     // not decode the commands); the lease's worker refuses the read that
     // would pass it, and the commands before it run.
     let _one = ONE_AT_A_TIME.lock().await;
-    let fx = Fixture::memory(1 << 20).lease(4096).start().await;
+    let fx = Fixture::node_path(1 << 20).lease(4096).start().await;
     let (client, lease) = (fx.client(), fx.lease());
     let buf = proto::Id(1);
     let commands = [
@@ -513,7 +513,7 @@ async fn a_batch_reply_holds_only_the_bytes_it_carries() {
     // what it does not carry (the reads refused past the budget) goes back
     // to the budget, even while the reply itself is unread.
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut cfg = memory_config(64 << 20);
+    let mut cfg = node_path_config(64 << 20);
     cfg.max_bytes_per_principal = 16 << 20;
     cfg.reply_timeout = Duration::from_secs(30);
     let fx = Fixture::with_config(cfg).lease(8 << 20).start().await;

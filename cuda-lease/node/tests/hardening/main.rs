@@ -24,7 +24,7 @@ async fn unauthenticated_payloads_are_never_read_or_allocated() {
     // 8 streams of a connection that never authenticated, each declaring a
     // 512 MiB payload and sending 64 MiB: the node refuses each on its
     // header and reads nothing declared.
-    let fx = Fixture::memory(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 20).start().await;
     let node = &fx.node;
     let peak = PeakRss::start();
     let chunk = vec![0x41u8; 1 << 20];
@@ -105,7 +105,7 @@ async fn batches_are_refused_on_their_op_count_before_decoding() {
     let _one = ONE_AT_A_TIME.lock().await;
     // Attack 3: a BATCH of 1,000,000 one-byte ops was decoded in full (96
     // bytes each, 104 MB) before the 4,096-op limit refused it.
-    let fx = Fixture::memory(1 << 20).lease(4096).start().await;
+    let fx = Fixture::node_path(1 << 20).lease(4096).start().await;
     let (client, lease) = (fx.client(), fx.lease());
     let body = Arc::new(huge_batch_body(lease.id(), 300_000));
     assert!(body.len() < 1 << 20, "fits the node's body limit");
@@ -140,7 +140,7 @@ async fn leases_per_principal_and_per_node_are_limited() {
     // Attack 4: 100 one-byte leases were granted in 120 ms, each with its
     // own worker process (3 -> 103 processes).
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut cfg = memory_config(1 << 20);
+    let mut cfg = node_path_config(1 << 20);
     cfg.max_leases_per_principal = 4;
     cfg.max_leases = 6;
     cfg.tokens = vec!["t1".into(), "t2".into()];
@@ -188,7 +188,7 @@ async fn module_bytes_count_against_the_reservation() {
     // Attack 5: 64 modules of 1 MiB loaded into a 1-byte lease, which still
     // reported 0 bytes allocated.
     let _one = ONE_AT_A_TIME.lock().await;
-    let fx = Fixture::memory(16 << 20).client().start().await;
+    let fx = Fixture::node_path(16 << 20).client().start().await;
     let client = fx.client();
     let mut ptx = String::from(
         ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry k()\n{\n ret;\n}\n",
@@ -226,7 +226,7 @@ async fn replies_nobody_reads_are_dropped_after_the_reply_timeout() {
     // Attack 6: a GPU_SUBMIT with a 64 MiB output whose reply was never
     // read held 262 MB of the node for 80 s, past the idle timeout.
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut cfg = memory_config(256 << 20);
+    let mut cfg = node_path_config(256 << 20);
     cfg.reply_timeout = Duration::from_secs(1);
     let fx = Fixture::with_config(cfg).start().await;
     let node = &fx.node;
@@ -304,7 +304,7 @@ async fn one_tenants_hanging_submits_do_not_delay_another_tenant() {
     // GET_INVENTORY and GPU_SUBMIT by 9.5 s (the op timeout): the two
     // shared submit workers also served the inventory.
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut cfg = memory_config(1 << 20);
+    let mut cfg = node_path_config(1 << 20);
     cfg.submit_workers = 2;
     // Twice the 2.5 s the other tenant's requests are allowed below, so a
     // request held up by a hang (for the op timeout) fails the test.
@@ -386,7 +386,7 @@ async fn client_strings_cannot_forge_log_lines() {
     // forged line into the node's log.
     let _one = ONE_AT_A_TIME.lock().await;
     let log = captured_log();
-    let fx = Fixture::memory(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 20).start().await;
     let node = &fx.node;
     let evil = "x\n2026-01-01T00:00:00Z  INFO cuda_lease_node::node: FORGED lease granted\x1b[31m";
     for token in ["wrong", TOKEN] {
@@ -427,7 +427,7 @@ async fn declare_128_mib(conn: &quinn::Connection, id: u64) -> proto::Frame {
 #[tokio::test]
 async fn requests_and_bytes_in_flight_are_limited_per_principal() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut cfg = memory_config(1 << 20);
+    let mut cfg = node_path_config(1 << 20);
     cfg.max_requests_per_principal = 64;
     cfg.max_bytes_per_principal = 100 << 20;
     let fx = Fixture::with_config(cfg).start().await;
@@ -509,7 +509,7 @@ async fn requests_and_bytes_in_flight_are_limited_per_principal() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn five_hundred_connections_and_32_clients_times_1000_requests_lose_nothing() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut cfg = memory_config(64 << 20);
+    let mut cfg = node_path_config(64 << 20);
     cfg.max_leases_per_principal = 32;
     // 500 connecting at once from one address: more than the default caps
     // on connections waiting for HELLO.
@@ -568,7 +568,7 @@ async fn five_hundred_connections_and_32_clients_times_1000_requests_lose_nothin
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn twenty_thousand_fuzzed_frames_then_a_good_client_is_served() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut cfg = memory_config(1 << 20);
+    let mut cfg = node_path_config(1 << 20);
     // Garbage within the HELLO deadline (which has its own test).
     cfg.hello_timeout = Duration::from_secs(120);
     let fx = Fixture::with_config(cfg).start().await;

@@ -52,7 +52,7 @@ async fn round_trip(bytes: &[u8], remote: &RemotePolicy) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uploads_and_downloads_on_the_data_path_are_byte_exact() {
-    let fx = Fixture::memory(1 << 30).start().await;
+    let fx = Fixture::node_path(1 << 30).start().await;
     for stripes in [1, 4] {
         let (_lease, remote) = on(&fx.node, 1, stripes).await;
         for (i, n) in [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, (64 << 20) + 123]
@@ -80,7 +80,7 @@ async fn uploads_and_downloads_on_the_data_path_are_byte_exact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_read_lands_in_the_buffer_it_is_given_used_again() {
-    let fx = Fixture::memory(1 << 30).start().await;
+    let fx = Fixture::node_path(1 << 30).start().await;
     for stripes in [1, 4] {
         let lease = lease_of(&client(&fx.node, 1, stripes).await, 64 << 20).await;
         let s = lease.session();
@@ -104,7 +104,7 @@ async fn a_session_read_lands_in_the_buffer_it_is_given_used_again() {
 
 #[tokio::test]
 async fn a_large_upload_leaves_the_message_and_a_small_one_does_not() {
-    let fx = Fixture::memory(1 << 28).start().await;
+    let fx = Fixture::node_path(1 << 28).start().await;
     let (lease, remote) = on(&fx.node, 1 << 20, 1).await;
     let module_free = lease.query().await.unwrap().allocated;
     // Small: one BATCH (allocation, write, read, free), as always.
@@ -152,7 +152,7 @@ async fn a_large_upload_leaves_the_message_and_a_small_one_does_not() {
 /// is the lease's reservation.
 #[tokio::test]
 async fn a_lease_reports_its_memory_as_a_pool_does() {
-    let fx = Fixture::memory(1 << 28).start().await;
+    let fx = Fixture::node_path(1 << 28).start().await;
     let (lease, remote) = on(&fx.node, 1 << 20, 1).await;
     let base = lease.query().await.unwrap();
     let a = zeros::<u8>(1 << 20)
@@ -232,7 +232,7 @@ async fn uploaded(floats: &[f32], remote: &RemotePolicy) -> Arc<DeviceBuffer<f32
 /// before the kernel, the next one after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn later_submissions_wait_for_a_streamed_one() {
-    let fx = Fixture::memory(1 << 28).start().await;
+    let fx = Fixture::node_path(1 << 28).start().await;
     let (_lease, remote) = on(&fx.node, 1 << 20, 4).await;
     let fill = fill_kernel("");
     let n = 2 << 20;
@@ -276,7 +276,7 @@ async fn later_submissions_wait_for_a_streamed_one() {
 /// submission with the capacity error, and the lease works after it.
 #[tokio::test]
 async fn a_failed_streamed_submission_leaves_the_lease_working() {
-    let fx = Fixture::memory(1 << 28).start().await;
+    let fx = Fixture::node_path(1 << 28).start().await;
     let c = client(&fx.node, 1, 1).await;
     let lease = lease_of(&c, 4 << 20).await;
     let remote = policy_of(&lease);
@@ -323,7 +323,7 @@ fn read_after(lease: cuda_lease::proto::LeaseId, buf: u64, len: u32, after: u64)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transfers_that_follow_a_batch_wait_for_it() {
-    let fx = Fixture::memory(1 << 30).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 30).lease(1 << 20).start().await;
     let (client, id) = (fx.client().clone(), fx.lease().id());
     // Batch 2 makes buffer #7 and fills it; the node holds it until batch
     // 1 runs, and the read of #7 (sent first) until batch 2 has run.
@@ -406,7 +406,7 @@ async fn transfers_that_follow_a_batch_wait_for_it() {
 /// the lease's batches closed without it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transfer_that_follows_a_batch_that_never_comes_fails_when_its_connection_closes() {
-    let fx = Fixture::memory(1 << 30).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 30).lease(1 << 20).start().await;
     let (owner, id) = (fx.client().clone(), fx.lease().id());
     // The lease's batches come on the owner's connection: batch 2, then
     // its connection closes with batch 1 never sent.
@@ -443,7 +443,7 @@ async fn a_transfer_that_follows_a_batch_that_never_comes_fails_when_its_connect
 /// them, on the message path and when the op's transfers stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timed_ops_are_timed_by_the_node_between_the_reads_around_them() {
-    let fx = Fixture::memory(1 << 30).start().await;
+    let fx = Fixture::node_path(1 << 30).start().await;
     // Everything in the message; then transfers of 1 KiB and more stream.
     for min in [usize::MAX, 1024] {
         let (_lease, remote) = on(&fx.node, min, 1).await;
@@ -487,7 +487,7 @@ async fn timed_ops_are_timed_by_the_node_between_the_reads_around_them() {
 /// bytes back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_tasks_streamed_pipelines_share_the_bulk_channel() {
-    let fx = Fixture::memory(1 << 30).start().await;
+    let fx = Fixture::node_path(1 << 30).start().await;
     let (lease, remote) = {
         let lease = lease_of(&client(&fx.node, 1 << 20, 2).await, 512 << 20).await;
         let policy = policy_of(&lease);

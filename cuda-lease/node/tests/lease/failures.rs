@@ -85,8 +85,10 @@ async fn good_pipeline(remote: &RemotePolicy) {
     assert_eq!(y.to_vec().unwrap(), want);
 }
 
-/// What the node holds for the fixture's lease.
-fn usage(fx: &Fixture) -> LeaseUsage {
+/// What the node holds for the fixture's lease, asked after a query (a
+/// direct lease's worker tells the node what it holds when asked).
+async fn usage(fx: &Fixture) -> LeaseUsage {
+    fx.lease().query().await.expect("the lease is alive");
     fx.node
         .lease_usage(&fx.lease().id())
         .expect("the lease is alive")
@@ -96,11 +98,11 @@ fn usage(fx: &Fixture) -> LeaseUsage {
 /// queued by the failure (if any) have reached the node.
 async fn works_and_holds(fx: &Fixture, remote: &RemotePolicy, want: LeaseUsage) {
     good_pipeline(remote).await;
-    let settled = eventually(Duration::from_secs(5), || async { usage(fx) == want }).await;
+    let settled = eventually(Duration::from_secs(5), || async { usage(fx).await == want }).await;
     assert!(
         settled,
         "the node holds {:?}, not {want:?}, after the failure",
-        usage(fx)
+        usage(fx).await
     );
     // And the lease's status says so too.
     let status = fx.lease().query().await.unwrap();
@@ -113,9 +115,12 @@ async fn works_and_holds(fx: &Fixture, remote: &RemotePolicy, want: LeaseUsage) 
 async fn warm(fx: &Fixture) -> (RemotePolicy, LeaseUsage) {
     let remote = fx.policy().with_streams(1);
     good_pipeline(&remote).await;
-    let settled = eventually(Duration::from_secs(5), || async { usage(fx).buffers == 0 }).await;
-    assert!(settled, "the warm-up left {:?}", usage(fx));
-    (remote, usage(fx))
+    let settled = eventually(Duration::from_secs(5), || async {
+        usage(fx).await.buffers == 0
+    })
+    .await;
+    assert!(settled, "the warm-up left {:?}", usage(fx).await);
+    (remote, usage(fx).await)
 }
 
 /// The session behind the fixture's policy (the same one the pipelines

@@ -64,7 +64,7 @@ async fn failure(
 
 #[tokio::test]
 async fn work_in_flight_fails_as_freed_when_this_client_frees_the_lease() {
-    let mut fx = Fixture::memory(1 << 20).lease(1 << 16).start().await;
+    let mut fx = Fixture::node_path(1 << 20).lease(1 << 16).start().await;
     let task = in_flight(&fx);
     reached_node(&fx).await;
     let lease = fx.take_lease();
@@ -80,7 +80,7 @@ async fn work_in_flight_fails_as_freed_when_this_client_frees_the_lease() {
 
 #[tokio::test]
 async fn work_in_flight_fails_as_expired_when_the_lease_expires() {
-    let fx = Fixture::memory(1 << 20)
+    let fx = Fixture::node_path(1 << 20)
         .manual_clock()
         .lease_with(
             Lease::builder()
@@ -101,7 +101,7 @@ async fn work_in_flight_fails_as_expired_when_the_lease_expires() {
 
 #[tokio::test]
 async fn work_in_flight_fails_as_node_shutdown_when_the_node_shuts_down() {
-    let fx = Fixture::memory(1 << 20).lease(1 << 16).start().await;
+    let fx = Fixture::node_path(1 << 20).lease(1 << 16).start().await;
     let task = in_flight(&fx);
     reached_node(&fx).await;
     let (node, rest) = fx.into_node();
@@ -123,7 +123,7 @@ async fn connecting_where_no_node_answers_fails_within_the_timeout_naming_the_ad
         .unwrap()
         .local_addr()
         .unwrap();
-    let fx = Fixture::memory(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 20).start().await;
     let config = client_config(&fx.node).connect_timeout(Duration::from_millis(300));
     let t = Instant::now();
     let Err(e) = Client::connect(addr, &config).await else {
@@ -144,7 +144,7 @@ async fn connecting_where_no_node_answers_fails_within_the_timeout_naming_the_ad
 
 #[tokio::test]
 async fn no_credentials_and_refused_credentials_are_told_apart() {
-    let fx = Fixture::memory(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 20).start().await;
     let bare = ClientConfig::pinned(fx.node.cert_der().clone());
     let none = Client::connect(fx.node.addr(), &bare).await.err().unwrap();
     let wrong = Client::connect(fx.node.addr(), &bare.clone().token("not-the-token"))

@@ -72,7 +72,7 @@ async fn uploaded(n: usize, v: f32, remote: &RemotePolicy) -> Arc<DeviceBuffer<f
 /// for it, however long it takes, and see its writes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn downloads_submitted_behind_a_slow_kernel_wait_for_it_and_see_its_writes() {
-    let fx = Fixture::memory(1 << 30).start().await;
+    let fx = Fixture::node_path(1 << 30).start().await;
     let (_lease, remote) = on(&fx.node).await;
     let k = kernels();
     let big = uploaded(4 << 20, 1.0, &remote).await;
@@ -100,7 +100,7 @@ async fn downloads_submitted_behind_a_slow_kernel_wait_for_it_and_see_its_writes
 /// and load), then a download of what it writes, submitted together.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_download_behind_a_large_module_sees_its_kernel_s_writes() {
-    let fx = Fixture::memory(1 << 30).start().await;
+    let fx = Fixture::node_path(1 << 30).start().await;
     let (_lease, remote) = on(&fx.node).await;
     let n = 2 << 20;
     for round in 0..3 {
@@ -185,7 +185,7 @@ fn read_after(lease: proto::LeaseId, buf: u64, len: u32, after: u64) -> Vec<u8> 
 /// reads see the fill.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_and_transfers_behind_a_slow_batch_use_its_ids() {
-    let fx = Fixture::memory(1 << 30).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 30).lease(1 << 20).start().await;
     let (client, id) = (fx.client().clone(), fx.lease().id());
     let spawn = |op: Opcode, body: Vec<u8>, data: Vec<u8>| {
         let client = client.clone();
@@ -260,7 +260,7 @@ async fn a_batch_and_transfers_behind_a_slow_batch_use_its_ids() {
 /// turn otherwise.
 #[tokio::test]
 async fn an_empty_batch_fills_a_number_in_turn_and_passes_a_number_that_ran() {
-    let fx = Fixture::memory(1 << 30).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 30).lease(1 << 20).start().await;
     let (client, id) = (fx.client().clone(), fx.lease().id());
     let fill_in = batch_body(id, 1, vec![], vec![]);
     client.request(Opcode::Batch, &fill_in, &[]).await.unwrap();
@@ -291,7 +291,7 @@ async fn an_empty_batch_fills_a_number_in_turn_and_passes_a_number_that_ran() {
 /// end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn freeing_a_lease_fails_what_is_in_flight_and_what_follows_at_once() {
-    let fx = Fixture::memory(1 << 30).start().await;
+    let fx = Fixture::node_path(1 << 30).start().await;
     let (lease, remote) = on(&fx.node).await;
     let k = kernels();
     let big = uploaded(4 << 20, 1.0, &remote).await;
@@ -337,7 +337,7 @@ async fn freeing_a_lease_fails_what_is_in_flight_and_what_follows_at_once() {
 /// the first runs, and the worker answers each when its own work is done.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_tasks_slow_kernels_overlap_on_one_lease() {
-    let fx = Fixture::memory(1 << 30).start().await;
+    let fx = Fixture::node_path(1 << 30).start().await;
     let (_lease, remote) = on(&fx.node).await;
     let (delay, _) = kernels();
     let one = LaunchConfig::for_num_elems(1);

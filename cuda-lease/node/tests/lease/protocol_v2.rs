@@ -72,7 +72,7 @@ fn axpy(rec: &mut cuda_lease::client::Recorder, stream: u32, m: &ModuleSpec, a: 
 #[tokio::test]
 async fn a_twenty_command_pipeline_in_two_submissions_sent_without_waiting_is_one_round_trip_each()
 {
-    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 20).lease(1 << 20).start().await;
     let s = fx.session();
     let m = ModuleSpec::cuda(KERNELS, &[]);
     let x0: Vec<f32> = (0..N).map(|i| i as f32).collect();
@@ -135,7 +135,7 @@ async fn a_twenty_command_pipeline_in_two_submissions_sent_without_waiting_is_on
 
 #[tokio::test]
 async fn two_streams_with_an_event_between_them_give_the_right_data() {
-    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 20).lease(1 << 20).start().await;
     let s = fx.session();
     let m = ModuleSpec::cuda(KERNELS, &[]);
     let mut rec = s.recorder();
@@ -159,7 +159,7 @@ async fn two_streams_with_an_event_between_them_give_the_right_data() {
 
 #[tokio::test]
 async fn a_failing_command_reports_its_index_and_keeps_what_ran_before_it() {
-    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 20).lease(1 << 20).start().await;
     let s = fx.session();
     let m = ModuleSpec::cuda(KERNELS, &[]);
     let mut rec = s.recorder();
@@ -189,7 +189,7 @@ async fn a_failing_command_reports_its_index_and_keeps_what_ran_before_it() {
 
 #[tokio::test]
 async fn reused_unknown_and_wrong_kind_ids_are_errors_naming_the_id_and_command() {
-    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 20).lease(1 << 20).start().await;
     let s = fx.session();
     let mut rec = s.recorder();
     let a = rec.alloc(0, 8);
@@ -250,7 +250,7 @@ async fn reused_unknown_and_wrong_kind_ids_are_errors_naming_the_id_and_command(
 
 #[tokio::test]
 async fn streams_are_made_on_demand_up_to_the_lease_limit() {
-    let fx = Fixture::memory(1 << 20)
+    let fx = Fixture::node_path(1 << 20)
         .config(|cfg| cfg.max_streams_per_lease = 2)
         .lease(1 << 20)
         .start()
@@ -273,7 +273,7 @@ async fn streams_are_made_on_demand_up_to_the_lease_limit() {
 
 #[tokio::test]
 async fn modules_travel_by_content_and_bad_sources_come_back_with_their_log() {
-    let mut fx = Fixture::memory(4 << 20)
+    let mut fx = Fixture::node_path(4 << 20)
         // No node-wide cache: a lease that has not loaded a module must get
         // its source again.
         .config(|cfg| cfg.module_cache_bytes = 0)
@@ -371,7 +371,7 @@ async fn modules_travel_by_content_and_bad_sources_come_back_with_their_log() {
 
 #[tokio::test]
 async fn fill_and_copy_run_in_a_batch_and_check_their_ranges() {
-    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 20).lease(1 << 20).start().await;
     let s = fx.session();
     let mut rec = s.recorder();
     let a = rec.alloc(0, 16);
@@ -406,7 +406,7 @@ async fn fill_and_copy_run_in_a_batch_and_check_their_ranges() {
 
 #[tokio::test]
 async fn reads_can_land_straight_in_the_callers_buffers() {
-    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 20).lease(1 << 20).start().await;
     let s = fx.session();
     let mut rec = s.recorder();
     let a = rec.alloc(0, 8);
@@ -445,7 +445,7 @@ async fn reads_can_land_straight_in_the_callers_buffers() {
 #[tokio::test]
 async fn a_graph_recorded_once_replays_with_inputs_changed_between_launches() {
     use cuda_lease_node::node::LeaseUsage;
-    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 20).lease(1 << 20).start().await;
     let usage = || -> LeaseUsage { fx.node.lease_usage(&fx.lease().id()).expect("alive") };
     let s = fx.session();
     let m = ModuleSpec::cuda(KERNELS, &[]);
@@ -520,7 +520,7 @@ async fn a_graph_recorded_once_replays_with_inputs_changed_between_launches() {
 /// the body's is refused by name.
 #[tokio::test]
 async fn a_prepared_body_runs_twice_in_one_batch_with_its_own_inputs_each() {
-    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 20).lease(1 << 20).start().await;
     let s = fx.session();
     let m = ModuleSpec::cuda(KERNELS, &[]);
     let mut rec = s.recorder();
@@ -563,7 +563,7 @@ async fn a_prepared_body_runs_twice_in_one_batch_with_its_own_inputs_each() {
 /// nothing of a refused body runs.
 #[tokio::test]
 async fn graph_bodies_that_break_the_rules_are_refused_by_name() {
-    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 20).lease(1 << 20).start().await;
     let s = fx.session();
     let refused = |rec: cuda_lease::client::Recorder| async move {
         let reply = rec.submit().await.unwrap();
@@ -625,7 +625,7 @@ async fn graph_bodies_that_break_the_rules_are_refused_by_name() {
 /// command writes another buffer, it reads zeros past the write.
 #[tokio::test]
 async fn an_allocation_reads_zeros_wherever_the_write_after_it_does_not_reach() {
-    let fx = Fixture::memory(1 << 20).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 20).lease(1 << 20).start().await;
     let s = fx.session();
     let mut rec = s.recorder();
     let whole = rec.alloc(0, 64);

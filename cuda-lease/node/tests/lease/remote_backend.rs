@@ -81,7 +81,7 @@ fn vram_allocated(node: &Node) -> u64 {
 
 #[tokio::test]
 async fn a_pipeline_written_once_runs_on_a_leased_gpu_in_one_message() {
-    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 22).lease(1 << 20).start().await;
     let (node, lease) = (&fx.node, fx.lease());
     let remote = fx.policy();
     let k = kernels();
@@ -138,7 +138,7 @@ async fn a_pipeline_written_once_runs_on_a_leased_gpu_in_one_message() {
 
 #[tokio::test]
 async fn a_chain_of_twenty_ops_is_one_message() {
-    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 22).lease(1 << 20).start().await;
     let node = &fx.node;
     let remote = fx.policy();
     let k = kernels();
@@ -185,7 +185,7 @@ cuda_async::awaitable!(LocalOnly);
 
 #[tokio::test]
 async fn every_remote_failure_is_a_matchable_error() {
-    let fx = Fixture::memory(1 << 22)
+    let fx = Fixture::node_path(1 << 22)
         .manual_clock()
         .lease(1 << 16)
         .start()
@@ -354,7 +354,7 @@ async fn a_buffer_of_another_lease_is_an_error_naming_both() {
 
 #[tokio::test]
 async fn a_buffer_dropped_while_its_op_is_queued_is_freed_after_it() {
-    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 22).lease(1 << 20).start().await;
     let (node, lease) = (&fx.node, fx.lease());
     let remote = fx.policy();
     // The buffer is dropped while the submission is recorded (d2h takes it
@@ -424,7 +424,7 @@ fn a_plain_fn_main_runs_the_pipeline_blocking_and_sees_the_node_go() {
 
 #[tokio::test]
 async fn zip_join_all_and_shared_give_the_right_results_on_a_lease() {
-    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 22).lease(1 << 20).start().await;
     let node = &fx.node;
     let remote = fx.policy();
     let k = kernels();
@@ -507,7 +507,7 @@ async fn short_lease(node: &Node, vram: u64) -> (Lease, RemotePolicy) {
 
 #[tokio::test]
 async fn a_pending_submission_fails_when_its_lease_expires_or_its_node_goes() {
-    let fx = Fixture::memory(1 << 22).manual_clock().start().await;
+    let fx = Fixture::node_path(1 << 22).manual_clock().start().await;
     let (node, clock) = (&fx.node, fx.clock());
     let (_short, remote) = short_lease(node, 1 << 16).await;
     let before = batches(node);

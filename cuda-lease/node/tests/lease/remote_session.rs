@@ -43,7 +43,7 @@ fn bytes(v: &[f32]) -> Vec<u8> {
 
 #[tokio::test]
 async fn a_recording_is_one_batch_and_its_reads_land_in_host_buffers() {
-    let fx = Fixture::memory(1 << 20).lease(1 << 16).start().await;
+    let fx = Fixture::node_path(1 << 20).lease(1 << 16).start().await;
     let (node, lease) = (&fx.node, fx.lease());
     let session = LeaseBackend::current(lease.session());
     assert!(
@@ -121,7 +121,7 @@ async fn a_recording_is_one_batch_and_its_reads_land_in_host_buffers() {
 
 #[tokio::test]
 async fn failures_come_back_as_cuda_async_remote_errors() {
-    let fx = Fixture::memory(1 << 20)
+    let fx = Fixture::node_path(1 << 20)
         .manual_clock()
         .lease_with(
             Lease::builder()
@@ -211,7 +211,7 @@ async fn failures_come_back_as_cuda_async_remote_errors() {
 fn a_plain_fn_main_leases_records_and_waits_with_no_runtime_of_its_own() {
     // The node needs a runtime; the client side below has none.
     let node_rt = tokio::runtime::Runtime::new().unwrap();
-    let fx = node_rt.block_on(Fixture::memory(1 << 20).start());
+    let fx = node_rt.block_on(Fixture::node_path(1 << 20).start());
     let node = &fx.node;
     let builder = Lease::builder()
         .min_vram(1 << 16)

@@ -52,7 +52,7 @@ fn close(got: &[f64], want: &[f64], what: &str) {
 /// back as the CPU computes them, one message each.
 #[tokio::test]
 async fn a_gemm_runs_on_a_lease_by_the_nodes_library() {
-    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 22).lease(1 << 20).start().await;
     let (node, remote) = (&fx.node, fx.policy());
     let (m, n, k) = (7, 5, 3);
     for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
@@ -159,7 +159,7 @@ async fn a_gemm_runs_on_a_lease_by_the_nodes_library() {
 #[tokio::test]
 async fn a_half_gemm_runs_on_a_lease_by_the_nodes_library() {
     use cuda_async::half::{bf16, f16};
-    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 22).lease(1 << 20).start().await;
     let (node, remote) = (&fx.node, fx.policy());
     let (m, n, k) = (7, 5, 3);
     let g = Gemm::<bf16>::new(m, n, k)
@@ -221,7 +221,7 @@ async fn a_half_gemm_runs_on_a_lease_by_the_nodes_library() {
 #[tokio::test]
 async fn a_random_fill_runs_on_a_lease_by_the_nodes_library() {
     use cuda_async::rand::{normal, uniform};
-    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 22).lease(1 << 20).start().await;
     let remote = fx.policy();
     let filled = |seed: u64| {
         let remote = &remote;

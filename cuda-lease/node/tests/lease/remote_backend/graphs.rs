@@ -7,7 +7,7 @@ use super::*;
 /// third, a download reads a fourth; the rest of each buffer is untouched.
 #[tokio::test]
 async fn views_travel_to_a_leased_gpu_as_offsets() {
-    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 22).lease(1 << 20).start().await;
     let remote = fx.policy();
     let k = kernels();
     let x = h2d((0..16).map(|i| i as f32).collect::<Vec<_>>())
@@ -83,7 +83,7 @@ async fn views_travel_to_a_leased_gpu_as_offsets() {
 #[test]
 fn a_graph_captured_on_a_lease_is_kept_by_the_node_and_launched_in_one_command() {
     let node_rt = tokio::runtime::Runtime::new().unwrap();
-    let fx = node_rt.block_on(Fixture::memory(1 << 24).start());
+    let fx = node_rt.block_on(Fixture::node_path(1 << 24).start());
     let node = &fx.node;
     let connect = || {
         let builder = Lease::builder()
@@ -251,7 +251,7 @@ fn a_graph_captured_on_a_lease_is_kept_by_the_node_and_launched_in_one_command()
 /// (the graph, its buffers and its kept upload bytes went with it).
 #[tokio::test]
 async fn a_graph_kept_on_the_node_goes_with_its_lease() {
-    let fx = Fixture::memory(1 << 22).manual_clock().start().await;
+    let fx = Fixture::node_path(1 << 22).manual_clock().start().await;
     let (node, clock) = (&fx.node, fx.clock());
     let base = vram_allocated(node);
     let (_short, remote) = short_lease(node, 1 << 16).await;
@@ -284,7 +284,7 @@ async fn a_graph_kept_on_the_node_goes_with_its_lease() {
 /// replay runs once, each after the one before (y += x at each).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graph_shared_by_arc_replays_from_other_tasks_and_a_submit_thread() {
-    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 22).lease(1 << 20).start().await;
     let remote = Arc::new(fx.policy());
     let k = kernels();
     let up = |v: Vec<f32>| h2d(v).schedule(&*remote).unwrap();

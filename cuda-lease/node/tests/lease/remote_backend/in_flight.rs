@@ -15,7 +15,7 @@ impl std::task::Wake for Woken {
 
 #[tokio::test]
 async fn a_remote_future_dropped_in_flight_frees_only_after_the_node_s_work() {
-    let fx = Fixture::memory(1 << 22)
+    let fx = Fixture::node_path(1 << 22)
         .config(|cfg| cfg.op_timeout = Duration::from_secs(10))
         .lease(1 << 21)
         .start()
@@ -76,7 +76,7 @@ async fn a_remote_future_dropped_in_flight_frees_only_after_the_node_s_work() {
     assert!(probe.await.unwrap().is_err());
 
     // mem::forget: the buffer leaks (never freed early, never freed).
-    let fx2 = Fixture::memory(1 << 22).lease(1 << 21).start().await;
+    let fx2 = Fixture::node_path(1 << 22).lease(1 << 21).start().await;
     let (lease2, remote2) = (fx2.lease(), fx2.policy());
     let mut fut = zeros::<u8>(bytes).schedule(&remote2).unwrap();
     // Exactly one poll: it sends the submission. Its waker is woken once
@@ -104,7 +104,7 @@ async fn a_remote_future_dropped_in_flight_frees_only_after_the_node_s_work() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixty_four_tasks_sharing_one_lease_all_get_their_own_results() {
-    let fx = Fixture::memory(1 << 24).lease(1 << 23).start().await;
+    let fx = Fixture::node_path(1 << 24).lease(1 << 23).start().await;
     let remote = Arc::new(fx.policy());
     let k = Arc::new(kernels());
     let tasks: Vec<_> = (0..64u64)
@@ -137,7 +137,7 @@ async fn sixty_four_tasks_sharing_one_lease_all_get_their_own_results() {
 
 #[tokio::test]
 async fn a_kernel_fault_fails_its_lease_and_leaves_other_leases_working() {
-    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 22).lease(1 << 20).start().await;
     let b = lease_on(&fx.node, 1 << 20).await;
     let (on_a, on_b) = (fx.policy(), policy_of(&b));
     let k = kernels();
@@ -183,7 +183,7 @@ async fn a_kernel_fault_fails_its_lease_and_leaves_other_leases_working() {
 async fn device_futures_compose_with_the_futures_crate() {
     use futures::stream::{FuturesUnordered, StreamExt};
 
-    let fx = Fixture::memory(1 << 24).lease(1 << 23).start().await;
+    let fx = Fixture::node_path(1 << 24).lease(1 << 23).start().await;
     let remote = fx.policy();
     let k = kernels();
     let inputs: Vec<(Vec<f32>, Vec<f32>, f32)> = (0..16u64)
@@ -230,7 +230,7 @@ async fn device_futures_compose_with_the_futures_crate() {
 #[test]
 fn a_blocking_wait_with_a_timeout_returns_while_the_submission_still_runs() {
     let node_rt = tokio::runtime::Runtime::new().unwrap();
-    let fx = node_rt.block_on(Fixture::memory(1 << 22).start());
+    let fx = node_rt.block_on(Fixture::node_path(1 << 22).start());
     let node = &fx.node;
     let builder = Lease::builder()
         .min_vram(1 << 20)

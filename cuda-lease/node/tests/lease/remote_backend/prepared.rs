@@ -29,7 +29,7 @@ async fn prepare_axpy(remote: &RemotePolicy, k: &Kernels, n: usize) -> Prepared 
 /// holds nothing of it after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prepared_submission_runs_by_id_with_new_inputs_in_one_command() {
-    let fx = Fixture::memory(1 << 22).lease(1 << 20).start().await;
+    let fx = Fixture::node_path(1 << 22).lease(1 << 20).start().await;
     let node = &fx.node;
     let remote = Arc::new(fx.policy());
     let k = kernels();
@@ -134,7 +134,7 @@ async fn a_prepared_submission_runs_by_id_with_new_inputs_in_one_command() {
 /// until a run), so the large download lands whole where it belongs.
 #[tokio::test]
 async fn a_prepared_body_beside_a_download_on_the_data_path_keeps_the_reads_apart() {
-    let fx = Fixture::memory(1 << 24).lease(1 << 23).start().await;
+    let fx = Fixture::node_path(1 << 24).lease(1 << 23).start().await;
     let remote = fx.policy();
     let n = 2 << 20;
     let big = h2d((0..n).map(|i| i as u8).collect::<Vec<_>>())
