@@ -48,7 +48,8 @@ pub struct Metrics {
     /// Of `batch_total`, those a lease's worker served on its direct path
     /// (learned from the worker at the node's next look at the lease).
     pub batch_direct: Counter,
-    /// CUDA C modules compiled by workers (each kept node-wide as PTX).
+    /// CUDA C modules compiled by workers (on the node's path each is
+    /// kept node-wide as PTX; a direct lease's worker keeps its own).
     pub modules_compiled: Counter,
     /// Connections of the bulk-data channel opened with a ticket.
     pub bulk_connections: Counter,
@@ -105,7 +106,7 @@ impl Metrics {
             ),
             (
                 "gpu_modules_compiled",
-                "CUDA C modules compiled by NVRTC (kept node-wide as PTX).",
+                "CUDA C modules compiled by NVRTC (on the node's path kept node-wide as PTX).",
                 &self.modules_compiled,
             ),
             (

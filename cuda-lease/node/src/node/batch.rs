@@ -315,6 +315,10 @@ async fn receive_work(
         let message = from_body::<crate::device::DeviceError>(&frame.body)
             .map(|f| f.message)
             .unwrap_or_default();
+        if frame.header.status == Status::LeasePoisoned {
+            // A fault on the lease's direct path, before the node heard of it.
+            fail_lease(shared, lease, &message);
+        }
         return Err(Reply::err(frame.header.status, message));
     }
     let reply: WorkerBatchReply = from_body(&frame.body)

@@ -68,6 +68,9 @@ pub(super) async fn refresh_slot(
     metrics
         .batch_commands
         .inc_by(served.commands.saturating_sub(seen.commands));
+    metrics
+        .modules_compiled
+        .inc_by(served.compiled.saturating_sub(seen.compiled));
     slot.state().usage = usage;
     shared.table().set_allocated(lease, usage.allocated);
     if let Some(why) = poisoned {

@@ -250,6 +250,11 @@ fn start_batch(
     read_at: Option<u64>,
     link: Option<&DirectLink>,
 ) -> Result<Running, (Status, Vec<u8>)> {
+    if let Some(why) = &lease.poisoned {
+        // A fault on its direct path: the node hears it here first.
+        let e = DeviceError::new(Status::LeasePoisoned, format!("lease poisoned: {why}"));
+        return Err((e.status, to_body(&e)));
+    }
     let batch = WorkerBatch::decode_reusing(&frame.body, dev.spares)
         .map_err(|e| DeviceError::new(Status::BadRequest, e.to_string()));
     let enqueued = batch.and_then(|b| {

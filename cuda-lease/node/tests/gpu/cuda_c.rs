@@ -35,7 +35,11 @@ extern "C" __global__ void spin(unsigned long long ns, unsigned long long* out) 
 #[tokio::test]
 #[ignore = "needs an NVIDIA GPU"]
 async fn v2_cuda_c_compiled_on_the_node_and_random_data_round_trips() {
-    let fx = gpu_lease(64 << 20).await;
+    // The node's path: the node keeps the PTX for its other leases.
+    let fx = Fixture::with_config(gpu_node_path_config())
+        .lease_with(Lease::builder().min_vram(64 << 20))
+        .start()
+        .await;
     let (node, client, s) = (&fx.node, fx.client(), fx.session());
     let m = ModuleSpec::cuda(CUDA_KERNELS, &[]);
     let n: u32 = 1_000_003;
@@ -146,6 +150,11 @@ async fn v2_three_streams_of_a_lease_overlap_on_the_gpu() {
     let s = fx.session();
     let m = ModuleSpec::cuda(CUDA_KERNELS, &[]);
     s.load(&m).await.unwrap(); // compile outside the measurement
+                               // The node counts the compile, whichever path the lease takes (a
+                               // query has the node ask a direct lease's worker).
+    fx.lease().query().await.unwrap();
+    let compiled = metric(&fx.node.metrics_text(), "gpu_modules_compiled_total");
+    assert_eq!(compiled, Some(1), "the node's count of compiles");
     const SPIN_NS: u64 = 1_000_000;
     let mut best = None;
     for round in 0..3 {

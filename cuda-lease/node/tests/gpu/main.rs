@@ -111,6 +111,15 @@ fn gpu_config() -> NodeConfig {
     cfg
 }
 
+/// [`gpu_config`] for a node that serves every BATCH itself: for tests
+/// that count what passes through the node (its BATCH messages, its
+/// module cache).
+fn gpu_node_path_config() -> NodeConfig {
+    let mut cfg = gpu_config();
+    cfg.direct_leases = false;
+    cfg
+}
+
 /// A GPU node, a client of it and a lease of `vram` bytes on it.
 async fn gpu_lease(vram: u64) -> Fixture {
     Fixture::with_config(gpu_config())
@@ -432,7 +441,7 @@ async fn large_and_odd_transfers_round_trip_byte_exact() {
 fn a_gib_through_h2d_and_d2h_on_a_lease_is_byte_exact_and_streamed() {
     use cuda_async::prelude::*;
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let fixture = rt.block_on(Fixture::with_config(gpu_config()).start());
+    let fixture = rt.block_on(Fixture::with_config(gpu_node_path_config()).start());
     let node = &fixture.node;
     let builder = Lease::builder()
         .min_vram(1 << 31)

@@ -92,7 +92,7 @@ async fn after_a_compile_error_and_a_kernel_fault_good_pipelines_run() {
 fn a_large_copy_into_a_kept_remote_buffer_takes_the_data_path() {
     use cuda_async::prelude::*;
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let fixture = rt.block_on(Fixture::with_config(gpu_config()).start());
+    let fixture = rt.block_on(Fixture::with_config(gpu_node_path_config()).start());
     let node = &fixture.node;
     let builder = Lease::builder()
         .min_vram(256 << 20)

@@ -442,7 +442,7 @@ async fn large_write_and_read_round_trip() {
 
 #[tokio::test]
 async fn kernel_fault_poisons_only_that_lease() {
-    let mut fx = Fixture::node_path(1 << 20).lease(4096).start().await;
+    let mut fx = Fixture::memory(1 << 20).lease(4096).start().await;
     let a = fx.take_lease();
     let b = fx.another_lease(4096).await;
     let client = fx.client();

@@ -80,6 +80,8 @@ pub(crate) struct DirectServed {
     pub(crate) batches: u64,
     /// Their commands.
     pub(crate) commands: u64,
+    /// CUDA C modules the worker compiled for them.
+    pub(crate) compiled: u64,
 }
 
 /// The lease's limits on its direct path.
@@ -201,6 +203,7 @@ impl DirectLink {
         DirectServed {
             batches: self.served.batches.load(Ordering::Relaxed),
             commands: self.served.commands.load(Ordering::Relaxed),
+            compiled: self.served.compiled.load(Ordering::Relaxed),
         }
     }
 
@@ -233,6 +236,7 @@ impl DirectLink {
             notify: Notify::new(),
             batches: AtomicU64::new(0),
             commands: AtomicU64::new(0),
+            compiled: AtomicU64::new(0),
         };
         let served = Arc::new(served);
         let rt = tokio::runtime::Builder::new_current_thread()

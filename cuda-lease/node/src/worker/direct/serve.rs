@@ -43,6 +43,7 @@ pub(super) struct Served {
     /// (the node adds them to its metrics: [`DirectLink::served`]).
     pub(super) batches: AtomicU64,
     pub(super) commands: AtomicU64,
+    pub(super) compiled: AtomicU64,
 }
 
 impl Served {
@@ -348,6 +349,9 @@ async fn run(
     }
     let reply: WorkerBatchReply = from_body(&answer.body)
         .map_err(|e| refused(Status::Internal, format!("worker reply: {e}")))?;
+    served
+        .compiled
+        .fetch_add(reply.compiled.len() as u64, Ordering::Relaxed);
     let loaded = (reply.loaded as usize).min(loads.len());
     forget(served, &loads[loaded..]);
     if reply.sticky && reply.error.is_some() {
