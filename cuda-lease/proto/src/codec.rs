@@ -182,40 +182,69 @@ fn byte_string(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(b);
 }
 
+/// `Op`'s variant indices as postcard writes them (its variants in
+/// declaration order): the one table of the hand-written encoder and
+/// decoder, whose bytes the tests check against postcard's for every op.
+mod index {
+    pub(super) const ALLOC: u32 = 0;
+    pub(super) const WRITE: u32 = 1;
+    pub(super) const READ: u32 = 2;
+    pub(super) const FREE: u32 = 3;
+    pub(super) const LAUNCH: u32 = 4;
+    pub(super) const RECORD: u32 = 5;
+    pub(super) const WAIT: u32 = 6;
+    pub(super) const FILL: u32 = 7;
+    pub(super) const COPY: u32 = 8;
+    pub(super) const TIMER_START: u32 = 9;
+    pub(super) const TIMER_END: u32 = 10;
+    pub(super) const GRAPH_BEGIN: u32 = 11;
+    pub(super) const GRAPH_END: u32 = 12;
+    pub(super) const GRAPH_LAUNCH: u32 = 13;
+    pub(super) const GEMM: u32 = 14;
+    pub(super) const RAND_FILL: u32 = 15;
+    pub(super) const PREPARE_BEGIN: u32 = 16;
+    pub(super) const RUN: u32 = 17;
+    /// One past the last.
+    pub(super) const END: u32 = 18;
+}
+
 /// Appends `c` as postcard writes it (see [`encode_commands`]).
 fn encode_command(out: &mut Vec<u8>, c: &Command<'_>) {
-    // Variant indices: `Op`'s variants in declaration order; then the
-    // integer fields, then a launch's or a fill's own.
-    let (index, fields): (u64, &[u64]) = match &c.op {
-        Op::Alloc { buf, size } => (0, &[buf.0, *size]),
-        Op::Write { buf, offset, len } => (1, &[buf.0, *offset, *len]),
-        Op::Read { buf, offset, len } => (2, &[buf.0, *offset, *len]),
-        Op::Free { id } => (3, &[id.0]),
-        Op::Launch(_) => (4, &[]),
-        Op::Record { event } => (5, &[event.0]),
-        Op::Wait { event } => (6, &[event.0]),
+    // The variant's index ([`index`]), then the integer fields, then a
+    // launch's or a fill's own.
+    let (index, fields): (u32, &[u64]) = match &c.op {
+        Op::Alloc { buf, size } => (index::ALLOC, &[buf.0, *size]),
+        Op::Write { buf, offset, len } => (index::WRITE, &[buf.0, *offset, *len]),
+        Op::Read { buf, offset, len } => (index::READ, &[buf.0, *offset, *len]),
+        Op::Free { id } => (index::FREE, &[id.0]),
+        Op::Launch(_) => (index::LAUNCH, &[]),
+        Op::Record { event } => (index::RECORD, &[event.0]),
+        Op::Wait { event } => (index::WAIT, &[event.0]),
         Op::Fill {
             buf, offset, len, ..
-        } => (7, &[buf.0, *offset, *len]),
-        Op::Copy { src, dst, len } => (8, &[src.buf.0, src.offset, dst.buf.0, dst.offset, *len]),
-        Op::TimerStart { timer } => (9, &[timer.0]),
-        Op::TimerEnd { timer } => (10, &[timer.0]),
-        Op::GraphBegin { graph } => (11, &[graph.0]),
-        Op::GraphEnd { graph } => (12, &[graph.0]),
-        Op::GraphLaunch { graph } => (13, &[graph.0]),
+        } => (index::FILL, &[buf.0, *offset, *len]),
+        Op::Copy { src, dst, len } => (
+            index::COPY,
+            &[src.buf.0, src.offset, dst.buf.0, dst.offset, *len],
+        ),
+        Op::TimerStart { timer } => (index::TIMER_START, &[timer.0]),
+        Op::TimerEnd { timer } => (index::TIMER_END, &[timer.0]),
+        Op::GraphBegin { graph } => (index::GRAPH_BEGIN, &[graph.0]),
+        Op::GraphEnd { graph } => (index::GRAPH_END, &[graph.0]),
+        Op::GraphLaunch { graph } => (index::GRAPH_LAUNCH, &[graph.0]),
         Op::Gemm(_) | Op::RandFill(_) => {
             postcard_encode(c, out);
             return;
         }
-        Op::PrepareBegin { prepared } => (16, &[prepared.0]),
+        Op::PrepareBegin { prepared } => (index::PREPARE_BEGIN, &[prepared.0]),
         Op::Run {
             prepared,
             inputs,
             outputs,
-        } => (17, &[prepared.0, *inputs, *outputs]),
+        } => (index::RUN, &[prepared.0, *inputs, *outputs]),
     };
     varint(out, u64::from(c.stream));
-    varint(out, index);
+    varint(out, u64::from(index));
     for &v in fields {
         varint(out, v);
     }

@@ -62,7 +62,7 @@ pub use messages::{
     MAX_BULK_TICKETS, MAX_MODULE_OPTIONS, MAX_OPTION_LEN,
 };
 pub use module::ModuleSpec;
-pub use op::{NotInBody, Op};
+pub use op::{NotInBody, Op, Role};
 pub use rand::{RandDist, RandSpec};
 pub use scalar::ScalarBytes;
 

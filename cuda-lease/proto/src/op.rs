@@ -142,6 +142,83 @@ pub enum Op<'a> {
 }
 
 impl Op<'_> {
+    /// The command's [`Role`]: where a new command is placed once.
+    pub fn role(&self) -> Role {
+        match *self {
+            Op::Alloc { buf, size } => Role::Alloc { buf, size },
+            Op::Free { id } => Role::Free(id),
+            Op::Write { buf, offset, len } => Role::Write { buf, offset, len },
+            Op::Read { buf, offset, len } => Role::Read { buf, offset, len },
+            Op::GraphBegin { graph: id } => Role::Begin {
+                id,
+                prepared: false,
+            },
+            Op::PrepareBegin { prepared: id } => Role::Begin { id, prepared: true },
+            Op::GraphEnd { graph } => Role::End(graph),
+            Op::GraphLaunch { graph } => Role::Launch(graph),
+            Op::Run {
+                prepared,
+                inputs,
+                outputs,
+            } => Role::Run {
+                id: prepared,
+                inputs,
+                outputs,
+            },
+            Op::Launch(_)
+            | Op::Record { .. }
+            | Op::Wait { .. }
+            | Op::Fill { .. }
+            | Op::Copy { .. }
+            | Op::TimerStart { .. }
+            | Op::TimerEnd { .. }
+            | Op::Gemm(_)
+            | Op::RandFill(_) => Role::Plain,
+        }
+    }
+
+    /// The range of a buffer the op sets whatever it held before (a
+    /// write's, a fill's): its buffer, offset and length.
+    pub fn sets(&self) -> Option<(Id, u64, u64)> {
+        match *self {
+            Op::Write { buf, offset, len }
+            | Op::Fill {
+                buf, offset, len, ..
+            } => Some((buf, offset, len)),
+            Op::Alloc { .. }
+            | Op::Read { .. }
+            | Op::Free { .. }
+            | Op::Launch(_)
+            | Op::Record { .. }
+            | Op::Wait { .. }
+            | Op::Copy { .. }
+            | Op::TimerStart { .. }
+            | Op::TimerEnd { .. }
+            | Op::GraphBegin { .. }
+            | Op::GraphEnd { .. }
+            | Op::GraphLaunch { .. }
+            | Op::Gemm(_)
+            | Op::RandFill(_)
+            | Op::PrepareBegin { .. }
+            | Op::Run { .. } => None,
+        }
+    }
+
+    /// Bytes of the batch's data the op takes (a write's, a run's inputs).
+    pub fn data_len(&self) -> u64 {
+        match self.role() {
+            Role::Write { len, .. } => len,
+            Role::Run { inputs, .. } => inputs,
+            Role::Alloc { .. }
+            | Role::Free(_)
+            | Role::Read { .. }
+            | Role::Begin { .. }
+            | Role::End(_)
+            | Role::Launch(_)
+            | Role::Plain => 0,
+        }
+    }
+
     /// Bytes the op adds to the reply data (a read's, or [`TIMER_BYTES`]).
     pub fn reply_len(&self) -> u64 {
         match self {
@@ -266,6 +343,68 @@ impl Op<'_> {
     }
 }
 
+/// A command's part in a batch's data and reply and in the bodies a lease
+/// keeps (graphs and prepared submissions), the one classification the
+/// client's routing and the worker's planner and replays share
+/// ([`Op::role`]): a command other than these is [`Role::Plain`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Allocates `size` bytes as `buf` (in a body: now, not at each launch).
+    Alloc {
+        /// The new buffer.
+        buf: Id,
+        /// Bytes.
+        size: u64,
+    },
+    /// Frees `id`: a buffer, an event, a graph or a prepared submission
+    /// (in a body: with the body's own free).
+    Free(Id),
+    /// Writes the batch's next `len` bytes of data into `buf` at `offset`
+    /// (in a prepared body: each run's data).
+    Write {
+        /// Target.
+        buf: Id,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+    },
+    /// Reads `len` bytes of `buf` at `offset` into the reply (in a
+    /// prepared body: each run's reply).
+    Read {
+        /// Source.
+        buf: Id,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+    },
+    /// Begins the body of graph `id`, or of prepared submission `id`.
+    Begin {
+        /// The new graph or prepared submission.
+        id: Id,
+        /// A prepared submission's body.
+        prepared: bool,
+    },
+    /// Ends the body of `id`.
+    End(Id),
+    /// Replays graph `id`.
+    Launch(Id),
+    /// Runs prepared submission `id`, its writes taking `inputs` bytes of
+    /// the batch's data and its reads adding `outputs` to the reply.
+    Run {
+        /// The prepared submission.
+        id: Id,
+        /// Bytes of data.
+        inputs: u64,
+        /// Bytes of reply.
+        outputs: u64,
+    },
+    /// Any other command: it touches only its buffers and events (a body
+    /// keeps it and runs it at each launch or run).
+    Plain,
+}
+
 /// What keeps a command out of a graph's or a prepared submission's body
 /// ([`Op::allowed_in_body`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -299,5 +438,198 @@ impl NotInBody {
 impl std::fmt::Display for NotInBody {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.what())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Dtype, RandDist};
+    use crate::{GemmSpec, Id, LaunchArg, LaunchSpec, ModuleHash, NotInBody, Operand, RandSpec};
+
+    /// One op of each kind, with the rule for a graph's body and a prepared
+    /// one's (`None`: allowed).
+    fn every_op() -> Vec<(Op<'static>, Option<NotInBody>, Option<NotInBody>)> {
+        let (a, b) = (Id(1), Id(2));
+        let at = |buf| Operand::new(buf, 0);
+        let launch = LaunchSpec {
+            module: ModuleHash([0; 32]),
+            kernel: "k".into(),
+            grid: [1; 3],
+            block: [1; 3],
+            shared_mem: 0,
+            args: vec![LaunchArg::Mem { buf: a, offset: 0 }],
+        };
+        let gemm = GemmSpec {
+            dtype: Dtype::F32,
+            a: at(a),
+            b: at(a),
+            c: at(b),
+            m: 1,
+            n: 1,
+            k: 1,
+            ld: [1; 3],
+            transpose: [false; 2],
+            scalars: [1f64.to_bits(), 0],
+            batch: 1,
+            strides: [0; 3],
+        };
+        let rand = RandSpec {
+            dtype: Dtype::F32,
+            dst: at(a),
+            len: 2,
+            seed: 1,
+            dist: RandDist::Uniform,
+        };
+        use NotInBody::{Begin, Launch, RandFill, Read, Timer};
+        vec![
+            (Op::Alloc { buf: a, size: 8 }, None, None),
+            (
+                Op::Write {
+                    buf: a,
+                    offset: 0,
+                    len: 8,
+                },
+                None,
+                None,
+            ),
+            (
+                Op::Read {
+                    buf: a,
+                    offset: 0,
+                    len: 8,
+                },
+                Some(Read),
+                None,
+            ),
+            (Op::Free { id: a }, None, None),
+            (Op::Launch(launch), None, None),
+            (Op::Record { event: b }, None, None),
+            (Op::Wait { event: b }, None, None),
+            (
+                Op::Fill {
+                    buf: a,
+                    offset: 0,
+                    len: 8,
+                    value: 0,
+                },
+                None,
+                None,
+            ),
+            (
+                Op::Copy {
+                    src: at(a),
+                    dst: at(b),
+                    len: 8,
+                },
+                None,
+                None,
+            ),
+            (Op::TimerStart { timer: b }, Some(Timer), Some(Timer)),
+            (Op::TimerEnd { timer: b }, Some(Timer), Some(Timer)),
+            (Op::GraphBegin { graph: b }, Some(Begin), Some(Begin)),
+            (Op::GraphEnd { graph: b }, None, None),
+            (Op::GraphLaunch { graph: b }, Some(Launch), Some(Launch)),
+            (Op::Gemm(Box::new(gemm)), None, None),
+            (Op::RandFill(rand), Some(RandFill), Some(RandFill)),
+            (Op::PrepareBegin { prepared: b }, Some(Begin), Some(Begin)),
+            (
+                Op::Run {
+                    prepared: b,
+                    inputs: 0,
+                    outputs: 0,
+                },
+                Some(Launch),
+                Some(Launch),
+            ),
+        ]
+    }
+
+    #[test]
+    fn a_body_holds_no_read_of_a_graph_timer_nested_body_launch_or_curand_fill() {
+        // One of each kind (a new kind fails to compile here).
+        let kind = |op: &Op<'_>| match op {
+            Op::Alloc { .. } => 0,
+            Op::Write { .. } => 1,
+            Op::Read { .. } => 2,
+            Op::Free { .. } => 3,
+            Op::Launch(_) => 4,
+            Op::Record { .. } => 5,
+            Op::Wait { .. } => 6,
+            Op::Fill { .. } => 7,
+            Op::Copy { .. } => 8,
+            Op::TimerStart { .. } => 9,
+            Op::TimerEnd { .. } => 10,
+            Op::GraphBegin { .. } => 11,
+            Op::GraphEnd { .. } => 12,
+            Op::GraphLaunch { .. } => 13,
+            Op::Gemm(_) => 14,
+            Op::RandFill(_) => 15,
+            Op::PrepareBegin { .. } => 16,
+            Op::Run { .. } => 17,
+        };
+        let ops = every_op();
+        let kinds: Vec<usize> = ops.iter().map(|(op, ..)| kind(op)).collect();
+        assert_eq!(kinds, (0..18).collect::<Vec<_>>());
+        for (op, graph, prepared) in ops {
+            assert_eq!(op.allowed_in_body(false).err(), graph, "{op:?} in a graph");
+            assert_eq!(op.allowed_in_body(true).err(), prepared, "{op:?} prepared");
+        }
+        assert_eq!(NotInBody::RandFill.to_string(), NotInBody::RandFill.what());
+        assert!(NotInBody::RandFill.what().contains("cuRAND"));
+    }
+
+    #[test]
+    fn each_command_has_its_role() {
+        let (a, b) = (Id(1), Id(2));
+        let roles: Vec<Role> = every_op().iter().map(|(op, ..)| op.role()).collect();
+        let read = |buf| Role::Read {
+            buf,
+            offset: 0,
+            len: 8,
+        };
+        assert_eq!(
+            roles,
+            vec![
+                Role::Alloc { buf: a, size: 8 },
+                Role::Write {
+                    buf: a,
+                    offset: 0,
+                    len: 8
+                },
+                read(a),
+                Role::Free(a),
+                Role::Plain,
+                Role::Plain,
+                Role::Plain,
+                Role::Plain,
+                Role::Plain,
+                Role::Plain,
+                Role::Plain,
+                Role::Begin {
+                    id: b,
+                    prepared: false
+                },
+                Role::End(b),
+                Role::Launch(b),
+                Role::Plain,
+                Role::Plain,
+                Role::Begin {
+                    id: b,
+                    prepared: true
+                },
+                Role::Run {
+                    id: b,
+                    inputs: 0,
+                    outputs: 0
+                },
+            ]
+        );
+        let data: Vec<u64> = every_op().iter().map(|(op, ..)| op.data_len()).collect();
+        assert_eq!(
+            data.iter().sum::<u64>(),
+            8,
+            "a write's 8 bytes alone: {data:?}"
+        );
     }
 }

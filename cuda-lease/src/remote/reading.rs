@@ -9,8 +9,8 @@
 //! the lock of its [`Reading`], so a submission waits only for reads
 //! numbered before it, never for a later one (which waits for it).
 
-use cuda_async::remote::proto::IdMap;
-use cuda_async::remote::{Command, Op};
+use cuda_async::remote::proto::{IdMap, Role};
+use cuda_async::remote::Command;
 use tokio::sync::watch;
 
 /// The streamed reads in flight, by buffer id.
@@ -77,28 +77,19 @@ impl Reading {
             }
         };
         for c in commands {
-            match c.op {
-                Op::Free { id } => of(id.0),
-                Op::GraphLaunch { .. } | Op::Run { .. } => {
+            match c.op.role() {
+                Role::Free(id) => of(id.0),
+                Role::Launch(_) | Role::Run { .. } => {
                     for &id in self.by_id.keys() {
                         of(id);
                     }
                 }
-                ref op @ (Op::Alloc { .. }
-                | Op::Write { .. }
-                | Op::Read { .. }
-                | Op::Launch(_)
-                | Op::Record { .. }
-                | Op::Wait { .. }
-                | Op::Fill { .. }
-                | Op::Copy { .. }
-                | Op::TimerStart { .. }
-                | Op::TimerEnd { .. }
-                | Op::GraphBegin { .. }
-                | Op::GraphEnd { .. }
-                | Op::Gemm(_)
-                | Op::RandFill(_)
-                | Op::PrepareBegin { .. }) => op.buffers(|id, _| of(id.0)),
+                Role::Alloc { .. }
+                | Role::Write { .. }
+                | Role::Read { .. }
+                | Role::Begin { .. }
+                | Role::End(_)
+                | Role::Plain => c.op.buffers(|id, _| of(id.0)),
             }
         }
         waits
@@ -116,6 +107,7 @@ pub(super) async fn done(waits: Vec<watch::Receiver<()>>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cuda_async::remote::Op;
 
     fn read(id: u64) -> Command<'static> {
         let (buf, offset, len) = (cuda_async::remote::Id(id), 0, 4);

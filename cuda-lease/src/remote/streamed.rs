@@ -33,9 +33,9 @@ use cuda_async::remote::{Command, Op, ReadBuf, Recording};
 
 use super::{FailOnDrop, LeaseBackend};
 use crate::client::{protocol_error, Error, Submitted};
-use crate::proto::Id;
 #[cfg(doc)]
 use crate::proto::MemWrite;
+use crate::proto::{Id, Role};
 
 /// A large write that goes as a MEM_WRITE: the recording's write number
 /// `write` into buffer `id` at `offset`.
@@ -112,30 +112,22 @@ pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<St
     // the node keeps it.
     let mut in_body = false;
     for (i, c) in commands.iter().enumerate() {
-        match c.op {
-            Op::GraphBegin { .. } | Op::PrepareBegin { .. } => in_body = true,
-            Op::GraphEnd { .. } => in_body = false,
-            Op::Alloc { .. }
-            | Op::Write { .. }
-            | Op::Read { .. }
-            | Op::Free { .. }
-            | Op::Launch(_)
-            | Op::Record { .. }
-            | Op::Wait { .. }
-            | Op::Fill { .. }
-            | Op::Copy { .. }
-            | Op::TimerStart { .. }
-            | Op::TimerEnd { .. }
-            | Op::GraphLaunch { .. }
-            | Op::Gemm(_)
-            | Op::RandFill(_)
-            | Op::Run { .. } => {}
+        match c.op.role() {
+            Role::Begin { .. } => in_body = true,
+            Role::End(_) => in_body = false,
+            Role::Alloc { .. }
+            | Role::Write { .. }
+            | Role::Read { .. }
+            | Role::Free(_)
+            | Role::Launch(_)
+            | Role::Run { .. }
+            | Role::Plain => {}
         }
         if in_body {
             continue;
         }
-        match c.op {
-            Op::Write { buf, len, .. } if len >= threshold => {
+        match c.op.role() {
+            Role::Write { buf, len, .. } if len >= threshold => {
                 let id = buf.0;
                 let alloc = commands[..i]
                     .iter()
@@ -161,7 +153,7 @@ pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<St
             }
             // Its buffer's free (a `d2h` consumes its buffer) waits for the
             // MEM_READ; any other later use keeps the read in the message.
-            Op::Read { buf, len, .. }
+            Role::Read { buf, len, .. }
                 if len >= threshold
                     && !commands[i + 1..]
                         .iter()
@@ -175,24 +167,15 @@ pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<St
                 }
             }
             // Small, or kept in the message (see above).
-            Op::Write { .. }
-            | Op::Read { .. }
-            | Op::Alloc { .. }
-            | Op::Free { .. }
-            | Op::Launch(_)
-            | Op::Record { .. }
-            | Op::Wait { .. }
-            | Op::Fill { .. }
-            | Op::Copy { .. }
-            | Op::TimerStart { .. }
-            | Op::TimerEnd { .. }
-            | Op::GraphBegin { .. }
-            | Op::GraphEnd { .. }
-            | Op::GraphLaunch { .. }
-            | Op::Gemm(_)
-            | Op::RandFill(_)
-            | Op::PrepareBegin { .. }
-            | Op::Run { .. } => {}
+            Role::Write { .. }
+            | Role::Read { .. }
+            | Role::Alloc { .. }
+            | Role::Free(_)
+            | Role::Begin { .. }
+            | Role::End(_)
+            | Role::Launch(_)
+            | Role::Run { .. }
+            | Role::Plain => {}
         }
     }
     if !route.contains(&Route::Streamed) {
@@ -206,9 +189,9 @@ pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<St
         now[i] = true;
     }
     for ((c, &r), now) in commands.iter().zip(&route).zip(now) {
-        match (&c.op, r) {
-            (Op::Read { .. }, _) if !now => p.commands.push(c.clone()),
-            (&Op::Run { outputs, .. }, _) => {
+        match (c.op.role(), r) {
+            (Role::Read { .. }, _) if !now => p.commands.push(c.clone()),
+            (Role::Run { outputs, .. }, _) => {
                 p.data.push(write);
                 write += 1;
                 if outputs > 0 {
@@ -217,9 +200,9 @@ pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<St
                 }
                 p.commands.push(c.clone());
             }
-            (Op::Free { id }, Route::FreeAfter) => p.frees_after.push(id.0),
-            (Op::Alloc { .. }, Route::Hoisted) => p.allocs.push(c.clone()),
-            (&Op::Write { buf, offset, .. }, _) => {
+            (Role::Free(id), Route::FreeAfter) => p.frees_after.push(id.0),
+            (Role::Alloc { .. }, Route::Hoisted) => p.allocs.push(c.clone()),
+            (Role::Write { buf, offset, .. }, _) => {
                 if r == Route::Streamed {
                     let id = buf.0;
                     p.writes.push(StreamedWrite { id, offset, write });
@@ -229,7 +212,7 @@ pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<St
                 }
                 write += 1;
             }
-            (&Op::Read { buf, offset, len }, _) => {
+            (Role::Read { buf, offset, len }, _) => {
                 if r == Route::Streamed {
                     p.reads.push(StreamedRead {
                         id: buf.0,
@@ -243,27 +226,20 @@ pub(super) fn plan(commands: &[Command<'static>], threshold: usize) -> Option<St
                 }
                 slot += 1;
             }
-            // A timer's end is a small read of the message's reply.
-            (Op::TimerEnd { .. }, _) => {
+            // Another command that replies (a timer's end) is a small
+            // read of the message's reply.
+            (Role::Plain, _) if c.op.reply_len() > 0 => {
                 p.slots.push(slot);
                 p.commands.push(c.clone());
                 slot += 1;
             }
             (
-                Op::Alloc { .. }
-                | Op::Free { .. }
-                | Op::Launch(_)
-                | Op::Record { .. }
-                | Op::Wait { .. }
-                | Op::Fill { .. }
-                | Op::Copy { .. }
-                | Op::TimerStart { .. }
-                | Op::GraphBegin { .. }
-                | Op::GraphEnd { .. }
-                | Op::GraphLaunch { .. }
-                | Op::Gemm(_)
-                | Op::RandFill(_)
-                | Op::PrepareBegin { .. },
+                Role::Alloc { .. }
+                | Role::Free(_)
+                | Role::Begin { .. }
+                | Role::End(_)
+                | Role::Launch(_)
+                | Role::Plain,
                 _,
             ) => p.commands.push(c.clone()),
         }

@@ -16,7 +16,7 @@
 use super::enqueue::{enqueue, Payload};
 use crate::device::{DeviceError, LeaseDevice};
 use crate::proto::{
-    postcard_decode, postcard_encode, Command, Id, Op, Status, StreamId, FIRST_NODE_ID,
+    postcard_decode, postcard_encode, Command, Id, Op, Role, Status, StreamId, FIRST_NODE_ID,
 };
 
 /// A recorded body.
@@ -60,8 +60,7 @@ impl Body {
                 continue;
             }
             self.unzeroed.swap_remove(k);
-            let overwrites = matches!(c.op, Op::Write { buf: b, offset: 0, len, .. }
-                | Op::Fill { buf: b, offset: 0, len, .. } if b == buf && len == size);
+            let overwrites = c.op.sets() == Some((buf, 0, size));
             if !overwrites {
                 // On the use's stream, just before it: stream-ordered, as a
                 // native capture needs (it keeps no buffer's cross-stream
@@ -124,7 +123,7 @@ impl Graphs {
         payload: &mut Payload<'_>,
         read_at: &mut usize,
     ) -> Option<Result<(), DeviceError>> {
-        let ends = |g: &Id| matches!(c.op, Op::GraphEnd { graph } if graph == *g);
+        let ends = |g: &Id| c.op.role() == Role::End(*g);
         if self.open.as_ref().is_some_and(|(g, _)| ends(g)) {
             let (id, mut body) = self.open.take().expect("open");
             body.close();
@@ -136,15 +135,15 @@ impl Graphs {
             if !body.streams.contains(&c.stream) {
                 body.streams.push(c.stream);
             }
-            let r = match c.op {
-                Op::Alloc { buf, size } => dev
+            let r = match c.op.role() {
+                Role::Alloc { buf, size } => dev
                     .alloc(c.stream, buf, size)
                     .map(|()| body.unzeroed.push((buf, size, c.stream))),
-                Op::Free { id } => {
+                Role::Free(id) => {
                     body.frees.push(id);
                     Ok(())
                 }
-                Op::Write { len, .. } => payload.take(len).map(|d| {
+                Role::Write { len, .. } => payload.take(len).map(|d| {
                     if body.prepared {
                         body.inputs += len;
                     } else {
@@ -153,30 +152,23 @@ impl Graphs {
                     body.keep(c);
                 }),
                 // Kept for each replay (the plan refused what a body cannot hold).
-                Op::Read { .. }
-                | Op::Launch(_)
-                | Op::Record { .. }
-                | Op::Wait { .. }
-                | Op::Fill { .. }
-                | Op::Copy { .. }
-                | Op::TimerStart { .. }
-                | Op::TimerEnd { .. }
-                | Op::GraphBegin { .. }
-                | Op::GraphEnd { .. }
-                | Op::GraphLaunch { .. }
-                | Op::Gemm(_)
-                | Op::RandFill(_)
-                | Op::PrepareBegin { .. }
-                | Op::Run { .. } => {
+                Role::Read { .. }
+                | Role::Begin { .. }
+                | Role::End(_)
+                | Role::Launch(_)
+                | Role::Run { .. }
+                | Role::Plain => {
                     body.keep(c);
                     Ok(())
                 }
             };
             return Some(r);
         }
-        match c.op {
-            Op::GraphBegin { graph } | Op::PrepareBegin { prepared: graph } => {
-                let prepared = matches!(c.op, Op::PrepareBegin { .. });
+        match c.op.role() {
+            Role::Begin {
+                id: graph,
+                prepared,
+            } => {
                 let body = Body {
                     prepared,
                     ..Body::default()
@@ -184,13 +176,15 @@ impl Graphs {
                 self.open = Some((graph, body));
                 Some(Ok(()))
             }
-            Op::GraphLaunch { graph } => Some(match self.live.get(&graph) {
+            Role::Launch(graph) => Some(match self.live.get(&graph) {
                 Some(body) if body.native() => dev.launch_graph(c.stream, graph),
                 Some(body) => replay(dev, c.stream, body, Payload::new(&body.data), read_at),
                 None => Err(crate::device::not_found("graph", graph)),
             }),
-            Op::Run {
-                prepared, inputs, ..
+            Role::Run {
+                id: prepared,
+                inputs,
+                ..
             } => Some(match self.live.get_mut(&prepared) {
                 Some(body) => payload.take(inputs).and_then(|d| {
                     if body.native() && run_native(dev, c.stream, prepared, body, d, *read_at)? {
@@ -202,7 +196,7 @@ impl Graphs {
                 }),
                 None => Err(crate::device::not_found("prepared submission", prepared)),
             }),
-            Op::Free { id } => {
+            Role::Free(id) => {
                 let body = self.live.remove(&id)?;
                 if body.native() {
                     dev.free_graph(id);
@@ -210,19 +204,11 @@ impl Graphs {
                 // Stream-ordered after the replays' uses, like any free.
                 Some(body.frees.iter().try_for_each(|f| dev.free(c.stream, *f)))
             }
-            Op::Alloc { .. }
-            | Op::Write { .. }
-            | Op::Read { .. }
-            | Op::Launch(_)
-            | Op::Record { .. }
-            | Op::Wait { .. }
-            | Op::Fill { .. }
-            | Op::Copy { .. }
-            | Op::TimerStart { .. }
-            | Op::TimerEnd { .. }
-            | Op::GraphEnd { .. }
-            | Op::Gemm(_)
-            | Op::RandFill(_) => None,
+            Role::Alloc { .. }
+            | Role::Write { .. }
+            | Role::Read { .. }
+            | Role::End(_)
+            | Role::Plain => None,
         }
     }
 }

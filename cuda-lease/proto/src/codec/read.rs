@@ -4,6 +4,8 @@
 
 use std::borrow::Cow;
 
+use super::index;
+
 use crate::{
     Command, Id, LaunchArg, LaunchSpec, ModuleHash, Op, Operand, ProtoError, ScalarBytes,
     MAX_BATCH_OPS, MAX_KERNEL_ARGS, MAX_SCALAR_ARG,
@@ -175,59 +177,60 @@ impl<'a> Reader<'a, '_> {
     fn command(&mut self) -> Result<Command<'a>, ProtoError> {
         let start = self.buf;
         let stream = self.u32()?;
-        // Variant indices: `Op`'s variants in declaration order.
+        // The variant's index (the encoder's table, [`index`]).
         let op = match self.u32()? {
-            0 => Op::Alloc {
+            index::ALLOC => Op::Alloc {
                 buf: self.id()?,
                 size: self.u64()?,
             },
-            1 => Op::Write {
+            index::WRITE => Op::Write {
                 buf: self.id()?,
                 offset: self.u64()?,
                 len: self.u64()?,
             },
-            2 => Op::Read {
+            index::READ => Op::Read {
                 buf: self.id()?,
                 offset: self.u64()?,
                 len: self.u64()?,
             },
-            3 => Op::Free { id: self.id()? },
-            4 => Op::Launch(self.launch()?),
-            5 => Op::Record { event: self.id()? },
-            6 => Op::Wait { event: self.id()? },
-            7 => Op::Fill {
+            index::FREE => Op::Free { id: self.id()? },
+            index::LAUNCH => Op::Launch(self.launch()?),
+            index::RECORD => Op::Record { event: self.id()? },
+            index::WAIT => Op::Wait { event: self.id()? },
+            index::FILL => Op::Fill {
                 buf: self.id()?,
                 offset: self.u64()?,
                 len: self.u64()?,
                 // A `u8` is one byte, not a varint.
                 value: self.byte()?,
             },
-            8 => Op::Copy {
+            index::COPY => Op::Copy {
                 src: self.operand()?,
                 dst: self.operand()?,
                 len: self.u64()?,
             },
-            9 => Op::TimerStart { timer: self.id()? },
-            10 => Op::TimerEnd { timer: self.id()? },
-            11 => Op::GraphBegin { graph: self.id()? },
-            12 => Op::GraphEnd { graph: self.id()? },
-            13 => Op::GraphLaunch { graph: self.id()? },
-            14 | 15 => {
+            index::TIMER_START => Op::TimerStart { timer: self.id()? },
+            index::TIMER_END => Op::TimerEnd { timer: self.id()? },
+            index::GRAPH_BEGIN => Op::GraphBegin { graph: self.id()? },
+            index::GRAPH_END => Op::GraphEnd { graph: self.id()? },
+            index::GRAPH_LAUNCH => Op::GraphLaunch { graph: self.id()? },
+            index::GEMM | index::RAND_FILL => {
                 // `Gemm`, `RandFill`: the whole command again, through serde.
                 self.buf = start;
                 return super::postcard_decode(&mut self.buf);
             }
-            16 => Op::PrepareBegin {
+            index::PREPARE_BEGIN => Op::PrepareBegin {
                 prepared: self.id()?,
             },
-            17 => Op::Run {
+            index::RUN => Op::Run {
                 prepared: self.id()?,
                 inputs: self.u64()?,
                 outputs: self.u64()?,
             },
             v => {
                 return Err(ProtoError::Body(format!(
-                    "unknown op: variant index {v}, expected 0 to 17"
+                    "unknown op: variant index {v}, expected 0 to {}",
+                    index::END - 1
                 )))
             }
         };

@@ -4,17 +4,17 @@
 
 use super::super::objects::{GraphIds, IdKind, Io};
 use super::{Effect, GraphChange, Planner, Refusal, Step};
-use crate::proto::{Command, Id, Op, Status};
+use crate::proto::{Command, Id, Role, Status};
 
 /// Refuses a `GraphBegin` at `i` whose body does not end in the batch
 /// (nothing of it would run; its allocations would be unreachable).
 pub(super) fn body_ends(commands: &[Command<'_>], i: usize) -> Result<(), Refusal> {
-    let (Op::GraphBegin { graph } | Op::PrepareBegin { prepared: graph }) = commands[i].op else {
+    let Role::Begin { id: graph, .. } = commands[i].op.role() else {
         return Ok(());
     };
     let ends = commands[i + 1..]
         .iter()
-        .any(|c| matches!(c.op, Op::GraphEnd { graph: g } if g == graph));
+        .any(|c| c.op.role() == Role::End(graph));
     if ends {
         Ok(())
     } else {
@@ -68,15 +68,18 @@ impl Planner<'_> {
     ) -> Result<Option<Step>, Refusal> {
         if let Some((graph, mut ids)) = self.open.take() {
             let step = self.body_step(i, c, graph, &mut ids);
-            if !matches!(c.op, Op::GraphEnd { graph: g } if g == graph) || step.is_err() {
+            if c.op.role() != Role::End(graph) || step.is_err() {
                 self.open = Some((graph, ids));
             }
             return step;
         }
-        match c.op {
-            Op::GraphBegin { graph } | Op::PrepareBegin { prepared: graph } => {
+        match c.op.role() {
+            Role::Begin {
+                id: graph,
+                prepared,
+            } => {
                 self.fresh(graph)?;
-                let prepared = matches!(c.op, Op::PrepareBegin { .. }).then(Io::default);
+                let prepared = prepared.then(Io::default);
                 let ids = GraphIds {
                     prepared,
                     ..GraphIds::default()
@@ -84,11 +87,11 @@ impl Planner<'_> {
                 self.open = Some((graph, ids));
                 Ok(Some(Step::effect(Effect::Create(graph, IdKind::Graph))))
             }
-            Op::GraphEnd { graph } => Err((
+            Role::End(graph) => Err((
                 Status::BadRequest,
                 format!("graph {graph} has no body being recorded"),
             )),
-            Op::GraphLaunch { graph } => match self.kind(graph) {
+            Role::Launch(graph) => match self.kind(graph) {
                 Some(IdKind::Graph) if self.io_of(graph).is_some() => Err((
                     Status::BadRequest,
                     format!("{graph} is a prepared submission: run it with Run"),
@@ -97,8 +100,8 @@ impl Planner<'_> {
                 Some(_) => Err((Status::BadRequest, format!("{graph} is not a graph"))),
                 None => Err((Status::NotFound, format!("unknown id {graph}"))),
             },
-            Op::Run {
-                prepared,
+            Role::Run {
+                id: prepared,
                 inputs,
                 outputs,
             } => {
@@ -126,7 +129,7 @@ impl Planner<'_> {
                 self.reply_bytes(outputs)?;
                 Ok(Some(Step::effect(Effect::None)))
             }
-            Op::Free { id } if self.kind(id) == Some(IdKind::Graph) => {
+            Role::Free(id) if self.kind(id) == Some(IdKind::Graph) => {
                 // Its body's frees run with it.
                 let frees = self.graph(id).map(|g| g.frees.clone()).unwrap_or_default();
                 for f in frees {
@@ -136,25 +139,14 @@ impl Planner<'_> {
                 self.graph_changes.push((i, GraphChange::Freed(id)));
                 Ok(Some(Step::effect(Effect::Free(id))))
             }
-            Op::Free { id } => match self.user_of(id) {
+            Role::Free(id) => match self.user_of(id) {
                 Some(g) => Err((
                     Status::BadRequest,
                     format!("{id} is used by graph {g}: free the graph first"),
                 )),
                 None => Ok(None),
             },
-            Op::Alloc { .. }
-            | Op::Write { .. }
-            | Op::Read { .. }
-            | Op::Launch(_)
-            | Op::Record { .. }
-            | Op::Wait { .. }
-            | Op::Fill { .. }
-            | Op::Copy { .. }
-            | Op::TimerStart { .. }
-            | Op::TimerEnd { .. }
-            | Op::Gemm(_)
-            | Op::RandFill(_) => Ok(None),
+            Role::Alloc { .. } | Role::Write { .. } | Role::Read { .. } | Role::Plain => Ok(None),
         }
     }
 
@@ -177,10 +169,10 @@ impl Planner<'_> {
         if let Err(not) = c.op.allowed_in_body(ids.prepared.is_some()) {
             return refuse(not.what());
         }
-        match c.op {
+        match c.op.role() {
             // A prepared body's (the rule refused a graph's): each run's
             // reply takes its bytes.
-            Op::Read { buf, offset, len } => {
+            Role::Read { buf, offset, len } => {
                 super::in_range(self.buffer(buf)?, offset, len)?;
                 if let Some(io) = &mut ids.prepared {
                     io.outputs = io.outputs.saturating_add(len);
@@ -195,7 +187,7 @@ impl Planner<'_> {
                 Ok(Some(Step::effect(Effect::None)))
             }
             // A prepared body's bytes come with each run; a graph keeps its own.
-            Op::Write { len, .. } => {
+            Role::Write { len, .. } => {
                 match &mut ids.prepared {
                     Some(io) => io.inputs = io.inputs.saturating_add(len),
                     None => ids.kept += len,
@@ -205,20 +197,20 @@ impl Planner<'_> {
                 });
                 Ok(None)
             }
-            Op::GraphEnd { graph: g } if g == graph => {
+            Role::End(g) if g == graph => {
                 self.charges.alloc(ids.kept)?;
                 self.graph_overlay.insert(graph, Some(ids.clone()));
                 self.graph_changes
                     .push((i, GraphChange::Made(graph, ids.clone())));
                 Ok(Some(Step::effect(Effect::None)))
             }
-            Op::GraphEnd { graph: g } => Err((
+            Role::End(g) => Err((
                 Status::BadRequest,
                 format!("{g} is not the graph being recorded ({graph})"),
             )),
             // Runs with the graph's own free.
-            Op::Free { id } if id == graph => refuse("free itself"),
-            Op::Free { id } => {
+            Role::Free(id) if id == graph => refuse("free itself"),
+            Role::Free(id) => {
                 if self.kind(id).is_none() {
                     return Err((Status::NotFound, format!("unknown id {id}")));
                 }
@@ -227,20 +219,11 @@ impl Planner<'_> {
             }
             // Kept for each launch or run; what the rule refused above
             // (timers, nested bodies, launches, cuRAND fills) never gets here.
-            Op::Alloc { .. }
-            | Op::Launch(_)
-            | Op::Record { .. }
-            | Op::Wait { .. }
-            | Op::Fill { .. }
-            | Op::Copy { .. }
-            | Op::TimerStart { .. }
-            | Op::TimerEnd { .. }
-            | Op::GraphBegin { .. }
-            | Op::GraphLaunch { .. }
-            | Op::Gemm(_)
-            | Op::RandFill(_)
-            | Op::PrepareBegin { .. }
-            | Op::Run { .. } => {
+            Role::Alloc { .. }
+            | Role::Begin { .. }
+            | Role::Launch(_)
+            | Role::Run { .. }
+            | Role::Plain => {
                 c.op.for_each_id(|id| {
                     ids.uses.insert(id);
                 });
