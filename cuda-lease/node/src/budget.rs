@@ -46,19 +46,22 @@ fn cell(map: &MmapRaw, i: usize) -> &AtomicU64 {
     unsafe { &*map.as_ptr().add(i * CELL).cast::<AtomicU64>() }
 }
 
-/// Adds up to `want` to `c` without passing `limit`: all of it or nothing
-/// (`partial` false), or as much as fits. What was added.
+/// How many of `want` more bytes fit beside `held` under `limit`: all of
+/// them or none (`partial` false), or as many as fit.
+pub(crate) fn fits(held: u64, want: u64, limit: u64, partial: bool) -> u64 {
+    let left = limit.saturating_sub(held);
+    match partial {
+        true => want.min(left),
+        false if want <= left => want,
+        false => 0,
+    }
+}
+
+/// Adds to `c` what [`fits`] of `want`; what was added.
 fn charge(c: &AtomicU64, want: u64, limit: u64, partial: bool) -> u64 {
     let mut took = 0;
     let _ = c.fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
-        let left = limit.saturating_sub(now);
-        took = if partial {
-            want.min(left)
-        } else if want <= left {
-            want
-        } else {
-            0
-        };
+        took = fits(now, want, limit, partial);
         (took > 0).then_some(now + took)
     });
     took

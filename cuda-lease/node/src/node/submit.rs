@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::{Reply, Shared};
-use crate::budget::{BudgetFile, Seat};
+use crate::budget::{fits, BudgetFile, Seat};
 use crate::device::DeviceError;
 use crate::lease_table::Principal;
 use crate::lock;
@@ -42,16 +42,7 @@ fn charge(shared: &Shared, who: &Principal, held: &mut u64, want: u64, partial: 
     let limit = shared.cfg.max_bytes_per_principal;
     let took = match shared_budget(shared, who) {
         Some(file) => file.charge(want, limit, partial),
-        None => {
-            let left = limit.saturating_sub(*held);
-            if partial {
-                want.min(left)
-            } else if want <= left {
-                want
-            } else {
-                0
-            }
-        }
+        None => fits(*held, want, limit, partial),
     };
     *held += took;
     took
